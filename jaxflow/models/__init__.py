@@ -1,0 +1,1 @@
+"""Flax Qwen-Image DiT, LoRA and diffusers-checkpoint loading."""

@@ -1,0 +1,64 @@
+"""Building blocks: LoRA-capable Linear, RMSNorm, LayerNorm, GELU-tanh (diffusers numerics)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxflow.models.lora import LoRAParam, LoRASpec
+
+Axes = tuple[str | None, ...]
+
+
+def _normal(rngs: nnx.Rngs, shape, dtype, std: float) -> jax.Array:
+    return (jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype)
+
+
+class Linear(nnx.Module):
+    """y = x W + b (+ scale * (x A) B when a LoRA adapter is attached). Kernel layout (in, out)."""
+
+    def __init__(self, din: int, dout: int, *, axes: Axes, dtype, param_dtype, rngs: nnx.Rngs,
+                 lora: LoRASpec | None = None):
+        self.dtype = dtype
+        self.kernel = nnx.Param(_normal(rngs, (din, dout), param_dtype, din ** -0.5), logical_axes=axes)
+        self.bias = nnx.Param(jnp.zeros((dout,), param_dtype), logical_axes=(axes[1],))
+        self.lora_scaling = None
+        if lora is not None:
+            self.lora_scaling = lora.alpha / lora.rank
+            # PEFT "gaussian" init: A ~ N(0, (1/r)^2), B = 0.
+            self.lora_a = LoRAParam(_normal(rngs, (din, lora.rank), jnp.float32, 1.0 / lora.rank),
+                                    logical_axes=(axes[0], None))
+            self.lora_b = LoRAParam(jnp.zeros((lora.rank, dout), jnp.float32), logical_axes=(None, axes[1]))
+
+    def __call__(self, x: jax.Array, lora_scale: jax.Array | float = 1.0) -> jax.Array:
+        x = x.astype(self.dtype)
+        y = x @ self.kernel.astype(self.dtype) + self.bias.astype(self.dtype)
+        if self.lora_scaling is not None:
+            delta = (x @ self.lora_a.astype(self.dtype)) @ self.lora_b.astype(self.dtype)
+            y = y + delta * jnp.asarray(self.lora_scaling * lora_scale, self.dtype)
+        return y
+
+
+class RMSNorm(nnx.Module):
+    """diffusers RMSNorm: statistics in fp32, result cast to the compute dtype before the weight."""
+
+    def __init__(self, dim: int, *, axis_name: str | None, dtype, param_dtype, eps: float = 1e-6):
+        self.dtype, self.eps = dtype, eps
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=(axis_name,))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return y.astype(self.dtype) * self.scale.astype(self.dtype)
+
+
+def layer_norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """LayerNorm without affine params, accumulated in fp32, returned in the input dtype."""
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    return ((x32 - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
+
+
+def gelu_tanh(x: jax.Array) -> jax.Array:
+    return jax.nn.gelu(x.astype(jnp.float32), approximate=True).astype(x.dtype)

@@ -1,0 +1,185 @@
+"""Load/save a diffusers-format `transformer/` folder through the declarative key map (keymap.py).
+
+Tensors are read one by one from memory-mapped safetensors (bf16 stays bf16) and placed directly with the
+requested sharding; everything is checked before anything is placed, so a bad folder loads nothing.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxflow.models import keymap, safetensors_io
+from jaxflow.models.config import ModelOptions, QwenImageConfig
+from jaxflow.models.lora import LoRAParam, LoRASpec, merged_kernels
+from jaxflow.models.transformer import QwenImageTransformer
+
+WEIGHTS = "diffusion_pytorch_model.safetensors"
+INDEX = WEIGHTS + ".index.json"
+# (flax path, logical axes, shape) -> Sharding or None (= default device)
+ShardingFn = Callable[[tuple[str, ...], tuple, tuple[int, ...]], "jax.sharding.Sharding | None"]
+
+
+class TensorSource:
+    """Key -> lazily read tensor over one safetensors file, a sharded folder (index.json), or a dict."""
+
+    def __init__(self, tensors: dict[str, np.ndarray] | None = None, files: dict[str, Path] | None = None):
+        self._tensors = tensors or {}
+        self._open: dict[Path, safetensors_io.SafetensorsFile] = {}
+        self._files = files or {}
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> "TensorSource":
+        folder = Path(folder)
+        if (folder / INDEX).exists():
+            weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
+            return cls(files={k: folder / f for k, f in weight_map.items()})
+        if not (folder / WEIGHTS).exists():
+            raise FileNotFoundError(f"{folder} has neither {WEIGHTS} nor {INDEX}")
+        f = safetensors_io.SafetensorsFile(folder / WEIGHTS)
+        src = cls(files={k: f.path for k in f.keys()})
+        src._open[f.path] = f
+        return src
+
+    def keys(self) -> set[str]:
+        return set(self._tensors) | set(self._files)
+
+    def _file(self, key):
+        path = self._files[key]
+        if path not in self._open:
+            self._open[path] = safetensors_io.SafetensorsFile(path)
+        return self._open[path]
+
+    def shape(self, key) -> tuple[int, ...]:
+        return tuple(self._tensors[key].shape) if key in self._tensors else self._file(key).shape(key)
+
+    def get(self, key) -> np.ndarray:
+        return np.asarray(self._tensors[key]) if key in self._tensors else self._file(key).get(key)
+
+
+def _report(problems: list[str], what: str) -> None:
+    if problems:
+        raise ValueError(f"{what}: {len(problems)} problem(s); first {min(20, len(problems))}: {problems[:20]}")
+
+
+def _leaf(state: nnx.State, path):
+    node = state
+    for p in path:
+        node = node[p]
+    return node
+
+
+def _check(source: TensorSource, entries, abstract: nnx.State, num_layers: int) -> None:
+    problems, expected = [], set()
+    for e in entries:
+        var = _leaf(abstract, e.flax_path)
+        per_layer = var.shape[1:] if e.stacked else var.shape
+        want = tuple(per_layer[::-1]) if e.transpose else tuple(per_layer)
+        for key in e.diffusers_keys(num_layers):
+            expected.add(key)
+            if key not in source.keys():
+                problems.append(f"missing {key}")
+            elif source.shape(key) != want:
+                problems.append(f"shape {key}: checkpoint {source.shape(key)}, model {want}")
+    problems += [f"unexpected {k}" for k in sorted(source.keys() - expected)]
+    _report(problems, "checkpoint does not match the Qwen-Image model")
+
+
+def _host_value(source: TensorSource, e: keymap.Entry, num_layers: int, dtype) -> np.ndarray:
+    def one(key):
+        t = source.get(key)
+        t = t.T if e.transpose else t
+        return t if t.dtype == dtype else t.astype(dtype)
+
+    keys = e.diffusers_keys(num_layers)
+    if not e.stacked:
+        return np.ascontiguousarray(one(keys[0]))
+    first = one(keys[0])
+    out = np.empty((num_layers, *first.shape), dtype)
+    out[0] = first
+    for i, key in enumerate(keys[1:], start=1):
+        out[i] = one(key)
+    return out
+
+
+def _place(host: np.ndarray, sharding) -> jax.Array:
+    if sharding is None:
+        return jnp.asarray(host)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+def init_lora(cfg: QwenImageConfig, opts: ModelOptions, lora: LoRASpec, seed: int) -> nnx.State:
+    """Fresh LoRA params (PEFT gaussian init); XLA drops the unused base initialisation."""
+    return jax.jit(lambda: nnx.state(QwenImageTransformer(cfg, opts, lora, rngs=nnx.Rngs(seed)), LoRAParam))()
+
+
+def build_from_source(cfg: QwenImageConfig, source: TensorSource, opts: ModelOptions = ModelOptions(),
+                      lora: LoRASpec | None = None, *, sharding: ShardingFn | None = None,
+                      seed: int = 0) -> QwenImageTransformer:
+    """Create the model with base weights from `source` (fresh LoRA if `lora`), checking everything first."""
+    abstract = nnx.eval_shape(lambda: QwenImageTransformer(cfg, opts, lora, rngs=nnx.Rngs(seed)))
+    graphdef, base, lora_state, rest = nnx.split(abstract, nnx.Param, LoRAParam, ...)
+    entries = keymap.transformer_key_map()
+    _check(source, entries, base, cfg.num_layers)
+    for e in entries:
+        var = _leaf(base, e.flax_path)
+        host = _host_value(source, e, cfg.num_layers, np.dtype(var.dtype))
+        shard = sharding(e.flax_path, var.get_metadata().get("logical_axes"), var.shape) if sharding else None
+        var.set_value(_place(host, shard))
+    if lora is not None:
+        lora_state = init_lora(cfg, opts, lora, seed)
+    return nnx.merge(graphdef, base, lora_state, rest)
+
+
+def load_transformer(folder: str | Path, opts: ModelOptions = ModelOptions(), lora: LoRASpec | None = None, *,
+                     sharding: ShardingFn | None = None, seed: int = 0) -> QwenImageTransformer:
+    """Load a diffusers `transformer/` folder (config.json + single or index-sharded safetensors)."""
+    folder = Path(folder)
+    cfg = QwenImageConfig.from_json(folder / "config.json")
+    return build_from_source(cfg, TensorSource.from_folder(folder), opts, lora, sharding=sharding, seed=seed)
+
+
+def to_diffusers_state_dict(model: QwenImageTransformer, merge_lora: bool = False) -> dict[str, np.ndarray]:
+    """The base weights under diffusers keys (torch layout), optionally with the LoRA folded in."""
+    base = nnx.state(model, nnx.Param)
+    merged = merged_kernels(model) if merge_lora else {}
+    out = {}
+    for e in keymap.transformer_key_map():
+        value = merged.get(e.flax_path)
+        value = np.asarray(_leaf(base, e.flax_path)[...]) if value is None else value
+        layers = value if e.stacked else value[None]
+        for key, layer in zip(e.diffusers_keys(model.cfg.num_layers), layers):
+            out[key] = np.ascontiguousarray(layer.T if e.transpose else layer)
+    return out
+
+
+def save_transformer(model: QwenImageTransformer, folder: str | Path, *, merge_lora: bool = False,
+                     max_shard_bytes: int = 5 * 2 ** 30) -> Path:
+    """Write config.json + safetensors (index-sharded above `max_shard_bytes`) in diffusers' format."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(model.cfg.to_dict(), indent=2))
+    tensors = to_diffusers_state_dict(model, merge_lora)
+    shards, size = [{}], 0
+    for key in sorted(tensors):
+        if size and size + tensors[key].nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = tensors[key]
+        size += tensors[key].nbytes
+    if len(shards) == 1:
+        safetensors_io.save(shards[0], folder / WEIGHTS)
+        return folder
+    weight_map = {}
+    for n, shard in enumerate(shards, start=1):
+        name = f"diffusion_pytorch_model-{n:05d}-of-{len(shards):05d}.safetensors"
+        safetensors_io.save(shard, folder / name)
+        weight_map.update({k: name for k in shard})
+    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
+    (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
+    return folder

@@ -1,0 +1,133 @@
+"""LoRA: its own NNX variable type, the adapter spec, merge, and PEFT-format export/import."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxflow.models import keymap, safetensors_io
+
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+class LoRAParam(nnx.Variable):
+    """Trainable low-rank adapter weights; deliberately not an nnx.Param so base filters never include them."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRASpec:
+    """rank r, alpha (scaling alpha/r) and target module names (diffusers names inside a block)."""
+
+    rank: int = 64
+    alpha: float = 128.0
+    targets: tuple[str, ...] = keymap.DEFAULT_LORA_TARGETS
+
+    def __post_init__(self):
+        object.__setattr__(self, "targets", tuple(self.targets))
+        if self.rank < 1:
+            raise ValueError(f"LoRA rank must be >= 1, got {self.rank}")
+        if not self.targets:
+            raise ValueError("LoRA targets is empty; use e.g. keymap.DEFAULT_LORA_TARGETS")
+        for t in self.targets:
+            keymap.lora_target_path(t)
+
+    def target_paths(self) -> set[tuple[str, ...]]:
+        return {keymap.lora_target_path(t) for t in self.targets}
+
+    def peft_config(self) -> dict:
+        """adapter_config.json content PEFT and diffusers' load_lora_weights understand."""
+        return {"peft_type": "LORA", "r": self.rank, "lora_alpha": self.alpha, "target_modules": list(self.targets),
+                "init_lora_weights": "gaussian", "lora_dropout": 0.0, "bias": "none", "use_rslora": False,
+                "use_dora": False, "fan_in_fan_out": False}
+
+
+def _get(state: nnx.State, path):
+    node = state
+    for p in path:
+        node = node[p]
+    return node
+
+
+def lora_to_peft(model: nnx.Module, spec: LoRASpec) -> dict[str, np.ndarray]:
+    """PEFT state dict (`transformer_blocks.N.<target>.lora_A.weight` ...) from the model's LoRA params."""
+    state = nnx.state(model, LoRAParam)
+    out = {}
+    for e in keymap.lora_key_map(spec.targets):
+        stacked = np.asarray(_get(state, e.flax_path)[...])
+        for i, key in enumerate(e.diffusers_keys(stacked.shape[0])):
+            out[key] = np.ascontiguousarray(stacked[i].T)
+    return out
+
+
+def peft_to_lora(model: nnx.Module, spec: LoRASpec, tensors: dict[str, np.ndarray]) -> None:
+    """Set the model's LoRA params from a PEFT state dict; all keys and shapes are checked before any write."""
+    tensors = {k.removeprefix("transformer."): v for k, v in tensors.items()}
+    state = nnx.state(model, LoRAParam)
+    new, problems, expected = {}, [], set()
+    for e in keymap.lora_key_map(spec.targets):
+        var = _get(state, e.flax_path)
+        num_layers = var.shape[0]
+        keys = e.diffusers_keys(num_layers)
+        expected.update(keys)
+        layers = []
+        for key in keys:
+            want = var.shape[1:][::-1]
+            if key not in tensors:
+                problems.append(f"missing {key}")
+            elif tuple(tensors[key].shape) != want:
+                problems.append(f"shape {key}: got {tuple(tensors[key].shape)}, expected {want}")
+            else:
+                layers.append(np.asarray(tensors[key], np.float32).T)
+        if len(layers) == num_layers:
+            new[e.flax_path] = np.stack(layers)
+    problems += [f"unexpected {k}" for k in sorted(set(tensors) - expected)]
+    if problems:
+        raise ValueError(f"LoRA state dict does not match the model ({len(problems)} problems): {problems[:20]}")
+    for path, value in new.items():
+        var = _get(state, path)
+        var[...] = jnp.asarray(value, var.dtype)
+    nnx.update(model, state)
+
+
+def save_peft(model: nnx.Module, spec: LoRASpec, directory: str | Path) -> Path:
+    """Write adapter_model.safetensors + adapter_config.json.
+
+    Keys are PEFT names under diffusers' pipeline prefix (`transformer.transformer_blocks.N.attn.to_q.lora_A.weight`),
+    so `QwenImagePipeline.load_lora_weights(dir, weight_name="adapter_model.safetensors")` loads it as is.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = json.dumps(spec.peft_config(), indent=2, sort_keys=True)
+    # diffusers' load_lora_weights reads r/alpha from this metadata key; PEFT reads adapter_config.json.
+    packed = json.dumps({f"transformer.{k}": v for k, v in spec.peft_config().items()}, sort_keys=True)
+    metadata = {"format": "pt", "lora_adapter_metadata": packed}
+    tensors = {f"transformer.{k}": v for k, v in lora_to_peft(model, spec).items()}
+    safetensors_io.save(tensors, directory / ADAPTER_WEIGHTS, metadata)
+    (directory / "adapter_config.json").write_text(config)
+    return directory
+
+
+def read_peft(directory: str | Path) -> tuple[LoRASpec, dict[str, np.ndarray]]:
+    directory = Path(directory)
+    cfg = json.loads((directory / "adapter_config.json").read_text())
+    spec = LoRASpec(rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]), targets=tuple(cfg["target_modules"]))
+    tensors = safetensors_io.load(directory / ADAPTER_WEIGHTS)
+    return spec, {k.removeprefix("transformer."): v for k, v in tensors.items()}
+
+
+def merged_kernels(model: nnx.Module) -> dict[tuple[str, ...], np.ndarray]:
+    """Base kernels with the adapters folded in (W + alpha/r * A B), keyed by Flax kernel path; for export."""
+    out = {}
+    for path, node in nnx.iter_graph(model):
+        if getattr(node, "lora_scaling", None) is None or not hasattr(node, "kernel"):
+            continue
+        a, b = np.asarray(node.lora_a[...], np.float32), np.asarray(node.lora_b[...], np.float32)
+        kernel = np.asarray(node.kernel[...])
+        delta = np.matmul(a, b) * node.lora_scaling
+        out[tuple(str(p) for p in path) + ("kernel",)] = (kernel.astype(np.float32) + delta).astype(kernel.dtype)
+    return out

@@ -1,0 +1,70 @@
+"""Minimal safetensors reader/writer on numpy: bf16 stays bf16 (ml_dtypes), reads are memory-mapped."""
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
+
+
+class SafetensorsFile:
+    """Lazy view of one .safetensors file: `keys()`, `shape(k)`, `dtype(k)`, `get(k)` (a read-only memmap view)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        with open(self.path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        self.metadata = header.pop("__metadata__", None) or {}
+        self._header = header
+        self._offset = 8 + n
+        self._mm = np.memmap(self.path, dtype=np.uint8, mode="r") if header else None
+
+    def keys(self) -> list[str]:
+        return list(self._header)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._header[key]["shape"])
+
+    def dtype(self, key: str) -> np.dtype:
+        return np.dtype(_DTYPES[self._header[key]["dtype"]])
+
+    def get(self, key: str) -> np.ndarray:
+        info = self._header[key]
+        start, end = info["data_offsets"]
+        raw = self._mm[self._offset + start:self._offset + end]
+        return raw.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
+def load(path: str | Path) -> dict[str, np.ndarray]:
+    f = SafetensorsFile(path)
+    return {k: np.array(f.get(k)) for k in f.keys()}
+
+
+def save(tensors: dict[str, np.ndarray], path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    """Write tensors in key order; byte layout follows the safetensors spec (8-byte aligned header)."""
+    header, offset, arrays = {}, 0, []
+    for key in sorted(tensors):
+        a = np.ascontiguousarray(tensors[key])
+        if a.dtype not in _NAMES:
+            raise ValueError(f"safetensors: unsupported dtype {a.dtype} for {key}")
+        header[key] = {"dtype": _NAMES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+        arrays.append(a)
+    if metadata:
+        header["__metadata__"] = metadata
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    tmp = Path(str(path) + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for a in arrays:
+            f.write(a.tobytes())
+    tmp.replace(path)

@@ -1,0 +1,155 @@
+"""Flax NNX Qwen-Image transformer (QwenImageTransformer2DModel), blocks stacked and run with nnx.scan."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxflow.models.attention import attention, resolve_implementation
+from jaxflow.models.config import ModelOptions, QwenImageConfig
+from jaxflow.models.embeddings import TIMESTEP_CHANNELS, apply_rope, rope_angles, rope_tables, timestep_embedding
+from jaxflow.models.layers import Linear, RMSNorm, gelu_tanh, layer_norm
+from jaxflow.models.lora import LoRASpec
+
+_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_attn": jax.checkpoint_policies.save_only_these_names("attn_out"),
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _modulate(x, shift, scale):
+    return x * (1 + scale[:, None]) + shift[:, None]
+
+
+class _Factory:
+    """Creates the Linear/RMSNorm layers of one model with its dtypes and LoRA targets."""
+
+    def __init__(self, opts: ModelOptions, lora: LoRASpec | None, rngs: nnx.Rngs):
+        self.opts, self.rngs = opts, rngs
+        self.lora, self.lora_paths = lora, (lora.target_paths() if lora else set())
+
+    def linear(self, din, dout, axes, path=None):
+        spec = self.lora if path in self.lora_paths else None
+        return Linear(din, dout, axes=axes, dtype=self.opts.compute_dtype, param_dtype=self.opts.storage_dtype,
+                      rngs=self.rngs, lora=spec)
+
+    def rms(self, dim, axis_name):
+        return RMSNorm(dim, axis_name=axis_name, dtype=self.opts.compute_dtype, param_dtype=self.opts.storage_dtype)
+
+
+class JointAttention(nnx.Module):
+    """Image (to_*) and text (add_*) projections, per-head RMS q/k norms, RoPE, one joint attention."""
+
+    def __init__(self, cfg: QwenImageConfig, make: _Factory):
+        d, hd = cfg.inner_dim, cfg.attention_head_dim
+        self.heads, self.head_dim = cfg.num_attention_heads, hd
+        for name in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"):
+            setattr(self, name, make.linear(d, d, ("embed", "heads"), ("attn", name)))
+        self.to_out = make.linear(d, d, ("heads", "embed"), ("attn", "to_out"))
+        self.to_add_out = make.linear(d, d, ("heads", "embed"), ("attn", "to_add_out"))
+        for name in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
+            setattr(self, name, make.rms(hd, "head_dim"))
+
+    def _heads(self, x):
+        return x.reshape(*x.shape[:-1], self.heads, self.head_dim)
+
+    def __call__(self, img, txt, rope, kv_len, impl, lora_scale):
+        img_cos, img_sin, txt_cos, txt_sin = rope
+        qi = apply_rope(self.norm_q(self._heads(self.to_q(img, lora_scale))), img_cos, img_sin)
+        ki = apply_rope(self.norm_k(self._heads(self.to_k(img, lora_scale))), img_cos, img_sin)
+        vi = self._heads(self.to_v(img, lora_scale))
+        qt = apply_rope(self.norm_added_q(self._heads(self.add_q_proj(txt, lora_scale))), txt_cos, txt_sin)
+        kt = apply_rope(self.norm_added_k(self._heads(self.add_k_proj(txt, lora_scale))), txt_cos, txt_sin)
+        vt = self._heads(self.add_v_proj(txt, lora_scale))
+        # Joint order [image, text]: the masked keys (text padding) form a suffix, so a length mask suffices.
+        q, k, v = (jnp.concatenate(p, axis=1) for p in ((qi, qt), (ki, kt), (vi, vt)))
+        o = attention(q, k, v, kv_len, impl)
+        o = checkpoint_name(o.reshape(*o.shape[:2], -1), "attn_out")
+        n = img.shape[1]
+        return self.to_out(o[:, :n], lora_scale), self.to_add_out(o[:, n:], lora_scale)
+
+
+class Block(nnx.Module):
+    """Dual-stream block: modulation chunks [shift1, scale1, gate1, shift2, scale2, gate2] per stream."""
+
+    def __init__(self, cfg: QwenImageConfig, make: _Factory):
+        d, m = cfg.inner_dim, cfg.mlp_dim
+        self.img_mod = make.linear(d, 6 * d, ("embed", "mod"), ("img_mod",))
+        self.txt_mod = make.linear(d, 6 * d, ("embed", "mod"), ("txt_mod",))
+        self.attn = JointAttention(cfg, make)
+        self.img_mlp_in = make.linear(d, m, ("embed", "mlp"), ("img_mlp_in",))
+        self.img_mlp_out = make.linear(m, d, ("mlp", "embed"), ("img_mlp_out",))
+        self.txt_mlp_in = make.linear(d, m, ("embed", "mlp"), ("txt_mlp_in",))
+        self.txt_mlp_out = make.linear(m, d, ("mlp", "embed"), ("txt_mlp_out",))
+
+    def __call__(self, img, txt, temb, rope, kv_len, impl, lora_scale):
+        act = jax.nn.silu(temb)
+        ish1, isc1, ig1, ish2, isc2, ig2 = jnp.split(self.img_mod(act, lora_scale), 6, axis=-1)
+        tsh1, tsc1, tg1, tsh2, tsc2, tg2 = jnp.split(self.txt_mod(act, lora_scale), 6, axis=-1)
+        ai, at = self.attn(_modulate(layer_norm(img), ish1, isc1), _modulate(layer_norm(txt), tsh1, tsc1),
+                           rope, kv_len, impl, lora_scale)
+        img = img + ig1[:, None] * ai
+        txt = txt + tg1[:, None] * at
+        hi = gelu_tanh(self.img_mlp_in(_modulate(layer_norm(img), ish2, isc2), lora_scale))
+        img = img + ig2[:, None] * self.img_mlp_out(hi, lora_scale)
+        ht = gelu_tanh(self.txt_mlp_in(_modulate(layer_norm(txt), tsh2, tsc2), lora_scale))
+        txt = txt + tg2[:, None] * self.txt_mlp_out(ht, lora_scale)
+        if img.dtype == jnp.float16:
+            img, txt = jnp.clip(img, -65504, 65504), jnp.clip(txt, -65504, 65504)
+        return img, txt
+
+
+class QwenImageTransformer(nnx.Module):
+    """v = model(x, sigma, txt, txt_mask, grid_hw): packed latents (B, h*w, 64) -> velocity (B, h*w, 64)."""
+
+    def __init__(self, cfg: QwenImageConfig, opts: ModelOptions = ModelOptions(), lora: LoRASpec | None = None,
+                 *, rngs: nnx.Rngs):
+        self.cfg, self.opts, self.lora_spec = cfg, opts, lora
+        self.impl = resolve_implementation(opts.attention)
+        make = _Factory(opts, lora, rngs)
+        d = cfg.inner_dim
+        self.img_in = make.linear(cfg.in_channels, d, ("latent", "embed"))
+        self.txt_norm = make.rms(cfg.joint_attention_dim, "text_embed")
+        self.txt_in = make.linear(cfg.joint_attention_dim, d, ("text_embed", "embed"))
+        self.time_linear_1 = make.linear(TIMESTEP_CHANNELS, d, (None, "embed"))
+        self.time_linear_2 = make.linear(d, d, ("embed", "embed_out"))
+        self.norm_out = make.linear(d, 2 * d, ("embed", "mod"))
+        self.proj_out = make.linear(d, cfg.patch_size ** 2 * cfg.out_channels, ("embed", "latent"))
+
+        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def stack(rngs):
+            return Block(cfg, _Factory(opts, lora, rngs))
+
+        self.blocks = stack(rngs)
+
+    def __call__(self, x, sigma, txt, txt_mask, grid_hw: tuple[int, int], lora_scale: float | jax.Array = 1.0):
+        """x (B, h*w, C_in); sigma (B,) in [0, 1]; txt (B, L, joint_dim); txt_mask (B, L) bool, right-padded
+        (valid tokens first) or None; grid_hw = (h, w) static; lora_scale 0 = adapters off (the KL reference)."""
+        dtype = self.opts.compute_dtype
+        h, w = grid_hw
+        if x.shape[1] != h * w:
+            raise ValueError(f"x has {x.shape[1]} tokens but grid_hw={grid_hw} gives {h * w}")
+        img = self.img_in(x)
+        ctx = self.txt_in(self.txt_norm(txt.astype(dtype)))
+        temb = self.time_linear_2(jax.nn.silu(self.time_linear_1(timestep_embedding(sigma, dtype))))
+        img_ang, txt_ang = rope_angles(h, w, txt.shape[1], self.cfg.axes_dims_rope)
+        rope = (*rope_tables(img_ang), *rope_tables(txt_ang))
+        kv_len = None if txt_mask is None else (h * w + jnp.sum(txt_mask, axis=-1)).astype(jnp.int32)
+        img, ctx = self._blocks(img, ctx, temb, rope, kv_len, lora_scale)
+        scale, shift = jnp.split(self.norm_out(jax.nn.silu(temb)), 2, axis=-1)
+        return self.proj_out(_modulate(layer_norm(img), shift, scale))
+
+    def _blocks(self, img, ctx, temb, rope, kv_len, lora_scale):
+        impl = self.impl
+
+        def body(block, carry):
+            return block(*carry, temb, rope, kv_len, impl, lora_scale)
+
+        if self.opts.remat != "none":
+            body = nnx.remat(body, policy=_POLICIES[self.opts.remat], prevent_cse=False)
+        run = nnx.scan(body, in_axes=(0, nnx.Carry), out_axes=nnx.Carry, unroll=self.opts.scan_unroll)
+        return run(self.blocks, (img, ctx))
