@@ -1,0 +1,109 @@
+"""Flax LoRA vs diffusers + PEFT, PEFT-format export/import, merge, adapters-off."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from diffusers import QwenImagePipeline
+from flax import nnx
+from peft import LoraConfig, get_peft_model_state_dict
+
+from bridge.rollout.tiny import tiny_pipeline_path
+from jaxflow.models.config import QwenImageConfig
+from jaxflow.models.loading import TensorSource, build_from_source, load_transformer, to_diffusers_state_dict
+from jaxflow.models.lora import LoRAParam, LoRASpec, lora_to_peft, peft_to_lora, read_peft, save_peft
+from tests.qwen_ref import TINY, inputs, state_dict_numpy, torch_forward, torch_model
+
+SPEC = LoRASpec(rank=4, alpha=8.0)
+
+
+def _rel(a, b):
+    return float(np.max(np.abs(np.asarray(a) - b)) / np.max(np.abs(b)))
+
+
+def _torch_with_adapter(spec=SPEC, seed=0):
+    tm = torch_model(TINY, seed)
+    base = state_dict_numpy(tm)
+    tm.add_adapter(LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.targets),
+                              init_lora_weights="gaussian"))
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in tm.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    return tm, base, {k: v.numpy() for k, v in get_peft_model_state_dict(tm).items()}
+
+
+def _run(model, x, s, txt, mask, lora_scale=1.0):
+    return model(jnp.asarray(x), jnp.asarray(s), jnp.asarray(txt), jnp.asarray(mask), (5, 9), lora_scale)
+
+
+def test_lora_forward_matches_diffusers_peft():
+    tm, base, peft_sd = _torch_with_adapter()
+    assert any(k.endswith("to_out.0.lora_A.weight") for k in peft_sd)
+    model = build_from_source(QwenImageConfig(**TINY), TensorSource(base), lora=SPEC)
+    peft_to_lora(model, SPEC, peft_sd)
+    x, s, txt, mask = inputs(TINY)
+    ref = torch_forward(tm, x, s, txt, mask, (5, 9))
+    assert _rel(_run(model, x, s, txt, mask), ref) <= 1e-5
+    tm.disable_adapters()
+    base_ref = torch_forward(tm, x, s, txt, mask, (5, 9))
+    assert _rel(base_ref, ref) > 1e-2  # the adapter matters
+    assert _rel(_run(model, x, s, txt, mask, lora_scale=0.0), base_ref) <= 1e-5  # adapters off = base
+
+
+def test_fresh_lora_is_peft_gaussian_init_and_a_no_op():
+    model = build_from_source(QwenImageConfig(**TINY), TensorSource(state_dict_numpy(torch_model(TINY))),
+                              lora=LoRASpec(rank=16, alpha=32))
+    sd = lora_to_peft(model, LoRASpec(rank=16, alpha=32))
+    a = np.concatenate([v.ravel() for k, v in sd.items() if "lora_A" in k])
+    assert all(not v.any() for k, v in sd.items() if "lora_B" in k)
+    assert abs(a.std() - 1 / 16) < 0.1 / 16 and abs(a.mean()) < 0.01
+    x, s, txt, mask = inputs(TINY)
+    np.testing.assert_array_equal(np.asarray(_run(model, x, s, txt, mask)),
+                                  np.asarray(_run(model, x, s, txt, mask, 0.0)))
+
+
+def test_peft_round_trip_bit_exact_and_bad_adapters_refused(tmp_path):
+    _, base, peft_sd = _torch_with_adapter()
+    model = build_from_source(QwenImageConfig(**TINY), TensorSource(base), lora=SPEC)
+    peft_to_lora(model, SPEC, peft_sd)
+    save_peft(model, SPEC, tmp_path)
+    spec, back = read_peft(tmp_path)
+    assert spec == SPEC and back.keys() == peft_sd.keys()
+    for k in peft_sd:
+        np.testing.assert_array_equal(back[k], peft_sd[k])
+    before = nnx.state(model, LoRAParam)
+    bad = dict(peft_sd)
+    bad.pop("transformer_blocks.1.img_mlp.net.2.lora_B.weight")
+    bad["transformer_blocks.0.attn.to_q.lora_A.weight"] = np.zeros((5, 64), np.float32)
+    bad["transformer_blocks.0.attn.nope.lora_A.weight"] = np.zeros((4, 64), np.float32)
+    with pytest.raises(ValueError, match=r"3 problems.*shape.*missing.*unexpected"):
+        peft_to_lora(model, SPEC, bad)
+    after = nnx.state(model, LoRAParam)  # nothing half-applied
+    for (p, a), (_, b) in zip(nnx.to_flat_state(before), nnx.to_flat_state(after)):
+        np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(p))
+
+
+def test_merged_export_equals_adapter_forward():
+    tm, base, peft_sd = _torch_with_adapter()
+    model = build_from_source(QwenImageConfig(**TINY), TensorSource(base), lora=SPEC)
+    peft_to_lora(model, SPEC, peft_sd)
+    merged = build_from_source(QwenImageConfig(**TINY), TensorSource(to_diffusers_state_dict(model, merge_lora=True)))
+    x, s, txt, mask = inputs(TINY)
+    assert _rel(_run(merged, x, s, txt, mask), np.asarray(_run(model, x, s, txt, mask))) <= 1e-5
+
+
+def test_exported_adapter_loads_in_diffusers_pipeline(tmp_path):
+    folder = tiny_pipeline_path()
+    pipe = QwenImagePipeline.from_pretrained(folder)
+    model = load_transformer(folder / "transformer", lora=SPEC, seed=3)
+    state = nnx.state(model, LoRAParam)
+    for _, var in nnx.to_flat_state(state):  # non-zero B so the adapter changes the output
+        var[...] = var[...] + 0.05
+    nnx.update(model, state)
+    save_peft(model, SPEC, tmp_path)
+    pipe.load_lora_weights(tmp_path, weight_name="adapter_model.safetensors")
+    cfg = dict(pipe.transformer.config)
+    x, s, txt, mask = inputs({**TINY, **{k: cfg[k] for k in ("in_channels", "joint_attention_dim")}})
+    ref = torch_forward(pipe.transformer, x, s, txt, mask, (5, 9))
+    assert _rel(_run(model, x, s, txt, mask), ref) <= 1e-5
