@@ -1,0 +1,30 @@
+"""The reward-function contract: fn(images uint8 (B,H,W,3), prompts list[str]) -> float32 (B,)."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+RewardFn = Callable[[np.ndarray, Sequence[str]], np.ndarray]
+
+
+def check_batch(images: np.ndarray, prompts: Sequence[str]) -> None:
+    """Raise ValueError unless images is uint8 (B,H,W,3) with B == len(prompts)."""
+    if not isinstance(images, np.ndarray) or images.dtype != np.uint8:
+        raise ValueError(f"images must be a uint8 numpy array, got {type(images).__name__} "
+                         f"{getattr(images, 'dtype', '')}")
+    if images.ndim != 4 or images.shape[-1] != 3:
+        raise ValueError(f"images must have shape (B, H, W, 3), got {images.shape}")
+    if len(prompts) != images.shape[0]:
+        raise ValueError(f"{images.shape[0]} images but {len(prompts)} prompts")
+
+
+def check_scores(name: str, scores: np.ndarray, batch: int) -> np.ndarray:
+    """Return scores as float32 (B,), raising ValueError on a wrong shape or non-finite value."""
+    scores = np.asarray(scores, dtype=np.float32)
+    if scores.shape != (batch,):
+        raise ValueError(f"reward {name!r} returned shape {scores.shape}, expected ({batch},)")
+    if not np.all(np.isfinite(scores)):
+        raise ValueError(f"reward {name!r} returned non-finite scores: {scores}")
+    return scores

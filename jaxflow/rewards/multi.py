@@ -1,0 +1,63 @@
+"""Reward registry and the weighted multi-reward (flow_grpo `multi_score`)."""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from jaxflow.rewards.base import RewardFn, check_scores
+from jaxflow.rewards.jpeg import jpeg_compressibility, jpeg_incompressibility
+from jaxflow.rewards.ocr import OcrReward
+from jaxflow.rewards.vlm_ocr import VlmOcrReward
+
+# name -> factory(**options) -> reward fn
+REGISTRY: dict[str, Callable[..., RewardFn]] = {
+    "ocr": OcrReward,
+    "vlm_ocr": VlmOcrReward,
+    "jpeg_compressibility": lambda: jpeg_compressibility,
+    "jpeg_incompressibility": lambda: jpeg_incompressibility,
+}
+
+
+class MultiReward:
+    """Weighted sum of named rewards; returns {name: (B,) float32, ..., "avg": sum_i w_i r_i}."""
+
+    def __init__(self, rewards: Mapping[str, RewardFn], weights: Mapping[str, float]):
+        if set(rewards) != set(weights):
+            raise ValueError(f"rewards {sorted(rewards)} and weights {sorted(weights)} differ")
+        self.rewards = dict(rewards)
+        self.weights = {name: float(w) for name, w in weights.items()}
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.rewards)
+
+    def score_one(self, name: str, images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
+        """One named reward, checked to be finite float32 (B,)."""
+        return check_scores(name, self.rewards[name](images, prompts), len(images))
+
+    def combine(self, scores: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Add the weighted sum "avg" to per-reward scores."""
+        out = dict(scores)
+        avg = sum(self.weights[name] * scores[name] for name in self.names)
+        out["avg"] = np.asarray(avg, dtype=np.float32)
+        return out
+
+    def __call__(self, images: np.ndarray, prompts: Sequence[str]) -> dict[str, np.ndarray]:
+        return self.combine({name: self.score_one(name, images, prompts) for name in self.names})
+
+
+def build_reward(spec: Mapping[str, float], **options: Mapping) -> MultiReward:
+    """Build a MultiReward from {name: weight}; `options[name]` are keyword args for that reward.
+
+    Example: build_reward({"vlm_ocr": 1.0}, vlm_ocr={"base_url": "http://host:8000", "model": "m"}).
+    Options for known rewards absent from `spec` are ignored (one config can carry them all).
+    """
+    unknown = [name for name in [*spec, *options] if name not in REGISTRY]
+    if unknown:
+        raise ValueError(f"unknown reward(s) {unknown}; known: {sorted(REGISTRY)}")
+    if not spec:
+        raise ValueError(f"empty reward spec; known rewards: {sorted(REGISTRY)}")
+    rewards = {name: REGISTRY[name](**dict(options.get(name) or {})) for name in spec}
+    return MultiReward(rewards, spec)

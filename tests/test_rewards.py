@@ -1,0 +1,231 @@
+"""Rewards: text scoring, RapidOCR, VLM client (against a loopback fake server), JPEG, pooling."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+from PIL import Image, ImageDraw, ImageFont
+
+from jaxflow.rewards import (MultiReward, OcrReward, RewardPool, VlmOcrReward, build_reward,
+                             edit_score, extract_target, jpeg_compressibility,
+                             jpeg_incompressibility)
+
+
+def render(text: str, size=(512, 128), font_size=56) -> np.ndarray:
+    image = Image.new("RGB", size, "white")
+    ImageDraw.Draw(image).text((20, 30), text, fill="black",
+                               font=ImageFont.load_default(size=font_size))
+    return np.asarray(image)
+
+
+# --- text scoring -------------------------------------------------------------------------------
+
+def test_extract_target():
+    assert extract_target('a sign that reads "Fresh Bread" and "x"') == "Fresh Bread"
+    assert extract_target("no quotes here") is None
+    assert extract_target('empty "" quotes') is None
+    assert extract_target('unclosed "quote') is None
+
+
+@pytest.mark.parametrize("recognized,target,expected", [
+    ("HELLO WORLD", "hello world", 1.0),              # case and spaces ignored
+    ("xx helloworld yy", "Hello World", 1.0),         # substring
+    ("helo world", "hello world", 0.9),               # one deletion over 10 chars
+    ("hello\nwrld!", "hello world", 1.0 - 2 / 10),    # newline stripped; 1 del + 1 ins
+    ("", "abc", 0.0),                                 # nothing recognised
+    ("a completely different long text", "abc", 0.0),  # distance capped at len(target)
+])
+def test_edit_score(recognized, target, expected):
+    assert edit_score(recognized, target) == pytest.approx(expected)
+
+
+def test_edit_score_rejects_blank_target():
+    with pytest.raises(ValueError):
+        edit_score("abc", "   ")
+
+
+# --- RapidOCR ------------------------------------------------------------------------------------
+
+def test_ocr_reward_on_rendered_text():
+    hello = render("HELLO WORLD")
+    images = np.stack([hello, np.full((128, 512, 3), 255, np.uint8), hello])
+    prompts = ['a sign that reads "hello world"'] * 2 + ['a sign that reads "Hello Word"']
+    scores = OcrReward(num_threads=2)(images, prompts)
+    assert scores.dtype == np.float32 and scores.shape == (3,)
+    assert scores[0] >= 0.9
+    assert scores[1] < 0.2
+    assert scores[2] == pytest.approx(1 - 1 / 9)  # "helloworld" vs "helloword": one deletion
+
+
+def test_ocr_reward_requires_target():
+    with pytest.raises(ValueError, match="no quoted target"):
+        OcrReward()(np.zeros((1, 32, 32, 3), np.uint8), ["no target"])
+
+
+# --- VLM OCR client ------------------------------------------------------------------------------
+
+class FakeOpenAI(BaseHTTPRequestHandler):
+    """Answers /v1/models and /v1/chat/completions; fails the first `fail_first` POSTs."""
+
+    def log_message(self, *args):
+        pass
+
+    def _send(self, code: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        if self.path == "/v1/models":
+            self._send(200, {"object": "list", "data": [{"id": "fake-vl"}]})
+        else:
+            self._send(404, {"error": "not found"})
+
+    def do_POST(self):
+        srv = self.server
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with srv.lock:
+            srv.posts.append(body)
+            fail = len(srv.posts) <= srv.fail_first
+        if fail:
+            self._send(srv.fail_code, {"error": "try again"})
+        else:
+            self._send(200, {"choices": [{"message": {"role": "assistant",
+                                                      "content": srv.reply}}]})
+
+
+@pytest.fixture
+def fake_server():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), FakeOpenAI)
+    srv.lock, srv.posts, srv.fail_first, srv.fail_code = threading.Lock(), [], 0, 503
+    srv.reply = "HELLO\nWORLD"
+    thread = threading.Thread(target=srv.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def _client(srv, **kw) -> VlmOcrReward:
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    return VlmOcrReward(url, "fake-vl", backoff=0.01, timeout=5.0, **kw)
+
+
+def test_vlm_ocr_scores_and_request_format(fake_server):
+    images = np.stack([render("x", (64, 32), 12)] * 2)
+    prompts = ['a sign that reads "Hello World"', 'a mug with "hello word"']
+    scores = _client(fake_server, temperature=0.1, max_tokens=64)(images, prompts)
+    np.testing.assert_allclose(scores, [1.0, 1.0 - 1 / 9], rtol=1e-6)
+    body = fake_server.posts[0]
+    assert body["model"] == "fake-vl" and body["temperature"] == 0.1 and body["max_tokens"] == 64
+    system, user = body["messages"]
+    assert system == {"role": "system", "content": "You are a helpful assistant."}
+    image_part, text_part = user["content"]
+    assert text_part["text"].startswith("Please output only the text content")
+    url = image_part["image_url"]["url"]
+    assert url.startswith("data:image/png;base64,")
+    decoded = np.asarray(Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))))
+    np.testing.assert_array_equal(decoded, images[0])
+
+
+def test_vlm_ocr_retries_failed_attempt(fake_server):
+    fake_server.fail_first = 1
+    scores = _client(fake_server)(render("x", (64, 32), 12)[None], ['"hello world"'])
+    assert scores[0] == 1.0
+    assert len(fake_server.posts) == 2
+
+
+def test_vlm_ocr_gives_up_on_client_error(fake_server):
+    fake_server.fail_first, fake_server.fail_code = 10, 400
+    with pytest.raises(RuntimeError, match="after 1 attempt"):
+        _client(fake_server)(render("x", (64, 32), 12)[None], ['"hello world"'])
+    assert len(fake_server.posts) == 1
+
+
+def test_vlm_ocr_health_check_names_url():
+    with socket.socket() as sock:  # reserve a free port, then close it: nothing listens there
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    with pytest.raises(RuntimeError, match=f"{url}/v1/models"):
+        VlmOcrReward(url + "/v1/", "m", timeout=2.0)
+
+
+def test_vlm_ocr_health_check_unknown_model(fake_server):
+    url = f"http://127.0.0.1:{fake_server.server_address[1]}"
+    with pytest.raises(RuntimeError, match="fake-vl"):
+        VlmOcrReward(url, "other-model")
+
+
+# --- JPEG ----------------------------------------------------------------------------------------
+
+def test_jpeg_signs():
+    rng = np.random.default_rng(0)
+    images = np.stack([np.full((64, 64, 3), 128, np.uint8),
+                       rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)])
+    comp = jpeg_compressibility(images, ["", ""])
+    incomp = jpeg_incompressibility(images, ["", ""])
+    assert comp.dtype == np.float32 and comp[0] > comp[1] and np.all(comp < 0)
+    assert incomp[1] > incomp[0] > 0
+    np.testing.assert_allclose(comp, -incomp / 500, rtol=1e-6)
+
+
+# --- combination and pool ------------------------------------------------------------------------
+
+def test_build_reward_weights_and_avg():
+    images = np.stack([np.full((32, 32, 3), 7, np.uint8), np.full((32, 32, 3), 200, np.uint8)])
+    reward = build_reward({"jpeg_compressibility": 2.0, "jpeg_incompressibility": 0.5})
+    out = reward(images, ["a", "b"])
+    assert set(out) == {"jpeg_compressibility", "jpeg_incompressibility", "avg"}
+    expected = 2.0 * out["jpeg_compressibility"] + 0.5 * out["jpeg_incompressibility"]
+    np.testing.assert_allclose(out["avg"], expected, rtol=1e-6)
+    assert out["avg"].dtype == np.float32
+
+
+def test_build_reward_unknown_name():
+    with pytest.raises(ValueError, match="known.*jpeg_compressibility.*ocr"):
+        build_reward({"aesthetic": 1.0})
+    with pytest.raises(ValueError, match="unknown"):
+        build_reward({"ocr": 1.0}, ocrr={"num_threads": 1})
+
+
+def test_build_reward_passes_options():
+    reward = build_reward({"ocr": 1.0}, ocr={"min_confidence": 0.7},
+                          vlm_ocr={"base_url": "http://unused", "model": "m"})
+    assert reward.rewards["ocr"].min_confidence == 0.7 and reward.names == ["ocr"]
+
+
+def test_reward_pool_isolates_failures():
+    def broken(images, prompts):
+        raise RuntimeError("boom")
+
+    def ones(images, prompts):
+        return np.ones(len(images), np.float32)
+
+    reward = MultiReward({"broken": broken, "ones": ones}, {"broken": 1.0, "ones": 3.0})
+    images = np.zeros((4, 8, 8, 3), np.uint8)
+    with RewardPool(reward, max_workers=2) as pool:
+        futures = [pool.submit(images, ["p"] * 4) for _ in range(3)]
+        results = [f.result(timeout=30) for f in futures]
+    for out in results:
+        assert out["errors"] == 1
+        np.testing.assert_array_equal(out["broken"], np.zeros(4, np.float32))
+        np.testing.assert_array_equal(out["ones"], np.ones(4, np.float32))
+        np.testing.assert_array_equal(out["avg"], np.full(4, 3.0, np.float32))
+
+
+def test_reward_pool_counts_bad_shapes():
+    reward = MultiReward({"short": lambda im, p: np.ones(1)}, {"short": 1.0})
+    with RewardPool(reward) as pool:
+        out = pool.submit(np.zeros((2, 8, 8, 3), np.uint8), ["a", "b"]).result(timeout=30)
+    assert out["errors"] == 1 and out["short"].shape == (2,)
