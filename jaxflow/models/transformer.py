@@ -15,6 +15,9 @@ from jaxflow.models.lora import LoRASpec
 _POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "save_attn": jax.checkpoint_policies.save_only_these_names("attn_out"),
+    # Save every large matmul output the backward needs (q/k/v, attention output, MLP hidden); the recompute
+    # is then elementwise work only (norms, modulation, RoPE, GELU) plus the small LoRA products.
+    "save_matmuls": jax.checkpoint_policies.save_only_these_names("qkv", "attn_out", "mlp_hidden"),
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
@@ -58,12 +61,13 @@ class JointAttention(nnx.Module):
 
     def __call__(self, img, txt, rope, kv_len, impl, lora_scale):
         img_cos, img_sin, txt_cos, txt_sin = rope
-        qi = apply_rope(self.norm_q(self._heads(self.to_q(img, lora_scale))), img_cos, img_sin)
-        ki = apply_rope(self.norm_k(self._heads(self.to_k(img, lora_scale))), img_cos, img_sin)
-        vi = self._heads(self.to_v(img, lora_scale))
-        qt = apply_rope(self.norm_added_q(self._heads(self.add_q_proj(txt, lora_scale))), txt_cos, txt_sin)
-        kt = apply_rope(self.norm_added_k(self._heads(self.add_k_proj(txt, lora_scale))), txt_cos, txt_sin)
-        vt = self._heads(self.add_v_proj(txt, lora_scale))
+        proj = lambda layer, x: checkpoint_name(self._heads(layer(x, lora_scale)), "qkv")  # noqa: E731
+        qi = apply_rope(self.norm_q(proj(self.to_q, img)), img_cos, img_sin)
+        ki = apply_rope(self.norm_k(proj(self.to_k, img)), img_cos, img_sin)
+        vi = proj(self.to_v, img)
+        qt = apply_rope(self.norm_added_q(proj(self.add_q_proj, txt)), txt_cos, txt_sin)
+        kt = apply_rope(self.norm_added_k(proj(self.add_k_proj, txt)), txt_cos, txt_sin)
+        vt = proj(self.add_v_proj, txt)
         # Joint order [image, text]: the masked keys (text padding) form a suffix, so a length mask suffices.
         q, k, v = (jnp.concatenate(p, axis=1) for p in ((qi, qt), (ki, kt), (vi, vt)))
         o = attention(q, k, v, kv_len, impl)
@@ -93,9 +97,11 @@ class Block(nnx.Module):
                            rope, kv_len, impl, lora_scale)
         img = img + ig1[:, None] * ai
         txt = txt + tg1[:, None] * at
-        hi = gelu_tanh(self.img_mlp_in(_modulate(layer_norm(img), ish2, isc2), lora_scale))
+        hi = gelu_tanh(checkpoint_name(self.img_mlp_in(_modulate(layer_norm(img), ish2, isc2), lora_scale),
+                                       "mlp_hidden"))
         img = img + ig2[:, None] * self.img_mlp_out(hi, lora_scale)
-        ht = gelu_tanh(self.txt_mlp_in(_modulate(layer_norm(txt), tsh2, tsc2), lora_scale))
+        ht = gelu_tanh(checkpoint_name(self.txt_mlp_in(_modulate(layer_norm(txt), tsh2, tsc2), lora_scale),
+                                       "mlp_hidden"))
         txt = txt + tg2[:, None] * self.txt_mlp_out(ht, lora_scale)
         if img.dtype == jnp.float16:
             img, txt = jnp.clip(img, -65504, 65504), jnp.clip(txt, -65504, 65504)
@@ -144,12 +150,18 @@ class QwenImageTransformer(nnx.Module):
         return self.proj_out(_modulate(layer_norm(img), shift, scale))
 
     def _blocks(self, img, ctx, temb, rope, kv_len, lora_scale):
-        impl = self.impl
+        """Scan over the stacked blocks (compile time independent of depth), remat policy by name.
 
-        def body(block, carry):
-            return block(*carry, temb, rope, kv_len, impl, lora_scale)
+        A functional lax.scan over the split block state rather than nnx.scan: under jax.grad wrt the LoRA
+        params only, a block holds variables at two trace levels, which NNX's graph transforms refuse.
+        """
+        impl = self.impl
+        graphdef, state = nnx.split(self.blocks)
+
+        def body(carry, layer):
+            return nnx.merge(graphdef, layer)(*carry, temb, rope, kv_len, impl, lora_scale), None
 
         if self.opts.remat != "none":
-            body = nnx.remat(body, policy=_POLICIES[self.opts.remat], prevent_cse=False)
-        run = nnx.scan(body, in_axes=(0, nnx.Carry), out_axes=nnx.Carry, unroll=self.opts.scan_unroll)
-        return run(self.blocks, (img, ctx))
+            body = jax.checkpoint(body, policy=_POLICIES[self.opts.remat], prevent_cse=False)
+        (img, ctx), _ = jax.lax.scan(body, (img, ctx), state, unroll=self.opts.scan_unroll)
+        return img, ctx
