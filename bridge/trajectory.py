@@ -1,0 +1,295 @@
+"""The Trajectory contract between the rollout and the trainer (DESIGN.md §3).
+
+Numpy only: importing this module pulls in neither JAX nor torch. A `Trajectory` is one sample as the
+rollout produced it; a `TrajectoryBatch` stacks samples on a new leading axis and right-pads the text
+(embeds with zeros, masks with False) to the longest prompt in the batch. Both validate shapes and
+dtypes on construction and raise ValueError naming the field, the expected and the actual value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import ml_dtypes
+import numpy as np
+
+F32 = np.dtype(np.float32)
+BF16 = np.dtype(ml_dtypes.bfloat16)
+EMBED_DTYPES = (BF16, F32)
+_INT32 = np.dtype(np.int32)
+_INT64 = np.dtype(np.int64)
+_UINT8 = np.dtype(np.uint8)
+_BOOL = np.dtype(np.bool_)
+
+Dims = list[tuple[str, "int | None"]]  # (symbol, required size or None for any)
+
+
+def _check(field: str, x, dtypes: Sequence[np.dtype], dims: Dims) -> None:
+    """Raise ValueError unless `x` is an ndarray of one of `dtypes` with the shape `dims` describes."""
+    if not isinstance(x, np.ndarray):
+        raise ValueError(f"{field}: expected a numpy array, got {type(x).__name__}")
+    if x.dtype not in dtypes:
+        want = " or ".join(str(d) for d in dtypes)
+        raise ValueError(f"{field}: expected dtype {want}, got dtype {x.dtype}")
+    sizes = [size for _, size in dims]
+    if x.ndim != len(dims) or any(s is not None and s != a for s, a in zip(sizes, x.shape)):
+        symbols = ", ".join(sym for sym, _ in dims)
+        want = ", ".join("*" if s is None else str(s) for s in sizes)
+        raise ValueError(f"{field}: expected shape ({symbols}) = ({want}), got shape {x.shape}")
+
+
+def _check_sigmas(sigmas) -> int:
+    """Validate the (N+1,) schedule and return N."""
+    _check("sigmas", sigmas, (F32,), [("N+1", None)])
+    if len(sigmas) < 2 or not np.all(np.diff(sigmas) < 0) or sigmas[-1] != 0:
+        raise ValueError(
+            "sigmas: expected N+1 >= 2 strictly decreasing values ending in 0, "
+            f"got {sigmas.tolist()}")
+    return len(sigmas) - 1
+
+
+def _check_seq_len(seq: int, height: int, width: int) -> None:
+    """S must be (H/p)(W/p) for an integer patch p dividing H and W (p = 2 x the VAE factor, 16 for Qwen-Image)."""
+    patch = math.isqrt(height * width // seq) if seq > 0 and (height * width) % seq == 0 else 0
+    if patch == 0 or patch * patch * seq != height * width or height % patch or width % patch:
+        raise ValueError(
+            f"latents: expected S = (H/p)(W/p) for an integer patch size p dividing H={height} and W={width}, "
+            f"got S={seq}")
+
+
+def _check_text(prefix: str, embeds, mask, lead: Dims, dtypes, width) -> None:
+    _check(f"{prefix}_embeds", embeds, dtypes, lead + [("L", None), ("D", width)])
+    _check(f"{prefix}_mask", mask, (_BOOL,), lead + [("L", embeds.shape[-2])])
+
+
+def _validate(rec, image_field: str, lead: Dims) -> None:
+    """Validate the array fields of a Trajectory (lead=[]) or a TrajectoryBatch (lead=[("B", b)])."""
+    image = getattr(rec, image_field)
+    _check(image_field, image, (_UINT8,), lead + [("H", None), ("W", None), ("3", 3)])
+    height, width = image.shape[-3:-1]
+    n = _check_sigmas(rec.sigmas)
+    _check("log_probs", rec.log_probs, (F32,), lead + [("W", None)])
+    window = rec.log_probs.shape[-1]
+    if window < 1:
+        raise ValueError(f"log_probs: expected a window of W >= 1 steps, got shape {rec.log_probs.shape}")
+    _check("step_index", rec.step_index, (_INT32,), lead + [("W", window)])
+    _check("latents", rec.latents, (F32,), lead + [("W+1", window + 1), ("S", None), ("C", None)])
+    _check_seq_len(rec.latents.shape[-2], height, width)
+    steps = rec.step_index
+    if np.any(steps < 0) or np.any(steps >= n - 1) or np.any(np.diff(steps, axis=-1) != 1):
+        raise ValueError(
+            f"step_index: expected contiguous increasing steps within [0, N-1) = [0, {n - 1}), "
+            f"got {steps.tolist()}")
+    _check_text("prompt", rec.prompt_embeds, rec.prompt_mask, lead, EMBED_DTYPES, None)
+    neg = (rec.negative_prompt_embeds, rec.negative_prompt_mask)
+    if (neg[0] is None) != (neg[1] is None):
+        given = "negative_prompt_embeds" if neg[1] is None else "negative_prompt_mask"
+        raise ValueError(
+            "negative_prompt_embeds/negative_prompt_mask: expected both (true CFG) or neither, "
+            f"got only {given}")
+    if neg[0] is not None:
+        embeds = rec.prompt_embeds
+        _check_text("negative_prompt", *neg, lead, (embeds.dtype,), embeds.shape[-1])
+
+
+def _as_int(field: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{field}: expected an int, got {type(value).__name__}")
+    return int(value)
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class Trajectory:
+    """One rollout sample: image, window latents and log-probs, schedule, text conditioning, provenance.
+
+    Shapes: image (H, W, 3) uint8; latents (W+1, S, C) f32 with S = (H/p)(W/p), p = 2 x VAE factor;
+    log_probs (W,) f32; sigmas (N+1,) f32; step_index (W,) int32, contiguous within [0, N-1);
+    prompt_embeds (L, D) bf16/f32 with prompt_mask (L,) bool; the negative pair (L', D)/(L',) is present iff true CFG is on.
+    """
+
+    image: np.ndarray
+    latents: np.ndarray
+    log_probs: np.ndarray
+    sigmas: np.ndarray
+    step_index: np.ndarray
+    prompt_embeds: np.ndarray
+    prompt_mask: np.ndarray
+    negative_prompt_embeds: np.ndarray | None = None
+    negative_prompt_mask: np.ndarray | None = None
+    prompt: str
+    group_id: int
+    seed: int
+    policy_version: int
+
+    def __post_init__(self):
+        _validate(self, "image", [])
+        if not isinstance(self.prompt, str):
+            raise ValueError(f"prompt: expected a str, got {type(self.prompt).__name__}")
+        for field in ("group_id", "seed", "policy_version"):
+            object.__setattr__(self, field, _as_int(field, getattr(self, field)))
+
+
+def _pad_concat(embeds: list[np.ndarray], masks: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenate (b_i, L_i, D) embeds and (b_i, L_i) masks, right-padding L with zeros / False."""
+    length = max(e.shape[1] for e in embeds)
+    padded = [np.pad(e, [(0, 0), (0, length - e.shape[1]), (0, 0)]) for e in embeds]
+    padded_masks = [np.pad(m, [(0, 0), (0, length - m.shape[1])]) for m in masks]
+    return np.concatenate(padded), np.concatenate(padded_masks)
+
+
+def _trim(embeds: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Drop trailing masked-out tokens (padding)."""
+    valid = np.flatnonzero(mask)
+    length = int(valid[-1]) + 1 if valid.size else 0
+    return embeds[:length], mask[:length]
+
+
+def _concat_key(batch: TrajectoryBatch) -> dict:
+    """What every batch joined by concat must share, keyed by the field that reports a mismatch."""
+    return {
+        "images": batch.images.shape[1:],
+        "latents": batch.latents.shape[1:],
+        "sigmas": tuple(batch.sigmas.tolist()),
+        "prompt_embeds": (batch.prompt_embeds.dtype, batch.prompt_embeds.shape[-1]),
+        "negative_prompt_embeds": "present" if batch.cfg else "absent",
+    }
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class TrajectoryBatch:
+    """Trajectories stacked on a leading batch axis B; text right-padded to the longest prompt.
+
+    images (B, H, W, 3); latents (B, W+1, S, C); log_probs (B, W); sigmas (N+1,) shared by all samples;
+    step_index (B, W) (windows may differ per sample); prompt_embeds (B, L, D) / prompt_mask (B, L);
+    negative_* (B, L', D) / (B, L') or None; prompts (B strings);
+    group_ids, seeds, policy_versions (B,) int64.
+    """
+
+    images: np.ndarray
+    latents: np.ndarray
+    log_probs: np.ndarray
+    sigmas: np.ndarray
+    step_index: np.ndarray
+    prompt_embeds: np.ndarray
+    prompt_mask: np.ndarray
+    negative_prompt_embeds: np.ndarray | None = None
+    negative_prompt_mask: np.ndarray | None = None
+    prompts: tuple[str, ...]
+    group_ids: np.ndarray
+    seeds: np.ndarray
+    policy_versions: np.ndarray
+
+    def __post_init__(self):
+        object.__setattr__(self, "prompts", tuple(self.prompts))
+        if not all(isinstance(p, str) for p in self.prompts):
+            raise ValueError("prompts: expected a sequence of str")
+        lead = [("B", len(self.prompts))]
+        _validate(self, "images", lead)
+        for field in ("group_ids", "seeds", "policy_versions"):
+            _check(field, getattr(self, field), (_INT64,), lead)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def cfg(self) -> bool:
+        """True when the batch carries negative prompt embeds (true CFG)."""
+        return self.negative_prompt_embeds is not None
+
+    @property
+    def policy_version(self) -> int:
+        """The single policy version that produced every sample; ValueError if the batch mixes versions."""
+        versions = np.unique(self.policy_versions)
+        if len(versions) != 1:
+            raise ValueError(f"policy_versions: expected one version, got {versions.tolist()}")
+        return int(versions[0])
+
+    @classmethod
+    def stack(cls, trajectories: Sequence[Trajectory]) -> TrajectoryBatch:
+        """Stack samples sharing sigmas, window length, image size, embed dtype/width and CFG presence."""
+        return cls.concat([cls._of_one(t) for t in trajectories])
+
+    @classmethod
+    def _of_one(cls, t: Trajectory) -> TrajectoryBatch:
+        def one(x):
+            return None if x is None else x[None]
+
+        return cls(
+            images=one(t.image), latents=one(t.latents), log_probs=one(t.log_probs), sigmas=t.sigmas,
+            step_index=one(t.step_index), prompt_embeds=one(t.prompt_embeds),
+            prompt_mask=one(t.prompt_mask), negative_prompt_embeds=one(t.negative_prompt_embeds),
+            negative_prompt_mask=one(t.negative_prompt_mask), prompts=(t.prompt,),
+            group_ids=np.array([t.group_id], np.int64), seeds=np.array([t.seed], np.int64),
+            policy_versions=np.array([t.policy_version], np.int64))
+
+    @classmethod
+    def concat(cls, batches: Sequence[TrajectoryBatch]) -> TrajectoryBatch:
+        """Join batches along B, re-padding text to the longest prompt among them."""
+        if not batches:
+            raise ValueError("concat/stack: expected at least one item, got none")
+        first = _concat_key(batches[0])
+        for i, batch in enumerate(batches[1:], 1):
+            for field, value in _concat_key(batch).items():
+                if value != first[field]:
+                    raise ValueError(f"{field}: item {i} has {value}, item 0 has {first[field]}")
+
+        def cat(field):
+            return np.concatenate([getattr(b, field) for b in batches])
+
+        def pad(prefix):
+            if not batches[0].cfg and prefix == "negative_prompt":
+                return None, None
+            return _pad_concat([getattr(b, f"{prefix}_embeds") for b in batches],
+                               [getattr(b, f"{prefix}_mask") for b in batches])
+
+        embeds, mask = pad("prompt")
+        neg_embeds, neg_mask = pad("negative_prompt")
+        return cls(
+            images=cat("images"), latents=cat("latents"), log_probs=cat("log_probs"),
+            sigmas=batches[0].sigmas, step_index=cat("step_index"), prompt_embeds=embeds,
+            prompt_mask=mask, negative_prompt_embeds=neg_embeds, negative_prompt_mask=neg_mask,
+            prompts=[p for b in batches for p in b.prompts], group_ids=cat("group_ids"),
+            seeds=cat("seeds"), policy_versions=cat("policy_versions"))
+
+    def select(self, indices) -> TrajectoryBatch:
+        """Rows picked by anything numpy can index a (B,) axis with: ints, a slice or a bool mask."""
+        rows = np.arange(len(self))[indices]
+        if rows.ndim != 1:
+            raise ValueError(f"indices: expected a 1-D selection, got shape {rows.shape}")
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        picked = {k: None if v is None else v[rows] for k, v in fields.items()
+                  if k not in ("sigmas", "prompts")}
+        return TrajectoryBatch(**picked, sigmas=self.sigmas, prompts=[self.prompts[i] for i in rows])
+
+    def unstack(self) -> list[Trajectory]:
+        """Per-sample Trajectories (views into the batch) with trailing masked-out text dropped.
+
+        This inverts `stack` for samples whose own masks end in a valid token; tokens a sample's own
+        mask already left out at the end are dropped too (they carry no conditioning).
+        """
+        out = []
+        for i in range(len(self)):
+            embeds, mask = _trim(self.prompt_embeds[i], self.prompt_mask[i])
+            neg_embeds = neg_mask = None
+            if self.cfg:
+                neg_embeds, neg_mask = _trim(self.negative_prompt_embeds[i], self.negative_prompt_mask[i])
+            out.append(Trajectory(
+                image=self.images[i], latents=self.latents[i], log_probs=self.log_probs[i],
+                sigmas=self.sigmas, step_index=self.step_index[i], prompt_embeds=embeds,
+                prompt_mask=mask, negative_prompt_embeds=neg_embeds, negative_prompt_mask=neg_mask,
+                prompt=self.prompts[i], group_id=self.group_ids[i], seed=self.seeds[i],
+                policy_version=self.policy_versions[i]))
+        return out
+
+    def to_dict(self) -> dict[str, np.ndarray]:
+        """Plain numpy arrays (prompts as a str array; absent negatives omitted), for Ray or checkpoints."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["prompts"] = np.asarray(self.prompts, dtype=np.str_)
+        return {k: v for k, v in out.items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, arrays: dict[str, np.ndarray]) -> TrajectoryBatch:
+        """Inverse of to_dict."""
+        return cls(**{**arrays, "prompts": [str(p) for p in arrays["prompts"]]})

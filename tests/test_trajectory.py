@@ -1,0 +1,191 @@
+"""bridge.trajectory: validation, stacking with right-padded text, select/concat/unstack, transport."""
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from bridge.trajectory import Trajectory, TrajectoryBatch
+
+ROOT = Path(__file__).resolve().parents[1]
+BF16 = ml_dtypes.bfloat16
+H, W, N, C, D = 32, 48, 6, 64, 8
+S = (H // 16) * (W // 16)
+SIGMAS = np.array([1.0, 0.9, 0.75, 0.55, 0.3, 0.1, 0.0], np.float32)
+
+
+def make(start=1, window=3, length=5, neg_length=None, seed=0, version=3, dtype=BF16) -> Trajectory:
+    rng = np.random.default_rng(seed)
+    text = {}
+    for prefix, n in (("prompt", length), ("negative_prompt", neg_length)):
+        if n is not None:
+            text[f"{prefix}_embeds"] = rng.standard_normal((n, D)).astype(dtype)
+            text[f"{prefix}_mask"] = np.ones(n, bool)
+    return Trajectory(
+        image=rng.integers(0, 256, (H, W, 3), dtype=np.uint8),
+        latents=rng.standard_normal((window + 1, S, C), dtype=np.float32),
+        log_probs=rng.standard_normal(window, dtype=np.float32),
+        sigmas=SIGMAS.copy(),
+        step_index=np.arange(start, start + window, dtype=np.int32),
+        **text, prompt=f"prompt {seed}", group_id=seed // 2, seed=seed, policy_version=version)
+
+
+def assert_same(a, b):
+    """Field-by-field equality: same dtypes, shapes and bits (dataclass eq is off for arrays)."""
+    assert type(a) is type(b)
+    for field in dataclasses.fields(a):
+        x, y = getattr(a, field.name), getattr(b, field.name)
+        if isinstance(x, np.ndarray):
+            assert isinstance(y, np.ndarray) and x.dtype == y.dtype and x.shape == y.shape, field.name
+            np.testing.assert_array_equal(x, y, err_msg=field.name)
+        else:
+            assert x == y, field.name
+
+
+def test_valid_construction():
+    t = make(neg_length=4, seed=np.int64(5))
+    assert t.latents.shape == (4, S, C) and t.negative_prompt_mask.shape == (4,)
+    assert type(t.seed) is int and t.seed == 5
+    make(start=0, window=N - 1, dtype=np.float32)  # the widest window: steps 0..N-2
+
+
+@pytest.mark.parametrize("height, width, seq", [(32, 48, 6), (32, 48, 24), (40, 72, 45), (32, 48, 96)])
+def test_latent_tokens_follow_any_vae_factor(height, width, seq):
+    """S = (H/p)(W/p) for any patch p = 2 x VAE factor: 16 (real Qwen-Image), 8 (tiny VAE, factor 4), 4."""
+    rng = np.random.default_rng(0)
+    t = dataclasses.replace(make(), image=np.zeros((height, width, 3), np.uint8),
+                            latents=rng.standard_normal((4, seq, C), dtype=np.float32))
+    assert t.latents.shape[1] == seq
+
+
+def replaced(**changes):
+    return lambda: dataclasses.replace(make(neg_length=4), **changes)
+
+
+@pytest.mark.parametrize("build, message", [
+    (replaced(latents=np.zeros((3, S, C), np.float32)),
+     r"latents: expected shape \(W\+1, S, C\) = \(4, \*, \*\), got shape \(3, 6, 64\)"),
+    (replaced(latents=np.zeros((4, S + 1, C), np.float32)),
+     r"latents: expected S = \(H/p\)\(W/p\) .* dividing H=32 and W=48, got S=7"),
+    (replaced(latents=np.zeros((4, 24 * 3, C), np.float32)), r"latents: expected S = .*got S=72"),
+    (replaced(latents=np.zeros((4, 0, C), np.float32)), "latents: expected S = .*got S=0"),
+    (replaced(latents=np.zeros((4, S, C), np.float64)), "latents: expected dtype float32, got dtype float64"),
+    (replaced(log_probs=np.zeros(3, np.float16)), "log_probs: expected dtype float32, got dtype float16"),
+    (replaced(log_probs=np.zeros(0, np.float32)), "log_probs: expected a window of W >= 1"),
+    (replaced(step_index=np.arange(3, dtype=np.int64)), "step_index: expected dtype int32, got dtype int64"),
+    (replaced(step_index=np.array([1, 3, 4], np.int32)), r"step_index: .*\[0, 5\), got \[1, 3, 4\]"),
+    (replaced(step_index=np.array([3, 4, 5], np.int32)), r"step_index: .*\[0, 5\), got \[3, 4, 5\]"),
+    (replaced(sigmas=SIGMAS[:-1]), "sigmas: expected .* ending in 0"),
+    (replaced(sigmas=SIGMAS[::-1].copy()), "sigmas: expected .* strictly decreasing"),
+    (replaced(image=np.zeros((H, W, 4), np.uint8)), r"image: expected shape \(H, W, 3\) = \(\*, \*, 3\)"),
+    (replaced(image=np.zeros((H, W, 3), np.float32)), "image: expected dtype uint8, got dtype float32"),
+    (replaced(prompt_mask=np.ones(4, bool)),
+     r"prompt_mask: expected shape \(L\) = \(5\), got shape \(4,\)"),
+    (replaced(prompt_mask=np.ones(5, np.int64)), "prompt_mask: expected dtype bool, got dtype int64"),
+    (replaced(prompt_embeds=np.zeros((5, D), np.float16)), "prompt_embeds: expected dtype bfloat16 or float32"),
+    (replaced(negative_prompt_mask=None),
+     "negative_prompt_embeds/negative_prompt_mask: .* only negative_prompt_embeds"),
+    (lambda: dataclasses.replace(make(), negative_prompt_mask=np.ones(2, bool)),
+     "negative_prompt_embeds/negative_prompt_mask: .* only negative_prompt_mask"),
+    (replaced(negative_prompt_mask=np.ones(5, bool)), r"negative_prompt_mask: expected shape \(L\) = \(4\)"),
+    (replaced(negative_prompt_embeds=np.zeros((4, D), np.float32)),
+     "negative_prompt_embeds: expected dtype bfloat16"),
+    (replaced(negative_prompt_embeds=np.zeros((4, D + 1), BF16)), r"negative_prompt_embeds: .*= \(\*, 8\)"),
+    (replaced(latents=[[0.0]]), "latents: expected a numpy array, got list"),
+    (replaced(prompt=b"bytes"), "prompt: expected a str"),
+    (replaced(policy_version=True), "policy_version: expected an int, got bool"),
+])
+def test_validation_errors_name_the_field(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def test_stack_pads_text_right_and_masks_padding():
+    samples = [make(length=5, neg_length=2, seed=0), make(start=2, length=7, neg_length=4, seed=1)]
+    batch = TrajectoryBatch.stack(samples)
+    assert len(batch) == 2 and batch.prompts == ("prompt 0", "prompt 1")
+    assert batch.latents.shape == (2, 4, S, C) and batch.sigmas.shape == (N + 1,)
+    assert batch.step_index.tolist() == [[1, 2, 3], [2, 3, 4]]  # windows differ per sample
+    assert batch.prompt_embeds.shape == (2, 7, D) and batch.prompt_embeds.dtype == BF16
+    assert batch.prompt_mask.tolist() == [[True] * 5 + [False] * 2, [True] * 7]
+    assert not batch.prompt_embeds[0, 5:].astype(np.float32).any()
+    assert batch.negative_prompt_embeds.shape == (2, 4, D)  # padded separately from the positive
+    assert batch.negative_prompt_mask.sum(axis=1).tolist() == [2, 4]
+    assert batch.group_ids.dtype == batch.seeds.dtype == batch.policy_versions.dtype == np.int64
+    assert TrajectoryBatch.stack([make()]).negative_prompt_embeds is None
+
+
+@pytest.mark.parametrize("other, field", [
+    (dataclasses.replace(make(seed=1), sigmas=np.linspace(1, 0, N + 1, dtype=np.float32)), "sigmas"),
+    (make(window=2, seed=1), "latents"),
+    (make(neg_length=3, seed=1), "negative_prompt_embeds"),
+    (make(dtype=np.float32, seed=1), "prompt_embeds"),
+])
+def test_stack_rejects_incompatible_samples(other, field):
+    with pytest.raises(ValueError, match=f"^{field}: item 1 has"):
+        TrajectoryBatch.stack([make(), other])
+
+
+def test_stack_rejects_different_image_sizes_and_empty():
+    rng = np.random.default_rng(0)
+    big = dataclasses.replace(make(), image=np.zeros((H, W + 16, 3), np.uint8),
+                              latents=rng.standard_normal((4, S + 2, C), dtype=np.float32))
+    with pytest.raises(ValueError, match="^images: item 1 has"):
+        TrajectoryBatch.stack([make(), big])
+    with pytest.raises(ValueError, match="at least one"):
+        TrajectoryBatch.stack([])
+
+
+@pytest.mark.parametrize("neg", [None, 3])
+def test_unstack_inverts_stack(neg):
+    samples = [make(length=3 + i, neg_length=neg and neg + i, start=i % 3, seed=i) for i in range(4)]
+    for got, want in zip(TrajectoryBatch.stack(samples).unstack(), samples, strict=True):
+        assert_same(got, want)
+
+
+def test_select_and_concat():
+    samples = [make(length=2 + i, seed=i) for i in range(5)]
+    batch = TrajectoryBatch.stack(samples)
+    picked = batch.select([3, -5])
+    assert picked.prompt_embeds.shape == (2, 6, D)  # select keeps the batch's padding
+    for got, want in zip(picked.unstack(), [samples[3], samples[0]], strict=True):
+        assert_same(got, want)
+    assert batch.select(slice(1, 3)).prompts == ("prompt 1", "prompt 2")
+    assert batch.select(batch.seeds % 2 == 0).seeds.tolist() == [0, 2, 4]
+    assert len(batch.select([])) == 0
+    short, long = TrajectoryBatch.stack(samples[:2]), TrajectoryBatch.stack(samples[2:])
+    joined = TrajectoryBatch.concat([short, long])  # short's text (L=3) is re-padded to 6
+    assert joined.prompt_embeds.shape == (5, 6, D)
+    assert_same(joined, batch)
+    with pytest.raises(ValueError, match="1-D"):
+        batch.select(np.zeros((2, 2), int))
+
+
+def test_to_dict_from_dict_round_trip():
+    batch = TrajectoryBatch.stack([make(neg_length=2, seed=i) for i in range(3)])
+    arrays = batch.to_dict()
+    assert all(isinstance(v, np.ndarray) for v in arrays.values())
+    assert_same(TrajectoryBatch.from_dict(arrays), batch)
+    plain = TrajectoryBatch.stack([make()]).to_dict()
+    assert "negative_prompt_embeds" not in plain
+    assert TrajectoryBatch.from_dict(plain).negative_prompt_embeds is None
+    with pytest.raises(ValueError, match=r"seeds: expected shape \(B\) = \(3\), got shape \(2,\)"):
+        TrajectoryBatch.from_dict({**arrays, "seeds": arrays["seeds"][:2]})
+
+
+def test_policy_version_single_or_raises():
+    assert TrajectoryBatch.stack([make(seed=0), make(seed=1)]).policy_version == 3
+    mixed = TrajectoryBatch.stack([make(version=3), make(version=4)])
+    with pytest.raises(ValueError, match=r"policy_versions: expected one version, got \[3, 4\]"):
+        mixed.policy_version
+
+
+@pytest.mark.parametrize("module", ["bridge.trajectory", "bridge.tensors"])
+def test_import_pulls_in_neither_jax_nor_torch(module):
+    code = f"import sys, {module}; print(sorted(m for m in ('jax', 'torch') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True)
+    assert out.stdout.strip() == "[]"
