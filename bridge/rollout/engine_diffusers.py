@@ -1,0 +1,68 @@
+"""The embedded rollout engine: `RolloutPipeline` on diffusers components, on CPU or one GPU.
+
+Config keys: `engine` ("diffusers"), `model` (a local diffusers Qwen-Image folder, or "tiny" for the cached
+tiny random pipeline), `dtype` ("bfloat16" default, or "float32"), `device` (default: cuda if available).
+Everything crossing the engine boundary is numpy or plain Python.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bridge.rollout.pipeline import RolloutPipeline, SamplingParams
+
+CONFIG_KEYS = ("engine", "model", "dtype", "device")
+
+
+class DiffusersEngine:
+    """generate / update_lora / sleep / wake / info over one `RolloutPipeline`."""
+
+    name = "diffusers"
+
+    def __init__(self, config: dict):
+        unknown = sorted(set(config) - set(CONFIG_KEYS))
+        if unknown or "model" not in config:
+            raise ValueError(f"diffusers engine config: needs 'model', knows {list(CONFIG_KEYS)}, "
+                             f"got unknown keys {unknown}")
+        model = config["model"]
+        if model == "tiny":
+            from bridge.rollout.tiny import tiny_pipeline_path
+
+            model = tiny_pipeline_path()
+        self.pipeline = RolloutPipeline.from_pretrained(model, config.get("dtype", "bfloat16"), config.get("device"))
+        self.device = self.pipeline.device
+        self.asleep = False
+
+    def generate(self, prompts: list[str], n: int, sampling: dict | None = None, seeds=None) -> dict:
+        """TrajectoryBatch.to_dict() of B = len(prompts) * n samples (see RolloutPipeline.generate)."""
+        params = SamplingParams.from_dict(sampling)
+        self._check_awake()
+        return self.pipeline.generate(prompts, n, params, seeds).to_dict()
+
+    def update_lora(self, tensors, version: int, adapter_config: dict | None = None) -> dict:
+        """{"version", "bound_modules"}; atomic: a refused adapter leaves the previous one serving."""
+        self._check_awake()
+        return self.pipeline.update_lora(tensors, version, adapter_config)
+
+    def sleep(self) -> None:
+        """Move the text encoder, VAE and transformer (LoRA included) to CPU; a no-op on CPU."""
+        if self.device.type != "cpu":
+            self.pipeline.to("cpu")
+            torch.cuda.empty_cache()
+            self.asleep = True
+
+    def wake(self) -> None:
+        """Move the models back to their device (a no-op on CPU)."""
+        if self.device.type != "cpu":
+            self.pipeline.to(self.device)
+        self.asleep = False
+
+    def info(self) -> dict:
+        p = self.pipeline
+        return {"engine": self.name, "device": str(self.device), "dtype": str(p.dtype).removeprefix("torch."),
+                "policy_version": p.policy_version, "model": p.model_path, "fingerprint": p.fingerprint,
+                "size_multiple": p.size_multiple, "lora_modules": p.lora.bound_modules(), "asleep": self.asleep}
+
+    def _check_awake(self) -> None:
+        if self.asleep:
+            raise RuntimeError("the rollout engine is asleep: call wake() first")

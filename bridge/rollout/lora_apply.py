@@ -1,0 +1,163 @@
+"""Apply a PEFT-format LoRA adapter to the rollout transformer, atomically.
+
+An adapter is a dict `{"<module>.lora_A.weight": (r, in), "<module>.lora_B.weight": (out, r)}` (an optional
+`transformer.` prefix is stripped) plus an adapter_config with `r` and `lora_alpha` (optionally `use_rslora`).
+Every key and shape is validated against the transformer's Linear layers before anything changes; on a mismatch
+ValueError lists the offending names and the previous adapter keeps serving.
+
+PEFT LoRA layers are injected (`peft.inject_adapter_in_model`) only for the modules the tensors name and only when
+(rank, alpha, rslora, module set) changes; otherwise the new tensors are copied into the existing layers. The
+tensors' keys, not the config's `target_modules`, decide which modules bind (exact names, so nothing binds by
+accident). LoRA weights live in the transformer's dtype, as PEFT creates them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+from peft import LoraConfig, inject_adapter_in_model
+from peft.tuners.tuners_utils import BaseTunerLayer
+
+from bridge.tensors import numpy_to_torch
+
+ADAPTER_NAME = "rollout"
+MAX_LISTED = 20
+_KEY = re.compile(r"(?:transformer\.)?(?P<module>.+)\.lora_(?P<part>[AB])\.weight")
+_UNSUPPORTED = ("use_dora", "rank_pattern", "alpha_pattern", "lora_bias", "modules_to_save", "fan_in_fan_out",
+                "target_parameters", "layer_replication")
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterSpec:
+    """What the injected LoRA layers depend on; a change re-injects."""
+
+    rank: int
+    alpha: float
+    rslora: bool
+    modules: tuple[str, ...] = ()
+
+
+def load_adapter(path) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """Tensors and config of a PEFT folder (adapter_model.safetensors, adapter_config.json) or .safetensors file."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    weights = path / "adapter_model.safetensors" if path.is_dir() else path
+    config_file = weights.parent / "adapter_config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else None
+    return load_file(weights), config
+
+
+def _refuse(errors: list[str], what: str) -> ValueError:
+    listed = "; ".join(errors[:MAX_LISTED])
+    more = f"; ... and {len(errors) - MAX_LISTED} more" if len(errors) > MAX_LISTED else ""
+    return ValueError(f"LoRA adapter refused ({len(errors)} {what}; the previous adapter keeps serving): "
+                      f"{listed}{more}")
+
+
+def _spec_from_config(config: dict) -> AdapterSpec:
+    """Rank, alpha and rslora from a PEFT adapter_config; ValueError on missing or unsupported options."""
+    errors = [f"{k}: unsupported" for k in _UNSUPPORTED if config.get(k)]
+    if config.get("bias", "none") != "none":
+        errors.append(f"bias={config['bias']!r}: unsupported")
+    if config.get("peft_type", "LORA") != "LORA":
+        errors.append(f"peft_type={config['peft_type']!r}: expected 'LORA'")
+    for key in ("r", "lora_alpha"):
+        if not isinstance(config.get(key), (int, float)) or config[key] <= 0:
+            errors.append(f"{key}: expected a positive number, got {config.get(key)!r}")
+    if isinstance(config.get("r"), float) and not config["r"].is_integer():
+        errors.append(f"r: expected an int, got {config['r']!r}")
+    if errors:
+        raise _refuse(errors, "adapter_config problems")
+    return AdapterSpec(int(config["r"]), float(config["lora_alpha"]), bool(config.get("use_rslora", False)))
+
+
+def _as_tensor(x) -> torch.Tensor:
+    return numpy_to_torch(x) if isinstance(x, np.ndarray) else torch.as_tensor(x)
+
+
+class LoraApplier:
+    """Owns the LoRA layers of one model: validate, (re-)inject when needed, copy tensors, count bound modules."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        self.spec: AdapterSpec | None = None
+
+    def apply(self, tensors, adapter_config: dict | None = None) -> int:
+        """Serve `tensors` (dict or PEFT path) as the adapter; returns the number of bound modules."""
+        if isinstance(tensors, (str, Path)):
+            tensors, file_config = load_adapter(tensors)
+            adapter_config = adapter_config or file_config
+        if adapter_config is None:
+            if self.spec is None:
+                raise ValueError("adapter_config (r, lora_alpha) is required for the first LoRA update")
+            spec = self.spec
+        else:
+            spec = _spec_from_config(adapter_config)
+        pairs = self._validate(tensors, spec.rank)
+        spec = dataclasses.replace(spec, modules=tuple(sorted(pairs)))
+        if spec != self.spec:
+            self._inject(spec)
+        with torch.no_grad():
+            for name, (a, b) in pairs.items():
+                layer = self.model.get_submodule(name)
+                layer.lora_A[ADAPTER_NAME].weight.copy_(a)
+                layer.lora_B[ADAPTER_NAME].weight.copy_(b)
+        return self.bound_modules()
+
+    def bound_modules(self) -> int:
+        """LoRA-wrapped Linear layers currently carrying the adapter."""
+        return sum(isinstance(m, BaseTunerLayer) and ADAPTER_NAME in m.lora_A for m in self.model.modules())
+
+    def _validate(self, tensors: dict, rank: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """{module: (A, B)} after checking every key, shape and value; ValueError listing every offender."""
+        errors, parts = [], {}
+        for key, value in tensors.items():
+            match = _KEY.fullmatch(key)
+            if match is None:
+                errors.append(f"{key}: not a PEFT LoRA key '<module>.lora_A.weight' / '<module>.lora_B.weight'")
+            elif match["module"] not in self.linears:
+                errors.append(f"{key}: the transformer has no Linear module {match['module']!r}")
+            else:
+                parts.setdefault(match["module"], {})[match["part"]] = (key, _as_tensor(value))
+        pairs = {}
+        for module, got in parts.items():
+            linear = self.linears[module]
+            want = {"A": (rank, linear.in_features), "B": (linear.out_features, rank)}
+            for part in "AB":
+                if part not in got:
+                    errors.append(f"{module}.lora_{part}.weight: missing (its lora_{'BA'[part == 'B']} is given)")
+                    continue
+                key, t = got[part]
+                if tuple(t.shape) != want[part]:
+                    errors.append(f"{key}: expected shape {want[part]}, got {tuple(t.shape)}")
+                elif not t.is_floating_point() or not torch.isfinite(t).all():
+                    errors.append(f"{key}: expected finite floating-point values")
+            if len(got) == 2:
+                pairs[module] = (got["A"][1], got["B"][1])
+        if errors:
+            raise _refuse(errors, "offending tensors")
+        if not pairs:
+            raise ValueError("LoRA adapter refused: it binds zero modules (no lora_A/lora_B tensors given); "
+                             "the previous adapter keeps serving")
+        return pairs
+
+    def _inject(self, spec: AdapterSpec) -> None:
+        """Drop any existing LoRA layers, then wrap exactly `spec.modules`."""
+        for name, module in list(self.model.named_modules()):
+            if isinstance(module, BaseTunerLayer):
+                parent, _, child = name.rpartition(".")
+                setattr(self.model.get_submodule(parent), child, module.get_base_layer())
+        if hasattr(self.model, "peft_config"):  # left by the previous injection
+            delattr(self.model, "peft_config")
+        config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, use_rslora=spec.rslora, lora_dropout=0.0,
+                            target_modules=list(spec.modules))
+        inject_adapter_in_model(config, self.model, adapter_name=ADAPTER_NAME)
+        self.model.eval()
+        self.spec = spec

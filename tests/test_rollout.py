@@ -1,0 +1,328 @@
+"""bridge.rollout: the diffusers rollout pipeline, LoRA application and the Ray server, on the tiny pipeline."""
+
+import ast
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import save_file
+
+import bridge.rollout
+from bridge.rollout.pipeline import Fp32Timestep, RolloutPipeline, SamplingParams
+from bridge.rollout.sde import sde_step, sigma_schedule
+from bridge.rollout.server import create_rollout_server
+from bridge.trajectory import TrajectoryBatch
+
+PROMPTS = ["a red fox", "a red fox jumping over the lazy dog"]
+SAMPLING = dict(height=40, width=72, num_inference_steps=4, true_cfg_scale=4.0, noise_level=1.2, sde_window_size=2,
+                sde_window_range=(0, 3), max_sequence_length=64)
+SEEDS = [10, 11, 12, 13]
+GRID, S, C, W = (5, 9), 45, 64, 2  # a 40x72 image is a 5x9 packed grid with the tiny VAE (factor 4)
+NO_CFG = SamplingParams(**{**SAMPLING, "true_cfg_scale": 1.0, "num_inference_steps": 3})
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_path):
+    return RolloutPipeline.from_pretrained(tiny_path, dtype="float32", device="cpu")
+
+
+@pytest.fixture
+def fresh_pipe(tiny_path):
+    """A pipeline of its own, for tests that change its LoRA adapter."""
+    return RolloutPipeline.from_pretrained(tiny_path, dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def batch(pipe):
+    return pipe.generate(PROMPTS, 2, SamplingParams(**SAMPLING), seeds=SEEDS)
+
+
+def make_adapter(pipe, modules=("attn.to_q", "attn.to_k", "attn.to_out.0", "img_mlp.net.2"), rank=4, seed=0, prefix="", scale=0.3):
+    """A PEFT-format adapter over both tiny blocks, and its adapter_config."""
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for name in (f"transformer_blocks.{i}.{m}" for i in range(2) for m in modules):
+        linear = pipe.lora.linears[name]
+        tensors[f"{prefix}{name}.lora_A.weight"] = scale * rng.standard_normal((rank, linear.in_features), np.float32)
+        tensors[f"{prefix}{name}.lora_B.weight"] = scale * rng.standard_normal((linear.out_features, rank), np.float32)
+    return tensors, {"r": rank, "lora_alpha": 2 * rank, "target_modules": list(modules), "peft_type": "LORA"}
+
+
+# ---------------------------------------------------------------------------------------------- pipeline
+
+
+def test_trajectory_contract(pipe, batch):
+    b = len(SEEDS)
+    assert batch.images.shape == (b, 40, 72, 3) and batch.images.dtype == np.uint8
+    assert batch.latents.shape == (b, W + 1, S, C) and batch.latents.dtype == np.float32
+    assert batch.log_probs.shape == (b, W) and batch.log_probs.dtype == np.float32
+    np.testing.assert_array_equal(batch.sigmas, sigma_schedule(pipe.scheduler_config, 4, S))
+    starts = batch.step_index[:, 0]
+    assert set(starts.tolist()) == {0, 1}  # windows differ per sample
+    np.testing.assert_array_equal(batch.step_index, starts[:, None] + np.arange(W))
+    assert batch.prompts == (PROMPTS[0],) * 2 + (PROMPTS[1],) * 2
+    assert batch.group_ids.tolist() == [0, 0, 1, 1] and batch.seeds.tolist() == SEEDS
+    assert batch.policy_versions.tolist() == [0] * b
+    # the pre-window latent of a window starting at step 0 is the sample's initial noise
+    for i in np.flatnonzero(starts == 0):
+        noise = torch.randn(S, C, generator=torch.Generator().manual_seed(SEEDS[i]))
+        np.testing.assert_array_equal(batch.latents[i, 0], noise.numpy())
+    # text: the template drop leaves prompt tokens + 5 suffix tokens, right-padded with a False mask
+    lengths = [len(pipe.tokenizer(pipe.template.format(p)).input_ids) - 34 for p in PROMPTS]
+    assert batch.prompt_mask.sum(1).tolist() == [lengths[0]] * 2 + [lengths[1]] * 2
+    assert batch.prompt_embeds.shape == (b, max(lengths), 64) and not batch.prompt_embeds[0, lengths[0]:].any()
+    encoded = pipe.encode(PROMPTS)
+    np.testing.assert_array_equal(batch.prompt_embeds[3], encoded[1].numpy())
+    assert batch.negative_prompt_mask.all() and batch.negative_prompt_embeds.shape[0] == b
+    assert np.isfinite(batch.log_probs).all() and not np.array_equal(batch.latents[:, 0], batch.latents[:, 1])
+
+
+def test_sampling_log_probs_match_the_step_std(batch):
+    """At sampling time E[log p] = -0.5 - log(step_std) - log sqrt(2 pi) (mean over 2880 latent elements)."""
+    sig, idx = batch.sigmas, batch.step_index
+    s, s_next = sig[idx], sig[idx + 1]
+    std = 1.2 * np.sqrt(s / (1 - np.where(s == 1, sig[1], s))) * np.sqrt(s - s_next)
+    np.testing.assert_allclose(batch.log_probs, -0.5 - np.log(std) - 0.9189, atol=0.08)
+
+
+def test_replaying_the_window_gives_ratio_one(pipe, batch):
+    """Recomputing v from the stored latents and text gives the stored log-probs (the trainer's path)."""
+    text = [torch.from_numpy(a) for a in (batch.prompt_embeds, batch.prompt_mask, batch.negative_prompt_embeds,
+                                          batch.negative_prompt_mask)]
+    for k in range(W):
+        x = torch.from_numpy(batch.latents[:, k])
+        sigma, sigma_next = batch.sigmas[batch.step_index[:, k]], batch.sigmas[batch.step_index[:, k] + 1]
+        v = pipe.velocity(x, sigma, *text, cfg_scale=4.0, grid=GRID)
+        _, log_prob, _, _ = sde_step(x, v, sigma, sigma_next, batch.sigmas[1], sde_type="sde", noise_level=1.2,
+                                     prev_sample=torch.from_numpy(batch.latents[:, k + 1]))
+        np.testing.assert_allclose(log_prob.numpy(), batch.log_probs[:, k], atol=1e-5)
+
+
+def test_equal_seeds_are_deterministic_and_base_seed_counts_up(pipe):
+    first = pipe.generate(PROMPTS[:1], 2, NO_CFG, seeds=3)
+    again = pipe.generate(PROMPTS[:1], 2, NO_CFG, seeds=[3, 4])
+    other = pipe.generate(PROMPTS[:1], 2, NO_CFG, seeds=[5, 6])
+    assert first.seeds.tolist() == [3, 4] and first.negative_prompt_embeds is None  # no negative without CFG
+    for field in ("images", "latents", "log_probs", "step_index"):
+        np.testing.assert_array_equal(getattr(first, field), getattr(again, field))
+    assert not np.allclose(first.latents, other.latents)
+
+
+def test_batched_equals_separate_calls_with_cfg(pipe):
+    sampling = SamplingParams(**SAMPLING)
+    batched = pipe.generate(PROMPTS[1:], 2, sampling, seeds=[21, 22])
+    for j, seed in enumerate([21, 22]):
+        one = pipe.generate(PROMPTS[1:], 1, sampling, seeds=[seed])
+        np.testing.assert_allclose(one.latents[0], batched.latents[j], atol=1e-5)
+        np.testing.assert_allclose(one.log_probs[0], batched.log_probs[j], atol=1e-5)
+        np.testing.assert_array_equal(one.step_index[0], batched.step_index[j])
+        assert np.abs(one.images[0].astype(int) - batched.images[j]).max() <= 1
+
+
+def test_ode_rollout_matches_stock_diffusers_pipeline(pipe):
+    """With no noise our batched-CFG loop is diffusers' QwenImagePipeline (t/1000 vs sigma: float rounding only)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+
+    sampling = SamplingParams(**{**SAMPLING, "sde_type": "ode", "num_inference_steps": 3})
+    ours = pipe.generate(PROMPTS[:1], 1, sampling, seeds=[5])
+    stock = QwenImagePipeline(FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler_config), pipe.vae,
+                              pipe.text_encoder, pipe.tokenizer, pipe.transformer)
+    stock.set_progress_bar_config(disable=True)
+    steps = []
+    image = stock(PROMPTS[:1], negative_prompt=" ", true_cfg_scale=4.0, height=40, width=72, num_inference_steps=3,
+                  latents=torch.randn(1, S, C, generator=torch.Generator().manual_seed(5)), output_type="np",
+                  max_sequence_length=64,
+                  callback_on_step_end=lambda p, i, t, kw: steps.append(kw["latents"].clone()) or {}).images
+    start = ours.step_index[0, 0]
+    for k in range(W):
+        np.testing.assert_allclose(ours.latents[0, k + 1], steps[start + k][0].numpy(), atol=1e-5)
+    assert np.abs(ours.images[0].astype(int) - np.round(image[0] * 255)).max() <= 1
+
+
+def test_bf16_rollout_keeps_latents_fp32_and_embeds_in_model_dtype(tiny_path):
+    batch = RolloutPipeline.from_pretrained(tiny_path, dtype="bfloat16", device="cpu").generate(
+        PROMPTS[:1], 1, SamplingParams(**{**SAMPLING, "num_inference_steps": 3}), seeds=[0])
+    assert batch.latents.dtype == np.float32 and batch.prompt_embeds.dtype.name == "bfloat16"
+    assert batch.negative_prompt_embeds.dtype.name == "bfloat16" and np.isfinite(batch.log_probs).all()
+
+
+def test_rollout_package_never_imports_jax():
+    paths = sorted(Path(bridge.rollout.__file__).parent.glob("*.py"))
+    assert {"pipeline.py", "server.py", "lora_apply.py", "engine_diffusers.py"} <= {p.name for p in paths}
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not [n for n in names if n.split(".")[0] in ("jax", "flax", "jaxflow")], path
+
+
+def _transformer(tiny_path, dtype):
+    from diffusers import QwenImageTransformer2DModel
+
+    return QwenImageTransformer2DModel.from_pretrained(tiny_path / "transformer", dtype=dtype).eval()
+
+
+def test_fp32_timestep_equals_stock_diffusers_in_fp32_and_skips_bf16_rounding(tiny_path):
+    torch.manual_seed(0)
+    sigma = torch.tensor([0.7433108, 0.4250384])  # not representable in bf16
+    inputs = dict(hidden_states=torch.randn(2, S, C), encoder_hidden_states=torch.randn(2, 7, 64),
+                  encoder_hidden_states_mask=torch.ones(2, 7, dtype=torch.bool), img_shapes=[[(1, *GRID)]] * 2,
+                  return_dict=False)
+    stock, ours = _transformer(tiny_path, torch.float32), _transformer(tiny_path, torch.float32)
+    fp32_timestep = Fp32Timestep(ours)
+    with torch.no_grad(), fp32_timestep(sigma):
+        got = ours(timestep=sigma, **inputs)[0]
+    assert torch.equal(got, stock(timestep=sigma, **inputs)[0].detach())
+
+    model = _transformer(tiny_path, torch.bfloat16)
+    fp32_timestep, embeds = Fp32Timestep(model), []
+    model.time_text_embed.register_forward_hook(lambda m, args, out: embeds.append(out))
+    bf16_inputs = {k: v.bfloat16() if torch.is_floating_point(v) else v
+                   for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+    with torch.no_grad():
+        with fp32_timestep(sigma):
+            model(timestep=sigma, **{**inputs, **bf16_inputs})
+        model(timestep=sigma, **{**inputs, **bf16_inputs})  # outside the context: stock behaviour
+        embed = model.time_text_embed
+        want = embed.timestep_embedder(embed.time_proj(sigma).bfloat16())
+        rounded = embed.timestep_embedder(embed.time_proj(sigma.bfloat16()).bfloat16())
+    assert torch.equal(embeds[0], want) and torch.equal(embeds[1], rounded) and not torch.equal(want, rounded)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(prompts=[]), "prompts must be a non-empty list of str"),
+    (dict(n=0), r"n \(samples per prompt\) must be an int >= 1"),
+    (dict(height=44), r"multiples of 8 \(2 x VAE factor 4\), got 44x72"),
+    (dict(num_inference_steps=4.0), "height, width and num_inference_steps must be ints"),
+    (dict(max_sequence_length=8), r"2 prompt\(s\) exceed max_sequence_length=8 tokens"),
+    (dict(negative_prompt="bad " * 40), r"1 prompt\(s\) exceed max_sequence_length=64 .*#2"),
+    (dict(max_sequence_length=2000), r"max_sequence_length must be in \[1, 1024\]"),
+    (dict(seeds=[1, 2]), r"seeds must be 4 ints"),
+    (dict(sde_type="dance"), "sde_type must be one of"),
+    (dict(sde_window_size=4), "SDE window size 4 must be in"),
+])
+def test_invalid_requests_fail_before_any_model_runs(pipe, monkeypatch, change, message):
+    def untouchable(*args, **kwargs):
+        raise AssertionError("a model ran before validation")
+
+    monkeypatch.setattr(pipe, "encode", untouchable)
+    monkeypatch.setattr(pipe, "_denoise", untouchable)
+    call = {"prompts": PROMPTS, "n": 2, "seeds": None}
+    sampling = SamplingParams(**{**SAMPLING, **{k: v for k, v in change.items() if k not in call}})
+    args = {**call, **{k: v for k, v in change.items() if k in call}}
+    with pytest.raises(ValueError, match=message):
+        pipe.generate(args["prompts"], args["n"], sampling, args["seeds"])
+
+
+def test_sampling_params_refuse_unknown_keys():
+    assert SamplingParams.from_dict({"sde_window_range": [0, 3]}).sde_window_range == (0, 3)
+    with pytest.raises(ValueError, match=r"unknown sampling parameters \['guidance'\]"):
+        SamplingParams.from_dict({"guidance": 3.0})
+
+
+# ---------------------------------------------------------------------------------------------- LoRA
+
+
+def test_update_lora_changes_outputs_and_version(fresh_pipe, tmp_path):
+    p, args = fresh_pipe, (PROMPTS[:1], 1, NO_CFG, [0])
+    base = p.generate(*args)
+    tensors, config = make_adapter(p, prefix="transformer.")
+    assert p.update_lora(tensors, 1, config) == {"version": 1, "bound_modules": 8}
+    first = p.generate(*args)
+    assert first.policy_versions.tolist() == [1] and not np.allclose(first.latents, base.latents, atol=1e-3)
+
+    layer = p.transformer.get_submodule("transformer_blocks.0.attn.to_q")
+    zeros = {k: np.zeros_like(v) for k, v in make_adapter(p)[0].items()}
+    assert p.update_lora(zeros, 2) == {"version": 2, "bound_modules": 8}  # config reused, no re-injection
+    assert p.transformer.get_submodule("transformer_blocks.0.attn.to_q") is layer
+    np.testing.assert_allclose(p.generate(*args).latents, base.latents, atol=1e-6)  # a zero delta is the base
+
+    other, other_config = make_adapter(p, modules=("attn.to_v",), rank=2, seed=1)  # new rank and targets
+    save_file(other, str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_config.json").write_text(json.dumps(other_config))
+    assert p.update_lora(str(tmp_path), 3) == {"version": 3, "bound_modules": 2}
+    assert type(p.transformer.get_submodule("transformer_blocks.0.attn.to_q")) is torch.nn.Linear
+    assert not np.allclose(p.generate(*args).latents, base.latents, atol=1e-3)
+
+
+def test_bad_adapters_are_refused_and_the_old_one_keeps_serving(fresh_pipe):
+    p, args = fresh_pipe, (PROMPTS[:1], 1, NO_CFG, [0])
+    good, config = make_adapter(p)
+    with pytest.raises(ValueError, match="adapter_config .* is required for the first"):
+        p.update_lora(good, 1)
+    p.update_lora(good, 1, config)
+    before = p.generate(*args)
+
+    bad = dict(good)
+    bad["transformer_blocks.0.attn.to_qq.lora_A.weight"] = good["transformer_blocks.0.attn.to_q.lora_A.weight"]
+    bad["transformer_blocks.1.attn.to_k.lora_B.weight"] = np.ones((64, 3), np.float32)
+    with pytest.raises(ValueError, match="2 offending tensors") as err:
+        p.update_lora(bad, 2)
+    assert "transformer_blocks.0.attn.to_qq.lora_A.weight: the transformer has no Linear module" in str(err.value)
+    assert "transformer_blocks.1.attn.to_k.lora_B.weight: expected shape (64, 4), got (64, 3)" in str(err.value)
+
+    many = {f"transformer_blocks.0.nope{i}.lora_A.weight": np.zeros((4, 64), np.float32) for i in range(25)}
+    with pytest.raises(ValueError, match=r"25 offending tensors.*'transformer_blocks.0.nope19'; \.\.\. and 5 more$"):
+        p.update_lora(many, 2)
+    half = {k: v for k, v in good.items() if "lora_A" in k}
+    with pytest.raises(ValueError, match=r"to_q.lora_B.weight: missing"):
+        p.update_lora(half, 2)
+    with pytest.raises(ValueError, match="expected shape"):  # rank 8 in the config, rank-4 tensors
+        p.update_lora(good, 2, {**config, "r": 8})
+    with pytest.raises(ValueError, match="r: expected a positive number"):
+        p.update_lora(good, 2, {"lora_alpha": 8})
+    with pytest.raises(ValueError, match="use_dora: unsupported"):
+        p.update_lora(good, 2, {**config, "use_dora": True})
+    with pytest.raises(ValueError, match="binds zero modules"):
+        p.update_lora({}, 2)
+
+    after = p.generate(*args)
+    assert p.policy_version == 1 and after.policy_versions.tolist() == [1]
+    np.testing.assert_array_equal(after.latents, before.latents)
+    np.testing.assert_array_equal(after.images, before.images)
+
+
+# ---------------------------------------------------------------------------------------------- Ray server
+
+
+@pytest.fixture(scope="module")
+def servers(ray_session, tiny_path):
+    """Two servers started together (no ports, no shared state)."""
+    config = {"engine": "diffusers", "model": str(tiny_path), "dtype": "float32", "device": "cpu"}
+    handles = [create_rollout_server(config, num_cpus=1) for _ in range(2)]
+    yield handles
+    for handle in handles:
+        ray_session.kill(handle)
+
+
+def test_two_servers_start_in_parallel(ray_session, servers, pipe):
+    infos = ray_session.get([s.info.remote() for s in servers])
+    for info in infos:
+        assert info["engine"] == "diffusers" and info["device"] == "cpu" and info["dtype"] == "float32"
+        assert info["policy_version"] == 0 and info["fingerprint"] == pipe.fingerprint
+        assert info["model"] == infos[0]["model"] and info["size_multiple"] == 8
+
+
+def test_server_generate_update_lora_info(ray_session, servers, pipe):
+    server, sampling = servers[0], {**SAMPLING, "num_inference_steps": 3}
+    out = TrajectoryBatch.from_dict(ray_session.get(server.generate.remote(PROMPTS[:1], 2, sampling, 7)))
+    local = pipe.generate(PROMPTS[:1], 2, SamplingParams.from_dict(sampling), 7)
+    np.testing.assert_allclose(out.latents, local.latents, atol=1e-4)
+    assert out.seeds.tolist() == [7, 8] and out.negative_prompt_embeds is not None
+
+    tensors, config = make_adapter(pipe)
+    assert ray_session.get(server.update_lora.remote(tensors, 5, config)) == {"version": 5, "bound_modules": 8}
+    with pytest.raises(ValueError, match="binds zero modules"):
+        ray_session.get(server.update_lora.remote({}, 6))
+    ray_session.get([server.sleep.remote(), server.wake.remote()])  # no-ops on CPU
+    after = TrajectoryBatch.from_dict(ray_session.get(server.generate.remote(PROMPTS[:1], 2, sampling, 7)))
+    assert after.policy_version == 5 and not np.allclose(after.latents, out.latents, atol=1e-3)
+    info = ray_session.get(server.info.remote())
+    assert info["policy_version"] == 5 and info["lora_modules"] == 8 and info["fingerprint"] == pipe.fingerprint
+
+
+def test_unknown_engine_is_refused_before_ray():
+    with pytest.raises(ValueError, match=r"unknown rollout engine 'vllm'; known engines: \['diffusers'\]"):
+        create_rollout_server({"engine": "vllm"})
