@@ -189,3 +189,43 @@ def kl_term(mean, ref_mean, std):
     noisy = std > 0
     s = jnp.where(noisy, std, 1.0)
     return jnp.where(noisy.reshape(-1), _batch_mean((mean - ref_mean) ** 2 / (2 * s**2)), 0.0)
+
+
+# Window helpers (numpy), line for line as in bridge/rollout/sde.py.
+def window_size(size: int | None, num_steps: int) -> int:
+    """The window length: `size`, or all steps but the schedule's last when size is 0 or None."""
+    return int(size) if size else num_steps - 1
+
+
+def sample_windows(seeds, size: int | None, window_range: tuple[int, int], num_steps: int) -> np.ndarray:
+    """Per-sample window starts (B,) int32; the window of a sample is [start, start + window_size).
+
+    start ~ uniform on [lo, hi - size] from numpy's Generator seeded by that sample's seed alone, with hi
+    clipped to num_steps - 1 so that the schedule's last step is never in a window. size 0 or None: start 0
+    (the window is every step but the last, window_range is ignored).
+    """
+    if num_steps < 2:
+        raise ValueError(f"an SDE window needs num_steps >= 2, got {num_steps}")
+    if not size:
+        return np.zeros(len(seeds), np.int32)
+    if size < 0 or size >= num_steps:
+        raise ValueError(
+            f"SDE window size {size} must be in [1, num_steps - 1 = {num_steps - 1}]: the last step is never trained"
+        )
+    lo, hi = window_range
+    hi = min(hi, num_steps - 1)
+    if lo < 0 or size > hi - lo:
+        raise ValueError(
+            f"SDE window size {size} does not fit in window_range {tuple(window_range)} "
+            f"(clipped to [{lo}, {hi}) so that the last step {num_steps - 1} is excluded)"
+        )
+    starts = [np.random.default_rng(seed).integers(lo, hi - size, endpoint=True) for seed in seeds]
+    return np.asarray(starts, np.int32)
+
+
+def window_noise_levels(starts, size: int | None, num_steps: int, noise_level) -> np.ndarray:
+    """(B, num_steps) float32 noise level per sample and step: noise_level (scalar or (B,)) inside the window, else 0."""
+    starts = np.asarray(starts).reshape(-1, 1)
+    steps = np.arange(num_steps)
+    inside = (steps >= starts) & (steps < starts + window_size(size, num_steps))
+    return np.where(inside, np.asarray(noise_level, np.float32).reshape(-1, 1), np.float32(0)).astype(np.float32)

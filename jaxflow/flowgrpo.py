@@ -1,0 +1,129 @@
+"""FlowGRPO algorithm (DESIGN.md §2, §4; flowgrpo.md §2.3-2.4): group advantages, true-CFG velocity, and the
+clipped policy objective (+ KL to the adapters-off reference) of one SDE window step.
+
+Pure functions. The jitted, sharded train step that accumulates these over micro-batches and window steps
+is `jaxflow.train_step`.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxflow import sde
+
+
+def compute_advantages(rewards, group_ids, *, global_std: bool = True, eps: float = 1e-4, clip: float = 5.0,
+                       expected_group_size: int | None = None) -> tuple[np.ndarray, float]:
+    """A = (r - mean of r's group) / (std + eps), clamped to +-clip; returns (A (B,) float32, zero_std_ratio).
+
+    std is over the whole batch (`global_std`, flow_grpo's default) or over each group (population std,
+    ddof=0). Groups may have any size; with `expected_group_size` an incomplete group is a ValueError.
+    A group whose rewards are all equal gets exactly 0; zero_std_ratio is the fraction of such groups.
+    """
+    rewards = np.asarray(rewards, np.float64)
+    group_ids = np.asarray(group_ids)
+    if rewards.ndim != 1 or group_ids.shape != rewards.shape or not rewards.size:
+        raise ValueError(f"rewards {rewards.shape} and group_ids {group_ids.shape} must be equal non-empty (B,)")
+    groups, inverse, counts = np.unique(group_ids, return_inverse=True, return_counts=True)
+    if expected_group_size is not None and np.any(counts != expected_group_size):
+        bad = np.flatnonzero(counts != expected_group_size)[0]
+        raise ValueError(f"group {groups[bad].item()!r} has {counts[bad]} samples, expected {expected_group_size}")
+    mean = np.bincount(inverse, rewards) / counts
+    lo, hi = np.full(len(groups), np.inf), np.full(len(groups), -np.inf)
+    np.minimum.at(lo, inverse, rewards)
+    np.maximum.at(hi, inverse, rewards)
+    constant = lo == hi
+    centered = np.where(constant[inverse], 0.0, rewards - mean[inverse])
+    if global_std:
+        std = rewards.std()
+    else:
+        std = np.sqrt(np.bincount(inverse, centered**2) / counts)[inverse]
+    advantages = np.clip(centered / (std + eps), -clip, clip).astype(np.float32)
+    return advantages, float(constant.mean())
+
+
+def _pad_text(embeds, mask, length):
+    pad = length - embeds.shape[1]
+    return (jnp.pad(embeds, ((0, 0), (0, pad), (0, 0))), jnp.pad(mask, ((0, 0), (0, pad))))
+
+
+def guided_velocity(model, x, sigma, txt, txt_mask, neg_txt=None, neg_mask=None, *, grid_hw, guidance: float,
+                    lora_scale: float = 1.0) -> jax.Array:
+    """Velocity (B, S, C) float32; true CFG with norm rescale when guidance > 1 (DESIGN.md §4).
+
+    Positive and negative prompts run as ONE batched call (text right-padded to a common length):
+    comb = v_neg + g (v_pos - v_neg), v = comb * |v_pos| / |comb| (norms over channels). guidance <= 1: one
+    positive pass, no negative needed. `guidance` is static (a Python float).
+    """
+    if guidance <= 1:
+        return model(x, sigma, txt, txt_mask, grid_hw=grid_hw, lora_scale=lora_scale).astype(jnp.float32)
+    if neg_txt is None or neg_mask is None:
+        raise ValueError(f"guidance {guidance} > 1 (true CFG) needs negative prompt embeds and mask")
+    length = max(txt.shape[1], neg_txt.shape[1])
+    txt, txt_mask = _pad_text(txt, txt_mask, length)
+    neg_txt, neg_mask = _pad_text(neg_txt.astype(txt.dtype), neg_mask, length)
+    both = model(jnp.concatenate([x, x]), jnp.concatenate([sigma, sigma]), jnp.concatenate([txt, neg_txt]),
+                 jnp.concatenate([txt_mask, neg_mask]), grid_hw=grid_hw, lora_scale=lora_scale)
+    v_pos, v_neg = jnp.split(both.astype(jnp.float32), 2)
+    comb = v_neg + guidance * (v_pos - v_neg)
+    return comb * (jnp.linalg.norm(v_pos, axis=-1, keepdims=True) / jnp.linalg.norm(comb, axis=-1, keepdims=True))
+
+
+def clipped_objective(log_prob, old_log_prob, advantages, clip_range: float, adv_clip: float):
+    """Per-sample PPO terms max(-A r, -A clip(r, 1-eps, 1+eps)) (B,) and the ratio r = exp(logp - logp_old)."""
+    ratio = jnp.exp(log_prob - old_log_prob)
+    adv = jnp.clip(advantages, -adv_clip, adv_clip)
+    terms = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1.0 - clip_range, 1.0 + clip_range))
+    return terms, ratio
+
+
+def window_step_terms(model, step: dict, *, grid_hw, sde_type: str, guidance: float, clip_range: float,
+                      adv_clip: float, beta: float) -> dict:
+    """Per-sample terms (B,) of one window step: policy, kl, ratio and dlogp = logp - logp_rollout.
+
+    `step` holds x, x_next (B, S, C); sigma, sigma_next, sigma_max, noise_level, old_log_prob, advantages (B,);
+    prompt_embeds / prompt_mask and, for CFG, negative_prompt_embeds / negative_prompt_mask. The loss of the
+    step is mean(policy) + beta * mean(kl). The KL reference is the same model with adapters off (lora_scale 0)
+    under stop_gradient.
+    """
+    text = (step["prompt_embeds"], step["prompt_mask"], step.get("negative_prompt_embeds"),
+            step.get("negative_prompt_mask"))
+
+    def mean_and_logp(lora_scale):
+        v = guided_velocity(model, step["x"], step["sigma"], *text, grid_hw=grid_hw, guidance=guidance,
+                            lora_scale=lora_scale)
+        _, logp, mean, std = sde.sde_step(step["x"], v, step["sigma"], step["sigma_next"], step["sigma_max"],
+                                          sde_type=sde_type, noise_level=step["noise_level"],
+                                          prev_sample=step["x_next"])
+        return mean, logp, std
+
+    mean, logp, std = mean_and_logp(1.0)
+    policy, ratio = clipped_objective(logp, step["old_log_prob"], step["advantages"], clip_range, adv_clip)
+    kl = jnp.zeros_like(policy)
+    if beta > 0:
+        ref_mean = jax.lax.stop_gradient(mean_and_logp(0.0)[0])
+        kl = sde.kl_term(mean, ref_mean, std)
+    return {"policy": policy, "kl": kl, "ratio": ratio, "dlogp": logp - step["old_log_prob"]}
+
+
+def step_metrics(terms: dict, *, clip_range: float, beta: float) -> dict:
+    """Scalar metrics from per-sample terms stacked as (..., W, B_micro) (window step on the second-last axis);
+    logp_diff_mean / logp_diff_max are (W,): |logp - logp_rollout| per window step (rollout-trainer mismatch)."""
+    ratio, dlogp = terms["ratio"], terms["dlogp"]
+    per_step = jnp.moveaxis(jnp.abs(dlogp), -2, 0).reshape(dlogp.shape[-2], -1)
+    policy, kl = jnp.mean(terms["policy"]), jnp.mean(terms["kl"])
+    return {
+        "loss": policy + beta * kl,
+        "policy_loss": policy,
+        "kl": kl,
+        "approx_kl": 0.5 * jnp.mean(dlogp**2),
+        "clipfrac": jnp.mean(jnp.abs(ratio - 1.0) > clip_range),
+        "clipfrac_gt_one": jnp.mean(ratio > 1.0 + clip_range),
+        "clipfrac_lt_one": jnp.mean(ratio < 1.0 - clip_range),
+        "ratio_mean": jnp.mean(ratio),
+        "ratio_min": jnp.min(ratio),
+        "ratio_max": jnp.max(ratio),
+        "logp_diff_mean": jnp.mean(per_step, axis=1),
+        "logp_diff_max": jnp.max(per_step, axis=1),
+    }

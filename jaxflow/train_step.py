@@ -1,0 +1,211 @@
+"""The FlowGRPO train step: one jitted, sharded function per call of `step(state, batch)` (DESIGN.md §2).
+
+Functional NNX: `graphdef, lora, frozen = nnx.split(model, LoRAParam, ...)`, `nnx.merge` inside the loss,
+gradients only for the LoRA tree. For each micro-batch x each window step: forward (true CFG if guidance > 1),
+SDE log-prob of the stored next latent, clipped objective (+ beta KL), gradient; accumulated with lax.scan,
+each loss divided by (num_micro_batches * W) as flow_grpo does. Then ONE optimizer update, skipped (state
+untouched, `skipped` = 1) when the loss or the gradient is not finite. The optimizer state covers the LoRA
+tree only; the frozen base is an argument of the step, never updated and never donated.
+
+Micro-batch k holds rows k, k + M, k + 2M, ... of the batch (M = num_micro_batches), so with the batch sharded
+over the data devices every micro-batch is spread evenly over all of them. The sum of the gradients does not
+depend on the grouping.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxflow import flowgrpo
+from jaxflow.models.lora import LoRAParam
+from jaxflow.sharding import Layout
+
+BATCH_FIELDS = ("latents", "log_probs", "sigmas", "step_index", "noise_level", "prompt_embeds", "prompt_mask",
+                "advantages")
+CFG_FIELDS = ("negative_prompt_embeds", "negative_prompt_mask")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Static configuration of the step (flow_grpo defaults; flowgrpo.md §2.4, §8)."""
+
+    grid_hw: tuple[int, int]
+    sde_type: str = "sde"
+    guidance: float = 1.0          # > 1: true CFG in the training forward
+    num_micro_batches: int = 1
+    clip_range: float = 1e-4
+    beta: float = 0.0              # KL weight; 0 skips the reference forward
+    adv_clip: float = 5.0
+    learning_rate: float = 3e-4
+    adam_b1: float = 0.9
+    adam_b2: float = 0.999
+    adam_eps: float = 1e-8
+    weight_decay: float = 1e-4
+    max_grad_norm: float = 1.0
+    ema_decay: float | None = None  # EMA of the LoRA params; None = off
+
+    def __post_init__(self):
+        object.__setattr__(self, "grid_hw", tuple(int(s) for s in self.grid_hw))
+        if self.sde_type not in ("sde", "cps"):
+            raise ValueError(f"sde_type must be 'sde' or 'cps' ('ode' has no log-prob to train), got {self.sde_type!r}")
+        if self.guidance < 1 or self.num_micro_batches < 1 or self.clip_range <= 0 or self.beta < 0:
+            raise ValueError(f"need guidance >= 1, num_micro_batches >= 1, clip_range > 0, beta >= 0: {self}")
+        if self.ema_decay is not None and not 0 < self.ema_decay < 1:
+            raise ValueError(f"ema_decay must be in (0, 1) or None, got {self.ema_decay}")
+
+    @property
+    def cfg(self) -> bool:
+        return self.guidance > 1
+
+    def optimizer(self) -> optax.GradientTransformation:
+        return optax.chain(
+            optax.clip_by_global_norm(self.max_grad_norm),
+            optax.adamw(self.learning_rate, b1=self.adam_b1, b2=self.adam_b2, eps=self.adam_eps,
+                        weight_decay=self.weight_decay))
+
+
+@flax.struct.dataclass
+class TrainState:
+    """step = applied updates; lora = the LoRAParam state; opt_state over lora only; ema = EMA of lora or None."""
+
+    step: jax.Array
+    lora: nnx.State
+    opt_state: optax.OptState
+    ema: nnx.State | None = None
+
+
+def _micro_batches(batch: dict, m: int) -> dict:
+    """(B, ...) -> (m, B/m, ...), micro-batch k = rows k, k + m, ..."""
+    return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1), batch)
+
+
+def _window_steps(mb: dict) -> tuple[dict, dict]:
+    """Split a micro-batch into per-window-step inputs (leading W axis) and inputs shared by all steps."""
+    sigmas, idx = mb["sigmas"], mb["step_index"].T  # (b, N+1), (W, b)
+    rows = jnp.arange(sigmas.shape[0])[None]
+    latents = jnp.swapaxes(mb["latents"], 0, 1)
+    per_step = {"x": latents[:-1], "x_next": latents[1:], "sigma": sigmas[rows, idx],
+                "sigma_next": sigmas[rows, idx + 1], "old_log_prob": mb["log_probs"].T}
+    shared = {k: mb[k] for k in ("noise_level", "advantages", "prompt_embeds", "prompt_mask", *CFG_FIELDS) if k in mb}
+    return per_step, {**shared, "sigma_max": sigmas[:, 1]}
+
+
+def _window_loss(lora, frozen, step, *, graphdef, config: TrainConfig, scale: float):
+    model = nnx.merge(graphdef, lora, frozen)
+    terms = flowgrpo.window_step_terms(
+        model, step, grid_hw=config.grid_hw, sde_type=config.sde_type, guidance=config.guidance,
+        clip_range=config.clip_range, adv_clip=config.adv_clip, beta=config.beta)
+    loss = jnp.mean(terms["policy"]) + config.beta * jnp.mean(terms["kl"])
+    return loss * scale, terms
+
+
+def accumulate_gradients(graphdef, lora, frozen, batch: dict, config: TrainConfig, layout: Layout | None = None):
+    """Sum over micro-batches and window steps of grad(loss / (M * W)) wrt `lora`, and the per-sample terms
+    stacked as (M, W, B/M). `batch` is per-sample (see `prepare_batch`)."""
+    m, w = config.num_micro_batches, batch["log_probs"].shape[1]
+    grad_fn = jax.grad(functools.partial(_window_loss, graphdef=graphdef, config=config, scale=1.0 / (m * w)),
+                       has_aux=True)
+
+    def micro(grads, mb):
+        if layout is not None:
+            mb = jax.lax.with_sharding_constraint(mb, layout.batch_sharding)
+        per_step, shared = _window_steps(mb)
+
+        def window(grads, xs):
+            g, terms = grad_fn(lora, frozen, {**shared, **xs})
+            return jax.tree.map(jnp.add, grads, g), terms
+
+        return jax.lax.scan(window, grads, per_step)
+
+    return jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, lora), _micro_batches(batch, m))
+
+
+def _apply_update(state: TrainState, grads, *, tx, config: TrainConfig) -> TrainState:
+    updates, opt_state = tx.update(grads, state.opt_state, state.lora)
+    lora = optax.apply_updates(state.lora, updates)
+    ema = state.ema
+    if ema is not None:  # flow_grpo's warm-up: decay min(ema_decay, (1 + k) / (10 + k))
+        decay = jnp.minimum(config.ema_decay, (1.0 + state.step) / (10.0 + state.step))
+        ema = jax.tree.map(lambda e, p: decay * e + (1 - decay) * p, ema, lora)
+    return TrainState(step=state.step + 1, lora=lora, opt_state=opt_state, ema=ema)
+
+
+def _train_step(state: TrainState, frozen, batch, *, graphdef, config: TrainConfig, tx, layout):
+    grads, terms = accumulate_gradients(graphdef, state.lora, frozen, batch, config, layout)
+    metrics = flowgrpo.step_metrics(terms, clip_range=config.clip_range, beta=config.beta)
+    grad_norm = optax.tree.norm(grads)
+    ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+    state = jax.lax.cond(ok, functools.partial(_apply_update, tx=tx, config=config), lambda s, g: s, state, grads)
+    return state, {**metrics, "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32)}
+
+
+def prepare_batch(batch: dict, config: TrainConfig, batch_devices: int = 1) -> dict[str, np.ndarray]:
+    """The per-sample host arrays the step consumes, checked: sigmas (N+1,) and a scalar noise_level are
+    broadcast to every sample; other keys (images, seeds, ...) are dropped."""
+    fields = BATCH_FIELDS + (CFG_FIELDS if config.cfg else ())
+    missing = [k for k in fields if batch.get(k) is None]
+    if missing:
+        raise ValueError(f"train batch is missing {missing}" + (" (guidance > 1 needs the negative prompt)"
+                                                                 if set(missing) & set(CFG_FIELDS) else ""))
+    out = {k: np.asarray(batch[k]) for k in fields}
+    b, w = out["log_probs"].shape
+    multiple = config.num_micro_batches * batch_devices
+    if b % multiple:
+        raise ValueError(f"batch {b} is not a multiple of num_micro_batches x batch devices = {multiple}")
+    if out["latents"].shape[:2] != (b, w + 1) or out["step_index"].shape != (b, w):
+        raise ValueError(f"latents {out['latents'].shape} / step_index {out['step_index'].shape} do not match "
+                         f"log_probs {(b, w)}: expected (B, W+1, S, C) / (B, W)")
+    n1 = out["sigmas"].shape[-1]
+    out["sigmas"] = np.broadcast_to(out["sigmas"].astype(np.float32), (b, n1))
+    out["noise_level"] = np.broadcast_to(out["noise_level"].astype(np.float32), (b,))
+    out["step_index"] = out["step_index"].astype(np.int32)
+    return out
+
+
+def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | None = None):
+    """Returns (init_state, step) for a model with LoRA adapters.
+
+    init_state() -> TrainState from the model's current LoRA params (copied; the model is left intact).
+    step(state, batch) -> (state, metrics): `state` is donated (do not reuse it); `batch` is a dict of host or
+    device arrays with the Trajectory fields (DESIGN.md §3) plus advantages (B,) and noise_level (scalar or
+    (B,)). With a `layout`, the frozen base, state and batch are placed by its rules and the step runs as one
+    jit with explicit in/out shardings; without one it runs on the default device.
+    """
+    graphdef, lora, frozen = nnx.split(model, LoRAParam, ...)
+    if not jax.tree.leaves(lora):
+        raise ValueError("the model has no LoRA params: build it with a LoRASpec")
+    tx = config.optimizer()
+
+    def init(lora):
+        lora = jax.tree.map(jnp.copy, lora)
+        ema = jax.tree.map(jnp.copy, lora) if config.ema_decay is not None else None
+        return TrainState(step=jnp.zeros((), jnp.int32), lora=lora, opt_state=tx.init(lora), ema=ema)
+
+    step_fn = functools.partial(_train_step, graphdef=graphdef, config=config, tx=tx, layout=layout)
+    if layout is None:
+        init_jit, jitted = jax.jit(init), jax.jit(step_fn, donate_argnums=0)
+        put, batch_devices = (lambda b: jax.tree.map(jnp.asarray, b)), 1
+    else:
+        state_sh = layout.tree_shardings(jax.eval_shape(init, lora))
+        frozen_sh = layout.tree_shardings(frozen)
+        frozen = jax.device_put(frozen, frozen_sh)
+        lora = jax.device_put(lora, layout.tree_shardings(lora))
+        init_jit = jax.jit(init, out_shardings=state_sh)
+        jitted = jax.jit(step_fn, in_shardings=(state_sh, frozen_sh, layout.batch_sharding),
+                         out_shardings=(state_sh, layout.replicated), donate_argnums=0)
+        put, batch_devices = layout.put_batch, layout.batch_devices // jax.process_count()
+
+    def init_state() -> TrainState:
+        return init_jit(lora)
+
+    def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        return jitted(state, frozen, put(prepare_batch(batch, config, batch_devices)))
+
+    return init_state, step

@@ -1,0 +1,173 @@
+"""The jitted FlowGRPO train step end to end with the JAX sampler on a tiny fp32 Qwen-Image DiT."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxflow import flowgrpo, sde
+from jaxflow.models.config import ModelOptions, QwenImageConfig
+from jaxflow.models.lora import LoRAParam, LoRASpec
+from jaxflow.models.transformer import QwenImageTransformer
+from jaxflow.sampler import SamplerConfig, make_sampler
+from jaxflow.train_step import TrainConfig, accumulate_gradients, make_train_step, prepare_batch
+
+TINY = QwenImageConfig(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,
+                       axes_dims_rope=(8, 12, 12))
+GRID, SEEDS, ADV = (2, 2), [1, 2, 3, 4], np.array([1.0, -1.0, 2.0, -0.5], np.float32)
+
+
+def _numpy(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+def _inputs(cfg: bool) -> dict:
+    r = np.random.default_rng(0)
+    out = {"prompt_embeds": r.normal(size=(4, 5, 64)).astype(np.float32),
+           "prompt_mask": np.arange(5)[None] < np.array([5, 3, 4, 2])[:, None]}
+    if cfg:
+        out["negative_prompt_embeds"] = r.normal(size=(4, 2, 64)).astype(np.float32)
+        out["negative_prompt_mask"] = np.array([[1, 1], [1, 0], [1, 1], [1, 0]], bool)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model():
+    """Tiny model whose LoRA params (B included) are all non-zero, so the adapters change the velocity."""
+    spec = LoRASpec(rank=4, alpha=8.0, targets=("to_q", "to_v", "img_mlp.net.2"))
+    model = QwenImageTransformer(TINY, ModelOptions(), spec, rngs=nnx.Rngs(0))
+    leaves, treedef = jax.tree.flatten(nnx.state(model, LoRAParam))
+    nnx.update(model, jax.tree.unflatten(
+        treedef, [x + 0.3 * jax.random.normal(jax.random.key(i), x.shape) for i, x in enumerate(leaves)]))
+    return model
+
+
+def _setup(model, guidance, **train_kw):
+    config = SamplerConfig(grid_hw=GRID, num_steps=6, noise_level=1.2, guidance=guidance, window_size=2)
+    traj = make_sampler(model, config)(_inputs(guidance > 1), SEEDS)
+    init_state, step = make_train_step(model, TrainConfig(grid_hw=GRID, guidance=guidance, num_micro_batches=2,
+                                                          beta=0.04, **train_kw))
+    return config, {**traj, "advantages": ADV}, init_state, step
+
+
+@pytest.fixture(scope="module")
+def plain(model):
+    return _setup(model, 1.0)
+
+
+@pytest.fixture(scope="module")
+def cfg(model):
+    return _setup(model, 4.0, ema_decay=0.9)
+
+
+def test_sampler_trajectory(plain):
+    config, batch, _, _ = plain
+    starts = sde.sample_windows(np.array(SEEDS), 2, (0, 5), 6)
+    np.testing.assert_array_equal(batch["step_index"], starts[:, None] + np.arange(2))
+    assert batch["latents"].shape == (4, 3, 4, 64) and batch["log_probs"].shape == (4, 2)
+    sigmas = config.sigmas()
+    np.testing.assert_array_equal(batch["sigmas"], sigmas)
+    # E[log p] at sampling time = -1/2 - log(step std) - log(sqrt(2 pi)) (256 elements: +-0.05)
+    s, s_next = sigmas[batch["step_index"]], sigmas[batch["step_index"] + 1]
+    s_tilde = np.where(s == 1, sigmas[1], s)
+    step_std = 1.2 * np.sqrt(s / (1 - s_tilde)) * np.sqrt(s - s_next)
+    np.testing.assert_allclose(batch["log_probs"], -0.5 - np.log(step_std) - 0.5 * math.log(2 * math.pi), atol=0.25)
+    assert np.isfinite(np.asarray(batch["final_latents"])).all()
+
+
+@pytest.mark.parametrize("setup", ["plain", "cfg"])
+def test_recomputed_log_probs_match_rollout(setup, request):
+    """On-policy (same weights, fp32): ratio == 1 and |logp - logp_rollout| ~ 0 at every window step."""
+    _, batch, init_state, step = request.getfixturevalue(setup)
+    state = init_state()
+    before = _numpy(state)
+    state, m = step(state, batch)
+    assert int(m["skipped"]) == 0 and int(state.step) == 1
+    assert abs(float(m["ratio_min"]) - 1) < 1e-6 and abs(float(m["ratio_max"]) - 1) < 1e-6
+    assert m["logp_diff_max"].shape == (2,) and float(jnp.max(m["logp_diff_max"])) < 1e-6
+    assert float(m["clipfrac"]) == 0 and float(m["approx_kl"]) < 1e-12
+    assert float(m["kl"]) > 0 and np.isfinite(float(m["grad_norm"])) and float(m["grad_norm"]) > 0
+    if setup == "cfg":  # EMA warm-up decay min(0.9, 1/10) on the first update
+        for e, old, new in zip(*(jax.tree.leaves(t) for t in (state.ema, before.lora, state.lora))):
+            np.testing.assert_allclose(e, 0.1 * old + 0.9 * np.asarray(new), rtol=1e-6, atol=1e-7)
+
+
+def test_only_lora_params_change(model, plain):
+    _, batch, init_state, step = plain
+    base = _numpy(nnx.state(model, nnx.Param))
+    state = init_state()
+    lora = _numpy(state.lora)
+    state, _ = step(state, batch)
+    for got, want in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(base)):
+        np.testing.assert_array_equal(got, want)
+    assert all(np.abs(np.asarray(a) - b).max() > 0 for a, b in zip(jax.tree.leaves(state.lora), jax.tree.leaves(lora)))
+    # optimizer state: Adam moments shaped like the LoRA tree, nothing for the base
+    adam = state.opt_state[1][0]
+    assert jax.tree.structure(adam.mu) == jax.tree.structure(adam.nu) == jax.tree.structure(state.lora)
+    big = [x.size for x in jax.tree.leaves(state.opt_state) if x.ndim]
+    assert sum(big) == 2 * sum(x.size for x in jax.tree.leaves(state.lora))
+
+
+def test_non_finite_loss_skips_the_update(plain):
+    _, batch, init_state, step = plain
+    state = init_state()
+    before = _numpy(state)
+    state, m = step(state, {**batch, "advantages": np.array([1.0, np.nan, 0.0, 0.0], np.float32)})
+    assert int(m["skipped"]) == 1 and not np.isfinite(float(m["loss"]))
+    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(before)):
+        np.testing.assert_array_equal(got, want)
+    state, m = step(state, batch)
+    assert int(m["skipped"]) == 0 and int(state.step) == 1
+
+
+def test_gradient_matches_finite_differences(model, plain):
+    """Accumulated gradient (2 micro-batches x 2 window steps, KL on) vs a central difference of the mean
+    loss along the top-6 gradient entries."""
+    config = TrainConfig(grid_hw=GRID, num_micro_batches=2, beta=0.04, clip_range=10.0)  # no clipping
+    graphdef, lora, frozen = nnx.split(model, LoRAParam, ...)
+    batch = jax.tree.map(jnp.asarray, prepare_batch(plain[1], config))
+
+    @jax.jit
+    def grads_and_loss(lora):
+        grads, terms = accumulate_gradients(graphdef, lora, frozen, batch, config)
+        return grads, flowgrpo.step_metrics(terms, clip_range=config.clip_range, beta=config.beta)["loss"]
+
+    grads, _ = grads_and_loss(lora)
+    flat_g = np.concatenate([np.asarray(g).ravel() for g in jax.tree.leaves(grads)])
+    top = np.argsort(-np.abs(flat_g))[:6]
+    direction = np.zeros_like(flat_g)
+    direction[top] = flat_g[top] / np.linalg.norm(flat_g[top])
+    leaves, treedef = jax.tree.flatten(lora)
+    parts = np.split(direction, np.cumsum([x.size for x in leaves])[:-1])
+
+    def loss_at(h):
+        shifted = [x + h * p.reshape(x.shape) for x, p in zip(leaves, parts)]
+        return float(grads_and_loss(jax.tree.unflatten(treedef, shifted))[1])
+
+    h = 1e-2
+    fd = (loss_at(h) - loss_at(-h)) / (2 * h)
+    exact = float(direction @ flat_g)
+    assert exact > 1e-3 and abs(fd - exact) <= 1e-3 * exact, (fd, exact)
+
+
+def test_batch_validation():
+    config = TrainConfig(grid_hw=GRID, guidance=4.0, num_micro_batches=2)
+    batch = {"latents": np.zeros((4, 3, 4, 64), np.float32), "log_probs": np.zeros((4, 2), np.float32),
+             "sigmas": np.linspace(1, 0, 7, dtype=np.float32), "step_index": np.zeros((4, 2), np.int32),
+             "noise_level": 1.2, **_inputs(False), "advantages": ADV}
+    with pytest.raises(ValueError, match="negative"):
+        prepare_batch(batch, config)
+    out = prepare_batch({**batch, **_inputs(True)}, config)
+    assert out["sigmas"].shape == (4, 7) and out["noise_level"].shape == (4,)
+    with pytest.raises(ValueError, match="multiple"):
+        prepare_batch({**batch, **_inputs(True)}, config, batch_devices=4)
+    with pytest.raises(ValueError, match="sde_type"):
+        TrainConfig(grid_hw=GRID, sde_type="ode")
+
+
+def test_model_without_lora_is_rejected():
+    with pytest.raises(ValueError, match="no LoRA"):
+        make_train_step(QwenImageTransformer(TINY, rngs=nnx.Rngs(0)), TrainConfig(grid_hw=GRID))
