@@ -15,6 +15,7 @@ import importlib
 
 ENGINES: dict[str, str] = {
     "diffusers": "bridge.rollout.engine_diffusers:DiffusersEngine",
+    "vllm_omni": "bridge.rollout.engine_vllm_omni:VllmOmniEngine",
 }
 
 

@@ -1,0 +1,313 @@
+"""The GPU rollout engine: vLLM-Omni 0.20 (`AsyncOmni`) serving our FlowGRPO pipeline, inside the Ray actor.
+
+Config keys: `engine` ("vllm_omni"), `model` (a local diffusers Qwen-Image folder saved in bf16, or "tiny"),
+`dtype` ("bfloat16", the default; "float32" untried), `device` (None or "cuda": the GPU Ray gave the actor), `omni_args` (extra
+`AsyncOmni` keyword arguments, e.g. {"enforce_eager": True}). Same calls and results as the diffusers engine.
+
+- generate: one engine request per prompt with `num_outputs_per_prompt=n` (one B=n forward, 2n with true CFG,
+  per step), all submitted at once; knobs split into OmniDiffusionSamplingParams fields and `extra_args`
+  (`vllm_omni_pipeline.encode_request`); results unpacked into one TrajectoryBatch, prompt-major.
+- update_lora: the adapter, renamed for vLLM-Omni (`bridge.lora.to_vllm_omni`), is checked against the engine
+  transformer's LoRA-capable layers (names, packed q/k/v slots, shapes) before the engine sees it, written as a
+  PEFT folder under /dev/shm and loaded by vLLM-Omni's own loader (`add_lora(LoRARequest)`); every later request
+  carries that LoRARequest. If loading fails, the previous adapter is loaded back and keeps serving.
+- sleep / wake: level-1 sleep through the workers' sleep task (weights, text encoder and VAE included, move to
+  CPU and come back); wake goes through the same RPC path, so the actor process never creates a CUDA context.
+AsyncOmni runs on an event loop in a background thread; the engine's methods block on it (one call at a time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import shutil
+import tempfile
+import threading
+import uuid
+import weakref
+from pathlib import Path
+
+import numpy as np
+
+import bridge
+from bridge.lora import lora_pairs, read_peft, to_vllm_omni, vllm_omni_adapter_config, write_peft
+from bridge.rollout.lora_apply import _refuse, _spec_from_config
+from bridge.rollout.pipeline import FINGERPRINT_ELEMENTS, RolloutPipeline, SamplingParams, weights_fingerprint
+from bridge.rollout.sde import sample_windows
+from bridge.rollout.vllm_omni_pipeline import (PIPELINE_CLASS, WORKER_EXTENSION_CLASS, encode_request,
+                                               unpack_trajectories)
+from bridge.tensors import torch_to_numpy
+from bridge.trajectory import TrajectoryBatch
+
+CONFIG_KEYS = ("engine", "model", "dtype", "device", "omni_args")
+INSTALL_HINT = ("the 'vllm_omni' rollout engine needs vLLM-Omni 0.20 on a CUDA machine: `pip install jaxflow[omni]`, "
+                "or, where the machine has no package index, stage the wheels here with "
+                "scripts/stage_vllm_omni.sh and install them there with scripts/install_staged.sh")
+LORA_ROOT = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+
+
+# ------------------------------------------------------------------------------------------ pure helpers
+
+
+def check_lora_binding(pairs: dict, rank: int, table: dict) -> int:
+    """Bind every adapter module (vLLM-Omni names) to an engine layer; returns how many bound.
+
+    table: `vllm_omni_pipeline.lora_module_table` of the engine transformer. A module binds to the layer of its
+    name (B spans all of a fused layer's slices), or to its slot of a fused layer through `packed` (`to_q` ->
+    slice 0 of `to_qkv`). ValueError listing every module that binds nowhere, has a wrong shape or non-finite
+    values, or if none binds.
+    """
+    modules, errors = table["modules"], []
+    slots = {part: (fused, i) for fused, parts in table["packed"].items() for i, part in enumerate(parts)}
+    for name, (a, b) in sorted(pairs.items()):
+        prefix, _, leaf = name.rpartition(".")
+        fused, slot = slots.get(leaf, (None, None))
+        target = name if name in modules else f"{prefix}.{fused}" if fused else None
+        if target not in modules:
+            errors.append(f"{name}: the engine transformer has no such LoRA-capable layer")
+            continue
+        fan_in, outs = modules[target]
+        out = sum(outs) if target == name else outs[slot]
+        for part, got, want in (("lora_A", a, (rank, fan_in)), ("lora_B", b, (out, rank))):
+            if tuple(np.shape(got)) != want:
+                errors.append(f"{name}.{part}.weight: expected shape {want} (engine layer {target}), "
+                              f"got {tuple(np.shape(got))}")
+            elif not np.isfinite(got).all():
+                errors.append(f"{name}.{part}.weight: expected finite values")
+    if errors:
+        raise _refuse(errors, "modules that do not bind")
+    if not pairs:
+        raise ValueError("LoRA adapter refused: it binds zero modules; the previous adapter keeps serving")
+    return len(pairs)
+
+
+class _StoredHead:
+    """What `weights_fingerprint` reads of a tensor, without loading it: its shape and its first elements."""
+
+    def __init__(self, shape, head):
+        self.shape, self.head = tuple(shape), head
+
+    def detach(self):
+        return self
+
+    def reshape(self, *shape):
+        return self.head.reshape(*shape)
+
+
+def folder_fingerprint(transformer_dir) -> str:
+    """`weights_fingerprint` of a diffusers transformer folder, reading only the first 4096 elements of each
+    stored tensor: what the diffusers engine and the trainer report for the same checkpoint."""
+    from safetensors import safe_open
+
+    heads = []
+    for path in sorted(Path(transformer_dir).glob("*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                stored = f.get_slice(key)
+                shape = stored.get_shape()
+                rows = -(-FINGERPRINT_ELEMENTS // max(1, math.prod(shape[1:])))
+                heads.append((key, _StoredHead(shape, stored[:rows])))
+    if not heads:
+        raise FileNotFoundError(f"no *.safetensors in {transformer_dir}")
+    return weights_fingerprint(heads)
+
+
+def _flat(results) -> list:
+    """The leaves of a collective_rpc result: one list per stage, of one reply per answering worker."""
+    return [leaf for r in results for leaf in (_flat(r) if isinstance(r, list) else [r]) if leaf is not None]
+
+
+def _ack_errors(results) -> list[str]:
+    """What went wrong in the OmniACKs (dataclasses or dicts) of a sleep/wake RPC; [] if all succeeded."""
+    acks = _flat(results)
+    bad = [str(a) for a in acks if (a.get("status") if isinstance(a, dict) else a.status) != "SUCCESS"]
+    return bad if acks else ["no acknowledgement"]
+
+
+def _export_package_path() -> None:
+    """Let vLLM-Omni's spawned workers import `bridge` (they resolve our classes by module path)."""
+    root = str(Path(bridge.__file__).resolve().parents[1])
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if root not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([root] + [p for p in paths if p])
+
+
+def _import_omni():
+    try:
+        from vllm_omni.entrypoints.async_omni import AsyncOmni
+        from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+        from vllm_omni.lora.request import LoRARequest
+    except ImportError as e:
+        raise ImportError(f"{INSTALL_HINT} ({e})") from e
+    return AsyncOmni, OmniDiffusionSamplingParams, LoRARequest
+
+
+# ------------------------------------------------------------------------------------------ the engine
+
+
+class VllmOmniEngine:
+    """generate / update_lora / sleep / wake / info over one AsyncOmni engine."""
+
+    name = "vllm_omni"
+
+    def __init__(self, config: dict):
+        unknown = sorted(set(config) - set(CONFIG_KEYS))
+        if unknown or "model" not in config:
+            raise ValueError(f"vllm_omni engine config: needs 'model', knows {list(CONFIG_KEYS)}, "
+                             f"got unknown keys {unknown}")
+        if config.get("device") not in (None, "cuda"):
+            raise ValueError(f"the vllm_omni engine runs on the actor's CUDA GPU, got device={config['device']!r}")
+        self.dtype = config.get("dtype", "bfloat16")
+        if self.dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
+        async_omni, self._params_cls, self._lora_cls = _import_omni()
+        model = config["model"]
+        if model == "tiny":
+            from bridge.rollout.tiny import tiny_pipeline_path
+
+            model = tiny_pipeline_path(dtype=self.dtype)
+        self.model_path = str(Path(model))
+        self.fingerprint = folder_fingerprint(Path(model) / "transformer")
+        vae = json.loads((Path(model) / "vae" / "config.json").read_text())
+        self.size_multiple = 2 * 2 ** len(vae["temperal_downsample"])
+        self.policy_version, self.asleep = 0, False
+        self._lora, self._lora_config, self._lora_bound, self._lora_ids = None, None, 0, 0
+        self._lora_dir = Path(tempfile.mkdtemp(prefix="jaxflow-lora-", dir=LORA_ROOT))
+        weakref.finalize(self, shutil.rmtree, self._lora_dir, True)  # shared memory: free it with the engine
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="vllm-omni-loop", daemon=True).start()
+        _export_package_path()
+        kwargs = {"custom_pipeline_args": {"pipeline_class": PIPELINE_CLASS},
+                  "worker_extension_cls": WORKER_EXTENSION_CLASS, "dtype": self.dtype, "enable_sleep_mode": True,
+                  **config.get("omni_args", {})}
+        self.omni = self._run(self._start(async_omni, kwargs))
+        self._modules = _flat(self._rpc("rollout_lora_modules"))[0]
+
+    async def _start(self, async_omni, kwargs):
+        return async_omni(model=self.model_path, **kwargs)
+
+    def _run(self, coro):
+        """Run a coroutine on the engine's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _rpc(self, method: str, *args) -> list:
+        """A worker RPC's results; RuntimeError if a stage reports an error."""
+        results = self._run(self.omni.collective_rpc(method=method, args=args))
+        errors = [leaf for leaf in _flat(results) if isinstance(leaf, dict) and leaf.get("error") is True]
+        if errors:
+            raise RuntimeError(f"vLLM-Omni RPC {method} failed: {errors}")
+        return results
+
+    # -------------------------------------------------------------------------------------- generation
+
+    def generate(self, prompts: list[str], n: int, sampling: dict | None = None, seeds=None) -> dict:
+        """TrajectoryBatch.to_dict() of B = len(prompts) * n samples, prompt-major (sample b of prompt b // n)."""
+        sp = SamplingParams.from_dict(sampling)
+        if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) for p in prompts):
+            raise ValueError(f"prompts must be a non-empty list of str, got {prompts!r}")
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"n (samples per prompt) must be an int >= 1, got {n!r}")
+        self._check_awake()
+        seeds = RolloutPipeline._seeds(len(prompts) * n, sp.seed if seeds is None else seeds)
+        sample_windows(seeds, sp.sde_window_size, sp.sde_window_range, sp.num_inference_steps)
+        requests = [encode_request(p, sp, seeds[g * n:(g + 1) * n], self.policy_version)
+                    for g, p in enumerate(prompts)]
+        outputs = self._run(self._generate_all(requests))
+        return TrajectoryBatch.concat([unpack_trajectories(out, p, g)
+                                       for g, (p, out) in enumerate(zip(prompts, outputs))]).to_dict()
+
+    async def _generate_all(self, requests):
+        tag = uuid.uuid4().hex[:12]
+        tasks = [asyncio.ensure_future(self._generate_one(f"rollout-{tag}-{g}", prompt, kwargs))
+                 for g, (prompt, kwargs) in enumerate(requests)]
+        try:
+            return await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:  # a failed request stops the others (their cancellation aborts them in the engine)
+                task.cancel()
+            raise
+
+    async def _generate_one(self, request_id: str, prompt: dict, kwargs: dict):
+        params = self._params_cls(**kwargs, lora_request=self._lora)
+        final = None
+        async for output in self.omni.generate(prompt, request_id=request_id, sampling_params_list=[params]):
+            final = output
+        if final is None:
+            raise RuntimeError(f"vLLM-Omni returned nothing for request {request_id}")
+        return final
+
+    # -------------------------------------------------------------------------------------- LoRA
+
+    def update_lora(self, tensors, version: int, adapter_config: dict | None = None) -> dict:
+        """{"version", "bound_modules"}; a refused or failed adapter leaves the previous one serving."""
+        if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
+            raise ValueError(f"version must be an int, got {version!r}")
+        self._check_awake()
+        if isinstance(tensors, (str, Path)):
+            tensors, file_config = read_peft(tensors)
+            adapter_config = adapter_config or file_config
+        adapter_config = adapter_config or self._lora_config
+        if not adapter_config:
+            raise ValueError("adapter_config (r, lora_alpha) is required for the first LoRA update")
+        spec = _spec_from_config(adapter_config)
+        tensors = to_vllm_omni({k: v if isinstance(v, np.ndarray) else torch_to_numpy(v)
+                                for k, v in tensors.items()})
+        bound = check_lora_binding(lora_pairs(tensors), spec.rank, self._modules)
+        self._lora_ids += 1
+        folder = write_peft(self._lora_dir / f"adapter-{self._lora_ids}", tensors,
+                            vllm_omni_adapter_config(adapter_config))
+        request = self._lora_cls(lora_name=f"policy-v{int(version)}", lora_int_id=self._lora_ids,
+                                 lora_path=str(folder))
+        self._run(self._swap_lora(request))
+        self._lora, self._lora_config, self._lora_bound = request, dict(adapter_config), bound
+        self.policy_version = int(version)
+        return {"version": self.policy_version, "bound_modules": bound}
+
+    async def _swap_lora(self, request) -> None:
+        """Load `request`'s adapter, then drop the previous one; on failure restore the previous one."""
+        previous = self._lora
+        try:
+            error = None if await self.omni.add_lora(request) else "add_lora returned False"
+        except Exception as e:  # noqa: BLE001 - reported below, after the previous adapter is back
+            error = e
+        if error is not None:
+            await self.omni.remove_lora(request.lora_int_id)
+            shutil.rmtree(request.lora_path, ignore_errors=True)
+            if previous is not None:  # with one cached adapter (the default), loading evicted it first
+                await self.omni.add_lora(previous)
+            raise RuntimeError(f"LoRA adapter refused by vLLM-Omni; the previous adapter keeps serving: {error}")
+        if previous is not None:
+            await self.omni.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+
+    # -------------------------------------------------------------------------------------- lifecycle
+
+    def sleep(self) -> None:
+        """Level-1 sleep: the engine's weights (transformer, text encoder, VAE) move to CPU memory."""
+        if self.asleep:
+            return
+        self._lifecycle("handle_sleep_task", {"task_id": uuid.uuid4().hex, "level": 1})
+        self.asleep = True
+
+    def wake(self) -> None:
+        """Bring the weights back to the GPU."""
+        if not self.asleep:
+            return
+        self._lifecycle("handle_wake_task", {"task_id": uuid.uuid4().hex, "tags": None})
+        self.asleep = False
+
+    def _lifecycle(self, method: str, task: dict) -> None:
+        errors = _ack_errors(self._rpc(method, task))
+        if errors:
+            raise RuntimeError(f"vLLM-Omni {method} failed: {errors}")
+
+    def info(self) -> dict:
+        return {"engine": self.name, "device": "cuda", "dtype": self.dtype, "policy_version": self.policy_version,
+                "model": self.model_path, "fingerprint": self.fingerprint, "size_multiple": self.size_multiple,
+                "lora_modules": self._lora_bound, "asleep": self.asleep}
+
+    def _check_awake(self) -> None:
+        if self.asleep:
+            raise RuntimeError("the rollout engine is asleep: call wake() first")

@@ -1,0 +1,199 @@
+"""Our Qwen-Image rollout inside vLLM-Omni 0.20: the custom pipeline class and the request/output codec.
+
+vLLM-Omni builds a custom pipeline from `custom_pipeline_args={"pipeline_class": "<module>.<Class>"}`: its worker
+calls `vllm.utils.import_utils.resolve_obj_by_qualname`, i.e. `getattr(importlib.import_module(module), Class)`
+(vllm_omni/diffusion/model_loader/diffusers_loader.py), then `Class(od_config=...)`. This module therefore
+imports without vLLM-Omni (CPU machines, tests) and builds its vLLM-Omni subclasses on first attribute access
+(PEP 562 `__getattr__`):
+
+- `FlowGRPOQwenImagePipeline`: vLLM-Omni's `QwenImagePipeline` (its loading, fused transformer, text encoder,
+  VAE) running `RolloutPipeline.generate`'s loop: one text-encoder pass, CFG positive/negative batched in one
+  forward, float32 latents between steps, sigma in float32 to the timestep embedding (`Fp32Timestep`; vLLM-Omni's
+  `QwenTimestepProjEmbeddings` has the same call and cast as diffusers'), per-sample CPU generators, seeds and
+  SDE windows, the torch SDE of `bridge.rollout.sde`. Requests without our `extra_args` (the engine's warm-up
+  run, plain text-to-image requests) run the stock pipeline.
+- `RolloutWorkerExtension`: vLLM-Omni's `CustomPipelineWorkerExtension` plus `rollout_lora_modules()`, the
+  transformer's LoRA-capable layers and their shapes (the engine checks adapters against it).
+
+The generation methods are `RolloutPipeline`'s own functions, reused unchanged: they only touch attributes
+vLLM-Omni's pipeline has under the same names, plus the few aliases `__init__` adds (see `_BORROWED`).
+Numerics that differ from diffusers sit inside vLLM-Omni's transformer: RoPE applied with cos/sin cast to the
+model dtype, its attention backends (masked varlen FlashAttention for padded text), fused QKV.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import torch
+
+from bridge.rollout.pipeline import Fp32Timestep, RolloutPipeline, SamplingParams
+from bridge.tensors import numpy_to_torch, torch_to_numpy
+from bridge.trajectory import TrajectoryBatch
+
+PIPELINE_CLASS = f"{__name__}.FlowGRPOQwenImagePipeline"
+WORKER_EXTENSION_CLASS = f"{__name__}.RolloutWorkerExtension"
+PAYLOAD_KEY = "rollout"  # our entry in DiffusionOutput.custom_output
+# SamplingParams fields carried by OmniDiffusionSamplingParams attributes, and those carried in its extra_args.
+PARAM_FIELDS = ("height", "width", "num_inference_steps", "true_cfg_scale", "max_sequence_length", "seed")
+EXTRA_FIELDS = ("noise_level", "sde_type", "sde_window_size", "sde_window_range")
+# RolloutPipeline members reused as they are (descriptors kept: properties stay properties).
+_BORROWED = ("size_multiple", "validate", "_check_lengths", "_seeds", "encode", "velocity", "decode", "generate",
+             "_denoise")
+
+
+# ------------------------------------------------------------------------------------------ request codec
+
+
+def encode_request(prompt: str, sampling: SamplingParams, seeds, policy_version: int) -> tuple[dict, dict]:
+    """(prompt dict, OmniDiffusionSamplingParams kwargs) for n = len(seeds) samples of one prompt."""
+    fields = {f: getattr(sampling, f) for f in PARAM_FIELDS}
+    extra = {f: getattr(sampling, f) for f in EXTRA_FIELDS}
+    extra["sde_window_range"] = list(extra["sde_window_range"])
+    extra.update(seeds=[int(s) for s in seeds], policy_version=int(policy_version))
+    kwargs = {**fields, "num_outputs_per_prompt": len(seeds), "extra_args": extra}
+    return {"prompt": prompt, "negative_prompt": sampling.negative_prompt}, kwargs
+
+
+def is_rollout_request(params) -> bool:
+    """Whether OmniDiffusionSamplingParams came from `encode_request` (its extra_args carry per-sample seeds)."""
+    return "seeds" in (getattr(params, "extra_args", None) or {})
+
+
+def decode_request(prompts: list, params) -> tuple[str, SamplingParams, int, list[int], int]:
+    """(prompt, SamplingParams, n, seeds, policy_version) back from a request's prompts and sampling params."""
+    if len(prompts) != 1 or not isinstance(prompts[0], dict):
+        raise ValueError(f"a rollout request carries one prompt dict, got {prompts!r}")
+    extra = params.extra_args
+    values = {f: getattr(params, f) for f in PARAM_FIELDS}
+    values.update({f: extra[f] for f in EXTRA_FIELDS}, sde_window_range=tuple(extra["sde_window_range"]),
+                  negative_prompt=prompts[0]["negative_prompt"])
+    return (prompts[0]["prompt"], SamplingParams(**values), params.num_outputs_per_prompt, list(extra["seeds"]),
+            int(extra["policy_version"]))
+
+
+# ------------------------------------------------------------------------------------------ output codec
+
+
+def pack_trajectories(batch: TrajectoryBatch) -> dict:
+    """DiffusionOutput fields for a batch of one prompt's samples.
+
+    trajectory_latents (B, W+1, S, C) and trajectory_log_probs (B, W) use vLLM-Omni's own fields (shared memory
+    for large tensors); everything else rides in custom_output[PAYLOAD_KEY] as tensors (bf16 embeds stay bf16).
+    `output` is the image in [-1, 1] (B, 3, H, W), what vLLM-Omni's Qwen-Image post-processing turns into PIL
+    images; exact from the uint8 images, so `OmniRequestOutput.images` shows the same pixels.
+    """
+    payload = {"images": batch.images, "sigmas": batch.sigmas, "step_index": batch.step_index,
+               "prompt_embeds": batch.prompt_embeds, "prompt_mask": batch.prompt_mask, "seeds": batch.seeds,
+               "policy_versions": batch.policy_versions}
+    if batch.cfg:
+        payload.update(negative_prompt_embeds=batch.negative_prompt_embeds,
+                       negative_prompt_mask=batch.negative_prompt_mask)
+    images = torch.from_numpy(batch.images).permute(0, 3, 1, 2).float() / 127.5 - 1
+    return {"output": images, "trajectory_latents": torch.from_numpy(batch.latents),
+            "trajectory_log_probs": torch.from_numpy(batch.log_probs),
+            "custom_output": {PAYLOAD_KEY: {k: numpy_to_torch(np.ascontiguousarray(v)) for k, v in payload.items()}}}
+
+
+def _numpy(x) -> np.ndarray:
+    return x if isinstance(x, np.ndarray) else torch_to_numpy(x)
+
+
+def unpack_trajectories(output, prompt: str, group_id: int) -> TrajectoryBatch:
+    """TrajectoryBatch of one request's samples from a vLLM-Omni result (`OmniRequestOutput` or anything with
+    trajectory_latents, trajectory_log_probs and custom_output); ValueError if our payload is missing."""
+    payload = (getattr(output, "custom_output", None) or {}).get(PAYLOAD_KEY)
+    if payload is None or output.trajectory_latents is None:
+        raise ValueError(f"vLLM-Omni result for {prompt[:40]!r} carries no rollout trajectory "
+                         f"(error: {getattr(output, 'error', None)!r}); was the pipeline {PIPELINE_CLASS}?")
+    arrays = {k: _numpy(v) for k, v in payload.items()}
+    latents = _numpy(output.trajectory_latents)
+    return TrajectoryBatch(
+        images=arrays["images"], latents=latents, log_probs=_numpy(output.trajectory_log_probs),
+        sigmas=arrays["sigmas"], step_index=arrays["step_index"], prompt_embeds=arrays["prompt_embeds"],
+        prompt_mask=arrays["prompt_mask"], negative_prompt_embeds=arrays.get("negative_prompt_embeds"),
+        negative_prompt_mask=arrays.get("negative_prompt_mask"), prompts=[prompt] * len(latents),
+        group_ids=np.full(len(latents), group_id, np.int64), seeds=arrays["seeds"],
+        policy_versions=arrays["policy_versions"])
+
+
+# ------------------------------------------------------------------------------------------ the classes
+
+
+def _txt_seq_lens_from_mask(module, args, kwargs):
+    """vLLM-Omni's transformer takes the text lengths explicitly (its RoPE spans max(txt_seq_lens), the padded
+    width here); diffusers derives them from the mask. Forward pre-hook, so `velocity` stays shared."""
+    if kwargs.get("txt_seq_lens") is None and kwargs.get("encoder_hidden_states_mask") is not None:
+        kwargs["txt_seq_lens"] = kwargs["encoder_hidden_states_mask"].sum(dim=1).tolist()
+    return args, kwargs
+
+
+def build_pipeline_class(base: type, output_cls) -> type:
+    """Our pipeline as a subclass of `base` (vLLM-Omni's QwenImagePipeline); `output_cls` builds its results
+    (vLLM-Omni's DiffusionOutput). Both are parameters so tests can run it on diffusers components."""
+    namespace = {name: vars(RolloutPipeline)[name] for name in _BORROWED}
+
+    def __init__(self, *, od_config, **kwargs):
+        base.__init__(self, od_config=od_config, **kwargs)
+        self.template, self.drop = self.prompt_template_encode, self.prompt_template_encode_start_idx
+        self.scheduler_config = dict(self.scheduler.config)
+        if not hasattr(self.transformer, "config"):  # vLLM-Omni's transformer: its folder config, diffusers-style
+            self.transformer.config = od_config.tf_model_config
+        self.fp32_timestep = Fp32Timestep(self.transformer)
+        if "txt_seq_lens" in inspect.signature(self.transformer.forward).parameters:
+            self.transformer.register_forward_pre_hook(_txt_seq_lens_from_mask, with_kwargs=True)
+        self.policy_version = 0
+
+    def dtype(self) -> torch.dtype:
+        return next(self.transformer.parameters()).dtype
+
+    def forward(self, req, *args, **kwargs):
+        """A rollout request -> DiffusionOutput with our trajectory; any other request -> the stock pipeline."""
+        if not is_rollout_request(req.sampling_params):
+            return base.forward(self, req, *args, **kwargs)
+        prompt, sampling, n, seeds, self.policy_version = decode_request(req.prompts, req.sampling_params)
+        return output_cls(**pack_trajectories(self.generate([prompt], n, sampling, seeds)))
+
+    doc = "vLLM-Omni's QwenImagePipeline serving RolloutPipeline's FlowGRPO rollout (see the module docstring)."
+    namespace.update(__init__=__init__, dtype=property(dtype), forward=forward, __module__=__name__,
+                     __qualname__="FlowGRPOQwenImagePipeline", __doc__=doc)
+    return type("FlowGRPOQwenImagePipeline", (base,), namespace)
+
+
+def lora_module_table(transformer: torch.nn.Module) -> dict:
+    """{"modules": {name: [in, [out per slice]]}, "packed": {fused: [parts]}} of vLLM's linear layers (anything
+    with `input_size` and `output_size`; fused ones list `output_sizes`), names relative to the transformer."""
+    modules = {name: [int(m.input_size), [int(s) for s in getattr(m, "output_sizes", [m.output_size])]]
+               for name, m in transformer.named_modules()
+               if hasattr(m, "input_size") and hasattr(m, "output_size")}
+    packed = getattr(type(transformer), "packed_modules_mapping", {})
+    return {"modules": modules, "packed": {k: list(v) for k, v in packed.items()}}
+
+
+def _pipeline_class() -> type:
+    from vllm_omni.diffusion.data import DiffusionOutput
+    from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
+
+    return build_pipeline_class(QwenImagePipeline, DiffusionOutput)
+
+
+def _worker_extension_class() -> type:
+    from vllm_omni.diffusion.worker.diffusion_worker import CustomPipelineWorkerExtension
+
+    def rollout_lora_modules(self) -> dict:
+        return lora_module_table(self.model_runner.pipeline.transformer)
+
+    return type("RolloutWorkerExtension", (CustomPipelineWorkerExtension,),
+                {"rollout_lora_modules": rollout_lora_modules, "__module__": __name__})
+
+
+_LAZY = {"FlowGRPOQwenImagePipeline": _pipeline_class, "RolloutWorkerExtension": _worker_extension_class}
+
+
+def __getattr__(name: str):
+    """Build (once) the classes that need vLLM-Omni, when vLLM-Omni's loader asks for them by name."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = globals()[name] = _LAZY[name]()
+    return value

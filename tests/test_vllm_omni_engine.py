@@ -1,0 +1,273 @@
+"""The vllm_omni engine's CPU-testable parts (no vLLM-Omni here): request split, output unpacking, the custom
+pipeline on diffusers components, LoRA binding against a fused transformer, fingerprint, selection errors."""
+import dataclasses
+from types import SimpleNamespace
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from bridge.lora import adapter_config, flax_to_peft, lora_pairs, to_vllm_omni
+from bridge.rollout import vllm_omni_pipeline as vop
+from bridge.rollout.engine_vllm_omni import INSTALL_HINT, _ack_errors, check_lora_binding, folder_fingerprint
+from bridge.rollout.pipeline import RolloutPipeline, SamplingParams
+from bridge.rollout.server import engine_class
+from bridge.trajectory import TrajectoryBatch
+from tests.test_bridge_lora import D, LAYERS, MLP, RANK, random_tree
+
+SAMPLING = SamplingParams(height=16, width=24, num_inference_steps=3, true_cfg_scale=4.0, noise_level=1.2,
+                          sde_window_size=1, sde_window_range=(0, 2), max_sequence_length=64, seed=5)
+SEEDS = [10, 11]
+
+
+def omni_params(kwargs: dict) -> SimpleNamespace:
+    """Stand-in for OmniDiffusionSamplingParams built from encode_request's kwargs."""
+    return SimpleNamespace(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- request codec
+
+
+def test_sampling_split_and_round_trip():
+    prompt, kwargs = vop.encode_request("a red fox", SAMPLING, SEEDS, policy_version=7)
+    assert prompt == {"prompt": "a red fox", "negative_prompt": " "}
+    assert set(kwargs) == {"height", "width", "num_inference_steps", "true_cfg_scale", "seed",
+                           "max_sequence_length", "num_outputs_per_prompt", "extra_args"}
+    assert kwargs["num_outputs_per_prompt"] == 2 and kwargs["height"] == 16 and kwargs["true_cfg_scale"] == 4.0
+    assert kwargs["extra_args"] == {"noise_level": 1.2, "sde_type": "sde", "sde_window_size": 1,
+                                    "sde_window_range": [0, 2], "seeds": SEEDS, "policy_version": 7}
+    params = omni_params(kwargs)
+    assert vop.is_rollout_request(params)
+    assert vop.decode_request([prompt], params) == ("a red fox", SAMPLING, 2, SEEDS, 7)
+    with pytest.raises(ValueError, match="one prompt dict"):
+        vop.decode_request([prompt, prompt], params)
+
+
+def test_text_lengths_for_the_fused_transformer():
+    """vLLM-Omni's transformer wants txt_seq_lens; our shared `velocity` passes only the mask."""
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    args, kwargs = vop._txt_seq_lens_from_mask(None, (), {"encoder_hidden_states_mask": mask})
+    assert kwargs["txt_seq_lens"] == [2, 3] and args == ()
+
+
+def test_warmup_and_plain_requests_are_not_ours():
+    """vLLM-Omni's start-up dummy run sends extra_args={"cfg_text_scale": 1.0, "cfg_img_scale": 1.0}."""
+    assert not vop.is_rollout_request(SimpleNamespace(extra_args={"cfg_text_scale": 1.0, "cfg_img_scale": 1.0}))
+    assert not vop.is_rollout_request(SimpleNamespace(extra_args={}))
+
+
+# ---------------------------------------------------------------------------------------------- output codec
+
+
+def synthetic_batch(n=3, cfg=True, dtype=ml_dtypes.bfloat16, seed=0) -> TrajectoryBatch:
+    rng = np.random.default_rng(seed)
+    mask = np.ones((n, 6), bool)
+    mask[1, 4:] = False
+    neg = dict(negative_prompt_embeds=rng.standard_normal((n, 2, 16)).astype(dtype),
+               negative_prompt_mask=np.ones((n, 2), bool)) if cfg else {}
+    return TrajectoryBatch(
+        images=rng.integers(0, 256, (n, 40, 72, 3), np.uint8), latents=rng.standard_normal((n, 3, 45, 64), np.float32),
+        log_probs=rng.standard_normal((n, 2), np.float32), sigmas=np.array([1.0, 0.7, 0.4, 0.2, 0.0], np.float32),
+        step_index=np.array([[0, 1], [1, 2], [0, 1]][:n], np.int32),
+        prompt_embeds=rng.standard_normal((n, 6, 16)).astype(dtype), prompt_mask=mask, **neg, prompts=["p"] * n, group_ids=np.zeros(n, np.int64),
+        seeds=np.arange(n, dtype=np.int64), policy_versions=np.full(n, 4, np.int64))
+
+
+def assert_batches_equal(a: TrajectoryBatch, b: TrajectoryBatch) -> None:
+    for f in dataclasses.fields(TrajectoryBatch):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, np.ndarray):
+            assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), f.name
+        else:
+            assert x == y, f.name
+
+
+@pytest.mark.parametrize("cfg", [True, False])
+def test_output_pack_unpack(cfg):
+    batch = synthetic_batch(cfg=cfg)
+    fields = vop.pack_trajectories(batch)
+    assert fields["trajectory_latents"].dtype == torch.float32 and fields["trajectory_latents"].shape == (3, 3, 45, 64)
+    assert fields["custom_output"]["rollout"]["prompt_embeds"].dtype == torch.bfloat16
+    # vLLM-Omni's post-processing of `output` ((x / 2 + 0.5).clamp(0, 1), * 255, round) gives back the pixels
+    pil = ((fields["output"] / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)
+    assert np.array_equal(pil, batch.images)
+    # what AsyncOmni hands back: an OmniRequestOutput carrying the DiffusionOutput's fields
+    result = SimpleNamespace(images=[], trajectory_latents=fields["trajectory_latents"],
+                             trajectory_log_probs=fields["trajectory_log_probs"],
+                             custom_output=fields["custom_output"], error=None)
+    out = vop.unpack_trajectories(result, "a red fox", group_id=5)
+    want = dataclasses.replace(batch, prompts=("a red fox",) * 3, group_ids=np.full(3, 5, np.int64))
+    assert_batches_equal(out, want)
+
+
+def test_unpack_without_payload_names_the_pipeline():
+    result = SimpleNamespace(trajectory_latents=None, trajectory_log_probs=None, custom_output={}, error="boom")
+    with pytest.raises(ValueError, match="FlowGRPOQwenImagePipeline"):
+        vop.unpack_trajectories(result, "p", 0)
+
+
+# ---------------------------------------------------------------------------------------------- the pipeline
+
+
+class FakeOmniQwenImagePipeline(torch.nn.Module):
+    """What our class uses of vLLM-Omni's QwenImagePipeline, on the tiny diffusers components."""
+
+    def __init__(self, *, od_config, prefix=""):
+        from diffusers import QwenImagePipeline
+
+        super().__init__()
+        pipe = QwenImagePipeline.from_pretrained(od_config.model, local_files_only=True)
+        self.od_config, self.scheduler, self.tokenizer = od_config, pipe.scheduler, pipe.tokenizer
+        self.text_encoder, self.vae, self.transformer = pipe.text_encoder, pipe.vae, pipe.transformer
+        self.prompt_template_encode = pipe.prompt_template_encode
+        self.prompt_template_encode_start_idx = pipe.prompt_template_encode_start_idx
+        self.vae_scale_factor, self.device = pipe.vae_scale_factor, torch.device("cpu")
+
+    def forward(self, req):
+        return "stock pipeline"
+
+
+def test_custom_pipeline_matches_rollout_pipeline(tiny_path):
+    """The class vLLM-Omni would build runs RolloutPipeline's loop: same trajectory, bit for bit."""
+    cls = vop.build_pipeline_class(FakeOmniQwenImagePipeline, SimpleNamespace)
+    assert cls.__module__ == vop.__name__ and cls.__qualname__ == "FlowGRPOQwenImagePipeline"
+    ours = cls(od_config=SimpleNamespace(model=str(tiny_path)))
+    prompt, kwargs = vop.encode_request("a red fox jumping", SAMPLING, SEEDS, policy_version=3)
+    with torch.inference_mode():
+        result = ours.forward(SimpleNamespace(prompts=[prompt], sampling_params=omni_params(kwargs)))
+        stock = ours.forward(SimpleNamespace(prompts=["dummy run"], sampling_params=SimpleNamespace(extra_args={})))
+    assert stock == "stock pipeline"
+    got = vop.unpack_trajectories(result, "a red fox jumping", group_id=0)
+    ref = RolloutPipeline.from_pretrained(tiny_path, dtype="float32", device="cpu")
+    ref.policy_version = 3
+    assert_batches_equal(got, ref.generate(["a red fox jumping"], 2, SAMPLING, SEEDS))
+    assert ours.dtype == torch.float32 and ours.size_multiple == ref.size_multiple
+
+
+# ---------------------------------------------------------------------------------------------- LoRA binding
+
+
+class FakeLinearBase(torch.nn.Module):
+    """vLLM's LinearBase as the table sees it: input_size, output_size, and output_sizes when fused."""
+
+    def __init__(self, fan_in: int, *outs: int):
+        super().__init__()
+        self.input_size, self.output_size = fan_in, sum(outs)
+        if len(outs) > 1:
+            self.output_sizes = list(outs)
+
+
+def _mlp() -> torch.nn.Module:
+    gelu = torch.nn.Module()
+    gelu.proj = FakeLinearBase(D, MLP)
+    mlp = torch.nn.Module()
+    mlp.net = torch.nn.ModuleList([gelu, torch.nn.Identity(), FakeLinearBase(MLP, D)])
+    return mlp
+
+
+class FakeFusedTransformer(torch.nn.Module):
+    """Module tree of vLLM-Omni 0.20's QwenImageTransformer2DModel: fused to_qkv / add_kv_proj, `to_out`."""
+
+    packed_modules_mapping = {"to_qkv": ["to_q", "to_k", "to_v"], "add_kv_proj": ["add_q_proj", "add_k_proj",
+                                                                                  "add_v_proj"]}
+
+    def __init__(self, kv: int = D):
+        super().__init__()
+        self.img_in, self.txt_in, self.proj_out = FakeLinearBase(64, D), FakeLinearBase(16, D), FakeLinearBase(D, 64)
+        blocks = []
+        for _ in range(LAYERS):
+            block = torch.nn.Module()
+            block.attn = torch.nn.Module()
+            block.attn.to_qkv, block.attn.add_kv_proj = FakeLinearBase(D, D, kv, kv), FakeLinearBase(D, D, kv, kv)
+            block.attn.to_out, block.attn.to_add_out = FakeLinearBase(D, D), FakeLinearBase(D, D)
+            block.attn.norm_q = torch.nn.RMSNorm(D)
+            block.img_mod = torch.nn.Sequential(torch.nn.SiLU(), FakeLinearBase(D, 6 * D))
+            block.txt_mod = torch.nn.Sequential(torch.nn.SiLU(), FakeLinearBase(D, 6 * D))
+            block.img_mlp, block.txt_mlp = _mlp(), _mlp()
+            blocks.append(block)
+        self.transformer_blocks = torch.nn.ModuleList(blocks)
+
+
+def test_lora_module_table():
+    table = vop.lora_module_table(FakeFusedTransformer(kv=4))
+    assert table["packed"] == FakeFusedTransformer.packed_modules_mapping
+    modules = table["modules"]
+    assert modules["transformer_blocks.0.attn.to_qkv"] == [D, [D, 4, 4]]
+    assert modules["transformer_blocks.2.attn.to_out"] == [D, [D]]
+    assert modules["transformer_blocks.1.img_mlp.net.0.proj"] == [D, [MLP]]
+    assert modules["transformer_blocks.1.txt_mlp.net.2"] == [MLP, [D]]
+    assert modules["transformer_blocks.1.img_mod.1"] == [D, [6 * D]]
+    assert "transformer_blocks.0.attn.norm_q" not in modules and "img_in" in modules
+
+
+def test_default_targets_bind_to_the_fused_transformer():
+    table = vop.lora_module_table(FakeFusedTransformer())
+    tensors = flax_to_peft(random_tree())
+    assert check_lora_binding(lora_pairs(to_vllm_omni(tensors)), RANK, table) == 12 * LAYERS
+    with pytest.raises(ValueError, match=r"to_out\.0: the engine transformer has no such"):
+        check_lora_binding(lora_pairs(tensors), RANK, table)  # PEFT names as they are: to_out.0 binds nowhere
+
+
+def test_binding_checks_shapes_slots_and_emptiness():
+    table = vop.lora_module_table(FakeFusedTransformer(kv=4))  # GQA-like: k and v slices narrower than q
+    pairs = lora_pairs(to_vllm_omni(flax_to_peft(random_tree(targets=("to_q", "to_k", "img_mod.1")))))
+    with pytest.raises(ValueError, match=r"to_k\.lora_B\.weight: expected shape \(4, 4\) \(engine layer "
+                                         r"transformer_blocks\.\d\.attn\.to_qkv\), got \(8, 4\)"):
+        check_lora_binding(pairs, RANK, table)
+    ok = {k: v for k, v in pairs.items() if not k.endswith("to_k")}
+    assert check_lora_binding(ok, RANK, table) == 2 * LAYERS
+    with pytest.raises(ValueError, match=r"expected shape \(2, 8\)"):
+        check_lora_binding(ok, 2, table)
+    fused = {"transformer_blocks.0.attn.to_qkv": (np.zeros((RANK, D)), np.zeros((D + 8, RANK)))}
+    assert check_lora_binding(fused, RANK, table) == 1  # a fused LoRA spans all slices
+    fused["transformer_blocks.0.attn.to_qkv"][1][0, 0] = np.nan
+    with pytest.raises(ValueError, match="finite"):
+        check_lora_binding(fused, RANK, table)
+    with pytest.raises(ValueError, match="binds zero modules"):
+        check_lora_binding({}, RANK, table)
+
+
+# ---------------------------------------------------------------------------------------------- engine pieces
+
+
+def test_fingerprint_of_the_folder_matches_the_diffusers_engine(tiny_path):
+    ref = RolloutPipeline.from_pretrained(tiny_path, dtype="float32", device="cpu")
+    assert folder_fingerprint(tiny_path / "transformer") == ref.fingerprint
+
+
+def test_sleep_wake_acknowledgements():
+    assert _ack_errors([[{"task_id": "t", "status": "SUCCESS"}]]) == []
+    assert _ack_errors([[SimpleNamespace(status="SUCCESS", error_msg=None)]]) == []
+    assert "oom" in _ack_errors([[{"status": "ERROR", "error_msg": "oom"}]])[0]
+    assert _ack_errors([[None]]) == ["no acknowledgement"]
+
+
+def test_selecting_vllm_omni_without_it_says_how_to_install():
+    if _has_vllm_omni():
+        pytest.skip("vLLM-Omni is installed here")
+    engine = engine_class({"engine": "vllm_omni"})
+    with pytest.raises(ImportError) as err:
+        engine({"engine": "vllm_omni", "model": "/nonexistent"})
+    assert "pip install jaxflow[omni]" in str(err.value) and "scripts/stage_vllm_omni.sh" in str(err.value)
+    assert "pip install jaxflow[omni]" in INSTALL_HINT
+    with pytest.raises(ImportError):
+        vop.FlowGRPOQwenImagePipeline  # noqa: B018 - vLLM-Omni's loader resolves it like this
+    with pytest.raises(AttributeError):
+        vop.NoSuchClass  # noqa: B018
+
+
+def test_engine_config_is_checked_before_anything_loads():
+    engine = engine_class({"engine": "vllm_omni"})
+    with pytest.raises(ValueError, match="unknown keys"):
+        engine({"engine": "vllm_omni", "model": "tiny", "steps": 3})
+    with pytest.raises(ValueError, match="CUDA"):
+        engine({"engine": "vllm_omni", "model": "tiny", "device": "cpu"})
+    with pytest.raises(ValueError, match="dtype"):
+        engine({"engine": "vllm_omni", "model": "tiny", "dtype": "float16"})
+
+
+def _has_vllm_omni() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm_omni") is not None
