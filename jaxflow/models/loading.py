@@ -158,6 +158,37 @@ def to_diffusers_state_dict(model: QwenImageTransformer, merge_lora: bool = Fals
     return out
 
 
+FINGERPRINT_ELEMENTS = 4096
+
+
+def fingerprint(model: QwenImageTransformer) -> str:
+    """sha256 of the base weights, equal to the rollout's `weights_fingerprint` for the same checkpoint: per
+    diffusers key in sorted order, f"{key}{torch shape}" then the bf16 bytes of its first 4096 elements in torch
+    layout. Reads only those elements from the device."""
+    import hashlib
+
+    import ml_dtypes
+
+    base = nnx.state(model, nnx.Param)
+    heads = {}
+    for e in keymap.transformer_key_map():
+        var = _leaf(base, e.flax_path)
+        for i, key in enumerate(e.diffusers_keys(model.cfg.num_layers)):
+            t = var[i] if e.stacked else var[...]
+            if e.transpose:  # torch (out, in): its first elements are the first columns of the (in, out) kernel
+                cols = -(-FINGERPRINT_ELEMENTS // t.shape[0])
+                head, shape = np.asarray(t[:, :cols]).T, tuple(t.shape[::-1])
+            else:
+                head, shape = np.asarray(t.reshape(-1)[:FINGERPRINT_ELEMENTS]), tuple(t.shape)
+            heads[key] = (shape, np.asarray(head.reshape(-1)[:FINGERPRINT_ELEMENTS], ml_dtypes.bfloat16))
+    h = hashlib.sha256()
+    for key in sorted(heads):
+        shape, head = heads[key]
+        h.update(f"{key}{shape}".encode())
+        h.update(head.tobytes())
+    return h.hexdigest()
+
+
 def save_transformer(model: QwenImageTransformer, folder: str | Path, *, merge_lora: bool = False,
                      max_shard_bytes: int = 5 * 2 ** 30) -> Path:
     """Write config.json + safetensors (index-sharded above `max_shard_bytes`) in diffusers' format."""

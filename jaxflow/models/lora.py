@@ -53,9 +53,10 @@ def _get(state: nnx.State, path):
     return node
 
 
-def lora_to_peft(model: nnx.Module, spec: LoRASpec) -> dict[str, np.ndarray]:
-    """PEFT state dict (`transformer_blocks.N.<target>.lora_A.weight` ...) from the model's LoRA params."""
-    state = nnx.state(model, LoRAParam)
+def lora_to_peft(model: nnx.Module | nnx.State, spec: LoRASpec) -> dict[str, np.ndarray]:
+    """PEFT state dict (`transformer_blocks.N.<target>.lora_A.weight` ...) from a model's LoRA params or from
+    its LoRA state (e.g. the train state's)."""
+    state = model if isinstance(model, nnx.State) else nnx.state(model, LoRAParam)
     out = {}
     for e in keymap.lora_key_map(spec.targets):
         stacked = np.asarray(_get(state, e.flax_path)[...])

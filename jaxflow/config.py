@@ -1,0 +1,101 @@
+"""Training config: validation before anything heavy starts, and the typed objects derived from it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ml_collections import ConfigDict
+
+from jaxflow.models.config import ModelOptions
+from jaxflow.models.lora import LoRASpec
+from jaxflow.rewards.multi import REGISTRY
+from jaxflow.sharding import ShardingConfig
+from jaxflow.train_step import TrainConfig
+
+TINY_HINT = "configs/tiny_ocr.py (the embedded tiny offline model)"
+
+
+def _fail(key: str, message: str):
+    raise ValueError(f"config.{key}: {message}")
+
+
+def model_folder(cfg: ConfigDict) -> Path:
+    """The diffusers pipeline folder: `tiny` builds/reuses the cached tiny offline pipeline."""
+    if cfg.model.path == "tiny":
+        from bridge.rollout.tiny import tiny_pipeline_path
+        return tiny_pipeline_path(dtype=cfg.rollout.dtype)
+    return Path(cfg.model.path)
+
+
+def validate(cfg: ConfigDict) -> None:
+    """Reject a config that cannot run, naming the key and the fix; touches no model, device or Ray."""
+    if not cfg.model.path:
+        _fail("model.path", f"is empty: pass --config.model.path=/path/to/Qwen-Image (a diffusers folder), or "
+                            f"run {TINY_HINT}")
+    if cfg.model.path != "tiny":
+        folder = Path(cfg.model.path)
+        for need in ("model_index.json", "transformer/config.json"):
+            if not (folder / need).exists():
+                _fail("model.path", f"{folder} has no {need}: it must be a diffusers Qwen-Image folder; for a "
+                                    f"run without weights use {TINY_HINT}")
+    model_options(cfg), lora_spec(cfg), sharding_config(cfg)
+    s, t = cfg.sample, cfg.train
+    if s.group_size < 2:
+        _fail("sample.group_size", f"{s.group_size}: GRPO needs at least 2 images per prompt")
+    if s.prompts_per_step < 1 or s.prompts_per_call < 1 or s.prompts_per_step % s.prompts_per_call:
+        _fail("sample.prompts_per_call", f"{s.prompts_per_call} must divide prompts_per_step {s.prompts_per_step}")
+    batch = s.prompts_per_step * s.group_size
+    if batch % t.num_micro_batches:
+        _fail("train.num_micro_batches", f"{t.num_micro_batches} must divide the step's {batch} samples")
+    if not 0 < s.window_size < s.num_steps or s.window_range[1] - s.window_range[0] < s.window_size:
+        _fail("sample.window_size", f"{s.window_size} must be in [1, num_steps) and fit window_range "
+                                    f"{tuple(s.window_range)}")
+    if s.sde_type not in ("sde", "cps"):
+        _fail("sample.sde_type", f"{s.sde_type!r}: training needs 'sde' or 'cps'")
+    train_config(cfg, grid_hw=(1, 1))
+    unknown = sorted(set(cfg.reward.fns) - set(REGISTRY))
+    if unknown or not cfg.reward.fns:
+        _fail("reward.fns", f"unknown {unknown}; known rewards: {sorted(REGISTRY)}")
+    for key in ("train", "test"):
+        if not Path(cfg.data[key]).exists():
+            _fail(f"data.{key}", f"{cfg.data[key]} does not exist")
+    if cfg.rollout.engine not in ("diffusers", "vllm_omni"):
+        _fail("rollout.engine", f"{cfg.rollout.engine!r}; choose 'diffusers' or 'vllm_omni'")
+    for key in ("eval.every", "checkpoint.every", "checkpoint.keep", "train.num_steps"):
+        section, name = key.split(".")
+        if cfg[section][name] < 1:
+            _fail(key, f"must be >= 1, got {cfg[section][name]}")
+
+
+def model_options(cfg) -> ModelOptions:
+    m = cfg.model
+    return ModelOptions(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, attention=m.attention)
+
+
+def lora_spec(cfg) -> LoRASpec:
+    return LoRASpec(rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=tuple(cfg.lora.targets))
+
+
+def sharding_config(cfg) -> ShardingConfig:
+    s = cfg.sharding
+    rules = tuple((name, tuple(axes) if isinstance(axes, (list, tuple)) else axes) for name, axes in s.rules)
+    return ShardingConfig(data=s.data, fsdp=s.fsdp, tensor=s.tensor, rules=rules)
+
+
+def train_config(cfg, grid_hw) -> TrainConfig:
+    t, s = cfg.train, cfg.sample
+    return TrainConfig(grid_hw=grid_hw, sde_type=s.sde_type, guidance=s.guidance,
+                       num_micro_batches=t.num_micro_batches, clip_range=t.clip_range, beta=t.beta,
+                       adv_clip=t.adv_clip, learning_rate=t.learning_rate, weight_decay=t.weight_decay,
+                       max_grad_norm=t.max_grad_norm, ema_decay=t.ema_decay or None)
+
+
+def sampling(cfg, *, eval_mode: bool = False) -> dict:
+    """Rollout SamplingParams as a plain dict (what crosses Ray); eval = ODE with the eval step count."""
+    s = cfg.sample
+    d = dict(height=s.height, width=s.width, num_inference_steps=s.num_steps, true_cfg_scale=s.guidance,
+             negative_prompt=s.negative_prompt, max_sequence_length=s.max_sequence_length, sde_type=s.sde_type,
+             noise_level=s.noise_level, sde_window_size=s.window_size, sde_window_range=tuple(s.window_range))
+    if eval_mode:
+        d.update(num_inference_steps=cfg.eval.num_steps, true_cfg_scale=cfg.eval.guidance, sde_type="ode",
+                 noise_level=0.0, sde_window_size=None)
+    return d

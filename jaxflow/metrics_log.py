@@ -1,0 +1,81 @@
+"""Run logging: JSONL + TensorBoard metrics, a rich progress line with phase times, eval image grids."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont
+
+
+def _scalars(metrics: dict) -> dict[str, float]:
+    out = {}
+    for k, v in metrics.items():
+        a = np.asarray(v)
+        if a.ndim == 0:
+            out[k] = float(a)
+        else:  # per window step vectors, e.g. logp_diff_mean
+            out.update({f"{k}/{i}": float(x) for i, x in enumerate(a.reshape(-1))})
+    return out
+
+
+class RunLog:
+    """metrics.jsonl (one line per step), TensorBoard scalars, and a rich progress bar."""
+
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, tensorboard: bool, progress: bool):
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(run_dir / "metrics.jsonl", "a")
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+            self._tb = SummaryWriter(str(run_dir / "tb"))
+        self._progress = None
+        if progress:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+            self._progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+                                      TimeRemainingColumn(), TextColumn("{task.fields[status]}"))
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, status="")
+            self._progress.start()
+
+    def log(self, step: int, metrics: dict) -> dict[str, float]:
+        flat = {"step": step, "time": time.time(), **_scalars(metrics)}
+        self._jsonl.write(json.dumps(flat) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for k, v in flat.items():
+                if k not in ("step", "time"):
+                    self._tb.add_scalar(k, v, step)
+        if self._progress is not None and "reward_mean" in flat:
+            phases = " ".join(f"{p}={flat[f'time/{p}']:.1f}s" for p in ("rollout", "reward", "train", "sync")
+                              if f"time/{p}" in flat)
+            self._progress.update(self._task, completed=step + 1,
+                                  status=f"reward {flat['reward_mean']:.3f} | {phases}")
+        return flat
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+        if self._tb is not None:
+            self._tb.close()
+        self._jsonl.close()
+
+
+def image_grid(images: np.ndarray, captions: list[str], path: Path, columns: int = 4) -> None:
+    """PNG grid of uint8 (B, H, W, 3) images with a caption (prompt and reward) under each."""
+    b, h, w, _ = images.shape
+    font = ImageFont.load_default()
+    lines = 3
+    cell_w, cap_h = max(w, 160), 12 * lines + 4
+    rows = -(-b // columns)
+    grid = Image.new("RGB", (columns * cell_w, rows * (h + cap_h)), "white")
+    draw = ImageDraw.Draw(grid)
+    chars = max(8, cell_w // 6)
+    for i, (img, cap) in enumerate(zip(images, captions)):
+        x, y = (i % columns) * cell_w, (i // columns) * (h + cap_h)
+        grid.paste(Image.fromarray(img), (x, y))
+        wrapped = [cap[j:j + chars] for j in range(0, len(cap), chars)][:lines]
+        draw.multiline_text((x + 2, y + h + 2), "\n".join(wrapped), fill="black", font=font)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    grid.save(path)

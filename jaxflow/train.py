@@ -1,0 +1,229 @@
+"""FlowGRPO training: `python -m jaxflow.train --config configs/tiny_ocr.py [--config.a.b=v] [--resume]`.
+
+Per step (DESIGN.md §2): sample prompt groups -> rollout on the Ray actors (chunks feed the async reward pool as
+they finish) -> advantages -> one jitted, sharded train step -> LoRA sync to the rollout (version acked,
+bound-module count checked) -> metrics. Evaluation (ODE sampling on held-out prompts, a PNG grid) every
+`eval.every` steps; orbax checkpoints every `checkpoint.every` steps and on SIGINT/SIGTERM; the final LoRA is
+exported in PEFT format to `run_dir/lora_final`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxflow import config as config_lib
+from jaxflow.checkpoint import Checkpointer, config_json
+from jaxflow.data import GroupSampler, load_prompts
+from jaxflow.flowgrpo import compute_advantages
+from jaxflow.metrics_log import RunLog, image_grid
+from jaxflow.models.loading import fingerprint, load_transformer
+from jaxflow.models.lora import lora_to_peft, save_peft
+from jaxflow.rewards import RewardPool, build_reward
+from jaxflow.rollout_client import RolloutGroup
+from jaxflow.sharding import Layout, maybe_initialize_distributed
+from jaxflow.train_step import make_train_step
+
+log = logging.getLogger("jaxflow.train")
+
+
+def sample_seeds(seed: int, step: int, count: int) -> np.ndarray:
+    """Per-sample rollout seeds, a pure function of (seed, step, index): a resumed run draws the same noise."""
+    return np.random.default_rng([seed, step]).integers(0, 2 ** 62, size=count)
+
+
+def grid_hw(folder: Path, cfg) -> tuple[int, int]:
+    """Packed latent grid: the VAE downsamples by 2**len(temperal_downsample), then 2x2 patches are packed."""
+    vae = json.loads((folder / "vae" / "config.json").read_text())
+    factor = 2 * 2 ** len(vae["temperal_downsample"])
+    if cfg.sample.height % factor or cfg.sample.width % factor:
+        raise ValueError(f"config.sample.height/width must be multiples of {factor} for this VAE")
+    return cfg.sample.height // factor, cfg.sample.width // factor
+
+
+def pad_text(batch: dict, multiple: int) -> dict:
+    """Right-pad prompt (and negative) embeds/masks to a multiple of `multiple` tokens so the jitted step sees a
+    few text shapes instead of one per batch (each new shape is a recompile)."""
+    out = dict(batch)
+    for emb, mask in (("prompt_embeds", "prompt_mask"), ("negative_prompt_embeds", "negative_prompt_mask")):
+        if out.get(emb) is None:
+            continue
+        pad = -out[emb].shape[1] % multiple
+        out[emb] = np.pad(out[emb], ((0, 0), (0, pad), (0, 0)))
+        out[mask] = np.pad(out[mask], ((0, 0), (0, pad)))
+    return out
+
+
+def _merge_rewards(futures: dict) -> dict[str, np.ndarray]:
+    parts = [futures[c].result() for c in sorted(futures)]
+    out = {k: np.concatenate([p[k] for p in parts]) for k in parts[0] if k != "errors"}
+    out["errors"] = sum(p["errors"] for p in parts)
+    return out
+
+
+class Trainer:
+    """Holds the run's pieces; `run()` drives the loop. Build with `Trainer(cfg, resume)`."""
+
+    def __init__(self, cfg, resume: bool = False):
+        config_lib.validate(cfg)
+        maybe_initialize_distributed()
+        self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
+        self.folder = config_lib.model_folder(cfg)
+        self.train_items, self.test_items = load_prompts(cfg.data.train), load_prompts(cfg.data.test)
+        s = cfg.sample
+        self.sampler = GroupSampler(len(self.train_items), s.prompts_per_step, s.group_size, cfg.seed)
+        self.reward = build_reward(dict(cfg.reward.fns), **cfg.reward.options.to_dict())  # VLM health check here
+        self.pool = RewardPool(self.reward, cfg.reward.workers)
+        self.layout = Layout.create(config_lib.sharding_config(cfg))
+        self.spec = config_lib.lora_spec(cfg)
+        self.model = load_transformer(self.folder / "transformer", config_lib.model_options(cfg), self.spec,
+                                      sharding=self.layout.sharding_fn, seed=cfg.seed)
+        init_state, self.train_step = make_train_step(
+            self.model, config_lib.train_config(cfg, grid_hw(self.folder, cfg)), self.layout)
+        self.rollout = self._start_rollout()
+        self.ckpt = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.keep)
+        self.state, self.start = init_state(), 0
+        if resume:
+            self.state, meta = self.ckpt.restore(self.state)
+            self.start = meta["step"]
+            self.sampler.load_state_dict(meta["sampler"])
+        self._sync(self.start)  # the rollout serves exactly the trainer's policy before the first step
+        self.stop_requested = False
+
+    def _start_rollout(self) -> RolloutGroup:
+        import ray
+        r = self.cfg.rollout
+        if not ray.is_initialized():
+            ray.init(address=r.address or None, include_dashboard=False, log_to_driver=False)
+        group = RolloutGroup({"engine": r.engine, "model": str(self.folder), "dtype": r.dtype, "device": r.device},
+                             r.num_servers, r.num_cpus, r.num_gpus, r.max_retries)
+        mine = fingerprint(self.model)
+        for info in group.info():
+            if info["fingerprint"] != mine:
+                raise RuntimeError(f"rollout base weights ({info.get('model')}) differ from the trainer's "
+                                   f"({self.folder}): fingerprint {info['fingerprint'][:12]} != {mine[:12]}")
+        return group
+
+    def _sync(self, version: int) -> int:
+        tensors = lora_to_peft(self.state.lora, self.spec)
+        return self.rollout.update_lora(tensors, version, self.spec.peft_config())
+
+    def _meta(self, step: int) -> dict:
+        return {"step": step, "sampler": self.sampler.state_dict(), "config": config_json(self.cfg)}
+
+    def _rollout(self, step: int, timings: dict):
+        s = self.cfg.sample
+        picks = self.sampler.sample(step)
+        prompts = [self.train_items[picks[i * s.group_size][0]].prompt for i in range(s.prompts_per_step)]
+        futures = {}
+        t = time.perf_counter()
+        batch = self.rollout.generate(
+            prompts, s.group_size, config_lib.sampling(self.cfg), sample_seeds(self.cfg.seed, step, len(picks)),
+            s.prompts_per_call, on_chunk=lambda c, b: futures.__setitem__(c, self.pool.submit(b.images, b.prompts)))
+        timings["rollout"] = time.perf_counter() - t
+        if batch.policy_version != step:
+            raise RuntimeError(f"rollout served policy {batch.policy_version}, trainer is at {step}")
+        t = time.perf_counter()
+        rewards = _merge_rewards(futures)
+        timings["reward"] = time.perf_counter() - t
+        return batch, rewards
+
+    def train_one(self, step: int) -> dict:
+        cfg, timings = self.cfg, {}
+        batch, rewards = self._rollout(step, timings)
+        group_ids = np.repeat(np.arange(cfg.sample.prompts_per_step), cfg.sample.group_size)
+        adv, zero_std = compute_advantages(rewards["avg"], group_ids, global_std=cfg.train.global_std,
+                                           clip=cfg.train.adv_clip, expected_group_size=cfg.sample.group_size)
+        if cfg.rollout.sleep_while_training:
+            self.rollout.sleep()
+        t = time.perf_counter()
+        train_batch = pad_text(batch.to_dict(), cfg.train.text_bucket)
+        train_batch.update(advantages=adv, noise_level=np.float32(cfg.sample.noise_level))
+        self.state, metrics = self.train_step(self.state, train_batch)
+        metrics = jax.device_get(metrics)
+        timings["train"] = time.perf_counter() - t
+        if cfg.rollout.sleep_while_training:
+            self.rollout.wake()
+        t = time.perf_counter()
+        bound = self._sync(step + 1)
+        timings["sync"] = time.perf_counter() - t
+        total = sum(timings.values())
+        out = {**metrics, "reward_mean": rewards["avg"].mean(), "reward_std": rewards["avg"].std(),
+               "reward_errors": rewards["errors"], "zero_std_ratio": zero_std, "bound_modules": bound,
+               "images_per_s": len(adv) / total, **{f"reward/{k}": v.mean() for k, v in rewards.items()
+                                                    if k not in ("avg", "errors")},
+               **{f"time/{k}": v for k, v in timings.items()}}
+        return out
+
+    def evaluate(self, step: int) -> float:
+        cfg = self.cfg
+        items = self.test_items[:cfg.eval.num_prompts]
+        prompts = [it.prompt for it in items]
+        batch = self.rollout.generate(prompts, 1, config_lib.sampling(cfg, eval_mode=True),
+                                      np.arange(len(prompts)), cfg.sample.prompts_per_call)
+        scores = self.pool.submit(batch.images, prompts).result()["avg"]
+        image_grid(batch.images, [f"{r:.2f} {p}" for r, p in zip(scores, prompts)],
+                   self.run_dir / "eval" / f"step_{step:06d}.png")
+        return float(scores.mean())
+
+    def run(self) -> dict:
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        runlog = RunLog(self.run_dir, cfg.train.num_steps, self.start, cfg.log.tensorboard, cfg.log.progress)
+        previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        history = []
+        try:
+            for step in range(self.start, cfg.train.num_steps):
+                metrics = self.train_one(step)
+                if (step + 1) % cfg.eval.every == 0:
+                    metrics["eval_reward_mean"] = self.evaluate(step + 1)
+                history.append(runlog.log(step, metrics))
+                last = step + 1 == cfg.train.num_steps
+                if (step + 1) % cfg.checkpoint.every == 0 or last or self.stop_requested:
+                    self.ckpt.save(step + 1, self.state, self._meta(step + 1))
+                if self.stop_requested:
+                    log.warning("stop requested: checkpoint at step %d written", step + 1)
+                    break
+            else:
+                save_peft(self._model_with_state(), self.spec, self.run_dir / "lora_final")
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            runlog.close()
+        return {"history": history, "state": self.state}
+
+    def _model_with_state(self):
+        nnx.update(self.model, self.state.lora)
+        return self.model
+
+    def _request_stop(self, signum, frame):
+        log.warning("signal %d: finishing the current step, then checkpointing", signum)
+        self.stop_requested = True
+
+    def close(self) -> None:
+        self.pool.close()
+        self.rollout.close()
+
+
+def main(argv):
+    from absl import flags
+    trainer = Trainer(flags.FLAGS.config, resume=flags.FLAGS.resume)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+
+
+if __name__ == "__main__":
+    from absl import app, flags
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file("config", "configs/tiny_ocr.py", "training config file (get_config())")
+    flags.DEFINE_bool("resume", False, "continue from the latest checkpoint in config.run_dir")
+    app.run(main)
