@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Run the trainer against an existing Ray cluster (rollout servers go wherever Ray has GPUs).
+#
+#   RAY_ADDRESS=10.0.0.1:6379 scripts/ray_train.sh configs/qwen_ocr.py --config.model.path=/models/Qwen-Image
+#   ray job submit --address http://10.0.0.1:8265 --working-dir . -- bash scripts/ray_train.sh configs/qwen_ocr.py ...
+set -euo pipefail
+config=${1:?usage: ray_train.sh CONFIG [--config.x=y ...]}; shift
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+exec python -m jaxflow.train --config "$config" --config.rollout.address="${RAY_ADDRESS:-auto}" "$@"
