@@ -1,0 +1,76 @@
+"""Rollout/trainer log-prob parity: recompute a TrajectoryBatch's window log-probs the way the train step does.
+
+`recompute` runs `train_step.accumulate_gradients` (prepare_batch -> micro-batches -> `_window_steps` ->
+`flowgrpo.window_step_terms`) under jit and keeps only its per-sample terms, so XLA drops the backward pass
+and what remains is the train step's own forward: sigma / sigma_next / sigma_max from the stored schedule and
+step_index, the stored latents, text embeds and masks, true CFG when guidance > 1. `parity_stats` summarises
+|dlogp| = |logp_jax - logp_rollout| per window position. Never imports torch.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from bridge.trajectory import TrajectoryBatch
+from jaxflow.models import keymap
+from jaxflow.models.config import QwenImageConfig
+from jaxflow.models.loading import TensorSource
+from jaxflow.models.lora import LoRAParam, LoRASpec
+from jaxflow.train_step import TrainConfig, accumulate_gradients, prepare_batch
+
+
+def recompute(model: nnx.Module, batch: TrajectoryBatch, *, grid_hw: tuple[int, int], guidance: float,
+              sde_type: str, noise_level: float, num_micro_batches: int = 1) -> dict[str, np.ndarray]:
+    """(B, W) arrays: log_prob (JAX), dlogp = log_prob - batch.log_probs, ratio = exp(dlogp)."""
+    config = TrainConfig(grid_hw=grid_hw, sde_type=sde_type, guidance=guidance,
+                         num_micro_batches=num_micro_batches)
+    b, w = batch.log_probs.shape
+    arrays = prepare_batch({**batch.to_dict(), "noise_level": np.float32(noise_level),
+                            "advantages": np.zeros(b, np.float32)}, config)
+    graphdef, lora, frozen = nnx.split(model, LoRAParam, ...)
+    terms = jax.jit(lambda lo, fr, ba: accumulate_gradients(graphdef, lo, fr, ba, config)[1])(lora, frozen, arrays)
+
+    def rows(t):  # (M, W, B/M) -> (B, W); micro-batch k holds rows k, k + M, ...
+        return np.transpose(np.asarray(t, np.float64), (2, 0, 1)).reshape(b, w)
+
+    dlogp = rows(terms["dlogp"])
+    return {"log_prob": batch.log_probs + dlogp, "dlogp": dlogp, "ratio": rows(terms["ratio"])}
+
+
+def random_adapter(folder: str | Path, spec: LoRASpec, seed: int, scale: float = 0.05,
+                   round_to=None) -> dict[str, np.ndarray]:
+    """A random, non-zero PEFT adapter for the diffusers `transformer/` folder (shapes from its safetensors
+    headers; touches no accelerator). A has std 1/sqrt(in) and B std scale sqrt(r) / alpha, so each adapted
+    layer adds about `scale` x the input's RMS to every output. `round_to` (e.g. ml_dtypes.bfloat16) rounds
+    the values, so a low-precision engine holds exactly what JAX holds."""
+    folder = Path(folder)
+    source = TensorSource.from_folder(folder)
+    layers = QwenImageConfig.from_json(folder / "config.json").num_layers
+    keys = sorted(k for e in keymap.lora_key_map(spec.targets) for k in e.diffusers_keys(layers))
+    rng = np.random.default_rng(seed)
+    out = {}
+    for key in keys:
+        module, part, _ = key.rsplit(".", 2)
+        fan_out, fan_in = source.shape(f"{module}.weight")
+        if part == "lora_A":
+            value = rng.standard_normal((spec.rank, fan_in)) / np.sqrt(fan_in)
+        else:
+            value = rng.standard_normal((fan_out, spec.rank)) * scale * np.sqrt(spec.rank) / spec.alpha
+        out[key] = np.asarray(value if round_to is None else value.astype(round_to), np.float32)
+    return out
+
+
+def _summary(dlogp: np.ndarray, ratio: np.ndarray) -> dict[str, float]:
+    d = np.abs(dlogp)
+    return {"mean": float(d.mean()), "p50": float(np.percentile(d, 50)), "p99": float(np.percentile(d, 99)),
+            "max": float(d.max()), "ratio_mean": float(ratio.mean()), "ratio_min": float(ratio.min()),
+            "ratio_max": float(ratio.max())}
+
+
+def parity_stats(dlogp: np.ndarray, ratio: np.ndarray) -> dict:
+    """|dlogp| mean/p50/p99/max and ratio mean/min/max per window position (over samples) and overall."""
+    return {"per_step": [_summary(dlogp[:, k], ratio[:, k]) for k in range(dlogp.shape[1])],
+            "overall": _summary(dlogp, ratio)}

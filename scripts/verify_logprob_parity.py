@@ -1,0 +1,167 @@
+"""Rollout vs trainer log-prob parity: |logp_jax - logp_rollout| for every SDE window step of real rollouts.
+
+    python scripts/verify_logprob_parity.py [--model DIR] [--engine diffusers|vllm_omni] [--dtype float32]
+        [--jax-dtype D] [--cfg 4] [--steps 4] [--window 2] [--prompts 4] [--n 2] [--lora-rank R] [--json OUT]
+
+Rolls out on the engine (default: diffusers on the tiny offline pipeline), then recomputes each window step's
+log-prob with the same transformer weights loaded into the Flax model, through the train step's own forward
+(`jaxflow.parity.recompute`). With --lora-rank both sides get one random non-zero PEFT adapter (the engine via
+update_lora, JAX via peft_to_lora); --jax-lora-seed gives the JAX side a different one (a negative control).
+
+Prints |dlogp| mean/p50/p99/max and ratio mean/min/max per window position, then overall. Exits 1 when the
+overall MAX |dlogp| exceeds --threshold: a mismatch bug need not touch every sample (one prompt length, one
+window position), and at the sample counts this runs p99 is within a value or two of the max anyway.
+
+Default thresholds (max |dlogp|; figures measured on the tiny pipeline, CPU, CFG 4):
+- both sides float32: 1e-5. The floor is 2.4e-7 (1-2 ulp of logp); every bug tried exceeds 1e-5: bf16-rounded
+  weights alone 2.8e-5, last prompt token masked 4.5e-5, guidance 3.5 vs 4 1.3e-4, a different 5%-scale adapter
+  2.5e-4, bf16-rounded sigmas 4.4e-4, CFG forgotten 7.2e-4, schedule mu of 512x512 3.1e-3.
+- either side bfloat16: 1e-2, a gross-bug detector only. A mean-over-elements log-prob barely moves when the
+  velocity does (the first-order term averages out), so those bugs sit within 1-10x of the bf16 noise (2.6e-4
+  to 4.3e-4 here; verl-omni saw p99 2.7e-3 on SD3.5 with CFG) and only a float32 run can tell them apart.
+  1e-2 leaves room for a large model's noise and still catches a wrong noise level (1.2 vs 1.0: 1e-1) or a
+  badly wrong schedule (5e-2). bf16 noise alone exceeds the trainer's default clip_range (1e-4).
+The JAX base weights must also match the engine's fingerprint (bf16 bytes: fp32 and bf16 copies agree).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from bridge.trajectory import TrajectoryBatch
+from jaxflow.models.config import ModelOptions
+from jaxflow.models.loading import fingerprint, load_transformer
+from jaxflow.models.lora import LoRASpec, peft_to_lora
+from jaxflow.parity import parity_stats, random_adapter, recompute
+
+PROMPTS = [
+    'A storefront sign that reads "OPEN 24 HOURS" in red neon',
+    "a red fox",
+    'A chalkboard menu with the words "Soup of the day: tomato" written in white chalk',
+    "a lighthouse at dusk, waves crashing on dark rocks",
+    'A vintage poster with the title "JAXFLOW" above a rocket',
+    "two cats asleep on a windowsill",
+    'A wooden street sign pointing left, labelled "Main St"',
+    "a bowl of ramen, steam rising, top-down view",
+]
+THRESHOLDS = {True: 1e-5, False: 1e-2}  # keyed by "both sides float32"
+DTYPE_CHOICES = ("float32", "bfloat16")
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, help="diffusers Qwen-Image folder (default: the tiny offline pipeline)")
+    p.add_argument("--engine", choices=("diffusers", "vllm_omni"), default="diffusers")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32", help="rollout dtype")
+    p.add_argument("--jax-dtype", choices=DTYPE_CHOICES, help="trainer dtype (default: --dtype)")
+    p.add_argument("--cfg", type=float, default=4.0, help="true CFG scale; 1 = off")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--window", type=int, default=2, help="SDE window size")
+    p.add_argument("--noise-level", type=float, default=1.2)
+    p.add_argument("--sde-type", choices=("sde", "cps"), default="sde")
+    p.add_argument("--prompts", type=int, default=4, help=f"number of prompts (at most {len(PROMPTS)})")
+    p.add_argument("--n", type=int, default=2, help="images per prompt")
+    p.add_argument("--height", type=int, default=40)
+    p.add_argument("--width", type=int, default=72)
+    p.add_argument("--seed", type=int, default=0, help="base sample seed; also seeds the LoRA adapter")
+    p.add_argument("--lora-rank", type=int, help="apply one random LoRA adapter (alpha = rank) to both sides")
+    p.add_argument("--jax-lora-seed", type=int, help="a different adapter seed for the JAX side (negative control)")
+    p.add_argument("--micro-batches", type=int, default=1, help="JAX recompute micro-batches (memory)")
+    p.add_argument("--threshold", type=float, help="max |dlogp| allowed (default: 1e-5 fp32, 1e-2 with bf16)")
+    p.add_argument("--json", type=Path, help="write the config, stats and per-sample dlogp here")
+    args = p.parse_args(argv)
+    if not 1 <= args.prompts <= len(PROMPTS):
+        p.error(f"--prompts must be in [1, {len(PROMPTS)}]")
+    if args.jax_lora_seed is not None and args.lora_rank is None:
+        p.error("--jax-lora-seed needs --lora-rank")
+    args.jax_dtype = args.jax_dtype or args.dtype
+    if args.threshold is None:
+        args.threshold = THRESHOLDS[args.dtype == args.jax_dtype == "float32"]
+    return args
+
+
+def build_engine(name: str, folder: Path, dtype: str):
+    """The rollout engine `name` from bridge.rollout.server's registry, in-process; SystemExit if unavailable."""
+    from bridge.rollout.server import engine_class
+
+    config = {"engine": name, "model": str(folder), "dtype": dtype}
+    try:
+        return engine_class(config)(config)
+    except (ImportError, ValueError) as e:
+        raise SystemExit(f"rollout engine {name!r} is not available here: {e}") from e
+
+
+def print_table(stats: dict, step_index: np.ndarray) -> None:
+    cols = ("mean", "p50", "p99", "max", "ratio_mean", "ratio_min", "ratio_max")
+    print(f"{'window':>6s} {'steps':>6s} " + " ".join(f"{c + (' |d|' if 'ratio' not in c else ''):>12s}"
+                                                       for c in cols))
+    rows = [(str(k), f"{step_index[:, k].min()}-{step_index[:, k].max()}", s)
+            for k, s in enumerate(stats["per_step"])] + [("all", "", stats["overall"])]
+    for pos, steps, s in rows:
+        print(f"{pos:>6s} {steps:>6s} " + " ".join(
+            f"{s[c]:12.4e}" if "ratio" not in c else f"{s[c]:12.9f}" for c in cols))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.model is None:
+        from bridge.rollout.tiny import tiny_pipeline_path
+
+        args.model = tiny_pipeline_path()
+    engine = build_engine(args.engine, args.model, args.dtype)
+    engine_fingerprint = engine.info()["fingerprint"]
+    folder = args.model / "transformer"
+    spec = LoRASpec(rank=args.lora_rank, alpha=float(args.lora_rank)) if args.lora_rank else None
+    round_to = ml_dtypes.bfloat16 if args.dtype == "bfloat16" else None  # both sides hold the same adapter values
+    if spec:
+        ack = engine.update_lora(random_adapter(folder, spec, args.seed, round_to=round_to), 1, spec.peft_config())
+        print(f"LoRA rank {spec.rank} on {ack['bound_modules']} engine modules")
+
+    sampling = {"height": args.height, "width": args.width, "num_inference_steps": args.steps,
+                "true_cfg_scale": args.cfg, "sde_type": args.sde_type, "noise_level": args.noise_level,
+                "sde_window_size": args.window, "sde_window_range": (0, args.steps - 1)}
+    t0 = time.perf_counter()
+    batch = TrajectoryBatch.from_dict(engine.generate(PROMPTS[: args.prompts], args.n, sampling, args.seed))
+    engine.sleep()  # frees the accelerator before JAX first touches it; a no-op on CPU
+    t1 = time.perf_counter()
+
+    model = load_transformer(folder, ModelOptions(dtype=args.jax_dtype, param_dtype=args.jax_dtype), lora=spec)
+    if spec:
+        jax_seed = args.seed if args.jax_lora_seed is None else args.jax_lora_seed
+        peft_to_lora(model, spec, random_adapter(folder, spec, jax_seed, round_to=round_to))
+    t2 = time.perf_counter()
+    if fingerprint(model) != engine_fingerprint:
+        print(f"FAIL: the JAX base weights' fingerprint differs from the engine's ({engine_fingerprint[:12]})")
+        return 1
+    patch = math.isqrt(args.height * args.width // batch.latents.shape[2])
+    out = recompute(model, batch, grid_hw=(args.height // patch, args.width // patch), guidance=args.cfg,
+                    sde_type=args.sde_type, noise_level=args.noise_level, num_micro_batches=args.micro_batches)
+    t3 = time.perf_counter()
+
+    stats = parity_stats(out["dlogp"], out["ratio"])
+    print(f"engine {args.engine} ({args.dtype}) vs JAX ({args.jax_dtype}); cfg {args.cfg}, {args.sde_type} "
+          f"noise {args.noise_level}, {args.steps} steps, window {args.window}, B = {len(batch)}, "
+          f"{args.height}x{args.width}; rollout {t1 - t0:.1f} s, JAX load {t2 - t1:.1f} s, "
+          f"recompute {t3 - t2:.1f} s")
+    print_table(stats, batch.step_index)
+    worst = stats["overall"]["max"]
+    passed = bool(worst <= args.threshold)
+    print(f"{'PASS' if passed else 'FAIL'}: max |dlogp| {worst:.3e} {'<=' if passed else '>'} "
+          f"threshold {args.threshold:.1e}")
+    if args.json:
+        report = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                  **stats, "passed": passed, "step_index": batch.step_index.tolist(),
+                  "log_prob_rollout": batch.log_probs.tolist(), "dlogp": out["dlogp"].tolist()}
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
