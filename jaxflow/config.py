@@ -86,7 +86,7 @@ def train_config(cfg, grid_hw) -> TrainConfig:
     return TrainConfig(grid_hw=grid_hw, sde_type=s.sde_type, guidance=s.guidance,
                        num_micro_batches=t.num_micro_batches, clip_range=t.clip_range, beta=t.beta,
                        adv_clip=t.adv_clip, learning_rate=t.learning_rate, weight_decay=t.weight_decay,
-                       max_grad_norm=t.max_grad_norm, ema_decay=t.ema_decay or None)
+                       max_grad_norm=t.max_grad_norm, ema_decay=t.ema_decay or None, old_log_prob=t.old_log_prob)
 
 
 def sampling(cfg, *, eval_mode: bool = False) -> dict:

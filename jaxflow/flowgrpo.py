@@ -79,13 +79,15 @@ def clipped_objective(log_prob, old_log_prob, advantages, clip_range: float, adv
 
 
 def window_step_terms(model, step: dict, *, grid_hw, sde_type: str, guidance: float, clip_range: float,
-                      adv_clip: float, beta: float) -> dict:
+                      adv_clip: float, beta: float, old_log_prob: str = "rollout") -> dict:
     """Per-sample terms (B,) of one window step: policy, kl, ratio and dlogp = logp - logp_rollout.
 
     `step` holds x, x_next (B, S, C); sigma, sigma_next, sigma_max, noise_level, old_log_prob, advantages (B,);
     prompt_embeds / prompt_mask and, for CFG, negative_prompt_embeds / negative_prompt_mask. The loss of the
     step is mean(policy) + beta * mean(kl). The KL reference is the same model with adapters off (lora_scale 0)
-    under stop_gradient.
+    under stop_gradient. old_log_prob="rollout" takes logp_old from the rollout (flow_grpo); "recompute" takes
+    the trainer's own logp under stop_gradient: exactly on-policy for the one update per batch, so a bf16
+    rollout/trainer mismatch cannot push ratios out of the clip band (dlogp still reports the mismatch).
     """
     text = (step["prompt_embeds"], step["prompt_mask"], step.get("negative_prompt_embeds"),
             step.get("negative_prompt_mask"))
@@ -99,7 +101,8 @@ def window_step_terms(model, step: dict, *, grid_hw, sde_type: str, guidance: fl
         return mean, logp, std
 
     mean, logp, std = mean_and_logp(1.0)
-    policy, ratio = clipped_objective(logp, step["old_log_prob"], step["advantages"], clip_range, adv_clip)
+    old = step["old_log_prob"] if old_log_prob == "rollout" else jax.lax.stop_gradient(logp)
+    policy, ratio = clipped_objective(logp, old, step["advantages"], clip_range, adv_clip)
     kl = jnp.zeros_like(policy)
     if beta > 0:
         ref_mean = jax.lax.stop_gradient(mean_and_logp(0.0)[0])

@@ -50,6 +50,7 @@ class TrainConfig:
     weight_decay: float = 1e-4
     max_grad_norm: float = 1.0
     ema_decay: float | None = None  # EMA of the LoRA params; None = off
+    old_log_prob: str = "rollout"   # or "recompute": logp_old = the trainer's own logp (see flowgrpo.window_step_terms)
 
     def __post_init__(self):
         object.__setattr__(self, "grid_hw", tuple(int(s) for s in self.grid_hw))
@@ -57,6 +58,8 @@ class TrainConfig:
             raise ValueError(f"sde_type must be 'sde' or 'cps' ('ode' has no log-prob to train), got {self.sde_type!r}")
         if self.guidance < 1 or self.num_micro_batches < 1 or self.clip_range <= 0 or self.beta < 0:
             raise ValueError(f"need guidance >= 1, num_micro_batches >= 1, clip_range > 0, beta >= 0: {self}")
+        if self.old_log_prob not in ("rollout", "recompute"):
+            raise ValueError(f"old_log_prob must be 'rollout' or 'recompute', got {self.old_log_prob!r}")
         if self.ema_decay is not None and not 0 < self.ema_decay < 1:
             raise ValueError(f"ema_decay must be in (0, 1) or None, got {self.ema_decay}")
 
@@ -101,7 +104,7 @@ def _window_loss(lora, frozen, step, *, graphdef, config: TrainConfig, scale: fl
     model = nnx.merge(graphdef, lora, frozen)
     terms = flowgrpo.window_step_terms(
         model, step, grid_hw=config.grid_hw, sde_type=config.sde_type, guidance=config.guidance,
-        clip_range=config.clip_range, adv_clip=config.adv_clip, beta=config.beta)
+        clip_range=config.clip_range, adv_clip=config.adv_clip, beta=config.beta, old_log_prob=config.old_log_prob)
     loss = jnp.mean(terms["policy"]) + config.beta * jnp.mean(terms["kl"])
     return loss * scale, terms
 

@@ -171,3 +171,16 @@ def test_batch_validation():
 def test_model_without_lora_is_rejected():
     with pytest.raises(ValueError, match="no LoRA"):
         make_train_step(QwenImageTransformer(TINY, rngs=nnx.Rngs(0)), TrainConfig(grid_hw=GRID))
+
+
+@pytest.mark.parametrize("mode", ["rollout", "recompute"])
+def test_old_log_prob_source_under_a_rollout_offset(model, mode):
+    """A rollout log-prob offset (like the bf16 mismatch) moves the ratio when logp_old comes from the rollout;
+    with 'recompute' the ratio stays exactly 1 (on-policy) while the mismatch metric still reports it."""
+    _, batch, init_state, step = _setup(model, 1.0, old_log_prob=mode)
+    _, m = step(init_state(), dict(batch, log_probs=batch["log_probs"] + 3e-4))
+    assert float(jnp.min(m["logp_diff_max"])) > 2.9e-4
+    if mode == "recompute":
+        assert float(m["ratio_min"]) == float(m["ratio_max"]) == 1.0
+    else:
+        assert float(m["ratio_max"]) < 1 - 2e-4
