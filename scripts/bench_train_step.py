@@ -1,0 +1,224 @@
+"""FlowGRPO LoRA train step, JAX (jaxflow) vs torch (diffusers + PEFT), one script run; and the LoRA sync cost.
+
+    python scripts/bench_train_step.py --out DIR            # full Qwen-Image size, random bf16 weights
+    python scripts/bench_train_step.py --tiny --out DIR     # code-path check on CPU
+
+Workload (configs/qwen_ocr.py): 512^2 (1024 image tokens) + 128 text tokens (negative prompt 8 tokens), true CFG
+4 (positive and negative in one batched call), SDE window 2, LoRA r=64 on the 12 targets. Both sides take the
+same batch (B samples in M micro-batches), recompute each window step's log-prob, form the clipped loss and apply
+one AdamW update. Reports ms per sample-step (one window step of one sample, CFG included), model TFLOP/s, MFU.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_model import FULL, TINY, jax_matmul_tflops, median_ms, torch_matmul_tflops  # noqa: E402
+from flops import DATASHEET_TFLOPS, qwen_flops  # noqa: E402
+
+from jaxflow import sde  # noqa: E402
+from jaxflow.models.config import ModelOptions, QwenImageConfig  # noqa: E402
+from jaxflow.models.lora import LoRAParam, LoRASpec, lora_to_peft  # noqa: E402
+from jaxflow.models.transformer import QwenImageTransformer  # noqa: E402
+from jaxflow.train_step import TrainConfig, make_train_step  # noqa: E402
+
+WINDOW = (3, 4)
+
+
+def synthetic_batch(cfg: QwenImageConfig, args) -> dict:
+    """A Trajectory-shaped batch with the real 10-step schedule; latents are random (timing only)."""
+    rng = np.random.default_rng(0)
+    b, s, w = args.batch, args.grid ** 2, len(WINDOW)
+    sigmas = sde.sigma_schedule(sde.QWEN_IMAGE_SCHEDULER_CONFIG, 10, s)
+    neg = np.zeros((b, args.neg_txt), bool)
+    neg[:, :5] = True
+    return {
+        "latents": rng.standard_normal((b, w + 1, s, cfg.in_channels), np.float32),
+        "log_probs": np.full((b, w), -1.0, np.float32), "sigmas": sigmas,
+        "step_index": np.tile(np.asarray(WINDOW, np.int32), (b, 1)), "noise_level": np.float32(1.2),
+        "prompt_embeds": rng.standard_normal((b, args.txt, cfg.joint_attention_dim), np.float32),
+        "prompt_mask": np.ones((b, args.txt), bool),
+        "negative_prompt_embeds": rng.standard_normal((b, args.neg_txt, cfg.joint_attention_dim), np.float32),
+        "negative_prompt_mask": neg, "advantages": rng.standard_normal(b).astype(np.float32),
+    }
+
+
+def flops_per_sample_step(cfg, args) -> float:
+    """One window step of one sample: the LoRA-train transformer call on positive and negative rows."""
+    d = dataclasses.asdict(cfg)
+    txt = max(args.txt, args.neg_txt)
+    return 2 * qwen_flops(d, args.grid ** 2, txt, args.rank)["lora_train"]
+
+
+def row(framework, name, ms, cfg, args, ceiling, peak, extra=None):
+    n = args.batch * len(WINDOW)
+    tflops = flops_per_sample_step(cfg, args) * n / (ms / 1e3) / 1e12
+    return {"framework": framework, "case": name, "ms_step": round(ms, 1), "ms_sample_step": round(ms / n, 2),
+            "model_tflops": round(tflops, 1), "mfu_989": round(tflops / DATASHEET_TFLOPS, 4),
+            "mfu_ceiling": round(tflops / ceiling, 4) if ceiling else None, "peak_gib": round(peak, 1),
+            **(extra or {})}
+
+
+def bench_jax(cfg, args, batch, ceiling):
+    spec = LoRASpec(rank=args.rank, alpha=2.0 * args.rank)
+    opts = ModelOptions(dtype="bfloat16", param_dtype="bfloat16", remat=args.remat, attention=args.attention)
+    abstract = nnx.eval_shape(lambda: QwenImageTransformer(cfg, opts, spec, rngs=nnx.Rngs(0)))
+    state = jax.jit(lambda: nnx.state(QwenImageTransformer(cfg, opts, spec, rngs=nnx.Rngs(0))))()
+    model = nnx.merge(nnx.graphdef(abstract), state)
+    tc = TrainConfig(grid_hw=(args.grid, args.grid), guidance=4.0, num_micro_batches=args.micro)
+    init_state, step = make_train_step(model, tc)
+    train_state = init_state()
+    t = time.perf_counter()
+    train_state, m = step(train_state, batch)
+    jax.block_until_ready(m)
+    compile_s = time.perf_counter() - t
+    holder = {"s": train_state}
+
+    def one():
+        holder["s"], metrics = step(holder["s"], batch)
+        return metrics
+    ms = median_ms(one, args.warmup, args.iters, jax.block_until_ready)
+    peak = (jax.local_devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2 ** 30
+    out = row("jax", f"train step remat={args.remat}", ms, cfg, args, ceiling, peak,
+              {"compile_s": round(compile_s, 1)})
+    # LoRA sync, trainer side: device -> host PEFT tensors (what update_lora receives).
+    t = time.perf_counter()
+    tensors = lora_to_peft(holder["s"].lora, spec)
+    export_ms = (time.perf_counter() - t) * 1e3
+    sync = {"lora_params": int(sum(v.size for v in tensors.values())),
+            "bytes": int(sum(v.nbytes for v in tensors.values())), "export_ms": round(export_ms, 1)}
+    return out, tensors, sync, ms
+
+
+def bench_torch(cfg, args, batch, ceiling, tensors):
+    import torch
+    from diffusers import QwenImageTransformer2DModel
+    from peft import LoraConfig, set_peft_model_state_dict
+
+    from bridge.rollout import sde as tsde
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(dev):
+        torch.manual_seed(0)
+        model = QwenImageTransformer2DModel(**{k: v for k, v in cfg.to_dict().items() if k != "_class_name"})
+    model = model.to(torch.bfloat16)
+    model.add_adapter(LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=list(LoRASpec().targets),
+                                 init_lora_weights="gaussian"))
+    lora_params = [p for n, p in model.named_parameters() if "lora_" in n]
+    for n, p in model.named_parameters():
+        p.requires_grad_("lora_" in n)
+    model.enable_gradient_checkpointing()
+    model.train()
+    opt = torch.optim.AdamW(lora_params, lr=3e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-4)
+    t = {k: torch.from_numpy(np.ascontiguousarray(v)).to(dev) for k, v in batch.items() if k != "sigmas"}
+    sigmas = torch.from_numpy(batch["sigmas"]).to(dev)
+    b, m = args.batch, args.micro
+    grid = [[(1, args.grid, args.grid)]] * (2 * b // m)
+    length = max(args.txt, args.neg_txt)
+
+    def pad(x, mask):
+        extra = length - x.shape[1]
+        return (torch.nn.functional.pad(x, (0, 0, 0, extra)), torch.nn.functional.pad(mask, (0, extra)))
+
+    pos, pos_m = pad(t["prompt_embeds"], t["prompt_mask"])
+    neg, neg_m = pad(t["negative_prompt_embeds"], t["negative_prompt_mask"])
+
+    def step():
+        for mb in range(m):
+            rows = slice(mb * b // m, (mb + 1) * b // m)
+            txt = torch.cat([pos[rows], neg[rows]]).to(torch.bfloat16)
+            mask = torch.cat([pos_m[rows], neg_m[rows]])
+            for w, idx in enumerate(WINDOW):
+                x = t["latents"][rows, w]
+                sig = sigmas[idx].expand(x.shape[0])
+                v = model(hidden_states=torch.cat([x, x]).to(torch.bfloat16), timestep=torch.cat([sig, sig]),
+                          encoder_hidden_states=txt, encoder_hidden_states_mask=mask, img_shapes=grid,
+                          return_dict=False)[0].float()
+                vp, vn = v.chunk(2)
+                comb = vn + 4.0 * (vp - vn)
+                v = comb * (vp.norm(dim=-1, keepdim=True) / comb.norm(dim=-1, keepdim=True))
+                _, logp, _, _ = tsde.sde_step(x, v, sig, sigmas[idx + 1].expand_as(sig), sigmas[1], sde_type="sde",
+                                              noise_level=1.2, prev_sample=t["latents"][rows, w + 1])
+                ratio = torch.exp(logp - t["log_probs"][rows, w])
+                adv = t["advantages"][rows].clamp(-5, 5)
+                loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - 1e-4, 1 + 1e-4)).mean()
+                (loss / (m * len(WINDOW))).backward()
+        torch.nn.utils.clip_grad_norm_(lora_params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    sync = (lambda r: torch.cuda.synchronize()) if dev == "cuda" else (lambda r: None)
+    if dev == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    ms = median_ms(step, args.warmup, args.iters, sync)
+    peak = torch.cuda.max_memory_allocated() / 2 ** 30 if dev == "cuda" else 0.0
+    out = row("torch", "train step grad-ckpt", ms, cfg, args, ceiling, peak)
+    # LoRA sync, rollout side: copy the PEFT tensors into the torch model's adapters.
+    t0 = time.perf_counter()
+    set_peft_model_state_dict(model, {k: torch.from_numpy(v) for k, v in tensors.items()})
+    sync(None)
+    apply_ms = (time.perf_counter() - t0) * 1e3
+    del model, opt
+    gc.collect()
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    return out, apply_ms
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("bench_out"))
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--grid", type=int, default=32)
+    p.add_argument("--txt", type=int, default=128)
+    p.add_argument("--neg-txt", type=int, default=8)
+    p.add_argument("--rank", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8, help="samples per step")
+    p.add_argument("--micro", type=int, default=2, help="micro-batches per step")
+    p.add_argument("--remat", default="save_matmuls")
+    p.add_argument("--attention", default="auto")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--iters", type=int, default=5)
+    args = p.parse_args(argv)
+    cfg = QwenImageConfig(**(TINY if args.tiny else FULL))
+    args.out.mkdir(parents=True, exist_ok=True)
+    n = 512 if args.tiny else 8192
+    ceiling = {"jax": jax_matmul_tflops(n, args.iters), "torch": torch_matmul_tflops(n, args.iters)}
+    print(f"devices {jax.devices()}; matmul ceiling TFLOP/s {ceiling}", flush=True)
+    batch = synthetic_batch(cfg, args)
+    jrow, tensors, sync, jax_ms = bench_jax(cfg, args, batch, ceiling["jax"])
+    print(json.dumps(jrow), flush=True)
+    trow, apply_ms = bench_torch(cfg, args, batch, ceiling["torch"], tensors)
+    print(json.dumps(trow), flush=True)
+    sync.update(apply_ms=round(apply_ms, 1), step_ms=round(jax_ms, 1),
+                fraction_of_train_step=round((sync["export_ms"] + apply_ms) / jax_ms, 4))
+    (args.out / "bench_train_step.json").write_text(json.dumps({"ceiling": ceiling, "rows": [trow, jrow],
+                                                                "sync": sync}, indent=1))
+    print(f"\n{'framework':9s} {'case':30s} {'ms/step':>8s} {'ms/sample-step':>14s} {'TFLOP/s':>8s} {'MFU989':>7s} "
+          f"{'MFUceil':>7s} {'peakGiB':>7s}")
+    for r in (trow, jrow):
+        print(f"{r['framework']:9s} {r['case']:30s} {r['ms_step']:8.1f} {r['ms_sample_step']:14.2f} "
+              f"{r['model_tflops']:8.1f} {r['mfu_989']:7.1%} {(r['mfu_ceiling'] or 0):7.1%} {r['peak_gib']:7.1f}")
+    print(f"speed-up jax/torch: {trow['ms_step'] / jrow['ms_step']:.2f}x")
+    print(f"LoRA sync r={args.rank}: {sync['lora_params'] / 1e6:.1f}M params, {sync['bytes'] / 2 ** 20:.0f} MiB fp32; "
+          f"export {sync['export_ms']:.0f} ms + apply {sync['apply_ms']:.0f} ms")
+
+
+if __name__ == "__main__":
+    main()
