@@ -105,7 +105,7 @@ def bench_jax(cfg, args, batch, ceiling):
     return out, tensors, sync, ms
 
 
-def bench_torch(cfg, args, batch, ceiling, tensors):
+def bench_torch(cfg, args, batch, ceiling, shapes):
     import torch
     from diffusers import QwenImageTransformer2DModel
     from peft import LoraConfig, set_peft_model_state_dict
@@ -169,9 +169,10 @@ def bench_torch(cfg, args, batch, ceiling, tensors):
     ms = median_ms(step, args.warmup, args.iters, sync)
     peak = torch.cuda.max_memory_allocated() / 2 ** 30 if dev == "cuda" else 0.0
     out = row("torch", "train step grad-ckpt", ms, cfg, args, ceiling, peak)
-    # LoRA sync, rollout side: copy the PEFT tensors into the torch model's adapters.
+    # LoRA sync, rollout side: copy PEFT tensors (host fp32, the shapes the trainer exports) into the adapters.
+    tensors = {k: torch.randn(s) for k, s in shapes.items()}
     t0 = time.perf_counter()
-    set_peft_model_state_dict(model, {k: torch.from_numpy(v) for k, v in tensors.items()})
+    set_peft_model_state_dict(model, tensors)
     sync(None)
     apply_ms = (time.perf_counter() - t0) * 1e3
     del model, opt
@@ -179,6 +180,20 @@ def bench_torch(cfg, args, batch, ceiling, tensors):
     if dev == "cuda":
         torch.cuda.empty_cache()
     return out, apply_ms
+
+
+def _peft_shapes(abstract, spec) -> dict[str, tuple[int, ...]]:
+    """PEFT key -> shape without materialising the adapters."""
+    from jaxflow.models import keymap
+    state = nnx.state(abstract, LoRAParam)
+    out = {}
+    for e in keymap.lora_key_map(spec.targets):
+        var = state
+        for p in e.flax_path:
+            var = var[p]
+        for key in e.diffusers_keys(var.shape[0]):
+            out[key] = tuple(var.shape[1:][::-1])
+    return out
 
 
 def main(argv=None):
@@ -202,10 +217,14 @@ def main(argv=None):
     ceiling = {"jax": jax_matmul_tflops(n, args.iters), "torch": torch_matmul_tflops(n, args.iters)}
     print(f"devices {jax.devices()}; matmul ceiling TFLOP/s {ceiling}", flush=True)
     batch = synthetic_batch(cfg, args)
+    spec = LoRASpec(rank=args.rank, alpha=2.0 * args.rank)
+    abstract = nnx.eval_shape(lambda: QwenImageTransformer(cfg, ModelOptions(), spec, rngs=nnx.Rngs(0)))
+    shapes = _peft_shapes(abstract, spec)
+    # torch first: JAX's allocator keeps what it has taken, so torch could not fit after it.
+    trow, apply_ms = bench_torch(cfg, args, batch, ceiling["torch"], shapes)
+    print(json.dumps(trow), flush=True)
     jrow, tensors, sync, jax_ms = bench_jax(cfg, args, batch, ceiling["jax"])
     print(json.dumps(jrow), flush=True)
-    trow, apply_ms = bench_torch(cfg, args, batch, ceiling["torch"], tensors)
-    print(json.dumps(trow), flush=True)
     sync.update(apply_ms=round(apply_ms, 1), step_ms=round(jax_ms, 1),
                 fraction_of_train_step=round((sync["export_ms"] + apply_ms) / jax_ms, 4))
     (args.out / "bench_train_step.json").write_text(json.dumps({"ceiling": ceiling, "rows": [trow, jrow],
