@@ -1,28 +1,53 @@
-"""The trainer's side of the rollout: a group of Ray RolloutServer actors, chunked generation that feeds the
-reward pool as chunks finish, LoRA sync with acked versions, and restart-and-retry when an actor dies."""
+"""The trainer's side of the rollout: RolloutServer actors (Ray) or one server in this process, chunked generation
+that feeds the reward pool as chunks finish, LoRA sync with acked versions, restart-and-retry when an actor dies."""
 from __future__ import annotations
 
 import logging
+import types
 
 import numpy as np
 
-from bridge.rollout.server import create_rollout_server
+from bridge.rollout.server import RolloutServer, create_rollout_server
 from bridge.trajectory import TrajectoryBatch
 
 log = logging.getLogger(__name__)
 
 
+class _InProcess:
+    """A RolloutServer in the trainer's process behind the actor-call surface (`handle.method.remote(...)` returns
+    the result itself). For one GPU without Ray, and for debugging; the engine shares the trainer's GPU."""
+
+    def __init__(self, config: dict):
+        self._server = RolloutServer(config)
+
+    def __getattr__(self, name):
+        return types.SimpleNamespace(remote=getattr(self._server, name))
+
+
 class RolloutGroup:
-    """`num_servers` actors with one engine config; every call is retried on a fresh actor if one dies."""
+    """`num_servers` servers with one engine config; every call is retried on fresh actors if one dies."""
 
     def __init__(self, engine_config: dict, num_servers: int = 1, num_cpus: float = 1, num_gpus: float = 0,
-                 max_retries: int = 2):
-        self.engine_config, self.max_retries = dict(engine_config), max_retries
+                 max_retries: int = 2, in_process: bool = False):
+        self.engine_config, self.max_retries, self.in_process = dict(engine_config), max_retries, in_process
         self.resources = {"num_cpus": num_cpus, "num_gpus": num_gpus}
-        self.servers = [create_rollout_server(self.engine_config, **self.resources) for _ in range(num_servers)]
+        self.servers = [self._start() for _ in range(1 if in_process else num_servers)]
         self.adapter = None  # (tensors, version, adapter_config) currently served
 
+    def _start(self):
+        if self.in_process:
+            return _InProcess(self.engine_config)
+        return create_rollout_server(self.engine_config, **self.resources)
+
+    def _get(self, refs):
+        if self.in_process:
+            return refs
+        import ray
+        return ray.get(refs)
+
     def _call(self, fn):
+        if self.in_process:
+            return fn()
         import ray
         for attempt in range(self.max_retries + 1):
             try:
@@ -34,16 +59,14 @@ class RolloutGroup:
                 self._restart()
 
     def _restart(self) -> None:
-        import ray
-        for s in self.servers:
-            ray.kill(s, no_restart=True)
-        self.servers = [create_rollout_server(self.engine_config, **self.resources) for _ in self.servers]
+        count = len(self.servers)
+        self.close()
+        self.servers = [self._start() for _ in range(count)]
         if self.adapter is not None:
-            ray.get([s.update_lora.remote(*self.adapter) for s in self.servers])
+            self._get([s.update_lora.remote(*self.adapter) for s in self.servers])
 
     def info(self) -> list[dict]:
-        import ray
-        return self._call(lambda: ray.get([s.info.remote() for s in self.servers]))
+        return self._call(lambda: self._get([s.info.remote() for s in self.servers]))
 
     def generate(self, prompts: list[str], n: int, sampling: dict, seeds: np.ndarray, prompts_per_call: int,
                  on_chunk=None) -> TrajectoryBatch:
@@ -53,26 +76,32 @@ class RolloutGroup:
         return self._call(lambda: self._generate(prompts, n, sampling, seeds, prompts_per_call, on_chunk))
 
     def _generate(self, prompts, n, sampling, seeds, per_call, on_chunk):
-        import ray
-        refs = {}
+        pending = []
         for c, start in enumerate(range(0, len(prompts), per_call)):
             server = self.servers[c % len(self.servers)]
             chunk_seeds = [int(s) for s in seeds[start * n:(start + per_call) * n]]
-            refs[server.generate.remote(prompts[start:start + per_call], n, sampling, chunk_seeds)] = c
-        chunks, pending = {}, list(refs)
+            pending.append((server.generate.remote(prompts[start:start + per_call], n, sampling, chunk_seeds), c))
+        chunks = {}
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            c = refs[done[0]]
-            chunks[c] = TrajectoryBatch.from_dict(ray.get(done[0]))
+            (ref, c), pending = self._wait(pending)
+            chunks[c] = TrajectoryBatch.from_dict(self._get(ref))
             if on_chunk is not None:
                 on_chunk(c, chunks[c])
         return TrajectoryBatch.concat([chunks[c] for c in sorted(chunks)])
 
+    def _wait(self, pending):
+        """The first finished (ref, chunk) and the rest."""
+        if self.in_process:
+            return pending[0], pending[1:]
+        import ray
+        done, _ = ray.wait([ref for ref, _ in pending], num_returns=1)
+        i = next(i for i, (ref, _) in enumerate(pending) if ref == done[0])
+        return pending[i], pending[:i] + pending[i + 1:]
+
     def update_lora(self, tensors: dict, version: int, adapter_config: dict) -> int:
         """Serve the adapter on every server; returns the bound-module count after checking every ack."""
-        import ray
-        acks = self._call(lambda: ray.get([s.update_lora.remote(tensors, version, adapter_config)
-                                           for s in self.servers]))
+        acks = self._call(lambda: self._get([s.update_lora.remote(tensors, version, adapter_config)
+                                             for s in self.servers]))
         for ack in acks:
             if ack["version"] != version or ack["bound_modules"] < 1:
                 raise RuntimeError(f"rollout did not take LoRA version {version}: ack {ack}")
@@ -80,15 +109,14 @@ class RolloutGroup:
         return acks[0]["bound_modules"]
 
     def close(self) -> None:
-        import ray
-        for s in self.servers:
-            ray.kill(s, no_restart=True)
+        if not self.in_process:
+            import ray
+            for s in self.servers:
+                ray.kill(s, no_restart=True)
         self.servers = []
 
     def sleep(self) -> None:
-        import ray
-        self._call(lambda: ray.get([s.sleep.remote() for s in self.servers]))
+        self._call(lambda: self._get([s.sleep.remote() for s in self.servers]))
 
     def wake(self) -> None:
-        import ray
-        self._call(lambda: ray.get([s.wake.remote() for s in self.servers]))
+        self._call(lambda: self._get([s.wake.remote() for s in self.servers]))

@@ -97,12 +97,13 @@ class Trainer:
         self.stop_requested = False
 
     def _start_rollout(self) -> RolloutGroup:
-        import ray
         r = self.cfg.rollout
-        if not ray.is_initialized():
-            ray.init(address=r.address or None, include_dashboard=False, log_to_driver=False)
+        if not r.in_process:
+            import ray
+            if not ray.is_initialized():
+                ray.init(address=r.address or None, include_dashboard=False, log_to_driver=False)
         group = RolloutGroup({"engine": r.engine, "model": str(self.folder), "dtype": r.dtype, "device": r.device},
-                             r.num_servers, r.num_cpus, r.num_gpus, r.max_retries)
+                             r.num_servers, r.num_cpus, r.num_gpus, r.max_retries, in_process=r.in_process)
         mine = fingerprint(self.model)
         for info in group.info():
             if info["fingerprint"] != mine:

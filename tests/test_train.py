@@ -85,6 +85,13 @@ def test_short_run_logs_evaluates_checkpoints_and_exports(ray_session, tmp_path)
     assert out["state"].step == 2
 
 
+def test_in_process_rollout_runs_without_ray(tmp_path):
+    cfg = tiny_config(tmp_path, num_steps=1)
+    cfg.rollout.in_process = True
+    out = run(cfg)
+    assert out["history"][0]["skipped"] == 0 and out["history"][0]["logp_diff_max/0"] < 1e-5
+
+
 def test_learning_raises_reward_by_3_standard_errors(ray_session, tmp_path):
     """The proof the loop learns. The tiny random model gives the OCR reward 0 everywhere (no signal);
     jpeg_incompressibility has signal. 25 steps at a high learning rate (3e-2) so it shows within minutes."""
