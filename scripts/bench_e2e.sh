@@ -6,12 +6,15 @@
 set -euo pipefail
 out=${1:?usage: bench_e2e.sh OUT_DIR [overrides]}; shift
 model=${MODEL_DIR:-/tmp/qwen_random}
-export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+# One process holds JAX and torch: give JAX a fixed pool (its allocator never returns memory to torch).
+export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-true} XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.5}
+export XLA_PYTHON_CLIENT_MEM_FRACTION=$XLA_CLIENT_MEM_FRACTION
+export PYTHONUNBUFFERED=1
 [ -f "$model/model_index.json" ] || python3 scripts/make_random_pipeline.py --out "$model"
 python3 -m jaxflow.train --config configs/qwen_ocr.py --config.model.path="$model" \
   --config.rollout.engine=diffusers --config.rollout.in_process=True --config.rollout.device=cuda \
   --config.rollout.num_gpus=0 --config.sample.prompts_per_step=2 --config.sample.prompts_per_call=1 \
-  --config.train.num_micro_batches=8 --config.train.num_steps=4 --config.train.text_bucket=128 --config.eval.every=1000 \
+  --config.train.num_micro_batches=16 --config.train.num_steps=4 --config.train.text_bucket=128 --config.eval.every=1000 \
   --config.checkpoint.every=1000 --config.log.progress=False --config.run_dir="$out/run" \
   --config.reward.fns="{'jpeg_incompressibility': 1.0}" "$@"
 python3 scripts/summarize_run.py "$out/run"
