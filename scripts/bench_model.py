@@ -24,7 +24,6 @@ from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -23,7 +23,6 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
