@@ -5,6 +5,13 @@ they finish) -> advantages -> one jitted, sharded train step -> LoRA sync to the
 bound-module count checked) -> metrics. Evaluation (ODE sampling on held-out prompts, a PNG grid) every
 `eval.every` steps; orbax checkpoints every `checkpoint.every` steps and on SIGINT/SIGTERM; the final LoRA is
 exported in PEFT format to `run_dir/lora_final`.
+
+Multi-host (jax.distributed, one trainer process per host; see `maybe_initialize_distributed`): process 0 is the
+driver. It alone holds the rollout group and the reward pool, samples, scores, computes advantages, logs, evaluates
+and exports. Each step it broadcasts the train batch to every process (`share_batch`); every process feeds its own
+contiguous rows to the sharded step (the global batch is their concatenation in process order), so the step is the
+single-process step. All processes checkpoint and restore together (orbax); `run_dir` must be on a filesystem they
+share.
 """
 from __future__ import annotations
 
@@ -28,7 +35,7 @@ from jaxflow.models.lora import lora_to_peft, save_peft
 from jaxflow.rewards import RewardPool, build_reward
 from jaxflow.rollout_client import RolloutGroup
 from jaxflow.sharding import Layout, maybe_initialize_distributed
-from jaxflow.train_step import make_train_step
+from jaxflow.train_step import BATCH_FIELDS, CFG_FIELDS, make_train_step
 
 log = logging.getLogger("jaxflow.train")
 
@@ -60,6 +67,33 @@ def pad_text(batch: dict, multiple: int) -> dict:
     return out
 
 
+_DESC_BYTES = 1 << 14  # the broadcast description of a train batch (keys, shapes, dtypes) as JSON
+
+
+def share_batch(batch: dict | None) -> dict[str, np.ndarray]:
+    """Process 0's per-sample `batch` (host arrays), on every process: a fixed-size description (keys, shapes,
+    dtypes) is broadcast first, so the other processes (which pass None) can build same-sized zero buffers, then the
+    arrays themselves as raw bytes (any dtype, bfloat16 and int64 included, arrives bit-exact)."""
+    import ml_dtypes
+    from jax.experimental import multihost_utils
+    desc = np.zeros(_DESC_BYTES, np.uint8)
+    if batch is not None:
+        text = json.dumps({k: [list(v.shape), v.dtype.name] for k, v in batch.items()}).encode()
+        if len(text) > _DESC_BYTES:
+            raise ValueError(f"train batch description is {len(text)} bytes > {_DESC_BYTES}")
+        desc[:len(text)] = np.frombuffer(text, np.uint8)
+    desc = np.asarray(multihost_utils.broadcast_one_to_all(desc))
+    spec = json.loads(desc.tobytes().rstrip(b"\0").decode())
+    dtypes = {k: np.dtype(getattr(ml_dtypes, d)) if hasattr(ml_dtypes, d) else np.dtype(d)
+              for k, (_, d) in spec.items()}
+    if batch is not None:
+        payload = {k: np.ascontiguousarray(batch[k]).reshape(-1).view(np.uint8) for k in spec}
+    else:
+        payload = {k: np.zeros(int(np.prod(shape)) * dtypes[k].itemsize, np.uint8) for k, (shape, _) in spec.items()}
+    payload = multihost_utils.broadcast_one_to_all(payload)
+    return {k: np.asarray(payload[k]).view(dtypes[k]).reshape(spec[k][0]) for k in spec}
+
+
 def _merge_rewards(futures: dict) -> dict[str, np.ndarray]:
     parts = [futures[c].result() for c in sorted(futures)]
     out = {k: np.concatenate([p[k] for p in parts]) for k in parts[0] if k != "errors"}
@@ -73,20 +107,28 @@ class Trainer:
     def __init__(self, cfg, resume: bool = False):
         config_lib.validate(cfg)
         maybe_initialize_distributed()
+        self.processes, self.driver = jax.process_count(), jax.process_index() == 0
+        s = cfg.sample
+        if (s.prompts_per_step * s.group_size) % self.processes:
+            raise ValueError(f"the train batch (sample.prompts_per_step x sample.group_size = "
+                             f"{s.prompts_per_step * s.group_size}) must divide by the {self.processes} JAX "
+                             f"processes: each feeds an equal share of its rows")
         self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
         self.folder = config_lib.model_folder(cfg)
         self.train_items, self.test_items = load_prompts(cfg.data.train), load_prompts(cfg.data.test)
-        s = cfg.sample
         self.sampler = GroupSampler(len(self.train_items), s.prompts_per_step, s.group_size, cfg.seed)
-        self.reward = build_reward(dict(cfg.reward.fns), **cfg.reward.options.to_dict())  # VLM health check here
-        self.pool = RewardPool(self.reward, cfg.reward.workers)
+        self.reward = self.pool = self.rollout = None
+        if self.driver:
+            self.reward = build_reward(dict(cfg.reward.fns), **cfg.reward.options.to_dict())  # VLM health check
+            self.pool = RewardPool(self.reward, cfg.reward.workers)
         self.layout = Layout.create(config_lib.sharding_config(cfg))
         self.spec = config_lib.lora_spec(cfg)
         self.model = load_transformer(self.folder / "transformer", config_lib.model_options(cfg), self.spec,
                                       sharding=self.layout.sharding_fn, seed=cfg.seed)
         init_state, self.train_step = make_train_step(
             self.model, config_lib.train_config(cfg, grid_hw(self.folder, cfg)), self.layout)
-        self.rollout = self._start_rollout()
+        if self.driver:
+            self.rollout = self._start_rollout()
         self.ckpt = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.keep)
         self.state, self.start = init_state(), 0
         if resume:
@@ -111,8 +153,19 @@ class Trainer:
                                    f"({self.folder}): fingerprint {info['fingerprint'][:12]} != {mine[:12]}")
         return group
 
-    def _sync(self, version: int) -> int:
-        tensors = lora_to_peft(self.state.lora, self.spec)
+    def _host_lora(self):
+        """The LoRA state as host arrays; multi-process, a collective every process must join (the LoRA may be
+        sharded over devices of several hosts)."""
+        if self.processes == 1:
+            return self.state.lora
+        from jax.experimental import multihost_utils
+        return jax.tree.map(np.asarray, multihost_utils.process_allgather(self.state.lora, tiled=True))
+
+    def _sync(self, version: int) -> int | None:
+        lora = self._host_lora()
+        if not self.driver:
+            return None
+        tensors = lora_to_peft(lora, self.spec)
         return self.rollout.update_lora(tensors, version, self.spec.peft_config())
 
     def _meta(self, step: int) -> dict:
@@ -135,7 +188,31 @@ class Trainer:
         timings["reward"] = time.perf_counter() - t
         return batch, rewards
 
+    def _local_rows(self, train_batch: dict | None) -> dict:
+        """Multi-process: process 0's train batch (the fields the step reads, each made per-sample) on every
+        process, cut to this process's contiguous share of rows."""
+        fields = BATCH_FIELDS + CFG_FIELDS
+        if train_batch is not None:
+            b = len(train_batch["advantages"])
+            train_batch = {k: np.asarray(train_batch[k]) for k in fields if train_batch.get(k) is not None}
+            train_batch["sigmas"] = np.broadcast_to(train_batch["sigmas"], (b, train_batch["sigmas"].shape[-1]))
+            train_batch["noise_level"] = np.broadcast_to(train_batch["noise_level"], (b,))
+        full = share_batch(train_batch)
+        rows = len(full["advantages"]) // self.processes
+        lo = jax.process_index() * rows
+        return {k: v[lo:lo + rows] for k, v in full.items()}
+
+    def _train_only(self, step: int) -> dict:
+        """A non-driver process's step: receive its rows, train, join the LoRA gather; returns the metrics."""
+        t = time.perf_counter()
+        self.state, metrics = self.train_step(self.state, self._local_rows(None))
+        metrics = jax.device_get(metrics)
+        self._sync(step + 1)
+        return {**metrics, "time/train": time.perf_counter() - t}
+
     def train_one(self, step: int) -> dict:
+        if not self.driver:
+            return self._train_only(step)
         cfg, timings = self.cfg, {}
         batch, rewards = self._rollout(step, timings)
         group_ids = np.repeat(np.arange(cfg.sample.prompts_per_step), cfg.sample.group_size)
@@ -146,6 +223,8 @@ class Trainer:
         t = time.perf_counter()
         train_batch = pad_text(batch.to_dict(), cfg.train.text_bucket)
         train_batch.update(advantages=adv, noise_level=np.float32(cfg.sample.noise_level))
+        if self.processes > 1:
+            train_batch = self._local_rows(train_batch)
         self.state, metrics = self.train_step(self.state, train_batch)
         metrics = jax.device_get(metrics)
         timings["train"] = time.perf_counter() - t
@@ -176,15 +255,20 @@ class Trainer:
     def run(self) -> dict:
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        runlog = RunLog(self.run_dir, cfg.train.num_steps, self.start, cfg.log.tensorboard, cfg.log.progress)
+        runlog = RunLog(self.run_dir, cfg.train.num_steps, self.start, cfg.log.tensorboard, cfg.log.progress) \
+            if self.driver else None
         previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         history = []
         try:
             for step in range(self.start, cfg.train.num_steps):
                 metrics = self.train_one(step)
-                if (step + 1) % cfg.eval.every == 0:
+                if (step + 1) % cfg.eval.every == 0 and self.driver:
                     metrics["eval_reward_mean"] = self.evaluate(step + 1)
-                history.append(runlog.log(step, metrics))
+                history.append(runlog.log(step, metrics) if self.driver else {"step": step, **metrics})
+                if self.processes > 1:  # every process stops after the same step
+                    from jax.experimental import multihost_utils
+                    flags = multihost_utils.process_allgather(np.int32(self.stop_requested))
+                    self.stop_requested = bool(np.any(flags))
                 last = step + 1 == cfg.train.num_steps
                 if (step + 1) % cfg.checkpoint.every == 0 or last or self.stop_requested:
                     self.ckpt.save(step + 1, self.state, self._meta(step + 1))
@@ -192,11 +276,17 @@ class Trainer:
                     log.warning("stop requested: checkpoint at step %d written", step + 1)
                     break
             else:
-                save_peft(self._model_with_state(), self.spec, self.run_dir / "lora_final")
+                if self.processes == 1:
+                    save_peft(self._model_with_state(), self.spec, self.run_dir / "lora_final")
+                else:
+                    lora = self._host_lora()
+                    if self.driver:
+                        save_peft(lora, self.spec, self.run_dir / "lora_final")
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            runlog.close()
+            if runlog is not None:
+                runlog.close()
         return {"history": history, "state": self.state}
 
     def _model_with_state(self):
@@ -208,8 +298,10 @@ class Trainer:
         self.stop_requested = True
 
     def close(self) -> None:
-        self.pool.close()
-        self.rollout.close()
+        if self.pool is not None:
+            self.pool.close()
+        if self.rollout is not None:
+            self.rollout.close()
 
 
 def main(argv):
