@@ -116,21 +116,29 @@ def test_resume_continues_exactly(ray_session, tmp_path):
     assert abs(full["history"][-1]["reward_mean"] - resumed["history"][-1]["reward_mean"]) < 1e-6
 
 
-def test_kill_9_mid_run_then_resume_loses_at_most_one_step(ray_session, tmp_path):
+def _cli(ray_session, run_dir, *extra):
     address = ray_session.get_runtime_context().gcs_address
-    args = [sys.executable, "-m", "jaxflow.train", "--config", str(ROOT / "configs" / "tiny_ocr.py"),
-            f"--config.run_dir={tmp_path}", "--config.train.num_steps=6", "--config.checkpoint.every=1",
-            "--config.eval.every=1000", "--config.log.progress=False", "--config.log.tensorboard=False",
-            "--config.rollout.num_cpus=0", f"--config.rollout.address={address}",
-            f"--config.data.train={ROOT / 'data/ocr/train.txt'}", f"--config.data.test={ROOT / 'data/ocr/test.txt'}",
-            "--config.reward.fns={'jpeg_incompressibility': 1.0}"]
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    metrics = tmp_path / "metrics.jsonl"
+    return [sys.executable, "-m", "jaxflow.train", "--config", str(ROOT / "configs" / "tiny_ocr.py"),
+            f"--config.run_dir={run_dir}", "--config.train.num_steps=6", "--config.eval.every=1000",
+            "--config.log.progress=False", "--config.log.tensorboard=False", "--config.rollout.num_cpus=0",
+            f"--config.rollout.address={address}", f"--config.data.train={ROOT / 'data/ocr/train.txt'}",
+            f"--config.data.test={ROOT / 'data/ocr/test.txt'}",
+            "--config.reward.fns={'jpeg_incompressibility': 1.0}", *extra]
+
+
+def _wait_for_steps(proc, metrics, count):
     deadline = time.time() + 300
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < count):
         assert proc.poll() is None, "trainer exited early"
         time.sleep(0.2)
-    done = len(metrics.read_text().splitlines())
+    return len(metrics.read_text().splitlines())
+
+
+def test_kill_9_mid_run_then_resume_loses_at_most_one_step(ray_session, tmp_path):
+    args = _cli(ray_session, tmp_path, "--config.checkpoint.every=1")
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = tmp_path / "metrics.jsonl"
+    done = _wait_for_steps(proc, metrics, 3)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     resumed = subprocess.run(args + ["--resume"], cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -139,6 +147,17 @@ def test_kill_9_mid_run_then_resume_loses_at_most_one_step(ray_session, tmp_path
     restart = steps[done]  # first step logged by the resumed run
     assert restart >= done - 1, f"{done} steps were logged before the kill, resume started at {restart}"
     assert steps[-1] == 5
+
+
+def test_sigterm_checkpoints_the_current_step_and_exits(ray_session, tmp_path):
+    proc = subprocess.Popen(_cli(ray_session, tmp_path, "--config.checkpoint.every=1000"), cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_for_steps(proc, tmp_path / "metrics.jsonl", 2)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=300) == 0
+    logged = len((tmp_path / "metrics.jsonl").read_text().splitlines())
+    saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved == [logged] and logged < 6  # stopped early, after checkpointing the step it had finished
 
 
 def test_rollout_actor_killed_mid_generate_is_restarted_and_retried(ray_session, tmp_path):
