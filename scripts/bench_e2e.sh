@@ -5,6 +5,7 @@
 #   bash scripts/bench_e2e.sh OUT_DIR [extra --config overrides]
 set -euo pipefail
 out=${1:?usage: bench_e2e.sh OUT_DIR [overrides]}; shift
+mkdir -p "$out"   # the whole training log goes to $out/train.log (keep it: a run cut off by a time limit leaves it)
 model=${MODEL_DIR:-/tmp/qwen_random}
 # One process holds JAX and torch: give JAX a fixed pool (its allocator never returns memory to torch).
 export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-true} XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.5}
@@ -16,5 +17,5 @@ python3 -m jaxflow.train --config configs/qwen_ocr.py --config.model.path="$mode
   --config.rollout.num_gpus=0 --config.sample.prompts_per_step=2 --config.sample.prompts_per_call=1 \
   --config.train.num_micro_batches=16 --config.train.num_steps=4 --config.train.text_bucket=128 --config.eval.every=1000 \
   --config.checkpoint.every=1000 --config.log.progress=False --config.run_dir="$out/run" \
-  --config.reward.fns="{'jpeg_incompressibility': 1.0}" "$@"
+  --config.reward.fns="{'jpeg_incompressibility': 1.0}" "$@" 2>&1 | tee "$out/train.log"
 python3 scripts/summarize_run.py "$out/run"
