@@ -21,8 +21,8 @@ import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_model import FULL, TINY, median_ms  # noqa: E402
-from bench_train_step import WINDOW, synthetic_batch  # noqa: E402
+from bench_model import FULL, TINY  # noqa: E402
+from bench_train_step import WINDOW, add_workload_args, synthetic_batch, time_steps  # noqa: E402
 
 from jaxflow.models.config import ModelOptions, QwenImageConfig  # noqa: E402
 from jaxflow.models.lora import LoRASpec  # noqa: E402
@@ -36,25 +36,14 @@ def run(model, cfg, args, layout: Layout, n_dev: int) -> float:
     batch = synthetic_batch(cfg, args)
     tc = TrainConfig(grid_hw=(args.grid, args.grid), guidance=4.0, num_micro_batches=args.micro)
     init_state, step = make_train_step(model, tc, layout)
-    holder = {"s": init_state()}
-
-    def one():
-        holder["s"], metrics = step(holder["s"], batch)
-        return metrics
-    return median_ms(one, args.warmup, args.iters, jax.block_until_ready)
+    return time_steps(step, init_state(), batch, args)[0]
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=Path("bench_out"))
-    p.add_argument("--tiny", action="store_true")
-    p.add_argument("--grid", type=int, default=32)
-    p.add_argument("--txt", type=int, default=128)
-    p.add_argument("--neg-txt", type=int, default=8)
-    p.add_argument("--rank", type=int, default=64)
+    add_workload_args(p)
     p.add_argument("--per-gpu", type=int, default=4, help="samples per GPU per step")
     p.add_argument("--micro", type=int, default=1)
-    p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--iters", type=int, default=4)
     args = p.parse_args(argv)
     cfg = QwenImageConfig(**(TINY if args.tiny else FULL))

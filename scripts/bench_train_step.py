@@ -57,6 +57,27 @@ def synthetic_batch(cfg: QwenImageConfig, args) -> dict:
     }
 
 
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload flags shared with scripts/bench_scaling.py."""
+    p.add_argument("--out", type=Path, default=Path("bench_out"))
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--grid", type=int, default=32)
+    p.add_argument("--txt", type=int, default=128)
+    p.add_argument("--neg-txt", type=int, default=8)
+    p.add_argument("--rank", type=int, default=64)
+    p.add_argument("--warmup", type=int, default=1)
+
+
+def time_steps(step, state, batch, args) -> tuple[float, object]:
+    """Median ms of `state, metrics = step(state, batch)` (state donated each call) and the last state."""
+    holder = {"s": state}
+
+    def one():
+        holder["s"], metrics = step(holder["s"], batch)
+        return metrics
+    return median_ms(one, args.warmup, args.iters, jax.block_until_ready), holder["s"]
+
+
 def flops_per_sample_step(cfg, args) -> float:
     """One window step of one sample: the LoRA-train transformer call on positive and negative rows."""
     d = dataclasses.asdict(cfg)
@@ -86,18 +107,13 @@ def bench_jax(cfg, args, batch, ceiling):
     train_state, m = step(train_state, batch)
     jax.block_until_ready(m)
     compile_s = time.perf_counter() - t
-    holder = {"s": train_state}
-
-    def one():
-        holder["s"], metrics = step(holder["s"], batch)
-        return metrics
-    ms = median_ms(one, args.warmup, args.iters, jax.block_until_ready)
+    ms, train_state = time_steps(step, train_state, batch, args)
     peak = (jax.local_devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2 ** 30
     out = row("jax", f"train step remat={args.remat}", ms, cfg, args, ceiling, peak,
               {"compile_s": round(compile_s, 1)})
     # LoRA sync, trainer side: device -> host PEFT tensors (what update_lora receives).
     t = time.perf_counter()
-    tensors = lora_to_peft(holder["s"].lora, spec)
+    tensors = lora_to_peft(train_state.lora, spec)
     export_ms = (time.perf_counter() - t) * 1e3
     sync = {"lora_params": int(sum(v.size for v in tensors.values())),
             "bytes": int(sum(v.nbytes for v in tensors.values())), "export_ms": round(export_ms, 1)}
@@ -197,17 +213,11 @@ def _peft_shapes(abstract, spec) -> dict[str, tuple[int, ...]]:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=Path("bench_out"))
-    p.add_argument("--tiny", action="store_true")
-    p.add_argument("--grid", type=int, default=32)
-    p.add_argument("--txt", type=int, default=128)
-    p.add_argument("--neg-txt", type=int, default=8)
-    p.add_argument("--rank", type=int, default=64)
+    add_workload_args(p)
     p.add_argument("--batch", type=int, default=8, help="samples per step")
     p.add_argument("--micro", type=int, default=2, help="micro-batches per step")
     p.add_argument("--remat", default="save_matmuls")
     p.add_argument("--attention", default="auto")
-    p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--iters", type=int, default=5)
     args = p.parse_args(argv)
     cfg = QwenImageConfig(**(TINY if args.tiny else FULL))

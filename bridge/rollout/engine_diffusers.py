@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from bridge.rollout.pipeline import RolloutPipeline, SamplingParams
+from bridge.rollout.server import check_engine_config
 
 CONFIG_KEYS = ("engine", "model", "dtype", "device")
 
@@ -20,10 +21,7 @@ class DiffusersEngine:
     name = "diffusers"
 
     def __init__(self, config: dict):
-        unknown = sorted(set(config) - set(CONFIG_KEYS))
-        if unknown or "model" not in config:
-            raise ValueError(f"diffusers engine config: needs 'model', knows {list(CONFIG_KEYS)}, "
-                             f"got unknown keys {unknown}")
+        check_engine_config("diffusers", config, CONFIG_KEYS)
         model = config["model"]
         if model == "tiny":
             from bridge.rollout.tiny import tiny_pipeline_path

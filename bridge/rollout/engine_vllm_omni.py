@@ -36,6 +36,7 @@ from bridge.lora import lora_pairs, read_peft, to_vllm_omni, vllm_omni_adapter_c
 from bridge.rollout.lora_apply import _refuse, _spec_from_config
 from bridge.rollout.pipeline import FINGERPRINT_ELEMENTS, RolloutPipeline, SamplingParams, weights_fingerprint
 from bridge.rollout.sde import sample_windows
+from bridge.rollout.server import check_engine_config
 from bridge.rollout.vllm_omni_pipeline import (PIPELINE_CLASS, WORKER_EXTENSION_CLASS, encode_request,
                                                unpack_trajectories)
 from bridge.tensors import torch_to_numpy
@@ -153,10 +154,7 @@ class VllmOmniEngine:
     name = "vllm_omni"
 
     def __init__(self, config: dict):
-        unknown = sorted(set(config) - set(CONFIG_KEYS))
-        if unknown or "model" not in config:
-            raise ValueError(f"vllm_omni engine config: needs 'model', knows {list(CONFIG_KEYS)}, "
-                             f"got unknown keys {unknown}")
+        check_engine_config("vllm_omni", config, CONFIG_KEYS)
         if config.get("device") not in (None, "cuda"):
             raise ValueError(f"the vllm_omni engine runs on the actor's CUDA GPU, got device={config['device']!r}")
         self.dtype = config.get("dtype", "bfloat16")

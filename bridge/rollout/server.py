@@ -32,6 +32,13 @@ def engine_name(config: dict) -> str:
     return name
 
 
+def check_engine_config(name: str, config: dict, known_keys) -> None:
+    """ValueError unless `config` names a model and uses only `known_keys` (shared by every engine)."""
+    unknown = sorted(set(config) - set(known_keys))
+    if unknown or "model" not in config:
+        raise ValueError(f"{name} engine config: needs 'model', knows {list(known_keys)}, got unknown keys {unknown}")
+
+
 def engine_class(config: dict):
     """The engine class `config` asks for, imported on demand."""
     module, _, cls = ENGINES[engine_name(config)].partition(":")
