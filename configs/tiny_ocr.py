@@ -14,7 +14,8 @@ def get_config():
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.run_dir = "runs/tiny_ocr"
-    c.model = dict(path="tiny", dtype="float32", param_dtype="float32", remat="none", attention="auto")
+    c.model = dict(path="tiny", dtype="float32", param_dtype="float32", remat="none", attention="auto",
+                   init="checkpoint")  # "random": base weights drawn from `seed` (bridge/random_weights.py)
     c.lora = dict(rank=8, alpha=16.0, targets=list(DEFAULT_LORA_TARGETS))
     c.rollout = dict(engine="diffusers", dtype="float32", device="cpu", num_servers=1, num_gpus=0.0,
                      num_cpus=1.0, sleep_while_training=False, max_retries=2, address="",

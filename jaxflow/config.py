@@ -37,6 +37,11 @@ def validate(cfg: ConfigDict) -> None:
             if not (folder / need).exists():
                 _fail("model.path", f"{folder} has no {need}: it must be a diffusers Qwen-Image folder; for a "
                                     f"run without weights use {TINY_HINT}")
+    if cfg.model.init not in ("checkpoint", "random"):
+        _fail("model.init", f"{cfg.model.init!r}; choose 'checkpoint' (weights from model.path) or 'random'")
+    if cfg.model.init == "random" and cfg.rollout.engine != "diffusers":
+        _fail("model.init", "'random' needs rollout.engine='diffusers' (the vLLM-Omni engine loads its weights "
+                            "from model.path)")
     model_options(cfg), lora_spec(cfg), sharding_config(cfg)
     s, t = cfg.sample, cfg.train
     if s.group_size < 2:

@@ -30,8 +30,10 @@ from jaxflow.checkpoint import Checkpointer, config_json
 from jaxflow.data import GroupSampler, load_prompts
 from jaxflow.flowgrpo import compute_advantages
 from jaxflow.metrics_log import RunLog, image_grid
+from jaxflow.models.config import QwenImageConfig
 from jaxflow.models.loading import fingerprint, load_transformer
 from jaxflow.models.lora import lora_to_peft, save_peft
+from jaxflow.models.random_init import random_transformer
 from jaxflow.rewards import RewardPool, build_reward
 from jaxflow.rollout_client import RolloutGroup
 from jaxflow.sharding import Layout, maybe_initialize_distributed
@@ -101,6 +103,14 @@ def _merge_rewards(futures: dict) -> dict[str, np.ndarray]:
     return out
 
 
+def build_model(cfg, folder: Path, spec, layout: Layout):
+    """The trainer's transformer: base weights from `folder`, or drawn from `seed` with `model.init=random`."""
+    opts, kw = config_lib.model_options(cfg), dict(sharding=layout.sharding_fn, seed=cfg.seed)
+    if cfg.model.init == "random":
+        return random_transformer(QwenImageConfig.from_json(folder / "config.json"), opts, spec, **kw)
+    return load_transformer(folder, opts, spec, **kw)
+
+
 class Trainer:
     """Holds the run's pieces; `run()` drives the loop. Build with `Trainer(cfg, resume)`."""
 
@@ -123,8 +133,7 @@ class Trainer:
             self.pool = RewardPool(self.reward, cfg.reward.workers)
         self.layout = Layout.create(config_lib.sharding_config(cfg))
         self.spec = config_lib.lora_spec(cfg)
-        self.model = load_transformer(self.folder / "transformer", config_lib.model_options(cfg), self.spec,
-                                      sharding=self.layout.sharding_fn, seed=cfg.seed)
+        self.model = build_model(cfg, self.folder / "transformer", self.spec, self.layout)
         init_state, self.train_step = make_train_step(
             self.model, config_lib.train_config(cfg, grid_hw(self.folder, cfg)), self.layout)
         if self.driver:
@@ -144,8 +153,10 @@ class Trainer:
             import ray
             if not ray.is_initialized():
                 ray.init(address=r.address or None, include_dashboard=False, log_to_driver=False)
-        group = RolloutGroup({"engine": r.engine, "model": str(self.folder), "dtype": r.dtype, "device": r.device},
-                             r.num_servers, r.num_cpus, r.num_gpus, r.max_retries, in_process=r.in_process)
+        engine = {"engine": r.engine, "model": str(self.folder), "dtype": r.dtype, "device": r.device}
+        if self.cfg.model.init == "random":
+            engine["random_seed"] = self.cfg.seed  # the rollout draws the same base weights (fingerprint below)
+        group = RolloutGroup(engine, r.num_servers, r.num_cpus, r.num_gpus, r.max_retries, in_process=r.in_process)
         mine = fingerprint(self.model)
         for info in group.info():
             if info["fingerprint"] != mine:
@@ -213,7 +224,7 @@ class Trainer:
     def train_one(self, step: int) -> dict:
         if not self.driver:
             return self._train_only(step)
-        cfg, timings = self.cfg, {}
+        cfg, timings, start = self.cfg, {}, time.perf_counter()
         batch, rewards = self._rollout(step, timings)
         group_ids = np.repeat(np.arange(cfg.sample.prompts_per_step), cfg.sample.group_size)
         adv, zero_std = compute_advantages(rewards["avg"], group_ids, global_std=cfg.train.global_std,
@@ -233,10 +244,10 @@ class Trainer:
         t = time.perf_counter()
         bound = self._sync(step + 1)
         timings["sync"] = time.perf_counter() - t
-        total = sum(timings.values())
+        total = time.perf_counter() - start  # the step's wall time, phases and what lies between them
         out = {**metrics, "reward_mean": rewards["avg"].mean(), "reward_std": rewards["avg"].std(),
                "reward_errors": rewards["errors"], "zero_std_ratio": zero_std, "bound_modules": bound,
-               "images_per_s": len(adv) / total, **{f"reward/{k}": v.mean() for k, v in rewards.items()
+               "images_per_s": len(adv) / total, "time/step": total, **{f"reward/{k}": v.mean() for k, v in rewards.items()
                                                     if k not in ("avg", "errors")},
                **{f"time/{k}": v for k, v in timings.items()}}
         return out

@@ -29,7 +29,7 @@ REAL_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, 
 PROMPT = 'a wooden shop sign above a bakery door that reads "Fresh Bread Daily", warm morning light'
 
 
-def full_size_pipeline(device):
+def full_size_pipeline(device, transformer_device=None):
     from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
                            QwenImageTransformer2DModel)
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -47,7 +47,8 @@ def full_size_pipeline(device):
     torch.set_default_dtype(torch.bfloat16)
     with torch.device(device):
         torch.manual_seed(0)
-        transformer = QwenImageTransformer2DModel()
+        with torch.device(transformer_device or device):  # "meta": config only, no memory
+            transformer = QwenImageTransformer2DModel()
         vae = AutoencoderKLQwenImage(**REAL_VAE)
         text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
     torch.set_default_dtype(torch.float32)

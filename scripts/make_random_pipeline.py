@@ -1,9 +1,11 @@
 """Write a Qwen-Image diffusers folder with random weights at the real size (no download, no checkpoint).
 
-    python scripts/make_random_pipeline.py --out DIR
+    python scripts/make_random_pipeline.py --out DIR [--no-transformer-weights]
 
 Real transformer (20.4B) and VAE configs; the text encoder has the real width (3584) but 2 layers (see
 scripts/bench_rollout.py); our locally built tokenizer; the real scheduler config. bf16 safetensors, sharded.
+With --no-transformer-weights only transformer/config.json is written (2 GB in all instead of 43): for
+`--config.model.init=random`, where the trainer and the rollout draw the transformer's weights on their devices.
 """
 from __future__ import annotations
 
@@ -20,9 +22,17 @@ from bench_rollout import full_size_pipeline  # noqa: E402
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--no-transformer-weights", action="store_true")
     args = p.parse_args(argv)
-    pipe = full_size_pipeline("cuda" if torch.cuda.is_available() else "cpu")
-    pipe.save_pretrained(args.out, safe_serialization=True, max_shard_size="10GB")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not args.no_transformer_weights:
+        full_size_pipeline(device).save_pretrained(args.out, safe_serialization=True, max_shard_size="10GB")
+    else:
+        pipe = full_size_pipeline(device, transformer_device="meta")
+        pipe.save_config(args.out)  # model_index.json
+        for name in ("vae", "text_encoder", "tokenizer", "scheduler"):
+            getattr(pipe, name).save_pretrained(args.out / name)
+        pipe.transformer.save_config(args.out / "transformer")
     print(f"wrote {args.out}")
 
 

@@ -17,10 +17,10 @@ def main(argv=None):
     p.add_argument("--skip", type=int, default=1, help="leading steps to leave out (compile)")
     args = p.parse_args(argv)
     rows = [json.loads(line) for line in (args.run_dir / "metrics.jsonl").read_text().splitlines()]
-    print(f"{'step':>4s} {'rollout':>8s} {'reward':>7s} {'train':>7s} {'sync':>6s} {'total':>7s} {'img/GPU/s':>9s} "
+    print(f"{'step':>4s} {'rollout':>8s} {'reward':>7s} {'train':>7s} {'sync':>6s} {'wall':>7s} {'img/GPU/s':>9s} "
           f"{'logp_diff_max':>13s}")
     for r in rows:
-        total = sum(r[f"time/{k}"] for k in ("rollout", "reward", "train", "sync"))
+        total = r["time/step"]  # wall time of the step: the phases and everything between them
         diff = max(v for k, v in r.items() if k.startswith("logp_diff_max/"))
         print(f"{r['step']:4d} {r['time/rollout']:8.1f} {r['time/reward']:7.1f} {r['time/train']:7.1f} "
               f"{r['time/sync']:6.1f} {total:7.1f} {r['images_per_s'] / args.gpus:9.3f} {diff:13.2e}")

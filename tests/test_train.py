@@ -53,12 +53,20 @@ def lora_leaves(state):
     ("sample.group_size", 1, "sample.group_size"),
     ("train.num_micro_batches", 3, "train.num_micro_batches"),
     ("sample.window_size", 9, "sample.window_size"),
+    ("model.init", "zeros", "model.init"),
 ])
 def test_invalid_config_fails_before_anything_heavy(tmp_path, key, value, needle):
     cfg = tiny_config(tmp_path)
     section, name = key.split(".")
     cfg[section][name] = value
     with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
+        config_lib.validate(cfg)
+
+
+def test_random_init_needs_the_diffusers_engine(tmp_path):
+    cfg = tiny_config(tmp_path)
+    cfg.model.init, cfg.rollout.engine = "random", "vllm_omni"
+    with pytest.raises(ValueError, match="rollout.engine='diffusers'"):
         config_lib.validate(cfg)
 
 
@@ -85,9 +93,11 @@ def test_short_run_logs_evaluates_checkpoints_and_exports(ray_session, tmp_path)
     assert out["state"].step == 2
 
 
-def test_in_process_rollout_runs_without_ray(tmp_path):
+def test_in_process_rollout_with_random_init_runs_without_ray(tmp_path):
+    """No Ray, and `model.init=random`: both sides draw the base weights (the start-up fingerprint check passes)
+    and the rollout's log-probs equal the trainer's recompute, so they drew the same model."""
     cfg = tiny_config(tmp_path, num_steps=1)
-    cfg.rollout.in_process = True
+    cfg.rollout.in_process, cfg.model.init, cfg.seed = True, "random", 7
     out = run(cfg)
     assert out["history"][0]["skipped"] == 0 and out["history"][0]["logp_diff_max/0"] < 1e-5
 

@@ -1,7 +1,9 @@
 """The embedded rollout engine: `RolloutPipeline` on diffusers components, on CPU or one GPU.
 
 Config keys: `engine` ("diffusers"), `model` (a local diffusers Qwen-Image folder, or "tiny" for the cached
-tiny random pipeline), `dtype` ("bfloat16" default, or "float32"), `device` (default: cuda if available).
+tiny random pipeline), `dtype` ("bfloat16" default, or "float32"), `device` (default: cuda if available),
+`random_seed` (optional: ignore the folder's transformer weights and draw them from this seed on the device,
+`bridge/random_weights.py`; the trainer with `model.init=random` draws the same).
 Everything crossing the engine boundary is numpy or plain Python.
 """
 
@@ -12,7 +14,7 @@ import torch
 from bridge.rollout.pipeline import RolloutPipeline, SamplingParams
 from bridge.rollout.server import check_engine_config
 
-CONFIG_KEYS = ("engine", "model", "dtype", "device")
+CONFIG_KEYS = ("engine", "model", "dtype", "device", "random_seed")
 
 
 class DiffusersEngine:
@@ -27,7 +29,8 @@ class DiffusersEngine:
             from bridge.rollout.tiny import tiny_pipeline_path
 
             model = tiny_pipeline_path()
-        self.pipeline = RolloutPipeline.from_pretrained(model, config.get("dtype", "bfloat16"), config.get("device"))
+        self.pipeline = RolloutPipeline.from_pretrained(model, config.get("dtype", "bfloat16"), config.get("device"),
+                                                        random_seed=config.get("random_seed"))
         self.device = self.pipeline.device
         self.asleep = False
 

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from bridge.rollout.lora_apply import LoraApplier
+from bridge.rollout.random_init import random_transformer
 from bridge.rollout.sde import SDE_TYPES, sample_windows, sde_step, sigma_schedule, window_noise_levels, window_size
 from bridge.tensors import torch_to_numpy
 from bridge.trajectory import TrajectoryBatch
@@ -147,14 +148,21 @@ class RolloutPipeline:
         self.policy_version = 0
 
     @classmethod
-    def from_pretrained(cls, path, dtype: str = "bfloat16", device: str | None = None) -> RolloutPipeline:
-        """Load a diffusers Qwen-Image folder (local only) in `dtype` onto `device` (default: cuda if available)."""
-        from diffusers import QwenImagePipeline
+    def from_pretrained(cls, path, dtype: str = "bfloat16", device: str | None = None,
+                        random_seed: int | None = None) -> RolloutPipeline:
+        """Load a diffusers Qwen-Image folder (local only) in `dtype` onto `device` (default: cuda if available).
+        With `random_seed`, the transformer's weights are not read: they are drawn on `device` by the shared spec
+        (`bridge/random_weights.py`), so the folder needs only `transformer/config.json`."""
+        from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
 
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        pipe = QwenImagePipeline.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True)
+        parts = {}
+        if random_seed is not None:
+            config = QwenImageTransformer2DModel.load_config(Path(path) / "transformer")
+            parts["transformer"] = random_transformer(config, int(random_seed), DTYPES[dtype], device)
+        pipe = QwenImagePipeline.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True, **parts)
         return cls(pipe, device, str(Path(path)))
 
     @property

@@ -59,9 +59,11 @@ def lora_to_peft(model: nnx.Module | nnx.State, spec: LoRASpec) -> dict[str, np.
     state = model if isinstance(model, nnx.State) else nnx.state(model, LoRAParam)
     out = {}
     for e in keymap.lora_key_map(spec.targets):
-        stacked = np.asarray(_get(state, e.flax_path)[...])
+        # swap to torch's (out, in) before the host copy: on the device for a jax.Array (numpy's per-layer
+        # transposes were most of the sync time at full size), so every layer below is a contiguous view
+        stacked = np.asarray(_get(state, e.flax_path)[...].swapaxes(-1, -2))
         for i, key in enumerate(e.diffusers_keys(stacked.shape[0])):
-            out[key] = np.ascontiguousarray(stacked[i].T)
+            out[key] = np.ascontiguousarray(stacked[i])
     return out
 
 

@@ -1,0 +1,49 @@
+"""`model.init=random`: the trainer (JAX) and the rollout (torch) draw bit-identical base weights from one seed."""
+import shutil
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from bridge.random_weights import numpy_weight
+from bridge.rollout.pipeline import RolloutPipeline
+from bridge.rollout.random_init import torch_weight
+from bridge.rollout.tiny import tiny_pipeline_path
+from jaxflow.models.config import ModelOptions, QwenImageConfig
+from jaxflow.models.loading import fingerprint, to_diffusers_state_dict
+from jaxflow.models.random_init import random_transformer
+
+
+@pytest.mark.parametrize("name, shape", [("blocks.0.attn.to_q.weight", (96, 160)), ("x.proj.weight", (7, 3, 5)),
+                                         ("attn.norm_q.weight", (16,)), ("attn.to_q.bias", (16,))])
+def test_torch_draw_equals_the_numpy_reference(name, shape):
+    ref = numpy_weight(11, name, shape)
+    got = torch_weight(11, name, shape, torch.float32, "cpu").numpy()
+    np.testing.assert_array_equal(got, ref)
+    if len(shape) > 1:  # uniform in [-1, 1) / sqrt(fan_in), and the seed and the name both change the stream
+        bound = 1 / np.sqrt(np.prod(shape[1:]))
+        assert -bound <= ref.min() < -0.9 * bound and 0.9 * bound < ref.max() < bound
+        assert not np.array_equal(ref, numpy_weight(12, name, shape))
+        assert not np.array_equal(ref, numpy_weight(11, name + "x", shape))
+
+
+def test_rollout_and_trainer_draw_the_same_transformer(tmp_path):
+    """A folder without transformer weights: the rollout pipeline draws them in bf16, the trainer in bf16 on its
+    device; every tensor is bitwise equal (and equal to the numpy reference) and the fingerprints agree."""
+    folder = tmp_path / "pipe"
+    shutil.copytree(tiny_pipeline_path(), folder)
+    for f in (folder / "transformer").glob("*.safetensors*"):
+        f.unlink()
+    pipe = RolloutPipeline.from_pretrained(folder, "bfloat16", "cpu", random_seed=5)
+    cfg = QwenImageConfig.from_json(folder / "transformer" / "config.json")
+    model = random_transformer(cfg, ModelOptions(dtype="bfloat16", param_dtype="bfloat16"), seed=5)
+    ours, theirs = to_diffusers_state_dict(model), pipe.transformer.state_dict()
+    assert set(ours) == set(theirs)
+    for key, t in theirs.items():
+        bits = t.view(torch.uint16).numpy()
+        np.testing.assert_array_equal(np.asarray(ours[key]).view(np.uint16), bits, err_msg=key)
+        np.testing.assert_array_equal(numpy_weight(5, key, tuple(t.shape), ml_dtypes.bfloat16).view(np.uint16), bits,
+                                      err_msg=key)
+    assert fingerprint(model) == pipe.fingerprint
+    assert fingerprint(random_transformer(cfg, seed=6)) != pipe.fingerprint
