@@ -10,9 +10,11 @@ out=${1:?usage: bench_e2e.sh OUT_DIR [overrides]}; shift
 mkdir -p "$out"   # the whole training log goes to $out/train.log (keep it: a run cut off by a time limit leaves it)
 model=${MODEL_DIR:-/tmp/qwen_random}
 # One process holds JAX and torch: give JAX a fixed pool (its allocator never returns memory to torch).
+# (jax >= 0.11 reads XLA_CLIENT_MEM_FRACTION and refuses the GPU if the old XLA_PYTHON_CLIENT_MEM_FRACTION is also set)
 export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-true} XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.5}
-export XLA_PYTHON_CLIENT_MEM_FRACTION=$XLA_CLIENT_MEM_FRACTION
+unset XLA_PYTHON_CLIENT_MEM_FRACTION
 export PYTHONUNBUFFERED=1
+python3 -c "import jax; b = jax.default_backend(); assert b == 'gpu', f'JAX runs on {b}, not the GPU'; print(jax.devices())"
 [ -f "$model/model_index.json" ] || python3 scripts/make_random_pipeline.py --out "$model" --no-transformer-weights
 python3 -m jaxflow.train --config configs/qwen_ocr.py --config.model.path="$model" --config.model.init=random \
   --config.rollout.engine=diffusers --config.rollout.in_process=True --config.rollout.device=cuda \
