@@ -26,7 +26,7 @@ from pathlib import Path  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 CLASSES = (("attention", ("sdpa", "fmha", "flash", "attention", "cudnn")), ("collective", ("nccl",)),
-           ("copy", ("memcpy", "memset")), ("convolution", ("conv", "winograd")),
+           ("copy", ("memcpy", "memset")), ("convolution", ("convolution", "conv2d", "conv3d", "winograd", "xmma_fprop", "dgrad", "wgrad")),
            ("matmul", ("gemm", "cublas", "nvjet", "xmma", "cutlass", "matmul")))
 
 
@@ -49,7 +49,7 @@ def gpu_kernels(trace: dict) -> list[tuple[str, float]]:
                  (e.get("pid") in gpu_pids and (not streams or (e["pid"], e.get("tid")) in streams)))]
 
 
-def breakdown(title: str, kernels, wall_s: float, top: int = 8) -> dict:
+def breakdown(title: str, kernels, wall_s: float, top: int = 12) -> dict:
     total = sum(d for _, d in kernels) or 1.0
     by_class, by_name = collections.Counter(), collections.Counter()
     for name, d in kernels:
