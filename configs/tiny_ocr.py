@@ -19,7 +19,8 @@ def get_config():
     c.lora = dict(rank=8, alpha=16.0, targets=list(DEFAULT_LORA_TARGETS))
     c.rollout = dict(engine="diffusers", dtype="float32", device="cpu", num_servers=1, num_gpus=0.0,
                      num_cpus=1.0, sleep_while_training=False, max_retries=2, address="",
-                     in_process=False)  # True: the engine runs in the trainer's process (no Ray)
+                     in_process=False,  # True: the engine runs in the trainer's process (no Ray)
+                     compile=False)  # diffusers engine: torch.compile the transformer block
     c.sample = dict(height=40, width=72, num_steps=4, guidance=4.0, noise_level=1.2, sde_type="sde",
                     window_size=2, window_range=(0, 3), negative_prompt=" ", max_sequence_length=256,
                     prompts_per_step=4, group_size=4, prompts_per_call=2)

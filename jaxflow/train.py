@@ -154,6 +154,8 @@ class Trainer:
             if not ray.is_initialized():
                 ray.init(address=r.address or None, include_dashboard=False, log_to_driver=False)
         engine = {"engine": r.engine, "model": str(self.folder), "dtype": r.dtype, "device": r.device}
+        if r.compile:
+            engine["compile"] = True
         if self.cfg.model.init == "random":
             engine["random_seed"] = self.cfg.seed  # the rollout draws the same base weights (fingerprint below)
         group = RolloutGroup(engine, r.num_servers, r.num_cpus, r.num_gpus, r.max_retries, in_process=r.in_process)

@@ -3,7 +3,8 @@
 Config keys: `engine` ("diffusers"), `model` (a local diffusers Qwen-Image folder, or "tiny" for the cached
 tiny random pipeline), `dtype` ("bfloat16" default, or "float32"), `device` (default: cuda if available),
 `random_seed` (optional: ignore the folder's transformer weights and draw them from this seed on the device,
-`bridge/random_weights.py`; the trainer with `model.init=random` draws the same).
+`bridge/random_weights.py`; the trainer with `model.init=random` draws the same), `compile` (optional: compile the
+transformer's repeated block once with torch.compile, dynamic shapes; inductor fuses the eager elementwise kernels).
 Everything crossing the engine boundary is numpy or plain Python.
 """
 
@@ -14,7 +15,7 @@ import torch
 from bridge.rollout.pipeline import RolloutPipeline, SamplingParams
 from bridge.rollout.server import check_engine_config
 
-CONFIG_KEYS = ("engine", "model", "dtype", "device", "random_seed")
+CONFIG_KEYS = ("engine", "model", "dtype", "device", "random_seed", "compile")
 
 
 class DiffusersEngine:
@@ -32,6 +33,8 @@ class DiffusersEngine:
         self.pipeline = RolloutPipeline.from_pretrained(model, config.get("dtype", "bfloat16"), config.get("device"),
                                                         random_seed=config.get("random_seed"))
         self.device = self.pipeline.device
+        if config.get("compile"):  # lazy: the first generate compiles (with the LoRA layers bound by then)
+            self.pipeline.transformer.compile_repeated_blocks(dynamic=True)
         self.asleep = False
 
     def generate(self, prompts: list[str], n: int, sampling: dict | None = None, seeds=None) -> dict:
