@@ -42,6 +42,9 @@ def validate(cfg: ConfigDict) -> None:
     if cfg.model.init == "random" and cfg.rollout.engine != "diffusers":
         _fail("model.init", "'random' needs rollout.engine='diffusers' (the vLLM-Omni engine loads its weights "
                             "from model.path)")
+    if cfg.rollout.compile and cfg.rollout.engine != "diffusers":
+        _fail("rollout.compile", "is an option of the diffusers engine; leave it False with "
+                                 f"rollout.engine={cfg.rollout.engine!r}")
     model_options(cfg), lora_spec(cfg), sharding_config(cfg)
     s, t = cfg.sample, cfg.train
     if s.group_size < 2:

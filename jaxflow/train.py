@@ -103,6 +103,16 @@ def _merge_rewards(futures: dict) -> dict[str, np.ndarray]:
     return out
 
 
+def check_backend(cfg) -> None:
+    """A rollout on a GPU with JAX on the CPU is a broken install or environment, not a choice: refuse it."""
+    backend = jax.default_backend()
+    if str(cfg.rollout.device).startswith("cuda") and backend == "cpu":
+        raise RuntimeError("JAX runs on the CPU while rollout.device is cuda: JAX found no GPU. Install a CUDA jaxlib "
+                           "(pip install 'jax[cuda13]'), and do not set both XLA_CLIENT_MEM_FRACTION and the "
+                           "deprecated XLA_PYTHON_CLIENT_MEM_FRACTION (jax then falls back to the CPU); or set "
+                           "--config.rollout.device=cpu to run both on the CPU")
+
+
 def build_model(cfg, folder: Path, spec, layout: Layout):
     """The trainer's transformer: base weights from `folder`, or drawn from `seed` with `model.init=random`."""
     opts, kw = config_lib.model_options(cfg), dict(sharding=layout.sharding_fn, seed=cfg.seed)
@@ -117,6 +127,7 @@ class Trainer:
     def __init__(self, cfg, resume: bool = False):
         config_lib.validate(cfg)
         maybe_initialize_distributed()
+        check_backend(cfg)
         self.processes, self.driver = jax.process_count(), jax.process_index() == 0
         s = cfg.sample
         if (s.prompts_per_step * s.group_size) % self.processes:

@@ -63,11 +63,28 @@ def test_invalid_config_fails_before_anything_heavy(tmp_path, key, value, needle
         config_lib.validate(cfg)
 
 
-def test_random_init_needs_the_diffusers_engine(tmp_path):
+def test_random_init_and_compile_need_the_diffusers_engine(tmp_path):
     cfg = tiny_config(tmp_path)
     cfg.model.init, cfg.rollout.engine = "random", "vllm_omni"
     with pytest.raises(ValueError, match="rollout.engine='diffusers'"):
         config_lib.validate(cfg)
+    cfg.model.init, cfg.rollout.compile = "checkpoint", True
+    with pytest.raises(ValueError, match="rollout.compile"):
+        config_lib.validate(cfg)
+
+
+def test_jax_on_cpu_with_a_cuda_rollout_is_refused(tmp_path, monkeypatch):
+    import jax
+
+    from jaxflow.train import check_backend
+    cfg = tiny_config(tmp_path)
+    check_backend(cfg)  # cpu rollout, cpu JAX: fine
+    cfg.rollout.device = "cuda"
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    with pytest.raises(RuntimeError, match="XLA_PYTHON_CLIENT_MEM_FRACTION"):
+        check_backend(cfg)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    check_backend(cfg)
 
 
 def test_unknown_reward_names_the_known_ones(tmp_path):
