@@ -260,8 +260,8 @@ class Trainer:
         total = time.perf_counter() - start  # the step's wall time, phases and what lies between them
         out = {**metrics, "reward_mean": rewards["avg"].mean(), "reward_std": rewards["avg"].std(),
                "reward_errors": rewards["errors"], "zero_std_ratio": zero_std, "bound_modules": bound,
-               "images_per_s": len(adv) / total, "time/step": total, **{f"reward/{k}": v.mean() for k, v in rewards.items()
-                                                    if k not in ("avg", "errors")},
+               "images_per_s": len(adv) / total, "time/step": total,
+               **{f"reward/{k}": v.mean() for k, v in rewards.items() if k not in ("avg", "errors")},
                **{f"time/{k}": v for k, v in timings.items()}}
         return out
 

@@ -118,22 +118,30 @@ def init_lora(cfg: QwenImageConfig, opts: ModelOptions, lora: LoRASpec, seed: in
     return jax.jit(lambda: nnx.state(QwenImageTransformer(cfg, opts, lora, rngs=nnx.Rngs(seed)), LoRAParam))()
 
 
+def assemble(cfg: QwenImageConfig, opts: ModelOptions, lora: LoRASpec | None, seed: int,
+             sharding: ShardingFn | None, value, check=None) -> QwenImageTransformer:
+    """The model with every base leaf set to `value(entry, abstract_var, leaf_sharding)` (after `check(abstract
+    base state)`, if given) and a fresh LoRA from `seed` if `lora`. Shared by checkpoint loading and random init."""
+    abstract = nnx.eval_shape(lambda: QwenImageTransformer(cfg, opts, lora, rngs=nnx.Rngs(seed)))
+    graphdef, base, lora_state, rest = nnx.split(abstract, nnx.Param, LoRAParam, ...)
+    if check is not None:
+        check(base)
+    for e in keymap.transformer_key_map():
+        var = _leaf(base, e.flax_path)
+        shard = sharding(e.flax_path, var.get_metadata().get("logical_axes"), var.shape) if sharding else None
+        var.set_value(value(e, var, shard))
+    if lora is not None:
+        lora_state = init_lora(cfg, opts, lora, seed)
+    return nnx.merge(graphdef, base, lora_state, rest)
+
+
 def build_from_source(cfg: QwenImageConfig, source: TensorSource, opts: ModelOptions = ModelOptions(),
                       lora: LoRASpec | None = None, *, sharding: ShardingFn | None = None,
                       seed: int = 0) -> QwenImageTransformer:
     """Create the model with base weights from `source` (fresh LoRA if `lora`), checking everything first."""
-    abstract = nnx.eval_shape(lambda: QwenImageTransformer(cfg, opts, lora, rngs=nnx.Rngs(seed)))
-    graphdef, base, lora_state, rest = nnx.split(abstract, nnx.Param, LoRAParam, ...)
-    entries = keymap.transformer_key_map()
-    _check(source, entries, base, cfg.num_layers)
-    for e in entries:
-        var = _leaf(base, e.flax_path)
-        host = _host_value(source, e, cfg.num_layers, np.dtype(var.dtype))
-        shard = sharding(e.flax_path, var.get_metadata().get("logical_axes"), var.shape) if sharding else None
-        var.set_value(_place(host, shard))
-    if lora is not None:
-        lora_state = init_lora(cfg, opts, lora, seed)
-    return nnx.merge(graphdef, base, lora_state, rest)
+    return assemble(cfg, opts, lora, seed, sharding,
+                    lambda e, var, shard: _place(_host_value(source, e, cfg.num_layers, np.dtype(var.dtype)), shard),
+                    check=lambda base: _check(source, keymap.transformer_key_map(), base, cfg.num_layers))
 
 
 def load_transformer(folder: str | Path, opts: ModelOptions = ModelOptions(), lora: LoRASpec | None = None, *,

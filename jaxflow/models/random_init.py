@@ -2,18 +2,18 @@
 straight into each leaf's sharding (the rollout draws the same in torch; the fingerprint check compares)."""
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from bridge.random_weights import FMIX, GOLDEN, key_id, kind, scale
 from jaxflow.models import keymap
 from jaxflow.models.config import ModelOptions, QwenImageConfig
-from jaxflow.models.loading import ShardingFn, _leaf, init_lora
-from jaxflow.models.lora import LoRAParam, LoRASpec
+from jaxflow.models.loading import ShardingFn, assemble
+from jaxflow.models.lora import LoRASpec
 from jaxflow.models.transformer import QwenImageTransformer
 
 
@@ -30,7 +30,8 @@ def _uniform(key_ids: jax.Array, torch_shape: tuple[int, ...], transpose: bool, 
     return jax.lax.map(one, key_ids)
 
 
-def _value(e: keymap.Entry, names: list[str], shape, dtype, seed: int, sharding) -> jax.Array:
+def _value(seed: int, num_layers: int, e: keymap.Entry, var, sharding) -> jax.Array:
+    names, shape, dtype = e.diffusers_keys(num_layers), var.shape, var.dtype
     per_layer = shape[1:] if e.stacked else shape
     torch_shape = tuple(per_layer[::-1]) if e.transpose else tuple(per_layer)
     k = kind(names[0], torch_shape)
@@ -47,12 +48,4 @@ def _value(e: keymap.Entry, names: list[str], shape, dtype, seed: int, sharding)
 def random_transformer(cfg: QwenImageConfig, opts: ModelOptions = ModelOptions(), lora: LoRASpec | None = None,
                        *, sharding: ShardingFn | None = None, seed: int = 0) -> QwenImageTransformer:
     """The model with base weights drawn by the shared spec from `seed` (fresh LoRA from `seed` if `lora`)."""
-    abstract = nnx.eval_shape(lambda: QwenImageTransformer(cfg, opts, lora, rngs=nnx.Rngs(seed)))
-    graphdef, base, lora_state, rest = nnx.split(abstract, nnx.Param, LoRAParam, ...)
-    for e in keymap.transformer_key_map():
-        var = _leaf(base, e.flax_path)
-        shard = sharding(e.flax_path, var.get_metadata().get("logical_axes"), var.shape) if sharding else None
-        var.set_value(_value(e, e.diffusers_keys(cfg.num_layers), var.shape, var.dtype, seed, shard))
-    if lora is not None:
-        lora_state = init_lora(cfg, opts, lora, seed)
-    return nnx.merge(graphdef, base, lora_state, rest)
+    return assemble(cfg, opts, lora, seed, sharding, functools.partial(_value, seed, cfg.num_layers))
