@@ -15,6 +15,7 @@ def get_config():
     c.seed = 0
     c.run_dir = "runs/tiny_ocr"
     c.model = dict(path="tiny", dtype="float32", param_dtype="float32", remat="none", attention="auto",
+                   matmul_precision="auto",  # "highest" for float32 compute (true fp32 on GPUs, not TF32)
                    init="checkpoint")  # "random": base weights drawn from `seed` (bridge/random_weights.py)
     c.lora = dict(rank=8, alpha=16.0, targets=list(DEFAULT_LORA_TARGETS))
     c.rollout = dict(engine="diffusers", dtype="float32", device="cpu", num_servers=1, num_gpus=0.0,

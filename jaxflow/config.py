@@ -39,9 +39,9 @@ def validate(cfg: ConfigDict) -> None:
                                     f"run without weights use {TINY_HINT}")
     if cfg.model.init not in ("checkpoint", "random"):
         _fail("model.init", f"{cfg.model.init!r}; choose 'checkpoint' (weights from model.path) or 'random'")
-    if cfg.model.init == "random" and cfg.rollout.engine != "diffusers":
-        _fail("model.init", "'random' needs rollout.engine='diffusers' (the vLLM-Omni engine loads its weights "
-                            "from model.path)")
+    if cfg.rollout.engine == "vllm_omni" and cfg.rollout.dtype != "bfloat16":
+        _fail("rollout.dtype", f"{cfg.rollout.dtype!r}: the vllm_omni engine runs bfloat16 only; use "
+                               f"rollout.engine='diffusers' for float32")
     if cfg.rollout.compile and cfg.rollout.engine != "diffusers":
         _fail("rollout.compile", "is an option of the diffusers engine; leave it False with "
                                  f"rollout.engine={cfg.rollout.engine!r}")
@@ -76,7 +76,8 @@ def validate(cfg: ConfigDict) -> None:
 
 def model_options(cfg) -> ModelOptions:
     m = cfg.model
-    return ModelOptions(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, attention=m.attention)
+    return ModelOptions(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, attention=m.attention,
+                        matmul_precision=m.matmul_precision)
 
 
 def lora_spec(cfg) -> LoRASpec:

@@ -115,8 +115,9 @@ class RolloutGroup:
                 ray.kill(s, no_restart=True)
         self.servers = []
 
-    def sleep(self) -> None:
-        self._call(lambda: self._get([s.sleep.remote() for s in self.servers]))
+    def sleep(self) -> int:
+        """Every server's engine sleeps; returns the GPU bytes they freed in all."""
+        return sum(self._call(lambda: self._get([s.sleep.remote() for s in self.servers])))
 
     def wake(self) -> None:
         self._call(lambda: self._get([s.wake.remote() for s in self.servers]))

@@ -145,6 +145,9 @@ class Trainer:
         self.layout = Layout.create(config_lib.sharding_config(cfg))
         self.spec = config_lib.lora_spec(cfg)
         self.model = build_model(cfg, self.folder / "transformer", self.spec, self.layout)
+        o = self.model.opts
+        log.info("trainer model: %s compute, %s storage, matmul precision %s, attention %s", o.dtype, o.param_dtype,
+                 o.precision, self.model.impl)
         init_state, self.train_step = make_train_step(
             self.model, config_lib.train_config(cfg, grid_hw(self.folder, cfg)), self.layout)
         if self.driver:
@@ -243,7 +246,9 @@ class Trainer:
         adv, zero_std = compute_advantages(rewards["avg"], group_ids, global_std=cfg.train.global_std,
                                            clip=cfg.train.adv_clip, expected_group_size=cfg.sample.group_size)
         if cfg.rollout.sleep_while_training:
-            self.rollout.sleep()
+            t = time.perf_counter()
+            freed = self.rollout.sleep()
+            timings["sleep"] = time.perf_counter() - t
         t = time.perf_counter()
         train_batch = pad_text(batch.to_dict(), cfg.train.text_bucket)
         train_batch.update(advantages=adv, noise_level=np.float32(cfg.sample.noise_level))
@@ -253,7 +258,9 @@ class Trainer:
         metrics = jax.device_get(metrics)
         timings["train"] = time.perf_counter() - t
         if cfg.rollout.sleep_while_training:
+            t = time.perf_counter()
             self.rollout.wake()
+            timings["wake"] = time.perf_counter() - t
         t = time.perf_counter()
         bound = self._sync(step + 1)
         timings["sync"] = time.perf_counter() - t
@@ -261,6 +268,7 @@ class Trainer:
         out = {**metrics, "reward_mean": rewards["avg"].mean(), "reward_std": rewards["avg"].std(),
                "reward_errors": rewards["errors"], "zero_std_ratio": zero_std, "bound_modules": bound,
                "images_per_s": len(adv) / total, "time/step": total,
+               **({"rollout_freed_gib": freed / 2 ** 30} if cfg.rollout.sleep_while_training else {}),
                **{f"reward/{k}": v.mean() for k, v in rewards.items() if k not in ("avg", "errors")},
                **{f"time/{k}": v for k, v in timings.items()}}
         return out

@@ -1,26 +1,49 @@
 #!/usr/bin/env bash
-# End-to-end `python -m jaxflow.train` at Qwen-Image size with random weights on one GPU (gpu-bench row 4):
-# writes a full-size pipeline folder without transformer weights (model.init=random: the trainer and the rollout
-# draw the same 20B weights on the GPU), runs the qwen_ocr settings (512^2, 10 steps, window 2, CFG 4, LoRA r64)
-# with the diffusers engine in the trainer's process, then prints img/GPU/s and the phase breakdown.
-# JAX holds a fixed half of the GPU, torch the rest, so the rollout need not sleep while the trainer runs.
-#   bash scripts/bench_e2e.sh OUT_DIR [extra --config overrides]
+# End-to-end `python -m jaxflow.train` at Qwen-Image size with random weights: writes a full-size pipeline folder
+# without transformer weights (model.init=random: the trainer and the rollout draw the same 20B weights on their
+# GPUs, fingerprint-checked), runs the qwen_ocr settings (512^2, 10 steps, window 2, CFG 4, LoRA r64), then prints
+# img/GPU/s with the phase breakdown and writes OUT_DIR/RESULT.json.
+#
+#   [ENGINE=diffusers|vllm_omni] [LAYOUT=inproc|1gpu|2gpu] [SLEEP=false|true] [RESULT=name] \
+#     bash scripts/bench_e2e.sh OUT_DIR [extra --config overrides]
+#
+# Layouts:
+#   inproc  one GPU, the diffusers engine in the trainer's process (no Ray); JAX holds a fixed pool
+#   1gpu    one GPU shared by the trainer and a Ray rollout actor (num_gpus=1); JAX holds a fixed pool; with
+#           SLEEP=true the engine also sleeps while JAX trains (the freed memory and the wake time are logged)
+#   2gpu    two GPUs: JAX on GPU 1 (JAX_CUDA_VISIBLE_DEVICES), the Ray actor takes GPU 0; trajectories and the LoRA
+#           go through Ray every step
 set -euo pipefail
 out=${1:?usage: bench_e2e.sh OUT_DIR [overrides]}; shift
-mkdir -p "$out"   # the whole training log goes to $out/train.log (keep it: a run cut off by a time limit leaves it)
+engine=${ENGINE:-diffusers} layout=${LAYOUT:-inproc} sleep=${SLEEP:-false}
+result=${RESULT:-e2e_${engine}_${layout}}
+mkdir -p "$out"   # the whole training log goes to $out/train.log (kept when a time limit cuts the run)
 model=${MODEL_DIR:-/tmp/qwen_random}
-# One process holds JAX and torch: give JAX a fixed pool (its allocator never returns memory to torch).
-# (jax >= 0.11 reads XLA_CLIENT_MEM_FRACTION and refuses the GPU if the old XLA_PYTHON_CLIENT_MEM_FRACTION is also set)
-export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-true} XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.5}
+# One process holds JAX and torch, or JAX shares its GPU with the actor: JAX gets a fixed pool (its allocator never
+# returns memory). jax >= 0.11 reads XLA_CLIENT_MEM_FRACTION and ignores the GPU if the deprecated
+# XLA_PYTHON_CLIENT_MEM_FRACTION is also set.
 unset XLA_PYTHON_CLIENT_MEM_FRACTION
-export PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-true} PYTHONUNBUFFERED=1
+gpus=1
+case $layout in
+  inproc) export XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.5}
+          placement=(--config.rollout.in_process=True --config.rollout.num_gpus=0) ;;
+  1gpu)   export XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.55}
+          placement=(--config.rollout.in_process=False --config.rollout.num_gpus=1) ;;
+  2gpu)   export XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.9} JAX_CUDA_VISIBLE_DEVICES=1; gpus=2
+          placement=(--config.rollout.in_process=False --config.rollout.num_gpus=1) ;;
+  *) echo "LAYOUT must be inproc, 1gpu or 2gpu" >&2; exit 2 ;;
+esac
+[ "$engine" = vllm_omni ] && [ "$layout" = inproc ] && { echo "the vllm_omni engine runs in a Ray actor: LAYOUT=1gpu or 2gpu" >&2; exit 2; }
 python3 -c "import jax; b = jax.default_backend(); assert b == 'gpu', f'JAX runs on {b}, not the GPU'; print(jax.devices())"
 [ -f "$model/model_index.json" ] || python3 scripts/make_random_pipeline.py --out "$model" --no-transformer-weights
-python3 -m jaxflow.train --config configs/qwen_ocr.py --config.model.path="$model" --config.model.init=random \
-  --config.rollout.engine=diffusers --config.rollout.in_process=True --config.rollout.device=cuda \
-  --config.rollout.sleep_while_training=False \
-  --config.rollout.num_gpus=0 --config.sample.prompts_per_step=2 --config.sample.prompts_per_call=1 \
-  --config.train.num_micro_batches=16 --config.train.num_steps=4 --config.train.text_bucket=128 --config.eval.every=1000 \
-  --config.checkpoint.every=1000 --config.log.progress=False --config.run_dir="$out/run" \
-  --config.reward.fns="{'jpeg_incompressibility': 1.0}" "$@" 2>&1 | tee "$out/train.log"
-python3 scripts/summarize_run.py "$out/run"
+cmd=(python3 -m jaxflow.train --config configs/qwen_ocr.py --config.model.path="$model" --config.model.init=random
+  --config.rollout.engine="$engine" --config.rollout.dtype=bfloat16 --config.rollout.device=cuda
+  --config.rollout.sleep_while_training="$sleep" "${placement[@]}"
+  --config.sample.prompts_per_step=2 --config.sample.prompts_per_call=1
+  --config.train.num_micro_batches=16 --config.train.num_steps=4 --config.train.text_bucket=128 --config.eval.every=1000
+  --config.checkpoint.every=1000 --config.log.progress=False --config.run_dir="$out/run"
+  --config.reward.fns="{'jpeg_incompressibility': 1.0}" "$@")
+"${cmd[@]}" 2>&1 | tee "$out/train.log"
+python3 scripts/summarize_run.py "$out/run" --gpus "$gpus" --result "$result" --out "$out" \
+  --command "ENGINE=$engine LAYOUT=$layout SLEEP=$sleep bash scripts/bench_e2e.sh OUT $*"

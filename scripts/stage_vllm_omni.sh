@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Stage vLLM-Omni 0.20.0 (+ vllm 0.20.0) for a device machine that cannot reach any index.
+# Stage vLLM-Omni 0.20.0 (+ vllm 0.20.0) and the trainer's missing dependencies (ray, ml-collections, ...) for a
+# GPU machine that cannot reach any package index.
 #
 #   bash scripts/stage_vllm_omni.sh        # rerunnable: downloads what is missing, re-splits, prints the plan
 #
@@ -22,6 +23,10 @@ WHEELS=(
   annotated-types==0.8.0 typing-inspection==0.4.5 cachetools==8.0.1 cbor2==6.2.1 distro==1.9.0
   gguf==0.19.0 janus==2.0.0 omegaconf==2.4.0 prettytable==3.18.0 wcwidth==0.9.4 pybase64==1.5.1
   sniffio==1.3.1
+  # the trainer's own dependencies that the device image lacks (ray's wheel is over one call: it is split too)
+  ray==2.60.0 click==8.3.1 jsonschema==4.25.1 jsonschema-specifications==2025.9.1 referencing==0.37.0
+  rpds-py==0.30.0 attrs==25.4.0 msgpack==1.1.2 ml-collections==1.1.0 tensorboardX==2.6.5 levenshtein==0.27.5
+  rapidfuzz==3.14.6
 )
 PLATFORMS=(manylinux_2_39_x86_64 manylinux_2_35_x86_64 manylinux_2_34_x86_64 manylinux_2_31_x86_64
            manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64

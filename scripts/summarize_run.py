@@ -1,13 +1,19 @@
 """Throughput and phase breakdown of a training run from its metrics.jsonl (steps after the first: compile).
 
-    python scripts/summarize_run.py RUN_DIR [--gpus N]
+    python scripts/summarize_run.py RUN_DIR [--gpus N] [--result NAME --command CMD --out DIR]
+
+With --result, the medians are also written as DIR/NAME.json (scripts/results.py).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import write_result  # noqa: E402
 
 
 def main(argv=None):
@@ -15,6 +21,9 @@ def main(argv=None):
     p.add_argument("run_dir", type=Path)
     p.add_argument("--gpus", type=int, default=1)
     p.add_argument("--skip", type=int, default=1, help="leading steps to leave out (compile)")
+    p.add_argument("--result", help="write the medians as OUT/RESULT.json")
+    p.add_argument("--command", help="the command that made the run (for the result file)")
+    p.add_argument("--out", type=Path, default=Path("."))
     args = p.parse_args(argv)
     rows = [json.loads(line) for line in (args.run_dir / "metrics.jsonl").read_text().splitlines()]
     print(f"{'step':>4s} {'rollout':>8s} {'reward':>7s} {'train':>7s} {'sync':>6s} {'wall':>7s} {'img/GPU/s':>9s} "
@@ -25,9 +34,21 @@ def main(argv=None):
         print(f"{r['step']:4d} {r['time/rollout']:8.1f} {r['time/reward']:7.1f} {r['time/train']:7.1f} "
               f"{r['time/sync']:6.1f} {total:7.1f} {r['images_per_s'] / args.gpus:9.3f} {diff:13.2e}")
     steady = rows[args.skip:]
-    if steady:
-        med = statistics.median(r["images_per_s"] for r in steady) / args.gpus
-        print(f"median over steps {steady[0]['step']}..{steady[-1]['step']}: {med:.3f} img/GPU/s")
+    if not steady:
+        return
+    med = statistics.median(r["images_per_s"] for r in steady) / args.gpus
+    print(f"median over steps {steady[0]['step']}..{steady[-1]['step']}: {med:.3f} img/GPU/s")
+    if args.result:
+        figures = {"img_per_gpu_s": med, "gpus": args.gpus, "images_per_step": round(steady[0]["images_per_s"] *
+                                                                                      steady[0]["time/step"]),
+                   "steps_timed": len(steady)}
+        for key in ("time/step", "time/rollout", "time/reward", "time/train", "time/sync", "time/sleep",
+                    "time/wake", "rollout_freed_gib", "bound_modules"):
+            if key in steady[0]:
+                figures[key.replace("time/", "") + ("_s" if key.startswith("time/") else "")] = \
+                    statistics.median(r[key] for r in steady)
+        figures["share_of_step_sync"] = figures["sync_s"] / figures["step_s"]
+        print(write_result(args.out, args.result, figures, command=args.command))
 
 
 if __name__ == "__main__":

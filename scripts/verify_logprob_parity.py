@@ -1,9 +1,11 @@
 """Rollout vs trainer log-prob parity: |logp_jax - logp_rollout| for every SDE window step of real rollouts.
 
     python scripts/verify_logprob_parity.py [--model DIR] [--engine diffusers|vllm_omni] [--dtype float32]
-        [--jax-dtype D] [--cfg 4] [--steps 4] [--window 2] [--prompts 4] [--n 2] [--lora-rank R] [--json OUT]
+        [--jax-dtype D] [--jax-rope bfloat16] [--cfg 4] [--steps 4] [--window 2] [--prompts 4] [--n 2]
+        [--lora-rank R] [--json OUT]
 
-Rolls out on the engine (default: diffusers on the tiny offline pipeline), then recomputes each window step's
+Rolls out on the engine (default: diffusers; the model defaults to the tiny offline pipeline saved in --dtype,
+which vLLM-Omni needs), then recomputes each window step's
 log-prob with the same transformer weights loaded into the Flax model, through the train step's own forward
 (`jaxflow.parity.recompute`). With --lora-rank both sides get one random non-zero PEFT adapter (the engine via
 update_lora, JAX via peft_to_lora); --jax-lora-seed gives the JAX side a different one (a negative control).
@@ -73,6 +75,8 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0, help="base sample seed; also seeds the LoRA adapter")
     p.add_argument("--lora-rank", type=int, help="apply one random LoRA adapter (alpha = rank) to both sides")
     p.add_argument("--jax-lora-seed", type=int, help="a different adapter seed for the JAX side (negative control)")
+    p.add_argument("--jax-rope", choices=DTYPE_CHOICES, default="float32",
+                   help="bfloat16: round the JAX side's RoPE tables as vLLM-Omni's transformer does (diagnostic)")
     p.add_argument("--micro-batches", type=int, default=1, help="JAX recompute micro-batches (memory)")
     p.add_argument("--threshold", type=float, help="max |dlogp| allowed (default: 1e-5 fp32, 1e-2 with bf16)")
     p.add_argument("--json", type=Path, help="write the config, stats and per-sample dlogp here")
@@ -81,6 +85,8 @@ def parse_args(argv):
         p.error(f"--prompts must be in [1, {len(PROMPTS)}]")
     if args.jax_lora_seed is not None and args.lora_rank is None:
         p.error("--jax-lora-seed needs --lora-rank")
+    if args.engine == "vllm_omni" and args.dtype != "bfloat16":
+        p.error("--engine vllm_omni runs --dtype bfloat16 only (vLLM-Omni 0.20 fails its warm-up in float32)")
     args.jax_dtype = args.jax_dtype or args.dtype
     if args.threshold is None:
         args.threshold = THRESHOLDS[args.dtype == args.jax_dtype == "float32"]
@@ -114,7 +120,7 @@ def main(argv=None) -> int:
     if args.model is None:
         from bridge.rollout.tiny import tiny_pipeline_path
 
-        args.model = tiny_pipeline_path()
+        args.model = tiny_pipeline_path(dtype=args.dtype)  # vLLM-Omni takes its dtype from the folder's
     engine = build_engine(args.engine, args.model, args.dtype)
     engine_fingerprint = engine.info()["fingerprint"]
     folder = args.model / "transformer"
@@ -132,7 +138,8 @@ def main(argv=None) -> int:
     engine.sleep()  # frees the accelerator before JAX first touches it; a no-op on CPU
     t1 = time.perf_counter()
 
-    model = load_transformer(folder, ModelOptions(dtype=args.jax_dtype, param_dtype=args.jax_dtype), lora=spec)
+    opts = ModelOptions(dtype=args.jax_dtype, param_dtype=args.jax_dtype, rope_table_dtype=args.jax_rope)
+    model = load_transformer(folder, opts, lora=spec)
     if spec:
         jax_seed = args.seed if args.jax_lora_seed is None else args.jax_lora_seed
         peft_to_lora(model, spec, random_adapter(folder, spec, jax_seed, round_to=round_to))
@@ -148,8 +155,8 @@ def main(argv=None) -> int:
     stats = parity_stats(out["dlogp"], out["ratio"])
     print(f"engine {args.engine} ({args.dtype}) vs JAX ({args.jax_dtype}); cfg {args.cfg}, {args.sde_type} "
           f"noise {args.noise_level}, {args.steps} steps, window {args.window}, B = {len(batch)}, "
-          f"{args.height}x{args.width}; rollout {t1 - t0:.1f} s, JAX load {t2 - t1:.1f} s, "
-          f"recompute {t3 - t2:.1f} s")
+          f"{args.height}x{args.width}; JAX matmul precision {opts.precision}, attention {model.impl}, RoPE tables "
+          f"{args.jax_rope}; rollout {t1 - t0:.1f} s, JAX load {t2 - t1:.1f} s, recompute {t3 - t2:.1f} s")
     print_table(stats, batch.step_index)
     worst = stats["overall"]["max"]
     passed = bool(worst <= args.threshold)

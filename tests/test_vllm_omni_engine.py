@@ -127,6 +127,15 @@ class FakeOmniQwenImagePipeline(torch.nn.Module):
     def forward(self, req):
         return "stock pipeline"
 
+    def load_weights(self, weights):
+        """vLLM-Omni's AutoWeightsLoader routes "transformer.*" to the transformer (diffusers names here)."""
+        params, loaded = dict(self.transformer.named_parameters()), set()
+        with torch.no_grad():
+            for name, t in weights:
+                params[name.removeprefix("transformer.")].copy_(t)
+                loaded.add(name)
+        return loaded
+
 
 def test_custom_pipeline_matches_rollout_pipeline(tiny_path):
     """The class vLLM-Omni would build runs RolloutPipeline's loop: same trajectory, bit for bit."""
@@ -143,6 +152,27 @@ def test_custom_pipeline_matches_rollout_pipeline(tiny_path):
     ref.policy_version = 3
     assert_batches_equal(got, ref.generate(["a red fox jumping"], 2, SAMPLING, SEEDS))
     assert ours.dtype == torch.float32 and ours.size_multiple == ref.size_multiple
+
+
+def test_random_init_draws_the_shared_weights_without_reading_the_folder(tiny_path):
+    """model.init=random with vLLM-Omni: load_weights ignores the folder's tensors and loads the spec's, every
+    parameter, and reports the fingerprint the diffusers engine (and so the trainer) has for the same seed."""
+    cls = vop.build_pipeline_class(FakeOmniQwenImagePipeline, SimpleNamespace)
+    ours = cls(od_config=SimpleNamespace(model=str(tiny_path), custom_pipeline_args={"random_seed": 3}))
+
+    def folder_weights():
+        raise AssertionError("the folder's weights were read")
+        yield
+
+    loaded = ours.load_weights(folder_weights())
+    ref = RolloutPipeline.from_pretrained(tiny_path, dtype="float32", device="cpu", random_seed=3)
+    names = {f"transformer.{k}" for k, _ in ref.transformer.named_parameters()}
+    assert loaded == names
+    for (k, a), (_, b) in zip(ours.transformer.state_dict().items(), ref.transformer.state_dict().items()):
+        assert torch.equal(a, b), k
+    assert ours.random_fingerprint == ref.fingerprint != folder_fingerprint(tiny_path / "transformer")
+    plain = cls(od_config=SimpleNamespace(model=str(tiny_path), custom_pipeline_args={"pipeline_class": "x"}))
+    assert plain.load_weights(iter([])) == set() and plain.random_fingerprint is None
 
 
 # ---------------------------------------------------------------------------------------------- LoRA binding

@@ -48,12 +48,16 @@ class DiffusersEngine:
         self._check_awake()
         return self.pipeline.update_lora(tensors, version, adapter_config)
 
-    def sleep(self) -> None:
-        """Move the text encoder, VAE and transformer (LoRA included) to CPU; a no-op on CPU."""
-        if self.device.type != "cpu":
-            self.pipeline.to("cpu")
-            torch.cuda.empty_cache()
-            self.asleep = True
+    def sleep(self) -> int:
+        """Move the text encoder, VAE and transformer (LoRA included) to CPU; returns the GPU bytes freed (a no-op
+        returning 0 on CPU)."""
+        if self.device.type == "cpu" or self.asleep:
+            return 0
+        before = torch.cuda.memory_reserved(self.device)
+        self.pipeline.to("cpu")
+        torch.cuda.empty_cache()
+        self.asleep = True
+        return before - torch.cuda.memory_reserved(self.device)
 
     def wake(self) -> None:
         """Move the models back to their device (a no-op on CPU)."""

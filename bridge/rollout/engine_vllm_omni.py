@@ -1,8 +1,11 @@
 """The GPU rollout engine: vLLM-Omni 0.20 (`AsyncOmni`) serving our FlowGRPO pipeline, inside the Ray actor.
 
 Config keys: `engine` ("vllm_omni"), `model` (a local diffusers Qwen-Image folder saved in bf16, or "tiny"),
-`dtype` ("bfloat16", the default; "float32" untried), `device` (None or "cuda": the GPU Ray gave the actor), `omni_args` (extra
-`AsyncOmni` keyword arguments, e.g. {"enforce_eager": True}). Same calls and results as the diffusers engine.
+`dtype` ("bfloat16"; vLLM-Omni 0.20 runs bf16 folders only), `device` (None or "cuda": the GPU Ray gave the actor),
+`random_seed` (optional: the transformer's weights are drawn on the GPU from this seed by the shared spec,
+`bridge/random_weights.py`, as with the diffusers engine; the folder needs only `transformer/config.json`),
+`omni_args` (extra `AsyncOmni` keyword arguments, e.g. {"enforce_eager": True}). Same calls and results as the
+diffusers engine.
 
 - generate: one engine request per prompt with `num_outputs_per_prompt=n` (one B=n forward, 2n with true CFG,
   per step), all submitted at once; knobs split into OmniDiffusionSamplingParams fields and `extra_args`
@@ -34,7 +37,8 @@ import numpy as np
 import bridge
 from bridge.lora import lora_pairs, read_peft, to_vllm_omni, vllm_omni_adapter_config, write_peft
 from bridge.rollout.lora_apply import _refuse, _spec_from_config
-from bridge.rollout.pipeline import FINGERPRINT_ELEMENTS, RolloutPipeline, SamplingParams, weights_fingerprint
+from bridge.rollout.pipeline import (FINGERPRINT_ELEMENTS, RolloutPipeline, SamplingParams, TensorHead,
+                                     weights_fingerprint)
 from bridge.rollout.sde import sample_windows
 from bridge.rollout.server import check_engine_config
 from bridge.rollout.vllm_omni_pipeline import (PIPELINE_CLASS, WORKER_EXTENSION_CLASS, encode_request,
@@ -42,7 +46,7 @@ from bridge.rollout.vllm_omni_pipeline import (PIPELINE_CLASS, WORKER_EXTENSION_
 from bridge.tensors import torch_to_numpy
 from bridge.trajectory import TrajectoryBatch
 
-CONFIG_KEYS = ("engine", "model", "dtype", "device", "omni_args")
+CONFIG_KEYS = ("engine", "model", "dtype", "device", "random_seed", "omni_args")
 INSTALL_HINT = ("the 'vllm_omni' rollout engine needs vLLM-Omni 0.20 on a CUDA machine: `pip install jaxflow[omni]`, "
                 "or, where the machine has no package index, stage the wheels here with "
                 "scripts/stage_vllm_omni.sh and install them there with scripts/install_staged.sh")
@@ -84,19 +88,6 @@ def check_lora_binding(pairs: dict, rank: int, table: dict) -> int:
     return len(pairs)
 
 
-class _StoredHead:
-    """What `weights_fingerprint` reads of a tensor, without loading it: its shape and its first elements."""
-
-    def __init__(self, shape, head):
-        self.shape, self.head = tuple(shape), head
-
-    def detach(self):
-        return self
-
-    def reshape(self, *shape):
-        return self.head.reshape(*shape)
-
-
 def folder_fingerprint(transformer_dir) -> str:
     """`weights_fingerprint` of a diffusers transformer folder, reading only the first 4096 elements of each
     stored tensor: what the diffusers engine and the trainer report for the same checkpoint."""
@@ -109,7 +100,7 @@ def folder_fingerprint(transformer_dir) -> str:
                 stored = f.get_slice(key)
                 shape = stored.get_shape()
                 rows = -(-FINGERPRINT_ELEMENTS // max(1, math.prod(shape[1:])))
-                heads.append((key, _StoredHead(shape, stored[:rows])))
+                heads.append((key, TensorHead(shape, stored[:rows])))
     if not heads:
         raise FileNotFoundError(f"no *.safetensors in {transformer_dir}")
     return weights_fingerprint(heads)
@@ -158,8 +149,9 @@ class VllmOmniEngine:
         if config.get("device") not in (None, "cuda"):
             raise ValueError(f"the vllm_omni engine runs on the actor's CUDA GPU, got device={config['device']!r}")
         self.dtype = config.get("dtype", "bfloat16")
-        if self.dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
+        if self.dtype != "bfloat16":
+            raise ValueError(f"the vllm_omni engine runs dtype 'bfloat16' only (vLLM-Omni 0.20's warm-up fails on "
+                             f"float32 folders), got {self.dtype!r}; use the diffusers engine for float32")
         async_omni, self._params_cls, self._lora_cls = _import_omni()
         model = config["model"]
         if model == "tiny":
@@ -167,7 +159,9 @@ class VllmOmniEngine:
 
             model = tiny_pipeline_path(dtype=self.dtype)
         self.model_path = str(Path(model))
-        self.fingerprint = folder_fingerprint(Path(model) / "transformer")
+        self.random_seed = config.get("random_seed")
+        if self.random_seed is None:
+            self.fingerprint = folder_fingerprint(Path(model) / "transformer")
         vae = json.loads((Path(model) / "vae" / "config.json").read_text())
         self.size_multiple = 2 * 2 ** len(vae["temperal_downsample"])
         self.policy_version, self.asleep = 0, False
@@ -177,11 +171,16 @@ class VllmOmniEngine:
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="vllm-omni-loop", daemon=True).start()
         _export_package_path()
-        kwargs = {"custom_pipeline_args": {"pipeline_class": PIPELINE_CLASS},
+        pipeline_args = {"pipeline_class": PIPELINE_CLASS}
+        if self.random_seed is not None:
+            pipeline_args["random_seed"] = int(self.random_seed)
+        kwargs = {"custom_pipeline_args": pipeline_args,
                   "worker_extension_cls": WORKER_EXTENSION_CLASS, "dtype": self.dtype, "enable_sleep_mode": True,
                   **config.get("omni_args", {})}
         self.omni = self._run(self._start(async_omni, kwargs))
         self._modules = _flat(self._rpc("rollout_lora_modules"))[0]
+        if self.random_seed is not None:  # what the workers drew, not what the spec promises
+            self.fingerprint = _flat(self._rpc("rollout_random_fingerprint"))[0]
 
     async def _start(self, async_omni, kwargs):
         return async_omni(model=self.model_path, **kwargs)
@@ -282,12 +281,14 @@ class VllmOmniEngine:
 
     # -------------------------------------------------------------------------------------- lifecycle
 
-    def sleep(self) -> None:
-        """Level-1 sleep: the engine's weights (transformer, text encoder, VAE) move to CPU memory."""
+    def sleep(self) -> int:
+        """Level-1 sleep: the engine's weights (transformer, text encoder, VAE) move to CPU memory; returns the
+        GPU bytes the workers report freed (0 if already asleep)."""
         if self.asleep:
-            return
-        self._lifecycle("handle_sleep_task", {"task_id": uuid.uuid4().hex, "level": 1})
+            return 0
+        acks = self._lifecycle("handle_sleep_task", {"task_id": uuid.uuid4().hex, "level": 1})
         self.asleep = True
+        return sum(int(a.get("freed_bytes", 0) if isinstance(a, dict) else a.freed_bytes) for a in acks)
 
     def wake(self) -> None:
         """Bring the weights back to the GPU."""
@@ -296,10 +297,13 @@ class VllmOmniEngine:
         self._lifecycle("handle_wake_task", {"task_id": uuid.uuid4().hex, "tags": None})
         self.asleep = False
 
-    def _lifecycle(self, method: str, task: dict) -> None:
-        errors = _ack_errors(self._rpc(method, task))
+    def _lifecycle(self, method: str, task: dict) -> list:
+        """The acknowledgements of a sleep/wake RPC; RuntimeError unless all succeeded."""
+        results = self._rpc(method, task)
+        errors = _ack_errors(results)
         if errors:
             raise RuntimeError(f"vLLM-Omni {method} failed: {errors}")
+        return _flat(results)
 
     def info(self) -> dict:
         return {"engine": self.name, "device": "cuda", "dtype": self.dtype, "policy_version": self.policy_version,

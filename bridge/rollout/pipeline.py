@@ -101,6 +101,23 @@ class Fp32Timestep:
             self.sigma = None
 
 
+class TensorHead:
+    """What `weights_fingerprint` reads of a tensor: its shape and its first elements (the rest need not exist)."""
+
+    def __init__(self, shape, head):
+        self.shape, self.head = tuple(shape), head
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> TensorHead:
+        return cls(t.shape, t.detach().reshape(-1)[:FINGERPRINT_ELEMENTS].to("cpu"))
+
+    def detach(self):
+        return self
+
+    def reshape(self, *shape):
+        return self.head.reshape(*shape)
+
+
 def weights_fingerprint(named_tensors) -> str:
     """sha256 of the base weights: per tensor in name order, f"{name}{shape}" then the bf16 bytes of its first
     4096 elements (C order). Cheap for 20B, yet every tensor counts; bf16 rounding makes fp32 and bf16 copies of

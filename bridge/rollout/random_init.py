@@ -26,6 +26,22 @@ def torch_weight(seed: int, name: str, shape, dtype: torch.dtype, device) -> tor
     return w.reshape(shape).to(dtype)
 
 
+def parameter_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """(diffusers name, shape) of every parameter of `QwenImageTransformer2DModel(**config)`, without memory."""
+    from diffusers import QwenImageTransformer2DModel
+
+    with torch.device("meta"):
+        model = QwenImageTransformer2DModel.from_config(config)
+    return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+
+
+def random_named_weights(config: dict, seed: int, dtype: torch.dtype, device):
+    """Yield (diffusers name, tensor) for every transformer parameter, drawn one at a time on `device`: for
+    engines that load weights from an iterator (vLLM-Omni's `load_weights`), so 20B never sit twice in memory."""
+    for name, shape in parameter_shapes(config):
+        yield name, torch_weight(seed, name, shape, dtype, device)
+
+
 def random_transformer(config: dict, seed: int, dtype: torch.dtype, device) -> torch.nn.Module:
     """`QwenImageTransformer2DModel(**config)` in `dtype` on `device` with the shared random weights."""
     from diffusers import QwenImageTransformer2DModel

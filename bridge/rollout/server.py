@@ -59,8 +59,9 @@ class RolloutServer:
         """Serve a PEFT LoRA adapter (dict of arrays, or a path on the server's host) as policy `version`."""
         return self.engine.update_lora(tensors, version, adapter_config)
 
-    def sleep(self) -> None:
-        self.engine.sleep()
+    def sleep(self) -> int:
+        """Free the engine's GPU memory until `wake`; returns the bytes freed."""
+        return self.engine.sleep()
 
     def wake(self) -> None:
         self.engine.wake()

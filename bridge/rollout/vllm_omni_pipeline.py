@@ -24,11 +24,14 @@ model dtype, its attention backends (masked varlen FlashAttention for padded tex
 from __future__ import annotations
 
 import inspect
+import json
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from bridge.rollout.pipeline import Fp32Timestep, RolloutPipeline, SamplingParams
+from bridge.rollout.pipeline import Fp32Timestep, RolloutPipeline, SamplingParams, TensorHead, weights_fingerprint
+from bridge.rollout.random_init import random_named_weights
 from bridge.tensors import numpy_to_torch, torch_to_numpy
 from bridge.trajectory import TrajectoryBatch
 
@@ -144,6 +147,26 @@ def build_pipeline_class(base: type, output_cls) -> type:
         if "txt_seq_lens" in inspect.signature(self.transformer.forward).parameters:
             self.transformer.register_forward_pre_hook(_txt_seq_lens_from_mask, with_kwargs=True)
         self.policy_version = 0
+        self.random_seed = (getattr(od_config, "custom_pipeline_args", None) or {}).get("random_seed")
+        self.random_fingerprint = None
+
+    def load_weights(self, weights):
+        """vLLM-Omni's weight loading; with `random_seed` (custom_pipeline_args) the folder's transformer weights
+        are never read: the shared random spec's tensors are drawn on the GPU one at a time and go through the same
+        loader (which fuses q/k/v), and their fingerprint is kept for the trainer's check."""
+        if self.random_seed is None:
+            return base.load_weights(self, weights)
+        heads = []
+
+        def drawn():
+            config = json.loads((Path(self.od_config.model) / "transformer" / "config.json").read_text())
+            for name, t in random_named_weights(config, int(self.random_seed), self.dtype, self.device):
+                heads.append((name, TensorHead.of(t)))
+                yield f"transformer.{name}", t
+
+        loaded = base.load_weights(self, drawn())
+        self.random_fingerprint = weights_fingerprint(heads)
+        return loaded
 
     def dtype(self) -> torch.dtype:
         return next(self.transformer.parameters()).dtype
@@ -156,7 +179,8 @@ def build_pipeline_class(base: type, output_cls) -> type:
         return output_cls(**pack_trajectories(self.generate([prompt], n, sampling, seeds)))
 
     doc = "vLLM-Omni's QwenImagePipeline serving RolloutPipeline's FlowGRPO rollout (see the module docstring)."
-    namespace.update(__init__=__init__, dtype=property(dtype), forward=forward, __module__=__name__,
+    namespace.update(__init__=__init__, load_weights=load_weights, dtype=property(dtype), forward=forward,
+                     __module__=__name__,
                      __qualname__="FlowGRPOQwenImagePipeline", __doc__=doc)
     return type("FlowGRPOQwenImagePipeline", (base,), namespace)
 
@@ -184,8 +208,12 @@ def _worker_extension_class() -> type:
     def rollout_lora_modules(self) -> dict:
         return lora_module_table(self.model_runner.pipeline.transformer)
 
+    def rollout_random_fingerprint(self) -> str | None:
+        return self.model_runner.pipeline.random_fingerprint
+
     return type("RolloutWorkerExtension", (CustomPipelineWorkerExtension,),
-                {"rollout_lora_modules": rollout_lora_modules, "__module__": __name__})
+                {"rollout_lora_modules": rollout_lora_modules, "rollout_random_fingerprint": rollout_random_fingerprint,
+                 "__module__": __name__})
 
 
 _LAZY = {"FlowGRPOQwenImagePipeline": _pipeline_class, "RolloutWorkerExtension": _worker_extension_class}

@@ -1,16 +1,24 @@
-"""The one attention function: cuDNN flash attention on GPU, XLA elsewhere, chosen explicitly."""
+"""The one attention function: cuDNN flash attention for bf16/fp16 on GPU, XLA otherwise, chosen explicitly."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
 
-def resolve_implementation(name: str) -> str:
-    """'auto' -> 'cudnn' when the default backend is a GPU, else 'xla'. Never falls back silently later."""
+CUDNN_DTYPES = ("bfloat16", "float16")  # cuDNN's fused attention refuses float32 inputs
+
+
+def resolve_implementation(name: str, dtype: str) -> str:
+    """'auto' -> 'cudnn' for bf16/fp16 compute on a GPU, else 'xla'; 'cudnn' with float32 (or off a GPU) is refused
+    here, at model construction, rather than failing inside jit. Never falls back silently later."""
+    on_gpu = jax.default_backend() == "gpu"
     if name == "auto":
-        return "cudnn" if jax.default_backend() == "gpu" else "xla"
+        return "cudnn" if on_gpu and dtype in CUDNN_DTYPES else "xla"
     if name not in ("xla", "cudnn"):
         raise ValueError(f"attention implementation {name!r}; choose 'auto', 'xla' or 'cudnn'")
+    if name == "cudnn" and (dtype not in CUDNN_DTYPES or not on_gpu):
+        raise ValueError(f"attention='cudnn' needs a GPU and compute dtype in {CUDNN_DTYPES} (got {dtype} on "
+                         f"{jax.default_backend()}); use attention='auto' or 'xla'")
     return name
 
 

@@ -83,17 +83,23 @@ class QwenImageConfig:
 
 REMAT_POLICIES = ("none", "full", "save_attn", "save_matmuls", "dots", "dots_no_batch")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+MATMUL_PRECISIONS = ("auto", "default", "high", "highest")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelOptions:
-    """How the model runs: dtypes, remat policy by name, attention implementation."""
+    """How the model runs: dtypes, remat policy by name, attention implementation, matmul precision."""
 
     dtype: str = "float32"        # compute dtype
     param_dtype: str = "float32"  # storage dtype of the frozen base
     remat: str = "none"
-    attention: str = "auto"       # auto = cudnn on GPU, xla elsewhere (chosen once, explicitly)
+    attention: str = "auto"       # auto = cudnn for bf16/fp16 on GPU, xla otherwise (chosen once, explicitly)
     scan_unroll: int = 1
+    # XLA's precision for the model's matmuls; auto = "highest" (true fp32) for float32 compute, else "default"
+    # (on GPUs fp32 "default" is TF32, which moves log-probs ~1e-5: too coarse for fp32 parity).
+    matmul_precision: str = "auto"
+    # "bfloat16" rounds the RoPE cos/sin tables as vLLM-Omni's transformer does (a parity diagnostic only)
+    rope_table_dtype: str = "float32"
 
     def __post_init__(self):
         for key, allowed in (("dtype", DTYPES), ("param_dtype", DTYPES)):
@@ -103,6 +109,18 @@ class ModelOptions:
             raise ValueError(f"ModelOptions.remat={self.remat!r}; choose one of {REMAT_POLICIES}")
         if self.attention not in ATTENTION_IMPLS:
             raise ValueError(f"ModelOptions.attention={self.attention!r}; choose one of {ATTENTION_IMPLS}")
+        if self.rope_table_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"ModelOptions.rope_table_dtype={self.rope_table_dtype!r}; choose float32 or bfloat16")
+        if self.matmul_precision not in MATMUL_PRECISIONS:
+            raise ValueError(f"ModelOptions.matmul_precision={self.matmul_precision!r}; choose one of "
+                             f"{MATMUL_PRECISIONS}")
+
+    @property
+    def precision(self) -> str:
+        """The matmul precision in force ('auto' resolved by compute dtype)."""
+        if self.matmul_precision != "auto":
+            return self.matmul_precision
+        return "highest" if self.dtype == "float32" else "default"
 
     @property
     def compute_dtype(self):

@@ -114,7 +114,7 @@ class QwenImageTransformer(nnx.Module):
     def __init__(self, cfg: QwenImageConfig, opts: ModelOptions = ModelOptions(), lora: LoRASpec | None = None,
                  *, rngs: nnx.Rngs):
         self.cfg, self.opts, self.lora_spec = cfg, opts, lora
-        self.impl = resolve_implementation(opts.attention)
+        self.impl = resolve_implementation(opts.attention, opts.dtype)
         make = _Factory(opts, lora, rngs)
         d = cfg.inner_dim
         self.img_in = make.linear(cfg.in_channels, d, ("latent", "embed"))
@@ -134,7 +134,12 @@ class QwenImageTransformer(nnx.Module):
 
     def __call__(self, x, sigma, txt, txt_mask, grid_hw: tuple[int, int], lora_scale: float | jax.Array = 1.0):
         """x (B, h*w, C_in); sigma (B,) in [0, 1]; txt (B, L, joint_dim); txt_mask (B, L) bool, right-padded
-        (valid tokens first) or None; grid_hw = (h, w) static; lora_scale 0 = adapters off (the KL reference)."""
+        (valid tokens first) or None; grid_hw = (h, w) static; lora_scale 0 = adapters off (the KL reference).
+        Matmuls run at `opts.precision` (set while tracing, so it is part of the compiled step)."""
+        with jax.default_matmul_precision(self.opts.precision):
+            return self._forward(x, sigma, txt, txt_mask, grid_hw, lora_scale)
+
+    def _forward(self, x, sigma, txt, txt_mask, grid_hw, lora_scale):
         dtype = self.opts.compute_dtype
         h, w = grid_hw
         if x.shape[1] != h * w:
@@ -144,6 +149,8 @@ class QwenImageTransformer(nnx.Module):
         temb = self.time_linear_2(jax.nn.silu(self.time_linear_1(timestep_embedding(sigma, dtype))))
         img_ang, txt_ang = rope_angles(h, w, txt.shape[1], self.cfg.axes_dims_rope)
         rope = (*rope_tables(img_ang), *rope_tables(txt_ang))
+        if self.opts.rope_table_dtype == "bfloat16":
+            rope = tuple(t.astype(jnp.bfloat16).astype(jnp.float32) for t in rope)
         kv_len = None if txt_mask is None else (h * w + jnp.sum(txt_mask, axis=-1)).astype(jnp.int32)
         img, ctx = self._blocks(img, ctx, temb, rope, kv_len, lora_scale)
         scale, shift = jnp.split(self.norm_out(jax.nn.silu(temb)), 2, axis=-1)

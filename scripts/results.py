@@ -1,0 +1,38 @@
+"""Benchmark result files: `{"name", "command", "device", "date", "figures"}` as NAME.json (BENCHMARKS.md's rule:
+every figure there is also written here; the files are copied into benchmarks/results/).
+
+    from results import write_result
+    write_result(out_dir, "rollout_seed_table", {"omni_batched_img_s": 0.71}, extra={...})
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+
+def device_name() -> str:
+    """The GPU(s) as nvidia-smi names them ("NVIDIA H200, 143771 MiB" per GPU), else "cpu"."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout.strip().splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return "cpu"
+    return f"{len(out)} x {out[0]}" if len(out) > 1 else out[0]
+
+
+def write_result(out_dir: str | Path, name: str, figures: dict, command: str | None = None,
+                 extra: dict | None = None) -> Path:
+    """Write out_dir/NAME.json; `command` defaults to this process's command line."""
+    record = {"name": name, "command": command or shlex.join(["python3", *sys.argv]), "device": device_name(),
+              "date": datetime.date.today().isoformat(),
+              "figures": {k: (round(v, 6) if isinstance(v, float) else v) for k, v in figures.items()}}
+    if extra:
+        record.update(extra)
+    path = Path(out_dir) / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return path
