@@ -29,7 +29,12 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array | None
     cuDNN use its padding mask instead of a dense bias.
     """
     if implementation == "cudnn":
-        return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=kv_len, implementation="cudnn")
+        s = q.shape[1]
+        if s % 2:  # cuDNN's backward with a padding mask takes even lengths: one masked key (query dropped) more
+            q, k, v = (jnp.pad(t, ((0, 0), (0, 1), (0, 0), (0, 0))) for t in (q, k, v))
+            kv_len = jnp.full((q.shape[0],), s, jnp.int32) if kv_len is None else kv_len
+        o = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=kv_len, implementation="cudnn")
+        return o[:, :s]
     mask = None
     if kv_len is not None:
         mask = (jnp.arange(k.shape[1])[None, :] < kv_len[:, None])[:, None, None, :]
