@@ -11,8 +11,8 @@
 #   inproc  one GPU, the diffusers engine in the trainer's process (no Ray); JAX holds a fixed pool
 #   1gpu    one GPU shared by the trainer and a Ray rollout actor (num_gpus=1); JAX holds a fixed pool; with
 #           SLEEP=true the engine also sleeps while JAX trains (the freed memory and the wake time are logged)
-#   2gpu    two GPUs: JAX on GPU 1 (JAX_CUDA_VISIBLE_DEVICES), the Ray actor takes GPU 0; trajectories and the LoRA
-#           go through Ray every step
+#   2gpu    two GPUs: a Ray head owning both is started first; the trainer sees only GPU 1 (CUDA_VISIBLE_DEVICES)
+#           and the Ray actor takes GPU 0; trajectories and the LoRA go through Ray every step
 set -euo pipefail
 out=${1:?usage: bench_e2e.sh OUT_DIR [overrides]}; shift
 engine=${ENGINE:-diffusers} layout=${LAYOUT:-inproc} sleep=${SLEEP:-false}
@@ -30,8 +30,11 @@ case $layout in
           placement=(--config.rollout.in_process=True --config.rollout.num_gpus=0) ;;
   1gpu)   export XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.55}
           placement=(--config.rollout.in_process=False --config.rollout.num_gpus=1) ;;
-  2gpu)   export XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.9} JAX_CUDA_VISIBLE_DEVICES=1; gpus=2
-          placement=(--config.rollout.in_process=False --config.rollout.num_gpus=1) ;;
+  2gpu)   # a Ray head that owns both GPUs hands GPU 0 to the rollout actor; the trainer process sees only GPU 1
+          python3 -m ray.scripts.scripts start --head --num-gpus=2 --disable-usage-stats >"$out/ray_start.log" 2>&1
+          trap 'python3 -m ray.scripts.scripts stop >/dev/null 2>&1' EXIT
+          export XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.9} CUDA_VISIBLE_DEVICES=1; gpus=2
+          placement=(--config.rollout.in_process=False --config.rollout.num_gpus=1 --config.rollout.address=auto) ;;
   *) echo "LAYOUT must be inproc, 1gpu or 2gpu" >&2; exit 2 ;;
 esac
 [ "$engine" = vllm_omni ] && [ "$layout" = inproc ] && { echo "the vllm_omni engine runs in a Ray actor: LAYOUT=1gpu or 2gpu" >&2; exit 2; }
