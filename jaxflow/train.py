@@ -341,6 +341,7 @@ if __name__ == "__main__":
     from absl import app, flags
     from ml_collections import config_flags
 
-    config_flags.DEFINE_config_file("config", "configs/tiny_ocr.py", "training config file (get_config())")
+    default = Path(__file__).resolve().parents[1] / "configs" / "tiny_ocr.py"  # not relative to the cwd
+    config_flags.DEFINE_config_file("config", str(default), "training config file (get_config())")
     flags.DEFINE_bool("resume", False, "continue from the latest checkpoint in config.run_dir")
     app.run(main)
