@@ -1,6 +1,6 @@
 """FlowGRPO training: `python -m jaxflow.train --config configs/tiny_ocr.py [--config.a.b=v] [--resume]`.
 
-Per step (DESIGN.md §2): sample prompt groups -> rollout on the Ray actors (chunks feed the async reward pool as
+Per step (docs/design.md §2): sample prompt groups -> rollout on the Ray actors (chunks feed the async reward pool as
 they finish) -> advantages -> one jitted, sharded train step -> LoRA sync to the rollout (version acked,
 bound-module count checked) -> metrics. Evaluation (ODE sampling on held-out prompts, a PNG grid) every
 `eval.every` steps; orbax checkpoints every `checkpoint.every` steps and on SIGINT/SIGTERM; the final LoRA is

@@ -1,4 +1,4 @@
-"""Flax Qwen-Image transformer vs diffusers (fp32, converted weights): DESIGN.md §4 / issue model-parity."""
+"""Flax Qwen-Image transformer vs diffusers (fp32, converted weights) (docs/numerics.md §6)."""
 from unittest import mock
 
 import numpy as np

@@ -11,7 +11,7 @@ _ROPE_THETA = 10000.0
 
 # exp(-ln(10000) i / 128), i < 128, as diffusers' get_timestep_embedding forms it: the exponent in float32, then exp
 # evaluated once in float64 and rounded to float32, so every CPU gets the same bytes. torch's float32 exp is within
-# an ulp of it, and which entries differ depends on the CPU's instruction set (docs/numerics.md, "Tables").
+# an ulp of it, and which entries differ depends on the CPU's instruction set (docs/numerics.md §6).
 _EXPONENT = np.float32(-np.log(10000.0)) * np.arange(TIMESTEP_CHANNELS // 2, dtype=np.float32) / np.float32(128)
 _TIMESTEP_FREQS = np.exp(_EXPONENT.astype(np.float64)).astype(np.float32)
 
@@ -20,7 +20,7 @@ def timestep_embedding(sigma: jax.Array, dtype) -> jax.Array:
     """Sinusoidal embedding of sigma * 1000: [cos | sin] (flip_sin_to_cos), all fp32, output cast to `dtype`.
 
     diffusers casts sigma and the frequency table to the model dtype first, so a bf16 model sees sigma 0.37 as
-    0.369140625; DESIGN.md §4 feeds sigma as fp32 instead (the rollout engines do the same).
+    0.369140625; docs/numerics.md §6 feeds sigma as fp32 instead (the rollout engines do the same).
     """
     freqs = jnp.asarray(_TIMESTEP_FREQS)
     arg = 1000.0 * (sigma.astype(jnp.float32)[:, None] * freqs[None, :])
