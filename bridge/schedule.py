@@ -1,4 +1,4 @@
-"""The numpy half of the numerics spec (DESIGN.md §4), shared by the JAX step (`jaxflow/sde.py`) and its torch
+"""The numpy half of the numerics spec (docs/numerics.md §1), shared by the JAX step (`jaxflow/sde.py`) and its torch
 mirror (`bridge/rollout/sde.py`): the sigma schedule, bitwise equal to diffusers' FlowMatchEulerDiscreteScheduler,
 and the per-sample SDE windows. Imports neither JAX nor torch.
 """
@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-# The scheduler_config.json shipped with Qwen/Qwen-Image (qwen_image.md §3.4).
+# scheduler/scheduler_config.json of the Hugging Face model Qwen/Qwen-Image (docs/numerics.md §1).
 QWEN_IMAGE_SCHEDULER_CONFIG = {
     "num_train_timesteps": 1000,
     "shift": 1.0,

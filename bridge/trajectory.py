@@ -1,4 +1,4 @@
-"""The Trajectory contract between the rollout and the trainer (DESIGN.md §3).
+"""The Trajectory contract between the rollout and the trainer (docs/numerics.md §9).
 
 Numpy only: importing this module pulls in neither JAX nor torch. A `Trajectory` is one sample as the
 rollout produced it; a `TrajectoryBatch` stacks samples on a new leading axis and right-pads the text

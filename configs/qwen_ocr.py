@@ -4,8 +4,8 @@
 
 Values and their sources:
 - 512^2, 10 sampling steps, noise 1.2 'sde', window 2 in [0, 5), true CFG 4, 50 ODE eval steps:
-  flow_grpo `config/grpo.py: pickscore_qwenimage` (flowgrpo.md §2.8) and verl-omni
-  `examples/flowgrpo_trainer/qwen_image/run_qwen_image_ocr_lora.sh` (verl_omni.md §3.4).
+  flow_grpo `config/grpo.py: pickscore_qwenimage` and verl-omni
+  `examples/flowgrpo_trainer/qwen_image/run_qwen_image_ocr_lora.sh`.
 - LoRA r64 / alpha128 on the 12 targets: flow_grpo `scripts/train_qwenimage.py`, verl-omni's OCR script.
 - lr 3e-4, AdamW b (0.9, 0.999), wd 1e-4, eps 1e-8, grad clip 1.0, adv clip 5: flow_grpo `config/base.py`.
 - clip range 1e-4: flow_grpo's default (verl-omni's script uses 1e-5); beta 0: both Qwen recipes.

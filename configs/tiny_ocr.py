@@ -5,9 +5,13 @@
 The same knobs as configs/qwen_ocr.py (which derives from this file) at toy sizes. The tiny VAE has spatial
 factor 4, so 40x72 images are 5x9 packed latent tokens.
 """
+from pathlib import Path
+
 import ml_collections
 
 from jaxflow.models.keymap import DEFAULT_LORA_TARGETS
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "ocr"  # found from any working directory
 
 
 def get_config():
@@ -29,7 +33,7 @@ def get_config():
                    beta=0.0, global_std=True, max_grad_norm=1.0, weight_decay=1e-4, ema_decay=0.0,
                    text_bucket=64, old_log_prob="rollout")
     c.reward = dict(fns={"ocr": 1.0}, options={}, workers=2)
-    c.data = dict(train="data/ocr/train.txt", test="data/ocr/test.txt")
+    c.data = dict(train=str(DATA / "train.txt"), test=str(DATA / "test.txt"))
     c.eval = dict(every=5, num_prompts=4, num_steps=4, guidance=4.0)
     c.checkpoint = dict(every=5, keep=3)
     c.sharding = dict(data=-1, fsdp=1, tensor=1, rules=[("batch", ("data", "fsdp"))])

@@ -1,4 +1,4 @@
-"""FlowGRPO algorithm (DESIGN.md §2, §4; flowgrpo.md §2.3-2.4): group advantages, true-CFG velocity, and the
+"""FlowGRPO algorithm (docs/design.md §2, docs/numerics.md §4-5; flow_grpo `flow_grpo/stat_tracking.py`, `scripts/train_qwenimage.py`): group advantages, true-CFG velocity, and the
 clipped policy objective (+ KL to the adapters-off reference) of one SDE window step.
 
 Pure functions. The jitted, sharded train step that accumulates these over micro-batches and window steps
@@ -50,7 +50,7 @@ def _pad_text(embeds, mask, length):
 
 def guided_velocity(model, x, sigma, txt, txt_mask, neg_txt=None, neg_mask=None, *, grid_hw, guidance: float,
                     lora_scale: float = 1.0) -> jax.Array:
-    """Velocity (B, S, C) float32; true CFG with norm rescale when guidance > 1 (DESIGN.md §4).
+    """Velocity (B, S, C) float32; true CFG with norm rescale when guidance > 1 (docs/numerics.md §5).
 
     Positive and negative prompts run as ONE batched call (text right-padded to a common length):
     comb = v_neg + g (v_pos - v_neg), v = comb * |v_pos| / |comb| (norms over channels). guidance <= 1: one

@@ -4,7 +4,7 @@ in-JAX rollout engine sharing the trainer's LoRA params (no weight sync).
 Per sample, everything comes from its seed: the initial latent and the step noise from
 `jax.random.fold_in(key(seed), i)` (i = 0 for the initial latent, i + 1 for step i), and the SDE window from
 `sde.sample_windows`. Steps outside the window are ODE (noise level 0). The output holds the Trajectory fields
-the train step consumes (DESIGN.md §3), with the conditioning passed through.
+the train step consumes (docs/numerics.md §9), with the conditioning passed through.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The FlowGRPO SDE / CPS / ODE step with log-prob, in JAX (DESIGN.md §4); the sigma schedule and SDE windows
+"""The FlowGRPO SDE / CPS / ODE step with log-prob, in JAX (docs/numerics.md §1-3); the sigma schedule and SDE windows
 (numpy, bridge/schedule.py) are re-exported here.
 
 This is the spec. `bridge/rollout/sde.py` mirrors it line for line in torch, and tests/test_sde.py pins

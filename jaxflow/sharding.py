@@ -1,6 +1,6 @@
 """Device mesh and logical-axis rules: the only module that knows the mesh axis names.
 
-Three layers (jax_anchors.md §1.4): the physical mesh ("data", "fsdp", "tensor"; one size may be -1 to take the
+Three layers (docs/design.md §4): the physical mesh ("data", "fsdp", "tensor"; one size may be -1 to take the
 remaining devices), a rule table from logical names to mesh axes (config, not code), and the `logical_axes`
 metadata the model puts on every variable. Stacked (scanned) block params carry one leading layer axis that their
 `logical_axes` does not name: it is always replicated. A dimension whose size is not divisible by the product of

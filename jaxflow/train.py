@@ -1,6 +1,6 @@
 """FlowGRPO training: `python -m jaxflow.train --config configs/tiny_ocr.py [--config.a.b=v] [--resume]`.
 
-Per step (DESIGN.md §2): sample prompt groups -> rollout on the Ray actors (chunks feed the async reward pool as
+Per step (docs/design.md §2): sample prompt groups -> rollout on the Ray actors (chunks feed the async reward pool as
 they finish) -> advantages -> one jitted, sharded train step -> LoRA sync to the rollout (version acked,
 bound-module count checked) -> metrics. Evaluation (ODE sampling on held-out prompts, a PNG grid) every
 `eval.every` steps; orbax checkpoints every `checkpoint.every` steps and on SIGINT/SIGTERM; the final LoRA is
@@ -349,6 +349,7 @@ if __name__ == "__main__":
     from absl import app, flags
     from ml_collections import config_flags
 
-    config_flags.DEFINE_config_file("config", "configs/tiny_ocr.py", "training config file (get_config())")
+    default = Path(__file__).resolve().parents[1] / "configs" / "tiny_ocr.py"  # not relative to the cwd
+    config_flags.DEFINE_config_file("config", str(default), "training config file (get_config())")
     flags.DEFINE_bool("resume", False, "continue from the latest checkpoint in config.run_dir")
     app.run(main)

@@ -1,4 +1,4 @@
-"""The FlowGRPO train step: one jitted, sharded function per call of `step(state, batch)` (DESIGN.md §2).
+"""The FlowGRPO train step: one jitted, sharded function per call of `step(state, batch)` (docs/design.md §2).
 
 Functional NNX: `graphdef, lora, frozen = nnx.split(model, LoRAParam, ...)`, `nnx.merge` inside the loss,
 gradients only for the LoRA tree. For each micro-batch x each window step: forward (true CFG if guidance > 1),
@@ -34,7 +34,7 @@ CFG_FIELDS = ("negative_prompt_embeds", "negative_prompt_mask")
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Static configuration of the step (flow_grpo defaults; flowgrpo.md §2.4, §8)."""
+    """Static configuration of the step (flow_grpo defaults, `config/base.py`; docs/numerics.md §4)."""
 
     grid_hw: tuple[int, int]
     sde_type: str = "sde"
@@ -177,7 +177,7 @@ def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | Non
 
     init_state() -> TrainState from the model's current LoRA params (copied; the model is left intact).
     step(state, batch) -> (state, metrics): `state` is donated (do not reuse it); `batch` is a dict of host or
-    device arrays with the Trajectory fields (DESIGN.md §3) plus advantages (B,) and noise_level (scalar or
+    device arrays with the Trajectory fields (docs/numerics.md §9) plus advantages (B,) and noise_level (scalar or
     (B,)). With a `layout`, the frozen base, state and batch are placed by its rules and the step runs as one
     jit with explicit in/out shardings; without one it runs on the default device.
     """

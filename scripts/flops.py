@@ -1,4 +1,4 @@
-"""Token-active FLOP model for Qwen-Image (jax_anchors.md §6.3): never 6 x 20B x tokens."""
+"""Token-active FLOP model for Qwen-Image (docs/design.md §5): never 6 x 20B x tokens."""
 from __future__ import annotations
 
 DATASHEET_TFLOPS = 989.0  # H100 SXM / H200 dense bf16

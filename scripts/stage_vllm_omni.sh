@@ -5,7 +5,7 @@
 #   bash scripts/stage_vllm_omni.sh        # rerunnable: downloads what is missing, re-splits, prints the plan
 #
 # Downloads Python 3.12 manylinux x86_64 wheels (--no-deps; the set that ran on an H200 with torch
-# 2.11.0+cu130, see shared/reference/vllm_omni_on_device.md) into the ignored folder .stage/wheels, splits the
+# 2.11.0+cu130, see docs/vllm_omni.md) into the ignored folder .stage/wheels, splits the
 # big vllm wheel into parts below 62 MB (one device call carries at most 64 MiB, the working tree included),
 # groups everything into .stage/call-N folders (one per device call) and prints the calls to make.
 # The last call runs scripts/install_staged.sh, which reassembles, checks sha256 and pip-installs into

@@ -1,4 +1,6 @@
-"""Flax Qwen-Image transformer vs diffusers (fp32, converted weights): DESIGN.md §4 / issue model-parity."""
+"""Flax Qwen-Image transformer vs diffusers (fp32, converted weights) (docs/numerics.md §6)."""
+from unittest import mock
+
 import numpy as np
 import pytest
 import torch
@@ -6,7 +8,7 @@ from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope, Q
 import jax.numpy as jnp
 
 from jaxflow.models.config import ModelOptions, QwenImageConfig
-from jaxflow.models.embeddings import rope_angles, rope_tables, timestep_embedding
+from jaxflow.models.embeddings import _TIMESTEP_FREQS, _inv_freq, rope_angles, rope_tables, timestep_embedding
 from jaxflow.models.loading import TensorSource, build_from_source
 from tests.qwen_ref import OTHER, TINY, inputs, state_dict_numpy, torch_forward, torch_model
 
@@ -53,24 +55,44 @@ def test_forward_no_mask_odd_grids(grid):
     assert rel_err(out, ref) <= TOL
 
 
-def test_rope_tables_exact():
+def test_rope_tables_match_diffusers():
+    """Angles and cos/sin tables against diffusers' own, with bounds from the computation (docs/numerics.md,
+    "Tables"). Each side forms inv_freq with its own pow (<= 1 ulp; torch's depends on the CPU's instruction set)
+    and a reciprocal, then rounds pos * inv_freq: < 4 * 2**-23 relative together, so |d angle| <= 2**-21 |angle|.
+    cos/sin move by at most |d angle|, plus each side's rounding of a result in [-1, 1] (2**-24 each)."""
     axes = (16, 56, 56)
-    rope = QwenEmbedRope(theta=10000, axes_dim=list(axes), scale_rope=True)
+    captured, polar = [], torch.polar
+
+    def spy(abs_, angle):  # diffusers builds its angle table (positions 0..4095) once, in __init__
+        captured.append(angle.clone())
+        return polar(abs_, angle)
+
+    with mock.patch.object(torch, "polar", spy):
+        rope = QwenEmbedRope(theta=10000, axes_dim=list(axes), scale_rope=True)
+    theirs = torch.cat(captured[:3], dim=1).numpy()
+    ours = np.outer(np.arange(len(theirs), dtype=np.float32), np.concatenate([_inv_freq(d) for d in axes]))
+    assert ours.shape == theirs.shape
+    assert np.all(np.abs(ours.astype(np.float32) - theirs) <= 2.0**-21 * np.abs(theirs))
     for h, w, L in ((64, 64, 20), (5, 9, 7), (32, 17, 3)):
         img_ref, txt_ref = rope([(1, h, w)], max_txt_seq_len=L, device=torch.device("cpu"))
-        img_ang, txt_ang = rope_angles(h, w, L, axes)
-        for ang, ref in ((img_ang, img_ref), (txt_ang, txt_ref)):
-            cos, sin = rope_tables(ang)
-            np.testing.assert_array_equal(np.asarray(cos), ref.real.numpy())
-            np.testing.assert_array_equal(np.asarray(sin), ref.imag.numpy())
+        for ang, ref in zip(rope_angles(h, w, L, axes), (img_ref, txt_ref)):
+            bound = 2.0**-21 * np.abs(ang) + 2.0**-23
+            for table, expected in zip(rope_tables(ang), (ref.real.numpy(), ref.imag.numpy())):
+                assert table.shape == expected.shape
+                assert np.all(np.abs(np.asarray(table) - expected) <= bound)
 
 
-def test_timestep_embedding():
+def test_timestep_embedding_matches_diffusers():
+    """The argument a = 1000 * (sigma * f) is fp32. torch's fp32 exp puts f within 1 ulp of our table (1.5 * 2**-23
+    relative with our own rounding); each side rounds sigma * f and 1000 * (.) (2**-24 each): < 4 * 2**-23
+    relative, so |d a| <= 2**-21 |a| (5e-4 rad at a = 1000). cos/sin add each side's result rounding (2**-24)."""
     emb = QwenTimestepProjEmbeddings(embedding_dim=32)
     sig = np.array([1.0, 0.98971, 0.5, 0.02, 0.0], np.float32)
     ref = emb.time_proj(torch.from_numpy(sig)).numpy()
     out = np.asarray(timestep_embedding(jnp.asarray(sig), jnp.float32))
-    assert np.max(np.abs(out - ref)) <= 1e-6
+    arg = np.float32(1000.0) * (sig[:, None] * _TIMESTEP_FREQS[None, :])
+    assert out.shape == ref.shape == (5, 256)
+    assert np.all(np.abs(out - ref) <= 2.0**-21 * np.abs(np.concatenate([arg, arg], axis=1)) + 2.0**-23)
 
 
 def test_bf16_within_rounding_of_fp32_reference():

@@ -1,4 +1,4 @@
-"""Sigma schedule and SDE step: JAX spec vs torch mirror vs diffusers, plus the FlowGRPO invariants (DESIGN.md §4)."""
+"""Sigma schedule and SDE step: JAX spec vs torch mirror vs diffusers, plus the FlowGRPO invariants (docs/numerics.md §1-3, §8)."""
 
 import ast
 import math
@@ -86,7 +86,7 @@ def test_sigma_schedule_matches_diffusers(module, cfg, n, seq):
 
 
 def test_sigma_schedule_known_qwen_values():
-    """qwen_image.md §3.4 table."""
+    """diffusers' FlowMatchEulerDiscreteScheduler with Qwen-Image's scheduler config (docs/numerics.md §1)."""
     np.testing.assert_allclose(J.sigma_schedule(QWEN, 4, 1024)[:4], [1.0, 0.7492682, 0.4325879, 0.01999992], atol=1e-7)
     s = J.sigma_schedule(QWEN, 50, 4096)
     np.testing.assert_allclose(s[[0, 1, 2, 3, -3, -2, -1]], [1, 0.9897009, 0.9791915, 0.9684653, 0.0584758, 0.01999998, 0], atol=1e-7)
@@ -217,7 +217,7 @@ def test_sampling_log_prob_expectation(module, a):
 
 
 def test_step0_log_prob_near_minus_1_06():
-    """flowgrpo.md §8.4: 'sde', a = 0.7, step 0 has step std 0.7, so log p ~ -1.419 - ln 0.7 = -1.062."""
+    """docs/numerics.md §8: 'sde', a = 0.7, step 0 has step std 0.7, so log p ~ -1.419 - ln 0.7 = -1.062."""
     rng = np.random.default_rng(7)
     sigmas = J.sigma_schedule(QWEN, 10, 1024)
     x, v, eps, s, sn = step_inputs(rng, (1, 16, 64, 64), sigmas, [0])

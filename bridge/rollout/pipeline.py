@@ -1,6 +1,6 @@
 """Our Qwen-Image rollout pipeline on diffusers components: batched true-CFG denoising with the FlowGRPO SDE.
 
-`RolloutPipeline.generate(prompts, n, sampling, seeds)` returns a `TrajectoryBatch` (DESIGN.md §3) for
+`RolloutPipeline.generate(prompts, n, sampling, seeds)` returns a `TrajectoryBatch` (docs/numerics.md §9) for
 B = len(prompts) * n samples, prompt-major (sample b belongs to prompt b // n, its group_id):
 
 - one text-encoder pass over the distinct prompts and the negative prompt (template, drop 34 tokens);

@@ -1,4 +1,4 @@
-"""The FlowGRPO SDE / CPS / ODE step with log-prob in torch (DESIGN.md §4); schedule and windows re-exported
+"""The FlowGRPO SDE / CPS / ODE step with log-prob in torch (docs/numerics.md §2-3); schedule and windows re-exported
 from bridge/schedule.py.
 
 A line-for-line mirror of `jaxflow/sde.py` (the spec) for the rollout; tests/test_sde.py pins the two

@@ -9,6 +9,7 @@ import numpy as np
 from jaxflow.rewards.base import RewardFn, check_scores
 from jaxflow.rewards.jpeg import jpeg_compressibility, jpeg_incompressibility
 from jaxflow.rewards.ocr import OcrReward
+from jaxflow.rewards.pixel import brightness
 from jaxflow.rewards.vlm_ocr import VlmOcrReward
 
 # name -> factory(**options) -> reward fn
@@ -17,6 +18,7 @@ REGISTRY: dict[str, Callable[..., RewardFn]] = {
     "vlm_ocr": VlmOcrReward,
     "jpeg_compressibility": lambda: jpeg_compressibility,
     "jpeg_incompressibility": lambda: jpeg_incompressibility,
+    "brightness": lambda: brightness,
 }
 
 

@@ -1,0 +1,58 @@
+"""The repository's text stands on its own: every cited document (and § section) exists in it, no file points to
+notes outside it, and README's install line is one line that gets the CPU build of torch."""
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CITATION = re.compile(r"([A-Za-z0-9_./-]+\.md)\b(?: §(\d+)(?:-(\d+))?)?")
+OUTSIDE = re.compile(r"shared/|shared folder|\bissue [a-z]+-[a-z-]+")
+TEXT = (".py", ".md", ".sh", ".toml", ".txt", ".cfg", ".yaml", ".yml", "")
+
+
+def tracked_files() -> list[Path]:
+    try:
+        out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        files = [ROOT / line for line in out.splitlines()]
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout
+        files = [p for p in ROOT.rglob("*") if not any(part.startswith(".") for part in p.relative_to(ROOT).parts)]
+    files += list((ROOT / "docs").glob("*.md"))  # new docs count before they are committed
+    skip = {Path(__file__).resolve()}  # this file names the patterns it forbids
+    return sorted({p for p in files if p.is_file() and p.suffix in TEXT and p.resolve() not in skip
+                   and "data" not in p.relative_to(ROOT).parts})
+
+
+def sections(doc: Path) -> set[int]:
+    return {int(m) for m in re.findall(r"^## (\d+)\.", doc.read_text(), flags=re.M)}
+
+
+def test_cited_documents_and_sections_exist():
+    missing = []
+    for path in tracked_files():
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            where = f"{path.relative_to(ROOT)}:{n}"
+            if OUTSIDE.search(line):
+                missing.append(f"{where}: points outside the repository: {line.strip()}")
+            for name, first, last in CITATION.findall(line):
+                doc = next((d for d in (path.parent / name, ROOT / name) if d.is_file()), None)
+                if doc is None:
+                    missing.append(f"{where}: {name} is not in the repository")
+                elif first and not set(range(int(first), int(last or first) + 1)) <= sections(doc):
+                    missing.append(f"{where}: {name} has no section §{first}{'-' + last if last else ''}")
+    assert not missing, "\n".join(missing)
+
+
+def test_the_checker_catches_a_missing_document(tmp_path):
+    assert CITATION.findall("see DESIGN.md §4 and docs/numerics.md §1-3") == [("DESIGN.md", "4", ""),
+                                                                            ("docs/numerics.md", "1", "3")]
+    assert OUTSIDE.search("in the shared folder") and OUTSIDE.search("issue model-parity")
+    assert {1, 2, 9} <= sections(ROOT / "docs" / "numerics.md")
+
+
+def test_readme_install_is_one_line_with_the_cpu_build_of_torch():
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"1\. Install.*?```\n(.*?)```", readme, flags=re.S).group(1).strip()
+    assert "\n" not in block
+    assert re.search(r"--extra-index-url https://download\.pytorch\.org/whl/cpu torch==[\d.]+\+cpu ", block), block
+    torch_pin = re.search(r"torch==[\d.]+\+cpu", block).group(0)
+    assert torch_pin in (ROOT / ".ci" / "run").read_text()  # CI installs what README says
