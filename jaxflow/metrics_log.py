@@ -40,6 +40,7 @@ class RunLog:
             self._progress.start()
 
     def log(self, step: int, metrics: dict) -> dict[str, float]:
+        """One row for `step` = the number of updates completed (1..num_steps)."""
         flat = {"step": step, "time": time.time(), **_scalars(metrics)}
         self._jsonl.write(json.dumps(flat) + "\n")
         self._jsonl.flush()
@@ -50,7 +51,7 @@ class RunLog:
         if self._progress is not None and "reward_mean" in flat:
             phases = " ".join(f"{p}={flat[f'time/{p}']:.1f}s" for p in ("rollout", "reward", "train", "sync")
                               if f"time/{p}" in flat)
-            self._progress.update(self._task, completed=step + 1,
+            self._progress.update(self._task, completed=step,
                                   status=f"reward {flat['reward_mean']:.3f} | {phases}")
         return flat
 

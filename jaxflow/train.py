@@ -235,6 +235,7 @@ class Trainer:
         return {**metrics, "time/train": time.perf_counter() - t}
 
     def train_one(self, step: int) -> dict:
+        """The update from policy version `step` to `step + 1`; logged, evaluated and checkpointed as `step + 1`."""
         if not self.driver:
             return self._train_only(step)
         cfg, timings, start = self.cfg, {}, time.perf_counter()
@@ -288,7 +289,8 @@ class Trainer:
                 metrics = self.train_one(step)
                 if (step + 1) % cfg.eval.every == 0 and self.driver:
                     metrics["eval_reward_mean"] = self.evaluate(step + 1)
-                history.append(runlog.log(step, metrics) if self.driver else {"step": step, **metrics})
+                done = step + 1  # steps are counted as completed updates everywhere: metrics, eval, checkpoints
+                history.append(runlog.log(done, metrics) if self.driver else {"step": done, **metrics})
                 if self.processes > 1:  # every process stops after the same step
                     from jax.experimental import multihost_utils
                     flags = multihost_utils.process_allgather(np.int32(self.stop_requested))
