@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -20,12 +21,30 @@ def _scalars(metrics: dict) -> dict[str, float]:
     return out
 
 
+def _drop_rows_after(path: Path, step: int) -> None:
+    """A resumed run continues from its checkpoint at `step`: rows logged after it (by a run killed before its next
+    checkpoint, to be logged again) and a line cut by a kill are dropped, so each step has one row."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            continue
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(keep))
+    os.replace(tmp, path)
+
+
 class RunLog:
     """metrics.jsonl (one line per step), TensorBoard scalars, and a rich progress bar."""
 
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, tensorboard: bool, progress: bool):
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
+        _drop_rows_after(run_dir / "metrics.jsonl", start_step)
         self._jsonl = open(run_dir / "metrics.jsonl", "a")
         self._tb = None
         if tensorboard:

@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from jaxflow import config as config_lib
+from jaxflow import run_dir as run_dir_lib
 from jaxflow.checkpoint import Checkpointer, config_json
 from jaxflow.data import GroupSampler, load_prompts
 from jaxflow.flowgrpo import compute_advantages
@@ -129,6 +130,8 @@ class Trainer:
         maybe_initialize_distributed()
         check_backend(cfg)
         self.processes, self.driver = jax.process_count(), jax.process_index() == 0
+        if self.driver and not resume:  # never write into a previous run (the command line can --overwrite it)
+            run_dir_lib.check_fresh(Path(cfg.run_dir))
         s = cfg.sample
         if (s.prompts_per_step * s.group_size) % self.processes:
             raise ValueError(f"the train batch (sample.prompts_per_step x sample.group_size = "
@@ -330,19 +333,8 @@ class Trainer:
             self.rollout.close()
 
 
-def main(argv):
-    from absl import flags
-    trainer = Trainer(flags.FLAGS.config, resume=flags.FLAGS.resume)
-    try:
-        trainer.run()
-    finally:
-        trainer.close()
-
-
 if __name__ == "__main__":
-    from absl import app, flags
-    from ml_collections import config_flags
+    import sys
 
-    config_flags.DEFINE_config_file("config", "configs/tiny_ocr.py", "training config file (get_config())")
-    flags.DEFINE_bool("resume", False, "continue from the latest checkpoint in config.run_dir")
-    app.run(main)
+    from jaxflow.cli import main
+    sys.exit(main())
