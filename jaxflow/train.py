@@ -134,7 +134,7 @@ class Trainer:
             run_dir_lib.check_fresh(Path(cfg.run_dir))
         s = cfg.sample
         if (s.prompts_per_step * s.group_size) % self.processes:
-            raise ValueError(f"the train batch (sample.prompts_per_step x sample.group_size = "
+            raise config_lib.UserError(f"the train batch (sample.prompts_per_step x sample.group_size = "
                              f"{s.prompts_per_step * s.group_size}) must divide by the {self.processes} JAX "
                              f"processes: each feeds an equal share of its rows")
         self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
