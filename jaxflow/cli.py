@@ -8,8 +8,10 @@ traceback.
 from __future__ import annotations
 
 import ast
+import os
 import re
 import sys
+from pathlib import Path
 
 USAGE = """\
 usage: python -m jaxflow.train [--config FILE] [--config.KEY=VALUE ...] [flags]
@@ -22,6 +24,7 @@ FlowGRPO LoRA training (README.md). Every output goes under config.run_dir.
   --resume                continue the run in config.run_dir from its newest checkpoint that restores
   --allow_config_changes  with --resume: train on although keys that change the training differ from the run's
   --overwrite             delete a previous run's outputs in config.run_dir, then start a new run there
+  --verbose               show the libraries' INFO logs (orbax, JAX, Ray), silenced by default
 """
 HELP_FLAGS = ("-h", "-help", "--help", "--helpshort", "--helpfull", "-?")
 
@@ -35,6 +38,7 @@ def _define_flags():
     flags.DEFINE_bool("resume", False, "continue from the newest checkpoint in config.run_dir that restores")
     flags.DEFINE_bool("allow_config_changes", False, "with --resume: accept a config that changes the training")
     flags.DEFINE_bool("overwrite", False, "delete a previous run's outputs in config.run_dir first")
+    flags.DEFINE_bool("verbose", False, "show the libraries' INFO logs")
     return flags.FLAGS
 
 
@@ -84,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     except (flags.Error, KeyError, AttributeError, OSError, ValueError) as exc:
         print(f"error: {flag_error(exc, argv)}", file=sys.stderr)
         return 2
+    configure_logging(FLAGS.verbose)
     if FLAGS.print_config:
         print_config(cfg)
         return 0
@@ -96,13 +101,49 @@ def main(argv: list[str] | None = None) -> int:
         if finished:
             print(finished)
             return 0
+        ray_logs = _start_ray(cfg, FLAGS.verbose)
         from jaxflow.train import Trainer
         trainer = Trainer(cfg, resume=FLAGS.resume)
+        if trainer.driver:
+            print(f"training {Path(cfg.run_dir).resolve()}: step {trainer.start} -> {cfg.train.num_steps}", flush=True)
         try:
-            trainer.run()
+            history = trainer.run()["history"]
         finally:
             trainer.close()
     except config_lib.UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if trainer.driver:
+        step = history[-1]["step"] if history else trainer.start
+        print(run_dir_lib.summary(Path(cfg.run_dir), step, cfg.train.num_steps, ray_logs), flush=True)
     return 0
+
+
+def configure_logging(verbose: bool) -> None:
+    """Warnings and errors only, one plain line each, unless `verbose` (orbax logs ~45 INFO lines per checkpoint)."""
+    import logging
+
+    from absl import logging as absl_logging
+    level = logging.INFO if verbose else logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
+                        force=True)
+    absl_logging.set_verbosity("info" if verbose else "warning")
+
+
+def _start_ray(cfg, verbose: bool) -> str | None:
+    """Start (or join) Ray before JAX starts its threads (Ray's start forks); returns Ray's log folder.
+
+    A local cluster gets Ray's own default, token authentication, stated in RAY_AUTH_MODE: left unset, Ray warns
+    on every start that it chose it."""
+    from jaxflow.run_dir import first_process
+    if cfg.rollout.in_process or not first_process():
+        return None
+    if not cfg.rollout.address:
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+    from jaxflow.rollout_client import init_ray
+    init_ray(cfg.rollout.address, verbose)
+    try:
+        import ray
+        return ray._private.worker._global_node.get_logs_dir_path()  # no public API names it
+    except AttributeError:
+        return "/tmp/ray/session_latest/logs"

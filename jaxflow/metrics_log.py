@@ -1,8 +1,10 @@
-"""Run logging: JSONL + TensorBoard metrics, a rich progress line with phase times, eval image grids."""
+"""Run logging: JSONL + TensorBoard metrics, a rich progress bar on a terminal (else one line per step), eval
+image grids."""
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -38,8 +40,24 @@ def _drop_rows_after(path: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
+def step_line(flat: dict, total_steps: int) -> str:
+    """One line per step for a log file: reward mean±std, phase times, throughput, eval reward when evaluated."""
+    phases = " ".join(f"{p} {flat[f'time/{p}']:.1f}s" for p in ("rollout", "reward", "train", "sync")
+                      if f"time/{p}" in flat)
+    line = (f"{time.strftime('%H:%M:%S')} step {flat['step']}/{total_steps}  reward {flat['reward_mean']:.3f}"
+            f"±{flat['reward_std']:.3f}  {phases}  {flat.get('images_per_s', 0):.2f} img/s")
+    if flat.get("reward_errors"):
+        line += f"  reward errors {flat['reward_errors']:.0f}"
+    if flat.get("skipped"):
+        line += "  update skipped (non-finite)"
+    if "eval_reward_mean" in flat:
+        line += f"  eval reward {flat['eval_reward_mean']:.3f}"
+    return line
+
+
 class RunLog:
-    """metrics.jsonl (one line per step), TensorBoard scalars, and a rich progress bar."""
+    """metrics.jsonl (one row per step), TensorBoard scalars and, with `progress`, a rich progress bar on a terminal
+    or one printed line per step when stdout is a file (nohup, SLURM)."""
 
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, tensorboard: bool, progress: bool):
         self.run_dir = run_dir
@@ -50,8 +68,9 @@ class RunLog:
         if tensorboard:
             from tensorboardX import SummaryWriter
             self._tb = SummaryWriter(str(run_dir / "tb"))
-        self._progress = None
-        if progress:
+        self._progress, self.total_steps = None, total_steps
+        self._lines = progress and not sys.stdout.isatty()  # a log file: one line per step, not a progress bar
+        if progress and not self._lines:
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
             self._progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
                                       TimeRemainingColumn(), TextColumn("{task.fields[status]}"))
@@ -67,6 +86,8 @@ class RunLog:
             for k, v in flat.items():
                 if k not in ("step", "time"):
                     self._tb.add_scalar(k, v, step)
+        if self._lines and "reward_mean" in flat:
+            print(step_line(flat, self.total_steps), flush=True)
         if self._progress is not None and "reward_mean" in flat:
             phases = " ".join(f"{p}={flat[f'time/{p}']:.1f}s" for p in ("rollout", "reward", "train", "sync")
                               if f"time/{p}" in flat)

@@ -119,3 +119,25 @@ def first_process() -> bool:
     env = os.environ
     rank = env.get("JAX_PROCESS_ID") or env.get("SLURM_PROCID") or env.get("OMPI_COMM_WORLD_RANK") or "0"
     return int(rank) == 0
+
+
+def summary(run_dir: Path, step: int, num_steps: int, ray_logs: str | None = None) -> str:
+    """Where every output of the run went: the last lines of its log."""
+    run_dir = run_dir.resolve()
+    lines = [f"{'finished' if step >= num_steps else 'stopped'} at step {step}/{num_steps}; outputs in {run_dir}:"]
+    if (run_dir / "metrics.jsonl").exists():
+        lines.append(f"  metrics      {run_dir / 'metrics.jsonl'} (one JSON row per step)")
+    if (run_dir / "tb").exists():
+        lines.append(f"  tensorboard  tensorboard --logdir {run_dir / 'tb'}")
+    images = sorted((run_dir / "eval").glob("step_*.png"))
+    if images:
+        lines.append(f"  eval images  {run_dir / 'eval'} ({len(images)} grids, the newest {images[-1].name})")
+    steps = checkpoint_steps(run_dir)
+    if steps:
+        lines.append(f"  checkpoints  {run_dir / 'checkpoints'} (steps {', '.join(map(str, steps[::-1]))}; "
+                     f"--resume continues from the newest)")
+    if (run_dir / "lora_final").exists():
+        lines.append(f"  final LoRA   {run_dir / 'lora_final'} (PEFT adapter)")
+    if ray_logs:
+        lines.append(f"  Ray logs     {ray_logs} (rollout actors)")
+    return "\n".join(lines)

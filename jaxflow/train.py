@@ -36,7 +36,7 @@ from jaxflow.models.loading import fingerprint, load_transformer
 from jaxflow.models.lora import lora_to_peft, save_peft
 from jaxflow.models.random_init import random_transformer
 from jaxflow.rewards import RewardPool, build_reward
-from jaxflow.rollout_client import RolloutGroup
+from jaxflow.rollout_client import RolloutGroup, init_ray
 from jaxflow.sharding import Layout, maybe_initialize_distributed
 from jaxflow.train_step import BATCH_FIELDS, CFG_FIELDS, make_train_step
 
@@ -164,9 +164,7 @@ class Trainer:
     def _start_rollout(self) -> RolloutGroup:
         r = self.cfg.rollout
         if not r.in_process:
-            import ray
-            if not ray.is_initialized():
-                ray.init(address=r.address or None, include_dashboard=False, log_to_driver=False)
+            init_ray(r.address)
         engine = {"engine": r.engine, "model": str(self.folder), "dtype": r.dtype, "device": r.device}
         if r.compile:
             engine["compile"] = True
