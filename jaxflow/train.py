@@ -57,14 +57,16 @@ def grid_hw(folder: Path, cfg) -> tuple[int, int]:
     return cfg.sample.height // factor, cfg.sample.width // factor
 
 
-def pad_text(batch: dict, multiple: int) -> dict:
-    """Right-pad prompt (and negative) embeds/masks to a multiple of `multiple` tokens so the jitted step sees a
-    few text shapes instead of one per batch (each new shape is a recompile)."""
+def pad_text(batch: dict, length: int) -> dict:
+    """Right-pad prompt (and negative) embeds/masks to `length` tokens (sample.max_sequence_length: the rollout
+    refuses longer prompts), so every batch has one text shape and the jitted step compiles once."""
     out = dict(batch)
     for emb, mask in (("prompt_embeds", "prompt_mask"), ("negative_prompt_embeds", "negative_prompt_mask")):
         if out.get(emb) is None:
             continue
-        pad = -out[emb].shape[1] % multiple
+        pad = length - out[emb].shape[1]
+        if pad < 0:
+            raise ValueError(f"{emb} has {out[emb].shape[1]} tokens > sample.max_sequence_length={length}")
         out[emb] = np.pad(out[emb], ((0, 0), (0, pad), (0, 0)))
         out[mask] = np.pad(out[mask], ((0, 0), (0, pad)))
     return out
@@ -247,7 +249,7 @@ class Trainer:
         if cfg.rollout.sleep_while_training:
             self.rollout.sleep()
         t = time.perf_counter()
-        train_batch = pad_text(batch.to_dict(), cfg.train.text_bucket)
+        train_batch = pad_text(batch.to_dict(), cfg.sample.max_sequence_length)
         train_batch.update(advantages=adv, noise_level=np.float32(cfg.sample.noise_level))
         if self.processes > 1:
             train_batch = self._local_rows(train_batch)
