@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -103,6 +104,14 @@ class RunLog:
         self._jsonl.close()
 
 
+def caption_lines(caption: str, chars: int, lines: int) -> list[str]:
+    """`caption` wrapped at spaces into at most `lines` lines of `chars`; a longer one ends in ' ...'."""
+    wrapped = textwrap.wrap(caption, chars)
+    if len(wrapped) > lines:
+        wrapped = wrapped[:lines - 1] + [textwrap.shorten(" ".join(wrapped[lines - 1:]), chars, placeholder=" ...")]
+    return wrapped
+
+
 def image_grid(images: np.ndarray, captions: list[str], path: Path, columns: int = 4) -> None:
     """PNG grid of uint8 (B, H, W, 3) images with a caption (prompt and reward) under each."""
     b, h, w, _ = images.shape
@@ -116,7 +125,6 @@ def image_grid(images: np.ndarray, captions: list[str], path: Path, columns: int
     for i, (img, cap) in enumerate(zip(images, captions)):
         x, y = (i % columns) * cell_w, (i // columns) * (h + cap_h)
         grid.paste(Image.fromarray(img), (x, y))
-        wrapped = [cap[j:j + chars] for j in range(0, len(cap), chars)][:lines]
-        draw.multiline_text((x + 2, y + h + 2), "\n".join(wrapped), fill="black", font=font)
+        draw.multiline_text((x + 2, y + h + 2), "\n".join(caption_lines(cap, chars, lines)), fill="black", font=font)
     path.parent.mkdir(parents=True, exist_ok=True)
     grid.save(path)
