@@ -82,11 +82,15 @@ def main(argv: list[str] | None = None) -> int:
     from absl import flags
     try:
         FLAGS = _define_flags()
-        FLAGS(argv)
+        extra = FLAGS(argv)[1:]
         cfg = FLAGS.config
         cfg.keys()  # a config file that failed to load raises here
     except (flags.Error, KeyError, AttributeError, OSError, ValueError) as exc:
         print(f"error: {flag_error(exc, argv)}", file=sys.stderr)
+        return 2
+    if extra:
+        print(f"error: unexpected argument {extra[0]!r}: flags only (a config file is --config FILE); see --help",
+              file=sys.stderr)
         return 2
     configure_logging(FLAGS.verbose)
     if FLAGS.print_config:

@@ -19,6 +19,7 @@ def cli(*args):
     (["--config=configs/nope.py"], "configs/nope.py"),
     (["--config.model.path=/nonexistent/qwen"], "configs/tiny_ocr.py"),
     (["--resme"], "resume"),
+    (["configs/qwen_ocr.py"], "--config FILE"),
 ])
 def test_user_errors_are_one_line_and_exit_2(args, needle):
     out = cli(*args)
