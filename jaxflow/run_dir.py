@@ -131,7 +131,7 @@ def summary(run_dir: Path, step: int, num_steps: int, ray_logs: str | None = Non
         lines.append(f"  tensorboard  tensorboard --logdir {run_dir / 'tb'}")
     images = sorted((run_dir / "eval").glob("step_*.png"))
     if images:
-        lines.append(f"  eval images  {run_dir / 'eval'} ({len(images)} grids, the newest {images[-1].name})")
+        lines.append(f"  eval grids   {run_dir / 'eval'} (the newest {images[-1].name}; {len(images)} in all)")
     steps = checkpoint_steps(run_dir)
     if steps:
         lines.append(f"  checkpoints  {run_dir / 'checkpoints'} (steps {', '.join(map(str, steps[::-1]))}; "
