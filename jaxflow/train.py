@@ -137,8 +137,8 @@ class Trainer:
         s = cfg.sample
         if (s.prompts_per_step * s.group_size) % self.processes:
             raise config_lib.UserError(f"the train batch (sample.prompts_per_step x sample.group_size = "
-                             f"{s.prompts_per_step * s.group_size}) must divide by the {self.processes} JAX "
-                             f"processes: each feeds an equal share of its rows")
+                                       f"{s.prompts_per_step * s.group_size}) must divide by the {self.processes} "
+                                       f"JAX processes: each feeds an equal share of its rows")
         self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
         self.folder = config_lib.model_folder(cfg)
         self.train_items, self.test_items = load_prompts(cfg.data.train), load_prompts(cfg.data.test)
