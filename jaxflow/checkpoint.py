@@ -2,11 +2,16 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+from jaxflow.config import UserError
+
+log = logging.getLogger(__name__)
 
 
 def _flat(tree) -> tuple[dict[str, jax.Array], list[str]]:
@@ -37,21 +42,54 @@ class Checkpointer:
         self.manager.wait_until_finished()
 
     def restore(self, abstract_state, step: int | None = None):
-        """(state, meta) of `step` (default: the latest); the state comes back with `abstract_state`'s shardings."""
-        step = self.latest_step() if step is None else step
-        if step is None:
-            raise FileNotFoundError(f"no checkpoint in {self.directory}: start without --resume")
+        """(state, meta) of `step`, by default of the newest checkpoint that restores: a newer one that does not (a
+        damaged or missing file) is moved aside to `<step>.damaged`, with a warning naming it and the cause. The
+        state comes back with `abstract_state`'s shardings."""
+        if step is not None:
+            return self._restore(abstract_state, step)
+        skipped = []
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                return self._restore(abstract_state, step)
+            except UserError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any read failure of a checkpoint's files
+                skipped.append(f"{step}: {_cause(exc)}")
+                self._set_aside(step)
+                log.warning("checkpoint %d does not restore (%s): moved to %s.damaged, trying the one before",
+                            step, _cause(exc), self.directory / str(step))
+        raise UserError(f"no checkpoint in {self.directory} restores" +
+                        (f" ({'; '.join(skipped)})" if skipped else "") + ": start without --resume")
+
+    def _set_aside(self, step: int) -> None:
+        """Rename a damaged checkpoint out of orbax's sight (kept for inspection; its step can be saved again)."""
+        if jax.process_index() == 0:
+            (self.directory / str(step)).rename(self.directory / f"{step}.damaged")
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices(f"checkpoint {step} set aside")
+        self.manager.reload()
+
+    def _restore(self, abstract_state, step: int):
         meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         target, paths = _flat(abstract_state)
         if meta["state_paths"] != paths:
-            raise ValueError(f"checkpoint {self.directory}/{step} was written for a different train state "
-                             f"(LoRA targets/rank, EMA or optimizer changed): {len(meta['state_paths'])} leaves "
-                             f"saved, {len(paths)} expected")
+            raise UserError(f"checkpoint {self.directory}/{step} was written for a different train state "
+                            f"(LoRA targets/rank, EMA or optimizer changed): {len(meta['state_paths'])} leaves "
+                            f"saved, {len(paths)} expected")
         abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=getattr(v, "sharding", None))
                     for k, v in target.items()}
         restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
         leaves = [restored["state"][k] for k in sorted(restored["state"])]
         return jax.tree.unflatten(jax.tree.structure(abstract_state), leaves), meta
+
+
+def _cause(exc: BaseException) -> str:
+    """The first line of the innermost cause (TensorStore's reason, e.g. 'ZSTD_decompressStream() failed')."""
+    while exc.__cause__ is not None or exc.__context__ is not None:
+        exc = exc.__cause__ or exc.__context__
+    line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return line if len(line) <= 240 else line[:237] + "..."
 
 
 def config_json(cfg) -> str:

@@ -14,8 +14,12 @@ from jaxflow.train_step import TrainConfig
 TINY_HINT = "configs/tiny_ocr.py (the embedded tiny offline model)"
 
 
+class UserError(ValueError):
+    """Input the user must fix (config, flags, run directory): the command line prints the message alone, exit 2."""
+
+
 def _fail(key: str, message: str):
-    raise ValueError(f"config.{key}: {message}")
+    raise UserError(f"config.{key}: {message}")
 
 
 def model_folder(cfg: ConfigDict) -> Path:

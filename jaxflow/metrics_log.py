@@ -1,7 +1,11 @@
-"""Run logging: JSONL + TensorBoard metrics, a rich progress line with phase times, eval image grids."""
+"""Run logging: JSONL + TensorBoard metrics, a rich progress bar on a terminal (else one line per step), eval
+image grids."""
 from __future__ import annotations
 
 import json
+import os
+import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -20,19 +24,54 @@ def _scalars(metrics: dict) -> dict[str, float]:
     return out
 
 
+def _drop_rows_after(path: Path, step: int) -> None:
+    """A resumed run continues from its checkpoint at `step`: rows logged after it (by a run killed before its next
+    checkpoint, to be logged again) and a line cut by a kill are dropped, so each step has one row."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            continue
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(keep))
+    os.replace(tmp, path)
+
+
+def step_line(flat: dict, total_steps: int) -> str:
+    """One line per step for a log file: reward mean±std, phase times, throughput, eval reward when evaluated."""
+    phases = " ".join(f"{p} {flat[f'time/{p}']:.1f}s" for p in ("rollout", "reward", "train", "sync")
+                      if f"time/{p}" in flat)
+    line = (f"{time.strftime('%H:%M:%S')} step {flat['step']}/{total_steps}  reward {flat['reward_mean']:.3f}"
+            f"±{flat['reward_std']:.3f}  {phases}  {flat.get('images_per_s', 0):.2f} img/s")
+    if flat.get("reward_errors"):
+        line += f"  reward errors {flat['reward_errors']:.0f}"
+    if flat.get("skipped"):
+        line += "  update skipped (non-finite)"
+    if "eval_reward_mean" in flat:
+        line += f"  eval reward {flat['eval_reward_mean']:.3f}"
+    return line
+
+
 class RunLog:
-    """metrics.jsonl (one line per step), TensorBoard scalars, and a rich progress bar."""
+    """metrics.jsonl (one row per step), TensorBoard scalars and, with `progress`, a rich progress bar on a terminal
+    or one printed line per step when stdout is a file (nohup, SLURM)."""
 
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, tensorboard: bool, progress: bool):
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
+        _drop_rows_after(run_dir / "metrics.jsonl", start_step)
         self._jsonl = open(run_dir / "metrics.jsonl", "a")
         self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
             self._tb = SummaryWriter(str(run_dir / "tb"))
-        self._progress = None
-        if progress:
+        self._progress, self.total_steps = None, total_steps
+        self._lines = progress and not sys.stdout.isatty()  # a log file: one line per step, not a progress bar
+        if progress and not self._lines:
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
             self._progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
                                       TimeRemainingColumn(), TextColumn("{task.fields[status]}"))
@@ -40,6 +79,7 @@ class RunLog:
             self._progress.start()
 
     def log(self, step: int, metrics: dict) -> dict[str, float]:
+        """One row for `step` = the number of updates completed (1..num_steps)."""
         flat = {"step": step, "time": time.time(), **_scalars(metrics)}
         self._jsonl.write(json.dumps(flat) + "\n")
         self._jsonl.flush()
@@ -47,10 +87,12 @@ class RunLog:
             for k, v in flat.items():
                 if k not in ("step", "time"):
                     self._tb.add_scalar(k, v, step)
+        if self._lines and "reward_mean" in flat:
+            print(step_line(flat, self.total_steps), flush=True)
         if self._progress is not None and "reward_mean" in flat:
             phases = " ".join(f"{p}={flat[f'time/{p}']:.1f}s" for p in ("rollout", "reward", "train", "sync")
                               if f"time/{p}" in flat)
-            self._progress.update(self._task, completed=step + 1,
+            self._progress.update(self._task, completed=step,
                                   status=f"reward {flat['reward_mean']:.3f} | {phases}")
         return flat
 
@@ -60,6 +102,14 @@ class RunLog:
         if self._tb is not None:
             self._tb.close()
         self._jsonl.close()
+
+
+def caption_lines(caption: str, chars: int, lines: int) -> list[str]:
+    """`caption` wrapped at spaces into at most `lines` lines of `chars`; a longer one ends in ' ...'."""
+    wrapped = textwrap.wrap(caption, chars)
+    if len(wrapped) > lines:
+        wrapped = wrapped[:lines - 1] + [textwrap.shorten(" ".join(wrapped[lines - 1:]), chars, placeholder=" ...")]
+    return wrapped
 
 
 def image_grid(images: np.ndarray, captions: list[str], path: Path, columns: int = 4) -> None:
@@ -75,7 +125,6 @@ def image_grid(images: np.ndarray, captions: list[str], path: Path, columns: int
     for i, (img, cap) in enumerate(zip(images, captions)):
         x, y = (i % columns) * cell_w, (i // columns) * (h + cap_h)
         grid.paste(Image.fromarray(img), (x, y))
-        wrapped = [cap[j:j + chars] for j in range(0, len(cap), chars)][:lines]
-        draw.multiline_text((x + 2, y + h + 2), "\n".join(wrapped), fill="black", font=font)
+        draw.multiline_text((x + 2, y + h + 2), "\n".join(caption_lines(cap, chars, lines)), fill="black", font=font)
     path.parent.mkdir(parents=True, exist_ok=True)
     grid.save(path)

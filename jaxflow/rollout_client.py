@@ -13,6 +13,15 @@ from bridge.trajectory import TrajectoryBatch
 log = logging.getLogger(__name__)
 
 
+def init_ray(address: str = "", verbose: bool = False) -> None:
+    """Join the Ray cluster at `address`, or start a local one (no dashboard; actors' output stays in Ray's log
+    folder). Starting Ray forks: call it before JAX starts its threads (JAX warns that a fork may deadlock)."""
+    import ray
+    if not ray.is_initialized():
+        ray.init(address=address or None, include_dashboard=False, log_to_driver=False,
+                 logging_level=logging.INFO if verbose else logging.WARNING)
+
+
 class _InProcess:
     """A RolloutServer in the trainer's process behind the actor-call surface (`handle.method.remote(...)` returns
     the result itself). For one GPU without Ray, and for debugging; the engine shares the trainer's GPU."""

@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from jaxflow import config as config_lib
+from jaxflow import run_dir as run_dir_lib
 from jaxflow.checkpoint import Checkpointer, config_json
 from jaxflow.data import GroupSampler, load_prompts
 from jaxflow.flowgrpo import compute_advantages
@@ -35,7 +36,7 @@ from jaxflow.models.loading import fingerprint, load_transformer
 from jaxflow.models.lora import lora_to_peft, save_peft
 from jaxflow.models.random_init import random_transformer
 from jaxflow.rewards import RewardPool, build_reward
-from jaxflow.rollout_client import RolloutGroup
+from jaxflow.rollout_client import RolloutGroup, init_ray
 from jaxflow.sharding import Layout, maybe_initialize_distributed
 from jaxflow.train_step import BATCH_FIELDS, CFG_FIELDS, make_train_step
 
@@ -56,14 +57,16 @@ def grid_hw(folder: Path, cfg) -> tuple[int, int]:
     return cfg.sample.height // factor, cfg.sample.width // factor
 
 
-def pad_text(batch: dict, multiple: int) -> dict:
-    """Right-pad prompt (and negative) embeds/masks to a multiple of `multiple` tokens so the jitted step sees a
-    few text shapes instead of one per batch (each new shape is a recompile)."""
+def pad_text(batch: dict, length: int) -> dict:
+    """Right-pad prompt (and negative) embeds/masks to `length` tokens (sample.max_sequence_length: the rollout
+    refuses longer prompts), so every batch has one text shape and the jitted step compiles once."""
     out = dict(batch)
     for emb, mask in (("prompt_embeds", "prompt_mask"), ("negative_prompt_embeds", "negative_prompt_mask")):
         if out.get(emb) is None:
             continue
-        pad = -out[emb].shape[1] % multiple
+        pad = length - out[emb].shape[1]
+        if pad < 0:
+            raise ValueError(f"{emb} has {out[emb].shape[1]} tokens > sample.max_sequence_length={length}")
         out[emb] = np.pad(out[emb], ((0, 0), (0, pad), (0, 0)))
         out[mask] = np.pad(out[mask], ((0, 0), (0, pad)))
     return out
@@ -129,11 +132,13 @@ class Trainer:
         maybe_initialize_distributed()
         check_backend(cfg)
         self.processes, self.driver = jax.process_count(), jax.process_index() == 0
+        if self.driver and not resume:  # never write into a previous run (the command line can --overwrite it)
+            run_dir_lib.check_fresh(Path(cfg.run_dir))
         s = cfg.sample
         if (s.prompts_per_step * s.group_size) % self.processes:
-            raise ValueError(f"the train batch (sample.prompts_per_step x sample.group_size = "
-                             f"{s.prompts_per_step * s.group_size}) must divide by the {self.processes} JAX "
-                             f"processes: each feeds an equal share of its rows")
+            raise config_lib.UserError(f"the train batch (sample.prompts_per_step x sample.group_size = "
+                                       f"{s.prompts_per_step * s.group_size}) must divide by the {self.processes} "
+                                       f"JAX processes: each feeds an equal share of its rows")
         self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
         self.folder = config_lib.model_folder(cfg)
         self.train_items, self.test_items = load_prompts(cfg.data.train), load_prompts(cfg.data.test)
@@ -164,9 +169,7 @@ class Trainer:
     def _start_rollout(self) -> RolloutGroup:
         r = self.cfg.rollout
         if not r.in_process:
-            import ray
-            if not ray.is_initialized():
-                ray.init(address=r.address or None, include_dashboard=False, log_to_driver=False)
+            init_ray(r.address)
         engine = {"engine": r.engine, "model": str(self.folder), "dtype": r.dtype, "device": r.device}
         if r.compile:
             engine["compile"] = True
@@ -238,6 +241,7 @@ class Trainer:
         return {**metrics, "time/train": time.perf_counter() - t}
 
     def train_one(self, step: int) -> dict:
+        """The update from policy version `step` to `step + 1`; logged, evaluated and checkpointed as `step + 1`."""
         if not self.driver:
             return self._train_only(step)
         cfg, timings, start = self.cfg, {}, time.perf_counter()
@@ -250,7 +254,7 @@ class Trainer:
             freed = self.rollout.sleep()
             timings["sleep"] = time.perf_counter() - t
         t = time.perf_counter()
-        train_batch = pad_text(batch.to_dict(), cfg.train.text_bucket)
+        train_batch = pad_text(batch.to_dict(), cfg.sample.max_sequence_length)
         train_batch.update(advantages=adv, noise_level=np.float32(cfg.sample.noise_level))
         if self.processes > 1:
             train_batch = self._local_rows(train_batch)
@@ -296,7 +300,8 @@ class Trainer:
                 metrics = self.train_one(step)
                 if (step + 1) % cfg.eval.every == 0 and self.driver:
                     metrics["eval_reward_mean"] = self.evaluate(step + 1)
-                history.append(runlog.log(step, metrics) if self.driver else {"step": step, **metrics})
+                done = step + 1  # steps are counted as completed updates everywhere: metrics, eval, checkpoints
+                history.append(runlog.log(done, metrics) if self.driver else {"step": done, **metrics})
                 if self.processes > 1:  # every process stops after the same step
                     from jax.experimental import multihost_utils
                     flags = multihost_utils.process_allgather(np.int32(self.stop_requested))
@@ -336,20 +341,8 @@ class Trainer:
             self.rollout.close()
 
 
-def main(argv):
-    from absl import flags
-    trainer = Trainer(flags.FLAGS.config, resume=flags.FLAGS.resume)
-    try:
-        trainer.run()
-    finally:
-        trainer.close()
-
-
 if __name__ == "__main__":
-    from absl import app, flags
-    from ml_collections import config_flags
+    import sys
 
-    default = Path(__file__).resolve().parents[1] / "configs" / "tiny_ocr.py"  # not relative to the cwd
-    config_flags.DEFINE_config_file("config", str(default), "training config file (get_config())")
-    flags.DEFINE_bool("resume", False, "continue from the latest checkpoint in config.run_dir")
-    app.run(main)
+    from jaxflow.cli import main
+    sys.exit(main())

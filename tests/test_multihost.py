@@ -60,7 +60,7 @@ def test_two_processes_train_like_one(tmp_path):
         assert p.returncode == 0, f"process {i} exited {p.returncode}:\n{outs[i][-3000:]}"
     run_dir = tmp_path / "multi"
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in lines] == [0, 1]
+    assert [x["step"] for x in lines] == [1, 2]  # steps count completed updates
     for line in lines:
         assert line["skipped"] == 0
         assert max(v for k, v in line.items() if k.startswith("logp_diff_max")) < 1e-5  # fp32 on-policy

@@ -1,0 +1,154 @@
+"""The command line of `python -m jaxflow.train`: flags, help, the run_dir checks before any heavy work, and input
+errors as one line.
+
+Input the user must fix (a flag, a config key or value, a run_dir in use, a resume that does not match its run)
+prints `error: ...` naming the fix and exits 2, before any model, device or Ray starts; real failures keep their
+traceback.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import re
+import sys
+from pathlib import Path
+
+USAGE = """\
+usage: python -m jaxflow.train [--config FILE] [--config.KEY=VALUE ...] [flags]
+
+FlowGRPO LoRA training (README.md). Every output goes under config.run_dir.
+
+  --config FILE           the config, a file with get_config() (default configs/tiny_ocr.py; configs/qwen_ocr.py)
+  --config.KEY=VALUE      set one config key, e.g. --config.train.learning_rate=1e-3 --config.run_dir=runs/a
+  --print_config          print every config key with its value (after the --config.KEY overrides) and exit
+  --resume                continue the run in config.run_dir from its newest checkpoint that restores
+  --allow_config_changes  with --resume: train on although keys that change the training differ from the run's
+  --overwrite             delete a previous run's outputs in config.run_dir, then start a new run there
+  --verbose               show the libraries' INFO logs (orbax, JAX, Ray), silenced by default
+"""
+HELP_FLAGS = ("-h", "-help", "--help", "--helpshort", "--helpfull", "-?")
+
+
+def _define_flags():
+    """The flags; ml_collections parses the --config.KEY overrides of sys.argv already here."""
+    from absl import flags
+    from ml_collections import config_flags
+    default = Path(__file__).resolve().parents[1] / "configs" / "tiny_ocr.py"  # not relative to the cwd
+    config_flags.DEFINE_config_file("config", str(default), "training config file (get_config())")
+    flags.DEFINE_bool("print_config", False, "print every config key with its value and exit")
+    flags.DEFINE_bool("resume", False, "continue from the newest checkpoint in config.run_dir that restores")
+    flags.DEFINE_bool("allow_config_changes", False, "with --resume: accept a config that changes the training")
+    flags.DEFINE_bool("overwrite", False, "delete a previous run's outputs in config.run_dir first")
+    flags.DEFINE_bool("verbose", False, "show the libraries' INFO logs")
+    return flags.FLAGS
+
+
+def _unquote(text: str) -> str:
+    """ml_collections nests repr()s of its KeyError in the message: undo them."""
+    while len(text) > 1 and text[0] == text[-1] and text[0] in "'\"":
+        try:
+            text = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            break
+    return text
+
+
+def flag_error(exc: Exception, argv: list[str]) -> str:
+    """One line for an error raised while the flags (and the config file) are read."""
+    from absl import flags
+    if isinstance(exc, (KeyError, AttributeError)):  # a --config.KEY that the config lacks
+        name, *hint = _unquote(str(exc)).split("\n")
+        name = _unquote(name)
+        given = next((a.split("=")[0] for a in argv if re.search(rf"^--config\..*\b{re.escape(name)}\b", a)), name)
+        return (f"{given}: the config has no key {name!r}" + (f"; {' '.join(hint)}" if hint else "") +
+                "; list the keys with --print_config")
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if isinstance(exc, OSError):  # the --config file itself
+        return f"--config: cannot load the config file ({lines[-1] if lines else exc})"
+    suffix = "; see --help" if isinstance(exc, flags.Error) else ""
+    return " ".join(lines) + suffix
+
+
+def print_config(cfg) -> None:
+    from jaxflow.run_dir import flatten
+    for key, value in sorted(flatten(cfg.to_dict()).items()):
+        print(f"--config.{key}={value!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv if argv is None else argv)
+    if any(a in HELP_FLAGS for a in argv[1:]):
+        print(USAGE)
+        return 0
+    from absl import flags
+    try:
+        FLAGS = _define_flags()
+        extra = FLAGS(argv)[1:]
+        cfg = FLAGS.config
+        cfg.keys()  # a config file that failed to load raises here
+    except (flags.Error, KeyError, AttributeError, OSError, ValueError) as exc:
+        print(f"error: {flag_error(exc, argv)}", file=sys.stderr)
+        return 2
+    if extra:
+        print(f"error: unexpected argument {extra[0]!r}: flags only (a config file is --config FILE); see --help",
+              file=sys.stderr)
+        return 2
+    configure_logging(FLAGS.verbose)
+    if FLAGS.print_config:
+        print_config(cfg)
+        return 0
+    from jaxflow import config as config_lib
+    from jaxflow import run_dir as run_dir_lib
+    try:
+        config_lib.validate(cfg)
+        finished = run_dir_lib.preflight(cfg, resume=FLAGS.resume, overwrite=FLAGS.overwrite,
+                                         allow_config_changes=FLAGS.allow_config_changes)
+        if finished:
+            print(finished)
+            return 0
+        ray_logs = _start_ray(cfg, FLAGS.verbose)
+        from jaxflow.train import Trainer
+        trainer = Trainer(cfg, resume=FLAGS.resume)
+        if trainer.driver:
+            print(f"training {Path(cfg.run_dir).resolve()}: step {trainer.start} -> {cfg.train.num_steps}", flush=True)
+        try:
+            history = trainer.run()["history"]
+        finally:
+            trainer.close()
+    except config_lib.UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if trainer.driver:
+        step = history[-1]["step"] if history else trainer.start
+        print(run_dir_lib.summary(Path(cfg.run_dir), step, cfg.train.num_steps, ray_logs), flush=True)
+    return 0
+
+
+def configure_logging(verbose: bool) -> None:
+    """Warnings and errors only, one plain line each, unless `verbose` (orbax logs ~45 INFO lines per checkpoint)."""
+    import logging
+
+    from absl import logging as absl_logging
+    level = logging.INFO if verbose else logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
+                        force=True)
+    absl_logging.set_verbosity("info" if verbose else "warning")
+
+
+def _start_ray(cfg, verbose: bool) -> str | None:
+    """Start (or join) Ray before JAX starts its threads (Ray's start forks); returns Ray's log folder.
+
+    A local cluster gets Ray's own default, token authentication, stated in RAY_AUTH_MODE: left unset, Ray warns
+    on every start that it chose it."""
+    from jaxflow.run_dir import first_process
+    if cfg.rollout.in_process or not first_process():
+        return None
+    if not cfg.rollout.address:
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+    from jaxflow.rollout_client import init_ray
+    init_ray(cfg.rollout.address, verbose)
+    try:
+        import ray
+        return ray._private.worker._global_node.get_logs_dir_path()  # no public API names it
+    except AttributeError:
+        return "/tmp/ray/session_latest/logs"

@@ -1,0 +1,143 @@
+"""The run directory before any heavy work: a new run never writes into an old one; a resume checks its config.
+
+A run writes `OUTPUTS` under `config.run_dir`. A new run refuses a run_dir holding any of them, unless told to
+`overwrite` (then they are deleted first). A resume compares the config saved with the newest checkpoint to the
+current one and refuses differences in keys that change the training, unless told to allow them. The keys in
+`NOT_TRAINING` may differ: where and how often outputs are written, evaluation, the step budget, and how the work
+is placed on machines (rollout servers and their resources, sharding, micro-batches, rematerialization, the
+attention kernel), none of which changes what an update computes.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from jaxflow.checkpoint import config_json
+from jaxflow.config import UserError
+
+log = logging.getLogger("jaxflow.run_dir")
+
+OUTPUTS = ("metrics.jsonl", "checkpoints", "eval", "tb", "lora_final")
+NOT_TRAINING = ("run_dir", "train.num_steps", "log", "eval", "checkpoint", "rollout.address", "rollout.num_servers",
+                "rollout.num_cpus", "rollout.num_gpus", "rollout.max_retries", "rollout.in_process",
+                "rollout.sleep_while_training", "rollout.compile", "reward.workers", "sharding",
+                "train.num_micro_batches", "model.remat", "model.attention")
+
+
+def previous_outputs(run_dir: Path) -> list[str]:
+    return [name for name in OUTPUTS if (run_dir / name).exists()]
+
+
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    """Steps of the finished checkpoints (orbax renames a save's folder to its step when complete), newest first."""
+    folder = run_dir / "checkpoints"
+    return sorted((int(p.name) for p in folder.iterdir() if p.name.isdigit()), reverse=True) if folder.is_dir() else []
+
+
+def check_fresh(run_dir: Path) -> None:
+    """Refuse a run_dir that holds a previous run's outputs (nothing in it is touched)."""
+    found = previous_outputs(run_dir)
+    if found:
+        raise UserError(f"{run_dir} already holds a run ({', '.join(found)}): continue it with --resume, start a "
+                        f"new one with --config.run_dir=NEW_DIR, or delete it with --overwrite")
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """{'a.b': value} of a nested dict."""
+    out = {}
+    for k, v in tree.items():
+        out.update(flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def config_changes(saved: dict, current: dict) -> list[str]:
+    """'key: saved -> current' for each key that changes the training (see `NOT_TRAINING`)."""
+    a, b = flatten(saved), flatten(current)
+    show = lambda tree, k: repr(tree[k]) if k in tree else "(absent)"  # noqa: E731
+    return [f"{k}: {show(a, k)} -> {show(b, k)}" for k in sorted(a.keys() | b.keys())
+            if (k in a, a.get(k)) != (k in b, b.get(k))
+            and not any(k == n or k.startswith(n + ".") for n in NOT_TRAINING)]
+
+
+def _saved_config(run_dir: Path, steps: list[int]) -> tuple[int, dict] | None:
+    """(step, config) of the newest checkpoint whose metadata reads."""
+    for step in steps:
+        try:
+            meta = json.loads((run_dir / "checkpoints" / str(step) / "meta" / "metadata").read_text())
+            return step, json.loads(meta["config"])
+        except (OSError, ValueError, KeyError):
+            continue
+    return None
+
+
+def check_resume(cfg, allow_config_changes: bool = False) -> str | None:
+    """Checks a resume of `cfg.run_dir`: a message when the run is already finished (nothing to do), else None.
+    Raises UserError when there is no checkpoint, or the config changed in keys that change the training."""
+    run_dir = Path(cfg.run_dir)
+    steps = checkpoint_steps(run_dir)
+    if not steps:
+        raise UserError(f"--resume: {run_dir / 'checkpoints'} holds no checkpoint: start without --resume")
+    if steps[0] >= cfg.train.num_steps:
+        return (f"{run_dir} is finished: its newest checkpoint is step {steps[0]} of train.num_steps="
+                f"{cfg.train.num_steps} (LoRA in {run_dir / 'lora_final'}); raise --config.train.num_steps to go on")
+    saved = _saved_config(run_dir, steps)
+    if saved is None:
+        return None  # no metadata reads: restoring reports each damaged checkpoint
+    changes = config_changes(saved[1], json.loads(config_json(cfg)))
+    if changes and not allow_config_changes:
+        raise UserError(f"--resume: the config differs from the one checkpoint {saved[0]} was trained with, in keys "
+                        f"that change the training (saved -> now):\n  " + "\n  ".join(changes) +
+                        "\nPass the same overrides as that run, or add --allow_config_changes to train on with these")
+    for change in changes:
+        log.warning("resuming with a changed config: %s", change)
+    return None
+
+
+def preflight(cfg, *, resume: bool, overwrite: bool = False, allow_config_changes: bool = False) -> str | None:
+    """The run_dir checks of the command line, before any model, device or Ray: None to go on, or a message when a
+    resumed run is already finished. `overwrite` deletes a previous run's outputs (on the first process only)."""
+    if resume and overwrite:
+        raise UserError("--resume continues the run in config.run_dir, --overwrite deletes it: pass one of them")
+    if resume:
+        return check_resume(cfg, allow_config_changes)
+    run_dir = Path(cfg.run_dir)
+    if not overwrite:
+        check_fresh(run_dir)
+    elif first_process():
+        for name in previous_outputs(run_dir):
+            path = run_dir / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            log.warning("--overwrite: deleted %s", path)
+    return None
+
+
+def first_process() -> bool:
+    """Process 0 of a multi-process job by its launcher's environment (JAX is not initialized yet)."""
+    env = os.environ
+    rank = env.get("JAX_PROCESS_ID") or env.get("SLURM_PROCID") or env.get("OMPI_COMM_WORLD_RANK") or "0"
+    return int(rank) == 0
+
+
+def summary(run_dir: Path, step: int, num_steps: int, ray_logs: str | None = None) -> str:
+    """Where every output of the run went: the last lines of its log."""
+    run_dir = run_dir.resolve()
+    lines = [f"{'finished' if step >= num_steps else 'stopped'} at step {step}/{num_steps}; outputs in {run_dir}:"]
+    if (run_dir / "metrics.jsonl").exists():
+        lines.append(f"  metrics      {run_dir / 'metrics.jsonl'} (one JSON row per step)")
+    if (run_dir / "tb").exists():
+        lines.append(f"  tensorboard  tensorboard --logdir {run_dir / 'tb'}")
+    images = sorted((run_dir / "eval").glob("step_*.png"))
+    if images:
+        lines.append(f"  eval grids   {run_dir / 'eval'} (the newest {images[-1].name}; {len(images)} in all)")
+    steps = checkpoint_steps(run_dir)
+    if steps:
+        lines.append(f"  checkpoints  {run_dir / 'checkpoints'} (steps {', '.join(map(str, steps[::-1]))}; "
+                     f"--resume continues from the newest)")
+    if (run_dir / "lora_final").exists():
+        lines.append(f"  final LoRA   {run_dir / 'lora_final'} (PEFT adapter)")
+    if ray_logs:
+        lines.append(f"  Ray logs     {ray_logs} (rollout actors)")
+    return "\n".join(lines)

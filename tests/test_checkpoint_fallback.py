@@ -1,0 +1,38 @@
+"""A damaged newest checkpoint: resume falls back to the newest one that restores, naming the one skipped and why;
+one line when none restores."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxflow.config import UserError
+from tests.test_run_dir import STATE, fake_run
+from tests.test_train import tiny_config
+
+
+def _corrupt(step_dir: Path) -> None:
+    """Flip the bytes of the largest array data file (zstd-compressed, so TensorStore detects it)."""
+    data = max((p for p in step_dir.rglob("*") if p.is_file() and p.parent.name == "d"), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[64:-64] = bytes(b ^ 0x5A for b in raw[64:-64])
+    data.write_bytes(bytes(raw))
+
+
+def test_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path, caplog):
+    ckpt = fake_run(tmp_path, tiny_config(tmp_path), steps=(3, 5))
+    _corrupt(tmp_path / "checkpoints" / "5")
+    state, meta = ckpt.restore(STATE)
+    assert meta["step"] == 3 and float(state["a"][1]) == 3.0
+    assert "checkpoint 5 does not restore" in caplog.text and "ZSTD" in caplog.text
+    assert (tmp_path / "checkpoints" / "5.damaged").is_dir()  # kept for inspection, out of orbax's way
+    ckpt.save(5, STATE, {"step": 5})  # the resumed run can checkpoint step 5 again
+    np.testing.assert_array_equal(ckpt.restore(STATE)[0]["b"], STATE["b"])
+
+
+def test_no_checkpoint_restores_is_one_line(tmp_path):
+    ckpt = fake_run(tmp_path, tiny_config(tmp_path), steps=(3, 5))
+    for step in (3, 5):
+        _corrupt(tmp_path / "checkpoints" / str(step))
+    with pytest.raises(UserError, match=r"no checkpoint in .* restores \(5: .*ZSTD.*; 3: .*\): start without") as e:
+        ckpt.restore(STATE)
+    assert "\n" not in str(e.value)

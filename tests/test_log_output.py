@@ -1,0 +1,46 @@
+"""A run whose stdout is a file (nohup, SLURM): one line per step, no library INFO or start-up warnings (Ray's
+token notice, JAX's fork warning), and a closing summary of where every output went; --verbose brings INFO back."""
+import subprocess
+import sys
+
+from jaxflow.metrics_log import RunLog
+from tests.test_train import ROOT
+
+
+def test_one_printed_line_per_step_when_stdout_is_not_a_terminal(tmp_path, capsys):
+    runlog = RunLog(tmp_path, 3, 0, tensorboard=False, progress=True)  # pytest's captured stdout is no terminal
+    for step in (1, 2):
+        runlog.log(step, {"reward_mean": 0.5, "reward_std": 0.25, "time/rollout": 1.0, "time/train": 2.0,
+                          "images_per_s": 4.0, **({"eval_reward_mean": 0.75} if step == 2 else {})})
+    runlog.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and "step 1/3  reward 0.500±0.250  rollout 1.0s train 2.0s  4.00 img/s" in lines[0]
+    assert lines[1].endswith("eval reward 0.750")
+
+
+def test_run_logged_to_a_file_is_a_line_per_step_and_a_summary(tmp_path):
+    run_dir = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxflow.train", "--config", str(ROOT / "configs" / "tiny_ocr.py"),
+         f"--config.run_dir={run_dir}", "--config.train.num_steps=2", "--config.checkpoint.every=1",
+         "--config.eval.every=1000", "--config.log.tensorboard=False", "--config.rollout.num_cpus=0",
+         "--config.reward.fns={'jpeg_incompressibility': 1.0}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stderr.strip() == ""  # no orbax/absl INFO, no Ray token notice, no os.fork() warning
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith(f"training {run_dir}") and " step 1/2  reward " in lines[1] and " step 2/2 " in lines[2]
+    summary = "\n".join(lines[3:])
+    assert lines[3].startswith("finished at step 2/2")
+    for needle in ("metrics.jsonl", "checkpoints (steps 1, 2", "lora_final", "Ray logs"):
+        assert needle in summary, summary
+
+
+def test_verbose_brings_library_info_back(tmp_path):
+    code = ("import sys, jax.numpy as jnp; from jaxflow.cli import configure_logging; "
+            "from jaxflow.checkpoint import Checkpointer; configure_logging(sys.argv[1] == 'verbose'); "
+            f"Checkpointer({str(tmp_path)!r} + '/' + sys.argv[1], 1).save(1, {{'a': jnp.ones(3)}}, {{}})")
+    quiet, verbose = (subprocess.run([sys.executable, "-c", code, mode], cwd=ROOT, capture_output=True, text=True,
+                                     timeout=120) for mode in ("quiet", "verbose"))
+    assert quiet.returncode == verbose.returncode == 0, quiet.stderr[-2000:] + verbose.stderr[-2000:]
+    assert quiet.stderr == "" and "Saving checkpoint at step 1" in verbose.stderr

@@ -1,0 +1,98 @@
+"""The run directory before any heavy work: a second run never touches the first, a resume checks its config and
+says when the run is finished; a resumed metrics.jsonl holds one row per step."""
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+
+from jaxflow import run_dir as run_dir_lib
+from jaxflow.checkpoint import Checkpointer, config_json
+from jaxflow.config import UserError
+from jaxflow.metrics_log import RunLog
+from tests.test_train import ROOT, tiny_config
+
+STATE = {"a": jnp.arange(1000, dtype=jnp.float32), "b": jnp.ones((256, 256))}  # "b" is zstd-compressed
+
+
+def fake_run(run_dir, cfg, steps=(5,)):
+    """A previous run's outputs: metrics rows 1..max(steps), an eval image, checkpoints of a tiny state."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, max(steps) + 1)))
+    (run_dir / "eval").mkdir()
+    (run_dir / "eval" / "step_000005.png").write_bytes(b"png")
+    ckpt = Checkpointer(run_dir / "checkpoints", keep=3)
+    for s in steps:
+        ckpt.save(s, {k: v * s for k, v in STATE.items()}, {"step": s, "config": config_json(cfg)})
+    return ckpt
+
+
+def snapshot(folder: Path) -> dict:
+    return {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def cli(*args):
+    t = time.time()
+    out = subprocess.run([sys.executable, "-m", "jaxflow.train", "--config", str(ROOT / "configs" / "tiny_ocr.py"),
+                          "--config.reward.fns={'jpeg_incompressibility': 1.0}", *args],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return out, time.time() - t
+
+
+def test_second_run_in_a_used_run_dir_is_refused_before_any_work(tmp_path):
+    cfg = tiny_config(tmp_path)
+    fake_run(tmp_path, cfg)
+    before = snapshot(tmp_path)
+    out, seconds = cli(f"--config.run_dir={tmp_path}")
+    assert out.returncode == 2 and out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and all(s in lines[0] for s in ("--resume", "--config.run_dir=", "--overwrite")), lines
+    assert snapshot(tmp_path) == before and seconds < 60  # nothing of the old run changed; no model, no Ray
+    with pytest.raises(UserError, match="--resume"):  # the library refuses too
+        run_dir_lib.check_fresh(tmp_path)
+
+
+def test_overwrite_deletes_the_previous_outputs_only(tmp_path):
+    cfg = tiny_config(tmp_path)
+    fake_run(tmp_path, cfg)
+    (tmp_path / "notes.txt").write_text("mine")
+    assert run_dir_lib.preflight(cfg, resume=False, overwrite=True) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    with pytest.raises(UserError, match="pass one of them"):
+        run_dir_lib.preflight(cfg, resume=True, overwrite=True)
+
+
+def test_resume_refuses_a_config_that_changes_the_training(tmp_path):
+    saved = tiny_config(tmp_path, num_steps=10)
+    fake_run(tmp_path, saved, steps=(3, 5))
+    same = tiny_config(tmp_path, num_steps=20)  # more steps, other eval/logging/placement: the same training
+    same.eval.every, same.log.tensorboard, same.rollout.num_servers, same.train.num_micro_batches = 2, True, 3, 2
+    assert run_dir_lib.check_resume(same) is None
+    changed = tiny_config(tmp_path, num_steps=20, learning_rate=1e-3)
+    changed.reward.fns = {"ocr": 1.0}
+    with pytest.raises(UserError) as err:
+        run_dir_lib.check_resume(changed)
+    message = str(err.value)
+    assert "train.learning_rate: 0.0003 -> 0.001" in message and "reward.fns.ocr: (absent) -> 1.0" in message
+    assert "--allow_config_changes" in message and "eval.every" not in message
+    assert run_dir_lib.check_resume(changed, allow_config_changes=True) is None
+
+
+def test_resume_of_a_finished_run_says_so_and_exits_0_at_once(tmp_path):
+    cfg = tiny_config(tmp_path, num_steps=5)
+    fake_run(tmp_path, cfg, steps=(5,))
+    before = snapshot(tmp_path)
+    out, seconds = cli(f"--config.run_dir={tmp_path}", "--config.train.num_steps=5", "--resume")
+    assert out.returncode == 0 and "finished" in out.stdout and "num_steps" in out.stdout, out.stderr[-2000:]
+    assert snapshot(tmp_path) == before and seconds < 60
+
+
+def test_resumed_metrics_hold_one_row_per_step(tmp_path):
+    """A run killed after logging step 7 but checkpointed at 5 is resumed from 5: rows 6, 7 and a line cut by the
+    kill are dropped (the resumed run logs 6 and 7 again)."""
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 8)) + '{"st')
+    RunLog(tmp_path, 10, 5, tensorboard=False, progress=False).close()
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5]
