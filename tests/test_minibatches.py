@@ -8,11 +8,13 @@ import optax
 import pytest
 from flax import nnx
 
+from jaxflow import config as config_lib
 from jaxflow import train_step as ts
 from jaxflow.minibatches import group_order, order_minibatches, select
 from jaxflow.models.lora import LoRAParam
 from jaxflow.sampler import SamplerConfig, make_sampler
 from tests.test_train_step import GRID, SEEDS, _inputs, model  # noqa: F401 (model: fixture)
+from tests.test_train import tiny_config
 
 GROUPS = np.array([0, 0, 1, 1])  # the 4 samples of test_train_step's batch: 2 prompt groups of 2
 
@@ -105,3 +107,13 @@ def test_two_mini_batches_recompute(model, monkeypatch):  # noqa: F811
     assert m["logp_diff_max"].shape == (2,)
     state, m = step(state, order_minibatches({**batch, "advantages": -batch["advantages"]}, GROUPS, 2, 0, 1))
     assert int(state.step) == 4 and traces == {"update": 1, "old": 1}, traces
+
+
+@pytest.mark.parametrize("key, value", [("train.num_mini_batches", 3), ("train.num_micro_batches", 16),
+                                        ("train.num_inner_epochs", 0)])
+def test_mini_batch_config_is_validated(tmp_path, key, value):
+    cfg = tiny_config(tmp_path, num_mini_batches=2)  # 4 prompts x 4 images: mini-batches of 8 samples
+    cfg.train[key.split(".")[1]] = value
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        config_lib.validate(cfg)
+    assert config_lib.train_config(tiny_config(tmp_path, num_mini_batches=2), GRID).num_mini_batches == 2
