@@ -20,7 +20,7 @@ python3 -m jaxflow.train --config configs/qwen_ocr.py --config.model.path="$mode
   --config.rollout.engine=diffusers --config.rollout.in_process=True --config.rollout.device=cuda \
   --config.rollout.sleep_while_training=False \
   --config.rollout.num_gpus=0 --config.sample.prompts_per_step=2 --config.sample.prompts_per_call=1 \
-  --config.train.num_micro_batches=16 --config.train.num_steps=4 --config.train.text_bucket=128 --config.eval.every=1000 \
+  --config.train.num_micro_batches=8 --config.train.num_steps=4 --config.train.text_bucket=128 --config.eval.every=1000 \
   --config.checkpoint.every=1000 --config.log.progress=False --config.run_dir="$out/run" \
   --config.reward.fns="{'jpeg_incompressibility': 1.0}" "$@" 2>&1 | tee "$out/train.log"
 python3 scripts/summarize_run.py "$out/run"
