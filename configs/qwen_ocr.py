@@ -10,6 +10,14 @@ Values and their sources:
 - lr 3e-4, AdamW b (0.9, 0.999), wd 1e-4, eps 1e-8, grad clip 1.0, adv clip 5: flow_grpo `config/base.py`.
 - clip range 1e-4: flow_grpo's default (verl-omni's script uses 1e-5); beta 0: both Qwen recipes.
 - 32 prompts x 16 images per step: both (pickscore_qwenimage groups per epoch; verl-omni train_batch_size 32, n 16).
+- 2 optimizer updates of 256 samples per step, like both: flow_grpo `scripts/train_qwenimage.py` with
+  num_batches_per_epoch 4 and gradient_accumulation_steps 2 (2 updates per epoch), verl-omni's
+  ppo_mini_batch_size 16 of train_batch_size 32 prompts. Here train.num_mini_batches 2: each update takes 16 whole
+  prompt groups x 16 images (shuffled), in 32 micro-batches of 8 samples.
+- old log-probs recomputed by the trainer before the first update (verl-omni's `compute_log_prob`; flow_grpo
+  takes the rollout's): the bf16 rollout's log-probs differ from the trainer's by ~1e-4..4e-4
+  (scripts/verify_logprob_parity.py on the tiny model), more than the 1e-4 clip band. The mismatch stays in the
+  metrics (logp_diff_*).
 - negative prompt " ": flow_grpo's Qwen pipeline. Reward: OCR (flow_grpo's `ocr`; verl-omni uses a VLM judge,
   available here as `vlm_ocr`).
 """
@@ -44,11 +52,8 @@ def get_config():
     s.max_sequence_length = 128  # longest OCR prompt: 74 tokens; the train step pads every batch to this
     s.prompts_per_step, s.group_size, s.prompts_per_call = 32, 16, 4
     t = c.train
-    t.num_steps, t.num_micro_batches = 300, 64
+    t.num_steps, t.num_mini_batches, t.num_micro_batches = 300, 2, 32
     t.learning_rate, t.clip_range, t.beta = 3e-4, 1e-4, 0.0
-    # bf16 rollout log-probs differ from the trainer's by ~1e-4..4e-4 (scripts/verify_logprob_parity.py on the
-    # tiny model), more than the 1e-4 clip band: take logp_old from the trainer's own recompute (one update per
-    # batch, so exactly on-policy); the rollout mismatch stays in the metrics (logp_diff_*).
     t.old_log_prob = "recompute"
     c.reward.fns = {"ocr": 1.0}
     c.reward.workers = 8

@@ -32,7 +32,9 @@ def get_config():
                     prompts_per_step=4, group_size=4, prompts_per_call=2)
     c.train = dict(num_steps=10, num_micro_batches=1, learning_rate=3e-4, clip_range=1e-4, adv_clip=5.0,
                    beta=0.0, global_std=True, max_grad_norm=1.0, weight_decay=1e-4, ema_decay=0.0,
-                   old_log_prob="rollout")
+                   old_log_prob="rollout",
+                   num_mini_batches=1,  # optimizer updates per step, each on whole prompt groups
+                   num_inner_epochs=1)  # passes over the step's mini-batches
     c.reward = dict(fns={"ocr": 1.0}, options={}, workers=2)
     c.data = dict(train=str(DATA / "train.txt"), test=str(DATA / "test.txt"))
     c.eval = dict(every=5, num_prompts=4, num_steps=4, guidance=4.0)

@@ -56,8 +56,15 @@ def validate(cfg: ConfigDict) -> None:
     if s.prompts_per_step < 1 or s.prompts_per_call < 1 or s.prompts_per_step % s.prompts_per_call:
         _fail("sample.prompts_per_call", f"{s.prompts_per_call} must divide prompts_per_step {s.prompts_per_step}")
     batch = s.prompts_per_step * s.group_size
-    if batch % t.num_micro_batches:
-        _fail("train.num_micro_batches", f"{t.num_micro_batches} must divide the step's {batch} samples")
+    if t.num_mini_batches < 1 or s.prompts_per_step % t.num_mini_batches:
+        _fail("train.num_mini_batches", f"{t.num_mini_batches} must divide sample.prompts_per_step "
+                                        f"{s.prompts_per_step}: each mini-batch holds whole prompt groups")
+    if t.num_micro_batches < 1 or (batch // t.num_mini_batches) % t.num_micro_batches:
+        _fail("train.num_micro_batches", f"{t.num_micro_batches} must divide each mini-batch's "
+                                         f"{batch // t.num_mini_batches} samples (train.num_mini_batches "
+                                         f"{t.num_mini_batches})")
+    if t.num_inner_epochs < 1:
+        _fail("train.num_inner_epochs", f"must be >= 1, got {t.num_inner_epochs}")
     if not 0 < s.window_size < s.num_steps or s.window_range[1] - s.window_range[0] < s.window_size:
         _fail("sample.window_size", f"{s.window_size} must be in [1, num_steps) and fit window_range "
                                     f"{tuple(s.window_range)}")
@@ -97,7 +104,8 @@ def sharding_config(cfg) -> ShardingConfig:
 def train_config(cfg, grid_hw) -> TrainConfig:
     t, s = cfg.train, cfg.sample
     return TrainConfig(grid_hw=grid_hw, sde_type=s.sde_type, guidance=s.guidance,
-                       num_micro_batches=t.num_micro_batches, clip_range=t.clip_range, beta=t.beta,
+                       num_micro_batches=t.num_micro_batches, num_mini_batches=t.num_mini_batches,
+                       num_inner_epochs=t.num_inner_epochs, clip_range=t.clip_range, beta=t.beta,
                        adv_clip=t.adv_clip, learning_rate=t.learning_rate, weight_decay=t.weight_decay,
                        max_grad_norm=t.max_grad_norm, ema_decay=t.ema_decay or None, old_log_prob=t.old_log_prob)
 

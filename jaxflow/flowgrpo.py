@@ -78,41 +78,47 @@ def clipped_objective(log_prob, old_log_prob, advantages, clip_range: float, adv
     return terms, ratio
 
 
-def window_step_terms(model, step: dict, *, grid_hw, sde_type: str, guidance: float, clip_range: float,
-                      adv_clip: float, beta: float, old_log_prob: str = "rollout") -> dict:
-    """Per-sample terms (B,) of one window step: policy, kl, ratio and dlogp = logp - logp_rollout.
+def window_log_prob(model, step: dict, *, grid_hw, sde_type: str, guidance: float, lora_scale: float = 1.0):
+    """(mean, log_prob, std) of the stored next latent under the policy's SDE step (B, ...), CFG as in sampling.
 
-    `step` holds x, x_next (B, S, C); sigma, sigma_next, sigma_max, noise_level, old_log_prob, advantages (B,);
-    prompt_embeds / prompt_mask and, for CFG, negative_prompt_embeds / negative_prompt_mask. The loss of the
-    step is mean(policy) + beta * mean(kl). The KL reference is the same model with adapters off (lora_scale 0)
-    under stop_gradient. old_log_prob="rollout" takes logp_old from the rollout (flow_grpo); "recompute" takes
-    the trainer's own logp under stop_gradient: exactly on-policy for the one update per batch, so a bf16
-    rollout/trainer mismatch cannot push ratios out of the clip band (dlogp still reports the mismatch).
-    """
+    `step` holds x, x_next (B, S, C); sigma, sigma_next, sigma_max, noise_level (B,); prompt_embeds / prompt_mask
+    and, for CFG, negative_prompt_embeds / negative_prompt_mask."""
     text = (step["prompt_embeds"], step["prompt_mask"], step.get("negative_prompt_embeds"),
             step.get("negative_prompt_mask"))
+    v = guided_velocity(model, step["x"], step["sigma"], *text, grid_hw=grid_hw, guidance=guidance,
+                        lora_scale=lora_scale)
+    _, logp, mean, std = sde.sde_step(step["x"], v, step["sigma"], step["sigma_next"], step["sigma_max"],
+                                      sde_type=sde_type, noise_level=step["noise_level"], prev_sample=step["x_next"])
+    return mean, logp, std
 
-    def mean_and_logp(lora_scale):
-        v = guided_velocity(model, step["x"], step["sigma"], *text, grid_hw=grid_hw, guidance=guidance,
-                            lora_scale=lora_scale)
-        _, logp, mean, std = sde.sde_step(step["x"], v, step["sigma"], step["sigma_next"], step["sigma_max"],
-                                          sde_type=sde_type, noise_level=step["noise_level"],
-                                          prev_sample=step["x_next"])
-        return mean, logp, std
 
-    mean, logp, std = mean_and_logp(1.0)
-    old = step["old_log_prob"] if old_log_prob == "rollout" else jax.lax.stop_gradient(logp)
+def window_step_terms(model, step: dict, *, grid_hw, sde_type: str, guidance: float, clip_range: float,
+                      adv_clip: float, beta: float) -> dict:
+    """Per-sample terms (B,) of one window step: policy, kl, ratio, log_ratio = logp - logp_old and
+    dlogp = logp - logp_rollout.
+
+    `step` holds what `window_log_prob` reads, advantages and rollout_log_prob (B,), and optionally
+    old_log_prob (B,); without it logp_old is the trainer's own logp under stop_gradient (exactly on-policy:
+    ratio 1). The loss of the step is mean(policy) + beta * mean(kl). The KL reference is the same model with
+    adapters off (lora_scale 0) under stop_gradient.
+    """
+    kw = dict(grid_hw=grid_hw, sde_type=sde_type, guidance=guidance)
+    mean, logp, std = window_log_prob(model, step, **kw)
+    old = step["old_log_prob"] if "old_log_prob" in step else jax.lax.stop_gradient(logp)
     policy, ratio = clipped_objective(logp, old, step["advantages"], clip_range, adv_clip)
     kl = jnp.zeros_like(policy)
     if beta > 0:
-        ref_mean = jax.lax.stop_gradient(mean_and_logp(0.0)[0])
+        ref_mean = jax.lax.stop_gradient(window_log_prob(model, step, lora_scale=0.0, **kw)[0])
         kl = sde.kl_term(mean, ref_mean, std)
-    return {"policy": policy, "kl": kl, "ratio": ratio, "dlogp": logp - step["old_log_prob"]}
+    return {"policy": policy, "kl": kl, "ratio": ratio, "log_ratio": logp - old,
+            "dlogp": logp - step["rollout_log_prob"]}
 
 
 def step_metrics(terms: dict, *, clip_range: float, beta: float) -> dict:
-    """Scalar metrics from per-sample terms stacked as (..., W, B_micro) (window step on the second-last axis);
-    logp_diff_mean / logp_diff_max are (W,): |logp - logp_rollout| per window step (rollout-trainer mismatch)."""
+    """Scalar metrics from per-sample terms stacked as (..., W, B_micro) (window step on the second-last axis).
+    ratio_* / clipfrac* / approx_kl = 1/2 mean(log_ratio^2) compare the policy with logp_old (what the clip acts
+    on); logp_diff_mean / logp_diff_max are (W,): |logp - logp_rollout| per window step (rollout-trainer
+    mismatch)."""
     ratio, dlogp = terms["ratio"], terms["dlogp"]
     per_step = jnp.moveaxis(jnp.abs(dlogp), -2, 0).reshape(dlogp.shape[-2], -1)
     policy, kl = jnp.mean(terms["policy"]), jnp.mean(terms["kl"])
@@ -120,7 +126,7 @@ def step_metrics(terms: dict, *, clip_range: float, beta: float) -> dict:
         "loss": policy + beta * kl,
         "policy_loss": policy,
         "kl": kl,
-        "approx_kl": 0.5 * jnp.mean(dlogp**2),
+        "approx_kl": 0.5 * jnp.mean(terms["log_ratio"] ** 2),
         "clipfrac": jnp.mean(jnp.abs(ratio - 1.0) > clip_range),
         "clipfrac_gt_one": jnp.mean(ratio > 1.0 + clip_range),
         "clipfrac_lt_one": jnp.mean(ratio < 1.0 - clip_range),

@@ -31,6 +31,7 @@ from jaxflow.checkpoint import Checkpointer, config_json
 from jaxflow.data import GroupSampler, load_prompts
 from jaxflow.flowgrpo import compute_advantages
 from jaxflow.metrics_log import RunLog, image_grid
+from jaxflow.minibatches import order_minibatches
 from jaxflow.models.config import QwenImageConfig
 from jaxflow.models.loading import fingerprint, load_transformer
 from jaxflow.models.lora import lora_to_peft, save_peft
@@ -256,6 +257,7 @@ class Trainer:
         t = time.perf_counter()
         train_batch = pad_text(batch.to_dict(), cfg.sample.max_sequence_length)
         train_batch.update(advantages=adv, noise_level=np.float32(cfg.sample.noise_level))
+        train_batch = order_minibatches(train_batch, group_ids, cfg.train.num_mini_batches, cfg.seed, step)
         if self.processes > 1:
             train_batch = self._local_rows(train_batch)
         self.state, metrics = self.train_step(self.state, train_batch)

@@ -1,20 +1,31 @@
-"""The FlowGRPO train step: one jitted, sharded function per call of `step(state, batch)` (docs/design.md §2).
+"""The FlowGRPO train step (docs/design.md §2): `step(state, batch)` runs PPO over one rollout batch with two jitted,
+sharded functions.
 
-Functional NNX: `graphdef, lora, frozen = nnx.split(model, LoRAParam, ...)`, `nnx.merge` inside the loss,
-gradients only for the LoRA tree. For each micro-batch x each window step: forward (true CFG if guidance > 1),
-SDE log-prob of the stored next latent, clipped objective (+ beta KL), gradient; accumulated with lax.scan,
-each loss divided by (num_micro_batches * W) as flow_grpo does. Then ONE optimizer update, skipped (state
-untouched, `skipped` = 1) when the loss or the gradient is not finite. The optimizer state covers the LoRA
-tree only; the frozen base is an argument of the step, never updated and never donated.
+The batch is cut into num_mini_batches (M) mini-batches of whole prompt groups (`jaxflow.minibatches`: the caller
+lays the groups out, mini-batch j = rows j, j + M, ...), one optimizer update each; num_inner_epochs repeats the
+pass over the same mini-batches in the same order. logp_old: old_log_prob="rollout" takes the engine's
+log-probs; "recompute" runs `old_log_probs`, one forward-only pass over the whole batch with the pre-update LoRA
+(CFG as in training), before the first update, as verl-omni's `compute_log_prob` does. With a single update
+(M = 1, one epoch) that pass is skipped and logp_old is the update's own logp under stop_gradient (exactly
+on-policy).
 
-Micro-batch k holds rows k, k + M, k + 2M, ... of the batch (M = num_micro_batches), so with the batch sharded
-over the data devices every micro-batch is spread evenly over all of them. The sum of the gradients does not
-depend on the grouping.
+Each update (`_update`, compiled once: every mini-batch has the same shapes and its index is traced): functional
+NNX (`graphdef, lora, frozen = nnx.split(model, LoRAParam, ...)`, `nnx.merge` inside the loss, gradients only for
+the LoRA tree); for each micro-batch x each window step: forward, SDE log-prob of the stored next latent, clipped
+objective (+ beta KL), gradient; accumulated with lax.scan, each loss divided by (num_micro_batches * W) as
+flow_grpo does. Then ONE optimizer update, skipped (state untouched, `skipped` = 1) when the loss or the gradient
+is not finite. The optimizer state covers the LoRA tree only; the frozen base is an argument, never updated and
+never donated. num_micro_batches counts the micro-batches of one update (of one mini-batch).
+
+Micro-batch k holds rows k, k + m, k + 2m, ... of its mini-batch (m = num_micro_batches), so with the batch
+sharded over the data devices every micro-batch is spread evenly over all of them. The sum of the gradients does
+not depend on the grouping.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import flax.struct
 import jax
@@ -23,7 +34,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxflow import flowgrpo
+from jaxflow import flowgrpo, minibatches
 from jaxflow.models.lora import LoRAParam
 from jaxflow.sharding import Layout
 
@@ -39,7 +50,9 @@ class TrainConfig:
     grid_hw: tuple[int, int]
     sde_type: str = "sde"
     guidance: float = 1.0          # > 1: true CFG in the training forward
-    num_micro_batches: int = 1
+    num_micro_batches: int = 1     # per update (per mini-batch)
+    num_mini_batches: int = 1      # optimizer updates per pass over the batch
+    num_inner_epochs: int = 1      # passes over the batch
     clip_range: float = 1e-4
     beta: float = 0.0              # KL weight; 0 skips the reference forward
     adv_clip: float = 5.0
@@ -50,14 +63,16 @@ class TrainConfig:
     weight_decay: float = 1e-4
     max_grad_norm: float = 1.0
     ema_decay: float | None = None  # EMA of the LoRA params; None = off
-    old_log_prob: str = "rollout"   # or "recompute": logp_old = the trainer's own logp (see flowgrpo.window_step_terms)
+    old_log_prob: str = "rollout"   # or "recompute": logp_old from the trainer (see the module docstring)
 
     def __post_init__(self):
         object.__setattr__(self, "grid_hw", tuple(int(s) for s in self.grid_hw))
         if self.sde_type not in ("sde", "cps"):
             raise ValueError(f"sde_type must be 'sde' or 'cps' ('ode' has no log-prob to train), got {self.sde_type!r}")
-        if self.guidance < 1 or self.num_micro_batches < 1 or self.clip_range <= 0 or self.beta < 0:
-            raise ValueError(f"need guidance >= 1, num_micro_batches >= 1, clip_range > 0, beta >= 0: {self}")
+        if self.guidance < 1 or self.clip_range <= 0 or self.beta < 0 or min(
+                self.num_micro_batches, self.num_mini_batches, self.num_inner_epochs) < 1:
+            raise ValueError(f"need guidance >= 1, clip_range > 0, beta >= 0 and num_micro_batches, "
+                             f"num_mini_batches, num_inner_epochs >= 1: {self}")
         if self.old_log_prob not in ("rollout", "recompute"):
             raise ValueError(f"old_log_prob must be 'rollout' or 'recompute', got {self.old_log_prob!r}")
         if self.ema_decay is not None and not 0 < self.ema_decay < 1:
@@ -66,6 +81,15 @@ class TrainConfig:
     @property
     def cfg(self) -> bool:
         return self.guidance > 1
+
+    @property
+    def updates(self) -> int:
+        return self.num_inner_epochs * self.num_mini_batches
+
+    @property
+    def recompute_pass(self) -> bool:
+        """Whether `step` runs the forward-only old-log-prob pass before its updates."""
+        return self.old_log_prob == "recompute" and self.updates > 1
 
     def optimizer(self) -> optax.GradientTransformation:
         return optax.chain(
@@ -95,7 +119,9 @@ def _window_steps(mb: dict) -> tuple[dict, dict]:
     rows = jnp.arange(sigmas.shape[0])[None]
     latents = jnp.swapaxes(mb["latents"], 0, 1)
     per_step = {"x": latents[:-1], "x_next": latents[1:], "sigma": sigmas[rows, idx],
-                "sigma_next": sigmas[rows, idx + 1], "old_log_prob": mb["log_probs"].T}
+                "sigma_next": sigmas[rows, idx + 1], "rollout_log_prob": mb["log_probs"].T}
+    if "old_log_probs" in mb:
+        per_step["old_log_prob"] = mb["old_log_probs"].T
     shared = {k: mb[k] for k in ("noise_level", "advantages", "prompt_embeds", "prompt_mask", *CFG_FIELDS) if k in mb}
     return per_step, {**shared, "sigma_max": sigmas[:, 1]}
 
@@ -104,15 +130,19 @@ def _window_loss(lora, frozen, step, *, graphdef, config: TrainConfig, scale: fl
     model = nnx.merge(graphdef, lora, frozen)
     terms = flowgrpo.window_step_terms(
         model, step, grid_hw=config.grid_hw, sde_type=config.sde_type, guidance=config.guidance,
-        clip_range=config.clip_range, adv_clip=config.adv_clip, beta=config.beta, old_log_prob=config.old_log_prob)
+        clip_range=config.clip_range, adv_clip=config.adv_clip, beta=config.beta)
     loss = jnp.mean(terms["policy"]) + config.beta * jnp.mean(terms["kl"])
     return loss * scale, terms
 
 
 def accumulate_gradients(graphdef, lora, frozen, batch: dict, config: TrainConfig, layout: Layout | None = None):
     """Sum over micro-batches and window steps of grad(loss / (M * W)) wrt `lora`, and the per-sample terms
-    stacked as (M, W, B/M). `batch` is per-sample (see `prepare_batch`)."""
+    stacked as (M, W, B/M), M = num_micro_batches. `batch` is per-sample (see `prepare_batch`). logp_old: the
+    rollout's log_probs with old_log_prob="rollout", else batch["old_log_probs"] (B, W) if given, else the
+    on-policy stop_gradient(logp)."""
     m, w = config.num_micro_batches, batch["log_probs"].shape[1]
+    if config.old_log_prob == "rollout":
+        batch = {**batch, "old_log_probs": batch["log_probs"]}
     grad_fn = jax.grad(functools.partial(_window_loss, graphdef=graphdef, config=config, scale=1.0 / (m * w)),
                        has_aux=True)
 
@@ -130,6 +160,28 @@ def accumulate_gradients(graphdef, lora, frozen, batch: dict, config: TrainConfi
     return jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, lora), _micro_batches(batch, m))
 
 
+def old_log_probs(graphdef, lora, frozen, batch: dict, config: TrainConfig, layout: Layout | None = None):
+    """(B, W) float32 log-probs of the stored window steps under `lora`, forward only (true CFG as in training),
+    in the updates' micro-batches: num_mini_batches x num_micro_batches of them, each the same rows in the same
+    order as one micro-batch of an update."""
+    kw = dict(grid_hw=config.grid_hw, sde_type=config.sde_type, guidance=config.guidance)
+    k = config.num_mini_batches * config.num_micro_batches
+
+    def micro(carry, mb):
+        if layout is not None:
+            mb = jax.lax.with_sharding_constraint(mb, layout.batch_sharding)
+        per_step, shared = _window_steps(mb)
+
+        def window(carry, xs):
+            model = nnx.merge(graphdef, lora, frozen)
+            return carry, flowgrpo.window_log_prob(model, {**shared, **xs}, **kw)[1].astype(jnp.float32)
+
+        return carry, jax.lax.scan(window, carry, per_step)[1]
+
+    logp = jax.lax.scan(micro, None, _micro_batches(batch, k))[1]  # (k, W, B/k): row t*k + c is [c, :, t]
+    return jnp.transpose(logp, (2, 0, 1)).reshape(-1, logp.shape[1])
+
+
 def _apply_update(state: TrainState, grads, *, tx, config: TrainConfig) -> TrainState:
     updates, opt_state = tx.update(grads, state.opt_state, state.lora)
     lora = optax.apply_updates(state.lora, updates)
@@ -140,8 +192,12 @@ def _apply_update(state: TrainState, grads, *, tx, config: TrainConfig) -> Train
     return TrainState(step=state.step + 1, lora=lora, opt_state=opt_state, ema=ema)
 
 
-def _train_step(state: TrainState, frozen, batch, *, graphdef, config: TrainConfig, tx, layout):
-    grads, terms = accumulate_gradients(graphdef, state.lora, frozen, batch, config, layout)
+def _update(state: TrainState, frozen, batch, old, index, *, graphdef, config: TrainConfig, tx, layout):
+    """One optimizer update on mini-batch `index` of `batch`; `old` is the recompute pass's (B, W) or None."""
+    mb = dict(minibatches.select(batch, config.num_mini_batches, index))
+    if old is not None:
+        mb["old_log_probs"] = minibatches.select(old, config.num_mini_batches, index)
+    grads, terms = accumulate_gradients(graphdef, state.lora, frozen, mb, config, layout)
     metrics = flowgrpo.step_metrics(terms, clip_range=config.clip_range, beta=config.beta)
     grad_norm = optax.tree.norm(grads)
     ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
@@ -159,9 +215,10 @@ def prepare_batch(batch: dict, config: TrainConfig, batch_devices: int = 1) -> d
                                                                  if set(missing) & set(CFG_FIELDS) else ""))
     out = {k: np.asarray(batch[k]) for k in fields}
     b, w = out["log_probs"].shape
-    multiple = config.num_micro_batches * batch_devices
+    multiple = config.num_mini_batches * config.num_micro_batches * batch_devices
     if b % multiple:
-        raise ValueError(f"batch {b} is not a multiple of num_micro_batches x batch devices = {multiple}")
+        raise ValueError(f"batch {b} is not a multiple of num_mini_batches x num_micro_batches x batch devices "
+                         f"= {multiple}")
     if out["latents"].shape[:2] != (b, w + 1) or out["step_index"].shape != (b, w):
         raise ValueError(f"latents {out['latents'].shape} / step_index {out['step_index'].shape} do not match "
                          f"log_probs {(b, w)}: expected (B, W+1, S, C) / (B, W)")
@@ -176,10 +233,13 @@ def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | Non
     """Returns (init_state, step) for a model with LoRA adapters.
 
     init_state() -> TrainState from the model's current LoRA params (copied; the model is left intact).
-    step(state, batch) -> (state, metrics): `state` is donated (do not reuse it); `batch` is a dict of host or
-    device arrays with the Trajectory fields (docs/numerics.md §9) plus advantages (B,) and noise_level (scalar or
-    (B,)). With a `layout`, the frozen base, state and batch are placed by its rules and the step runs as one
-    jit with explicit in/out shardings; without one it runs on the default device.
+    step(state, batch, timings=None) -> (state, metrics): `state` is donated (do not reuse it); `batch` is a dict
+    of host or device arrays with the Trajectory fields (docs/numerics.md §9) plus advantages (B,) and noise_level
+    (scalar or (B,)), its mini-batches laid out by `minibatches.order_minibatches`. metrics: see
+    `minibatches.combine_metrics`. A `timings` dict gets the seconds of the old-log-prob pass ("old_log_prob",
+    when it runs) and of the updates ("update"), each waited for (for benchmarks). With a `layout`, the frozen
+    base, state and batch are placed by its rules and both functions run as jits with explicit in/out
+    shardings; without one they run on the default device.
     """
     graphdef, lora, frozen = nnx.split(model, LoRAParam, ...)
     if not jax.tree.leaves(lora):
@@ -191,9 +251,10 @@ def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | Non
         ema = jax.tree.map(jnp.copy, lora) if config.ema_decay is not None else None
         return TrainState(step=jnp.zeros((), jnp.int32), lora=lora, opt_state=tx.init(lora), ema=ema)
 
-    step_fn = functools.partial(_train_step, graphdef=graphdef, config=config, tx=tx, layout=layout)
+    update_fn = functools.partial(_update, graphdef=graphdef, config=config, tx=tx, layout=layout)
+    old_fn = functools.partial(old_log_probs, graphdef, config=config, layout=layout)
     if layout is None:
-        init_jit, jitted = jax.jit(init), jax.jit(step_fn, donate_argnums=0)
+        init_jit, update, old_pass = jax.jit(init), jax.jit(update_fn, donate_argnums=0), jax.jit(old_fn)
         put, batch_devices = (lambda b: jax.tree.map(jnp.asarray, b)), 1
     else:
         state_sh = layout.tree_shardings(jax.eval_shape(init, lora))
@@ -201,14 +262,32 @@ def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | Non
         frozen = jax.device_put(frozen, frozen_sh)
         lora = jax.device_put(lora, layout.tree_shardings(lora))
         init_jit = jax.jit(init, out_shardings=state_sh)
-        jitted = jax.jit(step_fn, in_shardings=(state_sh, frozen_sh, layout.batch_sharding),
-                         out_shardings=(state_sh, layout.replicated), donate_argnums=0)
+        rows, one = layout.batch_sharding, layout.replicated
+        update = jax.jit(update_fn, in_shardings=(state_sh, frozen_sh, rows, rows, one),
+                         out_shardings=(state_sh, one), donate_argnums=0)
+        old_pass = jax.jit(old_fn, in_shardings=(state_sh.lora, frozen_sh, rows), out_shardings=rows)
         put, batch_devices = layout.put_batch, layout.batch_devices // jax.process_count()
+    indices = [put({"j": np.int32(j)})["j"] for j in range(config.num_mini_batches)]
 
     def init_state() -> TrainState:
         return init_jit(lora)
 
-    def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        return jitted(state, frozen, put(prepare_batch(batch, config, batch_devices)))
+    def step(state: TrainState, batch: dict, timings: dict | None = None) -> tuple[TrainState, dict]:
+        batch = put(prepare_batch(batch, config, batch_devices))
+        old, t = None, time.perf_counter()
+        if config.recompute_pass:
+            old = old_pass(state.lora, frozen, batch)
+            if timings is not None:
+                jax.block_until_ready(old)
+                timings["old_log_prob"], t = time.perf_counter() - t, time.perf_counter()
+        updates = []
+        for _ in range(config.num_inner_epochs):
+            for index in indices:
+                state, metrics = update(state, frozen, batch, old, index)
+                updates.append(metrics)
+        if timings is not None:
+            jax.block_until_ready(state)
+            timings["update"] = time.perf_counter() - t
+        return state, minibatches.combine_metrics(updates)
 
     return init_state, step

@@ -44,7 +44,7 @@ cmd=(python3 -m jaxflow.train --config configs/qwen_ocr.py --config.model.path="
   --config.rollout.engine="$engine" --config.rollout.dtype=bfloat16 --config.rollout.device=cuda
   --config.rollout.sleep_while_training="$sleep" "${placement[@]}"
   --config.sample.prompts_per_step=2 --config.sample.prompts_per_call=1
-  --config.train.num_micro_batches=16 --config.train.num_steps=4 --config.eval.every=1000
+  --config.train.num_micro_batches=8 --config.train.num_steps=4 --config.eval.every=1000
   --config.checkpoint.every=1000 --config.log.progress=False --config.run_dir="$out/run"
   --config.reward.fns="{'jpeg_incompressibility': 1.0}" "$@")
 "${cmd[@]}" 2>&1 | tee "$out/train.log"

@@ -18,15 +18,12 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
-from flax import nnx  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_model import FULL, TINY  # noqa: E402
-from bench_train_step import WINDOW, add_workload_args, synthetic_batch, time_steps  # noqa: E402
+from bench_train_step import WINDOW, add_workload_args, random_model, synthetic_batch, time_steps  # noqa: E402
 
-from jaxflow.models.config import ModelOptions, QwenImageConfig  # noqa: E402
-from jaxflow.models.lora import LoRASpec  # noqa: E402
-from jaxflow.models.transformer import QwenImageTransformer  # noqa: E402
+from jaxflow.models.config import QwenImageConfig  # noqa: E402
 from jaxflow.sharding import DEFAULT_RULES, FSDP_RULES, Layout, ShardingConfig  # noqa: E402
 from jaxflow.train_step import TrainConfig, make_train_step  # noqa: E402
 
@@ -49,11 +46,7 @@ def main(argv=None):
     cfg = QwenImageConfig(**(TINY if args.tiny else FULL))
     devices = jax.devices()
     n = len(devices)
-    spec = LoRASpec(rank=args.rank, alpha=2.0 * args.rank)
-    opts = ModelOptions(dtype="bfloat16", param_dtype="bfloat16", remat="save_matmuls")
-    abstract = nnx.eval_shape(lambda: QwenImageTransformer(cfg, opts, spec, rngs=nnx.Rngs(0)))
-    model = nnx.merge(nnx.graphdef(abstract),
-                      jax.jit(lambda: nnx.state(QwenImageTransformer(cfg, opts, spec, rngs=nnx.Rngs(0))))())
+    model, _ = random_model(cfg, args.rank)
     cases = [("1 GPU", Layout.create(ShardingConfig(data=1), devices[:1]), 1),
              (f"{n} GPUs data-parallel (base replicated)", Layout.create(ShardingConfig(data=n), devices), n),
              (f"{n} GPUs fsdp (base sharded on embed)",

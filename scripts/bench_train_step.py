@@ -94,12 +94,17 @@ def row(framework, name, ms, cfg, args, ceiling, peak, extra=None):
             **(extra or {})}
 
 
-def bench_jax(cfg, args, batch, ceiling):
-    spec = LoRASpec(rank=args.rank, alpha=2.0 * args.rank)
-    opts = ModelOptions(dtype="bfloat16", param_dtype="bfloat16", remat=args.remat, attention=args.attention)
+def random_model(cfg, rank: int, remat: str = "save_matmuls", attention: str = "auto"):
+    """(model, spec): the bf16 transformer with LoRA r=rank (alpha 2r), random weights drawn on the device."""
+    spec = LoRASpec(rank=rank, alpha=2.0 * rank)
+    opts = ModelOptions(dtype="bfloat16", param_dtype="bfloat16", remat=remat, attention=attention)
     abstract = nnx.eval_shape(lambda: QwenImageTransformer(cfg, opts, spec, rngs=nnx.Rngs(0)))
     state = jax.jit(lambda: nnx.state(QwenImageTransformer(cfg, opts, spec, rngs=nnx.Rngs(0))))()
-    model = nnx.merge(nnx.graphdef(abstract), state)
+    return nnx.merge(nnx.graphdef(abstract), state), spec
+
+
+def bench_jax(cfg, args, batch, ceiling):
+    model, spec = random_model(cfg, args.rank, args.remat, args.attention)
     tc = TrainConfig(grid_hw=(args.grid, args.grid), guidance=4.0, num_micro_batches=args.micro)
     init_state, step = make_train_step(model, tc)
     train_state = init_state()

@@ -91,7 +91,8 @@ def test_objective_gradient_sign():
 
 
 def test_step_metrics():
-    terms = {"ratio": jnp.asarray(RATIO).reshape(1, 1, 5), "dlogp": jnp.log(jnp.asarray(RATIO)).reshape(1, 1, 5),
+    log_ratio = jnp.log(jnp.asarray(RATIO)).reshape(1, 1, 5)
+    terms = {"ratio": jnp.asarray(RATIO).reshape(1, 1, 5), "log_ratio": log_ratio, "dlogp": 0.5 * log_ratio,
              "policy": jnp.arange(5.0).reshape(1, 1, 5), "kl": jnp.full((1, 1, 5), 2.0)}
     m = flowgrpo.step_metrics(terms, clip_range=0.1, beta=0.5)
     assert float(m["clipfrac"]) == pytest.approx(0.8)

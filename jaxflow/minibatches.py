@@ -1,0 +1,75 @@
+"""PPO mini-batches: one step's batch in M mini-batches of whole prompt groups, one optimizer update each.
+
+Layout the train step reads: mini-batch j holds rows j, j + M, j + 2M, ... of its batch. With the batch sharded
+over the data devices every mini-batch is spread evenly over all of them, and taking one is a slice local to
+each device (no communication). `order_minibatches` (host side, before the batch is put or broadcast) shuffles
+the prompt groups, seeded by (seed, step) so a resumed run repeats it, and lays them out so that each mini-batch
+holds whole groups. `combine_metrics` reduces the per-update metrics to the step's and names the per-position
+ones.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+POSITION_KEYS = ("ratio_min", "ratio_mean", "ratio_max", "clipfrac", "approx_kl")
+_SHARED_NDIM = {"sigmas": 1, "noise_level": 0}  # one schedule / noise level for the whole batch
+
+
+def group_order(group_ids, num_mini_batches: int, seed: int, step: int) -> np.ndarray:
+    """(B,) row indices: the batch in the step's layout, mini-batch j = rows order[j::M], each a set of whole
+    groups (shuffled by (seed, step)). M = 1 keeps the batch as it is."""
+    group_ids = np.asarray(group_ids)
+    b, m = len(group_ids), num_mini_batches
+    if m == 1:
+        return np.arange(b)
+    groups, counts = np.unique(group_ids, return_counts=True)
+    if len(groups) % m or np.any(counts != counts[0]):
+        raise ValueError(f"{len(groups)} groups of sizes {sorted(set(counts.tolist()))}: num_mini_batches {m} "
+                         f"needs equal groups, a multiple of {m} of them")
+    shuffled = np.random.default_rng([seed, step, 0x6d62]).permutation(groups)
+    rows = [np.concatenate([np.flatnonzero(group_ids == g) for g in part]) for part in np.split(shuffled, m)]
+    return np.stack(rows, axis=1).reshape(b)  # position r * M + j = row r of mini-batch j
+
+
+def order_minibatches(batch: dict, group_ids, num_mini_batches: int, seed: int, step: int) -> dict:
+    """`batch` (host arrays, group g in any rows) with its per-sample arrays reordered by `group_order`; the
+    shared sigmas (N+1,) and noise_level (scalar) are kept as they are."""
+    if num_mini_batches == 1:
+        return batch
+    order = group_order(group_ids, num_mini_batches, seed, step)
+
+    def per_sample(k, v):
+        return isinstance(v, np.ndarray) and v.ndim > _SHARED_NDIM.get(k, 0) and len(v) == len(order)
+    return {k: v[order] if per_sample(k, v) else v for k, v in batch.items()}
+
+
+def select(tree, m: int, j) -> dict:
+    """Mini-batch j (a traced int32 is fine) of a per-sample tree: rows j, j + m, ... (B/m, ...)."""
+    if m == 1:
+        return tree
+    return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x.reshape(x.shape[0] // m, m, *x.shape[1:]), j,
+                                                               axis=1, keepdims=False), tree)
+
+
+def combine_metrics(updates: list[dict]) -> dict:
+    """The step's metrics from its updates' (equal-sized mini-batches): min of *_min, max of *_max and
+    logp_diff_max, sum of skipped, mean of the rest. With more than one update, also `mb{k}/<key>` for the
+    k-th update of the step (k = 1 .. num_inner_epochs x num_mini_batches) and each key of POSITION_KEYS."""
+    if len(updates) == 1:
+        return updates[0]
+    out = {}
+    for key in updates[0]:
+        stacked = jnp.stack([u[key] for u in updates])
+        if key.endswith("_min"):
+            out[key] = jnp.min(stacked, axis=0)
+        elif key.endswith("_max"):
+            out[key] = jnp.max(stacked, axis=0)
+        elif key == "skipped":
+            out[key] = jnp.sum(stacked, axis=0)
+        else:
+            out[key] = jnp.mean(stacked, axis=0)
+    for k, u in enumerate(updates, 1):
+        out.update({f"mb{k}/{key}": u[key] for key in POSITION_KEYS})
+    return out

@@ -1,0 +1,119 @@
+"""PPO mini-batches: whole prompt groups per mini-batch (seeded), the old-log-prob pass, per-update ratios and
+clipping, M = 1 equal to the single-update step, one compile for every step and mini-batch."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxflow import config as config_lib
+from jaxflow import train_step as ts
+from jaxflow.minibatches import group_order, order_minibatches, select
+from jaxflow.models.lora import LoRAParam
+from jaxflow.sampler import SamplerConfig, make_sampler
+from tests.test_train_step import GRID, SEEDS, _inputs, model  # noqa: F401 (model: fixture)
+from tests.test_train import tiny_config
+
+GROUPS = np.array([0, 0, 1, 1])  # the 4 samples of test_train_step's batch: 2 prompt groups of 2
+
+
+def _batch(model, guidance):  # noqa: F811
+    config = SamplerConfig(grid_hw=GRID, num_steps=6, noise_level=1.2, guidance=guidance, window_size=2)
+    traj = make_sampler(model, config)(_inputs(guidance > 1), SEEDS)
+    return {**traj, "advantages": np.array([1.0, -1.0, 2.0, -0.5], np.float32)}
+
+
+def test_mini_batches_hold_whole_groups_seeded_by_step():
+    rng = np.random.default_rng(0)
+    group_ids = rng.permutation(np.repeat(np.arange(8), 4))  # 8 groups of 4, rows interleaved
+    for m in (2, 4):
+        order = group_order(group_ids, m, seed=3, step=7)
+        assert sorted(order) == list(range(32))
+        parts = [np.asarray(select(jnp.asarray(order), m, j)) for j in range(m)]  # rows as the step reads them
+        for rows in parts:
+            ids, counts = np.unique(group_ids[rows], return_counts=True)
+            assert len(ids) == 8 // m and np.all(counts == 4)  # whole groups only
+        assert sorted(np.concatenate([np.unique(group_ids[r]) for r in parts])) == list(range(8))
+        np.testing.assert_array_equal(order, group_order(group_ids, m, seed=3, step=7))  # resume: same order
+    splits = {tuple(np.unique(group_ids[np.asarray(select(jnp.asarray(group_order(group_ids, 2, 3, s)), 2, 0))]))
+              for s in range(6)}
+    assert len(splits) > 1  # the step number reshuffles
+    batch = {"advantages": np.arange(32.0), "sigmas": np.linspace(1, 0, 32), "noise_level": np.float32(1.2)}
+    out = order_minibatches(batch, group_ids, 2, 3, 7)
+    np.testing.assert_array_equal(out["advantages"], group_order(group_ids, 2, 3, 7))
+    assert out["sigmas"] is batch["sigmas"] and order_minibatches(batch, group_ids, 1, 3, 7) is batch
+    with pytest.raises(ValueError, match="num_mini_batches 3"):
+        group_order(group_ids, 3, 0, 0)
+
+
+def _reference_update(model, batch, config):  # noqa: F811
+    """One update as the step made it before mini-batches: accumulated gradients, then AdamW."""
+    graphdef, lora, frozen = nnx.split(model, LoRAParam, ...)
+    tx = config.optimizer()
+
+    @jax.jit
+    def update(lora, frozen, batch):
+        grads, _ = ts.accumulate_gradients(graphdef, lora, frozen, batch, config)
+        return optax.apply_updates(lora, tx.update(grads, tx.init(lora), lora)[0])
+    return update(lora, frozen, jax.tree.map(jnp.asarray, batch))
+
+
+def test_one_mini_batch_is_the_single_update_step(model):  # noqa: F811
+    # Adam's first step is lr * g / (|g| + eps): a reassociation error dg of a near-zero gradient entry moves it by
+    # up to lr * dg / eps; eps 1e-6 (not 1e-8) keeps that far below the 1e-6 tolerance whatever XLA fuses.
+    config = ts.TrainConfig(grid_hw=GRID, guidance=1.0, num_micro_batches=2, old_log_prob="recompute",
+                            adam_eps=1e-6)
+    batch = _batch(model, 1.0)
+    init_state, step = ts.make_train_step(model, config)
+    timings = {}
+    state, m = step(init_state(), batch, timings)
+    assert set(timings) == {"update"} and not any(k.startswith("mb") for k in m)  # no old-log-prob pass
+    assert float(m["ratio_min"]) == float(m["ratio_max"]) == 1.0
+    want = _reference_update(model, ts.prepare_batch(batch, config), config)
+    # the same computation: equal up to float reassociation (LoRA ~0.3, update ~3e-4)
+    for got, ref in zip(jax.tree.leaves(state.lora), jax.tree.leaves(want)):
+        np.testing.assert_allclose(got, ref, atol=1e-6, rtol=0)
+
+
+def test_two_mini_batches_recompute(model, monkeypatch):  # noqa: F811
+    """M = 2, old log-probs recomputed (true CFG): the first update is on-policy, the second sees the first's
+    move (at lr 3e-4 the ratio leaves the 1e-4 clip band); 2 steps x 2 updates trace each function once."""
+    traces = {"update": 0, "old": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kw):
+            traces[name] += 1
+            return fn(*args, **kw)
+        return wrapper
+    monkeypatch.setattr(ts, "accumulate_gradients", counted("update", ts.accumulate_gradients))
+    monkeypatch.setattr(ts, "old_log_probs", counted("old", ts.old_log_probs))
+    config = ts.TrainConfig(grid_hw=GRID, guidance=4.0, num_micro_batches=1, num_mini_batches=2,
+                            old_log_prob="recompute", learning_rate=3e-4, clip_range=1e-4)
+    batch = order_minibatches(_batch(model, 4.0), GROUPS, 2, seed=0, step=0)
+    init_state, step = ts.make_train_step(model, config)
+    timings = {}
+    state, m = step(init_state(), batch, timings)
+    assert set(timings) == {"old_log_prob", "update"} and int(state.step) == 2 and int(m["skipped"]) == 0
+    # mini-batch 1: logp_old from the forward-only pass with the same LoRA; fp32, |dlogp| ~ 1e-7
+    assert abs(float(m["mb1/ratio_min"]) - 1) < 1e-6 and abs(float(m["mb1/ratio_max"]) - 1) < 1e-6
+    assert float(m["mb1/clipfrac"]) == 0
+    # mini-batch 2 after one Adam step (~lr per param): the ratio moves by ~1e-3 >> the clip range
+    moved = max(abs(float(m["mb2/ratio_min"]) - 1), abs(float(m["mb2/ratio_max"]) - 1))
+    assert moved > 1e-4 and float(m["mb2/clipfrac"]) > 0 and float(m["mb2/approx_kl"]) > 0
+    assert float(m["ratio_min"]) == min(float(m["mb1/ratio_min"]), float(m["mb2/ratio_min"]))
+    assert float(m["clipfrac"]) == pytest.approx((float(m["mb1/clipfrac"]) + float(m["mb2/clipfrac"])) / 2)
+    assert m["logp_diff_max"].shape == (2,)
+    state, m = step(state, order_minibatches({**batch, "advantages": -batch["advantages"]}, GROUPS, 2, 0, 1))
+    assert int(state.step) == 4 and traces == {"update": 1, "old": 1}, traces
+
+
+@pytest.mark.parametrize("key, value", [("train.num_mini_batches", 3), ("train.num_micro_batches", 16),
+                                        ("train.num_inner_epochs", 0)])
+def test_mini_batch_config_is_validated(tmp_path, key, value):
+    cfg = tiny_config(tmp_path, num_mini_batches=2)  # 4 prompts x 4 images: mini-batches of 8 samples
+    cfg.train[key.split(".")[1]] = value
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        config_lib.validate(cfg)
+    assert config_lib.train_config(tiny_config(tmp_path, num_mini_batches=2), GRID).num_mini_batches == 2
