@@ -42,4 +42,10 @@ def test_a_different_jax_adapter_fails(parity, tmp_path, tiny_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine may have vllm_omni")
 def test_an_unavailable_engine_is_a_clear_error(parity):
     with pytest.raises(SystemExit, match="'vllm_omni' is not available here"):
-        parity.main(["--engine", "vllm_omni"])
+        parity.main(["--engine", "vllm_omni", "--dtype", "bfloat16"])
+
+
+def test_vllm_omni_in_float32_is_refused_before_anything_loads(parity, capsys):
+    with pytest.raises(SystemExit):
+        parity.main(["--engine", "vllm_omni"])  # --dtype defaults to float32
+    assert "runs --dtype bfloat16 only" in capsys.readouterr().err
