@@ -41,4 +41,6 @@ def get_config():
     c.checkpoint = dict(every=5, keep=3)
     c.sharding = dict(data=-1, fsdp=1, tensor=1, rules=[("batch", ("data", "fsdp"))])
     c.log = dict(tensorboard=True, progress=True)
+    # jax.profiler trace of steps start_step .. start_step + num_steps - 1 (0 steps: off); dir "" = run_dir/profile
+    c.profile = dict(start_step=2, num_steps=0, dir="")
     return c

@@ -79,6 +79,9 @@ def validate(cfg: ConfigDict) -> None:
             _fail(f"data.{key}", f"{cfg.data[key]} does not exist")
     if cfg.rollout.engine not in ("diffusers", "vllm_omni"):
         _fail("rollout.engine", f"{cfg.rollout.engine!r}; choose 'diffusers' or 'vllm_omni'")
+    if cfg.profile.num_steps < 0 or cfg.profile.start_step < 1:
+        _fail("profile", f"start_step {cfg.profile.start_step} must be >= 1 and num_steps {cfg.profile.num_steps} "
+                         f">= 0 (0 = no trace)")
     for key in ("eval.every", "checkpoint.every", "checkpoint.keep", "train.num_steps"):
         section, name = key.split(".")
         if cfg[section][name] < 1:

@@ -36,6 +36,7 @@ from jaxflow.models.config import QwenImageConfig
 from jaxflow.models.loading import fingerprint, load_transformer
 from jaxflow.models.lora import lora_to_peft, save_peft
 from jaxflow.models.random_init import random_transformer
+from jaxflow.profiling import StepProfiler
 from jaxflow.rewards import RewardPool, build_reward
 from jaxflow.rollout_client import RolloutGroup, init_ray
 from jaxflow.sharding import Layout, maybe_initialize_distributed
@@ -296,10 +297,12 @@ class Trainer:
         runlog = RunLog(self.run_dir, cfg.train.num_steps, self.start, cfg.log.tensorboard, cfg.log.progress) \
             if self.driver else None
         previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-        history = []
+        history, profiler = [], StepProfiler.from_config(cfg, self.run_dir)
         try:
             for step in range(self.start, cfg.train.num_steps):
+                profiler.begin(step + 1)
                 metrics = self.train_one(step)
+                profiler.end(step + 1, self.state)
                 if (step + 1) % cfg.eval.every == 0 and self.driver:
                     metrics["eval_reward_mean"] = self.evaluate(step + 1)
                 done = step + 1  # steps are counted as completed updates everywhere: metrics, eval, checkpoints
@@ -322,6 +325,7 @@ class Trainer:
                     if self.driver:
                         save_peft(lora, self.spec, self.run_dir / "lora_final")
         finally:
+            profiler.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             if runlog is not None:

@@ -90,19 +90,23 @@ class Block(nnx.Module):
         self.txt_mlp_out = make.linear(m, d, ("mlp", "embed"), ("txt_mlp_out",))
 
     def __call__(self, img, txt, temb, rope, kv_len, impl, lora_scale):
-        act = jax.nn.silu(temb)
-        ish1, isc1, ig1, ish2, isc2, ig2 = jnp.split(self.img_mod(act, lora_scale), 6, axis=-1)
-        tsh1, tsc1, tg1, tsh2, tsc2, tg2 = jnp.split(self.txt_mod(act, lora_scale), 6, axis=-1)
-        ai, at = self.attn(_modulate(layer_norm(img), ish1, isc1), _modulate(layer_norm(txt), tsh1, tsc1),
-                           rope, kv_len, impl, lora_scale)
-        img = img + ig1[:, None] * ai
-        txt = txt + tg1[:, None] * at
-        hi = gelu_tanh(checkpoint_name(self.img_mlp_in(_modulate(layer_norm(img), ish2, isc2), lora_scale),
-                                       "mlp_hidden"))
-        img = img + ig2[:, None] * self.img_mlp_out(hi, lora_scale)
-        ht = gelu_tanh(checkpoint_name(self.txt_mlp_in(_modulate(layer_norm(txt), tsh2, tsc2), lora_scale),
-                                       "mlp_hidden"))
-        txt = txt + tg2[:, None] * self.txt_mlp_out(ht, lora_scale)
+        # named scopes: profiles (the `profile` config section) group the block's ops under these names
+        with jax.named_scope("modulation"):
+            act = jax.nn.silu(temb)
+            ish1, isc1, ig1, ish2, isc2, ig2 = jnp.split(self.img_mod(act, lora_scale), 6, axis=-1)
+            tsh1, tsc1, tg1, tsh2, tsc2, tg2 = jnp.split(self.txt_mod(act, lora_scale), 6, axis=-1)
+        with jax.named_scope("attention"):
+            ai, at = self.attn(_modulate(layer_norm(img), ish1, isc1), _modulate(layer_norm(txt), tsh1, tsc1),
+                               rope, kv_len, impl, lora_scale)
+            img = img + ig1[:, None] * ai
+            txt = txt + tg1[:, None] * at
+        with jax.named_scope("mlp"):
+            hi = gelu_tanh(checkpoint_name(self.img_mlp_in(_modulate(layer_norm(img), ish2, isc2), lora_scale),
+                                           "mlp_hidden"))
+            img = img + ig2[:, None] * self.img_mlp_out(hi, lora_scale)
+            ht = gelu_tanh(checkpoint_name(self.txt_mlp_in(_modulate(layer_norm(txt), tsh2, tsc2), lora_scale),
+                                           "mlp_hidden"))
+            txt = txt + tg2[:, None] * self.txt_mlp_out(ht, lora_scale)
         if img.dtype == jnp.float16:
             img, txt = jnp.clip(img, -65504, 65504), jnp.clip(txt, -65504, 65504)
         return img, txt
