@@ -27,6 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gemm_ceiling  # noqa: E402
 from flops import DATASHEET_TFLOPS, qwen_flops  # noqa: E402
 
 from jaxflow.models.config import ModelOptions, QwenImageConfig  # noqa: E402
@@ -50,10 +51,8 @@ def median_ms(fn, warmup: int, iters: int, sync) -> float:
 
 
 def jax_matmul_tflops(n: int, iters: int) -> float:
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
-    f = jax.jit(lambda a: a @ a)
-    ms = median_ms(lambda: f(a), 20, iters, lambda r: r.block_until_ready())
-    return 2 * n ** 3 / ms / 1e9
+    """The bf16 n^3 GEMM ceiling, dispatch excluded (`gemm_ceiling.py`; best of `iters` loops of 20)."""
+    return gemm_ceiling.jax_tflops(n, n, n, repeats=iters)
 
 
 def jax_peak_gib() -> float:
@@ -181,12 +180,7 @@ def bench_torch(cfg, args, rows):
 
 
 def torch_matmul_tflops(n: int, iters: int) -> float:
-    import torch
-    if not torch.cuda.is_available():
-        return 0.0
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    ms = median_ms(lambda: a @ a, 20, iters, lambda r: torch.cuda.synchronize())
-    return 2 * n ** 3 / ms / 1e9
+    return gemm_ceiling.torch_tflops(n, n, n, repeats=iters) or 0.0
 
 
 def ints(s):

@@ -1,0 +1,91 @@
+"""bf16 GEMM ceiling of JAX and torch at Qwen-Image's own shapes, measured without dispatch in the timing.
+
+    python3 scripts/gemm_ceiling.py --out DIR          # on a GPU; writes DIR/gemm_ceiling.json
+    python3 scripts/gemm_ceiling.py --tiny --out DIR   # code-path check on CPU (small shapes)
+
+Each timed call runs LOOP matmuls back to back on distinct random-normal operands (JAX: one jit with a lax.scan
+over a stack of A's, so nothing is hoisted or cached and the host dispatches once; torch: the same matmuls in a
+Python loop between two CUDA events); the figure is the best of REPEATS calls after a warm-up. Timing one matmul per
+call, as `bench_model.py` did before, charges JAX's per-call dispatch to the GEMM and under-measures its ceiling.
+Shapes are (M, K, N) with M = 9216 rows (8 samples x 1152 tokens): 9216x3072x3072 the attention projections,
+9216x3072x12288 the MLP in, 9216x12288x3072 the MLP out, 9216x3072x18432 the modulation (6 x 3072); and 8192^3.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import write_result  # noqa: E402
+
+SHAPES = ((8192, 8192, 8192), (9216, 3072, 12288), (9216, 12288, 3072), (9216, 3072, 3072), (9216, 3072, 18432))
+TINY_SHAPES = ((64, 64, 64), (96, 32, 128))
+LOOP, REPEATS = 20, 5
+
+
+def jax_tflops(m: int, k: int, n: int, loop: int = LOOP, repeats: int = REPEATS) -> float:
+    a = jax.random.normal(jax.random.key(0), (loop, m, k), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (k, n), jnp.bfloat16)
+    f = jax.jit(lambda a, b: jax.lax.scan(lambda c, x: (c, x @ b), 0, a)[1])
+    f(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * m * k * n * loop / best / 1e12
+
+
+def torch_tflops(m: int, k: int, n: int, loop: int = LOOP, repeats: int = REPEATS) -> float | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    a = torch.randn(loop, m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(loop, m, n, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        for i in range(loop):
+            torch.matmul(a[i], b, out=out[i])
+
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return 2 * m * k * n * loop / best / 1e12
+
+
+def ceiling(shapes=SHAPES, loop: int = LOOP) -> dict:
+    """{"MxKxN": {"jax": TFLOP/s, "torch": TFLOP/s or None}} for each shape."""
+    return {"x".join(map(str, s)): {"jax": jax_tflops(*s, loop=loop), "torch": torch_tflops(*s, loop=loop)}
+            for s in shapes}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--tiny", action="store_true")
+    args = p.parse_args(argv)
+    rows = ceiling(TINY_SHAPES if args.tiny else SHAPES, loop=2 if args.tiny else LOOP)
+    print(f"{'shape (MxKxN)':>18s} {'jax TFLOP/s':>12s} {'torch TFLOP/s':>14s}")
+    for shape, r in rows.items():
+        torch_s = f"{r['torch']:14.1f}" if r["torch"] is not None else f"{'-':>14s}"
+        print(f"{shape:>18s} {r['jax']:12.1f} {torch_s}")
+    figures = {f"{fw}_{shape}": r[fw] for shape, r in rows.items() for fw in ("jax", "torch") if r[fw] is not None}
+    print(write_result(args.out, "gemm_ceiling", figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
