@@ -273,6 +273,25 @@ def test_sleep_wake_acknowledgements():
     assert _ack_errors([[None]]) == ["no acknowledgement"]
 
 
+def test_gpu_memory_reading(monkeypatch):
+    from bridge.rollout import engine_vllm_omni as eng
+
+    calls = []
+
+    def fake_run(cmd, **kwargs):
+        calls.append(cmd)
+        return SimpleNamespace(stdout="1536\n")
+
+    monkeypatch.setattr(eng.subprocess, "run", fake_run)
+    assert eng.gpu_memory_used("3,1") == 1536 * 2 ** 20 and calls[0][-2:] == ["-i", "3"]
+
+    def missing(cmd, **kwargs):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(eng.subprocess, "run", missing)
+    assert eng.gpu_memory_used("0") is None
+
+
 def test_selecting_vllm_omni_without_it_says_how_to_install():
     if _has_vllm_omni():
         pytest.skip("vLLM-Omni is installed here")

@@ -26,6 +26,7 @@ import json
 import math
 import os
 import shutil
+import subprocess
 import tempfile
 import threading
 import uuid
@@ -116,6 +117,19 @@ def _ack_errors(results) -> list[str]:
     acks = _flat(results)
     bad = [str(a) for a in acks if (a.get("status") if isinstance(a, dict) else a.status) != "SUCCESS"]
     return bad if acks else ["no acknowledgement"]
+
+
+def gpu_memory_used(visible: str | None = None) -> int | None:
+    """Bytes in use on this process's first visible GPU, device-wide (nvidia-smi), or None where it cannot be read.
+    vLLM-Omni's sleep acknowledgement reports 0 freed bytes (its accounting does not see the sleep pool), and the
+    actor holds no CUDA context of its own to ask."""
+    first = (os.environ.get("CUDA_VISIBLE_DEVICES", "0") if visible is None else visible).split(",")[0].strip()
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", first],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+        return int(out.split()[0]) * 2 ** 20
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
 
 
 def _export_package_path() -> None:
@@ -282,12 +296,17 @@ class VllmOmniEngine:
     # -------------------------------------------------------------------------------------- lifecycle
 
     def sleep(self) -> int:
-        """Level-1 sleep: the engine's weights (transformer, text encoder, VAE) move to CPU memory; returns the
-        GPU bytes the workers report freed (0 if already asleep)."""
+        """Level-1 sleep: the engine's weights (transformer, text encoder, VAE) move to CPU memory; returns the GPU
+        bytes freed, read device-wide before and after (`gpu_memory_used`; the workers' own report where it cannot be
+        read), 0 if already asleep."""
         if self.asleep:
             return 0
+        before = gpu_memory_used()
         acks = self._lifecycle("handle_sleep_task", {"task_id": uuid.uuid4().hex, "level": 1})
         self.asleep = True
+        after = gpu_memory_used()
+        if before is not None and after is not None:
+            return max(0, before - after)
         return sum(int(a.get("freed_bytes", 0) if isinstance(a, dict) else a.freed_bytes) for a in acks)
 
     def wake(self) -> None:
