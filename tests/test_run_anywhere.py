@@ -42,5 +42,5 @@ def test_train_from_the_clones_parent_folder(tmp_path):
     proc = subprocess.run(args, cwd=parent, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [0]
+    assert steps == [1]  # steps count completed updates
     assert (run_dir / "lora_final" / "adapter_config.json").exists()
