@@ -81,7 +81,13 @@ class RolloutGroup:
                  on_chunk=None) -> TrajectoryBatch:
         """B = len(prompts) * n samples in prompt order; chunks of `prompts_per_call` prompts go round-robin to
         the servers and `on_chunk(index, batch)` runs as each finishes (e.g. to submit rewards). A dead actor
-        restarts the whole call, so no batch ever mixes policy versions."""
+        restarts the whole call, so no batch ever mixes policy versions.
+
+        Trajectories come back as host numpy even in process (no DLPack path, by measurement of size): at the
+        qwen_ocr recipe (512 images a step, 512^2, window 2) the latents (B, W+1, S, 64) float32 are 403 MB and the
+        bf16 prompt embeds at most 470 MB, tens of ms through host memory against a step of minutes; and the
+        batch is needed on the host anyway (rewards read the images, mini-batch ordering and text padding are
+        numpy, multi-process runs broadcast host bytes, and a sleeping engine must not hold them on the GPU)."""
         return self._call(lambda: self._generate(prompts, n, sampling, seeds, prompts_per_call, on_chunk))
 
     def _generate(self, prompts, n, sampling, seeds, per_call, on_chunk):
@@ -108,13 +114,23 @@ class RolloutGroup:
         return pending[i], pending[:i] + pending[i + 1:]
 
     def update_lora(self, tensors: dict, version: int, adapter_config: dict) -> int:
-        """Serve the adapter on every server; returns the bound-module count after checking every ack."""
+        """Serve the adapter on every server; returns the bound-module count after checking every ack.
+
+        `tensors`: {PEFT key: host numpy array} (`lora_to_peft`), for any server; or, in process only, device
+        tensors the engine copies from before this returns (`lora_sync.device_peft_tensors`)."""
+        if not self.in_process and isinstance(tensors, dict):
+            device = sorted(k for k, v in tensors.items() if not isinstance(v, np.ndarray))
+            if device:
+                raise ValueError(f"LoRA tensors for Ray actors must be host numpy arrays (lora_to_peft), got "
+                                 f"{type(tensors[device[0]]).__name__} for {device[0]}; device tensors are for "
+                                 "rollout.in_process")
         acks = self._call(lambda: self._get([s.update_lora.remote(tensors, version, adapter_config)
                                              for s in self.servers]))
         for ack in acks:
             if ack["version"] != version or ack["bound_modules"] < 1:
                 raise RuntimeError(f"rollout did not take LoRA version {version}: ack {ack}")
-        self.adapter = (tensors, version, adapter_config)
+        if not self.in_process:  # re-sent after an actor restart (Ray only; in process it would pin device buffers)
+            self.adapter = (tensors, version, adapter_config)
         return acks[0]["bound_modules"]
 
     def close(self) -> None:

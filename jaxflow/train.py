@@ -30,6 +30,7 @@ from jaxflow import run_dir as run_dir_lib
 from jaxflow.checkpoint import Checkpointer, config_json
 from jaxflow.data import GroupSampler, load_prompts
 from jaxflow.flowgrpo import compute_advantages
+from jaxflow.lora_sync import device_peft_tensors, device_target
 from jaxflow.metrics_log import RunLog, image_grid
 from jaxflow.minibatches import order_minibatches
 from jaxflow.models.config import QwenImageConfig
@@ -145,7 +146,7 @@ class Trainer:
         self.folder = config_lib.model_folder(cfg)
         self.train_items, self.test_items = load_prompts(cfg.data.train), load_prompts(cfg.data.test)
         self.sampler = GroupSampler(len(self.train_items), s.prompts_per_step, s.group_size, cfg.seed)
-        self.reward = self.pool = self.rollout = None
+        self.reward = self.pool = self.rollout = self.sync_target = None
         if self.driver:
             self.reward = build_reward(dict(cfg.reward.fns), **cfg.reward.options.to_dict())  # VLM health check
             self.pool = RewardPool(self.reward, cfg.reward.workers)
@@ -179,10 +180,13 @@ class Trainer:
             engine["random_seed"] = self.cfg.seed  # the rollout draws the same base weights (fingerprint below)
         group = RolloutGroup(engine, r.num_servers, r.num_cpus, r.num_gpus, r.max_retries, in_process=r.in_process)
         mine = fingerprint(self.model)
-        for info in group.info():
+        infos = group.info()
+        for info in infos:
             if info["fingerprint"] != mine:
                 raise RuntimeError(f"rollout base weights ({info.get('model')}) differ from the trainer's "
                                    f"({self.folder}): fingerprint {info['fingerprint'][:12]} != {mine[:12]}")
+        if r.in_process and self.processes == 1:  # the LoRA goes to the engine as device tensors (lora_sync)
+            self.sync_target = device_target(infos[0])
         return group
 
     def _host_lora(self):
@@ -194,6 +198,11 @@ class Trainer:
         return jax.tree.map(np.asarray, multihost_utils.process_allgather(self.state.lora, tiled=True))
 
     def _sync(self, version: int) -> int | None:
+        """The rollout serves the trainer's LoRA as policy `version`: device tensors through DLPack in process,
+        host arrays otherwise (jaxflow/lora_sync.py)."""
+        if self.sync_target is not None:
+            return self.rollout.update_lora(device_peft_tensors(self.state.lora, self.spec, self.sync_target),
+                                            version, self.spec.peft_config())
         lora = self._host_lora()
         if not self.driver:
             return None

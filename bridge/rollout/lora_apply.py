@@ -1,7 +1,8 @@
 """Apply a PEFT-format LoRA adapter to the rollout transformer, atomically.
 
 An adapter is a dict `{"<module>.lora_A.weight": (r, in), "<module>.lora_B.weight": (out, r)}` (an optional
-`transformer.` prefix is stripped) plus an adapter_config with `r` and `lora_alpha` (optionally `use_rslora`).
+`transformer.` prefix is stripped; values are numpy arrays or torch tensors on any device, e.g. DLPack views of
+the trainer's arrays in process) plus an adapter_config with `r` and `lora_alpha` (optionally `use_rslora`).
 Every key and shape is validated against the transformer's Linear layers before anything changes; on a mismatch
 ValueError lists the offending names and the previous adapter keeps serving.
 
@@ -104,11 +105,19 @@ class LoraApplier:
         spec = dataclasses.replace(spec, modules=tuple(sorted(pairs)))
         if spec != self.spec:
             self._inject(spec)
+        devices = set()
         with torch.no_grad():
             for name, (a, b) in pairs.items():
                 layer = self.model.get_submodule(name)
-                layer.lora_A[ADAPTER_NAME].weight.copy_(a)
-                layer.lora_B[ADAPTER_NAME].weight.copy_(b)
+                weights = layer.lora_A[ADAPTER_NAME].weight, layer.lora_B[ADAPTER_NAME].weight
+                for target, source in zip(weights, (a, b)):
+                    target.copy_(source)
+                    devices.update((target.device, source.device))
+        # The sources may be borrowed (in process: DLPack views of the trainer's JAX buffers, which JAX may reuse
+        # as soon as the caller drops them), so the copies, asynchronous on a GPU, have finished when this returns.
+        for device in devices:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
         return self.bound_modules()
 
     def bound_modules(self) -> int:

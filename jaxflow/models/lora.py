@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -53,17 +55,37 @@ def _get(state: nnx.State, path):
     return node
 
 
-def lora_to_peft(model: nnx.Module | nnx.State, spec: LoRASpec) -> dict[str, np.ndarray]:
-    """PEFT state dict (`transformer_blocks.N.<target>.lora_A.weight` ...) from a model's LoRA params or from
-    its LoRA state (e.g. the train state's)."""
+@functools.partial(jax.jit, static_argnums=1)
+def _torch_layout(stacked: jax.Array, dtype) -> jax.Array:
+    return stacked.swapaxes(-1, -2).astype(stacked.dtype if dtype is None else dtype)
+
+
+def peft_stacks(model: nnx.Module | nnx.State, spec: LoRASpec, dtype=None) -> list[tuple[list[str], jax.Array]]:
+    """Per LoRA weight (target x A/B): its layers' PEFT keys and their stacked (L, out, in) weights in torch's
+    layout, transposed (and cast to `dtype`, default: kept) on the device in one jit; fresh buffers, never the
+    state's own (the next train step donates those). A host (numpy) state gives numpy views."""
     state = model if isinstance(model, nnx.State) else nnx.state(model, LoRAParam)
-    out = {}
+    dtype = None if dtype is None else jnp.dtype(dtype)
+    out = []
     for e in keymap.lora_key_map(spec.targets):
-        # swap to torch's (out, in) before the host copy: on the device for a jax.Array (numpy's per-layer
-        # transposes were most of the sync time at full size), so every layer below is a contiguous view
-        stacked = np.asarray(_get(state, e.flax_path)[...].swapaxes(-1, -2))
-        for i, key in enumerate(e.diffusers_keys(stacked.shape[0])):
-            out[key] = np.ascontiguousarray(stacked[i])
+        x = _get(state, e.flax_path)[...]
+        if isinstance(x, jax.Array):
+            stacked = _torch_layout(x, dtype)
+        else:
+            stacked = np.swapaxes(x, -1, -2).astype(x.dtype if dtype is None else dtype, copy=False)
+        out.append((e.diffusers_keys(stacked.shape[0]), stacked))
+    return out
+
+
+def lora_to_peft(model: nnx.Module | nnx.State, spec: LoRASpec) -> dict[str, np.ndarray]:
+    """PEFT state dict (`transformer_blocks.N.<target>.lora_A.weight` ...) as host arrays from a model's LoRA
+    params or from its LoRA state (e.g. the train state's)."""
+    out = {}
+    # transposed on the device before the host copy (numpy's per-layer transposes were most of the sync time at
+    # full size), so every layer below is a contiguous view
+    for keys, stacked in peft_stacks(model, spec):
+        stacked = np.asarray(stacked)
+        out.update((key, np.ascontiguousarray(stacked[i])) for i, key in enumerate(keys))
     return out
 
 

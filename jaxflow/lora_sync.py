@@ -1,0 +1,60 @@
+"""The form the trainer's LoRA takes on its way to the rollout engine (the trainer's glue; JAX and torch meet here).
+
+Across processes (Ray actors) the engine gets host numpy PEFT arrays (`lora_to_peft`), which Ray ships as bytes.
+When the engine shares the trainer's process (`rollout.in_process`) on a device JAX addresses, it gets device
+tensors instead, with no host round trip: each stacked LoRA weight is transposed to PEFT's (out, in) layout and
+cast to the engine's dtype in one jit on the device, moved to the engine's device if it is another one, and
+exported to torch through DLPack (`bridge.tensors.jax_to_torch`); each layer is a view of its stack.
+
+Aliasing (`bridge/tensors.py`): the views share memory with fresh JAX buffers made for the export, never with the
+train state (the next train step donates that), and the engine only reads them: `LoraApplier.apply` copies them into
+its adapters and waits for the copies before it returns, after which the views, and the buffers with them, are
+dropped. The cast to the engine's dtype rounds as torch's copy into the adapters does, so both forms leave the
+same bytes in the engine.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from bridge.tensors import jax_to_torch
+from jaxflow.models.lora import LoRASpec, peft_stacks
+
+_PLATFORMS = {"cpu": "cpu", "cuda": "gpu"}
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceTarget:
+    """Where an in-process engine keeps its adapters: a JAX device (the memory its torch device names) and dtype."""
+
+    device: jax.Device
+    dtype: jnp.dtype
+
+
+def device_target(info: dict) -> DeviceTarget | None:
+    """The target of an engine's `info()` ("device": "cpu", "cuda" or "cuda:N"; "dtype"), or None when JAX has no
+    such device (e.g. a JAX built for the CPU only): the host path serves then."""
+    kind, _, index = str(info["device"]).partition(":")
+    if kind not in _PLATFORMS:
+        return None
+    try:
+        devices = jax.local_devices(backend=_PLATFORMS[kind])
+    except RuntimeError:  # no such backend
+        return None
+    if kind == "cpu":
+        device = devices[0]
+    else:  # torch's cuda:N and JAX's local_hardware_id count the same visible GPUs
+        device = next((d for d in devices if d.local_hardware_id == int(index or 0)), None)
+    return None if device is None else DeviceTarget(device, jnp.dtype(info["dtype"]))
+
+
+def device_peft_tensors(lora, spec: LoRASpec, target: DeviceTarget) -> dict:
+    """{PEFT key: torch.Tensor} on `target`'s device in its dtype: DLPack views of fresh JAX buffers (see above).
+    `lora` is the model's or the train state's LoRA state; it is only read."""
+    out = {}
+    for keys, stacked in peft_stacks(lora, spec, target.dtype):
+        stack = jax_to_torch(jax.device_put(stacked, target.device))
+        out.update(zip(keys, stack.unbind(0)))
+    return out
