@@ -1,5 +1,6 @@
 """The mini OCR proof's model side at toy size: the VAE trains, the folder builds and encodes, flow-matching
 pretraining lowers its loss, and the saved folder loads in the torch rollout and the JAX trainer alike."""
+import importlib.util
 import json
 
 import numpy as np
@@ -9,8 +10,16 @@ from bridge.mini_ocr.folder import build_folder, encode_text
 from bridge.mini_ocr.vae import build_vae, pack, posterior_means, train_vae
 from jaxflow.mini_ocr.render import render_dataset
 from jaxflow.mini_ocr.words import prompt, split
+from tests.test_learning import ROOT
 
 WORDS = split(4000, 200)[0][:8]
+
+
+def mini_config(variant=""):
+    spec = importlib.util.spec_from_file_location("mini_ocr", ROOT / "configs" / "mini_ocr.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(variant)
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +52,21 @@ def test_vae_loss_drops_and_latents_pack_to_the_transformer_input(toy):
     text = np.load(out / "data" / "text.npz")
     assert text["embeds"].shape[:2] == text["mask"].shape and text["neg_mask"].sum() >= 1
     assert text["mask"].sum(1).min() > text["neg_mask"].sum()  # a sign prompt has more tokens than " "
+    assert text["mask"].sum(1).max() <= mini_config().sample.max_sequence_length
+
+
+def test_the_rl_config_and_its_control_validate(tiny_path):
+    from jaxflow.config import UserError, validate
+
+    for variant, reward in (("", "ocr"), ("control", "ocr_shuffled")):
+        cfg = mini_config(variant)
+        assert list(cfg.reward.fns) == [reward]
+        with pytest.raises(UserError, match="model.path"):
+            validate(cfg)
+        cfg.model.path = str(tiny_path)
+        validate(cfg)
+    with pytest.raises(ValueError, match="control"):
+        mini_config("typo")
 
 
 def test_pretraining_lowers_the_loss_and_both_sides_load_the_folder(toy):

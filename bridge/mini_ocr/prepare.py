@@ -7,7 +7,8 @@
 data: OUT/data/{train,test}.txt (prompts), images.npy (uint8 renders of the train words, `variants` each),
 index.npy (the word of each image), and the OCR reward of clean renders of the held-out words (ocr_clean.json).
 vae: trains the VAE on images.npy, sets its latent statistics, scores OCR on its reconstructions of the held-out
-renders (vae_report.json), writes the pipeline folder OUT/pipeline (random transformer of `--size`).
+renders (vae_report.json), writes the pipeline folder OUT/pipeline (random transformer of `--size`), and fails
+when that OCR is below `--min-ocr` (the GPU run asks 0.8).
 encode: OUT/data/latents.npy (packed normalised VAE means) and text.npz (prompt and negative embeddings).
 """
 from __future__ import annotations
@@ -51,7 +52,7 @@ def step_data(out: Path, num_train: int, num_test: int, variants: int, seed: int
 
 
 def step_vae(out: Path, steps: int, batch: int, size: str, device: str, max_minutes: float | None,
-             seed: int) -> dict:
+             seed: int, min_ocr: float = 0.0) -> dict:
     images = np.load(out / "data" / "images.npy")
     vae = build_vae(seed)
     start = time.perf_counter()
@@ -65,6 +66,9 @@ def step_vae(out: Path, steps: int, batch: int, size: str, device: str, max_minu
                   ocr_recon=ocr_scores(reconstruct(vae, held_out, device=device), test))
     build_folder(out / "pipeline", vae.to("cpu"), size, seed)
     (out / "vae_report.json").write_text(json.dumps(report, indent=1))
+    if report["ocr_recon"]["mean"] < min_ocr:
+        raise SystemExit(f"vae: OCR of reconstructions {report['ocr_recon']['mean']:.3f} < --min-ocr {min_ocr}: the "
+                         f"VAE bounds everything after it; train it longer (--steps) or lower --min-ocr knowingly")
     return report
 
 
@@ -93,12 +97,13 @@ def main(argv=None) -> None:
     p.add_argument("--size", default="mini", choices=sorted(SIZES))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--max-minutes", type=float, default=None)
+    p.add_argument("--min-ocr", type=float, default=0.0, help="vae: fail if OCR of reconstructions is lower")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     if a.step == "data":
         report = step_data(a.out, a.train, a.test, a.variants, a.seed)
     elif a.step == "vae":
-        report = step_vae(a.out, a.steps, a.batch, a.size, a.device, a.max_minutes, a.seed)
+        report = step_vae(a.out, a.steps, a.batch, a.size, a.device, a.max_minutes, a.seed, a.min_ocr)
     else:
         report = step_encode(a.out, a.device)
     print(json.dumps(report))

@@ -35,16 +35,28 @@ def to_uint8(video: torch.Tensor) -> np.ndarray:
     return ((video[:, :, 0].clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
 
 
+def random_crops(rng, images: np.ndarray, size: tuple[int, int] | None) -> np.ndarray:
+    """One random (h, w) crop per image (the VAE is convolutional: crops train it as whole images do, cheaper)."""
+    if size is None:
+        return images
+    h, w = size
+    ys = rng.integers(0, images.shape[1] - h + 1, len(images))
+    xs = rng.integers(0, images.shape[2] - w + 1, len(images))
+    return np.stack([im[y:y + h, x:x + w] for im, y, x in zip(images, ys, xs)])
+
+
 def train_vae(vae, images: np.ndarray, steps: int, batch_size: int = 32, lr: float = 1e-3, kl_weight: float = 1e-6,
-              seed: int = 0, device="cpu", max_seconds: float | None = None, log=print) -> list[float]:
-    """Train in place (AdamW, cosine decay); returns the loss per step. Stops early after `max_seconds`."""
+              seed: int = 0, device="cpu", max_seconds: float | None = None, crop: tuple[int, int] | None = None,
+              log=print) -> list[float]:
+    """Train in place (AdamW, cosine decay) on random `crop`s (None: whole images); returns the loss per step.
+    Stops early after `max_seconds`."""
     vae.to(device).train()
     opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
     rng = np.random.default_rng(seed)
     losses, start = [], time.perf_counter()
     for step in range(steps):
-        x = to_video(images[rng.integers(0, len(images), batch_size)], device)
+        x = to_video(random_crops(rng, images[rng.integers(0, len(images), batch_size)], crop), device)
         post = vae.encode(x).latent_dist
         recon = vae.decode(post.sample()).sample
         loss = torch.mean((recon - x) ** 2) + kl_weight * post.kl().mean() / post.mean[0].numel()
