@@ -7,6 +7,12 @@
 #   bash scripts/mini_ocr.sh OUT                   # the GPU run
 #   SMOKE=1 bash scripts/mini_ocr.sh /tmp/mini     # every step at toy size on the CPU (a few minutes)
 #
+# H200 estimates (from FLOPs counted on the CPU with torch's FlopCounterMode; nothing has run on a GPU yet):
+#   data < 1 min (16000 renders, 0.3 ms each). vae: 12.4 GFLOP a 64x128 image forward, ~2.4 TFLOP a step of 64
+#   -> ~0.1 s a step, 4000 steps ~5 min, capped at 8. encode < 1 min. pretrain: the 43M-param transformer, 4.5 GFLOP
+#   a sample forward, 3.5 TFLOP a bf16 step of 256 -> ~30 ms, 6000 steps ~3-5 min, capped at PRETRAIN_MINUTES.
+#   eval (200 prompts, 10 ODE steps, OCR) ~1 min each. rl: ~6 s a step (OCR of 192 images the longest phase) ->
+#   50 steps + 5 evals + start ~7 min; the control the same.
 # Knobs (env): PRETRAIN_STEPS (default 6000; fewer if the "before" OCR is near 1: RL needs room), PRETRAIN_MINUTES
 # (time cap, default 9), VAE_STEPS (default 4000), RL_STEPS (default 50, configs/mini_ocr.py), EVAL_NUM (200).
 set -euo pipefail
@@ -58,11 +64,16 @@ step encode python -m bridge.mini_ocr.prepare encode --out "$OUT" --device "$DEV
 step pretrain python -m jaxflow.mini_ocr.pretrain --pipeline "$OUT/pipeline" --data "$OUT/data" "${PRE[@]}"
 step eval_before python scripts/mini_ocr_eval.py --pipeline "$OUT/pipeline" --prompts "$OUT/data/test.txt" \
   --json "$OUT/eval/before.json" --grid "$OUT/eval/before.png" "${EVAL[@]}"
+# the same on train words: RL trains on them, so they too must score well below 1 (else lower PRETRAIN_STEPS)
+step eval_before_train python scripts/mini_ocr_eval.py --pipeline "$OUT/pipeline" --prompts "$OUT/data/train.txt" \
+  --json "$OUT/eval/before_train.json" --grid "$OUT/eval/before_train.png" "${EVAL[@]}"
 start=$SECONDS
 step rl rl "$OUT/rl" configs/mini_ocr.py
 rl_seconds=$((SECONDS - start))
 step eval_after python scripts/mini_ocr_eval.py --pipeline "$OUT/pipeline" --lora "$OUT/rl/lora_final" \
   --prompts "$OUT/data/test.txt" --json "$OUT/eval/after.json" --grid "$OUT/eval/after.png" "${EVAL[@]}"
+step eval_after_train python scripts/mini_ocr_eval.py --pipeline "$OUT/pipeline" --lora "$OUT/rl/lora_final" \
+  --prompts "$OUT/data/train.txt" --json "$OUT/eval/after_train.json" --grid "$OUT/eval/after_train.png" "${EVAL[@]}"
 step rl_control rl "$OUT/rl_control" configs/mini_ocr.py:control
 step eval_control python scripts/mini_ocr_eval.py --pipeline "$OUT/pipeline" --lora "$OUT/rl_control/lora_final" \
   --prompts "$OUT/data/test.txt" --json "$OUT/eval/control.json" --grid "$OUT/eval/control.png" "${EVAL[@]}"

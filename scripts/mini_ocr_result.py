@@ -2,10 +2,12 @@
 
     python scripts/mini_ocr_result.py --out OUT --rl-seconds S
 
-Reads OUT/eval/{before,after,control}.json (scripts/mini_ocr_eval.py), OUT/rl/metrics.jsonl and
-OUT/rl_control/metrics.jsonl (the two FlowGRPO runs), OUT/data/ocr_clean.json and OUT/vae_report.json.
+Reads OUT/eval/{before,after,control,before_train,after_train}.json (scripts/mini_ocr_eval.py),
+OUT/rl/metrics.jsonl and OUT/rl_control/metrics.jsonl (the two FlowGRPO runs), OUT/data/ocr_clean.json and
+OUT/vae_report.json.
 Figures: ocr_before/_se, ocr_after/_se, ocr_control_after/_se, ocr_rise (after - before) and its standard error,
-rl_steps, rl_minutes (the wall time of the RL command); the per-step reward curves go in as extra fields.
+ocr_train_before/after (the same on train words, which RL trains on), rl_steps, rl_minutes (the wall time of the
+RL command); the per-step reward curves go in as extra fields.
 """
 from __future__ import annotations
 
@@ -49,7 +51,8 @@ def main(argv=None) -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--rl-seconds", type=float, required=True)
     a = p.parse_args(argv)
-    ev = {k: json.loads((a.out / "eval" / f"{k}.json").read_text()) for k in ("before", "after", "control")}
+    ev = {k: json.loads((a.out / "eval" / f"{k}.json").read_text())
+          for k in ("before", "after", "control", "before_train", "after_train")}
     curves = {name: curve(a.out / name) for name in ("rl", "rl_control")}
     plot(curves, a.out / "reward_curve.png")
     figures = dict(ocr_before=ev["before"]["mean"], ocr_before_se=ev["before"]["se"],
@@ -57,6 +60,7 @@ def main(argv=None) -> None:
                    ocr_control_after=ev["control"]["mean"], ocr_control_after_se=ev["control"]["se"],
                    ocr_rise=ev["after"]["mean"] - ev["before"]["mean"],
                    ocr_rise_se=math.hypot(ev["before"]["se"], ev["after"]["se"]),
+                   ocr_train_before=ev["before_train"]["mean"], ocr_train_after=ev["after_train"]["mean"],
                    eval_prompts=ev["before"]["n"], rl_steps=len(curves["rl"]), rl_minutes=a.rl_seconds / 60)
     extra = dict(reward_curve=curves["rl"], control_reward_curve=curves["rl_control"],
                  ocr_clean_renders=json.loads((a.out / "data" / "ocr_clean.json").read_text()),

@@ -154,7 +154,7 @@ def pretrain(pipeline: Path, data: Path, steps: int, batch: int = 256, lr: float
 
 def _grid(tokens: int, factor: int) -> tuple[int, int]:
     """The packed grid of the mini images (2:1 landscape): h x 2h tokens."""
-    h = int(round(math.sqrt(tokens / 2)))
+    h = round(math.sqrt(tokens / 2))
     if 2 * h * h != tokens:
         raise ValueError(f"{tokens} latent tokens are not a 1:2 grid; the mini images are landscape 1:2")
     return h, 2 * h
