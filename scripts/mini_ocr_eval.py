@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -53,7 +52,6 @@ def main(argv=None) -> None:
     p.add_argument("--json", type=Path, required=True)
     p.add_argument("--grid", type=Path, required=True)
     a = p.parse_args(argv)
-    torch.manual_seed(0)
     prompts = [it.prompt for it in load_prompts(a.prompts)][:a.num]
     start = time.perf_counter()
     out = evaluate(a.pipeline, prompts, a.lora, a.steps, a.guidance, device=a.device)

@@ -35,6 +35,7 @@ import optax
 from flax import nnx
 
 from bridge.schedule import calculate_shift
+from jaxflow.mini_ocr.render import HEIGHT, WIDTH
 from jaxflow.models.config import ModelOptions
 from jaxflow.models.loading import load_transformer, save_transformer
 from jaxflow.sharding import Layout, ShardingConfig
@@ -123,9 +124,7 @@ def pretrain(pipeline: Path, data: Path, steps: int, batch: int = 256, lr: float
         raise ValueError(f"--batch {batch} must be a multiple of the {layout.batch_devices} devices")
     model = load_transformer(pipeline / "transformer", ModelOptions(dtype=dtype, param_dtype="float32"),
                              sharding=layout.sharding_fn)
-    hw = json.loads((pipeline / "vae" / "config.json").read_text())
-    factor = 2 * 2 ** len(hw["temperal_downsample"])
-    grid_hw = _grid(d["latents"].shape[1], factor)
+    grid_hw = _grid(pipeline, d["latents"].shape[1])
     scheduler = json.loads((pipeline / "scheduler" / "scheduler_config.json").read_text())
     mu = shift_mu(scheduler, grid_hw[0] * grid_hw[1])
     init, step = make_step(model, optimizer(lr, steps), grid_hw, mu, p_uncond, ema_decay, layout)
@@ -152,12 +151,15 @@ def pretrain(pipeline: Path, data: Path, steps: int, batch: int = 256, lr: float
     return history
 
 
-def _grid(tokens: int, factor: int) -> tuple[int, int]:
-    """The packed grid of the mini images (2:1 landscape): h x 2h tokens."""
-    h = round(math.sqrt(tokens / 2))
-    if 2 * h * h != tokens:
-        raise ValueError(f"{tokens} latent tokens are not a 1:2 grid; the mini images are landscape 1:2")
-    return h, 2 * h
+def _grid(pipeline: Path, tokens: int) -> tuple[int, int]:
+    """The packed token grid of the mini images: the VAE factor times 2 (2x2 patches) per token."""
+    vae = json.loads((pipeline / "vae" / "config.json").read_text())
+    factor = 2 * 2 ** len(vae["temperal_downsample"])
+    grid = (HEIGHT // factor, WIDTH // factor)
+    if grid[0] * grid[1] != tokens:
+        raise ValueError(f"latents have {tokens} tokens, but {HEIGHT}x{WIDTH} images give {grid}: re-run "
+                         f"`python -m bridge.mini_ocr.prepare encode` for this folder")
+    return grid
 
 
 def main(argv=None) -> None:
