@@ -25,9 +25,19 @@ from results import write_result  # noqa: E402
 COLOURS = {"rl": (200, 30, 30), "rl_control": (30, 30, 200)}
 
 
+def rows(run: Path) -> list[dict]:
+    out = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return sorted(out, key=lambda r: r["step"])
+
+
 def curve(run: Path) -> list[float]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [round(float(r["reward_mean"]), 4) for r in sorted(rows, key=lambda r: r["step"])]
+    """Train reward (mean over the step's images) per step."""
+    return [round(float(r["reward_mean"]), 4) for r in rows(run)]
+
+
+def eval_curve(run: Path) -> list[list]:
+    """[step, held-out reward] at the trainer's evals (eval.num_prompts prompts, ODE)."""
+    return [[r["step"], round(float(r["eval_reward_mean"]), 4)] for r in rows(run) if "eval_reward_mean" in r]
 
 
 def plot(curves: dict[str, list[float]], path: Path, size=(480, 240), pad=30) -> None:
@@ -63,6 +73,7 @@ def main(argv=None) -> None:
                    ocr_train_before=ev["before_train"]["mean"], ocr_train_after=ev["after_train"]["mean"],
                    eval_prompts=ev["before"]["n"], rl_steps=len(curves["rl"]), rl_minutes=a.rl_seconds / 60)
     extra = dict(reward_curve=curves["rl"], control_reward_curve=curves["rl_control"],
+                 eval_curve=eval_curve(a.out / "rl"), control_eval_curve=eval_curve(a.out / "rl_control"),
                  ocr_clean_renders=json.loads((a.out / "data" / "ocr_clean.json").read_text()),
                  vae=json.loads((a.out / "vae_report.json").read_text()))
     path = write_result(a.out, "mini_ocr", figures, extra=extra)
