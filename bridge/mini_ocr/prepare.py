@@ -52,16 +52,16 @@ def step_data(out: Path, num_train: int, num_test: int, variants: int, seed: int
 
 
 def step_vae(out: Path, steps: int, batch: int, size: str, device: str, max_minutes: float | None,
-             seed: int, min_ocr: float = 0.0, crop: tuple[int, int] | None = None) -> dict:
+             seed: int, min_ocr: float = 0.0, crop: tuple[int, int] | None = None, lr: float = 3e-4) -> dict:
     images = np.load(out / "data" / "images.npy")
     vae = build_vae(seed)
     start = time.perf_counter()
-    losses = train_vae(vae, images, steps, batch, seed=seed, device=device, crop=crop,
+    losses = train_vae(vae, images, steps, batch, lr, seed=seed, device=device, crop=crop,
                        max_seconds=None if max_minutes is None else 60 * max_minutes)
     set_latent_stats(vae, posterior_means(vae, images[::max(1, len(images) // 4096)], device=device))
     _, test = _words(out)
     held_out = render_dataset(test, 1, HEIGHT, WIDTH, seed)[0]
-    report = dict(steps=len(losses), seconds=round(time.perf_counter() - start, 1), crop=crop,
+    report = dict(steps=len(losses), seconds=round(time.perf_counter() - start, 1), crop=crop, lr=lr,
                   loss_first=losses[0], loss_last=float(np.mean(losses[-20:])),
                   loss_curve=[round(float(np.mean(losses[i:i + 50])), 5) for i in range(0, len(losses), 50)],
                   ocr_recon=ocr_scores(reconstruct(vae, held_out, device=device), test))
@@ -98,6 +98,7 @@ def main(argv=None) -> None:
     p.add_argument("--size", default="mini", choices=sorted(SIZES))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--max-minutes", type=float, default=None)
+    p.add_argument("--lr", type=float, default=3e-4, help="vae: peak learning rate (cosine decay; 1e-3 stalls)")
     p.add_argument("--crop", default=None, help="vae: train on random HxW crops, e.g. 32x64 (cheaper steps)")
     p.add_argument("--min-ocr", type=float, default=0.0, help="vae: fail if OCR of reconstructions is lower")
     p.add_argument("--seed", type=int, default=0)
@@ -106,7 +107,7 @@ def main(argv=None) -> None:
         report = step_data(a.out, a.train, a.test, a.variants, a.seed)
     elif a.step == "vae":
         report = step_vae(a.out, a.steps, a.batch, a.size, a.device, a.max_minutes, a.seed, a.min_ocr,
-                          tuple(int(v) for v in a.crop.split("x")) if a.crop else None)
+                          tuple(int(v) for v in a.crop.split("x")) if a.crop else None, a.lr)
     else:
         report = step_encode(a.out, a.device)
     print(json.dumps(report))
