@@ -25,7 +25,7 @@ export HF_HUB_OFFLINE=1
 if [[ "${SMOKE:-0}" == 1 ]]; then
   DEVICE=cpu
   DATA=(--train 64 --test 16 --variants 2)
-  VAE=(--steps "${VAE_STEPS:-20}" --batch 8 --size toy --max-minutes 2)
+  VAE=(--steps "${VAE_STEPS:-100}" --batch 4 --crop 32x64 --size toy --max-minutes 2)
   PRE=(--steps "${PRETRAIN_STEPS:-30}" --batch 8 --dtype float32 --ema 0.9 --log-every 10 --max-minutes 2)
   EVAL=(--num "${EVAL_NUM:-8}" --steps 4 --device cpu)
   RL=(--config.rollout.device=cpu --config.rollout.num_gpus=0 --config.train.num_steps="${RL_STEPS:-2}"

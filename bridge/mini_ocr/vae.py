@@ -45,9 +45,9 @@ def random_crops(rng, images: np.ndarray, size: tuple[int, int] | None) -> np.nd
     return np.stack([im[y:y + h, x:x + w] for im, y, x in zip(images, ys, xs)])
 
 
-def train_vae(vae, images: np.ndarray, steps: int, batch_size: int = 32, lr: float = 3e-4, kl_weight: float = 1e-6,
-              seed: int = 0, device="cpu", max_seconds: float | None = None, crop: tuple[int, int] | None = None,
-              log=print) -> list[float]:
+def train_vae(vae, images: np.ndarray, steps: int, batch_size: int = 32, lr: float = 3e-4,
+              kl_weight: float = 1e-6, seed: int = 0, device="cpu", max_seconds: float | None = None,
+              crop: tuple[int, int] | None = None, log=print) -> list[float]:
     """Train in place (AdamW, cosine decay) on random `crop`s (None: whole images); returns the loss per step.
     Stops early after `max_seconds`."""
     vae.to(device).train()
