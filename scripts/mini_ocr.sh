@@ -6,6 +6,9 @@
 #
 #   bash scripts/mini_ocr.sh OUT                   # the GPU run
 #   SMOKE=1 bash scripts/mini_ocr.sh /tmp/mini     # every step at toy size on the CPU (a few minutes)
+#   ONLY="data vae encode" bash scripts/mini_ocr.sh OUT   # only these steps (commands capped at 10 minutes);
+#   steps: data vae encode pretrain eval_before eval_before_train rl eval_after eval_after_train rl_control
+#   eval_control result
 #
 # H200 estimates (from FLOPs counted on the CPU with torch's FlopCounterMode; nothing has run on a GPU yet):
 #   data < 1 min (16000 renders, 0.3 ms each). vae: 12.4 GFLOP a 64x128 image forward, ~2.4 TFLOP a step of 64
@@ -43,9 +46,10 @@ else
   export XLA_PYTHON_CLIENT_PREALLOCATE=true XLA_CLIENT_MEM_FRACTION=0.5
 fi
 
-step() {  # step NAME COMMAND...: run, time, log
+step() {  # step NAME COMMAND...: run, time, log (skipped when ONLY is set and does not name it)
   local name=$1 start=$SECONDS
   shift
+  [[ -z "${ONLY:-}" || " $ONLY " == *" $name "* ]] || return 0
   echo "== $name: $*"
   "$@"
   echo "$name $((SECONDS - start)) s" | tee -a "$OUT/timings.txt"
@@ -57,7 +61,7 @@ rl() {  # rl RUN_DIR CONFIG
     --config.log.progress=False --overwrite "${RL[@]}"
 }
 
-: > "$OUT/timings.txt"
+[[ -n "${ONLY:-}" ]] || : > "$OUT/timings.txt"
 step data python -m bridge.mini_ocr.prepare data --out "$OUT" "${DATA[@]}"
 step vae python -m bridge.mini_ocr.prepare vae --out "$OUT" --device "$DEVICE" "${VAE[@]}"
 step encode python -m bridge.mini_ocr.prepare encode --out "$OUT" --device "$DEVICE"
@@ -67,9 +71,7 @@ step eval_before python scripts/mini_ocr_eval.py --pipeline "$OUT/pipeline" --pr
 # the same on train words: RL trains on them, so they too must score well below 1 (else lower PRETRAIN_STEPS)
 step eval_before_train python scripts/mini_ocr_eval.py --pipeline "$OUT/pipeline" --prompts "$OUT/data/train.txt" \
   --json "$OUT/eval/before_train.json" --grid "$OUT/eval/before_train.png" "${EVAL[@]}"
-start=$SECONDS
 step rl rl "$OUT/rl" configs/mini_ocr.py
-rl_seconds=$((SECONDS - start))
 step eval_after python scripts/mini_ocr_eval.py --pipeline "$OUT/pipeline" --lora "$OUT/rl/lora_final" \
   --prompts "$OUT/data/test.txt" --json "$OUT/eval/after.json" --grid "$OUT/eval/after.png" "${EVAL[@]}"
 step eval_after_train python scripts/mini_ocr_eval.py --pipeline "$OUT/pipeline" --lora "$OUT/rl/lora_final" \
@@ -77,4 +79,5 @@ step eval_after_train python scripts/mini_ocr_eval.py --pipeline "$OUT/pipeline"
 step rl_control rl "$OUT/rl_control" configs/mini_ocr.py:control
 step eval_control python scripts/mini_ocr_eval.py --pipeline "$OUT/pipeline" --lora "$OUT/rl_control/lora_final" \
   --prompts "$OUT/data/test.txt" --json "$OUT/eval/control.json" --grid "$OUT/eval/control.png" "${EVAL[@]}"
-python scripts/mini_ocr_result.py --out "$OUT" --rl-seconds "$rl_seconds"
+step result python scripts/mini_ocr_result.py --out "$OUT" \
+  --rl-seconds "$(awk '$1 == "rl" {s = $2} END {print s}' "$OUT/timings.txt")"
