@@ -10,6 +10,7 @@ from jaxflow.rewards.base import RewardFn, check_scores
 from jaxflow.rewards.jpeg import jpeg_compressibility, jpeg_incompressibility
 from jaxflow.rewards.ocr import OcrReward
 from jaxflow.rewards.pixel import brightness
+from jaxflow.rewards.shuffled import Shuffled
 from jaxflow.rewards.vlm_ocr import VlmOcrReward
 
 # name -> factory(**options) -> reward fn
@@ -19,6 +20,8 @@ REGISTRY: dict[str, Callable[..., RewardFn]] = {
     "jpeg_compressibility": lambda: jpeg_compressibility,
     "jpeg_incompressibility": lambda: jpeg_incompressibility,
     "brightness": lambda: brightness,
+    # the control of the mini OCR proof: OCR scores permuted across the batch (options: seed, then OcrReward's)
+    "ocr_shuffled": lambda seed=0, **ocr: Shuffled(OcrReward(**ocr), seed),
 }
 
 

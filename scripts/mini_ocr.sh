@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The mini OCR proof (issue 16) from nothing, on one GPU: render data -> train the VAE -> encode -> pretrain the
+# Flax transformer -> OCR before -> FlowGRPO (python -m jaxflow.train, configs/mini_ocr.py) -> OCR after -> the
+# shuffled-reward control -> OUT/mini_ocr.json. Every step is sized (or time-capped) to finish within 10 minutes
+# on one H200; OUT/timings.txt records each. Weights and data stay under OUT.
+#
+#   bash scripts/mini_ocr.sh OUT                   # the GPU run
+#   SMOKE=1 bash scripts/mini_ocr.sh /tmp/mini     # every step at toy size on the CPU (a few minutes)
+#   ONLY="data vae encode" bash scripts/mini_ocr.sh OUT   # only these steps (commands capped at 10 minutes);
+#   steps: data vae encode pretrain eval_before eval_before_train rl eval_after eval_after_train rl_control
+#   eval_control result
+#
+# H200 estimates (from FLOPs counted on the CPU with torch's FlopCounterMode; nothing has run on a GPU yet):
+#   data < 1 min (16000 renders, 0.3 ms each). vae: 12.4 GFLOP a 64x128 image forward, ~2.4 TFLOP a step of 64
+#   -> ~0.1 s a step, 4000 steps ~5 min, capped at 8. encode < 1 min. pretrain: the 43M-param transformer, 4.5 GFLOP
+#   a sample forward, 3.5 TFLOP a bf16 step of 256 -> ~30 ms, 6000 steps ~3-5 min, capped at PRETRAIN_MINUTES.
+#   eval (200 prompts, 10 ODE steps, OCR) ~1 min each. rl: ~6 s a step (OCR of 192 images the longest phase) ->
+#   50 steps + 5 evals + start ~7 min; the control the same.
+# Knobs (env): PRETRAIN_STEPS (default 6000; fewer if the "before" OCR is near 1: RL needs room), PRETRAIN_MINUTES
+# (time cap, default 9), VAE_STEPS (default 4000), RL_STEPS (default 50, configs/mini_ocr.py), EVAL_NUM (200).
+set -euo pipefail
+OUT=${1:?usage: [SMOKE=1] bash scripts/mini_ocr.sh OUT}
+cd "$(dirname "$0")/.."
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+export HF_HUB_OFFLINE=1
+
+if [[ "${SMOKE:-0}" == 1 ]]; then
+  DEVICE=cpu
+  DATA=(--train 64 --test 16 --variants 2)
+  VAE=(--steps "${VAE_STEPS:-100}" --batch 4 --crop 32x64 --size toy --max-minutes 2)
+  PRE=(--steps "${PRETRAIN_STEPS:-30}" --batch 8 --dtype float32 --ema 0.9 --log-every 10 --max-minutes 2)
+  EVAL=(--num "${EVAL_NUM:-8}" --steps 4 --device cpu)
+  RL=(--config.rollout.device=cpu --config.rollout.num_gpus=0 --config.train.num_steps="${RL_STEPS:-2}"
+      --config.sample.prompts_per_step=2 --config.sample.group_size=2 --config.sample.prompts_per_call=2
+      --config.sample.num_steps=4 --config.sample.window_range="(0, 3)" --config.eval.num_steps=4
+      --config.eval.every=2 --config.eval.num_prompts=4 --config.reward.workers=1)
+else
+  DEVICE=cuda
+  DATA=(--train 4000 --test 200 --variants 4)
+  VAE=(--steps "${VAE_STEPS:-4000}" --batch 64 --size mini --max-minutes 8 --min-ocr 0.8)
+  PRE=(--steps "${PRETRAIN_STEPS:-6000}" --batch 256 --dtype bfloat16 --max-minutes "${PRETRAIN_MINUTES:-9}")
+  EVAL=(--num "${EVAL_NUM:-200}" --steps 10 --device cuda)
+  RL=(--config.train.num_steps="${RL_STEPS:-50}")
+  # one GPU shared by JAX and the in-process torch engine: a fixed JAX pool (README, "Running for real")
+  export XLA_PYTHON_CLIENT_PREALLOCATE=true XLA_CLIENT_MEM_FRACTION=0.5
+fi
+
+step() {  # step NAME COMMAND...: run, time, log (skipped when ONLY is set and does not name it)
+  local name=$1 start=$SECONDS
+  shift
+  [[ -z "${ONLY:-}" || " $ONLY " == *" $name "* ]] || return 0
+  echo "== $name: $*"
+  "$@"
+  echo "$name $((SECONDS - start)) s" | tee -a "$OUT/timings.txt"
+}
+
+rl() {  # rl RUN_DIR CONFIG
+  python -m jaxflow.train --config "$2" --config.model.path="$OUT/pipeline" --config.run_dir="$1" \
+    --config.data.train="$OUT/data/train.txt" --config.data.test="$OUT/data/test.txt" \
+    --config.log.progress=False --overwrite "${RL[@]}"
+}
+
+[[ -n "${ONLY:-}" ]] || : > "$OUT/timings.txt"
+step data python -m bridge.mini_ocr.prepare data --out "$OUT" "${DATA[@]}"
+step vae python -m bridge.mini_ocr.prepare vae --out "$OUT" --device "$DEVICE" "${VAE[@]}"
+step encode python -m bridge.mini_ocr.prepare encode --out "$OUT" --device "$DEVICE"
+step pretrain python -m jaxflow.mini_ocr.pretrain --pipeline "$OUT/pipeline" --data "$OUT/data" "${PRE[@]}"
+step eval_before python scripts/mini_ocr_eval.py --pipeline "$OUT/pipeline" --prompts "$OUT/data/test.txt" \
+  --json "$OUT/eval/before.json" --grid "$OUT/eval/before.png" "${EVAL[@]}"
+# the same on train words: RL trains on them, so they too must score well below 1 (else lower PRETRAIN_STEPS)
+step eval_before_train python scripts/mini_ocr_eval.py --pipeline "$OUT/pipeline" --prompts "$OUT/data/train.txt" \
+  --json "$OUT/eval/before_train.json" --grid "$OUT/eval/before_train.png" "${EVAL[@]}"
+step rl rl "$OUT/rl" configs/mini_ocr.py
+step eval_after python scripts/mini_ocr_eval.py --pipeline "$OUT/pipeline" --lora "$OUT/rl/lora_final" \
+  --prompts "$OUT/data/test.txt" --json "$OUT/eval/after.json" --grid "$OUT/eval/after.png" "${EVAL[@]}"
+step eval_after_train python scripts/mini_ocr_eval.py --pipeline "$OUT/pipeline" --lora "$OUT/rl/lora_final" \
+  --prompts "$OUT/data/train.txt" --json "$OUT/eval/after_train.json" --grid "$OUT/eval/after_train.png" "${EVAL[@]}"
+step rl_control rl "$OUT/rl_control" configs/mini_ocr.py:control
+step eval_control python scripts/mini_ocr_eval.py --pipeline "$OUT/pipeline" --lora "$OUT/rl_control/lora_final" \
+  --prompts "$OUT/data/test.txt" --json "$OUT/eval/control.json" --grid "$OUT/eval/control.png" "${EVAL[@]}"
+step result python scripts/mini_ocr_result.py --out "$OUT" \
+  --rl-seconds "$(awk '$1 == "rl" {s = $2} END {print s}' "$OUT/timings.txt")"

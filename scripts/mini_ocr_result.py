@@ -1,0 +1,84 @@
+"""Collect the mini OCR proof into OUT/mini_ocr.json (`results.write_result`) and OUT/reward_curve.png.
+
+    python scripts/mini_ocr_result.py --out OUT --rl-seconds S
+
+Reads OUT/eval/{before,after,control,before_train,after_train}.json (scripts/mini_ocr_eval.py),
+OUT/rl/metrics.jsonl and OUT/rl_control/metrics.jsonl (the two FlowGRPO runs), OUT/data/ocr_clean.json and
+OUT/vae_report.json.
+Figures: ocr_before/_se, ocr_after/_se, ocr_control_after/_se, ocr_rise (after - before) and its standard error,
+ocr_train_before/after (the same on train words, which RL trains on), rl_steps, rl_minutes (the wall time of the
+RL command); the per-step reward curves go in as extra fields.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from PIL import Image, ImageDraw
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import write_result  # noqa: E402
+
+COLOURS = {"rl": (200, 30, 30), "rl_control": (30, 30, 200)}
+
+
+def rows(run: Path) -> list[dict]:
+    out = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return sorted(out, key=lambda r: r["step"])
+
+
+def curve(run: Path) -> list[float]:
+    """Train reward (mean over the step's images) per step."""
+    return [round(float(r["reward_mean"]), 4) for r in rows(run)]
+
+
+def eval_curve(run: Path) -> list[list]:
+    """[step, held-out reward] at the trainer's evals (eval.num_prompts prompts, ODE)."""
+    return [[r["step"], round(float(r["eval_reward_mean"]), 4)] for r in rows(run) if "eval_reward_mean" in r]
+
+
+def plot(curves: dict[str, list[float]], path: Path, size=(480, 240), pad=30) -> None:
+    """Train reward per step (y from 0 to 1), one line per run; RL red, control blue."""
+    w, h = size
+    image = Image.new("RGB", size, "white")
+    draw = ImageDraw.Draw(image)
+    draw.rectangle((pad, 10, w - 10, h - pad), outline="black")
+    steps = max(len(c) for c in curves.values())
+    for name, values in curves.items():
+        xy = [(pad + (w - 10 - pad) * i / max(steps - 1, 1), h - pad - (h - pad - 10) * v) for i, v in
+              enumerate(values)]
+        draw.line(xy, fill=COLOURS.get(name, "black"), width=2)
+    draw.text((pad, h - pad + 4), f"step 1..{steps}   train OCR reward (0..1): RL red, shuffled control blue",
+              fill="black")
+    image.save(path)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--rl-seconds", type=float, required=True)
+    a = p.parse_args(argv)
+    ev = {k: json.loads((a.out / "eval" / f"{k}.json").read_text())
+          for k in ("before", "after", "control", "before_train", "after_train")}
+    curves = {name: curve(a.out / name) for name in ("rl", "rl_control")}
+    plot(curves, a.out / "reward_curve.png")
+    figures = dict(ocr_before=ev["before"]["mean"], ocr_before_se=ev["before"]["se"],
+                   ocr_after=ev["after"]["mean"], ocr_after_se=ev["after"]["se"],
+                   ocr_control_after=ev["control"]["mean"], ocr_control_after_se=ev["control"]["se"],
+                   ocr_rise=ev["after"]["mean"] - ev["before"]["mean"],
+                   ocr_rise_se=math.hypot(ev["before"]["se"], ev["after"]["se"]),
+                   ocr_train_before=ev["before_train"]["mean"], ocr_train_after=ev["after_train"]["mean"],
+                   eval_prompts=ev["before"]["n"], rl_steps=len(curves["rl"]), rl_minutes=a.rl_seconds / 60)
+    extra = dict(reward_curve=curves["rl"], control_reward_curve=curves["rl_control"],
+                 eval_curve=eval_curve(a.out / "rl"), control_eval_curve=eval_curve(a.out / "rl_control"),
+                 ocr_clean_renders=json.loads((a.out / "data" / "ocr_clean.json").read_text()),
+                 vae=json.loads((a.out / "vae_report.json").read_text()))
+    path = write_result(a.out, "mini_ocr", figures, extra=extra)
+    print(json.dumps(figures, indent=1), "->", path)
+
+
+if __name__ == "__main__":
+    main()
