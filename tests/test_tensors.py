@@ -2,7 +2,6 @@
 
 from types import SimpleNamespace
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np

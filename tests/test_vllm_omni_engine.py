@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from bridge.lora import adapter_config, flax_to_peft, lora_pairs, to_vllm_omni
+from bridge.lora import flax_to_peft, lora_pairs, to_vllm_omni
 from bridge.rollout import vllm_omni_pipeline as vop
 from bridge.rollout.engine_vllm_omni import INSTALL_HINT, _ack_errors, check_lora_binding, folder_fingerprint
 from bridge.rollout.pipeline import RolloutPipeline, SamplingParams
