@@ -10,25 +10,19 @@ Both sides run float32 (the model is small); the diffusers engine runs in the tr
 not measured): OCR of the 192 images is the longest phase of a step (one RapidOCR engine, ~20 ms an image on a
 16-core host), about 5 s a step with rollout and update, so 50 steps with 5 evals of 64 prompts fit 10 minutes.
 """
-import importlib.util
 from pathlib import Path
+
+from jaxflow.config import config_from_file
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "mini_ocr"
 VARIANTS = ("", "control")
-
-
-def _tiny_ocr():
-    spec = importlib.util.spec_from_file_location("tiny_ocr", Path(__file__).with_name("tiny_ocr.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def get_config(variant: str = ""):
     if variant not in VARIANTS:
         raise ValueError(f"configs/mini_ocr.py:{variant}: unknown variant; use configs/mini_ocr.py or "
                          f"configs/mini_ocr.py:control")
-    c = _tiny_ocr().get_config()
+    c = config_from_file(Path(__file__).with_name("tiny_ocr.py"))
     c.run_dir = "runs/mini_ocr_control" if variant else "runs/mini_ocr"
     c.model.path = ""  # the folder scripts/mini_ocr.sh builds: --config.model.path=OUT/pipeline
     c.lora.rank, c.lora.alpha = 32, 64.0

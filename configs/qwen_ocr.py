@@ -21,19 +21,13 @@ Values and their sources:
 - negative prompt " ": flow_grpo's Qwen pipeline. Reward: OCR (flow_grpo's `ocr`; verl-omni uses a VLM judge,
   available here as `vlm_ocr`).
 """
-import importlib.util
 from pathlib import Path
 
-
-def _tiny_ocr():
-    spec = importlib.util.spec_from_file_location("tiny_ocr", Path(__file__).with_name("tiny_ocr.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from jaxflow.config import config_from_file
 
 
 def get_config():
-    c = _tiny_ocr().get_config()
+    c = config_from_file(Path(__file__).with_name("tiny_ocr.py"))
     c.run_dir = "runs/qwen_ocr"
     c.model.path = ""  # required: a diffusers Qwen-Image folder (model_index.json, transformer/, ...)
     c.model.dtype = "bfloat16"

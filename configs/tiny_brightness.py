@@ -5,19 +5,13 @@
 The tiny random Qwen-Image draws noise, so OCR scores it 0 everywhere (no signal to learn from); the mean pixel
 value is a dense signal the LoRA moves from the first step. Group size, lr and steps: measured in README.
 """
-import importlib.util
 from pathlib import Path
 
-
-def _tiny_ocr():
-    spec = importlib.util.spec_from_file_location("tiny_ocr", Path(__file__).with_name("tiny_ocr.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from jaxflow.config import config_from_file
 
 
 def get_config():
-    c = _tiny_ocr().get_config()
+    c = config_from_file(Path(__file__).with_name("tiny_ocr.py"))
     c.run_dir = "runs/tiny_brightness"
     c.reward.fns = {"brightness": 1.0}
     c.sample.group_size = 8  # 32 images a step: a steadier gradient than 16
