@@ -35,5 +35,5 @@ def get_config(variant: str = ""):
     c.reward.workers = 4
     c.data = dict(train=str(DATA / "train.txt"), test=str(DATA / "test.txt"))
     c.eval.update(every=10, num_prompts=64, num_steps=10, guidance=4.0)
-    c.checkpoint.update(every=1000, keep=1)
+    c.checkpoint.update(every=10, keep=1)  # a run cut by a time limit resumes (scripts/mini_ocr.sh)
     return c

@@ -7,8 +7,10 @@
 #   bash scripts/mini_ocr.sh OUT                   # the GPU run
 #   SMOKE=1 bash scripts/mini_ocr.sh /tmp/mini     # every step at toy size on the CPU (a few minutes)
 #   ONLY="data vae encode" bash scripts/mini_ocr.sh OUT   # only these steps (commands capped at 10 minutes);
-#   steps: data vae encode pretrain eval_before eval_before_train rl eval_after eval_after_train rl_control
+#   steps: data vae encode pretrain eval_before eval_before_train rl rl_control eval_after eval_after_train
 #   eval_control result
+# SIDE_BY_SIDE=1 (default) runs the two evals before, the RL run and its control, and the three evals after, side
+# by side on the one GPU (the control then costs no extra wall time); SIDE_BY_SIDE=0 runs them one at a time.
 #
 # H200 estimates (from FLOPs counted on the CPU with torch's FlopCounterMode; nothing has run on a GPU yet):
 #   data < 1 min (16000 renders, 0.3 ms each). vae: 12.4 GFLOP a 64x128 image forward, ~2.4 TFLOP a step of 64
@@ -17,7 +19,9 @@
 #   eval (200 prompts, 10 ODE steps, OCR) ~1 min each. rl: ~6 s a step (OCR of 192 images the longest phase) ->
 #   50 steps + 5 evals + start ~7 min; the control the same.
 # Knobs (env): PRETRAIN_STEPS (default 6000; fewer if the "before" OCR is near 1: RL needs room), PRETRAIN_MINUTES
-# (time cap, default 9), VAE_STEPS (default 4000), RL_STEPS (default 50, configs/mini_ocr.py), EVAL_NUM (200).
+# (time cap, default 9), VAE_STEPS (default 4000), VAE_MINUTES (time cap, default 8), RL_STEPS (default 50,
+# configs/mini_ocr.py), EVAL_NUM (200), RL_TIMEOUT (seconds: stop an RL run there; it checkpoints every 10 steps)
+# and RL_RESUME=1 (continue such a run: ONLY="rl rl_control" RL_RESUME=1 ...).
 set -euo pipefail
 OUT=${1:?usage: [SMOKE=1] bash scripts/mini_ocr.sh OUT}
 cd "$(dirname "$0")/.."
@@ -38,12 +42,15 @@ if [[ "${SMOKE:-0}" == 1 ]]; then
 else
   DEVICE=cuda
   DATA=(--train 4000 --test 200 --variants 4)
-  VAE=(--steps "${VAE_STEPS:-4000}" --batch 64 --size mini --max-minutes 8 --min-ocr 0.8)
+  VAE=(--steps "${VAE_STEPS:-4000}" --batch 64 --size mini --max-minutes "${VAE_MINUTES:-8}" --min-ocr 0.8)
   PRE=(--steps "${PRETRAIN_STEPS:-6000}" --batch 256 --dtype bfloat16 --max-minutes "${PRETRAIN_MINUTES:-9}")
   EVAL=(--num "${EVAL_NUM:-200}" --steps 10 --device cuda)
   RL=(--config.train.num_steps="${RL_STEPS:-50}")
-  # one GPU shared by JAX and the in-process torch engine: a fixed JAX pool (README, "Running for real")
-  export XLA_PYTHON_CLIENT_PREALLOCATE=true XLA_CLIENT_MEM_FRACTION=0.5
+  # one GPU shared by JAX and the in-process torch engine: a fixed JAX pool (README, "Running for real"); with
+  # SIDE_BY_SIDE two trainers share it, each with 0.3
+  pool=0.5
+  [[ "${SIDE_BY_SIDE:-1}" == 1 ]] && pool=0.3
+  export XLA_PYTHON_CLIENT_PREALLOCATE=true XLA_CLIENT_MEM_FRACTION=$pool
 fi
 
 step() {  # step NAME COMMAND...: run, time, log (skipped when ONLY is set and does not name it)
@@ -55,10 +62,23 @@ step() {  # step NAME COMMAND...: run, time, log (skipped when ONLY is set and d
   echo "$name $((SECONDS - start)) s" | tee -a "$OUT/timings.txt"
 }
 
-rl() {  # rl RUN_DIR CONFIG
-  python -m jaxflow.train --config "$2" --config.model.path="$OUT/pipeline" --config.run_dir="$1" \
-    --config.data.train="$OUT/data/train.txt" --config.data.test="$OUT/data/test.txt" \
-    --config.log.progress=False --overwrite "${RL[@]}"
+pids=()
+together() {  # together COMMAND...: in the background under SIDE_BY_SIDE (default 1), else now; `join` waits
+  if [[ "${SIDE_BY_SIDE:-1}" == 1 ]]; then "$@" & pids+=($!); else "$@"; fi
+}
+join() {  # wait for every `together` command; fail if any failed
+  local p rc=0
+  for p in "${pids[@]}"; do wait "$p" || rc=1; done
+  pids=()
+  return $rc
+}
+
+rl() {  # rl RUN_DIR CONFIG: a new run, or with RL_RESUME=1 the continuation of one cut by RL_TIMEOUT
+  local start=--overwrite
+  [[ "${RL_RESUME:-0}" == 1 ]] && start=--resume
+  timeout --kill-after=30 "${RL_TIMEOUT:-0}" python -m jaxflow.train --config "$2" \
+    --config.model.path="$OUT/pipeline" --config.run_dir="$1" --config.data.train="$OUT/data/train.txt" \
+    --config.data.test="$OUT/data/test.txt" --config.log.progress=False "$start" "${RL[@]}"
 }
 
 [[ -n "${ONLY:-}" ]] || : > "$OUT/timings.txt"
@@ -66,18 +86,22 @@ step data python -m bridge.mini_ocr.prepare data --out "$OUT" "${DATA[@]}"
 step vae python -m bridge.mini_ocr.prepare vae --out "$OUT" --device "$DEVICE" "${VAE[@]}"
 step encode python -m bridge.mini_ocr.prepare encode --out "$OUT" --device "$DEVICE"
 step pretrain python -m jaxflow.mini_ocr.pretrain --pipeline "$OUT/pipeline" --data "$OUT/data" "${PRE[@]}"
-step eval_before python scripts/mini_ocr_eval.py --pipeline "$OUT/pipeline" --prompts "$OUT/data/test.txt" \
-  --json "$OUT/eval/before.json" --grid "$OUT/eval/before.png" "${EVAL[@]}"
-# the same on train words: RL trains on them, so they too must score well below 1 (else lower PRETRAIN_STEPS)
-step eval_before_train python scripts/mini_ocr_eval.py --pipeline "$OUT/pipeline" --prompts "$OUT/data/train.txt" \
-  --json "$OUT/eval/before_train.json" --grid "$OUT/eval/before_train.png" "${EVAL[@]}"
-step rl rl "$OUT/rl" configs/mini_ocr.py
-step eval_after python scripts/mini_ocr_eval.py --pipeline "$OUT/pipeline" --lora "$OUT/rl/lora_final" \
-  --prompts "$OUT/data/test.txt" --json "$OUT/eval/after.json" --grid "$OUT/eval/after.png" "${EVAL[@]}"
-step eval_after_train python scripts/mini_ocr_eval.py --pipeline "$OUT/pipeline" --lora "$OUT/rl/lora_final" \
-  --prompts "$OUT/data/train.txt" --json "$OUT/eval/after_train.json" --grid "$OUT/eval/after_train.png" "${EVAL[@]}"
-step rl_control rl "$OUT/rl_control" configs/mini_ocr.py:control
-step eval_control python scripts/mini_ocr_eval.py --pipeline "$OUT/pipeline" --lora "$OUT/rl_control/lora_final" \
-  --prompts "$OUT/data/test.txt" --json "$OUT/eval/control.json" --grid "$OUT/eval/control.png" "${EVAL[@]}"
+ev() {  # ev NAME PROMPTS [--lora DIR]: OCR of the pipeline (+ LoRA) on PROMPTS -> OUT/eval/NAME.{json,png}
+  local name=$1 prompts=$2
+  shift 2
+  python scripts/mini_ocr_eval.py --pipeline "$OUT/pipeline" --prompts "$prompts" --json "$OUT/eval/$name.json" \
+    --grid "$OUT/eval/$name.png" "$@" "${EVAL[@]}"
+}
+# the train words too: RL trains on them, so they must also score well below 1 (else lower PRETRAIN_STEPS)
+together step eval_before ev before "$OUT/data/test.txt"
+together step eval_before_train ev before_train "$OUT/data/train.txt"
+join
+together step rl rl "$OUT/rl" configs/mini_ocr.py
+together step rl_control rl "$OUT/rl_control" configs/mini_ocr.py:control
+join
+together step eval_after ev after "$OUT/data/test.txt" --lora "$OUT/rl/lora_final"
+together step eval_after_train ev after_train "$OUT/data/train.txt" --lora "$OUT/rl/lora_final"
+together step eval_control ev control "$OUT/data/test.txt" --lora "$OUT/rl_control/lora_final"
+join
 step result python scripts/mini_ocr_result.py --out "$OUT" \
   --rl-seconds "$(awk '$1 == "rl" {s = $2} END {print s}' "$OUT/timings.txt")"

@@ -2,7 +2,8 @@
 # Stage vLLM-Omni 0.20.0 (+ vllm 0.20.0) and the trainer's missing dependencies (ray, ml-collections, ...) for a
 # GPU machine that cannot reach any package index.
 #
-#   bash scripts/stage_vllm_omni.sh        # rerunnable: downloads what is missing, re-splits, prints the plan
+#   bash scripts/stage_vllm_omni.sh            # rerunnable: downloads what is missing, re-splits, prints the plan
+#   SET=mini bash scripts/stage_vllm_omni.sh   # only what scripts/mini_ocr.sh needs (no vllm, no ray): 2 calls
 #
 # Downloads Python 3.12 manylinux x86_64 wheels (--no-deps; the set that ran on an H200 with torch
 # 2.11.0+cu130, see docs/vllm_omni.md) into the ignored folder .stage/wheels, splits the
@@ -13,8 +14,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-STAGE=.stage
+SET=${SET:-all}
 PART_BYTES=62000000
+# the OCR reward's packages that the device image lacks (it has onnxruntime and opencv-python-headless)
+OCR_WHEELS=(rapidocr-onnxruntime==1.4.4 pyclipper==1.4.0 shapely==2.1.2)
+TRAINER_WHEELS=(ml-collections==1.1.0 tensorboardX==2.6.5 levenshtein==0.27.5 rapidfuzz==3.14.6)
 WHEELS=(
   vllm==0.20.0 vllm-omni==0.20.0 diffusers==0.40.0 cache-dit==1.3.0 peft==0.21.2
   x-transformers==2.31.10 einx==0.4.3 loguru==0.7.3 frozendict==2.5.1 torch-einops-utils==0.2.0
@@ -25,9 +29,13 @@ WHEELS=(
   sniffio==1.3.1
   # the trainer's own dependencies that the device image lacks (ray's wheel is over one call: it is split too)
   ray==2.60.0 click==8.3.1 jsonschema==4.25.1 jsonschema-specifications==2025.9.1 referencing==0.37.0
-  rpds-py==0.30.0 attrs==25.4.0 msgpack==1.1.2 ml-collections==1.1.0 tensorboardX==2.6.5 levenshtein==0.27.5
-  rapidfuzz==3.14.6
+  rpds-py==0.30.0 attrs==25.4.0 msgpack==1.1.2 "${TRAINER_WHEELS[@]}" "${OCR_WHEELS[@]}"
 )
+case $SET in
+  all)  STAGE=.stage ;;
+  mini) STAGE=.stage/mini WHEELS=(diffusers==0.40.0 "${TRAINER_WHEELS[@]}" "${OCR_WHEELS[@]}") ;;
+  *) echo "SET must be all or mini" >&2; exit 2 ;;
+esac
 PLATFORMS=(manylinux_2_39_x86_64 manylinux_2_35_x86_64 manylinux_2_34_x86_64 manylinux_2_31_x86_64
            manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64
            manylinux2014_x86_64 manylinux1_x86_64)
@@ -88,8 +96,10 @@ print_plan() {
        "&& bash scripts/install_staged.sh /tmp/stage /tmp/site\")"
   echo
   echo "== then, in every later call of that warm machine =="
+  local probe=vllm_omni
+  [ "$SET" = mini ] && probe=diffusers
   echo "  export PYTHONPATH=/tmp/site:\$PWD;" \
-       "test -d /tmp/site/vllm_omni || { echo 'machine went cold: stage again'; exit 1; }"
+       "test -d /tmp/site/$probe || { echo 'machine went cold: stage again'; exit 1; }"
 }
 
 mkdir -p "$STAGE/wheels"
