@@ -12,14 +12,15 @@
 # SIDE_BY_SIDE=1 (default) runs the two evals before, the RL run and its control, and the three evals after, side
 # by side on the one GPU (the control then costs no extra wall time); SIDE_BY_SIDE=0 runs them one at a time.
 #
-# H200 estimates (from FLOPs counted on the CPU with torch's FlopCounterMode; nothing has run on a GPU yet):
-#   data < 1 min (16000 renders, 0.3 ms each). vae: 12.4 GFLOP a 64x128 image forward, ~2.4 TFLOP a step of 64
-#   -> ~0.1 s a step, 4000 steps ~5 min, capped at 8. encode < 1 min. pretrain: the 43M-param transformer, 4.5 GFLOP
+# H200 estimates (from FLOPs counted on the CPU with torch's FlopCounterMode, except where measured):
+#   data 15 s (measured). vae: whole signs, 64 a step, ran 0.11 s a step (measured) but stalled at the blank-sign
+#   loss (0.156, OCR 0); 32x64 crops 16 a step leave it by step ~80 on the CPU: 6000 steps, capped at 5 min.
+#   encode < 1 min. pretrain: the 43M-param transformer, 4.5 GFLOP
 #   a sample forward, 3.5 TFLOP a bf16 step of 256 -> ~30 ms, 6000 steps ~3-5 min, capped at PRETRAIN_MINUTES.
 #   eval (200 prompts, 10 ODE steps, OCR) ~1 min each. rl: ~6 s a step (OCR of 192 images the longest phase) ->
 #   50 steps + 5 evals + start ~7 min; the control the same.
 # Knobs (env): PRETRAIN_STEPS (default 6000; fewer if the "before" OCR is near 1: RL needs room), PRETRAIN_MINUTES
-# (time cap, default 9), VAE_STEPS (default 4000), VAE_MINUTES (time cap, default 8), RL_STEPS (default 50,
+# (time cap, default 9), VAE_STEPS (default 6000), VAE_MINUTES (time cap, default 5), RL_STEPS (default 50,
 # configs/mini_ocr.py), EVAL_NUM (200), RL_TIMEOUT (seconds: stop an RL run there; it checkpoints every 10 steps)
 # and RL_RESUME=1 (continue such a run: ONLY="rl rl_control" RL_RESUME=1 ...).
 set -euo pipefail
@@ -42,7 +43,8 @@ if [[ "${SMOKE:-0}" == 1 ]]; then
 else
   DEVICE=cuda
   DATA=(--train 4000 --test 200 --variants 4)
-  VAE=(--steps "${VAE_STEPS:-4000}" --batch 64 --size mini --max-minutes "${VAE_MINUTES:-8}" --min-ocr 0.8)
+  # 32x64 crops, 16 a step: whole 64x128 signs 64 a step stalled at the blank-sign loss for 3445 steps on an H200
+  VAE=(--steps "${VAE_STEPS:-6000}" --batch 16 --crop 32x64 --size mini --max-minutes "${VAE_MINUTES:-5}" --min-ocr 0.8)
   PRE=(--steps "${PRETRAIN_STEPS:-6000}" --batch 256 --dtype bfloat16 --max-minutes "${PRETRAIN_MINUTES:-9}")
   EVAL=(--num "${EVAL_NUM:-200}" --steps 10 --device cuda)
   RL=(--config.train.num_steps="${RL_STEPS:-50}")

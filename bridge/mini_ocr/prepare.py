@@ -1,7 +1,7 @@
 """The torch-side steps of the mini OCR proof, each one command (`scripts/mini_ocr.sh` runs them in order):
 
     python -m bridge.mini_ocr.prepare data   --out OUT [--train 4000 --test 200 --variants 4]
-    python -m bridge.mini_ocr.prepare vae    --out OUT [--steps 3000 --batch 64 --size mini --device cuda]
+    python -m bridge.mini_ocr.prepare vae    --out OUT [--steps 6000 --batch 16 --crop 32x64 --device cuda]
     python -m bridge.mini_ocr.prepare encode --out OUT [--device cuda]
 
 data: OUT/data/{train,test}.txt (prompts), images.npy (uint8 renders of the train words, `variants` each),
