@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from bridge.rollout.pipeline import RolloutPipeline, SamplingParams
+from bridge.rollout.pipeline import RolloutPipeline
+from bridge.rollout.sampling import SamplingParams
 from bridge.rollout.tiny import QWEN_SCHEDULER_CONFIG, QWEN_SPECIAL_TOKENS, build_pipeline, build_tokenizer, tokenizer_vocab
 
 REAL_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True],

@@ -19,7 +19,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bridge.rollout.lora_apply import load_adapter  # noqa: E402
-from bridge.rollout.pipeline import RolloutPipeline, SamplingParams  # noqa: E402
+from bridge.rollout.pipeline import RolloutPipeline  # noqa: E402
+from bridge.rollout.sampling import SamplingParams  # noqa: E402
 from jaxflow.data import load_prompts  # noqa: E402
 from jaxflow.metrics_log import image_grid  # noqa: E402
 from jaxflow.rewards.ocr import OcrReward  # noqa: E402

@@ -70,7 +70,8 @@ def breakdown(title: str, kernels, wall_s: float, top: int = 12) -> dict:
 def profile_rollout(folder: Path, out: Path) -> dict:
     import torch
 
-    from bridge.rollout.pipeline import RolloutPipeline, SamplingParams
+    from bridge.rollout.pipeline import RolloutPipeline
+    from bridge.rollout.sampling import SamplingParams
     pipe = RolloutPipeline.from_pretrained(folder, "bfloat16", "cuda", random_seed=0)
     sp = SamplingParams()  # flow_grpo's Qwen-Image recipe: 512^2, 10 steps, CFG 4, sde 1.2, window 2 in [0, 5)
     prompts = ['a hot air balloon with "MIDNIGHT VALLEY" written on the envelope']

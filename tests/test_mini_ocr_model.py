@@ -72,7 +72,8 @@ def test_the_rl_config_and_its_control_validate(tiny_path):
 def test_pretraining_lowers_the_loss_and_both_sides_load_the_folder(toy):
     import jax
 
-    from bridge.rollout.pipeline import RolloutPipeline, SamplingParams
+    from bridge.rollout.pipeline import RolloutPipeline
+    from bridge.rollout.sampling import SamplingParams
     from jaxflow.mini_ocr.pretrain import pretrain
     from jaxflow.models.loading import fingerprint, load_transformer
 

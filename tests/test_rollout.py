@@ -10,7 +10,8 @@ import torch
 from safetensors.numpy import save_file
 
 import bridge.rollout
-from bridge.rollout.pipeline import Fp32Timestep, RolloutPipeline, SamplingParams
+from bridge.rollout.pipeline import RolloutPipeline
+from bridge.rollout.sampling import Fp32Timestep, SamplingParams
 from bridge.rollout.sde import sde_step, sigma_schedule
 from bridge.rollout.server import create_rollout_server
 from bridge.trajectory import TrajectoryBatch

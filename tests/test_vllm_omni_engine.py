@@ -11,7 +11,8 @@ import torch
 from bridge.lora import flax_to_peft, lora_pairs, to_vllm_omni
 from bridge.rollout import vllm_omni_pipeline as vop
 from bridge.rollout.engine_vllm_omni import INSTALL_HINT, _ack_errors, check_lora_binding, folder_fingerprint
-from bridge.rollout.pipeline import RolloutPipeline, SamplingParams
+from bridge.rollout.pipeline import RolloutPipeline
+from bridge.rollout.sampling import SamplingParams
 from bridge.rollout.server import engine_class
 from bridge.trajectory import TrajectoryBatch
 from tests.test_bridge_lora import D, LAYERS, MLP, RANK, random_tree

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from bridge.rollout.pipeline import RolloutPipeline, SamplingParams
+from bridge.rollout.pipeline import RolloutPipeline
+from bridge.rollout.sampling import SamplingParams
 from bridge.rollout.server import check_engine_config
 
 CONFIG_KEYS = ("engine", "model", "dtype", "device", "random_seed", "compile")

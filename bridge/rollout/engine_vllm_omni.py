@@ -38,8 +38,8 @@ import numpy as np
 import bridge
 from bridge.lora import lora_pairs, read_peft, to_vllm_omni, vllm_omni_adapter_config, write_peft
 from bridge.rollout.lora_apply import _refuse, _spec_from_config
-from bridge.rollout.pipeline import (FINGERPRINT_ELEMENTS, RolloutPipeline, SamplingParams, TensorHead,
-                                     weights_fingerprint)
+from bridge.rollout.pipeline import FINGERPRINT_ELEMENTS, RolloutPipeline, TensorHead, weights_fingerprint
+from bridge.rollout.sampling import SamplingParams
 from bridge.rollout.sde import sample_windows
 from bridge.rollout.server import check_engine_config
 from bridge.rollout.vllm_omni_pipeline import (PIPELINE_CLASS, WORKER_EXTENSION_CLASS, encode_request,

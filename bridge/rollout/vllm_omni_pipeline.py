@@ -30,7 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bridge.rollout.pipeline import Fp32Timestep, RolloutPipeline, SamplingParams, TensorHead, weights_fingerprint
+from bridge.rollout.pipeline import TensorHead, weights_fingerprint
+from bridge.rollout.sampling import Fp32Timestep, SamplingLoop, SamplingParams
 from bridge.rollout.random_init import random_named_weights
 from bridge.tensors import numpy_to_torch, torch_to_numpy
 from bridge.trajectory import TrajectoryBatch
@@ -41,7 +42,7 @@ PAYLOAD_KEY = "rollout"  # our entry in DiffusionOutput.custom_output
 # SamplingParams fields carried by OmniDiffusionSamplingParams attributes, and those carried in its extra_args.
 PARAM_FIELDS = ("height", "width", "num_inference_steps", "true_cfg_scale", "max_sequence_length", "seed")
 EXTRA_FIELDS = ("noise_level", "sde_type", "sde_window_size", "sde_window_range")
-# RolloutPipeline members reused as they are (descriptors kept: properties stay properties).
+# SamplingLoop members reused as they are (descriptors kept: properties stay properties).
 _BORROWED = ("size_multiple", "validate", "_check_lengths", "_seeds", "encode", "velocity", "decode", "generate",
              "_denoise")
 
@@ -135,7 +136,7 @@ def _txt_seq_lens_from_mask(module, args, kwargs):
 def build_pipeline_class(base: type, output_cls) -> type:
     """Our pipeline as a subclass of `base` (vLLM-Omni's QwenImagePipeline); `output_cls` builds its results
     (vLLM-Omni's DiffusionOutput). Both are parameters so tests can run it on diffusers components."""
-    namespace = {name: vars(RolloutPipeline)[name] for name in _BORROWED}
+    namespace = {name: vars(SamplingLoop)[name] for name in _BORROWED}
 
     def __init__(self, *, od_config, **kwargs):
         base.__init__(self, od_config=od_config, **kwargs)
