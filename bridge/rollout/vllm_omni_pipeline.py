@@ -7,7 +7,7 @@ imports without vLLM-Omni (CPU machines, tests) and builds its vLLM-Omni subclas
 (PEP 562 `__getattr__`):
 
 - `FlowGRPOQwenImagePipeline`: vLLM-Omni's `QwenImagePipeline` (its loading, fused transformer, text encoder,
-  VAE) running `RolloutPipeline.generate`'s loop: one text-encoder pass, CFG positive/negative batched in one
+  VAE) running `SamplingLoop.generate`: one text-encoder pass, CFG positive/negative batched in one
   forward, float32 latents between steps, sigma in float32 to the timestep embedding (`Fp32Timestep`; vLLM-Omni's
   `QwenTimestepProjEmbeddings` has the same call and cast as diffusers'), per-sample CPU generators, seeds and
   SDE windows, the torch SDE of `bridge.rollout.sde`. Requests without our `extra_args` (the engine's warm-up
@@ -15,8 +15,8 @@ imports without vLLM-Omni (CPU machines, tests) and builds its vLLM-Omni subclas
 - `RolloutWorkerExtension`: vLLM-Omni's `CustomPipelineWorkerExtension` plus `rollout_lora_modules()`, the
   transformer's LoRA-capable layers and their shapes (the engine checks adapters against it).
 
-The generation methods are `RolloutPipeline`'s own functions, reused unchanged: they only touch attributes
-vLLM-Omni's pipeline has under the same names, plus the few aliases `__init__` adds (see `_BORROWED`).
+The class inherits `SamplingLoop` ahead of vLLM-Omni's pipeline, so the loop's methods win: they only touch
+attributes vLLM-Omni's pipeline has under the same names, plus the few aliases `__init__` adds.
 Numerics that differ from diffusers sit inside vLLM-Omni's transformer: RoPE applied with cos/sin cast to the
 model dtype, its attention backends (masked varlen FlashAttention for padded text), fused QKV.
 """
@@ -42,9 +42,6 @@ PAYLOAD_KEY = "rollout"  # our entry in DiffusionOutput.custom_output
 # SamplingParams fields carried by OmniDiffusionSamplingParams attributes, and those carried in its extra_args.
 PARAM_FIELDS = ("height", "width", "num_inference_steps", "true_cfg_scale", "max_sequence_length", "seed")
 EXTRA_FIELDS = ("noise_level", "sde_type", "sde_window_size", "sde_window_range")
-# SamplingLoop members reused as they are (descriptors kept: properties stay properties).
-_BORROWED = ("size_multiple", "validate", "_check_lengths", "_seeds", "encode", "velocity", "decode", "generate",
-             "_denoise")
 
 
 # ------------------------------------------------------------------------------------------ request codec
@@ -134,9 +131,9 @@ def _txt_seq_lens_from_mask(module, args, kwargs):
 
 
 def build_pipeline_class(base: type, output_cls) -> type:
-    """Our pipeline as a subclass of `base` (vLLM-Omni's QwenImagePipeline); `output_cls` builds its results
-    (vLLM-Omni's DiffusionOutput). Both are parameters so tests can run it on diffusers components."""
-    namespace = {name: vars(SamplingLoop)[name] for name in _BORROWED}
+    """Our pipeline as a subclass of `SamplingLoop` and `base` (vLLM-Omni's QwenImagePipeline); `output_cls`
+    builds its results (vLLM-Omni's DiffusionOutput). Both are parameters so tests can run it on diffusers
+    components."""
 
     def __init__(self, *, od_config, **kwargs):
         base.__init__(self, od_config=od_config, **kwargs)
@@ -179,11 +176,10 @@ def build_pipeline_class(base: type, output_cls) -> type:
         prompt, sampling, n, seeds, self.policy_version = decode_request(req.prompts, req.sampling_params)
         return output_cls(**pack_trajectories(self.generate([prompt], n, sampling, seeds)))
 
-    doc = "vLLM-Omni's QwenImagePipeline serving RolloutPipeline's FlowGRPO rollout (see the module docstring)."
-    namespace.update(__init__=__init__, load_weights=load_weights, dtype=property(dtype), forward=forward,
-                     __module__=__name__,
-                     __qualname__="FlowGRPOQwenImagePipeline", __doc__=doc)
-    return type("FlowGRPOQwenImagePipeline", (base,), namespace)
+    doc = "vLLM-Omni's QwenImagePipeline serving SamplingLoop's FlowGRPO rollout (see the module docstring)."
+    namespace = {"__init__": __init__, "load_weights": load_weights, "dtype": property(dtype), "forward": forward,
+                 "__module__": __name__, "__qualname__": "FlowGRPOQwenImagePipeline", "__doc__": doc}
+    return type("FlowGRPOQwenImagePipeline", (SamplingLoop, base), namespace)
 
 
 def lora_module_table(transformer: torch.nn.Module) -> dict:
