@@ -38,8 +38,8 @@ import numpy as np
 import bridge
 from bridge.lora import lora_pairs, read_peft, to_vllm_omni, vllm_omni_adapter_config, write_peft
 from bridge.rollout.lora_apply import _refuse, _spec_from_config
-from bridge.rollout.pipeline import FINGERPRINT_ELEMENTS, RolloutPipeline, TensorHead, weights_fingerprint
-from bridge.rollout.sampling import SamplingParams
+from bridge.rollout.pipeline import FINGERPRINT_ELEMENTS, TensorHead, weights_fingerprint
+from bridge.rollout.sampling import SamplingParams, check_prompts, per_sample_seeds
 from bridge.rollout.sde import sample_windows
 from bridge.rollout.server import check_engine_config
 from bridge.rollout.vllm_omni_pipeline import (PIPELINE_CLASS, WORKER_EXTENSION_CLASS, encode_request,
@@ -216,12 +216,9 @@ class VllmOmniEngine:
     def generate(self, prompts: list[str], n: int, sampling: dict | None = None, seeds=None) -> dict:
         """TrajectoryBatch.to_dict() of B = len(prompts) * n samples, prompt-major (sample b of prompt b // n)."""
         sp = SamplingParams.from_dict(sampling)
-        if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) for p in prompts):
-            raise ValueError(f"prompts must be a non-empty list of str, got {prompts!r}")
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-            raise ValueError(f"n (samples per prompt) must be an int >= 1, got {n!r}")
+        check_prompts(prompts, n)
         self._check_awake()
-        seeds = RolloutPipeline._seeds(len(prompts) * n, sp.seed if seeds is None else seeds)
+        seeds = per_sample_seeds(len(prompts) * n, sp.seed if seeds is None else seeds)
         sample_windows(seeds, sp.sde_window_size, sp.sde_window_range, sp.num_inference_steps)
         requests = [encode_request(p, sp, seeds[g * n:(g + 1) * n], self.policy_version)
                     for g, p in enumerate(prompts)]

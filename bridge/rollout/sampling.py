@@ -95,6 +95,25 @@ class Fp32Timestep:
             self.sigma = None
 
 
+def check_prompts(prompts, n) -> None:
+    """ValueError unless `prompts` is a non-empty list of str and `n` (samples per prompt) an int >= 1."""
+    if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise ValueError(f"prompts must be a non-empty list of str, got {prompts!r}")
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise ValueError(f"n (samples per prompt) must be an int >= 1, got {n!r}")
+
+
+def per_sample_seeds(batch: int, seeds) -> np.ndarray:
+    """(B,) int64 seeds: an int is a base seed (base + 0..B-1); a sequence gives one seed per sample."""
+    if isinstance(seeds, (int, np.integer)) and not isinstance(seeds, bool):
+        seeds = [int(seeds) + i for i in range(batch)]
+    seeds = list(seeds)
+    if len(seeds) != batch or not all(isinstance(s, (int, np.integer)) and 0 <= s < 2**63 for s in seeds):
+        raise ValueError(f"seeds must be {batch} ints in [0, 2**63) (one per sample) or one base seed, "
+                         f"got {seeds!r}")
+    return np.asarray(seeds, np.int64)
+
+
 def _pad_text(embeds: list[torch.Tensor], length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad (L_i, D) embeds to (B, length, D) with zeros and a bool mask."""
     out = embeds[0].new_zeros(len(embeds), length, embeds[0].shape[-1])
@@ -125,10 +144,7 @@ class SamplingLoop:
 
     def validate(self, prompts, n: int, sampling: SamplingParams, seeds=None) -> np.ndarray:
         """ValueError on any bad input, before a model runs; returns the per-sample seeds (B,) int64."""
-        if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) for p in prompts):
-            raise ValueError(f"prompts must be a non-empty list of str, got {prompts!r}")
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-            raise ValueError(f"n (samples per prompt) must be an int >= 1, got {n!r}")
+        check_prompts(prompts, n)
         ints = {k: getattr(sampling, k) for k in ("height", "width", "num_inference_steps")}
         if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in ints.values()):
             raise ValueError(f"height, width and num_inference_steps must be ints, got {ints}")
@@ -145,7 +161,7 @@ class SamplingLoop:
                              f"got {sampling.max_sequence_length}")
         texts = list(prompts) + ([sampling.negative_prompt] if sampling.cfg else [])
         self._check_lengths(texts, sampling.max_sequence_length)
-        seeds = self._seeds(len(prompts) * n, sampling.seed if seeds is None else seeds)
+        seeds = per_sample_seeds(len(prompts) * n, sampling.seed if seeds is None else seeds)
         sample_windows(seeds, sampling.sde_window_size, sampling.sde_window_range, sampling.num_inference_steps)
         return seeds
 
@@ -156,17 +172,6 @@ class SamplingLoop:
             listed = ", ".join(f"#{i} ({k} tokens: {texts[i][:40]!r})" for i, k in long[:5])
             raise ValueError(f"{len(long)} prompt(s) exceed max_sequence_length={limit} tokens after the "
                              f"template (no truncation): {listed}")
-
-    @staticmethod
-    def _seeds(batch: int, seeds) -> np.ndarray:
-        """An int is a base seed (base + 0..B-1); a sequence gives one seed per sample."""
-        if isinstance(seeds, (int, np.integer)) and not isinstance(seeds, bool):
-            seeds = [int(seeds) + i for i in range(batch)]
-        seeds = list(seeds)
-        if len(seeds) != batch or not all(isinstance(s, (int, np.integer)) and 0 <= s < 2**63 for s in seeds):
-            raise ValueError(f"seeds must be {batch} ints in [0, 2**63) (one per sample) or one base seed, "
-                             f"got {seeds!r}")
-        return np.asarray(seeds, np.int64)
 
     # ------------------------------------------------------------------------------------------ model pieces
 
