@@ -1,4 +1,5 @@
-"""Flax LoRA pytree <-> PEFT/diffusers state dict, adapter_config.json, PEFT folders, vLLM-Omni names.
+"""Flax LoRA pytree <-> PEFT/diffusers state dict, adapter_config.json (written and checked), PEFT folders,
+vLLM-Omni names.
 
 Numpy only (no JAX, no torch): the rollout side imports it too. Names come from `jaxflow.models.keymap`
 (pure Python, its package's __init__ imports nothing); safetensors bytes from `bridge.tensors`.
@@ -16,6 +17,7 @@ projection, because the engine splits them onto its fused `to_qkv` / `add_kv_pro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -32,6 +34,9 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}
 PREFIX = "transformer."
+MAX_LISTED = 20  # errors listed when an adapter is refused
+_UNSUPPORTED = ("use_dora", "rank_pattern", "alpha_pattern", "lora_bias", "modules_to_save", "fan_in_fan_out",
+                "target_parameters", "layer_replication")
 _KEY = re.compile(r"(?:transformer\.)?(?P<module>.+)\.lora_(?P<part>[AB])\.weight")
 _LAYER = re.compile(r"transformer_blocks\.(\d+)\.")
 # vLLM-Omni's fused Qwen-Image transformer: module renames its LoRA loader needs (diffusers -> vLLM-Omni).
@@ -120,6 +125,41 @@ def adapter_config(rank: int, alpha: float, targets=keymap.DEFAULT_LORA_TARGETS)
     return {"peft_type": "LORA", "r": int(rank), "lora_alpha": float(alpha), "target_modules": list(targets),
             "init_lora_weights": "gaussian", "lora_dropout": 0.0, "bias": "none", "use_rslora": False,
             "use_dora": False, "fan_in_fan_out": False}
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterSpec:
+    """An adapter's rank, alpha, rslora and bound modules: what injected LoRA layers depend on."""
+
+    rank: int
+    alpha: float
+    rslora: bool
+    modules: tuple[str, ...] = ()
+
+
+def refusal(errors: list[str], what: str) -> ValueError:
+    """The ValueError refusing an adapter, listing the first MAX_LISTED `errors`."""
+    listed = "; ".join(errors[:MAX_LISTED])
+    more = f"; ... and {len(errors) - MAX_LISTED} more" if len(errors) > MAX_LISTED else ""
+    return ValueError(f"LoRA adapter refused ({len(errors)} {what}; the previous adapter keeps serving): "
+                      f"{listed}{more}")
+
+
+def adapter_spec(config: dict) -> AdapterSpec:
+    """Rank, alpha and rslora from a PEFT adapter_config; ValueError on missing or unsupported options."""
+    errors = [f"{k}: unsupported" for k in _UNSUPPORTED if config.get(k)]
+    if config.get("bias", "none") != "none":
+        errors.append(f"bias={config['bias']!r}: unsupported")
+    if config.get("peft_type", "LORA") != "LORA":
+        errors.append(f"peft_type={config['peft_type']!r}: expected 'LORA'")
+    for key in ("r", "lora_alpha"):
+        if not isinstance(config.get(key), (int, float)) or config[key] <= 0:
+            errors.append(f"{key}: expected a positive number, got {config.get(key)!r}")
+    if isinstance(config.get("r"), float) and not config["r"].is_integer():
+        errors.append(f"r: expected an int, got {config['r']!r}")
+    if errors:
+        raise refusal(errors, "adapter_config problems")
+    return AdapterSpec(int(config["r"]), float(config["lora_alpha"]), bool(config.get("use_rslora", False)))
 
 
 def write_peft(directory, tensors: dict, config: dict, dtype: str | None = None) -> Path:

@@ -36,8 +36,8 @@ from pathlib import Path
 import numpy as np
 
 import bridge
-from bridge.lora import lora_pairs, read_peft, to_vllm_omni, vllm_omni_adapter_config, write_peft
-from bridge.rollout.lora_apply import _refuse, _spec_from_config
+from bridge.lora import (adapter_spec, lora_pairs, read_peft, refusal, to_vllm_omni, vllm_omni_adapter_config,
+                         write_peft)
 from bridge.rollout.pipeline import FINGERPRINT_ELEMENTS, TensorHead, weights_fingerprint
 from bridge.rollout.sampling import SamplingParams, check_prompts, per_sample_seeds
 from bridge.rollout.sde import sample_windows
@@ -83,7 +83,7 @@ def check_lora_binding(pairs: dict, rank: int, table: dict) -> int:
             elif not np.isfinite(got).all():
                 errors.append(f"{name}.{part}.weight: expected finite values")
     if errors:
-        raise _refuse(errors, "modules that do not bind")
+        raise refusal(errors, "modules that do not bind")
     if not pairs:
         raise ValueError("LoRA adapter refused: it binds zero modules; the previous adapter keeps serving")
     return len(pairs)
@@ -259,7 +259,7 @@ class VllmOmniEngine:
         adapter_config = adapter_config or self._lora_config
         if not adapter_config:
             raise ValueError("adapter_config (r, lora_alpha) is required for the first LoRA update")
-        spec = _spec_from_config(adapter_config)
+        spec = adapter_spec(adapter_config)
         tensors = to_vllm_omni({k: v if isinstance(v, np.ndarray) else torch_to_numpy(v)
                                 for k, v in tensors.items()})
         bound = check_lora_binding(lora_pairs(tensors), spec.rank, self._modules)

@@ -24,23 +24,11 @@ import torch
 from peft import LoraConfig, inject_adapter_in_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 
+from bridge.lora import AdapterSpec, adapter_spec, refusal
 from bridge.tensors import numpy_to_torch
 
 ADAPTER_NAME = "rollout"
-MAX_LISTED = 20
 _KEY = re.compile(r"(?:transformer\.)?(?P<module>.+)\.lora_(?P<part>[AB])\.weight")
-_UNSUPPORTED = ("use_dora", "rank_pattern", "alpha_pattern", "lora_bias", "modules_to_save", "fan_in_fan_out",
-                "target_parameters", "layer_replication")
-
-
-@dataclasses.dataclass(frozen=True)
-class AdapterSpec:
-    """What the injected LoRA layers depend on; a change re-injects."""
-
-    rank: int
-    alpha: float
-    rslora: bool
-    modules: tuple[str, ...] = ()
 
 
 def load_adapter(path) -> tuple[dict[str, torch.Tensor], dict | None]:
@@ -52,30 +40,6 @@ def load_adapter(path) -> tuple[dict[str, torch.Tensor], dict | None]:
     config_file = weights.parent / "adapter_config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else None
     return load_file(weights), config
-
-
-def _refuse(errors: list[str], what: str) -> ValueError:
-    listed = "; ".join(errors[:MAX_LISTED])
-    more = f"; ... and {len(errors) - MAX_LISTED} more" if len(errors) > MAX_LISTED else ""
-    return ValueError(f"LoRA adapter refused ({len(errors)} {what}; the previous adapter keeps serving): "
-                      f"{listed}{more}")
-
-
-def _spec_from_config(config: dict) -> AdapterSpec:
-    """Rank, alpha and rslora from a PEFT adapter_config; ValueError on missing or unsupported options."""
-    errors = [f"{k}: unsupported" for k in _UNSUPPORTED if config.get(k)]
-    if config.get("bias", "none") != "none":
-        errors.append(f"bias={config['bias']!r}: unsupported")
-    if config.get("peft_type", "LORA") != "LORA":
-        errors.append(f"peft_type={config['peft_type']!r}: expected 'LORA'")
-    for key in ("r", "lora_alpha"):
-        if not isinstance(config.get(key), (int, float)) or config[key] <= 0:
-            errors.append(f"{key}: expected a positive number, got {config.get(key)!r}")
-    if isinstance(config.get("r"), float) and not config["r"].is_integer():
-        errors.append(f"r: expected an int, got {config['r']!r}")
-    if errors:
-        raise _refuse(errors, "adapter_config problems")
-    return AdapterSpec(int(config["r"]), float(config["lora_alpha"]), bool(config.get("use_rslora", False)))
 
 
 def _as_tensor(x) -> torch.Tensor:
@@ -100,7 +64,7 @@ class LoraApplier:
                 raise ValueError("adapter_config (r, lora_alpha) is required for the first LoRA update")
             spec = self.spec
         else:
-            spec = _spec_from_config(adapter_config)
+            spec = adapter_spec(adapter_config)
         pairs = self._validate(tensors, spec.rank)
         spec = dataclasses.replace(spec, modules=tuple(sorted(pairs)))
         if spec != self.spec:
@@ -151,7 +115,7 @@ class LoraApplier:
             if len(got) == 2:
                 pairs[module] = (got["A"][1], got["B"][1])
         if errors:
-            raise _refuse(errors, "offending tensors")
+            raise refusal(errors, "offending tensors")
         if not pairs:
             raise ValueError("LoRA adapter refused: it binds zero modules (no lora_A/lora_B tensors given); "
                              "the previous adapter keeps serving")
