@@ -12,20 +12,19 @@ from __future__ import annotations
 
 import torch
 
+from bridge.rollout.engine import RolloutEngine
 from bridge.rollout.pipeline import RolloutPipeline
 from bridge.rollout.sampling import SamplingParams
-from bridge.rollout.server import check_engine_config
-
-CONFIG_KEYS = ("engine", "model", "dtype", "device", "random_seed", "compile")
 
 
-class DiffusersEngine:
-    """generate / update_lora / sleep / wake / info over one `RolloutPipeline`."""
+class DiffusersEngine(RolloutEngine):
+    """The `RolloutEngine` interface over one `RolloutPipeline`."""
 
     name = "diffusers"
+    config_keys = ("engine", "model", "dtype", "device", "random_seed", "compile")
 
     def __init__(self, config: dict):
-        check_engine_config("diffusers", config, CONFIG_KEYS)
+        self.check_config(config)
         model = config["model"]
         if model == "tiny":
             from bridge.rollout.tiny import tiny_pipeline_path
@@ -41,12 +40,12 @@ class DiffusersEngine:
     def generate(self, prompts: list[str], n: int, sampling: dict | None = None, seeds=None) -> dict:
         """TrajectoryBatch.to_dict() of B = len(prompts) * n samples (see RolloutPipeline.generate)."""
         params = SamplingParams.from_dict(sampling)
-        self._check_awake()
+        self.check_awake()
         return self.pipeline.generate(prompts, n, params, seeds).to_dict()
 
     def update_lora(self, tensors, version: int, adapter_config: dict | None = None) -> dict:
         """{"version", "bound_modules"}; atomic: a refused adapter leaves the previous one serving."""
-        self._check_awake()
+        self.check_awake()
         return self.pipeline.update_lora(tensors, version, adapter_config)
 
     def sleep(self) -> int:
@@ -71,7 +70,3 @@ class DiffusersEngine:
         return {"engine": self.name, "device": str(self.device), "dtype": str(p.dtype).removeprefix("torch."),
                 "policy_version": p.policy_version, "model": p.model_path, "fingerprint": p.fingerprint,
                 "size_multiple": p.size_multiple, "lora_modules": p.lora.bound_modules(), "asleep": self.asleep}
-
-    def _check_awake(self) -> None:
-        if self.asleep:
-            raise RuntimeError("the rollout engine is asleep: call wake() first")

@@ -38,16 +38,15 @@ import numpy as np
 import bridge
 from bridge.lora import (adapter_spec, lora_pairs, read_peft, refusal, to_vllm_omni, vllm_omni_adapter_config,
                          write_peft)
+from bridge.rollout.engine import RolloutEngine
 from bridge.rollout.pipeline import FINGERPRINT_ELEMENTS, TensorHead, weights_fingerprint
 from bridge.rollout.sampling import SamplingParams, check_prompts, per_sample_seeds
 from bridge.rollout.sde import sample_windows
-from bridge.rollout.server import check_engine_config
 from bridge.rollout.vllm_omni_pipeline import (PIPELINE_CLASS, WORKER_EXTENSION_CLASS, encode_request,
                                                unpack_trajectories)
 from bridge.tensors import torch_to_numpy
 from bridge.trajectory import TrajectoryBatch
 
-CONFIG_KEYS = ("engine", "model", "dtype", "device", "random_seed", "omni_args")
 INSTALL_HINT = ("the 'vllm_omni' rollout engine needs vLLM-Omni 0.20 on a CUDA machine: `pip install jaxflow[omni]`, "
                 "or, where the machine has no package index, stage the wheels here with "
                 "scripts/stage_vllm_omni.sh and install them there with scripts/install_staged.sh")
@@ -153,13 +152,14 @@ def _import_omni():
 # ------------------------------------------------------------------------------------------ the engine
 
 
-class VllmOmniEngine:
-    """generate / update_lora / sleep / wake / info over one AsyncOmni engine."""
+class VllmOmniEngine(RolloutEngine):
+    """The `RolloutEngine` interface over one AsyncOmni engine."""
 
     name = "vllm_omni"
+    config_keys = ("engine", "model", "dtype", "device", "random_seed", "omni_args")
 
     def __init__(self, config: dict):
-        check_engine_config("vllm_omni", config, CONFIG_KEYS)
+        self.check_config(config)
         if config.get("device") not in (None, "cuda"):
             raise ValueError(f"the vllm_omni engine runs on the actor's CUDA GPU, got device={config['device']!r}")
         self.dtype = config.get("dtype", "bfloat16")
@@ -217,7 +217,7 @@ class VllmOmniEngine:
         """TrajectoryBatch.to_dict() of B = len(prompts) * n samples, prompt-major (sample b of prompt b // n)."""
         sp = SamplingParams.from_dict(sampling)
         check_prompts(prompts, n)
-        self._check_awake()
+        self.check_awake()
         seeds = per_sample_seeds(len(prompts) * n, sp.seed if seeds is None else seeds)
         sample_windows(seeds, sp.sde_window_size, sp.sde_window_range, sp.num_inference_steps)
         requests = [encode_request(p, sp, seeds[g * n:(g + 1) * n], self.policy_version)
@@ -252,7 +252,7 @@ class VllmOmniEngine:
         """{"version", "bound_modules"}; a refused or failed adapter leaves the previous one serving."""
         if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
             raise ValueError(f"version must be an int, got {version!r}")
-        self._check_awake()
+        self.check_awake()
         if isinstance(tensors, (str, Path)):
             tensors, file_config = read_peft(tensors)
             adapter_config = adapter_config or file_config
@@ -325,7 +325,3 @@ class VllmOmniEngine:
         return {"engine": self.name, "device": "cuda", "dtype": self.dtype, "policy_version": self.policy_version,
                 "model": self.model_path, "fingerprint": self.fingerprint, "size_multiple": self.size_multiple,
                 "lora_modules": self._lora_bound, "asleep": self.asleep}
-
-    def _check_awake(self) -> None:
-        if self.asleep:
-            raise RuntimeError("the rollout engine is asleep: call wake() first")

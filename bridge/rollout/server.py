@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import importlib
 
+from bridge.rollout.engine import RolloutEngine
+
 ENGINES: dict[str, str] = {
     "diffusers": "bridge.rollout.engine_diffusers:DiffusersEngine",
     "vllm_omni": "bridge.rollout.engine_vllm_omni:VllmOmniEngine",
@@ -32,24 +34,17 @@ def engine_name(config: dict) -> str:
     return name
 
 
-def check_engine_config(name: str, config: dict, known_keys) -> None:
-    """ValueError unless `config` names a model and uses only `known_keys` (shared by every engine)."""
-    unknown = sorted(set(config) - set(known_keys))
-    if unknown or "model" not in config:
-        raise ValueError(f"{name} engine config: needs 'model', knows {list(known_keys)}, got unknown keys {unknown}")
-
-
-def engine_class(config: dict):
+def engine_class(config: dict) -> type[RolloutEngine]:
     """The engine class `config` asks for, imported on demand."""
     module, _, cls = ENGINES[engine_name(config)].partition(":")
     return getattr(importlib.import_module(module), cls)
 
 
 class RolloutServer:
-    """Engine host; all arguments and results are numpy arrays or plain Python (safe over Ray)."""
+    """Engine host: the `RolloutEngine` interface as Ray actor methods, forwarded one to one."""
 
     def __init__(self, config: dict):
-        self.engine = engine_class(config)(config)
+        self.engine: RolloutEngine = engine_class(config)(config)
 
     def generate(self, prompts: list[str], n: int, sampling: dict | None = None, seeds=None) -> dict:
         """TrajectoryBatch.to_dict() for B = len(prompts) * n samples; seeds: per sample, base, or None."""
