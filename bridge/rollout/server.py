@@ -4,9 +4,10 @@
     batch = TrajectoryBatch.from_dict(ray.get(server.generate.remote(prompts, n, {"height": 512, ...})))
     ray.get(server.update_lora.remote(tensors, version, adapter_config))  # {"version", "bound_modules"}
 
-Engines are registered by import path so that choosing one never imports another's dependencies. An actor runs
-one call at a time (Ray's default max_concurrency=1), so a LoRA update never overlaps a generation. The diffusers
-engine opens no ports: any number of servers can start in parallel. Never imports JAX.
+`ENGINES` names each engine's `RolloutEngine` subclass by import path ("package.module:Class"), so that choosing
+one never imports another's dependencies. An actor runs one call at a time (Ray's default max_concurrency=1), so a
+LoRA update never overlaps a generation. The diffusers engine opens no ports: any number of servers can start in
+parallel. Never imports JAX.
 """
 
 from __future__ import annotations
@@ -19,11 +20,6 @@ ENGINES: dict[str, str] = {
     "diffusers": "bridge.rollout.engine_diffusers:DiffusersEngine",
     "vllm_omni": "bridge.rollout.engine_vllm_omni:VllmOmniEngine",
 }
-
-
-def register_engine(name: str, import_path: str) -> None:
-    """Add an engine class, given as "package.module:Class"; it takes the config dict."""
-    ENGINES[name] = import_path
 
 
 def engine_name(config: dict) -> str:
