@@ -1,12 +1,9 @@
-"""Tensor handoff between torch, JAX and numpy, and safetensors bytes for crossing processes.
+"""Tensor handoff between torch and numpy, and safetensors bytes for crossing processes.
 
-torch and jax are imported inside the functions that need them: importing this module pulls in
-neither, and the rollout side (torch/numpy/safetensors functions only) never imports JAX.
-
-Memory is shared wherever the formats allow it. Shared memory is one buffer seen twice: JAX assumes
-its arrays never change, so never write to a torch tensor (or numpy array) that shares memory with a
-live JAX array, in either direction. bf16 crosses numpy as `ml_dtypes.bfloat16` through a 16-bit
-view, never upcast.
+torch is imported inside the functions that need it: importing this module pulls in neither torch nor JAX,
+and the rollout side never imports JAX. Memory is shared wherever the formats allow it; bf16 crosses numpy as
+`ml_dtypes.bfloat16` through a 16-bit view, never upcast. Shared memory is one buffer seen twice: never write to
+a tensor whose memory a live JAX array shares (JAX assumes its arrays never change).
 """
 
 from __future__ import annotations
@@ -20,38 +17,6 @@ _SAFETENSORS_DTYPES = {
     "U32": np.uint32, "I32": np.int32, "U64": np.uint64, "I64": np.int64,
     "F16": np.float16, "BF16": _BF16, "F32": np.float32, "F64": np.float64,
 }
-
-
-def torch_to_jax(t, device=None):
-    """torch.Tensor -> jax.Array through DLPack, sharing memory where possible.
-
-    The tensor is detached and made contiguous first (DLPack export refuses tensors that require
-    grad, and JAX refuses non-compact strides). On CPU, memory is shared when the data pointer is
-    64-byte aligned (torch's allocator aligns fresh tensors); otherwise JAX copies. `device` is passed
-    to `jax.dlpack.from_dlpack` (a Device or Sharding); moving across devices copies.
-    """
-    import jax
-
-    return jax.dlpack.from_dlpack(t.detach().contiguous(), device=device)
-
-
-def jax_to_torch(a):
-    """jax.Array -> torch.Tensor through DLPack, sharing memory (the tensor must not be written to).
-
-    DLPack exports single-device buffers only. A fully replicated multi-device array is exported
-    from its first addressable shard; a sharded array raises ValueError: convert it shard by shard,
-    `[jax_to_torch(s.data) for s in a.addressable_shards]`.
-    """
-    import torch
-
-    if len(a.sharding.device_set) > 1:
-        if not a.is_fully_replicated:
-            raise ValueError(
-                f"jax_to_torch: array of shape {a.shape} is sharded over "
-                f"{len(a.sharding.device_set)} devices ({a.sharding}); DLPack exports one buffer, "
-                "so convert shard by shard: [jax_to_torch(s.data) for s in a.addressable_shards]")
-        a = a.addressable_shards[0].data
-    return torch.from_dlpack(a)
 
 
 def torch_to_numpy(t) -> np.ndarray:

@@ -1,7 +1,9 @@
-"""bridge.tensors: DLPack torch<->JAX, numpy<->torch bf16 views, safetensors bytes (CPU)."""
+"""DLPack JAX->torch (jaxflow.lora_sync) and back (a test helper), bridge.tensors: numpy<->torch bf16 views,
+safetensors bytes (CPU)."""
 
 from types import SimpleNamespace
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -9,10 +11,16 @@ import pytest
 import safetensors.torch
 import torch
 
-from bridge.tensors import (from_safetensors_bytes, jax_to_torch, numpy_to_torch, to_safetensors_bytes,
-                            torch_to_jax, torch_to_numpy)
+from bridge.tensors import from_safetensors_bytes, numpy_to_torch, to_safetensors_bytes, torch_to_numpy
+from jaxflow.lora_sync import jax_to_torch
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int32, torch.bool]
+
+
+def torch_to_jax(t):
+    """torch.Tensor -> jax.Array through DLPack, detached and made contiguous first (DLPack export refuses tensors
+    that require grad, JAX non-compact strides); on CPU memory is shared when the pointer is 64-byte aligned."""
+    return jax.dlpack.from_dlpack(t.detach().contiguous())
 
 
 def sample(dtype: torch.dtype, shape=(8, 16)) -> torch.Tensor:
