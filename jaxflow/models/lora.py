@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxflow.models import keymap, safetensors_io
+from bridge import safetensors_io
+from jaxflow.models import keymap
 
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
