@@ -1,7 +1,7 @@
 """Flax LoRA pytree <-> PEFT/diffusers state dict, adapter_config.json, PEFT folders, vLLM-Omni names.
 
 Numpy only (no JAX, no torch): the rollout side imports it too. Names come from `jaxflow.models.keymap`
-(pure Python, its package's __init__ imports nothing); safetensors bytes from `bridge.tensors`.
+(pure Python, its package's __init__ imports nothing); safetensors files through `bridge.safetensors_io`.
 
 - Flax: the nested dict of `nnx.to_pure_dict(nnx.state(model, LoRAParam))`, leaves
   `blocks/<path>/lora_a` (L, in, r) and `lora_b` (L, r, out), stacked over the L blocks.
@@ -25,7 +25,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from bridge.tensors import from_safetensors_bytes, to_safetensors_bytes
+from bridge import safetensors_io
 from jaxflow.models import keymap
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -137,7 +137,7 @@ def write_peft(directory, tensors: dict, config: dict, dtype: str | None = None)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     try:
         arrays = {k: np.asarray(v, DTYPES[dtype]) if dtype else np.asarray(v) for k, v in tensors.items()}
-        (tmp / ADAPTER_WEIGHTS).write_bytes(to_safetensors_bytes(arrays))
+        safetensors_io.save(arrays, tmp / ADAPTER_WEIGHTS)
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
         tmp.rename(directory)
     finally:
@@ -148,7 +148,7 @@ def write_peft(directory, tensors: dict, config: dict, dtype: str | None = None)
 def read_peft(directory) -> tuple[dict[str, np.ndarray], dict]:
     """(tensors, adapter_config) of a PEFT folder; tensors keep their stored dtype."""
     directory = Path(directory)
-    tensors = from_safetensors_bytes((directory / ADAPTER_WEIGHTS).read_bytes())
+    tensors = safetensors_io.load(directory / ADAPTER_WEIGHTS)
     return tensors, json.loads((directory / ADAPTER_CONFIG).read_text())
 
 

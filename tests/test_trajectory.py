@@ -260,7 +260,7 @@ def test_policy_version_single_or_raises():
         mixed.policy_version
 
 
-@pytest.mark.parametrize("module", ["bridge.trajectory", "bridge.tensors"])
+@pytest.mark.parametrize("module", ["bridge.trajectory", "bridge.tensors", "bridge.safetensors_io"])
 def test_import_pulls_in_neither_jax_nor_torch(module):
     code = f"import sys, {module}; print(sorted(m for m in ('jax', 'torch') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True)
