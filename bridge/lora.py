@@ -18,14 +18,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 
 from bridge import safetensors_io
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
-DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}
 PREFIX = "transformer."
 _KEY = re.compile(r"(?:transformer\.)?(?P<module>.+)\.lora_(?P<part>[AB])\.weight")
 # vLLM-Omni's fused Qwen-Image transformer: module renames its LoRA loader needs (diffusers -> vLLM-Omni).
@@ -43,34 +41,47 @@ def adapter_config(rank: int, alpha: float, targets) -> dict:
             "use_dora": False, "fan_in_fan_out": False}
 
 
-def write_peft(directory, tensors: dict, config: dict, dtype: str | None = None) -> Path:
-    """Write adapter_model.safetensors + adapter_config.json into a new folder, atomically.
+def write_peft(directory, tensors: dict, config: dict, *, diffusers: bool = False, replace: bool = False) -> Path:
+    """Write adapter_model.safetensors + adapter_config.json; tensors (numpy) keep their dtype.
 
-    dtype: "bfloat16" or "float32" to cast, None to keep each tensor's dtype. The folder appears complete or
-    not at all (written beside it, then renamed); an existing folder is refused.
+    Both files are written beside the folder, then moved in: a new folder appears complete or not at all. An
+    existing folder is refused unless `replace` (then its two files are replaced, each atomically).
+    diffusers: tensor keys, and the r/alpha metadata diffusers reads, under its `transformer.` pipeline prefix, so
+    `QwenImagePipeline.load_lora_weights(dir, weight_name="adapter_model.safetensors")` loads the folder as is.
     """
     directory = Path(directory)
-    if directory.exists():
+    if directory.exists() and not replace:
         raise FileExistsError(f"{directory} exists; PEFT folders are written once")
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)} or None, got {dtype!r}")
+    metadata = None
+    if diffusers:
+        tensors = {PREFIX + k: v for k, v in tensors.items()}
+        packed = json.dumps({PREFIX + k: v for k, v in config.items()}, sort_keys=True)
+        metadata = {"format": "pt", "lora_adapter_metadata": packed}
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     try:
-        arrays = {k: np.asarray(v, DTYPES[dtype]) if dtype else np.asarray(v) for k, v in tensors.items()}
-        safetensors_io.save(arrays, tmp / ADAPTER_WEIGHTS)
+        safetensors_io.save(tensors, tmp / ADAPTER_WEIGHTS, metadata)
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
-        tmp.rename(directory)
+        if directory.exists():
+            for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
+                (tmp / name).replace(directory / name)
+        else:
+            tmp.rename(directory)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return directory
 
 
-def read_peft(directory) -> tuple[dict[str, np.ndarray], dict]:
-    """(tensors, adapter_config) of a PEFT folder; tensors keep their stored dtype."""
-    directory = Path(directory)
-    tensors = safetensors_io.load(directory / ADAPTER_WEIGHTS)
-    return tensors, json.loads((directory / ADAPTER_CONFIG).read_text())
+def read_peft(path) -> tuple[dict[str, np.ndarray], dict | None]:
+    """(tensors, adapter_config) of a PEFT folder or of its .safetensors file alone.
+
+    Tensors keep their stored names (prefix included) and dtypes; adapter_config is None when no
+    adapter_config.json lies beside the weights.
+    """
+    path = Path(path)
+    weights = path / ADAPTER_WEIGHTS if path.is_dir() else path
+    config = weights.parent / ADAPTER_CONFIG
+    return safetensors_io.load(weights), json.loads(config.read_text()) if config.is_file() else None
 
 
 # ------------------------------------------------------------------------------------------ modules

@@ -7,6 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from bridge import safetensors_io
 from bridge.lora import (adapter_config, bound_modules, lora_pairs, read_peft, to_vllm_omni, vllm_omni_adapter_config,
                          write_peft)
 from jaxflow.models import keymap
@@ -54,6 +55,20 @@ def test_peft_folder_round_trip_is_bit_exact(tmp_path, dtype):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]  # no temporary folder left behind
     with pytest.raises(FileExistsError):
         write_peft(folder, peft, cfg)
+
+
+def test_diffusers_folder_replace_and_reading_a_bare_file(tmp_path):
+    peft, cfg = random_peft(), adapter_config(RANK, 8.0, keymap.DEFAULT_LORA_TARGETS)
+    folder = write_peft(tmp_path / "a", peft, cfg, diffusers=True)
+    tensors, config = read_peft(folder / "adapter_model.safetensors")
+    assert config == cfg and tensors.keys() == {f"transformer.{k}" for k in peft}
+    metadata = safetensors_io.SafetensorsFile(folder / "adapter_model.safetensors").metadata
+    assert json.loads(metadata["lora_adapter_metadata"])["transformer.r"] == RANK  # what load_lora_weights reads
+    write_peft(folder, {k: np.zeros_like(v) for k, v in peft.items()}, cfg, replace=True)
+    assert not any(v.any() for v in read_peft(folder)[0].values())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+    (folder / "adapter_config.json").unlink()
+    assert read_peft(folder)[1] is None
 
 
 def test_lora_pairs_and_bound_modules():
