@@ -25,7 +25,8 @@ from bridge import safetensors_io
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 PREFIX = "transformer."
-_KEY = re.compile(r"(?:transformer\.)?(?P<module>.+)\.lora_(?P<part>[AB])\.weight")
+# PEFT LoRA key: `[transformer.]<module>.lora_A.weight` / `.lora_B.weight`
+LORA_KEY = re.compile(r"(?:transformer\.)?(?P<module>.+)\.lora_(?P<part>[AB])\.weight")
 # vLLM-Omni's fused Qwen-Image transformer: module renames its LoRA loader needs (diffusers -> vLLM-Omni).
 VLLM_OMNI_RENAMES = {"to_out.0": "to_out"}
 
@@ -89,7 +90,7 @@ def read_peft(path) -> tuple[dict[str, np.ndarray], dict | None]:
 
 def lora_module(key: str) -> str:
     """The module a PEFT LoRA key belongs to, prefix dropped; ValueError for anything else."""
-    match = _KEY.fullmatch(key)
+    match = LORA_KEY.fullmatch(key)
     if match is None:
         raise ValueError(f"{key}: not a PEFT LoRA key '<module>.lora_A.weight' / '<module>.lora_B.weight'")
     return match["module"]
@@ -99,7 +100,7 @@ def lora_pairs(tensors: dict) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """{module: (lora_A (r, in), lora_B (out, r))}; ValueError on foreign keys or a half-present pair."""
     parts: dict[str, dict[str, np.ndarray]] = {}
     for key, value in tensors.items():
-        parts.setdefault(lora_module(key), {})[_KEY.fullmatch(key)["part"]] = value
+        parts.setdefault(lora_module(key), {})[LORA_KEY.fullmatch(key)["part"]] = value
     halves = sorted(m for m, p in parts.items() if len(p) != 2)
     if halves:
         raise ValueError(f"LoRA modules with only one of lora_A/lora_B: {halves[:5]} ({len(halves)} in all)")
