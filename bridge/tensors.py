@@ -1,12 +1,9 @@
-"""Tensor handoff between torch, JAX and numpy, and safetensors bytes for crossing processes.
+"""Tensor handoff between torch and numpy.
 
-torch and jax are imported inside the functions that need them: importing this module pulls in
-neither, and the rollout side (torch/numpy/safetensors functions only) never imports JAX.
-
-Memory is shared wherever the formats allow it. Shared memory is one buffer seen twice: JAX assumes
-its arrays never change, so never write to a torch tensor (or numpy array) that shares memory with a
-live JAX array, in either direction. bf16 crosses numpy as `ml_dtypes.bfloat16` through a 16-bit
-view, never upcast.
+torch is imported inside the functions: importing this module pulls in neither torch nor JAX. Memory is shared
+wherever the formats allow it; bf16 crosses numpy as `ml_dtypes.bfloat16` through a 16-bit view, never upcast.
+Shared memory is one buffer seen twice: never write to a tensor whose memory a live JAX array shares (JAX assumes
+its arrays never change).
 """
 
 from __future__ import annotations
@@ -15,43 +12,6 @@ import ml_dtypes
 import numpy as np
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
-_SAFETENSORS_DTYPES = {
-    "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16,
-    "U32": np.uint32, "I32": np.int32, "U64": np.uint64, "I64": np.int64,
-    "F16": np.float16, "BF16": _BF16, "F32": np.float32, "F64": np.float64,
-}
-
-
-def torch_to_jax(t, device=None):
-    """torch.Tensor -> jax.Array through DLPack, sharing memory where possible.
-
-    The tensor is detached and made contiguous first (DLPack export refuses tensors that require
-    grad, and JAX refuses non-compact strides). On CPU, memory is shared when the data pointer is
-    64-byte aligned (torch's allocator aligns fresh tensors); otherwise JAX copies. `device` is passed
-    to `jax.dlpack.from_dlpack` (a Device or Sharding); moving across devices copies.
-    """
-    import jax
-
-    return jax.dlpack.from_dlpack(t.detach().contiguous(), device=device)
-
-
-def jax_to_torch(a):
-    """jax.Array -> torch.Tensor through DLPack, sharing memory (the tensor must not be written to).
-
-    DLPack exports single-device buffers only. A fully replicated multi-device array is exported
-    from its first addressable shard; a sharded array raises ValueError: convert it shard by shard,
-    `[jax_to_torch(s.data) for s in a.addressable_shards]`.
-    """
-    import torch
-
-    if len(a.sharding.device_set) > 1:
-        if not a.is_fully_replicated:
-            raise ValueError(
-                f"jax_to_torch: array of shape {a.shape} is sharded over "
-                f"{len(a.sharding.device_set)} devices ({a.sharding}); DLPack exports one buffer, "
-                "so convert shard by shard: [jax_to_torch(s.data) for s in a.addressable_shards]")
-        a = a.addressable_shards[0].data
-    return torch.from_dlpack(a)
 
 
 def torch_to_numpy(t) -> np.ndarray:
@@ -77,36 +37,3 @@ def numpy_to_torch(a: np.ndarray):
     if a.dtype == _BF16:
         return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
     return torch.from_numpy(a)
-
-
-def _host_array(x) -> np.ndarray:
-    """A C-contiguous little-endian numpy array of `x` (numpy array or torch tensor)."""
-    a = x if isinstance(x, np.ndarray) else torch_to_numpy(x)
-    return np.asarray(a, dtype=a.dtype.newbyteorder("<"), order="C")
-
-
-def to_safetensors_bytes(tensors: dict) -> bytes:
-    """Serialize {name: numpy array or torch tensor} to safetensors bytes; bf16 is stored as BF16."""
-    from safetensors import TensorSpec, serialize
-
-    arrays = {name: _host_array(x) for name, x in tensors.items()}  # alive while serialize reads them
-    specs = {name: TensorSpec(dtype=a.dtype.name, shape=a.shape, data_ptr=a.ctypes.data,
-                              data_len=a.nbytes) for name, a in arrays.items()}
-    return bytes(serialize(specs))
-
-
-def from_safetensors_bytes(data: bytes, framework: str = "numpy") -> dict:
-    """Deserialize safetensors bytes to {name: numpy array} or, with framework="torch", CPU tensors."""
-    from safetensors import deserialize
-
-    if framework not in ("numpy", "torch"):
-        raise ValueError(f"framework: expected 'numpy' or 'torch', got {framework!r}")
-    arrays = {}
-    for name, view in deserialize(data):
-        if view["dtype"] not in _SAFETENSORS_DTYPES:
-            raise ValueError(f"{name}: unsupported safetensors dtype {view['dtype']}")
-        dtype = _SAFETENSORS_DTYPES[view["dtype"]]
-        arrays[name] = np.frombuffer(view["data"], dtype=dtype).reshape(view["shape"])
-    if framework == "torch":
-        return {name: numpy_to_torch(a) for name, a in arrays.items()}
-    return arrays

@@ -1,9 +1,9 @@
 """The Trajectory contract between the rollout and the trainer (docs/numerics.md §9).
 
-Numpy only: importing this module pulls in neither JAX nor torch. A `Trajectory` is one sample as the
-rollout produced it; a `TrajectoryBatch` stacks samples on a new leading axis and right-pads the text
-(embeds with zeros, masks with False) to the longest prompt in the batch. Both validate shapes and
-dtypes on construction and raise ValueError naming the field, the expected and the actual value.
+Numpy only: importing this module pulls in neither JAX nor torch. A `TrajectoryBatch` holds samples on a
+leading axis, the text right-padded (embeds with zeros, masks with False) to the longest prompt in the batch.
+It validates shapes and dtypes on construction and raises ValueError naming the field, the expected and the
+actual value.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def _check_text(prefix: str, embeds, mask, lead: Dims, dtypes, width) -> None:
 
 
 def _validate(rec, image_field: str, lead: Dims) -> None:
-    """Validate the array fields of a Trajectory (lead=[]) or a TrajectoryBatch (lead=[("B", b)])."""
+    """Validate the array fields of a TrajectoryBatch (lead=[("B", b)]) or of one sample (lead=[])."""
     image = getattr(rec, image_field)
     _check(image_field, image, (_UINT8,), lead + [("H", None), ("W", None), ("3", 3)])
     height, width = image.shape[-3:-1]
@@ -94,56 +94,12 @@ def _validate(rec, image_field: str, lead: Dims) -> None:
         _check_text("negative_prompt", *neg, lead, (embeds.dtype,), embeds.shape[-1])
 
 
-def _as_int(field: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{field}: expected an int, got {type(value).__name__}")
-    return int(value)
-
-
-@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class Trajectory:
-    """One rollout sample: image, window latents and log-probs, schedule, text conditioning, provenance.
-
-    Shapes: image (H, W, 3) uint8; latents (W+1, S, C) f32 with S = (H/p)(W/p), p = 2 x VAE factor;
-    log_probs (W,) f32; sigmas (N+1,) f32; step_index (W,) int32, contiguous within [0, N-1);
-    prompt_embeds (L, D) bf16/f32 with prompt_mask (L,) bool; the negative pair (L', D)/(L',) is present iff true CFG is on.
-    """
-
-    image: np.ndarray
-    latents: np.ndarray
-    log_probs: np.ndarray
-    sigmas: np.ndarray
-    step_index: np.ndarray
-    prompt_embeds: np.ndarray
-    prompt_mask: np.ndarray
-    negative_prompt_embeds: np.ndarray | None = None
-    negative_prompt_mask: np.ndarray | None = None
-    prompt: str
-    group_id: int
-    seed: int
-    policy_version: int
-
-    def __post_init__(self):
-        _validate(self, "image", [])
-        if not isinstance(self.prompt, str):
-            raise ValueError(f"prompt: expected a str, got {type(self.prompt).__name__}")
-        for field in ("group_id", "seed", "policy_version"):
-            object.__setattr__(self, field, _as_int(field, getattr(self, field)))
-
-
 def _pad_concat(embeds: list[np.ndarray], masks: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """Concatenate (b_i, L_i, D) embeds and (b_i, L_i) masks, right-padding L with zeros / False."""
     length = max(e.shape[1] for e in embeds)
     padded = [np.pad(e, [(0, 0), (0, length - e.shape[1]), (0, 0)]) for e in embeds]
     padded_masks = [np.pad(m, [(0, 0), (0, length - m.shape[1])]) for m in masks]
     return np.concatenate(padded), np.concatenate(padded_masks)
-
-
-def _trim(embeds: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Drop trailing masked-out tokens (padding)."""
-    valid = np.flatnonzero(mask)
-    length = int(valid[-1]) + 1 if valid.size else 0
-    return embeds[:length], mask[:length]
 
 
 def _concat_key(batch: TrajectoryBatch) -> dict:
@@ -207,28 +163,10 @@ class TrajectoryBatch:
         return int(versions[0])
 
     @classmethod
-    def stack(cls, trajectories: Sequence[Trajectory]) -> TrajectoryBatch:
-        """Stack samples sharing sigmas, window length, image size, embed dtype/width and CFG presence."""
-        return cls.concat([cls._of_one(t) for t in trajectories])
-
-    @classmethod
-    def _of_one(cls, t: Trajectory) -> TrajectoryBatch:
-        def one(x):
-            return None if x is None else x[None]
-
-        return cls(
-            images=one(t.image), latents=one(t.latents), log_probs=one(t.log_probs), sigmas=t.sigmas,
-            step_index=one(t.step_index), prompt_embeds=one(t.prompt_embeds),
-            prompt_mask=one(t.prompt_mask), negative_prompt_embeds=one(t.negative_prompt_embeds),
-            negative_prompt_mask=one(t.negative_prompt_mask), prompts=(t.prompt,),
-            group_ids=np.array([t.group_id], np.int64), seeds=np.array([t.seed], np.int64),
-            policy_versions=np.array([t.policy_version], np.int64))
-
-    @classmethod
     def concat(cls, batches: Sequence[TrajectoryBatch]) -> TrajectoryBatch:
         """Join batches along B, re-padding text to the longest prompt among them."""
         if not batches:
-            raise ValueError("concat/stack: expected at least one item, got none")
+            raise ValueError("concat: expected at least one batch, got none")
         first = _concat_key(batches[0])
         for i, batch in enumerate(batches[1:], 1):
             for field, value in _concat_key(batch).items():
@@ -252,36 +190,6 @@ class TrajectoryBatch:
             prompt_mask=mask, negative_prompt_embeds=neg_embeds, negative_prompt_mask=neg_mask,
             prompts=[p for b in batches for p in b.prompts], group_ids=cat("group_ids"),
             seeds=cat("seeds"), policy_versions=cat("policy_versions"))
-
-    def select(self, indices) -> TrajectoryBatch:
-        """Rows picked by anything numpy can index a (B,) axis with: ints, a slice or a bool mask."""
-        rows = np.arange(len(self))[indices]
-        if rows.ndim != 1:
-            raise ValueError(f"indices: expected a 1-D selection, got shape {rows.shape}")
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        picked = {k: None if v is None else v[rows] for k, v in fields.items()
-                  if k not in ("sigmas", "prompts")}
-        return TrajectoryBatch(**picked, sigmas=self.sigmas, prompts=[self.prompts[i] for i in rows])
-
-    def unstack(self) -> list[Trajectory]:
-        """Per-sample Trajectories (views into the batch) with trailing masked-out text dropped.
-
-        This inverts `stack` for samples whose own masks end in a valid token; tokens a sample's own
-        mask already left out at the end are dropped too (they carry no conditioning).
-        """
-        out = []
-        for i in range(len(self)):
-            embeds, mask = _trim(self.prompt_embeds[i], self.prompt_mask[i])
-            neg_embeds = neg_mask = None
-            if self.cfg:
-                neg_embeds, neg_mask = _trim(self.negative_prompt_embeds[i], self.negative_prompt_mask[i])
-            out.append(Trajectory(
-                image=self.images[i], latents=self.latents[i], log_probs=self.log_probs[i],
-                sigmas=self.sigmas, step_index=self.step_index[i], prompt_embeds=embeds,
-                prompt_mask=mask, negative_prompt_embeds=neg_embeds, negative_prompt_mask=neg_mask,
-                prompt=self.prompts[i], group_id=self.group_ids[i], seed=self.seeds[i],
-                policy_version=self.policy_versions[i]))
-        return out
 
     def to_dict(self) -> dict[str, np.ndarray]:
         """Plain numpy arrays (prompts as a str array; absent negatives omitted), for Ray or checkpoints."""

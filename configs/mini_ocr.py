@@ -12,7 +12,7 @@ not measured): OCR of the 192 images is the longest phase of a step (one RapidOC
 """
 from pathlib import Path
 
-from jaxflow.config import config_from_file
+from jaxflow.recipes import base, tiny
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "mini_ocr"
 VARIANTS = ("", "control")
@@ -22,7 +22,7 @@ def get_config(variant: str = ""):
     if variant not in VARIANTS:
         raise ValueError(f"configs/mini_ocr.py:{variant}: unknown variant; use configs/mini_ocr.py or "
                          f"configs/mini_ocr.py:control")
-    c = config_from_file(Path(__file__).with_name("tiny_ocr.py"))
+    c = tiny(base())
     c.run_dir = "runs/mini_ocr_control" if variant else "runs/mini_ocr"
     c.model.path = ""  # the folder scripts/mini_ocr.sh builds: --config.model.path=OUT/pipeline
     c.lora.rank, c.lora.alpha = 32, 64.0

@@ -5,13 +5,11 @@
 The tiny random Qwen-Image draws noise, so OCR scores it 0 everywhere (no signal to learn from); the mean pixel
 value is a dense signal the LoRA moves from the first step. Group size, lr and steps: measured in README.
 """
-from pathlib import Path
-
-from jaxflow.config import config_from_file
+from jaxflow.recipes import base, tiny
 
 
 def get_config():
-    c = config_from_file(Path(__file__).with_name("tiny_ocr.py"))
+    c = tiny(base())
     c.run_dir = "runs/tiny_brightness"
     c.reward.fns = {"brightness": 1.0}
     c.sample.group_size = 8  # 32 images a step: a steadier gradient than 16

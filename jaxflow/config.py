@@ -18,16 +18,6 @@ class UserError(ValueError):
     """Input the user must fix (config, flags, run directory): the command line prints the message alone, exit 2."""
 
 
-def config_from_file(path: str | Path, *args) -> ConfigDict:
-    """`get_config(*args)` of a config file, loaded by path (how recipes build on another config file)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(*args)
-
-
 def _fail(key: str, message: str):
     raise UserError(f"config.{key}: {message}")
 

@@ -4,13 +4,13 @@ Across processes (Ray actors) the engine gets host numpy PEFT arrays (`lora_to_p
 When the engine shares the trainer's process (`rollout.in_process`) on a device JAX addresses, it gets device
 tensors instead, with no host round trip: each stacked LoRA weight is transposed to PEFT's (out, in) layout and
 cast to the engine's dtype in one jit on the device, moved to the engine's device if it is another one, and
-exported to torch through DLPack (`bridge.tensors.jax_to_torch`); each layer is a view of its stack.
+exported to torch through DLPack (`jax_to_torch`); each layer is a view of its stack.
 
-Aliasing (`bridge/tensors.py`): the views share memory with fresh JAX buffers made for the export, never with the
-train state (the next train step donates that), and the engine only reads them: `LoraApplier.apply` copies them into
-its adapters and waits for the copies before it returns, after which the views, and the buffers with them, are
-dropped. The cast to the engine's dtype rounds as torch's copy into the adapters does, so both forms leave the
-same bytes in the engine.
+Aliasing: JAX assumes its arrays never change, so nothing may write through a view. The views share memory with
+fresh JAX buffers made for the export, never with the train state (the next train step donates that), and the
+engine only reads them: `LoraApplier.apply` copies them into its adapters and waits for the copies before it
+returns, after which the views, and the buffers with them, are dropped. The cast to the engine's dtype rounds as
+torch's copy into the adapters does, so both forms leave the same bytes in the engine.
 """
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from bridge.tensors import jax_to_torch
 from jaxflow.models.lora import LoRASpec, peft_stacks
 
 _PLATFORMS = {"cpu": "cpu", "cuda": "gpu"}
@@ -48,6 +47,25 @@ def device_target(info: dict) -> DeviceTarget | None:
     else:  # torch's cuda:N and JAX's local_hardware_id count the same visible GPUs
         device = next((d for d in devices if d.local_hardware_id == int(index or 0)), None)
     return None if device is None else DeviceTarget(device, jnp.dtype(info["dtype"]))
+
+
+def jax_to_torch(a):
+    """jax.Array -> torch.Tensor through DLPack, sharing memory (the tensor must not be written to).
+
+    DLPack exports single-device buffers only. A fully replicated multi-device array is exported
+    from its first addressable shard; a sharded array raises ValueError: convert it shard by shard,
+    `[jax_to_torch(s.data) for s in a.addressable_shards]`.
+    """
+    import torch
+
+    if len(a.sharding.device_set) > 1:
+        if not a.is_fully_replicated:
+            raise ValueError(
+                f"jax_to_torch: array of shape {a.shape} is sharded over "
+                f"{len(a.sharding.device_set)} devices ({a.sharding}); DLPack exports one buffer, "
+                "so convert shard by shard: [jax_to_torch(s.data) for s in a.addressable_shards]")
+        a = a.addressable_shards[0].data
+    return torch.from_dlpack(a)
 
 
 def device_peft_tensors(lora, spec: LoRASpec, target: DeviceTarget) -> dict:

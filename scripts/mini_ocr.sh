@@ -14,12 +14,11 @@
 #
 # H200 estimates (from FLOPs counted on the CPU with torch's FlopCounterMode, except where measured):
 #   data 15 s (measured). vae: whole signs, 64 a step, ran 0.11 s a step (measured) but stalled at the blank-sign
-#   loss (0.156, OCR 0); 32x64 crops 16 a step leave it by step ~80 on the CPU: 6000 steps, capped at 5 min.
-#   encode < 1 min. pretrain: the 43M-param transformer, 4.5 GFLOP
-#   a sample forward, 3.5 TFLOP a bf16 step of 256 -> ~30 ms, 6000 steps ~3-5 min, capped at PRETRAIN_MINUTES.
-#   eval (200 prompts, 10 ODE steps, OCR) ~1 min each. rl: ~6 s a step (OCR of 192 images the longest phase) ->
-#   50 steps + 5 evals + start ~7 min; the control the same.
-# Knobs (env): PRETRAIN_STEPS (default 6000; fewer if the "before" OCR is near 1: RL needs room), PRETRAIN_MINUTES
+#   loss (0.156, OCR 0); 32x64 crops 16 a step: 6000 steps in 188 s, loss 1.4e-4, OCR of reconstructions 1.000.
+#   encode 20 s. pretrain: ~35 ms a step of 256 (1000 steps ~1 min with compilation). eval (200 prompts, 10 ODE
+#   steps, OCR) ~25 s each. rl: the first step ~155 s (start, compilation), then 10-15 s a step with the control
+#   beside it: 50 steps do not fit one 10-minute command; RL_TIMEOUT + RL_RESUME=1 split them (measured).
+# Knobs (env): PRETRAIN_STEPS (default 1000; fewer if the "before" OCR is near 1: RL needs room), PRETRAIN_MINUTES
 # (time cap, default 9), VAE_STEPS (default 6000), VAE_MINUTES (time cap, default 5), RL_STEPS (default 50,
 # configs/mini_ocr.py), EVAL_NUM (200), RL_TIMEOUT (seconds: stop an RL run there; it checkpoints every 10 steps)
 # and RL_RESUME=1 (continue such a run: ONLY="rl rl_control" RL_RESUME=1 ...).
@@ -45,7 +44,8 @@ else
   DATA=(--train 4000 --test 200 --variants 4)
   # 32x64 crops, 16 a step: whole 64x128 signs 64 a step stalled at the blank-sign loss for 3445 steps on an H200
   VAE=(--steps "${VAE_STEPS:-6000}" --batch 16 --crop 32x64 --size mini --max-minutes "${VAE_MINUTES:-5}" --min-ocr 0.8)
-  PRE=(--steps "${PRETRAIN_STEPS:-6000}" --batch 256 --dtype bfloat16 --max-minutes "${PRETRAIN_MINUTES:-9}")
+  # held-out OCR after 600 / 1000 / 1500 / 6000 steps (H200, 2026-11-23): 0.06 / 0.65 / 0.91 / 1.00; RL needs room
+  PRE=(--steps "${PRETRAIN_STEPS:-1000}" --batch 256 --dtype bfloat16 --ema 0.99 --max-minutes "${PRETRAIN_MINUTES:-9}")
   EVAL=(--num "${EVAL_NUM:-200}" --steps 10 --device cuda)
   RL=(--config.train.num_steps="${RL_STEPS:-50}")
   # one GPU shared by JAX and the in-process torch engine: a fixed JAX pool (README, "Running for real"); with

@@ -18,7 +18,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bridge.rollout.lora_apply import load_adapter  # noqa: E402
+from bridge.lora import read_peft  # noqa: E402
 from bridge.rollout.pipeline import RolloutPipeline  # noqa: E402
 from bridge.rollout.sampling import SamplingParams  # noqa: E402
 from jaxflow.data import load_prompts  # noqa: E402
@@ -30,7 +30,7 @@ def evaluate(pipeline: Path, prompts: list[str], lora: Path | None = None, steps
              height: int = 64, width: int = 128, device: str | None = None, chunk: int = 64) -> dict:
     pipe = RolloutPipeline.from_pretrained(pipeline, "float32", device)
     if lora is not None:
-        tensors, config = load_adapter(lora)
+        tensors, config = read_peft(lora)
         pipe.update_lora(tensors, 1, config)
     sampling = SamplingParams(height=height, width=width, num_inference_steps=steps, true_cfg_scale=guidance,
                               max_sequence_length=32, sde_type="ode", noise_level=0.0, sde_window_size=None)

@@ -1,4 +1,4 @@
-"""bridge.lora: Flax LoRA pytree <-> PEFT names (bit-exact), adapter_config, PEFT folders, vLLM-Omni names."""
+"""bridge.lora: adapter_config, PEFT folders (bit-exact), LoRA key names, vLLM-Omni names."""
 import json
 import subprocess
 import sys
@@ -7,8 +7,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from bridge.lora import (adapter_config, bound_modules, flax_to_peft, lora_pairs, peft_to_flax, read_peft,
-                         to_vllm_omni, vllm_omni_adapter_config, write_peft)
+from bridge import safetensors_io
+from bridge.lora import (adapter_config, bound_modules, lora_pairs, read_peft, to_vllm_omni, vllm_omni_adapter_config,
+                         write_peft)
 from jaxflow.models import keymap
 
 D, MLP, RANK, LAYERS = 8, 32, 4, 3
@@ -21,114 +22,59 @@ def _dims(target: str) -> tuple[int, int]:
             "txt_mlp.net.2": (MLP, D), "img_mod.1": (D, 6 * D), "txt_mod.1": (D, 6 * D)}.get(target, (D, D))
 
 
-def random_tree(dtype=np.float32, targets=keymap.DEFAULT_LORA_TARGETS, seed=0) -> dict:
-    """A Flax LoRA pytree as `nnx.state(model, LoRAParam).to_pure_dict()` gives it."""
+def random_peft(dtype=np.float32, targets=keymap.DEFAULT_LORA_TARGETS, seed=0) -> dict:
+    """A PEFT state dict (no prefix) over LAYERS blocks, as the trainer's `lora_to_peft` names and shapes it."""
     rng = np.random.default_rng(seed)
-    tree = {}
+    out = {}
     for t in targets:
         fan_in, fan_out = _dims(t)
-        node = tree.setdefault(keymap.BLOCKS, {})
-        for key in keymap.lora_target_path(t):
-            node = node.setdefault(key, {})
-        node["lora_a"] = rng.standard_normal((LAYERS, fan_in, RANK)).astype(dtype)
-        node["lora_b"] = rng.standard_normal((LAYERS, RANK, fan_out)).astype(dtype)
-    return tree
-
-
-def assert_trees_equal(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        if isinstance(a[k], dict):
-            assert_trees_equal(a[k], b[k])
-        else:
-            assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and a[k].tobytes() == b[k].tobytes()
-
-
-@pytest.mark.parametrize("dtype", [np.float32, BF16])
-def test_pytree_peft_round_trip_is_bit_exact(dtype):
-    tree = random_tree(dtype)
-    peft = flax_to_peft(tree)
-    assert len(peft) == 2 * LAYERS * len(keymap.DEFAULT_LORA_TARGETS)
-    a = peft["transformer_blocks.2.attn.to_out.0.lora_A.weight"]
-    b = peft["transformer_blocks.2.img_mlp.net.2.lora_B.weight"]
-    assert a.shape == (RANK, D) and b.shape == (D, RANK) and a.dtype == dtype
-    assert np.array_equal(a, tree["blocks"]["attn"]["to_out"]["lora_a"][2].T)
-    assert_trees_equal(peft_to_flax(peft), tree)
-    assert_trees_equal(peft_to_flax({f"transformer.{k}": v for k, v in peft.items()}), tree)  # diffusers prefix
-
-
-def test_subset_of_targets_and_errors():
-    tree = random_tree(targets=("to_q", "img_mlp.net.2"))
-    peft = flax_to_peft(tree)
-    assert bound_modules(peft) == 2 * LAYERS
-    assert_trees_equal(peft_to_flax(peft), tree)
-    with pytest.raises(ValueError, match="missing leaf"):
-        flax_to_peft(tree, targets=("to_q", "to_k"))
-    with pytest.raises(ValueError, match="outside targets"):
-        flax_to_peft(tree, targets=("to_q",))
-    with pytest.raises(ValueError, match="missing"):
-        peft_to_flax({k: v for k, v in peft.items() if not k.startswith("transformer_blocks.1.")})
-    with pytest.raises(ValueError, match="outside targets"):
-        peft_to_flax(peft, targets=("to_q",))
-
-
-def test_matches_the_trainers_export():
-    """The pytree layout is what the Flax model holds: same PEFT dict as jaxflow.models.lora.lora_to_peft."""
-    from flax import nnx
-
-    from jaxflow.models.config import QwenImageConfig
-    from jaxflow.models.loading import TensorSource, build_from_source
-    from jaxflow.models.lora import LoRAParam, LoRASpec, lora_to_peft, peft_to_lora
-    from tests.qwen_ref import TINY, state_dict_numpy, torch_model
-
-    spec = LoRASpec(rank=RANK, alpha=8.0)
-    model = build_from_source(QwenImageConfig(**TINY), TensorSource(state_dict_numpy(torch_model(TINY))), lora=spec)
-    rng = np.random.default_rng(1)
-    peft_to_lora(model, spec, {k: rng.standard_normal(v.shape).astype(np.float32)
-                               for k, v in lora_to_peft(model, spec).items()})
-    ours = flax_to_peft(nnx.to_pure_dict(nnx.state(model, LoRAParam)))
-    theirs = lora_to_peft(model, spec)
-    assert ours.keys() == theirs.keys() and all(np.array_equal(ours[k], theirs[k]) for k in ours)
-    assert adapter_config(spec.rank, spec.alpha, spec.targets) == spec.peft_config()
+        module = keymap.BLOCK_LINEARS[keymap.lora_target_path(t)]
+        for i in range(LAYERS):
+            out[f"transformer_blocks.{i}.{module}.lora_A.weight"] = rng.standard_normal((RANK, fan_in)).astype(dtype)
+            out[f"transformer_blocks.{i}.{module}.lora_B.weight"] = rng.standard_normal((fan_out, RANK)).astype(dtype)
+    return out
 
 
 def test_adapter_config():
-    cfg = adapter_config(64, 128, ("to_q", "to_out.0"))
+    cfg = adapter_config(64, 128.0, ("to_q", "to_out.0"))
     assert cfg == {"peft_type": "LORA", "r": 64, "lora_alpha": 128.0, "target_modules": ["to_q", "to_out.0"],
                    "init_lora_weights": "gaussian", "lora_dropout": 0.0, "bias": "none", "use_rslora": False,
                    "use_dora": False, "fan_in_fan_out": False}
-    assert adapter_config(4, 8)["target_modules"] == list(keymap.DEFAULT_LORA_TARGETS)
-    with pytest.raises(ValueError, match="unknown LoRA target"):
-        adapter_config(4, 8, ("to_x",))
-    with pytest.raises(ValueError, match="rank"):
-        adapter_config(0, 8)
 
 
-@pytest.mark.parametrize("dtype", [None, "bfloat16", "float32"])
-def test_peft_folder_round_trip(tmp_path, dtype):
-    peft = flax_to_peft(random_tree(np.float32))
-    cfg = adapter_config(RANK, 8.0)
-    folder = write_peft(tmp_path / "adapter", peft, cfg, dtype=dtype)
+@pytest.mark.parametrize("dtype", [np.float32, BF16])
+def test_peft_folder_round_trip_is_bit_exact(tmp_path, dtype):
+    peft = random_peft(dtype)
+    cfg = adapter_config(RANK, 8.0, keymap.DEFAULT_LORA_TARGETS)
+    folder = write_peft(tmp_path / "adapter", peft, cfg)
     tensors, config = read_peft(folder)
     assert config == cfg and json.loads((folder / "adapter_config.json").read_text()) == cfg
-    want = np.dtype(np.float32) if dtype in (None, "float32") else BF16
     assert tensors.keys() == peft.keys()
     for k, v in peft.items():
-        assert tensors[k].dtype == want and np.array_equal(tensors[k], np.asarray(v, want))
+        assert tensors[k].dtype == dtype and tensors[k].tobytes() == v.tobytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]  # no temporary folder left behind
     with pytest.raises(FileExistsError):
         write_peft(folder, peft, cfg)
 
 
-def test_bf16_folder_round_trip_to_pytree(tmp_path):
-    tree = random_tree(BF16)
-    tensors, _ = read_peft(write_peft(tmp_path / "a", flax_to_peft(tree), adapter_config(RANK, 8.0)))
-    assert_trees_equal(peft_to_flax(tensors), tree)
+def test_diffusers_folder_replace_and_reading_a_bare_file(tmp_path):
+    peft, cfg = random_peft(), adapter_config(RANK, 8.0, keymap.DEFAULT_LORA_TARGETS)
+    folder = write_peft(tmp_path / "a", peft, cfg, diffusers=True)
+    tensors, config = read_peft(folder / "adapter_model.safetensors")
+    assert config == cfg and tensors.keys() == {f"transformer.{k}" for k in peft}
+    metadata = safetensors_io.SafetensorsFile(folder / "adapter_model.safetensors").metadata
+    assert json.loads(metadata["lora_adapter_metadata"])["transformer.r"] == RANK  # what load_lora_weights reads
+    write_peft(folder, {k: np.zeros_like(v) for k, v in peft.items()}, cfg, replace=True)
+    assert not any(v.any() for v in read_peft(folder)[0].values())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+    (folder / "adapter_config.json").unlink()
+    assert read_peft(folder)[1] is None
 
 
 def test_lora_pairs_and_bound_modules():
-    peft = flax_to_peft(random_tree())
+    peft = random_peft()
     assert bound_modules(peft) == LAYERS * len(keymap.DEFAULT_LORA_TARGETS)
+    assert bound_modules(random_peft(targets=("to_q", "img_mlp.net.2"))) == 2 * LAYERS
     pairs = lora_pairs({f"transformer.{k}": v for k, v in peft.items()})
     assert "transformer_blocks.0.attn.to_q" in pairs
     with pytest.raises(ValueError, match="only one of"):
@@ -139,7 +85,7 @@ def test_lora_pairs_and_bound_modules():
 
 def test_vllm_omni_names():
     """vLLM-Omni 0.20's loader: `to_out.0` -> `to_out` in keys and target_modules; q/k/v stay per projection."""
-    peft = {f"transformer.{k}": v for k, v in flax_to_peft(random_tree()).items()}
+    peft = {f"transformer.{k}": v for k, v in random_peft().items()}
     renamed = to_vllm_omni(peft)
     assert len(renamed) == len(peft)
     assert "transformer_blocks.1.attn.to_out.lora_A.weight" in renamed
@@ -149,11 +95,13 @@ def test_vllm_omni_names():
     assert not any(".to_out.0." in k or k.startswith("transformer.") for k in renamed)
     assert renamed["transformer_blocks.1.attn.to_out.lora_B.weight"] is peft[
         "transformer.transformer_blocks.1.attn.to_out.0.lora_B.weight"]
-    cfg = vllm_omni_adapter_config(adapter_config(RANK, 8.0))
+    base = adapter_config(RANK, 8.0, keymap.DEFAULT_LORA_TARGETS)
+    cfg = vllm_omni_adapter_config(base)
     assert cfg["target_modules"] == [t.replace("to_out.0", "to_out") for t in keymap.DEFAULT_LORA_TARGETS]
-    assert cfg["r"] == RANK and "to_out.0" in adapter_config(RANK, 8.0)["target_modules"]  # input untouched
+    assert cfg["r"] == RANK and "to_out.0" in base["target_modules"]  # input untouched
 
 
-def test_imports_neither_jax_nor_torch():
-    code = "import sys, bridge.lora; assert not {'jax', 'torch', 'flax'} & set(sys.modules), sys.modules.keys()"
+def test_imports_neither_jax_nor_torch_nor_jaxflow():
+    code = ("import sys, bridge.lora; "
+            "assert not {'jax', 'torch', 'flax', 'jaxflow'} & set(sys.modules), sys.modules.keys()")
     subprocess.run([sys.executable, "-c", code], check=True)

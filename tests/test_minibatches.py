@@ -12,7 +12,7 @@ from jaxflow import config as config_lib
 from jaxflow import train_step as ts
 from jaxflow.minibatches import group_order, order_minibatches, select
 from jaxflow.models.lora import LoRAParam
-from jaxflow.sampler import SamplerConfig, make_sampler
+from tests.helpers_sampler import SamplerConfig, make_sampler
 from tests.test_train_step import GRID, SEEDS, _inputs, model  # noqa: F401 (model: fixture)
 from tests.test_train import tiny_config
 

@@ -107,3 +107,11 @@ def test_exported_adapter_loads_in_diffusers_pipeline(tmp_path):
     x, s, txt, mask = inputs({**TINY, **{k: cfg[k] for k in ("in_channels", "joint_attention_dim")}})
     ref = torch_forward(pipe.transformer, x, s, txt, mask, (5, 9))
     assert _rel(_run(model, x, s, txt, mask), ref) <= 1e-5
+
+
+def test_spec_refuses_unknown_targets_and_bad_rank():
+    with pytest.raises(ValueError, match="unknown LoRA target"):
+        LoRASpec(rank=4, alpha=8.0, targets=("to_x",))
+    with pytest.raises(ValueError, match="rank"):
+        LoRASpec(rank=0, alpha=8.0)
+    assert LoRASpec(rank=4, alpha=8.0, targets=("to_q",)).peft_config()["target_modules"] == ["to_q"]

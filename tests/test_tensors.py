@@ -1,7 +1,9 @@
-"""bridge.tensors: DLPack torch<->JAX, numpy<->torch bf16 views, safetensors bytes (CPU)."""
+"""DLPack JAX->torch (jaxflow.lora_sync) and back (a test helper), bridge.tensors: numpy<->torch bf16 views,
+bridge.safetensors_io against the safetensors package (CPU)."""
 
 from types import SimpleNamespace
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -9,10 +11,17 @@ import pytest
 import safetensors.torch
 import torch
 
-from bridge.tensors import (from_safetensors_bytes, jax_to_torch, numpy_to_torch, to_safetensors_bytes,
-                            torch_to_jax, torch_to_numpy)
+from bridge import safetensors_io
+from bridge.tensors import numpy_to_torch, torch_to_numpy
+from jaxflow.lora_sync import jax_to_torch
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int32, torch.bool]
+
+
+def torch_to_jax(t):
+    """torch.Tensor -> jax.Array through DLPack, detached and made contiguous first (DLPack export refuses tensors
+    that require grad, JAX non-compact strides); on CPU memory is shared when the pointer is 64-byte aligned."""
+    return jax.dlpack.from_dlpack(t.detach().contiguous())
 
 
 def sample(dtype: torch.dtype, shape=(8, 16)) -> torch.Tensor:
@@ -105,24 +114,21 @@ def test_numpy_to_torch_read_only_and_negative_strides_copy():
     assert numpy_to_torch(np.arange(6)[::-1]).tolist() == [5, 4, 3, 2, 1, 0]
 
 
-def test_safetensors_bytes_round_trip_bit_exact():
-    tensors = {f"t_{d}".replace("torch.", ""): sample(d) for d in DTYPES}
+def test_safetensors_files_round_trip_bit_exact_and_match_the_reference(tmp_path):
+    """bridge.safetensors_io writes plain safetensors (bf16 as BF16) and reads what safetensors.torch writes."""
+    tensors = {f"t_{d}".replace("torch.", ""): torch_to_numpy(sample(d)) for d in DTYPES}
     tensors["np_bf16"] = np.arange(2**16, dtype=np.uint16).view(ml_dtypes.bfloat16)
     tensors["np_scalar"] = np.array(3, np.int64)
     tensors["np_empty"] = np.zeros((0, 4), np.float32)
     tensors["np_transposed"] = np.arange(12, dtype=np.float64).reshape(3, 4).T
-    data = to_safetensors_bytes(tensors)
-    expected = {k: v if isinstance(v, np.ndarray) else torch_to_numpy(v) for k, v in tensors.items()}
-    as_numpy = from_safetensors_bytes(data)
-    as_torch = from_safetensors_bytes(data, framework="torch")
-    reference = safetensors.torch.load(data)  # the file is plain safetensors: bf16 is stored as BF16
+    tensors["np_u16"] = np.arange(5, dtype=np.uint16)
+    safetensors_io.save(tensors, tmp_path / "ours.safetensors")
+    reference = safetensors.torch.load_file(tmp_path / "ours.safetensors")
     assert reference["t_bfloat16"].dtype == torch.bfloat16
-    for name, want in expected.items():
-        for got in (as_numpy[name], torch_to_numpy(as_torch[name]), torch_to_numpy(reference[name])):
-            assert got.dtype == want.dtype and got.shape == want.shape, name
-            np.testing.assert_array_equal(bits(got), bits(want), err_msg=name)
-
-
-def test_from_safetensors_bytes_rejects_unknown_framework():
-    with pytest.raises(ValueError, match="framework"):
-        from_safetensors_bytes(to_safetensors_bytes({"x": np.zeros(2)}), framework="flax")
+    safetensors.torch.save_file({k: numpy_to_torch(v).contiguous() for k, v in tensors.items()},
+                                tmp_path / "ref.safetensors")
+    for got in (safetensors_io.load(tmp_path / "ours.safetensors"), safetensors_io.load(tmp_path / "ref.safetensors"),
+                {k: torch_to_numpy(v) for k, v in reference.items()}):
+        for name, want in tensors.items():
+            assert got[name].dtype == want.dtype and got[name].shape == want.shape, name
+            np.testing.assert_array_equal(bits(got[name]), bits(want), err_msg=name)

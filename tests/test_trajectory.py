@@ -1,4 +1,5 @@
-"""bridge.trajectory: validation, stacking with right-padded text, select/concat/unstack, transport."""
+"""bridge.trajectory: validation, concat with right-padded text, transport; per-sample records built here (the
+rollout builds batches directly) are stacked into batches and back."""
 
 import dataclasses
 import subprocess
@@ -9,13 +10,88 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from bridge.trajectory import Trajectory, TrajectoryBatch
+from bridge.trajectory import TrajectoryBatch, _validate
 
 ROOT = Path(__file__).resolve().parents[1]
 BF16 = ml_dtypes.bfloat16
 H, W, N, C, D = 32, 48, 6, 64, 8
 S = (H // 16) * (W // 16)
 SIGMAS = np.array([1.0, 0.9, 0.75, 0.55, 0.3, 0.1, 0.0], np.float32)
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class Trajectory:
+    """One sample as docs/numerics.md §9 states the contract, validated like a batch row."""
+
+    image: np.ndarray
+    latents: np.ndarray
+    log_probs: np.ndarray
+    sigmas: np.ndarray
+    step_index: np.ndarray
+    prompt_embeds: np.ndarray
+    prompt_mask: np.ndarray
+    negative_prompt_embeds: np.ndarray | None = None
+    negative_prompt_mask: np.ndarray | None = None
+    prompt: str
+    group_id: int
+    seed: int
+    policy_version: int
+
+    def __post_init__(self):
+        _validate(self, "image", [])
+        if not isinstance(self.prompt, str):
+            raise ValueError(f"prompt: expected a str, got {type(self.prompt).__name__}")
+        for field in ("group_id", "seed", "policy_version"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise ValueError(f"{field}: expected an int, got {type(value).__name__}")
+            object.__setattr__(self, field, int(value))
+
+
+def stack(trajectories) -> TrajectoryBatch:
+    """A batch of the samples (through TrajectoryBatch.concat of batches of one)."""
+    def one(x):
+        return None if x is None else x[None]
+
+    return TrajectoryBatch.concat([TrajectoryBatch(
+        images=one(t.image), latents=one(t.latents), log_probs=one(t.log_probs), sigmas=t.sigmas,
+        step_index=one(t.step_index), prompt_embeds=one(t.prompt_embeds), prompt_mask=one(t.prompt_mask),
+        negative_prompt_embeds=one(t.negative_prompt_embeds), negative_prompt_mask=one(t.negative_prompt_mask),
+        prompts=(t.prompt,), group_ids=np.array([t.group_id], np.int64), seeds=np.array([t.seed], np.int64),
+        policy_versions=np.array([t.policy_version], np.int64)) for t in trajectories])
+
+
+def select(batch: TrajectoryBatch, indices) -> TrajectoryBatch:
+    """Rows picked by anything numpy can index a (B,) axis with: ints, a slice or a bool mask."""
+    rows = np.arange(len(batch))[indices]
+    if rows.ndim != 1:
+        raise ValueError(f"indices: expected a 1-D selection, got shape {rows.shape}")
+    fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+    picked = {k: None if v is None else v[rows] for k, v in fields.items() if k not in ("sigmas", "prompts")}
+    return TrajectoryBatch(**picked, sigmas=batch.sigmas, prompts=[batch.prompts[i] for i in rows])
+
+
+def _trim(embeds: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Drop trailing masked-out tokens (padding)."""
+    valid = np.flatnonzero(mask)
+    length = int(valid[-1]) + 1 if valid.size else 0
+    return embeds[:length], mask[:length]
+
+
+def unstack(batch: TrajectoryBatch) -> list[Trajectory]:
+    """Per-sample records with trailing masked-out text dropped: inverts `stack` for masks ending in a valid token."""
+    out = []
+    for i in range(len(batch)):
+        embeds, mask = _trim(batch.prompt_embeds[i], batch.prompt_mask[i])
+        neg_embeds = neg_mask = None
+        if batch.cfg:
+            neg_embeds, neg_mask = _trim(batch.negative_prompt_embeds[i], batch.negative_prompt_mask[i])
+        out.append(Trajectory(
+            image=batch.images[i], latents=batch.latents[i], log_probs=batch.log_probs[i], sigmas=batch.sigmas,
+            step_index=batch.step_index[i], prompt_embeds=embeds, prompt_mask=mask, negative_prompt_embeds=neg_embeds,
+            negative_prompt_mask=neg_mask, prompt=batch.prompts[i], group_id=batch.group_ids[i], seed=batch.seeds[i],
+            policy_version=batch.policy_versions[i]))
+    return out
 
 
 def make(start=1, window=3, length=5, neg_length=None, seed=0, version=3, dtype=BF16) -> Trajectory:
@@ -106,7 +182,7 @@ def test_validation_errors_name_the_field(build, message):
 
 def test_stack_pads_text_right_and_masks_padding():
     samples = [make(length=5, neg_length=2, seed=0), make(start=2, length=7, neg_length=4, seed=1)]
-    batch = TrajectoryBatch.stack(samples)
+    batch = stack(samples)
     assert len(batch) == 2 and batch.prompts == ("prompt 0", "prompt 1")
     assert batch.latents.shape == (2, 4, S, C) and batch.sigmas.shape == (N + 1,)
     assert batch.step_index.tolist() == [[1, 2, 3], [2, 3, 4]]  # windows differ per sample
@@ -116,7 +192,7 @@ def test_stack_pads_text_right_and_masks_padding():
     assert batch.negative_prompt_embeds.shape == (2, 4, D)  # padded separately from the positive
     assert batch.negative_prompt_mask.sum(axis=1).tolist() == [2, 4]
     assert batch.group_ids.dtype == batch.seeds.dtype == batch.policy_versions.dtype == np.int64
-    assert TrajectoryBatch.stack([make()]).negative_prompt_embeds is None
+    assert stack([make()]).negative_prompt_embeds is None
 
 
 @pytest.mark.parametrize("other, field", [
@@ -127,7 +203,7 @@ def test_stack_pads_text_right_and_masks_padding():
 ])
 def test_stack_rejects_incompatible_samples(other, field):
     with pytest.raises(ValueError, match=f"^{field}: item 1 has"):
-        TrajectoryBatch.stack([make(), other])
+        stack([make(), other])
 
 
 def test_stack_rejects_different_image_sizes_and_empty():
@@ -135,42 +211,42 @@ def test_stack_rejects_different_image_sizes_and_empty():
     big = dataclasses.replace(make(), image=np.zeros((H, W + 16, 3), np.uint8),
                               latents=rng.standard_normal((4, S + 2, C), dtype=np.float32))
     with pytest.raises(ValueError, match="^images: item 1 has"):
-        TrajectoryBatch.stack([make(), big])
+        stack([make(), big])
     with pytest.raises(ValueError, match="at least one"):
-        TrajectoryBatch.stack([])
+        stack([])
 
 
 @pytest.mark.parametrize("neg", [None, 3])
 def test_unstack_inverts_stack(neg):
     samples = [make(length=3 + i, neg_length=neg and neg + i, start=i % 3, seed=i) for i in range(4)]
-    for got, want in zip(TrajectoryBatch.stack(samples).unstack(), samples, strict=True):
+    for got, want in zip(unstack(stack(samples)), samples, strict=True):
         assert_same(got, want)
 
 
 def test_select_and_concat():
     samples = [make(length=2 + i, seed=i) for i in range(5)]
-    batch = TrajectoryBatch.stack(samples)
-    picked = batch.select([3, -5])
+    batch = stack(samples)
+    picked = select(batch, [3, -5])
     assert picked.prompt_embeds.shape == (2, 6, D)  # select keeps the batch's padding
-    for got, want in zip(picked.unstack(), [samples[3], samples[0]], strict=True):
+    for got, want in zip(unstack(picked), [samples[3], samples[0]], strict=True):
         assert_same(got, want)
-    assert batch.select(slice(1, 3)).prompts == ("prompt 1", "prompt 2")
-    assert batch.select(batch.seeds % 2 == 0).seeds.tolist() == [0, 2, 4]
-    assert len(batch.select([])) == 0
-    short, long = TrajectoryBatch.stack(samples[:2]), TrajectoryBatch.stack(samples[2:])
+    assert select(batch, slice(1, 3)).prompts == ("prompt 1", "prompt 2")
+    assert select(batch, batch.seeds % 2 == 0).seeds.tolist() == [0, 2, 4]
+    assert len(select(batch, [])) == 0
+    short, long = stack(samples[:2]), stack(samples[2:])
     joined = TrajectoryBatch.concat([short, long])  # short's text (L=3) is re-padded to 6
     assert joined.prompt_embeds.shape == (5, 6, D)
     assert_same(joined, batch)
     with pytest.raises(ValueError, match="1-D"):
-        batch.select(np.zeros((2, 2), int))
+        select(batch, np.zeros((2, 2), int))
 
 
 def test_to_dict_from_dict_round_trip():
-    batch = TrajectoryBatch.stack([make(neg_length=2, seed=i) for i in range(3)])
+    batch = stack([make(neg_length=2, seed=i) for i in range(3)])
     arrays = batch.to_dict()
     assert all(isinstance(v, np.ndarray) for v in arrays.values())
     assert_same(TrajectoryBatch.from_dict(arrays), batch)
-    plain = TrajectoryBatch.stack([make()]).to_dict()
+    plain = stack([make()]).to_dict()
     assert "negative_prompt_embeds" not in plain
     assert TrajectoryBatch.from_dict(plain).negative_prompt_embeds is None
     with pytest.raises(ValueError, match=r"seeds: expected shape \(B\) = \(3\), got shape \(2,\)"):
@@ -178,13 +254,13 @@ def test_to_dict_from_dict_round_trip():
 
 
 def test_policy_version_single_or_raises():
-    assert TrajectoryBatch.stack([make(seed=0), make(seed=1)]).policy_version == 3
-    mixed = TrajectoryBatch.stack([make(version=3), make(version=4)])
+    assert stack([make(seed=0), make(seed=1)]).policy_version == 3
+    mixed = stack([make(version=3), make(version=4)])
     with pytest.raises(ValueError, match=r"policy_versions: expected one version, got \[3, 4\]"):
         mixed.policy_version
 
 
-@pytest.mark.parametrize("module", ["bridge.trajectory", "bridge.tensors"])
+@pytest.mark.parametrize("module", ["bridge.trajectory", "bridge.tensors", "bridge.safetensors_io"])
 def test_import_pulls_in_neither_jax_nor_torch(module):
     code = f"import sys, {module}; print(sorted(m for m in ('jax', 'torch') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True)

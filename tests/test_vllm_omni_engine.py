@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from bridge.lora import flax_to_peft, lora_pairs, to_vllm_omni
+from bridge.lora import lora_pairs, to_vllm_omni
 from bridge.rollout import vllm_omni_pipeline as vop
 from bridge.rollout.engine_vllm_omni import INSTALL_HINT, _ack_errors, check_lora_binding, folder_fingerprint
 from bridge.rollout.pipeline import RolloutPipeline
 from bridge.rollout.sampling import SamplingParams
 from bridge.rollout.server import engine_class
 from bridge.trajectory import TrajectoryBatch
-from tests.test_bridge_lora import D, LAYERS, MLP, RANK, random_tree
+from tests.test_bridge_lora import D, LAYERS, MLP, RANK, random_peft
 
 SAMPLING = SamplingParams(height=16, width=24, num_inference_steps=3, true_cfg_scale=4.0, noise_level=1.2,
                           sde_window_size=1, sde_window_range=(0, 2), max_sequence_length=64, seed=5)
@@ -234,7 +234,7 @@ def test_lora_module_table():
 
 def test_default_targets_bind_to_the_fused_transformer():
     table = vop.lora_module_table(FakeFusedTransformer())
-    tensors = flax_to_peft(random_tree())
+    tensors = random_peft()
     assert check_lora_binding(lora_pairs(to_vllm_omni(tensors)), RANK, table) == 12 * LAYERS
     with pytest.raises(ValueError, match=r"to_out\.0: the engine transformer has no such"):
         check_lora_binding(lora_pairs(tensors), RANK, table)  # PEFT names as they are: to_out.0 binds nowhere
@@ -242,7 +242,7 @@ def test_default_targets_bind_to_the_fused_transformer():
 
 def test_binding_checks_shapes_slots_and_emptiness():
     table = vop.lora_module_table(FakeFusedTransformer(kv=4))  # GQA-like: k and v slices narrower than q
-    pairs = lora_pairs(to_vllm_omni(flax_to_peft(random_tree(targets=("to_q", "to_k", "img_mod.1")))))
+    pairs = lora_pairs(to_vllm_omni(random_peft(targets=("to_q", "to_k", "img_mod.1"))))
     with pytest.raises(ValueError, match=r"to_k\.lora_B\.weight: expected shape \(4, 4\) \(engine layer "
                                          r"transformer_blocks\.\d\.attn\.to_qkv\), got \(8, 4\)"):
         check_lora_binding(pairs, RANK, table)

@@ -15,8 +15,6 @@ accident). LoRA weights live in the transformer's dtype, as PEFT creates them.
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
 from pathlib import Path
 
 import numpy as np
@@ -24,22 +22,10 @@ import torch
 from peft import LoraConfig, inject_adapter_in_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 
-from bridge.lora import AdapterSpec, adapter_spec, refusal
+from bridge.lora import LORA_KEY, AdapterSpec, adapter_spec, read_peft, refusal
 from bridge.tensors import numpy_to_torch
 
 ADAPTER_NAME = "rollout"
-_KEY = re.compile(r"(?:transformer\.)?(?P<module>.+)\.lora_(?P<part>[AB])\.weight")
-
-
-def load_adapter(path) -> tuple[dict[str, torch.Tensor], dict | None]:
-    """Tensors and config of a PEFT folder (adapter_model.safetensors, adapter_config.json) or .safetensors file."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    weights = path / "adapter_model.safetensors" if path.is_dir() else path
-    config_file = weights.parent / "adapter_config.json"
-    config = json.loads(config_file.read_text()) if config_file.is_file() else None
-    return load_file(weights), config
 
 
 def _as_tensor(x) -> torch.Tensor:
@@ -57,7 +43,7 @@ class LoraApplier:
     def apply(self, tensors, adapter_config: dict | None = None) -> int:
         """Serve `tensors` (dict or PEFT path) as the adapter; returns the number of bound modules."""
         if isinstance(tensors, (str, Path)):
-            tensors, file_config = load_adapter(tensors)
+            tensors, file_config = read_peft(tensors)
             adapter_config = adapter_config or file_config
         if adapter_config is None:
             if self.spec is None:
@@ -92,7 +78,7 @@ class LoraApplier:
         """{module: (A, B)} after checking every key, shape and value; ValueError listing every offender."""
         errors, parts = [], {}
         for key, value in tensors.items():
-            match = _KEY.fullmatch(key)
+            match = LORA_KEY.fullmatch(key)
             if match is None:
                 errors.append(f"{key}: not a PEFT LoRA key '<module>.lora_A.weight' / '<module>.lora_B.weight'")
             elif match["module"] not in self.linears:

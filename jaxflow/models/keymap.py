@@ -1,7 +1,7 @@
 """The one declarative map between diffusers' Qwen-Image state dict and the Flax parameter tree.
 
-Pure Python (no jax/torch import) so the bridge can use it too. Flax paths are tuples of nnx state keys;
-per-block diffusers keys use `{i}` and map onto the stacked (scan) axis of the Flax leaf.
+Pure Python (no jax/torch import). Flax paths are tuples of nnx state keys; per-block diffusers keys use `{i}`
+and map onto the stacked (scan) axis of the Flax leaf.
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""LoRA: its own NNX variable type, the adapter spec, merge, and PEFT-format export/import."""
+"""LoRA: its own NNX variable type, the adapter spec, merge, and the Flax state <-> PEFT arrays conversion (PEFT
+folders are written and read by `bridge.lora`)."""
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from pathlib import Path
 
 import jax
@@ -11,10 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxflow.models import keymap, safetensors_io
-
-
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
+from bridge import lora as peft_folder
+from jaxflow.models import keymap
 
 
 class LoRAParam(nnx.Variable):
@@ -43,9 +41,7 @@ class LoRASpec:
 
     def peft_config(self) -> dict:
         """adapter_config.json content PEFT and diffusers' load_lora_weights understand."""
-        return {"peft_type": "LORA", "r": self.rank, "lora_alpha": self.alpha, "target_modules": list(self.targets),
-                "init_lora_weights": "gaussian", "lora_dropout": 0.0, "bias": "none", "use_rslora": False,
-                "use_dora": False, "fan_in_fan_out": False}
+        return peft_folder.adapter_config(self.rank, self.alpha, self.targets)
 
 
 def _get(state: nnx.State, path):
@@ -119,30 +115,18 @@ def peft_to_lora(model: nnx.Module, spec: LoRASpec, tensors: dict[str, np.ndarra
     nnx.update(model, state)
 
 
-def save_peft(model: nnx.Module, spec: LoRASpec, directory: str | Path) -> Path:
-    """Write adapter_model.safetensors + adapter_config.json.
-
-    Keys are PEFT names under diffusers' pipeline prefix (`transformer.transformer_blocks.N.attn.to_q.lora_A.weight`),
-    so `QwenImagePipeline.load_lora_weights(dir, weight_name="adapter_model.safetensors")` loads it as is.
-    """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    config = json.dumps(spec.peft_config(), indent=2, sort_keys=True)
-    # diffusers' load_lora_weights reads r/alpha from this metadata key; PEFT reads adapter_config.json.
-    packed = json.dumps({f"transformer.{k}": v for k, v in spec.peft_config().items()}, sort_keys=True)
-    metadata = {"format": "pt", "lora_adapter_metadata": packed}
-    tensors = {f"transformer.{k}": v for k, v in lora_to_peft(model, spec).items()}
-    safetensors_io.save(tensors, directory / ADAPTER_WEIGHTS, metadata)
-    (directory / "adapter_config.json").write_text(config)
-    return directory
+def save_peft(model: nnx.Module | nnx.State, spec: LoRASpec, directory: str | Path) -> Path:
+    """Write the LoRA as a PEFT folder diffusers' `load_lora_weights` loads as is (`bridge.lora.write_peft`);
+    an adapter already in `directory` is replaced."""
+    return peft_folder.write_peft(directory, lora_to_peft(model, spec), spec.peft_config(), diffusers=True,
+                                  replace=True)
 
 
 def read_peft(directory: str | Path) -> tuple[LoRASpec, dict[str, np.ndarray]]:
-    directory = Path(directory)
-    cfg = json.loads((directory / "adapter_config.json").read_text())
+    """The spec and PEFT state dict (prefix dropped) of a PEFT folder."""
+    tensors, cfg = peft_folder.read_peft(directory)
     spec = LoRASpec(rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]), targets=tuple(cfg["target_modules"]))
-    tensors = safetensors_io.load(directory / ADAPTER_WEIGHTS)
-    return spec, {k.removeprefix("transformer."): v for k, v in tensors.items()}
+    return spec, {k.removeprefix(peft_folder.PREFIX): v for k, v in tensors.items()}
 
 
 def merged_kernels(model: nnx.Module) -> dict[tuple[str, ...], np.ndarray]:

@@ -1,4 +1,4 @@
-"""Minimal safetensors reader/writer on numpy: bf16 stays bf16 (ml_dtypes), reads are memory-mapped."""
+"""The safetensors reader/writer of both sides, numpy only: bf16 stays bf16 (ml_dtypes), reads are memory-mapped."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,8 @@ import ml_dtypes
 import numpy as np
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32,
+           "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_}
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
 
 
@@ -22,6 +23,9 @@ class SafetensorsFile:
             (n,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(n))
         self.metadata = header.pop("__metadata__", None) or {}
+        unknown = sorted({info["dtype"] for info in header.values()} - set(_DTYPES))
+        if unknown:
+            raise ValueError(f"{self.path}: unsupported safetensors dtypes {unknown}")
         self._header = header
         self._offset = 8 + n
         self._mm = np.memmap(self.path, dtype=np.uint8, mode="r") if header else None
@@ -51,7 +55,7 @@ def save(tensors: dict[str, np.ndarray], path: str | Path, metadata: dict[str, s
     """Write tensors in key order; byte layout follows the safetensors spec (8-byte aligned header)."""
     header, offset, arrays = {}, 0, []
     for key in sorted(tensors):
-        a = np.ascontiguousarray(tensors[key])
+        a = np.asarray(tensors[key], order="C")  # ascontiguousarray would make a 0-d array 1-d
         if a.dtype not in _NAMES:
             raise ValueError(f"safetensors: unsupported dtype {a.dtype} for {key}")
         header[key] = {"dtype": _NAMES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}

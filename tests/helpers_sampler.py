@@ -1,5 +1,4 @@
-"""A jitted JAX sampling loop (DiT + SDE step) producing rollout trajectories, for end-to-end checks and as an
-in-JAX rollout engine sharing the trainer's LoRA params (no weight sync).
+"""A jitted JAX sampling loop (DiT + SDE step) producing rollout trajectories for the train-step tests.
 
 Per sample, everything comes from its seed: the initial latent and the step noise from
 `jax.random.fold_in(key(seed), i)` (i = 0 for the initial latent, i + 1 for step i), and the SDE window from

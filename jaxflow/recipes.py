@@ -1,0 +1,83 @@
+"""The config's every key in one base, the real recipe, and the tiny offline overrides the defaults build on.
+
+`base()` is the real setting, Qwen-Image LoRA FlowGRPO on OCR prompts with the vLLM-Omni rollout
+(`configs/qwen_ocr.py`). Values and their sources:
+- 512^2, 10 sampling steps, noise 1.2 'sde', window 2 in [0, 5), true CFG 4, 50 ODE eval steps:
+  flow_grpo `config/grpo.py: pickscore_qwenimage` and verl-omni
+  `examples/flowgrpo_trainer/qwen_image/run_qwen_image_ocr_lora.sh`.
+- LoRA r64 / alpha128 on the 12 targets: flow_grpo `scripts/train_qwenimage.py`, verl-omni's OCR script.
+- lr 3e-4, AdamW b (0.9, 0.999), wd 1e-4, eps 1e-8, grad clip 1.0, adv clip 5: flow_grpo `config/base.py`.
+- clip range 1e-4: flow_grpo's default (verl-omni's script uses 1e-5); beta 0: both Qwen recipes.
+- 32 prompts x 16 images per step: both (pickscore_qwenimage groups per epoch; verl-omni train_batch_size 32, n 16).
+- 2 optimizer updates of 256 samples per step, like both: flow_grpo `scripts/train_qwenimage.py` with
+  num_batches_per_epoch 4 and gradient_accumulation_steps 2 (2 updates per epoch), verl-omni's
+  ppo_mini_batch_size 16 of train_batch_size 32 prompts. Here train.num_mini_batches 2: each update takes 16 whole
+  prompt groups x 16 images (shuffled), in 32 micro-batches of 8 samples.
+- old log-probs recomputed by the trainer before the first update (verl-omni's `compute_log_prob`; flow_grpo
+  takes the rollout's): the bf16 rollout's log-probs differ from the trainer's by ~1e-4..4e-4
+  (scripts/verify_logprob_parity.py), more than the 1e-4 clip band. The mismatch stays in the metrics
+  (logp_diff_*).
+- negative prompt " ": flow_grpo's Qwen pipeline. Reward: OCR (flow_grpo's `ocr`; verl-omni uses a VLM judge,
+  available here as `vlm_ocr`).
+
+`tiny(c)` turns a config into the embedded default's: the tiny offline Qwen-Image, diffusers rollout on CPU, float32,
+toy sizes (the tiny VAE has spatial factor 4, so 40x72 images are 5x9 packed latent tokens).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import ml_collections
+
+from jaxflow.models.keymap import DEFAULT_LORA_TARGETS
+
+DATA = Path(__file__).resolve().parents[1] / "data"  # the clone's prompt files, found from any working directory
+
+
+def base() -> ml_collections.ConfigDict:
+    """Every key of the training config, at the real recipe's values."""
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.run_dir = "runs/qwen_ocr"
+    c.model = dict(path="",  # required: a diffusers Qwen-Image folder (model_index.json, transformer/, ...)
+                   dtype="bfloat16", param_dtype="bfloat16", remat="save_matmuls", attention="auto",
+                   matmul_precision="auto",  # "highest" for float32 compute (true fp32 on GPUs, not TF32)
+                   init="checkpoint")  # "random": base weights drawn from `seed` (bridge/random_weights.py)
+    c.lora = dict(rank=64, alpha=128.0, targets=list(DEFAULT_LORA_TARGETS))
+    c.rollout = dict(engine="vllm_omni", dtype="bfloat16", device="cuda", num_servers=1, num_gpus=1.0,
+                     num_cpus=1.0, sleep_while_training=True, max_retries=2, address="",
+                     in_process=False,  # True: the engine runs in the trainer's process (no Ray)
+                     compile=False)  # diffusers engine: torch.compile the transformer block
+    c.sample = dict(height=512, width=512, num_steps=10, guidance=4.0, noise_level=1.2, sde_type="sde",
+                    window_size=2, window_range=(0, 5), negative_prompt=" ",
+                    max_sequence_length=128,  # the longest OCR prompt has 74 tokens; the train step pads text to this
+                    prompts_per_step=32, group_size=16, prompts_per_call=4)
+    c.train = dict(num_steps=300, num_micro_batches=32, learning_rate=3e-4, clip_range=1e-4, adv_clip=5.0,
+                   beta=0.0, global_std=True, max_grad_norm=1.0, weight_decay=1e-4, ema_decay=0.0,
+                   old_log_prob="recompute",
+                   num_mini_batches=2,  # optimizer updates per step, each on whole prompt groups
+                   num_inner_epochs=1)  # passes over the step's mini-batches
+    c.reward = dict(fns={"ocr": 1.0}, options={}, workers=8)
+    c.data = dict(train=str(DATA / "ocr" / "train.txt"), test=str(DATA / "ocr" / "test.txt"))
+    c.eval = dict(every=30, num_prompts=32, num_steps=50, guidance=4.0)
+    c.checkpoint = dict(every=10, keep=3)
+    c.sharding = dict(data=-1, fsdp=1, tensor=1, rules=[("batch", ("data", "fsdp"))])
+    c.log = dict(tensorboard=True, progress=True)
+    # jax.profiler trace of steps start_step .. start_step + num_steps - 1 (0 steps: off); dir "" = run_dir/profile
+    c.profile = dict(start_step=2, num_steps=0, dir="")
+    return c
+
+
+def tiny(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """`c` at the embedded default's settings: the tiny offline model on the CPU, a few minutes on 2 cores."""
+    c.run_dir = "runs/tiny_ocr"
+    c.model.update(path="tiny", dtype="float32", param_dtype="float32", remat="none")
+    c.lora.update(rank=8, alpha=16.0)
+    c.rollout.update(engine="diffusers", dtype="float32", device="cpu", num_gpus=0.0, sleep_while_training=False)
+    c.sample.update(height=40, width=72, num_steps=4, window_range=(0, 3), prompts_per_step=4, group_size=4,
+                    prompts_per_call=2)
+    c.train.update(num_steps=10, num_micro_batches=1, num_mini_batches=1, old_log_prob="rollout")
+    c.reward.workers = 2
+    c.eval.update(every=5, num_prompts=4, num_steps=4)
+    c.checkpoint.update(every=5, keep=3)
+    return c
