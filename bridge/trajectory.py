@@ -109,7 +109,7 @@ def _concat_key(batch: TrajectoryBatch) -> dict:
         "latents": batch.latents.shape[1:],
         "sigmas": tuple(batch.sigmas.tolist()),
         "prompt_embeds": (batch.prompt_embeds.dtype, batch.prompt_embeds.shape[-1]),
-        "negative_prompt_embeds": "present" if batch.cfg else "absent",
+        "negative_prompt_embeds": "present" if batch.guided else "absent",
     }
 
 
@@ -150,7 +150,7 @@ class TrajectoryBatch:
         return len(self.prompts)
 
     @property
-    def cfg(self) -> bool:
+    def guided(self) -> bool:
         """True when the batch carries negative prompt embeds (true CFG)."""
         return self.negative_prompt_embeds is not None
 
@@ -177,7 +177,7 @@ class TrajectoryBatch:
             return np.concatenate([getattr(b, field) for b in batches])
 
         def pad(prefix):
-            if not batches[0].cfg and prefix == "negative_prompt":
+            if not batches[0].guided and prefix == "negative_prompt":
                 return None, None
             return _pad_concat([getattr(b, f"{prefix}_embeds") for b in batches],
                                [getattr(b, f"{prefix}_mask") for b in batches])

@@ -78,40 +78,41 @@ def clipped_objective(log_prob, old_log_prob, advantages, clip_range: float, adv
     return terms, ratio
 
 
-def window_log_prob(model, step: dict, *, grid_hw, sde_type: str, guidance: float, lora_scale: float = 1.0):
+def window_log_prob(model, tr: dict, *, grid_hw, sde_type: str, guidance: float, lora_scale: float = 1.0):
     """(mean, log_prob, std) of the stored next latent under the policy's SDE step (B, ...), CFG as in sampling.
 
-    `step` holds x, x_next (B, S, C); sigma, sigma_next, sigma_max, noise_level (B,); prompt_embeds / prompt_mask
-    and, for CFG, negative_prompt_embeds / negative_prompt_mask."""
-    text = (step["prompt_embeds"], step["prompt_mask"], step.get("negative_prompt_embeds"),
-            step.get("negative_prompt_mask"))
-    v = guided_velocity(model, step["x"], step["sigma"], *text, grid_hw=grid_hw, guidance=guidance,
+    `tr`, a batch of transitions x -> x_next of one window step, holds x, x_next (B, S, C); sigma, sigma_next,
+    sigma_max, noise_level (B,); prompt_embeds / prompt_mask and, for CFG, negative_prompt_embeds /
+    negative_prompt_mask."""
+    text = (tr["prompt_embeds"], tr["prompt_mask"], tr.get("negative_prompt_embeds"),
+            tr.get("negative_prompt_mask"))
+    v = guided_velocity(model, tr["x"], tr["sigma"], *text, grid_hw=grid_hw, guidance=guidance,
                         lora_scale=lora_scale)
-    _, logp, mean, std = sde.sde_step(step["x"], v, step["sigma"], step["sigma_next"], step["sigma_max"],
-                                      sde_type=sde_type, noise_level=step["noise_level"], prev_sample=step["x_next"])
+    _, logp, mean, std = sde.sde_step(tr["x"], v, tr["sigma"], tr["sigma_next"], tr["sigma_max"],
+                                      sde_type=sde_type, noise_level=tr["noise_level"], prev_sample=tr["x_next"])
     return mean, logp, std
 
 
-def window_step_terms(model, step: dict, *, grid_hw, sde_type: str, guidance: float, clip_range: float,
+def window_step_terms(model, tr: dict, *, grid_hw, sde_type: str, guidance: float, clip_range: float,
                       adv_clip: float, beta: float) -> dict:
     """Per-sample terms (B,) of one window step: policy, kl, ratio, log_ratio = logp - logp_old and
     dlogp = logp - logp_rollout.
 
-    `step` holds what `window_log_prob` reads, advantages and rollout_log_prob (B,), and optionally
+    `tr` holds what `window_log_prob` reads, advantages and rollout_log_prob (B,), and optionally
     old_log_prob (B,); without it logp_old is the trainer's own logp under stop_gradient (exactly on-policy:
     ratio 1). The loss of the step is mean(policy) + beta * mean(kl). The KL reference is the same model with
     adapters off (lora_scale 0) under stop_gradient.
     """
     kw = dict(grid_hw=grid_hw, sde_type=sde_type, guidance=guidance)
-    mean, logp, std = window_log_prob(model, step, **kw)
-    old = step["old_log_prob"] if "old_log_prob" in step else jax.lax.stop_gradient(logp)
-    policy, ratio = clipped_objective(logp, old, step["advantages"], clip_range, adv_clip)
+    mean, logp, std = window_log_prob(model, tr, **kw)
+    old = tr["old_log_prob"] if "old_log_prob" in tr else jax.lax.stop_gradient(logp)
+    policy, ratio = clipped_objective(logp, old, tr["advantages"], clip_range, adv_clip)
     kl = jnp.zeros_like(policy)
     if beta > 0:
-        ref_mean = jax.lax.stop_gradient(window_log_prob(model, step, lora_scale=0.0, **kw)[0])
+        ref_mean = jax.lax.stop_gradient(window_log_prob(model, tr, lora_scale=0.0, **kw)[0])
         kl = sde.kl_term(mean, ref_mean, std)
     return {"policy": policy, "kl": kl, "ratio": ratio, "log_ratio": logp - old,
-            "dlogp": logp - step["rollout_log_prob"]}
+            "dlogp": logp - tr["rollout_log_prob"]}
 
 
 def step_metrics(terms: dict, *, clip_range: float, beta: float) -> dict:

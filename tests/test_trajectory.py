@@ -84,7 +84,7 @@ def unstack(batch: TrajectoryBatch) -> list[Trajectory]:
     for i in range(len(batch)):
         embeds, mask = _trim(batch.prompt_embeds[i], batch.prompt_mask[i])
         neg_embeds = neg_mask = None
-        if batch.cfg:
+        if batch.guided:
             neg_embeds, neg_mask = _trim(batch.negative_prompt_embeds[i], batch.negative_prompt_mask[i])
         out.append(Trajectory(
             image=batch.images[i], latents=batch.latents[i], log_probs=batch.log_probs[i], sigmas=batch.sigmas,

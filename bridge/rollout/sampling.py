@@ -57,7 +57,8 @@ class SamplingParams:
         return cls(**d)
 
     @property
-    def cfg(self) -> bool:
+    def guided(self) -> bool:
+        """True classifier-free guidance (a negative-prompt pass) is on."""
         return self.true_cfg_scale > 1
 
 
@@ -159,7 +160,7 @@ class SamplingLoop:
         if not 1 <= sampling.max_sequence_length <= MAX_SEQUENCE_LENGTH:
             raise ValueError(f"max_sequence_length must be in [1, {MAX_SEQUENCE_LENGTH}], "
                              f"got {sampling.max_sequence_length}")
-        texts = list(prompts) + ([sampling.negative_prompt] if sampling.cfg else [])
+        texts = list(prompts) + ([sampling.negative_prompt] if sampling.guided else [])
         self._check_lengths(texts, sampling.max_sequence_length)
         seeds = per_sample_seeds(len(prompts) * n, sampling.seed if seeds is None else seeds)
         sample_windows(seeds, sampling.sde_window_size, sampling.sde_window_range, sampling.num_inference_steps)
@@ -245,10 +246,10 @@ class SamplingLoop:
         sigmas = sigma_schedule(self.scheduler_config, steps, grid[0] * grid[1])
         starts = sample_windows(seeds, size, sp.sde_window_range, steps)
 
-        embeds = self.encode(list(prompts) + ([sp.negative_prompt] if sp.cfg else []))
+        embeds = self.encode(list(prompts) + ([sp.negative_prompt] if sp.guided else []))
         group = np.repeat(np.arange(len(prompts)), n)
         text = _pad_text([embeds[g] for g in group], max(len(e) for e in embeds[: len(prompts)]))
-        if sp.cfg:
+        if sp.guided:
             text += _pad_text([embeds[-1]] * len(group), len(embeds[-1]))
 
         gens = [torch.Generator().manual_seed(int(s)) for s in seeds]

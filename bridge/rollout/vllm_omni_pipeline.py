@@ -88,7 +88,7 @@ def pack_trajectories(batch: TrajectoryBatch) -> dict:
     payload = {"images": batch.images, "sigmas": batch.sigmas, "step_index": batch.step_index,
                "prompt_embeds": batch.prompt_embeds, "prompt_mask": batch.prompt_mask, "seeds": batch.seeds,
                "policy_versions": batch.policy_versions}
-    if batch.cfg:
+    if batch.guided:
         payload.update(negative_prompt_embeds=batch.negative_prompt_embeds,
                        negative_prompt_mask=batch.negative_prompt_mask)
     images = torch.from_numpy(batch.images).permute(0, 3, 1, 2).float() / 127.5 - 1
