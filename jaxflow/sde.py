@@ -1,5 +1,5 @@
-"""The FlowGRPO SDE / CPS / ODE step with log-prob, in JAX (docs/numerics.md §1-3); the sigma schedule and SDE windows
-(numpy, bridge/schedule.py) are re-exported here.
+"""The FlowGRPO SDE / CPS / ODE step with log-prob, in JAX (docs/numerics.md §1-3). The sigma schedule and SDE windows
+are numpy, shared by both sides: bridge/schedule.py.
 
 This is the spec. `bridge/rollout/sde.py` mirrors it line for line in torch, and tests/test_sde.py pins
 the two together. All step math runs in float32 whatever the input dtype.
@@ -11,9 +11,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-
-from bridge.schedule import (  # noqa: F401  (re-exported: the schedule is part of this API)
-    QWEN_IMAGE_SCHEDULER_CONFIG, calculate_shift, sample_windows, sigma_schedule, window_noise_levels, window_size)
 
 SDE_TYPES = ("sde", "cps", "ode")
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_model import FULL, TINY, jax_matmul_tflops, median_ms, torch_matmul_tflops  # noqa: E402
 from flops import DATASHEET_TFLOPS, qwen_flops  # noqa: E402
 
-from jaxflow import sde  # noqa: E402
+from bridge import schedule  # noqa: E402
 from jaxflow.models.config import ModelOptions, QwenImageConfig  # noqa: E402
 from jaxflow.models.lora import LoRAParam, LoRASpec, lora_to_peft  # noqa: E402
 from jaxflow.models.transformer import QwenImageTransformer  # noqa: E402
@@ -43,7 +43,7 @@ def synthetic_batch(cfg: QwenImageConfig, args) -> dict:
     """A Trajectory-shaped batch with the real 10-step schedule; latents are random (timing only)."""
     rng = np.random.default_rng(0)
     b, s, w = args.batch, args.grid ** 2, len(WINDOW)
-    sigmas = sde.sigma_schedule(sde.QWEN_IMAGE_SCHEDULER_CONFIG, 10, s)
+    sigmas = schedule.sigma_schedule(schedule.QWEN_IMAGE_SCHEDULER_CONFIG, 10, s)
     neg = np.zeros((b, args.neg_txt), bool)
     neg[:, :5] = True
     return {

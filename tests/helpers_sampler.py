@@ -2,7 +2,7 @@
 
 Per sample, everything comes from its seed: the initial latent and the step noise from
 `jax.random.fold_in(key(seed), i)` (i = 0 for the initial latent, i + 1 for step i), and the SDE window from
-`sde.sample_windows`. Steps outside the window are ODE (noise level 0). The output holds the Trajectory fields
+`schedule.sample_windows`. Steps outside the window are ODE (noise level 0). The output holds the Trajectory fields
 the train step consumes (docs/numerics.md §9), with the conditioning passed through.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from bridge import schedule
 from jaxflow import flowgrpo, sde
 from jaxflow.models.lora import LoRAParam
 
@@ -32,11 +33,11 @@ class SamplerConfig:
     guidance: float = 1.0
     window_size: int | None = 2           # 0 / None: every step but the last
     window_range: tuple[int, int] = (0, 5)
-    scheduler_config: dict = dataclasses.field(default_factory=lambda: dict(sde.QWEN_IMAGE_SCHEDULER_CONFIG))
+    scheduler_config: dict = dataclasses.field(default_factory=lambda: dict(schedule.QWEN_IMAGE_SCHEDULER_CONFIG))
 
     def sigmas(self) -> np.ndarray:
         h, w = self.grid_hw
-        return sde.sigma_schedule(self.scheduler_config, self.num_steps, h * w)
+        return schedule.sigma_schedule(self.scheduler_config, self.num_steps, h * w)
 
 
 def _sample_loop(lora, frozen, text, seeds, starts, levels, sigmas, *, graphdef, config: SamplerConfig,
@@ -81,8 +82,8 @@ def make_sampler(model: nnx.Module, config: SamplerConfig):
 
     def sample(inputs: dict, seeds, lora=None) -> dict:
         seeds = np.asarray(seeds)
-        starts = sde.sample_windows(seeds, config.window_size, config.window_range, config.num_steps)
-        levels = sde.window_noise_levels(starts, config.window_size, config.num_steps, config.noise_level)
+        starts = schedule.sample_windows(seeds, config.window_size, config.window_range, config.num_steps)
+        levels = schedule.window_noise_levels(starts, config.window_size, config.num_steps, config.noise_level)
         text = {k: jnp.asarray(inputs[k]) for k in TEXT_FIELDS if inputs.get(k) is not None}
         out = run(model_lora if lora is None else lora, frozen, text, jnp.asarray(seeds.astype(np.uint32)),
                   jnp.asarray(starts), jnp.asarray(levels), jnp.asarray(sigmas))

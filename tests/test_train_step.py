@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxflow import flowgrpo, sde
+from bridge import schedule
+from jaxflow import flowgrpo
 from jaxflow.models.config import ModelOptions, QwenImageConfig
 from jaxflow.models.lora import LoRAParam, LoRASpec
 from jaxflow.models.transformer import QwenImageTransformer
@@ -65,7 +66,7 @@ def cfg(model):
 
 def test_sampler_trajectory(plain):
     config, batch, _, _ = plain
-    starts = sde.sample_windows(np.array(SEEDS), 2, (0, 5), 6)
+    starts = schedule.sample_windows(np.array(SEEDS), 2, (0, 5), 6)
     np.testing.assert_array_equal(batch["step_index"], starts[:, None] + np.arange(2))
     assert batch["latents"].shape == (4, 3, 4, 64) and batch["log_probs"].shape == (4, 2)
     sigmas = config.sigmas()
