@@ -359,5 +359,5 @@ class Trainer:
 if __name__ == "__main__":
     import sys
 
-    from jaxflow.cli import main
-    sys.exit(main())
+    from jaxflow import cli
+    sys.exit(cli.main(Trainer))
