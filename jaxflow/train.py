@@ -41,7 +41,7 @@ from jaxflow.profiling import StepProfiler
 from jaxflow.rewards import RewardPool, build_reward
 from jaxflow.rollout_client import RolloutGroup, init_ray
 from jaxflow.sharding import Layout, maybe_initialize_distributed
-from jaxflow.train_step import BATCH_FIELDS, CFG_FIELDS, make_train_step
+from jaxflow.train_step import make_train_step, per_sample
 
 log = logging.getLogger("jaxflow.train")
 
@@ -232,13 +232,7 @@ class Trainer:
     def _local_rows(self, train_batch: dict | None) -> dict:
         """Multi-process: process 0's train batch (the fields the step reads, each made per-sample) on every
         process, cut to this process's contiguous share of rows."""
-        fields = BATCH_FIELDS + CFG_FIELDS
-        if train_batch is not None:
-            b = len(train_batch["advantages"])
-            train_batch = {k: np.asarray(train_batch[k]) for k in fields if train_batch.get(k) is not None}
-            train_batch["sigmas"] = np.broadcast_to(train_batch["sigmas"], (b, train_batch["sigmas"].shape[-1]))
-            train_batch["noise_level"] = np.broadcast_to(train_batch["noise_level"], (b,))
-        full = share_batch(train_batch)
+        full = share_batch(None if train_batch is None else per_sample(train_batch))
         rows = len(full["advantages"]) // self.processes
         lo = jax.process_index() * rows
         return {k: v[lo:lo + rows] for k, v in full.items()}
