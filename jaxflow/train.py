@@ -15,7 +15,6 @@ share.
 """
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import time
@@ -29,14 +28,14 @@ from jaxflow import config as config_lib
 from jaxflow import run_dir as run_dir_lib
 from jaxflow.checkpoint import Checkpointer, config_json
 from jaxflow.data import GroupSampler, load_prompts
+from jaxflow.driver import merge_rewards, pad_text, sample_seeds
 from jaxflow.flowgrpo import compute_advantages
+from jaxflow.learner import build_model, grid_hw, share_batch
 from jaxflow.lora_sync import device_peft_tensors, device_target
 from jaxflow.metrics_log import RunLog, image_grid
 from jaxflow.minibatches import order_minibatches
-from jaxflow.models.config import QwenImageConfig
-from jaxflow.models.loading import fingerprint, load_transformer
+from jaxflow.models.loading import fingerprint
 from jaxflow.models.lora import lora_to_peft, save_peft
-from jaxflow.models.random_init import random_transformer
 from jaxflow.profiling import StepProfiler
 from jaxflow.rewards import RewardPool, build_reward
 from jaxflow.rollout_client import RolloutGroup, init_ray
@@ -44,69 +43,6 @@ from jaxflow.sharding import Layout, maybe_initialize_distributed
 from jaxflow.train_step import make_train_step, per_sample
 
 log = logging.getLogger("jaxflow.train")
-
-
-def sample_seeds(seed: int, step: int, count: int) -> np.ndarray:
-    """Per-sample rollout seeds, a pure function of (seed, step, index): a resumed run draws the same noise."""
-    return np.random.default_rng([seed, step]).integers(0, 2 ** 62, size=count)
-
-
-def grid_hw(folder: Path, cfg) -> tuple[int, int]:
-    """Packed latent grid: the VAE downsamples by 2**len(temperal_downsample), then 2x2 patches are packed."""
-    vae = json.loads((folder / "vae" / "config.json").read_text())
-    factor = 2 * 2 ** len(vae["temperal_downsample"])
-    if cfg.sample.height % factor or cfg.sample.width % factor:
-        raise ValueError(f"config.sample.height/width must be multiples of {factor} for this VAE")
-    return cfg.sample.height // factor, cfg.sample.width // factor
-
-
-def pad_text(batch: dict, length: int) -> dict:
-    """Right-pad prompt (and negative) embeds/masks to `length` tokens (sample.max_sequence_length: the rollout
-    refuses longer prompts), so every batch has one text shape and the jitted step compiles once."""
-    out = dict(batch)
-    for emb, mask in (("prompt_embeds", "prompt_mask"), ("negative_prompt_embeds", "negative_prompt_mask")):
-        if out.get(emb) is None:
-            continue
-        pad = length - out[emb].shape[1]
-        if pad < 0:
-            raise ValueError(f"{emb} has {out[emb].shape[1]} tokens > sample.max_sequence_length={length}")
-        out[emb] = np.pad(out[emb], ((0, 0), (0, pad), (0, 0)))
-        out[mask] = np.pad(out[mask], ((0, 0), (0, pad)))
-    return out
-
-
-_DESC_BYTES = 1 << 14  # the broadcast description of a train batch (keys, shapes, dtypes) as JSON
-
-
-def share_batch(batch: dict | None) -> dict[str, np.ndarray]:
-    """Process 0's per-sample `batch` (host arrays), on every process: a fixed-size description (keys, shapes,
-    dtypes) is broadcast first, so the other processes (which pass None) can build same-sized zero buffers, then the
-    arrays themselves as raw bytes (any dtype, bfloat16 and int64 included, arrives bit-exact)."""
-    import ml_dtypes
-    from jax.experimental import multihost_utils
-    desc = np.zeros(_DESC_BYTES, np.uint8)
-    if batch is not None:
-        text = json.dumps({k: [list(v.shape), v.dtype.name] for k, v in batch.items()}).encode()
-        if len(text) > _DESC_BYTES:
-            raise ValueError(f"train batch description is {len(text)} bytes > {_DESC_BYTES}")
-        desc[:len(text)] = np.frombuffer(text, np.uint8)
-    desc = np.asarray(multihost_utils.broadcast_one_to_all(desc))
-    spec = json.loads(desc.tobytes().rstrip(b"\0").decode())
-    dtypes = {k: np.dtype(getattr(ml_dtypes, d)) if hasattr(ml_dtypes, d) else np.dtype(d)
-              for k, (_, d) in spec.items()}
-    if batch is not None:
-        payload = {k: np.ascontiguousarray(batch[k]).reshape(-1).view(np.uint8) for k in spec}
-    else:
-        payload = {k: np.zeros(int(np.prod(shape)) * dtypes[k].itemsize, np.uint8) for k, (shape, _) in spec.items()}
-    payload = multihost_utils.broadcast_one_to_all(payload)
-    return {k: np.asarray(payload[k]).view(dtypes[k]).reshape(spec[k][0]) for k in spec}
-
-
-def _merge_rewards(futures: dict) -> dict[str, np.ndarray]:
-    parts = [futures[c].result() for c in sorted(futures)]
-    out = {k: np.concatenate([p[k] for p in parts]) for k in parts[0] if k != "errors"}
-    out["errors"] = sum(p["errors"] for p in parts)
-    return out
 
 
 def check_backend(cfg) -> None:
@@ -117,14 +53,6 @@ def check_backend(cfg) -> None:
                            "(pip install 'jax[cuda13]'), and do not set both XLA_CLIENT_MEM_FRACTION and the "
                            "deprecated XLA_PYTHON_CLIENT_MEM_FRACTION (jax then falls back to the CPU); or set "
                            "--config.rollout.device=cpu to run both on the CPU")
-
-
-def build_model(cfg, folder: Path, spec, layout: Layout):
-    """The trainer's transformer: base weights from `folder`, or drawn from `seed` with `model.init=random`."""
-    opts, kw = config_lib.model_options(cfg), dict(sharding=layout.sharding_fn, seed=cfg.seed)
-    if cfg.model.init == "random":
-        return random_transformer(QwenImageConfig.from_json(folder / "config.json"), opts, spec, **kw)
-    return load_transformer(folder, opts, spec, **kw)
 
 
 class Trainer:
@@ -225,7 +153,7 @@ class Trainer:
         if batch.policy_version != step:
             raise RuntimeError(f"rollout served policy {batch.policy_version}, trainer is at {step}")
         t = time.perf_counter()
-        rewards = _merge_rewards(futures)
+        rewards = merge_rewards(futures)
         timings["reward"] = time.perf_counter() - t
         return batch, rewards
 
