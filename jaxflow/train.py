@@ -1,17 +1,14 @@
 """FlowGRPO training: `python -m jaxflow.train --config configs/tiny_ocr.py [--config.a.b=v] [--resume]`.
 
-Per step (docs/design.md §2): sample prompt groups -> rollout on the Ray actors (chunks feed the async reward pool as
-they finish) -> advantages -> one jitted, sharded train step -> LoRA sync to the rollout (version acked,
-bound-module count checked) -> metrics. Evaluation (ODE sampling on held-out prompts, a PNG grid) every
-`eval.every` steps; orbax checkpoints every `checkpoint.every` steps and on SIGINT/SIGTERM; the final LoRA is
-exported in PEFT format to `run_dir/lora_final`.
+The loop (docs/design.md §2) composes process 0's `Driver` (jaxflow/driver.py: prompts, rollout, rewards,
+advantages -> the train batch) and every process's `Learner` (jaxflow/learner.py: the jitted, sharded step on its
+rows, checkpoints, the LoRA). Per step: experience -> train step -> LoRA sync to the rollout (version acked,
+bound-module count checked) -> metrics, logged by process 0. Evaluation (ODE sampling on held-out prompts, a PNG
+grid) every `eval.every` steps; orbax checkpoints every `checkpoint.every` steps and on SIGINT/SIGTERM (every
+process stops after the same step); the final LoRA is exported in PEFT format to `run_dir/lora_final`.
 
-Multi-host (jax.distributed, one trainer process per host; see `maybe_initialize_distributed`): process 0 is the
-driver. It alone holds the rollout group and the reward pool, samples, scores, computes advantages, logs, evaluates
-and exports. Each step it broadcasts the train batch to every process (`share_batch`); every process feeds its own
-contiguous rows to the sharded step (the global batch is their concatenation in process order), so the step is the
-single-process step. All processes checkpoint and restore together (orbax); `run_dir` must be on a filesystem they
-share.
+Multi-host (jax.distributed, one trainer process per host; see `maybe_initialize_distributed`): process 0 alone
+holds the driver; every process holds a learner and checkpoints; `run_dir` must be on a filesystem they share.
 """
 from __future__ import annotations
 
@@ -22,19 +19,16 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from flax import nnx
 
 from jaxflow import config as config_lib
 from jaxflow import run_dir as run_dir_lib
-from jaxflow.checkpoint import Checkpointer, config_json
+from jaxflow.checkpoint import config_json
 from jaxflow.data import GroupSampler, load_prompts
 from jaxflow.driver import Driver
-from jaxflow.learner import build_model, grid_hw, share_batch
+from jaxflow.learner import Learner
 from jaxflow.metrics_log import RunLog
-from jaxflow.models.lora import save_peft
 from jaxflow.profiling import StepProfiler
-from jaxflow.sharding import Layout, maybe_initialize_distributed
-from jaxflow.train_step import make_train_step, per_sample
+from jaxflow.sharding import maybe_initialize_distributed
 
 log = logging.getLogger("jaxflow.train")
 
@@ -69,54 +63,23 @@ class Trainer:
         train_items = load_prompts(cfg.data.train)
         self.sampler = GroupSampler(len(train_items), s.prompts_per_step, s.group_size, cfg.seed)
         self.driver = Driver(cfg, folder, train_items, self.sampler) if first else None
-        self.layout = Layout.create(config_lib.sharding_config(cfg))
-        self.spec = config_lib.lora_spec(cfg)
-        self.model = build_model(cfg, folder / "transformer", self.spec, self.layout)
-        o = self.model.opts
-        log.info("trainer model: %s compute, %s storage, matmul precision %s, attention %s", o.dtype, o.param_dtype,
-                 o.precision, self.model.impl)
-        init_state, self.train_step = make_train_step(
-            self.model, config_lib.train_config(cfg, grid_hw(folder, cfg)), self.layout)
+        self.learner = Learner(cfg, folder)
         if self.driver:
-            self.driver.start_rollout(self.model, self.processes)
-        self.ckpt = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.keep)
-        self.state, self.start = init_state(), 0
-        if resume:
-            self.state, meta = self.ckpt.restore(self.state)
-            self.start = meta["step"]
+            self.driver.start_rollout(self.learner.model, self.processes)
+        meta = self.learner.begin(resume)
+        self.start = meta["step"] if meta else 0
+        if meta:
             self.sampler.load_state_dict(meta["sampler"])
         self._sync(self.start)  # the rollout serves exactly the trainer's policy before the first step
         self.stop_requested = False
 
-    def _host_lora(self):
-        """The LoRA state as host arrays; multi-process, a collective every process must join (the LoRA may be
-        sharded over devices of several hosts)."""
-        if self.processes == 1:
-            return self.state.lora
-        from jax.experimental import multihost_utils
-        return jax.tree.map(np.asarray, multihost_utils.process_allgather(self.state.lora, tiled=True))
-
     def _sync(self, version: int) -> int | None:
         """The rollout serves the trainer's LoRA as policy `version` (every process joins the gather)."""
-        lora = self._host_lora()
+        lora = self.learner.whole_lora()
         return self.driver.serve(lora, version) if self.driver else None
 
     def _meta(self, step: int) -> dict:
         return {"step": step, "sampler": self.sampler.state_dict(), "config": config_json(self.cfg)}
-
-    def _local_rows(self, train_batch: dict | None) -> dict:
-        """Multi-process: process 0's train batch (the fields the step reads, each made per-sample) on every
-        process, cut to this process's contiguous share of rows."""
-        full = share_batch(None if train_batch is None else per_sample(train_batch))
-        rows = len(full["advantages"]) // self.processes
-        lo = jax.process_index() * rows
-        return {k: v[lo:lo + rows] for k, v in full.items()}
-
-    def _train(self, batch: dict | None) -> dict:
-        if self.processes > 1:
-            batch = self._local_rows(batch)
-        self.state, metrics = self.train_step(self.state, batch)
-        return jax.device_get(metrics)
 
     def train_one(self, step: int) -> dict:
         """The update from policy version `step` to `step + 1`; logged, evaluated and checkpointed as `step + 1`.
@@ -124,7 +87,7 @@ class Trainer:
         timings, start = {}, time.perf_counter()
         experience = self.driver.experience(step, timings) if self.driver else None
         t = time.perf_counter()
-        metrics = self._train(experience.batch if experience else None)
+        metrics = self.learner.train(experience.batch if experience else None)
         timings["train"] = time.perf_counter() - t
         if self.driver:
             self.driver.wake(timings)
@@ -146,7 +109,7 @@ class Trainer:
             for step in range(self.start, cfg.train.num_steps):
                 profiler.begin(step + 1)
                 metrics = self.train_one(step)
-                profiler.end(step + 1, self.state)
+                profiler.end(step + 1, self.learner.state)
                 if (step + 1) % cfg.eval.every == 0 and self.driver:
                     metrics["eval_reward_mean"] = self.driver.evaluate(step + 1)
                 done = step + 1  # steps are counted as completed updates everywhere: metrics, eval, checkpoints
@@ -157,28 +120,19 @@ class Trainer:
                     self.stop_requested = bool(np.any(flags))
                 last = step + 1 == cfg.train.num_steps
                 if (step + 1) % cfg.checkpoint.every == 0 or last or self.stop_requested:
-                    self.ckpt.save(step + 1, self.state, self._meta(step + 1))
+                    self.learner.save(step + 1, self._meta(step + 1))
                 if self.stop_requested:
                     log.warning("stop requested: checkpoint at step %d written", step + 1)
                     break
             else:
-                if self.processes == 1:
-                    save_peft(self._model_with_state(), self.spec, self.run_dir / "lora_final")
-                else:
-                    lora = self._host_lora()
-                    if self.driver:
-                        save_peft(lora, self.spec, self.run_dir / "lora_final")
+                self.learner.export_lora(self.run_dir / "lora_final")
         finally:
             profiler.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             if runlog is not None:
                 runlog.close()
-        return {"history": history, "state": self.state}
-
-    def _model_with_state(self):
-        nnx.update(self.model, self.state.lora)
-        return self.model
+        return {"history": history, "state": self.learner.state}
 
     def _request_stop(self, signum, frame):
         log.warning("signal %d: finishing the current step, then checkpointing", signum)

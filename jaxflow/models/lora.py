@@ -119,8 +119,8 @@ def peft_to_lora(model: nnx.Module, spec: LoRASpec, tensors: dict[str, np.ndarra
     nnx.update(model, state)
 
 
-def save_peft(model: nnx.Module, spec: LoRASpec, directory: str | Path) -> Path:
-    """Write adapter_model.safetensors + adapter_config.json.
+def save_peft(model: nnx.Module | nnx.State, spec: LoRASpec, directory: str | Path) -> Path:
+    """Write adapter_model.safetensors + adapter_config.json of a model's LoRA or of its LoRA state.
 
     Keys are PEFT names under diffusers' pipeline prefix (`transformer.transformer_blocks.N.attn.to_q.lora_A.weight`),
     so `QwenImagePipeline.load_lora_weights(dir, weight_name="adapter_model.safetensors")` loads it as is.
