@@ -75,7 +75,9 @@ def print_config(cfg) -> None:
         print(f"--config.{key}={value!r}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(trainer_class, argv: list[str] | None = None) -> int:
+    """Run the command line; `trainer_class` is the loop (`jaxflow.train.Trainer`), passed in by the entry so that
+    this module never imports it."""
     argv = list(sys.argv if argv is None else argv)
     if any(a in HELP_FLAGS for a in argv[1:]):
         print(USAGE)
@@ -107,8 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             print(finished)
             return 0
         ray_logs = _start_ray(cfg, FLAGS.verbose)
-        from jaxflow.train import Trainer
-        trainer = Trainer(cfg, resume=FLAGS.resume)
+        trainer = trainer_class(cfg, resume=FLAGS.resume)
         if trainer.driver:
             print(f"training {Path(cfg.run_dir).resolve()}: step {trainer.start} -> {cfg.train.num_steps}", flush=True)
         try:

@@ -205,26 +205,35 @@ def _update(state: TrainState, frozen, batch, old, index, *, graphdef, config: T
     return state, {**metrics, "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32)}
 
 
+def per_sample(batch: dict, fields: tuple[str, ...] = BATCH_FIELDS + CFG_FIELDS) -> dict[str, np.ndarray]:
+    """The `fields` of `batch` that are set, as host arrays with a leading sample axis: the shared sigmas (N+1,)
+    and scalar noise_level are broadcast to every sample (B = len(log_probs)); other keys are dropped."""
+    out = {k: np.asarray(batch[k]) for k in fields if batch.get(k) is not None}
+    b = len(out["log_probs"])
+    out["sigmas"] = np.broadcast_to(out["sigmas"], (b, out["sigmas"].shape[-1]))
+    out["noise_level"] = np.broadcast_to(out["noise_level"], (b,))
+    return out
+
+
 def prepare_batch(batch: dict, config: TrainConfig, batch_devices: int = 1) -> dict[str, np.ndarray]:
-    """The per-sample host arrays the step consumes, checked: sigmas (N+1,) and a scalar noise_level are
-    broadcast to every sample; other keys (images, seeds, ...) are dropped."""
+    """The per-sample host arrays the step consumes (`per_sample`), checked, in the step's dtypes."""
     fields = BATCH_FIELDS + (CFG_FIELDS if config.cfg else ())
     missing = [k for k in fields if batch.get(k) is None]
     if missing:
         raise ValueError(f"train batch is missing {missing}" + (" (guidance > 1 needs the negative prompt)"
                                                                  if set(missing) & set(CFG_FIELDS) else ""))
-    out = {k: np.asarray(batch[k]) for k in fields}
-    b, w = out["log_probs"].shape
+    b, w = np.shape(batch["log_probs"])
     multiple = config.num_mini_batches * config.num_micro_batches * batch_devices
     if b % multiple:
         raise ValueError(f"batch {b} is not a multiple of num_mini_batches x num_micro_batches x batch devices "
                          f"= {multiple}")
-    if out["latents"].shape[:2] != (b, w + 1) or out["step_index"].shape != (b, w):
-        raise ValueError(f"latents {out['latents'].shape} / step_index {out['step_index'].shape} do not match "
-                         f"log_probs {(b, w)}: expected (B, W+1, S, C) / (B, W)")
-    n1 = out["sigmas"].shape[-1]
-    out["sigmas"] = np.broadcast_to(out["sigmas"].astype(np.float32), (b, n1))
-    out["noise_level"] = np.broadcast_to(out["noise_level"].astype(np.float32), (b,))
+    latents, step_index = np.shape(batch["latents"]), np.shape(batch["step_index"])
+    if latents[:2] != (b, w + 1) or step_index != (b, w):
+        raise ValueError(f"latents {latents} / step_index {step_index} do not match log_probs {(b, w)}: "
+                         f"expected (B, W+1, S, C) / (B, W)")
+    out = per_sample(batch, fields)
+    out["sigmas"] = out["sigmas"].astype(np.float32)
+    out["noise_level"] = out["noise_level"].astype(np.float32)
     out["step_index"] = out["step_index"].astype(np.int32)
     return out
 

@@ -2,7 +2,8 @@
 import jax
 import numpy as np
 
-from jaxflow.train import Trainer, pad_text
+from jaxflow.driver import pad_text
+from jaxflow.train import Trainer
 from tests.test_train import tiny_config
 
 

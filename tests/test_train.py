@@ -181,10 +181,10 @@ def test_rollout_actor_killed_mid_generate_is_restarted_and_retried(ray_session,
     import ray
     trainer = Trainer(tiny_config(tmp_path, num_steps=1))
     try:
-        victim = trainer.rollout.servers[0]
+        victim = trainer.driver.rollout.servers[0]
         threading.Timer(0.5, lambda: ray.kill(victim, no_restart=True)).start()
         metrics = trainer.train_one(0)
-        assert trainer.rollout.servers[0] is not victim
+        assert trainer.driver.rollout.servers[0] is not victim
         assert metrics["skipped"] == 0 and np.max(metrics["logp_diff_max"]) < 1e-5  # one policy after the restart
     finally:
         trainer.close()

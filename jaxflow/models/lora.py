@@ -116,8 +116,8 @@ def peft_to_lora(model: nnx.Module, spec: LoRASpec, tensors: dict[str, np.ndarra
 
 
 def save_peft(model: nnx.Module | nnx.State, spec: LoRASpec, directory: str | Path) -> Path:
-    """Write the LoRA as a PEFT folder diffusers' `load_lora_weights` loads as is (`bridge.lora.write_peft`);
-    an adapter already in `directory` is replaced."""
+    """Write a model's LoRA (or its LoRA state) as a PEFT folder that diffusers' `load_lora_weights` loads as is
+    (`bridge.lora.write_peft`); an adapter already in `directory` is replaced."""
     return peft_folder.write_peft(directory, lora_to_peft(model, spec), spec.peft_config(), diffusers=True,
                                   replace=True)
 

@@ -1,0 +1,173 @@
+"""Process 0's side of a step (docs/design.md §2). It alone holds the rollout servers and the reward pool: it
+samples the step's prompt groups, generates on the rollout (each chunk scored as it arrives), computes the
+advantages and lays out the train batch (`Driver.experience`); it sleeps the rollout's engines while the learner
+trains (`rollout.sleep_while_training`), serves each new LoRA to the rollout, and evaluates."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import numpy as np
+
+from jaxflow import config as config_lib
+from jaxflow.data import GroupSampler, load_prompts
+from jaxflow.flowgrpo import compute_advantages
+from jaxflow.lora_sync import device_peft_tensors, device_target
+from jaxflow.metrics_log import image_grid
+from jaxflow.minibatches import order_minibatches
+from jaxflow.models.loading import fingerprint
+from jaxflow.models.lora import lora_to_peft
+from jaxflow.rewards import RewardPool, build_reward
+from jaxflow.rollout_client import RolloutGroup, init_ray
+
+
+def sample_seeds(seed: int, step: int, count: int) -> np.ndarray:
+    """Per-sample rollout seeds, a pure function of (seed, step, index): a resumed run draws the same noise."""
+    return np.random.default_rng([seed, step]).integers(0, 2 ** 62, size=count)
+
+
+def pad_text(batch: dict, length: int) -> dict:
+    """Right-pad prompt (and negative) embeds/masks to `length` tokens (sample.max_sequence_length: the rollout
+    refuses longer prompts), so every batch has one text shape and the jitted step compiles once."""
+    out = dict(batch)
+    for emb, mask in (("prompt_embeds", "prompt_mask"), ("negative_prompt_embeds", "negative_prompt_mask")):
+        if out.get(emb) is None:
+            continue
+        pad = length - out[emb].shape[1]
+        if pad < 0:
+            raise ValueError(f"{emb} has {out[emb].shape[1]} tokens > sample.max_sequence_length={length}")
+        out[emb] = np.pad(out[emb], ((0, 0), (0, pad), (0, 0)))
+        out[mask] = np.pad(out[mask], ((0, 0), (0, pad)))
+    return out
+
+
+def merge_rewards(futures: dict) -> dict[str, np.ndarray]:
+    """The reward pool's results of a step's chunks (`futures`: chunk index -> future) as one batch's."""
+    parts = [futures[c].result() for c in sorted(futures)]
+    out = {k: np.concatenate([p[k] for p in parts]) for k in parts[0] if k != "errors"}
+    out["errors"] = sum(p["errors"] for p in parts)
+    return out
+
+
+@dataclasses.dataclass
+class Experience:
+    """One step's rollout, scored: the train batch (host arrays, mini-batches laid out) and what it reports."""
+
+    batch: dict
+    rewards: dict[str, np.ndarray]  # per reward function, "avg" (their weighted sum) and "errors"
+    zero_std_ratio: float
+    freed_bytes: int | None  # GPU memory the sleeping rollout freed (rollout.sleep_while_training)
+
+    def metrics(self, bound_modules: int, seconds: float, timings: dict) -> dict:
+        """The metrics logged beside the learner's: rewards, the LoRA's bound modules, throughput over the step's
+        wall time `seconds`, and the phases' `timings`."""
+        avg = self.rewards["avg"]
+        return {"reward_mean": avg.mean(), "reward_std": avg.std(), "reward_errors": self.rewards["errors"],
+                "zero_std_ratio": self.zero_std_ratio, "bound_modules": bound_modules,
+                "images_per_s": len(self.batch["advantages"]) / seconds, "time/step": seconds,
+                **({"rollout_freed_gib": self.freed_bytes / 2 ** 30} if self.freed_bytes is not None else {}),
+                **{f"reward/{k}": v.mean() for k, v in self.rewards.items() if k not in ("avg", "errors")},
+                **{f"time/{k}": v for k, v in timings.items()}}
+
+
+class Driver:
+    """Built on process 0 with the train `prompts` and the `sampler` that indexes them (its position is checkpointed
+    by every process); `start_rollout` once the trainer's model exists."""
+
+    def __init__(self, cfg, folder: Path, prompts: list, sampler: GroupSampler):
+        self.cfg, self.folder, self.prompts, self.sampler = cfg, folder, prompts, sampler
+        self.test_items = load_prompts(cfg.data.test)
+        self.spec = config_lib.lora_spec(cfg)
+        self.pool = RewardPool(build_reward(dict(cfg.reward.fns), **cfg.reward.options.to_dict()),  # VLM health check
+                               cfg.reward.workers)
+        self.rollout = self.sync_target = None
+
+    def start_rollout(self, model, processes: int) -> None:
+        """Start the rollout servers and check that they hold `model`'s base weights."""
+        r = self.cfg.rollout
+        if not r.in_process:
+            init_ray(r.address)
+        engine = {"engine": r.engine, "model": str(self.folder), "dtype": r.dtype, "device": r.device}
+        if r.compile:
+            engine["compile"] = True
+        if self.cfg.model.init == "random":
+            engine["random_seed"] = self.cfg.seed  # the rollout draws the same base weights (fingerprint below)
+        self.rollout = RolloutGroup(engine, r.num_servers, r.num_cpus, r.num_gpus, r.max_retries,
+                                    in_process=r.in_process)
+        mine = fingerprint(model)
+        infos = self.rollout.info()
+        for info in infos:
+            if info["fingerprint"] != mine:
+                raise RuntimeError(f"rollout base weights ({info.get('model')}) differ from the trainer's "
+                                   f"({self.folder}): fingerprint {info['fingerprint'][:12]} != {mine[:12]}")
+        if r.in_process and processes == 1:  # the LoRA goes to the engine as device tensors (lora_sync)
+            self.sync_target = device_target(infos[0])
+
+    def serve(self, lora, version: int) -> int:
+        """The rollout serves `lora` (the train state's whole LoRA) as policy `version`; returns the bound-module
+        count. Device tensors through DLPack in process, host arrays otherwise (jaxflow/lora_sync.py)."""
+        if self.sync_target is not None:
+            tensors = device_peft_tensors(lora, self.spec, self.sync_target)
+        else:
+            tensors = lora_to_peft(lora, self.spec)
+        return self.rollout.update_lora(tensors, version, self.spec.peft_config())
+
+    def _rollout(self, step: int, timings: dict):
+        s = self.cfg.sample
+        picks = self.sampler.sample(step)
+        prompts = [self.prompts[picks[i * s.group_size][0]].prompt for i in range(s.prompts_per_step)]
+        futures = {}
+        t = time.perf_counter()
+        batch = self.rollout.generate(
+            prompts, s.group_size, config_lib.sampling(self.cfg), sample_seeds(self.cfg.seed, step, len(picks)),
+            s.prompts_per_call, on_chunk=lambda c, b: futures.__setitem__(c, self.pool.submit(b.images, b.prompts)))
+        timings["rollout"] = time.perf_counter() - t
+        if batch.policy_version != step:
+            raise RuntimeError(f"rollout served policy {batch.policy_version}, trainer is at {step}")
+        t = time.perf_counter()
+        rewards = merge_rewards(futures)
+        timings["reward"] = time.perf_counter() - t
+        return batch, rewards
+
+    def experience(self, step: int, timings: dict) -> Experience:
+        """Policy `step`'s experience: the rollout of the step's prompt groups, its rewards and advantages, and the
+        train batch (text padded, mini-batches laid out); then the rollout sleeps if `sleep_while_training`.
+        `timings` gets the seconds of "rollout", "reward" and "sleep"."""
+        cfg, s = self.cfg, self.cfg.sample
+        batch, rewards = self._rollout(step, timings)
+        group_ids = np.repeat(np.arange(s.prompts_per_step), s.group_size)
+        adv, zero_std = compute_advantages(rewards["avg"], group_ids, global_std=cfg.train.global_std,
+                                           clip=cfg.train.adv_clip, expected_group_size=s.group_size)
+        train_batch = pad_text(batch.to_dict(), s.max_sequence_length)
+        train_batch.update(advantages=adv, noise_level=np.float32(s.noise_level))
+        train_batch = order_minibatches(train_batch, group_ids, cfg.train.num_mini_batches, cfg.seed, step)
+        freed = None
+        if cfg.rollout.sleep_while_training:
+            t = time.perf_counter()
+            freed = self.rollout.sleep()
+            timings["sleep"] = time.perf_counter() - t
+        return Experience(train_batch, rewards, zero_std, freed)
+
+    def wake(self, timings: dict) -> None:
+        """Wake the rollout that `experience` put to sleep (timed as "wake")."""
+        if self.cfg.rollout.sleep_while_training:
+            t = time.perf_counter()
+            self.rollout.wake()
+            timings["wake"] = time.perf_counter() - t
+
+    def evaluate(self, step: int) -> float:
+        """Mean reward of ODE samples of the held-out prompts; their grid goes to run_dir/eval/step_<step>.png."""
+        cfg = self.cfg
+        prompts = [it.prompt for it in self.test_items[:cfg.eval.num_prompts]]
+        batch = self.rollout.generate(prompts, 1, config_lib.sampling(cfg, eval_mode=True),
+                                      np.arange(len(prompts)), cfg.sample.prompts_per_call)
+        scores = self.pool.submit(batch.images, prompts).result()["avg"]
+        image_grid(batch.images, [f"{r:.2f} {p}" for r, p in zip(scores, prompts)],
+                   Path(cfg.run_dir) / "eval" / f"step_{step:06d}.png")
+        return float(scores.mean())
+
+    def close(self) -> None:
+        self.pool.close()
+        if self.rollout is not None:
+            self.rollout.close()

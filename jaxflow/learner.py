@@ -1,0 +1,130 @@
+"""Every process's side of the run (docs/design.md §2): the model, the train state and the jitted, sharded step,
+checkpoints, and the LoRA gathered whole for the rollout and the final export.
+
+Multi-process (one per host): process 0's train batch reaches every process (`share_batch`), each feeds its own
+contiguous rows to the step (`local_rows`; the global batch is their concatenation in process order), so the step
+is the single-process step. All processes checkpoint and restore together (orbax); `run_dir` must be on a
+filesystem they share.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxflow import config as config_lib
+from jaxflow.checkpoint import Checkpointer
+from jaxflow.models.config import QwenImageConfig
+from jaxflow.models.loading import load_transformer
+from jaxflow.models.lora import save_peft
+from jaxflow.models.random_init import random_transformer
+from jaxflow.sharding import Layout
+from jaxflow.train_step import make_train_step, per_sample
+
+log = logging.getLogger("jaxflow.train")
+
+
+def grid_hw(folder: Path, cfg) -> tuple[int, int]:
+    """Packed latent grid: the VAE downsamples by 2**len(temperal_downsample), then 2x2 patches are packed."""
+    vae = json.loads((folder / "vae" / "config.json").read_text())
+    factor = 2 * 2 ** len(vae["temperal_downsample"])
+    if cfg.sample.height % factor or cfg.sample.width % factor:
+        raise ValueError(f"config.sample.height/width must be multiples of {factor} for this VAE")
+    return cfg.sample.height // factor, cfg.sample.width // factor
+
+
+def build_model(cfg, folder: Path, spec, layout: Layout):
+    """The trainer's transformer: base weights from `folder`, or drawn from `seed` with `model.init=random`."""
+    opts, kw = config_lib.model_options(cfg), {"sharding": layout.sharding_fn, "seed": cfg.seed}
+    if cfg.model.init == "random":
+        return random_transformer(QwenImageConfig.from_json(folder / "config.json"), opts, spec, **kw)
+    return load_transformer(folder, opts, spec, **kw)
+
+
+_DESC_BYTES = 1 << 14  # the broadcast description of a train batch (keys, shapes, dtypes) as JSON
+
+
+def share_batch(batch: dict | None) -> dict[str, np.ndarray]:
+    """Process 0's per-sample `batch` (host arrays), on every process: a fixed-size description (keys, shapes,
+    dtypes) is broadcast first, so the other processes (which pass None) can build same-sized zero buffers, then the
+    arrays themselves as raw bytes (any dtype, bfloat16 and int64 included, arrives bit-exact)."""
+    import ml_dtypes
+    from jax.experimental import multihost_utils
+    desc = np.zeros(_DESC_BYTES, np.uint8)
+    if batch is not None:
+        text = json.dumps({k: [list(v.shape), v.dtype.name] for k, v in batch.items()}).encode()
+        if len(text) > _DESC_BYTES:
+            raise ValueError(f"train batch description is {len(text)} bytes > {_DESC_BYTES}")
+        desc[:len(text)] = np.frombuffer(text, np.uint8)
+    desc = np.asarray(multihost_utils.broadcast_one_to_all(desc))
+    spec = json.loads(desc.tobytes().rstrip(b"\0").decode())
+    dtypes = {k: np.dtype(getattr(ml_dtypes, d)) if hasattr(ml_dtypes, d) else np.dtype(d)
+              for k, (_, d) in spec.items()}
+    if batch is not None:
+        payload = {k: np.ascontiguousarray(batch[k]).reshape(-1).view(np.uint8) for k in spec}
+    else:
+        payload = {k: np.zeros(int(np.prod(shape)) * dtypes[k].itemsize, np.uint8) for k, (shape, _) in spec.items()}
+    payload = multihost_utils.broadcast_one_to_all(payload)
+    return {k: np.asarray(payload[k]).view(dtypes[k]).reshape(spec[k][0]) for k in spec}
+
+
+def local_rows(batch: dict | None) -> dict[str, np.ndarray]:
+    """Process 0's train `batch` (None on the other processes), made per-sample, on every process, cut to this
+    process's contiguous share of rows."""
+    full = share_batch(None if batch is None else per_sample(batch))
+    rows = len(full["advantages"]) // jax.process_count()
+    lo = jax.process_index() * rows
+    return {k: v[lo:lo + rows] for k, v in full.items()}
+
+
+class Learner:
+    """Built on every process from the config and the model folder; `begin` then makes the train state."""
+
+    def __init__(self, cfg, folder: Path):
+        self.cfg, self.processes = cfg, jax.process_count()
+        self.layout = Layout.create(config_lib.sharding_config(cfg))
+        self.spec = config_lib.lora_spec(cfg)
+        self.model = build_model(cfg, folder / "transformer", self.spec, self.layout)
+        o = self.model.opts
+        log.info("trainer model: %s compute, %s storage, matmul precision %s, attention %s", o.dtype, o.param_dtype,
+                 o.precision, self.model.impl)
+        self._init_state, self._step = make_train_step(
+            self.model, config_lib.train_config(cfg, grid_hw(folder, cfg)), self.layout)
+        self.ckpt = self.state = None
+
+    def begin(self, resume: bool) -> dict | None:
+        """Open the checkpoint folder and make the train state: fresh, or with `resume` the newest checkpoint's that
+        restores, whose metadata is returned."""
+        self.ckpt = Checkpointer(Path(self.cfg.run_dir) / "checkpoints", self.cfg.checkpoint.keep)
+        self.state = self._init_state()
+        if not resume:
+            return None
+        self.state, meta = self.ckpt.restore(self.state)
+        return meta
+
+    def train(self, batch: dict | None) -> dict:
+        """One train step on process 0's `batch` (None on the other processes); returns its metrics (host)."""
+        if self.processes > 1:
+            batch = local_rows(batch)
+        self.state, metrics = self._step(self.state, batch)
+        return jax.device_get(metrics)
+
+    def save(self, step: int, meta: dict) -> None:
+        self.ckpt.save(step, self.state, meta)
+
+    def whole_lora(self):
+        """The train state's LoRA whole on this process: its own arrays in one process; else host arrays gathered
+        from every process, a collective all must join (the LoRA may be sharded over devices of several hosts)."""
+        if self.processes == 1:
+            return self.state.lora
+        from jax.experimental import multihost_utils
+        return jax.tree.map(np.asarray, multihost_utils.process_allgather(self.state.lora, tiled=True))
+
+    def export_lora(self, directory: Path) -> None:
+        """The LoRA in PEFT format to `directory`, written by process 0 (every process joins the gather)."""
+        lora = self.whole_lora()
+        if jax.process_index() == 0:
+            save_peft(lora, self.spec, directory)
