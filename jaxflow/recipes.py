@@ -29,7 +29,7 @@ from pathlib import Path
 
 import ml_collections
 
-from jaxflow.models.keymap import DEFAULT_LORA_TARGETS
+from bridge.contract.keymap import DEFAULT_LORA_TARGETS
 
 DATA = Path(__file__).resolve().parents[1] / "data"  # the clone's prompt files, found from any working directory
 
@@ -42,7 +42,7 @@ def base() -> ml_collections.ConfigDict:
     c.model = dict(path="",  # required: a diffusers Qwen-Image folder (model_index.json, transformer/, ...)
                    dtype="bfloat16", param_dtype="bfloat16", remat="save_matmuls", attention="auto",
                    matmul_precision="auto",  # "highest" for float32 compute (true fp32 on GPUs, not TF32)
-                   init="checkpoint")  # "random": base weights drawn from `seed` (bridge/random_weights.py)
+                   init="checkpoint")  # "random": base weights drawn from `seed` (bridge/contract/random_weights.py)
     c.lora = dict(rank=64, alpha=128.0, targets=list(DEFAULT_LORA_TARGETS))
     c.rollout = dict(engine="vllm_omni", dtype="bfloat16", device="cuda", num_servers=1, num_gpus=1.0,
                      num_cpus=1.0, sleep_while_training=True, max_retries=2, address="",

@@ -8,7 +8,7 @@ import types
 import numpy as np
 
 from bridge.rollout.server import RolloutServer, create_rollout_server
-from bridge.trajectory import TrajectoryBatch
+from bridge.contract.trajectory import TrajectoryBatch
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_model import FULL, TINY, jax_matmul_tflops, median_ms, torch_matmul_tflops  # noqa: E402
 from flops import DATASHEET_TFLOPS, qwen_flops  # noqa: E402
 
-from bridge import schedule  # noqa: E402
+from bridge.contract import schedule  # noqa: E402
 from jaxflow.models.config import ModelOptions, QwenImageConfig  # noqa: E402
 from jaxflow.models.lora import LoRAParam, LoRASpec, lora_to_peft  # noqa: E402
 from jaxflow.models.transformer import QwenImageTransformer  # noqa: E402
@@ -204,7 +204,7 @@ def bench_torch(cfg, args, batch, ceiling, shapes):
 
 def _peft_shapes(abstract, spec) -> dict[str, tuple[int, ...]]:
     """PEFT key -> shape without materialising the adapters."""
-    from jaxflow.models import keymap
+    from bridge.contract import keymap
     state = nnx.state(abstract, LoRAParam)
     out = {}
     for e in keymap.lora_key_map(spec.targets):

@@ -18,7 +18,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bridge.lora import read_peft  # noqa: E402
+from bridge.contract.lora import read_peft  # noqa: E402
 from bridge.rollout.pipeline import RolloutPipeline  # noqa: E402
 from bridge.rollout.sampling import SamplingParams  # noqa: E402
 from jaxflow.data import load_prompts  # noqa: E402

@@ -37,7 +37,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from bridge.trajectory import TrajectoryBatch
+from bridge.contract.trajectory import TrajectoryBatch
 from jaxflow.models.config import ModelOptions
 from jaxflow.models.loading import fingerprint, load_transformer
 from jaxflow.models.lora import LoRASpec, peft_to_lora

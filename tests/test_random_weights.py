@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from bridge.random_weights import numpy_weight
+from bridge.contract.random_weights import numpy_weight
 from bridge.rollout.pipeline import RolloutPipeline
 from bridge.rollout.random_init import torch_weight
 from bridge.rollout.tiny import tiny_pipeline_path

@@ -14,7 +14,7 @@ from bridge.rollout.pipeline import RolloutPipeline
 from bridge.rollout.sampling import Fp32Timestep, SamplingParams
 from bridge.rollout.sde import sde_step, sigma_schedule
 from bridge.rollout.server import create_rollout_server
-from bridge.trajectory import TrajectoryBatch
+from bridge.contract.trajectory import TrajectoryBatch
 
 PROMPTS = ["a red fox", "a red fox jumping over the lazy dog"]
 SAMPLING = dict(height=40, width=72, num_inference_steps=4, true_cfg_scale=4.0, noise_level=1.2, sde_window_size=2,

@@ -312,11 +312,11 @@ def test_sample_windows_rejects_bad_sizes(size, window_range, num_steps):
 
 
 @pytest.mark.parametrize("path,forbidden", [("jaxflow/sde.py", {"torch"}), ("bridge/rollout/sde.py", {"jax"}),
-                                            ("bridge/schedule.py", {"jax", "torch"})])
+                                            ("bridge/contract/schedule.py", {"jax", "torch"})])
 def test_framework_isolation(path, forbidden):
     """Each step module imports its own framework and the shared numpy schedule only; the schedule neither."""
     tree = ast.parse((ROOT / path).read_text())
     names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
-    roots = {name.split(".")[0] for name in names if name != "bridge.schedule"}
+    roots = {name.split(".")[0] for name in names if name != "bridge.contract.schedule"}
     assert not roots & (forbidden | {"jaxflow", "bridge"})

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bridge import schedule
+from bridge.contract import schedule
 from jaxflow import flowgrpo
 from jaxflow.models.config import ModelOptions, QwenImageConfig
 from jaxflow.models.lora import LoRAParam, LoRASpec

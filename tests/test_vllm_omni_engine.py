@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from bridge.lora import lora_pairs, to_vllm_omni
+from bridge.contract.lora import lora_pairs, to_vllm_omni
 from bridge.rollout import vllm_omni_pipeline as vop
 from bridge.rollout.engine_vllm_omni import INSTALL_HINT, _ack_errors, check_lora_binding, folder_fingerprint
 from bridge.rollout.pipeline import RolloutPipeline
 from bridge.rollout.sampling import SamplingParams
 from bridge.rollout.server import engine_class
-from bridge.trajectory import TrajectoryBatch
+from bridge.contract.trajectory import TrajectoryBatch
 from tests.test_bridge_lora import D, LAYERS, MLP, RANK, random_peft
 
 SAMPLING = SamplingParams(height=16, width=24, num_inference_steps=3, true_cfg_scale=4.0, noise_level=1.2,

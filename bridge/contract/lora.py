@@ -2,7 +2,7 @@
 vLLM-Omni names.
 
 Numpy only (no JAX, no torch): the trainer and the rollout both import it; safetensors files go through
-`bridge.safetensors_io`. PEFT keys are `transformer_blocks.N.<target>.lora_A.weight` (r, in) and
+`bridge.contract.safetensors_io`. PEFT keys are `transformer_blocks.N.<target>.lora_A.weight` (r, in) and
 `lora_B.weight` (out, r), an optional `transformer.` prefix (diffusers' pipeline namespace) accepted on input.
 (The trainer's Flax LoRA state <-> PEFT arrays conversion is `jaxflow.models.lora`.)
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bridge import safetensors_io
+from bridge.contract import safetensors_io
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"

@@ -3,7 +3,7 @@
 Config keys: `engine` ("diffusers"), `model` (a local diffusers Qwen-Image folder, or "tiny" for the cached
 tiny random pipeline), `dtype` ("bfloat16" default, or "float32"), `device` (default: cuda if available),
 `random_seed` (optional: ignore the folder's transformer weights and draw them from this seed on the device,
-`bridge/random_weights.py`; the trainer with `model.init=random` draws the same), `compile` (optional: compile the
+`bridge/contract/random_weights.py`; the trainer with `model.init=random` draws the same), `compile` (optional: compile the
 transformer's repeated block once with torch.compile, dynamic shapes; inductor fuses the eager elementwise kernels).
 Everything crossing the engine boundary is numpy or plain Python.
 """

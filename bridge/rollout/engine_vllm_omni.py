@@ -3,14 +3,14 @@
 Config keys: `engine` ("vllm_omni"), `model` (a local diffusers Qwen-Image folder saved in bf16, or "tiny"),
 `dtype` ("bfloat16"; vLLM-Omni 0.20 runs bf16 folders only), `device` (None or "cuda": the GPU Ray gave the actor),
 `random_seed` (optional: the transformer's weights are drawn on the GPU from this seed by the shared spec,
-`bridge/random_weights.py`, as with the diffusers engine; the folder needs only `transformer/config.json`),
+`bridge/contract/random_weights.py`, as with the diffusers engine; the folder needs only `transformer/config.json`),
 `omni_args` (extra `AsyncOmni` keyword arguments, e.g. {"enforce_eager": True}). Same calls and results as the
 diffusers engine.
 
 - generate: one engine request per prompt with `num_outputs_per_prompt=n` (one B=n forward, 2n with true CFG,
   per step), all submitted at once; knobs split into OmniDiffusionSamplingParams fields and `extra_args`
   (`vllm_omni_pipeline.encode_request`); results unpacked into one TrajectoryBatch, prompt-major.
-- update_lora: the adapter, renamed for vLLM-Omni (`bridge.lora.to_vllm_omni`), is checked against the engine
+- update_lora: the adapter, renamed for vLLM-Omni (`bridge.contract.lora.to_vllm_omni`), is checked against the engine
   transformer's LoRA-capable layers (names, packed q/k/v slots, shapes) before the engine sees it, written as a
   PEFT folder under /dev/shm and loaded by vLLM-Omni's own loader (`add_lora(LoRARequest)`); every later request
   carries that LoRARequest. If loading fails, the previous adapter is loaded back and keeps serving.
@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 import bridge
-from bridge.lora import (adapter_spec, lora_pairs, read_peft, refusal, to_vllm_omni, vllm_omni_adapter_config,
+from bridge.contract.lora import (adapter_spec, lora_pairs, read_peft, refusal, to_vllm_omni, vllm_omni_adapter_config,
                          write_peft)
 from bridge.rollout.engine import RolloutEngine
 from bridge.rollout.pipeline import FINGERPRINT_ELEMENTS, TensorHead, weights_fingerprint
@@ -44,8 +44,8 @@ from bridge.rollout.sampling import SamplingParams, check_prompts, per_sample_se
 from bridge.rollout.sde import sample_windows
 from bridge.rollout.vllm_omni_pipeline import (PIPELINE_CLASS, WORKER_EXTENSION_CLASS, encode_request,
                                                unpack_trajectories)
-from bridge.tensors import torch_to_numpy
-from bridge.trajectory import TrajectoryBatch
+from bridge.rollout.tensors import torch_to_numpy
+from bridge.contract.trajectory import TrajectoryBatch
 
 INSTALL_HINT = ("the 'vllm_omni' rollout engine needs vLLM-Omni 0.20 on a CUDA machine: `pip install jaxflow[omni]`, "
                 "or, where the machine has no package index, stage the wheels here with "

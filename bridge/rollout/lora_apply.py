@@ -22,8 +22,8 @@ import torch
 from peft import LoraConfig, inject_adapter_in_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 
-from bridge.lora import LORA_KEY, AdapterSpec, adapter_spec, read_peft, refusal
-from bridge.tensors import numpy_to_torch
+from bridge.contract.lora import LORA_KEY, AdapterSpec, adapter_spec, read_peft, refusal
+from bridge.rollout.tensors import numpy_to_torch
 
 ADAPTER_NAME = "rollout"
 

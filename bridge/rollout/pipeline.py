@@ -71,7 +71,7 @@ class RolloutPipeline(SamplingLoop):
                         random_seed: int | None = None) -> RolloutPipeline:
         """Load a diffusers Qwen-Image folder (local only) in `dtype` onto `device` (default: cuda if available).
         With `random_seed`, the transformer's weights are not read: they are drawn on `device` by the shared spec
-        (`bridge/random_weights.py`), so the folder needs only `transformer/config.json`."""
+        (`bridge/contract/random_weights.py`), so the folder needs only `transformer/config.json`."""
         from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
 
         if dtype not in DTYPES:

@@ -1,4 +1,4 @@
-"""Torch side of `bridge/random_weights.py`: a Qwen-Image transformer with the shared random weights, built on
+"""Torch side of `bridge/contract/random_weights.py`: a Qwen-Image transformer with the shared random weights, built on
 its device (no checkpoint, no host copy)."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from bridge.random_weights import FMIX, GOLDEN, MASK, key_id, kind, scale
+from bridge.contract.random_weights import FMIX, GOLDEN, MASK, key_id, kind, scale
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:

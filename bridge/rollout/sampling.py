@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from bridge.rollout.sde import SDE_TYPES, sample_windows, sde_step, sigma_schedule, window_noise_levels, window_size
-from bridge.tensors import torch_to_numpy
-from bridge.trajectory import TrajectoryBatch
+from bridge.rollout.tensors import torch_to_numpy
+from bridge.contract.trajectory import TrajectoryBatch
 
 MAX_SEQUENCE_LENGTH = 1024  # diffusers' QwenImagePipeline.tokenizer_max_length
 

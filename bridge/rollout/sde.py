@@ -1,5 +1,5 @@
 """The FlowGRPO SDE / CPS / ODE step with log-prob in torch (docs/numerics.md §2-3); schedule and windows re-exported
-from bridge/schedule.py.
+from bridge/contract/schedule.py.
 
 A line-for-line mirror of `jaxflow/sde.py` (the spec) for the rollout; tests/test_sde.py pins the two
 together. All step math runs in float32 whatever the input dtype. Never imports JAX.
@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from bridge.schedule import (  # noqa: F401  (re-exported: the schedule is part of this API)
+from bridge.contract.schedule import (  # noqa: F401  (re-exported: the schedule is part of this API)
     QWEN_IMAGE_SCHEDULER_CONFIG, calculate_shift, sample_windows, sigma_schedule, window_noise_levels, window_size)
 
 SDE_TYPES = ("sde", "cps", "ode")

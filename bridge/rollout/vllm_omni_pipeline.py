@@ -33,8 +33,8 @@ import torch
 from bridge.rollout.pipeline import TensorHead, weights_fingerprint
 from bridge.rollout.sampling import Fp32Timestep, SamplingLoop, SamplingParams
 from bridge.rollout.random_init import random_named_weights
-from bridge.tensors import numpy_to_torch, torch_to_numpy
-from bridge.trajectory import TrajectoryBatch
+from bridge.rollout.tensors import numpy_to_torch, torch_to_numpy
+from bridge.contract.trajectory import TrajectoryBatch
 
 PIPELINE_CLASS = f"{__name__}.FlowGRPOQwenImagePipeline"
 WORKER_EXTENSION_CLASS = f"{__name__}.RolloutWorkerExtension"

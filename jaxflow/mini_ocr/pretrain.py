@@ -34,7 +34,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from bridge.schedule import calculate_shift
+from bridge.contract.schedule import calculate_shift
 from jaxflow.mini_ocr.render import HEIGHT, WIDTH
 from jaxflow.models.config import ModelOptions
 from jaxflow.models.loading import load_transformer, save_transformer
