@@ -14,10 +14,11 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bridge import schedule
 from bridge.rollout import sde as T
 from jaxflow import sde as J
 
-QWEN = J.QWEN_IMAGE_SCHEDULER_CONFIG
+QWEN = schedule.QWEN_IMAGE_SCHEDULER_CONFIG
 MODULES = [J, T]
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,8 +88,8 @@ def test_sigma_schedule_matches_diffusers(module, cfg, n, seq):
 
 def test_sigma_schedule_known_qwen_values():
     """diffusers' FlowMatchEulerDiscreteScheduler with Qwen-Image's scheduler config (docs/numerics.md §1)."""
-    np.testing.assert_allclose(J.sigma_schedule(QWEN, 4, 1024)[:4], [1.0, 0.7492682, 0.4325879, 0.01999992], atol=1e-7)
-    s = J.sigma_schedule(QWEN, 50, 4096)
+    np.testing.assert_allclose(schedule.sigma_schedule(QWEN, 4, 1024)[:4], [1.0, 0.7492682, 0.4325879, 0.01999992], atol=1e-7)
+    s = schedule.sigma_schedule(QWEN, 50, 4096)
     np.testing.assert_allclose(s[[0, 1, 2, 3, -3, -2, -1]], [1, 0.9897009, 0.9791915, 0.9684653, 0.0584758, 0.01999998, 0], atol=1e-7)
 
 
@@ -107,7 +108,7 @@ def test_sigma_schedule_rejects_unsupported(module):
 @pytest.mark.parametrize("mode", ["sample", "prev_sample"])
 def test_step_jax_equals_torch(sde_type, mode):
     rng = np.random.default_rng(0)
-    sigmas = J.sigma_schedule(QWEN, 10, 1024)
+    sigmas = schedule.sigma_schedule(QWEN, 10, 1024)
     x, v, eps, s, sn = step_inputs(rng, (5, 32, 16), sigmas, [0, 3, 5, 8, 9])
     a = np.array([1.2, 0.0, 0.7, 0.9, 1.5], np.float32)
     kw = dict(sde_type=sde_type, noise_level=a)
@@ -125,7 +126,7 @@ def test_step_jax_equals_torch(sde_type, mode):
 
 def test_step_jit_equals_eager():
     rng = np.random.default_rng(1)
-    sigmas = J.sigma_schedule(QWEN, 10, 1024)
+    sigmas = schedule.sigma_schedule(QWEN, 10, 1024)
     x, v, eps, s, sn = step_inputs(rng, (2, 8, 4), sigmas, [0, 4])
     for sde_type in J.SDE_TYPES:
         kw = dict(sde_type=sde_type, noise_level=np.float32(0.8))
@@ -148,7 +149,7 @@ def test_kl_term_jax_equals_torch():
 def test_prev_sample_recompute_ratio_one_and_gradients():
     """Recomputing the stored latent gives log_prob bit-equal to sampling time; grads go through mean only."""
     rng = np.random.default_rng(3)
-    sigmas = J.sigma_schedule(QWEN, 10, 1024)
+    sigmas = schedule.sigma_schedule(QWEN, 10, 1024)
     x, v, eps, s, sn = step_inputs(rng, (3, 16, 8), sigmas, [0, 2, 6])
     kw = dict(sde_type="sde", noise_level=np.array([1.2, 0.0, 0.7], np.float32))
     for module in MODULES:
@@ -175,7 +176,7 @@ def test_prev_sample_recompute_ratio_one_and_gradients():
 def test_noise_level_zero_is_euler(module):
     """a = 0: 'sde' and 'ode' are Euler bit for bit, CPS within 2e-6 (fp32 rounding of its algebraic form)."""
     rng = np.random.default_rng(4)
-    sigmas = J.sigma_schedule(QWEN, 10, 1024)
+    sigmas = schedule.sigma_schedule(QWEN, 10, 1024)
     x, v, eps, s, sn = step_inputs(rng, (4, 32, 16), sigmas, [0, 3, 8, 9])
     euler = x + v * (sn - s)[:, None, None]
     for sde_type, tol in [("sde", 0.0), ("ode", 0.0), ("cps", 2e-6)]:
@@ -193,7 +194,7 @@ def test_noise_level_zero_is_euler(module):
 def test_sde_first_step_std_is_noise_level(module):
     rng = np.random.default_rng(5)
     for n, seq in [(10, 1024), (50, 4096), (2, 16)]:
-        sigmas = J.sigma_schedule(QWEN, n, seq)
+        sigmas = schedule.sigma_schedule(QWEN, n, seq)
         x, v, eps, s, sn = step_inputs(rng, (3, 4), sigmas, [0, 0, 0])
         a = np.array([0.7, 1.2, 1.5], np.float32)
         std = run(module, x, v, s, sn, sigmas[1], sde_type="sde", noise_level=a, noise=eps)[3]
@@ -205,7 +206,7 @@ def test_sde_first_step_std_is_noise_level(module):
 def test_sampling_log_prob_expectation(module, a):
     """E[log p] = -0.5 - log(step_std) - 0.9189 ('sde') and -step_std^2 ('cps'), within 4 standard errors."""
     rng = np.random.default_rng(6)
-    sigmas = J.sigma_schedule(QWEN, 10, 1024)
+    sigmas = schedule.sigma_schedule(QWEN, 10, 1024)
     steps = np.array([0, 2, 5, 8])
     x, v, eps, s, sn = step_inputs(rng, (4, 256, 64), sigmas, steps)
     n = 256 * 64
@@ -219,7 +220,7 @@ def test_sampling_log_prob_expectation(module, a):
 def test_step0_log_prob_near_minus_1_06():
     """docs/numerics.md §8: 'sde', a = 0.7, step 0 has step std 0.7, so log p ~ -1.419 - ln 0.7 = -1.062."""
     rng = np.random.default_rng(7)
-    sigmas = J.sigma_schedule(QWEN, 10, 1024)
+    sigmas = schedule.sigma_schedule(QWEN, 10, 1024)
     x, v, eps, s, sn = step_inputs(rng, (1, 16, 64, 64), sigmas, [0])
     logp = run(J, x, v, s, sn, sigmas[1], sde_type="sde", noise_level=0.7, noise=eps)[1]
     assert abs(float(logp[0]) + 1.062) < 0.02
@@ -241,7 +242,7 @@ def test_step0_log_prob_near_minus_1_06():
     data=st.data(),
 )
 def test_step_properties(batch, tail, dtype, cfg, num_steps, seq, sde_type, recompute, data):
-    sigmas = J.sigma_schedule(cfg, num_steps, seq)
+    sigmas = schedule.sigma_schedule(cfg, num_steps, seq)
     idx = np.array(data.draw(st.lists(st.integers(0, num_steps - 1), min_size=batch, max_size=batch)))
     # a is 0 (outside the window) or a real noise level; a tiny nonzero a underflows step_std**2 in fp32
     levels = st.one_of(st.just(0.0), st.floats(0.0625, 1.5, width=32))
