@@ -14,7 +14,7 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bridge import schedule
+from bridge.contract import schedule
 from bridge.rollout import sde as T
 from jaxflow import sde as J
 
