@@ -12,7 +12,8 @@ from safetensors.numpy import save_file
 import bridge.rollout
 from bridge.rollout.pipeline import RolloutPipeline
 from bridge.rollout.sampling import Fp32Timestep, SamplingParams
-from bridge.rollout.sde import sde_step, sigma_schedule
+from bridge.contract.schedule import sigma_schedule
+from bridge.rollout.sde import sde_step
 from bridge.rollout.server import create_rollout_server
 from bridge.contract.trajectory import TrajectoryBatch
 

@@ -76,10 +76,9 @@ SCHEDULE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("module", MODULES, ids=["jax", "torch"])
 @pytest.mark.parametrize("cfg,n,seq", SCHEDULE_CASES)
-def test_sigma_schedule_matches_diffusers(module, cfg, n, seq):
-    got = module.sigma_schedule(cfg, n, seq)
+def test_sigma_schedule_matches_diffusers(cfg, n, seq):
+    got = schedule.sigma_schedule(cfg, n, seq)
     ref = diffusers_sigmas(cfg, n, seq)
     assert got.dtype == np.float32 and got.shape == (n + 1,)
     assert np.array_equal(got, ref), np.abs(got - ref).max()
@@ -93,12 +92,11 @@ def test_sigma_schedule_known_qwen_values():
     np.testing.assert_allclose(s[[0, 1, 2, 3, -3, -2, -1]], [1, 0.9897009, 0.9791915, 0.9684653, 0.0584758, 0.01999998, 0], atol=1e-7)
 
 
-@pytest.mark.parametrize("module", MODULES, ids=["jax", "torch"])
-def test_sigma_schedule_rejects_unsupported(module):
+def test_sigma_schedule_rejects_unsupported():
     with pytest.raises(ValueError, match="use_karras_sigmas"):
-        module.sigma_schedule(dict(QWEN, use_karras_sigmas=True), 10, 1024)
+        schedule.sigma_schedule(dict(QWEN, use_karras_sigmas=True), 10, 1024)
     with pytest.raises(ValueError, match="num_steps"):
-        module.sigma_schedule(QWEN, 1, 1024)
+        schedule.sigma_schedule(QWEN, 1, 1024)
 
 
 # ---------------------------------------------------------------------------------------------- step parity
@@ -274,19 +272,19 @@ def test_step_properties(batch, tail, dtype, cfg, num_steps, seq, sde_type, reco
 
 def test_sample_windows_deterministic_and_independent():
     seeds = [3, 17, 123456, 0]
-    first = T.sample_windows(seeds, 2, (0, 5), 10)
+    first = schedule.sample_windows(seeds, 2, (0, 5), 10)
     assert first.dtype == np.int32 and first.shape == (4,)
-    assert np.array_equal(first, T.sample_windows(seeds, 2, (0, 5), 10))
-    assert all(T.sample_windows([sd], 2, (0, 5), 10)[0] == st_ for sd, st_ in zip(seeds, first))
+    assert np.array_equal(first, schedule.sample_windows(seeds, 2, (0, 5), 10))
+    assert all(schedule.sample_windows([sd], 2, (0, 5), 10)[0] == st_ for sd, st_ in zip(seeds, first))
 
 
 @pytest.mark.parametrize("size,window_range,num_steps", [(2, (0, 5), 10), (3, (1, 10), 6), (1, (0, 100), 4), (4, (0, 5), 5)])
 def test_sample_windows_range_and_last_step(size, window_range, num_steps):
-    starts = T.sample_windows(range(300), size, window_range, num_steps)
+    starts = schedule.sample_windows(range(300), size, window_range, num_steps)
     hi = min(window_range[1], num_steps - 1)
     assert starts.min() == window_range[0] and starts.max() == hi - size  # whole range reached, inclusive
     assert (starts + size - 1).max() <= num_steps - 2  # never the schedule's last step
-    levels = T.window_noise_levels(starts, size, num_steps, 1.2)
+    levels = schedule.window_noise_levels(starts, size, num_steps, 1.2)
     assert levels.shape == (300, num_steps) and levels.dtype == np.float32
     assert np.all((levels > 0).sum(axis=1) == size) and np.all(levels[:, -1] == 0)
     assert np.all(levels[np.arange(300), starts] == np.float32(1.2))
@@ -294,9 +292,9 @@ def test_sample_windows_range_and_last_step(size, window_range, num_steps):
 
 @pytest.mark.parametrize("size", [0, None])
 def test_sample_windows_full(size):
-    starts = T.sample_windows([1, 2], size, (3, 4), 6)
+    starts = schedule.sample_windows([1, 2], size, (3, 4), 6)
     assert np.array_equal(starts, [0, 0])
-    levels = T.window_noise_levels(starts, size, 6, np.array([0.5, 0.9], np.float32))
+    levels = schedule.window_noise_levels(starts, size, 6, np.array([0.5, 0.9], np.float32))
     np.testing.assert_array_equal(levels, np.float32([[0.5] * 5 + [0], [0.9] * 5 + [0]]))
 
 
@@ -306,7 +304,7 @@ def test_sample_windows_full(size):
 )
 def test_sample_windows_rejects_bad_sizes(size, window_range, num_steps):
     with pytest.raises(ValueError, match="SDE window size"):
-        T.sample_windows([0], size, window_range, num_steps)
+        schedule.sample_windows([0], size, window_range, num_steps)
 
 
 # ---------------------------------------------------------------------------------------------- layering

@@ -41,7 +41,7 @@ from bridge.contract.lora import (adapter_spec, lora_pairs, read_peft, refusal, 
 from bridge.rollout.engine import RolloutEngine
 from bridge.rollout.pipeline import FINGERPRINT_ELEMENTS, TensorHead, weights_fingerprint
 from bridge.rollout.sampling import SamplingParams, check_prompts, per_sample_seeds
-from bridge.rollout.sde import sample_windows
+from bridge.contract.schedule import sample_windows
 from bridge.rollout.vllm_omni_pipeline import (PIPELINE_CLASS, WORKER_EXTENSION_CLASS, encode_request,
                                                unpack_trajectories)
 from bridge.rollout.tensors import torch_to_numpy

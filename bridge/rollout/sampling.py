@@ -21,7 +21,8 @@ import dataclasses
 import numpy as np
 import torch
 
-from bridge.rollout.sde import SDE_TYPES, sample_windows, sde_step, sigma_schedule, window_noise_levels, window_size
+from bridge.contract.schedule import sample_windows, sigma_schedule, window_noise_levels, window_size
+from bridge.rollout.sde import SDE_TYPES, sde_step
 from bridge.rollout.tensors import torch_to_numpy
 from bridge.contract.trajectory import TrajectoryBatch
 

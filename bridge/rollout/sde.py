@@ -11,9 +11,6 @@ import math
 
 import torch
 
-from bridge.contract.schedule import (  # noqa: F401  (re-exported: the schedule is part of this API)
-    QWEN_IMAGE_SCHEDULER_CONFIG, calculate_shift, sample_windows, sigma_schedule, window_noise_levels, window_size)
-
 SDE_TYPES = ("sde", "cps", "ode")
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 
