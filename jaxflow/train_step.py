@@ -40,7 +40,7 @@ from jaxflow.sharding import Layout
 
 BATCH_FIELDS = ("latents", "log_probs", "sigmas", "step_index", "noise_level", "prompt_embeds", "prompt_mask",
                 "advantages")
-CFG_FIELDS = ("negative_prompt_embeds", "negative_prompt_mask")
+GUIDANCE_FIELDS = ("negative_prompt_embeds", "negative_prompt_mask")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +79,8 @@ class TrainConfig:
             raise ValueError(f"ema_decay must be in (0, 1) or None, got {self.ema_decay}")
 
     @property
-    def cfg(self) -> bool:
+    def guided(self) -> bool:
+        """True classifier-free guidance is on: batches carry the negative prompt (GUIDANCE_FIELDS)."""
         return self.guidance > 1
 
     @property
@@ -122,7 +123,8 @@ def _window_steps(mb: dict) -> tuple[dict, dict]:
                 "sigma_next": sigmas[rows, idx + 1], "rollout_log_prob": mb["log_probs"].T}
     if "old_log_probs" in mb:
         per_step["old_log_prob"] = mb["old_log_probs"].T
-    shared = {k: mb[k] for k in ("noise_level", "advantages", "prompt_embeds", "prompt_mask", *CFG_FIELDS) if k in mb}
+    shared = {k: mb[k] for k in ("noise_level", "advantages", "prompt_embeds", "prompt_mask", *GUIDANCE_FIELDS)
+              if k in mb}
     return per_step, {**shared, "sigma_max": sigmas[:, 1]}
 
 
@@ -205,7 +207,7 @@ def _update(state: TrainState, frozen, batch, old, index, *, graphdef, config: T
     return state, {**metrics, "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32)}
 
 
-def per_sample(batch: dict, fields: tuple[str, ...] = BATCH_FIELDS + CFG_FIELDS) -> dict[str, np.ndarray]:
+def per_sample(batch: dict, fields: tuple[str, ...] = BATCH_FIELDS + GUIDANCE_FIELDS) -> dict[str, np.ndarray]:
     """The `fields` of `batch` that are set, as host arrays with a leading sample axis: the shared sigmas (N+1,)
     and scalar noise_level are broadcast to every sample (B = len(log_probs)); other keys are dropped."""
     out = {k: np.asarray(batch[k]) for k in fields if batch.get(k) is not None}
@@ -217,11 +219,11 @@ def per_sample(batch: dict, fields: tuple[str, ...] = BATCH_FIELDS + CFG_FIELDS)
 
 def prepare_batch(batch: dict, config: TrainConfig, batch_devices: int = 1) -> dict[str, np.ndarray]:
     """The per-sample host arrays the step consumes (`per_sample`), checked, in the step's dtypes."""
-    fields = BATCH_FIELDS + (CFG_FIELDS if config.cfg else ())
+    fields = BATCH_FIELDS + (GUIDANCE_FIELDS if config.guided else ())
     missing = [k for k in fields if batch.get(k) is None]
     if missing:
         raise ValueError(f"train batch is missing {missing}" + (" (guidance > 1 needs the negative prompt)"
-                                                                 if set(missing) & set(CFG_FIELDS) else ""))
+                                                                 if set(missing) & set(GUIDANCE_FIELDS) else ""))
     b, w = np.shape(batch["log_probs"])
     multiple = config.num_mini_batches * config.num_micro_batches * batch_devices
     if b % multiple:
