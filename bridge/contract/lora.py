@@ -30,7 +30,6 @@ PREFIX = "transformer."
 MAX_LISTED = 20  # errors listed when an adapter is refused
 _UNSUPPORTED = ("use_dora", "rank_pattern", "alpha_pattern", "lora_bias", "modules_to_save", "fan_in_fan_out",
                 "target_parameters", "layer_replication")
-_LAYER = re.compile(r"transformer_blocks\.(\d+)\.")
 # PEFT LoRA key: `[transformer.]<module>.lora_A.weight` / `.lora_B.weight`
 LORA_KEY = re.compile(r"(?:transformer\.)?(?P<module>.+)\.lora_(?P<part>[AB])\.weight")
 # vLLM-Omni's fused Qwen-Image transformer: module renames its LoRA loader needs (diffusers -> vLLM-Omni).
