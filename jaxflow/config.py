@@ -49,7 +49,7 @@ def validate(cfg: ConfigDict) -> None:
     if cfg.rollout.compile and cfg.rollout.engine != "diffusers":
         _fail("rollout.compile", "is an option of the diffusers engine; leave it False with "
                                  f"rollout.engine={cfg.rollout.engine!r}")
-    model_options(cfg), lora_spec(cfg), sharding_config(cfg)
+    model_options(cfg), lora_spec(cfg), sharding_config(cfg), xla_options(cfg)
     s, t = cfg.sample, cfg.train
     if s.group_size < 2:
         _fail("sample.group_size", f"{s.group_size}: GRPO needs at least 2 images per prompt")
@@ -91,7 +91,17 @@ def validate(cfg: ConfigDict) -> None:
 def model_options(cfg) -> ModelOptions:
     m = cfg.model
     return ModelOptions(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, attention=m.attention,
-                        matmul_precision=m.matmul_precision)
+                        scan_unroll=m.scan_unroll, matmul_precision=m.matmul_precision)
+
+
+def xla_options(cfg) -> dict:
+    """train.xla_options: XLA debug options for the train step's jits only (never process-wide)."""
+    opts = dict(cfg.train.xla_options)
+    bad = sorted(k for k in opts if not k.startswith("xla_"))
+    if bad:
+        _fail("train.xla_options", f"{bad} are not XLA options (names start with 'xla_', e.g. "
+                                   f"xla_gpu_enable_triton_gemm)")
+    return opts
 
 
 def lora_spec(cfg) -> LoRASpec:

@@ -92,7 +92,7 @@ class Learner:
         log.info("trainer model: %s compute, %s storage, matmul precision %s, attention %s", o.dtype, o.param_dtype,
                  o.precision, self.model.impl)
         self._init_state, self._step = make_train_step(
-            self.model, config_lib.train_config(cfg, grid_hw(folder, cfg)), self.layout)
+            self.model, config_lib.train_config(cfg, grid_hw(folder, cfg)), self.layout, config_lib.xla_options(cfg))
         self.ckpt = self.state = None
 
     def begin(self, resume: bool) -> dict | None:

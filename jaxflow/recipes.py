@@ -41,6 +41,7 @@ def base() -> ml_collections.ConfigDict:
     c.run_dir = "runs/qwen_ocr"
     c.model = dict(path="",  # required: a diffusers Qwen-Image folder (model_index.json, transformer/, ...)
                    dtype="bfloat16", param_dtype="bfloat16", remat="save_matmuls", attention="auto",
+                   scan_unroll=1,  # blocks per iteration of the scan over the 60 stacked blocks
                    matmul_precision="auto",  # "highest" for float32 compute (true fp32 on GPUs, not TF32)
                    init="checkpoint")  # "random": base weights drawn from `seed` (bridge/contract/random_weights.py)
     c.lora = dict(rank=64, alpha=128.0, targets=list(DEFAULT_LORA_TARGETS))
@@ -56,7 +57,8 @@ def base() -> ml_collections.ConfigDict:
                    beta=0.0, global_std=True, max_grad_norm=1.0, weight_decay=1e-4, ema_decay=0.0,
                    old_log_prob="recompute",
                    num_mini_batches=2,  # optimizer updates per step, each on whole prompt groups
-                   num_inner_epochs=1)  # passes over the step's mini-batches
+                   num_inner_epochs=1,  # passes over the step's mini-batches
+                   xla_options={})  # XLA debug options of the train step's jits (BENCHMARKS.md, train step)
     c.reward = dict(fns={"ocr": 1.0}, options={}, workers=8)
     c.data = dict(train=str(DATA / "ocr" / "train.txt"), test=str(DATA / "ocr" / "test.txt"))
     c.eval = dict(every=30, num_prompts=32, num_steps=50, guidance=4.0)

@@ -24,7 +24,8 @@ OUTPUTS = ("metrics.jsonl", "checkpoints", "eval", "tb", "lora_final")
 NOT_TRAINING = ("run_dir", "train.num_steps", "log", "eval", "checkpoint", "rollout.address", "rollout.num_servers",
                 "rollout.num_cpus", "rollout.num_gpus", "rollout.max_retries", "rollout.in_process",
                 "rollout.sleep_while_training", "rollout.compile", "reward.workers", "sharding",
-                "train.num_micro_batches", "model.remat", "model.attention", "profile")
+                "train.num_micro_batches", "model.remat", "model.attention", "model.scan_unroll",
+                "train.xla_options", "profile")
 
 
 def previous_outputs(run_dir: Path) -> list[str]:

@@ -240,7 +240,8 @@ def prepare_batch(batch: dict, config: TrainConfig, batch_devices: int = 1) -> d
     return out
 
 
-def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | None = None):
+def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | None = None,
+                    compiler_options: dict | None = None):
     """Returns (init_state, step) for a model with LoRA adapters.
 
     init_state() -> TrainState from the model's current LoRA params (copied; the model is left intact).
@@ -250,7 +251,8 @@ def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | Non
     `minibatches.combine_metrics`. A `timings` dict gets the seconds of the old-log-prob pass ("old_log_prob",
     when it runs) and of the updates ("update"), each waited for (for benchmarks). With a `layout`, the frozen
     base, state and batch are placed by its rules and both functions run as jits with explicit in/out
-    shardings; without one they run on the default device.
+    shardings; without one they run on the default device. `compiler_options` (XLA debug options, e.g.
+    {"xla_gpu_enable_triton_gemm": False}) apply to these two jits only (config `train.xla_options`).
     """
     graphdef, lora, frozen = nnx.split(model, LoRAParam, ...)
     if not jax.tree.leaves(lora):
@@ -264,8 +266,9 @@ def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | Non
 
     update_fn = functools.partial(_update, graphdef=graphdef, config=config, tx=tx, layout=layout)
     old_fn = functools.partial(old_log_probs, graphdef, config=config, layout=layout)
+    jit = functools.partial(jax.jit, compiler_options=dict(compiler_options or {}) or None)
     if layout is None:
-        init_jit, update, old_pass = jax.jit(init), jax.jit(update_fn, donate_argnums=0), jax.jit(old_fn)
+        init_jit, update, old_pass = jax.jit(init), jit(update_fn, donate_argnums=0), jit(old_fn)
         put, batch_devices = (lambda b: jax.tree.map(jnp.asarray, b)), 1
     else:
         state_sh = layout.tree_shardings(jax.eval_shape(init, lora))
@@ -274,9 +277,9 @@ def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | Non
         lora = jax.device_put(lora, layout.tree_shardings(lora))
         init_jit = jax.jit(init, out_shardings=state_sh)
         rows, one = layout.batch_sharding, layout.replicated
-        update = jax.jit(update_fn, in_shardings=(state_sh, frozen_sh, rows, rows, one),
+        update = jit(update_fn, in_shardings=(state_sh, frozen_sh, rows, rows, one),
                          out_shardings=(state_sh, one), donate_argnums=0)
-        old_pass = jax.jit(old_fn, in_shardings=(state_sh.lora, frozen_sh, rows), out_shardings=rows)
+        old_pass = jit(old_fn, in_shardings=(state_sh.lora, frozen_sh, rows), out_shardings=rows)
         put, batch_devices = layout.put_batch, layout.batch_devices // jax.process_count()
     indices = [put({"j": np.int32(j)})["j"] for j in range(config.num_mini_batches)]
 

@@ -4,8 +4,12 @@
 # GPUs, fingerprint-checked), runs the qwen_ocr settings (512^2, 10 steps, window 2, CFG 4, LoRA r64), then prints
 # img/GPU/s with the phase breakdown and writes OUT_DIR/RESULT.json.
 #
-#   [ENGINE=diffusers|vllm_omni] [LAYOUT=inproc|1gpu|2gpu] [SLEEP=false|true] [RESULT=name] \
+#   [ENGINE=diffusers|vllm_omni] [LAYOUT=inproc|1gpu|2gpu] [SLEEP=false|true] [RESULT=name] [PROFILE_STEP=k] \
 #     bash scripts/bench_e2e.sh OUT_DIR [extra --config overrides]
+#
+# PROFILE_STEP=k traces step k of the run (the `profile` config section; leave it out of the figures by running
+# more steps), dumps the train step's optimized HLO, and prints where its GPU time goes by kernel class, named
+# scope and HLO op (scripts/profile_step.py --trace; OUT_DIR/profile_trace.json).
 #
 # Layouts:
 #   inproc  one GPU, the diffusers engine in the trainer's process (no Ray); JAX holds a fixed pool
@@ -47,6 +51,15 @@ cmd=(python3 -m jaxflow.train --config configs/qwen_ocr.py --config.model.path="
   --config.train.num_micro_batches=8 --config.train.num_steps=4 --config.eval.every=1000
   --config.checkpoint.every=1000 --config.log.progress=False --config.run_dir="$out/run"
   --config.reward.fns="{'jpeg_incompressibility': 1.0}" "$@")
+exclude=()
+if [ -n "${PROFILE_STEP:-}" ]; then
+  cmd+=(--config.profile.start_step="$PROFILE_STEP" --config.profile.num_steps=1)
+  export XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$out/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*update.*"
+  exclude=(--exclude "$PROFILE_STEP")
+fi
 "${cmd[@]}" 2>&1 | tee "$out/train.log"
-python3 scripts/summarize_run.py "$out/run" --gpus "$gpus" --result "$result" --out "$out" \
+python3 scripts/summarize_run.py "$out/run" --gpus "$gpus" --result "$result" --out "$out" "${exclude[@]}" \
   --command "ENGINE=$engine LAYOUT=$layout SLEEP=$sleep bash scripts/bench_e2e.sh OUT $*"
+if [ -n "${PROFILE_STEP:-}" ]; then
+  python3 scripts/profile_step.py --out "$out" --trace "$out/run/profile" --hlo "$out/hlo"
+fi

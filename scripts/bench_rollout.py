@@ -2,6 +2,9 @@
 
     python scripts/bench_rollout.py --out DIR          # Qwen-Image transformer and VAE at full size, random bf16
     python scripts/bench_rollout.py --tiny --out DIR   # code-path check on CPU (the tiny pipeline)
+    python scripts/bench_rollout.py --out DIR --name c --compile dynamic --n 16,32 --no-single
+        # one variant per process (compile / attention backend / batch sizes): OUT/bench_rollout_NAME.json
+    python scripts/bench_rollout.py --out DIR --collect    # the variants' table -> OUT/rollout_diffusers.json
 
 The full-size build uses the real transformer (60 layers, d=3072) and the real VAE configs with random weights,
 and a Qwen2.5-VL text encoder of the real width (3584) but 2 layers (text encoding runs once per prompt and is a
@@ -27,6 +30,9 @@ REAL_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, 
                               0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921],
                 latents_std=[2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743, 3.2687, 2.1526,
                              2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160])
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import write_result  # noqa: E402
+
 PROMPT = 'a wooden shop sign above a bakery door that reads "Fresh Bread Daily", warm morning light'
 
 
@@ -65,38 +71,73 @@ def timed(fn, sync) -> float:
     return time.perf_counter() - t
 
 
+def collect(out: Path) -> None:
+    """Every variant's rows (OUT/bench_rollout_*.json of one session) as one table and rollout_diffusers.json,
+    whose figure img_per_s is the fastest batched row."""
+    rows = [dict(r, variant=path.stem.removeprefix("bench_rollout_"))
+            for path in sorted(out.glob("bench_rollout_*.json")) for r in json.loads(path.read_text())["rows"]]
+    if not rows:
+        raise SystemExit(f"no bench_rollout_*.json under {out}")
+    best = max((r for r in rows if r["case"].startswith("batched")), key=lambda r: r["img_per_s"])
+    base = [r for r in rows if r["variant"] == "eager" and r["case"] == best["case"]]
+    write_result(out, "rollout_diffusers", {
+        "img_per_s": best["img_per_s"], "best": f"{best['variant']}: {best['case']}",
+        "speedup_vs_eager_same_batch": round(best["img_per_s"] / base[0]["img_per_s"], 3) if base else None},
+        command="python3 scripts/bench_rollout.py --out OUT --name NAME [variant flags] ... ; --collect",
+        extra={"rows": rows})
+    for r in rows:
+        print(f"{r['variant']:14s} {r['case']:36s} {r['seconds']:8.2f} s {r['img_per_s']:8.3f} img/s")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("bench_out"))
     p.add_argument("--tiny", action="store_true")
-    p.add_argument("--n", type=int, default=16)
+    p.add_argument("--n", default="16", help="batch sizes of the batched requests, comma-separated")
     p.add_argument("--size", type=int, default=512)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--cfg", type=float, default=4.0)
+    p.add_argument("--name", default="eager", help="this variant's name (OUT/bench_rollout_NAME.json)")
+    p.add_argument("--compile", default="none", choices=("none", "dynamic", "autotune"),
+                   help="torch.compile the repeated block: dynamic shapes (rollout.compile), or dynamic with "
+                        "mode max-autotune-no-cudagraphs")
+    p.add_argument("--attention", default="", help="diffusers attention backend (e.g. _native_cudnn); '' = its default")
+    p.add_argument("--no-single", action="store_true", help="skip the sequential B=1 requests")
+    p.add_argument("--collect", action="store_true", help="only tabulate OUT's variants")
     args = p.parse_args(argv)
+    if args.collect:
+        return collect(args.out)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     pipe = build_pipeline() if args.tiny else full_size_pipeline(device)
+    if args.attention:
+        pipe.transformer.set_attention_backend(args.attention)
+    if args.compile != "none":
+        mode = "max-autotune-no-cudagraphs" if args.compile == "autotune" else None
+        pipe.transformer.compile_repeated_blocks(dynamic=True, mode=mode)
     rollout = RolloutPipeline(pipe, device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     sp = SamplingParams(height=args.size, width=args.size, num_inference_steps=args.steps, true_cfg_scale=args.cfg,
                         max_sequence_length=512, noise_level=1.2, sde_window_size=2, sde_window_range=(0, 5))
-    rollout.generate([PROMPT], 2, sp, seeds=[0, 1])  # warm-up
-    seeds = list(range(args.n))
-    batched = timed(lambda: rollout.generate([PROMPT], args.n, sp, seeds=seeds), sync)
-    single = timed(lambda: [rollout.generate([PROMPT], 1, sp, seeds=[s]) for s in seeds], sync)
+    warm = timed(lambda: rollout.generate([PROMPT], 2, sp, seeds=[0, 1]), sync)  # warm-up (compiles)
+    rows = []
+    for n in (int(v) for v in args.n.split(",")):
+        rollout.generate([PROMPT], n, sp, seeds=list(range(100, 100 + n)))  # this batch size's first call
+        batched = timed(lambda: rollout.generate([PROMPT], n, sp, seeds=list(range(n))), sync)
+        rows.append({"case": f"batched B={n} (one request)", "seconds": round(batched, 2),
+                     "img_per_s": round(n / batched, 3)})
+        if not args.no_single:
+            single = timed(lambda: [rollout.generate([PROMPT], 1, sp, seeds=[s]) for s in range(n)], sync)
+            rows.append({"case": f"{n} x B=1 (sequential requests)", "seconds": round(single, 2),
+                         "img_per_s": round(n / single, 3)})
     peak = torch.cuda.max_memory_allocated() / 2 ** 30 if device == "cuda" else 0.0
-    rows = [{"case": f"batched B={args.n} (one request)", "seconds": round(batched, 2),
-             "img_per_s": round(args.n / batched, 3)},
-            {"case": f"{args.n} x B=1 (sequential requests)", "seconds": round(single, 2),
-             "img_per_s": round(args.n / single, 3)}]
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_rollout.json").write_text(json.dumps({"rows": rows, "peak_gib": peak, "args": vars(args)},
-                                                            default=str, indent=1))
-    print(f"\nrollout {args.size}^2, {args.steps} steps, CFG {args.cfg}, window 2, device {device}, "
-          f"peak {peak:.1f} GiB")
+    (args.out / f"bench_rollout_{args.name}.json").write_text(json.dumps(
+        {"rows": rows, "peak_gib": peak, "warmup_s": warm, "args": vars(args)}, default=str, indent=1))
+    print(f"\nrollout {args.size}^2, {args.steps} steps, CFG {args.cfg}, window 2, device {device}, variant "
+          f"{args.name} (compile {args.compile}, attention {args.attention or 'default'}), peak {peak:.1f} GiB, "
+          f"warm-up {warm:.1f} s")
     for r in rows:
         print(f"{r['case']:36s} {r['seconds']:8.2f} s {r['img_per_s']:8.3f} img/s")
-    print(f"batched speed-up: {single / batched:.2f}x")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
 """Where the GPU time goes: kernel-time breakdown of the JAX FlowGRPO train step and of the torch rollout.
 
     python scripts/profile_step.py --out DIR [--model DIR]     # full size, random weights (model.init=random)
+    python scripts/profile_step.py --out DIR --trace RUN_DIR/profile
+        # the trace of the real run: python -m jaxflow.train ... --config.profile.num_steps=1 (jaxflow/profiling.py)
 
 Rollout: one `RolloutPipeline.generate` of 16 images (512^2, 10 steps, CFG 4, window 2) under torch.profiler.
 Train step: the bench_train_step.py workload (B=8 in 2 micro-batches) under jax.profiler, after a warm-up step.
 Both traces are read back and every GPU kernel is put in one class (attention, matmul, convolution, collective,
 copy, other = XLA fusions / elementwise / reductions); prints the share of kernel time per class and the top
-kernels. Traces stay under DIR.
+kernels, and the share of each named scope of the block (modulation, attention, mlp) and of the top HLO ops
+(from the kernels' trace arguments, where XLA records them). Traces stay under DIR.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import argparse  # noqa: E402
 import collections  # noqa: E402
 import gzip  # noqa: E402
 import json  # noqa: E402
+import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -35,8 +39,11 @@ def kernel_class(name: str) -> str:
     return next((c for c, keys in CLASSES if any(k in low for k in keys)), "other")
 
 
-def gpu_kernels(trace: dict) -> list[tuple[str, float]]:
-    """(name, microseconds) of every GPU kernel: torch marks them cat=kernel; JAX/XLA traces put them on the
+SCOPES = ("modulation", "attention", "mlp")
+
+
+def gpu_kernels(trace: dict) -> list[tuple[str, float, dict]]:
+    """(name, microseconds, args) of every GPU kernel: torch marks them cat=kernel; JAX/XLA traces put them on the
     "Stream #N" threads of the process named for the GPU (its "XLA Ops"/"XLA Modules" lines repeat them)."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     meta = [e for e in events if e.get("ph") == "M"]
@@ -44,17 +51,42 @@ def gpu_kernels(trace: dict) -> list[tuple[str, float]]:
                 and "gpu" in str(e.get("args", {}).get("name", "")).lower()}
     streams = {(e["pid"], e["tid"]) for e in meta if e.get("name") == "thread_name" and e.get("pid") in gpu_pids
                and str(e.get("args", {}).get("name", "")).startswith("Stream")}
-    return [(e["name"], float(e["dur"])) for e in events if e.get("ph") == "X" and "dur" in e
+    return [(e["name"], float(e["dur"]), e.get("args") or {}) for e in events if e.get("ph") == "X" and "dur" in e
             and (e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") or
                  (e.get("pid") in gpu_pids and (not streams or (e["pid"], e.get("tid")) in streams)))]
 
 
-def breakdown(title: str, kernels, wall_s: float, top: int = 12) -> dict:
-    total = sum(d for _, d in kernels) or 1.0
-    by_class, by_name = collections.Counter(), collections.Counter()
-    for name, d in kernels:
+OP_NAME = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{[^}]*op_name="([^"]+)"')
+
+
+def hlo_op_names(dump_dir: Path | None) -> dict[str, str]:
+    """HLO instruction -> its op_name path (named scopes included), from an XLA dump's optimized HLO
+    (XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text); the trace names kernels by instruction only."""
+    names = {}
+    for path in sorted(dump_dir.glob("*after_optimizations.txt")) if dump_dir else ():
+        for line in path.read_text(errors="replace").splitlines():
+            m = OP_NAME.match(line)
+            if m:
+                names.setdefault(m.group(1), m.group(2))
+    return names
+
+
+def scope_of(args: dict, op_names: dict[str, str]) -> str:
+    """The block's named scope a kernel ran under: its HLO op's name path from the dump (or its trace args)."""
+    text = op_names.get(str(args.get("hlo_op")), "") or " ".join(str(v) for v in args.values())
+    return next((s for s in SCOPES if f"/{s}/" in text or text.endswith(f"/{s}")), "outside the scopes")
+
+
+def breakdown(title: str, kernels, wall_s: float, top: int = 12, op_names: dict | None = None) -> dict:
+    total = sum(d for _, d, _ in kernels) or 1.0
+    by_class, by_name, by_scope, by_op = (collections.Counter() for _ in range(4))
+    for name, d, args in kernels:
         by_class[kernel_class(name)] += d
         by_name[name] += d
+        by_scope[scope_of(args, op_names or {})] += d
+        op = args.get("hlo_op") or args.get("name")
+        if op:
+            by_op[f"{kernel_class(name)}: {op} {(op_names or {}).get(op, '')}"] += d
     print(f"\n{title}: wall {wall_s * 1e3:.0f} ms, GPU kernel time {total / 1e3:.0f} ms "
           f"({total / 1e6 / wall_s:.0%} of wall), {len(kernels)} kernels")
     for c, d in by_class.most_common():
@@ -62,9 +94,25 @@ def breakdown(title: str, kernels, wall_s: float, top: int = 12) -> dict:
     print("  top kernels:")
     for name, d in by_name.most_common(top):
         print(f"    {d / total:6.1%} [{kernel_class(name)}] {name[:110]}")
+    print("  named scopes: " + ", ".join(f"{s} {d / total:.1%}" for s, d in by_scope.most_common()))
+    if by_op:
+        print("  top HLO ops:")
+        for op, d in by_op.most_common(2 * top):
+            print(f"    {d / total:6.1%} {op[:110]}")
+    sample = {k: str(v)[:300] for k, v in (max(kernels, key=lambda k: k[1])[2] if kernels else {}).items()}
     return {"wall_ms": wall_s * 1e3, "kernel_ms": total / 1e3,
             "classes": {c: d / 1e3 for c, d in by_class.items()},
-            "top": [(n, d / 1e3) for n, d in by_name.most_common(top)]}
+            "scopes": {s: d / 1e3 for s, d in by_scope.items()},
+            "top": [(n, d / 1e3) for n, d in by_name.most_common(top)],
+            "top_ops": [(n, d / 1e3) for n, d in by_op.most_common(4 * top)], "longest_kernel_args": sample}
+
+
+def read_trace(trace_dir: Path) -> dict:
+    """The newest jax.profiler trace (*.trace.json.gz) under `trace_dir`."""
+    paths = [p for p in trace_dir.rglob("*.trace.json.gz") if not p.name.startswith("perfetto")]
+    if not paths:
+        raise SystemExit(f"no *.trace.json.gz under {trace_dir}: run with --config.profile.num_steps=1 first")
+    return json.loads(gzip.decompress(max(paths, key=lambda p: p.stat().st_mtime).read_bytes()))
 
 
 def profile_rollout(folder: Path, out: Path) -> dict:
@@ -115,10 +163,7 @@ def profile_train_step(folder: Path, out: Path, batch: int, micro: int) -> dict:
         state, m = step(state, data)
         jax.block_until_ready(m)
         wall = time.perf_counter() - t
-    path = max((p for p in trace_dir.rglob("*.trace.json.gz") if not p.name.startswith("perfetto")),
-               key=lambda p: p.stat().st_mtime)
-    trace = json.loads(gzip.decompress(path.read_bytes()))
-    return breakdown(f"JAX train step, B={batch} in {micro} micro-batches (window 2, CFG 4)", gpu_kernels(trace),
+    return breakdown(f"JAX train step, B={batch} in {micro} micro-batches (window 2, CFG 4)", gpu_kernels(read_trace(trace_dir)),
                      wall)
 
 
@@ -129,8 +174,23 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--micro", type=int, default=2)
     p.add_argument("--phase", default="both", choices=("both", "train_step"))
+    p.add_argument("--trace", type=Path, help="only analyse this jax.profiler trace folder (a run's profile.dir)")
+    p.add_argument("--hlo", type=Path, help="the run's XLA dump (--xla_dump_to) to name the kernels' scopes")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.trace:  # a run's trace: XLA's kernels carry their HLO module; the in-process torch rollout's do not
+        kernels, op_names = gpu_kernels(read_trace(args.trace)), hlo_op_names(args.hlo)
+        result = {}
+        for part, mine in (("xla", True), ("not_xla", False)):
+            ks = [k for k in kernels if ("hlo_module" in k[2]) == mine]
+            if ks:
+                busy_s = sum(d for _, d, _ in ks) / 1e6
+                result[part] = breakdown(f"{part} kernels of {args.trace} (wall = their kernel time)", ks, busy_s,
+                                         op_names=op_names)
+        if not result:
+            print(f"no GPU kernels in the trace under {args.trace} (a CPU run?)")
+        (args.out / "profile_trace.json").write_text(json.dumps(result, indent=1))
+        return
     if not (args.model / "model_index.json").exists():
         subprocess.run([sys.executable, str(Path(__file__).with_name("make_random_pipeline.py")), "--out",
                         str(args.model), "--no-transformer-weights"], check=True)

@@ -21,6 +21,7 @@ def main(argv=None):
     p.add_argument("run_dir", type=Path)
     p.add_argument("--gpus", type=int, default=1)
     p.add_argument("--skip", type=int, default=1, help="leading steps to leave out (compile)")
+    p.add_argument("--exclude", type=int, nargs="*", default=[], help="steps to leave out (a profiled step)")
     p.add_argument("--result", help="write the medians as OUT/RESULT.json")
     p.add_argument("--command", help="the command that made the run (for the result file)")
     p.add_argument("--out", type=Path, default=Path("."))
@@ -33,11 +34,11 @@ def main(argv=None):
         diff = max(v for k, v in r.items() if k.startswith("logp_diff_max/"))
         print(f"{r['step']:4d} {r['time/rollout']:8.1f} {r['time/reward']:7.1f} {r['time/train']:7.1f} "
               f"{r['time/sync']:6.1f} {total:7.1f} {r['images_per_s'] / args.gpus:9.3f} {diff:13.2e}")
-    steady = rows[args.skip:]
+    steady = [r for r in rows[args.skip:] if r["step"] not in args.exclude]
     if not steady:
         return
     med = statistics.median(r["images_per_s"] for r in steady) / args.gpus
-    print(f"median over steps {steady[0]['step']}..{steady[-1]['step']}: {med:.3f} img/GPU/s")
+    print(f"median over steps {[r['step'] for r in steady]}: {med:.3f} img/GPU/s")
     if args.result:
         figures = {"img_per_gpu_s": med, "gpus": args.gpus, "images_per_step": round(steady[0]["images_per_s"] *
                                                                                       steady[0]["time/step"]),

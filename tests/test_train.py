@@ -54,6 +54,8 @@ def lora_leaves(state):
     ("train.num_micro_batches", 3, "train.num_micro_batches"),
     ("sample.window_size", 9, "sample.window_size"),
     ("model.init", "zeros", "model.init"),
+    ("model.scan_unroll", 0, "scan_unroll"),
+    ("train.xla_options", {"gpu_enable_triton_gemm": False}, "train.xla_options"),
 ])
 def test_invalid_config_fails_before_anything_heavy(tmp_path, key, value, needle):
     cfg = tiny_config(tmp_path)

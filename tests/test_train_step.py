@@ -169,6 +169,15 @@ def test_batch_validation():
         TrainConfig(grid_hw=GRID, sde_type="ode")
 
 
+def test_compiler_options_reach_the_step_jits(model, plain):
+    """train.xla_options go to the step's own jits (XLA rejects an unknown option when compiling them)."""
+    _, traj, _, _ = plain
+    init_state, step = make_train_step(model, TrainConfig(grid_hw=GRID, num_micro_batches=2),
+                                       compiler_options={"xla_jaxflow_no_such_option": True})
+    with pytest.raises(Exception, match="xla_jaxflow_no_such_option"):
+        step(init_state(), traj)
+
+
 def test_model_without_lora_is_rejected():
     with pytest.raises(ValueError, match="no LoRA"):
         make_train_step(QwenImageTransformer(TINY, rngs=nnx.Rngs(0)), TrainConfig(grid_hw=GRID))

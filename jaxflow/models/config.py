@@ -94,7 +94,7 @@ class ModelOptions:
     param_dtype: str = "float32"  # storage dtype of the frozen base
     remat: str = "none"
     attention: str = "auto"       # auto = cudnn for bf16/fp16 on GPU, xla otherwise (chosen once, explicitly)
-    scan_unroll: int = 1
+    scan_unroll: int = 1          # blocks per iteration of the scan over the stacked blocks (lax.scan unroll)
     # XLA's precision for the model's matmuls; auto = "highest" (true fp32) for float32 compute, else "default"
     # (on GPUs fp32 "default" is TF32, which moves log-probs ~1e-5: too coarse for fp32 parity).
     matmul_precision: str = "auto"
@@ -105,6 +105,8 @@ class ModelOptions:
         for key, allowed in (("dtype", DTYPES), ("param_dtype", DTYPES)):
             if getattr(self, key) not in allowed:
                 raise ValueError(f"ModelOptions.{key}={getattr(self, key)!r}; choose one of {sorted(allowed)}")
+        if self.scan_unroll < 1:
+            raise ValueError(f"ModelOptions.scan_unroll={self.scan_unroll}; it must be >= 1 (blocks per scan step)")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"ModelOptions.remat={self.remat!r}; choose one of {REMAT_POLICIES}")
         if self.attention not in ATTENTION_IMPLS:
