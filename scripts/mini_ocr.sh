@@ -37,7 +37,8 @@ if [[ "${SMOKE:-0}" == 1 ]]; then
   EVAL=(--num "${EVAL_NUM:-8}" --steps 4 --device cpu)
   RL=(--config.rollout.device=cpu --config.rollout.num_gpus=0 --config.train.num_steps="${RL_STEPS:-2}"
       --config.sample.prompts_per_step=2 --config.sample.group_size=2 --config.sample.prompts_per_call=2
-      --config.sample.num_steps=4 --config.sample.window_range="(0, 3)" --config.eval.num_steps=4
+      --config.sample.num_steps=4 --config.sample.window_size=3 --config.sample.window_range="(0, 3)"
+      --config.eval.num_steps=4
       --config.eval.every=2 --config.eval.num_prompts=4 --config.reward.workers=1)
 else
   DEVICE=cuda
