@@ -76,12 +76,15 @@ def _saved_config(run_dir: Path, steps: list[int]) -> tuple[int, dict] | None:
 
 def check_resume(cfg, allow_config_changes: bool = False) -> str | None:
     """Checks a resume of `cfg.run_dir`: a message when the run is already finished (nothing to do), else None.
+    A run stopped at its last step before exporting its LoRA (a stop request after the last step's checkpoint, or
+    `--config.train.num_steps` lowered to a stopped run's newest checkpoint) resumes to export `lora_final` only.
     Raises UserError when there is no checkpoint, or the config changed in keys that change the training."""
     run_dir = Path(cfg.run_dir)
     steps = checkpoint_steps(run_dir)
     if not steps:
         raise UserError(f"--resume: {run_dir / 'checkpoints'} holds no checkpoint: start without --resume")
-    if steps[0] >= cfg.train.num_steps:
+    export_only = steps[0] == cfg.train.num_steps and not (run_dir / "lora_final").exists()
+    if steps[0] >= cfg.train.num_steps and not export_only:
         return (f"{run_dir} is finished: its newest checkpoint is step {steps[0]} of train.num_steps="
                 f"{cfg.train.num_steps} (LoRA in {run_dir / 'lora_final'}); raise --config.train.num_steps to go on")
     saved = _saved_config(run_dir, steps)

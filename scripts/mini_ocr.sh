@@ -20,8 +20,9 @@
 #   beside it: 50 steps do not fit one 10-minute command; RL_TIMEOUT + RL_RESUME=1 split them (measured).
 # Knobs (env): PRETRAIN_STEPS (default 1000; fewer if the "before" OCR is near 1: RL needs room), PRETRAIN_MINUTES
 # (time cap, default 9), VAE_STEPS (default 6000), VAE_MINUTES (time cap, default 5), RL_STEPS (default 50,
-# configs/mini_ocr.py), EVAL_NUM (200), RL_TIMEOUT (seconds: stop an RL run there; it checkpoints every 10 steps)
-# and RL_RESUME=1 (continue such a run: ONLY="rl rl_control" RL_RESUME=1 ...).
+# configs/mini_ocr.py), RL_ARGS (more --config overrides of both RL runs), EVAL_NUM (200), RL_TIMEOUT (seconds: stop an RL run there; it checkpoints every 10 steps)
+# and RL_RESUME=1 (continue such a run: ONLY="rl rl_control" RL_RESUME=1 ...). A run cut by RL_TIMEOUT exports the
+# LoRA of its newest checkpoint as lora_final (the evals after use it; mini_ocr.json counts the steps it has).
 set -euo pipefail
 OUT=${1:?usage: [SMOKE=1] bash scripts/mini_ocr.sh OUT}
 cd "$(dirname "$0")/.."
@@ -48,7 +49,7 @@ else
   # held-out OCR after 600 / 1000 / 1500 / 6000 steps (H200, 2026-11-23): 0.06 / 0.65 / 0.91 / 1.00; RL needs room
   PRE=(--steps "${PRETRAIN_STEPS:-1000}" --batch 256 --dtype bfloat16 --ema 0.99 --max-minutes "${PRETRAIN_MINUTES:-9}")
   EVAL=(--num "${EVAL_NUM:-200}" --steps 10 --device cuda)
-  RL=(--config.train.num_steps="${RL_STEPS:-50}")
+  RL=(--config.train.num_steps="${RL_STEPS:-50}" ${RL_ARGS:-})  # RL_ARGS: more --config overrides
   # one GPU shared by JAX and the in-process torch engine: a fixed JAX pool (README, "Running for real"); with
   # SIDE_BY_SIDE two trainers share it, each with 0.3
   pool=0.5
@@ -77,11 +78,17 @@ join() {  # wait for every `together` command; fail if any failed
 }
 
 rl() {  # rl RUN_DIR CONFIG: a new run, or with RL_RESUME=1 the continuation of one cut by RL_TIMEOUT
-  local start=--overwrite
+  local start=--overwrite rc=0 args
   [[ "${RL_RESUME:-0}" == 1 ]] && start=--resume
-  timeout --kill-after=30 "${RL_TIMEOUT:-0}" python -m jaxflow.train --config "$2" \
-    --config.model.path="$OUT/pipeline" --config.run_dir="$1" --config.data.train="$OUT/data/train.txt" \
-    --config.data.test="$OUT/data/test.txt" --config.log.progress=False "$start" "${RL[@]}"
+  args=(--config "$2" --config.model.path="$OUT/pipeline" --config.run_dir="$1"
+        --config.data.train="$OUT/data/train.txt" --config.data.test="$OUT/data/test.txt" --config.log.progress=False)
+  timeout --kill-after=30 "${RL_TIMEOUT:-0}" python -m jaxflow.train "${args[@]}" "$start" "${RL[@]}" || rc=$?
+  [[ $rc == 124 || $rc == 137 ]] || return $rc
+  # cut by RL_TIMEOUT: the stop request checkpointed the current step; export that step's LoRA as lora_final
+  local newest
+  newest=$(ls "$1/checkpoints" | grep -E '^[0-9]+$' | sort -n | tail -n 1)
+  echo "$1: cut by RL_TIMEOUT=${RL_TIMEOUT}s; exporting the LoRA of its newest checkpoint, step $newest"
+  python -m jaxflow.train "${args[@]}" --resume "${RL[@]}" --config.train.num_steps="$newest"
 }
 
 [[ -n "${ONLY:-}" ]] || : > "$OUT/timings.txt"

@@ -30,9 +30,16 @@ def rows(run: Path) -> list[dict]:
     return sorted(out, key=lambda r: r["step"])
 
 
+def trained_steps(run: Path) -> int:
+    """The step of the run's newest checkpoint: what lora_final holds (a run cut by a time limit may have logged
+    steps after it)."""
+    return max(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+
+
 def curve(run: Path) -> list[float]:
-    """Train reward (mean over the step's images) per step."""
-    return [round(float(r["reward_mean"]), 4) for r in rows(run)]
+    """Train reward (mean over the step's images) per step, up to the step lora_final holds."""
+    last = trained_steps(run)
+    return [round(float(r["reward_mean"]), 4) for r in rows(run) if r["step"] <= last]
 
 
 def eval_curve(run: Path) -> list[list]:

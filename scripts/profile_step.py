@@ -19,7 +19,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
-import gzip  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
@@ -107,12 +106,24 @@ def breakdown(title: str, kernels, wall_s: float, top: int = 12, op_names: dict 
             "top_ops": [(n, d / 1e3) for n, d in by_op.most_common(4 * top)], "longest_kernel_args": sample}
 
 
-def read_trace(trace_dir: Path) -> dict:
-    """The newest jax.profiler trace (*.trace.json.gz) under `trace_dir`."""
-    paths = [p for p in trace_dir.rglob("*.trace.json.gz") if not p.name.startswith("perfetto")]
+def xplane_kernels(trace_dir: Path) -> list[tuple[str, float, dict]]:
+    """(name, microseconds, stats) of every GPU kernel in the newest jax.profiler trace under `trace_dir`, read from
+    its *.xplane.pb: the JSON trace the profiler also writes is capped in events, and a step with an in-process
+    torch rollout overflows it (an earlier run's JSON held only the rollout's kernels). Stream lines only: the
+    "XLA Ops"/"XLA Modules" lines repeat the kernels, and name their HLO op's path (named scopes) in `tf_op`."""
+    from jax.profiler import ProfileData
+
+    paths = sorted(trace_dir.rglob("*.xplane.pb"), key=lambda p: p.stat().st_mtime)
     if not paths:
-        raise SystemExit(f"no *.trace.json.gz under {trace_dir}: run with --config.profile.num_steps=1 first")
-    return json.loads(gzip.decompress(max(paths, key=lambda p: p.stat().st_mtime).read_bytes()))
+        raise SystemExit(f"no *.xplane.pb under {trace_dir}: run with --config.profile.num_steps=1 first")
+    out = []
+    for plane in ProfileData.from_file(str(paths[-1])).planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if line.name.startswith("Stream"):
+                out += [(e.name, e.duration_ns / 1e3, dict(e.stats)) for e in line.events]
+    return out
 
 
 def profile_rollout(folder: Path, out: Path) -> dict:
@@ -138,7 +149,7 @@ def profile_rollout(folder: Path, out: Path) -> dict:
                      wall)
 
 
-def profile_train_step(folder: Path, out: Path, batch: int, micro: int) -> dict:
+def profile_train_step(folder: Path, out: Path, batch: int, micro: int, hlo: Path | None = None) -> dict:
     import jax
     from bench_train_step import synthetic_batch
 
@@ -163,8 +174,8 @@ def profile_train_step(folder: Path, out: Path, batch: int, micro: int) -> dict:
         state, m = step(state, data)
         jax.block_until_ready(m)
         wall = time.perf_counter() - t
-    return breakdown(f"JAX train step, B={batch} in {micro} micro-batches (window 2, CFG 4)", gpu_kernels(read_trace(trace_dir)),
-                     wall)
+    return breakdown(f"JAX train step, B={batch} in {micro} micro-batches (window 2, CFG 4)", xplane_kernels(trace_dir),
+                     wall, op_names=hlo_op_names(hlo))
 
 
 def main(argv=None):
@@ -179,7 +190,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.trace:  # a run's trace: XLA's kernels carry their HLO module; the in-process torch rollout's do not
-        kernels, op_names = gpu_kernels(read_trace(args.trace)), hlo_op_names(args.hlo)
+        kernels, op_names = xplane_kernels(args.trace), hlo_op_names(args.hlo)
         result = {}
         for part, mine in (("xla", True), ("not_xla", False)):
             ks = [k for k in kernels if ("hlo_module" in k[2]) == mine]
@@ -195,7 +206,7 @@ def main(argv=None):
         subprocess.run([sys.executable, str(Path(__file__).with_name("make_random_pipeline.py")), "--out",
                         str(args.model), "--no-transformer-weights"], check=True)
     if args.phase == "train_step":  # its own process: CUPTI takes one profiler per process
-        result = {"train_step": profile_train_step(args.model, args.out, args.batch, args.micro)}
+        result = {"train_step": profile_train_step(args.model, args.out, args.batch, args.micro, args.hlo)}
         (args.out / "profile_train_step.json").write_text(json.dumps(result, indent=1))
         return
     result = {"rollout": profile_rollout(args.model, args.out)}

@@ -84,10 +84,20 @@ def test_resume_refuses_a_config_that_changes_the_training(tmp_path):
 def test_resume_of_a_finished_run_says_so_and_exits_0_at_once(tmp_path):
     cfg = tiny_config(tmp_path, num_steps=5)
     fake_run(tmp_path, cfg, steps=(5,))
+    (tmp_path / "lora_final").mkdir()
     before = snapshot(tmp_path)
     out, seconds = cli(f"--config.run_dir={tmp_path}", "--config.train.num_steps=5", "--resume")
     assert out.returncode == 0 and "finished" in out.stdout and "num_steps" in out.stdout, out.stderr[-2000:]
     assert snapshot(tmp_path) == before and seconds < 60
+
+
+def test_a_run_stopped_at_its_last_step_resumes_to_export_only(tmp_path):
+    """Checkpointed at num_steps but no lora_final (stopped before the export): the resume goes on (the trainer
+    then runs no step and exports); past num_steps it is refused as finished, lora_final or not."""
+    cfg = tiny_config(tmp_path, num_steps=5)
+    fake_run(tmp_path, cfg, steps=(5,))
+    assert run_dir_lib.check_resume(cfg) is None
+    assert "finished" in run_dir_lib.check_resume(tiny_config(tmp_path, num_steps=4))
 
 
 def test_resumed_metrics_hold_one_row_per_step(tmp_path):

@@ -135,6 +135,21 @@ def test_resume_continues_exactly(ray_session, tmp_path):
     assert abs(full["history"][-1]["reward_mean"] - resumed["history"][-1]["reward_mean"]) < 1e-6
 
 
+def test_resume_of_a_run_stopped_before_its_export_writes_lora_final(ray_session, tmp_path):
+    first = run(tiny_config(tmp_path, num_steps=2, learning_rate=3e-3))
+    final = tmp_path / "lora_final"
+    exported = {p.name: p.read_bytes() for p in final.iterdir()}
+    for p in final.iterdir():
+        p.unlink()
+    final.rmdir()
+    rows = (tmp_path / "metrics.jsonl").read_text()
+    again = run(tiny_config(tmp_path, num_steps=2, learning_rate=3e-3), resume=True)
+    assert again["history"] == [] and (tmp_path / "metrics.jsonl").read_text() == rows  # no step ran
+    assert {p.name: p.read_bytes() for p in final.iterdir()} == exported  # the checkpoint's LoRA, as before
+    for a, b in zip(lora_leaves(first["state"]), lora_leaves(again["state"])):
+        np.testing.assert_array_equal(a, b)
+
+
 def _cli(ray_session, run_dir, *extra):
     address = ray_session.get_runtime_context().gcs_address
     return [sys.executable, "-m", "jaxflow.train", "--config", str(ROOT / "configs" / "tiny_ocr.py"),
