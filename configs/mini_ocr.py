@@ -39,7 +39,8 @@ def get_config(variant: str = ""):
                     prompts_per_call=4)  # the OCR of a chunk overlaps the rollout of the next
     c.train.update(num_steps=50, learning_rate=3e-4, beta=0.0, num_mini_batches=2, old_log_prob="recompute")
     c.reward.fns = {"ocr_shuffled": 1.0} if variant else {"ocr": 1.0}
-    c.reward.workers = 4
+    # the OCR of 192 small images a step, beside the control on 16 cores: 8 engines of 1 thread each
+    c.reward.update(workers=8, options={"ocr": {"num_threads": 1}, "ocr_shuffled": {"num_threads": 1}})
     c.data = dict(train=str(DATA / "train.txt"), test=str(DATA / "test.txt"))
     c.eval.update(every=10, num_prompts=64, num_steps=10, guidance=4.0)
     c.checkpoint.update(every=10, keep=1)  # a run cut by a time limit resumes (scripts/mini_ocr.sh)

@@ -59,7 +59,8 @@ def base() -> ml_collections.ConfigDict:
                    num_mini_batches=2,  # optimizer updates per step, each on whole prompt groups
                    num_inner_epochs=1,  # passes over the step's mini-batches
                    xla_options={})  # XLA debug options of the train step's jits (BENCHMARKS.md, train step)
-    c.reward = dict(fns={"ocr": 1.0}, options={}, workers=8)
+    # 8 reward threads, each with its own RapidOCR engine of 2 onnxruntime threads (16 cores a GPU)
+    c.reward = dict(fns={"ocr": 1.0}, options={"ocr": {"num_threads": 2}}, workers=8)
     c.data = dict(train=str(DATA / "ocr" / "train.txt"), test=str(DATA / "ocr" / "test.txt"))
     c.eval = dict(every=30, num_prompts=32, num_steps=50, guidance=4.0)
     c.checkpoint = dict(every=10, keep=3)
@@ -79,7 +80,7 @@ def tiny(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.sample.update(height=40, width=72, num_steps=4, window_range=(0, 3), prompts_per_step=4, group_size=4,
                     prompts_per_call=2)
     c.train.update(num_steps=10, num_micro_batches=1, num_mini_batches=1, old_log_prob="rollout")
-    c.reward.workers = 2
+    c.reward.update(workers=2, options={"ocr": {"num_threads": 1}})
     c.eval.update(every=5, num_prompts=4, num_steps=4)
     c.checkpoint.update(every=5, keep=3)
     return c

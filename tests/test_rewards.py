@@ -64,6 +64,29 @@ def test_ocr_reward_on_rendered_text():
     assert scores[2] == pytest.approx(1 - 1 / 9)  # "helloworld" vs "helloword": one deletion
 
 
+def test_ocr_reward_workers_score_in_parallel_with_their_own_engines():
+    """The reward pool's threads each get an engine (no shared per-call state), and score as one thread does."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from jaxflow.rewards import ocr
+
+    images = np.stack([render(w) for w in ("HELLO", "WORLD", "RIVER", "STONE")])
+    prompts = [f'a sign that reads "{w}"' for w in ("hello", "world", "river", "stone")]
+    reward = OcrReward(num_threads=1)
+    serial = reward(images, prompts)
+    both = threading.Barrier(2)  # each task waits for the other: the two run on the two threads at once
+
+    def score(i):
+        both.wait(timeout=60)
+        return reward(images[i:i + 2], prompts[i:i + 2]), id(ocr.thread_engine(1))
+
+    with ThreadPoolExecutor(2) as pool:
+        (a, engine_a), (b, engine_b) = pool.map(score, (0, 2))
+    np.testing.assert_array_equal(np.concatenate([a, b]), serial)
+    assert len({engine_a, engine_b, id(ocr.thread_engine(1))}) == 3  # one per thread, none shared
+
+
 def test_ocr_reward_requires_target():
     with pytest.raises(ValueError, match="no quoted target"):
         OcrReward()(np.zeros((1, 32, 32, 3), np.uint8), ["no target"])

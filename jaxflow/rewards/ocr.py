@@ -17,29 +17,31 @@ import numpy as np
 from jaxflow.rewards.base import check_batch
 from jaxflow.rewards.text import edit_score, require_target
 
-_ENGINES: dict[tuple[int, int], tuple[object, threading.Lock]] = {}
-_ENGINES_LOCK = threading.Lock()
+_LOCAL = threading.local()
 
 
-def _engine(num_threads: int) -> tuple[object, threading.Lock]:
-    """The process's RapidOCR engine for `num_threads` (-1: onnxruntime default), built once.
+def thread_engine(num_threads: int):
+    """This thread's RapidOCR engine for `num_threads` (-1: onnxruntime default), built once per thread.
 
-    Keyed by pid so a forked child builds its own. The returned lock serialises calls: RapidOCR
-    keeps per-call state on the detector object.
+    One engine per thread (RapidOCR keeps per-call state on the detector object, so threads must not share one):
+    the reward pool's workers then run OCR in parallel (onnxruntime releases the GIL) instead of queueing on one
+    engine. Keyed by pid as well, so a forked child builds its own.
     """
+    engines = getattr(_LOCAL, "engines", None)
+    if engines is None:
+        engines = _LOCAL.engines = {}
     key = (os.getpid(), num_threads)
-    with _ENGINES_LOCK:
-        if key not in _ENGINES:
-            from rapidocr_onnxruntime import RapidOCR
+    if key not in engines:
+        from rapidocr_onnxruntime import RapidOCR
 
-            engine = RapidOCR(use_cls=False, text_score=0.0, det_limit_type="max",
-                              intra_op_num_threads=num_threads)
-            _ENGINES[key] = (engine, threading.Lock())
-        return _ENGINES[key]
+        engines[key] = RapidOCR(use_cls=False, text_score=0.0, det_limit_type="max",
+                                intra_op_num_threads=num_threads)
+    return engines[key]
 
 
 class OcrReward:
-    """`fn(images, prompts) -> (B,) float32` OCR edit-distance reward."""
+    """`fn(images, prompts) -> (B,) float32` OCR edit-distance reward. `num_threads`: onnxruntime threads of each
+    engine (one per reward worker thread: with reward.workers W on C cores, about C / W)."""
 
     def __init__(self, min_confidence: float = 0.5, num_threads: int = -1):
         self.min_confidence = min_confidence
@@ -47,10 +49,8 @@ class OcrReward:
 
     def read_text(self, image: np.ndarray) -> str:
         """Concatenated text of the lines detected in an RGB uint8 image (top-to-bottom)."""
-        engine, lock = _engine(self.num_threads)
         bgr = np.ascontiguousarray(image[..., ::-1])
-        with lock:
-            result, _ = engine(bgr)
+        result, _ = thread_engine(self.num_threads)(bgr)
         if not result:
             return ""
         return "".join(text for _, text, conf in result if float(conf) >= self.min_confidence)
