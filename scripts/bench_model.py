@@ -173,7 +173,7 @@ def bench_torch(cfg, args, rows):
         rows.append(summarize("torch", f"LoRA fwd+bwd grad-ckpt B={batch}", ms, batch, "lora_train", cfg, args,
                               peak()))
         print(json.dumps(rows[-1]), flush=True)
-    del model
+    model = None  # frees the weights: the closures above hold the cell, not the module
     gc.collect()
     if dev == "cuda":
         torch.cuda.empty_cache()

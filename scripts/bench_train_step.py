@@ -225,7 +225,7 @@ def bench_torch(cfg, args, batch, ceiling, shapes):
     set_peft_model_state_dict(model, tensors)
     sync(None)
     apply_ms = (time.perf_counter() - t0) * 1e3
-    del model, opt
+    model = opt = None  # frees the weights: the closures above hold the cells, not the objects
     gc.collect()
     if dev == "cuda":
         torch.cuda.empty_cache()
