@@ -266,7 +266,7 @@ def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | Non
 
     update_fn = functools.partial(_update, graphdef=graphdef, config=config, tx=tx, layout=layout)
     old_fn = functools.partial(old_log_probs, graphdef, config=config, layout=layout)
-    jit = functools.partial(jax.jit, compiler_options=dict(compiler_options or {}) or None)
+    jit = functools.partial(jax.jit, compiler_options=compiler_options or None)
     if layout is None:
         init_jit, update, old_pass = jax.jit(init), jit(update_fn, donate_argnums=0), jit(old_fn)
         put, batch_devices = (lambda b: jax.tree.map(jnp.asarray, b)), 1

@@ -98,12 +98,11 @@ def breakdown(title: str, kernels, wall_s: float, top: int = 12, op_names: dict 
         print("  top HLO ops:")
         for op, d in by_op.most_common(2 * top):
             print(f"    {d / total:6.1%} {op[:110]}")
-    sample = {k: str(v)[:300] for k, v in (max(kernels, key=lambda k: k[1])[2] if kernels else {}).items()}
     return {"wall_ms": wall_s * 1e3, "kernel_ms": total / 1e3,
             "classes": {c: d / 1e3 for c, d in by_class.items()},
             "scopes": {s: d / 1e3 for s, d in by_scope.items()},
             "top": [(n, d / 1e3) for n, d in by_name.most_common(top)],
-            "top_ops": [(n, d / 1e3) for n, d in by_op.most_common(4 * top)], "longest_kernel_args": sample}
+            "top_ops": [(n, d / 1e3) for n, d in by_op.most_common(4 * top)]}
 
 
 def xplane_kernels(trace_dir: Path) -> list[tuple[str, float, dict]]:
