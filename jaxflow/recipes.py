@@ -40,7 +40,10 @@ def base() -> ml_collections.ConfigDict:
     c.seed = 0
     c.run_dir = "runs/qwen_ocr"
     c.model = dict(path="",  # required: a diffusers Qwen-Image folder (model_index.json, transformer/, ...)
-                   dtype="bfloat16", param_dtype="bfloat16", remat="save_matmuls", attention="auto",
+                   dtype="bfloat16", param_dtype="bfloat16", attention="auto",
+                   # save q/k/v, MLP hidden and cuDNN attention's output + softmax statistics (bf16 on GPUs only;
+                   # float32 or a CPU: "save_matmuls"): 1.5% faster than save_matmuls (BENCHMARKS.md, train step)
+                   remat="save_matmuls_stats",
                    scan_unroll=1,  # blocks per iteration of the scan over the 60 stacked blocks
                    matmul_precision="auto",  # "highest" for float32 compute (true fp32 on GPUs, not TF32)
                    init="checkpoint")  # "random": base weights drawn from `seed` (bridge/contract/random_weights.py)
@@ -58,7 +61,8 @@ def base() -> ml_collections.ConfigDict:
                    old_log_prob="recompute",
                    num_mini_batches=2,  # optimizer updates per step, each on whole prompt groups
                    num_inner_epochs=1,  # passes over the step's mini-batches
-                   xla_options={})  # XLA debug options of the train step's jits (BENCHMARKS.md, train step)
+                   # XLA options of the train step's jits: cuBLAS GEMMs, no Triton ones: 1.4% faster on an H200
+                   xla_options={"xla_gpu_enable_triton_gemm": False})  # (BENCHMARKS.md, train step)
     # 8 reward threads, each with its own RapidOCR engine of 2 onnxruntime threads (16 cores a GPU)
     c.reward = dict(fns={"ocr": 1.0}, options={"ocr": {"num_threads": 2}}, workers=8)
     c.data = dict(train=str(DATA / "ocr" / "train.txt"), test=str(DATA / "ocr" / "test.txt"))
@@ -79,7 +83,7 @@ def tiny(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.rollout.update(engine="diffusers", dtype="float32", device="cpu", num_gpus=0.0, sleep_while_training=False)
     c.sample.update(height=40, width=72, num_steps=4, window_range=(0, 3), prompts_per_step=4, group_size=4,
                     prompts_per_call=2)
-    c.train.update(num_steps=10, num_micro_batches=1, num_mini_batches=1, old_log_prob="rollout")
+    c.train.update(num_steps=10, num_micro_batches=1, num_mini_batches=1, old_log_prob="rollout", xla_options={})
     c.reward.update(workers=2, options={"ocr": {"num_threads": 1}})
     c.eval.update(every=5, num_prompts=4, num_steps=4)
     c.checkpoint.update(every=5, keep=3)

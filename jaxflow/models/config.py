@@ -81,7 +81,7 @@ class QwenImageConfig:
         return {"_class_name": "QwenImageTransformer2DModel", **d}
 
 
-REMAT_POLICIES = ("none", "full", "save_attn", "save_matmuls", "dots", "dots_no_batch")
+REMAT_POLICIES = ("none", "full", "save_attn", "save_matmuls", "save_matmuls_stats", "dots", "dots_no_batch")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 MATMUL_PRECISIONS = ("auto", "default", "high", "highest")
 

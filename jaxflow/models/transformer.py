@@ -12,15 +12,36 @@ from jaxflow.models.embeddings import TIMESTEP_CHANNELS, apply_rope, rope_angles
 from jaxflow.models.layers import Linear, RMSNorm, gelu_tanh, layer_norm
 from jaxflow.models.lora import LoRASpec
 
+# The cuDNN attention's forward primitive: its outputs are the attention output and the softmax statistics.
+CUDNN_ATTENTION_FWD = "dot_product_attention_fwd_wrapper"
+_SAVE_QKV_MLP = jax.checkpoint_policies.save_only_these_names("qkv", "mlp_hidden")
+
+
+def _save_matmuls_stats(prim, *args, **params) -> bool:
+    """save_matmuls for the cuDNN attention: q/k/v and the MLP hidden by name, and both outputs of the fused
+    attention forward (its output and the softmax statistics its backward needs), so the backward never runs the
+    attention forward again (`attn_out`, a reshape of that output, is not saved twice)."""
+    return prim.name == CUDNN_ATTENTION_FWD or _SAVE_QKV_MLP(prim, *args, **params)
+
+
 _POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "save_attn": jax.checkpoint_policies.save_only_these_names("attn_out"),
     # Save every large matmul output the backward needs (q/k/v, attention output, MLP hidden); the recompute
     # is then elementwise work only (norms, modulation, RoPE, GELU) plus the small LoRA products.
     "save_matmuls": jax.checkpoint_policies.save_only_these_names("qkv", "attn_out", "mlp_hidden"),
+    "save_matmuls_stats": _save_matmuls_stats,
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+
+
+def remat_policy(name: str, attention_impl: str):
+    """The jax.checkpoint policy named `name` (ModelOptions.remat) for blocks running `attention_impl`."""
+    if name == "save_matmuls_stats" and attention_impl != "cudnn":
+        raise ValueError(f"model.remat=save_matmuls_stats saves the cuDNN attention's softmax statistics, but the "
+                         f"attention runs {attention_impl!r}: use model.remat=save_matmuls (or cuDNN: bf16 on a GPU)")
+    return _POLICIES[name]
 
 
 def _modulate(x, shift, scale):
@@ -119,6 +140,7 @@ class QwenImageTransformer(nnx.Module):
                  *, rngs: nnx.Rngs):
         self.cfg, self.opts, self.lora_spec = cfg, opts, lora
         self.impl = resolve_implementation(opts.attention, opts.dtype)
+        self.remat_policy = None if opts.remat == "none" else remat_policy(opts.remat, self.impl)  # refused early
         make = _Factory(opts, lora, rngs)
         d = cfg.inner_dim
         self.img_in = make.linear(cfg.in_channels, d, ("latent", "embed"))
@@ -172,7 +194,7 @@ class QwenImageTransformer(nnx.Module):
         def body(carry, layer):
             return nnx.merge(graphdef, layer)(*carry, temb, rope, kv_len, impl, lora_scale), None
 
-        if self.opts.remat != "none":
-            body = jax.checkpoint(body, policy=_POLICIES[self.opts.remat], prevent_cse=False)
+        if self.remat_policy is not None:
+            body = jax.checkpoint(body, policy=self.remat_policy, prevent_cse=False)
         (img, ctx), _ = jax.lax.scan(body, (img, ctx), state, unroll=self.opts.scan_unroll)
         return img, ctx
