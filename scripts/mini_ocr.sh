@@ -16,8 +16,9 @@
 #   data 15 s (measured). vae: whole signs, 64 a step, ran 0.11 s a step (measured) but stalled at the blank-sign
 #   loss (0.156, OCR 0); 32x64 crops 16 a step: 6000 steps in 188 s, loss 1.4e-4, OCR of reconstructions 1.000.
 #   encode 20 s. pretrain: ~35 ms a step of 256 (1000 steps ~1 min with compilation). eval (200 prompts, 10 ODE
-#   steps, OCR) ~30 s each. rl (window 9, two updates): the first step ~50 s (the train step compiles), then 13-15 s
-#   a step with the control beside it; RL_STEPS=100 RL_TIMEOUT=430 gave 24-27 steps, +0.08..+0.13 held-out OCR
+#   steps, OCR) ~30 s each. rl (window 9, two updates): the first step ~50 s (the train step compiles), then 8 s a
+#   step with the control beside it (one OCR engine per reward thread); RL_STEPS=100 RL_TIMEOUT=450 gave 44-46
+#   steps, +0.07..+0.12 held-out OCR
 #   (measured, BENCHMARKS.md "Mini OCR"). RL_RESUME=1 continues a cut run.
 # Knobs (env): PRETRAIN_STEPS (default 1000; fewer if the "before" OCR is near 1: RL needs room), PRETRAIN_MINUTES
 # (time cap, default 9), VAE_STEPS (default 6000), VAE_MINUTES (time cap, default 5), RL_STEPS (default 50,
