@@ -38,7 +38,9 @@ def get_config(variant: str = ""):
     c.sample.update(height=64, width=128, num_steps=10, guidance=4.0, noise_level=0.7, window_size=9,
                     window_range=(0, 9), max_sequence_length=32, prompts_per_step=16, group_size=12,
                     prompts_per_call=4)  # the OCR of a chunk overlaps the rollout of the next
-    c.train.update(num_steps=50, learning_rate=3e-4, beta=0.0, num_mini_batches=2, old_log_prob="recompute")
+    # the eval and lora_final use the LoRA's EMA (flow_grpo's OCR recipe evaluates an EMA): about the last 20 updates
+    c.train.update(num_steps=50, learning_rate=3e-4, beta=0.0, num_mini_batches=2, old_log_prob="recompute",
+                   ema_decay=0.95)
     c.reward.fns = {"ocr_shuffled": 1.0} if variant else {"ocr": 1.0}
     # the OCR of 192 small images a step, beside the control on 16 cores: 8 engines of 1 thread each
     c.reward.update(workers=8, options={"ocr": {"num_threads": 1}, "ocr_shuffled": {"num_threads": 1}})

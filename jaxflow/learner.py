@@ -115,16 +115,26 @@ class Learner:
     def save(self, step: int, meta: dict) -> None:
         self.ckpt.save(step, self.state, meta)
 
-    def whole_lora(self):
-        """The train state's LoRA whole on this process: its own arrays in one process; else host arrays gathered
-        from every process, a collective all must join (the LoRA may be sharded over devices of several hosts)."""
+    @property
+    def has_ema(self) -> bool:
+        """Whether the train state keeps an EMA of the LoRA (train.ema_decay > 0)."""
+        return self.state.ema is not None
+
+    def whole_lora(self, ema: bool = False):
+        """The train state's LoRA (with `ema`, its EMA) whole on this process: its own arrays in one process; else
+        host arrays gathered from every process, a collective all must join (the LoRA may be sharded over devices
+        of several hosts)."""
+        if ema and not self.has_ema:
+            raise ValueError("the train state keeps no EMA of the LoRA: set train.ema_decay > 0")
+        lora = self.state.ema if ema else self.state.lora
         if self.processes == 1:
-            return self.state.lora
+            return lora
         from jax.experimental import multihost_utils
-        return jax.tree.map(np.asarray, multihost_utils.process_allgather(self.state.lora, tiled=True))
+        return jax.tree.map(np.asarray, multihost_utils.process_allgather(lora, tiled=True))
 
     def export_lora(self, directory: Path) -> None:
-        """The LoRA in PEFT format to `directory`, written by process 0 (every process joins the gather)."""
-        lora = self.whole_lora()
+        """The run's policy in PEFT format to `directory`, written by process 0 (every process joins the gather):
+        the EMA of the LoRA when the state keeps one (flow_grpo saves its EMA), else the LoRA."""
+        lora = self.whole_lora(ema=self.has_ema)
         if jax.process_index() == 0:
             save_peft(lora, self.spec, directory)

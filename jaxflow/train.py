@@ -5,7 +5,8 @@ advantages -> the train batch) and every process's `Learner` (jaxflow/learner.py
 rows, checkpoints, the LoRA). Per step: experience -> train step -> LoRA sync to the rollout (version acked,
 bound-module count checked) -> metrics, logged by process 0. Evaluation (ODE sampling on held-out prompts, a PNG
 grid) every `eval.every` steps; orbax checkpoints every `checkpoint.every` steps and on SIGINT/SIGTERM (every
-process stops after the same step); the final LoRA is exported in PEFT format to `run_dir/lora_final`.
+process stops after the same step); the final LoRA is exported in PEFT format to `run_dir/lora_final`. With
+`train.ema_decay` the eval and the export use the LoRA's EMA, as flow_grpo's do.
 
 Multi-host (jax.distributed, one trainer process per host; see `maybe_initialize_distributed`): process 0 alone
 holds the driver; every process holds a learner and checkpoints; `run_dir` must be on a filesystem they share.
@@ -73,10 +74,22 @@ class Trainer:
         self._sync(self.start)  # the rollout serves exactly the trainer's policy before the first step
         self.stop_requested = False
 
-    def _sync(self, version: int) -> int | None:
-        """The rollout serves the trainer's LoRA as policy `version` (every process joins the gather)."""
-        lora = self.learner.whole_lora()
+    def _sync(self, version: int, ema: bool = False) -> int | None:
+        """The rollout serves the trainer's LoRA (with `ema`, its EMA) as policy `version` (every process joins
+        the gather)."""
+        lora = self.learner.whole_lora(ema)
         return self.driver.serve(lora, version) if self.driver else None
+
+    def _evaluate(self, step: int) -> float | None:
+        """Held-out reward of the policy the run exports (every process joins): with train.ema_decay the rollout
+        serves the LoRA's EMA for the eval and the LoRA again after it, as flow_grpo evaluates its EMA."""
+        ema = self.learner.has_ema
+        if ema:
+            self._sync(step, ema=True)
+        score = self.driver.evaluate(step) if self.driver else None
+        if ema:
+            self._sync(step)
+        return score
 
     def _meta(self, step: int) -> dict:
         return {"step": step, "sampler": self.sampler.state_dict(), "config": config_json(self.cfg)}
@@ -110,8 +123,10 @@ class Trainer:
                 profiler.begin(step + 1)
                 metrics = self.train_one(step)
                 profiler.end(step + 1, self.learner.state)
-                if (step + 1) % cfg.eval.every == 0 and self.driver:
-                    metrics["eval_reward_mean"] = self.driver.evaluate(step + 1)
+                if (step + 1) % cfg.eval.every == 0:
+                    score = self._evaluate(step + 1)
+                    if self.driver:
+                        metrics["eval_reward_mean"] = score
                 done = step + 1  # steps are counted as completed updates everywhere: metrics, eval, checkpoints
                 history.append(runlog.log(done, metrics) if self.driver else {"step": done, **metrics})
                 if self.processes > 1:  # every process stops after the same step

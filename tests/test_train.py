@@ -124,6 +124,46 @@ def test_in_process_rollout_with_random_init_runs_without_ray(tmp_path):
     assert out["history"][0]["skipped"] == 0 and out["history"][0]["logp_diff_max/0"] < 1e-5
 
 
+def test_ema_is_what_the_eval_serves_and_the_export_writes(tmp_path, monkeypatch):
+    """train.ema_decay: each eval serves the LoRA's EMA and then the LoRA again (the next rollout samples the
+    policy being trained); lora_final holds the EMA, as flow_grpo evaluates and saves its EMA."""
+    from jaxflow.driver import Driver
+    from jaxflow.models.lora import lora_to_peft, read_peft
+
+    events = []
+    serve, evaluate = Driver.serve, Driver.evaluate
+
+    def recording_serve(self, lora, version):
+        events.append(("serve", version, lora_to_peft(lora, self.spec)))
+        return serve(self, lora, version)
+
+    def recording_evaluate(self, step):
+        events.append(("eval", step, None))
+        return evaluate(self, step)
+
+    monkeypatch.setattr(Driver, "serve", recording_serve)
+    monkeypatch.setattr(Driver, "evaluate", recording_evaluate)
+    cfg = tiny_config(tmp_path, num_steps=2, learning_rate=3e-3, ema_decay=0.5)
+    cfg.rollout.in_process, cfg.eval.every = True, 1
+    out = run(cfg)
+    spec, final = read_peft(tmp_path / "lora_final")
+    ema, raw = lora_to_peft(out["state"].ema, spec), lora_to_peft(out["state"].lora, spec)
+    changed = [k for k in raw if not np.allclose(raw[k], ema[k])]
+    assert changed, "the EMA equals the LoRA: the test cannot tell them apart"
+    for k in raw:
+        np.testing.assert_array_equal(final[k], ema[k])
+    evals = [i for i, e in enumerate(events) if e[0] == "eval"]
+    assert [events[i][1] for i in evals] == [1, 2]
+    for i in evals:  # train-step serve, EMA serve, eval, serve of the LoRA again: same version throughout
+        before, for_eval, after = events[i - 2], events[i - 1], events[i + 1]
+        assert before[0] == for_eval[0] == after[0] == "serve" and before[1] == for_eval[1] == after[1] == events[i][1]
+        assert any(not np.allclose(before[2][k], for_eval[2][k]) for k in changed)
+        for k in raw:
+            np.testing.assert_array_equal(after[2][k], before[2][k])
+    for k in raw:
+        np.testing.assert_array_equal(events[evals[-1] - 1][2][k], ema[k])
+
+
 def test_resume_continues_exactly(ray_session, tmp_path):
     full = run(tiny_config(tmp_path / "full", num_steps=4))
     first = tiny_config(tmp_path / "split", num_steps=2)
