@@ -31,6 +31,7 @@ REAL_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, 
                 latents_std=[2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743, 3.2687, 2.1526,
                              2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160])
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from flops import DATASHEET_TFLOPS, qwen_flops  # noqa: E402
 from results import write_result  # noqa: E402
 
 PROMPT = 'a wooden shop sign above a bakery door that reads "Fresh Bread Daily", warm morning light'
@@ -86,7 +87,17 @@ def collect(out: Path) -> None:
         command="python3 scripts/bench_rollout.py --out OUT --name NAME [variant flags] ... ; --collect",
         extra={"rows": rows})
     for r in rows:
-        print(f"{r['variant']:14s} {r['case']:36s} {r['seconds']:8.2f} s {r['img_per_s']:8.3f} img/s")
+        print(f"{r['variant']:14s} {r['case']:36s} {r['seconds']:8.2f} s {r['img_per_s']:8.3f} img/s"
+              + (f" {100 * r['mfu989']:5.1f}% MFU989" if "mfu989" in r else ""))
+
+
+def image_tflops(pipe, rollout: RolloutPipeline, args) -> float:
+    """Model TFLOP of one image's transformer calls (scripts/flops.py): every step runs the prompt's call and, with
+    CFG, the negative prompt's; token counts from the pipeline's own text encoding. VAE and text encoder left out."""
+    prompt, negative = (len(e) for e in rollout.encode([PROMPT, " "]))
+    img = (args.size // (2 * 2 ** len(pipe.vae.config.temperal_downsample))) ** 2  # the VAE's factor, 2x2 patches
+    calls = [prompt, negative] if args.cfg > 1 else [prompt]
+    return args.steps * sum(qwen_flops(dict(pipe.transformer.config), img, t)["fwd"] for t in calls) / 1e12
 
 
 def main(argv=None):
@@ -98,8 +109,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--cfg", type=float, default=4.0)
     p.add_argument("--name", default="eager", help="this variant's name (OUT/bench_rollout_NAME.json)")
-    p.add_argument("--compile", default="none", choices=("none", "dynamic", "autotune"),
-                   help="torch.compile the repeated block: dynamic shapes (rollout.compile), or dynamic with "
+    p.add_argument("--compile", default="none", choices=("none", "dynamic", "static", "autotune"),
+                   help="torch.compile the repeated block: dynamic shapes (rollout.compile), static shapes, or dynamic with "
                         "mode max-autotune-no-cudagraphs")
     p.add_argument("--attention", default="", help="diffusers attention backend (e.g. _native_cudnn); '' = its default")
     p.add_argument("--no-single", action="store_true", help="skip the sequential B=1 requests")
@@ -113,8 +124,9 @@ def main(argv=None):
         pipe.transformer.set_attention_backend(args.attention)
     if args.compile != "none":
         mode = "max-autotune-no-cudagraphs" if args.compile == "autotune" else None
-        pipe.transformer.compile_repeated_blocks(dynamic=True, mode=mode)
+        pipe.transformer.compile_repeated_blocks(dynamic=args.compile != "static", mode=mode)
     rollout = RolloutPipeline(pipe, device)
+    per_image = image_tflops(pipe, rollout, args)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     sp = SamplingParams(height=args.size, width=args.size, num_inference_steps=args.steps, true_cfg_scale=args.cfg,
                         max_sequence_length=512, noise_level=1.2, sde_window_size=2, sde_window_range=(0, 5))
@@ -124,7 +136,8 @@ def main(argv=None):
         rollout.generate([PROMPT], n, sp, seeds=list(range(100, 100 + n)))  # this batch size's first call
         batched = timed(lambda: rollout.generate([PROMPT], n, sp, seeds=list(range(n))), sync)
         rows.append({"case": f"batched B={n} (one request)", "seconds": round(batched, 2),
-                     "img_per_s": round(n / batched, 3)})
+                     "img_per_s": round(n / batched, 3), "tflops_per_s": round(n * per_image / batched, 1),
+                     "mfu989": round(n * per_image / batched / DATASHEET_TFLOPS, 4)})
         if not args.no_single:
             single = timed(lambda: [rollout.generate([PROMPT], 1, sp, seeds=[s]) for s in range(n)], sync)
             rows.append({"case": f"{n} x B=1 (sequential requests)", "seconds": round(single, 2),
@@ -136,8 +149,10 @@ def main(argv=None):
     print(f"\nrollout {args.size}^2, {args.steps} steps, CFG {args.cfg}, window 2, device {device}, variant "
           f"{args.name} (compile {args.compile}, attention {args.attention or 'default'}), peak {peak:.1f} GiB, "
           f"warm-up {warm:.1f} s")
+    print(f"model FLOPs per image: {per_image:.1f} TFLOP (MFU989 against the 989 TFLOP/s bf16 datasheet peak)")
     for r in rows:
-        print(f"{r['case']:36s} {r['seconds']:8.2f} s {r['img_per_s']:8.3f} img/s")
+        print(f"{r['case']:36s} {r['seconds']:8.2f} s {r['img_per_s']:8.3f} img/s"
+              + (f" {r['tflops_per_s']:7.1f} TFLOP/s {100 * r['mfu989']:5.1f}%" if "mfu989" in r else ""))
 
 
 if __name__ == "__main__":
