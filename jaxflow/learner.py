@@ -105,11 +105,13 @@ class Learner:
         self.state, meta = self.ckpt.restore(self.state)
         return meta
 
-    def train(self, batch: dict | None) -> dict:
-        """One train step on process 0's `batch` (None on the other processes); returns its metrics (host)."""
+    def train(self, batch: dict | None, timings: dict | None = None) -> dict:
+        """One train step on process 0's `batch` (None on the other processes); returns its metrics (host). Its
+        phases' seconds go into `timings` when given: to_device (the batch onto the devices), old_log_prob (the
+        recompute pass, when on) and update."""
         if self.processes > 1:
             batch = local_rows(batch)
-        self.state, metrics = self._step(self.state, batch)
+        self.state, metrics = self._step(self.state, batch, timings)
         return jax.device_get(metrics)
 
     def save(self, step: int, meta: dict) -> None:

@@ -100,7 +100,7 @@ class Trainer:
         timings, start = {}, time.perf_counter()
         experience = self.driver.experience(step, timings) if self.driver else None
         t = time.perf_counter()
-        metrics = self.learner.train(experience.batch if experience else None)
+        metrics = self.learner.train(experience.batch if experience else None, timings)
         timings["train"] = time.perf_counter() - t
         if self.driver:
             self.driver.wake(timings)

@@ -287,7 +287,11 @@ def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | Non
         return init_jit(lora)
 
     def step(state: TrainState, batch: dict, timings: dict | None = None) -> tuple[TrainState, dict]:
+        t = time.perf_counter()
         batch = put(prepare_batch(batch, config, batch_devices))
+        if timings is not None:  # the host train batch onto the devices: the trajectories' host round trip's way in
+            jax.block_until_ready(batch)
+            timings["to_device"] = time.perf_counter() - t
         old, t = None, time.perf_counter()
         if config.recompute_pass:
             old = old_pass(state.lora, frozen, batch)

@@ -43,8 +43,8 @@ def main(argv=None):
         figures = {"img_per_gpu_s": med, "gpus": args.gpus, "images_per_step": round(steady[0]["images_per_s"] *
                                                                                       steady[0]["time/step"]),
                    "steps_timed": len(steady)}
-        for key in ("time/step", "time/rollout", "time/reward", "time/train", "time/sync", "time/sleep",
-                    "time/wake", "rollout_freed_gib", "bound_modules"):
+        for key in ("time/step", "time/rollout", "time/reward", "time/train", "time/to_device", "time/sync",
+                    "time/sleep", "time/wake", "rollout_freed_gib", "bound_modules"):
             if key in steady[0]:
                 figures[key.replace("time/", "") + ("_s" if key.startswith("time/") else "")] = \
                     statistics.median(r[key] for r in steady)

@@ -69,7 +69,7 @@ def test_one_mini_batch_is_the_single_update_step(model):  # noqa: F811
     init_state, step = ts.make_train_step(model, config)
     timings = {}
     state, m = step(init_state(), batch, timings)
-    assert set(timings) == {"update"} and not any(k.startswith("mb") for k in m)  # no old-log-prob pass
+    assert set(timings) == {"to_device", "update"} and not any(k.startswith("mb") for k in m)  # no old-log-prob pass
     assert float(m["ratio_min"]) == float(m["ratio_max"]) == 1.0
     want = _reference_update(model, ts.prepare_batch(batch, config), config)
     # the same computation: equal up to float reassociation (LoRA ~0.3, update ~3e-4)
@@ -95,7 +95,7 @@ def test_two_mini_batches_recompute(model, monkeypatch):  # noqa: F811
     init_state, step = ts.make_train_step(model, config)
     timings = {}
     state, m = step(init_state(), batch, timings)
-    assert set(timings) == {"old_log_prob", "update"} and int(state.step) == 2 and int(m["skipped"]) == 0
+    assert set(timings) == {"to_device", "old_log_prob", "update"} and int(state.step) == 2 and int(m["skipped"]) == 0
     # mini-batch 1: logp_old from the forward-only pass with the same LoRA; fp32, |dlogp| ~ 1e-7
     assert abs(float(m["mb1/ratio_min"]) - 1) < 1e-6 and abs(float(m["mb1/ratio_max"]) - 1) < 1e-6
     assert float(m["mb1/clipfrac"]) == 0

@@ -105,7 +105,8 @@ def test_short_run_logs_evaluates_checkpoints_and_exports(ray_session, tmp_path)
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2]  # one step convention: completed updates, 1..num_steps
     for key in ("loss", "policy_loss", "approx_kl", "clipfrac", "ratio_mean", "logp_diff_max/1", "grad_norm",
-                "reward_mean", "eval_reward_mean", "time/rollout", "time/train", "time/sync", "bound_modules"):
+                "reward_mean", "eval_reward_mean", "time/rollout", "time/train", "time/to_device", "time/update",
+                "time/sync", "bound_modules"):
         assert key in lines[0], key
     assert lines[0]["logp_diff_max/0"] < 1e-5 and lines[0]["skipped"] == 0  # fp32 rollout == trainer recompute
     evals = sorted(int(p.stem.split("_")[1]) for p in (tmp_path / "eval").glob("step_*.png"))
