@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from bridge.contract.trajectory import TrajectoryBatch, _validate
+from bridge.contract.trajectory import TrajectoryBatch, validate_arrays
 
 ROOT = Path(__file__).resolve().parents[1]
 BF16 = ml_dtypes.bfloat16
@@ -38,7 +38,7 @@ class Trajectory:
     policy_version: int
 
     def __post_init__(self):
-        _validate(self, "image", [])
+        validate_arrays(self, "image", [])
         if not isinstance(self.prompt, str):
             raise ValueError(f"prompt: expected a str, got {type(self.prompt).__name__}")
         for field in ("group_id", "seed", "policy_version"):

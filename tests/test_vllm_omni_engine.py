@@ -10,7 +10,7 @@ import torch
 
 from bridge.contract.lora import lora_pairs, to_vllm_omni
 from bridge.rollout import vllm_omni_pipeline as vop
-from bridge.rollout.engine_vllm_omni import INSTALL_HINT, _ack_errors, check_lora_binding, folder_fingerprint
+from bridge.rollout.engine_vllm_omni import INSTALL_HINT, ack_errors, check_lora_binding, folder_fingerprint
 from bridge.rollout.pipeline import RolloutPipeline
 from bridge.rollout.sampling import SamplingParams
 from bridge.rollout.server import engine_class
@@ -268,10 +268,10 @@ def test_fingerprint_of_the_folder_matches_the_diffusers_engine(tiny_path):
 
 
 def test_sleep_wake_acknowledgements():
-    assert _ack_errors([[{"task_id": "t", "status": "SUCCESS"}]]) == []
-    assert _ack_errors([[SimpleNamespace(status="SUCCESS", error_msg=None)]]) == []
-    assert "oom" in _ack_errors([[{"status": "ERROR", "error_msg": "oom"}]])[0]
-    assert _ack_errors([[None]]) == ["no acknowledgement"]
+    assert ack_errors([[{"task_id": "t", "status": "SUCCESS"}]]) == []
+    assert ack_errors([[SimpleNamespace(status="SUCCESS", error_msg=None)]]) == []
+    assert "oom" in ack_errors([[{"status": "ERROR", "error_msg": "oom"}]])[0]
+    assert ack_errors([[None]]) == ["no acknowledgement"]
 
 
 def test_gpu_memory_reading(monkeypatch):

@@ -64,7 +64,7 @@ def _check_text(prefix: str, embeds, mask, lead: Dims, dtypes, width) -> None:
     _check(f"{prefix}_mask", mask, (_BOOL,), lead + [("L", embeds.shape[-2])])
 
 
-def _validate(rec, image_field: str, lead: Dims) -> None:
+def validate_arrays(rec, image_field: str, lead: Dims) -> None:
     """Validate the array fields of a TrajectoryBatch (lead=[("B", b)]) or of one sample (lead=[])."""
     image = getattr(rec, image_field)
     _check(image_field, image, (_UINT8,), lead + [("H", None), ("W", None), ("3", 3)])
@@ -142,7 +142,7 @@ class TrajectoryBatch:
         if not all(isinstance(p, str) for p in self.prompts):
             raise ValueError("prompts: expected a sequence of str")
         lead = [("B", len(self.prompts))]
-        _validate(self, "images", lead)
+        validate_arrays(self, "images", lead)
         for field in ("group_ids", "seeds", "policy_versions"):
             _check(field, getattr(self, field), (_INT64,), lead)
 

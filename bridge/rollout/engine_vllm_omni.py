@@ -111,7 +111,7 @@ def _flat(results) -> list:
     return [leaf for r in results for leaf in (_flat(r) if isinstance(r, list) else [r]) if leaf is not None]
 
 
-def _ack_errors(results) -> list[str]:
+def ack_errors(results) -> list[str]:
     """What went wrong in the OmniACKs (dataclasses or dicts) of a sleep/wake RPC; [] if all succeeded."""
     acks = _flat(results)
     bad = [str(a) for a in acks if (a.get("status") if isinstance(a, dict) else a.status) != "SUCCESS"]
@@ -316,7 +316,7 @@ class VllmOmniEngine(RolloutEngine):
     def _lifecycle(self, method: str, task: dict) -> list:
         """The acknowledgements of a sleep/wake RPC; RuntimeError unless all succeeded."""
         results = self._rpc(method, task)
-        errors = _ack_errors(results)
+        errors = ack_errors(results)
         if errors:
             raise RuntimeError(f"vLLM-Omni {method} failed: {errors}")
         return _flat(results)
