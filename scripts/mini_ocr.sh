@@ -23,7 +23,8 @@
 # Knobs (env): PRETRAIN_STEPS (default 1000; fewer if the "before" OCR is near 1: RL needs room), PRETRAIN_MINUTES
 # (time cap, default 9), VAE_STEPS (default 6000), VAE_MINUTES (time cap, default 5), RL_STEPS (default 50,
 # configs/mini_ocr.py), RL_ARGS (more --config overrides of both RL runs), EVAL_NUM (200), RL_TIMEOUT (seconds: stop an RL run there; it checkpoints every 10 steps)
-# and RL_RESUME=1 (continue such a run: ONLY="rl rl_control" RL_RESUME=1 ...). A run cut by RL_TIMEOUT exports the
+# RL_RESUME=1 (continue such a run: ONLY="rl rl_control" RL_RESUME=1 ...), and POOL (each trainer's JAX memory
+# fraction of the GPU: 0.3 side by side, 0.5 alone; lower it when more runs share the GPU). A run cut by RL_TIMEOUT exports the
 # LoRA of its newest checkpoint as lora_final (the evals after use it; mini_ocr.json counts the steps it has).
 set -euo pipefail
 OUT=${1:?usage: [SMOKE=1] bash scripts/mini_ocr.sh OUT}
@@ -56,7 +57,7 @@ else
   # SIDE_BY_SIDE two trainers share it, each with 0.3
   pool=0.5
   [[ "${SIDE_BY_SIDE:-1}" == 1 ]] && pool=0.3
-  export XLA_PYTHON_CLIENT_PREALLOCATE=true XLA_CLIENT_MEM_FRACTION=$pool
+  export XLA_PYTHON_CLIENT_PREALLOCATE=true XLA_CLIENT_MEM_FRACTION=${POOL:-$pool}
 fi
 
 step() {  # step NAME COMMAND...: run, time, log (skipped when ONLY is set and does not name it)
