@@ -43,7 +43,8 @@ def get_config(variant: str = ""):
     c.train.update(num_steps=50, learning_rate=3e-4, beta=0.0, num_mini_batches=2, old_log_prob="recompute",
                    ema_decay=0.95)
     c.reward.fns = {"ocr_shuffled": 1.0} if variant else {"ocr": 1.0}
-    # the OCR of 192 small images a step, beside the control on 16 cores: 8 engines of 1 thread each
+    # the OCR of 192 small images a step, beside the control on 16 cores: 8 engines of 1 thread each (the reward
+    # pool scores each chunk of 48 in 8 pieces at once)
     c.reward.update(workers=8, options={"ocr": {"num_threads": 1}, "ocr_shuffled": {"num_threads": 1}})
     c.data = dict(train=str(DATA / "train.txt"), test=str(DATA / "test.txt"))
     c.eval.update(every=10, num_prompts=64, num_steps=10, guidance=4.0)

@@ -252,3 +252,66 @@ def test_reward_pool_counts_bad_shapes():
     with RewardPool(reward) as pool:
         out = pool.submit(np.zeros((2, 8, 8, 3), np.uint8), ["a", "b"]).result(timeout=30)
     assert out["errors"] == 1 and out["short"].shape == (2,)
+
+
+class _PerSample:
+    """A splittable reward (score = the image's first pixel) that records its calls; `barrier` makes each call wait
+    until that many calls run at once (it breaks, failing the call, if they do not)."""
+
+    splittable = True
+
+    def __init__(self, barrier: threading.Barrier | None = None, fail_at: int | None = None):
+        self.sizes, self.barrier, self.fail_at = [], barrier, fail_at
+
+    def __call__(self, images, prompts):
+        self.sizes.append(len(images))
+        if self.barrier is not None:
+            self.barrier.wait(timeout=20)
+        if self.fail_at is not None and self.fail_at in images[:, 0, 0, 0]:
+            raise RuntimeError("boom")
+        return images[:, 0, 0, 0].astype(np.float32)
+
+
+def _numbered(n):
+    images = np.zeros((n, 2, 2, 3), np.uint8)
+    images[:, 0, 0, 0] = np.arange(n)
+    return images, [f"p{i}" for i in range(n)]
+
+
+def test_reward_pool_scores_a_batch_in_pieces_at_once():
+    fn = _PerSample(barrier=threading.Barrier(4))  # the 4 pieces must run at the same time, or the barrier breaks
+    whole = []
+    reward = MultiReward({"px": fn, "whole": lambda im, p: whole.append(len(im)) or np.ones(len(im), np.float32)},
+                         {"px": 1.0, "whole": 2.0})
+    images, prompts = _numbered(10)
+    with RewardPool(reward, max_workers=4) as pool:
+        out = pool.submit(images, prompts).result(timeout=60)
+    assert out["errors"] == 0 and sorted(fn.sizes) == [2, 2, 3, 3] and whole == [10]
+    np.testing.assert_array_equal(out["px"], np.arange(10, dtype=np.float32))  # the pieces in batch order
+    np.testing.assert_array_equal(out["avg"], np.arange(10, dtype=np.float32) + 2.0)
+
+
+def test_reward_pool_failing_piece_scores_the_reward_zero():
+    reward = MultiReward({"px": _PerSample(fail_at=7)}, {"px": 1.0})
+    images, prompts = _numbered(12)
+    with RewardPool(reward, max_workers=3) as pool:
+        out = pool.submit(images, prompts).result(timeout=60)
+        empty = pool.submit(images[:0], []).result(timeout=60)
+    assert out["errors"] == 1
+    np.testing.assert_array_equal(out["px"], np.zeros(12, np.float32))
+    assert empty["errors"] == 0 and empty["px"].shape == (0,)
+
+
+def test_shuffled_control_permutes_across_the_whole_batch_when_split():
+    from jaxflow.rewards.shuffled import Shuffled
+
+    inner = _PerSample()
+    reward = MultiReward({"shuffled": Shuffled(inner, seed=0)}, {"shuffled": 1.0})
+    images, prompts = _numbered(48)
+    with RewardPool(reward, max_workers=8) as pool:
+        out = pool.submit(images, prompts).result(timeout=60)
+    assert inner.sizes == [6] * 8  # scored in pieces
+    scores = out["shuffled"].astype(int)
+    assert sorted(scores) == list(range(48))
+    assert any(s // 6 != i // 6 for i, s in enumerate(scores))  # scores moved between pieces
+    np.testing.assert_array_equal(out["shuffled"], Shuffled(_PerSample(), seed=0)(images, prompts))  # same draw

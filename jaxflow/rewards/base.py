@@ -1,4 +1,9 @@
-"""The reward-function contract: fn(images uint8 (B,H,W,3), prompts list[str]) -> float32 (B,)."""
+"""The reward-function contract: fn(images uint8 (B,H,W,3), prompts list[str]) -> float32 (B,).
+
+A reward may also say how a batch can be scored in pieces on several workers (`split`): `splittable = True` when a
+sample's score depends on that sample alone and the fn has no parallelism of its own (the OCR); `pieces()` when
+it is a whole-batch step over such a fn (the shuffled control).
+"""
 
 from __future__ import annotations
 
@@ -28,3 +33,14 @@ def check_scores(name: str, scores: np.ndarray, batch: int) -> np.ndarray:
     if not np.all(np.isfinite(scores)):
         raise ValueError(f"reward {name!r} returned non-finite scores: {scores}")
     return scores
+
+
+def split(fn) -> tuple[RewardFn | None, Callable[[np.ndarray], np.ndarray] | None]:
+    """(piece part, whole part) of a reward fn: the batch's scores are whole(concat(piece(p) for each piece p)).
+    `fn.pieces()` when fn defines it; (fn, identity) when `fn.splittable`; (None, None) when fn must see the whole
+    batch at once."""
+    if hasattr(fn, "pieces"):
+        return fn.pieces()
+    if getattr(fn, "splittable", False):
+        return fn, lambda scores: scores
+    return None, None

@@ -41,7 +41,10 @@ def thread_engine(num_threads: int):
 
 class OcrReward:
     """`fn(images, prompts) -> (B,) float32` OCR edit-distance reward. `num_threads`: onnxruntime threads of each
-    engine (one per reward worker thread: with reward.workers W on C cores, about C / W)."""
+    engine (one per reward worker thread: with reward.workers W on C cores, about C / W). Per sample: the reward pool
+    scores a batch in pieces on its workers."""
+
+    splittable = True
 
     def __init__(self, min_confidence: float = 0.5, num_threads: int = -1):
         self.min_confidence = min_confidence

@@ -12,18 +12,30 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxflow.rewards.base import RewardFn, check_scores
+from jaxflow.rewards.base import RewardFn, check_scores, split
 
 
 class Shuffled:
-    """`fn(images, prompts) -> inner(images, prompts)[permutation]`."""
+    """`fn(images, prompts) -> inner(images, prompts)[permutation]`; the permutation spans the whole batch, also when
+    the reward pool scores the inner reward in pieces (`pieces`)."""
 
     def __init__(self, inner: RewardFn, seed: int = 0):
         self.inner = inner
         self._rng, self._lock = np.random.default_rng(seed), threading.Lock()
 
     def __call__(self, images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
-        scores = check_scores("shuffled", self.inner(images, prompts), len(images))
+        return self.permute(check_scores("shuffled", self.inner(images, prompts), len(images)))
+
+    def permute(self, scores: np.ndarray) -> np.ndarray:
+        """The batch's scores in a fresh random order."""
         with self._lock:
             order = self._rng.permutation(len(scores))
         return scores[order]
+
+    def pieces(self):
+        """(the inner reward's piece part, its whole part then the permutation); (None, None) if the inner reward
+        must see the whole batch (base.split)."""
+        piece, whole = split(self.inner)
+        if piece is None:
+            return None, None
+        return piece, lambda scores: self.permute(whole(scores))
