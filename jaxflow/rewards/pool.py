@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -30,20 +30,19 @@ class RewardPool:
 
     def submit(self, images: np.ndarray, prompts: Sequence[str]) -> Future:
         """Future of {name: (B,) float32, "avg": (B,) float32, "errors": int}."""
-        batch = _Batch(self.reward, images, list(prompts))
-        edges = np.linspace(0, len(batch.prompts), max(1, min(self.max_workers, len(batch.prompts))) + 1).astype(int)
-        tasks = []
+        prompts = list(prompts)
+        n = len(prompts)
+        edges = np.linspace(0, n, max(1, min(self.max_workers, n)) + 1).astype(int).tolist()
+        spans = list(zip(edges[:-1], edges[1:]))
+        parts = {}
         for name in self.reward.names:
-            piece, whole = split(self.reward.rewards[name])
-            if piece is None:
-                tasks.append((name, None, None))
-            else:
-                batch.pieces[name] = [None] * (len(edges) - 1)
-                batch.whole[name] = whole
-                tasks += [(name, i, (int(a), int(b))) for i, (a, b) in enumerate(zip(edges[:-1], edges[1:]))]
-        batch.remaining = len(tasks)
-        for task in tasks:
-            self._executor.submit(batch.run, *task)
+            fn = self.reward.rewards[name]
+            piece, whole = split(fn)
+            parts[name] = (piece, whole, spans) if piece is not None else (fn, lambda scores: scores, [(0, n)])
+        batch = _Batch(self.reward, images, prompts, parts)
+        for name, (_, _, name_spans) in parts.items():
+            for index, span in enumerate(name_spans):
+                self._executor.submit(batch.run, name, index, span)
         return batch.result
 
     def close(self) -> None:
@@ -58,28 +57,24 @@ class RewardPool:
 
 
 class _Batch:
-    """One submitted batch: its tasks fill `scores` / `pieces`; the last task to finish assembles the result."""
+    """One submitted batch. `parts[name]` = (piece fn, whole fn, spans): each task scores one span with the piece fn;
+    the last task to finish joins each reward's spans and applies its whole fn."""
 
-    def __init__(self, reward: MultiReward, images: np.ndarray, prompts: list[str]):
-        self.reward, self.images, self.prompts = reward, images, prompts
+    def __init__(self, reward: MultiReward, images: np.ndarray, prompts: list[str], parts: dict):
+        self.reward, self.images, self.prompts, self.parts = reward, images, prompts, parts
         self.result: Future = Future()
-        self.scores: dict[str, np.ndarray] = {}
-        self.pieces: dict[str, list] = {}
-        self.whole: dict[str, Callable] = {}
+        self.pieces = {name: [None] * len(spans) for name, (_, _, spans) in parts.items()}
+        self.remaining = sum(len(p) for p in self.pieces.values())
         self.failed: set[str] = set()
-        self.remaining = 0
         self._lock = threading.Lock()
 
-    def run(self, name: str, index: int | None, bounds: tuple[int, int] | None) -> None:
+    def run(self, name: str, index: int, span: tuple[int, int]) -> None:
+        a, b = span
         try:
-            if index is None:
-                self.scores[name] = self.reward.score_one(name, self.images, self.prompts)
-            else:
-                a, b = bounds
-                piece, _ = split(self.reward.rewards[name])
-                self.pieces[name][index] = check_scores(name, piece(self.images[a:b], self.prompts[a:b]), b - a)
+            self.pieces[name][index] = check_scores(name, self.parts[name][0](self.images[a:b], self.prompts[a:b]),
+                                                    b - a)
         except Exception:
-            log.exception("reward %r failed on a batch of %d; scoring it 0", name, len(self.prompts))
+            log.exception("reward %r failed on samples %d:%d of a batch; scoring the batch 0", name, a, b)
             with self._lock:
                 self.failed.add(name)
         with self._lock:
@@ -90,21 +85,18 @@ class _Batch:
 
     def _finish(self) -> None:
         try:
-            scores = {}
-            for name in self.reward.names:
-                if name not in self.failed and name in self.pieces:
-                    try:
-                        scores[name] = check_scores(name, self.whole[name](np.concatenate(self.pieces[name])),
-                                                    len(self.prompts))
-                    except Exception:
-                        log.exception("reward %r failed on a batch of %d; scoring it 0", name, len(self.prompts))
-                        self.failed.add(name)
-                if name in self.failed:
-                    scores[name] = np.zeros(len(self.prompts), dtype=np.float32)
-                elif name not in scores:
-                    scores[name] = self.scores[name]
-            out = self.reward.combine(scores)
+            out = self.reward.combine({name: self._joined(name) for name in self.reward.names})
             out["errors"] = len(self.failed)
             self.result.set_result(out)
         except Exception as e:  # a bug here must reach the caller, not vanish in a worker
             self.result.set_exception(e)
+
+    def _joined(self, name: str) -> np.ndarray:
+        """The reward's scores of the whole batch; zeros if any span (or the whole fn) failed."""
+        if name not in self.failed:
+            try:
+                return check_scores(name, self.parts[name][1](np.concatenate(self.pieces[name])), len(self.prompts))
+            except Exception:
+                log.exception("reward %r failed on a batch of %d; scoring it 0", name, len(self.prompts))
+                self.failed.add(name)
+        return np.zeros(len(self.prompts), dtype=np.float32)
