@@ -42,9 +42,11 @@ def base() -> ml_collections.ConfigDict:
     c.model = dict(path="",  # required: a diffusers Qwen-Image folder (model_index.json, transformer/, ...)
                    dtype="bfloat16", param_dtype="bfloat16", attention="auto",
                    # save q/k/v, MLP hidden and cuDNN attention's output + softmax statistics (bf16 on GPUs only;
-                   # float32 or a CPU: "save_matmuls"): 1.5% faster than save_matmuls (BENCHMARKS.md, train step)
+                   # float32 or a CPU: "save_matmuls"): 2.2% faster than save_matmuls (BENCHMARKS.md, train step)
                    remat="save_matmuls_stats",
-                   scan_unroll=1,  # blocks per iteration of the scan over the 60 stacked blocks
+                   # blocks per iteration of the scan over the 60 stacked blocks; >= 60 runs them unrolled:
+                   # 2.1% faster a train step, but 194 s to compile instead of 13 (BENCHMARKS.md, train step)
+                   scan_unroll=1,
                    matmul_precision="auto",  # "highest" for float32 compute (true fp32 on GPUs, not TF32)
                    init="checkpoint")  # "random": base weights drawn from `seed` (bridge/contract/random_weights.py)
     c.lora = dict(rank=64, alpha=128.0, targets=list(DEFAULT_LORA_TARGETS))

@@ -70,6 +70,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--neg-txt", type=int, default=8)
     p.add_argument("--rank", type=int, default=64)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--layers", type=int, help="blocks of the full model (default 60): fewer for quick diagnostics")
 
 
 def time_steps(step, state, batch, args) -> tuple[float, object]:
@@ -108,28 +109,31 @@ def random_model(cfg, rank: int, remat: str = "save_matmuls", attention: str = "
 
 
 def parse_variant(text: str) -> tuple[str, dict, dict]:
-    """"NAME=key=val,key=val" -> (NAME, ModelOptions changes, XLA options): keys remat, unroll (scan_unroll) and
-    any xla_* option (true/false/int/str), e.g. "notriton=xla_gpu_enable_triton_gemm=false,unroll=2"."""
+    """"NAME=key=val,key=val" -> (NAME, changes, XLA options): keys remat, unroll (scan_unroll), micro (micro-batches
+    of this variant; default --micro) and any xla_* option (true/false/int/str), e.g.
+    "notriton=xla_gpu_enable_triton_gemm=false,unroll=2"."""
     name, _, spec = text.partition("=")
     opts, xla = {}, {}
     for item in filter(None, spec.split(",")):
         key, _, val = item.partition("=")
         if key == "remat":
             opts["remat"] = val
-        elif key == "unroll":
-            opts["scan_unroll"] = int(val)
+        elif key in ("unroll", "micro"):
+            opts["scan_unroll" if key == "unroll" else "micro"] = int(val)
         elif key.startswith("xla_"):
             xla[key] = {"true": True, "false": False}.get(val.lower(), int(val) if val.lstrip("-").isdigit() else val)
         else:
-            raise SystemExit(f"--variant {text!r}: unknown key {key!r} (remat, unroll or xla_*)")
+            raise SystemExit(f"--variant {text!r}: unknown key {key!r} (remat, unroll, micro or xla_*)")
     return name or "default", opts, xla
 
 
 def bench_jax(model, cfg, args, batch, ceiling, variant):
     """One JAX variant (NAME, ModelOptions changes, XLA options) of the train step on `model`'s weights."""
     name, changes, xla = variant
+    changes = dict(changes)
+    micro = changes.pop("micro", args.micro)
     model.opts = dataclasses.replace(base_opts := model.opts, **changes)
-    tc = TrainConfig(grid_hw=(args.grid, args.grid), guidance=4.0, num_micro_batches=args.micro)
+    tc = TrainConfig(grid_hw=(args.grid, args.grid), guidance=4.0, num_micro_batches=micro)
     init_state, step = make_train_step(model, tc, compiler_options=xla)
     train_state = init_state()
     t = time.perf_counter()
@@ -140,8 +144,8 @@ def bench_jax(model, cfg, args, batch, ceiling, variant):
     stats = jax.local_devices()[0].memory_stats() or {}
     peak = stats.get("peak_bytes_in_use", 0) / 2 ** 30
     o = model.opts
-    out = row("jax", f"{name}: remat={o.remat} unroll={o.scan_unroll} {xla or ''}".strip(), ms, cfg, args, ceiling,
-              peak, {"variant": name, "compile_s": round(compile_s, 1)})
+    out = row("jax", f"{name}: remat={o.remat} unroll={o.scan_unroll} micro={micro} {xla or ''}".strip(), ms, cfg,
+              args, ceiling, peak, {"variant": name, "compile_s": round(compile_s, 1)})
     model.opts = base_opts
     return out, train_state, ms
 
@@ -260,7 +264,7 @@ def main(argv=None):
     p.add_argument("--no-torch", action="store_true", help="JAX variants only (no speed-up figure)")
     args = p.parse_args(argv)
     variants = [parse_variant(v) for v in args.variant] or [("default", {}, {})]
-    cfg = QwenImageConfig(**(TINY if args.tiny else FULL))
+    cfg = QwenImageConfig(**{**(TINY if args.tiny else FULL), **({"num_layers": args.layers} if args.layers else {})})
     args.out.mkdir(parents=True, exist_ok=True)
     n = 512 if args.tiny else 8192
     ceiling = {"jax": jax_matmul_tflops(n, args.iters), "torch": torch_matmul_tflops(n, args.iters)}
@@ -297,7 +301,8 @@ def main(argv=None):
                "jax_gemm_ceiling_8192": round(ceiling["jax"], 1), "torch_gemm_ceiling_8192": round(ceiling["torch"], 1)}
     write_result(args.out, "train_step", figures, extra={"rows": rows, "workload": {
         "batch": args.batch, "micro_batches": args.micro, "image_tokens": args.grid ** 2, "text_tokens": args.txt,
-        "lora_rank": args.rank, "window": len(WINDOW), "guidance": 4.0, "model": "tiny" if args.tiny else "full"}})
+        "lora_rank": args.rank, "window": len(WINDOW), "guidance": 4.0, "model": "tiny" if args.tiny else "full",
+        "layers": cfg.num_layers}})
     print(f"\n{'framework':9s} {'case':58s} {'ms/step':>8s} {'ms/s-step':>9s} {'TFLOP/s':>8s} {'MFU989':>7s} "
           f"{'peakGiB':>7s} {'compile':>7s}")
     for r in rows:

@@ -148,19 +148,30 @@ def profile_rollout(folder: Path, out: Path) -> dict:
                      wall)
 
 
-def profile_train_step(folder: Path, out: Path, batch: int, micro: int, hlo: Path | None = None) -> dict:
+def profile_train_step(out: Path, batch: int, micro: int, hlo: Path | None = None, layers: int | None = None,
+                       unroll: int | None = None) -> dict:
+    """The bench_train_step.py workload as the Qwen recipe runs it (configs/qwen_ocr.py's remat and
+    train.xla_options), full-size random weights; `layers` blocks instead of 60 (a quicker profile, the same
+    per-block work); `unroll` instead of the recipe's model.scan_unroll."""
     import jax
+    from bench_model import FULL
     from bench_train_step import synthetic_batch
 
-    from jaxflow.models.config import ModelOptions, QwenImageConfig
+    from jaxflow import config as config_lib
+    from jaxflow.models.config import QwenImageConfig
     from jaxflow.models.lora import LoRASpec
     from jaxflow.models.random_init import random_transformer
+    from jaxflow.recipes import base
     from jaxflow.train_step import TrainConfig, make_train_step
 
-    cfg = QwenImageConfig.from_json(folder / "transformer" / "config.json")
-    opts = ModelOptions(dtype="bfloat16", param_dtype="bfloat16", remat="save_matmuls")
+    cfg = QwenImageConfig(**{**FULL, **({"num_layers": layers} if layers else {})})
+    recipe = base()
+    if unroll:
+        recipe.model.scan_unroll = unroll
+    opts = config_lib.model_options(recipe)
     model = random_transformer(cfg, opts, LoRASpec(rank=64, alpha=128.0), seed=0)
-    init_state, step = make_train_step(model, TrainConfig(grid_hw=(32, 32), guidance=4.0, num_micro_batches=micro))
+    init_state, step = make_train_step(model, TrainConfig(grid_hw=(32, 32), guidance=4.0, num_micro_batches=micro),
+                                       compiler_options=config_lib.xla_options(recipe))
     args = argparse.Namespace(batch=batch, grid=32, txt=128, neg_txt=8)
     data = synthetic_batch(cfg, args)
     state = init_state()
@@ -180,10 +191,12 @@ def profile_train_step(folder: Path, out: Path, batch: int, micro: int, hlo: Pat
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--model", type=Path, default=Path("/tmp/qwen_random"))
+    p.add_argument("--model", type=Path, default=Path("/tmp/qwen_random"), help="the rollout's pipeline folder")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--micro", type=int, default=2)
     p.add_argument("--phase", default="both", choices=("both", "train_step"))
+    p.add_argument("--layers", type=int, help="train step: this many blocks instead of the model's 60")
+    p.add_argument("--unroll", type=int, help="train step: model.scan_unroll (>= the blocks: unrolled)")
     p.add_argument("--trace", type=Path, help="only analyse this jax.profiler trace folder (a run's profile.dir)")
     p.add_argument("--hlo", type=Path, help="the run's XLA dump (--xla_dump_to) to name the kernels' scopes")
     args = p.parse_args(argv)
@@ -201,13 +214,14 @@ def main(argv=None):
             print(f"no GPU kernels in the trace under {args.trace} (a CPU run?)")
         (args.out / "profile_trace.json").write_text(json.dumps(result, indent=1))
         return
+    if args.phase == "train_step":  # its own process: CUPTI takes one profiler per process
+        result = {"train_step": profile_train_step(args.out, args.batch, args.micro, args.hlo, args.layers,
+                                                          args.unroll)}
+        (args.out / "profile_train_step.json").write_text(json.dumps(result, indent=1))
+        return
     if not (args.model / "model_index.json").exists():
         subprocess.run([sys.executable, str(Path(__file__).with_name("make_random_pipeline.py")), "--out",
                         str(args.model), "--no-transformer-weights"], check=True)
-    if args.phase == "train_step":  # its own process: CUPTI takes one profiler per process
-        result = {"train_step": profile_train_step(args.model, args.out, args.batch, args.micro, args.hlo)}
-        (args.out / "profile_train_step.json").write_text(json.dumps(result, indent=1))
-        return
     result = {"rollout": profile_rollout(args.model, args.out)}
     subprocess.run([sys.executable, __file__, "--phase", "train_step", *(argv or sys.argv[1:])], check=True)
     result.update(json.loads((args.out / "profile_train_step.json").read_text()))

@@ -94,7 +94,7 @@ class ModelOptions:
     param_dtype: str = "float32"  # storage dtype of the frozen base
     remat: str = "none"
     attention: str = "auto"       # auto = cudnn for bf16/fp16 on GPU, xla otherwise (chosen once, explicitly)
-    scan_unroll: int = 1          # blocks per iteration of the scan over the stacked blocks (lax.scan unroll)
+    scan_unroll: int = 1          # blocks per scan iteration (lax.scan unroll); >= num_layers: no scan, unrolled
     # XLA's precision for the model's matmuls; auto = "highest" (true fp32) for float32 compute, else "default"
     # (on GPUs fp32 "default" is TF32, which moves log-probs ~1e-5: too coarse for fp32 parity).
     matmul_precision: str = "auto"

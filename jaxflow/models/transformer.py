@@ -10,7 +10,7 @@ from jaxflow.models.attention import attention, resolve_implementation
 from jaxflow.models.config import ModelOptions, QwenImageConfig
 from jaxflow.models.embeddings import TIMESTEP_CHANNELS, apply_rope, rope_angles, rope_tables, timestep_embedding
 from jaxflow.models.layers import Linear, RMSNorm, gelu_tanh, layer_norm
-from jaxflow.models.lora import LoRASpec
+from jaxflow.models.lora import LoRAParam, LoRASpec
 
 # The cuDNN attention's forward primitive: its outputs are the attention output and the softmax statistics.
 CUDNN_ATTENTION_FWD = "dot_product_attention_fwd_wrapper"
@@ -140,7 +140,8 @@ class QwenImageTransformer(nnx.Module):
                  *, rngs: nnx.Rngs):
         self.cfg, self.opts, self.lora_spec = cfg, opts, lora
         self.impl = resolve_implementation(opts.attention, opts.dtype)
-        self.remat_policy = None if opts.remat == "none" else remat_policy(opts.remat, self.impl)  # refused early
+        if opts.remat != "none":
+            remat_policy(opts.remat, self.impl)  # refused at build, not at the first trace
         make = _Factory(opts, lora, rngs)
         d = cfg.inner_dim
         self.img_in = make.linear(cfg.in_channels, d, ("latent", "embed"))
@@ -183,18 +184,41 @@ class QwenImageTransformer(nnx.Module):
         return self.proj_out(_modulate(layer_norm(img), shift, scale))
 
     def _blocks(self, img, ctx, temb, rope, kv_len, lora_scale):
-        """Scan over the stacked blocks (compile time independent of depth), remat policy by name.
+        """The stacked blocks, remat policy by name: a lax.scan over them (compile time independent of depth), or
+        a straight line when model.scan_unroll >= num_layers (each block then reads its weights at a static
+        offset, with no per-iteration dynamic slice of the stacks).
 
-        A functional lax.scan over the split block state rather than nnx.scan: under jax.grad wrt the LoRA
-        params only, a block holds variables at two trace levels, which NNX's graph transforms refuse.
+        A functional loop over the split block state rather than nnx.scan: under jax.grad wrt the LoRA params
+        only, a block holds variables at two trace levels, which NNX's graph transforms refuse.
         """
-        impl = self.impl
+        impl, remat = self.impl, self.opts.remat != "none"  # read at trace time: a changed `opts` takes effect
+        policy = remat_policy(self.opts.remat, impl) if remat else None
+
+        def block(carry, graphdef, *states):
+            return nnx.merge(graphdef, *states)(*carry, temb, rope, kv_len, impl, lora_scale)
+
+        if self.opts.scan_unroll >= self.cfg.num_layers:
+            graphdef, lora, frozen = nnx.split(self.blocks, LoRAParam, ...)
+
+            def layer(carry, lora_i, frozen, i):
+                # the frozen weights are sliced inside the checkpoint: a slice taken outside would be one of its
+                # inputs, kept from the forward to the backward (a copy of every block's weights)
+                return block(carry, graphdef, lora_i, jax.tree.map(lambda w: w[i], frozen))
+
+            if remat:  # no loop between forward and backward: barriers keep XLA from merging the recompute into
+                # the forward (which would keep every activation)
+                layer = jax.checkpoint(layer, policy=policy, prevent_cse=True, static_argnums=(3,))
+            carry = (img, ctx)
+            for i in range(self.cfg.num_layers):
+                carry = layer(carry, jax.tree.map(lambda w: w[i], lora), frozen, i)
+            return carry
+
         graphdef, state = nnx.split(self.blocks)
 
         def body(carry, layer):
-            return nnx.merge(graphdef, layer)(*carry, temb, rope, kv_len, impl, lora_scale), None
+            return block(carry, graphdef, layer), None
 
-        if self.remat_policy is not None:
-            body = jax.checkpoint(body, policy=self.remat_policy, prevent_cse=False)
+        if remat:  # inside the loop the recompute cannot be merged with the forward: no CSE barriers needed
+            body = jax.checkpoint(body, policy=policy, prevent_cse=False)
         (img, ctx), _ = jax.lax.scan(body, (img, ctx), state, unroll=self.opts.scan_unroll)
         return img, ctx
