@@ -73,7 +73,8 @@ def hlo_op_names(dump_dir: Path | None) -> dict[str, str]:
 def scope_of(args: dict, op_names: dict[str, str]) -> str:
     """The block's named scope a kernel ran under: its HLO op's name path from the dump (or its trace args)."""
     text = op_names.get(str(args.get("hlo_op")), "") or " ".join(str(v) for v in args.values())
-    return next((s for s in SCOPES if f"/{s}/" in text or text.endswith(f"/{s}")), "outside the scopes")
+    # "/mlp/dot_general" in a scan's body; "jvp(mlp)/dot_general" where the blocks are unrolled
+    return next((s for s in SCOPES if re.search(rf"[/(]{s}(?:[/)]|$)", text)), "outside the scopes")
 
 
 def breakdown(title: str, kernels, wall_s: float, top: int = 12, op_names: dict | None = None) -> dict:

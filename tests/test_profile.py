@@ -54,3 +54,20 @@ def test_profile_config_is_validated(tmp_path):
     cfg.profile.num_steps = -1
     with pytest.raises(ValueError, match=r"config\.profile"):
         config_lib.validate(cfg)
+
+
+def test_kernels_are_put_in_their_block_scope_looped_or_unrolled():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "scripts" / "profile_step.py"
+    spec = importlib.util.spec_from_file_location("profile_step", path)
+    profile_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile_step)
+    names = {"a": "jit(_update)/while/body/eval_jaxpr/checkpoint/attention/dot_general",
+             "b": "jit(_update)/while/body/eval_jaxpr/jvp(mlp)/dot_general",
+             "c": "jit(_update)/while/body/transpose(jvp(modulation))/mul",
+             "d": "jit(_update)/while/body/jit(dynamic_index_in_dim)/dynamic_slice",
+             "e": "jit(_update)/while/body/mlp_gate/add"}
+    got = {k: profile_step.scope_of({"hlo_op": k}, names) for k in names}
+    assert got == {"a": "attention", "b": "mlp", "c": "modulation", "d": "outside the scopes",
+                   "e": "outside the scopes"}
