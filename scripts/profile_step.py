@@ -79,14 +79,17 @@ def scope_of(args: dict, op_names: dict[str, str]) -> str:
 
 def breakdown(title: str, kernels, wall_s: float, top: int = 12, op_names: dict | None = None) -> dict:
     total = sum(d for _, d, _ in kernels) or 1.0
-    by_class, by_name, by_scope, by_op = (collections.Counter() for _ in range(4))
+    by_class, by_name, by_scope, by_op, by_kind = (collections.Counter() for _ in range(5))
     for name, d, args in kernels:
         by_class[kernel_class(name)] += d
         by_name[name] += d
-        by_scope[scope_of(args, op_names or {})] += d
+        scope = scope_of(args, op_names or {})
+        by_scope[scope] += d
         op = args.get("hlo_op") or args.get("name")
         if op:
             by_op[f"{kernel_class(name)}: {op} {(op_names or {}).get(op, '')}"] += d
+            # the op's kind (its name without the instance number): unrolled blocks spread one kind over many ops
+            by_kind[f"{kernel_class(name)}: {re.sub(r'[.0-9]+$', '', str(op))} [{scope}]"] += d
     print(f"\n{title}: wall {wall_s * 1e3:.0f} ms, GPU kernel time {total / 1e3:.0f} ms "
           f"({total / 1e6 / wall_s:.0%} of wall), {len(kernels)} kernels")
     for c, d in by_class.most_common():
@@ -99,11 +102,15 @@ def breakdown(title: str, kernels, wall_s: float, top: int = 12, op_names: dict 
         print("  top HLO ops:")
         for op, d in by_op.most_common(2 * top):
             print(f"    {d / total:6.1%} {op[:110]}")
+        print("  top HLO op kinds:")
+        for kind, d in by_kind.most_common(2 * top):
+            print(f"    {d / total:6.1%} {kind[:110]}")
     return {"wall_ms": wall_s * 1e3, "kernel_ms": total / 1e3,
             "classes": {c: d / 1e3 for c, d in by_class.items()},
             "scopes": {s: d / 1e3 for s, d in by_scope.items()},
             "top": [(n, d / 1e3) for n, d in by_name.most_common(top)],
-            "top_ops": [(n, d / 1e3) for n, d in by_op.most_common(4 * top)]}
+            "top_ops": [(n, d / 1e3) for n, d in by_op.most_common(4 * top)],
+            "top_op_kinds": [(n, d / 1e3) for n, d in by_kind.most_common(4 * top)]}
 
 
 def xplane_kernels(trace_dir: Path) -> list[tuple[str, float, dict]]:
