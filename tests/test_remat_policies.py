@@ -99,13 +99,14 @@ def test_the_remat_policy_follows_the_model_options_at_trace_time():
 
 
 
+
 def _lora_model(unroll: int, remat: str = "save_matmuls"):
     from flax import nnx
 
     from jaxflow.models.config import ModelOptions, QwenImageConfig
     from jaxflow.models.lora import LoRASpec
     from jaxflow.models.transformer import QwenImageTransformer
-    cfg = QwenImageConfig(num_layers=3, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,
+    cfg = QwenImageConfig(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,
                           axes_dims_rope=(8, 12, 12))
     model = QwenImageTransformer(cfg, ModelOptions(remat=remat, scan_unroll=unroll), LoRASpec(rank=4, alpha=8.0),
                                  rngs=nnx.Rngs(0))
@@ -127,26 +128,26 @@ def _lora_loss(model):
 
 def test_the_unrolled_blocks_give_the_scan_s_gradient():
     grads = []
-    for unroll in (1, 3):
+    for unroll in (1, 2):
         loss, lora, frozen = _lora_loss(_lora_model(unroll)[1])
-        grads.append(jax.grad(loss)(lora, frozen))
+        grads.append(jax.jit(jax.grad(loss))(lora, frozen))
     flat = [jnp.concatenate([g.ravel() for g in jax.tree.leaves(t)]) for t in grads]
     assert float(jnp.max(jnp.abs(flat[0]))) > 0
     # the same float32 ops, looped or unrolled: equal up to fusion-order rounding
     assert jnp.allclose(flat[0], flat[1], rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(flat[0]))))
 
 
-def test_the_unrolled_blocks_keep_their_remat_and_no_copy_of_the_weights():
+def test_the_unrolled_blocks_keep_their_remat_and_slice_their_weights_inside_it():
     # no loop between forward and backward: without barriers XLA's CSE merges the recompute into the forward (a
-    # 12-block H200 run kept 27.1 GiB against 16.8); and a weight slice taken outside a block's checkpoint is kept
-    # for the backward (one copy of every block's weights)
-    cfg, model = _lora_model(3)
+    # 12-block H200 run kept 27.1 GiB against 16.8); and a block's weights sliced outside its checkpoint are kept
+    # from the forward to the backward (there: +0.53 GiB a block), so each checkpoint takes the whole stacks
+    cfg, model = _lora_model(2)
     loss, lora, frozen = _lora_loss(model)
     lowered = jax.jit(jax.grad(loss)).lower(lora, frozen).as_text()
     assert "stablehlo.while" not in lowered and "optimization_barrier" in lowered
-    text = io.StringIO()
-    with contextlib.redirect_stdout(text):
-        print_saved_residuals(loss, lora, frozen)
-    kernel = f"[{cfg.inner_dim},{cfg.mlp_dim}]"  # one block's img_mlp_in kernel
-    assert "from the argument" in text.getvalue()
-    assert not [line for line in text.getvalue().splitlines() if kernel in line and "from the argument" not in line]
+    blocks = [e for e in jax.make_jaxpr(loss)(lora, frozen).jaxpr.eqns
+              if e.primitive.name in ("checkpoint", "remat", "remat2")]
+    shapes = {tuple(v.aval.shape) for e in blocks for v in e.invars}
+    assert len(blocks) == cfg.num_layers
+    mlp_in = (cfg.inner_dim, cfg.mlp_dim)  # one block's img_mlp_in kernel
+    assert (cfg.num_layers, *mlp_in) in shapes and mlp_in not in shapes
