@@ -264,7 +264,9 @@ def main(argv=None):
     p.add_argument("--no-torch", action="store_true", help="JAX variants only (no speed-up figure)")
     args = p.parse_args(argv)
     variants = [parse_variant(v) for v in args.variant] or [("default", {}, {})]
-    cfg = QwenImageConfig(**{**(TINY if args.tiny else FULL), **({"num_layers": args.layers} if args.layers else {})})
+    cfg = QwenImageConfig(**(TINY if args.tiny else FULL))
+    if args.layers:
+        cfg = dataclasses.replace(cfg, num_layers=args.layers)
     args.out.mkdir(parents=True, exist_ok=True)
     n = 512 if args.tiny else 8192
     ceiling = {"jax": jax_matmul_tflops(n, args.iters), "torch": torch_matmul_tflops(n, args.iters)}

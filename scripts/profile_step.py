@@ -161,6 +161,8 @@ def profile_train_step(out: Path, batch: int, micro: int, hlo: Path | None = Non
     """The bench_train_step.py workload as the Qwen recipe runs it (configs/qwen_ocr.py's remat and
     train.xla_options), full-size random weights; `layers` blocks instead of 60 (a quicker profile, the same
     per-block work); `unroll` instead of the recipe's model.scan_unroll."""
+    import dataclasses
+
     import jax
     from bench_model import FULL
     from bench_train_step import synthetic_batch
@@ -172,7 +174,9 @@ def profile_train_step(out: Path, batch: int, micro: int, hlo: Path | None = Non
     from jaxflow.recipes import base
     from jaxflow.train_step import TrainConfig, make_train_step
 
-    cfg = QwenImageConfig(**{**FULL, **({"num_layers": layers} if layers else {})})
+    cfg = QwenImageConfig(**FULL)
+    if layers:
+        cfg = dataclasses.replace(cfg, num_layers=layers)
     recipe = base()
     if unroll:
         recipe.model.scan_unroll = unroll

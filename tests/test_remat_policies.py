@@ -98,9 +98,7 @@ def test_the_remat_policy_follows_the_model_options_at_trace_time():
     assert checkpoints() > 0
 
 
-
-
-def _lora_model(unroll: int, remat: str = "save_matmuls"):
+def _lora_model(unroll: int):
     from flax import nnx
 
     from jaxflow.models.config import ModelOptions, QwenImageConfig
@@ -108,7 +106,7 @@ def _lora_model(unroll: int, remat: str = "save_matmuls"):
     from jaxflow.models.transformer import QwenImageTransformer
     cfg = QwenImageConfig(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,
                           axes_dims_rope=(8, 12, 12))
-    model = QwenImageTransformer(cfg, ModelOptions(remat=remat, scan_unroll=unroll), LoRASpec(rank=4, alpha=8.0),
+    model = QwenImageTransformer(cfg, ModelOptions(remat="save_matmuls", scan_unroll=unroll), LoRASpec(rank=4, alpha=8.0),
                                  rngs=nnx.Rngs(0))
     return cfg, model
 
