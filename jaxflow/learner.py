@@ -37,11 +37,16 @@ def grid_hw(folder: Path, cfg) -> tuple[int, int]:
 
 
 def build_model(cfg, folder: Path, spec, layout: Layout):
-    """The trainer's transformer: base weights from `folder`, or drawn from `seed` with `model.init=random`."""
+    """The trainer's transformer: base weights from `folder`, or drawn from `seed` with `model.init=random`; with
+    unrolled blocks (model.scan_unroll >= the blocks) each block's frozen weights are arrays of their own."""
     opts, kw = config_lib.model_options(cfg), {"sharding": layout.sharding_fn, "seed": cfg.seed}
     if cfg.model.init == "random":
-        return random_transformer(QwenImageConfig.from_json(folder / "config.json"), opts, spec, **kw)
-    return load_transformer(folder, opts, spec, **kw)
+        model = random_transformer(QwenImageConfig.from_json(folder / "config.json"), opts, spec, **kw)
+    else:
+        model = load_transformer(folder, opts, spec, **kw)
+    if opts.scan_unroll >= model.cfg.num_layers:
+        model.unstack_blocks()
+    return model
 
 
 _DESC_BYTES = 1 << 14  # the broadcast description of a train batch (keys, shapes, dtypes) as JSON

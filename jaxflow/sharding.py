@@ -133,12 +133,16 @@ class Layout:
 
     def tree_shardings(self, tree):
         """Same tree with each nnx.Variable's value replaced by its sharding (from its `logical_axes`
-        metadata and shape); other leaves (step counters, plain arrays) are replicated."""
+        metadata and shape; a tuple of per-block arrays gets a tuple of shardings); other leaves (step counters,
+        plain arrays) are replicated."""
 
         def one(x):
-            if isinstance(x, nnx.Variable):
-                return x.replace(self.sharding(x.get_metadata().get("logical_axes"), x.shape))
-            return self.replicated
+            if not isinstance(x, nnx.Variable):
+                return self.replicated
+            axes, value = x.get_metadata().get("logical_axes"), x.get_value()
+            if isinstance(value, tuple):
+                return x.replace(tuple(self.sharding(axes, piece.shape) for piece in value))
+            return x.replace(self.sharding(axes, value.shape))
 
         return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 

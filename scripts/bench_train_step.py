@@ -110,20 +110,21 @@ def random_model(cfg, rank: int, remat: str = "save_matmuls", attention: str = "
 
 def parse_variant(text: str) -> tuple[str, dict, dict]:
     """"NAME=key=val,key=val" -> (NAME, changes, XLA options): keys remat, unroll (scan_unroll), micro (micro-batches
-    of this variant; default --micro) and any xla_* option (true/false/int/str), e.g.
-    "notriton=xla_gpu_enable_triton_gemm=false,unroll=2"."""
+    of this variant; default --micro), stacked (1: unrolled blocks keep reading the weight stacks; by default an
+    unrolled variant holds them one array per block from then on, so it comes after the scan variants) and any xla_*
+    option (true/false/int/str), e.g. "notriton=xla_gpu_enable_triton_gemm=false,unroll=2"."""
     name, _, spec = text.partition("=")
     opts, xla = {}, {}
     for item in filter(None, spec.split(",")):
         key, _, val = item.partition("=")
         if key == "remat":
             opts["remat"] = val
-        elif key in ("unroll", "micro"):
-            opts["scan_unroll" if key == "unroll" else "micro"] = int(val)
+        elif key in ("unroll", "micro", "stacked"):
+            opts["scan_unroll" if key == "unroll" else key] = int(val)
         elif key.startswith("xla_"):
             xla[key] = {"true": True, "false": False}.get(val.lower(), int(val) if val.lstrip("-").isdigit() else val)
         else:
-            raise SystemExit(f"--variant {text!r}: unknown key {key!r} (remat, unroll, micro or xla_*)")
+            raise SystemExit(f"--variant {text!r}: unknown key {key!r} (remat, unroll, micro, stacked or xla_*)")
     return name or "default", opts, xla
 
 
@@ -131,8 +132,10 @@ def bench_jax(model, cfg, args, batch, ceiling, variant):
     """One JAX variant (NAME, ModelOptions changes, XLA options) of the train step on `model`'s weights."""
     name, changes, xla = variant
     changes = dict(changes)
-    micro = changes.pop("micro", args.micro)
+    micro, stacked = changes.pop("micro", args.micro), changes.pop("stacked", 0)
     model.opts = dataclasses.replace(base_opts := model.opts, **changes)
+    if model.opts.scan_unroll >= cfg.num_layers and not stacked:
+        model.unstack_blocks()
     tc = TrainConfig(grid_hw=(args.grid, args.grid), guidance=4.0, num_micro_batches=micro)
     init_state, step = make_train_step(model, tc, compiler_options=xla)
     train_state = init_state()
@@ -144,7 +147,8 @@ def bench_jax(model, cfg, args, batch, ceiling, variant):
     stats = jax.local_devices()[0].memory_stats() or {}
     peak = stats.get("peak_bytes_in_use", 0) / 2 ** 30
     o = model.opts
-    out = row("jax", f"{name}: remat={o.remat} unroll={o.scan_unroll} micro={micro} {xla or ''}".strip(), ms, cfg,
+    held = " per-block weights" if model.blocks_unstacked else ""
+    out = row("jax", f"{name}: remat={o.remat} unroll={o.scan_unroll}{held} micro={micro} {xla or ''}".strip(), ms, cfg,
               args, ceiling, peak, {"variant": name, "compile_s": round(compile_s, 1)})
     model.opts = base_opts
     return out, train_state, ms
@@ -259,7 +263,7 @@ def main(argv=None):
     p.add_argument("--attention", default="auto")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--variant", action="append", default=[],
-                   help="JAX variant NAME=key=val,... (keys: remat, unroll, xla_*), repeatable; default: one "
+                   help="JAX variant NAME=key=val,... (keys: remat, unroll, micro, stacked, xla_*), repeatable; default: one "
                         "variant 'default' with --remat; each runs in this process on the same weights")
     p.add_argument("--no-torch", action="store_true", help="JAX variants only (no speed-up figure)")
     args = p.parse_args(argv)

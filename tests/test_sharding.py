@@ -1,5 +1,6 @@
 """Mesh, logical-axis rules and the sharded train step (8 forced CPU devices, in a subprocess)."""
 
+import dataclasses
 import logging
 import os
 import subprocess
@@ -102,6 +103,11 @@ def _eight_device_check():
     kernel = loaded.blocks.img_mlp_in.kernel  # (layers, embed, mlp)
     assert kernel.sharding.spec == P(None, "fsdp", None), kernel.sharding
     np.testing.assert_array_equal(model.blocks.img_mlp_in.kernel[...], kernel[...])
+    loaded.opts = dataclasses.replace(loaded.opts, scan_unroll=2)
+    loaded.unstack_blocks()  # one array per block, each keeping the stack's sharding of its other axes
+    pieces = loaded.blocks.img_mlp_in.kernel.get_value()
+    assert [p.sharding.spec for p in pieces] == [P("fsdp", None)] * 2, [p.sharding for p in pieces]
+    np.testing.assert_array_equal(model.blocks.img_mlp_in.kernel[...], np.stack(pieces))
     leaves, treedef = jax.tree.flatten(nnx.state(model, LoRAParam))  # non-zero B: every LoRA param gets a gradient
     nnx.update(model, jax.tree.unflatten(
         treedef, [x + 0.1 * jax.random.normal(jax.random.key(i), x.shape) for i, x in enumerate(leaves)]))
@@ -126,7 +132,12 @@ def _eight_device_check():
             lora_a = state.lora["blocks"]["attn"]["to_q"]["lora_a"]  # (layers, embed, rank)
             mu = state.opt_state[1][0].mu["blocks"]["attn"]["to_q"]["lora_a"]
             assert lora_a.sharding.spec == mu.sharding.spec == P(None, "fsdp", None)
-    for name in ("data8", "fsdp"):
+    model.opts = dataclasses.replace(model.opts, scan_unroll=2)  # the blocks unrolled, weights held per block
+    model.unstack_blocks()
+    init_state, step = make_train_step(model, config, fsdp)
+    state, _ = step(init_state(), batch)
+    results["fsdp_unrolled"] = jax.tree.map(np.asarray, state.lora)
+    for name in ("data8", "fsdp", "fsdp_unrolled"):
         for got, want in zip(jax.tree.leaves(results[name]), jax.tree.leaves(results["single"])):
             np.testing.assert_allclose(got, want, atol=1e-6, rtol=0, err_msg=name)
     moved = [np.abs(a - b).max() for a, b in zip(*(jax.tree.leaves(results[k]) for k in ("single", "before")))]

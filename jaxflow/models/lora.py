@@ -136,7 +136,7 @@ def merged_kernels(model: nnx.Module) -> dict[tuple[str, ...], np.ndarray]:
         if getattr(node, "lora_scaling", None) is None or not hasattr(node, "kernel"):
             continue
         a, b = np.asarray(node.lora_a[...], np.float32), np.asarray(node.lora_b[...], np.float32)
-        kernel = np.asarray(node.kernel[...])
+        kernel = np.asarray(node.kernel.get_value())  # a stack, or one array per block (unstack_blocks)
         delta = np.matmul(a, b) * node.lora_scaling
         out[tuple(str(p) for p in path) + ("kernel",)] = (kernel.astype(np.float32) + delta).astype(kernel.dtype)
     return out

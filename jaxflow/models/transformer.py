@@ -1,10 +1,11 @@
-"""Flax NNX Qwen-Image transformer (QwenImageTransformer2DModel), blocks stacked and run with nnx.scan."""
+"""Flax NNX Qwen-Image transformer (QwenImageTransformer2DModel), blocks stacked and run with a scan or unrolled."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxflow.models.attention import attention, resolve_implementation
 from jaxflow.models.config import ModelOptions, QwenImageConfig
@@ -159,6 +160,29 @@ class QwenImageTransformer(nnx.Module):
 
         self.blocks = stack(rngs)
 
+    @property
+    def blocks_unstacked(self) -> bool:
+        """Whether the blocks' frozen weights are held one array per block (`unstack_blocks`)."""
+        return any(isinstance(v.get_value(), tuple) for _, v in _frozen_variables(self.blocks))
+
+    def unstack_blocks(self) -> None:
+        """Hold each frozen block weight as one array per block instead of a (num_layers, ...) stack (the LoRA stays
+        stacked), for unrolled blocks: a block then reads its weights in place, where a static slice of a stack is a
+        copy (docs/design.md §2). One stack at a time is replaced by its pieces (peak memory: one stack more); each
+        piece keeps the stack's sharding of its other axes. Only the unrolled blocks run on such a model."""
+        if self.opts.scan_unroll < self.cfg.num_layers:
+            raise ValueError(f"unstack_blocks needs unrolled blocks: model.scan_unroll={self.opts.scan_unroll} < "
+                             f"{self.cfg.num_layers} blocks; set model.scan_unroll >= {self.cfg.num_layers}")
+        for _, var in _frozen_variables(self.blocks):
+            stack = var.get_value()
+            if isinstance(stack, tuple):
+                continue
+            sharding = stack.sharding
+            if isinstance(sharding, NamedSharding):
+                sharding = NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
+            var.set_value(tuple(jax.device_put(stack[i], sharding) for i in range(stack.shape[0])))
+            del stack
+
     def __call__(self, x, sigma, txt, txt_mask, grid_hw: tuple[int, int], lora_scale: float | jax.Array = 1.0):
         """x (B, h*w, C_in); sigma (B,) in [0, 1]; txt (B, L, joint_dim); txt_mask (B, L) bool, right-padded
         (valid tokens first) or None; grid_hw = (h, w) static; lora_scale 0 = adapters off (the KL reference).
@@ -201,9 +225,10 @@ class QwenImageTransformer(nnx.Module):
             graphdef, lora, frozen = nnx.split(self.blocks, LoRAParam, ...)
 
             def layer(carry, lora_i, frozen, i):
-                # the frozen weights are sliced inside the checkpoint: a slice taken outside would be one of its
-                # inputs, kept from the forward to the backward (a copy of every block's weights)
-                return block(carry, graphdef, lora_i, jax.tree.map(lambda w: w[i], frozen))
+                # the frozen weights are taken inside the checkpoint: a stack's slice taken outside would be one of
+                # its inputs, kept from the forward to the backward (a copy of every block's weights). Unstacked
+                # weights (one array per block) are picked, not copied.
+                return block(carry, graphdef, lora_i, _block_weights(frozen, i))
 
             if remat:  # no loop between forward and backward: barriers keep XLA from merging the recompute into
                 # the forward (which would keep every activation)
@@ -213,6 +238,9 @@ class QwenImageTransformer(nnx.Module):
                 carry = layer(carry, jax.tree.map(lambda w: w[i], lora), frozen, i)
             return carry
 
+        if self.blocks_unstacked:
+            raise ValueError(f"the blocks' weights are held one array per block (unstack_blocks): run them unrolled, "
+                             f"model.scan_unroll >= {self.cfg.num_layers} (it is {self.opts.scan_unroll})")
         graphdef, state = nnx.split(self.blocks)
 
         def body(carry, layer):
@@ -222,3 +250,13 @@ class QwenImageTransformer(nnx.Module):
             body = jax.checkpoint(body, policy=policy, prevent_cse=False)
         (img, ctx), _ = jax.lax.scan(body, (img, ctx), state, unroll=self.opts.scan_unroll)
         return img, ctx
+
+
+def _frozen_variables(blocks: nnx.Module):
+    """(path, variable) of the blocks' frozen (non-LoRA) weights."""
+    return [(p, v) for p, v in nnx.iter_graph(blocks) if isinstance(v, nnx.Variable) and not isinstance(v, LoRAParam)]
+
+
+def _block_weights(frozen, i: int):
+    """Block i's frozen weights: a static slice of each stack, or the i-th of each per-block tuple."""
+    return jax.tree.map(lambda w: w[i], frozen, is_leaf=lambda x: isinstance(x, tuple))
