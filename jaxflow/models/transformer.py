@@ -234,8 +234,8 @@ class QwenImageTransformer(nnx.Module):
                 # the forward (which would keep every activation)
                 layer = jax.checkpoint(layer, policy=policy, prevent_cse=True, static_argnums=(3,))
             carry = (img, ctx)
-            for i in range(self.cfg.num_layers):
-                carry = layer(carry, jax.tree.map(lambda w: w[i], lora), frozen, i)
+            for i, lora_i in enumerate(_split_stacks(lora, self.cfg.num_layers)):
+                carry = layer(carry, lora_i, frozen, i)
             return carry
 
         if self.blocks_unstacked:
@@ -255,6 +255,14 @@ class QwenImageTransformer(nnx.Module):
 def _frozen_variables(blocks: nnx.Module):
     """(path, variable) of the blocks' frozen (non-LoRA) weights."""
     return [(p, v) for p, v in nnx.iter_graph(blocks) if isinstance(v, nnx.Variable) and not isinstance(v, LoRAParam)]
+
+
+def _split_stacks(tree, n: int) -> list:
+    """`tree`'s (n, ...) stacks as n per-block trees, by one split per stack: its gradient is one concatenate,
+    where n separate slices' gradients are n zero-padded whole stacks summed (traffic growing with n squared)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    parts = [[p.reshape(p.shape[1:]) for p in jnp.split(w, n)] for w in leaves]
+    return [jax.tree.unflatten(treedef, [ps[i] for ps in parts]) for i in range(n)]
 
 
 def _block_weights(frozen, i: int):
