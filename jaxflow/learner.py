@@ -44,7 +44,7 @@ def build_model(cfg, folder: Path, spec, layout: Layout):
         model = random_transformer(QwenImageConfig.from_json(folder / "config.json"), opts, spec, **kw)
     else:
         model = load_transformer(folder, opts, spec, **kw)
-    if opts.scan_unroll >= model.cfg.num_layers:
+    if model.unrolled:
         model.unstack_blocks()
     return model
 

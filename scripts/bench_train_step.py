@@ -134,7 +134,7 @@ def bench_jax(model, cfg, args, batch, ceiling, variant):
     changes = dict(changes)
     micro, stacked = changes.pop("micro", args.micro), changes.pop("stacked", 0)
     model.opts = dataclasses.replace(base_opts := model.opts, **changes)
-    if model.opts.scan_unroll >= cfg.num_layers and not stacked:
+    if model.unrolled and not stacked:
         model.unstack_blocks()
     tc = TrainConfig(grid_hw=(args.grid, args.grid), guidance=4.0, num_micro_batches=micro)
     init_state, step = make_train_step(model, tc, compiler_options=xla)
@@ -263,8 +263,8 @@ def main(argv=None):
     p.add_argument("--attention", default="auto")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--variant", action="append", default=[],
-                   help="JAX variant NAME=key=val,... (keys: remat, unroll, micro, stacked, xla_*), repeatable; default: one "
-                        "variant 'default' with --remat; each runs in this process on the same weights")
+                   help="JAX variant NAME=key=val,... (keys: remat, unroll, micro, stacked, xla_*), repeatable; "
+                        "default: one variant 'default' with --remat; each runs in this process on the same weights")
     p.add_argument("--no-torch", action="store_true", help="JAX variants only (no speed-up figure)")
     args = p.parse_args(argv)
     variants = [parse_variant(v) for v in args.variant] or [("default", {}, {})]

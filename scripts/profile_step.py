@@ -182,7 +182,7 @@ def profile_train_step(out: Path, batch: int, micro: int, hlo: Path | None = Non
         recipe.model.scan_unroll = unroll
     opts = config_lib.model_options(recipe)
     model = random_transformer(cfg, opts, LoRASpec(rank=64, alpha=128.0), seed=0)
-    if opts.scan_unroll >= cfg.num_layers:  # as the trainer holds them (jaxflow/learner.py)
+    if model.unrolled:  # as the trainer holds them (jaxflow/learner.py)
         model.unstack_blocks()
     init_state, step = make_train_step(model, TrainConfig(grid_hw=(32, 32), guidance=4.0, num_micro_batches=micro),
                                        compiler_options=config_lib.xla_options(recipe))

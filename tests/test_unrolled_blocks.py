@@ -70,15 +70,12 @@ def test_the_unrolled_blocks_keep_their_remat_and_slice_their_weights_inside_it(
     assert (CFG.num_layers, *mlp_in) in shapes and mlp_in not in shapes
 
 
-def _sliced_operand_shapes(jaxpr) -> set[tuple[int, ...]]:
-    """Shapes of every operand sliced anywhere in `jaxpr`, sub-jaxprs (the checkpoints) included."""
-    out = set()
+def _eqns(jaxpr):
+    """Every equation of `jaxpr`, those of its sub-jaxprs (the checkpoints) included."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name in ("slice", "dynamic_slice", "squeeze", "gather"):
-            out.add(tuple(eqn.invars[0].aval.shape))
+        yield eqn
         for sub in jaxprs_in_params(eqn.params):
-            out |= _sliced_operand_shapes(sub)
-    return out
+            yield from _eqns(sub)
 
 
 def test_per_block_weights_are_read_in_place_not_sliced_from_stacks():
@@ -88,24 +85,14 @@ def test_per_block_weights_are_read_in_place_not_sliced_from_stacks():
     frozen_stacks = {tuple(v.shape) for v in jax.tree.leaves(nnx.state(stacked.blocks, nnx.Not(LoRAParam)))}
     for model, sliced in ((stacked, True), (unstacked, False)):
         loss, lora, frozen = _lora_loss(model)
-        shapes = _sliced_operand_shapes(jax.make_jaxpr(loss)(lora, frozen).jaxpr)
+        shapes = {tuple(e.invars[0].aval.shape) for e in _eqns(jax.make_jaxpr(loss)(lora, frozen).jaxpr)
+                  if e.primitive.name in ("slice", "dynamic_slice", "squeeze", "gather")}
         assert bool(shapes & frozen_stacks) == sliced, (sliced, shapes & frozen_stacks)
     stacks = jax.tree.leaves(nnx.state(stacked.blocks, nnx.Not(LoRAParam)))
     assert len(jax.tree.leaves(nnx.state(unstacked.blocks, nnx.Not(LoRAParam)))) == CFG.num_layers * len(stacks)
     assert unstacked.blocks_unstacked and not stacked.blocks_unstacked
     # the LoRA stays stacked: its optimizer state and export are per stack
     assert all(v.shape[0] == CFG.num_layers for v in jax.tree.leaves(nnx.state(unstacked.blocks, LoRAParam)))
-
-
-def _ops(jaxpr, names) -> list[tuple[str, tuple[int, ...]]]:
-    """(primitive, output shape) of every `names` op in `jaxpr`, sub-jaxprs included."""
-    out = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in names:
-            out.append((eqn.primitive.name, tuple(eqn.outvars[0].aval.shape)))
-        for sub in jaxprs_in_params(eqn.params):
-            out += _ops(sub, names)
-    return out
 
 
 def test_the_lora_gradient_of_unrolled_blocks_is_not_a_sum_of_padded_stacks():
@@ -115,7 +102,9 @@ def test_the_lora_gradient_of_unrolled_blocks_is_not_a_sum_of_padded_stacks():
     three = dataclasses.replace(CFG, num_layers=3)  # stacks (3, ...): no activation (2, ...) has their shape
     loss, lora, frozen = _lora_loss(_unstacked(_lora_model(3, three)))
     stacks = {tuple(v.shape) for v in jax.tree.leaves(lora)}
-    ops = _ops(jax.make_jaxpr(jax.grad(loss))(lora, frozen).jaxpr, ("pad", "add_any", "concatenate"))
+    grad = jax.make_jaxpr(jax.grad(loss))(lora, frozen).jaxpr
+    ops = [(e.primitive.name, tuple(e.outvars[0].aval.shape)) for e in _eqns(grad)
+           if e.primitive.name in ("pad", "add_any", "concatenate")]
     assert not [op for op in ops if op[0] in ("pad", "add_any") and op[1] in stacks]
     assert {op[1] for op in ops if op[0] == "concatenate"} >= stacks
 

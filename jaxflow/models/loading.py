@@ -160,7 +160,8 @@ def to_diffusers_state_dict(model: QwenImageTransformer, merge_lora: bool = Fals
     out = {}
     for e in keymap.transformer_key_map():
         value = merged.get(e.flax_path)
-        value = np.asarray(_leaf(base, e.flax_path).get_value()) if value is None else value  # a stack or per-block tuple
+        if value is None:  # a stack, or one array per block (unstack_blocks)
+            value = np.asarray(_leaf(base, e.flax_path).get_value())
         layers = value if e.stacked else value[None]
         for key, layer in zip(e.diffusers_keys(model.cfg.num_layers), layers):
             out[key] = np.ascontiguousarray(layer.T if e.transpose else layer)

@@ -161,6 +161,11 @@ class QwenImageTransformer(nnx.Module):
         self.blocks = stack(rngs)
 
     @property
+    def unrolled(self) -> bool:
+        """Whether the blocks run as straight-line code (model.scan_unroll >= the blocks), not a lax.scan."""
+        return self.opts.scan_unroll >= self.cfg.num_layers
+
+    @property
     def blocks_unstacked(self) -> bool:
         """Whether the blocks' frozen weights are held one array per block (`unstack_blocks`)."""
         return any(isinstance(v.get_value(), tuple) for _, v in _frozen_variables(self.blocks))
@@ -170,7 +175,7 @@ class QwenImageTransformer(nnx.Module):
         stacked), for unrolled blocks: a block then reads its weights in place, where a static slice of a stack is a
         copy (docs/design.md §2). One stack at a time is replaced by its pieces (peak memory: one stack more); each
         piece keeps the stack's sharding of its other axes. Only the unrolled blocks run on such a model."""
-        if self.opts.scan_unroll < self.cfg.num_layers:
+        if not self.unrolled:
             raise ValueError(f"unstack_blocks needs unrolled blocks: model.scan_unroll={self.opts.scan_unroll} < "
                              f"{self.cfg.num_layers} blocks; set model.scan_unroll >= {self.cfg.num_layers}")
         for _, var in _frozen_variables(self.blocks):
@@ -181,7 +186,6 @@ class QwenImageTransformer(nnx.Module):
             if isinstance(sharding, NamedSharding):
                 sharding = NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
             var.set_value(tuple(jax.device_put(stack[i], sharding) for i in range(stack.shape[0])))
-            del stack
 
     def __call__(self, x, sigma, txt, txt_mask, grid_hw: tuple[int, int], lora_scale: float | jax.Array = 1.0):
         """x (B, h*w, C_in); sigma (B,) in [0, 1]; txt (B, L, joint_dim); txt_mask (B, L) bool, right-padded
@@ -221,7 +225,7 @@ class QwenImageTransformer(nnx.Module):
         def block(carry, graphdef, *states):
             return nnx.merge(graphdef, *states)(*carry, temb, rope, kv_len, impl, lora_scale)
 
-        if self.opts.scan_unroll >= self.cfg.num_layers:
+        if self.unrolled:
             graphdef, lora, frozen = nnx.split(self.blocks, LoRAParam, ...)
 
             def layer(carry, lora_i, frozen, i):
