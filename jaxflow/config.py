@@ -120,7 +120,8 @@ def train_config(cfg, grid_hw) -> TrainConfig:
                        num_micro_batches=t.num_micro_batches, num_mini_batches=t.num_mini_batches,
                        num_inner_epochs=t.num_inner_epochs, clip_range=t.clip_range, beta=t.beta,
                        adv_clip=t.adv_clip, learning_rate=t.learning_rate, weight_decay=t.weight_decay,
-                       max_grad_norm=t.max_grad_norm, ema_decay=t.ema_decay or None, old_log_prob=t.old_log_prob)
+                       max_grad_norm=t.max_grad_norm, ema_decay=t.ema_decay or None, old_log_prob=t.old_log_prob,
+                       adam_b1=t.adam_b1, adam_b2=t.adam_b2, adam_eps=t.adam_eps)
 
 
 def sampling(cfg, *, eval_mode: bool = False) -> dict:

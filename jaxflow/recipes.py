@@ -61,6 +61,7 @@ def base() -> ml_collections.ConfigDict:
                     prompts_per_step=32, group_size=16, prompts_per_call=4)
     c.train = dict(num_steps=300, num_micro_batches=32, learning_rate=3e-4, clip_range=1e-4, adv_clip=5.0,
                    beta=0.0, global_std=True, max_grad_norm=1.0, weight_decay=1e-4, ema_decay=0.0,
+                   adam_b1=0.9, adam_b2=0.999, adam_eps=1e-8,  # flow_grpo's adam_beta1/2, adam_epsilon
                    old_log_prob="recompute",
                    num_mini_batches=2,  # optimizer updates per step, each on whole prompt groups
                    num_inner_epochs=1,  # passes over the step's mini-batches

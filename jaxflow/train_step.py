@@ -75,6 +75,9 @@ class TrainConfig:
                              f"num_mini_batches, num_inner_epochs >= 1: {self}")
         if self.old_log_prob not in ("rollout", "recompute"):
             raise ValueError(f"old_log_prob must be 'rollout' or 'recompute', got {self.old_log_prob!r}")
+        if not (0 <= self.adam_b1 < 1 and 0 <= self.adam_b2 < 1 and self.adam_eps > 0):
+            raise ValueError(f"need 0 <= adam_b1, adam_b2 < 1 and adam_eps > 0, got {self.adam_b1}, {self.adam_b2}, "
+                             f"{self.adam_eps}")
         if self.ema_decay is not None and not 0 < self.ema_decay < 1:
             raise ValueError(f"ema_decay must be in (0, 1) or None, got {self.ema_decay}")
 

@@ -56,6 +56,7 @@ def lora_leaves(state):
     ("model.init", "zeros", "model.init"),
     ("model.scan_unroll", 0, "scan_unroll"),
     ("train.xla_options", {"gpu_enable_triton_gemm": False}, "train.xla_options"),
+    ("train.adam_b2", 1.0, "adam_b2 < 1"),
 ])
 def test_invalid_config_fails_before_anything_heavy(tmp_path, key, value, needle):
     cfg = tiny_config(tmp_path)
@@ -63,6 +64,13 @@ def test_invalid_config_fails_before_anything_heavy(tmp_path, key, value, needle
     cfg[section][name] = value
     with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
         config_lib.validate(cfg)
+
+
+def test_adam_settings_reach_the_optimizer(tmp_path):
+    cfg = tiny_config(tmp_path)
+    cfg.train.adam_b1, cfg.train.adam_b2, cfg.train.adam_eps = 0.8, 0.99, 1e-6
+    t = config_lib.train_config(cfg, grid_hw=(2, 2))
+    assert (t.adam_b1, t.adam_b2, t.adam_eps) == (0.8, 0.99, 1e-6)
 
 
 def test_vllm_omni_takes_random_init_in_bf16_and_no_compile(tmp_path):
