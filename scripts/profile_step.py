@@ -6,6 +6,7 @@
 
 Rollout: one `RolloutPipeline.generate` of 16 images (512^2, 10 steps, CFG 4, window 2) under torch.profiler.
 Train step: the bench_train_step.py workload (B=8 in 2 micro-batches) under jax.profiler, after a warm-up step.
+The train step's kernels are named by its optimized HLO, dumped under OUT/hlo (or --hlo DIR).
 Both traces are read back and every GPU kernel is put in one class (attention, matmul, convolution, collective,
 copy, other = XLA fusions / elementwise / reductions); prints the share of kernel time per class and the top
 kernels, and the share of each named scope of the block (modulation, attention, mlp) and of the top HLO ops
@@ -68,6 +69,14 @@ def hlo_op_names(dump_dir: Path | None) -> dict[str, str]:
             if m:
                 names.setdefault(m.group(1), m.group(2))
     return names
+
+
+def with_hlo_dump(xla_flags: str, folder: Path) -> str:
+    """XLA_FLAGS plus a text dump of the train step's optimized HLO into `folder` (what `hlo_op_names` reads), unless
+    the flags already dump somewhere. Set before JAX starts its backend."""
+    if "--xla_dump_to" in xla_flags:
+        return xla_flags
+    return f"{xla_flags} --xla_dump_to={folder} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*update.*".strip()
 
 
 def scope_of(args: dict, op_names: dict[str, str]) -> str:
@@ -212,11 +221,15 @@ def main(argv=None):
     p.add_argument("--layers", type=int, help="train step: this many blocks instead of the model's 60")
     p.add_argument("--unroll", type=int, help="train step: model.scan_unroll (>= the blocks: unrolled)")
     p.add_argument("--trace", type=Path, help="only analyse this jax.profiler trace folder (a run's profile.dir)")
-    p.add_argument("--hlo", type=Path, help="the run's XLA dump (--xla_dump_to) to name the kernels' scopes")
+    p.add_argument("--hlo", type=Path, help="the run's XLA dump (--xla_dump_to) to name the kernels' scopes; the "
+                   "train_step phase makes its own under OUT/hlo when not given (some 350 MB at 60 unrolled blocks)")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.trace:  # a run's trace: XLA's kernels carry their HLO module; the in-process torch rollout's do not
         kernels, op_names = xplane_kernels(args.trace), hlo_op_names(args.hlo)
+        if not op_names:
+            print("note: no --hlo dump, so scopes come from the trace's own op names, which put many fused kernels "
+                  "outside the blocks: run with XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text and pass --hlo DIR")
         result = {}
         for part, mine in (("xla", True), ("not_xla", False)):
             ks = [k for k in kernels if ("hlo_module" in k[2]) == mine]
@@ -229,6 +242,9 @@ def main(argv=None):
         (args.out / "profile_trace.json").write_text(json.dumps(result, indent=1))
         return
     if args.phase == "train_step":  # its own process: CUPTI takes one profiler per process
+        if args.hlo is None:  # scopes from the trace's own op names alone misplace most fusions (BENCHMARKS.md)
+            args.hlo = args.out / "hlo"
+            os.environ["XLA_FLAGS"] = with_hlo_dump(os.environ.get("XLA_FLAGS", ""), args.hlo)
         result = {"train_step": profile_train_step(args.out, args.batch, args.micro, args.hlo, args.layers,
                                                           args.unroll)}
         (args.out / "profile_train_step.json").write_text(json.dumps(result, indent=1))

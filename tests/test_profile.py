@@ -56,13 +56,26 @@ def test_profile_config_is_validated(tmp_path):
         config_lib.validate(cfg)
 
 
-def test_kernels_are_put_in_their_block_scope_looped_or_unrolled():
+def _profile_step():
     import importlib.util
     from pathlib import Path
     path = Path(__file__).resolve().parents[1] / "scripts" / "profile_step.py"
     spec = importlib.util.spec_from_file_location("profile_step", path)
     profile_step = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(profile_step)
+    return profile_step
+
+
+def test_the_train_step_profile_dumps_the_hlo_that_names_its_scopes(tmp_path):
+    with_hlo_dump = _profile_step().with_hlo_dump
+    flags = with_hlo_dump("--xla_gpu_enable_command_buffer=", tmp_path / "hlo")
+    assert flags.startswith("--xla_gpu_enable_command_buffer= ") and f"--xla_dump_to={tmp_path / 'hlo'}" in flags
+    assert "--xla_dump_hlo_as_text" in flags
+    assert with_hlo_dump("--xla_dump_to=/elsewhere", tmp_path) == "--xla_dump_to=/elsewhere"
+
+
+def test_kernels_are_put_in_their_block_scope_looped_or_unrolled():
+    profile_step = _profile_step()
     names = {"a": "jit(_update)/while/body/eval_jaxpr/checkpoint/attention/dot_general",
              "b": "jit(_update)/while/body/eval_jaxpr/jvp(mlp)/dot_general",
              "c": "jit(_update)/while/body/transpose(jvp(modulation))/mul",
