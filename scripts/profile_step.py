@@ -22,6 +22,7 @@ import argparse  # noqa: E402
 import collections  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
+import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -229,7 +230,7 @@ def main(argv=None):
         kernels, op_names = xplane_kernels(args.trace), hlo_op_names(args.hlo)
         if not op_names:
             print("note: no --hlo dump, so scopes come from the trace's own op names, which put many fused kernels "
-                  "outside the blocks: run with XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text and pass --hlo DIR")
+                  f"outside the blocks: run with XLA_FLAGS='{with_hlo_dump('', Path('DIR'))}' and pass --hlo DIR")
         result = {}
         for part, mine in (("xla", True), ("not_xla", False)):
             ks = [k for k in kernels if ("hlo_module" in k[2]) == mine]
@@ -244,6 +245,7 @@ def main(argv=None):
     if args.phase == "train_step":  # its own process: CUPTI takes one profiler per process
         if args.hlo is None:  # scopes from the trace's own op names alone misplace most fusions (BENCHMARKS.md)
             args.hlo = args.out / "hlo"
+            shutil.rmtree(args.hlo, ignore_errors=True)  # a rerun's names must not come from an older dump
             os.environ["XLA_FLAGS"] = with_hlo_dump(os.environ.get("XLA_FLAGS", ""), args.hlo)
         result = {"train_step": profile_train_step(args.out, args.batch, args.micro, args.hlo, args.layers,
                                                           args.unroll)}

@@ -66,7 +66,7 @@ def test_invalid_config_fails_before_anything_heavy(tmp_path, key, value, needle
         config_lib.validate(cfg)
 
 
-def test_adam_settings_reach_the_optimizer(tmp_path):
+def test_adam_settings_reach_the_train_config(tmp_path):
     cfg = tiny_config(tmp_path)
     cfg.train.adam_b1, cfg.train.adam_b2, cfg.train.adam_eps = 0.8, 0.99, 1e-6
     t = config_lib.train_config(cfg, grid_hw=(2, 2))
