@@ -115,3 +115,38 @@ def test_spec_refuses_unknown_targets_and_bad_rank():
     with pytest.raises(ValueError, match="rank"):
         LoRASpec(rank=0, alpha=8.0)
     assert LoRASpec(rank=4, alpha=8.0, targets=("to_q",)).peft_config()["target_modules"] == ["to_q"]
+
+
+def _lora_linear(dtype, alpha, seed=0):
+    from jaxflow.models.layers import Linear
+    layer = Linear(24, 40, axes=("embed", "mlp"), dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(seed),
+                   lora=LoRASpec(rank=4, alpha=alpha))
+    layer.lora_b[...] = 0.3 * jnp.asarray(np.random.default_rng(seed).normal(size=(4, 40)), jnp.float32)
+    x = jnp.asarray(np.random.default_rng(seed + 1).normal(size=(6, 24)), dtype)
+    return layer, x
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("lora_scale", [1.0, 0.5, 0.0])
+def test_lora_scale_on_b_is_bit_identical_to_peft_for_power_of_two_scales(dtype, lora_scale):
+    layer, x = _lora_linear(dtype, alpha=8.0)  # alpha / rank = 2
+    base = x @ layer.kernel[...].astype(dtype) + layer.bias[...].astype(dtype)
+    delta = (x @ layer.lora_a[...].astype(dtype)) @ layer.lora_b[...].astype(dtype)
+    peft = base + delta * jnp.asarray(2.0 * lora_scale, dtype)  # PEFT: the scale on the product
+    np.testing.assert_array_equal(np.asarray(layer(x, lora_scale), np.float32), np.asarray(peft, np.float32))
+
+
+def test_lora_forward_and_backward_have_no_full_size_multiply():
+    """The LoRA scale acts on B (rank x out), so neither pass multiplies a (tokens x out) array (a full-size
+    memory pass per adapted matmul at Qwen-Image's size)."""
+    import jax
+    layer, x = _lora_linear(jnp.bfloat16, alpha=12.0)
+    graphdef, lora, rest = nnx.split(layer, LoRAParam, ...)
+
+    def loss(lora, x):
+        return jnp.sum(nnx.merge(graphdef, lora, rest)(x).astype(jnp.float32) ** 2)
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(lora, x)
+    full = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "mul" and e.outvars[0].aval.shape == (6, 40)
+            and e.outvars[0].aval.dtype == jnp.bfloat16]
+    assert not full, full

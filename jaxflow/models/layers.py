@@ -34,8 +34,11 @@ class Linear(nnx.Module):
         x = x.astype(self.dtype)
         y = x @ self.kernel.astype(self.dtype) + self.bias.astype(self.dtype)
         if self.lora_scaling is not None:
-            delta = (x @ self.lora_a.astype(self.dtype)) @ self.lora_b.astype(self.dtype)
-            y = y + delta * jnp.asarray(self.lora_scaling * lora_scale, self.dtype)
+            # The scale multiplies B (rank x out), not the (tokens x out) product as PEFT does: no full-size
+            # multiply forward or backward. Bit-identical to PEFT in any dtype when the scale is a power of two
+            # (alpha / rank = 2 in every recipe) or 0; otherwise one rounding fewer.
+            b = (self.lora_b[...] * (self.lora_scaling * lora_scale)).astype(self.dtype)
+            y = y + (x @ self.lora_a.astype(self.dtype)) @ b
         return y
 
 
