@@ -1,0 +1,16 @@
+"""Benchmark scripts' code paths at toy size on the CPU (their figures come from GPU runs, BENCHMARKS.md)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_attention_bench_writes_its_result_file(tmp_path):
+    subprocess.run([sys.executable, "scripts/bench_attention.py", "--tiny", "--out", str(tmp_path)], cwd=ROOT,
+                   check=True, capture_output=True, timeout=600)
+    record = json.loads((tmp_path / "attention_cudnn.json").read_text())
+    assert {"name", "command", "device", "date", "figures"} <= set(record)
+    figures = record["figures"]
+    assert figures["xla_no_mask_fwd_ms"] > 0 and figures["xla_no_mask_fwd_bwd_ms"] > 0
