@@ -14,9 +14,9 @@ The RL recipe is flow_grpo's SD3 OCR one (`general_ocr_sd3_1gpu`), not the Qwen-
 every step but the last is an SDE step and trained (window 9 of 10, noise 0.7), two optimizer updates per step,
 an EMA of the LoRA for the eval and the export; but beta = 0 (flow_grpo's is 0.04).
 A first GPU run with the Qwen recipe (window 2 in the high-noise steps [0, 5), noise 1.2, one update) held the
-held-out OCR flat (0.65 -> 0.59 in 20 steps) while its shuffled control fell to 0.34: the letters' shapes form in
-the low-noise steps that window never trained. This recipe raised it 0.606 -> 0.737 in 27 steps (8 minutes) while
-its control stayed at 0.611 (BENCHMARKS.md, "Mini OCR").
+held-out OCR flat (0.65 -> 0.59 in 20 steps) while its shuffled control fell to 0.34. This recipe raised it
+0.606 -> 0.737 in 27 steps (8 minutes) while its control stayed at 0.611. Windows tried since: the early steps
+0-4 alone rise about as much as all nine, the late steps 3-8 alone far less (BENCHMARKS.md, "Mini OCR").
 """
 from pathlib import Path
 

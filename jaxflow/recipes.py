@@ -45,8 +45,8 @@ def base() -> ml_collections.ConfigDict:
                    # float32 or a CPU: "save_matmuls"): 2.2% faster than save_matmuls (BENCHMARKS.md, train step)
                    remat="save_matmuls_stats",
                    # blocks per iteration of the scan over the 60 stacked blocks; >= 60 runs them unrolled, each
-                   # block's weights held as arrays of their own: 7.7% faster a train step, but 201 s to compile
-                   # instead of 16 (BENCHMARKS.md, train step, seventh run)
+                   # block's weights held as arrays of their own: 9.3% faster a train step, but 181 s to compile
+                   # instead of 16 (BENCHMARKS.md, train step, eighth run)
                    scan_unroll=1,
                    matmul_precision="auto",  # "highest" for float32 compute (true fp32 on GPUs, not TF32)
                    init="checkpoint")  # "random": base weights drawn from `seed` (bridge/contract/random_weights.py)
