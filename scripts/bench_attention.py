@@ -38,15 +38,13 @@ def per_call_ms(run, *args) -> float:
 
 def looped(fn, grad: bool):
     """LOOP calls of fn (or of its gradient) in one jit; each call's input depends on the last (nothing hoisted)."""
-    g = jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
+    if grad:
+        fn = jax.grad(lambda q, k, v, f=fn: jnp.sum(f(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
 
     @jax.jit
     def run(q, k, v):
         def body(c, _):
-            if grad:
-                dq, dk, dv = g(q + c, k, v)
-                return c + (dq[0, 0, 0, 0] + dk[0, 0, 0, 0] + dv[0, 0, 0, 0]) * 0, None
-            return c + fn(q + c, k, v)[0, 0, 0, 0] * 0, None
+            return c + sum(o[0, 0, 0, 0] for o in jax.tree.leaves(fn(q + c, k, v))) * 0, None
         return jax.lax.scan(body, jnp.zeros((), q.dtype), None, length=LOOP)[0]
     return run
 

@@ -1,4 +1,5 @@
 """Flax LoRA vs diffusers + PEFT, PEFT-format export/import, merge, adapters-off."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ from peft import LoraConfig, get_peft_model_state_dict
 
 from bridge.rollout.tiny import tiny_pipeline_path
 from jaxflow.models.config import QwenImageConfig
+from jaxflow.models.layers import Linear
 from jaxflow.models.loading import TensorSource, build_from_source, load_transformer, to_diffusers_state_dict
 from jaxflow.models.lora import LoRAParam, LoRASpec, lora_to_peft, peft_to_lora, read_peft, save_peft
 from tests.qwen_ref import TINY, inputs, state_dict_numpy, torch_forward, torch_model
@@ -118,7 +120,6 @@ def test_spec_refuses_unknown_targets_and_bad_rank():
 
 
 def _lora_linear(dtype, alpha, seed=0):
-    from jaxflow.models.layers import Linear
     layer = Linear(24, 40, axes=("embed", "mlp"), dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(seed),
                    lora=LoRASpec(rank=4, alpha=alpha))
     layer.lora_b[...] = 0.3 * jnp.asarray(np.random.default_rng(seed).normal(size=(4, 40)), jnp.float32)
@@ -139,7 +140,6 @@ def test_lora_scale_on_b_is_bit_identical_to_peft_for_power_of_two_scales(dtype,
 def test_lora_forward_and_backward_have_no_full_size_multiply():
     """The LoRA scale acts on B (rank x out), so neither pass multiplies a (tokens x out) array (a full-size
     memory pass per adapted matmul at Qwen-Image's size)."""
-    import jax
     layer, x = _lora_linear(jnp.bfloat16, alpha=12.0)
     graphdef, lora, rest = nnx.split(layer, LoRAParam, ...)
 
