@@ -11,7 +11,7 @@ from safetensors.numpy import save_file
 
 import bridge.rollout
 from bridge.rollout.pipeline import RolloutPipeline
-from bridge.rollout.sampling import Fp32Timestep, SamplingParams
+from bridge.rollout.sampling import DECODE_PIXELS, Fp32Timestep, SamplingParams, decode_batch
 from bridge.contract.schedule import sigma_schedule
 from bridge.rollout.sde import sde_step
 from bridge.rollout.server import create_rollout_server
@@ -22,6 +22,7 @@ SAMPLING = dict(height=40, width=72, num_inference_steps=4, true_cfg_scale=4.0, 
                 sde_window_range=(0, 3), max_sequence_length=64)
 SEEDS = [10, 11, 12, 13]
 GRID, S, C, W = (5, 9), 45, 64, 2  # a 40x72 image is a 5x9 packed grid with the tiny VAE (factor 4)
+SAMPLING_HW = (SAMPLING["height"], SAMPLING["width"])
 NO_CFG = SamplingParams(**{**SAMPLING, "true_cfg_scale": 1.0, "num_inference_steps": 3})
 
 
@@ -121,6 +122,23 @@ def test_batched_equals_separate_calls_with_cfg(pipe):
         np.testing.assert_allclose(one.log_probs[0], batched.log_probs[j], atol=1e-5)
         np.testing.assert_array_equal(one.step_index[0], batched.step_index[j])
         assert np.abs(one.images[0].astype(int) - batched.images[j]).max() <= 1
+
+
+def test_decode_calls_follow_the_pixel_budget(pipe, monkeypatch):
+    """Small images decode many to a VAE call (one call for this batch); full-size ones 4 at 512^2, 1 at 1024^2; the
+    images do not depend on how the batch was split."""
+    assert (decode_batch(512, 512), decode_batch(1024, 1024), decode_batch(64, 128)) == (4, 1, 128)
+    latents = torch.randn(5, S, C, generator=torch.Generator().manual_seed(0))
+    one_call = pipe.decode(latents, *SAMPLING_HW)
+    calls = []
+    original = pipe.vae.decode
+    monkeypatch.setattr(pipe.vae, "decode", lambda z, **kw: calls.append(len(z)) or original(z, **kw))
+    again = pipe.decode(latents, *SAMPLING_HW)
+    monkeypatch.setattr("bridge.rollout.sampling.DECODE_PIXELS", 2 * SAMPLING_HW[0] * SAMPLING_HW[1])
+    split = pipe.decode(latents, *SAMPLING_HW)
+    assert calls == [5, 2, 2, 1] and DECODE_PIXELS // (SAMPLING_HW[0] * SAMPLING_HW[1]) >= 5
+    np.testing.assert_array_equal(one_call, again)
+    assert np.abs(one_call.astype(int) - split).max() <= 1
 
 
 def test_ode_rollout_matches_stock_diffusers_pipeline(pipe):

@@ -27,7 +27,7 @@ from bridge.rollout.tensors import torch_to_numpy
 from bridge.contract.trajectory import TrajectoryBatch
 
 MAX_SEQUENCE_LENGTH = 1024  # diffusers' QwenImagePipeline.tokenizer_max_length
-DECODE_BATCH = 4  # samples per VAE decode call: 4x the memory of one at a time, a quarter of the calls
+DECODE_PIXELS = 4 * 512 * 512  # pixels per VAE decode call: 4 samples at 512^2 (bounded memory), 128 at 64x128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +115,11 @@ def per_sample_seeds(batch: int, seeds) -> np.ndarray:
         raise ValueError(f"seeds must be {batch} ints in [0, 2**63) (one per sample) or one base seed, "
                          f"got {seeds!r}")
     return np.asarray(seeds, np.int64)
+
+
+def decode_batch(height: int, width: int) -> int:
+    """Samples per VAE decode call: DECODE_PIXELS worth of images, at least one."""
+    return max(1, DECODE_PIXELS // (height * width))
 
 
 def _pad_text(embeds: list[torch.Tensor], length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,8 +224,8 @@ class SamplingLoop:
 
     @torch.inference_mode()
     def decode(self, latents: torch.Tensor, height: int, width: int) -> np.ndarray:
-        """(B, S, C) packed latents -> (B, H, W, 3) uint8, DECODE_BATCH samples a call: bounded memory at full
-        size, and for small images one call instead of one per sample (each VAE call launches ~90 modules)."""
+        """(B, S, C) packed latents -> (B, H, W, 3) uint8, `decode_batch(height, width)` samples a call: bounded
+        memory at full size, and few calls for small images (each VAE call launches ~90 modules)."""
         f = self.vae_scale_factor
         h, w = height // (2 * f), width // (2 * f)
         z_dim = self.vae.config.z_dim
@@ -228,7 +233,7 @@ class SamplingLoop:
                  for k in ("latents_mean", "latents_std")]
         mean, inv_std = stats[0], 1.0 / stats[1]
         images = []
-        for x in latents.split(DECODE_BATCH):
+        for x in latents.split(decode_batch(height, width)):
             b = len(x)
             z = x.reshape(b, h, w, z_dim, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, z_dim, 1, 2 * h, 2 * w)
             z = z.to(self.device, self.vae.dtype) / inv_std + mean  # diffusers' order of operations
