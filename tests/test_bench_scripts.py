@@ -14,3 +14,12 @@ def test_attention_bench_writes_its_result_file(tmp_path):
     assert {"name", "command", "device", "date", "figures"} <= set(record)
     figures = record["figures"]
     assert figures["xla_no_mask_fwd_ms"] > 0 and figures["xla_no_mask_fwd_bwd_ms"] > 0
+
+
+def test_pallas_gemm_bench_writes_its_result_file(tmp_path):
+    run = subprocess.run([sys.executable, "scripts/bench_pallas_gemm.py", "--tiny", "--out", str(tmp_path)], cwd=ROOT,
+                         check=True, capture_output=True, text=True, timeout=600)
+    assert "pallas: skipped, the Hopper kernel needs an H100 or H200" in run.stdout  # CPU: the XLA columns only
+    figures = json.loads((tmp_path / "pallas_gemm.json").read_text())["figures"]
+    assert set(figures) == {f"{c}_64x32x128" for c in ("xla", "xla+c", "xla_notriton", "xla_bT_notriton")}
+    assert all(v > 0 for v in figures.values())
