@@ -16,8 +16,9 @@ an EMA of the LoRA for the eval and the export; but beta = 0 (flow_grpo's is 0.0
 A first GPU run with the Qwen recipe (window 2 in the high-noise steps [0, 5), noise 1.2, one update) held the
 held-out OCR flat (0.65 -> 0.59 in 20 steps) while its shuffled control fell to 0.34. This recipe raised it
 0.606 -> 0.737 in 27 steps (8 minutes) while its control stayed at 0.611. Windows tried since: the early steps
-0-4 alone rise about as much as all nine, the late steps 3-8 alone far less (BENCHMARKS.md, "Mini OCR").
-"""
+0-4 alone rise about as much as all nine or less, the late steps 3-8 alone far less (BENCHMARKS.md, "Mini OCR").
+Alone on the GPU (scripts/mini_ocr.sh with SIDE_BY_SIDE=0) about 100 steps fit in 7.5 minutes; the rise stayed
+about +0.12-0.135, and the shuffled control showed the updates to be mostly noise (same file)."""
 from pathlib import Path
 
 from jaxflow.recipes import base, tiny
@@ -36,15 +37,17 @@ def get_config(variant: str = ""):
     c.lora.rank, c.lora.alpha = 32, 64.0
     c.rollout.update(device="cuda", num_gpus=1.0, in_process=True)
     c.model.matmul_precision = "default"
+    # one rollout call a step (192 images): faster steps than 4 calls whose OCR overlaps the next call's rollout,
+    # 1.4x side by side and 4.1 s a step alone on the GPU (BENCHMARKS.md, "Mini OCR", attempts 8 and 13)
     c.sample.update(height=64, width=128, num_steps=10, guidance=4.0, noise_level=0.7, window_size=9,
                     window_range=(0, 9), max_sequence_length=32, prompts_per_step=16, group_size=12,
-                    prompts_per_call=4)  # the OCR of a chunk overlaps the rollout of the next
+                    prompts_per_call=16)
     # the eval and lora_final use the LoRA's EMA (flow_grpo's OCR recipe evaluates an EMA): about the last 20 updates
     c.train.update(num_steps=50, learning_rate=3e-4, beta=0.0, num_mini_batches=2, old_log_prob="recompute",
                    ema_decay=0.95)
     c.reward.fns = {"ocr_shuffled": 1.0} if variant else {"ocr": 1.0}
     # the OCR of 192 small images a step, beside the control on 16 cores: 8 engines of 1 thread each (the reward
-    # pool scores each chunk of 48 in 8 pieces at once)
+    # pool scores the step's images in 8 pieces at once; alone on the GPU, --config.reward.workers=12)
     c.reward.update(workers=8, options={"ocr": {"num_threads": 1}, "ocr_shuffled": {"num_threads": 1}})
     c.data = dict(train=str(DATA / "train.txt"), test=str(DATA / "test.txt"))
     c.eval.update(every=10, num_prompts=64, num_steps=10, guidance=4.0)

@@ -17,8 +17,9 @@
 #   loss (0.156, OCR 0); 32x64 crops 16 a step: 6000 steps in 188 s, loss 1.4e-4, OCR of reconstructions 1.000.
 #   encode 20 s. pretrain: ~35 ms a step of 256 (1000 steps ~1 min with compilation). eval (200 prompts, 10 ODE
 #   steps, OCR) ~30 s each. rl (window 9, two updates): the first step ~50 s (the train step compiles), then 8 s a
-#   step with the control beside it (one OCR engine per reward thread); RL_STEPS=100 RL_TIMEOUT=450 gave 44-46
-#   steps, +0.07..+0.12 held-out OCR
+#   step with the control beside it (4 rollout calls a step; one OCR engine per reward thread): RL_STEPS=100
+#   RL_TIMEOUT=450 gave 44-46 steps, +0.07..+0.12 held-out OCR. Alone on the GPU (SIDE_BY_SIDE=0 POOL=0.5), one
+#   rollout call a step and 12 reward workers: 3.7-4.1 s a step, 85-101 steps, +0.12..+0.135
 #   (measured, BENCHMARKS.md "Mini OCR"). RL_RESUME=1 continues a cut run.
 # Knobs (env): PRETRAIN_STEPS (default 1000; fewer if the "before" OCR is near 1: RL needs room), PRETRAIN_MINUTES
 # (time cap, default 9), VAE_STEPS (default 6000), VAE_MINUTES (time cap, default 5), RL_STEPS (default 50,
