@@ -5,8 +5,8 @@
 
 The question it answers: would a custom GEMM kernel (one that also folds in the LoRA terms, which XLA leaves to
 separate memory-bound GEMMs) lose on the full-size GEMM itself? The kernel is `hopper_matmul_mgpu` as shipped in
-jax.experimental.pallas.ops.gpu, at a few tilings. Columns (TFLOP/s; LOOP calls per jit as a lax.scan over a stack
-of A, best of REPEATS, as scripts/gemm_ceiling.py):
+jax.experimental.pallas.ops.gpu, at a few tilings. Columns (TFLOP/s; timed as scripts/gemm_ceiling.py times JAX:
+LOOP calls per jit as a lax.scan over a stack of A, best of REPEATS):
 - xla: `a @ b` at XLA's default flags; xla+c: `a @ b + c` (a full-size addend);
 - xla_notriton: the recipe's flag (xla_gpu_enable_triton_gemm=false); xla_bT_notriton: `a @ w.T` with w stored
   (N, K), the orientation of the backward's input gradient;
@@ -15,40 +15,23 @@ of A, best of REPEATS, as scripts/gemm_ceiling.py):
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gemm_ceiling import LOOP, best_seconds, looped  # noqa: E402
 from results import write_result  # noqa: E402
 
 SHAPES = ((9216, 3072, 12288), (9216, 12288, 3072), (9216, 3072, 3072))
 TINY_SHAPES = ((64, 32, 128),)
-LOOP, REPEATS = 20, 5
 NOTRITON = {"xla_gpu_enable_triton_gemm": False}
 # (tile_m, tile_n, tile_k, max_concurrent_steps, grid_minor_dim, grid_tile_width, wg_dimension, cluster_dimension)
 TILINGS = ((128, 128, 64, 4, "N", 8, "N", None), (128, 128, 64, 4, "M", 8, "N", None),
            (128, 128, 64, 4, "M", 16, "N", None), (128, 128, 64, 4, "N", 8, "N", "M"),
            (128, 128, 64, 4, "M", 8, "N", "N"))
-
-
-def best_seconds(f, *args, repeats: int = REPEATS) -> float:
-    jax.block_until_ready(f(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
-def looped(fn):
-    """jit of a lax.scan applying fn(x, *rest) to each x of a stacked first argument."""
-    return jax.jit(lambda a, *rest: jax.lax.scan(lambda s, x: (s, fn(x, *rest)), 0, a)[1])
 
 
 def pallas_matmuls():

@@ -28,6 +28,22 @@ TINY_SHAPES = ((64, 64, 64), (96, 32, 128))
 LOOP, REPEATS = 20, 5
 
 
+def best_seconds(f, *args, repeats: int = REPEATS) -> float:
+    """Best wall time of f(*args) over `repeats` calls after one warm-up (compilation) call."""
+    jax.block_until_ready(f(*args))
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def looped(fn):
+    """jit of a lax.scan applying fn(x, *rest) to each x of a stacked first argument."""
+    return jax.jit(lambda a, *rest: jax.lax.scan(lambda s, x: (s, fn(x, *rest)), 0, a)[1])
+
+
 def jax_tflops(m: int, k: int, n: int, loop: int = LOOP, repeats: int = REPEATS, unrolled: bool = False) -> float:
     """`unrolled`: the LOOP matmuls written out in one jit on LOOP separate operands (no while loop, no slicing);
     otherwise a lax.scan over one stacked operand."""
@@ -37,14 +53,8 @@ def jax_tflops(m: int, k: int, n: int, loop: int = LOOP, repeats: int = REPEATS,
         a = [a[i] for i in range(loop)]
         f = jax.jit(lambda a, b: [x @ b for x in a])
     else:
-        f = jax.jit(lambda a, b: jax.lax.scan(lambda c, x: (c, x @ b), 0, a)[1])
-    jax.block_until_ready(f(a, b))
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(f(a, b))
-        best = min(best, time.perf_counter() - t)
-    return 2 * m * k * n * loop / best / 1e12
+        f = looped(lambda x, b: x @ b)
+    return 2 * m * k * n * loop / best_seconds(f, a, b, repeats=repeats) / 1e12
 
 
 def torch_tflops(m: int, k: int, n: int, loop: int = LOOP, repeats: int = REPEATS) -> float | None:
