@@ -70,6 +70,8 @@ def validate(cfg: ConfigDict) -> None:
                                     f"{tuple(s.window_range)}")
     if s.sde_type not in ("sde", "cps"):
         _fail("sample.sde_type", f"{s.sde_type!r}: training needs 'sde' or 'cps'")
+    if not isinstance(s.same_latent, bool):
+        _fail("sample.same_latent", f"{s.same_latent!r} must be a bool: pass True or False")
     train_config(cfg, grid_hw=(1, 1))
     unknown = sorted(set(cfg.reward.fns) - set(REGISTRY))
     if unknown or not cfg.reward.fns:
@@ -129,8 +131,9 @@ def sampling(cfg, *, eval_mode: bool = False) -> dict:
     s = cfg.sample
     d = dict(height=s.height, width=s.width, num_inference_steps=s.num_steps, true_cfg_scale=s.guidance,
              negative_prompt=s.negative_prompt, max_sequence_length=s.max_sequence_length, sde_type=s.sde_type,
-             noise_level=s.noise_level, sde_window_size=s.window_size, sde_window_range=tuple(s.window_range))
+             noise_level=s.noise_level, sde_window_size=s.window_size, sde_window_range=tuple(s.window_range),
+             same_latent=s.same_latent)
     if eval_mode:
         d.update(num_inference_steps=cfg.eval.num_steps, true_cfg_scale=cfg.eval.guidance, sde_type="ode",
-                 noise_level=0.0, sde_window_size=None)
+                 noise_level=0.0, sde_window_size=None, same_latent=False)
     return d

@@ -57,6 +57,7 @@ def base() -> ml_collections.ConfigDict:
                      compile=False)  # diffusers engine: torch.compile the transformer block
     c.sample = dict(height=512, width=512, num_steps=10, guidance=4.0, noise_level=1.2, sde_type="sde",
                     window_size=2, window_range=(0, 5), negative_prompt=" ",
+                    same_latent=False,  # True: a prompt group shares its initial noise (flow_grpo's same_latent)
                     max_sequence_length=128,  # the longest OCR prompt has 74 tokens; the train step pads text to this
                     prompts_per_step=32, group_size=16, prompts_per_call=4)
     c.train = dict(num_steps=300, num_micro_batches=32, learning_rate=3e-4, clip_range=1e-4, adv_clip=5.0,

@@ -16,6 +16,7 @@ def cli(*args):
 @pytest.mark.parametrize("args, needle", [
     (["--config.train.lerning_rate=1e-3"], 'Did you mean "learning_rate"'),
     (["--config.train.learning_rate=abc"], "could not convert"),
+    (["--config.sample.same_latent=maybe"], "Non-boolean argument"),
     (["--config=configs/nope.py"], "configs/nope.py"),
     (["--config.model.path=/nonexistent/qwen"], "configs/tiny_ocr.py"),
     (["--resme"], "resume"),

@@ -124,6 +124,24 @@ def test_batched_equals_separate_calls_with_cfg(pipe):
         assert np.abs(one.images[0].astype(int) - batched.images[j]).max() <= 1
 
 
+def test_same_latent_shares_a_groups_initial_noise_but_not_its_step_noise(pipe):
+    """2 prompts x 3 samples, window from step 0 (latents[:, 0] is the initial noise): with same_latent a group
+    starts from its first sample's noise, its samples still diverge, and that first sample is unchanged."""
+    sampling = {**SAMPLING, "true_cfg_scale": 1.0, "num_inference_steps": 3, "sde_window_size": None}
+    seeds = [30, 31, 32, 33, 34, 35]
+    shared = pipe.generate(PROMPTS, 3, SamplingParams(**sampling, same_latent=True), seeds=seeds)
+    plain = pipe.generate(PROMPTS, 3, SamplingParams(**sampling), seeds=seeds)
+    start = shared.latents[:, 0]
+    for g in (0, 3):
+        np.testing.assert_array_equal(start[g:g + 3], np.broadcast_to(start[g], start[g:g + 3].shape))
+        assert not np.allclose(shared.latents[g, -1], shared.latents[g + 1, -1])  # per-sample step noise
+        assert not np.array_equal(shared.images[g], shared.images[g + 1])
+        assert not np.allclose(plain.latents[g, 0], plain.latents[g + 1, 0])
+    assert not np.allclose(start[0], start[3])
+    for field in ("latents", "log_probs"):  # a group's first sample: the same bytes in, the same bytes out
+        np.testing.assert_array_equal(getattr(shared, field)[::3], getattr(plain, field)[::3])
+
+
 def test_decode_calls_follow_the_pixel_budget(pipe, monkeypatch):
     """Small images decode many to a VAE call (one call for this batch); full-size ones 4 at 512^2, 1 at 1024^2; the
     images do not depend on how the batch was split."""
@@ -222,6 +240,7 @@ def test_fp32_timestep_equals_stock_diffusers_in_fp32_and_skips_bf16_rounding(ti
     (dict(seeds=[1, 2]), r"seeds must be 4 ints"),
     (dict(sde_type="dance"), "sde_type must be one of"),
     (dict(sde_window_size=4), "SDE window size 4 must be in"),
+    (dict(same_latent=1), "same_latent must be a bool"),
 ])
 def test_invalid_requests_fail_before_any_model_runs(pipe, monkeypatch, change, message):
     def untouchable(*args, **kwargs):

@@ -85,6 +85,17 @@ def test_vllm_omni_takes_random_init_in_bf16_and_no_compile(tmp_path):
         config_lib.validate(cfg)
 
 
+def test_same_latent_is_a_bool_and_reaches_the_rollout(tmp_path):
+    from bridge.rollout.sampling import SamplingParams
+    cfg = tiny_config(tmp_path)
+    cfg.sample.same_latent = True
+    assert SamplingParams.from_dict(config_lib.sampling(cfg)).same_latent
+    assert not config_lib.sampling(cfg, eval_mode=True)["same_latent"]  # eval: one sample per prompt
+    cfg.sample.same_latent = None  # ConfigDict refuses an int here, not None
+    with pytest.raises(ValueError, match=r"sample\.same_latent: None must be a bool"):
+        config_lib.validate(cfg)
+
+
 def test_jax_on_cpu_with_a_cuda_rollout_is_refused(tmp_path, monkeypatch):
     import jax
 

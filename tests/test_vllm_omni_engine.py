@@ -37,10 +37,14 @@ def test_sampling_split_and_round_trip():
                            "max_sequence_length", "num_outputs_per_prompt", "extra_args"}
     assert kwargs["num_outputs_per_prompt"] == 2 and kwargs["height"] == 16 and kwargs["true_cfg_scale"] == 4.0
     assert kwargs["extra_args"] == {"noise_level": 1.2, "sde_type": "sde", "sde_window_size": 1,
-                                    "sde_window_range": [0, 2], "seeds": SEEDS, "policy_version": 7}
+                                    "sde_window_range": [0, 2], "same_latent": False, "seeds": SEEDS,
+                                    "policy_version": 7}
     params = omni_params(kwargs)
     assert vop.is_rollout_request(params)
     assert vop.decode_request([prompt], params) == ("a red fox", SAMPLING, 2, SEEDS, 7)
+    shared = dataclasses.replace(SAMPLING, same_latent=True)
+    _, kwargs = vop.encode_request("a red fox", shared, SEEDS, policy_version=7)
+    assert vop.decode_request([prompt], omni_params(kwargs))[1] == shared
     with pytest.raises(ValueError, match="one prompt dict"):
         vop.decode_request([prompt, prompt], params)
 

@@ -8,7 +8,8 @@ B = len(prompts) * n samples, prompt-major (sample b belongs to prompt b // n, i
   right-padded to one length when true CFG is on (cfg > 1), combined with per-token norm rescale;
 - sigma reaches the timestep embedding in float32 (`Fp32Timestep`), latents stay float32 between steps;
 - initial and step noise come from one CPU `torch.Generator` per sample seeded by that sample's seed, drawn
-  every step for every sample, so a sample does not depend on its batch;
+  every step for every sample, so a sample does not depend on its batch; with `same_latent` every sample of a
+  group starts from its group's first sample's initial noise (step noise stays per sample);
 - the schedule, SDE windows and the SDE/CPS/ODE step are `bridge.rollout.sde`.
 Never imports JAX.
 """
@@ -45,6 +46,10 @@ class SamplingParams:
     sde_window_size: int | None = 2  # None or 0: every step but the last
     sde_window_range: tuple[int, int] = (0, 5)
     seed: int = 0  # base seed when generate() gets no per-sample seeds
+    # flow_grpo's same_latent: a group's samples start from its first sample's initial noise. That noise is no
+    # action the policy trains on; sharing it removes reward variance the advantages cannot credit to the
+    # trained steps (a state-dependent baseline)
+    same_latent: bool = False
 
     @classmethod
     def from_dict(cls, d: dict | None) -> SamplingParams:
@@ -162,6 +167,8 @@ class SamplingLoop:
                              f"{self.vae_scale_factor}), got {sampling.height}x{sampling.width}")
         if sampling.sde_type not in SDE_TYPES:
             raise ValueError(f"sde_type must be one of {SDE_TYPES}, got {sampling.sde_type!r}")
+        if not isinstance(sampling.same_latent, bool):
+            raise ValueError(f"same_latent must be a bool (True or False), got {sampling.same_latent!r}")
         if sampling.noise_level < 0:
             raise ValueError(f"noise_level must be >= 0, got {sampling.noise_level}")
         if not 1 <= sampling.max_sequence_length <= MAX_SEQUENCE_LENGTH:
@@ -264,6 +271,8 @@ class SamplingLoop:
         gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
         noise = torch.stack([torch.randn(grid[0] * grid[1], self.transformer.config.in_channels, generator=g)
                              for g in gens])
+        if sp.same_latent:  # after every generator drew its own: each sample's step noise stays as it was
+            noise = noise[torch.from_numpy(np.repeat(np.arange(len(prompts)) * n, n))]
         final, latents, log_probs = self._denoise(noise.to(self.device), sigmas, starts, gens, sp, text, grid)
         neg = text[2:] or (None, None)
         return TrajectoryBatch(

@@ -41,7 +41,7 @@ WORKER_EXTENSION_CLASS = f"{__name__}.RolloutWorkerExtension"
 PAYLOAD_KEY = "rollout"  # our entry in DiffusionOutput.custom_output
 # SamplingParams fields carried by OmniDiffusionSamplingParams attributes, and those carried in its extra_args.
 PARAM_FIELDS = ("height", "width", "num_inference_steps", "true_cfg_scale", "max_sequence_length", "seed")
-EXTRA_FIELDS = ("noise_level", "sde_type", "sde_window_size", "sde_window_range")
+EXTRA_FIELDS = ("noise_level", "sde_type", "sde_window_size", "sde_window_range", "same_latent")
 
 
 # ------------------------------------------------------------------------------------------ request codec
