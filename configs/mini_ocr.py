@@ -12,7 +12,9 @@ recomputed by the trainer, so the ratio's reference is its own).
 
 The RL recipe is flow_grpo's SD3 OCR one (`general_ocr_sd3_1gpu`), not the Qwen-Image speed recipe of base():
 every step but the last is an SDE step and trained (window 9 of 10, noise 0.7), two optimizer updates per step,
-an EMA of the LoRA for the eval and the export; but beta = 0 (flow_grpo's is 0.04).
+an EMA of the LoRA for the eval and the export; but beta = 0 (flow_grpo's is 0.04). A prompt's 12 samples share
+their initial noise (`sample.same_latent`): it is no trained action, and sharing it took the rise from about
++0.12-0.135 to +0.159 and +0.189 on two pipelines (BENCHMARKS.md, "Mini OCR", attempts 15-16).
 A first GPU run with the Qwen recipe (window 2 in the high-noise steps [0, 5), noise 1.2, one update) held the
 held-out OCR flat (0.65 -> 0.59 in 20 steps) while its shuffled control fell to 0.34. This recipe raised it
 0.606 -> 0.737 in 27 steps (8 minutes) while its control stayed at 0.611. Windows tried since: the early steps
@@ -41,7 +43,7 @@ def get_config(variant: str = ""):
     # 1.4x side by side and 4.1 s a step alone on the GPU (BENCHMARKS.md, "Mini OCR", attempts 8 and 13)
     c.sample.update(height=64, width=128, num_steps=10, guidance=4.0, noise_level=0.7, window_size=9,
                     window_range=(0, 9), max_sequence_length=32, prompts_per_step=16, group_size=12,
-                    prompts_per_call=16)
+                    prompts_per_call=16, same_latent=True)
     # the eval and lora_final use the LoRA's EMA (flow_grpo's OCR recipe evaluates an EMA): about the last 20 updates
     c.train.update(num_steps=50, learning_rate=3e-4, beta=0.0, num_mini_batches=2, old_log_prob="recompute",
                    ema_decay=0.95)

@@ -19,8 +19,9 @@
 #   steps, OCR) ~30 s each. rl (window 9, two updates): the first step ~50 s (the train step compiles), then 8 s a
 #   step with the control beside it (4 rollout calls a step; one OCR engine per reward thread): RL_STEPS=100
 #   RL_TIMEOUT=450 gave 44-46 steps, +0.07..+0.12 held-out OCR. Alone on the GPU (SIDE_BY_SIDE=0 POOL=0.5), one
-#   rollout call a step and 12 reward workers: 3.7-4.1 s a step, 85-101 steps, +0.12..+0.135
-#   (measured, BENCHMARKS.md "Mini OCR"). RL_RESUME=1 continues a cut run.
+#   rollout call a step and 12 reward workers: 3.3-4.1 s a step, 85-114 steps, +0.12..+0.135; with a group's
+#   samples sharing their initial noise (configs/mini_ocr.py) +0.159 and +0.189 (measured, BENCHMARKS.md
+#   "Mini OCR"). RL_RESUME=1 continues a cut run.
 # Knobs (env): PRETRAIN_STEPS (default 1000; fewer if the "before" OCR is near 1: RL needs room), PRETRAIN_MINUTES
 # (time cap, default 9), VAE_STEPS (default 6000), VAE_MINUTES (time cap, default 5), RL_STEPS (default 50,
 # configs/mini_ocr.py), RL_ARGS (more --config overrides of both RL runs), EVAL_NUM (200), RL_TIMEOUT (seconds: stop an RL run there; it checkpoints every 10 steps)
