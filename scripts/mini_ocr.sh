@@ -9,8 +9,9 @@
 #   ONLY="data vae encode" bash scripts/mini_ocr.sh OUT   # only these steps (commands capped at 10 minutes);
 #   steps: data vae encode pretrain eval_before eval_before_train rl rl_control eval_after eval_after_train
 #   eval_control result
-# SIDE_BY_SIDE=1 (default) runs the two evals before, the RL run and its control, and the three evals after, side
-# by side on the one GPU (the control then costs no extra wall time); SIDE_BY_SIDE=0 runs them one at a time.
+# SIDE_BY_SIDE=0 (default) runs the evals, the RL run and its control one at a time, each alone on the GPU (about
+# twice the steps per minute); SIDE_BY_SIDE=1 runs the two evals before, the RL run and its control, and the three
+# evals after side by side on the one GPU.
 #
 # H200 estimates (from FLOPs counted on the CPU with torch's FlopCounterMode, except where measured):
 #   data 15 s (measured). vae: whole signs, 64 a step, ran 0.11 s a step (measured) but stalled at the blank-sign
@@ -23,8 +24,8 @@
 #   samples sharing their initial noise (configs/mini_ocr.py) +0.159 and +0.189 (measured, BENCHMARKS.md
 #   "Mini OCR"). RL_RESUME=1 continues a cut run.
 # Knobs (env): PRETRAIN_STEPS (default 1000; fewer if the "before" OCR is near 1: RL needs room), PRETRAIN_MINUTES
-# (time cap, default 9), VAE_STEPS (default 6000), VAE_MINUTES (time cap, default 5), RL_STEPS (default 50,
-# configs/mini_ocr.py), RL_ARGS (more --config overrides of both RL runs), EVAL_NUM (200), RL_TIMEOUT (seconds: stop an RL run there; it checkpoints every 10 steps)
+# (time cap, default 9), VAE_STEPS (default 6000), VAE_MINUTES (time cap, default 5), RL_STEPS (default: configs/mini_ocr.py's
+# 110), RL_ARGS (more --config overrides of both RL runs), EVAL_NUM (200), RL_TIMEOUT (seconds: stop an RL run there; it checkpoints every 10 steps)
 # RL_RESUME=1 (continue such a run: ONLY="rl rl_control" RL_RESUME=1 ...), and POOL (each trainer's JAX memory
 # fraction of the GPU: 0.3 side by side, 0.5 alone; lower it when more runs share the GPU). A run cut by RL_TIMEOUT exports the
 # LoRA of its newest checkpoint as lora_final (the evals after use it; mini_ocr.json counts the steps it has).
@@ -54,11 +55,11 @@ else
   # held-out OCR after 600 / 1000 / 1500 / 6000 steps (H200, 2026-11-23): 0.06 / 0.65 / 0.91 / 1.00; RL needs room
   PRE=(--steps "${PRETRAIN_STEPS:-1000}" --batch 256 --dtype bfloat16 --ema 0.99 --max-minutes "${PRETRAIN_MINUTES:-9}")
   EVAL=(--num "${EVAL_NUM:-200}" --steps 10 --device cuda)
-  RL=(--config.train.num_steps="${RL_STEPS:-50}" ${RL_ARGS:-})  # RL_ARGS: more --config overrides
+  RL=(${RL_STEPS:+--config.train.num_steps=$RL_STEPS} ${RL_ARGS:-})  # RL_ARGS: more --config overrides
   # one GPU shared by JAX and the in-process torch engine: a fixed JAX pool (README, "Running for real"); with
-  # SIDE_BY_SIDE two trainers share it, each with 0.3
+  # SIDE_BY_SIDE two trainers share it, each with 0.3 (and fewer reward workers: RL_ARGS=--config.reward.workers=7)
   pool=0.5
-  [[ "${SIDE_BY_SIDE:-1}" == 1 ]] && pool=0.3
+  [[ "${SIDE_BY_SIDE:-0}" == 1 ]] && pool=0.3
   export XLA_PYTHON_CLIENT_PREALLOCATE=true XLA_CLIENT_MEM_FRACTION=${POOL:-$pool}
 fi
 
@@ -72,8 +73,8 @@ step() {  # step NAME COMMAND...: run, time, log (skipped when ONLY is set and d
 }
 
 pids=()
-together() {  # together COMMAND...: in the background under SIDE_BY_SIDE (default 1), else now; `join` waits
-  if [[ "${SIDE_BY_SIDE:-1}" == 1 ]]; then "$@" & pids+=($!); else "$@"; fi
+together() {  # together COMMAND...: in the background under SIDE_BY_SIDE=1, else now; `join` waits
+  if [[ "${SIDE_BY_SIDE:-0}" == 1 ]]; then "$@" & pids+=($!); else "$@"; fi
 }
 join() {  # wait for every `together` command; fail if any failed
   local p rc=0
