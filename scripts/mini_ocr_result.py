@@ -7,7 +7,7 @@ OUT/rl/metrics.jsonl and OUT/rl_control/metrics.jsonl (the two FlowGRPO runs), O
 OUT/vae_report.json.
 Figures: ocr_before/_se, ocr_after/_se, ocr_control_after/_se, ocr_rise (after - before) and its standard error,
 ocr_train_before/after (the same on train words, which RL trains on), rl_steps, rl_minutes (the wall time of the
-RL command); the per-step reward curves go in as extra fields.
+RL command); the per-step reward curves and a prompt-by-prompt breakdown (`breakdown`) go in as extra fields.
 """
 from __future__ import annotations
 
@@ -47,6 +47,21 @@ def eval_curve(run: Path) -> list[list]:
     return [[r["step"], round(float(r["eval_reward_mean"]), 4)] for r in rows(run) if "eval_reward_mean" in r]
 
 
+def breakdown(before: list[float], after: list[float]) -> dict:
+    """Prompt by prompt (the same prompts in the same order): how many score 0, in between and 1 before and after,
+    and how many rose, fell or stayed. OCR scores are 1 - edit distance / length, so 0 and 1 are exact."""
+    if len(before) != len(after):
+        raise ValueError(f"before has {len(before)} scores and after {len(after)}: evaluate the same prompts")
+
+    def levels(scores):
+        return dict(zero=sum(s == 0 for s in scores), partial=sum(0 < s < 1 for s in scores),
+                    perfect=sum(s == 1 for s in scores))
+
+    pairs = list(zip(before, after))
+    return dict(before=levels(before), after=levels(after), rose=sum(a > b for b, a in pairs),
+                fell=sum(a < b for b, a in pairs), same=sum(a == b for b, a in pairs))
+
+
 def plot(curves: dict[str, list[float]], path: Path, size=(480, 240), pad=30) -> None:
     """Train reward per step (y from 0 to 1), one line per run; RL red, control blue."""
     w, h = size
@@ -81,6 +96,8 @@ def main(argv=None) -> None:
                    eval_prompts=ev["before"]["n"], rl_steps=len(curves["rl"]), rl_minutes=a.rl_seconds / 60)
     extra = dict(reward_curve=curves["rl"], control_reward_curve=curves["rl_control"],
                  eval_curve=eval_curve(a.out / "rl"), control_eval_curve=eval_curve(a.out / "rl_control"),
+                 prompts=dict(rl=breakdown(ev["before"]["scores"], ev["after"]["scores"]),
+                              control=breakdown(ev["before"]["scores"], ev["control"]["scores"])),
                  ocr_clean_renders=json.loads((a.out / "data" / "ocr_clean.json").read_text()),
                  vae=json.loads((a.out / "vae_report.json").read_text()))
     path = write_result(a.out, "mini_ocr", figures, extra=extra)

@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -23,3 +25,14 @@ def test_pallas_gemm_bench_writes_its_result_file(tmp_path):
     figures = json.loads((tmp_path / "pallas_gemm.json").read_text())["figures"]
     assert set(figures) == {f"{c}_64x32x128" for c in ("xla", "xla+c", "xla_notriton", "xla_bT_notriton")}
     assert all(v > 0 for v in figures.values())
+
+
+def test_mini_ocr_breakdown_counts_prompts_by_score_and_change():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from mini_ocr_result import breakdown
+
+    before, after = [0.0, 0.0, 0.5, 1.0, 0.75], [0.0, 0.25, 1.0, 0.75, 0.75]
+    assert breakdown(before, after) == dict(before=dict(zero=2, partial=2, perfect=1),
+                                            after=dict(zero=1, partial=3, perfect=1), rose=2, fell=1, same=2)
+    with pytest.raises(ValueError, match="evaluate the same prompts"):
+        breakdown(before, after[:4])
