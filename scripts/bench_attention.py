@@ -13,27 +13,22 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gemm_ceiling import REPEATS, best_seconds  # noqa: E402
 from results import write_result  # noqa: E402
 
 SHAPE, TINY_SHAPE = (8, 1152, 24, 128), (2, 40, 2, 16)
-LOOP, REPEATS = 10, 5
+LOOP = 10
 
 
 def per_call_ms(run, *args) -> float:
-    jax.block_until_ready(run(*args))
-    best = float("inf")
-    for _ in range(REPEATS):
-        t = time.perf_counter()
-        jax.block_until_ready(run(*args))
-        best = min(best, time.perf_counter() - t)
-    return best / LOOP * 1e3
+    """Milliseconds per attention: the best of REPEATS timed calls of `run` (LOOP attentions each)."""
+    return best_seconds(run, *args) / LOOP * 1e3
 
 
 def looped(fn, grad: bool):
