@@ -27,6 +27,15 @@ def test_pallas_gemm_bench_writes_its_result_file(tmp_path):
     assert all(v > 0 for v in figures.values())
 
 
+def test_lora_gemm_bench_writes_its_result_file(tmp_path):
+    run = subprocess.run([sys.executable, "scripts/bench_lora_gemm.py", "--tiny", "--out", str(tmp_path)], cwd=ROOT,
+                         check=True, capture_output=True, text=True, timeout=600)
+    assert "fused: skipped, the kernel needs an H100 or H200" in run.stdout  # CPU: the XLA columns only
+    figures = json.loads((tmp_path / "lora_gemm.json").read_text())["figures"]
+    assert set(figures) == {f"{c}_{n}_ms_128x128x256" for c in ("fwd", "bwd") for n in ("base", "xla")}
+    assert all(v > 0 for v in figures.values())
+
+
 def test_mini_ocr_breakdown_counts_prompts_by_score_and_change():
     sys.path.insert(0, str(ROOT / "scripts"))
     from mini_ocr_result import breakdown

@@ -1,0 +1,127 @@
+"""The fused LoRA GEMM's contract on a CPU: its custom VJP (with an XLA stand-in for the Hopper kernel), the model's
+wiring of model.lora_gemm, the kernel's shape checks and tile walk. The kernel itself runs only on an H100/H200
+(scripts/bench_lora_gemm.py checks it against an fp32 reference there)."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxflow.models import layers
+from jaxflow.models.config import ModelOptions, QwenImageConfig
+from jaxflow.models.lora import LoRASpec
+from jaxflow.models.lora_gemm import Tiling, _tile_order, check_shapes, lora_linear, lora_matmul, smem_bytes
+from jaxflow.models.transformer import QwenImageTransformer
+from tests.qwen_ref import TINY
+
+
+def xla_matmul(x, w, u, v, bias=None, *, transposed=False, marker=False):
+    """lora_matmul's contract in XLA ops; `marker` names the result by orientation so a jaxpr shows each call."""
+    y = x @ (w.T if transposed else w) + u @ (v.T if transposed else v)
+    y = y if bias is None else y + bias
+    return checkpoint_name(y, "fused_bwd" if transposed else "fused_fwd") if marker else y
+
+
+def _operands(m=24, k=16, n=12, r=4, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 6)
+    return (jax.random.normal(ks[0], (m, k)), jax.random.normal(ks[1], (k, n)), jax.random.normal(ks[2], (n,)),
+            jax.random.normal(ks[3], (k, r)), jax.random.normal(ks[4], (r, n)))
+
+
+def test_custom_vjp_matches_autodiff_of_the_plain_linear():
+    x, w, bias, a, b = _operands()
+    plain = lambda x, a, b: jnp.sum(jnp.sin(x @ w + bias + (x @ a) @ b))  # noqa: E731
+    fused = lambda x, a, b: jnp.sum(jnp.sin(lora_linear(x, w, bias, a, b, xla_matmul)))  # noqa: E731
+    np.testing.assert_allclose(fused(x, a, b), plain(x, a, b), rtol=1e-5)
+    for got, want in zip(jax.grad(fused, argnums=(0, 1, 2))(x, a, b), jax.grad(plain, argnums=(0, 1, 2))(x, a, b)):
+        # fp32 sums of <= 16 products each, in a different order: a few ulps of the largest term
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))))
+
+
+def _count_names(jaxpr, name: str) -> int:
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name == "name" and eqn.params.get("name") == name
+        for p in eqn.params.values():
+            for sub in (p if isinstance(p, (list, tuple)) else [p]):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    n += _count_names(inner, name)
+    return n
+
+
+def test_remat_does_not_run_the_fused_forward_again():
+    """Under the blocks' remat policy the backward needs only x A and the inputs: the fused forward GEMM runs once,
+    the fused input-gradient GEMM once."""
+    x, w, bias, a, b = _operands()
+    mm = functools.partial(xla_matmul, marker=True)
+
+    def layer(lora, x):
+        return jnp.sum(jnp.cos(checkpoint_name(lora_linear(jnp.tanh(x), w, bias, *lora, mm), "qkv")))
+
+    policy = jax.checkpoint_policies.save_only_these_names("qkv", "mlp_hidden")
+    jaxpr = jax.make_jaxpr(jax.grad(jax.checkpoint(layer, policy=policy), argnums=(0, 1)))((a, b), x).jaxpr
+    assert (_count_names(jaxpr, "fused_fwd"), _count_names(jaxpr, "fused_bwd")) == (1, 1)
+
+
+def test_linear_pallas_path_is_the_xla_path(monkeypatch):
+    """Linear(gemm="pallas") hands lora_linear the scaled B, the bias and 2-D rows: with the XLA stand-in it equals
+    the XLA path (same ops, same order) for a 3-D input and a non-unit lora_scale."""
+    monkeypatch.setattr(layers, "lora_linear", functools.partial(lora_linear, matmul=xla_matmul))
+    lin = layers.Linear(16, 12, axes=("embed", "mlp"), dtype=jnp.float32, param_dtype=jnp.float32,
+                        rngs=nnx.Rngs(0), lora=LoRASpec(rank=4, alpha=8.0))
+    lin.lora_b[...] = jax.random.normal(jax.random.key(3), (4, 12))
+    x = jax.random.normal(jax.random.key(1), (2, 5, 16))
+    np.testing.assert_allclose(lin(x, 0.5, "pallas"), lin(x, 0.5, "xla"), rtol=1e-6, atol=1e-6)
+
+
+def test_pallas_is_refused_where_it_cannot_run():
+    with pytest.raises(ValueError, match="lora_gemm=xla"):
+        QwenImageTransformer(QwenImageConfig(**TINY), ModelOptions(lora_gemm="pallas"), LoRASpec(rank=4, alpha=8.0),
+                             rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="lora_gemm"):
+        ModelOptions(lora_gemm="triton")
+
+
+def test_shape_checks_name_the_fix():
+    t = Tiling()
+    x, w = jnp.zeros((256, 128), jnp.bfloat16), jnp.zeros((128, 512), jnp.bfloat16)
+    u, v = jnp.zeros((256, 64), jnp.bfloat16), jnp.zeros((64, 512), jnp.bfloat16)
+    assert check_shapes(x, w, u, v, jnp.zeros((512,)), False, t) == (256, 128, 512, 64)
+    assert check_shapes(x, w.T, u, v.T, None, True, t) == (256, 128, 512, 64)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        check_shapes(x[:200], w, u[:200], v, None, False, t)
+    with pytest.raises(ValueError, match="do not chain"):
+        check_shapes(x, w, u, v[:32], None, False, t)
+    with pytest.raises(ValueError, match="one dtype"):
+        check_shapes(x, w.astype(jnp.float32), u, v, None, False, t)
+    with pytest.raises(ValueError, match="shared memory"):
+        check_shapes(x, w, u, v, None, False, Tiling(stages=4))
+    assert smem_bytes(Tiling(stages=4), 64) > smem_bytes(t, 64)
+    with pytest.raises(ValueError, match="lora_matmul"):
+        lora_matmul(x, w, u, v[:32])
+
+
+@pytest.mark.parametrize("m_tiles,n_tiles,group", [(8, 12, 8), (10, 3, 4), (1, 5, 8), (7, 7, 16)])
+def test_tile_walk_visits_every_output_tile_once(m_tiles, n_tiles, group):
+    lin = jnp.arange(m_tiles * n_tiles)
+    mi, ni = _tile_order(lin, m_tiles, n_tiles, group)
+    assert sorted(zip(np.asarray(mi).tolist(), np.asarray(ni).tolist())) == [
+        (i, j) for i in range(m_tiles) for j in range(n_tiles)]
+    # consecutive steps stay in one band of `group` tile rows (W's columns are reused from L2)
+    assert int(jnp.max(mi[:group * n_tiles])) < min(group, m_tiles)
+
+
+def test_pallas_turns_off_dynamic_slice_fusion_unless_set():
+    from jaxflow import config as config_lib
+    from jaxflow.recipes import base
+
+    cfg = base()
+    assert "xla_gpu_enable_dynamic_slice_fusion" not in config_lib.xla_options(cfg)
+    cfg.model.lora_gemm = "pallas"
+    assert config_lib.xla_options(cfg)["xla_gpu_enable_dynamic_slice_fusion"] is False
+    cfg.train.xla_options = {"xla_gpu_enable_dynamic_slice_fusion": True}
+    assert config_lib.xla_options(cfg)["xla_gpu_enable_dynamic_slice_fusion"] is True
