@@ -93,16 +93,24 @@ def validate(cfg: ConfigDict) -> None:
 def model_options(cfg) -> ModelOptions:
     m = cfg.model
     return ModelOptions(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, attention=m.attention,
-                        scan_unroll=m.scan_unroll, matmul_precision=m.matmul_precision)
+                        scan_unroll=m.scan_unroll, matmul_precision=m.matmul_precision, lora_gemm=m.lora_gemm)
+
+
+# With model.lora_gemm=pallas, XLA's dynamic-slice fusion runs every fused linear whose output the scan stacks for
+# the backward twice (BENCHMARKS.md, the fused LoRA GEMM): off unless train.xla_options sets it.
+PALLAS_XLA_OPTIONS = {"xla_gpu_enable_dynamic_slice_fusion": False}
 
 
 def xla_options(cfg) -> dict:
-    """train.xla_options: XLA debug options for the train step's jits only (never process-wide)."""
+    """train.xla_options: XLA debug options for the train step's jits only (never process-wide), plus
+    PALLAS_XLA_OPTIONS under model.lora_gemm=pallas where the user did not set them."""
     opts = dict(cfg.train.xla_options)
     bad = sorted(k for k in opts if not k.startswith("xla_"))
     if bad:
         _fail("train.xla_options", f"{bad} are not XLA options (names start with 'xla_', e.g. "
                                    f"xla_gpu_enable_triton_gemm)")
+    if cfg.model.lora_gemm == "pallas":
+        opts = {**PALLAS_XLA_OPTIONS, **opts}
     return opts
 
 

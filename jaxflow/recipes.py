@@ -49,6 +49,9 @@ def base() -> ml_collections.ConfigDict:
                    # instead of 16 (BENCHMARKS.md, train step, eighth run)
                    scan_unroll=1,
                    matmul_precision="auto",  # "highest" for float32 compute (true fp32 on GPUs, not TF32)
+                   # "pallas": the adapted linears as one fused Hopper GEMM each (bf16, one H100/H200; BENCHMARKS.md,
+                   # the fused LoRA GEMM); "xla" runs anywhere
+                   lora_gemm="xla",
                    init="checkpoint")  # "random": base weights drawn from `seed` (bridge/contract/random_weights.py)
     c.lora = dict(rank=64, alpha=128.0, targets=list(DEFAULT_LORA_TARGETS))
     c.rollout = dict(engine="vllm_omni", dtype="bfloat16", device="cuda", num_servers=1, num_gpus=1.0,

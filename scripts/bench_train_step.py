@@ -109,22 +109,22 @@ def random_model(cfg, rank: int, remat: str = "save_matmuls", attention: str = "
 
 
 def parse_variant(text: str) -> tuple[str, dict, dict]:
-    """"NAME=key=val,key=val" -> (NAME, changes, XLA options): keys remat, unroll (scan_unroll), micro (micro-batches
-    of this variant; default --micro), stacked (1: unrolled blocks keep reading the weight stacks; by default an
+    """"NAME=key=val,key=val" -> (NAME, changes, XLA options): keys remat, gemm (lora_gemm), unroll (scan_unroll),
+    micro (micro-batches of this variant; default --micro), stacked (1: unrolled blocks keep reading the weight stacks; by default an
     unrolled variant holds them one array per block from then on, so it comes after the scan variants) and any xla_*
     option (true/false/int/str), e.g. "notriton=xla_gpu_enable_triton_gemm=false,unroll=2"."""
     name, _, spec = text.partition("=")
     opts, xla = {}, {}
     for item in filter(None, spec.split(",")):
         key, _, val = item.partition("=")
-        if key == "remat":
-            opts["remat"] = val
+        if key in ("remat", "gemm"):
+            opts["lora_gemm" if key == "gemm" else key] = val
         elif key in ("unroll", "micro", "stacked"):
             opts["scan_unroll" if key == "unroll" else key] = int(val)
         elif key.startswith("xla_"):
             xla[key] = {"true": True, "false": False}.get(val.lower(), int(val) if val.lstrip("-").isdigit() else val)
         else:
-            raise SystemExit(f"--variant {text!r}: unknown key {key!r} (remat, unroll, micro, stacked or xla_*)")
+            raise SystemExit(f"--variant {text!r}: unknown key {key!r} (remat, gemm, unroll, micro, stacked or xla_*)")
     return name or "default", opts, xla
 
 
@@ -148,8 +148,12 @@ def bench_jax(model, cfg, args, batch, ceiling, variant):
     peak = stats.get("peak_bytes_in_use", 0) / 2 ** 30
     o = model.opts
     held = " per-block weights" if model.blocks_unstacked else ""
-    out = row("jax", f"{name}: remat={o.remat} unroll={o.scan_unroll}{held} micro={micro} {xla or ''}".strip(), ms, cfg,
-              args, ceiling, peak, {"variant": name, "compile_s": round(compile_s, 1)})
+    out = row("jax", f"{name}: remat={o.remat} gemm={o.lora_gemm} unroll={o.scan_unroll}{held} micro={micro} "
+              f"{xla or ''}".strip(), ms, cfg,
+              args, ceiling, peak, {"variant": name, "compile_s": round(compile_s, 1),
+                                    # the first step's loss and gradient norm: variants on the same weights and
+                                    # batch must agree to the compute dtype's rounding
+                                    "first_loss": float(m["loss"]), "first_grad_norm": float(m["grad_norm"])})
     model.opts = base_opts
     return out, train_state, ms
 
@@ -263,7 +267,7 @@ def main(argv=None):
     p.add_argument("--attention", default="auto")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--variant", action="append", default=[],
-                   help="JAX variant NAME=key=val,... (keys: remat, unroll, micro, stacked, xla_*), repeatable; "
+                   help="JAX variant NAME=key=val,... (keys: remat, gemm, unroll, micro, stacked, xla_*), repeatable; "
                         "default: one variant 'default' with --remat; each runs in this process on the same weights")
     p.add_argument("--no-torch", action="store_true", help="JAX variants only (no speed-up figure)")
     args = p.parse_args(argv)

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 CLASSES = (("attention", ("sdpa", "fmha", "flash", "attention", "cudnn")), ("collective", ("nccl",)),
            ("copy", ("memcpy", "memset")), ("convolution", ("convolution", "conv2d", "conv3d", "winograd", "xmma_fprop", "dgrad", "wgrad")),
-           ("matmul", ("gemm", "cublas", "nvjet", "xmma", "cutlass", "matmul")))
+           ("matmul", ("gemm", "cublas", "nvjet", "xmma", "cutlass", "matmul", "mosaic_gpu")))
 
 
 def kernel_class(name: str) -> str:
@@ -167,10 +167,10 @@ def profile_rollout(folder: Path, out: Path) -> dict:
 
 
 def profile_train_step(out: Path, batch: int, micro: int, hlo: Path | None = None, layers: int | None = None,
-                       unroll: int | None = None) -> dict:
+                       unroll: int | None = None, gemm: str | None = None) -> dict:
     """The bench_train_step.py workload as the Qwen recipe runs it (configs/qwen_ocr.py's remat and
     train.xla_options), full-size random weights; `layers` blocks instead of 60 (a quicker profile, the same
-    per-block work); `unroll` instead of the recipe's model.scan_unroll."""
+    per-block work); `unroll` and `gemm` instead of the recipe's model.scan_unroll and model.lora_gemm."""
     import dataclasses
 
     import jax
@@ -190,6 +190,8 @@ def profile_train_step(out: Path, batch: int, micro: int, hlo: Path | None = Non
     recipe = base()
     if unroll:
         recipe.model.scan_unroll = unroll
+    if gemm:
+        recipe.model.lora_gemm = gemm
     opts = config_lib.model_options(recipe)
     model = random_transformer(cfg, opts, LoRASpec(rank=64, alpha=128.0), seed=0)
     if model.unrolled:  # as the trainer holds them (jaxflow/learner.py)
@@ -221,6 +223,7 @@ def main(argv=None):
     p.add_argument("--phase", default="both", choices=("both", "train_step"))
     p.add_argument("--layers", type=int, help="train step: this many blocks instead of the model's 60")
     p.add_argument("--unroll", type=int, help="train step: model.scan_unroll (>= the blocks: unrolled)")
+    p.add_argument("--gemm", choices=("xla", "pallas"), help="train step: model.lora_gemm")
     p.add_argument("--trace", type=Path, help="only analyse this jax.profiler trace folder (a run's profile.dir)")
     p.add_argument("--hlo", type=Path, help="the run's XLA dump (--xla_dump_to) to name the kernels' scopes; the "
                    "train_step phase makes its own under OUT/hlo when not given (some 350 MB at 60 unrolled blocks)")
@@ -248,7 +251,7 @@ def main(argv=None):
             shutil.rmtree(args.hlo, ignore_errors=True)  # a rerun's names must not come from an older dump
             os.environ["XLA_FLAGS"] = with_hlo_dump(os.environ.get("XLA_FLAGS", ""), args.hlo)
         result = {"train_step": profile_train_step(args.out, args.batch, args.micro, args.hlo, args.layers,
-                                                          args.unroll)}
+                                                          args.unroll, args.gemm)}
         (args.out / "profile_train_step.json").write_text(json.dumps(result, indent=1))
         return
     if not (args.model / "model_index.json").exists():

@@ -84,6 +84,7 @@ class QwenImageConfig:
 REMAT_POLICIES = ("none", "full", "save_attn", "save_matmuls", "save_matmuls_stats", "dots", "dots_no_batch")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 MATMUL_PRECISIONS = ("auto", "default", "high", "highest")
+LORA_GEMMS = ("xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +101,9 @@ class ModelOptions:
     matmul_precision: str = "auto"
     # "bfloat16" rounds the RoPE cos/sin tables as vLLM-Omni's transformer does (a parity diagnostic only)
     rope_table_dtype: str = "float32"
+    # the blocks' adapted linears: "xla" (x W + b and the LoRA product as separate GEMMs) or "pallas" (one fused
+    # Hopper kernel that adds the LoRA product and bias in the tile, forward and input gradient; bf16, one GPU)
+    lora_gemm: str = "xla"
 
     def __post_init__(self):
         for key, allowed in (("dtype", DTYPES), ("param_dtype", DTYPES)):
@@ -113,6 +117,8 @@ class ModelOptions:
             raise ValueError(f"ModelOptions.attention={self.attention!r}; choose one of {ATTENTION_IMPLS}")
         if self.rope_table_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"ModelOptions.rope_table_dtype={self.rope_table_dtype!r}; choose float32 or bfloat16")
+        if self.lora_gemm not in LORA_GEMMS:
+            raise ValueError(f"ModelOptions.lora_gemm={self.lora_gemm!r}; choose one of {LORA_GEMMS}")
         if self.matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(f"ModelOptions.matmul_precision={self.matmul_precision!r}; choose one of "
                              f"{MATMUL_PRECISIONS}")

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxflow.models.lora import LoRAParam, LoRASpec
+from jaxflow.models.lora_gemm import lora_linear
 
 Axes = tuple[str | None, ...]
 
@@ -30,16 +31,22 @@ class Linear(nnx.Module):
                                     logical_axes=(axes[0], None))
             self.lora_b = LoRAParam(jnp.zeros((lora.rank, dout), jnp.float32), logical_axes=(None, axes[1]))
 
-    def __call__(self, x: jax.Array, lora_scale: jax.Array | float = 1.0) -> jax.Array:
+    def __call__(self, x: jax.Array, lora_scale: jax.Array | float = 1.0, gemm: str = "xla") -> jax.Array:
+        """gemm="pallas" (ModelOptions.lora_gemm): an adapted layer runs as one fused kernel (models/lora_gemm.py),
+        every term in the compute dtype, rounded once; layers without an adapter are XLA's GEMM either way."""
         x = x.astype(self.dtype)
-        y = x @ self.kernel.astype(self.dtype) + self.bias.astype(self.dtype)
-        if self.lora_scaling is not None:
-            # The scale multiplies B (rank x out), not the (tokens x out) product as PEFT does: no full-size
-            # multiply forward or backward. Bit-identical to PEFT in any dtype when the scale is a power of two
-            # (alpha / rank = 2 in every recipe) or 0; otherwise one rounding fewer.
-            b = (self.lora_b[...] * (self.lora_scaling * lora_scale)).astype(self.dtype)
-            y = y + (x @ self.lora_a.astype(self.dtype)) @ b
-        return y
+        w, bias = self.kernel.astype(self.dtype), self.bias.astype(self.dtype)
+        if self.lora_scaling is None:
+            return x @ w + bias
+        # The scale multiplies B (rank x out), not the (tokens x out) product as PEFT does: no full-size
+        # multiply forward or backward. Bit-identical to PEFT in any dtype when the scale is a power of two
+        # (alpha / rank = 2 in every recipe) or 0; otherwise one rounding fewer.
+        b = (self.lora_b[...] * (self.lora_scaling * lora_scale)).astype(self.dtype)
+        a = self.lora_a.astype(self.dtype)
+        if gemm == "pallas":
+            y = lora_linear(x.reshape(-1, x.shape[-1]), w, bias, a, b)
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+        return x @ w + bias + (x @ a) @ b
 
 
 class RMSNorm(nnx.Module):

@@ -12,6 +12,7 @@ from jaxflow.models.config import ModelOptions, QwenImageConfig
 from jaxflow.models.embeddings import TIMESTEP_CHANNELS, apply_rope, rope_angles, rope_tables, timestep_embedding
 from jaxflow.models.layers import Linear, RMSNorm, gelu_tanh, layer_norm
 from jaxflow.models.lora import LoRAParam, LoRASpec
+from jaxflow.models.lora_gemm import check_available
 
 # The cuDNN attention's forward primitive: its outputs are the attention output and the softmax statistics.
 CUDNN_ATTENTION_FWD = "dot_product_attention_fwd_wrapper"
@@ -81,9 +82,9 @@ class JointAttention(nnx.Module):
     def _heads(self, x):
         return x.reshape(*x.shape[:-1], self.heads, self.head_dim)
 
-    def __call__(self, img, txt, rope, kv_len, impl, lora_scale):
+    def __call__(self, img, txt, rope, kv_len, impl, lora_scale, gemm):
         img_cos, img_sin, txt_cos, txt_sin = rope
-        proj = lambda layer, x: checkpoint_name(self._heads(layer(x, lora_scale)), "qkv")  # noqa: E731
+        proj = lambda layer, x: checkpoint_name(self._heads(layer(x, lora_scale, gemm)), "qkv")  # noqa: E731
         qi = apply_rope(self.norm_q(proj(self.to_q, img)), img_cos, img_sin)
         ki = apply_rope(self.norm_k(proj(self.to_k, img)), img_cos, img_sin)
         vi = proj(self.to_v, img)
@@ -95,7 +96,7 @@ class JointAttention(nnx.Module):
         o = attention(q, k, v, kv_len, impl)
         o = checkpoint_name(o.reshape(*o.shape[:2], -1), "attn_out")
         n = img.shape[1]
-        return self.to_out(o[:, :n], lora_scale), self.to_add_out(o[:, n:], lora_scale)
+        return self.to_out(o[:, :n], lora_scale, gemm), self.to_add_out(o[:, n:], lora_scale, gemm)
 
 
 class Block(nnx.Module):
@@ -111,7 +112,8 @@ class Block(nnx.Module):
         self.txt_mlp_in = make.linear(d, m, ("embed", "mlp"), ("txt_mlp_in",))
         self.txt_mlp_out = make.linear(m, d, ("mlp", "embed"), ("txt_mlp_out",))
 
-    def __call__(self, img, txt, temb, rope, kv_len, impl, lora_scale):
+    def __call__(self, img, txt, temb, rope, kv_len, impl, lora_scale, gemm):
+        """gemm (ModelOptions.lora_gemm) runs the token-wise linears; the modulation (one row per sample) is XLA's."""
         # named scopes: profiles (the `profile` config section) group the block's ops under these names
         with jax.named_scope("modulation"):
             act = jax.nn.silu(temb)
@@ -119,16 +121,16 @@ class Block(nnx.Module):
             tsh1, tsc1, tg1, tsh2, tsc2, tg2 = jnp.split(self.txt_mod(act, lora_scale), 6, axis=-1)
         with jax.named_scope("attention"):
             ai, at = self.attn(_modulate(layer_norm(img), ish1, isc1), _modulate(layer_norm(txt), tsh1, tsc1),
-                               rope, kv_len, impl, lora_scale)
+                               rope, kv_len, impl, lora_scale, gemm)
             img = img + ig1[:, None] * ai
             txt = txt + tg1[:, None] * at
         with jax.named_scope("mlp"):
-            hi = gelu_tanh(checkpoint_name(self.img_mlp_in(_modulate(layer_norm(img), ish2, isc2), lora_scale),
+            hi = gelu_tanh(checkpoint_name(self.img_mlp_in(_modulate(layer_norm(img), ish2, isc2), lora_scale, gemm),
                                            "mlp_hidden"))
-            img = img + ig2[:, None] * self.img_mlp_out(hi, lora_scale)
-            ht = gelu_tanh(checkpoint_name(self.txt_mlp_in(_modulate(layer_norm(txt), tsh2, tsc2), lora_scale),
+            img = img + ig2[:, None] * self.img_mlp_out(hi, lora_scale, gemm)
+            ht = gelu_tanh(checkpoint_name(self.txt_mlp_in(_modulate(layer_norm(txt), tsh2, tsc2), lora_scale, gemm),
                                            "mlp_hidden"))
-            txt = txt + tg2[:, None] * self.txt_mlp_out(ht, lora_scale)
+            txt = txt + tg2[:, None] * self.txt_mlp_out(ht, lora_scale, gemm)
         if img.dtype == jnp.float16:
             img, txt = jnp.clip(img, -65504, 65504), jnp.clip(txt, -65504, 65504)
         return img, txt
@@ -143,6 +145,8 @@ class QwenImageTransformer(nnx.Module):
         self.impl = resolve_implementation(opts.attention, opts.dtype)
         if opts.remat != "none":
             remat_policy(opts.remat, self.impl)  # refused at build, not at the first trace
+        if opts.lora_gemm == "pallas":
+            check_available(opts.dtype)
         make = _Factory(opts, lora, rngs)
         d = cfg.inner_dim
         self.img_in = make.linear(cfg.in_channels, d, ("latent", "embed"))
@@ -221,9 +225,12 @@ class QwenImageTransformer(nnx.Module):
         """
         impl, remat = self.impl, self.opts.remat != "none"  # read at trace time: a changed `opts` takes effect
         policy = remat_policy(self.opts.remat, impl) if remat else None
+        gemm = self.opts.lora_gemm
+        if gemm == "pallas":
+            check_available(self.opts.dtype)
 
         def block(carry, graphdef, *states):
-            return nnx.merge(graphdef, *states)(*carry, temb, rope, kv_len, impl, lora_scale)
+            return nnx.merge(graphdef, *states)(*carry, temb, rope, kv_len, impl, lora_scale, gemm)
 
         if self.unrolled:
             graphdef, lora, frozen = nnx.split(self.blocks, LoRAParam, ...)
