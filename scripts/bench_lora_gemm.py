@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gemm_ceiling import LOOP, best_seconds, looped  # noqa: E402
 from results import write_result  # noqa: E402
 
-from jaxflow.models.lora_gemm import Tiling, lora_matmul  # noqa: E402
+from jaxflow.models.lora_gemm import Tiling, lora_matmul, on_hopper  # noqa: E402
 
 RANK = 64
 # image stream at B=8 (8 x 1024 tokens): projections, MLP in, MLP out; text stream (8 x 128 tokens): projections
@@ -96,8 +96,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--tiny", action="store_true")
     args = p.parse_args(argv)
-    kind = jax.devices()[0].device_kind
-    hopper = any(h in kind for h in ("H100", "H200"))
+    kind, hopper = jax.devices()[0].device_kind, on_hopper()
     if not args.tiny and not hopper:
         raise SystemExit(f"bench_lora_gemm: the kernel needs an H100 or H200 ({kind} here); use --tiny on a CPU")
     if not hopper:

@@ -5,7 +5,7 @@ writes it again. This kernel adds the rank-r product and the bias to the fp32 ti
 output is written once and never read. The same kernel serves the backward's input gradient,
 dx = dy @ W^T + (dy (s B)^T) @ A^T, with W and A read transposed in shared memory (`transposed=True`).
 
-Built from Pallas Mosaic-GPU primitives, for H100/H200 only (jax's GPU interpreter hangs on it, so it is checked
+Built from Pallas Mosaic-GPU primitives, for H100/H200 only (jax 0.10's GPU interpreter hung on it, so it is checked
 on a GPU by scripts/bench_lora_gemm.py against an fp32 reference):
 - a CTA owns a (tile_m, 2 * tile_n) output tile; two compute warpgroups own a half each, a third streams x and W
   tiles through a `stages`-deep warp-specialized pipeline over K;
@@ -199,12 +199,16 @@ def _kernel_call(m: int, n: int, dtype: str, transposed: bool, has_bias: bool, t
         compiler_params=plgpu.CompilerParams(lowering_semantics=semantics[tiling.semantics])))
 
 
+def on_hopper() -> bool:
+    """Whether the default device is an H100/H200 GPU (the kernel's wgmma and TMA)."""
+    return jax.default_backend() == "gpu" and any(h in jax.devices()[0].device_kind for h in ("H100", "H200"))
+
+
 def check_available(dtype: str) -> None:
     """Raise a one-line ValueError unless model.lora_gemm=pallas can run here: bf16 compute on one H100/H200."""
-    kind = jax.devices()[0].device_kind
-    if jax.default_backend() != "gpu" or not any(h in kind for h in ("H100", "H200")) or dtype != "bfloat16":
-        raise ValueError(f"model.lora_gemm=pallas needs bf16 compute on an H100/H200 (got {dtype} on {kind}); "
-                         f"use model.lora_gemm=xla")
+    if not on_hopper() or dtype != "bfloat16":
+        raise ValueError(f"model.lora_gemm=pallas needs bf16 compute on an H100/H200 (got {dtype} on "
+                         f"{jax.devices()[0].device_kind}); use model.lora_gemm=xla")
     if jax.device_count() > 1:
         raise ValueError(f"model.lora_gemm=pallas runs on one device (the kernel is not partitioned), here "
                          f"{jax.device_count()}; use model.lora_gemm=xla")
