@@ -27,6 +27,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 SMEM_BYTES = 227 * 1024  # usable shared memory per block on H100/H200
 _SWIZZLE = 128  # bytes: one 64-wide bf16 row segment
+_SEMANTICS = {"warpgroup": plgpu.LoweringSemantics.Warpgroup, "lane": plgpu.LoweringSemantics.Lane}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,10 @@ class Tiling:
     group_m: int = 8
     epi: int = 64  # the epilogue stores (epi, epi) sub-tiles
     semantics: str = "warpgroup"  # Mosaic GPU lowering: "warpgroup" (layouts inferred) or "lane"
+
+    def __post_init__(self):
+        if self.semantics not in _SEMANTICS:
+            raise ValueError(f"Tiling.semantics={self.semantics!r}: use one of {sorted(_SEMANTICS)}")
 
 
 def smem_bytes(t: Tiling, rank: int, itemsize: int = 2) -> int:
@@ -167,8 +172,6 @@ def check_shapes(x, w, u, v, bias, transposed: bool, t: Tiling) -> tuple[int, in
     if m % t.tile_m or n % (2 * t.tile_n) or k % t.tile_k or rank % 16:
         raise ValueError(f"lora_matmul: M={m}, N={n}, K={k}, rank={rank} must be multiples of {t.tile_m}, "
                          f"{2 * t.tile_n}, {t.tile_k} and 16: use model.lora_gemm=xla (or shapes that tile)")
-    if t.semantics not in ("warpgroup", "lane"):
-        raise ValueError(f"lora_matmul: semantics {t.semantics!r}: use 'warpgroup' or 'lane'")
     if smem_bytes(t, rank) > SMEM_BYTES:
         raise ValueError(f"lora_matmul: tiling {t} with rank {rank} needs {smem_bytes(t, rank)} bytes of shared "
                          f"memory (> {SMEM_BYTES}): lower stages or tile sizes")
@@ -191,12 +194,11 @@ def lora_matmul(x, w, u, v, bias=None, *, transposed: bool = False, tiling: Tili
 def _kernel_call(m: int, n: int, dtype: str, transposed: bool, has_bias: bool, tiling: Tiling):
     """One jitted kernel per configuration: a model's many identical linears (60 unrolled blocks) then lower to
     one function, not one kernel lowering per call."""
-    semantics = {"warpgroup": plgpu.LoweringSemantics.Warpgroup, "lane": plgpu.LoweringSemantics.Lane}
     return jax.jit(plgpu.kernel(
         functools.partial(_kernel, t=tiling, transposed=transposed, has_bias=has_bias),
         out_type=jax.ShapeDtypeStruct((m, n), dtype), grid=(jax.devices()[0].core_count,), grid_names=("sm",),
         num_threads=3, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=semantics[tiling.semantics])))
+        compiler_params=plgpu.CompilerParams(lowering_semantics=_SEMANTICS[tiling.semantics])))
 
 
 def on_hopper() -> bool:
