@@ -1,10 +1,11 @@
 """Where the GPU time goes: kernel-time breakdown of the JAX FlowGRPO train step and of the torch rollout.
 
     python scripts/profile_step.py --out DIR [--model DIR]     # full size, random weights (model.init=random)
+    python scripts/profile_step.py --out DIR --phase rollout --rollout-n 32 --rollout-compile   # the rollout alone
     python scripts/profile_step.py --out DIR --trace RUN_DIR/profile
         # the trace of the real run: python -m jaxflow.train ... --config.profile.num_steps=1 (jaxflow/profiling.py)
 
-Rollout: one `RolloutPipeline.generate` of 16 images (512^2, 10 steps, CFG 4, window 2) under torch.profiler.
+Rollout: one `RolloutPipeline.generate` of 16 images (--rollout-n) (512^2, 10 steps, CFG 4, window 2) under torch.profiler.
 Train step: the bench_train_step.py workload (B=8 in 2 micro-batches) under jax.profiler, after a warm-up step.
 The train step's kernels are named by its optimized HLO, dumped under OUT/hlo (or --hlo DIR).
 Both traces are read back and every GPU kernel is put in one class (attention, matmul, convolution, collective,
@@ -143,27 +144,31 @@ def xplane_kernels(trace_dir: Path) -> list[tuple[str, float, dict]]:
     return out
 
 
-def profile_rollout(folder: Path, out: Path) -> dict:
+def profile_rollout(folder: Path, out: Path, n: int = 16, compile_block: bool = False) -> dict:
+    """One rollout call of `n` images, after a warm-up call of the same shapes; `compile_block`: the engine's
+    `rollout.compile` (torch.compile of the repeated block, dynamic shapes)."""
     import torch
 
     from bridge.rollout.pipeline import RolloutPipeline
     from bridge.rollout.sampling import SamplingParams
     pipe = RolloutPipeline.from_pretrained(folder, "bfloat16", "cuda", random_seed=0)
+    if compile_block:
+        pipe.transformer.compile_repeated_blocks(dynamic=True)
     sp = SamplingParams()  # flow_grpo's Qwen-Image recipe: 512^2, 10 steps, CFG 4, sde 1.2, window 2 in [0, 5)
     prompts = ['a hot air balloon with "MIDNIGHT VALLEY" written on the envelope']
-    pipe.generate(prompts, 16, sp, list(range(16)))  # warm-up
+    pipe.generate(prompts, n, sp, list(range(n)))  # warm-up (compiles)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
-        pipe.generate(prompts, 16, sp, list(range(16, 32)))
+        pipe.generate(prompts, n, sp, list(range(n, 2 * n)))
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
     path = out / "rollout_trace.json"
     prof.export_chrome_trace(str(path))
     del pipe
     torch.cuda.empty_cache()
-    return breakdown("torch rollout, 16 images (512^2, 10 steps, CFG 4)", gpu_kernels(json.loads(path.read_text())),
-                     wall)
+    return breakdown(f"torch rollout{', compiled block' if compile_block else ''}, {n} images (512^2, 10 steps, "
+                     "CFG 4)", gpu_kernels(json.loads(path.read_text())), wall)
 
 
 def profile_train_step(out: Path, batch: int, micro: int, hlo: Path | None = None, layers: int | None = None,
@@ -220,7 +225,9 @@ def main(argv=None):
     p.add_argument("--model", type=Path, default=Path("/tmp/qwen_random"), help="the rollout's pipeline folder")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--micro", type=int, default=2)
-    p.add_argument("--phase", default="both", choices=("both", "train_step"))
+    p.add_argument("--phase", default="both", choices=("both", "train_step", "rollout"))
+    p.add_argument("--rollout-n", type=int, default=16, help="rollout: images in the profiled call")
+    p.add_argument("--rollout-compile", action="store_true", help="rollout: torch.compile the repeated block")
     p.add_argument("--layers", type=int, help="train step: this many blocks instead of the model's 60")
     p.add_argument("--unroll", type=int, help="train step: model.scan_unroll (>= the blocks: unrolled)")
     p.add_argument("--gemm", choices=("xla", "pallas"), help="train step: model.lora_gemm")
@@ -257,7 +264,10 @@ def main(argv=None):
     if not (args.model / "model_index.json").exists():
         subprocess.run([sys.executable, str(Path(__file__).with_name("make_random_pipeline.py")), "--out",
                         str(args.model), "--no-transformer-weights"], check=True)
-    result = {"rollout": profile_rollout(args.model, args.out)}
+    result = {"rollout": profile_rollout(args.model, args.out, args.rollout_n, args.rollout_compile)}
+    if args.phase == "rollout":
+        (args.out / "profile_rollout.json").write_text(json.dumps(result, indent=1))
+        return
     subprocess.run([sys.executable, __file__, "--phase", "train_step", *(argv or sys.argv[1:])], check=True)
     result.update(json.loads((args.out / "profile_train_step.json").read_text()))
     (args.out / "profile.json").write_text(json.dumps(result, indent=1))
