@@ -5,7 +5,8 @@
     python scripts/profile_step.py --out DIR --trace RUN_DIR/profile
         # the trace of the real run: python -m jaxflow.train ... --config.profile.num_steps=1 (jaxflow/profiling.py)
 
-Rollout: one `RolloutPipeline.generate` of 16 images (--rollout-n) (512^2, 10 steps, CFG 4, window 2) under torch.profiler.
+Rollout: one `RolloutPipeline.generate` of 16 images (or --rollout-n; 512^2, 10 steps, CFG 4, window 2) under
+torch.profiler.
 Train step: the bench_train_step.py workload (B=8 in 2 micro-batches) under jax.profiler, after a warm-up step.
 The train step's kernels are named by its optimized HLO, dumped under OUT/hlo (or --hlo DIR).
 Both traces are read back and every GPU kernel is put in one class (attention, matmul, convolution, collective,
@@ -145,15 +146,14 @@ def xplane_kernels(trace_dir: Path) -> list[tuple[str, float, dict]]:
 
 
 def profile_rollout(folder: Path, out: Path, n: int = 16, compile_block: bool = False) -> dict:
-    """One rollout call of `n` images, after a warm-up call of the same shapes; `compile_block`: the engine's
-    `rollout.compile` (torch.compile of the repeated block, dynamic shapes)."""
+    """One rollout call of `n` images, after a warm-up call of the same shapes, on the diffusers engine as the
+    trainer builds it; `compile_block`: its `rollout.compile` (torch.compile of the repeated block)."""
     import torch
 
-    from bridge.rollout.pipeline import RolloutPipeline
+    from bridge.rollout.engine_diffusers import DiffusersEngine
     from bridge.rollout.sampling import SamplingParams
-    pipe = RolloutPipeline.from_pretrained(folder, "bfloat16", "cuda", random_seed=0)
-    if compile_block:
-        pipe.transformer.compile_repeated_blocks(dynamic=True)
+    pipe = DiffusersEngine({"engine": "diffusers", "model": str(folder), "dtype": "bfloat16", "device": "cuda",
+                            "random_seed": 0, "compile": compile_block}).pipeline
     sp = SamplingParams()  # flow_grpo's Qwen-Image recipe: 512^2, 10 steps, CFG 4, sde 1.2, window 2 in [0, 5)
     prompts = ['a hot air balloon with "MIDNIGHT VALLEY" written on the envelope']
     pipe.generate(prompts, n, sp, list(range(n)))  # warm-up (compiles)
