@@ -63,6 +63,8 @@ def validate(cfg: ConfigDict) -> None:
         _fail("train.num_micro_batches", f"{t.num_micro_batches} must divide each mini-batch's "
                                          f"{batch // t.num_mini_batches} samples (train.num_mini_batches "
                                          f"{t.num_mini_batches})")
+    if not t.max_minutes >= 0:
+        _fail("train.max_minutes", f"must be >= 0 (0 = no time limit), got {t.max_minutes}")
     if t.num_inner_epochs < 1:
         _fail("train.num_inner_epochs", f"must be >= 1, got {t.num_inner_epochs}")
     if not 0 < s.window_size < s.num_steps or s.window_range[1] - s.window_range[0] < s.window_size:

@@ -63,7 +63,9 @@ def base() -> ml_collections.ConfigDict:
                     same_latent=False,  # True: a prompt group shares its initial noise (flow_grpo's same_latent)
                     max_sequence_length=128,  # the longest OCR prompt has 74 tokens; the train step pads text to this
                     prompts_per_step=32, group_size=16, prompts_per_call=4)
-    c.train = dict(num_steps=300, num_micro_batches=32, learning_rate=3e-4, clip_range=1e-4, adv_clip=5.0,
+    c.train = dict(num_steps=300,
+                   max_minutes=0.0,  # > 0: end the run (checkpoint, lora_final) before this wall time; 0: no limit
+                   num_micro_batches=32, learning_rate=3e-4, clip_range=1e-4, adv_clip=5.0,
                    beta=0.0, global_std=True, max_grad_norm=1.0, weight_decay=1e-4, ema_decay=0.0,
                    adam_b1=0.9, adam_b2=0.999, adam_eps=1e-8,  # flow_grpo's adam_beta1/2, adam_epsilon
                    old_log_prob="recompute",

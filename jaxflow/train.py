@@ -5,7 +5,9 @@ advantages -> the train batch) and every process's `Learner` (jaxflow/learner.py
 rows, checkpoints, the LoRA). Per step: experience -> train step -> LoRA sync to the rollout (version acked,
 bound-module count checked) -> metrics, logged by process 0. Evaluation (ODE sampling on held-out prompts, a PNG
 grid) every `eval.every` steps; orbax checkpoints every `checkpoint.every` steps and on SIGINT/SIGTERM (every
-process stops after the same step); the final LoRA is exported in PEFT format to `run_dir/lora_final`. With
+process stops after the same step); the final LoRA is exported in PEFT format to `run_dir/lora_final`, also when
+`train.max_minutes` ends the run early (its last step is the one expected to end within that many minutes of the
+trainer's start, model loading included). With
 `train.ema_decay` the eval and the export use the LoRA's EMA, as flow_grpo's do.
 
 Multi-host (jax.distributed, one trainer process per host; see `maybe_initialize_distributed`): process 0 alone
@@ -48,6 +50,7 @@ class Trainer:
     """Holds the run's pieces; `run()` drives the loop. Build with `Trainer(cfg, resume)`."""
 
     def __init__(self, cfg, resume: bool = False):
+        self.started = time.monotonic()  # train.max_minutes counts from here
         config_lib.validate(cfg)
         maybe_initialize_distributed()
         check_backend(cfg)
@@ -118,8 +121,11 @@ class Trainer:
             if self.driver else None
         previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         history, profiler = [], StepProfiler.from_config(cfg, self.run_dir)
+        limit = cfg.train.max_minutes * 60 or float("inf")
+        stopped = False
         try:
             for step in range(self.start, cfg.train.num_steps):
+                began = time.monotonic()
                 profiler.begin(step + 1)
                 metrics = self.train_one(step)
                 profiler.end(step + 1, self.learner.state)
@@ -129,17 +135,24 @@ class Trainer:
                         metrics["eval_reward_mean"] = score
                 done = step + 1  # steps are counted as completed updates everywhere: metrics, eval, checkpoints
                 history.append(runlog.log(done, metrics) if self.driver else {"step": done, **metrics})
+                now = time.monotonic()  # out of time: the next step, as long as this one, would end past the limit
+                out_of_time = now + (now - began) - self.started > limit
                 if self.processes > 1:  # every process stops after the same step
                     from jax.experimental import multihost_utils
-                    flags = multihost_utils.process_allgather(np.int32(self.stop_requested))
-                    self.stop_requested = bool(np.any(flags))
-                last = step + 1 == cfg.train.num_steps
+                    flags = multihost_utils.process_allgather(np.int32([self.stop_requested, out_of_time]))
+                    self.stop_requested, out_of_time = (bool(x) for x in np.any(flags, axis=0))
+                last = step + 1 == cfg.train.num_steps or out_of_time
                 if (step + 1) % cfg.checkpoint.every == 0 or last or self.stop_requested:
                     self.learner.save(step + 1, self._meta(step + 1))
                 if self.stop_requested:
                     log.warning("stop requested: checkpoint at step %d written", step + 1)
+                    stopped = True
                     break
-            else:
+                if out_of_time:
+                    log.warning("train.max_minutes=%g: the run ends after step %d (of %d)", cfg.train.max_minutes,
+                                step + 1, cfg.train.num_steps)
+                    break
+            if not stopped:
                 self.learner.export_lora(self.run_dir / "lora_final")
         finally:
             profiler.close()

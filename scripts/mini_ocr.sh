@@ -23,12 +23,14 @@
 #   rollout call a step and 12 reward workers: 3.3-4.1 s a step, 85-114 steps, +0.12..+0.135; with a group's
 #   samples sharing their initial noise (configs/mini_ocr.py) +0.159 and +0.189 (measured, BENCHMARKS.md
 #   "Mini OCR"). RL_RESUME=1 continues a cut run.
-# Knobs (env): PRETRAIN_STEPS (default 1000; fewer if the "before" OCR is near 1: RL needs room), PRETRAIN_MINUTES
-# (time cap, default 9), VAE_STEPS (default 6000), VAE_MINUTES (time cap, default 5), RL_STEPS (default: configs/mini_ocr.py's
-# 110), RL_ARGS (more --config overrides of both RL runs), EVAL_NUM (200), RL_TIMEOUT (seconds: stop an RL run there; it checkpoints every 10 steps)
-# RL_RESUME=1 (continue such a run: ONLY="rl rl_control" RL_RESUME=1 ...), and POOL (each trainer's JAX memory
-# fraction of the GPU: 0.3 side by side, 0.5 alone; lower it when more runs share the GPU). A run cut by RL_TIMEOUT exports the
-# LoRA of its newest checkpoint as lora_final (the evals after use it; mini_ocr.json counts the steps it has).
+# Each RL run ends by itself within 10 minutes: configs/mini_ocr.py's train.max_minutes=8.75 (as many steps as fit,
+# then the checkpoint and lora_final). Knobs (env): PRETRAIN_STEPS (default 1000; fewer if the "before" OCR is near
+# 1: RL needs room), PRETRAIN_MINUTES (time cap, default 9), VAE_STEPS (default 6000), VAE_MINUTES (time cap,
+# default 5), RL_STEPS (default: the config's), RL_ARGS (more --config overrides of both RL runs, e.g.
+# --config.train.max_minutes=5), EVAL_NUM (200), RL_TIMEOUT (seconds: a hard stop of an RL run; it checkpoints the
+# current step and this script exports that step's LoRA as lora_final), RL_RESUME=1 (continue such a run:
+# ONLY="rl rl_control" RL_RESUME=1 ...), and POOL (each trainer's JAX memory fraction of the GPU: 0.3 side by side,
+# 0.5 alone; lower it when more runs share the GPU).
 set -euo pipefail
 OUT=${1:?usage: [SMOKE=1] bash scripts/mini_ocr.sh OUT}
 cd "$(dirname "$0")/.."

@@ -57,6 +57,7 @@ def lora_leaves(state):
     ("model.scan_unroll", 0, "scan_unroll"),
     ("train.xla_options", {"gpu_enable_triton_gemm": False}, "train.xla_options"),
     ("train.adam_b2", 1.0, "adam_b2 < 1"),
+    ("train.max_minutes", -1.0, "train.max_minutes"),
 ])
 def test_invalid_config_fails_before_anything_heavy(tmp_path, key, value, needle):
     cfg = tiny_config(tmp_path)
@@ -142,6 +143,17 @@ def test_in_process_rollout_with_random_init_runs_without_ray(tmp_path):
     cfg.rollout.in_process, cfg.model.init, cfg.seed = True, "random", 7
     out = run(cfg)
     assert out["history"][0]["skipped"] == 0 and out["history"][0]["logp_diff_max/0"] < 1e-5
+
+
+def test_max_minutes_ends_the_run_like_a_finished_one(tmp_path):
+    """A time limit shorter than a step: the run ends after its first step of three, with that step's checkpoint
+    and lora_final written (a run cut by a signal writes no lora_final)."""
+    cfg = tiny_config(tmp_path, num_steps=3)
+    cfg.rollout.in_process, cfg.train.max_minutes, cfg.checkpoint.every = True, 1e-6, 1000
+    out = run(cfg)
+    assert [h["step"] for h in out["history"]] == [1] and out["state"].step == 1
+    assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [1]
+    assert json.loads((tmp_path / "lora_final" / "adapter_config.json").read_text())["r"] == cfg.lora.rank
 
 
 def test_ema_is_what_the_eval_serves_and_the_export_writes(tmp_path, monkeypatch):
