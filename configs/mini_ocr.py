@@ -20,7 +20,8 @@ held-out OCR flat (0.65 -> 0.59 in 20 steps) while its shuffled control fell to 
 0.606 -> 0.737 in 27 steps (8 minutes) while its control stayed at 0.611. Windows tried since: the early steps
 0-4 alone rise about as much as all nine or less, the late steps 3-8 alone far less (BENCHMARKS.md, "Mini OCR").
 Alone on the GPU (scripts/mini_ocr.sh with SIDE_BY_SIDE=0) about 100 steps fit in 7.5 minutes; the rise stayed
-about +0.12-0.135, and the shuffled control showed the updates to be mostly noise (same file)."""
+about +0.12-0.135, and the shuffled control showed the updates to be mostly noise (same file). As one run of
+train.max_minutes=8.75 (118 and 128 steps) it rose +0.207 and +0.149 on two new pipelines, both controls falling."""
 from pathlib import Path
 
 from jaxflow.recipes import base, tiny

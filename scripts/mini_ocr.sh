@@ -21,8 +21,8 @@
 #   step with the control beside it (4 rollout calls a step; one OCR engine per reward thread): RL_STEPS=100
 #   RL_TIMEOUT=450 gave 44-46 steps, +0.07..+0.12 held-out OCR. Alone on the GPU (SIDE_BY_SIDE=0 POOL=0.5), one
 #   rollout call a step and 12 reward workers: 3.3-4.1 s a step, 85-114 steps, +0.12..+0.135; with a group's
-#   samples sharing their initial noise (configs/mini_ocr.py) +0.159 and +0.189 (measured, BENCHMARKS.md
-#   "Mini OCR"). RL_RESUME=1 continues a cut run.
+#   samples sharing their initial noise (configs/mini_ocr.py) +0.149 to +0.207 on six pipelines, the last two as one
+#   8.8-minute command each (118 and 128 steps; measured, BENCHMARKS.md "Mini OCR").
 # Each RL run ends by itself within 10 minutes: configs/mini_ocr.py's train.max_minutes=8.75 (as many steps as fit,
 # then the checkpoint and lora_final). Knobs (env): PRETRAIN_STEPS (default 1000; fewer if the "before" OCR is near
 # 1: RL needs room), PRETRAIN_MINUTES (time cap, default 9), VAE_STEPS (default 6000), VAE_MINUTES (time cap,

@@ -154,6 +154,11 @@ def test_max_minutes_ends_the_run_like_a_finished_one(tmp_path):
     assert [h["step"] for h in out["history"]] == [1] and out["state"].step == 1
     assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [1]
     assert json.loads((tmp_path / "lora_final" / "adapter_config.json").read_text())["r"] == cfg.lora.rank
+    first = (tmp_path / "lora_final" / "adapter_model.safetensors").read_bytes()
+    cfg.train.max_minutes = 0.0  # --resume continues it to num_steps and exports the LoRA trained on
+    again = run(cfg, resume=True)
+    assert [h["step"] for h in again["history"]] == [2, 3] and again["state"].step == 3
+    assert (tmp_path / "lora_final" / "adapter_model.safetensors").read_bytes() != first
 
 
 def test_ema_is_what_the_eval_serves_and_the_export_writes(tmp_path, monkeypatch):
