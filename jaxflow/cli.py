@@ -111,7 +111,8 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
         ray_logs = _start_ray(cfg, FLAGS.verbose)
         trainer = trainer_class(cfg, resume=FLAGS.resume)
         if trainer.driver:
-            print(f"training {Path(cfg.run_dir).resolve()}: step {trainer.start} -> {cfg.train.num_steps}", flush=True)
+            print(f"training {Path(cfg.run_dir).resolve()}: step {trainer.start} -> {cfg.train.num_steps}\n"
+                  f"{trainer.memory_summary}", flush=True)
         try:
             history = trainer.run()["history"]
         finally:

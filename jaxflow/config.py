@@ -147,3 +147,10 @@ def sampling(cfg, *, eval_mode: bool = False) -> dict:
         d.update(num_inference_steps=cfg.eval.num_steps, true_cfg_scale=cfg.eval.guidance, sde_type="ode",
                  noise_level=0.0, sde_window_size=None, same_latent=False)
     return d
+
+
+def embed_dtype(cfg):
+    """The dtype of the text embeds the rollout hands the trainer: the rollout's own (bfloat16 or float32)."""
+    import ml_dtypes
+    import numpy as np
+    return np.dtype(ml_dtypes.bfloat16) if cfg.rollout.dtype == "bfloat16" else np.dtype(cfg.rollout.dtype)

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from jaxflow import config as config_lib
+from jaxflow import memory
 from jaxflow.checkpoint import Checkpointer
 from jaxflow.models.config import QwenImageConfig
 from jaxflow.models.loading import load_transformer
@@ -96,9 +97,29 @@ class Learner:
         o = self.model.opts
         log.info("trainer model: %s compute, %s storage, matmul precision %s, attention %s", o.dtype, o.param_dtype,
                  o.precision, self.model.impl)
+        self.grid = grid_hw(folder, cfg)
         self._init_state, self._step = make_train_step(
-            self.model, config_lib.train_config(cfg, grid_hw(folder, cfg)), self.layout, config_lib.xla_options(cfg))
+            self.model, config_lib.train_config(cfg, self.grid), self.layout, config_lib.xla_options(cfg))
         self.ckpt = self.state = None
+
+    def check_memory(self) -> str:
+        """Compile the step for the run's batch shapes (the loop then uses these executables) and check that it fits
+        JAX's pool beside the frozen weights (jaxflow/memory.py); returns the summary line. MemoryError naming the
+        knobs if it does not fit. Call before `begin`: the train state is counted as still to be made."""
+        cfg, tc = self.cfg, self._step.config
+        mc = self.model.cfg
+        batch, old = memory.abstract_batch(
+            batch=cfg.sample.prompts_per_step * cfg.sample.group_size, window=cfg.sample.window_size,
+            num_steps=cfg.sample.num_steps, seq=self.grid[0] * self.grid[1], channels=mc.in_channels,
+            text=cfg.sample.max_sequence_length, width=mc.joint_attention_dim,
+            embed_dtype=np.dtype(config_lib.embed_dtype(cfg)), guided=tc.guided, recompute=tc.recompute_pass)
+        plans = [memory.StepMemory.of(name, c) for name, c in self._step.compile(batch, old).items()]
+        micro = cfg.sample.prompts_per_step * cfg.sample.group_size // (tc.num_mini_batches * tc.num_micro_batches)
+        what = f"{micro // self.layout.batch_devices or 1} samples per micro-batch per device, model.remat={cfg.model.remat}"
+        stats = memory.pool()
+        if stats is None:
+            return f"train step memory not checked ({what}): the {jax.default_backend()} backend keeps no statistics"
+        return memory.check_fits(plans, memory.device_bytes(self._step.frozen), *stats, what)
 
     def begin(self, resume: bool) -> dict | None:
         """Open the checkpoint folder and make the train state: fresh, or with `resume` the newest checkpoint's that

@@ -68,6 +68,10 @@ class Trainer:
         self.sampler = GroupSampler(len(train_items), s.prompts_per_step, s.group_size, cfg.seed)
         self.driver = Driver(cfg, folder, train_items, self.sampler) if first else None
         self.learner = Learner(cfg, folder)
+        try:  # before the rollout starts and before anything is written: a step that cannot fit stops here
+            self.memory_summary = self.learner.check_memory()
+        except MemoryError as exc:
+            raise config_lib.UserError(str(exc)) from None
         if self.driver:
             self.driver.start_rollout(self.learner.model, self.processes)
         meta = self.learner.begin(resume)

@@ -285,30 +285,55 @@ def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | Non
         old_pass = jit(old_fn, in_shardings=(state_sh.lora, frozen_sh, rows), out_shardings=rows)
         put, batch_devices = layout.put_batch, layout.batch_devices // jax.process_count()
     indices = [put({"j": np.int32(j)})["j"] for j in range(config.num_mini_batches)]
+    step = TrainStep(config, update, old_pass, frozen, put, batch_devices, indices,
+                     abstract_state=lambda: jax.eval_shape(init, lora))
 
     def init_state() -> TrainState:
         return init_jit(lora)
 
-    def step(state: TrainState, batch: dict, timings: dict | None = None) -> tuple[TrainState, dict]:
-        t = time.perf_counter()
-        batch = put(prepare_batch(batch, config, batch_devices))
+    return init_state, step
+
+
+class TrainStep:
+    """`step(state, batch, timings=None) -> (state, metrics)`, see `make_train_step`; `compile` builds its functions
+    ahead of time for the batch's shapes and reports their memory (the first call otherwise compiles them)."""
+
+    def __init__(self, config: TrainConfig, update, old_pass, frozen, put, batch_devices: int, indices: list,
+                 abstract_state):
+        self.config, self._update, self._old_pass, self.frozen = config, update, old_pass, frozen
+        self._put, self._batch_devices, self._indices = put, batch_devices, indices
+        self.abstract_state = abstract_state  # () -> the TrainState's shapes and dtypes
+
+    def compile(self, batch: dict, old) -> dict:
+        """Compile the update (and the old-log-prob pass when it runs) for `batch` (ShapeDtypeStructs of the
+        prepared batch; `old`: the pass's (B, W) output's, or None) and use them from now on; returns
+        {name: compiled} (their `memory_analysis()` says what they need on one device)."""
+        state, index = self.abstract_state(), jax.ShapeDtypeStruct((), jnp.int32)
+        out = {"update": self._update.lower(state, self.frozen, batch, old, index).compile()}
+        if self.config.recompute_pass:
+            out["old_log_prob"] = self._old_pass.lower(state.lora, self.frozen, batch).compile()
+            self._old_pass = out["old_log_prob"]
+        self._update = out["update"]
+        return out
+
+    def __call__(self, state: TrainState, batch: dict, timings: dict | None = None) -> tuple[TrainState, dict]:
+        config, t = self.config, time.perf_counter()
+        batch = self._put(prepare_batch(batch, config, self._batch_devices))
         if timings is not None:  # the host train batch onto the devices: the trajectories' host round trip's way in
             jax.block_until_ready(batch)
             timings["to_device"] = time.perf_counter() - t
         old, t = None, time.perf_counter()
         if config.recompute_pass:
-            old = old_pass(state.lora, frozen, batch)
+            old = self._old_pass(state.lora, self.frozen, batch)
             if timings is not None:
                 jax.block_until_ready(old)
                 timings["old_log_prob"], t = time.perf_counter() - t, time.perf_counter()
         updates = []
         for _ in range(config.num_inner_epochs):
-            for index in indices:
-                state, metrics = update(state, frozen, batch, old, index)
+            for index in self._indices:
+                state, metrics = self._update(state, self.frozen, batch, old, index)
                 updates.append(metrics)
         if timings is not None:
             jax.block_until_ready(state)
             timings["update"] = time.perf_counter() - t
         return state, minibatches.combine_metrics(updates)
-
-    return init_state, step

@@ -1,0 +1,88 @@
+"""Does the train step fit the device's memory? Answered from XLA's compile-time memory analysis before the first
+rollout (docs/design.md, "Memory").
+
+The learner compiles its jitted functions ahead of time on the batch's shapes (`abstract_batch`), before it makes
+the train state, and `check_fits` compares what they need on one device with what JAX's pool has free: arguments
+not yet on the device (the train state, the batch; the frozen base weights are), temporaries, and outputs that do
+not alias a donated argument. One line names the knobs when it does not fit; the run then stops with nothing
+written. On a backend without memory statistics (the CPU) nothing is compared.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+GIB = 2 ** 30
+KNOBS = ("train.num_micro_batches (more micro-batches: fewer samples in each forward and backward), a larger JAX pool "
+         "(XLA_CLIENT_MEM_FRACTION, which leaves the rollout engine less), or model.remat=save_matmuls (saves less "
+         "for the backward)")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+    """One compiled function's bytes on one device (XLA's `memory_analysis`)."""
+
+    name: str
+    arguments: int
+    outputs: int
+    aliased: int
+    temp: int
+
+    @classmethod
+    def of(cls, name: str, compiled) -> StepMemory:
+        m = compiled.memory_analysis()
+        return cls(name, int(m.argument_size_in_bytes), int(m.output_size_in_bytes), int(m.alias_size_in_bytes),
+                   int(m.temp_size_in_bytes))
+
+    def need(self, resident: int) -> int:
+        """Bytes it must allocate when `resident` bytes of its arguments already lie on the device."""
+        return max(0, self.arguments - resident) + self.temp + max(0, self.outputs - self.aliased)
+
+
+def device_bytes(tree) -> int:
+    """Bytes the arrays of `tree` hold on one device (their first addressable shard; host arrays count 0)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array):
+            total += leaf.addressable_shards[0].data.nbytes
+    return total
+
+
+def pool(device=None) -> tuple[int, int] | None:
+    """(bytes_limit, bytes_in_use) of JAX's pool on `device` (default: the first local one), or None where the
+    backend keeps no statistics (the CPU)."""
+    stats = (device or jax.local_devices()[0]).memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
+
+
+def check_fits(plans: list[StepMemory], resident: int, limit: int, in_use: int, what: str) -> str:
+    """A one-line summary of the largest need against the pool; UserError-style ValueError naming `KNOBS` if it
+    exceeds what is free. `resident`: bytes of the functions' arguments already on the device (the frozen base);
+    `what`: the settings, for the message (e.g. "8 samples per micro-batch")."""
+    worst = max(plans, key=lambda p: p.need(resident))
+    need, free = worst.need(resident), limit - in_use
+    summary = (f"train step memory per device ({what}): {worst.name} needs {need / GIB:.1f} GiB "
+               f"({worst.temp / GIB:.1f} GiB temporaries) beside {in_use / GIB:.1f} GiB in use; "
+               f"JAX's pool {limit / GIB:.1f} GiB")
+    if need > free:
+        raise MemoryError(f"{summary}: it does not fit ({(need - free) / GIB:.1f} GiB short). Set {KNOBS}")
+    return summary
+
+
+def abstract_batch(*, batch: int, window: int, num_steps: int, seq: int, channels: int, text: int, width: int,
+                   embed_dtype, guided: bool, recompute: bool) -> tuple[dict, jax.ShapeDtypeStruct | None]:
+    """Shapes and dtypes of the batch `train_step.prepare_batch` hands the step (text padded to `text` tokens,
+    sample.max_sequence_length), and of the old-log-prob pass's output when it runs."""
+    s = jax.ShapeDtypeStruct
+    out = {"latents": s((batch, window + 1, seq, channels), np.float32), "log_probs": s((batch, window), np.float32),
+           "sigmas": s((batch, num_steps + 1), np.float32), "step_index": s((batch, window), np.int32),
+           "noise_level": s((batch,), np.float32), "advantages": s((batch,), np.float32),
+           "prompt_embeds": s((batch, text, width), embed_dtype), "prompt_mask": s((batch, text), np.bool_)}
+    if guided:
+        out.update(negative_prompt_embeds=s((batch, text, width), embed_dtype),
+                   negative_prompt_mask=s((batch, text), np.bool_))
+    return out, (s((batch, window), np.float32) if recompute else None)

@@ -1,0 +1,85 @@
+"""The memory check before the first rollout (jaxflow/memory.py): XLA's analysis of the compiled step against JAX's
+pool; a step that cannot fit stops the run with one line naming the knobs, exit 2, nothing written."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxflow import memory
+from tests.test_train import ROOT, run, tiny_config
+
+GIB = 2 ** 30
+
+
+def test_need_counts_new_arguments_temporaries_and_unaliased_outputs():
+    plan = memory.StepMemory("update", arguments=50 * GIB, outputs=6 * GIB, aliased=5 * GIB, temp=30 * GIB)
+    assert plan.need(resident=40 * GIB) == (10 + 30 + 1) * GIB
+    assert plan.need(resident=60 * GIB) == 31 * GIB  # never negative for what already lies there
+
+
+def test_check_fits_names_the_knobs_when_short_and_summarises_when_not():
+    plans = [memory.StepMemory("old_log_prob", 45 * GIB, 0, 0, 5 * GIB),
+             memory.StepMemory("update", 45 * GIB, 5 * GIB, 5 * GIB, 30 * GIB)]
+    line = memory.check_fits(plans, 40 * GIB, limit=80 * GIB, in_use=40 * GIB, what="8 samples")
+    assert "update needs 35.0 GiB" in line and "\n" not in line
+    with pytest.raises(MemoryError) as e:
+        memory.check_fits(plans, 40 * GIB, limit=70 * GIB, in_use=40 * GIB, what="8 samples")
+    msg = str(e.value)
+    assert "5.0 GiB short" in msg and "train.num_micro_batches" in msg and "XLA_CLIENT_MEM_FRACTION" in msg
+    assert "\n" not in msg
+
+
+def test_the_loop_runs_the_executables_the_check_compiled(tmp_path, monkeypatch):
+    """The check compiles the step for the run's real batch shapes (a wrong shape or dtype would fail the first
+    step's call of the compiled executable, which does not retrace), and the run trains with them."""
+    compiled = {}
+    real = memory.StepMemory.of
+
+    def spy(name, c):
+        compiled[name] = c
+        return real(name, c)
+
+    monkeypatch.setattr(memory.StepMemory, "of", staticmethod(spy))
+    cfg = tiny_config(tmp_path / "run", num_steps=1, num_mini_batches=2, num_micro_batches=2,
+                      old_log_prob="recompute")
+    cfg.rollout.in_process = True
+    out = run(cfg)
+    assert sorted(compiled) == ["old_log_prob", "update"] and out["history"][0]["skipped"] == 0
+    assert all(c.memory_analysis().temp_size_in_bytes > 0 for c in compiled.values())
+
+
+def test_a_step_that_does_not_fit_exits_2_before_the_rollout_with_nothing_written(tmp_path):
+    """A pool of 1 MiB (what a GPU backend reports, made small): one line on stderr naming the knobs, exit 2, no
+    run_dir, and no rollout engine started (the command line in a process of its own, its pool patched)."""
+    run_dir = tmp_path / "run"
+    code = ("import sys; from jaxflow import cli, memory, driver; from jaxflow.train import Trainer; "
+            "memory.pool = lambda device=None: (2 ** 20, 0); "
+            "driver.Driver.start_rollout = lambda *a: sys.exit('rollout started'); "
+            "sys.exit(cli.main(Trainer))")
+    out = subprocess.run([sys.executable, "-c", code, f"--config.run_dir={run_dir}", "--config.rollout.in_process=True",
+                          "--config.reward.fns={'jpeg_incompressibility': 1.0}", "--config.log.progress=False"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    err = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(err) == 1 and err[0].startswith("error: train step memory per device"), err
+    assert "does not fit" in err[0] and "train.num_micro_batches" in err[0]
+    assert not run_dir.exists()
+
+
+def test_abstract_batch_matches_prepare_batch():
+    """The shapes the check compiles for are the ones `prepare_batch` produces from a rollout's batch."""
+    import ml_dtypes
+    from jaxflow.train_step import TrainConfig, prepare_batch
+    b, w, n, s, c, length, d = 4, 2, 6, 10, 8, 5, 16
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    spec, old = memory.abstract_batch(batch=b, window=w, num_steps=n, seq=s, channels=c, text=length, width=d,
+                                      embed_dtype=bf16, guided=True, recompute=True)
+    raw = {"latents": np.zeros((b, w + 1, s, c), np.float32), "log_probs": np.zeros((b, w), np.float32),
+           "sigmas": np.linspace(1, 0, n + 1).astype(np.float32), "step_index": np.zeros((b, w), np.int64),
+           "noise_level": np.float32(0.7), "advantages": np.zeros(b, np.float32),
+           "prompt_embeds": np.zeros((b, length, d), bf16), "prompt_mask": np.ones((b, length), bool),
+           "negative_prompt_embeds": np.zeros((b, length, d), bf16),
+           "negative_prompt_mask": np.ones((b, length), bool)}
+    got = prepare_batch(raw, TrainConfig(grid_hw=(2, 5), guidance=4.0))
+    assert {k: (v.shape, v.dtype) for k, v in got.items()} == {k: (v.shape, v.dtype) for k, v in spec.items()}
+    assert old.shape == (b, w)
