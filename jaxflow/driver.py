@@ -5,6 +5,7 @@ trains (`rollout.sleep_while_training`), serves each new LoRA to the rollout, an
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from pathlib import Path
 
@@ -13,13 +14,15 @@ import numpy as np
 from jaxflow import config as config_lib
 from jaxflow.data import GroupSampler, load_prompts
 from jaxflow.flowgrpo import compute_advantages
-from jaxflow.lora_sync import device_peft_tensors, device_target
+from jaxflow.lora_sync import SharedLoRA, device_peft_tensors, device_target
 from jaxflow.metrics_log import image_grid
 from jaxflow.minibatches import order_minibatches
 from jaxflow.models.loading import fingerprint
 from jaxflow.models.lora import lora_to_peft
 from jaxflow.rewards import RewardPool, build_reward
 from jaxflow.rollout_client import RolloutGroup, init_ray
+
+log = logging.getLogger(__name__)
 
 
 def sample_seeds(seed: int, step: int, count: int) -> np.ndarray:
@@ -81,7 +84,7 @@ class Driver:
         self.spec = config_lib.lora_spec(cfg)
         self.pool = RewardPool(build_reward(dict(cfg.reward.fns), **cfg.reward.options.to_dict()),  # VLM health check
                                cfg.reward.workers)
-        self.rollout = self.sync_target = None
+        self.rollout = self.sync_target = self.shared = None
 
     def start_rollout(self, model, processes: int) -> None:
         """Start the rollout servers and check that they hold `model`'s base weights."""
@@ -103,10 +106,19 @@ class Driver:
                                    f"({self.folder}): fingerprint {info['fingerprint'][:12]} != {mine[:12]}")
         if r.in_process and processes == 1:  # the LoRA goes to the engine as device tensors (lora_sync)
             self.sync_target = device_target(infos[0])
+        elif not r.in_process:  # actors on this host read it from shared memory; others get arrays (serve)
+            self.shared = SharedLoRA(self.spec, infos[0]["dtype"])
 
     def serve(self, lora, version: int) -> int:
         """The rollout serves `lora` (the train state's whole LoRA) as policy `version`; returns the bound-module
         count. Device tensors through DLPack in process, host arrays otherwise (jaxflow/lora_sync.py)."""
+        if self.shared is not None:
+            try:
+                return self.rollout.update_lora_shared(self.shared.write(lora), version, self.spec.peft_config())
+            except FileNotFoundError as exc:  # a server on another host: arrays through Ray from now on
+                log.warning("LoRA sync through shared memory failed (%s): sending the arrays through Ray", exc)
+                self.shared.close()
+                self.shared = None
         if self.sync_target is not None:
             tensors = device_peft_tensors(lora, self.spec, self.sync_target)
         else:
@@ -169,5 +181,7 @@ class Driver:
 
     def close(self) -> None:
         self.pool.close()
+        if self.shared is not None:
+            self.shared.close()
         if self.rollout is not None:
             self.rollout.close()

@@ -1,6 +1,9 @@
 """The form the trainer's LoRA takes on its way to the rollout engine (the trainer's glue; JAX and torch meet here).
 
-Across processes (Ray actors) the engine gets host numpy PEFT arrays (`lora_to_peft`), which Ray ships as bytes.
+Across processes (Ray actors) on this host the engine reads the adapter from one shared-memory file
+(`SharedLoRA`, bridge/contract/lora_shm.py): transposed to PEFT's layout, cast to the engine's dtype and laid out
+flat in one jit on the device, copied to the host once, written once; only the manifest crosses Ray. An engine on
+another host gets host numpy PEFT arrays (`lora_to_peft`), which Ray ships as bytes.
 When the engine shares the trainer's process (`rollout.in_process`) on a device JAX addresses, it gets device
 tensors instead, with no host round trip: each stacked LoRA weight is transposed to PEFT's (out, in) layout and
 cast to the engine's dtype in one jit on the device, moved to the engine's device if it is another one, and
@@ -18,7 +21,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from bridge.contract.lora_shm import SharedAdapterFile
 from jaxflow.models.lora import LoRASpec, peft_stacks
 
 _PLATFORMS = {"cpu": "cpu", "cuda": "gpu"}
@@ -76,3 +81,30 @@ def device_peft_tensors(lora, spec: LoRASpec, target: DeviceTarget) -> dict:
         stack = jax_to_torch(jax.device_put(stacked, target.device))
         out.update(zip(keys, stack.unbind(0)))
     return out
+
+
+class SharedLoRA:
+    """The train state's LoRA as a shared-memory adapter file for engines on this host; `write(lora)` returns the
+    manifest to send (bridge/contract/lora_shm.py). lora_A stacks come first, then lora_B's, so an engine scales
+    every B in one operation."""
+
+    def __init__(self, spec: LoRASpec, dtype: str = "bfloat16"):
+        self.spec, self.dtype = spec, dtype
+        self.file = SharedAdapterFile(dtype)
+        self.entries = None
+        self._flat = jax.jit(self._flatten)
+
+    def _flatten(self, lora):
+        stacks = sorted(peft_stacks(lora, self.spec, jnp.dtype(self.dtype)), key=lambda ks: "lora_B" in ks[0][0])
+        self.entries = [(key, tuple(int(d) for d in x.shape[1:])) for keys, x in stacks for key in keys]
+        cat = jnp.concatenate if isinstance(stacks[0][1], jax.Array) else np.concatenate
+        return cat([x.reshape(-1) for _, x in stacks])
+
+    def write(self, lora) -> dict:
+        """Write `lora` (device arrays, or the host arrays a multi-process gather gives) and return the manifest."""
+        host = not isinstance(jax.tree.leaves(lora)[0], jax.Array)
+        flat = self._flatten(lora) if host else self._flat(lora)
+        return self.file.write(np.asarray(flat), self.entries)
+
+    def close(self) -> None:
+        self.file.close()

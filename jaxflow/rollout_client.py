@@ -41,7 +41,7 @@ class RolloutGroup:
         self.engine_config, self.max_retries, self.in_process = dict(engine_config), max_retries, in_process
         self.resources = {"num_cpus": num_cpus, "num_gpus": num_gpus}
         self.servers = [self._start() for _ in range(1 if in_process else num_servers)]
-        self.adapter = None  # (tensors, version, adapter_config) currently served
+        self.adapter = None  # (method, args) of the LoRA update currently served, re-sent after a restart
 
     def _start(self):
         if self.in_process:
@@ -72,7 +72,8 @@ class RolloutGroup:
         self.close()
         self.servers = [self._start() for _ in range(count)]
         if self.adapter is not None:
-            self._get([s.update_lora.remote(*self.adapter) for s in self.servers])
+            method, args = self.adapter
+            self._get([getattr(s, method).remote(*args) for s in self.servers])
 
     def info(self) -> list[dict]:
         return self._call(lambda: self._get([s.info.remote() for s in self.servers]))
@@ -124,13 +125,20 @@ class RolloutGroup:
                 raise ValueError(f"LoRA tensors for Ray actors must be host numpy arrays (lora_to_peft), got "
                                  f"{type(tensors[device[0]]).__name__} for {device[0]}; device tensors are for "
                                  "rollout.in_process")
-        acks = self._call(lambda: self._get([s.update_lora.remote(tensors, version, adapter_config)
-                                             for s in self.servers]))
+        return self._update("update_lora", (tensors, version, adapter_config), version)
+
+    def update_lora_shared(self, manifest: dict, version: int, adapter_config: dict) -> int:
+        """`update_lora` from the shared-memory adapter file `manifest` names (`lora_sync.SharedLoRA`): only the
+        manifest crosses Ray. FileNotFoundError when a server cannot read it (another host): send arrays then."""
+        return self._update("update_lora_shared", (manifest, version, adapter_config), version)
+
+    def _update(self, method: str, args: tuple, version: int) -> int:
+        acks = self._call(lambda: self._get([getattr(s, method).remote(*args) for s in self.servers]))
         for ack in acks:
             if ack["version"] != version or ack["bound_modules"] < 1:
                 raise RuntimeError(f"rollout did not take LoRA version {version}: ack {ack}")
         if not self.in_process:  # re-sent after an actor restart (Ray only; in process it would pin device buffers)
-            self.adapter = (tensors, version, adapter_config)
+            self.adapter = (method, args)
         return acks[0]["bound_modules"]
 
     def close(self) -> None:

@@ -40,6 +40,12 @@ class RolloutEngine(abc.ABC):
         """Serve a PEFT LoRA adapter (dict of arrays, or a path on the engine's host) as policy `version`;
         returns {"version", "bound_modules"}. A refused adapter leaves the previous one serving."""
 
+    def update_lora_shared(self, manifest: dict, version: int, adapter_config: dict | None = None) -> dict:
+        """`update_lora` from a shared-memory adapter file on this host (bridge/contract/lora_shm.py; the manifest
+        names it); FileNotFoundError if the file is not here. Engines with a faster way in override this."""
+        from bridge.contract.lora_shm import read_arrays
+        return self.update_lora(read_arrays(manifest), version, adapter_config)
+
     @abc.abstractmethod
     def sleep(self) -> int:
         """Free the engine's GPU memory until `wake`; returns the bytes freed."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import os
 import shutil
@@ -38,6 +39,7 @@ import numpy as np
 import bridge
 from bridge.contract.lora import (adapter_spec, lora_pairs, read_peft, refusal, to_vllm_omni, vllm_omni_adapter_config,
                          write_peft)
+from bridge.contract.lora_shm import offsets, open_payload, read_arrays
 from bridge.rollout.engine import RolloutEngine
 from bridge.rollout.pipeline import FINGERPRINT_ELEMENTS, TensorHead, weights_fingerprint
 from bridge.rollout.sampling import SamplingParams, check_prompts, per_sample_seeds
@@ -47,6 +49,7 @@ from bridge.rollout.vllm_omni_pipeline import (PIPELINE_CLASS, WORKER_EXTENSION_
 from bridge.rollout.tensors import torch_to_numpy
 from bridge.contract.trajectory import TrajectoryBatch
 
+log = logging.getLogger(__name__)
 INSTALL_HINT = ("the 'vllm_omni' rollout engine needs vLLM-Omni 0.20 on a CUDA machine: `pip install jaxflow[omni]`, "
                 "or, where the machine has no package index, stage the wheels here with "
                 "scripts/stage_vllm_omni.sh and install them there with scripts/install_staged.sh")
@@ -56,15 +59,16 @@ LORA_ROOT = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.get
 # ------------------------------------------------------------------------------------------ pure helpers
 
 
-def check_lora_binding(pairs: dict, rank: int, table: dict) -> int:
-    """Bind every adapter module (vLLM-Omni names) to an engine layer; returns how many bound.
+def bind_lora_modules(pairs: dict, rank: int, table: dict, check_values: bool = True) -> dict:
+    """{module: (engine layer, slot)} binding every adapter module (vLLM-Omni names) to an engine layer.
 
-    table: `vllm_omni_pipeline.lora_module_table` of the engine transformer. A module binds to the layer of its
-    name (B spans all of a fused layer's slices), or to its slot of a fused layer through `packed` (`to_q` ->
-    slice 0 of `to_qkv`). ValueError listing every module that binds nowhere, has a wrong shape or non-finite
-    values, or if none binds.
+    pairs: {module: (lora_A, lora_B)}, arrays (or, with check_values=False, anything with a shape); table:
+    `vllm_omni_pipeline.lora_module_table` of the engine transformer. A module binds to the layer of its name (slot
+    None: B spans all of a fused layer's slices), or to its slot of a fused layer through `packed` (`to_q` -> slice 0
+    of `to_qkv`). ValueError listing every module that binds nowhere, has a wrong shape or (check_values)
+    non-finite values, or if none binds.
     """
-    modules, errors = table["modules"], []
+    modules, errors, bound = table["modules"], [], {}
     slots = {part: (fused, i) for fused, parts in table["packed"].items() for i, part in enumerate(parts)}
     for name, (a, b) in sorted(pairs.items()):
         prefix, _, leaf = name.rpartition(".")
@@ -79,13 +83,39 @@ def check_lora_binding(pairs: dict, rank: int, table: dict) -> int:
             if tuple(np.shape(got)) != want:
                 errors.append(f"{name}.{part}.weight: expected shape {want} (engine layer {target}), "
                               f"got {tuple(np.shape(got))}")
-            elif not np.isfinite(got).all():
+            elif check_values and not np.isfinite(got).all():
                 errors.append(f"{name}.{part}.weight: expected finite values")
+        bound[name] = (target, None if target == name else slot)
     if errors:
         raise refusal(errors, "modules that do not bind")
     if not pairs:
         raise ValueError("LoRA adapter refused: it binds zero modules; the previous adapter keeps serving")
-    return len(pairs)
+    return bound
+
+
+def check_lora_binding(pairs: dict, rank: int, table: dict) -> int:
+    """How many adapter modules bind (`bind_lora_modules`, values checked)."""
+    return len(bind_lora_modules(pairs, rank, table))
+
+
+def slot_plan(manifest: dict, rank: int, table: dict) -> tuple[list, int]:
+    """(plan, first B offset) for writing a shared adapter file (bridge/contract/lora_shm.py) into the engine's
+    LoRA slots: one [module, layer, slot, A offset, A shape, B offset, B shape] per module (vLLM-Omni names, slot 0
+    for an unfused layer), shapes checked against the engine (`bind_lora_modules`, values not: the workers check
+    them on the GPU). ValueError if the file's B tensors do not all follow its A tensors."""
+    entries, starts = manifest["entries"], offsets(manifest["entries"])
+    where = to_vllm_omni({k: (starts[i], list(s)) for i, (k, s) in enumerate(entries)})
+    pairs = lora_pairs(where)
+    shapes = {m: (np.broadcast_to(np.uint8(0), a[1]), np.broadcast_to(np.uint8(0), b[1])) for m, (a, b) in pairs.items()}
+    plan = []
+    for m, (layer, slot) in sorted(bind_lora_modules(shapes, rank, table, check_values=False).items()):
+        if slot is None and len(table["modules"][layer][1]) > 1:
+            raise ValueError(f"{m}: a LoRA over all slices of the fused layer {layer} is not written in place")
+        plan.append([m, layer, slot or 0, *pairs[m][0], *pairs[m][1]])
+    first_b = min(p[5] for p in plan)
+    if max(p[3] for p in plan) > first_b:
+        raise ValueError("shared LoRA file: its lora_B tensors must all follow its lora_A tensors")
+    return plan, first_b
 
 
 def folder_fingerprint(transformer_dir) -> str:
@@ -180,6 +210,7 @@ class VllmOmniEngine(RolloutEngine):
         self.size_multiple = 2 * 2 ** len(vae["temperal_downsample"])
         self.policy_version, self.asleep = 0, False
         self._lora, self._lora_config, self._lora_bound, self._lora_ids = None, None, 0, 0
+        self._in_place = True  # later updates of a served adapter go into its slots (update_lora_shared)
         self._lora_dir = Path(tempfile.mkdtemp(prefix="jaxflow-lora-", dir=LORA_ROOT))
         weakref.finalize(self, shutil.rmtree, self._lora_dir, True)  # shared memory: free it with the engine
         self._loop = asyncio.new_event_loop()
@@ -272,6 +303,35 @@ class VllmOmniEngine(RolloutEngine):
         self._lora, self._lora_config, self._lora_bound = request, dict(adapter_config), bound
         self.policy_version = int(version)
         return {"version": self.policy_version, "bound_modules": bound}
+
+    def update_lora_shared(self, manifest: dict, version: int, adapter_config: dict | None = None) -> dict:
+        """The shared-memory adapter file (bridge/contract/lora_shm.py) written by the workers into the served
+        adapter's LoRA slots in place (`RolloutWorkerExtension.rollout_write_lora`: one host-to-device copy, the
+        values checked on the GPU, then slot copies), when an adapter of the same rank, alpha and modules serves;
+        otherwise (the first update, another rank) through `update_lora`'s folder and `add_lora`. A refused adapter
+        leaves the previous one serving; FileNotFoundError if the file is not on this host."""
+        if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
+            raise ValueError(f"version must be an int, got {version!r}")
+        self.check_awake()
+        open_payload(manifest)
+        adapter_config = dict(adapter_config or self._lora_config or {})
+        spec = adapter_spec(adapter_config) if adapter_config else None
+        plan = None
+        if self._lora is not None and self._in_place and adapter_config == self._lora_config:
+            plan, first_b = slot_plan(manifest, spec.rank, self._modules)
+        if plan is None or len(plan) != self._lora_bound:
+            return self.update_lora(read_arrays(manifest), version, adapter_config or None)
+        scale = spec.alpha / (math.sqrt(spec.rank) if spec.rslora else spec.rank)
+        try:
+            reply = _flat(self._rpc("rollout_write_lora", manifest, plan, first_b, scale, self._lora.lora_int_id))[0]
+        except RuntimeError as exc:  # the slots are not where this vLLM-Omni keeps them: the folder path from now on
+            log.warning("in-place LoRA write failed (%s); loading adapters through folders from now on", exc)
+            self._in_place = False
+            return self.update_lora(read_arrays(manifest), version, adapter_config)
+        if reply.get("refused"):
+            raise refusal(reply["refused"], "modules with non-finite values")
+        self.policy_version = int(version)
+        return {"version": self.policy_version, "bound_modules": self._lora_bound}
 
     async def _swap_lora(self, request) -> None:
         """Load `request`'s adapter, then drop the previous one; on failure restore the previous one."""

@@ -50,6 +50,10 @@ class RolloutServer:
         """Serve a PEFT LoRA adapter (dict of arrays, or a path on the server's host) as policy `version`."""
         return self.engine.update_lora(tensors, version, adapter_config)
 
+    def update_lora_shared(self, manifest: dict, version: int, adapter_config: dict | None = None) -> dict:
+        """Serve the adapter in the shared-memory file `manifest` names (a file on the server's host)."""
+        return self.engine.update_lora_shared(manifest, version, adapter_config)
+
     def sleep(self) -> int:
         """Free the engine's GPU memory until `wake`; returns the bytes freed."""
         return self.engine.sleep()

@@ -1,0 +1,195 @@
+"""LoRA sync through one shared-memory file (bridge/contract/lora_shm.py): the trainer's flat bf16 export, the
+engine's slot plan against vLLM-Omni's fused layers, and the worker's in-place write into a stand-in of vLLM-Omni
+0.20's LoRA manager (its slots and its CPU copy), with refusal of non-finite values and the fallbacks."""
+from types import SimpleNamespace
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from bridge.contract import lora_shm
+from bridge.contract.lora import lora_pairs, to_vllm_omni
+from bridge.rollout import vllm_omni_pipeline as vop
+from bridge.rollout.engine_vllm_omni import slot_plan
+from tests.test_bridge_lora import RANK, random_peft
+from tests.test_vllm_omni_engine import FakeFusedTransformer
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+SCALE = 2.0
+
+
+def shared_file(tensors: dict, tmp_path) -> tuple[lora_shm.SharedAdapterFile, dict]:
+    """`tensors` (PEFT keys) in a shared file, lora_A first, as `jaxflow.lora_sync.SharedLoRA` lays it out."""
+    keys = sorted(tensors, key=lambda k: ("lora_B" in k, k))
+    f = lora_shm.SharedAdapterFile("bfloat16", root=tmp_path)
+    flat = np.concatenate([tensors[k].astype(BF16).reshape(-1) for k in keys])
+    return f, f.write(flat, [(k, tensors[k].shape) for k in keys])
+
+
+def test_round_trip_token_and_size(tmp_path):
+    tensors = random_peft()
+    f, manifest = shared_file(tensors, tmp_path)
+    back = lora_shm.read_arrays(manifest)
+    assert set(back) == set(tensors)
+    for k, v in tensors.items():
+        np.testing.assert_array_equal(back[k], v.astype(BF16))
+    stale = {**manifest, "token": "00" * lora_shm.TOKEN_BYTES}
+    with pytest.raises(FileNotFoundError, match="another adapter"):
+        lora_shm.open_payload(stale)
+    with pytest.raises(ValueError, match="bytes"):
+        lora_shm.open_payload({**manifest, "entries": manifest["entries"][1:]})
+    f.close()
+    with pytest.raises(FileNotFoundError, match="not on this host"):
+        lora_shm.open_payload(manifest)
+
+
+class FakeManager:
+    """vLLM-Omni 0.20's DiffusionLoRAManager as `write_lora_slots` sees it: wrapped layers keyed by full module name
+    with one (1, 1, r, in) / (1, 1, out_i, r) slot pair per slice, and the active adapter's CPU copy per module."""
+
+    def __init__(self, table: dict, modules: dict, rank: int):
+        self._active_adapter_id = 7
+        self._lora_modules = {}
+        for name, (fan_in, outs) in table["modules"].items():
+            self._lora_modules[f"transformer.{name}"] = SimpleNamespace(
+                lora_a_stacked=tuple(torch.zeros(1, 1, rank, fan_in, dtype=torch.bfloat16) for _ in outs),
+                lora_b_stacked=tuple(torch.zeros(1, 1, o, rank, dtype=torch.bfloat16) for o in outs))
+        masters = {m: SimpleNamespace(lora_a=torch.zeros(a.shape, dtype=torch.bfloat16),
+                                      lora_b=torch.zeros(b.shape, dtype=torch.bfloat16))
+                   for m, (a, b) in modules.items()}
+        self._registered_adapters = {7: SimpleNamespace(get_lora=masters.get)}
+        self.masters = masters
+
+
+def setup(tmp_path, tensors):
+    table = vop.lora_module_table(FakeFusedTransformer())
+    pairs = lora_pairs(to_vllm_omni(tensors))
+    f, manifest = shared_file(tensors, tmp_path)
+    plan, first_b = slot_plan(manifest, RANK, table)
+    return FakeManager(table, pairs, RANK), pairs, manifest, plan, first_b
+
+
+def test_in_place_write_fills_every_slot_and_the_cpu_copy(tmp_path):
+    tensors = random_peft()
+    manager, pairs, manifest, plan, first_b = setup(tmp_path, tensors)
+    assert len(plan) == len(pairs) == 12 * 3  # every module of the default targets, 3 blocks
+    payload = vop.MappedPayload().to(manifest, "cpu")
+    assert vop.write_lora_slots(manager, payload, plan, first_b, SCALE, 7) == {"written": len(plan)}
+    layers = manager._lora_modules
+    fused_slot = {"to_q": ("to_qkv", 0), "to_k": ("to_qkv", 1), "to_v": ("to_qkv", 2),
+                  "add_q_proj": ("add_kv_proj", 0), "add_k_proj": ("add_kv_proj", 1), "add_v_proj": ("add_kv_proj", 2)}
+    for module, (a, b) in pairs.items():
+        prefix, _, leaf = module.rpartition(".")
+        fused, slot = fused_slot.get(leaf, (None, 0))
+        layer = f"transformer.{prefix}.{fused}" if fused else f"transformer.{module}"
+        want_a = torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16)
+        want_b = torch.from_numpy(b.astype(np.float32)).to(torch.bfloat16) * SCALE  # vLLM-Omni's own rounding
+        assert torch.equal(layers[layer].lora_a_stacked[slot][0, 0], want_a), module
+        assert torch.equal(layers[layer].lora_b_stacked[slot][0, 0], want_b), module
+        assert torch.equal(manager.masters[module].lora_a, want_a) and torch.equal(manager.masters[module].lora_b,
+                                                                                   want_b)
+    assert np.array_equal(lora_shm.read_arrays(manifest)[next(iter(tensors))],
+                          tensors[next(iter(tensors))].astype(BF16))  # the file itself is never written to
+
+
+def test_non_finite_values_are_refused_with_nothing_written(tmp_path):
+    tensors = random_peft()
+    bad = next(k for k in sorted(tensors) if "img_mlp.net.2.lora_B" in k)
+    tensors[bad] = tensors[bad].copy()
+    tensors[bad][0, 0] = np.nan
+    manager, _, manifest, plan, first_b = setup(tmp_path, tensors)
+    reply = vop.write_lora_slots(manager, vop.MappedPayload().to(manifest, "cpu"), plan, first_b, SCALE, 7)
+    assert len(reply["refused"]) == 1 and "img_mlp.net.2: expected finite values" in reply["refused"][0]
+    assert all(not t.any() for layer in manager._lora_modules.values() for t in layer.lora_a_stacked)
+
+
+def test_a_manager_that_does_not_match_raises_instead_of_writing(tmp_path):
+    manager, _, manifest, plan, first_b = setup(tmp_path, random_peft())
+    payload = vop.MappedPayload().to(manifest, "cpu")
+    with pytest.raises(RuntimeError, match="not the active one"):
+        vop.write_lora_slots(manager, payload, plan, first_b, SCALE, 8)
+    del manager._lora_modules[f"transformer.{plan[-1][1]}"]
+    with pytest.raises(RuntimeError, match="no wrapped layer"):
+        vop.write_lora_slots(manager, payload, plan, first_b, SCALE, 7)
+    assert all(not t.any() for layer in manager._lora_modules.values() for t in layer.lora_a_stacked)
+
+
+def test_slot_plan_refuses_a_wrong_shape_like_the_folder_path(tmp_path):
+    tensors = random_peft()
+    key = next(k for k in sorted(tensors) if "to_k.lora_B" in k)
+    tensors[key] = tensors[key][:-1]
+    table = vop.lora_module_table(FakeFusedTransformer())
+    _, manifest = shared_file(tensors, tmp_path)
+    with pytest.raises(ValueError, match=r"to_k\.lora_B\.weight: expected shape"):
+        slot_plan(manifest, RANK, table)
+
+
+def test_trainer_export_is_the_peft_adapter_in_the_engine_dtype(tmp_path):
+    """`SharedLoRA` (one jit: PEFT layout, bf16, flat) writes what `lora_to_peft` gives, cast to bf16, A first."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxflow.lora_sync import SharedLoRA
+    from jaxflow.models.lora import LoRAParam, LoRASpec, lora_to_peft
+    from jaxflow.models.config import ModelOptions, QwenImageConfig
+    from jaxflow.models.transformer import QwenImageTransformer
+    from tests.qwen_ref import TINY
+
+    spec = LoRASpec(rank=4, alpha=8.0)
+    model = QwenImageTransformer(QwenImageConfig(**TINY), ModelOptions(), spec, rngs=nnx.Rngs(0))
+    lora = nnx.state(model, LoRAParam)
+    lora = jax_tree_perturb(lora)
+    shared = SharedLoRA(spec, "bfloat16")
+    shared.file.path = tmp_path / shared.file.path.name
+    manifest = shared.write(lora)
+    got, want = lora_shm.read_arrays(manifest), lora_to_peft(lora, spec)
+    assert set(got) == set(want)
+    for k in want:
+        np.testing.assert_array_equal(got[k], np.asarray(jnp.asarray(want[k]).astype(jnp.bfloat16)))
+    kinds = ["lora_B" in k for k, _ in manifest["entries"]]
+    assert kinds == sorted(kinds)
+    shared.close()
+    assert not (tmp_path / shared.file.path.name).exists()
+
+
+def jax_tree_perturb(state):
+    """LoRA B starts at zero: give every leaf distinct values so that a misplaced tensor shows."""
+    import jax
+    import jax.numpy as jnp
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(3), len(leaves))
+    return jax.tree.unflatten(treedef, [jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
+
+
+def test_driver_falls_back_to_arrays_when_the_file_is_on_another_host(monkeypatch):
+    """A server that cannot read the file (FileNotFoundError, as from another host): the driver sends the arrays
+    through Ray from then on, and says so once."""
+    from jaxflow.driver import Driver
+
+    calls = []
+
+    class Rollout:
+        def update_lora_shared(self, manifest, version, config):
+            calls.append("shared")
+            raise FileNotFoundError("shared LoRA file /dev/shm/x is not on this host")
+
+        def update_lora(self, tensors, version, config):
+            calls.append("arrays")
+            return len(tensors) // 2
+
+    class Shared:
+        closed = False
+
+        def write(self, lora):
+            return {}
+
+        def close(self):
+            Shared.closed = True
+
+    driver = Driver.__new__(Driver)
+    driver.rollout, driver.shared, driver.sync_target = Rollout(), Shared(), None
+    driver.spec = SimpleNamespace(peft_config=lambda: {"r": 4, "lora_alpha": 8})
+    monkeypatch.setattr("jaxflow.driver.lora_to_peft", lambda lora, spec: {"a.lora_A.weight": 1, "a.lora_B.weight": 2})
+    assert driver.serve(None, 1) == 1 and driver.serve(None, 2) == 1
+    assert calls == ["shared", "arrays", "arrays"] and Shared.closed and driver.shared is None
