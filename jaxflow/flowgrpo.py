@@ -99,13 +99,15 @@ def window_step_terms(model, tr: dict, *, grid_hw, sde_type: str, guidance: floa
     dlogp = logp - logp_rollout.
 
     `tr` holds what `window_log_prob` reads, advantages and rollout_log_prob (B,), and optionally
-    old_log_prob (B,); without it logp_old is the trainer's own logp under stop_gradient (exactly on-policy:
-    ratio 1). The loss of the step is mean(policy) + beta * mean(kl). The KL reference is the same model with
+    old_log_prob (B,); without it, or where the scalar flag old_on_policy is set, logp_old is the trainer's own logp
+    under stop_gradient (exactly on-policy: ratio 1). The loss of the step is mean(policy) + beta * mean(kl). The KL reference is the same model with
     adapters off (lora_scale 0) under stop_gradient.
     """
     kw = dict(grid_hw=grid_hw, sde_type=sde_type, guidance=guidance)
     mean, logp, std = window_log_prob(model, tr, **kw)
     old = tr["old_log_prob"] if "old_log_prob" in tr else jax.lax.stop_gradient(logp)
+    if "old_on_policy" in tr:  # a traced flag: this update is on-policy whatever old_log_prob holds
+        old = jnp.where(tr["old_on_policy"], jax.lax.stop_gradient(logp), old)
     policy, ratio = clipped_objective(logp, old, tr["advantages"], clip_range, adv_clip)
     kl = jnp.zeros_like(policy)
     if beta > 0:

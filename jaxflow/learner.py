@@ -8,6 +8,7 @@ filesystem they share.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -102,24 +103,39 @@ class Learner:
             self.model, config_lib.train_config(cfg, self.grid), self.layout, config_lib.xla_options(cfg))
         self.ckpt = self.state = None
 
-    def check_memory(self) -> str:
-        """Compile the step for the run's batch shapes (the loop then uses these executables) and check that it fits
-        JAX's pool beside the frozen weights (jaxflow/memory.py); returns the summary line. MemoryError naming the
-        knobs if it does not fit. Call before `begin`: the train state is counted as still to be made."""
-        cfg, tc = self.cfg, self._step.config
-        mc = self.model.cfg
+    def memory_plans(self, num_micro_batches: int | None = None) -> tuple[list, int]:
+        """(per-function `memory.StepMemory`, bytes of their arguments already on a device) of the step compiled
+        for the run's batch shapes: the learner's own step (whose executables the loop then runs), or with
+        `num_micro_batches` a trial step made and compiled for that count alone."""
+        cfg, step = self.cfg, self._step
+        if num_micro_batches is not None:
+            tc = dataclasses.replace(step.config, num_micro_batches=num_micro_batches)
+            step = make_train_step(self.model, tc, self.layout, config_lib.xla_options(cfg))[1]
+        mc, tc = self.model.cfg, step.config
         batch, old = memory.abstract_batch(
             batch=cfg.sample.prompts_per_step * cfg.sample.group_size, window=cfg.sample.window_size,
             num_steps=cfg.sample.num_steps, seq=self.grid[0] * self.grid[1], channels=mc.in_channels,
             text=cfg.sample.max_sequence_length, width=mc.joint_attention_dim,
-            embed_dtype=np.dtype(config_lib.embed_dtype(cfg)), guided=tc.guided, recompute=tc.recompute_pass)
-        plans = [memory.StepMemory.of(name, c) for name, c in self._step.compile(batch, old).items()]
-        micro = cfg.sample.prompts_per_step * cfg.sample.group_size // (tc.num_mini_batches * tc.num_micro_batches)
-        what = f"{micro // self.layout.batch_devices or 1} samples per micro-batch per device, model.remat={cfg.model.remat}"
+            embed_dtype=config_lib.embed_dtype(cfg), guided=tc.guided, recompute=tc.recompute_pass)
+        plans = [memory.StepMemory.of(name, c) for name, c in step.compile(batch, old).items()]
+        return plans, memory.device_bytes(step.frozen)
+
+    def micro_batch_size(self, num_micro_batches: int | None = None) -> int:
+        """Samples in one micro-batch on one device."""
+        s, t = self.cfg.sample, self.cfg.train
+        per_update = s.prompts_per_step * s.group_size // t.num_mini_batches
+        return max(1, per_update // (num_micro_batches or t.num_micro_batches) // self.layout.batch_devices)
+
+    def check_memory(self) -> str:
+        """Compile the step for the run's batch shapes (the loop then uses these executables) and check that it fits
+        JAX's pool beside the frozen weights (jaxflow/memory.py); returns the summary line. MemoryError naming the
+        knobs if it does not fit. Call before `begin`: the train state is counted as still to be made."""
+        plans, resident = self.memory_plans()
+        what = f"{self.micro_batch_size()} samples per micro-batch per device, model.remat={self.cfg.model.remat}"
         stats = memory.pool()
         if stats is None:
             return f"train step memory not checked ({what}): the {jax.default_backend()} backend keeps no statistics"
-        return memory.check_fits(plans, memory.device_bytes(self._step.frozen), *stats, what)
+        return memory.check_fits(plans, resident, *stats, what)
 
     def begin(self, resume: bool) -> dict | None:
         """Open the checkpoint folder and make the train state: fresh, or with `resume` the newest checkpoint's that

@@ -114,6 +114,10 @@ class Trainer:
         t = time.perf_counter()
         bound = self._sync(step + 1)
         timings["sync"] = time.perf_counter() - t
+        metrics["micro_batch"] = self.learner.micro_batch_size()
+        stats = jax.local_devices()[0].memory_stats()
+        if stats and "peak_bytes_in_use" in stats:  # JAX's own peak on its first device (a GPU), not the engine's
+            metrics["jax_peak_gib"] = stats["peak_bytes_in_use"] / 2 ** 30
         if experience is None:
             return {**metrics, **{f"time/{k}": v for k, v in timings.items()}}
         return {**metrics, **experience.metrics(bound, time.perf_counter() - start, timings)}

@@ -4,10 +4,11 @@ sharded functions.
 The batch is cut into num_mini_batches (M) mini-batches of whole prompt groups (`jaxflow.minibatches`: the caller
 lays the groups out, mini-batch j = rows j, j + M, ...), one optimizer update each; num_inner_epochs repeats the
 pass over the same mini-batches in the same order. logp_old: old_log_prob="rollout" takes the engine's
-log-probs; "recompute" runs `old_log_probs`, one forward-only pass over the whole batch with the pre-update LoRA
-(CFG as in training), before the first update, as verl-omni's `compute_log_prob` does. With a single update
-(M = 1, one epoch) that pass is skipped and logp_old is the update's own logp under stop_gradient (exactly
-on-policy).
+log-probs; "recompute" runs `old_log_probs`, one forward-only pass with the pre-update LoRA (CFG as in training)
+before the first update, as verl-omni's `compute_log_prob` does, over the rows that need it: the first update
+trains on the pre-update LoRA itself, so its logp_old is its own logp under stop_gradient (exactly on-policy, the
+ratio exactly 1, what the pass would compute up to rounding) and the pass covers the other mini-batches only (all of
+them from the second inner epoch on). With a single update (M = 1, one epoch) there is no pass.
 
 Each update (`_update`, compiled once: every mini-batch has the same shapes and its index is traced): functional
 NNX (`graphdef, lora, frozen = nnx.split(model, LoRAParam, ...)`, `nnx.merge` inside the loss, gradients only for
@@ -91,6 +92,11 @@ class TrainConfig:
         return self.num_inner_epochs * self.num_mini_batches
 
     @property
+    def pass_skips_first(self) -> bool:
+        """Whether the recompute pass leaves out mini-batch 0 (one inner epoch: its update is the first)."""
+        return self.num_inner_epochs == 1
+
+    @property
     def recompute_pass(self) -> bool:
         """Whether `step` runs the forward-only old-log-prob pass before its updates."""
         return self.old_log_prob == "recompute" and self.updates > 1
@@ -148,6 +154,8 @@ def accumulate_gradients(graphdef, lora, frozen, batch: dict, config: TrainConfi
     m, w = config.num_micro_batches, batch["log_probs"].shape[1]
     if config.old_log_prob == "rollout":
         batch = {**batch, "old_log_probs": batch["log_probs"]}
+    flags = {k: batch[k] for k in ("old_on_policy",) if k in batch}  # scalars, not per sample
+    batch = {k: v for k, v in batch.items() if k not in flags}
     grad_fn = jax.grad(functools.partial(_window_loss, graphdef=graphdef, config=config, scale=1.0 / (m * w)),
                        has_aux=True)
 
@@ -157,7 +165,7 @@ def accumulate_gradients(graphdef, lora, frozen, batch: dict, config: TrainConfi
         per_step, shared = _window_steps(mb)
 
         def window(grads, xs):
-            g, terms = grad_fn(lora, frozen, {**shared, **xs})
+            g, terms = grad_fn(lora, frozen, {**shared, **flags, **xs})
             return jax.tree.map(jnp.add, grads, g), terms
 
         return jax.lax.scan(window, grads, per_step)
@@ -170,7 +178,10 @@ def old_log_probs(graphdef, lora, frozen, batch: dict, config: TrainConfig, layo
     in the updates' micro-batches: num_mini_batches x num_micro_batches of them, each the same rows in the same
     order as one micro-batch of an update."""
     kw = dict(grid_hw=config.grid_hw, sde_type=config.sde_type, guidance=config.guidance)
-    k = config.num_mini_batches * config.num_micro_batches
+    m, k = config.num_mini_batches, config.num_mini_batches * config.num_micro_batches
+    # whole-batch micro-batch c holds mini-batch c % m's micro-batch c // m; mini-batch 0's are left out when the
+    # first update uses its own logp (`pass_skips_first`)
+    run = [c for c in range(k) if c % m or not config.pass_skips_first]
 
     def micro(carry, mb):
         if layout is not None:
@@ -183,7 +194,9 @@ def old_log_probs(graphdef, lora, frozen, batch: dict, config: TrainConfig, layo
 
         return carry, jax.lax.scan(window, carry, per_step)[1]
 
-    logp = jax.lax.scan(micro, None, _micro_batches(batch, k))[1]  # (k, W, B/k): row t*k + c is [c, :, t]
+    mbs = jax.tree.map(lambda x: x[np.asarray(run)], _micro_batches(batch, k))
+    part = jax.lax.scan(micro, None, mbs)[1]  # (len(run), W, B/k)
+    logp = jnp.zeros((k, *part.shape[1:]), part.dtype).at[np.asarray(run)].set(part)  # row t*k + c is [c, :, t]
     return jnp.transpose(logp, (2, 0, 1)).reshape(-1, logp.shape[1])
 
 
@@ -202,6 +215,8 @@ def _update(state: TrainState, frozen, batch, old, index, *, graphdef, config: T
     mb = dict(minibatches.select(batch, config.num_mini_batches, index))
     if old is not None:
         mb["old_log_probs"] = minibatches.select(old, config.num_mini_batches, index)
+        if config.pass_skips_first:  # the pass left mini-batch 0 out: the first update is on-policy
+            mb["old_on_policy"] = index == 0
     grads, terms = accumulate_gradients(graphdef, state.lora, frozen, mb, config, layout)
     metrics = flowgrpo.step_metrics(terms, clip_range=config.clip_range, beta=config.beta)
     grad_norm = optax.tree.norm(grads)

@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
 # End-to-end `python -m jaxflow.train` at Qwen-Image size with random weights: writes a full-size pipeline folder
 # without transformer weights (model.init=random: the trainer and the rollout draw the same 20B weights on their
-# GPUs, fingerprint-checked), runs the qwen_ocr settings (512^2, 10 steps, window 2, CFG 4, LoRA r64), then prints
-# img/GPU/s with the phase breakdown and writes OUT_DIR/RESULT.json.
+# GPUs, fingerprint-checked), runs configs/qwen_ocr.py at its own settings (512^2, 10 steps, window 2, CFG 4, LoRA
+# r64, 2 updates a step, its micro-batch, old log-probs recomputed, the OCR reward) with only the prompts per step
+# cut (PROMPTS, default 2; prompts per rollout call then min(4, PROMPTS); train.num_micro_batches scaled so that a
+# micro-batch keeps the recipe's size, or MICRO samples), 4 steps, no eval or checkpoints; then
+# prints img/GPU/s with the phase breakdown and writes OUT_DIR/RESULT.json (with the device's peak memory, read by
+# nvidia-smi every 0.5 s).
 #
-#   [ENGINE=diffusers|vllm_omni] [LAYOUT=inproc|1gpu|2gpu] [SLEEP=false|true] [RESULT=name] [PROFILE_STEP=k] \
-#     bash scripts/bench_e2e.sh OUT_DIR [extra --config overrides]
+#   [ENGINE=vllm_omni|diffusers] [LAYOUT=1gpu|inproc|2gpu] [SLEEP=false|true] [PROMPTS=2] [MICRO=n] [RESULT=name] \
+#     [PROFILE_STEP=k] bash scripts/bench_e2e.sh OUT_DIR [extra --config overrides]
+#
+# Left out, ENGINE and SLEEP are the recipe's. Runs before 2026-11-25 used this script's earlier form (diffusers and
+# the in-process layout by default, 8 micro-batches, one prompt per call, the JPEG reward): BENCHMARKS.md names the
+# overrides each used.
 #
 # PROFILE_STEP=k traces step k of the run (the `profile` config section; leave it out of the figures by running
 # more steps), dumps the train step's optimized HLO, and prints where its GPU time goes by kernel class, named
@@ -19,8 +27,17 @@
 #           and the Ray actor takes GPU 0; trajectories and the LoRA go through Ray every step
 set -euo pipefail
 out=${1:?usage: bench_e2e.sh OUT_DIR [overrides]}; shift
-engine=${ENGINE:-diffusers} layout=${LAYOUT:-inproc} sleep=${SLEEP:-false}
+engine=${ENGINE:-vllm_omni} layout=${LAYOUT:-1gpu} prompts=${PROMPTS:-2}
 result=${RESULT:-e2e_${engine}_${layout}}
+# samples per micro-batch: MICRO, or the recipe's (its sample.prompts_per_step x group_size / mini x micro-batches)
+micro=${MICRO:-$(python3 -c "
+import importlib.util as u; s = u.spec_from_file_location('r', 'configs/qwen_ocr.py'); m = u.module_from_spec(s)
+s.loader.exec_module(m); c = m.get_config(); t = c.train
+print(c.sample.prompts_per_step * c.sample.group_size // (t.num_mini_batches * t.num_micro_batches))")}
+mini=$(python3 -c "
+import importlib.util as u; s = u.spec_from_file_location('r', 'configs/qwen_ocr.py'); m = u.module_from_spec(s)
+s.loader.exec_module(m); c = m.get_config(); print(c.train.num_mini_batches, c.sample.group_size)")
+read -r mini group <<<"$mini"
 mkdir -p "$out"   # the whole training log goes to $out/train.log (kept when a time limit cuts the run)
 model=${MODEL_DIR:-/tmp/qwen_random}
 # One process holds JAX and torch, or JAX shares its GPU with the actor: JAX gets a fixed pool (its allocator never
@@ -46,20 +63,23 @@ python3 -c "import jax; b = jax.default_backend(); assert b == 'gpu', f'JAX runs
 [ -f "$model/model_index.json" ] || python3 scripts/make_random_pipeline.py --out "$model" --no-transformer-weights
 cmd=(python3 -m jaxflow.train --config configs/qwen_ocr.py --config.model.path="$model" --config.model.init=random
   --config.rollout.engine="$engine" --config.rollout.dtype=bfloat16 --config.rollout.device=cuda
-  --config.rollout.sleep_while_training="$sleep" "${placement[@]}"
-  --config.sample.prompts_per_step=2 --config.sample.prompts_per_call=1
-  --config.train.num_micro_batches=8 --config.train.num_steps=4 --config.eval.every=1000
-  --config.checkpoint.every=1000 --config.log.progress=False --config.run_dir="$out/run"
-  --config.reward.fns="{'jpeg_incompressibility': 1.0}" "$@")
+  ${SLEEP:+--config.rollout.sleep_while_training=$SLEEP} "${placement[@]}"
+  --config.sample.prompts_per_step="$prompts" --config.sample.prompts_per_call=$((prompts < 4 ? prompts : 4))
+  --config.train.num_micro_batches=$((prompts * group / mini / micro)) --config.train.num_steps=4 --config.eval.every=1000
+  --config.checkpoint.every=1000 --config.log.progress=False --config.run_dir="$out/run" "$@")
 exclude=()
 if [ -n "${PROFILE_STEP:-}" ]; then
   cmd+=(--config.profile.start_step="$PROFILE_STEP" --config.profile.num_steps=1)
   export XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$out/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*update.*"
   exclude=(--exclude "$PROFILE_STEP")
 fi
+nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 >"$out/gpu_mem.csv" 2>/dev/null &
+smi=$!
 "${cmd[@]}" 2>&1 | tee "$out/train.log"
+kill "$smi" 2>/dev/null || true
 python3 scripts/summarize_run.py "$out/run" --gpus "$gpus" --result "$result" --out "$out" "${exclude[@]}" \
-  --command "ENGINE=$engine LAYOUT=$layout SLEEP=$sleep bash scripts/bench_e2e.sh OUT $*"
+  --gpu-mem "$out/gpu_mem.csv" \
+  --command "ENGINE=$engine LAYOUT=$layout ${SLEEP:+SLEEP=$SLEEP }PROMPTS=$prompts ${MICRO:+MICRO=$MICRO }bash scripts/bench_e2e.sh OUT $*"
 if [ -n "${PROFILE_STEP:-}" ]; then
   python3 scripts/profile_step.py --out "$out" --trace "$out/run/profile" --hlo "$out/hlo"
 fi

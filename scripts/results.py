@@ -24,12 +24,19 @@ def device_name() -> str:
     return f"{len(out)} x {out[0]}" if len(out) > 1 else out[0]
 
 
+def significant(value, digits: int = 6):
+    """A float kept to `digits` significant digits (2.38e-7 stays 2.38e-7, not 0.0); anything else as is."""
+    if isinstance(value, float) and value == value and value not in (float("inf"), float("-inf")):
+        return float(f"{value:.{digits}g}")
+    return value
+
+
 def write_result(out_dir: str | Path, name: str, figures: dict, command: str | None = None,
                  extra: dict | None = None) -> Path:
     """Write out_dir/NAME.json; `command` defaults to this process's command line."""
     record = {"name": name, "command": command or shlex.join(["python3", *sys.argv]), "device": device_name(),
               "date": datetime.date.today().isoformat(),
-              "figures": {k: (round(v, 6) if isinstance(v, float) else v) for k, v in figures.items()}}
+              "figures": {k: significant(v) for k, v in figures.items()}}
     if extra:
         record.update(extra)
     path = Path(out_dir) / f"{name}.json"

@@ -25,6 +25,8 @@ def main(argv=None):
     p.add_argument("--result", help="write the medians as OUT/RESULT.json")
     p.add_argument("--command", help="the command that made the run (for the result file)")
     p.add_argument("--out", type=Path, default=Path("."))
+    p.add_argument("--gpu-mem", type=Path, help="nvidia-smi memory.used log (MiB per line, GPUs interleaved): its "
+                                                "maximum is written as peak_gib")
     args = p.parse_args(argv)
     rows = [json.loads(line) for line in (args.run_dir / "metrics.jsonl").read_text().splitlines()]
     print(f"{'step':>4s} {'rollout':>8s} {'reward':>7s} {'train':>7s} {'sync':>6s} {'wall':>7s} {'img/GPU/s':>9s} "
@@ -44,11 +46,17 @@ def main(argv=None):
                                                                                       steady[0]["time/step"]),
                    "steps_timed": len(steady)}
         for key in ("time/step", "time/rollout", "time/reward", "time/train", "time/to_device", "time/sync",
-                    "time/sleep", "time/wake", "rollout_freed_gib", "bound_modules"):
+                    "time/old_log_prob", "time/update", "time/sleep", "time/wake", "rollout_freed_gib",
+                    "bound_modules", "micro_batch", "jax_peak_gib"):
             if key in steady[0]:
                 figures[key.replace("time/", "") + ("_s" if key.startswith("time/") else "")] = \
                     statistics.median(r[key] for r in steady)
         figures["share_of_step_sync"] = figures["sync_s"] / figures["step_s"]
+        figures["logp_diff_max"] = max(v for r in steady for k, v in r.items() if k.startswith("logp_diff_max/"))
+        if args.gpu_mem and args.gpu_mem.is_file():
+            used = [int(x) for x in args.gpu_mem.read_text().split() if x.isdigit()]
+            if used:
+                figures["peak_gib"] = max(used) / 1024
         print(write_result(args.out, args.result, figures, command=args.command))
 
 

@@ -96,8 +96,8 @@ def test_two_mini_batches_recompute(model, monkeypatch):  # noqa: F811
     timings = {}
     state, m = step(init_state(), batch, timings)
     assert set(timings) == {"to_device", "old_log_prob", "update"} and int(state.step) == 2 and int(m["skipped"]) == 0
-    # mini-batch 1: logp_old from the forward-only pass with the same LoRA; fp32, |dlogp| ~ 1e-7
-    assert abs(float(m["mb1/ratio_min"]) - 1) < 1e-6 and abs(float(m["mb1/ratio_max"]) - 1) < 1e-6
+    # mini-batch 1: the first update, on the pre-update LoRA itself: its own logp is logp_old, the ratio exactly 1
+    assert float(m["mb1/ratio_min"]) == float(m["mb1/ratio_max"]) == 1.0
     assert float(m["mb1/clipfrac"]) == 0
     # mini-batch 2 after one Adam step (~lr per param): the ratio moves by ~1e-3 >> the clip range
     moved = max(abs(float(m["mb2/ratio_min"]) - 1), abs(float(m["mb2/ratio_max"]) - 1))
@@ -107,6 +107,25 @@ def test_two_mini_batches_recompute(model, monkeypatch):  # noqa: F811
     assert m["logp_diff_max"].shape == (2,)
     state, m = step(state, order_minibatches({**batch, "advantages": -batch["advantages"]}, GROUPS, 2, 0, 1))
     assert int(state.step) == 4 and traces == {"update": 1, "old": 1}, traces
+
+
+def test_the_pass_leaves_out_the_first_update_rows_only_in_one_epoch(model):  # noqa: F811
+    """With one inner epoch the recompute pass computes mini-batch 1.. rows only (the first update is on-policy);
+    those rows equal the full pass's (two epochs: every row), the first mini-batch's rows are left at 0."""
+    from flax import nnx
+    from jaxflow.models.lora import LoRAParam
+    batch = order_minibatches(_batch(model, 4.0), GROUPS, 2, seed=0, step=0)
+    graphdef, lora, frozen = nnx.split(model, LoRAParam, ...)
+    out = {}
+    for epochs in (1, 2):
+        config = ts.TrainConfig(grid_hw=GRID, guidance=4.0, num_micro_batches=2, num_mini_batches=2,
+                                num_inner_epochs=epochs, old_log_prob="recompute")
+        prepared = jax.tree.map(jnp.asarray, ts.prepare_batch(batch, config))
+        out[epochs] = np.asarray(jax.jit(lambda lo, fr, b, c=config: ts.old_log_probs(graphdef, lo, fr, b, c))(
+            lora, frozen, prepared))
+    first = np.arange(len(out[1])) % 2 == 0  # mini-batch 0 = rows 0, 2, 4, ... of the laid-out batch
+    assert np.all(out[1][first] == 0) and np.all(out[2][first] != 0)
+    np.testing.assert_allclose(out[1][~first], out[2][~first], rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("key, value", [("train.num_mini_batches", 3), ("train.num_micro_batches", 16),
