@@ -85,6 +85,7 @@ class Driver:
         self.pool = RewardPool(build_reward(dict(cfg.reward.fns), **cfg.reward.options.to_dict()),  # VLM health check
                                cfg.reward.workers)
         self.rollout = self.sync_target = self.shared = None
+        self.sync_timings = {}  # the last shared-memory sync's phases: sync_write (trainer), sync_engine (its ack)
 
     def start_rollout(self, model, processes: int) -> None:
         """Start the rollout servers and check that they hold `model`'s base weights."""
@@ -114,7 +115,13 @@ class Driver:
         count. Device tensors through DLPack in process, host arrays otherwise (jaxflow/lora_sync.py)."""
         if self.shared is not None:
             try:
-                return self.rollout.update_lora_shared(self.shared.write(lora), version, self.spec.peft_config())
+                t = time.perf_counter()
+                manifest = self.shared.write(lora)
+                self.sync_timings = {"sync_write": time.perf_counter() - t}
+                bound = self.rollout.update_lora_shared(manifest, version, self.spec.peft_config())
+                if "seconds" in self.rollout.last_ack:
+                    self.sync_timings["sync_engine"] = self.rollout.last_ack["seconds"]
+                return bound
             except FileNotFoundError as exc:  # a server on another host: arrays through Ray from now on
                 log.warning("LoRA sync through shared memory failed (%s): sending the arrays through Ray", exc)
                 self.shared.close()

@@ -91,7 +91,7 @@ class SharedLoRA:
     def __init__(self, spec: LoRASpec, dtype: str = "bfloat16"):
         self.spec, self.dtype = spec, dtype
         self.file = SharedAdapterFile(dtype)
-        self.entries = None
+        self.entries, self._host = None, None
         self._flat = jax.jit(self._flatten)
 
     def _flatten(self, lora):
@@ -101,10 +101,34 @@ class SharedLoRA:
         return cat([x.reshape(-1) for _, x in stacks])
 
     def write(self, lora) -> dict:
-        """Write `lora` (device arrays, or the host arrays a multi-process gather gives) and return the manifest."""
-        host = not isinstance(jax.tree.leaves(lora)[0], jax.Array)
-        flat = self._flatten(lora) if host else self._flat(lora)
-        return self.file.write(np.asarray(flat), self.entries)
+        """Write `lora` (device arrays, or the host arrays a multi-process gather gives) and return the manifest.
+        From a GPU the flat array goes straight into the file, page-locked once (`_to_file`): one copy."""
+        if not isinstance(jax.tree.leaves(lora)[0], jax.Array):
+            return self.file.write(self._flatten(lora), self.entries)
+        flat = self._flat(lora)
+        if next(iter(flat.devices())).platform != "gpu":
+            return self.file.write(np.asarray(flat), self.entries)
+        self.file.payload(self.entries)  # the file at its size
+        self._to_file(flat)
+        return self.file.seal(self.entries)
+
+    def _to_file(self, flat) -> None:
+        """Device-to-host copy of `flat` into the file's pages through torch (DLPack view of the JAX buffer, the
+        file mapped and registered with CUDA once)."""
+        import torch
+
+        from bridge.contract.lora_shm import TOKEN_BYTES
+        nbytes = flat.size * flat.dtype.itemsize
+        if self._host is None or self._host.numel() != flat.size:
+            raw = torch.from_file(str(self.file.path), shared=True, size=TOKEN_BYTES + nbytes, dtype=torch.uint8)
+            self._host = raw[TOKEN_BYTES:].view(getattr(torch, self.dtype))
+            torch.cuda.cudart().cudaHostRegister(self._host.data_ptr(), nbytes, 0)  # pageable if it fails
+        self._host.copy_(jax_to_torch(flat))
+        torch.cuda.synchronize()
 
     def close(self) -> None:
+        if self._host is not None:
+            import torch
+            torch.cuda.cudart().cudaHostUnregister(self._host.data_ptr())
+            self._host = None
         self.file.close()

@@ -12,10 +12,11 @@
 - 2 optimizer updates of 256 samples per step, like both: flow_grpo `scripts/train_qwenimage.py` with
   num_batches_per_epoch 4 and gradient_accumulation_steps 2 (2 updates per epoch), verl-omni's
   ppo_mini_batch_size 16 of train_batch_size 32 prompts. Here train.num_mini_batches 2: each update takes 16 whole
-  prompt groups x 16 images (shuffled), in 128 micro-batches of 2 samples: the largest micro-batch whose step fits
-  one H200 beside the vLLM-Omni engine (JAX's pool 0.55 of the GPU: 8 samples need 66.9 GiB, 4 need 37.4 GiB with
-  37.3 free, 2 need 22.9 GiB; `scripts/fit_micro_batch.py`, BENCHMARKS.md). On more devices a micro-batch spreads
-  over them (train.num_micro_batches counts the micro-batches of one update, all devices together).
+  prompt groups x 16 images (shuffled), in 64 micro-batches of 4 samples: the largest micro-batch whose step fits
+  one H200 beside the vLLM-Omni engine, measured (`scripts/fit_micro_batch.py`, BENCHMARKS.md): 8 samples need
+  66.9 GiB beside the weights, 4 need 37.9 GiB (JAX's pool 0.58 of the GPU leaves 41.5 free, and the engine its
+  58 GiB), 2 need 22.9 GiB; 4 samples train 12% faster than 2 (12.8 s against 14.6 a step of 32 images). On more
+  devices a micro-batch spreads over them (train.num_micro_batches counts the micro-batches of one update).
 - old log-probs recomputed by the trainer before the first update (verl-omni's `compute_log_prob`; flow_grpo
   takes the rollout's): the bf16 rollout's log-probs differ from the trainer's by ~1e-4..4e-4
   (scripts/verify_logprob_parity.py), more than the 1e-4 clip band. The mismatch stays in the metrics
@@ -58,7 +59,11 @@ def base() -> ml_collections.ConfigDict:
                    init="checkpoint")  # "random": base weights drawn from `seed` (bridge/contract/random_weights.py)
     c.lora = dict(rank=64, alpha=128.0, targets=list(DEFAULT_LORA_TARGETS))
     c.rollout = dict(engine="vllm_omni", dtype="bfloat16", device="cuda", num_servers=1, num_gpus=1.0,
-                     num_cpus=1.0, sleep_while_training=True, max_retries=2, address="",
+                     num_cpus=1.0, max_retries=2, address="",
+                     # the engine's weights to CPU while JAX trains: only where something can use the freed memory;
+                     # JAX's fixed pool cannot (it never grows), so off (one H200: 0.716 img/GPU/s without, 0.681
+                     # with, first sleep 29 s; BENCHMARKS.md, the recipe on one GPU); the trainer warns if set there
+                     sleep_while_training=False,
                      in_process=False,  # True: the engine runs in the trainer's process (no Ray)
                      compile=False)  # diffusers engine: torch.compile the transformer block
     c.sample = dict(height=512, width=512, num_steps=10, guidance=4.0, noise_level=1.2, sde_type="sde",
@@ -68,7 +73,7 @@ def base() -> ml_collections.ConfigDict:
                     prompts_per_step=32, group_size=16, prompts_per_call=4)
     c.train = dict(num_steps=300,
                    max_minutes=0.0,  # > 0: end the run (checkpoint, lora_final) before this wall time; 0: no limit
-                   num_micro_batches=128, learning_rate=3e-4, clip_range=1e-4, adv_clip=5.0,
+                   num_micro_batches=64, learning_rate=3e-4, clip_range=1e-4, adv_clip=5.0,
                    beta=0.0, global_std=True, max_grad_norm=1.0, weight_decay=1e-4, ema_decay=0.0,
                    adam_b1=0.9, adam_b2=0.999, adam_eps=1e-8,  # flow_grpo's adam_beta1/2, adam_epsilon
                    old_log_prob="recompute",

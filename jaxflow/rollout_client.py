@@ -42,6 +42,7 @@ class RolloutGroup:
         self.resources = {"num_cpus": num_cpus, "num_gpus": num_gpus}
         self.servers = [self._start() for _ in range(1 if in_process else num_servers)]
         self.adapter = None  # (method, args) of the LoRA update currently served, re-sent after a restart
+        self.last_ack = {}  # the first server's acknowledgement of the last LoRA update
 
     def _start(self):
         if self.in_process:
@@ -139,6 +140,7 @@ class RolloutGroup:
                 raise RuntimeError(f"rollout did not take LoRA version {version}: ack {ack}")
         if not self.in_process:  # re-sent after an actor restart (Ray only; in process it would pin device buffers)
             self.adapter = (method, args)
+        self.last_ack = acks[0]
         return acks[0]["bound_modules"]
 
     def close(self) -> None:

@@ -49,7 +49,7 @@ gpus=1
 case $layout in
   inproc) export XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.5}
           placement=(--config.rollout.in_process=True --config.rollout.num_gpus=0) ;;
-  1gpu)   export XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.55}
+  1gpu)   export XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.58}
           placement=(--config.rollout.in_process=False --config.rollout.num_gpus=1) ;;
   2gpu)   # a Ray head that owns both GPUs hands GPU 0 to the rollout actor; the trainer process sees only GPU 1
           python3 -m ray.scripts.scripts start --head --num-gpus=2 --disable-usage-stats >"$out/ray_start.log" 2>&1

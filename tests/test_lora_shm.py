@@ -178,6 +178,8 @@ def test_driver_falls_back_to_arrays_when_the_file_is_on_another_host(monkeypatc
             calls.append("arrays")
             return len(tensors) // 2
 
+        last_ack = {}
+
     class Shared:
         closed = False
 
@@ -193,3 +195,13 @@ def test_driver_falls_back_to_arrays_when_the_file_is_on_another_host(monkeypatc
     monkeypatch.setattr("jaxflow.driver.lora_to_peft", lambda lora, spec: {"a.lora_A.weight": 1, "a.lora_B.weight": 2})
     assert driver.serve(None, 1) == 1 and driver.serve(None, 2) == 1
     assert calls == ["shared", "arrays", "arrays"] and Shared.closed and driver.shared is None
+
+
+def test_a_run_through_ray_syncs_through_the_file_and_times_it(ray_session, tmp_path):
+    """The tiny run with its rollout in a Ray actor on this host: every sync goes through the shared file (its
+    write timed as sync_write), and the run removes its file when it closes."""
+    from tests.test_train import run, tiny_config
+    before = set(lora_shm.SHM_ROOT.glob("jaxflow-lora-*"))
+    out = run(tiny_config(tmp_path / "run", num_steps=2))
+    assert all("time/sync_write" in row for row in out["history"])
+    assert set(lora_shm.SHM_ROOT.glob("jaxflow-lora-*")) <= before

@@ -83,3 +83,22 @@ def test_abstract_batch_matches_prepare_batch():
     got = prepare_batch(raw, TrainConfig(grid_hw=(2, 5), guidance=4.0))
     assert {k: (v.shape, v.dtype) for k, v in got.items()} == {k: (v.shape, v.dtype) for k, v in spec.items()}
     assert old.shape == (b, w)
+
+
+def test_sleep_is_flagged_where_a_fixed_pool_cannot_use_the_freed_memory(tmp_path, monkeypatch):
+    """The rule for rollout.sleep_while_training: on a GPU with JAX's preallocated pool (the default) the engine's
+    freed memory has no taker, so the trainer warns; without preallocation, off, or on the CPU it says nothing."""
+    from jaxflow import train
+    cfg = tiny_config(tmp_path)
+    cfg.rollout.sleep_while_training = True
+    monkeypatch.setattr(train.jax, "default_backend", lambda: "gpu")
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+    assert "sleep_while_training=False" in train.sleep_warning(cfg)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    assert train.sleep_warning(cfg) is None
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "true")
+    cfg.rollout.sleep_while_training = False
+    assert train.sleep_warning(cfg) is None
+    cfg.rollout.sleep_while_training = True
+    monkeypatch.setattr(train.jax, "default_backend", lambda: "cpu")
+    assert train.sleep_warning(cfg) is None

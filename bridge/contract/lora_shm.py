@@ -44,16 +44,24 @@ class SharedAdapterFile:
 
     def write(self, flat: np.ndarray, entries: list) -> dict:
         """Write `flat` (1-D, `dtype`, the entries' tensors back to back) and return the manifest."""
-        total = offsets(entries)[-1]
         flat = np.asarray(flat)
-        if flat.shape != (total,) or flat.dtype != _dtype(self.dtype):
-            raise ValueError(f"shared LoRA payload: expected ({total},) {self.dtype}, got {flat.shape} {flat.dtype}")
-        size = TOKEN_BYTES + flat.nbytes
+        if flat.dtype != _dtype(self.dtype):
+            raise ValueError(f"shared LoRA payload: expected dtype {self.dtype}, got {flat.dtype}")
+        self.payload(entries)[:] = flat
+        return self.seal(entries)
+
+    def payload(self, entries: list) -> np.ndarray:
+        """The file's payload for `entries` as a writable flat array (the file made or resized first)."""
+        total = offsets(entries)[-1]
+        size = TOKEN_BYTES + total * _dtype(self.dtype).itemsize
         if self._map is None or self._map.size != size:
             with open(self.path, "wb") as f:
                 f.truncate(size)
             self._map = np.memmap(self.path, np.uint8, mode="r+", shape=(size,))
-        self._map[TOKEN_BYTES:].view(flat.dtype)[:] = flat
+        return self._map[TOKEN_BYTES:].view(_dtype(self.dtype))
+
+    def seal(self, entries: list) -> dict:
+        """Stamp the token once the payload is written; the manifest to send."""
         self._map[:TOKEN_BYTES] = np.frombuffer(self.token, np.uint8)
         return {"path": str(self.path), "token": self.token.hex(), "dtype": self.dtype,
                 "entries": [[k, list(s)] for k, s in entries]}

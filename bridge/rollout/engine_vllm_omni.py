@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 import uuid
 import weakref
 from pathlib import Path
@@ -322,6 +323,7 @@ class VllmOmniEngine(RolloutEngine):
         if plan is None or len(plan) != self._lora_bound:
             return self.update_lora(read_arrays(manifest), version, adapter_config or None)
         scale = spec.alpha / (math.sqrt(spec.rank) if spec.rslora else spec.rank)
+        t = time.perf_counter()
         try:
             reply = _flat(self._rpc("rollout_write_lora", manifest, plan, first_b, scale, self._lora.lora_int_id))[0]
         except RuntimeError as exc:  # the slots are not where this vLLM-Omni keeps them: the folder path from now on
@@ -331,7 +333,7 @@ class VllmOmniEngine(RolloutEngine):
         if reply.get("refused"):
             raise refusal(reply["refused"], "modules with non-finite values")
         self.policy_version = int(version)
-        return {"version": self.policy_version, "bound_modules": self._lora_bound}
+        return {"version": self.policy_version, "bound_modules": self._lora_bound, "seconds": time.perf_counter() - t}
 
     async def _swap_lora(self, request) -> None:
         """Load `request`'s adapter, then drop the previous one; on failure restore the previous one."""
