@@ -14,6 +14,9 @@ diffusers engine.
   transformer's LoRA-capable layers (names, packed q/k/v slots, shapes) before the engine sees it, written as a
   PEFT folder under /dev/shm and loaded by vLLM-Omni's own loader (`add_lora(LoRARequest)`); every later request
   carries that LoRARequest. If loading fails, the previous adapter is loaded back and keeps serving.
+- update_lora_shared: the adapter in a shared-memory file on this host (bridge/contract/lora_shm.py); once an
+  adapter of the same rank and alpha serves, the workers write the file's tensors into its LoRA slots in place
+  (`vllm_omni_pipeline.write_lora_slots`), with the same checks and refusals; otherwise as update_lora.
 - sleep / wake: level-1 sleep through the workers' sleep task (weights, text encoder and VAE included, move to
   CPU and come back); wake goes through the same RPC path, so the actor process never creates a CUDA context.
 AsyncOmni runs on an event loop in a background thread; the engine's methods block on it (one call at a time).
