@@ -120,10 +120,31 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
     except config_lib.UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # noqa: BLE001 - out of memory in the loop is one line; anything else re-raised
+        line = out_of_memory(exc, Path(cfg.run_dir))
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        return 1
     if trainer.driver:
         step = history[-1]["step"] if history else trainer.start
         print(run_dir_lib.summary(Path(cfg.run_dir), step, cfg.train.num_steps, ray_logs), flush=True)
     return 0
+
+
+def out_of_memory(exc: BaseException, run_dir: Path) -> str | None:
+    """One line for a device running out of memory inside the loop (XLA's RESOURCE_EXHAUSTED, torch's CUDA out of
+    memory, also from a rollout actor), or None for any other error. The run stops without writing: its newest
+    checkpoint is as it was."""
+    text = f"{type(exc).__name__}: {exc}"
+    first = next((ln.strip() for ln in text.splitlines()
+                  if "RESOURCE_EXHAUSTED" in ln or "out of memory" in ln.lower()), None)
+    if first is None:
+        return None
+    where = run_dir / "checkpoints"
+    return (f"out of device memory in the training loop ({first[:240]}); the checkpoints in {where} are as they were: "
+            f"lower the memory (train.num_micro_batches, XLA_CLIENT_MEM_FRACTION, model.remat) and continue with "
+            f"--resume")
 
 
 def configure_logging(verbose: bool) -> None:

@@ -102,3 +102,23 @@ def test_sleep_is_flagged_where_a_fixed_pool_cannot_use_the_freed_memory(tmp_pat
     cfg.rollout.sleep_while_training = True
     monkeypatch.setattr(train.jax, "default_backend", lambda: "cpu")
     assert train.sleep_warning(cfg) is None
+
+
+@pytest.mark.parametrize("message", ["RESOURCE_EXHAUSTED: Out of memory while trying to allocate 62.07GiB.",
+                                     "CUDA out of memory. Tried to allocate 2.00 GiB"])
+def test_out_of_memory_in_the_loop_is_one_line_exit_1(tmp_path, message):
+    """A device OOM inside the loop (XLA's or torch's, here raised by a stand-in loop after start-up) ends with one
+    line naming the knobs and --resume, exit 1, no traceback."""
+    code = ("import sys; from jaxflow import cli\n"
+            "class T:\n"
+            "    driver, start = None, 0\n"
+            "    def __init__(self, cfg, resume=False): pass\n"
+            f"    def run(self): raise RuntimeError('several lines\\n{message}\\nmore')\n"
+            "    def close(self): pass\n"
+            "sys.exit(cli.main(T))")
+    out = subprocess.run([sys.executable, "-c", code, f"--config.run_dir={tmp_path / 'run'}"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    err = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and len(err) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert err[0].startswith("error: out of device memory in the training loop") and message[:20] in err[0]
+    assert "--resume" in err[0] and "train.num_micro_batches" in err[0]
