@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import zlib
 from pathlib import Path
 
 import jax
@@ -23,7 +24,8 @@ class Checkpointer:
     """Saves {state leaves, metadata json} under `directory/<step>`; keeps the last `keep`.
 
     Saves are synchronous and orbax writes each one into a temporary folder renamed on completion, so a process
-    killed mid-save leaves the previous checkpoints readable.
+    killed mid-save leaves the previous checkpoints readable. Each leaf's crc32 is saved with it and checked on
+    restore: a file changed after the save counts as damaged, like one that no longer decompresses.
     """
 
     def __init__(self, directory: str | Path, keep: int):
@@ -36,8 +38,9 @@ class Checkpointer:
 
     def save(self, step: int, state, meta: dict) -> None:
         arrays, paths = _flat(state)
+        sums = {k: checksum(v) for k, v in arrays.items()}
         args = ocp.args.Composite(state=ocp.args.StandardSave(arrays),
-                                  meta=ocp.args.JsonSave({**meta, "state_paths": paths}))
+                                  meta=ocp.args.JsonSave({**meta, "state_paths": paths, "checksums": sums}))
         self.manager.save(step, args=args, force=True)
         self.manager.wait_until_finished()
 
@@ -59,7 +62,8 @@ class Checkpointer:
                 log.warning("checkpoint %d does not restore (%s): moved to %s.damaged, trying the one before",
                             step, _cause(exc), self.directory / str(step))
         raise UserError(f"no checkpoint in {self.directory} restores" +
-                        (f" ({'; '.join(skipped)})" if skipped else "") + ": start without --resume")
+                        (f" ({'; '.join(skipped)})" if skipped else "") +
+                        ": start the run again with --overwrite (deletes its outputs), or use a new run_dir")
 
     def _set_aside(self, step: int) -> None:
         """Rename a damaged checkpoint out of orbax's sight (kept for inspection; its step can be saved again)."""
@@ -80,8 +84,20 @@ class Checkpointer:
         abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=getattr(v, "sharding", None))
                     for k, v in target.items()}
         restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
+        for k, saved in meta.get("checksums", {}).items():  # bytes that read back but are not what was written
+            got = checksum(restored["state"][k])
+            if saved is not None and got is not None and got != saved:
+                raise ValueError(f"leaf {meta['state_paths'][int(k)]} reads back with another checksum "
+                                 f"(crc32 {got:08x}, saved {saved:08x}): the file was changed after the save")
         leaves = [restored["state"][k] for k in sorted(restored["state"])]
         return jax.tree.unflatten(jax.tree.structure(abstract_state), leaves), meta
+
+
+def checksum(x) -> int | None:
+    """crc32 of an array's bytes (None for an array this process does not hold whole)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return None
+    return zlib.crc32(np.ascontiguousarray(np.asarray(x)).view(np.uint8))
 
 
 def _cause(exc: BaseException) -> str:

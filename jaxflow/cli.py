@@ -3,7 +3,8 @@ errors as one line.
 
 Input the user must fix (a flag, a config key or value, a run_dir in use, a resume that does not match its run)
 prints `error: ...` naming the fix and exits 2, before any model, device or Ray starts; real failures keep their
-traceback.
+traceback. Exit codes (`EXIT_CODES`, README): 0 finished, 1 failed, 2 input to fix, 75 stopped by a signal after
+checkpointing (resumable), 130 interrupted at once (a second signal, or one during start-up).
 """
 from __future__ import annotations
 
@@ -25,8 +26,13 @@ FlowGRPO LoRA training (README.md). Every output goes under config.run_dir.
   --allow_config_changes  with --resume: train on although keys that change the training differ from the run's
   --overwrite             delete a previous run's outputs in config.run_dir, then start a new run there
   --verbose               show the libraries' INFO logs (orbax, JAX, Ray), silenced by default
+
+Exit codes: 0 finished; 1 failed; 2 a flag, config value or run_dir to fix (nothing ran); 75 stopped by
+SIGINT/SIGTERM after checkpointing its last step (continue with --resume); 130 interrupted at once (a second
+signal, or one during start-up), the checkpoints as they were.
 """
 HELP_FLAGS = ("-h", "-help", "--help", "--helpshort", "--helpfull", "-?")
+EXIT_CODES = {"finished": 0, "failed": 1, "input": 2, "stopped": 75, "interrupted": 130}
 
 
 def _define_flags():
@@ -65,8 +71,12 @@ def flag_error(exc: Exception, argv: list[str]) -> str:
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     if isinstance(exc, OSError):  # the --config file itself
         return f"--config: cannot load the config file ({lines[-1] if lines else exc})"
+    text = " ".join(lines)
+    boolean = re.search(r"flag (--[\w.]+)=(.*?): \('Non-boolean argument to boolean flag', '.*'\)", text)
+    if boolean:  # absl shows a raw tuple here
+        return f"{boolean.group(1)}: {boolean.group(2)!r} is not a bool; pass True or False"
     suffix = "; see --help" if isinstance(exc, flags.Error) else ""
-    return " ".join(lines) + suffix
+    return text + suffix
 
 
 def print_config(cfg) -> None:
@@ -111,25 +121,41 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
         ray_logs = _start_ray(cfg, FLAGS.verbose)
         trainer = trainer_class(cfg, resume=FLAGS.resume)
         if trainer.driver:
-            print(f"training {Path(cfg.run_dir).resolve()}: step {trainer.start} -> {cfg.train.num_steps}\n"
-                  f"{trainer.memory_summary}", flush=True)
+            print(f"training {Path(cfg.run_dir).resolve()}: step {trainer.start} -> {cfg.train.num_steps}", flush=True)
+            if trainer.memory_summary:
+                print(trainer.memory_summary, flush=True)
         try:
-            history = trainer.run()["history"]
+            result = trainer.run()
         finally:
             trainer.close()
     except config_lib.UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CODES["input"]
+    except KeyboardInterrupt:
+        print(f"error: interrupted; the checkpoints in {Path(cfg.run_dir) / 'checkpoints'} are as they were "
+              f"(continue with --resume if there are any)", file=sys.stderr)
+        return EXIT_CODES["interrupted"]
     except Exception as exc:  # noqa: BLE001 - out of memory in the loop is one line; anything else re-raised
         line = out_of_memory(exc, Path(cfg.run_dir))
         if line is None:
             raise
         print(f"error: {line}", file=sys.stderr)
-        return 1
+        return EXIT_CODES["failed"]
+    history = result["history"]
     if trainer.driver:
         step = history[-1]["step"] if history else trainer.start
         print(run_dir_lib.summary(Path(cfg.run_dir), step, cfg.train.num_steps, ray_logs), flush=True)
-    return 0
+        updates = cfg.train.num_mini_batches * cfg.train.num_inner_epochs
+        if history and all(row.get("skipped", 0) >= updates for row in history):
+            print(f"error: every update of this run's {len(history)} steps was skipped (a non-finite loss or "
+                  f"gradient): the LoRA did not change. Look at grad_norm in {Path(cfg.run_dir) / 'metrics.jsonl'}; "
+                  f"a resumed run may have restored bad values (start again with --overwrite)", file=sys.stderr)
+            return EXIT_CODES["failed"]
+    if result.get("stopped"):
+        print(f"stopped by a signal after checkpointing step {history[-1]['step'] if history else trainer.start}: "
+              f"exit code {EXIT_CODES['stopped']}; --resume continues", flush=True)
+        return EXIT_CODES["stopped"]
+    return EXIT_CODES["finished"]
 
 
 def out_of_memory(exc: BaseException, run_dir: Path) -> str | None:

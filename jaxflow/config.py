@@ -49,8 +49,33 @@ def validate(cfg: ConfigDict) -> None:
     if cfg.rollout.compile and cfg.rollout.engine != "diffusers":
         _fail("rollout.compile", "is an option of the diffusers engine; leave it False with "
                                  f"rollout.engine={cfg.rollout.engine!r}")
-    model_options(cfg), lora_spec(cfg), sharding_config(cfg), xla_options(cfg)
+    _typed("model", model_options, cfg)
+    if not isinstance(cfg.lora.rank, int) or cfg.lora.rank < 1:
+        _fail("lora.rank", f"{cfg.lora.rank!r}: the LoRA rank must be an int >= 1 (the recipe's is 64)")
+    if not cfg.lora.alpha > 0:
+        _fail("lora.alpha", f"{cfg.lora.alpha!r} must be > 0 (the LoRA scale is alpha / rank)")
+    _typed("lora", lora_spec, cfg)
+    _typed("sharding", sharding_config, cfg)
+    xla_options(cfg)
     s, t = cfg.sample, cfg.train
+    if t.old_log_prob not in ("rollout", "recompute"):
+        _fail("train.old_log_prob", f"{t.old_log_prob!r}; choose 'rollout' (the engine's log-probs) or 'recompute' "
+                                    f"(the trainer's, before the first update)")
+    for key, value, ok, want in (("sample.guidance", s.guidance, s.guidance >= 1, ">= 1 (1: no CFG)"),
+                                 ("sample.noise_level", s.noise_level, s.noise_level > 0, "> 0 (the SDE's noise)"),
+                                 ("train.learning_rate", t.learning_rate, t.learning_rate > 0, "> 0"),
+                                 ("train.clip_range", t.clip_range, t.clip_range > 0, "> 0"),
+                                 ("train.beta", t.beta, t.beta >= 0, ">= 0 (0: no KL term)")):
+        if not ok:
+            _fail(key, f"{value!r} must be {want}")
+    device = str(cfg.rollout.device)
+    if device not in ("cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
+        _fail("rollout.device", f"{device!r}; choose 'cpu', 'cuda' or 'cuda:N'")
+    multiple = _size_multiple(cfg)
+    for key in ("height", "width"):
+        if s[key] < multiple or s[key] % multiple:
+            _fail(f"sample.{key}", f"{s[key]} must be a positive multiple of {multiple} for this model (its VAE's "
+                                   f"factor x 2, the latent patch)")
     if s.group_size < 2:
         _fail("sample.group_size", f"{s.group_size}: GRPO needs at least 2 images per prompt")
     if s.prompts_per_step < 1 or s.prompts_per_call < 1 or s.prompts_per_step % s.prompts_per_call:
@@ -90,6 +115,32 @@ def validate(cfg: ConfigDict) -> None:
         section, name = key.split(".")
         if cfg[section][name] < 1:
             _fail(key, f"must be >= 1, got {cfg[section][name]}")
+
+
+def _typed(section: str, make, cfg):
+    """`make(cfg)`, its ValueError (e.g. "ModelOptions.remat='x'; choose one of ...") as the config key's UserError."""
+    try:
+        return make(cfg)
+    except ValueError as exc:
+        text = str(exc)
+        field, sep, rest = text.partition("=")
+        key = field.rpartition(".")[2] if sep and "." in field and " " not in field else None
+        _fail(f"{section}.{key}" if key else section, rest if key else text)
+
+
+def _size_multiple(cfg) -> int:
+    """Image sizes must be multiples of 2 x the VAE's spatial factor (2 x 2 latent patches): read from the
+    folder's vae/config.json, or the tiny model's (factor 4)."""
+    import json
+    if cfg.model.path == "tiny":
+        from bridge.rollout.tiny import TINY_VAE_CONFIG
+        downsample = TINY_VAE_CONFIG["temperal_downsample"]
+    else:
+        vae = Path(cfg.model.path) / "vae" / "config.json"
+        if not vae.exists():
+            _fail("model.path", f"{cfg.model.path} has no vae/config.json: it must be a diffusers Qwen-Image folder")
+        downsample = json.loads(vae.read_text())["temperal_downsample"]
+    return 2 * 2 ** len(downsample)
 
 
 def model_options(cfg) -> ModelOptions:

@@ -126,16 +126,15 @@ class Learner:
         per_update = s.prompts_per_step * s.group_size // t.num_mini_batches
         return max(1, per_update // (num_micro_batches or t.num_micro_batches) // self.layout.batch_devices)
 
-    def check_memory(self) -> str:
+    def check_memory(self) -> str | None:
         """Compile the step for the run's batch shapes (the loop then uses these executables) and check that it fits
         JAX's pool beside the frozen weights (jaxflow/memory.py); returns the summary line. MemoryError naming the
-        knobs if it does not fit. Call before `begin`: the train state is counted as still to be made."""
+        knobs if it does not fit; None where the backend keeps no statistics (the CPU). Call before `begin`: the
+        train state is counted as still to be made."""
         plans, resident = self.memory_plans()
         what = f"{self.micro_batch_size()} samples per micro-batch per device, model.remat={self.cfg.model.remat}"
         stats = memory.pool()
-        if stats is None:
-            return f"train step memory not checked ({what}): the {jax.default_backend()} backend keeps no statistics"
-        return memory.check_fits(plans, resident, *stats, what)
+        return None if stats is None else memory.check_fits(plans, resident, *stats, what)
 
     def begin(self, resume: bool) -> dict | None:
         """Open the checkpoint folder and make the train state: fresh, or with `resume` the newest checkpoint's that

@@ -68,7 +68,9 @@ class RunLog:
         self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(str(run_dir / "tb"))
+            # a resume (also one that fell back to an older checkpoint) hides the event log's points from the
+            # replayed steps on, as metrics.jsonl drops their rows
+            self._tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1 if start_step else None)
         self._progress, self.total_steps = None, total_steps
         self._lines = progress and not sys.stdout.isatty()  # a log file: one line per step, not a progress bar
         if progress and not self._lines:

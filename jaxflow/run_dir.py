@@ -75,26 +75,34 @@ def _saved_config(run_dir: Path, steps: list[int]) -> tuple[int, dict] | None:
 
 
 def check_resume(cfg, allow_config_changes: bool = False) -> str | None:
-    """Checks a resume of `cfg.run_dir`: a message when the run is already finished (nothing to do), else None.
-    A run stopped at its last step before exporting its LoRA (a stop request after the last step's checkpoint, or
-    `--config.train.num_steps` lowered to a stopped run's newest checkpoint) resumes to export `lora_final` only.
-    Raises UserError when there is no checkpoint, or the config changed in keys that change the training."""
+    """Checks a resume of `cfg.run_dir`, the config first: a message when the run is already finished (its
+    lora_final written, nothing to do), else None. A run stopped at its last step before exporting its LoRA (a stop
+    request after the last step's checkpoint, or `--config.train.num_steps` lowered to a stopped run's newest
+    checkpoint) resumes to export `lora_final` only. Raises UserError when there is no checkpoint (naming
+    --overwrite when the run's outputs hold none that restores), the config changed in keys that change the
+    training, or a stopped run's newest checkpoint lies past train.num_steps."""
     run_dir = Path(cfg.run_dir)
     steps = checkpoint_steps(run_dir)
     if not steps:
+        if previous_outputs(run_dir):  # outputs, but nothing that resumes (e.g. every checkpoint set aside)
+            damaged = sorted(p.name for p in (run_dir / "checkpoints").glob("*.damaged"))
+            raise UserError(f"--resume: {run_dir} holds no checkpoint that restores"
+                            + (f" ({', '.join(damaged)} set aside as damaged)" if damaged else "")
+                            + ": start it again with --overwrite (deletes its outputs), or use a new run_dir")
         raise UserError(f"--resume: {run_dir / 'checkpoints'} holds no checkpoint: start without --resume")
-    export_only = steps[0] == cfg.train.num_steps and not (run_dir / "lora_final").exists()
-    if steps[0] >= cfg.train.num_steps and not export_only:
-        return (f"{run_dir} is finished: its newest checkpoint is step {steps[0]} of train.num_steps="
-                f"{cfg.train.num_steps} (LoRA in {run_dir / 'lora_final'}); raise --config.train.num_steps to go on")
     saved = _saved_config(run_dir, steps)
-    if saved is None:
-        return None  # no metadata reads: restoring reports each damaged checkpoint
-    changes = config_changes(saved[1], json.loads(config_json(cfg)))
+    changes = config_changes(saved[1], json.loads(config_json(cfg))) if saved else []
     if changes and not allow_config_changes:
         raise UserError(f"--resume: the config differs from the one checkpoint {saved[0]} was trained with, in keys "
                         f"that change the training (saved -> now):\n  " + "\n  ".join(changes) +
                         "\nPass the same overrides as that run, or add --allow_config_changes to train on with these")
+    finished = (run_dir / "lora_final").exists()
+    if steps[0] > cfg.train.num_steps and not finished:
+        raise UserError(f"--resume: the newest checkpoint of {run_dir} is step {steps[0]}, past train.num_steps="
+                        f"{cfg.train.num_steps}: pass --config.train.num_steps={steps[0]} or more to go on")
+    if steps[0] >= cfg.train.num_steps and finished:
+        return (f"{run_dir} is finished: its newest checkpoint is step {steps[0]} of train.num_steps="
+                f"{cfg.train.num_steps} (LoRA in {run_dir / 'lora_final'}); raise --config.train.num_steps to go on")
     for change in changes:
         log.warning("resuming with a changed config: %s", change)
     return None
@@ -132,7 +140,11 @@ def summary(run_dir: Path, step: int, num_steps: int, ray_logs: str | None = Non
     if (run_dir / "metrics.jsonl").exists():
         lines.append(f"  metrics      {run_dir / 'metrics.jsonl'} (one JSON row per step)")
     if (run_dir / "tb").exists():
-        lines.append(f"  tensorboard  tensorboard --logdir {run_dir / 'tb'}")
+        import importlib.util
+        view = (f"tensorboard --logdir {run_dir / 'tb'}" if importlib.util.find_spec("tensorboard") else
+                f"{run_dir / 'tb'} (event files; to view them: pip install tensorboard, then tensorboard --logdir "
+                f"{run_dir / 'tb'})")
+        lines.append(f"  tensorboard  {view}")
     images = sorted((run_dir / "eval").glob("step_*.png"))
     if images:
         lines.append(f"  eval grids   {run_dir / 'eval'} (the newest {images[-1].name}; {len(images)} in all)")

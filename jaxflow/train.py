@@ -49,14 +49,20 @@ def sleep_warning(cfg) -> str | None:
             "memory the engine frees cannot be used by the trainer; set --config.rollout.sleep_while_training=False")
 
 
+CPU_OVERRIDES = ("--config.rollout.device=cpu --config.rollout.num_gpus=0 --config.rollout.engine=diffusers "
+                 "--config.rollout.dtype=float32 --config.model.dtype=float32 --config.model.param_dtype=float32 "
+                 "--config.model.remat=save_matmuls --config.train.xla_options={}")
+
+
 def check_backend(cfg) -> None:
-    """A rollout on a GPU with JAX on the CPU is a broken install or environment, not a choice: refuse it."""
+    """A rollout on a GPU with JAX on the CPU is a broken install or environment, not a choice: refuse it in one
+    line that names both ways out (a CUDA jaxlib, or every override a CPU run of this config needs)."""
     backend = jax.default_backend()
     if str(cfg.rollout.device).startswith("cuda") and backend == "cpu":
-        raise RuntimeError("JAX runs on the CPU while rollout.device is cuda: JAX found no GPU. Install a CUDA jaxlib "
-                           "(pip install 'jax[cuda13]'), and do not set both XLA_CLIENT_MEM_FRACTION and the "
-                           "deprecated XLA_PYTHON_CLIENT_MEM_FRACTION (jax then falls back to the CPU); or set "
-                           "--config.rollout.device=cpu to run both on the CPU")
+        raise config_lib.UserError(
+            "JAX found no GPU but rollout.device is cuda: install a CUDA jaxlib (pip install 'jax[cuda13]') and do "
+            "not set both XLA_CLIENT_MEM_FRACTION and XLA_PYTHON_CLIENT_MEM_FRACTION; or run everything on the CPU "
+            f"with {CPU_OVERRIDES} (a full-size model on a CPU is very slow: configs/tiny_ocr.py is the CPU run)")
 
 
 class Trainer:
@@ -155,7 +161,7 @@ class Trainer:
                 profiler.begin(step + 1)
                 metrics = self.train_one(step)
                 profiler.end(step + 1, self.learner.state)
-                if (step + 1) % cfg.eval.every == 0:
+                if (step + 1) % cfg.eval.every == 0 or step + 1 == cfg.train.num_steps:  # the final policy too
                     score = self._evaluate(step + 1)
                     if self.driver:
                         metrics["eval_reward_mean"] = score
@@ -186,10 +192,14 @@ class Trainer:
                 signal.signal(sig, handler)
             if runlog is not None:
                 runlog.close()
-        return {"history": history, "state": self.learner.state}
+        return {"history": history, "state": self.learner.state, "stopped": stopped}
 
     def _request_stop(self, signum, frame):
-        log.warning("signal %d: finishing the current step, then checkpointing", signum)
+        """The first SIGINT/SIGTERM: finish the step, checkpoint, stop. A second: stop at once (KeyboardInterrupt;
+        the checkpoints are left as they are)."""
+        if self.stop_requested:
+            raise KeyboardInterrupt
+        log.warning("signal %d: finishing the current step, then checkpointing (again to stop at once)", signum)
         self.stop_requested = True
 
     def close(self) -> None:

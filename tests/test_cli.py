@@ -16,7 +16,8 @@ def cli(*args):
 @pytest.mark.parametrize("args, needle", [
     (["--config.train.lerning_rate=1e-3"], 'Did you mean "learning_rate"'),
     (["--config.train.learning_rate=abc"], "could not convert"),
-    (["--config.sample.same_latent=maybe"], "Non-boolean argument"),
+    (["--config.sample.same_latent=maybe"], "--config.sample.same_latent: 'maybe' is not a bool; pass True or False"),
+    (["--config.sample.same_latent=yes"], "'yes' is not a bool"),
     (["--config=configs/nope.py"], "configs/nope.py"),
     (["--config.model.path=/nonexistent/qwen"], "configs/tiny_ocr.py"),
     (["--resme"], "resume"),
@@ -27,6 +28,7 @@ def test_user_errors_are_one_line_and_exit_2(args, needle):
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), out.stderr[-3000:]
     assert needle in lines[0] and "\\n" not in lines[0] and "Traceback" not in out.stderr
+    assert "('" not in lines[0]  # no raw Python tuple
 
 
 def test_help_exits_0_and_names_print_config():

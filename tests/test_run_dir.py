@@ -97,7 +97,55 @@ def test_a_run_stopped_at_its_last_step_resumes_to_export_only(tmp_path):
     cfg = tiny_config(tmp_path, num_steps=5)
     fake_run(tmp_path, cfg, steps=(5,))
     assert run_dir_lib.check_resume(cfg) is None
+    with pytest.raises(UserError, match=r"step 5, past train\.num_steps=4: pass --config\.train\.num_steps=5"):
+        run_dir_lib.check_resume(tiny_config(tmp_path, num_steps=4))  # no lora_final: not finished
+    (tmp_path / "lora_final").mkdir()
     assert "finished" in run_dir_lib.check_resume(tiny_config(tmp_path, num_steps=4))
+
+
+def test_resume_with_another_recipe_reports_the_change_before_anything_else(tmp_path):
+    """Issue 36: a brightness run stopped at step 11 of 40, resumed with the OCR recipe (10 steps): the changed
+    recipe is reported, not a "finished" run with a lora_final that does not exist."""
+    stopped = tiny_config(tmp_path, num_steps=40)
+    stopped.reward.fns = {"brightness": 1.0}
+    fake_run(tmp_path, stopped, steps=(11,))
+    with pytest.raises(UserError, match=r"reward\.fns") as e:
+        run_dir_lib.check_resume(tiny_config(tmp_path, num_steps=10))
+    assert "finished" not in str(e.value)
+
+
+def test_nothing_to_resume_names_overwrite_not_a_circle(tmp_path):
+    """Every checkpoint set aside as damaged: --resume names --overwrite (a fresh start would refuse the used
+    run_dir and point back to --resume)."""
+    fake_run(tmp_path, tiny_config(tmp_path), steps=(3,))
+    (tmp_path / "checkpoints" / "3").rename(tmp_path / "checkpoints" / "3.damaged")
+    with pytest.raises(UserError, match="--overwrite") as e:
+        run_dir_lib.check_resume(tiny_config(tmp_path))
+    assert "3.damaged" in str(e.value) and "start without --resume" not in str(e.value)
+
+
+def test_a_resume_hides_the_replayed_steps_in_tensorboard(tmp_path):
+    """The event log of a resumed run starts with a purge at the step after the checkpoint, so TensorBoard hides
+    the points a fallback replays (metrics.jsonl drops their rows)."""
+    from tensorboardX.proto import event_pb2
+    RunLog(tmp_path, 10, 3, tensorboard=True, progress=False).close()
+    events = []
+    for path in (tmp_path / "tb").glob("events.*"):
+        data, i = path.read_bytes(), 0
+        while i < len(data):  # TFRecord: length (8), crc (4), payload, crc (4)
+            n = int.from_bytes(data[i:i + 8], "little")
+            events.append(event_pb2.Event.FromString(data[i + 12:i + 12 + n]))
+            i += 16 + n
+    starts = [e.step for e in events if e.HasField("session_log") and e.session_log.status == e.session_log.START]
+    assert starts == [4]
+
+
+def test_the_summary_says_how_to_view_tensorboard_without_it(tmp_path, monkeypatch):
+    import importlib.util
+    (tmp_path / "tb").mkdir()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    text = run_dir_lib.summary(tmp_path, 2, 2)
+    assert "pip install tensorboard" in text
 
 
 def test_resumed_metrics_hold_one_row_per_step(tmp_path):

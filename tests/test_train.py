@@ -58,6 +58,13 @@ def lora_leaves(state):
     ("train.xla_options", {"gpu_enable_triton_gemm": False}, "train.xla_options"),
     ("train.adam_b2", 1.0, "adam_b2 < 1"),
     ("train.max_minutes", -1.0, "train.max_minutes"),
+    ("model.dtype", "fp16", "config.model.dtype: 'fp16'"),
+    ("model.remat", "bogus", "config.model.remat: 'bogus'"),
+    ("lora.rank", 0, "config.lora.rank"),
+    ("train.old_log_prob", "foo", "config.train.old_log_prob: 'foo'"),
+    ("sample.height", 41, "config.sample.height: 41 must be a positive multiple of 8"),
+    ("sample.guidance", 0.5, "config.sample.guidance"),
+    ("rollout.device", "tpu", "config.rollout.device"),
 ])
 def test_invalid_config_fails_before_anything_heavy(tmp_path, key, value, needle):
     cfg = tiny_config(tmp_path)
@@ -105,10 +112,37 @@ def test_jax_on_cpu_with_a_cuda_rollout_is_refused(tmp_path, monkeypatch):
     check_backend(cfg)  # cpu rollout, cpu JAX: fine
     cfg.rollout.device = "cuda"
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    with pytest.raises(RuntimeError, match="XLA_PYTHON_CLIENT_MEM_FRACTION"):
+    with pytest.raises(config_lib.UserError, match="XLA_PYTHON_CLIENT_MEM_FRACTION") as e:
         check_backend(cfg)
+    assert "\n" not in str(e.value) and "--config.rollout.device=cpu" in str(e.value)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     check_backend(cfg)
+
+
+def test_the_cpu_overrides_named_for_qwen_ocr_are_all_it_needs(tmp_path):
+    """Following the hint of a GPU recipe on a CPU machine leads to no second error: qwen_ocr with every override
+    the message names validates, and its model options build a model on the CPU."""
+    import importlib.util
+
+    from flax import nnx
+
+    from jaxflow.models.config import QwenImageConfig
+    from jaxflow.models.transformer import QwenImageTransformer
+    from jaxflow.train import CPU_OVERRIDES
+    from tests.qwen_ref import TINY
+    spec = importlib.util.spec_from_file_location("qwen_ocr", ROOT / "configs" / "qwen_ocr.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = module.get_config()
+    cfg.model.path = "tiny"
+    for item in CPU_OVERRIDES.split():
+        key, value = item.removeprefix("--config.").split("=", 1)
+        section, name = key.split(".")
+        cfg[section][name] = {} if value == "{}" else type(cfg[section][name])(value) if not isinstance(
+            cfg[section][name], bool) else value == "True"
+    config_lib.validate(cfg)
+    QwenImageTransformer(QwenImageConfig(**TINY), config_lib.model_options(cfg), config_lib.lora_spec(cfg),
+                         rngs=nnx.Rngs(0))
 
 
 def test_unknown_reward_names_the_known_ones(tmp_path):
@@ -143,6 +177,7 @@ def test_in_process_rollout_with_random_init_runs_without_ray(tmp_path):
     cfg.rollout.in_process, cfg.model.init, cfg.seed = True, "random", 7
     out = run(cfg)
     assert out["history"][0]["skipped"] == 0 and out["history"][0]["logp_diff_max/0"] < 1e-5
+    assert (tmp_path / "eval" / "step_000001.png").exists()  # the final step is evaluated, eval.every or not
 
 
 def test_max_minutes_ends_the_run_like_a_finished_one(tmp_path):
@@ -265,10 +300,23 @@ def test_sigterm_checkpoints_the_current_step_and_exits(ray_session, tmp_path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _wait_for_steps(proc, tmp_path / "metrics.jsonl", 2)
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=300) == 0
+    assert proc.wait(timeout=300) == 75  # stopped, resumable: not the 0 of a finished run
     logged = len((tmp_path / "metrics.jsonl").read_text().splitlines())
     saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
     assert saved == [logged] and logged < 6  # stopped early, after checkpointing the step it had finished
+
+
+def test_a_second_signal_stops_at_once_with_130_and_one_line(ray_session, tmp_path):
+    proc = subprocess.Popen(_cli(ray_session, tmp_path, "--config.checkpoint.every=1000"), cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _wait_for_steps(proc, tmp_path / "metrics.jsonl", 1)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, err[-2000:]
+    lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert len(lines) == 1 and "interrupted" in lines[0] and "Traceback" not in err
 
 
 def test_rollout_actor_killed_mid_generate_is_restarted_and_retried(ray_session, tmp_path):
