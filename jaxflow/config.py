@@ -46,6 +46,9 @@ def validate(cfg: ConfigDict) -> None:
     if cfg.rollout.engine == "vllm_omni" and cfg.rollout.dtype != "bfloat16":
         _fail("rollout.dtype", f"{cfg.rollout.dtype!r}: the vllm_omni engine runs bfloat16 only; use "
                                f"rollout.engine='diffusers' for float32")
+    if cfg.rollout.overlap and (cfg.rollout.in_process or cfg.rollout.sleep_while_training):
+        _fail("rollout.overlap", "runs the next rollout while the trainer trains: it needs rollout actors "
+                                 "(rollout.in_process=False) that stay awake (rollout.sleep_while_training=False)")
     if cfg.rollout.compile and cfg.rollout.engine != "diffusers":
         _fail("rollout.compile", "is an option of the diffusers engine; leave it False with "
                                  f"rollout.engine={cfg.rollout.engine!r}")
@@ -184,6 +187,7 @@ def train_config(cfg, grid_hw) -> TrainConfig:
                        num_inner_epochs=t.num_inner_epochs, clip_range=t.clip_range, beta=t.beta,
                        adv_clip=t.adv_clip, learning_rate=t.learning_rate, weight_decay=t.weight_decay,
                        max_grad_norm=t.max_grad_norm, ema_decay=t.ema_decay or None, old_log_prob=t.old_log_prob,
+                       off_policy=bool(cfg.rollout.overlap),
                        adam_b1=t.adam_b1, adam_b2=t.adam_b2, adam_eps=t.adam_eps)
 
 

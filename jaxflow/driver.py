@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +62,7 @@ class Experience:
     rewards: dict[str, np.ndarray]  # per reward function, "avg" (their weighted sum) and "errors"
     zero_std_ratio: float
     freed_bytes: int | None  # GPU memory the sleeping rollout freed (rollout.sleep_while_training)
+    policy_version: int  # the policy that sampled it
 
     def metrics(self, bound_modules: int, seconds: float, timings: dict) -> dict:
         """The metrics logged beside the learner's: rewards, the LoRA's bound modules, throughput over the step's
@@ -86,6 +88,7 @@ class Driver:
                                cfg.reward.workers)
         self.rollout = self.sync_target = self.shared = None
         self.sync_timings = {}  # the last shared-memory sync's phases: sync_write (trainer), sync_engine (its ack)
+        self._executor = self._prefetched = None  # rollout.overlap: the thread and (step, future) of a prefetch
 
     def start_rollout(self, model, processes: int) -> None:
         """Start the rollout servers and check that they hold `model`'s base weights."""
@@ -132,7 +135,7 @@ class Driver:
             tensors = lora_to_peft(lora, self.spec)
         return self.rollout.update_lora(tensors, version, self.spec.peft_config())
 
-    def _rollout(self, step: int, timings: dict):
+    def _rollout(self, step: int, timings: dict, version: int):
         s = self.cfg.sample
         picks = self.sampler.sample(step)
         prompts = [self.prompts[picks[i * s.group_size][0]].prompt for i in range(s.prompts_per_step)]
@@ -142,19 +145,39 @@ class Driver:
             prompts, s.group_size, config_lib.sampling(self.cfg), sample_seeds(self.cfg.seed, step, len(picks)),
             s.prompts_per_call, on_chunk=lambda c, b: futures.__setitem__(c, self.pool.submit(b.images, b.prompts)))
         timings["rollout"] = time.perf_counter() - t
-        if batch.policy_version != step:
-            raise RuntimeError(f"rollout served policy {batch.policy_version}, trainer is at {step}")
+        if batch.policy_version != version:
+            raise RuntimeError(f"rollout served policy {batch.policy_version} for step {step}, expected {version}")
         t = time.perf_counter()
         rewards = merge_rewards(futures)
         timings["reward"] = time.perf_counter() - t
         return batch, rewards
 
     def experience(self, step: int, timings: dict) -> Experience:
-        """Policy `step`'s experience: the rollout of the step's prompt groups, its rewards and advantages, and the
-        train batch (text padded, mini-batches laid out); then the rollout sleeps if `sleep_while_training`.
-        `timings` gets the seconds of "rollout", "reward" and "sleep"."""
-        cfg, s = self.cfg, self.cfg.sample
-        batch, rewards = self._rollout(step, timings)
+        """Step `step`'s experience: the one `prefetch` started for it (the time waited for it as "rollout_wait"),
+        or else made now on policy `step`. `timings` gets the seconds of "rollout", "reward" and "sleep"."""
+        if self._prefetched is not None and self._prefetched[0] == step:
+            future, self._prefetched = self._prefetched[1], None
+            t = time.perf_counter()
+            experience, theirs = future.result()
+            timings.update(theirs, rollout_wait=time.perf_counter() - t)
+            return experience
+        experience, theirs = self._experience(step, step)
+        timings.update(theirs)
+        return experience
+
+    def prefetch(self, step: int) -> None:
+        """Start step `step`'s experience now, in a thread, on the policy the rollout serves (`step - 1`): it runs
+        while the learner trains step `step - 1` (rollout.overlap); the LoRA sync after that step waits for it
+        (each actor runs one call at a time), so no rollout mixes policy versions."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="rollout-prefetch")
+        self._prefetched = (step, self._executor.submit(self._experience, step, step - 1))
+
+    def _experience(self, step: int, version: int) -> tuple[Experience, dict]:
+        """The rollout of step `step`'s prompt groups on policy `version`, its rewards and advantages, and the
+        train batch (text padded, mini-batches laid out); then the rollout sleeps if `sleep_while_training`."""
+        cfg, s, timings = self.cfg, self.cfg.sample, {}
+        batch, rewards = self._rollout(step, timings, version)
         group_ids = np.repeat(np.arange(s.prompts_per_step), s.group_size)
         adv, zero_std = compute_advantages(rewards["avg"], group_ids, global_std=cfg.train.global_std,
                                            clip=cfg.train.adv_clip, expected_group_size=s.group_size)
@@ -166,7 +189,7 @@ class Driver:
             t = time.perf_counter()
             freed = self.rollout.sleep()
             timings["sleep"] = time.perf_counter() - t
-        return Experience(train_batch, rewards, zero_std, freed)
+        return Experience(train_batch, rewards, zero_std, freed, version), timings
 
     def wake(self, timings: dict) -> None:
         """Wake the rollout that `experience` put to sleep (timed as "wake")."""
@@ -187,6 +210,8 @@ class Driver:
         return float(scores.mean())
 
     def close(self) -> None:
+        if self._executor is not None:  # a prefetch still running is abandoned with its actors
+            self._executor.shutdown(wait=False, cancel_futures=True)
         self.pool.close()
         if self.shared is not None:
             self.shared.close()

@@ -14,6 +14,7 @@ import logging
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxflow import config as config_lib
@@ -102,6 +103,7 @@ class Learner:
         self._init_state, self._step = make_train_step(
             self.model, config_lib.train_config(cfg, self.grid), self.layout, config_lib.xla_options(cfg))
         self.ckpt = self.state = None
+        self._previous = None  # (version, LoRA copy) of the policy one step back, for rollout.overlap
 
     def memory_plans(self, num_micro_batches: int | None = None) -> tuple[list, int]:
         """(per-function `memory.StepMemory`, bytes of their arguments already on a device) of the step compiled
@@ -146,13 +148,24 @@ class Learner:
         self.state, meta = self.ckpt.restore(self.state)
         return meta
 
-    def train(self, batch: dict | None, timings: dict | None = None) -> dict:
-        """One train step on process 0's `batch` (None on the other processes); returns its metrics (host). Its
-        phases' seconds go into `timings` when given: to_device (the batch onto the devices), old_log_prob (the
-        recompute pass, when on) and update."""
+    def train(self, batch: dict | None, timings: dict | None = None, version: int | None = None,
+              behavior: int | None = None) -> dict:
+        """One train step on process 0's `batch` (None on the other processes) from policy `version` to the next;
+        returns its metrics (host). `behavior`: the version that sampled the batch, `version` or (rollout.overlap)
+        `version - 1`, whose LoRA the recompute pass then uses (a copy kept from the step before); anything older is
+        refused. Its phases' seconds go into `timings` when given: to_device (the batch onto the devices),
+        old_log_prob (the recompute pass, when on) and update."""
         if self.processes > 1:
             batch = local_rows(batch)
-        self.state, metrics = self._step(self.state, batch, timings)
+        lora = None
+        if behavior is not None and behavior != version:
+            if self._previous is None or self._previous[0] != behavior:
+                raise RuntimeError(f"the batch was sampled by policy {behavior}; the trainer is at {version} and "
+                                   f"keeps only {None if self._previous is None else self._previous[0]}")
+            lora = self._previous[1]
+        if self._step.config.off_policy:  # the current LoRA, for the next step's batch (the state is donated)
+            self._previous = (version, jax.tree.map(jnp.copy, self.state.lora))
+        self.state, metrics = self._step(self.state, batch, timings, behavior=lora)
         return jax.device_get(metrics)
 
     def save(self, step: int, meta: dict) -> None:

@@ -65,6 +65,9 @@ def base() -> ml_collections.ConfigDict:
                      # with, first sleep 29 s; BENCHMARKS.md, the recipe on one GPU); the trainer warns if set there
                      sleep_while_training=False,
                      in_process=False,  # True: the engine runs in the trainer's process (no Ray)
+                     # True: step k+1's rollout runs while step k trains (one step off-policy; for rollout GPUs apart
+                     # from the trainer's: docs/design.md, "Overlap")
+                     overlap=False,
                      compile=False)  # diffusers engine: torch.compile the transformer block
     c.sample = dict(height=512, width=512, num_steps=10, guidance=4.0, noise_level=1.2, sde_type="sde",
                     window_size=2, window_range=(0, 5), negative_prompt=" ",

@@ -128,8 +128,18 @@ class Trainer:
         Process 0 collects the experience (rollout, rewards, advantages); every process trains on its rows of it."""
         timings, start = {}, time.perf_counter()
         experience = self.driver.experience(step, timings) if self.driver else None
+        # rollout.overlap: every step after the first of this process's run trains on a batch that the previous
+        # policy sampled while the previous step trained (a resumed run's first batch is sampled anew)
+        behavior = step - 1 if self.cfg.rollout.overlap and step > self.start else step
+        if experience is not None and experience.policy_version != behavior:
+            raise RuntimeError(f"step {step}: the batch was sampled by policy {experience.policy_version}, "
+                               f"expected {behavior}")
+        if self.driver and self.cfg.rollout.overlap and step + 1 < self.cfg.train.num_steps:
+            self.driver.prefetch(step + 1)
         t = time.perf_counter()
-        metrics = self.learner.train(experience.batch if experience else None, timings)
+        metrics = self.learner.train(experience.batch if experience else None, timings, version=step,
+                                     behavior=behavior)
+        metrics["staleness"] = step - behavior
         timings["train"] = time.perf_counter() - t
         if self.driver:
             self.driver.wake(timings)

@@ -65,6 +65,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     ema_decay: float | None = None  # EMA of the LoRA params; None = off
     old_log_prob: str = "rollout"   # or "recompute": logp_old from the trainer (see the module docstring)
+    off_policy: bool = False        # batches may come from the previous policy (rollout.overlap): see `__call__`
 
     def __post_init__(self):
         object.__setattr__(self, "grid_hw", tuple(int(s) for s in self.grid_hw))
@@ -93,13 +94,14 @@ class TrainConfig:
 
     @property
     def pass_skips_first(self) -> bool:
-        """Whether the recompute pass leaves out mini-batch 0 (one inner epoch: its update is the first)."""
-        return self.num_inner_epochs == 1
+        """Whether the recompute pass leaves out mini-batch 0 (one inner epoch, on-policy: its update is the first
+        and its own logp is logp_old)."""
+        return self.num_inner_epochs == 1 and not self.off_policy
 
     @property
     def recompute_pass(self) -> bool:
         """Whether `step` runs the forward-only old-log-prob pass before its updates."""
-        return self.old_log_prob == "recompute" and self.updates > 1
+        return self.old_log_prob == "recompute" and (self.updates > 1 or self.off_policy)
 
     def optimizer(self) -> optax.GradientTransformation:
         return optax.chain(
@@ -331,7 +333,12 @@ class TrainStep:
         self._update = out["update"]
         return out
 
-    def __call__(self, state: TrainState, batch: dict, timings: dict | None = None) -> tuple[TrainState, dict]:
+    def __call__(self, state: TrainState, batch: dict, timings: dict | None = None,
+                 behavior=None) -> tuple[TrainState, dict]:
+        """One step; `behavior`: the LoRA of the policy that sampled `batch` when it is not `state.lora` (one
+        version behind, rollout.overlap): the recompute pass takes logp_old from it, so the ratio is against the
+        sampling policy. Metrics add old_logp_diff_max, max |logp_old - the rollout's logp| over the batch, when the
+        pass covers every row (0 up to the engine's rounding when logp_old is the sampling policy's)."""
         config, t = self.config, time.perf_counter()
         batch = self._put(prepare_batch(batch, config, self._batch_devices))
         if timings is not None:  # the host train batch onto the devices: the trajectories' host round trip's way in
@@ -339,7 +346,7 @@ class TrainStep:
             timings["to_device"] = time.perf_counter() - t
         old, t = None, time.perf_counter()
         if config.recompute_pass:
-            old = self._old_pass(state.lora, self.frozen, batch)
+            old = self._old_pass(state.lora if behavior is None else behavior, self.frozen, batch)
             if timings is not None:
                 jax.block_until_ready(old)
                 timings["old_log_prob"], t = time.perf_counter() - t, time.perf_counter()
@@ -351,4 +358,7 @@ class TrainStep:
         if timings is not None:
             jax.block_until_ready(state)
             timings["update"] = time.perf_counter() - t
-        return state, minibatches.combine_metrics(updates)
+        metrics = minibatches.combine_metrics(updates)
+        if old is not None and not config.pass_skips_first:
+            metrics["old_logp_diff_max"] = jnp.max(jnp.abs(old - batch["log_probs"]))
+        return state, metrics

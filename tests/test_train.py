@@ -340,3 +340,27 @@ def test_unreachable_reward_server_fails_fast_naming_the_url(tmp_path):
     with pytest.raises(RuntimeError, match="127.0.0.1:9"):
         Trainer(cfg)
     assert time.time() - t < 30
+
+
+def test_overlap_trains_each_batch_against_the_policy_that_sampled_it(ray_session, tmp_path):
+    """rollout.overlap: step k+1's rollout runs while step k trains. From the second step on every batch is one
+    version old (staleness 1, never 2), and logp_old comes from the LoRA that sampled it: the recompute pass matches
+    the rollout's log-probs to fp32 rounding, while the trained policy has already moved away from them."""
+    cfg = tiny_config(tmp_path, num_steps=3, num_mini_batches=2, old_log_prob="recompute", learning_rate=1e-2)
+    cfg.rollout.overlap = True
+    history = run(cfg)["history"]
+    assert [row["staleness"] for row in history] == [0, 1, 1]
+    for row in history:
+        assert row["old_logp_diff_max"] < 1e-5, row  # logp_old is the sampling policy's
+    moved = [max(v for k, v in row.items() if k.startswith("logp_diff_max/")) for row in history[1:]]
+    assert min(moved) > 10 * max(row["old_logp_diff_max"] for row in history[1:]), moved
+
+
+@pytest.mark.parametrize("key, value", [("rollout.in_process", True), ("rollout.sleep_while_training", True)])
+def test_overlap_needs_awake_actors(tmp_path, key, value):
+    cfg = tiny_config(tmp_path)
+    cfg.rollout.overlap = True
+    section, name = key.split(".")
+    cfg[section][name] = value
+    with pytest.raises(config_lib.UserError, match="rollout.overlap"):
+        config_lib.validate(cfg)
