@@ -332,6 +332,26 @@ def test_rollout_actor_killed_mid_generate_is_restarted_and_retried(ray_session,
         trainer.close()
 
 
+def test_one_of_two_engines_killed_after_an_update_loses_no_step_and_mixes_no_versions(ray_session, tmp_path):
+    """Two rollout actors; after the first update one is killed during the next step (its rollout or its sync):
+    the call is retried on fresh actors
+    that get the current LoRA (version 1) again before generating, so every sample of the step is version 1 and the
+    trainer's recompute matches it (fp32)."""
+    import ray
+    cfg = tiny_config(tmp_path, num_steps=2)
+    cfg.rollout.num_servers = 2
+    trainer = Trainer(cfg)
+    try:
+        trainer.train_one(0)
+        victim = trainer.driver.rollout.servers[1]
+        threading.Timer(0.5, lambda: ray.kill(victim, no_restart=True)).start()
+        metrics = trainer.train_one(1)
+        assert victim not in trainer.driver.rollout.servers and len(trainer.driver.rollout.servers) == 2
+        assert metrics["skipped"] == 0 and np.max(metrics["logp_diff_max"]) < 1e-5
+    finally:
+        trainer.close()
+
+
 def test_unreachable_reward_server_fails_fast_naming_the_url(tmp_path):
     cfg = tiny_config(tmp_path)
     cfg.reward.fns = {"vlm_ocr": 1.0}
