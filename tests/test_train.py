@@ -334,9 +334,8 @@ def test_rollout_actor_killed_mid_generate_is_restarted_and_retried(ray_session,
 
 def test_one_of_two_engines_killed_after_an_update_loses_no_step_and_mixes_no_versions(ray_session, tmp_path):
     """Two rollout actors; after the first update one is killed during the next step (its rollout or its sync):
-    the call is retried on fresh actors
-    that get the current LoRA (version 1) again before generating, so every sample of the step is version 1 and the
-    trainer's recompute matches it (fp32)."""
+    the call is retried on fresh actors that get the current LoRA (version 1) again before generating, so every
+    sample of the step is version 1 and the trainer's recompute matches it (fp32)."""
     import ray
     cfg = tiny_config(tmp_path, num_steps=2)
     cfg.rollout.num_servers = 2
