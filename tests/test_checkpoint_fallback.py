@@ -50,3 +50,26 @@ def test_bytes_changed_after_the_save_are_caught_by_the_checksums(tmp_path, capl
     state, meta = ckpt.restore(STATE)
     assert meta["step"] == 3 and "reads back with another checksum" in caplog.text
     assert (tmp_path / "checkpoints" / "5.damaged").is_dir()
+
+
+def test_a_run_whose_every_update_is_skipped_exits_1_with_one_line(tmp_path):
+    """A checkpoint whose LoRA makes every forward non-finite (saved that way, so its checksums match: here one
+    update at lr 1e30): the resumed run skips every update and ends with exit 1 and one line, not "finished" and 0
+    (issue 36)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.test_train import ROOT
+    args = [sys.executable, "-m", "jaxflow.train", f"--config.run_dir={tmp_path}", "--config.rollout.in_process=True",
+            "--config.reward.fns={'jpeg_incompressibility': 1.0}", "--config.log.progress=False",
+            "--config.eval.every=1000", "--config.train.learning_rate=1e30"]
+    first = subprocess.run(args + ["--config.train.num_steps=1"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    out = subprocess.run(args + ["--config.train.num_steps=3", "--resume"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
+    assert out.returncode == 1 and len(errors) == 1 and "every update" in errors[0], out.stderr[-2000:]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped"] for r in rows] == [0, 1, 1]
