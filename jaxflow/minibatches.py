@@ -34,15 +34,16 @@ def group_order(group_ids, num_mini_batches: int, seed: int, step: int) -> np.nd
 
 
 def order_minibatches(batch: dict, group_ids, num_mini_batches: int, seed: int, step: int) -> dict:
-    """`batch` (host arrays, group g in any rows) with its per-sample arrays reordered by `group_order`; the
-    shared sigmas (N+1,) and noise_level (scalar) are kept as they are."""
+    """`batch` (group g in any rows) with every per-sample array reordered by `group_order`, as host numpy arrays
+    (a jax.Array field is copied to the host and reordered like the rest); the shared sigmas (N+1,) and
+    noise_level (scalar) are kept as they are."""
     if num_mini_batches == 1:
         return batch
     order = group_order(group_ids, num_mini_batches, seed, step)
 
     def per_sample(k, v):
-        return isinstance(v, np.ndarray) and v.ndim > _SHARED_NDIM.get(k, 0) and len(v) == len(order)
-    return {k: v[order] if per_sample(k, v) else v for k, v in batch.items()}
+        return hasattr(v, "shape") and np.ndim(v) > _SHARED_NDIM.get(k, 0) and len(v) == len(order)
+    return {k: np.asarray(v)[order] if per_sample(k, v) else v for k, v in batch.items()}
 
 
 def select(tree, m: int, j) -> dict:
