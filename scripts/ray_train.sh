@@ -6,4 +6,7 @@
 set -euo pipefail
 config=${1:?usage: ray_train.sh CONFIG [--config.x=y ...]}; shift
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
+# `ray start --head` (Ray 2.60) turns token authentication on; a client must ask for it too (the token from
+# ~/.ray/auth_token or RAY_AUTH_TOKEN). RAY_AUTH_MODE=disabled for a cluster started without it.
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
 exec python -m jaxflow.train --config "$config" --config.rollout.address="${RAY_ADDRESS:-auto}" "$@"

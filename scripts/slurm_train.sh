@@ -22,11 +22,17 @@ port=${RAY_PORT:-6379}
 jax_port=${JAX_PORT:-6380}
 head_ip=$(srun --nodes=1 --ntasks=1 -w "$head" hostname --ip-address | awk '{print $1}')
 export XLA_PYTHON_CLIENT_PREALLOCATE=false NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+# Ray's token authentication, the default of `ray start --head`, on every node and for the trainer alike (the token
+# the head writes to ~/.ray/auth_token must reach every node: a shared home, or RAY_AUTH_TOKEN in the environment)
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
 
-srun --nodes=1 --ntasks=1 -w "$head" ray start --head --node-ip-address="$head_ip" --port="$port" --block &
+# RAY_START_ARGS: extra `ray start` options for every node (e.g. --num-cpus=16 --num-gpus=4; head-only options such
+# as --include-dashboard are refused on the others)
+srun --nodes=1 --ntasks=1 -w "$head" ray start --head --node-ip-address="$head_ip" --port="$port" ${RAY_START_ARGS:-} \
+  --block &
 sleep 10
 for node in "${nodes[@]:1}"; do
-  srun --nodes=1 --ntasks=1 -w "$node" ray start --address="$head_ip:$port" --block &
+  srun --nodes=1 --ntasks=1 -w "$node" ray start --address="$head_ip:$port" ${RAY_START_ARGS:-} --block &
 done
 sleep 10
 # One trainer task per node; SLURM_NODEID is the JAX process id (node 0 = the head = the driver).
