@@ -18,7 +18,8 @@ def init_ray(address: str = "", verbose: bool = False) -> None:
     folder). Starting Ray forks: call it before JAX starts its threads (JAX warns that a fork may deadlock)."""
     import ray
     if not ray.is_initialized():
-        ray.init(address=address or None, include_dashboard=False, log_to_driver=False,
+        # "local": a new local instance even where `ray start` left a cluster's address behind
+        ray.init(address=address or "local", include_dashboard=False, log_to_driver=False,
                  logging_level=logging.INFO if verbose else logging.WARNING)
 
 

@@ -12,7 +12,7 @@ def ray_session():
     """A local Ray instance with 2 CPUs, no dashboard, shared by every test that needs Ray."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=200 * 2**20,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=200 * 2**20,
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
     yield ray
     ray.shutdown()

@@ -71,7 +71,11 @@ def test_slurm_launcher_runs_a_two_node_cluster_and_two_trainer_processes(tmp_pa
 
 def _stop_cluster(port: int) -> None:
     """SIGKILL every process whose command line names this cluster's GCS port (gcs_server, raylets, their helpers,
-    `ray start --block`); other Ray instances on the machine (the test session's) are left alone."""
+    `ray start --block`) and forget its address (`ray start` leaves it for later `ray.init()`s, as `ray stop`
+    would); other Ray instances on the machine (the test session's) are left alone."""
+    current = Path("/tmp/ray/ray_current_cluster")
+    if current.is_file() and current.read_text().strip().endswith(f":{port}"):
+        current.unlink()
     needle = f":{port}".encode()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
