@@ -21,7 +21,8 @@ TOKEN_BYTES = 16
 SHM_ROOT = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 
 
-def _dtype(name: str) -> np.dtype:
+def dtype_of(name: str) -> np.dtype:
+    """The numpy dtype of a manifest's dtype name (bfloat16 through ml_dtypes)."""
     return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
 
@@ -45,7 +46,7 @@ class SharedAdapterFile:
     def write(self, flat: np.ndarray, entries: list) -> dict:
         """Write `flat` (1-D, `dtype`, the entries' tensors back to back) and return the manifest."""
         flat = np.asarray(flat)
-        if flat.dtype != _dtype(self.dtype):
+        if flat.dtype != dtype_of(self.dtype):
             raise ValueError(f"shared LoRA payload: expected dtype {self.dtype}, got {flat.dtype}")
         self.payload(entries)[:] = flat
         return self.seal(entries)
@@ -53,12 +54,12 @@ class SharedAdapterFile:
     def payload(self, entries: list) -> np.ndarray:
         """The file's payload for `entries` as a writable flat array (the file made or resized first)."""
         total = offsets(entries)[-1]
-        size = TOKEN_BYTES + total * _dtype(self.dtype).itemsize
+        size = TOKEN_BYTES + total * dtype_of(self.dtype).itemsize
         if self._map is None or self._map.size != size:
             with open(self.path, "wb") as f:
                 f.truncate(size)
             self._map = np.memmap(self.path, np.uint8, mode="r+", shape=(size,))
-        return self._map[TOKEN_BYTES:].view(_dtype(self.dtype))
+        return self._map[TOKEN_BYTES:].view(dtype_of(self.dtype))
 
     def seal(self, entries: list) -> dict:
         """Stamp the token once the payload is written; the manifest to send."""
@@ -81,7 +82,7 @@ def open_payload(manifest: dict) -> np.ndarray:
     if bytes(data[:TOKEN_BYTES]) != bytes.fromhex(manifest["token"]):
         raise FileNotFoundError(f"shared LoRA file {path} holds another adapter's token")
     total = offsets(manifest["entries"])[-1]
-    dtype = _dtype(manifest["dtype"])
+    dtype = dtype_of(manifest["dtype"])
     if data.size != TOKEN_BYTES + total * dtype.itemsize:
         raise ValueError(f"shared LoRA file {path}: {data.size} bytes, the manifest needs "
                          f"{TOKEN_BYTES + total * dtype.itemsize}")

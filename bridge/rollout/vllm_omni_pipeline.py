@@ -242,9 +242,9 @@ class MappedPayload:
     def to(self, manifest: dict, device) -> torch.Tensor:
         """The manifest's payload as a fresh tensor on `device` (the file's token and size are the engine's to
         check: it runs on this host)."""
-        from bridge.contract.lora_shm import TOKEN_BYTES, _dtype, offsets
+        from bridge.contract.lora_shm import TOKEN_BYTES, dtype_of, offsets
         total = offsets(manifest["entries"])[-1]
-        itemsize = _dtype(manifest["dtype"]).itemsize
+        itemsize = dtype_of(manifest["dtype"]).itemsize
         key = (manifest["path"], total, manifest["dtype"])
         if key != self.key:
             self.close()
