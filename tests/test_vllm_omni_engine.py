@@ -325,3 +325,19 @@ def _has_vllm_omni() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("vllm_omni") is not None
+
+
+def test_custom_pipeline_installs_the_fused_lora_apply_unless_told_stock(tiny_path):
+    """vLLM-Omni's diffusion LoRA layer class gets bridge.rollout.lora_linear's apply when our pipeline is built
+    (before any LoRA layer or compiled graph exists); lora_apply="stock" leaves it alone; a typo is refused."""
+    def stock(self, x, bias=None):
+        return x
+
+    for args, fused in (({}, True), ({"lora_apply": "stock"}, False)):
+        layer_cls = type("LoRALayer", (), {"apply": stock})
+        cls = vop.build_pipeline_class(FakeOmniQwenImagePipeline, SimpleNamespace, layer_cls)
+        cls(od_config=SimpleNamespace(model=str(tiny_path), custom_pipeline_args=args))
+        assert getattr(layer_cls.apply, "fused_lora", False) is fused
+        assert (layer_cls.apply.stock if fused else layer_cls.apply) is stock
+    with pytest.raises(ValueError, match="lora_apply='fast'"):
+        cls(od_config=SimpleNamespace(model=str(tiny_path), custom_pipeline_args={"lora_apply": "fast"}))

@@ -4,8 +4,9 @@ Config keys: `engine` ("vllm_omni"), `model` (a local diffusers Qwen-Image folde
 `dtype` ("bfloat16"; vLLM-Omni 0.20 runs bf16 folders only), `device` (None or "cuda": the GPU Ray gave the actor),
 `random_seed` (optional: the transformer's weights are drawn on the GPU from this seed by the shared spec,
 `bridge/contract/random_weights.py`, as with the diffusers engine; the folder needs only `transformer/config.json`),
-`omni_args` (extra `AsyncOmni` keyword arguments, e.g. {"enforce_eager": True}). Same calls and results as the
-diffusers engine.
+`omni_args` (extra `AsyncOmni` keyword arguments, e.g. {"enforce_eager": True}), `lora_apply` ("fused", the
+default: LoRA'd linears run `bridge/rollout/lora_linear.py`; "stock": vLLM-Omni's per-slice apply, for comparison).
+Same calls and results as the diffusers engine.
 
 - generate: one engine request per prompt with `num_outputs_per_prompt=n` (one B=n forward, 2n with true CFG,
   per step), all submitted at once; knobs split into OmniDiffusionSamplingParams fields and `extra_args`
@@ -48,7 +49,7 @@ from bridge.rollout.engine import RolloutEngine
 from bridge.rollout.pipeline import FINGERPRINT_ELEMENTS, TensorHead, weights_fingerprint
 from bridge.rollout.sampling import SamplingParams, check_prompts, per_sample_seeds
 from bridge.contract.schedule import sample_windows
-from bridge.rollout.vllm_omni_pipeline import (PIPELINE_CLASS, WORKER_EXTENSION_CLASS, encode_request,
+from bridge.rollout.vllm_omni_pipeline import (LORA_APPLY, PIPELINE_CLASS, WORKER_EXTENSION_CLASS, encode_request,
                                                unpack_trajectories)
 from bridge.rollout.tensors import torch_to_numpy
 from bridge.contract.trajectory import TrajectoryBatch
@@ -190,7 +191,7 @@ class VllmOmniEngine(RolloutEngine):
     """The `RolloutEngine` interface over one AsyncOmni engine."""
 
     name = "vllm_omni"
-    config_keys = ("engine", "model", "dtype", "device", "random_seed", "omni_args")
+    config_keys = ("engine", "model", "dtype", "device", "random_seed", "omni_args", "lora_apply")
 
     def __init__(self, config: dict):
         self.check_config(config)
@@ -220,7 +221,9 @@ class VllmOmniEngine(RolloutEngine):
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="vllm-omni-loop", daemon=True).start()
         _export_package_path()
-        pipeline_args = {"pipeline_class": PIPELINE_CLASS}
+        pipeline_args = {"pipeline_class": PIPELINE_CLASS, "lora_apply": config.get("lora_apply", "fused")}
+        if pipeline_args["lora_apply"] not in LORA_APPLY:
+            raise ValueError(f"lora_apply={pipeline_args['lora_apply']!r}; choose one of {LORA_APPLY}")
         if self.random_seed is not None:
             pipeline_args["random_seed"] = int(self.random_seed)
         kwargs = {"custom_pipeline_args": pipeline_args,

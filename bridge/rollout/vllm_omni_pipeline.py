@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bridge.rollout.lora_linear import install_fused_apply
 from bridge.rollout.pipeline import TensorHead, weights_fingerprint
 from bridge.rollout.sampling import Fp32Timestep, SamplingLoop, SamplingParams
 from bridge.rollout.random_init import random_named_weights
@@ -42,6 +43,8 @@ PAYLOAD_KEY = "rollout"  # our entry in DiffusionOutput.custom_output
 # SamplingParams fields carried by OmniDiffusionSamplingParams attributes, and those carried in its extra_args.
 PARAM_FIELDS = ("height", "width", "num_inference_steps", "true_cfg_scale", "max_sequence_length", "seed")
 EXTRA_FIELDS = ("noise_level", "sde_type", "sde_window_size", "sde_window_range", "same_latent")
+# how LoRA'd linears run: "fused" (bridge/rollout/lora_linear.py) or "stock" (vLLM-Omni's own per-slice apply)
+LORA_APPLY = ("fused", "stock")
 
 
 # ------------------------------------------------------------------------------------------ request codec
@@ -130,13 +133,19 @@ def _txt_seq_lens_from_mask(module, args, kwargs):
     return args, kwargs
 
 
-def build_pipeline_class(base: type, output_cls) -> type:
+def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = None) -> type:
     """Our pipeline as a subclass of `SamplingLoop` and `base` (vLLM-Omni's QwenImagePipeline); `output_cls`
-    builds its results (vLLM-Omni's DiffusionOutput). Both are parameters so tests can run it on diffusers
-    components."""
+    builds its results (vLLM-Omni's DiffusionOutput); `lora_layer_cls` (vLLM-Omni's diffusion LoRA layer base class)
+    gets `bridge.rollout.lora_linear`'s fused apply unless custom_pipeline_args say lora_apply="stock". All are
+    parameters so tests can run it on diffusers components."""
 
     def __init__(self, *, od_config, **kwargs):
         base.__init__(self, od_config=od_config, **kwargs)
+        args = getattr(od_config, "custom_pipeline_args", None) or {}
+        if args.get("lora_apply", "fused") not in LORA_APPLY:
+            raise ValueError(f"lora_apply={args['lora_apply']!r}; choose one of {LORA_APPLY}")
+        if lora_layer_cls is not None and args.get("lora_apply", "fused") == "fused":
+            install_fused_apply(lora_layer_cls)
         self.template, self.drop = self.prompt_template_encode, self.prompt_template_encode_start_idx
         self.scheduler_config = dict(self.scheduler.config)
         if not hasattr(self.transformer, "config"):  # vLLM-Omni's transformer: its folder config, diffusers-style
@@ -145,7 +154,7 @@ def build_pipeline_class(base: type, output_cls) -> type:
         if "txt_seq_lens" in inspect.signature(self.transformer.forward).parameters:
             self.transformer.register_forward_pre_hook(_txt_seq_lens_from_mask, with_kwargs=True)
         self.policy_version = 0
-        self.random_seed = (getattr(od_config, "custom_pipeline_args", None) or {}).get("random_seed")
+        self.random_seed = args.get("random_seed")
         self.random_fingerprint = None
 
     def load_weights(self, weights):
@@ -265,9 +274,10 @@ class MappedPayload:
 
 def _pipeline_class() -> type:
     from vllm_omni.diffusion.data import DiffusionOutput
+    from vllm_omni.diffusion.lora.layers.base_linear import DiffusionBaseLinearLayerWithLoRA
     from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
 
-    return build_pipeline_class(QwenImagePipeline, DiffusionOutput)
+    return build_pipeline_class(QwenImagePipeline, DiffusionOutput, DiffusionBaseLinearLayerWithLoRA)
 
 
 def _worker_extension_class() -> type:

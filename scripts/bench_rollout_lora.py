@@ -1,0 +1,85 @@
+"""vLLM-Omni's rollout with the recipe's r=64 LoRA bound: its own per-slice LoRA apply against our fused op.
+
+    python3 scripts/bench_rollout_lora.py --out DIR [--model DIR] [--modes stock,fused]
+
+For each mode (`lora_apply` of the vllm_omni engine, one engine after the other, each in its own process): the
+recipe's rollout settings (512^2, 10 steps, CFG 4, SDE window 2), 2 prompts x 16 images, img/s of one timed call
+after a warm-up call, first without a LoRA, then with a random r=64 adapter on the 12 targets bound. Writes
+DIR/rollout_lora_vllm_omni.json (figures `<mode>_base_img_s`, `<mode>_lora_img_s`, `<mode>_lora_s` = the seconds
+the LoRA adds to the 32 images, and `fused_over_stock` of the LoRA'd rollouts).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_rollout_engines import PROMPTS, TARGETS, TRAIN_SETTINGS, random_adapter  # noqa: E402
+from results import write_result  # noqa: E402
+
+
+def one_mode(model: Path, mode: str, seed: int) -> dict:
+    from bridge.rollout.server import engine_class
+
+    config = {"engine": "vllm_omni", "model": str(model), "dtype": "bfloat16", "random_seed": seed,
+              "lora_apply": mode}
+    engine = engine_class(config)(config)
+
+    def img_s() -> float:
+        engine.generate(PROMPTS, 16, TRAIN_SETTINGS, 0)  # warm-up: compilation for this LoRA state
+        t = time.perf_counter()
+        engine.generate(PROMPTS, 16, TRAIN_SETTINGS, 1)
+        return 32 / (time.perf_counter() - t)
+
+    row = {"base_img_s": img_s()}
+    ack = engine.update_lora(random_adapter(model, 64, 0), 1,
+                             {"r": 64, "lora_alpha": 128, "target_modules": list(TARGETS)})
+    row.update(lora_img_s=img_s(), bound_modules=ack["bound_modules"])
+    row["lora_s"] = 32 / row["lora_img_s"] - 32 / row["base_img_s"]
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--model", type=Path, default=Path("/tmp/qwen_random"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--modes", default="stock,fused")
+    p.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one mode, print its row as JSON
+    args = p.parse_args(argv)
+    if args.one:
+        print("ROW " + json.dumps(one_mode(args.model, args.one, args.seed)), flush=True)
+        return 0
+    if not (args.model / "model_index.json").exists():
+        subprocess.run([sys.executable, str(Path(__file__).with_name("make_random_pipeline.py")), "--out",
+                        str(args.model), "--no-transformer-weights"], check=True)
+    figures = {}
+    for mode in args.modes.split(","):
+        run = subprocess.run([sys.executable, __file__, "--out", str(args.out), "--model", str(args.model),
+                              "--seed", str(args.seed), "--one", mode], capture_output=True, text=True)
+        (args.out / f"rollout_lora_{mode}.log").parent.mkdir(parents=True, exist_ok=True)
+        (args.out / f"rollout_lora_{mode}.log").write_text(run.stdout + run.stderr)
+        rows = [line[4:] for line in run.stdout.splitlines() if line.startswith("ROW ")]
+        if run.returncode or not rows:
+            print(f"{mode}: failed (exit {run.returncode}); see {args.out}/rollout_lora_{mode}.log", flush=True)
+            print("\n".join((run.stdout + run.stderr).splitlines()[-15:]))
+            return 1
+        for k, v in json.loads(rows[0]).items():
+            figures[f"{mode}_{k}"] = v
+        print(mode, json.loads(rows[0]), flush=True)
+    if "stock_lora_img_s" in figures and "fused_lora_img_s" in figures:
+        figures["fused_over_stock"] = figures["fused_lora_img_s"] / figures["stock_lora_img_s"]
+    print("| mode | img/s without LoRA | img/s with r64 LoRA | s the LoRA adds (32 images) |\n|---|---|---|---|")
+    for mode in args.modes.split(","):
+        print(f"| {mode} | {figures[mode + '_base_img_s']:.3f} | {figures[mode + '_lora_img_s']:.3f} | "
+              f"{figures[mode + '_lora_s']:.2f} |")
+    write_result(args.out, "rollout_lora_vllm_omni", figures)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""bridge/rollout/lora_linear.py: the fused LoRA'd linear against the per-slice sum, under torch.compile, and its
+routing inside a stand-in of vLLM-Omni's diffusion LoRA layer (vLLM-Omni itself needs a GPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bridge.rollout.lora_linear import fused_slots, install_fused_apply, lora_linear
+
+
+def per_slice(x, w, bias, a_list, b_list):
+    """vLLM-Omni's semantics: the base linear, then each slice's (x @ A.T) @ B.T added to its rows."""
+    y = torch.nn.functional.linear(x, w, bias)
+    parts, row = [], 0
+    for a, b in zip(a_list, b_list):
+        parts.append(y[..., row:row + b.shape[0]] + (x @ a.t()) @ b.t())
+        row += b.shape[0]
+    return torch.cat(parts, -1)
+
+
+def problem(slices=(12, 12, 12), rank=4, fan_in=16, bias=True, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 7, fan_in, generator=g, dtype=dtype)
+    w = torch.randn(sum(slices), fan_in, generator=g, dtype=dtype)
+    b = torch.randn(sum(slices), generator=g, dtype=dtype) if bias else None
+    a_list = [torch.randn(rank, fan_in, generator=g, dtype=dtype) for _ in slices]
+    b_list = [torch.randn(s, rank, generator=g, dtype=dtype) for s in slices]
+    return x, w, b, a_list, b_list
+
+
+@pytest.mark.parametrize("slices,bias", [((12, 12, 12), True), ((20,), True), ((20,), False), ((5, 9), True)])
+def test_equals_the_per_slice_sum(slices, bias):
+    args = problem(slices, bias=bias)
+    got, want = lora_linear(*args), per_slice(*args)
+    assert got.shape == want.shape == (2, 7, sum(slices))
+    # float64 on both sides: only the summation order differs (inner sizes <= 16 + 12 terms)
+    assert torch.allclose(got, want, rtol=0, atol=1e-12)
+
+
+def test_bfloat16_within_rounding_of_the_float64_sum():
+    x, w, b, a_list, b_list = problem(rank=8, fan_in=64)
+    want = per_slice(x, w, b, a_list, b_list)
+    got = lora_linear(*(t.bfloat16() for t in (x, w, b)), [a.bfloat16() for a in a_list],
+                      [t.bfloat16() for t in b_list]).double()
+    # bf16's unit roundoff u = 2^-8 (relative 2^-9 per rounding): x, w, A, B, bias and h are each rounded once
+    # (<= 3 roundings along any product: under 2u of |term|), the LoRA term plus bias once more and the output once
+    # (u of |y|); products accumulate in float32. Bound each element by those terms' absolute sums.
+    terms = per_slice(x.abs(), w.abs(), b.abs(), [a.abs() for a in a_list], [t.abs() for t in b_list])
+    assert torch.all((got - want).abs() <= 2 * 2 ** -8 * terms + 2 ** -8 * want.abs())
+
+
+def test_refuses_slices_that_do_not_tile_the_output():
+    x, w, b, a_list, b_list = problem((12, 12, 12))
+    with pytest.raises(ValueError, match="do not tile"):
+        lora_linear(x, w, b, a_list, b_list[:2])
+
+
+def test_torch_compile_calls_it_with_dynamic_shapes():
+    x, w, b, a_list, b_list = problem((12, 12, 12), dtype=torch.float32)
+
+    def layer(x):
+        return torch.nn.functional.gelu(lora_linear(x, w, b, a_list, b_list))
+
+    compiled = torch.compile(layer, backend="aot_eager", dynamic=True, fullgraph=True)
+    for tokens in (7, 11):
+        xs = torch.randn(2, tokens, 16)
+        assert torch.allclose(compiled(xs), layer(xs), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------ routing
+
+
+class UnquantizedLinearMethod:  # the name vLLM gives its plain GEMM
+    pass
+
+
+class QuantizedMethod:
+    pass
+
+
+class StandInLoRALayer(torch.nn.Module):
+    """The attributes of vLLM-Omni 0.20's DiffusionBaseLinearLayerWithLoRA that `fused_slots` reads."""
+
+    calls = 0
+
+    def __init__(self, args, quant=UnquantizedLinearMethod):
+        super().__init__()
+        x, w, b, a_list, b_list = args
+        self.base_layer = torch.nn.Linear(w.shape[1], w.shape[0], dtype=w.dtype)
+        self.base_layer.weight.data.copy_(w)
+        self.base_layer.quant_method = quant()
+        self.lora_a_stacked = tuple(a[None, None] for a in a_list)
+        self.lora_b_stacked = tuple(b_[None, None] for b_ in b_list)
+        self._diffusion_lora_active_slices = (True,) * len(a_list)
+
+    def apply(self, x, bias=None):
+        type(self).calls += 1
+        return per_slice(x, self.base_layer.weight, bias, [a[0, 0] for a in self.lora_a_stacked],
+                         [b[0, 0] for b in self.lora_b_stacked])
+
+
+def test_install_routes_eligible_layers_and_keeps_the_rest():
+    cls = type("Layer", (StandInLoRALayer,), {"calls": 0})
+    assert install_fused_apply(cls) and not install_fused_apply(cls)
+    args = problem()
+    layer = cls(args)
+    assert fused_slots(layer) is not None
+    got = layer.apply(args[0], args[2])
+    assert cls.calls == 0 and torch.allclose(got, per_slice(*args), rtol=0, atol=1e-12)
+
+    for other in (cls(args, quant=QuantizedMethod), cls(args)):
+        if other.base_layer.quant_method.__class__ is UnquantizedLinearMethod:
+            other._diffusion_lora_active_slices = (True, False, True)  # one slice without an adapter
+        assert fused_slots(other) is None
+        before = cls.calls
+        other.apply(args[0], args[2])
+        assert cls.calls == before + 1
