@@ -75,7 +75,8 @@ if [ -n "${PROFILE_STEP:-}" ]; then
 fi
 nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 >"$out/gpu_mem.csv" 2>/dev/null &
 smi=$!
-"${cmd[@]}" 2>&1 | tee "$out/train.log"
+# every line stamped with the time of day, to see where start-up goes
+"${cmd[@]}" 2>&1 | while IFS= read -r line; do printf '%(%H:%M:%S)T %s\n' -1 "$line"; done | tee "$out/train.log"
 kill "$smi" 2>/dev/null || true
 python3 scripts/summarize_run.py "$out/run" --gpus "$gpus" --result "$result" --out "$out" "${exclude[@]}" \
   --gpu-mem "$out/gpu_mem.csv" \

@@ -341,3 +341,20 @@ def test_custom_pipeline_installs_the_fused_lora_apply_unless_told_stock(tiny_pa
         assert (layer_cls.apply.stock if fused else layer_cls.apply) is stock
     with pytest.raises(ValueError, match="lora_apply='fast'"):
         cls(od_config=SimpleNamespace(model=str(tiny_path), custom_pipeline_args={"lora_apply": "fast"}))
+
+
+def test_the_traced_request_writes_a_profile_and_the_same_trajectory(tiny_path, tmp_path, monkeypatch):
+    """JAXFLOW_ROLLOUT_TRACE: the chosen request runs under torch.profiler, writes its trace, returns what an
+    untraced request returns."""
+    monkeypatch.setenv(vop.TRACE_ENV, str(tmp_path / "trace"))
+    monkeypatch.setenv(vop.TRACE_AT_ENV, "2")
+    cls = vop.build_pipeline_class(FakeOmniQwenImagePipeline, SimpleNamespace)
+    ours = cls(od_config=SimpleNamespace(model=str(tiny_path)))
+    prompt, kwargs = vop.encode_request("a red fox jumping", SAMPLING, SEEDS, policy_version=0)
+    request = SimpleNamespace(prompts=[prompt], sampling_params=omni_params(kwargs))
+    with torch.inference_mode():
+        first = vop.unpack_trajectories(ours.forward(request), "a red fox jumping", 0)
+        assert not (tmp_path / "trace").exists()
+        second = vop.unpack_trajectories(ours.forward(request), "a red fox jumping", 0)
+    assert len(list((tmp_path / "trace").glob("rollout-*-2-*s.json"))) == 1
+    assert_batches_equal(first, second)

@@ -15,6 +15,9 @@ imports without vLLM-Omni (CPU machines, tests) and builds its vLLM-Omni subclas
 - `RolloutWorkerExtension`: vLLM-Omni's `CustomPipelineWorkerExtension` plus `rollout_lora_modules()`, the
   transformer's LoRA-capable layers and their shapes (the engine checks adapters against it).
 
+With JAXFLOW_ROLLOUT_TRACE=DIR in the workers' environment, the JAXFLOW_ROLLOUT_TRACE_AT-th rollout request (default
+3) a worker serves runs under torch.profiler and its CUDA kernels go to DIR (scripts/bench_rollout_lora.py reads them).
+
 The class inherits `SamplingLoop` ahead of vLLM-Omni's pipeline, so the loop's methods win: they only touch
 attributes vLLM-Omni's pipeline has under the same names, plus the few aliases `__init__` adds.
 Numerics that differ from diffusers sit inside vLLM-Omni's transformer: RoPE applied with cos/sin cast to the
@@ -25,6 +28,8 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +50,8 @@ PARAM_FIELDS = ("height", "width", "num_inference_steps", "true_cfg_scale", "max
 EXTRA_FIELDS = ("noise_level", "sde_type", "sde_window_size", "sde_window_range", "same_latent")
 # how LoRA'd linears run: "fused" (bridge/rollout/lora_linear.py) or "stock" (vLLM-Omni's own per-slice apply)
 LORA_APPLY = ("fused", "stock")
+# a torch.profiler trace (CUDA kernels) of the Nth rollout request a worker serves, written to TRACE_ENV's folder
+TRACE_ENV, TRACE_AT_ENV = "JAXFLOW_ROLLOUT_TRACE", "JAXFLOW_ROLLOUT_TRACE_AT"
 
 
 # ------------------------------------------------------------------------------------------ request codec
@@ -153,7 +160,7 @@ def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = N
         self.fp32_timestep = Fp32Timestep(self.transformer)
         if "txt_seq_lens" in inspect.signature(self.transformer.forward).parameters:
             self.transformer.register_forward_pre_hook(_txt_seq_lens_from_mask, with_kwargs=True)
-        self.policy_version = 0
+        self.policy_version = self.rollout_requests = 0
         self.random_seed = args.get("random_seed")
         self.random_fingerprint = None
 
@@ -183,7 +190,21 @@ def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = N
         if not is_rollout_request(req.sampling_params):
             return base.forward(self, req, *args, **kwargs)
         prompt, sampling, n, seeds, self.policy_version = decode_request(req.prompts, req.sampling_params)
-        return output_cls(**pack_trajectories(self.generate([prompt], n, sampling, seeds)))
+        self.rollout_requests += 1
+        folder = os.environ.get(TRACE_ENV)
+        if not folder or self.rollout_requests != int(os.environ.get(TRACE_AT_ENV, "3")):
+            return output_cls(**pack_trajectories(self.generate([prompt], n, sampling, seeds)))
+        cuda = torch.cuda.is_available()
+        activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+        with torch.profiler.profile(activities=[activity]) as prof:
+            start = time.perf_counter()
+            batch = self.generate([prompt], n, sampling, seeds)
+            if cuda:
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(f"{folder}/rollout-{os.getpid()}-{self.rollout_requests}-{wall:.3f}s.json")
+        return output_cls(**pack_trajectories(batch))
 
     doc = "vLLM-Omni's QwenImagePipeline serving SamplingLoop's FlowGRPO rollout (see the module docstring)."
     namespace = {"__init__": __init__, "load_weights": load_weights, "dtype": property(dtype), "forward": forward,
