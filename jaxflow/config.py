@@ -102,6 +102,8 @@ def validate(cfg: ConfigDict) -> None:
         _fail("sample.sde_type", f"{s.sde_type!r}: training needs 'sde' or 'cps'")
     if not isinstance(s.same_latent, bool):
         _fail("sample.same_latent", f"{s.same_latent!r} must be a bool: pass True or False")
+    if not isinstance(cfg.train.drop_zero_advantage, bool):
+        _fail("train.drop_zero_advantage", f"{cfg.train.drop_zero_advantage!r} must be a bool: pass True or False")
     train_config(cfg, grid_hw=(1, 1))
     unknown = sorted(set(cfg.reward.fns) - set(REGISTRY))
     if unknown or not cfg.reward.fns:
@@ -187,7 +189,7 @@ def train_config(cfg, grid_hw) -> TrainConfig:
                        num_inner_epochs=t.num_inner_epochs, clip_range=t.clip_range, beta=t.beta,
                        adv_clip=t.adv_clip, learning_rate=t.learning_rate, weight_decay=t.weight_decay,
                        max_grad_norm=t.max_grad_norm, ema_decay=t.ema_decay or None, old_log_prob=t.old_log_prob,
-                       off_policy=bool(cfg.rollout.overlap),
+                       off_policy=bool(cfg.rollout.overlap), drop_zero_advantage=t.drop_zero_advantage,
                        adam_b1=t.adam_b1, adam_b2=t.adam_b2, adam_eps=t.adam_eps)
 
 

@@ -17,7 +17,7 @@ from jaxflow.data import GroupSampler, load_prompts
 from jaxflow.flowgrpo import compute_advantages
 from jaxflow.lora_sync import SharedLoRA, device_peft_tensors, device_target
 from jaxflow.metrics_log import image_grid
-from jaxflow.minibatches import order_minibatches
+from jaxflow.minibatches import compact_zero_advantage, order_minibatches
 from jaxflow.models.loading import fingerprint
 from jaxflow.models.lora import lora_to_peft
 from jaxflow.rewards import RewardPool, build_reward
@@ -184,6 +184,8 @@ class Driver:
         train_batch = pad_text(batch.to_dict(), s.max_sequence_length)
         train_batch.update(advantages=adv, noise_level=np.float32(s.noise_level))
         train_batch = order_minibatches(train_batch, group_ids, cfg.train.num_mini_batches, cfg.seed, step)
+        if cfg.train.drop_zero_advantage:
+            train_batch = compact_zero_advantage(train_batch, cfg.train.num_mini_batches, cfg.train.num_micro_batches)
         freed = None
         if cfg.rollout.sleep_while_training:
             t = time.perf_counter()

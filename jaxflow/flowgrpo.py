@@ -121,21 +121,45 @@ def step_metrics(terms: dict, *, clip_range: float, beta: float) -> dict:
     """Scalar metrics from per-sample terms stacked as (..., W, B_micro) (window step on the second-last axis).
     ratio_* / clipfrac* / approx_kl = 1/2 mean(log_ratio^2) compare the policy with logp_old (what the clip acts
     on); logp_diff_mean / logp_diff_max are (W,): |logp - logp_rollout| per window step (rollout-trainer
-    mismatch)."""
+    mismatch). An optional `mask` term (same shape, bool) keeps only the samples that trained (drop_zero_advantage);
+    with none of them, the means are 0 and the ratio's extremes 1."""
     ratio, dlogp = terms["ratio"], terms["dlogp"]
-    per_step = jnp.moveaxis(jnp.abs(dlogp), -2, 0).reshape(dlogp.shape[-2], -1)
-    policy, kl = jnp.mean(terms["policy"]), jnp.mean(terms["kl"])
+    mask = terms.get("mask")
+    if mask is None:
+        mean, lo, hi = jnp.mean, jnp.min, jnp.max
+        steps = dlogp.shape[-2]
+        per_step = jnp.moveaxis(jnp.abs(dlogp), -2, 0).reshape(steps, -1)
+        step_mean, step_max = jnp.mean(per_step, axis=1), jnp.max(per_step, axis=1)
+    else:
+        count = jnp.maximum(jnp.sum(mask), 1)
+        some = jnp.any(mask)
+
+        def mean(x):
+            return jnp.sum(jnp.where(mask, x, 0)) / count
+
+        def lo(x):
+            return jnp.where(some, jnp.min(jnp.where(mask, x, jnp.inf)), 1.0)
+
+        def hi(x):
+            return jnp.where(some, jnp.max(jnp.where(mask, x, -jnp.inf)), 1.0)
+
+        steps = dlogp.shape[-2]
+        per_step = jnp.moveaxis(jnp.where(mask, jnp.abs(dlogp), 0.0), -2, 0).reshape(steps, -1)
+        step_mask = jnp.moveaxis(mask, -2, 0).reshape(steps, -1)
+        step_mean = jnp.sum(per_step, axis=1) / jnp.maximum(jnp.sum(step_mask, axis=1), 1)
+        step_max = jnp.max(per_step, axis=1)
+    policy, kl = mean(terms["policy"]), mean(terms["kl"])
     return {
         "loss": policy + beta * kl,
         "policy_loss": policy,
         "kl": kl,
-        "approx_kl": 0.5 * jnp.mean(terms["log_ratio"] ** 2),
-        "clipfrac": jnp.mean(jnp.abs(ratio - 1.0) > clip_range),
-        "clipfrac_gt_one": jnp.mean(ratio > 1.0 + clip_range),
-        "clipfrac_lt_one": jnp.mean(ratio < 1.0 - clip_range),
-        "ratio_mean": jnp.mean(ratio),
-        "ratio_min": jnp.min(ratio),
-        "ratio_max": jnp.max(ratio),
-        "logp_diff_mean": jnp.mean(per_step, axis=1),
-        "logp_diff_max": jnp.max(per_step, axis=1),
+        "approx_kl": 0.5 * mean(terms["log_ratio"] ** 2),
+        "clipfrac": mean(jnp.abs(ratio - 1.0) > clip_range),
+        "clipfrac_gt_one": mean(ratio > 1.0 + clip_range),
+        "clipfrac_lt_one": mean(ratio < 1.0 - clip_range),
+        "ratio_mean": mean(ratio),
+        "ratio_min": lo(ratio),
+        "ratio_max": hi(ratio),
+        "logp_diff_mean": step_mean,
+        "logp_diff_max": step_max,
     }

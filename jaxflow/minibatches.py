@@ -4,7 +4,9 @@ Layout the train step reads: mini-batch j holds rows j, j + M, j + 2M, ... of it
 over the data devices every mini-batch is spread evenly over all of them, and taking one is a slice local to
 each device (no communication). `order_minibatches` (host side, before the batch is put or broadcast) shuffles
 the prompt groups, seeded by (seed, step) so a resumed run repeats it, and lays them out so that each mini-batch
-holds whole groups. `combine_metrics` reduces the per-update metrics to the step's and names the per-position
+holds whole groups; `compact_zero_advantage` (train.drop_zero_advantage) then moves, inside each mini-batch, the rows
+whose advantage is not zero into its first micro-batches, so the step can skip the micro-batches left with none.
+`combine_metrics` reduces the per-update metrics to the step's and names the per-position
 ones.
 """
 from __future__ import annotations
@@ -41,9 +43,39 @@ def order_minibatches(batch: dict, group_ids, num_mini_batches: int, seed: int, 
         return batch
     order = group_order(group_ids, num_mini_batches, seed, step)
 
+    return _reordered(batch, order)
+
+
+def _reordered(batch: dict, order: np.ndarray) -> dict:
     def per_sample(k, v):
         return hasattr(v, "shape") and np.ndim(v) > _SHARED_NDIM.get(k, 0) and len(v) == len(order)
     return {k: np.asarray(v)[order] if per_sample(k, v) else v for k, v in batch.items()}
+
+
+def zero_advantage_order(advantages, num_mini_batches: int, num_micro_batches: int) -> np.ndarray:
+    """(B,) row indices: each mini-batch's own rows (j, j + M, ...), those with a non-zero advantage first (in their
+    order), dealt so that they fill micro-batch 0, then 1, ... (micro-batch k of a mini-batch = its rows k, k + m,
+    ...); the rows with advantage 0 fill the rest."""
+    adv = np.asarray(advantages)
+    b, mini, micro = len(adv), num_mini_batches, num_micro_batches
+    per_mini = b // mini
+    if b % (mini * micro):
+        raise ValueError(f"batch {b} is not a multiple of num_mini_batches x num_micro_batches = {mini * micro}")
+    i = np.arange(per_mini)
+    slot = (i % (per_mini // micro)) * micro + i // (per_mini // micro)  # the i-th kept row's place in the mini-batch
+    order = np.arange(b)
+    for j in range(mini):
+        rows = np.arange(j, b, mini)
+        ranked = rows[np.argsort(adv[rows] == 0, kind="stable")]
+        placed = np.empty(per_mini, np.int64)
+        placed[slot] = ranked
+        order[rows] = placed
+    return order
+
+
+def compact_zero_advantage(batch: dict, num_mini_batches: int, num_micro_batches: int) -> dict:
+    """`batch` (mini-batches laid out) with every per-sample array reordered by `zero_advantage_order`."""
+    return _reordered(batch, zero_advantage_order(batch["advantages"], num_mini_batches, num_micro_batches))
 
 
 def select(tree, m: int, j) -> dict:
@@ -56,7 +88,7 @@ def select(tree, m: int, j) -> dict:
 
 def combine_metrics(updates: list[dict]) -> dict:
     """The step's metrics from its updates' (equal-sized mini-batches): min of *_min, max of *_max and
-    logp_diff_max, sum of skipped, mean of the rest. With more than one update, also `mb{k}/<key>` for the
+    logp_diff_max, sum of skipped, micro_skipped and empty_updates, mean of the rest. With more than one update, also `mb{k}/<key>` for the
     k-th update of the step (k = 1 .. num_inner_epochs x num_mini_batches) and each key of POSITION_KEYS."""
     if len(updates) == 1:
         return updates[0]
@@ -67,7 +99,7 @@ def combine_metrics(updates: list[dict]) -> dict:
             out[key] = jnp.min(stacked, axis=0)
         elif key.endswith("_max"):
             out[key] = jnp.max(stacked, axis=0)
-        elif key == "skipped":
+        elif key in ("skipped", "micro_skipped", "empty_updates"):
             out[key] = jnp.sum(stacked, axis=0)
         else:
             out[key] = jnp.mean(stacked, axis=0)

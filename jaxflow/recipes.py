@@ -82,6 +82,9 @@ def base() -> ml_collections.ConfigDict:
                    old_log_prob="recompute",
                    num_mini_batches=2,  # optimizer updates per step, each on whole prompt groups
                    num_inner_epochs=1,  # passes over the step's mini-batches
+                   # True: micro-batches whose advantages are all 0 (prompt groups of equal rewards) are not trained;
+                   # flow_grpo's SD3 trainer drops such samples, its Qwen-Image script does not (docs/design.md)
+                   drop_zero_advantage=False,
                    # XLA options of the train step's jits: cuBLAS GEMMs, no Triton ones: 1.4% faster on an H200
                    xla_options={"xla_gpu_enable_triton_gemm": False})  # (BENCHMARKS.md, train step)
     # 8 reward threads, each with its own RapidOCR engine of 2 onnxruntime threads (16 cores a GPU)

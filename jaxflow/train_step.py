@@ -66,6 +66,7 @@ class TrainConfig:
     ema_decay: float | None = None  # EMA of the LoRA params; None = off
     old_log_prob: str = "rollout"   # or "recompute": logp_old from the trainer (see the module docstring)
     off_policy: bool = False        # batches may come from the previous policy (rollout.overlap): see `__call__`
+    drop_zero_advantage: bool = False  # skip micro-batches whose advantages are all 0 (see `accumulate_gradients`)
 
     def __post_init__(self):
         object.__setattr__(self, "grid_hw", tuple(int(s) for s in self.grid_hw))
@@ -139,7 +140,7 @@ def _window_steps(mb: dict) -> tuple[dict, dict]:
     return per_step, {**shared, "sigma_max": sigmas[:, 1]}
 
 
-def _window_loss(lora, frozen, step, *, graphdef, config: TrainConfig, scale: float):
+def _window_loss(lora, frozen, step, scale, *, graphdef, config: TrainConfig):
     model = nnx.merge(graphdef, lora, frozen)
     terms = flowgrpo.window_step_terms(
         model, step, grid_hw=config.grid_hw, sde_type=config.sde_type, guidance=config.guidance,
@@ -152,27 +153,45 @@ def accumulate_gradients(graphdef, lora, frozen, batch: dict, config: TrainConfi
     """Sum over micro-batches and window steps of grad(loss / (M * W)) wrt `lora`, and the per-sample terms
     stacked as (M, W, B/M), M = num_micro_batches. `batch` is per-sample (see `prepare_batch`). logp_old: the
     rollout's log_probs with old_log_prob="rollout", else batch["old_log_probs"] (B, W) if given, else the
-    on-policy stop_gradient(logp)."""
+    on-policy stop_gradient(logp).
+
+    drop_zero_advantage: a micro-batch whose advantages are all 0 is not run (its rows' policy gradient is 0 and,
+    with beta = 0, so is their loss) and M counts the others only, so the loss is the mean over the micro-batches
+    that train, as flow_grpo's SD3 trainer trains only the samples it keeps (`minibatches.compact_zero_advantage`
+    gathers the zero rows into whole micro-batches first). The terms then carry `mask` (M, W, B/M): False where a
+    micro-batch did not run (its terms are zeros)."""
     m, w = config.num_micro_batches, batch["log_probs"].shape[1]
     if config.old_log_prob == "rollout":
         batch = {**batch, "old_log_probs": batch["log_probs"]}
     flags = {k: batch[k] for k in ("old_on_policy",) if k in batch}  # scalars, not per sample
-    batch = {k: v for k, v in batch.items() if k not in flags}
-    grad_fn = jax.grad(functools.partial(_window_loss, graphdef=graphdef, config=config, scale=1.0 / (m * w)),
-                       has_aux=True)
+    batch = _micro_batches({k: v for k, v in batch.items() if k not in flags}, m)
+    active = jnp.any(batch["advantages"] != 0, axis=1) if config.drop_zero_advantage else jnp.ones(m, bool)
+    scale = 1.0 / (jnp.maximum(jnp.sum(active), 1) * w) if config.drop_zero_advantage else 1.0 / (m * w)
+    grad_fn = jax.grad(functools.partial(_window_loss, graphdef=graphdef, config=config), has_aux=True)
 
-    def micro(grads, mb):
+    def micro(grads, xs):
+        mb, run = xs
         if layout is not None:
             mb = jax.lax.with_sharding_constraint(mb, layout.batch_sharding)
         per_step, shared = _window_steps(mb)
 
         def window(grads, xs):
-            g, terms = grad_fn(lora, frozen, {**shared, **flags, **xs})
+            g, terms = grad_fn(lora, frozen, {**shared, **flags, **xs}, scale=scale)
             return jax.tree.map(jnp.add, grads, g), terms
 
-        return jax.lax.scan(window, grads, per_step)
+        def train(grads):
+            return jax.lax.scan(window, grads, per_step)
 
-    return jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, lora), _micro_batches(batch, m))
+        if not config.drop_zero_advantage:
+            return train(grads)
+        shapes = jax.eval_shape(train, grads)[1]
+        return jax.lax.cond(run, train, lambda g: (g, jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), shapes)),
+                            grads)
+
+    grads, terms = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, lora), (batch, active))
+    if config.drop_zero_advantage:
+        terms["mask"] = jnp.broadcast_to(active[:, None, None], terms["ratio"].shape)
+    return grads, terms
 
 
 def old_log_probs(graphdef, lora, frozen, batch: dict, config: TrainConfig, layout: Layout | None = None):
@@ -194,7 +213,14 @@ def old_log_probs(graphdef, lora, frozen, batch: dict, config: TrainConfig, layo
             model = nnx.merge(graphdef, lora, frozen)
             return carry, flowgrpo.window_log_prob(model, {**shared, **xs}, **kw)[1].astype(jnp.float32)
 
-        return carry, jax.lax.scan(window, carry, per_step)[1]
+        def forward():
+            return jax.lax.scan(window, carry, per_step)[1]
+
+        if not config.drop_zero_advantage:
+            return carry, forward()
+        # a micro-batch the updates skip (advantages all 0) needs no logp_old
+        shape = jax.eval_shape(forward)
+        return carry, jax.lax.cond(jnp.any(mb["advantages"] != 0), forward, lambda: jnp.zeros(shape.shape, shape.dtype))
 
     mbs = jax.tree.map(lambda x: x[np.asarray(run)], _micro_batches(batch, k))
     part = jax.lax.scan(micro, None, mbs)[1]  # (len(run), W, B/k)
@@ -222,9 +248,15 @@ def _update(state: TrainState, frozen, batch, old, index, *, graphdef, config: T
     grads, terms = accumulate_gradients(graphdef, state.lora, frozen, mb, config, layout)
     metrics = flowgrpo.step_metrics(terms, clip_range=config.clip_range, beta=config.beta)
     grad_norm = optax.tree.norm(grads)
-    ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+    ok = finite
+    if config.drop_zero_advantage:  # nothing to train on: no optimizer update (flow_grpo would have no batch)
+        runs = jnp.any(terms["mask"], axis=(1, 2))
+        ok &= jnp.any(runs)
+        metrics.update(micro_skipped=jnp.sum(~runs).astype(jnp.int32),
+                       empty_updates=(~jnp.any(runs)).astype(jnp.int32))
     state = jax.lax.cond(ok, functools.partial(_apply_update, tx=tx, config=config), lambda s, g: s, state, grads)
-    return state, {**metrics, "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32)}
+    return state, {**metrics, "grad_norm": grad_norm, "skipped": (~finite).astype(jnp.int32)}
 
 
 def per_sample(batch: dict, fields: tuple[str, ...] = BATCH_FIELDS + GUIDANCE_FIELDS) -> dict[str, np.ndarray]:
@@ -360,5 +392,8 @@ class TrainStep:
             timings["update"] = time.perf_counter() - t
         metrics = minibatches.combine_metrics(updates)
         if old is not None and not config.pass_skips_first:
-            metrics["old_logp_diff_max"] = jnp.max(jnp.abs(old - batch["log_probs"]))
+            diff = jnp.abs(old - batch["log_probs"])
+            if config.drop_zero_advantage:  # rows of skipped micro-batches have no logp_old
+                diff = jnp.where(batch["advantages"][:, None] != 0, diff, 0.0)
+            metrics["old_logp_diff_max"] = jnp.max(diff)
         return state, metrics
