@@ -61,9 +61,13 @@ def validate(cfg: ConfigDict) -> None:
     _typed("sharding", sharding_config, cfg)
     xla_options(cfg)
     s, t = cfg.sample, cfg.train
-    if t.old_log_prob not in ("rollout", "recompute"):
-        _fail("train.old_log_prob", f"{t.old_log_prob!r}; choose 'rollout' (the engine's log-probs) or 'recompute' "
-                                    f"(the trainer's, before the first update)")
+    if t.old_log_prob not in ("rollout", "recompute", "rollout_corrected"):
+        _fail("train.old_log_prob", f"{t.old_log_prob!r}; choose 'rollout' (the engine's log-probs), 'recompute' "
+                                    f"(the trainer's, before the first update) or 'rollout_corrected' (the engine's, "
+                                    f"rejecting samples beyond train.rejection_threshold)")
+    if not t.rejection_threshold > 1:
+        _fail("train.rejection_threshold", f"{t.rejection_threshold!r} must be > 1 (samples whose "
+                                           f"exp(logp - logp_rollout) leaves [1/t, t] are rejected)")
     for key, value, ok, want in (("sample.guidance", s.guidance, s.guidance >= 1, ">= 1 (1: no CFG)"),
                                  ("sample.noise_level", s.noise_level, s.noise_level > 0, "> 0 (the SDE's noise)"),
                                  ("train.learning_rate", t.learning_rate, t.learning_rate > 0, "> 0"),
@@ -189,6 +193,7 @@ def train_config(cfg, grid_hw) -> TrainConfig:
                        num_inner_epochs=t.num_inner_epochs, clip_range=t.clip_range, beta=t.beta,
                        adv_clip=t.adv_clip, learning_rate=t.learning_rate, weight_decay=t.weight_decay,
                        max_grad_norm=t.max_grad_norm, ema_decay=t.ema_decay or None, old_log_prob=t.old_log_prob,
+                       rejection_threshold=t.rejection_threshold,
                        off_policy=bool(cfg.rollout.overlap), drop_zero_advantage=t.drop_zero_advantage,
                        adam_b1=t.adam_b1, adam_b2=t.adam_b2, adam_eps=t.adam_eps)
 

@@ -94,14 +94,16 @@ def window_log_prob(model, tr: dict, *, grid_hw, sde_type: str, guidance: float,
 
 
 def window_step_terms(model, tr: dict, *, grid_hw, sde_type: str, guidance: float, clip_range: float,
-                      adv_clip: float, beta: float) -> dict:
+                      adv_clip: float, beta: float, reject_log_ratio: float | None = None) -> dict:
     """Per-sample terms (B,) of one window step: policy, kl, ratio, log_ratio = logp - logp_old and
     dlogp = logp - logp_rollout.
 
     `tr` holds what `window_log_prob` reads, advantages and rollout_log_prob (B,), and optionally
     old_log_prob (B,); without it, or where the scalar flag old_on_policy is set, logp_old is the trainer's own logp
-    under stop_gradient (exactly on-policy: ratio 1). The loss of the step is mean(policy) + beta * mean(kl). The KL reference is the same model with
-    adapters off (lora_scale 0) under stop_gradient.
+    under stop_gradient (exactly on-policy: ratio 1). The loss of the step is mean(policy) + beta * mean(kl) (over
+    the kept samples, see `window_loss`). The KL reference is the same model with adapters off (lora_scale 0) under
+    stop_gradient. `reject_log_ratio` (rollout correction): `keep` marks the samples with
+    |logp - logp_rollout| <= it; the others are rejected (no gradient, not counted).
     """
     kw = dict(grid_hw=grid_hw, sde_type=sde_type, guidance=guidance)
     mean, logp, std = window_log_prob(model, tr, **kw)
@@ -113,15 +115,29 @@ def window_step_terms(model, tr: dict, *, grid_hw, sde_type: str, guidance: floa
     if beta > 0:
         ref_mean = jax.lax.stop_gradient(window_log_prob(model, tr, lora_scale=0.0, **kw)[0])
         kl = sde.kl_term(mean, ref_mean, std)
-    return {"policy": policy, "kl": kl, "ratio": ratio, "log_ratio": logp - old,
-            "dlogp": logp - tr["rollout_log_prob"]}
+    terms = {"policy": policy, "kl": kl, "ratio": ratio, "log_ratio": logp - old,
+             "dlogp": logp - tr["rollout_log_prob"]}
+    if reject_log_ratio is not None:
+        terms["keep"] = jax.lax.stop_gradient(jnp.abs(terms["dlogp"]) <= reject_log_ratio)
+    return terms
+
+
+def window_loss(terms: dict, beta: float):
+    """mean(policy) + beta * mean(kl) over a window step's samples, or over its kept ones (`keep`, rollout
+    correction: the rejected leave the denominator too)."""
+    if "keep" not in terms:
+        return jnp.mean(terms["policy"]) + beta * jnp.mean(terms["kl"])
+    keep = terms["keep"]
+    total = jnp.sum(jnp.where(keep, terms["policy"] + beta * terms["kl"], 0.0))
+    return total / jnp.maximum(jnp.sum(keep), 1)
 
 
 def step_metrics(terms: dict, *, clip_range: float, beta: float) -> dict:
     """Scalar metrics from per-sample terms stacked as (..., W, B_micro) (window step on the second-last axis).
     ratio_* / clipfrac* / approx_kl = 1/2 mean(log_ratio^2) compare the policy with logp_old (what the clip acts
     on); logp_diff_mean / logp_diff_max are (W,): |logp - logp_rollout| per window step (rollout-trainer
-    mismatch). An optional `mask` term (same shape, bool) keeps only the samples that trained (drop_zero_advantage);
+    mismatch); with rollout correction, rejected_frac = the share of samples x window steps rejected (`keep`
+    False). An optional `mask` term (same shape, bool) keeps only the samples that trained (drop_zero_advantage);
     with none of them, the means are 0 and the ratio's extremes 1."""
     ratio, dlogp = terms["ratio"], terms["dlogp"]
     mask = terms.get("mask")
@@ -149,7 +165,8 @@ def step_metrics(terms: dict, *, clip_range: float, beta: float) -> dict:
         step_mean = jnp.sum(per_step, axis=1) / jnp.maximum(jnp.sum(step_mask, axis=1), 1)
         step_max = jnp.max(per_step, axis=1)
     policy, kl = mean(terms["policy"]), mean(terms["kl"])
-    return {
+    extra = {"rejected_frac": mean(~terms["keep"])} if "keep" in terms else {}
+    return {**extra,
         "loss": policy + beta * kl,
         "policy_loss": policy,
         "kl": kl,

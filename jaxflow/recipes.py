@@ -79,7 +79,10 @@ def base() -> ml_collections.ConfigDict:
                    num_micro_batches=64, learning_rate=3e-4, clip_range=1e-4, adv_clip=5.0,
                    beta=0.0, global_std=True, max_grad_norm=1.0, weight_decay=1e-4, ema_decay=0.0,
                    adam_b1=0.9, adam_b2=0.999, adam_eps=1e-8,  # flow_grpo's adam_beta1/2, adam_epsilon
-                   old_log_prob="recompute",
+                   # "recompute" (the trainer's, verl-omni's compute_log_prob), "rollout" (the engine's, flow_grpo) or
+                   # "rollout_corrected": the engine's with rejection, verl's rollout-correction bypass mode: a sample's
+                   # window step with exp(logp - logp_rollout) outside [1/t, t] trains nothing (docs/design.md)
+                   old_log_prob="recompute", rejection_threshold=1.001,
                    num_mini_batches=2,  # optimizer updates per step, each on whole prompt groups
                    num_inner_epochs=1,  # passes over the step's mini-batches
                    # True: micro-batches whose advantages are all 0 (prompt groups of equal rewards) are not trained;

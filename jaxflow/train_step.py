@@ -42,6 +42,7 @@ from jaxflow.sharding import Layout
 BATCH_FIELDS = ("latents", "log_probs", "sigmas", "step_index", "noise_level", "prompt_embeds", "prompt_mask",
                 "advantages")
 GUIDANCE_FIELDS = ("negative_prompt_embeds", "negative_prompt_mask")
+OLD_LOG_PROBS = ("rollout", "recompute", "rollout_corrected")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +65,10 @@ class TrainConfig:
     weight_decay: float = 1e-4
     max_grad_norm: float = 1.0
     ema_decay: float | None = None  # EMA of the LoRA params; None = off
-    old_log_prob: str = "rollout"   # or "recompute": logp_old from the trainer (see the module docstring)
+    old_log_prob: str = "rollout"   # "recompute": logp_old from the trainer; "rollout_corrected": see below
+    # old_log_prob="rollout_corrected" (verl's rollout-correction bypass mode with rejection): logp_old is the
+    # rollout's and a sample's window step is rejected when exp(logp - logp_rollout) leaves [1/t, t], t = this
+    rejection_threshold: float = 1.001
     off_policy: bool = False        # batches may come from the previous policy (rollout.overlap): see `__call__`
     drop_zero_advantage: bool = False  # skip micro-batches whose advantages are all 0 (see `accumulate_gradients`)
 
@@ -76,8 +80,10 @@ class TrainConfig:
                 self.num_micro_batches, self.num_mini_batches, self.num_inner_epochs) < 1:
             raise ValueError(f"need guidance >= 1, clip_range > 0, beta >= 0 and num_micro_batches, "
                              f"num_mini_batches, num_inner_epochs >= 1: {self}")
-        if self.old_log_prob not in ("rollout", "recompute"):
-            raise ValueError(f"old_log_prob must be 'rollout' or 'recompute', got {self.old_log_prob!r}")
+        if self.old_log_prob not in OLD_LOG_PROBS:
+            raise ValueError(f"old_log_prob must be one of {OLD_LOG_PROBS}, got {self.old_log_prob!r}")
+        if not self.rejection_threshold > 1:
+            raise ValueError(f"rejection_threshold must be > 1, got {self.rejection_threshold}")
         if not (0 <= self.adam_b1 < 1 and 0 <= self.adam_b2 < 1 and self.adam_eps > 0):
             raise ValueError(f"need 0 <= adam_b1, adam_b2 < 1 and adam_eps > 0, got {self.adam_b1}, {self.adam_b2}, "
                              f"{self.adam_eps}")
@@ -142,18 +148,19 @@ def _window_steps(mb: dict) -> tuple[dict, dict]:
 
 def _window_loss(lora, frozen, step, scale, *, graphdef, config: TrainConfig):
     model = nnx.merge(graphdef, lora, frozen)
+    reject = float(np.log(config.rejection_threshold)) if config.old_log_prob == "rollout_corrected" else None
     terms = flowgrpo.window_step_terms(
         model, step, grid_hw=config.grid_hw, sde_type=config.sde_type, guidance=config.guidance,
-        clip_range=config.clip_range, adv_clip=config.adv_clip, beta=config.beta)
-    loss = jnp.mean(terms["policy"]) + config.beta * jnp.mean(terms["kl"])
-    return loss * scale, terms
+        clip_range=config.clip_range, adv_clip=config.adv_clip, beta=config.beta, reject_log_ratio=reject)
+    return flowgrpo.window_loss(terms, config.beta) * scale, terms
 
 
 def accumulate_gradients(graphdef, lora, frozen, batch: dict, config: TrainConfig, layout: Layout | None = None):
     """Sum over micro-batches and window steps of grad(loss / (M * W)) wrt `lora`, and the per-sample terms
     stacked as (M, W, B/M), M = num_micro_batches. `batch` is per-sample (see `prepare_batch`). logp_old: the
-    rollout's log_probs with old_log_prob="rollout", else batch["old_log_probs"] (B, W) if given, else the
-    on-policy stop_gradient(logp).
+    rollout's log_probs with old_log_prob="rollout" or "rollout_corrected" (which also rejects, see
+    `flowgrpo.window_step_terms`), else batch["old_log_probs"] (B, W) if given, else the on-policy
+    stop_gradient(logp).
 
     drop_zero_advantage: a micro-batch whose advantages are all 0 is not run (its rows' policy gradient is 0 and,
     with beta = 0, so is their loss) and M counts the others only, so the loss is the mean over the micro-batches
@@ -161,7 +168,7 @@ def accumulate_gradients(graphdef, lora, frozen, batch: dict, config: TrainConfi
     gathers the zero rows into whole micro-batches first). The terms then carry `mask` (M, W, B/M): False where a
     micro-batch did not run (its terms are zeros)."""
     m, w = config.num_micro_batches, batch["log_probs"].shape[1]
-    if config.old_log_prob == "rollout":
+    if config.old_log_prob in ("rollout", "rollout_corrected"):
         batch = {**batch, "old_log_probs": batch["log_probs"]}
     flags = {k: batch[k] for k in ("old_on_policy",) if k in batch}  # scalars, not per sample
     batch = _micro_batches({k: v for k, v in batch.items() if k not in flags}, m)
