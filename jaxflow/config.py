@@ -65,6 +65,11 @@ def validate(cfg: ConfigDict) -> None:
         _fail("train.old_log_prob", f"{t.old_log_prob!r}; choose 'rollout' (the engine's log-probs), 'recompute' "
                                     f"(the trainer's, before the first update) or 'rollout_corrected' (the engine's, "
                                     f"rejecting samples beyond train.rejection_threshold)")
+    if t.ratio_norm not in ("none", "guard"):
+        _fail("train.ratio_norm", f"{t.ratio_norm!r}; choose 'none' (FlowGRPO's ratio) or 'guard' (GRPO-Guard's)")
+    if t.ratio_norm == "guard" and t.old_log_prob != "recompute":
+        _fail("train.ratio_norm", f"'guard' needs train.old_log_prob='recompute' (got {t.old_log_prob!r}): the old "
+                                  f"policy's SDE means come from the trainer's pass")
     if not t.rejection_threshold > 1:
         _fail("train.rejection_threshold", f"{t.rejection_threshold!r} must be > 1 (samples whose "
                                            f"exp(logp - logp_rollout) leaves [1/t, t] are rejected)")
@@ -193,7 +198,7 @@ def train_config(cfg, grid_hw) -> TrainConfig:
                        num_inner_epochs=t.num_inner_epochs, clip_range=t.clip_range, beta=t.beta,
                        adv_clip=t.adv_clip, learning_rate=t.learning_rate, weight_decay=t.weight_decay,
                        max_grad_norm=t.max_grad_norm, ema_decay=t.ema_decay or None, old_log_prob=t.old_log_prob,
-                       rejection_threshold=t.rejection_threshold,
+                       rejection_threshold=t.rejection_threshold, ratio_norm=t.ratio_norm,
                        off_policy=bool(cfg.rollout.overlap), drop_zero_advantage=t.drop_zero_advantage,
                        adam_b1=t.adam_b1, adam_b2=t.adam_b2, adam_eps=t.adam_eps)
 

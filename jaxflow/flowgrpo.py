@@ -94,7 +94,8 @@ def window_log_prob(model, tr: dict, *, grid_hw, sde_type: str, guidance: float,
 
 
 def window_step_terms(model, tr: dict, *, grid_hw, sde_type: str, guidance: float, clip_range: float,
-                      adv_clip: float, beta: float, reject_log_ratio: float | None = None) -> dict:
+                      adv_clip: float, beta: float, reject_log_ratio: float | None = None,
+                      ratio_norm: str = "none") -> dict:
     """Per-sample terms (B,) of one window step: policy, kl, ratio, log_ratio = logp - logp_old and
     dlogp = logp - logp_rollout.
 
@@ -104,18 +105,36 @@ def window_step_terms(model, tr: dict, *, grid_hw, sde_type: str, guidance: floa
     the kept samples, see `window_loss`). The KL reference is the same model with adapters off (lora_scale 0) under
     stop_gradient. `reject_log_ratio` (rollout correction): `keep` marks the samples with
     |logp - logp_rollout| <= it; the others are rejected (no gradient, not counted).
+
+    ratio_norm="guard" (GRPO-Guard, arXiv 2510.22319, as verl-omni's `grpo_guard` loss, per sample here): with the
+    step std s = std_dev_t sqrt(dt) ('cps': its std) and dt = sigma - sigma_next, the ratio is
+    exp(s (logp - logp_old + mean((mu - mu_old)^2) / (2 s^2))), which is exp(mean((mu - mu_old) eps)) for the
+    sampled noise eps: the same scale at every step; the policy term is divided by dt. mu_old: tr["old_mean"]
+    (the recompute pass), or mu under stop_gradient where the update is on-policy (ratio exactly 1).
     """
     kw = dict(grid_hw=grid_hw, sde_type=sde_type, guidance=guidance)
     mean, logp, std = window_log_prob(model, tr, **kw)
     old = tr["old_log_prob"] if "old_log_prob" in tr else jax.lax.stop_gradient(logp)
     if "old_on_policy" in tr:  # a traced flag: this update is on-policy whatever old_log_prob holds
         old = jnp.where(tr["old_on_policy"], jax.lax.stop_gradient(logp), old)
-    policy, ratio = clipped_objective(logp, old, tr["advantages"], clip_range, adv_clip)
+    log_ratio = logp - old
+    if ratio_norm == "guard":
+        old_mean = tr["old_mean"] if "old_mean" in tr else jax.lax.stop_gradient(mean)
+        if "old_on_policy" in tr:
+            old_mean = jnp.where(tr["old_on_policy"], jax.lax.stop_gradient(mean), old_mean)
+        dt = tr["sigma"] - tr["sigma_next"]
+        step_std = std * jnp.sqrt(dt) if sde_type == "sde" else std
+        drift = jnp.mean(jnp.square(mean - old_mean).reshape(mean.shape[0], -1), axis=1)
+        policy, ratio = clipped_objective(step_std * (log_ratio + drift / (2 * step_std ** 2)), 0.0,
+                                          tr["advantages"], clip_range, adv_clip)
+        policy = policy / dt
+    else:
+        policy, ratio = clipped_objective(logp, old, tr["advantages"], clip_range, adv_clip)
     kl = jnp.zeros_like(policy)
     if beta > 0:
         ref_mean = jax.lax.stop_gradient(window_log_prob(model, tr, lora_scale=0.0, **kw)[0])
         kl = sde.kl_term(mean, ref_mean, std)
-    terms = {"policy": policy, "kl": kl, "ratio": ratio, "log_ratio": logp - old,
+    terms = {"policy": policy, "kl": kl, "ratio": ratio, "log_ratio": log_ratio,
              "dlogp": logp - tr["rollout_log_prob"]}
     if reject_log_ratio is not None:
         terms["keep"] = jax.lax.stop_gradient(jnp.abs(terms["dlogp"]) <= reject_log_ratio)

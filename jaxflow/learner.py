@@ -118,7 +118,8 @@ class Learner:
             batch=cfg.sample.prompts_per_step * cfg.sample.group_size, window=cfg.sample.window_size,
             num_steps=cfg.sample.num_steps, seq=self.grid[0] * self.grid[1], channels=mc.in_channels,
             text=cfg.sample.max_sequence_length, width=mc.joint_attention_dim,
-            embed_dtype=config_lib.embed_dtype(cfg), guided=tc.guided, recompute=tc.recompute_pass)
+            embed_dtype=config_lib.embed_dtype(cfg), guided=tc.guided, recompute=tc.recompute_pass,
+            means=tc.ratio_norm == "guard")
         plans = [memory.StepMemory.of(name, c) for name, c in step.compile(batch, old).items()]
         return plans, memory.device_bytes(step.frozen)
 

@@ -74,9 +74,10 @@ def check_fits(plans: list[StepMemory], resident: int, limit: int, in_use: int, 
 
 
 def abstract_batch(*, batch: int, window: int, num_steps: int, seq: int, channels: int, text: int, width: int,
-                   embed_dtype, guided: bool, recompute: bool) -> tuple[dict, jax.ShapeDtypeStruct | None]:
+                   embed_dtype, guided: bool, recompute: bool, means: bool = False) -> tuple[dict, dict | None]:
     """Shapes and dtypes of the batch `train_step.prepare_batch` hands the step (text padded to `text` tokens,
-    sample.max_sequence_length), and of the old-log-prob pass's output when it runs."""
+    sample.max_sequence_length), and of the old-log-prob pass's output when it runs (with `means`: the SDE means
+    train.ratio_norm="guard" keeps)."""
     s = jax.ShapeDtypeStruct
     out = {"latents": s((batch, window + 1, seq, channels), np.float32), "log_probs": s((batch, window), np.float32),
            "sigmas": s((batch, num_steps + 1), np.float32), "step_index": s((batch, window), np.int32),
@@ -85,4 +86,7 @@ def abstract_batch(*, batch: int, window: int, num_steps: int, seq: int, channel
     if guided:
         out.update(negative_prompt_embeds=s((batch, text, width), embed_dtype),
                    negative_prompt_mask=s((batch, text), np.bool_))
-    return out, (s((batch, window), np.float32) if recompute else None)
+    old = {"log_probs": s((batch, window), np.float32)}
+    if means:
+        old["means"] = s((batch, window, seq, channels), np.float32)
+    return out, (old if recompute else None)

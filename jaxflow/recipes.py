@@ -83,6 +83,9 @@ def base() -> ml_collections.ConfigDict:
                    # "rollout_corrected": the engine's with rejection, verl's rollout-correction bypass mode: a sample's
                    # window step with exp(logp - logp_rollout) outside [1/t, t] trains nothing (docs/design.md)
                    old_log_prob="recompute", rejection_threshold=1.001,
+                   # "guard": GRPO-Guard's ratio (arXiv 2510.22319; verl-omni's grpo_guard loss), the old policy's SDE
+                   # mean drift added and every step brought to one scale; needs old_log_prob="recompute"
+                   ratio_norm="none",
                    num_mini_batches=2,  # optimizer updates per step, each on whole prompt groups
                    num_inner_epochs=1,  # passes over the step's mini-batches
                    # True: micro-batches whose advantages are all 0 (prompt groups of equal rewards) are not trained;

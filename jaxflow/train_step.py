@@ -69,6 +69,7 @@ class TrainConfig:
     # old_log_prob="rollout_corrected" (verl's rollout-correction bypass mode with rejection): logp_old is the
     # rollout's and a sample's window step is rejected when exp(logp - logp_rollout) leaves [1/t, t], t = this
     rejection_threshold: float = 1.001
+    ratio_norm: str = "none"        # "guard": GRPO-Guard's normalized ratio (flowgrpo.window_step_terms)
     off_policy: bool = False        # batches may come from the previous policy (rollout.overlap): see `__call__`
     drop_zero_advantage: bool = False  # skip micro-batches whose advantages are all 0 (see `accumulate_gradients`)
 
@@ -82,6 +83,11 @@ class TrainConfig:
                              f"num_mini_batches, num_inner_epochs >= 1: {self}")
         if self.old_log_prob not in OLD_LOG_PROBS:
             raise ValueError(f"old_log_prob must be one of {OLD_LOG_PROBS}, got {self.old_log_prob!r}")
+        if self.ratio_norm not in ("none", "guard"):
+            raise ValueError(f"ratio_norm must be 'none' or 'guard', got {self.ratio_norm!r}")
+        if self.ratio_norm == "guard" and self.old_log_prob != "recompute":
+            raise ValueError("ratio_norm='guard' needs old_log_prob='recompute' (the old policy's SDE means come "
+                             "from the trainer's pass; the engine returns none)")
         if not self.rejection_threshold > 1:
             raise ValueError(f"rejection_threshold must be > 1, got {self.rejection_threshold}")
         if not (0 <= self.adam_b1 < 1 and 0 <= self.adam_b2 < 1 and self.adam_eps > 0):
@@ -141,6 +147,8 @@ def _window_steps(mb: dict) -> tuple[dict, dict]:
                 "sigma_next": sigmas[rows, idx + 1], "rollout_log_prob": mb["log_probs"].T}
     if "old_log_probs" in mb:
         per_step["old_log_prob"] = mb["old_log_probs"].T
+    if "old_means" in mb:
+        per_step["old_mean"] = jnp.swapaxes(mb["old_means"], 0, 1)
     shared = {k: mb[k] for k in ("noise_level", "advantages", "prompt_embeds", "prompt_mask", *GUIDANCE_FIELDS)
               if k in mb}
     return per_step, {**shared, "sigma_max": sigmas[:, 1]}
@@ -151,7 +159,8 @@ def _window_loss(lora, frozen, step, scale, *, graphdef, config: TrainConfig):
     reject = float(np.log(config.rejection_threshold)) if config.old_log_prob == "rollout_corrected" else None
     terms = flowgrpo.window_step_terms(
         model, step, grid_hw=config.grid_hw, sde_type=config.sde_type, guidance=config.guidance,
-        clip_range=config.clip_range, adv_clip=config.adv_clip, beta=config.beta, reject_log_ratio=reject)
+        clip_range=config.clip_range, adv_clip=config.adv_clip, beta=config.beta, reject_log_ratio=reject,
+        ratio_norm=config.ratio_norm)
     return flowgrpo.window_loss(terms, config.beta) * scale, terms
 
 
@@ -201,10 +210,11 @@ def accumulate_gradients(graphdef, lora, frozen, batch: dict, config: TrainConfi
     return grads, terms
 
 
-def old_log_probs(graphdef, lora, frozen, batch: dict, config: TrainConfig, layout: Layout | None = None):
-    """(B, W) float32 log-probs of the stored window steps under `lora`, forward only (true CFG as in training),
-    in the updates' micro-batches: num_mini_batches x num_micro_batches of them, each the same rows in the same
-    order as one micro-batch of an update."""
+def old_log_probs(graphdef, lora, frozen, batch: dict, config: TrainConfig, layout: Layout | None = None) -> dict:
+    """{"log_probs": (B, W) float32 log-probs of the stored window steps under `lora`} and, with ratio_norm="guard",
+    "means": (B, W, S, C) the SDE steps' means; forward only (true CFG as in training), in the updates'
+    micro-batches: num_mini_batches x num_micro_batches of them, each the same rows in the same order as one
+    micro-batch of an update."""
     kw = dict(grid_hw=config.grid_hw, sde_type=config.sde_type, guidance=config.guidance)
     m, k = config.num_mini_batches, config.num_mini_batches * config.num_micro_batches
     # whole-batch micro-batch c holds mini-batch c % m's micro-batch c // m; mini-batch 0's are left out when the
@@ -218,7 +228,11 @@ def old_log_probs(graphdef, lora, frozen, batch: dict, config: TrainConfig, layo
 
         def window(carry, xs):
             model = nnx.merge(graphdef, lora, frozen)
-            return carry, flowgrpo.window_log_prob(model, {**shared, **xs}, **kw)[1].astype(jnp.float32)
+            mean, logp, _ = flowgrpo.window_log_prob(model, {**shared, **xs}, **kw)
+            out = {"log_probs": logp.astype(jnp.float32)}
+            if config.ratio_norm == "guard":
+                out["means"] = mean.astype(jnp.float32)
+            return carry, out
 
         def forward():
             return jax.lax.scan(window, carry, per_step)[1]
@@ -226,13 +240,19 @@ def old_log_probs(graphdef, lora, frozen, batch: dict, config: TrainConfig, layo
         if not config.drop_zero_advantage:
             return carry, forward()
         # a micro-batch the updates skip (advantages all 0) needs no logp_old
-        shape = jax.eval_shape(forward)
-        return carry, jax.lax.cond(jnp.any(mb["advantages"] != 0), forward, lambda: jnp.zeros(shape.shape, shape.dtype))
+        shapes = jax.eval_shape(forward)
+        return carry, jax.lax.cond(jnp.any(mb["advantages"] != 0), forward,
+                                   lambda: jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), shapes))
 
     mbs = jax.tree.map(lambda x: x[np.asarray(run)], _micro_batches(batch, k))
-    part = jax.lax.scan(micro, None, mbs)[1]  # (len(run), W, B/k)
-    logp = jnp.zeros((k, *part.shape[1:]), part.dtype).at[np.asarray(run)].set(part)  # row t*k + c is [c, :, t]
-    return jnp.transpose(logp, (2, 0, 1)).reshape(-1, logp.shape[1])
+    parts = jax.lax.scan(micro, None, mbs)[1]  # each (len(run), W, B/k, ...)
+
+    def whole(part):  # row t*k + c of the batch is [c, :, t] of the (k, W, B/k, ...) stack
+        full = jnp.zeros((k, *part.shape[1:]), part.dtype).at[np.asarray(run)].set(part)
+        full = jnp.moveaxis(full, 2, 0)  # (B/k, k, W, ...)
+        return full.reshape(-1, *full.shape[2:])
+
+    return jax.tree.map(whole, parts)
 
 
 def _apply_update(state: TrainState, grads, *, tx, config: TrainConfig) -> TrainState:
@@ -246,10 +266,13 @@ def _apply_update(state: TrainState, grads, *, tx, config: TrainConfig) -> Train
 
 
 def _update(state: TrainState, frozen, batch, old, index, *, graphdef, config: TrainConfig, tx, layout):
-    """One optimizer update on mini-batch `index` of `batch`; `old` is the recompute pass's (B, W) or None."""
+    """One optimizer update on mini-batch `index` of `batch`; `old` is the recompute pass's output or None."""
     mb = dict(minibatches.select(batch, config.num_mini_batches, index))
     if old is not None:
-        mb["old_log_probs"] = minibatches.select(old, config.num_mini_batches, index)
+        old = minibatches.select(old, config.num_mini_batches, index)
+        mb["old_log_probs"] = old["log_probs"]
+        if "means" in old:
+            mb["old_means"] = old["means"]
         if config.pass_skips_first:  # the pass left mini-batch 0 out: the first update is on-policy
             mb["old_on_policy"] = index == 0
     grads, terms = accumulate_gradients(graphdef, state.lora, frozen, mb, config, layout)
@@ -362,7 +385,7 @@ class TrainStep:
 
     def compile(self, batch: dict, old) -> dict:
         """Compile the update (and the old-log-prob pass when it runs) for `batch` (ShapeDtypeStructs of the
-        prepared batch; `old`: the pass's (B, W) output's, or None) and use them from now on; returns
+        prepared batch; `old`: the pass's output's, or None) and use them from now on; returns
         {name: compiled} (their `memory_analysis()` says what they need on one device)."""
         state, index = self.abstract_state(), jax.ShapeDtypeStruct((), jnp.int32)
         out = {"update": self._update.lower(state, self.frozen, batch, old, index).compile()}
@@ -399,7 +422,7 @@ class TrainStep:
             timings["update"] = time.perf_counter() - t
         metrics = minibatches.combine_metrics(updates)
         if old is not None and not config.pass_skips_first:
-            diff = jnp.abs(old - batch["log_probs"])
+            diff = jnp.abs(old["log_probs"] - batch["log_probs"])
             if config.drop_zero_advantage:  # rows of skipped micro-batches have no logp_old
                 diff = jnp.where(batch["advantages"][:, None] != 0, diff, 0.0)
             metrics["old_logp_diff_max"] = jnp.max(diff)

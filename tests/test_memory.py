@@ -82,7 +82,10 @@ def test_abstract_batch_matches_prepare_batch():
            "negative_prompt_mask": np.ones((b, length), bool)}
     got = prepare_batch(raw, TrainConfig(grid_hw=(2, 5), guidance=4.0))
     assert {k: (v.shape, v.dtype) for k, v in got.items()} == {k: (v.shape, v.dtype) for k, v in spec.items()}
-    assert old.shape == (b, w)
+    assert old["log_probs"].shape == (b, w) and set(old) == {"log_probs"}
+    _, old = memory.abstract_batch(batch=b, window=w, num_steps=n, seq=s, channels=c, text=length, width=d,
+                                   embed_dtype=bf16, guided=True, recompute=True, means=True)
+    assert old["means"].shape == (b, w, s, c)
 
 
 def test_sleep_is_flagged_where_a_fixed_pool_cannot_use_the_freed_memory(tmp_path, monkeypatch):

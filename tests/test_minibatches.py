@@ -125,7 +125,7 @@ def test_the_pass_leaves_out_the_first_update_rows_only_in_one_epoch(model):  # 
                                 num_inner_epochs=epochs, old_log_prob="recompute")
         prepared = jax.tree.map(jnp.asarray, ts.prepare_batch(batch, config))
         out[epochs] = np.asarray(jax.jit(lambda lo, fr, b, c=config: ts.old_log_probs(graphdef, lo, fr, b, c))(
-            lora, frozen, prepared))
+            lora, frozen, prepared)["log_probs"])
     first = np.arange(len(out[1])) % 2 == 0  # mini-batch 0 = rows 0, 2, 4, ... of the laid-out batch
     assert np.all(out[1][first] == 0) and np.all(out[2][first] != 0)
     np.testing.assert_allclose(out[1][~first], out[2][~first], rtol=0, atol=1e-6)
