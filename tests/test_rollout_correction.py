@@ -11,7 +11,7 @@ from tests.test_minibatches import _batch
 from tests.test_train import tiny_config
 from tests.test_train_step import GRID, model  # noqa: F401 (model: fixture)
 
-BASE = dict(grid_hw=GRID, guidance=4.0, num_micro_batches=1, adam_eps=1e-6)  # eps: test_minibatches' reason
+BASE = dict(grid_hw=GRID, guidance=1.0, num_micro_batches=1, adam_eps=1e-6)  # eps: test_minibatches' reason
 
 
 def _after(model, batch, **kw):  # noqa: F811
@@ -25,7 +25,7 @@ def _close(a, b):
 
 
 def test_rejected_rows_train_nothing_and_leave_the_denominator(model):  # noqa: F811
-    batch = _batch(model, 4.0)  # the sampler is the trainer's own model: logp - logp_rollout is rounding only
+    batch = _batch(model, 1.0)  # the sampler is the trainer's own model: logp - logp_rollout is rounding only
     shifted = {**batch, "log_probs": batch["log_probs"] + np.array([[0.01], [0.01], [0.0], [0.0]], np.float32)}
     state, m = _after(model, shifted, old_log_prob="rollout_corrected", rejection_threshold=1.001)
     assert float(m["rejected_frac"]) == 0.5  # rows 0 and 1 (|dlogp| 0.01 > log 1.001), both window steps
