@@ -200,6 +200,7 @@ def train_config(cfg, grid_hw) -> TrainConfig:
                        max_grad_norm=t.max_grad_norm, ema_decay=t.ema_decay or None, old_log_prob=t.old_log_prob,
                        rejection_threshold=t.rejection_threshold, ratio_norm=t.ratio_norm,
                        off_policy=bool(cfg.rollout.overlap), drop_zero_advantage=t.drop_zero_advantage,
+                       shuffle_seed=int(cfg.seed),
                        adam_b1=t.adam_b1, adam_b2=t.adam_b2, adam_eps=t.adam_eps)
 
 

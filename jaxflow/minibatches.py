@@ -73,6 +73,24 @@ def zero_advantage_order(advantages, num_mini_batches: int, num_micro_batches: i
     return order
 
 
+def epoch_order(key, advantages, num_mini_batches: int, num_micro_batches: int, compact: bool) -> jax.Array:
+    """(B,) row indices for a later inner epoch, on the device: every row shuffled by `key` (flow_grpo permutes the
+    samples between inner epochs, so prompt groups no longer stay whole), then with `compact` the
+    `zero_advantage_order` of the shuffled rows (the same layout, computed with jnp)."""
+    b = advantages.shape[0]
+    perm = jax.random.permutation(key, b)
+    if not compact:
+        return perm
+    mini = num_mini_batches
+    per_mini = b // mini
+    i = np.arange(per_mini)
+    slot = (i % (per_mini // num_micro_batches)) * num_micro_batches + i // (per_mini // num_micro_batches)
+    zero = (advantages[perm] == 0).reshape(per_mini, mini)  # position r of mini-batch j: row r * M + j
+    ranked = jnp.argsort(zero, axis=0, stable=True)  # per mini-batch, its positions with non-zero advantages first
+    placed = ranked[np.argsort(slot)]  # placed[slot[i]] = ranked[i]
+    return perm[(placed * mini + np.arange(mini)[None]).reshape(b)]
+
+
 def compact_zero_advantage(batch: dict, num_mini_batches: int, num_micro_batches: int) -> dict:
     """`batch` (mini-batches laid out) with every per-sample array reordered by `zero_advantage_order`."""
     return _reordered(batch, zero_advantage_order(batch["advantages"], num_mini_batches, num_micro_batches))

@@ -3,7 +3,8 @@ sharded functions.
 
 The batch is cut into num_mini_batches (M) mini-batches of whole prompt groups (`jaxflow.minibatches`: the caller
 lays the groups out, mini-batch j = rows j, j + M, ...), one optimizer update each; num_inner_epochs repeats the
-pass over the same mini-batches in the same order. logp_old: old_log_prob="rollout" takes the engine's
+pass, each later epoch over the batch's rows shuffled anew (as flow_grpo does between inner epochs; seeded by
+shuffle_seed, the step's first update count and the epoch, on the devices: `minibatches.epoch_order`). logp_old: old_log_prob="rollout" takes the engine's
 log-probs; "recompute" runs `old_log_probs`, one forward-only pass with the pre-update LoRA (CFG as in training)
 before the first update, as verl-omni's `compute_log_prob` does, over the rows that need it: the first update
 trains on the pre-update LoRA itself, so its logp_old is its own logp under stop_gradient (exactly on-policy, the
@@ -72,6 +73,7 @@ class TrainConfig:
     ratio_norm: str = "none"        # "guard": GRPO-Guard's normalized ratio (flowgrpo.window_step_terms)
     off_policy: bool = False        # batches may come from the previous policy (rollout.overlap): see `__call__`
     drop_zero_advantage: bool = False  # skip micro-batches whose advantages are all 0 (see `accumulate_gradients`)
+    shuffle_seed: int = 0           # the rows' shuffle between inner epochs
 
     def __post_init__(self):
         object.__setattr__(self, "grid_hw", tuple(int(s) for s in self.grid_hw))
@@ -364,8 +366,20 @@ def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | Non
         old_pass = jit(old_fn, in_shardings=(state_sh.lora, frozen_sh, rows), out_shardings=rows)
         put, batch_devices = layout.put_batch, layout.batch_devices // jax.process_count()
     indices = [put({"j": np.int32(j)})["j"] for j in range(config.num_mini_batches)]
+    def reorder(tree, step, epoch):  # {"batch": ..., "old": ...} for inner epoch `epoch` >= 1
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(config.shuffle_seed), step), epoch)
+        order = minibatches.epoch_order(key, tree["batch"]["advantages"], config.num_mini_batches,
+                                        config.num_micro_batches, config.drop_zero_advantage)
+        return jax.tree.map(lambda x: jnp.take(x, order, axis=0), tree)
+
+    if config.num_inner_epochs == 1:
+        reorder_jit = None
+    elif layout is None:
+        reorder_jit = jax.jit(reorder)
+    else:
+        reorder_jit = jax.jit(reorder, in_shardings=(rows, one, one), out_shardings=rows)
     step = TrainStep(config, update, old_pass, frozen, put, batch_devices, indices,
-                     abstract_state=lambda: jax.eval_shape(init, lora))
+                     abstract_state=lambda: jax.eval_shape(init, lora), reorder=reorder_jit)
 
     def init_state() -> TrainState:
         return init_jit(lora)
@@ -378,8 +392,9 @@ class TrainStep:
     ahead of time for the batch's shapes and reports their memory (the first call otherwise compiles them)."""
 
     def __init__(self, config: TrainConfig, update, old_pass, frozen, put, batch_devices: int, indices: list,
-                 abstract_state):
+                 abstract_state, reorder=None):
         self.config, self._update, self._old_pass, self.frozen = config, update, old_pass, frozen
+        self._reorder = reorder  # ({"batch", "old"}, step, epoch) -> the same rows reordered for a later epoch
         self._put, self._batch_devices, self._indices = put, batch_devices, indices
         self.abstract_state = abstract_state  # () -> the TrainState's shapes and dtypes
 
@@ -412,10 +427,13 @@ class TrainStep:
             if timings is not None:
                 jax.block_until_ready(old)
                 timings["old_log_prob"], t = time.perf_counter() - t, time.perf_counter()
-        updates = []
-        for _ in range(config.num_inner_epochs):
+        updates, first = [], jnp.copy(state.step)  # the state is donated: keep the step's first update count
+        for epoch in range(config.num_inner_epochs):
+            rows = {"batch": batch, **({} if old is None else {"old": old})}
+            if epoch:
+                rows = self._reorder(rows, first, np.int32(epoch))
             for index in self._indices:
-                state, metrics = self._update(state, self.frozen, batch, old, index)
+                state, metrics = self._update(state, self.frozen, rows["batch"], rows.get("old"), index)
                 updates.append(metrics)
         if timings is not None:
             jax.block_until_ready(state)

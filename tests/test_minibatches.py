@@ -139,3 +139,24 @@ def test_mini_batch_config_is_validated(tmp_path, key, value):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         config_lib.validate(cfg)
     assert config_lib.train_config(tiny_config(tmp_path, num_mini_batches=2), GRID).num_mini_batches == 2
+
+
+def test_later_inner_epochs_train_on_the_rows_shuffled_anew(model):  # noqa: F811
+    """Two inner epochs equal two one-epoch steps, the second on the rows in `epoch_order`'s shuffle for (shuffle_seed,
+    the step's first update count, epoch 1); the shuffle moves rows between mini-batches (flow_grpo reshuffles)."""
+    from jaxflow.minibatches import epoch_order
+    kw = dict(grid_hw=GRID, guidance=1.0, num_micro_batches=1, num_mini_batches=2, adam_eps=1e-6, shuffle_seed=5)
+    batch = order_minibatches(_batch(model, 1.0), GROUPS, 2, seed=0, step=0)
+    init_state, two = ts.make_train_step(model, ts.TrainConfig(num_inner_epochs=2, **kw))
+    got, m = two(init_state(), batch)
+    assert int(got.step) == 4 and "mb4/ratio_max" in m
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(5), 0), 1)
+    order = np.asarray(epoch_order(key, jnp.asarray(batch["advantages"]), 2, 1, False))
+    assert {frozenset(order[0::2]), frozenset(order[1::2])} != {frozenset({0, 2}), frozenset({1, 3})}
+    init_state, one = ts.make_train_step(model, ts.TrainConfig(**kw))
+    state, _ = one(init_state(), batch)
+    shuffled = {k: (np.asarray(v)[order] if np.ndim(v) and len(v) == 4 and k != "sigmas" else v)
+                for k, v in batch.items()}
+    want, _ = one(state, shuffled)
+    for a, b in zip(jax.tree.leaves(got.lora), jax.tree.leaves(want.lora)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0)

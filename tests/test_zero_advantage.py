@@ -84,3 +84,16 @@ def test_all_zero_mini_batch_is_not_an_update_and_the_pass_skips_it(model):  # n
     assert int(m["skipped"]) == 0
     for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(before)):
         np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_a_later_epoch_s_device_order_compacts_its_shuffled_rows_as_the_host_does():
+    import jax.numpy as jnp
+    from jaxflow.minibatches import epoch_order
+    rng = np.random.default_rng(1)
+    adv = np.where(rng.random(48) < 0.5, 0.0, rng.normal(size=48)).astype(np.float32)
+    key = jax.random.key(3)
+    perm = np.asarray(jax.random.permutation(key, 48))
+    for mini, micro in ((1, 4), (2, 3), (3, 2)):
+        got = np.asarray(epoch_order(key, jnp.asarray(adv), mini, micro, True))
+        np.testing.assert_array_equal(got, perm[zero_advantage_order(adv[perm], mini, micro)])
+    np.testing.assert_array_equal(np.asarray(epoch_order(key, jnp.asarray(adv), 2, 3, False)), perm)
