@@ -9,7 +9,7 @@ from jaxflow.models.config import ModelOptions
 from jaxflow.models.lora import LoRASpec
 from jaxflow.rewards.multi import REGISTRY
 from jaxflow.sharding import ShardingConfig
-from jaxflow.train_step import TrainConfig
+from jaxflow.train_step import OLD_LOG_PROBS, RATIO_NORMS, TrainConfig
 
 TINY_HINT = "configs/tiny_ocr.py (the embedded tiny offline model)"
 
@@ -61,11 +61,11 @@ def validate(cfg: ConfigDict) -> None:
     _typed("sharding", sharding_config, cfg)
     xla_options(cfg)
     s, t = cfg.sample, cfg.train
-    if t.old_log_prob not in ("rollout", "recompute", "rollout_corrected"):
+    if t.old_log_prob not in OLD_LOG_PROBS:
         _fail("train.old_log_prob", f"{t.old_log_prob!r}; choose 'rollout' (the engine's log-probs), 'recompute' "
                                     f"(the trainer's, before the first update) or 'rollout_corrected' (the engine's, "
                                     f"rejecting samples beyond train.rejection_threshold)")
-    if t.ratio_norm not in ("none", "guard"):
+    if t.ratio_norm not in RATIO_NORMS:
         _fail("train.ratio_norm", f"{t.ratio_norm!r}; choose 'none' (FlowGRPO's ratio) or 'guard' (GRPO-Guard's)")
     if t.ratio_norm == "guard" and t.old_log_prob != "recompute":
         _fail("train.ratio_norm", f"'guard' needs train.old_log_prob='recompute' (got {t.old_log_prob!r}): the old "

@@ -156,33 +156,28 @@ def step_metrics(terms: dict, *, clip_range: float, beta: float) -> dict:
     ratio_* / clipfrac* / approx_kl = 1/2 mean(log_ratio^2) compare the policy with logp_old (what the clip acts
     on); logp_diff_mean / logp_diff_max are (W,): |logp - logp_rollout| per window step (rollout-trainer
     mismatch); with rollout correction, rejected_frac = the share of samples x window steps rejected (`keep`
-    False). An optional `mask` term (same shape, bool) keeps only the samples that trained (drop_zero_advantage);
-    with none of them, the means are 0 and the ratio's extremes 1."""
+    False). An optional `mask` term (same shape, bool; all True without it) keeps only the samples that trained
+    (drop_zero_advantage); with none of them, the means are 0 and the ratio's extremes 1."""
     ratio, dlogp = terms["ratio"], terms["dlogp"]
-    mask = terms.get("mask")
-    if mask is None:
-        mean, lo, hi = jnp.mean, jnp.min, jnp.max
-        steps = dlogp.shape[-2]
-        per_step = jnp.moveaxis(jnp.abs(dlogp), -2, 0).reshape(steps, -1)
-        step_mean, step_max = jnp.mean(per_step, axis=1), jnp.max(per_step, axis=1)
-    else:
-        count = jnp.maximum(jnp.sum(mask), 1)
-        some = jnp.any(mask)
+    given = terms.get("mask")
 
-        def mean(x):
-            return jnp.sum(jnp.where(mask, x, 0)) / count
+    def mask_of(x):
+        return jnp.ones(x.shape, bool) if given is None else given
 
-        def lo(x):
-            return jnp.where(some, jnp.min(jnp.where(mask, x, jnp.inf)), 1.0)
+    def mean(x):
+        return jnp.sum(jnp.where(mask_of(x), x, 0)) / jnp.maximum(jnp.sum(mask_of(x)), 1)
 
-        def hi(x):
-            return jnp.where(some, jnp.max(jnp.where(mask, x, -jnp.inf)), 1.0)
+    def lo(x):
+        return jnp.where(jnp.any(mask_of(x)), jnp.min(jnp.where(mask_of(x), x, jnp.inf)), 1.0)
 
-        steps = dlogp.shape[-2]
-        per_step = jnp.moveaxis(jnp.where(mask, jnp.abs(dlogp), 0.0), -2, 0).reshape(steps, -1)
-        step_mask = jnp.moveaxis(mask, -2, 0).reshape(steps, -1)
-        step_mean = jnp.sum(per_step, axis=1) / jnp.maximum(jnp.sum(step_mask, axis=1), 1)
-        step_max = jnp.max(per_step, axis=1)
+    def hi(x):
+        return jnp.where(jnp.any(mask_of(x)), jnp.max(jnp.where(mask_of(x), x, -jnp.inf)), 1.0)
+
+    steps = dlogp.shape[-2]
+    per_step = jnp.moveaxis(jnp.where(mask_of(dlogp), jnp.abs(dlogp), 0.0), -2, 0).reshape(steps, -1)
+    step_mask = jnp.moveaxis(mask_of(dlogp), -2, 0).reshape(steps, -1)
+    step_mean = jnp.sum(per_step, axis=1) / jnp.maximum(jnp.sum(step_mask, axis=1), 1)
+    step_max = jnp.max(per_step, axis=1)
     policy, kl = mean(terms["policy"]), mean(terms["kl"])
     extra = {"rejected_frac": mean(~terms["keep"])} if "keep" in terms else {}
     return {**extra,

@@ -41,9 +41,7 @@ def order_minibatches(batch: dict, group_ids, num_mini_batches: int, seed: int, 
     noise_level (scalar) are kept as they are."""
     if num_mini_batches == 1:
         return batch
-    order = group_order(group_ids, num_mini_batches, seed, step)
-
-    return _reordered(batch, order)
+    return _reordered(batch, group_order(group_ids, num_mini_batches, seed, step))
 
 
 def _reordered(batch: dict, order: np.ndarray) -> dict:
@@ -52,43 +50,38 @@ def _reordered(batch: dict, order: np.ndarray) -> dict:
     return {k: np.asarray(v)[order] if per_sample(k, v) else v for k, v in batch.items()}
 
 
-def zero_advantage_order(advantages, num_mini_batches: int, num_micro_batches: int) -> np.ndarray:
-    """(B,) row indices: each mini-batch's own rows (j, j + M, ...), those with a non-zero advantage first (in their
-    order), dealt so that they fill micro-batch 0, then 1, ... (micro-batch k of a mini-batch = its rows k, k + m,
-    ...); the rows with advantage 0 fill the rest."""
-    adv = np.asarray(advantages)
-    b, mini, micro = len(adv), num_mini_batches, num_micro_batches
+def _compacted(zero, num_mini_batches: int, num_micro_batches: int, xp):
+    """(B,) row indices of the laid-out rows whose advantage-is-zero flags are `zero` (B,): each mini-batch's own rows
+    (j, j + M, ...), the non-zero ones first (in their order), dealt so that they fill micro-batch 0, then 1, ...
+    (micro-batch k of a mini-batch = its rows k, k + m, ...). `xp`: numpy on the host, jax.numpy on the devices."""
+    b, mini, micro = zero.shape[0], num_mini_batches, num_micro_batches
     per_mini = b // mini
-    if b % (mini * micro):
-        raise ValueError(f"batch {b} is not a multiple of num_mini_batches x num_micro_batches = {mini * micro}")
     i = np.arange(per_mini)
     slot = (i % (per_mini // micro)) * micro + i // (per_mini // micro)  # the i-th kept row's place in the mini-batch
-    order = np.arange(b)
-    for j in range(mini):
-        rows = np.arange(j, b, mini)
-        ranked = rows[np.argsort(adv[rows] == 0, kind="stable")]
-        placed = np.empty(per_mini, np.int64)
-        placed[slot] = ranked
-        order[rows] = placed
-    return order
+    stable = {"kind": "stable"} if xp is np else {"stable": True}  # numpy < 2 has no stable=
+    ranked = xp.argsort(zero.reshape(per_mini, mini), axis=0, **stable)  # column j: mini-batch j's positions
+    placed = ranked[np.argsort(slot)]  # placed[slot[i]] = ranked[i]
+    return (placed * mini + np.arange(mini)[None]).reshape(b)  # position r of mini-batch j is row r * M + j
+
+
+def zero_advantage_order(advantages, num_mini_batches: int, num_micro_batches: int) -> np.ndarray:
+    """(B,) row indices: each mini-batch's own rows, those with a non-zero advantage dealt into its first
+    micro-batches (`_compacted`); the rows with advantage 0 fill the rest."""
+    adv = np.asarray(advantages)
+    if len(adv) % (num_mini_batches * num_micro_batches):
+        raise ValueError(f"batch {len(adv)} is not a multiple of num_mini_batches x num_micro_batches = "
+                         f"{num_mini_batches * num_micro_batches}")
+    return _compacted(adv == 0, num_mini_batches, num_micro_batches, np)
 
 
 def epoch_order(key, advantages, num_mini_batches: int, num_micro_batches: int, compact: bool) -> jax.Array:
     """(B,) row indices for a later inner epoch, on the device: every row shuffled by `key` (flow_grpo permutes the
     samples between inner epochs, so prompt groups no longer stay whole), then with `compact` the
-    `zero_advantage_order` of the shuffled rows (the same layout, computed with jnp)."""
-    b = advantages.shape[0]
-    perm = jax.random.permutation(key, b)
+    `zero_advantage_order` of the shuffled rows."""
+    perm = jax.random.permutation(key, advantages.shape[0])
     if not compact:
         return perm
-    mini = num_mini_batches
-    per_mini = b // mini
-    i = np.arange(per_mini)
-    slot = (i % (per_mini // num_micro_batches)) * num_micro_batches + i // (per_mini // num_micro_batches)
-    zero = (advantages[perm] == 0).reshape(per_mini, mini)  # position r of mini-batch j: row r * M + j
-    ranked = jnp.argsort(zero, axis=0, stable=True)  # per mini-batch, its positions with non-zero advantages first
-    placed = ranked[np.argsort(slot)]  # placed[slot[i]] = ranked[i]
-    return perm[(placed * mini + np.arange(mini)[None]).reshape(b)]
+    return perm[_compacted(advantages[perm] == 0, num_mini_batches, num_micro_batches, jnp)]
 
 
 def compact_zero_advantage(batch: dict, num_mini_batches: int, num_micro_batches: int) -> dict:
@@ -106,8 +99,8 @@ def select(tree, m: int, j) -> dict:
 
 def combine_metrics(updates: list[dict]) -> dict:
     """The step's metrics from its updates' (equal-sized mini-batches): min of *_min, max of *_max and
-    logp_diff_max, sum of skipped, micro_skipped and empty_updates, mean of the rest. With more than one update, also `mb{k}/<key>` for the
-    k-th update of the step (k = 1 .. num_inner_epochs x num_mini_batches) and each key of POSITION_KEYS."""
+    logp_diff_max, sum of skipped, micro_skipped and empty_updates, mean of the rest. With more than one update,
+    also `mb{k}/<key>` for the k-th update of the step (k = 1 .. num_inner_epochs x num_mini_batches) and each key of POSITION_KEYS."""
     if len(updates) == 1:
         return updates[0]
     out = {}

@@ -44,6 +44,7 @@ BATCH_FIELDS = ("latents", "log_probs", "sigmas", "step_index", "noise_level", "
                 "advantages")
 GUIDANCE_FIELDS = ("negative_prompt_embeds", "negative_prompt_mask")
 OLD_LOG_PROBS = ("rollout", "recompute", "rollout_corrected")
+RATIO_NORMS = ("none", "guard")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +86,8 @@ class TrainConfig:
                              f"num_mini_batches, num_inner_epochs >= 1: {self}")
         if self.old_log_prob not in OLD_LOG_PROBS:
             raise ValueError(f"old_log_prob must be one of {OLD_LOG_PROBS}, got {self.old_log_prob!r}")
-        if self.ratio_norm not in ("none", "guard"):
-            raise ValueError(f"ratio_norm must be 'none' or 'guard', got {self.ratio_norm!r}")
+        if self.ratio_norm not in RATIO_NORMS:
+            raise ValueError(f"ratio_norm must be one of {RATIO_NORMS}, got {self.ratio_norm!r}")
         if self.ratio_norm == "guard" and self.old_log_prob != "recompute":
             raise ValueError("ratio_norm='guard' needs old_log_prob='recompute' (the old policy's SDE means come "
                              "from the trainer's pass; the engine returns none)")

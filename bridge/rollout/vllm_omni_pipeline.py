@@ -149,9 +149,10 @@ def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = N
     def __init__(self, *, od_config, **kwargs):
         base.__init__(self, od_config=od_config, **kwargs)
         args = getattr(od_config, "custom_pipeline_args", None) or {}
-        if args.get("lora_apply", "fused") not in LORA_APPLY:
-            raise ValueError(f"lora_apply={args['lora_apply']!r}; choose one of {LORA_APPLY}")
-        if lora_layer_cls is not None and args.get("lora_apply", "fused") == "fused":
+        lora_apply = args.get("lora_apply", "fused")
+        if lora_apply not in LORA_APPLY:
+            raise ValueError(f"lora_apply={lora_apply!r}; choose one of {LORA_APPLY}")
+        if lora_layer_cls is not None and lora_apply == "fused":
             install_fused_apply(lora_layer_cls)
         self.template, self.drop = self.prompt_template_encode, self.prompt_template_encode_start_idx
         self.scheduler_config = dict(self.scheduler.config)
