@@ -5,6 +5,8 @@ from pathlib import Path
 
 from ml_collections import ConfigDict
 
+from bridge.contract.schedule import CFG_FORWARDS
+
 from jaxflow.models.config import ModelOptions
 from jaxflow.models.lora import LoRASpec
 from jaxflow.rewards.multi import REGISTRY
@@ -52,6 +54,8 @@ def validate(cfg: ConfigDict) -> None:
     if cfg.rollout.compile and cfg.rollout.engine != "diffusers":
         _fail("rollout.compile", "is an option of the diffusers engine; leave it False with "
                                  f"rollout.engine={cfg.rollout.engine!r}")
+    if cfg.rollout.cfg_forward not in CFG_FORWARDS:
+        _fail("rollout.cfg_forward", f"{cfg.rollout.cfg_forward!r}; choose one of {CFG_FORWARDS}")
     _typed("model", model_options, cfg)
     if not isinstance(cfg.lora.rank, int) or cfg.lora.rank < 1:
         _fail("lora.rank", f"{cfg.lora.rank!r}: the LoRA rank must be an int >= 1 (the recipe's is 64)")

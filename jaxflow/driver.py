@@ -95,7 +95,8 @@ class Driver:
         r = self.cfg.rollout
         if not r.in_process:
             init_ray(r.address)
-        engine = {"engine": r.engine, "model": str(self.folder), "dtype": r.dtype, "device": r.device}
+        engine = {"engine": r.engine, "model": str(self.folder), "dtype": r.dtype, "device": r.device,
+                  "cfg_forward": r.cfg_forward}
         if r.compile:
             engine["compile"] = True
         if self.cfg.model.init == "random":

@@ -68,7 +68,10 @@ def base() -> ml_collections.ConfigDict:
                      # True: step k+1's rollout runs while step k trains (one step off-policy; for rollout GPUs apart
                      # from the trainer's: docs/design.md, "Overlap")
                      overlap=False,
-                     compile=False)  # diffusers engine: torch.compile the transformer block
+                     compile=False,  # diffusers engine: torch.compile the transformer block
+                     # true CFG's positive and negative rows in one forward, text padded to one length ("batched"),
+                     # or one forward each at its own length ("split": no attention mask within a prompt group)
+                     cfg_forward="batched")
     c.sample = dict(height=512, width=512, num_steps=10, guidance=4.0, noise_level=1.2, sde_type="sde",
                     window_size=2, window_range=(0, 5), negative_prompt=" ",
                     same_latent=False,  # True: a prompt group shares its initial noise (flow_grpo's same_latent)

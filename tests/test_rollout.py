@@ -124,6 +124,37 @@ def test_batched_equals_separate_calls_with_cfg(pipe):
         assert np.abs(one.images[0].astype(int) - batched.images[j]).max() <= 1
 
 
+def test_split_cfg_forward_equals_batched_and_runs_each_text_unpadded(fresh_pipe):
+    """cfg_forward="split": per step one forward over the positives at their own padded length and one over the
+    negatives at theirs, instead of one over both padded to the longer; the same trajectories to float32 rounding
+    (the tolerance of the batched-vs-separate test above: the same sums over differently shaped batches)."""
+    sampling = SamplingParams(**SAMPLING)
+    batched = fresh_pipe.generate(PROMPTS, 2, sampling, seeds=SEEDS)
+    calls = []
+    hook = fresh_pipe.transformer.register_forward_pre_hook(
+        lambda m, a, kw: calls.append((kw["hidden_states"].shape[0], kw["encoder_hidden_states_mask"].shape[1],
+                                       bool(kw["encoder_hidden_states_mask"].all()))), with_kwargs=True)
+    fresh_pipe.cfg_forward = "split"
+    try:
+        split = fresh_pipe.generate(PROMPTS, 2, sampling, seeds=SEEDS)
+    finally:
+        hook.remove()
+    positive, negative = batched.prompt_mask.shape[1], batched.negative_prompt_mask.shape[1]
+    assert positive > negative  # the negative prompt is the shorter text: batched pads it
+    assert calls == [(4, positive, False), (4, negative, True)] * SAMPLING["num_inference_steps"]
+    for field in ("latents", "log_probs"):
+        np.testing.assert_allclose(getattr(split, field), getattr(batched, field), atol=1e-5)
+    np.testing.assert_array_equal(split.prompt_embeds, batched.prompt_embeds)
+    assert np.abs(split.images.astype(int) - batched.images).max() <= 1
+
+
+def test_unknown_cfg_forward_is_refused(tiny_path):
+    from bridge.rollout.engine_diffusers import DiffusersEngine
+
+    with pytest.raises(ValueError, match=r"cfg_forward='fused'; choose one of \('batched', 'split'\)"):
+        DiffusersEngine({"engine": "diffusers", "model": str(tiny_path), "cfg_forward": "fused"})
+
+
 def test_same_latent_shares_a_groups_initial_noise_but_not_its_step_noise(pipe):
     """2 prompts x 3 samples, window from step 0 (latents[:, 0] is the initial noise): with same_latent a group
     starts from its first sample's noise, its samples still diverge, and that first sample is unchanged."""

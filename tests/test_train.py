@@ -65,6 +65,7 @@ def lora_leaves(state):
     ("sample.height", 41, "config.sample.height: 41 must be a positive multiple of 8"),
     ("sample.guidance", 0.5, "config.sample.guidance"),
     ("rollout.device", "tpu", "config.rollout.device"),
+    ("rollout.cfg_forward", "both", "config.rollout.cfg_forward: 'both'"),
 ])
 def test_invalid_config_fails_before_anything_heavy(tmp_path, key, value, needle):
     cfg = tiny_config(tmp_path)

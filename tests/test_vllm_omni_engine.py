@@ -343,6 +343,15 @@ def test_custom_pipeline_installs_the_fused_lora_apply_unless_told_stock(tiny_pa
         cls(od_config=SimpleNamespace(model=str(tiny_path), custom_pipeline_args={"lora_apply": "fast"}))
 
 
+def test_custom_pipeline_takes_cfg_forward_from_its_args(tiny_path):
+    """custom_pipeline_args' cfg_forward reaches SamplingLoop (batched when absent); a typo is refused."""
+    cls = vop.build_pipeline_class(FakeOmniQwenImagePipeline, SimpleNamespace)
+    for args, want in (({}, "batched"), ({"cfg_forward": "split"}, "split")):
+        assert cls(od_config=SimpleNamespace(model=str(tiny_path), custom_pipeline_args=args)).cfg_forward == want
+    with pytest.raises(ValueError, match="cfg_forward='both'"):
+        cls(od_config=SimpleNamespace(model=str(tiny_path), custom_pipeline_args={"cfg_forward": "both"}))
+
+
 def test_the_traced_request_writes_a_profile_and_the_same_trajectory(tiny_path, tmp_path, monkeypatch):
     """JAXFLOW_ROLLOUT_TRACE: the chosen request runs under torch.profiler, writes its trace, returns what an
     untraced request returns."""

@@ -4,7 +4,8 @@ Config keys: `engine` ("diffusers"), `model` (a local diffusers Qwen-Image folde
 tiny random pipeline), `dtype` ("bfloat16" default, or "float32"), `device` (default: cuda if available),
 `random_seed` (optional: ignore the folder's transformer weights and draw them from this seed on the device,
 `bridge/contract/random_weights.py`; the trainer with `model.init=random` draws the same), `compile` (optional: compile the
-transformer's repeated block once with torch.compile, dynamic shapes; inductor fuses the eager elementwise kernels).
+transformer's repeated block once with torch.compile, dynamic shapes; inductor fuses the eager elementwise kernels),
+`cfg_forward` ("batched" or "split": true CFG's rows in one forward or two, `bridge.rollout.sampling`).
 Everything crossing the engine boundary is numpy or plain Python.
 """
 
@@ -14,17 +15,21 @@ import torch
 
 from bridge.rollout.engine import RolloutEngine
 from bridge.rollout.pipeline import RolloutPipeline
-from bridge.rollout.sampling import SamplingParams
+from bridge.contract.schedule import CFG_FORWARDS
+from bridge.rollout.sampling import SamplingLoop, SamplingParams
 
 
 class DiffusersEngine(RolloutEngine):
     """The `RolloutEngine` interface over one `RolloutPipeline`."""
 
     name = "diffusers"
-    config_keys = ("engine", "model", "dtype", "device", "random_seed", "compile")
+    config_keys = ("engine", "model", "dtype", "device", "random_seed", "compile", "cfg_forward")
 
     def __init__(self, config: dict):
         self.check_config(config)
+        cfg_forward = config.get("cfg_forward", SamplingLoop.cfg_forward)
+        if cfg_forward not in CFG_FORWARDS:
+            raise ValueError(f"cfg_forward={cfg_forward!r}; choose one of {CFG_FORWARDS}")
         model = config["model"]
         if model == "tiny":
             from bridge.rollout.tiny import tiny_pipeline_path
@@ -32,6 +37,7 @@ class DiffusersEngine(RolloutEngine):
             model = tiny_pipeline_path()
         self.pipeline = RolloutPipeline.from_pretrained(model, config.get("dtype", "bfloat16"), config.get("device"),
                                                         random_seed=config.get("random_seed"))
+        self.pipeline.cfg_forward = cfg_forward
         self.device = self.pipeline.device
         if config.get("compile"):  # lazy: the first generate compiles (with the LoRA layers bound by then)
             self.pipeline.transformer.compile_repeated_blocks(dynamic=True)

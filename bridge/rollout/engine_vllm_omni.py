@@ -5,7 +5,8 @@ Config keys: `engine` ("vllm_omni"), `model` (a local diffusers Qwen-Image folde
 `random_seed` (optional: the transformer's weights are drawn on the GPU from this seed by the shared spec,
 `bridge/contract/random_weights.py`, as with the diffusers engine; the folder needs only `transformer/config.json`),
 `omni_args` (extra `AsyncOmni` keyword arguments, e.g. {"enforce_eager": True}), `lora_apply` ("fused", the
-default: LoRA'd linears run `bridge/rollout/lora_linear.py`; "stock": vLLM-Omni's per-slice apply, for comparison).
+default: LoRA'd linears run `bridge/rollout/lora_linear.py`; "stock": vLLM-Omni's per-slice apply, for comparison),
+`cfg_forward` ("batched" or "split": true CFG's rows in one forward or two, `bridge.rollout.sampling`).
 Same calls and results as the diffusers engine.
 
 - generate: one engine request per prompt with `num_outputs_per_prompt=n` (one B=n forward, 2n with true CFG,
@@ -47,8 +48,8 @@ from bridge.contract.lora import (adapter_spec, lora_pairs, read_peft, refusal, 
 from bridge.contract.lora_shm import offsets, open_payload, read_arrays
 from bridge.rollout.engine import RolloutEngine
 from bridge.rollout.pipeline import FINGERPRINT_ELEMENTS, TensorHead, weights_fingerprint
-from bridge.rollout.sampling import SamplingParams, check_prompts, per_sample_seeds
-from bridge.contract.schedule import sample_windows
+from bridge.rollout.sampling import SamplingLoop, SamplingParams, check_prompts, per_sample_seeds
+from bridge.contract.schedule import CFG_FORWARDS, sample_windows
 from bridge.rollout.vllm_omni_pipeline import (LORA_APPLY, PIPELINE_CLASS, WORKER_EXTENSION_CLASS, encode_request,
                                                unpack_trajectories)
 from bridge.rollout.tensors import torch_to_numpy
@@ -191,7 +192,7 @@ class VllmOmniEngine(RolloutEngine):
     """The `RolloutEngine` interface over one AsyncOmni engine."""
 
     name = "vllm_omni"
-    config_keys = ("engine", "model", "dtype", "device", "random_seed", "omni_args", "lora_apply")
+    config_keys = ("engine", "model", "dtype", "device", "random_seed", "omni_args", "lora_apply", "cfg_forward")
 
     def __init__(self, config: dict):
         self.check_config(config)
@@ -221,9 +222,11 @@ class VllmOmniEngine(RolloutEngine):
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="vllm-omni-loop", daemon=True).start()
         _export_package_path()
-        pipeline_args = {"pipeline_class": PIPELINE_CLASS, "lora_apply": config.get("lora_apply", "fused")}
-        if pipeline_args["lora_apply"] not in LORA_APPLY:
-            raise ValueError(f"lora_apply={pipeline_args['lora_apply']!r}; choose one of {LORA_APPLY}")
+        pipeline_args = {"pipeline_class": PIPELINE_CLASS, "lora_apply": config.get("lora_apply", "fused"),
+                         "cfg_forward": config.get("cfg_forward", SamplingLoop.cfg_forward)}
+        for key, choices in (("lora_apply", LORA_APPLY), ("cfg_forward", CFG_FORWARDS)):
+            if pipeline_args[key] not in choices:
+                raise ValueError(f"{key}={pipeline_args[key]!r}; choose one of {choices}")
         if self.random_seed is not None:
             pipeline_args["random_seed"] = int(self.random_seed)
         kwargs = {"custom_pipeline_args": pipeline_args,

@@ -4,8 +4,10 @@
 B = len(prompts) * n samples, prompt-major (sample b belongs to prompt b // n, its group_id):
 
 - one text-encoder pass over the distinct prompts and the negative prompt (template, drop 34 tokens);
-- per denoising step one transformer forward over B samples, or 2B with positive and negative text
-  right-padded to one length when true CFG is on (cfg > 1), combined with per-token norm rescale;
+- per denoising step one transformer forward over B samples; with true CFG (cfg > 1) either one forward over 2B
+  with positive and negative text right-padded to one length (`cfg_forward="batched"`), or two forwards of B, each
+  text at its own length (`"split"`: no padding between them, so no attention mask when the call's prompts have
+  equal lengths), combined with per-token norm rescale;
 - sigma reaches the timestep embedding in float32 (`Fp32Timestep`), latents stay float32 between steps;
 - initial and step noise come from one CPU `torch.Generator` per sample seeded by that sample's seed, drawn
   every step for every sample, so a sample does not depend on its batch; with `same_latent` every sample of a
@@ -22,7 +24,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from bridge.contract.schedule import sample_windows, sigma_schedule, window_noise_levels, window_size
+from bridge.contract.schedule import CFG_FORWARDS, sample_windows, sigma_schedule, window_noise_levels, window_size
 from bridge.rollout.sde import SDE_TYPES, sde_step
 from bridge.rollout.tensors import torch_to_numpy
 from bridge.contract.trajectory import TrajectoryBatch
@@ -146,7 +148,10 @@ def _right_pad(t: torch.Tensor, length: int) -> torch.Tensor:
 class SamplingLoop:
     """Qwen-Image sampling with trajectories. Subclasses provide the components and their settings: tokenizer,
     text_encoder, vae, transformer, template, drop, vae_scale_factor, scheduler_config, device, dtype,
-    fp32_timestep (an `Fp32Timestep` on the transformer) and policy_version."""
+    fp32_timestep (an `Fp32Timestep` on the transformer) and policy_version; `cfg_forward` (one of CFG_FORWARDS)
+    may be set per instance."""
+
+    cfg_forward = "batched"
 
     @property
     def size_multiple(self) -> int:
@@ -201,7 +206,8 @@ class SamplingLoop:
     @torch.inference_mode()
     def velocity(self, latents, sigma, prompt_embeds, prompt_mask, negative_embeds=None, negative_mask=None, *,
                  cfg_scale: float = 1.0, grid: tuple[int, int]) -> torch.Tensor:
-        """float32 v for (B, S, C) latents at sigma (scalar or (B,)): one forward over B, or 2B with true CFG.
+        """float32 v for (B, S, C) latents at sigma (scalar or (B,)): one forward over B; with true CFG one over 2B
+        or two over B (`cfg_forward`).
 
         Text: (B, L, D) embeds with (B, L) bool masks, right-padded. grid: the packed (rows, cols), rows * cols = S.
         With negatives and cfg_scale > 1: comb = v_neg + g (v_pos - v_neg), rescaled per token to the norm of
@@ -209,25 +215,28 @@ class SamplingLoop:
         """
         x = latents.to(self.device, torch.float32)
         batch = x.shape[0]
-        text, mask = prompt_embeds, prompt_mask
-        cfg = negative_embeds is not None and cfg_scale > 1
-        if cfg:
-            length = max(text.shape[1], negative_embeds.shape[1])
-            text = torch.cat([_right_pad(text, length), _right_pad(negative_embeds, length)])
-            mask = torch.cat([_right_pad(mask, length), _right_pad(negative_mask, length)])
-            x = torch.cat([x, x])
-        sigma = torch.as_tensor(sigma, dtype=torch.float32).reshape(-1).expand(batch).repeat(1 + cfg)
-        with self.fp32_timestep(sigma):
-            v = self.transformer(hidden_states=x.to(self.dtype), timestep=sigma.to(self.device),
-                                 encoder_hidden_states=text.to(self.device, self.dtype),
-                                 encoder_hidden_states_mask=mask.to(self.device),
-                                 img_shapes=[[(1, *grid)]] * x.shape[0], return_dict=False)[0].float()
-        if not cfg:
-            return v
-        pos, neg = v[:batch], v[batch:]
+        sigma = torch.as_tensor(sigma, dtype=torch.float32).reshape(-1).expand(batch)
+        if negative_embeds is None or cfg_scale <= 1:
+            return self._forward(x, sigma, prompt_embeds, prompt_mask, grid)
+        if self.cfg_forward == "split":
+            pos = self._forward(x, sigma, prompt_embeds, prompt_mask, grid)
+            neg = self._forward(x, sigma, negative_embeds, negative_mask, grid)
+        else:
+            length = max(prompt_embeds.shape[1], negative_embeds.shape[1])
+            text = torch.cat([_right_pad(prompt_embeds, length), _right_pad(negative_embeds, length)])
+            mask = torch.cat([_right_pad(prompt_mask, length), _right_pad(negative_mask, length)])
+            pos, neg = self._forward(torch.cat([x, x]), sigma.repeat(2), text, mask, grid).split(batch)
         comb = neg + cfg_scale * (pos - neg)
         return comb * (torch.linalg.vector_norm(pos, dim=-1, keepdim=True)
                        / torch.linalg.vector_norm(comb, dim=-1, keepdim=True))
+
+    def _forward(self, x, sigma, text, mask, grid) -> torch.Tensor:
+        """One transformer call: float32 (N, S, C) latents, float32 (N,) sigma, (N, L, D) text, (N, L) mask."""
+        with self.fp32_timestep(sigma):
+            return self.transformer(hidden_states=x.to(self.dtype), timestep=sigma.to(self.device),
+                                    encoder_hidden_states=text.to(self.device, self.dtype),
+                                    encoder_hidden_states_mask=mask.to(self.device),
+                                    img_shapes=[[(1, *grid)]] * x.shape[0], return_dict=False)[0].float()
 
     @torch.inference_mode()
     def decode(self, latents: torch.Tensor, height: int, width: int) -> np.ndarray:

@@ -7,8 +7,8 @@ imports without vLLM-Omni (CPU machines, tests) and builds its vLLM-Omni subclas
 (PEP 562 `__getattr__`):
 
 - `FlowGRPOQwenImagePipeline`: vLLM-Omni's `QwenImagePipeline` (its loading, fused transformer, text encoder,
-  VAE) running `SamplingLoop.generate`: one text-encoder pass, CFG positive/negative batched in one
-  forward, float32 latents between steps, sigma in float32 to the timestep embedding (`Fp32Timestep`; vLLM-Omni's
+  VAE) running `SamplingLoop.generate`: one text-encoder pass, CFG positive/negative in one forward or two
+  (`cfg_forward`), float32 latents between steps, sigma in float32 to the timestep embedding (`Fp32Timestep`; vLLM-Omni's
   `QwenTimestepProjEmbeddings` has the same call and cast as diffusers'), per-sample CPU generators, seeds and
   SDE windows, the torch SDE of `bridge.rollout.sde`. Requests without our `extra_args` (the engine's warm-up
   run, plain text-to-image requests) run the stock pipeline.
@@ -37,6 +37,7 @@ import torch
 
 from bridge.rollout.lora_linear import install_fused_apply
 from bridge.rollout.pipeline import TensorHead, weights_fingerprint
+from bridge.contract.schedule import CFG_FORWARDS
 from bridge.rollout.sampling import Fp32Timestep, SamplingLoop, SamplingParams
 from bridge.rollout.random_init import random_named_weights
 from bridge.rollout.tensors import numpy_to_torch, torch_to_numpy
@@ -143,7 +144,8 @@ def _txt_seq_lens_from_mask(module, args, kwargs):
 def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = None) -> type:
     """Our pipeline as a subclass of `SamplingLoop` and `base` (vLLM-Omni's QwenImagePipeline); `output_cls`
     builds its results (vLLM-Omni's DiffusionOutput); `lora_layer_cls` (vLLM-Omni's diffusion LoRA layer base class)
-    gets `bridge.rollout.lora_linear`'s fused apply unless custom_pipeline_args say lora_apply="stock". All are
+    gets `bridge.rollout.lora_linear`'s fused apply unless custom_pipeline_args say lora_apply="stock";
+    custom_pipeline_args' cfg_forward sets `SamplingLoop.cfg_forward`. All are
     parameters so tests can run it on diffusers components."""
 
     def __init__(self, *, od_config, **kwargs):
@@ -154,6 +156,9 @@ def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = N
             raise ValueError(f"lora_apply={lora_apply!r}; choose one of {LORA_APPLY}")
         if lora_layer_cls is not None and lora_apply == "fused":
             install_fused_apply(lora_layer_cls)
+        self.cfg_forward = args.get("cfg_forward", SamplingLoop.cfg_forward)
+        if self.cfg_forward not in CFG_FORWARDS:
+            raise ValueError(f"cfg_forward={self.cfg_forward!r}; choose one of {CFG_FORWARDS}")
         self.template, self.drop = self.prompt_template_encode, self.prompt_template_encode_start_idx
         self.scheduler_config = dict(self.scheduler.config)
         if not hasattr(self.transformer, "config"):  # vLLM-Omni's transformer: its folder config, diffusers-style
