@@ -1,15 +1,17 @@
 """vLLM-Omni's rollout with the recipe's r=64 LoRA bound: its own per-slice LoRA apply against our fused op.
 
-    python3 scripts/bench_rollout_lora.py --out DIR [--model DIR] [--modes stock,fused,fused+sdpa]
+    python3 scripts/bench_rollout_lora.py --out DIR [--model DIR] [--modes stock,fused,fused+split,fused+sdpa]
 
-For each mode (`lora_apply` of the vllm_omni engine; "+sdpa": vLLM-Omni's attention backend TORCH_SDPA instead of
-its default; one engine after the other, each in its own process): the recipe's rollout settings (512^2, 10 steps,
+For each mode (`lora_apply` of the vllm_omni engine, then options: "+split" the engine's cfg_forward="split", true
+CFG's rows in two forwards; "+sdpa" vLLM-Omni's attention backend TORCH_SDPA instead of its default; one engine after
+the other, each in its own process, torch's graph-break and recompile logs on): the recipe's rollout settings (512^2, 10 steps,
 CFG 4, SDE window 2), 2 prompts x 16 images, img/s of one timed call after a warm-up call, first without a LoRA,
 then with a random r=64 adapter on the 12 targets bound. The first request of the timed LoRA'd call is traced
 (torch.profiler in the worker, `vllm_omni_pipeline.TRACE_ENV`) and broken down by kernel class as
 scripts/profile_step.py does. Writes DIR/rollout_lora_vllm_omni.json (figures `<mode>_base_img_s`,
 `<mode>_lora_img_s`, `<mode>_lora_s` = the seconds the LoRA adds to the 32 images, `<mode>_share_<class>` and
-`<mode>_kernel_busy` of the traced request, and `fused_over_stock` of the LoRA'd rollouts).
+`<mode>_kernel_busy` of the traced request, and `fused_over_stock`, `split_over_batched` of the LoRA'd rollouts); each mode's top kernels
+go to DIR/kernels_<mode>.json.
 """
 from __future__ import annotations
 
@@ -32,8 +34,9 @@ TRACED_REQUEST = 7  # 2 prompts a call: base warm-up, base timed, LoRA warm-up, 
 def one_mode(model: Path, mode: str, seed: int) -> dict:
     from bridge.rollout.server import engine_class
 
+    lora_apply, *options = mode.split("+")
     config = {"engine": "vllm_omni", "model": str(model), "dtype": "bfloat16", "random_seed": seed,
-              "lora_apply": mode.split("+")[0]}
+              "lora_apply": lora_apply, "cfg_forward": "split" if "split" in options else "batched"}
     engine = engine_class(config)(config)
 
     def img_s() -> float:
@@ -67,8 +70,9 @@ def main(argv=None) -> int:
     figures = {}
     for mode in args.modes.split(","):
         trace = args.out / f"trace_{mode}"
-        env = {**os.environ, "JAXFLOW_ROLLOUT_TRACE": str(trace), "JAXFLOW_ROLLOUT_TRACE_AT": str(TRACED_REQUEST)}
-        if mode.endswith("+sdpa"):
+        env = {**os.environ, "JAXFLOW_ROLLOUT_TRACE": str(trace), "JAXFLOW_ROLLOUT_TRACE_AT": str(TRACED_REQUEST),
+               "TORCH_LOGS": "graph_breaks,recompiles"}
+        if "sdpa" in mode.split("+"):
             env["DIFFUSION_ATTENTION_BACKEND"] = "TORCH_SDPA"
         run = subprocess.run([sys.executable, __file__, "--out", str(args.out), "--model", str(args.model),
                               "--seed", str(args.seed), "--one", mode], capture_output=True, text=True, env=env)
@@ -84,12 +88,16 @@ def main(argv=None) -> int:
         print(mode, json.loads(rows[0]), flush=True)
         for path in sorted(trace.glob("rollout-*.json"))[:1]:
             wall = float(path.stem.rsplit("-", 1)[1].removesuffix("s"))
-            r = breakdown(f"{mode}: one traced request (16 images)", gpu_kernels(json.loads(path.read_text())), wall)
+            r = breakdown(f"{mode}: one traced request (16 images)", gpu_kernels(json.loads(path.read_text())), wall,
+                          top=40)
+            (args.out / f"kernels_{mode}.json").write_text(json.dumps(r, indent=1))
             figures[f"{mode}_kernel_busy"] = r["kernel_ms"] / r["wall_ms"]
             for c, ms in r["classes"].items():
                 figures[f"{mode}_share_{c}"] = ms / r["kernel_ms"]
     if "stock_lora_img_s" in figures and "fused_lora_img_s" in figures:
         figures["fused_over_stock"] = figures["fused_lora_img_s"] / figures["stock_lora_img_s"]
+    if "fused_lora_img_s" in figures and "fused+split_lora_img_s" in figures:
+        figures["split_over_batched"] = figures["fused+split_lora_img_s"] / figures["fused_lora_img_s"]
     print("| mode | img/s without LoRA | img/s with r64 LoRA | s the LoRA adds (32 images) |\n|---|---|---|---|")
     for mode in args.modes.split(","):
         print(f"| {mode} | {figures[mode + '_base_img_s']:.3f} | {figures[mode + '_lora_img_s']:.3f} | "
