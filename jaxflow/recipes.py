@@ -70,8 +70,9 @@ def base() -> ml_collections.ConfigDict:
                      overlap=False,
                      compile=False,  # diffusers engine: torch.compile the transformer block
                      # true CFG's positive and negative rows in one forward, text padded to one length ("batched"),
-                     # or one forward each at its own length ("split": no attention mask within a prompt group)
-                     cfg_forward="batched")
+                     # or one forward each at its own length ("split": no attention mask within a prompt group;
+                     # vLLM-Omni's rollout 1.05x with the LoRA, 1.07x without: BENCHMARKS.md, true CFG)
+                     cfg_forward="split")
     c.sample = dict(height=512, width=512, num_steps=10, guidance=4.0, noise_level=1.2, sde_type="sde",
                     window_size=2, window_range=(0, 5), negative_prompt=" ",
                     same_latent=False,  # True: a prompt group shares its initial noise (flow_grpo's same_latent)
