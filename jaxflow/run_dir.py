@@ -5,13 +5,16 @@ A run writes `OUTPUTS` under `config.run_dir`. A new run refuses a run_dir holdi
 current one and refuses differences in keys that change the training, unless told to allow them. The keys in
 `NOT_TRAINING` may differ: where and how often outputs are written, evaluation, the step budget, and how the work
 is placed on machines (rollout servers and their resources, sharding, micro-batches, rematerialization, the
-attention kernel), none of which changes what an update computes.
+attention kernel), none of which changes what an update computes. A multi-process run checks first that every
+process sees the same run_dir (`check_shared`).
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import secrets
+import socket
 import shutil
 from pathlib import Path
 
@@ -124,6 +127,33 @@ def preflight(cfg, *, resume: bool, overwrite: bool = False, allow_config_change
             shutil.rmtree(path) if path.is_dir() else path.unlink()
             log.warning("--overwrite: deleted %s", path)
     return None
+
+
+def check_shared(run_dir: Path) -> None:
+    """Every JAX process must see one run_dir (a filesystem they share): checkpoints are written by all of them and
+    read back by all on --resume. Each process writes a marker named by a nonce from process 0, then each looks for
+    everyone's; UserError on every process, naming those that see only part, if any is missing. The markers are
+    removed either way; one process does nothing."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    n, me = jax.process_count(), jax.process_index()
+    if n == 1:
+        return
+    nonce = int(multihost_utils.broadcast_one_to_all(np.int32(secrets.randbits(31))))
+    marker = lambda i: run_dir / f".process-{i}-of-{n}.{nonce}"  # noqa: E731
+    run_dir.mkdir(parents=True, exist_ok=True)
+    marker(me).write_text(socket.gethostname())
+    multihost_utils.sync_global_devices("run_dir markers written")
+    sees_all = all(marker(i).exists() for i in range(n))
+    seen = multihost_utils.process_allgather(np.int32(sees_all))
+    marker(me).unlink()
+    partial = [i for i in range(n) if not seen[i]]
+    if partial:
+        raise UserError(f"run_dir {run_dir} is not one folder for all {n} JAX processes: process(es) {partial} do "
+                        f"not see the others' files in it; put run_dir on a filesystem every host mounts at that "
+                        f"path (NFS, Lustre, a bucket mount)")
 
 
 def first_process() -> bool:

@@ -72,6 +72,7 @@ class Trainer:
         self.started = time.monotonic()  # train.max_minutes counts from here
         config_lib.validate(cfg)
         maybe_initialize_distributed()
+        run_dir_lib.check_shared(Path(cfg.run_dir))
         check_backend(cfg)
         warning = sleep_warning(cfg)
         if warning:

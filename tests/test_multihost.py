@@ -73,3 +73,26 @@ def test_two_processes_train_like_one(tmp_path):
     single_lines = [json.loads(x) for x in (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()]
     for a, b in zip(lines, single_lines):
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-6 * b["grad_norm"]
+    assert not list(run_dir.glob(".process-*"))  # the shared-run_dir check leaves no marker behind
+
+
+def test_a_run_dir_the_processes_do_not_share_stops_both_with_one_line(tmp_path):
+    """Two processes whose run_dir is not one folder (each its own, as two hosts with local disks would have):
+    both exit 2 with one line naming run_dir, before any model loads; nothing is left in either folder."""
+    port = _free_port()
+    procs = [subprocess.Popen(_args(tmp_path / f"host{i}"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=_env(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+                                                  JAX_PROCESS_ID=str(i), JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo"))
+             for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for i, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 2, f"process {i} exited {p.returncode}:\n{out[-2000:]}{err[-3000:]}"
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "is not one folder for all 2 JAX processes: process(es) [0, 1]" in errors[0], err
+        assert "Traceback" not in err
+        assert list((tmp_path / f"host{i}").iterdir()) == []
