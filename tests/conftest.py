@@ -1,10 +1,23 @@
-"""Shared fixtures: one local Ray instance per session and the cached tiny Qwen-Image folder."""
+"""Shared fixtures: one local Ray instance per session and the cached tiny Qwen-Image folder.
 
+The session's JAX processes (this one and every trainer a test starts) share one persistent compilation cache in
+a folder of the session's own, set before JAX is imported: many tests compile the same tiny train step, and on 2
+cores the compiles are much of the suite's time. A fresh folder per session keeps the tests independent of
+earlier runs."""
+
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="jaxflow-tests-xla-cache-")
+    atexit.register(shutil.rmtree, _cache, True)
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=_cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.2",
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,10 @@ STEPS = ["data", "vae", "encode", "pretrain", "eval_before", "eval_before_train"
 
 
 def test_the_script_runs_every_step_and_writes_the_result(tmp_path):
-    env = {**os.environ, "SMOKE": "1", "JAX_PLATFORMS": "cpu",
+    # the fewest training steps and eval images that still run every step's code (this test checks the plumbing;
+    # tests/test_learning.py checks that RL learns)
+    env = {**os.environ, "SMOKE": "1", "JAX_PLATFORMS": "cpu", "VAE_STEPS": "10", "PRETRAIN_STEPS": "5",
+           "EVAL_NUM": "4",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     done = subprocess.run(["bash", str(ROOT / "scripts" / "mini_ocr.sh"), str(tmp_path)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
