@@ -84,8 +84,11 @@ class Driver:
         self.cfg, self.folder, self.prompts, self.sampler = cfg, folder, prompts, sampler
         self.test_items = load_prompts(cfg.data.test)
         self.spec = config_lib.lora_spec(cfg)
-        self.pool = RewardPool(build_reward(dict(cfg.reward.fns), **cfg.reward.options.to_dict()),  # VLM health check
-                               cfg.reward.workers)
+        try:  # reward models load here (a VLM endpoint's health is checked), before any model or device work
+            reward = build_reward(dict(cfg.reward.fns), **cfg.reward.options.to_dict())
+        except FileNotFoundError as exc:  # a reward model's checkpoint folder lacks files: the message names them
+            raise config_lib.UserError(str(exc)) from None
+        self.pool = RewardPool(reward, cfg.reward.workers)
         self.rollout = self.sync_target = self.shared = None
         self.sync_timings = {}  # the last shared-memory sync's phases: sync_write (trainer), sync_engine (its ack)
         self._executor = self._prefetched = None  # rollout.overlap: the thread and (step, future) of a prefetch

@@ -21,7 +21,8 @@ def test_contract_imports_no_framework_and_neither_side(path):
     assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "bridge" / "rollout").glob("*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((ROOT / "bridge" / "rollout").glob("*.py"))
+                         + sorted((ROOT / "bridge" / "rewards").glob("*.py")), ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_rollout_imports_no_jax_and_no_trainer(path):
     bad = {m for m in imported_modules(path) if m.split(".")[0] in {"jax", "flax", "optax", "jaxflow"}}
     assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"

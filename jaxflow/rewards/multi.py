@@ -13,6 +13,16 @@ from jaxflow.rewards.pixel import brightness
 from jaxflow.rewards.shuffled import Shuffled
 from jaxflow.rewards.vlm_ocr import VlmOcrReward
 
+
+def _torch_model(name: str) -> Callable[..., RewardFn]:
+    """A factory for reward model `name` of bridge/rewards/clip.py, imported (with torch and transformers) only when
+    that reward is built."""
+    def build(**options) -> RewardFn:
+        from bridge.rewards import clip
+        return getattr(clip, name)(**options)
+    return build
+
+
 # name -> factory(**options) -> reward fn
 REGISTRY: dict[str, Callable[..., RewardFn]] = {
     "ocr": OcrReward,
@@ -22,6 +32,10 @@ REGISTRY: dict[str, Callable[..., RewardFn]] = {
     "brightness": lambda: brightness,
     # the control of the mini OCR proof: OCR scores permuted across the batch (options: seed, then OcrReward's)
     "ocr_shuffled": lambda seed=0, **ocr: Shuffled(OcrReward(**ocr), seed),
+    # CLIP-based reward models from local folders (options: path, processor_path, device, dtype, batch_size)
+    "pickscore": _torch_model("PickScore"),
+    "clip_score": _torch_model("ClipScore"),
+    "aesthetic": _torch_model("Aesthetic"),  # also mlp_path
 }
 
 

@@ -1,0 +1,1 @@
+"""Reward models in torch (transformers), loaded from local checkpoint folders; never imports JAX."""

@@ -1,0 +1,137 @@
+"""CLIP-based rewards (bridge/rewards/clip.py) on tiny random CLIP models saved in the layout of the real checkpoint
+folders (CLIPModel.save_pretrained, the processor's preprocessor_config.json and tokenizer files, the aesthetic
+predictor's state dict), loaded through the registry as a run builds them."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from jaxflow.rewards.multi import build_reward
+
+PROMPTS = ["a red fox", "a sign that says hello", "two cats", "a blue car", "the word OCR"]
+
+
+def _bytes_vocab() -> dict:
+    """A byte-level BPE vocab with no merges: every byte's character, alone and word-final, and CLIP's specials."""
+    chars = [chr(c) for c in range(33, 127)] + [chr(c) for c in range(161, 173)] + [chr(c) for c in range(174, 256)]
+    chars += [chr(256 + i) for i in range(256 - len(chars))]
+    vocab = {t: i for i, t in enumerate(chars + [c + "</w>" for c in chars])}
+    vocab.update({"<|startoftext|>": len(vocab), "<|endoftext|>": len(vocab) + 1})
+    return vocab
+
+
+@pytest.fixture(scope="module")
+def clip_dir(tmp_path_factory):
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPTokenizer
+
+    folder = tmp_path_factory.mktemp("clip")
+    torch.manual_seed(0)
+    config = CLIPConfig(
+        text_config=dict(vocab_size=520, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                         num_attention_heads=2, max_position_embeddings=77, bos_token_id=512,
+                         eos_token_id=513, pad_token_id=513),
+        vision_config=dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                           num_attention_heads=2),
+        projection_dim=16)
+    CLIPModel(config).save_pretrained(folder)
+    CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(folder)
+    (folder / "vocab.json").write_text(json.dumps(_bytes_vocab()))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt")).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def mlp_path(clip_dir):
+    from bridge.rewards.clip import AestheticMLP
+
+    torch.manual_seed(1)
+    path = clip_dir.parent / "sac+logos+ava1-l14-linearMSE.pth"
+    torch.save(AestheticMLP(16).state_dict(), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def images():
+    return np.random.default_rng(0).integers(0, 256, (5, 40, 56, 3), dtype=np.uint8)
+
+
+def _reference(clip_dir, images, prompts):
+    """CLIPModel's own forward: logits_per_image = exp(logit_scale) * normalised image @ normalised text."""
+    from transformers import CLIPModel, CLIPProcessor
+
+    model = CLIPModel.from_pretrained(clip_dir).eval()
+    inputs = CLIPProcessor.from_pretrained(clip_dir)(text=prompts, images=list(images), return_tensors="pt",
+                                                     padding=True)
+    with torch.no_grad():
+        out = model(**inputs)
+    return model, out
+
+
+@pytest.mark.parametrize("name", ["pickscore", "clip_score"])
+def test_text_image_rewards_match_clip_s_own_logits_and_do_not_depend_on_the_batch(name, clip_dir, images):
+    whole = build_reward({name: 1.0}, **{name: {"path": str(clip_dir), "batch_size": 5}})
+    pieces = build_reward({name: 1.0}, **{name: {"path": str(clip_dir), "batch_size": 2}})
+    got = whole(images, PROMPTS)[name]
+    model, out = _reference(clip_dir, images, PROMPTS)
+    logits = out.logits_per_image.diag().numpy()
+    want = logits / 26.0 if name == "pickscore" else logits / model.logit_scale.exp().item()
+    assert got.dtype == np.float32 and got.shape == (5,)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(pieces(images, PROMPTS)[name], got, rtol=1e-5, atol=1e-6)
+    assert np.ptp(got) > 0  # the images and prompts differ, so must the scores
+
+
+def test_aesthetic_is_the_predictor_on_the_normalised_image_embedding(clip_dir, mlp_path, images):
+    from bridge.rewards.clip import AestheticMLP
+
+    reward = build_reward({"aesthetic": 1.0}, aesthetic={"path": str(clip_dir), "mlp_path": str(mlp_path),
+                                                         "batch_size": 3})
+    got = reward(images, PROMPTS)["aesthetic"]
+    _, out = _reference(clip_dir, images, PROMPTS)
+    mlp = AestheticMLP(16)
+    mlp.load_state_dict(torch.load(mlp_path))
+    mlp.eval()
+    with torch.no_grad():
+        want = mlp(out.image_embeds).squeeze(-1).numpy()  # image_embeds: projected and L2-normalised
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_missing_file_is_named_in_one_line(clip_dir, tmp_path):
+    partial = tmp_path / "PickScore_v1"
+    partial.mkdir()
+    (partial / "config.json").write_text((clip_dir / "config.json").read_text())
+    with pytest.raises(FileNotFoundError, match=r"reward 'pickscore': reward\.options\.pickscore\.path=.*PickScore_v1 "
+                                                r"lacks model\.safetensors or pytorch_model\.bin$"):
+        build_reward({"pickscore": 1.0}, pickscore={"path": str(partial)})
+    with pytest.raises(FileNotFoundError, match=r"processor_path=.*lacks preprocessor_config\.json, "
+                                                r"tokenizer_config\.json, vocab\.json or tokenizer\.json$"):
+        build_reward({"pickscore": 1.0}, pickscore={"path": str(clip_dir), "processor_path": str(partial)})
+    with pytest.raises(FileNotFoundError, match="needs reward.options.aesthetic.mlp_path"):
+        build_reward({"aesthetic": 1.0}, aesthetic={"path": str(clip_dir)})
+    with pytest.raises(FileNotFoundError, match="needs reward.options.clip_score.path"):
+        build_reward({"clip_score": 1.0})
+
+
+def test_reward_models_are_imported_only_when_used():
+    code = ("import sys; from jaxflow.rewards.multi import build_reward; build_reward({'brightness': 1.0}); "
+            "print('bridge.rewards.clip' in sys.modules, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False", "False"], out.stderr[-2000:]
+
+
+def test_the_trainer_stops_with_one_line_when_a_reward_checkpoint_is_incomplete(tmp_path):
+    from tests.test_train import ROOT
+
+    args = [sys.executable, "-m", "jaxflow.train", "--config", str(ROOT / "configs" / "tiny_ocr.py"),
+            f"--config.run_dir={tmp_path / 'run'}", "--config.rollout.in_process=True",
+            "--config.reward.fns={'pickscore': 1.0}", f"--config.reward.options={{'pickscore': {{'path': '{tmp_path}'}}}}"]
+    out = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: reward 'pickscore': reward.options.pickscore.path={tmp_path} lacks config.json, "
+                      f"model.safetensors or pytorch_model.bin"], out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and not (tmp_path / "run").exists()
