@@ -9,7 +9,7 @@ from bridge.contract.schedule import CFG_FORWARDS
 
 from jaxflow.models.config import ModelOptions
 from jaxflow.models.lora import LoRASpec
-from jaxflow.rewards.multi import REGISTRY
+from jaxflow.rewards.multi import NEED_TARGET, REGISTRY
 from jaxflow.sharding import ShardingConfig
 from jaxflow.train_step import OLD_LOG_PROBS, RATIO_NORMS, TrainConfig
 
@@ -22,6 +22,11 @@ class UserError(ValueError):
 
 def _fail(key: str, message: str):
     raise UserError(f"config.{key}: {message}")
+
+
+def needs_target(cfg) -> bool:
+    """True when a reward of the run scores a prompt's target text, so every prompt must name one."""
+    return bool(NEED_TARGET & set(cfg.reward.fns))
 
 
 def model_folder(cfg: ConfigDict) -> Path:
@@ -122,8 +127,9 @@ def validate(cfg: ConfigDict) -> None:
     if unknown or not cfg.reward.fns:
         _fail("reward.fns", f"unknown {unknown}; known rewards: {sorted(REGISTRY)}")
     for key in ("train", "test"):
-        if not Path(cfg.data[key]).exists():
-            _fail(f"data.{key}", f"{cfg.data[key]} does not exist")
+        if not cfg.data[key] or not Path(cfg.data[key]).is_file():
+            _fail(f"data.{key}", f"{cfg.data[key]!r} is not a file: pass --config.data.{key}=PROMPTS.txt (one prompt "
+                                 f"per line) or .jsonl")
     if cfg.rollout.engine not in ("diffusers", "vllm_omni"):
         _fail("rollout.engine", f"{cfg.rollout.engine!r}; choose 'diffusers' or 'vllm_omni'")
     if cfg.profile.num_steps < 0 or cfg.profile.start_step < 1:

@@ -14,17 +14,17 @@ from jaxflow.rewards.text import extract_target
 @dataclass(frozen=True)
 class PromptItem:
     prompt: str
-    target: str
+    target: str | None  # the text to render (OCR tasks); None where the rewards need none
 
 
-def _parse_txt(text: str, where: str) -> PromptItem:
+def _parse_txt(text: str, where: str, need_target: bool = True) -> PromptItem:
     target = extract_target(text)
-    if target is None:
+    if target is None and need_target:
         raise ValueError(f"{where}: no target text in double quotes: {text!r}")
     return PromptItem(text, target)
 
 
-def _parse_jsonl(text: str, where: str) -> PromptItem:
+def _parse_jsonl(text: str, where: str, need_target: bool = True) -> PromptItem:
     try:
         row = json.loads(text)
     except json.JSONDecodeError as err:
@@ -33,7 +33,7 @@ def _parse_jsonl(text: str, where: str) -> PromptItem:
         raise ValueError(f"{where}: expected an object with a string 'prompt'")
     target = row.get("target")
     if target is None:
-        return _parse_txt(row["prompt"], where)
+        return _parse_txt(row["prompt"], where, need_target)
     if not isinstance(target, str) or not target.strip():
         raise ValueError(f"{where}: 'target' must be a non-blank string, got {target!r}")
     return PromptItem(row["prompt"], target)
@@ -42,9 +42,10 @@ def _parse_jsonl(text: str, where: str) -> PromptItem:
 _PARSERS = {".txt": _parse_txt, ".jsonl": _parse_jsonl}
 
 
-def load_prompts(path: str | os.PathLike) -> list[PromptItem]:
+def load_prompts(path: str | os.PathLike, need_target: bool = True) -> list[PromptItem]:
     """Read prompts from .txt (one per line, target in the first "...") or .jsonl
-    ({"prompt": ..., "target": optional}). Blank lines are skipped; errors name file:line."""
+    ({"prompt": ..., "target": optional}). Blank lines are skipped; errors name file:line. With need_target (the
+    OCR rewards) a prompt without a target is an error; without it (PickScore, ...) its target is None."""
     path = os.fspath(path)
     parse = _PARSERS.get(os.path.splitext(path)[1])
     if parse is None:
@@ -54,7 +55,7 @@ def load_prompts(path: str | os.PathLike) -> list[PromptItem]:
         for lineno, line in enumerate(f, start=1):
             text = line.strip()
             if text:
-                items.append(parse(text, f"{path}:{lineno}"))
+                items.append(parse(text, f"{path}:{lineno}", need_target))
     if not items:
         raise ValueError(f"{path}: no prompts")
     return items

@@ -82,7 +82,7 @@ class Driver:
 
     def __init__(self, cfg, folder: Path, prompts: list, sampler: GroupSampler):
         self.cfg, self.folder, self.prompts, self.sampler = cfg, folder, prompts, sampler
-        self.test_items = load_prompts(cfg.data.test)
+        self.test_items = load_prompts(cfg.data.test, config_lib.needs_target(cfg))
         self.spec = config_lib.lora_spec(cfg)
         try:  # reward models load here (a VLM endpoint's health is checked), before any model or device work
             reward = build_reward(dict(cfg.reward.fns), **cfg.reward.options.to_dict())

@@ -87,7 +87,7 @@ class Trainer:
                                        f"JAX processes: each feeds an equal share of its rows")
         self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
         folder = config_lib.model_folder(cfg)
-        train_items = load_prompts(cfg.data.train)
+        train_items = load_prompts(cfg.data.train, config_lib.needs_target(cfg))
         self.sampler = GroupSampler(len(train_items), s.prompts_per_step, s.group_size, cfg.seed)
         self.driver = Driver(cfg, folder, train_items, self.sampler) if first else None
         self.learner = Learner(cfg, folder)

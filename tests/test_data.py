@@ -46,6 +46,16 @@ def test_load_errors_name_file_and_line(tmp_path, name, content, line):
         load_prompts(path)
 
 
+def test_prompts_without_a_target_load_when_no_reward_needs_one(tmp_path):
+    """PickScore-style prompt files (no quoted text): refused for the OCR rewards, read with target None otherwise."""
+    path = tmp_path / "pickscore.txt"
+    path.write_text('a cat on a sofa\na sign "Open"\n')
+    with pytest.raises(ValueError, match="pickscore.txt:1: no target"):
+        load_prompts(path)
+    assert load_prompts(path, need_target=False) == [PromptItem("a cat on a sofa", None),
+                                                     PromptItem('a sign "Open"', "Open")]
+
+
 def test_load_unknown_extension(tmp_path):
     path = tmp_path / "p.csv"
     path.write_text('"x"\n')

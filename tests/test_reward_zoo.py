@@ -135,3 +135,30 @@ def test_the_trainer_stops_with_one_line_when_a_reward_checkpoint_is_incomplete(
     assert errors == [f"error: reward 'pickscore': reward.options.pickscore.path={tmp_path} lacks config.json, "
                       f"model.safetensors or pytorch_model.bin"], out.stderr[-3000:]
     assert "Traceback" not in out.stderr and not (tmp_path / "run").exists()
+
+
+def test_the_pickscore_recipe_is_the_ocr_recipe_with_its_reward_and_prompts(tiny_path):
+    """configs/qwen_pickscore.py: flow_grpo's pickscore_qwenimage differs from the OCR recipe in reward and prompts
+    only; its prompt files (no quoted targets) are asked for at start."""
+    import importlib.util
+
+    from jaxflow import config as config_lib
+    from jaxflow.run_dir import flatten
+    from tests.test_train import ROOT
+
+    def load(name):
+        spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.get_config()
+
+    pick, ocr = load("qwen_pickscore"), load("qwen_ocr")
+    a, b = flatten(pick.to_dict()), flatten(ocr.to_dict())
+    assert sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k)) == [
+        "data.test", "data.train", "reward.fns.ocr", "reward.fns.pickscore", "reward.options.ocr.num_threads",
+        "reward.options.pickscore.batch_size", "reward.options.pickscore.device", "reward.options.pickscore.dtype",
+        "reward.options.pickscore.path", "reward.options.pickscore.processor_path", "reward.workers", "run_dir"]
+    assert not config_lib.needs_target(pick) and config_lib.needs_target(ocr)
+    pick.model.path = str(tiny_path)
+    with pytest.raises(ValueError, match="config.data.train: '' is not a file"):
+        config_lib.validate(pick)

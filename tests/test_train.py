@@ -66,6 +66,7 @@ def lora_leaves(state):
     ("sample.guidance", 0.5, "config.sample.guidance"),
     ("rollout.device", "tpu", "config.rollout.device"),
     ("rollout.cfg_forward", "both", "config.rollout.cfg_forward: 'both'"),
+    ("data.train", "", "config.data.train: '' is not a file"),
 ])
 def test_invalid_config_fails_before_anything_heavy(tmp_path, key, value, needle):
     cfg = tiny_config(tmp_path)

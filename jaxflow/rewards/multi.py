@@ -39,6 +39,10 @@ REGISTRY: dict[str, Callable[..., RewardFn]] = {
 }
 
 
+# rewards that score the text a prompt asks to render (its first "..."): their prompt files must name one
+NEED_TARGET = frozenset({"ocr", "vlm_ocr", "ocr_shuffled"})
+
+
 class MultiReward:
     """Weighted sum of named rewards; returns {name: (B,) float32, ..., "avg": sum_i w_i r_i}."""
 
