@@ -38,7 +38,7 @@ def get_config(variant: str = ""):
     c.run_dir = "runs/mini_ocr_control" if variant else "runs/mini_ocr"
     c.model.path = ""  # the folder scripts/mini_ocr.sh builds: --config.model.path=OUT/pipeline
     c.lora.rank, c.lora.alpha = 32, 64.0
-    c.rollout.update(device="cuda", num_gpus=1.0, in_process=True)
+    c.rollout.update(device="cuda", num_gpus=1.0, layout="in_process")
     c.model.matmul_precision = "default"
     # one rollout call a step (192 images): faster steps than 4 calls whose OCR overlaps the next call's rollout,
     # 1.4x side by side and 4.1 s a step alone on the GPU (BENCHMARKS.md, "Mini OCR", attempts 8 and 13)

@@ -190,7 +190,7 @@ def _start_ray(cfg, verbose: bool) -> str | None:
     A local cluster gets Ray's own default, token authentication, stated in RAY_AUTH_MODE: left unset, Ray warns
     on every start that it chose it."""
     from jaxflow.run_dir import first_process
-    if cfg.rollout.in_process or not first_process():
+    if cfg.rollout.layout == "in_process" or not first_process():
         return None
     if not cfg.rollout.address:
         os.environ.setdefault("RAY_AUTH_MODE", "token")

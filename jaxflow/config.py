@@ -24,6 +24,19 @@ def _fail(key: str, message: str):
     raise UserError(f"config.{key}: {message}")
 
 
+LAYOUTS = ("colocated", "split", "in_process")  # rollout.layout (jaxflow/recipes.py)
+
+
+def check_layout(cfg, backend: str, devices: int) -> None:
+    """After JAX starts: the colocated layout on GPUs runs one engine on each of the trainer's `devices` (all
+    processes'), so every GPU both rolls out and trains; fewer engines would leave GPUs idle while the rollout runs."""
+    r = cfg.rollout
+    if r.layout == "colocated" and backend == "gpu" and r.num_gpus > 0 and r.num_servers != devices:
+        _fail("rollout.num_servers", f"{r.num_servers}: the colocated layout runs one engine on each of the trainer's "
+                                     f"{devices} GPUs: set --config.rollout.num_servers={devices} (or "
+                                     f"rollout.layout='split', the engines on GPUs of their own)")
+
+
 def needs_target(cfg) -> bool:
     """True when a reward of the run scores a prompt's target text, so every prompt must name one."""
     return bool(NEED_TARGET & set(cfg.reward.fns))
@@ -53,9 +66,18 @@ def validate(cfg: ConfigDict) -> None:
     if cfg.rollout.engine == "vllm_omni" and cfg.rollout.dtype != "bfloat16":
         _fail("rollout.dtype", f"{cfg.rollout.dtype!r}: the vllm_omni engine runs bfloat16 only; use "
                                f"rollout.engine='diffusers' for float32")
-    if cfg.rollout.overlap and (cfg.rollout.in_process or cfg.rollout.sleep_while_training):
-        _fail("rollout.overlap", "runs the next rollout while the trainer trains: it needs rollout actors "
-                                 "(rollout.in_process=False) that stay awake (rollout.sleep_while_training=False)")
+    layout = cfg.rollout.layout
+    if layout not in LAYOUTS:
+        _fail("rollout.layout", f"{layout!r}; choose one of {LAYOUTS}")
+    if cfg.rollout.overlap and layout != "split":
+        _fail("rollout.overlap", f"runs the next rollout while the trainer trains: it needs rollout GPUs of their own "
+                                 f"(rollout.layout='split'), not {layout!r}")
+    if cfg.rollout.sleep_while_training and layout == "split":
+        _fail("rollout.sleep_while_training", "frees the engines' memory for the trainer, which the split layout does "
+                                              "not share: leave it False there")
+    if layout == "in_process" and cfg.rollout.num_servers != 1:
+        _fail("rollout.num_servers", f"{cfg.rollout.num_servers}: the in_process layout runs one engine, in the "
+                                     f"trainer's process; use rollout.layout='colocated' for one per device")
     if cfg.rollout.compile and cfg.rollout.engine != "diffusers":
         _fail("rollout.compile", "is an option of the diffusers engine; leave it False with "
                                  f"rollout.engine={cfg.rollout.engine!r}")

@@ -96,7 +96,8 @@ class Driver:
     def start_rollout(self, model, processes: int) -> None:
         """Start the rollout servers and check that they hold `model`'s base weights."""
         r = self.cfg.rollout
-        if not r.in_process:
+        in_process = r.layout == "in_process"
+        if not in_process:
             init_ray(r.address)
         engine = {"engine": r.engine, "model": str(self.folder), "dtype": r.dtype, "device": r.device,
                   "cfg_forward": r.cfg_forward}
@@ -105,16 +106,16 @@ class Driver:
         if self.cfg.model.init == "random":
             engine["random_seed"] = self.cfg.seed  # the rollout draws the same base weights (fingerprint below)
         self.rollout = RolloutGroup(engine, r.num_servers, r.num_cpus, r.num_gpus, r.max_retries,
-                                    in_process=r.in_process)
+                                    in_process=in_process)
         mine = fingerprint(model)
         infos = self.rollout.info()
         for info in infos:
             if info["fingerprint"] != mine:
                 raise RuntimeError(f"rollout base weights ({info.get('model')}) differ from the trainer's "
                                    f"({self.folder}): fingerprint {info['fingerprint'][:12]} != {mine[:12]}")
-        if r.in_process and processes == 1:  # the LoRA goes to the engine as device tensors (lora_sync)
+        if in_process and processes == 1:  # the LoRA goes to the engine as device tensors (lora_sync)
             self.sync_target = device_target(infos[0])
-        elif not r.in_process:  # actors on this host read it from shared memory; others get arrays (serve)
+        elif not in_process:  # actors on this host read it from shared memory; others get arrays (serve)
             self.shared = SharedLoRA(self.spec, infos[0]["dtype"])
 
     def serve(self, lora, version: int) -> int:

@@ -4,7 +4,7 @@ Across processes (Ray actors) on this host the engine reads the adapter from one
 (`SharedLoRA`, bridge/contract/lora_shm.py): transposed to PEFT's layout, cast to the engine's dtype and laid out
 flat in one jit on the device, copied to the host once, written once; only the manifest crosses Ray. An engine on
 another host gets host numpy PEFT arrays (`lora_to_peft`), which Ray ships as bytes.
-When the engine shares the trainer's process (`rollout.in_process`) on a device JAX addresses, it gets device
+When the engine shares the trainer's process (`rollout.layout="in_process"`) on a device JAX addresses, it gets device
 tensors instead, with no host round trip: each stacked LoRA weight is transposed to PEFT's (out, in) layout and
 cast to the engine's dtype in one jit on the device, moved to the engine's device if it is another one, and
 exported to torch through DLPack (`jax_to_torch`); each layer is a view of its stack.

@@ -64,7 +64,11 @@ def base() -> ml_collections.ConfigDict:
                      # JAX's fixed pool cannot (it never grows), so off (one H200: 0.716 img/GPU/s without, 0.681
                      # with, first sleep 29 s; BENCHMARKS.md, the recipe on one GPU); the trainer warns if set there
                      sleep_while_training=False,
-                     in_process=False,  # True: the engine runs in the trainer's process (no Ray)
+                     # where the engines run (docs/design.md, where things run): "colocated", Ray actors on the
+                     # trainer's own GPUs, one per device, taking turns with it; "split", actors on GPUs apart from
+                     # the trainer's (rollout.overlap keeps both busy); "in_process", one engine in the trainer's
+                     # process, no Ray
+                     layout="colocated",
                      # True: step k+1's rollout runs while step k trains (one step off-policy; for rollout GPUs apart
                      # from the trainer's: docs/design.md, "Overlap")
                      overlap=False,

@@ -126,7 +126,7 @@ class RolloutGroup:
             if device:
                 raise ValueError(f"LoRA tensors for Ray actors must be host numpy arrays (lora_to_peft), got "
                                  f"{type(tensors[device[0]]).__name__} for {device[0]}; device tensors are for "
-                                 "rollout.in_process")
+                                 "rollout.layout='in_process'")
         return self._update("update_lora", (tensors, version, adapter_config), version)
 
     def update_lora_shared(self, manifest: dict, version: int, adapter_config: dict) -> int:

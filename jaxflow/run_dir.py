@@ -25,7 +25,8 @@ log = logging.getLogger("jaxflow.run_dir")
 
 OUTPUTS = ("metrics.jsonl", "checkpoints", "eval", "tb", "lora_final")
 NOT_TRAINING = ("run_dir", "train.num_steps", "log", "eval", "checkpoint", "rollout.address", "rollout.num_servers",
-                "rollout.num_cpus", "rollout.num_gpus", "rollout.max_retries", "rollout.in_process",
+                "rollout.num_cpus", "rollout.num_gpus", "rollout.max_retries", "rollout.layout",
+                "rollout.in_process",  # runs before rollout.layout named it
                 "rollout.sleep_while_training", "rollout.compile", "rollout.cfg_forward", "reward.workers", "sharding",
                 "train.num_micro_batches", "model.remat", "model.attention", "model.scan_unroll",
                 "train.xla_options", "profile")

@@ -74,6 +74,7 @@ class Trainer:
         maybe_initialize_distributed()
         run_dir_lib.check_shared(Path(cfg.run_dir))
         check_backend(cfg)
+        config_lib.check_layout(cfg, jax.default_backend(), jax.device_count())
         warning = sleep_warning(cfg)
         if warning:
             log.warning("%s", warning)

@@ -48,14 +48,14 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-true} PYTH
 gpus=1
 case $layout in
   inproc) export XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.5}
-          placement=(--config.rollout.in_process=True --config.rollout.num_gpus=0) ;;
+          placement=(--config.rollout.layout=in_process --config.rollout.num_gpus=0) ;;
   1gpu)   export XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.58}
-          placement=(--config.rollout.in_process=False --config.rollout.num_gpus=1) ;;
+          placement=(--config.rollout.layout=colocated --config.rollout.num_gpus=1) ;;
   2gpu)   # a Ray head that owns both GPUs hands GPU 0 to the rollout actor; the trainer process sees only GPU 1
           python3 -m ray.scripts.scripts start --head --num-gpus=2 --disable-usage-stats >"$out/ray_start.log" 2>&1
           trap 'python3 -m ray.scripts.scripts stop >/dev/null 2>&1' EXIT
           export XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.9} CUDA_VISIBLE_DEVICES=1; gpus=2
-          placement=(--config.rollout.in_process=False --config.rollout.num_gpus=1 --config.rollout.address=auto) ;;
+          placement=(--config.rollout.layout=split --config.rollout.num_gpus=1 --config.rollout.address=auto) ;;
   *) echo "LAYOUT must be inproc, 1gpu or 2gpu" >&2; exit 2 ;;
 esac
 [ "$engine" = vllm_omni ] && [ "$layout" = inproc ] && { echo "the vllm_omni engine runs in a Ray actor: LAYOUT=1gpu or 2gpu" >&2; exit 2; }

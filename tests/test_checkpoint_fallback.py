@@ -61,7 +61,7 @@ def test_a_run_whose_every_update_is_skipped_exits_1_with_one_line(tmp_path):
     import sys
 
     from tests.test_train import ROOT
-    args = [sys.executable, "-m", "jaxflow.train", f"--config.run_dir={tmp_path}", "--config.rollout.in_process=True",
+    args = [sys.executable, "-m", "jaxflow.train", f"--config.run_dir={tmp_path}", "--config.rollout.layout=in_process",
             "--config.reward.fns={'jpeg_incompressibility': 1.0}", "--config.log.progress=False",
             "--config.eval.every=1000", "--config.train.learning_rate=1e30"]
     first = subprocess.run(args + ["--config.train.num_steps=1"], cwd=ROOT, capture_output=True, text=True,

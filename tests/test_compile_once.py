@@ -20,7 +20,7 @@ def test_train_step_compiles_once_over_steps(tmp_path):
     """Seed 0's steps 0 and 1 draw prompts of at most 64 and of more than 64 tokens (64-token buckets compiled the
     step twice); nothing compiles in step 1 (the LoRA export to the rollout compiled in step 0 too)."""
     cfg = tiny_config(tmp_path, num_steps=2)
-    cfg.rollout.in_process = True
+    cfg.rollout.layout = "in_process"
     trainer = Trainer(cfg)
     compiles, counting = [], []
 

@@ -104,5 +104,5 @@ def test_ray_servers_take_host_arrays_only():
     group = RolloutGroup.__new__(RolloutGroup)  # no actors: the check comes before any call
     group.in_process, group.servers = False, []
     with pytest.raises(ValueError, match="must be host numpy arrays .* got Tensor for a.lora_A.weight; device "
-                                         "tensors are for rollout.in_process"):
+                                         "tensors are for rollout.layout=.in_process."):
         group.update_lora({"a.lora_A.weight": torch.zeros(2, 2)}, 1, SPEC.peft_config())

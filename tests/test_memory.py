@@ -43,7 +43,7 @@ def test_the_loop_runs_the_executables_the_check_compiled(tmp_path, monkeypatch)
     monkeypatch.setattr(memory.StepMemory, "of", staticmethod(spy))
     cfg = tiny_config(tmp_path / "run", num_steps=1, num_mini_batches=2, num_micro_batches=2,
                       old_log_prob="recompute")
-    cfg.rollout.in_process = True
+    cfg.rollout.layout = "in_process"
     out = run(cfg)
     assert sorted(compiled) == ["old_log_prob", "update"] and out["history"][0]["skipped"] == 0
     assert all(c.memory_analysis().temp_size_in_bytes > 0 for c in compiled.values())
@@ -57,7 +57,7 @@ def test_a_step_that_does_not_fit_exits_2_before_the_rollout_with_nothing_writte
             "memory.pool = lambda device=None: (2 ** 20, 0); "
             "driver.Driver.start_rollout = lambda *a: sys.exit('rollout started'); "
             "sys.exit(cli.main(Trainer))")
-    out = subprocess.run([sys.executable, "-c", code, f"--config.run_dir={run_dir}", "--config.rollout.in_process=True",
+    out = subprocess.run([sys.executable, "-c", code, f"--config.run_dir={run_dir}", "--config.rollout.layout=in_process",
                           "--config.reward.fns={'jpeg_incompressibility': 1.0}", "--config.log.progress=False"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     err = out.stderr.strip().splitlines()

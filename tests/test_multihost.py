@@ -19,7 +19,7 @@ def _args(run_dir):
     return [sys.executable, "-m", "jaxflow.train", "--config", str(ROOT / "configs" / "tiny_ocr.py"),
             f"--config.run_dir={run_dir}", "--config.train.num_steps=2", "--config.checkpoint.every=1",
             "--config.eval.every=1000", "--config.log.progress=False", "--config.log.tensorboard=False",
-            "--config.rollout.in_process=True", f"--config.data.train={ROOT / 'data/ocr/train.txt'}",
+            "--config.rollout.layout=in_process", f"--config.data.train={ROOT / 'data/ocr/train.txt'}",
             f"--config.data.test={ROOT / 'data/ocr/test.txt'}",
             "--config.reward.fns={'jpeg_incompressibility': 1.0}"]
 

@@ -127,7 +127,7 @@ def test_the_trainer_stops_with_one_line_when_a_reward_checkpoint_is_incomplete(
     from tests.test_train import ROOT
 
     args = [sys.executable, "-m", "jaxflow.train", "--config", str(ROOT / "configs" / "tiny_ocr.py"),
-            f"--config.run_dir={tmp_path / 'run'}", "--config.rollout.in_process=True",
+            f"--config.run_dir={tmp_path / 'run'}", "--config.rollout.layout=in_process",
             "--config.reward.fns={'pickscore': 1.0}", f"--config.reward.options={{'pickscore': {{'path': '{tmp_path}'}}}}"]
     out = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stderr[-3000:]

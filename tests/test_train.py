@@ -176,7 +176,7 @@ def test_in_process_rollout_with_random_init_runs_without_ray(tmp_path):
     """No Ray, and `model.init=random`: both sides draw the base weights (the start-up fingerprint check passes)
     and the rollout's log-probs equal the trainer's recompute, so they drew the same model."""
     cfg = tiny_config(tmp_path, num_steps=1)
-    cfg.rollout.in_process, cfg.model.init, cfg.seed = True, "random", 7
+    cfg.rollout.layout, cfg.model.init, cfg.seed = "in_process", "random", 7
     out = run(cfg)
     assert out["history"][0]["skipped"] == 0 and out["history"][0]["logp_diff_max/0"] < 1e-5
     assert (tmp_path / "eval" / "step_000001.png").exists()  # the final step is evaluated, eval.every or not
@@ -186,7 +186,7 @@ def test_max_minutes_ends_the_run_like_a_finished_one(tmp_path):
     """A time limit shorter than a step: the run ends after its first step of three, with that step's checkpoint
     and lora_final written (a run cut by a signal writes no lora_final)."""
     cfg = tiny_config(tmp_path, num_steps=3)
-    cfg.rollout.in_process, cfg.train.max_minutes, cfg.checkpoint.every = True, 1e-6, 1000
+    cfg.rollout.layout, cfg.train.max_minutes, cfg.checkpoint.every = "in_process", 1e-6, 1000
     out = run(cfg)
     assert [h["step"] for h in out["history"]] == [1] and out["state"].step == 1
     assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [1]
@@ -218,7 +218,7 @@ def test_ema_is_what_the_eval_serves_and_the_export_writes(tmp_path, monkeypatch
     monkeypatch.setattr(Driver, "serve", recording_serve)
     monkeypatch.setattr(Driver, "evaluate", recording_evaluate)
     cfg = tiny_config(tmp_path, num_steps=2, learning_rate=3e-3, ema_decay=0.5)
-    cfg.rollout.in_process, cfg.eval.every = True, 1
+    cfg.rollout.layout, cfg.eval.every = "in_process", 1
     out = run(cfg)
     spec, final = read_peft(tmp_path / "lora_final")
     ema, raw = lora_to_peft(out["state"].ema, spec), lora_to_peft(out["state"].lora, spec)
@@ -377,7 +377,7 @@ def test_overlap_trains_each_batch_against_the_policy_that_sampled_it(ray_sessio
     version old (staleness 1, never 2), and logp_old comes from the LoRA that sampled it: the recompute pass matches
     the rollout's log-probs to fp32 rounding, while the trained policy has already moved away from them."""
     cfg = tiny_config(tmp_path, num_steps=3, num_mini_batches=2, old_log_prob="recompute", learning_rate=1e-2)
-    cfg.rollout.overlap = True
+    cfg.rollout.layout, cfg.rollout.overlap = "split", True  # on the CPU both sides share it anyway
     history = run(cfg)["history"]
     assert [row["staleness"] for row in history] == [0, 1, 1]
     for row in history:
@@ -386,11 +386,30 @@ def test_overlap_trains_each_batch_against_the_policy_that_sampled_it(ray_sessio
     assert min(moved) > 10 * max(row["old_logp_diff_max"] for row in history[1:]), moved
 
 
-@pytest.mark.parametrize("key, value", [("rollout.in_process", True), ("rollout.sleep_while_training", True)])
-def test_overlap_needs_awake_actors(tmp_path, key, value):
+def test_the_colocated_layout_on_gpus_runs_one_engine_per_device(tmp_path):
     cfg = tiny_config(tmp_path)
-    cfg.rollout.overlap = True
-    section, name = key.split(".")
-    cfg[section][name] = value
-    with pytest.raises(config_lib.UserError, match="rollout.overlap"):
+    cfg.rollout.update(num_gpus=1.0, num_servers=1)
+    config_lib.check_layout(cfg, "gpu", 1)  # the recipe on one GPU
+    with pytest.raises(config_lib.UserError, match=r"rollout.num_servers: 1: the colocated layout runs one engine on "
+                                                   r"each of the trainer's 8 GPUs: set --config.rollout.num_servers=8"):
+        config_lib.check_layout(cfg, "gpu", 8)
+    config_lib.check_layout(cfg, "cpu", 8)  # host devices: the engines share the CPU, any number
+    cfg.rollout.layout = "split"
+    config_lib.check_layout(cfg, "gpu", 8)
+
+
+@pytest.mark.parametrize("changes, needle", [
+    ({"overlap": True}, "rollout.overlap: runs the next rollout while the trainer trains: it needs rollout GPUs of "
+                        "their own .rollout.layout='split'., not 'colocated'"),
+    ({"overlap": True, "layout": "in_process"}, "rollout.overlap: .* not 'in_process'"),
+    ({"layout": "split", "sleep_while_training": True}, "rollout.sleep_while_training: frees"),
+    ({"layout": "in_process", "num_servers": 2}, "rollout.num_servers: 2: the in_process layout runs one engine"),
+    ({"layout": "hybrid"}, "rollout.layout: 'hybrid'; choose one of \\('colocated', 'split', 'in_process'\\)"),
+])
+def test_the_layout_refuses_what_it_cannot_run(tmp_path, changes, needle):
+    cfg = tiny_config(tmp_path)
+    cfg.rollout.update(changes)
+    with pytest.raises(config_lib.UserError, match=needle):
         config_lib.validate(cfg)
+    cfg.rollout.update(layout="split", sleep_while_training=False, num_servers=1, overlap=True)
+    config_lib.validate(cfg)  # the overlap of the split layout
