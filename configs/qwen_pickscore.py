@@ -11,7 +11,8 @@ a step, LoRA, no EMA, beta 0, global std. What differs: the reward, `{"pickscore
 the PickScore_v1 CLIP model with the CLIP-ViT-H-14-laion2B processor, exp(logit_scale) x cosine / 26;
 bridge/rewards/clip.py), and the prompts, flow_grpo's `dataset/pickscore/{train,test}.txt` (one prompt per line;
 not shipped here: pass their paths). Both checkpoint folders are local; a missing file stops the run at start with
-one line naming it.
+one line naming it. PickScore scores in the trainer's process on its GPU (outside JAX's fixed pool); where Ray has a
+GPU to spare, `'actor': {'num_gpus': 1}` in its options runs it in a Ray actor of its own instead.
 """
 from jaxflow.recipes import base
 

@@ -75,6 +75,10 @@ def validate(cfg: ConfigDict) -> None:
     if cfg.rollout.sleep_while_training and layout == "split":
         _fail("rollout.sleep_while_training", "frees the engines' memory for the trainer, which the split layout does "
                                               "not share: leave it False there")
+    actors = sorted(n for n, o in cfg.reward.options.items() if n in cfg.reward.fns and "actor" in (o or {}))
+    if layout == "in_process" and actors:
+        _fail(f"reward.options.{actors[0]}.actor", "puts the reward model in a Ray actor; the in_process layout runs "
+                                                   "without Ray: drop the option or use rollout.layout='colocated'")
     if layout == "in_process" and cfg.rollout.num_servers != 1:
         _fail("rollout.num_servers", f"{cfg.rollout.num_servers}: the in_process layout runs one engine, in the "
                                      f"trainer's process; use rollout.layout='colocated' for one per device")

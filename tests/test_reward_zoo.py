@@ -162,3 +162,27 @@ def test_the_pickscore_recipe_is_the_ocr_recipe_with_its_reward_and_prompts(tiny
     pick.model.path = str(tiny_path)
     with pytest.raises(ValueError, match="config.data.train: '' is not a file"):
         config_lib.validate(pick)
+
+
+def test_a_reward_model_in_its_own_ray_actor_scores_as_in_process(ray_session, clip_dir, images, tmp_path):
+    """reward.options.<name>.actor: the model loads and scores in a Ray actor (its own process); the same scores as
+    in the trainer's process, and a load error comes back as the same one-line exception."""
+    local = build_reward({"pickscore": 1.0}, pickscore={"path": str(clip_dir)})(images, PROMPTS)["pickscore"]
+    remote = build_reward({"pickscore": 1.0}, pickscore={"path": str(clip_dir), "actor": {"num_cpus": 0}})
+    assert type(remote.rewards["pickscore"]).__name__ == "RemoteReward"
+    np.testing.assert_allclose(remote(images, PROMPTS)["pickscore"], local, rtol=1e-6, atol=1e-7)
+    with pytest.raises(FileNotFoundError, match=r"reward\.options\.pickscore\.path=.* lacks config\.json"):
+        build_reward({"pickscore": 1.0}, pickscore={"path": str(tmp_path), "actor": {"num_cpus": 0}})
+
+
+def test_a_reward_actor_needs_ray_so_not_the_in_process_layout(tmp_path):
+    from jaxflow import config as config_lib
+    from tests.test_train import tiny_config
+
+    cfg = tiny_config(tmp_path)
+    cfg.reward.fns = {"pickscore": 1.0}
+    cfg.reward.options = {"pickscore": {"path": "/models/PickScore_v1", "actor": {"num_gpus": 1}}}
+    cfg.rollout.layout = "in_process"
+    with pytest.raises(config_lib.UserError, match="reward.options.pickscore.actor: puts the reward model in a Ray "
+                                                   "actor; the in_process layout runs without Ray"):
+        config_lib.validate(cfg)

@@ -75,12 +75,21 @@ def build_reward(spec: Mapping[str, float], **options: Mapping) -> MultiReward:
     """Build a MultiReward from {name: weight}; `options[name]` are keyword args for that reward.
 
     Example: build_reward({"vlm_ocr": 1.0}, vlm_ocr={"base_url": "http://host:8000", "model": "m"}).
-    Options for known rewards absent from `spec` are ignored (one config can carry them all).
+    Options for known rewards absent from `spec` are ignored (one config can carry them all). An option
+    "actor": {"num_gpus": g, "num_cpus": c} builds that reward in a Ray actor of its own (jaxflow/rewards/remote.py).
     """
     unknown = [name for name in [*spec, *options] if name not in REGISTRY]
     if unknown:
         raise ValueError(f"unknown reward(s) {unknown}; known: {sorted(REGISTRY)}")
     if not spec:
         raise ValueError(f"empty reward spec; known rewards: {sorted(REGISTRY)}")
-    rewards = {name: REGISTRY[name](**dict(options.get(name) or {})) for name in spec}
+    rewards = {}
+    for name in spec:
+        kwargs = dict(options.get(name) or {})
+        actor = kwargs.pop("actor", None)  # {"num_gpus": .., "num_cpus": ..}: the model in a Ray actor of its own
+        if actor is not None:
+            from jaxflow.rewards.remote import RemoteReward
+            rewards[name] = RemoteReward(name, kwargs, **dict(actor))
+        else:
+            rewards[name] = REGISTRY[name](**kwargs)
     return MultiReward(rewards, spec)
