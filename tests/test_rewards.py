@@ -161,6 +161,27 @@ def test_vlm_ocr_scores_and_request_format(fake_server):
     np.testing.assert_array_equal(decoded, images[0])
 
 
+@pytest.mark.parametrize("task, reply, want", [("geneval", "Yes.", 1.0), ("geneval", "no, it shows two cats", 0.0),
+                                               ("geneval", "yesterday", 0.0), ("quality", "7/10", 0.7),
+                                               ("quality", "Rating: 12", 1.0), ("quality", "unsure", 0.0)])
+def test_vlm_judge_asks_about_each_prompt_and_parses_the_verdict(fake_server, task, reply, want):
+    from jaxflow.rewards.vlm_judge import VlmJudge
+
+    fake_server.reply = reply
+    url = f"http://127.0.0.1:{fake_server.server_address[1]}"
+    judge = build_reward({"vlm_judge": 1.0}, vlm_judge={"base_url": url, "model": "fake-vl", "task": task})
+    images = np.zeros((2, 16, 16, 3), np.uint8)
+    scores = judge(images, ["three red apples", "a dog left of a cat"])["vlm_judge"]
+    np.testing.assert_allclose(scores, [want, want])
+    asked = sorted(body["messages"][1]["content"][1]["text"] for body in fake_server.posts)
+    assert "three red apples" in asked[1] and "a dog left of a cat" in asked[0]
+    assert all(body["temperature"] == 0.0 for body in fake_server.posts)
+    with pytest.raises(ValueError, match="must contain {prompt}"):
+        VlmJudge(url, "fake-vl", template="Is it good?", answer="yes_no")
+    with pytest.raises(ValueError, match="vlm_judge task 'counting'"):
+        VlmJudge(url, "fake-vl", task="counting")
+
+
 def test_vlm_ocr_retries_failed_attempt(fake_server):
     fake_server.fail_first = 1
     scores = _client(fake_server)(render("x", (64, 32), 12)[None], ['"hello world"'])

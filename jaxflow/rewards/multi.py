@@ -11,6 +11,7 @@ from jaxflow.rewards.jpeg import jpeg_compressibility, jpeg_incompressibility
 from jaxflow.rewards.ocr import OcrReward
 from jaxflow.rewards.pixel import brightness
 from jaxflow.rewards.shuffled import Shuffled
+from jaxflow.rewards.vlm_judge import VlmJudge
 from jaxflow.rewards.vlm_ocr import VlmOcrReward
 
 
@@ -27,6 +28,7 @@ def _torch_model(name: str) -> Callable[..., RewardFn]:
 REGISTRY: dict[str, Callable[..., RewardFn]] = {
     "ocr": OcrReward,
     "vlm_ocr": VlmOcrReward,
+    "vlm_judge": VlmJudge,  # a question per image about its prompt (GenEval-style yes/no, or a 1-10 rating)
     "jpeg_compressibility": lambda: jpeg_compressibility,
     "jpeg_incompressibility": lambda: jpeg_incompressibility,
     "brightness": lambda: brightness,

@@ -87,16 +87,17 @@ class VlmOcrReward:
             raise RuntimeError(f"VLM OCR server at {url} does not serve model {self.model!r}; "
                                f"it serves {served}")
 
-    def _payload(self, image: np.ndarray) -> dict:
+    def _payload(self, image: np.ndarray, text: str) -> dict:
         content = [{"type": "image_url", "image_url": {"url": png_data_url(image)}},
-                   {"type": "text", "text": USER_PROMPT}]
+                   {"type": "text", "text": text}]
         messages = [{"role": "system", "content": SYSTEM_PROMPT},
                     {"role": "user", "content": content}]
         return {"model": self.model, "messages": messages, **self.sampling}
 
-    def read_text(self, image: np.ndarray) -> str:
-        """The VLM's transcription of one image, retrying with exponential backoff."""
-        payload = self._payload(image)
+    def read_text(self, image: np.ndarray, text: str = USER_PROMPT) -> str:
+        """The VLM's reply to `text` about one image (by default its transcription), retrying with exponential
+        backoff."""
+        payload = self._payload(image, text)
         attempt = 0
         while True:
             try:
