@@ -238,7 +238,7 @@ def test_build_reward_weights_and_avg():
 
 def test_build_reward_unknown_name():
     with pytest.raises(ValueError, match="known.*jpeg_compressibility.*ocr"):
-        build_reward({"aesthetic": 1.0})
+        build_reward({"aesthetics": 1.0})
     with pytest.raises(ValueError, match="unknown"):
         build_reward({"ocr": 1.0}, ocrr={"num_threads": 1})
 
