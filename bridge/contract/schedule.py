@@ -12,6 +12,7 @@ import numpy as np
 # How a rollout runs true CFG's positive and negative rows (`bridge.rollout.sampling.SamplingLoop.cfg_forward`; the
 # trainer's config names it `rollout.cfg_forward`): one forward with the texts padded to one length, or one each.
 CFG_FORWARDS = ("batched", "split")
+
 # scheduler/scheduler_config.json of the Hugging Face model Qwen/Qwen-Image (docs/numerics.md §1).
 QWEN_IMAGE_SCHEDULER_CONFIG = {
     "num_train_timesteps": 1000,

@@ -44,7 +44,6 @@ class _Clip:
     """A CLIPModel and its processor from local folders; embeddings in float32, L2-normalised. Subclasses define
     `score(images, prompts)` -> (b,) float32 tensor for one batch."""
 
-    name = "clip"
     splittable = True
 
     def __init__(self, path=None, processor_path=None, device: str = "cpu", dtype: str = "float32",

@@ -15,8 +15,7 @@ import torch
 
 from bridge.rollout.engine import RolloutEngine
 from bridge.rollout.pipeline import RolloutPipeline
-from bridge.contract.schedule import CFG_FORWARDS
-from bridge.rollout.sampling import SamplingLoop, SamplingParams
+from bridge.rollout.sampling import SamplingLoop, SamplingParams, cfg_forward_choice
 
 
 class DiffusersEngine(RolloutEngine):
@@ -27,9 +26,7 @@ class DiffusersEngine(RolloutEngine):
 
     def __init__(self, config: dict):
         self.check_config(config)
-        cfg_forward = config.get("cfg_forward", SamplingLoop.cfg_forward)
-        if cfg_forward not in CFG_FORWARDS:
-            raise ValueError(f"cfg_forward={cfg_forward!r}; choose one of {CFG_FORWARDS}")
+        cfg_forward = cfg_forward_choice(config.get("cfg_forward", SamplingLoop.cfg_forward))
         model = config["model"]
         if model == "tiny":
             from bridge.rollout.tiny import tiny_pipeline_path

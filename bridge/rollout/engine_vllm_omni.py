@@ -48,8 +48,8 @@ from bridge.contract.lora import (adapter_spec, lora_pairs, read_peft, refusal, 
 from bridge.contract.lora_shm import offsets, open_payload, read_arrays
 from bridge.rollout.engine import RolloutEngine
 from bridge.rollout.pipeline import FINGERPRINT_ELEMENTS, TensorHead, weights_fingerprint
-from bridge.rollout.sampling import SamplingLoop, SamplingParams, check_prompts, per_sample_seeds
-from bridge.contract.schedule import CFG_FORWARDS, sample_windows
+from bridge.rollout.sampling import SamplingLoop, SamplingParams, cfg_forward_choice, check_prompts, per_sample_seeds
+from bridge.contract.schedule import sample_windows
 from bridge.rollout.vllm_omni_pipeline import (LORA_APPLY, PIPELINE_CLASS, WORKER_EXTENSION_CLASS, encode_request,
                                                unpack_trajectories)
 from bridge.rollout.tensors import torch_to_numpy
@@ -223,10 +223,9 @@ class VllmOmniEngine(RolloutEngine):
         threading.Thread(target=self._loop.run_forever, name="vllm-omni-loop", daemon=True).start()
         _export_package_path()
         pipeline_args = {"pipeline_class": PIPELINE_CLASS, "lora_apply": config.get("lora_apply", "fused"),
-                         "cfg_forward": config.get("cfg_forward", SamplingLoop.cfg_forward)}
-        for key, choices in (("lora_apply", LORA_APPLY), ("cfg_forward", CFG_FORWARDS)):
-            if pipeline_args[key] not in choices:
-                raise ValueError(f"{key}={pipeline_args[key]!r}; choose one of {choices}")
+                         "cfg_forward": cfg_forward_choice(config.get("cfg_forward", SamplingLoop.cfg_forward))}
+        if pipeline_args["lora_apply"] not in LORA_APPLY:
+            raise ValueError(f"lora_apply={pipeline_args['lora_apply']!r}; choose one of {LORA_APPLY}")
         if self.random_seed is not None:
             pipeline_args["random_seed"] = int(self.random_seed)
         kwargs = {"custom_pipeline_args": pipeline_args,

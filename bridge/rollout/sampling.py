@@ -105,6 +105,13 @@ class Fp32Timestep:
             self.sigma = None
 
 
+def cfg_forward_choice(value: str) -> str:
+    """`value` if it names a way to run true CFG's rows (CFG_FORWARDS), else ValueError."""
+    if value not in CFG_FORWARDS:
+        raise ValueError(f"cfg_forward={value!r}; choose one of {CFG_FORWARDS}")
+    return value
+
+
 def check_prompts(prompts, n) -> None:
     """ValueError unless `prompts` is a non-empty list of str and `n` (samples per prompt) an int >= 1."""
     if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) for p in prompts):

@@ -37,8 +37,7 @@ import torch
 
 from bridge.rollout.lora_linear import install_fused_apply
 from bridge.rollout.pipeline import TensorHead, weights_fingerprint
-from bridge.contract.schedule import CFG_FORWARDS
-from bridge.rollout.sampling import Fp32Timestep, SamplingLoop, SamplingParams
+from bridge.rollout.sampling import Fp32Timestep, SamplingLoop, SamplingParams, cfg_forward_choice
 from bridge.rollout.random_init import random_named_weights
 from bridge.rollout.tensors import numpy_to_torch, torch_to_numpy
 from bridge.contract.trajectory import TrajectoryBatch
@@ -156,9 +155,7 @@ def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = N
             raise ValueError(f"lora_apply={lora_apply!r}; choose one of {LORA_APPLY}")
         if lora_layer_cls is not None and lora_apply == "fused":
             install_fused_apply(lora_layer_cls)
-        self.cfg_forward = args.get("cfg_forward", SamplingLoop.cfg_forward)
-        if self.cfg_forward not in CFG_FORWARDS:
-            raise ValueError(f"cfg_forward={self.cfg_forward!r}; choose one of {CFG_FORWARDS}")
+        self.cfg_forward = cfg_forward_choice(args.get("cfg_forward", SamplingLoop.cfg_forward))
         self.template, self.drop = self.prompt_template_encode, self.prompt_template_encode_start_idx
         self.scheduler_config = dict(self.scheduler.config)
         if not hasattr(self.transformer, "config"):  # vLLM-Omni's transformer: its folder config, diffusers-style

@@ -39,7 +39,6 @@ class RemoteReward:
     def __init__(self, name: str, options: dict, num_gpus: float = 0.0, num_cpus: float = 1.0):
         import ray
 
-        self.name = name
         actor = ray.remote(num_gpus=num_gpus, num_cpus=num_cpus)(_RewardHost)
         self.actor = actor.remote(name, dict(options))
         error = ray.get(self.actor.ready.remote())
