@@ -7,7 +7,7 @@ from ml_collections import ConfigDict
 
 from bridge.contract.schedule import CFG_FORWARDS
 
-from jaxflow.models.config import ModelOptions
+from jaxflow.models.config import LORA_GEMMS, ModelOptions
 from jaxflow.models.lora import LoRASpec
 from jaxflow.rewards.multi import NEED_TARGET, REGISTRY
 from jaxflow.sharding import ShardingConfig
@@ -87,7 +87,9 @@ def validate(cfg: ConfigDict) -> None:
                                  f"rollout.engine={cfg.rollout.engine!r}")
     if cfg.rollout.cfg_forward not in CFG_FORWARDS:
         _fail("rollout.cfg_forward", f"{cfg.rollout.cfg_forward!r}; choose one of {CFG_FORWARDS}")
-    _typed("model", model_options, cfg)
+    if cfg.model.lora_gemm not in ("auto", *LORA_GEMMS):
+        _fail("model.lora_gemm", f"{cfg.model.lora_gemm!r}; choose one of {('auto', *LORA_GEMMS)}")
+    _typed("model", lambda c: model_options(c, "xla"), cfg)  # lora_gemm is resolved once JAX runs (lora_gemm)
     if not isinstance(cfg.lora.rank, int) or cfg.lora.rank < 1:
         _fail("lora.rank", f"{cfg.lora.rank!r}: the LoRA rank must be an int >= 1 (the recipe's is 64)")
     if not cfg.lora.alpha > 0:
@@ -161,10 +163,12 @@ def validate(cfg: ConfigDict) -> None:
     if cfg.profile.num_steps < 0 or cfg.profile.start_step < 1:
         _fail("profile", f"start_step {cfg.profile.start_step} must be >= 1 and num_steps {cfg.profile.num_steps} "
                          f">= 0 (0 = no trace)")
-    for key in ("eval.every", "checkpoint.every", "checkpoint.keep", "train.num_steps"):
+    for key in ("checkpoint.every", "checkpoint.keep", "train.num_steps"):
         section, name = key.split(".")
         if cfg[section][name] < 1:
             _fail(key, f"must be >= 1, got {cfg[section][name]}")
+    if cfg.eval.every < 0:
+        _fail("eval.every", f"must be >= 0 (0: no eval, not even of the final policy), got {cfg.eval.every}")
 
 
 def _typed(section: str, make, cfg):
@@ -193,10 +197,34 @@ def _size_multiple(cfg) -> int:
     return 2 * 2 ** len(downsample)
 
 
-def model_options(cfg) -> ModelOptions:
+def lora_gemm(cfg, num_layers: int, devices: int, on_hopper: bool, micro_batch: int,
+              tokens: tuple[int, ...]) -> tuple[str, str]:
+    """model.lora_gemm as it runs, and why: "auto" is "pallas" where the fused kernel runs and pays, else "xla".
+
+    It pays with unrolled blocks (model.scan_unroll >= the blocks): the recipe's step 10% faster end to end on one
+    H200; inside a scan it is 12% slower (BENCHMARKS.md, the fused LoRA GEMM). It runs on one H100/H200 with bf16
+    compute, where every linear's rows (micro_batch x `tokens`, the image and the padded text) tile its 128 rows
+    and the rank its 16."""
     m = cfg.model
+    if m.lora_gemm != "auto":
+        return m.lora_gemm, "set in the config"
+    why = [reason for reason, fails in (
+        (f"blocks in a scan (model.scan_unroll={m.scan_unroll} < {num_layers})", m.scan_unroll < num_layers),
+        ("not an H100/H200", not on_hopper), (f"{m.dtype} compute, not bfloat16", m.dtype != "bfloat16"),
+        (f"{devices} devices (the kernel is not partitioned)", devices > 1),
+        (f"rows {[micro_batch * t for t in tokens]} not multiples of 128", any(micro_batch * t % 128 for t in tokens)),
+        (f"LoRA rank {cfg.lora.rank} not a multiple of 16", cfg.lora.rank % 16)) if fails]
+    return ("xla", "auto: " + "; ".join(why)) if why else ("pallas", "auto: unrolled blocks, bf16 on one H100/H200")
+
+
+def model_options(cfg, gemm: str | None = None) -> ModelOptions:
+    """The config's ModelOptions; `gemm` is model.lora_gemm resolved (`lora_gemm`), needed when it is "auto"."""
+    m = cfg.model
+    gemm = gemm or m.lora_gemm
+    if gemm == "auto":
+        raise ValueError("model.lora_gemm='auto' must be resolved first (config.lora_gemm)")
     return ModelOptions(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, attention=m.attention,
-                        scan_unroll=m.scan_unroll, matmul_precision=m.matmul_precision, lora_gemm=m.lora_gemm)
+                        scan_unroll=m.scan_unroll, matmul_precision=m.matmul_precision, lora_gemm=gemm)
 
 
 # With model.lora_gemm=pallas, XLA's dynamic-slice fusion runs every fused linear whose output the scan stacks for
@@ -204,15 +232,16 @@ def model_options(cfg) -> ModelOptions:
 PALLAS_XLA_OPTIONS = {"xla_gpu_enable_dynamic_slice_fusion": False}
 
 
-def xla_options(cfg) -> dict:
+def xla_options(cfg, gemm: str | None = None) -> dict:
     """train.xla_options: XLA debug options for the train step's jits only (never process-wide), plus
-    PALLAS_XLA_OPTIONS under model.lora_gemm=pallas where the user did not set them."""
+    PALLAS_XLA_OPTIONS where the linears run "pallas" (`gemm`, model.lora_gemm resolved) and the user did not set
+    them."""
     opts = dict(cfg.train.xla_options)
     bad = sorted(k for k in opts if not k.startswith("xla_"))
     if bad:
         _fail("train.xla_options", f"{bad} are not XLA options (names start with 'xla_', e.g. "
                                    f"xla_gpu_enable_triton_gemm)")
-    if cfg.model.lora_gemm == "pallas":
+    if (gemm or cfg.model.lora_gemm) == "pallas":
         opts = {**PALLAS_XLA_OPTIONS, **opts}
     return opts
 

@@ -22,6 +22,7 @@ from jaxflow import memory
 from jaxflow.checkpoint import Checkpointer
 from jaxflow.models.config import QwenImageConfig
 from jaxflow.models.loading import load_transformer
+from jaxflow.models.lora_gemm import on_hopper
 from jaxflow.models.lora import save_peft
 from jaxflow.models.random_init import random_transformer
 from jaxflow.sharding import Layout
@@ -39,12 +40,16 @@ def grid_hw(folder: Path, cfg) -> tuple[int, int]:
     return cfg.sample.height // factor, cfg.sample.width // factor
 
 
-def build_model(cfg, folder: Path, spec, layout: Layout):
+def build_model(cfg, folder: Path, spec, layout: Layout, micro_batch: int = 1, tokens: tuple[int, ...] = ()):
     """The trainer's transformer: base weights from `folder`, or drawn from `seed` with `model.init=random`; with
-    unrolled blocks (model.scan_unroll >= the blocks) each block's frozen weights are arrays of their own."""
-    opts, kw = config_lib.model_options(cfg), {"sharding": layout.sharding_fn, "seed": cfg.seed}
+    unrolled blocks (model.scan_unroll >= the blocks) each block's frozen weights are arrays of their own.
+    model.lora_gemm=auto is resolved (and logged) for `micro_batch` samples of `tokens` (image, text) each."""
+    mc = QwenImageConfig.from_json(folder / "config.json")
+    gemm, why = config_lib.lora_gemm(cfg, mc.num_layers, jax.device_count(), on_hopper(), micro_batch, tokens)
+    log.info("trainer linears: model.lora_gemm=%s (%s)", gemm, why)
+    opts, kw = config_lib.model_options(cfg, gemm), {"sharding": layout.sharding_fn, "seed": cfg.seed}
     if cfg.model.init == "random":
-        model = random_transformer(QwenImageConfig.from_json(folder / "config.json"), opts, spec, **kw)
+        model = random_transformer(mc, opts, spec, **kw)
     else:
         model = load_transformer(folder, opts, spec, **kw)
     if model.unrolled:
@@ -95,13 +100,14 @@ class Learner:
         self.cfg, self.processes = cfg, jax.process_count()
         self.layout = Layout.create(config_lib.sharding_config(cfg))
         self.spec = config_lib.lora_spec(cfg)
-        self.model = build_model(cfg, folder / "transformer", self.spec, self.layout)
+        self.grid = grid_hw(folder, cfg)
+        tokens = (self.grid[0] * self.grid[1], cfg.sample.max_sequence_length)
+        self.model = build_model(cfg, folder / "transformer", self.spec, self.layout, self.micro_batch_size(), tokens)
         o = self.model.opts
         log.info("trainer model: %s compute, %s storage, matmul precision %s, attention %s", o.dtype, o.param_dtype,
                  o.precision, self.model.impl)
-        self.grid = grid_hw(folder, cfg)
         self._init_state, self._step = make_train_step(
-            self.model, config_lib.train_config(cfg, self.grid), self.layout, config_lib.xla_options(cfg))
+            self.model, config_lib.train_config(cfg, self.grid), self.layout, self.xla_options())
         self.ckpt = self.state = None
         self._previous = None  # (version, LoRA copy) of the policy one step back, for rollout.overlap
 
@@ -112,7 +118,7 @@ class Learner:
         cfg, step = self.cfg, self._step
         if num_micro_batches is not None:
             tc = dataclasses.replace(step.config, num_micro_batches=num_micro_batches)
-            step = make_train_step(self.model, tc, self.layout, config_lib.xla_options(cfg))[1]
+            step = make_train_step(self.model, tc, self.layout, self.xla_options())[1]
         mc, tc = self.model.cfg, step.config
         batch, old = memory.abstract_batch(
             batch=cfg.sample.prompts_per_step * cfg.sample.group_size, window=cfg.sample.window_size,
@@ -122,6 +128,10 @@ class Learner:
             means=tc.ratio_norm == "guard")
         plans = [memory.StepMemory.of(name, c) for name, c in step.compile(batch, old).items()]
         return plans, memory.device_bytes(step.frozen)
+
+    def xla_options(self) -> dict:
+        """The train step's XLA options for the linears the model runs (config.xla_options)."""
+        return config_lib.xla_options(self.cfg, self.model.opts.lora_gemm)
 
     def micro_batch_size(self, num_micro_batches: int | None = None) -> int:
         """Samples in one micro-batch on one device."""

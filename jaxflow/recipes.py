@@ -49,13 +49,15 @@ def base() -> ml_collections.ConfigDict:
                    # float32 or a CPU: "save_matmuls"): 2.2% faster than save_matmuls (BENCHMARKS.md, train step)
                    remat="save_matmuls_stats",
                    # blocks per iteration of the scan over the 60 stacked blocks; >= 60 runs them unrolled, each
-                   # block's weights held as arrays of their own: 9.3% faster a train step, but 181 s to compile
-                   # instead of 16 (BENCHMARKS.md, train step, eighth run)
-                   scan_unroll=1,
+                   # block's weights held as arrays of their own: with lora_gemm "auto", the recipe's train phase
+                   # 1.12x on one H200 (11.1 s against 12.4 a step of 32 images; the step 1.03x) for ~4 min more
+                   # compile at start (BENCHMARKS.md, the recipe on one GPU); 1: a scan, compiled in ~16 s
+                   scan_unroll=60,
                    matmul_precision="auto",  # "highest" for float32 compute (true fp32 on GPUs, not TF32)
                    # "pallas": the adapted linears as one fused Hopper GEMM each (bf16, one H100/H200; BENCHMARKS.md,
-                   # the fused LoRA GEMM); "xla" runs anywhere
-                   lora_gemm="xla",
+                   # the fused LoRA GEMM); "xla" runs anywhere; "auto": pallas where it runs and pays (unrolled
+                   # blocks, bf16, one H100/H200, rows that tile), else xla, the choice and its reason logged at start
+                   lora_gemm="auto",
                    init="checkpoint")  # "random": base weights drawn from `seed` (bridge/contract/random_weights.py)
     c.lora = dict(rank=64, alpha=128.0, targets=list(DEFAULT_LORA_TARGETS))
     c.rollout = dict(engine="vllm_omni", dtype="bfloat16", device="cuda", num_servers=1, num_gpus=1.0,
@@ -80,7 +82,9 @@ def base() -> ml_collections.ConfigDict:
     c.sample = dict(height=512, width=512, num_steps=10, guidance=4.0, noise_level=1.2, sde_type="sde",
                     window_size=2, window_range=(0, 5), negative_prompt=" ",
                     same_latent=False,  # True: a prompt group shares its initial noise (flow_grpo's same_latent)
-                    max_sequence_length=128,  # the longest OCR prompt has 74 tokens; the train step pads text to this
+                    # prompt tokens: the train step pads text to this, the rollout refuses longer prompts; the longest
+                    # OCR prompt has 74 (96 rather than 128: 2.8% fewer train-step tokens at 512^2)
+                    max_sequence_length=96,
                     prompts_per_step=32, group_size=16, prompts_per_call=4)
     c.train = dict(num_steps=300,
                    max_minutes=0.0,  # > 0: end the run (checkpoint, lora_final) before this wall time; 0: no limit
@@ -116,7 +120,7 @@ def base() -> ml_collections.ConfigDict:
 def tiny(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """`c` at the embedded default's settings: the tiny offline model on the CPU, a few minutes on 2 cores."""
     c.run_dir = "runs/tiny_ocr"
-    c.model.update(path="tiny", dtype="float32", param_dtype="float32", remat="none")
+    c.model.update(path="tiny", dtype="float32", param_dtype="float32", remat="none", scan_unroll=1)
     c.lora.update(rank=8, alpha=16.0)
     c.rollout.update(engine="diffusers", dtype="float32", device="cpu", num_gpus=0.0, sleep_while_training=False)
     c.sample.update(height=40, width=72, num_steps=4, window_range=(0, 3), prompts_per_step=4, group_size=4,

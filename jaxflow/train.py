@@ -173,7 +173,8 @@ class Trainer:
                 profiler.begin(step + 1)
                 metrics = self.train_one(step)
                 profiler.end(step + 1, self.learner.state)
-                if (step + 1) % cfg.eval.every == 0 or step + 1 == cfg.train.num_steps:  # the final policy too
+                every = cfg.eval.every  # 0: no eval; else every `every` steps and the final policy
+                if every and ((step + 1) % every == 0 or step + 1 == cfg.train.num_steps):
                     score = self._evaluate(step + 1)
                     if self.driver:
                         metrics["eval_reward_mean"] = score

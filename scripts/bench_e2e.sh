@@ -65,7 +65,7 @@ cmd=(python3 -m jaxflow.train --config configs/qwen_ocr.py --config.model.path="
   --config.rollout.engine="$engine" --config.rollout.dtype=bfloat16 --config.rollout.device=cuda
   ${SLEEP:+--config.rollout.sleep_while_training=$SLEEP} "${placement[@]}"
   --config.sample.prompts_per_step="$prompts" --config.sample.prompts_per_call=$((prompts < 4 ? prompts : 4))
-  --config.train.num_micro_batches=$((prompts * group / mini / micro)) --config.train.num_steps=4 --config.eval.every=1000
+  --config.train.num_micro_batches=$((prompts * group / mini / micro)) --config.train.num_steps=4 --config.eval.every=0
   --config.checkpoint.every=1000 --config.log.progress=False --config.run_dir="$out/run" "$@")
 exclude=()
 if [ -n "${PROFILE_STEP:-}" ]; then

@@ -185,6 +185,7 @@ def profile_train_step(out: Path, batch: int, micro: int, hlo: Path | None = Non
     from jaxflow import config as config_lib
     from jaxflow.models.config import QwenImageConfig
     from jaxflow.models.lora import LoRASpec
+    from jaxflow.models.lora_gemm import on_hopper
     from jaxflow.models.random_init import random_transformer
     from jaxflow.recipes import base
     from jaxflow.train_step import TrainConfig, make_train_step
@@ -197,12 +198,14 @@ def profile_train_step(out: Path, batch: int, micro: int, hlo: Path | None = Non
         recipe.model.scan_unroll = unroll
     if gemm:
         recipe.model.lora_gemm = gemm
-    opts = config_lib.model_options(recipe)
+    gemm, _ = config_lib.lora_gemm(recipe, cfg.num_layers, jax.device_count(), on_hopper(), batch // micro,
+                                   (32 * 32, 128))
+    opts = config_lib.model_options(recipe, gemm)
     model = random_transformer(cfg, opts, LoRASpec(rank=64, alpha=128.0), seed=0)
     if model.unrolled:  # as the trainer holds them (jaxflow/learner.py)
         model.unstack_blocks()
     init_state, step = make_train_step(model, TrainConfig(grid_hw=(32, 32), guidance=4.0, num_micro_batches=micro),
-                                       compiler_options=config_lib.xla_options(recipe))
+                                       compiler_options=config_lib.xla_options(recipe, gemm))
     args = argparse.Namespace(batch=batch, grid=32, txt=128, neg_txt=8)
     data = synthetic_batch(cfg, args)
     state = init_state()

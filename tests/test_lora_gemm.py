@@ -120,8 +120,40 @@ def test_pallas_turns_off_dynamic_slice_fusion_unless_set():
     from jaxflow.recipes import base
 
     cfg = base()
-    assert "xla_gpu_enable_dynamic_slice_fusion" not in config_lib.xla_options(cfg)
+    assert "xla_gpu_enable_dynamic_slice_fusion" not in config_lib.xla_options(cfg)  # "auto", not resolved
+    assert config_lib.xla_options(cfg, "pallas")["xla_gpu_enable_dynamic_slice_fusion"] is False  # auto -> pallas
+    assert "xla_gpu_enable_dynamic_slice_fusion" not in config_lib.xla_options(cfg, "xla")
     cfg.model.lora_gemm = "pallas"
     assert config_lib.xla_options(cfg)["xla_gpu_enable_dynamic_slice_fusion"] is False
     cfg.train.xla_options = {"xla_gpu_enable_dynamic_slice_fusion": True}
     assert config_lib.xla_options(cfg)["xla_gpu_enable_dynamic_slice_fusion"] is True
+
+
+def test_auto_picks_the_fused_gemm_only_where_it_runs_and_pays():
+    """model.lora_gemm=auto (the recipe's): pallas for unrolled blocks in bf16 on one H100/H200 with rows that tile
+    the kernel; each condition that fails is named, and "xla" or "pallas" set in the config is kept."""
+    from jaxflow import config as config_lib
+    from jaxflow.recipes import base, tiny
+
+    cfg = base()
+    assert (cfg.model.lora_gemm, cfg.model.scan_unroll) == ("auto", 60)
+    fits = dict(num_layers=60, devices=1, on_hopper=True, micro_batch=4, tokens=(1024, 96))
+    assert config_lib.lora_gemm(cfg, **fits)[0] == "pallas"
+    for change, reason in ((dict(num_layers=61), "scan"), (dict(devices=2), "2 devices"),
+                           (dict(on_hopper=False), "H100/H200"), (dict(micro_batch=2), "rows [2048, 192]"),
+                           (dict(tokens=(1024, 100)), "multiples of 128")):
+        gemm, why = config_lib.lora_gemm(cfg, **{**fits, **change})
+        assert gemm == "xla" and reason in why, (change, why)
+    cfg.model.dtype = "float32"
+    assert "float32 compute" in config_lib.lora_gemm(cfg, **fits)[1]
+    cfg.model.dtype, cfg.lora.rank = "bfloat16", 40
+    assert "rank 40" in config_lib.lora_gemm(cfg, **fits)[1]
+    for fixed in ("xla", "pallas"):
+        cfg.model.lora_gemm = fixed
+        assert config_lib.lora_gemm(cfg, **{**fits, "on_hopper": fixed == "xla"}) == (fixed, "set in the config")
+    cfg = tiny(base())
+    cfg.model.lora_gemm = "triton"
+    with pytest.raises(config_lib.UserError, match=r"model.lora_gemm.*'auto', 'xla', 'pallas'"):
+        config_lib.validate(cfg)
+    with pytest.raises(ValueError, match="resolved first"):
+        config_lib.model_options(base())

@@ -55,6 +55,7 @@ def lora_leaves(state):
     ("sample.window_size", 9, "sample.window_size"),
     ("model.init", "zeros", "model.init"),
     ("model.scan_unroll", 0, "scan_unroll"),
+    ("eval.every", -1, "0: no eval"),
     ("train.xla_options", {"gpu_enable_triton_gemm": False}, "train.xla_options"),
     ("train.adam_b2", 1.0, "adam_b2 < 1"),
     ("train.max_minutes", -1.0, "train.max_minutes"),
@@ -143,8 +144,10 @@ def test_the_cpu_overrides_named_for_qwen_ocr_are_all_it_needs(tmp_path):
         cfg[section][name] = {} if value == "{}" else type(cfg[section][name])(value) if not isinstance(
             cfg[section][name], bool) else value == "True"
     config_lib.validate(cfg)
-    QwenImageTransformer(QwenImageConfig(**TINY), config_lib.model_options(cfg), config_lib.lora_spec(cfg),
-                         rngs=nnx.Rngs(0))
+    tiny = QwenImageConfig(**TINY)
+    gemm, why = config_lib.lora_gemm(cfg, tiny.num_layers, 1, False, 4, (64, 96))  # as the trainer resolves "auto"
+    assert gemm == "xla" and "not an H100/H200" in why
+    QwenImageTransformer(tiny, config_lib.model_options(cfg, gemm), config_lib.lora_spec(cfg), rngs=nnx.Rngs(0))
 
 
 def test_unknown_reward_names_the_known_ones(tmp_path):
@@ -193,8 +196,10 @@ def test_max_minutes_ends_the_run_like_a_finished_one(tmp_path):
     assert json.loads((tmp_path / "lora_final" / "adapter_config.json").read_text())["r"] == cfg.lora.rank
     first = (tmp_path / "lora_final" / "adapter_model.safetensors").read_bytes()
     cfg.train.max_minutes = 0.0  # --resume continues it to num_steps and exports the LoRA trained on
+    cfg.eval.every = 0  # no eval, not even of the final policy
     again = run(cfg, resume=True)
     assert [h["step"] for h in again["history"]] == [2, 3] and again["state"].step == 3
+    assert not (tmp_path / "eval").exists() and "eval_reward_mean" not in again["history"][-1]
     assert (tmp_path / "lora_final" / "adapter_model.safetensors").read_bytes() != first
 
 
