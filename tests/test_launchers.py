@@ -1,6 +1,7 @@
-"""scripts/slurm_train.sh for real on this machine: a stand-in SLURM (`srun` runs each task here, `scontrol` names
-two nodes) starts a two-node Ray cluster on localhost (two raylets of one CPU each) and two JAX processes
-(jax.distributed on CPU devices); the two rollout actors (one CPU each) can only run one on each node, and the run
+"""The launchers for real on this machine. scripts/slurm_train.sh: a stand-in SLURM (`srun` runs each task here,
+`scontrol` names two nodes) starts a two-node Ray cluster on localhost (two raylets of one CPU each) and two JAX
+processes (jax.distributed on CPU devices). scripts/ray_train.sh: the trainer against a two-node cluster started
+with `ray start`. In both the two rollout actors (one CPU each) can only run one on each node, and the run
 finishes."""
 import json
 import os
@@ -67,6 +68,31 @@ def test_slurm_launcher_runs_a_two_node_cluster_and_two_trainer_processes(tmp_pa
         log.close()
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and (run_dir / "lora_final").is_dir()
+
+
+def test_ray_launcher_runs_against_a_two_node_cluster(tmp_path):
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "JAX_", "SLURM_"))}
+    env.update(JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", RAY_AUTH_MODE="token")
+    ray = ["python", "-m", "ray.scripts.scripts", "start", "--num-cpus=1", "--disable-usage-stats"]
+    run_dir, log = tmp_path / "run", open(tmp_path / "launcher.log", "w")
+    try:
+        for args in (["--head", f"--port={port}"], [f"--address=127.0.0.1:{port}"]):  # the head node, a second one
+            subprocess.run(ray + args, env=env, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=120,
+                           start_new_session=True)
+        proc = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "ray_train.sh"), str(ROOT / "configs" / "tiny_ocr.py"),
+             f"--config.run_dir={run_dir}", "--config.train.num_steps=1", "--config.eval.every=0",
+             "--config.log.progress=False", "--config.log.tensorboard=False", "--config.rollout.num_servers=2",
+             "--config.rollout.num_cpus=1", "--config.reward.fns={'jpeg_incompressibility': 1.0}"],
+            cwd=ROOT, env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}, stdout=log, stderr=subprocess.STDOUT,
+            timeout=240)
+        assert proc.returncode == 0, (tmp_path / "launcher.log").read_text()[-4000:]
+    finally:
+        _stop_cluster(port)
+        log.close()
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1] and (run_dir / "lora_final").is_dir()
 
 
 def _stop_cluster(port: int) -> None:

@@ -186,3 +186,101 @@ def test_a_reward_actor_needs_ray_so_not_the_in_process_layout(tmp_path):
     with pytest.raises(config_lib.UserError, match="reward.options.pickscore.actor: puts the reward model in a Ray "
                                                    "actor; the in_process layout runs without Ray"):
         config_lib.validate(cfg)
+
+
+HPS_ARCH = dict(vision=dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                            intermediate_size=37),
+                text=dict(vocab_size=520, max_position_embeddings=77, hidden_size=24, num_hidden_layers=2,
+                          num_attention_heads=2, intermediate_size=29, bos_token_id=512, eos_token_id=513),
+                projection_dim=16)
+
+
+def _open_clip_state(arch: dict, seed: int = 3) -> dict:
+    """A random state dict with open_clip CLIP's keys and shapes (what HPS_v2.1_compressed.pt holds, at `arch`)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, base=0.0):
+        return base + 0.2 * torch.randn(*shape, generator=g)
+
+    v, t = arch["vision"], arch["text"]
+    d, w, e, p = v["hidden_size"], t["hidden_size"], arch["projection_dim"], v["patch_size"]
+    sd = {"visual.conv1.weight": r(d, 3, p, p), "visual.class_embedding": r(d),
+          "visual.positional_embedding": r((v["image_size"] // p) ** 2 + 1, d), "visual.proj": r(d, e),
+          "token_embedding.weight": r(t["vocab_size"], w), "positional_embedding": r(t["max_position_embeddings"], w),
+          "text_projection": r(w, e), "logit_scale": torch.tensor(4.6)}
+    for name, width in (("visual.ln_pre", d), ("visual.ln_post", d), ("ln_final", w)):
+        sd[f"{name}.weight"], sd[f"{name}.bias"] = r(width, base=1.0), r(width)
+    for tower, width, c in (("visual.transformer", d, v), ("transformer", w, t)):
+        mlp = c["intermediate_size"]
+        for i in range(c["num_hidden_layers"]):
+            b = f"{tower}.resblocks.{i}."
+            for ln in ("ln_1", "ln_2"):
+                sd[b + ln + ".weight"], sd[b + ln + ".bias"] = r(width, base=1.0), r(width)
+            sd.update({b + "attn.in_proj_weight": r(3 * width, width), b + "attn.in_proj_bias": r(3 * width),
+                       b + "attn.out_proj.weight": r(width, width), b + "attn.out_proj.bias": r(width),
+                       b + "mlp.c_fc.weight": r(mlp, width), b + "mlp.c_fc.bias": r(mlp),
+                       b + "mlp.c_proj.weight": r(width, mlp), b + "mlp.c_proj.bias": r(width)})
+    return sd
+
+
+def _open_clip_features(sd: dict, arch: dict, pixels: torch.Tensor, ids: torch.Tensor):
+    """open_clip's CLIP forward written out from its state dict (VisionTransformer and the text tower: pre-LN
+    residual blocks over nn.MultiheadAttention, GELU MLPs, the class token / the first end-of-text token (the largest
+    id) projected as x @ proj), normalised features. open_clip itself is not installed here."""
+    F = torch.nn.functional
+
+    def ln(x, name):
+        return F.layer_norm(x, x.shape[-1:], sd[name + ".weight"], sd[name + ".bias"], 1e-5)
+
+    def tower(x, prefix, heads, layers, mask=None):
+        for i in range(layers):
+            b = f"{prefix}.resblocks.{i}."
+            h = ln(x, b + "ln_1").transpose(0, 1)  # (L, B, D), nn.MultiheadAttention's layout
+            a, _ = F.multi_head_attention_forward(
+                h, h, h, x.shape[-1], heads, sd[b + "attn.in_proj_weight"], sd[b + "attn.in_proj_bias"], None, None,
+                False, 0.0, sd[b + "attn.out_proj.weight"], sd[b + "attn.out_proj.bias"], training=False,
+                need_weights=False, attn_mask=mask)
+            x = x + a.transpose(0, 1)
+            h = F.gelu(F.linear(ln(x, b + "ln_2"), sd[b + "mlp.c_fc.weight"], sd[b + "mlp.c_fc.bias"]))
+            x = x + F.linear(h, sd[b + "mlp.c_proj.weight"], sd[b + "mlp.c_proj.bias"])
+        return x
+
+    v, t = arch["vision"], arch["text"]
+    x = F.conv2d(pixels, sd["visual.conv1.weight"], stride=v["patch_size"]).flatten(2).transpose(1, 2)
+    x = torch.cat([sd["visual.class_embedding"].expand(len(x), 1, -1), x], dim=1) + sd["visual.positional_embedding"]
+    x = tower(ln(x, "visual.ln_pre"), "visual.transformer", v["num_attention_heads"], v["num_hidden_layers"])
+    image = ln(x[:, 0], "visual.ln_post") @ sd["visual.proj"]
+    n = ids.shape[1]
+    causal = torch.full((n, n), float("-inf")).triu(1)
+    x = sd["token_embedding.weight"][ids] + sd["positional_embedding"][:n]
+    x = ln(tower(x, "transformer", t["num_attention_heads"], t["num_hidden_layers"], causal), "ln_final")
+    text = x[torch.arange(len(ids)), ids.argmax(-1)] @ sd["text_projection"]
+    return F.normalize(image, dim=-1), F.normalize(text, dim=-1)
+
+
+def test_hps_runs_the_open_clip_checkpoint_as_open_clip_would(clip_dir, images, tmp_path):
+    """HPS v2.1: the open_clip checkpoint ({"state_dict": ...}) loaded into transformers' CLIP by the key map scores
+    cos(image, text) as open_clip's own forward does on the same pixels and tokens; any batch split; missing files
+    and foreign keys named in one line."""
+    from transformers import CLIPProcessor
+
+    sd = _open_clip_state(HPS_ARCH)
+    path = tmp_path / "HPS_v2.1_compressed.pt"
+    torch.save({"state_dict": sd}, path)
+    options = {"path": str(path), "processor_path": str(clip_dir), "arch": HPS_ARCH}
+    got = build_reward({"hps": 1.0}, hps={**options, "batch_size": 5})(images, PROMPTS)["hps"]
+    inputs = CLIPProcessor.from_pretrained(clip_dir)(text=PROMPTS, images=list(images), return_tensors="pt",
+                                                     padding=True)
+    with torch.no_grad():
+        image, text = _open_clip_features(sd, HPS_ARCH, inputs["pixel_values"], inputs["input_ids"])
+    np.testing.assert_allclose(got, (image * text).sum(-1).numpy(), rtol=1e-5, atol=1e-6)
+    pieces = build_reward({"hps": 1.0}, hps={**options, "batch_size": 2})(images, PROMPTS)["hps"]
+    np.testing.assert_allclose(pieces, got, rtol=1e-5, atol=1e-6)
+    assert got.dtype == np.float32 and np.ptp(got) > 0
+    with pytest.raises(FileNotFoundError, match=r"needs reward\.options\.hps\.path: the HPS v2\.1 checkpoint"):
+        build_reward({"hps": 1.0}, hps={"processor_path": str(clip_dir)})
+    with pytest.raises(FileNotFoundError, match=r"needs reward\.options\.hps\.processor_path"):
+        build_reward({"hps": 1.0}, hps={"path": str(path)})
+    torch.save({"state_dict": {**sd, "visual.head.weight": torch.zeros(2)}}, path)
+    with pytest.raises(ValueError, match=r"not open_clip CLIP keys, e\.g\. \['visual\.head\.weight'\]"):
+        build_reward({"hps": 1.0}, hps=options)

@@ -48,18 +48,24 @@ class _Clip:
 
     def __init__(self, path=None, processor_path=None, device: str = "cpu", dtype: str = "float32",
                  batch_size: int = 16, text: bool = True):
-        from transformers import CLIPImageProcessor, CLIPModel, CLIPTokenizer
+        from transformers import CLIPImageProcessor, CLIPTokenizer
 
-        model_dir = require_files(self.name, "path", path, MODEL_FILES)
         files = PROCESSOR_FILES if text else PROCESSOR_FILES[:1]
         proc_dir = require_files(self.name, "processor_path", processor_path or path, files)
         if dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"reward {self.name!r}: dtype {dtype!r}; choose float32, bfloat16 or float16")
         self.device, self.dtype, self.batch_size = torch.device(device), getattr(torch, dtype), int(batch_size)
-        self.model = CLIPModel.from_pretrained(model_dir, local_files_only=True, torch_dtype=self.dtype)
+        self.model = self.load_model(path, self.dtype)
         self.model.eval().to(self.device)
         self.images = CLIPImageProcessor.from_pretrained(proc_dir, local_files_only=True)
         self.tokenizer = CLIPTokenizer.from_pretrained(proc_dir, local_files_only=True) if text else None
+
+    def load_model(self, path, dtype: torch.dtype):
+        """The CLIPModel of the transformers folder `path`."""
+        from transformers import CLIPModel
+
+        folder = require_files(self.name, "path", path, MODEL_FILES)
+        return CLIPModel.from_pretrained(folder, local_files_only=True, torch_dtype=dtype)
 
     def embed(self, images: np.ndarray, prompts: Sequence[str] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         pixels = self.images(images=list(images), return_tensors="pt")["pixel_values"]

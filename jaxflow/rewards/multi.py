@@ -15,12 +15,12 @@ from jaxflow.rewards.vlm_judge import VlmJudge
 from jaxflow.rewards.vlm_ocr import VlmOcrReward
 
 
-def _torch_model(name: str) -> Callable[..., RewardFn]:
-    """A factory for reward model `name` of bridge/rewards/clip.py, imported (with torch and transformers) only when
-    that reward is built."""
+def _torch_model(name: str, module: str = "clip") -> Callable[..., RewardFn]:
+    """A factory for reward model `name` of bridge/rewards/<module>.py, imported (with torch and transformers) only
+    when that reward is built."""
     def build(**options) -> RewardFn:
-        from bridge.rewards import clip
-        return getattr(clip, name)(**options)
+        import importlib
+        return getattr(importlib.import_module(f"bridge.rewards.{module}"), name)(**options)
     return build
 
 
@@ -38,6 +38,7 @@ REGISTRY: dict[str, Callable[..., RewardFn]] = {
     "pickscore": _torch_model("PickScore"),
     "clip_score": _torch_model("ClipScore"),
     "aesthetic": _torch_model("Aesthetic"),  # also mlp_path
+    "hps": _torch_model("Hps", "hps"),  # HPS v2.1: path = the open_clip checkpoint file, processor_path a folder
 }
 
 
