@@ -1,6 +1,6 @@
-"""CLIP-based rewards (bridge/rewards/clip.py) on tiny random CLIP models saved in the layout of the real checkpoint
-folders (CLIPModel.save_pretrained, the processor's preprocessor_config.json and tokenizer files, the aesthetic
-predictor's state dict), loaded through the registry as a run builds them."""
+"""Reward models (bridge/rewards/) on tiny random models saved in the layout of the real checkpoints (CLIPModel
+folders with the processor's files, the aesthetic predictor's state dict, HPS v2.1's open_clip checkpoint,
+ImageReward.pt with its med_config.json and BERT vocabulary), loaded through the registry as a run builds them."""
 import json
 import subprocess
 import sys
@@ -284,3 +284,137 @@ def test_hps_runs_the_open_clip_checkpoint_as_open_clip_would(clip_dir, images, 
     torch.save({"state_dict": {**sd, "visual.head.weight": torch.zeros(2)}}, path)
     with pytest.raises(ValueError, match=r"not open_clip CLIP keys, e\.g\. \['visual\.head\.weight'\]"):
         build_reward({"hps": 1.0}, hps=options)
+
+
+IR_VISION = dict(image_size=32, patch_size=8, hidden_size=24, num_hidden_layers=2, num_attention_heads=2,
+                 intermediate_size=29)
+IR_MED = dict(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=27,
+              max_position_embeddings=64, layer_norm_eps=1e-12, hidden_act="gelu", encoder_width=24,
+              add_cross_attention=True, pad_token_id=0)
+IR_WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "red", "fox", "sign", "that", "says", "hello", "two",
+            "cats", "blue", "car", "the", "word", "ocr"]
+
+
+def _image_reward_state(seed: int = 5) -> dict:
+    """A random state dict with ImageReward.pt's keys (BLIP's timm-style ViT, its BERT with cross-attention, the
+    contrastive projections, the MLP) at the tiny sizes above."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, base=0.0):
+        return base + 0.2 * torch.randn(*shape, generator=g)
+
+    v, m = IR_VISION, IR_MED
+    d, h, p = v["hidden_size"], m["hidden_size"], v["patch_size"]
+    sd = {"blip.visual_encoder.cls_token": r(1, 1, d), "blip.visual_encoder.patch_embed.proj.weight": r(d, 3, p, p),
+          "blip.visual_encoder.patch_embed.proj.bias": r(d),
+          "blip.visual_encoder.pos_embed": r(1, (v["image_size"] // p) ** 2 + 1, d),
+          "blip.visual_encoder.norm.weight": r(d, base=1.0), "blip.visual_encoder.norm.bias": r(d),
+          "blip.vision_proj.weight": r(8, d), "blip.vision_proj.bias": r(8), "blip.text_proj.weight": r(8, h),
+          "blip.text_proj.bias": r(8), "blip.text_encoder.embeddings.word_embeddings.weight": r(m["vocab_size"], h),
+          "blip.text_encoder.embeddings.position_embeddings.weight": r(m["max_position_embeddings"], h),
+          "blip.text_encoder.embeddings.LayerNorm.weight": r(h, base=1.0),
+          "blip.text_encoder.embeddings.LayerNorm.bias": r(h)}
+    for i in range(v["num_hidden_layers"]):
+        b = f"blip.visual_encoder.blocks.{i}."
+        for name, shape in (("norm1", (d,)), ("norm2", (d,))):
+            sd[b + name + ".weight"], sd[b + name + ".bias"] = r(*shape, base=1.0), r(*shape)
+        for name, (o, n) in (("attn.qkv", (3 * d, d)), ("attn.proj", (d, d)), ("mlp.fc1", (v["intermediate_size"], d)),
+                             ("mlp.fc2", (d, v["intermediate_size"]))):
+            sd[b + name + ".weight"], sd[b + name + ".bias"] = r(o, n), r(o)
+    for i in range(m["num_hidden_layers"]):
+        b = f"blip.text_encoder.encoder.layer.{i}."
+        for att, width in (("attention", h), ("crossattention", d)):
+            for name, n in (("query", h), ("key", width), ("value", width)):
+                sd[f"{b}{att}.self.{name}.weight"], sd[f"{b}{att}.self.{name}.bias"] = r(h, n), r(h)
+            sd[f"{b}{att}.output.dense.weight"], sd[f"{b}{att}.output.dense.bias"] = r(h, h), r(h)
+            sd[f"{b}{att}.output.LayerNorm.weight"], sd[f"{b}{att}.output.LayerNorm.bias"] = r(h, base=1.0), r(h)
+        sd[b + "intermediate.dense.weight"], sd[b + "intermediate.dense.bias"] = r(m["intermediate_size"], h), r(
+            m["intermediate_size"])
+        sd[b + "output.dense.weight"], sd[b + "output.dense.bias"] = r(h, m["intermediate_size"]), r(h)
+        sd[b + "output.LayerNorm.weight"], sd[b + "output.LayerNorm.bias"] = r(h, base=1.0), r(h)
+    for i, (o, n) in zip((0, 2, 4, 6, 7), ((1024, h), (128, 1024), (64, 128), (16, 64), (1, 16))):
+        sd[f"mlp.layers.{i}.weight"], sd[f"mlp.layers.{i}.bias"] = r(o, n) / n ** 0.5, r(o)
+    return sd
+
+
+def _image_reward_reference(sd: dict, pixels: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """ImageReward's score written out from its state dict: BLIP's ViT (timm blocks: pre-LN, fused qkv, LayerNorm eps
+    1e-6, final norm over every token), its BERT (post-LN; self-attention over the unpadded tokens, cross-attention
+    to every image token), [CLS] -> MLP -> (r - mean) / std."""
+    F = torch.nn.functional
+
+    def ln(x, name, eps):
+        return F.layer_norm(x, x.shape[-1:], sd[name + ".weight"], sd[name + ".bias"], eps)
+
+    def lin(x, name):
+        return F.linear(x, sd[name + ".weight"], sd[name + ".bias"])
+
+    def attend(q, k, v, heads, bias=None):
+        b, n, w = q.shape
+        split = [t.reshape(b, -1, heads, w // heads).transpose(1, 2) for t in (q, k, v)]
+        scores = split[0] @ split[1].transpose(-1, -2) / (w // heads) ** 0.5
+        if bias is not None:
+            scores = scores + bias
+        return (scores.softmax(-1) @ split[2]).transpose(1, 2).reshape(b, n, w)
+
+    v, m, e = IR_VISION, IR_MED, "blip.visual_encoder."
+    x = F.conv2d(pixels, sd[e + "patch_embed.proj.weight"], sd[e + "patch_embed.proj.bias"], stride=v["patch_size"])
+    x = torch.cat([sd[e + "cls_token"].expand(len(x), -1, -1), x.flatten(2).transpose(1, 2)], 1) + sd[e + "pos_embed"]
+    for i in range(v["num_hidden_layers"]):
+        b = f"{e}blocks.{i}."
+        q, k, val = lin(ln(x, b + "norm1", 1e-6), b + "attn.qkv").chunk(3, dim=-1)
+        x = x + lin(attend(q, k, val, v["num_attention_heads"]), b + "attn.proj")
+        x = x + lin(F.gelu(lin(ln(x, b + "norm2", 1e-6), b + "mlp.fc1")), b + "mlp.fc2")
+    image = ln(x, e + "norm", 1e-6)
+    t, eps = "blip.text_encoder.", m["layer_norm_eps"]
+    h = sd[t + "embeddings.word_embeddings.weight"][ids] + sd[t + "embeddings.position_embeddings.weight"][
+        :ids.shape[1]]
+    h = ln(h, t + "embeddings.LayerNorm", eps)
+    pad = (1.0 - mask[:, None, None, :].float()) * torch.finfo(torch.float32).min
+    for i in range(m["num_hidden_layers"]):
+        b = f"{t}encoder.layer.{i}."
+        for att, source, bias in (("attention", h, pad), ("crossattention", image, None)):
+            s = f"{b}{att}.self."
+            out = attend(lin(h, s + "query"), lin(source, s + "key"), lin(source, s + "value"),
+                         m["num_attention_heads"], bias)
+            h = ln(lin(out, f"{b}{att}.output.dense") + h, f"{b}{att}.output.LayerNorm", eps)
+        h = ln(lin(F.gelu(lin(h, b + "intermediate.dense")), b + "output.dense") + h, b + "output.LayerNorm", eps)
+    out = h[:, 0]
+    for i in (0, 2, 4, 6, 7):
+        out = lin(out, f"mlp.layers.{i}")
+    return (out.squeeze(-1) - 0.16717362830052426) / 1.0333394966054072
+
+
+def test_image_reward_runs_its_blip_checkpoint_as_blip_would(images, tmp_path):
+    """ImageReward: the checkpoint's BLIP ViT and BERT loaded into transformers' BLIP classes by the key map score as
+    BLIP's own forward written out (same pixels and 35-token prompts); any batch split; missing files and foreign
+    keys named in one line."""
+    from transformers import BertTokenizer, CLIPImageProcessor
+
+    sd = _image_reward_state()
+    path, med, tok = tmp_path / "ImageReward.pt", tmp_path / "med_config.json", tmp_path / "bert-base-uncased"
+    torch.save(sd, path)
+    med.write_text(json.dumps(IR_MED))
+    tok.mkdir()
+    (tok / "vocab.txt").write_text("\n".join(IR_WORDS) + "\n")
+    options = {"path": str(path), "med_config": str(med), "tokenizer_path": str(tok), "vision": IR_VISION}
+    got = build_reward({"image_reward": 1.0}, image_reward={**options, "batch_size": 5})(images, PROMPTS)
+    got = got["image_reward"]
+    text = BertTokenizer(str(tok / "vocab.txt"))(PROMPTS, padding="max_length", max_length=35, return_tensors="pt")
+    pixels = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}, resample=3,
+                                image_mean=[0.48145466, 0.4578275, 0.40821073],
+                                image_std=[0.26862954, 0.26130258, 0.27577711])(images=list(images),
+                                                                                return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        want = _image_reward_reference(sd, pixels, text["input_ids"], text["attention_mask"]).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    pieces = build_reward({"image_reward": 1.0}, image_reward={**options, "batch_size": 2})(images, PROMPTS)
+    np.testing.assert_allclose(pieces["image_reward"], got, rtol=1e-5, atol=1e-6)
+    assert got.dtype == np.float32 and np.ptp(got) > 0
+    with pytest.raises(FileNotFoundError, match=r"needs reward\.options\.image_reward\.med_config"):
+        build_reward({"image_reward": 1.0}, image_reward={**options, "med_config": None})
+    with pytest.raises(FileNotFoundError, match=r"reward\.options\.image_reward\.tokenizer_path=.* lacks vocab\.txt"):
+        build_reward({"image_reward": 1.0}, image_reward={**options, "tokenizer_path": str(tmp_path)})
+    torch.save({**sd, "blip.itm_head.weight": torch.zeros(2)}, path)
+    with pytest.raises(ValueError, match=r"not ImageReward's, e\.g\. \['blip\.itm_head\.weight'\]"):
+        build_reward({"image_reward": 1.0}, image_reward=options)

@@ -39,6 +39,7 @@ REGISTRY: dict[str, Callable[..., RewardFn]] = {
     "clip_score": _torch_model("ClipScore"),
     "aesthetic": _torch_model("Aesthetic"),  # also mlp_path
     "hps": _torch_model("Hps", "hps"),  # HPS v2.1: path = the open_clip checkpoint file, processor_path a folder
+    "image_reward": _torch_model("ImageReward", "image_reward"),  # path, med_config, tokenizer_path
 }
 
 
