@@ -14,34 +14,15 @@ from jaxflow.rewards.multi import build_reward
 PROMPTS = ["a red fox", "a sign that says hello", "two cats", "a blue car", "the word OCR"]
 
 
-def _bytes_vocab() -> dict:
-    """A byte-level BPE vocab with no merges: every byte's character, alone and word-final, and CLIP's specials."""
-    chars = [chr(c) for c in range(33, 127)] + [chr(c) for c in range(161, 173)] + [chr(c) for c in range(174, 256)]
-    chars += [chr(256 + i) for i in range(256 - len(chars))]
-    vocab = {t: i for i, t in enumerate(chars + [c + "</w>" for c in chars])}
-    vocab.update({"<|startoftext|>": len(vocab), "<|endoftext|>": len(vocab) + 1})
-    return vocab
-
-
 @pytest.fixture(scope="module")
 def clip_dir(tmp_path_factory):
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPTokenizer
+    """A tiny random CLIPModel with its processor's files, as scripts/make_random_pickscore.py --tiny writes it (the
+    PickScore_v1 layout; a byte-level tokenizer, bos 512 and eos 513)."""
+    from tests.test_train import ROOT
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from make_random_pickscore import write
 
-    folder = tmp_path_factory.mktemp("clip")
-    torch.manual_seed(0)
-    config = CLIPConfig(
-        text_config=dict(vocab_size=520, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
-                         num_attention_heads=2, max_position_embeddings=77, bos_token_id=512,
-                         eos_token_id=513, pad_token_id=513),
-        vision_config=dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
-                           num_attention_heads=2),
-        projection_dim=16)
-    CLIPModel(config).save_pretrained(folder)
-    CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(folder)
-    (folder / "vocab.json").write_text(json.dumps(_bytes_vocab()))
-    (folder / "merges.txt").write_text("#version: 0.2\n")
-    CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt")).save_pretrained(folder)
-    return folder
+    return write(tmp_path_factory.mktemp("clip"), tiny=True)
 
 
 @pytest.fixture(scope="module")
