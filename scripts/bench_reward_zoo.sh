@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The recipe end to end on one GPU with a PickScore + OCR reward mix (issue reward-zoo): a random full-size PickScore
+# The recipe end to end on one GPU with a PickScore + OCR reward mix: a random full-size PickScore
 # (scripts/make_random_pickscore.py) scores in a Ray actor of its own on the same GPU (bf16, a tenth of the GPU in
 # Ray's count, the rollout actor the rest), overlapping the rollout as the OCR pool does; 3 timed steps; writes
 # OUT_DIR/reward_zoo.json with the reward time per step (bench_e2e.sh's figures).
