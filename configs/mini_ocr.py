@@ -27,15 +27,20 @@ from pathlib import Path
 from jaxflow.recipes import base, tiny
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "mini_ocr"
-VARIANTS = ("", "control")
+# the algorithm arms compared on this proof (scripts/mini_ocr.sh ARM=...): FlowGRPO as below (""), with GRPO-Guard's
+# ratio ("guard"), with rollout correction instead of the recompute pass ("corrected"), or DiffusionNFT ("nft": CFG-free,
+# deterministic rollouts, its OCR recipe's beta 0.1 and old-policy decay, eval without CFG too)
+ARMS = ("", "guard", "corrected", "nft")
+VARIANTS = tuple(f"{arm}{sep}{control}" for arm in ARMS for sep, control in (("", ""), ("_" if arm else "", "control")))
 
 
 def get_config(variant: str = ""):
     if variant not in VARIANTS:
-        raise ValueError(f"configs/mini_ocr.py:{variant}: unknown variant; use configs/mini_ocr.py or "
-                         f"configs/mini_ocr.py:control")
+        raise ValueError(f"configs/mini_ocr.py:{variant}: unknown variant; choose one of {VARIANTS[1:]} or none "
+                         f"(configs/mini_ocr.py)")
+    arm, control = variant.removesuffix("control").removesuffix("_"), variant.endswith("control")
     c = tiny(base())
-    c.run_dir = "runs/mini_ocr_control" if variant else "runs/mini_ocr"
+    c.run_dir = f"runs/mini_ocr{'_' + arm if arm else ''}{'_control' if control else ''}"
     c.model.path = ""  # the folder scripts/mini_ocr.sh builds: --config.model.path=OUT/pipeline
     c.lora.rank, c.lora.alpha = 32, 64.0
     c.rollout.update(device="cuda", num_gpus=1.0, layout="in_process")
@@ -50,11 +55,19 @@ def get_config(variant: str = ""):
     # H200 after the first, which compiles; process start-up comes on top), then the checkpoint and lora_final
     c.train.update(num_steps=1000, max_minutes=8.75, learning_rate=3e-4, beta=0.0, num_mini_batches=2,
                    old_log_prob="recompute", ema_decay=0.95)
-    c.reward.fns = {"ocr_shuffled": 1.0} if variant else {"ocr": 1.0}
+    c.reward.fns = {"ocr_shuffled": 1.0} if control else {"ocr": 1.0}
     # the OCR of 192 small images a step on 16 cores: 12 engines of 1 thread each (the reward pool scores the step's
     # images in 12 pieces at once; with another run beside it on the machine, fewer: --config.reward.workers=7)
     c.reward.update(workers=12, options={"ocr": {"num_threads": 1}, "ocr_shuffled": {"num_threads": 1}})
     c.data = dict(train=str(DATA / "train.txt"), test=str(DATA / "test.txt"))
     c.eval.update(every=10, num_prompts=64, num_steps=10, guidance=4.0)
     c.checkpoint.update(every=10, keep=1)  # a run cut by a time limit resumes (scripts/mini_ocr.sh)
+    if arm == "guard":
+        c.train.ratio_norm = "guard"
+    elif arm == "corrected":
+        c.train.old_log_prob = "rollout_corrected"
+    elif arm == "nft":
+        c.train.algorithm = "nft"
+        c.sample.update(guidance=1.0, sde_type="ode")
+        c.eval.guidance = 1.0
     return c

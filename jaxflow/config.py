@@ -11,7 +11,7 @@ from jaxflow.models.config import LORA_GEMMS, ModelOptions
 from jaxflow.models.lora import LoRASpec
 from jaxflow.rewards.multi import NEED_TARGET, REGISTRY
 from jaxflow.sharding import ShardingConfig
-from jaxflow.train_step import OLD_LOG_PROBS, RATIO_NORMS, TrainConfig
+from jaxflow.train_step import ALGORITHMS, OLD_LOG_PROBS, RATIO_NORMS, TrainConfig
 
 TINY_HINT = "configs/tiny_ocr.py (the embedded tiny offline model)"
 
@@ -144,8 +144,12 @@ def validate(cfg: ConfigDict) -> None:
     if not 0 < s.window_size < s.num_steps or s.window_range[1] - s.window_range[0] < s.window_size:
         _fail("sample.window_size", f"{s.window_size} must be in [1, num_steps) and fit window_range "
                                     f"{tuple(s.window_range)}")
-    if s.sde_type not in ("sde", "cps"):
-        _fail("sample.sde_type", f"{s.sde_type!r}: training needs 'sde' or 'cps'")
+    if t.algorithm not in ALGORITHMS:
+        _fail("train.algorithm", f"{t.algorithm!r}; choose one of {ALGORITHMS}")
+    if t.algorithm == "nft":
+        _check_nft(cfg)
+    elif s.sde_type not in ("sde", "cps"):
+        _fail("sample.sde_type", f"{s.sde_type!r}: training needs 'sde' or 'cps' ('ode' with train.algorithm='nft')")
     if not isinstance(s.same_latent, bool):
         _fail("sample.same_latent", f"{s.same_latent!r} must be a bool: pass True or False")
     if not isinstance(cfg.train.drop_zero_advantage, bool):
@@ -169,6 +173,37 @@ def validate(cfg: ConfigDict) -> None:
             _fail(key, f"must be >= 1, got {cfg[section][name]}")
     if cfg.eval.every < 0:
         _fail("eval.every", f"must be >= 0 (0: no eval, not even of the final policy), got {cfg.eval.every}")
+
+
+def _check_nft(cfg):
+    """train.algorithm='nft': the settings that would otherwise be ignored or wrong, named with their fix."""
+    s, t, n = cfg.sample, cfg.train, cfg.train.nft
+    for key, fails, why in (
+            ("sample.guidance", s.guidance != 1, f"{s.guidance}: NFT trains and samples a CFG-free policy; pass "
+                                                 f"--config.sample.guidance=1"),
+            ("train.ratio_norm", t.ratio_norm != "none", f"{t.ratio_norm!r} is a FlowGRPO ratio; NFT has none: "
+                                                          f"pass 'none'"),
+            ("train.old_log_prob", t.old_log_prob == "rollout_corrected", "'rollout_corrected' corrects log-probs; "
+                                                                          "NFT has none: pass 'rollout'"),
+            ("train.drop_zero_advantage", t.drop_zero_advantage, "a zero advantage still trains in NFT (r = 1/2): "
+                                                                 "pass False"),
+            ("sample.sde_type", s.sde_type not in ("sde", "cps", "ode"), f"{s.sde_type!r}; choose 'ode' "
+                                                                          f"(DiffusionNFT's deterministic rollout), "
+                                                                          f"'sde' or 'cps'"),
+            ("train.nft.beta", not n.beta > 0, f"{n.beta!r} must be > 0"),
+            ("train.nft.timesteps", not 0 <= n.timesteps <= s.num_steps, f"{n.timesteps!r} must be in [0, "
+                                                                          f"sample.num_steps={s.num_steps}]"),
+            ("train.nft.decay_max", not 0 <= n.decay_max < 1, f"{n.decay_max!r} must be in [0, 1)"),
+            ("train.nft.decay_rate", not n.decay_rate >= 0, f"{n.decay_rate!r} must be >= 0"),
+            ("train.nft.decay_flat", not n.decay_flat >= 0, f"{n.decay_flat!r} must be >= 0")):
+        if fails:
+            _fail(key, why)
+
+
+def nft_timesteps(cfg) -> int:
+    """Timesteps trained a sample with train.algorithm='nft': train.nft.timesteps, 0 = DiffusionNFT's default
+    int(0.99 sample.num_steps)."""
+    return cfg.train.nft.timesteps or max(1, int(cfg.sample.num_steps * 0.99))
 
 
 def _typed(section: str, make, cfg):
@@ -265,7 +300,9 @@ def train_config(cfg, grid_hw) -> TrainConfig:
                        max_grad_norm=t.max_grad_norm, ema_decay=t.ema_decay or None, old_log_prob=t.old_log_prob,
                        rejection_threshold=t.rejection_threshold, ratio_norm=t.ratio_norm,
                        off_policy=bool(cfg.rollout.overlap), drop_zero_advantage=t.drop_zero_advantage,
-                       shuffle_seed=int(cfg.seed),
+                       shuffle_seed=int(cfg.seed), algorithm=t.algorithm, nft_beta=t.nft.beta,
+                       nft_timesteps=nft_timesteps(cfg),
+                       nft_decay=(t.nft.decay_flat, t.nft.decay_rate, t.nft.decay_max),
                        adam_b1=t.adam_b1, adam_b2=t.adam_b2, adam_eps=t.adam_eps)
 
 
@@ -275,10 +312,10 @@ def sampling(cfg, *, eval_mode: bool = False) -> dict:
     d = dict(height=s.height, width=s.width, num_inference_steps=s.num_steps, true_cfg_scale=s.guidance,
              negative_prompt=s.negative_prompt, max_sequence_length=s.max_sequence_length, sde_type=s.sde_type,
              noise_level=s.noise_level, sde_window_size=s.window_size, sde_window_range=tuple(s.window_range),
-             same_latent=s.same_latent)
+             same_latent=s.same_latent, keep_final=cfg.train.algorithm == "nft")
     if eval_mode:
         d.update(num_inference_steps=cfg.eval.num_steps, true_cfg_scale=cfg.eval.guidance, sde_type="ode",
-                 noise_level=0.0, sde_window_size=None, same_latent=False)
+                 noise_level=0.0, sde_window_size=None, same_latent=False, keep_final=False)
     return d
 
 

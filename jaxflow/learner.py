@@ -125,7 +125,7 @@ class Learner:
             num_steps=cfg.sample.num_steps, seq=self.grid[0] * self.grid[1], channels=mc.in_channels,
             text=cfg.sample.max_sequence_length, width=mc.joint_attention_dim,
             embed_dtype=config_lib.embed_dtype(cfg), guided=tc.guided, recompute=tc.recompute_pass,
-            means=tc.ratio_norm == "guard")
+            means=tc.ratio_norm == "guard", nft=tc.nft)
         plans = [memory.StepMemory.of(name, c) for name, c in step.compile(batch, old).items()]
         return plans, memory.device_bytes(step.frozen)
 
@@ -187,13 +187,25 @@ class Learner:
         """Whether the train state keeps an EMA of the LoRA (train.ema_decay > 0)."""
         return self.state.ema is not None
 
-    def whole_lora(self, ema: bool = False):
-        """The train state's LoRA (with `ema`, its EMA) whole on this process: its own arrays in one process; else
-        host arrays gathered from every process, a collective all must join (the LoRA may be sharded over devices
-        of several hosts)."""
-        if ema and not self.has_ema:
-            raise ValueError("the train state keeps no EMA of the LoRA: set train.ema_decay > 0")
-        lora = self.state.ema if ema else self.state.lora
+    @property
+    def exported(self) -> str:
+        """The train state's tree the run exports and evaluates: "ema" when it keeps one (flow_grpo saves its
+        EMA), else "lora"."""
+        return "ema" if self.has_ema else "lora"
+
+    @property
+    def sampling(self) -> str:
+        """The train state's tree the rollout samples with: "old" for DiffusionNFT (its old policy), else "lora"."""
+        return "old" if self.state.old is not None else "lora"
+
+    def whole_lora(self, which: str = "lora"):
+        """The train state's tree `which` ("lora", "ema" or "old") whole on this process: its own arrays in one
+        process; else host arrays gathered from every process, a collective all must join (the LoRA may be
+        sharded over devices of several hosts)."""
+        lora = getattr(self.state, which)
+        if lora is None:
+            raise ValueError(f"the train state keeps no {which!r} LoRA: "
+                             + ("set train.ema_decay > 0" if which == "ema" else "set train.algorithm='nft'"))
         if self.processes == 1:
             return lora
         from jax.experimental import multihost_utils
@@ -202,6 +214,6 @@ class Learner:
     def export_lora(self, directory: Path) -> None:
         """The run's policy in PEFT format to `directory`, written by process 0 (every process joins the gather):
         the EMA of the LoRA when the state keeps one (flow_grpo saves its EMA), else the LoRA."""
-        lora = self.whole_lora(ema=self.has_ema)
+        lora = self.whole_lora(self.exported)
         if jax.process_index() == 0:
             save_peft(lora, self.spec, directory)

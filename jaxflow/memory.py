@@ -14,6 +14,8 @@ import dataclasses
 import jax
 import numpy as np
 
+from jaxflow.train_step import NFT_FIELDS
+
 GIB = 2 ** 30
 KNOBS = ("train.num_micro_batches (more micro-batches: fewer samples in each forward and backward), a larger JAX pool "
          "(XLA_CLIENT_MEM_FRACTION, which leaves the rollout engine less), or model.remat=save_matmuls (saves less "
@@ -74,15 +76,19 @@ def check_fits(plans: list[StepMemory], resident: int, limit: int, in_use: int, 
 
 
 def abstract_batch(*, batch: int, window: int, num_steps: int, seq: int, channels: int, text: int, width: int,
-                   embed_dtype, guided: bool, recompute: bool, means: bool = False) -> tuple[dict, dict | None]:
+                   embed_dtype, guided: bool, recompute: bool, means: bool = False,
+                   nft: bool = False) -> tuple[dict, dict | None]:
     """Shapes and dtypes of the batch `train_step.prepare_batch` hands the step (text padded to `text` tokens,
     sample.max_sequence_length), and of the old-log-prob pass's output when it runs (with `means`: the SDE means
-    train.ratio_norm="guard" keeps)."""
+    train.ratio_norm="guard" keeps); with `nft`, DiffusionNFT's batch (train_step.NFT_FIELDS)."""
     s = jax.ShapeDtypeStruct
     out = {"latents": s((batch, window + 1, seq, channels), np.float32), "log_probs": s((batch, window), np.float32),
            "sigmas": s((batch, num_steps + 1), np.float32), "step_index": s((batch, window), np.int32),
            "noise_level": s((batch,), np.float32), "advantages": s((batch,), np.float32),
            "prompt_embeds": s((batch, text, width), embed_dtype), "prompt_mask": s((batch, text), np.bool_)}
+    if nft:
+        out["final_latents"] = s((batch, seq, channels), np.float32)
+        return {k: out[k] for k in NFT_FIELDS}, None
     if guided:
         out.update(negative_prompt_embeds=s((batch, text, width), embed_dtype),
                    negative_prompt_mask=s((batch, text), np.bool_))

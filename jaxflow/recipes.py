@@ -103,6 +103,14 @@ def base() -> ml_collections.ConfigDict:
                    # True: micro-batches whose advantages are all 0 (prompt groups of equal rewards) are not trained;
                    # flow_grpo's SD3 trainer drops such samples, its Qwen-Image script does not (docs/design.md)
                    drop_zero_advantage=False,
+                   # "nft": DiffusionNFT (arXiv 2509.16117) instead of FlowGRPO: trains on the rollout's final
+                   # latents noised afresh (no log-probs, no CFG: sample.guidance=1), the rollout sampling with an old
+                   # policy that trails the LoRA (docs/numerics.md §10). nft: its beta (the implicit policies'
+                   # step), timesteps trained a sample (0: every sampling step but one, its 0.99 fraction), and the
+                   # old policy's decay: 0 for decay_flat updates, then decay_rate an update up to decay_max (its
+                   # OCR recipe `config/nft.py: sd3_ocr`)
+                   algorithm="flowgrpo",
+                   nft=dict(beta=0.1, timesteps=0, decay_flat=75, decay_rate=0.0075, decay_max=0.999),
                    # XLA options of the train step's jits: cuBLAS GEMMs, no Triton ones: 1.4% faster on an H200
                    xla_options={"xla_gpu_enable_triton_gemm": False})  # (BENCHMARKS.md, train step)
     # 8 reward threads, each with its own RapidOCR engine of 2 onnxruntime threads (16 cores a GPU)

@@ -105,20 +105,21 @@ class Trainer:
         self._sync(self.start)  # the rollout serves exactly the trainer's policy before the first step
         self.stop_requested = False
 
-    def _sync(self, version: int, ema: bool = False) -> int | None:
-        """The rollout serves the trainer's LoRA (with `ema`, its EMA) as policy `version` (every process joins
-        the gather)."""
-        lora = self.learner.whole_lora(ema)
+    def _sync(self, version: int, which: str | None = None) -> int | None:
+        """The rollout serves the train state's tree `which` (default: the one it samples with, `Learner.sampling`)
+        as policy `version` (every process joins the gather)."""
+        lora = self.learner.whole_lora(which or self.learner.sampling)
         return self.driver.serve(lora, version) if self.driver else None
 
     def _evaluate(self, step: int) -> float | None:
-        """Held-out reward of the policy the run exports (every process joins): with train.ema_decay the rollout
-        serves the LoRA's EMA for the eval and the LoRA again after it, as flow_grpo evaluates its EMA."""
-        ema = self.learner.has_ema
-        if ema:
-            self._sync(step, ema=True)
+        """Held-out reward of the policy the run exports (every process joins): where it is not the one that samples
+        (train.ema_decay: its EMA, as flow_grpo evaluates; train.algorithm='nft': the LoRA, not the old policy) the
+        rollout serves it for the eval and the sampling one again after it."""
+        other = self.learner.exported != self.learner.sampling
+        if other:
+            self._sync(step, self.learner.exported)
         score = self.driver.evaluate(step) if self.driver else None
-        if ema:
+        if other:
             self._sync(step)
         return score
 

@@ -36,15 +36,18 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxflow import flowgrpo, minibatches
+from jaxflow import flowgrpo, minibatches, nft
 from jaxflow.models.lora import LoRAParam
 from jaxflow.sharding import Layout
 
 BATCH_FIELDS = ("latents", "log_probs", "sigmas", "step_index", "noise_level", "prompt_embeds", "prompt_mask",
                 "advantages")
 GUIDANCE_FIELDS = ("negative_prompt_embeds", "negative_prompt_mask")
+NFT_FIELDS = ("final_latents", "sigmas", "prompt_embeds", "prompt_mask", "advantages")
 OLD_LOG_PROBS = ("rollout", "recompute", "rollout_corrected")
 RATIO_NORMS = ("none", "guard")
+ALGORITHMS = ("flowgrpo", "nft")
+NFT_SALT = 0x6E6674  # folded into the seed's key for NFT's timesteps and noise (apart from the epochs' shuffles)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,11 +77,22 @@ class TrainConfig:
     ratio_norm: str = "none"        # "guard": GRPO-Guard's normalized ratio (flowgrpo.window_step_terms)
     off_policy: bool = False        # batches may come from the previous policy (rollout.overlap): see `__call__`
     drop_zero_advantage: bool = False  # skip micro-batches whose advantages are all 0 (see `accumulate_gradients`)
-    shuffle_seed: int = 0           # the rows' shuffle between inner epochs
+    shuffle_seed: int = 0           # the rows' shuffle between inner epochs; with "nft" also its timesteps and noise
+    # "nft": DiffusionNFT (jaxflow.nft) on the rollout's final latents, nft_timesteps noised timesteps a sample, the
+    # old policy (TrainState.old, what the rollout serves) moved after each step by nft.old_decay(*nft_decay)
+    algorithm: str = "flowgrpo"
+    nft_beta: float = 0.1
+    nft_timesteps: int = 1
+    nft_decay: tuple[float, float, float] = (75, 0.0075, 0.999)
 
     def __post_init__(self):
         object.__setattr__(self, "grid_hw", tuple(int(s) for s in self.grid_hw))
-        if self.sde_type not in ("sde", "cps"):
+        object.__setattr__(self, "nft_decay", tuple(float(x) for x in self.nft_decay))
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
+        if self.nft:
+            self._check_nft()
+        elif self.sde_type not in ("sde", "cps"):
             raise ValueError(f"sde_type must be 'sde' or 'cps' ('ode' has no log-prob to train), got {self.sde_type!r}")
         if self.guidance < 1 or self.clip_range <= 0 or self.beta < 0 or min(
                 self.num_micro_batches, self.num_mini_batches, self.num_inner_epochs) < 1:
@@ -99,6 +113,32 @@ class TrainConfig:
         if self.ema_decay is not None and not 0 < self.ema_decay < 1:
             raise ValueError(f"ema_decay must be in (0, 1) or None, got {self.ema_decay}")
 
+    def _check_nft(self):
+        bad = [why for why, fails in (
+            (f"guidance {self.guidance} (NFT trains a CFG-free policy: 1)", self.guidance != 1),
+            (f"ratio_norm {self.ratio_norm!r} (a FlowGRPO ratio: 'none')", self.ratio_norm != "none"),
+            (f"old_log_prob {self.old_log_prob!r} (NFT has no log-probs to correct)",
+             self.old_log_prob == "rollout_corrected"),
+            ("drop_zero_advantage (a zero advantage still trains in NFT: r = 1/2)", self.drop_zero_advantage),
+            (f"nft_beta {self.nft_beta} (must be > 0)", not self.nft_beta > 0),
+            (f"nft_timesteps {self.nft_timesteps} (must be >= 1)", self.nft_timesteps < 1),
+            (f"nft_decay {self.nft_decay} (flat >= 0, rate >= 0, cap in [0, 1))",
+             not (self.nft_decay[0] >= 0 and self.nft_decay[1] >= 0 and 0 <= self.nft_decay[2] < 1))) if fails]
+        if bad:
+            raise ValueError(f"algorithm 'nft' does not take {'; '.join(bad)}")
+
+    @property
+    def nft(self) -> bool:
+        """DiffusionNFT (`jaxflow.nft`) rather than FlowGRPO."""
+        return self.algorithm == "nft"
+
+    @property
+    def batch_fields(self) -> tuple[str, ...]:
+        """The per-sample fields the step reads."""
+        if self.nft:
+            return NFT_FIELDS
+        return BATCH_FIELDS + (GUIDANCE_FIELDS if self.guided else ())
+
     @property
     def guided(self) -> bool:
         """True classifier-free guidance is on: batches carry the negative prompt (GUIDANCE_FIELDS)."""
@@ -117,7 +157,7 @@ class TrainConfig:
     @property
     def recompute_pass(self) -> bool:
         """Whether `step` runs the forward-only old-log-prob pass before its updates."""
-        return self.old_log_prob == "recompute" and (self.updates > 1 or self.off_policy)
+        return not self.nft and self.old_log_prob == "recompute" and (self.updates > 1 or self.off_policy)
 
     def optimizer(self) -> optax.GradientTransformation:
         return optax.chain(
@@ -128,12 +168,14 @@ class TrainConfig:
 
 @flax.struct.dataclass
 class TrainState:
-    """step = applied updates; lora = the LoRAParam state; opt_state over lora only; ema = EMA of lora or None."""
+    """step = applied updates; lora = the LoRAParam state; opt_state over lora only; ema = EMA of lora or None;
+    old = DiffusionNFT's old policy (the one the rollout samples with) or None."""
 
     step: jax.Array
     lora: nnx.State
     opt_state: optax.OptState
     ema: nnx.State | None = None
+    old: nnx.State | None = None
 
 
 def _micro_batches(batch: dict, m: int) -> dict:
@@ -213,6 +255,51 @@ def accumulate_gradients(graphdef, lora, frozen, batch: dict, config: TrainConfi
     return grads, terms
 
 
+def _nft_loss(lora, old, frozen, step, scale, *, graphdef, config: TrainConfig):
+    xt = nft.noised(step["final_latents"], step["noise"], step["t"])
+
+    def velocity(params, lora_scale=1.0):
+        return nnx.merge(graphdef, params, frozen)(xt, step["t"], step["prompt_embeds"], step["prompt_mask"],
+                                                   grid_hw=config.grid_hw, lora_scale=lora_scale)
+
+    v_ref = velocity(lora, 0.0) if config.beta > 0 else None
+    terms = nft.loss_terms(velocity(lora), velocity(old), step["final_latents"], xt, step["t"], step["advantages"],
+                           nft_beta=config.nft_beta, adv_clip=config.adv_clip, v_ref=v_ref)
+    return (jnp.mean(terms["policy"]) + config.beta * jnp.mean(terms["kl"])) * scale, terms
+
+
+def nft_gradients(graphdef, lora, old, frozen, batch: dict, key, config: TrainConfig, layout: Layout | None = None):
+    """DiffusionNFT's counterpart of `accumulate_gradients`: the sum over micro-batches and noised timesteps of
+    grad(loss / (M * T)) wrt `lora` (M = num_micro_batches, T = nft_timesteps) and the per-sample terms stacked as
+    (M, T, B/M). Each sample trains on T distinct timesteps of its schedule with fresh noise, both drawn from `key`
+    (`nft.timestep_picks`); `old` is the old policy's LoRA (no gradient)."""
+    m, count = config.num_micro_batches, config.nft_timesteps
+    grad_fn = jax.grad(functools.partial(_nft_loss, graphdef=graphdef, config=config), has_aux=True)
+
+    def micro(grads, xs):
+        mb, k = xs
+        if layout is not None:
+            mb = jax.lax.with_sharding_constraint(mb, layout.batch_sharding)
+        pick, draw = jax.random.split(k)
+        t = nft.timestep_picks(pick, mb["sigmas"], count).T  # (T, b)
+        noise = jax.random.normal(draw, (count, *mb["final_latents"].shape), jnp.float32)
+        shared = {k: mb[k] for k in ("final_latents", "advantages", "prompt_embeds", "prompt_mask")}
+
+        def timestep(grads, xs):
+            g, terms = grad_fn(lora, old, frozen, {**shared, "t": xs[0], "noise": xs[1]}, scale=1.0 / (m * count))
+            return jax.tree.map(jnp.add, grads, g), terms
+
+        return jax.lax.scan(timestep, grads, (t, noise))
+
+    return jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, lora), (_micro_batches(batch, m), jax.random.split(key, m)))
+
+
+def advance_old(state: TrainState, *, config: TrainConfig) -> TrainState:
+    """DiffusionNFT's old policy after a step: old <- d old + (1 - d) lora, d = `nft.old_decay` of the updates so far."""
+    decay = nft.old_decay(state.step, *config.nft_decay)
+    return state.replace(old=jax.tree.map(lambda o, p: decay * o + (1 - decay) * p, state.old, state.lora))
+
+
 def old_log_probs(graphdef, lora, frozen, batch: dict, config: TrainConfig, layout: Layout | None = None) -> dict:
     """{"log_probs": (B, W) float32 log-probs of the stored window steps under `lora`} and, with ratio_norm="guard",
     "means": (B, W, S, C) the SDE steps' means; forward only (true CFG as in training), in the updates'
@@ -265,12 +352,16 @@ def _apply_update(state: TrainState, grads, *, tx, config: TrainConfig) -> Train
     if ema is not None:  # flow_grpo's warm-up: decay min(ema_decay, (1 + k) / (10 + k))
         decay = jnp.minimum(config.ema_decay, (1.0 + state.step) / (10.0 + state.step))
         ema = jax.tree.map(lambda e, p: decay * e + (1 - decay) * p, ema, lora)
-    return TrainState(step=state.step + 1, lora=lora, opt_state=opt_state, ema=ema)
+    return TrainState(step=state.step + 1, lora=lora, opt_state=opt_state, ema=ema, old=state.old)
 
 
 def _update(state: TrainState, frozen, batch, old, index, *, graphdef, config: TrainConfig, tx, layout):
     """One optimizer update on mini-batch `index` of `batch`; `old` is the recompute pass's output or None."""
     mb = dict(minibatches.select(batch, config.num_mini_batches, index))
+    if config.nft:  # the timesteps and noise: a function of the seed and the update count (a resume draws the same)
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(config.shuffle_seed), NFT_SALT), state.step)
+        grads, terms = nft_gradients(graphdef, state.lora, state.old, frozen, mb, key, config, layout)
+        return _finish(state, grads, nft.step_metrics(terms, config.beta), tx=tx, config=config)
     if old is not None:
         old = minibatches.select(old, config.num_mini_batches, index)
         mb["old_log_probs"] = old["log_probs"]
@@ -280,46 +371,58 @@ def _update(state: TrainState, frozen, batch, old, index, *, graphdef, config: T
             mb["old_on_policy"] = index == 0
     grads, terms = accumulate_gradients(graphdef, state.lora, frozen, mb, config, layout)
     metrics = flowgrpo.step_metrics(terms, clip_range=config.clip_range, beta=config.beta)
-    grad_norm = optax.tree.norm(grads)
-    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
-    ok = finite
+    runs = None
     if config.drop_zero_advantage:  # nothing to train on: no optimizer update (flow_grpo would have no batch)
         runs = jnp.any(terms["mask"], axis=(1, 2))
-        ok &= jnp.any(runs)
         metrics.update(micro_skipped=jnp.sum(~runs).astype(jnp.int32),
                        empty_updates=(~jnp.any(runs)).astype(jnp.int32))
+    return _finish(state, grads, metrics, tx=tx, config=config, runs=runs)
+
+
+def _finish(state: TrainState, grads, metrics: dict, *, tx, config: TrainConfig, runs=None):
+    """The optimizer update, skipped when the loss or the gradient is not finite or no micro-batch `runs`."""
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+    ok = finite if runs is None else finite & jnp.any(runs)
     state = jax.lax.cond(ok, functools.partial(_apply_update, tx=tx, config=config), lambda s, g: s, state, grads)
     return state, {**metrics, "grad_norm": grad_norm, "skipped": (~finite).astype(jnp.int32)}
 
 
-def per_sample(batch: dict, fields: tuple[str, ...] = BATCH_FIELDS + GUIDANCE_FIELDS) -> dict[str, np.ndarray]:
+def per_sample(batch: dict, fields: tuple[str, ...] = BATCH_FIELDS + GUIDANCE_FIELDS + NFT_FIELDS
+               ) -> dict[str, np.ndarray]:
     """The `fields` of `batch` that are set, as host arrays with a leading sample axis: the shared sigmas (N+1,)
-    and scalar noise_level are broadcast to every sample (B = len(log_probs)); other keys are dropped."""
-    out = {k: np.asarray(batch[k]) for k in fields if batch.get(k) is not None}
-    b = len(out["log_probs"])
+    and scalar noise_level are broadcast to every sample (B = len(advantages)); other keys are dropped."""
+    out = {k: np.asarray(batch[k]) for k in dict.fromkeys(fields) if batch.get(k) is not None}
+    b = len(out["advantages"])
     out["sigmas"] = np.broadcast_to(out["sigmas"], (b, out["sigmas"].shape[-1]))
-    out["noise_level"] = np.broadcast_to(out["noise_level"], (b,))
+    if "noise_level" in out:
+        out["noise_level"] = np.broadcast_to(out["noise_level"], (b,))
     return out
 
 
 def prepare_batch(batch: dict, config: TrainConfig, batch_devices: int = 1) -> dict[str, np.ndarray]:
     """The per-sample host arrays the step consumes (`per_sample`), checked, in the step's dtypes."""
-    fields = BATCH_FIELDS + (GUIDANCE_FIELDS if config.guided else ())
+    fields = config.batch_fields
     missing = [k for k in fields if batch.get(k) is None]
     if missing:
-        raise ValueError(f"train batch is missing {missing}" + (" (guidance > 1 needs the negative prompt)"
-                                                                 if set(missing) & set(GUIDANCE_FIELDS) else ""))
-    b, w = np.shape(batch["log_probs"])
+        hint = (" (guidance > 1 needs the negative prompt)" if set(missing) & set(GUIDANCE_FIELDS) else
+                " (the rollout keeps them with keep_final: config.sampling does for train.algorithm='nft')"
+                if "final_latents" in missing else "")
+        raise ValueError(f"train batch is missing {missing}{hint}")
+    b = len(batch["advantages"])
     multiple = config.num_mini_batches * config.num_micro_batches * batch_devices
     if b % multiple:
         raise ValueError(f"batch {b} is not a multiple of num_mini_batches x num_micro_batches x batch devices "
                          f"= {multiple}")
+    out = per_sample(batch, fields)
+    out["sigmas"] = out["sigmas"].astype(np.float32)
+    if config.nft:
+        return out
+    w = np.shape(batch["log_probs"])[1]
     latents, step_index = np.shape(batch["latents"]), np.shape(batch["step_index"])
     if latents[:2] != (b, w + 1) or step_index != (b, w):
         raise ValueError(f"latents {latents} / step_index {step_index} do not match log_probs {(b, w)}: "
                          f"expected (B, W+1, S, C) / (B, W)")
-    out = per_sample(batch, fields)
-    out["sigmas"] = out["sigmas"].astype(np.float32)
     out["noise_level"] = out["noise_level"].astype(np.float32)
     out["step_index"] = out["step_index"].astype(np.int32)
     return out
@@ -347,13 +450,16 @@ def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | Non
     def init(lora):
         lora = jax.tree.map(jnp.copy, lora)
         ema = jax.tree.map(jnp.copy, lora) if config.ema_decay is not None else None
-        return TrainState(step=jnp.zeros((), jnp.int32), lora=lora, opt_state=tx.init(lora), ema=ema)
+        old = jax.tree.map(jnp.copy, lora) if config.nft else None
+        return TrainState(step=jnp.zeros((), jnp.int32), lora=lora, opt_state=tx.init(lora), ema=ema, old=old)
 
     update_fn = functools.partial(_update, graphdef=graphdef, config=config, tx=tx, layout=layout)
     old_fn = functools.partial(old_log_probs, graphdef, config=config, layout=layout)
     jit = functools.partial(jax.jit, compiler_options=compiler_options or None)
+    advance_fn = functools.partial(advance_old, config=config)
     if layout is None:
         init_jit, update, old_pass = jax.jit(init), jit(update_fn, donate_argnums=0), jit(old_fn)
+        advance = jax.jit(advance_fn, donate_argnums=0)
         put, batch_devices = (lambda b: jax.tree.map(jnp.asarray, b)), 1
     else:
         state_sh = layout.tree_shardings(jax.eval_shape(init, lora))
@@ -365,6 +471,7 @@ def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | Non
         update = jit(update_fn, in_shardings=(state_sh, frozen_sh, rows, rows, one),
                          out_shardings=(state_sh, one), donate_argnums=0)
         old_pass = jit(old_fn, in_shardings=(state_sh.lora, frozen_sh, rows), out_shardings=rows)
+        advance = jax.jit(advance_fn, in_shardings=(state_sh,), out_shardings=state_sh, donate_argnums=0)
         put, batch_devices = layout.put_batch, layout.batch_devices // jax.process_count()
     indices = [put({"j": np.int32(j)})["j"] for j in range(config.num_mini_batches)]
     def reorder(tree, step, epoch):  # {"batch": ..., "old": ...} for inner epoch `epoch` >= 1
@@ -380,7 +487,8 @@ def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | Non
     else:
         reorder_jit = jax.jit(reorder, in_shardings=(rows, one, one), out_shardings=rows)
     step = TrainStep(config, update, old_pass, frozen, put, batch_devices, indices,
-                     abstract_state=lambda: jax.eval_shape(init, lora), reorder=reorder_jit)
+                     abstract_state=lambda: jax.eval_shape(init, lora), reorder=reorder_jit,
+                     advance=advance if config.nft else None)
 
     def init_state() -> TrainState:
         return init_jit(lora)
@@ -393,9 +501,10 @@ class TrainStep:
     ahead of time for the batch's shapes and reports their memory (the first call otherwise compiles them)."""
 
     def __init__(self, config: TrainConfig, update, old_pass, frozen, put, batch_devices: int, indices: list,
-                 abstract_state, reorder=None):
+                 abstract_state, reorder=None, advance=None):
         self.config, self._update, self._old_pass, self.frozen = config, update, old_pass, frozen
         self._reorder = reorder  # ({"batch", "old"}, step, epoch) -> the same rows reordered for a later epoch
+        self._advance = advance  # state -> state with NFT's old policy moved toward the LoRA (`advance_old`)
         self._put, self._batch_devices, self._indices = put, batch_devices, indices
         self.abstract_state = abstract_state  # () -> the TrainState's shapes and dtypes
 
@@ -436,6 +545,8 @@ class TrainStep:
             for index in self._indices:
                 state, metrics = self._update(state, self.frozen, rows["batch"], rows.get("old"), index)
                 updates.append(metrics)
+        if self._advance is not None:
+            state = self._advance(state)
         if timings is not None:
             jax.block_until_ready(state)
             timings["update"] = time.perf_counter() - t

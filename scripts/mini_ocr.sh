@@ -30,7 +30,8 @@
 # --config.train.max_minutes=5), EVAL_NUM (200), RL_TIMEOUT (seconds: a hard stop of an RL run; it checkpoints the
 # current step and this script exports that step's LoRA as lora_final), RL_RESUME=1 (continue such a run:
 # ONLY="rl rl_control" RL_RESUME=1 ...), and POOL (each trainer's JAX memory fraction of the GPU: 0.3 side by side,
-# 0.5 alone; lower it when more runs share the GPU).
+# 0.5 alone; lower it when more runs share the GPU). ARM (configs/mini_ocr.py's ARMS: "" FlowGRPO, guard, corrected,
+# nft) picks the algorithm of the RL run and its control (and, for nft, evals without CFG).
 set -euo pipefail
 OUT=${1:?usage: [SMOKE=1] bash scripts/mini_ocr.sh OUT}
 cd "$(dirname "$0")/.."
@@ -64,6 +65,10 @@ else
   [[ "${SIDE_BY_SIDE:-0}" == 1 ]] && pool=0.3
   export XLA_PYTHON_CLIENT_PREALLOCATE=true XLA_CLIENT_MEM_FRACTION=${POOL:-$pool}
 fi
+
+ARM=${ARM:-}
+[[ "$ARM" == nft ]] && EVAL+=(--guidance 1)
+RL_CONFIG=configs/mini_ocr.py${ARM:+:$ARM} CONTROL_CONFIG=configs/mini_ocr.py:${ARM:+${ARM}_}control
 
 step() {  # step NAME COMMAND...: run, time, log (skipped when ONLY is set and does not name it)
   local name=$1 start=$SECONDS
@@ -114,8 +119,8 @@ ev() {  # ev NAME PROMPTS [--lora DIR]: OCR of the pipeline (+ LoRA) on PROMPTS 
 together step eval_before ev before "$OUT/data/test.txt"
 together step eval_before_train ev before_train "$OUT/data/train.txt"
 join
-together step rl rl "$OUT/rl" configs/mini_ocr.py
-together step rl_control rl "$OUT/rl_control" configs/mini_ocr.py:control
+together step rl rl "$OUT/rl" "$RL_CONFIG"
+together step rl_control rl "$OUT/rl_control" "$CONTROL_CONFIG"
 join
 together step eval_after ev after "$OUT/data/test.txt" --lora "$OUT/rl/lora_final"
 together step eval_after_train ev after_train "$OUT/data/train.txt" --lora "$OUT/rl/lora_final"

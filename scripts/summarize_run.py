@@ -52,7 +52,9 @@ def main(argv=None):
                 figures[key.replace("time/", "") + ("_s" if key.startswith("time/") else "")] = \
                     statistics.median(r[key] for r in steady)
         figures["share_of_step_sync"] = figures["sync_s"] / figures["step_s"]
-        figures["logp_diff_max"] = max(v for r in steady for k, v in r.items() if k.startswith("logp_diff_max/"))
+        diffs = [v for r in steady for k, v in r.items() if k.startswith("logp_diff_max/")]
+        if diffs:  # FlowGRPO's rollout/trainer log-prob mismatch (DiffusionNFT has no log-probs)
+            figures["logp_diff_max"] = max(diffs)
         if args.gpu_mem and args.gpu_mem.is_file():
             used = [int(x) for x in args.gpu_mem.read_text().split() if x.isdigit()]
             if used:

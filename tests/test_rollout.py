@@ -173,6 +173,22 @@ def test_same_latent_shares_a_groups_initial_noise_but_not_its_step_noise(pipe):
         np.testing.assert_array_equal(getattr(shared, field)[::3], getattr(plain, field)[::3])
 
 
+def test_keep_final_returns_the_latents_the_images_decode_from(pipe):
+    """keep_final (DiffusionNFT trains on them): final_latents (B, S, C) float32, the same bytes whatever the flag
+    (the flag changes no computation), decoding to the batch's images; absent without it."""
+    sampling = {**SAMPLING, "true_cfg_scale": 1.0, "num_inference_steps": 3}
+    kept = pipe.generate(PROMPTS, 2, SamplingParams(**sampling, keep_final=True), seeds=[40, 41, 42, 43])
+    plain = pipe.generate(PROMPTS, 2, SamplingParams(**sampling), seeds=[40, 41, 42, 43])
+    assert plain.final_latents is None and kept.final_latents.shape == (4, *kept.latents.shape[2:])
+    np.testing.assert_array_equal(kept.images, plain.images)
+    np.testing.assert_array_equal(pipe.decode(torch.from_numpy(kept.final_latents), *SAMPLING_HW),
+                                  kept.images)
+    joined = TrajectoryBatch.concat([kept, kept])
+    np.testing.assert_array_equal(joined.final_latents[4:], kept.final_latents)
+    with pytest.raises(ValueError, match="final_latents"):
+        TrajectoryBatch.concat([kept, plain])
+
+
 def test_decode_calls_follow_the_pixel_budget(pipe, monkeypatch):
     """Small images decode many to a VAE call (one call for this batch); full-size ones 4 at 512^2, 1 at 1024^2; the
     images do not depend on how the batch was split."""

@@ -68,6 +68,8 @@ def lora_leaves(state):
     ("rollout.device", "tpu", "config.rollout.device"),
     ("rollout.cfg_forward", "both", "config.rollout.cfg_forward: 'both'"),
     ("data.train", "", "config.data.train: '' is not a file"),
+    ("train.algorithm", "nft", "config.sample.guidance: 4.0: NFT trains and samples a CFG-free policy"),
+    ("train.algorithm", "dpo", "config.train.algorithm: 'dpo'"),
 ])
 def test_invalid_config_fails_before_anything_heavy(tmp_path, key, value, needle):
     cfg = tiny_config(tmp_path)
@@ -241,6 +243,36 @@ def test_ema_is_what_the_eval_serves_and_the_export_writes(tmp_path, monkeypatch
             np.testing.assert_array_equal(after[2][k], before[2][k])
     for k in raw:
         np.testing.assert_array_equal(events[evals[-1] - 1][2][k], ema[k])
+
+
+def test_nft_samples_with_the_old_policy_and_evaluates_and_exports_the_lora(tmp_path, monkeypatch):
+    """train.algorithm='nft': the rollout samples with the old policy (TrainState.old; after the first step of a
+    flat decay start it equals the LoRA, later it trails it), each eval serves the LoRA, which lora_final holds;
+    a resume restores the old policy."""
+    from jaxflow.driver import Driver
+    from jaxflow.models.lora import lora_to_peft, read_peft
+
+    served = []
+    serve = Driver.serve
+    monkeypatch.setattr(Driver, "serve", lambda self, lora, version: (
+        served.append((version, lora_to_peft(lora, self.spec))), serve(self, lora, version))[1])
+    cfg = tiny_config(tmp_path, num_steps=2, learning_rate=3e-3, algorithm="nft")
+    cfg.train.nft.update(decay_flat=1, decay_rate=0.5, decay_max=0.5)  # after 2 updates old = (old + lora) / 2
+    cfg.rollout.layout, cfg.sample.guidance, cfg.sample.sde_type, cfg.eval.every = "in_process", 1.0, "ode", 2
+    out = run(cfg)
+    spec = read_peft(tmp_path / "lora_final")[0]
+    old, lora = lora_to_peft(out["state"].old, spec), lora_to_peft(out["state"].lora, spec)
+    assert any(not np.allclose(old[k], lora[k]) for k in lora)
+    assert [v for v, _ in served] == [0, 1, 2, 2, 2]  # start, after step 1, after step 2, eval, back
+    for k in lora:
+        np.testing.assert_array_equal(read_peft(tmp_path / "lora_final")[1][k], lora[k])
+        np.testing.assert_array_equal(served[2][1][k], old[k])
+        np.testing.assert_array_equal(served[3][1][k], lora[k])
+        np.testing.assert_array_equal(served[4][1][k], old[k])
+    assert {"old_deviate", "policy_loss", "kl"} <= set(out["history"][-1]) and "ratio_mean" not in out["history"][-1]
+    cfg.train.num_steps = 3
+    resumed = run(cfg, resume=True)
+    assert resumed["history"][0]["step"] == 3 and resumed["history"][0]["old_deviate"] > 0  # old != LoRA restored
 
 
 def test_resume_continues_exactly(ray_session, tmp_path):

@@ -37,7 +37,8 @@ def test_sampling_split_and_round_trip():
                            "max_sequence_length", "num_outputs_per_prompt", "extra_args"}
     assert kwargs["num_outputs_per_prompt"] == 2 and kwargs["height"] == 16 and kwargs["true_cfg_scale"] == 4.0
     assert kwargs["extra_args"] == {"noise_level": 1.2, "sde_type": "sde", "sde_window_size": 1,
-                                    "sde_window_range": [0, 2], "same_latent": False, "seeds": SEEDS,
+                                    "sde_window_range": [0, 2], "same_latent": False, "keep_final": False,
+                                    "seeds": SEEDS,
                                     "policy_version": 7}
     params = omni_params(kwargs)
     assert vop.is_rollout_request(params)
@@ -88,9 +89,12 @@ def assert_batches_equal(a: TrajectoryBatch, b: TrajectoryBatch) -> None:
             assert x == y, f.name
 
 
-@pytest.mark.parametrize("cfg", [True, False])
-def test_output_pack_unpack(cfg):
+@pytest.mark.parametrize("cfg, final", [(True, False), (False, False), (False, True)])
+def test_output_pack_unpack(cfg, final):
     batch = synthetic_batch(cfg=cfg)
+    if final:  # keep_final (DiffusionNFT): the final latents ride in the payload
+        batch = dataclasses.replace(batch, final_latents=np.random.default_rng(1).standard_normal((3, 45, 64),
+                                                                                                  np.float32))
     fields = vop.pack_trajectories(batch)
     assert fields["trajectory_latents"].dtype == torch.float32 and fields["trajectory_latents"].shape == (3, 3, 45, 64)
     assert fields["custom_output"]["rollout"]["prompt_embeds"].dtype == torch.bfloat16

@@ -82,6 +82,9 @@ def validate_arrays(rec, image_field: str, lead: Dims) -> None:
         raise ValueError(
             f"step_index: expected contiguous increasing steps within [0, N-1) = [0, {n - 1}), "
             f"got {steps.tolist()}")
+    final = getattr(rec, "final_latents", None)
+    if final is not None:
+        _check("final_latents", final, (F32,), lead + [("S", rec.latents.shape[-2]), ("C", rec.latents.shape[-1])])
     _check_text("prompt", rec.prompt_embeds, rec.prompt_mask, lead, EMBED_DTYPES, None)
     neg = (rec.negative_prompt_embeds, rec.negative_prompt_mask)
     if (neg[0] is None) != (neg[1] is None):
@@ -110,6 +113,7 @@ def _concat_key(batch: TrajectoryBatch) -> dict:
         "sigmas": tuple(batch.sigmas.tolist()),
         "prompt_embeds": (batch.prompt_embeds.dtype, batch.prompt_embeds.shape[-1]),
         "negative_prompt_embeds": "present" if batch.guided else "absent",
+        "final_latents": "absent" if batch.final_latents is None else "present",
     }
 
 
@@ -120,7 +124,8 @@ class TrajectoryBatch:
     images (B, H, W, 3); latents (B, W+1, S, C); log_probs (B, W); sigmas (N+1,) shared by all samples;
     step_index (B, W) (windows may differ per sample); prompt_embeds (B, L, D) / prompt_mask (B, L);
     negative_* (B, L', D) / (B, L') or None; prompts (B strings);
-    group_ids, seeds, policy_versions (B,) int64.
+    group_ids, seeds, policy_versions (B,) int64; final_latents (B, S, C), the samples' last latents (sigma 0),
+    or None (SamplingParams.keep_final; DiffusionNFT trains on them).
     """
 
     images: np.ndarray
@@ -136,6 +141,7 @@ class TrajectoryBatch:
     group_ids: np.ndarray
     seeds: np.ndarray
     policy_versions: np.ndarray
+    final_latents: np.ndarray | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "prompts", tuple(self.prompts))
@@ -189,7 +195,8 @@ class TrajectoryBatch:
             sigmas=batches[0].sigmas, step_index=cat("step_index"), prompt_embeds=embeds,
             prompt_mask=mask, negative_prompt_embeds=neg_embeds, negative_prompt_mask=neg_mask,
             prompts=[p for b in batches for p in b.prompts], group_ids=cat("group_ids"),
-            seeds=cat("seeds"), policy_versions=cat("policy_versions"))
+            seeds=cat("seeds"), policy_versions=cat("policy_versions"),
+            final_latents=None if batches[0].final_latents is None else cat("final_latents"))
 
     def to_dict(self) -> dict[str, np.ndarray]:
         """Plain numpy arrays (prompts as a str array; absent negatives omitted), for Ray or checkpoints."""

@@ -52,6 +52,7 @@ class SamplingParams:
     # action the policy trains on; sharing it removes reward variance the advantages cannot credit to the
     # trained steps (a state-dependent baseline)
     same_latent: bool = False
+    keep_final: bool = False  # the trajectories carry the final latents (DiffusionNFT trains on them)
 
     @classmethod
     def from_dict(cls, d: dict | None) -> SamplingParams:
@@ -299,7 +300,8 @@ class SamplingLoop:
             negative_prompt_embeds=None if neg[0] is None else torch_to_numpy(neg[0]),
             negative_prompt_mask=None if neg[1] is None else neg[1].cpu().numpy(),
             prompts=[prompts[g] for g in group], group_ids=group.astype(np.int64), seeds=seeds,
-            policy_versions=np.full(len(group), self.policy_version, np.int64))
+            policy_versions=np.full(len(group), self.policy_version, np.int64),
+            final_latents=final.float().cpu().numpy() if sp.keep_final else None)
 
     def _denoise(self, x, sigmas, starts, gens, sp: SamplingParams, text, grid):
         """Run every step from x; returns the final latents, the window latents (B, W+1, S, C) and log-probs (B, W)."""

@@ -47,7 +47,7 @@ WORKER_EXTENSION_CLASS = f"{__name__}.RolloutWorkerExtension"
 PAYLOAD_KEY = "rollout"  # our entry in DiffusionOutput.custom_output
 # SamplingParams fields carried by OmniDiffusionSamplingParams attributes, and those carried in its extra_args.
 PARAM_FIELDS = ("height", "width", "num_inference_steps", "true_cfg_scale", "max_sequence_length", "seed")
-EXTRA_FIELDS = ("noise_level", "sde_type", "sde_window_size", "sde_window_range", "same_latent")
+EXTRA_FIELDS = ("noise_level", "sde_type", "sde_window_size", "sde_window_range", "same_latent", "keep_final")
 # how LoRA'd linears run: "fused" (bridge/rollout/lora_linear.py) or "stock" (vLLM-Omni's own per-slice apply)
 LORA_APPLY = ("fused", "stock")
 # a torch.profiler trace (CUDA kernels) of the Nth rollout request a worker serves, written to TRACE_ENV's folder
@@ -101,6 +101,8 @@ def pack_trajectories(batch: TrajectoryBatch) -> dict:
     if batch.guided:
         payload.update(negative_prompt_embeds=batch.negative_prompt_embeds,
                        negative_prompt_mask=batch.negative_prompt_mask)
+    if batch.final_latents is not None:
+        payload["final_latents"] = batch.final_latents
     images = torch.from_numpy(batch.images).permute(0, 3, 1, 2).float() / 127.5 - 1
     return {"output": images, "trajectory_latents": torch.from_numpy(batch.latents),
             "trajectory_log_probs": torch.from_numpy(batch.log_probs),
@@ -126,7 +128,7 @@ def unpack_trajectories(output, prompt: str, group_id: int) -> TrajectoryBatch:
         prompt_mask=arrays["prompt_mask"], negative_prompt_embeds=arrays.get("negative_prompt_embeds"),
         negative_prompt_mask=arrays.get("negative_prompt_mask"), prompts=[prompt] * len(latents),
         group_ids=np.full(len(latents), group_id, np.int64), seeds=arrays["seeds"],
-        policy_versions=arrays["policy_versions"])
+        policy_versions=arrays["policy_versions"], final_latents=arrays.get("final_latents"))
 
 
 # ------------------------------------------------------------------------------------------ the classes

@@ -1,0 +1,77 @@
+"""DiffusionNFT (arXiv 2509.16117; NVlabs/DiffusionNFT `scripts/train_nft_sd3.py`), docs/numerics.md §10: policy
+optimization on the forward process. No SDE log-probs: the final latents x0 of the rollout are noised afresh at
+timesteps of the sampling schedule, x_t = (1 - t) x0 + t eps, and the policy's velocity v is pulled toward an
+implicit positive policy on high-reward samples and away from an implicit negative one on low-reward samples, both
+built around the "old" policy that sampled (a slowly moving copy of the LoRA, `old_decay`).
+
+Pure functions; the jitted step that accumulates them is `jaxflow.train_step`.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+WEIGHT_FLOOR = 1e-5  # the adaptive weight's lower clip (DiffusionNFT's)
+
+
+def noised(x0, noise, t):
+    """x_t = (1 - t) x0 + t noise; x0, noise (B, S, C), t (B,)."""
+    t = t.reshape(-1, *([1] * (x0.ndim - 1)))
+    return (1 - t) * x0 + t * noise
+
+
+def _per_sample_mean(x):
+    return jnp.mean(x.reshape(x.shape[0], -1), axis=1)
+
+
+def _x0_loss(v, xt, x0, t):
+    """Adaptively weighted x0-regression loss (B,): mean((x0_hat - x0)^2) / sg(max(mean|x0_hat - x0|, floor)),
+    x0_hat = x_t - t v."""
+    err = xt - t.reshape(-1, *([1] * (xt.ndim - 1))) * v - x0
+    weight = jax.lax.stop_gradient(jnp.maximum(_per_sample_mean(jnp.abs(err)), WEIGHT_FLOOR))
+    return _per_sample_mean(jnp.square(err)) / weight
+
+
+def optimality(advantages, adv_clip: float):
+    """r in [0, 1] (B,): the clipped advantage mapped linearly, -adv_clip -> 0, 0 -> 1/2, adv_clip -> 1."""
+    return jnp.clip(jnp.clip(advantages, -adv_clip, adv_clip) / adv_clip / 2 + 0.5, 0.0, 1.0)
+
+
+def loss_terms(v, v_old, x0, xt, t, advantages, *, nft_beta: float, adv_clip: float, v_ref=None) -> dict:
+    """Per-sample terms (B,) of one noised timestep: policy, kl and old_deviate.
+
+    v+ = beta v + (1 - beta) v_old and v- = (1 + beta) v_old - beta v (v_old under stop_gradient); policy =
+    adv_clip (r L(v+) + (1 - r) L(v-)) / beta with L `_x0_loss` and r = `optimality(A)`. kl = mean((v - v_ref)^2),
+    v_ref the adapters-off velocity (zeros without it); old_deviate = mean((v - v_old)^2), for the metrics. The
+    loss of a timestep is mean(policy) + train.beta mean(kl)."""
+    v, v_old = v.astype(jnp.float32), jax.lax.stop_gradient(v_old.astype(jnp.float32))
+    positive = nft_beta * v + (1 - nft_beta) * v_old
+    negative = (1 + nft_beta) * v_old - nft_beta * v
+    r = optimality(advantages, adv_clip)
+    policy = adv_clip * (r * _x0_loss(positive, xt, x0, t) + (1 - r) * _x0_loss(negative, xt, x0, t)) / nft_beta
+    kl = jnp.zeros_like(policy) if v_ref is None else _per_sample_mean(
+        jnp.square(v - jax.lax.stop_gradient(v_ref.astype(jnp.float32))))
+    return {"policy": policy, "kl": kl, "old_deviate": jax.lax.stop_gradient(_per_sample_mean(jnp.square(v - v_old)))}
+
+
+def old_decay(updates, flat: int, rate: float, cap: float):
+    """The old policy's decay after `updates` optimizer updates: 0 (old = the LoRA) for the first `flat`, then
+    rate per update up to `cap`. After each step old <- decay old + (1 - decay) LoRA (DiffusionNFT's
+    `return_decay`; its OCR recipe: 75, 0.0075, 0.999)."""
+    grown = (jnp.asarray(updates, jnp.float32) - flat) * rate
+    return jnp.where(updates < flat, 0.0, jnp.minimum(grown, cap))
+
+
+def timestep_picks(key, sigmas, count: int):
+    """(B, count) sigmas, each row `count` distinct timesteps of its sample's schedule (the N nonzero sigmas of
+    sigmas (B, N + 1)) drawn without replacement, as DiffusionNFT shuffles the schedule per sample."""
+    n = sigmas.shape[1] - 1
+    order = jnp.argsort(jax.random.uniform(key, (sigmas.shape[0], n)), axis=1)[:, :count]
+    return jnp.take_along_axis(sigmas[:, :n], order, axis=1)
+
+
+def step_metrics(terms: dict, beta: float) -> dict:
+    """Scalar metrics from per-sample terms stacked as (micro-batches, timesteps, B_micro)."""
+    policy, kl = jnp.mean(terms["policy"]), jnp.mean(terms["kl"])
+    return {"loss": policy + beta * kl, "policy_loss": policy, "kl": kl,
+            "old_deviate": jnp.mean(terms["old_deviate"]), "old_deviate_max": jnp.max(terms["old_deviate"])}

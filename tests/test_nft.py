@@ -1,0 +1,177 @@
+"""DiffusionNFT (train.algorithm='nft'): its loss against a torch transcription of the paper's formula, the old
+policy's decay, the timesteps, the jitted step, and a run of the training program."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from jaxflow import nft
+from jaxflow.models.config import ModelOptions, QwenImageConfig
+from jaxflow.models.lora import LoRAParam, LoRASpec
+from jaxflow.models.transformer import QwenImageTransformer
+from jaxflow.train_step import TrainConfig, make_train_step
+from tests.helpers_sampler import SamplerConfig, make_sampler
+
+TINY = QwenImageConfig(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,
+                       axes_dims_rope=(8, 12, 12))
+
+
+def transcribed(v, v_old, v_ref, x0, noise, t, adv, beta, adv_clip):
+    """DiffusionNFT's objective written out in torch (arXiv 2509.16117, eq. of the implicit policies; the
+    adaptive weight as its SD3 trainer computes it, in float64 without gradient)."""
+    t = t.view(-1, 1, 1)
+    xt = (1 - t) * x0 + t * noise
+    r = torch.clamp(torch.clamp(adv, -adv_clip, adv_clip) / adv_clip / 2 + 0.5, 0, 1)
+
+    def loss(pred):
+        x0_hat = xt - t * pred
+        with torch.no_grad():
+            w = (x0_hat.double() - x0.double()).abs().mean(dim=(1, 2), keepdim=True).clip(min=1e-5)
+        return ((x0_hat - x0) ** 2 / w).mean(dim=(1, 2))
+
+    pos = loss(beta * v + (1 - beta) * v_old)
+    neg = loss((1 + beta) * v_old - beta * v)
+    policy = (r * pos / beta + (1 - r) * neg / beta) * adv_clip
+    kl = ((v - v_ref) ** 2).mean(dim=(1, 2))
+    return policy, kl
+
+
+@pytest.mark.parametrize("beta", [1.0, 0.1])
+def test_loss_and_gradient_match_a_transcription_of_diffusionnft(beta):
+    r = np.random.default_rng(0)
+    b, s, c = 5, 6, 4
+    x0, noise, v, v_old, v_ref = (r.normal(size=(b, s, c)).astype(np.float32) for _ in range(5))
+    t = np.array([0.9, 0.5, 0.2, 1.0, 0.05], np.float32)
+    adv = np.array([-7.0, -1.0, 0.0, 2.5, 6.0], np.float32)  # both clips, r = 1/2 and the ends
+    kl_beta, adv_clip = 0.3, 5.0
+
+    def jax_loss(v):
+        xt = nft.noised(x0, noise, t)
+        terms = nft.loss_terms(v, v_old, x0, xt, t, adv, nft_beta=beta, adv_clip=adv_clip, v_ref=v_ref)
+        return jnp.mean(terms["policy"]) + kl_beta * jnp.mean(terms["kl"]), terms
+
+    (loss, terms), grad = jax.value_and_grad(jax_loss, has_aux=True)(jnp.asarray(v))
+    tv = torch.tensor(v, requires_grad=True)
+    policy, kl = transcribed(tv, *(torch.tensor(a) for a in (v_old, v_ref, x0, noise, t, adv)), beta, adv_clip)
+    ref = policy.mean() + kl_beta * kl.mean()
+    ref.backward()
+    np.testing.assert_allclose(terms["policy"], policy.detach().numpy(), rtol=2e-6)
+    np.testing.assert_allclose(terms["kl"], kl.detach().numpy(), rtol=2e-6)
+    np.testing.assert_allclose(loss, ref.item(), rtol=2e-6)
+    np.testing.assert_allclose(grad, tv.grad.numpy(), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(terms["old_deviate"], ((v - v_old) ** 2).mean(axis=(1, 2)), rtol=2e-6)
+
+
+def test_the_gradient_pulls_toward_the_positive_policy_for_good_samples_only():
+    """r = 1: the loss is the positive policy's, whose x0 regression moves v toward (x_t - x0) / t; r = 0 pushes
+    v the other way; v_old gets no gradient."""
+    r = np.random.default_rng(1)
+    x0, noise, v_old = (r.normal(size=(1, 4, 2)).astype(np.float32) for _ in range(3))
+    t = np.array([0.5], np.float32)
+    xt = nft.noised(x0, noise, t)
+    target = (xt - x0) / 0.5  # the velocity that reconstructs x0 exactly
+
+    def grad(adv, v, v_old):
+        return jax.grad(lambda a, b: jnp.sum(nft.loss_terms(a, b, x0, xt, t, np.float32([adv]), nft_beta=1.0,
+                                                            adv_clip=5.0)["policy"]), argnums=(0, 1))(v, v_old)
+
+    up, old_grad = grad(5.0, v_old, v_old)
+    down, _ = grad(-5.0, v_old, v_old)
+    assert float(jnp.sum(-up * (target - v_old))) > 0  # a descent step moves v toward the target
+    assert float(jnp.sum(-down * (target - v_old))) < 0
+    assert not np.any(old_grad)
+
+
+def test_old_decay_follows_diffusionnfts_schedules():
+    flat, rate, cap = 75, 0.0075, 0.999  # its OCR recipe
+    got = [float(nft.old_decay(k, flat, rate, cap)) for k in (0, 74, 75, 100, 208, 10_000)]
+    np.testing.assert_allclose(got, [0, 0, 0, 0.1875, 0.9975, 0.999], rtol=1e-6)
+    assert float(nft.old_decay(300, 0, 0.001, 0.5)) == pytest.approx(0.3)  # its default schedule
+
+
+def test_timestep_picks_are_distinct_sigmas_of_each_schedule():
+    sigmas = np.stack([np.linspace(1, 0, 11), np.linspace(0.9, 0, 11)]).astype(np.float32)
+    picks = np.asarray(nft.timestep_picks(jax.random.key(0), sigmas, 9))
+    for row, schedule in zip(picks, sigmas):
+        assert len(set(row.tolist())) == 9 and set(row.tolist()) <= set(schedule[:-1].tolist())
+    other = np.asarray(nft.timestep_picks(jax.random.key(1), sigmas, 9))
+    assert not np.array_equal(picks, other)
+
+
+@pytest.fixture(scope="module")
+def tiny_batch():
+    spec = LoRASpec(rank=4, alpha=8.0, targets=("to_q", "to_v", "img_mlp.net.2"))
+    model = QwenImageTransformer(TINY, ModelOptions(), spec, rngs=nnx.Rngs(0))
+    leaves, treedef = jax.tree.flatten(nnx.state(model, LoRAParam))
+    nnx.update(model, jax.tree.unflatten(
+        treedef, [x + 0.3 * jax.random.normal(jax.random.key(i), x.shape) for i, x in enumerate(leaves)]))
+    r = np.random.default_rng(0)
+    text = {"prompt_embeds": r.normal(size=(4, 5, 64)).astype(np.float32),
+            "prompt_mask": np.arange(5)[None] < np.array([5, 3, 4, 2])[:, None]}
+    traj = make_sampler(model, SamplerConfig(grid_hw=(2, 2), num_steps=6, noise_level=1.2, guidance=1.0,
+                                             window_size=2))(text, [1, 2, 3, 4])
+    return model, {**traj, "advantages": np.array([1.0, -1.0, 2.0, -0.5], np.float32)}
+
+
+def _step(model, batch, **kw):
+    config = TrainConfig(grid_hw=(2, 2), algorithm="nft", num_micro_batches=2, nft_timesteps=3, beta=0.01,
+                         learning_rate=1e-2, **kw)
+    init_state, step = make_train_step(model, config)
+    state = init_state()
+    first = jax.tree.map(np.asarray, state.lora)
+    state, metrics = step(state, batch)
+    return first, jax.tree.map(np.asarray, state), jax.device_get(metrics)
+
+
+def test_the_nft_step_trains_the_lora_and_moves_the_old_policy_by_its_decay(tiny_batch):
+    model, batch = tiny_batch
+    first, state, metrics = _step(model, batch, nft_decay=(0, 1.0, 0.25))  # one update: decay min(1, 0.25)
+    assert int(state.step) == 1 and metrics["skipped"] == 0 and np.isfinite(metrics["loss"])
+    assert metrics["old_deviate"] == 0  # one update from the old policy: v = v_old
+    leaves = [jax.tree.leaves(t) for t in (first, state.lora, state.old)]
+    assert any(not np.allclose(a, b) for a, b in zip(leaves[0], leaves[1]))
+    for a, b, old in zip(*leaves):
+        np.testing.assert_allclose(old, 0.25 * a + 0.75 * b, rtol=1e-6, atol=1e-7)
+    _, flat, _ = _step(model, batch, nft_decay=(5, 1.0, 0.25))  # within the flat start: old = the LoRA
+    for a, b in zip(jax.tree.leaves(flat.lora), jax.tree.leaves(flat.old)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_the_nft_step_needs_the_final_latents_and_refuses_flowgrpo_settings(tiny_batch):
+    model, batch = tiny_batch
+    _, step = make_train_step(model, TrainConfig(grid_hw=(2, 2), algorithm="nft"))
+    with pytest.raises(ValueError, match="final_latents.*keep_final"):
+        step(None, {k: v for k, v in batch.items() if k != "final_latents"})
+    for kw, needle in (({"guidance": 4.0}, "guidance"), ({"ratio_norm": "guard", "old_log_prob": "recompute"},
+                                                        "ratio_norm"),
+                       ({"drop_zero_advantage": True}, "drop_zero_advantage"), ({"nft_beta": 0.0}, "nft_beta")):
+        with pytest.raises(ValueError, match=needle):
+            TrainConfig(grid_hw=(2, 2), algorithm="nft", **kw)
+
+
+def test_the_mini_ocr_arms_validate_and_set_what_they_name():
+    import importlib.util
+    from pathlib import Path
+
+    from jaxflow import config as config_lib
+    spec = importlib.util.spec_from_file_location("mini_ocr", Path(__file__).resolve().parents[1] / "configs" /
+                                                  "mini_ocr.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    seen = {}
+    for variant in module.VARIANTS:
+        cfg = module.get_config(variant)
+        cfg.model.path = "tiny"
+        config_lib.validate(cfg)
+        t = cfg.train
+        seen[variant] = (t.algorithm, t.ratio_norm, t.old_log_prob, cfg.sample.guidance, cfg.eval.guidance,
+                         list(cfg.reward.fns))
+    assert seen["nft"] == ("nft", "none", "recompute", 1.0, 1.0, ["ocr"])
+    assert seen["nft_control"][-1] == ["ocr_shuffled"] and seen["guard"][1] == "guard"
+    assert seen["corrected"][2] == "rollout_corrected" and seen[""] == ("flowgrpo", "none", "recompute", 4.0, 4.0,
+                                                                        ["ocr"])
+    with pytest.raises(ValueError, match="unknown variant"):
+        module.get_config("dpo")
