@@ -50,6 +50,7 @@ class _Clip:
                  batch_size: int = 16, text: bool = True):
         from transformers import CLIPImageProcessor, CLIPTokenizer
 
+        self.require_model(path)  # the model's files first: a folder that lacks everything names them
         files = PROCESSOR_FILES if text else PROCESSOR_FILES[:1]
         proc_dir = require_files(self.name, "processor_path", processor_path or path, files)
         if dtype not in ("float32", "bfloat16", "float16"):
@@ -59,6 +60,10 @@ class _Clip:
         self.model.eval().to(self.device)
         self.images = CLIPImageProcessor.from_pretrained(proc_dir, local_files_only=True)
         self.tokenizer = CLIPTokenizer.from_pretrained(proc_dir, local_files_only=True) if text else None
+
+    def require_model(self, path) -> None:
+        """FileNotFoundError naming what the model's checkpoint lacks (a transformers CLIPModel folder here)."""
+        require_files(self.name, "path", path, MODEL_FILES)
 
     def load_model(self, path, dtype: torch.dtype):
         """The CLIPModel of the transformers folder `path`."""

@@ -102,6 +102,9 @@ class Hps(ClipScore):
         self.checkpoint, self.arch = Path(path), {**VIT_H_14, **(arch or {})}
         super().__init__(path, processor_path, device, dtype, batch_size)
 
+    def require_model(self, path) -> None:
+        """Checked in __init__: the checkpoint is one file, not a folder."""
+
     def load_model(self, path, dtype: torch.dtype):
         from transformers import CLIPConfig, CLIPModel
 
