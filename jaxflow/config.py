@@ -9,9 +9,9 @@ from bridge.contract.schedule import CFG_FORWARDS
 
 from jaxflow.models.config import LORA_GEMMS, ModelOptions
 from jaxflow.models.lora import LoRASpec
-from jaxflow.rewards.multi import NEED_TARGET, REGISTRY
+from bridge.rewards.multi import NEED_TARGET, REGISTRY
 from jaxflow.sharding import ShardingConfig
-from jaxflow.train_step import ALGORITHMS, OLD_LOG_PROBS, RATIO_NORMS, TrainConfig
+from jaxflow.step_config import ALGORITHMS, OLD_LOG_PROBS, RATIO_NORMS, TrainConfig
 
 TINY_HINT = "configs/tiny_ocr.py (the embedded tiny offline model)"
 

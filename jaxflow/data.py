@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxflow.rewards.text import extract_target
+from bridge.rewards.text import extract_target
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from jaxflow.train_step import NFT_FIELDS
+from jaxflow.step_config import NFT_FIELDS
 
 GIB = 2 ** 30
 KNOBS = ("train.num_micro_batches (more micro-batches: fewer samples in each forward and backward), a larger JAX pool "
@@ -80,7 +80,7 @@ def abstract_batch(*, batch: int, window: int, num_steps: int, seq: int, channel
                    nft: bool = False) -> tuple[dict, dict | None]:
     """Shapes and dtypes of the batch `train_step.prepare_batch` hands the step (text padded to `text` tokens,
     sample.max_sequence_length), and of the old-log-prob pass's output when it runs (with `means`: the SDE means
-    train.ratio_norm="guard" keeps); with `nft`, DiffusionNFT's batch (train_step.NFT_FIELDS)."""
+    train.ratio_norm="guard" keeps); with `nft`, DiffusionNFT's batch (step_config.NFT_FIELDS)."""
     s = jax.ShapeDtypeStruct
     out = {"latents": s((batch, window + 1, seq, channels), np.float32), "log_probs": s((batch, window), np.float32),
            "sigmas": s((batch, num_steps + 1), np.float32), "step_index": s((batch, window), np.int32),

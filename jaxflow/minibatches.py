@@ -89,6 +89,11 @@ def compact_zero_advantage(batch: dict, num_mini_batches: int, num_micro_batches
     return _reordered(batch, zero_advantage_order(batch["advantages"], num_mini_batches, num_micro_batches))
 
 
+def micro_batches(batch: dict, m: int) -> dict:
+    """(B, ...) -> (m, B/m, ...), micro-batch k = rows k, k + m, ... (of a mini-batch, on the devices)."""
+    return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1), batch)
+
+
 def select(tree, m: int, j) -> dict:
     """Mini-batch j (a traced int32 is fine) of a per-sample tree: rows j, j + m, ... (B/m, ...)."""
     if m == 1:

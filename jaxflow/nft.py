@@ -4,12 +4,18 @@ timesteps of the sampling schedule, x_t = (1 - t) x0 + t eps, and the policy's v
 implicit positive policy on high-reward samples and away from an implicit negative one on low-reward samples, both
 built around the "old" policy that sampled (a slowly moving copy of the LoRA, `old_decay`).
 
-Pure functions; the jitted step that accumulates them is `jaxflow.train_step`.
+The loss terms are pure functions; `gradients` accumulates them over a mini-batch and `advanced` moves the
+old policy, both inside `jaxflow.train_step`'s jitted functions.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from flax import nnx
+
+from jaxflow import minibatches
 
 WEIGHT_FLOOR = 1e-5  # the adaptive weight's lower clip (DiffusionNFT's)
 
@@ -75,3 +81,49 @@ def step_metrics(terms: dict, beta: float) -> dict:
     policy, kl = jnp.mean(terms["policy"]), jnp.mean(terms["kl"])
     return {"loss": policy + beta * kl, "policy_loss": policy, "kl": kl,
             "old_deviate": jnp.mean(terms["old_deviate"]), "old_deviate_max": jnp.max(terms["old_deviate"])}
+
+
+def _loss(lora, old, frozen, step, scale, *, graphdef, config):
+    xt = noised(step["final_latents"], step["noise"], step["t"])
+
+    def velocity(params, lora_scale=1.0):
+        return nnx.merge(graphdef, params, frozen)(xt, step["t"], step["prompt_embeds"], step["prompt_mask"],
+                                                   grid_hw=config.grid_hw, lora_scale=lora_scale)
+
+    v_ref = velocity(lora, 0.0) if config.beta > 0 else None
+    terms = loss_terms(velocity(lora), velocity(old), step["final_latents"], xt, step["t"], step["advantages"],
+                           nft_beta=config.nft_beta, adv_clip=config.adv_clip, v_ref=v_ref)
+    return (jnp.mean(terms["policy"]) + config.beta * jnp.mean(terms["kl"])) * scale, terms
+
+
+def gradients(graphdef, lora, old, frozen, batch: dict, key, config, layout=None):
+    """DiffusionNFT's counterpart of `train_step.accumulate_gradients` (`config` a TrainConfig, `layout` a Layout or
+    None): the sum over micro-batches and noised timesteps of
+    grad(loss / (M * T)) wrt `lora` (M = num_micro_batches, T = nft_timesteps) and the per-sample terms stacked as
+    (M, T, B/M). Each sample trains on T distinct timesteps of its schedule with fresh noise, both drawn from `key`
+    (`nft.timestep_picks`); `old` is the old policy's LoRA (no gradient)."""
+    m, count = config.num_micro_batches, config.nft_timesteps
+    grad_fn = jax.grad(functools.partial(_loss, graphdef=graphdef, config=config), has_aux=True)
+
+    def micro(grads, xs):
+        mb, k = xs
+        if layout is not None:
+            mb = jax.lax.with_sharding_constraint(mb, layout.batch_sharding)
+        pick, draw = jax.random.split(k)
+        t = timestep_picks(pick, mb["sigmas"], count).T  # (T, b)
+        noise = jax.random.normal(draw, (count, *mb["final_latents"].shape), jnp.float32)
+        shared = {k: mb[k] for k in ("final_latents", "advantages", "prompt_embeds", "prompt_mask")}
+
+        def timestep(grads, xs):
+            g, terms = grad_fn(lora, old, frozen, {**shared, "t": xs[0], "noise": xs[1]}, scale=1.0 / (m * count))
+            return jax.tree.map(jnp.add, grads, g), terms
+
+        return jax.lax.scan(timestep, grads, (t, noise))
+
+    return jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, lora), (minibatches.micro_batches(batch, m), jax.random.split(key, m)))
+
+
+def advanced(old, lora, updates, decay: tuple[float, float, float]):
+    """The old policy after a step: d old + (1 - d) lora, d = `old_decay(updates, *decay)` (updates so far)."""
+    d = old_decay(updates, *decay)
+    return jax.tree.map(lambda o, p: d * o + (1 - d) * p, old, lora)

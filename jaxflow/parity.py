@@ -19,7 +19,8 @@ from bridge.contract import keymap
 from jaxflow.models.config import QwenImageConfig
 from jaxflow.models.loading import TensorSource
 from jaxflow.models.lora import LoRAParam, LoRASpec
-from jaxflow.train_step import TrainConfig, accumulate_gradients, prepare_batch
+from jaxflow.step_config import TrainConfig
+from jaxflow.train_step import accumulate_gradients, prepare_batch
 
 
 def recompute(model: nnx.Module, batch: TrajectoryBatch, *, grid_hw: tuple[int, int], guidance: float,

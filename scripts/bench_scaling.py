@@ -25,7 +25,8 @@ from bench_train_step import WINDOW, add_workload_args, random_model, synthetic_
 
 from jaxflow.models.config import QwenImageConfig  # noqa: E402
 from jaxflow.sharding import DEFAULT_RULES, FSDP_RULES, Layout, ShardingConfig  # noqa: E402
-from jaxflow.train_step import TrainConfig, make_train_step  # noqa: E402
+from jaxflow.step_config import TrainConfig  # noqa: E402
+from jaxflow.train_step import make_train_step  # noqa: E402
 
 
 def run(model, cfg, args, layout: Layout, n_dev: int) -> float:

@@ -38,7 +38,8 @@ from bridge.contract import schedule  # noqa: E402
 from jaxflow.models.config import ModelOptions, QwenImageConfig  # noqa: E402
 from jaxflow.models.lora import LoRAParam, LoRASpec, lora_to_peft  # noqa: E402
 from jaxflow.models.transformer import QwenImageTransformer  # noqa: E402
-from jaxflow.train_step import TrainConfig, make_train_step  # noqa: E402
+from jaxflow.step_config import TrainConfig  # noqa: E402
+from jaxflow.train_step import make_train_step  # noqa: E402
 
 WINDOW = (3, 4)
 

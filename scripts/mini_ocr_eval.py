@@ -23,7 +23,7 @@ from bridge.rollout.pipeline import RolloutPipeline  # noqa: E402
 from bridge.rollout.sampling import SamplingParams  # noqa: E402
 from jaxflow.data import load_prompts  # noqa: E402
 from jaxflow.metrics_log import image_grid  # noqa: E402
-from jaxflow.rewards.ocr import OcrReward  # noqa: E402
+from bridge.rewards.ocr import OcrReward  # noqa: E402
 
 
 def evaluate(pipeline: Path, prompts: list[str], lora: Path | None = None, steps: int = 10, guidance: float = 4.0,

@@ -188,7 +188,8 @@ def profile_train_step(out: Path, batch: int, micro: int, hlo: Path | None = Non
     from jaxflow.models.lora_gemm import on_hopper
     from jaxflow.models.random_init import random_transformer
     from jaxflow.recipes import base
-    from jaxflow.train_step import TrainConfig, make_train_step
+    from jaxflow.step_config import TrainConfig
+    from jaxflow.train_step import make_train_step
 
     cfg = QwenImageConfig(**FULL)
     if layers:

@@ -69,7 +69,8 @@ def test_a_step_that_does_not_fit_exits_2_before_the_rollout_with_nothing_writte
 def test_abstract_batch_matches_prepare_batch():
     """The shapes the check compiles for are the ones `prepare_batch` produces from a rollout's batch."""
     import ml_dtypes
-    from jaxflow.train_step import TrainConfig, prepare_batch
+    from jaxflow.step_config import TrainConfig
+    from jaxflow.train_step import prepare_batch
     b, w, n, s, c, length, d = 4, 2, 6, 10, 8, 5, 16
     bf16 = np.dtype(ml_dtypes.bfloat16)
     spec, old = memory.abstract_batch(batch=b, window=w, num_steps=n, seq=s, channels=c, text=length, width=d,

@@ -2,11 +2,11 @@
 control reward."""
 import numpy as np
 
-from jaxflow.mini_ocr.render import render, render_dataset
-from jaxflow.mini_ocr.words import MAX_LEN, MIN_LEN, prompt, split, write_prompts
-from jaxflow.rewards import build_reward
-from jaxflow.rewards.ocr import OcrReward
-from jaxflow.rewards.shuffled import Shuffled
+from bridge.mini_ocr.render import render, render_dataset
+from bridge.mini_ocr.words import MAX_LEN, MIN_LEN, prompt, split, write_prompts
+from bridge.rewards import build_reward
+from bridge.rewards.ocr import OcrReward
+from bridge.rewards.shuffled import Shuffled
 from tests.test_learning import ROOT
 
 

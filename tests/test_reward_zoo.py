@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from jaxflow.rewards.multi import build_reward
+from bridge.rewards.multi import build_reward
 
 PROMPTS = ["a red fox", "a sign that says hello", "two cats", "a blue car", "the word OCR"]
 
@@ -98,7 +98,7 @@ def test_a_missing_file_is_named_in_one_line(clip_dir, tmp_path):
 
 
 def test_reward_models_are_imported_only_when_used():
-    code = ("import sys; from jaxflow.rewards.multi import build_reward; build_reward({'brightness': 1.0}); "
+    code = ("import sys; from bridge.rewards.multi import build_reward; build_reward({'brightness': 1.0}); "
             "print('bridge.rewards.clip' in sys.modules, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["False", "False"], out.stderr[-2000:]

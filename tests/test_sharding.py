@@ -90,7 +90,8 @@ def _eight_device_check():
     from jaxflow.models.config import ModelOptions, QwenImageConfig
     from jaxflow.models.lora import LoRAParam, LoRASpec
     from jaxflow.models.transformer import QwenImageTransformer
-    from jaxflow.train_step import TrainConfig, make_train_step
+    from jaxflow.step_config import TrainConfig
+    from jaxflow.train_step import make_train_step
 
     assert jax.device_count() == 8
     cfg = QwenImageConfig(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,

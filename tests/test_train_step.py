@@ -13,7 +13,8 @@ from jaxflow import flowgrpo
 from jaxflow.models.config import ModelOptions, QwenImageConfig
 from jaxflow.models.lora import LoRAParam, LoRASpec
 from jaxflow.models.transformer import QwenImageTransformer
-from jaxflow.train_step import TrainConfig, accumulate_gradients, make_train_step, prepare_batch
+from jaxflow.step_config import TrainConfig
+from jaxflow.train_step import accumulate_gradients, make_train_step, prepare_batch
 from tests.helpers_sampler import SamplerConfig, make_sampler
 
 TINY = QwenImageConfig(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,

@@ -23,9 +23,9 @@ import torch
 
 from bridge.mini_ocr.folder import SIZES, build_folder, encode_text
 from bridge.mini_ocr.vae import build_vae, pack, posterior_means, reconstruct, set_latent_stats, train_vae
-from jaxflow.mini_ocr.render import HEIGHT, WIDTH, render_dataset
-from jaxflow.mini_ocr.words import prompt, split, write_prompts
-from jaxflow.rewards.ocr import OcrReward
+from bridge.mini_ocr.render import HEIGHT, WIDTH, render_dataset
+from bridge.mini_ocr.words import prompt, split, write_prompts
+from bridge.rewards.ocr import OcrReward
 
 
 def ocr_scores(images: np.ndarray, words: list[str]) -> dict:

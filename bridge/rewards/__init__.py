@@ -1,1 +1,19 @@
-"""Reward models in torch (transformers), loaded from local checkpoint folders; never imports JAX."""
+"""Rewards: fn(images uint8 (B,H,W,3), prompts list[str]) -> float32 (B,), combined (`multi`) and pooled (`pool`).
+
+Pixel, OCR and VLM rewards in numpy/onnxruntime/HTTP; reward models in torch (transformers: `clip`, `hps`,
+`image_reward`), loaded from local checkpoint folders only when used. Never imports JAX.
+"""
+
+from bridge.rewards.base import RewardFn, check_batch
+from bridge.rewards.jpeg import jpeg_compressibility, jpeg_incompressibility
+from bridge.rewards.multi import REGISTRY, MultiReward, build_reward
+from bridge.rewards.ocr import OcrReward
+from bridge.rewards.pool import RewardPool
+from bridge.rewards.text import edit_score, extract_target, normalize_text
+from bridge.rewards.vlm_ocr import VlmOcrReward
+
+__all__ = [
+    "REGISTRY", "MultiReward", "OcrReward", "RewardFn", "RewardPool", "VlmOcrReward",
+    "build_reward", "check_batch", "edit_score", "extract_target", "jpeg_compressibility",
+    "jpeg_incompressibility", "normalize_text",
+]

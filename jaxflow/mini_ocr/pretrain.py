@@ -35,7 +35,7 @@ import optax
 from flax import nnx
 
 from bridge.contract.schedule import calculate_shift
-from jaxflow.mini_ocr.render import HEIGHT, WIDTH
+from bridge.mini_ocr.render import HEIGHT, WIDTH
 from jaxflow.models.config import ModelOptions
 from jaxflow.models.loading import load_transformer, save_transformer
 from jaxflow.sharding import Layout, ShardingConfig

@@ -10,7 +10,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxflow.rewards.base import check_batch
+from bridge.rewards.base import check_batch
 
 
 def brightness(images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:

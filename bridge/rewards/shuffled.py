@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxflow.rewards.base import RewardFn, check_scores, split
+from bridge.rewards.base import RewardFn, check_scores, split
 
 
 class Shuffled:

@@ -6,13 +6,13 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from jaxflow.rewards.base import RewardFn, check_scores
-from jaxflow.rewards.jpeg import jpeg_compressibility, jpeg_incompressibility
-from jaxflow.rewards.ocr import OcrReward
-from jaxflow.rewards.pixel import brightness
-from jaxflow.rewards.shuffled import Shuffled
-from jaxflow.rewards.vlm_judge import VlmJudge
-from jaxflow.rewards.vlm_ocr import VlmOcrReward
+from bridge.rewards.base import RewardFn, check_scores
+from bridge.rewards.jpeg import jpeg_compressibility, jpeg_incompressibility
+from bridge.rewards.ocr import OcrReward
+from bridge.rewards.pixel import brightness
+from bridge.rewards.shuffled import Shuffled
+from bridge.rewards.vlm_judge import VlmJudge
+from bridge.rewards.vlm_ocr import VlmOcrReward
 
 
 def _torch_model(name: str, module: str = "clip") -> Callable[..., RewardFn]:
@@ -80,7 +80,7 @@ def build_reward(spec: Mapping[str, float], **options: Mapping) -> MultiReward:
 
     Example: build_reward({"vlm_ocr": 1.0}, vlm_ocr={"base_url": "http://host:8000", "model": "m"}).
     Options for known rewards absent from `spec` are ignored (one config can carry them all). An option
-    "actor": {"num_gpus": g, "num_cpus": c} builds that reward in a Ray actor of its own (jaxflow/rewards/remote.py).
+    "actor": {"num_gpus": g, "num_cpus": c} builds that reward in a Ray actor of its own (bridge/rewards/remote.py).
     """
     unknown = [name for name in [*spec, *options] if name not in REGISTRY]
     if unknown:
@@ -92,7 +92,7 @@ def build_reward(spec: Mapping[str, float], **options: Mapping) -> MultiReward:
         kwargs = dict(options.get(name) or {})
         actor = kwargs.pop("actor", None)  # {"num_gpus": .., "num_cpus": ..}: the model in a Ray actor of its own
         if actor is not None:
-            from jaxflow.rewards.remote import RemoteReward
+            from bridge.rewards.remote import RemoteReward
             rewards[name] = RemoteReward(name, kwargs, **dict(actor))
         else:
             rewards[name] = REGISTRY[name](**kwargs)

@@ -16,8 +16,8 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxflow.rewards.base import check_batch
-from jaxflow.rewards.vlm_ocr import VlmOcrReward
+from bridge.rewards.base import check_batch
+from bridge.rewards.vlm_ocr import VlmOcrReward
 
 TASKS = {
     "geneval": ("Does this image show {prompt}? Check every object, count, colour and position it names. "

@@ -14,8 +14,8 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxflow.rewards.base import check_batch
-from jaxflow.rewards.text import edit_score, require_target
+from bridge.rewards.base import check_batch
+from bridge.rewards.text import edit_score, require_target
 
 _LOCAL = threading.local()
 

@@ -9,8 +9,8 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxflow.rewards.base import check_scores, split
-from jaxflow.rewards.multi import MultiReward
+from bridge.rewards.base import check_scores, split
+from bridge.rewards.multi import MultiReward
 
 log = logging.getLogger(__name__)
 

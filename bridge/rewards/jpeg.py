@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 from PIL import Image
 
-from jaxflow.rewards.base import check_batch
+from bridge.rewards.base import check_batch
 
 JPEG_QUALITY = 95
 

@@ -19,8 +19,8 @@ from typing import Sequence
 import numpy as np
 from PIL import Image
 
-from jaxflow.rewards.base import check_batch
-from jaxflow.rewards.text import edit_score, require_target
+from bridge.rewards.base import check_batch
+from bridge.rewards.text import edit_score, require_target
 
 log = logging.getLogger(__name__)
 
