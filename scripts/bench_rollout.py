@@ -21,47 +21,16 @@ from pathlib import Path
 
 import torch
 
+from bridge.rollout.full_size import full_size_pipeline
 from bridge.rollout.pipeline import RolloutPipeline
 from bridge.rollout.sampling import SamplingParams
-from bridge.rollout.tiny import QWEN_SCHEDULER_CONFIG, QWEN_SPECIAL_TOKENS, build_pipeline, build_tokenizer, tokenizer_vocab
+from bridge.rollout.tiny import build_pipeline
 
-REAL_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True],
-                latents_mean=[-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508, 0.4134, -0.0715,
-                              0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921],
-                latents_std=[2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743, 3.2687, 2.1526,
-                             2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160])
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from flops import DATASHEET_TFLOPS, qwen_flops  # noqa: E402
 from results import write_result  # noqa: E402
 
 PROMPT = 'a wooden shop sign above a bakery door that reads "Fresh Bread Daily", warm morning light'
-
-
-def full_size_pipeline(device, transformer_device=None):
-    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
-                           QwenImageTransformer2DModel)
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    vocab, _, vocab_size = tokenizer_vocab()
-    ids = {name: vocab[name] for name in QWEN_SPECIAL_TOKENS}
-    text = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=2, num_attention_heads=28,
-                num_key_value_heads=4, rms_norm_eps=1e-6, rope_theta=1e6, vocab_size=vocab_size,
-                rope_scaling={"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"},
-                bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"])
-    config = Qwen2_5_VLConfig(text_config=text, vision_config=dict(depth=1, hidden_size=16, intermediate_size=16,
-                                                                   num_heads=2, out_hidden_size=3584),
-                              image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-                              vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device(device):
-        torch.manual_seed(0)
-        with torch.device(transformer_device or device):  # "meta": config only, no memory
-            transformer = QwenImageTransformer2DModel()
-        vae = AutoencoderKLQwenImage(**REAL_VAE)
-        text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
-    torch.set_default_dtype(torch.float32)
-    return QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER_CONFIG), vae=vae,
-                             text_encoder=text_encoder, tokenizer=build_tokenizer(), transformer=transformer)
 
 
 def timed(fn, sync) -> float:

@@ -2,21 +2,20 @@
 
     python scripts/make_random_pipeline.py --out DIR [--no-transformer-weights]
 
-Real transformer (20.4B) and VAE configs; the text encoder has the real width (3584) but 2 layers (see
-scripts/bench_rollout.py); our locally built tokenizer; the real scheduler config. bf16 safetensors, sharded.
+Real transformer (20.4B) and VAE configs; the text encoder has the real width (3584) but 2 layers
+(bridge/rollout/full_size.py); our locally built tokenizer; the real scheduler config. bf16 safetensors, sharded.
 With --no-transformer-weights only transformer/config.json is written (2 GB in all instead of 43): for
 `--config.model.init=random`, where the trainer and the rollout draw the transformer's weights on their devices.
 """
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_rollout import full_size_pipeline  # noqa: E402
+from bridge.rollout.full_size import full_size_pipeline
+from bridge.rollout.tiny import save_folder
 
 
 def main(argv=None):
@@ -26,7 +25,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if not args.no_transformer_weights:
-        full_size_pipeline(device).save_pretrained(args.out, safe_serialization=True, max_shard_size="10GB")
+        save_folder(full_size_pipeline(device), args.out, max_shard_size="10GB")
     else:
         pipe = full_size_pipeline(device, transformer_device="meta")
         pipe.save_config(args.out)  # model_index.json

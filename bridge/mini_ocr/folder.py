@@ -1,19 +1,17 @@
 """The mini model's diffusers folder and what the JAX pretraining reads from it.
 
 The folder is the tiny offline pipeline (`bridge/rollout/tiny.py`: tokenizer, text encoder, scheduler) with the
-trained VAE and a fresh transformer of a `SIZES` config written over its `vae/` and `transformer/`; the
-pretraining then overwrites `transformer/` with its weights (`jaxflow/models/loading.py: save_transformer`).
+trained VAE and a fresh transformer of a `SIZES` config in place of its own; the pretraining then overwrites
+`transformer/` with its weights (`jaxflow/models/loading.py: save_transformer`).
 Text embeddings come from the folder through `RolloutPipeline.encode`, the rollout's own text path.
 """
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from bridge.rollout.tiny import TINY_TRANSFORMER_CONFIG, build_tiny_pipeline
+from bridge.rollout.tiny import TINY_TRANSFORMER_CONFIG, build_pipeline, save_folder
 
 # "mini": the proof's model (8 blocks of width 384, about 45M params); "toy": CPU smoke tests.
 SIZES = {
@@ -25,19 +23,9 @@ SIZES = {
 
 def build_folder(out: str | Path, vae, size: str = "mini", seed: int = 0) -> Path:
     """Write the pipeline folder with `vae` and a seeded random transformer of `SIZES[size]`."""
-    from diffusers import QwenImageTransformer2DModel
-
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
-    out = Path(out)
-    build_tiny_pipeline(out, seed)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        transformer = QwenImageTransformer2DModel(**SIZES[size])
-    for name, module in (("vae", vae), ("transformer", transformer)):
-        shutil.rmtree(out / name)
-        module.save_pretrained(out / name, safe_serialization=True)
-    return out
+    return save_folder(build_pipeline(seed, transformer_config=SIZES[size], vae=vae), out)
 
 
 def encode_text(pipeline, prompts: list[str], negative: str = " ") -> dict[str, np.ndarray]:

@@ -154,17 +154,16 @@ def _save_slow_tokenizer_files(tok_dir: Path) -> None:
     (tok_dir / "merges.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
-def _text_encoder():
-    """A tiny Qwen2_5_VLForConditionalGeneration whose token ids match :func:`build_tokenizer`."""
+def text_encoder(text_config: dict, vision_config: dict):
+    """A random Qwen2_5_VLForConditionalGeneration of these configs whose token ids match :func:`build_tokenizer`."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     vocab, _, vocab_size = tokenizer_vocab()
     ids = {name: vocab[name] for name in QWEN_SPECIAL_TOKENS}
-    text = dict(TINY_TEXT_CONFIG, vocab_size=vocab_size, bos_token_id=ids["<|endoftext|>"],
-                eos_token_id=ids["<|im_end|>"])
+    text = dict(text_config, vocab_size=vocab_size, bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"])
     config = Qwen2_5_VLConfig(
         text_config=text,
-        vision_config=TINY_VISION_CONFIG,
+        vision_config=vision_config,
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
@@ -173,29 +172,41 @@ def _text_encoder():
     return Qwen2_5_VLForConditionalGeneration(config).eval()
 
 
-def build_pipeline(seed: int = 0, dtype: str = "float32"):
-    """The tiny ``QwenImagePipeline`` in memory (seeded, see the module docstring)."""
-    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
-                           QwenImageTransformer2DModel)
+def assemble(transformer, vae, encoder):
+    """A ``QwenImagePipeline`` of these modules with the real scheduler config and our tokenizer: every pipeline
+    this project builds (the tiny one here, the full-size random one in ``full_size.py``, the mini OCR folder)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+
+    return QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER_CONFIG), vae=vae,
+                             text_encoder=encoder, tokenizer=build_tokenizer(), transformer=transformer)
+
+
+def save_folder(pipe, out_dir, **save_kw) -> Path:
+    """Write ``pipe`` as a diffusers folder with the tokenizer's slow files too; returns the folder."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    pipe.save_pretrained(out, safe_serialization=True, **save_kw)
+    _save_slow_tokenizer_files(out / "tokenizer")
+    return out
+
+
+def build_pipeline(seed: int = 0, dtype: str = "float32", transformer_config: dict | None = None, vae=None):
+    """The tiny ``QwenImagePipeline`` in memory (seeded, see the module docstring); ``transformer_config`` and a
+    ready ``vae`` replace the tiny ones (the mini OCR model)."""
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
 
     torch_dtype = DTYPES[dtype]
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG untouched
         torch.manual_seed(seed)
-        transformer = QwenImageTransformer2DModel(**TINY_TRANSFORMER_CONFIG)
+        transformer = QwenImageTransformer2DModel(**(transformer_config or TINY_TRANSFORMER_CONFIG))
         torch.manual_seed(seed + 1)
-        vae = AutoencoderKLQwenImage(**TINY_VAE_CONFIG)
+        vae = vae if vae is not None else AutoencoderKLQwenImage(**TINY_VAE_CONFIG)
         torch.manual_seed(seed + 2)
-        text_encoder = _text_encoder()
+        encoder = text_encoder(TINY_TEXT_CONFIG, TINY_VISION_CONFIG)
     if torch_dtype != torch.float32:
-        for module in (transformer, vae, text_encoder):
+        for module in (transformer, vae, encoder):
             module.to(torch_dtype)
-    return QwenImagePipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER_CONFIG),
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=build_tokenizer(),
-        transformer=transformer,
-    )
+    return assemble(transformer, vae, encoder)
 
 
 def _check_dtype(dtype: str) -> None:
@@ -206,12 +217,7 @@ def _check_dtype(dtype: str) -> None:
 def build_tiny_pipeline(out_dir, seed: int = 0, dtype: str = "float32") -> Path:
     """Write the tiny pipeline folder to ``out_dir``; the same (seed, dtype) gives byte-identical files."""
     _check_dtype(dtype)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    pipe = build_pipeline(seed, dtype)
-    pipe.save_pretrained(out, safe_serialization=True)
-    _save_slow_tokenizer_files(out / "tokenizer")
-    return out
+    return save_folder(build_pipeline(seed, dtype), out_dir)
 
 
 def cache_root() -> Path:
