@@ -1,4 +1,4 @@
-"""Train-step scaling, 1 vs N GPUs (gpu-bench row 5): data parallel with the base replicated, then fsdp-sharded.
+"""Train-step scaling, 1 vs N GPUs: data parallel with the base replicated, then fsdp-sharded.
 
     python scripts/bench_scaling.py --out DIR              # full Qwen-Image size, random bf16 weights
     python scripts/bench_scaling.py --tiny --out DIR       # code-path check (XLA_FLAGS=--xla_force_host_platform_device_count=2)

@@ -39,7 +39,7 @@ def test_no_checkpoint_restores_is_one_line(tmp_path):
 
 
 def test_bytes_changed_after_the_save_are_caught_by_the_checksums(tmp_path, caplog):
-    """16 bytes overwritten inside stored array data that still decompresses (issue 36: trained on silently, every
+    """16 bytes overwritten inside stored array data that still decompresses (once trained on silently, every
     update skipped): the leaf's crc32 differs, so the checkpoint is set aside like any damaged one."""
     ckpt = fake_run(tmp_path, tiny_config(tmp_path), steps=(3, 5))
     data = max((p for p in (tmp_path / "checkpoints" / "5").rglob("*") if p.is_file() and p.parent.name == "d"),
@@ -54,8 +54,7 @@ def test_bytes_changed_after_the_save_are_caught_by_the_checksums(tmp_path, capl
 
 def test_a_run_whose_every_update_is_skipped_exits_1_with_one_line(tmp_path):
     """A checkpoint whose LoRA makes every forward non-finite (saved that way, so its checksums match: here one
-    update at lr 1e30): the resumed run skips every update and ends with exit 1 and one line, not "finished" and 0
-    (issue 36)."""
+    update at lr 1e30): the resumed run skips every update and ends with exit 1 and one line, not "finished" and 0."""
     import json
     import subprocess
     import sys

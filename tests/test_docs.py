@@ -55,7 +55,7 @@ def test_readme_install_is_one_line_with_the_cpu_build_of_torch():
     block = re.search(r"1\. Install.*?```\n(.*?)```", readme, flags=re.S).group(1).strip()
     assert "\n" not in block
     assert re.search(r"--extra-index-url https://download\.pytorch\.org/whl/cpu torch==[\d.]+\+cpu ", block), block
-    # torch from its index in a pip call of its own; the project's packages never ask that index (issue 36)
+    # torch from its index in a pip call of its own; the project's packages never ask that index
     project = re.search(r"pip install ([^&]*?)-e \"\.\[test\]\"", block)
     assert project and "index" not in project.group(1) and block.count("download.pytorch.org") == 1, block
     torch_pin = re.search(r"torch==[\d.]+\+cpu", block).group(0)

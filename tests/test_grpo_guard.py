@@ -1,4 +1,4 @@
-"""train.ratio_norm="guard" (issue 38 item 2): GRPO-Guard's ratio is exp(mean((mu - mu_old) eps)) for the sampled
+"""train.ratio_norm="guard": GRPO-Guard's ratio is exp(mean((mu - mu_old) eps)) for the sampled
 noise eps, the policy term divided by dt; on-policy it is exactly 1; it needs the recompute pass's SDE means."""
 
 import jax

@@ -44,7 +44,7 @@ def test_mini_batches_hold_whole_groups_seeded_by_step():
     out = order_minibatches(batch, group_ids, 2, 3, 7)
     np.testing.assert_array_equal(out["advantages"], group_order(group_ids, 2, 3, 7))
     assert out["sigmas"] is batch["sigmas"] and order_minibatches(batch, group_ids, 1, 3, 7) is batch
-    # a jax.Array field moves with the rows (issue 38: it stayed in place and trained on misaligned rows)
+    # a jax.Array field moves with the rows (it once stayed in place and trained on misaligned rows)
     mixed = order_minibatches({**batch, "log_probs": jnp.arange(32.0)}, group_ids, 2, 3, 7)
     np.testing.assert_array_equal(mixed["log_probs"], mixed["advantages"])
     with pytest.raises(ValueError, match="num_mini_batches 3"):

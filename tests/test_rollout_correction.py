@@ -1,4 +1,4 @@
-"""train.old_log_prob="rollout_corrected" (issue 38 item 3): the rollout's log-probs as logp_old, and a sample's window
+"""train.old_log_prob="rollout_corrected": the rollout's log-probs as logp_old, and a sample's window
 step rejected when exp(logp - logp_rollout) leaves [1/t, t]: it trains nothing and leaves the loss's denominator."""
 
 import jax

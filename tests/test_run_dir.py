@@ -104,7 +104,7 @@ def test_a_run_stopped_at_its_last_step_resumes_to_export_only(tmp_path):
 
 
 def test_resume_with_another_recipe_reports_the_change_before_anything_else(tmp_path):
-    """Issue 36: a brightness run stopped at step 11 of 40, resumed with the OCR recipe (10 steps): the changed
+    """A brightness run stopped at step 11 of 40, resumed with the OCR recipe (10 steps): the changed
     recipe is reported, not a "finished" run with a lora_final that does not exist."""
     stopped = tiny_config(tmp_path, num_steps=40)
     stopped.reward.fns = {"brightness": 1.0}

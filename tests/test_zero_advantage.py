@@ -1,4 +1,4 @@
-"""train.drop_zero_advantage (issue 38 item 4): rows of equal-reward groups gathered into whole micro-batches that the
+"""train.drop_zero_advantage: rows of equal-reward groups gathered into whole micro-batches that the
 step skips; the update equals training on the other rows alone; nothing trains when every advantage is 0."""
 
 import jax

@@ -1,4 +1,4 @@
-"""The mini OCR proof (issue 16): a tiny text-rendering Qwen-Image trained from scratch, then FlowGRPO on OCR.
+"""The mini OCR proof: a tiny text-rendering Qwen-Image trained from scratch, then FlowGRPO on OCR.
 
 words.py: deterministic word lists and prompts; render.py: the PIL renderer (Pillow's built-in scalable font);
 pretrain.py: flow-matching pretraining of the Flax transformer on VAE latents. The torch side (VAE training,

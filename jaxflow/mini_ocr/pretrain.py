@@ -1,4 +1,4 @@
-"""Flow-matching pretraining of the Flax Qwen-Image transformer on the mini OCR data (issue 16).
+"""Flow-matching pretraining of the Flax Qwen-Image transformer on the mini OCR data.
 
 Rectified flow with the conventions the pipeline samples with (docs/numerics.md §1): x_t = (1 - s) x0 + s eps,
 target v = eps - x0, the transformer fed sigma = s. s is logit-normal (sigmoid of N(0, 1), as SD3 trains) then
