@@ -21,7 +21,7 @@ FlowGRPO LoRA training (README.md). Every output goes under config.run_dir.
 
   --config FILE           the config, a file with get_config() (default configs/tiny_ocr.py; configs/qwen_ocr.py)
   --config.KEY=VALUE      set one config key, e.g. --config.train.learning_rate=1e-3 --config.run_dir=runs/a
-  --print_config          print every config key with its value (after the --config.KEY overrides) and exit
+  --print_config          print every config key, its value (after the --config.KEY overrides) and help; exit
   --resume                continue the run in config.run_dir from its newest checkpoint that restores
   --allow_config_changes  with --resume: train on although keys that change the training differ from the run's
   --overwrite             delete a previous run's outputs in config.run_dir, then start a new run there
@@ -33,6 +33,7 @@ signal, or one during start-up), the checkpoints as they were.
 """
 HELP_FLAGS = ("-h", "-help", "--help", "--helpshort", "--helpfull", "-?")
 EXIT_CODES = {"finished": 0, "failed": 1, "input": 2, "stopped": 75, "interrupted": 130}
+VALUE_COLUMN = 24  # --print_config: the widest value that sets where the help column starts
 
 
 def _define_flags():
@@ -41,7 +42,7 @@ def _define_flags():
     from ml_collections import config_flags
     default = Path(__file__).resolve().parents[1] / "configs" / "tiny_ocr.py"  # not relative to the cwd
     config_flags.DEFINE_config_file("config", str(default), "training config file (get_config())")
-    flags.DEFINE_bool("print_config", False, "print every config key with its value and exit")
+    flags.DEFINE_bool("print_config", False, "print every config key with its value and help, and exit")
     flags.DEFINE_bool("resume", False, "continue from the newest checkpoint in config.run_dir that restores")
     flags.DEFINE_bool("allow_config_changes", False, "with --resume: accept a config that changes the training")
     flags.DEFINE_bool("overwrite", False, "delete a previous run's outputs in config.run_dir first")
@@ -80,9 +81,18 @@ def flag_error(exc: Exception, argv: list[str]) -> str:
 
 
 def print_config(cfg) -> None:
-    from jaxflow.run_dir import flatten
-    for key, value in sorted(flatten(cfg.to_dict()).items()):
-        print(f"--config.{key}={value!r}")
+    """One line per key in the config's order: `key = value  # help` (jaxflow/recipes.py HELP), the columns aligned;
+    a value longer than VALUE_COLUMN pushes its help along rather than widening the column for all."""
+    from jaxflow.recipes import HELP, config_keys, config_value
+    keys = config_keys(cfg)
+    values = [repr(config_value(cfg, key)) for key in keys]
+    key_width = max(map(len, keys), default=0)
+    value_width = max((len(v) for v in values if len(v) <= VALUE_COLUMN), default=0)
+    for key, value in zip(keys, values):
+        line = f"{key:<{key_width}} = {value}"
+        if key in HELP:
+            line = f"{line:<{key_width + 3 + value_width}}  # {HELP[key]}"
+        print(line)
 
 
 def main(trainer_class, argv: list[str] | None = None) -> int:

@@ -29,6 +29,7 @@ toy sizes (the tiny VAE has spatial factor 4, so 40x72 images are 5x9 packed lat
 """
 from __future__ import annotations
 
+from functools import reduce
 from pathlib import Path
 
 import ml_collections
@@ -37,82 +38,166 @@ from bridge.contract.keymap import DEFAULT_LORA_TARGETS
 
 DATA = Path(__file__).resolve().parents[1] / "data"  # the clone's prompt files, found from any working directory
 
+# Keys whose value is a whole dict or list: one key each (`config_keys`), not a section.
+WHOLE_KEYS = ("reward.fns", "reward.options", "train.xla_options", "sharding.rules")
+
+# Every key of `base()` with one line of help: what it is, its unit or allowed values (`--print_config` prints it
+# beside the value; tests/test_cli.py fails for a key without one). Why a default was chosen stays beside the value.
+HELP: dict[str, str] = {
+    "seed": "seed of the prompt order, the rollout's noise, the mini-batch shuffles and model.init='random'",
+    "run_dir": "output folder (checkpoints, metrics.jsonl, tb, eval grids, lora_final), relative to the cwd",
+    "model.path": "required: a diffusers Qwen-Image folder (model_index.json, transformer/, ...); 'tiny': the tiny "
+                  "offline model",
+    "model.dtype": "the trainer's compute dtype: float32, bfloat16 or float16",
+    "model.param_dtype": "storage dtype of the frozen base weights: float32, bfloat16 or float16",
+    "model.attention": "attention: 'auto' (cudnn for bf16/fp16 compute on a GPU, else xla), 'xla' or 'cudnn'",
+    "model.remat": "remat policy: none, full, save_attn, save_matmuls, save_matmuls_stats (bf16 on GPUs), dots, "
+                   "dots_no_batch",
+    "model.scan_unroll": "blocks per iteration of the scan over the stacked blocks; >= the blocks: unrolled, no scan",
+    "model.matmul_precision": "XLA matmul precision: auto (highest, true fp32, for float32 compute; else default), "
+                              "default, high, highest",
+    "model.lora_gemm": "the blocks' adapted linears: 'xla' (anywhere), 'pallas' (one fused Hopper GEMM: bf16, one "
+                       "H100/H200) or 'auto'",
+    "model.init": "base weights: 'checkpoint' (from model.path) or 'random' (drawn from seed; "
+                  "bridge/contract/random_weights.py)",
+    "lora.rank": "LoRA rank, an int >= 1",
+    "lora.alpha": "LoRA alpha, > 0: the adapter's scale is alpha / rank",
+    "lora.targets": "the linears adapted in every block, by diffusers name (bridge/contract/keymap.py LORA_TARGETS)",
+    "rollout.engine": "rollout engine: 'vllm_omni' (GPU, bfloat16 only) or 'diffusers' (anywhere, CPU included)",
+    "rollout.dtype": "the engine's dtype: 'bfloat16' (vllm_omni's only) or 'float32' (diffusers)",
+    "rollout.device": "the engine's torch device: 'cpu', 'cuda' or 'cuda:N'",
+    "rollout.num_servers": "rollout engines (Ray actors); colocated on GPUs: one per trainer device; in_process: 1",
+    "rollout.num_gpus": "GPUs Ray gives each rollout actor (1: a GPU to itself; 0 on a CPU)",
+    "rollout.num_cpus": "CPUs Ray gives each rollout actor",
+    "rollout.max_retries": "retries of a rollout call on fresh actors after an actor dies",
+    "rollout.address": "the Ray cluster to join; '': start a local Ray instance",
+    "rollout.sleep_while_training": "True: the engines' weights go to CPU while JAX trains (not with layout 'split')",
+    "rollout.layout": "engines: 'colocated' (trainer's GPUs, in turns), 'split' (own GPUs), 'in_process' (no "
+                      "Ray); docs/design.md §3",
+    "rollout.overlap": "True: step k+1's rollout runs while step k trains, one step off-policy; needs layout 'split' "
+                       "(docs/design.md)",
+    "rollout.compile": "diffusers engine only: torch.compile the transformer block",
+    "rollout.cfg_forward": "true CFG's two rows: 'batched' (one forward, text padded to one length) or 'split' (a "
+                           "forward each)",
+    "sample.height": "image height in pixels: a multiple of 2 x the VAE's spatial factor (16 for Qwen-Image)",
+    "sample.width": "image width in pixels: a multiple of 2 x the VAE's spatial factor (16 for Qwen-Image)",
+    "sample.num_steps": "sampling steps of the training rollout",
+    "sample.guidance": "true CFG scale of the rollout and the train step, >= 1 (1: no CFG)",
+    "sample.noise_level": "the SDE's noise level inside a sample's window, > 0",
+    "sample.sde_type": "the window's step: 'sde', 'cps' (coefficients-preserving) or 'ode' (train.algorithm "
+                       "'nft' only)",
+    "sample.window_size": "steps of a sample's SDE window (noised; ODE outside), the steps FlowGRPO trains; in [1, "
+                          "num_steps)",
+    "sample.window_range": "(lo, hi): each sample's window lies in steps [lo, hi), its start drawn per sample",
+    "sample.negative_prompt": "true CFG's negative prompt (flow_grpo's Qwen pipeline: ' ')",
+    "sample.same_latent": "True: a prompt group shares its initial noise (flow_grpo's same_latent)",
+    "sample.max_sequence_length": "prompt tokens: the train step pads text to this, the rollout refuses longer prompts",
+    "sample.prompts_per_step": "prompts a training step samples, each rolled out group_size times",
+    "sample.group_size": "images per prompt (a GRPO group), >= 2",
+    "sample.prompts_per_call": "prompts per rollout request (requests go round-robin to the engines); divides "
+                               "prompts_per_step",
+    "train.num_steps": "training steps (a rollout and its updates each), >= 1",
+    "train.max_minutes": "> 0: end the run (checkpoint, lora_final) before this many minutes; 0: no limit",
+    "train.num_micro_batches": "micro-batches of one update (gradient accumulation); divides a mini-batch's samples",
+    "train.learning_rate": "AdamW learning rate, > 0",
+    "train.clip_range": "the ratio's clip: clip(r, 1 - clip_range, 1 + clip_range), > 0",
+    "train.adv_clip": "advantages clamped to +-adv_clip (nft: its optimality r's scale)",
+    "train.beta": "KL coefficient against the adapters-off policy, >= 0 (0: no KL term)",
+    "train.global_std": "advantages divided by the reward std of the whole step (True) or of each prompt group",
+    "train.max_grad_norm": "gradients clipped to this global norm",
+    "train.weight_decay": "AdamW weight decay",
+    "train.ema_decay": "in (0, 1): an EMA of the LoRA, which the evals sample and lora_final holds; 0: off",
+    "train.adam_b1": "AdamW beta1 (flow_grpo's adam_beta1)",
+    "train.adam_b2": "AdamW beta2 (flow_grpo's adam_beta2)",
+    "train.adam_eps": "AdamW epsilon (flow_grpo's adam_epsilon)",
+    "train.old_log_prob": "logp_old: 'recompute' (the trainer's, verl-omni), 'rollout' (the engine's, flow_grpo), "
+                          "'rollout_corrected'",
+    "train.rejection_threshold": "t > 1, for 'rollout_corrected': a window step with exp(logp - logp_rollout) "
+                                 "outside [1/t, t] trains nothing",
+    "train.ratio_norm": "'none' (FlowGRPO's ratio) or 'guard' (GRPO-Guard's, arXiv 2510.22319; needs "
+                        "old_log_prob='recompute')",
+    "train.num_mini_batches": "optimizer updates per step, each on whole prompt groups; divides "
+                              "sample.prompts_per_step",
+    "train.num_inner_epochs": "passes over the step's mini-batches, >= 1 (each later one on the rows shuffled anew)",
+    "train.drop_zero_advantage": "True: micro-batches whose advantages are all 0 are not trained (docs/design.md)",
+    "train.algorithm": "'flowgrpo', or 'nft': DiffusionNFT (arXiv 2509.16117, docs/numerics.md §10; sample.guidance 1)",
+    "train.nft.beta": "nft: beta, the implicit policies' step, > 0 (train.nft defaults: DiffusionNFT's config/nft.py "
+                      "sd3_ocr)",
+    "train.nft.timesteps": "nft: timesteps trained a sample, in [0, sample.num_steps]; 0: int(0.99 sample.num_steps)",
+    "train.nft.decay_flat": "nft: updates during which the old policy's decay is 0 (the old policy is the LoRA)",
+    "train.nft.decay_rate": "nft: the old policy's decay growth per update after decay_flat",
+    "train.nft.decay_max": "nft: the old policy's largest decay, in [0, 1)",
+    "train.xla_options": "XLA options (names 'xla_...') of the train step's jits only, never process-wide",
+    "reward.fns": "reward name -> weight; the step's reward is the weighted sum (docs/design.md §3b)",
+    "reward.options": "reward name -> its options (ocr: num_threads; 'actor': a Ray actor of its own; docs/design.md "
+                      "§3b)",
+    "reward.workers": "reward threads; a reward that splits (ocr) scores a batch in up to this many pieces at once",
+    "data.train": "training prompts: .txt (one a line, the target in the first \"...\") or .jsonl ({prompt, target})",
+    "data.test": "held-out prompts for the evals, as data.train",
+    "eval.every": "evaluate every this many steps and the final policy; 0: no eval",
+    "eval.num_prompts": "held-out prompts evaluated (data.test's first), one ODE image each",
+    "eval.num_steps": "ODE sampling steps of the eval",
+    "eval.guidance": "true CFG scale of the eval",
+    "checkpoint.every": "steps between checkpoints (also after the last step and on SIGINT/SIGTERM), >= 1",
+    "checkpoint.keep": "the newest checkpoints kept, >= 1",
+    "sharding.data": "size of the mesh's data axis (one of data/fsdp/tensor may be -1: the remaining devices)",
+    "sharding.fsdp": "size of the mesh's fsdp axis",
+    "sharding.tensor": "size of the mesh's tensor axis",
+    "sharding.rules": "(logical axis name, mesh axes) rules (docs/design.md §4); default: the batch over data x fsdp",
+    "log.tensorboard": "TensorBoard scalars in run_dir/tb (metrics.jsonl is always written)",
+    "log.progress": "a progress bar on a terminal, one line a step when stdout is a file",
+    "profile.start_step": "the first step (>= 1) of the jax.profiler trace",
+    "profile.num_steps": "steps traced from start_step on; 0: no trace",
+    "profile.dir": "the trace's folder; '': run_dir/profile",
+}
+
 
 def base() -> ml_collections.ConfigDict:
-    """Every key of the training config, at the real recipe's values."""
+    """Every key of the training config, at the real recipe's values (each key's meaning: `HELP`)."""
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.run_dir = "runs/qwen_ocr"
-    c.model = dict(path="",  # required: a diffusers Qwen-Image folder (model_index.json, transformer/, ...)
-                   dtype="bfloat16", param_dtype="bfloat16", attention="auto",
-                   # save q/k/v, MLP hidden and cuDNN attention's output + softmax statistics (bf16 on GPUs only;
-                   # float32 or a CPU: "save_matmuls"): 2.2% faster than save_matmuls (BENCHMARKS.md, train step)
+    c.model = dict(path="", dtype="bfloat16", param_dtype="bfloat16", attention="auto",
+                   # save_matmuls_stats keeps q/k/v, MLP hidden and cuDNN attention's output + softmax statistics:
+                   # 2.2% faster than save_matmuls (BENCHMARKS.md, train step)
                    remat="save_matmuls_stats",
-                   # blocks per iteration of the scan over the 60 stacked blocks; >= 60 runs them unrolled, each
-                   # block's weights held as arrays of their own: with lora_gemm "auto", the recipe's train phase
-                   # 1.12x on one H200 (11.1 s against 12.4 a step of 32 images; the step 1.03x) for ~4 min more
-                   # compile at start (BENCHMARKS.md, the recipe on one GPU); 1: a scan, compiled in ~16 s
+                   # 60 = the blocks unrolled, each block's weights held as arrays of their own: with lora_gemm
+                   # "auto", the recipe's train phase 1.12x on one H200 (11.1 s against 12.4 a step of 32 images; the
+                   # step 1.03x) for ~4 min more compile at start (BENCHMARKS.md, the recipe on one GPU); 1: a scan,
+                   # compiled in ~16 s
                    scan_unroll=60,
-                   matmul_precision="auto",  # "highest" for float32 compute (true fp32 on GPUs, not TF32)
-                   # "pallas": the adapted linears as one fused Hopper GEMM each (bf16, one H100/H200; BENCHMARKS.md,
-                   # the fused LoRA GEMM); "xla" runs anywhere; "auto": pallas where it runs and pays (unrolled
-                   # blocks, bf16, one H100/H200, rows that tile), else xla, the choice and its reason logged at start
+                   matmul_precision="auto",
+                   # "auto" picks "pallas" where it runs and pays (unrolled blocks, bf16, one H100/H200, rows that
+                   # tile; BENCHMARKS.md, the fused LoRA GEMM), else "xla", the choice and its reason logged at start
                    lora_gemm="auto",
-                   init="checkpoint")  # "random": base weights drawn from `seed` (bridge/contract/random_weights.py)
+                   init="checkpoint")
     c.lora = dict(rank=64, alpha=128.0, targets=list(DEFAULT_LORA_TARGETS))
     c.rollout = dict(engine="vllm_omni", dtype="bfloat16", device="cuda", num_servers=1, num_gpus=1.0,
                      num_cpus=1.0, max_retries=2, address="",
-                     # the engine's weights to CPU while JAX trains: only where something can use the freed memory;
-                     # JAX's fixed pool cannot (it never grows), so off (one H200: 0.716 img/GPU/s without, 0.681
-                     # with, first sleep 29 s; BENCHMARKS.md, the recipe on one GPU); the trainer warns if set there
+                     # off: it pays only where something can use the freed memory; JAX's fixed pool cannot (it never
+                     # grows): one H200 0.716 img/GPU/s without, 0.681 with, first sleep 29 s (BENCHMARKS.md, the
+                     # recipe on one GPU); the trainer warns if set there
                      sleep_while_training=False,
-                     # where the engines run (docs/design.md, where things run): "colocated", Ray actors on the
-                     # trainer's own GPUs, one per device, taking turns with it; "split", actors on GPUs apart from
-                     # the trainer's (rollout.overlap keeps both busy); "in_process", one engine in the trainer's
-                     # process, no Ray
-                     layout="colocated",
-                     # True: step k+1's rollout runs while step k trains (one step off-policy; for rollout GPUs apart
-                     # from the trainer's: docs/design.md, "Overlap")
-                     overlap=False,
-                     compile=False,  # diffusers engine: torch.compile the transformer block
-                     # true CFG's positive and negative rows in one forward, text padded to one length ("batched"),
-                     # or one forward each at its own length ("split": no attention mask within a prompt group;
-                     # vLLM-Omni's rollout 1.05x with the LoRA, 1.07x without: BENCHMARKS.md, true CFG)
+                     layout="colocated", overlap=False, compile=False,
+                     # "split": no attention mask within a prompt group; vLLM-Omni's rollout 1.05x with the LoRA,
+                     # 1.07x without (BENCHMARKS.md, true CFG)
                      cfg_forward="split")
     c.sample = dict(height=512, width=512, num_steps=10, guidance=4.0, noise_level=1.2, sde_type="sde",
-                    window_size=2, window_range=(0, 5), negative_prompt=" ",
-                    same_latent=False,  # True: a prompt group shares its initial noise (flow_grpo's same_latent)
-                    # prompt tokens: the train step pads text to this, the rollout refuses longer prompts; the longest
-                    # OCR prompt has 74 (96 rather than 128: 2.8% fewer train-step tokens at 512^2)
+                    window_size=2, window_range=(0, 5), negative_prompt=" ", same_latent=False,
+                    # the longest OCR prompt has 74 tokens (96 rather than 128: 2.8% fewer train-step tokens at 512^2)
                     max_sequence_length=96,
                     prompts_per_step=32, group_size=16, prompts_per_call=4)
-    c.train = dict(num_steps=300,
-                   max_minutes=0.0,  # > 0: end the run (checkpoint, lora_final) before this wall time; 0: no limit
-                   num_micro_batches=64, learning_rate=3e-4, clip_range=1e-4, adv_clip=5.0,
-                   beta=0.0, global_std=True, max_grad_norm=1.0, weight_decay=1e-4, ema_decay=0.0,
-                   adam_b1=0.9, adam_b2=0.999, adam_eps=1e-8,  # flow_grpo's adam_beta1/2, adam_epsilon
-                   # "recompute" (the trainer's, verl-omni's compute_log_prob), "rollout" (the engine's, flow_grpo) or
-                   # "rollout_corrected": the engine's with rejection, verl's rollout-correction bypass mode: a sample's
-                   # window step with exp(logp - logp_rollout) outside [1/t, t] trains nothing (docs/design.md)
-                   old_log_prob="recompute", rejection_threshold=1.001,
-                   # "guard": GRPO-Guard's ratio (arXiv 2510.22319; verl-omni's grpo_guard loss), the old policy's SDE
-                   # mean drift added and every step brought to one scale; needs old_log_prob="recompute"
-                   ratio_norm="none",
-                   num_mini_batches=2,  # optimizer updates per step, each on whole prompt groups
-                   num_inner_epochs=1,  # passes over the step's mini-batches
-                   # True: micro-batches whose advantages are all 0 (prompt groups of equal rewards) are not trained;
+    c.train = dict(num_steps=300, max_minutes=0.0, num_micro_batches=64, learning_rate=3e-4, clip_range=1e-4,
+                   adv_clip=5.0, beta=0.0, global_std=True, max_grad_norm=1.0, weight_decay=1e-4, ema_decay=0.0,
+                   adam_b1=0.9, adam_b2=0.999, adam_eps=1e-8,
+                   old_log_prob="recompute", rejection_threshold=1.001, ratio_norm="none",
+                   num_mini_batches=2, num_inner_epochs=1,
                    # flow_grpo's SD3 trainer drops such samples, its Qwen-Image script does not (docs/design.md)
                    drop_zero_advantage=False,
-                   # "nft": DiffusionNFT (arXiv 2509.16117) instead of FlowGRPO: trains on the rollout's final
-                   # latents noised afresh (no log-probs, no CFG: sample.guidance=1), the rollout sampling with an old
-                   # policy that trails the LoRA (docs/numerics.md §10). nft: its beta (the implicit policies'
-                   # step), timesteps trained a sample (0: every sampling step but one, its 0.99 fraction), and the
-                   # old policy's decay: 0 for decay_flat updates, then decay_rate an update up to decay_max (its
-                   # OCR recipe `config/nft.py: sd3_ocr`)
                    algorithm="flowgrpo",
                    nft=dict(beta=0.1, timesteps=0, decay_flat=75, decay_rate=0.0075, decay_max=0.999),
-                   # XLA options of the train step's jits: cuBLAS GEMMs, no Triton ones: 1.4% faster on an H200
-                   xla_options={"xla_gpu_enable_triton_gemm": False})  # (BENCHMARKS.md, train step)
+                   # cuBLAS GEMMs, no Triton ones: 1.4% faster on an H200 (BENCHMARKS.md, train step)
+                   xla_options={"xla_gpu_enable_triton_gemm": False})
     # 8 reward threads, each with its own RapidOCR engine of 2 onnxruntime threads (16 cores a GPU)
     c.reward = dict(fns={"ocr": 1.0}, options={"ocr": {"num_threads": 2}}, workers=8)
     c.data = dict(train=str(DATA / "ocr" / "train.txt"), test=str(DATA / "ocr" / "test.txt"))
@@ -120,9 +205,28 @@ def base() -> ml_collections.ConfigDict:
     c.checkpoint = dict(every=10, keep=3)
     c.sharding = dict(data=-1, fsdp=1, tensor=1, rules=[("batch", ("data", "fsdp"))])
     c.log = dict(tensorboard=True, progress=True)
-    # jax.profiler trace of steps start_step .. start_step + num_steps - 1 (0 steps: off); dir "" = run_dir/profile
     c.profile = dict(start_step=2, num_steps=0, dir="")
     return c
+
+
+def config_keys(cfg) -> list[str]:
+    """The dotted leaf keys of `cfg` in HELP's order (the order base() sets them; keys HELP lacks come last, sorted);
+    a `WHOLE_KEYS` key is one key, its dict or list one value."""
+    def walk(section, prefix: str):
+        for name in section.keys():
+            key, value = prefix + name, section[name]
+            if isinstance(value, (dict, ml_collections.ConfigDict)) and key not in WHOLE_KEYS:
+                yield from walk(value, key + ".")
+            else:
+                yield key
+    order = {key: i for i, key in enumerate(HELP)}
+    return sorted(walk(cfg, ""), key=lambda key: (order.get(key, len(order)), key))
+
+
+def config_value(cfg, key: str):
+    """The value of a `config_keys` key, a ConfigDict as a plain dict."""
+    value = reduce(lambda section, name: section[name], key.split("."), cfg)
+    return value.to_dict() if isinstance(value, ml_collections.ConfigDict) else value
 
 
 def tiny(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

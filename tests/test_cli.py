@@ -1,10 +1,14 @@
 """The command line's answers to user errors: one line naming the fix and exit 2, before anything heavy; --help
-exits 0 and says how to list the config keys, which --print_config does."""
+exits 0 and says how to list the config keys, which --print_config does, each with its value and help (every key
+has help: jaxflow/recipes.py HELP)."""
+import re
+import runpy
 import subprocess
 import sys
 
 import pytest
 
+from jaxflow.recipes import HELP, base, config_keys, tiny
 from tests.test_train import ROOT
 
 
@@ -36,9 +40,40 @@ def test_help_exits_0_and_names_print_config():
     assert out.returncode == 0 and "--print_config" in out.stdout and "--resume" in out.stdout
 
 
-def test_print_config_lists_every_key_with_overrides():
+@pytest.fixture(scope="module")
+def printed():
     out = cli("--print_config", "--config.train.learning_rate=0.5")
     assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
-    assert "--config.train.learning_rate=0.5" in lines and "--config.run_dir='runs/tiny_ocr'" in lines
-    assert len(lines) > 50
+    return out.stdout
+
+
+def test_print_config_lists_every_key_with_overrides(printed):
+    rows = [re.match(r"(\S+) += (.*?)(?:  # (.*))?$", line) for line in printed.splitlines()]
+    assert all(rows), printed
+    values = {row[1]: row[2].rstrip() for row in rows}
+    assert values["train.learning_rate"] == "0.5" and values["run_dir"] == "'runs/tiny_ocr'"
+    assert [row[1] for row in rows] == config_keys(tiny(base())) and len(rows) > 50  # every key, the config's order
+
+
+def test_print_config_shows_each_keys_help(printed):
+    line = next(line for line in printed.splitlines() if line.startswith("train.learning_rate "))
+    assert re.fullmatch(rf"train\.learning_rate += 0\.5 +  # {re.escape(HELP['train.learning_rate'])}", line), line
+    assert HELP["train.learning_rate"].startswith("AdamW learning rate")
+    assert sum("  # " in line for line in printed.splitlines()) == len(HELP)  # every line has its help
+
+
+def test_every_config_key_has_help():
+    """A key added to base() without a line in jaxflow/recipes.py HELP fails here, and so does help for a key that
+    base() no longer has."""
+    keys = config_keys(base())
+    assert len(keys) == len(set(keys)) and {"train.nft.beta", "reward.options", "sharding.rules"} <= set(keys)
+    missing, stale = [k for k in keys if not HELP.get(k, "").strip()], sorted(set(HELP) - set(keys))
+    assert not missing, f"keys without help in jaxflow/recipes.py HELP: {missing}"
+    assert not stale, f"HELP names keys that base() lacks: {stale}"
+    assert all("\n" not in text and len(text) <= 120 for text in HELP.values())  # one line each
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("*.py")))
+def test_shipped_configs_add_no_key_without_help(config):
+    cfg = runpy.run_path(str(ROOT / "configs" / config))["get_config"]()
+    assert not sorted(set(config_keys(cfg)) - set(HELP)), "keys without help in jaxflow/recipes.py HELP"
