@@ -1,4 +1,4 @@
-"""FlowGRPO with the OCR reward on the mini text-rendering Qwen-Image (issue 16), one GPU, about 10 minutes.
+"""FlowGRPO with the OCR reward on the mini text-rendering Qwen-Image, one GPU, about 10 minutes.
 
     python -m jaxflow.train --config configs/mini_ocr.py --config.model.path=OUT/pipeline
     python -m jaxflow.train --config configs/mini_ocr.py:control --config.model.path=OUT/pipeline
@@ -10,18 +10,13 @@ Both sides store float32 (the model is small); the diffusers engine runs in the 
 matmuls run at XLA's default precision (TF32 on GPUs: its log-probs move ~1e-5, and the old log-probs are
 recomputed by the trainer, so the ratio's reference is its own).
 
-The RL recipe is flow_grpo's SD3 OCR one (`general_ocr_sd3_1gpu`), not the Qwen-Image speed recipe of base():
-every step but the last is an SDE step and trained (window 9 of 10, noise 0.7), two optimizer updates per step,
-an EMA of the LoRA for the eval and the export; but beta = 0 (flow_grpo's is 0.04). A prompt's 12 samples share
-their initial noise (`sample.same_latent`): it is no trained action, and sharing it took the rise from about
-+0.12-0.135 to +0.159 and +0.189 on two pipelines (BENCHMARKS.md, "Mini OCR", attempts 15-16).
-A first GPU run with the Qwen recipe (window 2 in the high-noise steps [0, 5), noise 1.2, one update) held the
-held-out OCR flat (0.65 -> 0.59 in 20 steps) while its shuffled control fell to 0.34. This recipe raised it
-0.606 -> 0.737 in 27 steps (8 minutes) while its control stayed at 0.611. Windows tried since: the early steps
-0-4 alone rise about as much as all nine or less, the late steps 3-8 alone far less (BENCHMARKS.md, "Mini OCR").
-Alone on the GPU (scripts/mini_ocr.sh with SIDE_BY_SIDE=0) about 100 steps fit in 7.5 minutes; the rise stayed
-about +0.12-0.135, and the shuffled control showed the updates to be mostly noise (same file). As one run of
-train.max_minutes=8.75 (118 and 128 steps) it rose +0.207 and +0.149 on two new pipelines, both controls falling."""
+The RL recipe is flow_grpo's SD3 OCR one (`general_ocr_sd3_1gpu`), not the Qwen-Image speed recipe of base(), whose
+short window in the high-noise steps held the held-out OCR flat here: every step but the last is an SDE step and
+trained (window 9 of 10, noise 0.7), two optimizer updates per step, an EMA of the LoRA for the eval and the export;
+but beta = 0 (flow_grpo's is 0.04). A prompt's 12 samples share their initial noise (`sample.same_latent`): it is no
+trained action, so its share of a group's reward spread would only be noise in every advantage. With this recipe the
+held-out OCR rose +0.149 to +0.207 on six pipelines built from nothing, and no shuffled control rose (BENCHMARKS.md,
+"Mini OCR")."""
 from pathlib import Path
 
 from jaxflow.recipes import base, tiny
@@ -46,7 +41,7 @@ def get_config(variant: str = ""):
     c.rollout.update(device="cuda", num_gpus=1.0, layout="in_process")
     c.model.matmul_precision = "default"
     # one rollout call a step (192 images): faster steps than 4 calls whose OCR overlaps the next call's rollout,
-    # 1.4x side by side and 4.1 s a step alone on the GPU (BENCHMARKS.md, "Mini OCR", attempts 8 and 13)
+    # 1.4x side by side and 4.1 s a step alone on the GPU (benchmarks/HISTORY.md, "Mini OCR", attempts 8 and 13)
     c.sample.update(height=64, width=128, num_steps=10, guidance=4.0, noise_level=0.7, window_size=9,
                     window_range=(0, 9), max_sequence_length=32, prompts_per_step=16, group_size=12,
                     prompts_per_call=16, same_latent=True)

@@ -12,8 +12,8 @@
 #     [PROFILE_STEP=k] bash scripts/bench_e2e.sh OUT_DIR [extra --config overrides]
 #
 # Left out, ENGINE and SLEEP are the recipe's. Runs before 2026-11-25 used this script's earlier form (diffusers and
-# the in-process layout by default, 8 micro-batches, one prompt per call, the JPEG reward): BENCHMARKS.md names the
-# overrides each used.
+# the in-process layout by default, 8 micro-batches, one prompt per call, the JPEG reward): benchmarks/HISTORY.md
+# names the overrides each used.
 #
 # PROFILE_STEP=k traces step k of the run (the `profile` config section; leave it out of the figures by running
 # more steps), dumps the train step's optimized HLO, and prints where its GPU time goes by kernel class, named

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The mini OCR proof (issue 16) from nothing, on one GPU: render data -> train the VAE -> encode -> pretrain the
+# The mini OCR proof from nothing, on one GPU: render data -> train the VAE -> encode -> pretrain the
 # Flax transformer -> OCR before -> FlowGRPO (python -m jaxflow.train, configs/mini_ocr.py) -> OCR after -> the
 # shuffled-reward control -> OUT/mini_ocr.json. Every step is sized (or time-capped) to finish within 10 minutes
 # on one H200; OUT/timings.txt records each. Weights and data stay under OUT.
