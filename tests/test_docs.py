@@ -60,3 +60,11 @@ def test_readme_install_is_one_line_with_the_cpu_build_of_torch():
     assert project and "index" not in project.group(1) and block.count("download.pytorch.org") == 1, block
     torch_pin = re.search(r"torch==[\d.]+\+cpu", block).group(0)
     assert torch_pin in (ROOT / ".ci" / "run").read_text()  # CI installs what README says
+
+
+def test_source_files_name_no_issue_numbers():
+    """Code and scripts say what and why, not which ticket: no "issue 12" or "gpu-bench row 5" (history may)."""
+    ticket = re.compile(r"\bissue #?\d+|gpu-bench row", re.I)
+    found = [f"{p.relative_to(ROOT)}:{n}: {line.strip()}" for p in tracked_files() if p.suffix in (".py", ".sh", ".toml")
+             for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if ticket.search(line)]
+    assert not found, "\n".join(found)
