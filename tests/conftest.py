@@ -37,3 +37,11 @@ def tiny_path():
     from bridge.rollout.tiny import tiny_pipeline_path
 
     return tiny_pipeline_path()
+
+
+@pytest.fixture(scope="module")
+def lora_model():
+    """tests.helpers.tiny_lora_model(): the tiny fp32 DiT with non-zero LoRA params, one per test module."""
+    from tests.helpers import tiny_lora_model
+
+    return tiny_lora_model()

@@ -11,28 +11,9 @@ from bridge.contract import safetensors_io
 from bridge.contract.lora import (adapter_config, bound_modules, lora_pairs, read_peft, to_vllm_omni, vllm_omni_adapter_config,
                          write_peft)
 from bridge.contract import keymap
+from tests.helpers import LAYERS, RANK, random_peft
 
-D, MLP, RANK, LAYERS = 8, 32, 4, 3
 BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-def _dims(target: str) -> tuple[int, int]:
-    """(in, out) of a block linear of a model with width D and MLP width MLP (modulation: 6 D)."""
-    return {"img_mlp.net.0.proj": (D, MLP), "txt_mlp.net.0.proj": (D, MLP), "img_mlp.net.2": (MLP, D),
-            "txt_mlp.net.2": (MLP, D), "img_mod.1": (D, 6 * D), "txt_mod.1": (D, 6 * D)}.get(target, (D, D))
-
-
-def random_peft(dtype=np.float32, targets=keymap.DEFAULT_LORA_TARGETS, seed=0) -> dict:
-    """A PEFT state dict (no prefix) over LAYERS blocks, as the trainer's `lora_to_peft` names and shapes it."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for t in targets:
-        fan_in, fan_out = _dims(t)
-        module = keymap.BLOCK_LINEARS[keymap.lora_target_path(t)]
-        for i in range(LAYERS):
-            out[f"transformer_blocks.{i}.{module}.lora_A.weight"] = rng.standard_normal((RANK, fan_in)).astype(dtype)
-            out[f"transformer_blocks.{i}.{module}.lora_B.weight"] = rng.standard_normal((fan_out, RANK)).astype(dtype)
-    return out
 
 
 def test_adapter_config():

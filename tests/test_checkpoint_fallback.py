@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 from jaxflow.config import UserError
-from tests.test_run_dir import STATE, fake_run
-from tests.test_train import tiny_config
+from tests.helpers import ROOT, STATE, fake_run, tiny_config
 
 
 def _corrupt(step_dir: Path) -> None:
@@ -59,7 +58,6 @@ def test_a_run_whose_every_update_is_skipped_exits_1_with_one_line(tmp_path):
     import subprocess
     import sys
 
-    from tests.test_train import ROOT
     args = [sys.executable, "-m", "jaxflow.train", f"--config.run_dir={tmp_path}", "--config.rollout.layout=in_process",
             "--config.reward.fns={'jpeg_incompressibility': 1.0}", "--config.log.progress=False",
             "--config.eval.every=1000", "--config.train.learning_rate=1e30"]

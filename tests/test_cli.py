@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from jaxflow.recipes import HELP, base, config_keys, tiny
-from tests.test_train import ROOT
+from tests.helpers import ROOT
 
 
 def cli(*args):

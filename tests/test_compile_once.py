@@ -4,7 +4,7 @@ import numpy as np
 
 from jaxflow.driver import pad_text
 from jaxflow.train import Trainer
-from tests.test_train import tiny_config
+from tests.helpers import tiny_config
 
 
 def test_pad_text_gives_every_batch_one_shape():

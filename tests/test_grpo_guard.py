@@ -10,9 +10,7 @@ from jaxflow import config as config_lib
 from jaxflow import flowgrpo, sde
 from jaxflow import train_step as ts
 from jaxflow.minibatches import order_minibatches
-from tests.test_minibatches import GROUPS, _batch
-from tests.test_train import tiny_config
-from tests.test_train_step import GRID, model  # noqa: F401 (model: fixture)
+from tests.helpers import GRID, GROUPS, sampled_batch, tiny_config
 
 
 class LinearVelocity:
@@ -57,12 +55,12 @@ def test_guard_ratio_is_the_noise_projected_mean_drift(sde_type):
     assert np.all(np.asarray(on["ratio"]) == 1.0)
 
 
-def test_two_mini_batches_with_the_guard(model):  # noqa: F811
+def test_two_mini_batches_with_the_guard(lora_model):
     """M = 2, recompute: the first update is on-policy (ratio exactly 1), the second sees the first's move."""
     config = ts.TrainConfig(grid_hw=GRID, guidance=4.0, num_micro_batches=1, num_mini_batches=2,
                             old_log_prob="recompute", ratio_norm="guard")
-    init_state, step = ts.make_train_step(model, config)
-    state, m = step(init_state(), order_minibatches(_batch(model, 4.0), GROUPS, 2, seed=0, step=0))
+    init_state, step = ts.make_train_step(lora_model, config)
+    state, m = step(init_state(), order_minibatches(sampled_batch(lora_model, 4.0), GROUPS, 2, seed=0, step=0))
     assert int(state.step) == 2 and int(m["skipped"]) == 0 and np.isfinite(float(m["loss"]))
     assert float(m["mb1/ratio_min"]) == float(m["mb1/ratio_max"]) == 1.0
     assert max(abs(float(m["mb2/ratio_min"]) - 1), abs(float(m["mb2/ratio_max"]) - 1)) > 0

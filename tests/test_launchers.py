@@ -10,7 +10,7 @@ import socket
 import subprocess
 from pathlib import Path
 
-from tests.test_train import ROOT
+from tests.helpers import ROOT
 
 SRUN = r"""#!/usr/bin/env bash
 # stand-in srun: --nodes=N --ntasks=N [-w HOST] [...] CMD ARGS: N copies of CMD here, task i with SLURM_NODEID=i

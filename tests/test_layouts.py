@@ -6,8 +6,7 @@ import sys
 
 import numpy as np
 
-from tests.test_multihost import _env, _lora
-from tests.test_train import ROOT
+from tests.helpers import ROOT, cluster_free_env, final_lora
 
 
 def _run(run_dir, devices: int, servers: int, address: str):
@@ -19,7 +18,8 @@ def _run(run_dir, devices: int, servers: int, address: str):
             # Adam's first step is lr * g / (|g| + eps): eps 1e-6 keeps the reassociation of a data-parallel sum
             # on near-zero gradient entries below 1e-6 in the LoRA (eps 1e-8 amplifies it up to ~1e-4)
             "--config.train.adam_eps=1e-6", "--config.reward.fns={'jpeg_incompressibility': 1.0}"]
-    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=400, env=_env(XLA_FLAGS=flags))
+    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=400,
+                          env=cluster_free_env(XLA_FLAGS=flags))
 
 
 def test_two_devices_and_two_engines_train_like_one(ray_session, tmp_path):
@@ -27,7 +27,7 @@ def test_two_devices_and_two_engines_train_like_one(ray_session, tmp_path):
     runs = {n: _run(tmp_path / f"n{n}", n, n, address) for n in (1, 2)}
     for n, out in runs.items():
         assert out.returncode == 0, f"{n} devices: {out.stderr[-3000:]}"
-    one, two = _lora(tmp_path / "n1"), _lora(tmp_path / "n2")
+    one, two = final_lora(tmp_path / "n1"), final_lora(tmp_path / "n2")
     assert one.keys() == two.keys()
     for k in one:
         np.testing.assert_allclose(two[k], one[k], atol=1e-6, rtol=0, err_msg=k)

@@ -1,13 +1,12 @@
 """The proof the loop learns: the first 20 steps of README's learning command (configs/tiny_brightness.py).
 Measured: 0.5125 -> 0.531 (mean of steps 15-19), about 30 standard errors."""
 import importlib.util
-from pathlib import Path
 
 import numpy as np
 
 from jaxflow.train import Trainer
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 LAST = 5  # steps averaged at the end
 
 

@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 from jaxflow.metrics_log import RunLog
-from tests.test_train import ROOT
+from tests.helpers import ROOT
 
 
 def test_one_printed_line_per_step_when_stdout_is_not_a_terminal(tmp_path, capsys):

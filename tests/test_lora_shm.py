@@ -12,8 +12,8 @@ from bridge.contract import lora_shm
 from bridge.contract.lora import lora_pairs, to_vllm_omni
 from bridge.rollout import vllm_omni_pipeline as vop
 from bridge.rollout.engine_vllm_omni import slot_plan
-from tests.test_bridge_lora import RANK, random_peft
-from tests.test_vllm_omni_engine import FakeFusedTransformer
+from tests.helpers import RANK, random_peft, run, tiny_config
+from tests.helpers_vllm_omni import FakeFusedTransformer
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 SCALE = 2.0
@@ -200,7 +200,6 @@ def test_driver_falls_back_to_arrays_when_the_file_is_on_another_host(monkeypatc
 def test_a_run_through_ray_syncs_through_the_file_and_times_it(ray_session, tmp_path):
     """The tiny run with its rollout in a Ray actor on this host: every sync goes through the shared file (its
     write timed as sync_write), and the run removes its file when it closes."""
-    from tests.test_train import run, tiny_config
     before = set(lora_shm.SHM_ROOT.glob("jaxflow-lora-*"))
     out = run(tiny_config(tmp_path / "run", num_steps=2))
     assert all("time/sync_write" in row for row in out["history"])

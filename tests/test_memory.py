@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxflow import memory
-from tests.test_train import ROOT, run, tiny_config
+from tests.helpers import ROOT, run, tiny_config
 
 GIB = 2 ** 30
 

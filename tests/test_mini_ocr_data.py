@@ -7,7 +7,7 @@ from bridge.mini_ocr.words import MAX_LEN, MIN_LEN, prompt, split, write_prompts
 from bridge.rewards import build_reward
 from bridge.rewards.ocr import OcrReward
 from bridge.rewards.shuffled import Shuffled
-from tests.test_learning import ROOT
+from tests.helpers import ROOT
 
 
 def test_split_is_deterministic_disjoint_and_matches_the_shipped_files(tmp_path):

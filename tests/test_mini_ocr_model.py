@@ -10,7 +10,7 @@ from bridge.mini_ocr.folder import build_folder, encode_text
 from bridge.mini_ocr.vae import build_vae, pack, posterior_means, train_vae
 from bridge.mini_ocr.render import render_dataset
 from bridge.mini_ocr.words import prompt, split
-from tests.test_learning import ROOT
+from tests.helpers import ROOT
 
 WORDS = split(4000, 200)[0][:8]
 

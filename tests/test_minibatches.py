@@ -12,17 +12,7 @@ from jaxflow import config as config_lib
 from jaxflow import train_step as ts
 from jaxflow.minibatches import group_order, order_minibatches, select
 from jaxflow.models.lora import LoRAParam
-from tests.helpers_sampler import SamplerConfig, make_sampler
-from tests.test_train_step import GRID, SEEDS, _inputs, model  # noqa: F401 (model: fixture)
-from tests.test_train import tiny_config
-
-GROUPS = np.array([0, 0, 1, 1])  # the 4 samples of test_train_step's batch: 2 prompt groups of 2
-
-
-def _batch(model, guidance):  # noqa: F811
-    config = SamplerConfig(grid_hw=GRID, num_steps=6, noise_level=1.2, guidance=guidance, window_size=2)
-    traj = make_sampler(model, config)(_inputs(guidance > 1), SEEDS)
-    return {**traj, "advantages": np.array([1.0, -1.0, 2.0, -0.5], np.float32)}
+from tests.helpers import GRID, GROUPS, sampled_batch, tiny_config
 
 
 def test_mini_batches_hold_whole_groups_seeded_by_step():
@@ -51,7 +41,7 @@ def test_mini_batches_hold_whole_groups_seeded_by_step():
         group_order(group_ids, 3, 0, 0)
 
 
-def _reference_update(model, batch, config):  # noqa: F811
+def _reference_update(model, batch, config):
     """One update as the step made it before mini-batches: accumulated gradients, then AdamW."""
     graphdef, lora, frozen = nnx.split(model, LoRAParam, ...)
     tx = config.optimizer()
@@ -63,24 +53,24 @@ def _reference_update(model, batch, config):  # noqa: F811
     return update(lora, frozen, jax.tree.map(jnp.asarray, batch))
 
 
-def test_one_mini_batch_is_the_single_update_step(model):  # noqa: F811
+def test_one_mini_batch_is_the_single_update_step(lora_model):
     # Adam's first step is lr * g / (|g| + eps): a reassociation error dg of a near-zero gradient entry moves it by
     # up to lr * dg / eps; eps 1e-6 (not 1e-8) keeps that far below the 1e-6 tolerance whatever XLA fuses.
     config = ts.TrainConfig(grid_hw=GRID, guidance=1.0, num_micro_batches=2, old_log_prob="recompute",
                             adam_eps=1e-6)
-    batch = _batch(model, 1.0)
-    init_state, step = ts.make_train_step(model, config)
+    batch = sampled_batch(lora_model, 1.0)
+    init_state, step = ts.make_train_step(lora_model, config)
     timings = {}
     state, m = step(init_state(), batch, timings)
     assert set(timings) == {"to_device", "update"} and not any(k.startswith("mb") for k in m)  # no old-log-prob pass
     assert float(m["ratio_min"]) == float(m["ratio_max"]) == 1.0
-    want = _reference_update(model, ts.prepare_batch(batch, config), config)
+    want = _reference_update(lora_model, ts.prepare_batch(batch, config), config)
     # the same computation: equal up to float reassociation (LoRA ~0.3, update ~3e-4)
     for got, ref in zip(jax.tree.leaves(state.lora), jax.tree.leaves(want)):
         np.testing.assert_allclose(got, ref, atol=1e-6, rtol=0)
 
 
-def test_two_mini_batches_recompute(model, monkeypatch):  # noqa: F811
+def test_two_mini_batches_recompute(lora_model, monkeypatch):
     """M = 2, old log-probs recomputed (true CFG): the first update is on-policy, the second sees the first's
     move (at lr 3e-4 the ratio leaves the 1e-4 clip band); 2 steps x 2 updates trace each function once."""
     traces = {"update": 0, "old": 0}
@@ -94,8 +84,8 @@ def test_two_mini_batches_recompute(model, monkeypatch):  # noqa: F811
     monkeypatch.setattr(ts, "old_log_probs", counted("old", ts.old_log_probs))
     config = ts.TrainConfig(grid_hw=GRID, guidance=4.0, num_micro_batches=1, num_mini_batches=2,
                             old_log_prob="recompute", learning_rate=3e-4, clip_range=1e-4)
-    batch = order_minibatches(_batch(model, 4.0), GROUPS, 2, seed=0, step=0)
-    init_state, step = ts.make_train_step(model, config)
+    batch = order_minibatches(sampled_batch(lora_model, 4.0), GROUPS, 2, seed=0, step=0)
+    init_state, step = ts.make_train_step(lora_model, config)
     timings = {}
     state, m = step(init_state(), batch, timings)
     assert set(timings) == {"to_device", "old_log_prob", "update"} and int(state.step) == 2 and int(m["skipped"]) == 0
@@ -112,13 +102,13 @@ def test_two_mini_batches_recompute(model, monkeypatch):  # noqa: F811
     assert int(state.step) == 4 and traces == {"update": 1, "old": 1}, traces
 
 
-def test_the_pass_leaves_out_the_first_update_rows_only_in_one_epoch(model):  # noqa: F811
+def test_the_pass_leaves_out_the_first_update_rows_only_in_one_epoch(lora_model):
     """With one inner epoch the recompute pass computes mini-batch 1.. rows only (the first update is on-policy);
     those rows equal the full pass's (two epochs: every row), the first mini-batch's rows are left at 0."""
     from flax import nnx
     from jaxflow.models.lora import LoRAParam
-    batch = order_minibatches(_batch(model, 4.0), GROUPS, 2, seed=0, step=0)
-    graphdef, lora, frozen = nnx.split(model, LoRAParam, ...)
+    batch = order_minibatches(sampled_batch(lora_model, 4.0), GROUPS, 2, seed=0, step=0)
+    graphdef, lora, frozen = nnx.split(lora_model, LoRAParam, ...)
     out = {}
     for epochs in (1, 2):
         config = ts.TrainConfig(grid_hw=GRID, guidance=4.0, num_micro_batches=2, num_mini_batches=2,
@@ -141,19 +131,19 @@ def test_mini_batch_config_is_validated(tmp_path, key, value):
     assert config_lib.train_config(tiny_config(tmp_path, num_mini_batches=2), GRID).num_mini_batches == 2
 
 
-def test_later_inner_epochs_train_on_the_rows_shuffled_anew(model):  # noqa: F811
+def test_later_inner_epochs_train_on_the_rows_shuffled_anew(lora_model):
     """Two inner epochs equal two one-epoch steps, the second on the rows in `epoch_order`'s shuffle for (shuffle_seed,
     the step's first update count, epoch 1); the shuffle moves rows between mini-batches (flow_grpo reshuffles)."""
     from jaxflow.minibatches import epoch_order
     kw = dict(grid_hw=GRID, guidance=1.0, num_micro_batches=1, num_mini_batches=2, adam_eps=1e-6, shuffle_seed=5)
-    batch = order_minibatches(_batch(model, 1.0), GROUPS, 2, seed=0, step=0)
-    init_state, two = ts.make_train_step(model, ts.TrainConfig(num_inner_epochs=2, **kw))
+    batch = order_minibatches(sampled_batch(lora_model, 1.0), GROUPS, 2, seed=0, step=0)
+    init_state, two = ts.make_train_step(lora_model, ts.TrainConfig(num_inner_epochs=2, **kw))
     got, m = two(init_state(), batch)
     assert int(got.step) == 4 and "mb4/ratio_max" in m
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(5), 0), 1)
     order = np.asarray(epoch_order(key, jnp.asarray(batch["advantages"]), 2, 1, False))
     assert {frozenset(order[0::2]), frozenset(order[1::2])} != {frozenset({0, 2}), frozenset({1, 3})}
-    init_state, one = ts.make_train_step(model, ts.TrainConfig(**kw))
+    init_state, one = ts.make_train_step(lora_model, ts.TrainConfig(**kw))
     state, _ = one(init_state(), batch)
     shuffled = {k: (np.asarray(v)[order] if np.ndim(v) and len(v) == 4 and k != "sigmas" else v)
                 for k, v in batch.items()}

@@ -8,11 +8,10 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT, cluster_free_env, final_lora
 
 
 def _args(run_dir):
@@ -24,32 +23,22 @@ def _args(run_dir):
             "--config.reward.fns={'jpeg_incompressibility': 1.0}"]
 
 
-def _env(**extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROC",
-                                                                      "JAX_PROCESS_ID", "SLURM_", "OMPI_"))}
-    return {**env, "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1", **extra}
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _lora(run_dir):
-    from safetensors.numpy import load_file
-    return load_file(str(run_dir / "lora_final" / "adapter_model.safetensors"))
-
-
 def test_two_processes_train_like_one(tmp_path):
     port = _free_port()
     procs = [subprocess.Popen(_args(tmp_path / "multi"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env=_env(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
-                                                  JAX_PROCESS_ID=str(i), JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo"))
+                              text=True, env=cluster_free_env(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                                                              JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i),
+                                                              JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo"))
              for i in range(2)]
     two_devices = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
     single = subprocess.Popen(_args(tmp_path / "single"), cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env=_env(XLA_FLAGS=two_devices))
+                              stderr=subprocess.STDOUT, text=True, env=cluster_free_env(XLA_FLAGS=two_devices))
     try:
         outs = [p.communicate(timeout=400)[0] for p in procs + [single]]
     finally:
@@ -66,7 +55,7 @@ def test_two_processes_train_like_one(tmp_path):
         assert max(v for k, v in line.items() if k.startswith("logp_diff_max")) < 1e-5  # fp32 on-policy
     assert (run_dir / "checkpoints" / "2").is_dir()
     assert json.loads((run_dir / "lora_final" / "adapter_config.json").read_text())["r"] == 8
-    multi, one = _lora(run_dir), _lora(tmp_path / "single")
+    multi, one = final_lora(run_dir), final_lora(tmp_path / "single")
     assert multi.keys() == one.keys()
     for k in one:
         np.testing.assert_allclose(multi[k], one[k], atol=1e-6, rtol=0, err_msg=k)
@@ -81,8 +70,9 @@ def test_a_run_dir_the_processes_do_not_share_stops_both_with_one_line(tmp_path)
     both exit 2 with one line naming run_dir, before any model loads; nothing is left in either folder."""
     port = _free_port()
     procs = [subprocess.Popen(_args(tmp_path / f"host{i}"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=_env(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
-                                                  JAX_PROCESS_ID=str(i), JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo"))
+                              text=True, env=cluster_free_env(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                                                              JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i),
+                                                              JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo"))
              for i in range(2)]
     try:
         outs = [p.communicate(timeout=300) for p in procs]

@@ -6,18 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from flax import nnx
 
 from jaxflow import nft
-from jaxflow.models.config import ModelOptions, QwenImageConfig
-from jaxflow.models.lora import LoRAParam, LoRASpec
-from jaxflow.models.transformer import QwenImageTransformer
 from jaxflow.step_config import TrainConfig
 from jaxflow.train_step import make_train_step
-from tests.helpers_sampler import SamplerConfig, make_sampler
-
-TINY = QwenImageConfig(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,
-                       axes_dims_rope=(8, 12, 12))
+from tests.helpers import ROOT, sampled_batch
 
 
 def transcribed(v, v_old, v_ref, x0, noise, t, adv, beta, adv_clip):
@@ -103,18 +96,8 @@ def test_timestep_picks_are_distinct_sigmas_of_each_schedule():
 
 
 @pytest.fixture(scope="module")
-def tiny_batch():
-    spec = LoRASpec(rank=4, alpha=8.0, targets=("to_q", "to_v", "img_mlp.net.2"))
-    model = QwenImageTransformer(TINY, ModelOptions(), spec, rngs=nnx.Rngs(0))
-    leaves, treedef = jax.tree.flatten(nnx.state(model, LoRAParam))
-    nnx.update(model, jax.tree.unflatten(
-        treedef, [x + 0.3 * jax.random.normal(jax.random.key(i), x.shape) for i, x in enumerate(leaves)]))
-    r = np.random.default_rng(0)
-    text = {"prompt_embeds": r.normal(size=(4, 5, 64)).astype(np.float32),
-            "prompt_mask": np.arange(5)[None] < np.array([5, 3, 4, 2])[:, None]}
-    traj = make_sampler(model, SamplerConfig(grid_hw=(2, 2), num_steps=6, noise_level=1.2, guidance=1.0,
-                                             window_size=2))(text, [1, 2, 3, 4])
-    return model, {**traj, "advantages": np.array([1.0, -1.0, 2.0, -0.5], np.float32)}
+def tiny_batch(lora_model):
+    return lora_model, sampled_batch(lora_model, 1.0)
 
 
 def _step(model, batch, **kw):
@@ -155,11 +138,9 @@ def test_the_nft_step_needs_the_final_latents_and_refuses_flowgrpo_settings(tiny
 
 def test_the_mini_ocr_arms_validate_and_set_what_they_name():
     import importlib.util
-    from pathlib import Path
 
     from jaxflow import config as config_lib
-    spec = importlib.util.spec_from_file_location("mini_ocr", Path(__file__).resolve().parents[1] / "configs" /
-                                                  "mini_ocr.py")
+    spec = importlib.util.spec_from_file_location("mini_ocr", ROOT / "configs" / "mini_ocr.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     seen = {}

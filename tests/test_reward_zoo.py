@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from bridge.rewards.multi import build_reward
+from tests.helpers import ROOT, tiny_config
 
 PROMPTS = ["a red fox", "a sign that says hello", "two cats", "a blue car", "the word OCR"]
 
@@ -18,7 +19,6 @@ PROMPTS = ["a red fox", "a sign that says hello", "two cats", "a blue car", "the
 def clip_dir(tmp_path_factory):
     """A tiny random CLIPModel with its processor's files, as scripts/make_random_pickscore.py --tiny writes it (the
     PickScore_v1 layout; a byte-level tokenizer, bos 512 and eos 513)."""
-    from tests.test_train import ROOT
     sys.path.insert(0, str(ROOT / "scripts"))
     from make_random_pickscore import write
 
@@ -105,8 +105,6 @@ def test_reward_models_are_imported_only_when_used():
 
 
 def test_the_trainer_stops_with_one_line_when_a_reward_checkpoint_is_incomplete(tmp_path):
-    from tests.test_train import ROOT
-
     args = [sys.executable, "-m", "jaxflow.train", "--config", str(ROOT / "configs" / "tiny_ocr.py"),
             f"--config.run_dir={tmp_path / 'run'}", "--config.rollout.layout=in_process",
             "--config.reward.fns={'pickscore': 1.0}", f"--config.reward.options={{'pickscore': {{'path': '{tmp_path}'}}}}"]
@@ -125,7 +123,6 @@ def test_the_pickscore_recipe_is_the_ocr_recipe_with_its_reward_and_prompts(tiny
 
     from jaxflow import config as config_lib
     from jaxflow.run_dir import flatten
-    from tests.test_train import ROOT
 
     def load(name):
         spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
@@ -158,7 +155,6 @@ def test_a_reward_model_in_its_own_ray_actor_scores_as_in_process(ray_session, c
 
 def test_a_reward_actor_needs_ray_so_not_the_in_process_layout(tmp_path):
     from jaxflow import config as config_lib
-    from tests.test_train import tiny_config
 
     cfg = tiny_config(tmp_path)
     cfg.reward.fns = {"pickscore": 1.0}

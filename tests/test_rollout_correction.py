@@ -7,14 +7,12 @@ import pytest
 
 from jaxflow import config as config_lib
 from jaxflow import train_step as ts
-from tests.test_minibatches import _batch
-from tests.test_train import tiny_config
-from tests.test_train_step import GRID, model  # noqa: F401 (model: fixture)
+from tests.helpers import GRID, sampled_batch, tiny_config
 
 BASE = dict(grid_hw=GRID, guidance=1.0, num_micro_batches=1, adam_eps=1e-6)  # eps: test_minibatches' reason
 
 
-def _after(model, batch, **kw):  # noqa: F811
+def _after(model, batch, **kw):
     init_state, step = ts.make_train_step(model, ts.TrainConfig(**BASE, **kw))
     return step(init_state(), batch)
 
@@ -24,18 +22,19 @@ def _close(a, b):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6, rtol=0)
 
 
-def test_rejected_rows_train_nothing_and_leave_the_denominator(model):  # noqa: F811
-    batch = _batch(model, 1.0)  # the sampler is the trainer's own model: logp - logp_rollout is rounding only
+def test_rejected_rows_train_nothing_and_leave_the_denominator(lora_model):
+    # the sampler is the trainer's own model: logp - logp_rollout is rounding only
+    batch = sampled_batch(lora_model, 1.0)
     shifted = {**batch, "log_probs": batch["log_probs"] + np.array([[0.01], [0.01], [0.0], [0.0]], np.float32)}
-    state, m = _after(model, shifted, old_log_prob="rollout_corrected", rejection_threshold=1.001)
+    state, m = _after(lora_model, shifted, old_log_prob="rollout_corrected", rejection_threshold=1.001)
     assert float(m["rejected_frac"]) == 0.5  # rows 0 and 1 (|dlogp| 0.01 > log 1.001), both window steps
     kept = {k: (v[2:] if np.ndim(v) and len(v) == 4 and k != "sigmas" else v) for k, v in batch.items()}
-    want, _ = _after(model, kept, old_log_prob="rollout")
+    want, _ = _after(lora_model, kept, old_log_prob="rollout")
     _close(state.lora, want.lora)
     # nothing beyond the threshold: the same update as old_log_prob="rollout"
-    state, m = _after(model, batch, old_log_prob="rollout_corrected", rejection_threshold=1.001)
+    state, m = _after(lora_model, batch, old_log_prob="rollout_corrected", rejection_threshold=1.001)
     assert float(m["rejected_frac"]) == 0.0
-    _close(state.lora, _after(model, batch, old_log_prob="rollout")[0].lora)
+    _close(state.lora, _after(lora_model, batch, old_log_prob="rollout")[0].lora)
 
 
 @pytest.mark.parametrize("key, value", [("train.old_log_prob", "bypass"), ("train.rejection_threshold", 1.0)])

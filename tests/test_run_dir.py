@@ -6,28 +6,12 @@ import sys
 import time
 from pathlib import Path
 
-import jax.numpy as jnp
 import pytest
 
 from jaxflow import run_dir as run_dir_lib
-from jaxflow.checkpoint import Checkpointer, config_json
 from jaxflow.config import UserError
 from jaxflow.metrics_log import RunLog
-from tests.test_train import ROOT, tiny_config
-
-STATE = {"a": jnp.arange(1000, dtype=jnp.float32), "b": jnp.ones((256, 256))}  # "b" is zstd-compressed
-
-
-def fake_run(run_dir, cfg, steps=(5,)):
-    """A previous run's outputs: metrics rows 1..max(steps), an eval image, checkpoints of a tiny state."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, max(steps) + 1)))
-    (run_dir / "eval").mkdir()
-    (run_dir / "eval" / "step_000005.png").write_bytes(b"png")
-    ckpt = Checkpointer(run_dir / "checkpoints", keep=3)
-    for s in steps:
-        ckpt.save(s, {k: v * s for k, v in STATE.items()}, {"step": s, "config": config_json(cfg)})
-    return ckpt
+from tests.helpers import ROOT, fake_run, tiny_config
 
 
 def snapshot(folder: Path) -> dict:

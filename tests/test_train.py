@@ -1,6 +1,5 @@
 """The training program on the tiny offline model: validation, a short run with eval/export (the learning test:
 test_learning.py), exact resume, kill -9 + resume, a rollout actor killed mid-step, an unreachable reward server."""
-import importlib.util
 import json
 import os
 import signal
@@ -8,38 +7,13 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from jaxflow import config as config_lib
 from jaxflow.train import Trainer
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def tiny_config(run_dir, **train):
-    spec = importlib.util.spec_from_file_location("tiny_ocr", ROOT / "configs" / "tiny_ocr.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cfg = module.get_config()
-    cfg.run_dir = str(run_dir)
-    cfg.data.train, cfg.data.test = str(ROOT / cfg.data.train), str(ROOT / cfg.data.test)
-    cfg.log.progress = cfg.log.tensorboard = False
-    cfg.rollout.num_cpus = 0.0  # never wait on the shared test Ray instance's CPUs
-    cfg.reward.fns = {"jpeg_incompressibility": 1.0}  # deterministic and fast; OCR scores 0 on noise images
-    cfg.eval.every = cfg.checkpoint.every = 1000
-    cfg.train.update(train)
-    return cfg
-
-
-def run(cfg, resume=False):
-    trainer = Trainer(cfg, resume=resume)
-    try:
-        return trainer.run()
-    finally:
-        trainer.close()
+from tests.helpers import ROOT, run, tiny_config
 
 
 def lora_leaves(state):

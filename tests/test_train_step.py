@@ -10,59 +10,36 @@ from flax import nnx
 
 from bridge.contract import schedule
 from jaxflow import flowgrpo
-from jaxflow.models.config import ModelOptions, QwenImageConfig
-from jaxflow.models.lora import LoRAParam, LoRASpec
+from jaxflow.models.lora import LoRAParam
 from jaxflow.models.transformer import QwenImageTransformer
 from jaxflow.step_config import TrainConfig
 from jaxflow.train_step import accumulate_gradients, make_train_step, prepare_batch
+from tests.helpers import GRID, SEEDS, TINY, inputs
 from tests.helpers_sampler import SamplerConfig, make_sampler
 
-TINY = QwenImageConfig(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,
-                       axes_dims_rope=(8, 12, 12))
-GRID, SEEDS, ADV = (2, 2), [1, 2, 3, 4], np.array([1.0, -1.0, 2.0, -0.5], np.float32)
+ADV = np.array([1.0, -1.0, 2.0, -0.5], np.float32)
 
 
 def _numpy(tree):
     return jax.tree.map(np.asarray, tree)
 
 
-def _inputs(cfg: bool) -> dict:
-    r = np.random.default_rng(0)
-    out = {"prompt_embeds": r.normal(size=(4, 5, 64)).astype(np.float32),
-           "prompt_mask": np.arange(5)[None] < np.array([5, 3, 4, 2])[:, None]}
-    if cfg:
-        out["negative_prompt_embeds"] = r.normal(size=(4, 2, 64)).astype(np.float32)
-        out["negative_prompt_mask"] = np.array([[1, 1], [1, 0], [1, 1], [1, 0]], bool)
-    return out
-
-
-@pytest.fixture(scope="module")
-def model():
-    """Tiny model whose LoRA params (B included) are all non-zero, so the adapters change the velocity."""
-    spec = LoRASpec(rank=4, alpha=8.0, targets=("to_q", "to_v", "img_mlp.net.2"))
-    model = QwenImageTransformer(TINY, ModelOptions(), spec, rngs=nnx.Rngs(0))
-    leaves, treedef = jax.tree.flatten(nnx.state(model, LoRAParam))
-    nnx.update(model, jax.tree.unflatten(
-        treedef, [x + 0.3 * jax.random.normal(jax.random.key(i), x.shape) for i, x in enumerate(leaves)]))
-    return model
-
-
 def _setup(model, guidance, **train_kw):
     config = SamplerConfig(grid_hw=GRID, num_steps=6, noise_level=1.2, guidance=guidance, window_size=2)
-    traj = make_sampler(model, config)(_inputs(guidance > 1), SEEDS)
+    traj = make_sampler(model, config)(inputs(guidance > 1), SEEDS)
     init_state, step = make_train_step(model, TrainConfig(grid_hw=GRID, guidance=guidance, num_micro_batches=2,
                                                           beta=0.04, **train_kw))
     return config, {**traj, "advantages": ADV}, init_state, step
 
 
 @pytest.fixture(scope="module")
-def plain(model):
-    return _setup(model, 1.0)
+def plain(lora_model):
+    return _setup(lora_model, 1.0)
 
 
 @pytest.fixture(scope="module")
-def cfg(model):
-    return _setup(model, 4.0, ema_decay=0.9)
+def cfg(lora_model):
+    return _setup(lora_model, 4.0, ema_decay=0.9)
 
 
 def test_sampler_trajectory(plain):
@@ -97,13 +74,13 @@ def test_recomputed_log_probs_match_rollout(setup, request):
             np.testing.assert_allclose(e, 0.1 * old + 0.9 * np.asarray(new), rtol=1e-6, atol=1e-7)
 
 
-def test_only_lora_params_change(model, plain):
+def test_only_lora_params_change(lora_model, plain):
     _, batch, init_state, step = plain
-    base = _numpy(nnx.state(model, nnx.Param))
+    base = _numpy(nnx.state(lora_model, nnx.Param))
     state = init_state()
     lora = _numpy(state.lora)
     state, _ = step(state, batch)
-    for got, want in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(base)):
+    for got, want in zip(jax.tree.leaves(nnx.state(lora_model, nnx.Param)), jax.tree.leaves(base)):
         np.testing.assert_array_equal(got, want)
     assert all(np.abs(np.asarray(a) - b).max() > 0 for a, b in zip(jax.tree.leaves(state.lora), jax.tree.leaves(lora)))
     # optimizer state: Adam moments shaped like the LoRA tree, nothing for the base
@@ -125,11 +102,11 @@ def test_non_finite_loss_skips_the_update(plain):
     assert int(m["skipped"]) == 0 and int(state.step) == 1
 
 
-def test_gradient_matches_finite_differences(model, plain):
+def test_gradient_matches_finite_differences(lora_model, plain):
     """Accumulated gradient (2 micro-batches x 2 window steps, KL on) vs a central difference of the mean
     loss along the top-6 gradient entries."""
     config = TrainConfig(grid_hw=GRID, num_micro_batches=2, beta=0.04, clip_range=10.0)  # no clipping
-    graphdef, lora, frozen = nnx.split(model, LoRAParam, ...)
+    graphdef, lora, frozen = nnx.split(lora_model, LoRAParam, ...)
     batch = jax.tree.map(jnp.asarray, prepare_batch(plain[1], config))
 
     @jax.jit
@@ -159,21 +136,21 @@ def test_batch_validation():
     config = TrainConfig(grid_hw=GRID, guidance=4.0, num_micro_batches=2)
     batch = {"latents": np.zeros((4, 3, 4, 64), np.float32), "log_probs": np.zeros((4, 2), np.float32),
              "sigmas": np.linspace(1, 0, 7, dtype=np.float32), "step_index": np.zeros((4, 2), np.int32),
-             "noise_level": 1.2, **_inputs(False), "advantages": ADV}
+             "noise_level": 1.2, **inputs(False), "advantages": ADV}
     with pytest.raises(ValueError, match="negative"):
         prepare_batch(batch, config)
-    out = prepare_batch({**batch, **_inputs(True)}, config)
+    out = prepare_batch({**batch, **inputs(True)}, config)
     assert out["sigmas"].shape == (4, 7) and out["noise_level"].shape == (4,)
     with pytest.raises(ValueError, match="multiple"):
-        prepare_batch({**batch, **_inputs(True)}, config, batch_devices=4)
+        prepare_batch({**batch, **inputs(True)}, config, batch_devices=4)
     with pytest.raises(ValueError, match="sde_type"):
         TrainConfig(grid_hw=GRID, sde_type="ode")
 
 
-def test_compiler_options_reach_the_step_jits(model, plain):
+def test_compiler_options_reach_the_step_jits(lora_model, plain):
     """train.xla_options go to the step's own jits (XLA rejects an unknown option when compiling them)."""
     _, traj, _, _ = plain
-    init_state, step = make_train_step(model, TrainConfig(grid_hw=GRID, num_micro_batches=2),
+    init_state, step = make_train_step(lora_model, TrainConfig(grid_hw=GRID, num_micro_batches=2),
                                        compiler_options={"xla_jaxflow_no_such_option": True})
     with pytest.raises(Exception, match="xla_jaxflow_no_such_option"):
         step(init_state(), traj)
@@ -185,10 +162,10 @@ def test_model_without_lora_is_rejected():
 
 
 @pytest.mark.parametrize("mode", ["rollout", "recompute"])
-def test_old_log_prob_source_under_a_rollout_offset(model, mode):
+def test_old_log_prob_source_under_a_rollout_offset(lora_model, mode):
     """A rollout log-prob offset (like the bf16 mismatch) moves the ratio when logp_old comes from the rollout;
     with 'recompute' the ratio stays exactly 1 (on-policy) while the mismatch metric still reports it."""
-    _, batch, init_state, step = _setup(model, 1.0, old_log_prob=mode)
+    _, batch, init_state, step = _setup(lora_model, 1.0, old_log_prob=mode)
     _, m = step(init_state(), dict(batch, log_probs=batch["log_probs"] + 3e-4))
     assert float(jnp.min(m["logp_diff_max"])) > 2.9e-4
     if mode == "recompute":

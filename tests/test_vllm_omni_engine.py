@@ -15,7 +15,8 @@ from bridge.rollout.pipeline import RolloutPipeline
 from bridge.rollout.sampling import SamplingParams
 from bridge.rollout.server import engine_class
 from bridge.contract.trajectory import TrajectoryBatch
-from tests.test_bridge_lora import D, LAYERS, MLP, RANK, random_peft
+from tests.helpers import D, LAYERS, MLP, RANK, random_peft
+from tests.helpers_vllm_omni import FakeFusedTransformer
 
 SAMPLING = SamplingParams(height=16, width=24, num_inference_steps=3, true_cfg_scale=4.0, noise_level=1.2,
                           sde_window_size=1, sde_window_range=(0, 2), max_sequence_length=64, seed=5)
@@ -185,47 +186,6 @@ def test_random_init_draws_the_shared_weights_without_reading_the_folder(tiny_pa
 
 
 # ---------------------------------------------------------------------------------------------- LoRA binding
-
-
-class FakeLinearBase(torch.nn.Module):
-    """vLLM's LinearBase as the table sees it: input_size, output_size, and output_sizes when fused."""
-
-    def __init__(self, fan_in: int, *outs: int):
-        super().__init__()
-        self.input_size, self.output_size = fan_in, sum(outs)
-        if len(outs) > 1:
-            self.output_sizes = list(outs)
-
-
-def _mlp() -> torch.nn.Module:
-    gelu = torch.nn.Module()
-    gelu.proj = FakeLinearBase(D, MLP)
-    mlp = torch.nn.Module()
-    mlp.net = torch.nn.ModuleList([gelu, torch.nn.Identity(), FakeLinearBase(MLP, D)])
-    return mlp
-
-
-class FakeFusedTransformer(torch.nn.Module):
-    """Module tree of vLLM-Omni 0.20's QwenImageTransformer2DModel: fused to_qkv / add_kv_proj, `to_out`."""
-
-    packed_modules_mapping = {"to_qkv": ["to_q", "to_k", "to_v"], "add_kv_proj": ["add_q_proj", "add_k_proj",
-                                                                                  "add_v_proj"]}
-
-    def __init__(self, kv: int = D):
-        super().__init__()
-        self.img_in, self.txt_in, self.proj_out = FakeLinearBase(64, D), FakeLinearBase(16, D), FakeLinearBase(D, 64)
-        blocks = []
-        for _ in range(LAYERS):
-            block = torch.nn.Module()
-            block.attn = torch.nn.Module()
-            block.attn.to_qkv, block.attn.add_kv_proj = FakeLinearBase(D, D, kv, kv), FakeLinearBase(D, D, kv, kv)
-            block.attn.to_out, block.attn.to_add_out = FakeLinearBase(D, D), FakeLinearBase(D, D)
-            block.attn.norm_q = torch.nn.RMSNorm(D)
-            block.img_mod = torch.nn.Sequential(torch.nn.SiLU(), FakeLinearBase(D, 6 * D))
-            block.txt_mod = torch.nn.Sequential(torch.nn.SiLU(), FakeLinearBase(D, 6 * D))
-            block.img_mlp, block.txt_mlp = _mlp(), _mlp()
-            blocks.append(block)
-        self.transformer_blocks = torch.nn.ModuleList(blocks)
 
 
 def test_lora_module_table():

@@ -7,8 +7,7 @@ import pytest
 
 from jaxflow import train_step as ts
 from jaxflow.minibatches import compact_zero_advantage, order_minibatches, select, zero_advantage_order
-from tests.test_minibatches import GROUPS, _batch
-from tests.test_train_step import GRID, model  # noqa: F401 (model: fixture)
+from tests.helpers import GRID, GROUPS, sampled_batch
 
 
 def test_order_fills_leading_micro_batches_within_each_mini_batch():
@@ -29,7 +28,7 @@ def test_order_fills_leading_micro_batches_within_each_mini_batch():
         zero_advantage_order(adv[:47], 2, 3)
 
 
-def _lora_after(model, config, batch):  # noqa: F811
+def _lora_after(model, config, batch):
     init_state, step = ts.make_train_step(model, config)
     state, metrics = step(init_state(), batch)
     return state, metrics
@@ -40,39 +39,39 @@ def _close(a, b):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6, rtol=0)
 
 
-def test_skipping_equals_training_on_the_kept_rows(model):  # noqa: F811
+def test_skipping_equals_training_on_the_kept_rows(lora_model):
     """Group 1's advantages are 0: with the filter its micro-batch is not run and the update equals one made on
     group 0's rows alone (one micro-batch); without zero rows the filter changes nothing."""
     base = dict(grid_hw=GRID, guidance=1.0, adam_eps=1e-6)  # eps: see test_one_mini_batch_is_the_single_update_step
-    batch = _batch(model, 1.0)  # no CFG: half the compute, the same logic
+    batch = sampled_batch(lora_model, 1.0)  # no CFG: half the compute, the same logic
     batch["advantages"] = np.array([1.0, -1.0, 0.0, 0.0], np.float32)
     dropped = compact_zero_advantage(batch, 1, 2)
-    state, m = _lora_after(model, ts.TrainConfig(num_micro_batches=2, drop_zero_advantage=True, **base), dropped)
+    state, m = _lora_after(lora_model, ts.TrainConfig(num_micro_batches=2, drop_zero_advantage=True, **base), dropped)
     assert int(m["micro_skipped"]) == 1 and int(m["skipped"]) == int(m["empty_updates"]) == 0 and int(state.step) == 1
     assert np.isfinite(float(m["ratio_min"])) and float(m["ratio_min"]) == float(m["ratio_max"]) == 1.0
     kept = {k: (v[:2] if np.ndim(v) and len(v) == 4 and k != "sigmas" else v) for k, v in batch.items()}
-    want, _ = _lora_after(model, ts.TrainConfig(num_micro_batches=1, **base), kept)
+    want, _ = _lora_after(lora_model, ts.TrainConfig(num_micro_batches=1, **base), kept)
     _close(state.lora, want.lora)
     # the filter off trains on all 4 rows: a different (smaller, halved-mean) update
-    off, _ = _lora_after(model, ts.TrainConfig(num_micro_batches=2, **base), batch)
+    off, _ = _lora_after(lora_model, ts.TrainConfig(num_micro_batches=2, **base), batch)
     assert max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
                for a, b in zip(jax.tree.leaves(off.lora), jax.tree.leaves(want.lora))) > 1e-5
-    full = _batch(model, 1.0)
-    on, _ = _lora_after(model, ts.TrainConfig(num_micro_batches=2, drop_zero_advantage=True, **base),
+    full = sampled_batch(lora_model, 1.0)
+    on, _ = _lora_after(lora_model, ts.TrainConfig(num_micro_batches=2, drop_zero_advantage=True, **base),
                         compact_zero_advantage(full, 1, 2))
-    off, _ = _lora_after(model, ts.TrainConfig(num_micro_batches=2, **base), full)
+    off, _ = _lora_after(lora_model, ts.TrainConfig(num_micro_batches=2, **base), full)
     _close(on.lora, off.lora)
 
 
-def test_all_zero_mini_batch_is_not_an_update_and_the_pass_skips_it(model):  # noqa: F811
+def test_all_zero_mini_batch_is_not_an_update_and_the_pass_skips_it(lora_model):
     """Two mini-batches (one group each), old log-probs recomputed: the group of equal rewards is no optimizer update
     (Adam's moments and weight decay untouched by it), the other trains; all zero: the state stays as it was."""
     config = ts.TrainConfig(grid_hw=GRID, guidance=4.0, num_micro_batches=1, num_mini_batches=2,
                             old_log_prob="recompute", drop_zero_advantage=True)
-    batch = _batch(model, 4.0)
+    batch = sampled_batch(lora_model, 4.0)
     batch["advantages"] = np.array([0.0, 0.0, 1.0, -1.0], np.float32)
     laid = order_minibatches(batch, GROUPS, 2, seed=0, step=0)
-    init_state, step = ts.make_train_step(model, config)
+    init_state, step = ts.make_train_step(lora_model, config)
     before = jax.tree.map(np.asarray, init_state())
     state, m = step(init_state(), compact_zero_advantage(laid, 2, 1))
     assert int(m["empty_updates"]) == 1 and int(m["micro_skipped"]) == 1 and int(state.step) == 1

@@ -1,0 +1,144 @@
+"""Plain helpers and constants shared by several test modules (fixtures live in conftest.py).
+
+- the tiny offline run: ROOT, tiny_config, run; a subprocess run's environment and exported LoRA (cluster_free_env,
+  final_lora); a previous run's outputs (STATE, fake_run)
+- PEFT adapters over a small fake model (D, MLP, RANK, LAYERS, random_peft): tests/helpers_vllm_omni.py builds the
+  matching fused transformer
+- the train-step tests' tiny LoRA model and sampled batch (TINY, GRID, SEEDS, GROUPS, inputs, tiny_lora_model,
+  sampled_batch; conftest.py's `lora_model` fixture is tiny_lora_model())
+"""
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from bridge.contract import keymap
+from jaxflow.models.config import ModelOptions, QwenImageConfig
+from jaxflow.models.lora import LoRAParam, LoRASpec
+from jaxflow.models.transformer import QwenImageTransformer
+from tests.helpers_sampler import SamplerConfig, make_sampler
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# ---------------------------------------------------------------------------------------------- the tiny run
+
+
+def tiny_config(run_dir, **train):
+    spec = importlib.util.spec_from_file_location("tiny_ocr", ROOT / "configs" / "tiny_ocr.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = module.get_config()
+    cfg.run_dir = str(run_dir)
+    cfg.data.train, cfg.data.test = str(ROOT / cfg.data.train), str(ROOT / cfg.data.test)
+    cfg.log.progress = cfg.log.tensorboard = False
+    cfg.rollout.num_cpus = 0.0  # never wait on the shared test Ray instance's CPUs
+    cfg.reward.fns = {"jpeg_incompressibility": 1.0}  # deterministic and fast; OCR scores 0 on noise images
+    cfg.eval.every = cfg.checkpoint.every = 1000
+    cfg.train.update(train)
+    return cfg
+
+
+def run(cfg, resume=False):
+    from jaxflow.train import Trainer
+
+    trainer = Trainer(cfg, resume=resume)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()
+
+
+def cluster_free_env(**extra):
+    """This process's environment for a `python -m jaxflow.train` subprocess: no JAX cluster or launcher variables
+    (JAX_COORDINATOR*, JAX_NUM_PROC*, JAX_PROCESS_ID, SLURM_*, OMPI_*), JAX on the CPU, offline; `extra` on top."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROC",
+                                                                      "JAX_PROCESS_ID", "SLURM_", "OMPI_"))}
+    return {**env, "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1", **extra}
+
+
+def final_lora(run_dir):
+    """The run's exported LoRA (run_dir/lora_final/adapter_model.safetensors) as numpy arrays by PEFT key."""
+    from safetensors.numpy import load_file
+    return load_file(str(run_dir / "lora_final" / "adapter_model.safetensors"))
+
+
+STATE = {"a": jnp.arange(1000, dtype=jnp.float32), "b": jnp.ones((256, 256))}  # "b" is zstd-compressed
+
+
+def fake_run(run_dir, cfg, steps=(5,)):
+    """A previous run's outputs: metrics rows 1..max(steps), an eval image, checkpoints of a tiny state."""
+    from jaxflow.checkpoint import Checkpointer, config_json
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, max(steps) + 1)))
+    (run_dir / "eval").mkdir()
+    (run_dir / "eval" / "step_000005.png").write_bytes(b"png")
+    ckpt = Checkpointer(run_dir / "checkpoints", keep=3)
+    for s in steps:
+        ckpt.save(s, {k: v * s for k, v in STATE.items()}, {"step": s, "config": config_json(cfg)})
+    return ckpt
+
+
+# ---------------------------------------------------------------------------------------------- PEFT adapters
+
+D, MLP, RANK, LAYERS = 8, 32, 4, 3
+
+
+def _dims(target: str) -> tuple[int, int]:
+    """(in, out) of a block linear of a model with width D and MLP width MLP (modulation: 6 D)."""
+    return {"img_mlp.net.0.proj": (D, MLP), "txt_mlp.net.0.proj": (D, MLP), "img_mlp.net.2": (MLP, D),
+            "txt_mlp.net.2": (MLP, D), "img_mod.1": (D, 6 * D), "txt_mod.1": (D, 6 * D)}.get(target, (D, D))
+
+
+def random_peft(dtype=np.float32, targets=keymap.DEFAULT_LORA_TARGETS, seed=0) -> dict:
+    """A PEFT state dict (no prefix) over LAYERS blocks, as the trainer's `lora_to_peft` names and shapes it."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for t in targets:
+        fan_in, fan_out = _dims(t)
+        module = keymap.BLOCK_LINEARS[keymap.lora_target_path(t)]
+        for i in range(LAYERS):
+            out[f"transformer_blocks.{i}.{module}.lora_A.weight"] = rng.standard_normal((RANK, fan_in)).astype(dtype)
+            out[f"transformer_blocks.{i}.{module}.lora_B.weight"] = rng.standard_normal((fan_out, RANK)).astype(dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- the train step
+
+TINY = QwenImageConfig(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,
+                       axes_dims_rope=(8, 12, 12))
+GRID, SEEDS = (2, 2), [1, 2, 3, 4]
+GROUPS = np.array([0, 0, 1, 1])  # the 4 samples of sampled_batch: 2 prompt groups of 2
+
+
+def inputs(cfg: bool) -> dict:
+    """Text conditioning for the 4 samples: random embeddings and masks of ragged lengths, negatives when `cfg`."""
+    r = np.random.default_rng(0)
+    out = {"prompt_embeds": r.normal(size=(4, 5, 64)).astype(np.float32),
+           "prompt_mask": np.arange(5)[None] < np.array([5, 3, 4, 2])[:, None]}
+    if cfg:
+        out["negative_prompt_embeds"] = r.normal(size=(4, 2, 64)).astype(np.float32)
+        out["negative_prompt_mask"] = np.array([[1, 1], [1, 0], [1, 1], [1, 0]], bool)
+    return out
+
+
+def tiny_lora_model():
+    """Tiny model whose LoRA params (B included) are all non-zero, so the adapters change the velocity."""
+    spec = LoRASpec(rank=4, alpha=8.0, targets=("to_q", "to_v", "img_mlp.net.2"))
+    model = QwenImageTransformer(TINY, ModelOptions(), spec, rngs=nnx.Rngs(0))
+    leaves, treedef = jax.tree.flatten(nnx.state(model, LoRAParam))
+    nnx.update(model, jax.tree.unflatten(
+        treedef, [x + 0.3 * jax.random.normal(jax.random.key(i), x.shape) for i, x in enumerate(leaves)]))
+    return model
+
+
+def sampled_batch(model, guidance):
+    """A train batch sampled by `model` itself (6 steps, window 2, SEEDS) with fixed advantages."""
+    config = SamplerConfig(grid_hw=GRID, num_steps=6, noise_level=1.2, guidance=guidance, window_size=2)
+    traj = make_sampler(model, config)(inputs(guidance > 1), SEEDS)
+    return {**traj, "advantages": np.array([1.0, -1.0, 2.0, -0.5], np.float32)}
