@@ -1,9 +1,10 @@
 """Process 0's side of a step (docs/design.md §2). It alone holds the rollout servers and the reward pool: it
 samples the step's prompt groups, generates on the rollout (each chunk scored as it arrives), computes the
-advantages and lays out the train batch (`Driver.experience`); it sleeps the rollout's engines while the learner
-trains (`rollout.sleep_while_training`), serves each new LoRA to the rollout, and evaluates."""
+advantages and lays out the train batch (`Driver.experience`); it keeps the rollout's engines asleep while the
+learner trains (`Driver.asleep`, rollout.sleep_while_training), serves each new LoRA to the rollout, and evaluates."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -61,17 +62,16 @@ class Experience:
     batch: dict
     rewards: dict[str, np.ndarray]  # per reward function, "avg" (their weighted sum) and "errors"
     zero_std_ratio: float
-    freed_bytes: int | None  # GPU memory the sleeping rollout freed (rollout.sleep_while_training)
     policy_version: int  # the policy that sampled it
 
-    def metrics(self, bound_modules: int, seconds: float, timings: dict) -> dict:
+    def metrics(self, bound_modules: int, seconds: float, timings: dict, freed_bytes: int | None = None) -> dict:
         """The metrics logged beside the learner's: rewards, the LoRA's bound modules, throughput over the step's
-        wall time `seconds`, and the phases' `timings`."""
+        wall time `seconds`, the phases' `timings` and the GPU memory a sleeping rollout freed."""
         avg = self.rewards["avg"]
         return {"reward_mean": avg.mean(), "reward_std": avg.std(), "reward_errors": self.rewards["errors"],
                 "zero_std_ratio": self.zero_std_ratio, "bound_modules": bound_modules,
                 "images_per_s": len(self.batch["advantages"]) / seconds, "time/step": seconds,
-                **({"rollout_freed_gib": self.freed_bytes / 2 ** 30} if self.freed_bytes is not None else {}),
+                **({"rollout_freed_gib": freed_bytes / 2 ** 30} if freed_bytes is not None else {}),
                 **{f"reward/{k}": v.mean() for k, v in self.rewards.items() if k not in ("avg", "errors")},
                 **{f"time/{k}": v for k, v in timings.items()}}
 
@@ -159,7 +159,7 @@ class Driver:
 
     def experience(self, step: int, timings: dict) -> Experience:
         """Step `step`'s experience: the one `prefetch` started for it (the time waited for it as "rollout_wait"),
-        or else made now on policy `step`. `timings` gets the seconds of "rollout", "reward" and "sleep"."""
+        or else made now on policy `step`. `timings` gets the seconds of "rollout" and "reward"."""
         if self._prefetched is not None and self._prefetched[0] == step:
             future, self._prefetched = self._prefetched[1], None
             t = time.perf_counter()
@@ -180,7 +180,7 @@ class Driver:
 
     def _experience(self, step: int, version: int) -> tuple[Experience, dict]:
         """The rollout of step `step`'s prompt groups on policy `version`, its rewards and advantages, and the
-        train batch (text padded, mini-batches laid out); then the rollout sleeps if `sleep_while_training`."""
+        train batch (text padded, mini-batches laid out)."""
         cfg, s, timings = self.cfg, self.cfg.sample, {}
         batch, rewards = self._rollout(step, timings, version)
         group_ids = np.repeat(np.arange(s.prompts_per_step), s.group_size)
@@ -191,19 +191,24 @@ class Driver:
         train_batch = order_minibatches(train_batch, group_ids, cfg.train.num_mini_batches, cfg.seed, step)
         if cfg.train.drop_zero_advantage:
             train_batch = compact_zero_advantage(train_batch, cfg.train.num_mini_batches, cfg.train.num_micro_batches)
-        freed = None
-        if cfg.rollout.sleep_while_training:
-            t = time.perf_counter()
-            freed = self.rollout.sleep()
-            timings["sleep"] = time.perf_counter() - t
-        return Experience(train_batch, rewards, zero_std, freed, version), timings
+        return Experience(train_batch, rewards, zero_std, version), timings
 
-    def wake(self, timings: dict) -> None:
-        """Wake the rollout that `experience` put to sleep (timed as "wake")."""
-        if self.cfg.rollout.sleep_while_training:
-            t = time.perf_counter()
-            self.rollout.wake()
-            timings["wake"] = time.perf_counter() - t
+    @contextlib.contextmanager
+    def asleep(self, timings: dict):
+        """The rollout's engines asleep for the body, their GPU memory freed (rollout.sleep_while_training; else
+        nothing happens): timed as "sleep" and "wake" (woken when the body ends normally); yields a dict that gets
+        "freed_bytes", what the engines freed."""
+        slept = {}
+        if not self.cfg.rollout.sleep_while_training:
+            yield slept
+            return
+        t = time.perf_counter()
+        slept["freed_bytes"] = self.rollout.sleep()
+        timings["sleep"] = time.perf_counter() - t
+        yield slept
+        t = time.perf_counter()
+        self.rollout.wake()
+        timings["wake"] = time.perf_counter() - t
 
     def evaluate(self, step: int) -> float:
         """Mean reward of ODE samples of the held-out prompts; their grid goes to run_dir/eval/step_<step>.png."""

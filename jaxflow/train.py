@@ -15,6 +15,7 @@ holds the driver; every process holds a learner and checkpoints; `run_dir` must 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -139,13 +140,12 @@ class Trainer:
                                f"expected {behavior}")
         if self.driver and self.cfg.rollout.overlap and step + 1 < self.cfg.train.num_steps:
             self.driver.prefetch(step + 1)
-        t = time.perf_counter()
-        metrics = self.learner.train(experience.batch if experience else None, timings, version=step,
-                                     behavior=behavior)
+        with self.driver.asleep(timings) if self.driver else contextlib.nullcontext({}) as slept:
+            t = time.perf_counter()
+            metrics = self.learner.train(experience.batch if experience else None, timings, version=step,
+                                         behavior=behavior)
+            timings["train"] = time.perf_counter() - t
         metrics["staleness"] = step - behavior
-        timings["train"] = time.perf_counter() - t
-        if self.driver:
-            self.driver.wake(timings)
         t = time.perf_counter()
         bound = self._sync(step + 1)
         timings["sync"] = time.perf_counter() - t
@@ -157,7 +157,7 @@ class Trainer:
             metrics["jax_peak_gib"] = stats["peak_bytes_in_use"] / 2 ** 30
         if experience is None:
             return {**metrics, **{f"time/{k}": v for k, v in timings.items()}}
-        return {**metrics, **experience.metrics(bound, time.perf_counter() - start, timings)}
+        return {**metrics, **experience.metrics(bound, time.perf_counter() - start, timings, slept.get("freed_bytes"))}
 
     def run(self) -> dict:
         cfg = self.cfg

@@ -161,6 +161,29 @@ def test_in_process_rollout_with_random_init_runs_without_ray(tmp_path):
     assert (tmp_path / "eval" / "step_000001.png").exists()  # the final step is evaluated, eval.every or not
 
 
+def test_the_rollout_sleeps_exactly_while_the_learner_trains(tmp_path, monkeypatch):
+    """rollout.sleep_while_training: each step the engines sleep after the rollout and its rewards, the learner
+    trains, then they wake before the LoRA sync; the phases and the freed memory are logged."""
+    from jaxflow.driver import Driver
+    from jaxflow.learner import Learner
+    from jaxflow.rollout_client import RolloutGroup
+
+    events = []
+    for cls, name in ((RolloutGroup, "sleep"), (RolloutGroup, "wake"), (RolloutGroup, "generate"),
+                      (Learner, "train"), (Driver, "serve")):
+        def record(self, *args, _name=name, _original=getattr(cls, name), **kwargs):
+            events.append(_name)
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(cls, name, record)
+    cfg = tiny_config(tmp_path, num_steps=2)
+    cfg.rollout.layout, cfg.rollout.sleep_while_training, cfg.eval.every = "in_process", True, 0
+    out = run(cfg)
+    steps = events[events.index("serve") + 1:]  # after the start-up sync
+    assert steps == ["generate", "sleep", "train", "wake", "serve"] * 2, events
+    for metrics in out["history"]:
+        assert metrics["rollout_freed_gib"] == 0 and metrics["time/sleep"] >= 0 and metrics["time/wake"] >= 0
+
+
 def test_max_minutes_ends_the_run_like_a_finished_one(tmp_path):
     """A time limit shorter than a step: the run ends after its first step of three, with that step's checkpoint
     and lora_final written (a run cut by a signal writes no lora_final)."""
