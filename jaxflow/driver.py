@@ -22,7 +22,7 @@ from jaxflow.minibatches import compact_zero_advantage, order_minibatches
 from jaxflow.models.loading import fingerprint
 from jaxflow.models.lora import lora_to_peft
 from bridge.rewards import RewardPool, build_reward
-from jaxflow.rollout_client import RolloutGroup, init_ray
+from jaxflow.rollout_client import LocalTransport, RayTransport, RolloutGroup, init_ray
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +105,8 @@ class Driver:
             engine["compile"] = True
         if self.cfg.model.init == "random":
             engine["random_seed"] = self.cfg.seed  # the rollout draws the same base weights (fingerprint below)
-        self.rollout = RolloutGroup(engine, r.num_servers, r.num_cpus, r.num_gpus, r.max_retries,
-                                    in_process=in_process)
+        transport = LocalTransport() if in_process else RayTransport(r.num_cpus, r.num_gpus, r.max_retries)
+        self.rollout = RolloutGroup(engine, r.num_servers, transport)
         mine = fingerprint(model)
         infos = self.rollout.info()
         for info in infos:

@@ -1,9 +1,9 @@
-"""The trainer's side of the rollout: RolloutServer actors (Ray) or one server in this process, chunked generation
-that feeds the reward pool as chunks finish, LoRA sync with acked versions, restart-and-retry when an actor dies."""
+"""The trainer's side of the rollout: RolloutServers behind one of two transports (`RayTransport`: actors;
+`LocalTransport`: one server in this process), chunked generation that feeds the reward pool as chunks finish, LoRA
+sync with acked versions, restart-and-retry when an actor dies."""
 from __future__ import annotations
 
 import logging
-import types
 
 import numpy as np
 
@@ -23,42 +23,56 @@ def init_ray(address: str = "", verbose: bool = False) -> None:
                  logging_level=logging.INFO if verbose else logging.WARNING)
 
 
-class _InProcess:
-    """A RolloutServer in the trainer's process behind the actor-call surface (`handle.method.remote(...)` returns
-    the result itself). For one GPU without Ray, and for debugging; the engine shares the trainer's GPU."""
+class LocalTransport:
+    """One RolloutServer in the trainer's process: a call returns its result. For one GPU without Ray, and for
+    debugging; the engine shares the trainer's GPU and takes device tensors (DLPack) for the LoRA."""
 
-    def __init__(self, config: dict):
-        self._server = RolloutServer(config)
+    max_servers, device_tensors = 1, True
 
-    def __getattr__(self, name):
-        return types.SimpleNamespace(remote=getattr(self._server, name))
+    def start(self, config: dict) -> RolloutServer:
+        return RolloutServer(config)
+
+    def submit(self, server, method: str, *args):
+        return getattr(server, method)(*args)
+
+    def get(self, refs):
+        return refs
+
+    def first_done(self, refs: list) -> int:
+        return 0
+
+    def retrying(self, fn, restart):
+        return fn()
+
+    def kill(self, server) -> None:
+        pass
 
 
-class RolloutGroup:
-    """`num_servers` servers with one engine config; every call is retried on fresh actors if one dies."""
+class RayTransport:
+    """RolloutServer actors: a call returns a Ray ref; a call on which an actor dies is retried on fresh actors
+    (`restart`), up to `max_retries` times; LoRA arrives as host arrays."""
 
-    def __init__(self, engine_config: dict, num_servers: int = 1, num_cpus: float = 1, num_gpus: float = 0,
-                 max_retries: int = 2, in_process: bool = False):
-        self.engine_config, self.max_retries, self.in_process = dict(engine_config), max_retries, in_process
-        self.resources = {"num_cpus": num_cpus, "num_gpus": num_gpus}
-        self.servers = [self._start() for _ in range(1 if in_process else num_servers)]
-        self.adapter = None  # (method, args) of the LoRA update currently served, re-sent after a restart
-        self.last_ack = {}  # the first server's acknowledgement of the last LoRA update
+    max_servers, device_tensors = None, False
 
-    def _start(self):
-        if self.in_process:
-            return _InProcess(self.engine_config)
-        return create_rollout_server(self.engine_config, **self.resources)
+    def __init__(self, num_cpus: float = 1, num_gpus: float = 0, max_retries: int = 2):
+        self.resources, self.max_retries = {"num_cpus": num_cpus, "num_gpus": num_gpus}, max_retries
 
-    def _get(self, refs):
-        if self.in_process:
-            return refs
+    def start(self, config: dict):
+        return create_rollout_server(config, **self.resources)
+
+    def submit(self, server, method: str, *args):
+        return getattr(server, method).remote(*args)
+
+    def get(self, refs):
         import ray
         return ray.get(refs)
 
-    def _call(self, fn):
-        if self.in_process:
-            return fn()
+    def first_done(self, refs: list) -> int:
+        import ray
+        done, _ = ray.wait(refs, num_returns=1)
+        return next(i for i, ref in enumerate(refs) if ref == done[0])
+
+    def retrying(self, fn, restart):
         import ray
         for attempt in range(self.max_retries + 1):
             try:
@@ -67,18 +81,39 @@ class RolloutGroup:
                 if attempt == self.max_retries:
                     raise RuntimeError(f"rollout actor died {attempt + 1} times; giving up") from e
                 log.warning("rollout actor died (%s); restarting and retrying", e)
-                self._restart()
+                restart()
+
+    def kill(self, server) -> None:
+        import ray
+        ray.kill(server, no_restart=True)
+
+
+class RolloutGroup:
+    """`num_servers` servers with one engine config behind a `transport` (RayTransport or LocalTransport); every
+    call is retried on fresh servers if one dies (Ray)."""
+
+    def __init__(self, engine_config: dict, num_servers: int = 1, transport=None):
+        self.engine_config, self.transport = dict(engine_config), transport or RayTransport()
+        count = min(num_servers, self.transport.max_servers or num_servers)
+        self.servers = [self.transport.start(self.engine_config) for _ in range(count)]
+        self.adapter = None  # (method, args) of the LoRA update currently served, re-sent after a restart
+        self.last_ack = {}  # the first server's acknowledgement of the last LoRA update
+
+    def _all(self, method: str, *args) -> list:
+        """`method(*args)` on every server, retried on fresh servers if one dies."""
+        t = self.transport
+        return t.retrying(lambda: t.get([t.submit(s, method, *args) for s in self.servers]), self._restart)
 
     def _restart(self) -> None:
         count = len(self.servers)
         self.close()
-        self.servers = [self._start() for _ in range(count)]
+        self.servers = [self.transport.start(self.engine_config) for _ in range(count)]
         if self.adapter is not None:
             method, args = self.adapter
-            self._get([getattr(s, method).remote(*args) for s in self.servers])
+            self.transport.get([self.transport.submit(s, method, *args) for s in self.servers])
 
     def info(self) -> list[dict]:
-        return self._call(lambda: self._get([s.info.remote() for s in self.servers]))
+        return self._all("info")
 
     def generate(self, prompts: list[str], n: int, sampling: dict, seeds: np.ndarray, prompts_per_call: int,
                  on_chunk=None) -> TrajectoryBatch:
@@ -91,37 +126,29 @@ class RolloutGroup:
         bf16 prompt embeds at most 470 MB, tens of ms through host memory against a step of minutes; and the
         batch is needed on the host anyway (rewards read the images, mini-batch ordering and text padding are
         numpy, multi-process runs broadcast host bytes, and a sleeping engine must not hold them on the GPU)."""
-        return self._call(lambda: self._generate(prompts, n, sampling, seeds, prompts_per_call, on_chunk))
+        return self.transport.retrying(lambda: self._generate(prompts, n, sampling, seeds, prompts_per_call,
+                                                              on_chunk), self._restart)
 
     def _generate(self, prompts, n, sampling, seeds, per_call, on_chunk):
-        pending = []
+        t, pending = self.transport, []
         for c, start in enumerate(range(0, len(prompts), per_call)):
             server = self.servers[c % len(self.servers)]
             chunk_seeds = [int(s) for s in seeds[start * n:(start + per_call) * n]]
-            pending.append((server.generate.remote(prompts[start:start + per_call], n, sampling, chunk_seeds), c))
+            pending.append((t.submit(server, "generate", prompts[start:start + per_call], n, sampling, chunk_seeds), c))
         chunks = {}
         while pending:
-            (ref, c), pending = self._wait(pending)
-            chunks[c] = TrajectoryBatch.from_dict(self._get(ref))
+            ref, c = pending.pop(t.first_done([ref for ref, _ in pending]))
+            chunks[c] = TrajectoryBatch.from_dict(t.get(ref))
             if on_chunk is not None:
                 on_chunk(c, chunks[c])
         return TrajectoryBatch.concat([chunks[c] for c in sorted(chunks)])
-
-    def _wait(self, pending):
-        """The first finished (ref, chunk) and the rest."""
-        if self.in_process:
-            return pending[0], pending[1:]
-        import ray
-        done, _ = ray.wait([ref for ref, _ in pending], num_returns=1)
-        i = next(i for i, (ref, _) in enumerate(pending) if ref == done[0])
-        return pending[i], pending[:i] + pending[i + 1:]
 
     def update_lora(self, tensors: dict, version: int, adapter_config: dict) -> int:
         """Serve the adapter on every server; returns the bound-module count after checking every ack.
 
         `tensors`: {PEFT key: host numpy array} (`lora_to_peft`), for any server; or, in process only, device
         tensors the engine copies from before this returns (`lora_sync.device_peft_tensors`)."""
-        if not self.in_process and isinstance(tensors, dict):
+        if not self.transport.device_tensors and isinstance(tensors, dict):
             device = sorted(k for k, v in tensors.items() if not isinstance(v, np.ndarray))
             if device:
                 raise ValueError(f"LoRA tensors for Ray actors must be host numpy arrays (lora_to_peft), got "
@@ -135,25 +162,23 @@ class RolloutGroup:
         return self._update("update_lora_shared", (manifest, version, adapter_config), version)
 
     def _update(self, method: str, args: tuple, version: int) -> int:
-        acks = self._call(lambda: self._get([getattr(s, method).remote(*args) for s in self.servers]))
+        acks = self._all(method, *args)
         for ack in acks:
             if ack["version"] != version or ack["bound_modules"] < 1:
                 raise RuntimeError(f"rollout did not take LoRA version {version}: ack {ack}")
-        if not self.in_process:  # re-sent after an actor restart (Ray only; in process it would pin device buffers)
+        if not self.transport.device_tensors:  # re-sent after a restart (in process it would pin device buffers)
             self.adapter = (method, args)
         self.last_ack = acks[0]
         return acks[0]["bound_modules"]
 
     def close(self) -> None:
-        if not self.in_process:
-            import ray
-            for s in self.servers:
-                ray.kill(s, no_restart=True)
+        for s in self.servers:
+            self.transport.kill(s)
         self.servers = []
 
     def sleep(self) -> int:
         """Every server's engine sleeps; returns the GPU bytes they freed in all."""
-        return sum(self._call(lambda: self._get([s.sleep.remote() for s in self.servers])))
+        return sum(self._all("sleep"))
 
     def wake(self) -> None:
-        self._call(lambda: self._get([s.wake.remote() for s in self.servers]))
+        self._all("wake")

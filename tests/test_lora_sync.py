@@ -11,7 +11,7 @@ from bridge.rollout.lora_apply import ADAPTER_NAME
 from jaxflow.lora_sync import DeviceTarget, device_peft_tensors, device_target
 from jaxflow.models.loading import load_transformer
 from jaxflow.models.lora import LoRAParam, LoRASpec, lora_to_peft
-from jaxflow.rollout_client import RolloutGroup
+from jaxflow.rollout_client import LocalTransport, RolloutGroup
 
 SPEC = LoRASpec(rank=4, alpha=8.0)
 
@@ -27,12 +27,12 @@ def trainer_lora(tiny_path):
 
 def in_process_group(tiny_path, dtype):
     return RolloutGroup({"engine": "diffusers", "model": str(tiny_path), "dtype": dtype, "device": "cpu"},
-                        in_process=True)
+                        transport=LocalTransport())
 
 
 def engine_adapters(group) -> dict[str, np.ndarray]:
     """The engine's LoRA weights as raw bits."""
-    model = group.servers[0]._server.engine.pipeline.transformer
+    model = group.servers[0].engine.pipeline.transformer
     return {n: p.detach().view(torch.int16 if p.dtype == torch.bfloat16 else torch.int32).numpy().copy()
             for n, p in model.named_parameters() if f".{ADAPTER_NAME}." in n}
 
@@ -101,8 +101,7 @@ def test_device_target_needs_a_device_jax_addresses():
 
 
 def test_ray_servers_take_host_arrays_only():
-    group = RolloutGroup.__new__(RolloutGroup)  # no actors: the check comes before any call
-    group.in_process, group.servers = False, []
+    group = RolloutGroup({}, num_servers=0)  # no actors: the check comes before any call
     with pytest.raises(ValueError, match="must be host numpy arrays .* got Tensor for a.lora_A.weight; device "
                                          "tensors are for rollout.layout=.in_process."):
         group.update_lora({"a.lora_A.weight": torch.zeros(2, 2)}, 1, SPEC.peft_config())
