@@ -5,11 +5,11 @@ from pathlib import Path
 
 from ml_collections import ConfigDict
 
-from bridge.contract.schedule import CFG_FORWARDS
+from jaxflow_bridge.contract.schedule import CFG_FORWARDS
 
 from jaxflow.models.config import LORA_GEMMS, ModelOptions
 from jaxflow.models.lora import LoRASpec
-from bridge.rewards.multi import NEED_TARGET, REGISTRY
+from jaxflow_bridge.rewards.multi import NEED_TARGET, REGISTRY
 from jaxflow.sharding import ShardingConfig
 from jaxflow.step_config import ALGORITHMS, OLD_LOG_PROBS, RATIO_NORMS, TrainConfig
 
@@ -45,7 +45,7 @@ def needs_target(cfg) -> bool:
 def model_folder(cfg: ConfigDict) -> Path:
     """The diffusers pipeline folder: `tiny` builds/reuses the cached tiny offline pipeline."""
     if cfg.model.path == "tiny":
-        from bridge.rollout.tiny import tiny_pipeline_path
+        from jaxflow_bridge.rollout.tiny import tiny_pipeline_path
         return tiny_pipeline_path(dtype=cfg.rollout.dtype)
     return Path(cfg.model.path)
 
@@ -222,7 +222,7 @@ def _size_multiple(cfg) -> int:
     folder's vae/config.json, or the tiny model's (factor 4)."""
     import json
     if cfg.model.path == "tiny":
-        from bridge.rollout.tiny import TINY_VAE_CONFIG
+        from jaxflow_bridge.rollout.tiny import TINY_VAE_CONFIG
         downsample = TINY_VAE_CONFIG["temperal_downsample"]
     else:
         vae = Path(cfg.model.path) / "vae" / "config.json"

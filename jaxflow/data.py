@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bridge.rewards.text import extract_target
+from jaxflow_bridge.rewards.text import extract_target
 
 
 @dataclass(frozen=True)

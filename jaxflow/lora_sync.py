@@ -1,7 +1,7 @@
 """The form the trainer's LoRA takes on its way to the rollout engine (the trainer's glue; JAX and torch meet here).
 
 Across processes (Ray actors) on this host the engine reads the adapter from one shared-memory file
-(`SharedLoRA`, bridge/contract/lora_shm.py): transposed to PEFT's layout, cast to the engine's dtype and laid out
+(`SharedLoRA`, jaxflow_bridge/contract/lora_shm.py): transposed to PEFT's layout, cast to the engine's dtype and laid out
 flat in one jit on the device, copied to the host once, written once; only the manifest crosses Ray. An engine on
 another host gets host numpy PEFT arrays (`lora_to_peft`), which Ray ships as bytes.
 When the engine shares the trainer's process (`rollout.layout="in_process"`) on a device JAX addresses, it gets device
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bridge.contract.lora_shm import SharedAdapterFile
+from jaxflow_bridge.contract.lora_shm import SharedAdapterFile
 from jaxflow.models.lora import LoRASpec, peft_stacks
 
 _PLATFORMS = {"cpu": "cpu", "cuda": "gpu"}
@@ -85,7 +85,7 @@ def device_peft_tensors(lora, spec: LoRASpec, target: DeviceTarget) -> dict:
 
 class SharedLoRA:
     """The train state's LoRA as a shared-memory adapter file for engines on this host; `write(lora)` returns the
-    manifest to send (bridge/contract/lora_shm.py). lora_A stacks come first, then lora_B's, so an engine scales
+    manifest to send (jaxflow_bridge/contract/lora_shm.py). lora_A stacks come first, then lora_B's, so an engine scales
     every B in one operation."""
 
     def __init__(self, spec: LoRASpec, dtype: str = "bfloat16"):
@@ -117,7 +117,7 @@ class SharedLoRA:
         file mapped and registered with CUDA once)."""
         import torch
 
-        from bridge.contract.lora_shm import TOKEN_BYTES
+        from jaxflow_bridge.contract.lora_shm import TOKEN_BYTES
         nbytes = flat.size * flat.dtype.itemsize
         if self._host is None or self._host.numel() != flat.size:
             raw = torch.from_file(str(self.file.path), shared=True, size=TOKEN_BYTES + nbytes, dtype=torch.uint8)

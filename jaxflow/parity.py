@@ -14,8 +14,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from bridge.contract.trajectory import TrajectoryBatch
-from bridge.contract import keymap
+from jaxflow_bridge.contract.trajectory import TrajectoryBatch
+from jaxflow_bridge.contract import keymap
 from jaxflow.models.config import QwenImageConfig
 from jaxflow.models.loading import TensorSource
 from jaxflow.models.lora import LoRAParam, LoRASpec

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import ml_collections
 
-from bridge.contract.keymap import DEFAULT_LORA_TARGETS
+from jaxflow_bridge.contract.keymap import DEFAULT_LORA_TARGETS
 
 DATA = Path(__file__).resolve().parents[1] / "data"  # the clone's prompt files, found from any working directory
 
@@ -59,10 +59,10 @@ HELP: dict[str, str] = {
     "model.lora_gemm": "the blocks' adapted linears: 'xla' (anywhere), 'pallas' (one fused Hopper GEMM: bf16, one "
                        "H100/H200) or 'auto'",
     "model.init": "base weights: 'checkpoint' (from model.path) or 'random' (drawn from seed; "
-                  "bridge/contract/random_weights.py)",
+                  "jaxflow_bridge/contract/random_weights.py)",
     "lora.rank": "LoRA rank, an int >= 1",
     "lora.alpha": "LoRA alpha, > 0: the adapter's scale is alpha / rank",
-    "lora.targets": "the linears adapted in every block, by diffusers name (bridge/contract/keymap.py LORA_TARGETS)",
+    "lora.targets": "the linears adapted in every block, by diffusers name (jaxflow_bridge/contract/keymap.py LORA_TARGETS)",
     "rollout.engine": "rollout engine: 'vllm_omni' (GPU, bfloat16 only) or 'diffusers' (anywhere, CPU included)",
     "rollout.dtype": "the engine's dtype: 'bfloat16' (vllm_omni's only) or 'float32' (diffusers)",
     "rollout.device": "the engine's torch device: 'cpu', 'cuda' or 'cuda:N'",

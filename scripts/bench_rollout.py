@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from bridge.rollout.full_size import full_size_pipeline
-from bridge.rollout.pipeline import RolloutPipeline
-from bridge.rollout.sampling import SamplingParams
-from bridge.rollout.tiny import build_pipeline
+from jaxflow_bridge.rollout.full_size import full_size_pipeline
+from jaxflow_bridge.rollout.pipeline import RolloutPipeline
+from jaxflow_bridge.rollout.sampling import SamplingParams
+from jaxflow_bridge.rollout.tiny import build_pipeline
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from flops import DATASHEET_TFLOPS, qwen_flops  # noqa: E402

@@ -57,7 +57,7 @@ def random_adapter(model: Path, rank: int, seed: int, shapes=None) -> dict:
     """PEFT tensors (float32) of a random r=`rank` adapter on the 12 targets; each adds ~5% of the input RMS."""
     import json
 
-    from bridge.rollout.random_init import parameter_shapes
+    from jaxflow_bridge.rollout.random_init import parameter_shapes
 
     shapes = shapes or dict(parameter_shapes(json.loads((model / "transformer" / "config.json").read_text())))
     rng, out = np.random.default_rng(seed), {}
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
                         str(args.model), "--no-transformer-weights"], check=True)
     import torch
 
-    from bridge.rollout.server import engine_class
+    from jaxflow_bridge.rollout.server import engine_class
 
     def build(name: str, **extra):
         config = {"engine": name, "model": str(args.model), "dtype": "bfloat16", "random_seed": args.seed, **extra}

@@ -32,7 +32,7 @@ TRACED_REQUEST = 7  # 2 prompts a call: base warm-up, base timed, LoRA warm-up, 
 
 
 def one_mode(model: Path, mode: str, seed: int) -> dict:
-    from bridge.rollout.server import engine_class
+    from jaxflow_bridge.rollout.server import engine_class
 
     lora_apply, *options = mode.split("+")
     config = {"engine": "vllm_omni", "model": str(model), "dtype": "bfloat16", "random_seed": seed,

@@ -9,7 +9,7 @@ One transformer block's four adapted image-stream linears (fused q/k/v 3072 -> 3
 - `base`: the linears without LoRA (the floor);
 - `stock`: vLLM-Omni 0.20's semantics, y = linear(x); y[:, s] = y[:, s] + (x @ A_s.T) @ B_s.T per slice, eager and
   under torch.compile (vLLM-Omni compiles its blocks);
-- `fused`: `bridge.rollout.lora_linear.lora_linear`, eager and compiled.
+- `fused`: `jaxflow_bridge.rollout.lora_linear.lora_linear`, eager and compiled.
 Per rollout of 32 images (2 requests x 10 steps x 60 blocks) the LoRA overhead over `base` is printed in seconds.
 Each variant's output is checked against a float32 reference within bf16 rounding.
 """
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from results import write_result  # noqa: E402
 
-from bridge.rollout.lora_linear import lora_linear  # noqa: E402
+from jaxflow_bridge.rollout.lora_linear import lora_linear  # noqa: E402
 
 RANK, REPEATS = 64, 20
 FULL = dict(tokens=32768, hidden=3072, mlp=12288)

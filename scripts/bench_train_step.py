@@ -34,7 +34,7 @@ from bench_model import FULL, TINY, jax_matmul_tflops, median_ms, torch_matmul_t
 from flops import DATASHEET_TFLOPS, qwen_flops  # noqa: E402
 from results import write_result  # noqa: E402
 
-from bridge.contract import schedule  # noqa: E402
+from jaxflow_bridge.contract import schedule  # noqa: E402
 from jaxflow.models.config import ModelOptions, QwenImageConfig  # noqa: E402
 from jaxflow.models.lora import LoRAParam, LoRASpec, lora_to_peft  # noqa: E402
 from jaxflow.models.transformer import QwenImageTransformer  # noqa: E402
@@ -173,7 +173,7 @@ def bench_torch(cfg, args, batch, ceiling, shapes):
     from diffusers import QwenImageTransformer2DModel
     from peft import LoraConfig, set_peft_model_state_dict
 
-    from bridge.rollout import sde as tsde
+    from jaxflow_bridge.rollout import sde as tsde
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(dev):
@@ -247,7 +247,7 @@ def bench_torch(cfg, args, batch, ceiling, shapes):
 
 def _peft_shapes(abstract, spec) -> dict[str, tuple[int, ...]]:
     """PEFT key -> shape without materialising the adapters."""
-    from bridge.contract import keymap
+    from jaxflow_bridge.contract import keymap
     state = nnx.state(abstract, LoRAParam)
     out = {}
     for e in keymap.lora_key_map(spec.targets):

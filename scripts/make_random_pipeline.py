@@ -3,7 +3,7 @@
     python scripts/make_random_pipeline.py --out DIR [--no-transformer-weights]
 
 Real transformer (20.4B) and VAE configs; the text encoder has the real width (3584) but 2 layers
-(bridge/rollout/full_size.py); our locally built tokenizer; the real scheduler config. bf16 safetensors, sharded.
+(jaxflow_bridge/rollout/full_size.py); our locally built tokenizer; the real scheduler config. bf16 safetensors, sharded.
 With --no-transformer-weights only transformer/config.json is written (2 GB in all instead of 43): for
 `--config.model.init=random`, where the trainer and the rollout draw the transformer's weights on their devices.
 """
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from bridge.rollout.full_size import full_size_pipeline
-from bridge.rollout.tiny import save_folder
+from jaxflow_bridge.rollout.full_size import full_size_pipeline
+from jaxflow_bridge.rollout.tiny import save_folder
 
 
 def main(argv=None):

@@ -150,8 +150,8 @@ def profile_rollout(folder: Path, out: Path, n: int = 16, compile_block: bool = 
     trainer builds it; `compile_block`: its `rollout.compile` (torch.compile of the repeated block)."""
     import torch
 
-    from bridge.rollout.engine_diffusers import DiffusersEngine
-    from bridge.rollout.sampling import SamplingParams
+    from jaxflow_bridge.rollout.engine_diffusers import DiffusersEngine
+    from jaxflow_bridge.rollout.sampling import SamplingParams
     pipe = DiffusersEngine({"engine": "diffusers", "model": str(folder), "dtype": "bfloat16", "device": "cuda",
                             "random_seed": 0, "compile": compile_block}).pipeline
     sp = SamplingParams()  # flow_grpo's Qwen-Image recipe: 512^2, 10 steps, CFG 4, sde 1.2, window 2 in [0, 5)

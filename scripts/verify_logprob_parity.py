@@ -37,7 +37,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from bridge.contract.trajectory import TrajectoryBatch
+from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow.models.config import ModelOptions
 from jaxflow.models.loading import fingerprint, load_transformer
 from jaxflow.models.lora import LoRASpec, peft_to_lora
@@ -94,8 +94,8 @@ def parse_args(argv):
 
 
 def build_engine(name: str, folder: Path, dtype: str):
-    """The rollout engine `name` from bridge.rollout.server's registry, in-process; SystemExit if unavailable."""
-    from bridge.rollout.server import engine_class
+    """The rollout engine `name` from jaxflow_bridge.rollout.server's registry, in-process; SystemExit if unavailable."""
+    from jaxflow_bridge.rollout.server import engine_class
 
     config = {"engine": name, "model": str(folder), "dtype": dtype}
     try:
@@ -118,7 +118,7 @@ def print_table(stats: dict, step_index: np.ndarray) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.model is None:
-        from bridge.rollout.tiny import tiny_pipeline_path
+        from jaxflow_bridge.rollout.tiny import tiny_pipeline_path
 
         args.model = tiny_pipeline_path(dtype=args.dtype)  # vLLM-Omni takes its dtype from the folder's
     engine = build_engine(args.engine, args.model, args.dtype)

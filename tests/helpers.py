@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bridge.contract import keymap
+from jaxflow_bridge.contract import keymap
 from jaxflow.models.config import ModelOptions, QwenImageConfig
 from jaxflow.models.lora import LoRAParam, LoRASpec
 from jaxflow.models.transformer import QwenImageTransformer

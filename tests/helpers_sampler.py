@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bridge.contract import schedule
+from jaxflow_bridge.contract import schedule
 from jaxflow import flowgrpo, sde
 from jaxflow.models.lora import LoRAParam
 

@@ -1,4 +1,4 @@
-"""bridge.contract.lora: adapter_config, PEFT folders (bit-exact), LoRA key names, vLLM-Omni names."""
+"""jaxflow_bridge.contract.lora: adapter_config, PEFT folders (bit-exact), LoRA key names, vLLM-Omni names."""
 import json
 import subprocess
 import sys
@@ -7,10 +7,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from bridge.contract import safetensors_io
-from bridge.contract.lora import (adapter_config, bound_modules, lora_pairs, read_peft, to_vllm_omni, vllm_omni_adapter_config,
+from jaxflow_bridge.contract import safetensors_io
+from jaxflow_bridge.contract.lora import (adapter_config, bound_modules, lora_pairs, read_peft, to_vllm_omni, vllm_omni_adapter_config,
                          write_peft)
-from bridge.contract import keymap
+from jaxflow_bridge.contract import keymap
 from tests.helpers import LAYERS, RANK, random_peft
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -83,6 +83,6 @@ def test_vllm_omni_names():
 
 
 def test_imports_neither_jax_nor_torch_nor_jaxflow():
-    code = ("import sys, bridge.contract.lora; "
+    code = ("import sys, jaxflow_bridge.contract.lora; "
             "assert not {'jax', 'torch', 'flax', 'jaxflow'} & set(sys.modules), sys.modules.keys()")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -141,4 +141,4 @@ def test_no_torch_import(path):
     tree = ast.parse((ROOT / path).read_text())
     names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
-    assert not {name.split(".")[0] for name in names} & {"torch", "bridge"}
+    assert not {name.split(".")[0] for name in names} & {"torch", "jaxflow_bridge"}

@@ -1,5 +1,5 @@
 """The layout's dependency rules, read from the imports: the contract imports neither framework nor either side, and
-nothing in bridge/ imports JAX or the trainer."""
+nothing in jaxflow_bridge/ imports JAX or the trainer."""
 import ast
 from pathlib import Path
 
@@ -14,16 +14,16 @@ def imported_modules(path: Path) -> set[str]:
     return names | {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level}
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "bridge" / "contract").glob("*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((ROOT / "jaxflow_bridge" / "contract").glob("*.py")), ids=lambda p: p.name)
 def test_contract_imports_no_framework_and_neither_side(path):
     bad = {m for m in imported_modules(path)
-           if m.split(".")[0] in {"jax", "flax", "optax", "torch", "jaxflow"} or m.startswith("bridge.rollout")}
+           if m.split(".")[0] in {"jax", "flax", "optax", "torch", "jaxflow"} or m.startswith("jaxflow_bridge.rollout")}
     assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "bridge").rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("path", sorted((ROOT / "jaxflow_bridge").rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
 def test_bridge_imports_no_jax_and_no_trainer(path):
-    """One rule for all of bridge/ (rollout, rewards, mini_ocr, contract): the trainer imports it, never the reverse."""
+    """One rule for all of jaxflow_bridge/ (rollout, rewards, mini_ocr, contract): the trainer imports it, never the reverse."""
     bad = {m for m in imported_modules(path) if m.split(".")[0] in {"jax", "flax", "optax", "jaxflow"}}
     assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 

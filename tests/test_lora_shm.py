@@ -1,4 +1,4 @@
-"""LoRA sync through one shared-memory file (bridge/contract/lora_shm.py): the trainer's flat bf16 export, the
+"""LoRA sync through one shared-memory file (jaxflow_bridge/contract/lora_shm.py): the trainer's flat bf16 export, the
 engine's slot plan against vLLM-Omni's fused layers, and the worker's in-place write into a stand-in of vLLM-Omni
 0.20's LoRA manager (its slots and its CPU copy), with refusal of non-finite values and the fallbacks."""
 from types import SimpleNamespace
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from bridge.contract import lora_shm
-from bridge.contract.lora import lora_pairs, to_vllm_omni
-from bridge.rollout import vllm_omni_pipeline as vop
-from bridge.rollout.engine_vllm_omni import slot_plan
+from jaxflow_bridge.contract import lora_shm
+from jaxflow_bridge.contract.lora import lora_pairs, to_vllm_omni
+from jaxflow_bridge.rollout import vllm_omni_pipeline as vop
+from jaxflow_bridge.rollout.engine_vllm_omni import slot_plan
 from tests.helpers import RANK, random_peft, run, tiny_config
 from tests.helpers_vllm_omni import FakeFusedTransformer
 

@@ -2,11 +2,11 @@
 control reward."""
 import numpy as np
 
-from bridge.mini_ocr.render import render, render_dataset
-from bridge.mini_ocr.words import MAX_LEN, MIN_LEN, prompt, split, write_prompts
-from bridge.rewards import build_reward
-from bridge.rewards.ocr import OcrReward
-from bridge.rewards.shuffled import Shuffled
+from jaxflow_bridge.mini_ocr.render import render, render_dataset
+from jaxflow_bridge.mini_ocr.words import MAX_LEN, MIN_LEN, prompt, split, write_prompts
+from jaxflow_bridge.rewards import build_reward
+from jaxflow_bridge.rewards.ocr import OcrReward
+from jaxflow_bridge.rewards.shuffled import Shuffled
 from tests.helpers import ROOT
 
 

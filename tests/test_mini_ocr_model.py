@@ -6,10 +6,10 @@ import json
 import numpy as np
 import pytest
 
-from bridge.mini_ocr.folder import build_folder, encode_text
-from bridge.mini_ocr.vae import build_vae, pack, posterior_means, train_vae
-from bridge.mini_ocr.render import render_dataset
-from bridge.mini_ocr.words import prompt, split
+from jaxflow_bridge.mini_ocr.folder import build_folder, encode_text
+from jaxflow_bridge.mini_ocr.vae import build_vae, pack, posterior_means, train_vae
+from jaxflow_bridge.mini_ocr.render import render_dataset
+from jaxflow_bridge.mini_ocr.words import prompt, split
 from tests.helpers import ROOT
 
 WORDS = split(4000, 200)[0][:8]
@@ -27,7 +27,7 @@ def toy(tmp_path_factory):
     """A toy folder (8-channel VAE trained 6 steps, one-block transformer) and its encoded data."""
     import torch
 
-    from bridge.rollout.pipeline import RolloutPipeline
+    from jaxflow_bridge.rollout.pipeline import RolloutPipeline
 
     torch.manual_seed(0)
     out = tmp_path_factory.mktemp("mini")
@@ -72,8 +72,8 @@ def test_the_rl_config_and_its_control_validate(tiny_path):
 def test_pretraining_lowers_the_loss_and_both_sides_load_the_folder(toy):
     import jax
 
-    from bridge.rollout.pipeline import RolloutPipeline
-    from bridge.rollout.sampling import SamplingParams
+    from jaxflow_bridge.rollout.pipeline import RolloutPipeline
+    from jaxflow_bridge.rollout.sampling import SamplingParams
     from jaxflow.mini_ocr.pretrain import pretrain
     from jaxflow.models.loading import fingerprint, load_transformer
 

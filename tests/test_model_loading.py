@@ -8,8 +8,8 @@ import torch
 from diffusers import QwenImageTransformer2DModel
 from flax import nnx
 
-from bridge.contract import safetensors_io
-from bridge.contract import keymap
+from jaxflow_bridge.contract import safetensors_io
+from jaxflow_bridge.contract import keymap
 from jaxflow.models.config import ModelOptions, QwenImageConfig
 from jaxflow.models.loading import (INDEX, WEIGHTS, TensorSource, build_from_source, load_transformer,
                                     save_transformer, to_diffusers_state_dict)

@@ -8,7 +8,7 @@ from diffusers import QwenImagePipeline
 from flax import nnx
 from peft import LoraConfig, get_peft_model_state_dict
 
-from bridge.rollout.tiny import tiny_pipeline_path
+from jaxflow_bridge.rollout.tiny import tiny_pipeline_path
 from jaxflow.models.config import QwenImageConfig
 from jaxflow.models.layers import Linear
 from jaxflow.models.loading import TensorSource, build_from_source, load_transformer, to_diffusers_state_dict

@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from bridge.rewards import build_reward
-from bridge.rewards.pixel import brightness
+from jaxflow_bridge.rewards import build_reward
+from jaxflow_bridge.rewards.pixel import brightness
 
 
 def test_brightness_is_the_mean_pixel_value_scaled_to_one():

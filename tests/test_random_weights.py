@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from bridge.contract.random_weights import numpy_weight
-from bridge.rollout.pipeline import RolloutPipeline
-from bridge.rollout.random_init import torch_weight
-from bridge.rollout.tiny import tiny_pipeline_path
+from jaxflow_bridge.contract.random_weights import numpy_weight
+from jaxflow_bridge.rollout.pipeline import RolloutPipeline
+from jaxflow_bridge.rollout.random_init import torch_weight
+from jaxflow_bridge.rollout.tiny import tiny_pipeline_path
 from jaxflow.models.config import ModelOptions, QwenImageConfig
 from jaxflow.models.loading import fingerprint, to_diffusers_state_dict
 from jaxflow.models.random_init import random_transformer

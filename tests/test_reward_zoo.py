@@ -1,4 +1,4 @@
-"""Reward models (bridge/rewards/) on tiny random models saved in the layout of the real checkpoints (CLIPModel
+"""Reward models (jaxflow_bridge/rewards/) on tiny random models saved in the layout of the real checkpoints (CLIPModel
 folders with the processor's files, the aesthetic predictor's state dict, HPS v2.1's open_clip checkpoint,
 ImageReward.pt with its med_config.json and BERT vocabulary), loaded through the registry as a run builds them."""
 import json
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from bridge.rewards.multi import build_reward
+from jaxflow_bridge.rewards.multi import build_reward
 from tests.helpers import ROOT, tiny_config
 
 PROMPTS = ["a red fox", "a sign that says hello", "two cats", "a blue car", "the word OCR"]
@@ -27,7 +27,7 @@ def clip_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mlp_path(clip_dir):
-    from bridge.rewards.clip import AestheticMLP
+    from jaxflow_bridge.rewards.clip import AestheticMLP
 
     torch.manual_seed(1)
     path = clip_dir.parent / "sac+logos+ava1-l14-linearMSE.pth"
@@ -67,7 +67,7 @@ def test_text_image_rewards_match_clip_s_own_logits_and_do_not_depend_on_the_bat
 
 
 def test_aesthetic_is_the_predictor_on_the_normalised_image_embedding(clip_dir, mlp_path, images):
-    from bridge.rewards.clip import AestheticMLP
+    from jaxflow_bridge.rewards.clip import AestheticMLP
 
     reward = build_reward({"aesthetic": 1.0}, aesthetic={"path": str(clip_dir), "mlp_path": str(mlp_path),
                                                          "batch_size": 3})
@@ -98,8 +98,8 @@ def test_a_missing_file_is_named_in_one_line(clip_dir, tmp_path):
 
 
 def test_reward_models_are_imported_only_when_used():
-    code = ("import sys; from bridge.rewards.multi import build_reward; build_reward({'brightness': 1.0}); "
-            "print('bridge.rewards.clip' in sys.modules, 'transformers' in sys.modules)")
+    code = ("import sys; from jaxflow_bridge.rewards.multi import build_reward; build_reward({'brightness': 1.0}); "
+            "print('jaxflow_bridge.rewards.clip' in sys.modules, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["False", "False"], out.stderr[-2000:]
 

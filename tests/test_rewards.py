@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw, ImageFont
 
-from bridge.rewards import (MultiReward, OcrReward, RewardPool, VlmOcrReward, build_reward,
+from jaxflow_bridge.rewards import (MultiReward, OcrReward, RewardPool, VlmOcrReward, build_reward,
                              edit_score, extract_target, jpeg_compressibility,
                              jpeg_incompressibility)
 
@@ -69,7 +69,7 @@ def test_ocr_reward_workers_score_in_parallel_with_their_own_engines():
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from bridge.rewards import ocr
+    from jaxflow_bridge.rewards import ocr
 
     images = np.stack([render(w) for w in ("HELLO", "WORLD", "RIVER", "STONE")])
     prompts = [f'a sign that reads "{w}"' for w in ("hello", "world", "river", "stone")]
@@ -165,7 +165,7 @@ def test_vlm_ocr_scores_and_request_format(fake_server):
                                                ("geneval", "yesterday", 0.0), ("quality", "7/10", 0.7),
                                                ("quality", "Rating: 12", 1.0), ("quality", "unsure", 0.0)])
 def test_vlm_judge_asks_about_each_prompt_and_parses_the_verdict(fake_server, task, reply, want):
-    from bridge.rewards.vlm_judge import VlmJudge
+    from jaxflow_bridge.rewards.vlm_judge import VlmJudge
 
     fake_server.reply = reply
     url = f"http://127.0.0.1:{fake_server.server_address[1]}"
@@ -324,7 +324,7 @@ def test_reward_pool_failing_piece_scores_the_reward_zero():
 
 
 def test_shuffled_control_permutes_across_the_whole_batch_when_split():
-    from bridge.rewards.shuffled import Shuffled
+    from jaxflow_bridge.rewards.shuffled import Shuffled
 
     inner = _PerSample()
     reward = MultiReward({"shuffled": Shuffled(inner, seed=0)}, {"shuffled": 1.0})

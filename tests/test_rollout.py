@@ -1,4 +1,4 @@
-"""bridge.rollout: the diffusers rollout pipeline, LoRA application and the Ray server, on the tiny pipeline."""
+"""jaxflow_bridge.rollout: the diffusers rollout pipeline, LoRA application and the Ray server, on the tiny pipeline."""
 
 import ast
 import json
@@ -9,13 +9,13 @@ import pytest
 import torch
 from safetensors.numpy import save_file
 
-import bridge.rollout
-from bridge.rollout.pipeline import RolloutPipeline
-from bridge.rollout.sampling import DECODE_PIXELS, Fp32Timestep, SamplingParams, decode_batch
-from bridge.contract.schedule import sigma_schedule
-from bridge.rollout.sde import sde_step
-from bridge.rollout.server import create_rollout_server
-from bridge.contract.trajectory import TrajectoryBatch
+import jaxflow_bridge.rollout
+from jaxflow_bridge.rollout.pipeline import RolloutPipeline
+from jaxflow_bridge.rollout.sampling import DECODE_PIXELS, Fp32Timestep, SamplingParams, decode_batch
+from jaxflow_bridge.contract.schedule import sigma_schedule
+from jaxflow_bridge.rollout.sde import sde_step
+from jaxflow_bridge.rollout.server import create_rollout_server
+from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 
 PROMPTS = ["a red fox", "a red fox jumping over the lazy dog"]
 SAMPLING = dict(height=40, width=72, num_inference_steps=4, true_cfg_scale=4.0, noise_level=1.2, sde_window_size=2,
@@ -149,7 +149,7 @@ def test_split_cfg_forward_equals_batched_and_runs_each_text_unpadded(fresh_pipe
 
 
 def test_unknown_cfg_forward_is_refused(tiny_path):
-    from bridge.rollout.engine_diffusers import DiffusersEngine
+    from jaxflow_bridge.rollout.engine_diffusers import DiffusersEngine
 
     with pytest.raises(ValueError, match=r"cfg_forward='fused'; choose one of \('batched', 'split'\)"):
         DiffusersEngine({"engine": "diffusers", "model": str(tiny_path), "cfg_forward": "fused"})
@@ -199,7 +199,7 @@ def test_decode_calls_follow_the_pixel_budget(pipe, monkeypatch):
     original = pipe.vae.decode
     monkeypatch.setattr(pipe.vae, "decode", lambda z, **kw: calls.append(len(z)) or original(z, **kw))
     again = pipe.decode(latents, *SAMPLING_HW)
-    monkeypatch.setattr("bridge.rollout.sampling.DECODE_PIXELS", 2 * SAMPLING_HW[0] * SAMPLING_HW[1])
+    monkeypatch.setattr("jaxflow_bridge.rollout.sampling.DECODE_PIXELS", 2 * SAMPLING_HW[0] * SAMPLING_HW[1])
     split = pipe.decode(latents, *SAMPLING_HW)
     assert calls == [5, 2, 2, 1] and DECODE_PIXELS // (SAMPLING_HW[0] * SAMPLING_HW[1]) >= 5
     np.testing.assert_array_equal(one_call, again)
@@ -234,7 +234,7 @@ def test_bf16_rollout_keeps_latents_fp32_and_embeds_in_model_dtype(tiny_path):
 
 
 def test_rollout_package_never_imports_jax():
-    paths = sorted(Path(bridge.rollout.__file__).parent.glob("*.py"))
+    paths = sorted(Path(jaxflow_bridge.rollout.__file__).parent.glob("*.py"))
     assert {"pipeline.py", "server.py", "lora_apply.py", "engine_diffusers.py"} <= {p.name for p in paths}
     for path in paths:
         for node in ast.walk(ast.parse(path.read_text())):
@@ -336,7 +336,7 @@ def test_update_lora_changes_outputs_and_version(fresh_pipe, tmp_path):
 def test_compiled_engine_equals_eager_across_lora_updates(fresh_pipe, tiny_path):
     """`compile`: torch.compile of the repeated block (dynamic shapes) gives the eager trajectories, and a LoRA
     update copied into the bound layers reaches the compiled code (no stale weights baked in)."""
-    from bridge.rollout.engine_diffusers import DiffusersEngine
+    from jaxflow_bridge.rollout.engine_diffusers import DiffusersEngine
 
     engine = DiffusersEngine({"engine": "diffusers", "model": str(tiny_path), "dtype": "float32", "device": "cpu",
                               "compile": True})

@@ -15,7 +15,7 @@ def test_editable_install_puts_the_checkout_on_sys_path(tmp_path):
     """pyproject.toml makes `pip install -e .` a static .pth entry (the checkout), not an import hook: an entry on
     sys.path with a regular package `jaxflow/` wins over a folder `jaxflow/` in the working directory."""
     project = tmp_path / "jaxflow"
-    for name in ("pyproject.toml", "README.md", "jaxflow/__init__.py", "bridge/__init__.py"):
+    for name in ("pyproject.toml", "README.md", "jaxflow/__init__.py", "jaxflow_bridge/__init__.py"):
         (project / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, project / name)
     code = f"from setuptools import build_meta; print(build_meta.build_editable({str(tmp_path)!r}))"

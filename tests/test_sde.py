@@ -14,8 +14,8 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bridge.contract import schedule
-from bridge.rollout import sde as T
+from jaxflow_bridge.contract import schedule
+from jaxflow_bridge.rollout import sde as T
 from jaxflow import sde as J
 
 QWEN = schedule.QWEN_IMAGE_SCHEDULER_CONFIG
@@ -326,12 +326,12 @@ def test_sample_windows_rejects_bad_sizes(size, window_range, num_steps):
 # ---------------------------------------------------------------------------------------------- layering
 
 
-@pytest.mark.parametrize("path,forbidden", [("jaxflow/sde.py", {"torch"}), ("bridge/rollout/sde.py", {"jax"}),
-                                            ("bridge/contract/schedule.py", {"jax", "torch"})])
+@pytest.mark.parametrize("path,forbidden", [("jaxflow/sde.py", {"torch"}), ("jaxflow_bridge/rollout/sde.py", {"jax"}),
+                                            ("jaxflow_bridge/contract/schedule.py", {"jax", "torch"})])
 def test_framework_isolation(path, forbidden):
     """Each step module imports its own framework and the shared numpy schedule only; the schedule neither."""
     tree = ast.parse((ROOT / path).read_text())
     names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
-    roots = {name.split(".")[0] for name in names if name != "bridge.contract.schedule"}
-    assert not roots & (forbidden | {"jaxflow", "bridge"})
+    roots = {name.split(".")[0] for name in names if name != "jaxflow_bridge.contract.schedule"}
+    assert not roots & (forbidden | {"jaxflow", "jaxflow_bridge"})

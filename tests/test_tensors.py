@@ -1,5 +1,5 @@
-"""DLPack JAX->torch (jaxflow.lora_sync) and back (a test helper), bridge.rollout.tensors: numpy<->torch bf16 views,
-bridge.contract.safetensors_io against the safetensors package (CPU)."""
+"""DLPack JAX->torch (jaxflow.lora_sync) and back (a test helper), jaxflow_bridge.rollout.tensors: numpy<->torch bf16 views,
+jaxflow_bridge.contract.safetensors_io against the safetensors package (CPU)."""
 
 from types import SimpleNamespace
 
@@ -11,8 +11,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from bridge.contract import safetensors_io
-from bridge.rollout.tensors import numpy_to_torch, torch_to_numpy
+from jaxflow_bridge.contract import safetensors_io
+from jaxflow_bridge.rollout.tensors import numpy_to_torch, torch_to_numpy
 from jaxflow.lora_sync import jax_to_torch
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int32, torch.bool]
@@ -115,7 +115,7 @@ def test_numpy_to_torch_read_only_and_negative_strides_copy():
 
 
 def test_safetensors_files_round_trip_bit_exact_and_match_the_reference(tmp_path):
-    """bridge.contract.safetensors_io writes plain safetensors (bf16 as BF16) and reads what safetensors.torch writes."""
+    """jaxflow_bridge.contract.safetensors_io writes plain safetensors (bf16 as BF16) and reads what safetensors.torch writes."""
     tensors = {f"t_{d}".replace("torch.", ""): torch_to_numpy(sample(d)) for d in DTYPES}
     tensors["np_bf16"] = np.arange(2**16, dtype=np.uint16).view(ml_dtypes.bfloat16)
     tensors["np_scalar"] = np.array(3, np.int64)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from bridge.rollout import tiny
+from jaxflow_bridge.rollout import tiny
 
 PROMPTS = ["a red fox", "a red fox jumping over the lazy dog"]
 NEGATIVES = ["bad quality", "blurry"]

@@ -73,7 +73,7 @@ def test_vllm_omni_takes_random_init_in_bf16_and_no_compile(tmp_path):
 
 
 def test_same_latent_is_a_bool_and_reaches_the_rollout(tmp_path):
-    from bridge.rollout.sampling import SamplingParams
+    from jaxflow_bridge.rollout.sampling import SamplingParams
     cfg = tiny_config(tmp_path)
     cfg.sample.same_latent = True
     assert SamplingParams.from_dict(config_lib.sampling(cfg)).same_latent

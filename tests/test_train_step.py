@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bridge.contract import schedule
+from jaxflow_bridge.contract import schedule
 from jaxflow import flowgrpo
 from jaxflow.models.lora import LoRAParam
 from jaxflow.models.transformer import QwenImageTransformer

@@ -1,4 +1,4 @@
-"""bridge.contract.trajectory: validation, concat with right-padded text, transport; per-sample records built here (the
+"""jaxflow_bridge.contract.trajectory: validation, concat with right-padded text, transport; per-sample records built here (the
 rollout builds batches directly) are stacked into batches and back."""
 
 import dataclasses
@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from bridge.contract.trajectory import TrajectoryBatch, validate_arrays
+from jaxflow_bridge.contract.trajectory import TrajectoryBatch, validate_arrays
 
 ROOT = Path(__file__).resolve().parents[1]
 BF16 = ml_dtypes.bfloat16
@@ -260,7 +260,7 @@ def test_policy_version_single_or_raises():
         mixed.policy_version
 
 
-@pytest.mark.parametrize("module", ["bridge.contract.trajectory", "bridge.rollout.tensors", "bridge.contract.safetensors_io"])
+@pytest.mark.parametrize("module", ["jaxflow_bridge.contract.trajectory", "jaxflow_bridge.rollout.tensors", "jaxflow_bridge.contract.safetensors_io"])
 def test_import_pulls_in_neither_jax_nor_torch(module):
     code = f"import sys, {module}; print(sorted(m for m in ('jax', 'torch') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True)

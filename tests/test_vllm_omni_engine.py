@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from bridge.contract.lora import lora_pairs, to_vllm_omni
-from bridge.rollout import vllm_omni_pipeline as vop
-from bridge.rollout.engine_vllm_omni import INSTALL_HINT, ack_errors, check_lora_binding, folder_fingerprint
-from bridge.rollout.pipeline import RolloutPipeline
-from bridge.rollout.sampling import SamplingParams
-from bridge.rollout.server import engine_class
-from bridge.contract.trajectory import TrajectoryBatch
+from jaxflow_bridge.contract.lora import lora_pairs, to_vllm_omni
+from jaxflow_bridge.rollout import vllm_omni_pipeline as vop
+from jaxflow_bridge.rollout.engine_vllm_omni import INSTALL_HINT, ack_errors, check_lora_binding, folder_fingerprint
+from jaxflow_bridge.rollout.pipeline import RolloutPipeline
+from jaxflow_bridge.rollout.sampling import SamplingParams
+from jaxflow_bridge.rollout.server import engine_class
+from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from tests.helpers import D, LAYERS, MLP, RANK, random_peft
 from tests.helpers_vllm_omni import FakeFusedTransformer
 
@@ -243,7 +243,7 @@ def test_sleep_wake_acknowledgements():
 
 
 def test_gpu_memory_reading(monkeypatch):
-    from bridge.rollout import engine_vllm_omni as eng
+    from jaxflow_bridge.rollout import engine_vllm_omni as eng
 
     calls = []
 
@@ -292,7 +292,7 @@ def _has_vllm_omni() -> bool:
 
 
 def test_custom_pipeline_installs_the_fused_lora_apply_unless_told_stock(tiny_path):
-    """vLLM-Omni's diffusion LoRA layer class gets bridge.rollout.lora_linear's apply when our pipeline is built
+    """vLLM-Omni's diffusion LoRA layer class gets jaxflow_bridge.rollout.lora_linear's apply when our pipeline is built
     (before any LoRA layer or compiled graph exists); lora_apply="stock" leaves it alone; a typo is refused."""
     def stock(self, x, bias=None):
         return x

@@ -12,7 +12,7 @@ cosine decay) after global-norm clipping, an EMA of the params; params, optimize
 `jaxflow.sharding.Layout` rules, the batch sharded over the data axis. The EMA weights are saved, through the key
 map, as the folder's `transformer/` (`save_transformer`).
 
-Inputs (written by `python -m bridge.mini_ocr.prepare encode`): DATA/latents.npy (N, S, 64) float32 packed
+Inputs (written by `python -m jaxflow_bridge.mini_ocr.prepare encode`): DATA/latents.npy (N, S, 64) float32 packed
 normalised VAE means, DATA/index.npy (N,) the train word of each image, DATA/text.npz (embeds (P, L, D), mask
 (P, L), neg_embeds (L, D), neg_mask (L,)).
 
@@ -34,8 +34,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from bridge.contract.schedule import calculate_shift
-from bridge.mini_ocr.render import HEIGHT, WIDTH
+from jaxflow_bridge.contract.schedule import calculate_shift
+from jaxflow_bridge.mini_ocr.render import HEIGHT, WIDTH
 from jaxflow.models.config import ModelOptions
 from jaxflow.models.loading import load_transformer, save_transformer
 from jaxflow.sharding import Layout, ShardingConfig
@@ -158,7 +158,7 @@ def _grid(pipeline: Path, tokens: int) -> tuple[int, int]:
     grid = (HEIGHT // factor, WIDTH // factor)
     if grid[0] * grid[1] != tokens:
         raise ValueError(f"latents have {tokens} tokens, but {HEIGHT}x{WIDTH} images give {grid}: re-run "
-                         f"`python -m bridge.mini_ocr.prepare encode` for this folder")
+                         f"`python -m jaxflow_bridge.mini_ocr.prepare encode` for this folder")
     return grid
 
 

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bridge.contract import safetensors_io
-from bridge.contract import keymap
+from jaxflow_bridge.contract import safetensors_io
+from jaxflow_bridge.contract import keymap
 from jaxflow.models.config import ModelOptions, QwenImageConfig
 from jaxflow.models.lora import LoRAParam, LoRASpec, merged_kernels
 from jaxflow.models.transformer import QwenImageTransformer

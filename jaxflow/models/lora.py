@@ -1,5 +1,5 @@
 """LoRA: its own NNX variable type, the adapter spec, merge, and the Flax state <-> PEFT arrays conversion (PEFT
-folders are written and read by `bridge.contract.lora`)."""
+folders are written and read by `jaxflow_bridge.contract.lora`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bridge.contract import lora as peft_folder
-from bridge.contract import keymap
+from jaxflow_bridge.contract import lora as peft_folder
+from jaxflow_bridge.contract import keymap
 
 
 class LoRAParam(nnx.Variable):
@@ -117,7 +117,7 @@ def peft_to_lora(model: nnx.Module, spec: LoRASpec, tensors: dict[str, np.ndarra
 
 def save_peft(model: nnx.Module | nnx.State, spec: LoRASpec, directory: str | Path) -> Path:
     """Write a model's LoRA (or its LoRA state) as a PEFT folder that diffusers' `load_lora_weights` loads as is
-    (`bridge.contract.lora.write_peft`); an adapter already in `directory` is replaced."""
+    (`jaxflow_bridge.contract.lora.write_peft`); an adapter already in `directory` is replaced."""
     return peft_folder.write_peft(directory, lora_to_peft(model, spec), spec.peft_config(), diffusers=True,
                                   replace=True)
 

@@ -1,4 +1,4 @@
-"""JAX side of `bridge/contract/random_weights.py`: the transformer with the shared random base weights, drawn on device
+"""JAX side of `jaxflow_bridge/contract/random_weights.py`: the transformer with the shared random base weights, drawn on device
 straight into each leaf's sharding (the rollout draws the same in torch; the fingerprint check compares)."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bridge.contract.random_weights import FMIX, GOLDEN, key_id, kind, scale
-from bridge.contract import keymap
+from jaxflow_bridge.contract.random_weights import FMIX, GOLDEN, key_id, kind, scale
+from jaxflow_bridge.contract import keymap
 from jaxflow.models.config import ModelOptions, QwenImageConfig
 from jaxflow.models.loading import ShardingFn, assemble
 from jaxflow.models.lora import LoRASpec

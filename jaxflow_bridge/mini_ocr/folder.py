@@ -1,0 +1,43 @@
+"""The mini model's diffusers folder and what the JAX pretraining reads from it.
+
+The folder is the tiny offline pipeline (`jaxflow_bridge/rollout/tiny.py`: tokenizer, text encoder, scheduler) with the
+trained VAE and a fresh transformer of a `SIZES` config in place of its own; the pretraining then overwrites
+`transformer/` with its weights (`jaxflow/models/loading.py: save_transformer`).
+Text embeddings come from the folder through `RolloutPipeline.encode`, the rollout's own text path.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from jaxflow_bridge.rollout.tiny import TINY_TRANSFORMER_CONFIG, build_pipeline, save_folder
+
+# "mini": the proof's model (8 blocks of width 384, about 45M params); "toy": CPU smoke tests.
+SIZES = {
+    "mini": dict(TINY_TRANSFORMER_CONFIG, num_layers=8, attention_head_dim=64, num_attention_heads=6,
+                 axes_dims_rope=(8, 28, 28)),
+    "toy": dict(TINY_TRANSFORMER_CONFIG, num_layers=1, attention_head_dim=32, num_attention_heads=2),
+}
+
+
+def build_folder(out: str | Path, vae, size: str = "mini", seed: int = 0) -> Path:
+    """Write the pipeline folder with `vae` and a seeded random transformer of `SIZES[size]`."""
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
+    return save_folder(build_pipeline(seed, transformer_config=SIZES[size], vae=vae), out)
+
+
+def encode_text(pipeline, prompts: list[str], negative: str = " ") -> dict[str, np.ndarray]:
+    """float32 text embeddings, all right-padded to one length L: embeds (P, L, D), mask (P, L), and the negative
+    prompt's neg_embeds (L, D), neg_mask (L,)."""
+    out = []
+    for i in range(0, len(prompts) + 1, 512):
+        out += pipeline.encode((list(prompts) + [negative])[i:i + 512])
+    length = max(len(e) for e in out)
+    embeds = np.zeros((len(out), length, out[0].shape[-1]), np.float32)
+    mask = np.zeros((len(out), length), bool)
+    for i, e in enumerate(out):
+        embeds[i, :len(e)] = e.float().cpu().numpy()
+        mask[i, :len(e)] = True
+    return dict(embeds=embeds[:-1], mask=mask[:-1], neg_embeds=embeds[-1], neg_mask=mask[-1])

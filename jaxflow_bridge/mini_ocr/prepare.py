@@ -1,0 +1,117 @@
+"""The torch-side steps of the mini OCR proof, each one command (`scripts/mini_ocr.sh` runs them in order):
+
+    python -m jaxflow_bridge.mini_ocr.prepare data   --out OUT [--train 4000 --test 200 --variants 4]
+    python -m jaxflow_bridge.mini_ocr.prepare vae    --out OUT [--steps 6000 --batch 16 --crop 32x64 --device cuda]
+    python -m jaxflow_bridge.mini_ocr.prepare encode --out OUT [--device cuda]
+
+data: OUT/data/{train,test}.txt (prompts), images.npy (uint8 renders of the train words, `variants` each),
+index.npy (the word of each image), and the OCR reward of clean renders of the held-out words (ocr_clean.json).
+vae: trains the VAE on images.npy, sets its latent statistics, scores OCR on its reconstructions of the held-out
+renders (vae_report.json), writes the pipeline folder OUT/pipeline (random transformer of `--size`), and fails
+when that OCR is below `--min-ocr` (the GPU run asks 0.8).
+encode: OUT/data/latents.npy (packed normalised VAE means) and text.npz (prompt and negative embeddings).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from jaxflow_bridge.mini_ocr.folder import SIZES, build_folder, encode_text
+from jaxflow_bridge.mini_ocr.vae import build_vae, pack, posterior_means, reconstruct, set_latent_stats, train_vae
+from jaxflow_bridge.mini_ocr.render import HEIGHT, WIDTH, render_dataset
+from jaxflow_bridge.mini_ocr.words import prompt, split, write_prompts
+from jaxflow_bridge.rewards.ocr import OcrReward
+
+
+def ocr_scores(images: np.ndarray, words: list[str]) -> dict:
+    scores = OcrReward()(images, [prompt(w) for w in words])
+    return dict(mean=float(scores.mean()), se=float(scores.std(ddof=1) / np.sqrt(len(scores))), n=len(scores))
+
+
+def _words(out: Path) -> tuple[list[str], list[str]]:
+    cfg = json.loads((out / "data" / "words.json").read_text())
+    return split(cfg["train"], cfg["test"], cfg["seed"])
+
+
+def step_data(out: Path, num_train: int, num_test: int, variants: int, seed: int) -> dict:
+    data = out / "data"
+    write_prompts(data, num_train, num_test, seed)
+    (data / "words.json").write_text(json.dumps(dict(train=num_train, test=num_test, seed=seed)))
+    train, test = split(num_train, num_test, seed)
+    images, index = render_dataset(train, variants, HEIGHT, WIDTH, seed)
+    np.save(data / "images.npy", images)
+    np.save(data / "index.npy", index)
+    report = ocr_scores(render_dataset(test, 1, HEIGHT, WIDTH, seed)[0], test)
+    (data / "ocr_clean.json").write_text(json.dumps(report))
+    return report
+
+
+def step_vae(out: Path, steps: int, batch: int, size: str, device: str, max_minutes: float | None,
+             seed: int, min_ocr: float = 0.0, crop: tuple[int, int] | None = None, lr: float = 3e-4) -> dict:
+    images = np.load(out / "data" / "images.npy")
+    vae = build_vae(seed)
+    start = time.perf_counter()
+    losses = train_vae(vae, images, steps, batch, lr, seed=seed, device=device, crop=crop,
+                       max_seconds=None if max_minutes is None else 60 * max_minutes)
+    set_latent_stats(vae, posterior_means(vae, images[::max(1, len(images) // 4096)], device=device))
+    _, test = _words(out)
+    held_out = render_dataset(test, 1, HEIGHT, WIDTH, seed)[0]
+    report = dict(steps=len(losses), seconds=round(time.perf_counter() - start, 1), crop=crop, lr=lr,
+                  loss_first=losses[0], loss_last=float(np.mean(losses[-20:])),
+                  loss_curve=[round(float(np.mean(losses[i:i + 50])), 5) for i in range(0, len(losses), 50)],
+                  ocr_recon=ocr_scores(reconstruct(vae, held_out, device=device), test))
+    build_folder(out / "pipeline", vae.to("cpu"), size, seed)
+    (out / "vae_report.json").write_text(json.dumps(report, indent=1))
+    if report["ocr_recon"]["mean"] < min_ocr:
+        raise SystemExit(f"vae: OCR of reconstructions {report['ocr_recon']['mean']:.3f} < --min-ocr {min_ocr}: the "
+                         f"VAE bounds everything after it; train it longer (--steps) or lower --min-ocr knowingly")
+    return report
+
+
+def step_encode(out: Path, device: str) -> dict:
+    from jaxflow_bridge.rollout.pipeline import RolloutPipeline
+
+    pipe = RolloutPipeline.from_pretrained(out / "pipeline", "float32", device)
+    train, _ = _words(out)
+    np.savez(out / "data" / "text.npz", **encode_text(pipe, [prompt(w) for w in train]))
+    images = np.load(out / "data" / "images.npy")
+    with torch.no_grad():
+        latents = pack(posterior_means(pipe.vae, images, device=device), pipe.vae)
+    np.save(out / "data" / "latents.npy", latents)
+    return dict(latents=list(latents.shape), std=float(latents.std()))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("step", choices=("data", "vae", "encode"))
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--train", type=int, default=4000)
+    p.add_argument("--test", type=int, default=200)
+    p.add_argument("--variants", type=int, default=4)
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--size", default="mini", choices=sorted(SIZES))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--max-minutes", type=float, default=None)
+    p.add_argument("--lr", type=float, default=3e-4, help="vae: peak learning rate (cosine decay; 1e-3 stalls)")
+    p.add_argument("--crop", default=None, help="vae: train on random HxW crops, e.g. 32x64 (cheaper steps)")
+    p.add_argument("--min-ocr", type=float, default=0.0, help="vae: fail if OCR of reconstructions is lower")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    if a.step == "data":
+        report = step_data(a.out, a.train, a.test, a.variants, a.seed)
+    elif a.step == "vae":
+        report = step_vae(a.out, a.steps, a.batch, a.size, a.device, a.max_minutes, a.seed, a.min_ocr,
+                          tuple(int(v) for v in a.crop.split("x")) if a.crop else None, a.lr)
+    else:
+        report = step_encode(a.out, a.device)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,19 @@
+"""Rewards: fn(images uint8 (B,H,W,3), prompts list[str]) -> float32 (B,), combined (`multi`) and pooled (`pool`).
+
+Pixel, OCR and VLM rewards in numpy/onnxruntime/HTTP; reward models in torch (transformers: `clip`, `hps`,
+`image_reward`), loaded from local checkpoint folders only when used. Never imports JAX.
+"""
+
+from jaxflow_bridge.rewards.base import RewardFn, check_batch
+from jaxflow_bridge.rewards.jpeg import jpeg_compressibility, jpeg_incompressibility
+from jaxflow_bridge.rewards.multi import REGISTRY, MultiReward, build_reward
+from jaxflow_bridge.rewards.ocr import OcrReward
+from jaxflow_bridge.rewards.pool import RewardPool
+from jaxflow_bridge.rewards.text import edit_score, extract_target, normalize_text
+from jaxflow_bridge.rewards.vlm_ocr import VlmOcrReward
+
+__all__ = [
+    "REGISTRY", "MultiReward", "OcrReward", "RewardFn", "RewardPool", "VlmOcrReward",
+    "build_reward", "check_batch", "edit_score", "extract_target", "jpeg_compressibility",
+    "jpeg_incompressibility", "normalize_text",
+]

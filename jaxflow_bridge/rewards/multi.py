@@ -1,0 +1,99 @@
+"""Reward registry and the weighted multi-reward (flow_grpo `multi_score`)."""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from jaxflow_bridge.rewards.base import RewardFn, check_scores
+from jaxflow_bridge.rewards.jpeg import jpeg_compressibility, jpeg_incompressibility
+from jaxflow_bridge.rewards.ocr import OcrReward
+from jaxflow_bridge.rewards.pixel import brightness
+from jaxflow_bridge.rewards.shuffled import Shuffled
+from jaxflow_bridge.rewards.vlm_judge import VlmJudge
+from jaxflow_bridge.rewards.vlm_ocr import VlmOcrReward
+
+
+def _torch_model(name: str, module: str = "clip") -> Callable[..., RewardFn]:
+    """A factory for reward model `name` of jaxflow_bridge/rewards/<module>.py, imported (with torch and transformers) only
+    when that reward is built."""
+    def build(**options) -> RewardFn:
+        import importlib
+        return getattr(importlib.import_module(f"jaxflow_bridge.rewards.{module}"), name)(**options)
+    return build
+
+
+# name -> factory(**options) -> reward fn
+REGISTRY: dict[str, Callable[..., RewardFn]] = {
+    "ocr": OcrReward,
+    "vlm_ocr": VlmOcrReward,
+    "vlm_judge": VlmJudge,  # a question per image about its prompt (GenEval-style yes/no, or a 1-10 rating)
+    "jpeg_compressibility": lambda: jpeg_compressibility,
+    "jpeg_incompressibility": lambda: jpeg_incompressibility,
+    "brightness": lambda: brightness,
+    # the control of the mini OCR proof: OCR scores permuted across the batch (options: seed, then OcrReward's)
+    "ocr_shuffled": lambda seed=0, **ocr: Shuffled(OcrReward(**ocr), seed),
+    # CLIP-based reward models from local folders (options: path, processor_path, device, dtype, batch_size)
+    "pickscore": _torch_model("PickScore"),
+    "clip_score": _torch_model("ClipScore"),
+    "aesthetic": _torch_model("Aesthetic"),  # also mlp_path
+    "hps": _torch_model("Hps", "hps"),  # HPS v2.1: path = the open_clip checkpoint file, processor_path a folder
+    "image_reward": _torch_model("ImageReward", "image_reward"),  # path, med_config, tokenizer_path
+}
+
+
+# rewards that score the text a prompt asks to render (its first "..."): their prompt files must name one
+NEED_TARGET = frozenset({"ocr", "vlm_ocr", "ocr_shuffled"})
+
+
+class MultiReward:
+    """Weighted sum of named rewards; returns {name: (B,) float32, ..., "avg": sum_i w_i r_i}."""
+
+    def __init__(self, rewards: Mapping[str, RewardFn], weights: Mapping[str, float]):
+        if set(rewards) != set(weights):
+            raise ValueError(f"rewards {sorted(rewards)} and weights {sorted(weights)} differ")
+        self.rewards = dict(rewards)
+        self.weights = {name: float(w) for name, w in weights.items()}
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.rewards)
+
+    def score_one(self, name: str, images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
+        """One named reward, checked to be finite float32 (B,)."""
+        return check_scores(name, self.rewards[name](images, prompts), len(images))
+
+    def combine(self, scores: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Add the weighted sum "avg" to per-reward scores."""
+        out = dict(scores)
+        avg = sum(self.weights[name] * scores[name] for name in self.names)
+        out["avg"] = np.asarray(avg, dtype=np.float32)
+        return out
+
+    def __call__(self, images: np.ndarray, prompts: Sequence[str]) -> dict[str, np.ndarray]:
+        return self.combine({name: self.score_one(name, images, prompts) for name in self.names})
+
+
+def build_reward(spec: Mapping[str, float], **options: Mapping) -> MultiReward:
+    """Build a MultiReward from {name: weight}; `options[name]` are keyword args for that reward.
+
+    Example: build_reward({"vlm_ocr": 1.0}, vlm_ocr={"base_url": "http://host:8000", "model": "m"}).
+    Options for known rewards absent from `spec` are ignored (one config can carry them all). An option
+    "actor": {"num_gpus": g, "num_cpus": c} builds that reward in a Ray actor of its own (jaxflow_bridge/rewards/remote.py).
+    """
+    unknown = [name for name in [*spec, *options] if name not in REGISTRY]
+    if unknown:
+        raise ValueError(f"unknown reward(s) {unknown}; known: {sorted(REGISTRY)}")
+    if not spec:
+        raise ValueError(f"empty reward spec; known rewards: {sorted(REGISTRY)}")
+    rewards = {}
+    for name in spec:
+        kwargs = dict(options.get(name) or {})
+        actor = kwargs.pop("actor", None)  # {"num_gpus": .., "num_cpus": ..}: the model in a Ray actor of its own
+        if actor is not None:
+            from jaxflow_bridge.rewards.remote import RemoteReward
+            rewards[name] = RemoteReward(name, kwargs, **dict(actor))
+        else:
+            rewards[name] = REGISTRY[name](**kwargs)
+    return MultiReward(rewards, spec)

@@ -1,0 +1,41 @@
+"""The control for learning proofs: another reward's scores, permuted across the batch at random.
+
+A permutation keeps the batch's mean (the logged reward is still the true mean) but cuts the link between an image
+and its score, so advantages carry no information about the image: a run trained on it must not improve the true
+reward. Permutations come from one seeded generator per instance (calls serialised by a lock).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+import numpy as np
+
+from jaxflow_bridge.rewards.base import RewardFn, check_scores, split
+
+
+class Shuffled:
+    """`fn(images, prompts) -> inner(images, prompts)[permutation]`; the permutation spans the whole batch, also when
+    the reward pool scores the inner reward in pieces (`pieces`)."""
+
+    def __init__(self, inner: RewardFn, seed: int = 0):
+        self.inner = inner
+        self._rng, self._lock = np.random.default_rng(seed), threading.Lock()
+
+    def __call__(self, images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
+        return self.permute(check_scores("shuffled", self.inner(images, prompts), len(images)))
+
+    def permute(self, scores: np.ndarray) -> np.ndarray:
+        """The batch's scores in a fresh random order."""
+        with self._lock:
+            order = self._rng.permutation(len(scores))
+        return scores[order]
+
+    def pieces(self):
+        """(the inner reward's piece part, its whole part then the permutation); (None, None) if the inner reward
+        must see the whole batch (base.split)."""
+        piece, whole = split(self.inner)
+        if piece is None:
+            return None, None
+        return piece, lambda scores: self.permute(whole(scores))

@@ -1,0 +1,75 @@
+"""The embedded rollout engine: `RolloutPipeline` on diffusers components, on CPU or one GPU.
+
+Config keys: `engine` ("diffusers"), `model` (a local diffusers Qwen-Image folder, or "tiny" for the cached
+tiny random pipeline), `dtype` ("bfloat16" default, or "float32"), `device` (default: cuda if available),
+`random_seed` (optional: ignore the folder's transformer weights and draw them from this seed on the device,
+`jaxflow_bridge/contract/random_weights.py`; the trainer with `model.init=random` draws the same), `compile` (optional: compile the
+transformer's repeated block once with torch.compile, dynamic shapes; inductor fuses the eager elementwise kernels),
+`cfg_forward` ("batched" or "split": true CFG's rows in one forward or two, `jaxflow_bridge.rollout.sampling`).
+Everything crossing the engine boundary is numpy or plain Python.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from jaxflow_bridge.rollout.engine import RolloutEngine
+from jaxflow_bridge.rollout.pipeline import RolloutPipeline
+from jaxflow_bridge.rollout.sampling import SamplingLoop, SamplingParams, cfg_forward_choice
+
+
+class DiffusersEngine(RolloutEngine):
+    """The `RolloutEngine` interface over one `RolloutPipeline`."""
+
+    name = "diffusers"
+    config_keys = ("engine", "model", "dtype", "device", "random_seed", "compile", "cfg_forward")
+
+    def __init__(self, config: dict):
+        self.check_config(config)
+        cfg_forward = cfg_forward_choice(config.get("cfg_forward", SamplingLoop.cfg_forward))
+        model = config["model"]
+        if model == "tiny":
+            from jaxflow_bridge.rollout.tiny import tiny_pipeline_path
+
+            model = tiny_pipeline_path()
+        self.pipeline = RolloutPipeline.from_pretrained(model, config.get("dtype", "bfloat16"), config.get("device"),
+                                                        random_seed=config.get("random_seed"))
+        self.pipeline.cfg_forward = cfg_forward
+        self.device = self.pipeline.device
+        if config.get("compile"):  # lazy: the first generate compiles (with the LoRA layers bound by then)
+            self.pipeline.transformer.compile_repeated_blocks(dynamic=True)
+        self.asleep = False
+
+    def generate(self, prompts: list[str], n: int, sampling: dict | None = None, seeds=None) -> dict:
+        """TrajectoryBatch.to_dict() of B = len(prompts) * n samples (see RolloutPipeline.generate)."""
+        params = SamplingParams.from_dict(sampling)
+        self.check_awake()
+        return self.pipeline.generate(prompts, n, params, seeds).to_dict()
+
+    def update_lora(self, tensors, version: int, adapter_config: dict | None = None) -> dict:
+        """{"version", "bound_modules"}; atomic: a refused adapter leaves the previous one serving."""
+        self.check_awake()
+        return self.pipeline.update_lora(tensors, version, adapter_config)
+
+    def sleep(self) -> int:
+        """Move the text encoder, VAE and transformer (LoRA included) to CPU; returns the GPU bytes freed (a no-op
+        returning 0 on CPU)."""
+        if self.device.type == "cpu" or self.asleep:
+            return 0
+        before = torch.cuda.memory_reserved(self.device)
+        self.pipeline.to("cpu")
+        torch.cuda.empty_cache()
+        self.asleep = True
+        return before - torch.cuda.memory_reserved(self.device)
+
+    def wake(self) -> None:
+        """Move the models back to their device (a no-op on CPU)."""
+        if self.device.type != "cpu":
+            self.pipeline.to(self.device)
+        self.asleep = False
+
+    def info(self) -> dict:
+        p = self.pipeline
+        return {"engine": self.name, "device": str(self.device), "dtype": str(p.dtype).removeprefix("torch."),
+                "policy_version": p.policy_version, "model": p.model_path, "fingerprint": p.fingerprint,
+                "size_multiple": p.size_multiple, "lora_modules": p.lora.bound_modules(), "asleep": self.asleep}

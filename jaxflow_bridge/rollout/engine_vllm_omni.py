@@ -1,0 +1,397 @@
+"""The GPU rollout engine: vLLM-Omni 0.20 (`AsyncOmni`) serving our FlowGRPO pipeline, inside the Ray actor.
+
+Config keys: `engine` ("vllm_omni"), `model` (a local diffusers Qwen-Image folder saved in bf16, or "tiny"),
+`dtype` ("bfloat16"; vLLM-Omni 0.20 runs bf16 folders only), `device` (None or "cuda": the GPU Ray gave the actor),
+`random_seed` (optional: the transformer's weights are drawn on the GPU from this seed by the shared spec,
+`jaxflow_bridge/contract/random_weights.py`, as with the diffusers engine; the folder needs only `transformer/config.json`),
+`omni_args` (extra `AsyncOmni` keyword arguments, e.g. {"enforce_eager": True}), `lora_apply` ("fused", the
+default: LoRA'd linears run `jaxflow_bridge/rollout/lora_linear.py`; "stock": vLLM-Omni's per-slice apply, for comparison),
+`cfg_forward` ("batched" or "split": true CFG's rows in one forward or two, `jaxflow_bridge.rollout.sampling`).
+Same calls and results as the diffusers engine.
+
+- generate: one engine request per prompt with `num_outputs_per_prompt=n` (one B=n forward, 2n with true CFG,
+  per step), all submitted at once; knobs split into OmniDiffusionSamplingParams fields and `extra_args`
+  (`vllm_omni_pipeline.encode_request`); results unpacked into one TrajectoryBatch, prompt-major.
+- update_lora: the adapter, renamed for vLLM-Omni (`jaxflow_bridge.contract.lora.to_vllm_omni`), is checked against the engine
+  transformer's LoRA-capable layers (names, packed q/k/v slots, shapes) before the engine sees it, written as a
+  PEFT folder under /dev/shm and loaded by vLLM-Omni's own loader (`add_lora(LoRARequest)`); every later request
+  carries that LoRARequest. If loading fails, the previous adapter is loaded back and keeps serving.
+- update_lora_shared: the adapter in a shared-memory file on this host (jaxflow_bridge/contract/lora_shm.py); once an
+  adapter of the same rank and alpha serves, the workers write the file's tensors into its LoRA slots in place
+  (`vllm_omni_pipeline.write_lora_slots`), with the same checks and refusals; otherwise as update_lora.
+- sleep / wake: level-1 sleep through the workers' sleep task (weights, text encoder and VAE included, move to
+  CPU and come back); wake goes through the same RPC path, so the actor process never creates a CUDA context.
+AsyncOmni runs on an event loop in a background thread; the engine's methods block on it (one call at a time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+import weakref
+from pathlib import Path
+
+import numpy as np
+
+import jaxflow_bridge
+from jaxflow_bridge.contract.lora import (adapter_spec, lora_pairs, read_peft, refusal, to_vllm_omni, vllm_omni_adapter_config,
+                         write_peft)
+from jaxflow_bridge.contract.lora_shm import offsets, open_payload, read_arrays
+from jaxflow_bridge.rollout.engine import RolloutEngine
+from jaxflow_bridge.rollout.pipeline import FINGERPRINT_ELEMENTS, TensorHead, weights_fingerprint
+from jaxflow_bridge.rollout.sampling import SamplingLoop, SamplingParams, cfg_forward_choice, check_prompts, per_sample_seeds
+from jaxflow_bridge.contract.schedule import sample_windows
+from jaxflow_bridge.rollout.vllm_omni_pipeline import (LORA_APPLY, PIPELINE_CLASS, WORKER_EXTENSION_CLASS, encode_request,
+                                               unpack_trajectories)
+from jaxflow_bridge.rollout.tensors import torch_to_numpy
+from jaxflow_bridge.contract.trajectory import TrajectoryBatch
+
+log = logging.getLogger(__name__)
+INSTALL_HINT = ("the 'vllm_omni' rollout engine needs vLLM-Omni 0.20 on a CUDA machine: `pip install jaxflow[omni]`, "
+                "or, where the machine has no package index, stage the wheels here with "
+                "scripts/stage_vllm_omni.sh and install them there with scripts/install_staged.sh")
+LORA_ROOT = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+
+
+# ------------------------------------------------------------------------------------------ pure helpers
+
+
+def bind_lora_modules(pairs: dict, rank: int, table: dict, check_values: bool = True) -> dict:
+    """{module: (engine layer, slot)} binding every adapter module (vLLM-Omni names) to an engine layer.
+
+    pairs: {module: (lora_A, lora_B)}, arrays (or, with check_values=False, anything with a shape); table:
+    `vllm_omni_pipeline.lora_module_table` of the engine transformer. A module binds to the layer of its name (slot
+    None: B spans all of a fused layer's slices), or to its slot of a fused layer through `packed` (`to_q` -> slice 0
+    of `to_qkv`). ValueError listing every module that binds nowhere, has a wrong shape or (check_values)
+    non-finite values, or if none binds.
+    """
+    modules, errors, bound = table["modules"], [], {}
+    slots = {part: (fused, i) for fused, parts in table["packed"].items() for i, part in enumerate(parts)}
+    for name, (a, b) in sorted(pairs.items()):
+        prefix, _, leaf = name.rpartition(".")
+        fused, slot = slots.get(leaf, (None, None))
+        target = name if name in modules else f"{prefix}.{fused}" if fused else None
+        if target not in modules:
+            errors.append(f"{name}: the engine transformer has no such LoRA-capable layer")
+            continue
+        fan_in, outs = modules[target]
+        out = sum(outs) if target == name else outs[slot]
+        for part, got, want in (("lora_A", a, (rank, fan_in)), ("lora_B", b, (out, rank))):
+            if tuple(np.shape(got)) != want:
+                errors.append(f"{name}.{part}.weight: expected shape {want} (engine layer {target}), "
+                              f"got {tuple(np.shape(got))}")
+            elif check_values and not np.isfinite(got).all():
+                errors.append(f"{name}.{part}.weight: expected finite values")
+        bound[name] = (target, None if target == name else slot)
+    if errors:
+        raise refusal(errors, "modules that do not bind")
+    if not pairs:
+        raise ValueError("LoRA adapter refused: it binds zero modules; the previous adapter keeps serving")
+    return bound
+
+
+def check_lora_binding(pairs: dict, rank: int, table: dict) -> int:
+    """How many adapter modules bind (`bind_lora_modules`, values checked)."""
+    return len(bind_lora_modules(pairs, rank, table))
+
+
+def slot_plan(manifest: dict, rank: int, table: dict) -> tuple[list, int]:
+    """(plan, first B offset) for writing a shared adapter file (jaxflow_bridge/contract/lora_shm.py) into the engine's
+    LoRA slots: one [module, layer, slot, A offset, A shape, B offset, B shape] per module (vLLM-Omni names, slot 0
+    for an unfused layer), shapes checked against the engine (`bind_lora_modules`, values not: the workers check
+    them on the GPU). ValueError if the file's B tensors do not all follow its A tensors."""
+    entries, starts = manifest["entries"], offsets(manifest["entries"])
+    where = to_vllm_omni({k: (starts[i], list(s)) for i, (k, s) in enumerate(entries)})
+    pairs = lora_pairs(where)
+    shapes = {m: (np.broadcast_to(np.uint8(0), a[1]), np.broadcast_to(np.uint8(0), b[1])) for m, (a, b) in pairs.items()}
+    plan = []
+    for m, (layer, slot) in sorted(bind_lora_modules(shapes, rank, table, check_values=False).items()):
+        if slot is None and len(table["modules"][layer][1]) > 1:
+            raise ValueError(f"{m}: a LoRA over all slices of the fused layer {layer} is not written in place")
+        plan.append([m, layer, slot or 0, *pairs[m][0], *pairs[m][1]])
+    first_b = min(p[5] for p in plan)
+    if max(p[3] for p in plan) > first_b:
+        raise ValueError("shared LoRA file: its lora_B tensors must all follow its lora_A tensors")
+    return plan, first_b
+
+
+def folder_fingerprint(transformer_dir) -> str:
+    """`weights_fingerprint` of a diffusers transformer folder, reading only the first 4096 elements of each
+    stored tensor: what the diffusers engine and the trainer report for the same checkpoint."""
+    from safetensors import safe_open
+
+    heads = []
+    for path in sorted(Path(transformer_dir).glob("*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                stored = f.get_slice(key)
+                shape = stored.get_shape()
+                rows = -(-FINGERPRINT_ELEMENTS // max(1, math.prod(shape[1:])))
+                heads.append((key, TensorHead(shape, stored[:rows])))
+    if not heads:
+        raise FileNotFoundError(f"no *.safetensors in {transformer_dir}")
+    return weights_fingerprint(heads)
+
+
+def _flat(results) -> list:
+    """The leaves of a collective_rpc result: one list per stage, of one reply per answering worker."""
+    return [leaf for r in results for leaf in (_flat(r) if isinstance(r, list) else [r]) if leaf is not None]
+
+
+def ack_errors(results) -> list[str]:
+    """What went wrong in the OmniACKs (dataclasses or dicts) of a sleep/wake RPC; [] if all succeeded."""
+    acks = _flat(results)
+    bad = [str(a) for a in acks if (a.get("status") if isinstance(a, dict) else a.status) != "SUCCESS"]
+    return bad if acks else ["no acknowledgement"]
+
+
+def gpu_memory_used(visible: str | None = None) -> int | None:
+    """Bytes in use on this process's first visible GPU, device-wide (nvidia-smi), or None where it cannot be read.
+    vLLM-Omni's sleep acknowledgement reports 0 freed bytes (its accounting does not see the sleep pool), and the
+    actor holds no CUDA context of its own to ask."""
+    first = (os.environ.get("CUDA_VISIBLE_DEVICES", "0") if visible is None else visible).split(",")[0].strip()
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", first],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+        return int(out.split()[0]) * 2 ** 20
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def _export_package_path() -> None:
+    """Let vLLM-Omni's spawned workers import `jaxflow_bridge` (they resolve our classes by module path)."""
+    root = str(Path(jaxflow_bridge.__file__).resolve().parents[1])
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if root not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([root] + [p for p in paths if p])
+
+
+def _import_omni():
+    try:
+        from vllm_omni.entrypoints.async_omni import AsyncOmni
+        from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+        from vllm_omni.lora.request import LoRARequest
+    except ImportError as e:
+        raise ImportError(f"{INSTALL_HINT} ({e})") from e
+    return AsyncOmni, OmniDiffusionSamplingParams, LoRARequest
+
+
+# ------------------------------------------------------------------------------------------ the engine
+
+
+class VllmOmniEngine(RolloutEngine):
+    """The `RolloutEngine` interface over one AsyncOmni engine."""
+
+    name = "vllm_omni"
+    config_keys = ("engine", "model", "dtype", "device", "random_seed", "omni_args", "lora_apply", "cfg_forward")
+
+    def __init__(self, config: dict):
+        self.check_config(config)
+        if config.get("device") not in (None, "cuda"):
+            raise ValueError(f"the vllm_omni engine runs on the actor's CUDA GPU, got device={config['device']!r}")
+        self.dtype = config.get("dtype", "bfloat16")
+        if self.dtype != "bfloat16":
+            raise ValueError(f"the vllm_omni engine runs dtype 'bfloat16' only (vLLM-Omni 0.20's warm-up fails on "
+                             f"float32 folders), got {self.dtype!r}; use the diffusers engine for float32")
+        async_omni, self._params_cls, self._lora_cls = _import_omni()
+        model = config["model"]
+        if model == "tiny":
+            from jaxflow_bridge.rollout.tiny import tiny_pipeline_path
+
+            model = tiny_pipeline_path(dtype=self.dtype)
+        self.model_path = str(Path(model))
+        self.random_seed = config.get("random_seed")
+        if self.random_seed is None:
+            self.fingerprint = folder_fingerprint(Path(model) / "transformer")
+        vae = json.loads((Path(model) / "vae" / "config.json").read_text())
+        self.size_multiple = 2 * 2 ** len(vae["temperal_downsample"])
+        self.policy_version, self.asleep = 0, False
+        self._lora, self._lora_config, self._lora_bound, self._lora_ids = None, None, 0, 0
+        self._in_place = True  # later updates of a served adapter go into its slots (update_lora_shared)
+        self._lora_dir = Path(tempfile.mkdtemp(prefix="jaxflow-lora-", dir=LORA_ROOT))
+        weakref.finalize(self, shutil.rmtree, self._lora_dir, True)  # shared memory: free it with the engine
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="vllm-omni-loop", daemon=True).start()
+        _export_package_path()
+        pipeline_args = {"pipeline_class": PIPELINE_CLASS, "lora_apply": config.get("lora_apply", "fused"),
+                         "cfg_forward": cfg_forward_choice(config.get("cfg_forward", SamplingLoop.cfg_forward))}
+        if pipeline_args["lora_apply"] not in LORA_APPLY:
+            raise ValueError(f"lora_apply={pipeline_args['lora_apply']!r}; choose one of {LORA_APPLY}")
+        if self.random_seed is not None:
+            pipeline_args["random_seed"] = int(self.random_seed)
+        kwargs = {"custom_pipeline_args": pipeline_args,
+                  "worker_extension_cls": WORKER_EXTENSION_CLASS, "dtype": self.dtype, "enable_sleep_mode": True,
+                  **config.get("omni_args", {})}
+        self.omni = self._run(self._start(async_omni, kwargs))
+        self._modules = _flat(self._rpc("rollout_lora_modules"))[0]
+        if self.random_seed is not None:  # what the workers drew, not what the spec promises
+            self.fingerprint = _flat(self._rpc("rollout_random_fingerprint"))[0]
+
+    async def _start(self, async_omni, kwargs):
+        return async_omni(model=self.model_path, **kwargs)
+
+    def _run(self, coro):
+        """Run a coroutine on the engine's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _rpc(self, method: str, *args) -> list:
+        """A worker RPC's results; RuntimeError if a stage reports an error."""
+        results = self._run(self.omni.collective_rpc(method=method, args=args))
+        errors = [leaf for leaf in _flat(results) if isinstance(leaf, dict) and leaf.get("error") is True]
+        if errors:
+            raise RuntimeError(f"vLLM-Omni RPC {method} failed: {errors}")
+        return results
+
+    # -------------------------------------------------------------------------------------- generation
+
+    def generate(self, prompts: list[str], n: int, sampling: dict | None = None, seeds=None) -> dict:
+        """TrajectoryBatch.to_dict() of B = len(prompts) * n samples, prompt-major (sample b of prompt b // n)."""
+        sp = SamplingParams.from_dict(sampling)
+        check_prompts(prompts, n)
+        self.check_awake()
+        seeds = per_sample_seeds(len(prompts) * n, sp.seed if seeds is None else seeds)
+        sample_windows(seeds, sp.sde_window_size, sp.sde_window_range, sp.num_inference_steps)
+        requests = [encode_request(p, sp, seeds[g * n:(g + 1) * n], self.policy_version)
+                    for g, p in enumerate(prompts)]
+        outputs = self._run(self._generate_all(requests))
+        return TrajectoryBatch.concat([unpack_trajectories(out, p, g)
+                                       for g, (p, out) in enumerate(zip(prompts, outputs))]).to_dict()
+
+    async def _generate_all(self, requests):
+        tag = uuid.uuid4().hex[:12]
+        tasks = [asyncio.ensure_future(self._generate_one(f"rollout-{tag}-{g}", prompt, kwargs))
+                 for g, (prompt, kwargs) in enumerate(requests)]
+        try:
+            return await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:  # a failed request stops the others (their cancellation aborts them in the engine)
+                task.cancel()
+            raise
+
+    async def _generate_one(self, request_id: str, prompt: dict, kwargs: dict):
+        params = self._params_cls(**kwargs, lora_request=self._lora)
+        final = None
+        async for output in self.omni.generate(prompt, request_id=request_id, sampling_params_list=[params]):
+            final = output
+        if final is None:
+            raise RuntimeError(f"vLLM-Omni returned nothing for request {request_id}")
+        return final
+
+    # -------------------------------------------------------------------------------------- LoRA
+
+    def update_lora(self, tensors, version: int, adapter_config: dict | None = None) -> dict:
+        """{"version", "bound_modules"}; a refused or failed adapter leaves the previous one serving."""
+        if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
+            raise ValueError(f"version must be an int, got {version!r}")
+        self.check_awake()
+        if isinstance(tensors, (str, Path)):
+            tensors, file_config = read_peft(tensors)
+            adapter_config = adapter_config or file_config
+        adapter_config = adapter_config or self._lora_config
+        if not adapter_config:
+            raise ValueError("adapter_config (r, lora_alpha) is required for the first LoRA update")
+        spec = adapter_spec(adapter_config)
+        tensors = to_vllm_omni({k: v if isinstance(v, np.ndarray) else torch_to_numpy(v)
+                                for k, v in tensors.items()})
+        bound = check_lora_binding(lora_pairs(tensors), spec.rank, self._modules)
+        self._lora_ids += 1
+        folder = write_peft(self._lora_dir / f"adapter-{self._lora_ids}", tensors,
+                            vllm_omni_adapter_config(adapter_config))
+        request = self._lora_cls(lora_name=f"policy-v{int(version)}", lora_int_id=self._lora_ids,
+                                 lora_path=str(folder))
+        self._run(self._swap_lora(request))
+        self._lora, self._lora_config, self._lora_bound = request, dict(adapter_config), bound
+        self.policy_version = int(version)
+        return {"version": self.policy_version, "bound_modules": bound}
+
+    def update_lora_shared(self, manifest: dict, version: int, adapter_config: dict | None = None) -> dict:
+        """The shared-memory adapter file (jaxflow_bridge/contract/lora_shm.py) written by the workers into the served
+        adapter's LoRA slots in place (`RolloutWorkerExtension.rollout_write_lora`: one host-to-device copy, the
+        values checked on the GPU, then slot copies), when an adapter of the same rank, alpha and modules serves;
+        otherwise (the first update, another rank) through `update_lora`'s folder and `add_lora`. A refused adapter
+        leaves the previous one serving; FileNotFoundError if the file is not on this host."""
+        if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
+            raise ValueError(f"version must be an int, got {version!r}")
+        self.check_awake()
+        open_payload(manifest)
+        adapter_config = dict(adapter_config or self._lora_config or {})
+        spec = adapter_spec(adapter_config) if adapter_config else None
+        plan = None
+        if self._lora is not None and self._in_place and adapter_config == self._lora_config:
+            plan, first_b = slot_plan(manifest, spec.rank, self._modules)
+        if plan is None or len(plan) != self._lora_bound:
+            return self.update_lora(read_arrays(manifest), version, adapter_config or None)
+        scale = spec.alpha / (math.sqrt(spec.rank) if spec.rslora else spec.rank)
+        t = time.perf_counter()
+        try:
+            reply = _flat(self._rpc("rollout_write_lora", manifest, plan, first_b, scale, self._lora.lora_int_id))[0]
+        except RuntimeError as exc:  # the slots are not where this vLLM-Omni keeps them: the folder path from now on
+            log.warning("in-place LoRA write failed (%s); loading adapters through folders from now on", exc)
+            self._in_place = False
+            return self.update_lora(read_arrays(manifest), version, adapter_config)
+        if reply.get("refused"):
+            raise refusal(reply["refused"], "modules with non-finite values")
+        self.policy_version = int(version)
+        return {"version": self.policy_version, "bound_modules": self._lora_bound, "seconds": time.perf_counter() - t}
+
+    async def _swap_lora(self, request) -> None:
+        """Load `request`'s adapter, then drop the previous one; on failure restore the previous one."""
+        previous = self._lora
+        try:
+            error = None if await self.omni.add_lora(request) else "add_lora returned False"
+        except Exception as e:  # noqa: BLE001 - reported below, after the previous adapter is back
+            error = e
+        if error is not None:
+            await self.omni.remove_lora(request.lora_int_id)
+            shutil.rmtree(request.lora_path, ignore_errors=True)
+            if previous is not None:  # with one cached adapter (the default), loading evicted it first
+                await self.omni.add_lora(previous)
+            raise RuntimeError(f"LoRA adapter refused by vLLM-Omni; the previous adapter keeps serving: {error}")
+        if previous is not None:
+            await self.omni.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+
+    # -------------------------------------------------------------------------------------- lifecycle
+
+    def sleep(self) -> int:
+        """Level-1 sleep: the engine's weights (transformer, text encoder, VAE) move to CPU memory; returns the GPU
+        bytes freed, read device-wide before and after (`gpu_memory_used`; the workers' own report where it cannot be
+        read), 0 if already asleep."""
+        if self.asleep:
+            return 0
+        before = gpu_memory_used()
+        acks = self._lifecycle("handle_sleep_task", {"task_id": uuid.uuid4().hex, "level": 1})
+        self.asleep = True
+        after = gpu_memory_used()
+        if before is not None and after is not None:
+            return max(0, before - after)
+        return sum(int(a.get("freed_bytes", 0) if isinstance(a, dict) else a.freed_bytes) for a in acks)
+
+    def wake(self) -> None:
+        """Bring the weights back to the GPU."""
+        if not self.asleep:
+            return
+        self._lifecycle("handle_wake_task", {"task_id": uuid.uuid4().hex, "tags": None})
+        self.asleep = False
+
+    def _lifecycle(self, method: str, task: dict) -> list:
+        """The acknowledgements of a sleep/wake RPC; RuntimeError unless all succeeded."""
+        results = self._rpc(method, task)
+        errors = ack_errors(results)
+        if errors:
+            raise RuntimeError(f"vLLM-Omni {method} failed: {errors}")
+        return _flat(results)
+
+    def info(self) -> dict:
+        return {"engine": self.name, "device": "cuda", "dtype": self.dtype, "policy_version": self.policy_version,
+                "model": self.model_path, "fingerprint": self.fingerprint, "size_multiple": self.size_multiple,
+                "lora_modules": self._lora_bound, "asleep": self.asleep}

@@ -1,0 +1,109 @@
+"""Our Qwen-Image rollout pipeline on diffusers components: `SamplingLoop` (jaxflow_bridge/rollout/sampling.py) over
+the components of a diffusers `QwenImagePipeline`, plus the weights fingerprint and LoRA updates.
+Never imports JAX.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from jaxflow_bridge.rollout.lora_apply import LoraApplier
+from jaxflow_bridge.rollout.random_init import random_transformer
+from jaxflow_bridge.rollout.sampling import Fp32Timestep, SamplingLoop
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+FINGERPRINT_ELEMENTS = 4096
+
+
+class TensorHead:
+    """What `weights_fingerprint` reads of a tensor: its shape and its first elements (the rest need not exist)."""
+
+    def __init__(self, shape, head):
+        self.shape, self.head = tuple(shape), head
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> TensorHead:
+        return cls(t.shape, t.detach().reshape(-1)[:FINGERPRINT_ELEMENTS].to("cpu"))
+
+    def detach(self):
+        return self
+
+    def reshape(self, *shape):
+        return self.head.reshape(*shape)
+
+
+def weights_fingerprint(named_tensors) -> str:
+    """sha256 of the base weights: per tensor in name order, f"{name}{shape}" then the bf16 bytes of its first
+    4096 elements (C order). Cheap for 20B, yet every tensor counts; bf16 rounding makes fp32 and bf16 copies of
+    one checkpoint agree. Trainer mirror: `np.asarray(x.reshape(-1)[:4096], ml_dtypes.bfloat16).tobytes()`.
+    """
+    h = hashlib.sha256()
+    for name, t in sorted(named_tensors, key=lambda kv: kv[0]):
+        head = t.detach().reshape(-1)[:FINGERPRINT_ELEMENTS].to("cpu", torch.bfloat16)
+        h.update(f"{name}{tuple(t.shape)}".encode())
+        h.update(head.view(torch.uint16).numpy().tobytes())
+    return h.hexdigest()
+
+
+class RolloutPipeline(SamplingLoop):
+    """Qwen-Image sampling with trajectories, on the components of a diffusers `QwenImagePipeline`."""
+
+    def __init__(self, pipe, device: str | torch.device = "cpu", model_path: str | None = None):
+        self.tokenizer, self.text_encoder, self.vae = pipe.tokenizer, pipe.text_encoder, pipe.vae
+        self.transformer = pipe.transformer
+        self.scheduler_config = dict(pipe.scheduler.config)
+        self.template, self.drop = pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx
+        self.vae_scale_factor = pipe.vae_scale_factor
+        self.device, self.model_path = torch.device(device), model_path
+        for module in self.modules:
+            module.to(self.device).eval().requires_grad_(False)
+        self.fingerprint = weights_fingerprint(self.transformer.state_dict().items())
+        self.fp32_timestep = Fp32Timestep(self.transformer)
+        self.lora = LoraApplier(self.transformer)
+        self.policy_version = 0
+
+    @classmethod
+    def from_pretrained(cls, path, dtype: str = "bfloat16", device: str | None = None,
+                        random_seed: int | None = None) -> RolloutPipeline:
+        """Load a diffusers Qwen-Image folder (local only) in `dtype` onto `device` (default: cuda if available).
+        With `random_seed`, the transformer's weights are not read: they are drawn on `device` by the shared spec
+        (`jaxflow_bridge/contract/random_weights.py`), so the folder needs only `transformer/config.json`."""
+        from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
+
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        parts = {}
+        if random_seed is not None:
+            config = QwenImageTransformer2DModel.load_config(Path(path) / "transformer")
+            parts["transformer"] = random_transformer(config, int(random_seed), DTYPES[dtype], device)
+        pipe = QwenImagePipeline.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True, **parts)
+        return cls(pipe, device, str(Path(path)))
+
+    @property
+    def modules(self) -> tuple[torch.nn.Module, ...]:
+        return self.text_encoder, self.vae, self.transformer
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.dtype
+
+    def to(self, device) -> None:
+        """Move the text encoder, VAE and transformer (LoRA included); generation follows."""
+        self.device = torch.device(device)
+        for module in self.modules:
+            module.to(self.device)
+
+    # ------------------------------------------------------------------------------------------ LoRA
+
+    def update_lora(self, tensors, version: int, adapter_config: dict | None = None) -> dict:
+        """Serve a PEFT LoRA adapter (dict or path) as policy `version`; atomic (see lora_apply)."""
+        if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
+            raise ValueError(f"version must be an int, got {version!r}")
+        bound = self.lora.apply(tensors, adapter_config)
+        self.policy_version = int(version)
+        return {"version": self.policy_version, "bound_modules": bound}

@@ -1,0 +1,341 @@
+"""Our Qwen-Image rollout inside vLLM-Omni 0.20: the custom pipeline class and the request/output codec.
+
+vLLM-Omni builds a custom pipeline from `custom_pipeline_args={"pipeline_class": "<module>.<Class>"}`: its worker
+calls `vllm.utils.import_utils.resolve_obj_by_qualname`, i.e. `getattr(importlib.import_module(module), Class)`
+(vllm_omni/diffusion/model_loader/diffusers_loader.py), then `Class(od_config=...)`. This module therefore
+imports without vLLM-Omni (CPU machines, tests) and builds its vLLM-Omni subclasses on first attribute access
+(PEP 562 `__getattr__`):
+
+- `FlowGRPOQwenImagePipeline`: vLLM-Omni's `QwenImagePipeline` (its loading, fused transformer, text encoder,
+  VAE) running `SamplingLoop.generate`: one text-encoder pass, CFG positive/negative in one forward or two
+  (`cfg_forward`), float32 latents between steps, sigma in float32 to the timestep embedding (`Fp32Timestep`; vLLM-Omni's
+  `QwenTimestepProjEmbeddings` has the same call and cast as diffusers'), per-sample CPU generators, seeds and
+  SDE windows, the torch SDE of `jaxflow_bridge.rollout.sde`. Requests without our `extra_args` (the engine's warm-up
+  run, plain text-to-image requests) run the stock pipeline.
+- `RolloutWorkerExtension`: vLLM-Omni's `CustomPipelineWorkerExtension` plus `rollout_lora_modules()`, the
+  transformer's LoRA-capable layers and their shapes (the engine checks adapters against it).
+
+With JAXFLOW_ROLLOUT_TRACE=DIR in the workers' environment, the JAXFLOW_ROLLOUT_TRACE_AT-th rollout request (default
+3) a worker serves runs under torch.profiler and its CUDA kernels go to DIR (scripts/bench_rollout_lora.py reads them).
+
+The class inherits `SamplingLoop` ahead of vLLM-Omni's pipeline, so the loop's methods win: they only touch
+attributes vLLM-Omni's pipeline has under the same names, plus the few aliases `__init__` adds.
+Numerics that differ from diffusers sit inside vLLM-Omni's transformer: RoPE applied with cos/sin cast to the
+model dtype, its attention backends (masked varlen FlashAttention for padded text), fused QKV.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from jaxflow_bridge.rollout.lora_linear import install_fused_apply
+from jaxflow_bridge.rollout.pipeline import TensorHead, weights_fingerprint
+from jaxflow_bridge.rollout.sampling import Fp32Timestep, SamplingLoop, SamplingParams, cfg_forward_choice
+from jaxflow_bridge.rollout.random_init import random_named_weights
+from jaxflow_bridge.rollout.tensors import numpy_to_torch, torch_to_numpy
+from jaxflow_bridge.contract.trajectory import TrajectoryBatch
+
+PIPELINE_CLASS = f"{__name__}.FlowGRPOQwenImagePipeline"
+WORKER_EXTENSION_CLASS = f"{__name__}.RolloutWorkerExtension"
+PAYLOAD_KEY = "rollout"  # our entry in DiffusionOutput.custom_output
+# SamplingParams fields carried by OmniDiffusionSamplingParams attributes, and those carried in its extra_args.
+PARAM_FIELDS = ("height", "width", "num_inference_steps", "true_cfg_scale", "max_sequence_length", "seed")
+EXTRA_FIELDS = ("noise_level", "sde_type", "sde_window_size", "sde_window_range", "same_latent", "keep_final")
+# how LoRA'd linears run: "fused" (jaxflow_bridge/rollout/lora_linear.py) or "stock" (vLLM-Omni's own per-slice apply)
+LORA_APPLY = ("fused", "stock")
+# a torch.profiler trace (CUDA kernels) of the Nth rollout request a worker serves, written to TRACE_ENV's folder
+TRACE_ENV, TRACE_AT_ENV = "JAXFLOW_ROLLOUT_TRACE", "JAXFLOW_ROLLOUT_TRACE_AT"
+
+
+# ------------------------------------------------------------------------------------------ request codec
+
+
+def encode_request(prompt: str, sampling: SamplingParams, seeds, policy_version: int) -> tuple[dict, dict]:
+    """(prompt dict, OmniDiffusionSamplingParams kwargs) for n = len(seeds) samples of one prompt."""
+    fields = {f: getattr(sampling, f) for f in PARAM_FIELDS}
+    extra = {f: getattr(sampling, f) for f in EXTRA_FIELDS}
+    extra["sde_window_range"] = list(extra["sde_window_range"])
+    extra.update(seeds=[int(s) for s in seeds], policy_version=int(policy_version))
+    kwargs = {**fields, "num_outputs_per_prompt": len(seeds), "extra_args": extra}
+    return {"prompt": prompt, "negative_prompt": sampling.negative_prompt}, kwargs
+
+
+def is_rollout_request(params) -> bool:
+    """Whether OmniDiffusionSamplingParams came from `encode_request` (its extra_args carry per-sample seeds)."""
+    return "seeds" in (getattr(params, "extra_args", None) or {})
+
+
+def decode_request(prompts: list, params) -> tuple[str, SamplingParams, int, list[int], int]:
+    """(prompt, SamplingParams, n, seeds, policy_version) back from a request's prompts and sampling params."""
+    if len(prompts) != 1 or not isinstance(prompts[0], dict):
+        raise ValueError(f"a rollout request carries one prompt dict, got {prompts!r}")
+    extra = params.extra_args
+    values = {f: getattr(params, f) for f in PARAM_FIELDS}
+    values.update({f: extra[f] for f in EXTRA_FIELDS}, sde_window_range=tuple(extra["sde_window_range"]),
+                  negative_prompt=prompts[0]["negative_prompt"])
+    return (prompts[0]["prompt"], SamplingParams(**values), params.num_outputs_per_prompt, list(extra["seeds"]),
+            int(extra["policy_version"]))
+
+
+# ------------------------------------------------------------------------------------------ output codec
+
+
+def pack_trajectories(batch: TrajectoryBatch) -> dict:
+    """DiffusionOutput fields for a batch of one prompt's samples.
+
+    trajectory_latents (B, W+1, S, C) and trajectory_log_probs (B, W) use vLLM-Omni's own fields (shared memory
+    for large tensors); everything else rides in custom_output[PAYLOAD_KEY] as tensors (bf16 embeds stay bf16).
+    `output` is the image in [-1, 1] (B, 3, H, W), what vLLM-Omni's Qwen-Image post-processing turns into PIL
+    images; exact from the uint8 images, so `OmniRequestOutput.images` shows the same pixels.
+    """
+    payload = {"images": batch.images, "sigmas": batch.sigmas, "step_index": batch.step_index,
+               "prompt_embeds": batch.prompt_embeds, "prompt_mask": batch.prompt_mask, "seeds": batch.seeds,
+               "policy_versions": batch.policy_versions}
+    if batch.guided:
+        payload.update(negative_prompt_embeds=batch.negative_prompt_embeds,
+                       negative_prompt_mask=batch.negative_prompt_mask)
+    if batch.final_latents is not None:
+        payload["final_latents"] = batch.final_latents
+    images = torch.from_numpy(batch.images).permute(0, 3, 1, 2).float() / 127.5 - 1
+    return {"output": images, "trajectory_latents": torch.from_numpy(batch.latents),
+            "trajectory_log_probs": torch.from_numpy(batch.log_probs),
+            "custom_output": {PAYLOAD_KEY: {k: numpy_to_torch(np.ascontiguousarray(v)) for k, v in payload.items()}}}
+
+
+def _numpy(x) -> np.ndarray:
+    return x if isinstance(x, np.ndarray) else torch_to_numpy(x)
+
+
+def unpack_trajectories(output, prompt: str, group_id: int) -> TrajectoryBatch:
+    """TrajectoryBatch of one request's samples from a vLLM-Omni result (`OmniRequestOutput` or anything with
+    trajectory_latents, trajectory_log_probs and custom_output); ValueError if our payload is missing."""
+    payload = (getattr(output, "custom_output", None) or {}).get(PAYLOAD_KEY)
+    if payload is None or output.trajectory_latents is None:
+        raise ValueError(f"vLLM-Omni result for {prompt[:40]!r} carries no rollout trajectory "
+                         f"(error: {getattr(output, 'error', None)!r}); was the pipeline {PIPELINE_CLASS}?")
+    arrays = {k: _numpy(v) for k, v in payload.items()}
+    latents = _numpy(output.trajectory_latents)
+    return TrajectoryBatch(
+        images=arrays["images"], latents=latents, log_probs=_numpy(output.trajectory_log_probs),
+        sigmas=arrays["sigmas"], step_index=arrays["step_index"], prompt_embeds=arrays["prompt_embeds"],
+        prompt_mask=arrays["prompt_mask"], negative_prompt_embeds=arrays.get("negative_prompt_embeds"),
+        negative_prompt_mask=arrays.get("negative_prompt_mask"), prompts=[prompt] * len(latents),
+        group_ids=np.full(len(latents), group_id, np.int64), seeds=arrays["seeds"],
+        policy_versions=arrays["policy_versions"], final_latents=arrays.get("final_latents"))
+
+
+# ------------------------------------------------------------------------------------------ the classes
+
+
+def _txt_seq_lens_from_mask(module, args, kwargs):
+    """vLLM-Omni's transformer takes the text lengths explicitly (its RoPE spans max(txt_seq_lens), the padded
+    width here); diffusers derives them from the mask. Forward pre-hook, so `velocity` stays shared."""
+    if kwargs.get("txt_seq_lens") is None and kwargs.get("encoder_hidden_states_mask") is not None:
+        kwargs["txt_seq_lens"] = kwargs["encoder_hidden_states_mask"].sum(dim=1).tolist()
+    return args, kwargs
+
+
+def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = None) -> type:
+    """Our pipeline as a subclass of `SamplingLoop` and `base` (vLLM-Omni's QwenImagePipeline); `output_cls`
+    builds its results (vLLM-Omni's DiffusionOutput); `lora_layer_cls` (vLLM-Omni's diffusion LoRA layer base class)
+    gets `jaxflow_bridge.rollout.lora_linear`'s fused apply unless custom_pipeline_args say lora_apply="stock";
+    custom_pipeline_args' cfg_forward sets `SamplingLoop.cfg_forward`. All are
+    parameters so tests can run it on diffusers components."""
+
+    def __init__(self, *, od_config, **kwargs):
+        base.__init__(self, od_config=od_config, **kwargs)
+        args = getattr(od_config, "custom_pipeline_args", None) or {}
+        lora_apply = args.get("lora_apply", "fused")
+        if lora_apply not in LORA_APPLY:
+            raise ValueError(f"lora_apply={lora_apply!r}; choose one of {LORA_APPLY}")
+        if lora_layer_cls is not None and lora_apply == "fused":
+            install_fused_apply(lora_layer_cls)
+        self.cfg_forward = cfg_forward_choice(args.get("cfg_forward", SamplingLoop.cfg_forward))
+        self.template, self.drop = self.prompt_template_encode, self.prompt_template_encode_start_idx
+        self.scheduler_config = dict(self.scheduler.config)
+        if not hasattr(self.transformer, "config"):  # vLLM-Omni's transformer: its folder config, diffusers-style
+            self.transformer.config = od_config.tf_model_config
+        self.fp32_timestep = Fp32Timestep(self.transformer)
+        if "txt_seq_lens" in inspect.signature(self.transformer.forward).parameters:
+            self.transformer.register_forward_pre_hook(_txt_seq_lens_from_mask, with_kwargs=True)
+        self.policy_version = self.rollout_requests = 0
+        self.random_seed = args.get("random_seed")
+        self.random_fingerprint = None
+
+    def load_weights(self, weights):
+        """vLLM-Omni's weight loading; with `random_seed` (custom_pipeline_args) the folder's transformer weights
+        are never read: the shared random spec's tensors are drawn on the GPU one at a time and go through the same
+        loader (which fuses q/k/v), and their fingerprint is kept for the trainer's check."""
+        if self.random_seed is None:
+            return base.load_weights(self, weights)
+        heads = []
+
+        def drawn():
+            config = json.loads((Path(self.od_config.model) / "transformer" / "config.json").read_text())
+            for name, t in random_named_weights(config, int(self.random_seed), self.dtype, self.device):
+                heads.append((name, TensorHead.of(t)))
+                yield f"transformer.{name}", t
+
+        loaded = base.load_weights(self, drawn())
+        self.random_fingerprint = weights_fingerprint(heads)
+        return loaded
+
+    def dtype(self) -> torch.dtype:
+        return next(self.transformer.parameters()).dtype
+
+    def forward(self, req, *args, **kwargs):
+        """A rollout request -> DiffusionOutput with our trajectory; any other request -> the stock pipeline."""
+        if not is_rollout_request(req.sampling_params):
+            return base.forward(self, req, *args, **kwargs)
+        prompt, sampling, n, seeds, self.policy_version = decode_request(req.prompts, req.sampling_params)
+        self.rollout_requests += 1
+        folder = os.environ.get(TRACE_ENV)
+        if not folder or self.rollout_requests != int(os.environ.get(TRACE_AT_ENV, "3")):
+            return output_cls(**pack_trajectories(self.generate([prompt], n, sampling, seeds)))
+        cuda = torch.cuda.is_available()
+        activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+        with torch.profiler.profile(activities=[activity]) as prof:
+            start = time.perf_counter()
+            batch = self.generate([prompt], n, sampling, seeds)
+            if cuda:
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(f"{folder}/rollout-{os.getpid()}-{self.rollout_requests}-{wall:.3f}s.json")
+        return output_cls(**pack_trajectories(batch))
+
+    doc = "vLLM-Omni's QwenImagePipeline serving SamplingLoop's FlowGRPO rollout (see the module docstring)."
+    namespace = {"__init__": __init__, "load_weights": load_weights, "dtype": property(dtype), "forward": forward,
+                 "__module__": __name__, "__qualname__": "FlowGRPOQwenImagePipeline", "__doc__": doc}
+    return type("FlowGRPOQwenImagePipeline", (SamplingLoop, base), namespace)
+
+
+def lora_module_table(transformer: torch.nn.Module) -> dict:
+    """{"modules": {name: [in, [out per slice]]}, "packed": {fused: [parts]}} of vLLM's linear layers (anything
+    with `input_size` and `output_size`; fused ones list `output_sizes`), names relative to the transformer."""
+    modules = {name: [int(m.input_size), [int(s) for s in getattr(m, "output_sizes", [m.output_size])]]
+               for name, m in transformer.named_modules()
+               if hasattr(m, "input_size") and hasattr(m, "output_size")}
+    packed = getattr(type(transformer), "packed_modules_mapping", {})
+    return {"modules": modules, "packed": {k: list(v) for k, v in packed.items()}}
+
+
+def write_lora_slots(manager, payload: torch.Tensor, plan: list, first_b: int, scale: float, adapter_id: int) -> dict:
+    """Write a shared adapter's tensors into vLLM-Omni's LoRA slots in place (the worker side of
+    `VllmOmniEngine.update_lora_shared`); {"written": n}, or {"refused": [...]} with nothing written.
+
+    `manager`: vLLM-Omni 0.20's `DiffusionLoRAManager` with adapter `adapter_id` active; its wrapped layers hold the
+    active adapter in `lora_a_stacked[slot][0, 0, :r]` (r, in) and `lora_b_stacked[slot][0, 0, :, :r]` (out, r),
+    B already multiplied by alpha/r (vllm_omni/diffusion/lora/layers/base_linear.py, manager.py `_activate_adapter`),
+    and keeps a CPU copy of it (`_registered_adapters[id].get_lora(module)`) that a re-activation would copy back:
+    both are written. `payload`: the file's flat tensors on the GPU (B from `first_b` on, unscaled as PEFT stores
+    it). RuntimeError (not a refusal) when the manager does not look like that.
+    """
+    if getattr(manager, "_active_adapter_id", None) != adapter_id:
+        raise RuntimeError(f"LoRA adapter {adapter_id} is not the active one ({manager._active_adapter_id})")
+    model, layers = manager._registered_adapters[adapter_id], manager._lora_modules
+    targets = []
+    for module, layer, slot, a_off, a_shape, b_off, b_shape in plan:  # resolve everything before any write
+        wrapped = layers.get(layer, layers.get(f"transformer.{layer}"))
+        master = model.get_lora(module)
+        if wrapped is None or master is None or tuple(master.lora_a.shape) != tuple(a_shape) \
+                or tuple(master.lora_b.shape) != tuple(b_shape):
+            raise RuntimeError(f"{module}: no wrapped layer {layer} or held adapter weights of its shapes")
+        r = a_shape[0]
+        slots = (wrapped.lora_a_stacked[slot][0, 0, :r], wrapped.lora_b_stacked[slot][0, 0, :, :r])
+        targets.append((module, slots, master, payload[a_off:a_off + r * a_shape[1]].view(*a_shape),
+                        payload[b_off:b_off + b_shape[0] * r].view(*b_shape)))
+    payload[first_b:].mul_(scale)
+    if not bool(torch.isfinite(payload).all()):
+        return {"refused": [f"{m}: expected finite values" for m, _, _, a, b in targets
+                            if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all()))]}
+    for _, (slot_a, slot_b), master, a, b in targets:
+        slot_a.copy_(a)
+        slot_b.copy_(b)
+        master.lora_a.copy_(a, non_blocking=True)
+        master.lora_b.copy_(b, non_blocking=True)
+    if payload.is_cuda:
+        torch.cuda.synchronize(payload.device)
+    return {"written": len(targets)}
+
+
+class MappedPayload:
+    """A shared adapter file mapped into this process once (torch.from_file, shared) and, on a GPU, page-locked
+    (cudaHostRegister) so that each step's copy to the GPU runs at pinned speed; remapped when the path or size
+    changes."""
+
+    def __init__(self):
+        self.key, self.host, self.registered = None, None, False
+
+    def to(self, manifest: dict, device) -> torch.Tensor:
+        """The manifest's payload as a fresh tensor on `device` (the file's token and size are the engine's to
+        check: it runs on this host)."""
+        from jaxflow_bridge.contract.lora_shm import TOKEN_BYTES, dtype_of, offsets
+        total = offsets(manifest["entries"])[-1]
+        itemsize = dtype_of(manifest["dtype"]).itemsize
+        key = (manifest["path"], total, manifest["dtype"])
+        if key != self.key:
+            self.close()
+            raw = torch.from_file(manifest["path"], shared=True, size=TOKEN_BYTES + total * itemsize,
+                                  dtype=torch.uint8)
+            self.host = raw[TOKEN_BYTES:].view(getattr(torch, manifest["dtype"]))
+            if torch.device(device).type == "cuda":
+                err = torch.cuda.cudart().cudaHostRegister(self.host.data_ptr(), total * itemsize, 0)
+                self.registered = int(err) == 0
+            self.key = key
+        return self.host.to(device, non_blocking=self.registered, copy=True)
+
+    def close(self) -> None:
+        if self.registered:
+            torch.cuda.cudart().cudaHostUnregister(self.host.data_ptr())
+        self.key, self.host, self.registered = None, None, False
+
+
+def _pipeline_class() -> type:
+    from vllm_omni.diffusion.data import DiffusionOutput
+    from vllm_omni.diffusion.lora.layers.base_linear import DiffusionBaseLinearLayerWithLoRA
+    from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
+
+    return build_pipeline_class(QwenImagePipeline, DiffusionOutput, DiffusionBaseLinearLayerWithLoRA)
+
+
+def _worker_extension_class() -> type:
+    from vllm_omni.diffusion.worker.diffusion_worker import CustomPipelineWorkerExtension
+
+    def rollout_lora_modules(self) -> dict:
+        return lora_module_table(self.model_runner.pipeline.transformer)
+
+    def rollout_random_fingerprint(self) -> str | None:
+        return self.model_runner.pipeline.random_fingerprint
+
+    def rollout_write_lora(self, manifest: dict, plan: list, first_b: int, scale: float, adapter_id: int) -> dict:
+        if not hasattr(self, "_rollout_payload"):
+            self._rollout_payload = MappedPayload()
+        device = next(self.model_runner.pipeline.transformer.parameters()).device
+        try:
+            return write_lora_slots(self.lora_manager, self._rollout_payload.to(manifest, device), plan, first_b,
+                                    scale, adapter_id)
+        except (RuntimeError, AttributeError, KeyError) as e:  # reported as an RPC error: the engine falls back
+            return {"error": True, "reason": f"{type(e).__name__}: {e}"}
+
+    return type("RolloutWorkerExtension", (CustomPipelineWorkerExtension,),
+                {"rollout_lora_modules": rollout_lora_modules, "rollout_random_fingerprint": rollout_random_fingerprint,
+                 "rollout_write_lora": rollout_write_lora, "__module__": __name__})
+
+
+_LAZY = {"FlowGRPOQwenImagePipeline": _pipeline_class, "RolloutWorkerExtension": _worker_extension_class}
+
+
+def __getattr__(name: str):
+    """Build (once) the classes that need vLLM-Omni, when vLLM-Omni's loader asks for them by name."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = globals()[name] = _LAZY[name]()
+    return value
