@@ -5,13 +5,13 @@ from pathlib import Path
 
 from ml_collections import ConfigDict
 
-from jaxflow_bridge.contract.schedule import CFG_FORWARDS
-
 from jaxflow.models.config import LORA_GEMMS, ModelOptions
 from jaxflow.models.lora import LoRASpec
-from jaxflow_bridge.rewards.multi import NEED_TARGET, REGISTRY
 from jaxflow.sharding import ShardingConfig
 from jaxflow.step_config import ALGORITHMS, OLD_LOG_PROBS, RATIO_NORMS, TrainConfig
+from jaxflow_bridge.contract.schedule import CFG_FORWARDS
+from jaxflow_bridge.rewards.multi import NEED_TARGET, REGISTRY
+from jaxflow_bridge.rollout.server import ENGINES
 
 TINY_HINT = "configs/tiny_ocr.py (the embedded tiny offline model)"
 
@@ -162,8 +162,8 @@ def validate(cfg: ConfigDict) -> None:
         if not cfg.data[key] or not Path(cfg.data[key]).is_file():
             _fail(f"data.{key}", f"{cfg.data[key]!r} is not a file: pass --config.data.{key}=PROMPTS.txt (one prompt "
                                  f"per line) or .jsonl")
-    if cfg.rollout.engine not in ("diffusers", "vllm_omni"):
-        _fail("rollout.engine", f"{cfg.rollout.engine!r}; choose 'diffusers' or 'vllm_omni'")
+    if cfg.rollout.engine not in ENGINES:
+        _fail("rollout.engine", f"{cfg.rollout.engine!r}; choose one of {sorted(ENGINES)}")
     if cfg.profile.num_steps < 0 or cfg.profile.start_step < 1:
         _fail("profile", f"start_step {cfg.profile.start_step} must be >= 1 and num_steps {cfg.profile.num_steps} "
                          f">= 0 (0 = no trace)")

@@ -44,6 +44,7 @@ def lora_leaves(state):
     ("data.train", "", "config.data.train: '' is not a file"),
     ("train.algorithm", "nft", "config.sample.guidance: 4.0: NFT trains and samples a CFG-free policy"),
     ("train.algorithm", "dpo", "config.train.algorithm: 'dpo'"),
+    ("rollout.engine", "sglang", "config.rollout.engine: 'sglang'; choose one of"),
 ])
 def test_invalid_config_fails_before_anything_heavy(tmp_path, key, value, needle):
     cfg = tiny_config(tmp_path)
