@@ -21,8 +21,8 @@ from jaxflow.metrics_log import image_grid
 from jaxflow.minibatches import compact_zero_advantage, order_minibatches
 from jaxflow.models.loading import fingerprint
 from jaxflow.models.lora import lora_to_peft
-from jaxflow_bridge.rewards import RewardPool, build_reward
 from jaxflow.rollout_client import LocalTransport, RayTransport, RolloutGroup, init_ray
+from jaxflow_bridge.rewards import RewardPool, build_reward
 
 log = logging.getLogger(__name__)
 

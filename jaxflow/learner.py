@@ -22,8 +22,8 @@ from jaxflow import memory
 from jaxflow.checkpoint import Checkpointer
 from jaxflow.models.config import QwenImageConfig
 from jaxflow.models.loading import load_transformer
-from jaxflow.models.lora_gemm import on_hopper
 from jaxflow.models.lora import save_peft
+from jaxflow.models.lora_gemm import on_hopper
 from jaxflow.models.random_init import random_transformer
 from jaxflow.sharding import Layout
 from jaxflow.train_step import make_train_step, per_sample

@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflow_bridge.contract.lora_shm import SharedAdapterFile
 from jaxflow.models.lora import LoRASpec, peft_stacks
+from jaxflow_bridge.contract.lora_shm import SharedAdapterFile
 
 _PLATFORMS = {"cpu": "cpu", "cuda": "gpu"}
 

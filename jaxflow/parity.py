@@ -14,13 +14,13 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxflow_bridge.contract.trajectory import TrajectoryBatch
-from jaxflow_bridge.contract import keymap
 from jaxflow.models.config import QwenImageConfig
 from jaxflow.models.loading import TensorSource
 from jaxflow.models.lora import LoRAParam, LoRASpec
 from jaxflow.step_config import TrainConfig
 from jaxflow.train_step import accumulate_gradients, prepare_batch
+from jaxflow_bridge.contract import keymap
+from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 
 
 def recompute(model: nnx.Module, batch: TrajectoryBatch, *, grid_hw: tuple[int, int], guidance: float,

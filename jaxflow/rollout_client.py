@@ -7,8 +7,8 @@ import logging
 
 import numpy as np
 
-from jaxflow_bridge.rollout.server import RolloutServer, create_rollout_server
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
+from jaxflow_bridge.rollout.server import RolloutServer, create_rollout_server
 
 log = logging.getLogger(__name__)
 

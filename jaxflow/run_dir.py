@@ -14,8 +14,8 @@ import json
 import logging
 import os
 import secrets
-import socket
 import shutil
+import socket
 from pathlib import Path
 
 from jaxflow.checkpoint import config_json

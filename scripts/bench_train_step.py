@@ -34,12 +34,12 @@ from bench_model import FULL, TINY, jax_matmul_tflops, median_ms, torch_matmul_t
 from flops import DATASHEET_TFLOPS, qwen_flops  # noqa: E402
 from results import write_result  # noqa: E402
 
-from jaxflow_bridge.contract import schedule  # noqa: E402
 from jaxflow.models.config import ModelOptions, QwenImageConfig  # noqa: E402
 from jaxflow.models.lora import LoRAParam, LoRASpec, lora_to_peft  # noqa: E402
 from jaxflow.models.transformer import QwenImageTransformer  # noqa: E402
 from jaxflow.step_config import TrainConfig  # noqa: E402
 from jaxflow.train_step import make_train_step  # noqa: E402
+from jaxflow_bridge.contract import schedule  # noqa: E402
 
 WINDOW = (3, 4)
 

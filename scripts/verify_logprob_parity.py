@@ -37,11 +37,11 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow.models.config import ModelOptions
 from jaxflow.models.loading import fingerprint, load_transformer
 from jaxflow.models.lora import LoRASpec, peft_to_lora
 from jaxflow.parity import parity_stats, random_adapter, recompute
+from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 
 PROMPTS = [
     'A storefront sign that reads "OPEN 24 HOURS" in red neon',

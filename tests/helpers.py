@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxflow_bridge.contract import keymap
 from jaxflow.models.config import ModelOptions, QwenImageConfig
 from jaxflow.models.lora import LoRAParam, LoRASpec
 from jaxflow.models.transformer import QwenImageTransformer
+from jaxflow_bridge.contract import keymap
 from tests.helpers_sampler import SamplerConfig, make_sampler
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxflow_bridge.contract import schedule
 from jaxflow import flowgrpo, sde
 from jaxflow.models.lora import LoRAParam
+from jaxflow_bridge.contract import schedule
 
 TEXT_FIELDS = ("prompt_embeds", "prompt_mask", "negative_prompt_embeds", "negative_prompt_mask")
 

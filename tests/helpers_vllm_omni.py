@@ -2,7 +2,7 @@
 tests/helpers.py's random_peft (width D, MLP width MLP, LAYERS blocks)."""
 import torch
 
-from tests.helpers import D, LAYERS, MLP
+from tests.helpers import LAYERS, MLP, D
 
 
 class FakeLinearBase(torch.nn.Module):

@@ -131,8 +131,8 @@ def test_trainer_export_is_the_peft_adapter_in_the_engine_dtype(tmp_path):
     from flax import nnx
 
     from jaxflow.lora_sync import SharedLoRA
-    from jaxflow.models.lora import LoRAParam, LoRASpec, lora_to_peft
     from jaxflow.models.config import ModelOptions, QwenImageConfig
+    from jaxflow.models.lora import LoRAParam, LoRASpec, lora_to_peft
     from jaxflow.models.transformer import QwenImageTransformer
     from tests.qwen_ref import TINY
 

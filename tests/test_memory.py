@@ -69,6 +69,7 @@ def test_a_step_that_does_not_fit_exits_2_before_the_rollout_with_nothing_writte
 def test_abstract_batch_matches_prepare_batch():
     """The shapes the check compiles for are the ones `prepare_batch` produces from a rollout's batch."""
     import ml_dtypes
+
     from jaxflow.step_config import TrainConfig
     from jaxflow.train_step import prepare_batch
     b, w, n, s, c, length, d = 4, 2, 6, 10, 8, 5, 16

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from jaxflow_bridge.mini_ocr.folder import build_folder, encode_text
-from jaxflow_bridge.mini_ocr.vae import build_vae, pack, posterior_means, train_vae
 from jaxflow_bridge.mini_ocr.render import render_dataset
+from jaxflow_bridge.mini_ocr.vae import build_vae, pack, posterior_means, train_vae
 from jaxflow_bridge.mini_ocr.words import prompt, split
 from tests.helpers import ROOT
 
@@ -72,10 +72,10 @@ def test_the_rl_config_and_its_control_validate(tiny_path):
 def test_pretraining_lowers_the_loss_and_both_sides_load_the_folder(toy):
     import jax
 
-    from jaxflow_bridge.rollout.pipeline import RolloutPipeline
-    from jaxflow_bridge.rollout.sampling import SamplingParams
     from jaxflow.mini_ocr.pretrain import pretrain
     from jaxflow.models.loading import fingerprint, load_transformer
+    from jaxflow_bridge.rollout.pipeline import RolloutPipeline
+    from jaxflow_bridge.rollout.sampling import SamplingParams
 
     out, _ = toy
     folder = out / "pipeline"

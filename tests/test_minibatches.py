@@ -106,6 +106,7 @@ def test_the_pass_leaves_out_the_first_update_rows_only_in_one_epoch(lora_model)
     """With one inner epoch the recompute pass computes mini-batch 1.. rows only (the first update is on-policy);
     those rows equal the full pass's (two epochs: every row), the first mini-batch's rows are left at 0."""
     from flax import nnx
+
     from jaxflow.models.lora import LoRAParam
     batch = order_minibatches(sampled_batch(lora_model, 4.0), GROUPS, 2, seed=0, step=0)
     graphdef, lora, frozen = nnx.split(lora_model, LoRAParam, ...)

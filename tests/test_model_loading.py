@@ -8,13 +8,12 @@ import torch
 from diffusers import QwenImageTransformer2DModel
 from flax import nnx
 
-from jaxflow_bridge.contract import safetensors_io
-from jaxflow_bridge.contract import keymap
 from jaxflow.models.config import ModelOptions, QwenImageConfig
 from jaxflow.models.loading import (INDEX, WEIGHTS, TensorSource, build_from_source, load_transformer,
                                     save_transformer, to_diffusers_state_dict)
 from jaxflow.models.lora import LoRAParam, LoRASpec
 from jaxflow.models.transformer import QwenImageTransformer
+from jaxflow_bridge.contract import keymap, safetensors_io
 from tests.qwen_ref import TINY, inputs, state_dict_numpy, torch_forward, torch_model
 
 

@@ -1,11 +1,11 @@
 """Flax Qwen-Image transformer vs diffusers (fp32, converted weights) (docs/numerics.md §6)."""
 from unittest import mock
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope, QwenTimestepProjEmbeddings
-import jax.numpy as jnp
 
 from jaxflow.models.config import ModelOptions, QwenImageConfig
 from jaxflow.models.embeddings import _TIMESTEP_FREQS, _inv_freq, rope_angles, rope_tables, timestep_embedding

@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw, ImageFont
 
-from jaxflow_bridge.rewards import (MultiReward, OcrReward, RewardPool, VlmOcrReward, build_reward,
-                             edit_score, extract_target, jpeg_compressibility,
-                             jpeg_incompressibility)
+from jaxflow_bridge.rewards import (MultiReward, OcrReward, RewardPool, VlmOcrReward, build_reward, edit_score,
+                                    extract_target, jpeg_compressibility, jpeg_incompressibility)
 
 
 def render(text: str, size=(512, 128), font_size=56) -> np.ndarray:

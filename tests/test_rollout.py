@@ -10,12 +10,12 @@ import torch
 from safetensors.numpy import save_file
 
 import jaxflow_bridge.rollout
+from jaxflow_bridge.contract.schedule import sigma_schedule
+from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.rollout.pipeline import RolloutPipeline
 from jaxflow_bridge.rollout.sampling import DECODE_PIXELS, Fp32Timestep, SamplingParams, decode_batch
-from jaxflow_bridge.contract.schedule import sigma_schedule
 from jaxflow_bridge.rollout.sde import sde_step
 from jaxflow_bridge.rollout.server import create_rollout_server
-from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 
 PROMPTS = ["a red fox", "a red fox jumping over the lazy dog"]
 SAMPLING = dict(height=40, width=72, num_inference_steps=4, true_cfg_scale=4.0, noise_level=1.2, sde_window_size=2,

@@ -14,9 +14,9 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jaxflow import sde as J
 from jaxflow_bridge.contract import schedule
 from jaxflow_bridge.rollout import sde as T
-from jaxflow import sde as J
 
 QWEN = schedule.QWEN_IMAGE_SCHEDULER_CONFIG
 MODULES = [J, T]

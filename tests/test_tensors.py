@@ -11,9 +11,9 @@ import pytest
 import safetensors.torch
 import torch
 
+from jaxflow.lora_sync import jax_to_torch
 from jaxflow_bridge.contract import safetensors_io
 from jaxflow_bridge.rollout.tensors import numpy_to_torch, torch_to_numpy
-from jaxflow.lora_sync import jax_to_torch
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int32, torch.bool]
 

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from jaxflow_bridge.contract.lora import lora_pairs, to_vllm_omni
+from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.rollout import vllm_omni_pipeline as vop
 from jaxflow_bridge.rollout.engine_vllm_omni import INSTALL_HINT, ack_errors, check_lora_binding, folder_fingerprint
 from jaxflow_bridge.rollout.pipeline import RolloutPipeline
 from jaxflow_bridge.rollout.sampling import SamplingParams
 from jaxflow_bridge.rollout.server import engine_class
-from jaxflow_bridge.contract.trajectory import TrajectoryBatch
-from tests.helpers import D, LAYERS, MLP, RANK, random_peft
+from tests.helpers import LAYERS, MLP, RANK, D, random_peft
 from tests.helpers_vllm_omni import FakeFusedTransformer
 
 SAMPLING = SamplingParams(height=16, width=24, num_inference_steps=3, true_cfg_scale=4.0, noise_level=1.2,

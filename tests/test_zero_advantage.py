@@ -87,6 +87,7 @@ def test_all_zero_mini_batch_is_not_an_update_and_the_pass_skips_it(lora_model):
 
 def test_a_later_epoch_s_device_order_compacts_its_shuffled_rows_as_the_host_does():
     import jax.numpy as jnp
+
     from jaxflow.minibatches import epoch_order
     rng = np.random.default_rng(1)
     adv = np.where(rng.random(48) < 0.5, 0.0, rng.normal(size=48)).astype(np.float32)

@@ -34,11 +34,11 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxflow_bridge.contract.schedule import calculate_shift
-from jaxflow_bridge.mini_ocr.render import HEIGHT, WIDTH
 from jaxflow.models.config import ModelOptions
 from jaxflow.models.loading import load_transformer, save_transformer
 from jaxflow.sharding import Layout, ShardingConfig
+from jaxflow_bridge.contract.schedule import calculate_shift
+from jaxflow_bridge.mini_ocr.render import HEIGHT, WIDTH
 
 
 @flax.struct.dataclass

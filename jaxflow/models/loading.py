@@ -14,11 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxflow_bridge.contract import safetensors_io
-from jaxflow_bridge.contract import keymap
 from jaxflow.models.config import ModelOptions, QwenImageConfig
 from jaxflow.models.lora import LoRAParam, LoRASpec, merged_kernels
 from jaxflow.models.transformer import QwenImageTransformer
+from jaxflow_bridge.contract import keymap, safetensors_io
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 INDEX = WEIGHTS + ".index.json"

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxflow_bridge.contract import lora as peft_folder
 from jaxflow_bridge.contract import keymap
+from jaxflow_bridge.contract import lora as peft_folder
 
 
 class LoRAParam(nnx.Variable):

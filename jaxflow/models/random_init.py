@@ -9,12 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflow_bridge.contract.random_weights import FMIX, GOLDEN, key_id, kind, scale
-from jaxflow_bridge.contract import keymap
 from jaxflow.models.config import ModelOptions, QwenImageConfig
 from jaxflow.models.loading import ShardingFn, assemble
 from jaxflow.models.lora import LoRASpec
 from jaxflow.models.transformer import QwenImageTransformer
+from jaxflow_bridge.contract import keymap
+from jaxflow_bridge.contract.random_weights import FMIX, GOLDEN, key_id, kind, scale
 
 
 def _uniform(key_ids: jax.Array, torch_shape: tuple[int, ...], transpose: bool, dtype) -> jax.Array:

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from jaxflow_bridge.mini_ocr.folder import SIZES, build_folder, encode_text
-from jaxflow_bridge.mini_ocr.vae import build_vae, pack, posterior_means, reconstruct, set_latent_stats, train_vae
 from jaxflow_bridge.mini_ocr.render import HEIGHT, WIDTH, render_dataset
+from jaxflow_bridge.mini_ocr.vae import build_vae, pack, posterior_means, reconstruct, set_latent_stats, train_vae
 from jaxflow_bridge.mini_ocr.words import prompt, split, write_prompts
 from jaxflow_bridge.rewards.ocr import OcrReward
 

@@ -43,17 +43,18 @@ from pathlib import Path
 import numpy as np
 
 import jaxflow_bridge
-from jaxflow_bridge.contract.lora import (adapter_spec, lora_pairs, read_peft, refusal, to_vllm_omni, vllm_omni_adapter_config,
-                         write_peft)
+from jaxflow_bridge.contract.lora import (adapter_spec, lora_pairs, read_peft, refusal, to_vllm_omni,
+                                          vllm_omni_adapter_config, write_peft)
 from jaxflow_bridge.contract.lora_shm import offsets, open_payload, read_arrays
+from jaxflow_bridge.contract.schedule import sample_windows
+from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.rollout.engine import RolloutEngine
 from jaxflow_bridge.rollout.pipeline import FINGERPRINT_ELEMENTS, TensorHead, weights_fingerprint
-from jaxflow_bridge.rollout.sampling import SamplingLoop, SamplingParams, cfg_forward_choice, check_prompts, per_sample_seeds
-from jaxflow_bridge.contract.schedule import sample_windows
-from jaxflow_bridge.rollout.vllm_omni_pipeline import (LORA_APPLY, PIPELINE_CLASS, WORKER_EXTENSION_CLASS, encode_request,
-                                               unpack_trajectories)
+from jaxflow_bridge.rollout.sampling import (SamplingLoop, SamplingParams, cfg_forward_choice, check_prompts,
+                                             per_sample_seeds)
 from jaxflow_bridge.rollout.tensors import torch_to_numpy
-from jaxflow_bridge.contract.trajectory import TrajectoryBatch
+from jaxflow_bridge.rollout.vllm_omni_pipeline import (LORA_APPLY, PIPELINE_CLASS, WORKER_EXTENSION_CLASS,
+                                                       encode_request, unpack_trajectories)
 
 log = logging.getLogger(__name__)
 INSTALL_HINT = ("the 'vllm_omni' rollout engine needs vLLM-Omni 0.20 on a CUDA machine: `pip install jaxflow[omni]`, "

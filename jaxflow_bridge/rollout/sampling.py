@@ -24,10 +24,11 @@ import dataclasses
 import numpy as np
 import torch
 
-from jaxflow_bridge.contract.schedule import CFG_FORWARDS, sample_windows, sigma_schedule, window_noise_levels, window_size
+from jaxflow_bridge.contract.schedule import (CFG_FORWARDS, sample_windows, sigma_schedule, window_noise_levels,
+                                              window_size)
+from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.rollout.sde import SDE_TYPES, sde_step
 from jaxflow_bridge.rollout.tensors import torch_to_numpy
-from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 
 MAX_SEQUENCE_LENGTH = 1024  # diffusers' QwenImagePipeline.tokenizer_max_length
 DECODE_PIXELS = 4 * 512 * 512  # pixels per VAE decode call: 4 samples at 512^2 (bounded memory), 128 at 64x128

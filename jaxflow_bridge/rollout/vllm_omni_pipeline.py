@@ -35,12 +35,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.rollout.lora_linear import install_fused_apply
 from jaxflow_bridge.rollout.pipeline import TensorHead, weights_fingerprint
-from jaxflow_bridge.rollout.sampling import Fp32Timestep, SamplingLoop, SamplingParams, cfg_forward_choice
 from jaxflow_bridge.rollout.random_init import random_named_weights
+from jaxflow_bridge.rollout.sampling import Fp32Timestep, SamplingLoop, SamplingParams, cfg_forward_choice
 from jaxflow_bridge.rollout.tensors import numpy_to_torch, torch_to_numpy
-from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 
 PIPELINE_CLASS = f"{__name__}.FlowGRPOQwenImagePipeline"
 WORKER_EXTENSION_CLASS = f"{__name__}.RolloutWorkerExtension"
