@@ -7,13 +7,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 from jaxflow import config as config_lib
+from jaxflow import phases
 from jaxflow.data import GroupSampler, load_prompts
 from jaxflow.flowgrpo import compute_advantages
 from jaxflow.lora_sync import SharedLoRA, device_peft_tensors, device_target
@@ -64,16 +64,15 @@ class Experience:
     zero_std_ratio: float
     policy_version: int  # the policy that sampled it
 
-    def metrics(self, bound_modules: int, seconds: float, timings: dict, freed_bytes: int | None = None) -> dict:
+    def metrics(self, bound_modules: int, seconds: float, freed_bytes: int | None = None) -> dict:
         """The metrics logged beside the learner's: rewards, the LoRA's bound modules, throughput over the step's
-        wall time `seconds`, the phases' `timings` and the GPU memory a sleeping rollout freed."""
+        wall time `seconds` and the GPU memory a sleeping rollout freed."""
         avg = self.rewards["avg"]
         return {"reward_mean": avg.mean(), "reward_std": avg.std(), "reward_errors": self.rewards["errors"],
                 "zero_std_ratio": self.zero_std_ratio, "bound_modules": bound_modules,
                 "images_per_s": len(self.batch["advantages"]) / seconds, "time/step": seconds,
                 **({"rollout_freed_gib": freed_bytes / 2 ** 30} if freed_bytes is not None else {}),
-                **{f"reward/{k}": v.mean() for k, v in self.rewards.items() if k not in ("avg", "errors")},
-                **{f"time/{k}": v for k, v in timings.items()}}
+                **{f"reward/{k}": v.mean() for k, v in self.rewards.items() if k not in ("avg", "errors")}}
 
 
 class Driver:
@@ -90,7 +89,6 @@ class Driver:
             raise config_lib.UserError(str(exc)) from None
         self.pool = RewardPool(reward, cfg.reward.workers)
         self.rollout = self.sync_target = self.shared = None
-        self.sync_timings = {}  # the last shared-memory sync's phases: sync_write (trainer), sync_engine (its ack)
         self._executor = self._prefetched = None  # rollout.overlap: the thread and (step, future) of a prefetch
 
     def start_rollout(self, model, processes: int) -> None:
@@ -120,15 +118,15 @@ class Driver:
 
     def serve(self, lora, version: int) -> int:
         """The rollout serves `lora` (the train state's whole LoRA) as policy `version`; returns the bound-module
-        count. Device tensors through DLPack in process, host arrays otherwise (jaxflow/lora_sync.py)."""
+        count. Device tensors through DLPack in process, host arrays otherwise (jaxflow/lora_sync.py). Through
+        shared memory its phases are sync_write (the trainer's) and sync_engine (the engine's, from its ack)."""
         if self.shared is not None:
             try:
-                t = time.perf_counter()
-                manifest = self.shared.write(lora)
-                self.sync_timings = {"sync_write": time.perf_counter() - t}
+                with phases.phase("sync_write"):
+                    manifest = self.shared.write(lora)
                 bound = self.rollout.update_lora_shared(manifest, version, self.spec.peft_config())
                 if "seconds" in self.rollout.last_ack:
-                    self.sync_timings["sync_engine"] = self.rollout.last_ack["seconds"]
+                    phases.add("sync_engine", self.rollout.last_ack["seconds"])
                 return bound
             except FileNotFoundError as exc:  # a server on another host: arrays through Ray from now on
                 log.warning("LoRA sync through shared memory failed (%s): sending the arrays through Ray", exc)
@@ -140,35 +138,32 @@ class Driver:
             tensors = lora_to_peft(lora, self.spec)
         return self.rollout.update_lora(tensors, version, self.spec.peft_config())
 
-    def _rollout(self, step: int, timings: dict, version: int):
+    def _rollout(self, step: int, version: int):
         s = self.cfg.sample
         picks = self.sampler.sample(step)
         prompts = [self.prompts[picks[i * s.group_size][0]].prompt for i in range(s.prompts_per_step)]
         futures = {}
-        t = time.perf_counter()
-        batch = self.rollout.generate(
-            prompts, s.group_size, config_lib.sampling(self.cfg), sample_seeds(self.cfg.seed, step, len(picks)),
-            s.prompts_per_call, on_chunk=lambda c, b: futures.__setitem__(c, self.pool.submit(b.images, b.prompts)))
-        timings["rollout"] = time.perf_counter() - t
+        with phases.phase("rollout"):
+            batch = self.rollout.generate(
+                prompts, s.group_size, config_lib.sampling(self.cfg), sample_seeds(self.cfg.seed, step, len(picks)),
+                s.prompts_per_call,
+                on_chunk=lambda c, b: futures.__setitem__(c, self.pool.submit(b.images, b.prompts)))
         if batch.policy_version != version:
             raise RuntimeError(f"rollout served policy {batch.policy_version} for step {step}, expected {version}")
-        t = time.perf_counter()
-        rewards = merge_rewards(futures)
-        timings["reward"] = time.perf_counter() - t
+        with phases.phase("reward"):
+            rewards = merge_rewards(futures)
         return batch, rewards
 
-    def experience(self, step: int, timings: dict) -> Experience:
-        """Step `step`'s experience: the one `prefetch` started for it (the time waited for it as "rollout_wait"),
-        or else made now on policy `step`. `timings` gets the seconds of "rollout" and "reward"."""
+    def experience(self, step: int) -> Experience:
+        """Step `step`'s experience: the one `prefetch` started for it (the time waited for it as phase
+        "rollout_wait"), or else made now on policy `step`; phases "rollout" and "reward"."""
         if self._prefetched is not None and self._prefetched[0] == step:
             future, self._prefetched = self._prefetched[1], None
-            t = time.perf_counter()
-            experience, theirs = future.result()
-            timings.update(theirs, rollout_wait=time.perf_counter() - t)
+            with phases.phase("rollout_wait"):
+                experience, theirs = future.result()
+            phases.merge(theirs)
             return experience
-        experience, theirs = self._experience(step, step)
-        timings.update(theirs)
-        return experience
+        return self._experience(step, step)[0]
 
     def prefetch(self, step: int) -> None:
         """Start step `step`'s experience now, in a thread, on the policy the rollout serves (`step - 1`): it runs
@@ -180,9 +175,11 @@ class Driver:
 
     def _experience(self, step: int, version: int) -> tuple[Experience, dict]:
         """The rollout of step `step`'s prompt groups on policy `version`, its rewards and advantages, and the
-        train batch (text padded, mini-batches laid out)."""
-        cfg, s, timings = self.cfg, self.cfg.sample, {}
-        batch, rewards = self._rollout(step, timings, version)
+        train batch (text padded, mini-batches laid out); with the phases it recorded (it may run in a thread)."""
+        cfg, s = self.cfg, self.cfg.sample
+        with phases.recording() as seconds:
+            batch, rewards = self._rollout(step, version)
+        phases.merge(seconds)
         group_ids = np.repeat(np.arange(s.prompts_per_step), s.group_size)
         adv, zero_std = compute_advantages(rewards["avg"], group_ids, global_std=cfg.train.global_std,
                                            clip=cfg.train.adv_clip, expected_group_size=s.group_size)
@@ -191,24 +188,22 @@ class Driver:
         train_batch = order_minibatches(train_batch, group_ids, cfg.train.num_mini_batches, cfg.seed, step)
         if cfg.train.drop_zero_advantage:
             train_batch = compact_zero_advantage(train_batch, cfg.train.num_mini_batches, cfg.train.num_micro_batches)
-        return Experience(train_batch, rewards, zero_std, version), timings
+        return Experience(train_batch, rewards, zero_std, version), seconds
 
     @contextlib.contextmanager
-    def asleep(self, timings: dict):
+    def asleep(self):
         """The rollout's engines asleep for the body, their GPU memory freed (rollout.sleep_while_training; else
-        nothing happens): timed as "sleep" and "wake" (woken when the body ends normally); yields a dict that gets
+        nothing happens): phases "sleep" and "wake" (woken when the body ends normally); yields a dict that gets
         "freed_bytes", what the engines freed."""
         slept = {}
         if not self.cfg.rollout.sleep_while_training:
             yield slept
             return
-        t = time.perf_counter()
-        slept["freed_bytes"] = self.rollout.sleep()
-        timings["sleep"] = time.perf_counter() - t
+        with phases.phase("sleep"):
+            slept["freed_bytes"] = self.rollout.sleep()
         yield slept
-        t = time.perf_counter()
-        self.rollout.wake()
-        timings["wake"] = time.perf_counter() - t
+        with phases.phase("wake"):
+            self.rollout.wake()
 
     def evaluate(self, step: int) -> float:
         """Mean reward of ODE samples of the held-out prompts; their grid goes to run_dir/eval/step_<step>.png."""

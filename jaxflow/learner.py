@@ -159,13 +159,12 @@ class Learner:
         self.state, meta = self.ckpt.restore(self.state)
         return meta
 
-    def train(self, batch: dict | None, timings: dict | None = None, version: int | None = None,
-              behavior: int | None = None) -> dict:
+    def train(self, batch: dict | None, version: int | None = None, behavior: int | None = None) -> dict:
         """One train step on process 0's `batch` (None on the other processes) from policy `version` to the next;
         returns its metrics (host). `behavior`: the version that sampled the batch, `version` or (rollout.overlap)
         `version - 1`, whose LoRA the recompute pass then uses (a copy kept from the step before); anything older is
-        refused. Its phases' seconds go into `timings` when given: to_device (the batch onto the devices),
-        old_log_prob (the recompute pass, when on) and update."""
+        refused. Its phases (`jaxflow.phases`): to_device (the batch onto the devices), old_log_prob (the recompute
+        pass, when on) and update."""
         if self.processes > 1:
             batch = local_rows(batch)
         lora = None
@@ -176,7 +175,7 @@ class Learner:
             lora = self._previous[1]
         if self._step.config.off_policy:  # the current LoRA, for the next step's batch (the state is donated)
             self._previous = (version, jax.tree.map(jnp.copy, self.state.lora))
-        self.state, metrics = self._step(self.state, batch, timings, behavior=lora)
+        self.state, metrics = self._step(self.state, batch, behavior=lora)
         return jax.device_get(metrics)
 
     def save(self, step: int, meta: dict) -> None:

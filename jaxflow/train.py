@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from jaxflow import config as config_lib
+from jaxflow import phases
 from jaxflow import run_dir as run_dir_lib
 from jaxflow.checkpoint import config_json
 from jaxflow.data import GroupSampler, load_prompts
@@ -130,8 +131,17 @@ class Trainer:
     def train_one(self, step: int) -> dict:
         """The update from policy version `step` to `step + 1`; logged, evaluated and checkpointed as `step + 1`.
         Process 0 collects the experience (rollout, rewards, advantages); every process trains on its rows of it."""
-        timings, start = {}, time.perf_counter()
-        experience = self.driver.experience(step, timings) if self.driver else None
+        with phases.recording() as seconds:
+            metrics, experience, freed = self._train_one(step)
+        metrics.update({f"time/{k}": v for k, v in seconds.items()})
+        bound = metrics.pop("bound_modules")
+        if experience is not None:
+            metrics.update(experience.metrics(bound, seconds["step"], freed))
+        return metrics
+
+    def _train_one(self, step: int):
+        start = time.perf_counter()
+        experience = self.driver.experience(step) if self.driver else None
         # rollout.overlap: every step after the first of this process's run trains on a batch that the previous
         # policy sampled while the previous step trained (a resumed run's first batch is sampled anew)
         behavior = step - 1 if self.cfg.rollout.overlap and step > self.start else step
@@ -140,24 +150,19 @@ class Trainer:
                                f"expected {behavior}")
         if self.driver and self.cfg.rollout.overlap and step + 1 < self.cfg.train.num_steps:
             self.driver.prefetch(step + 1)
-        with self.driver.asleep(timings) if self.driver else contextlib.nullcontext({}) as slept:
-            t = time.perf_counter()
-            metrics = self.learner.train(experience.batch if experience else None, timings, version=step,
-                                         behavior=behavior)
-            timings["train"] = time.perf_counter() - t
+        with self.driver.asleep() if self.driver else contextlib.nullcontext({}) as slept:
+            with phases.phase("train"):
+                metrics = self.learner.train(experience.batch if experience else None, version=step,
+                                             behavior=behavior)
         metrics["staleness"] = step - behavior
-        t = time.perf_counter()
-        bound = self._sync(step + 1)
-        timings["sync"] = time.perf_counter() - t
-        if self.driver:
-            timings.update(self.driver.sync_timings)
+        with phases.phase("sync"):
+            metrics["bound_modules"] = self._sync(step + 1)
         metrics["micro_batch"] = self.learner.micro_batch_size()
         stats = jax.local_devices()[0].memory_stats()
         if stats and "peak_bytes_in_use" in stats:  # JAX's own peak on its first device (a GPU), not the engine's
             metrics["jax_peak_gib"] = stats["peak_bytes_in_use"] / 2 ** 30
-        if experience is None:
-            return {**metrics, **{f"time/{k}": v for k, v in timings.items()}}
-        return {**metrics, **experience.metrics(bound, time.perf_counter() - start, timings, slept.get("freed_bytes"))}
+        phases.add("step", time.perf_counter() - start)
+        return metrics, experience, slept.get("freed_bytes")
 
     def run(self) -> dict:
         cfg = self.cfg

@@ -26,7 +26,6 @@ not depend on the grouping.
 from __future__ import annotations
 
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +33,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxflow import flowgrpo, minibatches, nft
+from jaxflow import flowgrpo, minibatches, nft, phases
 from jaxflow.models.lora import LoRAParam
 from jaxflow.sharding import Layout
 from jaxflow.step_config import BATCH_FIELDS, GUIDANCE_FIELDS, NFT_FIELDS, TrainConfig, TrainState
@@ -252,11 +251,11 @@ def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | Non
     """Returns (init_state, step) for a model with LoRA adapters.
 
     init_state() -> TrainState from the model's current LoRA params (copied; the model is left intact).
-    step(state, batch, timings=None) -> (state, metrics): `state` is donated (do not reuse it); `batch` is a dict
+    step(state, batch) -> (state, metrics): `state` is donated (do not reuse it); `batch` is a dict
     of host or device arrays with the Trajectory fields (docs/numerics.md §9) plus advantages (B,) and noise_level
     (scalar or (B,)), its mini-batches laid out by `minibatches.order_minibatches`. metrics: see
-    `minibatches.combine_metrics`. A `timings` dict gets the seconds of the old-log-prob pass ("old_log_prob",
-    when it runs) and of the updates ("update"), each waited for (for benchmarks). With a `layout`, the frozen
+    `minibatches.combine_metrics`; its phases are timed under a `phases.recording()` (see
+    `TrainStep.__call__`). With a `layout`, the frozen
     base, state and batch are placed by its rules and both functions run as jits with explicit in/out
     shardings; without one they run on the default device. `compiler_options` (XLA debug options, e.g.
     {"xla_gpu_enable_triton_gemm": False}) apply to these two jits only (config `train.xla_options`).
@@ -316,7 +315,7 @@ def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | Non
 
 
 class TrainStep:
-    """`step(state, batch, timings=None) -> (state, metrics)`, see `make_train_step`; `compile` builds its functions
+    """`step(state, batch) -> (state, metrics)`, see `make_train_step`; `compile` builds its functions
     ahead of time for the batch's shapes and reports their memory (the first call otherwise compiles them)."""
 
     def __init__(self, config: TrainConfig, update, old_pass, frozen, put, batch_devices: int, indices: list,
@@ -339,36 +338,37 @@ class TrainStep:
         self._update = out["update"]
         return out
 
-    def __call__(self, state: TrainState, batch: dict, timings: dict | None = None,
-                 behavior=None) -> tuple[TrainState, dict]:
+    def __call__(self, state: TrainState, batch: dict, behavior=None) -> tuple[TrainState, dict]:
         """One step; `behavior`: the LoRA of the policy that sampled `batch` when it is not `state.lora` (one
         version behind, rollout.overlap): the recompute pass takes logp_old from it, so the ratio is against the
         sampling policy. Metrics add old_logp_diff_max, max |logp_old - the rollout's logp| over the batch, when the
-        pass covers every row (0 up to the engine's rounding when logp_old is the sampling policy's)."""
-        config, t = self.config, time.perf_counter()
-        batch = self._put(prepare_batch(batch, config, self._batch_devices))
-        if timings is not None:  # the host train batch onto the devices: the trajectories' host round trip's way in
-            jax.block_until_ready(batch)
-            timings["to_device"] = time.perf_counter() - t
-        old, t = None, time.perf_counter()
+        pass covers every row (0 up to the engine's rounding when logp_old is the sampling policy's). Under a
+        `phases.recording()` each phase waits for its device work and is timed: to_device (the host batch onto the
+        devices: the trajectories' host round trip's way in), old_log_prob (when the pass runs) and update."""
+        config, timed = self.config, phases.active()
+        with phases.phase("to_device"):
+            batch = self._put(prepare_batch(batch, config, self._batch_devices))
+            if timed:
+                jax.block_until_ready(batch)
+        old = None
         if config.recompute_pass:
-            old = self._old_pass(state.lora if behavior is None else behavior, self.frozen, batch)
-            if timings is not None:
-                jax.block_until_ready(old)
-                timings["old_log_prob"], t = time.perf_counter() - t, time.perf_counter()
-        updates, first = [], jnp.copy(state.step)  # the state is donated: keep the step's first update count
-        for epoch in range(config.num_inner_epochs):
-            rows = {"batch": batch, **({} if old is None else {"old": old})}
-            if epoch:
-                rows = self._reorder(rows, first, np.int32(epoch))
-            for index in self._indices:
-                state, metrics = self._update(state, self.frozen, rows["batch"], rows.get("old"), index)
-                updates.append(metrics)
-        if self._advance is not None:
-            state = self._advance(state)
-        if timings is not None:
-            jax.block_until_ready(state)
-            timings["update"] = time.perf_counter() - t
+            with phases.phase("old_log_prob"):
+                old = self._old_pass(state.lora if behavior is None else behavior, self.frozen, batch)
+                if timed:
+                    jax.block_until_ready(old)
+        with phases.phase("update"):
+            updates, first = [], jnp.copy(state.step)  # the state is donated: keep the step's first update count
+            for epoch in range(config.num_inner_epochs):
+                rows = {"batch": batch, **({} if old is None else {"old": old})}
+                if epoch:
+                    rows = self._reorder(rows, first, np.int32(epoch))
+                for index in self._indices:
+                    state, metrics = self._update(state, self.frozen, rows["batch"], rows.get("old"), index)
+                    updates.append(metrics)
+            if self._advance is not None:
+                state = self._advance(state)
+            if timed:
+                jax.block_until_ready(state)
         metrics = minibatches.combine_metrics(updates)
         if old is not None and not config.pass_skips_first:
             diff = jnp.abs(old["log_probs"] - batch["log_probs"])

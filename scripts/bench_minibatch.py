@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_model import FULL, TINY, jax_peak_gib  # noqa: E402
 from bench_train_step import WINDOW, add_workload_args, random_model, synthetic_batch  # noqa: E402
 
+from jaxflow import phases  # noqa: E402
 from jaxflow.models.config import QwenImageConfig  # noqa: E402
 from jaxflow.step_config import TrainConfig  # noqa: E402
 from jaxflow.train_step import make_train_step  # noqa: E402
@@ -49,8 +50,8 @@ def measure(model, args, batch, m: int) -> dict:
     compile_s = time.perf_counter() - t
     runs = []
     for i in range(args.warmup + args.iters):
-        timings = {}
-        state, _ = step(state, batch, timings)
+        with phases.recording() as timings:
+            state, _ = step(state, batch)
         if i >= args.warmup:
             runs.append(timings)
     del state

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from jaxflow import config as config_lib
+from jaxflow import phases
 from jaxflow import train_step as ts
 from jaxflow.minibatches import group_order, order_minibatches, select
 from jaxflow.models.lora import LoRAParam
@@ -60,8 +61,8 @@ def test_one_mini_batch_is_the_single_update_step(lora_model):
                             adam_eps=1e-6)
     batch = sampled_batch(lora_model, 1.0)
     init_state, step = ts.make_train_step(lora_model, config)
-    timings = {}
-    state, m = step(init_state(), batch, timings)
+    with phases.recording() as timings:
+        state, m = step(init_state(), batch)
     assert set(timings) == {"to_device", "update"} and not any(k.startswith("mb") for k in m)  # no old-log-prob pass
     assert float(m["ratio_min"]) == float(m["ratio_max"]) == 1.0
     want = _reference_update(lora_model, ts.prepare_batch(batch, config), config)
@@ -86,8 +87,8 @@ def test_two_mini_batches_recompute(lora_model, monkeypatch):
                             old_log_prob="recompute", learning_rate=3e-4, clip_range=1e-4)
     batch = order_minibatches(sampled_batch(lora_model, 4.0), GROUPS, 2, seed=0, step=0)
     init_state, step = ts.make_train_step(lora_model, config)
-    timings = {}
-    state, m = step(init_state(), batch, timings)
+    with phases.recording() as timings:
+        state, m = step(init_state(), batch)
     assert set(timings) == {"to_device", "old_log_prob", "update"} and int(state.step) == 2 and int(m["skipped"]) == 0
     # mini-batch 1: the first update, on the pre-update LoRA itself: its own logp is logp_old, the ratio exactly 1
     assert float(m["mb1/ratio_min"]) == float(m["mb1/ratio_max"]) == 1.0
