@@ -197,10 +197,20 @@ def test_driver_falls_back_to_arrays_when_the_file_is_on_another_host(monkeypatc
     assert calls == ["shared", "arrays", "arrays"] and Shared.closed and driver.shared is None
 
 
-def test_a_run_through_ray_syncs_through_the_file_and_times_it(ray_session, tmp_path):
+def test_a_run_through_ray_syncs_through_the_file_and_times_it(ray_session, tmp_path, monkeypatch):
     """The tiny run with its rollout in a Ray actor on this host: every sync goes through the shared file (its
-    write timed as sync_write), and the run removes its file when it closes."""
-    before = set(lora_shm.SHM_ROOT.glob("jaxflow-lora-*"))
+    write timed as sync_write), and the run removes its file when it closes (its own: other tests' runs may be
+    writing theirs at the same time)."""
+    import jaxflow.lora_sync
+
+    made = []
+
+    class Recorded(lora_shm.SharedAdapterFile):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self.path)
+
+    monkeypatch.setattr(jaxflow.lora_sync, "SharedAdapterFile", Recorded)
     out = run(tiny_config(tmp_path / "run", num_steps=2))
     assert all("time/sync_write" in row for row in out["history"])
-    assert set(lora_shm.SHM_ROOT.glob("jaxflow-lora-*")) <= before
+    assert len(made) == 1 and not made[0].exists()
