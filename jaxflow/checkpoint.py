@@ -79,8 +79,8 @@ class Checkpointer:
         target, paths = _flat(abstract_state)
         if meta["state_paths"] != paths:
             raise UserError(f"checkpoint {self.directory}/{step} was written for a different train state "
-                            f"(LoRA targets/rank, EMA, optimizer or train.algorithm changed): {len(meta['state_paths'])} leaves "
-                            f"saved, {len(paths)} expected")
+                            f"(LoRA targets/rank, EMA, optimizer or train.algorithm changed): "
+                            f"{len(meta['state_paths'])} leaves saved, {len(paths)} expected")
         abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=getattr(v, "sharding", None))
                     for k, v in target.items()}
         restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
