@@ -92,16 +92,16 @@ def _loss(lora, old, frozen, step, scale, *, graphdef, config):
 
     v_ref = velocity(lora, 0.0) if config.beta > 0 else None
     terms = loss_terms(velocity(lora), velocity(old), step["final_latents"], xt, step["t"], step["advantages"],
-                           nft_beta=config.nft_beta, adv_clip=config.adv_clip, v_ref=v_ref)
+                       nft_beta=config.nft_beta, adv_clip=config.adv_clip, v_ref=v_ref)
     return (jnp.mean(terms["policy"]) + config.beta * jnp.mean(terms["kl"])) * scale, terms
 
 
 def gradients(graphdef, lora, old, frozen, batch: dict, key, config, layout=None):
     """DiffusionNFT's counterpart of `train_step.accumulate_gradients` (`config` a TrainConfig, `layout` a Layout or
-    None): the sum over micro-batches and noised timesteps of
-    grad(loss / (M * T)) wrt `lora` (M = num_micro_batches, T = nft_timesteps) and the per-sample terms stacked as
-    (M, T, B/M). Each sample trains on T distinct timesteps of its schedule with fresh noise, both drawn from `key`
-    (`nft.timestep_picks`); `old` is the old policy's LoRA (no gradient)."""
+    None): the sum over micro-batches and noised timesteps of grad(loss / (M * T)) wrt `lora` (M = num_micro_batches,
+    T = nft_timesteps) and the per-sample terms stacked as (M, T, B/M). Each sample trains on T distinct timesteps of
+    its schedule with fresh noise, both drawn from `key` (`timestep_picks`); `old` is the old policy's LoRA (no
+    gradient)."""
     m, count = config.num_micro_batches, config.nft_timesteps
     grad_fn = jax.grad(functools.partial(_loss, graphdef=graphdef, config=config), has_aux=True)
 
@@ -120,7 +120,8 @@ def gradients(graphdef, lora, old, frozen, batch: dict, key, config, layout=None
 
         return jax.lax.scan(timestep, grads, (t, noise))
 
-    return jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, lora), (minibatches.micro_batches(batch, m), jax.random.split(key, m)))
+    xs = (minibatches.micro_batches(batch, m), jax.random.split(key, m))
+    return jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, lora), xs)
 
 
 def advanced(old, lora, updates, decay: tuple[float, float, float]):
