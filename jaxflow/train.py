@@ -131,16 +131,15 @@ class Trainer:
     def train_one(self, step: int) -> dict:
         """The update from policy version `step` to `step + 1`; logged, evaluated and checkpointed as `step + 1`.
         Process 0 collects the experience (rollout, rewards, advantages); every process trains on its rows of it."""
-        with phases.recording() as seconds:
-            metrics, experience, freed = self._train_one(step)
+        with phases.recording() as seconds, phases.phase("step"):
+            experience, metrics, bound, freed = self._train_one(step)
         metrics.update({f"time/{k}": v for k, v in seconds.items()})
-        bound = metrics.pop("bound_modules")
         if experience is not None:
             metrics.update(experience.metrics(bound, seconds["step"], freed))
         return metrics
 
     def _train_one(self, step: int):
-        start = time.perf_counter()
+        """The step's work, phase by phase: (experience or None, the learner's metrics, bound modules, freed bytes)."""
         experience = self.driver.experience(step) if self.driver else None
         # rollout.overlap: every step after the first of this process's run trains on a batch that the previous
         # policy sampled while the previous step trained (a resumed run's first batch is sampled anew)
@@ -156,13 +155,12 @@ class Trainer:
                                              behavior=behavior)
         metrics["staleness"] = step - behavior
         with phases.phase("sync"):
-            metrics["bound_modules"] = self._sync(step + 1)
+            bound = self._sync(step + 1)
         metrics["micro_batch"] = self.learner.micro_batch_size()
         stats = jax.local_devices()[0].memory_stats()
         if stats and "peak_bytes_in_use" in stats:  # JAX's own peak on its first device (a GPU), not the engine's
             metrics["jax_peak_gib"] = stats["peak_bytes_in_use"] / 2 ** 30
-        phases.add("step", time.perf_counter() - start)
-        return metrics, experience, slept.get("freed_bytes")
+        return experience, metrics, bound, slept.get("freed_bytes")
 
     def run(self) -> dict:
         cfg = self.cfg
