@@ -162,18 +162,19 @@ class Learner:
     def train(self, batch: dict | None, version: int | None = None, behavior: int | None = None) -> dict:
         """One train step on process 0's `batch` (None on the other processes) from policy `version` to the next;
         returns its metrics (host). `behavior`: the version that sampled the batch, `version` or (rollout.overlap)
-        `version - 1`, whose LoRA the recompute pass then uses (a copy kept from the step before); anything older is
-        refused. Its phases (`jaxflow.phases`): to_device (the batch onto the devices), old_log_prob (the recompute
-        pass, when on) and update."""
+        `version - 1`, whose LoRA the recompute pass then uses (a copy kept from the step before, only when that pass
+        runs); anything older is refused. Its phases (`jaxflow.phases`): to_device (the batch onto the devices),
+        old_log_prob (the recompute pass, when on) and update."""
         if self.processes > 1:
             batch = local_rows(batch)
-        lora = None
-        if behavior is not None and behavior != version:
+        lora, config = None, self._step.config
+        if config.recompute_pass and behavior is not None and behavior != version:
             if self._previous is None or self._previous[0] != behavior:
                 raise RuntimeError(f"the batch was sampled by policy {behavior}; the trainer is at {version} and "
                                    f"keeps only {None if self._previous is None else self._previous[0]}")
             lora = self._previous[1]
-        if self._step.config.off_policy:  # the current LoRA, for the next step's batch (the state is donated)
+        # the current LoRA, for the next step's batch (the state is donated); only the recompute pass reads it
+        if config.off_policy and config.recompute_pass:
             self._previous = (version, jax.tree.map(jnp.copy, self.state.lora))
         self.state, metrics = self._step(self.state, batch, behavior=lora)
         return jax.device_get(metrics)
