@@ -316,6 +316,16 @@ def test_custom_pipeline_takes_cfg_forward_from_its_args(tiny_path):
         cls(od_config=SimpleNamespace(model=str(tiny_path), custom_pipeline_args={"cfg_forward": "both"}))
 
 
+def test_custom_pipeline_refuses_an_unknown_qk_ops(tiny_path):
+    """qk_ops picks the attention's q/k norm and rotary ops (jaxflow_bridge/rollout/qk_rope.py swaps them, tested
+    there); a typo is refused when the pipeline is built, before any weight loads."""
+    cls = vop.build_pipeline_class(FakeOmniQwenImagePipeline, SimpleNamespace)
+    for qk_ops in ("compiled", "vllm"):
+        cls(od_config=SimpleNamespace(model=str(tiny_path), custom_pipeline_args={"qk_ops": qk_ops}))
+    with pytest.raises(ValueError, match="qk_ops='fused'"):
+        cls(od_config=SimpleNamespace(model=str(tiny_path), custom_pipeline_args={"qk_ops": "fused"}))
+
+
 def test_the_traced_request_writes_a_profile_and_the_same_trajectory(tiny_path, tmp_path, monkeypatch):
     """JAXFLOW_ROLLOUT_TRACE: the chosen request runs under torch.profiler, writes its trace, returns what an
     untraced request returns."""

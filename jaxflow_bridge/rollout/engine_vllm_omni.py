@@ -6,7 +6,9 @@ Config keys: `engine` ("vllm_omni"), `model` (a local diffusers Qwen-Image folde
 `jaxflow_bridge/contract/random_weights.py`, as with the diffusers engine; the folder needs only `transformer/config.json`),
 `omni_args` (extra `AsyncOmni` keyword arguments, e.g. {"enforce_eager": True}), `lora_apply` ("fused", the
 default: LoRA'd linears run `jaxflow_bridge/rollout/lora_linear.py`; "stock": vLLM-Omni's per-slice apply, for comparison),
-`cfg_forward` ("batched" or "split": true CFG's rows in one forward or two, `jaxflow_bridge.rollout.sampling`).
+`cfg_forward` ("batched" or "split": true CFG's rows in one forward or two, `jaxflow_bridge.rollout.sampling`),
+`qk_ops` ("compiled", the default: the attention's q/k norms and rotary in torch ops that torch.compile fuses,
+`jaxflow_bridge/rollout/qk_rope.py`; "vllm": vLLM-Omni's own kernels, for comparison).
 Same calls and results as the diffusers engine.
 
 - generate: one engine request per prompt with `num_outputs_per_prompt=n` (one B=n forward, 2n with true CFG,
@@ -50,6 +52,7 @@ from jaxflow_bridge.contract.schedule import sample_windows
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.rollout.engine import RolloutEngine
 from jaxflow_bridge.rollout.pipeline import FINGERPRINT_ELEMENTS, TensorHead, weights_fingerprint
+from jaxflow_bridge.rollout.qk_rope import QK_OPS
 from jaxflow_bridge.rollout.sampling import (SamplingLoop, SamplingParams, cfg_forward_choice, check_prompts,
                                              per_sample_seeds)
 from jaxflow_bridge.rollout.tensors import torch_to_numpy
@@ -193,7 +196,8 @@ class VllmOmniEngine(RolloutEngine):
     """The `RolloutEngine` interface over one AsyncOmni engine."""
 
     name = "vllm_omni"
-    config_keys = ("engine", "model", "dtype", "device", "random_seed", "omni_args", "lora_apply", "cfg_forward")
+    config_keys = ("engine", "model", "dtype", "device", "random_seed", "omni_args", "lora_apply", "cfg_forward",
+                   "qk_ops")
 
     def __init__(self, config: dict):
         self.check_config(config)
@@ -224,9 +228,12 @@ class VllmOmniEngine(RolloutEngine):
         threading.Thread(target=self._loop.run_forever, name="vllm-omni-loop", daemon=True).start()
         _export_package_path()
         pipeline_args = {"pipeline_class": PIPELINE_CLASS, "lora_apply": config.get("lora_apply", "fused"),
-                         "cfg_forward": cfg_forward_choice(config.get("cfg_forward", SamplingLoop.cfg_forward))}
+                         "cfg_forward": cfg_forward_choice(config.get("cfg_forward", SamplingLoop.cfg_forward)),
+                         "qk_ops": config.get("qk_ops", "compiled")}
         if pipeline_args["lora_apply"] not in LORA_APPLY:
             raise ValueError(f"lora_apply={pipeline_args['lora_apply']!r}; choose one of {LORA_APPLY}")
+        if pipeline_args["qk_ops"] not in QK_OPS:
+            raise ValueError(f"qk_ops={pipeline_args['qk_ops']!r}; choose one of {QK_OPS}")
         if self.random_seed is not None:
             pipeline_args["random_seed"] = int(self.random_seed)
         kwargs = {"custom_pipeline_args": pipeline_args,

@@ -21,13 +21,15 @@ With JAXFLOW_ROLLOUT_TRACE=DIR in the workers' environment, the JAXFLOW_ROLLOUT_
 The class inherits `SamplingLoop` ahead of vLLM-Omni's pipeline, so the loop's methods win: they only touch
 attributes vLLM-Omni's pipeline has under the same names, plus the few aliases `__init__` adds.
 Numerics that differ from diffusers sit inside vLLM-Omni's transformer: RoPE applied with cos/sin cast to the
-model dtype, its attention backends (masked varlen FlashAttention for padded text), fused QKV.
+model dtype (by default in our torch ops, `jaxflow_bridge.rollout.qk_rope`, which torch.compile fuses), its attention
+backends (masked varlen FlashAttention for padded text), fused QKV.
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -38,10 +40,12 @@ import torch
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.rollout.lora_linear import install_fused_apply
 from jaxflow_bridge.rollout.pipeline import TensorHead, weights_fingerprint
+from jaxflow_bridge.rollout.qk_rope import QK_OPS, use_native_qk
 from jaxflow_bridge.rollout.random_init import random_named_weights
 from jaxflow_bridge.rollout.sampling import Fp32Timestep, SamplingLoop, SamplingParams, cfg_forward_choice
 from jaxflow_bridge.rollout.tensors import numpy_to_torch, torch_to_numpy
 
+log = logging.getLogger(__name__)
 PIPELINE_CLASS = f"{__name__}.FlowGRPOQwenImagePipeline"
 WORKER_EXTENSION_CLASS = f"{__name__}.RolloutWorkerExtension"
 PAYLOAD_KEY = "rollout"  # our entry in DiffusionOutput.custom_output
@@ -146,6 +150,7 @@ def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = N
     """Our pipeline as a subclass of `SamplingLoop` and `base` (vLLM-Omni's QwenImagePipeline); `output_cls`
     builds its results (vLLM-Omni's DiffusionOutput); `lora_layer_cls` (vLLM-Omni's diffusion LoRA layer base class)
     gets `jaxflow_bridge.rollout.lora_linear`'s fused apply unless custom_pipeline_args say lora_apply="stock";
+    the attention's q/k norms and rotary become `jaxflow_bridge.rollout.qk_rope`'s unless they say qk_ops="vllm";
     custom_pipeline_args' cfg_forward sets `SamplingLoop.cfg_forward`. All are
     parameters so tests can run it on diffusers components."""
 
@@ -157,6 +162,12 @@ def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = N
             raise ValueError(f"lora_apply={lora_apply!r}; choose one of {LORA_APPLY}")
         if lora_layer_cls is not None and lora_apply == "fused":
             install_fused_apply(lora_layer_cls)
+        qk_ops = args.get("qk_ops", "compiled")
+        if qk_ops not in QK_OPS:
+            raise ValueError(f"qk_ops={qk_ops!r}; choose one of {QK_OPS}")
+        if qk_ops == "compiled":
+            log.info("qk_ops=compiled: %d attention modules run the q/k norms and rotary in torch ops",
+                     use_native_qk(self.transformer))
         self.cfg_forward = cfg_forward_choice(args.get("cfg_forward", SamplingLoop.cfg_forward))
         self.template, self.drop = self.prompt_template_encode, self.prompt_template_encode_start_idx
         self.scheduler_config = dict(self.scheduler.config)
