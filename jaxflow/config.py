@@ -114,7 +114,10 @@ def validate(cfg: ConfigDict) -> None:
                                  ("sample.noise_level", s.noise_level, s.noise_level > 0, "> 0 (the SDE's noise)"),
                                  ("train.learning_rate", t.learning_rate, t.learning_rate > 0, "> 0"),
                                  ("train.clip_range", t.clip_range, t.clip_range > 0, "> 0"),
-                                 ("train.beta", t.beta, t.beta >= 0, ">= 0 (0: no KL term)")):
+                                 ("train.beta", t.beta, t.beta >= 0, ">= 0 (0: no KL term)"),
+                                 ("sample.negative_max_sequence_length", s.negative_max_sequence_length,
+                                  0 <= s.negative_max_sequence_length <= s.max_sequence_length,
+                                  f"in [0, sample.max_sequence_length={s.max_sequence_length}] (0: that length)")):
         if not ok:
             _fail(key, f"{value!r} must be {want}")
     device = str(cfg.rollout.device)
@@ -230,6 +233,14 @@ def _size_multiple(cfg) -> int:
             _fail("model.path", f"{cfg.model.path} has no vae/config.json: it must be a diffusers Qwen-Image folder")
         downsample = json.loads(vae.read_text())["temperal_downsample"]
     return 2 * 2 ** len(downsample)
+
+
+def text_tokens(cfg) -> tuple[int, int]:
+    """(prompt, negative prompt) tokens the train batch pads text to: sample.max_sequence_length, and
+    sample.negative_max_sequence_length or, where that is 0, the same. Negatives shorter than prompts run as their
+    own forward in the train step (`flowgrpo.guided_velocity`)."""
+    s = cfg.sample
+    return s.max_sequence_length, s.negative_max_sequence_length or s.max_sequence_length
 
 
 def lora_gemm(cfg, num_layers: int, devices: int, on_hopper: bool, micro_batch: int,

@@ -32,16 +32,20 @@ def sample_seeds(seed: int, step: int, count: int) -> np.ndarray:
     return np.random.default_rng([seed, step]).integers(0, 2 ** 62, size=count)
 
 
-def pad_text(batch: dict, length: int) -> dict:
-    """Right-pad prompt (and negative) embeds/masks to `length` tokens (sample.max_sequence_length: the rollout
-    refuses longer prompts), so every batch has one text shape and the jitted step compiles once."""
+def pad_text(batch: dict, length: int, negative_length: int | None = None) -> dict:
+    """Right-pad prompt embeds/masks to `length` tokens (sample.max_sequence_length: the rollout refuses longer
+    prompts) and negative ones to `negative_length` (default `length`; `config.text_tokens`), so every batch has one
+    text shape and the jitted step compiles once."""
     out = dict(batch)
-    for emb, mask in (("prompt_embeds", "prompt_mask"), ("negative_prompt_embeds", "negative_prompt_mask")):
+    for emb, mask, size, key in (("prompt_embeds", "prompt_mask", length, "max_sequence_length"),
+                                 ("negative_prompt_embeds", "negative_prompt_mask", negative_length or length,
+                                  "negative_max_sequence_length" if negative_length else "max_sequence_length")):
         if out.get(emb) is None:
             continue
-        pad = length - out[emb].shape[1]
+        pad = size - out[emb].shape[1]
         if pad < 0:
-            raise ValueError(f"{emb} has {out[emb].shape[1]} tokens > sample.max_sequence_length={length}")
+            raise ValueError(f"{emb} has {out[emb].shape[1]} tokens > sample.{key}={size}: raise "
+                             f"--config.sample.{key} (or shorten the prompt)")
         out[emb] = np.pad(out[emb], ((0, 0), (0, pad), (0, 0)))
         out[mask] = np.pad(out[mask], ((0, 0), (0, pad)))
     return out
@@ -183,7 +187,7 @@ class Driver:
         group_ids = np.repeat(np.arange(s.prompts_per_step), s.group_size)
         adv, zero_std = compute_advantages(rewards["avg"], group_ids, global_std=cfg.train.global_std,
                                            clip=cfg.train.adv_clip, expected_group_size=s.group_size)
-        train_batch = pad_text(batch.to_dict(), s.max_sequence_length)
+        train_batch = pad_text(batch.to_dict(), *config_lib.text_tokens(cfg))
         train_batch.update(advantages=adv, noise_level=np.float32(s.noise_level))
         train_batch = order_minibatches(train_batch, group_ids, cfg.train.num_mini_batches, cfg.seed, step)
         if cfg.train.drop_zero_advantage:

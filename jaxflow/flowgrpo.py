@@ -52,20 +52,26 @@ def guided_velocity(model, x, sigma, txt, txt_mask, neg_txt=None, neg_mask=None,
                     lora_scale: float = 1.0) -> jax.Array:
     """Velocity (B, S, C) float32; true CFG with norm rescale when guidance > 1 (docs/numerics.md §5).
 
-    Positive and negative prompts run as ONE batched call (text right-padded to a common length):
-    comb = v_neg + g (v_pos - v_neg), v = comb * |v_pos| / |comb| (norms over channels). guidance <= 1: one
-    positive pass, no negative needed. `guidance` is static (a Python float).
+    Positive and negative prompts run as ONE batched call (text right-padded to a common length), or as two calls
+    where the negative text is padded shorter than the positive (sample.negative_max_sequence_length): each call
+    then spends its tokens on its own text. comb = v_neg + g (v_pos - v_neg), v = comb * |v_pos| / |comb| (norms
+    over channels). guidance <= 1: one positive pass, no negative needed. `guidance` is static (a Python float).
     """
     if guidance <= 1:
         return model(x, sigma, txt, txt_mask, grid_hw=grid_hw, lora_scale=lora_scale).astype(jnp.float32)
     if neg_txt is None or neg_mask is None:
         raise ValueError(f"guidance {guidance} > 1 (true CFG) needs negative prompt embeds and mask")
-    length = max(txt.shape[1], neg_txt.shape[1])
-    txt, txt_mask = _pad_text(txt, txt_mask, length)
-    neg_txt, neg_mask = _pad_text(neg_txt.astype(txt.dtype), neg_mask, length)
-    both = model(jnp.concatenate([x, x]), jnp.concatenate([sigma, sigma]), jnp.concatenate([txt, neg_txt]),
-                 jnp.concatenate([txt_mask, neg_mask]), grid_hw=grid_hw, lora_scale=lora_scale)
-    v_pos, v_neg = jnp.split(both.astype(jnp.float32), 2)
+    neg_txt = neg_txt.astype(txt.dtype)
+    if neg_txt.shape[1] < txt.shape[1]:
+        v_pos = model(x, sigma, txt, txt_mask, grid_hw=grid_hw, lora_scale=lora_scale).astype(jnp.float32)
+        v_neg = model(x, sigma, neg_txt, neg_mask, grid_hw=grid_hw, lora_scale=lora_scale).astype(jnp.float32)
+    else:
+        length = max(txt.shape[1], neg_txt.shape[1])
+        txt, txt_mask = _pad_text(txt, txt_mask, length)
+        neg_txt, neg_mask = _pad_text(neg_txt, neg_mask, length)
+        both = model(jnp.concatenate([x, x]), jnp.concatenate([sigma, sigma]), jnp.concatenate([txt, neg_txt]),
+                     jnp.concatenate([txt_mask, neg_mask]), grid_hw=grid_hw, lora_scale=lora_scale)
+        v_pos, v_neg = jnp.split(both.astype(jnp.float32), 2)
     comb = v_neg + guidance * (v_pos - v_neg)
     return comb * (jnp.linalg.norm(v_pos, axis=-1, keepdims=True) / jnp.linalg.norm(comb, axis=-1, keepdims=True))
 

@@ -101,7 +101,7 @@ class Learner:
         self.layout = Layout.create(config_lib.sharding_config(cfg))
         self.spec = config_lib.lora_spec(cfg)
         self.grid = grid_hw(folder, cfg)
-        tokens = (self.grid[0] * self.grid[1], cfg.sample.max_sequence_length)
+        tokens = (self.grid[0] * self.grid[1], *config_lib.text_tokens(cfg))
         self.model = build_model(cfg, folder / "transformer", self.spec, self.layout, self.micro_batch_size(), tokens)
         o = self.model.opts
         log.info("trainer model: %s compute, %s storage, matmul precision %s, attention %s", o.dtype, o.param_dtype,
@@ -123,7 +123,8 @@ class Learner:
         batch, old = memory.abstract_batch(
             batch=cfg.sample.prompts_per_step * cfg.sample.group_size, window=cfg.sample.window_size,
             num_steps=cfg.sample.num_steps, seq=self.grid[0] * self.grid[1], channels=mc.in_channels,
-            text=cfg.sample.max_sequence_length, width=mc.joint_attention_dim,
+            text=config_lib.text_tokens(cfg)[0], negative_text=config_lib.text_tokens(cfg)[1],
+            width=mc.joint_attention_dim,
             embed_dtype=config_lib.embed_dtype(cfg), guided=tc.guided, recompute=tc.recompute_pass,
             means=tc.ratio_norm == "guard", nft=tc.nft)
         plans = [memory.StepMemory.of(name, c) for name, c in step.compile(batch, old).items()]

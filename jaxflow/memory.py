@@ -76,10 +76,10 @@ def check_fits(plans: list[StepMemory], resident: int, limit: int, in_use: int, 
 
 
 def abstract_batch(*, batch: int, window: int, num_steps: int, seq: int, channels: int, text: int, width: int,
-                   embed_dtype, guided: bool, recompute: bool, means: bool = False,
-                   nft: bool = False) -> tuple[dict, dict | None]:
+                   embed_dtype, guided: bool, recompute: bool, means: bool = False, nft: bool = False,
+                   negative_text: int | None = None) -> tuple[dict, dict | None]:
     """Shapes and dtypes of the batch `train_step.prepare_batch` hands the step (text padded to `text` tokens,
-    sample.max_sequence_length), and of the old-log-prob pass's output when it runs (with `means`: the SDE means
+    negatives to `negative_text`, default `text`: `config.text_tokens`), and of the old-log-prob pass's output when it runs (with `means`: the SDE means
     train.ratio_norm="guard" keeps); with `nft`, DiffusionNFT's batch (step_config.NFT_FIELDS)."""
     s = jax.ShapeDtypeStruct
     out = {"latents": s((batch, window + 1, seq, channels), np.float32), "log_probs": s((batch, window), np.float32),
@@ -90,8 +90,9 @@ def abstract_batch(*, batch: int, window: int, num_steps: int, seq: int, channel
         out["final_latents"] = s((batch, seq, channels), np.float32)
         return {k: out[k] for k in NFT_FIELDS}, None
     if guided:
-        out.update(negative_prompt_embeds=s((batch, text, width), embed_dtype),
-                   negative_prompt_mask=s((batch, text), np.bool_))
+        neg = negative_text or text
+        out.update(negative_prompt_embeds=s((batch, neg, width), embed_dtype),
+                   negative_prompt_mask=s((batch, neg), np.bool_))
     old = {"log_probs": s((batch, window), np.float32)}
     if means:
         old["means"] = s((batch, window, seq, channels), np.float32)

@@ -1,6 +1,7 @@
 """The train step compiles once: every batch reaches it with the same shapes, whatever its prompts' lengths."""
 import jax
 import numpy as np
+import pytest
 
 from jaxflow.driver import pad_text
 from jaxflow.train import Trainer
@@ -14,6 +15,21 @@ def test_pad_text_gives_every_batch_one_shape():
     a, b = pad_text(short, 128), pad_text(long, 128)
     assert {k: v.shape for k, v in a.items()} == {k: v.shape for k, v in b.items()}
     assert a["prompt_mask"].sum() == 80 and a["prompt_embeds"].shape == (2, 128, 4)
+    assert a["negative_prompt_embeds"].shape == (2, 128, 4)
+    # negatives to their own length (sample.negative_max_sequence_length)
+    c = pad_text(long, 128, 32)
+    assert c["prompt_embeds"].shape == (2, 128, 4) and c["negative_prompt_embeds"].shape == (2, 32, 4)
+    assert c["negative_prompt_mask"].shape == (2, 32) and c["negative_prompt_mask"].sum() == 12
+
+
+def test_pad_text_names_the_key_of_a_too_long_text():
+    batch = {"prompt_embeds": np.ones((1, 40, 4)), "prompt_mask": np.ones((1, 40), bool),
+             "negative_prompt_embeds": np.ones((1, 9, 4)), "negative_prompt_mask": np.ones((1, 9), bool)}
+    with pytest.raises(ValueError, match=r"negative_prompt_embeds has 9 tokens > "
+                                         r"sample.negative_max_sequence_length=8: raise --config.sample.neg"):
+        pad_text(batch, 64, 8)
+    with pytest.raises(ValueError, match=r"prompt_embeds has 40 tokens > sample.max_sequence_length=32"):
+        pad_text(batch, 32)
 
 
 def test_train_step_compiles_once_over_steps(tmp_path):

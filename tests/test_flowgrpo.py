@@ -111,26 +111,32 @@ def test_step_metrics():
 # ---------------------------------------------------------------------------------------------- true CFG
 
 
-def test_guided_velocity_one_batched_call_matches_separate_calls():
+def test_guided_velocity_batched_or_split_matches_separate_calls():
+    """Negatives as long as the prompts run in one batched call (within fp32 rounding of two calls); negatives padded
+    shorter (sample.negative_max_sequence_length) run as their own call: exactly the two calls' CFG."""
     model = QwenImageTransformer(TINY, ModelOptions(), rngs=nnx.Rngs(0))
     r = np.random.default_rng(0)
     x = jnp.asarray(r.normal(size=(2, 4, 64)), jnp.float32)
     sigma = jnp.array([0.9, 0.4])
     pos, pos_mask = jnp.asarray(r.normal(size=(2, 5, 64)), jnp.float32), jnp.array([[1] * 5, [1] * 3 + [0] * 2], bool)
     neg, neg_mask = jnp.asarray(r.normal(size=(2, 3, 64)), jnp.float32), jnp.array([[1] * 3, [1] * 2 + [0]], bool)
+    neg_long, neg_long_mask = jnp.pad(neg, ((0, 0), (0, 2), (0, 0))), jnp.pad(neg_mask, ((0, 0), (0, 2)))
 
     @jax.jit
     def run(x, sigma, pos, pos_mask, neg, neg_mask):
         v_pos = model(x, sigma, pos, pos_mask, grid_hw=(2, 2))
         v_neg = model(x, sigma, neg, neg_mask, grid_hw=(2, 2))
-        cfg = flowgrpo.guided_velocity(model, x, sigma, pos, pos_mask, neg, neg_mask, grid_hw=(2, 2), guidance=4.0)
+        split = flowgrpo.guided_velocity(model, x, sigma, pos, pos_mask, neg, neg_mask, grid_hw=(2, 2), guidance=4.0)
+        batched = flowgrpo.guided_velocity(model, x, sigma, pos, pos_mask, neg_long, neg_long_mask, grid_hw=(2, 2),
+                                           guidance=4.0)
         plain = flowgrpo.guided_velocity(model, x, sigma, pos, pos_mask, grid_hw=(2, 2), guidance=1.0)
-        return v_pos, v_neg, cfg, plain
+        return v_pos, v_neg, split, batched, plain
 
-    v_pos, v_neg, cfg, plain = (np.asarray(a) for a in run(x, sigma, pos, pos_mask, neg, neg_mask))
+    v_pos, v_neg, split, batched, plain = (np.asarray(a) for a in run(x, sigma, pos, pos_mask, neg, neg_mask))
     comb = v_neg + 4.0 * (v_pos - v_neg)
     want = comb * np.linalg.norm(v_pos, axis=-1, keepdims=True) / np.linalg.norm(comb, axis=-1, keepdims=True)
-    np.testing.assert_allclose(cfg, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(batched, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(split, want, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(plain, v_pos)
     with pytest.raises(ValueError, match="negative prompt"):
         flowgrpo.guided_velocity(model, x, sigma, pos, pos_mask, grid_hw=(2, 2), guidance=4.0)

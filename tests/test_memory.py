@@ -72,16 +72,16 @@ def test_abstract_batch_matches_prepare_batch():
 
     from jaxflow.step_config import TrainConfig
     from jaxflow.train_step import prepare_batch
-    b, w, n, s, c, length, d = 4, 2, 6, 10, 8, 5, 16
+    b, w, n, s, c, length, neg, d = 4, 2, 6, 10, 8, 5, 3, 16
     bf16 = np.dtype(ml_dtypes.bfloat16)
     spec, old = memory.abstract_batch(batch=b, window=w, num_steps=n, seq=s, channels=c, text=length, width=d,
-                                      embed_dtype=bf16, guided=True, recompute=True)
+                                      embed_dtype=bf16, guided=True, recompute=True, negative_text=neg)
     raw = {"latents": np.zeros((b, w + 1, s, c), np.float32), "log_probs": np.zeros((b, w), np.float32),
            "sigmas": np.linspace(1, 0, n + 1).astype(np.float32), "step_index": np.zeros((b, w), np.int64),
            "noise_level": np.float32(0.7), "advantages": np.zeros(b, np.float32),
            "prompt_embeds": np.zeros((b, length, d), bf16), "prompt_mask": np.ones((b, length), bool),
-           "negative_prompt_embeds": np.zeros((b, length, d), bf16),
-           "negative_prompt_mask": np.ones((b, length), bool)}
+           "negative_prompt_embeds": np.zeros((b, neg, d), bf16),
+           "negative_prompt_mask": np.ones((b, neg), bool)}
     got = prepare_batch(raw, TrainConfig(grid_hw=(2, 5), guidance=4.0))
     assert {k: (v.shape, v.dtype) for k, v in got.items()} == {k: (v.shape, v.dtype) for k, v in spec.items()}
     assert old["log_probs"].shape == (b, w) and set(old) == {"log_probs"}

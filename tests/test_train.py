@@ -39,6 +39,7 @@ def lora_leaves(state):
     ("train.old_log_prob", "foo", "config.train.old_log_prob: 'foo'"),
     ("sample.height", 41, "config.sample.height: 41 must be a positive multiple of 8"),
     ("sample.guidance", 0.5, "config.sample.guidance"),
+    ("sample.negative_max_sequence_length", 97, "config.sample.negative_max_sequence_length: 97 must be in"),
     ("rollout.device", "tpu", "config.rollout.device"),
     ("rollout.cfg_forward", "both", "config.rollout.cfg_forward: 'both'"),
     ("data.train", "", "config.data.train: '' is not a file"),
