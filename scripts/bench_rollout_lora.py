@@ -4,7 +4,8 @@
 
 For each mode (`lora_apply` of the vllm_omni engine, then options: "+split" the engine's cfg_forward="split", true
 CFG's rows in two forwards; "+sdpa" vLLM-Omni's attention backend TORCH_SDPA instead of its default; "+vllmqk" the
-engine's qk_ops="vllm", vLLM-Omni's own q/k norm and rotary kernels instead of ours; one engine after
+engine's qk_ops="vllm", vLLM-Omni's own q/k norm and rotary kernels instead of ours; "+fa2" the engine's
+fa_version="2", FlashAttention as vLLM-Omni picks it (FA2 without a FlashAttention package); one engine after
 the other, each in its own process, torch's graph-break and recompile logs on): the recipe's rollout settings (512^2, 10 steps,
 CFG 4, SDE window 2), 2 prompts x 16 images, img/s of one timed call after a warm-up call, first without a LoRA,
 then with a random r=64 adapter on the 12 targets bound. The first request of the timed LoRA'd call is traced
@@ -38,7 +39,7 @@ def one_mode(model: Path, mode: str, seed: int) -> dict:
     lora_apply, *options = mode.split("+")
     config = {"engine": "vllm_omni", "model": str(model), "dtype": "bfloat16", "random_seed": seed,
               "lora_apply": lora_apply, "cfg_forward": "split" if "split" in options else "batched",
-              "qk_ops": "vllm" if "vllmqk" in options else "compiled"}
+              "qk_ops": "vllm" if "vllmqk" in options else "compiled", "fa_version": "2" if "fa2" in options else "auto"}
     engine = engine_class(config)(config)
 
     def img_s() -> float:

@@ -326,6 +326,18 @@ def test_custom_pipeline_refuses_an_unknown_qk_ops(tiny_path):
         cls(od_config=SimpleNamespace(model=str(tiny_path), custom_pipeline_args={"qk_ops": "fused"}))
 
 
+def test_custom_pipeline_runs_the_fa3_hook_unless_told_fa2(tiny_path):
+    """fa_version="auto" (the default) calls the attention hook when the pipeline is built, "2" does not; a typo is
+    refused."""
+    calls = []
+    cls = vop.build_pipeline_class(FakeOmniQwenImagePipeline, SimpleNamespace, attention_fa3=lambda: calls.append(1))
+    for args, n in (({}, 1), ({"fa_version": "2"}, 1), ({"fa_version": "auto"}, 2)):
+        cls(od_config=SimpleNamespace(model=str(tiny_path), custom_pipeline_args=args))
+        assert len(calls) == n
+    with pytest.raises(ValueError, match="fa_version='3'"):
+        cls(od_config=SimpleNamespace(model=str(tiny_path), custom_pipeline_args={"fa_version": "3"}))
+
+
 def test_the_traced_request_writes_a_profile_and_the_same_trajectory(tiny_path, tmp_path, monkeypatch):
     """JAXFLOW_ROLLOUT_TRACE: the chosen request runs under torch.profiler, writes its trace, returns what an
     untraced request returns."""

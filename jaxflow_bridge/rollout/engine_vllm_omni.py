@@ -8,7 +8,9 @@ Config keys: `engine` ("vllm_omni"), `model` (a local diffusers Qwen-Image folde
 default: LoRA'd linears run `jaxflow_bridge/rollout/lora_linear.py`; "stock": vLLM-Omni's per-slice apply, for comparison),
 `cfg_forward` ("batched" or "split": true CFG's rows in one forward or two, `jaxflow_bridge.rollout.sampling`),
 `qk_ops` ("compiled", the default: the attention's q/k norms and rotary in torch ops that torch.compile fuses,
-`jaxflow_bridge/rollout/qk_rope.py`; "vllm": vLLM-Omni's own kernels, for comparison).
+`jaxflow_bridge/rollout/qk_rope.py`; "vllm": vLLM-Omni's own kernels, for comparison), `fa_version` ("auto",
+the default: FA3 on Hopper where vLLM-Omni would fall back to FA2, `jaxflow_bridge/rollout/fa_version.py`; "2": as
+vLLM-Omni chooses).
 Same calls and results as the diffusers engine.
 
 - generate: one engine request per prompt with `num_outputs_per_prompt=n` (one B=n forward, 2n with true CFG,
@@ -51,6 +53,7 @@ from jaxflow_bridge.contract.lora_shm import offsets, open_payload, read_arrays
 from jaxflow_bridge.contract.schedule import sample_windows
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.rollout.engine import RolloutEngine
+from jaxflow_bridge.rollout.fa_version import FA_VERSIONS
 from jaxflow_bridge.rollout.pipeline import FINGERPRINT_ELEMENTS, TensorHead, weights_fingerprint
 from jaxflow_bridge.rollout.qk_rope import QK_OPS
 from jaxflow_bridge.rollout.sampling import (SamplingLoop, SamplingParams, cfg_forward_choice, check_prompts,
@@ -197,7 +200,7 @@ class VllmOmniEngine(RolloutEngine):
 
     name = "vllm_omni"
     config_keys = ("engine", "model", "dtype", "device", "random_seed", "omni_args", "lora_apply", "cfg_forward",
-                   "qk_ops")
+                   "qk_ops", "fa_version")
 
     def __init__(self, config: dict):
         self.check_config(config)
@@ -229,11 +232,14 @@ class VllmOmniEngine(RolloutEngine):
         _export_package_path()
         pipeline_args = {"pipeline_class": PIPELINE_CLASS, "lora_apply": config.get("lora_apply", "fused"),
                          "cfg_forward": cfg_forward_choice(config.get("cfg_forward", SamplingLoop.cfg_forward)),
-                         "qk_ops": config.get("qk_ops", "compiled")}
+                         "qk_ops": config.get("qk_ops", "compiled"),
+                         "fa_version": str(config.get("fa_version", "auto"))}
         if pipeline_args["lora_apply"] not in LORA_APPLY:
             raise ValueError(f"lora_apply={pipeline_args['lora_apply']!r}; choose one of {LORA_APPLY}")
         if pipeline_args["qk_ops"] not in QK_OPS:
             raise ValueError(f"qk_ops={pipeline_args['qk_ops']!r}; choose one of {QK_OPS}")
+        if pipeline_args["fa_version"] not in FA_VERSIONS:
+            raise ValueError(f"fa_version={pipeline_args['fa_version']!r}; choose one of {FA_VERSIONS}")
         if self.random_seed is not None:
             pipeline_args["random_seed"] = int(self.random_seed)
         kwargs = {"custom_pipeline_args": pipeline_args,

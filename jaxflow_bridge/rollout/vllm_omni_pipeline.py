@@ -22,7 +22,7 @@ The class inherits `SamplingLoop` ahead of vLLM-Omni's pipeline, so the loop's m
 attributes vLLM-Omni's pipeline has under the same names, plus the few aliases `__init__` adds.
 Numerics that differ from diffusers sit inside vLLM-Omni's transformer: RoPE applied with cos/sin cast to the
 model dtype (by default in our torch ops, `jaxflow_bridge.rollout.qk_rope`, which torch.compile fuses), its attention
-backends (masked varlen FlashAttention for padded text), fused QKV.
+backends (masked varlen FlashAttention for padded text; FA3 on Hopper, `jaxflow_bridge.rollout.fa_version`), fused QKV.
 """
 
 from __future__ import annotations
@@ -32,12 +32,14 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
+from jaxflow_bridge.rollout.fa_version import FA_VERSIONS, use_fa3
 from jaxflow_bridge.rollout.lora_linear import install_fused_apply
 from jaxflow_bridge.rollout.pipeline import TensorHead, weights_fingerprint
 from jaxflow_bridge.rollout.qk_rope import QK_OPS, use_native_qk
@@ -146,11 +148,13 @@ def _txt_seq_lens_from_mask(module, args, kwargs):
     return args, kwargs
 
 
-def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = None) -> type:
+def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = None,
+                         attention_fa3: Callable[[], int | None] | None = None) -> type:
     """Our pipeline as a subclass of `SamplingLoop` and `base` (vLLM-Omni's QwenImagePipeline); `output_cls`
     builds its results (vLLM-Omni's DiffusionOutput); `lora_layer_cls` (vLLM-Omni's diffusion LoRA layer base class)
     gets `jaxflow_bridge.rollout.lora_linear`'s fused apply unless custom_pipeline_args say lora_apply="stock";
     the attention's q/k norms and rotary become `jaxflow_bridge.rollout.qk_rope`'s unless they say qk_ops="vllm";
+    `attention_fa3` (`jaxflow_bridge.rollout.fa_version.use_fa3`) runs unless they say fa_version="2";
     custom_pipeline_args' cfg_forward sets `SamplingLoop.cfg_forward`. All are
     parameters so tests can run it on diffusers components."""
 
@@ -165,6 +169,12 @@ def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = N
         qk_ops = args.get("qk_ops", "compiled")
         if qk_ops not in QK_OPS:
             raise ValueError(f"qk_ops={qk_ops!r}; choose one of {QK_OPS}")
+        fa = args.get("fa_version", "auto")
+        if fa not in FA_VERSIONS:
+            raise ValueError(f"fa_version={fa!r}; choose one of {FA_VERSIONS}")
+        if attention_fa3 is not None and fa == "auto":
+            log.info("fa_version=auto: the diffusion attention's FlashAttention fallback runs FA%s",
+                     attention_fa3() or " as vLLM-Omni chose")
         if qk_ops == "compiled":
             log.info("qk_ops=compiled: %d attention modules run the q/k norms and rotary in torch ops",
                      use_native_qk(self.transformer))
@@ -314,7 +324,7 @@ def _pipeline_class() -> type:
     from vllm_omni.diffusion.lora.layers.base_linear import DiffusionBaseLinearLayerWithLoRA
     from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
 
-    return build_pipeline_class(QwenImagePipeline, DiffusionOutput, DiffusionBaseLinearLayerWithLoRA)
+    return build_pipeline_class(QwenImagePipeline, DiffusionOutput, DiffusionBaseLinearLayerWithLoRA, use_fa3)
 
 
 def _worker_extension_class() -> type:
