@@ -3,8 +3,9 @@
 # without transformer weights (model.init=random: the trainer and the rollout draw the same 20B weights on their
 # GPUs, fingerprint-checked), runs configs/qwen_ocr.py at its own settings (512^2, 10 steps, window 2, CFG 4, LoRA
 # r64, 2 updates a step, its micro-batch, old log-probs recomputed, the OCR reward) with only the prompts per step
-# cut (PROMPTS, default 2; prompts per rollout call then min(4, PROMPTS); train.num_micro_batches scaled so that a
-# micro-batch keeps the recipe's size, or MICRO samples), 4 steps, no eval or checkpoints; then
+# cut (PROMPTS, default 2; prompts per rollout call then min(4, PROMPTS / 2): a step keeps two calls or more, so
+# one call's reward overlaps the next call's rollout as in the recipe's 8 calls; train.num_micro_batches scaled so
+# that a micro-batch keeps the recipe's size, or MICRO samples), 4 steps, no eval or checkpoints; then
 # prints img/GPU/s with the phase breakdown and writes OUT_DIR/RESULT.json (with the device's peak memory, read by
 # nvidia-smi every 0.5 s).
 #
@@ -38,6 +39,7 @@ mini=$(python3 -c "
 import importlib.util as u; s = u.spec_from_file_location('r', 'configs/qwen_ocr.py'); m = u.module_from_spec(s)
 s.loader.exec_module(m); c = m.get_config(); print(c.train.num_mini_batches, c.sample.group_size)")
 read -r mini group <<<"$mini"
+per_call=$((prompts / 2 < 4 ? prompts / 2 : 4)); per_call=$((per_call < 1 ? 1 : per_call))
 mkdir -p "$out"   # the whole training log goes to $out/train.log (kept when a time limit cuts the run)
 model=${MODEL_DIR:-/tmp/qwen_random}
 # One process holds JAX and torch, or JAX shares its GPU with the actor: JAX gets a fixed pool (its allocator never
@@ -64,7 +66,7 @@ python3 -c "import jax; b = jax.default_backend(); assert b == 'gpu', f'JAX runs
 cmd=(python3 -m jaxflow.train --config configs/qwen_ocr.py --config.model.path="$model" --config.model.init=random
   --config.rollout.engine="$engine" --config.rollout.dtype=bfloat16 --config.rollout.device=cuda
   ${SLEEP:+--config.rollout.sleep_while_training=$SLEEP} "${placement[@]}"
-  --config.sample.prompts_per_step="$prompts" --config.sample.prompts_per_call=$((prompts < 4 ? prompts : 4))
+  --config.sample.prompts_per_step="$prompts" --config.sample.prompts_per_call="$per_call"
   --config.train.num_micro_batches=$((prompts * group / mini / micro)) --config.train.num_steps=4 --config.eval.every=0
   --config.checkpoint.every=1000 --config.log.progress=False --config.run_dir="$out/run" "$@")
 exclude=()
