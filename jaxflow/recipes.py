@@ -189,9 +189,9 @@ def base() -> ml_collections.ConfigDict:
                     window_size=2, window_range=(0, 5), negative_prompt=" ", same_latent=False,
                     # the longest OCR prompt has 74 tokens (96 rather than 128: 2.8% fewer train-step tokens at 512^2)
                     max_sequence_length=96,
-                    # ' ' is 6 tokens; 32 keeps the fused LoRA GEMM's rows whole at 4 samples a micro-batch (4 x 32 =
-                    # 128): 2.9% fewer train-step tokens than negatives padded to 96
-                    negative_max_sequence_length=32,
+                    # 0: negatives padded to 96 and run in one call with the prompts. 32 (2.9% fewer tokens) ran the
+                    # train phase in 11.9 s against 11.1 batched on another H200 (BENCHMARKS.md, the recipe on one GPU)
+                    negative_max_sequence_length=0,
                     prompts_per_step=32, group_size=16, prompts_per_call=4)
     c.train = dict(num_steps=300, max_minutes=0.0, num_micro_batches=64, learning_rate=3e-4, clip_range=1e-4,
                    adv_clip=5.0, beta=0.0, global_std=True, max_grad_norm=1.0, weight_decay=1e-4, ema_decay=0.0,
