@@ -74,6 +74,21 @@ def test_recomputed_log_probs_match_rollout(setup, request):
             np.testing.assert_allclose(e, 0.1 * old + 0.9 * np.asarray(new), rtol=1e-6, atol=1e-7)
 
 
+def test_negatives_in_their_own_call_update_the_lora_as_one_batched_call(cfg):
+    """The fixture's negatives (2 tokens) are shorter than its prompts (5): guided_velocity runs them as their own
+    call. Padded to the prompts' length they run in one batched call: the same update to fp32 rounding."""
+    _, batch, init_state, step = cfg
+    pad = batch["prompt_embeds"].shape[1] - batch["negative_prompt_embeds"].shape[1]
+    padded = {**batch, "negative_prompt_embeds": np.pad(batch["negative_prompt_embeds"], ((0, 0), (0, pad), (0, 0))),
+              "negative_prompt_mask": np.pad(batch["negative_prompt_mask"], ((0, 0), (0, pad)))}
+    before = _numpy(init_state().lora)
+    (split, m_split), (batched, m_batched) = (step(init_state(), b) for b in (batch, padded))
+    np.testing.assert_allclose(float(m_split["loss"]), float(m_batched["loss"]), rtol=1e-5)
+    for s, b, old in zip(*(jax.tree.leaves(t) for t in (_numpy(split.lora), _numpy(batched.lora), before))):
+        np.testing.assert_allclose(s - old, b - old, rtol=1e-4, atol=1e-7)
+        assert np.abs(s - old).max() > 0
+
+
 def test_only_lora_params_change(lora_model, plain):
     _, batch, init_state, step = plain
     base = _numpy(nnx.state(lora_model, nnx.Param))
