@@ -206,8 +206,6 @@ def _start_ray(cfg, verbose: bool) -> str | None:
         os.environ.setdefault("RAY_AUTH_MODE", "token")
     from jaxflow.rollout_client import init_ray
     init_ray(cfg.rollout.address, verbose)
-    try:
-        import ray
-        return ray._private.worker._global_node.get_logs_dir_path()  # no public API names it
-    except AttributeError:
-        return "/tmp/ray/session_latest/logs"
+    import ray
+    context = ray.get_runtime_context()  # Ray keeps a session's logs in TEMP_DIR/SESSION/logs
+    return os.path.join(context.get_temp_dir(), context.get_session_name(), "logs")

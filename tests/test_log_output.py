@@ -2,6 +2,7 @@
 token notice, JAX's fork warning), and a closing summary of where every output went; --verbose brings INFO back."""
 import subprocess
 import sys
+from pathlib import Path
 
 from jaxflow.metrics_log import RunLog
 from tests.helpers import ROOT
@@ -34,6 +35,8 @@ def test_run_logged_to_a_file_is_a_line_per_step_and_a_summary(tmp_path):
     assert lines[3].startswith("finished at step 2/2")
     for needle in ("metrics.jsonl", "checkpoints (steps 1, 2", "lora_final", "Ray logs"):
         assert needle in summary, summary
+    ray_logs = next(line for line in lines if "Ray logs" in line).split()[2]
+    assert Path(ray_logs).name == "logs" and Path(ray_logs).is_dir(), ray_logs  # the run's own Ray session
 
 
 def test_verbose_brings_library_info_back(tmp_path):
