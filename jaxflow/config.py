@@ -8,7 +8,7 @@ from ml_collections import ConfigDict
 from jaxflow.models.config import LORA_GEMMS, ModelOptions
 from jaxflow.models.lora import LoRASpec
 from jaxflow.sharding import ShardingConfig
-from jaxflow.step_config import ALGORITHMS, OLD_LOG_PROBS, RATIO_NORMS, TrainConfig
+from jaxflow.step_config import TrainConfig
 from jaxflow_bridge.contract.schedule import CFG_FORWARDS
 from jaxflow_bridge.rewards.multi import NEED_TARGET, REGISTRY
 from jaxflow_bridge.rollout.server import ENGINES
@@ -98,23 +98,7 @@ def validate(cfg: ConfigDict) -> None:
     _typed("sharding", sharding_config, cfg)
     xla_options(cfg)
     s, t = cfg.sample, cfg.train
-    if t.old_log_prob not in OLD_LOG_PROBS:
-        _fail("train.old_log_prob", f"{t.old_log_prob!r}; choose 'rollout' (the engine's log-probs), 'recompute' "
-                                    f"(the trainer's, before the first update) or 'rollout_corrected' (the engine's, "
-                                    f"rejecting samples beyond train.rejection_threshold)")
-    if t.ratio_norm not in RATIO_NORMS:
-        _fail("train.ratio_norm", f"{t.ratio_norm!r}; choose 'none' (FlowGRPO's ratio) or 'guard' (GRPO-Guard's)")
-    if t.ratio_norm == "guard" and t.old_log_prob != "recompute":
-        _fail("train.ratio_norm", f"'guard' needs train.old_log_prob='recompute' (got {t.old_log_prob!r}): the old "
-                                  f"policy's SDE means come from the trainer's pass")
-    if not t.rejection_threshold > 1:
-        _fail("train.rejection_threshold", f"{t.rejection_threshold!r} must be > 1 (samples whose "
-                                           f"exp(logp - logp_rollout) leaves [1/t, t] are rejected)")
-    for key, value, ok, want in (("sample.guidance", s.guidance, s.guidance >= 1, ">= 1 (1: no CFG)"),
-                                 ("sample.noise_level", s.noise_level, s.noise_level > 0, "> 0 (the SDE's noise)"),
-                                 ("train.learning_rate", t.learning_rate, t.learning_rate > 0, "> 0"),
-                                 ("train.clip_range", t.clip_range, t.clip_range > 0, "> 0"),
-                                 ("train.beta", t.beta, t.beta >= 0, ">= 0 (0: no KL term)"),
+    for key, value, ok, want in (("sample.noise_level", s.noise_level, s.noise_level > 0, "> 0 (the SDE's noise)"),
                                  ("sample.negative_max_sequence_length", s.negative_max_sequence_length,
                                   0 <= s.negative_max_sequence_length <= s.max_sequence_length,
                                   f"in [0, sample.max_sequence_length={s.max_sequence_length}] (0: that length)")):
@@ -142,22 +126,17 @@ def validate(cfg: ConfigDict) -> None:
                                          f"{t.num_mini_batches})")
     if not t.max_minutes >= 0:
         _fail("train.max_minutes", f"must be >= 0 (0 = no time limit), got {t.max_minutes}")
-    if t.num_inner_epochs < 1:
-        _fail("train.num_inner_epochs", f"must be >= 1, got {t.num_inner_epochs}")
     if not 0 < s.window_size < s.num_steps or s.window_range[1] - s.window_range[0] < s.window_size:
         _fail("sample.window_size", f"{s.window_size} must be in [1, num_steps) and fit window_range "
                                     f"{tuple(s.window_range)}")
-    if t.algorithm not in ALGORITHMS:
-        _fail("train.algorithm", f"{t.algorithm!r}; choose one of {ALGORITHMS}")
-    if t.algorithm == "nft":
-        _check_nft(cfg)
-    elif s.sde_type not in ("sde", "cps"):
-        _fail("sample.sde_type", f"{s.sde_type!r}: training needs 'sde' or 'cps' ('ode' with train.algorithm='nft')")
+    if t.algorithm == "nft" and not 0 <= t.nft.timesteps <= s.num_steps:
+        _fail("train.nft.timesteps", f"{t.nft.timesteps!r} must be in [0, sample.num_steps={s.num_steps}] (0: "
+                                     f"DiffusionNFT's int(0.99 num_steps))")
     if not isinstance(s.same_latent, bool):
         _fail("sample.same_latent", f"{s.same_latent!r} must be a bool: pass True or False")
     if not isinstance(cfg.train.drop_zero_advantage, bool):
         _fail("train.drop_zero_advantage", f"{cfg.train.drop_zero_advantage!r} must be a bool: pass True or False")
-    train_config(cfg, grid_hw=(1, 1))
+    _typed_train(cfg)
     unknown = sorted(set(cfg.reward.fns) - set(REGISTRY))
     if unknown or not cfg.reward.fns:
         _fail("reward.fns", f"unknown {unknown}; known rewards: {sorted(REGISTRY)}")
@@ -178,31 +157,6 @@ def validate(cfg: ConfigDict) -> None:
         _fail("eval.every", f"must be >= 0 (0: no eval, not even of the final policy), got {cfg.eval.every}")
 
 
-def _check_nft(cfg):
-    """train.algorithm='nft': the settings that would otherwise be ignored or wrong, named with their fix."""
-    s, t, n = cfg.sample, cfg.train, cfg.train.nft
-    for key, fails, why in (
-            ("sample.guidance", s.guidance != 1, f"{s.guidance}: NFT trains and samples a CFG-free policy; pass "
-                                                 f"--config.sample.guidance=1"),
-            ("train.ratio_norm", t.ratio_norm != "none", f"{t.ratio_norm!r} is a FlowGRPO ratio; NFT has none: "
-                                                          f"pass 'none'"),
-            ("train.old_log_prob", t.old_log_prob == "rollout_corrected", "'rollout_corrected' corrects log-probs; "
-                                                                          "NFT has none: pass 'rollout'"),
-            ("train.drop_zero_advantage", t.drop_zero_advantage, "a zero advantage still trains in NFT (r = 1/2): "
-                                                                 "pass False"),
-            ("sample.sde_type", s.sde_type not in ("sde", "cps", "ode"), f"{s.sde_type!r}; choose 'ode' "
-                                                                          f"(DiffusionNFT's deterministic rollout), "
-                                                                          f"'sde' or 'cps'"),
-            ("train.nft.beta", not n.beta > 0, f"{n.beta!r} must be > 0"),
-            ("train.nft.timesteps", not 0 <= n.timesteps <= s.num_steps, f"{n.timesteps!r} must be in [0, "
-                                                                          f"sample.num_steps={s.num_steps}]"),
-            ("train.nft.decay_max", not 0 <= n.decay_max < 1, f"{n.decay_max!r} must be in [0, 1)"),
-            ("train.nft.decay_rate", not n.decay_rate >= 0, f"{n.decay_rate!r} must be >= 0"),
-            ("train.nft.decay_flat", not n.decay_flat >= 0, f"{n.decay_flat!r} must be >= 0")):
-        if fails:
-            _fail(key, why)
-
-
 def nft_timesteps(cfg) -> int:
     """Timesteps trained a sample with train.algorithm='nft': train.nft.timesteps, 0 = DiffusionNFT's default
     int(0.99 sample.num_steps)."""
@@ -218,6 +172,22 @@ def _typed(section: str, make, cfg):
         field, sep, rest = text.partition("=")
         key = field.rpartition(".")[2] if sep and "." in field and " " not in field else None
         _fail(f"{section}.{key}" if key else section, rest if key else text)
+
+
+# TrainConfig's fields and the config keys they come from (`train_config`), for its errors (`_typed_train`)
+TRAIN_KEYS = {"grid_hw": "sample.height", "sde_type": "sample.sde_type", "guidance": "sample.guidance",
+              "ema_decay": "train.ema_decay", "off_policy": "rollout.overlap", "shuffle_seed": "seed",
+              "nft_beta": "train.nft.beta", "nft_timesteps": "train.nft.timesteps", "nft_decay": "train.nft"}
+
+
+def _typed_train(cfg) -> TrainConfig:
+    """`train_config(cfg)`; the first rule it breaks (`TrainConfig._rules`, the one place the train step's settings
+    are checked) as the config key's UserError."""
+    try:
+        return train_config(cfg, grid_hw=(1, 1))
+    except ValueError as exc:
+        field, _, rest = str(exc).removeprefix("TrainConfig.").partition("=")
+        _fail(TRAIN_KEYS.get(field, f"train.{field}"), rest)
 
 
 def _size_multiple(cfg) -> int:

@@ -92,9 +92,8 @@ HELP: dict[str, str] = {
     "sample.negative_prompt": "true CFG's negative prompt (flow_grpo's Qwen pipeline: ' ')",
     "sample.same_latent": "True: a prompt group shares its initial noise (flow_grpo's same_latent)",
     "sample.max_sequence_length": "prompt tokens: the train step pads text to this, the rollout refuses longer prompts",
-    "sample.negative_max_sequence_length": "negative prompt tokens the train step pads to (true CFG), in [0, "
-                                           "max_sequence_length]; 0: max_sequence_length. Shorter than the "
-                                           "prompts', the negatives run as their own forward on fewer tokens",
+    "sample.negative_max_sequence_length": "negative prompt tokens the train step pads to (0: max_sequence_length); "
+                                           "shorter: a forward of their own",
     "sample.prompts_per_step": "prompts a training step samples, each rolled out group_size times",
     "sample.group_size": "images per prompt (a GRPO group), >= 2",
     "sample.prompts_per_call": "prompts per rollout request (requests go round-robin to the engines); divides "

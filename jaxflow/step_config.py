@@ -56,44 +56,52 @@ class TrainConfig:
     def __post_init__(self):
         object.__setattr__(self, "grid_hw", tuple(int(s) for s in self.grid_hw))
         object.__setattr__(self, "nft_decay", tuple(float(x) for x in self.nft_decay))
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
-        if self.nft:
-            self._check_nft()
-        elif self.sde_type not in ("sde", "cps"):
-            raise ValueError(f"sde_type must be 'sde' or 'cps' ('ode' has no log-prob to train), got {self.sde_type!r}")
-        if self.guidance < 1 or self.clip_range <= 0 or self.beta < 0 or min(
-                self.num_micro_batches, self.num_mini_batches, self.num_inner_epochs) < 1:
-            raise ValueError(f"need guidance >= 1, clip_range > 0, beta >= 0 and num_micro_batches, "
-                             f"num_mini_batches, num_inner_epochs >= 1: {self}")
-        if self.old_log_prob not in OLD_LOG_PROBS:
-            raise ValueError(f"old_log_prob must be one of {OLD_LOG_PROBS}, got {self.old_log_prob!r}")
-        if self.ratio_norm not in RATIO_NORMS:
-            raise ValueError(f"ratio_norm must be one of {RATIO_NORMS}, got {self.ratio_norm!r}")
-        if self.ratio_norm == "guard" and self.old_log_prob != "recompute":
-            raise ValueError("ratio_norm='guard' needs old_log_prob='recompute' (the old policy's SDE means come "
-                             "from the trainer's pass; the engine returns none)")
-        if not self.rejection_threshold > 1:
-            raise ValueError(f"rejection_threshold must be > 1, got {self.rejection_threshold}")
-        if not (0 <= self.adam_b1 < 1 and 0 <= self.adam_b2 < 1 and self.adam_eps > 0):
-            raise ValueError(f"need 0 <= adam_b1, adam_b2 < 1 and adam_eps > 0, got {self.adam_b1}, {self.adam_b2}, "
-                             f"{self.adam_eps}")
-        if self.ema_decay is not None and not 0 < self.ema_decay < 1:
-            raise ValueError(f"ema_decay must be in (0, 1) or None, got {self.ema_decay}")
-
-    def _check_nft(self):
-        bad = [why for why, fails in (
-            (f"guidance {self.guidance} (NFT trains a CFG-free policy: 1)", self.guidance != 1),
-            (f"ratio_norm {self.ratio_norm!r} (a FlowGRPO ratio: 'none')", self.ratio_norm != "none"),
-            (f"old_log_prob {self.old_log_prob!r} (NFT has no log-probs to correct)",
-             self.old_log_prob == "rollout_corrected"),
-            ("drop_zero_advantage (a zero advantage still trains in NFT: r = 1/2)", self.drop_zero_advantage),
-            (f"nft_beta {self.nft_beta} (must be > 0)", not self.nft_beta > 0),
-            (f"nft_timesteps {self.nft_timesteps} (must be >= 1)", self.nft_timesteps < 1),
-            (f"nft_decay {self.nft_decay} (flat >= 0, rate >= 0, cap in [0, 1))",
-             not (self.nft_decay[0] >= 0 and self.nft_decay[1] >= 0 and 0 <= self.nft_decay[2] < 1))) if fails]
+        bad = next(((name, why) for name, fails, why in self._rules() if fails), None)
         if bad:
-            raise ValueError(f"algorithm 'nft' does not take {'; '.join(bad)}")
+            raise ValueError(f"TrainConfig.{bad[0]}={getattr(self, bad[0])!r}; {bad[1]}")
+
+    def _rules(self):
+        """(field, fails, why) for every rule on the fields, in the order they are checked: the one place they are
+        written (jaxflow.config.validate reports the first failing one under its config key)."""
+        nft = self.algorithm == "nft"
+        flat, rate, cap = self.nft_decay
+        return (
+            ("algorithm", self.algorithm not in ALGORITHMS, f"choose one of {ALGORITHMS}"),
+            ("guidance", self.guidance < 1, "must be >= 1 (1: no CFG)"),
+            ("guidance", nft and self.guidance != 1, "NFT trains and samples a CFG-free policy: 1"),
+            ("sde_type", not nft and self.sde_type not in ("sde", "cps"),
+             "training needs 'sde' or 'cps' ('ode' has no log-prob to train; it samples for algorithm 'nft')"),
+            ("sde_type", nft and self.sde_type not in ("sde", "cps", "ode"),
+             "choose 'ode' (DiffusionNFT's deterministic rollout), 'sde' or 'cps'"),
+            ("clip_range", not self.clip_range > 0, "must be > 0"),
+            ("beta", not self.beta >= 0, "must be >= 0 (0: no KL term)"),
+            ("learning_rate", not self.learning_rate > 0, "must be > 0"),
+            ("num_micro_batches", self.num_micro_batches < 1, "must be >= 1"),
+            ("num_mini_batches", self.num_mini_batches < 1, "must be >= 1"),
+            ("num_inner_epochs", self.num_inner_epochs < 1, "must be >= 1"),
+            ("old_log_prob", self.old_log_prob not in OLD_LOG_PROBS,
+             "choose 'rollout' (the engine's log-probs), 'recompute' (the trainer's, before the first update) or "
+             "'rollout_corrected' (the engine's, rejecting samples beyond rejection_threshold)"),
+            ("old_log_prob", nft and self.old_log_prob == "rollout_corrected",
+             "corrects log-probs; NFT has none: 'rollout'"),
+            ("ratio_norm", self.ratio_norm not in RATIO_NORMS,
+             "choose 'none' (FlowGRPO's ratio) or 'guard' (GRPO-Guard's)"),
+            ("ratio_norm", nft and self.ratio_norm != "none", "is a FlowGRPO ratio; NFT has none: 'none'"),
+            ("ratio_norm", self.ratio_norm == "guard" and self.old_log_prob != "recompute",
+             f"'guard' needs old_log_prob='recompute' (got {self.old_log_prob!r}): the old policy's SDE means come "
+             f"from the trainer's pass"),
+            ("rejection_threshold", not self.rejection_threshold > 1,
+             "must be > 1 (samples whose exp(logp - logp_rollout) leaves [1/t, t] are rejected)"),
+            ("drop_zero_advantage", nft and self.drop_zero_advantage, "a zero advantage still trains in NFT "
+                                                                      "(r = 1/2): False"),
+            ("adam_b1", not 0 <= self.adam_b1 < 1, "must be in [0, 1)"),
+            ("adam_b2", not 0 <= self.adam_b2 < 1, "must be in [0, 1): adam_b2 < 1"),
+            ("adam_eps", not self.adam_eps > 0, "must be > 0"),
+            ("ema_decay", self.ema_decay is not None and not 0 < self.ema_decay < 1, "must be in (0, 1), or None"),
+            ("nft_beta", nft and not self.nft_beta > 0, "must be > 0"),
+            ("nft_timesteps", nft and self.nft_timesteps < 1, "must be >= 1"),
+            ("nft_decay", nft and not (flat >= 0 and rate >= 0 and 0 <= cap < 1),
+             "(flat updates, rate, cap): flat >= 0, rate >= 0, cap in [0, 1)"))
 
     @property
     def nft(self) -> bool:

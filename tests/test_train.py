@@ -43,7 +43,7 @@ def lora_leaves(state):
     ("rollout.device", "tpu", "config.rollout.device"),
     ("rollout.cfg_forward", "both", "config.rollout.cfg_forward: 'both'"),
     ("data.train", "", "config.data.train: '' is not a file"),
-    ("train.algorithm", "nft", "config.sample.guidance: 4.0: NFT trains and samples a CFG-free policy"),
+    ("train.algorithm", "nft", "config.sample.guidance: 4.0; NFT trains and samples a CFG-free policy"),
     ("train.algorithm", "dpo", "config.train.algorithm: 'dpo'"),
     ("rollout.engine", "sglang", "config.rollout.engine: 'sglang'; choose one of"),
 ])
