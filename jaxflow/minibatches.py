@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxflow.step_config import SHARED_FIELDS
+
 POSITION_KEYS = ("ratio_min", "ratio_mean", "ratio_max", "clipfrac", "approx_kl")
-_SHARED_NDIM = {"sigmas": 1, "noise_level": 0}  # one schedule / noise level for the whole batch
 
 
 def group_order(group_ids, num_mini_batches: int, seed: int, step: int) -> np.ndarray:
@@ -46,7 +47,7 @@ def order_minibatches(batch: dict, group_ids, num_mini_batches: int, seed: int, 
 
 def _reordered(batch: dict, order: np.ndarray) -> dict:
     def per_sample(k, v):
-        return hasattr(v, "shape") and np.ndim(v) > _SHARED_NDIM.get(k, 0) and len(v) == len(order)
+        return hasattr(v, "shape") and np.ndim(v) > SHARED_FIELDS.get(k, 0) and len(v) == len(order)
     return {k: np.asarray(v)[order] if per_sample(k, v) else v for k, v in batch.items()}
 
 

@@ -13,6 +13,9 @@ BATCH_FIELDS = ("latents", "log_probs", "sigmas", "step_index", "noise_level", "
                 "advantages")
 GUIDANCE_FIELDS = ("negative_prompt_embeds", "negative_prompt_mask")
 NFT_FIELDS = ("final_latents", "sigmas", "prompt_embeds", "prompt_mask", "advantages")
+# fields the rollout sends once for the whole batch, and their number of dims there: the step's batch
+# (`train_step.per_sample`) broadcasts them to every sample; reordering rows (`minibatches`) leaves them as they are
+SHARED_FIELDS = {"sigmas": 1, "noise_level": 0}
 OLD_LOG_PROBS = ("rollout", "recompute", "rollout_corrected")
 RATIO_NORMS = ("none", "guard")
 ALGORITHMS = ("flowgrpo", "nft")

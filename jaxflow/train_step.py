@@ -36,7 +36,8 @@ from flax import nnx
 from jaxflow import flowgrpo, minibatches, nft, phases
 from jaxflow.models.lora import LoRAParam
 from jaxflow.sharding import Layout
-from jaxflow.step_config import BATCH_FIELDS, GUIDANCE_FIELDS, NFT_FIELDS, TrainConfig, TrainState
+from jaxflow.step_config import (BATCH_FIELDS, GUIDANCE_FIELDS, NFT_FIELDS, SHARED_FIELDS, TrainConfig,
+                                 TrainState)
 
 NFT_SALT = 0x6E6674  # folded into the seed's key for NFT's timesteps and noise (apart from the epochs' shuffles)
 
@@ -208,13 +209,14 @@ def _finish(state: TrainState, grads, metrics: dict, *, tx, config: TrainConfig,
 
 def per_sample(batch: dict, fields: tuple[str, ...] = BATCH_FIELDS + GUIDANCE_FIELDS + NFT_FIELDS
                ) -> dict[str, np.ndarray]:
-    """The `fields` of `batch` that are set, as host arrays with a leading sample axis: the shared sigmas (N+1,)
-    and scalar noise_level are broadcast to every sample (B = len(advantages)); other keys are dropped."""
+    """The `fields` of `batch` that are set, as host arrays with a leading sample axis: the shared ones
+    (`SHARED_FIELDS`: sigmas (N+1,), scalar noise_level) are broadcast to every sample (B = len(advantages)), unless
+    they have one already; other keys are dropped."""
     out = {k: np.asarray(batch[k]) for k in dict.fromkeys(fields) if batch.get(k) is not None}
     b = len(out["advantages"])
-    out["sigmas"] = np.broadcast_to(out["sigmas"], (b, out["sigmas"].shape[-1]))
-    if "noise_level" in out:
-        out["noise_level"] = np.broadcast_to(out["noise_level"], (b,))
+    for k, ndim in SHARED_FIELDS.items():
+        if k in out and out[k].ndim == ndim:
+            out[k] = np.broadcast_to(out[k], (b, *out[k].shape))
     return out
 
 
