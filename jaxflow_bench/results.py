@@ -1,7 +1,7 @@
 """Benchmark result files: `{"name", "command", "device", "date", "figures"}` as NAME.json (BENCHMARKS.md's rule:
 every figure there is also written here; the files are copied into benchmarks/results/).
 
-    from results import write_result
+    from jaxflow_bench.results import write_result
     write_result(out_dir, "rollout_seed_table", {"omni_batched_img_s": 0.71}, extra={...})
 """
 from __future__ import annotations

@@ -21,8 +21,7 @@ done
 python3 - "$out" <<'PY'
 import json, sys
 from pathlib import Path
-sys.path.insert(0, "scripts")
-from results import write_result
+from jaxflow_bench.results import write_result
 out = Path(sys.argv[1])
 arms = {p.parent.name: json.loads(p.read_text()) for p in sorted(out.glob("*/e2e_alg_*.json"))}
 figures = {f"{arm}/{k}": v for arm, r in arms.items() for k, v in r["figures"].items()}

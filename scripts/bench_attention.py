@@ -20,7 +20,8 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemm_ceiling import REPEATS, best_seconds  # noqa: E402
-from results import write_result  # noqa: E402
+
+from jaxflow_bench.results import write_result  # noqa: E402
 
 SHAPE, TINY_SHAPE = (8, 1152, 24, 128), (2, 40, 2, 16)
 LOOP = 10

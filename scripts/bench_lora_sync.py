@@ -10,7 +10,7 @@ filled (`LoraApplier.apply`, the copy the diffusers engine makes; it waits for i
 (transpose + cast in one jit, torch views), then apply on the device. The engine side is the 720 target Linear
 layers alone (random bf16 base weights, no attention or norms: apply touches nothing else). Median of --iters
 after one warm-up each (compilation and PEFT injection excluded); both paths must leave the same adapter bytes.
-Writes DIR/lora_sync.json (`scripts/results.py`).
+Writes DIR/lora_sync.json (`jaxflow_bench/results.py`).
 """
 from __future__ import annotations
 
@@ -31,12 +31,12 @@ from flax import nnx  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_model import FULL, TINY  # noqa: E402
-from results import write_result  # noqa: E402
 
 from jaxflow.lora_sync import device_peft_tensors, device_target  # noqa: E402
 from jaxflow.models.config import ModelOptions, QwenImageConfig  # noqa: E402
 from jaxflow.models.lora import LoRAParam, LoRASpec, lora_to_peft, peft_stacks  # noqa: E402
 from jaxflow.models.transformer import QwenImageTransformer  # noqa: E402
+from jaxflow_bench.results import write_result  # noqa: E402
 from jaxflow_bridge.rollout.lora_apply import ADAPTER_NAME, LoraApplier  # noqa: E402
 
 

@@ -28,11 +28,11 @@ from flax import nnx  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gemm_ceiling  # noqa: E402
-from flops import DATASHEET_TFLOPS, qwen_flops  # noqa: E402
 
 from jaxflow.models.config import ModelOptions, QwenImageConfig  # noqa: E402
 from jaxflow.models.lora import LoRAParam, LoRASpec  # noqa: E402
 from jaxflow.models.transformer import QwenImageTransformer  # noqa: E402
+from jaxflow_bench.flops import DATASHEET_TFLOPS, qwen_flops  # noqa: E402
 
 FULL = dict(num_layers=60, attention_head_dim=128, num_attention_heads=24, joint_attention_dim=3584)
 TINY = dict(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,

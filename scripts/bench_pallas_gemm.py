@@ -23,7 +23,8 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemm_ceiling import LOOP, best_seconds, looped  # noqa: E402
-from results import write_result  # noqa: E402
+
+from jaxflow_bench.results import write_result  # noqa: E402
 
 SHAPES = ((9216, 3072, 12288), (9216, 12288, 3072), (9216, 3072, 3072))
 TINY_SHAPES = ((64, 32, 128),)

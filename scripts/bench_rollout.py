@@ -21,14 +21,12 @@ from pathlib import Path
 
 import torch
 
+from jaxflow_bench.flops import DATASHEET_TFLOPS, qwen_flops
+from jaxflow_bench.results import write_result
 from jaxflow_bridge.rollout.full_size import full_size_pipeline
 from jaxflow_bridge.rollout.pipeline import RolloutPipeline
 from jaxflow_bridge.rollout.sampling import SamplingParams
 from jaxflow_bridge.rollout.tiny import build_pipeline
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from flops import DATASHEET_TFLOPS, qwen_flops  # noqa: E402
-from results import write_result  # noqa: E402
 
 PROMPT = 'a wooden shop sign above a bakery door that reads "Fresh Bread Daily", warm morning light'
 
@@ -61,7 +59,7 @@ def collect(out: Path) -> None:
 
 
 def image_tflops(pipe, rollout: RolloutPipeline, args) -> float:
-    """Model TFLOP of one image's transformer calls (scripts/flops.py): every step runs the prompt's call and, with
+    """Model TFLOP of one image's transformer calls (jaxflow_bench/flops.py): every step runs the prompt's call and, with
     CFG, the negative prompt's; token counts from the pipeline's own text encoding. VAE and text encoder left out."""
     prompt, negative = (len(e) for e in rollout.encode([PROMPT, " "]))
     img = (args.size // (2 * 2 ** len(pipe.vae.config.temperal_downsample))) ** 2  # the VAE's factor, 2x2 patches

@@ -25,8 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import write_result  # noqa: E402
+from jaxflow_bench.results import write_result
 
 PROMPTS = ['a wooden shop sign above a bakery door that reads "Fresh Bread Daily"',
            'A vintage poster with the title "JAXFLOW" above a rocket']

@@ -22,11 +22,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from results import write_result  # noqa: E402
-
-from jaxflow_bridge.rollout.lora_linear import lora_linear  # noqa: E402
+from jaxflow_bench.results import write_result
+from jaxflow_bridge.rollout.lora_linear import lora_linear
 
 RANK, REPEATS = 64, 20
 FULL = dict(tokens=32768, hidden=3072, mlp=12288)

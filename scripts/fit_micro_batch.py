@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import sys
 import time
 from pathlib import Path
 
+from jaxflow_bench.results import write_result
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-from results import write_result  # noqa: E402
 
 
 def recipe(model: str, prompts: int):

@@ -20,8 +20,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import write_result  # noqa: E402
+from jaxflow_bench.results import write_result
 
 SHAPES = ((8192, 8192, 8192), (9216, 3072, 12288), (9216, 12288, 3072), (9216, 3072, 3072), (9216, 3072, 18432))
 TINY_SHAPES = ((64, 64, 64), (96, 32, 128))

@@ -25,8 +25,7 @@ run bf16_omni_cfg4_rope --engine vllm_omni --dtype bfloat16 --cfg 4 --lora-rank 
 python3 - "$out" <<'PY'
 import json, sys
 from pathlib import Path
-sys.path.insert(0, "scripts")
-from results import write_result
+from jaxflow_bench.results import write_result
 out = Path(sys.argv[1])
 def stat(name, key):
     path = out / f"{name}.json"

@@ -1,4 +1,4 @@
-"""Collect the mini OCR proof into OUT/mini_ocr.json (`results.write_result`) and OUT/reward_curve.png.
+"""Collect the mini OCR proof into OUT/mini_ocr.json (`jaxflow_bench.results.write_result`) and OUT/reward_curve.png.
 
     python scripts/mini_ocr_result.py --out OUT --rl-seconds S
 
@@ -14,13 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import write_result  # noqa: E402
+from jaxflow_bench.results import write_result
 
 COLOURS = {"rl": (200, 30, 30), "rl_control": (30, 30, 200)}
 

@@ -2,18 +2,16 @@
 
     python scripts/summarize_run.py RUN_DIR [--gpus N] [--result NAME --command CMD --out DIR]
 
-With --result, the medians are also written as DIR/NAME.json (scripts/results.py).
+With --result, the medians are also written as DIR/NAME.json (jaxflow_bench/results.py).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import write_result  # noqa: E402
+from jaxflow_bench.results import write_result
 
 
 def main(argv=None):

@@ -1,0 +1,5 @@
+"""The benchmarks' shared pieces; the command lines that use them are scripts/*.py (BENCHMARKS.md).
+
+Each module imports only what its concept needs, so a machine with one framework can run its benchmarks:
+`results` (result JSON files) and `flops` (the model FLOP count) import neither JAX nor torch.
+"""
