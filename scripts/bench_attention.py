@@ -12,16 +12,13 @@ once; the figure is the best of REPEATS calls after a warm-up, per attention. FL
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gemm_ceiling import REPEATS, best_seconds  # noqa: E402
-
-from jaxflow_bench.results import write_result  # noqa: E402
+from jaxflow_bench.results import write_result
+from jaxflow_bench.timing import REPEATS, best_seconds
 
 SHAPE, TINY_SHAPE = (8, 1152, 24, 128), (2, 40, 2, 16)
 LOOP = 10

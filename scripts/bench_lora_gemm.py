@@ -20,12 +20,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gemm_ceiling import LOOP, best_seconds, looped  # noqa: E402
-
-from jaxflow.models.lora_gemm import Tiling, lora_matmul, on_hopper  # noqa: E402
-from jaxflow_bench.results import write_result  # noqa: E402
+from jaxflow.models.lora_gemm import Tiling, lora_matmul, on_hopper
+from jaxflow_bench.results import write_result
+from jaxflow_bench.timing import LOOP, best_seconds, looped
 
 RANK = 64
 # image stream at B=8 (8 x 1024 tokens): projections, MLP in, MLP out; text stream (8 x 128 tokens): projections

@@ -17,8 +17,6 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -26,38 +24,15 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gemm_ceiling  # noqa: E402
-
 from jaxflow.models.config import ModelOptions, QwenImageConfig  # noqa: E402
 from jaxflow.models.lora import LoRAParam, LoRASpec  # noqa: E402
 from jaxflow.models.transformer import QwenImageTransformer  # noqa: E402
 from jaxflow_bench.flops import DATASHEET_TFLOPS, qwen_flops  # noqa: E402
+from jaxflow_bench.timing import jax_matmul_tflops, jax_peak_gib, median_ms, torch_matmul_tflops  # noqa: E402
 
 FULL = dict(num_layers=60, attention_head_dim=128, num_attention_heads=24, joint_attention_dim=3584)
 TINY = dict(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,
             axes_dims_rope=(8, 12, 12))
-
-
-def median_ms(fn, warmup: int, iters: int, sync) -> float:
-    for _ in range(warmup):
-        sync(fn())
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        sync(fn())
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
-
-
-def jax_matmul_tflops(n: int, iters: int) -> float:
-    """The bf16 n^3 GEMM ceiling, dispatch excluded (`gemm_ceiling.py`; best of `iters` loops of 20)."""
-    return gemm_ceiling.jax_tflops(n, n, n, repeats=iters)
-
-
-def jax_peak_gib() -> float:
-    stats = jax.local_devices()[0].memory_stats() or {}
-    return stats.get("peak_bytes_in_use", 0) / 2 ** 30
 
 
 def bench_jax(cfg, args, rows):
@@ -177,10 +152,6 @@ def bench_torch(cfg, args, rows):
     gc.collect()
     if dev == "cuda":
         torch.cuda.empty_cache()
-
-
-def torch_matmul_tflops(n: int, iters: int) -> float:
-    return gemm_ceiling.torch_tflops(n, n, n, repeats=iters) or 0.0
 
 
 def ints(s):

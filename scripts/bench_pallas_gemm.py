@@ -21,10 +21,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gemm_ceiling import LOOP, best_seconds, looped  # noqa: E402
-
-from jaxflow_bench.results import write_result  # noqa: E402
+from jaxflow_bench.results import write_result
+from jaxflow_bench.timing import LOOP, best_seconds, looped
 
 SHAPES = ((9216, 3072, 12288), (9216, 12288, 3072), (9216, 3072, 3072))
 TINY_SHAPES = ((64, 32, 128),)

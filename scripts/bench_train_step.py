@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_model import FULL, TINY, jax_matmul_tflops, median_ms, torch_matmul_tflops  # noqa: E402
+from bench_model import FULL, TINY  # noqa: E402
 
 from jaxflow.models.config import ModelOptions, QwenImageConfig  # noqa: E402
 from jaxflow.models.lora import LoRAParam, LoRASpec, lora_to_peft  # noqa: E402
@@ -39,6 +39,7 @@ from jaxflow.step_config import TrainConfig  # noqa: E402
 from jaxflow.train_step import make_train_step  # noqa: E402
 from jaxflow_bench.flops import DATASHEET_TFLOPS, qwen_flops  # noqa: E402
 from jaxflow_bench.results import write_result  # noqa: E402
+from jaxflow_bench.timing import jax_matmul_tflops, median_ms, torch_matmul_tflops  # noqa: E402
 from jaxflow_bridge.contract import schedule  # noqa: E402
 
 WINDOW = (3, 4)

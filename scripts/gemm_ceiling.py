@@ -14,71 +14,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-
 from jaxflow_bench.results import write_result
+from jaxflow_bench.timing import LOOP, jax_tflops, torch_tflops
 
 SHAPES = ((8192, 8192, 8192), (9216, 3072, 12288), (9216, 12288, 3072), (9216, 3072, 3072), (9216, 3072, 18432))
 TINY_SHAPES = ((64, 64, 64), (96, 32, 128))
-LOOP, REPEATS = 20, 5
-
-
-def best_seconds(f, *args, repeats: int = REPEATS) -> float:
-    """Best wall time of f(*args) over `repeats` calls after one warm-up (compilation) call."""
-    jax.block_until_ready(f(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
-def looped(fn):
-    """jit of a lax.scan applying fn(x, *rest) to each x of a stacked first argument."""
-    return jax.jit(lambda a, *rest: jax.lax.scan(lambda s, x: (s, fn(x, *rest)), 0, a)[1])
-
-
-def jax_tflops(m: int, k: int, n: int, loop: int = LOOP, repeats: int = REPEATS, unrolled: bool = False) -> float:
-    """`unrolled`: the LOOP matmuls written out in one jit on LOOP separate operands (no while loop, no slicing);
-    otherwise a lax.scan over one stacked operand."""
-    a = jax.random.normal(jax.random.key(0), (loop, m, k), jnp.bfloat16)
-    b = jax.random.normal(jax.random.key(1), (k, n), jnp.bfloat16)
-    if unrolled:
-        a = [a[i] for i in range(loop)]
-        f = jax.jit(lambda a, b: [x @ b for x in a])
-    else:
-        f = looped(lambda x, b: x @ b)
-    return 2 * m * k * n * loop / best_seconds(f, a, b, repeats=repeats) / 1e12
-
-
-def torch_tflops(m: int, k: int, n: int, loop: int = LOOP, repeats: int = REPEATS) -> float | None:
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    a = torch.randn(loop, m, k, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty(loop, m, n, device="cuda", dtype=torch.bfloat16)
-
-    def run():
-        for i in range(loop):
-            torch.matmul(a[i], b, out=out[i])
-
-    run()
-    best = float("inf")
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
-    return 2 * m * k * n * loop / best / 1e12
 
 
 def ceiling(shapes=SHAPES, loop: int = LOOP) -> dict:
