@@ -20,7 +20,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch allocat
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -29,14 +28,12 @@ import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
 from flax import nnx  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_model import FULL, TINY  # noqa: E402
-
 from jaxflow.lora_sync import device_peft_tensors, device_target  # noqa: E402
 from jaxflow.models.config import ModelOptions, QwenImageConfig  # noqa: E402
 from jaxflow.models.lora import LoRAParam, LoRASpec, lora_to_peft, peft_stacks  # noqa: E402
 from jaxflow.models.transformer import QwenImageTransformer  # noqa: E402
 from jaxflow_bench.results import write_result  # noqa: E402
+from jaxflow_bench.workload import FULL, TINY  # noqa: E402
 from jaxflow_bridge.rollout.lora_apply import ADAPTER_NAME, LoraApplier  # noqa: E402
 
 

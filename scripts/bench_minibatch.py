@@ -25,19 +25,15 @@ import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_model import FULL, TINY  # noqa: E402
-from bench_train_step import WINDOW, add_workload_args, random_model, synthetic_batch  # noqa: E402
 
 from jaxflow import phases  # noqa: E402
 from jaxflow.models.config import QwenImageConfig  # noqa: E402
 from jaxflow.step_config import TrainConfig  # noqa: E402
 from jaxflow.train_step import make_train_step  # noqa: E402
 from jaxflow_bench.timing import jax_peak_gib  # noqa: E402
+from jaxflow_bench.workload import FULL, TINY, WINDOW, add_workload_args, random_model, synthetic_batch  # noqa: E402
 
 
 def measure(model, args, batch, m: int) -> dict:

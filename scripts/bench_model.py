@@ -29,10 +29,7 @@ from jaxflow.models.lora import LoRAParam, LoRASpec  # noqa: E402
 from jaxflow.models.transformer import QwenImageTransformer  # noqa: E402
 from jaxflow_bench.flops import DATASHEET_TFLOPS, qwen_flops  # noqa: E402
 from jaxflow_bench.timing import jax_matmul_tflops, jax_peak_gib, median_ms, torch_matmul_tflops  # noqa: E402
-
-FULL = dict(num_layers=60, attention_head_dim=128, num_attention_heads=24, joint_attention_dim=3584)
-TINY = dict(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,
-            axes_dims_rope=(8, 12, 12))
+from jaxflow_bench.workload import FULL, TINY  # noqa: E402
 
 
 def bench_jax(cfg, args, rows):

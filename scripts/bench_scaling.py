@@ -14,19 +14,22 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_model import FULL, TINY  # noqa: E402
-from bench_train_step import WINDOW, add_workload_args, random_model, synthetic_batch, time_steps  # noqa: E402
 
 from jaxflow.models.config import QwenImageConfig  # noqa: E402
 from jaxflow.sharding import DEFAULT_RULES, FSDP_RULES, Layout, ShardingConfig  # noqa: E402
 from jaxflow.step_config import TrainConfig  # noqa: E402
 from jaxflow.train_step import make_train_step  # noqa: E402
+from jaxflow_bench.workload import (  # noqa: E402
+    FULL,
+    TINY,
+    WINDOW,
+    add_workload_args,
+    random_model,
+    synthetic_batch,
+    time_steps,
+)
 
 
 def run(model, cfg, args, layout: Layout, n_dev: int) -> float:

@@ -21,16 +21,11 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_model import FULL, TINY  # noqa: E402
 
 from jaxflow.models.config import ModelOptions, QwenImageConfig  # noqa: E402
 from jaxflow.models.lora import LoRAParam, LoRASpec, lora_to_peft  # noqa: E402
@@ -40,49 +35,15 @@ from jaxflow.train_step import make_train_step  # noqa: E402
 from jaxflow_bench.flops import DATASHEET_TFLOPS, qwen_flops  # noqa: E402
 from jaxflow_bench.results import write_result  # noqa: E402
 from jaxflow_bench.timing import jax_matmul_tflops, median_ms, torch_matmul_tflops  # noqa: E402
-from jaxflow_bridge.contract import schedule  # noqa: E402
-
-WINDOW = (3, 4)
-
-
-def synthetic_batch(cfg: QwenImageConfig, args) -> dict:
-    """A Trajectory-shaped batch with the real 10-step schedule; latents are random (timing only)."""
-    rng = np.random.default_rng(0)
-    b, s, w = args.batch, args.grid ** 2, len(WINDOW)
-    sigmas = schedule.sigma_schedule(schedule.QWEN_IMAGE_SCHEDULER_CONFIG, 10, s)
-    neg = np.zeros((b, args.neg_txt), bool)
-    neg[:, :5] = True
-    return {
-        "latents": rng.standard_normal((b, w + 1, s, cfg.in_channels), np.float32),
-        "log_probs": np.full((b, w), -1.0, np.float32), "sigmas": sigmas,
-        "step_index": np.tile(np.asarray(WINDOW, np.int32), (b, 1)), "noise_level": np.float32(1.2),
-        "prompt_embeds": rng.standard_normal((b, args.txt, cfg.joint_attention_dim), np.float32),
-        "prompt_mask": np.ones((b, args.txt), bool),
-        "negative_prompt_embeds": rng.standard_normal((b, args.neg_txt, cfg.joint_attention_dim), np.float32),
-        "negative_prompt_mask": neg, "advantages": rng.standard_normal(b).astype(np.float32),
-    }
-
-
-def add_workload_args(p: argparse.ArgumentParser) -> None:
-    """The workload flags shared with scripts/bench_scaling.py."""
-    p.add_argument("--out", type=Path, default=Path("bench_out"))
-    p.add_argument("--tiny", action="store_true")
-    p.add_argument("--grid", type=int, default=32)
-    p.add_argument("--txt", type=int, default=128)
-    p.add_argument("--neg-txt", type=int, default=8)
-    p.add_argument("--rank", type=int, default=64)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--layers", type=int, help="blocks of the full model (default 60): fewer for quick diagnostics")
-
-
-def time_steps(step, state, batch, args) -> tuple[float, object]:
-    """Median ms of `state, metrics = step(state, batch)` (state donated each call) and the last state."""
-    holder = {"s": state}
-
-    def one():
-        holder["s"], metrics = step(holder["s"], batch)
-        return metrics
-    return median_ms(one, args.warmup, args.iters, jax.block_until_ready), holder["s"]
+from jaxflow_bench.workload import (  # noqa: E402
+    FULL,
+    TINY,
+    WINDOW,
+    add_workload_args,
+    random_model,
+    synthetic_batch,
+    time_steps,
+)
 
 
 def flops_per_sample_step(cfg, args) -> float:
@@ -99,15 +60,6 @@ def row(framework, name, ms, cfg, args, ceiling, peak, extra=None):
             "model_tflops": round(tflops, 1), "mfu_989": round(tflops / DATASHEET_TFLOPS, 4),
             "mfu_ceiling": round(tflops / ceiling, 4) if ceiling else None, "peak_gib": round(peak, 1),
             **(extra or {})}
-
-
-def random_model(cfg, rank: int, remat: str = "save_matmuls", attention: str = "auto"):
-    """(model, spec): the bf16 transformer with LoRA r=rank (alpha 2r), random weights drawn on the device."""
-    spec = LoRASpec(rank=rank, alpha=2.0 * rank)
-    opts = ModelOptions(dtype="bfloat16", param_dtype="bfloat16", remat=remat, attention=attention)
-    abstract = nnx.eval_shape(lambda: QwenImageTransformer(cfg, opts, spec, rngs=nnx.Rngs(0)))
-    state = jax.jit(lambda: nnx.state(QwenImageTransformer(cfg, opts, spec, rngs=nnx.Rngs(0))))()
-    return nnx.merge(nnx.graphdef(abstract), state), spec
 
 
 def parse_variant(text: str) -> tuple[str, dict, dict]:

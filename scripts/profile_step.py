@@ -179,8 +179,6 @@ def profile_train_step(out: Path, batch: int, micro: int, hlo: Path | None = Non
     import dataclasses
 
     import jax
-    from bench_model import FULL
-    from bench_train_step import synthetic_batch
 
     from jaxflow import config as config_lib
     from jaxflow.models.config import QwenImageConfig
@@ -190,6 +188,7 @@ def profile_train_step(out: Path, batch: int, micro: int, hlo: Path | None = Non
     from jaxflow.recipes import base
     from jaxflow.step_config import TrainConfig
     from jaxflow.train_step import make_train_step
+    from jaxflow_bench.workload import FULL, synthetic_batch
 
     cfg = QwenImageConfig(**FULL)
     if layers:

@@ -1,0 +1,72 @@
+"""The train-step benchmarks' workload: Qwen-Image's sizes (`FULL`, `TINY` for CPU code-path checks), the SDE window,
+a Trajectory-shaped synthetic batch, the random-weight LoRA'd transformer, the shared command-line flags and the
+step timer (scripts/bench_train_step.py, bench_minibatch.py, bench_scaling.py, profile_step.py). JAX side.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxflow.models.config import ModelOptions, QwenImageConfig
+from jaxflow.models.lora import LoRASpec
+from jaxflow.models.transformer import QwenImageTransformer
+from jaxflow_bench.timing import median_ms
+from jaxflow_bridge.contract import schedule
+
+FULL = dict(num_layers=60, attention_head_dim=128, num_attention_heads=24, joint_attention_dim=3584)
+TINY = dict(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,
+            axes_dims_rope=(8, 12, 12))
+WINDOW = (3, 4)
+
+
+def synthetic_batch(cfg: QwenImageConfig, args) -> dict:
+    """A Trajectory-shaped batch with the real 10-step schedule; latents are random (timing only)."""
+    rng = np.random.default_rng(0)
+    b, s, w = args.batch, args.grid ** 2, len(WINDOW)
+    sigmas = schedule.sigma_schedule(schedule.QWEN_IMAGE_SCHEDULER_CONFIG, 10, s)
+    neg = np.zeros((b, args.neg_txt), bool)
+    neg[:, :5] = True
+    return {
+        "latents": rng.standard_normal((b, w + 1, s, cfg.in_channels), np.float32),
+        "log_probs": np.full((b, w), -1.0, np.float32), "sigmas": sigmas,
+        "step_index": np.tile(np.asarray(WINDOW, np.int32), (b, 1)), "noise_level": np.float32(1.2),
+        "prompt_embeds": rng.standard_normal((b, args.txt, cfg.joint_attention_dim), np.float32),
+        "prompt_mask": np.ones((b, args.txt), bool),
+        "negative_prompt_embeds": rng.standard_normal((b, args.neg_txt, cfg.joint_attention_dim), np.float32),
+        "negative_prompt_mask": neg, "advantages": rng.standard_normal(b).astype(np.float32),
+    }
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload flags of scripts/bench_train_step.py, shared with bench_minibatch.py and bench_scaling.py."""
+    p.add_argument("--out", type=Path, default=Path("bench_out"))
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--grid", type=int, default=32)
+    p.add_argument("--txt", type=int, default=128)
+    p.add_argument("--neg-txt", type=int, default=8)
+    p.add_argument("--rank", type=int, default=64)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--layers", type=int, help="blocks of the full model (default 60): fewer for quick diagnostics")
+
+
+def time_steps(step, state, batch, args) -> tuple[float, object]:
+    """Median ms of `state, metrics = step(state, batch)` (state donated each call) and the last state."""
+    holder = {"s": state}
+
+    def one():
+        holder["s"], metrics = step(holder["s"], batch)
+        return metrics
+    return median_ms(one, args.warmup, args.iters, jax.block_until_ready), holder["s"]
+
+
+def random_model(cfg, rank: int, remat: str = "save_matmuls", attention: str = "auto"):
+    """(model, spec): the bf16 transformer with LoRA r=rank (alpha 2r), random weights drawn on the device."""
+    spec = LoRASpec(rank=rank, alpha=2.0 * rank)
+    opts = ModelOptions(dtype="bfloat16", param_dtype="bfloat16", remat=remat, attention=attention)
+    abstract = nnx.eval_shape(lambda: QwenImageTransformer(cfg, opts, spec, rngs=nnx.Rngs(0)))
+    state = jax.jit(lambda: nnx.state(QwenImageTransformer(cfg, opts, spec, rngs=nnx.Rngs(0))))()
+    return nnx.merge(nnx.graphdef(abstract), state), spec
