@@ -25,11 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from profile_step import breakdown, gpu_kernels  # noqa: E402
-
-from jaxflow_bench.results import write_result  # noqa: E402
-from jaxflow_bench.rollout import PROMPTS, TARGETS, TRAIN_SETTINGS, random_adapter  # noqa: E402
+from jaxflow_bench.kernels import breakdown, gpu_kernels
+from jaxflow_bench.results import write_result
+from jaxflow_bench.rollout import PROMPTS, TARGETS, TRAIN_SETTINGS, random_adapter
 
 TRACED_REQUEST = 7  # 2 prompts a call: base warm-up, base timed, LoRA warm-up, then the timed LoRA'd call
 

@@ -10,6 +10,7 @@ from flax import nnx
 from jaxflow.models.config import ModelOptions, QwenImageConfig
 from jaxflow.models.transformer import QwenImageTransformer
 from jaxflow.profiling import StepProfiler
+from jaxflow_bench.kernels import scope_of, with_hlo_dump
 
 TINY = QwenImageConfig(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,
                        axes_dims_rope=(8, 12, 12))
@@ -56,18 +57,7 @@ def test_profile_config_is_validated(tmp_path):
         config_lib.validate(cfg)
 
 
-def _profile_step():
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "scripts" / "profile_step.py"
-    spec = importlib.util.spec_from_file_location("profile_step", path)
-    profile_step = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(profile_step)
-    return profile_step
-
-
 def test_the_train_step_profile_dumps_the_hlo_that_names_its_scopes(tmp_path):
-    with_hlo_dump = _profile_step().with_hlo_dump
     flags = with_hlo_dump("--xla_gpu_enable_command_buffer=", tmp_path / "hlo")
     assert flags.startswith("--xla_gpu_enable_command_buffer= ") and f"--xla_dump_to={tmp_path / 'hlo'}" in flags
     assert "--xla_dump_hlo_as_text" in flags
@@ -75,12 +65,11 @@ def test_the_train_step_profile_dumps_the_hlo_that_names_its_scopes(tmp_path):
 
 
 def test_kernels_are_put_in_their_block_scope_looped_or_unrolled():
-    profile_step = _profile_step()
     names = {"a": "jit(_update)/while/body/eval_jaxpr/checkpoint/attention/dot_general",
              "b": "jit(_update)/while/body/eval_jaxpr/jvp(mlp)/dot_general",
              "c": "jit(_update)/while/body/transpose(jvp(modulation))/mul",
              "d": "jit(_update)/while/body/jit(dynamic_index_in_dim)/dynamic_slice",
              "e": "jit(_update)/while/body/mlp_gate/add"}
-    got = {k: profile_step.scope_of({"hlo_op": k}, names) for k in names}
+    got = {k: scope_of({"hlo_op": k}, names) for k in names}
     assert got == {"a": "attention", "b": "mlp", "c": "modulation", "d": "outside the scopes",
                    "e": "outside the scopes"}
