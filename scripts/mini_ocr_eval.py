@@ -10,20 +10,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from jaxflow.data import load_prompts  # noqa: E402
-from jaxflow.metrics_log import image_grid  # noqa: E402
-from jaxflow_bridge.contract.lora import read_peft  # noqa: E402
-from jaxflow_bridge.rewards.ocr import OcrReward  # noqa: E402
-from jaxflow_bridge.rollout.pipeline import RolloutPipeline  # noqa: E402
-from jaxflow_bridge.rollout.sampling import SamplingParams  # noqa: E402
+from jaxflow.data import load_prompts
+from jaxflow.metrics_log import image_grid
+from jaxflow_bridge.contract.lora import read_peft
+from jaxflow_bridge.rewards.ocr import OcrReward
+from jaxflow_bridge.rollout.pipeline import RolloutPipeline
+from jaxflow_bridge.rollout.sampling import SamplingParams
 
 
 def evaluate(pipeline: Path, prompts: list[str], lora: Path | None = None, steps: int = 10, guidance: float = 4.0,

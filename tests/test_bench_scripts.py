@@ -1,5 +1,8 @@
-"""Benchmark scripts' code paths at toy size on the CPU (their figures come from GPU runs, BENCHMARKS.md)."""
+"""Benchmark scripts' code paths at toy size on the CPU (their figures come from GPU runs, BENCHMARKS.md), and the
+scripts' layout: command lines over the jaxflow_bench package, none importing another."""
+import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -7,6 +10,39 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+IMPORT = re.compile(r"^\s*(?:from\s+([\w.]+)\s+import\b|import\s+([\w.]+))", re.M)
+
+
+def script_imports(text: str, scripts: set[str]) -> set[str]:
+    """The modules of scripts/ that `text` (a script, or a shell script's inline Python) imports."""
+    return {m.split(".")[0] for pair in IMPORT.findall(text) for m in pair if m} & scripts
+
+
+def test_scripts_import_the_package_not_each_other_and_touch_no_sys_path():
+    scripts = {p.stem for p in (ROOT / "scripts").glob("*.py")}
+    assert script_imports("import os\n    from bench_model import FULL\nimport gemm_ceiling\n", scripts) == {
+        "bench_model", "gemm_ceiling"}  # the checker sees an import
+    bad = [f"{p.name}: {why}" for p in sorted((ROOT / "scripts").iterdir()) if p.suffix in (".py", ".sh")
+           for why in (["sys.path"] if re.search(r"sys\.path\.(insert|append)", p.read_text()) else [])
+           + sorted(script_imports(p.read_text(), scripts))]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_result_files_module_imports_neither_framework():
+    """A machine with one framework writes result files: jaxflow_bench.results (and flops, rollout, kernels) import
+    neither JAX nor torch."""
+    code = ("import sys; import jaxflow_bench.results, jaxflow_bench.flops, jaxflow_bench.rollout, "
+            "jaxflow_bench.kernels; print(sorted({m.split('.')[0] for m in sys.modules} & {'jax', 'flax', 'torch'}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    assert out.strip() == "[]"
+
+
+def load_script(name: str):
+    """scripts/NAME.py as a module (scripts are command lines, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_attention_bench_writes_its_result_file(tmp_path):
@@ -37,9 +73,7 @@ def test_lora_gemm_bench_writes_its_result_file(tmp_path):
 
 
 def test_mini_ocr_breakdown_counts_prompts_by_score_and_change():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from mini_ocr_result import breakdown
-
+    breakdown = load_script("mini_ocr_result").breakdown
     before, after = [0.0, 0.0, 0.5, 1.0, 0.75], [0.0, 0.25, 1.0, 0.75, 0.75]
     assert breakdown(before, after) == dict(before=dict(zero=2, partial=2, perfect=1),
                                             after=dict(zero=1, partial=3, perfect=1), rose=2, fell=1, same=2)

@@ -1,5 +1,5 @@
-"""The layout's dependency rules, read from the imports: the contract imports neither framework nor either side, and
-nothing in jaxflow_bridge/ imports JAX or the trainer."""
+"""The layout's dependency rules, read from the imports: the contract imports neither framework nor either side,
+nothing in jaxflow_bridge/ imports JAX or the trainer, and neither side imports the benchmarks (jaxflow_bench/)."""
 import ast
 from pathlib import Path
 
@@ -25,6 +25,13 @@ def test_contract_imports_no_framework_and_neither_side(path):
 def test_bridge_imports_no_jax_and_no_trainer(path):
     """One rule for all of jaxflow_bridge/ (rollout, rewards, mini_ocr, contract): the trainer imports it, never the reverse."""
     bad = {m for m in imported_modules(path) if m.split(".")[0] in {"jax", "flax", "optax", "jaxflow"}}
+    assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("path", sorted(p for d in ("jaxflow", "jaxflow_bridge") for p in (ROOT / d).rglob("*.py")),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_neither_side_imports_the_benchmarks(path):
+    bad = {m for m in imported_modules(path) if m.split(".")[0] == "jaxflow_bench"}
     assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 
 

@@ -1,6 +1,7 @@
 """Reward models (jaxflow_bridge/rewards/) on tiny random models saved in the layout of the real checkpoints (CLIPModel
 folders with the processor's files, the aesthetic predictor's state dict, HPS v2.1's open_clip checkpoint,
 ImageReward.pt with its med_config.json and BERT vocabulary), loaded through the registry as a run builds them."""
+import importlib.util
 import json
 import subprocess
 import sys
@@ -19,10 +20,10 @@ PROMPTS = ["a red fox", "a sign that says hello", "two cats", "a blue car", "the
 def clip_dir(tmp_path_factory):
     """A tiny random CLIPModel with its processor's files, as scripts/make_random_pickscore.py --tiny writes it (the
     PickScore_v1 layout; a byte-level tokenizer, bos 512 and eos 513)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from make_random_pickscore import write
-
-    return write(tmp_path_factory.mktemp("clip"), tiny=True)
+    spec = importlib.util.spec_from_file_location("script", ROOT / "scripts" / "make_random_pickscore.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script.write(tmp_path_factory.mktemp("clip"), tiny=True)
 
 
 @pytest.fixture(scope="module")
