@@ -1,19 +1,24 @@
 """The train-step benchmarks' workload: Qwen-Image's sizes (`FULL`, `TINY` for CPU code-path checks), the SDE window,
-a Trajectory-shaped synthetic batch, the random-weight LoRA'd transformer, the shared command-line flags and the
-step timer (scripts/bench_train_step.py, bench_minibatch.py, bench_scaling.py, profile_step.py). JAX side.
+a Trajectory-shaped synthetic batch, the random-weight LoRA'd transformer, the recipe's train-step config, the shared
+command-line flags and the step timer (scripts/bench_train_step.py, bench_minibatch.py, bench_scaling.py,
+profile_step.py). JAX side.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import jax
 import numpy as np
 from flax import nnx
 
+from jaxflow import config as config_lib
 from jaxflow.models.config import ModelOptions, QwenImageConfig
 from jaxflow.models.lora import LoRASpec
 from jaxflow.models.transformer import QwenImageTransformer
+from jaxflow.recipes import base
+from jaxflow.step_config import TrainConfig
 from jaxflow_bench.timing import median_ms
 from jaxflow_bridge.contract import schedule
 
@@ -21,6 +26,15 @@ FULL = dict(num_layers=60, attention_head_dim=128, num_attention_heads=24, joint
 TINY = dict(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,
             axes_dims_rope=(8, 12, 12))
 WINDOW = (3, 4)
+# One optimizer update a step on the rollout's log-probs: the train step without the recipe's old-log-prob pass and
+# second mini-batch (scripts/bench_minibatch.py times those).
+ONE_UPDATE = dict(num_mini_batches=1, old_log_prob="rollout")
+
+
+def recipe_train_config(grid_hw, **changes) -> TrainConfig:
+    """The train step's config as the recipe ships it (`jaxflow.recipes.base()` through `jaxflow.config.train_config`,
+    as the trainer builds it) with a benchmark's own `changes` (micro-batches, mini-batches, ...)."""
+    return dataclasses.replace(config_lib.train_config(base(), grid_hw), **changes)
 
 
 def synthetic_batch(cfg: QwenImageConfig, args) -> dict:

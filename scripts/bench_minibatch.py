@@ -30,16 +30,23 @@ import jax  # noqa: E402
 
 from jaxflow import phases  # noqa: E402
 from jaxflow.models.config import QwenImageConfig  # noqa: E402
-from jaxflow.step_config import TrainConfig  # noqa: E402
 from jaxflow.train_step import make_train_step  # noqa: E402
 from jaxflow_bench.timing import jax_peak_gib  # noqa: E402
-from jaxflow_bench.workload import FULL, TINY, WINDOW, add_workload_args, random_model, synthetic_batch  # noqa: E402
+from jaxflow_bench.workload import (  # noqa: E402
+    FULL,
+    TINY,
+    WINDOW,
+    add_workload_args,
+    random_model,
+    recipe_train_config,
+    synthetic_batch,
+)
 
 
 def measure(model, args, batch, m: int) -> dict:
     """Figures of one M: ms per sample-step of the pass (None when skipped) and of the updates, compile s."""
-    tc = TrainConfig(grid_hw=(args.grid, args.grid), guidance=4.0, num_mini_batches=m, old_log_prob="recompute",
-                     num_micro_batches=args.batch // (m * args.micro_samples))
+    tc = recipe_train_config((args.grid, args.grid), num_mini_batches=m, old_log_prob="recompute",
+                             num_micro_batches=args.batch // (m * args.micro_samples))
     init_state, step = make_train_step(model, tc)
     state, t = init_state(), time.perf_counter()
     state, metrics = step(state, batch)
@@ -84,13 +91,14 @@ def main(argv=None):
     for r in rows:
         print(json.dumps(r), flush=True)
     m1, m2 = rows
+    guidance = recipe_train_config((args.grid, args.grid)).guidance  # the recipe's CFG scale, as the steps ran it
     figures = {"M1": m1, "M2": m2, "peak_gib": round(jax_peak_gib(), 1),
                "old_log_prob_over_update_M2": round(m2["old_log_prob_ms_per_sample_step"]
                                                     / m2["update_ms_per_sample_step"], 3),
                "step_M2_over_M1": round(m2["step_ms_per_sample_step"] / m1["step_ms_per_sample_step"], 3),
                "workload": {"batch": args.batch, "micro_samples": args.micro_samples, "image_tokens": args.grid ** 2,
                             "text_tokens": args.txt, "negative_tokens": args.neg_txt, "lora_rank": args.rank,
-                            "window": len(WINDOW), "guidance": 4.0, "model": "tiny" if args.tiny else "full"}}
+                            "window": len(WINDOW), "guidance": guidance, "model": "tiny" if args.tiny else "full"}}
     devices = jax.devices()
     result = {"name": "train_step_minibatch", "command": " ".join(["python", *sys.argv]),
               "device": f"{len(devices)} x {devices[0].device_kind}", "date": datetime.date.today().isoformat(),

@@ -19,14 +19,15 @@ import jax  # noqa: E402
 
 from jaxflow.models.config import QwenImageConfig  # noqa: E402
 from jaxflow.sharding import DEFAULT_RULES, FSDP_RULES, Layout, ShardingConfig  # noqa: E402
-from jaxflow.step_config import TrainConfig  # noqa: E402
 from jaxflow.train_step import make_train_step  # noqa: E402
 from jaxflow_bench.workload import (  # noqa: E402
     FULL,
+    ONE_UPDATE,
     TINY,
     WINDOW,
     add_workload_args,
     random_model,
+    recipe_train_config,
     synthetic_batch,
     time_steps,
 )
@@ -35,7 +36,7 @@ from jaxflow_bench.workload import (  # noqa: E402
 def run(model, cfg, args, layout: Layout, n_dev: int) -> float:
     args.batch = args.per_gpu * n_dev
     batch = synthetic_batch(cfg, args)
-    tc = TrainConfig(grid_hw=(args.grid, args.grid), guidance=4.0, num_micro_batches=args.micro)
+    tc = recipe_train_config((args.grid, args.grid), num_micro_batches=args.micro, **ONE_UPDATE)
     init_state, step = make_train_step(model, tc, layout)
     return time_steps(step, init_state(), batch, args)[0]
 

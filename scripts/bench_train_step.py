@@ -30,17 +30,18 @@ from flax import nnx  # noqa: E402
 from jaxflow.models.config import ModelOptions, QwenImageConfig  # noqa: E402
 from jaxflow.models.lora import LoRAParam, LoRASpec, lora_to_peft  # noqa: E402
 from jaxflow.models.transformer import QwenImageTransformer  # noqa: E402
-from jaxflow.step_config import TrainConfig  # noqa: E402
 from jaxflow.train_step import make_train_step  # noqa: E402
 from jaxflow_bench.flops import DATASHEET_TFLOPS, qwen_flops  # noqa: E402
 from jaxflow_bench.results import write_result  # noqa: E402
 from jaxflow_bench.timing import jax_matmul_tflops, median_ms, torch_matmul_tflops  # noqa: E402
 from jaxflow_bench.workload import (  # noqa: E402
     FULL,
+    ONE_UPDATE,
     TINY,
     WINDOW,
     add_workload_args,
     random_model,
+    recipe_train_config,
     synthetic_batch,
     time_steps,
 )
@@ -90,7 +91,7 @@ def bench_jax(model, cfg, args, batch, ceiling, variant):
     model.opts = dataclasses.replace(base_opts := model.opts, **changes)
     if model.unrolled and not stacked:
         model.unstack_blocks()
-    tc = TrainConfig(grid_hw=(args.grid, args.grid), guidance=4.0, num_micro_batches=micro)
+    tc = recipe_train_config((args.grid, args.grid), num_micro_batches=micro, **ONE_UPDATE)
     init_state, step = make_train_step(model, tc, compiler_options=xla)
     train_state = init_state()
     t = time.perf_counter()
@@ -121,7 +122,8 @@ def lora_export(train_state, spec) -> dict:
             "bytes": int(sum(v.nbytes for v in tensors.values())), "export_ms": round(export_ms, 1)}
 
 
-def bench_torch(cfg, args, batch, ceiling, shapes):
+def bench_torch(cfg, args, batch, ceiling, shapes, tc):
+    """The JAX step's work in torch (diffusers + PEFT): `tc`'s CFG scale, SDE, clipped loss, AdamW and grad clip."""
     import torch
     from diffusers import QwenImageTransformer2DModel
     from peft import LoraConfig, set_peft_model_state_dict
@@ -140,7 +142,8 @@ def bench_torch(cfg, args, batch, ceiling, shapes):
         p.requires_grad_("lora_" in n)
     model.enable_gradient_checkpointing()
     model.train()
-    opt = torch.optim.AdamW(lora_params, lr=3e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-4)
+    opt = torch.optim.AdamW(lora_params, lr=tc.learning_rate, betas=(tc.adam_b1, tc.adam_b2), eps=tc.adam_eps,
+                            weight_decay=tc.weight_decay)
     t = {k: torch.from_numpy(np.ascontiguousarray(v)).to(dev) for k, v in batch.items() if k != "sigmas"}
     sigmas = torch.from_numpy(batch["sigmas"]).to(dev)
     b, m = args.batch, args.micro
@@ -166,15 +169,16 @@ def bench_torch(cfg, args, batch, ceiling, shapes):
                           encoder_hidden_states=txt, encoder_hidden_states_mask=mask, img_shapes=grid,
                           return_dict=False)[0].float()
                 vp, vn = v.chunk(2)
-                comb = vn + 4.0 * (vp - vn)
+                comb = vn + tc.guidance * (vp - vn)
                 v = comb * (vp.norm(dim=-1, keepdim=True) / comb.norm(dim=-1, keepdim=True))
-                _, logp, _, _ = tsde.sde_step(x, v, sig, sigmas[idx + 1].expand_as(sig), sigmas[1], sde_type="sde",
-                                              noise_level=1.2, prev_sample=t["latents"][rows, w + 1])
+                _, logp, _, _ = tsde.sde_step(x, v, sig, sigmas[idx + 1].expand_as(sig), sigmas[1],
+                                              sde_type=tc.sde_type, noise_level=1.2,
+                                              prev_sample=t["latents"][rows, w + 1])
                 ratio = torch.exp(logp - t["log_probs"][rows, w])
-                adv = t["advantages"][rows].clamp(-5, 5)
-                loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - 1e-4, 1 + 1e-4)).mean()
+                adv = t["advantages"][rows].clamp(-tc.adv_clip, tc.adv_clip)
+                loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - tc.clip_range, 1 + tc.clip_range)).mean()
                 (loss / (m * len(WINDOW))).backward()
-        torch.nn.utils.clip_grad_norm_(lora_params, 1.0)
+        torch.nn.utils.clip_grad_norm_(lora_params, tc.max_grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
@@ -238,8 +242,9 @@ def main(argv=None):
     abstract = nnx.eval_shape(lambda: QwenImageTransformer(cfg, ModelOptions(), spec, rngs=nnx.Rngs(0)))
     shapes = _peft_shapes(abstract, spec)
     rows, trow, apply_ms = [], None, None
+    tc = recipe_train_config((args.grid, args.grid), num_micro_batches=args.micro, **ONE_UPDATE)
     if not args.no_torch:  # torch first: JAX's allocator keeps what it has taken, so torch could not fit after it
-        trow, apply_ms = bench_torch(cfg, args, batch, ceiling["torch"], shapes)
+        trow, apply_ms = bench_torch(cfg, args, batch, ceiling["torch"], shapes, tc)
         print(json.dumps(trow), flush=True)
         rows.append(trow)
     model, spec = random_model(cfg, args.rank, args.remat, args.attention)
@@ -265,8 +270,8 @@ def main(argv=None):
                "jax_gemm_ceiling_8192": round(ceiling["jax"], 1), "torch_gemm_ceiling_8192": round(ceiling["torch"], 1)}
     write_result(args.out, "train_step", figures, extra={"rows": rows, "workload": {
         "batch": args.batch, "micro_batches": args.micro, "image_tokens": args.grid ** 2, "text_tokens": args.txt,
-        "lora_rank": args.rank, "window": len(WINDOW), "guidance": 4.0, "model": "tiny" if args.tiny else "full",
-        "layers": cfg.num_layers}})
+        "lora_rank": args.rank, "window": len(WINDOW), "guidance": tc.guidance,
+        "model": "tiny" if args.tiny else "full", "layers": cfg.num_layers}})
     print(f"\n{'framework':9s} {'case':58s} {'ms/step':>8s} {'ms/s-step':>9s} {'TFLOP/s':>8s} {'MFU989':>7s} "
           f"{'peakGiB':>7s} {'compile':>7s}")
     for r in rows:

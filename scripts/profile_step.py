@@ -79,9 +79,8 @@ def profile_train_step(out: Path, batch: int, micro: int, hlo: Path | None = Non
     from jaxflow.models.lora_gemm import on_hopper
     from jaxflow.models.random_init import random_transformer
     from jaxflow.recipes import base
-    from jaxflow.step_config import TrainConfig
     from jaxflow.train_step import make_train_step
-    from jaxflow_bench.workload import FULL, synthetic_batch
+    from jaxflow_bench.workload import FULL, ONE_UPDATE, recipe_train_config, synthetic_batch
 
     cfg = QwenImageConfig(**FULL)
     if layers:
@@ -97,7 +96,7 @@ def profile_train_step(out: Path, batch: int, micro: int, hlo: Path | None = Non
     model = random_transformer(cfg, opts, LoRASpec(rank=64, alpha=128.0), seed=0)
     if model.unrolled:  # as the trainer holds them (jaxflow/learner.py)
         model.unstack_blocks()
-    init_state, step = make_train_step(model, TrainConfig(grid_hw=(32, 32), guidance=4.0, num_micro_batches=micro),
+    init_state, step = make_train_step(model, recipe_train_config((32, 32), num_micro_batches=micro, **ONE_UPDATE),
                                        compiler_options=config_lib.xla_options(recipe, gemm))
     args = argparse.Namespace(batch=batch, grid=32, txt=128, neg_txt=8)
     data = synthetic_batch(cfg, args)

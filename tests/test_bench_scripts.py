@@ -28,6 +28,13 @@ def test_scripts_import_the_package_not_each_other_and_touch_no_sys_path():
     assert not bad, "\n".join(bad)
 
 
+def test_benchmarks_take_the_recipes_train_step_config():
+    """The train-step benchmarks build TrainConfig from the recipe (`jaxflow_bench.workload.recipe_train_config`) with
+    their own changes only, never by hand, so they time the step that ships."""
+    by_hand = [p.name for p in sorted((ROOT / "scripts").glob("*.py")) if "TrainConfig(" in p.read_text()]
+    assert not by_hand, by_hand
+
+
 def test_the_result_files_module_imports_neither_framework():
     """A machine with one framework writes result files: jaxflow_bench.results (and flops, rollout, kernels) import
     neither JAX nor torch."""
