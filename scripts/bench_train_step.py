@@ -4,6 +4,8 @@
     python scripts/bench_train_step.py --tiny --out DIR     # code-path check on CPU
     python scripts/bench_train_step.py --out DIR --variant base= --variant notriton=xla_gpu_enable_triton_gemm=false
         # JAX variants (remat, scan unroll, XLA options of the step's jits) side by side, on the same weights
+    python scripts/bench_train_step.py --out DIR --no-torch --txt 96 --micro 2 --variant batched= --variant split=neg=32
+        # the recipe's text with the negatives in one batched call against their own forward at 32 tokens
 
 Workload (configs/qwen_ocr.py): 512^2 (1024 image tokens) + 128 text tokens (negative prompt 8 tokens), true CFG
 4 (positive and negative in one batched call), SDE window 2, LoRA r=64 on the 12 targets. Both sides take the
@@ -65,7 +67,9 @@ def row(framework, name, ms, cfg, args, ceiling, peak, extra=None):
 
 def parse_variant(text: str) -> tuple[str, dict, dict]:
     """"NAME=key=val,key=val" -> (NAME, changes, XLA options): keys remat, gemm (lora_gemm), unroll (scan_unroll),
-    micro (micro-batches of this variant; default --micro), stacked (1: unrolled blocks keep reading the weight stacks; by default an
+    micro (micro-batches of this variant; default --micro), neg (the negatives padded to this many tokens, the
+    trainer's sample.negative_max_sequence_length: shorter than --txt they run as their own forward; default --txt,
+    one batched call as the recipe runs it), stacked (1: unrolled blocks keep reading the weight stacks; by default an
     unrolled variant holds them one array per block from then on, so it comes after the scan variants) and any xla_*
     option (true/false/int/str), e.g. "notriton=xla_gpu_enable_triton_gemm=false,unroll=2"."""
     name, _, spec = text.partition("=")
@@ -74,12 +78,13 @@ def parse_variant(text: str) -> tuple[str, dict, dict]:
         key, _, val = item.partition("=")
         if key in ("remat", "gemm"):
             opts["lora_gemm" if key == "gemm" else key] = val
-        elif key in ("unroll", "micro", "stacked"):
+        elif key in ("unroll", "micro", "stacked", "neg"):
             opts["scan_unroll" if key == "unroll" else key] = int(val)
         elif key.startswith("xla_"):
             xla[key] = {"true": True, "false": False}.get(val.lower(), int(val) if val.lstrip("-").isdigit() else val)
         else:
-            raise SystemExit(f"--variant {text!r}: unknown key {key!r} (remat, gemm, unroll, micro, stacked or xla_*)")
+            raise SystemExit(f"--variant {text!r}: unknown key {key!r} (remat, gemm, unroll, micro, stacked, neg or "
+                             f"xla_*)")
     return name or "default", opts, xla
 
 
@@ -88,6 +93,7 @@ def bench_jax(model, cfg, args, batch, ceiling, variant):
     name, changes, xla = variant
     changes = dict(changes)
     micro, stacked = changes.pop("micro", args.micro), changes.pop("stacked", 0)
+    batch = negatives_padded(batch, changes.pop("neg", args.txt))
     model.opts = dataclasses.replace(base_opts := model.opts, **changes)
     if model.unrolled and not stacked:
         model.unstack_blocks()
@@ -111,6 +117,18 @@ def bench_jax(model, cfg, args, batch, ceiling, variant):
                                     "first_loss": float(m["loss"]), "first_grad_norm": float(m["grad_norm"])})
     model.opts = base_opts
     return out, train_state, ms
+
+
+def negatives_padded(batch: dict, tokens: int) -> dict:
+    """`batch` with its negative prompt embeds and mask right-padded (or cut, past their last real token) to
+    `tokens`, as the trainer's driver pads them (jaxflow.driver.pad_text)."""
+    emb, mask = batch["negative_prompt_embeds"], batch["negative_prompt_mask"]
+    if tokens < int(mask.sum(axis=1).max()):
+        raise SystemExit(f"neg={tokens} is shorter than the negatives' {int(mask.sum(axis=1).max())} tokens")
+    emb, mask = emb[:, :tokens], mask[:, :tokens]
+    pad = tokens - emb.shape[1]
+    return {**batch, "negative_prompt_embeds": np.pad(emb, ((0, 0), (0, pad), (0, 0))),
+            "negative_prompt_mask": np.pad(mask, ((0, 0), (0, pad)))}
 
 
 def lora_export(train_state, spec) -> dict:
