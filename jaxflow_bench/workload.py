@@ -55,6 +55,19 @@ def synthetic_batch(cfg: QwenImageConfig, args) -> dict:
     }
 
 
+def negatives_padded(batch: dict, tokens: int) -> dict:
+    """`batch` with its negative prompt embeds and mask right-padded (or cut, past their last real token) to
+    `tokens`, as the trainer's driver pads them (jaxflow.driver.pad_text). At the prompts' length (--txt) the train
+    step runs both in one batched call, as the recipe does; shorter, the negatives get a forward of their own."""
+    emb, mask = batch["negative_prompt_embeds"], batch["negative_prompt_mask"]
+    if tokens < int(mask.sum(axis=1).max()):
+        raise ValueError(f"{tokens} negative tokens are fewer than the negatives' {int(mask.sum(axis=1).max())}")
+    emb, mask = emb[:, :tokens], mask[:, :tokens]
+    pad = tokens - emb.shape[1]
+    return {**batch, "negative_prompt_embeds": np.pad(emb, ((0, 0), (0, pad), (0, 0))),
+            "negative_prompt_mask": np.pad(mask, ((0, 0), (0, pad)))}
+
+
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     """The workload flags of scripts/bench_train_step.py, shared with bench_minibatch.py and bench_scaling.py."""
     p.add_argument("--out", type=Path, default=Path("bench_out"))

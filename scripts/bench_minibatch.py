@@ -37,6 +37,7 @@ from jaxflow_bench.workload import (  # noqa: E402
     TINY,
     WINDOW,
     add_workload_args,
+    negatives_padded,
     random_model,
     recipe_train_config,
     synthetic_batch,
@@ -86,7 +87,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     cfg = QwenImageConfig(**(TINY if args.tiny else FULL))
     model, _ = random_model(cfg, args.rank)
-    batch = synthetic_batch(cfg, args)
+    batch = negatives_padded(synthetic_batch(cfg, args), args.txt)  # one batched CFG call, as the recipe
     rows = [measure(model, args, batch, m) for m in (1, 2)]
     for r in rows:
         print(json.dumps(r), flush=True)

@@ -26,6 +26,7 @@ from jaxflow_bench.workload import (  # noqa: E402
     TINY,
     WINDOW,
     add_workload_args,
+    negatives_padded,
     random_model,
     recipe_train_config,
     synthetic_batch,
@@ -35,7 +36,7 @@ from jaxflow_bench.workload import (  # noqa: E402
 
 def run(model, cfg, args, layout: Layout, n_dev: int) -> float:
     args.batch = args.per_gpu * n_dev
-    batch = synthetic_batch(cfg, args)
+    batch = negatives_padded(synthetic_batch(cfg, args), args.txt)  # one batched CFG call, as the recipe
     tc = recipe_train_config((args.grid, args.grid), num_micro_batches=args.micro, **ONE_UPDATE)
     init_state, step = make_train_step(model, tc, layout)
     return time_steps(step, init_state(), batch, args)[0]

@@ -42,6 +42,7 @@ from jaxflow_bench.workload import (  # noqa: E402
     TINY,
     WINDOW,
     add_workload_args,
+    negatives_padded,
     random_model,
     recipe_train_config,
     synthetic_batch,
@@ -117,18 +118,6 @@ def bench_jax(model, cfg, args, batch, ceiling, variant):
                                     "first_loss": float(m["loss"]), "first_grad_norm": float(m["grad_norm"])})
     model.opts = base_opts
     return out, train_state, ms
-
-
-def negatives_padded(batch: dict, tokens: int) -> dict:
-    """`batch` with its negative prompt embeds and mask right-padded (or cut, past their last real token) to
-    `tokens`, as the trainer's driver pads them (jaxflow.driver.pad_text)."""
-    emb, mask = batch["negative_prompt_embeds"], batch["negative_prompt_mask"]
-    if tokens < int(mask.sum(axis=1).max()):
-        raise SystemExit(f"neg={tokens} is shorter than the negatives' {int(mask.sum(axis=1).max())} tokens")
-    emb, mask = emb[:, :tokens], mask[:, :tokens]
-    pad = tokens - emb.shape[1]
-    return {**batch, "negative_prompt_embeds": np.pad(emb, ((0, 0), (0, pad), (0, 0))),
-            "negative_prompt_mask": np.pad(mask, ((0, 0), (0, pad)))}
 
 
 def lora_export(train_state, spec) -> dict:
