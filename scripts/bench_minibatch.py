@@ -32,16 +32,8 @@ from jaxflow import phases  # noqa: E402
 from jaxflow.models.config import QwenImageConfig  # noqa: E402
 from jaxflow.train_step import make_train_step  # noqa: E402
 from jaxflow_bench.timing import jax_peak_gib  # noqa: E402
-from jaxflow_bench.workload import (  # noqa: E402
-    FULL,
-    TINY,
-    WINDOW,
-    add_workload_args,
-    negatives_padded,
-    random_model,
-    recipe_train_config,
-    synthetic_batch,
-)
+from jaxflow_bench.workload import (FULL, TINY, WINDOW, add_workload_args, negatives_padded, random_model,  # noqa: E402
+                                    recipe_train_config, synthetic_batch)
 
 
 def measure(model, args, batch, m: int) -> dict:

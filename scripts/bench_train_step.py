@@ -36,18 +36,8 @@ from jaxflow.train_step import make_train_step  # noqa: E402
 from jaxflow_bench.flops import DATASHEET_TFLOPS, qwen_flops  # noqa: E402
 from jaxflow_bench.results import write_result  # noqa: E402
 from jaxflow_bench.timing import jax_matmul_tflops, median_ms, torch_matmul_tflops  # noqa: E402
-from jaxflow_bench.workload import (  # noqa: E402
-    FULL,
-    ONE_UPDATE,
-    TINY,
-    WINDOW,
-    add_workload_args,
-    negatives_padded,
-    random_model,
-    recipe_train_config,
-    synthetic_batch,
-    time_steps,
-)
+from jaxflow_bench.workload import (FULL, ONE_UPDATE, TINY, WINDOW, add_workload_args, negatives_padded,  # noqa: E402
+                                    random_model, recipe_train_config, synthetic_batch, time_steps)
 
 
 def flops_per_sample_step(cfg, args) -> float:
