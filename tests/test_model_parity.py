@@ -8,7 +8,7 @@ import torch
 from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope, QwenTimestepProjEmbeddings
 
 from jaxflow.models.config import ModelOptions, QwenImageConfig
-from jaxflow.models.embeddings import _TIMESTEP_FREQS, _inv_freq, rope_angles, rope_tables, timestep_embedding
+from jaxflow.models.embeddings import TIMESTEP_FREQS, inv_freq, rope_angles, rope_tables, timestep_embedding
 from jaxflow.models.loading import TensorSource, build_from_source
 from tests.qwen_ref import OTHER, TINY, inputs, state_dict_numpy, torch_forward, torch_model
 
@@ -70,7 +70,7 @@ def test_rope_tables_match_diffusers():
     with mock.patch.object(torch, "polar", spy):
         rope = QwenEmbedRope(theta=10000, axes_dim=list(axes), scale_rope=True)
     theirs = torch.cat(captured[:3], dim=1).numpy()
-    ours = np.outer(np.arange(len(theirs), dtype=np.float32), np.concatenate([_inv_freq(d) for d in axes]))
+    ours = np.outer(np.arange(len(theirs), dtype=np.float32), np.concatenate([inv_freq(d) for d in axes]))
     assert ours.shape == theirs.shape
     assert np.all(np.abs(ours.astype(np.float32) - theirs) <= 2.0**-21 * np.abs(theirs))
     for h, w, L in ((64, 64, 20), (5, 9, 7), (32, 17, 3)):
@@ -90,7 +90,7 @@ def test_timestep_embedding_matches_diffusers():
     sig = np.array([1.0, 0.98971, 0.5, 0.02, 0.0], np.float32)
     ref = emb.time_proj(torch.from_numpy(sig)).numpy()
     out = np.asarray(timestep_embedding(jnp.asarray(sig), jnp.float32))
-    arg = np.float32(1000.0) * (sig[:, None] * _TIMESTEP_FREQS[None, :])
+    arg = np.float32(1000.0) * (sig[:, None] * TIMESTEP_FREQS[None, :])
     assert out.shape == ref.shape == (5, 256)
     assert np.all(np.abs(out - ref) <= 2.0**-21 * np.abs(np.concatenate([arg, arg], axis=1)) + 2.0**-23)
 

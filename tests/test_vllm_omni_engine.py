@@ -54,7 +54,7 @@ def test_sampling_split_and_round_trip():
 def test_text_lengths_for_the_fused_transformer():
     """vLLM-Omni's transformer wants txt_seq_lens; our shared `velocity` passes only the mask."""
     mask = torch.tensor([[True, True, False], [True, True, True]])
-    args, kwargs = vop._txt_seq_lens_from_mask(None, (), {"encoder_hidden_states_mask": mask})
+    args, kwargs = vop.txt_seq_lens_from_mask(None, (), {"encoder_hidden_states_mask": mask})
     assert kwargs["txt_seq_lens"] == [2, 3] and args == ()
 
 

@@ -13,7 +13,7 @@ _ROPE_THETA = 10000.0
 # evaluated once in float64 and rounded to float32, so every CPU gets the same bytes. torch's float32 exp is within
 # an ulp of it, and which entries differ depends on the CPU's instruction set (docs/numerics.md §6).
 _EXPONENT = np.float32(-np.log(10000.0)) * np.arange(TIMESTEP_CHANNELS // 2, dtype=np.float32) / np.float32(128)
-_TIMESTEP_FREQS = np.exp(_EXPONENT.astype(np.float64)).astype(np.float32)
+TIMESTEP_FREQS = np.exp(_EXPONENT.astype(np.float64)).astype(np.float32)
 
 
 def timestep_embedding(sigma: jax.Array, dtype) -> jax.Array:
@@ -22,13 +22,14 @@ def timestep_embedding(sigma: jax.Array, dtype) -> jax.Array:
     diffusers casts sigma and the frequency table to the model dtype first, so a bf16 model sees sigma 0.37 as
     0.369140625; docs/numerics.md §6 feeds sigma as fp32 instead (the rollout engines do the same).
     """
-    freqs = jnp.asarray(_TIMESTEP_FREQS)
+    freqs = jnp.asarray(TIMESTEP_FREQS)
     arg = 1000.0 * (sigma.astype(jnp.float32)[:, None] * freqs[None, :])
     return jnp.concatenate([jnp.cos(arg), jnp.sin(arg)], axis=-1).astype(dtype)
 
 
-def _inv_freq(dim: int) -> np.ndarray:
-    # float64 power rounded once to float32: within an ulp of torch.pow(10000, float32 exponent).
+def inv_freq(dim: int) -> np.ndarray:
+    """RoPE's inverse frequencies 10000^(-2i/dim), i < dim/2: the float64 power rounded once to float32, within an
+    ulp of torch.pow(10000, float32 exponent)."""
     exponent = np.arange(0, dim, 2).astype(np.float32) / np.float32(dim)
     return (np.float32(1.0) / np.power(np.float64(_ROPE_THETA), exponent.astype(np.float64)).astype(np.float32))
 
@@ -39,7 +40,7 @@ def rope_angles(grid_h: int, grid_w: int, txt_len: int, axes_dims: tuple[int, in
     Image rows/cols are centred: positions -ceil(n/2) .. floor(n/2)-1; frame position 0. Text token j sits at
     max(h//2, w//2) + j on all three axes.
     """
-    inv = [_inv_freq(d) for d in axes_dims]
+    inv = [inv_freq(d) for d in axes_dims]
     rows = np.arange(grid_h) - (grid_h - grid_h // 2)
     cols = np.arange(grid_w) - (grid_w - grid_w // 2)
     rr, cc = np.meshgrid(rows, cols, indexing="ij")

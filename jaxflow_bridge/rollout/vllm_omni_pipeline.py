@@ -140,7 +140,7 @@ def unpack_trajectories(output, prompt: str, group_id: int) -> TrajectoryBatch:
 # ------------------------------------------------------------------------------------------ the classes
 
 
-def _txt_seq_lens_from_mask(module, args, kwargs):
+def txt_seq_lens_from_mask(module, args, kwargs):
     """vLLM-Omni's transformer takes the text lengths explicitly (its RoPE spans max(txt_seq_lens), the padded
     width here); diffusers derives them from the mask. Forward pre-hook, so `velocity` stays shared."""
     if kwargs.get("txt_seq_lens") is None and kwargs.get("encoder_hidden_states_mask") is not None:
@@ -185,7 +185,7 @@ def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = N
             self.transformer.config = od_config.tf_model_config
         self.fp32_timestep = Fp32Timestep(self.transformer)
         if "txt_seq_lens" in inspect.signature(self.transformer.forward).parameters:
-            self.transformer.register_forward_pre_hook(_txt_seq_lens_from_mask, with_kwargs=True)
+            self.transformer.register_forward_pre_hook(txt_seq_lens_from_mask, with_kwargs=True)
         self.policy_version = self.rollout_requests = 0
         self.random_seed = args.get("random_seed")
         self.random_fingerprint = None
