@@ -174,10 +174,9 @@ def _typed(section: str, make, cfg):
         _fail(f"{section}.{key}" if key else section, rest if key else text)
 
 
-# TrainConfig's fields and the config keys they come from (`train_config`), for its errors (`_typed_train`)
-TRAIN_KEYS = {"grid_hw": "sample.height", "sde_type": "sample.sde_type", "guidance": "sample.guidance",
-              "ema_decay": "train.ema_decay", "off_policy": "rollout.overlap", "shuffle_seed": "seed",
-              "nft_beta": "train.nft.beta", "nft_timesteps": "train.nft.timesteps", "nft_decay": "train.nft"}
+# the config keys of TrainConfig's checked fields not named train.FIELD (`train_config`), for its errors
+TRAIN_KEYS = {"sde_type": "sample.sde_type", "guidance": "sample.guidance", "nft_beta": "train.nft.beta",
+              "nft_timesteps": "train.nft.timesteps", "nft_decay": "train.nft"}
 
 
 def _typed_train(cfg) -> TrainConfig:

@@ -120,11 +120,11 @@ class Learner:
             tc = dataclasses.replace(step.config, num_micro_batches=num_micro_batches)
             step = make_train_step(self.model, tc, self.layout, self.xla_options())[1]
         mc, tc = self.model.cfg, step.config
+        text, negative_text = config_lib.text_tokens(cfg)
         batch, old = memory.abstract_batch(
             batch=cfg.sample.prompts_per_step * cfg.sample.group_size, window=cfg.sample.window_size,
             num_steps=cfg.sample.num_steps, seq=self.grid[0] * self.grid[1], channels=mc.in_channels,
-            text=config_lib.text_tokens(cfg)[0], negative_text=config_lib.text_tokens(cfg)[1],
-            width=mc.joint_attention_dim,
+            text=text, negative_text=negative_text, width=mc.joint_attention_dim,
             embed_dtype=config_lib.embed_dtype(cfg), guided=tc.guided, recompute=tc.recompute_pass,
             means=tc.ratio_norm == "guard", nft=tc.nft)
         plans = [memory.StepMemory.of(name, c) for name, c in step.compile(batch, old).items()]

@@ -79,8 +79,9 @@ def abstract_batch(*, batch: int, window: int, num_steps: int, seq: int, channel
                    embed_dtype, guided: bool, recompute: bool, means: bool = False, nft: bool = False,
                    negative_text: int | None = None) -> tuple[dict, dict | None]:
     """Shapes and dtypes of the batch `train_step.prepare_batch` hands the step (text padded to `text` tokens,
-    negatives to `negative_text`, default `text`: `config.text_tokens`), and of the old-log-prob pass's output when it runs (with `means`: the SDE means
-    train.ratio_norm="guard" keeps); with `nft`, DiffusionNFT's batch (step_config.NFT_FIELDS)."""
+    negatives to `negative_text`, default `text`: `config.text_tokens`), and of the old-log-prob pass's output when
+    it runs (with `means`: the SDE means train.ratio_norm="guard" keeps); with `nft`, DiffusionNFT's batch
+    (step_config.NFT_FIELDS)."""
     s = jax.ShapeDtypeStruct
     out = {"latents": s((batch, window + 1, seq, channels), np.float32), "log_probs": s((batch, window), np.float32),
            "sigmas": s((batch, num_steps + 1), np.float32), "step_index": s((batch, window), np.int32),

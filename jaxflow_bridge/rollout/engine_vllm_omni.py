@@ -53,14 +53,11 @@ from jaxflow_bridge.contract.lora_shm import offsets, open_payload, read_arrays
 from jaxflow_bridge.contract.schedule import sample_windows
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.rollout.engine import RolloutEngine
-from jaxflow_bridge.rollout.fa_version import FA_VERSIONS
 from jaxflow_bridge.rollout.pipeline import FINGERPRINT_ELEMENTS, TensorHead, weights_fingerprint
-from jaxflow_bridge.rollout.qk_rope import QK_OPS
-from jaxflow_bridge.rollout.sampling import (SamplingLoop, SamplingParams, cfg_forward_choice, check_prompts,
-                                             per_sample_seeds)
+from jaxflow_bridge.rollout.sampling import SamplingParams, check_prompts, per_sample_seeds
 from jaxflow_bridge.rollout.tensors import torch_to_numpy
-from jaxflow_bridge.rollout.vllm_omni_pipeline import (LORA_APPLY, PIPELINE_CLASS, WORKER_EXTENSION_CLASS,
-                                                       encode_request, unpack_trajectories)
+from jaxflow_bridge.rollout.vllm_omni_pipeline import (PIPELINE_CLASS, PIPELINE_OPTIONS, WORKER_EXTENSION_CLASS,
+                                                       encode_request, pipeline_options, unpack_trajectories)
 
 log = logging.getLogger(__name__)
 INSTALL_HINT = ("the 'vllm_omni' rollout engine needs vLLM-Omni 0.20 on a CUDA machine: `pip install jaxflow[omni]`, "
@@ -230,16 +227,8 @@ class VllmOmniEngine(RolloutEngine):
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="vllm-omni-loop", daemon=True).start()
         _export_package_path()
-        pipeline_args = {"pipeline_class": PIPELINE_CLASS, "lora_apply": config.get("lora_apply", "fused"),
-                         "cfg_forward": cfg_forward_choice(config.get("cfg_forward", SamplingLoop.cfg_forward)),
-                         "qk_ops": config.get("qk_ops", "compiled"),
-                         "fa_version": str(config.get("fa_version", "auto"))}
-        if pipeline_args["lora_apply"] not in LORA_APPLY:
-            raise ValueError(f"lora_apply={pipeline_args['lora_apply']!r}; choose one of {LORA_APPLY}")
-        if pipeline_args["qk_ops"] not in QK_OPS:
-            raise ValueError(f"qk_ops={pipeline_args['qk_ops']!r}; choose one of {QK_OPS}")
-        if pipeline_args["fa_version"] not in FA_VERSIONS:
-            raise ValueError(f"fa_version={pipeline_args['fa_version']!r}; choose one of {FA_VERSIONS}")
+        pipeline_args = {"pipeline_class": PIPELINE_CLASS,
+                         **pipeline_options({k: config[k] for k in PIPELINE_OPTIONS if k in config})}
         if self.random_seed is not None:
             pipeline_args["random_seed"] = int(self.random_seed)
         kwargs = {"custom_pipeline_args": pipeline_args,

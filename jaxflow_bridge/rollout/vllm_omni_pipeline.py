@@ -38,13 +38,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from jaxflow_bridge.contract.schedule import CFG_FORWARDS
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.rollout.fa_version import FA_VERSIONS, use_fa3
 from jaxflow_bridge.rollout.lora_linear import install_fused_apply
 from jaxflow_bridge.rollout.pipeline import TensorHead, weights_fingerprint
 from jaxflow_bridge.rollout.qk_rope import QK_OPS, use_native_qk
 from jaxflow_bridge.rollout.random_init import random_named_weights
-from jaxflow_bridge.rollout.sampling import Fp32Timestep, SamplingLoop, SamplingParams, cfg_forward_choice
+from jaxflow_bridge.rollout.sampling import Fp32Timestep, SamplingLoop, SamplingParams
 from jaxflow_bridge.rollout.tensors import numpy_to_torch, torch_to_numpy
 
 log = logging.getLogger(__name__)
@@ -148,6 +149,20 @@ def txt_seq_lens_from_mask(module, args, kwargs):
     return args, kwargs
 
 
+PIPELINE_OPTIONS = {"lora_apply": LORA_APPLY, "qk_ops": QK_OPS, "fa_version": FA_VERSIONS, "cfg_forward": CFG_FORWARDS}
+
+
+def pipeline_options(args: dict) -> dict:
+    """custom_pipeline_args' options, each its default (the first choice) where absent; ValueError naming the first
+    one that is none of its choices. The engine checks them before it starts vLLM-Omni, the pipeline again in the
+    worker that builds it."""
+    options = {name: str(args.get(name, choices[0])) for name, choices in PIPELINE_OPTIONS.items()}
+    for name, value in options.items():
+        if value not in PIPELINE_OPTIONS[name]:
+            raise ValueError(f"{name}={value!r}; choose one of {PIPELINE_OPTIONS[name]}")
+    return options
+
+
 def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = None,
                          attention_fa3: Callable[[], int | None] | None = None) -> type:
     """Our pipeline as a subclass of `SamplingLoop` and `base` (vLLM-Omni's QwenImagePipeline); `output_cls`
@@ -161,24 +176,17 @@ def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = N
     def __init__(self, *, od_config, **kwargs):
         base.__init__(self, od_config=od_config, **kwargs)
         args = getattr(od_config, "custom_pipeline_args", None) or {}
-        lora_apply = args.get("lora_apply", "fused")
-        if lora_apply not in LORA_APPLY:
-            raise ValueError(f"lora_apply={lora_apply!r}; choose one of {LORA_APPLY}")
-        if lora_layer_cls is not None and lora_apply == "fused":
+        options = pipeline_options(args)
+        if lora_layer_cls is not None and options["lora_apply"] == "fused":
             install_fused_apply(lora_layer_cls)
-        qk_ops = args.get("qk_ops", "compiled")
-        if qk_ops not in QK_OPS:
-            raise ValueError(f"qk_ops={qk_ops!r}; choose one of {QK_OPS}")
-        fa = args.get("fa_version", "auto")
-        if fa not in FA_VERSIONS:
-            raise ValueError(f"fa_version={fa!r}; choose one of {FA_VERSIONS}")
-        if attention_fa3 is not None and fa == "auto":
-            log.info("fa_version=auto: the diffusion attention's FlashAttention fallback runs FA%s",
-                     attention_fa3() or " as vLLM-Omni chose")
-        if qk_ops == "compiled":
+        if attention_fa3 is not None and options["fa_version"] == "auto":
+            version = attention_fa3()
+            log.info("fa_version=auto: the diffusion attention's FlashAttention fallback runs %s",
+                     f"FA{version}" if version else "as vLLM-Omni chose")
+        if options["qk_ops"] == "compiled":
             log.info("qk_ops=compiled: %d attention modules run the q/k norms and rotary in torch ops",
                      use_native_qk(self.transformer))
-        self.cfg_forward = cfg_forward_choice(args.get("cfg_forward", SamplingLoop.cfg_forward))
+        self.cfg_forward = options["cfg_forward"]
         self.template, self.drop = self.prompt_template_encode, self.prompt_template_encode_start_idx
         self.scheduler_config = dict(self.scheduler.config)
         if not hasattr(self.transformer, "config"):  # vLLM-Omni's transformer: its folder config, diffusers-style
