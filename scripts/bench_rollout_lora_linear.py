@@ -12,6 +12,10 @@ One transformer block's four adapted image-stream linears (fused q/k/v 3072 -> 3
 - `fused`: `jaxflow_bridge.rollout.lora_linear.lora_linear`, eager and compiled.
 Per rollout of 32 images (2 requests x 10 steps x 60 blocks) the LoRA overhead over `base` is printed in seconds.
 Each variant's output is checked against a float32 reference within bf16 rounding.
+
+Then to_out alone on what vLLM-Omni hands it, the image slice of the joint attention output ((32, text + 1024, 3072)
+at T = 32768, text 96 tokens): the fused op reading the slice in place (strided-batched GEMMs, `slice_batched`)
+against the slice copied first, as a reshape does (`slice_copied`), eager.
 """
 from __future__ import annotations
 
@@ -81,6 +85,26 @@ def median_ms(run, xs, params, device) -> float:
     return statistics.median(times)
 
 
+def slice_figures(to_out, size, device, dtype, text: int = 96) -> dict:
+    """ms of to_out (its fused op) on the image slice of a joint (text + image) attention output: read in place or
+    copied first; both outputs equal up to the GEMMs' summation order."""
+    rows = size["tokens"] // 32 if size["tokens"] >= 32 * 128 else 128
+    g = torch.Generator(device="cpu").manual_seed(2)
+    joint = torch.randn(size["tokens"] // rows, text + rows, size["hidden"], generator=g).to(device, dtype)
+    part = joint[:, text:]
+    with torch.no_grad():
+        inplace = block(lora_linear)
+        copied = block(lambda x, *p: lora_linear(x.reshape(-1, x.shape[-1]), *p))
+        a, b = inplace([part], [to_out])[0], copied([part], [to_out])[0]
+        err = float((a.float().reshape(b.shape) - b.float()).abs().max() / b.float().abs().max())
+        assert err < 2 ** -6, f"slice: relative error {err} between the two paths"
+        out = {"slice_batched_ms": median_ms(inplace, [part], [to_out], device),
+               "slice_copied_ms": median_ms(copied, [part], [to_out], device), "slice_rows": rows}
+    print(f"  to_out on the image slice: in place {out['slice_batched_ms']:.3f} ms, "
+          f"copied {out['slice_copied_ms']:.3f} ms", flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
@@ -111,6 +135,7 @@ def main(argv=None) -> int:
             print(f"  {name:15s} {ms:8.3f} ms per block", flush=True)
     for name in ("stock_eager", "stock_compiled", "fused_eager", "fused_compiled"):
         figures[f"{name}_lora_s_per_rollout"] = (figures[f"{name}_ms"] - figures["base_ms"]) * FORWARDS_PER_ROLLOUT / 1e3
+    figures.update(slice_figures(params[1], size, device, dtype))
     figures["max_rel_err"] = worst
     figures["tokens"] = size["tokens"]
     print("| variant | ms per block | LoRA s per rollout of 32 images |\n|---|---|---|")

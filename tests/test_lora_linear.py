@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jaxflow_bridge.rollout.lora_linear import fused_slots, install_fused_apply, lora_linear
+from jaxflow_bridge.rollout.lora_linear import BATCHED_ROWS, fused_slots, install_fused_apply, lora_linear
 
 
 def per_slice(x, w, bias, a_list, b_list):
@@ -53,6 +53,27 @@ def test_refuses_slices_that_do_not_tile_the_output():
     x, w, b, a_list, b_list = problem((12, 12, 12))
     with pytest.raises(ValueError, match="do not tile"):
         lora_linear(x, w, b, a_list, b_list[:2])
+
+
+@pytest.mark.parametrize("tokens", [BATCHED_ROWS, 5])
+def test_a_slice_of_a_longer_sequence(tokens):
+    """vLLM-Omni's to_out / to_add_out get the image / text slice of the joint attention output: a view whose
+    leading dims do not fold. A long one runs as strided-batched GEMMs that read it in place, a short one is
+    copied; both give the per-slice sum."""
+    x, w, b, a_list, b_list = problem((12, 12, 12))
+    joint = torch.randn(3, 9 + tokens, x.shape[-1], dtype=x.dtype)
+    part = joint[:, 9:]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        got = lora_linear(part, w, b, a_list, b_list)
+    ops = {e.key for e in prof.key_averages()}
+    want = per_slice(part, w, b, a_list, b_list)
+    assert got.shape == want.shape == (3, tokens, w.shape[0]) and got.is_contiguous()
+    assert torch.allclose(got, want, rtol=0, atol=1e-12)
+    assert "aten::mm" in ops  # the expansion
+    if tokens >= BATCHED_ROWS:
+        assert {"aten::bmm", "aten::baddbmm_"} <= ops and not {"aten::addmm_", "aten::clone"} & ops
+    else:
+        assert "aten::addmm_" in ops and "aten::clone" in ops and not {"aten::bmm", "aten::baddbmm_"} & ops
 
 
 def test_torch_compile_calls_it_with_dynamic_shapes():

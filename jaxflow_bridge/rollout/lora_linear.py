@@ -10,9 +10,12 @@ step of 32 images at 512^2 (BENCHMARKS.md). `lora_linear` computes the same sum 
     y = [h | 1 | 0] @ [blockdiag(B_i) | bias | 0].T  every slice's expansion and the bias in one small GEMM
     y += x @ W.T                                   the base GEMM accumulating into y (cuBLAS beta = 1)
 
-so the output is written once by the small GEMM and read back inside the base GEMM's epilogue. Numerics: the
-LoRA terms plus bias are rounded to the compute dtype once, then added to the base product in the GEMM's float32
-accumulator (vLLM-Omni rounds the base product, the LoRA term and their sum separately).
+so the output is written once by the small GEMM and read back inside the base GEMM's epilogue. An input (B, S, in)
+whose leading dims do not fold without a copy, with S >= BATCHED_ROWS (vLLM-Omni's to_out takes the image slice of
+the joint attention output, a view into a longer sequence), goes through the shrink and the base GEMM as B
+matrices of a strided-batched GEMM, read in place: a reshape would copy it (2.5% of the rollout's kernel time,
+BENCHMARKS.md). Numerics: the LoRA terms plus bias are rounded to the compute dtype once, then added to the base
+product in the GEMM's float32 accumulator (vLLM-Omni rounds the base product, the LoRA term and their sum separately).
 
 It is a torch custom op: torch.compile (vLLM-Omni compiles the transformer's blocks) calls it as it is instead of
 decomposing the in-place accumulation. `install_fused_apply` routes vLLM-Omni's layers to it where it computes the
@@ -24,6 +27,9 @@ from __future__ import annotations
 import torch
 
 ALIGN = 8  # the small GEMM's inner size is padded to a multiple of this (cuBLAS picks its fast kernels)
+# rows per matrix from which a strided-batched GEMM reads a non-folding input in place: one GEMM tile; shorter
+# slices (the text's, <= 96 tokens in the recipe) are copied, which is cheap, rather than re-read the weight B times
+BATCHED_ROWS = 128
 
 
 @torch.library.custom_op("jaxflow::lora_linear", mutates_args=())
@@ -37,23 +43,37 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if sum(b.shape[0] for b in lora_b) != weight.shape[0] or len(lora_a) != len(lora_b):
         raise ValueError(f"LoRA slices {[tuple(b.shape) for b in lora_b]} do not tile the output "
                          f"{weight.shape[0]} of weight {tuple(weight.shape)}")
-    x2 = x.reshape(-1, x.shape[-1])
     rank = sum(a.shape[0] for a in lora_a)
     inner = -(-(rank + 1) // ALIGN) * ALIGN
-    h = x2.new_empty(x2.shape[0], inner)
-    torch.mm(x2, torch.cat(lora_a).t(), out=h[:, :rank])
-    h[:, rank:].zero_()
+    a_t = torch.cat(lora_a).t()
+    batched = x.dim() == 3 and x.shape[1] >= BATCHED_ROWS and x.stride(-1) == 1 and not _folds(x)
+    if batched:  # (B, S, in) slices of a longer sequence: strided-batched GEMMs read them in place
+        h = x.new_empty(*x.shape[:-1], inner)
+        torch.bmm(x, a_t.expand(x.shape[0], -1, -1), out=h[..., :rank])
+    else:
+        x2 = x.reshape(-1, x.shape[-1])
+        h = x2.new_empty(x2.shape[0], inner)
+        torch.mm(x2, a_t, out=h[:, :rank])
+    h[..., rank:].zero_()
     expand = weight.new_zeros(weight.shape[0], inner)
     row = col = 0
     for a, b in zip(lora_a, lora_b):
         expand[row:row + b.shape[0], col:col + a.shape[0]] = b
         row, col = row + b.shape[0], col + a.shape[0]
     if bias is not None:
-        h[:, rank] = 1
+        h[..., rank] = 1
         expand[:, rank] = bias
-    y = torch.mm(h, expand.t())
-    y.addmm_(x2, weight.t())
+    y = torch.mm(h.view(-1, inner), expand.t())
+    if batched:
+        y = y.view(*x.shape[:-1], -1).baddbmm_(x, weight.t().expand(x.shape[0], -1, -1))
+    else:
+        y.addmm_(x2, weight.t())
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def _folds(x: torch.Tensor) -> bool:
+    """Whether x's leading dims fold into one without a copy (as torch.matmul decides whether to fold)."""
+    return all(x.stride(i) == x.stride(i + 1) * x.shape[i + 1] for i in range(x.dim() - 2) if x.shape[i] > 1)
 
 
 @lora_linear.register_fake
