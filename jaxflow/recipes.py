@@ -189,7 +189,7 @@ def base() -> ml_collections.ConfigDict:
                     # the longest OCR prompt has 74 tokens (96 rather than 128: 2.8% fewer train-step tokens at 512^2)
                     max_sequence_length=96,
                     # 0: negatives padded to 96 and run in one call with the prompts. 32 (2.9% fewer tokens) ran the
-                    # train phase in 11.9 s against 11.1 batched on another H200 (BENCHMARKS.md, the recipe on one GPU)
+                    # train phase in 11.9 s, batched 11.2 (two H200s; BENCHMARKS.md, the recipe on one GPU)
                     negative_max_sequence_length=0,
                     prompts_per_step=32, group_size=16, prompts_per_call=4)
     c.train = dict(num_steps=300, max_minutes=0.0, num_micro_batches=64, learning_rate=3e-4, clip_range=1e-4,
