@@ -22,6 +22,7 @@ from jaxflow.minibatches import compact_zero_advantage, order_minibatches
 from jaxflow.models.loading import fingerprint
 from jaxflow.models.lora import lora_to_peft
 from jaxflow.rollout_client import LocalTransport, RayTransport, RolloutGroup, init_ray
+from jaxflow_bridge.contract.trajectory import TextLengthError
 from jaxflow_bridge.rewards import RewardPool, build_reward
 
 log = logging.getLogger(__name__)
@@ -32,23 +33,13 @@ def sample_seeds(seed: int, step: int, count: int) -> np.ndarray:
     return np.random.default_rng([seed, step]).integers(0, 2 ** 62, size=count)
 
 
-def pad_text(batch: dict, length: int, negative_length: int | None = None) -> dict:
-    """Right-pad prompt embeds/masks to `length` tokens (sample.max_sequence_length: the rollout refuses longer
-    prompts) and negative ones to `negative_length` (default `length`; `config.text_tokens`), so every batch has one
-    text shape and the jitted step compiles once."""
-    out = dict(batch)
-    for emb, mask, size, key in (("prompt_embeds", "prompt_mask", length, "max_sequence_length"),
-                                 ("negative_prompt_embeds", "negative_prompt_mask", negative_length or length,
-                                  "negative_max_sequence_length" if negative_length else "max_sequence_length")):
-        if out.get(emb) is None:
-            continue
-        pad = size - out[emb].shape[1]
-        if pad < 0:
-            raise ValueError(f"{emb} has {out[emb].shape[1]} tokens > sample.{key}={size}: raise "
-                             f"--config.sample.{key} (or shorten the prompt)")
-        out[emb] = np.pad(out[emb], ((0, 0), (0, pad), (0, 0)))
-        out[mask] = np.pad(out[mask], ((0, 0), (0, pad)))
-    return out
+def text_length_error(err: TextLengthError, cfg) -> ValueError:
+    """The rollout's text longer than the train batch's padding (`config.text_tokens`), as the knob to raise."""
+    s = cfg.sample
+    key = ("negative_max_sequence_length" if err.field.startswith("negative") and s.negative_max_sequence_length
+           else "max_sequence_length")
+    return ValueError(f"{err.field} has {err.tokens} tokens > sample.{key}={err.length}: raise "
+                      f"--config.sample.{key} (or shorten the prompt)")
 
 
 def merge_rewards(futures: dict) -> dict[str, np.ndarray]:
@@ -148,10 +139,14 @@ class Driver:
         prompts = [self.prompts[picks[i * s.group_size][0]].prompt for i in range(s.prompts_per_step)]
         futures = {}
         with phases.phase("rollout"):
-            batch = self.rollout.generate(
-                prompts, s.group_size, config_lib.sampling(self.cfg), sample_seeds(self.cfg.seed, step, len(picks)),
-                s.prompts_per_call,
-                on_chunk=lambda c, b: futures.__setitem__(c, self.pool.submit(b.images, b.prompts)))
+            try:  # text padded once, to the train step's one shape (it compiles once)
+                batch = self.rollout.generate(
+                    prompts, s.group_size, config_lib.sampling(self.cfg),
+                    sample_seeds(self.cfg.seed, step, len(picks)), s.prompts_per_call,
+                    on_chunk=lambda c, b: futures.__setitem__(c, self.pool.submit(b.images, b.prompts)),
+                    text_tokens=config_lib.text_tokens(self.cfg))
+            except TextLengthError as err:
+                raise text_length_error(err, self.cfg) from None
         if batch.policy_version != version:
             raise RuntimeError(f"rollout served policy {batch.policy_version} for step {step}, expected {version}")
         with phases.phase("reward"):
@@ -179,7 +174,7 @@ class Driver:
 
     def _experience(self, step: int, version: int) -> tuple[Experience, dict]:
         """The rollout of step `step`'s prompt groups on policy `version`, its rewards and advantages, and the
-        train batch (text padded, mini-batches laid out); with the phases it recorded (it may run in a thread)."""
+        train batch (mini-batches laid out); with the phases it recorded (it may run in a thread)."""
         cfg, s = self.cfg, self.cfg.sample
         with phases.recording() as seconds:
             batch, rewards = self._rollout(step, version)
@@ -187,7 +182,7 @@ class Driver:
         group_ids = np.repeat(np.arange(s.prompts_per_step), s.group_size)
         adv, zero_std = compute_advantages(rewards["avg"], group_ids, global_std=cfg.train.global_std,
                                            clip=cfg.train.adv_clip, expected_group_size=s.group_size)
-        train_batch = pad_text(batch.to_dict(), *config_lib.text_tokens(cfg))
+        train_batch = batch.to_dict()
         train_batch.update(advantages=adv, noise_level=np.float32(s.noise_level))
         train_batch = order_minibatches(train_batch, group_ids, cfg.train.num_mini_batches, cfg.seed, step)
         if cfg.train.drop_zero_advantage:

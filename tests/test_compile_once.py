@@ -1,35 +1,25 @@
 """The train step compiles once: every batch reaches it with the same shapes, whatever its prompts' lengths."""
 import jax
-import numpy as np
-import pytest
 
-from jaxflow.driver import pad_text
+from jaxflow.driver import text_length_error
 from jaxflow.train import Trainer
+from jaxflow_bridge.contract.trajectory import TextLengthError
 from tests.helpers import tiny_config
 
 
-def test_pad_text_gives_every_batch_one_shape():
-    short, long = ({"prompt_embeds": np.ones((2, n, 4)), "prompt_mask": np.ones((2, n), bool),
-                    "negative_prompt_embeds": np.ones((2, 6, 4)), "negative_prompt_mask": np.ones((2, 6), bool)}
-                   for n in (40, 74))
-    a, b = pad_text(short, 128), pad_text(long, 128)
-    assert {k: v.shape for k, v in a.items()} == {k: v.shape for k, v in b.items()}
-    assert a["prompt_mask"].sum() == 80 and a["prompt_embeds"].shape == (2, 128, 4)
-    assert a["negative_prompt_embeds"].shape == (2, 128, 4)
-    # negatives to their own length (sample.negative_max_sequence_length)
-    c = pad_text(long, 128, 32)
-    assert c["prompt_embeds"].shape == (2, 128, 4) and c["negative_prompt_embeds"].shape == (2, 32, 4)
-    assert c["negative_prompt_mask"].shape == (2, 32) and c["negative_prompt_mask"].sum() == 12
-
-
-def test_pad_text_names_the_key_of_a_too_long_text():
-    batch = {"prompt_embeds": np.ones((1, 40, 4)), "prompt_mask": np.ones((1, 40), bool),
-             "negative_prompt_embeds": np.ones((1, 9, 4)), "negative_prompt_mask": np.ones((1, 9), bool)}
-    with pytest.raises(ValueError, match=r"negative_prompt_embeds has 9 tokens > "
-                                         r"sample.negative_max_sequence_length=8: raise --config.sample.neg"):
-        pad_text(batch, 64, 8)
-    with pytest.raises(ValueError, match=r"prompt_embeds has 40 tokens > sample.max_sequence_length=32"):
-        pad_text(batch, 32)
+def test_text_length_error_names_the_knob_to_raise(tmp_path):
+    """The rollout's text longer than the train batch's padding (`config.text_tokens`, what the rollout client
+    pads to): one line naming the sample key to raise."""
+    cfg = tiny_config(tmp_path)
+    cfg.sample.max_sequence_length, cfg.sample.negative_max_sequence_length = 64, 8
+    err = text_length_error(TextLengthError("negative_prompt_embeds", 9, 8), cfg)
+    assert str(err) == ("negative_prompt_embeds has 9 tokens > sample.negative_max_sequence_length=8: raise "
+                        "--config.sample.negative_max_sequence_length (or shorten the prompt)")
+    err = text_length_error(TextLengthError("prompt_embeds", 70, 64), cfg)
+    assert "sample.max_sequence_length=64: raise --config.sample.max_sequence_length" in str(err)
+    cfg.sample.negative_max_sequence_length = 0  # negatives padded as the prompts
+    negative = text_length_error(TextLengthError("negative_prompt_embeds", 70, 64), cfg)
+    assert "--config.sample.max_sequence_length " in str(negative)
 
 
 def test_train_step_compiles_once_over_steps(tmp_path):

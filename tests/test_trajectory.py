@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxflow_bridge.contract.trajectory import TrajectoryBatch, validate_arrays
+from jaxflow_bridge.contract.trajectory import TextLengthError, TrajectoryBatch, validate_arrays
 
 ROOT = Path(__file__).resolve().parents[1]
 BF16 = ml_dtypes.bfloat16
@@ -239,6 +239,21 @@ def test_select_and_concat():
     assert_same(joined, batch)
     with pytest.raises(ValueError, match="1-D"):
         select(batch, np.zeros((2, 2), int))
+
+
+def test_concat_pads_text_to_given_lengths_once():
+    short = stack([make(length=2, neg_length=3, seed=0)])
+    long = stack([make(length=5, neg_length=4, seed=1)])
+    joined = TrajectoryBatch.concat([short, long], text_tokens=(8, 4))
+    assert joined.prompt_embeds.shape == (2, 8, D) and joined.negative_prompt_embeds.shape == (2, 4, D)
+    assert joined.prompt_mask.sum(axis=1).tolist() == [2, 5]
+    assert joined.negative_prompt_mask.sum(axis=1).tolist() == [3, 4]
+    assert np.array_equal(joined.prompt_embeds[1, :5], long.prompt_embeds[0])
+    assert np.array_equal(joined.negative_prompt_embeds[0, :3], short.negative_prompt_embeds[0])
+    assert not joined.prompt_embeds[0, 2:].astype(np.float32).any()  # padding: zeros, masks False
+    with pytest.raises(TextLengthError, match="negative_prompt_embeds has 4 tokens > 3") as err:
+        TrajectoryBatch.concat([short, long], text_tokens=(8, 3))
+    assert (err.value.field, err.value.tokens, err.value.length) == ("negative_prompt_embeds", 4, 3)
 
 
 def test_to_dict_from_dict_round_trip():

@@ -97,12 +97,30 @@ def validate_arrays(rec, image_field: str, lead: Dims) -> None:
         _check_text("negative_prompt", *neg, lead, (embeds.dtype,), embeds.shape[-1])
 
 
-def _pad_concat(embeds: list[np.ndarray], masks: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Concatenate (b_i, L_i, D) embeds and (b_i, L_i) masks, right-padding L with zeros / False."""
-    length = max(e.shape[1] for e in embeds)
-    padded = [np.pad(e, [(0, 0), (0, length - e.shape[1]), (0, 0)]) for e in embeds]
-    padded_masks = [np.pad(m, [(0, 0), (0, length - m.shape[1])]) for m in masks]
-    return np.concatenate(padded), np.concatenate(padded_masks)
+class TextLengthError(ValueError):
+    """A batch's text is longer than the length `TrajectoryBatch.concat` pads it to."""
+
+    def __init__(self, field: str, tokens: int, length: int):
+        super().__init__(f"{field} has {tokens} tokens > {length}, the length the batch pads it to")
+        self.field, self.tokens, self.length = field, tokens, length
+
+
+def _pad_concat(field: str, embeds: list[np.ndarray], masks: list[np.ndarray], length: int | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenate (b_i, L_i, D) embeds and (b_i, L_i) masks, right-padding L with zeros / False to `length`
+    (default: the longest L_i) in one copy; TextLengthError if an L_i is longer."""
+    longest = max(e.shape[1] for e in embeds)
+    if length is None:
+        length = longest
+    elif longest > length:
+        raise TextLengthError(field, longest, length)
+    out = np.zeros((sum(len(e) for e in embeds), length, embeds[0].shape[2]), embeds[0].dtype)
+    out_mask = np.zeros(out.shape[:2], masks[0].dtype)
+    row = 0
+    for e, m in zip(embeds, masks):
+        out[row:row + len(e), :e.shape[1]], out_mask[row:row + len(e), :e.shape[1]] = e, m
+        row += len(e)
+    return out, out_mask
 
 
 def _concat_key(batch: TrajectoryBatch) -> dict:
@@ -119,7 +137,8 @@ def _concat_key(batch: TrajectoryBatch) -> dict:
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class TrajectoryBatch:
-    """Trajectories stacked on a leading batch axis B; text right-padded to the longest prompt.
+    """Trajectories stacked on a leading batch axis B; text right-padded (to the longest prompt, or as `concat`
+    was asked).
 
     images (B, H, W, 3); latents (B, W+1, S, C); log_probs (B, W); sigmas (N+1,) shared by all samples;
     step_index (B, W) (windows may differ per sample); prompt_embeds (B, L, D) / prompt_mask (B, L);
@@ -169,8 +188,10 @@ class TrajectoryBatch:
         return int(versions[0])
 
     @classmethod
-    def concat(cls, batches: Sequence[TrajectoryBatch]) -> TrajectoryBatch:
-        """Join batches along B, re-padding text to the longest prompt among them."""
+    def concat(cls, batches: Sequence[TrajectoryBatch], text_tokens: tuple[int, int] | None = None
+               ) -> TrajectoryBatch:
+        """Join batches along B, padding text to the longest prompt among them, or to `text_tokens` (prompt,
+        negative prompt tokens: one text shape for every batch; TextLengthError if a text is longer)."""
         if not batches:
             raise ValueError("concat: expected at least one batch, got none")
         first = _concat_key(batches[0])
@@ -182,14 +203,15 @@ class TrajectoryBatch:
         def cat(field):
             return np.concatenate([getattr(b, field) for b in batches])
 
-        def pad(prefix):
+        def pad(prefix, length):
             if not batches[0].guided and prefix == "negative_prompt":
                 return None, None
-            return _pad_concat([getattr(b, f"{prefix}_embeds") for b in batches],
-                               [getattr(b, f"{prefix}_mask") for b in batches])
+            return _pad_concat(f"{prefix}_embeds", [getattr(b, f"{prefix}_embeds") for b in batches],
+                               [getattr(b, f"{prefix}_mask") for b in batches], length)
 
-        embeds, mask = pad("prompt")
-        neg_embeds, neg_mask = pad("negative_prompt")
+        lengths = (None, None) if text_tokens is None else text_tokens
+        embeds, mask = pad("prompt", lengths[0])
+        neg_embeds, neg_mask = pad("negative_prompt", lengths[1])
         return cls(
             images=cat("images"), latents=cat("latents"), log_probs=cat("log_probs"),
             sigmas=batches[0].sigmas, step_index=cat("step_index"), prompt_embeds=embeds,
