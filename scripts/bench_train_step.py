@@ -125,7 +125,9 @@ def bench_torch(cfg, args, batch, ceiling, shapes, tc):
     from diffusers import QwenImageTransformer2DModel
     from peft import LoraConfig, set_peft_model_state_dict
 
+    from jaxflow_bench.torch_step import clipped_objective
     from jaxflow_bridge.rollout import sde as tsde
+    from jaxflow_bridge.rollout.sampling import cfg_combine
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(dev):
@@ -165,15 +167,13 @@ def bench_torch(cfg, args, batch, ceiling, shapes, tc):
                 v = model(hidden_states=torch.cat([x, x]).to(torch.bfloat16), timestep=torch.cat([sig, sig]),
                           encoder_hidden_states=txt, encoder_hidden_states_mask=mask, img_shapes=grid,
                           return_dict=False)[0].float()
-                vp, vn = v.chunk(2)
-                comb = vn + tc.guidance * (vp - vn)
-                v = comb * (vp.norm(dim=-1, keepdim=True) / comb.norm(dim=-1, keepdim=True))
+                v = cfg_combine(*v.chunk(2), tc.guidance)
                 _, logp, _, _ = tsde.sde_step(x, v, sig, sigmas[idx + 1].expand_as(sig), sigmas[1],
                                               sde_type=tc.sde_type, noise_level=1.2,
                                               prev_sample=t["latents"][rows, w + 1])
-                ratio = torch.exp(logp - t["log_probs"][rows, w])
-                adv = t["advantages"][rows].clamp(-tc.adv_clip, tc.adv_clip)
-                loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - tc.clip_range, 1 + tc.clip_range)).mean()
+                terms, _ = clipped_objective(logp, t["log_probs"][rows, w], t["advantages"][rows], tc.clip_range,
+                                             tc.adv_clip)
+                loss = terms.mean()
                 (loss / (m * len(WINDOW))).backward()
         torch.nn.utils.clip_grad_norm_(lora_params, tc.max_grad_norm)
         opt.step()

@@ -13,7 +13,7 @@ import jaxflow_bridge.rollout
 from jaxflow_bridge.contract.schedule import sigma_schedule
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.rollout.pipeline import RolloutPipeline
-from jaxflow_bridge.rollout.sampling import DECODE_PIXELS, Fp32Timestep, SamplingParams, decode_batch
+from jaxflow_bridge.rollout.sampling import DECODE_PIXELS, Fp32Timestep, SamplingParams, cfg_combine, decode_batch
 from jaxflow_bridge.rollout.sde import sde_step
 from jaxflow_bridge.rollout.server import create_rollout_server
 
@@ -101,6 +101,28 @@ def test_replaying_the_window_gives_ratio_one(pipe, batch):
         _, log_prob, _, _ = sde_step(x, v, sigma, sigma_next, batch.sigmas[1], sde_type="sde", noise_level=1.2,
                                      prev_sample=torch.from_numpy(batch.latents[:, k + 1]))
         np.testing.assert_allclose(log_prob.numpy(), batch.log_probs[:, k], atol=1e-5)
+
+
+def test_cfg_combine_is_the_norm_rescaled_guidance_formula():
+    rng = np.random.default_rng(0)
+    pos, neg = rng.standard_normal((2, 3, 5, 16))
+    comb = neg + 4.0 * (pos - neg)
+    want = comb * np.linalg.norm(pos, axis=-1, keepdims=True) / np.linalg.norm(comb, axis=-1, keepdims=True)
+    got = cfg_combine(torch.from_numpy(pos).float(), torch.from_numpy(neg).float(), 4.0)
+    assert got.dtype == torch.float32
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_cfg_velocity_combines_the_positive_and_negative_velocities(pipe, batch):
+    """velocity with true CFG is cfg_combine of the velocities of each text alone (batched call: to float32
+    rounding of the padded rows)."""
+    x, sigma = torch.from_numpy(batch.latents[:, 0]), batch.sigmas[batch.step_index[:, 0]]
+    pos, pos_mask, neg, neg_mask = (torch.from_numpy(a) for a in (
+        batch.prompt_embeds, batch.prompt_mask, batch.negative_prompt_embeds, batch.negative_prompt_mask))
+    v = pipe.velocity(x, sigma, pos, pos_mask, neg, neg_mask, cfg_scale=4.0, grid=GRID)
+    v_pos = pipe.velocity(x, sigma, pos, pos_mask, grid=GRID)
+    v_neg = pipe.velocity(x, sigma, neg, neg_mask, grid=GRID)
+    np.testing.assert_allclose(v.numpy(), cfg_combine(v_pos, v_neg, 4.0).numpy(), atol=1e-5)
 
 
 def test_equal_seeds_are_deterministic_and_base_seed_counts_up(pipe):

@@ -138,6 +138,14 @@ def decode_batch(height: int, width: int) -> int:
     return max(1, DECODE_PIXELS // (height * width))
 
 
+def cfg_combine(pos: torch.Tensor, neg: torch.Tensor, scale: float) -> torch.Tensor:
+    """True CFG with norm rescale: comb = neg + scale (pos - neg), times |pos| / |comb| per token (norms over the
+    last, channel dim). `pos` and `neg` are the float32 velocities of the positive and negative text."""
+    comb = neg + scale * (pos - neg)
+    return comb * (torch.linalg.vector_norm(pos, dim=-1, keepdim=True)
+                   / torch.linalg.vector_norm(comb, dim=-1, keepdim=True))
+
+
 def _pad_text(embeds: list[torch.Tensor], length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad (L_i, D) embeds to (B, length, D) with zeros and a bool mask."""
     out = embeds[0].new_zeros(len(embeds), length, embeds[0].shape[-1])
@@ -219,8 +227,7 @@ class SamplingLoop:
         or two over B (`cfg_forward`).
 
         Text: (B, L, D) embeds with (B, L) bool masks, right-padded. grid: the packed (rows, cols), rows * cols = S.
-        With negatives and cfg_scale > 1: comb = v_neg + g (v_pos - v_neg), rescaled per token to the norm of
-        v_pos over the channels (in float32).
+        With negatives and cfg_scale > 1: `cfg_combine` of the two (in float32).
         """
         x = latents.to(self.device, torch.float32)
         batch = x.shape[0]
@@ -235,9 +242,7 @@ class SamplingLoop:
             text = torch.cat([_right_pad(prompt_embeds, length), _right_pad(negative_embeds, length)])
             mask = torch.cat([_right_pad(prompt_mask, length), _right_pad(negative_mask, length)])
             pos, neg = self._forward(torch.cat([x, x]), sigma.repeat(2), text, mask, grid).split(batch)
-        comb = neg + cfg_scale * (pos - neg)
-        return comb * (torch.linalg.vector_norm(pos, dim=-1, keepdim=True)
-                       / torch.linalg.vector_norm(comb, dim=-1, keepdim=True))
+        return cfg_combine(pos, neg, cfg_scale)
 
     def _forward(self, x, sigma, text, mask, grid) -> torch.Tensor:
         """One transformer call: float32 (N, S, C) latents, float32 (N,) sigma, (N, L, D) text, (N, L) mask."""
