@@ -3,18 +3,21 @@
     python scripts/mini_ocr_eval.py --pipeline OUT/pipeline [--lora RUN/lora_final] --prompts data/mini_ocr/test.txt
         --json OUT/eval/before.json --grid OUT/eval/before.png [--num 200 --steps 10 --guidance 4.0]
 
-Sampling is the trainer's eval (`jaxflow.config.sampling(eval_mode=True)`): deterministic ODE, one image per prompt
-from seed = its index, on the rollout's own `RolloutPipeline`; scores are `OcrReward`. The grid shows the first 32.
+Sampling is the trainer's eval of configs/mini_ocr.py (`jaxflow.config.sampling(eval_mode=True)`; --steps and
+--guidance replace its eval.num_steps and eval.guidance): deterministic ODE, one image per prompt from seed = its
+index, on the rollout's own `RolloutPipeline`; scores are `OcrReward`. The grid shows the first 32.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import time
 from pathlib import Path
 
 import numpy as np
 
+from jaxflow import config as config_lib
 from jaxflow.data import load_prompts
 from jaxflow.metrics_log import image_grid
 from jaxflow_bridge.contract.lora import read_peft
@@ -22,15 +25,32 @@ from jaxflow_bridge.rewards.ocr import OcrReward
 from jaxflow_bridge.rollout.pipeline import RolloutPipeline
 from jaxflow_bridge.rollout.sampling import SamplingParams
 
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "mini_ocr.py"
 
-def evaluate(pipeline: Path, prompts: list[str], lora: Path | None = None, steps: int = 10, guidance: float = 4.0,
-             height: int = 64, width: int = 128, device: str | None = None, chunk: int = 64) -> dict:
+
+def eval_sampling(steps: int | None = None, guidance: float | None = None) -> SamplingParams:
+    """configs/mini_ocr.py's eval sampling (`jaxflow.config.sampling(eval_mode=True)`); `steps` and `guidance`, where
+    given, replace its eval.num_steps and eval.guidance."""
+    spec = importlib.util.spec_from_file_location("mini_ocr", CONFIG)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = module.get_config()
+    if steps is not None:
+        cfg.eval.num_steps = steps
+    if guidance is not None:
+        cfg.eval.guidance = guidance
+    return SamplingParams.from_dict(config_lib.sampling(cfg, eval_mode=True))
+
+
+def evaluate(pipeline: Path, prompts: list[str], lora: Path | None = None, steps: int | None = None,
+             guidance: float | None = None, device: str | None = None, chunk: int = 64) -> dict:
+    """OCR scores (mean, standard error, per prompt) and images of one `eval_sampling(steps, guidance)` image per
+    prompt, seeded by its index."""
     pipe = RolloutPipeline.from_pretrained(pipeline, "float32", device)
     if lora is not None:
         tensors, config = read_peft(lora)
         pipe.update_lora(tensors, 1, config)
-    sampling = SamplingParams(height=height, width=width, num_inference_steps=steps, true_cfg_scale=guidance,
-                              max_sequence_length=32, sde_type="ode", noise_level=0.0, sde_window_size=None)
+    sampling = eval_sampling(steps, guidance)
     images = np.concatenate([pipe.generate(prompts[i:i + chunk], 1, sampling, list(range(i, i + len(
         prompts[i:i + chunk])))).images for i in range(0, len(prompts), chunk)])
     scores = OcrReward()(images, prompts)
@@ -44,8 +64,8 @@ def main(argv=None) -> None:
     p.add_argument("--lora", type=Path, default=None, help="a PEFT folder, e.g. RUN_DIR/lora_final")
     p.add_argument("--prompts", type=Path, required=True)
     p.add_argument("--num", type=int, default=200)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--guidance", type=float, default=4.0)
+    p.add_argument("--steps", type=int, help="denoising steps (default: the config's eval.num_steps, 10)")
+    p.add_argument("--guidance", type=float, help="true CFG scale (default: the config's eval.guidance, 4)")
     p.add_argument("--device", default=None)
     p.add_argument("--json", type=Path, required=True)
     p.add_argument("--grid", type=Path, required=True)

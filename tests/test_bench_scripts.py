@@ -1,5 +1,6 @@
 """Benchmark scripts' code paths at toy size on the CPU (their figures come from GPU runs, BENCHMARKS.md), and the
 scripts' layout: command lines over the jaxflow_bench package, none importing another."""
+import dataclasses
 import importlib.util
 import json
 import re
@@ -8,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from jaxflow_bridge.rollout.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 IMPORT = re.compile(r"^\s*(?:from\s+([\w.]+)\s+import\b|import\s+([\w.]+))", re.M)
@@ -86,3 +89,13 @@ def test_mini_ocr_breakdown_counts_prompts_by_score_and_change():
                                             after=dict(zero=1, partial=3, perfect=1), rose=2, fell=1, same=2)
     with pytest.raises(ValueError, match="evaluate the same prompts"):
         breakdown(before, after[:4])
+
+
+def test_mini_ocr_eval_samples_as_the_configs_eval():
+    """scripts/mini_ocr_eval.py samples as configs/mini_ocr.py's eval (the settings it wrote by hand before, but for
+    sde_window_range, which an ODE run over every step ignores), --steps and --guidance replacing the eval's."""
+    eval_sampling = load_script("mini_ocr_eval").eval_sampling
+    by_hand = SamplingParams(height=64, width=128, num_inference_steps=10, true_cfg_scale=4.0, max_sequence_length=32,
+                             sde_type="ode", noise_level=0.0, sde_window_size=None)
+    assert eval_sampling() == dataclasses.replace(by_hand, sde_window_range=(0, 9))
+    assert eval_sampling(4, 1.0) == dataclasses.replace(eval_sampling(), num_inference_steps=4, true_cfg_scale=1.0)
