@@ -1,7 +1,9 @@
 """Training config: validation before anything heavy starts, and the typed objects derived from it."""
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
+from types import ModuleType
 
 from ml_collections import ConfigDict
 
@@ -18,6 +20,15 @@ TINY_HINT = "configs/tiny_ocr.py (the embedded tiny offline model)"
 
 class UserError(ValueError):
     """Input the user must fix (config, flags, run directory): the command line prints the message alone, exit 2."""
+
+
+def config_module(path: str | Path) -> ModuleType:
+    """A config file (`--config path.py`: its `get_config(...)`, and whatever else it defines) as a module."""
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _fail(key: str, message: str):

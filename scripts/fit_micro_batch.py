@@ -10,20 +10,17 @@ DIR: a full-size pipeline folder (scripts/make_random_pipeline.py --no-transform
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import time
 from pathlib import Path
 
+from jaxflow.config import config_module
 from jaxflow_bench.results import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def recipe(model: str, prompts: int):
-    spec = importlib.util.spec_from_file_location("qwen_ocr", ROOT / "configs" / "qwen_ocr.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cfg = module.get_config()
+    cfg = config_module(ROOT / "configs" / "qwen_ocr.py").get_config()
     cfg.model.update(path=model, init="random")
     cfg.sample.update(prompts_per_step=prompts, prompts_per_call=min(4, prompts))
     return cfg

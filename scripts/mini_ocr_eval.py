@@ -10,7 +10,6 @@ index, on the rollout's own `RolloutPipeline`; scores are `OcrReward`. The grid 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import time
 from pathlib import Path
@@ -31,10 +30,7 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "mini_ocr.py"
 def eval_sampling(steps: int | None = None, guidance: float | None = None) -> SamplingParams:
     """configs/mini_ocr.py's eval sampling (`jaxflow.config.sampling(eval_mode=True)`); `steps` and `guidance`, where
     given, replace its eval.num_steps and eval.guidance."""
-    spec = importlib.util.spec_from_file_location("mini_ocr", CONFIG)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cfg = module.get_config()
+    cfg = config_lib.config_module(CONFIG).get_config()
     if steps is not None:
         cfg.eval.num_steps = steps
     if guidance is not None:

@@ -7,7 +7,6 @@
 - the train-step tests' tiny LoRA model and sampled batch (TINY, GRID, SEEDS, GROUPS, inputs, tiny_lora_model,
   sampled_batch; conftest.py's `lora_model` fixture is tiny_lora_model())
 """
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -17,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxflow.config import config_module
 from jaxflow.models.config import ModelOptions, QwenImageConfig
 from jaxflow.models.lora import LoRAParam, LoRASpec
 from jaxflow.models.transformer import QwenImageTransformer
@@ -29,10 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def tiny_config(run_dir, **train):
-    spec = importlib.util.spec_from_file_location("tiny_ocr", ROOT / "configs" / "tiny_ocr.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cfg = module.get_config()
+    cfg = config_module(ROOT / "configs" / "tiny_ocr.py").get_config()
     cfg.run_dir = str(run_dir)
     cfg.data.train, cfg.data.test = str(ROOT / cfg.data.train), str(ROOT / cfg.data.test)
     cfg.log.progress = cfg.log.tensorboard = False

@@ -1,11 +1,11 @@
 """The mini OCR proof's model side at toy size: the VAE trains, the folder builds and encodes, flow-matching
 pretraining lowers its loss, and the saved folder loads in the torch rollout and the JAX trainer alike."""
-import importlib.util
 import json
 
 import numpy as np
 import pytest
 
+from jaxflow.config import config_module
 from jaxflow_bridge.mini_ocr.folder import build_folder, encode_text
 from jaxflow_bridge.mini_ocr.render import render_dataset
 from jaxflow_bridge.mini_ocr.vae import build_vae, pack, posterior_means, train_vae
@@ -16,10 +16,7 @@ WORDS = split(4000, 200)[0][:8]
 
 
 def mini_config(variant=""):
-    spec = importlib.util.spec_from_file_location("mini_ocr", ROOT / "configs" / "mini_ocr.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(variant)
+    return config_module(ROOT / "configs" / "mini_ocr.py").get_config(variant)
 
 
 @pytest.fixture(scope="module")

@@ -137,12 +137,8 @@ def test_the_nft_step_needs_the_final_latents_and_refuses_flowgrpo_settings(tiny
 
 
 def test_the_mini_ocr_arms_validate_and_set_what_they_name():
-    import importlib.util
-
     from jaxflow import config as config_lib
-    spec = importlib.util.spec_from_file_location("mini_ocr", ROOT / "configs" / "mini_ocr.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = config_lib.config_module(ROOT / "configs" / "mini_ocr.py")
     seen = {}
     for variant in module.VARIANTS:
         cfg = module.get_config(variant)

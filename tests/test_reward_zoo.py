@@ -120,16 +120,11 @@ def test_the_trainer_stops_with_one_line_when_a_reward_checkpoint_is_incomplete(
 def test_the_pickscore_recipe_is_the_ocr_recipe_with_its_reward_and_prompts(tiny_path):
     """configs/qwen_pickscore.py: flow_grpo's pickscore_qwenimage differs from the OCR recipe in reward and prompts
     only; its prompt files (no quoted targets) are asked for at start."""
-    import importlib.util
-
     from jaxflow import config as config_lib
     from jaxflow.run_dir import flatten
 
     def load(name):
-        spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module.get_config()
+        return config_lib.config_module(ROOT / "configs" / f"{name}.py").get_config()
 
     pick, ocr = load("qwen_pickscore"), load("qwen_ocr")
     a, b = flatten(pick.to_dict()), flatten(ocr.to_dict())

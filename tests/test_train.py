@@ -103,7 +103,6 @@ def test_jax_on_cpu_with_a_cuda_rollout_is_refused(tmp_path, monkeypatch):
 def test_the_cpu_overrides_named_for_qwen_ocr_are_all_it_needs(tmp_path):
     """Following the hint of a GPU recipe on a CPU machine leads to no second error: qwen_ocr with every override
     the message names validates, and its model options build a model on the CPU."""
-    import importlib.util
 
     from flax import nnx
 
@@ -111,10 +110,7 @@ def test_the_cpu_overrides_named_for_qwen_ocr_are_all_it_needs(tmp_path):
     from jaxflow.models.transformer import QwenImageTransformer
     from jaxflow.train import CPU_OVERRIDES
     from tests.qwen_ref import TINY
-    spec = importlib.util.spec_from_file_location("qwen_ocr", ROOT / "configs" / "qwen_ocr.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cfg = module.get_config()
+    cfg = config_lib.config_module(ROOT / "configs" / "qwen_ocr.py").get_config()
     cfg.model.path = "tiny"
     for item in CPU_OVERRIDES.split():
         key, value = item.removeprefix("--config.").split("=", 1)
