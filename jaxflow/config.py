@@ -42,6 +42,9 @@ def check_layout(cfg, backend: str, devices: int) -> None:
     """After JAX starts: the colocated layout on GPUs runs one engine on each of the trainer's `devices` (all
     processes'), so every GPU both rolls out and trains; fewer engines would leave GPUs idle while the rollout runs."""
     r = cfg.rollout
+    if r.share_weights and (devices != 1 or r.device.partition(":")[0] != {"gpu": "cuda"}.get(backend, backend)):
+        _fail("rollout.share_weights", f"needs the trainer on one device of the engine's kind: {devices} "
+                                       f"{backend} device(s), rollout.device={r.device!r}")
     if r.layout == "colocated" and backend == "gpu" and r.num_gpus > 0 and r.num_servers != devices:
         _fail("rollout.num_servers", f"{r.num_servers}: the colocated layout runs one engine on each of the trainer's "
                                      f"{devices} GPUs: set --config.rollout.num_servers={devices} (or "
@@ -93,6 +96,16 @@ def validate(cfg: ConfigDict) -> None:
     if layout == "in_process" and cfg.rollout.num_servers != 1:
         _fail("rollout.num_servers", f"{cfg.rollout.num_servers}: the in_process layout runs one engine, in the "
                                      f"trainer's process; use rollout.layout='colocated' for one per device")
+    if cfg.rollout.share_weights and (layout != "in_process" or cfg.rollout.engine != "diffusers"):
+        _fail("rollout.share_weights", f"serves the trainer's base weights to an engine in its process: it needs "
+                                       f"rollout.layout='in_process' and rollout.engine='diffusers', not "
+                                       f"{layout!r} / {cfg.rollout.engine!r}")
+    if cfg.rollout.share_weights and cfg.rollout.dtype != cfg.model.param_dtype:
+        _fail("rollout.share_weights", f"the engine runs the trainer's weights as they are: set rollout.dtype to "
+                                       f"model.param_dtype ({cfg.model.param_dtype!r}, not {cfg.rollout.dtype!r})")
+    if cfg.rollout.share_weights and cfg.rollout.sleep_while_training:
+        _fail("rollout.share_weights", "the shared weights are the trainer's and cannot sleep: leave "
+                                       "rollout.sleep_while_training False")
     if cfg.rollout.compile and cfg.rollout.engine != "diffusers":
         _fail("rollout.compile", "is an option of the diffusers engine; leave it False with "
                                  f"rollout.engine={cfg.rollout.engine!r}")

@@ -14,6 +14,7 @@ import numpy as np
 
 from jaxflow import config as config_lib
 from jaxflow import phases
+from jaxflow.base_share import torch_base_weights
 from jaxflow.data import GroupSampler, load_prompts
 from jaxflow.flowgrpo import compute_advantages
 from jaxflow.lora_sync import SharedLoRA, device_peft_tensors, device_target
@@ -96,10 +97,14 @@ class Driver:
                   "cfg_forward": r.cfg_forward}
         if r.compile:
             engine["compile"] = True
-        if self.cfg.model.init == "random":
+        if r.share_weights:  # the engine serves the trainer's own arrays (jaxflow/base_share.py)
+            engine["base_weights"] = "shared"
+        elif self.cfg.model.init == "random":
             engine["random_seed"] = self.cfg.seed  # the rollout draws the same base weights (fingerprint below)
         transport = LocalTransport() if in_process else RayTransport(r.num_cpus, r.num_gpus, r.max_retries)
         self.rollout = RolloutGroup(engine, r.num_servers, transport)
+        if r.share_weights:
+            self.rollout.share_base_weights(torch_base_weights(model))
         mine = fingerprint(model)
         infos = self.rollout.info()
         for info in infos:

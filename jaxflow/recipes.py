@@ -77,6 +77,7 @@ HELP: dict[str, str] = {
     "rollout.overlap": "True: step k+1's rollout runs while step k trains, one step off-policy; needs layout 'split' "
                        "(docs/design.md)",
     "rollout.compile": "diffusers engine only: torch.compile the transformer block",
+    "rollout.share_weights": "True: the in_process diffusers engine runs on the trainer's base weights (one copy)",
     "rollout.cfg_forward": "true CFG's two rows: 'batched' (one forward, text padded to one length) or 'split' (a "
                            "forward each)",
     "sample.height": "image height in pixels: a multiple of 2 x the VAE's spatial factor (16 for Qwen-Image)",
@@ -181,6 +182,8 @@ def base() -> ml_collections.ConfigDict:
                      # recipe on one GPU); the trainer warns if set there
                      sleep_while_training=False,
                      layout="colocated", overlap=False, compile=False,
+                     # off: only the diffusers engine in the trainer's process (layout "in_process") can share
+                     share_weights=False,
                      # "split": no attention mask within a prompt group; vLLM-Omni's rollout 1.05x with the LoRA,
                      # 1.07x without (BENCHMARKS.md, true CFG)
                      cfg_forward="split")

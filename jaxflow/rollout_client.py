@@ -115,6 +115,13 @@ class RolloutGroup:
     def info(self) -> list[dict]:
         return self._all("info")
 
+    def share_base_weights(self, tensors: dict) -> list[dict]:
+        """Every server serves `tensors` (torch views of the trainer's base weights) as its base, not copied; the
+        servers' info(). In process only."""
+        if not self.transport.device_tensors:
+            raise RuntimeError("shared base weights need the engine in the trainer's process (LocalTransport)")
+        return self._all("share_base_weights", tensors)
+
     def generate(self, prompts: list[str], n: int, sampling: dict, seeds: np.ndarray, prompts_per_call: int,
                  on_chunk=None, text_tokens: tuple[int, int] | None = None) -> TrajectoryBatch:
         """B = len(prompts) * n samples in prompt order; chunks of `prompts_per_call` prompts go round-robin to

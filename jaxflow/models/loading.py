@@ -67,7 +67,8 @@ def _report(problems: list[str], what: str) -> None:
         raise ValueError(f"{what}: {len(problems)} problem(s); first {min(20, len(problems))}: {problems[:20]}")
 
 
-def _leaf(state: nnx.State, path):
+def state_leaf(state: nnx.State, path):
+    """The variable at `path` (a keymap Entry's flax_path) of an nnx state."""
     node = state
     for p in path:
         node = node[p]
@@ -77,7 +78,7 @@ def _leaf(state: nnx.State, path):
 def _check(source: TensorSource, entries, abstract: nnx.State, num_layers: int) -> None:
     problems, expected = [], set()
     for e in entries:
-        var = _leaf(abstract, e.flax_path)
+        var = state_leaf(abstract, e.flax_path)
         per_layer = var.shape[1:] if e.stacked else var.shape
         want = tuple(per_layer[::-1]) if e.transpose else tuple(per_layer)
         for key in e.diffusers_keys(num_layers):
@@ -127,7 +128,7 @@ def assemble(cfg: QwenImageConfig, opts: ModelOptions, lora: LoRASpec | None, se
     if check is not None:
         check(base)
     for e in keymap.transformer_key_map():
-        var = _leaf(base, e.flax_path)
+        var = state_leaf(base, e.flax_path)
         shard = sharding(e.flax_path, var.get_metadata().get("logical_axes"), var.shape) if sharding else None
         var.set_value(value(e, var, shard))
     if lora is not None:
@@ -160,7 +161,7 @@ def to_diffusers_state_dict(model: QwenImageTransformer, merge_lora: bool = Fals
     for e in keymap.transformer_key_map():
         value = merged.get(e.flax_path)
         if value is None:  # a stack, or one array per block (unstack_blocks)
-            value = np.asarray(_leaf(base, e.flax_path).get_value())
+            value = np.asarray(state_leaf(base, e.flax_path).get_value())
         layers = value if e.stacked else value[None]
         for key, layer in zip(e.diffusers_keys(model.cfg.num_layers), layers):
             out[key] = np.ascontiguousarray(layer.T if e.transpose else layer)
@@ -181,7 +182,7 @@ def fingerprint(model: QwenImageTransformer) -> str:
     base = nnx.state(model, nnx.Param)
     heads = {}
     for e in keymap.transformer_key_map():
-        var = _leaf(base, e.flax_path)
+        var = state_leaf(base, e.flax_path)
         for i, key in enumerate(e.diffusers_keys(model.cfg.num_layers)):
             t = var[i] if e.stacked else var[...]
             if e.transpose:  # torch (out, in): its first elements are the first columns of the (in, out) kernel

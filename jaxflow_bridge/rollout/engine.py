@@ -46,6 +46,11 @@ class RolloutEngine(abc.ABC):
         from jaxflow_bridge.contract.lora_shm import read_arrays
         return self.update_lora(read_arrays(manifest), version, adapter_config)
 
+    def share_base_weights(self, tensors: dict) -> dict:
+        """Serve base weights given as torch tensors in the engine's process, without a copy; returns info().
+        Engines that keep their own weights refuse."""
+        raise NotImplementedError(f"the {self.name} engine keeps its own base weights")
+
     @abc.abstractmethod
     def sleep(self) -> int:
         """Free the engine's GPU memory until `wake`; returns the bytes freed."""

@@ -5,8 +5,10 @@ tiny random pipeline), `dtype` ("bfloat16" default, or "float32"), `device` (def
 `random_seed` (optional: ignore the folder's transformer weights and draw them from this seed on the device,
 `jaxflow_bridge/contract/random_weights.py`; the trainer with `model.init=random` draws the same), `compile` (optional: compile the
 transformer's repeated block once with torch.compile, dynamic shapes; inductor fuses the eager elementwise kernels),
-`cfg_forward` ("batched" or "split": true CFG's rows in one forward or two, `jaxflow_bridge.rollout.sampling`).
-Everything crossing the engine boundary is numpy or plain Python.
+`cfg_forward` ("batched" or "split": true CFG's rows in one forward or two, `jaxflow_bridge.rollout.sampling`),
+`base_weights` ("own", default, or "shared": the transformer's weights come from `share_base_weights`, torch
+tensors of the trainer's in the same process, not copied; `jaxflow_bridge/rollout/shared_weights.py`).
+Everything crossing the engine boundary is numpy or plain Python, but the shared weights (in process only).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ class DiffusersEngine(RolloutEngine):
     """The `RolloutEngine` interface over one `RolloutPipeline`."""
 
     name = "diffusers"
-    config_keys = ("engine", "model", "dtype", "device", "random_seed", "compile", "cfg_forward")
+    config_keys = ("engine", "model", "dtype", "device", "random_seed", "compile", "cfg_forward", "base_weights")
 
     def __init__(self, config: dict):
         self.check_config(config)
@@ -32,13 +34,32 @@ class DiffusersEngine(RolloutEngine):
             from jaxflow_bridge.rollout.tiny import tiny_pipeline_path
 
             model = tiny_pipeline_path()
+        base = config.get("base_weights", "own")
+        if base not in ("own", "shared") or (base == "shared" and config.get("random_seed") is not None):
+            raise ValueError(f"base_weights: {base!r}; choose 'own' or 'shared' (without random_seed: the shared "
+                             "weights are the trainer's)")
         self.pipeline = RolloutPipeline.from_pretrained(model, config.get("dtype", "bfloat16"), config.get("device"),
-                                                        random_seed=config.get("random_seed"))
+                                                        random_seed=config.get("random_seed"),
+                                                        shared_base=base == "shared")
+        self.shared_base = base == "shared"
         self.pipeline.cfg_forward = cfg_forward
         self.device = self.pipeline.device
         if config.get("compile"):  # lazy: the first generate compiles (with the LoRA layers bound by then)
             self.pipeline.transformer.compile_repeated_blocks(dynamic=True)
         self.asleep = False
+
+    def check_awake(self) -> None:
+        super().check_awake()
+        if self.pipeline.fingerprint is None:
+            raise RuntimeError("the rollout engine waits for its base weights: call share_base_weights first")
+
+    def share_base_weights(self, tensors: dict) -> dict:
+        """Serve the trainer's base weights (diffusers name -> torch tensor on the engine's device, in its dtype)
+        without a copy; returns info()."""
+        if not self.shared_base:
+            raise RuntimeError("this engine keeps its own base weights: start it with base_weights='shared'")
+        self.pipeline.share_base_weights(tensors)
+        return self.info()
 
     def generate(self, prompts: list[str], n: int, sampling: dict | None = None, seeds=None) -> dict:
         """TrajectoryBatch.to_dict() of B = len(prompts) * n samples (see RolloutPipeline.generate)."""
@@ -54,6 +75,8 @@ class DiffusersEngine(RolloutEngine):
     def sleep(self) -> int:
         """Move the text encoder, VAE and transformer (LoRA included) to CPU; returns the GPU bytes freed (a no-op
         returning 0 on CPU)."""
+        if self.shared_base:
+            raise RuntimeError("an engine on the trainer's shared base weights cannot sleep: they are the trainer's")
         if self.device.type == "cpu" or self.asleep:
             return 0
         before = torch.cuda.memory_reserved(self.device)
@@ -72,4 +95,5 @@ class DiffusersEngine(RolloutEngine):
         p = self.pipeline
         return {"engine": self.name, "device": str(self.device), "dtype": str(p.dtype).removeprefix("torch."),
                 "policy_version": p.policy_version, "model": p.model_path, "fingerprint": p.fingerprint,
-                "size_multiple": p.size_multiple, "lora_modules": p.lora.bound_modules(), "asleep": self.asleep}
+                "size_multiple": p.size_multiple, "lora_modules": p.lora.bound_modules(), "asleep": self.asleep,
+                "base_weights": "shared" if self.shared_base else "own"}

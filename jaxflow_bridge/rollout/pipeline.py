@@ -14,6 +14,7 @@ import torch
 from jaxflow_bridge.rollout.lora_apply import LoraApplier
 from jaxflow_bridge.rollout.random_init import random_transformer
 from jaxflow_bridge.rollout.sampling import Fp32Timestep, SamplingLoop
+from jaxflow_bridge.rollout.shared_weights import empty_transformer, share_parameters, waiting_for_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 FINGERPRINT_ELEMENTS = 4096
@@ -60,27 +61,32 @@ class RolloutPipeline(SamplingLoop):
         self.vae_scale_factor = pipe.vae_scale_factor
         self.device, self.model_path = torch.device(device), model_path
         for module in self.modules:
-            module.to(self.device).eval().requires_grad_(False)
-        self.fingerprint = weights_fingerprint(self.transformer.state_dict().items())
+            if not waiting_for_weights(module):  # a transformer built for shared weights waits for them
+                module.to(self.device)
+            module.eval().requires_grad_(False)
+        self.fingerprint = (None if waiting_for_weights(self.transformer) else
+                            weights_fingerprint(self.transformer.state_dict().items()))
         self.fp32_timestep = Fp32Timestep(self.transformer)
         self.lora = LoraApplier(self.transformer)
         self.policy_version = 0
 
     @classmethod
     def from_pretrained(cls, path, dtype: str = "bfloat16", device: str | None = None,
-                        random_seed: int | None = None) -> RolloutPipeline:
+                        random_seed: int | None = None, shared_base: bool = False) -> RolloutPipeline:
         """Load a diffusers Qwen-Image folder (local only) in `dtype` onto `device` (default: cuda if available).
         With `random_seed`, the transformer's weights are not read: they are drawn on `device` by the shared spec
-        (`jaxflow_bridge/contract/random_weights.py`), so the folder needs only `transformer/config.json`."""
+        (`jaxflow_bridge/contract/random_weights.py`), so the folder needs only `transformer/config.json`. With
+        `shared_base`, they are neither read nor drawn: the transformer waits for `share_base_weights`."""
         from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
 
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         parts = {}
-        if random_seed is not None:
+        if random_seed is not None or shared_base:
             config = QwenImageTransformer2DModel.load_config(Path(path) / "transformer")
-            parts["transformer"] = random_transformer(config, int(random_seed), DTYPES[dtype], device)
+            parts["transformer"] = (empty_transformer(config, DTYPES[dtype]) if shared_base else
+                                    random_transformer(config, int(random_seed), DTYPES[dtype], device))
         pipe = QwenImagePipeline.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True, **parts)
         return cls(pipe, device, str(Path(path)))
 
@@ -97,6 +103,20 @@ class RolloutPipeline(SamplingLoop):
         self.device = torch.device(device)
         for module in self.modules:
             module.to(self.device)
+
+    def share_base_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Serve `tensors` (diffusers name -> tensor on this pipeline's device and dtype, e.g. DLPack views of the
+        trainer's weights) as the transformer's base weights, without a copy (`shared_weights.share_parameters`:
+        checked first, nothing changes on a mismatch); then the fingerprint of what it now holds."""
+        index = self.device.index if self.device.index is not None else (
+            torch.cuda.current_device() if self.device.type == "cuda" else None)
+        wrong = sorted({str(t.device) for t in tensors.values()
+                        if t.device.type != self.device.type or t.device.index not in (index, None)})
+        if wrong:
+            raise ValueError(f"shared base weights on {wrong}, the pipeline runs on {self.device}")
+        share_parameters(self.transformer, tensors)
+        self.transformer.to(self.device)  # its buffers; the parameters are there already
+        self.fingerprint = weights_fingerprint(self.transformer.state_dict().items())
 
     # ------------------------------------------------------------------------------------------ LoRA
 

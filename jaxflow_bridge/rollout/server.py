@@ -54,6 +54,10 @@ class RolloutServer:
         """Serve the adapter in the shared-memory file `manifest` names (a file on the server's host)."""
         return self.engine.update_lora_shared(manifest, version, adapter_config)
 
+    def share_base_weights(self, tensors: dict) -> dict:
+        """Serve the trainer's base weights as torch tensors, not copied (the engine in the trainer's process)."""
+        return self.engine.share_base_weights(tensors)
+
     def sleep(self) -> int:
         """Free the engine's GPU memory until `wake`; returns the bytes freed."""
         return self.engine.sleep()
