@@ -56,7 +56,10 @@ def measure(m: int, k: int, n: int, loop: int = LOOP) -> dict:
     b = jax.random.normal(keys[1], (k, n), jnp.bfloat16)
     c = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
     bt = jnp.asarray(b.T)
-    tflops = lambda seconds: 2 * m * k * n * loop / seconds / 1e12
+
+    def tflops(seconds):
+        return 2 * m * k * n * loop / seconds / 1e12
+
     mm = looped(lambda x, b: x @ b)
     row = {"xla": tflops(best_seconds(mm, a, b)),
            "xla+c": tflops(best_seconds(looped(lambda x, b, c: x @ b + c), a, b, c)),

@@ -1,7 +1,6 @@
 """train.ratio_norm="guard": GRPO-Guard's ratio is exp(mean((mu - mu_old) eps)) for the sampled
 noise eps, the policy term divided by dt; on-policy it is exactly 1; it needs the recompute pass's SDE means."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -156,7 +156,6 @@ def test_trainer_export_is_the_peft_adapter_in_the_engine_dtype(tmp_path):
 def jax_tree_perturb(state):
     """LoRA B starts at zero: give every leaf distinct values so that a misplaced tensor shows."""
     import jax
-    import jax.numpy as jnp
     leaves, treedef = jax.tree.flatten(state)
     keys = jax.random.split(jax.random.key(3), len(leaves))
     return jax.tree.unflatten(treedef, [jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
