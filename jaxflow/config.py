@@ -12,7 +12,7 @@ from jaxflow.models.lora import LoRASpec
 from jaxflow.sharding import ShardingConfig
 from jaxflow.step_config import TrainConfig
 from jaxflow_bridge.contract.schedule import CFG_FORWARDS
-from jaxflow_bridge.rewards.multi import NEED_TARGET, REGISTRY
+from jaxflow_bridge.rewards.registry import NEED_TARGET, REGISTRY
 from jaxflow_bridge.rollout.server import ENGINES
 
 TINY_HINT = "configs/tiny_ocr.py (the embedded tiny offline model)"

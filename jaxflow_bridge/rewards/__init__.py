@@ -6,7 +6,8 @@ Pixel, OCR and VLM rewards in numpy/onnxruntime/HTTP; reward models in torch (tr
 
 from jaxflow_bridge.rewards.base import RewardFn, check_batch
 from jaxflow_bridge.rewards.jpeg import jpeg_compressibility, jpeg_incompressibility
-from jaxflow_bridge.rewards.multi import REGISTRY, MultiReward, build_reward
+from jaxflow_bridge.rewards.multi import MultiReward, build_reward
+from jaxflow_bridge.rewards.registry import REGISTRY
 from jaxflow_bridge.rewards.ocr import OcrReward
 from jaxflow_bridge.rewards.pool import RewardPool
 from jaxflow_bridge.rewards.text import edit_score, extract_target, normalize_text

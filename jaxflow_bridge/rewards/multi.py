@@ -1,50 +1,13 @@
-"""Reward registry and the weighted multi-reward (flow_grpo `multi_score`)."""
+"""The weighted multi-reward (flow_grpo `multi_score`) over the rewards of `registry.REGISTRY`."""
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
 from jaxflow_bridge.rewards.base import RewardFn, check_scores
-from jaxflow_bridge.rewards.jpeg import jpeg_compressibility, jpeg_incompressibility
-from jaxflow_bridge.rewards.ocr import OcrReward
-from jaxflow_bridge.rewards.pixel import brightness
-from jaxflow_bridge.rewards.shuffled import Shuffled
-from jaxflow_bridge.rewards.vlm_judge import VlmJudge
-from jaxflow_bridge.rewards.vlm_ocr import VlmOcrReward
-
-
-def _torch_model(name: str, module: str = "clip") -> Callable[..., RewardFn]:
-    """A factory for reward model `name` of jaxflow_bridge/rewards/<module>.py, imported (with torch and transformers) only
-    when that reward is built."""
-    def build(**options) -> RewardFn:
-        import importlib
-        return getattr(importlib.import_module(f"jaxflow_bridge.rewards.{module}"), name)(**options)
-    return build
-
-
-# name -> factory(**options) -> reward fn
-REGISTRY: dict[str, Callable[..., RewardFn]] = {
-    "ocr": OcrReward,
-    "vlm_ocr": VlmOcrReward,
-    "vlm_judge": VlmJudge,  # a question per image about its prompt (GenEval-style yes/no, or a 1-10 rating)
-    "jpeg_compressibility": lambda: jpeg_compressibility,
-    "jpeg_incompressibility": lambda: jpeg_incompressibility,
-    "brightness": lambda: brightness,
-    # the control of the mini OCR proof: OCR scores permuted across the batch (options: seed, then OcrReward's)
-    "ocr_shuffled": lambda seed=0, **ocr: Shuffled(OcrReward(**ocr), seed),
-    # CLIP-based reward models from local folders (options: path, processor_path, device, dtype, batch_size)
-    "pickscore": _torch_model("PickScore"),
-    "clip_score": _torch_model("ClipScore"),
-    "aesthetic": _torch_model("Aesthetic"),  # also mlp_path
-    "hps": _torch_model("Hps", "hps"),  # HPS v2.1: path = the open_clip checkpoint file, processor_path a folder
-    "image_reward": _torch_model("ImageReward", "image_reward"),  # path, med_config, tokenizer_path
-}
-
-
-# rewards that score the text a prompt asks to render (its first "..."): their prompt files must name one
-NEED_TARGET = frozenset({"ocr", "vlm_ocr", "ocr_shuffled"})
+from jaxflow_bridge.rewards.registry import REGISTRY
 
 
 class MultiReward:

@@ -17,7 +17,7 @@ class _RewardHost:
     """The actor: builds the named reward in its process and scores batches."""
 
     def __init__(self, name: str, options: dict):
-        from jaxflow_bridge.rewards.multi import REGISTRY
+        from jaxflow_bridge.rewards.registry import REGISTRY
 
         self.fn, self.error = None, None
         try:
