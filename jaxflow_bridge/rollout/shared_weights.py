@@ -68,4 +68,4 @@ def share_parameters(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -
                          f"{min(10, len(problems))}: {problems[:10]}")
     for name in params:
         owner, _, attr = name.rpartition(".")
-        model.get_submodule(owner)._parameters[attr] = torch.nn.Parameter(tensors[name], requires_grad=False)
+        setattr(model.get_submodule(owner), attr, torch.nn.Parameter(tensors[name], requires_grad=False))
