@@ -22,8 +22,10 @@ def resolve_implementation(name: str, dtype: str) -> str:
     return name
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array | None, implementation: str) -> jax.Array:
-    """Non-causal attention over (B, S, H, D) with the first kv_len[b] keys visible (None = all).
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array | None, implementation: str,
+              causal: bool = False) -> jax.Array:
+    """Attention over (B, S, H, D) with the first kv_len[b] keys visible (None = all); k/v may have fewer heads (GQA,
+    H a multiple of theirs). causal: query i sees keys <= i (a prefill: same length, kv_len None).
 
     Callers order the joint sequence so that the only masked keys (text padding) are a suffix; this lets
     cuDNN use its padding mask instead of a dense bias.
@@ -33,9 +35,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array | None
         if s % 2:  # cuDNN's backward with a padding mask takes even lengths: one masked key (query dropped) more
             q, k, v = (jnp.pad(t, ((0, 0), (0, 1), (0, 0), (0, 0))) for t in (q, k, v))
             kv_len = jnp.full((q.shape[0],), s, jnp.int32) if kv_len is None else kv_len
-        o = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=kv_len, implementation="cudnn")
+        o = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=kv_len, is_causal=causal,
+                                         implementation="cudnn")
         return o[:, :s]
     mask = None
     if kv_len is not None:
         mask = (jnp.arange(k.shape[1])[None, :] < kv_len[:, None])[:, None, None, :]
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation="xla")

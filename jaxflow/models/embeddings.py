@@ -27,11 +27,11 @@ def timestep_embedding(sigma: jax.Array, dtype) -> jax.Array:
     return jnp.concatenate([jnp.cos(arg), jnp.sin(arg)], axis=-1).astype(dtype)
 
 
-def inv_freq(dim: int) -> np.ndarray:
-    """RoPE's inverse frequencies 10000^(-2i/dim), i < dim/2: the float64 power rounded once to float32, within an
-    ulp of torch.pow(10000, float32 exponent)."""
+def inv_freq(dim: int, theta: float = _ROPE_THETA) -> np.ndarray:
+    """RoPE's inverse frequencies theta^(-2i/dim), i < dim/2: the float64 power rounded once to float32, within an
+    ulp of torch.pow(theta, float32 exponent)."""
     exponent = np.arange(0, dim, 2).astype(np.float32) / np.float32(dim)
-    return (np.float32(1.0) / np.power(np.float64(_ROPE_THETA), exponent.astype(np.float64)).astype(np.float32))
+    return (np.float32(1.0) / np.power(np.float64(theta), exponent.astype(np.float64)).astype(np.float32))
 
 
 def rope_angles(grid_h: int, grid_w: int, txt_len: int, axes_dims: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray]:

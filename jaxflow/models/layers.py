@@ -16,13 +16,13 @@ def _normal(rngs: nnx.Rngs, shape, dtype, std: float) -> jax.Array:
 
 
 class Linear(nnx.Module):
-    """y = x W + b (+ scale * (x A) B when a LoRA adapter is attached). Kernel layout (in, out)."""
+    """y = x W + b (+ scale * (x A) B when a LoRA adapter is attached). Kernel layout (in, out); bias=False: no b."""
 
     def __init__(self, din: int, dout: int, *, axes: Axes, dtype, param_dtype, rngs: nnx.Rngs,
-                 lora: LoRASpec | None = None):
+                 lora: LoRASpec | None = None, bias: bool = True):
         self.dtype = dtype
         self.kernel = nnx.Param(_normal(rngs, (din, dout), param_dtype, din ** -0.5), logical_axes=axes)
-        self.bias = nnx.Param(jnp.zeros((dout,), param_dtype), logical_axes=(axes[1],))
+        self.bias = nnx.Param(jnp.zeros((dout,), param_dtype), logical_axes=(axes[1],)) if bias else None
         self.lora_scaling = None
         if lora is not None:
             self.lora_scaling = lora.alpha / lora.rank
@@ -35,9 +35,10 @@ class Linear(nnx.Module):
         """gemm="pallas" (ModelOptions.lora_gemm): an adapted layer runs as one fused kernel (models/lora_gemm.py),
         every term in the compute dtype, rounded once; layers without an adapter are XLA's GEMM either way."""
         x = x.astype(self.dtype)
-        w, bias = self.kernel.astype(self.dtype), self.bias.astype(self.dtype)
+        w = self.kernel.astype(self.dtype)
+        bias = jnp.zeros((w.shape[1],), self.dtype) if self.bias is None else self.bias.astype(self.dtype)
         if self.lora_scaling is None:
-            return x @ w + bias
+            return x @ w if self.bias is None else x @ w + bias
         # The scale multiplies B (rank x out), not the (tokens x out) product as PEFT does: no full-size
         # multiply forward or backward. Bit-identical to PEFT in any dtype when the scale is a power of two
         # (alpha / rank = 2 in every recipe) or 0; otherwise one rounding fewer.

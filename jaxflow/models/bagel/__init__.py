@@ -1,0 +1,1 @@
+"""BAGEL (mixture-of-transformers Qwen2.5) generation path in Flax NNX (docs/bagel.md)."""

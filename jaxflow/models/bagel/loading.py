@@ -1,0 +1,41 @@
+"""BagelModel <-> arrays keyed by Flax path (bagel_keymap.to_flax / to_checkpoint convert those to and from the
+checkpoint's names)."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxflow.models.bagel.config import BagelConfig
+from jaxflow.models.bagel.model import BagelModel
+from jaxflow.models.config import ModelOptions
+from jaxflow.models.loading import state_leaf
+from jaxflow_bridge.contract import bagel_keymap
+
+
+def build(cfg: BagelConfig, arrays: dict[tuple[str, ...], np.ndarray], opts: ModelOptions = ModelOptions()
+          ) -> BagelModel:
+    """A BagelModel holding `arrays` in its storage dtype; every parameter must be given, at its shape."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: BagelModel(cfg, opts, rngs=nnx.Rngs(0))))
+    entries = bagel_keymap.key_map()
+    params = {path for path, _ in nnx.to_flat_state(nnx.filter_state(state, nnx.Param))}
+    if params != {e.flax_path for e in entries}:
+        raise ValueError(f"BagelModel parameters and the key map differ: "
+                         f"{sorted(params ^ {e.flax_path for e in entries})}")
+    problems = []
+    for e in entries:
+        var, value = state_leaf(state, e.flax_path), arrays.get(e.flax_path)
+        if value is None or tuple(value.shape) != tuple(var.shape):
+            problems.append(f"{'/'.join(e.flax_path)}: got {None if value is None else value.shape}, "
+                            f"model {var.shape}")
+            continue
+        var.set_value(jnp.asarray(value, opts.storage_dtype))
+    if problems:
+        raise ValueError(f"arrays do not fit BagelModel: {problems}")
+    return nnx.merge(graphdef, state)
+
+
+def arrays(model: BagelModel) -> dict[tuple[str, ...], np.ndarray]:
+    """The model's parameters as numpy arrays keyed by Flax path (the inverse of `build`)."""
+    state = nnx.state(model, nnx.Param)
+    return {e.flax_path: np.asarray(state_leaf(state, e.flax_path)[...]) for e in bagel_keymap.key_map()}

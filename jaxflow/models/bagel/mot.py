@@ -1,0 +1,94 @@
+"""BAGEL's mixture-of-transformers decoder layer: every weight twice (understanding and generation experts), each
+token routed to one expert by a static boolean "is generation token" mask, one GQA attention over all tokens."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxflow.models.attention import attention
+from jaxflow.models.bagel.config import BagelConfig
+from jaxflow.models.bagel.embeddings import apply_rope
+from jaxflow.models.config import ModelOptions
+from jaxflow.models.layers import Linear, RMSNorm
+
+
+class Make:
+    """Creates one model's Linear / RMSNorm layers with its dtypes."""
+
+    def __init__(self, opts: ModelOptions, rngs: nnx.Rngs, eps: float = 1e-6):
+        self.opts, self.rngs, self.eps = opts, rngs, eps
+
+    def linear(self, din, dout, axes, bias=True):
+        return Linear(din, dout, axes=axes, dtype=self.opts.compute_dtype, param_dtype=self.opts.storage_dtype,
+                      rngs=self.rngs, bias=bias)
+
+    def rms(self, dim, axis_name):
+        return RMSNorm(dim, axis_name=axis_name, dtype=self.opts.compute_dtype, param_dtype=self.opts.storage_dtype,
+                       eps=self.eps)
+
+
+class Expert(nnx.Module):
+    """One expert of one layer (Qwen2 decoder weights): q/k/v with biases, o and the SiLU-gated MLP without,
+    input / post-attention RMSNorms, per-head q/k RMSNorms."""
+
+    def __init__(self, cfg: BagelConfig, make: Make):
+        d, hd, m = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        self.head_dim = hd
+        self.q_proj = make.linear(d, cfg.num_attention_heads * hd, ("embed", "heads"))
+        self.k_proj = make.linear(d, cfg.num_key_value_heads * hd, ("embed", "kv_heads"))
+        self.v_proj = make.linear(d, cfg.num_key_value_heads * hd, ("embed", "kv_heads"))
+        self.o_proj = make.linear(cfg.num_attention_heads * hd, d, ("heads", "embed"), bias=False)
+        self.q_norm = make.rms(hd, "head_dim")
+        self.k_norm = make.rms(hd, "head_dim")
+        self.input_layernorm = make.rms(d, "embed")
+        self.post_attention_layernorm = make.rms(d, "embed")
+        self.gate_proj = make.linear(d, m, ("embed", "mlp"), bias=False)
+        self.up_proj = make.linear(d, m, ("embed", "mlp"), bias=False)
+        self.down_proj = make.linear(m, d, ("mlp", "embed"), bias=False)
+
+    def qkv(self, h):
+        """Per-head q, k (RMS-normed, before RoPE) and v of the residual stream h (B, S, d)."""
+        x = self.input_layernorm(h)
+        heads = lambda y: y.reshape(*y.shape[:-1], -1, self.head_dim)  # noqa: E731
+        return self.q_norm(heads(self.q_proj(x))), self.k_norm(heads(self.k_proj(x))), heads(self.v_proj(x))
+
+    def mlp(self, h):
+        x = self.post_attention_layernorm(h)
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def route(und_fn, gen_fn, x: jax.Array, is_gen: np.ndarray):
+    """und_fn on the tokens (axis 1) where the static mask is_gen is False, gen_fn on the others, outputs (arrays or
+    tuples of them) put back in token order. The mask is numpy, so each expert computes its own tokens only."""
+    parts = [(fn, idx) for fn, idx in ((und_fn, np.flatnonzero(~is_gen)), (gen_fn, np.flatnonzero(is_gen)))
+             if idx.size]
+    if len(parts) == 1:
+        return parts[0][0](x)
+    outs = [fn(x[:, idx]) for fn, idx in parts]
+    inverse = np.argsort(np.concatenate([idx for _, idx in parts]))
+    return jax.tree.map(lambda *ys: jnp.concatenate(ys, axis=1)[:, inverse], *outs)
+
+
+class MoTLayer(nnx.Module):
+    """Qwen2MoTDecoderLayer: pre-norm attention and MLP residuals, each op by the token's expert."""
+
+    def __init__(self, cfg: BagelConfig, make: Make):
+        self.und = Expert(cfg, make)
+        self.gen = Expert(cfg, make)
+
+    def __call__(self, h, is_gen: np.ndarray, cos, sin, past, kv_len, causal: bool, impl: str):
+        """h (B, S, d); cos/sin (B or 1, S or 1, head_dim/2), the tokens' RoPE; past: this layer's cached context
+        (k, v), each (B, L, kv_heads, head_dim), seen after the tokens' own keys, or None; kv_len (B,) visible keys
+        of [own ; past] (None = all); causal for a prefill. Returns h and the tokens' (k, v) after norm and RoPE."""
+        q, k, v = route(self.und.qkv, self.gen.qkv, h, is_gen)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        own = (k, v)
+        if past is not None:
+            k, v = jnp.concatenate([k, past[0]], axis=1), jnp.concatenate([v, past[1]], axis=1)
+        o = attention(q, k, v, kv_len, impl, causal=causal)
+        o = o.reshape(*o.shape[:2], -1)
+        h = h + route(self.und.o_proj, self.gen.o_proj, o, is_gen)
+        h = h + route(self.und.mlp, self.gen.mlp, h, is_gen)
+        return h, own

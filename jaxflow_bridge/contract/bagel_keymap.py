@@ -1,0 +1,96 @@
+"""The declarative map between BAGEL's checkpoint names (`ema.safetensors`, as vLLM-Omni's BagelPipeline loads
+them) and the Flax BagelModel's parameter tree, plus the numpy conversion both ways.
+
+Pure Python and numpy (no jax/torch). Per-layer keys use `{i}` and map onto the stacked (scan) axis of the Flax
+leaf; each expert's names come from one pattern, `{g}` = "" (understanding) or "_moe_gen" (generation).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from jaxflow_bridge.contract.keymap import Entry
+
+LLM = "language_model.model."
+LAYERS, CHECKPOINT_LAYERS = "layers", LLM + "layers.{i}."
+EXPERTS = {"und": "", "gen": "_moe_gen"}
+# Flax module path -> checkpoint module name; Linear = kernel (the transposed torch weight) and bias when present.
+TOP_LINEARS = {
+    ("time_embedder_1",): "time_embedder.mlp.0",
+    ("time_embedder_2",): "time_embedder.mlp.2",
+    ("vae2llm",): "vae2llm",
+    ("llm2vae",): "llm2vae",
+}
+TOP_NORMS = {("norm_moe_gen",): LLM + "norm_moe_gen"}
+TOP_TABLES = {("embed_tokens",): LLM + "embed_tokens.weight", ("latent_pos_embed",): "latent_pos_embed.pos_embed"}
+# expert leaf -> (checkpoint pattern, has a bias)
+EXPERT_LINEARS = {
+    "q_proj": ("self_attn.q_proj{g}", True),
+    "k_proj": ("self_attn.k_proj{g}", True),
+    "v_proj": ("self_attn.v_proj{g}", True),
+    "o_proj": ("self_attn.o_proj{g}", False),
+    "gate_proj": ("mlp{g}.gate_proj", False),
+    "up_proj": ("mlp{g}.up_proj", False),
+    "down_proj": ("mlp{g}.down_proj", False),
+}
+EXPERT_NORMS = {
+    "q_norm": "self_attn.q_norm{g}",
+    "k_norm": "self_attn.k_norm{g}",
+    "input_layernorm": "input_layernorm{g}",
+    "post_attention_layernorm": "post_attention_layernorm{g}",
+}
+# Checkpoint tensors the trainer's generation path never reads (by prefix): the LM head and the understanding
+# expert's final norm feed text logits only; the ViT, its connector and position table serve image understanding.
+IGNORED_PREFIXES = ("language_model.lm_head.", LLM + "norm.", "vit_model.", "connector.", "vit_pos_embed.")
+
+
+def key_map() -> list[Entry]:
+    """Every parameter of the Flax BagelModel and its checkpoint key (`{i}` for the stacked layers)."""
+    out = [Entry(path, key, False, False) for path, key in TOP_TABLES.items()]
+    for path, name in TOP_LINEARS.items():
+        out += [Entry(path + ("kernel",), f"{name}.weight", True, False), Entry(path + ("bias",), f"{name}.bias",
+                                                                                False, False)]
+    out += [Entry(path + ("scale",), f"{name}.weight", False, False) for path, name in TOP_NORMS.items()]
+    for expert, g in EXPERTS.items():
+        prefix = (LAYERS, expert)
+        for leaf, (pattern, bias) in EXPERT_LINEARS.items():
+            name = CHECKPOINT_LAYERS + pattern.format(g=g)
+            out.append(Entry(prefix + (leaf, "kernel"), f"{name}.weight", True, True))
+            if bias:
+                out.append(Entry(prefix + (leaf, "bias"), f"{name}.bias", False, True))
+        for leaf, pattern in EXPERT_NORMS.items():
+            out.append(Entry(prefix + (leaf, "scale"), f"{CHECKPOINT_LAYERS}{pattern.format(g=g)}.weight", False, True))
+    return out
+
+
+def _check_names(given, expected, what: str) -> None:
+    missing, extra = sorted(set(expected) - set(given)), sorted(set(given) - set(expected))
+    if missing or extra:
+        raise ValueError(f"{what} do not match BAGEL's key map: missing {missing}, unexpected {extra}")
+
+
+def to_flax(tensors: dict[str, np.ndarray], num_layers: int) -> dict[tuple[str, ...], np.ndarray]:
+    """Checkpoint tensors (name -> array in torch layout) -> Flax path -> array (transposed, layers stacked).
+    Ignored names (IGNORED_PREFIXES) are dropped; a missing or unexpected name is reported by name."""
+    entries = key_map()
+    used = {k: v for k, v in tensors.items() if not k.startswith(IGNORED_PREFIXES)}
+    _check_names(used, [k for e in entries for k in e.diffusers_keys(num_layers)], "checkpoint names")
+    out = {}
+    for e in entries:
+        parts = [used[k].T if e.transpose else used[k] for k in e.diffusers_keys(num_layers)]
+        out[e.flax_path] = np.stack(parts) if e.stacked else parts[0]
+    return out
+
+
+def to_checkpoint(params: dict[tuple[str, ...], np.ndarray], num_layers: int) -> dict[str, np.ndarray]:
+    """Flax path -> array back to checkpoint name -> array (torch layout, one tensor per layer)."""
+    entries = key_map()
+    _check_names(params, [e.flax_path for e in entries], "Flax paths")
+    out = {}
+    for e in entries:
+        value = params[e.flax_path]
+        if e.stacked and value.shape[0] != num_layers:
+            raise ValueError(f"{'/'.join(e.flax_path)} stacks {value.shape[0]} layers, expected {num_layers}")
+        for i, key in enumerate(e.diffusers_keys(num_layers)):
+            v = value[i] if e.stacked else value
+            out[key] = v.T if e.transpose else v
+    return out
