@@ -58,10 +58,9 @@ class BagelModel(nnx.Module):
 
         return jax.lax.scan(body, h, (state, past))
 
-    def prefill(self, context_ids: jax.Array, context_mask: jax.Array) -> KVCache:
-        """Every layer's K/V of the right-padded context (B, L) (mask True on its tokens): understanding expert,
-        causal, token j at RoPE position j. Padded rows hold values no query sees."""
-        del context_mask  # causal: a valid token's keys are all before it; padding is masked by `denoise`
+    def prefill(self, context_ids: jax.Array) -> KVCache:
+        """Every layer's K/V of the right-padded context (B, L): understanding expert, causal, token j at RoPE
+        position j. Needs no mask: a valid token's keys all precede it; `denoise` masks the padded rows."""
         with jax.default_matmul_precision(self.opts.precision):
             length = context_ids.shape[1]
             cos, sin = rope_tables(length, self.cfg.head_dim, self.cfg.rope_theta)
@@ -103,4 +102,4 @@ class BagelModel(nnx.Module):
 def velocity(model: BagelModel, context_ids: jax.Array, context_mask: jax.Array, latents: jax.Array, t: jax.Array,
              grid_hw: tuple[int, int]) -> jax.Array:
     """The generation tokens' velocity: `denoise` over the `prefill` of the context."""
-    return model.denoise(model.prefill(context_ids, context_mask), context_mask, latents, t, grid_hw)
+    return model.denoise(model.prefill(context_ids), context_mask, latents, t, grid_hw)
