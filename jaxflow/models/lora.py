@@ -34,10 +34,18 @@ class LoRASpec:
         if not self.targets:
             raise ValueError("LoRA targets is empty; use e.g. keymap.DEFAULT_LORA_TARGETS")
         for t in self.targets:
-            keymap.lora_target_path(t)
+            self.target_path(t)
+
+    # The model family's target names and PEFT keys (Qwen-Image's here; a subclass such as
+    # models/bagel/lora.BagelLoRASpec names another model's), so the PEFT conversions below serve any family.
+    def target_path(self, target: str) -> tuple[str, ...]:
+        return keymap.lora_target_path(target)
+
+    def key_map(self) -> list[keymap.Entry]:
+        return keymap.lora_key_map(self.targets)
 
     def target_paths(self) -> set[tuple[str, ...]]:
-        return {keymap.lora_target_path(t) for t in self.targets}
+        return {self.target_path(t) for t in self.targets}
 
     def peft_config(self) -> dict:
         """adapter_config.json content PEFT and diffusers' load_lora_weights understand."""
@@ -63,7 +71,7 @@ def peft_stacks(model: nnx.Module | nnx.State, spec: LoRASpec, dtype=None) -> li
     state = model if isinstance(model, nnx.State) else nnx.state(model, LoRAParam)
     dtype = None if dtype is None else jnp.dtype(dtype)
     out = []
-    for e in keymap.lora_key_map(spec.targets):
+    for e in spec.key_map():
         x = _get(state, e.flax_path)[...]
         if isinstance(x, jax.Array):
             stacked = _torch_layout(x, dtype)
@@ -90,7 +98,7 @@ def peft_to_lora(model: nnx.Module, spec: LoRASpec, tensors: dict[str, np.ndarra
     tensors = {k.removeprefix("transformer."): v for k, v in tensors.items()}
     state = nnx.state(model, LoRAParam)
     new, problems, expected = {}, [], set()
-    for e in keymap.lora_key_map(spec.targets):
+    for e in spec.key_map():
         var = _get(state, e.flax_path)
         num_layers = var.shape[0]
         keys = e.diffusers_keys(num_layers)

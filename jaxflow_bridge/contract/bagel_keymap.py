@@ -61,6 +61,37 @@ def key_map() -> list[Entry]:
             out.append(Entry(prefix + (leaf, "scale"), f"{CHECKPOINT_LAYERS}{pattern.format(g=g)}.weight", False, True))
     return out
 
+# LoRA (docs/bagel.md §5): the generation expert's seven projections, named as PEFT / verl-omni / vLLM-Omni write
+# them: the checkpoint module name inside a layer, without `self_attn.` (`q_proj_moe_gen`) but keeping `mlp_moe_gen.`
+# (the bare `gate_proj` would also match the understanding MLP). target -> expert leaf. The understanding expert has
+# no targets: adapting it would make the context K/V policy-dependent.
+GEN = "gen"
+LORA_TARGETS = {pattern.format(g=EXPERTS[GEN]).removeprefix("self_attn."): leaf
+                for leaf, (pattern, _) in EXPERT_LINEARS.items()}
+DEFAULT_LORA_TARGETS = tuple(LORA_TARGETS)
+# PEFT's state-dict prefix (adapter_model.safetensors keys: base_model.model.language_model.model.layers.{i}. ...)
+PEFT_PREFIX = "base_model.model."
+
+
+def lora_target_path(target: str) -> tuple[str, ...]:
+    """The Flax module path (stacked layers, generation expert) a LoRA target adapts; an unknown one by name."""
+    if target not in LORA_TARGETS:
+        raise ValueError(f"unknown BAGEL LoRA target {target!r}; known (generation expert only): "
+                         f"{sorted(LORA_TARGETS)}")
+    return (LAYERS, GEN, LORA_TARGETS[target])
+
+
+def lora_key_map(targets) -> list[Entry]:
+    """LoRA leaves (A: (L, in, r), B: (L, r, out)) <-> PEFT keys without PEFT_PREFIX (lora_A.weight (r, in),
+    lora_B.weight (out, r) per layer), e.g. `language_model.model.layers.{i}.self_attn.q_proj_moe_gen.lora_A.weight`."""
+    out = []
+    for t in dict.fromkeys(targets):
+        path = lora_target_path(t)
+        name = CHECKPOINT_LAYERS + EXPERT_LINEARS[path[-1]][0].format(g=EXPERTS[GEN])
+        for leaf, peft in (("lora_a", "lora_A"), ("lora_b", "lora_B")):
+            out.append(Entry(path + (leaf,), f"{name}.{peft}.weight", True, True))
+    return out
+
 
 def _check_names(given, expected, what: str) -> None:
     missing, extra = sorted(set(expected) - set(given)), sorted(set(given) - set(expected))

@@ -2,6 +2,7 @@
 checkpoint's names)."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -9,14 +10,24 @@ from flax import nnx
 from jaxflow.models.bagel.config import BagelConfig
 from jaxflow.models.bagel.model import BagelModel
 from jaxflow.models.config import ModelOptions
+from jaxflow.models.lora import LoRAParam, LoRASpec
 from jaxflow.models.loading import state_leaf
 from jaxflow_bridge.contract import bagel_keymap
 
 
-def build(cfg: BagelConfig, arrays: dict[tuple[str, ...], np.ndarray], opts: ModelOptions = ModelOptions()
-          ) -> BagelModel:
-    """A BagelModel holding `arrays` in its storage dtype; every parameter must be given, at its shape."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: BagelModel(cfg, opts, rngs=nnx.Rngs(0))))
+def init_lora(cfg: BagelConfig, opts: ModelOptions, lora: LoRASpec, seed: int = 0) -> nnx.State:
+    """Fresh LoRA params (PEFT gaussian init: B = 0); XLA drops the unused base initialisation."""
+    return jax.jit(lambda: nnx.state(BagelModel(cfg, opts, lora, rngs=nnx.Rngs(seed)), LoRAParam))()
+
+
+def build(cfg: BagelConfig, arrays: dict[tuple[str, ...], np.ndarray], opts: ModelOptions = ModelOptions(),
+          lora: LoRASpec | None = None, seed: int = 0) -> BagelModel:
+    """A BagelModel holding `arrays` in its storage dtype (every parameter must be given, at its shape) and, with
+    `lora`, fresh adapters from `seed` on the generation expert."""
+    abstract = nnx.eval_shape(lambda: BagelModel(cfg, opts, lora, rngs=nnx.Rngs(seed)))
+    graphdef, lora_state, state = nnx.split(abstract, LoRAParam, ...)
+    if lora is not None:
+        lora_state = init_lora(cfg, opts, lora, seed)
     entries = bagel_keymap.key_map()
     params = {path for path, _ in nnx.to_flat_state(nnx.filter_state(state, nnx.Param))}
     if params != {e.flax_path for e in entries}:
@@ -32,7 +43,7 @@ def build(cfg: BagelConfig, arrays: dict[tuple[str, ...], np.ndarray], opts: Mod
         var.set_value(jnp.asarray(value, opts.storage_dtype))
     if problems:
         raise ValueError(f"arrays do not fit BagelModel: {problems}")
-    return nnx.merge(graphdef, state)
+    return nnx.merge(graphdef, lora_state, state)
 
 
 def arrays(model: BagelModel) -> dict[tuple[str, ...], np.ndarray]:

@@ -10,9 +10,11 @@ from flax import nnx
 from jaxflow.models.attention import resolve_implementation
 from jaxflow.models.bagel.config import BagelConfig
 from jaxflow.models.bagel.embeddings import latent_pos_table, latent_position_ids, rope_tables, timestep_embedding
+from jaxflow.models.bagel.lora import expert_targets
 from jaxflow.models.bagel.mot import Make, MoTLayer
 from jaxflow.models.config import ModelOptions
 from jaxflow.models.embeddings import TIMESTEP_CHANNELS
+from jaxflow.models.lora import LoRASpec
 
 KVCache = tuple[jax.Array, jax.Array]  # keys, values: (layers, B, L, kv_heads, head_dim) after q/k norm and RoPE
 
@@ -20,10 +22,13 @@ KVCache = tuple[jax.Array, jax.Array]  # keys, values: (layers, B, L, kv_heads, 
 class BagelModel(nnx.Module):
     """The weights the denoising forward reads: token embeddings (context and markers), the MoT layers (stacked
     for a scan), the generation expert's final norm, the timestep embedder, vae2llm / llm2vae and the latent 2-D
-    position table. Not here: the LM head and the understanding expert's final norm (text logits only), ViT, VAE."""
+    position table. Not here: the LM head and the understanding expert's final norm (text logits only), ViT, VAE.
+    `lora` (models/bagel/lora.BagelLoRASpec): adapters on the generation expert's targeted projections only."""
 
-    def __init__(self, cfg: BagelConfig, opts: ModelOptions = ModelOptions(), *, rngs: nnx.Rngs):
-        self.cfg, self.opts = cfg, opts
+    def __init__(self, cfg: BagelConfig, opts: ModelOptions = ModelOptions(), lora: LoRASpec | None = None, *,
+                 rngs: nnx.Rngs):
+        self.cfg, self.opts, self.lora = cfg, opts, lora
+        expert_targets(lora)  # an unknown target is refused here, by name
         self.impl = resolve_implementation(opts.attention, opts.dtype)
         make = Make(opts, rngs, cfg.rms_norm_eps)
         d = cfg.hidden_size
@@ -40,7 +45,7 @@ class BagelModel(nnx.Module):
         @nnx.split_rngs(splits=cfg.num_hidden_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def stack(rngs):
-            return MoTLayer(cfg, Make(opts, rngs, cfg.rms_norm_eps))
+            return MoTLayer(cfg, Make(opts, rngs, cfg.rms_norm_eps), lora)
 
         self.layers = stack(rngs)
 

@@ -11,7 +11,9 @@ from jaxflow.models.attention import attention
 from jaxflow.models.bagel.config import BagelConfig
 from jaxflow.models.bagel.embeddings import apply_rope
 from jaxflow.models.config import ModelOptions
+from jaxflow.models.bagel.lora import expert_targets
 from jaxflow.models.layers import Linear, RMSNorm
+from jaxflow.models.lora import LoRASpec
 
 
 class Make:
@@ -20,9 +22,9 @@ class Make:
     def __init__(self, opts: ModelOptions, rngs: nnx.Rngs, eps: float = 1e-6):
         self.opts, self.rngs, self.eps = opts, rngs, eps
 
-    def linear(self, din, dout, axes, bias=True):
+    def linear(self, din, dout, axes, bias=True, lora: LoRASpec | None = None):
         return Linear(din, dout, axes=axes, dtype=self.opts.compute_dtype, param_dtype=self.opts.storage_dtype,
-                      rngs=self.rngs, bias=bias)
+                      rngs=self.rngs, bias=bias, lora=lora)
 
     def rms(self, dim, axis_name):
         return RMSNorm(dim, axis_name=axis_name, dtype=self.opts.compute_dtype, param_dtype=self.opts.storage_dtype,
@@ -31,22 +33,27 @@ class Make:
 
 class Expert(nnx.Module):
     """One expert of one layer (Qwen2 decoder weights): q/k/v with biases, o and the SiLU-gated MLP without,
-    input / post-attention RMSNorms, per-head q/k RMSNorms."""
+    input / post-attention RMSNorms, per-head q/k RMSNorms. The projections named in `adapted` carry `lora`'s
+    adapter (the generation expert's LoRA targets; the understanding expert gets none)."""
 
-    def __init__(self, cfg: BagelConfig, make: Make):
+    def __init__(self, cfg: BagelConfig, make: Make, lora: LoRASpec | None = None, adapted: frozenset[str] = frozenset()):
         d, hd, m = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
         self.head_dim = hd
-        self.q_proj = make.linear(d, cfg.num_attention_heads * hd, ("embed", "heads"))
-        self.k_proj = make.linear(d, cfg.num_key_value_heads * hd, ("embed", "kv_heads"))
-        self.v_proj = make.linear(d, cfg.num_key_value_heads * hd, ("embed", "kv_heads"))
-        self.o_proj = make.linear(cfg.num_attention_heads * hd, d, ("heads", "embed"), bias=False)
+
+        def linear(name, din, dout, axes, bias=True):
+            return make.linear(din, dout, axes, bias, lora if name in adapted else None)
+
+        self.q_proj = linear("q_proj", d, cfg.num_attention_heads * hd, ("embed", "heads"))
+        self.k_proj = linear("k_proj", d, cfg.num_key_value_heads * hd, ("embed", "kv_heads"))
+        self.v_proj = linear("v_proj", d, cfg.num_key_value_heads * hd, ("embed", "kv_heads"))
+        self.o_proj = linear("o_proj", cfg.num_attention_heads * hd, d, ("heads", "embed"), bias=False)
         self.q_norm = make.rms(hd, "head_dim")
         self.k_norm = make.rms(hd, "head_dim")
         self.input_layernorm = make.rms(d, "embed")
         self.post_attention_layernorm = make.rms(d, "embed")
-        self.gate_proj = make.linear(d, m, ("embed", "mlp"), bias=False)
-        self.up_proj = make.linear(d, m, ("embed", "mlp"), bias=False)
-        self.down_proj = make.linear(m, d, ("mlp", "embed"), bias=False)
+        self.gate_proj = linear("gate_proj", d, m, ("embed", "mlp"), bias=False)
+        self.up_proj = linear("up_proj", d, m, ("embed", "mlp"), bias=False)
+        self.down_proj = linear("down_proj", m, d, ("mlp", "embed"), bias=False)
 
     def qkv(self, h):
         """Per-head q, k (RMS-normed, before RoPE) and v of the residual stream h (B, S, d)."""
@@ -72,11 +79,12 @@ def route(und_fn, gen_fn, x: jax.Array, is_gen: np.ndarray):
 
 
 class MoTLayer(nnx.Module):
-    """Qwen2MoTDecoderLayer: pre-norm attention and MLP residuals, each op by the token's expert."""
+    """Qwen2MoTDecoderLayer: pre-norm attention and MLP residuals, each op by the token's expert. LoRA (if any)
+    on the generation expert only (docs/bagel.md §5)."""
 
-    def __init__(self, cfg: BagelConfig, make: Make):
+    def __init__(self, cfg: BagelConfig, make: Make, lora: LoRASpec | None = None):
         self.und = Expert(cfg, make)
-        self.gen = Expert(cfg, make)
+        self.gen = Expert(cfg, make, lora, expert_targets(lora))
 
     def __call__(self, h, is_gen: np.ndarray, cos, sin, past, kv_len, causal: bool, impl: str):
         """h (B, S, d); cos/sin (B or 1, S or 1, head_dim/2), the tokens' RoPE; past: this layer's cached context

@@ -1,0 +1,46 @@
+"""LoRA on BAGEL's generation expert (docs/bagel.md §5): the spec naming BAGEL's targets and PEFT keys
+(jaxflow_bridge.contract.bagel_keymap), and the PEFT state dict of a model's adapters. The adapters themselves are
+models/layers.Linear's, and the conversion is models/lora.py's (it reads the names through the spec)."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from flax import nnx
+
+from jaxflow.models.lora import LoRASpec, lora_to_peft, peft_to_lora
+from jaxflow_bridge.contract import bagel_keymap
+from jaxflow_bridge.contract.keymap import Entry
+
+
+@dataclasses.dataclass(frozen=True)
+class BagelLoRASpec(LoRASpec):
+    """rank r, alpha (scaling alpha/r) and BAGEL target names (bagel_keymap.LORA_TARGETS: the generation expert's
+    `q_proj_moe_gen` ... `mlp_moe_gen.down_proj`); an unknown target is refused by name."""
+
+    targets: tuple[str, ...] = bagel_keymap.DEFAULT_LORA_TARGETS
+
+    def target_path(self, target: str) -> tuple[str, ...]:
+        return bagel_keymap.lora_target_path(target)
+
+    def key_map(self) -> list[Entry]:
+        return bagel_keymap.lora_key_map(self.targets)
+
+
+def expert_targets(spec: LoRASpec | None) -> frozenset[str]:
+    """The generation expert's Linear leaves `spec` adapts (empty without a spec); refuses a non-BAGEL target."""
+    if spec is None:
+        return frozenset()
+    return frozenset(bagel_keymap.lora_target_path(t)[-1] for t in spec.targets)
+
+
+def peft_state_dict(model: nnx.Module | nnx.State, spec: BagelLoRASpec) -> dict[str, np.ndarray]:
+    """The adapters as a PEFT state dict in BAGEL's checkpoint names (host arrays, torch layout, one tensor per
+    layer): `base_model.model.language_model.model.layers.{i}.self_attn.q_proj_moe_gen.lora_A.weight` ..."""
+    return {bagel_keymap.PEFT_PREFIX + k: v for k, v in lora_to_peft(model, spec).items()}
+
+
+def set_peft(model: nnx.Module, spec: BagelLoRASpec, tensors: dict[str, np.ndarray]) -> None:
+    """Set the model's adapters from a PEFT state dict in BAGEL's names (PEFT_PREFIX optional); every key and shape
+    is checked before any write (models/lora.peft_to_lora)."""
+    peft_to_lora(model, spec, {k.removeprefix(bagel_keymap.PEFT_PREFIX): v for k, v in tensors.items()})

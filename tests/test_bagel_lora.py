@@ -1,0 +1,150 @@
+"""LoRA on BAGEL's generation expert (docs/bagel.md §5): zero-B identity, the context K/V untouched, parity with
+the torch reference on merged weights, gradients, and the PEFT key map."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxflow.models.bagel.config import TINY
+from jaxflow.models.bagel.loading import build
+from jaxflow.models.bagel.lora import BagelLoRASpec, peft_state_dict, set_peft
+from jaxflow.models.bagel.model import BagelModel, velocity
+from jaxflow.models.lora import LoRAParam, LoRASpec
+from jaxflow_bridge.contract import bagel_keymap
+from tests.bagel_ref import OTHER
+from tests.test_bagel_model import GRID, TOL, checkpoint, flax_velocity, inputs, max_rel_err
+
+SPEC = BagelLoRASpec(rank=4, alpha=8.0)
+SECTION_5 = ("q_proj_moe_gen", "k_proj_moe_gen", "v_proj_moe_gen", "o_proj_moe_gen", "mlp_moe_gen.gate_proj",
+             "mlp_moe_gen.up_proj", "mlp_moe_gen.down_proj")
+
+
+def random_adapter(model, spec, seed=1) -> dict[str, np.ndarray]:
+    """A nonzero PEFT state dict (torch layout) of the model's adapters: A ~ N(0, 1/in), B ~ N(0, 0.3^2)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for key, value in peft_state_dict(model, spec).items():
+        std = value.shape[1] ** -0.5 if ".lora_A." in key else 0.3
+        out[key] = (std * rng.standard_normal(value.shape)).astype(np.float32)
+    return out
+
+
+def lora_model(cfg, spec=SPEC, seed=1):
+    sd = checkpoint(cfg)
+    model = build(cfg, bagel_keymap.to_flax(sd, cfg.num_hidden_layers), lora=spec)
+    adapter = random_adapter(model, spec, seed)
+    set_peft(model, spec, adapter)
+    return sd, model, adapter
+
+
+def test_zero_b_is_the_base_model():
+    """PEFT's init (B = 0, A random): the velocity equals the base model's bit for bit."""
+    sd = checkpoint(TINY)
+    params = bagel_keymap.to_flax(sd, TINY.num_hidden_layers)
+    base, lora = build(TINY, params), build(TINY, params, lora=SPEC)
+    state = nnx.state(lora, LoRAParam)
+    leaves = dict(nnx.to_flat_state(state))
+    assert all(not np.any(v[...]) for p, v in leaves.items() if p[-1] == "lora_b")
+    assert all(np.all(np.any(v[...] != 0, axis=(1, 2))) for p, v in leaves.items() if p[-1] == "lora_a")
+    ids, mask, x, t = inputs(TINY)
+    assert np.array_equal(flax_velocity(lora, ids, mask, x, t), flax_velocity(base, ids, mask, x, t))
+
+
+def test_adapter_moves_generation_tokens_only():
+    """A nonzero adapter changes every sample's velocity and leaves the context K/V (prefill: understanding expert
+    only) bit-identical."""
+    sd, model, _ = lora_model(TINY)
+    base = build(TINY, bagel_keymap.to_flax(sd, TINY.num_hidden_layers))
+    ids, mask, x, t = inputs(TINY)
+    for a, b in zip(model.prefill(jnp.asarray(ids)), base.prefill(jnp.asarray(ids))):
+        assert np.array_equal(a, b)
+    v, v0 = flax_velocity(model, ids, mask, x, t), flax_velocity(base, ids, mask, x, t)
+    assert np.all(np.max(np.abs(v - v0), axis=(1, 2)) > 1e3 * TOL * np.max(np.abs(v0)))
+
+
+def merged(sd, adapter, spec):
+    """The torch checkpoint with each adapter folded in: W + alpha/r * B A, found by the PEFT key's module name."""
+    out = dict(sd)
+    scale = spec.alpha / spec.rank
+    for key, a in adapter.items():
+        if ".lora_A." not in key:
+            continue
+        module = key.removeprefix(bagel_keymap.PEFT_PREFIX).removesuffix(".lora_A.weight")
+        b = adapter[key.replace(".lora_A.", ".lora_B.")]
+        out[f"{module}.weight"] = out[f"{module}.weight"] + scale * (b.astype(np.float64) @ a).astype(np.float32)
+    return out
+
+
+@pytest.mark.parametrize("cfg", [TINY, OTHER], ids=["tiny", "other"])
+def test_lora_matches_torch_reference_with_merged_weights(cfg):
+    """Flax's x W + (x A) (s B) equals the torch reference on W + s B A within the base parity test's bound; the
+    same reference without the merge is far off (the adapter matters at that scale)."""
+    sd, model, adapter = lora_model(cfg)
+    ids, mask, x, t = inputs(cfg)
+    out = flax_velocity(model, ids, mask, x, t)
+    assert max_rel_err(cfg, merged(sd, adapter, SPEC), out, ids, x, t) <= TOL
+    assert max_rel_err(cfg, sd, out, ids, x, t) > 1e3 * TOL
+
+
+def test_gradients_reach_every_generation_adapter_only():
+    """d loss / d LoRA is nonzero for every adapter leaf in every layer; the understanding expert has no LoRA
+    params at all (nor any other module outside layers/gen)."""
+    _, model, _ = lora_model(TINY)
+    ids, mask, x, t = (jnp.asarray(a) for a in inputs(TINY))
+
+    def loss(m):
+        return jnp.sum(velocity(m, ids, mask, x, t, GRID) ** 2)
+
+    grads = nnx.grad(loss, argnums=nnx.DiffState(0, LoRAParam))(model)
+    flat = dict(nnx.to_flat_state(grads))
+    assert set(flat) == {("layers", "gen", bagel_keymap.LORA_TARGETS[tg], leaf) for tg in SECTION_5
+                         for leaf in ("lora_a", "lora_b")}
+    for path, g in flat.items():
+        g = np.asarray(g[...])
+        assert g.shape[0] == TINY.num_hidden_layers and np.all(np.any(g != 0, axis=(1, 2))), path
+    assert not nnx.to_flat_state(nnx.state(model.layers.und, LoRAParam))
+    assert all(p[:2] == ("layers", "gen") for p, _ in nnx.to_flat_state(nnx.state(model, LoRAParam)))
+
+
+def test_spec_targets_select_the_adapted_projections():
+    model = BagelModel(TINY, lora=BagelLoRASpec(rank=2, targets=("o_proj_moe_gen", "mlp_moe_gen.up_proj")),
+                       rngs=nnx.Rngs(0))
+    paths = {p for p, _ in nnx.to_flat_state(nnx.state(model, LoRAParam))}
+    assert paths == {("layers", "gen", leaf, ab) for leaf in ("o_proj", "up_proj") for ab in ("lora_a", "lora_b")}
+
+
+def test_lora_key_map_names_every_adapter_once():
+    """§5's seven targets are the defaults; every (layer, adapter, A/B) has one PEFT key in BAGEL's names, they
+    cover the model's LoRA params exactly, and a PEFT state dict round-trips through the model."""
+    assert bagel_keymap.DEFAULT_LORA_TARGETS == SECTION_5 and SPEC.targets == SECTION_5
+    entries = bagel_keymap.lora_key_map(SPEC.targets)
+    keys = [k for e in entries for k in e.diffusers_keys(TINY.num_hidden_layers)]
+    assert len(keys) == len(set(keys)) == 7 * 2 * TINY.num_hidden_layers
+    assert "language_model.model.layers.1.mlp_moe_gen.gate_proj.lora_B.weight" in keys
+    assert "language_model.model.layers.0.self_attn.q_proj_moe_gen.lora_A.weight" in keys
+    # each adapted module is a generation-expert linear of the base key map, and no understanding one
+    base = {k.removesuffix(".weight") for e in bagel_keymap.key_map() for k in e.diffusers_keys(TINY.num_hidden_layers)}
+    modules = {k.rsplit(".lora_", 1)[0] for k in keys}
+    assert modules <= base and all("moe_gen" in m for m in modules)
+    _, model, adapter = lora_model(TINY)
+    assert {e.flax_path for e in entries} == {p for p, _ in nnx.to_flat_state(nnx.state(model, LoRAParam))}
+    back = peft_state_dict(model, SPEC)
+    assert set(back) == {bagel_keymap.PEFT_PREFIX + k for k in keys} == set(adapter)
+    assert all(np.array_equal(back[k], adapter[k]) for k in back)
+
+
+@pytest.mark.parametrize("target", ["q_proj", "mlp.gate_proj", "gate_proj", "time_embedder.mlp.0", "to_q"])
+def test_unknown_target_is_refused_by_name(target):
+    with pytest.raises(ValueError, match=f"unknown BAGEL LoRA target '{target}'"):
+        BagelLoRASpec(targets=(target,))
+    with pytest.raises(ValueError, match=f"'{target}'"):
+        bagel_keymap.lora_key_map((target,))
+
+
+def test_model_refuses_a_qwen_spec_and_a_bad_peft_dict():
+    with pytest.raises(ValueError, match="unknown BAGEL LoRA target 'to_q'"):
+        BagelModel(TINY, lora=LoRASpec(), rngs=nnx.Rngs(0))
+    _, model, adapter = lora_model(TINY)
+    key = "base_model.model.language_model.model.layers.1.self_attn.v_proj_moe_gen.lora_B.weight"
+    with pytest.raises(ValueError, match="missing language_model.model.layers.1.self_attn.v_proj_moe_gen.lora_B"):
+        set_peft(model, SPEC, {k: v for k, v in adapter.items() if k != key})
