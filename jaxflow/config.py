@@ -96,16 +96,18 @@ def validate(cfg: ConfigDict) -> None:
     if layout == "in_process" and cfg.rollout.num_servers != 1:
         _fail("rollout.num_servers", f"{cfg.rollout.num_servers}: the in_process layout runs one engine, in the "
                                      f"trainer's process; use rollout.layout='colocated' for one per device")
-    if cfg.rollout.share_weights and (layout != "in_process" or cfg.rollout.engine != "diffusers"):
-        _fail("rollout.share_weights", f"serves the trainer's base weights to an engine in its process: it needs "
-                                       f"rollout.layout='in_process' and rollout.engine='diffusers', not "
-                                       f"{layout!r} / {cfg.rollout.engine!r}")
-    if cfg.rollout.share_weights and cfg.rollout.dtype != cfg.model.param_dtype:
-        _fail("rollout.share_weights", f"the engine runs the trainer's weights as they are: set rollout.dtype to "
-                                       f"model.param_dtype ({cfg.model.param_dtype!r}, not {cfg.rollout.dtype!r})")
-    if cfg.rollout.share_weights and cfg.rollout.sleep_while_training:
-        _fail("rollout.share_weights", "the shared weights are the trainer's and cannot sleep: leave "
-                                       "rollout.sleep_while_training False")
+    if cfg.rollout.share_weights:
+        if layout != "in_process" or cfg.rollout.engine != "diffusers":
+            _fail("rollout.share_weights", f"serves the trainer's base weights to an engine in its process: it "
+                                           f"needs rollout.layout='in_process' and rollout.engine='diffusers', not "
+                                           f"{layout!r} / {cfg.rollout.engine!r}")
+        if cfg.rollout.dtype != cfg.model.param_dtype:
+            _fail("rollout.share_weights", f"the engine runs the trainer's weights as they are: set rollout.dtype "
+                                           f"to model.param_dtype ({cfg.model.param_dtype!r}, not "
+                                           f"{cfg.rollout.dtype!r})")
+        if cfg.rollout.sleep_while_training:
+            _fail("rollout.share_weights", "the shared weights are the trainer's and cannot sleep: leave "
+                                           "rollout.sleep_while_training False")
     if cfg.rollout.compile and cfg.rollout.engine != "diffusers":
         _fail("rollout.compile", "is an option of the diffusers engine; leave it False with "
                                  f"rollout.engine={cfg.rollout.engine!r}")

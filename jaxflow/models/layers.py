@@ -36,18 +36,23 @@ class Linear(nnx.Module):
         every term in the compute dtype, rounded once; layers without an adapter are XLA's GEMM either way."""
         x = x.astype(self.dtype)
         w = self.kernel.astype(self.dtype)
-        bias = jnp.zeros((w.shape[1],), self.dtype) if self.bias is None else self.bias.astype(self.dtype)
+        bias = None if self.bias is None else self.bias.astype(self.dtype)
+
+        def base():
+            return x @ w if bias is None else x @ w + bias
+
         if self.lora_scaling is None:
-            return x @ w if self.bias is None else x @ w + bias
+            return base()
         # The scale multiplies B (rank x out), not the (tokens x out) product as PEFT does: no full-size
         # multiply forward or backward. Bit-identical to PEFT in any dtype when the scale is a power of two
         # (alpha / rank = 2 in every recipe) or 0; otherwise one rounding fewer.
         b = (self.lora_b[...] * (self.lora_scaling * lora_scale)).astype(self.dtype)
         a = self.lora_a.astype(self.dtype)
         if gemm == "pallas":
-            y = lora_linear(x.reshape(-1, x.shape[-1]), w, bias, a, b)
-            return y.reshape(*x.shape[:-1], y.shape[-1])
-        return x @ w + bias + (x @ a) @ b
+            bias = jnp.zeros((w.shape[1],), self.dtype) if bias is None else bias
+            out = lora_linear(x.reshape(-1, x.shape[-1]), w, bias, a, b)
+            return out.reshape(*x.shape[:-1], out.shape[-1])
+        return base() + (x @ a) @ b
 
 
 class RMSNorm(nnx.Module):

@@ -108,10 +108,8 @@ class RolloutPipeline(SamplingLoop):
         """Serve `tensors` (diffusers name -> tensor on this pipeline's device and dtype, e.g. DLPack views of the
         trainer's weights) as the transformer's base weights, without a copy (`shared_weights.share_parameters`:
         checked first, nothing changes on a mismatch); then the fingerprint of what it now holds."""
-        index = self.device.index if self.device.index is not None else (
-            torch.cuda.current_device() if self.device.type == "cuda" else None)
-        wrong = sorted({str(t.device) for t in tensors.values()
-                        if t.device.type != self.device.type or t.device.index not in (index, None)})
+        here = torch.empty(0, device=self.device).device  # "cuda" as the index it means
+        wrong = sorted({str(t.device) for t in tensors.values() if t.device != here})
         if wrong:
             raise ValueError(f"shared base weights on {wrong}, the pipeline runs on {self.device}")
         share_parameters(self.transformer, tensors)

@@ -36,7 +36,8 @@ class Expert(nnx.Module):
     input / post-attention RMSNorms, per-head q/k RMSNorms. The projections named in `adapted` carry `lora`'s
     adapter (the generation expert's LoRA targets; the understanding expert gets none)."""
 
-    def __init__(self, cfg: BagelConfig, make: Make, lora: LoRASpec | None = None, adapted: frozenset[str] = frozenset()):
+    def __init__(self, cfg: BagelConfig, make: Make, lora: LoRASpec | None = None,
+                 adapted: frozenset[str] = frozenset()):
         d, hd, m = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
         self.head_dim = hd
 
