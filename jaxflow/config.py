@@ -108,6 +108,9 @@ def validate(cfg: ConfigDict) -> None:
         if cfg.rollout.sleep_while_training:
             _fail("rollout.share_weights", "the shared weights are the trainer's and cannot sleep: leave "
                                            "rollout.sleep_while_training False")
+    if cfg.rollout.merge_lora and cfg.rollout.engine != "vllm_omni":
+        _fail("rollout.merge_lora", "is an option of the vllm_omni engine; leave it False with "
+                                    f"rollout.engine={cfg.rollout.engine!r}")
     if cfg.rollout.compile and cfg.rollout.engine != "diffusers":
         _fail("rollout.compile", "is an option of the diffusers engine; leave it False with "
                                  f"rollout.engine={cfg.rollout.engine!r}")

@@ -1,7 +1,7 @@
 """Process 0's side of a step (docs/design.md §2). It alone holds the rollout servers and the reward pool: it
 samples the step's prompt groups, generates on the rollout (each chunk scored as it arrives), computes the
-advantages and lays out the train batch (`Driver.experience`); it keeps the rollout's engines asleep while the
-learner trains (`Driver.asleep`, rollout.sleep_while_training), serves each new LoRA to the rollout, and evaluates."""
+advantages and lays out the train batch (`Driver.experience`); it keeps the rollout idle while the learner trains
+(`Driver.idle`: asleep with rollout.sleep_while_training), serves each new LoRA to the rollout, and evaluates."""
 from __future__ import annotations
 
 import contextlib
@@ -97,6 +97,8 @@ class Driver:
                   "cfg_forward": r.cfg_forward}
         if r.compile:
             engine["compile"] = True
+        if r.merge_lora:  # the adapter merged into the engine's base weights (jaxflow_bridge/rollout/lora_merge.py)
+            engine["lora_apply"] = "merged"
         if r.share_weights:  # the engine serves the trainer's own arrays (jaxflow/base_share.py)
             engine["base_weights"] = "shared"
         elif self.cfg.model.init == "random":
@@ -195,12 +197,16 @@ class Driver:
         return Experience(train_batch, rewards, zero_std, version), seconds
 
     @contextlib.contextmanager
-    def asleep(self):
-        """The rollout's engines asleep for the body, their GPU memory freed (rollout.sleep_while_training; else
-        nothing happens): phases "sleep" and "wake" (woken when the body ends normally); yields a dict that gets
-        "freed_bytes", what the engines freed."""
+    def idle(self):
+        """The rollout idle while the body (the learner's training) runs: its engines asleep, their GPU memory
+        freed (rollout.sleep_while_training: phases "sleep" and "wake", woken when the body ends normally), or else
+        told that the step's rollouts are over (`RolloutGroup.release_adapter`: an engine with the adapter merged
+        into its weights restores its base meanwhile; not while rollout.overlap samples during training). Yields a
+        dict that gets "freed_bytes", what sleeping engines freed."""
         slept = {}
         if not self.cfg.rollout.sleep_while_training:
+            if not self.cfg.rollout.overlap:
+                self.rollout.release_adapter()
             yield slept
             return
         with phases.phase("sleep"):

@@ -78,6 +78,8 @@ HELP: dict[str, str] = {
                        "(docs/design.md)",
     "rollout.compile": "diffusers engine only: torch.compile the transformer block",
     "rollout.share_weights": "True: the in_process diffusers engine runs on the trainer's base weights (one copy)",
+    "rollout.merge_lora": "vllm_omni only, True: each LoRA update is merged into the engine's base weights (plain "
+                          "linears in the rollout; the base restored from a host copy while JAX trains)",
     "rollout.cfg_forward": "true CFG's two rows: 'batched' (one forward, text padded to one length) or 'split' (a "
                            "forward each)",
     "sample.height": "image height in pixels: a multiple of 2 x the VAE's spatial factor (16 for Qwen-Image)",
@@ -184,6 +186,7 @@ def base() -> ml_collections.ConfigDict:
                      layout="colocated", overlap=False, compile=False,
                      # off: only the diffusers engine in the trainer's process (layout "in_process") can share
                      share_weights=False,
+                     merge_lora=False,
                      # "split": no attention mask within a prompt group; vLLM-Omni's rollout 1.05x with the LoRA,
                      # 1.07x without (BENCHMARKS.md, true CFG)
                      cfg_forward="split")

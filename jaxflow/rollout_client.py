@@ -184,6 +184,11 @@ class RolloutGroup:
             self.transport.kill(s)
         self.servers = []
 
+    def release_adapter(self) -> None:
+        """The step's rollouts are over and the next LoRA update follows: engines that merged the adapter into their
+        base weights start restoring them (while the trainer trains)."""
+        self._all("release_adapter")
+
     def sleep(self) -> int:
         """Every server's engine sleeps; returns the GPU bytes they freed in all."""
         return sum(self._all("sleep"))

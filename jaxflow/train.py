@@ -149,7 +149,7 @@ class Trainer:
                                f"expected {behavior}")
         if self.driver and self.cfg.rollout.overlap and step + 1 < self.cfg.train.num_steps:
             self.driver.prefetch(step + 1)
-        with self.driver.asleep() if self.driver else contextlib.nullcontext({}) as slept:
+        with self.driver.idle() if self.driver else contextlib.nullcontext({}) as slept:
             with phases.phase("train"):
                 metrics = self.learner.train(experience.batch if experience else None, version=step,
                                              behavior=behavior)

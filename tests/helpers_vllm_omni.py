@@ -5,14 +5,20 @@ import torch
 from tests.helpers import LAYERS, MLP, D
 
 
+_WEIGHTS = torch.Generator().manual_seed(0)
+
+
 class FakeLinearBase(torch.nn.Module):
-    """vLLM's LinearBase as the table sees it: input_size, output_size, and output_sizes when fused."""
+    """vLLM's LinearBase as the table sees it: input_size, output_size, and output_sizes when fused; a bf16 weight
+    (out, in) drawn from one seeded generator (a fresh tree in a fresh process holds the same values)."""
 
     def __init__(self, fan_in: int, *outs: int):
         super().__init__()
         self.input_size, self.output_size = fan_in, sum(outs)
         if len(outs) > 1:
             self.output_sizes = list(outs)
+        weight = torch.randn(sum(outs), fan_in, generator=_WEIGHTS) * fan_in ** -0.5
+        self.weight = torch.nn.Parameter(weight.to(torch.bfloat16), requires_grad=False)
 
 
 def _mlp() -> torch.nn.Module:

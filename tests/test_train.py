@@ -159,27 +159,31 @@ def test_in_process_rollout_with_random_init_runs_without_ray(tmp_path):
     assert (tmp_path / "eval" / "step_000001.png").exists()  # the final step is evaluated, eval.every or not
 
 
-def test_the_rollout_sleeps_exactly_while_the_learner_trains(tmp_path, monkeypatch):
+@pytest.mark.parametrize("sleep", [True, False])
+def test_the_rollout_is_idle_exactly_while_the_learner_trains(tmp_path, monkeypatch, sleep):
     """rollout.sleep_while_training: each step the engines sleep after the rollout and its rewards, the learner
-    trains, then they wake before the LoRA sync; the phases and the freed memory are logged."""
+    trains, then they wake before the LoRA sync; the phases and the freed memory are logged. Without it the engines
+    are told the step's rollouts are over (release_adapter: a merged adapter's base restores meanwhile)."""
     from jaxflow.driver import Driver
     from jaxflow.learner import Learner
     from jaxflow.rollout_client import RolloutGroup
 
     events = []
     for cls, name in ((RolloutGroup, "sleep"), (RolloutGroup, "wake"), (RolloutGroup, "generate"),
-                      (Learner, "train"), (Driver, "serve")):
+                      (RolloutGroup, "release_adapter"), (Learner, "train"), (Driver, "serve")):
         def record(self, *args, _name=name, _original=getattr(cls, name), **kwargs):
             events.append(_name)
             return _original(self, *args, **kwargs)
         monkeypatch.setattr(cls, name, record)
     cfg = tiny_config(tmp_path, num_steps=2)
-    cfg.rollout.layout, cfg.rollout.sleep_while_training, cfg.eval.every = "in_process", True, 0
+    cfg.rollout.layout, cfg.rollout.sleep_while_training, cfg.eval.every = "in_process", sleep, 0
     out = run(cfg)
     steps = events[events.index("serve") + 1:]  # after the start-up sync
-    assert steps == ["generate", "sleep", "train", "wake", "serve"] * 2, events
+    idle = ["generate", "sleep", "train", "wake", "serve"] if sleep else ["generate", "release_adapter", "train", "serve"]
+    assert steps == idle * 2, events
     for metrics in out["history"]:
-        assert metrics["rollout_freed_gib"] == 0 and metrics["time/sleep"] >= 0 and metrics["time/wake"] >= 0
+        if sleep:
+            assert metrics["rollout_freed_gib"] == 0 and metrics["time/sleep"] >= 0 and metrics["time/wake"] >= 0
 
 
 def test_max_minutes_ends_the_run_like_a_finished_one(tmp_path):
@@ -437,11 +441,13 @@ def test_the_colocated_layout_on_gpus_runs_one_engine_per_device(tmp_path):
     ({"layout": "split", "sleep_while_training": True}, "rollout.sleep_while_training: frees"),
     ({"layout": "in_process", "num_servers": 2}, "rollout.num_servers: 2: the in_process layout runs one engine"),
     ({"layout": "hybrid"}, "rollout.layout: 'hybrid'; choose one of \\('colocated', 'split', 'in_process'\\)"),
+    ({"merge_lora": True}, "rollout.merge_lora: is an option of the vllm_omni engine; leave it False with "
+                           "rollout.engine='diffusers'"),
 ])
 def test_the_layout_refuses_what_it_cannot_run(tmp_path, changes, needle):
     cfg = tiny_config(tmp_path)
     cfg.rollout.update(changes)
     with pytest.raises(config_lib.UserError, match=needle):
         config_lib.validate(cfg)
-    cfg.rollout.update(layout="split", sleep_while_training=False, num_servers=1, overlap=True)
+    cfg.rollout.update(layout="split", sleep_while_training=False, num_servers=1, overlap=True, merge_lora=False)
     config_lib.validate(cfg)  # the overlap of the split layout

@@ -10,7 +10,7 @@ import abc
 
 
 class RolloutEngine(abc.ABC):
-    """generate / update_lora / sleep / wake / info, plus the checks every engine shares. Subclasses set `name`
+    """generate / update_lora / release_adapter / sleep / wake / info, plus the checks every engine shares. Subclasses set `name`
     (the registry key, `config["engine"]`), `config_keys` (the config keys they know) and `asleep`."""
 
     name: str
@@ -50,6 +50,11 @@ class RolloutEngine(abc.ABC):
         """Serve base weights given as torch tensors in the engine's process, without a copy; returns info().
         Engines that keep their own weights refuse."""
         raise NotImplementedError(f"the {self.name} engine keeps its own base weights")
+
+    def release_adapter(self) -> None:
+        """The step's rollouts are over and the next adapter follows (`update_lora`): an engine that merged its
+        adapter into the base weights starts restoring them now, while the trainer trains, and refuses to sample
+        until the update. Others do nothing."""
 
     @abc.abstractmethod
     def sleep(self) -> int:

@@ -5,12 +5,14 @@ Config keys: `engine` ("vllm_omni"), `model` (a local diffusers Qwen-Image folde
 `random_seed` (optional: the transformer's weights are drawn on the GPU from this seed by the shared spec,
 `jaxflow_bridge/contract/random_weights.py`, as with the diffusers engine; the folder needs only `transformer/config.json`),
 `omni_args` (extra `AsyncOmni` keyword arguments, e.g. {"enforce_eager": True}), `lora_apply` ("fused", the
-default: LoRA'd linears run `jaxflow_bridge/rollout/lora_linear.py`; "stock": vLLM-Omni's per-slice apply, for comparison),
+default: LoRA'd linears run `jaxflow_bridge/rollout/lora_linear.py`; "stock": vLLM-Omni's per-slice apply, for comparison;
+"merged": the adapter merged into the base weights, `jaxflow_bridge/rollout/lora_merge.py`),
 `cfg_forward` ("batched" or "split": true CFG's rows in one forward or two, `jaxflow_bridge.rollout.sampling`),
 `qk_ops` ("compiled", the default: the attention's q/k norms and rotary in torch ops that torch.compile fuses,
 `jaxflow_bridge/rollout/qk_rope.py`; "vllm": vLLM-Omni's own kernels, for comparison), `fa_version` ("auto",
 the default: FA3 on Hopper where vLLM-Omni would fall back to FA2, `jaxflow_bridge/rollout/fa_version.py`; "2": as
-vLLM-Omni chooses).
+vLLM-Omni chooses), `gelu` ("epilogue", the default: the MLP's in-projection and tanh GELU in one cuBLASLt GEMM where no
+LoRA layer wraps it, `jaxflow_bridge/rollout/linear_gelu.py`; "separate": vLLM-Omni's elementwise kernel).
 Same calls and results as the diffusers engine.
 
 - generate: one engine request per prompt with `num_outputs_per_prompt=n` (one B=n forward, 2n with true CFG,
@@ -23,6 +25,9 @@ Same calls and results as the diffusers engine.
 - update_lora_shared: the adapter in a shared-memory file on this host (jaxflow_bridge/contract/lora_shm.py); once an
   adapter of the same rank and alpha serves, the workers write the file's tensors into its LoRA slots in place
   (`vllm_omni_pipeline.write_lora_slots`), with the same checks and refusals; otherwise as update_lora.
+- lora_apply="merged": no LoRA layers at all; update_lora / update_lora_shared merge the adapter into the base
+  weights (`jaxflow_bridge/rollout/lora_merge.py`, restored exactly from a host copy each time), `release_adapter`
+  starts that restore as soon as a step's rollouts are over.
 - sleep / wake: level-1 sleep through the workers' sleep task (weights, text encoder and VAE included, move to
   CPU and come back); wake goes through the same RPC path, so the actor process never creates a CUDA context.
 AsyncOmni runs on an event loop in a background thread; the engine's methods block on it (one call at a time).
@@ -197,7 +202,7 @@ class VllmOmniEngine(RolloutEngine):
 
     name = "vllm_omni"
     config_keys = ("engine", "model", "dtype", "device", "random_seed", "omni_args", "lora_apply", "cfg_forward",
-                   "qk_ops", "fa_version")
+                   "qk_ops", "fa_version", "gelu")
 
     def __init__(self, config: dict):
         self.check_config(config)
@@ -229,6 +234,8 @@ class VllmOmniEngine(RolloutEngine):
         _export_package_path()
         pipeline_args = {"pipeline_class": PIPELINE_CLASS,
                          **pipeline_options({k: config[k] for k in PIPELINE_OPTIONS if k in config})}
+        self.merged = pipeline_args["lora_apply"] == "merged"  # adapters merged into the base weights
+        self._merge_file = None  # update_lora's arrays, written to a shared file of the engine's own when merged
         if self.random_seed is not None:
             pipeline_args["random_seed"] = int(self.random_seed)
         kwargs = {"custom_pipeline_args": pipeline_args,
@@ -302,6 +309,8 @@ class VllmOmniEngine(RolloutEngine):
         adapter_config = adapter_config or self._lora_config
         if not adapter_config:
             raise ValueError("adapter_config (r, lora_alpha) is required for the first LoRA update")
+        if self.merged:
+            return self._merge(self._shared_copy(tensors), version, dict(adapter_config))
         spec = adapter_spec(adapter_config)
         tensors = to_vllm_omni({k: v if isinstance(v, np.ndarray) else torch_to_numpy(v)
                                 for k, v in tensors.items()})
@@ -327,6 +336,10 @@ class VllmOmniEngine(RolloutEngine):
         self.check_awake()
         open_payload(manifest)
         adapter_config = dict(adapter_config or self._lora_config or {})
+        if self.merged:
+            if not adapter_config:
+                raise ValueError("adapter_config (r, lora_alpha) is required for the first LoRA update")
+            return self._merge(manifest, version, adapter_config)
         spec = adapter_spec(adapter_config) if adapter_config else None
         plan = None
         if self._lora is not None and self._in_place and adapter_config == self._lora_config:
@@ -345,6 +358,45 @@ class VllmOmniEngine(RolloutEngine):
             raise refusal(reply["refused"], "modules with non-finite values")
         self.policy_version = int(version)
         return {"version": self.policy_version, "bound_modules": self._lora_bound, "seconds": time.perf_counter() - t}
+
+    def _merge(self, manifest: dict, version: int, adapter_config: dict) -> dict:
+        """lora_apply="merged": the workers merge the file's adapter into the base weights
+        (`RolloutWorkerExtension.rollout_merge_lora`); shapes are checked here first, values on the GPU. A refused
+        adapter leaves the previous one merged (again, if `release_adapter` had begun restoring the base)."""
+        spec = adapter_spec(adapter_config)
+        try:
+            plan, _ = slot_plan(manifest, spec.rank, self._modules)
+        except ValueError:
+            self._rpc("rollout_merge_lora", None, [], 0.0)
+            raise
+        scale = spec.alpha / (math.sqrt(spec.rank) if spec.rslora else spec.rank)
+        t = time.perf_counter()
+        reply = _flat(self._rpc("rollout_merge_lora", manifest, plan, scale))[0]
+        if reply.get("refused"):
+            raise refusal(reply["refused"], "modules with non-finite values")
+        self._lora_config, self._lora_bound = adapter_config, reply["written"]
+        self.policy_version = int(version)
+        return {"version": self.policy_version, "bound_modules": self._lora_bound, "seconds": time.perf_counter() - t}
+
+    def _shared_copy(self, tensors: dict) -> dict:
+        """update_lora's arrays (PEFT keys) in the engine's own shared file, lora_A first; its manifest."""
+        from jaxflow_bridge.contract.lora_shm import SharedAdapterFile, dtype_of
+
+        if self._merge_file is None:
+            self._merge_file = SharedAdapterFile(self.dtype)
+            weakref.finalize(self, self._merge_file.close)
+        keys = sorted(tensors, key=lambda k: ("lora_B" in k, k))
+        arrays = [np.asarray(tensors[k] if isinstance(tensors[k], np.ndarray) else torch_to_numpy(tensors[k]))
+                  for k in keys]
+        flat = np.concatenate([a.astype(dtype_of(self.dtype)).reshape(-1) for a in arrays])
+        return self._merge_file.write(flat, [(k, a.shape) for k, a in zip(keys, arrays)])
+
+    def release_adapter(self) -> None:
+        """lora_apply="merged": the workers start restoring the bare base weights (pinned host copies back to the
+        GPU on a stream of their own), which the next update merges into; sampling is refused until then. Nothing
+        while asleep (a sleeping engine's weights are not on the GPU; the next update restores them first)."""
+        if self.merged and not self.asleep:
+            self._rpc("rollout_restore_base")
 
     async def _swap_lora(self, request) -> None:
         """Load `request`'s adapter, then drop the previous one; on failure restore the previous one."""

@@ -58,6 +58,10 @@ class RolloutServer:
         """Serve the trainer's base weights as torch tensors, not copied (the engine in the trainer's process)."""
         return self.engine.share_base_weights(tensors)
 
+    def release_adapter(self) -> None:
+        """The step's rollouts are over; the next adapter follows (`RolloutEngine.release_adapter`)."""
+        self.engine.release_adapter()
+
     def sleep(self) -> int:
         """Free the engine's GPU memory until `wake`; returns the bytes freed."""
         return self.engine.sleep()

@@ -13,7 +13,8 @@ imports without vLLM-Omni (CPU machines, tests) and builds its vLLM-Omni subclas
   SDE windows, the torch SDE of `jaxflow_bridge.rollout.sde`. Requests without our `extra_args` (the engine's warm-up
   run, plain text-to-image requests) run the stock pipeline.
 - `RolloutWorkerExtension`: vLLM-Omni's `CustomPipelineWorkerExtension` plus `rollout_lora_modules()`, the
-  transformer's LoRA-capable layers and their shapes (the engine checks adapters against it).
+  transformer's LoRA-capable layers and their shapes (the engine checks adapters against it), the in-place LoRA
+  write into vLLM-Omni's slots, and with lora_apply="merged" the merge into the base weights and its restore.
 
 With JAXFLOW_ROLLOUT_TRACE=DIR in the workers' environment, the JAXFLOW_ROLLOUT_TRACE_AT-th rollout request (default
 3) a worker serves runs under torch.profiler and its CUDA kernels go to DIR (scripts/bench_rollout_lora.py reads them).
@@ -41,7 +42,9 @@ import torch
 from jaxflow_bridge.contract.schedule import CFG_FORWARDS
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.rollout.fa_version import FA_VERSIONS, use_fa3
+from jaxflow_bridge.rollout.linear_gelu import install_gelu_epilogue
 from jaxflow_bridge.rollout.lora_linear import install_fused_apply
+from jaxflow_bridge.rollout.lora_merge import MergedLoRA, plan_targets
 from jaxflow_bridge.rollout.pipeline import TensorHead, weights_fingerprint
 from jaxflow_bridge.rollout.qk_rope import QK_OPS, use_native_qk
 from jaxflow_bridge.rollout.random_init import random_named_weights
@@ -55,8 +58,12 @@ PAYLOAD_KEY = "rollout"  # our entry in DiffusionOutput.custom_output
 # SamplingParams fields carried by OmniDiffusionSamplingParams attributes, and those carried in its extra_args.
 PARAM_FIELDS = ("height", "width", "num_inference_steps", "true_cfg_scale", "max_sequence_length", "seed")
 EXTRA_FIELDS = ("noise_level", "sde_type", "sde_window_size", "sde_window_range", "same_latent", "keep_final")
-# how LoRA'd linears run: "fused" (jaxflow_bridge/rollout/lora_linear.py) or "stock" (vLLM-Omni's own per-slice apply)
-LORA_APPLY = ("fused", "stock")
+# how LoRA'd linears run: "fused" (jaxflow_bridge/rollout/lora_linear.py), "stock" (vLLM-Omni's own per-slice apply) or
+# "merged" (the adapter merged into the base weights, jaxflow_bridge/rollout/lora_merge.py: plain linears)
+LORA_APPLY = ("fused", "stock", "merged")
+# the MLP's tanh GELU: in the in-projection's cuBLASLt epilogue where no LoRA layer wraps it
+# (jaxflow_bridge/rollout/linear_gelu.py), or vLLM-Omni's separate elementwise kernel
+GELU = ("epilogue", "separate")
 # a torch.profiler trace (CUDA kernels) of the Nth rollout request a worker serves, written to TRACE_ENV's folder
 TRACE_ENV, TRACE_AT_ENV = "JAXFLOW_ROLLOUT_TRACE", "JAXFLOW_ROLLOUT_TRACE_AT"
 
@@ -149,7 +156,8 @@ def txt_seq_lens_from_mask(module, args, kwargs):
     return args, kwargs
 
 
-PIPELINE_OPTIONS = {"lora_apply": LORA_APPLY, "qk_ops": QK_OPS, "fa_version": FA_VERSIONS, "cfg_forward": CFG_FORWARDS}
+PIPELINE_OPTIONS = {"lora_apply": LORA_APPLY, "qk_ops": QK_OPS, "fa_version": FA_VERSIONS, "cfg_forward": CFG_FORWARDS,
+                    "gelu": GELU}
 
 
 def pipeline_options(args: dict) -> dict:
@@ -164,12 +172,14 @@ def pipeline_options(args: dict) -> dict:
 
 
 def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = None,
-                         attention_fa3: Callable[[], int | None] | None = None) -> type:
+                         attention_fa3: Callable[[], int | None] | None = None, gelu_cls: type | None = None) -> type:
     """Our pipeline as a subclass of `SamplingLoop` and `base` (vLLM-Omni's QwenImagePipeline); `output_cls`
     builds its results (vLLM-Omni's DiffusionOutput); `lora_layer_cls` (vLLM-Omni's diffusion LoRA layer base class)
     gets `jaxflow_bridge.rollout.lora_linear`'s fused apply unless custom_pipeline_args say lora_apply="stock";
     the attention's q/k norms and rotary become `jaxflow_bridge.rollout.qk_rope`'s unless they say qk_ops="vllm";
     `attention_fa3` (`jaxflow_bridge.rollout.fa_version.use_fa3`) runs unless they say fa_version="2";
+    `gelu_cls` (vLLM-Omni's ColumnParallelApproxGELU) gets `jaxflow_bridge.rollout.linear_gelu`'s forward unless they
+    say gelu="separate";
     custom_pipeline_args' cfg_forward sets `SamplingLoop.cfg_forward`. All are
     parameters so tests can run it on diffusers components."""
 
@@ -179,6 +189,8 @@ def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = N
         options = pipeline_options(args)
         if lora_layer_cls is not None and options["lora_apply"] == "fused":
             install_fused_apply(lora_layer_cls)
+        if gelu_cls is not None and options["gelu"] == "epilogue":
+            install_gelu_epilogue(gelu_cls)
         if attention_fa3 is not None and options["fa_version"] == "auto":
             version = attention_fa3()
             log.info("fa_version=auto: the diffusion attention's FlashAttention fallback runs %s",
@@ -197,6 +209,7 @@ def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = N
         self.policy_version = self.rollout_requests = 0
         self.random_seed = args.get("random_seed")
         self.random_fingerprint = None
+        self.merged_lora = MergedLoRA() if options["lora_apply"] == "merged" else None
 
     def load_weights(self, weights):
         """vLLM-Omni's weight loading; with `random_seed` (custom_pipeline_args) the folder's transformer weights
@@ -223,6 +236,8 @@ def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = N
         """A rollout request -> DiffusionOutput with our trajectory; any other request -> the stock pipeline."""
         if not is_rollout_request(req.sampling_params):
             return base.forward(self, req, *args, **kwargs)
+        if self.merged_lora is not None and self.merged_lora.previous is not None and not self.merged_lora.serving:
+            raise RuntimeError("the merged LoRA's base weights are being restored: serve the next adapter first")
         prompt, sampling, n, seeds, self.policy_version = decode_request(req.prompts, req.sampling_params)
         self.rollout_requests += 1
         folder = os.environ.get(TRACE_ENV)
@@ -331,8 +346,10 @@ def _pipeline_class() -> type:
     from vllm_omni.diffusion.data import DiffusionOutput
     from vllm_omni.diffusion.lora.layers.base_linear import DiffusionBaseLinearLayerWithLoRA
     from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
+    from vllm_omni.diffusion.models.qwen_image.qwen_image_transformer import ColumnParallelApproxGELU
 
-    return build_pipeline_class(QwenImagePipeline, DiffusionOutput, DiffusionBaseLinearLayerWithLoRA, use_fa3)
+    return build_pipeline_class(QwenImagePipeline, DiffusionOutput, DiffusionBaseLinearLayerWithLoRA, use_fa3,
+                                ColumnParallelApproxGELU)
 
 
 def _worker_extension_class() -> type:
@@ -354,9 +371,34 @@ def _worker_extension_class() -> type:
         except (RuntimeError, AttributeError, KeyError) as e:  # reported as an RPC error: the engine falls back
             return {"error": True, "reason": f"{type(e).__name__}: {e}"}
 
+    def rollout_merge_lora(self, manifest: dict | None, plan: list, scale: float) -> dict:
+        """lora_apply="merged": the shared file's adapter merged into the base weights (manifest None: the previous
+        adapter merged again, after the engine refused a new one)."""
+        pipeline = self.model_runner.pipeline
+        merged = pipeline.merged_lora
+        try:
+            if manifest is None:
+                serve_again = merged.previous is not None and not merged.serving
+                return merged.merge(*merged.previous) if serve_again else {"written": 0}
+            if not hasattr(self, "_rollout_payload"):
+                self._rollout_payload = MappedPayload()
+            device = next(pipeline.transformer.parameters()).device
+            targets = plan_targets(pipeline.transformer, plan, lora_module_table(pipeline.transformer))
+            return merged.merge(self._rollout_payload.to(manifest, device), targets, scale)
+        except (RuntimeError, AttributeError, KeyError) as e:  # reported as an RPC error
+            return {"error": True, "reason": f"{type(e).__name__}: {e}"}
+
+    def rollout_restore_base(self) -> dict:
+        """lora_apply="merged": start restoring the bare base weights (they copy back while the trainer trains)."""
+        merged = self.model_runner.pipeline.merged_lora
+        if merged is not None:
+            merged.begin_restore()
+        return {"restoring": merged is not None}
+
     return type("RolloutWorkerExtension", (CustomPipelineWorkerExtension,),
                 {"rollout_lora_modules": rollout_lora_modules, "rollout_random_fingerprint": rollout_random_fingerprint,
-                 "rollout_write_lora": rollout_write_lora, "__module__": __name__})
+                 "rollout_write_lora": rollout_write_lora, "rollout_merge_lora": rollout_merge_lora,
+                 "rollout_restore_base": rollout_restore_base, "__module__": __name__})
 
 
 _LAZY = {"FlowGRPOQwenImagePipeline": _pipeline_class, "RolloutWorkerExtension": _worker_extension_class}

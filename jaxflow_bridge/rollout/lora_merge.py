@@ -1,0 +1,118 @@
+"""The rollout's LoRA merged into the engine's base weights, with the base restored exactly from a host copy.
+
+With the adapter merged, `W <- round(W + scale * B @ A)` per adapted slice, the rollout's linears are plain GEMMs:
+no shrink, expand or LoRA kernels at all (vLLM-Omni's `lora_apply="merged"`, docs/design.md "LoRA sync"). A merge
+cannot be undone by subtracting (the bf16 rounding of W + dW loses bits), so the first merge copies every adapted
+weight once to page-locked host memory, and every later merge starts from that pristine copy: the served weights
+are always base + the current adapter, rounded once, never a sum of rounded steps. The copy back to the GPU can
+start as soon as a step's rollout is over (`begin_restore`), on a stream of its own, so it runs while the trainer
+trains; `merge` waits for it.
+
+Numerics: each weight is rounded to bf16 once with its adapter term (fp32 product, `addmm_`), where the fused
+LoRA op rounds the LoRA term of each output instead; an adapter term smaller than half a bf16 step of a weight
+leaves that weight unchanged. The trainer's logp_diff metrics show the effect in the loop.
+
+Between `begin_restore` and the next `merge` the engine holds the bare base: `serving` is False and the pipeline
+refuses to sample. A refused adapter (non-finite values) leaves the previous one merged again. Torch only.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def plan_targets(transformer: torch.nn.Module, plan: list, table: dict) -> list[tuple]:
+    """[(module, weight, first row, rows, A offset, A shape, B offset, B shape)] of a slot plan
+    (`engine_vllm_omni.slot_plan`: one [module, layer, slot, A offset, A shape, B offset, B shape] per adapter
+    module): the base weight (out, in) of its engine layer (the wrapped layer's `base_layer` where vLLM-Omni wrapped
+    it) and the rows of its slice. RuntimeError naming a layer without a weight of the table's shape."""
+    out = []
+    for module, layer, slot, a_off, a_shape, b_off, b_shape in plan:
+        fan_in, outs = table["modules"][layer]
+        try:
+            linear = transformer.get_submodule(layer)
+        except AttributeError:
+            linear = None
+        weight = getattr(getattr(linear, "base_layer", linear), "weight", None)
+        if weight is None or tuple(weight.shape) != (sum(outs), fan_in) or tuple(a_shape)[1] != fan_in \
+                or tuple(b_shape)[0] != outs[slot]:
+            raise RuntimeError(f"{module}: engine layer {layer} holds no base weight of shape {(sum(outs), fan_in)}")
+        out.append((module, weight, sum(outs[:slot]), outs[slot], a_off, tuple(a_shape), b_off, tuple(b_shape)))
+    return out
+
+
+class MergedLoRA:
+    """The merged adapter of one engine: the adapted base weights, their host copies and the adapter served.
+
+    `merge(payload, targets, scale)` serves a new adapter (payload: the shared file's flat tensors on the weights'
+    device, B unscaled as PEFT stores it; targets: `plan_targets`); `begin_restore()`
+    starts putting the bare base back; `serving` says whether an adapter is merged."""
+
+    def __init__(self):
+        self.copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight) -> (weight, pristine host copy)
+        self.previous = None  # (payload, targets, scale) of the adapter merged last
+        self.serving = False
+        self._restore = None  # (stream, event) of a restore in flight
+
+    @torch.no_grad()
+    def _keep(self, targets: list) -> None:
+        """Copy each weight not seen yet to host memory, once, while it is the pristine base."""
+        for t in targets:
+            weight = t[1]
+            if id(weight) in self.copies:
+                continue
+            if self.serving:
+                raise RuntimeError(f"{t[0]}: a new layer to merge into while an adapter is merged")
+            copy = torch.empty(weight.shape, dtype=weight.dtype)
+            if weight.is_cuda:  # page-locked at its exact size (torch's pinned allocator rounds up to powers of 2)
+                err = int(torch.cuda.cudart().cudaHostRegister(copy.data_ptr(), copy.numel() * copy.element_size(), 0))
+                if err:
+                    raise RuntimeError(f"cudaHostRegister failed ({err}) for a {tuple(copy.shape)} weight copy")
+            copy.copy_(weight)
+            self.copies[id(weight)] = (weight, copy)
+
+    @torch.no_grad()
+    def begin_restore(self) -> None:
+        """Start writing the pristine base back into every merged weight (on a GPU asynchronously, on a stream of
+        its own after the work queued so far); no adapter is served from here until `merge`."""
+        if not self.serving:
+            return
+        self.serving = False
+        weights = [w for w, _ in self.copies.values()]
+        if not weights or not weights[0].is_cuda:
+            for weight, copy in self.copies.values():
+                weight.copy_(copy)
+            return
+        stream = torch.cuda.Stream(weights[0].device)
+        stream.wait_stream(torch.cuda.current_stream(weights[0].device))
+        with torch.cuda.stream(stream):
+            for weight, copy in self.copies.values():
+                weight.copy_(copy, non_blocking=True)
+        self._restore = (stream, stream.record_event())
+
+    def _restored(self) -> None:
+        """The bare base in place, on the current stream's timeline."""
+        self.begin_restore()
+        if self._restore is not None:
+            stream, event = self._restore
+            torch.cuda.current_stream(stream.device).wait_event(event)
+            self._restore = None
+
+    @torch.no_grad()
+    def merge(self, payload: torch.Tensor, targets: list, scale: float) -> dict:
+        """Serve the payload's adapter merged into the base: {"written": modules}, or {"refused": [...]} with the
+        previous adapter served again (values are checked before any weight changes)."""
+        views = [(t[0], t[1], t[2], t[3], payload[t[4]:t[4] + t[5][0] * t[5][1]].view(t[5]),
+                  payload[t[6]:t[6] + t[7][0] * t[7][1]].view(t[7])) for t in targets]
+        bad = [m for m, _, _, _, a, b in views if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all()))]
+        if bad:
+            if self.previous is not None and not self.serving:
+                self.merge(*self.previous)
+            return {"refused": [f"{m}: expected finite values" for m in bad]}
+        self._keep(targets)
+        self._restored()
+        for _, weight, row, rows, a, b in views:
+            weight[row:row + rows].addmm_(b, a, alpha=scale)
+        self.previous, self.serving = (payload, targets, scale), True
+        if payload.is_cuda:
+            torch.cuda.synchronize(payload.device)
+        return {"written": len(targets)}
