@@ -16,6 +16,9 @@ Each variant's output is checked against a float32 reference within bf16 roundin
 Then to_out alone on what vLLM-Omni hands it, the image slice of the joint attention output ((32, text + 1024, 3072)
 at T = 32768, text 96 tokens): the fused op reading the slice in place (strided-batched GEMMs, `slice_batched`)
 against the slice copied first, as a reshape does (`slice_copied`), eager.
+
+Then the image MLP's in-projection and tanh GELU on T / 2 rows (one CFG half): GELU as its own kernel (eager,
+compiled) against the GELU in the GEMM's cuBLASLt epilogue (`jaxflow_bridge.rollout.linear_gelu`).
 """
 from __future__ import annotations
 
@@ -25,8 +28,10 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from jaxflow_bench.results import write_result
+from jaxflow_bridge.rollout.linear_gelu import linear_gelu
 from jaxflow_bridge.rollout.lora_linear import lora_linear
 
 RANK, REPEATS = 64, 20
@@ -105,6 +110,40 @@ def slice_figures(to_out, size, device, dtype, text: int = 96) -> dict:
     return out
 
 
+def gelu_figures(size, device, dtype) -> dict:
+    """ms of the image MLP's in-projection + tanh GELU on one CFG half of a 16-image request (T / 2 rows): the
+    GEMM then GELU's elementwise kernel, eager and compiled (vLLM-Omni compiles its blocks), against the GELU in the
+    GEMM's cuBLASLt epilogue (`linear_gelu`); each checked against a float32 reference."""
+    g = torch.Generator(device="cpu").manual_seed(3)
+    rows, hidden, mlp = size["tokens"] // 2, size["hidden"], size["mlp"]
+    x = torch.randn(rows, hidden, generator=g).to(device, dtype)
+    w = (torch.randn(mlp, hidden, generator=g) * hidden ** -0.5).to(device, dtype)
+    b = (torch.randn(mlp, generator=g) * 0.1).to(device, dtype)
+
+    def separate(xs, params):
+        return [F.gelu(F.linear(xs[0], *params[0]), approximate="tanh")]
+
+    def epilogue(xs, params):
+        return [linear_gelu(xs[0], *params[0])]
+
+    variants = {"separate_eager": separate, "separate_compiled": torch.compile(separate, dynamic=False),
+                "epilogue": epilogue}
+    out = {}
+    with torch.no_grad():
+        want = F.gelu(F.linear(x.float(), w.float(), b.float()), approximate="tanh")
+        for name, run in variants.items():
+            err = float((run([x], [(w, b)])[0].float() - want).abs().max() / want.abs().max())
+            assert err < 2 ** -6, f"gelu {name}: relative error {err} beyond bf16 rounding"
+            out[f"gelu_{name}_ms"] = median_ms(run, [x], [(w, b)], device)
+            out[f"gelu_{name}_max_rel_err"] = err
+    # image-stream MLP in-projections per rollout of 32 images: 2 requests x 10 steps x 2 CFG forwards x 60 blocks
+    out["gelu_epilogue_saving_s_per_rollout"] = (out["gelu_separate_compiled_ms"] - out["gelu_epilogue_ms"]) * 2400 / 1e3
+    print(f"  MLP in + GELU ({rows} rows): separate {out['gelu_separate_eager_ms']:.3f} ms eager, "
+          f"{out['gelu_separate_compiled_ms']:.3f} compiled; epilogue {out['gelu_epilogue_ms']:.3f} ms "
+          f"({out['gelu_epilogue_saving_s_per_rollout']:.2f} s a rollout of 32 images)", flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
@@ -136,6 +175,7 @@ def main(argv=None) -> int:
     for name in ("stock_eager", "stock_compiled", "fused_eager", "fused_compiled"):
         figures[f"{name}_lora_s_per_rollout"] = (figures[f"{name}_ms"] - figures["base_ms"]) * FORWARDS_PER_ROLLOUT / 1e3
     figures.update(slice_figures(params[1], size, device, dtype))
+    figures.update(gelu_figures(size, device, dtype))
     figures["max_rel_err"] = worst
     figures["tokens"] = size["tokens"]
     print("| variant | ms per block | LoRA s per rollout of 32 images |\n|---|---|---|")
