@@ -36,6 +36,12 @@ def _fail(key: str, message: str):
 
 
 LAYOUTS = ("colocated", "split", "in_process")  # rollout.layout (jaxflow/recipes.py)
+LORA_MODES = ("auto", "merged", "layers")  # rollout.lora_mode
+
+
+def merged_lora(cfg) -> bool:
+    """Whether the rollout serves the LoRA merged into its base weights (rollout.lora_mode; 'auto': on vllm_omni)."""
+    return cfg.rollout.lora_mode == "merged" or (cfg.rollout.lora_mode == "auto" and cfg.rollout.engine == "vllm_omni")
 
 
 def check_layout(cfg, backend: str, devices: int) -> None:
@@ -108,9 +114,11 @@ def validate(cfg: ConfigDict) -> None:
         if cfg.rollout.sleep_while_training:
             _fail("rollout.share_weights", "the shared weights are the trainer's and cannot sleep: leave "
                                            "rollout.sleep_while_training False")
-    if cfg.rollout.merge_lora and cfg.rollout.engine != "vllm_omni":
-        _fail("rollout.merge_lora", "is an option of the vllm_omni engine; leave it False with "
-                                    f"rollout.engine={cfg.rollout.engine!r}")
+    if cfg.rollout.lora_mode not in LORA_MODES:
+        _fail("rollout.lora_mode", f"{cfg.rollout.lora_mode!r}; choose one of {LORA_MODES}")
+    if cfg.rollout.lora_mode == "merged" and cfg.rollout.engine != "vllm_omni":
+        _fail("rollout.lora_mode", f"'merged' is a mode of the vllm_omni engine; with rollout.engine="
+                                   f"{cfg.rollout.engine!r} use 'auto' or 'layers'")
     if cfg.rollout.compile and cfg.rollout.engine != "diffusers":
         _fail("rollout.compile", "is an option of the diffusers engine; leave it False with "
                                  f"rollout.engine={cfg.rollout.engine!r}")

@@ -97,7 +97,7 @@ class Driver:
                   "cfg_forward": r.cfg_forward}
         if r.compile:
             engine["compile"] = True
-        if r.merge_lora:  # the adapter merged into the engine's base weights (jaxflow_bridge/rollout/lora_merge.py)
+        if config_lib.merged_lora(self.cfg):  # into the engine's base weights (jaxflow_bridge/rollout/lora_merge.py)
             engine["lora_apply"] = "merged"
         if r.share_weights:  # the engine serves the trainer's own arrays (jaxflow/base_share.py)
             engine["base_weights"] = "shared"

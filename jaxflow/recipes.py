@@ -78,8 +78,8 @@ HELP: dict[str, str] = {
                        "(docs/design.md)",
     "rollout.compile": "diffusers engine only: torch.compile the transformer block",
     "rollout.share_weights": "True: the in_process diffusers engine runs on the trainer's base weights (one copy)",
-    "rollout.merge_lora": "vllm_omni only, True: each LoRA update is merged into the engine's base weights (plain "
-                          "linears in the rollout; the base restored from a host copy while JAX trains)",
+    "rollout.lora_mode": "the rollout's LoRA: 'merged' into the base weights (vllm_omni), 'layers', or 'auto' (merged "
+                         "on vllm_omni)",
     "rollout.cfg_forward": "true CFG's two rows: 'batched' (one forward, text padded to one length) or 'split' (a "
                            "forward each)",
     "sample.height": "image height in pixels: a multiple of 2 x the VAE's spatial factor (16 for Qwen-Image)",
@@ -186,7 +186,10 @@ def base() -> ml_collections.ConfigDict:
                      layout="colocated", overlap=False, compile=False,
                      # off: only the diffusers engine in the trainer's process (layout "in_process") can share
                      share_weights=False,
-                     merge_lora=False,
+                     # "auto": vLLM-Omni serves the LoRA merged into its base weights, restored from a host copy
+                     # while JAX trains: the recipe 1.064x on one H200 (1.045 against 0.982 img/GPU/s with LoRA
+                     # layers, same session; BENCHMARKS.md, the recipe on one GPU); the diffusers engine, layers
+                     lora_mode="auto",
                      # "split": no attention mask within a prompt group; vLLM-Omni's rollout 1.05x with the LoRA,
                      # 1.07x without (BENCHMARKS.md, true CFG)
                      cfg_forward="split")
