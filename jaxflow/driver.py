@@ -43,11 +43,13 @@ def text_length_error(err: TextLengthError, cfg) -> ValueError:
                       f"--config.sample.{key} (or shorten the prompt)")
 
 
-def merge_rewards(futures: dict) -> dict[str, np.ndarray]:
-    """The reward pool's results of a step's chunks (`futures`: chunk index -> future) as one batch's."""
+def merge_rewards(futures: dict) -> dict:
+    """The reward pool's results of a step's chunks (`futures`: chunk index -> future) as one batch's: scores
+    joined, errors and each reward's scoring seconds summed."""
     parts = [futures[c].result() for c in sorted(futures)]
-    out = {k: np.concatenate([p[k] for p in parts]) for k in parts[0] if k != "errors"}
+    out = {k: np.concatenate([p[k] for p in parts]) for k in parts[0] if k not in ("errors", "seconds")}
     out["errors"] = sum(p["errors"] for p in parts)
+    out["seconds"] = {k: sum(p["seconds"][k] for p in parts) for k in parts[0]["seconds"]}
     return out
 
 
@@ -56,19 +58,21 @@ class Experience:
     """One step's rollout, scored: the train batch (host arrays, mini-batches laid out) and what it reports."""
 
     batch: dict
-    rewards: dict[str, np.ndarray]  # per reward function, "avg" (their weighted sum) and "errors"
+    rewards: dict  # per reward function, "avg" (their weighted sum), "errors" and "seconds" (scoring, per function)
     zero_std_ratio: float
     policy_version: int  # the policy that sampled it
 
     def metrics(self, bound_modules: int, seconds: float, freed_bytes: int | None = None) -> dict:
-        """The metrics logged beside the learner's: rewards, the LoRA's bound modules, throughput over the step's
-        wall time `seconds` and the GPU memory a sleeping rollout freed."""
+        """The metrics logged beside the learner's: rewards, each reward's scoring time (`time/reward_busy/<name>`:
+        worker seconds, most of it while the rollout ran; "time/reward" is what the step waited after it), the LoRA's
+        bound modules, throughput over the step's wall time `seconds` and the GPU memory a sleeping rollout freed."""
         avg = self.rewards["avg"]
         return {"reward_mean": avg.mean(), "reward_std": avg.std(), "reward_errors": self.rewards["errors"],
                 "zero_std_ratio": self.zero_std_ratio, "bound_modules": bound_modules,
                 "images_per_s": len(self.batch["advantages"]) / seconds, "time/step": seconds,
                 **({"rollout_freed_gib": freed_bytes / 2 ** 30} if freed_bytes is not None else {}),
-                **{f"reward/{k}": v.mean() for k, v in self.rewards.items() if k not in ("avg", "errors")}}
+                **{f"time/reward_busy/{k}": v for k, v in self.rewards["seconds"].items()},
+                **{f"reward/{k}": v.mean() for k, v in self.rewards.items() if k not in ("avg", "errors", "seconds")}}
 
 
 class Driver:

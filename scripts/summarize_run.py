@@ -49,6 +49,8 @@ def main(argv=None):
             if key in steady[0]:
                 figures[key.replace("time/", "") + ("_s" if key.startswith("time/") else "")] = \
                     statistics.median(r[key] for r in steady)
+        for key in sorted(k for k in steady[0] if k.startswith("time/reward_busy/")):  # scoring seconds per reward
+            figures[f"reward_busy_{key.rpartition('/')[2]}_s"] = statistics.median(r[key] for r in steady)
         figures["share_of_step_sync"] = figures["sync_s"] / figures["step_s"]
         diffs = [v for r in steady for k, v in r.items() if k.startswith("logp_diff_max/")]
         if diffs:  # FlowGRPO's rollout/trainer log-prob mismatch (DiffusionNFT has no log-probs)

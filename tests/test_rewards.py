@@ -7,6 +7,7 @@ import io
 import json
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
@@ -335,3 +336,34 @@ def test_shuffled_control_permutes_across_the_whole_batch_when_split():
     assert sorted(scores) == list(range(48))
     assert any(s // 6 != i // 6 for i, s in enumerate(scores))  # scores moved between pieces
     np.testing.assert_array_equal(out["shuffled"], Shuffled(_PerSample(), seed=0)(images, prompts))  # same draw
+
+
+def test_reward_pool_reports_each_rewards_scoring_seconds():
+    """"seconds" holds each reward's worker seconds for the batch (a split reward's pieces summed, though they ran at
+    once); the driver sums them over a step's chunks into time/reward_busy/<name>."""
+    from concurrent.futures import Future
+
+    from jaxflow.driver import Experience, merge_rewards
+
+    def slow(images, prompts):
+        time.sleep(0.05)
+        return np.ones(len(images), np.float32)
+
+    piecewise = _PerSample(barrier=threading.Barrier(4))
+    reward = MultiReward({"px": piecewise, "slow": slow}, {"px": 1.0, "slow": 1.0})
+    images, prompts = _numbered(8)
+    with RewardPool(reward, max_workers=4) as pool:
+        outs = [pool.submit(images, prompts).result(timeout=60) for _ in range(2)]
+    for out in outs:
+        assert set(out["seconds"]) == {"px", "slow"}
+        assert 0.05 <= out["seconds"]["slow"] < 5 and 0 <= out["seconds"]["px"] < 5
+    futures = {}
+    for c, out in enumerate(outs):
+        futures[c] = Future()
+        futures[c].set_result(out)
+    merged = merge_rewards(futures)
+    assert merged["slow"].shape == (16,) and merged["seconds"]["slow"] == outs[0]["seconds"]["slow"] + \
+        outs[1]["seconds"]["slow"]
+    metrics = Experience({"advantages": np.zeros(16)}, merged, 0.0, 0).metrics(720, 2.0)
+    assert metrics["time/reward_busy/slow"] == merged["seconds"]["slow"] >= 0.1
+    assert "reward/seconds" not in metrics and metrics["reward/slow"] == 1.0

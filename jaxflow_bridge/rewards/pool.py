@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
@@ -29,7 +30,8 @@ class RewardPool:
         self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="reward")
 
     def submit(self, images: np.ndarray, prompts: Sequence[str]) -> Future:
-        """Future of {name: (B,) float32, "avg": (B,) float32, "errors": int}."""
+        """Future of {name: (B,) float32, "avg": (B,) float32, "errors": int, "seconds": {name: worker seconds spent
+        scoring the batch}}."""
         prompts = list(prompts)
         n = len(prompts)
         edges = np.linspace(0, n, max(1, min(self.max_workers, n)) + 1).astype(int).tolist()
@@ -66,10 +68,12 @@ class _Batch:
         self.pieces = {name: [None] * len(spans) for name, (_, _, spans) in parts.items()}
         self.remaining = sum(len(p) for p in self.pieces.values())
         self.failed: set[str] = set()
+        self.seconds = dict.fromkeys(parts, 0.0)
         self._lock = threading.Lock()
 
     def run(self, name: str, index: int, span: tuple[int, int]) -> None:
         a, b = span
+        start = time.perf_counter()
         try:
             self.pieces[name][index] = check_scores(name, self.parts[name][0](self.images[a:b], self.prompts[a:b]),
                                                     b - a)
@@ -78,6 +82,7 @@ class _Batch:
             with self._lock:
                 self.failed.add(name)
         with self._lock:
+            self.seconds[name] += time.perf_counter() - start
             self.remaining -= 1
             last = self.remaining == 0
         if last:
@@ -86,7 +91,7 @@ class _Batch:
     def _finish(self) -> None:
         try:
             out = self.reward.combine({name: self._joined(name) for name in self.reward.names})
-            out["errors"] = len(self.failed)
+            out["errors"], out["seconds"] = len(self.failed), dict(self.seconds)
             self.result.set_result(out)
         except Exception as e:  # a bug here must reach the caller, not vanish in a worker
             self.result.set_exception(e)
