@@ -66,7 +66,10 @@ class MergedLoRA:
             if weight.is_cuda:  # page-locked at its exact size (torch's pinned allocator rounds up to powers of 2)
                 err = int(torch.cuda.cudart().cudaHostRegister(copy.data_ptr(), copy.numel() * copy.element_size(), 0))
                 if err:
-                    raise RuntimeError(f"cudaHostRegister failed ({err}) for a {tuple(copy.shape)} weight copy")
+                    total = sum(w.numel() * w.element_size() for w in {id(t[1]): t[1] for t in targets}.values()) / 2 ** 30
+                    raise RuntimeError(f"page-locking the host copy of the merged LoRA's base weights failed (CUDA "
+                                       f"error {err}; {total:.1f} GiB in all): free host memory, or set "
+                                       f"--config.rollout.lora_mode=layers")
             copy.copy_(weight)
             self.copies[id(weight)] = (weight, copy)
 
