@@ -106,7 +106,8 @@ class MergedLoRA:
         previous adapter served again (values are checked before any weight changes)."""
         views = [(t[0], t[1], t[2], t[3], payload[t[4]:t[4] + t[5][0] * t[5][1]].view(t[5]),
                   payload[t[6]:t[6] + t[7][0] * t[7][1]].view(t[7])) for t in targets]
-        bad = [m for m, _, _, _, a, b in views if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all()))]
+        bad = [] if bool(torch.isfinite(payload).all()) else [  # one check (a host sync) unless a value is bad
+            m for m, _, _, _, a, b in views if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all()))]
         if bad:
             if self.previous is not None and not self.serving:
                 self.merge(*self.previous)
