@@ -103,7 +103,7 @@ def test_same_latent_gives_one_initial_noise_per_group(loop):
 
 
 def reference_log_prob(weights, ids, x, x_next, sigma, sigma_next, sigma_max, sp):
-    """Gaussian log-density of x_next under the 'sde' step from x (numerics.md §2), float64, with BAGEL's CFG of
+    """Gaussian log-density of x_next under the 'sde' step from x (docs/numerics.md §2), float64, with BAGEL's CFG of
     bagel_ref's velocities; also the error bound of the float32 rollout's value (see the test)."""
     x, x_next = x.astype(np.float64), x_next.astype(np.float64)
     v_c, v_u = (bagel_ref.velocity(weights, TINY, c, x.astype(np.float32), float(sigma), GRID).astype(np.float64)
