@@ -11,14 +11,13 @@ once; the figure is the best of REPEATS calls after a warm-up, per attention. FL
 """
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from jaxflow_bench.results import write_result
 from jaxflow_bench.timing import REPEATS, best_seconds
+from jaxflow_bench.cli import bench_parser
 
 SHAPE, TINY_SHAPE = (8, 1152, 24, 128), (2, 40, 2, 16)
 LOOP = 10
@@ -43,9 +42,7 @@ def looped(fn, grad: bool):
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--tiny", action="store_true")
+    p = bench_parser(__doc__, tiny=True)
     args = p.parse_args(argv)
     b, s, h, d = TINY_SHAPE if args.tiny else SHAPE
     q, k, v = (jax.random.normal(key, (b, s, h, d), jnp.bfloat16) for key in jax.random.split(jax.random.key(0), 3))

@@ -13,9 +13,7 @@ Each fused output is checked against an fp32 reference (bf16 rounding: at most 2
 """
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +21,7 @@ import jax.numpy as jnp
 from jaxflow.models.lora_gemm import Tiling, lora_matmul, on_hopper
 from jaxflow_bench.results import write_result
 from jaxflow_bench.timing import LOOP, best_seconds, looped
+from jaxflow_bench.cli import bench_parser
 
 RANK = 64
 # image stream at B=8 (8 x 1024 tokens): projections, MLP in, MLP out; text stream (8 x 128 tokens): projections
@@ -89,9 +88,7 @@ def measure(m: int, k: int, n: int, tilings: dict, loop: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--tiny", action="store_true")
+    p = bench_parser(__doc__, tiny=True)
     args = p.parse_args(argv)
     kind, hopper = jax.devices()[0].device_kind, on_hopper()
     if not args.tiny and not hopper:

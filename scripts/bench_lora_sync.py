@@ -18,10 +18,8 @@ import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch allocates beside JAX
 
-import argparse  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -35,6 +33,7 @@ from jaxflow.models.transformer import QwenImageTransformer  # noqa: E402
 from jaxflow_bench.results import write_result  # noqa: E402
 from jaxflow_bench.workload import FULL, TINY  # noqa: E402
 from jaxflow_bridge.rollout.lora_apply import ADAPTER_NAME, LoraApplier  # noqa: E402
+from jaxflow_bench.cli import bench_parser  # noqa: E402
 
 
 def random_lora(cfg: QwenImageConfig, spec: LoRASpec) -> nnx.State:
@@ -82,9 +81,7 @@ def timed(fn, iters: int) -> list[float]:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--tiny", action="store_true", help="tiny dimensions on the CPU (a code-path check)")
+    p = bench_parser(__doc__, tiny=True)
     p.add_argument("--rank", type=int, default=64)
     p.add_argument("--layers", type=int, help="fewer layers of the chosen width (e.g. full width on a CPU)")
     p.add_argument("--engine_dtype", default="bfloat16", choices=("bfloat16", "float32"))

@@ -14,15 +14,14 @@ LOOP calls per jit as a lax.scan over a stack of A, best of REPEATS):
 """
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from jaxflow_bench.results import write_result
 from jaxflow_bench.timing import LOOP, best_seconds, looped
+from jaxflow_bench.cli import bench_parser
 
 SHAPES = ((9216, 3072, 12288), (9216, 12288, 3072), (9216, 3072, 3072))
 TINY_SHAPES = ((64, 32, 128),)
@@ -85,9 +84,7 @@ def measure(m: int, k: int, n: int, loop: int = LOOP) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--tiny", action="store_true")
+    p = bench_parser(__doc__, tiny=True)
     args = p.parse_args(argv)
     rows = {"x".join(map(str, s)): measure(*s, loop=2 if args.tiny else LOOP)
             for s in (TINY_SHAPES if args.tiny else SHAPES)}

@@ -17,7 +17,6 @@ spawns workers).
 """
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ import numpy as np
 
 from jaxflow_bench.results import write_result
 from jaxflow_bench.rollout import PROMPTS, SEED_SETTINGS, TARGETS, TRAIN_SETTINGS, random_adapter
+from jaxflow_bench.cli import bench_parser
 
 
 def timed_rows(engine, sampling: dict, n: int) -> dict:
@@ -72,8 +72,7 @@ def lora_check(engine, model: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True)
+    p = bench_parser(__doc__)
     p.add_argument("--model", type=Path, default=Path("/tmp/qwen_random"))
     p.add_argument("--seed", type=int, default=0, help="random-weights seed")
     p.add_argument("--eager", action="store_true", help="vLLM-Omni without torch.compile")

@@ -29,6 +29,7 @@ from pathlib import Path
 from jaxflow_bench.kernels import breakdown, gpu_kernels
 from jaxflow_bench.results import write_result
 from jaxflow_bench.rollout import PROMPTS, TARGETS, TRAIN_SETTINGS, random_adapter
+from jaxflow_bench.cli import bench_parser
 
 # 2 prompts a call: base warm-up, base timed, LoRA warm-up, LoRA timed, then the traced call (not timed)
 TRACED_REQUEST = 9
@@ -59,8 +60,7 @@ def one_mode(model: Path, mode: str, seed: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True)
+    p = bench_parser(__doc__)
     p.add_argument("--model", type=Path, default=Path("/tmp/qwen_random"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--modes", default="stock,fused")

@@ -22,10 +22,8 @@ compiled) against the GELU in the GEMM's cuBLASLt epilogue (`jaxflow_bridge.roll
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +31,7 @@ import torch.nn.functional as F
 from jaxflow_bench.results import write_result
 from jaxflow_bridge.rollout.linear_gelu import linear_gelu
 from jaxflow_bridge.rollout.lora_linear import lora_linear
+from jaxflow_bench.cli import bench_parser
 
 RANK, REPEATS = 64, 20
 FULL = dict(tokens=32768, hidden=3072, mlp=12288)
@@ -145,9 +144,7 @@ def gelu_figures(size, device, dtype) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--tiny", action="store_true")
+    p = bench_parser(__doc__, tiny=True)
     p.add_argument("--tokens", type=int, default=None)
     args = p.parse_args(argv)
     size = dict(TINY if args.tiny else FULL)

@@ -9,12 +9,12 @@ DIR: a full-size pipeline folder (scripts/make_random_pipeline.py --no-transform
 """
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
 from jaxflow.config import config_module
 from jaxflow_bench.results import write_result
+from jaxflow_bench.cli import bench_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,8 +27,7 @@ def recipe(model: str, prompts: int):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True)
+    p = bench_parser(__doc__)
     p.add_argument("--model", required=True)
     p.add_argument("--prompts", type=int, default=2, help="sample.prompts_per_step")
     p.add_argument("--sizes", type=int, nargs="+", default=[8, 4, 2], help="samples per micro-batch to try")

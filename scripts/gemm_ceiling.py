@@ -12,12 +12,11 @@ Shapes are (M, K, N) with M = 9216 rows (8 samples x 1152 tokens): 9216x3072x307
 """
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
 from jaxflow_bench.results import write_result
 from jaxflow_bench.timing import LOOP, jax_tflops, torch_tflops
+from jaxflow_bench.cli import bench_parser
 
 SHAPES = ((8192, 8192, 8192), (9216, 3072, 12288), (9216, 12288, 3072), (9216, 3072, 3072), (9216, 3072, 18432))
 TINY_SHAPES = ((64, 64, 64), (96, 32, 128))
@@ -31,9 +30,7 @@ def ceiling(shapes=SHAPES, loop: int = LOOP) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--tiny", action="store_true")
+    p = bench_parser(__doc__, tiny=True)
     args = p.parse_args(argv)
     rows = ceiling(TINY_SHAPES if args.tiny else SHAPES, loop=2 if args.tiny else LOOP)
     print(f"{'shape (MxKxN)':>18s} {'jax scan':>9s} {'jax unrolled':>13s} {'torch':>7s}  (TFLOP/s)")

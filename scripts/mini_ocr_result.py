@@ -11,7 +11,6 @@ RL command); the per-step reward curves and a prompt-by-prompt breakdown (`break
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 from PIL import Image, ImageDraw
 
 from jaxflow_bench.results import write_result
+from jaxflow_bench.cli import bench_parser
 
 COLOURS = {"rl": (200, 30, 30), "rl_control": (30, 30, 200)}
 
@@ -77,8 +77,7 @@ def plot(curves: dict[str, list[float]], path: Path, size=(480, 240), pad=30) ->
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True)
+    p = bench_parser(__doc__)
     p.add_argument("--rl-seconds", type=float, required=True)
     a = p.parse_args(argv)
     ev = {k: json.loads((a.out / "eval" / f"{k}.json").read_text())

@@ -28,6 +28,7 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from jaxflow_bench.cli import bench_parser  # noqa: E402
 from jaxflow_bench.kernels import (  # noqa: E402
     CLASSES,
     breakdown,
@@ -115,8 +116,7 @@ def profile_train_step(out: Path, batch: int, micro: int, hlo: Path | None = Non
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True)
+    p = bench_parser(__doc__)
     p.add_argument("--model", type=Path, default=Path("/tmp/qwen_random"), help="the rollout's pipeline folder")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--micro", type=int, default=2)
