@@ -13,7 +13,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxflow.models import layers
 from jaxflow.models.config import ModelOptions, QwenImageConfig
 from jaxflow.models.lora import LoRASpec
-from jaxflow.models.lora_gemm import Tiling, _tile_order, check_shapes, lora_linear, lora_matmul, smem_bytes
+from jaxflow.models.lora_gemm import Tiling, tile_order, check_shapes, lora_linear, lora_matmul, smem_bytes
 from jaxflow.models.transformer import QwenImageTransformer
 from tests.qwen_ref import TINY
 
@@ -108,7 +108,7 @@ def test_shape_checks_name_the_fix():
 @pytest.mark.parametrize("m_tiles,n_tiles,group", [(8, 12, 8), (10, 3, 4), (1, 5, 8), (7, 7, 16)])
 def test_tile_walk_visits_every_output_tile_once(m_tiles, n_tiles, group):
     lin = jnp.arange(m_tiles * n_tiles)
-    mi, ni = _tile_order(lin, m_tiles, n_tiles, group)
+    mi, ni = tile_order(lin, m_tiles, n_tiles, group)
     assert sorted(zip(np.asarray(mi).tolist(), np.asarray(ni).tolist())) == [
         (i, j) for i in range(m_tiles) for j in range(n_tiles)]
     # consecutive steps stay in one band of `group` tile rows (W's columns are reused from L2)

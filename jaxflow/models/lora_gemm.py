@@ -58,7 +58,7 @@ def _transforms(minor_elems: int, itemsize: int):
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _tile_order(lin, m_tiles: int, n_tiles: int, group_m: int):
+def tile_order(lin, m_tiles: int, n_tiles: int, group_m: int):
     """Output tile (row, column) of linear step `lin`: bands of `group_m` tile rows, column-major inside a band."""
     per_band = group_m * n_tiles
     band = lin // per_band
@@ -116,7 +116,7 @@ def _kernel(x_g, w_g, u_g, v_g, b_g, o_g, *, t: Tiling, transposed: bool, has_bi
 
         @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
         def _tile(info):
-            mi, ni = _tile_order(info.index[0], m_tiles, n_tiles, t.group_m)
+            mi, ni = tile_order(info.index[0], m_tiles, n_tiles, t.group_m)
             rows = pl.ds(mi * t.tile_m, t.tile_m)
             cols = pl.ds(ni * cta_n + wg * t.tile_n, t.tile_n)  # this warpgroup's output columns
 
