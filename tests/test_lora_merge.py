@@ -26,10 +26,8 @@ SCALE = 2.0
 def shared(tensors: dict, tmp_path, dtype="bfloat16"):
     """`tensors` (PEFT keys) in a shared file, lora_A first (as jaxflow.lora_sync.SharedLoRA lays it out); the
     manifest and its payload as a torch tensor."""
-    keys = sorted(tensors, key=lambda k: ("lora_B" in k, k))
     f = lora_shm.SharedAdapterFile(dtype, root=tmp_path)
-    flat = np.concatenate([tensors[k].astype(lora_shm.dtype_of(dtype)).reshape(-1) for k in keys])
-    manifest = f.write(flat, [(k, tensors[k].shape) for k in keys])
+    manifest = f.write_arrays(tensors)
     return f, manifest, vop.MappedPayload().to(manifest, "cpu")
 
 

@@ -20,11 +20,13 @@ SCALE = 2.0
 
 
 def shared_file(tensors: dict, tmp_path) -> tuple[lora_shm.SharedAdapterFile, dict]:
-    """`tensors` (PEFT keys) in a shared file, lora_A first, as `jaxflow.lora_sync.SharedLoRA` lays it out."""
-    keys = sorted(tensors, key=lambda k: ("lora_B" in k, k))
+    """`tensors` (PEFT keys) in a shared file, lora_A first, as `jaxflow.lora_sync.SharedLoRA` lays it out
+    (`SharedAdapterFile.write_arrays`: the engine's own writer for arrays sent through Ray)."""
     f = lora_shm.SharedAdapterFile("bfloat16", root=tmp_path)
-    flat = np.concatenate([tensors[k].astype(BF16).reshape(-1) for k in keys])
-    return f, f.write(flat, [(k, tensors[k].shape) for k in keys])
+    manifest = f.write_arrays(tensors)
+    kinds = ["lora_B" in k for k, _ in manifest["entries"]]
+    assert kinds == sorted(kinds)  # every lora_A before every lora_B
+    return f, manifest
 
 
 def test_round_trip_token_and_size(tmp_path):

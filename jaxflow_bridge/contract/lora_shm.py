@@ -51,6 +51,13 @@ class SharedAdapterFile:
         self.payload(entries)[:] = flat
         return self.seal(entries)
 
+    def write_arrays(self, tensors: dict[str, np.ndarray]) -> dict:
+        """Write PEFT arrays (any float dtype, cast to the file's) lora_A first, as the trainer lays the file out;
+        the manifest."""
+        keys = sorted(tensors, key=lambda k: ("lora_B" in k, k))
+        flat = np.concatenate([np.asarray(tensors[k]).astype(dtype_of(self.dtype)).reshape(-1) for k in keys])
+        return self.write(flat, [(k, np.shape(tensors[k])) for k in keys])
+
     def payload(self, entries: list) -> np.ndarray:
         """The file's payload for `entries` as a writable flat array (the file made or resized first)."""
         total = offsets(entries)[-1]

@@ -54,7 +54,7 @@ import numpy as np
 import jaxflow_bridge
 from jaxflow_bridge.contract.lora import (adapter_spec, lora_pairs, read_peft, refusal, to_vllm_omni,
                                           vllm_omni_adapter_config, write_peft)
-from jaxflow_bridge.contract.lora_shm import offsets, open_payload, read_arrays
+from jaxflow_bridge.contract.lora_shm import SharedAdapterFile, offsets, open_payload, read_arrays
 from jaxflow_bridge.contract.schedule import sample_windows
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.rollout.engine import RolloutEngine
@@ -379,17 +379,12 @@ class VllmOmniEngine(RolloutEngine):
         return {"version": self.policy_version, "bound_modules": self._lora_bound, "seconds": time.perf_counter() - t}
 
     def _shared_copy(self, tensors: dict) -> dict:
-        """update_lora's arrays (PEFT keys) in the engine's own shared file, lora_A first; its manifest."""
-        from jaxflow_bridge.contract.lora_shm import SharedAdapterFile, dtype_of
-
+        """update_lora's arrays (PEFT keys) in the engine's own shared file; its manifest."""
         if self._merge_file is None:
             self._merge_file = SharedAdapterFile(self.dtype)
             weakref.finalize(self, self._merge_file.close)
-        keys = sorted(tensors, key=lambda k: ("lora_B" in k, k))
-        arrays = [np.asarray(tensors[k] if isinstance(tensors[k], np.ndarray) else torch_to_numpy(tensors[k]))
-                  for k in keys]
-        flat = np.concatenate([a.astype(dtype_of(self.dtype)).reshape(-1) for a in arrays])
-        return self._merge_file.write(flat, [(k, a.shape) for k, a in zip(keys, arrays)])
+        return self._merge_file.write_arrays({k: v if isinstance(v, np.ndarray) else torch_to_numpy(v)
+                                              for k, v in tensors.items()})
 
     def release_adapter(self) -> None:
         """lora_apply="merged": the workers start restoring the bare base weights (pinned host copies back to the
