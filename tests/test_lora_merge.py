@@ -11,7 +11,7 @@ import torch
 
 from jaxflow_bridge.contract import lora_shm
 from jaxflow_bridge.rollout import vllm_omni_pipeline as vop
-from jaxflow_bridge.rollout.engine_vllm_omni import slot_plan
+from jaxflow_bridge.rollout.lora_binding import slot_plan
 from jaxflow_bridge.rollout.lora_merge import MergedLoRA, plan_targets
 from jaxflow_bridge.rollout.pipeline import RolloutPipeline
 from tests.helpers import RANK, random_peft

@@ -11,7 +11,8 @@ import torch
 from jaxflow_bridge.contract.lora import lora_pairs, to_vllm_omni
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.rollout import vllm_omni_pipeline as vop
-from jaxflow_bridge.rollout.engine_vllm_omni import INSTALL_HINT, ack_errors, check_lora_binding, folder_fingerprint
+from jaxflow_bridge.rollout.engine_vllm_omni import INSTALL_HINT, ack_errors, folder_fingerprint
+from jaxflow_bridge.rollout.lora_binding import check_lora_binding
 from jaxflow_bridge.rollout.pipeline import RolloutPipeline
 from jaxflow_bridge.rollout.sampling import SamplingParams
 from jaxflow_bridge.rollout.server import engine_class
