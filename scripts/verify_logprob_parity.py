@@ -2,7 +2,7 @@
 
     python scripts/verify_logprob_parity.py [--model DIR] [--engine diffusers|vllm_omni] [--dtype float32]
         [--jax-dtype D] [--jax-rope bfloat16] [--cfg 4] [--steps 4] [--window 2] [--prompts 4] [--n 2]
-        [--lora-rank R] [--json OUT]
+        [--lora-rank R] [--lora-apply fused|stock|merged] [--json OUT]
 
 Rolls out on the engine (default: diffusers; the model defaults to the tiny offline pipeline saved in --dtype,
 which vLLM-Omni needs), then recomputes each window step's
@@ -74,6 +74,8 @@ def parse_args(argv):
     p.add_argument("--width", type=int, default=72)
     p.add_argument("--seed", type=int, default=0, help="base sample seed; also seeds the LoRA adapter")
     p.add_argument("--lora-rank", type=int, help="apply one random LoRA adapter (alpha = rank) to both sides")
+    p.add_argument("--lora-apply", choices=("fused", "stock", "merged"),
+                   help="vllm_omni: how the engine applies the adapter (default: the engine's, fused)")
     p.add_argument("--jax-lora-seed", type=int, help="a different adapter seed for the JAX side (negative control)")
     p.add_argument("--jax-rope", choices=DTYPE_CHOICES, default="float32",
                    help="bfloat16: round the JAX side's RoPE tables as vLLM-Omni's transformer does (diagnostic)")
@@ -85,6 +87,8 @@ def parse_args(argv):
         p.error(f"--prompts must be in [1, {len(PROMPTS)}]")
     if args.jax_lora_seed is not None and args.lora_rank is None:
         p.error("--jax-lora-seed needs --lora-rank")
+    if args.lora_apply and args.engine != "vllm_omni":
+        p.error("--lora-apply is an option of --engine vllm_omni")
     if args.engine == "vllm_omni" and args.dtype != "bfloat16":
         p.error("--engine vllm_omni runs --dtype bfloat16 only (vLLM-Omni 0.20 fails its warm-up in float32)")
     args.jax_dtype = args.jax_dtype or args.dtype
@@ -93,11 +97,12 @@ def parse_args(argv):
     return args
 
 
-def build_engine(name: str, folder: Path, dtype: str):
-    """The rollout engine `name` from jaxflow_bridge.rollout.server's registry, in-process; SystemExit if unavailable."""
+def build_engine(name: str, folder: Path, dtype: str, lora_apply: str | None = None):
+    """The rollout engine `name` from jaxflow_bridge.rollout.server's registry, in-process; SystemExit if unavailable.
+    `lora_apply`: the vllm_omni engine's (fused, stock, merged)."""
     from jaxflow_bridge.rollout.server import engine_class
 
-    config = {"engine": name, "model": str(folder), "dtype": dtype}
+    config = {"engine": name, "model": str(folder), "dtype": dtype, **({"lora_apply": lora_apply} if lora_apply else {})}
     try:
         return engine_class(config)(config)
     except (ImportError, ValueError) as e:
@@ -121,7 +126,7 @@ def main(argv=None) -> int:
         from jaxflow_bridge.rollout.tiny import tiny_pipeline_path
 
         args.model = tiny_pipeline_path(dtype=args.dtype)  # vLLM-Omni takes its dtype from the folder's
-    engine = build_engine(args.engine, args.model, args.dtype)
+    engine = build_engine(args.engine, args.model, args.dtype, args.lora_apply)
     engine_fingerprint = engine.info()["fingerprint"]
     folder = args.model / "transformer"
     spec = LoRASpec(rank=args.lora_rank, alpha=float(args.lora_rank)) if args.lora_rank else None
