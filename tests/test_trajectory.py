@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxflow_bridge.contract.trajectory import TextLengthError, TrajectoryBatch, validate_arrays
+from jaxflow_bridge.contract.trajectory import TEXT_FIELDS, TextLengthError, TrajectoryBatch, validate_arrays
 
 ROOT = Path(__file__).resolve().parents[1]
 BF16 = ml_dtypes.bfloat16
@@ -28,9 +28,11 @@ class Trajectory:
     log_probs: np.ndarray
     sigmas: np.ndarray
     step_index: np.ndarray
-    prompt_embeds: np.ndarray
+    prompt_embeds: np.ndarray | None = None
+    prompt_ids: np.ndarray | None = None
     prompt_mask: np.ndarray
     negative_prompt_embeds: np.ndarray | None = None
+    negative_prompt_ids: np.ndarray | None = None
     negative_prompt_mask: np.ndarray | None = None
     prompt: str
     group_id: int
@@ -55,8 +57,7 @@ def stack(trajectories) -> TrajectoryBatch:
 
     return TrajectoryBatch.concat([TrajectoryBatch(
         images=one(t.image), latents=one(t.latents), log_probs=one(t.log_probs), sigmas=t.sigmas,
-        step_index=one(t.step_index), prompt_embeds=one(t.prompt_embeds), prompt_mask=one(t.prompt_mask),
-        negative_prompt_embeds=one(t.negative_prompt_embeds), negative_prompt_mask=one(t.negative_prompt_mask),
+        step_index=one(t.step_index), **{f: one(getattr(t, f)) for f in TEXT_FIELDS},
         prompts=(t.prompt,), group_ids=np.array([t.group_id], np.int64), seeds=np.array([t.seed], np.int64),
         policy_versions=np.array([t.policy_version], np.int64)) for t in trajectories])
 
@@ -81,26 +82,30 @@ def _trim(embeds: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]
 def unstack(batch: TrajectoryBatch) -> list[Trajectory]:
     """Per-sample records with trailing masked-out text dropped: inverts `stack` for masks ending in a valid token."""
     out = []
+    kind = batch.text_kind
     for i in range(len(batch)):
-        embeds, mask = _trim(batch.prompt_embeds[i], batch.prompt_mask[i])
-        neg_embeds = neg_mask = None
-        if batch.guided:
-            neg_embeds, neg_mask = _trim(batch.negative_prompt_embeds[i], batch.negative_prompt_mask[i])
+        text = {}
+        for prefix in ("prompt", "negative_prompt") if batch.guided else ("prompt",):
+            text[f"{prefix}_{kind}"], text[f"{prefix}_mask"] = _trim(getattr(batch, f"{prefix}_{kind}")[i],
+                                                                    getattr(batch, f"{prefix}_mask")[i])
         out.append(Trajectory(
             image=batch.images[i], latents=batch.latents[i], log_probs=batch.log_probs[i], sigmas=batch.sigmas,
-            step_index=batch.step_index[i], prompt_embeds=embeds, prompt_mask=mask, negative_prompt_embeds=neg_embeds,
-            negative_prompt_mask=neg_mask, prompt=batch.prompts[i], group_id=batch.group_ids[i], seed=batch.seeds[i],
+            step_index=batch.step_index[i], **text, prompt=batch.prompts[i], group_id=batch.group_ids[i], seed=batch.seeds[i],
             policy_version=batch.policy_versions[i]))
     return out
 
 
-def make(start=1, window=3, length=5, neg_length=None, seed=0, version=3, dtype=BF16) -> Trajectory:
+def make(start=1, window=3, length=5, neg_length=None, seed=0, version=3, dtype=BF16, ids=False) -> Trajectory:
+    """A sample with text embeds of `dtype`, or with `ids` BAGEL's context token ids (int32, from 1: no padding id)."""
     rng = np.random.default_rng(seed)
     text = {}
     for prefix, n in (("prompt", length), ("negative_prompt", neg_length)):
         if n is not None:
-            text[f"{prefix}_embeds"] = rng.standard_normal((n, D)).astype(dtype)
             text[f"{prefix}_mask"] = np.ones(n, bool)
+            if ids:
+                text[f"{prefix}_ids"] = rng.integers(1, 1000, n).astype(np.int32)
+            else:
+                text[f"{prefix}_embeds"] = rng.standard_normal((n, D)).astype(dtype)
     return Trajectory(
         image=rng.integers(0, 256, (H, W, 3), dtype=np.uint8),
         latents=rng.standard_normal((window + 1, S, C), dtype=np.float32),
@@ -216,9 +221,9 @@ def test_stack_rejects_different_image_sizes_and_empty():
         stack([])
 
 
-@pytest.mark.parametrize("neg", [None, 3])
-def test_unstack_inverts_stack(neg):
-    samples = [make(length=3 + i, neg_length=neg and neg + i, start=i % 3, seed=i) for i in range(4)]
+@pytest.mark.parametrize("neg, ids", [(None, False), (3, False), (None, True), (3, True)])
+def test_unstack_inverts_stack(neg, ids):
+    samples = [make(length=3 + i, neg_length=neg and neg + i, start=i % 3, seed=i, ids=ids) for i in range(4)]
     for got, want in zip(unstack(stack(samples)), samples, strict=True):
         assert_same(got, want)
 
@@ -266,6 +271,87 @@ def test_to_dict_from_dict_round_trip():
     assert TrajectoryBatch.from_dict(plain).negative_prompt_embeds is None
     with pytest.raises(ValueError, match=r"seeds: expected shape \(B\) = \(3\), got shape \(2,\)"):
         TrajectoryBatch.from_dict({**arrays, "seeds": arrays["seeds"][:2]})
+
+
+# ---------------------------------------------------------------------------- BAGEL: context token ids (docs/bagel.md §4)
+
+
+def ids_replaced(**changes):
+    return lambda: dataclasses.replace(make(neg_length=0, ids=True), **changes)
+
+
+def test_ids_in_place_of_embeds_with_an_empty_negative_context():
+    """BAGEL's sample: (L,) int32 ids, the unconditional context empty (L' = 0), S = (H/16)(W/16) tokens of C = 64."""
+    t = make(neg_length=0, ids=True)
+    assert t.prompt_embeds is None and t.prompt_ids.dtype == np.int32 and t.latents.shape[1:] == (S, 64)
+    batch = stack([t, make(length=3, neg_length=0, ids=True, seed=1)])
+    assert batch.text_kind == "ids" and batch.guided and batch.prompt_embeds is None
+    assert batch.negative_prompt_ids.shape == batch.negative_prompt_mask.shape == (2, 0)
+    assert batch.negative_prompt_ids.dtype == np.int32 and batch.negative_prompt_mask.dtype == np.bool_
+    assert stack([make(ids=True)]).guided is False and stack([make()]).text_kind == "embeds"
+
+
+@pytest.mark.parametrize("build, message", [
+    (ids_replaced(prompt_embeds=np.zeros((5, D), BF16)),
+     r"^prompt_embeds/prompt_ids: expected exactly one \(text embeds or context token ids\), got both$"),
+    (ids_replaced(prompt_ids=None), r"^prompt_embeds/prompt_ids: expected exactly one .*, got neither$"),
+    (ids_replaced(prompt_ids=np.arange(5, dtype=np.int64)), "^prompt_ids: expected dtype int32, got dtype int64$"),
+    (ids_replaced(prompt_ids=np.zeros((5, D), np.int32)),
+     r"^prompt_ids: expected shape \(L\) = \(\*\), got shape \(5, 8\)$"),
+    (ids_replaced(prompt_mask=np.ones(4, bool)), r"^prompt_mask: expected shape \(L\) = \(5\), got shape \(4,\)$"),
+    (ids_replaced(prompt_ids=np.array([3, -1, 2, 2, 2], np.int32)), "^prompt_ids: expected token ids >= 0, got -1$"),
+    (ids_replaced(negative_prompt_mask=np.ones(2, bool)),
+     r"^negative_prompt_mask: expected shape \(L\) = \(0\), got shape \(2,\)$"),
+    (ids_replaced(negative_prompt_ids=np.zeros(0, np.uint32)),
+     "^negative_prompt_ids: expected dtype int32, got dtype uint32$"),
+    (ids_replaced(negative_prompt_mask=None),
+     "^negative_prompt_ids/negative_prompt_mask: expected both .* got only negative_prompt_ids$"),
+    (ids_replaced(negative_prompt_embeds=np.zeros((0, D), BF16)),
+     r"^negative_prompt_embeds: expected negative_prompt_ids with prompt_ids \(one text kind per batch\)$"),
+    (replaced(negative_prompt_ids=np.zeros(4, np.int32)),
+     "^negative_prompt_ids: expected negative_prompt_embeds with prompt_embeds"),
+])
+def test_ids_refusals_name_the_fields(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def test_concat_pads_ids_to_text_tokens():
+    short = stack([make(length=2, neg_length=0, ids=True, seed=0)])
+    long = stack([make(length=5, neg_length=0, ids=True, seed=1)])
+    joined = TrajectoryBatch.concat([short, long], text_tokens=(8, 3))
+    assert joined.prompt_ids.shape == joined.prompt_mask.shape == (2, 8) and joined.prompt_ids.dtype == np.int32
+    assert joined.prompt_mask.dtype == np.bool_ and joined.prompt_mask.sum(axis=1).tolist() == [2, 5]
+    np.testing.assert_array_equal(joined.prompt_ids[0], np.r_[short.prompt_ids[0], np.zeros(6, np.int32)])
+    np.testing.assert_array_equal(joined.prompt_ids[1, :5], long.prompt_ids[0])
+    assert not joined.prompt_ids[1, 5:].any()
+    # the empty unconditional context pads to L' = 3 all-False (masked) tokens
+    assert joined.negative_prompt_ids.shape == (2, 3) and not joined.negative_prompt_ids.any()
+    assert not joined.negative_prompt_mask.any() and joined.prompt_embeds is None
+    with pytest.raises(TextLengthError, match="^prompt_ids has 5 tokens > 4, the length the batch pads it to$") as err:
+        TrajectoryBatch.concat([short, long], text_tokens=(4, 3))
+    assert (err.value.field, err.value.tokens, err.value.length) == ("prompt_ids", 5, 4)
+    guided = stack([make(length=2, neg_length=3, ids=True)])
+    with pytest.raises(TextLengthError, match="^negative_prompt_ids has 3 tokens > 2"):
+        TrajectoryBatch.concat([guided], text_tokens=(8, 2))
+
+
+@pytest.mark.parametrize("other, field", [
+    (make(seed=1), "prompt_ids"),
+    (make(neg_length=2, ids=True, seed=1), "negative_prompt_ids"),
+])
+def test_concat_rejects_mixed_text(other, field):
+    with pytest.raises(ValueError, match=f"^{field}: item 1 has"):
+        stack([make(ids=True), other])
+
+
+@pytest.mark.parametrize("neg", [None, 0, 2])
+def test_ids_to_dict_from_dict_round_trip(neg):
+    batch = stack([make(length=3 + i, neg_length=neg, ids=True, seed=i) for i in range(3)])
+    arrays = batch.to_dict()
+    assert "prompt_embeds" not in arrays and arrays["prompt_ids"].dtype == np.int32
+    assert ("negative_prompt_ids" in arrays) == (neg is not None)
+    assert_same(TrajectoryBatch.from_dict(arrays), batch)
 
 
 def test_policy_version_single_or_raises():

@@ -1,8 +1,8 @@
 """The Trajectory contract between the rollout and the trainer (docs/numerics.md §9).
 
 Numpy only: importing this module pulls in neither JAX nor torch. A `TrajectoryBatch` holds samples on a
-leading axis, the text right-padded (embeds with zeros, masks with False) to the longest prompt in the batch.
-It validates shapes and dtypes on construction and raises ValueError naming the field, the expected and the
+leading axis, the text right-padded (embeds or token ids with zeros, masks with False) to the longest prompt in the
+batch. The text is either text-encoder embeds (Qwen-Image) or the context's token ids (BAGEL), never both. It validates shapes and dtypes on construction and raises ValueError naming the field, the expected and the
 actual value.
 """
 
@@ -24,6 +24,9 @@ _UINT8 = np.dtype(np.uint8)
 _BOOL = np.dtype(np.bool_)
 
 Dims = list[tuple[str, "int | None"]]  # (symbol, required size or None for any)
+# the text fields: embeds (Qwen-Image) or token ids (BAGEL, docs/bagel.md §4), each with its mask
+TEXT_FIELDS = ("prompt_embeds", "prompt_ids", "prompt_mask", "negative_prompt_embeds", "negative_prompt_ids",
+               "negative_prompt_mask")
 
 
 def _check(field: str, x, dtypes: Sequence[np.dtype], dims: Dims) -> None:
@@ -64,6 +67,47 @@ def _check_text(prefix: str, embeds, mask, lead: Dims, dtypes, width) -> None:
     _check(f"{prefix}_mask", mask, (_BOOL,), lead + [("L", embeds.shape[-2])])
 
 
+def _check_ids(prefix: str, ids, mask, lead: Dims) -> None:
+    _check(f"{prefix}_ids", ids, (_INT32,), lead + [("L", None)])
+    _check(f"{prefix}_mask", mask, (_BOOL,), lead + [("L", ids.shape[-1])])
+    if ids.size and ids.min() < 0:
+        raise ValueError(f"{prefix}_ids: expected token ids >= 0, got {ids.min()}")
+
+
+def text_kind(rec) -> str:
+    """"ids" if `rec` carries the context's token ids (BAGEL), "embeds" if text-encoder embeds (Qwen-Image);
+    ValueError if both or neither."""
+    embeds, ids = getattr(rec, "prompt_embeds", None), getattr(rec, "prompt_ids", None)
+    if (embeds is None) == (ids is None):
+        raise ValueError(f"prompt_embeds/prompt_ids: expected exactly one (text embeds or context token ids), "
+                         f"got {'both' if ids is not None else 'neither'}")
+    return "embeds" if ids is None else "ids"
+
+
+def _check_all_text(rec, lead: Dims) -> None:
+    kind = text_kind(rec)
+    other = "ids" if kind == "embeds" else "embeds"
+    if getattr(rec, f"negative_prompt_{other}", None) is not None:
+        raise ValueError(f"negative_prompt_{other}: expected negative_prompt_{kind} with prompt_{kind} "
+                         f"(one text kind per batch)")
+    if kind == "ids":
+        _check_ids("prompt", rec.prompt_ids, rec.prompt_mask, lead)
+    else:
+        _check_text("prompt", rec.prompt_embeds, rec.prompt_mask, lead, EMBED_DTYPES, None)
+    neg = (getattr(rec, f"negative_prompt_{kind}", None), rec.negative_prompt_mask)
+    if (neg[0] is None) != (neg[1] is None):
+        given = f"negative_prompt_{kind}" if neg[1] is None else "negative_prompt_mask"
+        raise ValueError(
+            f"negative_prompt_{kind}/negative_prompt_mask: expected both (true CFG) or neither, got only {given}")
+    if neg[0] is None:
+        return
+    if kind == "ids":
+        _check_ids("negative_prompt", *neg, lead)
+    else:
+        embeds = rec.prompt_embeds
+        _check_text("negative_prompt", *neg, lead, (embeds.dtype,), embeds.shape[-1])
+
+
 def validate_arrays(rec, image_field: str, lead: Dims) -> None:
     """Validate the array fields of a TrajectoryBatch (lead=[("B", b)]) or of one sample (lead=[])."""
     image = getattr(rec, image_field)
@@ -85,16 +129,7 @@ def validate_arrays(rec, image_field: str, lead: Dims) -> None:
     final = getattr(rec, "final_latents", None)
     if final is not None:
         _check("final_latents", final, (F32,), lead + [("S", rec.latents.shape[-2]), ("C", rec.latents.shape[-1])])
-    _check_text("prompt", rec.prompt_embeds, rec.prompt_mask, lead, EMBED_DTYPES, None)
-    neg = (rec.negative_prompt_embeds, rec.negative_prompt_mask)
-    if (neg[0] is None) != (neg[1] is None):
-        given = "negative_prompt_embeds" if neg[1] is None else "negative_prompt_mask"
-        raise ValueError(
-            "negative_prompt_embeds/negative_prompt_mask: expected both (true CFG) or neither, "
-            f"got only {given}")
-    if neg[0] is not None:
-        embeds = rec.prompt_embeds
-        _check_text("negative_prompt", *neg, lead, (embeds.dtype,), embeds.shape[-1])
+    _check_all_text(rec, lead)
 
 
 class TextLengthError(ValueError):
@@ -105,34 +140,39 @@ class TextLengthError(ValueError):
         self.field, self.tokens, self.length = field, tokens, length
 
 
-def _pad_concat(field: str, embeds: list[np.ndarray], masks: list[np.ndarray], length: int | None = None
+def _pad_concat(field: str, texts: list[np.ndarray], masks: list[np.ndarray], length: int | None = None
                 ) -> tuple[np.ndarray, np.ndarray]:
-    """Concatenate (b_i, L_i, D) embeds and (b_i, L_i) masks, right-padding L with zeros / False to `length`
-    (default: the longest L_i) in one copy; TextLengthError if an L_i is longer."""
-    longest = max(e.shape[1] for e in embeds)
+    """Concatenate (b_i, L_i, D) embeds or (b_i, L_i) ids and (b_i, L_i) masks, right-padding L with zeros / False
+    to `length` (default: the longest L_i) in one copy; TextLengthError if an L_i is longer."""
+    longest = max(t.shape[1] for t in texts)
     if length is None:
         length = longest
     elif longest > length:
         raise TextLengthError(field, longest, length)
-    out = np.zeros((sum(len(e) for e in embeds), length, embeds[0].shape[2]), embeds[0].dtype)
+    out = np.zeros((sum(len(t) for t in texts), length, *texts[0].shape[2:]), texts[0].dtype)
     out_mask = np.zeros(out.shape[:2], masks[0].dtype)
     row = 0
-    for e, m in zip(embeds, masks):
-        out[row:row + len(e), :e.shape[1]], out_mask[row:row + len(e), :e.shape[1]] = e, m
-        row += len(e)
+    for t, m in zip(texts, masks):
+        out[row:row + len(t), :t.shape[1]], out_mask[row:row + len(t), :t.shape[1]] = t, m
+        row += len(t)
     return out, out_mask
 
 
 def _concat_key(batch: TrajectoryBatch) -> dict:
-    """What every batch joined by concat must share, keyed by the field that reports a mismatch."""
-    return {
+    """What every batch joined by concat must share, keyed by the field that reports a mismatch (the text kind
+    first: the keys after it depend on it)."""
+    kind = batch.text_kind
+    key = {
         "images": batch.images.shape[1:],
         "latents": batch.latents.shape[1:],
         "sigmas": tuple(batch.sigmas.tolist()),
-        "prompt_embeds": (batch.prompt_embeds.dtype, batch.prompt_embeds.shape[-1]),
-        "negative_prompt_embeds": "present" if batch.guided else "absent",
-        "final_latents": "absent" if batch.final_latents is None else "present",
+        "prompt_ids": "present" if kind == "ids" else "absent",
     }
+    if kind == "embeds":
+        key["prompt_embeds"] = (batch.prompt_embeds.dtype, batch.prompt_embeds.shape[-1])
+    key[f"negative_prompt_{kind}"] = "present" if batch.guided else "absent"
+    key["final_latents"] = "absent" if batch.final_latents is None else "present"
+    return key
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -141,8 +181,10 @@ class TrajectoryBatch:
     was asked).
 
     images (B, H, W, 3); latents (B, W+1, S, C); log_probs (B, W); sigmas (N+1,) shared by all samples;
-    step_index (B, W) (windows may differ per sample); prompt_embeds (B, L, D) / prompt_mask (B, L);
-    negative_* (B, L', D) / (B, L') or None; prompts (B strings);
+    step_index (B, W) (windows may differ per sample); the text, one kind per batch: prompt_embeds (B, L, D) bf16 or
+    float32 (Qwen-Image) or prompt_ids (B, L) int32 (BAGEL's context token ids), and prompt_mask (B, L);
+    negative_prompt_embeds (B, L', D) or negative_prompt_ids (B, L') with negative_prompt_mask (B, L'), or None
+    (no CFG; L' = 0: BAGEL's empty unconditional context); prompts (B strings);
     group_ids, seeds, policy_versions (B,) int64; final_latents (B, S, C), the samples' last latents (sigma 0),
     or None (SamplingParams.keep_final; DiffusionNFT trains on them).
     """
@@ -152,9 +194,11 @@ class TrajectoryBatch:
     log_probs: np.ndarray
     sigmas: np.ndarray
     step_index: np.ndarray
-    prompt_embeds: np.ndarray
+    prompt_embeds: np.ndarray | None = None
+    prompt_ids: np.ndarray | None = None
     prompt_mask: np.ndarray
     negative_prompt_embeds: np.ndarray | None = None
+    negative_prompt_ids: np.ndarray | None = None
     negative_prompt_mask: np.ndarray | None = None
     prompts: tuple[str, ...]
     group_ids: np.ndarray
@@ -176,8 +220,13 @@ class TrajectoryBatch:
 
     @property
     def guided(self) -> bool:
-        """True when the batch carries negative prompt embeds (true CFG)."""
-        return self.negative_prompt_embeds is not None
+        """True when the batch carries a negative prompt (embeds or ids: true CFG)."""
+        return self.negative_prompt_mask is not None
+
+    @property
+    def text_kind(self) -> str:
+        """"embeds" (prompt_embeds, Qwen-Image) or "ids" (prompt_ids, BAGEL)."""
+        return text_kind(self)
 
     @property
     def policy_version(self) -> int:
@@ -203,19 +252,20 @@ class TrajectoryBatch:
         def cat(field):
             return np.concatenate([getattr(b, field) for b in batches])
 
+        kind = batches[0].text_kind
+
         def pad(prefix, length):
             if not batches[0].guided and prefix == "negative_prompt":
-                return None, None
-            return _pad_concat(f"{prefix}_embeds", [getattr(b, f"{prefix}_embeds") for b in batches],
-                               [getattr(b, f"{prefix}_mask") for b in batches], length)
+                return {}
+            text, mask = _pad_concat(f"{prefix}_{kind}", [getattr(b, f"{prefix}_{kind}") for b in batches],
+                                     [getattr(b, f"{prefix}_mask") for b in batches], length)
+            return {f"{prefix}_{kind}": text, f"{prefix}_mask": mask}
 
         lengths = (None, None) if text_tokens is None else text_tokens
-        embeds, mask = pad("prompt", lengths[0])
-        neg_embeds, neg_mask = pad("negative_prompt", lengths[1])
         return cls(
             images=cat("images"), latents=cat("latents"), log_probs=cat("log_probs"),
-            sigmas=batches[0].sigmas, step_index=cat("step_index"), prompt_embeds=embeds,
-            prompt_mask=mask, negative_prompt_embeds=neg_embeds, negative_prompt_mask=neg_mask,
+            sigmas=batches[0].sigmas, step_index=cat("step_index"), **pad("prompt", lengths[0]),
+            **pad("negative_prompt", lengths[1]),
             prompts=[p for b in batches for p in b.prompts], group_ids=cat("group_ids"),
             seeds=cat("seeds"), policy_versions=cat("policy_versions"),
             final_latents=None if batches[0].final_latents is None else cat("final_latents"))
