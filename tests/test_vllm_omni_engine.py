@@ -112,6 +112,28 @@ def test_output_pack_unpack(cfg, final):
     assert_batches_equal(out, want)
 
 
+@pytest.mark.parametrize("neg_length", [None, 0, 3])
+def test_output_pack_unpack_token_ids(neg_length):
+    """BAGEL's batch: int32 context ids in place of the embeds (negatives absent, the empty L' = 0 context, or ids)."""
+    rng = np.random.default_rng(2)
+    ids = rng.integers(1, 384, (3, 6)).astype(np.int32)
+    ids[1, 4:] = 0
+    neg = {} if neg_length is None else dict(
+        negative_prompt_ids=rng.integers(1, 384, (3, neg_length)).astype(np.int32),
+        negative_prompt_mask=np.ones((3, neg_length), bool))
+    batch = dataclasses.replace(synthetic_batch(cfg=False), prompt_embeds=None, prompt_ids=ids, **neg)
+    fields = vop.pack_trajectories(batch)
+    payload = fields["custom_output"]["rollout"]
+    assert payload["prompt_ids"].dtype == torch.int32 and "prompt_embeds" not in payload
+    assert ("negative_prompt_ids" in payload) == (neg_length is not None)
+    result = SimpleNamespace(images=[], trajectory_latents=fields["trajectory_latents"],
+                             trajectory_log_probs=fields["trajectory_log_probs"],
+                             custom_output=fields["custom_output"], error=None)
+    out = vop.unpack_trajectories(result, "a red fox", group_id=2)
+    assert out.text_kind == "ids" and out.guided == (neg_length is not None)
+    assert_batches_equal(out, dataclasses.replace(batch, prompts=("a red fox",) * 3, group_ids=np.full(3, 2, np.int64)))
+
+
 def test_unpack_without_payload_names_the_pipeline():
     result = SimpleNamespace(trajectory_latents=None, trajectory_log_probs=None, custom_output={}, error="boom")
     with pytest.raises(ValueError, match="FlowGRPOQwenImagePipeline"):

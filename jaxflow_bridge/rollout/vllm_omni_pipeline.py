@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from jaxflow_bridge.contract.schedule import CFG_FORWARDS
-from jaxflow_bridge.contract.trajectory import TrajectoryBatch
+from jaxflow_bridge.contract.trajectory import TEXT_FIELDS, TrajectoryBatch
 from jaxflow_bridge.rollout.fa_version import FA_VERSIONS, use_fa3
 from jaxflow_bridge.rollout.linear_gelu import install_gelu_epilogue
 from jaxflow_bridge.rollout.lora_linear import install_fused_apply
@@ -105,18 +105,16 @@ def pack_trajectories(batch: TrajectoryBatch) -> dict:
     """DiffusionOutput fields for a batch of one prompt's samples.
 
     trajectory_latents (B, W+1, S, C) and trajectory_log_probs (B, W) use vLLM-Omni's own fields (shared memory
-    for large tensors); everything else rides in custom_output[PAYLOAD_KEY] as tensors (bf16 embeds stay bf16).
+    for large tensors); everything else rides in custom_output[PAYLOAD_KEY] as tensors (bf16 embeds stay bf16; the
+    text fields the batch carries: embeds or BAGEL's int32 token ids, negatives iff guided, L' = 0 included).
     `output` is the image in [-1, 1] (B, 3, H, W), what vLLM-Omni's Qwen-Image post-processing turns into PIL
     images; exact from the uint8 images, so `OmniRequestOutput.images` shows the same pixels.
     """
-    payload = {"images": batch.images, "sigmas": batch.sigmas, "step_index": batch.step_index,
-               "prompt_embeds": batch.prompt_embeds, "prompt_mask": batch.prompt_mask, "seeds": batch.seeds,
+    payload = {"images": batch.images, "sigmas": batch.sigmas, "step_index": batch.step_index, "seeds": batch.seeds,
                "policy_versions": batch.policy_versions}
-    if batch.guided:
-        payload.update(negative_prompt_embeds=batch.negative_prompt_embeds,
-                       negative_prompt_mask=batch.negative_prompt_mask)
-    if batch.final_latents is not None:
-        payload["final_latents"] = batch.final_latents
+    for field in (*TEXT_FIELDS, "final_latents"):
+        if getattr(batch, field) is not None:
+            payload[field] = getattr(batch, field)
     images = torch.from_numpy(batch.images).permute(0, 3, 1, 2).float() / 127.5 - 1
     return {"output": images, "trajectory_latents": torch.from_numpy(batch.latents),
             "trajectory_log_probs": torch.from_numpy(batch.log_probs),
@@ -138,9 +136,8 @@ def unpack_trajectories(output, prompt: str, group_id: int) -> TrajectoryBatch:
     latents = _numpy(output.trajectory_latents)
     return TrajectoryBatch(
         images=arrays["images"], latents=latents, log_probs=_numpy(output.trajectory_log_probs),
-        sigmas=arrays["sigmas"], step_index=arrays["step_index"], prompt_embeds=arrays["prompt_embeds"],
-        prompt_mask=arrays["prompt_mask"], negative_prompt_embeds=arrays.get("negative_prompt_embeds"),
-        negative_prompt_mask=arrays.get("negative_prompt_mask"), prompts=[prompt] * len(latents),
+        sigmas=arrays["sigmas"], step_index=arrays["step_index"], **{f: arrays.get(f) for f in TEXT_FIELDS},
+        prompts=[prompt] * len(latents),
         group_ids=np.full(len(latents), group_id, np.int64), seeds=arrays["seeds"],
         policy_versions=arrays["policy_versions"], final_latents=arrays.get("final_latents"))
 
