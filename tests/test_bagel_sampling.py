@@ -9,6 +9,7 @@ import torch
 
 from jaxflow.models.bagel.config import TINY
 from jaxflow_bridge.contract.schedule import sample_windows, sigma_schedule
+from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.rollout.bagel_sampling import (BagelSamplingLoop, BagelSamplingParams, guided_velocity,
                                                    latent_preview, pad_ids)
 from jaxflow_bridge.rollout.bagel_torch import BagelTorch
@@ -44,9 +45,12 @@ def initial_noise(seed):
 
 def test_schedule_windows_and_fields(loop):
     """sigma_schedule with BAGEL's static shift 3, N + 1 points: 3t / (1 + 2t) on linspace(1, 0, N + 1) within a few
-    float32 roundings (the cast, product, sum and quotient); windows from sample_windows; ids right-padded."""
+    float32 roundings (the cast, product, sum and quotient); windows from sample_windows; a TrajectoryBatch with
+    right-padded ids and, CFG being on, the empty unconditional context (L' = 0)."""
     seeds = [11, 12, 13, 14]
-    out = loop.generate([PROMPT_A, PROMPT_B], 2, SP, seeds=seeds)
+    out = loop.generate([PROMPT_A, PROMPT_B], 2, SP, seeds=seeds, prompts=["a", "b"])
+    assert isinstance(out, TrajectoryBatch) and out.text_kind == "ids" and out.prompts == ("a", "a", "b", "b")
+    assert out.negative_prompt_ids.shape == out.negative_prompt_mask.shape == (4, 0)
     t = np.linspace(1.0, 0.0, N + 1)
     assert out.sigmas.dtype == np.float32 and len(out.sigmas) == N + 1
     np.testing.assert_array_equal(out.sigmas, sigma_schedule({"shift": 3.0, "use_dynamic_shifting": False}, N, 24))
@@ -156,7 +160,7 @@ def test_cfg_scale_one_is_the_conditional_path(model):
     counting = CountingModel(model)
     loop = BagelSamplingLoop(counting)
     plain = loop.generate([PROMPT_A], 2, dataclasses.replace(SP, cfg_text_scale=1.0), seeds=[5, 6])
-    assert counting.unconditional == 0
+    assert counting.unconditional == 0 and not plain.guided and plain.prompts == ("", "")
     never = loop.generate([PROMPT_A], 2, dataclasses.replace(SP, cfg_interval=(1.0, 1.0)), seeds=[5, 6])
     assert counting.unconditional == 0
     np.testing.assert_array_equal(plain.latents, never.latents)
@@ -209,5 +213,7 @@ def test_bad_prompts_and_keys_are_refused(loop):
         BagelSamplingParams.from_dict({"true_cfg_scale": 4.0})
     with pytest.raises(ValueError, match="non-empty token id lists"):
         loop.generate([PROMPT_A, []], 1, SP)
+    with pytest.raises(ValueError, match=r"one text per prompt_ids entry \(2\), got 1"):
+        loop.generate([PROMPT_A, PROMPT_B], 1, SP, prompts=["a"])
     ids, mask = pad_ids([PROMPT_B, PROMPT_A])
     assert ids.shape == (2, 5) and mask.sum(1).tolist() == [3, 5] and not ids[0, 3:].any()

@@ -2,10 +2,11 @@
 interface: `prefill(ids, mask) -> context`, `velocity(x, sigma, context, grid_hw) -> v`, `latent_dim`.
 
 `BagelSamplingLoop.generate(prompt_ids, n, sampling, seeds)` runs B = len(prompt_ids) * n samples in lockstep,
-prompt-major (sample b belongs to prompt b // n):
+prompt-major (sample b belongs to prompt b // n), into a `TrajectoryBatch` carrying the context's token ids:
 
 - contexts: each sample's conditional context (its prompt's ids, framing tokens included) prefilled once; the
-  unconditional context is empty (BAGEL's default negative prompt "": no tokens, image at RoPE position 0);
+  unconditional context is empty (BAGEL's default negative prompt "": no tokens, image at RoPE position 0), carried
+  as L' = 0 negative ids when CFG is on;
 - schedule: the contract's sigmas with BAGEL's static shift 3 (`sigma_schedule`), N steps and N + 1 points
   (vLLM-Omni's `num_inference_steps` counts the points: N + 1);
 - noise: initial and step noise from one CPU `torch.Generator` per sample seeded by its seed, drawn every step,
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from jaxflow_bridge.contract.schedule import sample_windows, sigma_schedule, window_noise_levels, window_size
+from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.rollout.sampling import per_sample_seeds
 from jaxflow_bridge.rollout.sde import SDE_TYPES, sde_step
 
@@ -68,30 +70,6 @@ class BagelSamplingParams:
         return cls(**d)
 
 
-@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class BagelTrajectories:
-    """TrajectoryBatch's fields for BAGEL, with the context's token ids where Qwen-Image carries text embeds
-    (docs/bagel.md §4; stage (b) moves them into contract/trajectory.py with its validation).
-
-    images (B, H, W, 3) uint8; latents (B, W+1, S, C) and log_probs (B, W) float32; sigmas (N+1,) float32;
-    step_index (B, W) int32; prompt_ids (B, L) int32 and prompt_mask (B, L) bool, right-padded (the unconditional
-    context is empty, so it carries nothing); group_ids, seeds, policy_versions (B,) int64; final_latents (B, S, C)
-    float32 or None.
-    """
-
-    images: np.ndarray
-    latents: np.ndarray
-    log_probs: np.ndarray
-    sigmas: np.ndarray
-    step_index: np.ndarray
-    prompt_ids: np.ndarray
-    prompt_mask: np.ndarray
-    group_ids: np.ndarray
-    seeds: np.ndarray
-    policy_versions: np.ndarray
-    final_latents: np.ndarray | None = None
-
-
 def guided_velocity(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float, renorm_min: float) -> torch.Tensor:
     """BAGEL's text CFG with "global" renorm, per sample: v = v_u + scale (v_c - v_u), times
     clamp(|v_c| / (|v| + 1e-8), renorm_min, 1), norms over all of a sample's elements."""
@@ -114,12 +92,14 @@ def latent_preview(latents: torch.Tensor, grid_hw: tuple[int, int], patch: int =
     return ((torch.tanh(rgb) * 0.5 + 0.5) * 255).round().to(torch.uint8).cpu().numpy()
 
 
-def validate(prompt_ids, n, sp: BagelSamplingParams, seeds) -> np.ndarray:
+def validate(prompt_ids, n, sp: BagelSamplingParams, seeds, prompts=None) -> np.ndarray:
     """ValueError on bad input before any model runs; returns the per-sample seeds (B,) int64."""
     if (not isinstance(prompt_ids, (list, tuple)) or not prompt_ids
             or not all(len(p) and all(isinstance(t, (int, np.integer)) and t >= 0 for t in p) for p in prompt_ids)):
         raise ValueError("prompt_ids must be a non-empty list of non-empty token id lists (ints >= 0), "
                          "framing tokens included")
+    if prompts is not None and len(prompts) != len(prompt_ids):
+        raise ValueError(f"prompts must give one text per prompt_ids entry ({len(prompt_ids)}), got {len(prompts)}")
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
         raise ValueError(f"n (samples per prompt) must be an int >= 1, got {n!r}")
     m = PIXELS_PER_TOKEN
@@ -159,10 +139,12 @@ class BagelSamplingLoop:
 
     @torch.inference_mode()
     def generate(self, prompt_ids: Sequence[Sequence[int]], n: int = 1, sampling: BagelSamplingParams | None = None,
-                 seeds=None) -> BagelTrajectories:
-        """B = len(prompt_ids) * n trajectories; seeds: one per sample, a base seed, or None (sampling.seed)."""
+                 seeds=None, prompts: Sequence[str] | None = None) -> TrajectoryBatch:
+        """B = len(prompt_ids) * n trajectories; seeds: one per sample, a base seed, or None (sampling.seed);
+        prompts: the prompts' text for `TrajectoryBatch.prompts` (default: empty strings)."""
         sp = sampling or BagelSamplingParams()
-        seeds = validate(prompt_ids, n, sp, seeds)
+        seeds = validate(prompt_ids, n, sp, seeds, prompts)
+        prompts = [""] * len(prompt_ids) if prompts is None else prompts
         steps, size = sp.num_inference_steps, sp.sde_window_size
         grid = (sp.height // PIXELS_PER_TOKEN, sp.width // PIXELS_PER_TOKEN)
         sigmas = sigma_schedule(SCHEDULER_CONFIG, steps, grid[0] * grid[1])
@@ -177,11 +159,14 @@ class BagelSamplingLoop:
         if sp.same_latent:  # after every generator drew its own: each sample's step noise stays as it was
             x = x[torch.from_numpy(np.repeat(np.arange(len(prompt_ids)) * n, n))]
         final, latents, log_probs = self._denoise(x, sigmas, starts, gens, sp, contexts, grid)
-        return BagelTrajectories(
+        empty = dict(negative_prompt_ids=np.zeros((len(group), 0), np.int32),
+                     negative_prompt_mask=np.zeros((len(group), 0), bool)) if sp.cfg_text_scale > 1 else {}
+        return TrajectoryBatch(
             images=self.decode(final, grid), latents=latents.numpy(), log_probs=log_probs.numpy(), sigmas=sigmas,
             step_index=(starts[:, None] + np.arange(window_size(size, steps))).astype(np.int32),
-            prompt_ids=ids.numpy().astype(np.int32), prompt_mask=mask.numpy(), group_ids=group.astype(np.int64),
-            seeds=seeds, policy_versions=np.full(len(group), self.policy_version, np.int64),
+            prompt_ids=ids.numpy().astype(np.int32), prompt_mask=mask.numpy(), **empty,
+            prompts=[prompts[g] for g in group], group_ids=group.astype(np.int64), seeds=seeds,
+            policy_versions=np.full(len(group), self.policy_version, np.int64),
             final_latents=final.numpy().copy() if sp.keep_final else None)
 
     def velocity(self, x, sigma: float, contexts, grid, sp: BagelSamplingParams) -> torch.Tensor:
