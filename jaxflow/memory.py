@@ -14,7 +14,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from jaxflow.step_config import NFT_FIELDS
+from jaxflow.step_config import NFT_FIELDS, with_text_ids
 
 GIB = 2 ** 30
 KNOBS = ("train.num_micro_batches (more micro-batches: fewer samples in each forward and backward), a larger JAX pool "
@@ -77,23 +77,26 @@ def check_fits(plans: list[StepMemory], resident: int, limit: int, in_use: int, 
 
 def abstract_batch(*, batch: int, window: int, num_steps: int, seq: int, channels: int, text: int, width: int,
                    embed_dtype, guided: bool, recompute: bool, means: bool = False, nft: bool = False,
-                   negative_text: int | None = None) -> tuple[dict, dict | None]:
+                   negative_text: int | None = None, text_ids: bool = False) -> tuple[dict, dict | None]:
     """Shapes and dtypes of the batch `train_step.prepare_batch` hands the step (text padded to `text` tokens,
     negatives to `negative_text`, default `text`: `config.text_tokens`), and of the old-log-prob pass's output when
     it runs (with `means`: the SDE means train.ratio_norm="guard" keeps); with `nft`, DiffusionNFT's batch
-    (step_config.NFT_FIELDS)."""
+    (step_config.NFT_FIELDS); with `text_ids`, token ids (B, tokens) int32 in place of the embeds (BAGEL; `width`
+    and `embed_dtype` unused)."""
     s = jax.ShapeDtypeStruct
+
+    def text_spec(prefix, tokens):
+        value = s((batch, tokens), np.int32) if text_ids else s((batch, tokens, width), embed_dtype)
+        return {f"{prefix}_{'ids' if text_ids else 'embeds'}": value, f"{prefix}_mask": s((batch, tokens), np.bool_)}
+
     out = {"latents": s((batch, window + 1, seq, channels), np.float32), "log_probs": s((batch, window), np.float32),
            "sigmas": s((batch, num_steps + 1), np.float32), "step_index": s((batch, window), np.int32),
-           "noise_level": s((batch,), np.float32), "advantages": s((batch,), np.float32),
-           "prompt_embeds": s((batch, text, width), embed_dtype), "prompt_mask": s((batch, text), np.bool_)}
+           "noise_level": s((batch,), np.float32), "advantages": s((batch,), np.float32), **text_spec("prompt", text)}
     if nft:
         out["final_latents"] = s((batch, seq, channels), np.float32)
-        return {k: out[k] for k in NFT_FIELDS}, None
+        return {k: out[k] for k in (with_text_ids(NFT_FIELDS) if text_ids else NFT_FIELDS)}, None
     if guided:
-        neg = negative_text or text
-        out.update(negative_prompt_embeds=s((batch, neg, width), embed_dtype),
-                   negative_prompt_mask=s((batch, neg), np.bool_))
+        out.update(text_spec("negative_prompt", negative_text or text))
     old = {"log_probs": s((batch, window), np.float32)}
     if means:
         old["means"] = s((batch, window, seq, channels), np.float32)

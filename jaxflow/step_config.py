@@ -16,9 +16,16 @@ NFT_FIELDS = ("final_latents", "sigmas", "prompt_embeds", "prompt_mask", "advant
 # fields the rollout sends once for the whole batch, and their number of dims there: the step's batch
 # (`train_step.per_sample`) broadcasts them to every sample; reordering rows (`minibatches`) leaves them as they are
 SHARED_FIELDS = {"sigmas": 1, "noise_level": 0}
+# BAGEL's batches carry the context's token ids (B, L) int32 in place of the embeds (docs/bagel.md §4)
+TEXT_IDS = {"prompt_embeds": "prompt_ids", "negative_prompt_embeds": "negative_prompt_ids"}
 OLD_LOG_PROBS = ("rollout", "recompute", "rollout_corrected")
 RATIO_NORMS = ("none", "guard")
 ALGORITHMS = ("flowgrpo", "nft")
+
+
+def with_text_ids(fields: tuple[str, ...]) -> tuple[str, ...]:
+    """`fields` with the text embeds replaced by the token ids (`TEXT_IDS`)."""
+    return tuple(TEXT_IDS.get(f, f) for f in fields)
 
 
 @dataclasses.dataclass(frozen=True)

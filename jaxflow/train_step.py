@@ -36,8 +36,8 @@ from flax import nnx
 from jaxflow import flowgrpo, minibatches, nft, phases
 from jaxflow.models.lora import LoRAParam
 from jaxflow.sharding import Layout
-from jaxflow.step_config import (BATCH_FIELDS, GUIDANCE_FIELDS, NFT_FIELDS, SHARED_FIELDS, TrainConfig,
-                                 TrainState)
+from jaxflow.step_config import (BATCH_FIELDS, GUIDANCE_FIELDS, NFT_FIELDS, SHARED_FIELDS, TEXT_IDS, TrainConfig,
+                                 TrainState, with_text_ids)
 
 NFT_SALT = 0x6E6674  # folded into the seed's key for NFT's timesteps and noise (apart from the epochs' shuffles)
 
@@ -207,8 +207,8 @@ def _finish(state: TrainState, grads, metrics: dict, *, tx, config: TrainConfig,
     return state, {**metrics, "grad_norm": grad_norm, "skipped": (~finite).astype(jnp.int32)}
 
 
-def per_sample(batch: dict, fields: tuple[str, ...] = BATCH_FIELDS + GUIDANCE_FIELDS + NFT_FIELDS
-               ) -> dict[str, np.ndarray]:
+def per_sample(batch: dict, fields: tuple[str, ...] = (BATCH_FIELDS + GUIDANCE_FIELDS + NFT_FIELDS
+                                                       + tuple(TEXT_IDS.values()))) -> dict[str, np.ndarray]:
     """The `fields` of `batch` that are set, as host arrays with a leading sample axis: the shared ones
     (`SHARED_FIELDS`: sigmas (N+1,), scalar noise_level) are broadcast to every sample (B = len(advantages)), unless
     they have one already; other keys are dropped."""
@@ -221,8 +221,11 @@ def per_sample(batch: dict, fields: tuple[str, ...] = BATCH_FIELDS + GUIDANCE_FI
 
 
 def prepare_batch(batch: dict, config: TrainConfig, batch_devices: int = 1) -> dict[str, np.ndarray]:
-    """The per-sample host arrays the step consumes (`per_sample`), checked, in the step's dtypes."""
+    """The per-sample host arrays the step consumes (`per_sample`), checked, in the step's dtypes; a batch with
+    `prompt_ids` (BAGEL) has token ids in place of the embeds."""
     fields = config.batch_fields
+    if batch.get("prompt_ids") is not None:
+        fields = with_text_ids(fields)
     missing = [k for k in fields if batch.get(k) is None]
     if missing:
         hint = (" (guidance > 1 needs the negative prompt)" if set(missing) & set(GUIDANCE_FIELDS) else
@@ -236,6 +239,9 @@ def prepare_batch(batch: dict, config: TrainConfig, batch_devices: int = 1) -> d
                          f"= {multiple}")
     out = per_sample(batch, fields)
     out["sigmas"] = out["sigmas"].astype(np.float32)
+    for k in TEXT_IDS.values():
+        if k in out:
+            out[k] = out[k].astype(np.int32)
     if config.nft:
         return out
     w = np.shape(batch["log_probs"])[1]

@@ -90,6 +90,33 @@ def test_abstract_batch_matches_prepare_batch():
     assert old["means"].shape == (b, w, s, c)
 
 
+@pytest.mark.parametrize("nft", [False, True])
+def test_abstract_batch_matches_prepare_batch_with_token_ids(nft):
+    """BAGEL's batch: token ids (B, L) int32 (cast from int64) and masks in place of the embeds; the empty negative
+    context padded to its text length; a missing negative named as such."""
+    from jaxflow.step_config import TrainConfig
+    from jaxflow.train_step import per_sample, prepare_batch
+    b, w, n, s, c, length, neg = 4, 2, 6, 10, 64, 5, 3
+    spec, _ = memory.abstract_batch(batch=b, window=w, num_steps=n, seq=s, channels=c, text=length, width=None,
+                                    embed_dtype=None, guided=not nft, recompute=False, nft=nft, negative_text=neg,
+                                    text_ids=True)
+    raw = {"latents": np.zeros((b, w + 1, s, c), np.float32), "log_probs": np.zeros((b, w), np.float32),
+           "sigmas": np.linspace(1, 0, n + 1).astype(np.float32), "step_index": np.zeros((b, w), np.int64),
+           "noise_level": np.float32(0.7), "advantages": np.zeros(b, np.float32),
+           "final_latents": np.zeros((b, s, c), np.float32),
+           "prompt_ids": np.ones((b, length), np.int64), "prompt_mask": np.ones((b, length), bool)}
+    config = TrainConfig(grid_hw=(2, 5), algorithm="nft", sde_type="ode") if nft else TrainConfig(grid_hw=(2, 5),
+                                                                                                  guidance=4.0)
+    if not nft:
+        with pytest.raises(ValueError, match=r"missing \['negative_prompt_ids', 'negative_prompt_mask'\] \(guidance"):
+            prepare_batch(raw, config)
+        raw.update(negative_prompt_ids=np.zeros((b, neg), np.int32), negative_prompt_mask=np.zeros((b, neg), bool))
+    got = prepare_batch(raw, config)
+    assert {k: (v.shape, v.dtype) for k, v in got.items()} == {k: (v.shape, v.dtype) for k, v in spec.items()}
+    assert spec["prompt_ids"].dtype == np.int32 and "prompt_embeds" not in spec
+    assert "prompt_ids" in per_sample(raw)  # the learner shares per_sample(batch) between processes
+
+
 def test_sleep_is_flagged_where_a_fixed_pool_cannot_use_the_freed_memory(tmp_path, monkeypatch):
     """The rule for rollout.sleep_while_training: on a GPU with JAX's preallocated pool (the default) the engine's
     freed memory has no taker, so the trainer warns; without preallocation, off, or on the CPU it says nothing."""
