@@ -11,13 +11,12 @@ once; the figure is the best of REPEATS calls after a warm-up, per attention. FL
 """
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 
+from jaxflow_bench.cli import bench_parser
 from jaxflow_bench.results import write_result
 from jaxflow_bench.timing import REPEATS, best_seconds
-from jaxflow_bench.cli import bench_parser
 
 SHAPE, TINY_SHAPE = (8, 1152, 24, 128), (2, 40, 2, 16)
 LOOP = 10

@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxflow.models.lora_gemm import Tiling, lora_matmul, on_hopper
+from jaxflow_bench.cli import bench_parser
 from jaxflow_bench.results import write_result
 from jaxflow_bench.timing import LOOP, best_seconds, looped
-from jaxflow_bench.cli import bench_parser
 
 RANK = 64
 # image stream at B=8 (8 x 1024 tokens): projections, MLP in, MLP out; text stream (8 x 128 tokens): projections

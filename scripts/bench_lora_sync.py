@@ -30,10 +30,10 @@ from jaxflow.lora_sync import device_peft_tensors, device_target  # noqa: E402
 from jaxflow.models.config import ModelOptions, QwenImageConfig  # noqa: E402
 from jaxflow.models.lora import LoRAParam, LoRASpec, lora_to_peft, peft_stacks  # noqa: E402
 from jaxflow.models.transformer import QwenImageTransformer  # noqa: E402
+from jaxflow_bench.cli import bench_parser  # noqa: E402
 from jaxflow_bench.results import write_result  # noqa: E402
 from jaxflow_bench.workload import FULL, TINY  # noqa: E402
 from jaxflow_bridge.rollout.lora_apply import ADAPTER_NAME, LoraApplier  # noqa: E402
-from jaxflow_bench.cli import bench_parser  # noqa: E402
 
 
 def random_lora(cfg: QwenImageConfig, spec: LoRASpec) -> nnx.State:

@@ -19,9 +19,9 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from jaxflow_bench.cli import bench_parser
 from jaxflow_bench.results import write_result
 from jaxflow_bench.timing import LOOP, best_seconds, looped
-from jaxflow_bench.cli import bench_parser
 
 SHAPES = ((9216, 3072, 12288), (9216, 12288, 3072), (9216, 3072, 3072))
 TINY_SHAPES = ((64, 32, 128),)

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxflow_bench.cli import bench_parser
 from jaxflow_bench.results import write_result
 from jaxflow_bench.rollout import PROMPTS, SEED_SETTINGS, TARGETS, TRAIN_SETTINGS, random_adapter
-from jaxflow_bench.cli import bench_parser
 
 
 def timed_rows(engine, sampling: dict, n: int) -> dict:

@@ -26,10 +26,10 @@ import sys
 import time
 from pathlib import Path
 
+from jaxflow_bench.cli import bench_parser
 from jaxflow_bench.kernels import breakdown, gpu_kernels
 from jaxflow_bench.results import write_result
 from jaxflow_bench.rollout import PROMPTS, TARGETS, TRAIN_SETTINGS, random_adapter
-from jaxflow_bench.cli import bench_parser
 
 # 2 prompts a call: base warm-up, base timed, LoRA warm-up, LoRA timed, then the traced call (not timed)
 TRACED_REQUEST = 9

@@ -28,10 +28,10 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from jaxflow_bench.cli import bench_parser
 from jaxflow_bench.results import write_result
 from jaxflow_bridge.rollout.linear_gelu import linear_gelu
 from jaxflow_bridge.rollout.lora_linear import lora_linear
-from jaxflow_bench.cli import bench_parser
 
 RANK, REPEATS = 64, 20
 FULL = dict(tokens=32768, hidden=3072, mlp=12288)

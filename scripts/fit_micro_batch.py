@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 from jaxflow.config import config_module
-from jaxflow_bench.results import write_result
 from jaxflow_bench.cli import bench_parser
+from jaxflow_bench.results import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 

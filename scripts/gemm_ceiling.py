@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import sys
 
+from jaxflow_bench.cli import bench_parser
 from jaxflow_bench.results import write_result
 from jaxflow_bench.timing import LOOP, jax_tflops, torch_tflops
-from jaxflow_bench.cli import bench_parser
 
 SHAPES = ((8192, 8192, 8192), (9216, 3072, 12288), (9216, 12288, 3072), (9216, 3072, 3072), (9216, 3072, 18432))
 TINY_SHAPES = ((64, 64, 64), (96, 32, 128))

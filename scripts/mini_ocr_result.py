@@ -17,8 +17,8 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from jaxflow_bench.results import write_result
 from jaxflow_bench.cli import bench_parser
+from jaxflow_bench.results import write_result
 
 COLOURS = {"rl": (200, 30, 30), "rl_control": (30, 30, 200)}
 
