@@ -1,5 +1,7 @@
 """LoRA on BAGEL's generation expert (docs/bagel.md §5): zero-B identity, the context K/V untouched, parity with
-the torch reference on merged weights, gradients, and the PEFT key map."""
+the torch reference on merged weights, gradients, the PEFT key map and PEFT folders."""
+import json
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -7,7 +9,7 @@ from flax import nnx
 
 from jaxflow.models.bagel.config import TINY
 from jaxflow.models.bagel.loading import build
-from jaxflow.models.bagel.lora import BagelLoRASpec, peft_state_dict, set_peft
+from jaxflow.models.bagel.lora import BagelLoRASpec, peft_state_dict, read_peft, save_peft, set_peft
 from jaxflow.models.bagel.model import BagelModel, velocity
 from jaxflow.models.lora import LoRAParam, LoRASpec
 from jaxflow_bridge.contract import bagel_keymap
@@ -148,3 +150,34 @@ def test_model_refuses_a_qwen_spec_and_a_bad_peft_dict():
     key = "base_model.model.language_model.model.layers.1.self_attn.v_proj_moe_gen.lora_B.weight"
     with pytest.raises(ValueError, match="missing language_model.model.layers.1.self_attn.v_proj_moe_gen.lora_B"):
         set_peft(model, SPEC, {k: v for k, v in adapter.items() if k != key})
+
+
+def test_peft_folder_round_trip(tmp_path):
+    """save_peft writes the adapters in BAGEL's names with their config; read_peft gives back the spec and tensors,
+    and a fresh model set from them has the saved adapters bit for bit; saving again replaces the folder."""
+    sd, model, adapter = lora_model(TINY)
+    folder = save_peft(model, SPEC, tmp_path / "adapter")
+    spec, tensors = read_peft(folder)
+    assert spec == SPEC and set(tensors) == set(adapter)
+    assert all(k.startswith(bagel_keymap.PEFT_PREFIX) for k in tensors)
+    fresh = build(TINY, bagel_keymap.to_flax(sd, TINY.num_hidden_layers), lora=spec)
+    set_peft(fresh, spec, tensors)
+    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(model, LoRAParam)),
+                                 nnx.to_flat_state(nnx.state(fresh, LoRAParam))):
+        assert np.array_equal(a[...], b[...]), path
+    other = random_adapter(model, SPEC, seed=7)
+    set_peft(model, SPEC, other)
+    save_peft(model, SPEC, folder)
+    assert all(np.array_equal(v, other[k]) for k, v in read_peft(folder)[1].items())
+
+
+def test_peft_folder_refuses_a_foreign_target_and_a_missing_config(tmp_path):
+    _, model, _ = lora_model(TINY)
+    folder = save_peft(model, SPEC, tmp_path / "adapter")
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["q_proj", "to_q"]}))
+    with pytest.raises(ValueError, match="unknown BAGEL LoRA target 'q_proj'"):
+        read_peft(folder)
+    (folder / "adapter_config.json").unlink()
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        read_peft(folder)

@@ -4,12 +4,14 @@ models/layers.Linear's, and the conversion is models/lora.py's (it reads the nam
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 from flax import nnx
 
 from jaxflow.models.lora import LoRASpec, lora_to_peft, peft_to_lora
 from jaxflow_bridge.contract import bagel_keymap
+from jaxflow_bridge.contract import lora as peft_folder
 from jaxflow_bridge.contract.keymap import Entry
 
 
@@ -44,3 +46,21 @@ def set_peft(model: nnx.Module, spec: BagelLoRASpec, tensors: dict[str, np.ndarr
     """Set the model's adapters from a PEFT state dict in BAGEL's names (PEFT_PREFIX optional); every key and shape
     is checked before any write (models/lora.peft_to_lora)."""
     peft_to_lora(model, spec, {k.removeprefix(bagel_keymap.PEFT_PREFIX): v for k, v in tensors.items()})
+
+
+def save_peft(model: nnx.Module | nnx.State, spec: BagelLoRASpec, directory: str | Path) -> Path:
+    """Write the adapters as a PEFT folder in BAGEL's names (adapter_model.safetensors with `peft_state_dict`'s keys,
+    adapter_config.json with r, alpha and the generation expert's targets); an adapter already there is replaced,
+    each file atomically (`jaxflow_bridge.contract.lora.write_peft`)."""
+    return peft_folder.write_peft(directory, peft_state_dict(model, spec), spec.peft_config(), replace=True)
+
+
+def read_peft(directory: str | Path) -> tuple[BagelLoRASpec, dict[str, np.ndarray]]:
+    """(spec, PEFT state dict) of a BAGEL PEFT folder; ValueError naming the folder when adapter_config.json is
+    missing, and a target that is not the generation expert's is refused by name (`BagelLoRASpec`)."""
+    tensors, cfg = peft_folder.read_peft(directory)
+    if cfg is None:
+        raise ValueError(f"{directory}: no adapter_config.json beside the adapter weights (r, lora_alpha, "
+                         "target_modules are needed)")
+    spec = BagelLoRASpec(rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]), targets=tuple(cfg["target_modules"]))
+    return spec, tensors
