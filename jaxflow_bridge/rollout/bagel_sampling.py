@@ -28,7 +28,7 @@ import torch
 
 from jaxflow_bridge.contract.schedule import sample_windows, sigma_schedule, window_noise_levels, window_size
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
-from jaxflow_bridge.rollout.sampling import per_sample_seeds
+from jaxflow_bridge.rollout.sampling import params_from_dict, per_sample_seeds
 from jaxflow_bridge.rollout.sde import SDE_TYPES, sde_step
 
 # BagelGenParams.timestep_shift (hard-coded 3.0): a static shift, no resolution dependence.
@@ -59,15 +59,7 @@ class BagelSamplingParams:
     @classmethod
     def from_dict(cls, d: dict | None) -> BagelSamplingParams:
         """From a plain dict; unknown keys are a ValueError, never ignored."""
-        d = dict(d or {})
-        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise ValueError(f"unknown BAGEL sampling parameters {unknown}; known: "
-                             f"{[f.name for f in dataclasses.fields(cls)]}")
-        for key in ("cfg_interval", "sde_window_range"):
-            if key in d:
-                d[key] = tuple(d[key])
-        return cls(**d)
+        return params_from_dict(cls, d, "BAGEL sampling parameters", ("cfg_interval", "sde_window_range"))
 
 
 def guided_velocity(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float, renorm_min: float) -> torch.Tensor:

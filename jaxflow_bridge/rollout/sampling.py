@@ -34,6 +34,17 @@ MAX_SEQUENCE_LENGTH = 1024  # diffusers' QwenImagePipeline.tokenizer_max_length
 DECODE_PIXELS = 4 * 512 * 512  # pixels per VAE decode call: 4 samples at 512^2 (bounded memory), 128 at 64x128
 
 
+def params_from_dict(cls, d: dict | None, what: str, tuple_fields: tuple[str, ...] = ()):
+    """A frozen params dataclass `cls` from a plain dict (what crosses Ray): unknown keys are a ValueError naming
+    them (never ignored); `tuple_fields` come back as tuples (a list after JSON or msgpack)."""
+    d = dict(d or {})
+    known = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(d) - set(known))
+    if unknown:
+        raise ValueError(f"unknown {what} {unknown}; known: {known}")
+    return cls(**{k: tuple(v) if k in tuple_fields else v for k, v in d.items()})
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Per-request knobs; names follow vllm-omni / verl-omni. Defaults: flow_grpo's Qwen-Image recipe."""
@@ -58,14 +69,7 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, d: dict | None) -> SamplingParams:
         """From a plain dict (what crosses Ray); unknown keys are a ValueError, never ignored."""
-        d = dict(d or {})
-        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            known = [f.name for f in dataclasses.fields(cls)]
-            raise ValueError(f"unknown sampling parameters {unknown}; known: {known}")
-        if "sde_window_range" in d:
-            d["sde_window_range"] = tuple(d["sde_window_range"])
-        return cls(**d)
+        return params_from_dict(cls, d, "sampling parameters", ("sde_window_range",))
 
     @property
     def guided(self) -> bool:
