@@ -146,7 +146,7 @@ def build_tokenizer():
     )
 
 
-def _save_slow_tokenizer_files(tok_dir: Path) -> None:
+def save_slow_tokenizer_files(tok_dir: Path) -> None:
     """Also write vocab.json and merges.txt, as the released folder has them, for loaders that want them."""
     vocab, merges, _ = tokenizer_vocab()
     (tok_dir / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
@@ -186,7 +186,7 @@ def save_folder(pipe, out_dir, **save_kw) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     pipe.save_pretrained(out, safe_serialization=True, **save_kw)
-    _save_slow_tokenizer_files(out / "tokenizer")
+    save_slow_tokenizer_files(out / "tokenizer")
     return out
 
 

@@ -191,7 +191,7 @@ def _write(out: Path, seed: int, dtype: str) -> None:
                                           image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5], resample=3))
     save_file(weights(seed, dtype), out / "ema.safetensors", metadata={"format": "pt"})
     tiny.build_tokenizer().save_pretrained(out)
-    tiny._save_slow_tokenizer_files(out)
+    tiny.save_slow_tokenizer_files(out)
 
 
 def build_tiny_bagel(out_dir, seed: int = 0, dtype: str = "float32") -> Path:
