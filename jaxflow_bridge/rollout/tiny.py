@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -209,14 +210,15 @@ def build_pipeline(seed: int = 0, dtype: str = "float32", transformer_config: di
     return assemble(transformer, vae, encoder)
 
 
-def _check_dtype(dtype: str) -> None:
+def check_dtype(dtype: str) -> None:
+    """ValueError unless `dtype` is one of the tiny folders' dtypes."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
 
 
 def build_tiny_pipeline(out_dir, seed: int = 0, dtype: str = "float32") -> Path:
     """Write the tiny pipeline folder to ``out_dir``; the same (seed, dtype) gives byte-identical files."""
-    _check_dtype(dtype)
+    check_dtype(dtype)
     return save_folder(build_pipeline(seed, dtype), out_dir)
 
 
@@ -225,34 +227,46 @@ def cache_root() -> Path:
     return Path(os.environ.get("JAXFLOW_CACHE") or Path.home() / ".cache" / "jaxflow")
 
 
-def tiny_pipeline_path(seed: int = 0, dtype: str = "float32") -> Path:
-    """The cached tiny pipeline folder, built atomically on first use and reused afterwards."""
-    _check_dtype(dtype)
+def cached_folder(name: str, marker: str, build: Callable[[Path], object]) -> Path:
+    """``cache_root() / name``, built atomically on first use by ``build(temporary folder)`` and reused once it holds
+    ``marker``; a process that loses the race to another one takes the other's folder."""
     root = cache_root()
-    final = root / f"qwen_image_tiny-v{FORMAT_VERSION}-seed{seed}-{dtype}"
-    if (final / "model_index.json").is_file():
+    final = root / name
+    if (final / marker).is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
     try:
-        build_tiny_pipeline(tmp, seed, dtype)
+        build(tmp)
         try:
             os.replace(tmp, final)
         except OSError:  # another process finished first
-            if not (final / "model_index.json").is_file():
+            if not (final / marker).is_file():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def tiny_pipeline_path(seed: int = 0, dtype: str = "float32") -> Path:
+    """The cached tiny pipeline folder, built atomically on first use and reused afterwards."""
+    check_dtype(dtype)
+    return cached_folder(f"qwen_image_tiny-v{FORMAT_VERSION}-seed{seed}-{dtype}", "model_index.json",
+                         lambda tmp: build_tiny_pipeline(tmp, seed, dtype))
+
+
+def folder_cli(doc: str, build: Callable[[str, int, str], Path], argv=None) -> None:
+    """A tiny folder builder's command line: ``--out DIR [--seed 0] [--dtype float32]``; prints the folder."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     args = parser.parse_args(argv)
-    print(build_tiny_pipeline(args.out, args.seed, args.dtype))
+    print(build(args.out, args.seed, args.dtype))
+
+
+def main(argv=None) -> None:
+    folder_cli(__doc__, build_tiny_pipeline, argv)
 
 
 if __name__ == "__main__":

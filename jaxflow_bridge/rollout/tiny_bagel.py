@@ -14,7 +14,6 @@ CLI: ``python -m jaxflow_bridge.rollout.tiny_bagel --out DIR [--seed 0] [--dtype
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -120,7 +119,7 @@ def _vit_shapes() -> dict[str, tuple[int, ...]]:
 
 def weights(seed: int = 0, dtype: str = "float32") -> dict[str, torch.Tensor]:
     """Every tensor of ``ema.safetensors`` under BagelPipeline's names (see the module docstring for the seeds)."""
-    _check_dtype(dtype)
+    tiny.check_dtype(dtype)
     cfg, vit, top = llm_config(), TINY_VIT, TINY_TOP
     d, m, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     hd = d // cfg["num_attention_heads"]
@@ -162,11 +161,6 @@ def weights(seed: int = 0, dtype: str = "float32") -> dict[str, torch.Tensor]:
     return {k: v.to(DTYPES[dtype]).contiguous() for k, v in sd.items()}
 
 
-def _check_dtype(dtype: str) -> None:
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-
-
 def bagel_torch_fields(folder) -> dict:
     """``BagelTorch`` keyword arguments read from a BAGEL folder's llm_config.json, config.json and tokenizer.json."""
     folder = Path(folder)
@@ -181,6 +175,7 @@ def bagel_torch_fields(folder) -> dict:
 
 
 def _write(out: Path, seed: int, dtype: str) -> None:
+    out.chmod(0o755)  # a temporary folder from mkdtemp is 0700
     dump = lambda name, obj: (out / name).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")  # noqa: E731
     dump("llm_config.json", llm_config())
     dump("config.json", top_config())
@@ -197,13 +192,12 @@ def _write(out: Path, seed: int, dtype: str) -> None:
 def build_tiny_bagel(out_dir, seed: int = 0, dtype: str = "float32") -> Path:
     """Write the tiny BAGEL folder to ``out_dir`` (which must not exist or be empty), atomically: a temporary
     sibling folder, then a rename. The same (seed, dtype) gives identical tensors."""
-    _check_dtype(dtype)
+    tiny.check_dtype(dtype)
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         _write(tmp, seed, dtype)
-        tmp.chmod(0o755)  # mkdtemp's 0700 otherwise
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -212,25 +206,13 @@ def build_tiny_bagel(out_dir, seed: int = 0, dtype: str = "float32") -> Path:
 
 def tiny_bagel_path(seed: int = 0, dtype: str = "float32") -> Path:
     """The cached tiny BAGEL folder under ``tiny.cache_root()``, built on first use and reused afterwards."""
-    _check_dtype(dtype)
-    final = tiny.cache_root() / f"bagel_tiny-v{FORMAT_VERSION}-seed{seed}-{dtype}"
-    if (final / "ema.safetensors").is_file():
-        return final
-    try:
-        build_tiny_bagel(final, seed, dtype)
-    except OSError:  # another process finished first
-        if not (final / "ema.safetensors").is_file():
-            raise
-    return final
+    tiny.check_dtype(dtype)
+    return tiny.cached_folder(f"bagel_tiny-v{FORMAT_VERSION}-seed{seed}-{dtype}", "ema.safetensors",
+                              lambda tmp: _write(tmp, seed, dtype))
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="output folder (must not exist, or be empty)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    args = parser.parse_args(argv)
-    print(build_tiny_bagel(args.out, args.seed, args.dtype))
+    tiny.folder_cli(__doc__, build_tiny_bagel, argv)
 
 
 if __name__ == "__main__":
