@@ -379,8 +379,10 @@ def _worker_extension_class() -> type:
                 return merged.merge(*merged.previous) if serve_again else {"written": 0}
             if not hasattr(self, "_rollout_payload"):
                 self._rollout_payload = MappedPayload()
+            if not hasattr(self, "_rollout_table"):  # the transformer's layers do not change: read them once
+                self._rollout_table = lora_module_table(pipeline.transformer)
             device = next(pipeline.transformer.parameters()).device
-            targets = plan_targets(pipeline.transformer, plan, lora_module_table(pipeline.transformer))
+            targets = plan_targets(pipeline.transformer, plan, self._rollout_table)
             return merged.merge(self._rollout_payload.to(manifest, device), targets, scale)
         except (RuntimeError, AttributeError, KeyError) as e:  # reported as an RPC error
             return {"error": True, "reason": f"{type(e).__name__}: {e}"}
