@@ -41,17 +41,20 @@ s.loader.exec_module(m); c = m.get_config(); print(c.train.num_mini_batches, c.s
 read -r mini group <<<"$mini"
 per_call=$((prompts / 2 < 4 ? prompts / 2 : 4)); per_call=$((per_call < 1 ? 1 : per_call))
 mkdir -p "$out"   # the whole training log goes to $out/train.log (kept when a time limit cuts the run)
-model=${MODEL_DIR:-/tmp/qwen_random}
+model=${MODEL_DIR:-/tmp/qwen_random}  # written if missing: random weights, a text encoder of the real size
 # One process holds JAX and torch, or JAX shares its GPU with the actor: JAX gets a fixed pool (its allocator never
 # returns memory). jax >= 0.11 reads XLA_CLIENT_MEM_FRACTION and ignores the GPU if the deprecated
 # XLA_PYTHON_CLIENT_MEM_FRACTION is also set.
 unset XLA_PYTHON_CLIENT_MEM_FRACTION
+given_fraction=${XLA_CLIENT_MEM_FRACTION:+XLA_CLIENT_MEM_FRACTION=$XLA_CLIENT_MEM_FRACTION }  # for the result's command
 export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-true} PYTHONUNBUFFERED=1
 gpus=1
 case $layout in
   inproc) export XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.5}
           placement=(--config.rollout.layout=in_process --config.rollout.num_gpus=0) ;;
-  1gpu)   export XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.58}
+  1gpu)   # 0.56 of an H200 (78.6 GiB) holds the recipe's update (77.1 GiB at 4 samples per micro-batch) and leaves
+          # the engine its 20B weights, the 7B text encoder and its activations
+          export XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.56}
           placement=(--config.rollout.layout=colocated --config.rollout.num_gpus=1) ;;
   2gpu)   # a Ray head that owns both GPUs hands GPU 0 to the rollout actor; the trainer process sees only GPU 1
           python3 -m ray.scripts.scripts start --head --num-gpus=2 --disable-usage-stats >"$out/ray_start.log" 2>&1
@@ -82,7 +85,7 @@ smi=$!
 kill "$smi" 2>/dev/null || true
 python3 scripts/summarize_run.py "$out/run" --gpus "$gpus" --result "$result" --out "$out" "${exclude[@]}" \
   --gpu-mem "$out/gpu_mem.csv" \
-  --command "ENGINE=$engine LAYOUT=$layout ${SLEEP:+SLEEP=$SLEEP }PROMPTS=$prompts ${MICRO:+MICRO=$MICRO }bash scripts/bench_e2e.sh OUT $*"
+  --command "${given_fraction}${MODEL_DIR:+MODEL_DIR=$MODEL_DIR }ENGINE=$engine LAYOUT=$layout ${SLEEP:+SLEEP=$SLEEP }PROMPTS=$prompts ${MICRO:+MICRO=$MICRO }bash scripts/bench_e2e.sh OUT $*"
 if [ -n "${PROFILE_STEP:-}" ]; then
   python3 scripts/profile_step.py --out "$out" --trace "$out/run/profile" --hlo "$out/hlo"
 fi

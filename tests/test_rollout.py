@@ -248,6 +248,26 @@ def test_ode_rollout_matches_stock_diffusers_pipeline(pipe):
     assert np.abs(ours.images[0].astype(int) - np.round(image[0] * 255)).max() <= 1
 
 
+def test_text_tower_encodes_as_the_whole_encoder_without_vision_tower_or_head(tiny_path):
+    """The pipeline keeps Qwen2.5-VL's base model only: the same hidden states, bit for bit, as the whole model's
+    forward (what diffusers calls), with no vision tower or output head left to hold."""
+    from diffusers import QwenImagePipeline
+
+    stock = QwenImagePipeline.from_pretrained(tiny_path, dtype=torch.float32, local_files_only=True)
+    whole = stock.text_encoder
+    tok = stock.tokenizer([stock.prompt_template_encode.format(t) for t in PROMPTS], padding=True,
+                          return_tensors="pt")
+    with torch.inference_mode():
+        expected = whole(input_ids=tok.input_ids, attention_mask=tok.attention_mask,
+                         output_hidden_states=True).hidden_states[-1]
+    ours = RolloutPipeline(stock, "cpu")
+    names = [n for n, _ in ours.text_encoder.named_parameters()]
+    assert names and not [n for n in names if "visual" in n or "lm_head" in n]
+    drop = stock.prompt_template_encode_start_idx
+    for got, h, m in zip(ours.encode(PROMPTS), expected, tok.attention_mask, strict=True):
+        assert torch.equal(got, h[m.bool()][drop:])
+
+
 def test_bf16_rollout_keeps_latents_fp32_and_embeds_in_model_dtype(tiny_path):
     batch = RolloutPipeline.from_pretrained(tiny_path, dtype="bfloat16", device="cpu").generate(
         PROMPTS[:1], 1, SamplingParams(**{**SAMPLING, "num_inference_steps": 3}), seeds=[0])

@@ -50,11 +50,22 @@ def weights_fingerprint(named_tensors) -> str:
     return h.hexdigest()
 
 
+def text_tower(encoder):
+    """The part of Qwen2.5-VL that encodes text prompts: its base model (`hidden_states[-1]` as the whole model's),
+    without the vision tower (detached from `encoder`: no image reaches it) and without the output head (prompt
+    embeddings are hidden states): 2.3 GB less of the 7B encoder to hold on the device."""
+    inner = encoder.model
+    if getattr(inner, "visual", None) is not None:
+        inner.visual = None
+    return inner
+
+
 class RolloutPipeline(SamplingLoop):
-    """Qwen-Image sampling with trajectories, on the components of a diffusers `QwenImagePipeline`."""
+    """Qwen-Image sampling with trajectories, on the components of a diffusers `QwenImagePipeline` (it takes them:
+    the text encoder keeps only its text tower, `text_tower`)."""
 
     def __init__(self, pipe, device: str | torch.device = "cpu", model_path: str | None = None):
-        self.tokenizer, self.text_encoder, self.vae = pipe.tokenizer, pipe.text_encoder, pipe.vae
+        self.tokenizer, self.text_encoder, self.vae = pipe.tokenizer, text_tower(pipe.text_encoder), pipe.vae
         self.transformer = pipe.transformer
         self.scheduler_config = dict(pipe.scheduler.config)
         self.template, self.drop = pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx

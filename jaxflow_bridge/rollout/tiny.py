@@ -155,11 +155,15 @@ def save_slow_tokenizer_files(tok_dir: Path) -> None:
     (tok_dir / "merges.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
-def text_encoder(text_config: dict, vision_config: dict):
-    """A random Qwen2_5_VLForConditionalGeneration of these configs whose token ids match :func:`build_tokenizer`."""
+def text_encoder(text_config: dict, vision_config: dict, vocab_size: int | None = None):
+    """A random Qwen2_5_VLForConditionalGeneration of these configs whose token ids match :func:`build_tokenizer`;
+    `vocab_size` (at least the tokenizer's): embedding rows, for an encoder of a real one's size."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    vocab, _, vocab_size = tokenizer_vocab()
+    vocab, _, own = tokenizer_vocab()
+    if vocab_size is not None and vocab_size < own:
+        raise ValueError(f"vocab_size {vocab_size} is below the tokenizer's {own}")
+    vocab_size = vocab_size or own
     ids = {name: vocab[name] for name in QWEN_SPECIAL_TOKENS}
     text = dict(text_config, vocab_size=vocab_size, bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"])
     config = Qwen2_5_VLConfig(

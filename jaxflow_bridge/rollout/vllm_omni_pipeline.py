@@ -45,7 +45,7 @@ from jaxflow_bridge.rollout.fa_version import FA_VERSIONS, use_fa3
 from jaxflow_bridge.rollout.linear_gelu import install_gelu_epilogue
 from jaxflow_bridge.rollout.lora_linear import install_fused_apply
 from jaxflow_bridge.rollout.lora_merge import MergedLoRA, plan_targets
-from jaxflow_bridge.rollout.pipeline import TensorHead, weights_fingerprint
+from jaxflow_bridge.rollout.pipeline import TensorHead, text_tower, weights_fingerprint
 from jaxflow_bridge.rollout.qk_rope import QK_OPS, use_native_qk
 from jaxflow_bridge.rollout.random_init import random_named_weights
 from jaxflow_bridge.rollout.sampling import Fp32Timestep, SamplingLoop, SamplingParams
@@ -182,6 +182,7 @@ def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = N
 
     def __init__(self, *, od_config, **kwargs):
         base.__init__(self, od_config=od_config, **kwargs)
+        self.text_encoder = text_tower(self.text_encoder)  # its vision tower and output head never run
         args = getattr(od_config, "custom_pipeline_args", None) or {}
         options = pipeline_options(args)
         if lora_layer_cls is not None and options["lora_apply"] == "fused":
