@@ -22,11 +22,11 @@ def test_check_fits_names_the_knobs_when_short_and_summarises_when_not():
     plans = [memory.StepMemory("old_log_prob", 45 * GIB, 0, 0, 5 * GIB),
              memory.StepMemory("update", 45 * GIB, 5 * GIB, 5 * GIB, 30 * GIB)]
     line = memory.check_fits(plans, 40 * GIB, limit=80 * GIB, in_use=40 * GIB, what="8 samples")
-    assert "update needs 35.0 GiB" in line and "\n" not in line
+    assert "update needs 35.0 GiB" in line and "5.0 GiB to spare" in line and "\n" not in line
     with pytest.raises(MemoryError) as e:
         memory.check_fits(plans, 40 * GIB, limit=70 * GIB, in_use=40 * GIB, what="8 samples")
     msg = str(e.value)
-    assert "5.0 GiB short" in msg and "train.num_micro_batches" in msg and "XLA_CLIENT_MEM_FRACTION" in msg
+    assert "5.0 GiB short" in msg and "spare" not in msg and "train.num_micro_batches" in msg and "XLA_CLIENT_MEM_FRACTION" in msg
     assert "\n" not in msg
 
 
