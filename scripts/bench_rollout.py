@@ -7,8 +7,8 @@
     python scripts/bench_rollout.py --out DIR --collect    # the variants' table -> OUT/rollout_diffusers.json
 
 The full-size build uses the real transformer (60 layers, d=3072) and the real VAE configs with random weights,
-and a Qwen2.5-VL text encoder of the real width (3584) but 2 layers (text encoding runs once per prompt and is a
-small part of a rollout; the full 7B encoder is not built). Prompts use the locally built tokenizer.
+and a Qwen2.5-VL text encoder of the real width (3584) but 2 layers (full_size.py's "short" one: text encoding runs
+once per prompt and is a small part of a rollout; the full 7B encoder is not built). Prompts use the locally built tokenizer.
 Settings: 512^2, 10 steps, true CFG 4, SDE window 2 (noise 1.2), log-probs on (the training rollout).
 """
 from __future__ import annotations
@@ -86,7 +86,7 @@ def main(argv=None):
     if args.collect:
         return collect(args.out)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    pipe = build_pipeline() if args.tiny else full_size_pipeline(device)
+    pipe = build_pipeline() if args.tiny else full_size_pipeline(device, text_encoder="short")
     if args.attention:
         pipe.transformer.set_attention_backend(args.attention)
     if args.compile != "none":
