@@ -1,0 +1,131 @@
+"""FlowGRPO's log-prob of stored transitions for BAGEL (docs/bagel.md §2, §4): the two contexts prefilled once from the
+trajectory's token ids, BAGEL's text CFG (interval, per-sample "global" renorm) and the SDE log-prob of
+`jaxflow.sde`. The Qwen-Image counterpart is `jaxflow.flowgrpo`; the torch rollout this mirrors is
+`jaxflow_bridge/rollout/bagel_sampling.py`."""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxflow import sde
+from jaxflow.models.bagel.model import BagelModel, KVCache
+
+RENORM_EPS = 1e-8  # Bagel._combine_cfg's denominator guard
+
+
+@dataclasses.dataclass(frozen=True)
+class BagelGuidance:
+    """BAGEL's text CFG as sampled (BagelSamplingParams' cfg_text_scale / cfg_interval / cfg_renorm_min): on iff
+    text_scale > 1, at steps with lo < sigma <= hi; renorm factor clamped to [renorm_min, 1]."""
+
+    text_scale: float = 4.0
+    interval: tuple[float, float] = (0.0, 1.0)
+    renorm_min: float = 0.0
+
+    def __post_init__(self):
+        lo, hi = self.interval
+        if self.text_scale < 1 or not 0 <= lo <= hi <= 1 or not 0 <= self.renorm_min <= 1:
+            raise ValueError(f"BagelGuidance needs text_scale >= 1, 0 <= lo <= hi <= 1 and renorm_min in [0, 1], "
+                             f"got {self.text_scale}, {self.interval}, {self.renorm_min}")
+
+    @property
+    def on(self) -> bool:
+        return self.text_scale > 1
+
+
+class Context(NamedTuple):
+    """A prefilled context: every layer's K/V (layers, B, L, kv_heads, head_dim) and its (B, L) mask."""
+
+    kv: KVCache
+    mask: jax.Array
+
+
+def prefill(model: BagelModel, ids: jax.Array, mask: jax.Array) -> Context:
+    """The frozen K/V (stop_gradient) of right-padded context ids (B, L); L = 0 is the empty context."""
+    cfg = model.cfg
+    if ids.shape[1] == 0:
+        shape = (cfg.num_hidden_layers, ids.shape[0], 0, cfg.num_key_value_heads, cfg.head_dim)
+        empty = jnp.zeros(shape, model.opts.compute_dtype)
+        return Context((empty, empty), mask)
+    return Context(jax.lax.stop_gradient(model.prefill(ids)), mask)
+
+
+def contexts(model: BagelModel, batch: dict, guidance: BagelGuidance) -> tuple[Context, Context | None]:
+    """The conditional context from prompt_ids / prompt_mask and, with CFG on, the unconditional one from
+    negative_prompt_ids / negative_prompt_mask (each prefilled once, reused at every window step)."""
+    cond = prefill(model, batch["prompt_ids"], batch["prompt_mask"])
+    if not guidance.on:
+        return cond, None
+    if "negative_prompt_ids" not in batch:
+        raise ValueError(f"text CFG scale {guidance.text_scale} > 1 needs negative_prompt_ids / _mask "
+                         "(the empty unconditional context is (B, 0))")
+    return cond, prefill(model, batch["negative_prompt_ids"], batch["negative_prompt_mask"])
+
+
+def guided_velocity(model: BagelModel, x: jax.Array, sigma: jax.Array, cond: Context, uncond: Context | None, *,
+                    grid_hw: tuple[int, int], guidance: BagelGuidance) -> jax.Array:
+    """Velocity (B, S, C) float32 at sigma (B,): conditional, or, for the samples with lo < sigma <= hi and CFG on,
+    v = v_u + s (v_c - v_u) times clamp(|v_c| / (|v| + 1e-8), renorm_min, 1), norms over each sample's elements."""
+    v_c = model.denoise(cond.kv, cond.mask, x, sigma, grid_hw).astype(jnp.float32)
+    if not guidance.on:
+        return v_c
+    v_u = model.denoise(uncond.kv, uncond.mask, x, sigma, grid_hw).astype(jnp.float32)
+    return combine_cfg(v_c, v_u, sigma, guidance)
+
+
+def combine_cfg(v_c: jax.Array, v_u: jax.Array, sigma: jax.Array, guidance: BagelGuidance) -> jax.Array:
+    """`guided_velocity`'s CFG of the branch velocities (B, ...) float32 at sigma (B,) (bagel_sampling's
+    `guided_velocity` where lo < sigma <= hi, v_c elsewhere)."""
+    v = v_u + guidance.text_scale * (v_c - v_u)
+    norm = lambda t: jnp.linalg.norm(t.reshape(t.shape[0], -1), axis=1)  # noqa: E731
+    factor = jnp.clip(norm(v_c) / (norm(v) + RENORM_EPS), guidance.renorm_min, 1.0)
+    lo, hi = guidance.interval
+    inside = (sigma > lo) & (sigma <= hi)
+    per_sample = lambda a: a.reshape(-1, *(1,) * (v.ndim - 1))  # noqa: E731
+    return jnp.where(per_sample(inside), v * per_sample(factor), v_c)
+
+
+def window_log_prob(model: BagelModel, tr: dict, cond: Context, uncond: Context | None, *,
+                    grid_hw: tuple[int, int], sde_type: str, guidance: BagelGuidance):
+    """(mean, log_prob (B,), std) of one window step's stored next latent under the model's SDE step.
+
+    `tr` holds x, x_next (B, S, C); sigma, sigma_next, sigma_max, noise_level (B,)."""
+    v = guided_velocity(model, tr["x"], tr["sigma"], cond, uncond, grid_hw=grid_hw, guidance=guidance)
+    _, logp, mean, std = sde.sde_step(tr["x"], v, tr["sigma"], tr["sigma_next"], tr["sigma_max"],
+                                      sde_type=sde_type, noise_level=tr["noise_level"], prev_sample=tr["x_next"])
+    return mean, logp, std
+
+
+def window_steps(batch: dict) -> tuple[dict, dict]:
+    """A batch's window transitions: per-step inputs with a leading W axis (x, x_next, sigma, sigma_next) and the
+    inputs every step shares (sigma_max, noise_level (B,)). latents (B, W+1, S, C), step_index (B, W); sigmas
+    (N+1,) or per sample (B, N+1); noise_level scalar or (B,)."""
+    latents, idx = batch["latents"], batch["step_index"].T
+    b = latents.shape[0]
+    sigmas = jnp.broadcast_to(jnp.asarray(batch["sigmas"], jnp.float32), (b, batch["sigmas"].shape[-1]))
+    rows = jnp.arange(b)[None]
+    latents = jnp.swapaxes(latents, 0, 1)
+    per_step = {"x": latents[:-1], "x_next": latents[1:], "sigma": sigmas[rows, idx],
+                "sigma_next": sigmas[rows, idx + 1]}
+    shared = {"sigma_max": sigmas[:, 1],
+              "noise_level": jnp.broadcast_to(jnp.asarray(batch["noise_level"], jnp.float32), (b,))}
+    return per_step, shared
+
+
+def window_log_probs(model: BagelModel, batch: dict, *, grid_hw: tuple[int, int], sde_type: str,
+                     guidance: BagelGuidance) -> jax.Array:
+    """Log-probs (B, W) of a batch's stored window transitions under the model (its LoRA applied), the contexts
+    prefilled once for all W steps. `batch`: prompt_ids / prompt_mask, with CFG negative_prompt_ids / _mask, and
+    `window_steps`' fields (a TrajectoryBatch's arrays plus noise_level)."""
+    cond, uncond = contexts(model, batch, guidance)
+    per_step, shared = window_steps(batch)
+
+    def step(_, xs):
+        tr = {**shared, **xs}
+        return None, window_log_prob(model, tr, cond, uncond, grid_hw=grid_hw, sde_type=sde_type,
+                                     guidance=guidance)[1]
+
+    return jax.lax.scan(step, None, per_step)[1].T
