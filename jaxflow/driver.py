@@ -23,7 +23,8 @@ from jaxflow.minibatches import compact_zero_advantage, order_minibatches
 from jaxflow.models.loading import fingerprint
 from jaxflow.models.lora import lora_to_peft
 from jaxflow.rollout_client import LocalTransport, RayTransport, RolloutGroup, init_ray
-from jaxflow_bridge.contract.trajectory import TextLengthError
+from jaxflow.train_batch import TrainBatch
+from jaxflow_bridge.contract.trajectory import TextLengthError, TrajectoryBatch
 from jaxflow_bridge.rewards import RewardPool, build_reward
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,18 @@ def text_length_error(err: TextLengthError, cfg) -> ValueError:
                       f"--config.sample.{key} (or shorten the prompt)")
 
 
+def train_batch(trajectory: TrajectoryBatch, advantages, group_ids, cfg, step: int) -> TrainBatch:
+    """The learner's batch of step `step`: the rollout's `trajectory` (prompt group `group_ids` (B,)) with its
+    `advantages` and the SDE's noise level, its mini-batches laid out (`order_minibatches`) and with
+    train.drop_zero_advantage its zero advantages gathered (`compact_zero_advantage`)."""
+    t = cfg.train
+    batch = order_minibatches(TrainBatch.of(trajectory, advantages, cfg.sample.noise_level), group_ids,
+                              t.num_mini_batches, cfg.seed, step)
+    if t.drop_zero_advantage:
+        batch = compact_zero_advantage(batch, t.num_mini_batches, t.num_micro_batches)
+    return batch
+
+
 def merge_rewards(futures: dict) -> dict:
     """The reward pool's results of a step's chunks (`futures`: chunk index -> future) as one batch's: scores
     joined, errors and each reward's scoring seconds summed."""
@@ -55,9 +68,9 @@ def merge_rewards(futures: dict) -> dict:
 
 @dataclasses.dataclass
 class Experience:
-    """One step's rollout, scored: the train batch (host arrays, mini-batches laid out) and what it reports."""
+    """One step's rollout, scored: the train batch (mini-batches laid out) and what it reports."""
 
-    batch: dict
+    batch: TrainBatch
     rewards: dict  # per reward function, "avg" (their weighted sum), "errors" and "seconds" (scoring, per function)
     zero_std_ratio: float
     policy_version: int  # the policy that sampled it
@@ -69,7 +82,7 @@ class Experience:
         avg = self.rewards["avg"]
         return {"reward_mean": avg.mean(), "reward_std": avg.std(), "reward_errors": self.rewards["errors"],
                 "zero_std_ratio": self.zero_std_ratio, "bound_modules": bound_modules,
-                "images_per_s": len(self.batch["advantages"]) / seconds, "time/step": seconds,
+                "images_per_s": len(self.batch) / seconds, "time/step": seconds,
                 **({"rollout_freed_gib": freed_bytes / 2 ** 30} if freed_bytes is not None else {}),
                 **{f"time/reward_busy/{k}": v for k, v in self.rewards["seconds"].items()},
                 **{f"reward/{k}": v.mean() for k, v in self.rewards.items() if k not in ("avg", "errors", "seconds")}}
@@ -193,12 +206,7 @@ class Driver:
         group_ids = np.repeat(np.arange(s.prompts_per_step), s.group_size)
         adv, zero_std = compute_advantages(rewards["avg"], group_ids, global_std=cfg.train.global_std,
                                            clip=cfg.train.adv_clip, expected_group_size=s.group_size)
-        train_batch = batch.to_dict()
-        train_batch.update(advantages=adv, noise_level=np.float32(s.noise_level))
-        train_batch = order_minibatches(train_batch, group_ids, cfg.train.num_mini_batches, cfg.seed, step)
-        if cfg.train.drop_zero_advantage:
-            train_batch = compact_zero_advantage(train_batch, cfg.train.num_mini_batches, cfg.train.num_micro_batches)
-        return Experience(train_batch, rewards, zero_std, version), seconds
+        return Experience(train_batch(batch, adv, group_ids, cfg, step), rewards, zero_std, version), seconds
 
     @contextlib.contextmanager
     def idle(self):

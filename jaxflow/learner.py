@@ -26,7 +26,8 @@ from jaxflow.models.lora import save_peft
 from jaxflow.models.lora_gemm import on_hopper
 from jaxflow.models.random_init import random_transformer
 from jaxflow.sharding import Layout
-from jaxflow.train_step import make_train_step, per_sample
+from jaxflow.train_batch import TrainBatch
+from jaxflow.train_step import make_train_step
 
 log = logging.getLogger("jaxflow.train")
 
@@ -84,13 +85,13 @@ def share_batch(batch: dict | None) -> dict[str, np.ndarray]:
     return {k: np.asarray(payload[k]).view(dtypes[k]).reshape(spec[k][0]) for k in spec}
 
 
-def local_rows(batch: dict | None) -> dict[str, np.ndarray]:
+def local_rows(batch: TrainBatch | None) -> TrainBatch:
     """Process 0's train `batch` (None on the other processes), made per-sample, on every process, cut to this
     process's contiguous share of rows."""
-    full = share_batch(None if batch is None else per_sample(batch))
+    full = share_batch(None if batch is None else batch.per_sample())
     rows = len(full["advantages"]) // jax.process_count()
     lo = jax.process_index() * rows
-    return {k: v[lo:lo + rows] for k, v in full.items()}
+    return TrainBatch(**{k: v[lo:lo + rows] for k, v in full.items()})
 
 
 class Learner:
@@ -160,7 +161,7 @@ class Learner:
         self.state, meta = self.ckpt.restore(self.state)
         return meta
 
-    def train(self, batch: dict | None, version: int | None = None, behavior: int | None = None) -> dict:
+    def train(self, batch: TrainBatch | None, version: int | None = None, behavior: int | None = None) -> dict:
         """One train step on process 0's `batch` (None on the other processes) from policy `version` to the next;
         returns its metrics (host). `behavior`: the version that sampled the batch, `version` or (rollout.overlap)
         `version - 1`, whose LoRA the recompute pass then uses (a copy kept from the step before, only when that pass

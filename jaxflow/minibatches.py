@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflow.step_config import SHARED_FIELDS
+from jaxflow.train_batch import TrainBatch
 
 POSITION_KEYS = ("ratio_min", "ratio_mean", "ratio_max", "clipfrac", "approx_kl")
 
@@ -36,19 +36,12 @@ def group_order(group_ids, num_mini_batches: int, seed: int, step: int) -> np.nd
     return np.stack(rows, axis=1).reshape(b)  # position r * M + j = row r of mini-batch j
 
 
-def order_minibatches(batch: dict, group_ids, num_mini_batches: int, seed: int, step: int) -> dict:
-    """`batch` (group g in any rows) with every per-sample array reordered by `group_order`, as host numpy arrays
-    (a jax.Array field is copied to the host and reordered like the rest); the shared sigmas (N+1,) and
-    noise_level (scalar) are kept as they are."""
+def order_minibatches(batch: TrainBatch, group_ids, num_mini_batches: int, seed: int, step: int) -> TrainBatch:
+    """`batch` (group g in any rows) with its rows reordered by `group_order` (`TrainBatch.reordered`: the shared
+    sigmas and noise_level kept as they are)."""
     if num_mini_batches == 1:
         return batch
-    return _reordered(batch, group_order(group_ids, num_mini_batches, seed, step))
-
-
-def _reordered(batch: dict, order: np.ndarray) -> dict:
-    def per_sample(k, v):
-        return hasattr(v, "shape") and np.ndim(v) > SHARED_FIELDS.get(k, 0) and len(v) == len(order)
-    return {k: np.asarray(v)[order] if per_sample(k, v) else v for k, v in batch.items()}
+    return batch.reordered(group_order(group_ids, num_mini_batches, seed, step))
 
 
 def _compacted(zero, num_mini_batches: int, num_micro_batches: int, xp):
@@ -85,9 +78,9 @@ def epoch_order(key, advantages, num_mini_batches: int, num_micro_batches: int, 
     return perm[_compacted(advantages[perm] == 0, num_mini_batches, num_micro_batches, jnp)]
 
 
-def compact_zero_advantage(batch: dict, num_mini_batches: int, num_micro_batches: int) -> dict:
-    """`batch` (mini-batches laid out) with every per-sample array reordered by `zero_advantage_order`."""
-    return _reordered(batch, zero_advantage_order(batch["advantages"], num_mini_batches, num_micro_batches))
+def compact_zero_advantage(batch: TrainBatch, num_mini_batches: int, num_micro_batches: int) -> TrainBatch:
+    """`batch` (mini-batches laid out) with its rows reordered by `zero_advantage_order`."""
+    return batch.reordered(zero_advantage_order(batch.advantages, num_mini_batches, num_micro_batches))
 
 
 def micro_batches(batch: dict, m: int) -> dict:

@@ -18,6 +18,7 @@ from jaxflow.models.config import QwenImageConfig
 from jaxflow.models.loading import TensorSource
 from jaxflow.models.lora import LoRAParam, LoRASpec
 from jaxflow.step_config import TrainConfig
+from jaxflow.train_batch import TrainBatch
 from jaxflow.train_step import accumulate_gradients, prepare_batch
 from jaxflow_bridge.contract import keymap
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
@@ -29,8 +30,7 @@ def recompute(model: nnx.Module, batch: TrajectoryBatch, *, grid_hw: tuple[int, 
     config = TrainConfig(grid_hw=grid_hw, sde_type=sde_type, guidance=guidance,
                          num_micro_batches=num_micro_batches)
     b, w = batch.log_probs.shape
-    arrays = prepare_batch({**batch.to_dict(), "noise_level": np.float32(noise_level),
-                            "advantages": np.zeros(b, np.float32)}, config)
+    arrays = prepare_batch(TrainBatch.of(batch, np.zeros(b, np.float32), noise_level), config)
     graphdef, lora, frozen = nnx.split(model, LoRAParam, ...)
     terms = jax.jit(lambda lo, fr, ba: accumulate_gradients(graphdef, lo, fr, ba, config)[1])(lora, frozen, arrays)
 

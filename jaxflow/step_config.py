@@ -1,5 +1,5 @@
 """The train step's static configuration (`TrainConfig`, flow_grpo's defaults; docs/numerics.md §4, §10), its state
-(`TrainState`), and the per-sample fields each algorithm reads. The step itself is `jaxflow.train_step`."""
+(`TrainState`), and the train batch fields (`jaxflow.train_batch`) each algorithm reads. The step itself is `jaxflow.train_step`."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,9 +13,6 @@ BATCH_FIELDS = ("latents", "log_probs", "sigmas", "step_index", "noise_level", "
                 "advantages")
 GUIDANCE_FIELDS = ("negative_prompt_embeds", "negative_prompt_mask")
 NFT_FIELDS = ("final_latents", "sigmas", "prompt_embeds", "prompt_mask", "advantages")
-# fields the rollout sends once for the whole batch, and their number of dims there: the step's batch
-# (`train_step.per_sample`) broadcasts them to every sample; reordering rows (`minibatches`) leaves them as they are
-SHARED_FIELDS = {"sigmas": 1, "noise_level": 0}
 # BAGEL's batches carry the context's token ids (B, L) int32 in place of the embeds (docs/bagel.md §4)
 TEXT_IDS = {"prompt_embeds": "prompt_ids", "negative_prompt_embeds": "negative_prompt_ids"}
 OLD_LOG_PROBS = ("rollout", "recompute", "rollout_corrected")

@@ -36,8 +36,8 @@ from flax import nnx
 from jaxflow import flowgrpo, minibatches, nft, phases
 from jaxflow.models.lora import LoRAParam
 from jaxflow.sharding import Layout
-from jaxflow.step_config import (BATCH_FIELDS, GUIDANCE_FIELDS, NFT_FIELDS, SHARED_FIELDS, TEXT_IDS, TrainConfig,
-                                 TrainState, with_text_ids)
+from jaxflow.step_config import GUIDANCE_FIELDS, TEXT_IDS, TrainConfig, TrainState, with_text_ids
+from jaxflow.train_batch import TrainBatch
 
 NFT_SALT = 0x6E6674  # folded into the seed's key for NFT's timesteps and noise (apart from the epochs' shuffles)
 
@@ -207,45 +207,32 @@ def _finish(state: TrainState, grads, metrics: dict, *, tx, config: TrainConfig,
     return state, {**metrics, "grad_norm": grad_norm, "skipped": (~finite).astype(jnp.int32)}
 
 
-def per_sample(batch: dict, fields: tuple[str, ...] = (BATCH_FIELDS + GUIDANCE_FIELDS + NFT_FIELDS
-                                                       + tuple(TEXT_IDS.values()))) -> dict[str, np.ndarray]:
-    """The `fields` of `batch` that are set, as host arrays with a leading sample axis: the shared ones
-    (`SHARED_FIELDS`: sigmas (N+1,), scalar noise_level) are broadcast to every sample (B = len(advantages)), unless
-    they have one already; other keys are dropped."""
-    out = {k: np.asarray(batch[k]) for k in dict.fromkeys(fields) if batch.get(k) is not None}
-    b = len(out["advantages"])
-    for k, ndim in SHARED_FIELDS.items():
-        if k in out and out[k].ndim == ndim:
-            out[k] = np.broadcast_to(out[k], (b, *out[k].shape))
-    return out
-
-
-def prepare_batch(batch: dict, config: TrainConfig, batch_devices: int = 1) -> dict[str, np.ndarray]:
-    """The per-sample host arrays the step consumes (`per_sample`), checked, in the step's dtypes; a batch with
-    `prompt_ids` (BAGEL) has token ids in place of the embeds."""
+def prepare_batch(batch: TrainBatch, config: TrainConfig, batch_devices: int = 1) -> dict[str, np.ndarray]:
+    """The per-sample host arrays the step consumes (`TrainBatch.per_sample`), checked, in the step's dtypes; a batch
+    with `prompt_ids` (BAGEL) has token ids in place of the embeds."""
     fields = config.batch_fields
-    if batch.get("prompt_ids") is not None:
+    if batch.prompt_ids is not None:
         fields = with_text_ids(fields)
-    missing = [k for k in fields if batch.get(k) is None]
+    missing = [k for k in fields if getattr(batch, k) is None]
     if missing:
         hint = (" (guidance > 1 needs the negative prompt)" if set(missing) & set(GUIDANCE_FIELDS) else
                 " (the rollout keeps them with keep_final: config.sampling does for train.algorithm='nft')"
                 if "final_latents" in missing else "")
         raise ValueError(f"train batch is missing {missing}{hint}")
-    b = len(batch["advantages"])
+    b = len(batch)
     multiple = config.num_mini_batches * config.num_micro_batches * batch_devices
     if b % multiple:
         raise ValueError(f"batch {b} is not a multiple of num_mini_batches x num_micro_batches x batch devices "
                          f"= {multiple}")
-    out = per_sample(batch, fields)
+    out = batch.per_sample(fields)
     out["sigmas"] = out["sigmas"].astype(np.float32)
     for k in TEXT_IDS.values():
         if k in out:
             out[k] = out[k].astype(np.int32)
     if config.nft:
         return out
-    w = np.shape(batch["log_probs"])[1]
-    latents, step_index = np.shape(batch["latents"]), np.shape(batch["step_index"])
+    w = batch.log_probs.shape[1]
+    latents, step_index = batch.latents.shape, batch.step_index.shape
     if latents[:2] != (b, w + 1) or step_index != (b, w):
         raise ValueError(f"latents {latents} / step_index {step_index} do not match log_probs {(b, w)}: "
                          f"expected (B, W+1, S, C) / (B, W)")
@@ -259,9 +246,8 @@ def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | Non
     """Returns (init_state, step) for a model with LoRA adapters.
 
     init_state() -> TrainState from the model's current LoRA params (copied; the model is left intact).
-    step(state, batch) -> (state, metrics): `state` is donated (do not reuse it); `batch` is a dict
-    of host or device arrays with the Trajectory fields (docs/numerics.md §9) plus advantages (B,) and noise_level
-    (scalar or (B,)), its mini-batches laid out by `minibatches.order_minibatches`. metrics: see
+    step(state, batch) -> (state, metrics): `state` is donated (do not reuse it); `batch` is a `TrainBatch`, its
+    mini-batches laid out by `minibatches.order_minibatches`. metrics: see
     `minibatches.combine_metrics`; its phases are timed under a `phases.recording()` (see
     `TrainStep.__call__`). With a `layout`, the frozen
     base, state and batch are placed by its rules and both functions run as jits with explicit in/out
@@ -346,7 +332,7 @@ class TrainStep:
         self._update = out["update"]
         return out
 
-    def __call__(self, state: TrainState, batch: dict, behavior=None) -> tuple[TrainState, dict]:
+    def __call__(self, state: TrainState, batch: TrainBatch, behavior=None) -> tuple[TrainState, dict]:
         """One step; `behavior`: the LoRA of the policy that sampled `batch` when it is not `state.lora` (one
         version behind, rollout.overlap): the recompute pass takes logp_old from it, so the ratio is against the
         sampling policy. Metrics add old_logp_diff_max, max |logp_old - the rollout's logp| over the batch, when the

@@ -19,6 +19,7 @@ from jaxflow.models.lora import LoRASpec
 from jaxflow.models.transformer import QwenImageTransformer
 from jaxflow.recipes import base
 from jaxflow.step_config import TrainConfig
+from jaxflow.train_batch import TrainBatch
 from jaxflow_bench.timing import median_ms
 from jaxflow_bridge.contract import schedule
 
@@ -55,18 +56,18 @@ def synthetic_batch(cfg: QwenImageConfig, args) -> dict:
     }
 
 
-def negatives_padded(batch: dict, tokens: int) -> dict:
-    """`batch` with its negative prompt embeds and mask right-padded (or cut, past their last real token) to
-    `tokens`, as the rollout client pads them for the trainer (TrajectoryBatch.concat with config.text_tokens). At
-    the prompts' length (--txt) the train step runs both in one batched call, as the recipe does; shorter, the
-    negatives get a forward of their own."""
+def negatives_padded(batch: dict, tokens: int) -> TrainBatch:
+    """`batch` (`synthetic_batch`'s) as the train step's batch, its negative prompt embeds and mask right-padded (or
+    cut, past their last real token) to `tokens`, as the rollout client pads them for the trainer
+    (TrajectoryBatch.concat with config.text_tokens). At the prompts' length (--txt) the train step runs both in one
+    batched call, as the recipe does; shorter, the negatives get a forward of their own."""
     emb, mask = batch["negative_prompt_embeds"], batch["negative_prompt_mask"]
     if tokens < int(mask.sum(axis=1).max()):
         raise ValueError(f"{tokens} negative tokens are fewer than the negatives' {int(mask.sum(axis=1).max())}")
     emb, mask = emb[:, :tokens], mask[:, :tokens]
     pad = tokens - emb.shape[1]
-    return {**batch, "negative_prompt_embeds": np.pad(emb, ((0, 0), (0, pad), (0, 0))),
-            "negative_prompt_mask": np.pad(mask, ((0, 0), (0, pad)))}
+    return TrainBatch(**{**batch, "negative_prompt_embeds": np.pad(emb, ((0, 0), (0, pad), (0, 0))),
+                         "negative_prompt_mask": np.pad(mask, ((0, 0), (0, pad)))})
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:

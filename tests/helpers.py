@@ -20,6 +20,7 @@ from jaxflow.config import config_module
 from jaxflow.models.config import ModelOptions, QwenImageConfig
 from jaxflow.models.lora import LoRAParam, LoRASpec
 from jaxflow.models.transformer import QwenImageTransformer
+from jaxflow.train_batch import TrainBatch
 from jaxflow_bridge.contract import keymap
 from tests.helpers_sampler import SamplerConfig, make_sampler
 
@@ -138,4 +139,4 @@ def sampled_batch(model, guidance):
     """A train batch sampled by `model` itself (6 steps, window 2, SEEDS) with fixed advantages."""
     config = SamplerConfig(grid_hw=GRID, num_steps=6, noise_level=1.2, guidance=guidance, window_size=2)
     traj = make_sampler(model, config)(inputs(guidance > 1), SEEDS)
-    return {**traj, "advantages": np.array([1.0, -1.0, 2.0, -0.5], np.float32)}
+    return TrainBatch(**traj, advantages=np.array([1.0, -1.0, 2.0, -0.5], np.float32))

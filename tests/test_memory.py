@@ -71,6 +71,7 @@ def test_abstract_batch_matches_prepare_batch():
     import ml_dtypes
 
     from jaxflow.step_config import TrainConfig
+    from jaxflow.train_batch import TrainBatch
     from jaxflow.train_step import prepare_batch
     b, w, n, s, c, length, neg, d = 4, 2, 6, 10, 8, 5, 3, 16
     bf16 = np.dtype(ml_dtypes.bfloat16)
@@ -82,7 +83,7 @@ def test_abstract_batch_matches_prepare_batch():
            "prompt_embeds": np.zeros((b, length, d), bf16), "prompt_mask": np.ones((b, length), bool),
            "negative_prompt_embeds": np.zeros((b, neg, d), bf16),
            "negative_prompt_mask": np.ones((b, neg), bool)}
-    got = prepare_batch(raw, TrainConfig(grid_hw=(2, 5), guidance=4.0))
+    got = prepare_batch(TrainBatch(**raw), TrainConfig(grid_hw=(2, 5), guidance=4.0))
     assert {k: (v.shape, v.dtype) for k, v in got.items()} == {k: (v.shape, v.dtype) for k, v in spec.items()}
     assert old["log_probs"].shape == (b, w) and set(old) == {"log_probs"}
     _, old = memory.abstract_batch(batch=b, window=w, num_steps=n, seq=s, channels=c, text=length, width=d,
@@ -95,7 +96,8 @@ def test_abstract_batch_matches_prepare_batch_with_token_ids(nft):
     """BAGEL's batch: token ids (B, L) int32 (cast from int64) and masks in place of the embeds; the empty negative
     context padded to its text length; a missing negative named as such."""
     from jaxflow.step_config import TrainConfig
-    from jaxflow.train_step import per_sample, prepare_batch
+    from jaxflow.train_batch import TrainBatch
+    from jaxflow.train_step import prepare_batch
     b, w, n, s, c, length, neg = 4, 2, 6, 10, 64, 5, 3
     spec, _ = memory.abstract_batch(batch=b, window=w, num_steps=n, seq=s, channels=c, text=length, width=None,
                                     embed_dtype=None, guided=not nft, recompute=False, nft=nft, negative_text=neg,
@@ -109,12 +111,12 @@ def test_abstract_batch_matches_prepare_batch_with_token_ids(nft):
                                                                                                   guidance=4.0)
     if not nft:
         with pytest.raises(ValueError, match=r"missing \['negative_prompt_ids', 'negative_prompt_mask'\] \(guidance"):
-            prepare_batch(raw, config)
+            prepare_batch(TrainBatch(**raw), config)
         raw.update(negative_prompt_ids=np.zeros((b, neg), np.int32), negative_prompt_mask=np.zeros((b, neg), bool))
-    got = prepare_batch(raw, config)
+    got = prepare_batch(TrainBatch(**raw), config)
     assert {k: (v.shape, v.dtype) for k, v in got.items()} == {k: (v.shape, v.dtype) for k, v in spec.items()}
     assert spec["prompt_ids"].dtype == np.int32 and "prompt_embeds" not in spec
-    assert "prompt_ids" in per_sample(raw)  # the learner shares per_sample(batch) between processes
+    assert "prompt_ids" in TrainBatch(**raw).per_sample()  # the learner shares per_sample(batch) between processes
 
 
 def test_sleep_is_flagged_where_a_fixed_pool_cannot_use_the_freed_memory(tmp_path, monkeypatch):

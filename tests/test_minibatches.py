@@ -1,6 +1,8 @@
 """PPO mini-batches: whole prompt groups per mini-batch (seeded), the old-log-prob pass, per-update ratios and
 clipping, M = 1 equal to the single-update step, one compile for every step and mini-batch."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ from jaxflow import phases
 from jaxflow import train_step as ts
 from jaxflow.minibatches import group_order, order_minibatches, select
 from jaxflow.models.lora import LoRAParam
+from jaxflow.train_batch import TrainBatch
 from tests.helpers import GRID, GROUPS, sampled_batch, tiny_config
 
 
@@ -31,13 +34,13 @@ def test_mini_batches_hold_whole_groups_seeded_by_step():
     splits = {tuple(np.unique(group_ids[np.asarray(select(jnp.asarray(group_order(group_ids, 2, 3, s)), 2, 0))]))
               for s in range(6)}
     assert len(splits) > 1  # the step number reshuffles
-    batch = {"advantages": np.arange(32.0), "sigmas": np.linspace(1, 0, 32), "noise_level": np.float32(1.2)}
+    batch = TrainBatch(advantages=np.arange(32.0), sigmas=np.linspace(1, 0, 32), noise_level=np.float32(1.2))
     out = order_minibatches(batch, group_ids, 2, 3, 7)
-    np.testing.assert_array_equal(out["advantages"], group_order(group_ids, 2, 3, 7))
-    assert out["sigmas"] is batch["sigmas"] and order_minibatches(batch, group_ids, 1, 3, 7) is batch
+    np.testing.assert_array_equal(out.advantages, group_order(group_ids, 2, 3, 7))
+    assert out.sigmas is batch.sigmas and order_minibatches(batch, group_ids, 1, 3, 7) is batch
     # a jax.Array field moves with the rows (it once stayed in place and trained on misaligned rows)
-    mixed = order_minibatches({**batch, "log_probs": jnp.arange(32.0)}, group_ids, 2, 3, 7)
-    np.testing.assert_array_equal(mixed["log_probs"], mixed["advantages"])
+    mixed = order_minibatches(dataclasses.replace(batch, log_probs=jnp.arange(32.0)), group_ids, 2, 3, 7)
+    np.testing.assert_array_equal(mixed.log_probs, mixed.advantages)
     with pytest.raises(ValueError, match="num_mini_batches 3"):
         group_order(group_ids, 3, 0, 0)
 
@@ -99,7 +102,7 @@ def test_two_mini_batches_recompute(lora_model, monkeypatch):
     assert float(m["ratio_min"]) == min(float(m["mb1/ratio_min"]), float(m["mb2/ratio_min"]))
     assert float(m["clipfrac"]) == pytest.approx((float(m["mb1/clipfrac"]) + float(m["mb2/clipfrac"])) / 2)
     assert m["logp_diff_max"].shape == (2,)
-    state, m = step(state, order_minibatches({**batch, "advantages": -batch["advantages"]}, GROUPS, 2, 0, 1))
+    state, m = step(state, order_minibatches(dataclasses.replace(batch, advantages=-batch.advantages), GROUPS, 2, 0, 1))
     assert int(state.step) == 4 and traces == {"update": 1, "old": 1}, traces
 
 
@@ -143,12 +146,12 @@ def test_later_inner_epochs_train_on_the_rows_shuffled_anew(lora_model):
     got, m = two(init_state(), batch)
     assert int(got.step) == 4 and "mb4/ratio_max" in m
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(5), 0), 1)
-    order = np.asarray(epoch_order(key, jnp.asarray(batch["advantages"]), 2, 1, False))
+    order = np.asarray(epoch_order(key, jnp.asarray(batch.advantages), 2, 1, False))
     assert {frozenset(order[0::2]), frozenset(order[1::2])} != {frozenset({0, 2}), frozenset({1, 3})}
     init_state, one = ts.make_train_step(lora_model, ts.TrainConfig(**kw))
     state, _ = one(init_state(), batch)
-    shuffled = {k: (np.asarray(v)[order] if np.ndim(v) and len(v) == 4 and k != "sigmas" else v)
-                for k, v in batch.items()}
+    shuffled = TrainBatch(**{k: (v[order] if v.ndim and len(v) == 4 and k != "sigmas" else v)
+                             for k, v in batch.arrays().items()})
     want, _ = one(state, shuffled)
     for a, b in zip(jax.tree.leaves(got.lora), jax.tree.leaves(want.lora)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0)

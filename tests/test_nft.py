@@ -1,6 +1,8 @@
 """DiffusionNFT (train.algorithm='nft'): its loss against a torch transcription of the paper's formula, the old
 policy's decay, the timesteps, the jitted step, and a run of the training program."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -128,7 +130,7 @@ def test_the_nft_step_needs_the_final_latents_and_refuses_flowgrpo_settings(tiny
     model, batch = tiny_batch
     _, step = make_train_step(model, TrainConfig(grid_hw=(2, 2), algorithm="nft"))
     with pytest.raises(ValueError, match="final_latents.*keep_final"):
-        step(None, {k: v for k, v in batch.items() if k != "final_latents"})
+        step(None, dataclasses.replace(batch, final_latents=None))
     for kw, needle in (({"guidance": 4.0}, "guidance"), ({"ratio_norm": "guard", "old_log_prob": "recompute"},
                                                         "ratio_norm"),
                        ({"drop_zero_advantage": True}, "drop_zero_advantage"), ({"nft_beta": 0.0}, "nft_beta")):

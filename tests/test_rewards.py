@@ -344,6 +344,7 @@ def test_reward_pool_reports_each_rewards_scoring_seconds():
     from concurrent.futures import Future
 
     from jaxflow.driver import Experience, merge_rewards
+    from jaxflow.train_batch import TrainBatch
 
     def slow(images, prompts):
         time.sleep(0.05)
@@ -364,6 +365,6 @@ def test_reward_pool_reports_each_rewards_scoring_seconds():
     merged = merge_rewards(futures)
     assert merged["slow"].shape == (16,) and merged["seconds"]["slow"] == outs[0]["seconds"]["slow"] + \
         outs[1]["seconds"]["slow"]
-    metrics = Experience({"advantages": np.zeros(16)}, merged, 0.0, 0).metrics(720, 2.0)
+    metrics = Experience(TrainBatch(advantages=np.zeros(16)), merged, 0.0, 0).metrics(720, 2.0)
     assert metrics["time/reward_busy/slow"] == merged["seconds"]["slow"] >= 0.1
     assert "reward/seconds" not in metrics and metrics["reward/slow"] == 1.0

@@ -1,12 +1,15 @@
 """train.old_log_prob="rollout_corrected": the rollout's log-probs as logp_old, and a sample's window
 step rejected when exp(logp - logp_rollout) leaves [1/t, t]: it trains nothing and leaves the loss's denominator."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 
 from jaxflow import config as config_lib
 from jaxflow import train_step as ts
+from jaxflow.train_batch import TrainBatch
 from tests.helpers import GRID, sampled_batch, tiny_config
 
 BASE = dict(grid_hw=GRID, guidance=1.0, num_micro_batches=1, adam_eps=1e-6)  # eps: test_minibatches' reason
@@ -25,10 +28,11 @@ def _close(a, b):
 def test_rejected_rows_train_nothing_and_leave_the_denominator(lora_model):
     # the sampler is the trainer's own model: logp - logp_rollout is rounding only
     batch = sampled_batch(lora_model, 1.0)
-    shifted = {**batch, "log_probs": batch["log_probs"] + np.array([[0.01], [0.01], [0.0], [0.0]], np.float32)}
+    shifted = dataclasses.replace(batch, log_probs=batch.log_probs + np.array([[0.01], [0.01], [0.0], [0.0]], np.float32))
     state, m = _after(lora_model, shifted, old_log_prob="rollout_corrected", rejection_threshold=1.001)
     assert float(m["rejected_frac"]) == 0.5  # rows 0 and 1 (|dlogp| 0.01 > log 1.001), both window steps
-    kept = {k: (v[2:] if np.ndim(v) and len(v) == 4 and k != "sigmas" else v) for k, v in batch.items()}
+    kept = TrainBatch(**{k: (v[2:] if v.ndim and len(v) == 4 and k != "sigmas" else v)
+                         for k, v in batch.arrays().items()})
     want, _ = _after(lora_model, kept, old_log_prob="rollout")
     _close(state.lora, want.lora)
     # nothing beyond the threshold: the same update as old_log_prob="rollout"

@@ -1,5 +1,6 @@
 """The jitted FlowGRPO train step end to end with the JAX sampler on a tiny fp32 Qwen-Image DiT."""
 
+import dataclasses
 import math
 
 import jax
@@ -12,6 +13,7 @@ from jaxflow import flowgrpo
 from jaxflow.models.lora import LoRAParam
 from jaxflow.models.transformer import QwenImageTransformer
 from jaxflow.step_config import TrainConfig
+from jaxflow.train_batch import TrainBatch
 from jaxflow.train_step import accumulate_gradients, make_train_step, prepare_batch
 from jaxflow_bridge.contract import schedule
 from tests.helpers import GRID, SEEDS, TINY, inputs
@@ -29,7 +31,7 @@ def _setup(model, guidance, **train_kw):
     traj = make_sampler(model, config)(inputs(guidance > 1), SEEDS)
     init_state, step = make_train_step(model, TrainConfig(grid_hw=GRID, guidance=guidance, num_micro_batches=2,
                                                           beta=0.04, **train_kw))
-    return config, {**traj, "advantages": ADV}, init_state, step
+    return config, TrainBatch(**traj, advantages=ADV), init_state, step
 
 
 @pytest.fixture(scope="module")
@@ -45,16 +47,16 @@ def cfg(lora_model):
 def test_sampler_trajectory(plain):
     config, batch, _, _ = plain
     starts = schedule.sample_windows(np.array(SEEDS), 2, (0, 5), 6)
-    np.testing.assert_array_equal(batch["step_index"], starts[:, None] + np.arange(2))
-    assert batch["latents"].shape == (4, 3, 4, 64) and batch["log_probs"].shape == (4, 2)
+    np.testing.assert_array_equal(batch.step_index, starts[:, None] + np.arange(2))
+    assert batch.latents.shape == (4, 3, 4, 64) and batch.log_probs.shape == (4, 2)
     sigmas = config.sigmas()
-    np.testing.assert_array_equal(batch["sigmas"], sigmas)
+    np.testing.assert_array_equal(batch.sigmas, sigmas)
     # E[log p] at sampling time = -1/2 - log(step std) - log(sqrt(2 pi)) (256 elements: +-0.05)
-    s, s_next = sigmas[batch["step_index"]], sigmas[batch["step_index"] + 1]
+    s, s_next = sigmas[batch.step_index], sigmas[batch.step_index + 1]
     s_tilde = np.where(s == 1, sigmas[1], s)
     step_std = 1.2 * np.sqrt(s / (1 - s_tilde)) * np.sqrt(s - s_next)
-    np.testing.assert_allclose(batch["log_probs"], -0.5 - np.log(step_std) - 0.5 * math.log(2 * math.pi), atol=0.25)
-    assert np.isfinite(np.asarray(batch["final_latents"])).all()
+    np.testing.assert_allclose(batch.log_probs, -0.5 - np.log(step_std) - 0.5 * math.log(2 * math.pi), atol=0.25)
+    assert np.isfinite(np.asarray(batch.final_latents)).all()
 
 
 @pytest.mark.parametrize("setup", ["plain", "cfg"])
@@ -78,9 +80,10 @@ def test_negatives_in_their_own_call_update_the_lora_as_one_batched_call(cfg):
     """The fixture's negatives (2 tokens) are shorter than its prompts (5): guided_velocity runs them as their own
     call. Padded to the prompts' length they run in one batched call: the same update to fp32 rounding."""
     _, batch, init_state, step = cfg
-    pad = batch["prompt_embeds"].shape[1] - batch["negative_prompt_embeds"].shape[1]
-    padded = {**batch, "negative_prompt_embeds": np.pad(batch["negative_prompt_embeds"], ((0, 0), (0, pad), (0, 0))),
-              "negative_prompt_mask": np.pad(batch["negative_prompt_mask"], ((0, 0), (0, pad)))}
+    pad = batch.prompt_embeds.shape[1] - batch.negative_prompt_embeds.shape[1]
+    padded = dataclasses.replace(batch, negative_prompt_embeds=np.pad(batch.negative_prompt_embeds,
+                                                                      ((0, 0), (0, pad), (0, 0))),
+                                 negative_prompt_mask=np.pad(batch.negative_prompt_mask, ((0, 0), (0, pad))))
     before = _numpy(init_state().lora)
     (split, m_split), (batched, m_batched) = (step(init_state(), b) for b in (batch, padded))
     np.testing.assert_allclose(float(m_split["loss"]), float(m_batched["loss"]), rtol=1e-5)
@@ -109,7 +112,7 @@ def test_non_finite_loss_skips_the_update(plain):
     _, batch, init_state, step = plain
     state = init_state()
     before = _numpy(state)
-    state, m = step(state, {**batch, "advantages": np.array([1.0, np.nan, 0.0, 0.0], np.float32)})
+    state, m = step(state, dataclasses.replace(batch, advantages=np.array([1.0, np.nan, 0.0, 0.0], np.float32)))
     assert int(m["skipped"]) == 1 and not np.isfinite(float(m["loss"]))
     for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(before)):
         np.testing.assert_array_equal(got, want)
@@ -153,11 +156,11 @@ def test_batch_validation():
              "sigmas": np.linspace(1, 0, 7, dtype=np.float32), "step_index": np.zeros((4, 2), np.int32),
              "noise_level": 1.2, **inputs(False), "advantages": ADV}
     with pytest.raises(ValueError, match="negative"):
-        prepare_batch(batch, config)
-    out = prepare_batch({**batch, **inputs(True)}, config)
+        prepare_batch(TrainBatch(**batch), config)
+    out = prepare_batch(TrainBatch(**{**batch, **inputs(True)}), config)
     assert out["sigmas"].shape == (4, 7) and out["noise_level"].shape == (4,)
     with pytest.raises(ValueError, match="multiple"):
-        prepare_batch({**batch, **inputs(True)}, config, batch_devices=4)
+        prepare_batch(TrainBatch(**{**batch, **inputs(True)}), config, batch_devices=4)
     with pytest.raises(ValueError, match="sde_type"):
         TrainConfig(grid_hw=GRID, sde_type="ode")
 
@@ -181,7 +184,7 @@ def test_old_log_prob_source_under_a_rollout_offset(lora_model, mode):
     """A rollout log-prob offset (like the bf16 mismatch) moves the ratio when logp_old comes from the rollout;
     with 'recompute' the ratio stays exactly 1 (on-policy) while the mismatch metric still reports it."""
     _, batch, init_state, step = _setup(lora_model, 1.0, old_log_prob=mode)
-    _, m = step(init_state(), dict(batch, log_probs=batch["log_probs"] + 3e-4))
+    _, m = step(init_state(), dataclasses.replace(batch, log_probs=batch.log_probs + 3e-4))
     assert float(jnp.min(m["logp_diff_max"])) > 2.9e-4
     if mode == "recompute":
         assert float(m["ratio_min"]) == float(m["ratio_max"]) == 1.0

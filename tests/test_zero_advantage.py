@@ -1,12 +1,15 @@
 """train.drop_zero_advantage: rows of equal-reward groups gathered into whole micro-batches that the
 step skips; the update equals training on the other rows alone; nothing trains when every advantage is 0."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 
 from jaxflow import train_step as ts
 from jaxflow.minibatches import compact_zero_advantage, order_minibatches, select, zero_advantage_order
+from jaxflow.train_batch import TrainBatch
 from tests.helpers import GRID, GROUPS, sampled_batch
 
 
@@ -43,13 +46,14 @@ def test_skipping_equals_training_on_the_kept_rows(lora_model):
     """Group 1's advantages are 0: with the filter its micro-batch is not run and the update equals one made on
     group 0's rows alone (one micro-batch); without zero rows the filter changes nothing."""
     base = dict(grid_hw=GRID, guidance=1.0, adam_eps=1e-6)  # eps: see test_one_mini_batch_is_the_single_update_step
-    batch = sampled_batch(lora_model, 1.0)  # no CFG: half the compute, the same logic
-    batch["advantages"] = np.array([1.0, -1.0, 0.0, 0.0], np.float32)
+    batch = dataclasses.replace(sampled_batch(lora_model, 1.0),  # no CFG: half the compute, the same logic
+                                advantages=np.array([1.0, -1.0, 0.0, 0.0], np.float32))
     dropped = compact_zero_advantage(batch, 1, 2)
     state, m = _lora_after(lora_model, ts.TrainConfig(num_micro_batches=2, drop_zero_advantage=True, **base), dropped)
     assert int(m["micro_skipped"]) == 1 and int(m["skipped"]) == int(m["empty_updates"]) == 0 and int(state.step) == 1
     assert np.isfinite(float(m["ratio_min"])) and float(m["ratio_min"]) == float(m["ratio_max"]) == 1.0
-    kept = {k: (v[:2] if np.ndim(v) and len(v) == 4 and k != "sigmas" else v) for k, v in batch.items()}
+    kept = TrainBatch(**{k: (v[:2] if v.ndim and len(v) == 4 and k != "sigmas" else v)
+                         for k, v in batch.arrays().items()})
     want, _ = _lora_after(lora_model, ts.TrainConfig(num_micro_batches=1, **base), kept)
     _close(state.lora, want.lora)
     # the filter off trains on all 4 rows: a different (smaller, halved-mean) update
@@ -68,8 +72,7 @@ def test_all_zero_mini_batch_is_not_an_update_and_the_pass_skips_it(lora_model):
     (Adam's moments and weight decay untouched by it), the other trains; all zero: the state stays as it was."""
     config = ts.TrainConfig(grid_hw=GRID, guidance=4.0, num_micro_batches=1, num_mini_batches=2,
                             old_log_prob="recompute", drop_zero_advantage=True)
-    batch = sampled_batch(lora_model, 4.0)
-    batch["advantages"] = np.array([0.0, 0.0, 1.0, -1.0], np.float32)
+    batch = dataclasses.replace(sampled_batch(lora_model, 4.0), advantages=np.array([0.0, 0.0, 1.0, -1.0], np.float32))
     laid = order_minibatches(batch, GROUPS, 2, seed=0, step=0)
     init_state, step = ts.make_train_step(lora_model, config)
     before = jax.tree.map(np.asarray, init_state())
@@ -78,7 +81,7 @@ def test_all_zero_mini_batch_is_not_an_update_and_the_pass_skips_it(lora_model):
     assert int(m["skipped"]) == 0  # "skipped" is a non-finite loss or gradient (the run fails if all are)
     assert any(float(np.abs(np.asarray(a) - b).max()) > 0
                for a, b in zip(jax.tree.leaves(state.lora), jax.tree.leaves(before.lora)))
-    state, m = step(init_state(), {**laid, "advantages": np.zeros(4, np.float32)})
+    state, m = step(init_state(), dataclasses.replace(laid, advantages=np.zeros(4, np.float32)))
     assert int(m["empty_updates"]) == 2 and int(m["micro_skipped"]) == 2 and int(state.step) == 0
     assert int(m["skipped"]) == 0
     for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(before)):
