@@ -6,6 +6,8 @@ is `jaxflow.train_step`.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -101,7 +103,7 @@ def window_log_prob(model, tr: dict, *, grid_hw, sde_type: str, guidance: float,
 
 def window_step_terms(model, tr: dict, *, grid_hw, sde_type: str, guidance: float, clip_range: float,
                       adv_clip: float, beta: float, reject_log_ratio: float | None = None,
-                      ratio_norm: str = "none") -> dict:
+                      ratio_norm: str = "none", log_prob=None) -> dict:
     """Per-sample terms (B,) of one window step: policy, kl, ratio, log_ratio = logp - logp_old and
     dlogp = logp - logp_rollout.
 
@@ -117,9 +119,13 @@ def window_step_terms(model, tr: dict, *, grid_hw, sde_type: str, guidance: floa
     exp(s (logp - logp_old + mean((mu - mu_old)^2) / (2 s^2))), which is exp(mean((mu - mu_old) eps)) for the
     sampled noise eps: the same scale at every step; the policy term is divided by dt. mu_old: tr["old_mean"]
     (the recompute pass), or mu under stop_gradient where the update is on-policy (ratio exactly 1).
+
+    `log_prob(model, tr, lora_scale=1.0) -> (mean, logp, std)`: another model kind's window log-prob
+    (`jaxflow.objectives`; grid_hw, sde_type and guidance are then its own); default `window_log_prob`.
     """
-    kw = dict(grid_hw=grid_hw, sde_type=sde_type, guidance=guidance)
-    mean, logp, std = window_log_prob(model, tr, **kw)
+    if log_prob is None:
+        log_prob = functools.partial(window_log_prob, grid_hw=grid_hw, sde_type=sde_type, guidance=guidance)
+    mean, logp, std = log_prob(model, tr)
     old = tr["old_log_prob"] if "old_log_prob" in tr else jax.lax.stop_gradient(logp)
     if "old_on_policy" in tr:  # a traced flag: this update is on-policy whatever old_log_prob holds
         old = jnp.where(tr["old_on_policy"], jax.lax.stop_gradient(logp), old)
@@ -138,7 +144,7 @@ def window_step_terms(model, tr: dict, *, grid_hw, sde_type: str, guidance: floa
         policy, ratio = clipped_objective(logp, old, tr["advantages"], clip_range, adv_clip)
     kl = jnp.zeros_like(policy)
     if beta > 0:
-        ref_mean = jax.lax.stop_gradient(window_log_prob(model, tr, lora_scale=0.0, **kw)[0])
+        ref_mean = jax.lax.stop_gradient(log_prob(model, tr, lora_scale=0.0)[0])
         kl = sde.kl_term(mean, ref_mean, std)
     terms = {"policy": policy, "kl": kl, "ratio": ratio, "log_ratio": log_ratio,
              "dlogp": logp - tr["rollout_log_prob"]}

@@ -31,7 +31,9 @@ class TrainConfig:
 
     grid_hw: tuple[int, int]
     sde_type: str = "sde"
-    guidance: float = 1.0          # > 1: true CFG in the training forward
+    guidance: float = 1.0          # > 1: true CFG in the training forward (BAGEL: its text CFG scale)
+    cfg_interval: tuple[float, float] = (0.0, 1.0)  # BAGEL: text CFG at steps with lo < sigma <= hi
+    cfg_renorm_min: float = 0.0     # BAGEL: floor of the CFG's per-sample renorm factor
     num_micro_batches: int = 1     # per update (per mini-batch)
     num_mini_batches: int = 1      # optimizer updates per pass over the batch
     num_inner_epochs: int = 1      # passes over the batch
@@ -63,6 +65,7 @@ class TrainConfig:
     def __post_init__(self):
         object.__setattr__(self, "grid_hw", tuple(int(s) for s in self.grid_hw))
         object.__setattr__(self, "nft_decay", tuple(float(x) for x in self.nft_decay))
+        object.__setattr__(self, "cfg_interval", tuple(float(x) for x in self.cfg_interval))
         bad = next(((name, why) for name, fails, why in self._rules() if fails), None)
         if bad:
             raise ValueError(f"TrainConfig.{bad[0]}={getattr(self, bad[0])!r}; {bad[1]}")
@@ -76,6 +79,9 @@ class TrainConfig:
             ("algorithm", self.algorithm not in ALGORITHMS, f"choose one of {ALGORITHMS}"),
             ("guidance", self.guidance < 1, "must be >= 1 (1: no CFG)"),
             ("guidance", nft and self.guidance != 1, "NFT trains and samples a CFG-free policy: 1"),
+            ("cfg_interval", not (len(self.cfg_interval) == 2 and 0 <= self.cfg_interval[0] <= self.cfg_interval[1]
+                                  <= 1), "(lo, hi) with 0 <= lo <= hi <= 1"),
+            ("cfg_renorm_min", not 0 <= self.cfg_renorm_min <= 1, "must be in [0, 1]"),
             ("sde_type", not nft and self.sde_type not in ("sde", "cps"),
              "training needs 'sde' or 'cps' ('ode' has no log-prob to train; it samples for algorithm 'nft')"),
             ("sde_type", nft and self.sde_type not in ("sde", "cps", "ode"),

@@ -33,8 +33,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxflow import flowgrpo, minibatches, nft, phases
+from jaxflow import flowgrpo, minibatches, nft, objectives, phases
 from jaxflow.models.lora import LoRAParam
+from jaxflow.objectives import QWEN_IMAGE, Objective
 from jaxflow.sharding import Layout
 from jaxflow.step_config import GUIDANCE_FIELDS, TEXT_IDS, TrainConfig, TrainState, with_text_ids
 from jaxflow.train_batch import TrainBatch
@@ -53,22 +54,23 @@ def _window_steps(mb: dict) -> tuple[dict, dict]:
         per_step["old_log_prob"] = mb["old_log_probs"].T
     if "old_means" in mb:
         per_step["old_mean"] = jnp.swapaxes(mb["old_means"], 0, 1)
-    shared = {k: mb[k] for k in ("noise_level", "advantages", "prompt_embeds", "prompt_mask", *GUIDANCE_FIELDS)
-              if k in mb}
+    text = ("prompt_embeds", "prompt_mask", *GUIDANCE_FIELDS, *TEXT_IDS.values())
+    shared = {k: mb[k] for k in ("noise_level", "advantages", *text) if k in mb}
     return per_step, {**shared, "sigma_max": sigmas[:, 1]}
 
 
-def _window_loss(lora, frozen, step, scale, *, graphdef, config: TrainConfig):
+def _window_loss(lora, frozen, step, scale, *, graphdef, config: TrainConfig, objective: Objective):
     model = nnx.merge(graphdef, lora, frozen)
     reject = float(np.log(config.rejection_threshold)) if config.old_log_prob == "rollout_corrected" else None
     terms = flowgrpo.window_step_terms(
         model, step, grid_hw=config.grid_hw, sde_type=config.sde_type, guidance=config.guidance,
         clip_range=config.clip_range, adv_clip=config.adv_clip, beta=config.beta, reject_log_ratio=reject,
-        ratio_norm=config.ratio_norm)
+        ratio_norm=config.ratio_norm, log_prob=functools.partial(objective.log_prob, config=config))
     return flowgrpo.window_loss(terms, config.beta) * scale, terms
 
 
-def accumulate_gradients(graphdef, lora, frozen, batch: dict, config: TrainConfig, layout: Layout | None = None):
+def accumulate_gradients(graphdef, lora, frozen, batch: dict, config: TrainConfig, layout: Layout | None = None,
+                         objective: Objective = QWEN_IMAGE):
     """Sum over micro-batches and window steps of grad(loss / (M * W)) wrt `lora`, and the per-sample terms
     stacked as (M, W, B/M), M = num_micro_batches. `batch` is per-sample (see `prepare_batch`). logp_old: the
     rollout's log_probs with old_log_prob="rollout" or "rollout_corrected" (which also rejects, see
@@ -79,7 +81,10 @@ def accumulate_gradients(graphdef, lora, frozen, batch: dict, config: TrainConfi
     with beta = 0, so is their loss) and M counts the others only, so the loss is the mean over the micro-batches
     that train, as flow_grpo's SD3 trainer trains only the samples it keeps (`minibatches.compact_zero_advantage`
     gathers the zero rows into whole micro-batches first). The terms then carry `mask` (M, W, B/M): False where a
-    micro-batch did not run (its terms are zeros)."""
+    micro-batch did not run (its terms are zeros).
+
+    `objective` (`jaxflow.objectives`): the model kind's window log-prob; its `context` runs once per micro-batch,
+    outside the gradient (BAGEL: the frozen contexts' K/V, reused at every window step)."""
     m, w = config.num_micro_batches, batch["log_probs"].shape[1]
     if config.old_log_prob in ("rollout", "rollout_corrected"):
         batch = {**batch, "old_log_probs": batch["log_probs"]}
@@ -87,7 +92,8 @@ def accumulate_gradients(graphdef, lora, frozen, batch: dict, config: TrainConfi
     batch = minibatches.micro_batches({k: v for k, v in batch.items() if k not in flags}, m)
     active = jnp.any(batch["advantages"] != 0, axis=1) if config.drop_zero_advantage else jnp.ones(m, bool)
     scale = 1.0 / (jnp.maximum(jnp.sum(active), 1) * w) if config.drop_zero_advantage else 1.0 / (m * w)
-    grad_fn = jax.grad(functools.partial(_window_loss, graphdef=graphdef, config=config), has_aux=True)
+    grad_fn = jax.grad(functools.partial(_window_loss, graphdef=graphdef, config=config, objective=objective),
+                       has_aux=True)
 
     def micro(grads, xs):
         mb, run = xs
@@ -95,11 +101,13 @@ def accumulate_gradients(graphdef, lora, frozen, batch: dict, config: TrainConfi
             mb = jax.lax.with_sharding_constraint(mb, layout.batch_sharding)
         per_step, shared = _window_steps(mb)
 
-        def window(grads, xs):
-            g, terms = grad_fn(lora, frozen, {**shared, **flags, **xs}, scale=scale)
-            return jax.tree.map(jnp.add, grads, g), terms
-
         def train(grads):
+            ctx = objective.context(nnx.merge(graphdef, lora, frozen), shared, config)
+
+            def window(grads, xs):
+                g, terms = grad_fn(lora, frozen, {**ctx, **flags, **xs}, scale=scale)
+                return jax.tree.map(jnp.add, grads, g), terms
+
             return jax.lax.scan(window, grads, per_step)
 
         if not config.drop_zero_advantage:
@@ -119,12 +127,12 @@ def advance_old(state: TrainState, *, config: TrainConfig) -> TrainState:
     return state.replace(old=nft.advanced(state.old, state.lora, state.step, config.nft_decay))
 
 
-def old_log_probs(graphdef, lora, frozen, batch: dict, config: TrainConfig, layout: Layout | None = None) -> dict:
+def old_log_probs(graphdef, lora, frozen, batch: dict, config: TrainConfig, layout: Layout | None = None,
+                  objective: Objective = QWEN_IMAGE) -> dict:
     """{"log_probs": (B, W) float32 log-probs of the stored window steps under `lora`} and, with ratio_norm="guard",
     "means": (B, W, S, C) the SDE steps' means; forward only (true CFG as in training), in the updates'
     micro-batches: num_mini_batches x num_micro_batches of them, each the same rows in the same order as one
-    micro-batch of an update."""
-    kw = dict(grid_hw=config.grid_hw, sde_type=config.sde_type, guidance=config.guidance)
+    micro-batch of an update; `objective` as in `accumulate_gradients`."""
     m, k = config.num_mini_batches, config.num_mini_batches * config.num_micro_batches
     # whole-batch micro-batch c holds mini-batch c % m's micro-batch c // m; mini-batch 0's are left out when the
     # first update uses its own logp (`pass_skips_first`)
@@ -135,15 +143,17 @@ def old_log_probs(graphdef, lora, frozen, batch: dict, config: TrainConfig, layo
             mb = jax.lax.with_sharding_constraint(mb, layout.batch_sharding)
         per_step, shared = _window_steps(mb)
 
-        def window(carry, xs):
-            model = nnx.merge(graphdef, lora, frozen)
-            mean, logp, _ = flowgrpo.window_log_prob(model, {**shared, **xs}, **kw)
-            out = {"log_probs": logp.astype(jnp.float32)}
-            if config.ratio_norm == "guard":
-                out["means"] = mean.astype(jnp.float32)
-            return carry, out
-
         def forward():
+            ctx = objective.context(nnx.merge(graphdef, lora, frozen), shared, config)
+
+            def window(carry, xs):
+                model = nnx.merge(graphdef, lora, frozen)
+                mean, logp, _ = objective.log_prob(model, {**ctx, **xs}, config)
+                out = {"log_probs": logp.astype(jnp.float32)}
+                if config.ratio_norm == "guard":
+                    out["means"] = mean.astype(jnp.float32)
+                return carry, out
+
             return jax.lax.scan(window, carry, per_step)[1]
 
         if not config.drop_zero_advantage:
@@ -174,7 +184,8 @@ def _apply_update(state: TrainState, grads, *, tx, config: TrainConfig) -> Train
     return TrainState(step=state.step + 1, lora=lora, opt_state=opt_state, ema=ema, old=state.old)
 
 
-def _update(state: TrainState, frozen, batch, old, index, *, graphdef, config: TrainConfig, tx, layout):
+def _update(state: TrainState, frozen, batch, old, index, *, graphdef, config: TrainConfig, tx, layout,
+            objective: Objective = QWEN_IMAGE):
     """One optimizer update on mini-batch `index` of `batch`; `old` is the recompute pass's output or None."""
     mb = dict(minibatches.select(batch, config.num_mini_batches, index))
     if config.nft:  # the timesteps and noise: a function of the seed and the update count (a resume draws the same)
@@ -188,7 +199,7 @@ def _update(state: TrainState, frozen, batch, old, index, *, graphdef, config: T
             mb["old_means"] = old["means"]
         if config.pass_skips_first:  # the pass left mini-batch 0 out: the first update is on-policy
             mb["old_on_policy"] = index == 0
-    grads, terms = accumulate_gradients(graphdef, state.lora, frozen, mb, config, layout)
+    grads, terms = accumulate_gradients(graphdef, state.lora, frozen, mb, config, layout, objective)
     metrics = flowgrpo.step_metrics(terms, clip_range=config.clip_range, beta=config.beta)
     runs = None
     if config.drop_zero_advantage:  # nothing to train on: no optimizer update (flow_grpo would have no batch)
@@ -253,7 +264,11 @@ def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | Non
     base, state and batch are placed by its rules and both functions run as jits with explicit in/out
     shardings; without one they run on the default device. `compiler_options` (XLA debug options, e.g.
     {"xla_gpu_enable_triton_gemm": False}) apply to these two jits only (config `train.xla_options`).
+    The model's kind picks the window log-prob (`objectives.for_model`): a `BagelModel` reads the batch's token
+    ids (BAGEL's text CFG from `guidance`, `cfg_interval`, `cfg_renorm_min`) and refuses beta > 0 (no KL reference
+    yet: the model has no lora_scale) and DiffusionNFT.
     """
+    objective = objectives.for_model(model, config)
     graphdef, lora, frozen = nnx.split(model, LoRAParam, ...)
     if not jax.tree.leaves(lora):
         raise ValueError("the model has no LoRA params: build it with a LoRASpec")
@@ -265,8 +280,9 @@ def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | Non
         old = jax.tree.map(jnp.copy, lora) if config.nft else None
         return TrainState(step=jnp.zeros((), jnp.int32), lora=lora, opt_state=tx.init(lora), ema=ema, old=old)
 
-    update_fn = functools.partial(_update, graphdef=graphdef, config=config, tx=tx, layout=layout)
-    old_fn = functools.partial(old_log_probs, graphdef, config=config, layout=layout)
+    update_fn = functools.partial(_update, graphdef=graphdef, config=config, tx=tx, layout=layout,
+                                  objective=objective)
+    old_fn = functools.partial(old_log_probs, graphdef, config=config, layout=layout, objective=objective)
     jit = functools.partial(jax.jit, compiler_options=compiler_options or None)
     advance_fn = functools.partial(advance_old, config=config)
     if layout is None:
