@@ -33,9 +33,9 @@ GUIDANCE = bf.BagelGuidance(SP.cfg_text_scale, SP.cfg_interval, SP.cfg_renorm_mi
 SPEC = BagelLoRASpec(rank=4, alpha=8.0)
 
 
-def rollout(adapter: bool):
-    """(Flax model, batch dict, torch log-probs): the loop run on the torch model, the same weights (and, with
-    `adapter`, a random LoRA: merged into the torch weights, as adapters in the Flax model)."""
+def sampled(adapter: bool):
+    """(Flax model, TrajectoryBatch): the loop run on the torch model, the same weights (and, with `adapter`, a
+    random LoRA: merged into the torch weights, as adapters in the Flax model)."""
     sd = {k: v.numpy() for k, v in bagel_ref.weights(TINY).items()}
     model = build(TINY, bagel_keymap.to_flax(sd, TINY.num_hidden_layers), lora=SPEC if adapter else None)
     if adapter:
@@ -44,11 +44,21 @@ def rollout(adapter: bool):
         sd = merged(sd, peft, SPEC)
     torch_model = BagelTorch(**dataclasses.asdict(TINY))
     torch_model.load_checkpoint({k: torch.from_numpy(v) for k, v in sd.items()})
-    out = BagelSamplingLoop(torch_model).generate(PROMPTS, 2, SP, seeds=SEEDS)
+    return model, BagelSamplingLoop(torch_model).generate(PROMPTS, 2, SP, seeds=SEEDS)
+
+
+def arrays(out) -> dict:
+    """What `bf.window_log_probs` reads from a rollout's TrajectoryBatch, with the sampling's noise_level."""
     fields = ("prompt_ids", "prompt_mask", "negative_prompt_ids", "negative_prompt_mask", "latents", "sigmas",
               "step_index")
     batch = {k: jnp.asarray(v) for k, v in out.to_dict().items() if k in fields}
-    return model, {**batch, "noise_level": jnp.float32(SP.noise_level)}, out.log_probs
+    return {**batch, "noise_level": jnp.float32(SP.noise_level)}
+
+
+def rollout(adapter: bool):
+    """(Flax model, batch dict, torch log-probs) of `sampled`."""
+    model, out = sampled(adapter)
+    return model, arrays(out), out.log_probs
 
 
 @pytest.fixture(scope="module")
