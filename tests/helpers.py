@@ -3,7 +3,7 @@
 - the tiny offline run: ROOT, tiny_config, run; a subprocess run's environment and exported LoRA (cluster_free_env,
   final_lora); a previous run's outputs (STATE, fake_run)
 - PEFT adapters over a small fake model (D, MLP, RANK, LAYERS, random_peft): tests/helpers_vllm_omni.py builds the
-  matching fused transformer
+  matching fused transformer; a PEFT adapter over a RolloutPipeline's tiny blocks (make_adapter)
 - the train-step tests' tiny LoRA model and sampled batch (TINY, GRID, SEEDS, GROUPS, inputs, tiny_lora_model,
   sampled_batch; conftest.py's `lora_model` fixture is tiny_lora_model())
 """
@@ -104,6 +104,17 @@ def random_peft(dtype=np.float32, targets=keymap.DEFAULT_LORA_TARGETS, seed=0) -
             out[f"transformer_blocks.{i}.{module}.lora_A.weight"] = rng.standard_normal((RANK, fan_in)).astype(dtype)
             out[f"transformer_blocks.{i}.{module}.lora_B.weight"] = rng.standard_normal((fan_out, RANK)).astype(dtype)
     return out
+
+
+def make_adapter(pipe, modules=("attn.to_q", "attn.to_k", "attn.to_out.0", "img_mlp.net.2"), rank=4, seed=0, prefix="", scale=0.3):
+    """A PEFT-format adapter over both tiny blocks, and its adapter_config."""
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for name in (f"transformer_blocks.{i}.{m}" for i in range(2) for m in modules):
+        linear = pipe.lora.linears[name]
+        tensors[f"{prefix}{name}.lora_A.weight"] = scale * rng.standard_normal((rank, linear.in_features), np.float32)
+        tensors[f"{prefix}{name}.lora_B.weight"] = scale * rng.standard_normal((linear.out_features, rank), np.float32)
+    return tensors, {"r": rank, "lora_alpha": 2 * rank, "target_modules": list(modules), "peft_type": "LORA"}
 
 
 # ---------------------------------------------------------------------------------------------- the train step

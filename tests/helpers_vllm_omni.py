@@ -1,7 +1,15 @@
-"""A stand-in of vLLM-Omni's fused Qwen-Image transformer (module tree and layer sizes only), sized like
-tests/helpers.py's random_peft (width D, MLP width MLP, LAYERS blocks)."""
+"""Stand-ins for vLLM-Omni's Qwen-Image side (no vLLM-Omni here).
+
+- its fused transformer (module tree and layer sizes only), sized like tests/helpers.py's random_peft (width D, MLP
+  width MLP, LAYERS blocks): FakeLinearBase, FakeFusedTransformer
+- a rollout request to its pipeline (SAMPLING, SEEDS, omni_params) and its QwenImagePipeline on the tiny diffusers
+  components (FakeOmniQwenImagePipeline)
+"""
+from types import SimpleNamespace
+
 import torch
 
+from jaxflow_bridge.rollout.sampling import SamplingParams
 from tests.helpers import LAYERS, MLP, D
 
 
@@ -50,3 +58,42 @@ class FakeFusedTransformer(torch.nn.Module):
             block.img_mlp, block.txt_mlp = _mlp(), _mlp()
             blocks.append(block)
         self.transformer_blocks = torch.nn.ModuleList(blocks)
+
+
+# ---------------------------------------------------------------------------------------------- the pipeline
+
+SAMPLING = SamplingParams(height=16, width=24, num_inference_steps=3, true_cfg_scale=4.0, noise_level=1.2,
+                          sde_window_size=1, sde_window_range=(0, 2), max_sequence_length=64, seed=5)
+SEEDS = [10, 11]
+
+
+def omni_params(kwargs: dict) -> SimpleNamespace:
+    """Stand-in for OmniDiffusionSamplingParams built from encode_request's kwargs."""
+    return SimpleNamespace(**kwargs)
+
+
+class FakeOmniQwenImagePipeline(torch.nn.Module):
+    """What our class uses of vLLM-Omni's QwenImagePipeline, on the tiny diffusers components."""
+
+    def __init__(self, *, od_config, prefix=""):
+        from diffusers import QwenImagePipeline
+
+        super().__init__()
+        pipe = QwenImagePipeline.from_pretrained(od_config.model, local_files_only=True)
+        self.od_config, self.scheduler, self.tokenizer = od_config, pipe.scheduler, pipe.tokenizer
+        self.text_encoder, self.vae, self.transformer = pipe.text_encoder, pipe.vae, pipe.transformer
+        self.prompt_template_encode = pipe.prompt_template_encode
+        self.prompt_template_encode_start_idx = pipe.prompt_template_encode_start_idx
+        self.vae_scale_factor, self.device = pipe.vae_scale_factor, torch.device("cpu")
+
+    def forward(self, req):
+        return "stock pipeline"
+
+    def load_weights(self, weights):
+        """vLLM-Omni's AutoWeightsLoader routes "transformer.*" to the transformer (diffusers names here)."""
+        params, loaded = dict(self.transformer.named_parameters()), set()
+        with torch.no_grad():
+            for name, t in weights:
+                params[name.removeprefix("transformer.")].copy_(t)
+                loaded.add(name)
+        return loaded

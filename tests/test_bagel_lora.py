@@ -14,21 +14,12 @@ from jaxflow.models.bagel.model import BagelModel, velocity
 from jaxflow.models.lora import LoRAParam, LoRASpec
 from jaxflow_bridge.contract import bagel_keymap
 from tests.bagel_ref import OTHER
-from tests.test_bagel_model import GRID, TOL, checkpoint, flax_velocity, inputs, max_rel_err
+from tests.bagel_helpers import (PARITY_GRID, TOL, checkpoint, flax_velocity, inputs, max_rel_err, merged,
+                                 random_adapter)
 
 SPEC = BagelLoRASpec(rank=4, alpha=8.0)
 SECTION_5 = ("q_proj_moe_gen", "k_proj_moe_gen", "v_proj_moe_gen", "o_proj_moe_gen", "mlp_moe_gen.gate_proj",
              "mlp_moe_gen.up_proj", "mlp_moe_gen.down_proj")
-
-
-def random_adapter(model, spec, seed=1) -> dict[str, np.ndarray]:
-    """A nonzero PEFT state dict (torch layout) of the model's adapters: A ~ N(0, 1/in), B ~ N(0, 0.3^2)."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for key, value in peft_state_dict(model, spec).items():
-        std = value.shape[1] ** -0.5 if ".lora_A." in key else 0.3
-        out[key] = (std * rng.standard_normal(value.shape)).astype(np.float32)
-    return out
 
 
 def lora_model(cfg, spec=SPEC, seed=1):
@@ -64,19 +55,6 @@ def test_adapter_moves_generation_tokens_only():
     assert np.all(np.max(np.abs(v - v0), axis=(1, 2)) > 1e3 * TOL * np.max(np.abs(v0)))
 
 
-def merged(sd, adapter, spec):
-    """The torch checkpoint with each adapter folded in: W + alpha/r * B A, found by the PEFT key's module name."""
-    out = dict(sd)
-    scale = spec.alpha / spec.rank
-    for key, a in adapter.items():
-        if ".lora_A." not in key:
-            continue
-        module = key.removeprefix(bagel_keymap.PEFT_PREFIX).removesuffix(".lora_A.weight")
-        b = adapter[key.replace(".lora_A.", ".lora_B.")]
-        out[f"{module}.weight"] = out[f"{module}.weight"] + scale * (b.astype(np.float64) @ a).astype(np.float32)
-    return out
-
-
 @pytest.mark.parametrize("cfg", [TINY, OTHER], ids=["tiny", "other"])
 def test_lora_matches_torch_reference_with_merged_weights(cfg):
     """Flax's x W + (x A) (s B) equals the torch reference on W + s B A within the base parity test's bound; the
@@ -95,7 +73,7 @@ def test_gradients_reach_every_generation_adapter_only():
     ids, mask, x, t = (jnp.asarray(a) for a in inputs(TINY))
 
     def loss(m):
-        return jnp.sum(velocity(m, ids, mask, x, t, GRID) ** 2)
+        return jnp.sum(velocity(m, ids, mask, x, t, PARITY_GRID) ** 2)
 
     grads = nnx.grad(loss, argnums=nnx.DiffState(0, LoRAParam))(model)
     flat = dict(nnx.to_flat_state(grads))

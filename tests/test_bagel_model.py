@@ -15,40 +15,8 @@ from jaxflow.models.bagel.mot import Make, MoTLayer
 from jaxflow.models.config import ModelOptions
 from jaxflow_bridge.contract import bagel_keymap
 from tests import bagel_ref
+from tests.bagel_helpers import LENGTHS, PARITY_GRID, TOL, checkpoint, flax_velocity, inputs, max_rel_err
 from tests.bagel_ref import OTHER
-
-# Bound on max|v_flax - v_torch| / max|v_torch|: 256 float32 ulps (u = 2**-24) of the output scale. The longest
-# reduction is K = 256 terms (the timestep MLP's input); any summation order rounds a K-term dot product within
-# K u of the sum of |terms|, and the RMS norms keep every layer's input at unit scale, so two different float32
-# evaluations of the whole path stay within a small multiple of K u of the output scale at this depth (2-3 layers;
-# measured: <= 10 ulps on both shapes, on CPUs with and without AVX-512 alike as both sides are plain float32).
-TOL = 256 * 2.0**-24
-LENGTHS, WIDTH, GRID = (7, 3, 0), 8, (4, 6)  # two prompts of different lengths, one empty context; 4 x 6 latents
-
-
-def checkpoint(cfg, seed=0):
-    return {k: v.numpy() for k, v in bagel_ref.weights(cfg, seed).items()}
-
-
-def inputs(cfg, seed=0):
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(0, cfg.vocab_size - 2, (len(LENGTHS), WIDTH)).astype(np.int32)
-    mask = np.arange(WIDTH)[None] < np.array(LENGTHS)[:, None]
-    x = rng.standard_normal((len(LENGTHS), GRID[0] * GRID[1], cfg.latent_dim)).astype(np.float32)
-    return ids, mask, x, np.array([1.0, 0.37, 0.02], np.float32)
-
-
-def flax_velocity(model, ids, mask, x, t):
-    return np.asarray(velocity(model, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(x), jnp.asarray(t), GRID))
-
-
-def max_rel_err(cfg, sd, out, ids, x, t):
-    errs = []
-    for b, n in enumerate(LENGTHS):
-        ref = bagel_ref.velocity({k: bagel_ref.torch.from_numpy(v) for k, v in sd.items()}, cfg,
-                                 [int(i) for i in ids[b, :n]], x[b], float(t[b]), GRID)
-        errs.append(float(np.max(np.abs(out[b] - ref)) / np.max(np.abs(ref))))
-    return max(errs)
 
 
 @pytest.mark.parametrize("cfg", [TINY, OTHER], ids=["tiny", "other"])
@@ -77,7 +45,7 @@ def test_padding_does_not_change_a_sample():
     ids, mask, x, t = inputs(TINY)
     n = LENGTHS[1]
     alone = np.asarray(velocity(model, jnp.asarray(ids[1:2, :n]), jnp.asarray(mask[1:2, :n]),
-                                jnp.asarray(x[1:2]), jnp.asarray(t[1:2]), GRID))
+                                jnp.asarray(x[1:2]), jnp.asarray(t[1:2]), PARITY_GRID))
     assert np.max(np.abs(flax_velocity(model, ids, mask, x, t)[1] - alone[0])) <= TOL * np.max(np.abs(alone))
 
 

@@ -1,7 +1,6 @@
 """BAGEL's FlowGRPO log-prob in JAX (jaxflow/bagel_flowgrpo.py) replaying the torch rollout (bagel_sampling over
 bagel_torch, the same seeded weights), float32 on CPU: text CFG with an interval and a window, mutations, LoRA."""
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -13,46 +12,12 @@ from flax import nnx
 from jaxflow import bagel_flowgrpo as bf
 from jaxflow.models.bagel.config import TINY
 from jaxflow.models.bagel.loading import build
-from jaxflow.models.bagel.lora import BagelLoRASpec, set_peft
+from jaxflow.models.bagel.lora import set_peft
 from jaxflow.models.lora import LoRAParam
 from jaxflow_bridge.contract import bagel_keymap
-from jaxflow_bridge.rollout.bagel_sampling import BagelSamplingLoop, BagelSamplingParams, guided_velocity
-from jaxflow_bridge.rollout.bagel_torch import BagelTorch
+from jaxflow_bridge.rollout.bagel_sampling import guided_velocity
 from tests import bagel_ref
-from tests.test_bagel_lora import merged, random_adapter
-
-U = 2.0**-24  # float32 unit roundoff
-# Each CFG branch's velocity, Flax against torch on the same weights: within 256 u of the sample's max|v|
-# (tests/test_bagel_torch.py and test_bagel_model.py derive it; adapters merged into the torch weights keep it,
-# test_bagel_lora.py).
-V_TOL = 256 * U
-PROMPTS, SEEDS, GRID = [[5, 17, 240, 3, 99], [311, 8, 42]], [21, 22, 23, 24], (4, 6)
-# sigmas [1, .9, .75, .5, 0]: CFG at steps 0 and 1 only; windows of 2 starting at steps 0..2
-SP = BagelSamplingParams(height=64, width=96, num_inference_steps=4, sde_window_range=(0, 3), cfg_interval=(0.8, 1.0))
-GUIDANCE = bf.BagelGuidance(SP.cfg_text_scale, SP.cfg_interval, SP.cfg_renorm_min)
-SPEC = BagelLoRASpec(rank=4, alpha=8.0)
-
-
-def sampled(adapter: bool):
-    """(Flax model, TrajectoryBatch): the loop run on the torch model, the same weights (and, with `adapter`, a
-    random LoRA: merged into the torch weights, as adapters in the Flax model)."""
-    sd = {k: v.numpy() for k, v in bagel_ref.weights(TINY).items()}
-    model = build(TINY, bagel_keymap.to_flax(sd, TINY.num_hidden_layers), lora=SPEC if adapter else None)
-    if adapter:
-        peft = random_adapter(model, SPEC)
-        set_peft(model, SPEC, peft)
-        sd = merged(sd, peft, SPEC)
-    torch_model = BagelTorch(**dataclasses.asdict(TINY))
-    torch_model.load_checkpoint({k: torch.from_numpy(v) for k, v in sd.items()})
-    return model, BagelSamplingLoop(torch_model).generate(PROMPTS, 2, SP, seeds=SEEDS)
-
-
-def arrays(out) -> dict:
-    """What `bf.window_log_probs` reads from a rollout's TrajectoryBatch, with the sampling's noise_level."""
-    fields = ("prompt_ids", "prompt_mask", "negative_prompt_ids", "negative_prompt_mask", "latents", "sigmas",
-              "step_index")
-    batch = {k: jnp.asarray(v) for k, v in out.to_dict().items() if k in fields}
-    return {**batch, "noise_level": jnp.float32(SP.noise_level)}
+from tests.bagel_helpers import GUIDANCE, ROLLOUT_GRID, SP, SPEC, U, arrays, bound, random_adapter, sampled
 
 
 def rollout(adapter: bool):
@@ -67,50 +32,7 @@ def base():
 
 
 def log_probs(model, batch, guidance=GUIDANCE):
-    return np.asarray(bf.window_log_probs(model, batch, grid_hw=GRID, sde_type="sde", guidance=guidance))
-
-
-def bound(model, batch) -> np.ndarray:
-    """(B, W) bound on |logp_jax - logp_torch|, from the Flax branch velocities at each stored transition.
-
-    Each branch differs by e <= V_TOL max|v_c|, |v_u|. CFG: v = v_u + s (v_c - v_u) moves by (2s + 1) e, and f v
-    (f = |v_c| / |v| <= 1) by (2s + 1) e + f max|v| |df| / f with |df| / f <= |dv_c|_2 / |v_c|_2 + |dv|_2 / |v|_2 and
-    |dv|_2 <= sqrt(K) max|dv|. The SDE mean x a + v b moves by |b| dv plus a few roundings of each term (8 u); the
-    log-prob, a mean over K elements of -z^2 / 2 - log s - log(2 pi) / 2 (z = (x_next - mean) / s), moves by
-    mean|z| max|dmean| / s to first order, plus the rounding of its terms and of a K-term sum in any order
-    (2 (K + 8) u mean|term| for both sides): no assumption on the summation order or the CPU's vector width."""
-    cond, uncond = bf.contexts(model, batch, GUIDANCE)
-    per_step, shared = bf.window_steps(batch)
-    per_step, shared = jax.tree.map(np.asarray, (per_step, shared))
-    w, b = per_step["sigma"].shape
-    s, lo, hi = GUIDANCE.text_scale, *GUIDANCE.interval
-    out = np.zeros((b, w))
-    for k in range(w):
-        x, sig = per_step["x"][k], per_step["sigma"][k]
-        v_c, v_u = (np.asarray(model.denoise(c.kv, c.mask, jnp.asarray(x), jnp.asarray(sig), GRID), np.float64)
-                    for c in (cond, uncond))
-        for i in range(b):
-            sigma, nxt, smax = (float(per_step["sigma"][k, i]), float(per_step["sigma_next"][k, i]),
-                                float(shared["sigma_max"][i]))
-            e = V_TOL * max(np.abs(v_c[i]).max(), np.abs(v_u[i]).max())
-            if lo < np.float32(sigma) <= hi:
-                v = v_u[i] + s * (v_c[i] - v_u[i])
-                f = min(max(np.linalg.norm(v_c[i]) / (np.linalg.norm(v) + 1e-8), GUIDANCE.renorm_min), 1.0)
-                root_k = math.sqrt(v.size)
-                df = root_k * e / np.linalg.norm(v_c[i]) + root_k * (2 * s + 1) * e / np.linalg.norm(v)
-                err_v, v = (2 * s + 1) * e + np.abs(f * v).max() * df, f * v
-            else:
-                err_v, v = e, v_c[i]
-            dt = nxt - sigma
-            std = float(shared["noise_level"][i]) * math.sqrt(sigma / (1 - (smax if sigma == 1 else sigma)))
-            x_coef, v_coef = 1 + std**2 * dt / (2 * sigma), (1 + std**2 * (1 - sigma) / (2 * sigma)) * dt
-            mean = x[i] * x_coef + v * v_coef
-            step_std = std * math.sqrt(-dt)
-            z = (per_step["x_next"][k, i] - mean) / step_std
-            terms = -(z**2) / 2 - math.log(step_std) - 0.5 * math.log(2 * math.pi)
-            err_mean = abs(v_coef) * err_v + 8 * U * (abs(x_coef) * np.abs(x[i]).max() + np.abs(v * v_coef).max())
-            out[i, k] = np.abs(z).mean() * err_mean / step_std + 2 * (z.size + 8) * U * np.abs(terms).mean()
-    return out
+    return np.asarray(bf.window_log_probs(model, batch, grid_hw=ROLLOUT_GRID, sde_type="sde", guidance=guidance))
 
 
 @pytest.mark.parametrize("adapter", [False, True], ids=["base", "lora"])
@@ -186,7 +108,7 @@ def test_gradients_reach_the_adapters(base, adapter):
 
     def loss(lora):
         m = nnx.merge(graphdef, lora, rest)
-        return jnp.sum(bf.window_log_probs(m, batch, grid_hw=GRID, sde_type="sde", guidance=GUIDANCE))
+        return jnp.sum(bf.window_log_probs(m, batch, grid_hw=ROLLOUT_GRID, sde_type="sde", guidance=GUIDANCE))
 
     grads = dict(nnx.to_flat_state(jax.grad(loss)(lora)))
     assert len(grads) == 2 * len(SPEC.targets)

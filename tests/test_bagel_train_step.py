@@ -1,6 +1,6 @@
 """The FlowGRPO train step (make_train_step) on a tiny BAGEL with LoRA, float32 on CPU: the torch rollout
-(bagel_sampling, the same seeded weights and adapter, tests/test_bagel_objective.py) -> TrainBatch with token ids ->
-one step, its ratio, update and loss against bagel_flowgrpo's log-probs; shuffled ids; refusals."""
+(bagel_sampling, the same seeded weights and adapter, tests/bagel_helpers.py's `sampled`) -> TrainBatch with token
+ids -> one step, its ratio, update and loss against bagel_flowgrpo's log-probs; shuffled ids; refusals."""
 import dataclasses
 import math
 
@@ -14,10 +14,10 @@ from jaxflow import flowgrpo
 from jaxflow.step_config import TrainConfig
 from jaxflow.train_batch import TrainBatch
 from jaxflow.train_step import make_train_step
-from tests.test_bagel_objective import GRID, GUIDANCE, SP, U, arrays, bound, sampled
+from tests.bagel_helpers import GUIDANCE, ROLLOUT_GRID, SP, U, arrays, bound, sampled
 
 ADV = np.array([1.0, -1.0, 2.0, -0.5], np.float32)
-CONFIG = TrainConfig(grid_hw=GRID, guidance=SP.cfg_text_scale, cfg_interval=SP.cfg_interval,
+CONFIG = TrainConfig(grid_hw=ROLLOUT_GRID, guidance=SP.cfg_text_scale, cfg_interval=SP.cfg_interval,
                      cfg_renorm_min=SP.cfg_renorm_min, num_micro_batches=2)
 
 
@@ -68,7 +68,7 @@ def test_loss_equals_the_clipped_objective_of_window_log_probs(run):
     shifted = dataclasses.replace(out, log_probs=out.log_probs - shift)
     config = dataclasses.replace(CONFIG, clip_range=1.0)
     *_, metrics = one_step(model, TrainBatch.of(shifted, ADV, SP.noise_level), config)
-    logp = bf.window_log_probs(model, batch, grid_hw=GRID, sde_type=config.sde_type, guidance=GUIDANCE)
+    logp = bf.window_log_probs(model, batch, grid_hw=ROLLOUT_GRID, sde_type=config.sde_type, guidance=GUIDANCE)
 
     def loss(adv):
         terms, ratio = flowgrpo.clipped_objective(logp, jnp.asarray(shifted.log_probs), jnp.asarray(adv)[:, None],
@@ -103,6 +103,6 @@ def test_bagel_refuses_what_it_cannot_train(run, change):
 
 def test_bagel_cfg_fields_are_checked():
     with pytest.raises(ValueError, match="cfg_interval"):
-        TrainConfig(grid_hw=GRID, cfg_interval=(0.9, 0.2))
+        TrainConfig(grid_hw=ROLLOUT_GRID, cfg_interval=(0.9, 0.2))
     with pytest.raises(ValueError, match="cfg_renorm_min"):
-        TrainConfig(grid_hw=GRID, cfg_renorm_min=1.5)
+        TrainConfig(grid_hw=ROLLOUT_GRID, cfg_renorm_min=1.5)

@@ -1,5 +1,6 @@
 """The layout's dependency rules, read from the imports: the contract imports neither framework nor either side,
-nothing in jaxflow_bridge/ imports JAX or the trainer, and neither side imports the benchmarks (jaxflow_bench/)."""
+nothing in jaxflow_bridge/ imports JAX or the trainer, neither side imports the benchmarks (jaxflow_bench/), and no
+module under tests/ imports a test module (shared helpers live in tests/helpers*.py, tests/bagel_helpers.py, ...)."""
 import ast
 from pathlib import Path
 
@@ -35,7 +36,38 @@ def test_neither_side_imports_the_benchmarks(path):
     assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 
 
+def imported_test_modules(path: Path) -> set[str]:
+    """The tests/test_*.py modules `path` imports: `tests.test_x` / `test_x` (import or from-import), `from tests
+    import test_x`, and relative `from .test_x import ...` / `from . import test_x`."""
+    tree = ast.parse(path.read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom):
+            module = ("tests." if n.level else "") + (n.module or "")
+            names.add(module)
+            if module.rstrip(".") == "tests":
+                names |= {f"tests.{a.name}" for a in n.names}
+    return {m for m in names if m.removeprefix("tests.").split(".")[0].startswith("test_")}
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "tests").glob("*.py")), ids=lambda p: p.name)
+def test_no_test_module_imports_another(path):
+    """A helper shared by several test modules lives in a helper module, not in one of the tests (pytest would
+    import that test module a second time under another name, and a test module's edit would break another's)."""
+    bad = imported_test_modules(path)
+    assert not bad, f"{path.relative_to(ROOT)} imports the test module(s) {sorted(bad)}: move the helper to a helper module"
+
+
 def test_the_checker_sees_an_import(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("import jax.numpy as jnp\nfrom jaxflow.sde import sde_step\nfrom . import local\n")
     assert imported_modules(f) == {"jax.numpy", "jaxflow.sde"}
+
+
+def test_the_test_module_checker_sees_each_form(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("import tests.test_a\nfrom tests.test_b import x\nfrom tests import test_c, helpers\n"
+                 "from test_d import y\nfrom .test_e import z\nfrom . import test_f\nfrom tests.helpers import RANK\n"
+                 "from tests import bagel_ref\nimport pytest\n")
+    assert imported_test_modules(f) == {"tests.test_a", "tests.test_b", "tests.test_c", "test_d", "tests.test_e",
+                                        "tests.test_f"}

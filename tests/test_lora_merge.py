@@ -14,10 +14,8 @@ from jaxflow_bridge.rollout import vllm_omni_pipeline as vop
 from jaxflow_bridge.rollout.lora_binding import slot_plan
 from jaxflow_bridge.rollout.lora_merge import MergedLoRA, plan_targets
 from jaxflow_bridge.rollout.pipeline import RolloutPipeline
-from tests.helpers import RANK, random_peft
-from tests.helpers_vllm_omni import FakeFusedTransformer
-from tests.test_rollout import make_adapter
-from tests.test_vllm_omni_engine import SAMPLING, SEEDS, FakeOmniQwenImagePipeline, omni_params
+from tests.helpers import RANK, make_adapter, random_peft
+from tests.helpers_vllm_omni import SAMPLING, SEEDS, FakeFusedTransformer, FakeOmniQwenImagePipeline, omni_params
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 SCALE = 2.0

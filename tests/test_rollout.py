@@ -16,6 +16,7 @@ from jaxflow_bridge.rollout.pipeline import RolloutPipeline
 from jaxflow_bridge.rollout.sampling import DECODE_PIXELS, Fp32Timestep, SamplingParams, cfg_combine, decode_batch
 from jaxflow_bridge.rollout.sde import sde_step
 from jaxflow_bridge.rollout.server import create_rollout_server
+from tests.helpers import make_adapter
 
 PROMPTS = ["a red fox", "a red fox jumping over the lazy dog"]
 SAMPLING = dict(height=40, width=72, num_inference_steps=4, true_cfg_scale=4.0, noise_level=1.2, sde_window_size=2,
@@ -40,17 +41,6 @@ def fresh_pipe(tiny_path):
 @pytest.fixture(scope="module")
 def batch(pipe):
     return pipe.generate(PROMPTS, 2, SamplingParams(**SAMPLING), seeds=SEEDS)
-
-
-def make_adapter(pipe, modules=("attn.to_q", "attn.to_k", "attn.to_out.0", "img_mlp.net.2"), rank=4, seed=0, prefix="", scale=0.3):
-    """A PEFT-format adapter over both tiny blocks, and its adapter_config."""
-    rng = np.random.default_rng(seed)
-    tensors = {}
-    for name in (f"transformer_blocks.{i}.{m}" for i in range(2) for m in modules):
-        linear = pipe.lora.linears[name]
-        tensors[f"{prefix}{name}.lora_A.weight"] = scale * rng.standard_normal((rank, linear.in_features), np.float32)
-        tensors[f"{prefix}{name}.lora_B.weight"] = scale * rng.standard_normal((linear.out_features, rank), np.float32)
-    return tensors, {"r": rank, "lora_alpha": 2 * rank, "target_modules": list(modules), "peft_type": "LORA"}
 
 
 # ---------------------------------------------------------------------------------------------- pipeline

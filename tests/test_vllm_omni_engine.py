@@ -14,20 +14,9 @@ from jaxflow_bridge.rollout import vllm_omni_pipeline as vop
 from jaxflow_bridge.rollout.engine_vllm_omni import INSTALL_HINT, ack_errors, folder_fingerprint
 from jaxflow_bridge.rollout.lora_binding import check_lora_binding
 from jaxflow_bridge.rollout.pipeline import RolloutPipeline
-from jaxflow_bridge.rollout.sampling import SamplingParams
 from jaxflow_bridge.rollout.server import engine_class
 from tests.helpers import LAYERS, MLP, RANK, D, random_peft
-from tests.helpers_vllm_omni import FakeFusedTransformer
-
-SAMPLING = SamplingParams(height=16, width=24, num_inference_steps=3, true_cfg_scale=4.0, noise_level=1.2,
-                          sde_window_size=1, sde_window_range=(0, 2), max_sequence_length=64, seed=5)
-SEEDS = [10, 11]
-
-
-def omni_params(kwargs: dict) -> SimpleNamespace:
-    """Stand-in for OmniDiffusionSamplingParams built from encode_request's kwargs."""
-    return SimpleNamespace(**kwargs)
-
+from tests.helpers_vllm_omni import SAMPLING, SEEDS, FakeFusedTransformer, FakeOmniQwenImagePipeline, omni_params
 
 # ---------------------------------------------------------------------------------------------- request codec
 
@@ -141,33 +130,6 @@ def test_unpack_without_payload_names_the_pipeline():
 
 
 # ---------------------------------------------------------------------------------------------- the pipeline
-
-
-class FakeOmniQwenImagePipeline(torch.nn.Module):
-    """What our class uses of vLLM-Omni's QwenImagePipeline, on the tiny diffusers components."""
-
-    def __init__(self, *, od_config, prefix=""):
-        from diffusers import QwenImagePipeline
-
-        super().__init__()
-        pipe = QwenImagePipeline.from_pretrained(od_config.model, local_files_only=True)
-        self.od_config, self.scheduler, self.tokenizer = od_config, pipe.scheduler, pipe.tokenizer
-        self.text_encoder, self.vae, self.transformer = pipe.text_encoder, pipe.vae, pipe.transformer
-        self.prompt_template_encode = pipe.prompt_template_encode
-        self.prompt_template_encode_start_idx = pipe.prompt_template_encode_start_idx
-        self.vae_scale_factor, self.device = pipe.vae_scale_factor, torch.device("cpu")
-
-    def forward(self, req):
-        return "stock pipeline"
-
-    def load_weights(self, weights):
-        """vLLM-Omni's AutoWeightsLoader routes "transformer.*" to the transformer (diffusers names here)."""
-        params, loaded = dict(self.transformer.named_parameters()), set()
-        with torch.no_grad():
-            for name, t in weights:
-                params[name.removeprefix("transformer.")].copy_(t)
-                loaded.add(name)
-        return loaded
 
 
 def test_custom_pipeline_matches_rollout_pipeline(tiny_path):
