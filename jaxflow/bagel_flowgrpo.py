@@ -10,7 +10,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxflow import sde
+from jaxflow import flowgrpo, sde
 from jaxflow.models.bagel.model import BagelModel, KVCache
 
 RENORM_EPS = 1e-8  # Bagel._combine_cfg's denominator guard
@@ -100,19 +100,12 @@ def window_log_prob(model: BagelModel, tr: dict, cond: Context, uncond: Context 
 
 
 def window_steps(batch: dict) -> tuple[dict, dict]:
-    """A batch's window transitions: per-step inputs with a leading W axis (x, x_next, sigma, sigma_next) and the
-    inputs every step shares (sigma_max, noise_level (B,)). latents (B, W+1, S, C), step_index (B, W); sigmas
-    (N+1,) or per sample (B, N+1); noise_level scalar or (B,)."""
-    latents, idx = batch["latents"], batch["step_index"].T
-    b = latents.shape[0]
+    """`flowgrpo.window_steps` of a trajectory's arrays whose sigmas may be (N+1,) or per sample (B, N+1) and
+    noise_level a scalar or (B,). latents (B, W+1, S, C), step_index (B, W)."""
+    b = batch["latents"].shape[0]
     sigmas = jnp.broadcast_to(jnp.asarray(batch["sigmas"], jnp.float32), (b, batch["sigmas"].shape[-1]))
-    rows = jnp.arange(b)[None]
-    latents = jnp.swapaxes(latents, 0, 1)
-    per_step = {"x": latents[:-1], "x_next": latents[1:], "sigma": sigmas[rows, idx],
-                "sigma_next": sigmas[rows, idx + 1]}
-    shared = {"sigma_max": sigmas[:, 1],
-              "noise_level": jnp.broadcast_to(jnp.asarray(batch["noise_level"], jnp.float32), (b,))}
-    return per_step, shared
+    noise = jnp.broadcast_to(jnp.asarray(batch["noise_level"], jnp.float32), (b,))
+    return flowgrpo.window_steps({**batch, "sigmas": sigmas, "noise_level": noise})
 
 
 def window_log_probs(model: BagelModel, batch: dict, *, grid_hw: tuple[int, int], sde_type: str,

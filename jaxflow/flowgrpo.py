@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxflow import sde
+from jaxflow.step_config import GUIDANCE_FIELDS, TEXT_IDS
 
 
 def compute_advantages(rewards, group_ids, *, global_std: bool = True, eps: float = 1e-4, clip: float = 5.0,
@@ -76,6 +77,25 @@ def guided_velocity(model, x, sigma, txt, txt_mask, neg_txt=None, neg_mask=None,
         v_pos, v_neg = jnp.split(both.astype(jnp.float32), 2)
     comb = v_neg + guidance * (v_pos - v_neg)
     return comb * (jnp.linalg.norm(v_pos, axis=-1, keepdims=True) / jnp.linalg.norm(comb, axis=-1, keepdims=True))
+
+
+def window_steps(mb: dict) -> tuple[dict, dict]:
+    """Split a per-sample micro-batch into per-window-step inputs (leading W axis) and inputs shared by all steps
+    (the train step's, `jaxflow.train_step`, for every model kind)."""
+    sigmas, idx = mb["sigmas"], mb["step_index"].T  # (b, N+1), (W, b)
+    rows = jnp.arange(sigmas.shape[0])[None]
+    latents = jnp.swapaxes(mb["latents"], 0, 1)
+    per_step = {"x": latents[:-1], "x_next": latents[1:], "sigma": sigmas[rows, idx],
+                "sigma_next": sigmas[rows, idx + 1]}
+    if "log_probs" in mb:
+        per_step["rollout_log_prob"] = mb["log_probs"].T
+    if "old_log_probs" in mb:
+        per_step["old_log_prob"] = mb["old_log_probs"].T
+    if "old_means" in mb:
+        per_step["old_mean"] = jnp.swapaxes(mb["old_means"], 0, 1)
+    text = ("prompt_embeds", "prompt_mask", *GUIDANCE_FIELDS, *TEXT_IDS.values())
+    shared = {k: mb[k] for k in ("noise_level", "advantages", *text) if k in mb}
+    return per_step, {**shared, "sigma_max": sigmas[:, 1]}
 
 
 def clipped_objective(log_prob, old_log_prob, advantages, clip_range: float, adv_clip: float):

@@ -43,22 +43,6 @@ from jaxflow.train_batch import TrainBatch
 NFT_SALT = 0x6E6674  # folded into the seed's key for NFT's timesteps and noise (apart from the epochs' shuffles)
 
 
-def _window_steps(mb: dict) -> tuple[dict, dict]:
-    """Split a micro-batch into per-window-step inputs (leading W axis) and inputs shared by all steps."""
-    sigmas, idx = mb["sigmas"], mb["step_index"].T  # (b, N+1), (W, b)
-    rows = jnp.arange(sigmas.shape[0])[None]
-    latents = jnp.swapaxes(mb["latents"], 0, 1)
-    per_step = {"x": latents[:-1], "x_next": latents[1:], "sigma": sigmas[rows, idx],
-                "sigma_next": sigmas[rows, idx + 1], "rollout_log_prob": mb["log_probs"].T}
-    if "old_log_probs" in mb:
-        per_step["old_log_prob"] = mb["old_log_probs"].T
-    if "old_means" in mb:
-        per_step["old_mean"] = jnp.swapaxes(mb["old_means"], 0, 1)
-    text = ("prompt_embeds", "prompt_mask", *GUIDANCE_FIELDS, *TEXT_IDS.values())
-    shared = {k: mb[k] for k in ("noise_level", "advantages", *text) if k in mb}
-    return per_step, {**shared, "sigma_max": sigmas[:, 1]}
-
-
 def _window_loss(lora, frozen, step, scale, *, graphdef, config: TrainConfig, objective: Objective):
     model = nnx.merge(graphdef, lora, frozen)
     reject = float(np.log(config.rejection_threshold)) if config.old_log_prob == "rollout_corrected" else None
@@ -99,7 +83,7 @@ def accumulate_gradients(graphdef, lora, frozen, batch: dict, config: TrainConfi
         mb, run = xs
         if layout is not None:
             mb = jax.lax.with_sharding_constraint(mb, layout.batch_sharding)
-        per_step, shared = _window_steps(mb)
+        per_step, shared = flowgrpo.window_steps(mb)
 
         def train(grads):
             ctx = objective.context(nnx.merge(graphdef, lora, frozen), shared, config)
@@ -141,7 +125,7 @@ def old_log_probs(graphdef, lora, frozen, batch: dict, config: TrainConfig, layo
     def micro(carry, mb):
         if layout is not None:
             mb = jax.lax.with_sharding_constraint(mb, layout.batch_sharding)
-        per_step, shared = _window_steps(mb)
+        per_step, shared = flowgrpo.window_steps(mb)
 
         def forward():
             ctx = objective.context(nnx.merge(graphdef, lora, frozen), shared, config)
