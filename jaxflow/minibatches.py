@@ -99,7 +99,8 @@ def select(tree, m: int, j) -> dict:
 def combine_metrics(updates: list[dict]) -> dict:
     """The step's metrics from its updates' (equal-sized mini-batches): min of *_min, max of *_max and
     logp_diff_max, sum of skipped, micro_skipped and empty_updates, mean of the rest. With more than one update,
-    also `mb{k}/<key>` for the k-th update of the step (k = 1 .. num_inner_epochs x num_mini_batches) and each key of POSITION_KEYS."""
+    also `mb{k}/<key>` for the k-th update of the step (k = 1 .. num_inner_epochs x num_mini_batches) and each key of
+    POSITION_KEYS the updates report (DiffusionNFT's have no ratio)."""
     if len(updates) == 1:
         return updates[0]
     out = {}
@@ -114,5 +115,5 @@ def combine_metrics(updates: list[dict]) -> dict:
         else:
             out[key] = jnp.mean(stacked, axis=0)
     for k, u in enumerate(updates, 1):
-        out.update({f"mb{k}/{key}": u[key] for key in POSITION_KEYS})
+        out.update({f"mb{k}/{key}": u[key] for key in POSITION_KEYS if key in u})
     return out

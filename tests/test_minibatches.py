@@ -13,7 +13,7 @@ from flax import nnx
 from jaxflow import config as config_lib
 from jaxflow import phases
 from jaxflow import train_step as ts
-from jaxflow.minibatches import group_order, order_minibatches, select
+from jaxflow.minibatches import combine_metrics, group_order, order_minibatches, select
 from jaxflow.models.lora import LoRAParam
 from jaxflow.train_batch import TrainBatch
 from tests.helpers import GRID, GROUPS, sampled_batch, tiny_config
@@ -155,3 +155,16 @@ def test_later_inner_epochs_train_on_the_rows_shuffled_anew(lora_model):
     want, _ = one(state, shuffled)
     for a, b in zip(jax.tree.leaves(got.lora), jax.tree.leaves(want.lora)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0)
+
+
+def test_combined_metrics_name_each_update_only_for_the_keys_it_reports():
+    """FlowGRPO's updates report ratios (mb{k}/ratio_min ...); DiffusionNFT's have none, and two of them still combine
+    (the mini OCR NFT arm's two mini-batches a step once failed here on a missing ratio_min)."""
+    nft = [dict(loss=jnp.float32(v), old_deviate=jnp.float32(0), skipped=jnp.int32(1)) for v in (1.0, 3.0)]
+    out = combine_metrics(nft)
+    assert float(out["loss"]) == 2.0 and int(out["skipped"]) == 2 and not any(k.startswith("mb") for k in out)
+    grpo = [dict(loss=jnp.float32(v), ratio_min=jnp.float32(v), ratio_mean=jnp.float32(1), ratio_max=jnp.float32(v),
+                 clipfrac=jnp.float32(0), approx_kl=jnp.float32(0)) for v in (0.5, 2.0)]
+    out = combine_metrics(grpo)
+    assert float(out["ratio_min"]) == 0.5 and float(out["ratio_max"]) == 2.0
+    assert float(out["mb1/ratio_min"]) == 0.5 and float(out["mb2/ratio_max"]) == 2.0
