@@ -31,7 +31,10 @@
 # current step and this script exports that step's LoRA as lora_final), RL_RESUME=1 (continue such a run:
 # ONLY="rl rl_control" RL_RESUME=1 ...), and POOL (each trainer's JAX memory fraction of the GPU: 0.3 side by side,
 # 0.5 alone; lower it when more runs share the GPU). ARM (configs/mini_ocr.py's ARMS: "" FlowGRPO, guard, corrected,
-# nft) picks the algorithm of the RL run and its control (and, for nft, evals without CFG).
+# nft) picks the algorithm of the RL run and its control (and, for nft, evals without CFG); an arm's runs, evals, timings
+# and result are named for it (OUT/rl_nft, OUT/eval/after_nft.json, mini_ocr_nft.json), so every arm can train on one
+# pipeline, at once on several GPUs: ONLY="rl eval_after" ARM=guard CUDA_VISIBLE_DEVICES=1 bash scripts/mini_ocr.sh OUT
+# (nft also needs its eval_before: without CFG, eval/before_nft.json).
 set -euo pipefail
 OUT=${1:?usage: [SMOKE=1] bash scripts/mini_ocr.sh OUT}
 cd "$(dirname "$0")/.."
@@ -67,8 +70,10 @@ else
 fi
 
 ARM=${ARM:-}
-[[ "$ARM" == nft ]] && EVAL+=(--guidance 1)
+BEFORE=before  # NFT's policy is CFG-free: its evals, the pipeline's "before" too, run without CFG (before_nft)
+[[ "$ARM" == nft ]] && EVAL+=(--guidance 1) && BEFORE=before_nft
 RL_CONFIG=configs/mini_ocr.py${ARM:+:$ARM} CONTROL_CONFIG=configs/mini_ocr.py:${ARM:+${ARM}_}control
+A=${ARM:+_$ARM}  # the arm's suffix of run, eval and timing names
 
 step() {  # step NAME COMMAND...: run, time, log (skipped when ONLY is set and does not name it)
   local name=$1 start=$SECONDS
@@ -76,6 +81,7 @@ step() {  # step NAME COMMAND...: run, time, log (skipped when ONLY is set and d
   [[ -z "${ONLY:-}" || " $ONLY " == *" $name "* ]] || return 0
   echo "== $name: $*"
   "$@"
+  case $name in rl* | eval_* | result) name=$name$A ;; esac
   echo "$name $((SECONDS - start)) s" | tee -a "$OUT/timings.txt"
 }
 
@@ -116,15 +122,15 @@ ev() {  # ev NAME PROMPTS [--lora DIR]: OCR of the pipeline (+ LoRA) on PROMPTS 
     --grid "$OUT/eval/$name.png" "$@" "${EVAL[@]}"
 }
 # the train words too: RL trains on them, so they must also score well below 1 (else lower PRETRAIN_STEPS)
-together step eval_before ev before "$OUT/data/test.txt"
-together step eval_before_train ev before_train "$OUT/data/train.txt"
+together step eval_before ev "$BEFORE" "$OUT/data/test.txt"
+together step eval_before_train ev "${BEFORE}_train" "$OUT/data/train.txt"
 join
-together step rl rl "$OUT/rl" "$RL_CONFIG"
-together step rl_control rl "$OUT/rl_control" "$CONTROL_CONFIG"
+together step rl rl "$OUT/rl$A" "$RL_CONFIG"
+together step rl_control rl "$OUT/rl${A}_control" "$CONTROL_CONFIG"
 join
-together step eval_after ev after "$OUT/data/test.txt" --lora "$OUT/rl/lora_final"
-together step eval_after_train ev after_train "$OUT/data/train.txt" --lora "$OUT/rl/lora_final"
-together step eval_control ev control "$OUT/data/test.txt" --lora "$OUT/rl_control/lora_final"
+together step eval_after ev "after$A" "$OUT/data/test.txt" --lora "$OUT/rl$A/lora_final"
+together step eval_after_train ev "after${A}_train" "$OUT/data/train.txt" --lora "$OUT/rl$A/lora_final"
+together step eval_control ev "control$A" "$OUT/data/test.txt" --lora "$OUT/rl${A}_control/lora_final"
 join
-step result python scripts/mini_ocr_result.py --out "$OUT" \
-  --rl-seconds "$(awk '$1 == "rl" {s = $2} END {print s}' "$OUT/timings.txt")"
+step result python scripts/mini_ocr_result.py --out "$OUT" ${ARM:+--arm "$ARM"} \
+  --rl-seconds "$(awk -v n="rl$A" '$1 == n {s = $2} END {print s}' "$OUT/timings.txt")"

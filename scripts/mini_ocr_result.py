@@ -1,10 +1,12 @@
 """Collect the mini OCR proof into OUT/mini_ocr.json (`jaxflow_bench.results.write_result`) and OUT/reward_curve.png.
 
-    python scripts/mini_ocr_result.py --out OUT --rl-seconds S
+    python scripts/mini_ocr_result.py --out OUT --rl-seconds S [--arm ARM]
 
 Reads OUT/eval/{before,after,control,before_train,after_train}.json (scripts/mini_ocr_eval.py),
-OUT/rl/metrics.jsonl and OUT/rl_control/metrics.jsonl (the two FlowGRPO runs), OUT/data/ocr_clean.json and
-OUT/vae_report.json.
+OUT/rl/metrics.jsonl and OUT/rl_control/metrics.jsonl (the two RL runs), OUT/data/ocr_clean.json and
+OUT/vae_report.json. With --arm ARM (scripts/mini_ocr.sh's ARM), the arm's names: eval/after_ARM.json,
+eval/control_ARM.json, eval/after_ARM_train.json, rl_ARM/, rl_ARM_control/, and the result mini_ocr_ARM.json
+(and for nft, whose evals run without CFG, eval/before_nft.json and eval/before_nft_train.json).
 Figures: ocr_before/_se, ocr_after/_se, ocr_control_after/_se, ocr_rise (after - before) and its standard error,
 ocr_train_before/after (the same on train words, which RL trains on), rl_steps, rl_minutes (the wall time of the
 RL command); the per-step reward curves and a prompt-by-prompt breakdown (`breakdown`) go in as extra fields.
@@ -79,11 +81,16 @@ def plot(curves: dict[str, list[float]], path: Path, size=(480, 240), pad=30) ->
 def main(argv=None) -> None:
     p = bench_parser(__doc__)
     p.add_argument("--rl-seconds", type=float, required=True)
+    p.add_argument("--arm", default="", help="the algorithm arm of scripts/mini_ocr.sh's ARM (names its files)")
     a = p.parse_args(argv)
-    ev = {k: json.loads((a.out / "eval" / f"{k}.json").read_text())
-          for k in ("before", "after", "control", "before_train", "after_train")}
-    curves = {name: curve(a.out / name) for name in ("rl", "rl_control")}
-    plot(curves, a.out / "reward_curve.png")
+    arm = f"_{a.arm}" if a.arm else ""
+    before = "before_nft" if a.arm == "nft" else "before"  # NFT evaluates without CFG (scripts/mini_ocr.sh)
+    names = dict(before=before, before_train=f"{before}_train", after=f"after{arm}", control=f"control{arm}",
+                 after_train=f"after{arm}_train")
+    ev = {k: json.loads((a.out / "eval" / f"{name}.json").read_text()) for k, name in names.items()}
+    runs = dict(rl=a.out / f"rl{arm}", rl_control=a.out / f"rl{arm}_control")
+    curves = {name: curve(run) for name, run in runs.items()}
+    plot(curves, a.out / f"reward_curve{arm}.png")
     figures = dict(ocr_before=ev["before"]["mean"], ocr_before_se=ev["before"]["se"],
                    ocr_after=ev["after"]["mean"], ocr_after_se=ev["after"]["se"],
                    ocr_control_after=ev["control"]["mean"], ocr_control_after_se=ev["control"]["se"],
@@ -92,12 +99,12 @@ def main(argv=None) -> None:
                    ocr_train_before=ev["before_train"]["mean"], ocr_train_after=ev["after_train"]["mean"],
                    eval_prompts=ev["before"]["n"], rl_steps=len(curves["rl"]), rl_minutes=a.rl_seconds / 60)
     extra = dict(reward_curve=curves["rl"], control_reward_curve=curves["rl_control"],
-                 eval_curve=eval_curve(a.out / "rl"), control_eval_curve=eval_curve(a.out / "rl_control"),
+                 eval_curve=eval_curve(runs["rl"]), control_eval_curve=eval_curve(runs["rl_control"]),
                  prompts=dict(rl=breakdown(ev["before"]["scores"], ev["after"]["scores"]),
                               control=breakdown(ev["before"]["scores"], ev["control"]["scores"])),
                  ocr_clean_renders=json.loads((a.out / "data" / "ocr_clean.json").read_text()),
                  vae=json.loads((a.out / "vae_report.json").read_text()))
-    path = write_result(a.out, "mini_ocr", figures, extra=extra)
+    path = write_result(a.out, f"mini_ocr{arm}", figures, extra=extra)
     print(json.dumps(figures, indent=1), "->", path)
 
 

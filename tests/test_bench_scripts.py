@@ -91,6 +91,40 @@ def test_mini_ocr_breakdown_counts_prompts_by_score_and_change():
         breakdown(before, after[:4])
 
 
+def fake_mini_ocr_run(pipeline: Path, before: float, after: dict[str, tuple[float, int, int]]) -> None:
+    """A scripts/mini_ocr.sh OUT as its files: eval/before.json (before_nft.json: 0.1 lower, no CFG) and, per arm
+    suffix, (OCR after, steps, seconds)."""
+    (pipeline / "eval").mkdir(parents=True)
+    for name, ocr in (("before", before), ("before_nft", before - 0.1)):
+        (pipeline / "eval" / f"{name}.json").write_text(json.dumps(dict(mean=ocr, se=0.03, n=200)))
+    lines = []
+    for suffix, (ocr, steps, seconds) in after.items():
+        (pipeline / "eval" / f"after{suffix}.json").write_text(json.dumps(dict(mean=ocr, se=0.04, n=200)))
+        for step in (steps - 10, steps):
+            (pipeline / f"rl{suffix}" / "checkpoints" / str(step)).mkdir(parents=True)
+        lines.append(f"rl{suffix} {seconds} s")
+    (pipeline / "timings.txt").write_text("\n".join(["data 15 s", *lines]) + "\n")
+
+
+def test_mini_ocr_algorithms_collects_each_arm_over_its_pipelines(tmp_path):
+    collect = load_script("mini_ocr_algorithms").collect
+    fake_mini_ocr_run(tmp_path / "p0", 0.5, {"": (0.7, 100, 540), "_nft": (0.9, 60, 600), "_guard": (0.6, 90, 530)})
+    fake_mini_ocr_run(tmp_path / "p1", 0.4, {"": (0.5, 110, 480), "_nft": (0.8, 70, 480)})
+    figures = collect([tmp_path / "p0", tmp_path / "p1"])
+    assert figures["nft/rise"] == pytest.approx((0.5 + 0.5) / 2)  # from the CFG-free "before"
+    assert figures["nft/before"] == pytest.approx(0.35) and figures["nft/after"] == pytest.approx(0.85)
+    assert figures["flowgrpo/before"] == pytest.approx(0.45)
+    assert figures["nft/rise_min"] == pytest.approx(0.5) and figures["nft/pipelines"] == 2
+    assert figures["nft/rise_se"] == pytest.approx((2 * (0.03 ** 2 + 0.04 ** 2)) ** 0.5 / 2)
+    assert figures["nft/steps"] == 65 and figures["nft/minutes"] == pytest.approx(9.0)
+    assert figures["nft/p1/rise"] == pytest.approx(0.5)
+    assert figures["nft/rise_vs_flowgrpo"] == pytest.approx(((0.5 - 0.2) + (0.5 - 0.1)) / 2)
+    assert figures["guard/pipelines"] == 1 and figures["guard/rise_vs_flowgrpo"] == pytest.approx(0.1 - 0.2)
+    assert not any(k.startswith("corrected/") for k in figures)
+    with pytest.raises(ValueError, match="run scripts/mini_ocr.sh first"):
+        collect([tmp_path / "nothing"])
+
+
 def test_mini_ocr_eval_samples_as_the_configs_eval():
     """scripts/mini_ocr_eval.py samples as configs/mini_ocr.py's eval (the settings it wrote by hand before, but for
     sde_window_range, which an ODE run over every step ignores), --steps and --guidance replacing the eval's."""

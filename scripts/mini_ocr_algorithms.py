@@ -1,0 +1,80 @@
+"""Collect the algorithm arms' mini OCR runs over one or more pipelines into OUT/mini_ocr_algorithms.json.
+
+    python scripts/mini_ocr_algorithms.py --out OUT --pipelines P0 [P1 ...]
+
+Each pipeline folder is one scripts/mini_ocr.sh OUT (its eval/before.json, and per arm ARM that ran on it:
+eval/after_ARM.json, rl_ARM/checkpoints, the "rl_ARM N s" line of timings.txt; FlowGRPO has no suffix; NFT, whose
+evals run without CFG, is measured from eval/before_nft.json). Figures per arm: `ARM/before` and `ARM/after` (held-out
+OCR, means over the pipelines it ran on), `ARM/rise` (after - before), `ARM/rise_se` (its standard
+error: the pipelines' errors combined), `ARM/rise_min` (the lowest pipeline's), `ARM/steps` and `ARM/minutes` (mean
+trained steps and wall minutes of the RL command), `ARM/pipelines`; `ARM/PIPELINE/rise` and `.../rise_se` for each
+pipeline, and `ARM/rise_vs_flowgrpo` (the mean paired difference over the pipelines both ran on).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from jaxflow_bench.cli import bench_parser
+from jaxflow_bench.results import write_result
+
+ARMS = {"flowgrpo": "", "guard": "_guard", "corrected": "_corrected", "nft": "_nft"}
+
+
+def run_of(pipeline: Path, suffix: str) -> dict | None:
+    """One arm's run on one pipeline: before, after, rise, rise_se, steps, minutes; None where it has no eval there."""
+    after = pipeline / "eval" / f"after{suffix}.json"
+    if not after.exists():
+        return None
+    before = pipeline / "eval" / ("before_nft.json" if suffix == "_nft" else "before.json")
+    before, after = (json.loads(p.read_text()) for p in (before, after))
+    if before["n"] != after["n"]:
+        raise ValueError(f"{pipeline}: before has {before['n']} prompts and after{suffix} {after['n']}")
+    checkpoints = pipeline / f"rl{suffix}" / "checkpoints"
+    steps = max(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
+    seconds = [float(line.split()[1]) for line in (pipeline / "timings.txt").read_text().splitlines()
+               if line.split()[:1] == [f"rl{suffix}"]]
+    if not seconds:
+        raise ValueError(f"{pipeline}/timings.txt has no rl{suffix} line: was the run cut?")
+    return dict(before=before["mean"], after=after["mean"], rise=after["mean"] - before["mean"], rise_se=math.hypot(before["se"], after["se"]), steps=steps,
+                minutes=seconds[-1] / 60)
+
+
+def collect(pipelines: list[Path]) -> dict:
+    figures = {}
+    runs = {arm: {p.name: r for p in pipelines if (r := run_of(p, suffix))} for arm, suffix in ARMS.items()}
+    for arm, by_pipeline in runs.items():
+        if not by_pipeline:
+            continue
+        n = len(by_pipeline)
+        values = list(by_pipeline.values())
+        figures.update({f"{arm}/before": sum(r["before"] for r in values) / n,
+                        f"{arm}/after": sum(r["after"] for r in values) / n,
+                        f"{arm}/rise": sum(r["rise"] for r in values) / n,
+                        f"{arm}/rise_se": math.sqrt(sum(r["rise_se"] ** 2 for r in values)) / n,
+                        f"{arm}/rise_min": min(r["rise"] for r in values),
+                        f"{arm}/steps": sum(r["steps"] for r in values) / n,
+                        f"{arm}/minutes": sum(r["minutes"] for r in values) / n, f"{arm}/pipelines": n})
+        for name, r in by_pipeline.items():
+            figures.update({f"{arm}/{name}/rise": r["rise"], f"{arm}/{name}/rise_se": r["rise_se"]})
+        shared = [name for name in by_pipeline if name in runs["flowgrpo"]]
+        if arm != "flowgrpo" and shared:
+            figures[f"{arm}/rise_vs_flowgrpo"] = sum(
+                by_pipeline[name]["rise"] - runs["flowgrpo"][name]["rise"] for name in shared) / len(shared)
+    if not figures:
+        raise ValueError(f"no arm's eval/after*.json in {[str(p) for p in pipelines]}: run scripts/mini_ocr.sh first")
+    return figures
+
+
+def main(argv=None) -> None:
+    p = bench_parser(__doc__)
+    p.add_argument("--pipelines", type=Path, nargs="+", required=True, help="scripts/mini_ocr.sh OUT folders")
+    a = p.parse_args(argv)
+    figures = collect(a.pipelines)
+    path = write_result(a.out, "mini_ocr_algorithms", figures)
+    print(json.dumps(figures, indent=1), "->", path)
+
+
+if __name__ == "__main__":
+    main()
