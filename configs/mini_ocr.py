@@ -63,6 +63,7 @@ def get_config(variant: str = ""):
         c.train.old_log_prob = "rollout_corrected"
     elif arm == "nft":
         c.train.algorithm = "nft"
-        c.sample.update(guidance=1.0, sde_type="ode")
+        # its rollout is deterministic: a group's images differ only by their initial noise
+        c.sample.update(guidance=1.0, sde_type="ode", same_latent=False)
         c.eval.guidance = 1.0
     return c

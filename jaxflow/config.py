@@ -171,6 +171,10 @@ def validate(cfg: ConfigDict) -> None:
                                      f"DiffusionNFT's int(0.99 num_steps))")
     if not isinstance(s.same_latent, bool):
         _fail("sample.same_latent", f"{s.same_latent!r} must be a bool: pass True or False")
+    if s.same_latent and (s.sde_type == "ode" or s.noise_level == 0):
+        _fail("sample.same_latent", f"True with a deterministic sampler (sde_type {s.sde_type!r}, noise_level "
+                                    f"{s.noise_level}) gives a group's images the same pixels and every advantage 0: "
+                                    f"pass --config.sample.same_latent=False")
     if not isinstance(cfg.train.drop_zero_advantage, bool):
         _fail("train.drop_zero_advantage", f"{cfg.train.drop_zero_advantage!r} must be a bool: pass True or False")
     _typed_train(cfg)

@@ -22,6 +22,8 @@ def cli(*args):
     (["--config.train.learning_rate=abc"], "could not convert"),
     (["--config.sample.same_latent=maybe"], "--config.sample.same_latent: 'maybe' is not a bool; pass True or False"),
     (["--config.sample.same_latent=yes"], "'yes' is not a bool"),
+    (["--config.train.algorithm=nft", "--config.sample.guidance=1", "--config.sample.sde_type=ode",
+      "--config.sample.same_latent=True"], "same pixels and every advantage 0: pass --config.sample.same_latent=False"),
     (["--config=configs/nope.py"], "configs/nope.py"),
     (["--config.model.path=/nonexistent/qwen"], "configs/tiny_ocr.py"),
     (["--resme"], "resume"),
