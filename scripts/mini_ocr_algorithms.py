@@ -1,14 +1,16 @@
 """Collect the algorithm arms' mini OCR runs over one or more pipelines into OUT/mini_ocr_algorithms.json.
 
-    python scripts/mini_ocr_algorithms.py --out OUT --pipelines P0 [P1 ...]
+    python scripts/mini_ocr_algorithms.py --out OUT --pipelines P0 [P1 ...] [--exclude P0/nft ...]
 
 Each pipeline folder is one scripts/mini_ocr.sh OUT (its eval/before.json, and per arm ARM that ran on it:
-eval/after_ARM.json, rl_ARM/checkpoints, the "rl_ARM N s" line of timings.txt; FlowGRPO has no suffix; NFT, whose
+eval/after_ARM.json, rl_ARM/checkpoints (or, in a copy without checkpoints, the last step of rl_ARM/metrics.jsonl),
+the "rl_ARM N s" line of timings.txt; FlowGRPO has no suffix; NFT, whose
 evals run without CFG, is measured from eval/before_nft.json). Figures per arm: `ARM/before` and `ARM/after` (held-out
 OCR, means over the pipelines it ran on), `ARM/rise` (after - before), `ARM/rise_se` (its standard
 error: the pipelines' errors combined), `ARM/rise_min` (the lowest pipeline's), `ARM/steps` and `ARM/minutes` (mean
 trained steps and wall minutes of the RL command), `ARM/pipelines`; `ARM/PIPELINE/rise` and `.../rise_se` for each
-pipeline, and `ARM/rise_vs_flowgrpo` (the mean paired difference over the pipelines both ran on).
+pipeline, and `ARM/rise_vs_flowgrpo` (the mean paired difference over the pipelines both ran on). `--exclude
+PIPELINE/ARM` leaves out a run known to be invalid (say why where the result is reported).
 """
 from __future__ import annotations
 
@@ -31,8 +33,11 @@ def run_of(pipeline: Path, suffix: str) -> dict | None:
     before, after = (json.loads(p.read_text()) for p in (before, after))
     if before["n"] != after["n"]:
         raise ValueError(f"{pipeline}: before has {before['n']} prompts and after{suffix} {after['n']}")
-    checkpoints = pipeline / f"rl{suffix}" / "checkpoints"
-    steps = max(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
+    run = pipeline / f"rl{suffix}"
+    if (run / "checkpoints").is_dir():
+        steps = max(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+    else:
+        steps = max(json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines() if line)
     seconds = [float(line.split()[1]) for line in (pipeline / "timings.txt").read_text().splitlines()
                if line.split()[:1] == [f"rl{suffix}"]]
     if not seconds:
@@ -41,9 +46,14 @@ def run_of(pipeline: Path, suffix: str) -> dict | None:
                 minutes=seconds[-1] / 60)
 
 
-def collect(pipelines: list[Path]) -> dict:
+def collect(pipelines: list[Path], exclude: tuple[str, ...] = ()) -> dict:
+    unknown = [e for e in exclude if e.partition("/")[2] not in ARMS or e.partition("/")[0] not in
+               {p.name for p in pipelines}]
+    if unknown:
+        raise ValueError(f"--exclude {unknown}: name PIPELINE/ARM, a pipeline folder's name and one of {list(ARMS)}")
     figures = {}
-    runs = {arm: {p.name: r for p in pipelines if (r := run_of(p, suffix))} for arm, suffix in ARMS.items()}
+    runs = {arm: {p.name: r for p in pipelines if f"{p.name}/{arm}" not in exclude and (r := run_of(p, suffix))}
+            for arm, suffix in ARMS.items()}
     for arm, by_pipeline in runs.items():
         if not by_pipeline:
             continue
@@ -70,8 +80,9 @@ def collect(pipelines: list[Path]) -> dict:
 def main(argv=None) -> None:
     p = bench_parser(__doc__)
     p.add_argument("--pipelines", type=Path, nargs="+", required=True, help="scripts/mini_ocr.sh OUT folders")
+    p.add_argument("--exclude", nargs="*", default=(), help="PIPELINE/ARM runs to leave out (known invalid)")
     a = p.parse_args(argv)
-    figures = collect(a.pipelines)
+    figures = collect(a.pipelines, tuple(a.exclude))
     path = write_result(a.out, "mini_ocr_algorithms", figures)
     print(json.dumps(figures, indent=1), "->", path)
 

@@ -121,6 +121,10 @@ def test_mini_ocr_algorithms_collects_each_arm_over_its_pipelines(tmp_path):
     assert figures["nft/rise_vs_flowgrpo"] == pytest.approx(((0.5 - 0.2) + (0.5 - 0.1)) / 2)
     assert figures["guard/pipelines"] == 1 and figures["guard/rise_vs_flowgrpo"] == pytest.approx(0.1 - 0.2)
     assert not any(k.startswith("corrected/") for k in figures)
+    without = collect([tmp_path / "p0", tmp_path / "p1"], exclude=("p0/nft",))
+    assert without["nft/pipelines"] == 1 and without["nft/rise"] == pytest.approx(0.5) and "nft/p0/rise" not in without
+    with pytest.raises(ValueError, match="PIPELINE/ARM"):
+        collect([tmp_path / "p0"], exclude=("p9/nft",))
     with pytest.raises(ValueError, match="run scripts/mini_ocr.sh first"):
         collect([tmp_path / "nothing"])
 
