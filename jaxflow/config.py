@@ -13,7 +13,7 @@ from jaxflow.sharding import ShardingConfig
 from jaxflow.step_config import TrainConfig
 from jaxflow_bridge.contract.schedule import CFG_FORWARDS
 from jaxflow_bridge.rewards.registry import NEED_TARGET, REGISTRY
-from jaxflow_bridge.rollout.server import ENGINES
+from jaxflow_bridge.rollout.server import ENGINES, TRAINER_PENDING
 
 TINY_HINT = "configs/tiny_ocr.py (the embedded tiny offline model)"
 
@@ -185,8 +185,11 @@ def validate(cfg: ConfigDict) -> None:
         if not cfg.data[key] or not Path(cfg.data[key]).is_file():
             _fail(f"data.{key}", f"{cfg.data[key]!r} is not a file: pass --config.data.{key}=PROMPTS.txt (one prompt "
                                  f"per line) or .jsonl")
-    if cfg.rollout.engine not in ENGINES:
-        _fail("rollout.engine", f"{cfg.rollout.engine!r}; choose one of {sorted(ENGINES)}")
+    if cfg.rollout.engine not in ENGINES or cfg.rollout.engine in TRAINER_PENDING:
+        known = sorted(set(ENGINES) - set(TRAINER_PENDING))
+        why = f" serves a model the trainer cannot run until {TRAINER_PENDING[cfg.rollout.engine]} lands" \
+            if cfg.rollout.engine in TRAINER_PENDING else ""
+        _fail("rollout.engine", f"{cfg.rollout.engine!r}{why}; choose one of {known}")
     if cfg.profile.num_steps < 0 or cfg.profile.start_step < 1:
         _fail("profile", f"start_step {cfg.profile.start_step} must be >= 1 and num_steps {cfg.profile.num_steps} "
                          f">= 0 (0 = no trace)")

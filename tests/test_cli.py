@@ -25,6 +25,7 @@ def cli(*args):
     (["--config.train.algorithm=nft", "--config.sample.guidance=1", "--config.sample.sde_type=ode",
       "--config.sample.same_latent=True"], "same pixels and every advantage 0: pass --config.sample.same_latent=False"),
     (["--config=configs/nope.py"], "configs/nope.py"),
+    (["--config.rollout.engine=bagel_torch"], "'bagel_torch' serves a model the trainer cannot run until"),
     (["--config.model.path=/nonexistent/qwen"], "configs/tiny_ocr.py"),
     (["--resme"], "resume"),
     (["configs/qwen_ocr.py"], "--config FILE"),

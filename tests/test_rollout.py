@@ -462,5 +462,5 @@ def test_server_generate_update_lora_info(ray_session, servers, pipe):
 
 
 def test_unknown_engine_is_refused_before_ray():
-    with pytest.raises(ValueError, match=r"unknown rollout engine 'vllm'; known engines: \['diffusers', 'vllm_omni'\]"):
+    with pytest.raises(ValueError, match=r"unknown rollout engine 'vllm'; known engines: \['bagel_torch', 'diffusers', 'vllm_omni'\]"):
         create_rollout_server({"engine": "vllm"})

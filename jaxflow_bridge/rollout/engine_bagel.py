@@ -1,0 +1,103 @@
+"""The embedded BAGEL rollout engine (docs/bagel.md §7 (d)): `BagelTorch` + `BagelSamplingLoop` on the CPU, float32.
+
+Config keys: `engine` ("bagel_torch"), `model` (a BAGEL folder: llm_config.json, config.json, ema.safetensors and
+the tokenizer; or "tiny_bagel" for the cached tiny random one), `device` ("cpu", the only one for now), `dtype`
+("float32", the only one for now). A prompt's context is `<|im_start|>` + its tokens + `<|im_end|>` (docs/bagel.md
+§4), carried as the trajectory's `prompt_ids`. LoRA: PEFT adapters in BAGEL's names (the trainer's
+`jaxflow.models.bagel.lora.peft_state_dict`; the `base_model.model.` prefix optional) on the generation expert's
+Linears, applied atomically by `LoraApplier`. Images: `latent_preview` stands in for the FLUX VAE decode (the tiny
+folder has no `ae.safetensors` yet), so a reward scores a preview of the final latents. Never imports JAX.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from safetensors.torch import load_file
+from transformers import Qwen2TokenizerFast
+
+from jaxflow_bridge.contract.bagel_keymap import LORA_TARGETS, PEFT_PREFIX
+from jaxflow_bridge.contract.lora import LORA_KEY, read_peft, refusal
+from jaxflow_bridge.rollout.bagel_sampling import PIXELS_PER_TOKEN, BagelSamplingLoop, BagelSamplingParams
+from jaxflow_bridge.rollout.bagel_torch import BagelTorch
+from jaxflow_bridge.rollout.engine import RolloutEngine
+from jaxflow_bridge.rollout.lora_apply import LoraApplier
+from jaxflow_bridge.rollout.pipeline import weights_fingerprint
+from jaxflow_bridge.rollout.tiny_bagel import bagel_torch_fields
+
+
+TARGET_ENDS = tuple(f".{t}" for t in LORA_TARGETS)  # a module's name ends with its target (`.q_proj_moe_gen`)
+
+
+def context_ids(tokenizer, prompt: str) -> list[int]:
+    """The conditional context of a prompt: `<|im_start|>`, its tokens, `<|im_end|>` (no think tokens)."""
+    start, end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    return [start, *tokenizer(prompt, add_special_tokens=False).input_ids, end]
+
+
+class BagelTorchEngine(RolloutEngine):
+    """The `RolloutEngine` interface over one `BagelTorch` and its sampling loop."""
+
+    name = "bagel_torch"
+    config_keys = ("engine", "model", "device", "dtype")
+
+    def __init__(self, config: dict):
+        self.check_config(config)
+        for key, only in (("device", "cpu"), ("dtype", "float32")):
+            if config.get(key, only) != only:
+                raise ValueError(f"{self.name} engine: {key} {config[key]!r} is not supported yet; pass {only!r}")
+        model = config["model"]
+        if model == "tiny_bagel":
+            from jaxflow_bridge.rollout.tiny_bagel import tiny_bagel_path
+
+            model = tiny_bagel_path()
+        folder = Path(model)
+        if not (folder / "ema.safetensors").is_file():
+            raise ValueError(f"{self.name} engine: {folder} has no ema.safetensors: pass a BAGEL folder (or "
+                             f"model='tiny_bagel')")
+        self.model_path = str(folder)
+        self.model = BagelTorch(**bagel_torch_fields(folder))
+        self.model.load_checkpoint(load_file(folder / "ema.safetensors"))
+        self.model.eval()
+        self.fingerprint = weights_fingerprint(self.model.state_dict().items())
+        self.tokenizer = Qwen2TokenizerFast.from_pretrained(folder)  # BAGEL ships Qwen2.5's tokenizer files
+        self.lora = LoraApplier(self.model)
+        self.loop = BagelSamplingLoop(self.model)
+        self.asleep = False
+
+    def generate(self, prompts: list[str], n: int, sampling: dict | None = None, seeds=None) -> dict:
+        """TrajectoryBatch.to_dict() of B = len(prompts) * n samples (see BagelSamplingLoop.generate)."""
+        params = BagelSamplingParams.from_dict(sampling)
+        self.check_awake()
+        ids = [context_ids(self.tokenizer, p) for p in prompts]
+        return self.loop.generate(ids, n, params, seeds, prompts=list(prompts)).to_dict()
+
+    def update_lora(self, tensors, version: int, adapter_config: dict | None = None) -> dict:
+        """{"version", "bound_modules"}; atomic: a refused adapter leaves the previous one serving."""
+        self.check_awake()
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise ValueError(f"version must be an int, got {version!r}")
+        if isinstance(tensors, (str, Path)):
+            tensors, file_config = read_peft(tensors)
+            adapter_config = adapter_config or file_config
+        tensors = {k.removeprefix(PEFT_PREFIX): v for k, v in tensors.items()}
+        off = sorted(k for k in tensors if (m := LORA_KEY.fullmatch(k)) and not m["module"].endswith(TARGET_ENDS))
+        if off:  # the understanding expert (or anything else) adapted would make the context K/V policy-dependent
+            raise refusal([f"{k}: not a generation-expert LoRA target {sorted(LORA_TARGETS)}" for k in off],
+                          "tensors off the generation expert")
+        bound = self.lora.apply(tensors, adapter_config)
+        self.loop.policy_version = version
+        return {"version": version, "bound_modules": bound}
+
+    def sleep(self) -> int:
+        """A no-op on the CPU: 0 bytes freed."""
+        self.asleep = True
+        return 0
+
+    def wake(self) -> None:
+        self.asleep = False
+
+    def info(self) -> dict:
+        return {"engine": self.name, "device": "cpu", "dtype": "float32", "policy_version": self.loop.policy_version,
+                "model": self.model_path, "fingerprint": self.fingerprint, "size_multiple": PIXELS_PER_TOKEN,
+                "lora_modules": self.lora.bound_modules(), "asleep": self.asleep}
