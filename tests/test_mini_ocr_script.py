@@ -1,33 +1,63 @@
 """`SMOKE=1 bash scripts/mini_ocr.sh OUT`: every step of the mini OCR proof at toy size on the CPU (about 2 minutes on
-2 cores), from the rendered data to OUT/mini_ocr.json with the figures the proof reports."""
+2 cores), from the rendered data to OUT/mini_ocr.json with the figures the proof reports; then
+`scripts/mini_ocr_arms.sh` training two algorithm arms on that pipeline at once (two "GPUs" of CPU)."""
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ["data", "vae", "encode", "pretrain", "eval_before", "eval_before_train", "rl", "rl_control", "eval_after",
          "eval_after_train", "eval_control", "result"]
+# the fewest training steps and eval images that still run every step's code (these tests check the plumbing;
+# tests/test_learning.py checks that RL learns)
+ENV = {**os.environ, "SMOKE": "1", "JAX_PLATFORMS": "cpu", "VAE_STEPS": "10", "PRETRAIN_STEPS": "5", "EVAL_NUM": "4",
+       "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 
-def test_the_script_runs_every_step_and_writes_the_result(tmp_path):
-    # the fewest training steps and eval images that still run every step's code (this test checks the plumbing;
-    # tests/test_learning.py checks that RL learns)
-    env = {**os.environ, "SMOKE": "1", "JAX_PLATFORMS": "cpu", "VAE_STEPS": "10", "PRETRAIN_STEPS": "5",
-           "EVAL_NUM": "4",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    done = subprocess.run(["bash", str(ROOT / "scripts" / "mini_ocr.sh"), str(tmp_path)], cwd=ROOT, env=env,
+def script(name: str, out: Path, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(ROOT / "scripts" / name), str(out)], cwd=ROOT, env={**ENV, **env},
                           capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The whole proof at toy size in OUT/p0: the layout scripts/mini_ocr_arms.sh reuses."""
+    out = tmp_path_factory.mktemp("mini_ocr")
+    return out, script("mini_ocr.sh", out / "p0")
+
+
+def test_the_script_runs_every_step_and_writes_the_result(built):
+    out, done = built
+    out = out / "p0"
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    timed = [line.split()[0] for line in (tmp_path / "timings.txt").read_text().splitlines()]
+    timed = [line.split()[0] for line in (out / "timings.txt").read_text().splitlines()]
     assert timed == STEPS
-    result = json.loads((tmp_path / "mini_ocr.json").read_text())
+    result = json.loads((out / "mini_ocr.json").read_text())
     figures = result["figures"]
     for key in ("ocr_before", "ocr_after", "ocr_before_se", "ocr_after_se", "ocr_control_after", "rl_steps",
                 "rl_minutes"):
         assert key in figures, key
     assert figures["rl_steps"] == 2 and len(result["reward_curve"]) == len(result["control_reward_curve"]) == 2
     for run in ("rl", "rl_control"):
-        assert (tmp_path / run / "lora_final" / "adapter_config.json").exists()
-    assert (tmp_path / "reward_curve.png").stat().st_size > 0
+        assert (out / run / "lora_final" / "adapter_config.json").exists()
+    assert (out / "reward_curve.png").stat().st_size > 0
+
+
+def test_the_arms_launcher_trains_each_arm_on_the_built_pipeline_and_collects_them(built):
+    out, first = built
+    assert first.returncode == 0, first.stderr[-3000:]
+    done = script("mini_ocr_arms.sh", out, GPUS="2", PIPELINES="1", ARMS="guard nft", RL_STEPS="1")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    status = (out / "status").read_text().splitlines()
+    assert sorted(line.split()[:3] for line in status) == [["run", "p0", "guard"], ["run", "p0", "nft"]]  # reused
+    assert {line.split()[3] for line in status} == {"gpu=0", "gpu=1"}  # side by side, one a "GPU"
+    figures = json.loads((out / "mini_ocr_algorithms.json").read_text())["figures"]
+    assert figures["guard/pipelines"] == figures["nft/pipelines"] == 1 and figures["nft/steps"] == 1
+    assert figures["flowgrpo/pipelines"] == 1  # the proof's own FlowGRPO run is collected too
+    assert (out / "p0" / "eval" / "before_nft.json").exists() and (out / "p0" / "rl_guard" / "lora_final").is_dir()
+    bad = script("mini_ocr_arms.sh", out, ARMS="ppo")
+    assert bad.returncode == 2 and "unknown arm ppo" in bad.stderr
