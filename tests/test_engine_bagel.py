@@ -1,6 +1,7 @@
 """The embedded BAGEL engine (jaxflow_bridge/rollout/engine_bagel.py) on the tiny BAGEL folder, CPU float32: the
 contexts it builds, the trajectories it returns, LoRA on the generation expert (against the adapter merged into the
-weights) and the adapters it refuses, leaving the previous one serving."""
+weights), the adapters it refuses, leaving the previous one serving, and its images (the folder's autoencoder; the
+other tests use the latent preview, which needs no decoder)."""
 import numpy as np
 import pytest
 import torch
@@ -11,6 +12,7 @@ from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.rollout import tiny_bagel
 from jaxflow_bridge.rollout.bagel_sampling import BagelSamplingLoop
 from jaxflow_bridge.rollout.bagel_torch import BagelTorch
+from jaxflow_bridge.rollout.bagel_vae import BagelDecoder
 from jaxflow_bridge.rollout.engine_bagel import BagelTorchEngine, context_ids
 from jaxflow_bridge.rollout.server import engine_class
 from tests.bagel_helpers import SP, V_TOL
@@ -28,7 +30,7 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(folder):
-    return engine_class({"engine": "bagel_torch"})({"engine": "bagel_torch", "model": str(folder)})
+    return engine_class({"engine": "bagel_torch"})({"engine": "bagel_torch", "model": str(folder), "decode": "preview"})
 
 
 def adapter(model: torch.nn.Module, seed: int = 1) -> dict[str, np.ndarray]:
@@ -60,7 +62,7 @@ def test_generate_returns_trajectories_of_the_prompts_contexts(engine, folder):
 
 
 def test_lora_adapts_the_generation_expert_as_merged_weights_do(folder):
-    engine = BagelTorchEngine({"engine": "bagel_torch", "model": str(folder)})
+    engine = BagelTorchEngine({"engine": "bagel_torch", "model": str(folder), "decode": "preview"})
     peft = adapter(engine.model)
     ids = torch.tensor([context_ids(engine.tokenizer, PROMPTS[0])])
     mask = torch.ones_like(ids, dtype=torch.bool)
@@ -94,7 +96,7 @@ def test_lora_adapts_the_generation_expert_as_merged_weights_do(folder):
     (lambda p: {k: v * np.float32("nan") for k, v in p.items()}, "finite"),
 ])
 def test_a_refused_adapter_leaves_the_previous_one_serving(folder, mutate, needle):
-    engine = BagelTorchEngine({"engine": "bagel_torch", "model": str(folder)})
+    engine = BagelTorchEngine({"engine": "bagel_torch", "model": str(folder), "decode": "preview"})
     peft, second = adapter(engine.model), adapter(engine.model, seed=2)  # names read before LoRA wraps them
     engine.update_lora(peft, 1, {"r": RANK, "lora_alpha": ALPHA})
     before = engine.generate(PROMPTS[:1], 2, SAMPLING, seeds=[5, 6])
@@ -106,8 +108,21 @@ def test_a_refused_adapter_leaves_the_previous_one_serving(folder, mutate, needl
     assert engine.info()["policy_version"] == 1
 
 
+def test_images_are_the_folders_autoencoder_decoding_the_final_latents(folder):
+    engine = BagelTorchEngine({"engine": "bagel_torch", "model": str(folder)})  # decode="vae", the default
+    small = dict(SAMPLING, height=32, width=48, keep_final=True)
+    out = TrajectoryBatch.from_dict(engine.generate(PROMPTS[:1], 2, small, seeds=[7, 8]))
+    want = BagelDecoder(load_file(folder / "ae.safetensors"))(torch.from_numpy(out.final_latents), (2, 3))
+    assert out.images.shape == (2, 32, 48, 3) and out.images.std() > 0
+    np.testing.assert_array_equal(out.images, want)
+
+
 def test_bad_engine_configs_are_refused_in_one_line(folder, tmp_path):
-    for config, needle in ((dict(model=str(tmp_path)), "no ema.safetensors"), (dict(model=str(folder), dtype="bf16"),
-                           "dtype 'bf16' is not supported yet"), (dict(model=str(folder), device="cuda"), "pass 'cpu'")):
+    (tmp_path / "ema.safetensors").write_bytes((folder / "ema.safetensors").read_bytes())
+    for config, needle in ((dict(model=str(tmp_path / "none")), "no ema.safetensors"),
+                           (dict(model=str(tmp_path)), "no ae.safetensors"),
+                           (dict(model=str(folder), decode="jpeg"), "choose 'vae' or 'preview'"),
+                           (dict(model=str(folder), dtype="bf16"), "dtype 'bf16' is not supported yet"),
+                           (dict(model=str(folder), device="cuda"), "pass 'cpu'")):
         with pytest.raises(ValueError, match=needle):
             BagelTorchEngine({"engine": "bagel_torch", **config})

@@ -2,11 +2,11 @@
 
 Config keys: `engine` ("bagel_torch"), `model` (a BAGEL folder: llm_config.json, config.json, ema.safetensors and
 the tokenizer; or "tiny_bagel" for the cached tiny random one), `device` ("cpu", the only one for now), `dtype`
-("float32", the only one for now). A prompt's context is `<|im_start|>` + its tokens + `<|im_end|>` (docs/bagel.md
+("float32", the only one for now), `decode` ("vae", default: the folder's `ae.safetensors` through
+`bagel_vae.BagelDecoder`, as vLLM-Omni decodes; or "preview": `latent_preview`, no decoder, for plumbing runs). A prompt's context is `<|im_start|>` + its tokens + `<|im_end|>` (docs/bagel.md
 §4), carried as the trajectory's `prompt_ids`. LoRA: PEFT adapters in BAGEL's names (the trainer's
 `jaxflow.models.bagel.lora.peft_state_dict`; the `base_model.model.` prefix optional) on the generation expert's
-Linears, applied atomically by `LoraApplier`. Images: `latent_preview` stands in for the FLUX VAE decode (the tiny
-folder has no `ae.safetensors` yet), so a reward scores a preview of the final latents. Never imports JAX.
+Linears, applied atomically by `LoraApplier`. Never imports JAX.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from transformers import Qwen2TokenizerFast
 
 from jaxflow_bridge.contract.bagel_keymap import LORA_TARGETS, PEFT_PREFIX
 from jaxflow_bridge.contract.lora import LORA_KEY, read_peft, refusal
-from jaxflow_bridge.rollout.bagel_sampling import PIXELS_PER_TOKEN, BagelSamplingLoop, BagelSamplingParams
+from jaxflow_bridge.rollout.bagel_sampling import PIXELS_PER_TOKEN, BagelSamplingLoop, BagelSamplingParams, latent_preview
 from jaxflow_bridge.rollout.bagel_torch import BagelTorch
+from jaxflow_bridge.rollout.bagel_vae import BagelDecoder
 from jaxflow_bridge.rollout.engine import RolloutEngine
 from jaxflow_bridge.rollout.lora_apply import LoraApplier
 from jaxflow_bridge.rollout.pipeline import weights_fingerprint
@@ -39,7 +40,7 @@ class BagelTorchEngine(RolloutEngine):
     """The `RolloutEngine` interface over one `BagelTorch` and its sampling loop."""
 
     name = "bagel_torch"
-    config_keys = ("engine", "model", "device", "dtype")
+    config_keys = ("engine", "model", "device", "dtype", "decode")
 
     def __init__(self, config: dict):
         self.check_config(config)
@@ -51,18 +52,28 @@ class BagelTorchEngine(RolloutEngine):
             from jaxflow_bridge.rollout.tiny_bagel import tiny_bagel_path
 
             model = tiny_bagel_path()
-        folder = Path(model)
-        if not (folder / "ema.safetensors").is_file():
-            raise ValueError(f"{self.name} engine: {folder} has no ema.safetensors: pass a BAGEL folder (or "
-                             f"model='tiny_bagel')")
+        folder, decode = Path(model), config.get("decode", "vae")
+        if decode not in ("vae", "preview"):
+            raise ValueError(f"{self.name} engine: decode {decode!r}; choose 'vae' or 'preview'")
+        for name in ("ema.safetensors", "ae.safetensors")[:2 if decode == "vae" else 1]:
+            if not (folder / name).is_file():
+                raise ValueError(f"{self.name} engine: {folder} has no {name}: pass a BAGEL folder (or "
+                                 f"model='tiny_bagel')")
         self.model_path = str(folder)
-        self.model = BagelTorch(**bagel_torch_fields(folder))
+        fields = bagel_torch_fields(folder)
+        self.model = BagelTorch(**fields)
         self.model.load_checkpoint(load_file(folder / "ema.safetensors"))
         self.model.eval()
         self.fingerprint = weights_fingerprint(self.model.state_dict().items())
         self.tokenizer = Qwen2TokenizerFast.from_pretrained(folder)  # BAGEL ships Qwen2.5's tokenizer files
         self.lora = LoraApplier(self.model)
-        self.loop = BagelSamplingLoop(self.model)
+        self.decoder = None
+        if decode == "vae":
+            self.decoder = BagelDecoder(load_file(folder / "ae.safetensors"), patch=fields["latent_patch_size"])
+            if self.decoder.params["z_channels"] != fields["z_channels"]:
+                raise ValueError(f"{self.name} engine: config.json's vae_config has z_channels "
+                                 f"{fields['z_channels']}, the autoencoder {self.decoder.params['z_channels']}")
+        self.loop = BagelSamplingLoop(self.model, self.decoder or latent_preview)
         self.asleep = False
 
     def generate(self, prompts: list[str], n: int, sampling: dict | None = None, seeds=None) -> dict:

@@ -4,10 +4,11 @@ Files: ``llm_config.json`` (Qwen2 keys), ``config.json`` (BAGEL's top-level keys
 SigLIP), ``ema.safetensors`` (every tensor BagelPipeline loads, under the names its ``load_weights`` maps: both LLM
 experts, LM head, time embedder, vae2llm / llm2vae, the 2-D sin-cos ``latent_pos_embed`` and ``vit_pos_embed``, the
 ViT as ``vit_model.vision_model.*`` and the connector), the tokenizer of ``tiny.py`` (byte-level BPE with the Qwen
-special tokens, vocab 384) and ``preprocessor_config.json``. ``ae.safetensors`` (the VAE) is not written yet.
+special tokens, vocab 384), ``preprocessor_config.json`` and ``ae.safetensors`` (FLUX's autoencoder at the geometry
+vLLM-Omni hard-codes, 84M parameters: ``bagel_vae.checkpoint_shapes``; random, so its images are not meaningful).
 
 Seeds: a ``torch.Generator`` seeded ``seed + k`` for component k (0 language model, 1 generation heads, 2 ViT and
-connector); tensors are drawn in float32 and cast once to ``dtype``. Linears ~ N(0, 1/fan_in), biases ~ N(0, 0.1^2),
+connector, 3 autoencoder); tensors are drawn in float32 and cast once to ``dtype``. Linears ~ N(0, 1/fan_in), biases ~ N(0, 0.1^2),
 norm weights 1 + N(0, 0.1^2), embedding tables ~ N(0, 1). The global RNG is never touched.
 
 CLI: ``python -m jaxflow_bridge.rollout.tiny_bagel --out DIR [--seed 0] [--dtype float32]``.
@@ -25,10 +26,11 @@ import torch
 from safetensors.torch import save_file
 
 from jaxflow_bridge.rollout import tiny
+from jaxflow_bridge.rollout.bagel_vae import checkpoint_shapes
 
 FORMAT_VERSION = 1
 DTYPES = tiny.DTYPES
-FILES = ("llm_config.json", "config.json", "vit_config.json", "ema.safetensors", "tokenizer.json",
+FILES = ("llm_config.json", "config.json", "vit_config.json", "ema.safetensors", "ae.safetensors", "tokenizer.json",
          "tokenizer_config.json", "vocab.json", "merges.txt", "preprocessor_config.json")
 TIMESTEP_CHANNELS = 256
 LLM = "language_model.model."
@@ -161,6 +163,16 @@ def weights(seed: int = 0, dtype: str = "float32") -> dict[str, torch.Tensor]:
     return {k: v.to(DTYPES[dtype]).contiguous() for k, v in sd.items()}
 
 
+def ae_weights(seed: int = 0, dtype: str = "float32") -> dict[str, torch.Tensor]:
+    """Every tensor of ``ae.safetensors`` (FLUX's names), drawn by role from a generator seeded ``seed + 3``."""
+    tiny.check_dtype(dtype)
+    sd: dict[str, torch.Tensor] = {}
+    ae = _Drawer(sd, seed + 3)
+    for name, shape in checkpoint_shapes().items():
+        ae.like(name, shape)
+    return {k: v.to(DTYPES[dtype]).contiguous() for k, v in sd.items()}
+
+
 def bagel_torch_fields(folder) -> dict:
     """``BagelTorch`` keyword arguments read from a BAGEL folder's llm_config.json, config.json and tokenizer.json."""
     folder = Path(folder)
@@ -185,6 +197,7 @@ def _write(out: Path, seed: int, dtype: str) -> None:
                                           do_rescale=True, rescale_factor=1 / 255, do_normalize=True,
                                           image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5], resample=3))
     save_file(weights(seed, dtype), out / "ema.safetensors", metadata={"format": "pt"})
+    save_file(ae_weights(seed, dtype), out / "ae.safetensors", metadata={"format": "pt"})
     tiny.build_tokenizer().save_pretrained(out)
     tiny.save_slow_tokenizer_files(out)
 
