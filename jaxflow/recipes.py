@@ -93,8 +93,8 @@ HELP: dict[str, str] = {
                           "num_steps)",
     "sample.window_range": "(lo, hi): each sample's window lies in steps [lo, hi), its start drawn per sample",
     "sample.negative_prompt": "true CFG's negative prompt (flow_grpo's Qwen pipeline: ' ')",
-    "sample.same_latent": "True: a prompt group shares its initial noise (flow_grpo's same_latent; refused with a "
-                          "deterministic sampler, whose group would be one image)",
+    "sample.same_latent": "True: a prompt group shares its initial noise (flow_grpo's same_latent; not with a "
+                          "deterministic sampler)",
     "sample.max_sequence_length": "prompt tokens: the train step pads text to this, the rollout refuses longer prompts",
     "sample.negative_max_sequence_length": "negative prompt tokens the train step pads to (0: max_sequence_length); "
                                            "shorter: a forward of their own",
