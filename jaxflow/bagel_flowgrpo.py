@@ -66,13 +66,13 @@ def contexts(model: BagelModel, batch: dict, guidance: BagelGuidance) -> tuple[C
 
 
 def guided_velocity(model: BagelModel, x: jax.Array, sigma: jax.Array, cond: Context, uncond: Context | None, *,
-                    grid_hw: tuple[int, int], guidance: BagelGuidance) -> jax.Array:
+                    grid_hw: tuple[int, int], guidance: BagelGuidance, lora_scale: float = 1.0) -> jax.Array:
     """Velocity (B, S, C) float32 at sigma (B,): conditional, or, for the samples with lo < sigma <= hi and CFG on,
     v = v_u + s (v_c - v_u) times clamp(|v_c| / (|v| + 1e-8), renorm_min, 1), norms over each sample's elements."""
-    v_c = model.denoise(cond.kv, cond.mask, x, sigma, grid_hw).astype(jnp.float32)
+    v_c = model.denoise(cond.kv, cond.mask, x, sigma, grid_hw, lora_scale).astype(jnp.float32)
     if not guidance.on:
         return v_c
-    v_u = model.denoise(uncond.kv, uncond.mask, x, sigma, grid_hw).astype(jnp.float32)
+    v_u = model.denoise(uncond.kv, uncond.mask, x, sigma, grid_hw, lora_scale).astype(jnp.float32)
     return combine_cfg(v_c, v_u, sigma, guidance)
 
 
@@ -89,11 +89,13 @@ def combine_cfg(v_c: jax.Array, v_u: jax.Array, sigma: jax.Array, guidance: Bage
 
 
 def window_log_prob(model: BagelModel, tr: dict, cond: Context, uncond: Context | None, *,
-                    grid_hw: tuple[int, int], sde_type: str, guidance: BagelGuidance):
-    """(mean, log_prob (B,), std) of one window step's stored next latent under the model's SDE step.
+                    grid_hw: tuple[int, int], sde_type: str, guidance: BagelGuidance, lora_scale: float = 1.0):
+    """(mean, log_prob (B,), std) of one window step's stored next latent under the model's SDE step (lora_scale 0:
+    the adapters off, the KL reference).
 
     `tr` holds x, x_next (B, S, C); sigma, sigma_next, sigma_max, noise_level (B,)."""
-    v = guided_velocity(model, tr["x"], tr["sigma"], cond, uncond, grid_hw=grid_hw, guidance=guidance)
+    v = guided_velocity(model, tr["x"], tr["sigma"], cond, uncond, grid_hw=grid_hw, guidance=guidance,
+                        lora_scale=lora_scale)
     _, logp, mean, std = sde.sde_step(tr["x"], v, tr["sigma"], tr["sigma_next"], tr["sigma_max"],
                                       sde_type=sde_type, noise_level=tr["noise_level"], prev_sample=tr["x_next"])
     return mean, logp, std

@@ -15,8 +15,8 @@ from jaxflow.step_config import TrainConfig
 @dataclasses.dataclass(frozen=True)
 class Objective:
     """context(model, shared, config) -> shared with what every window step reuses; log_prob(model, tr, config, **kw)
-    -> (mean, logp (B,), std) of one window step (`flowgrpo.window_log_prob`'s contract; kw: lora_scale where the
-    model kind has one, for the KL reference)."""
+    -> (mean, logp (B,), std) of one window step (`flowgrpo.window_log_prob`'s contract; kw: lora_scale, 0 for the
+    KL reference)."""
 
     context: Callable
     log_prob: Callable
@@ -36,9 +36,10 @@ def _bagel_context(model, shared: dict, config: TrainConfig) -> dict:
     return {**shared, "contexts": bagel_flowgrpo.contexts(model, shared, bagel_guidance(config))}
 
 
-def _bagel_log_prob(model, tr: dict, config: TrainConfig):
+def _bagel_log_prob(model, tr: dict, config: TrainConfig, lora_scale: float = 1.0):
     return bagel_flowgrpo.window_log_prob(model, tr, *tr["contexts"], grid_hw=config.grid_hw,
-                                          sde_type=config.sde_type, guidance=bagel_guidance(config))
+                                          sde_type=config.sde_type, guidance=bagel_guidance(config),
+                                          lora_scale=lora_scale)
 
 
 QWEN_IMAGE = Objective(lambda model, shared, config: shared, _qwen_image_log_prob)
@@ -46,12 +47,11 @@ BAGEL = Objective(_bagel_context, _bagel_log_prob)
 
 
 def for_model(model, config: TrainConfig) -> Objective:
-    """The model kind's objective; BAGEL refuses what it cannot train yet: beta > 0 (its model has no lora_scale to
-    run the adapters-off KL reference) and DiffusionNFT."""
+    """The model kind's objective; BAGEL refuses what it cannot train yet: DiffusionNFT. (Both kinds' KL reference
+    is the model with its adapters off, lora_scale 0; BAGEL's contexts need none: the adapters are on the
+    generation expert only.)"""
     if not isinstance(model, BagelModel):
         return QWEN_IMAGE
-    if config.beta > 0:
-        raise ValueError(f"train.beta={config.beta}: BAGEL has no KL reference yet (no lora_scale); use 0")
     if config.nft:
         raise ValueError(f"train.algorithm={config.algorithm!r}: BAGEL trains with 'flowgrpo' only")
     return BAGEL

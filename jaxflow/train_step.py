@@ -249,8 +249,7 @@ def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | Non
     shardings; without one they run on the default device. `compiler_options` (XLA debug options, e.g.
     {"xla_gpu_enable_triton_gemm": False}) apply to these two jits only (config `train.xla_options`).
     The model's kind picks the window log-prob (`objectives.for_model`): a `BagelModel` reads the batch's token
-    ids (BAGEL's text CFG from `guidance`, `cfg_interval`, `cfg_renorm_min`) and refuses beta > 0 (no KL reference
-    yet: the model has no lora_scale) and DiffusionNFT.
+    ids (BAGEL's text CFG from `guidance`, `cfg_interval`, `cfg_renorm_min`) and refuses DiffusionNFT.
     """
     objective = objectives.for_model(model, config)
     graphdef, lora, frozen = nnx.split(model, LoRAParam, ...)

@@ -53,6 +53,10 @@ def test_adapter_moves_generation_tokens_only():
         assert np.array_equal(a, b)
     v, v0 = flax_velocity(model, ids, mask, x, t), flax_velocity(base, ids, mask, x, t)
     assert np.all(np.max(np.abs(v - v0), axis=(1, 2)) > 1e3 * TOL * np.max(np.abs(v0)))
+    # lora_scale 0 (FlowGRPO's KL reference) is the base model bit for bit: the adapters add exact zeros
+    kv = model.prefill(jnp.asarray(ids))
+    off = model.denoise(kv, jnp.asarray(mask), jnp.asarray(x), jnp.asarray(t), PARITY_GRID, lora_scale=0.0)
+    assert np.array_equal(np.asarray(off), v0)
 
 
 @pytest.mark.parametrize("cfg", [TINY, OTHER], ids=["tiny", "other"])

@@ -1,6 +1,7 @@
 """The FlowGRPO train step (make_train_step) on a tiny BAGEL with LoRA, float32 on CPU: the torch rollout
 (bagel_sampling, the same seeded weights and adapter, tests/bagel_helpers.py's `sampled`) -> TrainBatch with token
-ids -> one step, its ratio, update and loss against bagel_flowgrpo's log-probs; shuffled ids; refusals."""
+ids -> one step, its ratio, update and loss against bagel_flowgrpo's log-probs; the KL term; shuffled ids;
+refusals."""
 import dataclasses
 import math
 
@@ -94,11 +95,20 @@ def test_shuffled_ids_move_the_ratio_beyond_the_bound(run):
     assert moved > 10 * tol.max(), (moved, tol.max())
 
 
-@pytest.mark.parametrize("change", [{"beta": 0.04}, {"algorithm": "nft", "guidance": 1.0}], ids=["beta", "nft"])
-def test_bagel_refuses_what_it_cannot_train(run, change):
-    model = run[0]
-    with pytest.raises(ValueError, match=f"train.{next(iter(change))}="):
-        make_train_step(model, dataclasses.replace(CONFIG, **change))
+def test_beta_adds_the_kl_to_the_model_with_its_adapters_off(run):
+    """The rollout's adapter is nonzero, so the policy's SDE mean differs from the adapters-off reference's: kl > 0,
+    and (the same first update, on-policy) the loss is the beta = 0 step's plus beta kl, up to the sum's rounding."""
+    model, out, *_, (_, _, plain) = run
+    beta = 0.04
+    _, _, metrics = one_step(model, TrainBatch.of(out, ADV, SP.noise_level), dataclasses.replace(CONFIG, beta=beta))
+    assert plain["kl"] == 0 and metrics["kl"] > 0
+    total = plain["loss"] + beta * metrics["kl"]
+    assert abs(metrics["loss"] - total) <= 16 * U * (abs(plain["loss"]) + beta * metrics["kl"])
+
+
+def test_bagel_refuses_what_it_cannot_train(run):
+    with pytest.raises(ValueError, match="train.algorithm="):
+        make_train_step(run[0], dataclasses.replace(CONFIG, algorithm="nft", guidance=1.0))
 
 
 def test_bagel_cfg_fields_are_checked():

@@ -52,14 +52,15 @@ class BagelModel(nnx.Module):
     def _embed(self, ids):
         return jnp.take(self.embed_tokens[...], ids, axis=0).astype(self.opts.compute_dtype)
 
-    def _layers(self, h, is_gen, cos, sin, past: KVCache | None, kv_len, causal):
+    def _layers(self, h, is_gen, cos, sin, past: KVCache | None, kv_len, causal, lora_scale=1.0):
         """The layers as a lax.scan over their stacked state (and the cache's layer axis); returns h and every
         layer's (k, v) of the tokens, stacked."""
         graphdef, state = nnx.split(self.layers)
 
         def body(h, xs):
             layer_state, layer_past = xs
-            return nnx.merge(graphdef, layer_state)(h, is_gen, cos, sin, layer_past, kv_len, causal, self.impl)
+            return nnx.merge(graphdef, layer_state)(h, is_gen, cos, sin, layer_past, kv_len, causal, self.impl,
+                                                    lora_scale)
 
         return jax.lax.scan(body, h, (state, past))
 
@@ -74,8 +75,9 @@ class BagelModel(nnx.Module):
         return kv
 
     def denoise(self, context_kv: KVCache, context_mask: jax.Array, latents: jax.Array, t: jax.Array,
-                grid_hw: tuple[int, int]) -> jax.Array:
-        """Velocity (B, S, latent_dim) of the latents (B, S, latent_dim) at sigma t (B,) over a prefilled context.
+                grid_hw: tuple[int, int], lora_scale: jax.Array | float = 1.0) -> jax.Array:
+        """Velocity (B, S, latent_dim) of the latents (B, S, latent_dim) at sigma t (B,) over a prefilled context;
+        lora_scale multiplies the adapters' contribution (0: the base weights, FlowGRPO's KL reference).
 
         Query [<|vision_start|>, latents (row-major h x w = grid_hw), <|vision_end|>], every token at RoPE position
         context_mask.sum() (0 for an empty context); latent token = vae2llm(x) + time_embedder(t) +
@@ -100,7 +102,7 @@ class BagelModel(nnx.Module):
             cos, sin = rope_tables(context_mask.shape[1] + 1, cfg.head_dim, cfg.rope_theta)
             cos, sin = cos[ctx_len][:, None], sin[ctx_len][:, None]
             # keys [query ; context]: the masked ones (context padding) form a suffix
-            h, _ = self._layers(h, is_gen, cos, sin, context_kv, ctx_len + h.shape[1], False)
+            h, _ = self._layers(h, is_gen, cos, sin, context_kv, ctx_len + h.shape[1], False, lora_scale)
             return self.llm2vae(self.norm_moe_gen(h[:, 1:-1]))
 
 

@@ -56,15 +56,21 @@ class Expert(nnx.Module):
         self.up_proj = linear("up_proj", d, m, ("embed", "mlp"), bias=False)
         self.down_proj = linear("down_proj", m, d, ("mlp", "embed"), bias=False)
 
-    def qkv(self, h):
-        """Per-head q, k (RMS-normed, before RoPE) and v of the residual stream h (B, S, d)."""
+    def qkv(self, h, lora_scale=1.0):
+        """Per-head q, k (RMS-normed, before RoPE) and v of the residual stream h (B, S, d); lora_scale multiplies
+        the adapters' contribution (0: the base weights, the KL reference)."""
         x = self.input_layernorm(h)
         heads = lambda y: y.reshape(*y.shape[:-1], -1, self.head_dim)  # noqa: E731
-        return self.q_norm(heads(self.q_proj(x))), self.k_norm(heads(self.k_proj(x))), heads(self.v_proj(x))
+        q, k, v = (heads(p(x, lora_scale)) for p in (self.q_proj, self.k_proj, self.v_proj))
+        return self.q_norm(q), self.k_norm(k), v
 
-    def mlp(self, h):
+    def out(self, o, lora_scale=1.0):
+        return self.o_proj(o, lora_scale)
+
+    def mlp(self, h, lora_scale=1.0):
         x = self.post_attention_layernorm(h)
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x, lora_scale), self.up_proj(x, lora_scale)
+        return self.down_proj(jax.nn.silu(gate) * up, lora_scale)
 
 
 def route(und_fn, gen_fn, x: jax.Array, is_gen: np.ndarray):
@@ -87,17 +93,19 @@ class MoTLayer(nnx.Module):
         self.und = Expert(cfg, make)
         self.gen = Expert(cfg, make, lora, expert_targets(lora))
 
-    def __call__(self, h, is_gen: np.ndarray, cos, sin, past, kv_len, causal: bool, impl: str):
+    def __call__(self, h, is_gen: np.ndarray, cos, sin, past, kv_len, causal: bool, impl: str, lora_scale=1.0):
         """h (B, S, d); cos/sin (B or 1, S or 1, head_dim/2), the tokens' RoPE; past: this layer's cached context
         (k, v), each (B, L, kv_heads, head_dim), seen after the tokens' own keys, or None; kv_len (B,) visible keys
-        of [own ; past] (None = all); causal for a prefill. Returns h and the tokens' (k, v) after norm and RoPE."""
-        q, k, v = route(self.und.qkv, self.gen.qkv, h, is_gen)
+        of [own ; past] (None = all); causal for a prefill; lora_scale scales the generation expert's adapters.
+        Returns h and the tokens' (k, v) after norm and RoPE."""
+        gen = lambda fn: lambda x: fn(x, lora_scale)  # noqa: E731
+        q, k, v = route(self.und.qkv, gen(self.gen.qkv), h, is_gen)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         own = (k, v)
         if past is not None:
             k, v = jnp.concatenate([k, past[0]], axis=1), jnp.concatenate([v, past[1]], axis=1)
         o = attention(q, k, v, kv_len, impl, causal=causal)
         o = o.reshape(*o.shape[:2], -1)
-        h = h + route(self.und.o_proj, self.gen.o_proj, o, is_gen)
-        h = h + route(self.und.mlp, self.gen.mlp, h, is_gen)
+        h = h + route(self.und.out, gen(self.gen.out), o, is_gen)
+        h = h + route(self.und.mlp, gen(self.gen.mlp), h, is_gen)
         return h, own
