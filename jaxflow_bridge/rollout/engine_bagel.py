@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 from safetensors.torch import load_file
 from transformers import Qwen2TokenizerFast
 
@@ -86,8 +87,9 @@ class BagelTorchEngine(RolloutEngine):
     def update_lora(self, tensors, version: int, adapter_config: dict | None = None) -> dict:
         """{"version", "bound_modules"}; atomic: a refused adapter leaves the previous one serving."""
         self.check_awake()
-        if isinstance(version, bool) or not isinstance(version, int):
+        if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
             raise ValueError(f"version must be an int, got {version!r}")
+        version = int(version)
         if isinstance(tensors, (str, Path)):
             tensors, file_config = read_peft(tensors)
             adapter_config = adapter_config or file_config
