@@ -43,3 +43,20 @@ def write_result(out_dir: str | Path, name: str, figures: dict, command: str | N
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1) + "\n")
     return path
+
+
+def scaling_figures(one: dict, layouts: dict[str, dict]) -> dict:
+    """The figures of a scaling result from bench_e2e results' figures: `one`, the one-GPU run's, and `layouts`, each
+    multi-GPU layout's by name (each with img_per_gpu_s, gpus and step_s). Per layout: its img/GPU/s, step time and
+    scaling_vs_1gpu (its images per second over the one-GPU run's); then the best layout's as `img_per_gpu_s`,
+    `scaling_vs_1gpu` and `layout`."""
+    if not layouts:
+        raise ValueError("no multi-GPU layout to compare with the one-GPU run")
+    base = one["img_per_gpu_s"] * one["gpus"]
+    out = {"one_gpu_img_per_gpu_s": one["img_per_gpu_s"], "one_gpu_step_s": one["step_s"]}
+    for name, f in layouts.items():
+        out.update({f"{name}/img_per_gpu_s": f["img_per_gpu_s"], f"{name}/step_s": f["step_s"],
+                    f"{name}/gpus": f["gpus"], f"{name}/scaling_vs_1gpu": f["img_per_gpu_s"] * f["gpus"] / base})
+    best = max(layouts, key=lambda name: out[f"{name}/scaling_vs_1gpu"])
+    out.update(img_per_gpu_s=out[f"{best}/img_per_gpu_s"], scaling_vs_1gpu=out[f"{best}/scaling_vs_1gpu"], layout=best)
+    return out

@@ -9,8 +9,11 @@
 # prints img/GPU/s with the phase breakdown and writes OUT_DIR/RESULT.json (with the device's peak memory, read by
 # nvidia-smi every 0.5 s).
 #
-#   [ENGINE=vllm_omni|diffusers] [LAYOUT=1gpu|inproc|2gpu] [SLEEP=false|true] [PROMPTS=2] [MICRO=n] [RESULT=name] \
-#     [PROFILE_STEP=k] bash scripts/bench_e2e.sh OUT_DIR [extra --config overrides]
+#   [ENGINE=vllm_omni|diffusers] [LAYOUT=1gpu|inproc|2gpu|2gpu_colocated] [SLEEP=false|true] [PROMPTS=2] [MICRO=n] \
+#     [PER_CALL=n] [RESULT=name] [PROFILE_STEP=k] bash scripts/bench_e2e.sh OUT_DIR [extra --config overrides]
+#
+# PER_CALL: prompts per rollout call (default min(4, PROMPTS / 2)); keep it when comparing layouts of different
+# PROMPTS, so that every engine's calls are the same size.
 #
 # Left out, ENGINE and SLEEP are the recipe's. Runs before 2026-11-25 used this script's earlier form (diffusers and
 # the in-process layout by default, 8 micro-batches, one prompt per call, the JPEG reward): benchmarks/HISTORY.md
@@ -26,6 +29,8 @@
 #           SLEEP=true the engine also sleeps while JAX trains (the freed memory and the wake time are logged)
 #   2gpu    two GPUs: a Ray head owning both is started first; the trainer sees only GPU 1 (CUDA_VISIBLE_DEVICES)
 #           and the Ray actor takes GPU 0; trajectories and the LoRA go through Ray every step
+#   2gpu_colocated  two GPUs, each as 1gpu: the trainer data-parallel over both (micro-batches per device as on
+#           one GPU), one engine on each (rollout.num_servers=2); PROMPTS=4 PER_CALL=1 is 1gpu's PROMPTS=2 per GPU
 set -euo pipefail
 out=${1:?usage: bench_e2e.sh OUT_DIR [overrides]}; shift
 engine=${ENGINE:-vllm_omni} layout=${LAYOUT:-1gpu} prompts=${PROMPTS:-2}
@@ -39,7 +44,7 @@ mini=$(python3 -c "
 import importlib.util as u; s = u.spec_from_file_location('r', 'configs/qwen_ocr.py'); m = u.module_from_spec(s)
 s.loader.exec_module(m); c = m.get_config(); print(c.train.num_mini_batches, c.sample.group_size)")
 read -r mini group <<<"$mini"
-per_call=$((prompts / 2 < 4 ? prompts / 2 : 4)); per_call=$((per_call < 1 ? 1 : per_call))
+per_call=$((prompts / 2 < 4 ? prompts / 2 : 4)); per_call=${PER_CALL:-$((per_call < 1 ? 1 : per_call))}
 mkdir -p "$out"   # the whole training log goes to $out/train.log (kept when a time limit cuts the run)
 model=${MODEL_DIR:-/tmp/qwen_random}  # written if missing: random weights, a text encoder of the real size
 # One process holds JAX and torch, or JAX shares its GPU with the actor: JAX gets a fixed pool (its allocator never
@@ -48,7 +53,7 @@ model=${MODEL_DIR:-/tmp/qwen_random}  # written if missing: random weights, a te
 unset XLA_PYTHON_CLIENT_MEM_FRACTION
 given_fraction=${XLA_CLIENT_MEM_FRACTION:+XLA_CLIENT_MEM_FRACTION=$XLA_CLIENT_MEM_FRACTION }  # for the result's command
 export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-true} PYTHONUNBUFFERED=1
-gpus=1
+gpus=1 trainer_devices=1
 case $layout in
   inproc) export XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.5}
           placement=(--config.rollout.layout=in_process --config.rollout.num_gpus=0) ;;
@@ -61,7 +66,10 @@ case $layout in
           trap 'python3 -m ray.scripts.scripts stop >/dev/null 2>&1' EXIT
           export XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.9} CUDA_VISIBLE_DEVICES=1; gpus=2
           placement=(--config.rollout.layout=split --config.rollout.num_gpus=1 --config.rollout.address=auto) ;;
-  *) echo "LAYOUT must be inproc, 1gpu or 2gpu" >&2; exit 2 ;;
+  2gpu_colocated)  # both GPUs as 1gpu's one: JAX's pool and an engine on each, the step data-parallel over them
+          export XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.56}; gpus=2 trainer_devices=2
+          placement=(--config.rollout.layout=colocated --config.rollout.num_gpus=1 --config.rollout.num_servers=2) ;;
+  *) echo "LAYOUT must be inproc, 1gpu, 2gpu or 2gpu_colocated" >&2; exit 2 ;;
 esac
 [ "$engine" = vllm_omni ] && [ "$layout" = inproc ] && { echo "the vllm_omni engine runs in a Ray actor: LAYOUT=1gpu or 2gpu" >&2; exit 2; }
 python3 -c "import jax; b = jax.default_backend(); assert b == 'gpu', f'JAX runs on {b}, not the GPU'; print(jax.devices())"
@@ -70,7 +78,8 @@ cmd=(python3 -m jaxflow.train --config configs/qwen_ocr.py --config.model.path="
   --config.rollout.engine="$engine" --config.rollout.dtype=bfloat16 --config.rollout.device=cuda
   ${SLEEP:+--config.rollout.sleep_while_training=$SLEEP} "${placement[@]}"
   --config.sample.prompts_per_step="$prompts" --config.sample.prompts_per_call="$per_call"
-  --config.train.num_micro_batches=$((prompts * group / mini / micro)) --config.train.num_steps=4 --config.eval.every=0
+  --config.train.num_micro_batches=$((prompts * group / mini / micro / trainer_devices)) --config.train.num_steps=4
+  --config.eval.every=0
   --config.checkpoint.every=1000 --config.log.progress=False --config.run_dir="$out/run" "$@")
 exclude=()
 if [ -n "${PROFILE_STEP:-}" ]; then
@@ -85,7 +94,7 @@ smi=$!
 kill "$smi" 2>/dev/null || true
 python3 scripts/summarize_run.py "$out/run" --gpus "$gpus" --result "$result" --out "$out" "${exclude[@]}" \
   --gpu-mem "$out/gpu_mem.csv" \
-  --command "${given_fraction}${MODEL_DIR:+MODEL_DIR=$MODEL_DIR }ENGINE=$engine LAYOUT=$layout ${SLEEP:+SLEEP=$SLEEP }PROMPTS=$prompts ${MICRO:+MICRO=$MICRO }bash scripts/bench_e2e.sh OUT $*"
+  --command "${given_fraction}${MODEL_DIR:+MODEL_DIR=$MODEL_DIR }ENGINE=$engine LAYOUT=$layout ${SLEEP:+SLEEP=$SLEEP }PROMPTS=$prompts ${MICRO:+MICRO=$MICRO }${PER_CALL:+PER_CALL=$PER_CALL }bash scripts/bench_e2e.sh OUT $*"
 if [ -n "${PROFILE_STEP:-}" ]; then
   python3 scripts/profile_step.py --out "$out" --trace "$out/run/profile" --hlo "$out/hlo"
 fi

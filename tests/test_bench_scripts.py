@@ -129,6 +129,20 @@ def test_mini_ocr_algorithms_collects_each_arm_over_its_pipelines(tmp_path):
         collect([tmp_path / "nothing"])
 
 
+def test_scaling_figures_pick_the_better_layout_by_images_per_second_over_one_gpus():
+    from jaxflow_bench.results import scaling_figures
+    one = dict(img_per_gpu_s=1.0, gpus=1, step_s=32.0)
+    layouts = {"2gpu_colocated": dict(img_per_gpu_s=0.95, gpus=2, step_s=33.7),
+               "2gpu": dict(img_per_gpu_s=0.8, gpus=2, step_s=40.0)}
+    figures = scaling_figures(one, layouts)
+    assert figures["2gpu_colocated/scaling_vs_1gpu"] == pytest.approx(1.9)
+    assert figures["2gpu/scaling_vs_1gpu"] == pytest.approx(1.6)
+    assert figures["layout"] == "2gpu_colocated" and figures["scaling_vs_1gpu"] == pytest.approx(1.9)
+    assert figures["img_per_gpu_s"] == 0.95 and figures["one_gpu_img_per_gpu_s"] == 1.0
+    with pytest.raises(ValueError, match="no multi-GPU layout"):
+        scaling_figures(one, {})
+
+
 def test_mini_ocr_eval_samples_as_the_configs_eval():
     """scripts/mini_ocr_eval.py samples as configs/mini_ocr.py's eval (the settings it wrote by hand before, but for
     sde_window_range, which an ODE run over every step ignores), --steps and --guidance replacing the eval's."""

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The recipe (bench_e2e.sh: configs/qwen_ocr.py, vLLM-Omni, random full-size weights) on one GPU and on two, back to
+# back on one 2-GPU host, into OUT_DIR/e2e_2gpu.json (figures img_per_gpu_s, scaling_vs_1gpu and layout of the better
+# 2-GPU layout, and each layout's; `jaxflow_bench.results.scaling_figures`). Every run has the same work per GPU: one
+# prompt (16 images) a rollout call, 2 prompts a step per GPU, the recipe's micro-batch per device.
+#
+#   [LAYOUTS="2gpu_colocated 2gpu"] bash scripts/bench_e2e_scaling.sh OUT_DIR [extra --config overrides]
+#
+# 1gpu: GPU 0 alone (CUDA_VISIBLE_DEVICES=0). 2gpu_colocated: both GPUs as 1gpu's one, the trainer data-parallel over
+# them, one engine on each (PROMPTS=4). 2gpu: the split layout, the trainer on one GPU and the engine on the other,
+# with rollout.overlap (the next step's rollout runs during this step's training; PROMPTS=4).
+set -euo pipefail
+out=${1:?usage: bench_e2e_scaling.sh OUT_DIR [overrides]}; shift
+CUDA_VISIBLE_DEVICES=0 LAYOUT=1gpu PROMPTS=2 PER_CALL=1 RESULT=e2e_1gpu bash scripts/bench_e2e.sh "$out/1gpu" "$@"
+layouts=${LAYOUTS:-2gpu_colocated 2gpu}
+for layout in $layouts; do
+  case $layout in
+    2gpu_colocated) extra=() ;;
+    2gpu) extra=(--config.rollout.overlap=True) ;;
+    *) echo "LAYOUTS: unknown layout $layout; choose from 2gpu_colocated 2gpu" >&2; exit 2 ;;
+  esac
+  LAYOUT=$layout PROMPTS=4 PER_CALL=1 RESULT="e2e_$layout" bash scripts/bench_e2e.sh "$out/$layout" "${extra[@]}" "$@"
+done
+python3 - "$out" $layouts <<'PY'
+import json, sys
+from pathlib import Path
+from jaxflow_bench.results import scaling_figures, write_result
+out, layouts = Path(sys.argv[1]), sys.argv[2:]
+figures = lambda path: json.loads(path.read_text())["figures"]  # noqa: E731
+result = scaling_figures(figures(out / "1gpu" / "e2e_1gpu.json"),
+                         {name: figures(out / name / f"e2e_{name}.json") for name in layouts})
+write_result(out, "e2e_2gpu", result, command=f"LAYOUTS=\"{' '.join(layouts)}\" bash scripts/bench_e2e_scaling.sh OUT")
+print(json.dumps(result, indent=1))
+PY
