@@ -140,6 +140,18 @@ def test_log_probs_match_a_float64_recomputation(loop, weights):
             assert abs(out.log_probs[b, k] - want) <= tol, (b, k, out.log_probs[b, k], want, tol)
 
 
+def test_log_probs_average_minus_a_half_minus_the_log_step_std(loop):
+    """At sampling time E[log p] = -1/2 - log(step std) - log sqrt(2 pi) ('sde', numerics.md §8): the loop draws its
+    step noise at the std its log-prob uses. Each log-prob is a mean over S x C = 1536 elements, whose -z^2/2 has
+    variance 1/2: within 4 standard errors, 4 sqrt(0.5 / 1536) = 0.072."""
+    out = loop.generate([PROMPT_A, PROMPT_B], 2, dataclasses.replace(SP, cfg_text_scale=1.0), seeds=[31, 32, 33, 34])
+    sig, idx = out.sigmas.astype(np.float64), out.step_index
+    s, s_next = sig[idx], sig[idx + 1]
+    std = SP.noise_level * np.sqrt(s / (1 - np.where(s == 1, sig[1], s))) * np.sqrt(s - s_next)
+    np.testing.assert_allclose(out.log_probs, -0.5 - np.log(std) - 0.5 * np.log(2 * np.pi),
+                               atol=4 * math.sqrt(0.5 / (GRID[0] * GRID[1] * TINY.latent_dim)))
+
+
 class CountingModel:
     """Counts velocity calls over the empty (unconditional) context."""
 
