@@ -8,8 +8,8 @@ special tokens, vocab 384), ``preprocessor_config.json`` and ``ae.safetensors`` 
 vLLM-Omni hard-codes, 84M parameters: ``bagel_vae.checkpoint_shapes``; random, so its images are not meaningful).
 
 Seeds: a ``torch.Generator`` seeded ``seed + k`` for component k (0 language model, 1 generation heads, 2 ViT and
-connector, 3 autoencoder); tensors are drawn in float32 and cast once to ``dtype``. Linears ~ N(0, 1/fan_in), biases ~ N(0, 0.1^2),
-norm weights 1 + N(0, 0.1^2), embedding tables ~ N(0, 1). The global RNG is never touched.
+connector, 3 autoencoder); tensors are drawn in float32 and cast once to ``dtype``. Linears ~ N(0, 1/fan_in), biases
+~ N(0, 0.1^2), norm weights 1 + N(0, 0.1^2), embedding tables ~ N(0, 1). The global RNG is never touched.
 
 CLI: ``python -m jaxflow_bridge.rollout.tiny_bagel --out DIR [--seed 0] [--dtype float32]``.
 """
