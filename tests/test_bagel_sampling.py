@@ -141,7 +141,7 @@ def test_log_probs_match_a_float64_recomputation(loop, weights):
 
 
 def test_log_probs_average_minus_a_half_minus_the_log_step_std(loop):
-    """At sampling time E[log p] = -1/2 - log(step std) - log sqrt(2 pi) ('sde', numerics.md §8): the loop draws its
+    """At sampling time E[log p] = -1/2 - log(step std) - log sqrt(2 pi) ('sde', docs/numerics.md §8): the loop draws its
     step noise at the std its log-prob uses. Each log-prob is a mean over S x C = 1536 elements, whose -z^2/2 has
     variance 1/2: within 4 standard errors, 4 sqrt(0.5 / 1536) = 0.072."""
     out = loop.generate([PROMPT_A, PROMPT_B], 2, dataclasses.replace(SP, cfg_text_scale=1.0), seeds=[31, 32, 33, 34])
