@@ -8,6 +8,15 @@ from __future__ import annotations
 
 import abc
 
+import numpy as np
+
+
+def policy_version(version) -> int:
+    """An update's policy version as an int (a numpy integer too); ValueError for anything else, bools included."""
+    if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
+        raise ValueError(f"version must be an int, got {version!r}")
+    return int(version)
+
 
 class RolloutEngine(abc.ABC):
     """generate / update_lora / release_adapter / sleep / wake / info, plus the checks every engine shares. Subclasses set `name`

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 from safetensors.torch import load_file
 from transformers import Qwen2TokenizerFast
 
@@ -22,7 +21,7 @@ from jaxflow_bridge.contract.lora import LORA_KEY, read_peft, refusal
 from jaxflow_bridge.rollout.bagel_sampling import PIXELS_PER_TOKEN, BagelSamplingLoop, BagelSamplingParams, latent_preview
 from jaxflow_bridge.rollout.bagel_torch import BagelTorch
 from jaxflow_bridge.rollout.bagel_vae import BagelDecoder
-from jaxflow_bridge.rollout.engine import RolloutEngine
+from jaxflow_bridge.rollout.engine import RolloutEngine, policy_version
 from jaxflow_bridge.rollout.lora_apply import LoraApplier
 from jaxflow_bridge.rollout.pipeline import weights_fingerprint
 from jaxflow_bridge.rollout.tiny_bagel import bagel_torch_fields
@@ -87,9 +86,7 @@ class BagelTorchEngine(RolloutEngine):
     def update_lora(self, tensors, version: int, adapter_config: dict | None = None) -> dict:
         """{"version", "bound_modules"}; atomic: a refused adapter leaves the previous one serving."""
         self.check_awake()
-        if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
-            raise ValueError(f"version must be an int, got {version!r}")
-        version = int(version)
+        version = policy_version(version)
         if isinstance(tensors, (str, Path)):
             tensors, file_config = read_peft(tensors)
             adapter_config = adapter_config or file_config

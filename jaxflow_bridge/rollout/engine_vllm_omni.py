@@ -57,7 +57,7 @@ from jaxflow_bridge.contract.lora import (adapter_spec, lora_pairs, read_peft, r
 from jaxflow_bridge.contract.lora_shm import SharedAdapterFile, open_payload, read_arrays
 from jaxflow_bridge.contract.schedule import sample_windows
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
-from jaxflow_bridge.rollout.engine import RolloutEngine
+from jaxflow_bridge.rollout.engine import RolloutEngine, policy_version
 from jaxflow_bridge.rollout.lora_binding import check_lora_binding, slot_plan
 from jaxflow_bridge.rollout.pipeline import FINGERPRINT_ELEMENTS, TensorHead, weights_fingerprint
 from jaxflow_bridge.rollout.sampling import SamplingParams, check_prompts, per_sample_seeds
@@ -242,8 +242,7 @@ class VllmOmniEngine(RolloutEngine):
 
     def update_lora(self, tensors, version: int, adapter_config: dict | None = None) -> dict:
         """{"version", "bound_modules"}; a refused or failed adapter leaves the previous one serving."""
-        if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
-            raise ValueError(f"version must be an int, got {version!r}")
+        policy_version(version)
         self.check_awake()
         if isinstance(tensors, (str, Path)):
             tensors, file_config = read_peft(tensors)
@@ -273,8 +272,7 @@ class VllmOmniEngine(RolloutEngine):
         values checked on the GPU, then slot copies), when an adapter of the same rank, alpha and modules serves;
         otherwise (the first update, another rank) through `update_lora`'s folder and `add_lora`. A refused adapter
         leaves the previous one serving; FileNotFoundError if the file is not on this host."""
-        if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
-            raise ValueError(f"version must be an int, got {version!r}")
+        policy_version(version)
         self.check_awake()
         open_payload(manifest)
         adapter_config = dict(adapter_config or self._lora_config or {})

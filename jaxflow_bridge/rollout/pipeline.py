@@ -8,9 +8,9 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from jaxflow_bridge.rollout.engine import policy_version
 from jaxflow_bridge.rollout.lora_apply import LoraApplier
 from jaxflow_bridge.rollout.random_init import random_transformer
 from jaxflow_bridge.rollout.sampling import Fp32Timestep, SamplingLoop
@@ -131,8 +131,7 @@ class RolloutPipeline(SamplingLoop):
 
     def update_lora(self, tensors, version: int, adapter_config: dict | None = None) -> dict:
         """Serve a PEFT LoRA adapter (dict or path) as policy `version`; atomic (see lora_apply)."""
-        if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
-            raise ValueError(f"version must be an int, got {version!r}")
+        version = policy_version(version)
         bound = self.lora.apply(tensors, adapter_config)
-        self.policy_version = int(version)
+        self.policy_version = version
         return {"version": self.policy_version, "bound_modules": bound}
