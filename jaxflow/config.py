@@ -13,7 +13,10 @@ from jaxflow.sharding import ShardingConfig
 from jaxflow.step_config import TrainConfig
 from jaxflow_bridge.contract.schedule import CFG_FORWARDS
 from jaxflow_bridge.rewards.registry import NEED_TARGET, REGISTRY
-from jaxflow_bridge.rollout.server import ENGINES, TRAINER_PENDING
+from jaxflow_bridge.rollout.server import ENGINES
+
+# engines of a model family the training program does not run yet (docs/bagel.md §7 (e)): refused at start
+TRAINER_PENDING = {"bagel_torch": "BAGEL's run config (configs/bagel_ocr.py)"}
 
 TINY_HINT = "configs/tiny_ocr.py (the embedded tiny offline model)"
 

@@ -21,8 +21,6 @@ ENGINES: dict[str, str] = {
     "vllm_omni": "jaxflow_bridge.rollout.engine_vllm_omni:VllmOmniEngine",
     "bagel_torch": "jaxflow_bridge.rollout.engine_bagel:BagelTorchEngine",
 }
-# engines of a model family the training program does not run yet (docs/bagel.md §7 (e)): refused by its config
-TRAINER_PENDING = {"bagel_torch": "BAGEL's run config (configs/bagel_ocr.py)"}
 
 
 def engine_name(config: dict) -> str:
