@@ -7,6 +7,7 @@ from types import ModuleType
 
 from ml_collections import ConfigDict
 
+from jaxflow import families
 from jaxflow.models.config import LORA_GEMMS, ModelOptions
 from jaxflow.models.lora import LoRASpec
 from jaxflow.sharding import ShardingConfig
@@ -15,10 +16,8 @@ from jaxflow_bridge.contract.schedule import CFG_FORWARDS
 from jaxflow_bridge.rewards.registry import NEED_TARGET, REGISTRY
 from jaxflow_bridge.rollout.server import ENGINES
 
-# engines of a model family the training program does not run yet (docs/bagel.md §7 (e)): refused at start
-TRAINER_PENDING = {"bagel_torch": "BAGEL's run config (configs/bagel_ocr.py)"}
-
-TINY_HINT = "configs/tiny_ocr.py (the embedded tiny offline model)"
+TINY_HINT = {"qwen_image": "configs/tiny_ocr.py (the embedded tiny offline model)",
+             "bagel": "configs/tiny_bagel_ocr.py (the tiny offline BAGEL)"}
 
 
 class UserError(ValueError):
@@ -66,26 +65,45 @@ def needs_target(cfg) -> bool:
 
 
 def model_folder(cfg: ConfigDict) -> Path:
-    """The diffusers pipeline folder: `tiny` builds/reuses the cached tiny offline pipeline."""
-    if cfg.model.path == "tiny":
-        from jaxflow_bridge.rollout.tiny import tiny_pipeline_path
-        return tiny_pipeline_path(dtype=cfg.rollout.dtype)
-    return Path(cfg.model.path)
+    """The model folder: `tiny` / `tiny_bagel` build or reuse the cached tiny offline one (jaxflow/families.py)."""
+    return families.of(cfg).folder(cfg)
+
+
+def _check_model(cfg: ConfigDict) -> None:
+    """model.family, model.path and what the family's trainer and engines support."""
+    if cfg.model.family not in families.FAMILIES:
+        _fail("model.family", f"{cfg.model.family!r}; choose one of {', '.join(families.FAMILIES)}")
+    family, hint = families.of(cfg), TINY_HINT[cfg.model.family]
+    if not cfg.model.path:
+        _fail("model.path", f"is empty: pass --config.model.path=/path/to/the/model folder, or run {hint}")
+    if cfg.model.path != family.tiny:
+        folder = Path(cfg.model.path)
+        for need in family.files:
+            if not (folder / need).exists():
+                _fail("model.path", f"{folder} has no {need}: it must be a {family.name} folder; for a run without "
+                                    f"weights use {hint}")
+    if cfg.model.init not in ("checkpoint", "random"):
+        _fail("model.init", f"{cfg.model.init!r}; choose 'checkpoint' (weights from model.path) or 'random'")
+    if cfg.rollout.engine in ENGINES and cfg.rollout.engine not in family.engines:
+        _fail("rollout.engine", f"{cfg.rollout.engine!r} does not serve model.family={family.name!r}; choose "
+                                f"{' or '.join(family.engines)}")
+    if family.name == "bagel":
+        for key, value, ok, want in (
+                ("model.init", cfg.model.init, cfg.model.init == "checkpoint", "'checkpoint'"),
+                ("rollout.dtype", cfg.rollout.dtype, cfg.rollout.dtype == "float32", "'float32'"),
+                ("rollout.device", cfg.rollout.device, cfg.rollout.device == "cpu", "'cpu'"),
+                ("model.lora_gemm", cfg.model.lora_gemm, cfg.model.lora_gemm in ("auto", "xla"), "'auto' or 'xla'"),
+                ("train.algorithm", cfg.train.algorithm, cfg.train.algorithm == "flowgrpo", "'flowgrpo'")):
+            if not ok:
+                _fail(key, f"{value!r}: BAGEL runs with {want} for now (docs/bagel.md §7)")
+    elif tuple(cfg.sample.cfg_interval) != (0.0, 1.0) or cfg.sample.cfg_renorm_min != 0.0:
+        _fail("sample.cfg_interval", "and sample.cfg_renorm_min are BAGEL's text CFG; Qwen-Image's true CFG has "
+                                     "neither: leave them at 0.0, 1.0 and 0.0")
 
 
 def validate(cfg: ConfigDict) -> None:
     """Reject a config that cannot run, naming the key and the fix; touches no model, device or Ray."""
-    if not cfg.model.path:
-        _fail("model.path", f"is empty: pass --config.model.path=/path/to/Qwen-Image (a diffusers folder), or "
-                            f"run {TINY_HINT}")
-    if cfg.model.path != "tiny":
-        folder = Path(cfg.model.path)
-        for need in ("model_index.json", "transformer/config.json"):
-            if not (folder / need).exists():
-                _fail("model.path", f"{folder} has no {need}: it must be a diffusers Qwen-Image folder; for a "
-                                    f"run without weights use {TINY_HINT}")
-    if cfg.model.init not in ("checkpoint", "random"):
-        _fail("model.init", f"{cfg.model.init!r}; choose 'checkpoint' (weights from model.path) or 'random'")
+    _check_model(cfg)
     if cfg.rollout.engine == "vllm_omni" and cfg.rollout.dtype != "bfloat16":
         _fail("rollout.dtype", f"{cfg.rollout.dtype!r}: the vllm_omni engine runs bfloat16 only; use "
                                f"rollout.engine='diffusers' for float32")
@@ -188,11 +206,8 @@ def validate(cfg: ConfigDict) -> None:
         if not cfg.data[key] or not Path(cfg.data[key]).is_file():
             _fail(f"data.{key}", f"{cfg.data[key]!r} is not a file: pass --config.data.{key}=PROMPTS.txt (one prompt "
                                  f"per line) or .jsonl")
-    if cfg.rollout.engine not in ENGINES or cfg.rollout.engine in TRAINER_PENDING:
-        known = sorted(set(ENGINES) - set(TRAINER_PENDING))
-        why = f" serves a model the trainer cannot run until {TRAINER_PENDING[cfg.rollout.engine]} lands" \
-            if cfg.rollout.engine in TRAINER_PENDING else ""
-        _fail("rollout.engine", f"{cfg.rollout.engine!r}{why}; choose one of {known}")
+    if cfg.rollout.engine not in ENGINES:
+        _fail("rollout.engine", f"{cfg.rollout.engine!r}; choose one of {sorted(ENGINES)}")
     if cfg.profile.num_steps < 0 or cfg.profile.start_step < 1:
         _fail("profile", f"start_step {cfg.profile.start_step} must be >= 1 and num_steps {cfg.profile.num_steps} "
                          f">= 0 (0 = no trace)")
@@ -237,18 +252,11 @@ def _typed_train(cfg) -> TrainConfig:
 
 
 def _size_multiple(cfg) -> int:
-    """Image sizes must be multiples of 2 x the VAE's spatial factor (2 x 2 latent patches): read from the
-    folder's vae/config.json, or the tiny model's (factor 4)."""
-    import json
-    if cfg.model.path == "tiny":
-        from jaxflow_bridge.rollout.tiny import TINY_VAE_CONFIG
-        downsample = TINY_VAE_CONFIG["temperal_downsample"]
-    else:
-        vae = Path(cfg.model.path) / "vae" / "config.json"
-        if not vae.exists():
-            _fail("model.path", f"{cfg.model.path} has no vae/config.json: it must be a diffusers Qwen-Image folder")
-        downsample = json.loads(vae.read_text())["temperal_downsample"]
-    return 2 * 2 ** len(downsample)
+    """Image sizes must be multiples of the pixels a latent token covers (the family's `size_multiple`)."""
+    try:
+        return families.of(cfg).size_multiple(cfg)
+    except FileNotFoundError as exc:
+        _fail("model.path", str(exc))
 
 
 def text_tokens(cfg) -> tuple[int, int]:
@@ -309,7 +317,8 @@ def xla_options(cfg, gemm: str | None = None) -> dict:
 
 
 def lora_spec(cfg) -> LoRASpec:
-    return LoRASpec(rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=tuple(cfg.lora.targets))
+    """The family's LoRA spec (lora.rank, lora.alpha, lora.targets in its names)."""
+    return families.of(cfg).lora_spec(cfg)
 
 
 def sharding_config(cfg) -> ShardingConfig:
@@ -321,6 +330,7 @@ def sharding_config(cfg) -> ShardingConfig:
 def train_config(cfg, grid_hw) -> TrainConfig:
     t, s = cfg.train, cfg.sample
     return TrainConfig(grid_hw=grid_hw, sde_type=s.sde_type, guidance=s.guidance,
+                       cfg_interval=tuple(s.cfg_interval), cfg_renorm_min=s.cfg_renorm_min,
                        num_micro_batches=t.num_micro_batches, num_mini_batches=t.num_mini_batches,
                        num_inner_epochs=t.num_inner_epochs, clip_range=t.clip_range, beta=t.beta,
                        adv_clip=t.adv_clip, learning_rate=t.learning_rate, weight_decay=t.weight_decay,
@@ -334,16 +344,9 @@ def train_config(cfg, grid_hw) -> TrainConfig:
 
 
 def sampling(cfg, *, eval_mode: bool = False) -> dict:
-    """Rollout SamplingParams as a plain dict (what crosses Ray); eval = ODE with the eval step count."""
-    s = cfg.sample
-    d = dict(height=s.height, width=s.width, num_inference_steps=s.num_steps, true_cfg_scale=s.guidance,
-             negative_prompt=s.negative_prompt, max_sequence_length=s.max_sequence_length, sde_type=s.sde_type,
-             noise_level=s.noise_level, sde_window_size=s.window_size, sde_window_range=tuple(s.window_range),
-             same_latent=s.same_latent, keep_final=cfg.train.algorithm == "nft")
-    if eval_mode:
-        d.update(num_inference_steps=cfg.eval.num_steps, true_cfg_scale=cfg.eval.guidance, sde_type="ode",
-                 noise_level=0.0, sde_window_size=None, same_latent=False, keep_final=False)
-    return d
+    """Rollout SamplingParams as a plain dict in the family's keys (what crosses Ray); eval = ODE with the eval
+    step count."""
+    return families.of(cfg).sampling(cfg, eval_mode)
 
 
 def embed_dtype(cfg):

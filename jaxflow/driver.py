@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxflow import config as config_lib
+from jaxflow import families
 from jaxflow import phases
 from jaxflow.base_share import torch_base_weights
 from jaxflow.data import GroupSampler, load_prompts
@@ -20,7 +21,6 @@ from jaxflow.flowgrpo import compute_advantages
 from jaxflow.lora_sync import SharedLoRA, device_peft_tensors, device_target
 from jaxflow.metrics_log import image_grid
 from jaxflow.minibatches import compact_zero_advantage, order_minibatches
-from jaxflow.models.loading import fingerprint
 from jaxflow.models.lora import lora_to_peft
 from jaxflow.rollout_client import LocalTransport, RayTransport, RolloutGroup, init_ray
 from jaxflow.train_batch import TrainBatch
@@ -110,8 +110,9 @@ class Driver:
         in_process = r.layout == "in_process"
         if not in_process:
             init_ray(r.address)
+        family = families.of(self.cfg)
         engine = {"engine": r.engine, "model": str(self.folder), "dtype": r.dtype, "device": r.device,
-                  "cfg_forward": r.cfg_forward}
+                  **family.engine_config(self.cfg)}
         if r.compile:
             engine["compile"] = True
         if config_lib.merged_lora(self.cfg):  # into the engine's base weights (jaxflow_bridge/rollout/lora_merge.py)
@@ -124,7 +125,7 @@ class Driver:
         self.rollout = RolloutGroup(engine, r.num_servers, transport)
         if r.share_weights:
             self.rollout.share_base_weights(torch_base_weights(model))
-        mine = fingerprint(model)
+        mine = family.fingerprint(model)
         infos = self.rollout.info()
         for info in infos:
             if info["fingerprint"] != mine:

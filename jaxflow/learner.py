@@ -20,11 +20,8 @@ import numpy as np
 from jaxflow import config as config_lib
 from jaxflow import memory
 from jaxflow.checkpoint import Checkpointer
-from jaxflow.models.config import QwenImageConfig
-from jaxflow.models.loading import load_transformer
-from jaxflow.models.lora import save_peft
+from jaxflow import families
 from jaxflow.models.lora_gemm import on_hopper
-from jaxflow.models.random_init import random_transformer
 from jaxflow.sharding import Layout
 from jaxflow.train_batch import TrainBatch
 from jaxflow.train_step import make_train_step
@@ -32,30 +29,17 @@ from jaxflow.train_step import make_train_step
 log = logging.getLogger("jaxflow.train")
 
 
-def grid_hw(folder: Path, cfg) -> tuple[int, int]:
-    """Packed latent grid: the VAE downsamples by 2**len(temperal_downsample), then 2x2 patches are packed."""
-    vae = json.loads((folder / "vae" / "config.json").read_text())
-    factor = 2 * 2 ** len(vae["temperal_downsample"])
-    if cfg.sample.height % factor or cfg.sample.width % factor:
-        raise ValueError(f"config.sample.height/width must be multiples of {factor} for this VAE")
-    return cfg.sample.height // factor, cfg.sample.width // factor
-
-
 def build_model(cfg, folder: Path, spec, layout: Layout, micro_batch: int = 1, tokens: tuple[int, ...] = ()):
-    """The trainer's transformer: base weights from `folder`, or drawn from `seed` with `model.init=random`; with
-    unrolled blocks (model.scan_unroll >= the blocks) each block's frozen weights are arrays of their own.
-    model.lora_gemm=auto is resolved (and logged) for `micro_batch` samples of `tokens` (image, text) each."""
-    mc = QwenImageConfig.from_json(folder / "config.json")
-    gemm, why = config_lib.lora_gemm(cfg, mc.num_layers, jax.device_count(), on_hopper(), micro_batch, tokens)
-    log.info("trainer linears: model.lora_gemm=%s (%s)", gemm, why)
-    opts, kw = config_lib.model_options(cfg, gemm), {"sharding": layout.sharding_fn, "seed": cfg.seed}
-    if cfg.model.init == "random":
-        model = random_transformer(mc, opts, spec, **kw)
-    else:
-        model = load_transformer(folder, opts, spec, **kw)
-    if model.unrolled:
-        model.unstack_blocks()
-    return model
+    """The trainer's model of the config's family (jaxflow/families.py) from `folder`: base weights from it, or drawn
+    from `seed` with `model.init=random`; with unrolled blocks (model.scan_unroll >= the blocks) each block's frozen
+    weights are arrays of their own. model.lora_gemm=auto is resolved (and logged) for `micro_batch` samples of
+    `tokens` (image, text) each."""
+    def opts_for(num_layers: int):
+        gemm, why = config_lib.lora_gemm(cfg, num_layers, jax.device_count(), on_hopper(), micro_batch, tokens)
+        log.info("trainer linears: model.lora_gemm=%s (%s)", gemm, why)
+        return config_lib.model_options(cfg, gemm)
+
+    return families.of(cfg).build_model(cfg, folder, spec, opts_for, sharding=layout.sharding_fn, seed=cfg.seed)
 
 
 _DESC_BYTES = 1 << 14  # the broadcast description of a train batch (keys, shapes, dtypes) as JSON
@@ -101,9 +85,13 @@ class Learner:
         self.cfg, self.processes = cfg, jax.process_count()
         self.layout = Layout.create(config_lib.sharding_config(cfg))
         self.spec = config_lib.lora_spec(cfg)
-        self.grid = grid_hw(folder, cfg)
+        self.family = families.of(cfg)
+        try:
+            self.grid = self.family.grid_hw(folder, cfg)
+        except ValueError as exc:
+            raise config_lib.UserError(str(exc)) from None
         tokens = (self.grid[0] * self.grid[1], *config_lib.text_tokens(cfg))
-        self.model = build_model(cfg, folder / "transformer", self.spec, self.layout, self.micro_batch_size(), tokens)
+        self.model = build_model(cfg, folder, self.spec, self.layout, self.micro_batch_size(), tokens)
         o = self.model.opts
         log.info("trainer model: %s compute, %s storage, matmul precision %s, attention %s", o.dtype, o.param_dtype,
                  o.precision, self.model.impl)
@@ -120,14 +108,13 @@ class Learner:
         if num_micro_batches is not None:
             tc = dataclasses.replace(step.config, num_micro_batches=num_micro_batches)
             step = make_train_step(self.model, tc, self.layout, self.xla_options())[1]
-        mc, tc = self.model.cfg, step.config
+        tc = step.config
         text, negative_text = config_lib.text_tokens(cfg)
         batch, old = memory.abstract_batch(
             batch=cfg.sample.prompts_per_step * cfg.sample.group_size, window=cfg.sample.window_size,
-            num_steps=cfg.sample.num_steps, seq=self.grid[0] * self.grid[1], channels=mc.in_channels,
-            text=text, negative_text=negative_text, width=mc.joint_attention_dim,
+            num_steps=cfg.sample.num_steps, seq=self.grid[0] * self.grid[1], text=text, negative_text=negative_text,
             embed_dtype=config_lib.embed_dtype(cfg), guided=tc.guided, recompute=tc.recompute_pass,
-            means=tc.ratio_norm == "guard", nft=tc.nft)
+            means=tc.ratio_norm == "guard", nft=tc.nft, **self.family.batch_shape(self.model))
         plans = [memory.StepMemory.of(name, c) for name, c in step.compile(batch, old).items()]
         return plans, memory.device_bytes(step.frozen)
 
@@ -218,4 +205,4 @@ class Learner:
         the EMA of the LoRA when the state keeps one (flow_grpo saves its EMA), else the LoRA."""
         lora = self.whole_lora(self.exported)
         if jax.process_index() == 0:
-            save_peft(lora, self.spec, directory)
+            self.family.save_peft(lora, self.spec, directory)

@@ -46,8 +46,9 @@ WHOLE_KEYS = ("reward.fns", "reward.options", "train.xla_options", "sharding.rul
 HELP: dict[str, str] = {
     "seed": "seed of the prompt order, the rollout's noise, the mini-batch shuffles and model.init='random'",
     "run_dir": "output folder (checkpoints, metrics.jsonl, tb, eval grids, lora_final), relative to the cwd",
-    "model.path": "required: a diffusers Qwen-Image folder (model_index.json, transformer/, ...); 'tiny': the tiny "
-                  "offline model",
+    "model.family": "the model's family: 'qwen_image' or 'bagel' (engine bagel_torch; docs/bagel.md)",
+    "model.path": "required: a diffusers Qwen-Image folder (model_index.json, transformer/, ...) or a BAGEL one; "
+                  "'tiny', 'tiny_bagel'",
     "model.dtype": "the trainer's compute dtype: float32, bfloat16 or float16",
     "model.param_dtype": "storage dtype of the frozen base weights: float32, bfloat16 or float16",
     "model.attention": "attention: 'auto' (cudnn for bf16/fp16 compute on a GPU, else xla), 'xla' or 'cudnn'",
@@ -62,8 +63,10 @@ HELP: dict[str, str] = {
                   "jaxflow_bridge/contract/random_weights.py)",
     "lora.rank": "LoRA rank, an int >= 1",
     "lora.alpha": "LoRA alpha, > 0: the adapter's scale is alpha / rank",
-    "lora.targets": "the linears adapted in every block, by diffusers name (jaxflow_bridge/contract/keymap.py LORA_TARGETS)",
-    "rollout.engine": "rollout engine: 'vllm_omni' (GPU, bfloat16 only) or 'diffusers' (anywhere, CPU included)",
+    "lora.targets": "the linears adapted in every block: diffusers names (contract/keymap.py LORA_TARGETS) or "
+                    "BAGEL's (bagel_keymap.py)",
+    "rollout.engine": "rollout engine: 'vllm_omni' (GPU, bfloat16 only), 'diffusers' (anywhere), 'bagel_torch' (BAGEL, "
+                      "CPU, float32)",
     "rollout.dtype": "the engine's dtype: 'bfloat16' (vllm_omni's only) or 'float32' (diffusers)",
     "rollout.device": "the engine's torch device: 'cpu', 'cuda' or 'cuda:N'",
     "rollout.num_servers": "rollout engines (Ray actors); colocated on GPUs: one per trainer device; in_process: 1",
@@ -92,7 +95,10 @@ HELP: dict[str, str] = {
     "sample.window_size": "steps of a sample's SDE window (noised; ODE outside), the steps FlowGRPO trains; in [1, "
                           "num_steps)",
     "sample.window_range": "(lo, hi): each sample's window lies in steps [lo, hi), its start drawn per sample",
-    "sample.negative_prompt": "true CFG's negative prompt (flow_grpo's Qwen pipeline: ' ')",
+    "sample.negative_prompt": "true CFG's negative prompt (flow_grpo's Qwen pipeline: ' '); BAGEL's is the empty "
+                              "context",
+    "sample.cfg_interval": "BAGEL only: (lo, hi), its text CFG at steps with lo < sigma <= hi",
+    "sample.cfg_renorm_min": "BAGEL only: floor of its CFG's per-sample global renorm factor, in [0, 1]",
     "sample.same_latent": "True: a prompt group shares its initial noise (flow_grpo's same_latent; not with a "
                           "deterministic sampler)",
     "sample.max_sequence_length": "prompt tokens: the train step pads text to this, the rollout refuses longer prompts",
@@ -163,7 +169,7 @@ def base() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.run_dir = "runs/qwen_ocr"
-    c.model = dict(path="", dtype="bfloat16", param_dtype="bfloat16", attention="auto",
+    c.model = dict(family="qwen_image", path="", dtype="bfloat16", param_dtype="bfloat16", attention="auto",
                    # save_matmuls_stats keeps q/k/v, MLP hidden and cuDNN attention's output + softmax statistics:
                    # 2.2% faster than save_matmuls (BENCHMARKS.md, train step)
                    remat="save_matmuls_stats",
@@ -196,6 +202,7 @@ def base() -> ml_collections.ConfigDict:
                      cfg_forward="split")
     c.sample = dict(height=512, width=512, num_steps=10, guidance=4.0, noise_level=1.2, sde_type="sde",
                     window_size=2, window_range=(0, 5), negative_prompt=" ", same_latent=False,
+                    cfg_interval=(0.0, 1.0), cfg_renorm_min=0.0,
                     # the longest OCR prompt has 74 tokens (96 rather than 128: 2.8% fewer train-step tokens at 512^2)
                     max_sequence_length=96,
                     # 0: negatives padded to 96 and run in one call with the prompts. 32 (2.9% fewer tokens) ran the

@@ -137,7 +137,8 @@ def test_the_trainer_holds_unrolled_blocks_weights_per_block(tmp_path):
     from jaxflow.learner import build_model
     from jaxflow.recipes import base, tiny
     from jaxflow.sharding import Layout, ShardingConfig
-    (tmp_path / "config.json").write_text(json.dumps(CFG.to_dict()))
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps(CFG.to_dict()))
     cfg = tiny(base())
     cfg.model.init = "random"
     cfg.model.scan_unroll = CFG.num_layers  # (with a scan they stay stacked, or every scan training test fails)

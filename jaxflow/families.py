@@ -1,0 +1,204 @@
+"""Model families the training program runs, chosen by `model.family` (docs/bagel.md §7 (e)): what it reads from a
+model folder (files, image geometry, the base weights), the LoRA spec, the engines that serve the family, the
+rollout's sampling keys, the train batch's text kind, the exported adapter and the base-weight fingerprint. The
+train step itself is the same for every family (`jaxflow.objectives` picks the log-prob from the model).
+
+- `qwen_image`: a diffusers Qwen-Image folder (or "tiny"), engines diffusers and vllm_omni, text as embeds.
+- `bagel`: a BAGEL folder (llm_config.json, config.json, ema.safetensors, the tokenizer; or "tiny_bagel"), the
+  `bagel_torch` engine, text as token ids, LoRA on the generation expert, BAGEL's text CFG.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from jaxflow.models.config import QwenImageConfig
+from jaxflow.models.loading import FINGERPRINT_ELEMENTS
+from jaxflow.models.lora import LoRASpec
+from jaxflow_bridge.contract import safetensors_io
+
+FAMILIES = ("qwen_image", "bagel")
+
+
+class QwenImage:
+    name = "qwen_image"
+    engines = ("diffusers", "vllm_omni")
+    tiny = "tiny"
+    files = ("model_index.json", "transformer/config.json")
+    text_ids = False
+
+    def folder(self, cfg) -> Path:
+        if cfg.model.path == self.tiny:
+            from jaxflow_bridge.rollout.tiny import tiny_pipeline_path
+            return tiny_pipeline_path(dtype=cfg.rollout.dtype)
+        return Path(cfg.model.path)
+
+    def size_multiple(self, cfg) -> int:
+        """2 x the VAE's spatial factor (2 x 2 latent patches): the folder's vae/config.json or the tiny model's."""
+        if cfg.model.path == self.tiny:
+            from jaxflow_bridge.rollout.tiny import TINY_VAE_CONFIG
+            downsample = TINY_VAE_CONFIG["temperal_downsample"]
+        else:
+            vae = Path(cfg.model.path) / "vae" / "config.json"
+            if not vae.exists():
+                raise FileNotFoundError(f"{cfg.model.path} has no vae/config.json: it must be a diffusers Qwen-Image "
+                                        "folder")
+            downsample = json.loads(vae.read_text())["temperal_downsample"]
+        return 2 * 2 ** len(downsample)
+
+    def grid_hw(self, folder: Path, cfg) -> tuple[int, int]:
+        """Packed latent grid: the VAE downsamples by 2**len(temperal_downsample), then 2x2 patches are packed."""
+        vae = json.loads((folder / "vae" / "config.json").read_text())
+        factor = 2 * 2 ** len(vae["temperal_downsample"])
+        return cfg.sample.height // factor, cfg.sample.width // factor
+
+    def lora_spec(self, cfg) -> LoRASpec:
+        return LoRASpec(rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=tuple(cfg.lora.targets))
+
+    def build_model(self, cfg, folder: Path, spec, opts_for, **kw):
+        """The transformer of `folder`: loaded, or drawn from `seed` with model.init=random; `opts_for(num_layers)`
+        resolves the ModelOptions (model.lora_gemm) for its depth."""
+        from jaxflow.models.loading import load_transformer
+        from jaxflow.models.random_init import random_transformer
+        mc = QwenImageConfig.from_json(folder / "transformer" / "config.json")
+        opts = opts_for(mc.num_layers)
+        if cfg.model.init == "random":
+            model = random_transformer(mc, opts, spec, **kw)
+        else:
+            model = load_transformer(folder / "transformer", opts, spec, **kw)
+        if model.unrolled:
+            model.unstack_blocks()
+        return model
+
+    def batch_shape(self, model) -> dict:
+        """memory.abstract_batch's model-dependent arguments."""
+        return dict(channels=model.cfg.in_channels, width=model.cfg.joint_attention_dim, text_ids=False)
+
+    def save_peft(self, lora, spec, directory: Path) -> None:
+        from jaxflow.models.lora import save_peft
+        save_peft(lora, spec, directory)
+
+    def fingerprint(self, model) -> str:
+        from jaxflow.models.loading import fingerprint
+        return fingerprint(model)
+
+    def engine_config(self, cfg) -> dict:
+        return {"cfg_forward": cfg.rollout.cfg_forward}
+
+    def sampling(self, cfg, eval_mode: bool) -> dict:
+        s = cfg.sample
+        d = dict(height=s.height, width=s.width, num_inference_steps=s.num_steps, true_cfg_scale=s.guidance,
+                 negative_prompt=s.negative_prompt, max_sequence_length=s.max_sequence_length, sde_type=s.sde_type,
+                 noise_level=s.noise_level, sde_window_size=s.window_size, sde_window_range=tuple(s.window_range),
+                 same_latent=s.same_latent, keep_final=cfg.train.algorithm == "nft")
+        if eval_mode:
+            d.update(num_inference_steps=cfg.eval.num_steps, true_cfg_scale=cfg.eval.guidance, sde_type="ode",
+                     noise_level=0.0, sde_window_size=None, same_latent=False, keep_final=False)
+        return d
+
+
+class Bagel:
+    name = "bagel"
+    engines = ("bagel_torch",)
+    tiny = "tiny_bagel"
+    files = ("llm_config.json", "config.json", "ema.safetensors", "tokenizer.json")
+    text_ids = True
+
+    def folder(self, cfg) -> Path:
+        if cfg.model.path == self.tiny:
+            from jaxflow_bridge.rollout.tiny_bagel import tiny_bagel_path
+            return tiny_bagel_path()
+        return Path(cfg.model.path)
+
+    def _top(self, cfg) -> dict:
+        if cfg.model.path == self.tiny:
+            from jaxflow_bridge.rollout.tiny_bagel import top_config
+            return top_config()
+        return json.loads((Path(cfg.model.path) / "config.json").read_text())
+
+    def size_multiple(self, cfg) -> int:
+        """Pixels per latent token: the VAE's downsampling x latent_patch_size (16 for BAGEL)."""
+        top = self._top(cfg)
+        return top["vae_config"]["downsample"] * top["latent_patch_size"]
+
+    def grid_hw(self, folder: Path, cfg) -> tuple[int, int]:
+        """Latent tokens per side; each side at most config.json's max_latent_size (the position table's)."""
+        top = json.loads((folder / "config.json").read_text())
+        m = top["vae_config"]["downsample"] * top["latent_patch_size"]
+        grid = cfg.sample.height // m, cfg.sample.width // m
+        if max(grid) > top["max_latent_size"]:
+            raise ValueError(f"config.sample.height/width: {cfg.sample.height}x{cfg.sample.width} is {grid} latent "
+                             f"tokens; this BAGEL holds at most {top['max_latent_size']} a side "
+                             f"({top['max_latent_size'] * m} pixels)")
+        return grid
+
+    def lora_spec(self, cfg) -> LoRASpec:
+        from jaxflow.models.bagel.lora import BagelLoRASpec
+        return BagelLoRASpec(rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=tuple(cfg.lora.targets))
+
+    def build_model(self, cfg, folder: Path, spec, opts_for, **kw):
+        """BAGEL's generation path from the folder's ema.safetensors (checkpoint names through bagel_keymap), its
+        markers' ids from tokenizer.json, fresh adapters from `seed`. One device: its weights are not sharded yet."""
+        from jaxflow.models.bagel.config import BagelConfig
+        from jaxflow.models.bagel.loading import build
+        from jaxflow_bridge.contract import bagel_keymap
+        if jax.device_count() > 1:
+            raise ValueError(f"model.family='bagel' trains on one device for now; JAX sees {jax.device_count()} "
+                             f"(set CUDA_VISIBLE_DEVICES to one GPU)")
+        added = {t["content"]: t["id"] for t in json.loads((folder / "tokenizer.json").read_text())["added_tokens"]}
+        mc = BagelConfig.from_dicts(json.loads((folder / "llm_config.json").read_text()),
+                                    json.loads((folder / "config.json").read_text()),
+                                    vision_start_id=added["<|vision_start|>"], vision_end_id=added["<|vision_end|>"])
+        source = safetensors_io.SafetensorsFile(folder / "ema.safetensors")
+        tensors = {k: source.get(k) for k in source.keys() if not k.startswith(bagel_keymap.IGNORED_PREFIXES)}
+        return build(mc, bagel_keymap.to_flax(tensors, mc.num_hidden_layers), opts_for(mc.num_hidden_layers), spec,
+                     kw["seed"])
+
+    def batch_shape(self, model) -> dict:
+        return dict(channels=model.cfg.latent_dim, width=1, text_ids=True)
+
+    def save_peft(self, lora, spec, directory: Path) -> None:
+        from jaxflow.models.bagel.lora import save_peft
+        save_peft(lora, spec, directory)
+
+    def fingerprint(self, model) -> str:
+        """The rollout's `weights_fingerprint` of the same weights: per checkpoint name in sorted order,
+        f"{name}{shape}" then the bf16 bytes of its first elements (torch layout, C order)."""
+        from jaxflow.models.bagel.loading import arrays
+        from jaxflow_bridge.contract import bagel_keymap
+        tensors = bagel_keymap.to_checkpoint(arrays(model), model.cfg.num_hidden_layers)
+        h = hashlib.sha256()
+        for name in sorted(tensors):
+            t = np.ascontiguousarray(tensors[name])
+            h.update(f"{name}{tuple(t.shape)}".encode())
+            h.update(np.asarray(t.reshape(-1)[:FINGERPRINT_ELEMENTS], ml_dtypes.bfloat16).tobytes())
+        return h.hexdigest()
+
+    def engine_config(self, cfg) -> dict:
+        return {}
+
+    def sampling(self, cfg, eval_mode: bool) -> dict:
+        """BagelSamplingParams' keys: BAGEL's text CFG (scale sample.guidance, sample.cfg_interval,
+        sample.cfg_renorm_min); its unconditional branch is the empty context (no negative prompt)."""
+        s = cfg.sample
+        d = dict(height=s.height, width=s.width, num_inference_steps=s.num_steps, cfg_text_scale=s.guidance,
+                 cfg_interval=tuple(s.cfg_interval), cfg_renorm_min=s.cfg_renorm_min, sde_type=s.sde_type,
+                 noise_level=s.noise_level, sde_window_size=s.window_size, sde_window_range=tuple(s.window_range),
+                 same_latent=s.same_latent, keep_final=False)
+        if eval_mode:
+            d.update(num_inference_steps=cfg.eval.num_steps, cfg_text_scale=cfg.eval.guidance, sde_type="ode",
+                     noise_level=0.0, sde_window_size=None, same_latent=False)
+        return d
+
+
+_FAMILIES = {f.name: f for f in (QwenImage(), Bagel())}
+
+
+def of(cfg):
+    """The config's family (`model.family`, validated by jaxflow.config)."""
+    return _FAMILIES[cfg.model.family]

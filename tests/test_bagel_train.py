@@ -1,0 +1,73 @@
+"""The training program on the tiny random BAGEL (configs/tiny_bagel_ocr.py, docs/bagel.md §7 (e)): two steps end to
+end with the `bagel_torch` engine in a Ray actor (the brightness reward: OCR scores the random model 0, which would
+leave every advantage 0), the LoRA synced every step, the exported adapter in BAGEL's names; the family's geometry
+and its refusals."""
+import jax
+import numpy as np
+import pytest
+
+from jaxflow import families
+from jaxflow.config import config_module
+from jaxflow.models.bagel.lora import peft_state_dict, read_peft
+from tests.helpers import ROOT, run
+
+LAYERS, TARGETS = 2, 7  # the tiny BAGEL's layers; the generation expert's seven adapted projections
+
+
+def bagel_config(run_dir):
+    cfg = config_module(ROOT / "configs" / "tiny_bagel_ocr.py").get_config()
+    cfg.run_dir = str(run_dir)
+    cfg.log.progress = cfg.log.tensorboard = False
+    cfg.rollout.num_cpus = 0.0  # never wait on the shared test Ray instance's CPUs
+    cfg.reward.fns = {"brightness": 1.0}
+    cfg.train.update(num_steps=2, learning_rate=1e-2)
+    cfg.eval.every = 2
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def trained(ray_session, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("bagel_run")
+    cfg = bagel_config(run_dir)
+    return cfg, run_dir, run(cfg)
+
+
+def test_two_steps_train_the_generation_expert_and_sync_every_step(trained):
+    """The rollout started (its base weights' fingerprint equal to the trainer's: a mismatch stops the start), every
+    step bound every adapted module on the engine, the gradient is nonzero (the reward spreads within groups) and
+    the first, on-policy step's ratio is 1 within the recipe's clip range (the trainer's recompute of the rollout's
+    log-probs: a misaligned context or latent would move it far beyond)."""
+    cfg, _, out = trained
+    history = out["history"]
+    assert [h["step"] for h in history] == [1, 2]
+    assert all(h["bound_modules"] == LAYERS * TARGETS for h in history)
+    assert all(h["zero_std_ratio"] < 1 and h["grad_norm"] > 0 and np.isfinite(h["loss"]) for h in history)
+    first = history[0]
+    clip = cfg.train.clip_range
+    assert 1 - clip < first["ratio_min"] <= first["ratio_max"] < 1 + clip, (first["ratio_min"], first["ratio_max"])
+    assert "eval_reward_mean" in history[-1]
+
+
+def test_the_export_is_the_final_lora_in_bagel_names_and_the_engine_takes_it(trained):
+    from jaxflow_bridge.rollout.engine_bagel import BagelTorchEngine
+
+    cfg, run_dir, out = trained
+    spec, tensors = read_peft(run_dir / "lora_final")
+    assert spec == families.of(cfg).lora_spec(cfg)
+    want = peft_state_dict(jax.tree.map(np.asarray, out["state"].lora), spec)
+    assert sorted(tensors) == sorted(want) and len(want) == 2 * LAYERS * TARGETS
+    for key, value in want.items():
+        np.testing.assert_array_equal(tensors[key], value, err_msg=key)
+    assert any(np.any(v != 0) for k, v in tensors.items() if "lora_B" in k)  # trained: B moved from its zero init
+    engine = BagelTorchEngine({"engine": "bagel_torch", "model": "tiny_bagel", "decode": "preview"})
+    assert engine.update_lora(run_dir / "lora_final", 3)["bound_modules"] == LAYERS * TARGETS
+
+
+def test_the_latent_grid_is_the_folder_geometry_and_bounded_by_its_position_table(tmp_path):
+    cfg = bagel_config(tmp_path)
+    family = families.of(cfg)
+    folder = family.folder(cfg)
+    assert family.grid_hw(folder, cfg) == (4, 6)  # 64 x 96 pixels, 16 a token
+    cfg.sample.height = 16 * 9  # the tiny table holds 8 tokens a side
+    with pytest.raises(ValueError, match=r"at most 8 a side \(128 pixels\)"):
+        family.grid_hw(folder, cfg)
