@@ -9,8 +9,10 @@ train step itself is the same for every family (`jaxflow.objectives` picks the l
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import logging
 from pathlib import Path
 
 import jax
@@ -23,6 +25,7 @@ from jaxflow.models.lora import LoRASpec
 from jaxflow_bridge.contract import safetensors_io
 
 FAMILIES = ("qwen_image", "bagel")
+log = logging.getLogger("jaxflow.train")
 
 
 class QwenImage:
@@ -156,8 +159,11 @@ class Bagel:
                                     vision_start_id=added["<|vision_start|>"], vision_end_id=added["<|vision_end|>"])
         source = safetensors_io.SafetensorsFile(folder / "ema.safetensors")
         tensors = {k: source.get(k) for k in source.keys() if not k.startswith(bagel_keymap.IGNORED_PREFIXES)}
-        return build(mc, bagel_keymap.to_flax(tensors, mc.num_hidden_layers), opts_for(mc.num_hidden_layers), spec,
-                     kw["seed"])
+        opts = opts_for(mc.num_hidden_layers)
+        if opts.lora_gemm != "xla":  # "auto" resolved to the fused kernel, which BAGEL's layers do not call
+            log.info("BAGEL's linears run model.lora_gemm=xla (its layers have no fused-kernel path)")
+            opts = dataclasses.replace(opts, lora_gemm="xla")
+        return build(mc, bagel_keymap.to_flax(tensors, mc.num_hidden_layers), opts, spec, kw["seed"])
 
     def batch_shape(self, model) -> dict:
         return dict(channels=model.cfg.latent_dim, width=1, text_ids=True)
