@@ -10,17 +10,13 @@ train step itself is the same for every family (`jaxflow.objectives` picks the l
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 from pathlib import Path
 
 import jax
-import ml_dtypes
-import numpy as np
 
 from jaxflow.models.config import QwenImageConfig
-from jaxflow.models.loading import FINGERPRINT_ELEMENTS
 from jaxflow.models.lora import LoRASpec
 from jaxflow_bridge.contract import safetensors_io
 
@@ -173,17 +169,12 @@ class Bagel:
         save_peft(lora, spec, directory)
 
     def fingerprint(self, model) -> str:
-        """The rollout's `weights_fingerprint` of the same weights: per checkpoint name in sorted order,
-        f"{name}{shape}" then the bf16 bytes of its first elements (torch layout, C order)."""
-        from jaxflow.models.bagel.loading import arrays
+        """The rollout's `weights_fingerprint` of the same weights (over BAGEL's checkpoint names)."""
+        from flax import nnx
+
+        from jaxflow.models.loading import entries_fingerprint
         from jaxflow_bridge.contract import bagel_keymap
-        tensors = bagel_keymap.to_checkpoint(arrays(model), model.cfg.num_hidden_layers)
-        h = hashlib.sha256()
-        for name in sorted(tensors):
-            t = np.ascontiguousarray(tensors[name])
-            h.update(f"{name}{tuple(t.shape)}".encode())
-            h.update(np.asarray(t.reshape(-1)[:FINGERPRINT_ELEMENTS], ml_dtypes.bfloat16).tobytes())
-        return h.hexdigest()
+        return entries_fingerprint(nnx.state(model, nnx.Param), bagel_keymap.key_map(), model.cfg.num_hidden_layers)
 
     def engine_config(self, cfg) -> dict:
         return {}

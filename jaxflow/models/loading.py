@@ -172,18 +172,23 @@ FINGERPRINT_ELEMENTS = 4096
 
 
 def fingerprint(model: QwenImageTransformer) -> str:
-    """sha256 of the base weights, equal to the rollout's `weights_fingerprint` for the same checkpoint: per
-    diffusers key in sorted order, f"{key}{torch shape}" then the bf16 bytes of its first 4096 elements in torch
-    layout. Reads only those elements from the device."""
+    """sha256 of the base weights, equal to the rollout's `weights_fingerprint` for the same checkpoint
+    (`entries_fingerprint` over the diffusers key map)."""
+    return entries_fingerprint(nnx.state(model, nnx.Param), keymap.transformer_key_map(), model.cfg.num_layers)
+
+
+def entries_fingerprint(base: nnx.State, entries: list[keymap.Entry], num_layers: int) -> str:
+    """sha256 of the weights `entries` map, as the rollout's `weights_fingerprint` hashes the torch tensors of their
+    checkpoint names: per name in sorted order, f"{name}{torch shape}" then the bf16 bytes of its first 4096
+    elements in torch layout. Reads only those elements from the device."""
     import hashlib
 
     import ml_dtypes
 
-    base = nnx.state(model, nnx.Param)
     heads = {}
-    for e in keymap.transformer_key_map():
+    for e in entries:
         var = state_leaf(base, e.flax_path)
-        for i, key in enumerate(e.diffusers_keys(model.cfg.num_layers)):
+        for i, key in enumerate(e.diffusers_keys(num_layers)):
             t = var[i] if e.stacked else var[...]
             if e.transpose:  # torch (out, in): its first elements are the first columns of the (in, out) kernel
                 cols = -(-FINGERPRINT_ELEMENTS // t.shape[0])
