@@ -18,7 +18,6 @@ import jax
 
 from jaxflow.models.config import QwenImageConfig
 from jaxflow.models.lora import LoRASpec
-from jaxflow_bridge.contract import safetensors_io
 
 FAMILIES = ("qwen_image", "bagel")
 log = logging.getLogger("jaxflow.train")
@@ -143,23 +142,16 @@ class Bagel:
     def build_model(self, cfg, folder: Path, spec, opts_for, **kw):
         """BAGEL's generation path from the folder's ema.safetensors (checkpoint names through bagel_keymap), its
         markers' ids from tokenizer.json, fresh adapters from `seed`. One device: its weights are not sharded yet."""
-        from jaxflow.models.bagel.config import BagelConfig
-        from jaxflow.models.bagel.loading import build
-        from jaxflow_bridge.contract import bagel_keymap
+        from jaxflow.config import UserError
+        from jaxflow.models.bagel.loading import folder_config, load_bagel
         if jax.device_count() > 1:
-            raise ValueError(f"model.family='bagel' trains on one device for now; JAX sees {jax.device_count()} "
+            raise UserError(f"model.family='bagel' trains on one device for now; JAX sees {jax.device_count()} "
                              f"(set CUDA_VISIBLE_DEVICES to one GPU)")
-        added = {t["content"]: t["id"] for t in json.loads((folder / "tokenizer.json").read_text())["added_tokens"]}
-        mc = BagelConfig.from_dicts(json.loads((folder / "llm_config.json").read_text()),
-                                    json.loads((folder / "config.json").read_text()),
-                                    vision_start_id=added["<|vision_start|>"], vision_end_id=added["<|vision_end|>"])
-        source = safetensors_io.SafetensorsFile(folder / "ema.safetensors")
-        tensors = {k: source.get(k) for k in source.keys() if not k.startswith(bagel_keymap.IGNORED_PREFIXES)}
-        opts = opts_for(mc.num_hidden_layers)
+        opts = opts_for(folder_config(folder).num_hidden_layers)
         if opts.lora_gemm != "xla":  # "auto" resolved to the fused kernel, which BAGEL's layers do not call
             log.info("BAGEL's linears run model.lora_gemm=xla (its layers have no fused-kernel path)")
             opts = dataclasses.replace(opts, lora_gemm="xla")
-        return build(mc, bagel_keymap.to_flax(tensors, mc.num_hidden_layers), opts, spec, kw["seed"])
+        return load_bagel(folder, opts, spec, kw["seed"])
 
     def batch_shape(self, model) -> dict:
         return dict(channels=model.cfg.latent_dim, width=1, text_ids=True)
@@ -196,6 +188,11 @@ class Bagel:
 _FAMILIES = {f.name: f for f in (QwenImage(), Bagel())}
 
 
+def by_name(name: str):
+    """The family called `name` (one of FAMILIES)."""
+    return _FAMILIES[name]
+
+
 def of(cfg):
     """The config's family (`model.family`, validated by jaxflow.config)."""
-    return _FAMILIES[cfg.model.family]
+    return by_name(cfg.model.family)

@@ -8,6 +8,7 @@ step_index, the stored latents, text embeds and masks, true CFG when guidance > 
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import jax
@@ -17,22 +18,26 @@ from flax import nnx
 from jaxflow.models.config import QwenImageConfig
 from jaxflow.models.loading import TensorSource
 from jaxflow.models.lora import LoRAParam, LoRASpec
+from jaxflow.objectives import for_model
 from jaxflow.step_config import TrainConfig
 from jaxflow.train_batch import TrainBatch
 from jaxflow.train_step import accumulate_gradients, prepare_batch
-from jaxflow_bridge.contract import keymap
+from jaxflow_bridge.contract import bagel_keymap, keymap, safetensors_io
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 
 
 def recompute(model: nnx.Module, batch: TrajectoryBatch, *, grid_hw: tuple[int, int], guidance: float,
-              sde_type: str, noise_level: float, num_micro_batches: int = 1) -> dict[str, np.ndarray]:
-    """(B, W) arrays: log_prob (JAX), dlogp = log_prob - batch.log_probs, ratio = exp(dlogp)."""
+              sde_type: str, noise_level: float, num_micro_batches: int = 1, **cfg) -> dict[str, np.ndarray]:
+    """(B, W) arrays: log_prob (JAX), dlogp = log_prob - batch.log_probs, ratio = exp(dlogp). `cfg`: BAGEL's CFG
+    fields of TrainConfig (cfg_interval, cfg_renorm_min); the model's kind picks the log-prob (jaxflow.objectives)."""
     config = TrainConfig(grid_hw=grid_hw, sde_type=sde_type, guidance=guidance,
-                         num_micro_batches=num_micro_batches)
+                         num_micro_batches=num_micro_batches, **cfg)
     b, w = batch.log_probs.shape
     arrays = prepare_batch(TrainBatch.of(batch, np.zeros(b, np.float32), noise_level), config)
     graphdef, lora, frozen = nnx.split(model, LoRAParam, ...)
-    terms = jax.jit(lambda lo, fr, ba: accumulate_gradients(graphdef, lo, fr, ba, config)[1])(lora, frozen, arrays)
+    objective = for_model(model, config)
+    terms = jax.jit(lambda lo, fr, ba: accumulate_gradients(graphdef, lo, fr, ba, config, objective=objective)[1])(
+        lora, frozen, arrays)
 
     def rows(t):  # (M, W, B/M) -> (B, W); micro-batch k holds rows k, k + M, ...
         return np.transpose(np.asarray(t, np.float64), (2, 0, 1)).reshape(b, w)
@@ -43,14 +48,22 @@ def recompute(model: nnx.Module, batch: TrajectoryBatch, *, grid_hw: tuple[int, 
 
 def random_adapter(folder: str | Path, spec: LoRASpec, seed: int, scale: float = 0.05,
                    round_to=None) -> dict[str, np.ndarray]:
-    """A random, non-zero PEFT adapter for the diffusers `transformer/` folder (shapes from its safetensors
-    headers; touches no accelerator). A has std 1/sqrt(in) and B std scale sqrt(r) / alpha, so each adapted
-    layer adds about `scale` x the input's RMS to every output. `round_to` (e.g. ml_dtypes.bfloat16) rounds
-    the values, so a low-precision engine holds exactly what JAX holds."""
+    """A random, non-zero PEFT adapter for a diffusers `transformer/` folder or a BAGEL folder (llm_config.json;
+    the generation expert's targets, BAGEL's names), shapes from the safetensors headers (touches no accelerator).
+    A has std 1/sqrt(in) and B std scale sqrt(r) / alpha, so each adapted layer adds about `scale` x the input's RMS
+    to every output. `round_to` (e.g. ml_dtypes.bfloat16) rounds the values, so a low-precision engine holds
+    exactly what JAX holds."""
     folder = Path(folder)
-    source = TensorSource.from_folder(folder)
-    layers = QwenImageConfig.from_json(folder / "config.json").num_layers
-    keys = sorted(k for e in keymap.lora_key_map(spec.targets) for k in e.diffusers_keys(layers))
+    if (folder / "llm_config.json").exists():
+        source = TensorSource(files={k: folder / "ema.safetensors" for k in
+                                     safetensors_io.SafetensorsFile(folder / "ema.safetensors").keys()})
+        layers = json.loads((folder / "llm_config.json").read_text())["num_hidden_layers"]
+        entries = bagel_keymap.lora_key_map(spec.targets)
+    else:
+        source = TensorSource.from_folder(folder)
+        layers = QwenImageConfig.from_json(folder / "config.json").num_layers
+        entries = keymap.lora_key_map(spec.targets)
+    keys = sorted(k for e in entries for k in e.diffusers_keys(layers))
     rng = np.random.default_rng(seed)
     out = {}
     for key in keys:

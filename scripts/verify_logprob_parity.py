@@ -1,11 +1,12 @@
 """Rollout vs trainer log-prob parity: |logp_jax - logp_rollout| for every SDE window step of real rollouts.
 
-    python scripts/verify_logprob_parity.py [--model DIR] [--engine diffusers|vllm_omni] [--dtype float32]
-        [--jax-dtype D] [--jax-rope bfloat16] [--cfg 4] [--steps 4] [--window 2] [--prompts 4] [--n 2]
-        [--lora-rank R] [--lora-apply fused|stock|merged] [--json OUT]
+    python scripts/verify_logprob_parity.py [--model-family qwen_image|bagel] [--model DIR]
+        [--engine diffusers|vllm_omni|bagel_torch] [--dtype float32] [--jax-dtype D] [--jax-rope bfloat16] [--cfg 4]
+        [--steps 4] [--window 2] [--prompts 4] [--n 2] [--lora-rank R] [--lora-apply fused|stock|merged] [--json OUT]
 
 Rolls out on the engine (default: diffusers; the model defaults to the tiny offline pipeline saved in --dtype,
-which vLLM-Omni needs), then recomputes each window step's
+which vLLM-Omni needs; with --model-family bagel: the bagel_torch engine on the tiny random BAGEL, float32, BAGEL's
+text CFG over the whole interval with renorm min 0, 64 x 96 images), then recomputes each window step's
 log-prob with the same transformer weights loaded into the Flax model, through the train step's own forward
 (`jaxflow.parity.recompute`). With --lora-rank both sides get one random non-zero PEFT adapter (the engine via
 update_lora, JAX via peft_to_lora); --jax-lora-seed gives the JAX side a different one (a negative control).
@@ -37,8 +38,11 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from jaxflow import families
+from jaxflow.models.bagel.loading import load_bagel
+from jaxflow.models.bagel.lora import BagelLoRASpec
 from jaxflow.models.config import ModelOptions
-from jaxflow.models.loading import fingerprint, load_transformer
+from jaxflow.models.loading import load_transformer
 from jaxflow.models.lora import LoRASpec, peft_to_lora
 from jaxflow.parity import parity_stats, random_adapter, recompute
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
@@ -59,19 +63,21 @@ DTYPE_CHOICES = ("float32", "bfloat16")
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, help="diffusers Qwen-Image folder (default: the tiny offline pipeline)")
-    p.add_argument("--engine", choices=("diffusers", "vllm_omni"), default="diffusers")
+    p.add_argument("--model-family", choices=families.FAMILIES, default="qwen_image")
+    p.add_argument("--model", type=Path, help="diffusers Qwen-Image folder or BAGEL folder (default: the tiny one)")
+    p.add_argument("--engine", choices=("diffusers", "vllm_omni", "bagel_torch"),
+                   help="default: diffusers, or bagel_torch for --model-family bagel")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32", help="rollout dtype")
     p.add_argument("--jax-dtype", choices=DTYPE_CHOICES, help="trainer dtype (default: --dtype)")
     p.add_argument("--cfg", type=float, default=4.0, help="true CFG scale; 1 = off")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--window", type=int, default=2, help="SDE window size")
-    p.add_argument("--noise-level", type=float, default=1.2)
+    p.add_argument("--noise-level", type=float, help="default: 1.2, BAGEL's recipe 0.7")
     p.add_argument("--sde-type", choices=("sde", "cps"), default="sde")
     p.add_argument("--prompts", type=int, default=4, help=f"number of prompts (at most {len(PROMPTS)})")
     p.add_argument("--n", type=int, default=2, help="images per prompt")
-    p.add_argument("--height", type=int, default=40)
-    p.add_argument("--width", type=int, default=72)
+    p.add_argument("--height", type=int, help="default: 40 (BAGEL 64)")
+    p.add_argument("--width", type=int, help="default: 72 (BAGEL 96)")
     p.add_argument("--seed", type=int, default=0, help="base sample seed; also seeds the LoRA adapter")
     p.add_argument("--lora-rank", type=int, help="apply one random LoRA adapter (alpha = rank) to both sides")
     p.add_argument("--lora-apply", choices=("fused", "stock", "merged"),
@@ -83,6 +89,13 @@ def parse_args(argv):
     p.add_argument("--threshold", type=float, help="max |dlogp| allowed (default: 1e-5 fp32, 1e-2 with bf16)")
     p.add_argument("--json", type=Path, help="write the config, stats and per-sample dlogp here")
     args = p.parse_args(argv)
+    bagel = args.model_family == "bagel"
+    for key, qwen, bagel_value in (("engine", "diffusers", "bagel_torch"), ("noise_level", 1.2, 0.7),
+                                   ("height", 40, 64), ("width", 72, 96)):
+        if getattr(args, key) is None:
+            setattr(args, key, bagel_value if bagel else qwen)
+    if args.engine not in families.by_name(args.model_family).engines:
+        p.error(f"--engine {args.engine} does not serve --model-family {args.model_family}")
     if not 1 <= args.prompts <= len(PROMPTS):
         p.error(f"--prompts must be in [1, {len(PROMPTS)}]")
     if args.jax_lora_seed is not None and args.lora_rank is None:
@@ -99,10 +112,11 @@ def parse_args(argv):
 
 def build_engine(name: str, folder: Path, dtype: str, lora_apply: str | None = None):
     """The rollout engine `name` from jaxflow_bridge.rollout.server's registry, in-process; SystemExit if unavailable.
-    `lora_apply`: the vllm_omni engine's (fused, stock, merged)."""
+    `lora_apply`: the vllm_omni engine's (fused, stock, merged); bagel_torch skips its image decode."""
     from jaxflow_bridge.rollout.server import engine_class
 
-    config = {"engine": name, "model": str(folder), "dtype": dtype, **({"lora_apply": lora_apply} if lora_apply else {})}
+    config = {"engine": name, "model": str(folder), "dtype": dtype, **({"lora_apply": lora_apply} if lora_apply else {}),
+              **({"decode": "preview"} if name == "bagel_torch" else {})}
     try:
         return engine_class(config)(config)
     except (ImportError, ValueError) as e:
@@ -122,43 +136,52 @@ def print_table(stats: dict, step_index: np.ndarray) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.model is None:
+    bagel = args.model_family == "bagel"
+    if args.model is None and bagel:
+        from jaxflow_bridge.rollout.tiny_bagel import tiny_bagel_path
+
+        args.model = tiny_bagel_path(dtype=args.dtype)
+    elif args.model is None:
         from jaxflow_bridge.rollout.tiny import tiny_pipeline_path
 
         args.model = tiny_pipeline_path(dtype=args.dtype)  # vLLM-Omni takes its dtype from the folder's
     engine = build_engine(args.engine, args.model, args.dtype, args.lora_apply)
     engine_fingerprint = engine.info()["fingerprint"]
-    folder = args.model / "transformer"
-    spec = LoRASpec(rank=args.lora_rank, alpha=float(args.lora_rank)) if args.lora_rank else None
+    folder = args.model if bagel else args.model / "transformer"
+    spec = (BagelLoRASpec if bagel else LoRASpec)(rank=args.lora_rank, alpha=float(args.lora_rank)) \
+        if args.lora_rank else None
     round_to = ml_dtypes.bfloat16 if args.dtype == "bfloat16" else None  # both sides hold the same adapter values
     if spec:
         ack = engine.update_lora(random_adapter(folder, spec, args.seed, round_to=round_to), 1, spec.peft_config())
         print(f"LoRA rank {spec.rank} on {ack['bound_modules']} engine modules")
 
     sampling = {"height": args.height, "width": args.width, "num_inference_steps": args.steps,
-                "true_cfg_scale": args.cfg, "sde_type": args.sde_type, "noise_level": args.noise_level,
+                "sde_type": args.sde_type, "noise_level": args.noise_level,
                 "sde_window_size": args.window, "sde_window_range": (0, args.steps - 1)}
+    bagel_cfg = {"cfg_interval": (0.0, 1.0), "cfg_renorm_min": 0.0} if bagel else {}
+    sampling.update({"cfg_text_scale": args.cfg, **bagel_cfg} if bagel else {"true_cfg_scale": args.cfg})
     t0 = time.perf_counter()
     batch = TrajectoryBatch.from_dict(engine.generate(PROMPTS[: args.prompts], args.n, sampling, args.seed))
     engine.sleep()  # frees the accelerator before JAX first touches it; a no-op on CPU
     t1 = time.perf_counter()
 
     opts = ModelOptions(dtype=args.jax_dtype, param_dtype=args.jax_dtype, rope_table_dtype=args.jax_rope)
-    model = load_transformer(folder, opts, lora=spec)
+    model = load_bagel(folder, opts, spec) if bagel else load_transformer(folder, opts, lora=spec)
     if spec:
         jax_seed = args.seed if args.jax_lora_seed is None else args.jax_lora_seed
         peft_to_lora(model, spec, random_adapter(folder, spec, jax_seed, round_to=round_to))
     t2 = time.perf_counter()
-    if fingerprint(model) != engine_fingerprint:
+    if families.by_name(args.model_family).fingerprint(model) != engine_fingerprint:
         print(f"FAIL: the JAX base weights' fingerprint differs from the engine's ({engine_fingerprint[:12]})")
         return 1
     patch = math.isqrt(args.height * args.width // batch.latents.shape[2])
     out = recompute(model, batch, grid_hw=(args.height // patch, args.width // patch), guidance=args.cfg,
-                    sde_type=args.sde_type, noise_level=args.noise_level, num_micro_batches=args.micro_batches)
+                    sde_type=args.sde_type, noise_level=args.noise_level, num_micro_batches=args.micro_batches,
+                    **bagel_cfg)
     t3 = time.perf_counter()
 
     stats = parity_stats(out["dlogp"], out["ratio"])
-    print(f"engine {args.engine} ({args.dtype}) vs JAX ({args.jax_dtype}); cfg {args.cfg}, {args.sde_type} "
+    print(f"{args.model_family}: engine {args.engine} ({args.dtype}) vs JAX ({args.jax_dtype}); cfg {args.cfg}, {args.sde_type} "
           f"noise {args.noise_level}, {args.steps} steps, window {args.window}, B = {len(batch)}, "
           f"{args.height}x{args.width}; JAX matmul precision {opts.precision}, attention {model.impl}, RoPE tables "
           f"{args.jax_rope}; rollout {t1 - t0:.1f} s, JAX load {t2 - t1:.1f} s, recompute {t3 - t2:.1f} s")

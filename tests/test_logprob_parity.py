@@ -1,4 +1,5 @@
-"""scripts/verify_logprob_parity.py in-process: diffusers rollout vs the train step's JAX log-prob, tiny fp32, CFG 4."""
+"""scripts/verify_logprob_parity.py in-process: diffusers rollout vs the train step's JAX log-prob, tiny fp32, CFG 4;
+and --model-family bagel: the bagel_torch rollout of the tiny BAGEL vs the train step's BAGEL log-prob."""
 
 import importlib.util
 import json
@@ -49,3 +50,23 @@ def test_vllm_omni_in_float32_is_refused_before_anything_loads(parity, capsys):
     with pytest.raises(SystemExit):
         parity.main(["--engine", "vllm_omni"])  # --dtype defaults to float32
     assert "runs --dtype bfloat16 only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cfg", ["4", "1"], ids=["cfg4", "cfg1"])
+def test_bagel_fp32_recompute_matches_the_bagel_torch_rollout(parity, tmp_path, cfg):
+    """Float32 on both sides with a rank-4 adapter: |dlogp| within the script's float32 threshold (1e-5; its
+    floor is a few ulps of logp), the fingerprint of the JAX model the engine's (checked by the script)."""
+    code, report = _run(parity, tmp_path, "--model-family", "bagel", "--lora-rank", "4", "--cfg", cfg)
+    assert code == 0 and report["passed"] and len(report["dlogp"]) == 4
+    assert report["args"]["engine"] == "bagel_torch" and report["args"]["height"] == 64
+
+
+def test_bagel_with_a_different_jax_adapter_fails(parity, tmp_path):
+    code, report = _run(parity, tmp_path, "--model-family", "bagel", "--lora-rank", "4", "--jax-lora-seed", "1")
+    assert code == 1 and not report["passed"]
+
+
+def test_an_engine_of_the_other_family_is_refused(parity, capsys):
+    with pytest.raises(SystemExit):
+        parity.main(["--model-family", "bagel", "--engine", "diffusers"])
+    assert "--engine diffusers does not serve --model-family bagel" in capsys.readouterr().err

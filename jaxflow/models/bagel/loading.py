@@ -1,6 +1,9 @@
 """BagelModel <-> arrays keyed by Flax path (bagel_keymap.to_flax / to_checkpoint convert those to and from the
-checkpoint's names)."""
+checkpoint's names), and a BAGEL folder's model (`load_bagel`)."""
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +15,7 @@ from jaxflow.models.bagel.model import BagelModel
 from jaxflow.models.config import ModelOptions
 from jaxflow.models.lora import LoRAParam, LoRASpec
 from jaxflow.models.loading import state_leaf
-from jaxflow_bridge.contract import bagel_keymap
+from jaxflow_bridge.contract import bagel_keymap, safetensors_io
 
 
 def init_lora(cfg: BagelConfig, opts: ModelOptions, lora: LoRASpec, seed: int = 0) -> nnx.State:
@@ -50,3 +53,22 @@ def arrays(model: BagelModel) -> dict[tuple[str, ...], np.ndarray]:
     """The model's parameters as numpy arrays keyed by Flax path (the inverse of `build`)."""
     state = nnx.state(model, nnx.Param)
     return {e.flax_path: np.asarray(state_leaf(state, e.flax_path)[...]) for e in bagel_keymap.key_map()}
+
+
+def folder_config(folder: str | Path) -> BagelConfig:
+    """The geometry of a BAGEL folder: llm_config.json, config.json, and the markers' ids from tokenizer.json."""
+    folder = Path(folder)
+    added = {t["content"]: t["id"] for t in json.loads((folder / "tokenizer.json").read_text())["added_tokens"]}
+    return BagelConfig.from_dicts(json.loads((folder / "llm_config.json").read_text()),
+                                  json.loads((folder / "config.json").read_text()),
+                                  vision_start_id=added["<|vision_start|>"], vision_end_id=added["<|vision_end|>"])
+
+
+def load_bagel(folder: str | Path, opts: ModelOptions = ModelOptions(), lora: LoRASpec | None = None,
+               seed: int = 0) -> BagelModel:
+    """The generation path of a BAGEL folder: `folder_config` and ema.safetensors under the checkpoint's names
+    (the ignored ones dropped: LM head, ViT, ...), with fresh adapters from `seed` when `lora` is given."""
+    cfg = folder_config(folder)
+    source = safetensors_io.SafetensorsFile(Path(folder) / "ema.safetensors")
+    tensors = {k: source.get(k) for k in source.keys() if not k.startswith(bagel_keymap.IGNORED_PREFIXES)}
+    return build(cfg, bagel_keymap.to_flax(tensors, cfg.num_hidden_layers), opts, lora, seed)
