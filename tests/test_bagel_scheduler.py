@@ -54,7 +54,8 @@ def test_the_scheduler_driven_steps_are_the_loops(loop, sp):
     np.testing.assert_array_equal(got["step_index"], want.step_index[0])
     np.testing.assert_array_equal(got["latents"], want.latents[0])
     np.testing.assert_array_equal(got["log_probs"], want.log_probs[0])
-    # the final latents decode to the loop's image
+    # the final latents are the engine's next x and decode to the loop's image
+    np.testing.assert_array_equal(got["final"], x.numpy())
     np.testing.assert_array_equal(loop.decode(x[None], grid), want.images)
 
 

@@ -35,6 +35,7 @@ class WindowScheduler:
         self.initial = torch.randn(tokens, channels, generator=self.generator)
         self.latents = torch.zeros(self.size + 1, tokens, channels)
         self.log_probs = torch.zeros(self.size)
+        self.final: torch.Tensor | None = None
         self.index = 0
 
     def step(self, v: torch.Tensor, t, x: torch.Tensor, dt, **_) -> types.SimpleNamespace:
@@ -54,12 +55,15 @@ class WindowScheduler:
         if 0 <= slot < self.size:
             self.latents[slot + 1], self.log_probs[slot] = out[0], log_prob[0]
         self.index += 1
+        if self.index == steps:
+            self.final = out[0]
         return types.SimpleNamespace(prev_sample=out[0].to(device=x.device, dtype=x.dtype), log_prob=None)
 
     def trajectory(self) -> dict[str, np.ndarray]:
-        """After the last step: the window's latents (W + 1, tokens, channels), log-probs (W,) and step indices."""
+        """After the last step: the window's latents (W + 1, tokens, channels), log-probs (W,), step indices and the
+        final latents (tokens, channels)."""
         steps = len(self.sigmas) - 1
         if self.index != steps:
             raise RuntimeError(f"the sample took {self.index} of its {steps} steps")
         return {"latents": self.latents.numpy(), "log_probs": self.log_probs.numpy(),
-                "step_index": (self.start + np.arange(self.size)).astype(np.int32)}
+                "step_index": (self.start + np.arange(self.size)).astype(np.int32), "final": self.final.numpy()}
