@@ -75,7 +75,7 @@ def _check_model(cfg: ConfigDict) -> None:
         _fail("model.family", f"{cfg.model.family!r}; choose one of {', '.join(families.FAMILIES)}")
     family, hint = families.of(cfg), TINY_HINT[cfg.model.family]
     if not cfg.model.path:
-        _fail("model.path", f"is empty: pass --config.model.path=/path/to/the/model folder, or run {hint}")
+        _fail("model.path", f"is empty: pass --config.model.path={family.example}, or run {hint}")
     if cfg.model.path != family.tiny:
         folder = Path(cfg.model.path)
         for need in family.files:

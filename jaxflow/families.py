@@ -27,6 +27,7 @@ class QwenImage:
     name = "qwen_image"
     engines = ("diffusers", "vllm_omni")
     tiny = "tiny"
+    example = "/path/to/Qwen-Image (a diffusers folder)"
     files = ("model_index.json", "transformer/config.json")
     text_ids = False
 
@@ -104,6 +105,7 @@ class Bagel:
     name = "bagel"
     engines = ("bagel_torch",)
     tiny = "tiny_bagel"
+    example = "/path/to/BAGEL-7B-MoT"
     files = ("llm_config.json", "config.json", "ema.safetensors", "tokenizer.json")
     text_ids = True
 
