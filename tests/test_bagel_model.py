@@ -129,7 +129,7 @@ def test_config_refuses_impossible_geometry():
     with pytest.raises(ValueError, match="vision_end_id"):
         dataclasses.replace(TINY, vision_end_id=384)
     llm = {**{f.name: getattr(TINY, f.name) for f in dataclasses.fields(BagelConfig)}, "hidden_act": "silu"}
-    top = {"latent_patch_size": 2, "vae_config": {"z_channels": 16}, "max_latent_size": 8}
+    top = {"latent_patch_size": 2, "vae_config": {"z_channels": 16}, "max_latent_size": 32}
     assert BagelConfig.from_dicts(llm, top, vision_start_id=382, vision_end_id=383) == TINY
     with pytest.raises(ValueError, match="hidden_act"):
         BagelConfig.from_dicts({**llm, "hidden_act": "gelu"}, top)

@@ -68,8 +68,8 @@ def test_the_latent_grid_is_the_folder_geometry_and_bounded_by_its_position_tabl
     family = families.of(cfg)
     folder = family.folder(cfg)
     assert family.grid_hw(folder, cfg) == (4, 6)  # 64 x 96 pixels, 16 a token
-    cfg.sample.height = 16 * 9  # the tiny table holds 8 tokens a side
-    with pytest.raises(ValueError, match=r"at most 8 a side \(128 pixels\)"):
+    cfg.sample.height = 16 * 33  # the tiny table holds 32 tokens a side
+    with pytest.raises(ValueError, match=r"at most 32 a side \(512 pixels\)"):
         family.grid_hw(folder, cfg)
 
 

@@ -37,7 +37,7 @@ def test_folder_has_every_file_and_the_tiny_sizes(folder):
                                 "num_key_value_heads", "vocab_size", "rope_theta", "rms_norm_eps")} == dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=384, rope_theta=1e6, rms_norm_eps=1e-6)
-    assert (top["visual_gen"], top["visual_und"], top["latent_patch_size"], top["max_latent_size"]) == (True, False, 2, 8)
+    assert (top["visual_gen"], top["visual_und"], top["latent_patch_size"], top["max_latent_size"]) == (True, False, 2, 32)
     assert top["vae_config"] == {"z_channels": 16, "downsample": 8} and top["llm_config"] == llm
     assert (vit["num_hidden_layers"], vit["hidden_size"], vit["patch_size"]) == (1, 32, 14) and top["vit_config"] == vit
 

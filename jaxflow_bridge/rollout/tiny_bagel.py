@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from jaxflow_bridge.rollout import tiny
 from jaxflow_bridge.rollout.bagel_vae import checkpoint_shapes
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: max_latent_size 32 (vLLM-Omni's 512 x 512 warm-up)
 DTYPES = tiny.DTYPES
 FILES = ("llm_config.json", "config.json", "vit_config.json", "ema.safetensors", "ae.safetensors", "tokenizer.json",
          "tokenizer_config.json", "vocab.json", "merges.txt", "preprocessor_config.json")
@@ -41,7 +41,7 @@ TINY_LLM = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_
 TINY_VIT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=14,
                 image_size=112, num_channels=3, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6,
                 vision_use_head=False)
-TINY_TOP = dict(latent_patch_size=2, max_latent_size=8, vae_config={"z_channels": 16, "downsample": 8},
+TINY_TOP = dict(latent_patch_size=2, max_latent_size=32, vae_config={"z_channels": 16, "downsample": 8},
                 vit_max_num_patch_per_side=8, connector_act="gelu_pytorch_tanh", interpolate_pos=False,
                 timestep_shift=1.0)
 

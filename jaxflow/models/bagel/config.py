@@ -69,4 +69,4 @@ class BagelConfig:
 
 # The tiny random BAGEL of docs/bagel.md §6 (markers: the last two ids of its 384-token vocabulary).
 TINY = BagelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, vocab_size=384, max_latent_size=8, vision_start_id=382, vision_end_id=383)
+                   num_key_value_heads=2, vocab_size=384, max_latent_size=32, vision_start_id=382, vision_end_id=383)
