@@ -22,7 +22,7 @@ def get_config():
     c.lora.update(rank=64, alpha=128.0, targets=list(DEFAULT_LORA_TARGETS))
     c.rollout.update(engine="bagel_torch", dtype="float32", device="cpu", num_gpus=0.0)
     c.sample.update(height=512, width=512, num_steps=14, guidance=4.0, noise_level=0.7, sde_type="sde",
-                    window_size=2, window_range=(0, 7), cfg_interval=(0.0, 1.0), cfg_renorm_min=0.0,
+                    window_size=2, window_range=(0, 7), cfg_interval=(0.0, 1.0), cfg_renorm_min=0.0, negative_prompt="",
                     max_sequence_length=256, prompts_per_step=32, group_size=16, prompts_per_call=4)
     c.train.update(learning_rate=1e-4, weight_decay=1e-4, clip_range=1e-5, global_std=False, beta=0.0,
                    num_mini_batches=2, xla_options={})

@@ -93,7 +93,9 @@ def _check_model(cfg: ConfigDict) -> None:
                 ("rollout.dtype", cfg.rollout.dtype, cfg.rollout.dtype == "float32", "'float32'"),
                 ("rollout.device", cfg.rollout.device, cfg.rollout.device == "cpu", "'cpu'"),
                 ("model.lora_gemm", cfg.model.lora_gemm, cfg.model.lora_gemm in ("auto", "xla"), "'auto' or 'xla'"),
-                ("train.algorithm", cfg.train.algorithm, cfg.train.algorithm == "flowgrpo", "'flowgrpo'")):
+                ("train.algorithm", cfg.train.algorithm, cfg.train.algorithm == "flowgrpo", "'flowgrpo'"),
+                ("sample.negative_prompt", cfg.sample.negative_prompt, cfg.sample.negative_prompt == "",
+                 "'' (its text CFG's unconditional branch is the empty context)")):
             if not ok:
                 _fail(key, f"{value!r}: BAGEL runs with {want} for now (docs/bagel.md §7)")
     elif tuple(cfg.sample.cfg_interval) != (0.0, 1.0) or cfg.sample.cfg_renorm_min != 0.0:

@@ -33,6 +33,8 @@ def cli(*args):
      "config.train.algorithm: 'nft': BAGEL runs with 'flowgrpo' for now"),
     (["--config=configs/tiny_bagel_ocr.py", "--config.model.path=/nonexistent/bagel"],
      "has no llm_config.json: it must be a bagel folder; for a run without weights use configs/tiny_bagel_ocr.py"),
+    (["--config=configs/tiny_bagel_ocr.py", "--config.sample.negative_prompt=blurry"],
+     "config.sample.negative_prompt: 'blurry': BAGEL runs with '' (its text CFG's unconditional branch"),
     (["--config.model.family=flux"], "config.model.family: 'flux'; choose one of qwen_image, bagel"),
     (["--config.sample.cfg_renorm_min=0.5"], "sample.cfg_renorm_min are BAGEL's text CFG"),
     (["--config.model.path=/nonexistent/qwen"], "configs/tiny_ocr.py"),
