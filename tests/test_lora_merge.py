@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from jaxflow_bridge.contract import lora_shm
+from jaxflow_bridge.rollout import vllm_omni_lora as vol
 from jaxflow_bridge.rollout import vllm_omni_pipeline as vop
 from jaxflow_bridge.rollout.lora_binding import slot_plan
 from jaxflow_bridge.rollout.lora_merge import MergedLoRA, plan_targets
@@ -26,12 +27,12 @@ def shared(tensors: dict, tmp_path, dtype="bfloat16"):
     manifest and its payload as a torch tensor."""
     f = lora_shm.SharedAdapterFile(dtype, root=tmp_path)
     manifest = f.write_arrays(tensors)
-    return f, manifest, vop.MappedPayload().to(manifest, "cpu")
+    return f, manifest, vol.MappedPayload().to(manifest, "cpu")
 
 
 def fused_setup(tmp_path, seed=0):
     transformer = FakeFusedTransformer()
-    table = vop.lora_module_table(transformer)
+    table = vol.lora_module_table(transformer)
     f, manifest, payload = shared(random_peft(seed=seed), tmp_path)
     plan, _ = slot_plan(manifest, RANK, table)
     return transformer, table, plan, payload, f

@@ -10,7 +10,7 @@ import torch
 
 from jaxflow_bridge.contract import lora_shm
 from jaxflow_bridge.contract.lora import lora_pairs, to_vllm_omni
-from jaxflow_bridge.rollout import vllm_omni_pipeline as vop
+from jaxflow_bridge.rollout import vllm_omni_lora as vol
 from jaxflow_bridge.rollout.lora_binding import slot_plan
 from tests.helpers import RANK, random_peft, run, tiny_config
 from tests.helpers_vllm_omni import FakeFusedTransformer
@@ -65,7 +65,7 @@ class FakeManager:
 
 
 def setup(tmp_path, tensors):
-    table = vop.lora_module_table(FakeFusedTransformer())
+    table = vol.lora_module_table(FakeFusedTransformer())
     pairs = lora_pairs(to_vllm_omni(tensors))
     f, manifest = shared_file(tensors, tmp_path)
     plan, first_b = slot_plan(manifest, RANK, table)
@@ -76,8 +76,8 @@ def test_in_place_write_fills_every_slot_and_the_cpu_copy(tmp_path):
     tensors = random_peft()
     manager, pairs, manifest, plan, first_b = setup(tmp_path, tensors)
     assert len(plan) == len(pairs) == 12 * 3  # every module of the default targets, 3 blocks
-    payload = vop.MappedPayload().to(manifest, "cpu")
-    assert vop.write_lora_slots(manager, payload, plan, first_b, SCALE, 7) == {"written": len(plan)}
+    payload = vol.MappedPayload().to(manifest, "cpu")
+    assert vol.write_lora_slots(manager, payload, plan, first_b, SCALE, 7) == {"written": len(plan)}
     layers = manager._lora_modules
     fused_slot = {"to_q": ("to_qkv", 0), "to_k": ("to_qkv", 1), "to_v": ("to_qkv", 2),
                   "add_q_proj": ("add_kv_proj", 0), "add_k_proj": ("add_kv_proj", 1), "add_v_proj": ("add_kv_proj", 2)}
@@ -101,19 +101,19 @@ def test_non_finite_values_are_refused_with_nothing_written(tmp_path):
     tensors[bad] = tensors[bad].copy()
     tensors[bad][0, 0] = np.nan
     manager, _, manifest, plan, first_b = setup(tmp_path, tensors)
-    reply = vop.write_lora_slots(manager, vop.MappedPayload().to(manifest, "cpu"), plan, first_b, SCALE, 7)
+    reply = vol.write_lora_slots(manager, vol.MappedPayload().to(manifest, "cpu"), plan, first_b, SCALE, 7)
     assert len(reply["refused"]) == 1 and "img_mlp.net.2: expected finite values" in reply["refused"][0]
     assert all(not t.any() for layer in manager._lora_modules.values() for t in layer.lora_a_stacked)
 
 
 def test_a_manager_that_does_not_match_raises_instead_of_writing(tmp_path):
     manager, _, manifest, plan, first_b = setup(tmp_path, random_peft())
-    payload = vop.MappedPayload().to(manifest, "cpu")
+    payload = vol.MappedPayload().to(manifest, "cpu")
     with pytest.raises(RuntimeError, match="not the active one"):
-        vop.write_lora_slots(manager, payload, plan, first_b, SCALE, 8)
+        vol.write_lora_slots(manager, payload, plan, first_b, SCALE, 8)
     del manager._lora_modules[f"transformer.{plan[-1][1]}"]
     with pytest.raises(RuntimeError, match="no wrapped layer"):
-        vop.write_lora_slots(manager, payload, plan, first_b, SCALE, 7)
+        vol.write_lora_slots(manager, payload, plan, first_b, SCALE, 7)
     assert all(not t.any() for layer in manager._lora_modules.values() for t in layer.lora_a_stacked)
 
 
@@ -121,7 +121,7 @@ def test_slot_plan_refuses_a_wrong_shape_like_the_folder_path(tmp_path):
     tensors = random_peft()
     key = next(k for k in sorted(tensors) if "to_k.lora_B" in k)
     tensors[key] = tensors[key][:-1]
-    table = vop.lora_module_table(FakeFusedTransformer())
+    table = vol.lora_module_table(FakeFusedTransformer())
     _, manifest = shared_file(tensors, tmp_path)
     with pytest.raises(ValueError, match=r"to_k\.lora_B\.weight: expected shape"):
         slot_plan(manifest, RANK, table)

@@ -10,6 +10,7 @@ import torch
 
 from jaxflow_bridge.contract.lora import lora_pairs, to_vllm_omni
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
+from jaxflow_bridge.rollout import vllm_omni_lora as vol
 from jaxflow_bridge.rollout import vllm_omni_pipeline as vop
 from jaxflow_bridge.rollout.engine_vllm_omni import INSTALL_HINT, ack_errors, folder_fingerprint
 from jaxflow_bridge.rollout.lora_binding import check_lora_binding
@@ -174,7 +175,7 @@ def test_random_init_draws_the_shared_weights_without_reading_the_folder(tiny_pa
 
 
 def test_lora_module_table():
-    table = vop.lora_module_table(FakeFusedTransformer(kv=4))
+    table = vol.lora_module_table(FakeFusedTransformer(kv=4))
     assert table["packed"] == FakeFusedTransformer.packed_modules_mapping
     modules = table["modules"]
     assert modules["transformer_blocks.0.attn.to_qkv"] == [D, [D, 4, 4]]
@@ -186,7 +187,7 @@ def test_lora_module_table():
 
 
 def test_default_targets_bind_to_the_fused_transformer():
-    table = vop.lora_module_table(FakeFusedTransformer())
+    table = vol.lora_module_table(FakeFusedTransformer())
     tensors = random_peft()
     assert check_lora_binding(lora_pairs(to_vllm_omni(tensors)), RANK, table) == 12 * LAYERS
     with pytest.raises(ValueError, match=r"to_out\.0: the engine transformer has no such"):
@@ -194,7 +195,7 @@ def test_default_targets_bind_to_the_fused_transformer():
 
 
 def test_binding_checks_shapes_slots_and_emptiness():
-    table = vop.lora_module_table(FakeFusedTransformer(kv=4))  # GQA-like: k and v slices narrower than q
+    table = vol.lora_module_table(FakeFusedTransformer(kv=4))  # GQA-like: k and v slices narrower than q
     pairs = lora_pairs(to_vllm_omni(random_peft(targets=("to_q", "to_k", "img_mod.1"))))
     with pytest.raises(ValueError, match=r"to_k\.lora_B\.weight: expected shape \(4, 4\) \(engine layer "
                                          r"transformer_blocks\.\d\.attn\.to_qkv\), got \(8, 4\)"):

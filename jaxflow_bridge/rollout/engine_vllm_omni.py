@@ -24,7 +24,7 @@ Same calls and results as the diffusers engine.
   carries that LoRARequest. If loading fails, the previous adapter is loaded back and keeps serving.
 - update_lora_shared: the adapter in a shared-memory file on this host (jaxflow_bridge/contract/lora_shm.py); once an
   adapter of the same rank and alpha serves, the workers write the file's tensors into its LoRA slots in place
-  (`vllm_omni_pipeline.write_lora_slots`), with the same checks and refusals; otherwise as update_lora.
+  (`vllm_omni_lora.write_lora_slots`), with the same checks and refusals; otherwise as update_lora.
 - lora_apply="merged": no LoRA layers at all; update_lora / update_lora_shared merge the adapter into the base
   weights (`jaxflow_bridge/rollout/lora_merge.py`, restored exactly from a host copy each time), `release_adapter`
   starts that restore as soon as a step's rollouts are over.

@@ -50,6 +50,7 @@ from jaxflow_bridge.rollout.qk_rope import QK_OPS, use_native_qk
 from jaxflow_bridge.rollout.random_init import random_named_weights
 from jaxflow_bridge.rollout.sampling import Fp32Timestep, SamplingLoop, SamplingParams
 from jaxflow_bridge.rollout.tensors import numpy_to_torch, torch_to_numpy
+from jaxflow_bridge.rollout.vllm_omni_lora import MappedPayload, lora_module_table, write_lora_slots
 
 log = logging.getLogger(__name__)
 PIPELINE_CLASS = f"{__name__}.FlowGRPOQwenImagePipeline"
@@ -257,87 +258,6 @@ def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = N
     namespace = {"__init__": __init__, "load_weights": load_weights, "dtype": property(dtype), "forward": forward,
                  "__module__": __name__, "__qualname__": "FlowGRPOQwenImagePipeline", "__doc__": doc}
     return type("FlowGRPOQwenImagePipeline", (SamplingLoop, base), namespace)
-
-
-def lora_module_table(transformer: torch.nn.Module) -> dict:
-    """{"modules": {name: [in, [out per slice]]}, "packed": {fused: [parts]}} of vLLM's linear layers (anything
-    with `input_size` and `output_size`; fused ones list `output_sizes`), names relative to the transformer."""
-    modules = {name: [int(m.input_size), [int(s) for s in getattr(m, "output_sizes", [m.output_size])]]
-               for name, m in transformer.named_modules()
-               if hasattr(m, "input_size") and hasattr(m, "output_size")}
-    packed = getattr(type(transformer), "packed_modules_mapping", {})
-    return {"modules": modules, "packed": {k: list(v) for k, v in packed.items()}}
-
-
-def write_lora_slots(manager, payload: torch.Tensor, plan: list, first_b: int, scale: float, adapter_id: int) -> dict:
-    """Write a shared adapter's tensors into vLLM-Omni's LoRA slots in place (the worker side of
-    `VllmOmniEngine.update_lora_shared`); {"written": n}, or {"refused": [...]} with nothing written.
-
-    `manager`: vLLM-Omni 0.20's `DiffusionLoRAManager` with adapter `adapter_id` active; its wrapped layers hold the
-    active adapter in `lora_a_stacked[slot][0, 0, :r]` (r, in) and `lora_b_stacked[slot][0, 0, :, :r]` (out, r),
-    B already multiplied by alpha/r (vllm_omni/diffusion/lora/layers/base_linear.py, manager.py `_activate_adapter`),
-    and keeps a CPU copy of it (`_registered_adapters[id].get_lora(module)`) that a re-activation would copy back:
-    both are written. `payload`: the file's flat tensors on the GPU (B from `first_b` on, unscaled as PEFT stores
-    it). RuntimeError (not a refusal) when the manager does not look like that.
-    """
-    if getattr(manager, "_active_adapter_id", None) != adapter_id:
-        raise RuntimeError(f"LoRA adapter {adapter_id} is not the active one ({manager._active_adapter_id})")
-    model, layers = manager._registered_adapters[adapter_id], manager._lora_modules
-    targets = []
-    for module, layer, slot, a_off, a_shape, b_off, b_shape in plan:  # resolve everything before any write
-        wrapped = layers.get(layer, layers.get(f"transformer.{layer}"))
-        master = model.get_lora(module)
-        if wrapped is None or master is None or tuple(master.lora_a.shape) != tuple(a_shape) \
-                or tuple(master.lora_b.shape) != tuple(b_shape):
-            raise RuntimeError(f"{module}: no wrapped layer {layer} or held adapter weights of its shapes")
-        r = a_shape[0]
-        slots = (wrapped.lora_a_stacked[slot][0, 0, :r], wrapped.lora_b_stacked[slot][0, 0, :, :r])
-        targets.append((module, slots, master, payload[a_off:a_off + r * a_shape[1]].view(*a_shape),
-                        payload[b_off:b_off + b_shape[0] * r].view(*b_shape)))
-    payload[first_b:].mul_(scale)
-    if not bool(torch.isfinite(payload).all()):
-        return {"refused": [f"{m}: expected finite values" for m, _, _, a, b in targets
-                            if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all()))]}
-    for _, (slot_a, slot_b), master, a, b in targets:
-        slot_a.copy_(a)
-        slot_b.copy_(b)
-        master.lora_a.copy_(a, non_blocking=True)
-        master.lora_b.copy_(b, non_blocking=True)
-    if payload.is_cuda:
-        torch.cuda.synchronize(payload.device)
-    return {"written": len(targets)}
-
-
-class MappedPayload:
-    """A shared adapter file mapped into this process once (torch.from_file, shared) and, on a GPU, page-locked
-    (cudaHostRegister) so that each step's copy to the GPU runs at pinned speed; remapped when the path or size
-    changes."""
-
-    def __init__(self):
-        self.key, self.host, self.registered = None, None, False
-
-    def to(self, manifest: dict, device) -> torch.Tensor:
-        """The manifest's payload as a fresh tensor on `device` (the file's token and size are the engine's to
-        check: it runs on this host)."""
-        from jaxflow_bridge.contract.lora_shm import TOKEN_BYTES, dtype_of, offsets
-        total = offsets(manifest["entries"])[-1]
-        itemsize = dtype_of(manifest["dtype"]).itemsize
-        key = (manifest["path"], total, manifest["dtype"])
-        if key != self.key:
-            self.close()
-            raw = torch.from_file(manifest["path"], shared=True, size=TOKEN_BYTES + total * itemsize,
-                                  dtype=torch.uint8)
-            self.host = raw[TOKEN_BYTES:].view(getattr(torch, manifest["dtype"]))
-            if torch.device(device).type == "cuda":
-                err = torch.cuda.cudart().cudaHostRegister(self.host.data_ptr(), total * itemsize, 0)
-                self.registered = int(err) == 0
-            self.key = key
-        return self.host.to(device, non_blocking=self.registered, copy=True)
-
-    def close(self) -> None:
-        if self.registered:
-            torch.cuda.cudart().cudaHostUnregister(self.host.data_ptr())
-        self.key, self.host, self.registered = None, None, False
 
 
 def _pipeline_class() -> type:
