@@ -50,6 +50,9 @@ def check_layout(cfg, backend: str, devices: int) -> None:
     """After JAX starts: the colocated layout on GPUs runs one engine on each of the trainer's `devices` (all
     processes'), so every GPU both rolls out and trains; fewer engines would leave GPUs idle while the rollout runs."""
     r = cfg.rollout
+    if cfg.model.family == "bagel" and devices != 1:
+        _fail("model.family", f"'bagel' trains on one device for now (its weights carry no sharding yet); JAX sees "
+                              f"{devices}: set CUDA_VISIBLE_DEVICES to one GPU")
     if r.share_weights and (devices != 1 or r.device.partition(":")[0] != {"gpu": "cuda"}.get(backend, backend)):
         _fail("rollout.share_weights", f"needs the trainer on one device of the engine's kind: {devices} "
                                        f"{backend} device(s), rollout.device={r.device!r}")

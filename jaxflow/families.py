@@ -14,7 +14,6 @@ import json
 import logging
 from pathlib import Path
 
-import jax
 
 from jaxflow.models.config import QwenImageConfig
 from jaxflow.models.lora import LoRASpec
@@ -143,12 +142,9 @@ class Bagel:
 
     def build_model(self, cfg, folder: Path, spec, opts_for, **kw):
         """BAGEL's generation path from the folder's ema.safetensors (checkpoint names through bagel_keymap), its
-        markers' ids from tokenizer.json, fresh adapters from `seed`. One device: its weights are not sharded yet."""
-        from jaxflow.config import UserError
+        markers' ids from tokenizer.json, fresh adapters from `seed`. One device (jaxflow.config.check_layout): its
+        weights carry no sharding yet."""
         from jaxflow.models.bagel.loading import folder_config, load_bagel
-        if jax.device_count() > 1:
-            raise UserError(f"model.family='bagel' trains on one device for now; JAX sees {jax.device_count()} "
-                             f"(set CUDA_VISIBLE_DEVICES to one GPU)")
         opts = opts_for(folder_config(folder).num_hidden_layers)
         if opts.lora_gemm != "xla":  # "auto" resolved to the fused kernel, which BAGEL's layers do not call
             log.info("BAGEL's linears run model.lora_gemm=xla (its layers have no fused-kernel path)")
@@ -196,5 +192,5 @@ def by_name(name: str):
 
 
 def of(cfg):
-    """The config's family (`model.family`, validated by jaxflow.config)."""
+    """The config's family (`model.family`, validated at start)."""
     return by_name(cfg.model.family)

@@ -95,3 +95,12 @@ def test_the_trainer_fingerprint_is_the_engines_and_sees_a_changed_weight():
     changed[path] = changed[path].copy()
     changed[path][1, 0, 0] += 1.0  # layer 1, the first element of its torch (out, in) weight
     assert family.fingerprint(build(TINY, changed)) != engine.info()["fingerprint"]
+
+
+def test_more_than_one_trainer_device_is_refused_in_one_line(tmp_path):
+    from jaxflow.config import UserError, check_layout
+    cfg = bagel_config(tmp_path)
+    check_layout(cfg, "cpu", 1)
+    with pytest.raises(UserError, match=r"config\.model\.family: 'bagel' trains on one device .* JAX sees 2: set "
+                                        r"CUDA_VISIBLE_DEVICES to one GPU"):
+        check_layout(cfg, "gpu", 2)
