@@ -98,7 +98,9 @@ FIELDS = ("images", "latents", "log_probs", "sigmas", "step_index", "prompt_ids"
 
 def rollout(engine, sp):
     pipeline = build_pipeline_class(stock_pipeline(engine), lambda **kw: types.SimpleNamespace(**kw))(od_config=None)
-    out = unpack_trajectories(pipeline.forward(request(sp)), PROMPT, 0)
+    result = pipeline.forward(request(sp))
+    out = unpack_trajectories(result, PROMPT, 0)
+    np.testing.assert_array_equal(result.output.numpy(), out.images)  # what the engine's images show
     assert pipeline.scheduler is None and "prepare_vae_latent" not in vars(pipeline.bagel)  # hooks released
     assert list(out.policy_versions) == [5, 5]
     return out

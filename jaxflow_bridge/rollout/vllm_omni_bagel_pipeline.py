@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import torch
 
 from jaxflow_bridge.contract.schedule import sigma_schedule
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
@@ -118,7 +119,8 @@ def build_pipeline_class(base: type, output_cls) -> type:
             group_ids=np.zeros(n, np.int64), seeds=np.asarray(seeds, np.int64),
             policy_versions=np.full(n, self.policy_version, np.int64),
             final_latents=np.stack([p["final"] for p in paths]) if sp.keep_final else None)
-        return output_cls(**pack_trajectories(batch))
+        # BAGEL's post-processing is the identity: the uint8 images as they are, not pack_trajectories' float copy
+        return output_cls(**{**pack_trajectories(batch), "output": torch.from_numpy(images)})
 
     doc = "vLLM-Omni's BagelPipeline taking our SDE steps (see the module docstring)."
     namespace = {"__init__": __init__, "sample": sample, "forward": forward, "__module__": __name__,
