@@ -14,7 +14,6 @@ import json
 import logging
 from pathlib import Path
 
-
 from jaxflow.models.config import QwenImageConfig
 from jaxflow.models.lora import LoRASpec
 
@@ -28,7 +27,6 @@ class QwenImage:
     tiny = "tiny"
     example = "/path/to/Qwen-Image (a diffusers folder)"
     files = ("model_index.json", "transformer/config.json")
-    text_ids = False
 
     def folder(self, cfg) -> Path:
         if cfg.model.path == self.tiny:
@@ -106,7 +104,6 @@ class Bagel:
     tiny = "tiny_bagel"
     example = "/path/to/BAGEL-7B-MoT"
     files = ("llm_config.json", "config.json", "ema.safetensors", "tokenizer.json")
-    text_ids = True
 
     def folder(self, cfg) -> Path:
         if cfg.model.path == self.tiny:
