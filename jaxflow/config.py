@@ -81,7 +81,7 @@ def _check_model(cfg: ConfigDict) -> None:
         _fail("model.path", f"is empty: pass --config.model.path={family.example}, or run {hint}")
     if cfg.model.path != family.tiny:
         folder = Path(cfg.model.path)
-        for need in family.files:
+        for need in family.files + (family.weights if cfg.model.init == "checkpoint" else ()):
             if not (folder / need).exists():
                 _fail("model.path", f"{folder} has no {need}: it must be a {family.name} folder; for a run without "
                                     f"weights use {hint}")
@@ -92,7 +92,6 @@ def _check_model(cfg: ConfigDict) -> None:
                                 f"{' or '.join(family.engines)}")
     if family.name == "bagel":
         for key, value, ok, want in (
-                ("model.init", cfg.model.init, cfg.model.init == "checkpoint", "'checkpoint'"),
                 ("rollout.dtype", cfg.rollout.dtype, cfg.rollout.dtype == "float32", "'float32'"),
                 ("rollout.device", cfg.rollout.device, cfg.rollout.device == "cpu", "'cpu'"),
                 ("model.lora_gemm", cfg.model.lora_gemm, cfg.model.lora_gemm in ("auto", "xla"), "'auto' or 'xla'"),

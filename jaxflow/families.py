@@ -27,6 +27,7 @@ class QwenImage:
     tiny = "tiny"
     example = "/path/to/Qwen-Image (a diffusers folder)"
     files = ("model_index.json", "transformer/config.json")
+    weights = ()  # one file or a sharded index: transformer/ is checked as it loads
 
     def folder(self, cfg) -> Path:
         if cfg.model.path == self.tiny:
@@ -103,7 +104,8 @@ class Bagel:
     engines = ("bagel_torch",)
     tiny = "tiny_bagel"
     example = "/path/to/BAGEL-7B-MoT"
-    files = ("llm_config.json", "config.json", "ema.safetensors", "tokenizer.json")
+    files = ("llm_config.json", "config.json", "tokenizer.json")
+    weights = ("ema.safetensors",)  # read with model.init='checkpoint' only
 
     def folder(self, cfg) -> Path:
         if cfg.model.path == self.tiny:
@@ -138,14 +140,17 @@ class Bagel:
         return BagelLoRASpec(rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=tuple(cfg.lora.targets))
 
     def build_model(self, cfg, folder: Path, spec, opts_for, **kw):
-        """BAGEL's generation path from the folder's ema.safetensors (checkpoint names through bagel_keymap), its
-        markers' ids from tokenizer.json, fresh adapters from `seed`. One device (jaxflow.config.check_layout): its
-        weights carry no sharding yet."""
-        from jaxflow.models.bagel.loading import folder_config, load_bagel
-        opts = opts_for(folder_config(folder).num_hidden_layers)
+        """BAGEL's generation path from the folder's ema.safetensors (checkpoint names through bagel_keymap), or
+        drawn from `seed` with model.init=random; its markers' ids from tokenizer.json, fresh adapters from `seed`.
+        One device (jaxflow.config.check_layout): its weights carry no sharding yet."""
+        from jaxflow.models.bagel.loading import folder_config, load_bagel, random_bagel
+        mc = folder_config(folder)
+        opts = opts_for(mc.num_hidden_layers)
         if opts.lora_gemm != "xla":  # "auto" resolved to the fused kernel, which BAGEL's layers do not call
             log.info("BAGEL's linears run model.lora_gemm=xla (its layers have no fused-kernel path)")
             opts = dataclasses.replace(opts, lora_gemm="xla")
+        if cfg.model.init == "random":
+            return random_bagel(mc, opts, spec, kw["seed"])
         return load_bagel(folder, opts, spec, kw["seed"])
 
     def batch_shape(self, model) -> dict:

@@ -104,3 +104,22 @@ def test_more_than_one_trainer_device_is_refused_in_one_line(tmp_path):
     with pytest.raises(UserError, match=r"config\.model\.family: 'bagel' trains on one device .* JAX sees 2: set "
                                         r"CUDA_VISIBLE_DEVICES to one GPU"):
         check_layout(cfg, "gpu", 2)
+
+
+def test_random_init_draws_the_engines_weights_by_checkpoint_name():
+    """model.init=random: the trainer's BAGEL (drawn on the device into Flax layout) holds exactly the shared spec's
+    tensors by checkpoint name, and its fingerprint is the bagel_torch engine's with the same random_seed (not with
+    another seed)."""
+    from jaxflow.models.bagel.config import TINY
+    from jaxflow.models.bagel.loading import arrays, random_bagel
+    from jaxflow_bridge.contract import bagel_keymap
+    from jaxflow_bridge.contract.random_weights import numpy_weight
+    from jaxflow_bridge.rollout.engine_bagel import BagelTorchEngine
+
+    model = random_bagel(TINY, seed=7)
+    for name, value in bagel_keymap.to_checkpoint(arrays(model), TINY.num_hidden_layers).items():
+        np.testing.assert_array_equal(value, numpy_weight(7, name, value.shape), err_msg=name)
+    config = {"engine": "bagel_torch", "model": "tiny_bagel", "decode": "preview"}
+    fingerprint = families.Bagel().fingerprint(model)
+    assert fingerprint == BagelTorchEngine({**config, "random_seed": 7}).info()["fingerprint"]
+    assert fingerprint != BagelTorchEngine({**config, "random_seed": 8}).info()["fingerprint"]

@@ -30,7 +30,9 @@ def _uniform(key_ids: jax.Array, torch_shape: tuple[int, ...], transpose: bool, 
     return jax.lax.map(one, key_ids)
 
 
-def _value(seed: int, num_layers: int, e: keymap.Entry, var, sharding) -> jax.Array:
+def entry_value(seed: int, num_layers: int, e: keymap.Entry, var, sharding) -> jax.Array:
+    """The value of key-map entry `e` (abstract leaf `var`, its layers stacked when `e.stacked`) by the shared spec,
+    drawn on the device into `sharding`: the torch tensors of its checkpoint names, in Flax layout."""
     names, shape, dtype = e.diffusers_keys(num_layers), var.shape, var.dtype
     per_layer = shape[1:] if e.stacked else shape
     torch_shape = tuple(per_layer[::-1]) if e.transpose else tuple(per_layer)
@@ -48,4 +50,4 @@ def _value(seed: int, num_layers: int, e: keymap.Entry, var, sharding) -> jax.Ar
 def random_transformer(cfg: QwenImageConfig, opts: ModelOptions = ModelOptions(), lora: LoRASpec | None = None,
                        *, sharding: ShardingFn | None = None, seed: int = 0) -> QwenImageTransformer:
     """The model with base weights drawn by the shared spec from `seed` (fresh LoRA from `seed` if `lora`)."""
-    return assemble(cfg, opts, lora, seed, sharding, functools.partial(_value, seed, cfg.num_layers))
+    return assemble(cfg, opts, lora, seed, sharding, functools.partial(entry_value, seed, cfg.num_layers))

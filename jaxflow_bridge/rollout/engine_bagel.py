@@ -3,16 +3,19 @@
 Config keys: `engine` ("bagel_torch"), `model` (a BAGEL folder: llm_config.json, config.json, ema.safetensors and
 the tokenizer; or "tiny_bagel" for the cached tiny random one), `device` ("cpu", the only one for now), `dtype`
 ("float32", the only one for now), `decode` ("vae", default: the folder's `ae.safetensors` through
-`bagel_vae.BagelDecoder`, as vLLM-Omni decodes; or "preview": `latent_preview`, no decoder, for plumbing runs). A prompt's context is `<|im_start|>` + its tokens + `<|im_end|>` (docs/bagel.md
-§4), carried as the trajectory's `prompt_ids`. LoRA: PEFT adapters in BAGEL's names (the trainer's
-`jaxflow.models.bagel.lora.peft_state_dict`; the `base_model.model.` prefix optional) on the generation expert's
-Linears, applied atomically by `LoraApplier`. Never imports JAX.
+`bagel_vae.BagelDecoder`, as vLLM-Omni decodes; or "preview": `latent_preview`, no decoder, for plumbing runs),
+`random_seed` (optional: the weights drawn by the shared random spec, `jaxflow_bridge/contract/random_weights.py`, by
+checkpoint name, as the trainer's `model.init=random`; the folder then needs no ema.safetensors). A prompt's context
+is `<|im_start|>` + its tokens + `<|im_end|>` (docs/bagel.md §4), carried as the trajectory's `prompt_ids`. LoRA:
+PEFT adapters in BAGEL's names (the trainer's `jaxflow.models.bagel.lora.peft_state_dict`; the `base_model.model.`
+prefix optional) on the generation expert's Linears, applied atomically by `LoraApplier`. Never imports JAX.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file
 from transformers import Qwen2TokenizerFast
 
@@ -24,6 +27,7 @@ from jaxflow_bridge.rollout.bagel_vae import BagelDecoder
 from jaxflow_bridge.rollout.engine import RolloutEngine, policy_version
 from jaxflow_bridge.rollout.lora_apply import LoraApplier
 from jaxflow_bridge.rollout.pipeline import weights_fingerprint
+from jaxflow_bridge.rollout.random_init import torch_weight
 from jaxflow_bridge.rollout.tiny_bagel import bagel_torch_fields
 
 
@@ -40,7 +44,7 @@ class BagelTorchEngine(RolloutEngine):
     """The `RolloutEngine` interface over one `BagelTorch` and its sampling loop."""
 
     name = "bagel_torch"
-    config_keys = ("engine", "model", "device", "dtype", "decode")
+    config_keys = ("engine", "model", "device", "dtype", "decode", "random_seed")
 
     def __init__(self, config: dict):
         self.check_config(config)
@@ -52,17 +56,22 @@ class BagelTorchEngine(RolloutEngine):
             from jaxflow_bridge.rollout.tiny_bagel import tiny_bagel_path
 
             model = tiny_bagel_path()
-        folder, decode = Path(model), config.get("decode", "vae")
+        folder, decode, seed = Path(model), config.get("decode", "vae"), config.get("random_seed")
         if decode not in ("vae", "preview"):
             raise ValueError(f"{self.name} engine: decode {decode!r}; choose 'vae' or 'preview'")
-        for name in ("ema.safetensors", "ae.safetensors")[:2 if decode == "vae" else 1]:
+        needed = ["ema.safetensors"] * (seed is None) + ["ae.safetensors"] * (decode == "vae")
+        for name in needed:
             if not (folder / name).is_file():
                 raise ValueError(f"{self.name} engine: {folder} has no {name}: pass a BAGEL folder (or "
                                  f"model='tiny_bagel')")
         self.model_path = str(folder)
         fields = bagel_torch_fields(folder)
         self.model = BagelTorch(**fields)
-        self.model.load_checkpoint(load_file(folder / "ema.safetensors"))
+        if seed is None:
+            self.model.load_checkpoint(load_file(folder / "ema.safetensors"))
+        else:  # the shared random spec by checkpoint name, as the trainer draws it (model.init=random)
+            self.model.load_checkpoint({name: torch_weight(int(seed), name, tuple(t.shape), torch.float32, "cpu")
+                                        for name, t in self.model.state_dict().items()})
         self.model.eval()
         self.fingerprint = weights_fingerprint(self.model.state_dict().items())
         self.tokenizer = Qwen2TokenizerFast.from_pretrained(folder)  # BAGEL ships Qwen2.5's tokenizer files

@@ -72,3 +72,20 @@ def load_bagel(folder: str | Path, opts: ModelOptions = ModelOptions(), lora: Lo
     source = safetensors_io.SafetensorsFile(Path(folder) / "ema.safetensors")
     tensors = {k: source.get(k) for k in source.keys() if not k.startswith(bagel_keymap.IGNORED_PREFIXES)}
     return build(cfg, bagel_keymap.to_flax(tensors, cfg.num_hidden_layers), opts, lora, seed)
+
+
+def random_bagel(cfg: BagelConfig, opts: ModelOptions = ModelOptions(), lora: LoRASpec | None = None,
+                 seed: int = 0) -> BagelModel:
+    """The generation path with the shared random base weights (jaxflow_bridge/contract/random_weights.py) drawn on
+    the device by checkpoint name, as the bagel_torch engine draws them from `random_seed`; fresh adapters from
+    `seed` with `lora`."""
+    from jaxflow.models.random_init import entry_value
+
+    abstract = nnx.eval_shape(lambda: BagelModel(cfg, opts, lora, rngs=nnx.Rngs(seed)))
+    graphdef, lora_state, state = nnx.split(abstract, LoRAParam, ...)
+    if lora is not None:
+        lora_state = init_lora(cfg, opts, lora, seed)
+    for e in bagel_keymap.key_map():
+        var = state_leaf(state, e.flax_path)
+        var.set_value(entry_value(seed, cfg.num_hidden_layers, e, var, None))
+    return nnx.merge(graphdef, lora_state, state)
