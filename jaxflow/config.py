@@ -16,10 +16,6 @@ from jaxflow_bridge.contract.schedule import CFG_FORWARDS
 from jaxflow_bridge.rewards.registry import NEED_TARGET, REGISTRY
 from jaxflow_bridge.rollout.server import ENGINES
 
-TINY_HINT = {"qwen_image": "configs/tiny_ocr.py (the embedded tiny offline model)",
-             "bagel": "configs/tiny_bagel_ocr.py (the tiny offline BAGEL)"}
-
-
 class UserError(ValueError):
     """Input the user must fix (config, flags, run directory): the command line prints the message alone, exit 2."""
 
@@ -76,7 +72,8 @@ def _check_model(cfg: ConfigDict) -> None:
     """model.family, model.path and what the family's trainer and engines support."""
     if cfg.model.family not in families.FAMILIES:
         _fail("model.family", f"{cfg.model.family!r}; choose one of {', '.join(families.FAMILIES)}")
-    family, hint = families.of(cfg), TINY_HINT[cfg.model.family]
+    family = families.of(cfg)
+    hint = family.tiny_config
     if not cfg.model.path:
         _fail("model.path", f"is empty: pass --config.model.path={family.example}, or run {hint}")
     if cfg.model.path != family.tiny:

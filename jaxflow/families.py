@@ -14,10 +14,17 @@ import json
 import logging
 from pathlib import Path
 
-from jaxflow.models.config import QwenImageConfig
-from jaxflow.models.lora import LoRASpec
+from flax import nnx
 
-FAMILIES = ("qwen_image", "bagel")
+from jaxflow.models import lora as qwen_lora
+from jaxflow.models.bagel import lora as bagel_lora
+from jaxflow.models.bagel.loading import folder_config, load_bagel, random_bagel
+from jaxflow.models.config import QwenImageConfig
+from jaxflow.models.loading import entries_fingerprint, fingerprint, load_transformer
+from jaxflow.models.lora import LoRASpec
+from jaxflow.models.random_init import random_transformer
+from jaxflow_bridge.contract import bagel_keymap
+
 log = logging.getLogger("jaxflow.train")
 
 
@@ -25,6 +32,7 @@ class QwenImage:
     name = "qwen_image"
     engines = ("diffusers", "vllm_omni")
     tiny = "tiny"
+    tiny_config = "configs/tiny_ocr.py (the embedded tiny offline model)"
     example = "/path/to/Qwen-Image (a diffusers folder)"
     files = ("model_index.json", "transformer/config.json")
     weights = ()  # one file or a sharded index: transformer/ is checked as it loads
@@ -60,8 +68,6 @@ class QwenImage:
     def build_model(self, cfg, folder: Path, spec, opts_for, **kw):
         """The transformer of `folder`: loaded, or drawn from `seed` with model.init=random; `opts_for(num_layers)`
         resolves the ModelOptions (model.lora_gemm) for its depth."""
-        from jaxflow.models.loading import load_transformer
-        from jaxflow.models.random_init import random_transformer
         mc = QwenImageConfig.from_json(folder / "transformer" / "config.json")
         opts = opts_for(mc.num_layers)
         if cfg.model.init == "random":
@@ -77,11 +83,9 @@ class QwenImage:
         return dict(channels=model.cfg.in_channels, width=model.cfg.joint_attention_dim, text_ids=False)
 
     def save_peft(self, lora, spec, directory: Path) -> None:
-        from jaxflow.models.lora import save_peft
-        save_peft(lora, spec, directory)
+        qwen_lora.save_peft(lora, spec, directory)
 
     def fingerprint(self, model) -> str:
-        from jaxflow.models.loading import fingerprint
         return fingerprint(model)
 
     def engine_config(self, cfg) -> dict:
@@ -103,6 +107,7 @@ class Bagel:
     name = "bagel"
     engines = ("bagel_torch",)
     tiny = "tiny_bagel"
+    tiny_config = "configs/tiny_bagel_ocr.py (the tiny offline BAGEL)"
     example = "/path/to/BAGEL-7B-MoT"
     files = ("llm_config.json", "config.json", "tokenizer.json")
     weights = ("ema.safetensors",)  # read with model.init='checkpoint' only
@@ -119,15 +124,18 @@ class Bagel:
             return top_config()
         return json.loads((Path(cfg.model.path) / "config.json").read_text())
 
-    def size_multiple(self, cfg) -> int:
-        """Pixels per latent token: the VAE's downsampling x latent_patch_size (16 for BAGEL)."""
-        top = self._top(cfg)
+    @staticmethod
+    def _per_token(top: dict) -> int:
+        """Pixels per latent token (a side): the VAE's downsampling x latent_patch_size (16 for BAGEL)."""
         return top["vae_config"]["downsample"] * top["latent_patch_size"]
+
+    def size_multiple(self, cfg) -> int:
+        return self._per_token(self._top(cfg))
 
     def grid_hw(self, folder: Path, cfg) -> tuple[int, int]:
         """Latent tokens per side; each side at most config.json's max_latent_size (the position table's)."""
         top = json.loads((folder / "config.json").read_text())
-        m = top["vae_config"]["downsample"] * top["latent_patch_size"]
+        m = self._per_token(top)
         grid = cfg.sample.height // m, cfg.sample.width // m
         if max(grid) > top["max_latent_size"]:
             raise ValueError(f"config.sample.height/width: {cfg.sample.height}x{cfg.sample.width} is {grid} latent "
@@ -136,14 +144,12 @@ class Bagel:
         return grid
 
     def lora_spec(self, cfg) -> LoRASpec:
-        from jaxflow.models.bagel.lora import BagelLoRASpec
-        return BagelLoRASpec(rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=tuple(cfg.lora.targets))
+        return bagel_lora.BagelLoRASpec(rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=tuple(cfg.lora.targets))
 
     def build_model(self, cfg, folder: Path, spec, opts_for, **kw):
         """BAGEL's generation path from the folder's ema.safetensors (checkpoint names through bagel_keymap), or
         drawn from `seed` with model.init=random; its markers' ids from tokenizer.json, fresh adapters from `seed`.
         One device (jaxflow.config.check_layout): its weights carry no sharding yet."""
-        from jaxflow.models.bagel.loading import folder_config, load_bagel, random_bagel
         mc = folder_config(folder)
         opts = opts_for(mc.num_hidden_layers)
         if opts.lora_gemm != "xla":  # "auto" resolved to the fused kernel, which BAGEL's layers do not call
@@ -157,15 +163,10 @@ class Bagel:
         return dict(channels=model.cfg.latent_dim, width=1, text_ids=True)
 
     def save_peft(self, lora, spec, directory: Path) -> None:
-        from jaxflow.models.bagel.lora import save_peft
-        save_peft(lora, spec, directory)
+        bagel_lora.save_peft(lora, spec, directory)
 
     def fingerprint(self, model) -> str:
         """The rollout's `weights_fingerprint` of the same weights (over BAGEL's checkpoint names)."""
-        from flax import nnx
-
-        from jaxflow.models.loading import entries_fingerprint
-        from jaxflow_bridge.contract import bagel_keymap
         return entries_fingerprint(nnx.state(model, nnx.Param), bagel_keymap.key_map(), model.cfg.num_hidden_layers)
 
     def engine_config(self, cfg) -> dict:
@@ -186,6 +187,7 @@ class Bagel:
 
 
 _FAMILIES = {f.name: f for f in (QwenImage(), Bagel())}
+FAMILIES = tuple(_FAMILIES)
 
 
 def by_name(name: str):

@@ -22,7 +22,7 @@ from jaxflow.objectives import for_model
 from jaxflow.step_config import TrainConfig
 from jaxflow.train_batch import TrainBatch
 from jaxflow.train_step import accumulate_gradients, prepare_batch
-from jaxflow_bridge.contract import bagel_keymap, keymap, safetensors_io
+from jaxflow_bridge.contract import bagel_keymap, keymap
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 
 
@@ -55,8 +55,7 @@ def random_adapter(folder: str | Path, spec: LoRASpec, seed: int, scale: float =
     exactly what JAX holds."""
     folder = Path(folder)
     if (folder / "llm_config.json").exists():
-        source = TensorSource(files={k: folder / "ema.safetensors" for k in
-                                     safetensors_io.SafetensorsFile(folder / "ema.safetensors").keys()})
+        source = TensorSource.from_file(folder / "ema.safetensors")
         layers = json.loads((folder / "llm_config.json").read_text())["num_hidden_layers"]
         entries = bagel_keymap.lora_key_map(spec.targets)
     else:

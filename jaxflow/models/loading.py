@@ -41,7 +41,12 @@ class TensorSource:
             return cls(files={k: folder / f for k, f in weight_map.items()})
         if not (folder / WEIGHTS).exists():
             raise FileNotFoundError(f"{folder} has neither {WEIGHTS} nor {INDEX}")
-        f = safetensors_io.SafetensorsFile(folder / WEIGHTS)
+        return cls.from_file(folder / WEIGHTS)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "TensorSource":
+        """Every tensor of one safetensors file."""
+        f = safetensors_io.SafetensorsFile(path)
         src = cls(files={k: f.path for k in f.keys()})
         src._open[f.path] = f
         return src

@@ -45,13 +45,12 @@ class WindowScheduler:
         if i >= steps:
             raise RuntimeError(f"the engine asked for step {i + 1} of a {steps}-step schedule")
         noise = torch.randn(x.shape, generator=self.generator)
-        slot = i - self.start
+        slot, here = i - self.start, x.detach().float().cpu()
         if slot == 0:
-            self.latents[0] = x.detach().float().cpu()
+            self.latents[0] = here
         s = self.sigmas
-        out, log_prob, _, _ = sde_step(x.detach().float().cpu()[None], v.detach().float().cpu()[None], s[i], s[i + 1],
-                                       s[1], sde_type=self.sde_type, noise_level=self.levels[i:i + 1],
-                                       noise=noise[None])
+        out, log_prob, _, _ = sde_step(here[None], v.detach().float().cpu()[None], s[i], s[i + 1], s[1],
+                                       sde_type=self.sde_type, noise_level=self.levels[i:i + 1], noise=noise[None])
         if 0 <= slot < self.size:
             self.latents[slot + 1], self.log_probs[slot] = out[0], log_prob[0]
         self.index += 1

@@ -15,6 +15,7 @@ from jaxflow.models.bagel.model import BagelModel
 from jaxflow.models.config import ModelOptions
 from jaxflow.models.lora import LoRAParam, LoRASpec
 from jaxflow.models.loading import state_leaf
+from jaxflow.models.random_init import entry_value
 from jaxflow_bridge.contract import bagel_keymap, safetensors_io
 
 
@@ -23,30 +24,43 @@ def init_lora(cfg: BagelConfig, opts: ModelOptions, lora: LoRASpec, seed: int = 
     return jax.jit(lambda: nnx.state(BagelModel(cfg, opts, lora, rngs=nnx.Rngs(seed)), LoRAParam))()
 
 
-def build(cfg: BagelConfig, arrays: dict[tuple[str, ...], np.ndarray], opts: ModelOptions = ModelOptions(),
-          lora: LoRASpec | None = None, seed: int = 0) -> BagelModel:
-    """A BagelModel holding `arrays` in its storage dtype (every parameter must be given, at its shape) and, with
-    `lora`, fresh adapters from `seed` on the generation expert."""
+def _assemble(cfg: BagelConfig, opts: ModelOptions, lora: LoRASpec | None, seed: int, value,
+              check=None) -> BagelModel:
+    """The model with every key-map leaf set to `value(entry, abstract_var)` (after `check(abstract state)`, if
+    given) and, with `lora`, fresh adapters from `seed` on the generation expert. Shared by `build` and
+    `random_bagel`."""
     abstract = nnx.eval_shape(lambda: BagelModel(cfg, opts, lora, rngs=nnx.Rngs(seed)))
     graphdef, lora_state, state = nnx.split(abstract, LoRAParam, ...)
-    if lora is not None:
-        lora_state = init_lora(cfg, opts, lora, seed)
     entries = bagel_keymap.key_map()
     params = {path for path, _ in nnx.to_flat_state(nnx.filter_state(state, nnx.Param))}
     if params != {e.flax_path for e in entries}:
         raise ValueError(f"BagelModel parameters and the key map differ: "
                          f"{sorted(params ^ {e.flax_path for e in entries})}")
-    problems = []
+    if check is not None:
+        check(state)
     for e in entries:
-        var, value = state_leaf(state, e.flax_path), arrays.get(e.flax_path)
-        if value is None or tuple(value.shape) != tuple(var.shape):
-            problems.append(f"{'/'.join(e.flax_path)}: got {None if value is None else value.shape}, "
-                            f"model {var.shape}")
-            continue
-        var.set_value(jnp.asarray(value, opts.storage_dtype))
-    if problems:
-        raise ValueError(f"arrays do not fit BagelModel: {problems}")
+        var = state_leaf(state, e.flax_path)
+        var.set_value(value(e, var))
+    if lora is not None:
+        lora_state = init_lora(cfg, opts, lora, seed)
     return nnx.merge(graphdef, lora_state, state)
+
+
+def build(cfg: BagelConfig, arrays: dict[tuple[str, ...], np.ndarray], opts: ModelOptions = ModelOptions(),
+          lora: LoRASpec | None = None, seed: int = 0) -> BagelModel:
+    """A BagelModel holding `arrays` in its storage dtype (every parameter must be given, at its shape) and, with
+    `lora`, fresh adapters from `seed` on the generation expert."""
+    def check(state):
+        problems = []
+        for e in bagel_keymap.key_map():
+            var, given = state_leaf(state, e.flax_path), arrays.get(e.flax_path)
+            if given is None or tuple(given.shape) != tuple(var.shape):
+                problems.append(f"{'/'.join(e.flax_path)}: got {None if given is None else given.shape}, "
+                                f"model {var.shape}")
+        if problems:
+            raise ValueError(f"arrays do not fit BagelModel: {problems}")
+
+    return _assemble(cfg, opts, lora, seed, lambda e, var: jnp.asarray(arrays[e.flax_path], opts.storage_dtype), check)
 
 
 def arrays(model: BagelModel) -> dict[tuple[str, ...], np.ndarray]:
@@ -79,13 +93,4 @@ def random_bagel(cfg: BagelConfig, opts: ModelOptions = ModelOptions(), lora: Lo
     """The generation path with the shared random base weights (jaxflow_bridge/contract/random_weights.py) drawn on
     the device by checkpoint name, as the bagel_torch engine draws them from `random_seed`; fresh adapters from
     `seed` with `lora`."""
-    from jaxflow.models.random_init import entry_value
-
-    abstract = nnx.eval_shape(lambda: BagelModel(cfg, opts, lora, rngs=nnx.Rngs(seed)))
-    graphdef, lora_state, state = nnx.split(abstract, LoRAParam, ...)
-    if lora is not None:
-        lora_state = init_lora(cfg, opts, lora, seed)
-    for e in bagel_keymap.key_map():
-        var = state_leaf(state, e.flax_path)
-        var.set_value(entry_value(seed, cfg.num_hidden_layers, e, var, None))
-    return nnx.merge(graphdef, lora_state, state)
+    return _assemble(cfg, opts, lora, seed, lambda e, var: entry_value(seed, cfg.num_hidden_layers, e, var, None))
