@@ -77,21 +77,18 @@ def test_the_trainer_fingerprint_is_the_engines_and_sees_a_changed_weight():
     """families.Bagel.fingerprint (first elements of each weight, torch layout, read from the Flax model) equals the
     bagel_torch engine's weights_fingerprint (its whole state dict) on the tiny folder; one changed element of one
     transposed kernel changes it."""
-    from jaxflow.models.bagel.loading import arrays, build
     from jaxflow.models.bagel.config import TINY
-    from jaxflow_bridge.contract import bagel_keymap, safetensors_io
+    from jaxflow.models.bagel.loading import arrays, build, load_bagel
+    from jaxflow_bridge.contract import bagel_keymap
     from jaxflow_bridge.rollout.engine_bagel import BagelTorchEngine
     from jaxflow_bridge.rollout.tiny_bagel import tiny_bagel_path
 
-    folder = tiny_bagel_path()
-    tensors = {k: v for k, v in safetensors_io.load(folder / "ema.safetensors").items()
-               if not k.startswith(bagel_keymap.IGNORED_PREFIXES)}
-    params = bagel_keymap.to_flax(tensors, TINY.num_hidden_layers)
+    model = load_bagel(tiny_bagel_path())
     family = families.Bagel()
     engine = BagelTorchEngine({"engine": "bagel_torch", "model": "tiny_bagel", "decode": "preview"})
-    assert family.fingerprint(build(TINY, params)) == engine.info()["fingerprint"]
+    assert family.fingerprint(model) == engine.info()["fingerprint"]
     path = next(e.flax_path for e in bagel_keymap.key_map() if e.transpose and e.stacked)
-    changed = dict(arrays(build(TINY, params)))
+    changed = dict(arrays(model))
     changed[path] = changed[path].copy()
     changed[path][1, 0, 0] += 1.0  # layer 1, the first element of its torch (out, in) weight
     assert family.fingerprint(build(TINY, changed)) != engine.info()["fingerprint"]
