@@ -54,6 +54,7 @@ unset XLA_PYTHON_CLIENT_MEM_FRACTION
 given_fraction=${XLA_CLIENT_MEM_FRACTION:+XLA_CLIENT_MEM_FRACTION=$XLA_CLIENT_MEM_FRACTION }  # for the result's command
 export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-true} PYTHONUNBUFFERED=1
 gpus=1 trainer_devices=1
+watched=${CUDA_VISIBLE_DEVICES:-}  # the GPUs whose memory the result reports (all when unset)
 case $layout in
   inproc) export XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.5}
           placement=(--config.rollout.layout=in_process --config.rollout.num_gpus=0) ;;
@@ -87,7 +88,7 @@ if [ -n "${PROFILE_STEP:-}" ]; then
   export XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$out/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*update.*"
   exclude=(--exclude "$PROFILE_STEP")
 fi
-nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 >"$out/gpu_mem.csv" 2>/dev/null &
+nvidia-smi ${watched:+-i "$watched"} --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 >"$out/gpu_mem.csv" 2>/dev/null &
 smi=$!
 # every line stamped with the time of day, to see where start-up goes
 "${cmd[@]}" 2>&1 | while IFS= read -r line; do printf '%(%H:%M:%S)T %s\n' -1 "$line"; done | tee "$out/train.log"

@@ -31,9 +31,10 @@ def main(argv=None):
           f"{'logp_diff_max':>13s}")
     for r in rows:
         total = r["time/step"]  # wall time of the step: the phases and everything between them
-        diff = max(v for k, v in r.items() if k.startswith("logp_diff_max/"))
+        diff = max((v for k, v in r.items() if k.startswith("logp_diff_max/")), default=None)  # none with NFT
         print(f"{r['step']:4d} {r['time/rollout']:8.1f} {r['time/reward']:7.1f} {r['time/train']:7.1f} "
-              f"{r['time/sync']:6.1f} {total:7.1f} {r['images_per_s'] / args.gpus:9.3f} {diff:13.2e}")
+              f"{r['time/sync']:6.1f} {total:7.1f} {r['images_per_s'] / args.gpus:9.3f} "
+              + (f"{diff:13.2e}" if diff is not None else f"{'-':>13s}"))
     steady = [r for r in rows[args.skip:] if r["step"] not in args.exclude]
     if not steady:
         return
