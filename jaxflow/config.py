@@ -38,8 +38,10 @@ LORA_MODES = ("auto", "merged", "layers")  # rollout.lora_mode
 
 
 def merged_lora(cfg) -> bool:
-    """Whether the rollout serves the LoRA merged into its base weights (rollout.lora_mode; 'auto': on vllm_omni)."""
-    return cfg.rollout.lora_mode == "merged" or (cfg.rollout.lora_mode == "auto" and cfg.rollout.engine == "vllm_omni")
+    """Whether the rollout serves the LoRA merged into its base weights (rollout.lora_mode; 'auto': on vllm_omni,
+    for a family whose vllm_omni pipeline merges)."""
+    return cfg.rollout.lora_mode == "merged" or (cfg.rollout.lora_mode == "auto" and cfg.rollout.engine == "vllm_omni"
+                                                 and families.of(cfg).merges_lora)
 
 
 def check_layout(cfg, backend: str, devices: int) -> None:
@@ -88,9 +90,15 @@ def _check_model(cfg: ConfigDict) -> None:
         _fail("rollout.engine", f"{cfg.rollout.engine!r} does not serve model.family={family.name!r}; choose "
                                 f"{' or '.join(family.engines)}")
     if family.name == "bagel":
+        r = cfg.rollout
+        dtype, device = family.engine_runs.get(r.engine, (r.dtype, r.device))
+        on = f"on the {r.engine} engine"
         for key, value, ok, want in (
-                ("rollout.dtype", cfg.rollout.dtype, cfg.rollout.dtype == "float32", "'float32'"),
-                ("rollout.device", cfg.rollout.device, cfg.rollout.device == "cpu", "'cpu'"),
+                ("rollout.dtype", r.dtype, r.dtype == dtype, f"'{dtype}' {on}"),
+                ("rollout.device", r.device, r.device == device, f"'{device}' {on}"),
+                ("rollout.lora_mode", r.lora_mode, r.lora_mode != "merged", "'auto' or 'layers' (no merged LoRA path)"),
+                ("model.init", cfg.model.init, cfg.model.init == "checkpoint" or r.engine == "bagel_torch",
+                 f"'checkpoint' {on} (vLLM-Omni's BAGEL has no random-weight path; bagel_torch has)"),
                 ("model.lora_gemm", cfg.model.lora_gemm, cfg.model.lora_gemm in ("auto", "xla"), "'auto' or 'xla'"),
                 ("train.algorithm", cfg.train.algorithm, cfg.train.algorithm == "flowgrpo", "'flowgrpo'"),
                 ("sample.negative_prompt", cfg.sample.negative_prompt, cfg.sample.negative_prompt == "",
@@ -148,7 +156,10 @@ def validate(cfg: ConfigDict) -> None:
         _fail("rollout.cfg_forward", f"{cfg.rollout.cfg_forward!r}; choose one of {CFG_FORWARDS}")
     if cfg.model.lora_gemm not in ("auto", *LORA_GEMMS):
         _fail("model.lora_gemm", f"{cfg.model.lora_gemm!r}; choose one of {('auto', *LORA_GEMMS)}")
-    _typed("model", lambda c: model_options(c, "xla"), cfg)  # lora_gemm is resolved once JAX runs (lora_gemm)
+    if not isinstance(cfg.model.scan_unroll, int) or cfg.model.scan_unroll < 0:
+        _fail("model.scan_unroll", f"{cfg.model.scan_unroll!r}: blocks per scan step, >= 1, or 0 (auto: unrolled where "
+                                   f"model.lora_gemm runs 'pallas', else 1)")
+    _typed("model", lambda c: model_options(c, "xla", 1), cfg)  # lora_gemm is resolved once JAX runs (lora_gemm)
     if not isinstance(cfg.lora.rank, int) or cfg.lora.rank < 1:
         _fail("lora.rank", f"{cfg.lora.rank!r}: the LoRA rank must be an int >= 1 (the recipe's is 64)")
     if not cfg.lora.alpha > 0:
@@ -272,15 +283,15 @@ def lora_gemm(cfg, num_layers: int, devices: int, on_hopper: bool, micro_batch: 
               tokens: tuple[int, ...]) -> tuple[str, str]:
     """model.lora_gemm as it runs, and why: "auto" is "pallas" where the fused kernel runs and pays, else "xla".
 
-    It pays with unrolled blocks (model.scan_unroll >= the blocks): the recipe's step 10% faster end to end on one
-    H200; inside a scan it is 12% slower (BENCHMARKS.md, the fused LoRA GEMM). It runs on one H100/H200 with bf16
+    It pays with unrolled blocks (model.scan_unroll >= the blocks, or 0, which unrolls them for it): the recipe's
+    step 10% faster end to end on one H200; inside a scan it is 12% slower (BENCHMARKS.md, the fused LoRA GEMM). It runs on one H100/H200 with bf16
     compute, where every linear's rows (micro_batch x `tokens`, the image and the padded text) tile its 128 rows
     and the rank its 16."""
     m = cfg.model
     if m.lora_gemm != "auto":
         return m.lora_gemm, "set in the config"
     why = [reason for reason, fails in (
-        (f"blocks in a scan (model.scan_unroll={m.scan_unroll} < {num_layers})", m.scan_unroll < num_layers),
+        (f"blocks in a scan (model.scan_unroll={m.scan_unroll} < {num_layers})", 0 < m.scan_unroll < num_layers),
         ("not an H100/H200", not on_hopper), (f"{m.dtype} compute, not bfloat16", m.dtype != "bfloat16"),
         (f"{devices} devices (the kernel is not partitioned)", devices > 1),
         (f"rows {[micro_batch * t for t in tokens]} not multiples of 128", any(micro_batch * t % 128 for t in tokens)),
@@ -288,14 +299,21 @@ def lora_gemm(cfg, num_layers: int, devices: int, on_hopper: bool, micro_batch: 
     return ("xla", "auto: " + "; ".join(why)) if why else ("pallas", "auto: unrolled blocks, bf16 on one H100/H200")
 
 
-def model_options(cfg, gemm: str | None = None) -> ModelOptions:
-    """The config's ModelOptions; `gemm` is model.lora_gemm resolved (`lora_gemm`), needed when it is "auto"."""
+def model_options(cfg, gemm: str | None, num_layers: int) -> ModelOptions:
+    """The config's ModelOptions for a model of `num_layers` blocks; `gemm` is model.lora_gemm resolved
+    (`lora_gemm`), needed when it is "auto".
+
+    model.scan_unroll=0 (the recipe's) unrolls the blocks where the linears run "pallas" and scans them otherwise:
+    unrolled blocks pay with the fused kernel (BENCHMARKS.md, the recipe on one GPU), and with XLA's linears their
+    update holds about twice the scan's temporaries (4 full-width blocks compiled for the CPU: 29.2 against 15.1 GiB
+    at 4 samples a micro-batch; 2 H200s, data-parallel: 43.6 GiB, which did not fit beside the engine)."""
     m = cfg.model
     gemm = gemm or m.lora_gemm
     if gemm == "auto":
         raise ValueError("model.lora_gemm='auto' must be resolved first (config.lora_gemm)")
+    unroll = m.scan_unroll or (num_layers if gemm == "pallas" else 1)
     return ModelOptions(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, attention=m.attention,
-                        scan_unroll=m.scan_unroll, matmul_precision=m.matmul_precision, lora_gemm=gemm)
+                        scan_unroll=unroll, matmul_precision=m.matmul_precision, lora_gemm=gemm)
 
 
 # With model.lora_gemm=pallas, XLA's dynamic-slice fusion runs every fused linear whose output the scan stacks for

@@ -37,7 +37,7 @@ def build_model(cfg, folder: Path, spec, layout: Layout, micro_batch: int = 1, t
     def opts_for(num_layers: int):
         gemm, why = config_lib.lora_gemm(cfg, num_layers, jax.device_count(), on_hopper(), micro_batch, tokens)
         log.info("trainer linears: model.lora_gemm=%s (%s)", gemm, why)
-        return config_lib.model_options(cfg, gemm)
+        return config_lib.model_options(cfg, gemm, num_layers)
 
     return families.of(cfg).build_model(cfg, folder, spec, opts_for, sharding=layout.sharding_fn, seed=cfg.seed)
 

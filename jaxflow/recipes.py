@@ -46,7 +46,7 @@ WHOLE_KEYS = ("reward.fns", "reward.options", "train.xla_options", "sharding.rul
 HELP: dict[str, str] = {
     "seed": "seed of the prompt order, the rollout's noise, the mini-batch shuffles and model.init='random'",
     "run_dir": "output folder (checkpoints, metrics.jsonl, tb, eval grids, lora_final), relative to the cwd",
-    "model.family": "the model's family: 'qwen_image' or 'bagel' (engine bagel_torch; docs/bagel.md)",
+    "model.family": "the model's family: 'qwen_image' or 'bagel' (engines bagel_torch, vllm_omni; docs/bagel.md)",
     "model.path": "required: a diffusers Qwen-Image folder (model_index.json, transformer/, ...) or a BAGEL one; "
                   "'tiny', 'tiny_bagel'",
     "model.dtype": "the trainer's compute dtype: float32, bfloat16 or float16",
@@ -54,7 +54,8 @@ HELP: dict[str, str] = {
     "model.attention": "attention: 'auto' (cudnn for bf16/fp16 compute on a GPU, else xla), 'xla' or 'cudnn'",
     "model.remat": "remat policy: none, full, save_attn, save_matmuls, save_matmuls_stats (bf16 on GPUs), dots, "
                    "dots_no_batch",
-    "model.scan_unroll": "blocks per iteration of the scan over the stacked blocks; >= the blocks: unrolled, no scan",
+    "model.scan_unroll": "blocks per iteration of the scan over the stacked blocks; >= the blocks: unrolled, no scan; "
+                         "0: unrolled where model.lora_gemm runs 'pallas' (where it pays), else 1",
     "model.matmul_precision": "XLA matmul precision: auto (highest, true fp32, for float32 compute; else default), "
                               "default, high, highest",
     "model.lora_gemm": "the blocks' adapted linears: 'xla' (anywhere), 'pallas' (one fused Hopper GEMM: bf16, one "
@@ -82,7 +83,7 @@ HELP: dict[str, str] = {
     "rollout.compile": "diffusers engine only: torch.compile the transformer block",
     "rollout.share_weights": "True: the in_process diffusers engine runs on the trainer's base weights (one copy)",
     "rollout.lora_mode": "the rollout's LoRA: 'merged' into the base weights (vllm_omni), 'layers', or 'auto' (merged "
-                         "on vllm_omni)",
+                         "on vllm_omni, but for BAGEL)",
     "rollout.cfg_forward": "true CFG's two rows: 'batched' (one forward, text padded to one length) or 'split' (a "
                            "forward each)",
     "sample.height": "image height in pixels: a multiple of 2 x the VAE's spatial factor (16 for Qwen-Image)",
@@ -173,11 +174,12 @@ def base() -> ml_collections.ConfigDict:
                    # save_matmuls_stats keeps q/k/v, MLP hidden and cuDNN attention's output + softmax statistics:
                    # 2.2% faster than save_matmuls (BENCHMARKS.md, train step)
                    remat="save_matmuls_stats",
-                   # 60 = the blocks unrolled, each block's weights held as arrays of their own: with lora_gemm
-                   # "auto", the recipe's train phase 1.12x on one H200 (11.1 s against 12.4 a step of 32 images; the
-                   # step 1.03x) for ~4 min more compile at start (BENCHMARKS.md, the recipe on one GPU); 1: a scan,
-                   # compiled in ~16 s
-                   scan_unroll=60,
+                   # 0 = the blocks unrolled (each block's weights held as arrays of their own) where lora_gemm runs
+                   # "pallas", else a scan (with XLA's linears about half the update's temporaries; config.model_options).
+                   # Unrolled with the fused kernel, the recipe's train phase 1.12x on one H200 (11.1 s against 12.4 a
+                   # step of 32 images; the step 1.03x) for ~4 min more compile at start (BENCHMARKS.md, the recipe on
+                   # one GPU); a scan compiles in ~16 s
+                   scan_unroll=0,
                    matmul_precision="auto",
                    # "auto" picks "pallas" where it runs and pays (unrolled blocks, bf16, one H100/H200, rows that
                    # tile; BENCHMARKS.md, the fused LoRA GEMM), else "xla", the choice and its reason logged at start

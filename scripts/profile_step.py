@@ -93,7 +93,7 @@ def profile_train_step(out: Path, batch: int, micro: int, hlo: Path | None = Non
         recipe.model.lora_gemm = gemm
     gemm, _ = config_lib.lora_gemm(recipe, cfg.num_layers, jax.device_count(), on_hopper(), batch // micro,
                                    (32 * 32, 128))
-    opts = config_lib.model_options(recipe, gemm)
+    opts = config_lib.model_options(recipe, gemm, cfg.num_layers)
     model = random_transformer(cfg, opts, LoRASpec(rank=64, alpha=128.0), seed=0)
     if model.unrolled:  # as the trainer holds them (jaxflow/learner.py)
         model.unstack_blocks()

@@ -136,9 +136,10 @@ def test_auto_picks_the_fused_gemm_only_where_it_runs_and_pays():
     from jaxflow.recipes import base, tiny
 
     cfg = base()
-    assert (cfg.model.lora_gemm, cfg.model.scan_unroll) == ("auto", 60)
+    assert (cfg.model.lora_gemm, cfg.model.scan_unroll) == ("auto", 0)
     fits = dict(num_layers=60, devices=1, on_hopper=True, micro_batch=4, tokens=(1024, 96))
     assert config_lib.lora_gemm(cfg, **fits)[0] == "pallas"
+    cfg.model.scan_unroll = 60
     for change, reason in ((dict(num_layers=61), "scan"), (dict(devices=2), "2 devices"),
                            (dict(on_hopper=False), "H100/H200"), (dict(micro_batch=2), "rows [2048, 192]"),
                            (dict(tokens=(1024, 100)), "multiples of 128")):
@@ -156,4 +157,17 @@ def test_auto_picks_the_fused_gemm_only_where_it_runs_and_pays():
     with pytest.raises(config_lib.UserError, match=r"model.lora_gemm.*'auto', 'xla', 'pallas'"):
         config_lib.validate(cfg)
     with pytest.raises(ValueError, match="resolved first"):
-        config_lib.model_options(base())
+        config_lib.model_options(base(), None, 60)
+
+
+def test_scan_unroll_zero_follows_the_resolved_gemm():
+    """model.scan_unroll=0 (the recipe's): the blocks unrolled where the linears run the fused kernel, a scan with
+    XLA's (unrolled, those hold about twice the update's temporaries); a number set in the config is kept."""
+    from jaxflow import config as config_lib
+    from jaxflow.recipes import base
+
+    cfg = base()
+    assert config_lib.model_options(cfg, "pallas", 60).scan_unroll == 60
+    assert config_lib.model_options(cfg, "xla", 60).scan_unroll == 1
+    cfg.model.scan_unroll = 7
+    assert [config_lib.model_options(cfg, g, 60).scan_unroll for g in ("pallas", "xla")] == [7, 7]

@@ -28,7 +28,7 @@ def lora_leaves(state):
     ("train.num_micro_batches", 3, "train.num_micro_batches"),
     ("sample.window_size", 9, "sample.window_size"),
     ("model.init", "zeros", "model.init"),
-    ("model.scan_unroll", 0, "scan_unroll"),
+    ("model.scan_unroll", -1, "scan_unroll"),
     ("eval.every", -1, "0: no eval"),
     ("train.xla_options", {"gpu_enable_triton_gemm": False}, "train.xla_options"),
     ("train.adam_b2", 1.0, "adam_b2 < 1"),
@@ -121,7 +121,7 @@ def test_the_cpu_overrides_named_for_qwen_ocr_are_all_it_needs(tmp_path):
     tiny = QwenImageConfig(**TINY)
     gemm, why = config_lib.lora_gemm(cfg, tiny.num_layers, 1, False, 4, (64, 96))  # as the trainer resolves "auto"
     assert gemm == "xla" and "not an H100/H200" in why
-    QwenImageTransformer(tiny, config_lib.model_options(cfg, gemm), config_lib.lora_spec(cfg), rngs=nnx.Rngs(0))
+    QwenImageTransformer(tiny, config_lib.model_options(cfg, gemm, tiny.num_layers), config_lib.lora_spec(cfg), rngs=nnx.Rngs(0))
 
 
 def test_unknown_reward_names_the_known_ones(tmp_path):
