@@ -9,6 +9,11 @@
 # 1gpu: GPU 0 alone (CUDA_VISIBLE_DEVICES=0). 2gpu_colocated: both GPUs as 1gpu's one, the trainer data-parallel over
 # them, one engine on each (PROMPTS=4). 2gpu: the split layout, the trainer on one GPU and the engine on the other,
 # with rollout.overlap (the next step's rollout runs during this step's training; PROMPTS=4).
+#
+# 2gpu_colocated runs COLOCATED_MICRO (2) samples a micro-batch in a JAX pool of COLOCATED_POOL (0.5) of each GPU: on
+# two H200s (2026-11-26) the 1gpu settings (4 samples, pool 0.56) left NCCL's buffers no room beside the engine (out of
+# memory at the first collective, 0.6 GiB free); at 2 samples the scanned update needs ~23 GiB beside the weights,
+# which a pool of 0.5 holds, leaving ~8 GiB more outside it (not yet run so).
 set -euo pipefail
 out=${1:?usage: bench_e2e_scaling.sh OUT_DIR [overrides]}; shift
 # the 1gpu figure is kept when OUT_DIR already holds it (measured earlier on the same host, same code, same overrides)
@@ -17,11 +22,11 @@ out=${1:?usage: bench_e2e_scaling.sh OUT_DIR [overrides]}; shift
 layouts=${LAYOUTS:-2gpu_colocated 2gpu}
 for layout in $layouts; do
   case $layout in
-    2gpu_colocated) extra=() ;;
-    2gpu) extra=(--config.rollout.overlap=True) ;;
+    2gpu_colocated) extra=(); envs=(MICRO="${COLOCATED_MICRO:-2}" XLA_CLIENT_MEM_FRACTION="${COLOCATED_POOL:-0.5}") ;;
+    2gpu) extra=(--config.rollout.overlap=True); envs=() ;;
     *) echo "LAYOUTS: unknown layout $layout; choose from 2gpu_colocated 2gpu" >&2; exit 2 ;;
   esac
-  LAYOUT=$layout PROMPTS=4 PER_CALL=1 RESULT="e2e_$layout" bash scripts/bench_e2e.sh "$out/$layout" "${extra[@]}" "$@"
+  env "${envs[@]}" LAYOUT="$layout" PROMPTS=4 PER_CALL=1 RESULT="e2e_$layout" bash scripts/bench_e2e.sh "$out/$layout" "${extra[@]}" "$@"
 done
 python3 - "$out" $layouts <<'PY'
 import json, sys
