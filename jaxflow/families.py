@@ -4,8 +4,9 @@ rollout's sampling keys, the train batch's text kind, the exported adapter and t
 train step itself is the same for every family (`jaxflow.objectives` picks the log-prob from the model).
 
 - `qwen_image`: a diffusers Qwen-Image folder (or "tiny"), engines diffusers and vllm_omni, text as embeds.
-- `bagel`: a BAGEL folder (llm_config.json, config.json, ema.safetensors, the tokenizer; or "tiny_bagel"), the
-  `bagel_torch` engine, text as token ids, LoRA on the generation expert, BAGEL's text CFG.
+- `bagel`: a BAGEL folder (llm_config.json, config.json, ema.safetensors, the tokenizer; or "tiny_bagel"), engines
+  `bagel_torch` (CPU, float32) and vllm_omni (CUDA, bfloat16), text as token ids, LoRA on the generation expert,
+  BAGEL's text CFG.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ log = logging.getLogger("jaxflow.train")
 class QwenImage:
     name = "qwen_image"
     engines = ("diffusers", "vllm_omni")
+    merges_lora = True  # vllm_omni's rollout.lora_mode='auto' merges the adapter into the base weights
     tiny = "tiny"
     tiny_config = "configs/tiny_ocr.py (the embedded tiny offline model)"
     example = "/path/to/Qwen-Image (a diffusers folder)"
@@ -105,7 +107,9 @@ class QwenImage:
 
 class Bagel:
     name = "bagel"
-    engines = ("bagel_torch",)
+    engine_runs = {"bagel_torch": ("float32", "cpu"), "vllm_omni": ("bfloat16", "cuda")}  # (rollout dtype, device)
+    engines = tuple(engine_runs)
+    merges_lora = False  # vllm_omni serves BAGEL's adapter through vLLM-Omni's LoRA layers only
     tiny = "tiny_bagel"
     tiny_config = "configs/tiny_bagel_ocr.py (the tiny offline BAGEL)"
     example = "/path/to/BAGEL-7B-MoT"

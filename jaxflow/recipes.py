@@ -54,8 +54,7 @@ HELP: dict[str, str] = {
     "model.attention": "attention: 'auto' (cudnn for bf16/fp16 compute on a GPU, else xla), 'xla' or 'cudnn'",
     "model.remat": "remat policy: none, full, save_attn, save_matmuls, save_matmuls_stats (bf16 on GPUs), dots, "
                    "dots_no_batch",
-    "model.scan_unroll": "blocks per iteration of the scan over the stacked blocks; >= the blocks: unrolled, no scan; "
-                         "0: unrolled where model.lora_gemm runs 'pallas' (where it pays), else 1",
+    "model.scan_unroll": "blocks per scan step; >= the blocks: unrolled; 0: unrolled where lora_gemm runs pallas, else 1",
     "model.matmul_precision": "XLA matmul precision: auto (highest, true fp32, for float32 compute; else default), "
                               "default, high, highest",
     "model.lora_gemm": "the blocks' adapted linears: 'xla' (anywhere), 'pallas' (one fused Hopper GEMM: bf16, one "

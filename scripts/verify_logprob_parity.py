@@ -5,8 +5,9 @@
         [--steps 4] [--window 2] [--prompts 4] [--n 2] [--lora-rank R] [--lora-apply fused|stock|merged] [--json OUT]
 
 Rolls out on the engine (default: diffusers; the model defaults to the tiny offline pipeline saved in --dtype,
-which vLLM-Omni needs; with --model-family bagel: the bagel_torch engine on the tiny random BAGEL, float32, BAGEL's
-text CFG over the whole interval with renorm min 0, 64 x 96 images), then recomputes each window step's
+which vLLM-Omni needs; with --model-family bagel: the bagel_torch engine on the tiny random BAGEL, float32, or
+--engine vllm_omni --dtype bfloat16 (scripts/check_bagel_vllm_omni.sh); BAGEL's text CFG over the whole interval
+with renorm min 0, 64 x 96 images), then recomputes each window step's
 log-prob with the same transformer weights loaded into the Flax model, through the train step's own forward
 (`jaxflow.parity.recompute`). With --lora-rank both sides get one random non-zero PEFT adapter (the engine via
 update_lora, JAX via peft_to_lora); --jax-lora-seed gives the JAX side a different one (a negative control).

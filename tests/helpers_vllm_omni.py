@@ -1,15 +1,29 @@
-"""Stand-ins for vLLM-Omni's Qwen-Image side (no vLLM-Omni here).
+"""Stand-ins for vLLM-Omni 0.20 (no vLLM-Omni here).
 
-- its fused transformer (module tree and layer sizes only), sized like tests/helpers.py's random_peft (width D, MLP
-  width MLP, LAYERS blocks): FakeLinearBase, FakeFusedTransformer
+- Qwen-Image's fused transformer (module tree and layer sizes only), sized like tests/helpers.py's random_peft (width
+  D, MLP width MLP, LAYERS blocks): FakeLinearBase, FakeFusedTransformer
 - a rollout request to its pipeline (SAMPLING, SEEDS, omni_params) and its QwenImagePipeline on the tiny diffusers
   components (FakeOmniQwenImagePipeline)
+- BAGEL: `Bagel` (BagelPipeline.bagel) at the tiny BAGEL's sizes, its vLLM linears and the `stacked_params_mapping`
+  its load_weights leaves (FakeBagel, BAGEL_STACKED_PARAMS), and a BagelPipeline over the bagel_torch engine's model
+  that uses the two hooks as the stock `forward` does (stock_bagel_pipeline)
+- the LoRA manager's slots (FakeManager), and the package itself: AsyncOmni over one in-process worker with our
+  extension, the BAGEL deploy file in its folder (install_fake_vllm_omni)
 """
+import sys
+import types
 from types import SimpleNamespace
 
 import torch
+from PIL import Image
 
+from jaxflow_bridge.contract.lora import lora_pairs, read_peft
+from jaxflow_bridge.contract.schedule import sigma_schedule
+from jaxflow_bridge.rollout.bagel_sampling import PIXELS_PER_TOKEN, SCHEDULER_CONFIG, BagelSamplingParams, pad_ids
 from jaxflow_bridge.rollout.sampling import SamplingParams
+from jaxflow_bridge.rollout.tiny_bagel import TINY_LLM, TINY_VIT
+from jaxflow_bridge.rollout.vllm_omni_lora import lora_component, lora_module_table
+from jaxflow_bridge.rollout.vllm_omni_pipeline import RolloutWorkerMethods
 from tests.helpers import LAYERS, MLP, D
 
 
@@ -97,3 +111,186 @@ class FakeOmniQwenImagePipeline(torch.nn.Module):
                 params[name.removeprefix("transformer.")].copy_(t)
                 loaded.add(name)
         return loaded
+
+
+# ---------------------------------------------------------------------------------------------- BAGEL
+
+# what vLLM-Omni 0.20's Qwen2MoTForCausalLM.load_weights sets (bagel_transformer.py): (fused, slice, shard id)
+BAGEL_STACKED_PARAMS = [(".qkv_proj_moe_gen", ".q_proj_moe_gen", "q"), (".qkv_proj_moe_gen", ".k_proj_moe_gen", "k"),
+                        (".qkv_proj_moe_gen", ".v_proj_moe_gen", "v"), (".qkv_proj", ".q_proj", "q"),
+                        (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
+                        (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)]
+
+
+class FakeBagel(torch.nn.Module):
+    """vLLM-Omni 0.20's `Bagel` at the tiny BAGEL's sizes (tiny_bagel.py) as our side sees it: the latent geometry,
+    `prepare_vae_latent` drawing from the global RNG, and the module tree: per decoder layer both experts'
+    QKVParallelLinear `qkv_proj[_moe_gen]`, RowParallelLinear `o_proj[_moe_gen]`, BagelMLP `mlp[_moe_gen]`
+    (`gate_up_proj` 2 slices, `down_proj`); the connector's vLLM linears; plain nn.Linear LM head and latent heads.
+    `stacked` sets the language model's `stacked_params_mapping` (its load_weights does, before LoRA starts)."""
+
+    latent_channel, latent_patch_size = 16, 2
+
+    def __init__(self, stacked: bool = True):
+        super().__init__()
+        d, m, heads = TINY_LLM["hidden_size"], TINY_LLM["intermediate_size"], TINY_LLM["num_attention_heads"]
+        q, kv = d, TINY_LLM["num_key_value_heads"] * d // heads
+        layers = []
+        for _ in range(TINY_LLM["num_hidden_layers"]):
+            layer = torch.nn.Module()
+            layer.self_attn = torch.nn.Module()
+            for g in ("", "_moe_gen"):
+                setattr(layer.self_attn, f"qkv_proj{g}", FakeLinearBase(d, q, kv, kv))
+                setattr(layer.self_attn, f"o_proj{g}", FakeLinearBase(q, d))
+                mlp = torch.nn.Module()
+                mlp.gate_up_proj, mlp.down_proj = FakeLinearBase(d, m, m), FakeLinearBase(m, d)
+                setattr(layer, f"mlp{g}", mlp)
+            layers.append(layer)
+        self.language_model = torch.nn.Module()
+        self.language_model.model = torch.nn.Module()
+        self.language_model.model.layers = torch.nn.ModuleList(layers)
+        self.language_model.lm_head = torch.nn.Linear(d, 8, bias=False)
+        if stacked:
+            self.language_model.stacked_params_mapping = BAGEL_STACKED_PARAMS
+        self.connector = torch.nn.Module()
+        self.connector.fc1, self.connector.fc2 = FakeLinearBase(TINY_VIT["hidden_size"], d), FakeLinearBase(d, d)
+        latent = self.latent_channel * self.latent_patch_size ** 2
+        self.vae2llm, self.llm2vae = torch.nn.Linear(latent, d), torch.nn.Linear(d, latent)
+
+    def prepare_vae_latent(self, curr_kvlens, curr_rope, image_sizes, new_token_ids):
+        (h, w), = image_sizes
+        tokens = (h // PIXELS_PER_TOKEN) * (w // PIXELS_PER_TOKEN)
+        return {"packed_init_noises": torch.randn(tokens, self.latent_channel * self.latent_patch_size ** 2)}
+
+
+def stock_bagel_pipeline(engine):
+    """A stand-in BagelPipeline (its `bagel` a FakeBagel) over the bagel_torch `engine`'s model, tokenizer and
+    velocity: the stock `forward`'s two prefills, its global-RNG draw through `prepare_vae_latent` and its
+    `scheduler.step` call after the CFG combine (or the Euler step without a scheduler)."""
+
+    class Stock:
+        def __init__(self, *, od_config):
+            self.bagel, self.tokenizer, self.scheduler, self.scheduler_kwargs = FakeBagel(), engine.tokenizer, None, {}
+
+        def forward(self, req):
+            sp_, extra = req.sampling_params, req.sampling_params.extra_args
+            first = req.prompts[0]
+            prompt = first if isinstance(first, str) else first.get("prompt")
+            ids = [self.tokenizer.convert_tokens_to_ids("<|im_start|>"),
+                   *self.tokenizer.encode(prompt, add_special_tokens=False),
+                   self.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+            ids, mask = pad_ids([ids])
+            contexts = (engine.model.prefill(ids, mask), engine.model.prefill(ids.new_zeros(1, 0), mask.new_zeros(1, 0)))
+            if sp_.seed is not None:
+                torch.manual_seed(sp_.seed)
+            x = self.bagel.prepare_vae_latent([0], [0], [(sp_.height, sp_.width)], {})["packed_init_noises"]
+            steps = sp_.num_inference_steps - 1
+            grid = (sp_.height // PIXELS_PER_TOKEN, sp_.width // PIXELS_PER_TOKEN)
+            sigmas = sigma_schedule(SCHEDULER_CONFIG, steps, grid[0] * grid[1])
+            guide = BagelSamplingParams(cfg_text_scale=extra["cfg_text_scale"], cfg_interval=tuple(extra["cfg_interval"]),
+                                        cfg_renorm_min=extra["cfg_renorm_min"])
+            assert extra["cfg_img_scale"] == 1.0 and extra["negative_prompt"] == ""
+            for i in range(steps):
+                v = engine.loop.velocity(x[None], sigmas[i], contexts, grid, guide)[0]
+                if self.scheduler is None:
+                    x = x + v * (float(sigmas[i + 1]) - float(sigmas[i]))
+                else:
+                    x = self.scheduler.step(v, sigmas[i], x, sigmas[i] - sigmas[i + 1]).prev_sample
+            return SimpleNamespace(output=Image.fromarray(engine.loop.decode(x[None], grid)[0]))
+
+    return Stock
+
+
+# ---------------------------------------------------------------------------------------------- LoRA manager
+
+
+class FakeManager:
+    """vLLM-Omni 0.20's DiffusionLoRAManager as `write_lora_slots` sees it: wrapped layers keyed by full module name
+    (`component.` + the table's name) with one (1, 1, r, in) / (1, 1, out_i, r) slot pair per slice, and the active
+    adapter's CPU copy per module."""
+
+    def __init__(self, table: dict, modules: dict, rank: int, component: str = "transformer", adapter_id: int = 7):
+        self._active_adapter_id = adapter_id
+        self._lora_modules = {}
+        for name, (fan_in, outs) in table["modules"].items():
+            self._lora_modules[f"{component}.{name}"] = SimpleNamespace(
+                lora_a_stacked=tuple(torch.zeros(1, 1, rank, fan_in, dtype=torch.bfloat16) for _ in outs),
+                lora_b_stacked=tuple(torch.zeros(1, 1, o, rank, dtype=torch.bfloat16) for o in outs))
+        masters = {m: SimpleNamespace(lora_a=torch.zeros(a.shape, dtype=torch.bfloat16),
+                                      lora_b=torch.zeros(b.shape, dtype=torch.bfloat16))
+                   for m, (a, b) in modules.items()}
+        self._registered_adapters = {adapter_id: SimpleNamespace(get_lora=masters.get)}
+        self.masters = masters
+
+
+# ---------------------------------------------------------------------------------------------- the package
+
+
+class FakeWorker(RolloutWorkerMethods):
+    """vLLM-Omni's diffusion worker extended with ours: its pipeline and its LoRA manager."""
+
+    def __init__(self, pipeline):
+        self.model_runner, self.lora_manager = SimpleNamespace(pipeline=pipeline), None
+
+
+def install_fake_vllm_omni(monkeypatch, root, pipelines: dict, stages: int = 1) -> type:
+    """Put a stand-in vLLM-Omni package in sys.modules (its folder `root/vllm_omni`, holding
+    `deploy/bagel_single_stage.yaml`) for the test's duration; returns its AsyncOmni class.
+
+    AsyncOmni(model, **kwargs) records its keywords, reports `stages` stages and builds one worker whose pipeline is
+    `pipelines[custom_pipeline_args["pipeline_class"]](od_config=...)`: `collective_rpc` calls the worker's methods,
+    `generate` runs the pipeline's `forward` on the request the inline diffusion client builds, `add_lora` puts a
+    FakeManager of the adapter folder's modules over the pipeline's LoRA component, `shutdown` sets `stopped`. Every
+    instance is in `started`.
+    OmniDiffusionSamplingParams and LoRARequest are SimpleNamespace."""
+    package = root / "vllm_omni"
+    (package / "deploy").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "deploy" / "bagel_single_stage.yaml").write_text("pipeline: bagel_single_stage\nasync_chunk: false\n")
+
+    class AsyncOmni:
+        started = []
+
+        def __init__(self, model, **kwargs):
+            self.model, self.kwargs, self.num_stages, self.requests, self.loaded = model, kwargs, stages, [], []
+            self.stopped = False
+            args = kwargs["custom_pipeline_args"]
+            od_config = SimpleNamespace(model=model, custom_pipeline_args=args)
+            self.worker = FakeWorker(pipelines[args["pipeline_class"]](od_config=od_config))
+            AsyncOmni.started.append(self)
+
+        async def collective_rpc(self, method, args=()):
+            return [[getattr(self.worker, method)(*args)]]
+
+        async def generate(self, prompt, request_id, sampling_params_list):
+            (params,) = sampling_params_list
+            self.requests.append((prompt, params))
+            with torch.inference_mode():
+                yield self.worker.model_runner.pipeline.forward(
+                    SimpleNamespace(prompts=[prompt], sampling_params=params, request_ids=[request_id]))
+
+        async def add_lora(self, request):
+            pairs = lora_pairs(read_peft(request.lora_path)[0])
+            name, component = lora_component(self.worker.model_runner.pipeline)
+            rank = next(iter(pairs.values()))[0].shape[0]
+            self.worker.lora_manager = FakeManager(lora_module_table(component), pairs, rank, name,
+                                                   request.lora_int_id)
+            self.loaded.append(request)
+            return True
+
+        async def remove_lora(self, adapter_id):
+            return True
+
+        def shutdown(self):
+            self.stopped = True
+
+    modules = {name: types.ModuleType(name) for name in (
+        "vllm_omni", "vllm_omni.entrypoints", "vllm_omni.entrypoints.async_omni", "vllm_omni.inputs",
+        "vllm_omni.inputs.data", "vllm_omni.lora", "vllm_omni.lora.request")}
+    modules["vllm_omni"].__file__ = str(package / "__init__.py")
+    modules["vllm_omni.entrypoints.async_omni"].AsyncOmni = AsyncOmni
+    modules["vllm_omni.inputs.data"].OmniDiffusionSamplingParams = SimpleNamespace
+    modules["vllm_omni.lora.request"].LoRARequest = SimpleNamespace
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    return AsyncOmni

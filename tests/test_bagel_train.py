@@ -103,6 +103,19 @@ def test_more_than_one_trainer_device_is_refused_in_one_line(tmp_path):
         check_layout(cfg, "gpu", 2)
 
 
+def test_bagel_on_vllm_omni_is_a_valid_config_served_through_lora_layers(tmp_path):
+    """BAGEL on the vllm_omni engine (bfloat16 on cuda) passes validation, and rollout.lora_mode='auto' serves its
+    adapter through vLLM-Omni's LoRA layers (its pipeline has no merged path), where Qwen-Image's merges."""
+    from jaxflow.config import merged_lora, validate
+    from jaxflow.recipes import base
+    cfg = bagel_config(tmp_path)
+    cfg.rollout.update(engine="vllm_omni", dtype="bfloat16", device="cuda")
+    validate(cfg)
+    assert cfg.rollout.lora_mode == "auto" and not merged_lora(cfg)
+    qwen = base()
+    assert qwen.rollout.engine == "vllm_omni" and qwen.rollout.lora_mode == "auto" and merged_lora(qwen)
+
+
 def test_random_init_draws_the_engines_weights_by_checkpoint_name():
     """model.init=random: the trainer's BAGEL (drawn on the device into Flax layout) holds exactly the shared spec's
     tensors by checkpoint name, and its fingerprint is the bagel_torch engine's with the same random_seed (not with

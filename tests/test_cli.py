@@ -1,6 +1,7 @@
 """The command line's answers to user errors: one line naming the fix and exit 2, before anything heavy; --help
 exits 0 and says how to list the config keys, which --print_config does, each with its value and help (every key
 has help: jaxflow/recipes.py HELP)."""
+import os
 import re
 import runpy
 import subprocess
@@ -12,9 +13,14 @@ from jaxflow.recipes import HELP, base, config_keys, tiny
 from tests.helpers import ROOT
 
 
-def cli(*args):
+def cli(*args, env=None):
     return subprocess.run([sys.executable, "-m", "jaxflow.train", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, env=env)
+
+
+# the tiny BAGEL recipe on the vllm_omni engine, as a GPU run sets it
+BAGEL_OMNI = ["--config=configs/tiny_bagel_ocr.py", "--config.rollout.engine=vllm_omni", "--config.rollout.dtype=bfloat16",
+              "--config.rollout.device=cuda"]
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -28,7 +34,17 @@ def cli(*args):
     (["--config.rollout.engine=bagel_torch"], "'bagel_torch' does not serve model.family='qwen_image'; choose "
                                                "diffusers or vllm_omni"),
     (["--config=configs/tiny_bagel_ocr.py", "--config.rollout.engine=diffusers"],
-     "'diffusers' does not serve model.family='bagel'; choose bagel_torch"),
+     "'diffusers' does not serve model.family='bagel'; choose bagel_torch or vllm_omni"),
+    (["--config=configs/tiny_bagel_ocr.py", "--config.rollout.device=cuda"],
+     "config.rollout.device: 'cuda': BAGEL runs with 'cpu' on the bagel_torch engine"),
+    (["--config=configs/tiny_bagel_ocr.py", "--config.rollout.engine=vllm_omni"],
+     "config.rollout.dtype: 'float32': BAGEL runs with 'bfloat16' on the vllm_omni engine"),
+    (["--config=configs/tiny_bagel_ocr.py", "--config.rollout.engine=vllm_omni", "--config.rollout.dtype=bfloat16"],
+     "config.rollout.device: 'cpu': BAGEL runs with 'cuda' on the vllm_omni engine"),
+    ([*BAGEL_OMNI, "--config.model.init=random"],
+     "config.model.init: 'random': BAGEL runs with 'checkpoint' on the vllm_omni engine (vLLM-Omni's BAGEL has no"),
+    ([*BAGEL_OMNI, "--config.rollout.lora_mode=merged"],
+     "config.rollout.lora_mode: 'merged': BAGEL runs with 'auto' or 'layers' (no merged LoRA path)"),
     (["--config=configs/tiny_bagel_ocr.py", "--config.train.algorithm=nft", "--config.sample.guidance=1"],
      "config.train.algorithm: 'nft': BAGEL runs with 'flowgrpo' for now"),
     (["--config=configs/tiny_bagel_ocr.py", "--config.model.path=/nonexistent/bagel"],
@@ -47,6 +63,15 @@ def test_user_errors_are_one_line_and_exit_2(args, needle):
     assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), out.stderr[-3000:]
     assert needle in lines[0] and "\\n" not in lines[0] and "Traceback" not in out.stderr
     assert "('" not in lines[0]  # no raw Python tuple
+
+
+def test_bagel_on_vllm_omni_passes_the_config_checks(tmp_path):
+    """BAGEL on the vllm_omni engine, bfloat16 on cuda, is a valid config: the run gets past every config check to
+    the first one that needs the GPU (JAX is held to the CPU here, so that one refuses it)."""
+    out = cli(*BAGEL_OMNI, f"--config.run_dir={tmp_path / 'run'}", env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
+    assert lines[0].startswith("error: JAX found no GPU but rollout.device is cuda")
 
 
 def test_help_exits_0_and_names_print_config():

@@ -13,7 +13,7 @@ from jaxflow_bridge.contract.lora import lora_pairs, to_vllm_omni
 from jaxflow_bridge.rollout import vllm_omni_lora as vol
 from jaxflow_bridge.rollout.lora_binding import slot_plan
 from tests.helpers import RANK, random_peft, run, tiny_config
-from tests.helpers_vllm_omni import FakeFusedTransformer
+from tests.helpers_vllm_omni import FakeFusedTransformer, FakeManager
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 SCALE = 2.0
@@ -46,24 +46,6 @@ def test_round_trip_token_and_size(tmp_path):
         lora_shm.open_payload(manifest)
 
 
-class FakeManager:
-    """vLLM-Omni 0.20's DiffusionLoRAManager as `write_lora_slots` sees it: wrapped layers keyed by full module name
-    with one (1, 1, r, in) / (1, 1, out_i, r) slot pair per slice, and the active adapter's CPU copy per module."""
-
-    def __init__(self, table: dict, modules: dict, rank: int):
-        self._active_adapter_id = 7
-        self._lora_modules = {}
-        for name, (fan_in, outs) in table["modules"].items():
-            self._lora_modules[f"transformer.{name}"] = SimpleNamespace(
-                lora_a_stacked=tuple(torch.zeros(1, 1, rank, fan_in, dtype=torch.bfloat16) for _ in outs),
-                lora_b_stacked=tuple(torch.zeros(1, 1, o, rank, dtype=torch.bfloat16) for o in outs))
-        masters = {m: SimpleNamespace(lora_a=torch.zeros(a.shape, dtype=torch.bfloat16),
-                                      lora_b=torch.zeros(b.shape, dtype=torch.bfloat16))
-                   for m, (a, b) in modules.items()}
-        self._registered_adapters = {7: SimpleNamespace(get_lora=masters.get)}
-        self.masters = masters
-
-
 def setup(tmp_path, tensors):
     table = vol.lora_module_table(FakeFusedTransformer())
     pairs = lora_pairs(to_vllm_omni(tensors))
@@ -77,7 +59,7 @@ def test_in_place_write_fills_every_slot_and_the_cpu_copy(tmp_path):
     manager, pairs, manifest, plan, first_b = setup(tmp_path, tensors)
     assert len(plan) == len(pairs) == 12 * 3  # every module of the default targets, 3 blocks
     payload = vol.MappedPayload().to(manifest, "cpu")
-    assert vol.write_lora_slots(manager, payload, plan, first_b, SCALE, 7) == {"written": len(plan)}
+    assert vol.write_lora_slots(manager, payload, plan, first_b, SCALE, 7, "transformer") == {"written": len(plan)}
     layers = manager._lora_modules
     fused_slot = {"to_q": ("to_qkv", 0), "to_k": ("to_qkv", 1), "to_v": ("to_qkv", 2),
                   "add_q_proj": ("add_kv_proj", 0), "add_k_proj": ("add_kv_proj", 1), "add_v_proj": ("add_kv_proj", 2)}
@@ -101,7 +83,8 @@ def test_non_finite_values_are_refused_with_nothing_written(tmp_path):
     tensors[bad] = tensors[bad].copy()
     tensors[bad][0, 0] = np.nan
     manager, _, manifest, plan, first_b = setup(tmp_path, tensors)
-    reply = vol.write_lora_slots(manager, vol.MappedPayload().to(manifest, "cpu"), plan, first_b, SCALE, 7)
+    payload = vol.MappedPayload().to(manifest, "cpu")
+    reply = vol.write_lora_slots(manager, payload, plan, first_b, SCALE, 7, "transformer")
     assert len(reply["refused"]) == 1 and "img_mlp.net.2: expected finite values" in reply["refused"][0]
     assert all(not t.any() for layer in manager._lora_modules.values() for t in layer.lora_a_stacked)
 
@@ -110,10 +93,10 @@ def test_a_manager_that_does_not_match_raises_instead_of_writing(tmp_path):
     manager, _, manifest, plan, first_b = setup(tmp_path, random_peft())
     payload = vol.MappedPayload().to(manifest, "cpu")
     with pytest.raises(RuntimeError, match="not the active one"):
-        vol.write_lora_slots(manager, payload, plan, first_b, SCALE, 8)
+        vol.write_lora_slots(manager, payload, plan, first_b, SCALE, 8, "transformer")
     del manager._lora_modules[f"transformer.{plan[-1][1]}"]
     with pytest.raises(RuntimeError, match="no wrapped layer"):
-        vol.write_lora_slots(manager, payload, plan, first_b, SCALE, 7)
+        vol.write_lora_slots(manager, payload, plan, first_b, SCALE, 7, "transformer")
     assert all(not t.any() for layer in manager._lora_modules.values() for t in layer.lora_a_stacked)
 
 

@@ -1,25 +1,25 @@
 """jaxflow_bridge/rollout/vllm_omni_bagel_pipeline.py on the CPU: the request codec, and FlowGRPOBagelPipeline built
-on a stand-in for vLLM-Omni's BagelPipeline that uses the two hooks as the stock `forward` does (its reading,
-docs/bagel.md §7 (d)): `self.bagel.prepare_vae_latent` draws the initial latents (here from the global RNG) and
-`Bagel.generate_image` hands every step, after the CFG combine, to `self.scheduler.step(v, t, x, dt)`. The
-stand-in's steps run at our sigmas (the engine's own shifted timesteps differ by float32 rounding: a GPU question,
-docs/bagel.md §7 (f)), so a request's samples must be the `bagel_torch` engine's, byte for byte: the same prefills
-and velocities on the same draws. vLLM-Omni itself is not imported here."""
+on a stand-in for vLLM-Omni's BagelPipeline (tests/helpers_vllm_omni.py) that uses the two hooks as the stock
+`forward` does (its reading, docs/bagel.md §7 (d)): `self.bagel.prepare_vae_latent` draws the initial latents (here
+from the global RNG) and `Bagel.generate_image` hands every step, after the CFG combine, to
+`self.scheduler.step(v, t, x, dt)`. The stand-in's steps run at our sigmas (the engine's own shifted timesteps
+differ by float32 rounding: a GPU question, docs/bagel.md §7 (f)), so a request's samples must be the `bagel_torch`
+engine's, byte for byte: the same prefills and velocities on the same draws. vLLM-Omni itself is not imported
+here."""
 import dataclasses
 import types
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
-from jaxflow_bridge.contract.schedule import sigma_schedule
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
-from jaxflow_bridge.rollout.bagel_sampling import PIXELS_PER_TOKEN, SCHEDULER_CONFIG, BagelSamplingParams, pad_ids
+from jaxflow_bridge.rollout.bagel_sampling import BagelSamplingParams
 from jaxflow_bridge.rollout.engine_bagel import BagelTorchEngine
 from jaxflow_bridge.rollout.vllm_omni_bagel_pipeline import (build_pipeline_class, decode_request, encode_request,
                                                              is_rollout_request)
 from jaxflow_bridge.rollout.vllm_omni_pipeline import unpack_trajectories
+from tests.helpers_vllm_omni import stock_bagel_pipeline
 
 SP = BagelSamplingParams(height=64, width=96, num_inference_steps=4, sde_window_range=(0, 3), cfg_interval=(0.8, 1.0))
 PROMPT, SEEDS = "a red sign", [21, 22]
@@ -28,53 +28,6 @@ PROMPT, SEEDS = "a red sign", [21, 22]
 @pytest.fixture(scope="module")
 def engine():
     return BagelTorchEngine({"engine": "bagel_torch", "model": "tiny_bagel", "decode": "preview"})
-
-
-class StockBagel:
-    """What the pipeline reads of vLLM-Omni's `Bagel`: latent geometry and `prepare_vae_latent`."""
-
-    latent_channel, latent_patch_size = 16, 2
-
-    def prepare_vae_latent(self, curr_kvlens, curr_rope, image_sizes, new_token_ids):
-        (h, w), = image_sizes
-        tokens = (h // PIXELS_PER_TOKEN) * (w // PIXELS_PER_TOKEN)
-        return {"packed_init_noises": torch.randn(tokens, self.latent_channel * self.latent_patch_size ** 2)}
-
-
-def stock_pipeline(engine):
-    """A stand-in BagelPipeline over the bagel_torch engine's model, tokenizer and velocity."""
-
-    class Stock:
-        def __init__(self, *, od_config):
-            self.bagel, self.tokenizer, self.scheduler, self.scheduler_kwargs = StockBagel(), engine.tokenizer, None, {}
-
-        def forward(self, req):
-            sp_, extra = req.sampling_params, req.sampling_params.extra_args
-            first = req.prompts[0]
-            prompt = first if isinstance(first, str) else first.get("prompt")
-            ids = [self.tokenizer.convert_tokens_to_ids("<|im_start|>"),
-                   *self.tokenizer.encode(prompt, add_special_tokens=False),
-                   self.tokenizer.convert_tokens_to_ids("<|im_end|>")]
-            ids, mask = pad_ids([ids])
-            contexts = (engine.model.prefill(ids, mask), engine.model.prefill(ids.new_zeros(1, 0), mask.new_zeros(1, 0)))
-            if sp_.seed is not None:
-                torch.manual_seed(sp_.seed)
-            x = self.bagel.prepare_vae_latent([0], [0], [(sp_.height, sp_.width)], {})["packed_init_noises"]
-            steps = sp_.num_inference_steps - 1
-            grid = (sp_.height // PIXELS_PER_TOKEN, sp_.width // PIXELS_PER_TOKEN)
-            sigmas = sigma_schedule(SCHEDULER_CONFIG, steps, grid[0] * grid[1])
-            guide = BagelSamplingParams(cfg_text_scale=extra["cfg_text_scale"], cfg_interval=tuple(extra["cfg_interval"]),
-                                        cfg_renorm_min=extra["cfg_renorm_min"])
-            assert extra["cfg_img_scale"] == 1.0 and extra["negative_prompt"] == ""
-            for i in range(steps):
-                v = engine.loop.velocity(x[None], sigmas[i], contexts, grid, guide)[0]
-                if self.scheduler is None:
-                    x = x + v * (float(sigmas[i + 1]) - float(sigmas[i]))
-                else:
-                    x = self.scheduler.step(v, sigmas[i], x, sigmas[i] - sigmas[i + 1]).prev_sample
-            return types.SimpleNamespace(output=Image.fromarray(engine.loop.decode(x[None], grid)[0]))
-
-    return Stock
 
 
 def request(sp=SP, seeds=SEEDS):
@@ -97,7 +50,7 @@ FIELDS = ("images", "latents", "log_probs", "sigmas", "step_index", "prompt_ids"
 
 
 def rollout(engine, sp):
-    pipeline = build_pipeline_class(stock_pipeline(engine), lambda **kw: types.SimpleNamespace(**kw))(od_config=None)
+    pipeline = build_pipeline_class(stock_bagel_pipeline(engine), lambda **kw: types.SimpleNamespace(**kw))(od_config=None)
     result = pipeline.forward(request(sp))
     out = unpack_trajectories(result, PROMPT, 0)
     np.testing.assert_array_equal(result.output.numpy(), out.images)  # what the engine's images show
@@ -137,8 +90,8 @@ def test_same_latent_gives_the_group_the_first_samples_initial_latents(engine):
     assert not np.array_equal(got.latents[1:], own.latents)
 
 
-def test_other_requests_run_the_stock_pipeline(engine):
-    pipeline = build_pipeline_class(stock_pipeline(engine), lambda **kw: kw)(od_config=None)
+def test_other_requests_run_the_stock_bagel_pipeline(engine):
+    pipeline = build_pipeline_class(stock_bagel_pipeline(engine), lambda **kw: kw)(od_config=None)
     params = types.SimpleNamespace(height=64, width=96, num_inference_steps=5, seed=0,
                                    extra_args={"cfg_text_scale": 4.0, "cfg_interval": [0, 1], "cfg_renorm_min": 0.0,
                                                "cfg_img_scale": 1.0, "negative_prompt": ""})

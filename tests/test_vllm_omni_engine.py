@@ -12,9 +12,9 @@ from jaxflow_bridge.contract.lora import lora_pairs, to_vllm_omni
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.rollout import vllm_omni_lora as vol
 from jaxflow_bridge.rollout import vllm_omni_pipeline as vop
-from jaxflow_bridge.rollout.engine_vllm_omni import INSTALL_HINT, ack_errors, folder_fingerprint
+from jaxflow_bridge.rollout.engine_vllm_omni import INSTALL_HINT, ack_errors
 from jaxflow_bridge.rollout.lora_binding import check_lora_binding
-from jaxflow_bridge.rollout.pipeline import RolloutPipeline
+from jaxflow_bridge.rollout.pipeline import RolloutPipeline, stored_fingerprint
 from jaxflow_bridge.rollout.server import engine_class
 from tests.helpers import LAYERS, MLP, RANK, D, random_peft
 from tests.helpers_vllm_omni import SAMPLING, SEEDS, FakeFusedTransformer, FakeOmniQwenImagePipeline, omni_params
@@ -166,7 +166,7 @@ def test_random_init_draws_the_shared_weights_without_reading_the_folder(tiny_pa
     assert loaded == names
     for (k, a), (_, b) in zip(ours.transformer.state_dict().items(), ref.transformer.state_dict().items()):
         assert torch.equal(a, b), k
-    assert ours.random_fingerprint == ref.fingerprint != folder_fingerprint(tiny_path / "transformer")
+    assert ours.random_fingerprint == ref.fingerprint != stored_fingerprint(tiny_path / "transformer")
     plain = cls(od_config=SimpleNamespace(model=str(tiny_path), custom_pipeline_args={"pipeline_class": "x"}))
     assert plain.load_weights(iter([])) == set() and plain.random_fingerprint is None
 
@@ -218,7 +218,7 @@ def test_binding_checks_shapes_slots_and_emptiness():
 
 def test_fingerprint_of_the_folder_matches_the_diffusers_engine(tiny_path):
     ref = RolloutPipeline.from_pretrained(tiny_path, dtype="float32", device="cpu")
-    assert folder_fingerprint(tiny_path / "transformer") == ref.fingerprint
+    assert stored_fingerprint(tiny_path / "transformer") == ref.fingerprint
 
 
 def test_sleep_wake_acknowledgements():

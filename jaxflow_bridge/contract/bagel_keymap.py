@@ -1,5 +1,5 @@
 """The declarative map between BAGEL's checkpoint names (`ema.safetensors`, as vLLM-Omni's BagelPipeline loads
-them) and the Flax BagelModel's parameter tree, plus the numpy conversion both ways.
+them) and the Flax BagelModel's parameter tree, plus the numpy conversion both ways and the LoRA naming rule the BAGEL engines share.
 
 Pure Python and numpy (no jax/torch). Per-layer keys use `{i}` and map onto the stacked (scan) axis of the Flax
 leaf; each expert's names come from one pattern, `{g}` = "" (understanding) or "_moe_gen" (generation).
@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxflow_bridge.contract.keymap import Entry
+from jaxflow_bridge.contract.lora import LORA_KEY, refusal
 
 LLM = "language_model.model."
 LAYERS, CHECKPOINT_LAYERS = "layers", LLM + "layers.{i}."
@@ -71,6 +72,19 @@ LORA_TARGETS = {pattern.format(g=EXPERTS[GEN]).removeprefix("self_attn."): leaf
 DEFAULT_LORA_TARGETS = tuple(LORA_TARGETS)
 # PEFT's state-dict prefix (adapter_model.safetensors keys: base_model.model.language_model.model.layers.{i}. ...)
 PEFT_PREFIX = "base_model.model."
+TARGET_ENDS = tuple(f".{t}" for t in LORA_TARGETS)  # a module's name ends with its target (`.q_proj_moe_gen`)
+
+
+def generation_expert_adapter(tensors: dict) -> dict:
+    """An adapter's tensors under BAGEL's checkpoint module names (PEFT_PREFIX dropped), as every BAGEL engine takes
+    them; refused in one line naming each LoRA tensor off the generation expert's targets (adapting anything else,
+    the understanding expert above all, would make the context K/V policy-dependent)."""
+    tensors = {k.removeprefix(PEFT_PREFIX): v for k, v in tensors.items()}
+    off = sorted(k for k in tensors if (m := LORA_KEY.fullmatch(k)) and not m["module"].endswith(TARGET_ENDS))
+    if off:
+        raise refusal([f"{k}: not a generation-expert LoRA target {sorted(LORA_TARGETS)}" for k in off],
+                      "tensors off the generation expert")
+    return tensors
 
 
 def lora_target_path(target: str) -> tuple[str, ...]:

@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import Qwen2TokenizerFast
 
-from jaxflow_bridge.contract.bagel_keymap import LORA_TARGETS, PEFT_PREFIX
-from jaxflow_bridge.contract.lora import LORA_KEY, read_peft, refusal
+from jaxflow_bridge.contract.bagel_keymap import generation_expert_adapter
+from jaxflow_bridge.contract.lora import read_peft
 from jaxflow_bridge.rollout.bagel_sampling import PIXELS_PER_TOKEN, BagelSamplingLoop, BagelSamplingParams, latent_preview
 from jaxflow_bridge.rollout.bagel_torch import BagelTorch
 from jaxflow_bridge.rollout.bagel_vae import BagelDecoder
@@ -29,9 +29,6 @@ from jaxflow_bridge.rollout.lora_apply import LoraApplier
 from jaxflow_bridge.rollout.pipeline import weights_fingerprint
 from jaxflow_bridge.rollout.random_init import torch_weight
 from jaxflow_bridge.rollout.tiny_bagel import bagel_torch_fields
-
-
-TARGET_ENDS = tuple(f".{t}" for t in LORA_TARGETS)  # a module's name ends with its target (`.q_proj_moe_gen`)
 
 
 def context_ids(tokenizer, prompt: str) -> list[int]:
@@ -99,12 +96,7 @@ class BagelTorchEngine(RolloutEngine):
         if isinstance(tensors, (str, Path)):
             tensors, file_config = read_peft(tensors)
             adapter_config = adapter_config or file_config
-        tensors = {k.removeprefix(PEFT_PREFIX): v for k, v in tensors.items()}
-        off = sorted(k for k in tensors if (m := LORA_KEY.fullmatch(k)) and not m["module"].endswith(TARGET_ENDS))
-        if off:  # the understanding expert (or anything else) adapted would make the context K/V policy-dependent
-            raise refusal([f"{k}: not a generation-expert LoRA target {sorted(LORA_TARGETS)}" for k in off],
-                          "tensors off the generation expert")
-        bound = self.lora.apply(tensors, adapter_config)
+        bound = self.lora.apply(generation_expert_adapter(tensors), adapter_config)
         self.loop.policy_version = version
         return {"version": version, "bound_modules": bound}
 

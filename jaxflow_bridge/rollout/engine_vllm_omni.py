@@ -1,6 +1,7 @@
 """The GPU rollout engine: vLLM-Omni 0.20 (`AsyncOmni`) serving our FlowGRPO pipeline, inside the Ray actor.
 
-Config keys: `engine` ("vllm_omni"), `model` (a local diffusers Qwen-Image folder saved in bf16, or "tiny"),
+Config keys: `engine` ("vllm_omni"), `model` (a local diffusers Qwen-Image folder saved in bf16, or "tiny"; or a BAGEL
+folder, or "tiny_bagel": the model kind comes from the folder, `jaxflow_bridge/rollout/vllm_omni_kinds.py`),
 `dtype` ("bfloat16"; vLLM-Omni 0.20 runs bf16 folders only), `device` (None or "cuda": the GPU Ray gave the actor),
 `random_seed` (optional: the transformer's weights are drawn on the GPU from this seed by the shared spec,
 `jaxflow_bridge/contract/random_weights.py`, as with the diffusers engine; the folder needs only `transformer/config.json`),
@@ -13,14 +14,17 @@ default: LoRA'd linears run `jaxflow_bridge/rollout/lora_linear.py`; "stock": vL
 the default: FA3 on Hopper where vLLM-Omni would fall back to FA2, `jaxflow_bridge/rollout/fa_version.py`; "2": as
 vLLM-Omni chooses), `gelu` ("epilogue", the default: the MLP's in-projection and tanh GELU in one cuBLASLt GEMM where no
 LoRA layer wraps it, `jaxflow_bridge/rollout/linear_gelu.py`; "separate": vLLM-Omni's elementwise kernel).
-Same calls and results as the diffusers engine.
+Same calls and results as the diffusers engine. BAGEL (docs/bagel.md §7 (d)): our FlowGRPOBagelPipeline in
+vLLM-Omni's single-stage deployment (`deploy_config`), BagelSamplingParams, LoRA on the generation expert through
+vLLM-Omni's per-slice apply; the Qwen-Image options, lora_apply other than "stock" and random_seed are refused.
 
 - generate: one engine request per prompt with `num_outputs_per_prompt=n` (one B=n forward, 2n with true CFG,
   per step), all submitted at once; knobs split into OmniDiffusionSamplingParams fields and `extra_args`
   (`vllm_omni_pipeline.encode_request`); results unpacked into one TrajectoryBatch, prompt-major.
-- update_lora: the adapter, renamed for vLLM-Omni (`jaxflow_bridge.contract.lora.to_vllm_omni`), is checked against the engine
-  transformer's LoRA-capable layers (names, packed q/k/v slots, shapes) before the engine sees it, written as a
-  PEFT folder under /dev/shm and loaded by vLLM-Omni's own loader (`add_lora(LoRARequest)`); every later request
+- update_lora: the adapter, renamed for vLLM-Omni (`jaxflow_bridge.contract.lora.to_vllm_omni`; BAGEL's checked on
+  the generation expert first), is checked against the engine's LoRA-capable layers (the transformer's, BAGEL's
+  `bagel`'s: names, packed slots, shapes) before the engine sees it, written as a PEFT folder under /dev/shm and
+  loaded by vLLM-Omni's own loader (`add_lora(LoRARequest)`); every later request
   carries that LoRARequest. If loading fails, the previous adapter is loaded back and keeps serving.
 - update_lora_shared: the adapter in a shared-memory file on this host (jaxflow_bridge/contract/lora_shm.py); once an
   adapter of the same rank and alpha serves, the workers write the file's tensors into its LoRA slots in place
@@ -36,7 +40,6 @@ AsyncOmni runs on an event loop in a background thread; the engine's methods blo
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import os
@@ -52,18 +55,16 @@ from pathlib import Path
 import numpy as np
 
 import jaxflow_bridge
-from jaxflow_bridge.contract.lora import (adapter_spec, lora_pairs, read_peft, refusal, to_vllm_omni,
-                                          vllm_omni_adapter_config, write_peft)
+from jaxflow_bridge.contract.lora import adapter_spec, lora_pairs, read_peft, refusal, vllm_omni_adapter_config, write_peft
 from jaxflow_bridge.contract.lora_shm import SharedAdapterFile, open_payload, read_arrays
 from jaxflow_bridge.contract.schedule import sample_windows
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.rollout.engine import RolloutEngine, policy_version
 from jaxflow_bridge.rollout.lora_binding import check_lora_binding, slot_plan
-from jaxflow_bridge.rollout.pipeline import FINGERPRINT_ELEMENTS, TensorHead, weights_fingerprint
-from jaxflow_bridge.rollout.sampling import SamplingParams, check_prompts, per_sample_seeds
+from jaxflow_bridge.rollout.sampling import check_prompts, per_sample_seeds
 from jaxflow_bridge.rollout.tensors import torch_to_numpy
-from jaxflow_bridge.rollout.vllm_omni_pipeline import (PIPELINE_CLASS, PIPELINE_OPTIONS, WORKER_EXTENSION_CLASS,
-                                                       encode_request, pipeline_options, unpack_trajectories)
+from jaxflow_bridge.rollout.vllm_omni_kinds import model_kind
+from jaxflow_bridge.rollout.vllm_omni_pipeline import WORKER_EXTENSION_CLASS, unpack_trajectories
 
 log = logging.getLogger(__name__)
 INSTALL_HINT = ("the 'vllm_omni' rollout engine needs vLLM-Omni 0.20 on a CUDA machine: `pip install jaxflow[omni]`, "
@@ -73,24 +74,6 @@ LORA_ROOT = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.get
 
 
 # ------------------------------------------------------------------------------------------ pure helpers
-
-
-def folder_fingerprint(transformer_dir) -> str:
-    """`weights_fingerprint` of a diffusers transformer folder, reading only the first 4096 elements of each
-    stored tensor: what the diffusers engine and the trainer report for the same checkpoint."""
-    from safetensors import safe_open
-
-    heads = []
-    for path in sorted(Path(transformer_dir).glob("*.safetensors")):
-        with safe_open(path, framework="pt") as f:
-            for key in f.keys():
-                stored = f.get_slice(key)
-                shape = stored.get_shape()
-                rows = -(-FINGERPRINT_ELEMENTS // max(1, math.prod(shape[1:])))
-                heads.append((key, TensorHead(shape, stored[:rows])))
-    if not heads:
-        raise FileNotFoundError(f"no *.safetensors in {transformer_dir}")
-    return weights_fingerprint(heads)
 
 
 def _flat(results) -> list:
@@ -155,17 +138,13 @@ class VllmOmniEngine(RolloutEngine):
             raise ValueError(f"the vllm_omni engine runs dtype 'bfloat16' only (vLLM-Omni 0.20's warm-up fails on "
                              f"float32 folders), got {self.dtype!r}; use the diffusers engine for float32")
         async_omni, self._params_cls, self._lora_cls = _import_omni()
-        model = config["model"]
-        if model == "tiny":
-            from jaxflow_bridge.rollout.tiny import tiny_pipeline_path
-
-            model = tiny_pipeline_path(dtype=self.dtype)
-        self.model_path = str(Path(model))
+        self.kind = model_kind(config["model"], self.dtype)
+        pipeline_args = self.kind.pipeline_args(config)  # refuses what the kind lacks, before anything loads
+        start_args = self.kind.start_args()
+        self.model_path, self.size_multiple = str(self.kind.folder), self.kind.size_multiple
         self.random_seed = config.get("random_seed")
         if self.random_seed is None:
-            self.fingerprint = folder_fingerprint(Path(model) / "transformer")
-        vae = json.loads((Path(model) / "vae" / "config.json").read_text())
-        self.size_multiple = 2 * 2 ** len(vae["temperal_downsample"])
+            self.fingerprint = self.kind.fingerprint()
         self.policy_version, self.asleep = 0, False
         self._lora, self._lora_config, self._lora_bound, self._lora_ids = None, None, 0, 0
         self._in_place = True  # later updates of a served adapter go into its slots (update_lora_shared)
@@ -174,16 +153,16 @@ class VllmOmniEngine(RolloutEngine):
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="vllm-omni-loop", daemon=True).start()
         _export_package_path()
-        pipeline_args = {"pipeline_class": PIPELINE_CLASS,
-                         **pipeline_options({k: config[k] for k in PIPELINE_OPTIONS if k in config})}
-        self.merged = pipeline_args["lora_apply"] == "merged"  # adapters merged into the base weights
+        self.merged = pipeline_args.get("lora_apply") == "merged"  # adapters merged into the base weights
         self._merge_file = None  # update_lora's arrays, written to a shared file of the engine's own when merged
-        if self.random_seed is not None:
-            pipeline_args["random_seed"] = int(self.random_seed)
-        kwargs = {"custom_pipeline_args": pipeline_args,
+        kwargs = {"custom_pipeline_args": pipeline_args, **start_args,
                   "worker_extension_cls": WORKER_EXTENSION_CLASS, "dtype": self.dtype, "enable_sleep_mode": True,
                   **config.get("omni_args", {})}
         self.omni = self._run(self._start(async_omni, kwargs))
+        if self.omni.num_stages != 1:  # one params object a request, one stage's RPC replies
+            self.omni.shutdown()
+            raise RuntimeError(f"vLLM-Omni started {self.omni.num_stages} stages for {self.model_path}; the vllm_omni "
+                               f"engine serves one diffusion stage (BAGEL: deploy/bagel_single_stage.yaml)")
         self._modules = _flat(self._rpc("rollout_lora_modules"))[0]
         if self.random_seed is not None:  # what the workers drew, not what the spec promises
             self.fingerprint = _flat(self._rpc("rollout_random_fingerprint"))[0]
@@ -207,12 +186,12 @@ class VllmOmniEngine(RolloutEngine):
 
     def generate(self, prompts: list[str], n: int, sampling: dict | None = None, seeds=None) -> dict:
         """TrajectoryBatch.to_dict() of B = len(prompts) * n samples, prompt-major (sample b of prompt b // n)."""
-        sp = SamplingParams.from_dict(sampling)
+        sp = self.kind.sampling.from_dict(sampling)
         check_prompts(prompts, n)
         self.check_awake()
         seeds = per_sample_seeds(len(prompts) * n, sp.seed if seeds is None else seeds)
         sample_windows(seeds, sp.sde_window_size, sp.sde_window_range, sp.num_inference_steps)
-        requests = [encode_request(p, sp, seeds[g * n:(g + 1) * n], self.policy_version)
+        requests = [self.kind.encode_request(p, sp, seeds[g * n:(g + 1) * n], self.policy_version)
                     for g, p in enumerate(prompts)]
         outputs = self._run(self._generate_all(requests))
         return TrajectoryBatch.concat([unpack_trajectories(out, p, g)
@@ -253,8 +232,8 @@ class VllmOmniEngine(RolloutEngine):
         if self.merged:
             return self._merge(self._shared_copy(tensors), version, dict(adapter_config))
         spec = adapter_spec(adapter_config)
-        tensors = to_vllm_omni({k: v if isinstance(v, np.ndarray) else torch_to_numpy(v)
-                                for k, v in tensors.items()})
+        tensors = self.kind.adapter({k: v if isinstance(v, np.ndarray) else torch_to_numpy(v)
+                                     for k, v in tensors.items()})
         bound = check_lora_binding(lora_pairs(tensors), spec.rank, self._modules)
         self._lora_ids += 1
         folder = write_peft(self._lora_dir / f"adapter-{self._lora_ids}", tensors,
@@ -275,6 +254,7 @@ class VllmOmniEngine(RolloutEngine):
         policy_version(version)
         self.check_awake()
         open_payload(manifest)
+        self.kind.adapter(dict(manifest["entries"]))  # its names (BAGEL: on the generation expert only)
         adapter_config = dict(adapter_config or self._lora_config or {})
         if self.merged:
             if not adapter_config:

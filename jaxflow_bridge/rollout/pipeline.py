@@ -6,6 +6,7 @@ Never imports JAX.
 from __future__ import annotations
 
 import hashlib
+import math
 from pathlib import Path
 
 import torch
@@ -48,6 +49,28 @@ def weights_fingerprint(named_tensors) -> str:
         h.update(f"{name}{tuple(t.shape)}".encode())
         h.update(head.view(torch.uint16).numpy().tobytes())
     return h.hexdigest()
+
+
+def stored_fingerprint(folder, pattern: str = "*.safetensors", skip: tuple[str, ...] = ()) -> str:
+    """`weights_fingerprint` of the tensors in `folder`'s safetensors files matching `pattern`, names starting with
+    one of `skip` left out, reading only the first 4096 elements of each: what an engine loading those tensors
+    reports (a diffusers `transformer/` folder: the diffusers engine's; BAGEL's ema.safetensors without the
+    trainer-ignored prefixes: the bagel_torch engine's)."""
+    from safetensors import safe_open
+
+    heads = []
+    for path in sorted(Path(folder).glob(pattern)):
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                if key.startswith(skip):
+                    continue
+                stored = f.get_slice(key)
+                shape = stored.get_shape()
+                rows = -(-FINGERPRINT_ELEMENTS // max(1, math.prod(shape[1:])))
+                heads.append((key, TensorHead(shape, stored[:rows])))
+    if not heads:
+        raise FileNotFoundError(f"no {pattern} in {folder}")
+    return weights_fingerprint(heads)
 
 
 def text_tower(encoder):

@@ -123,8 +123,8 @@ def build_pipeline_class(base: type, output_cls) -> type:
         return output_cls(**{**pack_trajectories(batch), "output": torch.from_numpy(images)})
 
     doc = "vLLM-Omni's BagelPipeline taking our SDE steps (see the module docstring)."
-    namespace = {"__init__": __init__, "sample": sample, "forward": forward, "__module__": __name__,
-                 "__qualname__": "FlowGRPOBagelPipeline", "__doc__": doc}
+    namespace = {"__init__": __init__, "sample": sample, "forward": forward, "lora_component": "bagel",
+                 "__module__": __name__, "__qualname__": "FlowGRPOBagelPipeline", "__doc__": doc}
     return type("FlowGRPOBagelPipeline", (base,), namespace)
 
 

@@ -1,23 +1,51 @@
 """vLLM-Omni 0.20's LoRA slots from the worker's side (the workers of `engine_vllm_omni`, through
-`vllm_omni_pipeline.RolloutWorkerExtension`): the table of a transformer's LoRA-capable layers the engine checks
-adapters against (`jaxflow_bridge/rollout/lora_binding.py`), the in-place write of a shared adapter into the active
-adapter's slots, and the shared adapter file mapped into the worker. Imports no vLLM."""
+`vllm_omni_pipeline.RolloutWorkerExtension`): the pipeline component vLLM-Omni's LoRA manager wraps, the table of
+its LoRA-capable layers the engine checks adapters against (`jaxflow_bridge/rollout/lora_binding.py`), the in-place
+write of a shared adapter into the active adapter's slots, and the shared adapter file mapped into the worker.
+Imports no vLLM."""
 from __future__ import annotations
 
 import torch
 
 
-def lora_module_table(transformer: torch.nn.Module) -> dict:
-    """{"modules": {name: [in, [out per slice]]}, "packed": {fused: [parts]}} of vLLM's linear layers (anything
-    with `input_size` and `output_size`; fused ones list `output_sizes`), names relative to the transformer."""
+def lora_component(pipeline) -> tuple[str, torch.nn.Module]:
+    """(name, module) of the pipeline part whose layers vLLM-Omni's LoRA manager wraps, as our pipeline classes
+    name it in `lora_component`: Qwen-Image's "transformer", BAGEL's "bagel" (the manager's full layer names
+    start with it)."""
+    return pipeline.lora_component, getattr(pipeline, pipeline.lora_component)
+
+
+def _leaf(suffix: str) -> str:
+    return suffix.strip(".").split(".")[-1]
+
+
+def packed_modules(component: torch.nn.Module) -> dict[str, list[str]]:
+    """{fused layer leaf: [slice leaves, in slot order]}: what vLLM-Omni's LoRA manager derives from its modules'
+    `stacked_params_mapping` entries (fused suffix, slice suffix, shard id), which their `load_weights` set (BAGEL's
+    `Qwen2MoTForCausalLM` has no `packed_modules_mapping`), with the component class's `packed_modules_mapping`
+    (Qwen-Image's transformer) taking precedence."""
+    derived: dict[str, list[str]] = {}
+    for module in component.modules():
+        for fused, part, *_ in getattr(module, "stacked_params_mapping", None) or ():
+            parts = derived.setdefault(_leaf(fused), [])
+            if _leaf(part) not in parts:
+                parts.append(_leaf(part))
+    declared = getattr(type(component), "packed_modules_mapping", {})
+    return {**derived, **{k: list(v) for k, v in declared.items()}}
+
+
+def lora_module_table(component: torch.nn.Module) -> dict:
+    """{"modules": {name: [in, [out per slice]]}, "packed": `packed_modules(component)`} of vLLM's linear layers
+    (anything with `input_size` and `output_size`; fused ones list `output_sizes`), names relative to the
+    component."""
     modules = {name: [int(m.input_size), [int(s) for s in getattr(m, "output_sizes", [m.output_size])]]
-               for name, m in transformer.named_modules()
+               for name, m in component.named_modules()
                if hasattr(m, "input_size") and hasattr(m, "output_size")}
-    packed = getattr(type(transformer), "packed_modules_mapping", {})
-    return {"modules": modules, "packed": {k: list(v) for k, v in packed.items()}}
+    return {"modules": modules, "packed": packed_modules(component)}
 
 
-def write_lora_slots(manager, payload: torch.Tensor, plan: list, first_b: int, scale: float, adapter_id: int) -> dict:
+def write_lora_slots(manager, payload: torch.Tensor, plan: list, first_b: int, scale: float, adapter_id: int,
+                     component: str) -> dict:
     """Write a shared adapter's tensors into vLLM-Omni's LoRA slots in place (the worker side of
     `VllmOmniEngine.update_lora_shared`); {"written": n}, or {"refused": [...]} with nothing written.
 
@@ -26,14 +54,15 @@ def write_lora_slots(manager, payload: torch.Tensor, plan: list, first_b: int, s
     B already multiplied by alpha/r (vllm_omni/diffusion/lora/layers/base_linear.py, manager.py `_activate_adapter`),
     and keeps a CPU copy of it (`_registered_adapters[id].get_lora(module)`) that a re-activation would copy back:
     both are written. `payload`: the file's flat tensors on the GPU (B from `first_b` on, unscaled as PEFT stores
-    it). RuntimeError (not a refusal) when the manager does not look like that.
+    it); `component`: `lora_component`'s name, which starts the manager's layer names. RuntimeError (not a refusal)
+    when the manager does not look like that.
     """
     if getattr(manager, "_active_adapter_id", None) != adapter_id:
         raise RuntimeError(f"LoRA adapter {adapter_id} is not the active one ({manager._active_adapter_id})")
     model, layers = manager._registered_adapters[adapter_id], manager._lora_modules
     targets = []
     for module, layer, slot, a_off, a_shape, b_off, b_shape in plan:  # resolve everything before any write
-        wrapped = layers.get(layer, layers.get(f"transformer.{layer}"))
+        wrapped = layers.get(layer, layers.get(f"{component}.{layer}"))
         master = model.get_lora(module)
         if wrapped is None or master is None or tuple(master.lora_a.shape) != tuple(a_shape) \
                 or tuple(master.lora_b.shape) != tuple(b_shape):

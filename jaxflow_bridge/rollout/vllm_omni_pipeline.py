@@ -50,7 +50,7 @@ from jaxflow_bridge.rollout.qk_rope import QK_OPS, use_native_qk
 from jaxflow_bridge.rollout.random_init import random_named_weights
 from jaxflow_bridge.rollout.sampling import Fp32Timestep, SamplingLoop, SamplingParams
 from jaxflow_bridge.rollout.tensors import numpy_to_torch, torch_to_numpy
-from jaxflow_bridge.rollout.vllm_omni_lora import MappedPayload, lora_module_table, write_lora_slots
+from jaxflow_bridge.rollout.vllm_omni_lora import MappedPayload, lora_component, lora_module_table, write_lora_slots
 
 log = logging.getLogger(__name__)
 PIPELINE_CLASS = f"{__name__}.FlowGRPOQwenImagePipeline"
@@ -256,7 +256,8 @@ def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = N
 
     doc = "vLLM-Omni's QwenImagePipeline serving SamplingLoop's FlowGRPO rollout (see the module docstring)."
     namespace = {"__init__": __init__, "load_weights": load_weights, "dtype": property(dtype), "forward": forward,
-                 "__module__": __name__, "__qualname__": "FlowGRPOQwenImagePipeline", "__doc__": doc}
+                 "lora_component": "transformer", "__module__": __name__, "__qualname__": "FlowGRPOQwenImagePipeline",
+                 "__doc__": doc}
     return type("FlowGRPOQwenImagePipeline", (SamplingLoop, base), namespace)
 
 
@@ -270,11 +271,12 @@ def _pipeline_class() -> type:
                                 ColumnParallelApproxGELU)
 
 
-def _worker_extension_class() -> type:
-    from vllm_omni.diffusion.worker.diffusion_worker import CustomPipelineWorkerExtension
+class RolloutWorkerMethods:
+    """What `RolloutWorkerExtension` adds to vLLM-Omni's diffusion worker (its `model_runner.pipeline`, one of our
+    pipeline classes, and its `lora_manager`); a plain mixin, so tests can call it on a stand-in worker."""
 
     def rollout_lora_modules(self) -> dict:
-        return lora_module_table(self.model_runner.pipeline.transformer)
+        return lora_module_table(lora_component(self.model_runner.pipeline)[1])
 
     def rollout_random_fingerprint(self) -> str | None:
         return self.model_runner.pipeline.random_fingerprint
@@ -282,10 +284,11 @@ def _worker_extension_class() -> type:
     def rollout_write_lora(self, manifest: dict, plan: list, first_b: int, scale: float, adapter_id: int) -> dict:
         if not hasattr(self, "_rollout_payload"):
             self._rollout_payload = MappedPayload()
-        device = next(self.model_runner.pipeline.transformer.parameters()).device
+        name, component = lora_component(self.model_runner.pipeline)
+        device = next(component.parameters()).device
         try:
             return write_lora_slots(self.lora_manager, self._rollout_payload.to(manifest, device), plan, first_b,
-                                    scale, adapter_id)
+                                    scale, adapter_id, name)
         except (RuntimeError, AttributeError, KeyError) as e:  # reported as an RPC error: the engine falls back
             return {"error": True, "reason": f"{type(e).__name__}: {e}"}
 
@@ -315,10 +318,11 @@ def _worker_extension_class() -> type:
             merged.begin_restore()
         return {"restoring": merged is not None}
 
-    return type("RolloutWorkerExtension", (CustomPipelineWorkerExtension,),
-                {"rollout_lora_modules": rollout_lora_modules, "rollout_random_fingerprint": rollout_random_fingerprint,
-                 "rollout_write_lora": rollout_write_lora, "rollout_merge_lora": rollout_merge_lora,
-                 "rollout_restore_base": rollout_restore_base, "__module__": __name__})
+
+def _worker_extension_class() -> type:
+    from vllm_omni.diffusion.worker.diffusion_worker import CustomPipelineWorkerExtension
+
+    return type("RolloutWorkerExtension", (RolloutWorkerMethods, CustomPipelineWorkerExtension), {"__module__": __name__})
 
 
 _LAZY = {"FlowGRPOQwenImagePipeline": _pipeline_class, "RolloutWorkerExtension": _worker_extension_class}

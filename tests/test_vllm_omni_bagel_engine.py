@@ -1,0 +1,277 @@
+"""The vllm_omni engine's BAGEL model kind on the CPU (docs/bagel.md §7 (d)), against a stand-in vLLM-Omni 0.20
+package (tests/helpers_vllm_omni.py: AsyncOmni over one in-process worker with our extension): the kind read from
+the folder, AsyncOmni's start keywords (our pipeline class, vLLM-Omni's single-stage deploy file by `deploy_config`),
+the one-stage check, the refusals, Qwen-Image's start and requests as before, the weights fingerprint (the
+bagel_torch engine's), a rollout equal to the bagel_torch engine's samples, and LoRA: the module table from BAGEL's
+`stacked_params_mapping`, the generation expert's seven targets on four layers a decoder layer, slot writes under
+`bagel.`-prefixed names."""
+import dataclasses
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from jaxflow_bridge.contract import bagel_keymap
+from jaxflow_bridge.contract.lora import lora_pairs, read_peft
+from jaxflow_bridge.contract.lora_shm import SharedAdapterFile
+from jaxflow_bridge.contract.trajectory import TrajectoryBatch
+from jaxflow_bridge.rollout import tiny, tiny_bagel
+from jaxflow_bridge.rollout import vllm_omni_bagel_pipeline as vob
+from jaxflow_bridge.rollout import vllm_omni_lora as vol
+from jaxflow_bridge.rollout import vllm_omni_pipeline as vop
+from jaxflow_bridge.rollout.bagel_sampling import BagelSamplingParams
+from jaxflow_bridge.rollout.engine_bagel import BagelTorchEngine
+from jaxflow_bridge.rollout.engine_vllm_omni import VllmOmniEngine
+from jaxflow_bridge.rollout.lora_binding import bind_lora_modules
+from jaxflow_bridge.rollout.pipeline import stored_fingerprint
+from jaxflow_bridge.rollout.vllm_omni_kinds import BAGEL_DEPLOY_FILE, Bagel, QwenImage, model_kind
+from tests.helpers import ROOT
+from tests.helpers_vllm_omni import (SAMPLING, SEEDS, FakeBagel, FakeOmniQwenImagePipeline, install_fake_vllm_omni,
+                                     stock_bagel_pipeline)
+
+LAYERS, TARGETS = tiny_bagel.TINY_LLM["num_hidden_layers"], len(bagel_keymap.DEFAULT_LORA_TARGETS)
+RANK, ALPHA = 4, 8.0
+CONFIG = {"r": RANK, "lora_alpha": ALPHA, "target_modules": list(bagel_keymap.DEFAULT_LORA_TARGETS)}
+SP = BagelSamplingParams(height=64, width=96, num_inference_steps=4, sde_window_range=(0, 3), cfg_interval=(0.8, 1.0))
+PROMPT = "a red sign"
+LLM = "language_model.model.layers"
+
+
+@pytest.fixture(scope="module")
+def folder():
+    return tiny_bagel.tiny_bagel_path()  # float32: vLLM-Omni's is bf16, which no CPU test needs
+
+
+@pytest.fixture(scope="module")
+def bagel_torch(folder):
+    return BagelTorchEngine({"engine": "bagel_torch", "model": str(folder), "decode": "preview"})
+
+
+def fake_omni(monkeypatch, root, bagel_torch, stages=1) -> type:
+    """The stand-in vLLM-Omni under `root`, its pipeline ours over the bagel_torch engine's model; its AsyncOmni."""
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # what the engine exports for vLLM-Omni's workers, undone after
+    pipeline = vob.build_pipeline_class(stock_bagel_pipeline(bagel_torch), SimpleNamespace)
+    return install_fake_vllm_omni(monkeypatch, root, {vob.PIPELINE_CLASS: pipeline}, stages)
+
+
+def start(monkeypatch, root, bagel_torch, stages=1, **config):
+    """The vllm_omni engine on the tiny BAGEL folder, vLLM-Omni stood in for (`fake_omni`); (engine, AsyncOmni)."""
+    omni = fake_omni(monkeypatch, root, bagel_torch, stages)
+    return VllmOmniEngine({"engine": "vllm_omni", "model": bagel_torch.model_path, **config}), omni
+
+
+def adapter(folder, seed: int, prefix: str = bagel_keymap.PEFT_PREFIX) -> dict[str, np.ndarray]:
+    """A random PEFT adapter on the generation expert's seven targets, BAGEL's names, shapes from the folder."""
+    rng, out = np.random.default_rng(seed), {}
+    with safe_open(folder / "ema.safetensors", framework="pt") as f:
+        for key in sorted(k for e in bagel_keymap.lora_key_map(CONFIG["target_modules"]) for k in e.diffusers_keys(LAYERS)):
+            module, part, _ = key.rsplit(".", 2)
+            fan_out, fan_in = f.get_slice(f"{module}.weight").get_shape()
+            shape = (RANK, fan_in) if part == "lora_A" else (fan_out, RANK)
+            out[prefix + key] = (0.1 * rng.standard_normal(shape)).astype(np.float32)
+    return out
+
+
+def one_line(err) -> str:
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
+# ---------------------------------------------------------------------------------------------- the kind
+
+
+def test_the_kind_comes_from_the_folder(folder, bagel_torch, tiny_path, tmp_path, monkeypatch):
+    qwen, bagel = model_kind(str(tiny_path), "bfloat16"), model_kind(str(folder), "bfloat16")
+    assert isinstance(qwen, QwenImage) and qwen.folder == tiny_path and qwen.size_multiple == 8
+    assert isinstance(bagel, Bagel) and bagel.folder == folder
+    assert bagel.size_multiple == bagel_torch.info()["size_multiple"] == 16
+    asked = []
+    monkeypatch.setattr(tiny_bagel, "tiny_bagel_path", lambda dtype: asked.append(("bagel", dtype)) or folder)
+    monkeypatch.setattr(tiny, "tiny_pipeline_path", lambda dtype: asked.append(("qwen", dtype)) or tiny_path)
+    assert isinstance(model_kind("tiny_bagel", "bfloat16"), Bagel) and isinstance(model_kind("tiny", "bfloat16"),
+                                                                                   QwenImage)
+    assert asked == [("bagel", "bfloat16"), ("qwen", "bfloat16")]  # the tiny folders saved in the engine's dtype
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2"}')
+    with pytest.raises(ValueError, match="neither a diffusers Qwen-Image folder .* nor a BAGEL folder") as err:
+        model_kind(str(tmp_path), "bfloat16")
+    one_line(err)
+
+
+def test_the_fingerprint_is_the_bagel_torch_engines_over_the_trainers_tensors(folder, bagel_torch, tmp_path):
+    """ema.safetensors' first elements without the prefixes the trainer ignores: the bagel_torch engine's value (and
+    so the trainer's, tests/test_bagel_train.py); a changed ViT tensor leaves it, a changed expert weight moves it."""
+    assert Bagel(folder).fingerprint() == bagel_torch.info()["fingerprint"]
+    (tmp_path / "config.json").write_bytes((folder / "config.json").read_bytes())
+    tensors = load_file(folder / "ema.safetensors")
+    vit = next(k for k in tensors if k.startswith("vit_model."))
+    expert = f"{LLM}.1.mlp_moe_gen.down_proj.weight"
+    for key, same in ((vit, True), (expert, False)):
+        changed = dict(tensors, **{key: tensors[key].clone()})
+        changed[key].view(-1)[0] += 1.0
+        save_file(changed, tmp_path / "ema.safetensors")
+        assert (Bagel(tmp_path).fingerprint() == bagel_torch.info()["fingerprint"]) is same, key
+
+
+# ---------------------------------------------------------------------------------------------- the start
+
+
+def test_bagel_starts_our_pipeline_in_vllm_omnis_single_stage_deployment(folder, bagel_torch, tmp_path, monkeypatch):
+    engine, omni = start(monkeypatch, tmp_path, bagel_torch)
+    (started,) = omni.started
+    deploy = tmp_path / "vllm_omni" / "deploy" / "bagel_single_stage.yaml"  # vLLM-Omni 0.20's wheel layout
+    assert started.model == str(folder) and BAGEL_DEPLOY_FILE == ("deploy", "bagel_single_stage.yaml")
+    assert started.kwargs == {"custom_pipeline_args": {"pipeline_class": vob.PIPELINE_CLASS},
+                              "deploy_config": str(deploy), "worker_extension_cls": vop.WORKER_EXTENSION_CLASS,
+                              "dtype": "bfloat16", "enable_sleep_mode": True}
+    info = engine.info()
+    assert info["fingerprint"] == bagel_torch.info()["fingerprint"] and info["size_multiple"] == 16
+    assert info["model"] == str(folder) and not engine.merged
+
+
+def test_a_missing_deploy_file_or_a_second_stage_is_refused_in_one_line(bagel_torch, tmp_path, monkeypatch):
+    two = fake_omni(monkeypatch, tmp_path / "two", bagel_torch, stages=2)
+    with pytest.raises(RuntimeError, match=r"vLLM-Omni started 2 stages .* serves one diffusion stage") as err:
+        VllmOmniEngine({"engine": "vllm_omni", "model": bagel_torch.model_path})
+    one_line(err)
+    assert two.started[0].stopped  # shut down, not left holding the GPU
+    omni = fake_omni(monkeypatch, tmp_path / "old", bagel_torch)
+    (tmp_path / "old" / "vllm_omni" / "deploy" / "bagel_single_stage.yaml").unlink()
+    with pytest.raises(FileNotFoundError, match="bagel_single_stage.yaml is missing: BAGEL needs") as err:
+        VllmOmniEngine({"engine": "vllm_omni", "model": bagel_torch.model_path})
+    one_line(err)
+    assert omni.started == []
+
+
+@pytest.mark.parametrize("option, needle", [
+    ({"qk_ops": "vllm"}, "qk_ops configure"), ({"fa_version": "2"}, "fa_version configure"),
+    ({"gelu": "separate", "cfg_forward": "split"}, "gelu, cfg_forward configure"),
+    ({"lora_apply": "fused"}, "lora_apply='fused' is Qwen-Image's"),
+    ({"lora_apply": "merged"}, "pass lora_apply='stock'"), ({"random_seed": 3}, "model.init='checkpoint'")])
+def test_what_bagel_lacks_is_refused_in_one_line_before_the_start(bagel_torch, tmp_path, monkeypatch, option, needle):
+    omni = fake_omni(monkeypatch, tmp_path, bagel_torch)
+    with pytest.raises(ValueError, match=needle) as err:
+        VllmOmniEngine({"engine": "vllm_omni", "model": bagel_torch.model_path, **option})
+    one_line(err)
+    assert omni.started == []
+
+
+def test_lora_apply_stock_is_bagels_own(bagel_torch, tmp_path, monkeypatch):
+    engine, omni = start(monkeypatch, tmp_path, bagel_torch, lora_apply="stock")
+    assert omni.started[0].kwargs["custom_pipeline_args"] == {"pipeline_class": vob.PIPELINE_CLASS}
+
+
+def test_qwen_image_starts_and_asks_as_before(tiny_path, tmp_path, monkeypatch):
+    """The Qwen-Image kind: the start keywords and every request exactly what the engine sent before BAGEL (its
+    pipeline's options at their defaults, no deploy file; vllm_omni_pipeline.encode_request's requests)."""
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    pipeline = vop.build_pipeline_class(FakeOmniQwenImagePipeline, SimpleNamespace)
+    omni = install_fake_vllm_omni(monkeypatch, tmp_path, {vop.PIPELINE_CLASS: pipeline})
+    engine = VllmOmniEngine({"engine": "vllm_omni", "model": str(tiny_path)})
+    (started,) = omni.started
+    assert started.kwargs == {"custom_pipeline_args": {"pipeline_class": vop.PIPELINE_CLASS, "lora_apply": "fused",
+                                                       "qk_ops": "compiled", "fa_version": "auto",
+                                                       "cfg_forward": "batched", "gelu": "epilogue"},
+                              "worker_extension_cls": vop.WORKER_EXTENSION_CLASS, "dtype": "bfloat16",
+                              "enable_sleep_mode": True}
+    assert engine.info()["fingerprint"] == stored_fingerprint(tiny_path / "transformer") and engine.merged is False
+    out = TrajectoryBatch.from_dict(engine.generate(["a red fox"], 2, dataclasses.asdict(SAMPLING), seeds=SEEDS))
+    (prompt, params), = started.requests
+    want_prompt, want_kwargs = vop.encode_request("a red fox", SAMPLING, SEEDS, 0)
+    assert prompt == want_prompt and vars(params) == {**want_kwargs, "lora_request": None}
+    assert len(out) == 2 and list(out.seeds) == SEEDS
+
+
+# ---------------------------------------------------------------------------------------------- rollout
+
+
+def test_a_rollout_is_the_bagel_torch_engines_samples(bagel_torch, tmp_path, monkeypatch):
+    """BagelSamplingParams through the BAGEL request codec to our pipeline (N + 1 schedule points asked), each sample
+    the bagel_torch engine's alone, byte for byte (the stand-in runs that engine's model)."""
+    engine, omni = start(monkeypatch, tmp_path, bagel_torch)
+    out = TrajectoryBatch.from_dict(engine.generate([PROMPT], 2, dataclasses.asdict(SP), seeds=[21, 22]))
+    (prompt, params), = omni.started[0].requests
+    assert prompt == {"prompt": PROMPT} and params.num_inference_steps == SP.num_inference_steps + 1
+    assert params.extra_args["seeds"] == [21, 22] and params.lora_request is None
+    for j, seed in enumerate([21, 22]):
+        alone = TrajectoryBatch.from_dict(bagel_torch.generate([PROMPT], 1, dataclasses.asdict(SP), seeds=[seed]))
+        for field in ("images", "latents", "log_probs", "sigmas", "step_index", "prompt_ids", "prompt_mask",
+                      "negative_prompt_ids", "seeds"):
+            got, want = getattr(out, field), getattr(alone, field)
+            np.testing.assert_array_equal(got if field == "sigmas" else got[j:j + 1], want, err_msg=field)
+    with pytest.raises(ValueError, match="unknown"):  # BagelSamplingParams, not Qwen-Image's
+        engine.generate([PROMPT], 2, {"true_cfg_scale": 4.0})
+
+
+# ---------------------------------------------------------------------------------------------- LoRA
+
+
+def test_the_lora_table_comes_from_bagels_stacked_params_mapping():
+    """Qwen2MoTForCausalLM has no packed_modules_mapping: the fused slices come from the `stacked_params_mapping` its
+    load_weights sets, in slot order; vLLM's linears are listed with their slices, plain nn.Linear are not."""
+    table = vol.lora_module_table(FakeBagel())
+    assert table["packed"] == {"qkv_proj_moe_gen": ["q_proj_moe_gen", "k_proj_moe_gen", "v_proj_moe_gen"],
+                               "qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    modules = table["modules"]
+    for g in ("", "_moe_gen"):
+        assert modules[f"{LLM}.1.self_attn.qkv_proj{g}"] == [64, [64, 32, 32]]
+        assert modules[f"{LLM}.1.self_attn.o_proj{g}"] == [64, [64]]
+        assert modules[f"{LLM}.1.mlp{g}.gate_up_proj"] == [64, [128, 128]]
+        assert modules[f"{LLM}.1.mlp{g}.down_proj"] == [128, [64]]
+    assert len(modules) == 8 * LAYERS + 2 and modules["connector.fc1"] == [32, [64]]
+    assert not {"language_model.lm_head", "vae2llm", "llm2vae"} & set(modules)
+    assert vol.lora_module_table(FakeBagel(stacked=False))["packed"] == {}
+
+
+def test_the_generation_experts_seven_targets_bind_four_layers_a_decoder_layer(folder):
+    pairs = lora_pairs(Bagel(folder).adapter(adapter(folder, 1)))  # the PEFT prefix dropped
+    assert len(pairs) == TARGETS * LAYERS and all(m.startswith(LLM) for m in pairs)
+    bound = bind_lora_modules(pairs, RANK, vol.lora_module_table(FakeBagel()))
+    layers = {layer for layer, _ in bound.values()}
+    assert len(layers) == 4 * LAYERS and all("_moe_gen" in layer for layer in layers)
+    for leaf, layer, slot in (("self_attn.q_proj_moe_gen", "self_attn.qkv_proj_moe_gen", 0),
+                              ("self_attn.v_proj_moe_gen", "self_attn.qkv_proj_moe_gen", 2),
+                              ("mlp_moe_gen.gate_proj", "mlp_moe_gen.gate_up_proj", 0),
+                              ("mlp_moe_gen.up_proj", "mlp_moe_gen.gate_up_proj", 1),
+                              ("self_attn.o_proj_moe_gen", "self_attn.o_proj_moe_gen", None),
+                              ("mlp_moe_gen.down_proj", "mlp_moe_gen.down_proj", None)):
+        assert bound[f"{LLM}.1.{leaf}"] == (f"{LLM}.1.{layer}", slot), leaf
+    with pytest.raises(ValueError, match=r"q_proj_moe_gen: the engine transformer has no such"):  # no slices known
+        bind_lora_modules(pairs, RANK, vol.lora_module_table(FakeBagel(stacked=False)))
+    und = {f"{LLM}.0.mlp.gate_proj.lora_{p}.weight": np.zeros((RANK, 64) if p == "A" else (128, RANK), np.float32)
+           for p in "AB"}
+    with pytest.raises(ValueError, match=r"2 tensors off the generation expert.*layers\.0\.mlp\.gate_proj\.lora_A") as err:
+        Bagel(folder).adapter(und)
+    one_line(err)
+
+
+def test_lora_updates_reach_the_bagel_slots(folder, bagel_torch, tmp_path, monkeypatch):
+    """update_lora: the adapter checked against the table, written as a PEFT folder in BAGEL's names and loaded;
+    update_lora_shared: the next one written in place into the `bagel.`-prefixed layers' slots (B times alpha / r),
+    the understanding expert's untouched; an off-expert adapter refused, the served one kept."""
+    engine, omni = start(monkeypatch, tmp_path, bagel_torch)
+    assert engine.update_lora(adapter(folder, 1), 1, CONFIG)["bound_modules"] == TARGETS * LAYERS
+    (request,) = omni.started[0].loaded
+    tensors, config = read_peft(request.lora_path)
+    assert sorted(tensors) == sorted(k.removeprefix(bagel_keymap.PEFT_PREFIX) for k in adapter(folder, 1))
+    assert config["r"] == RANK and config["target_modules"] == CONFIG["target_modules"]
+    second = adapter(folder, 2, prefix="")  # the trainer's shared file: lora_to_peft's names
+    shared = SharedAdapterFile("bfloat16", root=tmp_path)
+    reply = engine.update_lora_shared(shared.write_arrays(second), 2, CONFIG)
+    assert reply["bound_modules"] == TARGETS * LAYERS and "seconds" in reply  # in place, not a new folder
+    slots = omni.started[0].worker.lora_manager._lora_modules
+    gate_up = slots[f"bagel.{LLM}.1.mlp_moe_gen.gate_up_proj"]
+    up = f"{LLM}.1.mlp_moe_gen.up_proj.lora_"
+    bf16 = lambda key: torch.from_numpy(second[key]).to(torch.bfloat16)  # noqa: E731
+    assert torch.equal(gate_up.lora_a_stacked[1][0, 0], bf16(up + "A.weight"))
+    assert torch.equal(gate_up.lora_b_stacked[1][0, 0], bf16(up + "B.weight") * (ALPHA / RANK))
+    und = slots[f"bagel.{LLM}.1.mlp.gate_up_proj"]
+    assert not any(t.any() for t in (*und.lora_a_stacked, *und.lora_b_stacked))
+    off = {k.replace("q_proj_moe_gen", "q_proj"): v for k, v in adapter(folder, 3).items()}
+    with pytest.raises(ValueError, match="off the generation expert; the previous adapter keeps serving") as err:
+        engine.update_lora(off, 3, CONFIG)
+    one_line(err)
+    assert engine.info()["policy_version"] == 2 and len(omni.started[0].loaded) == 1
