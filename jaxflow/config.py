@@ -284,19 +284,21 @@ def lora_gemm(cfg, num_layers: int, devices: int, on_hopper: bool, micro_batch: 
     """model.lora_gemm as it runs, and why: "auto" is "pallas" where the fused kernel runs and pays, else "xla".
 
     It pays with unrolled blocks (model.scan_unroll >= the blocks, or 0, which unrolls them for it): the recipe's
-    step 10% faster end to end on one H200; inside a scan it is 12% slower (BENCHMARKS.md, the fused LoRA GEMM). It runs on one H100/H200 with bf16
-    compute, where every linear's rows (micro_batch x `tokens`, the image and the padded text) tile its 128 rows
-    and the rank its 16."""
+    step 10% faster end to end on one H200; inside a scan it is 12% slower (BENCHMARKS.md, the fused LoRA GEMM). It
+    runs on H100/H200s with bf16 compute, where every linear's rows (micro_batch x `tokens`, the image and the padded text) tile its 128 rows
+    and the rank its 16; on several devices under data parallelism, each device on its own rows (micro_batch is
+    per device)."""
     m = cfg.model
     if m.lora_gemm != "auto":
         return m.lora_gemm, "set in the config"
     why = [reason for reason, fails in (
         (f"blocks in a scan (model.scan_unroll={m.scan_unroll} < {num_layers})", 0 < m.scan_unroll < num_layers),
         ("not an H100/H200", not on_hopper), (f"{m.dtype} compute, not bfloat16", m.dtype != "bfloat16"),
-        (f"{devices} devices (the kernel is not partitioned)", devices > 1),
+        (f"{devices} devices with the weights sharded (sharding.fsdp / sharding.tensor > 1: the kernel takes whole "
+         f"weights)", devices > 1 and (cfg.sharding.fsdp != 1 or cfg.sharding.tensor != 1)),
         (f"rows {[micro_batch * t for t in tokens]} not multiples of 128", any(micro_batch * t % 128 for t in tokens)),
         (f"LoRA rank {cfg.lora.rank} not a multiple of 16", cfg.lora.rank % 16)) if fails]
-    return ("xla", "auto: " + "; ".join(why)) if why else ("pallas", "auto: unrolled blocks, bf16 on one H100/H200")
+    return ("xla", "auto: " + "; ".join(why)) if why else ("pallas", "auto: unrolled blocks, bf16 on H100/H200s")
 
 
 def model_options(cfg, gemm: str | None, num_layers: int) -> ModelOptions:

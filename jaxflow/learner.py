@@ -39,7 +39,10 @@ def build_model(cfg, folder: Path, spec, layout: Layout, micro_batch: int = 1, t
         log.info("trainer linears: model.lora_gemm=%s (%s)", gemm, why)
         return config_lib.model_options(cfg, gemm, num_layers)
 
-    return families.of(cfg).build_model(cfg, folder, spec, opts_for, sharding=layout.sharding_fn, seed=cfg.seed)
+    model = families.of(cfg).build_model(cfg, folder, spec, opts_for, sharding=layout.sharding_fn, seed=cfg.seed)
+    if model.opts.lora_gemm == "pallas" and layout.batch_devices > 1:
+        model.split_rows(layout.mesh, layout.batch_axes)  # data parallelism: each device runs the kernel on its rows
+    return model
 
 
 _DESC_BYTES = 1 << 14  # the broadcast description of a train batch (keys, shapes, dtypes) as JSON

@@ -140,7 +140,11 @@ def test_auto_picks_the_fused_gemm_only_where_it_runs_and_pays():
     fits = dict(num_layers=60, devices=1, on_hopper=True, micro_batch=4, tokens=(1024, 96))
     assert config_lib.lora_gemm(cfg, **fits)[0] == "pallas"
     cfg.model.scan_unroll = 60
-    for change, reason in ((dict(num_layers=61), "scan"), (dict(devices=2), "2 devices"),
+    assert config_lib.lora_gemm(cfg, **{**fits, "devices": 2})[0] == "pallas"  # data parallel: rows split
+    cfg.sharding.fsdp = 2
+    assert "2 devices with the weights sharded" in config_lib.lora_gemm(cfg, **{**fits, "devices": 2})[1]
+    cfg.sharding.fsdp = 1
+    for change, reason in ((dict(num_layers=61), "scan"),
                            (dict(on_hopper=False), "H100/H200"), (dict(micro_batch=2), "rows [2048, 192]"),
                            (dict(tokens=(1024, 100)), "multiples of 128")):
         gemm, why = config_lib.lora_gemm(cfg, **{**fits, **change})
@@ -171,3 +175,86 @@ def test_scan_unroll_zero_follows_the_resolved_gemm():
     assert config_lib.model_options(cfg, "xla", 60).scan_unroll == 1
     cfg.model.scan_unroll = 7
     assert [config_lib.model_options(cfg, g, 60).scan_unroll for g in ("pallas", "xla")] == [7, 7]
+
+
+def _split_rows_check():
+    """Run in a subprocess with 2 forced CPU devices: one data-parallel train step with the fused kernel's rows
+    split over the devices (`split_rows`, the kernel's XLA stand-in) equals the step with XLA's linears; without the
+    split the fused path is refused."""
+    import dataclasses
+
+    from jaxflow import sharding as S
+    from jaxflow.models import lora_gemm, transformer
+    from jaxflow.models.lora import LoRAParam
+    from jaxflow.step_config import TrainConfig
+    from jaxflow.train_batch import TrainBatch
+    from jaxflow.train_step import make_train_step
+
+    assert jax.device_count() == 2
+    lora_gemm.lora_matmul = xla_matmul  # the Hopper kernel's stand-in, in this subprocess only
+    transformer.check_available = lambda dtype: None
+    cfg = QwenImageConfig(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,
+                          axes_dims_rope=(8, 12, 12))
+    spec = LoRASpec(rank=4, alpha=8.0, targets=("to_q", "to_v", "img_mlp.net.2", "txt_mlp.net.0.proj"))
+    model = QwenImageTransformer(cfg, ModelOptions(remat="save_matmuls"), spec, rngs=nnx.Rngs(0))
+    leaves, treedef = jax.tree.flatten(nnx.state(model, LoRAParam))  # non-zero B: every LoRA param gets a gradient
+    nnx.update(model, jax.tree.unflatten(
+        treedef, [x + 0.1 * jax.random.normal(jax.random.key(i), x.shape) for i, x in enumerate(leaves)]))
+    r = np.random.default_rng(0)
+    b, w, n, length = 8, 2, 6, 5
+    starts = r.integers(0, n - w, size=b)
+    batch = TrainBatch(latents=r.normal(size=(b, w + 1, 4, 64)).astype(np.float32),
+                       log_probs=(-1.4 + 0.01 * r.normal(size=(b, w))).astype(np.float32),
+                       sigmas=np.linspace(1, 0, n + 1).astype(np.float32),
+                       step_index=(starts[:, None] + np.arange(w)).astype(np.int32), noise_level=np.float32(1.0),
+                       prompt_embeds=r.normal(size=(b, length, 64)).astype(np.float32),
+                       prompt_mask=np.arange(length)[None] < r.integers(1, length + 1, size=b)[:, None],
+                       advantages=r.normal(size=b).astype(np.float32))
+    config = TrainConfig(grid_hw=(2, 2), num_micro_batches=2, clip_range=1e-2)
+    layout = S.Layout.create(S.ShardingConfig())
+    assert layout.batch_devices == 2
+    fused = nnx.clone(model)
+    fused.opts = dataclasses.replace(fused.opts, lora_gemm="pallas")
+    init_state, step = make_train_step(fused, config, layout)
+    with pytest.raises(ValueError, match="rows split"):
+        step(init_state(), batch)
+    fused.split_rows(layout.mesh, layout.batch_axes)
+    unrolled = nnx.clone(fused)  # the recipe's form: the blocks unrolled with the fused kernel
+    unrolled.opts = dataclasses.replace(unrolled.opts, scan_unroll=cfg.num_layers)
+    results = {}
+    for name, m in (("xla", model), ("fused", fused), ("fused_unrolled", unrolled)):
+        init_state, step = make_train_step(m, config, layout)
+        state, metrics = step(init_state(), batch)
+        assert int(metrics["skipped"]) == 0
+        results[name] = (float(metrics["grad_norm"]), jax.tree.map(np.asarray, state.lora))
+    norm_x, lora_x = results["xla"]
+    for name in ("fused", "fused_unrolled"):
+        norm_f, lora_f = results[name]
+        assert abs(norm_f - norm_x) <= 1e-5 * norm_x, (name, norm_f, norm_x)
+        for got, want in zip(jax.tree.leaves(lora_f), jax.tree.leaves(lora_x)):
+            np.testing.assert_allclose(got, want, atol=1e-6, rtol=0, err_msg=name)
+    rows = []  # the rows each call of the kernel is handed: one device's share
+
+    def recording(x, *args, **kw):
+        rows.append(x.shape[0])
+        return xla_matmul(x, *args, **kw)
+
+    split = lora_gemm.split_rows(recording, layout.mesh, layout.batch_axes)
+    jax.jit(split).lower(*(jnp.zeros(s) for s in ((8, 16), (16, 12), (8, 4), (4, 12))))
+    assert rows == [4], rows
+    print("SPLIT_ROWS_OK")
+
+
+def test_split_rows_runs_the_fused_kernel_data_parallel():
+    """model.lora_gemm=pallas on 2 devices: each device runs the kernel (here its XLA stand-in) on its own rows; the
+    data-parallel step equals XLA's linears' within float32 rounding."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    code = "import tests.test_lora_gemm as t; t._split_rows_check()"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "SPLIT_ROWS_OK" in proc.stdout, proc.stdout + proc.stderr[-5000:]

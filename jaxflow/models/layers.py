@@ -1,6 +1,8 @@
 """Building blocks: LoRA-capable Linear, RMSNorm, LayerNorm, GELU-tanh (diffusers numerics)."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -31,9 +33,10 @@ class Linear(nnx.Module):
                                     logical_axes=(axes[0], None))
             self.lora_b = LoRAParam(jnp.zeros((lora.rank, dout), jnp.float32), logical_axes=(None, axes[1]))
 
-    def __call__(self, x: jax.Array, lora_scale: jax.Array | float = 1.0, gemm: str = "xla") -> jax.Array:
+    def __call__(self, x: jax.Array, lora_scale: jax.Array | float = 1.0, gemm: str | Callable = "xla") -> jax.Array:
         """gemm="pallas" (ModelOptions.lora_gemm): an adapted layer runs as one fused kernel (models/lora_gemm.py),
-        every term in the compute dtype, rounded once; layers without an adapter are XLA's GEMM either way."""
+        every term in the compute dtype, rounded once; a callable: that fused matmul instead (the kernel with its
+        rows split over devices, `lora_gemm.split_rows`); layers without an adapter are XLA's GEMM either way."""
         x = x.astype(self.dtype)
         w = self.kernel.astype(self.dtype)
         bias = None if self.bias is None else self.bias.astype(self.dtype)
@@ -48,9 +51,10 @@ class Linear(nnx.Module):
         # (alpha / rank = 2 in every recipe) or 0; otherwise one rounding fewer.
         b = (self.lora_b[...] * (self.lora_scaling * lora_scale)).astype(self.dtype)
         a = self.lora_a.astype(self.dtype)
-        if gemm == "pallas":
+        if gemm != "xla":
             bias = jnp.zeros((w.shape[1],), self.dtype) if bias is None else bias
-            out = lora_linear(x.reshape(-1, x.shape[-1]), w, bias, a, b)
+            rows = x.reshape(-1, x.shape[-1])
+            out = lora_linear(rows, w, bias, a, b) if gemm == "pallas" else lora_linear(rows, w, bias, a, b, gemm)
             return out.reshape(*x.shape[:-1], out.shape[-1])
         return base() + (x @ a) @ b
 

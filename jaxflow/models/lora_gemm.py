@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.sharding import PartitionSpec as P
 
 SMEM_BYTES = 227 * 1024  # usable shared memory per block on H100/H200
 _SWIZZLE = 128  # bytes: one 64-wide bf16 row segment
@@ -207,13 +208,35 @@ def on_hopper() -> bool:
 
 
 def check_available(dtype: str) -> None:
-    """Raise a one-line ValueError unless model.lora_gemm=pallas can run here: bf16 compute on one H100/H200."""
+    """Raise a one-line ValueError unless model.lora_gemm=pallas can run here: bf16 compute on H100/H200s."""
     if not on_hopper() or dtype != "bfloat16":
         raise ValueError(f"model.lora_gemm=pallas needs bf16 compute on an H100/H200 (got {dtype} on "
                          f"{jax.devices()[0].device_kind}); use model.lora_gemm=xla")
-    if jax.device_count() > 1:
-        raise ValueError(f"model.lora_gemm=pallas runs on one device (the kernel is not partitioned), here "
-                         f"{jax.device_count()}; use model.lora_gemm=xla")
+
+
+def check_partitioned(rows_split: bool) -> None:
+    """Raise a one-line ValueError where the kernel would run on several devices without its rows split
+    (`split_rows`): the kernel itself is not partitioned."""
+    if jax.device_count() > 1 and not rows_split:
+        raise ValueError(f"model.lora_gemm=pallas on {jax.device_count()} devices needs its rows split over the "
+                         f"batch's devices (the trainer does so under data parallelism); use model.lora_gemm=xla")
+
+
+def split_rows(matmul, mesh, axes: tuple[str, ...]):
+    """`matmul` (lora_matmul's signature) run by every device on its own rows of x and u, split over the mesh
+    `axes` (the batch's), with w, v and the bias whole on each: the fused kernel under data parallelism, where a
+    linear's rows are the batch's samples x tokens. Its LoRA gradients stay XLA's (partitioned as any GEMM)."""
+    rows = P(axes if len(axes) > 1 else axes[0])
+
+    def run(x, w, u, v, bias=None, *, transposed: bool = False):
+        def local(x, w, u, v, *bias):
+            return matmul(x, w, u, v, *bias, transposed=transposed)
+
+        whole = (P(),) * (bias is not None)
+        return jax.shard_map(local, mesh=mesh, in_specs=(rows, P(), rows, P(), *whole), out_specs=rows,
+                             check_vma=False)(x, w, u, v, *((bias,) if bias is not None else ()))
+
+    return run
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))

@@ -12,7 +12,8 @@ from jaxflow.models.config import ModelOptions, QwenImageConfig
 from jaxflow.models.embeddings import TIMESTEP_CHANNELS, apply_rope, rope_angles, rope_tables, timestep_embedding
 from jaxflow.models.layers import Linear, RMSNorm, gelu_tanh, layer_norm
 from jaxflow.models.lora import LoRAParam, LoRASpec
-from jaxflow.models.lora_gemm import check_available
+from jaxflow.models import lora_gemm
+from jaxflow.models.lora_gemm import check_available, check_partitioned, split_rows
 
 # The cuDNN attention's forward primitive: its outputs are the attention output and the softmax statistics.
 CUDNN_ATTENTION_FWD = "dot_product_attention_fwd_wrapper"
@@ -142,6 +143,7 @@ class QwenImageTransformer(nnx.Module):
     def __init__(self, cfg: QwenImageConfig, opts: ModelOptions = ModelOptions(), lora: LoRASpec | None = None,
                  *, rngs: nnx.Rngs):
         self.cfg, self.opts, self.lora_spec = cfg, opts, lora
+        self.row_split = None  # (mesh, batch axes) the fused kernel's rows are split over (`split_rows`)
         self.impl = resolve_implementation(opts.attention, opts.dtype)
         if opts.remat != "none":
             remat_policy(opts.remat, self.impl)  # refused at build, not at the first trace
@@ -173,6 +175,12 @@ class QwenImageTransformer(nnx.Module):
     def blocks_unstacked(self) -> bool:
         """Whether the blocks' frozen weights are held one array per block (`unstack_blocks`)."""
         return any(isinstance(v.get_value(), tuple) for _, v in _frozen_variables(self.blocks))
+
+    def split_rows(self, mesh, axes: tuple[str, ...]) -> None:
+        """Run the fused LoRA kernel (model.lora_gemm=pallas) on every device's own rows, split over the mesh `axes`
+        (the batch's, `jaxflow.sharding.Layout.batch_axes`): data parallelism with the kernel, which is itself not
+        partitioned. The frozen weights should be whole on each device (replicated), as the default rules hold them."""
+        self.row_split = (mesh, tuple(axes))
 
     def unstack_blocks(self) -> None:
         """Hold each frozen block weight as one array per block instead of a (num_layers, ...) stack (the LoRA stays
@@ -228,6 +236,9 @@ class QwenImageTransformer(nnx.Module):
         gemm = self.opts.lora_gemm
         if gemm == "pallas":
             check_available(self.opts.dtype)
+            check_partitioned(self.row_split is not None)
+            if self.row_split is not None:
+                gemm = split_rows(lora_gemm.lora_matmul, *self.row_split)
 
         def block(carry, graphdef, *states):
             return nnx.merge(graphdef, *states)(*carry, temb, rope, kv_len, impl, lora_scale, gemm)
