@@ -5,7 +5,8 @@
 - PEFT adapters over a small fake model (D, MLP, RANK, LAYERS, random_peft): tests/helpers_vllm_omni.py builds the
   matching fused transformer; a PEFT adapter over a RolloutPipeline's tiny blocks (make_adapter)
 - the train-step tests' tiny LoRA model and sampled batch (TINY, GRID, SEEDS, GROUPS, inputs, tiny_lora_model,
-  sampled_batch; conftest.py's `lora_model` fixture is tiny_lora_model())
+  sampled_batch; conftest.py's `lora_model` fixture is tiny_lora_model()); a random window batch for the sharded
+  steps' 2 x 2 grid (random_window_batch)
 """
 import json
 import os
@@ -151,3 +152,17 @@ def sampled_batch(model, guidance):
     config = SamplerConfig(grid_hw=GRID, num_steps=6, noise_level=1.2, guidance=guidance, window_size=2)
     traj = make_sampler(model, config)(inputs(guidance > 1), SEEDS)
     return TrainBatch(**traj, advantages=np.array([1.0, -1.0, 2.0, -0.5], np.float32))
+
+
+def random_window_batch(b: int, w: int = 2, n: int = 6, length: int = 5, seed: int = 0) -> TrainBatch:
+    """A random TrainBatch of `b` samples for a 2 x 2 latent grid (64 channels): `w` window steps of an `n`-step
+    schedule, text embeds of `length` tokens (width 64) with right-padded masks."""
+    r = np.random.default_rng(seed)
+    starts = r.integers(0, n - w, size=b)
+    return TrainBatch(latents=r.normal(size=(b, w + 1, 4, 64)).astype(np.float32),
+                      log_probs=(-1.4 + 0.01 * r.normal(size=(b, w))).astype(np.float32),
+                      sigmas=np.linspace(1, 0, n + 1).astype(np.float32),
+                      step_index=(starts[:, None] + np.arange(w)).astype(np.int32), noise_level=np.float32(1.0),
+                      prompt_embeds=r.normal(size=(b, length, 64)).astype(np.float32),
+                      prompt_mask=np.arange(length)[None] < r.integers(1, length + 1, size=b)[:, None],
+                      advantages=r.normal(size=b).astype(np.float32))

@@ -187,8 +187,8 @@ def _split_rows_check():
     from jaxflow.models import lora_gemm, transformer
     from jaxflow.models.lora import LoRAParam
     from jaxflow.step_config import TrainConfig
-    from jaxflow.train_batch import TrainBatch
     from jaxflow.train_step import make_train_step
+    from tests.helpers import random_window_batch
 
     assert jax.device_count() == 2
     lora_gemm.lora_matmul = xla_matmul  # the Hopper kernel's stand-in, in this subprocess only
@@ -200,16 +200,7 @@ def _split_rows_check():
     leaves, treedef = jax.tree.flatten(nnx.state(model, LoRAParam))  # non-zero B: every LoRA param gets a gradient
     nnx.update(model, jax.tree.unflatten(
         treedef, [x + 0.1 * jax.random.normal(jax.random.key(i), x.shape) for i, x in enumerate(leaves)]))
-    r = np.random.default_rng(0)
-    b, w, n, length = 8, 2, 6, 5
-    starts = r.integers(0, n - w, size=b)
-    batch = TrainBatch(latents=r.normal(size=(b, w + 1, 4, 64)).astype(np.float32),
-                       log_probs=(-1.4 + 0.01 * r.normal(size=(b, w))).astype(np.float32),
-                       sigmas=np.linspace(1, 0, n + 1).astype(np.float32),
-                       step_index=(starts[:, None] + np.arange(w)).astype(np.int32), noise_level=np.float32(1.0),
-                       prompt_embeds=r.normal(size=(b, length, 64)).astype(np.float32),
-                       prompt_mask=np.arange(length)[None] < r.integers(1, length + 1, size=b)[:, None],
-                       advantages=r.normal(size=b).astype(np.float32))
+    batch = random_window_batch(8)
     config = TrainConfig(grid_hw=(2, 2), num_micro_batches=2, clip_range=1e-2)
     layout = S.Layout.create(S.ShardingConfig())
     assert layout.batch_devices == 2

@@ -14,7 +14,7 @@ from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
 from jaxflow import sharding as S
-from jaxflow.train_batch import TrainBatch
+from tests.helpers import random_window_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,16 +113,7 @@ def _eight_device_check():
     leaves, treedef = jax.tree.flatten(nnx.state(model, LoRAParam))  # non-zero B: every LoRA param gets a gradient
     nnx.update(model, jax.tree.unflatten(
         treedef, [x + 0.1 * jax.random.normal(jax.random.key(i), x.shape) for i, x in enumerate(leaves)]))
-    r = np.random.default_rng(0)
-    b, w, n, length = 16, 2, 6, 5
-    starts = r.integers(0, n - w, size=b)
-    batch = TrainBatch(latents=r.normal(size=(b, w + 1, 4, 64)).astype(np.float32),
-                       log_probs=(-1.4 + 0.01 * r.normal(size=(b, w))).astype(np.float32),
-                       sigmas=np.linspace(1, 0, n + 1).astype(np.float32),
-                       step_index=(starts[:, None] + np.arange(w)).astype(np.int32), noise_level=np.float32(1.0),
-                       prompt_embeds=r.normal(size=(b, length, 64)).astype(np.float32),
-                       prompt_mask=np.arange(length)[None] < r.integers(1, length + 1, size=b)[:, None],
-                       advantages=r.normal(size=b).astype(np.float32))
+    batch = random_window_batch(16)
     config = TrainConfig(grid_hw=(2, 2), num_micro_batches=2, clip_range=1e-2)
     results = {"before": jax.tree.map(np.asarray, nnx.state(model, LoRAParam))}
     for name, layout in [("single", None), ("data8", S.Layout.create(S.ShardingConfig(data=8))), ("fsdp", fsdp)]:
