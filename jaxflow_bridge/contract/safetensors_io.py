@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import math
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import ml_dtypes
@@ -53,14 +55,23 @@ def load(path: str | Path) -> dict[str, np.ndarray]:
 
 def save(tensors: dict[str, np.ndarray], path: str | Path, metadata: dict[str, str] | None = None) -> None:
     """Write tensors in key order; byte layout follows the safetensors spec (8-byte aligned header)."""
-    header, offset, arrays = {}, 0, []
-    for key in sorted(tensors):
-        a = np.asarray(tensors[key], order="C")  # ascontiguousarray would make a 0-d array 1-d
-        if a.dtype not in _NAMES:
-            raise ValueError(f"safetensors: unsupported dtype {a.dtype} for {key}")
-        header[key] = {"dtype": _NAMES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
-        offset += a.nbytes
-        arrays.append(a)
+    arrays = {k: np.asarray(v, order="C") for k, v in tensors.items()}  # ascontiguousarray would make a 0-d array 1-d
+    save_streamed({k: (a.dtype, a.shape) for k, a in arrays.items()}, arrays.__getitem__, path, metadata)
+
+
+def save_streamed(specs: dict[str, tuple], produce: Callable[[str], np.ndarray], path: str | Path,
+                  metadata: dict[str, str] | None = None) -> None:
+    """`save` of tensors made one at a time: the header from `specs` (key -> (dtype, shape)), then `produce(key)`
+    for each key in sorted order, checked against its spec and written before the next is asked for (a file far
+    larger than memory). Written to PATH.tmp, renamed when whole."""
+    header, offset = {}, 0
+    for key in sorted(specs):
+        dtype, shape = np.dtype(specs[key][0]), [int(n) for n in specs[key][1]]
+        if dtype not in _NAMES:
+            raise ValueError(f"safetensors: unsupported dtype {dtype} for {key}")
+        nbytes = dtype.itemsize * math.prod(shape)
+        header[key] = {"dtype": _NAMES[dtype], "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     if metadata:
         header["__metadata__"] = metadata
     blob = json.dumps(header, separators=(",", ":")).encode()
@@ -69,6 +80,10 @@ def save(tensors: dict[str, np.ndarray], path: str | Path, metadata: dict[str, s
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for a in arrays:
-            f.write(a.tobytes())
+        for key in sorted(specs):
+            a = produce(key)
+            if a.dtype != np.dtype(specs[key][0]) or list(a.shape) != header[key]["shape"]:
+                raise ValueError(f"safetensors: {key} came as {a.dtype} {a.shape}, its header says "
+                                 f"{header[key]['dtype']} {header[key]['shape']}")
+            f.write(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
     tmp.replace(path)

@@ -1,4 +1,5 @@
-"""A tiny, deterministic, offline random BAGEL folder (docs/bagel.md §6), built from seeded configs.
+"""A tiny, deterministic, offline random BAGEL folder (docs/bagel.md §6), built from seeded configs, and the pieces
+every BAGEL folder is written from, its geometry a ``Geometry`` (the full size: ``full_size_bagel.py``).
 
 Files: ``llm_config.json`` (Qwen2 keys), ``config.json`` (BAGEL's top-level keys), ``vit_config.json`` (a 1-layer
 SigLIP), ``ema.safetensors`` (every tensor BagelPipeline loads, under the names its ``load_weights`` maps: both LLM
@@ -8,18 +9,21 @@ special tokens, vocab 384), ``preprocessor_config.json`` and ``ae.safetensors`` 
 vLLM-Omni hard-codes, 84M parameters: ``bagel_vae.checkpoint_shapes``; random, so its images are not meaningful).
 
 Seeds: a ``torch.Generator`` seeded ``seed + k`` for component k (0 language model, 1 generation heads, 2 ViT and
-connector, 3 autoencoder); tensors are drawn in float32 and cast once to ``dtype``. Linears ~ N(0, 1/fan_in), biases
-~ N(0, 0.1^2), norm weights 1 + N(0, 0.1^2), embedding tables ~ N(0, 1). The global RNG is never touched.
+connector, 3 autoencoder), drawing each component's tensors in ``components`` order, in float32, cast once to
+``dtype``. By role (``draw``): weights ~ N(0, 1/fan_in), biases ~ N(0, 0.1^2), norm weights 1 + N(0, 0.1^2),
+embedding tables ~ N(0, 1); the two position tables are BAGEL's fixed 2-D sin-cos. The global RNG is never touched.
 
 CLI: ``python -m jaxflow_bridge.rollout.tiny_bagel --out DIR [--seed 0] [--dtype float32]``.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -34,6 +38,8 @@ FILES = ("llm_config.json", "config.json", "vit_config.json", "ema.safetensors",
          "tokenizer_config.json", "vocab.json", "merges.txt", "preprocessor_config.json")
 TIMESTEP_CHANNELS = 256
 LLM = "language_model.model."
+# the fixed 2-D sin-cos tables and the config.json key giving their side
+SINCOS = {"latent_pos_embed.pos_embed": "max_latent_size", "vit_pos_embed.pos_embed": "vit_max_num_patch_per_side"}
 
 TINY_LLM = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1e6, hidden_act="silu",
@@ -46,28 +52,42 @@ TINY_TOP = dict(latent_patch_size=2, max_latent_size=32, vae_config={"z_channels
                 timestep_shift=1.0)
 
 
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """A BAGEL folder's shape: llm_config.json's, vit_config.json's and config.json's own keys, and the rows of the
+    token embedding and LM head (None: the tokenizer's 384; more rows leave ids past the tokenizer unused)."""
+
+    llm: dict
+    vit: dict
+    top: dict
+    vocab_size: int | None = None
+
+
+TINY = Geometry(TINY_LLM, TINY_VIT, TINY_TOP)
+
+
 def special_ids() -> dict[str, int]:
     """The tokenizer's special-token ids (tiny.py's vocabulary)."""
     vocab, _, _ = tiny.tokenizer_vocab()
     return {name: vocab[name] for name in tiny.QWEN_SPECIAL_TOKENS}
 
 
-def llm_config() -> dict:
-    _, _, vocab_size = tiny.tokenizer_vocab()
+def llm_config(geo: Geometry = TINY) -> dict:
+    _, _, tokens = tiny.tokenizer_vocab()
     ids = special_ids()
-    return dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", **TINY_LLM, vocab_size=vocab_size,
+    return dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", **geo.llm, vocab_size=geo.vocab_size or tokens,
                 bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], attention_dropout=0.0,
-                initializer_range=0.02, use_cache=True, use_sliding_window=False, max_window_layers=TINY_LLM[
+                initializer_range=0.02, use_cache=True, use_sliding_window=False, max_window_layers=geo.llm[
                     "num_hidden_layers"], qk_norm=True, layer_module="Qwen2MoTDecoderLayer", freeze_und=False)
 
 
-def vit_config() -> dict:
-    return dict(architectures=["SiglipVisionModel"], model_type="siglip_vision_model", **TINY_VIT)
+def vit_config(geo: Geometry = TINY) -> dict:
+    return dict(architectures=["SiglipVisionModel"], model_type="siglip_vision_model", **geo.vit)
 
 
-def top_config() -> dict:
+def top_config(geo: Geometry = TINY) -> dict:
     return dict(architectures=["BagelForConditionalGeneration"], model_type="bagel", visual_gen=True,
-                visual_und=False, llm_config=llm_config(), vit_config=vit_config(), **TINY_TOP)
+                visual_und=False, llm_config=llm_config(geo), vit_config=vit_config(geo), **geo.top)
 
 
 def sincos_2d(size: int, hidden: int) -> torch.Tensor:
@@ -79,98 +99,98 @@ def sincos_2d(size: int, hidden: int) -> torch.Tensor:
     return torch.cat([ac.sin(), ac.cos(), ar.sin(), ar.cos()], dim=1).float()
 
 
-class _Drawer:
-    """Seeded float32 tensors into one state dict, in call order."""
-
-    def __init__(self, sd: dict, seed: int):
-        self.sd, self.g = sd, torch.Generator().manual_seed(seed)
-
-    def randn(self, *shape):
-        return torch.randn(*shape, generator=self.g)
-
-    def linear(self, name, din, dout, bias=True):
-        self.sd[f"{name}.weight"] = self.randn(dout, din) / math.sqrt(din)
-        if bias:
-            self.sd[f"{name}.bias"] = 0.1 * self.randn(dout)
-
-    def norm(self, name, dim):
-        self.sd[f"{name}.weight"] = 1.0 + 0.1 * self.randn(dim)
-
-    def like(self, name, shape):
-        """A tensor of a module's state dict by its role: bias, 1-D weight (a norm), table or weight."""
-        if name.endswith(".bias"):
-            self.sd[name] = 0.1 * self.randn(*shape)
-        elif len(shape) == 1:
-            self.sd[name] = 1.0 + 0.1 * self.randn(*shape)
-        elif "embedding.weight" in name and len(shape) == 2 and "patch" not in name:
-            self.sd[name] = self.randn(*shape)
-        else:
-            self.sd[name] = self.randn(*shape) / math.sqrt(math.prod(shape[1:]))
+def draw(name: str, shape: tuple[int, ...], randn) -> torch.Tensor:
+    """A float32 tensor of a state dict by its role, from ``randn(*shape)`` (standard normals): bias, 1-D weight (a
+    norm), table (token or ViT position embedding) or weight."""
+    if name.endswith(".bias"):
+        return 0.1 * randn(*shape)
+    if len(shape) == 1:
+        return 1.0 + 0.1 * randn(*shape)
+    if name.endswith("embed_tokens.weight") or ("embedding.weight" in name and len(shape) == 2 and "patch" not in name):
+        return randn(*shape)
+    return randn(*shape) / math.sqrt(math.prod(shape[1:]))
 
 
-def _vit_shapes() -> dict[str, tuple[int, ...]]:
-    """``vision_model.*`` names and shapes of transformers' SiglipVisionModel at TINY_VIT."""
+def stored_vit_layers(vit: dict) -> int:
+    """ViT layers in ema.safetensors: BAGEL drops the last of SigLIP's 27 (vLLM-Omni's ``BagelPipeline`` builds 26
+    when vit_config.json says 27, as BAGEL's own loaders build ``num_hidden_layers - 1``); others as configured."""
+    return vit["num_hidden_layers"] - (vit["num_hidden_layers"] == 27)
+
+
+def _vit_shapes(vit: dict) -> dict[str, tuple[int, ...]]:
+    """``vision_model.*`` names and shapes of transformers' SiglipVisionModel at ``vit`` (``stored_vit_layers``)."""
     from transformers import SiglipVisionConfig, SiglipVisionModel
 
     with torch.device("meta"):
-        model = SiglipVisionModel(SiglipVisionConfig(**TINY_VIT))
+        model = SiglipVisionModel(SiglipVisionConfig(**dict(vit, num_hidden_layers=stored_vit_layers(vit))))
     # transformers 5 names them without the `vision_model.` that the checkpoint (transformers 4 layout) carries
     return {("" if k.startswith("vision_model.") else "vision_model.") + k: tuple(v.shape)
             for k, v in model.state_dict().items()}
 
 
-def weights(seed: int = 0, dtype: str = "float32") -> dict[str, torch.Tensor]:
-    """Every tensor of ``ema.safetensors`` under BagelPipeline's names (see the module docstring for the seeds)."""
-    tiny.check_dtype(dtype)
-    cfg, vit, top = llm_config(), TINY_VIT, TINY_TOP
+def components(geo: Geometry = TINY) -> tuple[dict[str, tuple[int, ...]], ...]:
+    """ema.safetensors' names and shapes per seed component (0 language model, 1 generation heads, 2 ViT and
+    connector), in drawing order; nothing is drawn."""
+    cfg, top = llm_config(geo), geo.top
     d, m, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     hd = d // cfg["num_attention_heads"]
     nq, nkv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
     latent = top["latent_patch_size"] ** 2 * top["vae_config"]["z_channels"]
-    sd: dict[str, torch.Tensor] = {}
 
-    lm = _Drawer(sd, seed)
-    sd[LLM + "embed_tokens.weight"] = lm.randn(vocab, d)
+    def linear(name, din, dout, bias=True):
+        return {f"{name}.weight": (dout, din), **({f"{name}.bias": (dout,)} if bias else {})}
+
+    lm = {LLM + "embed_tokens.weight": (vocab, d)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"{LLM}layers.{i}."
         for g in ("", "_moe_gen"):
             for name, dout in (("q", nq), ("k", nkv), ("v", nkv)):
-                lm.linear(f"{p}self_attn.{name}_proj{g}", d, dout)
-            lm.linear(f"{p}self_attn.o_proj{g}", nq, d, bias=False)
-            lm.norm(f"{p}self_attn.q_norm{g}", hd)
-            lm.norm(f"{p}self_attn.k_norm{g}", hd)
-            lm.norm(f"{p}input_layernorm{g}", d)
-            lm.norm(f"{p}post_attention_layernorm{g}", d)
+                lm |= linear(f"{p}self_attn.{name}_proj{g}", d, dout)
+            lm |= linear(f"{p}self_attn.o_proj{g}", nq, d, bias=False)
+            for name, dim in (("self_attn.q_norm", hd), ("self_attn.k_norm", hd), ("input_layernorm", d),
+                              ("post_attention_layernorm", d)):
+                lm[f"{p}{name}{g}.weight"] = (dim,)
             for name, din, dout in (("gate", d, m), ("up", d, m), ("down", m, d)):
-                lm.linear(f"{p}mlp{g}.{name}_proj", din, dout, bias=False)
-    lm.norm(LLM + "norm", d)
-    lm.norm(LLM + "norm_moe_gen", d)
-    lm.linear("language_model.lm_head", d, vocab, bias=False)
+                lm |= linear(f"{p}mlp{g}.{name}_proj", din, dout, bias=False)
+    lm |= {LLM + "norm.weight": (d,), LLM + "norm_moe_gen.weight": (d,)}
+    lm |= linear("language_model.lm_head", d, vocab, bias=False)
+    gen = (linear("time_embedder.mlp.0", TIMESTEP_CHANNELS, d) | linear("time_embedder.mlp.2", d, d)
+           | linear("vae2llm", latent, d) | linear("llm2vae", d, latent)
+           | {"latent_pos_embed.pos_embed": (top["max_latent_size"] ** 2, d)})
+    und = {f"vit_model.{k}": v for k, v in _vit_shapes(geo.vit).items()}
+    und |= linear("connector.fc1", geo.vit["hidden_size"], d) | linear("connector.fc2", d, d)
+    und["vit_pos_embed.pos_embed"] = (top["vit_max_num_patch_per_side"] ** 2, d)
+    return lm, gen, und
 
-    gen = _Drawer(sd, seed + 1)
-    gen.linear("time_embedder.mlp.0", TIMESTEP_CHANNELS, d)
-    gen.linear("time_embedder.mlp.2", d, d)
-    gen.linear("vae2llm", latent, d)
-    gen.linear("llm2vae", d, latent)
-    sd["latent_pos_embed.pos_embed"] = sincos_2d(top["max_latent_size"], d)
 
-    und = _Drawer(sd, seed + 2)
-    for name, shape in _vit_shapes().items():
-        und.like(f"vit_model.{name}", shape)
-    und.linear("connector.fc1", vit["hidden_size"], d)
-    und.linear("connector.fc2", d, d)
-    sd["vit_pos_embed.pos_embed"] = sincos_2d(top["vit_max_num_patch_per_side"], d)
+def tensor_shapes(geo: Geometry = TINY) -> dict[str, tuple[int, ...]]:
+    """Every tensor of ema.safetensors and its shape (``components`` in one dict)."""
+    return {k: v for part in components(geo) for k, v in part.items()}
+
+
+def sincos_table(name: str, geo: Geometry = TINY) -> torch.Tensor:
+    """One of the ``SINCOS`` tables at ``geo``."""
+    return sincos_2d(geo.top[SINCOS[name]], geo.llm["hidden_size"])
+
+
+def weights(seed: int = 0, dtype: str = "float32", geo: Geometry = TINY) -> dict[str, torch.Tensor]:
+    """Every tensor of ``ema.safetensors`` under BagelPipeline's names (see the module docstring for the seeds)."""
+    tiny.check_dtype(dtype)
+    sd = {}
+    for k, part in enumerate(components(geo)):
+        g = torch.Generator().manual_seed(seed + k)
+        for name, shape in part.items():
+            sd[name] = sincos_table(name, geo) if name in SINCOS else draw(
+                name, shape, lambda *s: torch.randn(*s, generator=g))
     return {k: v.to(DTYPES[dtype]).contiguous() for k, v in sd.items()}
 
 
 def ae_weights(seed: int = 0, dtype: str = "float32") -> dict[str, torch.Tensor]:
     """Every tensor of ``ae.safetensors`` (FLUX's names), drawn by role from a generator seeded ``seed + 3``."""
     tiny.check_dtype(dtype)
-    sd: dict[str, torch.Tensor] = {}
-    ae = _Drawer(sd, seed + 3)
-    for name, shape in checkpoint_shapes().items():
-        ae.like(name, shape)
-    return {k: v.to(DTYPES[dtype]).contiguous() for k, v in sd.items()}
+    g = torch.Generator().manual_seed(seed + 3)
+    return {name: draw(name, shape, lambda *s: torch.randn(*s, generator=g)).to(DTYPES[dtype]).contiguous()
+            for name, shape in checkpoint_shapes().items()}
 
 
 def bagel_torch_fields(folder) -> dict:
@@ -186,35 +206,47 @@ def bagel_torch_fields(folder) -> dict:
                 vision_end_id=added["<|vision_end|>"])
 
 
-def _write(out: Path, seed: int, dtype: str) -> None:
+def write_folder(out: Path, geo: Geometry, seed: int, dtype: str, write_ema: Callable[[Path], None]) -> None:
+    """Every file of a BAGEL folder at ``geo`` into the folder ``out``; ``write_ema(path)`` writes ema.safetensors."""
     out.chmod(0o755)  # a temporary folder from mkdtemp is 0700
     dump = lambda name, obj: (out / name).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")  # noqa: E731
-    dump("llm_config.json", llm_config())
-    dump("config.json", top_config())
-    dump("vit_config.json", vit_config())
+    dump("llm_config.json", llm_config(geo))
+    dump("config.json", top_config(geo))
+    dump("vit_config.json", vit_config(geo))
+    side = geo.vit["image_size"]
     dump("preprocessor_config.json", dict(image_processor_type="SiglipImageProcessor", do_resize=True,
-                                          size={"height": TINY_VIT["image_size"], "width": TINY_VIT["image_size"]},
-                                          do_rescale=True, rescale_factor=1 / 255, do_normalize=True,
-                                          image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5], resample=3))
-    save_file(weights(seed, dtype), out / "ema.safetensors", metadata={"format": "pt"})
+                                          size={"height": side, "width": side}, do_rescale=True,
+                                          rescale_factor=1 / 255, do_normalize=True, image_mean=[0.5, 0.5, 0.5],
+                                          image_std=[0.5, 0.5, 0.5], resample=3))
+    write_ema(out / "ema.safetensors")
     save_file(ae_weights(seed, dtype), out / "ae.safetensors", metadata={"format": "pt"})
     tiny.build_tokenizer().save_pretrained(out)
     tiny.save_slow_tokenizer_files(out)
 
 
-def build_tiny_bagel(out_dir, seed: int = 0, dtype: str = "float32") -> Path:
-    """Write the tiny BAGEL folder to ``out_dir`` (which must not exist or be empty), atomically: a temporary
-    sibling folder, then a rename. The same (seed, dtype) gives identical tensors."""
-    tiny.check_dtype(dtype)
+def _write(out: Path, seed: int, dtype: str) -> None:
+    write_folder(out, TINY, seed, dtype,
+                 lambda path: save_file(weights(seed, dtype), path, metadata={"format": "pt"}))
+
+
+def build_atomically(out_dir, write: Callable[[Path], None]) -> Path:
+    """``write(folder)`` into a temporary sibling of ``out_dir`` (which must not exist or be empty), then a rename."""
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        _write(tmp, seed, dtype)
+        write(tmp)
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def build_tiny_bagel(out_dir, seed: int = 0, dtype: str = "float32") -> Path:
+    """Write the tiny BAGEL folder to ``out_dir`` atomically (``build_atomically``). The same (seed, dtype) gives
+    identical tensors."""
+    tiny.check_dtype(dtype)
+    return build_atomically(out_dir, lambda tmp: _write(tmp, seed, dtype))
 
 
 def tiny_bagel_path(seed: int = 0, dtype: str = "float32") -> Path:
