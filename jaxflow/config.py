@@ -285,9 +285,9 @@ def lora_gemm(cfg, num_layers: int, devices: int, on_hopper: bool, micro_batch: 
 
     It pays with unrolled blocks (model.scan_unroll >= the blocks, or 0, which unrolls them for it): the recipe's
     step 10% faster end to end on one H200; inside a scan it is 12% slower (BENCHMARKS.md, the fused LoRA GEMM). It
-    runs on H100/H200s with bf16 compute, where every linear's rows (micro_batch x `tokens`, the image and the padded text) tile its 128 rows
-    and the rank its 16; on several devices under data parallelism, each device on its own rows (micro_batch is
-    per device)."""
+    runs on H100/H200s with bf16 compute, where every linear's rows (micro_batch x `tokens`, the image and the padded
+    text) tile its 128 rows and the rank its 16; on several devices under data parallelism, each device on its own
+    rows (micro_batch is per device)."""
     m = cfg.model
     if m.lora_gemm != "auto":
         return m.lora_gemm, "set in the config"

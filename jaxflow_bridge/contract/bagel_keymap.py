@@ -1,5 +1,6 @@
 """The declarative map between BAGEL's checkpoint names (`ema.safetensors`, as vLLM-Omni's BagelPipeline loads
-them) and the Flax BagelModel's parameter tree, plus the numpy conversion both ways and the LoRA naming rule the BAGEL engines share.
+them) and the Flax BagelModel's parameter tree, plus the numpy conversion both ways and the LoRA naming rule the
+BAGEL engines share.
 
 Pure Python and numpy (no jax/torch). Per-layer keys use `{i}` and map onto the stacked (scan) axis of the Flax
 leaf; each expert's names come from one pattern, `{g}` = "" (understanding) or "_moe_gen" (generation).

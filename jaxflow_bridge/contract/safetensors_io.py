@@ -64,14 +64,14 @@ def save_streamed(specs: dict[str, tuple], produce: Callable[[str], np.ndarray],
     """`save` of tensors made one at a time: the header from `specs` (key -> (dtype, shape)), then `produce(key)`
     for each key in sorted order, checked against its spec and written before the next is asked for (a file far
     larger than memory). Written to PATH.tmp, renamed when whole."""
-    header, offset = {}, 0
+    header, dtypes, offset = {}, {}, 0
     for key in sorted(specs):
         dtype, shape = np.dtype(specs[key][0]), [int(n) for n in specs[key][1]]
         if dtype not in _NAMES:
             raise ValueError(f"safetensors: unsupported dtype {dtype} for {key}")
         nbytes = dtype.itemsize * math.prod(shape)
         header[key] = {"dtype": _NAMES[dtype], "shape": shape, "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
+        dtypes[key], offset = dtype, offset + nbytes
     if metadata:
         header["__metadata__"] = metadata
     blob = json.dumps(header, separators=(",", ":")).encode()
@@ -80,9 +80,9 @@ def save_streamed(specs: dict[str, tuple], produce: Callable[[str], np.ndarray],
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for key in sorted(specs):
+        for key, dtype in dtypes.items():
             a = produce(key)
-            if a.dtype != np.dtype(specs[key][0]) or list(a.shape) != header[key]["shape"]:
+            if a.dtype != dtype or list(a.shape) != header[key]["shape"]:
                 raise ValueError(f"safetensors: {key} came as {a.dtype} {a.shape}, its header says "
                                  f"{header[key]['dtype']} {header[key]['shape']}")
             f.write(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)

@@ -38,7 +38,6 @@ import hashlib
 import math
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 import torch
 
@@ -58,7 +57,6 @@ FULL_TOP = dict(latent_patch_size=2, max_latent_size=64, vae_config={"z_channels
                 vit_max_num_patch_per_side=70, connector_act="gelu_pytorch_tanh", interpolate_pos=False,
                 timestep_shift=1.0)
 FULL = Geometry(FULL_LLM, FULL_VIT, FULL_TOP, vocab_size=152064)
-NUMPY_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
 
 def name_seed(seed: int, name: str) -> int:
@@ -81,12 +79,13 @@ def write_ema(path: Path, geo: Geometry, seed: int, dtype: str, device) -> None:
     """ema.safetensors at ``geo``: each tensor drawn (``draw_named``), cast, copied to the host and written before
     the next."""
     shapes = tensor_shapes(geo)
+    stored = torch_to_numpy(torch.empty(0, dtype=DTYPES[dtype])).dtype  # numpy's name for the file's dtype
 
     def produce(name: str) -> np.ndarray:
         t = sincos_table(name, geo) if name in SINCOS else draw_named(seed, name, shapes[name], device)
         return torch_to_numpy(t.to(DTYPES[dtype]))
 
-    save_streamed({k: (NUMPY_DTYPES[dtype], v) for k, v in shapes.items()}, produce, path, {"format": "pt"})
+    save_streamed({k: (stored, v) for k, v in shapes.items()}, produce, path, {"format": "pt"})
 
 
 def build_bagel(out_dir, geo: Geometry = FULL, seed: int = 0, dtype: str = "bfloat16", device=None) -> Path:
