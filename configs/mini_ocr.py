@@ -23,9 +23,10 @@ from jaxflow.recipes import base, tiny
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "mini_ocr"
 # the algorithm arms compared on this proof (scripts/mini_ocr.sh ARM=...): FlowGRPO as below (""), with GRPO-Guard's
-# ratio ("guard"), with rollout correction instead of the recompute pass ("corrected"), or DiffusionNFT ("nft": CFG-free,
-# deterministic rollouts, its OCR recipe's beta 0.1 and old-policy decay, eval without CFG too)
-ARMS = ("", "guard", "corrected", "nft")
+# ratio ("guard"), with rollout correction instead of the recompute pass ("corrected"), with the zero-advantage filter
+# ("dropzero": groups of equal rewards not trained), or DiffusionNFT ("nft": CFG-free, deterministic rollouts, its OCR
+# recipe's beta 0.1 and old-policy decay, eval without CFG too)
+ARMS = ("", "guard", "corrected", "dropzero", "nft")
 VARIANTS = tuple(f"{arm}{sep}{control}" for arm in ARMS for sep, control in (("", ""), ("_" if arm else "", "control")))
 
 
@@ -61,6 +62,8 @@ def get_config(variant: str = ""):
         c.train.ratio_norm = "guard"
     elif arm == "corrected":
         c.train.old_log_prob = "rollout_corrected"
+    elif arm == "dropzero":
+        c.train.drop_zero_advantage = True
     elif arm == "nft":
         c.train.algorithm = "nft"
         # its rollout is deterministic: a group's images differ only by their initial noise

@@ -109,7 +109,7 @@ def fake_mini_ocr_run(pipeline: Path, before: float, after: dict[str, tuple[floa
 def test_mini_ocr_algorithms_collects_each_arm_over_its_pipelines(tmp_path):
     collect = load_script("mini_ocr_algorithms").collect
     fake_mini_ocr_run(tmp_path / "p0", 0.5, {"": (0.7, 100, 540), "_nft": (0.9, 60, 600), "_guard": (0.6, 90, 530)})
-    fake_mini_ocr_run(tmp_path / "p1", 0.4, {"": (0.5, 110, 480), "_nft": (0.8, 70, 480)})
+    fake_mini_ocr_run(tmp_path / "p1", 0.4, {"": (0.5, 110, 480), "_nft": (0.8, 70, 480), "_dropzero": (0.55, 120, 480)})
     figures = collect([tmp_path / "p0", tmp_path / "p1"])
     assert figures["nft/rise"] == pytest.approx((0.5 + 0.5) / 2)  # from the CFG-free "before"
     assert figures["nft/before"] == pytest.approx(0.35) and figures["nft/after"] == pytest.approx(0.85)
@@ -121,6 +121,7 @@ def test_mini_ocr_algorithms_collects_each_arm_over_its_pipelines(tmp_path):
     assert figures["nft/rise_vs_flowgrpo"] == pytest.approx(((0.5 - 0.2) + (0.5 - 0.1)) / 2)
     assert figures["guard/pipelines"] == 1 and figures["guard/rise_vs_flowgrpo"] == pytest.approx(0.1 - 0.2)
     assert not any(k.startswith("corrected/") for k in figures)
+    assert figures["dropzero/pipelines"] == 1 and figures["dropzero/rise_vs_flowgrpo"] == pytest.approx(0.15 - 0.1)
     without = collect([tmp_path / "p0", tmp_path / "p1"], exclude=("p0/nft",))
     assert without["nft/pipelines"] == 1 and without["nft/rise"] == pytest.approx(0.5) and "nft/p0/rise" not in without
     with pytest.raises(ValueError, match="PIPELINE/ARM"):

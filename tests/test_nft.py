@@ -148,10 +148,11 @@ def test_the_mini_ocr_arms_validate_and_set_what_they_name():
         config_lib.validate(cfg)
         t = cfg.train
         seen[variant] = (t.algorithm, t.ratio_norm, t.old_log_prob, cfg.sample.guidance, cfg.eval.guidance,
-                         list(cfg.reward.fns))
-    assert seen["nft"] == ("nft", "none", "recompute", 1.0, 1.0, ["ocr"])
-    assert seen["nft_control"][-1] == ["ocr_shuffled"] and seen["guard"][1] == "guard"
+                         list(cfg.reward.fns), t.drop_zero_advantage)
+    assert seen["nft"] == ("nft", "none", "recompute", 1.0, 1.0, ["ocr"], False)
+    assert seen["nft_control"][-2] == ["ocr_shuffled"] and seen["guard"][1] == "guard"
     assert seen["corrected"][2] == "rollout_corrected" and seen[""] == ("flowgrpo", "none", "recompute", 4.0, 4.0,
-                                                                        ["ocr"])
+                                                                        ["ocr"], False)
+    assert seen["dropzero"] == seen[""][:-1] + (True,) and seen["dropzero_control"][-1]
     with pytest.raises(ValueError, match="unknown variant"):
         module.get_config("dpo")
