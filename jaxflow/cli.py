@@ -132,6 +132,7 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
         trainer = trainer_class(cfg, resume=FLAGS.resume)
         if trainer.driver:
             print(f"training {Path(cfg.run_dir).resolve()}: step {trainer.start} -> {cfg.train.num_steps}", flush=True)
+            print(trainer.startup_line(), flush=True)
             if trainer.memory_summary:
                 print(trainer.memory_summary, flush=True)
         try:

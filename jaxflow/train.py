@@ -89,23 +89,41 @@ class Trainer:
                                        f"{s.prompts_per_step * s.group_size}) must divide by the {self.processes} "
                                        f"JAX processes: each feeds an equal share of its rows")
         self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
+        self.startup = {"checks": time.monotonic() - self.started}  # seconds per start-up phase, in order
+        lap = time.monotonic()
+
+        def timed(name):
+            nonlocal lap
+            now = time.monotonic()
+            self.startup[name], lap = now - lap, now
         folder = config_lib.model_folder(cfg)
         train_items = load_prompts(cfg.data.train, config_lib.needs_target(cfg))
         self.sampler = GroupSampler(len(train_items), s.prompts_per_step, s.group_size, cfg.seed)
         self.driver = Driver(cfg, folder, train_items, self.sampler) if first else None
+        timed("prompts and rewards")
         self.learner = Learner(cfg, folder)
+        timed("trainer's model")
         try:  # before the rollout starts and before anything is written: a step that cannot fit stops here
             self.memory_summary = self.learner.check_memory()
         except MemoryError as exc:
             raise config_lib.UserError(str(exc)) from None
+        timed("memory plan")
         if self.driver:
             self.driver.start_rollout(self.learner.model, self.processes)
+            timed("rollout start")
         meta = self.learner.begin(resume)
         self.start = meta["step"] if meta else 0
         if meta:
             self.sampler.load_state_dict(meta["sampler"])
         self._sync(self.start)  # the rollout serves exactly the trainer's policy before the first step
+        timed("train state and first LoRA sync")
         self.stop_requested = False
+
+    def startup_line(self) -> str:
+        """Where the start went: "start-up 312 s: checks 2 s, trainer's model 95 s, ..." (the first step, which
+        compiles, comes after)."""
+        return (f"start-up {sum(self.startup.values()):.0f} s: "
+                + ", ".join(f"{name} {sec:.0f} s" for name, sec in self.startup.items()))
 
     def _sync(self, version: int, which: str | None = None) -> int | None:
         """The rollout serves the train state's tree `which` (default: the one it samples with, `Learner.sampling`)

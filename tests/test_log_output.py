@@ -1,5 +1,6 @@
 """A run whose stdout is a file (nohup, SLURM): one line per step, no library INFO or start-up warnings (Ray's
 token notice, JAX's fork warning), and a closing summary of where every output went; --verbose brings INFO back."""
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,9 +31,14 @@ def test_run_logged_to_a_file_is_a_line_per_step_and_a_summary(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stderr.strip() == ""  # no orbax/absl INFO, no Ray token notice, no os.fork() warning
     lines = out.stdout.splitlines()
-    assert lines[0].startswith(f"training {run_dir}") and " step 1/2  reward " in lines[1] and " step 2/2 " in lines[2]
-    summary = "\n".join(lines[3:])
-    assert lines[3].startswith("finished at step 2/2")
+    assert lines[0].startswith(f"training {run_dir}") and " step 1/2  reward " in lines[2] and " step 2/2 " in lines[3]
+    total, phases = re.fullmatch(r"start-up (\d+) s: (.*)", lines[1]).groups()  # where the start went, in order
+    names = [re.fullmatch(r"(.+) (\d+) s", part).group(1) for part in phases.split(", ")]
+    assert names == ["checks", "prompts and rewards", "trainer's model", "memory plan", "rollout start",
+                     "train state and first LoRA sync"], lines[1]
+    assert abs(sum(int(part.rsplit(" ", 2)[1]) for part in phases.split(", ")) - int(total)) <= len(names)
+    summary = "\n".join(lines[4:])
+    assert lines[4].startswith("finished at step 2/2")
     for needle in ("metrics.jsonl", "checkpoints (steps 1, 2", "lora_final", "Ray logs"):
         assert needle in summary, summary
     ray_logs = next(line for line in lines if "Ray logs" in line).split()[2]
