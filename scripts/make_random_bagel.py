@@ -33,11 +33,14 @@ def main(argv=None):
     p.add_argument("--size", choices=("full", "tiny"), default="full")
     args = p.parse_args(argv)
     start = time.perf_counter()
-    if args.size == "tiny":
-        build_tiny_bagel(args.out, args.seed, args.dtype)
-    else:
-        print(f"drawing {parameter_count(FULL) / 1e9:.2f}B parameters in {args.dtype} ...", flush=True)
-        build_bagel(args.out, FULL, args.seed, args.dtype)
+    try:
+        if args.size == "tiny":
+            build_tiny_bagel(args.out, args.seed, args.dtype)
+        else:
+            print(f"drawing {parameter_count(FULL) / 1e9:.2f}B parameters in {args.dtype} ...", flush=True)
+            build_bagel(args.out, FULL, args.seed, args.dtype)
+    except FileExistsError as exc:
+        raise SystemExit(f"error: --out {exc}")
     size = sum(f.stat().st_size for f in args.out.iterdir())
     print(f"wrote {args.out} ({size / 1e9:.2f} GB) in {time.perf_counter() - start:.0f} s")
 

@@ -113,6 +113,10 @@ def test_the_cli_writes_the_tiny_folder(tmp_path):
     cached = tiny_bagel.tiny_bagel_path(dtype="bfloat16")  # the CLI's default dtype
     for name in ("ema.safetensors", "ae.safetensors", "config.json"):
         assert (tmp_path / "t" / name).read_bytes() == (cached / name).read_bytes(), name
+    again = subprocess.run(cli, cwd=ROOT, capture_output=True, text=True, timeout=600)  # refused before drawing
+    assert again.returncode == 1 and again.stderr.strip().splitlines() == [
+        f"error: --out {tmp_path / 't'} exists and is not an empty folder: name a new folder, or remove it first"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".t.")]  # no temporary folder left behind
 
 
 # ---------------------------------------------------------------------------------------------- the full size

@@ -230,8 +230,11 @@ def _write(out: Path, seed: int, dtype: str) -> None:
 
 
 def build_atomically(out_dir, write: Callable[[Path], None]) -> Path:
-    """``write(folder)`` into a temporary sibling of ``out_dir`` (which must not exist or be empty), then a rename."""
+    """``write(folder)`` into a temporary sibling of ``out_dir`` (which must not exist or be empty), then a rename.
+    A file or a folder with something in it is refused before anything is written (FileExistsError)."""
     out = Path(out_dir)
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not an empty folder: name a new folder, or remove it first")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
