@@ -136,7 +136,7 @@ def test_safetensors_files_round_trip_bit_exact_and_match_the_reference(tmp_path
 
 def test_safetensors_streamed_asks_for_each_tensor_in_key_order_and_checks_it(tmp_path):
     """save_streamed takes the header from specs and each tensor from produce(key), in sorted key order: the file is
-    save()'s byte for byte; a produced tensor unlike its spec is refused by name and no file appears."""
+    save()'s byte for byte; a produced tensor unlike its spec is refused by name and no file (nor PATH.tmp) stays."""
     tensors = {"b": np.arange(6, dtype=np.float32).reshape(2, 3), "a": np.ones(4, ml_dtypes.bfloat16),
                "c": np.array(7, np.int64)}
     asked = []
@@ -149,4 +149,4 @@ def test_safetensors_streamed_asks_for_each_tensor_in_key_order_and_checks_it(tm
     assert back["b"].tolist() == tensors["b"].tolist() and back["a"].dtype == torch.bfloat16
     with pytest.raises(ValueError, match=r"b came as float32 \(3, 2\), its header says F32 \[2, 3\]"):
         safetensors_io.save_streamed(specs, lambda k: tensors[k].T if k == "b" else tensors[k], tmp_path / "bad")
-    assert not (tmp_path / "bad").exists()
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "bad.tmp").exists()  # no partial file either

@@ -63,7 +63,7 @@ def save_streamed(specs: dict[str, tuple], produce: Callable[[str], np.ndarray],
                   metadata: dict[str, str] | None = None) -> None:
     """`save` of tensors made one at a time: the header from `specs` (key -> (dtype, shape)), then `produce(key)`
     for each key in sorted order, checked against its spec and written before the next is asked for (a file far
-    larger than memory). Written to PATH.tmp, renamed when whole."""
+    larger than memory). Written to PATH.tmp, renamed when whole; removed if anything fails on the way."""
     header, dtypes, offset = {}, {}, 0
     for key in sorted(specs):
         dtype, shape = np.dtype(specs[key][0]), [int(n) for n in specs[key][1]]
@@ -77,13 +77,16 @@ def save_streamed(specs: dict[str, tuple], produce: Callable[[str], np.ndarray],
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
     tmp = Path(str(path) + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for key, dtype in dtypes.items():
-            a = produce(key)
-            if a.dtype != dtype or list(a.shape) != header[key]["shape"]:
-                raise ValueError(f"safetensors: {key} came as {a.dtype} {a.shape}, its header says "
-                                 f"{header[key]['dtype']} {header[key]['shape']}")
-            f.write(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
-    tmp.replace(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            for key, dtype in dtypes.items():
+                a = produce(key)
+                if a.dtype != dtype or list(a.shape) != header[key]["shape"]:
+                    raise ValueError(f"safetensors: {key} came as {a.dtype} {a.shape}, its header says "
+                                     f"{header[key]['dtype']} {header[key]['shape']}")
+                f.write(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
