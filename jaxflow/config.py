@@ -108,6 +108,12 @@ def _check_model(cfg: ConfigDict) -> None:
     elif tuple(cfg.sample.cfg_interval) != (0.0, 1.0) or cfg.sample.cfg_renorm_min != 0.0:
         _fail("sample.cfg_interval", "and sample.cfg_renorm_min are BAGEL's text CFG; Qwen-Image's true CFG has "
                                      "neither: leave them at 0.0, 1.0 and 0.0")
+    if cfg.sample.think and family.name != "bagel":
+        _fail("sample.think", f"True is BAGEL's think mode; model.family={family.name!r} has none: pass "
+                              f"--config.sample.think=False")
+    if cfg.sample.max_think_tokens < 1:
+        _fail("sample.max_think_tokens", f"{cfg.sample.max_think_tokens!r} must be an int >= 1 (vLLM-Omni's default: "
+                                         f"1000)")
 
 
 def validate(cfg: ConfigDict) -> None:
@@ -272,11 +278,13 @@ def _size_multiple(cfg) -> int:
 
 
 def text_tokens(cfg) -> tuple[int, int]:
-    """(prompt, negative prompt) tokens the train batch pads text to: sample.max_sequence_length, and
-    sample.negative_max_sequence_length or, where that is 0, the same. Negatives shorter than prompts run as their
-    own forward in the train step (`flowgrpo.guided_velocity`)."""
+    """(prompt, negative prompt) tokens the train batch pads text to: sample.max_sequence_length (plus
+    sample.max_think_tokens with BAGEL's think mode: the think tokens, start token included, follow the prompt's
+    context), and sample.negative_max_sequence_length or, where that is 0, sample.max_sequence_length. Negatives
+    shorter than prompts run as their own forward in the train step (`flowgrpo.guided_velocity`)."""
     s = cfg.sample
-    return s.max_sequence_length, s.negative_max_sequence_length or s.max_sequence_length
+    return (s.max_sequence_length + (s.max_think_tokens if s.think else 0),
+            s.negative_max_sequence_length or s.max_sequence_length)
 
 
 def lora_gemm(cfg, num_layers: int, devices: int, on_hopper: bool, micro_batch: int,

@@ -40,8 +40,11 @@ def text_length_error(err: TextLengthError, cfg) -> ValueError:
     s = cfg.sample
     key = ("negative_max_sequence_length" if err.field.startswith("negative") and s.negative_max_sequence_length
            else "max_sequence_length")
-    return ValueError(f"{err.field} has {err.tokens} tokens > sample.{key}={err.length}: raise "
-                      f"--config.sample.{key} (or shorten the prompt)")
+    limit = f"sample.{key}={err.length}"
+    if s.think and not err.field.startswith("negative"):  # its think tokens fit max_think_tokens: the prompt does not
+        limit = f"{err.length} (sample.max_sequence_length={s.max_sequence_length} + sample.max_think_tokens)"
+    return ValueError(f"{err.field} has {err.tokens} tokens > {limit}: raise --config.sample.{key} (or shorten the "
+                      f"prompt)")
 
 
 def train_batch(trajectory: TrajectoryBatch, advantages, group_ids, cfg, step: int) -> TrainBatch:

@@ -101,6 +101,9 @@ HELP: dict[str, str] = {
     "sample.cfg_renorm_min": "BAGEL only: floor of its CFG's per-sample global renorm factor, in [0, 1]",
     "sample.same_latent": "True: a prompt group shares its initial noise (flow_grpo's same_latent; not with a "
                           "deterministic sampler)",
+    "sample.think": "BAGEL only: True adds a greedy think decode (vLLM-Omni's think mode) to each prompt's context",
+    "sample.max_think_tokens": "BAGEL: most tokens a think decode feeds (<|im_start|> included), >= 1; ids pad to "
+                               "max_sequence_length + this",
     "sample.max_sequence_length": "prompt tokens: the train step pads text to this, the rollout refuses longer prompts",
     "sample.negative_max_sequence_length": "negative prompt tokens the train step pads to (0: max_sequence_length); "
                                            "shorter: a forward of their own",
@@ -204,6 +207,8 @@ def base() -> ml_collections.ConfigDict:
     c.sample = dict(height=512, width=512, num_steps=10, guidance=4.0, noise_level=1.2, sde_type="sde",
                     window_size=2, window_range=(0, 5), negative_prompt=" ", same_latent=False,
                     cfg_interval=(0.0, 1.0), cfg_renorm_min=0.0,
+                    # BAGEL's think mode off; vLLM-Omni's default cap on a think decode
+                    think=False, max_think_tokens=1000,
                     # the longest OCR prompt has 74 tokens (96 rather than 128: 2.8% fewer train-step tokens at 512^2)
                     max_sequence_length=96,
                     # 0: negatives padded to 96 and run in one call with the prompts. 32 (2.9% fewer tokens) ran the

@@ -4,7 +4,8 @@
 #   the engine started on it and sampled without and with a LoRA (scripts/check_bagel_engine.py: one stage, same seeds
 #   same bytes, every adapter module bound, the in-place slot write equal to vLLM-Omni's own folder load), then
 #   rollout vs trainer log-prob parity (scripts/verify_logprob_parity.py --model-family bagel --engine vllm_omni
-#   --dtype bfloat16) with CFG 4, CFG 1, CFG 4 with a rank-8 LoRA, and CFG 4 with the trainer in float32.
+#   --dtype bfloat16) with CFG 4, CFG 1, CFG 4 with a rank-8 LoRA, CFG 4 with the trainer in float32, and CFG 4 in
+#   think mode (a greedy decode of at most 24 tokens extends each prompt's context: --think 24).
 #   bash scripts/check_bagel_vllm_omni.sh OUT_DIR      (needs vLLM-Omni 0.20: scripts/stage_vllm_omni.sh on machines
 #                                                       without a package index)
 # Writes OUT_DIR/engine.{log,json}, OUT_DIR/CASE.{log,json} per parity case and OUT_DIR/parity_bagel.json (figures:
@@ -31,6 +32,7 @@ run cfg4_lora8 --cfg 4 --lora-rank 8
 run cfg4_jax_fp32 --cfg 4 --jax-dtype float32
 run cfg4 --cfg 4
 run cfg1 --cfg 1
+run cfg4_think --cfg 4 --think 24
 python3 - "$out" <<'PY'
 import json, sys
 from pathlib import Path
@@ -39,7 +41,7 @@ out = Path(sys.argv[1])
 def report(name):
     path = out / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
-cases = ("cfg4_lora8", "cfg4_jax_fp32", "cfg4", "cfg1")
+cases = ("cfg4_lora8", "cfg4_jax_fp32", "cfg4", "cfg1", "cfg4_think")
 engine = report("engine") or {"checks": {}, "figures": {}, "passed": False}
 figures = {"engine_checks_passed": sum(bool(v) for v in engine["checks"].values()),
            "engine_checks": len(engine["checks"]), "engine_start_s": engine["figures"].get("engine_start_s"),

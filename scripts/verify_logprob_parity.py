@@ -2,15 +2,17 @@
 
     python scripts/verify_logprob_parity.py [--model-family qwen_image|bagel] [--model DIR]
         [--engine diffusers|vllm_omni|bagel_torch] [--dtype float32] [--jax-dtype D] [--jax-rope bfloat16] [--cfg 4]
-        [--steps 4] [--window 2] [--prompts 4] [--n 2] [--lora-rank R] [--lora-apply fused|stock|merged] [--json OUT]
+        [--steps 4] [--window 2] [--prompts 4] [--n 2] [--lora-rank R] [--lora-apply fused|stock|merged] [--think K]
+        [--json OUT]
 
 Rolls out on the engine (default: diffusers; the model defaults to the tiny offline pipeline saved in --dtype,
 which vLLM-Omni needs; with --model-family bagel: the bagel_torch engine on the tiny random BAGEL, float32, or
 --engine vllm_omni --dtype bfloat16 (scripts/check_bagel_vllm_omni.sh); BAGEL's text CFG over the whole interval
-with renorm min 0, 64 x 96 images), then recomputes each window step's
-log-prob with the same transformer weights loaded into the Flax model, through the train step's own forward
-(`jaxflow.parity.recompute`). With --lora-rank both sides get one random non-zero PEFT adapter (the engine via
-update_lora, JAX via peft_to_lora); --jax-lora-seed gives the JAX side a different one (a negative control).
+with renorm min 0, 64 x 96 images; --think K: BAGEL's think mode, at most K think tokens in each context), then
+recomputes each window step's log-prob with the same transformer weights loaded into the Flax model, through the
+train step's own forward (`jaxflow.parity.recompute`). With --lora-rank both sides get one random non-zero PEFT
+adapter (the engine via update_lora, JAX via peft_to_lora); --jax-lora-seed gives the JAX side a different one (a
+negative control).
 
 Prints |dlogp| mean/p50/p99/max and ratio mean/min/max per window position, then overall. Exits 1 when the
 overall MAX |dlogp| exceeds --threshold: a mismatch bug need not touch every sample (one prompt length, one
@@ -84,6 +86,8 @@ def parse_args(argv):
     p.add_argument("--lora-apply", choices=("fused", "stock", "merged"),
                    help="vllm_omni: how the engine applies the adapter (default: the engine's, fused)")
     p.add_argument("--jax-lora-seed", type=int, help="a different adapter seed for the JAX side (negative control)")
+    p.add_argument("--think", type=int, help="BAGEL: think mode with this max_think_tokens (the trainer rebuilds the "
+                                            "context from the carried ids)")
     p.add_argument("--jax-rope", choices=DTYPE_CHOICES, default="float32",
                    help="bfloat16: round the JAX side's RoPE tables as vLLM-Omni's transformer does (diagnostic)")
     p.add_argument("--micro-batches", type=int, default=1, help="JAX recompute micro-batches (memory)")
@@ -101,6 +105,8 @@ def parse_args(argv):
         p.error(f"--prompts must be in [1, {len(PROMPTS)}]")
     if args.jax_lora_seed is not None and args.lora_rank is None:
         p.error("--jax-lora-seed needs --lora-rank")
+    if args.think is not None and not bagel:
+        p.error("--think is BAGEL's think mode: pass --model-family bagel")
     if args.lora_apply and args.engine != "vllm_omni":
         p.error("--lora-apply is an option of --engine vllm_omni")
     if args.engine == "vllm_omni" and args.dtype != "bfloat16":
@@ -161,6 +167,8 @@ def main(argv=None) -> int:
                 "sde_window_size": args.window, "sde_window_range": (0, args.steps - 1)}
     bagel_cfg = {"cfg_interval": (0.0, 1.0), "cfg_renorm_min": 0.0} if bagel else {}
     sampling.update({"cfg_text_scale": args.cfg, **bagel_cfg} if bagel else {"true_cfg_scale": args.cfg})
+    if args.think is not None:
+        sampling.update(think=True, max_think_tokens=args.think)
     t0 = time.perf_counter()
     batch = TrajectoryBatch.from_dict(engine.generate(PROMPTS[: args.prompts], args.n, sampling, args.seed))
     engine.sleep()  # frees the accelerator before JAX first touches it; a no-op on CPU
@@ -194,7 +202,8 @@ def main(argv=None) -> int:
     if args.json:
         report = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                   **stats, "passed": passed, "step_index": batch.step_index.tolist(),
-                  "log_prob_rollout": batch.log_probs.tolist(), "dlogp": out["dlogp"].tolist()}
+                  "log_prob_rollout": batch.log_probs.tolist(), "dlogp": out["dlogp"].tolist(),
+                  **({"context_tokens": batch.prompt_mask.sum(1).tolist()} if bagel else {})}
         args.json.write_text(json.dumps(report, indent=1))
     return 0 if passed else 1
 

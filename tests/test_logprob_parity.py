@@ -1,10 +1,13 @@
 """scripts/verify_logprob_parity.py in-process: diffusers rollout vs the train step's JAX log-prob, tiny fp32, CFG 4;
-and --model-family bagel: the bagel_torch rollout of the tiny BAGEL vs the train step's BAGEL log-prob."""
+and --model-family bagel: the bagel_torch rollout of the tiny BAGEL vs the train step's BAGEL log-prob (also in think
+mode)."""
 
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -61,6 +64,36 @@ def test_bagel_fp32_recompute_matches_the_bagel_torch_rollout(parity, tmp_path, 
     assert report["args"]["engine"] == "bagel_torch" and report["args"]["height"] == 64
 
 
+def test_bagel_think_mode_recompute_matches_the_bagel_torch_rollout(parity, tmp_path):
+    """Think mode (at most 24 think tokens): the trainer rebuilds each context, think tokens included, from the
+    carried prompt_ids, within the same float32 threshold as without think."""
+    from transformers import Qwen2TokenizerFast
+
+    from jaxflow_bridge.rollout.engine_bagel import context_ids
+    from jaxflow_bridge.rollout.tiny_bagel import tiny_bagel_path
+
+    code, report = _run(parity, tmp_path, "--model-family", "bagel", "--lora-rank", "4", "--think", "24")
+    assert code == 0 and report["passed"] and report["args"]["think"] == 24
+    tokenizer = Qwen2TokenizerFast.from_pretrained(tiny_bagel_path())
+    plain = [len(context_ids(tokenizer, p)) for p in parity.PROMPTS[:2] for _ in range(2)]
+    think = [got - want for got, want in zip(report["context_tokens"], plain)]
+    assert all(1 <= t <= 24 for t in think) and max(think) > 1, think
+
+
+def test_bagel_think_with_a_token_missing_from_the_context_fails(parity, tmp_path, monkeypatch):
+    """The negative control: the trainer's context one think token short (the last masked off) fails."""
+    recompute = parity.recompute
+
+    def short(model, batch, **kw):
+        mask = batch.prompt_mask.copy()
+        mask[np.arange(len(mask)), mask.sum(1) - 1] = False
+        return recompute(model, dataclasses.replace(batch, prompt_mask=mask), **kw)
+
+    monkeypatch.setattr(parity, "recompute", short)
+    code, report = _run(parity, tmp_path, "--model-family", "bagel", "--think", "24")
+    assert code == 1 and not report["passed"]
+
+
 def test_bagel_with_a_different_jax_adapter_fails(parity, tmp_path):
     code, report = _run(parity, tmp_path, "--model-family", "bagel", "--lora-rank", "4", "--jax-lora-seed", "1")
     assert code == 1 and not report["passed"]
@@ -70,3 +103,6 @@ def test_an_engine_of_the_other_family_is_refused(parity, capsys):
     with pytest.raises(SystemExit):
         parity.main(["--model-family", "bagel", "--engine", "diffusers"])
     assert "--engine diffusers does not serve --model-family bagel" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parity.main(["--think", "8"])
+    assert "--think is BAGEL's think mode: pass --model-family bagel" in capsys.readouterr().err

@@ -188,16 +188,21 @@ def test_qwen_image_starts_and_asks_as_before(tiny_path, tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------- rollout
 
 
-def test_a_rollout_is_the_bagel_torch_engines_samples(bagel_torch, tmp_path, monkeypatch):
+@pytest.mark.parametrize("think", [False, True], ids=["plain", "think"])
+def test_a_rollout_is_the_bagel_torch_engines_samples(bagel_torch, tmp_path, monkeypatch, think):
     """BagelSamplingParams through the BAGEL request codec to our pipeline (N + 1 schedule points asked), each sample
-    the bagel_torch engine's alone, byte for byte (the stand-in runs that engine's model)."""
+    the bagel_torch engine's alone, byte for byte (the stand-in runs that engine's model); in think mode the stock
+    forward's think keys sent (greedy) and the decoded tokens in `prompt_ids`."""
+    sp = dataclasses.replace(SP, think=think, max_think_tokens=40)
     engine, omni = start(monkeypatch, tmp_path, bagel_torch)
-    out = TrajectoryBatch.from_dict(engine.generate([PROMPT], 2, dataclasses.asdict(SP), seeds=[21, 22]))
+    out = TrajectoryBatch.from_dict(engine.generate([PROMPT], 2, dataclasses.asdict(sp), seeds=[21, 22]))
     (prompt, params), = omni.started[0].requests
     assert prompt == {"prompt": PROMPT} and params.num_inference_steps == SP.num_inference_steps + 1
     assert params.extra_args["seeds"] == [21, 22] and params.lora_request is None
+    assert (params.extra_args["think"], params.extra_args["max_think_tokens"], params.extra_args["do_sample"]) == (
+        think, 40, False)
     for j, seed in enumerate([21, 22]):
-        alone = TrajectoryBatch.from_dict(bagel_torch.generate([PROMPT], 1, dataclasses.asdict(SP), seeds=[seed]))
+        alone = TrajectoryBatch.from_dict(bagel_torch.generate([PROMPT], 1, dataclasses.asdict(sp), seeds=[seed]))
         for field in ("images", "latents", "log_probs", "sigmas", "step_index", "prompt_ids", "prompt_mask",
                       "negative_prompt_ids", "seeds"):
             got, want = getattr(out, field), getattr(alone, field)

@@ -4,7 +4,8 @@ interface: `prefill(ids, mask) -> context`, `velocity(x, sigma, context, grid_hw
 `BagelSamplingLoop.generate(prompt_ids, n, sampling, seeds)` runs B = len(prompt_ids) * n samples in lockstep,
 prompt-major (sample b belongs to prompt b // n), into a `TrajectoryBatch` carrying the context's token ids:
 
-- contexts: each sample's conditional context (its prompt's ids, framing tokens included) prefilled once; the
+- contexts: each sample's conditional context (its prompt's ids, framing tokens included) prefilled once, or in
+  think mode its prompt's context extended by the prompt's think tokens (one greedy decode a prompt); the
   unconditional context is empty (BAGEL's default negative prompt "": no tokens, image at RoPE position 0), carried
   as L' = 0 negative ids when CFG is on;
 - schedule: the contract's sigmas with BAGEL's static shift 3 (`sigma_schedule`), N steps and N + 1 points
@@ -28,6 +29,7 @@ import torch
 
 from jaxflow_bridge.contract.schedule import sample_windows, sigma_schedule, window_noise_levels, window_size
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
+from jaxflow_bridge.rollout.bagel_torch import stack_contexts
 from jaxflow_bridge.rollout.sampling import params_from_dict, per_sample_seeds
 from jaxflow_bridge.rollout.sde import SDE_TYPES, sde_step
 
@@ -55,6 +57,8 @@ class BagelSamplingParams:
     seed: int = 0  # base seed when generate() gets no per-sample seeds
     same_latent: bool = False
     keep_final: bool = False
+    think: bool = False  # BAGEL's think mode: a greedy text decode extends the conditional context (bagel_think.py)
+    max_think_tokens: int = 1000  # most tokens a think decode feeds, its start token included (vLLM-Omni's default)
 
     @classmethod
     def from_dict(cls, d: dict | None) -> BagelSamplingParams:
@@ -102,6 +106,10 @@ def validate(prompt_ids, n, sp: BagelSamplingParams, seeds, prompts=None) -> np.
     if sp.noise_level < 0 or not isinstance(sp.same_latent, bool) or not isinstance(sp.keep_final, bool):
         raise ValueError(f"noise_level must be >= 0 and same_latent / keep_final bools, got {sp.noise_level}, "
                          f"{sp.same_latent!r}, {sp.keep_final!r}")
+    if not isinstance(sp.think, bool) or isinstance(sp.max_think_tokens, bool) or not isinstance(
+            sp.max_think_tokens, (int, np.integer)) or sp.max_think_tokens < 1:
+        raise ValueError(f"think must be a bool and max_think_tokens an int >= 1, got {sp.think!r}, "
+                         f"{sp.max_think_tokens!r}")
     lo, hi = sp.cfg_interval
     if sp.cfg_text_scale < 1 or not 0 <= lo <= hi <= 1 or not 0 <= sp.cfg_renorm_min <= 1:
         raise ValueError(f"cfg_text_scale must be >= 1 (1 turns CFG off), cfg_interval 0 <= lo <= hi <= 1 and "
@@ -123,11 +131,12 @@ def pad_ids(ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 class BagelSamplingLoop:
     """Sampling with trajectories over `model` (BagelTorch's interface); `decode(latents, grid_hw)` -> (B, H, W, 3)
-    uint8 (default: the `latent_preview` stand-in); `policy_version` is stamped on every sample."""
+    uint8 (default: the `latent_preview` stand-in); `policy_version` is stamped on every sample; `thinker(ids,
+    max_tokens)` -> (think tokens, the one-row context they extend), `bagel_think.Thinker`: think mode's decode."""
 
     def __init__(self, model, decode: Callable[[torch.Tensor, tuple[int, int]], np.ndarray] = latent_preview,
-                 policy_version: int = 0):
-        self.model, self.decode, self.policy_version = model, decode, policy_version
+                 policy_version: int = 0, thinker: Callable | None = None):
+        self.model, self.decode, self.policy_version, self.thinker = model, decode, policy_version, thinker
 
     @torch.inference_mode()
     def generate(self, prompt_ids: Sequence[Sequence[int]], n: int = 1, sampling: BagelSamplingParams | None = None,
@@ -136,6 +145,8 @@ class BagelSamplingLoop:
         prompts: the prompts' text for `TrajectoryBatch.prompts` (default: empty strings)."""
         sp = sampling or BagelSamplingParams()
         seeds = validate(prompt_ids, n, sp, seeds, prompts)
+        if sp.think and self.thinker is None:
+            raise ValueError("think mode needs a thinker (bagel_think.Thinker: the checkpoint's text head)")
         prompts = [""] * len(prompt_ids) if prompts is None else prompts
         steps, size = sp.num_inference_steps, sp.sde_window_size
         grid = (sp.height // PIXELS_PER_TOKEN, sp.width // PIXELS_PER_TOKEN)
@@ -143,9 +154,14 @@ class BagelSamplingLoop:
         starts = sample_windows(seeds, size, sp.sde_window_range, steps)
 
         group = np.repeat(np.arange(len(prompt_ids)), n)
-        ids, mask = pad_ids([prompt_ids[g] for g in group])
-        contexts = (self.model.prefill(ids, mask),
-                    self.model.prefill(ids.new_zeros(len(group), 0), mask.new_zeros(len(group), 0)))
+        if sp.think:  # greedy: one decode a prompt, its context shared by the prompt's samples
+            fed, thought = zip(*(self.thinker(p, sp.max_think_tokens) for p in prompt_ids))
+            ids, mask = pad_ids([[*prompt_ids[g], *fed[g]] for g in group])
+            cond = stack_contexts([thought[g] for g in group])
+        else:
+            ids, mask = pad_ids([prompt_ids[g] for g in group])
+            cond = self.model.prefill(ids, mask)
+        contexts = (cond, self.model.prefill(ids.new_zeros(len(group), 0), mask.new_zeros(len(group), 0)))
         gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
         x = torch.stack([torch.randn(grid[0] * grid[1], self.model.latent_dim, generator=g) for g in gens])
         if sp.same_latent:  # after every generator drew its own: each sample's step noise stays as it was

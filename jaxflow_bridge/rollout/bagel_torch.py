@@ -3,7 +3,8 @@
 `BagelTorch.prefill(ids, mask)` runs the understanding expert causally over right-padded contexts and keeps every
 layer's K/V; `BagelTorch.velocity(x, sigma, context, grid_hw)` runs the query [<|vision_start|>, latents,
 <|vision_end|>] over them (markers: understanding expert, latents: generation expert, no causal mask) and returns
-v = llm2vae(norm_moe_gen(h)) on the latent rows. Modules carry the checkpoint's names
+v = llm2vae(norm_moe_gen(h)) on the latent rows; `BagelTorch.extend(ids, context)` feeds one more understanding token
+(a step of think mode's text decode, `bagel_think.py`). Modules carry the checkpoint's names
 (`language_model.model.layers.{i}.self_attn.q_proj_moe_gen`, `time_embedder.mlp.0`, `vae2llm`, ...), so
 `load_checkpoint` reads `ema.safetensors` tensors as they are. The RoPE and timestep tables are float64 numpy
 rounded once to float32, as the trainer's (docs/numerics.md §6). Never imports JAX.
@@ -11,6 +12,7 @@ rounded once to float32, as the trainer's (docs/numerics.md §6). Never imports 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -35,6 +37,19 @@ class BagelContext:
     def lengths(self) -> torch.Tensor:
         """(B,) valid tokens per context: the RoPE position of the image query."""
         return self.mask.sum(dim=1)
+
+
+def stack_contexts(contexts: Sequence[BagelContext]) -> BagelContext:
+    """Contexts of one row each as one batch, right-padded to the longest (zero K/V, mask False)."""
+    length = max(c.mask.shape[1] for c in contexts)
+
+    def pad(t):
+        return torch.cat([t, t.new_zeros(t.shape[0], length - t.shape[1], *t.shape[2:])], dim=1)
+
+    layers = range(len(contexts[0].keys))
+    return BagelContext(tuple(torch.cat([pad(c.keys[i]) for c in contexts]) for i in layers),
+                        tuple(torch.cat([pad(c.values[i]) for c in contexts]) for i in layers),
+                        torch.cat([pad(c.mask) for c in contexts]))
 
 
 def timestep_freqs() -> torch.Tensor:
@@ -215,6 +230,24 @@ class BagelTorch(nn.Module):
             keys.append(k)
             values.append(v)
         return BagelContext(tuple(keys), tuple(values), mask)
+
+    @torch.inference_mode()
+    def extend(self, ids: torch.Tensor, context: BagelContext) -> tuple[torch.Tensor, BagelContext]:
+        """One more understanding-expert token per row, ids (B,), appended to unpadded contexts at RoPE position
+        context.lengths (a step of a causal text decode): its last hidden state (B, d), before the final norm, and
+        the context with its K/V."""
+        if ids.shape != context.mask.shape[:1] or not context.mask.all():
+            raise ValueError(f"extend needs one id per context and unpadded contexts, got ids {tuple(ids.shape)} "
+                             f"for contexts {tuple(context.mask.shape)} ({int(context.mask.sum())} valid)")
+        h = self.language_model.model.embed_tokens(ids.long())[:, None]
+        cos, sin = rope_cos_sin(context.lengths, self.head_dim, self.rope_theta)
+        keys, values = [], []
+        for layer, k, v in zip(self.language_model.model.layers, context.keys, context.values):
+            h, (k_new, v_new) = layer(h, cos[:, None, None], sin[:, None, None], (k, v), None, query=False)
+            keys.append(torch.cat([k, k_new], dim=1))
+            values.append(torch.cat([v, v_new], dim=1))
+        mask = torch.cat([context.mask, context.mask.new_ones(len(ids), 1)], dim=1)
+        return h[:, 0], BagelContext(tuple(keys), tuple(values), mask)
 
     @torch.inference_mode()
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, context: BagelContext,

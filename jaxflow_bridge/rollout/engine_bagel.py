@@ -6,9 +6,11 @@ the tokenizer; or "tiny_bagel" for the cached tiny random one), `device` ("cpu",
 `bagel_vae.BagelDecoder`, as vLLM-Omni decodes; or "preview": `latent_preview`, no decoder, for plumbing runs),
 `random_seed` (optional: the weights drawn by the shared random spec, `jaxflow_bridge/contract/random_weights.py`, by
 checkpoint name, as the trainer's `model.init=random`; the folder then needs no ema.safetensors). A prompt's context
-is `<|im_start|>` + its tokens + `<|im_end|>` (docs/bagel.md §4), carried as the trajectory's `prompt_ids`. LoRA:
-PEFT adapters in BAGEL's names (the trainer's `jaxflow.models.bagel.lora.peft_state_dict`; the `base_model.model.`
-prefix optional) on the generation expert's Linears, applied atomically by `LoraApplier`. Never imports JAX.
+is `<|im_start|>` + its tokens + `<|im_end|>` (docs/bagel.md §4), carried as the trajectory's `prompt_ids`; with the
+sampling's `think`, followed by the prompt's think tokens (`bagel_think.py`: the checkpoint's text head, loaded beside
+the model, decodes once a prompt). LoRA: PEFT adapters in BAGEL's names (the trainer's
+`jaxflow.models.bagel.lora.peft_state_dict`; the `base_model.model.` prefix optional) on the generation expert's
+Linears, applied atomically by `LoraApplier`. Never imports JAX.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from transformers import Qwen2TokenizerFast
 from jaxflow_bridge.contract.bagel_keymap import generation_expert_adapter
 from jaxflow_bridge.contract.lora import read_peft
 from jaxflow_bridge.rollout.bagel_sampling import PIXELS_PER_TOKEN, BagelSamplingLoop, BagelSamplingParams, latent_preview
+from jaxflow_bridge.rollout.bagel_think import TextHead, Thinker
 from jaxflow_bridge.rollout.bagel_torch import BagelTorch
 from jaxflow_bridge.rollout.bagel_vae import BagelDecoder
 from jaxflow_bridge.rollout.engine import RolloutEngine, policy_version
@@ -64,11 +67,15 @@ class BagelTorchEngine(RolloutEngine):
         self.model_path = str(folder)
         fields = bagel_torch_fields(folder)
         self.model = BagelTorch(**fields)
+        self.head = TextHead(fields["hidden_size"], fields["vocab_size"], fields["rms_norm_eps"])
         if seed is None:
-            self.model.load_checkpoint(load_file(folder / "ema.safetensors"))
+            tensors = load_file(folder / "ema.safetensors")
         else:  # the shared random spec by checkpoint name, as the trainer draws it (model.init=random)
-            self.model.load_checkpoint({name: torch_weight(int(seed), name, tuple(t.shape), torch.float32, "cpu")
-                                        for name, t in self.model.state_dict().items()})
+            shapes = {**self.model.state_dict(), **self.head.state_dict()}
+            tensors = {name: torch_weight(int(seed), name, tuple(t.shape), torch.float32, "cpu")
+                       for name, t in shapes.items()}
+        self.model.load_checkpoint(tensors)
+        self.head.load_checkpoint(tensors)
         self.model.eval()
         self.fingerprint = weights_fingerprint(self.model.state_dict().items())
         self.tokenizer = Qwen2TokenizerFast.from_pretrained(folder)  # BAGEL ships Qwen2.5's tokenizer files
@@ -79,7 +86,9 @@ class BagelTorchEngine(RolloutEngine):
             if self.decoder.params["z_channels"] != fields["z_channels"]:
                 raise ValueError(f"{self.name} engine: config.json's vae_config has z_channels "
                                  f"{fields['z_channels']}, the autoencoder {self.decoder.params['z_channels']}")
-        self.loop = BagelSamplingLoop(self.model, self.decoder or latent_preview)
+        start, end = self.tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+        self.loop = BagelSamplingLoop(self.model, self.decoder or latent_preview,
+                                      thinker=Thinker(self.model, self.head, start, end))
         self.asleep = False
 
     def generate(self, prompts: list[str], n: int, sampling: dict | None = None, seeds=None) -> dict:

@@ -6,7 +6,11 @@ sample's `WindowScheduler` (jaxflow_bridge/rollout/bagel_scheduler.py) as `self.
 `Bagel.generate_image` takes each step, and the sample's initial latents in place of the ones `prepare_vae_latent`
 draws from the global RNG. The stock forward prefills `<|im_start|>` + prompt + `<|im_end|>` (our
 `engine_bagel.context_ids`) and an empty context for the text CFG's unconditional branch; image CFG stays off
-(`cfg_img_scale` 1). Requests without our `extra_args` (warm-up, plain text-to-image) run the stock pipeline.
+(`cfg_img_scale` 1). Think mode (`think` / `max_think_tokens` in extra_args, greedy: `do_sample` False) is the stock
+forward's own: `prepare_start_tokens`, `generate_text` on a copy of the conditional cache, whose fed tokens advance its
+length and RoPE position; we record what `generate_text` returns and append it to the sample's `prompt_ids` (each
+sample decodes again, n times a prompt: as its prefills, a shared decode is a later speed-up). Requests without our
+`extra_args` (warm-up, plain text-to-image) run the stock pipeline.
 The engine's velocity sees its own float32 timesteps (`linspace(1, 0, N + 1)` shifted by 3), the steps our
 contract's sigmas of the same formula: equal up to float32 rounding. Built lazily on attribute access, as
 `vllm_omni_pipeline`'s classes are; never imports JAX. Not yet run on a GPU.
@@ -20,20 +24,21 @@ import torch
 
 from jaxflow_bridge.contract.schedule import sigma_schedule
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
-from jaxflow_bridge.rollout.bagel_sampling import PIXELS_PER_TOKEN, SCHEDULER_CONFIG, BagelSamplingParams
+from jaxflow_bridge.rollout.bagel_sampling import PIXELS_PER_TOKEN, SCHEDULER_CONFIG, BagelSamplingParams, pad_ids
 from jaxflow_bridge.rollout.bagel_scheduler import WindowScheduler
 from jaxflow_bridge.rollout.vllm_omni_pipeline import pack_trajectories
 
 PIPELINE_CLASS = f"{__name__}.FlowGRPOBagelPipeline"
 # BagelSamplingParams fields in OmniDiffusionSamplingParams attributes; the rest ride in extra_args
 PARAM_FIELDS = ("height", "width")
-ENGINE_EXTRA = {"cfg_img_scale": 1.0, "cfg_renorm_type": "global", "negative_prompt": ""}  # BAGEL's stock keys
+# BAGEL's stock keys: image CFG off, global renorm, the empty negative, greedy think decodes
+ENGINE_EXTRA = {"cfg_img_scale": 1.0, "cfg_renorm_type": "global", "negative_prompt": "", "do_sample": False}
 
 
 def encode_request(prompt: str, sampling: BagelSamplingParams, seeds, policy_version: int) -> tuple[dict, dict]:
     """(prompt dict, OmniDiffusionSamplingParams kwargs) for n = len(seeds) samples of one prompt: the stock keys
     the BAGEL pipeline reads (num_inference_steps = N + 1 schedule points, cfg_text_scale, cfg_interval,
-    cfg_renorm_min; image CFG off, empty negative) and our fields in extra_args."""
+    cfg_renorm_min, think, max_think_tokens; image CFG off, empty negative, greedy) and our fields in extra_args."""
     fields = dataclasses.asdict(sampling)
     extra = {k: v for k, v in fields.items() if k not in PARAM_FIELDS}
     extra.update(ENGINE_EXTRA, cfg_interval=list(sampling.cfg_interval),
@@ -71,9 +76,10 @@ def build_pipeline_class(base: type, output_cls) -> type:
         base.__init__(self, od_config=od_config, **kwargs)
         self.policy_version = 0
 
-    def sample(self, req, sched: WindowScheduler) -> np.ndarray:
-        """One stock forward with `sched` taking every step from `sched.initial`; the image (H, W, 3) uint8."""
-        bagel, draw = self.bagel, self.bagel.prepare_vae_latent
+    def sample(self, req, sched: WindowScheduler, think: bool) -> tuple[np.ndarray, list[int]]:
+        """One stock forward with `sched` taking every step from `sched.initial`: the image (H, W, 3) uint8 and the
+        tokens its think decode fed (none without `think`)."""
+        bagel, draw, decode, fed = self.bagel, self.bagel.prepare_vae_latent, self.bagel.generate_text, []
 
         def with_initial(*args, **kwargs):  # the sample's own initial latents, not the global RNG's
             out = draw(*args, **kwargs)
@@ -83,13 +89,21 @@ def build_pipeline_class(base: type, output_cls) -> type:
             out["packed_init_noises"] = sched.initial.to(out["packed_init_noises"].dtype)
             return out
 
-        bagel.prepare_vae_latent, self.scheduler, self.scheduler_kwargs = with_initial, sched, {}
+        def recorded(*args, **kwargs):  # the fed tokens (seq, 1): start token and generated ones, end excluded
+            tokens = decode(*args, **kwargs)
+            fed.append([int(t) for t in tokens[:, 0].tolist()])
+            return tokens
+
+        bagel.prepare_vae_latent, bagel.generate_text = with_initial, recorded
+        self.scheduler, self.scheduler_kwargs = sched, {}
         try:
             image = base.forward(self, req).output
         finally:
-            del bagel.prepare_vae_latent
+            del bagel.prepare_vae_latent, bagel.generate_text
             self.scheduler = None
-        return np.asarray(image, np.uint8)
+        if len(fed) != int(think):
+            raise RuntimeError(f"the stock BAGEL forward ran {len(fed)} think decodes for think={think}")
+        return np.asarray(image, np.uint8), fed[0] if fed else []
 
     def forward(self, req, *args, **kwargs):
         """A rollout request -> DiffusionOutput with our trajectory; any other request -> the stock pipeline."""
@@ -105,17 +119,18 @@ def build_pipeline_class(base: type, output_cls) -> type:
         if sp.same_latent:  # each drew its own first, as BagelSamplingLoop's generators do
             for sched in scheds[1:]:
                 sched.initial = scheds[0].initial
-        images = np.stack([self.sample(req, sched) for sched in scheds])
+        images, fed = zip(*(self.sample(req, sched, sp.think) for sched in scheds))
         paths = [sched.trajectory() for sched in scheds]
-        ids = np.asarray(context_ids(self.tokenizer, prompt), np.int32)
+        ids, mask = pad_ids([context_ids(self.tokenizer, prompt) + f for f in fed])
         n = len(seeds)
         empty = dict(negative_prompt_ids=np.zeros((n, 0), np.int32),
                      negative_prompt_mask=np.zeros((n, 0), bool)) if sp.cfg_text_scale > 1 else {}
+        images = np.stack(images)
         batch = TrajectoryBatch(
             images=images, latents=np.stack([p["latents"] for p in paths]),
             log_probs=np.stack([p["log_probs"] for p in paths]), sigmas=sigmas,
-            step_index=np.stack([p["step_index"] for p in paths]), prompt_ids=np.tile(ids, (n, 1)),
-            prompt_mask=np.ones((n, len(ids)), bool), **empty, prompts=[prompt] * n,
+            step_index=np.stack([p["step_index"] for p in paths]),
+            prompt_ids=ids.numpy().astype(np.int32), prompt_mask=mask.numpy(), **empty, prompts=[prompt] * n,
             group_ids=np.zeros(n, np.int64), seeds=np.asarray(seeds, np.int64),
             policy_versions=np.full(n, self.policy_version, np.int64),
             final_latents=np.stack([p["final"] for p in paths]) if sp.keep_final else None)
