@@ -5,8 +5,8 @@
 - a rollout request to its pipeline (SAMPLING, SEEDS, omni_params) and its QwenImagePipeline on the tiny diffusers
   components (FakeOmniQwenImagePipeline)
 - BAGEL: `Bagel` (BagelPipeline.bagel) at the tiny BAGEL's sizes, its vLLM linears and the `stacked_params_mapping`
-  its load_weights leaves (FakeBagel, BAGEL_STACKED_PARAMS), and a BagelPipeline over the bagel_torch engine's model
-  that uses the two hooks as the stock `forward` does, and its think decode (stock_bagel_pipeline)
+  its load_weights leaves (FakeBagel, BAGEL_STACKED_PARAMS); its computing stand-in over the bagel_torch engine's
+  model is tests/helpers_vllm_omni_bagel.py
 - the LoRA manager's slots (FakeManager), and the package itself: AsyncOmni over one in-process worker with our
   extension, the BAGEL deploy file in its folder (install_fake_vllm_omni)
 """
@@ -15,12 +15,8 @@ import types
 from types import SimpleNamespace
 
 import torch
-from PIL import Image
 
 from jaxflow_bridge.contract.lora import lora_pairs, read_peft
-from jaxflow_bridge.contract.schedule import sigma_schedule
-from jaxflow_bridge.rollout.bagel_sampling import PIXELS_PER_TOKEN, SCHEDULER_CONFIG, BagelSamplingParams, pad_ids
-from jaxflow_bridge.rollout.bagel_think import think_decode
 from jaxflow_bridge.rollout.sampling import SamplingParams
 from jaxflow_bridge.rollout.tiny_bagel import TINY_LLM, TINY_VIT
 from jaxflow_bridge.rollout.vllm_omni_lora import lora_component, lora_module_table
@@ -124,11 +120,11 @@ BAGEL_STACKED_PARAMS = [(".qkv_proj_moe_gen", ".q_proj_moe_gen", "q"), (".qkv_pr
 
 
 class FakeBagel(torch.nn.Module):
-    """vLLM-Omni 0.20's `Bagel` at the tiny BAGEL's sizes (tiny_bagel.py) as our side sees it: the latent geometry,
-    `prepare_vae_latent` drawing from the global RNG, and the module tree: per decoder layer both experts'
-    QKVParallelLinear `qkv_proj[_moe_gen]`, RowParallelLinear `o_proj[_moe_gen]`, BagelMLP `mlp[_moe_gen]`
-    (`gate_up_proj` 2 slices, `down_proj`); the connector's vLLM linears; plain nn.Linear LM head and latent heads.
-    `stacked` sets the language model's `stacked_params_mapping` (its load_weights does, before LoRA starts)."""
+    """vLLM-Omni 0.20's `Bagel` at the tiny BAGEL's sizes (tiny_bagel.py) as our side sees it: the latent geometry
+    and the module tree: per decoder layer both experts' QKVParallelLinear `qkv_proj[_moe_gen]`, RowParallelLinear
+    `o_proj[_moe_gen]`, BagelMLP `mlp[_moe_gen]` (`gate_up_proj` 2 slices, `down_proj`); the connector's vLLM
+    linears; plain nn.Linear LM head and latent heads. `stacked` sets the language model's `stacked_params_mapping`
+    (its load_weights does, before LoRA starts)."""
 
     latent_channel, latent_patch_size = 16, 2
 
@@ -157,73 +153,6 @@ class FakeBagel(torch.nn.Module):
         self.connector.fc1, self.connector.fc2 = FakeLinearBase(TINY_VIT["hidden_size"], d), FakeLinearBase(d, d)
         latent = self.latent_channel * self.latent_patch_size ** 2
         self.vae2llm, self.llm2vae = torch.nn.Linear(latent, d), torch.nn.Linear(d, latent)
-
-    def prepare_vae_latent(self, curr_kvlens, curr_rope, image_sizes, new_token_ids):
-        (h, w), = image_sizes
-        tokens = (h // PIXELS_PER_TOKEN) * (w // PIXELS_PER_TOKEN)
-        return {"packed_init_noises": torch.randn(tokens, self.latent_channel * self.latent_patch_size ** 2)}
-
-
-def stock_bagel_pipeline(engine):
-    """A stand-in BagelPipeline (its `bagel` a FakeBagel) over the bagel_torch `engine`'s model, tokenizer and
-    velocity: the stock `forward`'s two prefills, with extra_args' `think` its text decode (`prepare_start_tokens`,
-    then `generate_text` on a copy of the conditional cache, which it keeps), its global-RNG draw through
-    `prepare_vae_latent` and its `scheduler.step` call after the CFG combine (or the Euler step without a
-    scheduler)."""
-
-    class EngineBagel(FakeBagel):
-        """`generate_text` as vLLM-Omni's (greedy; the fed tokens (seq, 1), start token first, the predicted end
-        token not fed) on the engine's model and text head; its cache a namespace holding a BagelContext."""
-
-        def prepare_start_tokens(self, curr_kvlens, curr_rope, new_token_ids):
-            return {"packed_start_tokens": torch.tensor([new_token_ids["bos_token_id"]]),
-                    "packed_query_position_ids": torch.tensor(curr_rope),
-                    "key_values_lens": torch.tensor(curr_kvlens, dtype=torch.int),
-                    "packed_key_value_indexes": torch.arange(sum(curr_kvlens))}
-
-        def generate_text(self, past_key_values, packed_key_value_indexes, key_values_lens, packed_start_tokens,
-                          packed_query_position_ids, max_length, do_sample=False, temperature=1.0, end_token_id=None):
-            assert not do_sample and int(packed_query_position_ids[0]) == past_key_values.context.mask.shape[1]
-            fed, past_key_values.context = think_decode(engine.model, engine.head, past_key_values.context,
-                                                        int(packed_start_tokens[0]), end_token_id, max_length)
-            return torch.tensor(fed)[:, None]
-
-    class Stock:
-        def __init__(self, *, od_config):
-            self.bagel, self.tokenizer, self.scheduler, self.scheduler_kwargs = EngineBagel(), engine.tokenizer, None, {}
-
-        def forward(self, req):
-            sp_, extra = req.sampling_params, req.sampling_params.extra_args
-            first = req.prompts[0]
-            prompt = first if isinstance(first, str) else first.get("prompt")
-            start, end = self.tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
-            ids, mask = pad_ids([[start, *self.tokenizer.encode(prompt, add_special_tokens=False), end]])
-            contexts = (engine.model.prefill(ids, mask), engine.model.prefill(ids.new_zeros(1, 0), mask.new_zeros(1, 0)))
-            if extra.get("think", False):
-                cache, length = SimpleNamespace(context=contexts[0]), ids.shape[1]
-                self.bagel.generate_text(
-                    past_key_values=cache, max_length=int(extra.get("max_think_tokens", 1000)),
-                    do_sample=bool(extra.get("do_sample", False)), end_token_id=end,
-                    **self.bagel.prepare_start_tokens([length], [length], {"bos_token_id": start, "eos_token_id": end}))
-                contexts = (cache.context, contexts[1])
-            if sp_.seed is not None:
-                torch.manual_seed(sp_.seed)
-            x = self.bagel.prepare_vae_latent([0], [0], [(sp_.height, sp_.width)], {})["packed_init_noises"]
-            steps = sp_.num_inference_steps - 1
-            grid = (sp_.height // PIXELS_PER_TOKEN, sp_.width // PIXELS_PER_TOKEN)
-            sigmas = sigma_schedule(SCHEDULER_CONFIG, steps, grid[0] * grid[1])
-            guide = BagelSamplingParams(cfg_text_scale=extra["cfg_text_scale"], cfg_interval=tuple(extra["cfg_interval"]),
-                                        cfg_renorm_min=extra["cfg_renorm_min"])
-            assert extra["cfg_img_scale"] == 1.0 and extra["negative_prompt"] == ""
-            for i in range(steps):
-                v = engine.loop.velocity(x[None], sigmas[i], contexts, grid, guide)[0]
-                if self.scheduler is None:
-                    x = x + v * (float(sigmas[i + 1]) - float(sigmas[i]))
-                else:
-                    x = self.scheduler.step(v, sigmas[i], x, sigmas[i] - sigmas[i + 1]).prev_sample
-            return SimpleNamespace(output=Image.fromarray(engine.loop.decode(x[None], grid)[0]))
-
-    return Stock
 
 
 # ---------------------------------------------------------------------------------------------- LoRA manager

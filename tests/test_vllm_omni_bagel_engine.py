@@ -1,10 +1,10 @@
 """The vllm_omni engine's BAGEL model kind on the CPU (docs/bagel.md §7 (d)), against a stand-in vLLM-Omni 0.20
-package (tests/helpers_vllm_omni.py: AsyncOmni over one in-process worker with our extension): the kind read from
-the folder, AsyncOmni's start keywords (our pipeline class, vLLM-Omni's single-stage deploy file by `deploy_config`),
-the one-stage check, the refusals, Qwen-Image's start and requests as before, the weights fingerprint (the
-bagel_torch engine's), a rollout equal to the bagel_torch engine's samples, and LoRA: the module table from BAGEL's
-`stacked_params_mapping`, the generation expert's seven targets on four layers a decoder layer, slot writes under
-`bagel.`-prefixed names."""
+package (tests/helpers_vllm_omni.py: AsyncOmni over one in-process worker with our extension; its BAGEL pipeline
+tests/helpers_vllm_omni_bagel.py): the kind read from the folder, AsyncOmni's start keywords (our pipeline class,
+vLLM-Omni's single-stage deploy file by `deploy_config`), the one-stage check, the refusals, Qwen-Image's start and
+requests as before, the weights fingerprint (the bagel_torch engine's), a rollout equal to the bagel_torch engine's
+samples, and LoRA: the module table from BAGEL's `stacked_params_mapping`, the generation expert's seven targets on
+four layers a decoder layer, slot writes under `bagel.`-prefixed names."""
 import dataclasses
 from types import SimpleNamespace
 
@@ -29,8 +29,8 @@ from jaxflow_bridge.rollout.lora_binding import bind_lora_modules
 from jaxflow_bridge.rollout.pipeline import stored_fingerprint
 from jaxflow_bridge.rollout.vllm_omni_kinds import BAGEL_DEPLOY_FILE, Bagel, QwenImage, model_kind
 from tests.helpers import ROOT
-from tests.helpers_vllm_omni import (SAMPLING, SEEDS, FakeBagel, FakeOmniQwenImagePipeline, install_fake_vllm_omni,
-                                     stock_bagel_pipeline)
+from tests.helpers_vllm_omni import SAMPLING, SEEDS, FakeBagel, FakeOmniQwenImagePipeline, install_fake_vllm_omni
+from tests.helpers_vllm_omni_bagel import NaiveCache, stock_bagel_pipeline
 
 LAYERS, TARGETS = tiny_bagel.TINY_LLM["num_hidden_layers"], len(bagel_keymap.DEFAULT_LORA_TARGETS)
 RANK, ALPHA = 4, 8.0
@@ -53,7 +53,7 @@ def bagel_torch(folder):
 def fake_omni(monkeypatch, root, bagel_torch, stages=1) -> type:
     """The stand-in vLLM-Omni under `root`, its pipeline ours over the bagel_torch engine's model; its AsyncOmni."""
     monkeypatch.setenv("PYTHONPATH", str(ROOT))  # what the engine exports for vLLM-Omni's workers, undone after
-    pipeline = vob.build_pipeline_class(stock_bagel_pipeline(bagel_torch), SimpleNamespace)
+    pipeline = vob.build_pipeline_class(stock_bagel_pipeline(bagel_torch), SimpleNamespace, NaiveCache)
     return install_fake_vllm_omni(monkeypatch, root, {vob.PIPELINE_CLASS: pipeline}, stages)
 
 

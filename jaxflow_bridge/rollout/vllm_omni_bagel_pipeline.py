@@ -1,23 +1,30 @@
-"""Our BAGEL rollout inside vLLM-Omni 0.20 (docs/bagel.md §7 (d)): the request codec and the pipeline class.
+"""Our BAGEL rollout inside vLLM-Omni 0.20 (docs/bagel.md §2, §7 (d)): the request codec and the pipeline class.
 
-`FlowGRPOBagelPipeline` is vLLM-Omni's `BagelPipeline` (its loading, MoT transformer, prefill, CFG branches and
-autoencoder) with our steps: a rollout request of n samples runs the stock `forward` once a sample, with the
-sample's `WindowScheduler` (jaxflow_bridge/rollout/bagel_scheduler.py) as `self.scheduler`, the hook through which
-`Bagel.generate_image` takes each step, and the sample's initial latents in place of the ones `prepare_vae_latent`
-draws from the global RNG. The stock forward prefills `<|im_start|>` + prompt + `<|im_end|>` (our
-`engine_bagel.context_ids`) and an empty context for the text CFG's unconditional branch; image CFG stays off
-(`cfg_img_scale` 1). Think mode (`think` / `max_think_tokens` in extra_args, greedy: `do_sample` False) is the stock
-forward's own: `prepare_start_tokens`, `generate_text` on a copy of the conditional cache, whose fed tokens advance its
-length and RoPE position; we record what `generate_text` returns and append it to the sample's `prompt_ids` (each
-sample decodes again, n times a prompt: as its prefills, a shared decode is a later speed-up). Requests without our
-`extra_args` (warm-up, plain text-to-image) run the stock pipeline.
-The engine's velocity sees its own float32 timesteps (`linspace(1, 0, N + 1)` shifted by 3), the steps our
-contract's sigmas of the same formula: equal up to float32 rounding. Built lazily on attribute access, as
-`vllm_omni_pipeline`'s classes are; never imports JAX. Not yet run on a GPU.
+`FlowGRPOBagelPipeline` is vLLM-Omni's `BagelPipeline` (its loading, MoT transformer, autoencoder) running a rollout
+request's n samples in lockstep through vLLM-Omni's own pieces, one LLM forward a step for all n samples x 2 CFG
+branches instead of the stock `forward` once a sample:
+
+1. one prefill of the conditional context (`prepare_prompts` + `forward_cache_update_text` on a `NaiveCache`:
+   `<|im_start|>` + prompt + `<|im_end|>`, our `engine_bagel.context_ids`) and, with `think` (greedy), one
+   `prepare_start_tokens` + `generate_text` on it, shared by the request's samples; the unconditional context is
+   empty (kv length 0, image at RoPE position 0); image CFG off;
+2. one `Bagel.generate_image` over the n samples packed: the context cache repeated per sample, `prepare_vae_latent`
+   / `prepare_vae_latent_cfg` with n image sizes, each sample's initial latents from its own `WindowScheduler`
+   (jaxflow_bridge/rollout/bagel_scheduler.py; `same_latent` gives the group the first one's), `LockstepScheduler`
+   as the `scheduler` hook (each sample's step by its own WindowScheduler: its generator, window and log-probs as
+   alone) and `Bagel._combine_cfg` taken per sample for the call (the stock "global" renorm norms over the whole
+   packed tensor, every sample's velocity at once);
+3. the stock `_decode_image_from_latent` of each final latent (vLLM-Omni's uint8 truncation).
+Everything runs under the stock forward's autocast. The trajectory's `prompt_ids` are the ids the prefill and the
+think decode fed. The engine's velocity sees its own float32 timesteps (`linspace(1, 0, N + 1)` shifted by 3), the
+steps our contract's sigmas of the same formula: equal up to float32 rounding. Requests without our `extra_args`
+(warm-up, plain text-to-image) run the stock pipeline. Built lazily on attribute access, as `vllm_omni_pipeline`'s
+classes are; never imports JAX. Not yet run on a GPU.
 """
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import numpy as np
 import torch
@@ -66,50 +73,118 @@ def decode_request(prompts: list, params) -> tuple[str, BagelSamplingParams, lis
     return prompts[0]["prompt"], BagelSamplingParams(**values), list(extra["seeds"]), int(extra["policy_version"])
 
 
-def build_pipeline_class(base: type, output_cls) -> type:
-    """Our pipeline as a subclass of `base` (vLLM-Omni's BagelPipeline: `forward(req)`, `self.bagel`,
-    `self.tokenizer`, `self.scheduler` / `self.scheduler_kwargs`); `output_cls` builds its results (vLLM-Omni's
-    DiffusionOutput). Parameters, so tests can run it on a stand-in."""
-    from jaxflow_bridge.rollout.engine_bagel import context_ids
+class LockstepScheduler:
+    """The `scheduler` hook for n samples packed in one `generate_image`: `step(v, t, x, dt)` splits the packed
+    (n * S, C) velocity and latents into the samples' rows and steps each with its own `WindowScheduler`."""
+
+    def __init__(self, samples: list[WindowScheduler]):
+        self.samples, self.rows = samples, [s.initial.shape[0] for s in samples]
+
+    def step(self, v: torch.Tensor, t, x: torch.Tensor, dt, **kwargs) -> types.SimpleNamespace:
+        vs, xs = v.detach().float().cpu().split(self.rows), x.detach().float().cpu().split(self.rows)
+        out = torch.cat([s.step(vi, t, xi, dt, **kwargs).prev_sample for s, vi, xi in zip(self.samples, vs, xs)])
+        return types.SimpleNamespace(prev_sample=out.to(device=x.device, dtype=x.dtype), log_prob=None)
+
+
+def per_sample_cfg(combine, rows: list[int]):
+    """`combine` (`Bagel._combine_cfg`) over packed velocities, sample by sample (`rows` tokens each): a sample's
+    "global" renorm takes its norms over its own elements, as when it runs alone."""
+
+    def combined(v, v_text, v_img, *args, **kwargs):
+        parts = zip(v.split(rows), v_text.split(rows), [None] * len(rows) if v_img is None else v_img.split(rows))
+        return torch.cat([combine(*p, *args, **kwargs) for p in parts])
+
+    return combined
+
+
+def repeat_cache(cache, n: int, cache_cls):
+    """A `NaiveCache` (per layer packed K/V (tokens, heads, dim), None while empty) holding `cache`'s n times."""
+    out = cache_cls(cache.num_layers)
+    for layer in range(cache.num_layers):
+        for src, dst in ((cache.key_cache, out.key_cache), (cache.value_cache, out.value_cache)):
+            dst[layer] = None if src[layer] is None else torch.cat([src[layer]] * n)
+    return out
+
+
+def build_pipeline_class(base: type, output_cls, cache_cls) -> type:
+    """Our pipeline as a subclass of `base` (vLLM-Omni's BagelPipeline: `forward(req)`, `self.bagel` (Bagel),
+    `self.vae`, `self.tokenizer`, `self.new_token_ids`, `self.device`, `self.od_config.dtype`,
+    `_decode_image_from_latent`); `output_cls` builds its results (DiffusionOutput), `cache_cls` its caches
+    (NaiveCache). Parameters, so tests can run it on a stand-in."""
 
     def __init__(self, *, od_config, **kwargs):
         base.__init__(self, od_config=od_config, **kwargs)
         self.policy_version = 0
 
-    def sample(self, req, sched: WindowScheduler, think: bool) -> tuple[np.ndarray, list[int]]:
-        """One stock forward with `sched` taking every step from `sched.initial`: the image (H, W, 3) uint8 and the
-        tokens its think decode fed (none without `think`)."""
-        bagel, draw, decode, fed = self.bagel, self.bagel.prepare_vae_latent, self.bagel.generate_text, []
+    def _autocast(self):  # the stock forward's
+        return torch.autocast(device_type=self.device.type, enabled=self.device.type != "cpu",
+                              dtype=self.od_config.dtype)
 
-        def with_initial(*args, **kwargs):  # the sample's own initial latents, not the global RNG's
-            out = draw(*args, **kwargs)
-            if tuple(out["packed_init_noises"].shape) != tuple(sched.initial.shape):
-                raise ValueError(f"the engine's latents {tuple(out['packed_init_noises'].shape)} are not the "
-                                 f"request's {tuple(sched.initial.shape)}")
-            out["packed_init_noises"] = sched.initial.to(out["packed_init_noises"].dtype)
-            return out
+    def _on_device(self, inputs: dict) -> dict:
+        return {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in inputs.items()}
 
-        def recorded(*args, **kwargs):  # the fed tokens (seq, 1): start token and generated ones, end excluded
-            tokens = decode(*args, **kwargs)
-            fed.append([int(t) for t in tokens[:, 0].tolist()])
-            return tokens
+    def _rollout_context(self, prompt: str, sp: BagelSamplingParams) -> tuple[dict, list[int]]:
+        """The conditional context of one sequence ({past_key_values, kv_lens, ropes}, as the stock forward keeps
+        it) and the ids it was fed: the framed prompt, then with `think` the greedy decode's fed tokens."""
+        bagel = self.bagel
+        inputs, kv_lens, ropes = bagel.prepare_prompts(curr_kvlens=[0], curr_rope=[0], prompts=[prompt],
+                                                       tokenizer=self.tokenizer, new_token_ids=self.new_token_ids)
+        fed = [int(t) for t in inputs["packed_text_ids"].tolist()]
+        with self._autocast():
+            cache = bagel.forward_cache_update_text(cache_cls(bagel.config.llm_config.num_hidden_layers),
+                                                    **self._on_device(inputs))
+            if sp.think:
+                start = bagel.prepare_start_tokens(kv_lens, ropes, self.new_token_ids)
+                tokens = bagel.generate_text(past_key_values=cache, max_length=sp.max_think_tokens, do_sample=False,
+                                             end_token_id=self.new_token_ids["eos_token_id"], **self._on_device(start))
+                thought = [int(t) for t in tokens[:, 0].tolist()]  # (seq, 1): fed tokens, the end token not fed
+                fed += thought
+                kv_lens, ropes = [k + len(thought) for k in kv_lens], [r + len(thought) for r in ropes]
+        if cache.seq_lens != kv_lens[0]:
+            raise RuntimeError(f"the BAGEL context cache holds {cache.seq_lens} tokens, {kv_lens[0]} were fed")
+        return {"past_key_values": cache, "kv_lens": kv_lens, "ropes": ropes}, fed
 
-        bagel.prepare_vae_latent, bagel.generate_text = with_initial, recorded
-        self.scheduler, self.scheduler_kwargs = sched, {}
+    def _rollout_denoise(self, context: dict, scheds: list[WindowScheduler], sp: BagelSamplingParams,
+                         shape: tuple[int, int]) -> list[torch.Tensor]:
+        """One `generate_image` over the n = len(scheds) samples packed: their final latents (S, C) each."""
+        bagel, n = self.bagel, len(scheds)
+        inputs = bagel.prepare_vae_latent(curr_kvlens=context["kv_lens"] * n, curr_rope=context["ropes"] * n,
+                                          image_sizes=[shape] * n, new_token_ids=self.new_token_ids)
+        drawn, initial = inputs["packed_init_noises"], torch.cat([s.initial for s in scheds])
+        if drawn.shape != initial.shape:
+            raise ValueError(f"the engine's latents {tuple(drawn.shape)} are not the request's {tuple(initial.shape)}")
+        inputs["packed_init_noises"] = initial.to(drawn.dtype)  # the samples' own, not the global RNG's
+        empty = self._on_device(bagel.prepare_vae_latent_cfg(curr_kvlens=[0] * n, curr_rope=[0] * n,
+                                                             image_sizes=[shape] * n))
+        bagel._combine_cfg = per_sample_cfg(type(bagel)._combine_cfg, [s.initial.shape[0] for s in scheds])
         try:
-            image = base.forward(self, req).output
+            with self._autocast():
+                latents, *_ = bagel.generate_image(
+                    past_key_values=repeat_cache(context["past_key_values"], n, cache_cls),
+                    cfg_text_past_key_values=cache_cls(context["past_key_values"].num_layers),
+                    num_timesteps=sp.num_inference_steps + 1, timestep_shift=SCHEDULER_CONFIG["shift"],
+                    cfg_text_scale=sp.cfg_text_scale, cfg_img_scale=ENGINE_EXTRA["cfg_img_scale"],
+                    cfg_interval=tuple(sp.cfg_interval), cfg_renorm_min=sp.cfg_renorm_min,
+                    cfg_renorm_type=ENGINE_EXTRA["cfg_renorm_type"], **self._on_device(inputs),
+                    cfg_text_packed_position_ids=empty["cfg_packed_position_ids"],
+                    cfg_text_packed_query_indexes=empty["cfg_packed_query_indexes"],
+                    cfg_text_key_values_lens=empty["cfg_key_values_lens"],
+                    cfg_text_packed_key_value_indexes=empty["cfg_packed_key_value_indexes"],
+                    return_trajectory_latents=False, scheduler=LockstepScheduler(scheds), scheduler_kwargs={})
         finally:
-            del bagel.prepare_vae_latent, bagel.generate_text
-            self.scheduler = None
-        if len(fed) != int(think):
-            raise RuntimeError(f"the stock BAGEL forward ran {len(fed)} think decodes for think={think}")
-        return np.asarray(image, np.uint8), fed[0] if fed else []
+            del bagel._combine_cfg
+        return list(latents)
 
+    @torch.inference_mode()
     def forward(self, req, *args, **kwargs):
         """A rollout request -> DiffusionOutput with our trajectory; any other request -> the stock pipeline."""
         if not is_rollout_request(req.sampling_params):
             return base.forward(self, req, *args, **kwargs)
         prompt, sp, seeds, self.policy_version = decode_request(req.prompts, req.sampling_params)
+        shape, n = (sp.height, sp.width), len(seeds)
+        if max(shape) > self.bagel.max_latent_size * self.bagel.latent_downsample:
+            raise ValueError(f"{sp.height}x{sp.width} exceeds this BAGEL's "
+                             f"{self.bagel.max_latent_size * self.bagel.latent_downsample} pixels a side")
         grid = (sp.height // PIXELS_PER_TOKEN, sp.width // PIXELS_PER_TOKEN)
         sigmas = sigma_schedule(SCHEDULER_CONFIG, sp.num_inference_steps, grid[0] * grid[1])
         scheds = [WindowScheduler(sigmas, s, window=sp.sde_window_size, window_range=sp.sde_window_range,
@@ -119,13 +194,14 @@ def build_pipeline_class(base: type, output_cls) -> type:
         if sp.same_latent:  # each drew its own first, as BagelSamplingLoop's generators do
             for sched in scheds[1:]:
                 sched.initial = scheds[0].initial
-        images, fed = zip(*(self.sample(req, sched, sp.think) for sched in scheds))
+        context, fed = self._rollout_context(prompt, sp)
+        latents = self._rollout_denoise(context, scheds, sp, shape)
+        images = np.stack([np.asarray(self._decode_image_from_latent(self.bagel, self.vae, x, shape), np.uint8)
+                           for x in latents])
         paths = [sched.trajectory() for sched in scheds]
-        ids, mask = pad_ids([context_ids(self.tokenizer, prompt) + f for f in fed])
-        n = len(seeds)
+        ids, mask = pad_ids([fed] * n)
         empty = dict(negative_prompt_ids=np.zeros((n, 0), np.int32),
                      negative_prompt_mask=np.zeros((n, 0), bool)) if sp.cfg_text_scale > 1 else {}
-        images = np.stack(images)
         batch = TrajectoryBatch(
             images=images, latents=np.stack([p["latents"] for p in paths]),
             log_probs=np.stack([p["log_probs"] for p in paths]), sigmas=sigmas,
@@ -137,17 +213,20 @@ def build_pipeline_class(base: type, output_cls) -> type:
         # BAGEL's post-processing is the identity: the uint8 images as they are, not pack_trajectories' float copy
         return output_cls(**{**pack_trajectories(batch), "output": torch.from_numpy(images)})
 
-    doc = "vLLM-Omni's BagelPipeline taking our SDE steps (see the module docstring)."
-    namespace = {"__init__": __init__, "sample": sample, "forward": forward, "lora_component": "bagel",
-                 "__module__": __name__, "__qualname__": "FlowGRPOBagelPipeline", "__doc__": doc}
+    doc = "vLLM-Omni's BagelPipeline running a request's samples in lockstep (see the module docstring)."
+    namespace = {"__init__": __init__, "_autocast": _autocast, "_on_device": _on_device,
+                 "_rollout_context": _rollout_context, "_rollout_denoise": _rollout_denoise, "forward": forward,
+                 "lora_component": "bagel", "__module__": __name__, "__qualname__": "FlowGRPOBagelPipeline",
+                 "__doc__": doc}
     return type("FlowGRPOBagelPipeline", (base,), namespace)
 
 
 def _pipeline_class() -> type:
     from vllm_omni.diffusion.data import DiffusionOutput
+    from vllm_omni.diffusion.models.bagel.bagel_transformer import NaiveCache
     from vllm_omni.diffusion.models.bagel.pipeline_bagel import BagelPipeline
 
-    return build_pipeline_class(BagelPipeline, DiffusionOutput)
+    return build_pipeline_class(BagelPipeline, DiffusionOutput, NaiveCache)
 
 
 def __getattr__(name: str):
