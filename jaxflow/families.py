@@ -25,6 +25,7 @@ from jaxflow.models.loading import entries_fingerprint, fingerprint, load_transf
 from jaxflow.models.lora import LoRASpec
 from jaxflow.models.random_init import random_transformer
 from jaxflow_bridge.contract import bagel_keymap
+from jaxflow_bridge.contract.schedule import pixels_per_token
 
 log = logging.getLogger("jaxflow.train")
 
@@ -46,22 +47,21 @@ class QwenImage:
         return Path(cfg.model.path)
 
     def size_multiple(self, cfg) -> int:
-        """2 x the VAE's spatial factor (2 x 2 latent patches): the folder's vae/config.json or the tiny model's."""
+        """`pixels_per_token` of the VAE: the folder's vae/config.json or the tiny model's."""
         if cfg.model.path == self.tiny:
             from jaxflow_bridge.rollout.tiny import TINY_VAE_CONFIG
-            downsample = TINY_VAE_CONFIG["temperal_downsample"]
+            vae = TINY_VAE_CONFIG
         else:
-            vae = Path(cfg.model.path) / "vae" / "config.json"
-            if not vae.exists():
+            path = Path(cfg.model.path) / "vae" / "config.json"
+            if not path.exists():
                 raise FileNotFoundError(f"{cfg.model.path} has no vae/config.json: it must be a diffusers Qwen-Image "
                                         "folder")
-            downsample = json.loads(vae.read_text())["temperal_downsample"]
-        return 2 * 2 ** len(downsample)
+            vae = json.loads(path.read_text())
+        return pixels_per_token(vae)
 
     def grid_hw(self, folder: Path, cfg) -> tuple[int, int]:
-        """Packed latent grid: the VAE downsamples by 2**len(temperal_downsample), then 2x2 patches are packed."""
-        vae = json.loads((folder / "vae" / "config.json").read_text())
-        factor = 2 * 2 ** len(vae["temperal_downsample"])
+        """Packed latent grid: a token spans `pixels_per_token` of the folder's VAE per side."""
+        factor = pixels_per_token(json.loads((folder / "vae" / "config.json").read_text()))
         return cfg.sample.height // factor, cfg.sample.width // factor
 
     def lora_spec(self, cfg) -> LoRASpec:

@@ -23,6 +23,7 @@ import torch
 
 from jaxflow_bench.flops import DATASHEET_TFLOPS, qwen_flops
 from jaxflow_bench.results import write_result
+from jaxflow_bridge.contract.schedule import pixels_per_token
 from jaxflow_bridge.rollout.full_size import full_size_pipeline
 from jaxflow_bridge.rollout.pipeline import RolloutPipeline
 from jaxflow_bridge.rollout.sampling import SamplingParams
@@ -62,7 +63,7 @@ def image_tflops(pipe, rollout: RolloutPipeline, args) -> float:
     """Model TFLOP of one image's transformer calls (jaxflow_bench/flops.py): every step runs the prompt's call and, with
     CFG, the negative prompt's; token counts from the pipeline's own text encoding. VAE and text encoder left out."""
     prompt, negative = (len(e) for e in rollout.encode([PROMPT, " "]))
-    img = (args.size // (2 * 2 ** len(pipe.vae.config.temperal_downsample))) ** 2  # the VAE's factor, 2x2 patches
+    img = (args.size // pixels_per_token(pipe.vae.config)) ** 2
     calls = [prompt, negative] if args.cfg > 1 else [prompt]
     return args.steps * sum(qwen_flops(dict(pipe.transformer.config), img, t)["fwd"] for t in calls) / 1e12
 

@@ -105,6 +105,13 @@ def test_sigma_schedule_known_qwen_values():
     np.testing.assert_allclose(s[[0, 1, 2, 3, -3, -2, -1]], [1, 0.9897009, 0.9791915, 0.9684653, 0.0584758, 0.01999998, 0], atol=1e-7)
 
 
+def test_pixels_per_token_is_the_vaes_factor_times_the_2x2_patch():
+    """Qwen-Image's VAE (three temporal-downsample entries: 8x) gives 16 pixels a token; the tiny model's (two) 8."""
+    from jaxflow_bridge.rollout.full_size import VAE_CONFIG
+    from jaxflow_bridge.rollout.tiny import TINY_VAE_CONFIG
+    assert schedule.pixels_per_token(VAE_CONFIG) == 16 and schedule.pixels_per_token(TINY_VAE_CONFIG) == 8
+
+
 def test_sigma_schedule_rejects_unsupported():
     with pytest.raises(ValueError, match="use_karras_sigmas"):
         schedule.sigma_schedule(dict(QWEN, use_karras_sigmas=True), 10, 1024)

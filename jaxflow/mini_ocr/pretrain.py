@@ -37,7 +37,7 @@ from flax import nnx
 from jaxflow.models.config import ModelOptions
 from jaxflow.models.loading import load_transformer, save_transformer
 from jaxflow.sharding import Layout, ShardingConfig
-from jaxflow_bridge.contract.schedule import calculate_shift
+from jaxflow_bridge.contract.schedule import calculate_shift, pixels_per_token
 from jaxflow_bridge.mini_ocr.render import HEIGHT, WIDTH
 
 
@@ -152,9 +152,8 @@ def pretrain(pipeline: Path, data: Path, steps: int, batch: int = 256, lr: float
 
 
 def _grid(pipeline: Path, tokens: int) -> tuple[int, int]:
-    """The packed token grid of the mini images: the VAE factor times 2 (2x2 patches) per token."""
-    vae = json.loads((pipeline / "vae" / "config.json").read_text())
-    factor = 2 * 2 ** len(vae["temperal_downsample"])
+    """The packed token grid of the mini images (`pixels_per_token` of the pipeline's VAE)."""
+    factor = pixels_per_token(json.loads((pipeline / "vae" / "config.json").read_text()))
     grid = (HEIGHT // factor, WIDTH // factor)
     if grid[0] * grid[1] != tokens:
         raise ValueError(f"latents have {tokens} tokens, but {HEIGHT}x{WIDTH} images give {grid}: re-run "

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from jaxflow_bridge.contract.bagel_keymap import IGNORED_PREFIXES, generation_expert_adapter
 from jaxflow_bridge.contract.lora import to_vllm_omni
+from jaxflow_bridge.contract.schedule import pixels_per_token
 from jaxflow_bridge.rollout import vllm_omni_bagel_pipeline as bagel_pipeline
 from jaxflow_bridge.rollout import vllm_omni_pipeline as qwen_pipeline
 from jaxflow_bridge.rollout.bagel_sampling import BagelSamplingParams
@@ -34,8 +35,7 @@ class QwenImage:
 
     def __init__(self, folder: Path):
         self.folder = folder
-        vae = json.loads((folder / "vae" / "config.json").read_text())
-        self.size_multiple = 2 * 2 ** len(vae["temperal_downsample"])
+        self.size_multiple = pixels_per_token(json.loads((folder / "vae" / "config.json").read_text()))
 
     def pipeline_args(self, config: dict) -> dict:
         """custom_pipeline_args: the class, its options (`vllm_omni_pipeline.pipeline_options`) and `random_seed`."""
