@@ -7,8 +7,8 @@ the tokenizer; or "tiny_bagel" for the cached tiny random one), `device` ("cpu",
 `random_seed` (optional: the weights drawn by the shared random spec, `jaxflow_bridge/contract/random_weights.py`, by
 checkpoint name, as the trainer's `model.init=random`; the folder then needs no ema.safetensors). A prompt's context
 is `<|im_start|>` + its tokens + `<|im_end|>` (docs/bagel.md §4), carried as the trajectory's `prompt_ids`; with the
-sampling's `think`, followed by the prompt's think tokens (`bagel_think.py`: the checkpoint's text head, loaded beside
-the model, decodes once a prompt). LoRA: PEFT adapters in BAGEL's names (the trainer's
+sampling's `think`, followed by the prompt's think tokens (`bagel_think.py`: the checkpoint's text head, loaded on
+the first think request, decodes once a prompt). LoRA: PEFT adapters in BAGEL's names (the trainer's
 `jaxflow.models.bagel.lora.peft_state_dict`; the `base_model.model.` prefix optional) on the generation expert's
 Linears, applied atomically by `LoraApplier`. Never imports JAX.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import Qwen2TokenizerFast
 
@@ -66,16 +67,11 @@ class BagelTorchEngine(RolloutEngine):
                                  f"model='tiny_bagel')")
         self.model_path = str(folder)
         fields = bagel_torch_fields(folder)
-        self.model = BagelTorch(**fields)
-        self.head = TextHead(fields["hidden_size"], fields["vocab_size"], fields["rms_norm_eps"])
+        self.model, self.fields, self.seed, self._head = BagelTorch(**fields), fields, seed, None
         if seed is None:
-            tensors = load_file(folder / "ema.safetensors")
+            self.model.load_checkpoint(load_file(folder / "ema.safetensors"))
         else:  # the shared random spec by checkpoint name, as the trainer draws it (model.init=random)
-            shapes = {**self.model.state_dict(), **self.head.state_dict()}
-            tensors = {name: torch_weight(int(seed), name, tuple(t.shape), torch.float32, "cpu")
-                       for name, t in shapes.items()}
-        self.model.load_checkpoint(tensors)
-        self.head.load_checkpoint(tensors)
+            self.model.load_checkpoint(self.drawn(self.model.state_dict()))
         self.model.eval()
         self.fingerprint = weights_fingerprint(self.model.state_dict().items())
         self.tokenizer = Qwen2TokenizerFast.from_pretrained(folder)  # BAGEL ships Qwen2.5's tokenizer files
@@ -86,10 +82,33 @@ class BagelTorchEngine(RolloutEngine):
             if self.decoder.params["z_channels"] != fields["z_channels"]:
                 raise ValueError(f"{self.name} engine: config.json's vae_config has z_channels "
                                  f"{fields['z_channels']}, the autoencoder {self.decoder.params['z_channels']}")
-        start, end = self.tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
-        self.loop = BagelSamplingLoop(self.model, self.decoder or latent_preview,
-                                      thinker=Thinker(self.model, self.head, start, end))
+        self.think_ids = self.tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+        self.loop = BagelSamplingLoop(self.model, self.decoder or latent_preview, thinker=self.think)
         self.asleep = False
+
+    def drawn(self, like: dict) -> dict:
+        """`like`'s tensors drawn by the shared random spec from `random_seed`, by checkpoint name."""
+        return {name: torch_weight(int(self.seed), name, tuple(t.shape), torch.float32, "cpu")
+                for name, t in like.items()}
+
+    @property
+    def head(self) -> TextHead:
+        """The checkpoint's text head (think mode's logits), read or drawn on first use: runs without think mode never
+        load it (2.2 GB in float32 at full size)."""
+        if self._head is None:
+            f = self.fields
+            head = TextHead(f["hidden_size"], f["vocab_size"], f["rms_norm_eps"])
+            if self.seed is None:
+                with safe_open(Path(self.model_path) / "ema.safetensors", framework="pt") as file:
+                    head.load_checkpoint({k: file.get_tensor(k) for k in head.state_dict() if k in file.keys()})
+            else:
+                head.load_checkpoint(self.drawn(head.state_dict()))
+            self._head = head
+        return self._head
+
+    def think(self, ids, max_tokens: int):
+        """Think mode's decode of one prompt's context ids (`bagel_think.Thinker`)."""
+        return Thinker(self.model, self.head, *self.think_ids)(ids, max_tokens)
 
     def generate(self, prompts: list[str], n: int, sampling: dict | None = None, seeds=None) -> dict:
         """TrajectoryBatch.to_dict() of B = len(prompts) * n samples (see BagelSamplingLoop.generate)."""
