@@ -19,7 +19,7 @@ Everything runs under the stock forward's autocast. The trajectory's `prompt_ids
 think decode fed. The engine's velocity sees its own float32 timesteps (`linspace(1, 0, N + 1)` shifted by 3), the
 steps our contract's sigmas of the same formula: equal up to float32 rounding. Requests without our `extra_args`
 (warm-up, plain text-to-image) run the stock pipeline. Built lazily on attribute access, as `vllm_omni_pipeline`'s
-classes are; never imports JAX. Not yet run on a GPU.
+classes are; never imports JAX. Parity on a GPU: BENCHMARKS.md, "BAGEL through vLLM-Omni, tiny".
 """
 from __future__ import annotations
 
