@@ -34,6 +34,7 @@ def _fail(key: str, message: str):
 
 
 LAYOUTS = ("colocated", "split", "in_process")  # rollout.layout (jaxflow/recipes.py)
+BAGEL_DEPLOYS = ("single_stage", "two_stage")  # rollout.bagel_deploy: vLLM-Omni's BAGEL topologies
 LORA_MODES = ("auto", "merged", "layers")  # rollout.lora_mode
 
 
@@ -108,6 +109,15 @@ def _check_model(cfg: ConfigDict) -> None:
     elif tuple(cfg.sample.cfg_interval) != (0.0, 1.0) or cfg.sample.cfg_renorm_min != 0.0:
         _fail("sample.cfg_interval", "and sample.cfg_renorm_min are BAGEL's text CFG; Qwen-Image's true CFG has "
                                      "neither: leave them at 0.0, 1.0 and 0.0")
+    deploy = cfg.rollout.bagel_deploy
+    if deploy not in BAGEL_DEPLOYS:
+        _fail("rollout.bagel_deploy", f"{deploy!r}; choose one of {BAGEL_DEPLOYS}")
+    if deploy != "single_stage" and (family.name != "bagel" or cfg.rollout.engine != "vllm_omni"):
+        _fail("rollout.bagel_deploy", f"{deploy!r} is vLLM-Omni's BAGEL topology; with model.family={family.name!r} "
+                                      f"and rollout.engine={cfg.rollout.engine!r} leave it 'single_stage'")
+    if deploy == "two_stage" and cfg.sample.think:
+        _fail("rollout.bagel_deploy", "'two_stage' has no think mode yet (the thinker only prefills): pass "
+                                      "--config.rollout.bagel_deploy=single_stage or --config.sample.think=False")
     if cfg.sample.think and family.name != "bagel":
         _fail("sample.think", f"True is BAGEL's think mode; model.family={family.name!r} has none: pass "
                               f"--config.sample.think=False")

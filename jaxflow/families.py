@@ -174,7 +174,8 @@ class Bagel:
         return entries_fingerprint(nnx.state(model, nnx.Param), bagel_keymap.key_map(), model.cfg.num_hidden_layers)
 
     def engine_config(self, cfg) -> dict:
-        return {}
+        """vllm_omni: the deployment (rollout.bagel_deploy)."""
+        return {"deploy": cfg.rollout.bagel_deploy} if cfg.rollout.engine == "vllm_omni" else {}
 
     def sampling(self, cfg, eval_mode: bool) -> dict:
         """BagelSamplingParams' keys: BAGEL's text CFG (scale sample.guidance, sample.cfg_interval,

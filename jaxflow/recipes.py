@@ -85,6 +85,8 @@ HELP: dict[str, str] = {
                          "on vllm_omni, but for BAGEL)",
     "rollout.cfg_forward": "true CFG's two rows: 'batched' (one forward, text padded to one length) or 'split' (a "
                            "forward each)",
+    "rollout.bagel_deploy": "BAGEL on vllm_omni: 'single_stage' (one DiT stage) or 'two_stage' (a vLLM thinker "
+                            "prefills, the DiT denoises; no think mode); docs/bagel.md §3",
     "sample.height": "image height in pixels: a multiple of 2 x the VAE's spatial factor (16 for Qwen-Image)",
     "sample.width": "image width in pixels: a multiple of 2 x the VAE's spatial factor (16 for Qwen-Image)",
     "sample.num_steps": "sampling steps of the training rollout",
@@ -203,7 +205,10 @@ def base() -> ml_collections.ConfigDict:
                      lora_mode="auto",
                      # "split": no attention mask within a prompt group; vLLM-Omni's rollout 1.05x with the LoRA,
                      # 1.07x without (BENCHMARKS.md, true CFG)
-                     cfg_forward="split")
+                     cfg_forward="split",
+                     # BAGEL on vllm_omni: vLLM-Omni's single DiT stage (what verl-omni trains with), or "two_stage"
+                     # (its bagel.yaml: a vLLM thinker prefills, the DiT denoises; docs/bagel.md §3)
+                     bagel_deploy="single_stage")
     c.sample = dict(height=512, width=512, num_steps=10, guidance=4.0, noise_level=1.2, sde_type="sde",
                     window_size=2, window_range=(0, 5), negative_prompt=" ", same_latent=False,
                     cfg_interval=(0.0, 1.0), cfg_renorm_min=0.0,

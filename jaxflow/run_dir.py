@@ -27,7 +27,8 @@ OUTPUTS = ("metrics.jsonl", "checkpoints", "eval", "tb", "lora_final")
 NOT_TRAINING = ("run_dir", "train.num_steps", "log", "eval", "checkpoint", "rollout.address", "rollout.num_servers",
                 "rollout.num_cpus", "rollout.num_gpus", "rollout.max_retries", "rollout.layout",
                 "rollout.in_process",  # runs before rollout.layout named it
-                "rollout.sleep_while_training", "rollout.compile", "rollout.cfg_forward", "reward.workers", "sharding",
+                "rollout.sleep_while_training", "rollout.compile", "rollout.cfg_forward", "rollout.bagel_deploy",
+                "reward.workers", "sharding",
                 "train.num_micro_batches", "model.remat", "model.attention", "model.scan_unroll", "model.lora_gemm",
                 "train.xla_options", "profile")
 

@@ -187,43 +187,63 @@ class FakeWorker(RolloutWorkerMethods):
         self.model_runner, self.lora_manager = SimpleNamespace(pipeline=pipeline), None
 
 
-def install_fake_vllm_omni(monkeypatch, root, pipelines: dict, stages: int = 1) -> type:
-    """Put a stand-in vLLM-Omni package in sys.modules (its folder `root/vllm_omni`, holding
-    `deploy/bagel_single_stage.yaml`) for the test's duration; returns its AsyncOmni class.
+def install_fake_vllm_omni(monkeypatch, root, pipelines: dict, stages: int = 1, thinker=None) -> type:
+    """Put a stand-in vLLM-Omni package in sys.modules (its folder `root/vllm_omni`, holding BAGEL's
+    `deploy/bagel_single_stage.yaml` and `deploy/bagel.yaml`) and vLLM's `SamplingParams` for the test's duration;
+    returns its AsyncOmni class.
 
-    AsyncOmni(model, **kwargs) records its keywords, reports `stages` stages and builds one worker whose pipeline is
-    `pipelines[custom_pipeline_args["pipeline_class"]](od_config=...)`: `collective_rpc` calls the worker's methods,
-    `generate` runs the pipeline's `forward` on the request the inline diffusion client builds, `add_lora` puts a
-    FakeManager of the adapter folder's modules over the pipeline's LoRA component, `shutdown` sets `stopped`. Every
-    instance is in `started`.
-    OmniDiffusionSamplingParams and LoRARequest are SimpleNamespace."""
+    AsyncOmni(model, **kwargs) records its keywords, reports `stages` stages and builds one worker (on the last stage)
+    whose pipeline is `pipelines[args["pipeline_class"]](od_config=...)` for the custom_pipeline_args given (top
+    level, or `stage_<N>_` prefixed): `collective_rpc` calls the worker's methods on that stage (`stage_ids`
+    recorded in `rpcs`; a thinker stage answers `{"todo": True}`), its `add_lora` puts a FakeManager of the adapter
+    folder's modules over the pipeline's LoRA component, `generate` runs the pipeline's `forward` on the request the
+    inline diffusion client builds; with two stages `thinker(text)` -> (ids, kv, next position) stands in for the
+    AR stage: its output first (`stage_id` 0, `request_output.prompt_token_ids`), then its KV and `kv_metadata` in
+    the DiT's params, as vLLM-Omni's KV transfer sets them. `shutdown` sets `stopped`. Every instance is in
+    `started`. OmniDiffusionSamplingParams, vLLM's SamplingParams and LoRARequest are SimpleNamespace."""
     package = root / "vllm_omni"
     (package / "deploy").mkdir(parents=True)
     (package / "__init__.py").write_text("")
     (package / "deploy" / "bagel_single_stage.yaml").write_text("pipeline: bagel_single_stage\nasync_chunk: false\n")
+    (package / "deploy" / "bagel.yaml").write_text("async_chunk: false\nstages: []\n")
 
     class AsyncOmni:
         started = []
 
         def __init__(self, model, **kwargs):
             self.model, self.kwargs, self.num_stages, self.requests, self.loaded = model, kwargs, stages, [], []
-            self.stopped = False
-            args = kwargs["custom_pipeline_args"]
+            self.stopped, self.thinker_requests, self.rpcs = False, [], []
+            args = next(v for k, v in kwargs.items() if k.endswith("custom_pipeline_args"))
             od_config = SimpleNamespace(model=model, custom_pipeline_args=args)
             self.worker = FakeWorker(pipelines[args["pipeline_class"]](od_config=od_config))
             AsyncOmni.started.append(self)
 
-        async def collective_rpc(self, method, args=()):
-            return [[getattr(self.worker, method)(*args)]]
+        async def collective_rpc(self, method, args=(), stage_ids=None):
+            self.rpcs.append((method, stage_ids))
+            replies = []
+            for stage in range(stages) if stage_ids is None else stage_ids:
+                if stage != stages - 1:
+                    replies.append({"todo": True})
+                elif method in ("add_lora", "remove_lora"):
+                    replies.append(getattr(self, f"_{method}")(*args))
+                else:
+                    replies.append([getattr(self.worker, method)(*args)])
+            return replies
 
         async def generate(self, prompt, request_id, sampling_params_list):
-            (params,) = sampling_params_list
+            *first, params = sampling_params_list
+            assert len(first) == stages - 1
             self.requests.append((prompt, params))
+            if first:
+                self.thinker_requests.append((prompt, first[0]))
+                ids, kv, rope = thinker(prompt["prompt"])
+                yield SimpleNamespace(stage_id=0, request_output=SimpleNamespace(prompt_token_ids=ids))
+                params = SimpleNamespace(**vars(params), past_key_values=kv, kv_metadata={"ropes": [rope]})
             with torch.inference_mode():
                 yield self.worker.model_runner.pipeline.forward(
                     SimpleNamespace(prompts=[prompt], sampling_params=params, request_ids=[request_id]))
 
-        async def add_lora(self, request):
+        def _add_lora(self, request):
             pairs = lora_pairs(read_peft(request.lora_path)[0])
             name, component = lora_component(self.worker.model_runner.pipeline)
             rank = next(iter(pairs.values()))[0].shape[0]
@@ -232,7 +252,7 @@ def install_fake_vllm_omni(monkeypatch, root, pipelines: dict, stages: int = 1) 
             self.loaded.append(request)
             return True
 
-        async def remove_lora(self, adapter_id):
+        def _remove_lora(self, adapter_id):
             return True
 
         def shutdown(self):
@@ -240,7 +260,8 @@ def install_fake_vllm_omni(monkeypatch, root, pipelines: dict, stages: int = 1) 
 
     modules = {name: types.ModuleType(name) for name in (
         "vllm_omni", "vllm_omni.entrypoints", "vllm_omni.entrypoints.async_omni", "vllm_omni.inputs",
-        "vllm_omni.inputs.data", "vllm_omni.lora", "vllm_omni.lora.request")}
+        "vllm_omni.inputs.data", "vllm_omni.lora", "vllm_omni.lora.request", "vllm")}
+    modules["vllm"].SamplingParams = SimpleNamespace
     modules["vllm_omni"].__file__ = str(package / "__init__.py")
     modules["vllm_omni.entrypoints.async_omni"].AsyncOmni = AsyncOmni
     modules["vllm_omni.inputs.data"].OmniDiffusionSamplingParams = SimpleNamespace

@@ -345,3 +345,20 @@ def stock_bagel_pipeline(engine) -> type:
             return SimpleNamespace(output=self._decode_image_from_latent(bagel, self.vae, latents[0], shape))
 
     return BagelPipeline
+
+
+def stand_in_thinker(engine):
+    """vLLM-Omni's thinker stage (`OmniBagelForConditionalGeneration` in vLLM's AR engine) over the bagel_torch
+    `engine`'s model: the prompt text tokenized as vLLM does (special tokens in the text become their ids), one causal
+    prefill of the und expert at positions 0..L-1, the KV as the DiT stage receives it (per layer packed (L, heads,
+    dim) `key_cache` / `value_cache` lists) and the next RoPE position L (`get_kv_transfer_metadata` after a prefill).
+    A function text -> (ids, kv, next position)."""
+    model, tokenizer = engine.model, engine.tokenizer
+
+    def thinker(text: str):
+        ids = tokenizer(text)["input_ids"]
+        context = model.prefill(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.bool))
+        kv = SimpleNamespace(key_cache=[k[0] for k in context.keys], value_cache=[v[0] for v in context.values])
+        return ids, kv, len(ids)
+
+    return thinker

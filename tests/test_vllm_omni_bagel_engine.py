@@ -14,6 +14,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from jaxflow import config as config_lib
+from jaxflow import families, recipes
+from jaxflow.config import UserError, config_module
 from jaxflow_bridge.contract import bagel_keymap
 from jaxflow_bridge.contract.lora import lora_pairs, read_peft
 from jaxflow_bridge.contract.lora_shm import SharedAdapterFile
@@ -30,7 +33,7 @@ from jaxflow_bridge.rollout.pipeline import stored_fingerprint
 from jaxflow_bridge.rollout.vllm_omni_kinds import BAGEL_DEPLOY_FILE, Bagel, QwenImage, model_kind
 from tests.helpers import ROOT
 from tests.helpers_vllm_omni import SAMPLING, SEEDS, FakeBagel, FakeOmniQwenImagePipeline, install_fake_vllm_omni
-from tests.helpers_vllm_omni_bagel import NaiveCache, stock_bagel_pipeline
+from tests.helpers_vllm_omni_bagel import NaiveCache, stand_in_thinker, stock_bagel_pipeline
 
 LAYERS, TARGETS = tiny_bagel.TINY_LLM["num_hidden_layers"], len(bagel_keymap.DEFAULT_LORA_TARGETS)
 RANK, ALPHA = 4, 8.0
@@ -50,11 +53,13 @@ def bagel_torch(folder):
     return BagelTorchEngine({"engine": "bagel_torch", "model": str(folder), "decode": "preview"})
 
 
-def fake_omni(monkeypatch, root, bagel_torch, stages=1) -> type:
-    """The stand-in vLLM-Omni under `root`, its pipeline ours over the bagel_torch engine's model; its AsyncOmni."""
+def fake_omni(monkeypatch, root, bagel_torch, stages=1, thinker=None) -> type:
+    """The stand-in vLLM-Omni under `root`, its pipeline ours over the bagel_torch engine's model (two stages: the
+    stand-in thinker over the same model before it); its AsyncOmni."""
     monkeypatch.setenv("PYTHONPATH", str(ROOT))  # what the engine exports for vLLM-Omni's workers, undone after
     pipeline = vob.build_pipeline_class(stock_bagel_pipeline(bagel_torch), SimpleNamespace, NaiveCache)
-    return install_fake_vllm_omni(monkeypatch, root, {vob.PIPELINE_CLASS: pipeline}, stages)
+    return install_fake_vllm_omni(monkeypatch, root, {vob.PIPELINE_CLASS: pipeline}, stages,
+                                  thinker or (stand_in_thinker(bagel_torch) if stages == 2 else None))
 
 
 def start(monkeypatch, root, bagel_torch, stages=1, **config):
@@ -134,13 +139,13 @@ def test_bagel_starts_our_pipeline_in_vllm_omnis_single_stage_deployment(folder,
 
 def test_a_missing_deploy_file_or_a_second_stage_is_refused_in_one_line(bagel_torch, tmp_path, monkeypatch):
     two = fake_omni(monkeypatch, tmp_path / "two", bagel_torch, stages=2)
-    with pytest.raises(RuntimeError, match=r"vLLM-Omni started 2 stages .* serves one diffusion stage") as err:
+    with pytest.raises(RuntimeError, match=r"vLLM-Omni started 2 stages .* expected 1 \(BAGEL: ") as err:
         VllmOmniEngine({"engine": "vllm_omni", "model": bagel_torch.model_path})
     one_line(err)
     assert two.started[0].stopped  # shut down, not left holding the GPU
     omni = fake_omni(monkeypatch, tmp_path / "old", bagel_torch)
     (tmp_path / "old" / "vllm_omni" / "deploy" / "bagel_single_stage.yaml").unlink()
-    with pytest.raises(FileNotFoundError, match="bagel_single_stage.yaml is missing: BAGEL needs") as err:
+    with pytest.raises(FileNotFoundError, match="bagel_single_stage.yaml is missing: BAGEL.s deploy=") as err:
         VllmOmniEngine({"engine": "vllm_omni", "model": bagel_torch.model_path})
     one_line(err)
     assert omni.started == []
@@ -209,6 +214,86 @@ def test_a_rollout_is_the_bagel_torch_engines_samples(bagel_torch, tmp_path, mon
             np.testing.assert_array_equal(got if field == "sigmas" else got[j:j + 1], want, err_msg=field)
     with pytest.raises(ValueError, match="unknown"):  # BagelSamplingParams, not Qwen-Image's
         engine.generate([PROMPT], 2, {"true_cfg_scale": 4.0})
+
+
+# ---------------------------------------------------------------------------------------------- two stages
+
+
+def test_two_stages_start_the_thinker_and_our_pipeline_on_the_dit_stage(folder, bagel_torch, tmp_path, monkeypatch):
+    """deploy="two_stage": vLLM-Omni's `bagel.yaml` (thinker, then DiT), our pipeline and extension by the DiT
+    stage's `stage_1_*` keywords (the thinker stays vLLM-Omni's), worker RPCs to that stage alone."""
+    engine, omni = start(monkeypatch, tmp_path, bagel_torch, stages=2, deploy="two_stage")
+    (started,) = omni.started
+    assert started.kwargs == {"stage_1_custom_pipeline_args": {"pipeline_class": vob.PIPELINE_CLASS},
+                              "deploy_config": str(tmp_path / "vllm_omni" / "deploy" / "bagel.yaml"),
+                              "stage_1_worker_extension_cls": vop.WORKER_EXTENSION_CLASS,
+                              "dtype": "bfloat16", "enable_sleep_mode": True}
+    assert started.rpcs == [("rollout_lora_modules", [1])] and engine.info()["lora_modules"] == 0
+    one = fake_omni(monkeypatch, tmp_path / "one", bagel_torch)  # a one-stage start where two were asked
+    with pytest.raises(RuntimeError, match="started 1 stages .* expected 2") as err:
+        VllmOmniEngine({"engine": "vllm_omni", "model": bagel_torch.model_path, "deploy": "two_stage"})
+    one_line(err)
+    assert one.started[0].stopped
+
+
+def test_a_two_stage_rollout_is_the_single_stages(folder, bagel_torch, tmp_path, monkeypatch):
+    """The thinker prefills the framed prompt (one greedy token asked) and its KV replaces our prefill: every
+    sample equal to the single-stage engine's byte for byte, with and without a LoRA, which binds on the DiT stage
+    alone; the ids the thinker reports are the trajectory's."""
+    sp = dataclasses.asdict(SP)
+    single, _ = start(monkeypatch, tmp_path / "single", bagel_torch)
+    engine, omni = start(monkeypatch, tmp_path / "two", bagel_torch, stages=2, deploy="two_stage")
+    started = omni.started[-1]
+    for version in (0, 1):
+        if version:
+            for e in (single, engine):
+                assert e.update_lora(adapter(folder, 5), 1, CONFIG)["bound_modules"] == LAYERS * TARGETS
+            assert started.rpcs[-1] == ("add_lora", [1])
+        want = TrajectoryBatch.from_dict(single.generate([PROMPT, "a fox"], 2, sp, seeds=[3, 4, 5, 6]))
+        got = TrajectoryBatch.from_dict(engine.generate([PROMPT, "a fox"], 2, sp, seeds=[3, 4, 5, 6]))
+        for field in ("images", "latents", "log_probs", "sigmas", "step_index", "prompt_ids", "prompt_mask",
+                      "negative_prompt_ids", "seeds", "policy_versions"):
+            np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
+    prompt, thinker = started.thinker_requests[0]
+    assert prompt == {"prompt": f"<|im_start|>{PROMPT}<|im_end|>"} and vars(thinker) == {"max_tokens": 1,
+                                                                                         "temperature": 0.0}
+    assert started.requests[0][1].extra_args["framed"] and started.requests[-1][1].lora_request is not None
+    assert all(stages == [1] for method, stages in started.rpcs)  # nothing asked of the thinker
+
+
+def test_two_stages_refuse_think_and_a_thinker_that_fed_other_ids(bagel_torch, tmp_path, monkeypatch):
+    engine, _ = start(monkeypatch, tmp_path / "a", bagel_torch, stages=2, deploy="two_stage")
+    with pytest.raises(ValueError, match="think mode runs in the single-stage deployment only") as err:
+        engine.generate([PROMPT], 2, dataclasses.asdict(dataclasses.replace(SP, think=True)), seeds=[1, 2])
+    one_line(err)
+    real = stand_in_thinker(bagel_torch)
+
+    def short(text):  # the closing <|im_end|> not prefilled
+        ids, kv, rope = real(text)
+        return ids[:-1], SimpleNamespace(key_cache=[k[:-1] for k in kv.key_cache],
+                                         value_cache=[v[:-1] for v in kv.value_cache]), rope - 1
+
+    def other(text):  # as many ids, other ones
+        ids, kv, rope = real(text)
+        return [ids[0], *reversed(ids[1:-1]), ids[-1]], kv, rope
+
+    for name, thinker, error, needle in (("short", short, RuntimeError, "the thinker sent 7 context tokens"),
+                                         ("other", other, ValueError, "thinker prefilled 8 ids for 'a red sign'")):
+        omni = fake_omni(monkeypatch, tmp_path / name, bagel_torch, 2, thinker)
+        engine = VllmOmniEngine({"engine": "vllm_omni", "model": bagel_torch.model_path, "deploy": "two_stage"})
+        with pytest.raises(error, match=needle):
+            engine.generate([PROMPT], 2, dataclasses.asdict(SP), seeds=[1, 2])
+        assert omni.started
+
+
+def test_a_deploy_is_bagels_own(tiny_path, bagel_torch, tmp_path, monkeypatch):
+    omni = fake_omni(monkeypatch, tmp_path, bagel_torch)
+    for model, deploy, needle in ((str(tiny_path), "two_stage", "Qwen-Image runs one stage: drop it"),
+                                  (bagel_torch.model_path, "bagel_think", "BAGEL runs one of")):
+        with pytest.raises(ValueError, match=needle) as err:
+            VllmOmniEngine({"engine": "vllm_omni", "model": model, "deploy": deploy})
+        one_line(err)
+    assert omni.started == []
 
 
 # ---------------------------------------------------------------------------------------------- LoRA
@@ -280,3 +365,34 @@ def test_lora_updates_reach_the_bagel_slots(folder, bagel_torch, tmp_path, monke
         engine.update_lora(off, 3, CONFIG)
     one_line(err)
     assert engine.info()["policy_version"] == 2 and len(omni.started[0].loaded) == 1
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"rollout.bagel_deploy": "three"}, "config.rollout.bagel_deploy: 'three'; choose one of ('single_stage', "),
+    ({"rollout.bagel_deploy": "two_stage", "rollout.engine": "bagel_torch", "rollout.dtype": "float32",
+      "rollout.device": "cpu"},
+     "config.rollout.bagel_deploy: 'two_stage' is vLLM-Omni's BAGEL topology; with model.family='bagel' and "
+     "rollout.engine='bagel_torch' leave it 'single_stage'"),
+    ({"rollout.bagel_deploy": "two_stage", "sample.think": True},
+     "config.rollout.bagel_deploy: 'two_stage' has no think mode yet"),
+    ({"rollout.bagel_deploy": "two_stage", "model.family": "qwen_image"}, "with model.family='qwen_image'")])
+def test_the_config_takes_bagels_deploy_on_vllm_omni_alone(change, needle):
+    """rollout.bagel_deploy reaches the vllm_omni engine as `deploy` (two stages validate there); a bad value, another
+    engine or family, or two stages with think mode fail in one line."""
+    cfg = config_module(ROOT / "configs" / "tiny_bagel_ocr.py").get_config()
+    cfg.data.train, cfg.data.test = str(ROOT / cfg.data.train), str(ROOT / cfg.data.test)
+    cfg.rollout.update(engine="vllm_omni", dtype="bfloat16", device="cuda")
+    assert "rollout.bagel_deploy" in recipes.HELP and cfg.rollout.bagel_deploy == "single_stage"
+    assert families.of(cfg).engine_config(cfg) == {"deploy": "single_stage"}
+    cfg.rollout.bagel_deploy = "two_stage"
+    config_lib.validate(cfg)
+    assert families.of(cfg).engine_config(cfg) == {"deploy": "two_stage"}
+    cfg.rollout.bagel_deploy = "single_stage"
+    for key, value in change.items():
+        section, name = key.split(".")
+        cfg[section][name] = value
+    if cfg.model.family == "qwen_image":
+        cfg.model.path = "tiny"
+    with pytest.raises(UserError) as err:
+        config_lib.validate(cfg)
+    assert needle in str(err.value) and "\n" not in str(err.value)

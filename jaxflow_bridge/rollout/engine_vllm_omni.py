@@ -32,6 +32,10 @@ vLLM-Omni's per-slice apply; the Qwen-Image options, lora_apply other than "stoc
 - lora_apply="merged": no LoRA layers at all; update_lora / update_lora_shared merge the adapter into the base
   weights (`jaxflow_bridge/rollout/lora_merge.py`, restored exactly from a host copy each time), `release_adapter`
   starts that restore as soon as a step's rollouts are over.
+- BAGEL's two-stage deployment (`deploy="two_stage"`, vLLM-Omni's `bagel.yaml`): the thinker (vLLM's AR engine) prefills
+  each request's framed prompt and sends its KV to our pipeline on the DiT stage (one greedy token, think mode
+  refused); worker RPCs and adapters go to the DiT stage alone, sleep and wake to both; the ids the thinker reports
+  must be the trajectory's `prompt_ids` (`unpack_trajectories`).
 - sleep / wake: level-1 sleep through the workers' sleep task (weights, text encoder and VAE included, move to
   CPU and come back); wake goes through the same RPC path, so the actor process never creates a CUDA context.
 AsyncOmni runs on an event loop in a background thread; the engine's methods block on it (one call at a time).
@@ -109,6 +113,15 @@ def _export_package_path() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join([root] + [p for p in paths if p])
 
 
+def _import_text_params():
+    """vLLM's SamplingParams: a two-stage BAGEL's thinker is a vLLM AR engine."""
+    try:
+        from vllm import SamplingParams
+    except ImportError as e:
+        raise ImportError(f"{INSTALL_HINT} ({e})") from e
+    return SamplingParams
+
+
 def _import_omni():
     try:
         from vllm_omni.entrypoints.async_omni import AsyncOmni
@@ -127,7 +140,7 @@ class VllmOmniEngine(RolloutEngine):
 
     name = "vllm_omni"
     config_keys = ("engine", "model", "dtype", "device", "random_seed", "omni_args", "lora_apply", "cfg_forward",
-                   "qk_ops", "fa_version", "gelu")
+                   "qk_ops", "fa_version", "gelu", "deploy")
 
     def __init__(self, config: dict):
         self.check_config(config)
@@ -138,9 +151,11 @@ class VllmOmniEngine(RolloutEngine):
             raise ValueError(f"the vllm_omni engine runs dtype 'bfloat16' only (vLLM-Omni 0.20's warm-up fails on "
                              f"float32 folders), got {self.dtype!r}; use the diffusers engine for float32")
         async_omni, self._params_cls, self._lora_cls = _import_omni()
-        self.kind = model_kind(config["model"], self.dtype)
+        self.kind = model_kind(config["model"], self.dtype, config.get("deploy"))
         pipeline_args = self.kind.pipeline_args(config)  # refuses what the kind lacks, before anything loads
-        start_args = self.kind.start_args()
+        start_args = self.kind.start_args(pipeline_args, WORKER_EXTENSION_CLASS)
+        self._text_params_cls = _import_text_params() if self.kind.stages > 1 else None
+        self._dit = [self.kind.stages - 1]  # the diffusion stage: our pipeline, extension and LoRA
         self.model_path, self.size_multiple = str(self.kind.folder), self.kind.size_multiple
         self.random_seed = config.get("random_seed")
         if self.random_seed is None:
@@ -155,14 +170,13 @@ class VllmOmniEngine(RolloutEngine):
         _export_package_path()
         self.merged = pipeline_args.get("lora_apply") == "merged"  # adapters merged into the base weights
         self._merge_file = None  # update_lora's arrays, written to a shared file of the engine's own when merged
-        kwargs = {"custom_pipeline_args": pipeline_args, **start_args,
-                  "worker_extension_cls": WORKER_EXTENSION_CLASS, "dtype": self.dtype, "enable_sleep_mode": True,
-                  **config.get("omni_args", {})}
+        kwargs = {**start_args, "dtype": self.dtype, "enable_sleep_mode": True, **config.get("omni_args", {})}
         self.omni = self._run(self._start(async_omni, kwargs))
-        if self.omni.num_stages != 1:  # one params object a request, one stage's RPC replies
+        if self.omni.num_stages != self.kind.stages:  # one params object a stage, the DiT stage's RPC replies
             self.omni.shutdown()
             raise RuntimeError(f"vLLM-Omni started {self.omni.num_stages} stages for {self.model_path}; the vllm_omni "
-                               f"engine serves one diffusion stage (BAGEL: deploy/bagel_single_stage.yaml)")
+                               f"engine expected {self.kind.stages} (BAGEL: deploy/bagel_single_stage.yaml for one, "
+                               f"deploy/bagel.yaml for the thinker and the DiT)")
         self._modules = _flat(self._rpc("rollout_lora_modules"))[0]
         if self.random_seed is not None:  # what the workers drew, not what the spec promises
             self.fingerprint = _flat(self._rpc("rollout_random_fingerprint"))[0]
@@ -174,9 +188,11 @@ class VllmOmniEngine(RolloutEngine):
         """Run a coroutine on the engine's loop and wait for its result."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def _rpc(self, method: str, *args) -> list:
-        """A worker RPC's results; RuntimeError if a stage reports an error."""
-        results = self._run(self.omni.collective_rpc(method=method, args=args))
+    def _rpc(self, method: str, *args, every_stage: bool = False) -> list:
+        """A worker RPC's results, from the diffusion stage (or `every_stage`); RuntimeError if a stage reports an
+        error."""
+        stages = None if every_stage else self._dit
+        results = self._run(self.omni.collective_rpc(method=method, args=args, stage_ids=stages))
         errors = [leaf for leaf in _flat(results) if isinstance(leaf, dict) and leaf.get("error") is True]
         if errors:
             raise RuntimeError(f"vLLM-Omni RPC {method} failed: {errors}")
@@ -191,16 +207,18 @@ class VllmOmniEngine(RolloutEngine):
         self.check_awake()
         seeds = per_sample_seeds(len(prompts) * n, sp.seed if seeds is None else seeds)
         sample_windows(seeds, sp.sde_window_size, sp.sde_window_range, sp.num_inference_steps)
-        requests = [self.kind.encode_request(p, sp, seeds[g * n:(g + 1) * n], self.policy_version)
+        thinker = self.kind.thinker_params(sp)  # two stages: the thinker's parameters first (refuses think mode)
+        requests = [(*self.kind.encode_request(p, sp, seeds[g * n:(g + 1) * n], self.policy_version,
+                                               **({"framed": True} if thinker else {})), thinker)
                     for g, p in enumerate(prompts)]
         outputs = self._run(self._generate_all(requests))
-        return TrajectoryBatch.concat([unpack_trajectories(out, p, g)
-                                       for g, (p, out) in enumerate(zip(prompts, outputs))]).to_dict()
+        return TrajectoryBatch.concat([unpack_trajectories(out, p, g, thinker_ids)
+                                       for g, (p, (out, thinker_ids)) in enumerate(zip(prompts, outputs))]).to_dict()
 
     async def _generate_all(self, requests):
         tag = uuid.uuid4().hex[:12]
-        tasks = [asyncio.ensure_future(self._generate_one(f"rollout-{tag}-{g}", prompt, kwargs))
-                 for g, (prompt, kwargs) in enumerate(requests)]
+        tasks = [asyncio.ensure_future(self._generate_one(f"rollout-{tag}-{g}", prompt, kwargs, thinker))
+                 for g, (prompt, kwargs, thinker) in enumerate(requests)]
         try:
             return await asyncio.gather(*tasks)
         except BaseException:
@@ -208,14 +226,21 @@ class VllmOmniEngine(RolloutEngine):
                 task.cancel()
             raise
 
-    async def _generate_one(self, request_id: str, prompt: dict, kwargs: dict):
-        params = self._params_cls(**kwargs, lora_request=self._lora)
-        final = None
-        async for output in self.omni.generate(prompt, request_id=request_id, sampling_params_list=[params]):
-            final = output
+    async def _generate_one(self, request_id: str, prompt: dict, kwargs: dict, thinker: list):
+        """(the diffusion stage's output, the ids the thinker prefilled or None): with two stages the thinker's
+        parameters (`thinker`) go first and its text output reports its prompt's ids."""
+        params = [self._text_params_cls(**t) for t in thinker] + [self._params_cls(**kwargs, lora_request=self._lora)]
+        final = thinker_ids = None
+        async for output in self.omni.generate(prompt, request_id=request_id, sampling_params_list=params):
+            if thinker and getattr(output, "stage_id", None) == 0:
+                thinker_ids = list(output.request_output.prompt_token_ids)
+            else:
+                final = output
         if final is None:
             raise RuntimeError(f"vLLM-Omni returned nothing for request {request_id}")
-        return final
+        if thinker and thinker_ids is None:
+            raise RuntimeError(f"vLLM-Omni's thinker stage reported no prompt ids for request {request_id}")
+        return final, thinker_ids
 
     # -------------------------------------------------------------------------------------- LoRA
 
@@ -317,18 +342,24 @@ class VllmOmniEngine(RolloutEngine):
         """Load `request`'s adapter, then drop the previous one; on failure restore the previous one."""
         previous = self._lora
         try:
-            error = None if await self.omni.add_lora(request) else "add_lora returned False"
+            error = None if await self._dit_lora("add_lora", request) else "add_lora returned False"
         except Exception as e:  # noqa: BLE001 - reported below, after the previous adapter is back
             error = e
         if error is not None:
-            await self.omni.remove_lora(request.lora_int_id)
+            await self._dit_lora("remove_lora", request.lora_int_id)
             shutil.rmtree(request.lora_path, ignore_errors=True)
             if previous is not None:  # with one cached adapter (the default), loading evicted it first
-                await self.omni.add_lora(previous)
+                await self._dit_lora("add_lora", previous)
             raise RuntimeError(f"LoRA adapter refused by vLLM-Omni; the previous adapter keeps serving: {error}")
         if previous is not None:
-            await self.omni.remove_lora(previous.lora_int_id)
+            await self._dit_lora("remove_lora", previous.lora_int_id)
             shutil.rmtree(previous.lora_path, ignore_errors=True)
+
+    async def _dit_lora(self, method: str, arg) -> bool:
+        """`add_lora` / `remove_lora` on the diffusion stage: what AsyncOmni's methods of those names do on every
+        stage (a two-stage BAGEL's thinker runs no adapter: the generation expert it would bind never runs there)."""
+        results = await self.omni.collective_rpc(method=method, args=(arg,), stage_ids=self._dit)
+        return bool(results) and all(all(map(bool, r)) if isinstance(r, list) else bool(r) for r in results)
 
     # -------------------------------------------------------------------------------------- lifecycle
 
@@ -355,7 +386,7 @@ class VllmOmniEngine(RolloutEngine):
 
     def _lifecycle(self, method: str, task: dict) -> list:
         """The acknowledgements of a sleep/wake RPC; RuntimeError unless all succeeded."""
-        results = self._rpc(method, task)
+        results = self._rpc(method, task, every_stage=True)
         errors = ack_errors(results)
         if errors:
             raise RuntimeError(f"vLLM-Omni {method} failed: {errors}")

@@ -15,6 +15,9 @@ branches instead of the stock `forward` once a sample:
    alone) and `Bagel._combine_cfg` taken per sample for the call (the stock "global" renorm norms over the whole
    packed tensor, every sample's velocity at once);
 3. the stock `_decode_image_from_latent` of each final latent (vLLM-Omni's uint8 truncation).
+In the two-stage deployment (`bagel.yaml`: vLLM's AR thinker, then this DiT stage; docs/bagel.md §3) the request
+arrives with the thinker's KV of the framed prompt (`past_key_values`, `kv_metadata`), which replaces step 1's
+prefill after its length and next position are checked against that prefill's; think mode is single-stage only.
 Everything runs under the stock forward's autocast. The trajectory's `prompt_ids` are the ids the prefill and the
 think decode fed. The engine's velocity sees its own float32 timesteps (`linspace(1, 0, N + 1)` shifted by 3), the
 steps our contract's sigmas of the same formula: equal up to float32 rounding. Requests without our `extra_args`
@@ -40,20 +43,25 @@ PIPELINE_CLASS = f"{__name__}.FlowGRPOBagelPipeline"
 PARAM_FIELDS = ("height", "width")
 # BAGEL's stock keys: image CFG off, global renorm, the empty negative, greedy think decodes
 ENGINE_EXTRA = {"cfg_img_scale": 1.0, "cfg_renorm_type": "global", "negative_prompt": "", "do_sample": False}
+# a two-stage request's prompt text: what vLLM's tokenizer turns into the framed ids `prepare_prompts` feeds
+THINKER_FRAME = "<|im_start|>{}<|im_end|>"
 
 
-def encode_request(prompt: str, sampling: BagelSamplingParams, seeds, policy_version: int) -> tuple[dict, dict]:
+def encode_request(prompt: str, sampling: BagelSamplingParams, seeds, policy_version: int,
+                   framed: bool = False) -> tuple[dict, dict]:
     """(prompt dict, OmniDiffusionSamplingParams kwargs) for n = len(seeds) samples of one prompt: the stock keys
     the BAGEL pipeline reads (num_inference_steps = N + 1 schedule points, cfg_text_scale, cfg_interval,
-    cfg_renorm_min, think, max_think_tokens; image CFG off, empty negative, greedy) and our fields in extra_args."""
+    cfg_renorm_min, think, max_think_tokens; image CFG off, empty negative, greedy) and our fields in extra_args.
+    `framed` (two stages): the prompt as the thinker prefills it, `<|im_start|>` + prompt + `<|im_end|>`, the ids our
+    single-stage prefill feeds (`prepare_prompts`)."""
     fields = dataclasses.asdict(sampling)
     extra = {k: v for k, v in fields.items() if k not in PARAM_FIELDS}
     extra.update(ENGINE_EXTRA, cfg_interval=list(sampling.cfg_interval),
                  sde_window_range=list(sampling.sde_window_range), seeds=[int(s) for s in seeds],
-                 policy_version=int(policy_version))
+                 policy_version=int(policy_version), framed=bool(framed))
     kwargs = {**{k: fields[k] for k in PARAM_FIELDS}, "num_inference_steps": sampling.num_inference_steps + 1,
               "seed": int(seeds[0]), "num_outputs_per_prompt": len(seeds), "extra_args": extra}
-    return {"prompt": prompt}, kwargs
+    return {"prompt": THINKER_FRAME.format(prompt) if framed else prompt}, kwargs
 
 
 def is_rollout_request(params) -> bool:
@@ -70,7 +78,11 @@ def decode_request(prompts: list, params) -> tuple[str, BagelSamplingParams, lis
     values = {k: v for k, v in extra.items() if k in names}
     values.update({k: getattr(params, k) for k in PARAM_FIELDS}, cfg_interval=tuple(extra["cfg_interval"]),
                   sde_window_range=tuple(extra["sde_window_range"]))
-    return prompts[0]["prompt"], BagelSamplingParams(**values), list(extra["seeds"]), int(extra["policy_version"])
+    prompt = prompts[0]["prompt"]
+    if extra.get("framed"):
+        head, tail = THINKER_FRAME.split("{}")
+        prompt = prompt[len(head):len(prompt) - len(tail)]
+    return prompt, BagelSamplingParams(**values), list(extra["seeds"]), int(extra["policy_version"])
 
 
 class LockstepScheduler:
@@ -95,6 +107,15 @@ def per_sample_cfg(combine, rows: list[int]):
         return torch.cat([combine(*p, *args, **kwargs) for p in parts])
 
     return combined
+
+
+def received_cache(kv, cache_cls):
+    """The thinker's KV as vLLM-Omni hands it to the DiT stage (per layer `key_cache` / `value_cache` lists of packed
+    (tokens, heads, dim) tensors) in a `cache_cls` (NaiveCache) of as many layers."""
+    cache = cache_cls(len(kv.key_cache))
+    for layer, (k, v) in enumerate(zip(kv.key_cache, kv.value_cache)):
+        cache.key_cache[layer], cache.value_cache[layer] = k, v
+    return cache
 
 
 def repeat_cache(cache, n: int, cache_cls):
@@ -142,6 +163,22 @@ def build_pipeline_class(base: type, output_cls, cache_cls) -> type:
                 kv_lens, ropes = [k + len(thought) for k in kv_lens], [r + len(thought) for r in ropes]
         if cache.seq_lens != kv_lens[0]:
             raise RuntimeError(f"the BAGEL context cache holds {cache.seq_lens} tokens, {kv_lens[0]} were fed")
+        return {"past_key_values": cache, "kv_lens": kv_lens, "ropes": ropes}, fed
+
+    def _received_context(self, prompt: str, params) -> tuple[dict, list[int]]:
+        """Two stages: the conditional context from the thinker's KV (`params.past_key_values`, its next RoPE
+        position in `params.kv_metadata["ropes"]`) in place of our prefill; the ids are the framed prompt's, which
+        the thinker prefilled (the engine checks them against the thinker's own). RuntimeError if the KV's length or
+        position is not that prefill's."""
+        bagel = self.bagel
+        inputs, kv_lens, ropes = bagel.prepare_prompts(curr_kvlens=[0], curr_rope=[0], prompts=[prompt],
+                                                       tokenizer=self.tokenizer, new_token_ids=self.new_token_ids)
+        fed = [int(t) for t in inputs["packed_text_ids"].tolist()]
+        cache = received_cache(params.past_key_values, cache_cls)
+        sent = list((getattr(params, "kv_metadata", None) or {}).get("ropes") or [cache.seq_lens])
+        if cache.seq_lens != kv_lens[0] or [int(r) for r in sent] != list(ropes):
+            raise RuntimeError(f"the thinker sent {cache.seq_lens} context tokens at next position {sent}; the "
+                               f"prompt's prefill feeds {kv_lens[0]} up to {ropes}")
         return {"past_key_values": cache, "kv_lens": kv_lens, "ropes": ropes}, fed
 
     def _rollout_denoise(self, context: dict, scheds: list[WindowScheduler], sp: BagelSamplingParams,
@@ -194,7 +231,12 @@ def build_pipeline_class(base: type, output_cls, cache_cls) -> type:
         if sp.same_latent:  # each drew its own first, as BagelSamplingLoop's generators do
             for sched in scheds[1:]:
                 sched.initial = scheds[0].initial
-        context, fed = self._rollout_context(prompt, sp)
+        if getattr(req.sampling_params, "past_key_values", None) is not None:
+            if sp.think:
+                raise ValueError("a two-stage request carries the thinker's KV; think mode runs in one stage")
+            context, fed = self._received_context(prompt, req.sampling_params)
+        else:
+            context, fed = self._rollout_context(prompt, sp)
         latents = self._rollout_denoise(context, scheds, sp, shape)
         images = np.stack([np.asarray(self._decode_image_from_latent(self.bagel, self.vae, x, shape), np.uint8)
                            for x in latents])
@@ -215,7 +257,8 @@ def build_pipeline_class(base: type, output_cls, cache_cls) -> type:
 
     doc = "vLLM-Omni's BagelPipeline running a request's samples in lockstep (see the module docstring)."
     namespace = {"__init__": __init__, "_autocast": _autocast, "_on_device": _on_device,
-                 "_rollout_context": _rollout_context, "_rollout_denoise": _rollout_denoise, "forward": forward,
+                 "_rollout_context": _rollout_context, "_received_context": _received_context,
+                 "_rollout_denoise": _rollout_denoise, "forward": forward,
                  "lora_component": "bagel", "__module__": __name__, "__qualname__": "FlowGRPOBagelPipeline",
                  "__doc__": doc}
     return type("FlowGRPOBagelPipeline", (base,), namespace)

@@ -2,9 +2,10 @@
 diffusers folder, `model_index.json`; or "tiny") and BAGEL (config.json's `model_type` "bagel"; or "tiny_bagel").
 
 A kind gives the engine what differs between them: the custom pipeline's arguments (its class and options, the
-options it refuses), AsyncOmni's extra start arguments, the base weights' fingerprint, the image size multiple, the
-sampling parameters and request codec, and the adapter's tensor names as vLLM-Omni binds them. Both serve one
-diffusion stage, our `RolloutWorkerExtension` and the same output codec. Imports no vLLM-Omni until BAGEL's start
+options it refuses), AsyncOmni's start arguments and stage count (BAGEL: one stage, or a thinker before the DiT),
+the thinker's sampling parameters, the base weights' fingerprint, the image size multiple, the
+sampling parameters and request codec, and the adapter's tensor names as vLLM-Omni binds them. Our pipeline,
+`RolloutWorkerExtension` and output codec run on the (last) diffusion stage. Imports no vLLM-Omni until BAGEL's start
 arguments look up its deploy file.
 """
 from __future__ import annotations
@@ -21,9 +22,11 @@ from jaxflow_bridge.rollout.bagel_sampling import BagelSamplingParams
 from jaxflow_bridge.rollout.pipeline import stored_fingerprint
 from jaxflow_bridge.rollout.sampling import SamplingParams
 
-# vLLM-Omni 0.20's single-stage BAGEL topology (one DiT stage doing prefill, denoising and decode), inside the
-# installed package; without it a BAGEL folder starts the two-stage `deploy/bagel.yaml`
-BAGEL_DEPLOY_FILE = ("deploy", "bagel_single_stage.yaml")
+# vLLM-Omni 0.20's BAGEL topologies inside the installed package: "single_stage", one DiT stage doing prefill,
+# denoising and decode; "two_stage", a thinker (vLLM's AR engine: the prompt's prefill, its KV sent to stage 1) and
+# the DiT (docs/bagel.md §3). Without a deploy file a BAGEL folder starts the two-stage one.
+BAGEL_DEPLOY_FILES = {"single_stage": ("deploy", "bagel_single_stage.yaml"), "two_stage": ("deploy", "bagel.yaml")}
+BAGEL_DEPLOY_FILE = BAGEL_DEPLOY_FILES["single_stage"]
 
 
 class QwenImage:
@@ -45,8 +48,14 @@ class QwenImage:
             args["random_seed"] = int(config["random_seed"])
         return args
 
-    def start_args(self) -> dict:
-        return {}
+    stages = 1  # vLLM-Omni's default: one diffusion stage
+
+    def start_args(self, pipeline_args: dict, extension: str) -> dict:
+        """AsyncOmni's keywords for our pipeline and worker extension."""
+        return {"custom_pipeline_args": pipeline_args, "worker_extension_cls": extension}
+
+    def thinker_params(self, sampling) -> list:
+        return []
 
     def fingerprint(self) -> str:
         return stored_fingerprint(self.folder / "transformer")
@@ -64,8 +73,10 @@ class Bagel:
     encode_request = staticmethod(bagel_pipeline.encode_request)
     QWEN_ONLY = ("qk_ops", "fa_version", "gelu", "cfg_forward")  # options of FlowGRPOQwenImagePipeline alone
 
-    def __init__(self, folder: Path):
-        self.folder = folder
+    def __init__(self, folder: Path, deploy: str = "single_stage"):
+        if deploy not in BAGEL_DEPLOY_FILES:
+            raise ValueError(f"vllm_omni engine: deploy={deploy!r}; BAGEL runs one of {tuple(BAGEL_DEPLOY_FILES)}")
+        self.folder, self.deploy, self.stages = folder, deploy, 1 if deploy == "single_stage" else 2
         top = json.loads((folder / "config.json").read_text())
         self.size_multiple = top["vae_config"]["downsample"] * top["latent_patch_size"]
 
@@ -83,16 +94,31 @@ class Bagel:
                              "model.init='checkpoint', or the bagel_torch engine for model.init='random'")
         return {"pipeline_class": bagel_pipeline.PIPELINE_CLASS}
 
-    def start_args(self) -> dict:
+    def start_args(self, pipeline_args: dict, extension: str) -> dict:
         """`deploy_config` (AsyncOmni's keyword; the file's own comment says `deploy_config_path`, which nothing
-        reads): the installed vLLM-Omni's single-stage BAGEL file. FileNotFoundError if that vLLM-Omni has none."""
+        reads): the installed vLLM-Omni's BAGEL file of `deploy`; our pipeline and extension on the DiT stage (two
+        stages: vLLM-Omni's per-stage `stage_1_*` keywords, so the thinker stays vLLM-Omni's own). FileNotFoundError
+        if that vLLM-Omni has no such file."""
         import vllm_omni
 
-        path = Path(vllm_omni.__file__).parent.joinpath(*BAGEL_DEPLOY_FILE)
+        path = Path(vllm_omni.__file__).parent.joinpath(*BAGEL_DEPLOY_FILES[self.deploy])
         if not path.is_file():
-            raise FileNotFoundError(f"vllm_omni engine: {path} is missing: BAGEL needs vLLM-Omni 0.20's single-stage "
-                                    f"deploy file")
-        return {"deploy_config": str(path)}
+            raise FileNotFoundError(f"vllm_omni engine: {path} is missing: BAGEL's deploy={self.deploy!r} needs "
+                                    f"vLLM-Omni 0.20's deploy file")
+        prefix = "" if self.stages == 1 else f"stage_{self.stages - 1}_"
+        return {"deploy_config": str(path), f"{prefix}custom_pipeline_args": pipeline_args,
+                f"{prefix}worker_extension_cls": extension}
+
+    def thinker_params(self, sampling: BagelSamplingParams) -> list:
+        """The thinker's sampling parameters (vLLM's SamplingParams keywords) before the DiT's, two stages only: one
+        greedy token, the prompt's KV sent when its prefill ends (`bagel.yaml`'s transfer criterion). ValueError for
+        think mode, which two stages do not run yet."""
+        if self.stages == 1:
+            return []
+        if sampling.think:
+            raise ValueError("vllm_omni engine: BAGEL's think mode runs in the single-stage deployment only: pass "
+                             "rollout.bagel_deploy='single_stage' or sample.think=False")
+        return [{"max_tokens": 1, "temperature": 0.0}]
 
     def fingerprint(self) -> str:
         """ema.safetensors without the trainer-ignored prefixes: the bagel_torch engine's and the trainer's."""
@@ -104,22 +130,26 @@ class Bagel:
         return to_vllm_omni(generation_expert_adapter(tensors))
 
 
-def model_kind(model: str, dtype: str):
-    """The kind serving `model` (a folder, "tiny" or "tiny_bagel": the cached tiny folders saved in `dtype`);
-    ValueError in one line for a folder of neither kind."""
+def model_kind(model: str, dtype: str, deploy: str | None = None):
+    """The kind serving `model` (a folder, "tiny" or "tiny_bagel": the cached tiny folders saved in `dtype`), BAGEL
+    in its `deploy` topology (default "single_stage"); ValueError in one line for a folder of neither kind, or a
+    deploy given for Qwen-Image."""
+    folder = Path(model)
     if model == "tiny":
         from jaxflow_bridge.rollout.tiny import tiny_pipeline_path
 
-        return QwenImage(tiny_pipeline_path(dtype=dtype))
-    if model == "tiny_bagel":
+        folder = tiny_pipeline_path(dtype=dtype)
+    elif model == "tiny_bagel":
         from jaxflow_bridge.rollout.tiny_bagel import tiny_bagel_path
 
-        return Bagel(tiny_bagel_path(dtype=dtype))
-    folder = Path(model)
+        return Bagel(tiny_bagel_path(dtype=dtype), deploy or "single_stage")
     config = folder / "config.json"
     if config.is_file() and json.loads(config.read_text()).get("model_type") == "bagel":
-        return Bagel(folder)
+        return Bagel(folder, deploy or "single_stage")
     if (folder / "model_index.json").is_file():
+        if deploy is not None:
+            raise ValueError(f"vllm_omni engine: deploy={deploy!r} chooses BAGEL's topology; Qwen-Image runs one "
+                             f"stage: drop it")
         return QwenImage(folder)
     raise ValueError(f"vllm_omni engine: {folder} is neither a diffusers Qwen-Image folder (model_index.json) nor a "
                      f"BAGEL folder (config.json with model_type 'bagel')")

@@ -126,14 +126,20 @@ def _numpy(x) -> np.ndarray:
     return x if isinstance(x, np.ndarray) else torch_to_numpy(x)
 
 
-def unpack_trajectories(output, prompt: str, group_id: int) -> TrajectoryBatch:
+def unpack_trajectories(output, prompt: str, group_id: int, thinker_ids: list | None = None) -> TrajectoryBatch:
     """TrajectoryBatch of one request's samples from a vLLM-Omni result (`OmniRequestOutput` or anything with
-    trajectory_latents, trajectory_log_probs and custom_output); ValueError if our payload is missing."""
+    trajectory_latents, trajectory_log_probs and custom_output); ValueError if our payload is missing, or if
+    `thinker_ids` (the ids a two-stage BAGEL's thinker prefilled) are not every sample's `prompt_ids`."""
     payload = (getattr(output, "custom_output", None) or {}).get(PAYLOAD_KEY)
     if payload is None or output.trajectory_latents is None:
         raise ValueError(f"vLLM-Omni result for {prompt[:40]!r} carries no rollout trajectory "
                          f"(error: {getattr(output, 'error', None)!r}); was the pipeline {PIPELINE_CLASS}?")
     arrays = {k: _numpy(v) for k, v in payload.items()}
+    if thinker_ids is not None:
+        fed = [list(ids[mask]) for ids, mask in zip(arrays["prompt_ids"], arrays["prompt_mask"])]
+        if any(f != [int(t) for t in thinker_ids] for f in fed):
+            raise ValueError(f"vLLM-Omni's thinker prefilled {len(thinker_ids)} ids for {prompt[:40]!r} that are not "
+                             f"the trajectory's {len(fed[0])} context ids: the trainer would rebuild another context")
     latents = _numpy(output.trajectory_latents)
     return TrajectoryBatch(
         images=arrays["images"], latents=latents, log_probs=_numpy(output.trajectory_log_probs),
