@@ -13,11 +13,12 @@ default: LoRA'd linears run `jaxflow_bridge/rollout/lora_linear.py`; "stock": vL
 `jaxflow_bridge/rollout/qk_rope.py`; "vllm": vLLM-Omni's own kernels, for comparison), `fa_version` ("auto",
 the default: FA3 on Hopper where vLLM-Omni would fall back to FA2, `jaxflow_bridge/rollout/fa_version.py`; "2": as
 vLLM-Omni chooses), `gelu` ("epilogue", the default: the MLP's in-projection and tanh GELU in one cuBLASLt GEMM where no
-LoRA layer wraps it, `jaxflow_bridge/rollout/linear_gelu.py`; "separate": vLLM-Omni's elementwise kernel), `deploy`
-(BAGEL only: "single_stage", the default, or "two_stage"; `vllm_omni_kinds.BAGEL_DEPLOY_FILES`).
+LoRA layer wraps it, `jaxflow_bridge/rollout/linear_gelu.py`; "separate": vLLM-Omni's elementwise kernel),
+`deploy` (BAGEL only: "single_stage", the default, or "two_stage"; `vllm_omni_kinds.BAGEL_DEPLOY_FILES`).
 Same calls and results as the diffusers engine. BAGEL (docs/bagel.md §7 (d)): our FlowGRPOBagelPipeline in
-vLLM-Omni's single-stage deployment (`deploy_config`; or on the DiT stage of two, below), BagelSamplingParams, LoRA on the generation expert through
-vLLM-Omni's per-slice apply; the Qwen-Image options, lora_apply other than "stock" and random_seed are refused.
+vLLM-Omni's single-stage deployment (`deploy_config`; or on the DiT stage of two, below), BagelSamplingParams, LoRA
+on the generation expert through vLLM-Omni's per-slice apply; the Qwen-Image options, lora_apply other than "stock"
+and random_seed are refused.
 
 - generate: one engine request per prompt with `num_outputs_per_prompt=n` (one B=n forward, 2n with true CFG,
   per step), all submitted at once; knobs split into OmniDiffusionSamplingParams fields and `extra_args`
