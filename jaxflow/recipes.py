@@ -85,8 +85,8 @@ HELP: dict[str, str] = {
                          "on vllm_omni, but for BAGEL)",
     "rollout.cfg_forward": "true CFG's two rows: 'batched' (one forward, text padded to one length) or 'split' (a "
                            "forward each)",
-    "rollout.bagel_deploy": "BAGEL on vllm_omni: 'single_stage' (one DiT stage) or 'two_stage' (a vLLM thinker "
-                            "prefills, the DiT denoises; no think mode); docs/bagel.md §3",
+    "rollout.bagel_deploy": "BAGEL on vllm_omni: 'single_stage' or 'two_stage' (a vLLM thinker prefills, the DiT "
+                            "denoises; docs/bagel.md §3)",
     "sample.height": "image height in pixels: a multiple of 2 x the VAE's spatial factor (16 for Qwen-Image)",
     "sample.width": "image width in pixels: a multiple of 2 x the VAE's spatial factor (16 for Qwen-Image)",
     "sample.num_steps": "sampling steps of the training rollout",
