@@ -3,7 +3,7 @@
     python scripts/verify_logprob_parity.py [--model-family qwen_image|bagel] [--model DIR]
         [--engine diffusers|vllm_omni|bagel_torch] [--dtype float32] [--jax-dtype D] [--jax-rope bfloat16] [--cfg 4]
         [--steps 4] [--window 2] [--prompts 4] [--n 2] [--lora-rank R] [--lora-apply fused|stock|merged] [--think K]
-        [--json OUT]
+        [--deploy single_stage|two_stage] [--json OUT]
 
 Rolls out on the engine (default: diffusers; the model defaults to the tiny offline pipeline saved in --dtype,
 which vLLM-Omni needs; with --model-family bagel: the bagel_torch engine on the tiny random BAGEL, float32, or
@@ -85,6 +85,8 @@ def parse_args(argv):
     p.add_argument("--lora-rank", type=int, help="apply one random LoRA adapter (alpha = rank) to both sides")
     p.add_argument("--lora-apply", choices=("fused", "stock", "merged"),
                    help="vllm_omni: how the engine applies the adapter (default: the engine's, fused)")
+    p.add_argument("--deploy", choices=("single_stage", "two_stage"),
+                   help="BAGEL on vllm_omni: vLLM-Omni's deployment (default: the engine's, single_stage)")
     p.add_argument("--jax-lora-seed", type=int, help="a different adapter seed for the JAX side (negative control)")
     p.add_argument("--think", type=int, help="BAGEL: think mode with this max_think_tokens (the trainer rebuilds the "
                                             "context from the carried ids)")
@@ -109,6 +111,10 @@ def parse_args(argv):
         p.error("--think is BAGEL's think mode: pass --model-family bagel")
     if args.lora_apply and args.engine != "vllm_omni":
         p.error("--lora-apply is an option of --engine vllm_omni")
+    if args.deploy and not (bagel and args.engine == "vllm_omni"):
+        p.error("--deploy is BAGEL's vLLM-Omni deployment: pass --model-family bagel --engine vllm_omni")
+    if args.deploy == "two_stage" and args.think is not None:
+        p.error("--deploy two_stage has no think mode: drop --think")
     if args.engine == "vllm_omni" and args.dtype != "bfloat16":
         p.error("--engine vllm_omni runs --dtype bfloat16 only (vLLM-Omni 0.20 fails its warm-up in float32)")
     args.jax_dtype = args.jax_dtype or args.dtype
@@ -117,13 +123,14 @@ def parse_args(argv):
     return args
 
 
-def build_engine(name: str, folder: Path, dtype: str, lora_apply: str | None = None):
+def build_engine(name: str, folder: Path, dtype: str, lora_apply: str | None = None, deploy: str | None = None):
     """The rollout engine `name` from jaxflow_bridge.rollout.server's registry, in-process; SystemExit if unavailable.
-    `lora_apply`: the vllm_omni engine's (fused, stock, merged); bagel_torch skips its image decode."""
+    `lora_apply`: the vllm_omni engine's (fused, stock, merged); `deploy`: its BAGEL deployment; bagel_torch skips its
+    image decode."""
     from jaxflow_bridge.rollout.server import engine_class
 
     config = {"engine": name, "model": str(folder), "dtype": dtype, **({"lora_apply": lora_apply} if lora_apply else {}),
-              **({"decode": "preview"} if name == "bagel_torch" else {})}
+              **({"deploy": deploy} if deploy else {}), **({"decode": "preview"} if name == "bagel_torch" else {})}
     try:
         return engine_class(config)(config)
     except (ImportError, ValueError) as e:
@@ -152,7 +159,7 @@ def main(argv=None) -> int:
         from jaxflow_bridge.rollout.tiny import tiny_pipeline_path
 
         args.model = tiny_pipeline_path(dtype=args.dtype)  # vLLM-Omni takes its dtype from the folder's
-    engine = build_engine(args.engine, args.model, args.dtype, args.lora_apply)
+    engine = build_engine(args.engine, args.model, args.dtype, args.lora_apply, args.deploy)
     engine_fingerprint = engine.info()["fingerprint"]
     folder = args.model if bagel else args.model / "transformer"
     spec = (BagelLoRASpec if bagel else LoRASpec)(rank=args.lora_rank, alpha=float(args.lora_rank)) \

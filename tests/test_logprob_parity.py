@@ -106,3 +106,16 @@ def test_an_engine_of_the_other_family_is_refused(parity, capsys):
     with pytest.raises(SystemExit):
         parity.main(["--think", "8"])
     assert "--think is BAGEL's think mode: pass --model-family bagel" in capsys.readouterr().err
+
+
+def test_deploy_is_bagels_on_vllm_omni_and_reaches_the_engine(parity, capsys, monkeypatch):
+    for argv, needle in ((["--deploy", "two_stage"], "--deploy is BAGEL's vLLM-Omni deployment"),
+                         (["--model-family", "bagel", "--engine", "vllm_omni", "--dtype", "bfloat16", "--deploy",
+                           "two_stage", "--think", "8"], "--deploy two_stage has no think mode")):
+        with pytest.raises(SystemExit):
+            parity.main(argv)
+        assert needle in capsys.readouterr().err
+    seen = []
+    monkeypatch.setattr("jaxflow_bridge.rollout.server.engine_class", lambda config: seen.append(config) or dict)
+    parity.build_engine("vllm_omni", Path("/m"), "bfloat16", None, "two_stage")
+    assert seen == [{"engine": "vllm_omni", "model": "/m", "dtype": "bfloat16", "deploy": "two_stage"}]
