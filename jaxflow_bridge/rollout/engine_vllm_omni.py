@@ -210,8 +210,7 @@ class VllmOmniEngine(RolloutEngine):
         seeds = per_sample_seeds(len(prompts) * n, sp.seed if seeds is None else seeds)
         sample_windows(seeds, sp.sde_window_size, sp.sde_window_range, sp.num_inference_steps)
         thinker = self.kind.thinker_params(sp)  # two stages: the thinker's parameters first (refuses think mode)
-        requests = [(*self.kind.encode_request(p, sp, seeds[g * n:(g + 1) * n], self.policy_version,
-                                               **({"framed": True} if thinker else {})), thinker)
+        requests = [(*self.kind.encode_request(p, sp, seeds[g * n:(g + 1) * n], self.policy_version), thinker)
                     for g, p in enumerate(prompts)]
         outputs = self._run(self._generate_all(requests))
         return TrajectoryBatch.concat([unpack_trajectories(out, p, g, thinker_ids)

@@ -231,9 +231,7 @@ def build_pipeline_class(base: type, output_cls, cache_cls) -> type:
         if sp.same_latent:  # each drew its own first, as BagelSamplingLoop's generators do
             for sched in scheds[1:]:
                 sched.initial = scheds[0].initial
-        if getattr(req.sampling_params, "past_key_values", None) is not None:
-            if sp.think:
-                raise ValueError("a two-stage request carries the thinker's KV; think mode runs in one stage")
+        if getattr(req.sampling_params, "past_key_values", None) is not None:  # two stages (never with think)
             context, fed = self._received_context(prompt, req.sampling_params)
         else:
             context, fed = self._rollout_context(prompt, sp)

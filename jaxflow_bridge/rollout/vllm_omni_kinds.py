@@ -33,6 +33,7 @@ class QwenImage:
     """A diffusers Qwen-Image folder: our FlowGRPOQwenImagePipeline with its options, vLLM-Omni's default stage."""
 
     name = "qwen_image"
+    stages = 1  # vLLM-Omni's default: one diffusion stage
     sampling = SamplingParams
     encode_request = staticmethod(qwen_pipeline.encode_request)
 
@@ -47,8 +48,6 @@ class QwenImage:
         if config.get("random_seed") is not None:
             args["random_seed"] = int(config["random_seed"])
         return args
-
-    stages = 1  # vLLM-Omni's default: one diffusion stage
 
     def start_args(self, pipeline_args: dict, extension: str) -> dict:
         """AsyncOmni's keywords for our pipeline and worker extension."""
@@ -70,7 +69,6 @@ class Bagel:
 
     name = "bagel"
     sampling = BagelSamplingParams
-    encode_request = staticmethod(bagel_pipeline.encode_request)
     QWEN_ONLY = ("qk_ops", "fa_version", "gelu", "cfg_forward")  # options of FlowGRPOQwenImagePipeline alone
 
     def __init__(self, folder: Path, deploy: str = "single_stage"):
@@ -108,6 +106,10 @@ class Bagel:
         prefix = "" if self.stages == 1 else f"stage_{self.stages - 1}_"
         return {"deploy_config": str(path), f"{prefix}custom_pipeline_args": pipeline_args,
                 f"{prefix}worker_extension_cls": extension}
+
+    def encode_request(self, prompt: str, sampling: BagelSamplingParams, seeds, policy_version: int):
+        """`vllm_omni_bagel_pipeline.encode_request`, the prompt framed for the thinker with two stages."""
+        return bagel_pipeline.encode_request(prompt, sampling, seeds, policy_version, framed=self.stages > 1)
 
     def thinker_params(self, sampling: BagelSamplingParams) -> list:
         """The thinker's sampling parameters (vLLM's SamplingParams keywords) before the DiT's, two stages only: one
