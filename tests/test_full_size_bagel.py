@@ -31,8 +31,9 @@ LLM = "language_model.model."
 SMALL = Geometry(dict(FULL.llm, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2),
                  dict(FULL.vit, hidden_size=32, intermediate_size=64, num_attention_heads=2), FULL.top, FULL.vocab_size)
-# sha256 of the tiny folder's configs as the writer before `Geometry` wrote them (both dtypes)
-CONFIG_SHA256 = {"llm_config.json": "a687bf0151e643aa", "config.json": "26a4bb6dc854ac51",
+# sha256 of the tiny folder's configs (both dtypes): the writer's before `Geometry`, but for llm_config.json's
+# max_position_embeddings 32768 and config.json's visual_und true (FORMAT_VERSION 4: the two-stage thinker)
+CONFIG_SHA256 = {"llm_config.json": "d471fa727e2a548b", "config.json": "9126b244a8c486e5",
                  "vit_config.json": "dc2ad56efaca7ca1", "preprocessor_config.json": "e568470d1f57c531"}
 
 
@@ -103,7 +104,7 @@ def test_the_tiny_folder_is_the_previous_writers_byte_for_byte(dtype, tmp_path):
         assert (folder / name).read_bytes() == (tmp_path / name).read_bytes(), name
     for name, digest in CONFIG_SHA256.items():
         assert hashlib.sha256((folder / name).read_bytes()).hexdigest()[:16] == digest, name
-    assert tiny_bagel.FORMAT_VERSION == 2 and sorted(p.name for p in folder.iterdir()) == sorted(FILES)
+    assert tiny_bagel.FORMAT_VERSION == 4 and sorted(p.name for p in folder.iterdir()) == sorted(FILES)
 
 
 def test_the_cli_writes_the_tiny_folder(tmp_path):

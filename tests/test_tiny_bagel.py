@@ -37,7 +37,7 @@ def test_folder_has_every_file_and_the_tiny_sizes(folder):
                                 "num_key_value_heads", "vocab_size", "rope_theta", "rms_norm_eps")} == dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=384, rope_theta=1e6, rms_norm_eps=1e-6)
-    assert (top["visual_gen"], top["visual_und"], top["latent_patch_size"], top["max_latent_size"]) == (True, False, 2, 32)
+    assert (top["visual_gen"], top["visual_und"], top["latent_patch_size"], top["max_latent_size"]) == (True, True, 2, 32)
     assert top["vae_config"] == {"z_channels": 16, "downsample": 8} and top["llm_config"] == llm
     assert (vit["num_hidden_layers"], vit["hidden_size"], vit["patch_size"]) == (1, 32, 14) and top["vit_config"] == vit
 
@@ -88,6 +88,54 @@ def test_tokenizer_special_tokens_and_round_trip(folder):
     enc = tok.encode(prompt, add_special_tokens=False)
     assert max(enc) < vocab_size and tok.decode(enc) == prompt
     assert enc[0] == ids["<|im_start|>"] and enc[-1] == ids["<|im_end|>"]
+
+
+def test_tokenizer_has_the_thinker_placeholders(folder):
+    """vLLM-Omni's BAGEL thinker (two-stage deployment) profiles with the dummy text "<|image_pad|>" and
+    "<|fim_middle|>" (an image to edit) and needs each to be one token of the vocabulary: a tokenizer without
+    "<|fim_middle|>" failed its start on an H200 ("Expected there to be 1 prompt updates corresponding to 1 img2img
+    items, but instead found 0"). "<|fim_middle|>" is an added token, not a special one, as in Qwen2.5's."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    vocab, vocab_size = tok.get_vocab(), json.loads((folder / "llm_config.json").read_text())["vocab_size"]
+    image, edit = vocab["<|image_pad|>"], vocab["<|fim_middle|>"]
+    assert max(image, edit) < vocab_size and image != edit
+    assert tok.encode("<|image_pad|>" * 2 + "<|fim_middle|>", add_special_tokens=False) == [image, image, edit]
+    assert tok.convert_tokens_to_ids("<|fim_middle|>") == edit
+    assert "<|fim_middle|>" not in tok.all_special_tokens
+    assert tok.decode(tok.encode("a<|fim_middle|>b", add_special_tokens=False), skip_special_tokens=True) == \
+        "a<|fim_middle|>b"
+
+
+def thinker_profile(top: dict) -> tuple[int, int, int]:
+    """(tokens of a dummy image, of a dummy image to edit, the last RoPE position of the dummy request after it) in
+    vLLM-Omni 0.20's thinker start-up (OmniBagelMultiModalProcessor._get_prompt_updates, _adjust_positions_for_img2img
+    over one request of tiny_bagel.THINKER_TOKENS, bagel.yaml's max_num_batched_tokens), from config.json."""
+    vit, stride = top["vit_config"], top["vae_config"]["downsample"] * top["latent_patch_size"]
+    side, most = vit["image_size"], top["max_latent_size"] * stride  # the dummy image, the largest edited side
+    scale = max(min(most / side, 1.0), min(256, most) / side)
+    edited = min(max(stride, round(side * scale / stride) * stride), most)
+    vit_tokens = (side // vit["patch_size"]) ** 2
+    edit = (edited // stride) ** 2 + 2 + 1 + vit_tokens + 2
+    return vit_tokens, edit, tiny_bagel.THINKER_TOKENS - edit + 1
+
+
+@pytest.mark.parametrize("size", ["tiny", "full"])
+def test_configs_fit_the_two_stage_thinker(size):
+    """vLLM-Omni's two-stage thinker (vLLM's BagelForConditionalGeneration) builds the ViT only with visual_und, and
+    its start-up profiling runs it on a dummy image to edit, then a dummy request whose positions outrun a RoPE table
+    of max_position_embeddings rows (2048 indexed out of range); a dummy image's tokens are
+    vit_max_num_patch_per_side^2 placeholders filled by (image_size / patch_size)^2 ViT outputs."""
+    from jaxflow_bridge.rollout.full_size_bagel import FULL
+
+    geo = tiny_bagel.TINY if size == "tiny" else FULL
+    top, llm = tiny_bagel.top_config(geo), tiny_bagel.llm_config(geo)
+    vit_tokens, edit, last = thinker_profile(top)
+    assert top["visual_und"] is True
+    assert vit_tokens == top["vit_max_num_patch_per_side"] ** 2 and edit < tiny_bagel.THINKER_TOKENS
+    assert last < llm["max_position_embeddings"], (last, llm["max_position_embeddings"])
+    assert (edit, last) == ((325, 32444) if size == "tiny" else (8626, 24143))
 
 
 def test_velocity_is_finite_with_the_expected_shape(folder, model):

@@ -10,15 +10,16 @@ latent_patch_size=2, max_latent_size=64)``, ``vit_config.num_hidden_layers - 1``
 - llm_config.json, Qwen2.5-7B: hidden 3584, intermediate 18944, 28 layers, 28 heads, 4 KV heads, rope_theta 1e6,
   RMS eps 1e-6, silu, untied, vocab 152064 (docs/bagel.md §1, ``jaxflow/models/bagel/config.BagelConfig``'s
   defaults, ``full_size.py``'s Qwen2.5-VL-7B text tower); max_position_embeddings 32768 (Qwen2.5-7B-Instruct's and
-  vLLM-Omni's ``Qwen2MoTConfig`` default; nothing here reads it).
+  vLLM-Omni's ``Qwen2MoTConfig`` default; the two-stage thinker's RoPE rows, ``tiny_bagel.THINKER_TOKENS``).
 - vit_config.json, SigLIP so400m-patch14: hidden 1152, intermediate 4304, 27 layers, 16 heads, patch 14,
   gelu_pytorch_tanh, eps 1e-6 (the so400m config); image 980 = 70 patches of 14 a side (BAGEL's ViT transform and
   ``vit_max_num_patch_per_side``); no head (vLLM-Omni forces ``vision_use_head=False``). ema.safetensors holds 26
   ViT layers: vLLM-Omni builds 26 when the file says 27, as BAGEL's loaders do (``stored_vit_layers``).
-- config.json: latent_patch_size 2, max_latent_size 64 (BAGEL's loaders; vLLM-Omni sizes its table from the stored
-  one), vae z_channels 16 / downsample 8 (FLUX's autoencoder, vLLM-Omni's ``default_ae_params``),
-  vit_max_num_patch_per_side 70, connector_act gelu_pytorch_tanh, interpolate_pos False, timestep_shift 1.0
-  (BAGEL's loaders; vLLM-Omni's ``BagelConfig`` defaults).
+- config.json: visual_und true (``tiny_bagel.top_config``: the two-stage thinker's ViT), latent_patch_size 2,
+  max_latent_size 64 (BAGEL's loaders; vLLM-Omni sizes its table from the stored one), vae z_channels 16 /
+  downsample 8 (FLUX's autoencoder, vLLM-Omni's ``default_ae_params``), vit_max_num_patch_per_side 70,
+  connector_act gelu_pytorch_tanh, interpolate_pos False, timestep_shift 1.0 (BAGEL's loaders; vLLM-Omni's
+  ``BagelConfig`` defaults).
 
 Tokenizer: ``tiny.py``'s 384 ids (the markers ``<|vision_start|>`` / ``<|vision_end|>`` are 373 / 374, read from
 tokenizer.json by the trainer and both engines) under llm_config's vocab_size 152064: the embedding and LM head keep

@@ -8,8 +8,10 @@ Seeds: ``torch.manual_seed(seed + k)`` before component k (0 transformer, 1 VAE,
 
 Tokenizer: a byte-level BPE whose vocab is the 256 GPT-2 byte characters, one chained merge per prefix of each
 word of the prompt template (so every template word is one token, as in the real Qwen2 vocab), then the 14 Qwen
-special tokens in their real relative order. Other text falls back to bytes. ``vocab_size`` is that count rounded
-up to 64 (384), instead of the real 152064, which keeps the text encoder at about 0.1M params.
+special tokens and the 4 fill-in-the-middle tokens (added, not special, as in Qwen2.5's tokenizer; vLLM-Omni's BAGEL
+thinker marks an image to edit with ``<|fim_middle|>``), all in their real relative order. Other text falls back to
+bytes. ``vocab_size`` is that count rounded up to 64 (384), instead of the real 152064, which keeps the text encoder
+at about 0.1M params.
 
 CLI: ``python -m jaxflow_bridge.rollout.tiny --out DIR [--seed 0] [--dtype float32]``.
 """
@@ -29,7 +31,7 @@ import torch
 from tokenizers import Regex, pre_tokenizers
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the fill-in-the-middle tokens
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 PROMPT_TEMPLATE = (
@@ -99,6 +101,8 @@ QWEN_SPECIAL_TOKENS = (
     "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
     "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
 )
+# Qwen2.5's added (not special) fill-in-the-middle tokens, in the order of their real ids 151659..151662.
+QWEN_FIM_TOKENS = ("<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>")
 
 
 def _byte_alphabet() -> list[str]:
@@ -120,7 +124,7 @@ def _template_words() -> list[str]:
 
 
 def tokenizer_vocab() -> tuple[dict[str, int], list[tuple[str, str]], int]:
-    """(vocab, merges, vocab_size): bytes, chained merges of template words, then Qwen special tokens."""
+    """(vocab, merges, vocab_size): bytes, chained merges of template words, then Qwen's special and FIM tokens."""
     vocab = {c: i for i, c in enumerate(_byte_alphabet())}
     merges = []
     for word in _template_words():
@@ -128,23 +132,27 @@ def tokenizer_vocab() -> tuple[dict[str, int], list[tuple[str, str]], int]:
             if word[: k + 1] not in vocab:
                 merges.append((word[:k], word[k]))
                 vocab[word[: k + 1]] = len(vocab)
-    for tok in QWEN_SPECIAL_TOKENS:
+    for tok in (*QWEN_SPECIAL_TOKENS, *QWEN_FIM_TOKENS):
         vocab[tok] = len(vocab)
     return vocab, merges, -(-len(vocab) // 64) * 64
 
 
 def build_tokenizer():
-    """A Qwen2Tokenizer whose template prefix tokenizes to exactly ``TEMPLATE_DROP`` tokens."""
+    """A Qwen2Tokenizer whose template prefix tokenizes to exactly ``TEMPLATE_DROP`` tokens; each FIM token is one
+    added token of its vocab id."""
+    from tokenizers import AddedToken
     from transformers import Qwen2Tokenizer
 
     vocab, merges, _ = tokenizer_vocab()
-    return Qwen2Tokenizer(
+    tok = Qwen2Tokenizer(
         vocab=vocab,
         merges=merges,
         extra_special_tokens=list(QWEN_SPECIAL_TOKENS[1:]),
         padding_side="right",
         model_max_length=32768,
     )
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN_FIM_TOKENS])
+    return tok
 
 
 def save_slow_tokenizer_files(tok_dir: Path) -> None:

@@ -1,8 +1,9 @@
 """A tiny, deterministic, offline random BAGEL folder (docs/bagel.md §6), built from seeded configs, and the pieces
 every BAGEL folder is written from, its geometry a ``Geometry`` (the full size: ``full_size_bagel.py``).
 
-Files: ``llm_config.json`` (Qwen2 keys), ``config.json`` (BAGEL's top-level keys), ``vit_config.json`` (a 1-layer
-SigLIP), ``ema.safetensors`` (every tensor BagelPipeline loads, under the names its ``load_weights`` maps: both LLM
+Files: ``llm_config.json`` (Qwen2 keys), ``config.json`` (BAGEL's top-level keys; ``visual_und`` true, so that
+vLLM-Omni's two-stage thinker builds the ViT its start-up profiling runs), ``vit_config.json`` (a 1-layer SigLIP),
+``ema.safetensors`` (every tensor BagelPipeline loads, under the names its ``load_weights`` maps: both LLM
 experts, LM head, time embedder, vae2llm / llm2vae, the 2-D sin-cos ``latent_pos_embed`` and ``vit_pos_embed``, the
 ViT as ``vit_model.vision_model.*`` and the connector), the tokenizer of ``tiny.py`` (byte-level BPE with the Qwen
 special tokens, vocab 384), ``preprocessor_config.json`` and ``ae.safetensors`` (FLUX's autoencoder at the geometry
@@ -32,7 +33,8 @@ from safetensors.torch import save_file
 from jaxflow_bridge.rollout import tiny
 from jaxflow_bridge.rollout.bagel_vae import checkpoint_shapes
 
-FORMAT_VERSION = 2  # 2: max_latent_size 32 (vLLM-Omni's 512 x 512 warm-up)
+FORMAT_VERSION = 4  # 2: max_latent_size 32 (vLLM-Omni's 512 x 512 warm-up); 3: the FIM tokens (tiny.py);
+# 4: visual_und true and max_position_embeddings 32768 (THINKER_TOKENS)
 DTYPES = tiny.DTYPES
 FILES = ("llm_config.json", "config.json", "vit_config.json", "ema.safetensors", "ae.safetensors", "tokenizer.json",
          "tokenizer_config.json", "vocab.json", "merges.txt", "preprocessor_config.json")
@@ -40,10 +42,14 @@ TIMESTEP_CHANNELS = 256
 LLM = "language_model.model."
 # the fixed 2-D sin-cos tables and the config.json key giving their side
 SINCOS = {"latent_pos_embed.pos_embed": "max_latent_size", "vit_pos_embed.pos_embed": "vit_max_num_patch_per_side"}
+# vLLM-Omni 0.20's thinker (deploy/bagel.yaml stage 0: max_num_batched_tokens) profiles an image to edit, then runs
+# one dummy request this long whose text positions run up to about this (OmniBagelForConditionalGeneration.
+# _adjust_positions_for_img2img): its RoPE table, max_position_embeddings rows, must cover them
+THINKER_TOKENS = 32768
 
 TINY_LLM = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1e6, hidden_act="silu",
-                max_position_embeddings=2048, tie_word_embeddings=False)
+                max_position_embeddings=THINKER_TOKENS, tie_word_embeddings=False)
 TINY_VIT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=14,
                 image_size=112, num_channels=3, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6,
                 vision_use_head=False)
@@ -86,8 +92,10 @@ def vit_config(geo: Geometry = TINY) -> dict:
 
 
 def top_config(geo: Geometry = TINY) -> dict:
+    """config.json: ``visual_und`` true (vLLM's BagelForConditionalGeneration, the two-stage thinker, builds no ViT
+    otherwise, and its start-up profiling calls the ViT on a dummy image to edit)."""
     return dict(architectures=["BagelForConditionalGeneration"], model_type="bagel", visual_gen=True,
-                visual_und=False, llm_config=llm_config(geo), vit_config=vit_config(geo), **geo.top)
+                visual_und=True, llm_config=llm_config(geo), vit_config=vit_config(geo), **geo.top)
 
 
 def sincos_2d(size: int, hidden: int) -> torch.Tensor:
