@@ -27,6 +27,10 @@ WHEELS=(
   annotated-types==0.8.0 typing-inspection==0.4.5 cachetools==8.0.1 cbor2==6.2.1 distro==1.9.0
   gguf==0.19.0 janus==2.0.0 omegaconf==2.4.0 prettytable==3.18.0 wcwidth==0.9.4 pybase64==1.5.1
   sniffio==1.3.1
+  # vLLM's AR engine (BAGEL's two-stage thinker) imports these at its start; the set that got it past its imports
+  blake3==1.0.11 diskcache==5.6.3 lark==1.2.2 partial-json-parser==0.2.1.1.post7 depyf==0.20.0 astor==0.8.1
+  watchfiles==1.3.0 anyio==4.16.0 python-json-logger==4.2.0 ijson==3.6.0 setproctitle==1.3.8 outlines_core==0.2.14
+  lm-format-enforcer==0.11.3 interegular==0.3.3 compressed-tensors==0.15.0.1
   # the trainer's own dependencies that the device image lacks (ray's wheel is over one call: it is split too)
   ray==2.60.0 click==8.3.1 jsonschema==4.25.1 jsonschema-specifications==2025.9.1 referencing==0.37.0
   rpds-py==0.30.0 attrs==25.4.0 msgpack==1.1.2 "${TRAINER_WHEELS[@]}" "${OCR_WHEELS[@]}"
