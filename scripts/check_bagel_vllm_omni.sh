@@ -5,7 +5,8 @@
 #   same bytes, every adapter module bound, the in-place slot write equal to vLLM-Omni's own folder load), then
 #   rollout vs trainer log-prob parity (scripts/verify_logprob_parity.py --model-family bagel --engine vllm_omni
 #   --dtype bfloat16) with CFG 4, CFG 1, CFG 4 with a rank-8 LoRA, CFG 4 with the trainer in float32, and CFG 4 in
-#   think mode (a greedy decode of at most 24 tokens extends each prompt's context: --think 24).
+#   think mode (a greedy decode of at most 24 tokens extends each prompt's context: --think 24); then CFG 4 without and
+#   with the rank-8 LoRA in vLLM-Omni's two-stage deployment (--deploy two_stage: the thinker, then the DiT stage).
 #   bash scripts/check_bagel_vllm_omni.sh OUT_DIR      (needs vLLM-Omni 0.20: scripts/stage_vllm_omni.sh on machines
 #                                                       without a package index)
 # Writes OUT_DIR/engine.{log,json}, OUT_DIR/CASE.{log,json} per parity case and OUT_DIR/parity_bagel.json (figures:
@@ -33,6 +34,10 @@ run cfg4_jax_fp32 --cfg 4 --jax-dtype float32
 run cfg4 --cfg 4
 run cfg1 --cfg 1
 run cfg4_think --cfg 4 --think 24
+# vLLM-Omni's two-stage deployment (deploy/bagel.yaml: the thinker prefills, the DiT stage denoises), last: it is the
+# newest path, and a thinker that fails to start must not cost the cases above
+run two_stage_cfg4 --cfg 4 --deploy two_stage
+run two_stage_cfg4_lora8 --cfg 4 --lora-rank 8 --deploy two_stage
 python3 - "$out" <<'PY'
 import json, sys
 from pathlib import Path
@@ -41,7 +46,7 @@ out = Path(sys.argv[1])
 def report(name):
     path = out / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
-cases = ("cfg4_lora8", "cfg4_jax_fp32", "cfg4", "cfg1", "cfg4_think")
+cases = ("cfg4_lora8", "cfg4_jax_fp32", "cfg4", "cfg1", "cfg4_think", "two_stage_cfg4", "two_stage_cfg4_lora8")
 engine = report("engine") or {"checks": {}, "figures": {}, "passed": False}
 figures = {"engine_checks_passed": sum(bool(v) for v in engine["checks"].values()),
            "engine_checks": len(engine["checks"]), "engine_start_s": engine["figures"].get("engine_start_s"),
