@@ -115,6 +115,9 @@ def _check_model(cfg: ConfigDict) -> None:
     if deploy != "single_stage" and (family.name != "bagel" or cfg.rollout.engine != "vllm_omni"):
         _fail("rollout.bagel_deploy", f"{deploy!r} is vLLM-Omni's BAGEL topology; with model.family={family.name!r} "
                                       f"and rollout.engine={cfg.rollout.engine!r} leave it 'single_stage'")
+    if not 0.0 <= cfg.rollout.thinker_memory < 1.0 or (cfg.rollout.thinker_memory and deploy != "two_stage"):
+        _fail("rollout.thinker_memory", f"{cfg.rollout.thinker_memory!r}: the two-stage thinker's share of the GPU "
+                                        f"in (0, 1) with rollout.bagel_deploy='two_stage', or 0.0 for bagel.yaml's")
     if deploy == "two_stage" and cfg.sample.think:
         _fail("rollout.bagel_deploy", "'two_stage' has no think mode yet (the thinker only prefills): pass "
                                       "--config.rollout.bagel_deploy=single_stage or --config.sample.think=False")

@@ -174,8 +174,13 @@ class Bagel:
         return entries_fingerprint(nnx.state(model, nnx.Param), bagel_keymap.key_map(), model.cfg.num_hidden_layers)
 
     def engine_config(self, cfg) -> dict:
-        """vllm_omni: the deployment (rollout.bagel_deploy)."""
-        return {"deploy": cfg.rollout.bagel_deploy} if cfg.rollout.engine == "vllm_omni" else {}
+        """vllm_omni: the deployment (rollout.bagel_deploy) and the thinker's share of the GPU where given
+        (rollout.thinker_memory: vLLM-Omni's per-stage `stage_0_gpu_memory_utilization`)."""
+        if cfg.rollout.engine != "vllm_omni":
+            return {}
+        share = cfg.rollout.thinker_memory
+        return {"deploy": cfg.rollout.bagel_deploy, **({"omni_args": {"stage_0_gpu_memory_utilization": share}}
+                                                        if share else {})}
 
     def sampling(self, cfg, eval_mode: bool) -> dict:
         """BagelSamplingParams' keys: BAGEL's text CFG (scale sample.guidance, sample.cfg_interval,

@@ -87,6 +87,8 @@ HELP: dict[str, str] = {
                            "forward each)",
     "rollout.bagel_deploy": "BAGEL on vllm_omni: 'single_stage' or 'two_stage' (a vLLM thinker prefills, the DiT "
                             "denoises; docs/bagel.md §3)",
+    "rollout.thinker_memory": "two-stage BAGEL: the thinker's share of the GPU (vLLM's gpu_memory_utilization; 0.0: "
+                              "bagel.yaml's 0.45)",
     "sample.height": "image height in pixels: a multiple of 2 x the VAE's spatial factor (16 for Qwen-Image)",
     "sample.width": "image width in pixels: a multiple of 2 x the VAE's spatial factor (16 for Qwen-Image)",
     "sample.num_steps": "sampling steps of the training rollout",
@@ -208,7 +210,10 @@ def base() -> ml_collections.ConfigDict:
                      cfg_forward="split",
                      # BAGEL on vllm_omni: vLLM-Omni's single DiT stage (what verl-omni trains with), or "two_stage"
                      # (its bagel.yaml: a vLLM thinker prefills, the DiT denoises; docs/bagel.md §3)
-                     bagel_deploy="single_stage")
+                     bagel_deploy="single_stage",
+                     # its thinker's share of the GPU; 0.0: bagel.yaml's 0.45, too much beside the DiT stage and the
+                     # trainer at full size (about 0.25 on an H200: docs/bagel.md §3)
+                     thinker_memory=0.0)
     c.sample = dict(height=512, width=512, num_steps=10, guidance=4.0, noise_level=1.2, sde_type="sde",
                     window_size=2, window_range=(0, 5), negative_prompt=" ", same_latent=False,
                     cfg_interval=(0.0, 1.0), cfg_renorm_min=0.0,

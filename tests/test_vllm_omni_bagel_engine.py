@@ -375,10 +375,13 @@ def test_lora_updates_reach_the_bagel_slots(folder, bagel_torch, tmp_path, monke
      "rollout.engine='bagel_torch' leave it 'single_stage'"),
     ({"rollout.bagel_deploy": "two_stage", "sample.think": True},
      "config.rollout.bagel_deploy: 'two_stage' has no think mode yet"),
-    ({"rollout.bagel_deploy": "two_stage", "model.family": "qwen_image"}, "with model.family='qwen_image'")])
+    ({"rollout.bagel_deploy": "two_stage", "model.family": "qwen_image"}, "with model.family='qwen_image'"),
+    ({"rollout.thinker_memory": 0.25}, "config.rollout.thinker_memory: 0.25: the two-stage thinker's share"),
+    ({"rollout.bagel_deploy": "two_stage", "rollout.thinker_memory": 1.0}, "in (0, 1) with rollout.bagel_deploy")])
 def test_the_config_takes_bagels_deploy_on_vllm_omni_alone(change, needle):
-    """rollout.bagel_deploy reaches the vllm_omni engine as `deploy` (two stages validate there); a bad value, another
-    engine or family, or two stages with think mode fail in one line."""
+    """rollout.bagel_deploy reaches the vllm_omni engine as `deploy` (two stages validate there), rollout.thinker_memory
+    as the thinker's `stage_0_gpu_memory_utilization`; a bad value, another engine or family, two stages with think
+    mode, or a thinker share without a thinker fail in one line."""
     cfg = config_module(ROOT / "configs" / "tiny_bagel_ocr.py").get_config()
     cfg.data.train, cfg.data.test = str(ROOT / cfg.data.train), str(ROOT / cfg.data.test)
     cfg.rollout.update(engine="vllm_omni", dtype="bfloat16", device="cuda")
@@ -387,7 +390,11 @@ def test_the_config_takes_bagels_deploy_on_vllm_omni_alone(change, needle):
     cfg.rollout.bagel_deploy = "two_stage"
     config_lib.validate(cfg)
     assert families.of(cfg).engine_config(cfg) == {"deploy": "two_stage"}
-    cfg.rollout.bagel_deploy = "single_stage"
+    cfg.rollout.thinker_memory = 0.25  # the thinker's share: vLLM-Omni's per-stage keyword
+    config_lib.validate(cfg)
+    assert families.of(cfg).engine_config(cfg) == {"deploy": "two_stage",
+                                                   "omni_args": {"stage_0_gpu_memory_utilization": 0.25}}
+    cfg.rollout.update(bagel_deploy="single_stage", thinker_memory=0.0)
     for key, value in change.items():
         section, name = key.split(".")
         cfg[section][name] = value
