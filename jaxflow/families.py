@@ -178,9 +178,10 @@ class Bagel:
         (rollout.thinker_memory: vLLM-Omni's per-stage `stage_0_gpu_memory_utilization`)."""
         if cfg.rollout.engine != "vllm_omni":
             return {}
-        share = cfg.rollout.thinker_memory
-        return {"deploy": cfg.rollout.bagel_deploy, **({"omni_args": {"stage_0_gpu_memory_utilization": share}}
-                                                        if share else {})}
+        engine = {"deploy": cfg.rollout.bagel_deploy}
+        if cfg.rollout.thinker_memory:
+            engine["omni_args"] = {"stage_0_gpu_memory_utilization": cfg.rollout.thinker_memory}
+        return engine
 
     def sampling(self, cfg, eval_mode: bool) -> dict:
         """BagelSamplingParams' keys: BAGEL's text CFG (scale sample.guidance, sample.cfg_interval,
