@@ -174,6 +174,9 @@ class RolloutGroup:
         for ack in acks:
             if ack["version"] != version or ack["bound_modules"] < 1:
                 raise RuntimeError(f"rollout did not take LoRA version {version}: ack {ack}")
+        if len({ack["bound_modules"] for ack in acks}) > 1:  # every engine serves the same model
+            raise RuntimeError(f"rollout engines bound different LoRA modules for version {version}: "
+                               f"{[ack['bound_modules'] for ack in acks]}")
         if not self.transport.device_tensors:  # re-sent after a restart (in process it would pin device buffers)
             self.adapter = (method, args)
         self.last_ack = acks[0]

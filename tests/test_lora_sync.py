@@ -105,3 +105,30 @@ def test_ray_servers_take_host_arrays_only():
     with pytest.raises(ValueError, match="must be host numpy arrays .* got Tensor for a.lora_A.weight; device "
                                          "tensors are for rollout.layout=.in_process."):
         group.update_lora({"a.lora_A.weight": torch.zeros(2, 2)}, 1, SPEC.peft_config())
+
+
+class _Acks:
+    """A transport of stand-in servers, each acknowledging a LoRA update with its own bound-module count."""
+
+    max_servers, device_tensors = None, False
+
+    def __init__(self, counts):
+        self.counts = iter(counts)
+
+    def start(self, config):
+        return next(self.counts)
+
+    def submit(self, server, method, manifest, version, adapter_config):
+        return {"version": version, "bound_modules": server}
+
+    def get(self, refs):
+        return refs
+
+    def retrying(self, fn, restart):
+        return fn()
+
+
+def test_every_engine_must_bind_the_same_modules():
+    assert RolloutGroup({}, num_servers=3, transport=_Acks([60, 60, 60])).update_lora_shared({}, 2, {}) == 60
+    with pytest.raises(RuntimeError, match=r"engines bound different LoRA modules for version 2: \[60, 59, 60\]"):
+        RolloutGroup({}, num_servers=3, transport=_Acks([60, 59, 60])).update_lora_shared({}, 2, {})
