@@ -116,6 +116,8 @@ def test_output_pack_unpack_token_ids(neg_length):
     payload = fields["custom_output"]["rollout"]
     assert payload["prompt_ids"].dtype == torch.int32 and "prompt_embeds" not in payload
     assert ("negative_prompt_ids" in payload) == (neg_length is not None)
+    for t in (*payload.values(), fields["trajectory_latents"], fields["trajectory_log_probs"]):
+        t.view(torch.uint8)  # how vLLM-Omni serializes a stage's output (an empty L' = 0 included)
     result = SimpleNamespace(images=[], trajectory_latents=fields["trajectory_latents"],
                              trajectory_log_probs=fields["trajectory_log_probs"],
                              custom_output=fields["custom_output"], error=None)

@@ -32,6 +32,8 @@ def numpy_to_torch(a: np.ndarray):
     """
     import torch
 
+    if a.size == 0:  # numpy strides an empty array 0; torch keeps them and its byte view (vLLM-Omni's serializer) fails
+        return numpy_to_torch(np.zeros(1, a.dtype))[:0].reshape(a.shape)
     if not a.flags.writeable or any(s < 0 for s in a.strides):
         a = a.copy()
     if a.dtype == _BF16:
