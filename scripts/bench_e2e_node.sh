@@ -8,13 +8,16 @@
 # sync to every engine, bound_modules the count every engine acknowledged, the same on all; with ONE_GPU, a
 # bench_e2e.sh one-GPU result of this host, scaling_efficiency: img/GPU/s over that run's img/GPU/s).
 #
-#   [MICRO=4] [STEPS=3] [ONE_GPU=DIR/e2e_1gpu.json] [XLA_CLIENT_MEM_FRACTION=0.56] \
+#   [MICRO=2] [STEPS=3] [ONE_GPU=DIR/e2e_1gpu.json] [XLA_CLIENT_MEM_FRACTION=0.5] \
 #     bash scripts/bench_e2e_node.sh OUT_DIR [extra --config overrides]
 #
-# MICRO: samples per micro-batch on each GPU (the recipe's 4 by default; train.num_micro_batches follows from it).
+# MICRO: samples per micro-batch on each GPU (train.num_micro_batches follows from it), in a JAX pool of
+# XLA_CLIENT_MEM_FRACTION of each GPU. 2 and 0.5 by default: with the trainer on several GPUs NCCL needs room
+# that one GPU's 4 samples at 0.55-0.56 do not leave (2 H200s, 2026-11-26: out of memory either beside the engine
+# at the first all-reduce or inside the pool, placing the update's 31.7 GiB of temporaries with 0.8 GiB to spare).
 set -euo pipefail
 out=${1:?usage: bench_e2e_node.sh OUT_DIR [overrides]}; shift
-micro=${MICRO:-4} steps=${STEPS:-3} model=${MODEL_DIR:-/tmp/qwen_random}
+micro=${MICRO:-2} steps=${STEPS:-3} model=${MODEL_DIR:-/tmp/qwen_random}
 gpus=$(nvidia-smi -L | wc -l)
 mkdir -p "$out"
 read -r samples < <(python3 -c "
@@ -22,8 +25,9 @@ import importlib.util as u; s = u.spec_from_file_location('r', 'configs/qwen_ocr
 s.loader.exec_module(m); c = m.get_config(); print(c.sample.prompts_per_step * c.sample.group_size // c.train.num_mini_batches)")
 (( samples % (micro * gpus) == 0 )) || { echo "MICRO=$micro x $gpus GPUs does not divide an update's $samples samples" >&2; exit 2; }
 unset XLA_PYTHON_CLIENT_MEM_FRACTION  # jax >= 0.11 ignores the GPU when both fractions are set
-export XLA_PYTHON_CLIENT_PREALLOCATE=true XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.56} PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=true XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.5} PYTHONUNBUFFERED=1
 [ -f "$model/model_index.json" ] || python3 scripts/make_random_pipeline.py --out "$model" --no-transformer-weights
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}  # the head makes a token (~/.ray/auth_token); the trainer asks for it
 python3 -m ray.scripts.scripts start --head --num-gpus="$gpus" --disable-usage-stats >"$out/ray_start.log" 2>&1
 trap 'python3 -m ray.scripts.scripts stop >/dev/null 2>&1' EXIT
 overrides=(--config.model.path="$model" --config.model.init=random --config.rollout.layout=colocated

@@ -8,7 +8,6 @@ config=${1:?usage: ray_train.sh CONFIG [--config.x=y ...]}; shift
 # JAX allocates as it goes (rollout engines on other GPUs); colocated engines on the trainer's GPUs want a fixed
 # pool instead: XLA_PYTHON_CLIENT_PREALLOCATE=true XLA_CLIENT_MEM_FRACTION=0.56 (an H200) in the environment
 export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-false}
-# `ray start --head` (Ray 2.60) turns token authentication on; a client must ask for it too (the token from
-# ~/.ray/auth_token or RAY_AUTH_TOKEN). RAY_AUTH_MODE=disabled for a cluster started without it.
-export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
+# Ray 2.60's token authentication is the cluster's choice: export RAY_AUTH_MODE=token here exactly when the cluster
+# was started with it (the token in ~/.ray/auth_token or RAY_AUTH_TOKEN); a plain `ray start --head` has none.
 exec python -m jaxflow.train --config "$config" --config.rollout.address="${RAY_ADDRESS:-auto}" "$@"

@@ -10,6 +10,7 @@ import socket
 import subprocess
 from pathlib import Path
 
+from jaxflow_bridge.rollout.tiny import cache_root
 from tests.helpers import ROOT
 
 SRUN = r"""#!/usr/bin/env bash
@@ -71,9 +72,12 @@ def test_slurm_launcher_runs_a_two_node_cluster_and_two_trainer_processes(tmp_pa
 
 
 def test_ray_launcher_runs_against_a_two_node_cluster(tmp_path):
+    """A plain `ray start` (no RAY_AUTH_MODE: no token authentication) and ray_train.sh as the docs say, in a home
+    of its own (no token file from other Ray sessions)."""
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "JAX_", "SLURM_"))}
-    env.update(JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", RAY_AUTH_MODE="token")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH", "JAX_", "SLURM_"))}
+    env.update(JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", HOME=str(tmp_path / "home"),
+               JAXFLOW_CACHE=str(cache_root()))  # the tiny model built once, as elsewhere
     ray = ["python", "-m", "ray.scripts.scripts", "start", "--num-cpus=1", "--disable-usage-stats"]
     run_dir, log = tmp_path / "run", open(tmp_path / "launcher.log", "w")
     try:
