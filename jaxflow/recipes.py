@@ -187,8 +187,8 @@ def base() -> ml_collections.ConfigDict:
                    # one GPU); a scan compiles in ~16 s
                    scan_unroll=0,
                    matmul_precision="auto",
-                   # "auto" picks "pallas" where it runs and pays (unrolled blocks, bf16, one H100/H200, rows that
-                   # tile; BENCHMARKS.md, the fused LoRA GEMM), else "xla", the choice and its reason logged at start
+                   # "auto" picks "pallas" where it runs and pays (unrolled blocks, bf16 on H100/H200s; BENCHMARKS.md,
+                   # the fused LoRA GEMM), else "xla", the choice and its reason logged at start
                    lora_gemm="auto",
                    init="checkpoint")
     c.lora = dict(rank=64, alpha=128.0, targets=list(DEFAULT_LORA_TARGETS))
@@ -234,8 +234,11 @@ def base() -> ml_collections.ConfigDict:
                    drop_zero_advantage=False,
                    algorithm="flowgrpo",
                    nft=dict(beta=0.1, timesteps=0, decay_flat=75, decay_rate=0.0075, decay_max=0.999),
-                   # cuBLAS GEMMs, no Triton ones: 1.4% faster on an H200 (BENCHMARKS.md, train step)
-                   xla_options={"xla_gpu_enable_triton_gemm": False})
+                   # cuBLAS GEMMs, no Triton ones: 1.4% faster on an H200 (BENCHMARKS.md, train step). No
+                   # latency-hiding scheduler: with the trainer on 2 GPUs it kept the unrolled backward's weight
+                   # gradients alive to overlap the LoRA all-reduces, 50.5 GiB for the update at 4 samples against
+                   # 36.3 without it, one GPU's need; one GPU runs the same either way (BENCHMARKS.md, two GPUs)
+                   xla_options={"xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_latency_hiding_scheduler": False})
     # 8 reward threads, each with its own RapidOCR engine of 2 onnxruntime threads (16 cores a GPU)
     c.reward = dict(fns={"ocr": 1.0}, options={"ocr": {"num_threads": 2}}, workers=8)
     c.data = dict(train=str(DATA / "ocr" / "train.txt"), test=str(DATA / "ocr" / "test.txt"))

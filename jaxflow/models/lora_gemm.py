@@ -184,11 +184,17 @@ def lora_matmul(x, w, u, v, bias=None, *, transposed: bool = False, tiling: Tili
 
     Forward (`transposed=False`): x (M, K), w (K, N), u = x A (M, r), v = s B (r, N), bias (N,).
     Input gradient (`transposed=True`): w (N, K) and v (N, r) are used as W^T and V^T, e.g. dy @ W^T + u @ A^T
-    with w = W, v = A."""
+    with w = W, v = A. Rows short of a whole tile are padded with zeros for the kernel and cut off after (the text
+    rows of 2 samples, 2 x 96, run as 256)."""
+    rows = x.shape[0]
+    pad = -rows % tiling.tile_m
+    if pad and u.shape[0] == rows:  # rows that do not chain are check_shapes' to name
+        x, u = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, u))
     m, _, n, _ = check_shapes(x, w, u, v, bias, transposed, tiling)
     has_bias = bias is not None
     b = bias if has_bias else jnp.zeros((n,), x.dtype)
-    return _kernel_call(m, n, jnp.dtype(x.dtype).name, transposed, has_bias, tiling)(x, w, u, v, b)
+    y = _kernel_call(m, n, jnp.dtype(x.dtype).name, transposed, has_bias, tiling)(x, w, u, v, b)
+    return y[:rows] if pad else y
 
 
 @functools.lru_cache(maxsize=None)
