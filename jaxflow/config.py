@@ -306,9 +306,10 @@ def lora_gemm(cfg, num_layers: int, devices: int, on_hopper: bool, micro_batch: 
 
     It pays with unrolled blocks (model.scan_unroll >= the blocks, or 0, which unrolls them for it): the recipe's
     step 10% faster end to end on one H200; inside a scan it is 12% slower (BENCHMARKS.md, the fused LoRA GEMM). It
-    runs on H100/H200s with bf16 compute where the rank tiles its 16; a linear's rows (micro_batch x `tokens`, the
-    image and the padded text) short of its 128-row tiles are padded (`lora_gemm.lora_matmul`); on several devices
-    under data parallelism, each device on its own rows (micro_batch is per device)."""
+    runs on H100/H200s with bf16 compute where the rank tiles its 16; on several devices under data parallelism,
+    each device on its own rows (micro_batch is per device). A linear's rows (micro_batch x `tokens`, the image and
+    the padded text) short of its 128-row tiles are padded (`lora_gemm.lora_matmul`): model.lora_gemm=pallas runs
+    them, "auto" not yet (not measured to pay)."""
     m = cfg.model
     if m.lora_gemm != "auto":
         return m.lora_gemm, "set in the config"
@@ -317,12 +318,10 @@ def lora_gemm(cfg, num_layers: int, devices: int, on_hopper: bool, micro_batch: 
         ("not an H100/H200", not on_hopper), (f"{m.dtype} compute, not bfloat16", m.dtype != "bfloat16"),
         (f"{devices} devices with the weights sharded (sharding.fsdp / sharding.tensor > 1: the kernel takes whole "
          f"weights)", devices > 1 and (cfg.sharding.fsdp != 1 or cfg.sharding.tensor != 1)),
+        (f"rows {[micro_batch * t for t in tokens]} not multiples of 128 (model.lora_gemm=pallas pads them)",
+         any(micro_batch * t % 128 for t in tokens)),
         (f"LoRA rank {cfg.lora.rank} not a multiple of 16", cfg.lora.rank % 16)) if fails]
-    if why:
-        return "xla", "auto: " + "; ".join(why)
-    rows = [micro_batch * t for t in tokens]
-    padded = f"; rows {rows} padded to multiples of 128" if any(r % 128 for r in rows) else ""
-    return "pallas", "auto: unrolled blocks, bf16 on H100/H200s" + padded
+    return ("xla", "auto: " + "; ".join(why)) if why else ("pallas", "auto: unrolled blocks, bf16 on H100/H200s")
 
 
 def model_options(cfg, gemm: str | None, num_layers: int) -> ModelOptions:

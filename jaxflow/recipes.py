@@ -187,8 +187,8 @@ def base() -> ml_collections.ConfigDict:
                    # one GPU); a scan compiles in ~16 s
                    scan_unroll=0,
                    matmul_precision="auto",
-                   # "auto" picks "pallas" where it runs and pays (unrolled blocks, bf16 on H100/H200s; BENCHMARKS.md,
-                   # the fused LoRA GEMM), else "xla", the choice and its reason logged at start
+                   # "auto" picks "pallas" where it runs and pays (unrolled blocks, bf16, one H100/H200, rows that
+                   # tile; BENCHMARKS.md, the fused LoRA GEMM), else "xla", the choice and its reason logged at start
                    lora_gemm="auto",
                    init="checkpoint")
     c.lora = dict(rank=64, alpha=128.0, targets=list(DEFAULT_LORA_TARGETS))

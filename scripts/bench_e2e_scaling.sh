@@ -15,7 +15,7 @@
 # memory at the first collective, 0.6 GiB free), and at pool 0.55 the update (36.3 GiB with the recipe's
 # xla_options, 50.5 before) left 0.8 GiB to spare and could not be placed; at 2 samples a pool of 0.5 holds the update
 # and leaves ~8 GiB more outside it (run so on two H200s with XLA's linears in a scan: 22.5 GiB, 132.6 GiB peak a GPU,
-# 1.77x one GPU; since 2026-11-26 the fused kernel pads the text rows, 2 x 96, and runs there unrolled).
+# 1.77x one GPU; the fused kernel pads those text rows, 2 x 96, with --config.model.lora_gemm=pallas).
 set -euo pipefail
 out=${1:?usage: bench_e2e_scaling.sh OUT_DIR [overrides]}; shift
 # the 1gpu figure is kept when OUT_DIR already holds it (measured earlier on the same host, same code, same overrides)

@@ -169,12 +169,11 @@ def test_auto_picks_the_fused_gemm_only_where_it_runs_and_pays():
     cfg.sharding.fsdp = 2
     assert "2 devices with the weights sharded" in config_lib.lora_gemm(cfg, **{**fits, "devices": 2})[1]
     cfg.sharding.fsdp = 1
-    for change, reason in ((dict(num_layers=61), "scan"), (dict(on_hopper=False), "H100/H200")):
+    for change, reason in ((dict(num_layers=61), "scan"), (dict(on_hopper=False), "H100/H200"),
+                           (dict(micro_batch=2), "rows [2048, 192] not multiples of 128 (model.lora_gemm=pallas pads"),
+                           (dict(tokens=(1024, 100)), "multiples of 128")):
         gemm, why = config_lib.lora_gemm(cfg, **{**fits, **change})
         assert gemm == "xla" and reason in why, (change, why)
-    assert "padded" not in config_lib.lora_gemm(cfg, **fits)[1]  # rows that tile (4 x 96 = 384) run as they are
-    assert config_lib.lora_gemm(cfg, **{**fits, "micro_batch": 2}) == (  # rows that do not: the kernel pads them
-        "pallas", "auto: unrolled blocks, bf16 on H100/H200s; rows [2048, 192] padded to multiples of 128")
     cfg.model.dtype = "float32"
     assert "float32 compute" in config_lib.lora_gemm(cfg, **fits)[1]
     cfg.model.dtype, cfg.lora.rank = "bfloat16", 40
