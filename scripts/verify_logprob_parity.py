@@ -160,6 +160,14 @@ def main(argv=None) -> int:
 
         args.model = tiny_pipeline_path(dtype=args.dtype)  # vLLM-Omni takes its dtype from the folder's
     engine = build_engine(args.engine, args.model, args.dtype, args.lora_apply, args.deploy)
+    try:
+        return check(args, engine, bagel)
+    finally:
+        engine.close()
+
+
+def check(args, engine, bagel: bool) -> int:
+    """Roll out on `engine`, recompute in JAX, print and write the comparison; the exit code."""
     engine_fingerprint = engine.info()["fingerprint"]
     folder = args.model if bagel else args.model / "transformer"
     spec = (BagelLoRASpec if bagel else LoRASpec)(rank=args.lora_rank, alpha=float(args.lora_rank)) \

@@ -43,6 +43,27 @@ def test_a_different_jax_adapter_fails(parity, tmp_path, tiny_path):
     assert code == 1 and not report["passed"]
 
 
+def test_the_engine_is_closed_when_the_rollout_fails(parity, monkeypatch):
+    """An engine error ends the check with the engine closed (a two-stage vLLM-Omni BAGEL otherwise kept its
+    process waiting on its stage processes after the traceback)."""
+    closed = []
+
+    class Failing:
+        def info(self):
+            return {"fingerprint": "0"}
+
+        def generate(self, *args):
+            raise RuntimeError("the stage failed")
+
+        def close(self):
+            closed.append(True)
+
+    monkeypatch.setattr(parity, "build_engine", lambda *args: Failing())
+    with pytest.raises(RuntimeError, match="the stage failed"):
+        parity.main(TINY)
+    assert closed == [True]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine may have vllm_omni")
 def test_an_unavailable_engine_is_a_clear_error(parity):
     with pytest.raises(SystemExit, match="'vllm_omni' is not available here"):

@@ -65,6 +65,10 @@ class RolloutEngine(abc.ABC):
         adapter into the base weights starts restoring them now, while the trainer trains, and refuses to sample
         until the update. Others do nothing."""
 
+    def close(self) -> None:
+        """Stop what the engine started beside this process (vLLM-Omni's stage processes); a process that built the
+        engine itself calls it before it exits. Others hold nothing to stop."""
+
     @abc.abstractmethod
     def sleep(self) -> int:
         """Free the engine's GPU memory until `wake`; returns the bytes freed."""

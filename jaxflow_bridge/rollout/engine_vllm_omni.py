@@ -364,6 +364,9 @@ class VllmOmniEngine(RolloutEngine):
 
     # -------------------------------------------------------------------------------------- lifecycle
 
+    def close(self) -> None:  # without it a failed request left a two-stage BAGEL's process waiting on its stages
+        self.omni.shutdown()
+
     def sleep(self) -> int:
         """Level-1 sleep: the engine's weights (transformer, text encoder, VAE) move to CPU memory; returns the GPU
         bytes freed, read device-wide before and after (`gpu_memory_used`; the workers' own report where it cannot be
