@@ -18,12 +18,13 @@
 set -euo pipefail
 out=${1:?usage: bench_e2e_node.sh OUT_DIR [overrides]}; shift
 micro=${MICRO:-2} steps=${STEPS:-3} model=${MODEL_DIR:-/tmp/qwen_random}
+command -v nvidia-smi >/dev/null || { echo "bench_e2e_node.sh runs on a GPU node: no nvidia-smi here" >&2; exit 2; }
 gpus=$(nvidia-smi -L | wc -l)
-mkdir -p "$out"
 read -r samples < <(python3 -c "
 import importlib.util as u; s = u.spec_from_file_location('r', 'configs/qwen_ocr.py'); m = u.module_from_spec(s)
 s.loader.exec_module(m); c = m.get_config(); print(c.sample.prompts_per_step * c.sample.group_size // c.train.num_mini_batches)")
 (( samples % (micro * gpus) == 0 )) || { echo "MICRO=$micro x $gpus GPUs does not divide an update's $samples samples" >&2; exit 2; }
+mkdir -p "$out"
 unset XLA_PYTHON_CLIENT_MEM_FRACTION  # jax >= 0.11 ignores the GPU when both fractions are set
 export XLA_PYTHON_CLIENT_PREALLOCATE=true XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.5} PYTHONUNBUFFERED=1
 [ -f "$model/model_index.json" ] || python3 scripts/make_random_pipeline.py --out "$model" --no-transformer-weights

@@ -144,6 +144,25 @@ def test_scaling_figures_pick_the_better_layout_by_images_per_second_over_one_gp
         scaling_figures(one, {})
 
 
+def test_node_bench_refuses_a_micro_batch_that_does_not_divide_an_update(tmp_path):
+    """bench_e2e_node.sh before it starts anything: one line and exit 2 without nvidia-smi, and where MICRO x the
+    node's GPUs (a stand-in nvidia-smi listing 3) does not divide an update of the recipe (256 samples)."""
+    import os
+    script = ["bash", str(ROOT / "scripts" / "bench_e2e_node.sh"), str(tmp_path / "out")]
+    bare = dict(os.environ, PATH=f"{Path(sys.executable).parent}:/usr/bin:/bin")
+    if subprocess.run(["bash", "-c", "command -v nvidia-smi"], env=bare, capture_output=True).returncode:
+        got = subprocess.run(script, cwd=ROOT, env=bare, capture_output=True, text=True, timeout=60)
+        assert got.returncode == 2 and "no nvidia-smi here" in got.stderr
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nprintf 'GPU 0\\nGPU 1\\nGPU 2\\n'\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", MICRO="2")
+    got = subprocess.run(script, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert got.returncode == 2 and got.stderr.strip() == "MICRO=2 x 3 GPUs does not divide an update's 256 samples"
+    assert not (tmp_path / "out").exists()
+
+
 def test_mini_ocr_eval_samples_as_the_configs_eval():
     """scripts/mini_ocr_eval.py samples as configs/mini_ocr.py's eval (the settings it wrote by hand before, but for
     sde_window_range, which an ODE run over every step ignores), --steps and --guidance replacing the eval's."""
