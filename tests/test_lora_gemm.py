@@ -216,6 +216,7 @@ def _split_rows_check():
     from tests.helpers import random_window_batch
 
     assert jax.device_count() == 2
+    real_matmul = lora_gemm.lora_matmul
     lora_gemm.lora_matmul = xla_matmul  # the Hopper kernel's stand-in, in this subprocess only
     transformer.check_available = lambda dtype: None
     cfg = QwenImageConfig(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,
@@ -243,8 +244,27 @@ def _split_rows_check():
         state, metrics = step(init_state(), batch)
         assert int(metrics["skipped"]) == 0
         results[name] = (float(metrics["grad_norm"]), jax.tree.map(np.asarray, state.lora))
+    # lora_matmul itself, its rows padded to whole tiles (each device's 2 samples x 4 image and 5 text tokens: 128),
+    # over a stand-in kernel that refuses rows that do not tile; the toy's N and K are left unchecked
+    kernel_rows = []
+
+    def kernel_call(m, n, dtype, transposed, has_bias, tiling):
+        def run(x, w, u, v, b):
+            assert x.shape[0] == u.shape[0] == m and m % tiling.tile_m == 0, (x.shape, u.shape, m)
+            kernel_rows.append(m)
+            return xla_matmul(x, w, u, v, b if has_bias else None, transposed=transposed)
+        return run
+
+    lora_gemm.lora_matmul, lora_gemm._kernel_call = real_matmul, kernel_call
+    lora_gemm.check_shapes = lambda x, w, u, v, bias, transposed, t: (
+        x.shape[0], x.shape[1], (v if transposed else v.T).shape[0], u.shape[1])
+    init_state, step = make_train_step(unrolled, config, layout)
+    state, metrics = step(init_state(), batch)
+    assert int(metrics["skipped"]) == 0 and set(kernel_rows) == {128}, kernel_rows
+    results["fused_padded"] = (float(metrics["grad_norm"]), jax.tree.map(np.asarray, state.lora))
+    lora_gemm.lora_matmul = xla_matmul
     norm_x, lora_x = results["xla"]
-    for name in ("fused", "fused_unrolled"):
+    for name in ("fused", "fused_unrolled", "fused_padded"):
         norm_f, lora_f = results[name]
         assert abs(norm_f - norm_x) <= 1e-5 * norm_x, (name, norm_f, norm_x)
         for got, want in zip(jax.tree.leaves(lora_f), jax.tree.leaves(lora_x)):
