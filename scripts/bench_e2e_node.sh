@@ -22,8 +22,10 @@ command -v nvidia-smi >/dev/null || { echo "bench_e2e_node.sh runs on a GPU node
 gpus=$(nvidia-smi -L | wc -l)
 read -r samples < <(python3 -c "
 import importlib.util as u; s = u.spec_from_file_location('r', 'configs/qwen_ocr.py'); m = u.module_from_spec(s)
-s.loader.exec_module(m); c = m.get_config(); print(c.sample.prompts_per_step * c.sample.group_size // c.train.num_mini_batches)")
-(( samples % (micro * gpus) == 0 )) || { echo "MICRO=$micro x $gpus GPUs does not divide an update's $samples samples" >&2; exit 2; }
+s.loader.exec_module(m); c = m.get_config()
+print(c.sample.prompts_per_step * c.sample.group_size // c.train.num_mini_batches)")
+(( samples % (micro * gpus) == 0 )) ||
+  { echo "MICRO=$micro x $gpus GPUs does not divide an update's $samples samples" >&2; exit 2; }
 mkdir -p "$out"
 unset XLA_PYTHON_CLIENT_MEM_FRACTION  # jax >= 0.11 ignores the GPU when both fractions are set
 export XLA_PYTHON_CLIENT_PREALLOCATE=true XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.5} PYTHONUNBUFFERED=1
@@ -32,7 +34,8 @@ export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}  # the head makes a token (~/.ray/a
 python3 -m ray.scripts.scripts start --head --num-gpus="$gpus" --disable-usage-stats >"$out/ray_start.log" 2>&1
 trap 'python3 -m ray.scripts.scripts stop >/dev/null 2>&1' EXIT
 overrides=(--config.model.path="$model" --config.model.init=random --config.rollout.layout=colocated
-  --config.rollout.num_gpus=1 --config.rollout.num_servers="$gpus" --config.train.num_micro_batches=$((samples / micro / gpus))
+  --config.rollout.num_gpus=1 --config.rollout.num_servers="$gpus"
+  --config.train.num_micro_batches=$((samples / micro / gpus))
   --config.train.num_steps="$steps" --config.eval.every=0 --config.checkpoint.every=1000 --config.log.progress=False
   --config.run_dir="$out/run" "$@")
 nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 >"$out/gpu_mem.csv" 2>/dev/null &
@@ -41,7 +44,8 @@ bash scripts/ray_train.sh configs/qwen_ocr.py "${overrides[@]}" 2>&1 |
   while IFS= read -r line; do printf '%(%H:%M:%S)T %s\n' -1 "$line"; done | tee "$out/train.log"
 kill "$smi" 2>/dev/null || true
 python3 scripts/summarize_run.py "$out/run" --gpus "$gpus" --result e2e_8gpu --out "$out" --gpu-mem "$out/gpu_mem.csv" \
-  --command "${MICRO:+MICRO=$MICRO }${STEPS:+STEPS=$STEPS }XLA_CLIENT_MEM_FRACTION=$XLA_CLIENT_MEM_FRACTION bash scripts/bench_e2e_node.sh OUT $*"
+  --command "${MICRO:+MICRO=$MICRO }${STEPS:+STEPS=$STEPS }XLA_CLIENT_MEM_FRACTION=$XLA_CLIENT_MEM_FRACTION \
+${ONE_GPU:+ONE_GPU=$ONE_GPU }bash scripts/bench_e2e_node.sh OUT $*"
 [ -z "${ONE_GPU:-}" ] || python3 - "$out/e2e_8gpu.json" "$ONE_GPU" <<'PY'
 import json, sys
 from pathlib import Path

@@ -6,7 +6,7 @@
 set -euo pipefail
 config=${1:?usage: ray_train.sh CONFIG [--config.x=y ...]}; shift
 # JAX allocates as it goes (rollout engines on other GPUs); colocated engines on the trainer's GPUs want a fixed
-# pool instead: XLA_PYTHON_CLIENT_PREALLOCATE=true XLA_CLIENT_MEM_FRACTION=0.56 (an H200) in the environment
+# pool instead: XLA_PYTHON_CLIENT_PREALLOCATE=true XLA_CLIENT_MEM_FRACTION=0.5 (H200s; docs/vllm_omni.md)
 export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-false}
 # Ray 2.60's token authentication is the cluster's choice: export RAY_AUTH_MODE=token here exactly when the cluster
 # was started with it (the token in ~/.ray/auth_token or RAY_AUTH_TOKEN); a plain `ray start --head` has none.

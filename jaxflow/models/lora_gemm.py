@@ -188,7 +188,7 @@ def lora_matmul(x, w, u, v, bias=None, *, transposed: bool = False, tiling: Tili
     rows of 2 samples, 2 x 96, run as 256)."""
     rows = x.shape[0]
     pad = -rows % tiling.tile_m
-    if pad and u.shape[0] == rows:  # rows that do not chain are check_shapes' to name
+    if pad:  # x and u padded alike: rows that do not chain still do not, for check_shapes to name
         x, u = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, u))
     m, _, n, _ = check_shapes(x, w, u, v, bias, transposed, tiling)
     has_bias = bias is not None
