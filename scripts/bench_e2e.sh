@@ -27,8 +27,8 @@
 #   inproc  one GPU, the diffusers engine in the trainer's process (no Ray); JAX holds a fixed pool
 #   1gpu    one GPU shared by the trainer and a Ray rollout actor (num_gpus=1); JAX holds a fixed pool; with
 #           SLEEP=true the engine also sleeps while JAX trains (the freed memory and the wake time are logged)
-#   2gpu    two GPUs: a Ray head owning both is started first; the trainer sees only GPU 1 (CUDA_VISIBLE_DEVICES)
-#           and the Ray actor takes GPU 0; trajectories and the LoRA go through Ray every step
+#   2gpu    two GPUs (CUDA_VISIBLE_DEVICES, default 0,1): a Ray head owning both is started first; the trainer sees
+#           only the second and the Ray actor takes the first; trajectories and the LoRA go through Ray every step
 #   2gpu_colocated  two GPUs, each as 1gpu: the trainer data-parallel over both (micro-batches per device as on
 #           one GPU), one engine on each (rollout.num_servers=2); PROMPTS=4 PER_CALL=1 is 1gpu's PROMPTS=2 per GPU
 set -euo pipefail
@@ -62,11 +62,22 @@ case $layout in
           # the engine its 20B weights, the 7B text encoder and its activations
           export XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.56}
           placement=(--config.rollout.layout=colocated --config.rollout.num_gpus=1) ;;
-  2gpu)   # a Ray head that owns both GPUs hands GPU 0 to the rollout actor; the trainer process sees only GPU 1
-          python3 -m ray.scripts.scripts start --head --num-gpus=2 --disable-usage-stats >"$out/ray_start.log" 2>&1
-          trap 'python3 -m ray.scripts.scripts stop >/dev/null 2>&1' EXIT
-          export XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.9} CUDA_VISIBLE_DEVICES=1; gpus=2
-          placement=(--config.rollout.layout=split --config.rollout.num_gpus=1 --config.rollout.address=auto) ;;
+  2gpu)   # a Ray head of its own owns the two GPUs (CUDA_VISIBLE_DEVICES, default 0,1) and hands the first to the
+          # rollout actor; the trainer process sees only the second. The head has a temp dir of its own and a free
+          # port, and only its processes are stopped at the end: other Ray instances on the host are left alone
+          pair=${CUDA_VISIBLE_DEVICES:-0,1}
+          [[ $pair =~ ^[0-9]+,[0-9]+$ ]] || { echo "LAYOUT=2gpu needs two GPUs: set CUDA_VISIBLE_DEVICES to two ids" \
+            "such as 0,1 (it is '$pair')" >&2; exit 2; }
+          ray_dir=/tmp/ray_e2e_$$
+          trap 'pkill -f "$ray_dir" 2>/dev/null; true' EXIT
+          CUDA_VISIBLE_DEVICES=$pair python3 -m ray.scripts.scripts start --head --port=0 --num-gpus=2 \
+            --temp-dir="$ray_dir" --disable-usage-stats >"$out/ray_start.log" 2>&1 ||
+            { echo "the Ray head did not start: see $out/ray_start.log" >&2; exit 1; }
+          address=$(cat "$ray_dir/ray_current_cluster" 2>/dev/null || true)  # ray start writes its address there
+          [[ $address =~ :[1-9][0-9]*$ ]] ||
+            { echo "no address for the Ray head in $ray_dir: see $out/ray_start.log" >&2; exit 1; }
+          export XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.9} CUDA_VISIBLE_DEVICES=${pair#*,}; gpus=2
+          placement=(--config.rollout.layout=split --config.rollout.num_gpus=1 --config.rollout.address="$address") ;;
   2gpu_colocated)  # both GPUs as 1gpu's one: JAX's pool and an engine on each, the step data-parallel over them
           export XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.56}; gpus=2 trainer_devices=2
           placement=(--config.rollout.layout=colocated --config.rollout.num_gpus=1 --config.rollout.num_servers=2) ;;

@@ -18,7 +18,8 @@
 # 1.77x one GPU; the fused kernel pads those text rows, 2 x 96, with --config.model.lora_gemm=pallas).
 set -euo pipefail
 out=${1:?usage: bench_e2e_scaling.sh OUT_DIR [overrides]}; shift
-# the 1gpu figure is kept when OUT_DIR already holds it (measured earlier on the same host, same code, same overrides)
+# a layout's figure is kept when OUT_DIR already holds it (measured earlier on the same host, same code, same
+# overrides; so layouts can run side by side on the GPUs of one larger host, as bench_e2e.sh runs, then be put together)
 [ -f "$out/1gpu/e2e_1gpu.json" ] ||
   CUDA_VISIBLE_DEVICES=0 LAYOUT=1gpu PROMPTS=2 PER_CALL=1 RESULT=e2e_1gpu bash scripts/bench_e2e.sh "$out/1gpu" "$@"
 layouts=${LAYOUTS:-2gpu_colocated 2gpu}
@@ -28,7 +29,9 @@ for layout in $layouts; do
     2gpu) extra=(--config.rollout.overlap=True); envs=() ;;
     *) echo "LAYOUTS: unknown layout $layout; choose from 2gpu_colocated 2gpu" >&2; exit 2 ;;
   esac
-  env "${envs[@]}" LAYOUT="$layout" PROMPTS=4 PER_CALL=1 RESULT="e2e_$layout" bash scripts/bench_e2e.sh "$out/$layout" "${extra[@]}" "$@"
+  [ -f "$out/$layout/e2e_$layout.json" ] ||
+    env "${envs[@]}" LAYOUT="$layout" PROMPTS=4 PER_CALL=1 RESULT="e2e_$layout" \
+      bash scripts/bench_e2e.sh "$out/$layout" "${extra[@]}" "$@"
 done
 python3 - "$out" $layouts <<'PY'
 import json, sys

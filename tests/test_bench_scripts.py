@@ -171,3 +171,17 @@ def test_mini_ocr_eval_samples_as_the_configs_eval():
                              sde_type="ode", noise_level=0.0, sde_window_size=None)
     assert eval_sampling() == dataclasses.replace(by_hand, sde_window_range=(0, 9))
     assert eval_sampling(4, 1.0) == dataclasses.replace(eval_sampling(), num_inference_steps=4, true_cfg_scale=1.0)
+
+
+def test_split_layout_bench_refuses_other_than_two_gpus(tmp_path):
+    """bench_e2e.sh's split layout takes its two GPUs from CUDA_VISIBLE_DEVICES (the actor the first, the trainer the
+    second): anything but two ids is refused in one line, before a Ray head starts."""
+    import os
+    for given in ("3", "0,1,2"):
+        env = dict(os.environ, LAYOUT="2gpu", CUDA_VISIBLE_DEVICES=given)
+        got = subprocess.run(["bash", str(ROOT / "scripts" / "bench_e2e.sh"), str(tmp_path / "out")], cwd=ROOT,
+                             env=env, capture_output=True, text=True, timeout=60)
+        assert got.returncode == 2, got.stderr
+        assert got.stderr.strip() == (f"LAYOUT=2gpu needs two GPUs: set CUDA_VISIBLE_DEVICES to two ids such as 0,1 "
+                                      f"(it is '{given}')")
+        assert not (tmp_path / "out" / "ray_start.log").exists()
