@@ -68,8 +68,10 @@ case $layout in
           pair=${CUDA_VISIBLE_DEVICES:-0,1}
           [[ $pair =~ ^[0-9]+,[0-9]+$ ]] || { echo "LAYOUT=2gpu needs two GPUs: set CUDA_VISIBLE_DEVICES to two ids" \
             "such as 0,1 (it is '$pair')" >&2; exit 2; }
-          ray_dir=/tmp/ray_e2e_$$
-          trap 'pkill -f "$ray_dir" 2>/dev/null; true' EXIT
+          # no token authentication (ray 2.60's `ray start` turns it on where ~/.ray/auth_token exists, and then
+          # refuses a driver without RAY_AUTH_MODE=token); the head's processes outlast SIGTERM: killed 2 s later
+          ray_dir=/tmp/ray_e2e_$$; export RAY_AUTH_MODE=disabled
+          trap 'pkill -f "$ray_dir" 2>/dev/null; sleep 2; pkill -9 -f "$ray_dir" 2>/dev/null; true' EXIT
           CUDA_VISIBLE_DEVICES=$pair python3 -m ray.scripts.scripts start --head --port=0 --num-gpus=2 \
             --temp-dir="$ray_dir" --disable-usage-stats >"$out/ray_start.log" 2>&1 ||
             { echo "the Ray head did not start: see $out/ray_start.log" >&2; exit 1; }
