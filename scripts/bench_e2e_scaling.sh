@@ -14,33 +14,36 @@
 # two H200s (2026-11-26) the 1gpu settings (4 samples, pool 0.56) left NCCL's buffers no room beside the engine (out of
 # memory at the first collective, 0.6 GiB free), and at pool 0.55 the update (36.3 GiB with the recipe's
 # xla_options, 50.5 before) left 0.8 GiB to spare and could not be placed; at 2 samples a pool of 0.5 holds the update
-# and leaves ~8 GiB more outside it (run so on two H200s with XLA's linears in a scan: 22.5 GiB, 132.6 GiB peak a GPU,
-# 1.77x one GPU; the fused kernel pads those text rows, 2 x 96, with --config.model.lora_gemm=pallas).
+# and leaves ~8 GiB more outside it (the fused kernel with those text rows, 2 x 96, padded to 256: 132.7 GiB peak a GPU,
+# 1.89x one GPU, 2026-11-27; XLA's linears in a scan, 2026-11-26: 1.77x).
 set -euo pipefail
 out=${1:?usage: bench_e2e_scaling.sh OUT_DIR [overrides]}; shift
 # a layout's figure is kept when OUT_DIR already holds it (measured earlier on the same host, same code, same
 # overrides; so layouts can run side by side on the GPUs of one larger host, as bench_e2e.sh runs, then be put together)
 [ -f "$out/1gpu/e2e_1gpu.json" ] ||
   CUDA_VISIBLE_DEVICES=0 LAYOUT=1gpu PROMPTS=2 PER_CALL=1 RESULT=e2e_1gpu bash scripts/bench_e2e.sh "$out/1gpu" "$@"
-layouts=${LAYOUTS:-2gpu_colocated 2gpu}
+layouts=${LAYOUTS:-2gpu_colocated 2gpu} results=()
 for layout in $layouts; do
-  case $layout in
-    2gpu_colocated) extra=(); envs=(MICRO="${COLOCATED_MICRO:-2}" XLA_CLIENT_MEM_FRACTION="${COLOCATED_POOL:-0.5}") ;;
-    2gpu) extra=(--config.rollout.overlap=True); envs=() ;;
+  case $layout in  # each layout's result file: OUT_DIR/LAYOUT/RESULT.json (e2e_2gpu.json is the comparison's)
+    2gpu_colocated) result=e2e_2gpu_colocated extra=()
+                    envs=(MICRO="${COLOCATED_MICRO:-2}" XLA_CLIENT_MEM_FRACTION="${COLOCATED_POOL:-0.5}") ;;
+    2gpu) result=e2e_2gpu_split extra=(--config.rollout.overlap=True) envs=() ;;
     *) echo "LAYOUTS: unknown layout $layout; choose from 2gpu_colocated 2gpu" >&2; exit 2 ;;
   esac
-  [ -f "$out/$layout/e2e_$layout.json" ] ||
-    env "${envs[@]}" LAYOUT="$layout" PROMPTS=4 PER_CALL=1 RESULT="e2e_$layout" \
+  results+=("$layout/$result.json")
+  [ -f "$out/$layout/$result.json" ] ||
+    env "${envs[@]}" LAYOUT="$layout" PROMPTS=4 PER_CALL=1 RESULT="$result" \
       bash scripts/bench_e2e.sh "$out/$layout" "${extra[@]}" "$@"
 done
-python3 - "$out" $layouts <<'PY'
+python3 - "$out" "${results[@]}" <<'PY'
 import json, sys
 from pathlib import Path
 from jaxflow_bench.results import scaling_figures, write_result
-out, layouts = Path(sys.argv[1]), sys.argv[2:]
+out, results = Path(sys.argv[1]), sys.argv[2:]
+layouts = [r.split("/")[0] for r in results]
 figures = lambda path: json.loads(path.read_text())["figures"]  # noqa: E731
-result = scaling_figures(figures(out / "1gpu" / "e2e_1gpu.json"),
-                         {name: figures(out / name / f"e2e_{name}.json") for name in layouts})
+result = scaling_figures(figures(out / "1gpu" / "e2e_1gpu.json"), {name: figures(out / r) for name, r in
+                                                                   zip(layouts, results)})
 write_result(out, "e2e_2gpu", result, command=f"LAYOUTS=\"{' '.join(layouts)}\" bash scripts/bench_e2e_scaling.sh OUT")
 print(json.dumps(result, indent=1))
 PY

@@ -185,3 +185,21 @@ def test_split_layout_bench_refuses_other_than_two_gpus(tmp_path):
         assert got.stderr.strip() == (f"LAYOUT=2gpu needs two GPUs: set CUDA_VISIBLE_DEVICES to two ids such as 0,1 "
                                       f"(it is '{given}')")
         assert not (tmp_path / "out" / "ray_start.log").exists()
+
+
+def test_scaling_bench_puts_together_layouts_already_measured(tmp_path):
+    """bench_e2e_scaling.sh runs no layout whose result OUT_DIR already holds (layouts run side by side on a larger
+    host) and writes e2e_2gpu.json from them: the split layout's own file is e2e_2gpu_split.json."""
+    import json
+    from jaxflow_bench.results import write_result
+    for layout, name, rate in (("1gpu", "e2e_1gpu", 1.0), ("2gpu_colocated", "e2e_2gpu_colocated", 0.95),
+                               ("2gpu", "e2e_2gpu_split", 0.8)):
+        write_result(tmp_path / layout, name, {"img_per_gpu_s": rate, "step_s": 30.0, "gpus": 1 if layout == "1gpu"
+                                               else 2}, command="by hand")
+    got = subprocess.run(["bash", str(ROOT / "scripts" / "bench_e2e_scaling.sh"), str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert got.returncode == 0, got.stderr
+    figures = json.loads((tmp_path / "e2e_2gpu.json").read_text())["figures"]
+    assert figures["layout"] == "2gpu_colocated" and figures["scaling_vs_1gpu"] == pytest.approx(1.9)
+    assert figures["2gpu/scaling_vs_1gpu"] == pytest.approx(1.6)
+    assert not (tmp_path / "1gpu" / "train.log").exists()
