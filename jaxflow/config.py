@@ -310,7 +310,7 @@ def lora_gemm(cfg, num_layers: int, devices: int, on_hopper: bool, micro_batch: 
     each device on its own rows (micro_batch is per device). A linear's rows (micro_batch x `tokens`, the image and
     the padded text) short of its 128-row tiles are padded (`lora_gemm.lora_matmul`); "auto" pads where that adds at
     most 1/16 of the rows: at 2 samples a micro-batch a GPU (rows 2048 and 2 x 96, +2.9%) the recipe's train phase
-    took 12.9 s on two H200s against 15.0 s with XLA's linears in a scan (BENCHMARKS.md, "Two GPUs colocated")."""
+    took 12.9 s on two H200s against 15.0 s with XLA's linears in a scan (BENCHMARKS.md, "Two GPUs")."""
     m = cfg.model
     if m.lora_gemm != "auto":
         return m.lora_gemm, "set in the config"

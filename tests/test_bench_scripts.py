@@ -203,3 +203,17 @@ def test_scaling_bench_puts_together_layouts_already_measured(tmp_path):
     assert figures["layout"] == "2gpu_colocated" and figures["scaling_vs_1gpu"] == pytest.approx(1.9)
     assert figures["2gpu/scaling_vs_1gpu"] == pytest.approx(1.6)
     assert not (tmp_path / "1gpu" / "train.log").exists()
+
+
+def test_every_result_file_has_the_record_keys_and_every_one_named_exists():
+    """benchmarks/results/*.json carry name, command, device, date and figures (a renamed earlier run keeps the name
+    its script wrote); every result file BENCHMARKS.md names is there."""
+    import json
+    import re
+    results = ROOT / "benchmarks" / "results"
+    for path in results.glob("*.json"):
+        record = json.loads(path.read_text())
+        assert {"name", "command", "device", "date", "figures"} <= set(record), path.name
+        assert isinstance(record["figures"], dict) and record["figures"], path.name
+    named = set(re.findall(r"`([A-Za-z0-9_]+\.json)`", (ROOT / "BENCHMARKS.md").read_text()))
+    assert named and not [name for name in named if not (results / name).exists()]
