@@ -315,7 +315,7 @@ def lora_gemm(cfg, num_layers: int, devices: int, on_hopper: bool, micro_batch: 
     if m.lora_gemm != "auto":
         return m.lora_gemm, "set in the config"
     rows = [micro_batch * t for t in tokens]
-    padding = sum(-r % 128 for r in rows) / sum(rows)
+    padding = sum(-r % 128 for r in rows) / (sum(rows) or 1)  # no tokens given: no rows to pad
     why = [reason for reason, fails in (
         (f"blocks in a scan (model.scan_unroll={m.scan_unroll} < {num_layers})", 0 < m.scan_unroll < num_layers),
         ("not an H100/H200", not on_hopper), (f"{m.dtype} compute, not bfloat16", m.dtype != "bfloat16"),
