@@ -57,8 +57,8 @@ HELP: dict[str, str] = {
     "model.scan_unroll": "blocks per scan step; >= the blocks: unrolled; 0: unrolled where lora_gemm runs pallas, else 1",
     "model.matmul_precision": "XLA matmul precision: auto (highest, true fp32, for float32 compute; else default), "
                               "default, high, highest",
-    "model.lora_gemm": "the blocks' adapted linears: 'xla' (anywhere), 'pallas' (one fused Hopper GEMM: bf16, one "
-                       "H100/H200) or 'auto'",
+    "model.lora_gemm": "adapted linears: 'xla', 'pallas' (fused Hopper GEMM: bf16, H100/H200s) or 'auto' (logged "
+                       "at start)",
     "model.init": "base weights: 'checkpoint' (from model.path) or 'random' (drawn from seed; "
                   "jaxflow_bridge/contract/random_weights.py)",
     "lora.rank": "LoRA rank, an int >= 1",
