@@ -39,11 +39,10 @@ python3 - "$out" "${results[@]}" <<'PY'
 import json, sys
 from pathlib import Path
 from jaxflow_bench.results import scaling_figures, write_result
-out, results = Path(sys.argv[1]), sys.argv[2:]
-layouts = [r.split("/")[0] for r in results]
+out = Path(sys.argv[1])
 figures = lambda path: json.loads(path.read_text())["figures"]  # noqa: E731
-result = scaling_figures(figures(out / "1gpu" / "e2e_1gpu.json"), {name: figures(out / r) for name, r in
-                                                                   zip(layouts, results)})
+layouts = {Path(r).parent.name: figures(out / r) for r in sys.argv[2:]}  # LAYOUT/RESULT.json
+result = scaling_figures(figures(out / "1gpu" / "e2e_1gpu.json"), layouts)
 write_result(out, "e2e_2gpu", result, command=f"LAYOUTS=\"{' '.join(layouts)}\" bash scripts/bench_e2e_scaling.sh OUT")
 print(json.dumps(result, indent=1))
 PY

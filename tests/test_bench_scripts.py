@@ -192,10 +192,9 @@ def test_scaling_bench_puts_together_layouts_already_measured(tmp_path):
     host) and writes e2e_2gpu.json from them: the split layout's own file is e2e_2gpu_split.json."""
     import json
     from jaxflow_bench.results import write_result
-    for layout, name, rate in (("1gpu", "e2e_1gpu", 1.0), ("2gpu_colocated", "e2e_2gpu_colocated", 0.95),
-                               ("2gpu", "e2e_2gpu_split", 0.8)):
-        write_result(tmp_path / layout, name, {"img_per_gpu_s": rate, "step_s": 30.0, "gpus": 1 if layout == "1gpu"
-                                               else 2}, command="by hand")
+    for layout, name, rate, gpus in (("1gpu", "e2e_1gpu", 1.0, 1), ("2gpu_colocated", "e2e_2gpu_colocated", 0.95, 2),
+                                     ("2gpu", "e2e_2gpu_split", 0.8, 2)):
+        write_result(tmp_path / layout, name, {"img_per_gpu_s": rate, "step_s": 30.0, "gpus": gpus}, command="by hand")
     got = subprocess.run(["bash", str(ROOT / "scripts" / "bench_e2e_scaling.sh"), str(tmp_path)], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert got.returncode == 0, got.stderr
