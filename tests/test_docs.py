@@ -54,12 +54,42 @@ def test_readme_install_is_one_line_with_the_cpu_build_of_torch():
     readme = (ROOT / "README.md").read_text()
     block = re.search(r"1\. Install.*?```\n(.*?)```", readme, flags=re.S).group(1).strip()
     assert "\n" not in block
-    assert re.search(r"--extra-index-url https://download\.pytorch\.org/whl/cpu torch==[\d.]+\+cpu ", block), block
-    # torch from its index in a pip call of its own; the project's packages never ask that index
-    project = re.search(r"pip install ([^&]*?)-e \"\.\[test\]\"", block)
+    # torch alone from PyTorch's index in a pip call of its own: its dependencies and the project's come from PyPI
+    torch_call = re.match(r"pip install --no-deps --index-url https://download\.pytorch\.org/whl/cpu (torch==[\d.]+\+cpu) &&",
+                          block)
+    assert torch_call, block
+    project = re.search(r"&& pip install ([^&]*?)-e \"\.\[test\]\" &&", block)
     assert project and "index" not in project.group(1) and block.count("download.pytorch.org") == 1, block
-    torch_pin = re.search(r"torch==[\d.]+\+cpu", block).group(0)
-    assert torch_pin in (ROOT / ".ci" / "run").read_text()  # CI installs what README says
+    ci = (ROOT / ".ci" / "run").read_text()  # CI installs what README says, the same way
+    assert re.search(r"pip install -q --no-deps --index-url https://download\.pytorch\.org/whl/cpu \"?"
+                     + re.escape(torch_call.group(1)), ci), ci
+
+
+def test_readme_sets_up_with_exactly_two_commands():
+    """A fresh machine needs two commands: install + the main job on the tiny default, then the tests."""
+    readme = (ROOT / "README.md").read_text()
+    setup = re.search(r"^## Set up on a fresh machine\n(.*?)^## ", readme, flags=re.S | re.M).group(1)
+    commands = re.findall(r"```\n(.*?)```", setup, flags=re.S)
+    assert [c.strip() for c in commands][1:] == ["python -m pytest -q"] and len(commands) == 2, commands
+    assert "python -m jaxflow.train --config configs/tiny_ocr.py" in commands[0]
+
+
+HISTORY = re.compile(r"\b\d+(?:st|nd|rd|th) session|\bsession \d+\b|\bissues? #?\d+|(?<![\w/&])#\d+\b", re.I)
+
+
+def user_docs() -> list[Path]:
+    return [ROOT / "README.md", ROOT / "BENCHMARKS.md"] + sorted((ROOT / "docs").rglob("*.md"))
+
+
+def test_user_docs_carry_no_internal_history():
+    """README, BENCHMARKS.md and docs/ date results and name commits: no "the 16th session", "issue 16" or "#41"
+    (benchmarks/HISTORY.md keeps the log as it was written); BENCHMARKS.md stays short, its past in HISTORY.md."""
+    assert HISTORY.search("the 16th session") and HISTORY.search("(issue 16)") and HISTORY.search("issue #41")
+    assert HISTORY.search("PRs #209") and not HISTORY.search("a Ray session's logs, 2026-11-26, commit 44d89b1")
+    found = [f"{p.relative_to(ROOT)}:{n}: {line.strip()}" for p in user_docs()
+             for n, line in enumerate(p.read_text().splitlines(), 1) if HISTORY.search(line)]
+    assert not found, "\n".join(found)
+    assert len((ROOT / "BENCHMARKS.md").read_text().splitlines()) <= 400
 
 
 def test_source_files_name_no_issue_numbers():
