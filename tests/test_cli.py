@@ -116,3 +116,21 @@ def test_every_config_key_has_help():
 def test_shipped_configs_add_no_key_without_help(config):
     cfg = runpy.run_path(str(ROOT / "configs" / config))["get_config"]()
     assert not sorted(set(config_keys(cfg)) - set(HELP)), "keys without help in jaxflow/recipes.py HELP"
+
+
+@pytest.mark.parametrize("source, needle", [
+    ("def get_config(:\n    pass\n", "{path}:1: SyntaxError: invalid syntax"),
+    ("X = 1\nimport no_such_module_here\n", "{path}:2: ModuleNotFoundError: No module named 'no_such_module_here'"),
+    ("def get_config():\n    return {{}}['missing']\n", "{path}:2: KeyError: 'missing'"),
+    ("X = 1\n", "{path} has no get_config(): define get_config() returning a ConfigDict"),
+    ("def get_config():\n    return {{'a': 1}}\n", "{path}: get_config() returned dict, not a ConfigDict"),
+    ("def get_config():\n    pass\n", "{path}: get_config() returned NoneType, not a ConfigDict"),
+])
+def test_broken_config_file_is_one_line_naming_it(tmp_path, source, needle):
+    """A --config file that does not compile, import or give a ConfigDict: its path, line and error on one line."""
+    path = tmp_path / "my_config.py"
+    path.write_text(source.format())
+    out = cli(f"--config={path}", "--config.train.num_steps=3")
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
+    assert lines[0] == "error: --config: " + needle.format(path=path)
