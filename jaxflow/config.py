@@ -67,8 +67,15 @@ def needs_target(cfg) -> bool:
 
 
 def model_folder(cfg: ConfigDict) -> Path:
-    """The model folder: `tiny` / `tiny_bagel` build or reuse the cached tiny offline one (jaxflow/families.py)."""
-    return families.of(cfg).folder(cfg)
+    """The model folder: `tiny` / `tiny_bagel` build or reuse the cached tiny offline one (jaxflow/families.py);
+    UserError when its cache ($JAXFLOW_CACHE) cannot be written."""
+    try:
+        return families.of(cfg).folder(cfg)
+    except OSError as exc:
+        from jaxflow_bridge.rollout.tiny import CacheUnwritable  # imported by the tiny folders that raise it
+        if isinstance(exc, CacheUnwritable):
+            raise UserError(str(exc)) from None
+        raise
 
 
 def _check_model(cfg: ConfigDict) -> None:

@@ -134,3 +134,16 @@ def test_broken_config_file_is_one_line_naming_it(tmp_path, source, needle):
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
     assert lines[0] == "error: --config: " + needle.format(path=path)
+
+
+def test_unwritable_jaxflow_cache_is_one_line_naming_it(tmp_path):
+    """The tiny model's cache cannot be made (JAXFLOW_CACHE under a regular file: refused also to root): one line
+    naming the variable and the path, exit 2."""
+    (tmp_path / "a_file").write_text("")
+    cache = tmp_path / "a_file" / "cache"
+    out = cli("--config=configs/tiny_brightness.py", "--config.rollout.layout=in_process",
+              f"--config.run_dir={tmp_path / 'run'}", env={**os.environ, "JAXFLOW_CACHE": str(cache)})
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
+    assert lines[0].startswith(f"error: JAXFLOW_CACHE={cache}: cannot build qwen_image_tiny") and \
+        "Not a directory" in lines[0] and "set JAXFLOW_CACHE to a writable folder" in lines[0]
