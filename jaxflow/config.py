@@ -8,6 +8,7 @@ from types import ModuleType
 from ml_collections import ConfigDict
 
 from jaxflow import families
+from jaxflow.data import load_prompts
 from jaxflow.models.config import LORA_GEMMS, ModelOptions
 from jaxflow.models.lora import LoRASpec
 from jaxflow.sharding import ShardingConfig
@@ -136,6 +137,20 @@ def _check_model(cfg: ConfigDict) -> None:
                                          f"1000)")
 
 
+def _check_prompts(cfg: ConfigDict) -> None:
+    """The prompt files parse (each error names FILE:LINE and the fix) and data.train holds a step's prompts."""
+    for key in ("train", "test"):
+        try:
+            items = load_prompts(cfg.data[key], needs_target(cfg))
+        except ValueError as exc:
+            _fail(f"data.{key}", str(exc))
+        per_step = cfg.sample.prompts_per_step
+        if key == "train" and len(items) < per_step:
+            _fail("data.train", f"{cfg.data.train} holds {len(items)} prompts, fewer than a step's "
+                                f"sample.prompts_per_step={per_step} (distinct prompts): add prompts or pass "
+                                f"--config.sample.prompts_per_step={len(items)}")
+
+
 def validate(cfg: ConfigDict) -> None:
     """Reject a config that cannot run, naming the key and the fix; touches no model, device or Ray."""
     _check_model(cfg)
@@ -244,6 +259,7 @@ def validate(cfg: ConfigDict) -> None:
         if not cfg.data[key] or not Path(cfg.data[key]).is_file():
             _fail(f"data.{key}", f"{cfg.data[key]!r} is not a file: pass --config.data.{key}=PROMPTS.txt (one prompt "
                                  f"per line) or .jsonl")
+    _check_prompts(cfg)
     if cfg.rollout.engine not in ENGINES:
         _fail("rollout.engine", f"{cfg.rollout.engine!r}; choose one of {sorted(ENGINES)}")
     if cfg.profile.num_steps < 0 or cfg.profile.start_step < 1:
