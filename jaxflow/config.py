@@ -93,6 +93,10 @@ def _check_model(cfg: ConfigDict) -> None:
             if not (folder / need).exists():
                 _fail("model.path", f"{folder} has no {need}: it must be a {family.name} folder; for a run without "
                                     f"weights use {hint}")
+        try:
+            family.check_folder(folder)
+        except ValueError as exc:
+            _fail("model.path", str(exc))
     if cfg.model.init not in ("checkpoint", "random"):
         _fail("model.init", f"{cfg.model.init!r}; choose 'checkpoint' (weights from model.path) or 'random'")
     if cfg.rollout.engine in ENGINES and cfg.rollout.engine not in family.engines:

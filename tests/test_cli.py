@@ -147,3 +147,24 @@ def test_unwritable_jaxflow_cache_is_one_line_naming_it(tmp_path):
     assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
     assert lines[0].startswith(f"error: JAXFLOW_CACHE={cache}: cannot build qwen_image_tiny") and \
         "Not a directory" in lines[0] and "set JAXFLOW_CACHE to a writable folder" in lines[0]
+
+
+@pytest.mark.parametrize("text, needle", [
+    ('{"num_layers": 2,', "is not valid JSON (Expecting"),
+    ("", "is not valid JSON (empty file)"),
+    ("[1, 2]", "holds a list, not a JSON object"),
+    ('{"attention_head_dim": 32, "axes_dims_rope": [16, 56, 56]}', ": axes_dims_rope (16, 56, 56) sums to 128 but "
+                                                                   "attention_head_dim is 32"),
+    ('{"num_layers": "two"}', ": '<' not supported"),
+])
+def test_broken_transformer_config_is_one_line_naming_the_file(tmp_path, text, needle):
+    """A model folder whose transformer/config.json does not read (bad JSON, empty, inconsistent shapes): one line
+    naming the file and what is wrong, exit 2, before any model loads."""
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "model_index.json").write_text("{}")
+    (tmp_path / "transformer" / "config.json").write_text(text)
+    out = cli(f"--config.model.path={tmp_path}", "--config.model.init=random", f"--config.run_dir={tmp_path / 'run'}")
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
+    assert lines[0].startswith(f"error: config.model.path: {tmp_path / 'transformer' / 'config.json'}") and \
+        needle in lines[0], lines[0]
