@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -195,7 +196,7 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
               f"(continue with --resume if there are any)", file=sys.stderr)
         return EXIT_CODES["interrupted"]
     except Exception as exc:  # noqa: BLE001 - out of memory in the loop is one line; anything else re-raised
-        line = out_of_memory(exc, Path(cfg.run_dir))
+        line = disk_full(exc, Path(cfg.run_dir)) or out_of_memory(exc, Path(cfg.run_dir))
         if line is None:
             raise
         print(f"error: {line}", file=sys.stderr)
@@ -215,6 +216,32 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
               f"exit code {EXIT_CODES['stopped']}; --resume continues", flush=True)
         return EXIT_CODES["stopped"]
     return EXIT_CODES["finished"]
+
+
+def disk_full(exc: BaseException, run_dir: Path) -> str | None:
+    """One line for a write that found its filesystem full (a checkpoint, the metrics; also when closing the logs
+    failed after it), or None for any other error: where, the space left there, and that the checkpoints before are
+    intact (a checkpoint is renamed to its step only once complete)."""
+    from jaxflow.checkpoint import no_space
+    from jaxflow.run_dir import checkpoint_steps
+    err = no_space(exc)
+    if err is None:
+        return None
+    where = Path(getattr(err, "filename", None) or run_dir)
+    what = err.strerror if isinstance(err, OSError) and err.strerror else "no space left on device"
+    folder = next(p for p in (where, *where.parents) if p.exists())
+    steps = checkpoint_steps(run_dir)
+    kept = f"newest: step {steps[0]}" if steps else "none written yet"
+    return (f"{what} in {where} ({_size(shutil.disk_usage(folder).free)} free there); the checkpoints in "
+            f"{run_dir / 'checkpoints'} are intact ({kept}): free space, then continue with --resume")
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 def out_of_memory(exc: BaseException, run_dir: Path) -> str | None:
