@@ -1,8 +1,11 @@
 """Orbax checkpoints of the train state + run metadata, and the final PEFT export."""
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
+import shutil
 import zlib
 from pathlib import Path
 
@@ -41,8 +44,18 @@ class Checkpointer:
         sums = {k: checksum(v) for k, v in arrays.items()}
         args = ocp.args.Composite(state=ocp.args.StandardSave(arrays),
                                   meta=ocp.args.JsonSave({**meta, "state_paths": paths, "checksums": sums}))
-        self.manager.save(step, args=args, force=True)
-        self.manager.wait_until_finished()
+        try:
+            with _quiet_disk_full():
+                self.manager.save(step, args=args, force=True)
+                self.manager.wait_until_finished()
+        except Exception as exc:
+            if no_space(exc) is None:
+                raise
+            if jax.process_index() == 0:  # the unfinished save's folder, never renamed to its step: space back
+                for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+                    shutil.rmtree(partial, ignore_errors=True)
+            raise OSError(errno.ENOSPC, f"no space left on device for checkpoint {step}", str(self.directory)) \
+                from exc
 
     def restore(self, abstract_state, step: int | None = None):
         """(state, meta) of `step`, by default of the newest checkpoint that restores: a newer one that does not (a
@@ -91,6 +104,38 @@ class Checkpointer:
                                  f"(crc32 {got:08x}, saved {saved:08x}): the file was changed after the save")
         leaves = [restored["state"][k] for k in sorted(restored["state"])]
         return jax.tree.unflatten(jax.tree.structure(abstract_state), leaves), meta
+
+
+NO_SPACE_TEXT = ("No space left on device", "Disk quota exceeded")
+
+
+def no_space(exc: BaseException | None) -> BaseException | None:
+    """The error of `exc`'s chain that says its filesystem is full (ENOSPC, EDQUOT, or TensorStore's text): the
+    innermost one naming its file, else the innermost; None when there is none."""
+    found = []
+    while exc is not None and exc not in found:
+        found.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    full = [e for e in found if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+            or any(t in str(e) for t in NO_SPACE_TEXT)]
+    named = [e for e in full if getattr(e, "filename", None)]
+    return (named or full or [None])[-1]
+
+
+class _DropDiskFull(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(t in record.getMessage() for t in NO_SPACE_TEXT)
+
+
+@contextlib.contextmanager
+def _quiet_disk_full():
+    """Orbax's worker threads log a traceback each for a full disk; the save raises it once, so drop those logs."""
+    logger, drop = logging.getLogger("absl"), _DropDiskFull()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 
 def checksum(x) -> int | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -80,6 +81,50 @@ def flag_error(exc: Exception, argv: list[str]) -> str:
     return text + suffix
 
 
+def config_file_arg(argv: list[str]) -> str:
+    """The --config FILE of `argv` (the last one given; `--config=F`, `--config F`), else the default."""
+    path = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_ocr.py")
+    for i, arg in enumerate(argv[1:], start=1):
+        name, eq, value = arg.partition("=")
+        if name in ("--config", "-config"):
+            path = value if eq else (argv[i + 1] if i + 1 < len(argv) else path)
+    return path
+
+
+def config_file_error(argv: list[str]) -> str | None:
+    """One line for a --config file that does not give a config: it does not compile or import (FILE:LINE and the
+    error), has no get_config(), or get_config() returns something else than a ConfigDict; None when it gives one
+    (or cannot be read: flag_error names that). The file is run here once before ml_collections runs it."""
+    import importlib.machinery
+    import importlib.util
+    import traceback
+
+    from ml_collections import ConfigDict
+    path, *args = config_file_arg(argv).split(":", 1)
+    if not os.path.isfile(path):
+        return None
+    where = path
+    try:
+        loader = importlib.machinery.SourceFileLoader("config_file", path)  # as ml_collections loads it
+        module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+        loader.exec_module(module)
+        if not callable(getattr(module, "get_config", None)):
+            return f"--config: {path} has no get_config(): define get_config() returning a ConfigDict"
+        where = f"{path}'s get_config()"
+        config = module.get_config(*args)
+    except SyntaxError as exc:
+        return f"--config: {exc.filename or path}:{exc.lineno}: {type(exc).__name__}: {exc.msg}"
+    except Exception as exc:  # noqa: BLE001 - anything the user's file raises, at its line
+        lines = [f.lineno for f in traceback.extract_tb(exc.__traceback__)
+                 if os.path.exists(f.filename) and os.path.samefile(f.filename, path)]
+        at = f"{path}:{lines[-1]}" if lines else where
+        message = (str(exc).strip().splitlines() or [""])[0]
+        return f"--config: {at}: {type(exc).__name__}: {message}"
+    if not isinstance(config, ConfigDict):
+        return f"--config: {path}: get_config() returned {type(config).__name__}, not a ConfigDict"
+    return None
+
+
 def print_config(cfg) -> None:
     """One line per key in the config's order: `key = value  # help` (jaxflow/recipes.py HELP), the columns aligned;
     a value longer than VALUE_COLUMN pushes its help along rather than widening the column for all."""
@@ -103,6 +148,10 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     from absl import flags
+    problem = config_file_error(argv)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return EXIT_CODES["input"]
     try:
         FLAGS = _define_flags()
         extra = FLAGS(argv)[1:]
@@ -147,7 +196,7 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
               f"(continue with --resume if there are any)", file=sys.stderr)
         return EXIT_CODES["interrupted"]
     except Exception as exc:  # noqa: BLE001 - out of memory in the loop is one line; anything else re-raised
-        line = out_of_memory(exc, Path(cfg.run_dir))
+        line = disk_full(exc, Path(cfg.run_dir)) or out_of_memory(exc, Path(cfg.run_dir))
         if line is None:
             raise
         print(f"error: {line}", file=sys.stderr)
@@ -167,6 +216,32 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
               f"exit code {EXIT_CODES['stopped']}; --resume continues", flush=True)
         return EXIT_CODES["stopped"]
     return EXIT_CODES["finished"]
+
+
+def disk_full(exc: BaseException, run_dir: Path) -> str | None:
+    """One line for a write that found its filesystem full (a checkpoint, the metrics; also when closing the logs
+    failed after it), or None for any other error: where, the space left there, and that the checkpoints before are
+    intact (a checkpoint is renamed to its step only once complete)."""
+    from jaxflow.checkpoint import no_space
+    from jaxflow.run_dir import checkpoint_steps
+    err = no_space(exc)
+    if err is None:
+        return None
+    where = Path(getattr(err, "filename", None) or run_dir)
+    what = err.strerror if isinstance(err, OSError) and err.strerror else "no space left on device"
+    folder = next(p for p in (where, *where.parents) if p.exists())
+    steps = checkpoint_steps(run_dir)
+    kept = f"newest: step {steps[0]}" if steps else "none written yet"
+    return (f"{what} in {where} ({_size(shutil.disk_usage(folder).free)} free there); the checkpoints in "
+            f"{run_dir / 'checkpoints'} are intact ({kept}): free space, then continue with --resume")
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 def out_of_memory(exc: BaseException, run_dir: Path) -> str | None:

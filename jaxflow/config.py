@@ -8,6 +8,7 @@ from types import ModuleType
 from ml_collections import ConfigDict
 
 from jaxflow import families
+from jaxflow.data import load_prompts
 from jaxflow.models.config import LORA_GEMMS, ModelOptions
 from jaxflow.models.lora import LoRASpec
 from jaxflow.sharding import ShardingConfig
@@ -67,8 +68,15 @@ def needs_target(cfg) -> bool:
 
 
 def model_folder(cfg: ConfigDict) -> Path:
-    """The model folder: `tiny` / `tiny_bagel` build or reuse the cached tiny offline one (jaxflow/families.py)."""
-    return families.of(cfg).folder(cfg)
+    """The model folder: `tiny` / `tiny_bagel` build or reuse the cached tiny offline one (jaxflow/families.py);
+    UserError when its cache ($JAXFLOW_CACHE) cannot be written."""
+    try:
+        return families.of(cfg).folder(cfg)
+    except OSError as exc:
+        from jaxflow_bridge.rollout.tiny import CacheUnwritable  # imported by the tiny folders that raise it
+        if isinstance(exc, CacheUnwritable):
+            raise UserError(str(exc)) from None
+        raise
 
 
 def _check_model(cfg: ConfigDict) -> None:
@@ -85,6 +93,10 @@ def _check_model(cfg: ConfigDict) -> None:
             if not (folder / need).exists():
                 _fail("model.path", f"{folder} has no {need}: it must be a {family.name} folder; for a run without "
                                     f"weights use {hint}")
+        try:
+            family.check_folder(folder)
+        except ValueError as exc:
+            _fail("model.path", str(exc))
     if cfg.model.init not in ("checkpoint", "random"):
         _fail("model.init", f"{cfg.model.init!r}; choose 'checkpoint' (weights from model.path) or 'random'")
     if cfg.rollout.engine in ENGINES and cfg.rollout.engine not in family.engines:
@@ -127,6 +139,20 @@ def _check_model(cfg: ConfigDict) -> None:
     if cfg.sample.max_think_tokens < 1:
         _fail("sample.max_think_tokens", f"{cfg.sample.max_think_tokens!r} must be an int >= 1 (vLLM-Omni's default: "
                                          f"1000)")
+
+
+def _check_prompts(cfg: ConfigDict) -> None:
+    """The prompt files parse (each error names FILE:LINE and the fix) and data.train holds a step's prompts."""
+    for key in ("train", "test"):
+        try:
+            items = load_prompts(cfg.data[key], needs_target(cfg))
+        except ValueError as exc:
+            _fail(f"data.{key}", str(exc))
+        per_step = cfg.sample.prompts_per_step
+        if key == "train" and len(items) < per_step:
+            _fail("data.train", f"{cfg.data.train} holds {len(items)} prompts, fewer than a step's "
+                                f"sample.prompts_per_step={per_step} (distinct prompts): add prompts or pass "
+                                f"--config.sample.prompts_per_step={len(items)}")
 
 
 def validate(cfg: ConfigDict) -> None:
@@ -237,6 +263,7 @@ def validate(cfg: ConfigDict) -> None:
         if not cfg.data[key] or not Path(cfg.data[key]).is_file():
             _fail(f"data.{key}", f"{cfg.data[key]!r} is not a file: pass --config.data.{key}=PROMPTS.txt (one prompt "
                                  f"per line) or .jsonl")
+    _check_prompts(cfg)
     if cfg.rollout.engine not in ENGINES:
         _fail("rollout.engine", f"{cfg.rollout.engine!r}; choose one of {sorted(ENGINES)}")
     if cfg.profile.num_steps < 0 or cfg.profile.start_step < 1:

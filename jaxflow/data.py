@@ -20,7 +20,8 @@ class PromptItem:
 def _parse_txt(text: str, where: str, need_target: bool = True) -> PromptItem:
     target = extract_target(text)
     if target is None and need_target:
-        raise ValueError(f"{where}: no target text in double quotes: {text!r}")
+        raise ValueError(f"{where}: no target text in double quotes: {text!r}; the OCR rewards score the text in "
+                         f"the prompt's first \"...\" (e.g. A sign that says \"OPEN\")")
     return PromptItem(text, target)
 
 
@@ -49,15 +50,19 @@ def load_prompts(path: str | os.PathLike, need_target: bool = True) -> list[Prom
     path = os.fspath(path)
     parse = _PARSERS.get(os.path.splitext(path)[1])
     if parse is None:
-        raise ValueError(f"{path}: unknown prompt file extension; expected one of {sorted(_PARSERS)}")
+        raise ValueError(f"{path}: unknown prompt file extension; expected one of {sorted(_PARSERS)}: write the "
+                         f"prompts one a line to a .txt, or as {{\"prompt\": ...}} rows to a .jsonl")
     items = []
     with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            text = line.strip()
-            if text:
-                items.append(parse(text, f"{path}:{lineno}", need_target))
+        try:
+            for lineno, line in enumerate(f, start=1):
+                text = line.strip()
+                if text:
+                    items.append(parse(text, f"{path}:{lineno}", need_target))
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{path}: not UTF-8 text ({err.reason}): save the prompts as UTF-8") from None
     if not items:
-        raise ValueError(f"{path}: no prompts")
+        raise ValueError(f"{path}: no prompts (the file is empty or blank): write one prompt a line")
     return items
 
 

@@ -30,6 +30,18 @@ from jaxflow_bridge.contract.schedule import pixels_per_token
 log = logging.getLogger("jaxflow.train")
 
 
+def read_json(path: Path) -> dict:
+    """A folder's JSON config as a dict; ValueError naming the file when it is not valid JSON or not an object."""
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path} is not valid JSON ({'empty file' if not path.read_bytes().strip() else exc})") \
+            from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a {type(data).__name__}, not a JSON object")
+    return data
+
+
 class QwenImage:
     name = "qwen_image"
     engines = ("diffusers", "vllm_omni")
@@ -45,6 +57,18 @@ class QwenImage:
             from jaxflow_bridge.rollout.tiny import tiny_pipeline_path
             return tiny_pipeline_path(dtype=cfg.rollout.dtype)
         return Path(cfg.model.path)
+
+    def check_folder(self, folder: Path) -> None:
+        """ValueError naming the file when transformer/config.json does not read as a Qwen-Image transformer (or
+        vae/config.json not as JSON)."""
+        if (folder / "vae" / "config.json").exists():
+            read_json(folder / "vae" / "config.json")
+        path = folder / "transformer" / "config.json"
+        try:
+            QwenImageConfig.from_dict(read_json(path))
+        except (TypeError, ValueError) as exc:
+            message = str(exc)
+            raise ValueError(message if message.startswith(str(path)) else f"{path}: {message}") from None
 
     def size_multiple(self, cfg) -> int:
         """`pixels_per_token` of the VAE: the folder's vae/config.json or the tiny model's."""
@@ -132,6 +156,16 @@ class Bagel:
     def _per_token(top: dict) -> int:
         """Pixels per latent token (a side): the VAE's downsampling x latent_patch_size (16 for BAGEL)."""
         return top["vae_config"]["downsample"] * top["latent_patch_size"]
+
+    def check_folder(self, folder: Path) -> None:
+        """ValueError naming the folder's file when llm_config.json, config.json or tokenizer.json does not read
+        as BAGEL's."""
+        for name in self.files:
+            read_json(folder / name)
+        try:
+            folder_config(folder)
+        except (TypeError, ValueError, KeyError) as exc:
+            raise ValueError(f"{folder}'s {', '.join(self.files)} do not describe a BAGEL: {exc!r}") from None
 
     def size_multiple(self, cfg) -> int:
         return self._per_token(self._top(cfg))

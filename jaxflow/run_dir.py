@@ -16,6 +16,7 @@ import os
 import secrets
 import shutil
 import socket
+import tempfile
 from pathlib import Path
 
 from jaxflow.checkpoint import config_json
@@ -118,6 +119,7 @@ def preflight(cfg, *, resume: bool, overwrite: bool = False, allow_config_change
     resumed run is already finished. `overwrite` deletes a previous run's outputs (on the first process only)."""
     if resume and overwrite:
         raise UserError("--resume continues the run in config.run_dir, --overwrite deletes it: pass one of them")
+    check_writable(Path(cfg.run_dir))
     if resume:
         return check_resume(cfg, allow_config_changes)
     run_dir = Path(cfg.run_dir)
@@ -129,6 +131,25 @@ def preflight(cfg, *, resume: bool, overwrite: bool = False, allow_config_change
             shutil.rmtree(path) if path.is_dir() else path.unlink()
             log.warning("--overwrite: deleted %s", path)
     return None
+
+
+def check_writable(run_dir: Path) -> None:
+    """UserError unless a file can be made in `run_dir`, or where it does not exist yet in its nearest existing
+    parent: a probe file, removed at once (permission bits do not stop root; a read-only filesystem, a path through
+    a file or a quota do)."""
+    folder = run_dir.absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UserError(f"config.run_dir: {run_dir} lies under {folder}, a file, not a folder: pass a "
+                        f"--config.run_dir=DIR in a writable folder")
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".write-probe-", dir=folder)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as exc:
+        raise UserError(f"config.run_dir: cannot write in {folder} ({exc.strerror or exc}): pass a "
+                        f"--config.run_dir=DIR in a writable folder") from None
 
 
 def check_shared(run_dir: Path) -> None:

@@ -70,3 +70,40 @@ def test_a_run_whose_every_update_is_skipped_exits_1_with_one_line(tmp_path):
     assert out.returncode == 1 and len(errors) == 1 and "every update" in errors[0], out.stderr[-2000:]
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped"] for r in rows] == [0, 1, 1]
+
+
+TENSORSTORE_FULL = ("RESOURCE_EXHAUSTED: Error writing \"00003/0.0.0\" in OCDBT database: Failed to write 163372 bytes "
+                    "to file 52: No space left on device [os_error_code='28']")
+
+
+def test_a_full_disk_while_checkpointing_is_one_line_and_the_checkpoints_stay(tmp_path, monkeypatch, caplog):
+    """The disk fills during a save (TensorStore's error, raised through the public `manager`): Checkpointer.save
+    raises one ENOSPC OSError naming the folder (orbax's thread logs dropped, the unfinished folder removed), the
+    command line's line names it, the space left and the newest intact checkpoint, also when closing TensorBoard
+    then fails too; the earlier checkpoint still restores."""
+    import errno
+    import logging
+
+    from jaxflow import cli
+    ckpt = fake_run(tmp_path, tiny_config(tmp_path), steps=(3,))
+
+    def full(step, **_):
+        (tmp_path / "checkpoints" / f"{step}.orbax-checkpoint-tmp").mkdir()
+        logging.getLogger("absl").error("_SignalingThread.run() raised an exception: %s", TENSORSTORE_FULL)
+        raise ValueError(TENSORSTORE_FULL)
+    monkeypatch.setattr(ckpt.manager, "save", full)
+    with pytest.raises(OSError) as e:
+        try:
+            ckpt.save(5, STATE, {"step": 5})
+        finally:  # the run's logs close after it and fail on the same full disk
+            raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "tb" / "events.out"))
+    saved = e.value.__context__
+    assert saved.errno == errno.ENOSPC and saved.filename == str(tmp_path / "checkpoints")
+    assert "No space left" not in caplog.text
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["3"]
+    line = cli.disk_full(e.value, tmp_path)
+    assert line.startswith(f"no space left on device for checkpoint 5 in {tmp_path / 'checkpoints'} (") and \
+        " free there); the checkpoints in " in line and "(newest: step 3): free space, then continue with --resume" \
+        in line and "\n" not in line, line
+    assert cli.disk_full(ValueError("RESOURCE_EXHAUSTED: out of memory"), tmp_path) is None
+    assert ckpt.restore(STATE)[1]["step"] == 3

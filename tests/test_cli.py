@@ -116,3 +116,55 @@ def test_every_config_key_has_help():
 def test_shipped_configs_add_no_key_without_help(config):
     cfg = runpy.run_path(str(ROOT / "configs" / config))["get_config"]()
     assert not sorted(set(config_keys(cfg)) - set(HELP)), "keys without help in jaxflow/recipes.py HELP"
+
+
+@pytest.mark.parametrize("source, needle", [
+    ("def get_config(:\n    pass\n", "{path}:1: SyntaxError: invalid syntax"),
+    ("X = 1\nimport no_such_module_here\n", "{path}:2: ModuleNotFoundError: No module named 'no_such_module_here'"),
+    ("def get_config():\n    return {{}}['missing']\n", "{path}:2: KeyError: 'missing'"),
+    ("X = 1\n", "{path} has no get_config(): define get_config() returning a ConfigDict"),
+    ("def get_config():\n    return {{'a': 1}}\n", "{path}: get_config() returned dict, not a ConfigDict"),
+    ("def get_config():\n    pass\n", "{path}: get_config() returned NoneType, not a ConfigDict"),
+])
+def test_broken_config_file_is_one_line_naming_it(tmp_path, source, needle):
+    """A --config file that does not compile, import or give a ConfigDict: its path, line and error on one line."""
+    path = tmp_path / "my_config.py"
+    path.write_text(source.format())
+    out = cli(f"--config={path}", "--config.train.num_steps=3")
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
+    assert lines[0] == "error: --config: " + needle.format(path=path)
+
+
+def test_unwritable_jaxflow_cache_is_one_line_naming_it(tmp_path):
+    """The tiny model's cache cannot be made (JAXFLOW_CACHE under a regular file: refused also to root): one line
+    naming the variable and the path, exit 2."""
+    (tmp_path / "a_file").write_text("")
+    cache = tmp_path / "a_file" / "cache"
+    out = cli("--config=configs/tiny_brightness.py", "--config.rollout.layout=in_process",
+              f"--config.run_dir={tmp_path / 'run'}", env={**os.environ, "JAXFLOW_CACHE": str(cache)})
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
+    assert lines[0].startswith(f"error: JAXFLOW_CACHE={cache}: cannot build qwen_image_tiny") and \
+        "Not a directory" in lines[0] and "set JAXFLOW_CACHE to a writable folder" in lines[0]
+
+
+@pytest.mark.parametrize("text, needle", [
+    ('{"num_layers": 2,', "is not valid JSON (Expecting"),
+    ("", "is not valid JSON (empty file)"),
+    ("[1, 2]", "holds a list, not a JSON object"),
+    ('{"attention_head_dim": 32, "axes_dims_rope": [16, 56, 56]}', ": axes_dims_rope (16, 56, 56) sums to 128 but "
+                                                                   "attention_head_dim is 32"),
+    ('{"num_layers": "two"}', ": '<' not supported"),
+])
+def test_broken_transformer_config_is_one_line_naming_the_file(tmp_path, text, needle):
+    """A model folder whose transformer/config.json does not read (bad JSON, empty, inconsistent shapes): one line
+    naming the file and what is wrong, exit 2, before any model loads."""
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "model_index.json").write_text("{}")
+    (tmp_path / "transformer" / "config.json").write_text(text)
+    out = cli(f"--config.model.path={tmp_path}", "--config.model.init=random", f"--config.run_dir={tmp_path / 'run'}")
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
+    assert lines[0].startswith(f"error: config.model.path: {tmp_path / 'transformer' / 'config.json'}") and \
+        needle in lines[0], lines[0]

@@ -145,3 +145,29 @@ def test_sampler_uniform_coverage():
     sampler = GroupSampler(9, 4, 1, seed=0)
     counts = Counter(p for s in range(90) for p, _ in sampler.sample(s))
     assert set(counts.values()) == {40}
+
+
+@pytest.mark.parametrize("name, text, needle", [
+    ("empty.txt", "", "{path}: no prompts (the file is empty or blank): write one prompt a line"),
+    ("blank.txt", "\n  \n\n", "{path}: no prompts (the file is empty or blank)"),
+    ("plain.txt", '"OPEN"\nno quotes here\n', '{path}:2: no target text in double quotes: \'no quotes here\'; the '
+                                                'OCR rewards score the text'),
+    ("prompts.csv", 'prompt\n"OPEN"\n', "{path}: unknown prompt file extension; expected one of ['.jsonl', '.txt']: "
+                                        "write the prompts one a line to a .txt"),
+    ("latin1.txt", '"caf\xe9"\n', "{path}: not UTF-8 text"),
+    ("few.txt", '"A"\n"B"\n', "{path} holds 2 prompts, fewer than a step's sample.prompts_per_step=4 (distinct "
+                              "prompts): add prompts or pass --config.sample.prompts_per_step=2"),
+])
+def test_a_bad_prompt_file_is_one_line_before_any_work(tmp_path, name, text, needle):
+    """Each problem of data.train is one line naming the file (and line) and the fix, exit 2, from the command
+    line's checks (no model, no Ray)."""
+    path = tmp_path / name
+    path.write_bytes(text.encode("latin-1"))
+    out = subprocess.run([sys.executable, "-m", "jaxflow.train", "--config=configs/tiny_ocr.py",
+                          f"--config.data.train={path}", "--config.sample.prompts_per_step=4",
+                          f"--config.run_dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=900)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
+    assert lines[0].startswith("error: config.data.train: " + needle.format(path=path)), lines[0]
+    assert not (tmp_path / "run").exists()

@@ -138,3 +138,19 @@ def test_resumed_metrics_hold_one_row_per_step(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 8)) + '{"st')
     RunLog(tmp_path, 10, 5, tensorboard=False, progress=False).close()
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5]
+
+
+def test_an_unwritable_run_dir_is_refused_before_any_work(tmp_path):
+    """A run_dir that cannot be written (here under a regular file, which stops root too): one line naming it,
+    exit 2, before any model or Ray; the probe of a writable run_dir leaves nothing behind."""
+    (tmp_path / "a_file").write_text("")
+    run_dir = tmp_path / "a_file" / "run"
+    out, _ = cli(f"--config.run_dir={run_dir}")
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
+    assert lines[0].startswith(f"error: config.run_dir: {run_dir} lies under {tmp_path / 'a_file'}, a file")
+    for resume in (False, True):
+        with pytest.raises(UserError, match="a file, not a folder"):
+            run_dir_lib.preflight(tiny_config(run_dir), resume=resume)
+    run_dir_lib.check_writable(tmp_path / "new" / "run")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]

@@ -234,6 +234,11 @@ def build_tiny_pipeline(out_dir, seed: int = 0, dtype: str = "float32") -> Path:
     return save_folder(build_pipeline(seed, dtype), out_dir)
 
 
+class CacheUnwritable(OSError):
+    """The cache folder (``$JAXFLOW_CACHE`` or ``~/.cache/jaxflow``) cannot hold a new tiny folder; the message names
+    the variable, the path and the cause."""
+
+
 def cache_root() -> Path:
     """``$JAXFLOW_CACHE``, or ``~/.cache/jaxflow``."""
     return Path(os.environ.get("JAXFLOW_CACHE") or Path.home() / ".cache" / "jaxflow")
@@ -246,8 +251,12 @@ def cached_folder(name: str, marker: str, build: Callable[[Path], object]) -> Pa
     final = root / name
     if (final / marker).is_file():
         return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    except OSError as exc:
+        raise CacheUnwritable(f"JAXFLOW_CACHE={root}: cannot build {name} there ({exc.strerror or exc}): set "
+                              f"JAXFLOW_CACHE to a writable folder") from exc
     try:
         build(tmp)
         try:
