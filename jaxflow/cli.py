@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -214,7 +215,7 @@ def _start_ray(cfg, verbose: bool) -> str | None:
     try:
         init_ray(cfg.rollout.address, verbose)
     except SystemExit:  # a SIGTERM that ray.init's own handler took (sys.exit): an interrupt all the same
-        raise signals.Interrupted() from None
+        raise signals.Interrupted(signal.SIGTERM) from None
     finally:
         signals.install()  # ray.init replaced the SIGTERM handler (Python's, and its core worker's C++ one)
     import ray

@@ -5,9 +5,11 @@ checkpoint, exit 75), either signal raises `Interrupted` in the main thread; the
 releases what it started and ends the process with `exit_now`. That exit is `os._exit`: a normal interpreter exit
 while XLA's and Ray's C++ threads are still at work can crash (a segfault, or an abort with a C++ stack dump).
 
-A Python handler runs only when the main thread is back in Python, which can be minutes into a compile; and an
-`Interrupted` raised inside a library may be swallowed or unwind slowly. So a thread woken by the signal itself (the
-wakeup fd) gives the process `GRACE_S` seconds, then prints the line and exits 130 on its own. `ray.init` installs
+An `Interrupted` raised in a finalizer or a gc callback (JAX has one) would be printed as "Exception ignored" and
+lost: `sys.unraisablehook` drops it quietly and raises the signal again, to be handled in ordinary code. A Python
+handler runs only when the main thread is back in Python, which can be minutes into a compile, and unwinding may be
+slow: a thread woken by the signal itself (the wakeup fd) gives the process `GRACE_S` seconds, then prints the line
+and exits 130 on its own. `ray.init` installs
 SIGTERM handlers of its own (Python's and its core worker's C++ one): `install` again after it.
 """
 from __future__ import annotations
@@ -22,7 +24,7 @@ INTERRUPTED = 130  # cli.EXIT_CODES["interrupted"]
 GRACE_S = 20.0  # from the signal to the exit at the latest: unwinding and releasing Ray take a few seconds
 
 _state = {"line": "error: interrupted", "unwind": False, "printed": False, "exiting": False, "deadline": None,
-          "watcher": None}
+          "watcher": None, "unraisablehook": None}
 _lock = threading.RLock()  # a handler may run while the main thread holds it
 
 
@@ -41,6 +43,7 @@ def install(line: str | None = None, unwind: bool | None = None) -> None:
     for sig in SIGNALS:
         signal.signal(sig, _on_signal)
     if _state["watcher"] is None:
+        _state["unraisablehook"], sys.unraisablehook = sys.unraisablehook, _unraisable
         read, write = os.pipe()
         os.set_blocking(write, False)
         signal.set_wakeup_fd(write, warn_on_full_buffer=False)
@@ -56,7 +59,18 @@ def installed() -> bool:
 def _on_signal(signum, frame):
     if _state["exiting"] or not _state["unwind"]:  # nothing to release, or a signal again while releasing
         _finish(INTERRUPTED)
-    raise Interrupted(signum)
+    raise Interrupted(signum)  # args[0]: the signal
+
+
+def _unraisable(unraisable) -> None:
+    """An `Interrupted` that a finalizer swallowed: send its signal again from another thread, to be handled (once
+    the finalizer has returned) in ordinary code."""
+    if isinstance(unraisable.exc_value, Interrupted) and installed():
+        again = threading.Timer(0.01, os.kill, (os.getpid(), unraisable.exc_value.args[0]))
+        again.daemon = True
+        again.start()
+    else:
+        _state["unraisablehook"](unraisable)
 
 
 def _watch(fd: int) -> None:

@@ -68,3 +68,30 @@ def test_a_signal_while_or_after_the_trainer_starts_its_own_ray_exits_130(tmp_pa
     for attempt in range(TRIES):
         run_dir = tmp_path / f"run{attempt}"
         assert_interrupted(*signal_at(phase, sig, run_dir), run_dir)
+
+
+def test_an_interrupt_swallowed_by_a_gc_callback_comes_back_in_ordinary_code():
+    """A signal handled inside a gc callback (JAX registers one) raises there and Python drops the exception with an
+    "Exception ignored" traceback: the start-up handler gets it back, and the process still ends with one line."""
+    code = """if True:
+        import gc, os, signal, sys, time
+        from jaxflow import signals
+        signals.install("error: interrupted (test)", unwind=True)
+        fired = []
+        def callback(phase, info):
+            if not fired:
+                fired.append(phase)
+                os.kill(os.getpid(), signal.SIGINT)
+                sum(range(100000))  # the handler runs here, inside the callback
+        gc.callbacks.append(callback)
+        try:
+            gc.collect()
+            gc.callbacks.remove(callback)
+            for _ in range(500):
+                time.sleep(0.01)  # where the signal comes back
+        except KeyboardInterrupt:
+            signals.exit_now(130)
+        sys.exit(3)
+    """
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 130 and out.stderr == "error: interrupted (test)\n", out.stderr
