@@ -6,11 +6,11 @@ releases what it started and ends the process with `exit_now`. That exit is `os.
 while XLA's and Ray's C++ threads are still at work can crash (a segfault, or an abort with a C++ stack dump).
 
 An `Interrupted` raised in a finalizer or a gc callback (JAX has one) would be printed as "Exception ignored" and
-lost: `sys.unraisablehook` drops it quietly and raises the signal again, to be handled in ordinary code. A Python
+lost: `sys.unraisablehook` drops it quietly and sends the signal again, to be handled in ordinary code. A Python
 handler runs only when the main thread is back in Python, which can be minutes into a compile, and unwinding may be
 slow: a thread woken by the signal itself (the wakeup fd) gives the process `GRACE_S` seconds, then prints the line
-and exits 130 on its own. `ray.init` installs
-SIGTERM handlers of its own (Python's and its core worker's C++ one): `install` again after it.
+and exits 130 on its own. `ray.init` installs SIGTERM handlers of its own (Python's and its core worker's C++ one):
+`install` again after it.
 """
 from __future__ import annotations
 
