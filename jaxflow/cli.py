@@ -12,6 +12,7 @@ import ast
 import os
 import re
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -147,6 +148,8 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
     if any(a in HELP_FLAGS for a in argv[1:]):
         print(USAGE)
         return 0
+    from jaxflow import signals
+    signals.install()  # a signal from here until the training loop: exit 130 at once (jaxflow/signals.py)
     from absl import flags
     problem = config_file_error(argv)
     if problem:
@@ -170,6 +173,8 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
         return 0
     from jaxflow import config as config_lib
     from jaxflow import run_dir as run_dir_lib
+    signals.install(f"error: interrupted; the checkpoints in {Path(cfg.run_dir) / 'checkpoints'} are as they were "
+                    f"(continue with --resume if there are any)", unwind=True)
     try:
         config_lib.validate(cfg)
         finished = run_dir_lib.preflight(cfg, resume=FLAGS.resume, overwrite=FLAGS.overwrite,
@@ -191,10 +196,8 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
     except config_lib.UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CODES["input"]
-    except KeyboardInterrupt:
-        print(f"error: interrupted; the checkpoints in {Path(cfg.run_dir) / 'checkpoints'} are as they were "
-              f"(continue with --resume if there are any)", file=sys.stderr)
-        return EXIT_CODES["interrupted"]
+    except KeyboardInterrupt:  # in start-up (signals.Interrupted) or a second signal in the loop
+        signals.exit_now(EXIT_CODES["interrupted"], release=_stop_ray)
     except Exception as exc:  # noqa: BLE001 - out of memory in the loop is one line; anything else re-raised
         line = disk_full(exc, Path(cfg.run_dir)) or out_of_memory(exc, Path(cfg.run_dir))
         if line is None:
@@ -280,8 +283,24 @@ def _start_ray(cfg, verbose: bool) -> str | None:
         return None
     if not cfg.rollout.address:
         os.environ.setdefault("RAY_AUTH_MODE", "token")
+    from jaxflow import signals
     from jaxflow.rollout_client import init_ray
-    init_ray(cfg.rollout.address, verbose)
+    if cfg.log.progress:
+        print("start-up: Ray ...", flush=True)
+    try:
+        init_ray(cfg.rollout.address, verbose)
+    except SystemExit:  # a SIGTERM that ray.init's own handler took (sys.exit): an interrupt all the same
+        raise signals.Interrupted(signal.SIGTERM) from None
+    finally:
+        signals.install()  # ray.init replaced the SIGTERM handler (Python's, and its core worker's C++ one)
     import ray
     context = ray.get_runtime_context()  # Ray keeps a session's logs in TEMP_DIR/SESSION/logs
     return os.path.join(context.get_temp_dir(), context.get_session_name(), "logs")
+
+
+def _stop_ray() -> None:
+    """Release Ray on an interrupt: the rollout actors, and the local instance if this process started it."""
+    if "ray" in sys.modules:
+        import ray
+        if ray.is_initialized():
+            ray.shutdown()

@@ -164,7 +164,8 @@ HELP: dict[str, str] = {
     "sharding.tensor": "size of the mesh's tensor axis",
     "sharding.rules": "(logical axis name, mesh axes) rules (docs/design.md §4); default: the batch over data x fsdp",
     "log.tensorboard": "TensorBoard scalars in run_dir/tb (metrics.jsonl is always written)",
-    "log.progress": "a progress bar on a terminal, one line a step when stdout is a file",
+    "log.progress": "a line as each start-up phase begins; a progress bar on a terminal, one line a step when "
+                    "stdout is a file",
     "profile.start_step": "the first step (>= 1) of the jax.profiler trace",
     "profile.num_steps": "steps traced from start_step on; 0: no trace",
     "profile.dir": "the trace's folder; '': run_dir/profile",

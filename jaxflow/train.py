@@ -72,6 +72,8 @@ class Trainer:
 
     def __init__(self, cfg, resume: bool = False):
         self.started = time.monotonic()  # train.max_minutes counts from here
+        self.cfg, self.startup, self._phase_began = cfg, {}, None  # seconds per start-up phase, in order
+        self._begin("checks")
         config_lib.validate(cfg)
         maybe_initialize_distributed()
         run_dir_lib.check_shared(Path(cfg.run_dir))
@@ -88,36 +90,41 @@ class Trainer:
             raise config_lib.UserError(f"the train batch (sample.prompts_per_step x sample.group_size = "
                                        f"{s.prompts_per_step * s.group_size}) must divide by the {self.processes} "
                                        f"JAX processes: each feeds an equal share of its rows")
-        self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
-        self.startup = {"checks": time.monotonic() - self.started}  # seconds per start-up phase, in order
-        lap = time.monotonic()
-
-        def timed(name):
-            nonlocal lap
-            now = time.monotonic()
-            self.startup[name], lap = now - lap, now
+        self.run_dir = Path(cfg.run_dir)
+        self._begin("prompts and rewards")
         folder = config_lib.model_folder(cfg)
         train_items = load_prompts(cfg.data.train, config_lib.needs_target(cfg))
         self.sampler = GroupSampler(len(train_items), s.prompts_per_step, s.group_size, cfg.seed)
         self.driver = Driver(cfg, folder, train_items, self.sampler) if first else None
-        timed("prompts and rewards")
+        self._begin("trainer's model")
         self.learner = Learner(cfg, folder)
-        timed("trainer's model")
+        self._begin("memory plan")
         try:  # before the rollout starts and before anything is written: a step that cannot fit stops here
             self.memory_summary = self.learner.check_memory()
         except MemoryError as exc:
             raise config_lib.UserError(str(exc)) from None
-        timed("memory plan")
         if self.driver:
+            self._begin("rollout start")
             self.driver.start_rollout(self.learner.model, self.processes)
-            timed("rollout start")
+        self._begin("train state and first LoRA sync")
         meta = self.learner.begin(resume)
         self.start = meta["step"] if meta else 0
         if meta:
             self.sampler.load_state_dict(meta["sampler"])
         self._sync(self.start)  # the rollout serves exactly the trainer's policy before the first step
-        timed("train state and first LoRA sync")
+        self._begin(None)
         self.stop_requested = False
+
+    def _begin(self, phase: str | None) -> None:
+        """End the running start-up phase (its seconds go to `startup`) and begin `phase` (None: start-up is over),
+        announced by process 0 as one line `start-up: PHASE ...` with log.progress: a start can take minutes."""
+        now = time.monotonic()
+        if self._phase_began is not None:
+            name, began = self._phase_began
+            self.startup[name] = now - began
+        self._phase_began = (phase, now) if phase else None
+        if phase and self.cfg.log.progress and run_dir_lib.first_process():
+            print(f"start-up: {phase} ...", flush=True)
 
     def startup_line(self) -> str:
         """Where the start went: "start-up 312 s: checks 2 s, trainer's model 95 s, ..." (the first step, which

@@ -1,4 +1,4 @@
-"""A run whose stdout is a file (nohup, SLURM): one line per step, no library INFO or start-up warnings (Ray's
+"""A run whose stdout is a file (nohup, SLURM): a line as each start-up phase begins, one line per step, no library INFO or start-up warnings (Ray's
 token notice, JAX's fork warning), and a closing summary of where every output went; --verbose brings INFO back."""
 import re
 import subprocess
@@ -31,11 +31,13 @@ def test_run_logged_to_a_file_is_a_line_per_step_and_a_summary(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stderr.strip() == ""  # no orbax/absl INFO, no Ray token notice, no os.fork() warning
     lines = out.stdout.splitlines()
+    names = ["checks", "prompts and rewards", "trainer's model", "memory plan", "rollout start",
+             "train state and first LoRA sync"]
+    assert lines[:7] == [f"start-up: {name} ..." for name in ["Ray", *names]]  # each phase as it begins
+    lines = lines[7:]
     assert lines[0].startswith(f"training {run_dir}") and " step 1/2  reward " in lines[2] and " step 2/2 " in lines[3]
     total, phases = re.fullmatch(r"start-up (\d+) s: (.*)", lines[1]).groups()  # where the start went, in order
-    names = [re.fullmatch(r"(.+) (\d+) s", part).group(1) for part in phases.split(", ")]
-    assert names == ["checks", "prompts and rewards", "trainer's model", "memory plan", "rollout start",
-                     "train state and first LoRA sync"], lines[1]
+    assert [re.fullmatch(r"(.+) (\d+) s", part).group(1) for part in phases.split(", ")] == names, lines[1]
     assert abs(sum(int(part.rsplit(" ", 2)[1]) for part in phases.split(", ")) - int(total)) <= len(names)
     summary = "\n".join(lines[4:])
     assert lines[4].startswith("finished at step 2/2")
