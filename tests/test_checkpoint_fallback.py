@@ -1,10 +1,14 @@
 """A damaged newest checkpoint: resume falls back to the newest one that restores, naming the one skipped and why;
 one line when none restores."""
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from jaxflow.checkpoint import Checkpointer
 from jaxflow.config import UserError
 from tests.helpers import ROOT, STATE, fake_run, tiny_config
 
@@ -26,6 +30,40 @@ def test_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path, caplog
     assert (tmp_path / "checkpoints" / "5.damaged").is_dir()  # kept for inspection, out of orbax's way
     ckpt.save(5, STATE, {"step": 5})  # the resumed run can checkpoint step 5 again
     np.testing.assert_array_equal(ckpt.restore(STATE)[0]["b"], STATE["b"])
+
+
+def test_a_save_cut_short_is_removed_without_warnings(tmp_path, caplog):
+    """A process killed mid-save leaves `<step>.orbax-checkpoint-tmp`: the next Checkpointer removes it, and saving
+    that step again prints nothing (was orbax's warning about removing a directory "not finalized")."""
+    ckpt = fake_run(tmp_path, tiny_config(tmp_path), steps=(3,))
+    shutil.copytree(tmp_path / "checkpoints" / "3", tmp_path / "checkpoints" / "5.orbax-checkpoint-tmp")
+    ckpt = Checkpointer(tmp_path / "checkpoints", keep=3)
+    ckpt.save(5, STATE, {"step": 5})
+    assert not [r for r in caplog.records if r.levelno >= 30], caplog.text
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["3", "5"]
+
+
+@pytest.mark.slow
+def test_resume_past_a_damaged_manifest_and_a_cut_save_prints_one_line(tmp_path):
+    """A trained run whose newest checkpoint's OCDBT manifest is damaged and whose next save was cut short: the
+    resume sets checkpoint 2 aside, goes on from 1 and finishes, printing the one warning naming checkpoint 2 (was
+    hundreds of asyncio traceback lines from the other reads orbax abandoned, and orbax's "not finalized" warning)."""
+    args = [sys.executable, "-m", "jaxflow.train", "--config", str(ROOT / "configs" / "tiny_brightness.py"),
+            f"--config.run_dir={tmp_path}", "--config.checkpoint.every=1", "--config.eval.every=1000",
+            "--config.rollout.num_cpus=0"]
+    first = subprocess.run(args + ["--config.train.num_steps=2"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=900)
+    assert first.returncode == 0, first.stderr[-2000:]
+    manifest = tmp_path / "checkpoints" / "2" / "state" / "manifest.ocdbt"
+    raw = manifest.read_bytes()
+    manifest.write_bytes(raw[:8] + bytes(b ^ 0x5A for b in raw[8:]))
+    shutil.copytree(tmp_path / "checkpoints" / "1", tmp_path / "checkpoints" / "3.orbax-checkpoint-tmp")
+    out = subprocess.run(args + ["--config.train.num_steps=3", "--resume"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "checkpoint 2 does not restore" in lines[0], out.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1", "2", "2.damaged", "3"]
 
 
 def test_no_checkpoint_restores_is_one_line(tmp_path):
