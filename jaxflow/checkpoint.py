@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import logging
 import shutil
+import sys
 import zlib
 from pathlib import Path
 
@@ -28,11 +30,13 @@ class Checkpointer:
 
     Saves are synchronous and orbax writes each one into a temporary folder renamed on completion, so a process
     killed mid-save leaves the previous checkpoints readable. Each leaf's crc32 is saved with it and checked on
-    restore: a file changed after the save counts as damaged, like one that no longer decompresses.
+    restore: a file changed after the save counts as damaged, like one that no longer decompresses. The temporary
+    folder of a save cut short (`<step>.orbax-checkpoint-tmp`) is removed when the next Checkpointer opens.
     """
 
     def __init__(self, directory: str | Path, keep: int):
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False)
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False,
+                                               cleanup_tmp_directories=True)
         self.directory = Path(directory).resolve()
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
 
@@ -61,6 +65,7 @@ class Checkpointer:
         """(state, meta) of `step`, by default of the newest checkpoint that restores: a newer one that does not (a
         damaged or missing file) is moved aside to `<step>.damaged`, with a warning naming it and the cause. The
         state comes back with `abstract_state`'s shardings."""
+        _quiet_abandoned_reads()
         if step is not None:
             return self._restore(abstract_state, step)
         skipped = []
@@ -136,6 +141,28 @@ def _quiet_disk_full():
         yield
     finally:
         logger.removeFilter(drop)
+
+
+class _AbandonedTasks(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(("Task exception was never retrieved",
+                                                   "Task was destroyed but it is pending"))
+
+
+@functools.cache
+def _quiet_abandoned_reads() -> None:
+    """A restore stops at its first unreadable file: orbax then closes its event loop over the reads of the other
+    files still in flight, whose completions TensorStore reports as "Event loop is closed" and asyncio as "Task
+    exception was never retrieved", hundreds of traceback lines after the one warning naming the checkpoint. Drops
+    those reports from then on, in this process (other unraisable exceptions and asyncio errors still print)."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(_AbandonedTasks())
 
 
 def checksum(x) -> int | None:

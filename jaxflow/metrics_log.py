@@ -3,6 +3,7 @@ image grids."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import textwrap
@@ -68,6 +69,8 @@ class RunLog:
         self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
+            # NaN/Inf scalars (a diverged run) are logged as they are; tensorboardX would warn once per value
+            logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
             # a resume (also one that fell back to an older checkpoint) hides the event log's points from the
             # replayed steps on, as metrics.jsonl drops their rows
             self._tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1 if start_step else None)

@@ -15,12 +15,16 @@ log = logging.getLogger(__name__)
 
 def init_ray(address: str = "", verbose: bool = False) -> None:
     """Join the Ray cluster at `address`, or start a local one (no dashboard; actors' output stays in Ray's log
-    folder). Starting Ray forks: call it before JAX starts its threads (JAX warns that a fork may deadlock)."""
+    folder) whose processes all end within seconds of this one, also when it is killed (`orphan_reaper`). Starting
+    Ray forks: call it before JAX starts its threads (JAX warns that a fork may deadlock)."""
     import ray
     if not ray.is_initialized():
         # "local": a new local instance even where `ray start` left a cluster's address behind
         ray.init(address=address or "local", include_dashboard=False, log_to_driver=False,
                  logging_level=logging.INFO if verbose else logging.WARNING)
+        if not address:
+            from jaxflow import orphan_reaper
+            orphan_reaper.start()
 
 
 class LocalTransport:

@@ -20,6 +20,38 @@ def test_one_printed_line_per_step_when_stdout_is_not_a_terminal(tmp_path, capsy
     assert lines[1].endswith("eval reward 0.750")
 
 
+def test_non_finite_scalars_are_logged_without_warnings(tmp_path, caplog):
+    """A diverged run's NaN/Inf metrics: kept in metrics.jsonl and TensorBoard, with no warning per value (33 lines
+    of tensorboardX's "NaN or Inf found in input tensor" for one run at lr 1e30)."""
+    import json
+    import math
+
+    runlog = RunLog(tmp_path, 3, 0, tensorboard=True, progress=False)
+    for step in (1, 2):
+        runlog.log(step, {"loss": float("nan"), "grad_norm": float("inf"), "reward_mean": 0.5})
+    runlog.close()
+    assert "NaN or Inf" not in caplog.text and not [r for r in caplog.records if r.levelno >= 30]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [math.isnan(r["loss"]) and math.isinf(r["grad_norm"]) for r in rows] == [True, True]
+    assert [math.isnan(v) for v in _tb_scalars(tmp_path / "tb", "loss")] == [True, True]
+
+
+def _tb_scalars(tb_dir: Path, tag: str) -> list[float]:
+    """`tag`'s values in a TensorBoard event log (records: 8-byte length, 4-byte crc, an Event, 4-byte crc)."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+    values = []
+    for path in sorted(tb_dir.glob("events.out.tfevents.*")):
+        raw, at = path.read_bytes(), 0
+        while at < len(raw):
+            (size,) = struct.unpack("<Q", raw[at:at + 8])
+            event = Event.FromString(raw[at + 12:at + 12 + size])
+            values += [v.simple_value for v in event.summary.value if v.tag == tag]
+            at += 12 + size + 4
+    return values
+
+
 def test_run_logged_to_a_file_is_a_line_per_step_and_a_summary(tmp_path):
     run_dir = tmp_path / "run"
     out = subprocess.run(
