@@ -30,7 +30,8 @@ NOT_TRAINING = ("run_dir", "train.num_steps", "log", "eval", "checkpoint", "roll
                 "rollout.sleep_while_training", "rollout.compile", "rollout.cfg_forward", "rollout.bagel_deploy",
                 "reward.workers", "sharding",
                 "train.num_micro_batches", "model.remat", "model.attention", "model.scan_unroll", "model.lora_gemm",
-                "train.xla_options", "profile")
+                "train.xla_options", "profile",
+                "train.max_skipped_steps")  # when a diverged run stops, not what an update computes
 
 
 def previous_outputs(run_dir: Path) -> list[str]:
@@ -165,10 +166,14 @@ def first_process() -> bool:
     return int(rank) == 0
 
 
-def summary(run_dir: Path, step: int, num_steps: int, ray_logs: str | None = None) -> str:
-    """Where every output of the run went: the last lines of its log."""
+def summary(run_dir: Path, step: int, num_steps: int, ray_logs: str | None = None,
+            skipped: list[int] = ()) -> str:
+    """Where every output of the run went: the last lines of its log; `skipped`: the steps that skipped an update."""
     run_dir = run_dir.resolve()
     lines = [f"{'finished' if step >= num_steps else 'stopped'} at step {step}/{num_steps}; outputs in {run_dir}:"]
+    if skipped:
+        lines.append(f"  skipped      an update at {len(skipped)} step(s) ({', '.join(map(str, skipped))}): a "
+                     f"non-finite loss, gradient or LoRA; no checkpoint of them (loss, grad_norm in metrics.jsonl)")
     if (run_dir / "metrics.jsonl").exists():
         lines.append(f"  metrics      {run_dir / 'metrics.jsonl'} (one JSON row per step)")
     if (run_dir / "tb").exists():
