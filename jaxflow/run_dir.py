@@ -18,6 +18,7 @@ import shutil
 import socket
 from pathlib import Path
 
+from jaxflow import run_lock
 from jaxflow.checkpoint import config_json
 from jaxflow.config import UserError
 
@@ -116,9 +117,12 @@ def check_resume(cfg, allow_config_changes: bool = False) -> str | None:
 
 def preflight(cfg, *, resume: bool, overwrite: bool = False, allow_config_changes: bool = False) -> str | None:
     """The run_dir checks of the command line, before any model, device or Ray: None to go on, or a message when a
-    resumed run is already finished. `overwrite` deletes a previous run's outputs (on the first process only)."""
+    resumed run is already finished. The first process locks run_dir first (`run_lock`: a run_dir another run holds
+    is refused, never overwritten). `overwrite` deletes a previous run's outputs (on the first process only)."""
     if resume and overwrite:
         raise UserError("--resume continues the run in config.run_dir, --overwrite deletes it: pass one of them")
+    if first_process() and (not resume or Path(cfg.run_dir).is_dir()):  # a resume of no run_dir is refused below
+        run_lock.acquire(Path(cfg.run_dir))
     if resume:
         return check_resume(cfg, allow_config_changes)
     run_dir = Path(cfg.run_dir)
