@@ -11,9 +11,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
+import numpy as np
+
 
 class Diverged(RuntimeError):
     """The run stopped without writing its state: its policy diverged (a one-line message naming the fix)."""
+
+
+def check_finite(tree, what: str, directory: Path) -> None:
+    """`Diverged` when a value of `tree` (a LoRA, `what`, about to be written to `directory`) is not finite."""
+    bad = sum(int(np.size(x) - np.count_nonzero(np.isfinite(x))) for x in jax.tree.leaves(tree))
+    if bad:
+        raise Diverged(f"{what} holds {bad} non-finite values, so {directory} is not written: lower "
+                       f"train.learning_rate and start again with --overwrite")
 
 
 def _steps(first: int, last: int) -> str:

@@ -20,7 +20,7 @@ import numpy as np
 from jaxflow import config as config_lib
 from jaxflow import memory
 from jaxflow.checkpoint import Checkpointer
-from jaxflow.divergence import Diverged
+from jaxflow.divergence import check_finite
 from jaxflow import families
 from jaxflow.models.lora_gemm import on_hopper
 from jaxflow.sharding import Layout
@@ -209,8 +209,6 @@ class Learner:
         the EMA of the LoRA when the state keeps one (flow_grpo saves its EMA), else the LoRA. `Diverged` (nothing
         written, on every process) when one of its values is not finite."""
         lora = self.whole_lora(self.exported)
-        if not all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(lora)):
-            raise Diverged(f"the trained {self.exported} holds non-finite values, so {directory} is not written: "
-                           f"lower train.learning_rate and start again with --overwrite")
+        check_finite(lora, f"the trained {self.exported}", directory)
         if jax.process_index() == 0:
             self.family.save_peft(lora, self.spec, directory)

@@ -5,9 +5,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from jaxflow.divergence import SkipStreak
+from jaxflow import run_dir as run_dir_lib
+from jaxflow.divergence import Diverged, SkipStreak, check_finite
 from tests.helpers import ROOT, cluster_free_env
 
 
@@ -29,6 +31,19 @@ def test_zero_allows_no_skipped_step():
     skips = SkipStreak(0)
     skips.record(1, True)
     assert skips.over and "no checkpoint was written" in str(skips.error(Path("r"), None, ended=False))
+
+
+def test_a_lora_with_a_non_finite_value_is_not_exported():
+    lora = {"a": np.ones((2, 3), np.float32), "b": np.array([1.0, np.inf, np.nan], np.float32)}
+    with pytest.raises(Diverged, match=r"^the trained lora holds 2 non-finite values, so out/lora_final is not "):
+        check_finite(lora, "the trained lora", Path("out/lora_final"))
+    check_finite({"a": lora["a"]}, "the trained lora", Path("out/lora_final"))
+
+
+def test_the_closing_summary_names_the_steps_that_skipped_an_update(tmp_path):
+    assert "skipped" not in run_dir_lib.summary(tmp_path, 5, 5)
+    lines = run_dir_lib.summary(tmp_path, 5, 5, skipped=[2, 4]).splitlines()
+    assert lines[1].startswith("  skipped      an update at 2 step(s) (2, 4): a non-finite loss, gradient or LoRA")
 
 
 @pytest.mark.slow
