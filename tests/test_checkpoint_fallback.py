@@ -63,10 +63,10 @@ def test_a_run_whose_every_update_is_skipped_exits_1_with_one_line(tmp_path):
             "--config.reward.fns={'jpeg_incompressibility': 1.0}", "--config.log.progress=False",
             "--config.eval.every=1000", "--config.train.learning_rate=1e30"]
     first = subprocess.run(args + ["--config.train.num_steps=1"], cwd=ROOT, capture_output=True, text=True,
-                           timeout=300)
+                           timeout=900)
     assert first.returncode == 0, first.stderr[-2000:]
     out = subprocess.run(args + ["--config.train.num_steps=3", "--resume"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
+                         timeout=900)
     errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
     assert out.returncode == 1 and len(errors) == 1 and "ended on steps 2-3" in errors[0], out.stderr[-2000:]
     assert "no lora_final is written and the newest checkpoint, step 1, is as it was" in errors[0]
