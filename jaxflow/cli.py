@@ -173,6 +173,7 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
         return 0
     from jaxflow import config as config_lib
     from jaxflow import run_dir as run_dir_lib
+    from jaxflow.divergence import Diverged
     signals.install(f"error: interrupted; the checkpoints in {Path(cfg.run_dir) / 'checkpoints'} are as they were "
                     f"(continue with --resume if there are any)", unwind=True)
     try:
@@ -196,6 +197,9 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
     except config_lib.UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CODES["input"]
+    except Diverged as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_CODES["failed"]
     except KeyboardInterrupt:  # in start-up (signals.Interrupted) or a second signal in the loop
         signals.exit_now(EXIT_CODES["interrupted"], release=_stop_ray)
     except Exception as exc:  # noqa: BLE001 - out of memory in the loop is one line; anything else re-raised
@@ -207,16 +211,13 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
     history = result["history"]
     if trainer.driver:
         step = history[-1]["step"] if history else trainer.start
-        print(run_dir_lib.summary(Path(cfg.run_dir), step, cfg.train.num_steps, ray_logs), flush=True)
-        updates = cfg.train.num_mini_batches * cfg.train.num_inner_epochs
-        if history and all(row.get("skipped", 0) >= updates for row in history):
-            print(f"error: every update of this run's {len(history)} steps was skipped (a non-finite loss or "
-                  f"gradient): the LoRA did not change. Look at grad_norm in {Path(cfg.run_dir) / 'metrics.jsonl'}; "
-                  f"a resumed run may have restored bad values (start again with --overwrite)", file=sys.stderr)
-            return EXIT_CODES["failed"]
+        skipped = [row["step"] for row in history if row.get("skipped")]
+        print(run_dir_lib.summary(Path(cfg.run_dir), step, cfg.train.num_steps, ray_logs, skipped), flush=True)
     if result.get("stopped"):
-        print(f"stopped by a signal after checkpointing step {history[-1]['step'] if history else trainer.start}: "
-              f"exit code {EXIT_CODES['stopped']}; --resume continues", flush=True)
+        saved = result["checkpoint"]  # None: its only step skipped an update, so none was written
+        print(f"stopped by a signal after checkpointing step {saved}: exit code {EXIT_CODES['stopped']}; --resume "
+              f"continues" if saved else f"stopped by a signal before any checkpoint: exit code "
+              f"{EXIT_CODES['stopped']}; start again with --overwrite", flush=True)
         return EXIT_CODES["stopped"]
     return EXIT_CODES["finished"]
 

@@ -241,6 +241,9 @@ def validate(cfg: ConfigDict) -> None:
                                          f"{t.num_mini_batches})")
     if not t.max_minutes >= 0:
         _fail("train.max_minutes", f"must be >= 0 (0 = no time limit), got {t.max_minutes}")
+    if not isinstance(t.max_skipped_steps, int) or t.max_skipped_steps < 0:
+        _fail("train.max_skipped_steps", f"must be an int >= 0 (0: the first step with a skipped update stops the "
+                                         f"run), got {t.max_skipped_steps!r}")
     if not 0 < s.window_size < s.num_steps or s.window_range[1] - s.window_range[0] < s.window_size:
         _fail("sample.window_size", f"{s.window_size} must be in [1, num_steps) and fit window_range "
                                     f"{tuple(s.window_range)}")

@@ -20,6 +20,7 @@ import numpy as np
 from jaxflow import config as config_lib
 from jaxflow import memory
 from jaxflow.checkpoint import Checkpointer
+from jaxflow.divergence import check_finite
 from jaxflow import families
 from jaxflow.models.lora_gemm import on_hopper
 from jaxflow.sharding import Layout
@@ -205,7 +206,9 @@ class Learner:
 
     def export_lora(self, directory: Path) -> None:
         """The run's policy in PEFT format to `directory`, written by process 0 (every process joins the gather):
-        the EMA of the LoRA when the state keeps one (flow_grpo saves its EMA), else the LoRA."""
+        the EMA of the LoRA when the state keeps one (flow_grpo saves its EMA), else the LoRA. `Diverged` (nothing
+        written, on every process) when one of its values is not finite."""
         lora = self.whole_lora(self.exported)
+        check_finite(lora, f"the trained {self.exported}", directory)
         if jax.process_index() == 0:
             self.family.save_peft(lora, self.spec, directory)

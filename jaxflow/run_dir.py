@@ -19,6 +19,7 @@ import socket
 import tempfile
 from pathlib import Path
 
+from jaxflow import run_lock
 from jaxflow.checkpoint import config_json
 from jaxflow.config import UserError
 
@@ -31,7 +32,8 @@ NOT_TRAINING = ("run_dir", "train.num_steps", "log", "eval", "checkpoint", "roll
                 "rollout.sleep_while_training", "rollout.compile", "rollout.cfg_forward", "rollout.bagel_deploy",
                 "reward.workers", "sharding",
                 "train.num_micro_batches", "model.remat", "model.attention", "model.scan_unroll", "model.lora_gemm",
-                "train.xla_options", "profile")
+                "train.xla_options", "profile",
+                "train.max_skipped_steps")  # when a diverged run stops, not what an update computes
 
 
 def previous_outputs(run_dir: Path) -> list[str]:
@@ -116,10 +118,13 @@ def check_resume(cfg, allow_config_changes: bool = False) -> str | None:
 
 def preflight(cfg, *, resume: bool, overwrite: bool = False, allow_config_changes: bool = False) -> str | None:
     """The run_dir checks of the command line, before any model, device or Ray: None to go on, or a message when a
-    resumed run is already finished. `overwrite` deletes a previous run's outputs (on the first process only)."""
+    resumed run is already finished. The first process locks run_dir first (`run_lock`: a run_dir another run holds
+    is refused, never overwritten). `overwrite` deletes a previous run's outputs (on the first process only)."""
     if resume and overwrite:
         raise UserError("--resume continues the run in config.run_dir, --overwrite deletes it: pass one of them")
     check_writable(Path(cfg.run_dir))
+    if first_process() and (not resume or Path(cfg.run_dir).is_dir()):  # a resume of no run_dir is refused below
+        run_lock.acquire(Path(cfg.run_dir))
     if resume:
         return check_resume(cfg, allow_config_changes)
     run_dir = Path(cfg.run_dir)
@@ -186,10 +191,14 @@ def first_process() -> bool:
     return int(rank) == 0
 
 
-def summary(run_dir: Path, step: int, num_steps: int, ray_logs: str | None = None) -> str:
-    """Where every output of the run went: the last lines of its log."""
+def summary(run_dir: Path, step: int, num_steps: int, ray_logs: str | None = None,
+            skipped: list[int] = ()) -> str:
+    """Where every output of the run went: the last lines of its log; `skipped`: the steps that skipped an update."""
     run_dir = run_dir.resolve()
     lines = [f"{'finished' if step >= num_steps else 'stopped'} at step {step}/{num_steps}; outputs in {run_dir}:"]
+    if skipped:
+        lines.append(f"  skipped      an update at {len(skipped)} step(s) ({', '.join(map(str, skipped))}): a "
+                     f"non-finite loss, gradient or LoRA; no checkpoint of them (loss, grad_norm in metrics.jsonl)")
     if (run_dir / "metrics.jsonl").exists():
         lines.append(f"  metrics      {run_dir / 'metrics.jsonl'} (one JSON row per step)")
     if (run_dir / "tb").exists():

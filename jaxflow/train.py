@@ -8,7 +8,9 @@ grid) every `eval.every` steps; orbax checkpoints every `checkpoint.every` steps
 process stops after the same step); the final LoRA is exported in PEFT format to `run_dir/lora_final`, also when
 `train.max_minutes` ends the run early (its last step is the one expected to end within that many minutes of the
 trainer's start, model loading included). With
-`train.ema_decay` the eval and the export use the LoRA's EMA, as flow_grpo's do.
+`train.ema_decay` the eval and the export use the LoRA's EMA, as flow_grpo's do. A step that skipped an update (a
+non-finite loss, gradient or LoRA) writes no checkpoint; more than `train.max_skipped_steps` of them in a row, or
+one at the last step, stop the run with `divergence.Diverged`, nothing of the diverged state written.
 
 Multi-host (jax.distributed, one trainer process per host; see `maybe_initialize_distributed`): process 0 alone
 holds the driver; every process holds a learner and checkpoints; `run_dir` must be on a filesystem they share.
@@ -30,6 +32,7 @@ from jaxflow import phases
 from jaxflow import run_dir as run_dir_lib
 from jaxflow.checkpoint import config_json
 from jaxflow.data import GroupSampler, load_prompts
+from jaxflow.divergence import SkipStreak
 from jaxflow.driver import Driver
 from jaxflow.learner import Learner
 from jaxflow.metrics_log import RunLog
@@ -195,7 +198,8 @@ class Trainer:
         previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         history, profiler = [], StepProfiler.from_config(cfg, self.run_dir)
         limit = cfg.train.max_minutes * 60 or float("inf")
-        stopped = False
+        stopped, skips = False, SkipStreak(cfg.train.max_skipped_steps)
+        saved = self.start if self.start else None  # the newest checkpoint's step
         try:
             for step in range(self.start, cfg.train.num_steps):
                 began = time.monotonic()
@@ -211,15 +215,23 @@ class Trainer:
                 history.append(runlog.log(done, metrics) if self.driver else {"step": done, **metrics})
                 now = time.monotonic()  # out of time: the next step, as long as this one, would end past the limit
                 out_of_time = now + (now - began) - self.started > limit
+                skipped = bool(metrics.get("skipped", 0))
                 if self.processes > 1:  # every process stops after the same step
                     from jax.experimental import multihost_utils
-                    flags = multihost_utils.process_allgather(np.int32([self.stop_requested, out_of_time]))
-                    self.stop_requested, out_of_time = (bool(x) for x in np.any(flags, axis=0))
+                    flags = multihost_utils.process_allgather(np.int32([self.stop_requested, out_of_time, skipped]))
+                    self.stop_requested, out_of_time, skipped = (bool(x) for x in np.any(flags, axis=0))
+                skips.record(done, skipped)
                 last = step + 1 == cfg.train.num_steps or out_of_time
+                if skips.over or (last and skipped):  # nothing of the diverged state is written
+                    raise skips.error(self.run_dir, saved, ended=not skips.over)
                 if (step + 1) % cfg.checkpoint.every == 0 or last or self.stop_requested:
-                    self.learner.save(step + 1, self._meta(step + 1))
+                    if skipped:  # no checkpoint of a state whose loss was not finite (`jaxflow.divergence`)
+                        log.warning("step %d skipped an update: its checkpoint is not written", done)
+                    else:
+                        self.learner.save(done, self._meta(done))
+                        saved = done
                 if self.stop_requested:
-                    log.warning("stop requested: checkpoint at step %d written", step + 1)
+                    log.warning("stop requested: the newest checkpoint is step %s", saved)
                     stopped = True
                     break
                 if out_of_time:
@@ -234,7 +246,7 @@ class Trainer:
                 signal.signal(sig, handler)
             if runlog is not None:
                 runlog.close()
-        return {"history": history, "state": self.learner.state, "stopped": stopped}
+        return {"history": history, "state": self.learner.state, "stopped": stopped, "checkpoint": saved}
 
     def _request_stop(self, signum, frame):
         """The first SIGINT/SIGTERM: finish the step, checkpoint, stop. A second: stop at once (KeyboardInterrupt;

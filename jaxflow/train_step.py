@@ -16,8 +16,9 @@ NNX (`graphdef, lora, frozen = nnx.split(model, LoRAParam, ...)`, `nnx.merge` in
 the LoRA tree); for each micro-batch x each window step: forward, SDE log-prob of the stored next latent, clipped
 objective (+ beta KL), gradient; accumulated with lax.scan, each loss divided by (num_micro_batches * W) as
 flow_grpo does. Then ONE optimizer update, skipped (state untouched, `skipped` = 1) when the loss or the gradient
-is not finite. The optimizer state covers the LoRA tree only; the frozen base is an argument, never updated and
-never donated. num_micro_batches counts the micro-batches of one update (of one mini-batch).
+is not finite, or when the update would make the LoRA or the optimizer state non-finite (checked inside the jit).
+The optimizer state covers the LoRA tree only; the frozen base is an argument, never updated and never donated.
+num_micro_batches counts the micro-batches of one update (of one mini-batch).
 
 Micro-batch k holds rows k, k + m, k + 2m, ... of its mini-batch (m = num_micro_batches), so with the batch
 sharded over the data devices every micro-batch is spread evenly over all of them. The sum of the gradients does
@@ -193,13 +194,27 @@ def _update(state: TrainState, frozen, batch, old, index, *, graphdef, config: T
     return _finish(state, grads, metrics, tx=tx, config=config, runs=runs)
 
 
+def _all_finite(tree) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def _checked_update(state: TrainState, grads, *, tx, config: TrainConfig) -> tuple[TrainState, jax.Array]:
+    """(the updated state, True) when its LoRA and optimizer state are finite, else (`state` as it was, False)."""
+    new = _apply_update(state, grads, tx=tx, config=config)
+    ok = _all_finite((new.lora, new.opt_state))
+    return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, state), ok
+
+
 def _finish(state: TrainState, grads, metrics: dict, *, tx, config: TrainConfig, runs=None):
-    """The optimizer update, skipped when the loss or the gradient is not finite or no micro-batch `runs`."""
+    """The optimizer update, skipped when the loss, the gradient or the updated LoRA or optimizer state is not
+    finite (`skipped` = 1: the state is left as it was), or when no micro-batch `runs`."""
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
     ok = finite if runs is None else finite & jnp.any(runs)
-    state = jax.lax.cond(ok, functools.partial(_apply_update, tx=tx, config=config), lambda s, g: s, state, grads)
-    return state, {**metrics, "grad_norm": grad_norm, "skipped": (~finite).astype(jnp.int32)}
+    state, applied = jax.lax.cond(ok, functools.partial(_checked_update, tx=tx, config=config),
+                                  lambda s, g: (s, jnp.array(False)), state, grads)
+    skipped = ~finite | (ok & ~applied)
+    return state, {**metrics, "grad_norm": grad_norm, "skipped": skipped.astype(jnp.int32)}
 
 
 def prepare_batch(batch: TrainBatch, config: TrainConfig, batch_devices: int = 1) -> dict[str, np.ndarray]:

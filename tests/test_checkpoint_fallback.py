@@ -114,7 +114,8 @@ def test_bytes_changed_after_the_save_are_caught_by_the_checksums(tmp_path, capl
 
 def test_a_run_whose_every_update_is_skipped_exits_1_with_one_line(tmp_path):
     """A checkpoint whose LoRA makes every forward non-finite (saved that way, so its checksums match: here one
-    update at lr 1e30): the resumed run skips every update and ends with exit 1 and one line, not "finished" and 0."""
+    update at lr 1e30): the resumed run skips every update and ends with exit 1 and one line, not "finished" and 0;
+    the skipped steps write no checkpoint."""
     import json
     import subprocess
     import sys
@@ -123,12 +124,14 @@ def test_a_run_whose_every_update_is_skipped_exits_1_with_one_line(tmp_path):
             "--config.reward.fns={'jpeg_incompressibility': 1.0}", "--config.log.progress=False",
             "--config.eval.every=1000", "--config.train.learning_rate=1e30"]
     first = subprocess.run(args + ["--config.train.num_steps=1"], cwd=ROOT, capture_output=True, text=True,
-                           timeout=300)
+                           timeout=900)
     assert first.returncode == 0, first.stderr[-2000:]
     out = subprocess.run(args + ["--config.train.num_steps=3", "--resume"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
+                         timeout=900)
     errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
-    assert out.returncode == 1 and len(errors) == 1 and "every update" in errors[0], out.stderr[-2000:]
+    assert out.returncode == 1 and len(errors) == 1 and "ended on steps 2-3" in errors[0], out.stderr[-2000:]
+    assert "no lora_final is written and the newest checkpoint, step 1, is as it was" in errors[0]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["1"]
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped"] for r in rows] == [0, 1, 1]
 

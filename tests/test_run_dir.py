@@ -9,13 +9,16 @@ from pathlib import Path
 import pytest
 
 from jaxflow import run_dir as run_dir_lib
+from jaxflow import run_lock
 from jaxflow.config import UserError
 from jaxflow.metrics_log import RunLog
 from tests.helpers import ROOT, fake_run, tiny_config
 
 
 def snapshot(folder: Path) -> dict:
-    return {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(folder.rglob("*")) if p.is_file()}
+    """The run's files (the run_dir's lock file, which any run opens first, left out)."""
+    return {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != run_lock.LOCK_NAME}
 
 
 def cli(*args):
@@ -44,7 +47,7 @@ def test_overwrite_deletes_the_previous_outputs_only(tmp_path):
     fake_run(tmp_path, cfg)
     (tmp_path / "notes.txt").write_text("mine")
     assert run_dir_lib.preflight(cfg, resume=False, overwrite=True) is None
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [run_lock.LOCK_NAME, "notes.txt"]
     with pytest.raises(UserError, match="pass one of them"):
         run_dir_lib.preflight(cfg, resume=True, overwrite=True)
 

@@ -120,6 +120,22 @@ def test_non_finite_loss_skips_the_update(plain):
     assert int(m["skipped"]) == 0 and int(state.step) == 1
 
 
+def test_an_update_that_overflows_the_lora_is_skipped(lora_model, plain):
+    """A learning rate past float32's range: the loss and the gradient are finite, the updated LoRA is not. The step
+    reports the update skipped and leaves the LoRA and the optimizer state as they were."""
+    _, batch, _, _ = plain
+    init_state, step = make_train_step(lora_model, TrainConfig(grid_hw=GRID, guidance=1.0, num_micro_batches=2,
+                                                               beta=0.04, learning_rate=1e39))
+    state = init_state()
+    before = _numpy(state)
+    state, m = step(state, batch)
+    assert int(m["skipped"]) == 1 and np.isfinite(float(m["loss"])) and np.isfinite(float(m["grad_norm"]))
+    assert int(state.step) == 0
+    for got, want in zip(jax.tree.leaves((state.lora, state.opt_state)), jax.tree.leaves((before.lora,
+                                                                                         before.opt_state))):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_gradient_matches_finite_differences(lora_model, plain):
     """Accumulated gradient (2 micro-batches x 2 window steps, KL on) vs a central difference of the mean
     loss along the top-6 gradient entries."""

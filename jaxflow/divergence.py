@@ -1,0 +1,66 @@
+"""Skipped updates over a run, and the run stopped when its policy diverged.
+
+The train step skips an update (the state is left as it was, metric `skipped`) when its loss, its gradient or the
+updated LoRA or optimizer state is not finite. A step with a skipped update is suspect: the LoRA it started from
+gave a non-finite value, so it writes no checkpoint (the newest one, and those that orbax's `checkpoint.keep`
+rotation would otherwise drop, stay as they were). More than `train.max_skipped_steps` such steps in a row stop the
+run with `Diverged`; so does a run that ends on such a step (its LoRA is not exported), and an adapter with a
+non-finite value at the export. The command line prints `Diverged` as one `error:` line, exit 1.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import numpy as np
+
+
+class Diverged(RuntimeError):
+    """The run stopped without writing its state: its policy diverged (a one-line message naming the fix)."""
+
+
+def check_finite(tree, what: str, directory: Path) -> None:
+    """`Diverged` when a value of `tree` (a LoRA, `what`, about to be written to `directory`) is not finite."""
+    bad = sum(int(np.size(x) - np.count_nonzero(np.isfinite(x))) for x in jax.tree.leaves(tree))
+    if bad:
+        raise Diverged(f"{what} holds {bad} non-finite values, so {directory} is not written: lower "
+                       f"train.learning_rate and start again with --overwrite")
+
+
+def _steps(first: int, last: int) -> str:
+    return f"step {first}" if first == last else f"steps {first}-{last}"
+
+
+class SkipStreak:
+    """The steps in a row, up to the newest, with a skipped update; `limit` is train.max_skipped_steps."""
+
+    def __init__(self, limit: int):
+        self.limit, self.first, self.last = limit, None, None
+
+    def record(self, step: int, skipped: bool) -> None:
+        """Step `step` (counted as completed updates) skipped an update or not."""
+        if not skipped:
+            self.first = self.last = None
+            return
+        self.first = step if self.first is None else self.first
+        self.last = step
+
+    @property
+    def length(self) -> int:
+        return 0 if self.first is None else self.last - self.first + 1
+
+    @property
+    def over(self) -> bool:
+        """More steps in a row skipped than train.max_skipped_steps allows."""
+        return self.length > self.limit
+
+    def error(self, run_dir: Path, newest_checkpoint: int | None, ended: bool) -> Diverged:
+        """Why the run stops here (`ended`: at its last step, on a skip) and what to do."""
+        why = (f"the run ended on {_steps(self.first, self.last)}, whose updates were skipped" if ended else
+               f"{_steps(self.first, self.last)} skipped updates, {self.length} in a row, more than "
+               f"train.max_skipped_steps={self.limit}")
+        kept = (f"the newest checkpoint, step {newest_checkpoint}, is as it was" if newest_checkpoint is not None
+                else "no checkpoint was written")
+        return Diverged(f"{why} (a non-finite loss, gradient or updated LoRA): the policy diverged, so no lora_final "
+                        f"is written and {kept}; see loss and grad_norm in {run_dir / 'metrics.jsonl'}, then lower "
+                        f"train.learning_rate and start again with --overwrite")
