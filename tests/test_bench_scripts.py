@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from jaxflow_bridge.rollout.sampling import SamplingParams
+from tests import HANG_S
 
 ROOT = Path(__file__).resolve().parents[1]
 IMPORT = re.compile(r"^\s*(?:from\s+([\w.]+)\s+import\b|import\s+([\w.]+))", re.M)
@@ -57,7 +58,7 @@ def load_script(name: str):
 
 def test_attention_bench_writes_its_result_file(tmp_path):
     subprocess.run([sys.executable, "scripts/bench_attention.py", "--tiny", "--out", str(tmp_path)], cwd=ROOT,
-                   check=True, capture_output=True, timeout=600)
+                   check=True, capture_output=True, timeout=HANG_S)
     record = json.loads((tmp_path / "attention_cudnn.json").read_text())
     assert {"name", "command", "device", "date", "figures"} <= set(record)
     figures = record["figures"]
@@ -66,7 +67,7 @@ def test_attention_bench_writes_its_result_file(tmp_path):
 
 def test_pallas_gemm_bench_writes_its_result_file(tmp_path):
     run = subprocess.run([sys.executable, "scripts/bench_pallas_gemm.py", "--tiny", "--out", str(tmp_path)], cwd=ROOT,
-                         check=True, capture_output=True, text=True, timeout=600)
+                         check=True, capture_output=True, text=True, timeout=HANG_S)
     assert "pallas: skipped, the Hopper kernel needs an H100 or H200" in run.stdout  # CPU: the XLA columns only
     figures = json.loads((tmp_path / "pallas_gemm.json").read_text())["figures"]
     assert set(figures) == {f"{c}_64x32x128" for c in ("xla", "xla+c", "xla_notriton", "xla_bT_notriton")}
@@ -75,7 +76,7 @@ def test_pallas_gemm_bench_writes_its_result_file(tmp_path):
 
 def test_lora_gemm_bench_writes_its_result_file(tmp_path):
     run = subprocess.run([sys.executable, "scripts/bench_lora_gemm.py", "--tiny", "--out", str(tmp_path)], cwd=ROOT,
-                         check=True, capture_output=True, text=True, timeout=600)
+                         check=True, capture_output=True, text=True, timeout=HANG_S)
     assert "fused: skipped, the kernel needs an H100 or H200" in run.stdout  # CPU: the XLA columns only
     figures = json.loads((tmp_path / "lora_gemm.json").read_text())["figures"]
     assert set(figures) == {f"{c}_{n}_ms_128x128x256" for c in ("fwd", "bwd") for n in ("base", "xla")}
@@ -151,14 +152,14 @@ def test_node_bench_refuses_a_micro_batch_that_does_not_divide_an_update(tmp_pat
     script = ["bash", str(ROOT / "scripts" / "bench_e2e_node.sh"), str(tmp_path / "out")]
     bare = dict(os.environ, PATH=f"{Path(sys.executable).parent}:/usr/bin:/bin")
     if subprocess.run(["bash", "-c", "command -v nvidia-smi"], env=bare, capture_output=True).returncode:
-        got = subprocess.run(script, cwd=ROOT, env=bare, capture_output=True, text=True, timeout=60)
+        got = subprocess.run(script, cwd=ROOT, env=bare, capture_output=True, text=True, timeout=HANG_S)
         assert got.returncode == 2 and "no nvidia-smi here" in got.stderr
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nprintf 'GPU 0\\nGPU 1\\nGPU 2\\n'\n")
     (bin_dir / "nvidia-smi").chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", MICRO="2")
-    got = subprocess.run(script, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    got = subprocess.run(script, cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
     assert got.returncode == 2 and got.stderr.strip() == "MICRO=2 x 3 GPUs does not divide an update's 256 samples"
     assert not (tmp_path / "out").exists()
 
@@ -180,7 +181,7 @@ def test_split_layout_bench_refuses_other_than_two_gpus(tmp_path):
     for given in ("3", "0,1,2"):
         env = dict(os.environ, LAYOUT="2gpu", CUDA_VISIBLE_DEVICES=given)
         got = subprocess.run(["bash", str(ROOT / "scripts" / "bench_e2e.sh"), str(tmp_path / "out")], cwd=ROOT,
-                             env=env, capture_output=True, text=True, timeout=60)
+                             env=env, capture_output=True, text=True, timeout=HANG_S)
         assert got.returncode == 2, got.stderr
         assert got.stderr.strip() == (f"LAYOUT=2gpu needs two GPUs: set CUDA_VISIBLE_DEVICES to two ids such as 0,1 "
                                       f"(it is '{given}')")
@@ -196,7 +197,7 @@ def test_scaling_bench_puts_together_layouts_already_measured(tmp_path):
                                      ("2gpu", "e2e_2gpu_split", 0.8, 2)):
         write_result(tmp_path / layout, name, {"img_per_gpu_s": rate, "step_s": 30.0, "gpus": gpus}, command="by hand")
     got = subprocess.run(["bash", str(ROOT / "scripts" / "bench_e2e_scaling.sh"), str(tmp_path)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=HANG_S)
     assert got.returncode == 0, got.stderr
     figures = json.loads((tmp_path / "e2e_2gpu.json").read_text())["figures"]
     assert figures["layout"] == "2gpu_colocated" and figures["scaling_vs_1gpu"] == pytest.approx(1.9)

@@ -11,6 +11,7 @@ import pytest
 from jaxflow.checkpoint import Checkpointer
 from jaxflow.config import UserError
 from tests.helpers import ROOT, STATE, fake_run, tiny_config
+from tests import HANG_S
 
 
 def _corrupt(step_dir: Path) -> None:
@@ -59,7 +60,7 @@ def test_killed_run_leaves_no_process_and_resumes_with_one_line(tmp_path):
     ckpts = tmp_path / "checkpoints"
     trainer = subprocess.Popen(args + ["--config.train.num_steps=50"], cwd=ROOT, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
-    bound = time.monotonic() + 900  # a hang bound
+    bound = time.monotonic() + HANG_S
     while len([p for p in ckpts.glob("*") if p.name.isdigit()]) < 2 and time.monotonic() < bound:
         assert trainer.poll() is None, "the trainer ended before its second checkpoint"
         time.sleep(0.5)
@@ -81,7 +82,7 @@ def test_killed_run_leaves_no_process_and_resumes_with_one_line(tmp_path):
     if not cut.exists():
         shutil.copytree(ckpts / str(newest - 1), cut)
     out = subprocess.run(args + [f"--config.train.num_steps={newest + 1}", "--resume"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=900)
+                         capture_output=True, text=True, timeout=HANG_S)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and f"checkpoint {newest} does not restore" in lines[0], out.stderr[-3000:]
@@ -124,10 +125,10 @@ def test_a_run_whose_every_update_is_skipped_exits_1_with_one_line(tmp_path):
             "--config.reward.fns={'jpeg_incompressibility': 1.0}", "--config.log.progress=False",
             "--config.eval.every=1000", "--config.train.learning_rate=1e30"]
     first = subprocess.run(args + ["--config.train.num_steps=1"], cwd=ROOT, capture_output=True, text=True,
-                           timeout=900)
+                           timeout=HANG_S)
     assert first.returncode == 0, first.stderr[-2000:]
     out = subprocess.run(args + ["--config.train.num_steps=3", "--resume"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=900)
+                         timeout=HANG_S)
     errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
     assert out.returncode == 1 and len(errors) == 1 and "ended on steps 2-3" in errors[0], out.stderr[-2000:]
     assert "no lora_final is written and the newest checkpoint, step 1, is as it was" in errors[0]

@@ -11,11 +11,12 @@ import pytest
 
 from jaxflow.recipes import HELP, base, config_keys, tiny
 from tests.helpers import ROOT
+from tests import HANG_S
 
 
 def cli(*args, env=None):
     return subprocess.run([sys.executable, "-m", "jaxflow.train", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env=env)
+                          timeout=HANG_S, env=env)
 
 
 # the tiny BAGEL recipe on the vllm_omni engine, as a GPU run sets it

@@ -11,6 +11,7 @@ from collections import Counter
 import pytest
 
 from jaxflow.data import GroupSampler, PromptItem, load_prompts
+from tests import HANG_S
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -166,7 +167,7 @@ def test_a_bad_prompt_file_is_one_line_before_any_work(tmp_path, name, text, nee
     out = subprocess.run([sys.executable, "-m", "jaxflow.train", "--config=configs/tiny_ocr.py",
                           f"--config.data.train={path}", "--config.sample.prompts_per_step=4",
                           f"--config.run_dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=900)
+                         timeout=HANG_S)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
     assert lines[0].startswith("error: config.data.train: " + needle.format(path=path)), lines[0]

@@ -11,6 +11,7 @@ import pytest
 from jaxflow import run_dir as run_dir_lib
 from jaxflow.divergence import Diverged, SkipStreak, check_finite
 from tests.helpers import ROOT, cluster_free_env
+from tests import HANG_S
 
 
 def test_the_streak_counts_steps_in_a_row_and_a_clean_step_ends_it():
@@ -56,7 +57,7 @@ def test_a_runaway_learning_rate_stops_the_run_with_exit_1(tmp_path):
             "--config.train.learning_rate=1e30", "--config.train.num_steps=6", f"--config.run_dir={run_dir}",
             "--config.rollout.layout=in_process", "--config.sample.group_size=2", "--config.eval.every=0",
             "--config.checkpoint.every=1", "--config.log.progress=False", "--config.log.tensorboard=False"]
-    out = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=1800, env=cluster_free_env())
+    out = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=HANG_S, env=cluster_free_env())
     errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
     assert out.returncode == 1 and len(errors) == 1, out.stderr[-3000:]
     assert "steps 2-5 skipped updates, 4 in a row, more than train.max_skipped_steps=3" in errors[0]

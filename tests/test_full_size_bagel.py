@@ -26,6 +26,7 @@ from jaxflow_bridge.rollout.bagel_vae import checkpoint_shapes
 from jaxflow_bridge.rollout.full_size_bagel import FULL, build_bagel, draw_named, parameter_count, write_ema
 from jaxflow_bridge.rollout.tiny_bagel import FILES, Geometry, tensor_shapes
 from tests.helpers import ROOT
+from tests import HANG_S
 
 LLM = "language_model.model."
 SMALL = Geometry(dict(FULL.llm, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -109,12 +110,12 @@ def test_the_tiny_folder_is_the_previous_writers_byte_for_byte(dtype, tmp_path):
 
 def test_the_cli_writes_the_tiny_folder(tmp_path):
     cli = [sys.executable, "scripts/make_random_bagel.py", "--size", "tiny", "--out", str(tmp_path / "t")]
-    run = subprocess.run(cli, cwd=ROOT, check=True, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(cli, cwd=ROOT, check=True, capture_output=True, text=True, timeout=HANG_S)
     assert f"wrote {tmp_path / 't'}" in run.stdout
     cached = tiny_bagel.tiny_bagel_path(dtype="bfloat16")  # the CLI's default dtype
     for name in ("ema.safetensors", "ae.safetensors", "config.json"):
         assert (tmp_path / "t" / name).read_bytes() == (cached / name).read_bytes(), name
-    again = subprocess.run(cli, cwd=ROOT, capture_output=True, text=True, timeout=600)  # refused before drawing
+    again = subprocess.run(cli, cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)  # refused before drawing
     assert again.returncode == 1 and again.stderr.strip().splitlines() == [
         f"error: --out {tmp_path / 't'} exists and is not an empty folder: name a new folder, or remove it first"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".t.")]  # no temporary folder left behind

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from jaxflow_bridge.rollout.tiny import cache_root
 from tests.helpers import ROOT
+from tests import HANG_S
 
 SRUN = r"""#!/usr/bin/env bash
 # stand-in srun: --nodes=N --ntasks=N [-w HOST] [...] CMD ARGS: N copies of CMD here, task i with SLURM_NODEID=i
@@ -62,7 +63,7 @@ def test_slurm_launcher_runs_a_two_node_cluster_and_two_trainer_processes(tmp_pa
          "--config.rollout.num_cpus=1", "--config.reward.fns={'jpeg_incompressibility': 1.0}"],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # the raylets keep a pipe open
     try:  # each node has one CPU and each actor asks for one: the run can only go on with an actor on each node
-        assert proc.wait(timeout=240) == 0, (tmp_path / "launcher.log").read_text()[-4000:]
+        assert proc.wait(timeout=HANG_S) == 0, (tmp_path / "launcher.log").read_text()[-4000:]
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         _stop_cluster(ray_port)  # the raylets run on after the script: stop this cluster's processes only
@@ -82,7 +83,7 @@ def test_ray_launcher_runs_against_a_two_node_cluster(tmp_path):
     run_dir, log = tmp_path / "run", open(tmp_path / "launcher.log", "w")
     try:
         for args in (["--head", f"--port={port}"], [f"--address=127.0.0.1:{port}"]):  # the head node, a second one
-            subprocess.run(ray + args, env=env, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=120,
+            subprocess.run(ray + args, env=env, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=HANG_S,
                            start_new_session=True)
         proc = subprocess.run(
             ["bash", str(ROOT / "scripts" / "ray_train.sh"), str(ROOT / "configs" / "tiny_ocr.py"),
@@ -90,7 +91,7 @@ def test_ray_launcher_runs_against_a_two_node_cluster(tmp_path):
              "--config.log.progress=False", "--config.log.tensorboard=False", "--config.rollout.num_servers=2",
              "--config.rollout.num_cpus=1", "--config.reward.fns={'jpeg_incompressibility': 1.0}"],
             cwd=ROOT, env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}, stdout=log, stderr=subprocess.STDOUT,
-            timeout=240)
+            timeout=HANG_S)
         assert proc.returncode == 0, (tmp_path / "launcher.log").read_text()[-4000:]
     finally:
         _stop_cluster(port)

@@ -7,6 +7,7 @@ import sys
 import numpy as np
 
 from tests.helpers import ROOT, cluster_free_env, final_lora
+from tests import HANG_S
 
 
 def _run(run_dir, devices: int, servers: int, address: str):
@@ -18,7 +19,7 @@ def _run(run_dir, devices: int, servers: int, address: str):
             # Adam's first step is lr * g / (|g| + eps): eps 1e-6 keeps the reassociation of a data-parallel sum
             # on near-zero gradient entries below 1e-6 in the LoRA (eps 1e-8 amplifies it up to ~1e-4)
             "--config.train.adam_eps=1e-6", "--config.reward.fns={'jpeg_incompressibility': 1.0}"]
-    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=400,
+    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=HANG_S,
                           env=cluster_free_env(XLA_FLAGS=flags))
 
 

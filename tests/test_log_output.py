@@ -7,6 +7,7 @@ from pathlib import Path
 
 from jaxflow.metrics_log import RunLog
 from tests.helpers import ROOT
+from tests import HANG_S
 
 
 def test_one_printed_line_per_step_when_stdout_is_not_a_terminal(tmp_path, capsys):
@@ -59,7 +60,7 @@ def test_run_logged_to_a_file_is_a_line_per_step_and_a_summary(tmp_path):
          f"--config.run_dir={run_dir}", "--config.train.num_steps=2", "--config.checkpoint.every=1",
          "--config.eval.every=1000", "--config.log.tensorboard=False", "--config.rollout.num_cpus=0",
          "--config.reward.fns={'jpeg_incompressibility': 1.0}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
+        cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stderr.strip() == ""  # no orbax/absl INFO, no Ray token notice, no os.fork() warning
     lines = out.stdout.splitlines()
@@ -84,6 +85,6 @@ def test_verbose_brings_library_info_back(tmp_path):
             "from jaxflow.checkpoint import Checkpointer; configure_logging(sys.argv[1] == 'verbose'); "
             f"Checkpointer({str(tmp_path)!r} + '/' + sys.argv[1], 1).save(1, {{'a': jnp.ones(3)}}, {{}})")
     quiet, verbose = (subprocess.run([sys.executable, "-c", code, mode], cwd=ROOT, capture_output=True, text=True,
-                                     timeout=120) for mode in ("quiet", "verbose"))
+                                     timeout=HANG_S) for mode in ("quiet", "verbose"))
     assert quiet.returncode == verbose.returncode == 0, quiet.stderr[-2000:] + verbose.stderr[-2000:]
     assert quiet.stderr == "" and "Saving checkpoint at step 1" in verbose.stderr

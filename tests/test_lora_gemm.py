@@ -16,6 +16,7 @@ from jaxflow.models.lora import LoRASpec
 from jaxflow.models.lora_gemm import Tiling, tile_order, check_shapes, lora_linear, lora_matmul, smem_bytes
 from jaxflow.models.transformer import QwenImageTransformer
 from tests.qwen_ref import TINY
+from tests import HANG_S
 
 
 def xla_matmul(x, w, u, v, bias=None, *, transposed=False, marker=False):
@@ -297,5 +298,5 @@ def test_split_rows_runs_the_fused_kernel_data_parallel():
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
     code = "import tests.test_lora_gemm as t; t._split_rows_check()"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0 and "SPLIT_ROWS_OK" in proc.stdout, proc.stdout + proc.stderr[-5000:]

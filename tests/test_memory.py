@@ -8,6 +8,7 @@ import pytest
 
 from jaxflow import memory
 from tests.helpers import ROOT, run, tiny_config
+from tests import HANG_S
 
 GIB = 2 ** 30
 
@@ -59,7 +60,7 @@ def test_a_step_that_does_not_fit_exits_2_before_the_rollout_with_nothing_writte
             "sys.exit(cli.main(Trainer))")
     out = subprocess.run([sys.executable, "-c", code, f"--config.run_dir={run_dir}", "--config.rollout.layout=in_process",
                           "--config.reward.fns={'jpeg_incompressibility': 1.0}", "--config.log.progress=False"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+                         cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     err = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(err) == 1 and err[0].startswith("error: train step memory per device"), err
     assert "does not fit" in err[0] and "train.num_micro_batches" in err[0]
@@ -151,7 +152,7 @@ def test_out_of_memory_in_the_loop_is_one_line_exit_1(tmp_path, message):
             "    def close(self): pass\n"
             "sys.exit(cli.main(T))")
     out = subprocess.run([sys.executable, "-c", code, f"--config.run_dir={tmp_path / 'run'}"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=HANG_S)
     err = out.stderr.strip().splitlines()
     assert out.returncode == 1 and len(err) == 1 and "Traceback" not in out.stderr, out.stderr
     assert err[0].startswith("error: out of device memory in the training loop") and message[:20] in err[0]

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests import HANG_S
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ["data", "vae", "encode", "pretrain", "eval_before", "eval_before_train", "rl", "rl_control", "eval_after",
@@ -20,7 +21,7 @@ ENV = {**os.environ, "SMOKE": "1", "JAX_PLATFORMS": "cpu", "VAE_STEPS": "10", "P
 
 def script(name: str, out: Path, **env) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(ROOT / "scripts" / name), str(out)], cwd=ROOT, env={**ENV, **env},
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=HANG_S)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import sys
 import numpy as np
 
 from tests.helpers import ROOT, cluster_free_env, final_lora
+from tests import HANG_S
 
 
 def _args(run_dir):
@@ -40,7 +41,7 @@ def test_two_processes_train_like_one(tmp_path):
     single = subprocess.Popen(_args(tmp_path / "single"), cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, env=cluster_free_env(XLA_FLAGS=two_devices))
     try:
-        outs = [p.communicate(timeout=400)[0] for p in procs + [single]]
+        outs = [p.communicate(timeout=HANG_S)[0] for p in procs + [single]]
     finally:
         for p in procs + [single]:
             if p.poll() is None:
@@ -75,7 +76,7 @@ def test_a_run_dir_the_processes_do_not_share_stops_both_with_one_line(tmp_path)
                                                               JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo"))
              for i in range(2)]
     try:
-        outs = [p.communicate(timeout=300) for p in procs]
+        outs = [p.communicate(timeout=HANG_S) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:

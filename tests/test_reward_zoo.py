@@ -12,6 +12,7 @@ import torch
 
 from jaxflow_bridge.rewards.multi import build_reward
 from tests.helpers import ROOT, tiny_config
+from tests import HANG_S
 
 PROMPTS = ["a red fox", "a sign that says hello", "two cats", "a blue car", "the word OCR"]
 
@@ -101,7 +102,7 @@ def test_a_missing_file_is_named_in_one_line(clip_dir, tmp_path):
 def test_reward_models_are_imported_only_when_used():
     code = ("import sys; from jaxflow_bridge.rewards.multi import build_reward; build_reward({'brightness': 1.0}); "
             "print('jaxflow_bridge.rewards.clip' in sys.modules, 'transformers' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
     assert out.stdout.split() == ["False", "False"], out.stderr[-2000:]
 
 
@@ -109,7 +110,7 @@ def test_the_trainer_stops_with_one_line_when_a_reward_checkpoint_is_incomplete(
     args = [sys.executable, "-m", "jaxflow.train", "--config", str(ROOT / "configs" / "tiny_ocr.py"),
             f"--config.run_dir={tmp_path / 'run'}", "--config.rollout.layout=in_process",
             "--config.reward.fns={'pickscore': 1.0}", f"--config.reward.options={{'pickscore': {{'path': '{tmp_path}'}}}}"]
-    out = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     assert out.returncode == 2, out.stderr[-3000:]
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert errors == [f"error: reward 'pickscore': reward.options.pickscore.path={tmp_path} lacks config.json, "

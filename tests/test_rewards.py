@@ -16,6 +16,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from jaxflow_bridge.rewards import (MultiReward, OcrReward, RewardPool, VlmOcrReward, build_reward, edit_score,
                                     extract_target, jpeg_compressibility, jpeg_incompressibility)
+from tests import HANG_S
 
 
 def render(text: str, size=(512, 128), font_size=56) -> np.ndarray:
@@ -78,7 +79,7 @@ def test_ocr_reward_workers_score_in_parallel_with_their_own_engines():
     both = threading.Barrier(2)  # each task waits for the other: the two run on the two threads at once
 
     def score(i):
-        both.wait(timeout=60)
+        both.wait(timeout=HANG_S)
         return reward(images[i:i + 2], prompts[i:i + 2]), id(ocr.thread_engine(1))
 
     with ThreadPoolExecutor(2) as pool:
@@ -260,7 +261,7 @@ def test_reward_pool_isolates_failures():
     images = np.zeros((4, 8, 8, 3), np.uint8)
     with RewardPool(reward, max_workers=2) as pool:
         futures = [pool.submit(images, ["p"] * 4) for _ in range(3)]
-        results = [f.result(timeout=30) for f in futures]
+        results = [f.result(timeout=HANG_S) for f in futures]
     for out in results:
         assert out["errors"] == 1
         np.testing.assert_array_equal(out["broken"], np.zeros(4, np.float32))
@@ -271,7 +272,7 @@ def test_reward_pool_isolates_failures():
 def test_reward_pool_counts_bad_shapes():
     reward = MultiReward({"short": lambda im, p: np.ones(1)}, {"short": 1.0})
     with RewardPool(reward) as pool:
-        out = pool.submit(np.zeros((2, 8, 8, 3), np.uint8), ["a", "b"]).result(timeout=30)
+        out = pool.submit(np.zeros((2, 8, 8, 3), np.uint8), ["a", "b"]).result(timeout=HANG_S)
     assert out["errors"] == 1 and out["short"].shape == (2,)
 
 
@@ -306,7 +307,7 @@ def test_reward_pool_scores_a_batch_in_pieces_at_once():
                          {"px": 1.0, "whole": 2.0})
     images, prompts = _numbered(10)
     with RewardPool(reward, max_workers=4) as pool:
-        out = pool.submit(images, prompts).result(timeout=60)
+        out = pool.submit(images, prompts).result(timeout=HANG_S)
     assert out["errors"] == 0 and sorted(fn.sizes) == [2, 2, 3, 3] and whole == [10]
     np.testing.assert_array_equal(out["px"], np.arange(10, dtype=np.float32))  # the pieces in batch order
     np.testing.assert_array_equal(out["avg"], np.arange(10, dtype=np.float32) + 2.0)
@@ -316,8 +317,8 @@ def test_reward_pool_failing_piece_scores_the_reward_zero():
     reward = MultiReward({"px": _PerSample(fail_at=7)}, {"px": 1.0})
     images, prompts = _numbered(12)
     with RewardPool(reward, max_workers=3) as pool:
-        out = pool.submit(images, prompts).result(timeout=60)
-        empty = pool.submit(images[:0], []).result(timeout=60)
+        out = pool.submit(images, prompts).result(timeout=HANG_S)
+        empty = pool.submit(images[:0], []).result(timeout=HANG_S)
     assert out["errors"] == 1
     np.testing.assert_array_equal(out["px"], np.zeros(12, np.float32))
     assert empty["errors"] == 0 and empty["px"].shape == (0,)
@@ -330,7 +331,7 @@ def test_shuffled_control_permutes_across_the_whole_batch_when_split():
     reward = MultiReward({"shuffled": Shuffled(inner, seed=0)}, {"shuffled": 1.0})
     images, prompts = _numbered(48)
     with RewardPool(reward, max_workers=8) as pool:
-        out = pool.submit(images, prompts).result(timeout=60)
+        out = pool.submit(images, prompts).result(timeout=HANG_S)
     assert inner.sizes == [6] * 8  # scored in pieces
     scores = out["shuffled"].astype(int)
     assert sorted(scores) == list(range(48))
@@ -354,7 +355,7 @@ def test_reward_pool_reports_each_rewards_scoring_seconds():
     reward = MultiReward({"px": piecewise, "slow": slow}, {"px": 1.0, "slow": 1.0})
     images, prompts = _numbered(8)
     with RewardPool(reward, max_workers=4) as pool:
-        outs = [pool.submit(images, prompts).result(timeout=60) for _ in range(2)]
+        outs = [pool.submit(images, prompts).result(timeout=HANG_S) for _ in range(2)]
     for out in outs:
         assert set(out["seconds"]) == {"px", "slow"}
         assert 0.05 <= out["seconds"]["slow"] < 5 and 0 <= out["seconds"]["px"] < 5

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from tests import HANG_S
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,7 +40,7 @@ def test_train_from_the_clones_parent_folder(tmp_path):
             f"--config.run_dir={run_dir}", "--config.train.num_steps=1", "--config.eval.every=1000",
             "--config.checkpoint.every=1000", "--config.log.progress=False", "--config.log.tensorboard=False",
             "--config.rollout.layout=in_process", "--config.reward.fns={'jpeg_incompressibility': 1.0}"]
-    proc = subprocess.run(args, cwd=parent, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(args, cwd=parent, env=env, capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1]  # steps count completed updates

@@ -13,6 +13,7 @@ from jaxflow import run_lock
 from jaxflow.config import UserError
 from jaxflow.metrics_log import RunLog
 from tests.helpers import ROOT, fake_run, tiny_config
+from tests import HANG_S
 
 
 def snapshot(folder: Path) -> dict:
@@ -25,7 +26,7 @@ def cli(*args):
     t = time.time()
     out = subprocess.run([sys.executable, "-m", "jaxflow.train", "--config", str(ROOT / "configs" / "tiny_ocr.py"),
                           "--config.reward.fns={'jpeg_incompressibility': 1.0}", *args],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+                         cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     return out, time.time() - t
 
 

@@ -12,6 +12,7 @@ from jaxflow import run_dir as run_dir_lib
 from jaxflow import run_lock
 from jaxflow.config import UserError
 from tests.helpers import ROOT, fake_run, tiny_config
+from tests import HANG_S
 
 HOLD = ("import sys; from pathlib import Path; from jaxflow import run_lock; run_lock.acquire(Path(sys.argv[1])); "
         "print('held', flush=True); sys.stdin.read()")
@@ -33,7 +34,7 @@ def test_a_second_holder_is_refused_naming_the_first_until_it_exits(tmp_path, ca
                                             rf"--config.run_dir=NEW_DIR"):
             run_lock.acquire(tmp_path)
     finally:
-        proc.communicate("", timeout=900)
+        proc.communicate("", timeout=HANG_S)
     assert proc.returncode == 0 and (tmp_path / run_lock.LOCK_NAME).read_text() == ""  # released at exit, emptied
     run_lock.acquire(tmp_path)
     try:
@@ -47,7 +48,7 @@ def test_a_second_holder_is_refused_naming_the_first_until_it_exits(tmp_path, ca
 def test_the_lock_of_a_killed_run_is_taken_over_with_a_warning(tmp_path, caplog):
     proc = holder(tmp_path)
     proc.send_signal(signal.SIGKILL)  # no release: the file still names it, the kernel dropped its lock
-    proc.wait(timeout=900)
+    proc.wait(timeout=HANG_S)
     assert json.loads((tmp_path / run_lock.LOCK_NAME).read_text())["pid"] == proc.pid
     run_lock.acquire(tmp_path)
     try:
@@ -59,7 +60,7 @@ def test_the_lock_of_a_killed_run_is_taken_over_with_a_warning(tmp_path, caplog)
 
 def test_a_stale_lock_file_naming_a_dead_pid_is_taken_over(tmp_path, caplog):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
-                          timeout=900)
+                          timeout=HANG_S)
     pid = int(dead.stdout)
     (tmp_path / run_lock.LOCK_NAME).write_text(json.dumps({"host": "elsewhere", "pid": pid, "since": "then"}))
     run_lock.acquire(tmp_path)
@@ -79,7 +80,7 @@ def test_overwrite_never_deletes_a_run_dir_another_run_holds(tmp_path):
             run_dir_lib.preflight(cfg, resume=False, overwrite=True)
         assert sorted(run_dir_lib.previous_outputs(tmp_path)) == before and before
     finally:
-        proc.communicate("", timeout=900)
+        proc.communicate("", timeout=HANG_S)
 
 
 def test_the_command_line_refuses_a_second_run_with_one_line_and_exit_2(tmp_path):
@@ -87,9 +88,9 @@ def test_the_command_line_refuses_a_second_run_with_one_line_and_exit_2(tmp_path
     try:
         out = subprocess.run([sys.executable, "-m", "jaxflow.train", f"--config.run_dir={tmp_path}",
                               "--config.reward.fns={'jpeg_incompressibility': 1.0}"], cwd=ROOT, capture_output=True,
-                             text=True, timeout=900)
+                             text=True, timeout=HANG_S)
     finally:
-        proc.communicate("", timeout=900)
+        proc.communicate("", timeout=HANG_S)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: run_dir "), out.stderr[-2000:]
     assert f"pid {proc.pid} on this host" in lines[0] and "--config.run_dir=NEW_DIR" in lines[0]

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxflow import sharding as S
 from tests.helpers import random_window_batch
+from tests import HANG_S
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -142,5 +143,5 @@ def test_sharded_step_equals_single_device():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     code = "import tests.test_sharding as t; t._eight_device_check()"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=HANG_S)
     assert proc.returncode == 0 and "EIGHT_DEVICES_OK" in proc.stdout, proc.stdout + proc.stderr[-5000:]

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from tests.helpers import ROOT
+from tests import HANG_S
 
 PHASES = ["checks", "prompts and rewards", "trainer's model", "memory plan", "rollout start",
           "train state and first LoRA sync"]
@@ -35,7 +36,7 @@ def signal_at(phase, sig, run_dir, address=""):
                 proc.send_signal(sig)
                 break
         proc.stdout.read()
-        code = proc.wait(timeout=900)  # a hang bound only
+        code = proc.wait(timeout=HANG_S)  # a hang bound only
     stderr = err_path.read_text()
     assert len(seen) and seen[-1].strip() == f"start-up: {phase} ...", "".join(seen) + stderr[-3000:]
     return code, stderr
@@ -93,5 +94,5 @@ def test_an_interrupt_swallowed_by_a_gc_callback_comes_back_in_ordinary_code():
             signals.exit_now(130)
         sys.exit(3)
     """
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     assert out.returncode == 130 and out.stderr == "error: interrupted (test)\n", out.stderr

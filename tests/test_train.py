@@ -14,6 +14,7 @@ import pytest
 from jaxflow import config as config_lib
 from jaxflow.train import Trainer
 from tests.helpers import ROOT, run, tiny_config
+from tests import HANG_S
 
 
 def lora_leaves(state):
@@ -328,7 +329,7 @@ def test_kill_9_mid_run_then_resume_loses_at_most_one_step(ray_session, tmp_path
     proc.wait()
     saved = max(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
     assert saved >= done - 1, f"{done} steps were logged before the kill, the newest checkpoint is {saved}"
-    resumed = subprocess.run(args + ["--resume"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(args + ["--resume"], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6]  # one row per step: rows after the checkpoint were logged again
@@ -339,7 +340,7 @@ def test_sigterm_checkpoints_the_current_step_and_exits(ray_session, tmp_path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _wait_for_steps(proc, tmp_path / "metrics.jsonl", 2)
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=300) == 75  # stopped, resumable: not the 0 of a finished run
+    assert proc.wait(timeout=HANG_S) == 75  # stopped, resumable: not the 0 of a finished run
     logged = len((tmp_path / "metrics.jsonl").read_text().splitlines())
     saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
     assert saved == [logged] and logged < 6  # stopped early, after checkpointing the step it had finished
@@ -362,7 +363,7 @@ def test_a_second_signal_stops_at_once_with_130_and_one_line(tmp_path):
             "    def close(self): pass\n"
             "sys.exit(cli.main(T))")
     out = subprocess.run([sys.executable, "-c", code, f"--config.run_dir={tmp_path / 'run'}"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=HANG_S)
     err = out.stderr.strip().splitlines()
     assert out.returncode == 130 and len(err) == 1 and err[0].startswith("error: interrupted"), out.stderr
 
