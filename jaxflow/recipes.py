@@ -228,8 +228,8 @@ def base() -> ml_collections.ConfigDict:
                     # train phase in 11.9 s, batched 11.2 (two H200s; BENCHMARKS.md, the recipe on one GPU)
                     negative_max_sequence_length=0,
                     prompts_per_step=32, group_size=16, prompts_per_call=4)
-    c.train = dict(num_steps=300, max_minutes=0.0, max_skipped_steps=3, num_micro_batches=64, learning_rate=3e-4, clip_range=1e-4,
-                   adv_clip=5.0, beta=0.0, global_std=True, max_grad_norm=1.0, weight_decay=1e-4, ema_decay=0.0,
+    c.train = dict(num_steps=300, max_minutes=0.0, max_skipped_steps=3, num_micro_batches=64, learning_rate=3e-4,
+                   clip_range=1e-4, adv_clip=5.0, beta=0.0, global_std=True, max_grad_norm=1.0, weight_decay=1e-4, ema_decay=0.0,
                    adam_b1=0.9, adam_b2=0.999, adam_eps=1e-8,
                    old_log_prob="recompute", rejection_threshold=1.001, ratio_norm="none",
                    num_mini_batches=2, num_inner_epochs=1,

@@ -55,7 +55,8 @@ def test_readme_install_is_one_line_with_the_cpu_build_of_torch():
     block = re.search(r"1\. Install.*?```\n(.*?)```", readme, flags=re.S).group(1).strip()
     assert "\n" not in block
     # torch alone from PyTorch's index in a pip call of its own: its dependencies and the project's come from PyPI
-    torch_call = re.match(r"pip install --no-deps --index-url https://download\.pytorch\.org/whl/cpu (torch==[\d.]+\+cpu) &&",
+    torch_call = re.match(r"pip install --no-deps --index-url https://download\.pytorch\.org/whl/cpu "
+                          r"(torch==[\d.]+\+cpu) &&",
                           block)
     assert torch_call, block
     project = re.search(r"&& pip install ([^&]*?)-e \"\.\[test\]\" &&", block)

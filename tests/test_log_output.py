@@ -1,5 +1,5 @@
-"""A run whose stdout is a file (nohup, SLURM): a line as each start-up phase begins, one line per step, no library INFO or start-up warnings (Ray's
-token notice, JAX's fork warning), and a closing summary of where every output went; --verbose brings INFO back."""
+"""A run whose stdout is a file (nohup, SLURM): a line as each start-up phase begins, one line per step, no library
+INFO or start-up warnings (Ray's token notice, JAX's fork warning), and a closing summary of where every output went; --verbose brings INFO back."""
 import re
 import subprocess
 import sys

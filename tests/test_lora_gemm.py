@@ -298,5 +298,6 @@ def test_split_rows_runs_the_fused_kernel_data_parallel():
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
     code = "import tests.test_lora_gemm as t; t._split_rows_check()"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=HANG_S)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=HANG_S)
     assert proc.returncode == 0 and "SPLIT_ROWS_OK" in proc.stdout, proc.stdout + proc.stderr[-5000:]
