@@ -52,6 +52,7 @@ def _dot_precisions(opts: ModelOptions) -> set:
     return found
 
 
+@pytest.mark.slow
 def test_float32_model_traces_every_matmul_at_highest():
     found = _dot_precisions(ModelOptions(dtype="float32"))
     highest = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)

@@ -30,6 +30,7 @@ def lora_model(cfg, spec=SPEC, seed=1):
     return sd, model, adapter
 
 
+@pytest.mark.slow
 def test_zero_b_is_the_base_model():
     """PEFT's init (B = 0, A random): the velocity equals the base model's bit for bit."""
     sd = checkpoint(TINY)
@@ -59,6 +60,7 @@ def test_adapter_moves_generation_tokens_only():
     assert np.array_equal(np.asarray(off), v0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", [TINY, OTHER], ids=["tiny", "other"])
 def test_lora_matches_torch_reference_with_merged_weights(cfg):
     """Flax's x W + (x A) (s B) equals the torch reference on W + s B A within the base parity test's bound; the
@@ -70,6 +72,7 @@ def test_lora_matches_torch_reference_with_merged_weights(cfg):
     assert max_rel_err(cfg, sd, out, ids, x, t) > 1e3 * TOL
 
 
+@pytest.mark.slow
 def test_gradients_reach_every_generation_adapter_only():
     """d loss / d LoRA is nonzero for every adapter leaf in every layer; the understanding expert has no LoRA
     params at all (nor any other module outside layers/gen)."""

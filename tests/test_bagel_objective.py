@@ -35,6 +35,7 @@ def log_probs(model, batch, guidance=GUIDANCE):
     return np.asarray(bf.window_log_probs(model, batch, grid_hw=ROLLOUT_GRID, sde_type="sde", guidance=guidance))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("adapter", [False, True], ids=["base", "lora"])
 def test_replays_the_rollout_log_probs(base, adapter):
     """The rollout's windows cover guided (sigma 1, 0.9) and unguided (0.75, 0.5) steps and sigma = 1 (sigma_max in
@@ -47,6 +48,7 @@ def test_replays_the_rollout_log_probs(base, adapter):
     assert np.all(np.abs(got - want) <= tol), (got - want, tol)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mutation", ["cfg_off", "cfg_interval", "step_index"])
 def test_mutations_move_the_log_probs_beyond_the_bound(base, mutation):
     """CFG dropped, a wrong interval or a shifted step index moves some log-prob by more than 10 times its bound
@@ -95,6 +97,7 @@ def test_zero_b_lora_is_the_base_model(base):
     assert np.array_equal(log_probs(lora, batch), log_probs(model, batch))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("adapter", ["zero_b", "random"])
 def test_gradients_reach_the_adapters(base, adapter):
     """d sum(logp) / d LoRA through nnx split / merge: finite everywhere; nonzero in every layer for every B, and

@@ -32,6 +32,7 @@ def trained(ray_session, tmp_path_factory):
     return cfg, run_dir, run(cfg)
 
 
+@pytest.mark.slow
 def test_two_steps_train_the_generation_expert_and_sync_every_step(trained):
     """The rollout started (its base weights' fingerprint equal to the trainer's: a mismatch stops the start), every
     step bound every adapted module on the engine, the gradient is nonzero (the reward spreads within groups) and

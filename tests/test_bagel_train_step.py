@@ -40,6 +40,7 @@ def run():
     return model, out, arrays(out), bound(model, arrays(out)), one_step(model, batch)
 
 
+@pytest.mark.slow
 def test_ratio_is_one_within_the_log_prob_bound(run):
     """logp_old = the rollout's: every micro-batch's ratio exp(logp - logp_old) is 1 within exp(+-max bound)
     (the recomputed logp is within the bound of the rollout's, test_bagel_objective), up to exp's rounding (4 u)."""
@@ -56,6 +57,7 @@ def test_the_step_updates_the_lora(run):
     assert all(jax.tree.leaves(changed))
 
 
+@pytest.mark.slow
 def test_loss_equals_the_clipped_objective_of_window_log_probs(run):
     """With logp_old = the rollout's minus a shift per row and step (ratios e^+-0.5, inside a clip range of 1), the
     step's loss = mean over rows and window steps of clipped_objective(window_log_probs, logp_old, A).
@@ -95,6 +97,7 @@ def test_shuffled_ids_move_the_ratio_beyond_the_bound(run):
     assert moved > 10 * tol.max(), (moved, tol.max())
 
 
+@pytest.mark.slow
 def test_beta_adds_the_kl_to_the_model_with_its_adapters_off(run):
     """The rollout's adapter is nonzero, so the policy's SDE mean differs from the adapters-off reference's: kl > 0,
     and (the same first update, on-policy) the loss is the beta = 0 step's plus beta kl, up to the sum's rounding."""

@@ -113,6 +113,7 @@ def test_bytes_changed_after_the_save_are_caught_by_the_checksums(tmp_path, capl
     assert (tmp_path / "checkpoints" / "5.damaged").is_dir()
 
 
+@pytest.mark.slow
 def test_a_run_whose_every_update_is_skipped_exits_1_with_one_line(tmp_path):
     """A checkpoint whose LoRA makes every forward non-finite (saved that way, so its checksums match: here one
     update at lr 1e30): the resumed run skips every update and ends with exit 1 and one line, not "finished" and 0;

@@ -66,6 +66,7 @@ def test_user_errors_are_one_line_and_exit_2(args, needle):
     assert "('" not in lines[0]  # no raw Python tuple
 
 
+@pytest.mark.slow
 def test_bagel_on_vllm_omni_passes_the_config_checks(tmp_path):
     """BAGEL on the vllm_omni engine, bfloat16 on cuda, is a valid config: the run gets past every config check to
     the first one that needs the GPU (JAX is held to the CPU here, so that one refuses it)."""

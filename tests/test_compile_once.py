@@ -1,5 +1,6 @@
 """The train step compiles once: every batch reaches it with the same shapes, whatever its prompts' lengths."""
 import jax
+import pytest
 
 from jaxflow.driver import text_length_error
 from jaxflow.train import Trainer
@@ -22,6 +23,7 @@ def test_text_length_error_names_the_knob_to_raise(tmp_path):
     assert "--config.sample.max_sequence_length " in str(negative)
 
 
+@pytest.mark.slow
 def test_train_step_compiles_once_over_steps(tmp_path):
     """Seed 0's steps 0 and 1 draw prompts of at most 64 and of more than 64 tokens (64-token buckets compiled the
     step twice); nothing compiles in step 1 (the LoRA export to the rollout compiled in step 0 too)."""

@@ -108,6 +108,7 @@ def test_a_refused_adapter_leaves_the_previous_one_serving(folder, mutate, needl
     assert engine.info()["policy_version"] == 1
 
 
+@pytest.mark.slow
 def test_images_are_the_folders_autoencoder_decoding_the_final_latents(folder):
     engine = BagelTorchEngine({"engine": "bagel_torch", "model": str(folder)})  # decode="vae", the default
     small = dict(SAMPLING, height=32, width=48, keep_final=True)

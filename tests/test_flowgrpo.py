@@ -111,6 +111,7 @@ def test_step_metrics():
 # ---------------------------------------------------------------------------------------------- true CFG
 
 
+@pytest.mark.slow
 def test_guided_velocity_batched_or_split_matches_separate_calls():
     """Negatives as long as the prompts run in one batched call (within fp32 rounding of two calls); negatives padded
     shorter (sample.negative_max_sequence_length) run as their own call: exactly the two calls' CFG."""

@@ -96,6 +96,7 @@ def previous_tensors(seed: int, dtype: str) -> tuple[dict, dict]:
     return cast(ema), cast(sd)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_tiny_folder_is_the_previous_writers_byte_for_byte(dtype, tmp_path):
     folder = tiny_bagel.build_tiny_bagel(tmp_path / "tiny", seed=3, dtype=dtype)
@@ -108,6 +109,7 @@ def test_the_tiny_folder_is_the_previous_writers_byte_for_byte(dtype, tmp_path):
     assert tiny_bagel.FORMAT_VERSION == 4 and sorted(p.name for p in folder.iterdir()) == sorted(FILES)
 
 
+@pytest.mark.slow
 def test_the_cli_writes_the_tiny_folder(tmp_path):
     cli = [sys.executable, "scripts/make_random_bagel.py", "--size", "tiny", "--out", str(tmp_path / "t")]
     run = subprocess.run(cli, cwd=ROOT, check=True, capture_output=True, text=True, timeout=HANG_S)

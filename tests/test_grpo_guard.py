@@ -54,6 +54,7 @@ def test_guard_ratio_is_the_noise_projected_mean_drift(sde_type):
     assert np.all(np.asarray(on["ratio"]) == 1.0)
 
 
+@pytest.mark.slow
 def test_two_mini_batches_with_the_guard(lora_model):
     """M = 2, recompute: the first update is on-policy (ratio exactly 1), the second sees the first's move."""
     config = ts.TrainConfig(grid_hw=GRID, guidance=4.0, num_micro_batches=1, num_mini_batches=2,

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 from pathlib import Path
+import pytest
 
 from jaxflow_bridge.rollout.tiny import cache_root
 from tests.helpers import ROOT
@@ -43,6 +44,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_slurm_launcher_runs_a_two_node_cluster_and_two_trainer_processes(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -72,6 +74,7 @@ def test_slurm_launcher_runs_a_two_node_cluster_and_two_trainer_processes(tmp_pa
     assert [r["step"] for r in rows] == [1, 2] and (run_dir / "lora_final").is_dir()
 
 
+@pytest.mark.slow
 def test_ray_launcher_runs_against_a_two_node_cluster(tmp_path):
     """A plain `ray start` (no RAY_AUTH_MODE: no token authentication) and ray_train.sh as the docs say, in a home
     of its own (no token file from other Ray sessions)."""

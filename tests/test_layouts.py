@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from tests.helpers import ROOT, cluster_free_env, final_lora
 from tests import HANG_S
@@ -23,6 +24,7 @@ def _run(run_dir, devices: int, servers: int, address: str):
                           env=cluster_free_env(XLA_FLAGS=flags))
 
 
+@pytest.mark.slow
 def test_two_devices_and_two_engines_train_like_one(ray_session, tmp_path):
     address = ray_session.get_runtime_context().gcs_address
     runs = {n: _run(tmp_path / f"n{n}", n, n, address) for n in (1, 2)}

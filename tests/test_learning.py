@@ -2,6 +2,7 @@
 Measured: 0.5125 -> 0.531 (mean of steps 15-19), about 30 standard errors."""
 
 import numpy as np
+import pytest
 
 from jaxflow.config import config_module
 from jaxflow.train import Trainer
@@ -20,6 +21,7 @@ def brightness_config(run_dir):
     return cfg
 
 
+@pytest.mark.slow
 def test_learning_raises_reward_by_6_standard_errors(ray_session, tmp_path):
     """Step 0 (the untrained policy) against the mean of the last 5 steps, each mean's standard error from the
     step's own reward spread over its n images: the rise must be >= 6 of their combined standard error."""

@@ -4,6 +4,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+import pytest
 
 from jaxflow.metrics_log import RunLog
 from tests.helpers import ROOT
@@ -53,6 +54,7 @@ def _tb_scalars(tb_dir: Path, tag: str) -> list[float]:
     return values
 
 
+@pytest.mark.slow
 def test_run_logged_to_a_file_is_a_line_per_step_and_a_summary(tmp_path):
     run_dir = tmp_path / "run"
     out = subprocess.run(

@@ -76,6 +76,7 @@ def test_vllm_omni_in_float32_is_refused_before_anything_loads(parity, capsys):
     assert "runs --dtype bfloat16 only" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", ["4", "1"], ids=["cfg4", "cfg1"])
 def test_bagel_fp32_recompute_matches_the_bagel_torch_rollout(parity, tmp_path, cfg):
     """Float32 on both sides with a rank-4 adapter: |dlogp| within the script's float32 threshold (1e-5; its

@@ -287,6 +287,7 @@ def _split_rows_check():
     print("SPLIT_ROWS_OK")
 
 
+@pytest.mark.slow
 def test_split_rows_runs_the_fused_kernel_data_parallel():
     """model.lora_gemm=pallas on 2 devices: each device runs the kernel (here its XLA stand-in) on its own rows; the
     data-parallel step equals XLA's linears' within float32 rounding."""

@@ -114,6 +114,7 @@ def linear_table(transformer: torch.nn.Module) -> dict:
                         if isinstance(m, torch.nn.Linear)}, "packed": {}}
 
 
+@pytest.mark.slow
 def test_rollout_on_merged_weights_equals_the_lora_layers(tiny_path, tmp_path):
     """Our vLLM-Omni pipeline class with lora_apply="merged" (float32, the tiny components) samples what the
     diffusers engine samples with the same adapter as LoRA layers, to float32 rounding, for two adapters in turn;

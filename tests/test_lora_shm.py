@@ -110,6 +110,7 @@ def test_slot_plan_refuses_a_wrong_shape_like_the_folder_path(tmp_path):
         slot_plan(manifest, RANK, table)
 
 
+@pytest.mark.slow
 def test_trainer_export_is_the_peft_adapter_in_the_engine_dtype(tmp_path):
     """`SharedLoRA` (one jit: PEFT layout, bf16, flat) writes what `lora_to_peft` gives, cast to bf16, A first."""
     import jax.numpy as jnp
@@ -181,6 +182,7 @@ def test_driver_falls_back_to_arrays_when_the_file_is_on_another_host(monkeypatc
     assert calls == ["shared", "arrays", "arrays"] and Shared.closed and driver.shared is None
 
 
+@pytest.mark.slow
 def test_a_run_through_ray_syncs_through_the_file_and_times_it(ray_session, tmp_path, monkeypatch):
     """The tiny run with its rollout in a Ray actor on this host: every sync goes through the shared file (its
     write timed as sync_write), and the run removes its file when it closes (its own: other tests' runs may be

@@ -31,6 +31,7 @@ def test_check_fits_names_the_knobs_when_short_and_summarises_when_not():
     assert "\n" not in msg
 
 
+@pytest.mark.slow
 def test_the_loop_runs_the_executables_the_check_compiled(tmp_path, monkeypatch):
     """The check compiles the step for the run's real batch shapes (a wrong shape or dtype would fail the first
     step's call of the compiled executable, which does not retrace), and the run trains with them."""
@@ -50,6 +51,7 @@ def test_the_loop_runs_the_executables_the_check_compiled(tmp_path, monkeypatch)
     assert all(c.memory_analysis().temp_size_in_bytes > 0 for c in compiled.values())
 
 
+@pytest.mark.slow
 def test_a_step_that_does_not_fit_exits_2_before_the_rollout_with_nothing_written(tmp_path):
     """A pool of 1 MiB (what a GPU backend reports, made small): one line on stderr naming the knobs, exit 2, no
     run_dir, and no rollout engine started (the command line in a process of its own, its pool patched)."""
@@ -139,6 +141,7 @@ def test_sleep_is_flagged_where_a_fixed_pool_cannot_use_the_freed_memory(tmp_pat
     assert train.sleep_warning(cfg) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("message", ["RESOURCE_EXHAUSTED: Out of memory while trying to allocate 62.07GiB.",
                                      "CUDA out of memory. Tried to allocate 2.00 GiB"])
 def test_out_of_memory_in_the_loop_is_one_line_exit_1(tmp_path, message):

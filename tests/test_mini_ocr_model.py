@@ -41,6 +41,7 @@ def toy(tmp_path_factory):
     return out, losses
 
 
+@pytest.mark.slow
 def test_vae_loss_drops_and_latents_pack_to_the_transformer_input(toy):
     out, losses = toy
     assert np.mean(losses[-2:]) < losses[0]
@@ -66,6 +67,7 @@ def test_the_rl_config_and_its_control_validate(tiny_path):
         mini_config("typo")
 
 
+@pytest.mark.slow
 def test_pretraining_lowers_the_loss_and_both_sides_load_the_folder(toy):
     import jax
 

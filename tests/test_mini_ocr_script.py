@@ -31,6 +31,7 @@ def built(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     return out, script("mini_ocr.sh", out / "p0")
 
 
+@pytest.mark.slow
 def test_the_script_runs_every_step_and_writes_the_result(built):
     out, done = built
     out = out / "p0"
@@ -48,6 +49,7 @@ def test_the_script_runs_every_step_and_writes_the_result(built):
     assert (out / "reward_curve.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_the_arms_launcher_trains_each_arm_on_the_built_pipeline_and_collects_them(built):
     out, first = built
     assert first.returncode == 0, first.stderr[-3000:]

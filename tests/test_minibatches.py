@@ -57,6 +57,7 @@ def _reference_update(model, batch, config):
     return update(lora, frozen, jax.tree.map(jnp.asarray, batch))
 
 
+@pytest.mark.slow
 def test_one_mini_batch_is_the_single_update_step(lora_model):
     # Adam's first step is lr * g / (|g| + eps): a reassociation error dg of a near-zero gradient entry moves it by
     # up to lr * dg / eps; eps 1e-6 (not 1e-8) keeps that far below the 1e-6 tolerance whatever XLA fuses.
@@ -74,6 +75,7 @@ def test_one_mini_batch_is_the_single_update_step(lora_model):
         np.testing.assert_allclose(got, ref, atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 def test_two_mini_batches_recompute(lora_model, monkeypatch):
     """M = 2, old log-probs recomputed (true CFG): the first update is on-policy, the second sees the first's
     move (at lr 3e-4 the ratio leaves the 1e-4 clip band); 2 steps x 2 updates trace each function once."""

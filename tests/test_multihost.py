@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from tests.helpers import ROOT, cluster_free_env, final_lora
 from tests import HANG_S
@@ -30,6 +31,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_train_like_one(tmp_path):
     port = _free_port()
     procs = [subprocess.Popen(_args(tmp_path / "multi"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -66,6 +68,7 @@ def test_two_processes_train_like_one(tmp_path):
     assert not list(run_dir.glob(".process-*"))  # the shared-run_dir check leaves no marker behind
 
 
+@pytest.mark.slow
 def test_a_run_dir_the_processes_do_not_share_stops_both_with_one_line(tmp_path):
     """Two processes whose run_dir is not one folder (each its own, as two hosts with local disks would have):
     both exit 2 with one line naming run_dir, before any model loads; nothing is left in either folder."""

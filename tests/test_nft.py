@@ -112,6 +112,7 @@ def _step(model, batch, **kw):
     return first, jax.tree.map(np.asarray, state), jax.device_get(metrics)
 
 
+@pytest.mark.slow
 def test_the_nft_step_trains_the_lora_and_moves_the_old_policy_by_its_decay(tiny_batch):
     model, batch = tiny_batch
     first, state, metrics = _step(model, batch, nft_decay=(0, 1.0, 0.25))  # one update: decay min(1, 0.25)

@@ -139,6 +139,7 @@ def test_the_pickscore_recipe_is_the_ocr_recipe_with_its_reward_and_prompts(tiny
         config_lib.validate(pick)
 
 
+@pytest.mark.slow
 def test_a_reward_model_in_its_own_ray_actor_scores_as_in_process(ray_session, clip_dir, images, tmp_path):
     """reward.options.<name>.actor: the model loads and scores in a Ray actor (its own process); the same scores as
     in the trainer's process, and a load error comes back as the same one-line exception."""

@@ -365,6 +365,7 @@ def test_update_lora_changes_outputs_and_version(fresh_pipe, tmp_path):
     assert not np.allclose(p.generate(*args).latents, base.latents, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_compiled_engine_equals_eager_across_lora_updates(fresh_pipe, tiny_path):
     """`compile`: torch.compile of the repeated block (dynamic shapes) gives the eager trajectories, and a LoRA
     update copied into the bound layers reaches the compiled code (no stale weights baked in)."""

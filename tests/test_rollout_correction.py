@@ -25,6 +25,7 @@ def _close(a, b):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 def test_rejected_rows_train_nothing_and_leave_the_denominator(lora_model):
     # the sampler is the trainer's own model: logp - logp_rollout is rounding only
     batch = sampled_batch(lora_model, 1.0)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+import pytest
 from tests import HANG_S
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,6 +29,7 @@ def test_editable_install_puts_the_checkout_on_sys_path(tmp_path):
     assert not [n for n in names if n.endswith("finder.py")], names
 
 
+@pytest.mark.slow
 def test_train_from_the_clones_parent_folder(tmp_path):
     """`python -m jaxflow.train --config /abs/configs/tiny_ocr.py` from a folder holding the clone as `jaxflow/`,
     with the checkout on sys.path the way the editable install puts it; default data paths, 1 step."""

@@ -247,6 +247,7 @@ def test_step0_log_prob_near_minus_1_06():
 # ---------------------------------------------------------------------------------------------- properties
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(
     batch=st.integers(1, 3),

@@ -139,6 +139,7 @@ def _eight_device_check():
     print("EIGHT_DEVICES_OK")
 
 
+@pytest.mark.slow
 def test_sharded_step_equals_single_device():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     code = "import tests.test_sharding as t; t._eight_device_check()"

@@ -133,6 +133,7 @@ def test_unknown_reward_names_the_known_ones(tmp_path):
         config_lib.validate(cfg)
 
 
+@pytest.mark.slow
 def test_short_run_logs_evaluates_checkpoints_and_exports(ray_session, tmp_path):
     cfg = tiny_config(tmp_path, num_steps=2)
     cfg.eval.every, cfg.checkpoint.every = 1, 1
@@ -151,6 +152,7 @@ def test_short_run_logs_evaluates_checkpoints_and_exports(ray_session, tmp_path)
     assert out["state"].step == 2
 
 
+@pytest.mark.slow
 def test_in_process_rollout_with_random_init_runs_without_ray(tmp_path):
     """No Ray, and `model.init=random`: both sides draw the base weights (the start-up fingerprint check passes)
     and the rollout's log-probs equal the trainer's recompute, so they drew the same model."""
@@ -188,6 +190,7 @@ def test_the_rollout_is_idle_exactly_while_the_learner_trains(tmp_path, monkeypa
             assert metrics["rollout_freed_gib"] == 0 and metrics["time/sleep"] >= 0 and metrics["time/wake"] >= 0
 
 
+@pytest.mark.slow
 def test_max_minutes_ends_the_run_like_a_finished_one(tmp_path):
     """A time limit shorter than a step: the run ends after its first step of three, with that step's checkpoint
     and lora_final written (a run cut by a signal writes no lora_final)."""
@@ -206,6 +209,7 @@ def test_max_minutes_ends_the_run_like_a_finished_one(tmp_path):
     assert (tmp_path / "lora_final" / "adapter_model.safetensors").read_bytes() != first
 
 
+@pytest.mark.slow
 def test_ema_is_what_the_eval_serves_and_the_export_writes(tmp_path, monkeypatch):
     """train.ema_decay: each eval serves the LoRA's EMA and then the LoRA again (the next rollout samples the
     policy being trained); lora_final holds the EMA, as flow_grpo evaluates and saves its EMA."""
@@ -246,6 +250,7 @@ def test_ema_is_what_the_eval_serves_and_the_export_writes(tmp_path, monkeypatch
         np.testing.assert_array_equal(events[evals[-1] - 1][2][k], ema[k])
 
 
+@pytest.mark.slow
 def test_nft_samples_with_the_old_policy_and_evaluates_and_exports_the_lora(tmp_path, monkeypatch):
     """train.algorithm='nft': the rollout samples with the old policy (TrainState.old; after the first step of a
     flat decay start it equals the LoRA, later it trails it), each eval serves the LoRA, which lora_final holds;
@@ -276,6 +281,7 @@ def test_nft_samples_with_the_old_policy_and_evaluates_and_exports_the_lora(tmp_
     assert resumed["history"][0]["step"] == 3 and resumed["history"][0]["old_deviate"] > 0  # old != LoRA restored
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly(ray_session, tmp_path):
     full = run(tiny_config(tmp_path / "full", num_steps=4))
     first = tiny_config(tmp_path / "split", num_steps=2)
@@ -287,6 +293,7 @@ def test_resume_continues_exactly(ray_session, tmp_path):
     assert abs(full["history"][-1]["reward_mean"] - resumed["history"][-1]["reward_mean"]) < 1e-6
 
 
+@pytest.mark.slow
 def test_resume_of_a_run_stopped_before_its_export_writes_lora_final(ray_session, tmp_path):
     first = run(tiny_config(tmp_path, num_steps=2, learning_rate=3e-3))
     final = tmp_path / "lora_final"
@@ -320,6 +327,7 @@ def _wait_for_steps(proc, metrics, count):
     return len(metrics.read_text().splitlines())
 
 
+@pytest.mark.slow
 def test_kill_9_mid_run_then_resume_loses_at_most_one_step(ray_session, tmp_path):
     args = _cli(ray_session, tmp_path, "--config.checkpoint.every=1")
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -335,6 +343,7 @@ def test_kill_9_mid_run_then_resume_loses_at_most_one_step(ray_session, tmp_path
     assert steps == [1, 2, 3, 4, 5, 6]  # one row per step: rows after the checkpoint were logged again
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_the_current_step_and_exits(ray_session, tmp_path):
     proc = subprocess.Popen(_cli(ray_session, tmp_path, "--config.checkpoint.every=1000"), cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -346,6 +355,7 @@ def test_sigterm_checkpoints_the_current_step_and_exits(ray_session, tmp_path):
     assert saved == [logged] and logged < 6  # stopped early, after checkpointing the step it had finished
 
 
+@pytest.mark.slow
 def test_a_second_signal_stops_at_once_with_130_and_one_line(tmp_path):
     """The first SIGINT/SIGTERM asks for a stop after the step; a second raises KeyboardInterrupt at once, which the
     command line turns into one line and exit 130 (here from a stand-in loop, so the timing is the test's)."""
@@ -368,6 +378,7 @@ def test_a_second_signal_stops_at_once_with_130_and_one_line(tmp_path):
     assert out.returncode == 130 and len(err) == 1 and err[0].startswith("error: interrupted"), out.stderr
 
 
+@pytest.mark.slow
 def test_rollout_actor_killed_mid_generate_is_restarted_and_retried(ray_session, tmp_path):
     import ray
     trainer = Trainer(tiny_config(tmp_path, num_steps=1))
@@ -381,6 +392,7 @@ def test_rollout_actor_killed_mid_generate_is_restarted_and_retried(ray_session,
         trainer.close()
 
 
+@pytest.mark.slow
 def test_one_of_two_engines_killed_after_an_update_loses_no_step_and_mixes_no_versions(ray_session, tmp_path):
     """Two rollout actors; after the first update one is killed during the next step (its rollout or its sync):
     the call is retried on fresh actors that get the current LoRA (version 1) again before generating, so every
@@ -410,6 +422,7 @@ def test_unreachable_reward_server_fails_fast_naming_the_url(tmp_path):
     assert time.time() - t < 30
 
 
+@pytest.mark.slow
 def test_overlap_trains_each_batch_against_the_policy_that_sampled_it(ray_session, tmp_path):
     """rollout.overlap: step k+1's rollout runs while step k trains. From the second step on every batch is one
     version old (staleness 1, never 2), and logp_old comes from the LoRA that sampled it: the recompute pass matches

@@ -59,6 +59,7 @@ def test_sampler_trajectory(plain):
     assert np.isfinite(np.asarray(batch.final_latents)).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setup", ["plain", "cfg"])
 def test_recomputed_log_probs_match_rollout(setup, request):
     """On-policy (same weights, fp32): ratio == 1 and |logp - logp_rollout| ~ 0 at every window step."""

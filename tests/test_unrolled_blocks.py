@@ -49,6 +49,7 @@ def _unstacked(model):
     return model
 
 
+@pytest.mark.slow
 def test_the_unrolled_blocks_give_the_scan_s_gradient():
     scan = _flat_grad(_lora_model(1))
     _close(scan, _flat_grad(_lora_model(2)))

@@ -42,6 +42,7 @@ def _close(a, b):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 def test_skipping_equals_training_on_the_kept_rows(lora_model):
     """Group 1's advantages are 0: with the filter its micro-batch is not run and the update equals one made on
     group 0's rows alone (one micro-batch); without zero rows the filter changes nothing."""
@@ -67,6 +68,7 @@ def test_skipping_equals_training_on_the_kept_rows(lora_model):
     _close(on.lora, off.lora)
 
 
+@pytest.mark.slow
 def test_all_zero_mini_batch_is_not_an_update_and_the_pass_skips_it(lora_model):
     """Two mini-batches (one group each), old log-probs recomputed: the group of equal rewards is no optimizer update
     (Adam's moments and weight decay untouched by it), the other trains; all zero: the state stays as it was."""
