@@ -12,6 +12,7 @@ from jaxflow.models.bagel.lora import peft_state_dict, read_peft
 from tests.helpers import ROOT, run
 
 LAYERS, TARGETS = 2, 7  # the tiny BAGEL's layers; the generation expert's seven adapted projections
+pytestmark = pytest.mark.slow  # one trained pipeline (the module's fixture) serves every test
 
 
 def bagel_config(run_dir):
@@ -32,7 +33,6 @@ def trained(ray_session, tmp_path_factory):
     return cfg, run_dir, run(cfg)
 
 
-@pytest.mark.slow
 def test_two_steps_train_the_generation_expert_and_sync_every_step(trained):
     """The rollout started (its base weights' fingerprint equal to the trainer's: a mismatch stops the start), every
     step bound every adapted module on the engine, the gradient is nonzero (the reward spreads within groups) and

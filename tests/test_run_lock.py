@@ -95,3 +95,14 @@ def test_the_command_line_refuses_a_second_run_with_one_line_and_exit_2(tmp_path
     assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: run_dir "), out.stderr[-2000:]
     assert f"pid {proc.pid} on this host" in lines[0] and "--config.run_dir=NEW_DIR" in lines[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == [run_lock.LOCK_NAME]  # nothing else written
+
+
+def test_a_run_dir_the_lock_made_and_nothing_else_filled_is_removed_at_exit(tmp_path):
+    """A run refused before any work leaves no run_dir behind; a run_dir that held files before keeps its lock file."""
+    fresh = tmp_path / "fresh" / "run"
+    holder(fresh).communicate("", timeout=HANG_S)
+    assert not fresh.exists() and (tmp_path / "fresh").is_dir()
+    used = tmp_path / "used"
+    used.mkdir()
+    holder(used).communicate("", timeout=HANG_S)
+    assert [p.name for p in used.iterdir()] == [run_lock.LOCK_NAME]
