@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The recipe at its real batch on every GPU of one node, launched as users launch it on a cluster: a one-node Ray
-# cluster (`ray start --head`) and scripts/ray_train.sh. configs/qwen_ocr.py as it is (32 prompts x 16 images = 512
+# cluster (`ray start --head`) and launch/ray_train.sh. configs/qwen_ocr.py as it is (32 prompts x 16 images = 512
 # images a step, 4 prompts a rollout request, 2 updates a step, CFG 4, LoRA r64, the OCR reward) with random
 # full-size weights (bench_e2e.sh's folder), the colocated layout: the trainer data-parallel over all GPUs in a fixed
 # JAX pool on each, one vLLM-Omni engine on each GPU; STEPS steps (3: the first compiles), no eval or checkpoints.
@@ -40,7 +40,7 @@ overrides=(--config.model.path="$model" --config.model.init=random --config.roll
   --config.run_dir="$out/run" "$@")
 nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 >"$out/gpu_mem.csv" 2>/dev/null &
 smi=$!
-bash scripts/ray_train.sh configs/qwen_ocr.py "${overrides[@]}" 2>&1 |
+bash launch/ray_train.sh configs/qwen_ocr.py "${overrides[@]}" 2>&1 |
   while IFS= read -r line; do printf '%(%H:%M:%S)T %s\n' -1 "$line"; done | tee "$out/train.log"
 kill "$smi" 2>/dev/null || true
 python3 scripts/summarize_run.py "$out/run" --gpus "$gpus" --result e2e_8gpu --out "$out" --gpu-mem "$out/gpu_mem.csv" \

@@ -84,7 +84,7 @@ def test_lora_gemm_bench_writes_its_result_file(tmp_path):
 
 
 def test_mini_ocr_breakdown_counts_prompts_by_score_and_change():
-    breakdown = load_script("mini_ocr_result").breakdown
+    breakdown = load_script("../experiments/mini_ocr/result").breakdown
     before, after = [0.0, 0.0, 0.5, 1.0, 0.75], [0.0, 0.25, 1.0, 0.75, 0.75]
     assert breakdown(before, after) == dict(before=dict(zero=2, partial=2, perfect=1),
                                             after=dict(zero=1, partial=3, perfect=1), rose=2, fell=1, same=2)
@@ -93,7 +93,7 @@ def test_mini_ocr_breakdown_counts_prompts_by_score_and_change():
 
 
 def fake_mini_ocr_run(pipeline: Path, before: float, after: dict[str, tuple[float, int, int]]) -> None:
-    """A scripts/mini_ocr.sh OUT as its files: eval/before.json (before_nft.json: 0.1 lower, no CFG) and, per arm
+    """A experiments/mini_ocr/run.sh OUT as its files: eval/before.json (before_nft.json: 0.1 lower, no CFG) and, per arm
     suffix, (OCR after, steps, seconds)."""
     (pipeline / "eval").mkdir(parents=True)
     for name, ocr in (("before", before), ("before_nft", before - 0.1)):
@@ -108,7 +108,7 @@ def fake_mini_ocr_run(pipeline: Path, before: float, after: dict[str, tuple[floa
 
 
 def test_mini_ocr_algorithms_collects_each_arm_over_its_pipelines(tmp_path):
-    collect = load_script("mini_ocr_algorithms").collect
+    collect = load_script("../experiments/mini_ocr/algorithms").collect
     fake_mini_ocr_run(tmp_path / "p0", 0.5, {"": (0.7, 100, 540), "_nft": (0.9, 60, 600), "_guard": (0.6, 90, 530)})
     fake_mini_ocr_run(tmp_path / "p1", 0.4, {"": (0.5, 110, 480), "_nft": (0.8, 70, 480), "_dropzero": (0.55, 120, 480)})
     figures = collect([tmp_path / "p0", tmp_path / "p1"])
@@ -127,7 +127,7 @@ def test_mini_ocr_algorithms_collects_each_arm_over_its_pipelines(tmp_path):
     assert without["nft/pipelines"] == 1 and without["nft/rise"] == pytest.approx(0.5) and "nft/p0/rise" not in without
     with pytest.raises(ValueError, match="PIPELINE/ARM"):
         collect([tmp_path / "p0"], exclude=("p9/nft",))
-    with pytest.raises(ValueError, match="run scripts/mini_ocr.sh first"):
+    with pytest.raises(ValueError, match="run experiments/mini_ocr/run.sh first"):
         collect([tmp_path / "nothing"])
 
 
@@ -165,9 +165,9 @@ def test_node_bench_refuses_a_micro_batch_that_does_not_divide_an_update(tmp_pat
 
 
 def test_mini_ocr_eval_samples_as_the_configs_eval():
-    """scripts/mini_ocr_eval.py samples as configs/mini_ocr.py's eval (the settings it wrote by hand before, but for
+    """experiments/mini_ocr/evaluate.py samples as configs/mini_ocr.py's eval (the settings it wrote by hand before, but for
     sde_window_range, which an ODE run over every step ignores), --steps and --guidance replacing the eval's."""
-    eval_sampling = load_script("mini_ocr_eval").eval_sampling
+    eval_sampling = load_script("../experiments/mini_ocr/evaluate").eval_sampling
     by_hand = SamplingParams(height=64, width=128, num_inference_steps=10, true_cfg_scale=4.0, max_sequence_length=32,
                              sde_type="ode", noise_level=0.0, sde_window_size=None)
     assert eval_sampling() == dataclasses.replace(by_hand, sde_window_range=(0, 9))
