@@ -22,10 +22,10 @@ from pathlib import Path
 from jaxflow.recipes import base, tiny
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "mini_ocr"
-# the algorithm arms compared on this proof (experiments/mini_ocr/run.sh ARM=...): FlowGRPO as below (""), with GRPO-Guard's
-# ratio ("guard"), with rollout correction instead of the recompute pass ("corrected"), with the zero-advantage filter
-# ("dropzero": groups of equal rewards not trained), or DiffusionNFT ("nft": CFG-free, deterministic rollouts, its OCR
-# recipe's beta 0.1 and old-policy decay, eval without CFG too)
+# the algorithm arms compared on this proof (experiments/mini_ocr/run.sh ARM=...): FlowGRPO as below (""), with
+# GRPO-Guard's ratio ("guard"), with rollout correction instead of the recompute pass ("corrected"), with the
+# zero-advantage filter ("dropzero": groups of equal rewards not trained), or DiffusionNFT ("nft": CFG-free,
+# deterministic rollouts, its OCR recipe's beta 0.1 and old-policy decay, eval without CFG too)
 ARMS = ("", "guard", "corrected", "dropzero", "nft")
 VARIANTS = tuple(f"{arm}{sep}{control}" for arm in ARMS for sep, control in (("", ""), ("_" if arm else "", "control")))
 

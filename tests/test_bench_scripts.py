@@ -1,7 +1,6 @@
 """Benchmark scripts' code paths at toy size on the CPU (their figures come from GPU runs, BENCHMARKS.md), and the
 scripts' layout: command lines over the jaxflow_bench package, none importing another."""
 import dataclasses
-import importlib.util
 import json
 import re
 import subprocess
@@ -10,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from experiments.mini_ocr.algorithms import collect
+from experiments.mini_ocr.result import breakdown
 from jaxflow_bridge.rollout.sampling import SamplingParams
 from tests import HANG_S
 
@@ -48,14 +49,6 @@ def test_the_result_files_module_imports_neither_framework():
     assert out.strip() == "[]"
 
 
-def load_script(name: str):
-    """scripts/NAME.py as a module (scripts are command lines, not a package)."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_attention_bench_writes_its_result_file(tmp_path):
     subprocess.run([sys.executable, "scripts/bench_attention.py", "--tiny", "--out", str(tmp_path)], cwd=ROOT,
                    check=True, capture_output=True, timeout=HANG_S)
@@ -84,7 +77,6 @@ def test_lora_gemm_bench_writes_its_result_file(tmp_path):
 
 
 def test_mini_ocr_breakdown_counts_prompts_by_score_and_change():
-    breakdown = load_script("../experiments/mini_ocr/result").breakdown
     before, after = [0.0, 0.0, 0.5, 1.0, 0.75], [0.0, 0.25, 1.0, 0.75, 0.75]
     assert breakdown(before, after) == dict(before=dict(zero=2, partial=2, perfect=1),
                                             after=dict(zero=1, partial=3, perfect=1), rose=2, fell=1, same=2)
@@ -93,8 +85,8 @@ def test_mini_ocr_breakdown_counts_prompts_by_score_and_change():
 
 
 def fake_mini_ocr_run(pipeline: Path, before: float, after: dict[str, tuple[float, int, int]]) -> None:
-    """A experiments/mini_ocr/run.sh OUT as its files: eval/before.json (before_nft.json: 0.1 lower, no CFG) and, per arm
-    suffix, (OCR after, steps, seconds)."""
+    """An experiments/mini_ocr/run.sh OUT as its files: eval/before.json (before_nft.json: 0.1 lower, no CFG) and,
+    per arm suffix, (OCR after, steps, seconds)."""
     (pipeline / "eval").mkdir(parents=True)
     for name, ocr in (("before", before), ("before_nft", before - 0.1)):
         (pipeline / "eval" / f"{name}.json").write_text(json.dumps(dict(mean=ocr, se=0.03, n=200)))
@@ -108,7 +100,6 @@ def fake_mini_ocr_run(pipeline: Path, before: float, after: dict[str, tuple[floa
 
 
 def test_mini_ocr_algorithms_collects_each_arm_over_its_pipelines(tmp_path):
-    collect = load_script("../experiments/mini_ocr/algorithms").collect
     fake_mini_ocr_run(tmp_path / "p0", 0.5, {"": (0.7, 100, 540), "_nft": (0.9, 60, 600), "_guard": (0.6, 90, 530)})
     fake_mini_ocr_run(tmp_path / "p1", 0.4, {"": (0.5, 110, 480), "_nft": (0.8, 70, 480), "_dropzero": (0.55, 120, 480)})
     figures = collect([tmp_path / "p0", tmp_path / "p1"])
@@ -165,9 +156,9 @@ def test_node_bench_refuses_a_micro_batch_that_does_not_divide_an_update(tmp_pat
 
 
 def test_mini_ocr_eval_samples_as_the_configs_eval():
-    """experiments/mini_ocr/evaluate.py samples as configs/mini_ocr.py's eval (the settings it wrote by hand before, but for
-    sde_window_range, which an ODE run over every step ignores), --steps and --guidance replacing the eval's."""
-    eval_sampling = load_script("../experiments/mini_ocr/evaluate").eval_sampling
+    """experiments.mini_ocr.evaluate samples as configs/mini_ocr.py's eval (the settings it wrote by hand before, but
+    for sde_window_range, which an ODE run over every step ignores), --steps and --guidance replacing the eval's."""
+    from experiments.mini_ocr.evaluate import eval_sampling  # the rollout engine's imports: only this test's
     by_hand = SamplingParams(height=64, width=128, num_inference_steps=10, true_cfg_scale=4.0, max_sequence_length=32,
                              sde_type="ode", noise_level=0.0, sde_window_size=None)
     assert eval_sampling() == dataclasses.replace(by_hand, sde_window_range=(0, 9))

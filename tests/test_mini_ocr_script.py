@@ -1,5 +1,5 @@
-"""`SMOKE=1 bash experiments/mini_ocr/run.sh OUT`: every step of the mini OCR proof at toy size on the CPU (about 2 minutes on
-2 cores), from the rendered data to OUT/mini_ocr.json with the figures the proof reports; then
+"""`SMOKE=1 bash experiments/mini_ocr/run.sh OUT`: every step of the mini OCR proof at toy size on the CPU (about
+2 minutes on 2 cores), from the rendered data to OUT/mini_ocr.json with the figures the proof reports; then
 `experiments/mini_ocr/arms.sh` training two algorithm arms on that pipeline at once (two "GPUs" of CPU)."""
 import json
 import os
@@ -20,8 +20,8 @@ ENV = {**os.environ, "SMOKE": "1", "JAX_PLATFORMS": "cpu", "VAE_STEPS": "10", "P
 
 
 def script(name: str, out: Path, **env) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(ROOT / "experiments" / "mini_ocr" / name), str(out)], cwd=ROOT, env={**ENV, **env},
-                          capture_output=True, text=True, timeout=HANG_S)
+    return subprocess.run(["bash", str(ROOT / "experiments" / "mini_ocr" / name), str(out)], cwd=ROOT,
+                          env={**ENV, **env}, capture_output=True, text=True, timeout=HANG_S)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Collect the algorithm arms' mini OCR runs over one or more pipelines into OUT/mini_ocr_algorithms.json.
 
-    python experiments/mini_ocr/algorithms.py --out OUT --pipelines P0 [P1 ...] [--exclude P0/nft ...]
+    python -m experiments.mini_ocr.algorithms --out OUT --pipelines P0 [P1 ...] [--exclude P0/nft ...]
 
 Each pipeline folder is one experiments/mini_ocr/run.sh OUT (its eval/before.json, and per arm ARM that ran on it:
 eval/after_ARM.json, rl_ARM/checkpoints (or, in a copy without checkpoints, the last step of rl_ARM/metrics.jsonl),
@@ -73,7 +73,8 @@ def collect(pipelines: list[Path], exclude: tuple[str, ...] = ()) -> dict:
             figures[f"{arm}/rise_vs_flowgrpo"] = sum(
                 by_pipeline[name]["rise"] - runs["flowgrpo"][name]["rise"] for name in shared) / len(shared)
     if not figures:
-        raise ValueError(f"no arm's eval/after*.json in {[str(p) for p in pipelines]}: run experiments/mini_ocr/run.sh first")
+        raise ValueError(f"no arm's eval/after*.json in {[str(p) for p in pipelines]}: "
+                         "run experiments/mini_ocr/run.sh first")
     return figures
 
 

@@ -2,16 +2,18 @@
 # The algorithm arms of the mini OCR proof over several pipelines on one host's GPUs (BENCHMARKS.md, "Mini OCR: the
 # algorithm arms"): first PIPELINES pipelines are built from nothing (OUT/p0, OUT/p1, ..., one a GPU at a time), then
 # every (pipeline, arm) run takes the next free GPU, alone on it, then OUT/mini_ocr_algorithms.json
-# (experiments/mini_ocr/algorithms.py). Each run is `experiments/mini_ocr/run.sh` with its ARM, so the arms share a pipeline.
+# (experiments.mini_ocr.algorithms). Each run is `experiments/mini_ocr/run.sh` with its ARM, so the arms share a
+# pipeline.
 #
 #   [GPUS=4] [PIPELINES=2] [ARMS="nft flowgrpo"] [MINUTES=8.75] bash experiments/mini_ocr/arms.sh OUT
 #   SMOKE=1 GPUS=2 PIPELINES=1 ARMS="flowgrpo nft" bash experiments/mini_ocr/arms.sh /tmp/arms   # toy size, CPU
 #
 # GPUS: default every GPU nvidia-smi lists (1 without one); PIPELINES: default GPUS; ARMS: of flowgrpo, nft, guard,
-# corrected, dropzero (default all five); MINUTES: each RL run's train.max_minutes; other experiments/mini_ocr/run.sh knobs (SMOKE,
-# RL_ARGS, PRETRAIN_STEPS, EVAL_NUM, POOL, ...) pass through. Logs: OUT/build_pN.log, OUT/pN_ARM.log; OUT/status gets a
-# line per finished command. A pipeline already built (OUT/pN/eval/before.json) is reused, not built again. Exit 1 if
-# any command failed (the others still run and are collected).
+# corrected, dropzero (default all five); MINUTES: each RL run's train.max_minutes; other
+# experiments/mini_ocr/run.sh knobs (SMOKE, RL_ARGS, PRETRAIN_STEPS, EVAL_NUM, POOL, ...) pass through. Logs:
+# OUT/build_pN.log, OUT/pN_ARM.log; OUT/status gets a line per finished command. A pipeline already built
+# (OUT/pN/eval/before.json) is reused, not built again. Exit 1 if any command failed (the others still run and are
+# collected).
 set -euo pipefail
 OUT=${1:?usage: [GPUS=N] [PIPELINES=N] [ARMS="..."] [MINUTES=M] bash experiments/mini_ocr/arms.sh OUT}
 cd "$(dirname "$0")/../.."
@@ -69,5 +71,5 @@ for p in "${pipelines[@]}"; do for arm in $ARMS; do runs+=("run $p $arm"); done;
 : > "$OUT/status"
 [[ ${#builds[@]} == 0 ]] || queue "${builds[@]}"
 queue "${runs[@]}"
-python3 experiments/mini_ocr/algorithms.py --out "$OUT" --pipelines "${pipelines[@]/#/$OUT/}"
+python -m experiments.mini_ocr.algorithms --out "$OUT" --pipelines "${pipelines[@]/#/$OUT/}"
 ! grep -qv "rc=0 " "$OUT/status"

@@ -1,7 +1,8 @@
 """OCR reward of a pipeline folder (optionally with a PEFT LoRA) on held-out prompts, with its standard error.
 
-    python experiments/mini_ocr/evaluate.py --pipeline OUT/pipeline [--lora RUN/lora_final] --prompts data/mini_ocr/test.txt
-        --json OUT/eval/before.json --grid OUT/eval/before.png [--num 200 --steps 10 --guidance 4.0]
+    python -m experiments.mini_ocr.evaluate --pipeline OUT/pipeline [--lora RUN/lora_final]
+        --prompts data/mini_ocr/test.txt --json OUT/eval/before.json --grid OUT/eval/before.png
+        [--num 200 --steps 10 --guidance 4.0]
 
 Sampling is the trainer's eval of configs/mini_ocr.py (`jaxflow.config.sampling(eval_mode=True)`; --steps and
 --guidance replace its eval.num_steps and eval.guidance): deterministic ODE, one image per prompt from seed = its

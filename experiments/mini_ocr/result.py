@@ -1,8 +1,8 @@
 """Collect the mini OCR proof into OUT/mini_ocr.json (`jaxflow_bench.results.write_result`) and OUT/reward_curve.png.
 
-    python experiments/mini_ocr/result.py --out OUT --rl-seconds S [--arm ARM]
+    python -m experiments.mini_ocr.result --out OUT --rl-seconds S [--arm ARM]
 
-Reads OUT/eval/{before,after,control,before_train,after_train}.json (experiments/mini_ocr/evaluate.py),
+Reads OUT/eval/{before,after,control,before_train,after_train}.json (experiments.mini_ocr.evaluate),
 OUT/rl/metrics.jsonl and OUT/rl_control/metrics.jsonl (the two RL runs), OUT/data/ocr_clean.json and
 OUT/vae_report.json. With --arm ARM (experiments/mini_ocr/run.sh's ARM), the arm's names: eval/after_ARM.json,
 eval/control_ARM.json, eval/after_ARM_train.json, rl_ARM/, rl_ARM_control/, and the result mini_ocr_ARM.json

@@ -33,7 +33,8 @@
 # 0.5 alone; lower it when more runs share the GPU). ARM (configs/mini_ocr.py's ARMS: "" FlowGRPO, guard, corrected,
 # dropzero, nft) picks the algorithm of the RL run and its control (and, for nft, evals without CFG); an arm's runs,
 # evals, timings and result are named for it (OUT/rl_nft, OUT/eval/after_nft.json, mini_ocr_nft.json), so every arm can train on one
-# pipeline, at once on several GPUs: ONLY="rl eval_after" ARM=guard CUDA_VISIBLE_DEVICES=1 bash experiments/mini_ocr/run.sh OUT
+# pipeline, at once on several GPUs:
+#   ONLY="rl eval_after" ARM=guard CUDA_VISIBLE_DEVICES=1 bash experiments/mini_ocr/run.sh OUT
 # (nft also needs its eval_before: without CFG, eval/before_nft.json).
 set -euo pipefail
 OUT=${1:?usage: [SMOKE=1] bash experiments/mini_ocr/run.sh OUT}
@@ -118,8 +119,8 @@ step pretrain python -m jaxflow.mini_ocr.pretrain --pipeline "$OUT/pipeline" --d
 ev() {  # ev NAME PROMPTS [--lora DIR]: OCR of the pipeline (+ LoRA) on PROMPTS -> OUT/eval/NAME.{json,png}
   local name=$1 prompts=$2
   shift 2
-  python experiments/mini_ocr/evaluate.py --pipeline "$OUT/pipeline" --prompts "$prompts" --json "$OUT/eval/$name.json" \
-    --grid "$OUT/eval/$name.png" "$@" "${EVAL[@]}"
+  python -m experiments.mini_ocr.evaluate --pipeline "$OUT/pipeline" --prompts "$prompts" \
+    --json "$OUT/eval/$name.json" --grid "$OUT/eval/$name.png" "$@" "${EVAL[@]}"
 }
 # the train words too: RL trains on them, so they must also score well below 1 (else lower PRETRAIN_STEPS)
 together step eval_before ev "$BEFORE" "$OUT/data/test.txt"
@@ -132,5 +133,5 @@ together step eval_after ev "after$A" "$OUT/data/test.txt" --lora "$OUT/rl$A/lor
 together step eval_after_train ev "after${A}_train" "$OUT/data/train.txt" --lora "$OUT/rl$A/lora_final"
 together step eval_control ev "control$A" "$OUT/data/test.txt" --lora "$OUT/rl${A}_control/lora_final"
 join
-step result python experiments/mini_ocr/result.py --out "$OUT" ${ARM:+--arm "$ARM"} \
+step result python -m experiments.mini_ocr.result --out "$OUT" ${ARM:+--arm "$ARM"} \
   --rl-seconds "$(awk -v n="rl$A" '$1 == n {s = $2} END {print s}' "$OUT/timings.txt")"
