@@ -106,7 +106,7 @@ smi=$!
 # every line stamped with the time of day, to see where start-up goes
 "${cmd[@]}" 2>&1 | while IFS= read -r line; do printf '%(%H:%M:%S)T %s\n' -1 "$line"; done | tee "$out/train.log"
 kill "$smi" 2>/dev/null || true
-python3 scripts/summarize_run.py "$out/run" --gpus "$gpus" --result "$result" --out "$out" "${exclude[@]}" \
+python3 -m jaxflow_bench.summary "$out/run" --gpus "$gpus" --result "$result" --out "$out" "${exclude[@]}" \
   --gpu-mem "$out/gpu_mem.csv" \
   --command "${given_fraction}${MODEL_DIR:+MODEL_DIR=$MODEL_DIR }ENGINE=$engine LAYOUT=$layout ${SLEEP:+SLEEP=$SLEEP }PROMPTS=$prompts ${MICRO:+MICRO=$MICRO }${PER_CALL:+PER_CALL=$PER_CALL }bash scripts/bench_e2e.sh OUT $*"
 if [ -n "${PROFILE_STEP:-}" ]; then

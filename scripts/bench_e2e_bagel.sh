@@ -35,6 +35,6 @@ nvidia-smi ${CUDA_VISIBLE_DEVICES:+-i "$CUDA_VISIBLE_DEVICES"} --query-gpu=memor
 smi=$!
 "${cmd[@]}" 2>&1 | while IFS= read -r line; do printf '%(%H:%M:%S)T %s\n' -1 "$line"; done | tee "$out/train.log"
 kill "$smi" 2>/dev/null || true
-python3 scripts/summarize_run.py "$out/run" --gpus 1 --result "$result" --out "$out" --gpu-mem "$out/gpu_mem.csv" \
+python3 -m jaxflow_bench.summary "$out/run" --gpus 1 --result "$result" --out "$out" --gpu-mem "$out/gpu_mem.csv" \
   --command "XLA_CLIENT_MEM_FRACTION=$XLA_CLIENT_MEM_FRACTION PROMPTS=$prompts MICRO=$micro STEPS=$steps \
 REWARD=$reward bash scripts/bench_e2e_bagel.sh OUT $*"

@@ -4,7 +4,7 @@
 # images a step, 4 prompts a rollout request, 2 updates a step, CFG 4, LoRA r64, the OCR reward) with random
 # full-size weights (bench_e2e.sh's folder), the colocated layout: the trainer data-parallel over all GPUs in a fixed
 # JAX pool on each, one vLLM-Omni engine on each GPU; STEPS steps (3: the first compiles), no eval or checkpoints.
-# Then OUT_DIR/e2e_8gpu.json (summarize_run.py's figures: img_per_gpu_s, gpus, step and phase seconds, sync_s the LoRA
+# Then OUT_DIR/e2e_8gpu.json (jaxflow_bench.summary's figures: img_per_gpu_s, gpus, step and phase seconds, sync_s the LoRA
 # sync to every engine, bound_modules the count every engine acknowledged, the same on all; with ONE_GPU, a
 # bench_e2e.sh one-GPU result of this host, scaling_efficiency: img/GPU/s over that run's img/GPU/s).
 #
@@ -43,7 +43,7 @@ smi=$!
 bash launch/ray_train.sh configs/qwen_ocr.py "${overrides[@]}" 2>&1 |
   while IFS= read -r line; do printf '%(%H:%M:%S)T %s\n' -1 "$line"; done | tee "$out/train.log"
 kill "$smi" 2>/dev/null || true
-python3 scripts/summarize_run.py "$out/run" --gpus "$gpus" --result e2e_8gpu --out "$out" --gpu-mem "$out/gpu_mem.csv" \
+python3 -m jaxflow_bench.summary "$out/run" --gpus "$gpus" --result e2e_8gpu --out "$out" --gpu-mem "$out/gpu_mem.csv" \
   --command "${MICRO:+MICRO=$MICRO }${STEPS:+STEPS=$STEPS }XLA_CLIENT_MEM_FRACTION=$XLA_CLIENT_MEM_FRACTION \
 ${ONE_GPU:+ONE_GPU=$ONE_GPU }bash scripts/bench_e2e_node.sh OUT $*"
 [ -z "${ONE_GPU:-}" ] || python3 - "$out/e2e_8gpu.json" "$ONE_GPU" <<'PY'

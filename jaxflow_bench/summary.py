@@ -1,6 +1,6 @@
 """Throughput and phase breakdown of a training run from its metrics.jsonl (steps after the first: compile).
 
-    python scripts/summarize_run.py RUN_DIR [--gpus N] [--result NAME --command CMD --out DIR]
+    python -m jaxflow_bench.summary RUN_DIR [--gpus N] [--result NAME --command CMD --out DIR]
 
 With --result, the medians are also written as DIR/NAME.json (jaxflow_bench/results.py).
 """
