@@ -137,10 +137,10 @@ def test_scaling_figures_pick_the_better_layout_by_images_per_second_over_one_gp
 
 
 def test_node_bench_refuses_a_micro_batch_that_does_not_divide_an_update(tmp_path):
-    """bench_e2e_node.sh before it starts anything: one line and exit 2 without nvidia-smi, and where MICRO x the
-    node's GPUs (a stand-in nvidia-smi listing 3) does not divide an update of the recipe (256 samples)."""
+    """jaxflow_bench.e2e's node layout before it starts anything: one line and exit 2 without nvidia-smi, and where
+    --micro x the node's GPUs (a stand-in nvidia-smi listing 3) does not divide an update of the recipe (256 samples)."""
     import os
-    script = ["bash", str(ROOT / "scripts" / "bench_e2e_node.sh"), str(tmp_path / "out")]
+    script = [sys.executable, "-m", "jaxflow_bench.e2e", str(tmp_path / "out"), "--layout", "node"]
     bare = dict(os.environ, PATH=f"{Path(sys.executable).parent}:/usr/bin:/bin")
     if subprocess.run(["bash", "-c", "command -v nvidia-smi"], env=bare, capture_output=True).returncode:
         got = subprocess.run(script, cwd=ROOT, env=bare, capture_output=True, text=True, timeout=HANG_S)
@@ -149,9 +149,10 @@ def test_node_bench_refuses_a_micro_batch_that_does_not_divide_an_update(tmp_pat
     bin_dir.mkdir()
     (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nprintf 'GPU 0\\nGPU 1\\nGPU 2\\n'\n")
     (bin_dir / "nvidia-smi").chmod(0o755)
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", MICRO="2")
-    got = subprocess.run(script, cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
-    assert got.returncode == 2 and got.stderr.strip() == "MICRO=2 x 3 GPUs does not divide an update's 256 samples"
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
+    got = subprocess.run([*script, "--micro", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
+    assert got.returncode == 2
+    assert got.stderr.strip() == "error: --micro 2 x 3 GPUs does not divide an update's 256 samples"
     assert not (tmp_path / "out").exists()
 
 
@@ -166,28 +167,28 @@ def test_mini_ocr_eval_samples_as_the_configs_eval():
 
 
 def test_split_layout_bench_refuses_other_than_two_gpus(tmp_path):
-    """bench_e2e.sh's split layout takes its two GPUs from CUDA_VISIBLE_DEVICES (the actor the first, the trainer the
+    """jaxflow_bench.e2e's split layout takes its two GPUs from CUDA_VISIBLE_DEVICES (the actor the first, the trainer the
     second): anything but two ids is refused in one line, before a Ray head starts."""
     import os
     for given in ("3", "0,1,2"):
-        env = dict(os.environ, LAYOUT="2gpu", CUDA_VISIBLE_DEVICES=given)
-        got = subprocess.run(["bash", str(ROOT / "scripts" / "bench_e2e.sh"), str(tmp_path / "out")], cwd=ROOT,
-                             env=env, capture_output=True, text=True, timeout=HANG_S)
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=given)
+        got = subprocess.run([sys.executable, "-m", "jaxflow_bench.e2e", str(tmp_path / "out"), "--layout", "2gpu"],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
         assert got.returncode == 2, got.stderr
-        assert got.stderr.strip() == (f"LAYOUT=2gpu needs two GPUs: set CUDA_VISIBLE_DEVICES to two ids such as 0,1 "
+        assert got.stderr.strip() == (f"error: --layout 2gpu needs two GPUs: set CUDA_VISIBLE_DEVICES to two ids such as 0,1 "
                                       f"(it is '{given}')")
         assert not (tmp_path / "out" / "ray_start.log").exists()
 
 
 def test_scaling_bench_puts_together_layouts_already_measured(tmp_path):
-    """bench_e2e_scaling.sh runs no layout whose result OUT_DIR already holds (layouts run side by side on a larger
+    """jaxflow_bench.e2e --scaling runs no layout whose result OUT_DIR already holds (layouts run side by side on a larger
     host) and writes e2e_2gpu.json from them: the split layout's own file is e2e_2gpu_split.json."""
     import json
     from jaxflow_bench.results import write_result
     for layout, name, rate, gpus in (("1gpu", "e2e_1gpu", 1.0, 1), ("2gpu_colocated", "e2e_2gpu_colocated", 0.95, 2),
                                      ("2gpu", "e2e_2gpu_split", 0.8, 2)):
         write_result(tmp_path / layout, name, {"img_per_gpu_s": rate, "step_s": 30.0, "gpus": gpus}, command="by hand")
-    got = subprocess.run(["bash", str(ROOT / "scripts" / "bench_e2e_scaling.sh"), str(tmp_path)], cwd=ROOT,
+    got = subprocess.run([sys.executable, "-m", "jaxflow_bench.e2e", str(tmp_path), "--scaling"], cwd=ROOT,
                          capture_output=True, text=True, timeout=HANG_S)
     assert got.returncode == 0, got.stderr
     figures = json.loads((tmp_path / "e2e_2gpu.json").read_text())["figures"]
