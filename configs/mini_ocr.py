@@ -3,7 +3,7 @@
     python -m jaxflow.train --config configs/mini_ocr.py --config.model.path=OUT/pipeline
     python -m jaxflow.train --config configs/mini_ocr.py:control --config.model.path=OUT/pipeline
 
-OUT/pipeline is built by scripts/mini_ocr.sh (which runs both). `:control` is the same run with the OCR scores
+OUT/pipeline is built by experiments/mini_ocr/run.sh (which runs both). `:control` is the same run with the OCR scores
 shuffled across the batch (`jaxflow_bridge/rewards/shuffled.py`): it must not raise OCR. Prompts: data/mini_ocr, written by
 `python -m jaxflow_bridge.mini_ocr.words --out data/mini_ocr` (4000 train words, 200 held out for eval).
 Both sides store float32 (the model is small); the diffusers engine runs in the trainer's process, the trainer's
@@ -22,10 +22,10 @@ from pathlib import Path
 from jaxflow.recipes import base, tiny
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "mini_ocr"
-# the algorithm arms compared on this proof (scripts/mini_ocr.sh ARM=...): FlowGRPO as below (""), with GRPO-Guard's
-# ratio ("guard"), with rollout correction instead of the recompute pass ("corrected"), with the zero-advantage filter
-# ("dropzero": groups of equal rewards not trained), or DiffusionNFT ("nft": CFG-free, deterministic rollouts, its OCR
-# recipe's beta 0.1 and old-policy decay, eval without CFG too)
+# the algorithm arms compared on this proof (experiments/mini_ocr/run.sh ARM=...): FlowGRPO as below (""), with
+# GRPO-Guard's ratio ("guard"), with rollout correction instead of the recompute pass ("corrected"), with the
+# zero-advantage filter ("dropzero": groups of equal rewards not trained), or DiffusionNFT ("nft": CFG-free,
+# deterministic rollouts, its OCR recipe's beta 0.1 and old-policy decay, eval without CFG too)
 ARMS = ("", "guard", "corrected", "dropzero", "nft")
 VARIANTS = tuple(f"{arm}{sep}{control}" for arm in ARMS for sep, control in (("", ""), ("_" if arm else "", "control")))
 
@@ -37,7 +37,7 @@ def get_config(variant: str = ""):
     arm, control = variant.removesuffix("control").removesuffix("_"), variant.endswith("control")
     c = tiny(base())
     c.run_dir = f"runs/mini_ocr{'_' + arm if arm else ''}{'_control' if control else ''}"
-    c.model.path = ""  # the folder scripts/mini_ocr.sh builds: --config.model.path=OUT/pipeline
+    c.model.path = ""  # the folder experiments/mini_ocr/run.sh builds: --config.model.path=OUT/pipeline
     c.lora.rank, c.lora.alpha = 32, 64.0
     c.rollout.update(device="cuda", num_gpus=1.0, layout="in_process")
     c.model.matmul_precision = "default"
@@ -57,7 +57,7 @@ def get_config(variant: str = ""):
     c.reward.update(workers=12, options={"ocr": {"num_threads": 1}, "ocr_shuffled": {"num_threads": 1}})
     c.data = dict(train=str(DATA / "train.txt"), test=str(DATA / "test.txt"))
     c.eval.update(every=10, num_prompts=64, num_steps=10, guidance=4.0)
-    c.checkpoint.update(every=10, keep=1)  # a run cut by a time limit resumes (scripts/mini_ocr.sh)
+    c.checkpoint.update(every=10, keep=1)  # a run cut by a time limit resumes (experiments/mini_ocr/run.sh)
     if arm == "guard":
         c.train.ratio_norm = "guard"
     elif arm == "corrected":

@@ -2,14 +2,15 @@
 # The recipe end to end on one GPU with a PickScore + OCR reward mix: a random full-size PickScore
 # (scripts/make_random_pickscore.py) scores in a Ray actor of its own on the same GPU (bf16, a tenth of the GPU in
 # Ray's count, the rollout actor the rest), overlapping the rollout as the OCR pool does; 3 timed steps; writes
-# OUT_DIR/reward_zoo.json with the reward time per step (bench_e2e.sh's figures).
+# OUT_DIR/reward_zoo.json with the reward time per step (jaxflow_bench.e2e's figures).
 #
 #   [PROMPTS=2] bash scripts/bench_reward_zoo.sh OUT_DIR [extra --config overrides]
 set -euo pipefail
 out=${1:?usage: bench_reward_zoo.sh OUT_DIR [overrides]}; shift
 pick=${PICKSCORE_DIR:-/tmp/pickscore_random}
 [ -f "$pick/config.json" ] || python3 scripts/make_random_pickscore.py --out "$pick"
-RESULT=${RESULT:-reward_zoo} bash scripts/bench_e2e.sh "$out" --config.rollout.num_gpus=0.9 \
+python -m jaxflow_bench.e2e "$out" --result "${RESULT:-reward_zoo}" ${PROMPTS:+--prompts "$PROMPTS"} \
+  --config.rollout.num_gpus=0.9 \
   "--config.reward.fns={'ocr': 1.0, 'pickscore': 1.0}" \
   "--config.reward.options={'ocr': {'num_threads': 2}, 'pickscore': {'path': '$pick', 'device': 'cuda', 'dtype': 'bfloat16', 'batch_size': 16, 'actor': {'num_gpus': 0.1, 'num_cpus': 1}}}" \
   "$@"

@@ -7,7 +7,7 @@
 #   --dtype bfloat16) with CFG 4, CFG 1, CFG 4 with a rank-8 LoRA, CFG 4 with the trainer in float32, and CFG 4 in
 #   think mode (a greedy decode of at most 24 tokens extends each prompt's context: --think 24); then CFG 4 without and
 #   with the rank-8 LoRA in vLLM-Omni's two-stage deployment (--deploy two_stage: the thinker, then the DiT stage).
-#   bash scripts/check_bagel_vllm_omni.sh OUT_DIR      (needs vLLM-Omni 0.20: scripts/stage_vllm_omni.sh on machines
+#   bash scripts/check_bagel_vllm_omni.sh OUT_DIR      (needs vLLM-Omni 0.20: launch/stage_vllm_omni.sh on machines
 #                                                       without a package index)
 # Writes OUT_DIR/engine.{log,json}, OUT_DIR/CASE.{log,json} per parity case and OUT_DIR/parity_bagel.json (figures:
 # max / p99 |dlogp| per case, the engine checks); prints a short table last.

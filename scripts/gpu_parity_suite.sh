@@ -3,7 +3,7 @@
 #   float32 diffusers (CFG 4; JAX at matmul precision "highest" with XLA attention, chosen by ModelOptions),
 #   bfloat16 diffusers (CFG 4, LoRA r8), bfloat16 vLLM-Omni (CFG 4 and CFG 1, LoRA r8), and vLLM-Omni CFG 4 with the
 #   JAX side's RoPE tables rounded to bf16 as vLLM-Omni rounds them (how much of the mismatch they explain).
-#   bash scripts/gpu_parity_suite.sh OUT_DIR        (needs vLLM-Omni: scripts/stage_vllm_omni.sh on machines
+#   bash scripts/gpu_parity_suite.sh OUT_DIR        (needs vLLM-Omni: launch/stage_vllm_omni.sh on machines
 #                                                    without a package index)
 # Writes OUT_DIR/parity_gpu.json and OUT_DIR/parity_vllm_omni.json (figures: max / p99 |dlogp|).
 set -uo pipefail

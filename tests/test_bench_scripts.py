@@ -1,7 +1,6 @@
 """Benchmark scripts' code paths at toy size on the CPU (their figures come from GPU runs, BENCHMARKS.md), and the
 scripts' layout: command lines over the jaxflow_bench package, none importing another."""
 import dataclasses
-import importlib.util
 import json
 import re
 import subprocess
@@ -10,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from experiments.mini_ocr.algorithms import collect
+from experiments.mini_ocr.result import breakdown
 from jaxflow_bridge.rollout.sampling import SamplingParams
 from tests import HANG_S
 
@@ -48,14 +49,6 @@ def test_the_result_files_module_imports_neither_framework():
     assert out.strip() == "[]"
 
 
-def load_script(name: str):
-    """scripts/NAME.py as a module (scripts are command lines, not a package)."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_attention_bench_writes_its_result_file(tmp_path):
     subprocess.run([sys.executable, "scripts/bench_attention.py", "--tiny", "--out", str(tmp_path)], cwd=ROOT,
                    check=True, capture_output=True, timeout=HANG_S)
@@ -84,7 +77,6 @@ def test_lora_gemm_bench_writes_its_result_file(tmp_path):
 
 
 def test_mini_ocr_breakdown_counts_prompts_by_score_and_change():
-    breakdown = load_script("mini_ocr_result").breakdown
     before, after = [0.0, 0.0, 0.5, 1.0, 0.75], [0.0, 0.25, 1.0, 0.75, 0.75]
     assert breakdown(before, after) == dict(before=dict(zero=2, partial=2, perfect=1),
                                             after=dict(zero=1, partial=3, perfect=1), rose=2, fell=1, same=2)
@@ -93,8 +85,8 @@ def test_mini_ocr_breakdown_counts_prompts_by_score_and_change():
 
 
 def fake_mini_ocr_run(pipeline: Path, before: float, after: dict[str, tuple[float, int, int]]) -> None:
-    """A scripts/mini_ocr.sh OUT as its files: eval/before.json (before_nft.json: 0.1 lower, no CFG) and, per arm
-    suffix, (OCR after, steps, seconds)."""
+    """An experiments/mini_ocr/run.sh OUT as its files: eval/before.json (before_nft.json: 0.1 lower, no CFG) and,
+    per arm suffix, (OCR after, steps, seconds)."""
     (pipeline / "eval").mkdir(parents=True)
     for name, ocr in (("before", before), ("before_nft", before - 0.1)):
         (pipeline / "eval" / f"{name}.json").write_text(json.dumps(dict(mean=ocr, se=0.03, n=200)))
@@ -108,7 +100,6 @@ def fake_mini_ocr_run(pipeline: Path, before: float, after: dict[str, tuple[floa
 
 
 def test_mini_ocr_algorithms_collects_each_arm_over_its_pipelines(tmp_path):
-    collect = load_script("mini_ocr_algorithms").collect
     fake_mini_ocr_run(tmp_path / "p0", 0.5, {"": (0.7, 100, 540), "_nft": (0.9, 60, 600), "_guard": (0.6, 90, 530)})
     fake_mini_ocr_run(tmp_path / "p1", 0.4, {"": (0.5, 110, 480), "_nft": (0.8, 70, 480), "_dropzero": (0.55, 120, 480)})
     figures = collect([tmp_path / "p0", tmp_path / "p1"])
@@ -127,7 +118,7 @@ def test_mini_ocr_algorithms_collects_each_arm_over_its_pipelines(tmp_path):
     assert without["nft/pipelines"] == 1 and without["nft/rise"] == pytest.approx(0.5) and "nft/p0/rise" not in without
     with pytest.raises(ValueError, match="PIPELINE/ARM"):
         collect([tmp_path / "p0"], exclude=("p9/nft",))
-    with pytest.raises(ValueError, match="run scripts/mini_ocr.sh first"):
+    with pytest.raises(ValueError, match="run experiments/mini_ocr/run.sh first"):
         collect([tmp_path / "nothing"])
 
 
@@ -146,10 +137,10 @@ def test_scaling_figures_pick_the_better_layout_by_images_per_second_over_one_gp
 
 
 def test_node_bench_refuses_a_micro_batch_that_does_not_divide_an_update(tmp_path):
-    """bench_e2e_node.sh before it starts anything: one line and exit 2 without nvidia-smi, and where MICRO x the
-    node's GPUs (a stand-in nvidia-smi listing 3) does not divide an update of the recipe (256 samples)."""
+    """jaxflow_bench.e2e's node layout before it starts anything: one line and exit 2 without nvidia-smi, and where
+    --micro x the node's GPUs (a stand-in nvidia-smi listing 3) does not divide an update of the recipe (256 samples)."""
     import os
-    script = ["bash", str(ROOT / "scripts" / "bench_e2e_node.sh"), str(tmp_path / "out")]
+    script = [sys.executable, "-m", "jaxflow_bench.e2e", str(tmp_path / "out"), "--layout", "node"]
     bare = dict(os.environ, PATH=f"{Path(sys.executable).parent}:/usr/bin:/bin")
     if subprocess.run(["bash", "-c", "command -v nvidia-smi"], env=bare, capture_output=True).returncode:
         got = subprocess.run(script, cwd=ROOT, env=bare, capture_output=True, text=True, timeout=HANG_S)
@@ -158,16 +149,17 @@ def test_node_bench_refuses_a_micro_batch_that_does_not_divide_an_update(tmp_pat
     bin_dir.mkdir()
     (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nprintf 'GPU 0\\nGPU 1\\nGPU 2\\n'\n")
     (bin_dir / "nvidia-smi").chmod(0o755)
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", MICRO="2")
-    got = subprocess.run(script, cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
-    assert got.returncode == 2 and got.stderr.strip() == "MICRO=2 x 3 GPUs does not divide an update's 256 samples"
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
+    got = subprocess.run([*script, "--micro", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
+    assert got.returncode == 2
+    assert got.stderr.strip() == "error: --micro 2 x 3 GPUs does not divide an update's 256 samples"
     assert not (tmp_path / "out").exists()
 
 
 def test_mini_ocr_eval_samples_as_the_configs_eval():
-    """scripts/mini_ocr_eval.py samples as configs/mini_ocr.py's eval (the settings it wrote by hand before, but for
-    sde_window_range, which an ODE run over every step ignores), --steps and --guidance replacing the eval's."""
-    eval_sampling = load_script("mini_ocr_eval").eval_sampling
+    """experiments.mini_ocr.evaluate samples as configs/mini_ocr.py's eval (the settings it wrote by hand before, but
+    for sde_window_range, which an ODE run over every step ignores), --steps and --guidance replacing the eval's."""
+    from experiments.mini_ocr.evaluate import eval_sampling  # the rollout engine's imports: only this test's
     by_hand = SamplingParams(height=64, width=128, num_inference_steps=10, true_cfg_scale=4.0, max_sequence_length=32,
                              sde_type="ode", noise_level=0.0, sde_window_size=None)
     assert eval_sampling() == dataclasses.replace(by_hand, sde_window_range=(0, 9))
@@ -175,28 +167,28 @@ def test_mini_ocr_eval_samples_as_the_configs_eval():
 
 
 def test_split_layout_bench_refuses_other_than_two_gpus(tmp_path):
-    """bench_e2e.sh's split layout takes its two GPUs from CUDA_VISIBLE_DEVICES (the actor the first, the trainer the
+    """jaxflow_bench.e2e's split layout takes its two GPUs from CUDA_VISIBLE_DEVICES (the actor the first, the trainer the
     second): anything but two ids is refused in one line, before a Ray head starts."""
     import os
     for given in ("3", "0,1,2"):
-        env = dict(os.environ, LAYOUT="2gpu", CUDA_VISIBLE_DEVICES=given)
-        got = subprocess.run(["bash", str(ROOT / "scripts" / "bench_e2e.sh"), str(tmp_path / "out")], cwd=ROOT,
-                             env=env, capture_output=True, text=True, timeout=HANG_S)
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=given)
+        got = subprocess.run([sys.executable, "-m", "jaxflow_bench.e2e", str(tmp_path / "out"), "--layout", "2gpu"],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
         assert got.returncode == 2, got.stderr
-        assert got.stderr.strip() == (f"LAYOUT=2gpu needs two GPUs: set CUDA_VISIBLE_DEVICES to two ids such as 0,1 "
+        assert got.stderr.strip() == (f"error: --layout 2gpu needs two GPUs: set CUDA_VISIBLE_DEVICES to two ids such as 0,1 "
                                       f"(it is '{given}')")
         assert not (tmp_path / "out" / "ray_start.log").exists()
 
 
 def test_scaling_bench_puts_together_layouts_already_measured(tmp_path):
-    """bench_e2e_scaling.sh runs no layout whose result OUT_DIR already holds (layouts run side by side on a larger
+    """jaxflow_bench.e2e --scaling runs no layout whose result OUT_DIR already holds (layouts run side by side on a larger
     host) and writes e2e_2gpu.json from them: the split layout's own file is e2e_2gpu_split.json."""
     import json
     from jaxflow_bench.results import write_result
     for layout, name, rate, gpus in (("1gpu", "e2e_1gpu", 1.0, 1), ("2gpu_colocated", "e2e_2gpu_colocated", 0.95, 2),
                                      ("2gpu", "e2e_2gpu_split", 0.8, 2)):
         write_result(tmp_path / layout, name, {"img_per_gpu_s": rate, "step_s": 30.0, "gpus": gpus}, command="by hand")
-    got = subprocess.run(["bash", str(ROOT / "scripts" / "bench_e2e_scaling.sh"), str(tmp_path)], cwd=ROOT,
+    got = subprocess.run([sys.executable, "-m", "jaxflow_bench.e2e", str(tmp_path), "--scaling"], cwd=ROOT,
                          capture_output=True, text=True, timeout=HANG_S)
     assert got.returncode == 0, got.stderr
     figures = json.loads((tmp_path / "e2e_2gpu.json").read_text())["figures"]

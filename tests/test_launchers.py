@@ -1,6 +1,6 @@
-"""The launchers for real on this machine. scripts/slurm_train.sh: a stand-in SLURM (`srun` runs each task here,
+"""The launchers for real on this machine. launch/slurm_train.sh: a stand-in SLURM (`srun` runs each task here,
 `scontrol` names two nodes) starts a two-node Ray cluster on localhost (two raylets of one CPU each) and two JAX
-processes (jax.distributed on CPU devices). scripts/ray_train.sh: the trainer against a two-node cluster started
+processes (jax.distributed on CPU devices). launch/ray_train.sh: the trainer against a two-node cluster started
 with `ray start`. In both the two rollout actors (one CPU each) can only run one on each node, and the run
 finishes."""
 import json
@@ -59,7 +59,7 @@ def test_slurm_launcher_runs_a_two_node_cluster_and_two_trainer_processes(tmp_pa
                JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo", RAY_AUTH_MODE="token")
     run_dir, log = tmp_path / "run", open(tmp_path / "launcher.log", "w")
     proc = subprocess.Popen(
-        ["bash", str(ROOT / "scripts" / "slurm_train.sh"), str(ROOT / "configs" / "tiny_ocr.py"),
+        ["bash", str(ROOT / "launch" / "slurm_train.sh"), str(ROOT / "configs" / "tiny_ocr.py"),
          f"--config.run_dir={run_dir}", "--config.train.num_steps=2", "--config.eval.every=1000",
          "--config.log.progress=False", "--config.log.tensorboard=False", "--config.rollout.num_servers=2",
          "--config.rollout.num_cpus=1", "--config.reward.fns={'jpeg_incompressibility': 1.0}"],
@@ -89,7 +89,7 @@ def test_ray_launcher_runs_against_a_two_node_cluster(tmp_path):
             subprocess.run(ray + args, env=env, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=HANG_S,
                            start_new_session=True)
         proc = subprocess.run(
-            ["bash", str(ROOT / "scripts" / "ray_train.sh"), str(ROOT / "configs" / "tiny_ocr.py"),
+            ["bash", str(ROOT / "launch" / "ray_train.sh"), str(ROOT / "configs" / "tiny_ocr.py"),
              f"--config.run_dir={run_dir}", "--config.train.num_steps=1", "--config.eval.every=0",
              "--config.log.progress=False", "--config.log.tensorboard=False", "--config.rollout.num_servers=2",
              "--config.rollout.num_cpus=1", "--config.reward.fns={'jpeg_incompressibility': 1.0}"],

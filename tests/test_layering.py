@@ -1,6 +1,7 @@
 """The layout's dependency rules, read from the imports: the contract imports neither framework nor either side,
-nothing in jaxflow_bridge/ imports JAX or the trainer, neither side imports the benchmarks (jaxflow_bench/), and no
-module under tests/ imports a test module (shared helpers live in tests/helpers*.py, tests/bagel_helpers.py, ...)."""
+nothing in jaxflow_bridge/ imports JAX or the trainer, neither side imports the benchmarks (jaxflow_bench/) or the
+experiments (experiments/), and no module under tests/ imports a test module (shared helpers live in tests/helpers*.py,
+tests/bagel_helpers.py, ...)."""
 import ast
 from pathlib import Path
 
@@ -31,8 +32,8 @@ def test_bridge_imports_no_jax_and_no_trainer(path):
 
 @pytest.mark.parametrize("path", sorted(p for d in ("jaxflow", "jaxflow_bridge") for p in (ROOT / d).rglob("*.py")),
                          ids=lambda p: str(p.relative_to(ROOT)))
-def test_neither_side_imports_the_benchmarks(path):
-    bad = {m for m in imported_modules(path) if m.split(".")[0] == "jaxflow_bench"}
+def test_neither_side_imports_the_benchmarks_or_the_experiments(path):
+    bad = {m for m in imported_modules(path) if m.split(".")[0] in {"jaxflow_bench", "experiments"}}
     assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 
 

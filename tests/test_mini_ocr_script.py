@@ -1,6 +1,6 @@
-"""`SMOKE=1 bash scripts/mini_ocr.sh OUT`: every step of the mini OCR proof at toy size on the CPU (about 2 minutes on
-2 cores), from the rendered data to OUT/mini_ocr.json with the figures the proof reports; then
-`scripts/mini_ocr_arms.sh` training two algorithm arms on that pipeline at once (two "GPUs" of CPU)."""
+"""`SMOKE=1 bash experiments/mini_ocr/run.sh OUT`: every step of the mini OCR proof at toy size on the CPU (about
+2 minutes on 2 cores), from the rendered data to OUT/mini_ocr.json with the figures the proof reports; then
+`experiments/mini_ocr/arms.sh` training two algorithm arms on that pipeline at once (two "GPUs" of CPU)."""
 import json
 import os
 import subprocess
@@ -20,15 +20,15 @@ ENV = {**os.environ, "SMOKE": "1", "JAX_PLATFORMS": "cpu", "VAE_STEPS": "10", "P
 
 
 def script(name: str, out: Path, **env) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(ROOT / "scripts" / name), str(out)], cwd=ROOT, env={**ENV, **env},
-                          capture_output=True, text=True, timeout=HANG_S)
+    return subprocess.run(["bash", str(ROOT / "experiments" / "mini_ocr" / name), str(out)], cwd=ROOT,
+                          env={**ENV, **env}, capture_output=True, text=True, timeout=HANG_S)
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """The whole proof at toy size in OUT/p0: the layout scripts/mini_ocr_arms.sh reuses."""
+    """The whole proof at toy size in OUT/p0: the layout experiments/mini_ocr/arms.sh reuses."""
     out = tmp_path_factory.mktemp("mini_ocr")
-    return out, script("mini_ocr.sh", out / "p0")
+    return out, script("run.sh", out / "p0")
 
 
 @pytest.mark.slow
@@ -53,7 +53,7 @@ def test_the_script_runs_every_step_and_writes_the_result(built):
 def test_the_arms_launcher_trains_each_arm_on_the_built_pipeline_and_collects_them(built):
     out, first = built
     assert first.returncode == 0, first.stderr[-3000:]
-    done = script("mini_ocr_arms.sh", out, GPUS="2", PIPELINES="1", ARMS="guard nft", RL_STEPS="1")
+    done = script("arms.sh", out, GPUS="2", PIPELINES="1", ARMS="guard nft", RL_STEPS="1")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     status = (out / "status").read_text().splitlines()
     assert sorted(line.split()[:3] for line in status) == [["run", "p0", "guard"], ["run", "p0", "nft"]]  # reused
@@ -62,5 +62,5 @@ def test_the_arms_launcher_trains_each_arm_on_the_built_pipeline_and_collects_th
     assert figures["guard/pipelines"] == figures["nft/pipelines"] == 1 and figures["nft/steps"] == 1
     assert figures["flowgrpo/pipelines"] == 1  # the proof's own FlowGRPO run is collected too
     assert (out / "p0" / "eval" / "before_nft.json").exists() and (out / "p0" / "rl_guard" / "lora_final").is_dir()
-    bad = script("mini_ocr_arms.sh", out, ARMS="ppo")
+    bad = script("arms.sh", out, ARMS="ppo")
     assert bad.returncode == 2 and "unknown arm ppo" in bad.stderr

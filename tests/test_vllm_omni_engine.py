@@ -255,7 +255,7 @@ def test_selecting_vllm_omni_without_it_says_how_to_install():
     engine = engine_class({"engine": "vllm_omni"})
     with pytest.raises(ImportError) as err:
         engine({"engine": "vllm_omni", "model": "/nonexistent"})
-    assert "pip install jaxflow[omni]" in str(err.value) and "scripts/stage_vllm_omni.sh" in str(err.value)
+    assert "pip install jaxflow[omni]" in str(err.value) and "launch/stage_vllm_omni.sh" in str(err.value)
     assert "pip install jaxflow[omni]" in INSTALL_HINT
     with pytest.raises(ImportError):
         vop.FlowGRPOQwenImagePipeline  # noqa: B018 - vLLM-Omni's loader resolves it like this

@@ -1,4 +1,4 @@
-"""The torch-side steps of the mini OCR proof, each one command (`scripts/mini_ocr.sh` runs them in order):
+"""The torch-side steps of the mini OCR proof, each one command (`experiments/mini_ocr/run.sh` runs them in order):
 
     python -m jaxflow_bridge.mini_ocr.prepare data   --out OUT [--train 4000 --test 200 --variants 4]
     python -m jaxflow_bridge.mini_ocr.prepare vae    --out OUT [--steps 6000 --batch 16 --crop 32x64 --device cuda]

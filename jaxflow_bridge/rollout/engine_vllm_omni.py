@@ -75,7 +75,7 @@ from jaxflow_bridge.rollout.vllm_omni_pipeline import WORKER_EXTENSION_CLASS, un
 log = logging.getLogger(__name__)
 INSTALL_HINT = ("the 'vllm_omni' rollout engine needs vLLM-Omni 0.20 on a CUDA machine: `pip install jaxflow[omni]`, "
                 "or, where the machine has no package index, stage the wheels here with "
-                "scripts/stage_vllm_omni.sh and install them there with scripts/install_staged.sh")
+                "launch/stage_vllm_omni.sh and install them there with launch/install_staged.sh")
 LORA_ROOT = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Run the trainer against an existing Ray cluster (rollout servers go wherever Ray has GPUs).
 #
-#   RAY_ADDRESS=10.0.0.1:6379 scripts/ray_train.sh configs/qwen_ocr.py --config.model.path=/models/Qwen-Image
-#   ray job submit --address http://10.0.0.1:8265 --working-dir . -- bash scripts/ray_train.sh configs/qwen_ocr.py ...
+#   RAY_ADDRESS=10.0.0.1:6379 launch/ray_train.sh configs/qwen_ocr.py --config.model.path=/models/Qwen-Image
+#   ray job submit --address http://10.0.0.1:8265 --working-dir . -- bash launch/ray_train.sh configs/qwen_ocr.py ...
 set -euo pipefail
 config=${1:?usage: ray_train.sh CONFIG [--config.x=y ...]}; shift
 # JAX allocates as it goes (rollout engines on other GPUs); colocated engines on the trainer's GPUs want a fixed

@@ -2,7 +2,7 @@
 # SLURM launcher: a Ray cluster over the allocation (head on the first node, workers on the rest) for the rollout
 # servers, and the JAX trainer as one process per node (jax.distributed) on every node's GPUs.
 #
-#   sbatch --nodes=2 --gpus-per-node=8 scripts/slurm_train.sh configs/qwen_ocr.py --config.model.path=/models/Qwen-Image
+#   sbatch --nodes=2 --gpus-per-node=8 launch/slurm_train.sh configs/qwen_ocr.py --config.model.path=/models/Qwen-Image
 #
 # Rollout servers are placed by Ray (config.rollout.num_servers, num_gpus each). The trainer runs as
 # $SLURM_NNODES JAX processes (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, read by

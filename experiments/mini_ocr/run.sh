@@ -4,9 +4,9 @@
 # shuffled-reward control -> OUT/mini_ocr.json. Every step is sized (or time-capped) to finish within 10 minutes
 # on one H200; OUT/timings.txt records each. Weights and data stay under OUT.
 #
-#   bash scripts/mini_ocr.sh OUT                   # the GPU run
-#   SMOKE=1 bash scripts/mini_ocr.sh /tmp/mini     # every step at toy size on the CPU (a few minutes)
-#   ONLY="data vae encode" bash scripts/mini_ocr.sh OUT   # only these steps (commands capped at 10 minutes);
+#   bash experiments/mini_ocr/run.sh OUT                   # the GPU run
+#   SMOKE=1 bash experiments/mini_ocr/run.sh /tmp/mini     # every step at toy size on the CPU (a few minutes)
+#   ONLY="data vae encode" bash experiments/mini_ocr/run.sh OUT   # only these steps (commands capped at 10 minutes);
 #   steps: data vae encode pretrain eval_before eval_before_train rl rl_control eval_after eval_after_train
 #   eval_control result
 # SIDE_BY_SIDE=0 (default) runs the evals, the RL run and its control one at a time, each alone on the GPU (about
@@ -33,11 +33,12 @@
 # 0.5 alone; lower it when more runs share the GPU). ARM (configs/mini_ocr.py's ARMS: "" FlowGRPO, guard, corrected,
 # dropzero, nft) picks the algorithm of the RL run and its control (and, for nft, evals without CFG); an arm's runs,
 # evals, timings and result are named for it (OUT/rl_nft, OUT/eval/after_nft.json, mini_ocr_nft.json), so every arm can train on one
-# pipeline, at once on several GPUs: ONLY="rl eval_after" ARM=guard CUDA_VISIBLE_DEVICES=1 bash scripts/mini_ocr.sh OUT
+# pipeline, at once on several GPUs:
+#   ONLY="rl eval_after" ARM=guard CUDA_VISIBLE_DEVICES=1 bash experiments/mini_ocr/run.sh OUT
 # (nft also needs its eval_before: without CFG, eval/before_nft.json).
 set -euo pipefail
-OUT=${1:?usage: [SMOKE=1] bash scripts/mini_ocr.sh OUT}
-cd "$(dirname "$0")/.."
+OUT=${1:?usage: [SMOKE=1] bash experiments/mini_ocr/run.sh OUT}
+cd "$(dirname "$0")/../.."
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export HF_HUB_OFFLINE=1
@@ -118,8 +119,8 @@ step pretrain python -m jaxflow.mini_ocr.pretrain --pipeline "$OUT/pipeline" --d
 ev() {  # ev NAME PROMPTS [--lora DIR]: OCR of the pipeline (+ LoRA) on PROMPTS -> OUT/eval/NAME.{json,png}
   local name=$1 prompts=$2
   shift 2
-  python scripts/mini_ocr_eval.py --pipeline "$OUT/pipeline" --prompts "$prompts" --json "$OUT/eval/$name.json" \
-    --grid "$OUT/eval/$name.png" "$@" "${EVAL[@]}"
+  python -m experiments.mini_ocr.evaluate --pipeline "$OUT/pipeline" --prompts "$prompts" \
+    --json "$OUT/eval/$name.json" --grid "$OUT/eval/$name.png" "$@" "${EVAL[@]}"
 }
 # the train words too: RL trains on them, so they must also score well below 1 (else lower PRETRAIN_STEPS)
 together step eval_before ev "$BEFORE" "$OUT/data/test.txt"
@@ -132,5 +133,5 @@ together step eval_after ev "after$A" "$OUT/data/test.txt" --lora "$OUT/rl$A/lor
 together step eval_after_train ev "after${A}_train" "$OUT/data/train.txt" --lora "$OUT/rl$A/lora_final"
 together step eval_control ev "control$A" "$OUT/data/test.txt" --lora "$OUT/rl${A}_control/lora_final"
 join
-step result python scripts/mini_ocr_result.py --out "$OUT" ${ARM:+--arm "$ARM"} \
+step result python -m experiments.mini_ocr.result --out "$OUT" ${ARM:+--arm "$ARM"} \
   --rl-seconds "$(awk -v n="rl$A" '$1 == n {s = $2} END {print s}' "$OUT/timings.txt")"

@@ -2,14 +2,14 @@
 # Stage vLLM-Omni 0.20.0 (+ vllm 0.20.0) and the trainer's missing dependencies (ray, ml-collections, ...) for a
 # GPU machine that cannot reach any package index.
 #
-#   bash scripts/stage_vllm_omni.sh            # rerunnable: downloads what is missing, re-splits, prints the plan
-#   SET=mini bash scripts/stage_vllm_omni.sh   # only what scripts/mini_ocr.sh needs (no vllm, no ray): 2 calls
+#   bash launch/stage_vllm_omni.sh            # rerunnable: downloads what is missing, re-splits, prints the plan
+#   SET=mini bash launch/stage_vllm_omni.sh   # only what experiments/mini_ocr/run.sh needs (no vllm, no ray): 2 calls
 #
 # Downloads Python 3.12 manylinux x86_64 wheels (--no-deps; the set that ran on an H200 with torch
 # 2.11.0+cu130, see docs/vllm_omni.md) into the ignored folder .stage/wheels, splits the
 # big vllm wheel into parts below 62 MB (one device call carries at most 64 MiB, the working tree included),
 # groups everything into .stage/call-N folders (one per device call) and prints the calls to make.
-# The last call runs scripts/install_staged.sh, which reassembles, checks sha256 and pip-installs into
+# The last call runs launch/install_staged.sh, which reassembles, checks sha256 and pip-installs into
 # /tmp/site. Calls must follow each other while the machine is warm (/tmp survives only that long).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -97,7 +97,7 @@ print_plan() {
     echo "  run(carry=[\"$STAGE/call-$i\"], command=\"mkdir -p /tmp/stage && cp $STAGE/call-$i/* /tmp/stage/\")"
   done
   echo "  run(carry=[\"$STAGE/call-$calls\"], command=\"mkdir -p /tmp/stage && cp $STAGE/call-$calls/* /tmp/stage/" \
-       "&& bash scripts/install_staged.sh /tmp/stage /tmp/site\")"
+       "&& bash launch/install_staged.sh /tmp/stage /tmp/site\")"
   echo
   echo "== then, in every later call of that warm machine =="
   local probe=vllm_omni

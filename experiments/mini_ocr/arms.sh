@@ -2,19 +2,21 @@
 # The algorithm arms of the mini OCR proof over several pipelines on one host's GPUs (BENCHMARKS.md, "Mini OCR: the
 # algorithm arms"): first PIPELINES pipelines are built from nothing (OUT/p0, OUT/p1, ..., one a GPU at a time), then
 # every (pipeline, arm) run takes the next free GPU, alone on it, then OUT/mini_ocr_algorithms.json
-# (scripts/mini_ocr_algorithms.py). Each run is `scripts/mini_ocr.sh` with its ARM, so the arms share a pipeline.
+# (experiments.mini_ocr.algorithms). Each run is `experiments/mini_ocr/run.sh` with its ARM, so the arms share a
+# pipeline.
 #
-#   [GPUS=4] [PIPELINES=2] [ARMS="nft flowgrpo"] [MINUTES=8.75] bash scripts/mini_ocr_arms.sh OUT
-#   SMOKE=1 GPUS=2 PIPELINES=1 ARMS="flowgrpo nft" bash scripts/mini_ocr_arms.sh /tmp/arms   # toy size, CPU
+#   [GPUS=4] [PIPELINES=2] [ARMS="nft flowgrpo"] [MINUTES=8.75] bash experiments/mini_ocr/arms.sh OUT
+#   SMOKE=1 GPUS=2 PIPELINES=1 ARMS="flowgrpo nft" bash experiments/mini_ocr/arms.sh /tmp/arms   # toy size, CPU
 #
 # GPUS: default every GPU nvidia-smi lists (1 without one); PIPELINES: default GPUS; ARMS: of flowgrpo, nft, guard,
-# corrected, dropzero (default all five); MINUTES: each RL run's train.max_minutes; other scripts/mini_ocr.sh knobs (SMOKE,
-# RL_ARGS, PRETRAIN_STEPS, EVAL_NUM, POOL, ...) pass through. Logs: OUT/build_pN.log, OUT/pN_ARM.log; OUT/status gets a
-# line per finished command. A pipeline already built (OUT/pN/eval/before.json) is reused, not built again. Exit 1 if
-# any command failed (the others still run and are collected).
+# corrected, dropzero (default all five); MINUTES: each RL run's train.max_minutes; other
+# experiments/mini_ocr/run.sh knobs (SMOKE, RL_ARGS, PRETRAIN_STEPS, EVAL_NUM, POOL, ...) pass through. Logs:
+# OUT/build_pN.log, OUT/pN_ARM.log; OUT/status gets a line per finished command. A pipeline already built
+# (OUT/pN/eval/before.json) is reused, not built again. Exit 1 if any command failed (the others still run and are
+# collected).
 set -euo pipefail
-OUT=${1:?usage: [GPUS=N] [PIPELINES=N] [ARMS="..."] [MINUTES=M] bash scripts/mini_ocr_arms.sh OUT}
-cd "$(dirname "$0")/.."
+OUT=${1:?usage: [GPUS=N] [PIPELINES=N] [ARMS="..."] [MINUTES=M] bash experiments/mini_ocr/arms.sh OUT}
+cd "$(dirname "$0")/../.."
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 GPUS=${GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l || true)}
@@ -27,17 +29,17 @@ for arm in $ARMS; do
     *) echo "error: ARMS: unknown arm $arm; choose from flowgrpo nft guard corrected dropzero" >&2; exit 2 ;; esac
 done
 
-launch() {  # launch GPU build|run PIPELINE [ARM]: one scripts/mini_ocr.sh command alone on GPU
+launch() {  # launch GPU build|run PIPELINE [ARM]: one experiments/mini_ocr/run.sh command alone on GPU
   local gpu=$1 what=$2 p=$3 arm=${4:-} rc=0 suffix only
   if [[ $what == build ]]; then
-    CUDA_VISIBLE_DEVICES=$gpu ONLY="data vae encode pretrain eval_before" bash scripts/mini_ocr.sh "$OUT/$p" \
+    CUDA_VISIBLE_DEVICES=$gpu ONLY="data vae encode pretrain eval_before" bash experiments/mini_ocr/run.sh "$OUT/$p" \
       > "$OUT/build_$p.log" 2>&1 || rc=$?
   else
     suffix=$arm only="rl eval_after"
     [[ $arm == flowgrpo ]] && suffix=""
     [[ $arm == nft ]] && only="eval_before rl eval_after"  # NFT's "before" is without CFG
     CUDA_VISIBLE_DEVICES=$gpu ONLY="$only" ARM="$suffix" \
-      RL_ARGS="--config.train.max_minutes=$MINUTES ${RL_ARGS:-}" bash scripts/mini_ocr.sh "$OUT/$p" \
+      RL_ARGS="--config.train.max_minutes=$MINUTES ${RL_ARGS:-}" bash experiments/mini_ocr/run.sh "$OUT/$p" \
       > "$OUT/${p}_$arm.log" 2>&1 || rc=$?
   fi
   echo "$what $p $arm gpu=$gpu rc=$rc $(date +%T)" >> "$OUT/status"
@@ -69,5 +71,5 @@ for p in "${pipelines[@]}"; do for arm in $ARMS; do runs+=("run $p $arm"); done;
 : > "$OUT/status"
 [[ ${#builds[@]} == 0 ]] || queue "${builds[@]}"
 queue "${runs[@]}"
-python3 scripts/mini_ocr_algorithms.py --out "$OUT" --pipelines "${pipelines[@]/#/$OUT/}"
+python -m experiments.mini_ocr.algorithms --out "$OUT" --pipelines "${pipelines[@]/#/$OUT/}"
 ! grep -qv "rc=0 " "$OUT/status"

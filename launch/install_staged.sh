@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # On the device machine: reassemble the staged wheels, check them, install them into a target folder.
 #
-#   bash scripts/install_staged.sh /tmp/stage /tmp/site && export PYTHONPATH=/tmp/site:$PWD
+#   bash launch/install_staged.sh /tmp/stage /tmp/site && export PYTHONPATH=/tmp/site:$PWD
 #
-# /tmp/stage holds what the calls printed by scripts/stage_vllm_omni.sh copied there: wheels, `*.whl.part-NN`
+# /tmp/stage holds what the calls printed by launch/stage_vllm_omni.sh copied there: wheels, `*.whl.part-NN`
 # pieces and SHA256SUMS (of the whole wheels). Nothing is fetched: pip runs with --no-index --no-deps.
 set -euo pipefail
 STAGE=${1:?usage: install_staged.sh STAGE_DIR TARGET_DIR}

@@ -1,8 +1,8 @@
 """Collect the algorithm arms' mini OCR runs over one or more pipelines into OUT/mini_ocr_algorithms.json.
 
-    python scripts/mini_ocr_algorithms.py --out OUT --pipelines P0 [P1 ...] [--exclude P0/nft ...]
+    python -m experiments.mini_ocr.algorithms --out OUT --pipelines P0 [P1 ...] [--exclude P0/nft ...]
 
-Each pipeline folder is one scripts/mini_ocr.sh OUT (its eval/before.json, and per arm ARM that ran on it:
+Each pipeline folder is one experiments/mini_ocr/run.sh OUT (its eval/before.json, and per arm ARM that ran on it:
 eval/after_ARM.json, rl_ARM/checkpoints (or, in a copy without checkpoints, the last step of rl_ARM/metrics.jsonl),
 the "rl_ARM N s" line of timings.txt; FlowGRPO has no suffix; NFT, whose
 evals run without CFG, is measured from eval/before_nft.json). Figures per arm: `ARM/before` and `ARM/after` (held-out
@@ -73,13 +73,14 @@ def collect(pipelines: list[Path], exclude: tuple[str, ...] = ()) -> dict:
             figures[f"{arm}/rise_vs_flowgrpo"] = sum(
                 by_pipeline[name]["rise"] - runs["flowgrpo"][name]["rise"] for name in shared) / len(shared)
     if not figures:
-        raise ValueError(f"no arm's eval/after*.json in {[str(p) for p in pipelines]}: run scripts/mini_ocr.sh first")
+        raise ValueError(f"no arm's eval/after*.json in {[str(p) for p in pipelines]}: "
+                         "run experiments/mini_ocr/run.sh first")
     return figures
 
 
 def main(argv=None) -> None:
     p = bench_parser(__doc__)
-    p.add_argument("--pipelines", type=Path, nargs="+", required=True, help="scripts/mini_ocr.sh OUT folders")
+    p.add_argument("--pipelines", type=Path, nargs="+", required=True, help="experiments/mini_ocr/run.sh OUT folders")
     p.add_argument("--exclude", nargs="*", default=(), help="PIPELINE/ARM runs to leave out (known invalid)")
     a = p.parse_args(argv)
     figures = collect(a.pipelines, tuple(a.exclude))

@@ -1,7 +1,8 @@
 """OCR reward of a pipeline folder (optionally with a PEFT LoRA) on held-out prompts, with its standard error.
 
-    python scripts/mini_ocr_eval.py --pipeline OUT/pipeline [--lora RUN/lora_final] --prompts data/mini_ocr/test.txt
-        --json OUT/eval/before.json --grid OUT/eval/before.png [--num 200 --steps 10 --guidance 4.0]
+    python -m experiments.mini_ocr.evaluate --pipeline OUT/pipeline [--lora RUN/lora_final]
+        --prompts data/mini_ocr/test.txt --json OUT/eval/before.json --grid OUT/eval/before.png
+        [--num 200 --steps 10 --guidance 4.0]
 
 Sampling is the trainer's eval of configs/mini_ocr.py (`jaxflow.config.sampling(eval_mode=True)`; --steps and
 --guidance replace its eval.num_steps and eval.guidance): deterministic ODE, one image per prompt from seed = its
@@ -24,7 +25,7 @@ from jaxflow_bridge.rewards.ocr import OcrReward
 from jaxflow_bridge.rollout.pipeline import RolloutPipeline
 from jaxflow_bridge.rollout.sampling import SamplingParams
 
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "mini_ocr.py"
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "mini_ocr.py"
 
 
 def eval_sampling(steps: int | None = None, guidance: float | None = None) -> SamplingParams:

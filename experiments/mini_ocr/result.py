@@ -1,10 +1,10 @@
 """Collect the mini OCR proof into OUT/mini_ocr.json (`jaxflow_bench.results.write_result`) and OUT/reward_curve.png.
 
-    python scripts/mini_ocr_result.py --out OUT --rl-seconds S [--arm ARM]
+    python -m experiments.mini_ocr.result --out OUT --rl-seconds S [--arm ARM]
 
-Reads OUT/eval/{before,after,control,before_train,after_train}.json (scripts/mini_ocr_eval.py),
+Reads OUT/eval/{before,after,control,before_train,after_train}.json (experiments.mini_ocr.evaluate),
 OUT/rl/metrics.jsonl and OUT/rl_control/metrics.jsonl (the two RL runs), OUT/data/ocr_clean.json and
-OUT/vae_report.json. With --arm ARM (scripts/mini_ocr.sh's ARM), the arm's names: eval/after_ARM.json,
+OUT/vae_report.json. With --arm ARM (experiments/mini_ocr/run.sh's ARM), the arm's names: eval/after_ARM.json,
 eval/control_ARM.json, eval/after_ARM_train.json, rl_ARM/, rl_ARM_control/, and the result mini_ocr_ARM.json
 (and for nft, whose evals run without CFG, eval/before_nft.json and eval/before_nft_train.json).
 Figures: ocr_before/_se, ocr_after/_se, ocr_control_after/_se, ocr_rise (after - before) and its standard error,
@@ -81,10 +81,10 @@ def plot(curves: dict[str, list[float]], path: Path, size=(480, 240), pad=30) ->
 def main(argv=None) -> None:
     p = bench_parser(__doc__)
     p.add_argument("--rl-seconds", type=float, required=True)
-    p.add_argument("--arm", default="", help="the algorithm arm of scripts/mini_ocr.sh's ARM (names its files)")
+    p.add_argument("--arm", default="", help="the algorithm arm of experiments/mini_ocr/run.sh's ARM (names its files)")
     a = p.parse_args(argv)
     arm = f"_{a.arm}" if a.arm else ""
-    before = "before_nft" if a.arm == "nft" else "before"  # NFT evaluates without CFG (scripts/mini_ocr.sh)
+    before = "before_nft" if a.arm == "nft" else "before"  # NFT evaluates without CFG (experiments/mini_ocr/run.sh)
     names = dict(before=before, before_train=f"{before}_train", after=f"after{arm}", control=f"control{arm}",
                  after_train=f"after{arm}_train")
     ev = {k: json.loads((a.out / "eval" / f"{name}.json").read_text()) for k, name in names.items()}

@@ -1,0 +1,345 @@
+"""End-to-end `python -m jaxflow.train` benchmarks with random full-size weights, each layout an argument.
+
+    python -m jaxflow_bench.e2e OUT [--layout inproc|1gpu|2gpu|2gpu_colocated|node] [--recipe qwen|bagel]
+        [--engine vllm_omni|diffusers] [--sleep true|false] [--prompts 2] [--micro N] [--per-call N] [--steps N]
+        [--reward NAME] [--result NAME] [--model-dir DIR] [--profile-step K] [--one-gpu FILE] [--config.x=y ...]
+    python -m jaxflow_bench.e2e OUT --scaling [--layouts 2gpu_colocated 2gpu] [--config.x=y ...]
+    python -m jaxflow_bench.e2e OUT --arms flowgrpo guard corrected nft [--config.x=y ...]
+
+One run: the recipe (configs/qwen_ocr.py, or configs/bagel_ocr.py with --recipe bagel) at its own settings with
+only the prompts per step cut (--prompts, default 2; prompts per rollout call min(4, prompts / 2), or --per-call;
+BAGEL one), train.num_micro_batches scaled so that a micro-batch keeps the recipe's size (or --micro samples), 4
+steps (--steps), no eval or checkpoints. The random folder (--model-dir, default /tmp/qwen_random or
+/tmp/bagel_random) is written if missing. The log goes to OUT/train.log, each line stamped with the time of day; the
+GPUs' memory is read by nvidia-smi every 0.5 s; OUT/RESULT.json gets `jaxflow_bench.summary`'s figures (RESULT
+default e2e_ENGINE_LAYOUT, e2e_bagel_1gpu, e2e_8gpu for the node). --config.x=y arguments go to the trainer.
+
+Layouts (JAX gets a fixed pool, XLA_CLIENT_MEM_FRACTION, where it shares a GPU):
+  inproc  one GPU, the diffusers engine in the trainer's process (no Ray); pool 0.5
+  1gpu    one GPU shared by the trainer and a Ray rollout actor (num_gpus=1); pool 0.56 (0.5 for BAGEL); with
+          --sleep true the engine also sleeps while JAX trains
+  2gpu    two GPUs (CUDA_VISIBLE_DEVICES, default 0,1): a Ray head of its own owns both; the trainer sees only the
+          second and the Ray actor takes the first; pool 0.9
+  2gpu_colocated  two GPUs, each as 1gpu: the trainer data-parallel over both, one engine on each
+  node    the recipe at its real batch on every GPU of this node as users launch it: `ray start --head` and
+          launch/ray_train.sh, colocated, one engine a GPU; --micro 2 samples a micro-batch per GPU, pool 0.5,
+          3 steps; with --one-gpu (a 1gpu result of this host) also scaling_efficiency
+--scaling: 1gpu on GPU 0 (PROMPTS 2) and each of --layouts on two (PROMPTS 4), one prompt a call, into
+OUT/LAYOUT/RESULT.json (a result already there is kept), then OUT/e2e_2gpu.json (`results.scaling_figures`);
+2gpu_colocated runs --colocated-micro (2) samples in a pool of --colocated-pool (0.5), 2gpu with rollout.overlap.
+--arms: 1gpu per algorithm arm into OUT/ARM/e2e_alg_ARM.json, then OUT/e2e_algorithms.json side by side.
+--profile-step K traces step K, dumps the train step's HLO and runs scripts/profile_step.py on both.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from jaxflow_bench.results import scaling_figures, write_result
+from jaxflow_bench.summary import summarize
+
+LAYOUTS = ("inproc", "1gpu", "2gpu", "2gpu_colocated", "node")
+RECIPES = {  # config, default folder, the file that marks it written, the command that writes it
+    "qwen": ("configs/qwen_ocr.py", "/tmp/qwen_random", "model_index.json",
+             ["scripts/make_random_pipeline.py", "--no-transformer-weights"]),
+    "bagel": ("configs/bagel_ocr.py", "/tmp/bagel_random", "ema.safetensors", ["scripts/make_random_bagel.py"])}
+POOL = {"inproc": "0.5", "1gpu": "0.56", "2gpu": "0.9", "2gpu_colocated": "0.56", "node": "0.5"}
+ARMS = {"flowgrpo": [], "guard": ["--config.train.ratio_norm=guard"],
+        "corrected": ["--config.train.old_log_prob=rollout_corrected"],
+        "nft": ["--config.train.algorithm=nft", "--config.sample.guidance=1", "--config.sample.sde_type=ode"]}
+FIXED = ["--config.eval.every=0", "--config.checkpoint.every=1000", "--config.log.progress=False"]
+RECIPE_VALUES = ("import json, sys; from jaxflow.config import config_module; "
+                 "c = config_module(sys.argv[1]).get_config(); print(json.dumps(dict("
+                 "prompts=c.sample.prompts_per_step, group=c.sample.group_size, "
+                 "mini=c.train.num_mini_batches, micro=c.train.num_micro_batches)))")
+
+
+class Refused(Exception):
+    """Input to fix, found before anything started (exit 2)."""
+
+
+def recipe_values(config: str) -> dict:
+    """The recipe's prompts per step, group size, mini- and micro-batches (read in a process of its own on the CPU:
+    this one must not hold a GPU)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", RECIPE_VALUES, config], env=env, check=True, capture_output=True,
+                         text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def gpu_count() -> int:
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        raise Refused("--layout node runs on a GPU node: no nvidia-smi here") from None
+    return len(out.splitlines())
+
+
+def run_logged(cmd: list[str], env: dict, out: Path, watched: str | None) -> int:
+    """Run `cmd` with every output line stamped with the time of day, to the terminal and OUT/train.log, while
+    nvidia-smi writes the GPUs' memory to OUT/gpu_mem.csv every 0.5 s; the command's exit status."""
+    smi = ["nvidia-smi", *(["-i", watched] if watched else []), "--query-gpu=memory.used",
+           "--format=csv,noheader,nounits", "-lms", "500"]
+    with open(out / "gpu_mem.csv", "w") as mem:
+        try:
+            watcher = subprocess.Popen(smi, stdout=mem, stderr=subprocess.DEVNULL)
+        except OSError:
+            watcher = None
+    try:
+        with open(out / "train.log", "w") as log:
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for line in proc.stdout:
+                stamped = f"{time.strftime('%H:%M:%S')} {line}"
+                sys.stdout.write(stamped)
+                log.write(stamped)
+                log.flush()
+            return proc.wait()
+    finally:
+        if watcher is not None:
+            watcher.kill()
+            watcher.wait()
+
+
+def check_jax_on_gpu(env: dict) -> None:
+    code = ("import jax; b = jax.default_backend(); assert b == 'gpu', f'JAX runs on {b}, not the GPU'; "
+            "print(jax.devices())")
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+
+
+def start_ray_head(env: dict, out: Path, gpus: int, temp_dir: str | None) -> str | None:
+    """`ray start --head` owning `gpus` GPUs (a temp dir of its own and a free port when `temp_dir`); its address
+    where it writes one in `temp_dir`."""
+    cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--num-gpus={gpus}",
+           "--disable-usage-stats"]
+    if temp_dir:
+        cmd[5:5] = ["--port=0"]
+        cmd.append(f"--temp-dir={temp_dir}")
+    with open(out / "ray_start.log", "w") as log:
+        if subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, check=False).returncode:
+            raise RuntimeError(f"the Ray head did not start: see {out / 'ray_start.log'}")
+    if not temp_dir:
+        return None
+    current = Path(temp_dir) / "ray_current_cluster"  # ray start writes its address there
+    address = current.read_text().strip() if current.is_file() else ""
+    if not re.search(r":[1-9][0-9]*$", address):
+        raise RuntimeError(f"no address for the Ray head in {temp_dir}: see {out / 'ray_start.log'}")
+    return address
+
+
+def stop_private_head(temp_dir: str) -> None:
+    """Stop only the processes of the head started with `temp_dir` (they outlast SIGTERM: killed 2 s later)."""
+    subprocess.run(["pkill", "-f", temp_dir], capture_output=True, check=False)
+    time.sleep(2)
+    subprocess.run(["pkill", "-9", "-f", temp_dir], capture_output=True, check=False)
+
+
+def described(args, overrides: list[str], given: dict) -> str:
+    """The result's command: the environment that changed the run, then this runner's arguments."""
+    env = [f"{k}={given[k]}" for k in ("XLA_CLIENT_MEM_FRACTION", "CUDA_VISIBLE_DEVICES") if k in given]
+    opts = [f"--layout={args.layout}"] + [f"--{k.replace('_', '-')}={v}" for k in (
+        "recipe", "engine", "sleep", "prompts", "micro", "per_call", "steps", "reward", "model_dir", "one_gpu")
+        if (v := getattr(args, k)) is not None]
+    return shlex.join([*env, "python", "-m", "jaxflow_bench.e2e", "OUT", *opts, *overrides])
+
+
+def run(args, overrides: list[str], env: dict | None = None) -> Path:
+    """One layout's run into args.out; the result file's path."""
+    given = dict(os.environ if env is None else env)
+    env = dict(given)
+    config, default_dir, marker, maker = RECIPES[args.recipe]
+    layout, bagel, out = args.layout, args.recipe == "bagel", Path(args.out)
+    engine = "vllm_omni" if bagel else args.engine or "vllm_omni"
+    if engine == "vllm_omni" and layout == "inproc":
+        raise Refused("the vllm_omni engine runs in a Ray actor: --layout 1gpu or 2gpu")
+    if bagel and layout != "1gpu":
+        raise Refused("--recipe bagel runs on one GPU: --layout 1gpu")
+    env.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)  # jax >= 0.11 ignores the GPU when both fractions are set
+    env.setdefault("XLA_CLIENT_MEM_FRACTION", "0.5" if bagel else POOL[layout])
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true" if bagel or layout == "node" else env.get(
+        "XLA_PYTHON_CLIENT_PREALLOCATE", "true")
+    env["PYTHONUNBUFFERED"] = "1"
+    r = recipe_values(config)
+    gpus, devices, watched = 1, 1, env.get("CUDA_VISIBLE_DEVICES")
+    if layout == "node":
+        gpus = devices = gpu_count()
+        micro = args.micro or 2
+        samples = (args.prompts or r["prompts"]) * r["group"] // r["mini"]
+        if samples % (micro * gpus):
+            raise Refused(f"--micro {micro} x {gpus} GPUs does not divide an update's {samples} samples")
+    elif layout == "2gpu":
+        pair = env.get("CUDA_VISIBLE_DEVICES", "0,1")
+        if not re.fullmatch(r"[0-9]+,[0-9]+", pair):
+            raise Refused(f"--layout 2gpu needs two GPUs: set CUDA_VISIBLE_DEVICES to two ids such as 0,1 "
+                          f"(it is '{pair}')")
+        gpus, watched = 2, pair
+    elif layout == "2gpu_colocated":
+        gpus = devices = 2
+    micro = args.micro or (2 if bagel or layout == "node" else
+                           r["prompts"] * r["group"] // (r["mini"] * r["micro"]))
+    prompts = args.prompts or (r["prompts"] if layout == "node" else 2)
+    per_call = 1 if bagel else args.per_call or max(1, min(4, prompts // 2))
+    model = args.model_dir or default_dir
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [f"--config.model.path={model}", *([] if bagel else ["--config.model.init=random"])]
+    if layout != "node":
+        cmd += [f"--config.rollout.engine={engine}", "--config.rollout.dtype=bfloat16", "--config.rollout.device=cuda"]
+        if args.sleep:
+            cmd.append(f"--config.rollout.sleep_while_training={args.sleep}")
+    if layout != "node" or args.prompts:
+        cmd += [f"--config.sample.prompts_per_step={prompts}"]
+    if layout != "node" or args.per_call:
+        cmd += [f"--config.sample.prompts_per_call={per_call}"]
+    cmd += [f"--config.train.num_micro_batches={prompts * r['group'] // r['mini'] // micro // devices}",
+            f"--config.train.num_steps={args.steps or (3 if layout == 'node' else 4)}", *FIXED,
+            f"--config.run_dir={out / 'run'}"]
+    if args.reward:
+        cmd.append(f"--config.reward.fns={json.dumps({args.reward: 1.0})}")
+    exclude = []
+    if args.profile_step is not None:
+        cmd += [f"--config.profile.start_step={args.profile_step}", "--config.profile.num_steps=1"]
+        env["XLA_FLAGS"] = (f"{env.get('XLA_FLAGS', '')} --xla_dump_to={out / 'hlo'} --xla_dump_hlo_as_text "
+                            "--xla_dump_hlo_module_re=.*update.*")
+        exclude = [args.profile_step]
+    temp_dir = None
+    try:
+        if layout != "node":
+            check_jax_on_gpu(env)
+        if not (Path(model) / marker).is_file():
+            subprocess.run([sys.executable, maker[0], "--out", model, *maker[1:]], env=env, check=True)
+        if layout == "2gpu":
+            # no token authentication (ray 2.60's `ray start` turns it on where ~/.ray/auth_token exists, and then
+            # refuses a driver without RAY_AUTH_MODE=token)
+            temp_dir, env["RAY_AUTH_MODE"] = f"/tmp/ray_e2e_{os.getpid()}", "disabled"
+            address = start_ray_head(dict(env, CUDA_VISIBLE_DEVICES=pair), out, 2, temp_dir)
+            env["CUDA_VISIBLE_DEVICES"] = pair.split(",")[1]
+            cmd += ["--config.rollout.layout=split", "--config.rollout.num_gpus=1",
+                    f"--config.rollout.address={address}"]
+        elif layout == "node":
+            env.setdefault("RAY_AUTH_MODE", "token")  # the head makes a token (~/.ray/auth_token); the trainer asks
+            start_ray_head(env, out, gpus, None)
+            cmd += ["--config.rollout.layout=colocated", "--config.rollout.num_gpus=1",
+                    f"--config.rollout.num_servers={gpus}"]
+        elif layout == "inproc":
+            cmd += ["--config.rollout.layout=in_process", "--config.rollout.num_gpus=0"]
+        else:
+            cmd += [*([] if bagel else ["--config.rollout.layout=colocated"]), "--config.rollout.num_gpus=1",
+                    *(["--config.rollout.num_servers=2"] if layout == "2gpu_colocated" else [])]
+        train = (["bash", "launch/ray_train.sh", config] if layout == "node" else
+                 [sys.executable, "-m", "jaxflow.train", "--config", config])
+        rc = run_logged([*train, *cmd, *overrides], env, out, watched)
+        if rc:
+            raise RuntimeError(f"the training run failed (exit {rc}): see {out / 'train.log'}")
+    finally:
+        if temp_dir:
+            stop_private_head(temp_dir)
+        elif layout == "node":
+            subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop"], capture_output=True, check=False)
+    figures = summarize(out / "run", gpus, exclude=exclude, gpu_mem=out / "gpu_mem.csv")
+    if figures is None:
+        raise RuntimeError(f"{out / 'run'} has no step after the first to time: run more --steps")
+    result = args.result or ("e2e_8gpu" if layout == "node" else "e2e_bagel_1gpu" if bagel
+                             else f"e2e_{engine}_{layout}")
+    if args.one_gpu:
+        one = json.loads(Path(args.one_gpu).read_text())["figures"]["img_per_gpu_s"]
+        figures.update(one_gpu_img_per_gpu_s=one, scaling_efficiency=figures["img_per_gpu_s"] / one)
+    path = write_result(out, result, figures, command=described(args, overrides, given))
+    print(path)
+    if args.profile_step is not None:
+        subprocess.run([sys.executable, "scripts/profile_step.py", "--out", str(out), "--trace",
+                        str(out / "run" / "profile"), "--hlo", str(out / "hlo")], env=env, check=True)
+    return path
+
+
+def scaling(args, overrides: list[str]) -> Path:
+    """1gpu on GPU 0, then each of args.layouts on two GPUs (a result already in OUT is kept: layouts measured side
+    by side on a larger host are put together), then OUT/e2e_2gpu.json."""
+    out = Path(args.out)
+    one = out / "1gpu" / "e2e_1gpu.json"
+    if not one.is_file():
+        run(argparse.Namespace(**{**vars(args), "out": one.parent, "layout": "1gpu", "prompts": 2, "per_call": 1,
+                                  "result": "e2e_1gpu"}), overrides, dict(os.environ, CUDA_VISIBLE_DEVICES="0"))
+    layouts = {}
+    for layout in args.layouts:
+        result = "e2e_2gpu_colocated" if layout == "2gpu_colocated" else "e2e_2gpu_split"
+        path = out / layout / f"{result}.json"
+        if not path.is_file():
+            env, extra, micro = dict(os.environ), [], args.micro
+            if layout == "2gpu_colocated":
+                env["XLA_CLIENT_MEM_FRACTION"], micro = str(args.colocated_pool), args.colocated_micro
+            else:
+                extra = ["--config.rollout.overlap=True"]
+            run(argparse.Namespace(**{**vars(args), "out": path.parent, "layout": layout, "prompts": 4,
+                                      "per_call": 1, "micro": micro, "result": result}), extra + overrides, env)
+        layouts[layout] = json.loads(path.read_text())["figures"]
+    figures = scaling_figures(json.loads(one.read_text())["figures"], layouts)
+    print(json.dumps(figures, indent=1))
+    return write_result(out, "e2e_2gpu", figures, command=shlex.join(
+        ["python", "-m", "jaxflow_bench.e2e", "OUT", "--scaling", "--layouts", *layouts, *overrides]))
+
+
+def arms(args, overrides: list[str]) -> Path:
+    """Each algorithm arm as a run of args.layout into OUT/ARM/e2e_alg_ARM.json, then OUT/e2e_algorithms.json: every
+    arm's figures side by side, with its step time over FlowGRPO's where both ran."""
+    out = Path(args.out)
+    for arm in args.arms:
+        run(argparse.Namespace(**{**vars(args), "out": out / arm, "result": f"e2e_alg_{arm}"}), ARMS[arm] + overrides)
+    done = {p.parent.name: json.loads(p.read_text()) for p in sorted(out.glob("*/e2e_alg_*.json"))}
+    figures = {f"{arm}/{k}": v for arm, r in done.items() for k, v in r["figures"].items()}
+    base = done.get("flowgrpo", {}).get("figures", {}).get("step_s")
+    for arm, r in done.items():
+        if base and arm != "flowgrpo" and r["figures"].get("step_s"):
+            figures[f"{arm}/step_vs_flowgrpo"] = r["figures"]["step_s"] / base
+    return write_result(out, "e2e_algorithms", figures, command=shlex.join(
+        ["python", "-m", "jaxflow_bench.e2e", "OUT", "--arms", *done, *overrides]))
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], usage=__doc__.split("\n\n")[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out", type=Path)
+    p.add_argument("--layout", choices=LAYOUTS, default="1gpu")
+    p.add_argument("--recipe", choices=tuple(RECIPES), default="qwen")
+    p.add_argument("--engine", choices=("vllm_omni", "diffusers"))
+    p.add_argument("--sleep", choices=("true", "false"), help="rollout.sleep_while_training (default the recipe's)")
+    p.add_argument("--prompts", type=int, help="prompts a step (default 2; the node: the recipe's)")
+    p.add_argument("--micro", type=int, help="samples a micro-batch (default the recipe's; BAGEL and the node 2)")
+    p.add_argument("--per-call", type=int, help="prompts a rollout call (default min(4, prompts / 2))")
+    p.add_argument("--steps", type=int, help="training steps (default 4; the node 3)")
+    p.add_argument("--reward", help="train on this one reward instead of the recipe's (e.g. brightness)")
+    p.add_argument("--result", help="the result file's name")
+    p.add_argument("--model-dir", help="the random folder (written if missing)")
+    p.add_argument("--profile-step", type=int)
+    p.add_argument("--one-gpu", type=Path, help="a 1gpu result of this host: the node's scaling_efficiency")
+    p.add_argument("--scaling", action="store_true")
+    p.add_argument("--layouts", nargs="+", choices=("2gpu_colocated", "2gpu"), default=["2gpu_colocated", "2gpu"])
+    p.add_argument("--colocated-micro", type=int, default=2)
+    p.add_argument("--colocated-pool", type=float, default=0.5)
+    p.add_argument("--arms", nargs="+", choices=tuple(ARMS))
+    return p
+
+
+def main(argv=None) -> int:
+    p = parser()
+    args, overrides = p.parse_known_args(argv)
+    if bad := [a for a in overrides if not a.startswith("--config.")]:
+        p.error(f"unrecognized arguments: {' '.join(bad)} (the trainer's overrides are --config.x=y)")
+    try:
+        (scaling if args.scaling else arms if args.arms else run)(args, overrides)
+    except Refused as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (RuntimeError, subprocess.CalledProcessError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
