@@ -55,7 +55,7 @@ class TrainConfig:
     off_policy: bool = False        # batches may come from the previous policy (rollout.overlap): see `__call__`
     drop_zero_advantage: bool = False  # skip micro-batches whose advantages are all 0 (see `accumulate_gradients`)
     shuffle_seed: int = 0           # the rows' shuffle between inner epochs; with "nft" also its timesteps and noise
-    # "nft": DiffusionNFT (jaxflow.nft) on the rollout's final latents, nft_timesteps noised timesteps a sample, the
+    # "nft": DiffusionNFT (jaxflow.algorithms.nft) on the rollout's final latents, nft_timesteps noised timesteps a sample, the
     # old policy (TrainState.old, what the rollout serves) moved after each step by nft.old_decay(*nft_decay)
     algorithm: str = "flowgrpo"
     nft_beta: float = 0.1
@@ -118,7 +118,7 @@ class TrainConfig:
 
     @property
     def nft(self) -> bool:
-        """DiffusionNFT (`jaxflow.nft`) rather than FlowGRPO."""
+        """DiffusionNFT (`jaxflow.algorithms.nft`) rather than FlowGRPO."""
         return self.algorithm == "nft"
 
     @property

@@ -34,7 +34,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxflow import flowgrpo, minibatches, nft, objectives, phases
+from jaxflow import minibatches, objectives, phases
+from jaxflow.algorithms import flowgrpo, nft
 from jaxflow.models.lora import LoRAParam
 from jaxflow.objectives import QWEN_IMAGE, Objective
 from jaxflow.sharding import Layout

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxflow import flowgrpo
+from jaxflow.algorithms import flowgrpo
 from jaxflow.models.lora import LoRAParam
 from jaxflow.models.transformer import QwenImageTransformer
 from jaxflow.step_config import TrainConfig
