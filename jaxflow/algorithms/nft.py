@@ -101,7 +101,7 @@ def _loss(lora, old, frozen, step, scale, *, graphdef, config):
 
 
 def gradients(graphdef, lora, old, frozen, batch: dict, key, config, layout=None):
-    """DiffusionNFT's counterpart of `train_step.accumulate_gradients` (`config` a TrainConfig, `layout` a Layout or
+    """DiffusionNFT's counterpart of `flowgrpo_step.accumulate_gradients` (`config` a TrainConfig, `layout` a Layout or
     None): the sum over micro-batches and noised timesteps of grad(loss / (M * T)) wrt `lora` (M = num_micro_batches,
     T = nft_timesteps) and the per-sample terms stacked as (M, T, B/M). Each sample trains on T distinct timesteps of
     its schedule with fresh noise, both drawn from `key` (`timestep_picks`); `old` is the old policy's LoRA (no
