@@ -1,6 +1,6 @@
 """FlowGRPO's log-prob of stored transitions for BAGEL (docs/bagel.md §2, §4): the two contexts prefilled once from the
 trajectory's token ids, BAGEL's text CFG (interval, per-sample "global" renorm) and the SDE log-prob of
-`jaxflow.sde`. The Qwen-Image counterpart is `jaxflow.flowgrpo`; the torch rollout this mirrors is
+`jaxflow.sde`. The Qwen-Image counterpart is `jaxflow.algorithms.flowgrpo`; the torch rollout this mirrors is
 `jaxflow_bridge/rollout/bagel_sampling.py`."""
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxflow import flowgrpo, sde
+from jaxflow import sde
+from jaxflow.algorithms import flowgrpo
 from jaxflow.models.bagel.model import BagelModel, KVCache
 
 RENORM_EPS = 1e-8  # Bagel._combine_cfg's denominator guard

@@ -17,7 +17,7 @@ from jaxflow import families
 from jaxflow import phases
 from jaxflow.base_share import torch_base_weights
 from jaxflow.data import GroupSampler, load_prompts
-from jaxflow.flowgrpo import compute_advantages
+from jaxflow.algorithms.advantages import compute_advantages
 from jaxflow.lora_sync import SharedLoRA, device_peft_tensors, device_target
 from jaxflow.metrics_log import image_grid
 from jaxflow.minibatches import compact_zero_advantage, order_minibatches

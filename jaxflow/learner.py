@@ -118,7 +118,7 @@ class Learner:
             batch=cfg.sample.prompts_per_step * cfg.sample.group_size, window=cfg.sample.window_size,
             num_steps=cfg.sample.num_steps, seq=self.grid[0] * self.grid[1], text=text, negative_text=negative_text,
             embed_dtype=config_lib.embed_dtype(cfg), guided=tc.guided, recompute=tc.recompute_pass,
-            means=tc.ratio_norm == "guard", nft=tc.nft, **self.family.batch_shape(self.model))
+            means=tc.policy.ratio.old_means, nft=not tc.policy.loss.log_probs, **self.family.batch_shape(self.model))
         plans = [memory.StepMemory.of(name, c) for name, c in step.compile(batch, old).items()]
         return plans, memory.device_bytes(step.frozen)
 

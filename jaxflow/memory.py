@@ -14,7 +14,8 @@ import dataclasses
 import jax
 import numpy as np
 
-from jaxflow.step_config import NFT_FIELDS, with_text_ids
+from jaxflow.algorithms.nft import FIELDS as NFT_FIELDS
+from jaxflow.train_batch import with_text_ids
 
 GIB = 2 ** 30
 KNOBS = ("train.num_micro_batches (more micro-batches: fewer samples in each forward and backward), a larger JAX pool "
@@ -82,7 +83,7 @@ def abstract_batch(*, batch: int, window: int, num_steps: int, seq: int, channel
     """Shapes and dtypes of the batch `train_step.prepare_batch` hands the step (text padded to `text` tokens,
     negatives to `negative_text`, default `text`: `config.text_tokens`), and of the old-log-prob pass's output when
     it runs (with `means`: the SDE means train.ratio_norm="guard" keeps); with `nft`, DiffusionNFT's batch
-    (step_config.NFT_FIELDS); with `text_ids`, token ids (B, tokens) int32 in place of the embeds (BAGEL; `width`
+    (algorithms.nft.FIELDS); with `text_ids`, token ids (B, tokens) int32 in place of the embeds (BAGEL; `width`
     and `embed_dtype` unused)."""
     s = jax.ShapeDtypeStruct
 

@@ -1,15 +1,19 @@
 """What the FlowGRPO train step asks of a model kind (`jaxflow.train_step`), chosen once from the model by `for_model`:
 the inputs a micro-batch's window steps share (`context`, run once per micro-batch) and one window step's log-prob
-(`log_prob`). Qwen-Image reads its text embeds at every step (`jaxflow.flowgrpo`); BAGEL prefills its two contexts
-from the token ids once and reuses their K/V at every window step (`jaxflow.bagel_flowgrpo`, docs/bagel.md §4)."""
+(`log_prob`). Qwen-Image reads its text embeds at every step (`jaxflow.algorithms.flowgrpo`); BAGEL prefills its two
+contexts from the token ids once and reuses their K/V at every window step (`jaxflow.bagel_flowgrpo`, docs/bagel.md
+§4)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from jaxflow import bagel_flowgrpo, flowgrpo
+from jaxflow import bagel_flowgrpo
+from jaxflow.algorithms import flowgrpo
 from jaxflow.models.bagel.model import BagelModel
-from jaxflow.step_config import TrainConfig
+
+if TYPE_CHECKING:  # step_config resolves the algorithms, which reach this module
+    from jaxflow.step_config import TrainConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +56,6 @@ def for_model(model, config: TrainConfig) -> Objective:
     generation expert only.)"""
     if not isinstance(model, BagelModel):
         return QWEN_IMAGE
-    if config.nft:
+    if not config.policy.loss.log_probs:
         raise ValueError(f"train.algorithm={config.algorithm!r}: BAGEL trains with 'flowgrpo' only")
     return BAGEL

@@ -1,6 +1,6 @@
 """Rollout/trainer log-prob parity: recompute a TrajectoryBatch's window log-probs the way the train step does.
 
-`recompute` runs `train_step.accumulate_gradients` (prepare_batch -> micro-batches -> `flowgrpo.window_steps` ->
+`recompute` runs `flowgrpo_step.accumulate_gradients` (prepare_batch -> micro-batches -> `flowgrpo.window_steps` ->
 `flowgrpo.window_step_terms`) under jit and keeps only its per-sample terms, so XLA drops the backward pass
 and what remains is the train step's own forward: sigma / sigma_next / sigma_max from the stored schedule and
 step_index, the stored latents, text embeds and masks, true CFG when guidance > 1. `parity_stats` summarises
@@ -21,7 +21,8 @@ from jaxflow.models.lora import LoRAParam, LoRASpec
 from jaxflow.objectives import for_model
 from jaxflow.step_config import TrainConfig
 from jaxflow.train_batch import TrainBatch
-from jaxflow.train_step import accumulate_gradients, prepare_batch
+from jaxflow.algorithms.flowgrpo_step import accumulate_gradients
+from jaxflow.train_step import prepare_batch
 from jaxflow_bridge.contract import bagel_keymap, keymap
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 

@@ -14,6 +14,14 @@ from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 # fields the rollout sends once for the whole batch, and their number of dims there: `per_sample` broadcasts them to
 # every sample, `reordered` leaves them as they are (either may also come per sample, with a leading B axis)
 SHARED_FIELDS = {"sigmas": 1, "noise_level": 0}
+GUIDANCE_FIELDS = ("negative_prompt_embeds", "negative_prompt_mask")
+# BAGEL's batches carry the context's token ids (B, L) int32 in place of the embeds (docs/bagel.md §4)
+TEXT_IDS = {"prompt_embeds": "prompt_ids", "negative_prompt_embeds": "negative_prompt_ids"}
+
+
+def with_text_ids(fields: tuple[str, ...]) -> tuple[str, ...]:
+    """`fields` with the text embeds replaced by the token ids (`TEXT_IDS`)."""
+    return tuple(TEXT_IDS.get(f, f) for f in fields)
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)

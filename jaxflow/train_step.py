@@ -1,24 +1,27 @@
-"""The FlowGRPO train step (docs/design.md §2): `step(state, batch)` runs PPO over one rollout batch with two jitted,
-sharded functions.
+"""The train step (docs/design.md §2): `step(state, batch)` runs the algorithm the config resolves to
+(`TrainConfig.policy`, `jaxflow.algorithms.registry`: a policy loss, FlowGRPO's ratio, the source of logp_old and a
+micro-batch filter) over one rollout batch with two jitted, sharded functions. It calls the policy's components and
+names none of them.
 
 The batch is cut into num_mini_batches (M) mini-batches of whole prompt groups (`jaxflow.minibatches`: the caller
 lays the groups out, mini-batch j = rows j, j + M, ...), one optimizer update each; num_inner_epochs repeats the
 pass, each later epoch over the batch's rows shuffled anew (as flow_grpo does between inner epochs; seeded by
-shuffle_seed, the step's first update count and the epoch, on the devices: `minibatches.epoch_order`). logp_old: old_log_prob="rollout" takes the engine's
-log-probs; "recompute" runs `old_log_probs`, one forward-only pass with the pre-update LoRA (CFG as in training)
-before the first update, as verl-omni's `compute_log_prob` does, over the rows that need it: the first update
-trains on the pre-update LoRA itself, so its logp_old is its own logp under stop_gradient (exactly on-policy, the
-ratio exactly 1, what the pass would compute up to rounding) and the pass covers the other mini-batches only (all of
-them from the second inner epoch on). With a single update (M = 1, one epoch) there is no pass.
+shuffle_seed, the step's first update count and the epoch, on the devices: `minibatches.epoch_order`). Where the
+policy needs it (old_log_prob="recompute"), `old_log_probs` runs one forward-only pass with the pre-update LoRA (CFG
+as in training) before the first update, over the rows that need it: the first update trains on the pre-update LoRA
+itself, so its logp_old is its own logp under stop_gradient (exactly on-policy, the ratio exactly 1, what the pass
+would compute up to rounding) and the pass covers the other mini-batches only (all of them from the second inner
+epoch on). With a single update (M = 1, one epoch) there is no pass.
 
 Each update (`_update`, compiled once: every mini-batch has the same shapes and its index is traced): functional
 NNX (`graphdef, lora, frozen = nnx.split(model, LoRAParam, ...)`, `nnx.merge` inside the loss, gradients only for
-the LoRA tree); for each micro-batch x each window step: forward, SDE log-prob of the stored next latent, clipped
-objective (+ beta KL), gradient; accumulated with lax.scan, each loss divided by (num_micro_batches * W) as
-flow_grpo does. Then ONE optimizer update, skipped (state untouched, `skipped` = 1) when the loss or the gradient
-is not finite, or when the update would make the LoRA or the optimizer state non-finite (checked inside the jit).
-The optimizer state covers the LoRA tree only; the frozen base is an argument, never updated and never donated.
-num_micro_batches counts the micro-batches of one update (of one mini-batch).
+the LoRA tree); the policy loss's gradient over the mini-batch (FlowGRPO's: for each micro-batch x each window step,
+forward, SDE log-prob of the stored next latent, clipped objective (+ beta KL), gradient, accumulated with lax.scan,
+each loss divided by (num_micro_batches * W) as flow_grpo does: `algorithms.flowgrpo_step`). Then ONE optimizer
+update, skipped (state untouched, `skipped` = 1) when the loss or the gradient is not finite, or when the update
+would make the LoRA or the optimizer state non-finite (checked inside the jit). The optimizer state covers the LoRA
+tree only; the frozen base is an argument, never updated and never donated. num_micro_batches counts the
+micro-batches of one update (of one mini-batch).
 
 Micro-batch k holds rows k, k + m, k + 2m, ... of its mini-batch (m = num_micro_batches), so with the batch
 sharded over the data devices every micro-batch is spread evenly over all of them. The sum of the gradients does
@@ -34,129 +37,18 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxflow import flowgrpo, minibatches, nft, objectives, phases
+from jaxflow import minibatches, objectives, phases
+from jaxflow.algorithms.old_log_prob import old_log_probs
 from jaxflow.models.lora import LoRAParam
 from jaxflow.objectives import QWEN_IMAGE, Objective
 from jaxflow.sharding import Layout
-from jaxflow.step_config import GUIDANCE_FIELDS, TEXT_IDS, TrainConfig, TrainState, with_text_ids
-from jaxflow.train_batch import TrainBatch
-
-NFT_SALT = 0x6E6674  # folded into the seed's key for NFT's timesteps and noise (apart from the epochs' shuffles)
-
-
-def _window_loss(lora, frozen, step, scale, *, graphdef, config: TrainConfig, objective: Objective):
-    model = nnx.merge(graphdef, lora, frozen)
-    reject = float(np.log(config.rejection_threshold)) if config.old_log_prob == "rollout_corrected" else None
-    terms = flowgrpo.window_step_terms(
-        model, step, grid_hw=config.grid_hw, sde_type=config.sde_type, guidance=config.guidance,
-        clip_range=config.clip_range, adv_clip=config.adv_clip, beta=config.beta, reject_log_ratio=reject,
-        ratio_norm=config.ratio_norm, log_prob=functools.partial(objective.log_prob, config=config))
-    return flowgrpo.window_loss(terms, config.beta) * scale, terms
-
-
-def accumulate_gradients(graphdef, lora, frozen, batch: dict, config: TrainConfig, layout: Layout | None = None,
-                         objective: Objective = QWEN_IMAGE):
-    """Sum over micro-batches and window steps of grad(loss / (M * W)) wrt `lora`, and the per-sample terms
-    stacked as (M, W, B/M), M = num_micro_batches. `batch` is per-sample (see `prepare_batch`). logp_old: the
-    rollout's log_probs with old_log_prob="rollout" or "rollout_corrected" (which also rejects, see
-    `flowgrpo.window_step_terms`), else batch["old_log_probs"] (B, W) if given, else the on-policy
-    stop_gradient(logp).
-
-    drop_zero_advantage: a micro-batch whose advantages are all 0 is not run (its rows' policy gradient is 0 and,
-    with beta = 0, so is their loss) and M counts the others only, so the loss is the mean over the micro-batches
-    that train, as flow_grpo's SD3 trainer trains only the samples it keeps (`minibatches.compact_zero_advantage`
-    gathers the zero rows into whole micro-batches first). The terms then carry `mask` (M, W, B/M): False where a
-    micro-batch did not run (its terms are zeros).
-
-    `objective` (`jaxflow.objectives`): the model kind's window log-prob; its `context` runs once per micro-batch,
-    outside the gradient (BAGEL: the frozen contexts' K/V, reused at every window step)."""
-    m, w = config.num_micro_batches, batch["log_probs"].shape[1]
-    if config.old_log_prob in ("rollout", "rollout_corrected"):
-        batch = {**batch, "old_log_probs": batch["log_probs"]}
-    flags = {k: batch[k] for k in ("old_on_policy",) if k in batch}  # scalars, not per sample
-    batch = minibatches.micro_batches({k: v for k, v in batch.items() if k not in flags}, m)
-    active = jnp.any(batch["advantages"] != 0, axis=1) if config.drop_zero_advantage else jnp.ones(m, bool)
-    scale = 1.0 / (jnp.maximum(jnp.sum(active), 1) * w) if config.drop_zero_advantage else 1.0 / (m * w)
-    grad_fn = jax.grad(functools.partial(_window_loss, graphdef=graphdef, config=config, objective=objective),
-                       has_aux=True)
-
-    def micro(grads, xs):
-        mb, run = xs
-        if layout is not None:
-            mb = jax.lax.with_sharding_constraint(mb, layout.batch_sharding)
-        per_step, shared = flowgrpo.window_steps(mb)
-
-        def train(grads):
-            ctx = objective.context(nnx.merge(graphdef, lora, frozen), shared, config)
-
-            def window(grads, xs):
-                g, terms = grad_fn(lora, frozen, {**ctx, **flags, **xs}, scale=scale)
-                return jax.tree.map(jnp.add, grads, g), terms
-
-            return jax.lax.scan(window, grads, per_step)
-
-        if not config.drop_zero_advantage:
-            return train(grads)
-        shapes = jax.eval_shape(train, grads)[1]
-        return jax.lax.cond(run, train, lambda g: (g, jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), shapes)),
-                            grads)
-
-    grads, terms = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, lora), (batch, active))
-    if config.drop_zero_advantage:
-        terms["mask"] = jnp.broadcast_to(active[:, None, None], terms["ratio"].shape)
-    return grads, terms
+from jaxflow.step_config import TrainConfig, TrainState
+from jaxflow.train_batch import GUIDANCE_FIELDS, TEXT_IDS, TrainBatch, with_text_ids
 
 
 def advance_old(state: TrainState, *, config: TrainConfig) -> TrainState:
-    """DiffusionNFT's old policy after a step (`nft.advanced`)."""
-    return state.replace(old=nft.advanced(state.old, state.lora, state.step, config.nft_decay))
-
-
-def old_log_probs(graphdef, lora, frozen, batch: dict, config: TrainConfig, layout: Layout | None = None,
-                  objective: Objective = QWEN_IMAGE) -> dict:
-    """{"log_probs": (B, W) float32 log-probs of the stored window steps under `lora`} and, with ratio_norm="guard",
-    "means": (B, W, S, C) the SDE steps' means; forward only (true CFG as in training), in the updates'
-    micro-batches: num_mini_batches x num_micro_batches of them, each the same rows in the same order as one
-    micro-batch of an update; `objective` as in `accumulate_gradients`."""
-    m, k = config.num_mini_batches, config.num_mini_batches * config.num_micro_batches
-    # whole-batch micro-batch c holds mini-batch c % m's micro-batch c // m; mini-batch 0's are left out when the
-    # first update uses its own logp (`pass_skips_first`)
-    run = [c for c in range(k) if c % m or not config.pass_skips_first]
-
-    def micro(carry, mb):
-        if layout is not None:
-            mb = jax.lax.with_sharding_constraint(mb, layout.batch_sharding)
-        per_step, shared = flowgrpo.window_steps(mb)
-
-        def forward():
-            ctx = objective.context(nnx.merge(graphdef, lora, frozen), shared, config)
-
-            def window(carry, xs):
-                model = nnx.merge(graphdef, lora, frozen)
-                mean, logp, _ = objective.log_prob(model, {**ctx, **xs}, config)
-                out = {"log_probs": logp.astype(jnp.float32)}
-                if config.ratio_norm == "guard":
-                    out["means"] = mean.astype(jnp.float32)
-                return carry, out
-
-            return jax.lax.scan(window, carry, per_step)[1]
-
-        if not config.drop_zero_advantage:
-            return carry, forward()
-        # a micro-batch the updates skip (advantages all 0) needs no logp_old
-        shapes = jax.eval_shape(forward)
-        return carry, jax.lax.cond(jnp.any(mb["advantages"] != 0), forward,
-                                   lambda: jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), shapes))
-
-    mbs = jax.tree.map(lambda x: x[np.asarray(run)], minibatches.micro_batches(batch, k))
-    parts = jax.lax.scan(micro, None, mbs)[1]  # each (len(run), W, B/k, ...)
-
-    def whole(part):  # row t*k + c of the batch is [c, :, t] of the (k, W, B/k, ...) stack
-        full = jnp.zeros((k, *part.shape[1:]), part.dtype).at[np.asarray(run)].set(part)
-        full = jnp.moveaxis(full, 2, 0)  # (B/k, k, W, ...)
-        return full.reshape(-1, *full.shape[2:])
-
-    return jax.tree.map(whole, parts)
+    """The old policy after a step, where the policy loss keeps one (`keeps_old`: DiffusionNFT's)."""
+    return state.replace(old=config.policy.loss.advanced(state.old, state.lora, state.step, config))
 
 
 def _apply_update(state: TrainState, grads, *, tx, config: TrainConfig) -> TrainState:
@@ -171,26 +63,11 @@ def _apply_update(state: TrainState, grads, *, tx, config: TrainConfig) -> Train
 
 def _update(state: TrainState, frozen, batch, old, index, *, graphdef, config: TrainConfig, tx, layout,
             objective: Objective = QWEN_IMAGE):
-    """One optimizer update on mini-batch `index` of `batch`; `old` is the recompute pass's output or None."""
+    """One optimizer update on mini-batch `index` of `batch` by the policy loss (`config.policy.loss.update`); `old`
+    is the recompute pass's output or None."""
     mb = dict(minibatches.select(batch, config.num_mini_batches, index))
-    if config.nft:  # the timesteps and noise: a function of the seed and the update count (a resume draws the same)
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(config.shuffle_seed), NFT_SALT), state.step)
-        grads, terms = nft.gradients(graphdef, state.lora, state.old, frozen, mb, key, config, layout)
-        return _finish(state, grads, nft.step_metrics(terms, config.beta), tx=tx, config=config)
-    if old is not None:
-        old = minibatches.select(old, config.num_mini_batches, index)
-        mb["old_log_probs"] = old["log_probs"]
-        if "means" in old:
-            mb["old_means"] = old["means"]
-        if config.pass_skips_first:  # the pass left mini-batch 0 out: the first update is on-policy
-            mb["old_on_policy"] = index == 0
-    grads, terms = accumulate_gradients(graphdef, state.lora, frozen, mb, config, layout, objective)
-    metrics = flowgrpo.step_metrics(terms, clip_range=config.clip_range, beta=config.beta)
-    runs = None
-    if config.drop_zero_advantage:  # nothing to train on: no optimizer update (flow_grpo would have no batch)
-        runs = jnp.any(terms["mask"], axis=(1, 2))
-        metrics.update(micro_skipped=jnp.sum(~runs).astype(jnp.int32),
-                       empty_updates=(~jnp.any(runs)).astype(jnp.int32))
+    grads, metrics, runs = config.policy.loss.update(state, frozen, mb, old, index, graphdef=graphdef, config=config,
+                                                     layout=layout, objective=objective)
     return _finish(state, grads, metrics, tx=tx, config=config, runs=runs)
 
 
@@ -220,14 +97,14 @@ def _finish(state: TrainState, grads, metrics: dict, *, tx, config: TrainConfig,
 def prepare_batch(batch: TrainBatch, config: TrainConfig, batch_devices: int = 1) -> dict[str, np.ndarray]:
     """The per-sample host arrays the step consumes (`TrainBatch.per_sample`), checked, in the step's dtypes; a batch
     with `prompt_ids` (BAGEL) has token ids in place of the embeds."""
-    fields = config.batch_fields
+    loss = config.policy.loss
+    fields = loss.batch_fields(config)
     if batch.prompt_ids is not None:
         fields = with_text_ids(fields)
     missing = [k for k in fields if getattr(batch, k) is None]
     if missing:
         hint = (" (guidance > 1 needs the negative prompt)" if set(missing) & set(GUIDANCE_FIELDS) else
-                " (the rollout keeps them with keep_final: config.sampling does for train.algorithm='nft')"
-                if "final_latents" in missing else "")
+                loss.missing_hint(missing))
         raise ValueError(f"train batch is missing {missing}{hint}")
     b = len(batch)
     multiple = config.num_mini_batches * config.num_micro_batches * batch_devices
@@ -239,16 +116,7 @@ def prepare_batch(batch: TrainBatch, config: TrainConfig, batch_devices: int = 1
     for k in TEXT_IDS.values():
         if k in out:
             out[k] = out[k].astype(np.int32)
-    if config.nft:
-        return out
-    w = batch.log_probs.shape[1]
-    latents, step_index = batch.latents.shape, batch.step_index.shape
-    if latents[:2] != (b, w + 1) or step_index != (b, w):
-        raise ValueError(f"latents {latents} / step_index {step_index} do not match log_probs {(b, w)}: "
-                         f"expected (B, W+1, S, C) / (B, W)")
-    out["noise_level"] = out["noise_level"].astype(np.float32)
-    out["step_index"] = out["step_index"].astype(np.int32)
-    return out
+    return loss.prepare(out, batch, config)
 
 
 def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | None = None,
@@ -266,7 +134,7 @@ def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | Non
     The model's kind picks the window log-prob (`objectives.for_model`): a `BagelModel` reads the batch's token
     ids (BAGEL's text CFG from `guidance`, `cfg_interval`, `cfg_renorm_min`) and refuses DiffusionNFT.
     """
-    objective = objectives.for_model(model, config)
+    objective, policy = objectives.for_model(model, config), config.policy
     graphdef, lora, frozen = nnx.split(model, LoRAParam, ...)
     if not jax.tree.leaves(lora):
         raise ValueError("the model has no LoRA params: build it with a LoRASpec")
@@ -275,7 +143,7 @@ def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | Non
     def init(lora):
         lora = jax.tree.map(jnp.copy, lora)
         ema = jax.tree.map(jnp.copy, lora) if config.ema_decay is not None else None
-        old = jax.tree.map(jnp.copy, lora) if config.nft else None
+        old = jax.tree.map(jnp.copy, lora) if policy.loss.keeps_old else None
         return TrainState(step=jnp.zeros((), jnp.int32), lora=lora, opt_state=tx.init(lora), ema=ema, old=old)
 
     update_fn = functools.partial(_update, graphdef=graphdef, config=config, tx=tx, layout=layout,
@@ -303,7 +171,7 @@ def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | Non
     def reorder(tree, step, epoch):  # {"batch": ..., "old": ...} for inner epoch `epoch` >= 1
         key = jax.random.fold_in(jax.random.fold_in(jax.random.key(config.shuffle_seed), step), epoch)
         order = minibatches.epoch_order(key, tree["batch"]["advantages"], config.num_mini_batches,
-                                        config.num_micro_batches, config.drop_zero_advantage)
+                                        config.num_micro_batches, policy.filter.compacts)
         return jax.tree.map(lambda x: jnp.take(x, order, axis=0), tree)
 
     if config.num_inner_epochs == 1:
@@ -314,7 +182,7 @@ def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | Non
         reorder_jit = jax.jit(reorder, in_shardings=(rows, one, one), out_shardings=rows)
     step = TrainStep(config, update, old_pass, frozen, put, batch_devices, indices,
                      abstract_state=lambda: jax.eval_shape(init, lora), reorder=reorder_jit,
-                     advance=advance if config.nft else None)
+                     advance=advance if policy.loss.keeps_old else None)
 
     def init_state() -> TrainState:
         return init_jit(lora)
@@ -380,7 +248,5 @@ class TrainStep:
         metrics = minibatches.combine_metrics(updates)
         if old is not None and not config.pass_skips_first:
             diff = jnp.abs(old["log_probs"] - batch["log_probs"])
-            if config.drop_zero_advantage:  # rows of skipped micro-batches have no logp_old
-                diff = jnp.where(batch["advantages"][:, None] != 0, diff, 0.0)
-            metrics["old_logp_diff_max"] = jnp.max(diff)
+            metrics["old_logp_diff_max"] = jnp.max(config.policy.filter.logp_rows(diff, batch["advantages"]))
         return state, metrics

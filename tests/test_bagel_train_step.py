@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxflow import bagel_flowgrpo as bf
-from jaxflow import flowgrpo
+from jaxflow.algorithms import flowgrpo
 from jaxflow.step_config import TrainConfig
 from jaxflow.train_batch import TrainBatch
 from jaxflow.train_step import make_train_step

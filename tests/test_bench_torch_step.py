@@ -3,7 +3,7 @@ import jax
 import numpy as np
 import torch
 
-from jaxflow import flowgrpo
+from jaxflow.algorithms import flowgrpo
 from jaxflow_bench.torch_step import clipped_objective
 
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxflow import flowgrpo
+from jaxflow.algorithms import flowgrpo
+from jaxflow.algorithms.advantages import compute_advantages
 from jaxflow.models.config import ModelOptions, QwenImageConfig
 from jaxflow.models.transformer import QwenImageTransformer
 
@@ -22,7 +23,7 @@ TINY = QwenImageConfig(num_layers=2, attention_head_dim=32, num_attention_heads=
 
 
 def test_advantages_hand_computed_global_std():
-    adv, zero = flowgrpo.compute_advantages([1.0, 2.0, 3.0, 5.0], [0, 0, 1, 1])
+    adv, zero = compute_advantages([1.0, 2.0, 3.0, 5.0], [0, 0, 1, 1])
     # group means 1.5 and 4; batch std of [1, 2, 3, 5] = sqrt(8.75 / 4)
     want = np.array([-0.5, 0.5, -1.0, 1.0]) / (math.sqrt(2.1875) + 1e-4)
     np.testing.assert_allclose(adv, want, rtol=1e-6)
@@ -30,27 +31,27 @@ def test_advantages_hand_computed_global_std():
 
 
 def test_advantages_group_std_and_eps():
-    adv, _ = flowgrpo.compute_advantages([1.0, 2.0, 3.0, 5.0], [0, 0, 1, 1], global_std=False)
+    adv, _ = compute_advantages([1.0, 2.0, 3.0, 5.0], [0, 0, 1, 1], global_std=False)
     np.testing.assert_allclose(adv, [-0.5 / 0.5001, 0.5 / 0.5001, -1 / 1.0001, 1 / 1.0001], rtol=1e-6)
     # a spread of 1e-4: std 5e-5, so A = 5e-5 / (5e-5 + eps)
-    adv, _ = flowgrpo.compute_advantages([0.0, 1e-4], [3, 3], global_std=False)
+    adv, _ = compute_advantages([0.0, 1e-4], [3, 3], global_std=False)
     np.testing.assert_allclose(adv, [-1 / 3, 1 / 3], rtol=1e-5)
-    adv, _ = flowgrpo.compute_advantages([0.0, 1e-4], [3, 3], global_std=False, eps=0.0)
+    adv, _ = compute_advantages([0.0, 1e-4], [3, 3], global_std=False, eps=0.0)
     np.testing.assert_allclose(adv, [-1.0, 1.0], rtol=1e-6)
 
 
 def test_advantages_clamp():
     rewards, groups = [0.0, 0.0, 0.0, 10.0], [0] * 4  # mean 2.5, std sqrt(18.75)
-    adv, _ = flowgrpo.compute_advantages(rewards, groups)
+    adv, _ = compute_advantages(rewards, groups)
     np.testing.assert_allclose(adv, np.array([-2.5] * 3 + [7.5]) / (math.sqrt(18.75) + 1e-4), rtol=1e-6)
-    adv, _ = flowgrpo.compute_advantages(rewards, groups, clip=1.5)
+    adv, _ = compute_advantages(rewards, groups, clip=1.5)
     np.testing.assert_allclose(adv, [-2.5 / (math.sqrt(18.75) + 1e-4)] * 3 + [1.5], rtol=1e-6)
 
 
 def test_advantages_zero_std_groups_any_size_and_order():
     rewards = [1.0, 4.0, 2.0, 0.1, 3.0, 0.1, 0.1, 4.0]
     groups = [0, 2, 1, 5, 1, 5, 5, 2]  # interleaved; sizes 1, 2, 2, 3
-    adv, zero = flowgrpo.compute_advantages(rewards, groups)
+    adv, zero = compute_advantages(rewards, groups)
     assert zero == 0.75  # groups 0 (one sample), 2 and 5 are constant
     assert np.all(adv[[0, 1, 3, 5, 6, 7]] == 0.0)
     assert adv[2] < 0 < adv[4] and adv[2] == -adv[4]
@@ -58,10 +59,10 @@ def test_advantages_zero_std_groups_any_size_and_order():
 
 def test_advantages_incomplete_group_error():
     with pytest.raises(ValueError, match="group 9 has 2 samples, expected 3"):
-        flowgrpo.compute_advantages([1, 2, 3, 4, 5], [7, 7, 7, 9, 9], expected_group_size=3)
-    flowgrpo.compute_advantages([1, 2, 3, 4, 5, 6], [7, 7, 7, 9, 9, 9], expected_group_size=3)
+        compute_advantages([1, 2, 3, 4, 5], [7, 7, 7, 9, 9], expected_group_size=3)
+    compute_advantages([1, 2, 3, 4, 5, 6], [7, 7, 7, 9, 9, 9], expected_group_size=3)
     with pytest.raises(ValueError, match="must be equal"):
-        flowgrpo.compute_advantages([1.0, 2.0], [0])
+        compute_advantages([1.0, 2.0], [0])
 
 
 # ---------------------------------------------------------------------------------------------- objective
@@ -143,7 +144,7 @@ def test_guided_velocity_batched_or_split_matches_separate_calls():
         flowgrpo.guided_velocity(model, x, sigma, pos, pos_mask, grid_hw=(2, 2), guidance=4.0)
 
 
-@pytest.mark.parametrize("path", ["jaxflow/flowgrpo.py", "jaxflow/train_step.py", "jaxflow/sharding.py"])
+@pytest.mark.parametrize("path", ["jaxflow/algorithms/flowgrpo.py", "jaxflow/train_step.py", "jaxflow/sharding.py"])
 def test_no_torch_import(path):
     tree = ast.parse((ROOT / path).read_text())
     names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]

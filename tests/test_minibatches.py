@@ -13,6 +13,7 @@ from flax import nnx
 from jaxflow import config as config_lib
 from jaxflow import phases
 from jaxflow import train_step as ts
+from jaxflow.algorithms import flowgrpo_step
 from jaxflow.minibatches import combine_metrics, group_order, order_minibatches, select
 from jaxflow.models.lora import LoRAParam
 from jaxflow.train_batch import TrainBatch
@@ -52,7 +53,7 @@ def _reference_update(model, batch, config):
 
     @jax.jit
     def update(lora, frozen, batch):
-        grads, _ = ts.accumulate_gradients(graphdef, lora, frozen, batch, config)
+        grads, _ = flowgrpo_step.accumulate_gradients(graphdef, lora, frozen, batch, config)
         return optax.apply_updates(lora, tx.update(grads, tx.init(lora), lora)[0])
     return update(lora, frozen, jax.tree.map(jnp.asarray, batch))
 
@@ -86,7 +87,7 @@ def test_two_mini_batches_recompute(lora_model, monkeypatch):
             traces[name] += 1
             return fn(*args, **kw)
         return wrapper
-    monkeypatch.setattr(ts, "accumulate_gradients", counted("update", ts.accumulate_gradients))
+    monkeypatch.setattr(flowgrpo_step, "accumulate_gradients", counted("update", flowgrpo_step.accumulate_gradients))
     monkeypatch.setattr(ts, "old_log_probs", counted("old", ts.old_log_probs))
     config = ts.TrainConfig(grid_hw=GRID, guidance=4.0, num_micro_batches=1, num_mini_batches=2,
                             old_log_prob="recompute", learning_rate=3e-4, clip_range=1e-4)

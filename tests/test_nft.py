@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from jaxflow import nft
+from jaxflow.algorithms import nft
 from jaxflow.step_config import TrainConfig
 from jaxflow.train_step import make_train_step
 from tests.helpers import ROOT, sampled_batch

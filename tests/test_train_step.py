@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxflow import flowgrpo
+from jaxflow.algorithms import flowgrpo
 from jaxflow.models.lora import LoRAParam
 from jaxflow.models.transformer import QwenImageTransformer
 from jaxflow.step_config import TrainConfig
 from jaxflow.train_batch import TrainBatch
-from jaxflow.train_step import accumulate_gradients, make_train_step, prepare_batch
+from jaxflow.algorithms.flowgrpo_step import accumulate_gradients
+from jaxflow.train_step import make_train_step, prepare_batch
 from jaxflow_bridge.contract import schedule
 from tests.helpers import GRID, SEEDS, TINY, inputs
 from tests.helpers_sampler import SamplerConfig, make_sampler

@@ -1,49 +1,22 @@
-"""FlowGRPO algorithm (docs/design.md §2, docs/numerics.md §4-5; flow_grpo `flow_grpo/stat_tracking.py`, `scripts/train_qwenimage.py`): group advantages, true-CFG velocity, and the
-clipped policy objective (+ KL to the adapters-off reference) of one SDE window step.
+"""FlowGRPO algorithm (docs/design.md §2, docs/numerics.md §4-5; flow_grpo `scripts/train_qwenimage.py`): true-CFG
+velocity, and the clipped policy objective (+ KL to the adapters-off reference) of one SDE window step, on the
+ratio `RATIOS` names (FlowGRPO's plain one here, GRPO-Guard's in `grpo_guard`).
 
-Pure functions. The jitted, sharded train step that accumulates these over micro-batches and window steps
-is `jaxflow.train_step`.
+Pure functions. Their accumulation over micro-batches and window steps is `flowgrpo_step`; group advantages are
+`advantages`.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxflow import sde
-from jaxflow.step_config import GUIDANCE_FIELDS, TEXT_IDS
-
-
-def compute_advantages(rewards, group_ids, *, global_std: bool = True, eps: float = 1e-4, clip: float = 5.0,
-                       expected_group_size: int | None = None) -> tuple[np.ndarray, float]:
-    """A = (r - mean of r's group) / (std + eps), clamped to +-clip; returns (A (B,) float32, zero_std_ratio).
-
-    std is over the whole batch (`global_std`, flow_grpo's default) or over each group (population std,
-    ddof=0). Groups may have any size; with `expected_group_size` an incomplete group is a ValueError.
-    A group whose rewards are all equal gets exactly 0; zero_std_ratio is the fraction of such groups.
-    """
-    rewards = np.asarray(rewards, np.float64)
-    group_ids = np.asarray(group_ids)
-    if rewards.ndim != 1 or group_ids.shape != rewards.shape or not rewards.size:
-        raise ValueError(f"rewards {rewards.shape} and group_ids {group_ids.shape} must be equal non-empty (B,)")
-    groups, inverse, counts = np.unique(group_ids, return_inverse=True, return_counts=True)
-    if expected_group_size is not None and np.any(counts != expected_group_size):
-        bad = np.flatnonzero(counts != expected_group_size)[0]
-        raise ValueError(f"group {groups[bad].item()!r} has {counts[bad]} samples, expected {expected_group_size}")
-    mean = np.bincount(inverse, rewards) / counts
-    lo, hi = np.full(len(groups), np.inf), np.full(len(groups), -np.inf)
-    np.minimum.at(lo, inverse, rewards)
-    np.maximum.at(hi, inverse, rewards)
-    constant = lo == hi
-    centered = np.where(constant[inverse], 0.0, rewards - mean[inverse])
-    if global_std:
-        std = rewards.std()
-    else:
-        std = np.sqrt(np.bincount(inverse, centered**2) / counts)[inverse]
-    advantages = np.clip(centered / (std + eps), -clip, clip).astype(np.float32)
-    return advantages, float(constant.mean())
+from jaxflow.algorithms import grpo_guard
+from jaxflow.algorithms.base import Component
+from jaxflow.train_batch import GUIDANCE_FIELDS, TEXT_IDS
 
 
 def _pad_text(embeds, mask, length):
@@ -134,11 +107,7 @@ def window_step_terms(model, tr: dict, *, grid_hw, sde_type: str, guidance: floa
     stop_gradient. `reject_log_ratio` (rollout correction): `keep` marks the samples with
     |logp - logp_rollout| <= it; the others are rejected (no gradient, not counted).
 
-    ratio_norm="guard" (GRPO-Guard, arXiv 2510.22319, as verl-omni's `grpo_guard` loss, per sample here): with the
-    step std s = std_dev_t sqrt(dt) ('cps': its std) and dt = sigma - sigma_next, the ratio is
-    exp(s (logp - logp_old + mean((mu - mu_old)^2) / (2 s^2))), which is exp(mean((mu - mu_old) eps)) for the
-    sampled noise eps: the same scale at every step; the policy term is divided by dt. mu_old: tr["old_mean"]
-    (the recompute pass), or mu under stop_gradient where the update is on-policy (ratio exactly 1).
+    ratio_norm: the ratio's name in `RATIOS` ("guard": GRPO-Guard's, `grpo_guard.Guard`).
 
     `log_prob(model, tr, lora_scale=1.0) -> (mean, logp, std)`: another model kind's window log-prob
     (`jaxflow.objectives`; grid_hw, sde_type and guidance are then its own); default `window_log_prob`.
@@ -150,18 +119,10 @@ def window_step_terms(model, tr: dict, *, grid_hw, sde_type: str, guidance: floa
     if "old_on_policy" in tr:  # a traced flag: this update is on-policy whatever old_log_prob holds
         old = jnp.where(tr["old_on_policy"], jax.lax.stop_gradient(logp), old)
     log_ratio = logp - old
-    if ratio_norm == "guard":
-        old_mean = tr["old_mean"] if "old_mean" in tr else jax.lax.stop_gradient(mean)
-        if "old_on_policy" in tr:
-            old_mean = jnp.where(tr["old_on_policy"], jax.lax.stop_gradient(mean), old_mean)
-        dt = tr["sigma"] - tr["sigma_next"]
-        step_std = std * jnp.sqrt(dt) if sde_type == "sde" else std
-        drift = jnp.mean(jnp.square(mean - old_mean).reshape(mean.shape[0], -1), axis=1)
-        policy, ratio = clipped_objective(step_std * (log_ratio + drift / (2 * step_std ** 2)), 0.0,
-                                          tr["advantages"], clip_range, adv_clip)
-        policy = policy / dt
-    else:
-        policy, ratio = clipped_objective(logp, old, tr["advantages"], clip_range, adv_clip)
+    new, base, divisor = RATIOS[ratio_norm].normalized(tr, mean, logp, std, old, log_ratio, sde_type)
+    policy, ratio = clipped_objective(new, base, tr["advantages"], clip_range, adv_clip)
+    if divisor is not None:
+        policy = policy / divisor
     kl = jnp.zeros_like(policy)
     if beta > 0:
         ref_mean = jax.lax.stop_gradient(log_prob(model, tr, lora_scale=0.0)[0])
@@ -171,6 +132,21 @@ def window_step_terms(model, tr: dict, *, grid_hw, sde_type: str, guidance: floa
     if reject_log_ratio is not None:
         terms["keep"] = jax.lax.stop_gradient(jnp.abs(terms["dlogp"]) <= reject_log_ratio)
     return terms
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainRatio(Component):
+    """FlowGRPO's ratio exp(logp - logp_old)."""
+
+    old_means: bool = False
+
+    def normalized(self, tr, mean, logp, std, old, log_ratio, sde_type):
+        return logp, old, None
+
+
+PLAIN = PlainRatio("none", "FlowGRPO's ratio", fields=("log_probs",),
+                   config_keys=("ratio_norm", "clip_range", "adv_clip"))
+RATIOS = {r.name: r for r in (PLAIN, grpo_guard.GUARD)}  # train.ratio_norm's choices
 
 
 def window_loss(terms: dict, beta: float):

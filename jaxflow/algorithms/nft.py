@@ -5,10 +5,11 @@ implicit positive policy on high-reward samples and away from an implicit negati
 built around the "old" policy that sampled (a slowly moving copy of the LoRA, `old_decay`).
 
 The loss terms are pure functions; `gradients` accumulates them over a mini-batch and `advanced` moves the
-old policy, both inside `jaxflow.train_step`'s jitted functions.
+old policy, both inside `jaxflow.train_step`'s jitted functions through the registered component `NFT`.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -16,7 +17,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxflow import minibatches
+from jaxflow.algorithms.base import Component
 
+FIELDS = ("final_latents", "sigmas", "prompt_embeds", "prompt_mask", "advantages")
+SALT = 0x6E6674  # folded into the seed's key for the timesteps and noise (apart from the epochs' shuffles)
 WEIGHT_FLOOR = 1e-5  # the adaptive weight's lower clip (DiffusionNFT's)
 
 
@@ -97,7 +101,7 @@ def _loss(lora, old, frozen, step, scale, *, graphdef, config):
 
 
 def gradients(graphdef, lora, old, frozen, batch: dict, key, config, layout=None):
-    """DiffusionNFT's counterpart of `train_step.accumulate_gradients` (`config` a TrainConfig, `layout` a Layout or
+    """DiffusionNFT's counterpart of `flowgrpo_step.accumulate_gradients` (`config` a TrainConfig, `layout` a Layout or
     None): the sum over micro-batches and noised timesteps of grad(loss / (M * T)) wrt `lora` (M = num_micro_batches,
     T = nft_timesteps) and the per-sample terms stacked as (M, T, B/M). Each sample trains on T distinct timesteps of
     its schedule with fresh noise, both drawn from `key` (`timestep_picks`); `old` is the old policy's LoRA (no
@@ -128,3 +132,52 @@ def advanced(old, lora, updates, decay: tuple[float, float, float]):
     """The old policy after a step: d old + (1 - d) lora, d = `old_decay(updates, *decay)` (updates so far)."""
     d = old_decay(updates, *decay)
     return jax.tree.map(lambda o, p: d * o + (1 - d) * p, old, lora)
+
+
+@dataclasses.dataclass(frozen=True)
+class DiffusionNFT(Component):
+    """DiffusionNFT on the rollout's final latents, nft_timesteps noised timesteps a sample; the old policy
+    (TrainState.old, what the rollout serves) moved after each step by `old_decay(*nft_decay)`."""
+
+    log_probs: bool = False
+    keeps_old: bool = True
+
+    def batch_fields(self, config) -> tuple[str, ...]:
+        return self.fields
+
+    def missing_hint(self, missing: list[str]) -> str:
+        return (" (the rollout keeps them with keep_final: config.sampling does for train.algorithm='nft')"
+                if "final_latents" in missing else "")
+
+    def prepare(self, out: dict, batch, config) -> dict:
+        return out
+
+    def update(self, state, frozen, mb: dict, old, index, *, graphdef, config, layout, objective):
+        """(grads, metrics, None); the timesteps and noise: a function of the seed and the update count (a resume
+        draws the same)."""
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(config.shuffle_seed), SALT), state.step)
+        grads, terms = gradients(graphdef, state.lora, state.old, frozen, mb, key, config, layout)
+        return grads, step_metrics(terms, config.beta), None
+
+    def advanced(self, old, lora, updates, config):
+        return advanced(old, lora, updates, config.nft_decay)
+
+    def rules(self, config, policy):
+        flat, rate, cap = config.nft_decay
+        return (
+            ("guidance", config.guidance != 1, "NFT trains and samples a CFG-free policy: 1"),
+            ("sde_type", config.sde_type not in ("sde", "cps", "ode"),
+             "choose 'ode' (DiffusionNFT's deterministic rollout), 'sde' or 'cps'"),
+            ("old_log_prob", policy.old_log_prob.reject_log_ratio(config) is not None,
+             "corrects log-probs; NFT has none: 'rollout'"),
+            ("ratio_norm", policy.ratio.name != "none", "is a FlowGRPO ratio; NFT has none: 'none'"),
+            ("drop_zero_advantage", policy.filter.compacts, "a zero advantage still trains in NFT (r = 1/2): False"),
+            ("nft_beta", not config.nft_beta > 0, "must be > 0"),
+            ("nft_timesteps", config.nft_timesteps < 1, "must be >= 1"),
+            ("nft_decay", not (flat >= 0 and rate >= 0 and 0 <= cap < 1),
+             "(flat updates, rate, cap): flat >= 0, rate >= 0, cap in [0, 1)"))
+
+
+NFT = DiffusionNFT("nft", "DiffusionNFT on the forward process", fields=FIELDS,
+                   config_keys=("algorithm", "nft_beta", "nft_timesteps", "nft_decay", "adv_clip", "beta",
+                                "shuffle_seed", "num_micro_batches"))

@@ -1,0 +1,1 @@
+"""The training algorithms (docs/design.md §2)."""

@@ -1,0 +1,121 @@
+"""FlowGRPO's policy loss (train.algorithm="flowgrpo") over one mini-batch: `accumulate_gradients` sums, over
+micro-batches and window steps, the gradient of `flowgrpo.window_step_terms`' loss; `FLOWGRPO` is its registered
+component, whose `update` the train step calls (`jaxflow.train_step`)."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxflow import minibatches
+from jaxflow.algorithms import flowgrpo
+from jaxflow.algorithms.base import Component
+from jaxflow.objectives import QWEN_IMAGE, Objective
+from jaxflow.sharding import Layout
+from jaxflow.train_batch import GUIDANCE_FIELDS
+
+FIELDS = ("latents", "log_probs", "sigmas", "step_index", "noise_level", "prompt_embeds", "prompt_mask", "advantages")
+
+
+def _window_loss(lora, frozen, step, scale, *, graphdef, config, objective: Objective):
+    model = nnx.merge(graphdef, lora, frozen)
+    terms = flowgrpo.window_step_terms(
+        model, step, grid_hw=config.grid_hw, sde_type=config.sde_type, guidance=config.guidance,
+        clip_range=config.clip_range, adv_clip=config.adv_clip, beta=config.beta,
+        reject_log_ratio=config.policy.old_log_prob.reject_log_ratio(config), ratio_norm=config.ratio_norm,
+        log_prob=functools.partial(objective.log_prob, config=config))
+    return flowgrpo.window_loss(terms, config.beta) * scale, terms
+
+
+def accumulate_gradients(graphdef, lora, frozen, batch: dict, config, layout: Layout | None = None,
+                         objective: Objective = QWEN_IMAGE):
+    """Sum over micro-batches and window steps of grad(loss / (M * W)) wrt `lora`, and the per-sample terms
+    stacked as (M, W, B/M), M = num_micro_batches (`config` a TrainConfig). `batch` is per-sample (see
+    `train_step.prepare_batch`). logp_old: the rollout's log_probs where the source is the rollout's
+    (old_log_prob="rollout", or "rollout_corrected", which also rejects: `rollout_correction`), else
+    batch["old_log_probs"] (B, W) if given, else the on-policy stop_gradient(logp).
+
+    The filter (`zero_advantage`) picks the micro-batches that run and M then counts those only (the terms carry
+    `mask`). `objective` (`jaxflow.objectives`): the model kind's window log-prob; its `context` runs once per
+    micro-batch, outside the gradient (BAGEL: the frozen contexts' K/V, reused at every window step)."""
+    policy = config.policy
+    m, w = config.num_micro_batches, batch["log_probs"].shape[1]
+    batch = policy.old_log_prob.with_old(batch)
+    flags = {k: batch[k] for k in ("old_on_policy",) if k in batch}  # scalars, not per sample
+    batch = minibatches.micro_batches({k: v for k, v in batch.items() if k not in flags}, m)
+    active = policy.filter.active(batch["advantages"], m)
+    scale = policy.filter.scale(active, m, w)
+    grad_fn = jax.grad(functools.partial(_window_loss, graphdef=graphdef, config=config, objective=objective),
+                       has_aux=True)
+
+    def micro(grads, xs):
+        mb, run = xs
+        if layout is not None:
+            mb = jax.lax.with_sharding_constraint(mb, layout.batch_sharding)
+        per_step, shared = flowgrpo.window_steps(mb)
+
+        def train(grads):
+            ctx = objective.context(nnx.merge(graphdef, lora, frozen), shared, config)
+
+            def window(grads, xs):
+                g, terms = grad_fn(lora, frozen, {**ctx, **flags, **xs}, scale=scale)
+                return jax.tree.map(jnp.add, grads, g), terms
+
+            return jax.lax.scan(window, grads, per_step)
+
+        return policy.filter.run(train, grads, run)
+
+    grads, terms = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, lora), (batch, active))
+    return grads, policy.filter.marked(terms, active)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlowGRPO(Component):
+    """FlowGRPO: PPO's clipped objective on the SDE window steps' log-probs (+ beta KL)."""
+
+    log_probs: bool = True
+    keeps_old: bool = False
+
+    def batch_fields(self, config) -> tuple[str, ...]:
+        return self.fields + (GUIDANCE_FIELDS if config.guided else ())
+
+    def missing_hint(self, missing: list[str]) -> str:
+        return ""
+
+    def prepare(self, out: dict, batch, config) -> dict:
+        """`out` checked against the window's shapes, its SDE fields in the step's dtypes."""
+        b, w = len(batch), batch.log_probs.shape[1]
+        latents, step_index = batch.latents.shape, batch.step_index.shape
+        if latents[:2] != (b, w + 1) or step_index != (b, w):
+            raise ValueError(f"latents {latents} / step_index {step_index} do not match log_probs {(b, w)}: "
+                             f"expected (B, W+1, S, C) / (B, W)")
+        out["noise_level"] = out["noise_level"].astype(np.float32)
+        out["step_index"] = out["step_index"].astype(np.int32)
+        return out
+
+    def update(self, state, frozen, mb: dict, old, index, *, graphdef, config, layout, objective):
+        """(grads, metrics, runs) of one update on mini-batch `mb` (number `index`); `old` the recompute pass's
+        output for it or None; runs: which micro-batches ran (None: all)."""
+        if old is not None:
+            old = minibatches.select(old, config.num_mini_batches, index)
+            mb["old_log_probs"] = old["log_probs"]
+            if "means" in old:
+                mb["old_means"] = old["means"]
+            if config.pass_skips_first:  # the pass left mini-batch 0 out: the first update is on-policy
+                mb["old_on_policy"] = index == 0
+        grads, terms = accumulate_gradients(graphdef, state.lora, frozen, mb, config, layout, objective)
+        metrics = flowgrpo.step_metrics(terms, clip_range=config.clip_range, beta=config.beta)
+        return grads, metrics, config.policy.filter.runs(terms, metrics)
+
+    def rules(self, config, policy):
+        return (("sde_type", config.sde_type not in ("sde", "cps"),
+                 "training needs 'sde' or 'cps' ('ode' has no log-prob to train; it samples for algorithm 'nft')"),)
+
+
+FLOWGRPO = FlowGRPO("flowgrpo", "FlowGRPO's clipped objective on the SDE log-probs", fields=FIELDS,
+                    config_keys=("algorithm", "sde_type", "guidance", "clip_range", "adv_clip", "beta",
+                                 "num_micro_batches"))

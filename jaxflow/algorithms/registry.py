@@ -1,0 +1,60 @@
+"""The registry: each algorithm config key's choices (`TABLES`: the TrainConfig field -> {value: component}) and the
+run's `Policy`, one component per role resolved from the config (`resolve`). The train step calls the policy's
+components and never names one."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from jaxflow.algorithms import flowgrpo, nft, old_log_prob, rollout_correction, zero_advantage
+from jaxflow.algorithms.base import Filter, Loss, OldLogProb, Ratio
+from jaxflow.algorithms.flowgrpo_step import FLOWGRPO
+
+TABLES = {
+    "algorithm": {c.name: c for c in (FLOWGRPO, nft.NFT)},
+    "ratio_norm": flowgrpo.RATIOS,
+    "old_log_prob": {c.name: c for c in (old_log_prob.ROLLOUT, old_log_prob.RECOMPUTE,
+                                         rollout_correction.ROLLOUT_CORRECTED)},
+    "drop_zero_advantage": {False: zero_advantage.KEEP_ALL, True: zero_advantage.DROP_ZERO},
+}
+
+
+class Policy(NamedTuple):
+    """One component per role, in `TABLES`' order."""
+
+    loss: Loss
+    ratio: Ratio
+    old_log_prob: OldLogProb
+    filter: Filter
+
+    @property
+    def recompute(self) -> bool:
+        """Whether the step needs the old-log-prob pass: a component asks for it and the loss reads log-probs."""
+        return self.loss.log_probs and any(c.recompute for c in self)
+
+    def rules(self, config) -> tuple:
+        """Every component's rules on `config`, in role order."""
+        return tuple(rule for c in self for rule in c.rules(config, self))
+
+
+def choice_rules(config) -> tuple:
+    """(field, fails, why) for each algorithm key: its value must be one of its table's."""
+    rules = []
+    for key, table in TABLES.items():
+        named = [f"{v!r} ({c.summary})" for v, c in table.items()]
+        choices = ", ".join(named[:-1]) + f" or {named[-1]}"
+        rules.append((key, _value(config, key) not in table, f"choose {choices}"))
+    return tuple(rules)
+
+
+def _value(config, key):
+    value = getattr(config, key)
+    try:
+        hash(value)
+    except TypeError:
+        return None
+    return value
+
+
+def resolve(config) -> Policy:
+    """The config's policy (its values checked by `choice_rules` first)."""
+    return Policy(*(table[getattr(config, key)] for key, table in TABLES.items()))
