@@ -10,7 +10,7 @@ import socket
 import subprocess
 from pathlib import Path
 
-from jaxflow_bridge.rollout.tiny import cache_root
+from jaxflow_bridge.random_models.tiny import cache_root
 from tests.helpers import ROOT
 from tests import HANG_S
 

@@ -29,7 +29,7 @@ import torch
 
 from jaxflow_bridge.contract.schedule import sample_windows, sigma_schedule, window_noise_levels, window_size
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
-from jaxflow_bridge.rollout.bagel_torch import stack_contexts
+from jaxflow_bridge.families.bagel.model import stack_contexts
 from jaxflow_bridge.rollout.sampling import params_from_dict, per_sample_seeds
 from jaxflow_bridge.rollout.sde import SDE_TYPES, sde_step
 
@@ -57,7 +57,7 @@ class BagelSamplingParams:
     seed: int = 0  # base seed when generate() gets no per-sample seeds
     same_latent: bool = False
     keep_final: bool = False
-    think: bool = False  # BAGEL's think mode: a greedy text decode extends the conditional context (bagel_think.py)
+    think: bool = False  # BAGEL's think mode: a greedy text decode extends the conditional context (think.py)
     max_think_tokens: int = 1000  # most tokens a think decode feeds, its start token included (vLLM-Omni's default)
 
     @classmethod

@@ -10,7 +10,7 @@ branches instead of the stock `forward` once a sample:
    empty (kv length 0, image at RoPE position 0); image CFG off;
 2. one `Bagel.generate_image` over the n samples packed: the context cache repeated per sample, `prepare_vae_latent`
    / `prepare_vae_latent_cfg` with n image sizes, each sample's initial latents from its own `WindowScheduler`
-   (jaxflow_bridge/rollout/bagel_scheduler.py; `same_latent` gives the group the first one's), `LockstepScheduler`
+   (jaxflow_bridge/families/bagel/scheduler.py; `same_latent` gives the group the first one's), `LockstepScheduler`
    as the `scheduler` hook (each sample's step by its own WindowScheduler: its generator, window and log-probs as
    alone) and `Bagel._combine_cfg` taken per sample for the call (the stock "global" renorm norms over the whole
    packed tensor, every sample's velocity at once);
@@ -34,9 +34,9 @@ import torch
 
 from jaxflow_bridge.contract.schedule import sigma_schedule
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
-from jaxflow_bridge.rollout.bagel_sampling import PIXELS_PER_TOKEN, SCHEDULER_CONFIG, BagelSamplingParams, pad_ids
-from jaxflow_bridge.rollout.bagel_scheduler import WindowScheduler
-from jaxflow_bridge.rollout.vllm_omni_pipeline import pack_trajectories
+from jaxflow_bridge.families.bagel.sampling import PIXELS_PER_TOKEN, SCHEDULER_CONFIG, BagelSamplingParams, pad_ids
+from jaxflow_bridge.families.bagel.scheduler import WindowScheduler
+from jaxflow_bridge.engines.vllm_omni.pipeline import pack_trajectories
 
 PIPELINE_CLASS = f"{__name__}.FlowGRPOBagelPipeline"
 # BagelSamplingParams fields in OmniDiffusionSamplingParams attributes; the rest ride in extra_args
