@@ -1,6 +1,6 @@
-"""BAGEL folders of any geometry (jaxflow_bridge/random_models/tiny_bagel.py's `Geometry`) and the full-size random writer
-(jaxflow_bridge/random_models/full_size_bagel.py, scripts/make_random_bagel.py): the tiny folder byte for byte as the
-writer before `Geometry` wrote it, BAGEL-7B-MoT's shapes listed without drawing (equal to the trainer's and the
+"""BAGEL folders of any geometry (jaxflow_bridge/random_models/tiny_bagel.py's `Geometry`) and the full-size random
+writer (jaxflow_bridge/random_models/full_size_bagel.py, scripts/make_random_bagel.py): the tiny folder byte for byte as
+the writer before `Geometry` wrote it, BAGEL-7B-MoT's shapes listed without drawing (equal to the trainer's and the
 bagel_torch engine's), and a shrunk full geometry written through the streamed path, loaded by the trainer and both
 engines' fingerprints."""
 import hashlib

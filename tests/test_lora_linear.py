@@ -1,5 +1,5 @@
-"""jaxflow_bridge/rollout/kernels/lora_linear.py: the fused LoRA'd linear against the per-slice sum, under torch.compile, and its
-routing inside a stand-in of vLLM-Omni's diffusion LoRA layer (vLLM-Omni itself needs a GPU)."""
+"""jaxflow_bridge/rollout/kernels/lora_linear.py: the fused LoRA'd linear against the per-slice sum, under
+torch.compile, and its routing inside a stand-in of vLLM-Omni's diffusion LoRA layer (vLLM-Omni itself needs a GPU)."""
 from __future__ import annotations
 
 import pytest

@@ -280,8 +280,8 @@ def _has_vllm_omni() -> bool:
 
 
 def test_custom_pipeline_installs_the_fused_lora_apply_unless_told_stock(tiny_path):
-    """vLLM-Omni's diffusion LoRA layer class gets jaxflow_bridge.rollout.kernels.lora_linear's apply when our pipeline is built
-    (before any LoRA layer or compiled graph exists); lora_apply="stock" leaves it alone; a typo is refused."""
+    """vLLM-Omni's diffusion LoRA layer class gets jaxflow_bridge.rollout.kernels.lora_linear's apply when our pipeline
+    is built (before any LoRA layer or compiled graph exists); lora_apply="stock" leaves it alone; a typo is refused."""
     def stock(self, x, bias=None):
         return x
 
@@ -305,8 +305,8 @@ def test_custom_pipeline_takes_cfg_forward_from_its_args(tiny_path):
 
 
 def test_custom_pipeline_refuses_an_unknown_qk_ops(tiny_path):
-    """qk_ops picks the attention's q/k norm and rotary ops (jaxflow_bridge/rollout/kernels/qk_rope.py swaps them, tested
-    there); a typo is refused when the pipeline is built, before any weight loads."""
+    """qk_ops picks the attention's q/k norm and rotary ops (jaxflow_bridge/rollout/kernels/qk_rope.py swaps them,
+    tested there); a typo is refused when the pipeline is built, before any weight loads."""
     cls = vop.build_pipeline_class(FakeOmniQwenImagePipeline, SimpleNamespace)
     for qk_ops in ("compiled", "vllm"):
         cls(od_config=SimpleNamespace(model=str(tiny_path), custom_pipeline_args={"qk_ops": qk_ops}))

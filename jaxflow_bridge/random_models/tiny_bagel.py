@@ -7,7 +7,8 @@ vLLM-Omni's two-stage thinker builds the ViT its start-up profiling runs), ``vit
 experts, LM head, time embedder, vae2llm / llm2vae, the 2-D sin-cos ``latent_pos_embed`` and ``vit_pos_embed``, the
 ViT as ``vit_model.vision_model.*`` and the connector), the tokenizer of ``tiny.py`` (byte-level BPE with the Qwen
 special tokens, vocab 384), ``preprocessor_config.json`` and ``ae.safetensors`` (FLUX's autoencoder at the geometry
-vLLM-Omni hard-codes, 84M parameters: ``bagel_vae.checkpoint_shapes``; random, so its images are not meaningful).
+vLLM-Omni hard-codes, 84M parameters: ``families.bagel.vae.checkpoint_shapes``; random, so its images are not
+meaningful).
 
 Seeds: a ``torch.Generator`` seeded ``seed + k`` for component k (0 language model, 1 generation heads, 2 ViT and
 connector, 3 autoencoder), drawing each component's tensors in ``components`` order, in float32, cast once to

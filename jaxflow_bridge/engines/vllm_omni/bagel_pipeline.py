@@ -5,7 +5,7 @@ request's n samples in lockstep through vLLM-Omni's own pieces, one LLM forward 
 branches instead of the stock `forward` once a sample:
 
 1. one prefill of the conditional context (`prepare_prompts` + `forward_cache_update_text` on a `NaiveCache`:
-   `<|im_start|>` + prompt + `<|im_end|>`, our `engine_bagel.context_ids`) and, with `think` (greedy), one
+   `<|im_start|>` + prompt + `<|im_end|>`, our `engines.bagel_torch.context_ids`) and, with `think` (greedy), one
    `prepare_start_tokens` + `generate_text` on it, shared by the request's samples; the unconditional context is
    empty (kv length 0, image at RoPE position 0); image CFG off;
 2. one `Bagel.generate_image` over the n samples packed: the context cache repeated per sample, `prepare_vae_latent`
@@ -21,7 +21,7 @@ prefill after its length and next position are checked against that prefill's; t
 Everything runs under the stock forward's autocast. The trajectory's `prompt_ids` are the ids the prefill and the
 think decode fed. The engine's velocity sees its own float32 timesteps (`linspace(1, 0, N + 1)` shifted by 3), the
 steps our contract's sigmas of the same formula: equal up to float32 rounding. Requests without our `extra_args`
-(warm-up, plain text-to-image) run the stock pipeline. Built lazily on attribute access, as `vllm_omni_pipeline`'s
+(warm-up, plain text-to-image) run the stock pipeline. Built lazily on attribute access, as `vllm_omni.pipeline`'s
 classes are; never imports JAX. Parity on a GPU: BENCHMARKS.md, "BAGEL through vLLM-Omni, tiny".
 """
 from __future__ import annotations

@@ -42,7 +42,7 @@ class QwenImage:
         self.size_multiple = pixels_per_token(json.loads((folder / "vae" / "config.json").read_text()))
 
     def pipeline_args(self, config: dict) -> dict:
-        """custom_pipeline_args: the class, its options (`vllm_omni_pipeline.pipeline_options`) and `random_seed`."""
+        """custom_pipeline_args: the class, its options (`vllm_omni.pipeline.pipeline_options`) and `random_seed`."""
         options = {k: config[k] for k in qwen_pipeline.PIPELINE_OPTIONS if k in config}
         args = {"pipeline_class": qwen_pipeline.PIPELINE_CLASS, **qwen_pipeline.pipeline_options(options)}
         if config.get("random_seed") is not None:
@@ -108,7 +108,7 @@ class Bagel:
                 f"{prefix}worker_extension_cls": extension}
 
     def encode_request(self, prompt: str, sampling: BagelSamplingParams, seeds, policy_version: int):
-        """`vllm_omni_bagel_pipeline.encode_request`, the prompt framed for the thinker with two stages."""
+        """`engines.vllm_omni.bagel_pipeline.encode_request`, the prompt framed for the thinker with two stages."""
         return bagel_pipeline.encode_request(prompt, sampling, seeds, policy_version, framed=self.stages > 1)
 
     def thinker_params(self, sampling: BagelSamplingParams) -> list:

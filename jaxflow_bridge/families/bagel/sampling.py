@@ -132,7 +132,7 @@ def pad_ids(ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 class BagelSamplingLoop:
     """Sampling with trajectories over `model` (BagelTorch's interface); `decode(latents, grid_hw)` -> (B, H, W, 3)
     uint8 (default: the `latent_preview` stand-in); `policy_version` is stamped on every sample; `thinker(ids,
-    max_tokens)` -> (think tokens, the one-row context they extend), `bagel_think.Thinker`: think mode's decode."""
+    max_tokens)` -> (think tokens, the one-row context they extend), `think.Thinker`: think mode's decode."""
 
     def __init__(self, model, decode: Callable[[torch.Tensor, tuple[int, int]], np.ndarray] = latent_preview,
                  policy_version: int = 0, thinker: Callable | None = None):
@@ -146,7 +146,7 @@ class BagelSamplingLoop:
         sp = sampling or BagelSamplingParams()
         seeds = validate(prompt_ids, n, sp, seeds, prompts)
         if sp.think and self.thinker is None:
-            raise ValueError("think mode needs a thinker (bagel_think.Thinker: the checkpoint's text head)")
+            raise ValueError("think mode needs a thinker (families.bagel.think.Thinker: the checkpoint's text head)")
         prompts = [""] * len(prompt_ids) if prompts is None else prompts
         steps, size = sp.num_inference_steps, sp.sde_window_size
         grid = (sp.height // PIXELS_PER_TOKEN, sp.width // PIXELS_PER_TOKEN)
