@@ -1,7 +1,7 @@
 """FlowGRPO's log-prob of stored transitions for BAGEL (docs/bagel.md §2, §4): the two contexts prefilled once from the
 trajectory's token ids, BAGEL's text CFG (interval, per-sample "global" renorm) and the SDE log-prob of
 `jaxflow.sde`. The Qwen-Image counterpart is `jaxflow.algorithms.flowgrpo`; the torch rollout this mirrors is
-`jaxflow_bridge/rollout/bagel_sampling.py`."""
+`jaxflow_bridge/families/bagel/sampling.py`."""
 from __future__ import annotations
 
 import dataclasses

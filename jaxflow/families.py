@@ -54,7 +54,7 @@ class QwenImage:
 
     def folder(self, cfg) -> Path:
         if cfg.model.path == self.tiny:
-            from jaxflow_bridge.rollout.tiny import tiny_pipeline_path
+            from jaxflow_bridge.random_models.tiny import tiny_pipeline_path
             return tiny_pipeline_path(dtype=cfg.rollout.dtype)
         return Path(cfg.model.path)
 
@@ -73,7 +73,7 @@ class QwenImage:
     def size_multiple(self, cfg) -> int:
         """`pixels_per_token` of the VAE: the folder's vae/config.json or the tiny model's."""
         if cfg.model.path == self.tiny:
-            from jaxflow_bridge.rollout.tiny import TINY_VAE_CONFIG
+            from jaxflow_bridge.random_models.tiny import TINY_VAE_CONFIG
             vae = TINY_VAE_CONFIG
         else:
             path = Path(cfg.model.path) / "vae" / "config.json"
@@ -142,13 +142,13 @@ class Bagel:
 
     def folder(self, cfg) -> Path:
         if cfg.model.path == self.tiny:
-            from jaxflow_bridge.rollout.tiny_bagel import tiny_bagel_path
+            from jaxflow_bridge.random_models.tiny_bagel import tiny_bagel_path
             return tiny_bagel_path()
         return Path(cfg.model.path)
 
     def _top(self, cfg) -> dict:
         if cfg.model.path == self.tiny:
-            from jaxflow_bridge.rollout.tiny_bagel import top_config
+            from jaxflow_bridge.random_models.tiny_bagel import top_config
             return top_config()
         return json.loads((Path(cfg.model.path) / "config.json").read_text())
 

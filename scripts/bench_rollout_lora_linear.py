@@ -9,7 +9,7 @@ One transformer block's four adapted image-stream linears (fused q/k/v 3072 -> 3
 - `base`: the linears without LoRA (the floor);
 - `stock`: vLLM-Omni 0.20's semantics, y = linear(x); y[:, s] = y[:, s] + (x @ A_s.T) @ B_s.T per slice, eager and
   under torch.compile (vLLM-Omni compiles its blocks);
-- `fused`: `jaxflow_bridge.rollout.lora_linear.lora_linear`, eager and compiled.
+- `fused`: `jaxflow_bridge.rollout.kernels.lora_linear.lora_linear`, eager and compiled.
 Per rollout of 32 images (2 requests x 10 steps x 60 blocks) the LoRA overhead over `base` is printed in seconds.
 Each variant's output is checked against a float32 reference within bf16 rounding.
 
@@ -18,7 +18,7 @@ at T = 32768, text 96 tokens): the fused op reading the slice in place (strided-
 against the slice copied first, as a reshape does (`slice_copied`), eager.
 
 Then the image MLP's in-projection and tanh GELU on T / 2 rows (one CFG half): GELU as its own kernel (eager,
-compiled) against the GELU in the GEMM's cuBLASLt epilogue (`jaxflow_bridge.rollout.linear_gelu`).
+compiled) against the GELU in the GEMM's cuBLASLt epilogue (`jaxflow_bridge.rollout.kernels.linear_gelu`).
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ import torch.nn.functional as F
 
 from jaxflow_bench.cli import bench_parser
 from jaxflow_bench.results import write_result
-from jaxflow_bridge.rollout.linear_gelu import linear_gelu
-from jaxflow_bridge.rollout.lora_linear import lora_linear
+from jaxflow_bridge.rollout.kernels.linear_gelu import linear_gelu
+from jaxflow_bridge.rollout.kernels.lora_linear import lora_linear
 
 RANK, REPEATS = 64, 20
 FULL = dict(tokens=32768, hidden=3072, mlp=12288)

@@ -41,10 +41,10 @@ def main(argv=None) -> int:
     from jaxflow.parity import random_adapter
     from jaxflow_bridge.contract.lora_shm import SharedAdapterFile
     from jaxflow_bridge.contract.trajectory import TrajectoryBatch
-    from jaxflow_bridge.rollout.engine_vllm_omni import VllmOmniEngine
+    from jaxflow_bridge.engines.vllm_omni.engine import VllmOmniEngine
 
     if args.model is None:
-        from jaxflow_bridge.rollout.tiny_bagel import tiny_bagel_path
+        from jaxflow_bridge.random_models.tiny_bagel import tiny_bagel_path
 
         args.model = tiny_bagel_path(dtype="bfloat16")
     layers = json.loads((args.model / "llm_config.json").read_text())["num_hidden_layers"]

@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     p.add_argument("--tol", type=float, default=1e-5)
     args = p.parse_args(argv)
     if args.model is None:
-        from jaxflow_bridge.rollout.tiny import tiny_pipeline_path
+        from jaxflow_bridge.random_models.tiny import tiny_pipeline_path
         args.model = tiny_pipeline_path()
     folder = args.model / "transformer"
     ref_model = QwenImageTransformer2DModel.from_pretrained(folder, dtype=torch.float32).eval()

@@ -44,7 +44,7 @@ def profile_rollout(folder: Path, out: Path, n: int = 16, compile_block: bool = 
     trainer builds it; `compile_block`: its `rollout.compile` (torch.compile of the repeated block)."""
     import torch
 
-    from jaxflow_bridge.rollout.engine_diffusers import DiffusersEngine
+    from jaxflow_bridge.engines.diffusers import DiffusersEngine
     from jaxflow_bridge.rollout.sampling import SamplingParams
     pipe = DiffusersEngine({"engine": "diffusers", "model": str(folder), "dtype": "bfloat16", "device": "cuda",
                             "random_seed": 0, "compile": compile_block}).pipeline

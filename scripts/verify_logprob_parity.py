@@ -152,11 +152,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     bagel = args.model_family == "bagel"
     if args.model is None and bagel:
-        from jaxflow_bridge.rollout.tiny_bagel import tiny_bagel_path
+        from jaxflow_bridge.random_models.tiny_bagel import tiny_bagel_path
 
         args.model = tiny_bagel_path(dtype=args.dtype)
     elif args.model is None:
-        from jaxflow_bridge.rollout.tiny import tiny_pipeline_path
+        from jaxflow_bridge.random_models.tiny import tiny_pipeline_path
 
         args.model = tiny_pipeline_path(dtype=args.dtype)  # vLLM-Omni takes its dtype from the folder's
     engine = build_engine(args.engine, args.model, args.dtype, args.lora_apply, args.deploy)

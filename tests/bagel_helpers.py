@@ -20,8 +20,8 @@ from jaxflow.models.bagel.loading import build
 from jaxflow.models.bagel.lora import BagelLoRASpec, peft_state_dict, set_peft
 from jaxflow.models.bagel.model import velocity
 from jaxflow_bridge.contract import bagel_keymap
-from jaxflow_bridge.rollout.bagel_sampling import BagelSamplingLoop, BagelSamplingParams
-from jaxflow_bridge.rollout.bagel_torch import BagelTorch
+from jaxflow_bridge.families.bagel.sampling import BagelSamplingLoop, BagelSamplingParams
+from jaxflow_bridge.families.bagel.model import BagelTorch
 from tests import bagel_ref
 
 # ---------------------------------------------------------------------------------------------- velocity parity

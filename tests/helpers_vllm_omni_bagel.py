@@ -29,9 +29,9 @@ import torch
 from PIL import Image
 
 from jaxflow_bridge.contract.schedule import sigma_schedule
-from jaxflow_bridge.rollout.bagel_sampling import PIXELS_PER_TOKEN, SCHEDULER_CONFIG
-from jaxflow_bridge.rollout.bagel_think import think_decode
-from jaxflow_bridge.rollout.bagel_torch import BagelContext
+from jaxflow_bridge.families.bagel.sampling import PIXELS_PER_TOKEN, SCHEDULER_CONFIG
+from jaxflow_bridge.families.bagel.think import think_decode
+from jaxflow_bridge.families.bagel.model import BagelContext
 from tests.helpers_vllm_omni import FakeBagel
 
 

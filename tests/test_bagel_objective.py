@@ -15,7 +15,7 @@ from jaxflow.models.bagel.loading import build
 from jaxflow.models.bagel.lora import set_peft
 from jaxflow.models.lora import LoRAParam
 from jaxflow_bridge.contract import bagel_keymap
-from jaxflow_bridge.rollout.bagel_sampling import guided_velocity
+from jaxflow_bridge.families.bagel.sampling import guided_velocity
 from tests import bagel_ref
 from tests.bagel_helpers import GUIDANCE, ROLLOUT_GRID, SP, SPEC, U, arrays, bound, random_adapter, sampled
 

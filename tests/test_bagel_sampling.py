@@ -1,4 +1,4 @@
-"""The BAGEL FlowGRPO sampling loop (jaxflow_bridge/rollout/bagel_sampling.py) over the tiny torch BAGEL, on CPU:
+"""The BAGEL FlowGRPO sampling loop (jaxflow_bridge/families/bagel/sampling.py) over the tiny torch BAGEL, on CPU:
 batch independence, seeds, the shifted schedule, log-probs against a float64 recomputation, same_latent, CFG."""
 import dataclasses
 import math
@@ -10,9 +10,9 @@ import torch
 from jaxflow.models.bagel.config import TINY
 from jaxflow_bridge.contract.schedule import sample_windows, sigma_schedule
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
-from jaxflow_bridge.rollout.bagel_sampling import (BagelSamplingLoop, BagelSamplingParams, guided_velocity,
+from jaxflow_bridge.families.bagel.sampling import (BagelSamplingLoop, BagelSamplingParams, guided_velocity,
                                                    latent_preview, pad_ids)
-from jaxflow_bridge.rollout.bagel_torch import BagelTorch
+from jaxflow_bridge.families.bagel.model import BagelTorch
 from tests import bagel_ref
 
 U = 2.0**-24  # float32 unit roundoff

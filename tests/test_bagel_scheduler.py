@@ -1,4 +1,4 @@
-"""jaxflow_bridge/rollout/bagel_scheduler.py: one sample's steps through `WindowScheduler.step`, called as vLLM-Omni's
+"""jaxflow_bridge/families/bagel/scheduler.py: one sample's steps through `WindowScheduler.step`, called as vLLM-Omni's
 `Bagel.generate_image` calls its scheduler (one call a step after the CFG combine, the engine's own shifted
 timesteps and dt passed and ignored), give the sample the latents, log-probs, window and final latents that
 `BagelSamplingLoop` gives it: the same bytes, as both run the same float32 operations on the same draws."""
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from jaxflow.models.bagel.config import TINY
-from jaxflow_bridge.rollout.bagel_sampling import PIXELS_PER_TOKEN, SCHEDULER_CONFIG, BagelSamplingLoop, pad_ids
+from jaxflow_bridge.families.bagel.sampling import PIXELS_PER_TOKEN, SCHEDULER_CONFIG, BagelSamplingLoop, pad_ids
 from jaxflow_bridge.contract.schedule import sigma_schedule
-from jaxflow_bridge.rollout.bagel_scheduler import WindowScheduler
-from jaxflow_bridge.rollout.bagel_torch import BagelTorch
+from jaxflow_bridge.families.bagel.scheduler import WindowScheduler
+from jaxflow_bridge.families.bagel.model import BagelTorch
 from tests import bagel_ref
 from tests.bagel_helpers import SP
 

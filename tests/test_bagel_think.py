@@ -1,5 +1,5 @@
 """BAGEL's think mode on the CPU (docs/bagel.md §2, item 3), on the tiny BAGEL folder in float32: the cached greedy
-decode (jaxflow_bridge/rollout/bagel_think.py) against a direct transcription that reruns the whole sequence every
+decode (jaxflow_bridge/families/bagel/think.py) against a direct transcription that reruns the whole sequence every
 step, its stop rule (after predicting the end token, which is never fed) and its cut at max_think_tokens; the
 bagel_torch engine's trajectories with think on (each prompt decoded once, the fed tokens after its context in
 `prompt_ids`) and off (the bytes of the plain loop, the decode never run); the config's refusals and the train batch's
@@ -19,9 +19,9 @@ from jaxflow.config import UserError, config_module
 from jaxflow.driver import text_length_error
 from jaxflow.models.bagel.loading import folder_config
 from jaxflow_bridge.contract.trajectory import TextLengthError, TrajectoryBatch
-from jaxflow_bridge.rollout.bagel_sampling import BagelSamplingLoop
-from jaxflow_bridge.rollout.bagel_think import think_decode
-from jaxflow_bridge.rollout.engine_bagel import BagelTorchEngine, context_ids
+from jaxflow_bridge.families.bagel.sampling import BagelSamplingLoop
+from jaxflow_bridge.families.bagel.think import think_decode
+from jaxflow_bridge.engines.bagel_torch import BagelTorchEngine, context_ids
 from tests import bagel_ref
 from tests.bagel_helpers import SP
 from tests.helpers import ROOT

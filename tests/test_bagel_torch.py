@@ -1,4 +1,4 @@
-"""The torch BAGEL generation path (jaxflow_bridge/rollout/bagel_torch.py) against the independent reference
+"""The torch BAGEL generation path (jaxflow_bridge/families/bagel/model.py) against the independent reference
 (tests/bagel_ref.py) and the Flax model (jaxflow/models/bagel), float32 on CPU, one seeded state dict for all."""
 import dataclasses
 
@@ -11,7 +11,7 @@ from jaxflow.models.bagel.config import TINY
 from jaxflow.models.bagel.loading import build
 from jaxflow.models.bagel.model import velocity as flax_velocity
 from jaxflow_bridge.contract import bagel_keymap
-from jaxflow_bridge.rollout.bagel_torch import BagelTorch
+from jaxflow_bridge.families.bagel.model import BagelTorch
 from tests import bagel_ref
 from tests.bagel_ref import OTHER
 

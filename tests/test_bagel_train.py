@@ -50,7 +50,7 @@ def test_two_steps_train_the_generation_expert_and_sync_every_step(trained):
 
 
 def test_the_export_is_the_final_lora_in_bagel_names_and_the_engine_takes_it(trained):
-    from jaxflow_bridge.rollout.engine_bagel import BagelTorchEngine
+    from jaxflow_bridge.engines.bagel_torch import BagelTorchEngine
 
     cfg, run_dir, out = trained
     spec, tensors = read_peft(run_dir / "lora_final")
@@ -81,8 +81,8 @@ def test_the_trainer_fingerprint_is_the_engines_and_sees_a_changed_weight():
     from jaxflow.models.bagel.config import TINY
     from jaxflow.models.bagel.loading import arrays, build, load_bagel
     from jaxflow_bridge.contract import bagel_keymap
-    from jaxflow_bridge.rollout.engine_bagel import BagelTorchEngine
-    from jaxflow_bridge.rollout.tiny_bagel import tiny_bagel_path
+    from jaxflow_bridge.engines.bagel_torch import BagelTorchEngine
+    from jaxflow_bridge.random_models.tiny_bagel import tiny_bagel_path
 
     model = load_bagel(tiny_bagel_path())
     family = families.Bagel()
@@ -125,7 +125,7 @@ def test_random_init_draws_the_engines_weights_by_checkpoint_name():
     from jaxflow.models.bagel.loading import arrays, random_bagel
     from jaxflow_bridge.contract import bagel_keymap
     from jaxflow_bridge.contract.random_weights import numpy_weight
-    from jaxflow_bridge.rollout.engine_bagel import BagelTorchEngine
+    from jaxflow_bridge.engines.bagel_torch import BagelTorchEngine
 
     model = random_bagel(TINY, seed=7)
     for name, value in bagel_keymap.to_checkpoint(arrays(model), TINY.num_hidden_layers).items():

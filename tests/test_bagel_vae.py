@@ -1,4 +1,4 @@
-"""BAGEL's autoencoder (jaxflow_bridge/rollout/bagel_vae.py): the key map between FLUX's `ae.safetensors` names and
+"""BAGEL's autoencoder (jaxflow_bridge/families/bagel/vae.py): the key map between FLUX's `ae.safetensors` names and
 diffusers' Encoder / Decoder, and the decode against FLUX's decoder written out here from the checkpoint's names."""
 import math
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from jaxflow_bridge.rollout import bagel_vae as bv
+from jaxflow_bridge.families.bagel import vae as bv
 
 SMALL = dict(bv.AE_PARAMS, ch=32, ch_mult=(1, 2, 2, 2), num_res_blocks=1)  # 4 levels (8x), GroupNorm(32)-sized
 U = 2.0**-24

@@ -1,4 +1,4 @@
-"""The embedded BAGEL engine (jaxflow_bridge/rollout/engine_bagel.py) on the tiny BAGEL folder, CPU float32: the
+"""The embedded BAGEL engine (jaxflow_bridge/engines/bagel_torch.py) on the tiny BAGEL folder, CPU float32: the
 contexts it builds, the trajectories it returns, LoRA on the generation expert (against the adapter merged into the
 weights), the adapters it refuses, leaving the previous one serving, and its images (the folder's autoencoder; the
 other tests use the latent preview, which needs no decoder)."""
@@ -9,11 +9,11 @@ from safetensors.torch import load_file
 
 from jaxflow_bridge.contract.bagel_keymap import LORA_TARGETS, PEFT_PREFIX
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
-from jaxflow_bridge.rollout import tiny_bagel
-from jaxflow_bridge.rollout.bagel_sampling import BagelSamplingLoop
-from jaxflow_bridge.rollout.bagel_torch import BagelTorch
-from jaxflow_bridge.rollout.bagel_vae import BagelDecoder
-from jaxflow_bridge.rollout.engine_bagel import BagelTorchEngine, context_ids
+from jaxflow_bridge.random_models import tiny_bagel
+from jaxflow_bridge.families.bagel.sampling import BagelSamplingLoop
+from jaxflow_bridge.families.bagel.model import BagelTorch
+from jaxflow_bridge.families.bagel.vae import BagelDecoder
+from jaxflow_bridge.engines.bagel_torch import BagelTorchEngine, context_ids
 from jaxflow_bridge.rollout.server import engine_class
 from tests.bagel_helpers import SP, V_TOL
 

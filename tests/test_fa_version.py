@@ -1,8 +1,8 @@
-"""jaxflow_bridge/rollout/fa_version.py: vLLM-Omni's FlashAttention fallback routed to FA3 where it runs, on a
+"""jaxflow_bridge/engines/vllm_omni/fa_version.py: vLLM-Omni's FlashAttention fallback routed to FA3 where it runs, on a
 stand-in of its fa module (vLLM-Omni is not installed here)."""
 from types import SimpleNamespace
 
-from jaxflow_bridge.rollout.fa_version import prefer_fa_version
+from jaxflow_bridge.engines.vllm_omni.fa_version import prefer_fa_version
 
 
 def varlen(q, *, fa_version=2, **kw):

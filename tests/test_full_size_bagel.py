@@ -1,6 +1,6 @@
-"""BAGEL folders of any geometry (jaxflow_bridge/rollout/tiny_bagel.py's `Geometry`) and the full-size random writer
-(jaxflow_bridge/rollout/full_size_bagel.py, scripts/make_random_bagel.py): the tiny folder byte for byte as the
-writer before `Geometry` wrote it, BAGEL-7B-MoT's shapes listed without drawing (equal to the trainer's and the
+"""BAGEL folders of any geometry (jaxflow_bridge/random_models/tiny_bagel.py's `Geometry`) and the full-size random
+writer (jaxflow_bridge/random_models/full_size_bagel.py, scripts/make_random_bagel.py): the tiny folder byte for byte as
+the writer before `Geometry` wrote it, BAGEL-7B-MoT's shapes listed without drawing (equal to the trainer's and the
 bagel_torch engine's), and a shrunk full geometry written through the streamed path, loaded by the trainer and both
 engines' fingerprints."""
 import hashlib
@@ -20,11 +20,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from jaxflow_bridge.contract.bagel_keymap import IGNORED_PREFIXES, key_map
-from jaxflow_bridge.rollout import full_size_bagel as fsb
-from jaxflow_bridge.rollout import tiny_bagel
-from jaxflow_bridge.rollout.bagel_vae import checkpoint_shapes
-from jaxflow_bridge.rollout.full_size_bagel import FULL, build_bagel, draw_named, parameter_count, write_ema
-from jaxflow_bridge.rollout.tiny_bagel import FILES, Geometry, tensor_shapes
+from jaxflow_bridge.random_models import full_size_bagel as fsb
+from jaxflow_bridge.random_models import tiny_bagel
+from jaxflow_bridge.families.bagel.vae import checkpoint_shapes
+from jaxflow_bridge.random_models.full_size_bagel import FULL, build_bagel, draw_named, parameter_count, write_ema
+from jaxflow_bridge.random_models.tiny_bagel import FILES, Geometry, tensor_shapes
 from tests.helpers import ROOT
 from tests import HANG_S
 
@@ -166,7 +166,7 @@ def test_full_size_shapes_are_the_trainers_and_the_bagel_torch_engines():
     from jaxflow.models.bagel.model import BagelModel
     from jaxflow.models.config import ModelOptions
     from jaxflow.models.loading import state_leaf
-    from jaxflow_bridge.rollout.bagel_torch import BagelTorch
+    from jaxflow_bridge.families.bagel.model import BagelTorch
 
     ids = tiny_bagel.special_ids()
     markers = dict(vision_start_id=ids["<|vision_start|>"], vision_end_id=ids["<|vision_end|>"])
@@ -246,8 +246,8 @@ def test_the_trainer_and_both_engines_load_the_shrunk_folder_with_one_fingerprin
     from jaxflow import families
     from jaxflow.models.bagel.loading import arrays, load_bagel
     from jaxflow_bridge.contract import bagel_keymap
-    from jaxflow_bridge.rollout.engine_bagel import BagelTorchEngine
-    from jaxflow_bridge.rollout.vllm_omni_kinds import Bagel
+    from jaxflow_bridge.engines.bagel_torch import BagelTorchEngine
+    from jaxflow_bridge.engines.vllm_omni.kinds import Bagel
 
     model = load_bagel(small)
     stored = load_file(small / "ema.safetensors")

@@ -1,7 +1,7 @@
 """The layout's dependency rules, read from the imports: the contract imports neither framework nor either side,
-nothing in jaxflow_bridge/ imports JAX or the trainer, neither side imports the benchmarks (jaxflow_bench/) or the
-experiments (experiments/), and no module under tests/ imports a test module (shared helpers live in tests/helpers*.py,
-tests/bagel_helpers.py, ...)."""
+nothing in jaxflow_bridge/ imports JAX or the trainer, the torch side's folders import only the folders below them
+(docs/design.md §1), neither side imports the benchmarks (jaxflow_bench/) or the experiments (experiments/), and no
+module under tests/ imports a test module (shared helpers live in tests/helpers*.py, tests/bagel_helpers.py, ...)."""
 import ast
 from pathlib import Path
 
@@ -19,7 +19,8 @@ def imported_modules(path: Path) -> set[str]:
 @pytest.mark.parametrize("path", sorted((ROOT / "jaxflow_bridge" / "contract").glob("*.py")), ids=lambda p: p.name)
 def test_contract_imports_no_framework_and_neither_side(path):
     bad = {m for m in imported_modules(path)
-           if m.split(".")[0] in {"jax", "flax", "optax", "torch", "jaxflow"} or m.startswith("jaxflow_bridge.rollout")}
+           if m.split(".")[0] in {"jax", "flax", "optax", "torch", "jaxflow"}
+           or m.startswith("jaxflow_bridge.") and not m.startswith("jaxflow_bridge.contract")}
     assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 
 
@@ -28,6 +29,37 @@ def test_bridge_imports_no_jax_and_no_trainer(path):
     """One rule for all of jaxflow_bridge/ (rollout, rewards, mini_ocr, contract): the trainer imports it, never the reverse."""
     bad = {m for m in imported_modules(path) if m.split(".")[0] in {"jax", "flax", "optax", "jaxflow"}}
     assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+BRIDGE = ROOT / "jaxflow_bridge"
+# The torch side's folders, bottom up: contract, rollout/kernels, rollout, families, random_models, engines. Each
+# folder's forbidden imports: the folders above it.
+ABOVE = {
+    "rollout/kernels": ("jaxflow_bridge",),  # torch ops alone
+    "rollout": ("jaxflow_bridge.engines", "jaxflow_bridge.families", "jaxflow_bridge.random_models"),
+    "families": ("jaxflow_bridge.engines", "jaxflow_bridge.random_models"),
+    "random_models": ("jaxflow_bridge.engines",),
+}
+
+
+def under(module: str, prefixes) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+@pytest.mark.parametrize("folder, path", sorted((f, p) for f in ABOVE for p in (BRIDGE / f).rglob("*.py")),
+                         ids=lambda x: x if isinstance(x, str) else str(x.relative_to(ROOT)))
+def test_torch_side_folders_import_no_folder_above(folder, path):
+    bad = {m for m in imported_modules(path) if under(m, ABOVE[folder])}
+    assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}, above {folder}/"
+
+
+@pytest.mark.parametrize("path", sorted(p for d in ("jaxflow", "jaxflow_bridge", "jaxflow_bench")
+                                        for p in (ROOT / d).rglob("*.py") if BRIDGE / "engines" not in p.parents),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_only_the_server_reaches_the_engines(path):
+    """The packages reach an engine through rollout/server.py's table of import paths, never by an import."""
+    bad = {m for m in imported_modules(path) if under(m, ("jaxflow_bridge.engines",))}
+    assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}: go through jaxflow_bridge.rollout.server"
 
 
 @pytest.mark.parametrize("path", sorted(p for d in ("jaxflow", "jaxflow_bridge") for p in (ROOT / d).rglob("*.py")),

@@ -1,11 +1,11 @@
-"""jaxflow_bridge/rollout/lora_linear.py: the fused LoRA'd linear against the per-slice sum, under torch.compile, and its
-routing inside a stand-in of vLLM-Omni's diffusion LoRA layer (vLLM-Omni itself needs a GPU)."""
+"""jaxflow_bridge/rollout/kernels/lora_linear.py: the fused LoRA'd linear against the per-slice sum, under
+torch.compile, and its routing inside a stand-in of vLLM-Omni's diffusion LoRA layer (vLLM-Omni itself needs a GPU)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from jaxflow_bridge.rollout.lora_linear import BATCHED_ROWS, fused_slots, install_fused_apply, lora_linear
+from jaxflow_bridge.rollout.kernels.lora_linear import BATCHED_ROWS, fused_slots, install_fused_apply, lora_linear
 
 
 def per_slice(x, w, bias, a_list, b_list):

@@ -11,7 +11,7 @@ from jaxflow.lora_sync import DeviceTarget, device_peft_tensors, device_target
 from jaxflow.models.loading import load_transformer
 from jaxflow.models.lora import LoRAParam, LoRASpec, lora_to_peft
 from jaxflow.rollout_client import LocalTransport, RolloutGroup
-from jaxflow_bridge.rollout.lora_apply import ADAPTER_NAME
+from jaxflow_bridge.rollout.lora.apply import ADAPTER_NAME
 
 SPEC = LoRASpec(rank=4, alpha=8.0)
 

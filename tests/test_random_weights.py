@@ -12,7 +12,7 @@ from jaxflow.models.random_init import random_transformer
 from jaxflow_bridge.contract.random_weights import numpy_weight
 from jaxflow_bridge.rollout.pipeline import RolloutPipeline
 from jaxflow_bridge.rollout.random_init import torch_weight
-from jaxflow_bridge.rollout.tiny import tiny_pipeline_path
+from jaxflow_bridge.random_models.tiny import tiny_pipeline_path
 
 
 @pytest.mark.parametrize("name, shape", [("blocks.0.attn.to_q.weight", (96, 160)), ("x.proj.weight", (7, 3, 5)),

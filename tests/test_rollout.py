@@ -161,7 +161,7 @@ def test_split_cfg_forward_equals_batched_and_runs_each_text_unpadded(fresh_pipe
 
 
 def test_unknown_cfg_forward_is_refused(tiny_path):
-    from jaxflow_bridge.rollout.engine_diffusers import DiffusersEngine
+    from jaxflow_bridge.engines.diffusers import DiffusersEngine
 
     with pytest.raises(ValueError, match=r"cfg_forward='fused'; choose one of \('batched', 'split'\)"):
         DiffusersEngine({"engine": "diffusers", "model": str(tiny_path), "cfg_forward": "fused"})
@@ -266,8 +266,9 @@ def test_bf16_rollout_keeps_latents_fp32_and_embeds_in_model_dtype(tiny_path):
 
 
 def test_rollout_package_never_imports_jax():
-    paths = sorted(Path(jaxflow_bridge.rollout.__file__).parent.glob("*.py"))
-    assert {"pipeline.py", "server.py", "lora_apply.py", "engine_diffusers.py"} <= {p.name for p in paths}
+    root = Path(jaxflow_bridge.rollout.__file__).parents[1]
+    paths = sorted(p for folder in ("rollout", "engines") for p in (root / folder).rglob("*.py"))
+    assert {"pipeline.py", "server.py", "apply.py", "diffusers.py"} <= {p.name for p in paths}
     for path in paths:
         for node in ast.walk(ast.parse(path.read_text())):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
@@ -369,7 +370,7 @@ def test_update_lora_changes_outputs_and_version(fresh_pipe, tmp_path):
 def test_compiled_engine_equals_eager_across_lora_updates(fresh_pipe, tiny_path):
     """`compile`: torch.compile of the repeated block (dynamic shapes) gives the eager trajectories, and a LoRA
     update copied into the bound layers reaches the compiled code (no stale weights baked in)."""
-    from jaxflow_bridge.rollout.engine_diffusers import DiffusersEngine
+    from jaxflow_bridge.engines.diffusers import DiffusersEngine
 
     engine = DiffusersEngine({"engine": "diffusers", "model": str(tiny_path), "dtype": "float32", "device": "cpu",
                               "compile": True})

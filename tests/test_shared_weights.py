@@ -10,7 +10,7 @@ from flax import nnx
 
 from jaxflow import config as config_lib
 from jaxflow.train import Trainer
-from jaxflow_bridge.rollout.engine_diffusers import DiffusersEngine
+from jaxflow_bridge.engines.diffusers import DiffusersEngine
 from jaxflow_bridge.rollout.pipeline import RolloutPipeline
 from tests.helpers import tiny_config
 

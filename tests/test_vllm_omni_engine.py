@@ -10,10 +10,10 @@ import torch
 
 from jaxflow_bridge.contract.lora import lora_pairs, to_vllm_omni
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
-from jaxflow_bridge.rollout import vllm_omni_lora as vol
-from jaxflow_bridge.rollout import vllm_omni_pipeline as vop
-from jaxflow_bridge.rollout.engine_vllm_omni import INSTALL_HINT, ack_errors
-from jaxflow_bridge.rollout.lora_binding import check_lora_binding
+from jaxflow_bridge.engines.vllm_omni import lora as vol
+from jaxflow_bridge.engines.vllm_omni import pipeline as vop
+from jaxflow_bridge.engines.vllm_omni.engine import INSTALL_HINT, ack_errors
+from jaxflow_bridge.rollout.lora.binding import check_lora_binding
 from jaxflow_bridge.rollout.pipeline import RolloutPipeline, stored_fingerprint
 from jaxflow_bridge.rollout.server import engine_class
 from tests.helpers import LAYERS, MLP, RANK, D, random_peft
@@ -231,7 +231,7 @@ def test_sleep_wake_acknowledgements():
 
 
 def test_gpu_memory_reading(monkeypatch):
-    from jaxflow_bridge.rollout import engine_vllm_omni as eng
+    from jaxflow_bridge.engines.vllm_omni import engine as eng
 
     calls = []
 
@@ -280,8 +280,8 @@ def _has_vllm_omni() -> bool:
 
 
 def test_custom_pipeline_installs_the_fused_lora_apply_unless_told_stock(tiny_path):
-    """vLLM-Omni's diffusion LoRA layer class gets jaxflow_bridge.rollout.lora_linear's apply when our pipeline is built
-    (before any LoRA layer or compiled graph exists); lora_apply="stock" leaves it alone; a typo is refused."""
+    """vLLM-Omni's diffusion LoRA layer class gets jaxflow_bridge.rollout.kernels.lora_linear's apply when our pipeline
+    is built (before any LoRA layer or compiled graph exists); lora_apply="stock" leaves it alone; a typo is refused."""
     def stock(self, x, bias=None):
         return x
 
@@ -305,8 +305,8 @@ def test_custom_pipeline_takes_cfg_forward_from_its_args(tiny_path):
 
 
 def test_custom_pipeline_refuses_an_unknown_qk_ops(tiny_path):
-    """qk_ops picks the attention's q/k norm and rotary ops (jaxflow_bridge/rollout/qk_rope.py swaps them, tested
-    there); a typo is refused when the pipeline is built, before any weight loads."""
+    """qk_ops picks the attention's q/k norm and rotary ops (jaxflow_bridge/rollout/kernels/qk_rope.py swaps them,
+    tested there); a typo is refused when the pipeline is built, before any weight loads."""
     cls = vop.build_pipeline_class(FakeOmniQwenImagePipeline, SimpleNamespace)
     for qk_ops in ("compiled", "vllm"):
         cls(od_config=SimpleNamespace(model=str(tiny_path), custom_pipeline_args={"qk_ops": qk_ops}))

@@ -17,9 +17,9 @@ import importlib
 from jaxflow_bridge.rollout.engine import RolloutEngine
 
 ENGINES: dict[str, str] = {
-    "diffusers": "jaxflow_bridge.rollout.engine_diffusers:DiffusersEngine",
-    "vllm_omni": "jaxflow_bridge.rollout.engine_vllm_omni:VllmOmniEngine",
-    "bagel_torch": "jaxflow_bridge.rollout.engine_bagel:BagelTorchEngine",
+    "diffusers": "jaxflow_bridge.engines.diffusers:DiffusersEngine",
+    "vllm_omni": "jaxflow_bridge.engines.vllm_omni.engine:VllmOmniEngine",
+    "bagel_torch": "jaxflow_bridge.engines.bagel_torch:BagelTorchEngine",
 }
 
 

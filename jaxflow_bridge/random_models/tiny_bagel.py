@@ -7,14 +7,15 @@ vLLM-Omni's two-stage thinker builds the ViT its start-up profiling runs), ``vit
 experts, LM head, time embedder, vae2llm / llm2vae, the 2-D sin-cos ``latent_pos_embed`` and ``vit_pos_embed``, the
 ViT as ``vit_model.vision_model.*`` and the connector), the tokenizer of ``tiny.py`` (byte-level BPE with the Qwen
 special tokens, vocab 384), ``preprocessor_config.json`` and ``ae.safetensors`` (FLUX's autoencoder at the geometry
-vLLM-Omni hard-codes, 84M parameters: ``bagel_vae.checkpoint_shapes``; random, so its images are not meaningful).
+vLLM-Omni hard-codes, 84M parameters: ``families.bagel.vae.checkpoint_shapes``; random, so its images are not
+meaningful).
 
 Seeds: a ``torch.Generator`` seeded ``seed + k`` for component k (0 language model, 1 generation heads, 2 ViT and
 connector, 3 autoencoder), drawing each component's tensors in ``components`` order, in float32, cast once to
 ``dtype``. By role (``draw``): weights ~ N(0, 1/fan_in), biases ~ N(0, 0.1^2), norm weights 1 + N(0, 0.1^2),
 embedding tables ~ N(0, 1); the two position tables are BAGEL's fixed 2-D sin-cos. The global RNG is never touched.
 
-CLI: ``python -m jaxflow_bridge.rollout.tiny_bagel --out DIR [--seed 0] [--dtype float32]``.
+CLI: ``python -m jaxflow_bridge.random_models.tiny_bagel --out DIR [--seed 0] [--dtype float32]``.
 """
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from jaxflow_bridge.rollout import tiny
-from jaxflow_bridge.rollout.bagel_vae import checkpoint_shapes
+from jaxflow_bridge.random_models import tiny
+from jaxflow_bridge.families.bagel.vae import checkpoint_shapes
 
 FORMAT_VERSION = 4  # 2: max_latent_size 32 (vLLM-Omni's 512 x 512 warm-up); 3: the FIM tokens (tiny.py);
 # 4: visual_und true and max_position_embeddings 32768 (THINKER_TOKENS)

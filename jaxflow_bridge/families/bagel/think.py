@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from jaxflow_bridge.rollout.bagel_torch import BagelContext, BagelTorch, RMSNorm
+from jaxflow_bridge.families.bagel.model import BagelContext, BagelTorch, RMSNorm
 
 
 class TextHead(nn.Module):

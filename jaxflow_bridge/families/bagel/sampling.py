@@ -29,7 +29,7 @@ import torch
 
 from jaxflow_bridge.contract.schedule import sample_windows, sigma_schedule, window_noise_levels, window_size
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
-from jaxflow_bridge.rollout.bagel_torch import stack_contexts
+from jaxflow_bridge.families.bagel.model import stack_contexts
 from jaxflow_bridge.rollout.sampling import params_from_dict, per_sample_seeds
 from jaxflow_bridge.rollout.sde import SDE_TYPES, sde_step
 
@@ -57,7 +57,7 @@ class BagelSamplingParams:
     seed: int = 0  # base seed when generate() gets no per-sample seeds
     same_latent: bool = False
     keep_final: bool = False
-    think: bool = False  # BAGEL's think mode: a greedy text decode extends the conditional context (bagel_think.py)
+    think: bool = False  # BAGEL's think mode: a greedy text decode extends the conditional context (think.py)
     max_think_tokens: int = 1000  # most tokens a think decode feeds, its start token included (vLLM-Omni's default)
 
     @classmethod
@@ -132,7 +132,7 @@ def pad_ids(ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 class BagelSamplingLoop:
     """Sampling with trajectories over `model` (BagelTorch's interface); `decode(latents, grid_hw)` -> (B, H, W, 3)
     uint8 (default: the `latent_preview` stand-in); `policy_version` is stamped on every sample; `thinker(ids,
-    max_tokens)` -> (think tokens, the one-row context they extend), `bagel_think.Thinker`: think mode's decode."""
+    max_tokens)` -> (think tokens, the one-row context they extend), `think.Thinker`: think mode's decode."""
 
     def __init__(self, model, decode: Callable[[torch.Tensor, tuple[int, int]], np.ndarray] = latent_preview,
                  policy_version: int = 0, thinker: Callable | None = None):
@@ -146,7 +146,7 @@ class BagelSamplingLoop:
         sp = sampling or BagelSamplingParams()
         seeds = validate(prompt_ids, n, sp, seeds, prompts)
         if sp.think and self.thinker is None:
-            raise ValueError("think mode needs a thinker (bagel_think.Thinker: the checkpoint's text head)")
+            raise ValueError("think mode needs a thinker (families.bagel.think.Thinker: the checkpoint's text head)")
         prompts = [""] * len(prompt_ids) if prompts is None else prompts
         steps, size = sp.num_inference_steps, sp.sde_window_size
         grid = (sp.height // PIXELS_PER_TOKEN, sp.width // PIXELS_PER_TOKEN)

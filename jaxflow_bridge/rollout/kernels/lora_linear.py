@@ -112,6 +112,6 @@ def install_fused_apply(layer_cls: type) -> bool:
         return lora_linear(x, self.base_layer.weight, bias, *slots)
 
     apply.fused_lora, apply.stock = True, stock
-    apply.__doc__ = f"{stock.__qualname__} through jaxflow_bridge.rollout.lora_linear where it applies."
+    apply.__doc__ = f"{stock.__qualname__} through jaxflow_bridge.rollout.kernels.lora_linear where it applies."
     layer_cls.apply = apply
     return True

@@ -3,12 +3,12 @@
 Config keys: `engine` ("bagel_torch"), `model` (a BAGEL folder: llm_config.json, config.json, ema.safetensors and
 the tokenizer; or "tiny_bagel" for the cached tiny random one), `device` ("cpu", the only one for now), `dtype`
 ("float32", the only one for now), `decode` ("vae", default: the folder's `ae.safetensors` through
-`bagel_vae.BagelDecoder`, as vLLM-Omni decodes; or "preview": `latent_preview`, no decoder, for plumbing runs),
+`families.bagel.vae.BagelDecoder`, as vLLM-Omni decodes; or "preview": `latent_preview`, no decoder, for plumbing runs),
 `random_seed` (optional: the weights drawn by the shared random spec, `jaxflow_bridge/contract/random_weights.py`, by
 checkpoint name, as the trainer's `model.init=random`; the folder then needs no ema.safetensors). A prompt's context
 is `<|im_start|>` + its tokens + `<|im_end|>` (docs/bagel.md §4), carried as the trajectory's `prompt_ids`; with the
-sampling's `think`, followed by the prompt's think tokens (`bagel_think.py`: the checkpoint's text head, loaded on
-the first think request, decodes once a prompt). LoRA: PEFT adapters in BAGEL's names (the trainer's
+sampling's `think`, followed by the prompt's think tokens (`families/bagel/think.py`: the checkpoint's text head, loaded
+on the first think request, decodes once a prompt). LoRA: PEFT adapters in BAGEL's names (the trainer's
 `jaxflow.models.bagel.lora.peft_state_dict`; the `base_model.model.` prefix optional) on the generation expert's
 Linears, applied atomically by `LoraApplier`. Never imports JAX.
 """
@@ -24,15 +24,16 @@ from transformers import Qwen2TokenizerFast
 
 from jaxflow_bridge.contract.bagel_keymap import generation_expert_adapter
 from jaxflow_bridge.contract.lora import read_peft
-from jaxflow_bridge.rollout.bagel_sampling import PIXELS_PER_TOKEN, BagelSamplingLoop, BagelSamplingParams, latent_preview
-from jaxflow_bridge.rollout.bagel_think import TextHead, Thinker
-from jaxflow_bridge.rollout.bagel_torch import BagelTorch
-from jaxflow_bridge.rollout.bagel_vae import BagelDecoder
+from jaxflow_bridge.families.bagel.model import BagelTorch
+from jaxflow_bridge.families.bagel.sampling import (PIXELS_PER_TOKEN, BagelSamplingLoop, BagelSamplingParams,
+                                                    latent_preview)
+from jaxflow_bridge.families.bagel.think import TextHead, Thinker
+from jaxflow_bridge.families.bagel.vae import BagelDecoder
 from jaxflow_bridge.rollout.engine import RolloutEngine, policy_version
-from jaxflow_bridge.rollout.lora_apply import LoraApplier
+from jaxflow_bridge.rollout.lora.apply import LoraApplier
 from jaxflow_bridge.rollout.pipeline import weights_fingerprint
 from jaxflow_bridge.rollout.random_init import torch_weight
-from jaxflow_bridge.rollout.tiny_bagel import bagel_torch_fields
+from jaxflow_bridge.random_models.tiny_bagel import bagel_torch_fields
 
 
 def context_ids(tokenizer, prompt: str) -> list[int]:
@@ -54,7 +55,7 @@ class BagelTorchEngine(RolloutEngine):
                 raise ValueError(f"{self.name} engine: {key} {config[key]!r} is not supported yet; pass {only!r}")
         model = config["model"]
         if model == "tiny_bagel":
-            from jaxflow_bridge.rollout.tiny_bagel import tiny_bagel_path
+            from jaxflow_bridge.random_models.tiny_bagel import tiny_bagel_path
 
             model = tiny_bagel_path()
         folder, decode, seed = Path(model), config.get("decode", "vae"), config.get("random_seed")
@@ -107,7 +108,7 @@ class BagelTorchEngine(RolloutEngine):
         return self._head
 
     def think(self, ids, max_tokens: int):
-        """Think mode's decode of one prompt's context ids (`bagel_think.Thinker`)."""
+        """Think mode's decode of one prompt's context ids (`families.bagel.think.Thinker`)."""
         return Thinker(self.model, self.head, *self.think_ids)(ids, max_tokens)
 
     def generate(self, prompts: list[str], n: int, sampling: dict | None = None, seeds=None) -> dict:

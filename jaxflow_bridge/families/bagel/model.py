@@ -4,7 +4,7 @@
 layer's K/V; `BagelTorch.velocity(x, sigma, context, grid_hw)` runs the query [<|vision_start|>, latents,
 <|vision_end|>] over them (markers: understanding expert, latents: generation expert, no causal mask) and returns
 v = llm2vae(norm_moe_gen(h)) on the latent rows; `BagelTorch.extend(ids, context)` feeds one more understanding token
-(a step of think mode's text decode, `bagel_think.py`). Modules carry the checkpoint's names
+(a step of think mode's text decode, `think.py`). Modules carry the checkpoint's names
 (`language_model.model.layers.{i}.self_attn.q_proj_moe_gen`, `time_embedder.mlp.0`, `vae2llm`, ...), so
 `load_checkpoint` reads `ema.safetensors` tensors as they are. The RoPE and timestep tables are float64 numpy
 rounded once to float32, as the trainer's (docs/numerics.md §6). Never imports JAX.

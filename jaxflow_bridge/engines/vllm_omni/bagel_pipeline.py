@@ -5,12 +5,12 @@ request's n samples in lockstep through vLLM-Omni's own pieces, one LLM forward 
 branches instead of the stock `forward` once a sample:
 
 1. one prefill of the conditional context (`prepare_prompts` + `forward_cache_update_text` on a `NaiveCache`:
-   `<|im_start|>` + prompt + `<|im_end|>`, our `engine_bagel.context_ids`) and, with `think` (greedy), one
+   `<|im_start|>` + prompt + `<|im_end|>`, our `engines.bagel_torch.context_ids`) and, with `think` (greedy), one
    `prepare_start_tokens` + `generate_text` on it, shared by the request's samples; the unconditional context is
    empty (kv length 0, image at RoPE position 0); image CFG off;
 2. one `Bagel.generate_image` over the n samples packed: the context cache repeated per sample, `prepare_vae_latent`
    / `prepare_vae_latent_cfg` with n image sizes, each sample's initial latents from its own `WindowScheduler`
-   (jaxflow_bridge/rollout/bagel_scheduler.py; `same_latent` gives the group the first one's), `LockstepScheduler`
+   (jaxflow_bridge/families/bagel/scheduler.py; `same_latent` gives the group the first one's), `LockstepScheduler`
    as the `scheduler` hook (each sample's step by its own WindowScheduler: its generator, window and log-probs as
    alone) and `Bagel._combine_cfg` taken per sample for the call (the stock "global" renorm norms over the whole
    packed tensor, every sample's velocity at once);
@@ -21,7 +21,7 @@ prefill after its length and next position are checked against that prefill's; t
 Everything runs under the stock forward's autocast. The trajectory's `prompt_ids` are the ids the prefill and the
 think decode fed. The engine's velocity sees its own float32 timesteps (`linspace(1, 0, N + 1)` shifted by 3), the
 steps our contract's sigmas of the same formula: equal up to float32 rounding. Requests without our `extra_args`
-(warm-up, plain text-to-image) run the stock pipeline. Built lazily on attribute access, as `vllm_omni_pipeline`'s
+(warm-up, plain text-to-image) run the stock pipeline. Built lazily on attribute access, as `vllm_omni.pipeline`'s
 classes are; never imports JAX. Parity on a GPU: BENCHMARKS.md, "BAGEL through vLLM-Omni, tiny".
 """
 from __future__ import annotations
@@ -34,9 +34,9 @@ import torch
 
 from jaxflow_bridge.contract.schedule import sigma_schedule
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
-from jaxflow_bridge.rollout.bagel_sampling import PIXELS_PER_TOKEN, SCHEDULER_CONFIG, BagelSamplingParams, pad_ids
-from jaxflow_bridge.rollout.bagel_scheduler import WindowScheduler
-from jaxflow_bridge.rollout.vllm_omni_pipeline import pack_trajectories
+from jaxflow_bridge.families.bagel.sampling import PIXELS_PER_TOKEN, SCHEDULER_CONFIG, BagelSamplingParams, pad_ids
+from jaxflow_bridge.families.bagel.scheduler import WindowScheduler
+from jaxflow_bridge.engines.vllm_omni.pipeline import pack_trajectories
 
 PIPELINE_CLASS = f"{__name__}.FlowGRPOBagelPipeline"
 # BagelSamplingParams fields in OmniDiffusionSamplingParams attributes; the rest ride in extra_args

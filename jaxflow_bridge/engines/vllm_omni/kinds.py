@@ -16,9 +16,9 @@ from pathlib import Path
 from jaxflow_bridge.contract.bagel_keymap import IGNORED_PREFIXES, generation_expert_adapter
 from jaxflow_bridge.contract.lora import to_vllm_omni
 from jaxflow_bridge.contract.schedule import pixels_per_token
-from jaxflow_bridge.rollout import vllm_omni_bagel_pipeline as bagel_pipeline
-from jaxflow_bridge.rollout import vllm_omni_pipeline as qwen_pipeline
-from jaxflow_bridge.rollout.bagel_sampling import BagelSamplingParams
+from jaxflow_bridge.engines.vllm_omni import bagel_pipeline
+from jaxflow_bridge.engines.vllm_omni import pipeline as qwen_pipeline
+from jaxflow_bridge.families.bagel.sampling import BagelSamplingParams
 from jaxflow_bridge.rollout.pipeline import stored_fingerprint
 from jaxflow_bridge.rollout.sampling import SamplingParams
 
@@ -42,7 +42,7 @@ class QwenImage:
         self.size_multiple = pixels_per_token(json.loads((folder / "vae" / "config.json").read_text()))
 
     def pipeline_args(self, config: dict) -> dict:
-        """custom_pipeline_args: the class, its options (`vllm_omni_pipeline.pipeline_options`) and `random_seed`."""
+        """custom_pipeline_args: the class, its options (`vllm_omni.pipeline.pipeline_options`) and `random_seed`."""
         options = {k: config[k] for k in qwen_pipeline.PIPELINE_OPTIONS if k in config}
         args = {"pipeline_class": qwen_pipeline.PIPELINE_CLASS, **qwen_pipeline.pipeline_options(options)}
         if config.get("random_seed") is not None:
@@ -108,7 +108,7 @@ class Bagel:
                 f"{prefix}worker_extension_cls": extension}
 
     def encode_request(self, prompt: str, sampling: BagelSamplingParams, seeds, policy_version: int):
-        """`vllm_omni_bagel_pipeline.encode_request`, the prompt framed for the thinker with two stages."""
+        """`engines.vllm_omni.bagel_pipeline.encode_request`, the prompt framed for the thinker with two stages."""
         return bagel_pipeline.encode_request(prompt, sampling, seeds, policy_version, framed=self.stages > 1)
 
     def thinker_params(self, sampling: BagelSamplingParams) -> list:
@@ -138,11 +138,11 @@ def model_kind(model: str, dtype: str, deploy: str | None = None):
     deploy given for Qwen-Image."""
     folder = Path(model)
     if model == "tiny":
-        from jaxflow_bridge.rollout.tiny import tiny_pipeline_path
+        from jaxflow_bridge.random_models.tiny import tiny_pipeline_path
 
         folder = tiny_pipeline_path(dtype=dtype)
     elif model == "tiny_bagel":
-        from jaxflow_bridge.rollout.tiny_bagel import tiny_bagel_path
+        from jaxflow_bridge.random_models.tiny_bagel import tiny_bagel_path
 
         return Bagel(tiny_bagel_path(dtype=dtype), deploy or "single_stage")
     config = folder / "config.json"

@@ -1,20 +1,20 @@
 """The GPU rollout engine: vLLM-Omni 0.20 (`AsyncOmni`) serving our FlowGRPO pipeline, inside the Ray actor.
 
 Config keys: `engine` ("vllm_omni"), `model` (a local diffusers Qwen-Image folder saved in bf16, or "tiny"; or a BAGEL
-folder, or "tiny_bagel": the model kind comes from the folder, `jaxflow_bridge/rollout/vllm_omni_kinds.py`),
+folder, or "tiny_bagel": the model kind comes from the folder, `jaxflow_bridge/engines/vllm_omni/kinds.py`),
 `dtype` ("bfloat16"; vLLM-Omni 0.20 runs bf16 folders only), `device` (None or "cuda": the GPU Ray gave the actor),
 `random_seed` (optional: the transformer's weights are drawn on the GPU from this seed by the shared spec,
 `jaxflow_bridge/contract/random_weights.py`, as with the diffusers engine; the folder needs only `transformer/config.json`),
 `omni_args` (extra `AsyncOmni` keyword arguments, e.g. {"enforce_eager": True}), `lora_apply` ("fused", the
-default: LoRA'd linears run `jaxflow_bridge/rollout/lora_linear.py`; "stock": vLLM-Omni's per-slice apply, for comparison;
-"merged": the adapter merged into the base weights, `jaxflow_bridge/rollout/lora_merge.py`),
+default: LoRA'd linears run `jaxflow_bridge/rollout/kernels/lora_linear.py`; "stock": vLLM-Omni's per-slice apply, for
+comparison; "merged": the adapter merged into the base weights, `jaxflow_bridge/rollout/lora/merge.py`),
 `cfg_forward` ("batched" or "split": true CFG's rows in one forward or two, `jaxflow_bridge.rollout.sampling`),
 `qk_ops` ("compiled", the default: the attention's q/k norms and rotary in torch ops that torch.compile fuses,
-`jaxflow_bridge/rollout/qk_rope.py`; "vllm": vLLM-Omni's own kernels, for comparison), `fa_version` ("auto",
-the default: FA3 on Hopper where vLLM-Omni would fall back to FA2, `jaxflow_bridge/rollout/fa_version.py`; "2": as
-vLLM-Omni chooses), `gelu` ("epilogue", the default: the MLP's in-projection and tanh GELU in one cuBLASLt GEMM where no
-LoRA layer wraps it, `jaxflow_bridge/rollout/linear_gelu.py`; "separate": vLLM-Omni's elementwise kernel),
-`deploy` (BAGEL only: "single_stage", the default, or "two_stage"; `vllm_omni_kinds.BAGEL_DEPLOY_FILES`).
+`jaxflow_bridge/rollout/kernels/qk_rope.py`; "vllm": vLLM-Omni's own kernels, for comparison), `fa_version` ("auto",
+the default: FA3 on Hopper where vLLM-Omni would fall back to FA2, `jaxflow_bridge/engines/vllm_omni/fa_version.py`;
+"2": as vLLM-Omni chooses), `gelu` ("epilogue", the default: the MLP's in-projection and tanh GELU in one cuBLASLt GEMM
+where no LoRA layer wraps it, `jaxflow_bridge/rollout/kernels/linear_gelu.py`; "separate": vLLM-Omni's elementwise
+kernel), `deploy` (BAGEL only: "single_stage", the default, or "two_stage"; `kinds.BAGEL_DEPLOY_FILES`).
 Same calls and results as the diffusers engine. BAGEL (docs/bagel.md §7 (d)): our FlowGRPOBagelPipeline in
 vLLM-Omni's single-stage deployment (`deploy_config`; or on the DiT stage of two, below), BagelSamplingParams, LoRA
 on the generation expert through vLLM-Omni's per-slice apply; the Qwen-Image options, lora_apply other than "stock"
@@ -22,7 +22,7 @@ and random_seed are refused.
 
 - generate: one engine request per prompt with `num_outputs_per_prompt=n` (one B=n forward, 2n with true CFG,
   per step), all submitted at once; knobs split into OmniDiffusionSamplingParams fields and `extra_args`
-  (`vllm_omni_pipeline.encode_request`); results unpacked into one TrajectoryBatch, prompt-major.
+  (`engines.vllm_omni.pipeline.encode_request`); results unpacked into one TrajectoryBatch, prompt-major.
 - update_lora: the adapter, renamed for vLLM-Omni (`jaxflow_bridge.contract.lora.to_vllm_omni`; BAGEL's checked on
   the generation expert first), is checked against the engine's LoRA-capable layers (the transformer's, BAGEL's
   `bagel`'s: names, packed slots, shapes) before the engine sees it, written as a PEFT folder under /dev/shm and
@@ -30,9 +30,9 @@ and random_seed are refused.
   carries that LoRARequest. If loading fails, the previous adapter is loaded back and keeps serving.
 - update_lora_shared: the adapter in a shared-memory file on this host (jaxflow_bridge/contract/lora_shm.py); once an
   adapter of the same rank and alpha serves, the workers write the file's tensors into its LoRA slots in place
-  (`vllm_omni_lora.write_lora_slots`), with the same checks and refusals; otherwise as update_lora.
+  (`engines.vllm_omni.lora.write_lora_slots`), with the same checks and refusals; otherwise as update_lora.
 - lora_apply="merged": no LoRA layers at all; update_lora / update_lora_shared merge the adapter into the base
-  weights (`jaxflow_bridge/rollout/lora_merge.py`, restored exactly from a host copy each time), `release_adapter`
+  weights (`jaxflow_bridge/rollout/lora/merge.py`, restored exactly from a host copy each time), `release_adapter`
   starts that restore as soon as a step's rollouts are over.
 - BAGEL's two-stage deployment (`deploy="two_stage"`, vLLM-Omni's `bagel.yaml`): the thinker (vLLM's AR engine) prefills
   each request's framed prompt and sends its KV to our pipeline on the DiT stage (one greedy token, think mode
@@ -66,11 +66,11 @@ from jaxflow_bridge.contract.lora_shm import SharedAdapterFile, open_payload, re
 from jaxflow_bridge.contract.schedule import sample_windows
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.rollout.engine import RolloutEngine, policy_version
-from jaxflow_bridge.rollout.lora_binding import check_lora_binding, slot_plan
+from jaxflow_bridge.rollout.lora.binding import check_lora_binding, slot_plan
 from jaxflow_bridge.rollout.sampling import check_prompts, per_sample_seeds
 from jaxflow_bridge.rollout.tensors import torch_to_numpy
-from jaxflow_bridge.rollout.vllm_omni_kinds import model_kind
-from jaxflow_bridge.rollout.vllm_omni_pipeline import WORKER_EXTENSION_CLASS, unpack_trajectories
+from jaxflow_bridge.engines.vllm_omni.kinds import model_kind
+from jaxflow_bridge.engines.vllm_omni.pipeline import WORKER_EXTENSION_CLASS, unpack_trajectories
 
 log = logging.getLogger(__name__)
 INSTALL_HINT = ("the 'vllm_omni' rollout engine needs vLLM-Omni 0.20 on a CUDA machine: `pip install jaxflow[omni]`, "
