@@ -68,7 +68,7 @@ def needs_target(cfg) -> bool:
 
 
 def model_folder(cfg: ConfigDict) -> Path:
-    """The model folder: `tiny` / `tiny_bagel` build or reuse the cached tiny offline one (jaxflow/families.py);
+    """The model folder: `tiny` / `tiny_bagel` build or reuse the cached tiny offline one (jaxflow/families/__init__.py);
     UserError when its cache ($JAXFLOW_CACHE) cannot be written."""
     try:
         return families.of(cfg).folder(cfg)

@@ -1,16 +1,16 @@
 """What the FlowGRPO train step asks of a model kind (`jaxflow.train_step`), chosen once from the model by `for_model`:
 the inputs a micro-batch's window steps share (`context`, run once per micro-batch) and one window step's log-prob
 (`log_prob`). Qwen-Image reads its text embeds at every step (`jaxflow.algorithms.flowgrpo`); BAGEL prefills its two
-contexts from the token ids once and reuses their K/V at every window step (`jaxflow.bagel_flowgrpo`, docs/bagel.md
+contexts from the token ids once and reuses their K/V at every window step (`jaxflow.families.bagel.objective`, docs/bagel.md
 §4)."""
 from __future__ import annotations
 
 import dataclasses
 from typing import TYPE_CHECKING, Callable
 
-from jaxflow import bagel_flowgrpo
+from jaxflow.families.bagel import objective as bagel_flowgrpo
 from jaxflow.algorithms import flowgrpo
-from jaxflow.models.bagel.model import BagelModel
+from jaxflow.families.bagel.model import BagelModel
 
 if TYPE_CHECKING:  # step_config resolves the algorithms, which reach this module
     from jaxflow.step_config import TrainConfig

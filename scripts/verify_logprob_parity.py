@@ -42,8 +42,8 @@ import ml_dtypes
 import numpy as np
 
 from jaxflow import families
-from jaxflow.models.bagel.loading import load_bagel
-from jaxflow.models.bagel.lora import BagelLoRASpec
+from jaxflow.families.bagel.loading import load_bagel
+from jaxflow.families.bagel.lora import BagelLoRASpec
 from jaxflow.models.config import ModelOptions
 from jaxflow.models.loading import load_transformer
 from jaxflow.models.lora import LoRASpec, peft_to_lora

@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from jaxflow import bagel_flowgrpo as bf
-from jaxflow.models.bagel.config import TINY
-from jaxflow.models.bagel.loading import build
-from jaxflow.models.bagel.lora import BagelLoRASpec, peft_state_dict, set_peft
-from jaxflow.models.bagel.model import velocity
+from jaxflow.families.bagel import objective as bf
+from jaxflow.families.bagel.config import TINY
+from jaxflow.families.bagel.loading import build
+from jaxflow.families.bagel.lora import BagelLoRASpec, peft_state_dict, set_peft
+from jaxflow.families.bagel.model import velocity
 from jaxflow_bridge.contract import bagel_keymap
 from jaxflow_bridge.families.bagel.sampling import BagelSamplingLoop, BagelSamplingParams
 from jaxflow_bridge.families.bagel.model import BagelTorch

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from jaxflow.models.bagel.config import TINY, BagelConfig
+from jaxflow.families.bagel.config import TINY, BagelConfig
 
 # docs/bagel.md §6's second shape: 3 layers, 3 query heads on 1 KV head, head dim 8.
 OTHER = dataclasses.replace(TINY, hidden_size=24, intermediate_size=40, num_hidden_layers=3, num_attention_heads=3,

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxflow.models.bagel.config import TINY
-from jaxflow.models.bagel.loading import build
-from jaxflow.models.bagel.lora import BagelLoRASpec, peft_state_dict, read_peft, save_peft, set_peft
-from jaxflow.models.bagel.model import BagelModel, velocity
+from jaxflow.families.bagel.config import TINY
+from jaxflow.families.bagel.loading import build
+from jaxflow.families.bagel.lora import BagelLoRASpec, peft_state_dict, read_peft, save_peft, set_peft
+from jaxflow.families.bagel.model import BagelModel, velocity
 from jaxflow.models.lora import LoRAParam, LoRASpec
 from jaxflow_bridge.contract import bagel_keymap
 from tests.bagel_ref import OTHER

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxflow.models.bagel.config import TINY, BagelConfig
-from jaxflow.models.bagel.embeddings import latent_pos_table
-from jaxflow.models.bagel.loading import arrays, build
-from jaxflow.models.bagel.model import velocity
-from jaxflow.models.bagel.mot import Make, MoTLayer
+from jaxflow.families.bagel.config import TINY, BagelConfig
+from jaxflow.families.bagel.embeddings import latent_pos_table
+from jaxflow.families.bagel.loading import arrays, build
+from jaxflow.families.bagel.model import velocity
+from jaxflow.families.bagel.mot import Make, MoTLayer
 from jaxflow.models.config import ModelOptions
 from jaxflow_bridge.contract import bagel_keymap
 from tests import bagel_ref

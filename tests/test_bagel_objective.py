@@ -1,4 +1,4 @@
-"""BAGEL's FlowGRPO log-prob in JAX (jaxflow/bagel_flowgrpo.py) replaying the torch rollout (bagel_sampling over
+"""BAGEL's FlowGRPO log-prob in JAX (jaxflow/families/bagel/objective.py) replaying the torch rollout (bagel_sampling over
 bagel_torch, the same seeded weights), float32 on CPU: text CFG with an interval and a window, mutations, LoRA."""
 import dataclasses
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 from flax import nnx
 
-from jaxflow import bagel_flowgrpo as bf
-from jaxflow.models.bagel.config import TINY
-from jaxflow.models.bagel.loading import build
-from jaxflow.models.bagel.lora import set_peft
+from jaxflow.families.bagel import objective as bf
+from jaxflow.families.bagel.config import TINY
+from jaxflow.families.bagel.loading import build
+from jaxflow.families.bagel.lora import set_peft
 from jaxflow.models.lora import LoRAParam
 from jaxflow_bridge.contract import bagel_keymap
 from jaxflow_bridge.families.bagel.sampling import guided_velocity

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from jaxflow.models.bagel.config import TINY
+from jaxflow.families.bagel.config import TINY
 from jaxflow_bridge.contract.schedule import sample_windows, sigma_schedule
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.families.bagel.sampling import (BagelSamplingLoop, BagelSamplingParams, guided_velocity,

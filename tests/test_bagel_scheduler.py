@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from jaxflow.models.bagel.config import TINY
+from jaxflow.families.bagel.config import TINY
 from jaxflow_bridge.families.bagel.sampling import PIXELS_PER_TOKEN, SCHEDULER_CONFIG, BagelSamplingLoop, pad_ids
 from jaxflow_bridge.contract.schedule import sigma_schedule
 from jaxflow_bridge.families.bagel.scheduler import WindowScheduler

@@ -17,7 +17,7 @@ from jaxflow import config as config_lib
 from jaxflow import families, recipes
 from jaxflow.config import UserError, config_module
 from jaxflow.driver import text_length_error
-from jaxflow.models.bagel.loading import folder_config
+from jaxflow.families.bagel.loading import folder_config
 from jaxflow_bridge.contract.trajectory import TextLengthError, TrajectoryBatch
 from jaxflow_bridge.families.bagel.sampling import BagelSamplingLoop
 from jaxflow_bridge.families.bagel.think import think_decode

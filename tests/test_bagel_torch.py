@@ -1,5 +1,5 @@
 """The torch BAGEL generation path (jaxflow_bridge/families/bagel/model.py) against the independent reference
-(tests/bagel_ref.py) and the Flax model (jaxflow/models/bagel), float32 on CPU, one seeded state dict for all."""
+(tests/bagel_ref.py) and the Flax model (jaxflow/families/bagel), float32 on CPU, one seeded state dict for all."""
 import dataclasses
 
 import jax.numpy as jnp
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from jaxflow.models.bagel.config import TINY
-from jaxflow.models.bagel.loading import build
-from jaxflow.models.bagel.model import velocity as flax_velocity
+from jaxflow.families.bagel.config import TINY
+from jaxflow.families.bagel.loading import build
+from jaxflow.families.bagel.model import velocity as flax_velocity
 from jaxflow_bridge.contract import bagel_keymap
 from jaxflow_bridge.families.bagel.model import BagelTorch
 from tests import bagel_ref

@@ -8,7 +8,7 @@ import pytest
 
 from jaxflow import families
 from jaxflow.config import config_module
-from jaxflow.models.bagel.lora import peft_state_dict, read_peft
+from jaxflow.families.bagel.lora import peft_state_dict, read_peft
 from tests.helpers import ROOT, run
 
 LAYERS, TARGETS = 2, 7  # the tiny BAGEL's layers; the generation expert's seven adapted projections
@@ -78,8 +78,8 @@ def test_the_trainer_fingerprint_is_the_engines_and_sees_a_changed_weight():
     """families.Bagel.fingerprint (first elements of each weight, torch layout, read from the Flax model) equals the
     bagel_torch engine's weights_fingerprint (its whole state dict) on the tiny folder; one changed element of one
     transposed kernel changes it."""
-    from jaxflow.models.bagel.config import TINY
-    from jaxflow.models.bagel.loading import arrays, build, load_bagel
+    from jaxflow.families.bagel.config import TINY
+    from jaxflow.families.bagel.loading import arrays, build, load_bagel
     from jaxflow_bridge.contract import bagel_keymap
     from jaxflow_bridge.engines.bagel_torch import BagelTorchEngine
     from jaxflow_bridge.random_models.tiny_bagel import tiny_bagel_path
@@ -121,8 +121,8 @@ def test_random_init_draws_the_engines_weights_by_checkpoint_name():
     """model.init=random: the trainer's BAGEL (drawn on the device into Flax layout) holds exactly the shared spec's
     tensors by checkpoint name, and its fingerprint is the bagel_torch engine's with the same random_seed (not with
     another seed)."""
-    from jaxflow.models.bagel.config import TINY
-    from jaxflow.models.bagel.loading import arrays, random_bagel
+    from jaxflow.families.bagel.config import TINY
+    from jaxflow.families.bagel.loading import arrays, random_bagel
     from jaxflow_bridge.contract import bagel_keymap
     from jaxflow_bridge.contract.random_weights import numpy_weight
     from jaxflow_bridge.engines.bagel_torch import BagelTorchEngine

@@ -1,6 +1,6 @@
 """The FlowGRPO train step (make_train_step) on a tiny BAGEL with LoRA, float32 on CPU: the torch rollout
 (bagel_sampling, the same seeded weights and adapter, tests/bagel_helpers.py's `sampled`) -> TrainBatch with token
-ids -> one step, its ratio, update and loss against bagel_flowgrpo's log-probs; the KL term; shuffled ids;
+ids -> one step, its ratio, update and loss against families/bagel/objective.py's log-probs; the KL term; shuffled ids;
 refusals."""
 import dataclasses
 import math
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxflow import bagel_flowgrpo as bf
+from jaxflow.families.bagel import objective as bf
 from jaxflow.algorithms import flowgrpo
 from jaxflow.step_config import TrainConfig
 from jaxflow.train_batch import TrainBatch

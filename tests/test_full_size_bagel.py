@@ -162,8 +162,8 @@ def test_full_size_shapes_are_the_trainers_and_the_bagel_torch_engines():
     (BAGEL-7B-MoT) but the markers, the abstract Flax model's leaves and BagelTorch's state dict on the meta device."""
     from flax import nnx
 
-    from jaxflow.models.bagel.config import BagelConfig
-    from jaxflow.models.bagel.model import BagelModel
+    from jaxflow.families.bagel.config import BagelConfig
+    from jaxflow.families.bagel.model import BagelModel
     from jaxflow.models.config import ModelOptions
     from jaxflow.models.loading import state_leaf
     from jaxflow_bridge.families.bagel.model import BagelTorch
@@ -244,7 +244,7 @@ def test_the_writer_holds_one_drawn_tensor_at_a_time(tmp_path, monkeypatch):
 
 def test_the_trainer_and_both_engines_load_the_shrunk_folder_with_one_fingerprint(small, tmp_path):
     from jaxflow import families
-    from jaxflow.models.bagel.loading import arrays, load_bagel
+    from jaxflow.families.bagel.loading import arrays, load_bagel
     from jaxflow_bridge.contract import bagel_keymap
     from jaxflow_bridge.engines.bagel_torch import BagelTorchEngine
     from jaxflow_bridge.engines.vllm_omni.kinds import Bagel

@@ -37,7 +37,7 @@ class LoRASpec:
             self.target_path(t)
 
     # The model family's target names and PEFT keys (Qwen-Image's here; a subclass such as
-    # models/bagel/lora.BagelLoRASpec names another model's), so the PEFT conversions below serve any family.
+    # families/bagel/lora.BagelLoRASpec names another model's), so the PEFT conversions below serve any family.
     def target_path(self, target: str) -> tuple[str, ...]:
         return keymap.lora_target_path(target)
 

@@ -9,7 +9,7 @@ checkpoint name, as the trainer's `model.init=random`; the folder then needs no 
 is `<|im_start|>` + its tokens + `<|im_end|>` (docs/bagel.md §4), carried as the trajectory's `prompt_ids`; with the
 sampling's `think`, followed by the prompt's think tokens (`families/bagel/think.py`: the checkpoint's text head, loaded
 on the first think request, decodes once a prompt). LoRA: PEFT adapters in BAGEL's names (the trainer's
-`jaxflow.models.bagel.lora.peft_state_dict`; the `base_model.model.` prefix optional) on the generation expert's
+`jaxflow.families.bagel.lora.peft_state_dict`; the `base_model.model.` prefix optional) on the generation expert's
 Linears, applied atomically by `LoraApplier`. Never imports JAX.
 """
 

@@ -8,7 +8,7 @@ quoted by public code using them: ``BagelConfig(vit_max_num_patch_per_side=70, c
 latent_patch_size=2, max_latent_size=64)``, ``vit_config.num_hidden_layers - 1``, ``ImageTransform(980, 224, 14)``):
 
 - llm_config.json, Qwen2.5-7B: hidden 3584, intermediate 18944, 28 layers, 28 heads, 4 KV heads, rope_theta 1e6,
-  RMS eps 1e-6, silu, untied, vocab 152064 (docs/bagel.md §1, ``jaxflow/models/bagel/config.BagelConfig``'s
+  RMS eps 1e-6, silu, untied, vocab 152064 (docs/bagel.md §1, ``jaxflow/families/bagel/config.BagelConfig``'s
   defaults, ``full_size.py``'s Qwen2.5-VL-7B text tower); max_position_embeddings 32768 (Qwen2.5-7B-Instruct's and
   vLLM-Omni's ``Qwen2MoTConfig`` default; the two-stage thinker's RoPE rows, ``tiny_bagel.THINKER_TOKENS``).
 - vit_config.json, SigLIP so400m-patch14: hidden 1152, intermediate 4304, 27 layers, 16 heads, patch 14,

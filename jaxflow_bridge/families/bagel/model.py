@@ -167,7 +167,7 @@ class PositionTable(nn.Module):
 
 class BagelTorch(nn.Module):
     """The tensors BAGEL's generation path reads, under the checkpoint's names; geometry as BagelConfig's fields
-    (llm_config.json / config.json keys, jaxflow/models/bagel/config.py)."""
+    (llm_config.json / config.json keys, jaxflow/families/bagel/config.py)."""
 
     def __init__(self, *, hidden_size: int, intermediate_size: int, num_hidden_layers: int, num_attention_heads: int,
                  num_key_value_heads: int, rms_norm_eps: float, rope_theta: float, vocab_size: int,

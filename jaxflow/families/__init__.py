@@ -18,8 +18,8 @@ from pathlib import Path
 from flax import nnx
 
 from jaxflow.models import lora as qwen_lora
-from jaxflow.models.bagel import lora as bagel_lora
-from jaxflow.models.bagel.loading import folder_config, load_bagel, random_bagel
+from jaxflow.families.bagel import lora as bagel_lora
+from jaxflow.families.bagel.loading import folder_config, load_bagel, random_bagel
 from jaxflow.models.config import QwenImageConfig
 from jaxflow.models.loading import entries_fingerprint, fingerprint, load_transformer
 from jaxflow.models.lora import LoRASpec

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxflow.models.bagel.config import BagelConfig
-from jaxflow.models.bagel.model import BagelModel
+from jaxflow.families.bagel.config import BagelConfig
+from jaxflow.families.bagel.model import BagelModel
 from jaxflow.models.config import ModelOptions
 from jaxflow.models.lora import LoRAParam, LoRASpec
 from jaxflow.models.loading import state_leaf

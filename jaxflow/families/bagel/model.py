@@ -8,10 +8,10 @@ import numpy as np
 from flax import nnx
 
 from jaxflow.models.attention import resolve_implementation
-from jaxflow.models.bagel.config import BagelConfig
-from jaxflow.models.bagel.embeddings import latent_pos_table, latent_position_ids, rope_tables, timestep_embedding
-from jaxflow.models.bagel.lora import expert_targets
-from jaxflow.models.bagel.mot import Make, MoTLayer
+from jaxflow.families.bagel.config import BagelConfig
+from jaxflow.families.bagel.embeddings import latent_pos_table, latent_position_ids, rope_tables, timestep_embedding
+from jaxflow.families.bagel.lora import expert_targets
+from jaxflow.families.bagel.mot import Make, MoTLayer
 from jaxflow.models.config import ModelOptions
 from jaxflow.models.embeddings import TIMESTEP_CHANNELS
 from jaxflow.models.lora import LoRASpec
@@ -23,7 +23,7 @@ class BagelModel(nnx.Module):
     """The weights the denoising forward reads: token embeddings (context and markers), the MoT layers (stacked
     for a scan), the generation expert's final norm, the timestep embedder, vae2llm / llm2vae and the latent 2-D
     position table. Not here: the LM head and the understanding expert's final norm (text logits only), ViT, VAE.
-    `lora` (models/bagel/lora.BagelLoRASpec): adapters on the generation expert's targeted projections only."""
+    `lora` (families/bagel/lora.BagelLoRASpec): adapters on the generation expert's targeted projections only."""
 
     def __init__(self, cfg: BagelConfig, opts: ModelOptions = ModelOptions(), lora: LoRASpec | None = None, *,
                  rngs: nnx.Rngs):

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from jaxflow import sde
 from jaxflow.algorithms import flowgrpo
-from jaxflow.models.bagel.model import BagelModel, KVCache
+from jaxflow.families.bagel.model import BagelModel, KVCache
 
 RENORM_EPS = 1e-8  # Bagel._combine_cfg's denominator guard
 

@@ -8,10 +8,10 @@ import numpy as np
 from flax import nnx
 
 from jaxflow.models.attention import attention
-from jaxflow.models.bagel.config import BagelConfig
-from jaxflow.models.bagel.embeddings import apply_rope
+from jaxflow.families.bagel.config import BagelConfig
+from jaxflow.families.bagel.embeddings import apply_rope
 from jaxflow.models.config import ModelOptions
-from jaxflow.models.bagel.lora import expert_targets
+from jaxflow.families.bagel.lora import expert_targets
 from jaxflow.models.layers import Linear, RMSNorm
 from jaxflow.models.lora import LoRASpec
 
