@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 from pathlib import Path
 from types import ModuleType
 
 from ml_collections import ConfigDict
 
 from jaxflow import families
+from jaxflow.families.base import option_problems
 from jaxflow.data import load_prompts
 from jaxflow.models.config import LORA_GEMMS, ModelOptions
 from jaxflow.models.lora import LoRASpec
@@ -35,7 +37,6 @@ def _fail(key: str, message: str):
 
 
 LAYOUTS = ("colocated", "split", "in_process")  # rollout.layout (jaxflow/recipes.py)
-BAGEL_DEPLOYS = ("single_stage", "two_stage")  # rollout.bagel_deploy: vLLM-Omni's BAGEL topologies
 LORA_MODES = ("auto", "merged", "layers")  # rollout.lora_mode
 
 
@@ -50,9 +51,9 @@ def check_layout(cfg, backend: str, devices: int) -> None:
     """After JAX starts: the colocated layout on GPUs runs one engine on each of the trainer's `devices` (all
     processes'), so every GPU both rolls out and trains; fewer engines would leave GPUs idle while the rollout runs."""
     r = cfg.rollout
-    if cfg.model.family == "bagel" and devices != 1:
-        _fail("model.family", f"'bagel' trains on one device for now (its weights carry no sharding yet); JAX sees "
-                              f"{devices}: set CUDA_VISIBLE_DEVICES to one GPU")
+    if families.of(cfg).one_device and devices != 1:
+        _fail("model.family", f"{cfg.model.family!r} trains on one device for now (its weights carry no sharding "
+                              f"yet); JAX sees {devices}: set CUDA_VISIBLE_DEVICES to one GPU")
     if r.share_weights and (devices != 1 or r.device.partition(":")[0] != {"gpu": "cuda"}.get(backend, backend)):
         _fail("rollout.share_weights", f"needs the trainer on one device of the engine's kind: {devices} "
                                        f"{backend} device(s), rollout.device={r.device!r}")
@@ -68,7 +69,7 @@ def needs_target(cfg) -> bool:
 
 
 def model_folder(cfg: ConfigDict) -> Path:
-    """The model folder: `tiny` / `tiny_bagel` build or reuse the cached tiny offline one (jaxflow/families/__init__.py);
+    """The model folder: a family's tiny one builds or reuses the cached tiny offline model (jaxflow/families/);
     UserError when its cache ($JAXFLOW_CACHE) cannot be written."""
     try:
         return families.of(cfg).folder(cfg)
@@ -102,40 +103,8 @@ def _check_model(cfg: ConfigDict) -> None:
     if cfg.rollout.engine in ENGINES and cfg.rollout.engine not in family.engines:
         _fail("rollout.engine", f"{cfg.rollout.engine!r} does not serve model.family={family.name!r}; choose "
                                 f"{' or '.join(family.engines)}")
-    if family.name == "bagel":
-        r = cfg.rollout
-        dtype, device = family.engine_runs.get(r.engine, (r.dtype, r.device))
-        on = f"on the {r.engine} engine"
-        for key, value, ok, want in (
-                ("rollout.dtype", r.dtype, r.dtype == dtype, f"'{dtype}' {on}"),
-                ("rollout.device", r.device, r.device == device, f"'{device}' {on}"),
-                ("rollout.lora_mode", r.lora_mode, r.lora_mode != "merged", "'auto' or 'layers' (no merged LoRA path)"),
-                ("model.init", cfg.model.init, cfg.model.init == "checkpoint" or r.engine == "bagel_torch",
-                 f"'checkpoint' {on} (vLLM-Omni's BAGEL has no random-weight path; bagel_torch has)"),
-                ("model.lora_gemm", cfg.model.lora_gemm, cfg.model.lora_gemm in ("auto", "xla"), "'auto' or 'xla'"),
-                ("train.algorithm", cfg.train.algorithm, cfg.train.algorithm == "flowgrpo", "'flowgrpo'"),
-                ("sample.negative_prompt", cfg.sample.negative_prompt, cfg.sample.negative_prompt == "",
-                 "'' (its text CFG's unconditional branch is the empty context)")):
-            if not ok:
-                _fail(key, f"{value!r}: BAGEL runs with {want} for now (docs/bagel.md §7)")
-    elif tuple(cfg.sample.cfg_interval) != (0.0, 1.0) or cfg.sample.cfg_renorm_min != 0.0:
-        _fail("sample.cfg_interval", "and sample.cfg_renorm_min are BAGEL's text CFG; Qwen-Image's true CFG has "
-                                     "neither: leave them at 0.0, 1.0 and 0.0")
-    deploy = cfg.rollout.bagel_deploy
-    if deploy not in BAGEL_DEPLOYS:
-        _fail("rollout.bagel_deploy", f"{deploy!r}; choose one of {BAGEL_DEPLOYS}")
-    if deploy != "single_stage" and (family.name != "bagel" or cfg.rollout.engine != "vllm_omni"):
-        _fail("rollout.bagel_deploy", f"{deploy!r} is vLLM-Omni's BAGEL topology; with model.family={family.name!r} "
-                                      f"and rollout.engine={cfg.rollout.engine!r} leave it 'single_stage'")
-    if not 0.0 <= cfg.rollout.thinker_memory < 1.0 or (cfg.rollout.thinker_memory and deploy != "two_stage"):
-        _fail("rollout.thinker_memory", f"{cfg.rollout.thinker_memory!r}: the two-stage thinker's share of the GPU "
-                                        f"in (0, 1) with rollout.bagel_deploy='two_stage', or 0.0 for bagel.yaml's")
-    if deploy == "two_stage" and cfg.sample.think:
-        _fail("rollout.bagel_deploy", "'two_stage' has no think mode yet (the thinker only prefills): pass "
-                                      "--config.rollout.bagel_deploy=single_stage or --config.sample.think=False")
-    if cfg.sample.think and family.name != "bagel":
-        _fail("sample.think", f"True is BAGEL's think mode; model.family={family.name!r} has none: pass "
-                              f"--config.sample.think=False")
+    for key, message in itertools.chain(family.problems(cfg), option_problems(cfg, family)):
+        _fail(key, message)
     if cfg.sample.max_think_tokens < 1:
         _fail("sample.max_think_tokens", f"{cfg.sample.max_think_tokens!r} must be an int >= 1 (vLLM-Omni's default: "
                                          f"1000)")
@@ -322,9 +291,9 @@ def _size_multiple(cfg) -> int:
 
 def text_tokens(cfg) -> tuple[int, int]:
     """(prompt, negative prompt) tokens the train batch pads text to: sample.max_sequence_length (plus
-    sample.max_think_tokens with BAGEL's think mode: the think tokens, start token included, follow the prompt's
-    context), and sample.negative_max_sequence_length or, where that is 0, sample.max_sequence_length. Negatives
-    shorter than prompts run as their own forward in the train step (`flowgrpo.guided_velocity`)."""
+    sample.max_think_tokens with a family's think mode, sample.think: the think tokens, start token included, follow the
+    prompt's context), and sample.negative_max_sequence_length or, where that is 0, sample.max_sequence_length.
+    Negatives shorter than prompts run as their own forward in the train step (`flowgrpo.guided_velocity`)."""
     s = cfg.sample
     return (s.max_sequence_length + (s.max_think_tokens if s.think else 0),
             s.negative_max_sequence_length or s.max_sequence_length)

@@ -31,7 +31,7 @@ log = logging.getLogger("jaxflow.train")
 
 
 def build_model(cfg, folder: Path, spec, layout: Layout, micro_batch: int = 1, tokens: tuple[int, ...] = ()):
-    """The trainer's model of the config's family (jaxflow/families/__init__.py) from `folder`: base weights from it, or drawn
+    """The trainer's model of the config's family (jaxflow/families/) from `folder`: base weights from it, or drawn
     from `seed` with `model.init=random`; with unrolled blocks (model.scan_unroll >= the blocks) each block's frozen
     weights are arrays of their own. model.lora_gemm=auto is resolved (and logged) for `micro_batch` samples of
     `tokens` (image, text) each."""

@@ -83,8 +83,8 @@ def abstract_batch(*, batch: int, window: int, num_steps: int, seq: int, channel
     """Shapes and dtypes of the batch `train_step.prepare_batch` hands the step (text padded to `text` tokens,
     negatives to `negative_text`, default `text`: `config.text_tokens`), and of the old-log-prob pass's output when
     it runs (with `means`: the SDE means train.ratio_norm="guard" keeps); with `nft`, DiffusionNFT's batch
-    (algorithms.nft.FIELDS); with `text_ids`, token ids (B, tokens) int32 in place of the embeds (BAGEL; `width`
-    and `embed_dtype` unused)."""
+    (algorithms.nft.FIELDS); with `text_ids`, token ids (B, tokens) int32 in place of the embeds (a family whose text
+    is token ids, `Family.batch_shape`; `width` and `embed_dtype` unused)."""
     s = jax.ShapeDtypeStruct
 
     def text_spec(prefix, tokens):

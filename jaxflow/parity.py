@@ -18,7 +18,7 @@ from flax import nnx
 from jaxflow.models.config import QwenImageConfig
 from jaxflow.models.loading import TensorSource
 from jaxflow.models.lora import LoRAParam, LoRASpec
-from jaxflow.objectives import for_model
+from jaxflow import families
 from jaxflow.step_config import TrainConfig
 from jaxflow.train_batch import TrainBatch
 from jaxflow.algorithms.flowgrpo_step import accumulate_gradients
@@ -29,14 +29,14 @@ from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 
 def recompute(model: nnx.Module, batch: TrajectoryBatch, *, grid_hw: tuple[int, int], guidance: float,
               sde_type: str, noise_level: float, num_micro_batches: int = 1, **cfg) -> dict[str, np.ndarray]:
-    """(B, W) arrays: log_prob (JAX), dlogp = log_prob - batch.log_probs, ratio = exp(dlogp). `cfg`: BAGEL's CFG
-    fields of TrainConfig (cfg_interval, cfg_renorm_min); the model's kind picks the log-prob (jaxflow.objectives)."""
+    """(B, W) arrays: log_prob (JAX), dlogp = log_prob - batch.log_probs, ratio = exp(dlogp). `cfg`: a family's CFG
+    fields of TrainConfig (cfg_interval, cfg_renorm_min); the model's family picks the log-prob (`Family.objective`)."""
     config = TrainConfig(grid_hw=grid_hw, sde_type=sde_type, guidance=guidance,
                          num_micro_batches=num_micro_batches, **cfg)
     b, w = batch.log_probs.shape
     arrays = prepare_batch(TrainBatch.of(batch, np.zeros(b, np.float32), noise_level), config)
     graphdef, lora, frozen = nnx.split(model, LoRAParam, ...)
-    objective = for_model(model, config)
+    objective = families.of_model(model).objective(config)
     terms = jax.jit(lambda lo, fr, ba: accumulate_gradients(graphdef, lo, fr, ba, config, objective=objective)[1])(
         lora, frozen, arrays)
 

@@ -18,9 +18,9 @@ class TrainConfig:
 
     grid_hw: tuple[int, int]
     sde_type: str = "sde"
-    guidance: float = 1.0          # > 1: true CFG in the training forward (BAGEL: its text CFG scale)
-    cfg_interval: tuple[float, float] = (0.0, 1.0)  # BAGEL: text CFG at steps with lo < sigma <= hi
-    cfg_renorm_min: float = 0.0     # BAGEL: floor of the CFG's per-sample renorm factor
+    guidance: float = 1.0          # > 1: true CFG in the training forward (a family's text CFG: its scale)
+    cfg_interval: tuple[float, float] = (0.0, 1.0)  # a family's text CFG at steps with lo < sigma <= hi
+    cfg_renorm_min: float = 0.0     # a family's text CFG: floor of its renorm factor
     num_micro_batches: int = 1     # per update (per mini-batch)
     num_mini_batches: int = 1      # optimizer updates per pass over the batch
     num_inner_epochs: int = 1      # passes over the batch

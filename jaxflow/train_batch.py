@@ -15,7 +15,7 @@ from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 # every sample, `reordered` leaves them as they are (either may also come per sample, with a leading B axis)
 SHARED_FIELDS = {"sigmas": 1, "noise_level": 0}
 GUIDANCE_FIELDS = ("negative_prompt_embeds", "negative_prompt_mask")
-# BAGEL's batches carry the context's token ids (B, L) int32 in place of the embeds (docs/bagel.md §4)
+# a family whose text is token ids (`Family.batch_shape`) carries the context's ids (B, L) int32 in place of the embeds
 TEXT_IDS = {"prompt_embeds": "prompt_ids", "negative_prompt_embeds": "negative_prompt_ids"}
 
 
@@ -26,11 +26,12 @@ def with_text_ids(fields: tuple[str, ...]) -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class TrainBatch:
-    """advantages (B,) float32, the rows' count; the Trajectory fields the step reads (docs/numerics.md §9): latents
-    (B, W+1, S, C), log_probs (B, W), step_index (B, W), the text (prompt_embeds (B, L, D) or BAGEL's prompt_ids
-    (B, L), prompt_mask (B, L), their negatives for true CFG), final_latents (B, S, C) for DiffusionNFT; sigmas (N+1,)
-    and noise_level (scalar) shared (`SHARED_FIELDS`). A field the rollout did not send is None; which ones a step
-    needs is its config's (`train_step.prepare_batch`). ValueError, naming the field, for one without B rows."""
+    """advantages (B,) float32, the rows' count; the Trajectory fields the step reads (docs/numerics.md §9):
+    latents (B, W+1, S, C), log_probs (B, W), step_index (B, W), the text (prompt_embeds (B, L, D) or a token-id
+    family's prompt_ids (B, L), prompt_mask (B, L), their negatives for true CFG), final_latents (B, S, C) for
+    DiffusionNFT; sigmas (N+1,) and noise_level (scalar) shared (`SHARED_FIELDS`). A field the rollout did not send is
+    None; which ones a step needs is its config's (`train_step.prepare_batch`). ValueError, naming the field, for one
+    without B rows."""
 
     advantages: np.ndarray
     latents: np.ndarray | None = None

@@ -37,10 +37,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxflow import minibatches, objectives, phases
+from jaxflow import families, minibatches, phases
 from jaxflow.algorithms.old_log_prob import old_log_probs
 from jaxflow.models.lora import LoRAParam
-from jaxflow.objectives import QWEN_IMAGE, Objective
+from jaxflow.algorithms.objective import WINDOW, Objective
 from jaxflow.sharding import Layout
 from jaxflow.step_config import TrainConfig, TrainState
 from jaxflow.train_batch import GUIDANCE_FIELDS, TEXT_IDS, TrainBatch, with_text_ids
@@ -62,7 +62,7 @@ def _apply_update(state: TrainState, grads, *, tx, config: TrainConfig) -> Train
 
 
 def _update(state: TrainState, frozen, batch, old, index, *, graphdef, config: TrainConfig, tx, layout,
-            objective: Objective = QWEN_IMAGE):
+            objective: Objective = WINDOW):
     """One optimizer update on mini-batch `index` of `batch` by the policy loss (`config.policy.loss.update`); `old`
     is the recompute pass's output or None."""
     mb = dict(minibatches.select(batch, config.num_mini_batches, index))
@@ -96,7 +96,7 @@ def _finish(state: TrainState, grads, metrics: dict, *, tx, config: TrainConfig,
 
 def prepare_batch(batch: TrainBatch, config: TrainConfig, batch_devices: int = 1) -> dict[str, np.ndarray]:
     """The per-sample host arrays the step consumes (`TrainBatch.per_sample`), checked, in the step's dtypes; a batch
-    with `prompt_ids` (BAGEL) has token ids in place of the embeds."""
+    with `prompt_ids` (a family whose text is token ids) has them in place of the embeds."""
     loss = config.policy.loss
     fields = loss.batch_fields(config)
     if batch.prompt_ids is not None:
@@ -131,10 +131,11 @@ def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | Non
     base, state and batch are placed by its rules and both functions run as jits with explicit in/out
     shardings; without one they run on the default device. `compiler_options` (XLA debug options, e.g.
     {"xla_gpu_enable_triton_gemm": False}) apply to these two jits only (config `train.xla_options`).
-    The model's kind picks the window log-prob (`objectives.for_model`): a `BagelModel` reads the batch's token
-    ids (BAGEL's text CFG from `guidance`, `cfg_interval`, `cfg_renorm_min`) and refuses DiffusionNFT.
+    The model's family picks the window log-prob (`Family.objective`, `jaxflow.algorithms.objective`), e.g. one
+    that reads the batch's token ids with its own CFG (from `guidance`, `cfg_interval`, `cfg_renorm_min`), and
+    refuses an algorithm it cannot train yet.
     """
-    objective, policy = objectives.for_model(model, config), config.policy
+    objective, policy = families.of_model(model).objective(config), config.policy
     graphdef, lora, frozen = nnx.split(model, LoRAParam, ...)
     if not jax.tree.leaves(lora):
         raise ValueError("the model has no LoRA params: build it with a LoRASpec")

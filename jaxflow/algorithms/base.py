@@ -30,9 +30,9 @@ class Component:
 
 
 class Loss(Protocol):
-    """The policy loss. log_probs: it trains on the rollout's SDE log-probs (through the model kind's window
-    log-prob, `jaxflow.objectives`); keeps_old: the train state keeps an old policy that the rollout samples with,
-    moved by `advanced` after each step."""
+    """The policy loss. log_probs: it trains on the rollout's SDE log-probs (through the model family's
+    window log-prob, `jaxflow.algorithms.objective`); keeps_old: the train state keeps an old policy that the rollout
+    samples with, moved by `advanced` after each step."""
 
     log_probs: bool
     keeps_old: bool

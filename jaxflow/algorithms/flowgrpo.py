@@ -110,7 +110,7 @@ def window_step_terms(model, tr: dict, *, grid_hw, sde_type: str, guidance: floa
     ratio_norm: the ratio's name in `RATIOS` ("guard": GRPO-Guard's, `grpo_guard.Guard`).
 
     `log_prob(model, tr, lora_scale=1.0) -> (mean, logp, std)`: another model kind's window log-prob
-    (`jaxflow.objectives`; grid_hw, sde_type and guidance are then its own); default `window_log_prob`.
+    (`jaxflow.algorithms.objective`; grid_hw, sde_type and guidance are then its own); default `window_log_prob`.
     """
     if log_prob is None:
         log_prob = functools.partial(window_log_prob, grid_hw=grid_hw, sde_type=sde_type, guidance=guidance)

@@ -14,7 +14,7 @@ from flax import nnx
 from jaxflow import minibatches
 from jaxflow.algorithms import flowgrpo
 from jaxflow.algorithms.base import Component
-from jaxflow.objectives import QWEN_IMAGE, Objective
+from jaxflow.algorithms.objective import WINDOW, Objective
 from jaxflow.sharding import Layout
 from jaxflow.train_batch import GUIDANCE_FIELDS
 
@@ -32,7 +32,7 @@ def _window_loss(lora, frozen, step, scale, *, graphdef, config, objective: Obje
 
 
 def accumulate_gradients(graphdef, lora, frozen, batch: dict, config, layout: Layout | None = None,
-                         objective: Objective = QWEN_IMAGE):
+                         objective: Objective = WINDOW):
     """Sum over micro-batches and window steps of grad(loss / (M * W)) wrt `lora`, and the per-sample terms
     stacked as (M, W, B/M), M = num_micro_batches (`config` a TrainConfig). `batch` is per-sample (see
     `train_step.prepare_batch`). logp_old: the rollout's log_probs where the source is the rollout's
@@ -40,8 +40,8 @@ def accumulate_gradients(graphdef, lora, frozen, batch: dict, config, layout: La
     batch["old_log_probs"] (B, W) if given, else the on-policy stop_gradient(logp).
 
     The filter (`zero_advantage`) picks the micro-batches that run and M then counts those only (the terms carry
-    `mask`). `objective` (`jaxflow.objectives`): the model kind's window log-prob; its `context` runs once per
-    micro-batch, outside the gradient (BAGEL: the frozen contexts' K/V, reused at every window step)."""
+    `mask`). `objective` (`jaxflow.algorithms.objective`): the model family's window log-prob; its `context` runs once
+    per micro-batch, outside the gradient (e.g. a family's frozen text contexts' K/V, reused at every window step)."""
     policy = config.policy
     m, w = config.num_micro_batches, batch["log_probs"].shape[1]
     batch = policy.old_log_prob.with_old(batch)

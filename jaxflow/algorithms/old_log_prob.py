@@ -13,7 +13,7 @@ from flax import nnx
 from jaxflow import minibatches
 from jaxflow.algorithms import flowgrpo
 from jaxflow.algorithms.base import Component
-from jaxflow.objectives import QWEN_IMAGE, Objective
+from jaxflow.algorithms.objective import WINDOW, Objective
 from jaxflow.sharding import Layout
 
 
@@ -36,7 +36,7 @@ RECOMPUTE = Source("recompute", "the trainer's, before the first update", fields
 
 
 def old_log_probs(graphdef, lora, frozen, batch: dict, config, layout: Layout | None = None,
-                  objective: Objective = QWEN_IMAGE) -> dict:
+                  objective: Objective = WINDOW) -> dict:
     """{"log_probs": (B, W) float32 log-probs of the stored window steps under `lora`} and, where the ratio needs them
     (ratio_norm="guard"), "means": (B, W, S, C) the SDE steps' means; forward only (true CFG as in training), in the
     updates' micro-batches: num_mini_batches x num_micro_batches of them, each the same rows in the same order as one

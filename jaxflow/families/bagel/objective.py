@@ -5,14 +5,18 @@ trajectory's token ids, BAGEL's text CFG (interval, per-sample "global" renorm) 
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jaxflow import sde
 from jaxflow.algorithms import flowgrpo
+from jaxflow.algorithms.objective import Objective
 from jaxflow.families.bagel.model import BagelModel, KVCache
+
+if TYPE_CHECKING:  # step_config resolves the algorithms, which reach this module
+    from jaxflow.step_config import TrainConfig
 
 RENORM_EPS = 1e-8  # Bagel._combine_cfg's denominator guard
 
@@ -125,3 +129,20 @@ def window_log_probs(model: BagelModel, batch: dict, *, grid_hw: tuple[int, int]
                                      guidance=guidance)[1]
 
     return jax.lax.scan(step, None, per_step)[1].T
+
+
+def guidance_of(config: TrainConfig) -> BagelGuidance:
+    """BAGEL's text CFG from the train step's config: scale `guidance`, `cfg_interval`, `cfg_renorm_min`."""
+    return BagelGuidance(config.guidance, config.cfg_interval, config.cfg_renorm_min)
+
+
+def _context(model, shared: dict, config: TrainConfig) -> dict:
+    return {**shared, "contexts": contexts(model, shared, guidance_of(config))}
+
+
+def _log_prob(model, tr: dict, config: TrainConfig, lora_scale: float = 1.0):
+    return window_log_prob(model, tr, *tr["contexts"], grid_hw=config.grid_hw, sde_type=config.sde_type,
+                           guidance=guidance_of(config), lora_scale=lora_scale)
+
+
+OBJECTIVE = Objective(_context, _log_prob)  # the train step's (`jaxflow.algorithms.objective`)

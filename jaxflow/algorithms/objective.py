@@ -1,0 +1,31 @@
+"""What the FlowGRPO train step asks of a model family (`jaxflow.train_step`; the family's `objective`): the inputs a
+micro-batch's window steps share (`context`, run once per micro-batch) and one window step's log-prob (`log_prob`).
+`WINDOW` reads the batch's text embeds at every step (`flowgrpo.window_log_prob`); a family whose batch carries token
+ids brings its own (its folder under `jaxflow/families/`)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Callable
+
+from jaxflow.algorithms import flowgrpo
+
+if TYPE_CHECKING:  # step_config resolves the algorithms, which reach this module
+    from jaxflow.step_config import TrainConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """context(model, shared, config) -> shared with what every window step reuses; log_prob(model, tr, config, **kw)
+    -> (mean, logp (B,), std) of one window step (`flowgrpo.window_log_prob`'s contract; kw: lora_scale, 0 for the
+    KL reference)."""
+
+    context: Callable
+    log_prob: Callable
+
+
+def _window_log_prob(model, tr: dict, config: TrainConfig, lora_scale: float = 1.0):
+    return flowgrpo.window_log_prob(model, tr, grid_hw=config.grid_hw, sde_type=config.sde_type,
+                                    guidance=config.guidance, lora_scale=lora_scale)
+
+
+WINDOW = Objective(lambda model, shared, config: shared, _window_log_prob)

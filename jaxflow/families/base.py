@@ -1,0 +1,78 @@
+"""The `Family` protocol: what the training program asks of a model family (`model.family`), and the checks every
+family shares (`option_problems`). Each family lives in a folder of its own beside this module and is registered in
+`jaxflow/families/__init__.py`; the generic trainer modules reach a family only through this protocol."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator, Protocol
+
+from jaxflow.algorithms.objective import Objective
+from jaxflow.models.lora import LoRASpec
+
+DEPLOYS = ("single_stage", "two_stage")  # rollout.bagel_deploy: vLLM-Omni's BAGEL topologies
+
+Problem = tuple[str, str]  # (config key, message) of a setting the family refuses
+
+
+class Family(Protocol):
+    """A model family. Its folder holds the model, its checkpoint key map and loading, its CFG forward and
+    log-prob (`objective`), its LoRA targets and the config checks below."""
+
+    name: str
+    engines: tuple[str, ...]  # the rollout engines that serve it
+    merges_lora: bool  # vllm_omni's rollout.lora_mode='auto' merges the adapter into the base weights
+    tiny: str  # model.path of its tiny offline model
+    tiny_config: str  # the config that runs it
+    example: str  # an example model.path
+    files: tuple[str, ...]  # what a model folder must hold
+    weights: tuple[str, ...]  # what it must hold with model.init='checkpoint'
+    one_device: bool  # trains on one device only (its weights carry no sharding yet)
+    stages: tuple[str, ...]  # the rollout.bagel_deploy values its vllm_omni rollout runs
+    thinks: bool  # has a think mode (sample.think)
+
+    def folder(self, cfg) -> Path: ...
+    def check_folder(self, folder: Path) -> None: ...
+    def problems(self, cfg) -> Iterator[Problem]: ...
+    def size_multiple(self, cfg) -> int: ...
+    def grid_hw(self, folder: Path, cfg) -> tuple[int, int]: ...
+    def lora_spec(self, cfg) -> LoRASpec: ...
+    def build_model(self, cfg, folder: Path, spec, opts_for, **kw): ...
+    def owns(self, model) -> bool: ...
+    def objective(self, config) -> Objective: ...
+    def batch_shape(self, model) -> dict: ...
+    def save_peft(self, lora, spec, directory: Path) -> None: ...
+    def fingerprint(self, model) -> str: ...
+    def engine_config(self, cfg) -> dict: ...
+    def sampling(self, cfg, eval_mode: bool) -> dict: ...
+
+
+def read_json(path: Path) -> dict:
+    """A folder's JSON config as a dict; ValueError naming the file when it is not valid JSON or not an object."""
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path} is not valid JSON ({'empty file' if not path.read_bytes().strip() else exc})") \
+            from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a {type(data).__name__}, not a JSON object")
+    return data
+
+
+def option_problems(cfg, family: Family) -> Iterator[Problem]:
+    """vLLM-Omni's two-stage deployment and think mode against what `family` runs (after its own `problems`)."""
+    deploy = cfg.rollout.bagel_deploy
+    if deploy not in DEPLOYS:
+        yield "rollout.bagel_deploy", f"{deploy!r}; choose one of {DEPLOYS}"
+    if deploy != "single_stage" and (deploy not in family.stages or cfg.rollout.engine != "vllm_omni"):
+        yield "rollout.bagel_deploy", (f"{deploy!r} is vLLM-Omni's BAGEL topology; with model.family={family.name!r} "
+                                       f"and rollout.engine={cfg.rollout.engine!r} leave it 'single_stage'")
+    if not 0.0 <= cfg.rollout.thinker_memory < 1.0 or (cfg.rollout.thinker_memory and deploy != "two_stage"):
+        yield "rollout.thinker_memory", (f"{cfg.rollout.thinker_memory!r}: the two-stage thinker's share of the GPU "
+                                         f"in (0, 1) with rollout.bagel_deploy='two_stage', or 0.0 for bagel.yaml's")
+    if deploy == "two_stage" and cfg.sample.think:
+        yield "rollout.bagel_deploy", ("'two_stage' has no think mode yet (the thinker only prefills): pass "
+                                       "--config.rollout.bagel_deploy=single_stage or --config.sample.think=False")
+    if cfg.sample.think and not family.thinks:
+        yield "sample.think", (f"True is BAGEL's think mode; model.family={family.name!r} has none: pass "
+                               f"--config.sample.think=False")

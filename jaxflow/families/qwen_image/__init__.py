@@ -1,0 +1,1 @@
+"""The Qwen-Image family (`family.py`)."""

@@ -1,0 +1,120 @@
+"""Qwen-Image (`model.family='qwen_image'`): a diffusers Qwen-Image folder (or "tiny"), engines diffusers and
+vllm_omni, text as embeds, true CFG; its transformer, key map and loading are `jaxflow/models/`."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+from jaxflow.algorithms.objective import WINDOW, Objective
+from jaxflow.families.base import Problem, read_json
+from jaxflow.models import lora as qwen_lora
+from jaxflow.models.config import QwenImageConfig
+from jaxflow.models.loading import fingerprint, load_transformer
+from jaxflow.models.lora import LoRASpec
+from jaxflow.models.random_init import random_transformer
+from jaxflow.models.transformer import QwenImageTransformer
+from jaxflow_bridge.contract.schedule import pixels_per_token
+
+
+class QwenImage:
+    name = "qwen_image"
+    engines = ("diffusers", "vllm_omni")
+    merges_lora = True  # vllm_omni's rollout.lora_mode='auto' merges the adapter into the base weights
+    tiny = "tiny"
+    tiny_config = "configs/tiny_ocr.py (the embedded tiny offline model)"
+    example = "/path/to/Qwen-Image (a diffusers folder)"
+    files = ("model_index.json", "transformer/config.json")
+    weights = ()  # one file or a sharded index: transformer/ is checked as it loads
+    one_device = False
+    stages = ("single_stage",)
+    thinks = False
+
+    def folder(self, cfg) -> Path:
+        if cfg.model.path == self.tiny:
+            from jaxflow_bridge.random_models.tiny import tiny_pipeline_path
+            return tiny_pipeline_path(dtype=cfg.rollout.dtype)
+        return Path(cfg.model.path)
+
+    def check_folder(self, folder: Path) -> None:
+        """ValueError naming the file when transformer/config.json does not read as a Qwen-Image transformer (or
+        vae/config.json not as JSON)."""
+        if (folder / "vae" / "config.json").exists():
+            read_json(folder / "vae" / "config.json")
+        path = folder / "transformer" / "config.json"
+        try:
+            QwenImageConfig.from_dict(read_json(path))
+        except (TypeError, ValueError) as exc:
+            message = str(exc)
+            raise ValueError(message if message.startswith(str(path)) else f"{path}: {message}") from None
+
+    def problems(self, cfg) -> Iterator[Problem]:
+        """BAGEL's text CFG keys left at their defaults (Qwen-Image's true CFG has neither)."""
+        if tuple(cfg.sample.cfg_interval) != (0.0, 1.0) or cfg.sample.cfg_renorm_min != 0.0:
+            yield "sample.cfg_interval", ("and sample.cfg_renorm_min are BAGEL's text CFG; Qwen-Image's true CFG has "
+                                          "neither: leave them at 0.0, 1.0 and 0.0")
+
+    def size_multiple(self, cfg) -> int:
+        """`pixels_per_token` of the VAE: the folder's vae/config.json or the tiny model's."""
+        if cfg.model.path == self.tiny:
+            from jaxflow_bridge.random_models.tiny import TINY_VAE_CONFIG
+            vae = TINY_VAE_CONFIG
+        else:
+            path = Path(cfg.model.path) / "vae" / "config.json"
+            if not path.exists():
+                raise FileNotFoundError(f"{cfg.model.path} has no vae/config.json: it must be a diffusers Qwen-Image "
+                                        "folder")
+            vae = json.loads(path.read_text())
+        return pixels_per_token(vae)
+
+    def grid_hw(self, folder: Path, cfg) -> tuple[int, int]:
+        """Packed latent grid: a token spans `pixels_per_token` of the folder's VAE per side."""
+        factor = pixels_per_token(json.loads((folder / "vae" / "config.json").read_text()))
+        return cfg.sample.height // factor, cfg.sample.width // factor
+
+    def lora_spec(self, cfg) -> LoRASpec:
+        return LoRASpec(rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=tuple(cfg.lora.targets))
+
+    def build_model(self, cfg, folder: Path, spec, opts_for, **kw):
+        """The transformer of `folder`: loaded, or drawn from `seed` with model.init=random; `opts_for(num_layers)`
+        resolves the ModelOptions (model.lora_gemm) for its depth."""
+        mc = QwenImageConfig.from_json(folder / "transformer" / "config.json")
+        opts = opts_for(mc.num_layers)
+        if cfg.model.init == "random":
+            model = random_transformer(mc, opts, spec, **kw)
+        else:
+            model = load_transformer(folder / "transformer", opts, spec, **kw)
+        if model.unrolled:
+            model.unstack_blocks()
+        return model
+
+    def owns(self, model) -> bool:
+        return isinstance(model, QwenImageTransformer)
+
+    def objective(self, config) -> Objective:
+        """The window log-prob on the batch's text embeds (`flowgrpo.window_log_prob`), true CFG."""
+        return WINDOW
+
+    def batch_shape(self, model) -> dict:
+        """memory.abstract_batch's model-dependent arguments."""
+        return dict(channels=model.cfg.in_channels, width=model.cfg.joint_attention_dim, text_ids=False)
+
+    def save_peft(self, lora, spec, directory: Path) -> None:
+        qwen_lora.save_peft(lora, spec, directory)
+
+    def fingerprint(self, model) -> str:
+        return fingerprint(model)
+
+    def engine_config(self, cfg) -> dict:
+        return {"cfg_forward": cfg.rollout.cfg_forward}
+
+    def sampling(self, cfg, eval_mode: bool) -> dict:
+        s = cfg.sample
+        d = dict(height=s.height, width=s.width, num_inference_steps=s.num_steps, true_cfg_scale=s.guidance,
+                 negative_prompt=s.negative_prompt, max_sequence_length=s.max_sequence_length, sde_type=s.sde_type,
+                 noise_level=s.noise_level, sde_window_size=s.window_size, sde_window_range=tuple(s.window_range),
+                 same_latent=s.same_latent, keep_final=cfg.train.algorithm == "nft")
+        if eval_mode:
+            d.update(num_inference_steps=cfg.eval.num_steps, true_cfg_scale=cfg.eval.guidance, sde_type="ode",
+                     noise_level=0.0, sde_window_size=None, same_latent=False, keep_final=False)
+        return d
