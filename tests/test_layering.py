@@ -3,6 +3,7 @@ nothing in jaxflow_bridge/ imports JAX or the trainer, the torch side's folders 
 (docs/design.md §1), neither side imports the benchmarks (jaxflow_bench/) or the experiments (experiments/), and no
 module under tests/ imports a test module (shared helpers live in tests/helpers*.py, tests/bagel_helpers.py, ...)."""
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,27 @@ def test_the_test_module_checker_sees_each_form(tmp_path):
                  "from tests import bagel_ref\nimport pytest\n")
     assert imported_test_modules(f) == {"tests.test_a", "tests.test_b", "tests.test_c", "test_d", "tests.test_e",
                                         "tests.test_f"}
+
+
+# The generic trainer modules reach a model family only through jaxflow/families/ (its `Family` protocol and
+# registry): they name none, in code, strings or comments. recipes.py is the real recipe (Qwen-Image's, with its
+# sources) and the config keys' help; parity.py's random_adapter still picks BAGEL's key map by the folder.
+FAMILY_WORDS = ("bagel", "qwen")  # as `grep -w`: bagel_deploy, qwen_image, bagel_keymap are other words
+NAMES_FAMILIES = {"recipes.py", "parity.py"}
+GENERIC = sorted(p for p in [*(ROOT / "jaxflow").glob("*.py"), *(ROOT / "jaxflow" / "algorithms").glob("*.py")]
+                 if p.name not in NAMES_FAMILIES)
+
+
+def family_words(text: str) -> set[str]:
+    return {m.group(0).lower() for w in FAMILY_WORDS for m in re.finditer(rf"(?<!\w){w}(?!\w)", text, re.I)}
+
+
+@pytest.mark.parametrize("path", GENERIC, ids=lambda p: str(p.relative_to(ROOT)))
+def test_generic_trainer_modules_name_no_family(path):
+    bad = family_words(path.read_text())
+    assert not bad, f"{path.relative_to(ROOT)} names the family word(s) {sorted(bad)}: ask the family (jaxflow/families/)"
+
+
+def test_the_family_word_checker_sees_a_name():
+    assert family_words("from jaxflow.families.bagel import x  # Qwen-Image's, BAGEL's") == {"bagel", "qwen"}
+    assert family_words("cfg.rollout.bagel_deploy, 'qwen_image', bagel_keymap") == set()
