@@ -209,3 +209,29 @@ def test_every_result_file_has_the_record_keys_and_every_one_named_exists():
         assert isinstance(record["figures"], dict) and record["figures"], path.name
     named = set(re.findall(r"`([A-Za-z0-9_]+\.json)`", (ROOT / "BENCHMARKS.md").read_text()))
     assert named and not [name for name in named if not (results / name).exists()]
+
+
+@pytest.mark.slow
+def test_e2e_runner_on_the_cpu_writes_the_figures_of_a_gpu_run(tmp_path):
+    """jaxflow_bench.e2e's generic path end to end on the tiny recipe (--device cpu: the trainer and its in-process
+    diffusers engine on the CPU): exit 0, a result file with the record keys, the throughput and phase figures a GPU
+    run writes (positive, finite), no peak_gib where no memory is read, and a command that parses back to this run."""
+    import math
+    import shlex
+    from jaxflow_bench.e2e import parser
+    argv = [str(tmp_path / "out"), "--device", "cpu", "--layout", "inproc", "--config", "configs/tiny_ocr.py",
+            "--steps", "3", "--config.sample.group_size=2"]
+    got = subprocess.run([sys.executable, "-m", "jaxflow_bench.e2e", *argv], cwd=ROOT, capture_output=True,
+                         text=True, timeout=HANG_S)
+    assert got.returncode == 0, got.stderr[-3000:]
+    record = json.loads((tmp_path / "out" / "e2e_cpu_inproc.json").read_text())
+    assert {"name", "command", "device", "date", "figures"} <= set(record) and record["name"] == "e2e_cpu_inproc"
+    figures = record["figures"]
+    timed = ("img_per_gpu_s", "step_s", "rollout_s", "reward_s", "train_s", "to_device_s", "sync_s", "update_s")
+    assert all(math.isfinite(figures[k]) and figures[k] > 0 for k in timed), figures
+    assert figures["gpus"] == 1 and figures["steps_timed"] == 2 and figures["images_per_step"] == 4  # 2 prompts x 2
+    assert 0 < figures["share_of_step_sync"] < 1 and "peak_gib" not in figures
+    assert not (tmp_path / "out" / "gpu_mem.csv").exists()
+    words = shlex.split(record["command"])
+    assert words[:4] == ["python", "-m", "jaxflow_bench.e2e", "OUT"]
+    assert parser().parse_known_args([argv[0], *words[4:]]) == parser().parse_known_args(argv)
