@@ -100,7 +100,8 @@ def run_logged(cmd: list[str], env: dict, out: Path, watched: list[str] | None) 
                                        stdout=mem, stderr=subprocess.DEVNULL)
     try:
         with open(out / "train.log", "w") as log:
-            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    errors="replace")
             for line in proc.stdout:
                 stamped = f"{time.strftime('%H:%M:%S')} {line}"
                 sys.stdout.write(stamped)
@@ -170,6 +171,10 @@ def setup(args, given: dict) -> tuple[list[str], dict, int, list[str] | None]:
     layout, bagel, cpu = args.layout, args.recipe == "bagel", args.device == "cpu"
     config = args.config or RECIPES[args.recipe or "qwen"][0]
     engine = "diffusers" if cpu else "vllm_omni" if bagel else args.engine or "vllm_omni"
+    if args.config and not Path(args.config).is_file():
+        raise Refused(f"--config {args.config}: no such file (a recipe such as configs/tiny_ocr.py)")
+    if cpu and not args.config:
+        raise Refused("--device cpu runs a recipe of its own small model: --config configs/tiny_ocr.py")
     if cpu and (args.engine == "vllm_omni" or layout not in ("inproc", "1gpu")):
         raise Refused("--device cpu runs the diffusers engine in --layout inproc or 1gpu (its actor on the CPU)")
     if engine == "vllm_omni" and layout == "inproc":

@@ -211,6 +211,36 @@ def test_every_result_file_has_the_record_keys_and_every_one_named_exists():
     assert named and not [name for name in named if not (results / name).exists()]
 
 
+def test_e2e_runner_sets_up_a_cpu_run_of_a_recipe_and_refuses_what_cannot_run(tmp_path):
+    """jaxflow_bench.e2e --device cpu: the trainer gets jaxflow.train's CPU overrides and JAX the CPU, no memory is
+    watched, and the recipe's micro-batch (16 samples for configs/tiny_ocr.py) is cut to an update's (2 prompts x 4 =
+    8: one micro-batch, not 0); what a CPU run cannot be, or a micro-batch that does not divide an update, is refused
+    in one line, exit 2, before anything is written."""
+    import os
+    from jaxflow.train import CPU_OVERRIDES
+    from jaxflow_bench.e2e import parser, setup
+    args, _ = parser().parse_known_args([str(tmp_path / "out"), "--device", "cpu", "--layout", "inproc", "--config",
+                                         "configs/tiny_ocr.py"])
+    cmd, env, gpus, watched = setup(args, dict(os.environ))
+    assert cmd[:5] == [sys.executable, "-m", "jaxflow.train", "--config", "configs/tiny_ocr.py"]
+    assert set(CPU_OVERRIDES.split()) <= set(cmd) and "--config.rollout.device=cuda" not in cmd
+    assert "--config.train.num_micro_batches=1" in cmd and "--config.rollout.layout=in_process" in cmd
+    assert not [a for a in cmd if a.startswith(("--config.model.path", "--config.model.init"))]  # the recipe's own
+    assert env["JAX_PLATFORMS"] == "cpu" and gpus == 1 and watched is None
+    script = [sys.executable, "-m", "jaxflow_bench.e2e", str(tmp_path / "out"), "--device", "cpu"]
+    for extra, message in (
+            (["--layout", "inproc"], "--device cpu runs a recipe of its own small model: --config configs/tiny_ocr.py"),
+            (["--config", "configs/nothing.py"], "--config configs/nothing.py: no such file (a recipe such as "
+                                                 "configs/tiny_ocr.py)"),
+            (["--config", "configs/tiny_ocr.py", "--layout", "2gpu"],
+             "--device cpu runs the diffusers engine in --layout inproc or 1gpu (its actor on the CPU)"),
+            (["--config", "configs/tiny_ocr.py", "--layout", "inproc", "--micro", "3"],
+             "--micro 3 x 1 device does not divide an update's 8 samples")):
+        got = subprocess.run([*script, *extra], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
+        assert (got.returncode, got.stderr.strip()) == (2, f"error: {message}")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 def test_e2e_runner_on_the_cpu_writes_the_figures_of_a_gpu_run(tmp_path):
     """jaxflow_bench.e2e's generic path end to end on the tiny recipe (--device cpu: the trainer and its in-process
