@@ -1,8 +1,9 @@
 """End-to-end `python -m jaxflow.train` benchmarks with random full-size weights, each layout an argument.
 
     python -m jaxflow_bench.e2e OUT [--layout inproc|1gpu|2gpu|2gpu_colocated|node] [--recipe qwen|bagel]
-        [--engine vllm_omni|diffusers] [--sleep true|false] [--prompts 2] [--micro N] [--per-call N] [--steps N]
-        [--reward NAME] [--result NAME] [--model-dir DIR] [--profile-step K] [--one-gpu FILE] [--config.x=y ...]
+        [--config FILE] [--device cuda|cpu] [--engine vllm_omni|diffusers] [--sleep true|false] [--prompts 2]
+        [--micro N] [--per-call N] [--steps N] [--reward NAME] [--result NAME] [--model-dir DIR] [--profile-step K]
+        [--one-gpu FILE] [--config.x=y ...]
     python -m jaxflow_bench.e2e OUT --scaling [--layouts 2gpu_colocated 2gpu] [--config.x=y ...]
     python -m jaxflow_bench.e2e OUT --arms flowgrpo guard corrected nft [--config.x=y ...]
 
@@ -13,6 +14,10 @@ steps (--steps), no eval or checkpoints. The random folder (--model-dir, default
 /tmp/bagel_random) is written if missing. The log goes to OUT/train.log, each line stamped with the time of day; the
 GPUs' memory is read by nvidia-smi every 0.5 s; OUT/RESULT.json gets `jaxflow_bench.summary`'s figures (RESULT
 default e2e_ENGINE_LAYOUT, e2e_bagel_1gpu, e2e_8gpu for the node). --config.x=y arguments go to the trainer.
+--config FILE runs that recipe on the model it names (--model-dir replaces it; nothing is written). --device cpu
+runs inproc or 1gpu on the CPU with jaxflow.train's CPU_OVERRIDES (the tiny recipe: --config configs/tiny_ocr.py):
+no memory is read there, nor without nvidia-smi, and the result has no peak_gib; RESULT default e2e_cpu_LAYOUT.
+The micro-batch defaults to the recipe's, at most an update's samples per device.
 
 Layouts (JAX gets a fixed pool, XLA_CLIENT_MEM_FRACTION, where it shares a GPU):
   inproc  one GPU, the diffusers engine in the trainer's process (no Ray); pool 0.5
@@ -37,6 +42,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -82,19 +88,20 @@ def gpu_count() -> int:
     return len(out.splitlines())
 
 
-def run_logged(cmd: list[str], env: dict, out: Path, watched: str | None) -> int:
+def run_logged(cmd: list[str], env: dict, out: Path, watched: list[str] | None) -> int:
     """Run `cmd` with every output line stamped with the time of day, to the terminal and OUT/train.log, while
-    nvidia-smi writes the GPUs' memory to OUT/gpu_mem.csv every 0.5 s; the command's exit status."""
-    smi = ["nvidia-smi", *(["-i", watched] if watched else []), "--query-gpu=memory.used",
-           "--format=csv,noheader,nounits", "-lms", "500"]
-    with open(out / "gpu_mem.csv", "w") as mem:
-        try:
-            watcher = subprocess.Popen(smi, stdout=mem, stderr=subprocess.DEVNULL)
-        except OSError:
-            watcher = None
+    nvidia-smi writes the memory of the `watched` GPUs (ids; [] all, None none) to OUT/gpu_mem.csv every 0.5 s; the
+    command's exit status."""
+    watcher = None
+    if watched is not None:
+        with open(out / "gpu_mem.csv", "w") as mem:
+            watcher = subprocess.Popen(["nvidia-smi", *(["-i", ",".join(watched)] if watched else []),
+                                        "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-lms", "500"],
+                                       stdout=mem, stderr=subprocess.DEVNULL)
     try:
         with open(out / "train.log", "w") as log:
-            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    errors="replace")
             for line in proc.stdout:
                 stamped = f"{time.strftime('%H:%M:%S')} {line}"
                 sys.stdout.write(stamped)
@@ -144,63 +151,100 @@ def described(args, overrides: list[str], given: dict) -> str:
     """The result's command: the environment that changed the run, then this runner's arguments."""
     env = [f"{k}={given[k]}" for k in ("XLA_CLIENT_MEM_FRACTION", "CUDA_VISIBLE_DEVICES") if k in given]
     opts = [f"--layout={args.layout}"] + [f"--{k.replace('_', '-')}={v}" for k in (
-        "recipe", "engine", "sleep", "prompts", "micro", "per_call", "steps", "reward", "model_dir", "one_gpu")
-        if (v := getattr(args, k)) is not None]
+        "device", "recipe", "config", "engine", "sleep", "prompts", "micro", "per_call", "steps", "reward", "model_dir",
+        "profile_step", "one_gpu") if (v := getattr(args, k)) is not None]
     return shlex.join([*env, "python", "-m", "jaxflow_bench.e2e", "OUT", *opts, *overrides])
 
 
-def run(args, overrides: list[str], env: dict | None = None) -> Path:
-    """One layout's run into args.out; the result file's path."""
-    given = dict(os.environ if env is None else env)
+def cpu_overrides() -> list[str]:
+    """The trainer's overrides that put a run on the CPU (jaxflow.train's own list: imported only for a CPU run, as
+    it imports JAX)."""
+    from jaxflow.train import CPU_OVERRIDES
+    return CPU_OVERRIDES.split()
+
+
+def setup(args, given: dict) -> tuple[list[str], dict, int, list[str] | None]:
+    """The layout's set-up, checked before anything starts (Refused: input to fix): the trainer's command (but for
+    a private Ray head's address), its environment, the GPUs the result counts and those nvidia-smi watches (ids;
+    [] all; None none: a CPU run, or no nvidia-smi)."""
     env = dict(given)
-    config, default_dir, marker, maker = RECIPES[args.recipe]
-    layout, bagel, out = args.layout, args.recipe == "bagel", Path(args.out)
-    engine = "vllm_omni" if bagel else args.engine or "vllm_omni"
+    layout, bagel, cpu = args.layout, args.recipe == "bagel", args.device == "cpu"
+    config = args.config or RECIPES[args.recipe or "qwen"][0]
+    engine = "diffusers" if cpu else "vllm_omni" if bagel else args.engine or "vllm_omni"
+    if args.config and not Path(args.config).is_file():
+        raise Refused(f"--config {args.config}: no such file (a recipe such as configs/tiny_ocr.py)")
+    if cpu and not args.config:
+        raise Refused("--device cpu runs a recipe of its own small model: --config configs/tiny_ocr.py")
+    if cpu and (args.engine == "vllm_omni" or layout not in ("inproc", "1gpu")):
+        raise Refused("--device cpu runs the diffusers engine in --layout inproc or 1gpu (its actor on the CPU)")
     if engine == "vllm_omni" and layout == "inproc":
         raise Refused("the vllm_omni engine runs in a Ray actor: --layout 1gpu or 2gpu")
-    if bagel and layout != "1gpu":
-        raise Refused("--recipe bagel runs on one GPU: --layout 1gpu")
-    env.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)  # jax >= 0.11 ignores the GPU when both fractions are set
-    env.setdefault("XLA_CLIENT_MEM_FRACTION", "0.5" if bagel else POOL[layout])
-    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true" if bagel or layout == "node" else env.get(
-        "XLA_PYTHON_CLIENT_PREALLOCATE", "true")
+    if bagel and (layout != "1gpu" or args.engine == "diffusers"):
+        raise Refused("--recipe bagel runs vLLM-Omni on one GPU: --layout 1gpu without --engine")
     env["PYTHONUNBUFFERED"] = "1"
+    if cpu:
+        env["JAX_PLATFORMS"] = "cpu"
+    else:
+        env.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)  # jax >= 0.11 ignores the GPU when both fractions are set
+        env.setdefault("XLA_CLIENT_MEM_FRACTION", "0.5" if bagel else POOL[layout])
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true" if bagel or layout == "node" else env.get(
+            "XLA_PYTHON_CLIENT_PREALLOCATE", "true")
     r = recipe_values(config)
-    gpus, devices, watched = 1, 1, env.get("CUDA_VISIBLE_DEVICES")
+    gpus, devices, visible = 1, 1, env.get("CUDA_VISIBLE_DEVICES")
     if layout == "node":
         gpus = devices = gpu_count()
-        micro = args.micro or 2
-        samples = (args.prompts or r["prompts"]) * r["group"] // r["mini"]
-        if samples % (micro * gpus):
-            raise Refused(f"--micro {micro} x {gpus} GPUs does not divide an update's {samples} samples")
     elif layout == "2gpu":
         pair = env.get("CUDA_VISIBLE_DEVICES", "0,1")
         if not re.fullmatch(r"[0-9]+,[0-9]+", pair):
             raise Refused(f"--layout 2gpu needs two GPUs: set CUDA_VISIBLE_DEVICES to two ids such as 0,1 "
                           f"(it is '{pair}')")
-        gpus, watched = 2, pair
+        gpus, visible = 2, pair
     elif layout == "2gpu_colocated":
         gpus = devices = 2
-    micro = args.micro or (2 if bagel or layout == "node" else
-                           r["prompts"] * r["group"] // (r["mini"] * r["micro"]))
     prompts = args.prompts or (r["prompts"] if layout == "node" else 2)
-    per_call = 1 if bagel else args.per_call or max(1, min(4, prompts // 2))
-    model = args.model_dir or default_dir
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = [f"--config.model.path={model}", *([] if bagel else ["--config.model.init=random"])]
-    if layout != "node":
+    samples = prompts * r["group"] // r["mini"]  # an update's
+    micro = args.micro or (2 if bagel or layout == "node" else  # the recipe's micro-batch, at most an update
+                           min(r["prompts"] * r["group"] // (r["mini"] * r["micro"]), samples // devices))
+    if samples % (micro * devices):
+        raise Refused(f"--micro {micro} x {devices} {'GPUs' if devices > 1 else 'device'} does not divide an "
+                      f"update's {samples} samples")
+    cmd = [] if args.config and not args.model_dir else [
+        f"--config.model.path={args.model_dir or RECIPES[args.recipe or 'qwen'][1]}"]
+    if not args.config and not bagel:
+        cmd.append("--config.model.init=random")
+    if cpu:
+        cmd += cpu_overrides()
+    elif layout != "node":
         cmd += [f"--config.rollout.engine={engine}", "--config.rollout.dtype=bfloat16", "--config.rollout.device=cuda"]
-        if args.sleep:
-            cmd.append(f"--config.rollout.sleep_while_training={args.sleep}")
+    if args.sleep:
+        cmd.append(f"--config.rollout.sleep_while_training={args.sleep}")
     if layout != "node" or args.prompts:
         cmd += [f"--config.sample.prompts_per_step={prompts}"]
     if layout != "node" or args.per_call:
-        cmd += [f"--config.sample.prompts_per_call={per_call}"]
-    cmd += [f"--config.train.num_micro_batches={prompts * r['group'] // r['mini'] // micro // devices}",
+        cmd += [f"--config.sample.prompts_per_call={1 if bagel else args.per_call or max(1, min(4, prompts // 2))}"]
+    cmd += [f"--config.train.num_micro_batches={samples // micro // devices}",
             f"--config.train.num_steps={args.steps or (3 if layout == 'node' else 4)}", *FIXED,
-            f"--config.run_dir={out / 'run'}"]
+            f"--config.run_dir={Path(args.out) / 'run'}"]
     if args.reward:
         cmd.append(f"--config.reward.fns={json.dumps({args.reward: 1.0})}")
+    gpu_share = [] if cpu else ["--config.rollout.num_gpus=1"]
+    cmd += {"inproc": ["--config.rollout.layout=in_process", "--config.rollout.num_gpus=0"],
+            "1gpu": [*([] if bagel else ["--config.rollout.layout=colocated"]), *gpu_share],
+            "2gpu_colocated": ["--config.rollout.layout=colocated", *gpu_share, "--config.rollout.num_servers=2"],
+            "2gpu": ["--config.rollout.layout=split", *gpu_share],
+            "node": ["--config.rollout.layout=colocated", *gpu_share, f"--config.rollout.num_servers={gpus}"]}[layout]
+    train = (["bash", "launch/ray_train.sh", config] if layout == "node" else
+             [sys.executable, "-m", "jaxflow.train", "--config", config])
+    watched = None if cpu or not shutil.which("nvidia-smi") else visible.split(",") if visible else []
+    return [*train, *cmd], env, gpus, watched
+
+
+def run(args, overrides: list[str], env: dict | None = None) -> Path:
+    """One layout's run into args.out; the result file's path."""
+    given = dict(os.environ if env is None else env)
+    cmd, env, gpus, watched = setup(args, given)
+    layout, out = args.layout, Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     exclude = []
     if args.profile_step is not None:
         cmd += [f"--config.profile.start_step={args.profile_step}", "--config.profile.num_steps=1"]
@@ -209,31 +253,25 @@ def run(args, overrides: list[str], env: dict | None = None) -> Path:
         exclude = [args.profile_step]
     temp_dir = None
     try:
-        if layout != "node":
+        if layout != "node" and args.device != "cpu":
             check_jax_on_gpu(env)
-        if not (Path(model) / marker).is_file():
-            subprocess.run([sys.executable, maker[0], "--out", model, *maker[1:]], env=env, check=True)
+        if not args.config:
+            _, default_dir, marker, maker = RECIPES[args.recipe or "qwen"]
+            model = args.model_dir or default_dir
+            if not (Path(model) / marker).is_file():
+                subprocess.run([sys.executable, maker[0], "--out", model, *maker[1:]], env=env, check=True)
         if layout == "2gpu":
             # no token authentication (ray 2.60's `ray start` turns it on where ~/.ray/auth_token exists, and then
             # refuses a driver without RAY_AUTH_MODE=token)
+            pair = env.get("CUDA_VISIBLE_DEVICES", "0,1")
             temp_dir, env["RAY_AUTH_MODE"] = f"/tmp/ray_e2e_{os.getpid()}", "disabled"
             address = start_ray_head(dict(env, CUDA_VISIBLE_DEVICES=pair), out, 2, temp_dir)
             env["CUDA_VISIBLE_DEVICES"] = pair.split(",")[1]
-            cmd += ["--config.rollout.layout=split", "--config.rollout.num_gpus=1",
-                    f"--config.rollout.address={address}"]
+            cmd.append(f"--config.rollout.address={address}")
         elif layout == "node":
             env.setdefault("RAY_AUTH_MODE", "token")  # the head makes a token (~/.ray/auth_token); the trainer asks
             start_ray_head(env, out, gpus, None)
-            cmd += ["--config.rollout.layout=colocated", "--config.rollout.num_gpus=1",
-                    f"--config.rollout.num_servers={gpus}"]
-        elif layout == "inproc":
-            cmd += ["--config.rollout.layout=in_process", "--config.rollout.num_gpus=0"]
-        else:
-            cmd += [*([] if bagel else ["--config.rollout.layout=colocated"]), "--config.rollout.num_gpus=1",
-                    *(["--config.rollout.num_servers=2"] if layout == "2gpu_colocated" else [])]
-        train = (["bash", "launch/ray_train.sh", config] if layout == "node" else
-                 [sys.executable, "-m", "jaxflow.train", "--config", config])
-        rc = run_logged([*train, *cmd, *overrides], env, out, watched)
+        rc = run_logged([*cmd, *overrides], env, out, watched)
         if rc:
             raise RuntimeError(f"the training run failed (exit {rc}): see {out / 'train.log'}")
     finally:
@@ -241,11 +279,14 @@ def run(args, overrides: list[str], env: dict | None = None) -> Path:
             stop_private_head(temp_dir)
         elif layout == "node":
             subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop"], capture_output=True, check=False)
-    figures = summarize(out / "run", gpus, exclude=exclude, gpu_mem=out / "gpu_mem.csv")
+    if watched is None:
+        print("the GPUs' memory is not read (a CPU run, or no nvidia-smi): the result has no peak_gib")
+    figures = summarize(out / "run", gpus, exclude=exclude, gpu_mem=None if watched is None else out / "gpu_mem.csv")
     if figures is None:
         raise RuntimeError(f"{out / 'run'} has no step after the first to time: run more --steps")
-    result = args.result or ("e2e_8gpu" if layout == "node" else "e2e_bagel_1gpu" if bagel
-                             else f"e2e_{engine}_{layout}")
+    engine = "cpu" if args.device == "cpu" else args.engine or "vllm_omni"
+    result = args.result or ("e2e_8gpu" if layout == "node" else "e2e_bagel_1gpu" if args.recipe == "bagel" else
+                             f"e2e_{engine}_{layout}")
     if args.one_gpu:
         one = json.loads(Path(args.one_gpu).read_text())["figures"]["img_per_gpu_s"]
         figures.update(one_gpu_img_per_gpu_s=one, scaling_efficiency=figures["img_per_gpu_s"] / one)
@@ -305,7 +346,11 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", type=Path)
     p.add_argument("--layout", choices=LAYOUTS, default="1gpu")
-    p.add_argument("--recipe", choices=tuple(RECIPES), default="qwen")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--recipe", choices=tuple(RECIPES), help="default qwen")
+    source.add_argument("--config", help="a recipe config of its own model instead (e.g. configs/tiny_ocr.py)")
+    p.add_argument("--device", choices=("cuda", "cpu"), help="cpu: the trainer and a diffusers engine on the CPU "
+                                                             "(jaxflow.train's CPU overrides; default cuda)")
     p.add_argument("--engine", choices=("vllm_omni", "diffusers"))
     p.add_argument("--sleep", choices=("true", "false"), help="rollout.sleep_while_training (default the recipe's)")
     p.add_argument("--prompts", type=int, help="prompts a step (default 2; the node: the recipe's)")

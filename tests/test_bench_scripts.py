@@ -209,3 +209,59 @@ def test_every_result_file_has_the_record_keys_and_every_one_named_exists():
         assert isinstance(record["figures"], dict) and record["figures"], path.name
     named = set(re.findall(r"`([A-Za-z0-9_]+\.json)`", (ROOT / "BENCHMARKS.md").read_text()))
     assert named and not [name for name in named if not (results / name).exists()]
+
+
+def test_e2e_runner_sets_up_a_cpu_run_of_a_recipe_and_refuses_what_cannot_run(tmp_path):
+    """jaxflow_bench.e2e --device cpu: the trainer gets jaxflow.train's CPU overrides and JAX the CPU, no memory is
+    watched, and the recipe's micro-batch (16 samples for configs/tiny_ocr.py) is cut to an update's (2 prompts x 4 =
+    8: one micro-batch, not 0); what a CPU run cannot be, or a micro-batch that does not divide an update, is refused
+    in one line, exit 2, before anything is written."""
+    import os
+    from jaxflow.train import CPU_OVERRIDES
+    from jaxflow_bench.e2e import parser, setup
+    args, _ = parser().parse_known_args([str(tmp_path / "out"), "--device", "cpu", "--layout", "inproc", "--config",
+                                         "configs/tiny_ocr.py"])
+    cmd, env, gpus, watched = setup(args, dict(os.environ))
+    assert cmd[:5] == [sys.executable, "-m", "jaxflow.train", "--config", "configs/tiny_ocr.py"]
+    assert set(CPU_OVERRIDES.split()) <= set(cmd) and "--config.rollout.device=cuda" not in cmd
+    assert "--config.train.num_micro_batches=1" in cmd and "--config.rollout.layout=in_process" in cmd
+    assert not [a for a in cmd if a.startswith(("--config.model.path", "--config.model.init"))]  # the recipe's own
+    assert env["JAX_PLATFORMS"] == "cpu" and gpus == 1 and watched is None
+    script = [sys.executable, "-m", "jaxflow_bench.e2e", str(tmp_path / "out"), "--device", "cpu"]
+    for extra, message in (
+            (["--layout", "inproc"], "--device cpu runs a recipe of its own small model: --config configs/tiny_ocr.py"),
+            (["--config", "configs/nothing.py"], "--config configs/nothing.py: no such file (a recipe such as "
+                                                 "configs/tiny_ocr.py)"),
+            (["--config", "configs/tiny_ocr.py", "--layout", "2gpu"],
+             "--device cpu runs the diffusers engine in --layout inproc or 1gpu (its actor on the CPU)"),
+            (["--config", "configs/tiny_ocr.py", "--layout", "inproc", "--micro", "3"],
+             "--micro 3 x 1 device does not divide an update's 8 samples")):
+        got = subprocess.run([*script, *extra], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
+        assert (got.returncode, got.stderr.strip()) == (2, f"error: {message}")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_e2e_runner_on_the_cpu_writes_the_figures_of_a_gpu_run(tmp_path):
+    """jaxflow_bench.e2e's generic path end to end on the tiny recipe (--device cpu: the trainer and its in-process
+    diffusers engine on the CPU): exit 0, a result file with the record keys, the throughput and phase figures a GPU
+    run writes (positive, finite), no peak_gib where no memory is read, and a command that parses back to this run."""
+    import math
+    import shlex
+    from jaxflow_bench.e2e import parser
+    argv = [str(tmp_path / "out"), "--device", "cpu", "--layout", "inproc", "--config", "configs/tiny_ocr.py",
+            "--steps", "3", "--config.sample.group_size=2"]
+    got = subprocess.run([sys.executable, "-m", "jaxflow_bench.e2e", *argv], cwd=ROOT, capture_output=True,
+                         text=True, timeout=HANG_S)
+    assert got.returncode == 0, got.stderr[-3000:]
+    record = json.loads((tmp_path / "out" / "e2e_cpu_inproc.json").read_text())
+    assert {"name", "command", "device", "date", "figures"} <= set(record) and record["name"] == "e2e_cpu_inproc"
+    figures = record["figures"]
+    timed = ("img_per_gpu_s", "step_s", "rollout_s", "reward_s", "train_s", "to_device_s", "sync_s", "update_s")
+    assert all(math.isfinite(figures[k]) and figures[k] > 0 for k in timed), figures
+    assert figures["gpus"] == 1 and figures["steps_timed"] == 2 and figures["images_per_step"] == 4  # 2 prompts x 2
+    assert 0 < figures["share_of_step_sync"] < 1 and "peak_gib" not in figures
+    assert not (tmp_path / "out" / "gpu_mem.csv").exists()
+    words = shlex.split(record["command"])
+    assert words[:4] == ["python", "-m", "jaxflow_bench.e2e", "OUT"]
+    assert parser().parse_known_args([argv[0], *words[4:]]) == parser().parse_known_args(argv)
