@@ -55,6 +55,7 @@ class Checkpointer:
         except Exception as exc:
             if no_space(exc) is None:
                 raise
+            _quiet_abandoned_reads()  # the writes orbax abandons report into its closed event loop, as reads do
             if jax.process_index() == 0:  # the unfinished save's folder, never renamed to its step: space back
                 for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
                     shutil.rmtree(partial, ignore_errors=True)
@@ -151,8 +152,8 @@ class _AbandonedTasks(logging.Filter):
 
 @functools.cache
 def _quiet_abandoned_reads() -> None:
-    """A restore stops at its first unreadable file: orbax then closes its event loop over the reads of the other
-    files still in flight, whose completions TensorStore reports as "Event loop is closed" and asyncio as "Task
+    """A restore stops at its first unreadable file (a save at its first write to a full disk): orbax then closes
+    its event loop over the reads (writes) of the other files still in flight, whose completions TensorStore reports as "Event loop is closed" and asyncio as "Task
     exception was never retrieved", hundreds of traceback lines after the one warning naming the checkpoint. Drops
     those reports from then on, in this process (other unraisable exceptions and asyncio errors still print)."""
     previous = sys.unraisablehook

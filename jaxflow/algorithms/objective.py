@@ -5,13 +5,9 @@ ids brings its own (its folder under `jaxflow/families/`)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from jaxflow.algorithms import flowgrpo
-
-if TYPE_CHECKING:  # step_config resolves the algorithms, which reach this module
-    from jaxflow.step_config import TrainConfig
-
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
@@ -23,7 +19,8 @@ class Objective:
     log_prob: Callable
 
 
-def _window_log_prob(model, tr: dict, config: TrainConfig, lora_scale: float = 1.0):
+def _window_log_prob(model, tr: dict, config, lora_scale: float = 1.0):
+    """`config`: the step's TrainConfig (grid_hw, sde_type, guidance)."""
     return flowgrpo.window_log_prob(model, tr, grid_hw=config.grid_hw, sde_type=config.sde_type,
                                     guidance=config.guidance, lora_scale=lora_scale)
 
