@@ -46,7 +46,7 @@ def write_result(out_dir: str | Path, name: str, figures: dict, command: str | N
 
 
 def scaling_figures(one: dict, layouts: dict[str, dict]) -> dict:
-    """The figures of a scaling result from jaxflow_bench.e2e results' figures: `one`, the one-GPU run's, and `layouts`, each
+    """The figures of a scaling result from jaxflow_bench.e2e's results: `one`, the one-GPU run's, and `layouts`, each
     multi-GPU layout's by name (each with img_per_gpu_s, gpus and step_s). Per layout: its img/GPU/s, step time and
     scaling_vs_1gpu (its images per second over the one-GPU run's); then the best layout's as `img_per_gpu_s`,
     `scaling_vs_1gpu` and `layout`."""

@@ -42,7 +42,8 @@ def run_of(pipeline: Path, suffix: str) -> dict | None:
                if line.split()[:1] == [f"rl{suffix}"]]
     if not seconds:
         raise ValueError(f"{pipeline}/timings.txt has no rl{suffix} line: was the run cut?")
-    return dict(before=before["mean"], after=after["mean"], rise=after["mean"] - before["mean"], rise_se=math.hypot(before["se"], after["se"]), steps=steps,
+    return dict(before=before["mean"], after=after["mean"], rise=after["mean"] - before["mean"],
+                rise_se=math.hypot(before["se"], after["se"]), steps=steps,
                 minutes=seconds[-1] / 60)
 
 
