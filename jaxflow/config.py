@@ -10,11 +10,11 @@ from ml_collections import ConfigDict
 
 from jaxflow import families
 from jaxflow.families.base import option_problems
-from jaxflow.data import load_prompts
+from jaxflow.run.data import load_prompts
 from jaxflow.models.config import LORA_GEMMS, ModelOptions
 from jaxflow.models.lora import LoRASpec
-from jaxflow.sharding import ShardingConfig
-from jaxflow.step_config import TrainConfig
+from jaxflow.trainer.sharding import ShardingConfig
+from jaxflow.trainer.step_config import TrainConfig
 from jaxflow_bridge.contract.schedule import CFG_FORWARDS
 from jaxflow_bridge.rewards.registry import NEED_TARGET, REGISTRY
 from jaxflow_bridge.rollout.server import ENGINES

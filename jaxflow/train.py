@@ -1,7 +1,7 @@
 """FlowGRPO training: `python -m jaxflow.train --config configs/tiny_ocr.py [--config.a.b=v] [--resume]`.
 
-The loop (docs/design.md §2) composes process 0's `Driver` (jaxflow/driver.py: prompts, rollout, rewards,
-advantages -> the train batch) and every process's `Learner` (jaxflow/learner.py: the jitted, sharded step on its
+The loop (docs/design.md §2) composes process 0's `Driver` (jaxflow/run/driver.py: prompts, rollout, rewards,
+advantages -> the train batch) and every process's `Learner` (jaxflow/trainer/learner.py: the jitted, sharded step on its
 rows, checkpoints, the LoRA). Per step: experience -> train step -> LoRA sync to the rollout (version acked,
 bound-module count checked) -> metrics, logged by process 0. Evaluation (ODE sampling on held-out prompts, a PNG
 grid) every `eval.every` steps; orbax checkpoints every `checkpoint.every` steps and on SIGINT/SIGTERM (every
@@ -28,16 +28,16 @@ import jax
 import numpy as np
 
 from jaxflow import config as config_lib
-from jaxflow import phases
-from jaxflow import run_dir as run_dir_lib
-from jaxflow.checkpoint import config_json
-from jaxflow.data import GroupSampler, load_prompts
-from jaxflow.divergence import SkipStreak
-from jaxflow.driver import Driver
-from jaxflow.learner import Learner
-from jaxflow.metrics_log import RunLog
-from jaxflow.profiling import StepProfiler
-from jaxflow.sharding import maybe_initialize_distributed
+from jaxflow.trainer import phases
+from jaxflow.run import run_dir as run_dir_lib
+from jaxflow.trainer.checkpoint import config_json
+from jaxflow.run.data import GroupSampler, load_prompts
+from jaxflow.trainer.divergence import SkipStreak
+from jaxflow.run.driver import Driver
+from jaxflow.trainer.learner import Learner
+from jaxflow.run.metrics_log import RunLog
+from jaxflow.run.profiling import StepProfiler
+from jaxflow.trainer.sharding import maybe_initialize_distributed
 
 log = logging.getLogger("jaxflow.train")
 
@@ -225,7 +225,7 @@ class Trainer:
                 if skips.over or (last and skipped):  # nothing of the diverged state is written
                     raise skips.error(self.run_dir, saved, ended=not skips.over)
                 if (step + 1) % cfg.checkpoint.every == 0 or last or self.stop_requested:
-                    if skipped:  # no checkpoint of a state whose loss was not finite (`jaxflow.divergence`)
+                    if skipped:  # no checkpoint of a state whose loss was not finite (`jaxflow.trainer.divergence`)
                         log.warning("step %d skipped an update: its checkpoint is not written", done)
                     else:
                         self.learner.save(done, self._meta(done))
@@ -264,5 +264,5 @@ class Trainer:
 if __name__ == "__main__":
     import sys
 
-    from jaxflow import cli
+    from jaxflow.run import cli
     sys.exit(cli.main(Trainer))

@@ -18,8 +18,8 @@ from jaxflow.models.config import ModelOptions, QwenImageConfig
 from jaxflow.models.lora import LoRASpec
 from jaxflow.models.transformer import QwenImageTransformer
 from jaxflow.recipes import base
-from jaxflow.step_config import TrainConfig
-from jaxflow.train_batch import TrainBatch
+from jaxflow.trainer.step_config import TrainConfig
+from jaxflow.trainer.train_batch import TrainBatch
 from jaxflow_bench.timing import median_ms
 from jaxflow_bridge.contract import schedule
 

@@ -6,7 +6,7 @@
 #
 # Rollout servers are placed by Ray (config.rollout.num_servers, num_gpus each). The trainer runs as
 # $SLURM_NNODES JAX processes (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, read by
-# jaxflow.sharding.maybe_initialize_distributed); its mesh (config.sharding) covers the GPUs of all nodes. Process 0
+# jaxflow.trainer.sharding.maybe_initialize_distributed); its mesh (config.sharding) covers the GPUs of all nodes. Process 0
 # (on the head node) is the only rollout/reward driver and ships each step's batch to the others; the global batch
 # (sample.prompts_per_step x sample.group_size) must divide by the number of nodes. config.run_dir must be on a
 # filesystem every node shares (checkpoints are written by all processes). Leave GPUs free for both: the trainer

@@ -26,7 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxflow.lora_sync import device_peft_tensors, device_target  # noqa: E402
+from jaxflow.sync.lora_sync import device_peft_tensors, device_target  # noqa: E402
 from jaxflow.models.config import ModelOptions, QwenImageConfig  # noqa: E402
 from jaxflow.models.lora import LoRAParam, LoRASpec, lora_to_peft, peft_stacks  # noqa: E402
 from jaxflow.models.transformer import QwenImageTransformer  # noqa: E402

@@ -32,7 +32,7 @@ from flax import nnx  # noqa: E402
 from jaxflow.models.config import ModelOptions, QwenImageConfig  # noqa: E402
 from jaxflow.models.lora import LoRAParam, LoRASpec, lora_to_peft  # noqa: E402
 from jaxflow.models.transformer import QwenImageTransformer  # noqa: E402
-from jaxflow.train_step import make_train_step  # noqa: E402
+from jaxflow.trainer.train_step import make_train_step  # noqa: E402
 from jaxflow_bench.flops import DATASHEET_TFLOPS, qwen_flops  # noqa: E402
 from jaxflow_bench.results import write_result  # noqa: E402
 from jaxflow_bench.timing import jax_matmul_tflops, median_ms, torch_matmul_tflops  # noqa: E402

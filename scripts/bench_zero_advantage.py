@@ -25,9 +25,9 @@ import sys  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxflow.minibatches import compact_zero_advantage  # noqa: E402
+from jaxflow.trainer.minibatches import compact_zero_advantage  # noqa: E402
 from jaxflow.models.config import QwenImageConfig  # noqa: E402
-from jaxflow.train_step import make_train_step  # noqa: E402
+from jaxflow.trainer.train_step import make_train_step  # noqa: E402
 from jaxflow_bench.results import write_result  # noqa: E402
 from jaxflow_bench.workload import (FULL, TINY, add_workload_args, negatives_padded, random_model,  # noqa: E402
                                     recipe_train_config, synthetic_batch, time_steps)

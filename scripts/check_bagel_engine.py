@@ -38,7 +38,7 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(argv)
     from jaxflow.families.bagel.lora import BagelLoRASpec
-    from jaxflow.parity import random_adapter
+    from jaxflow.trainer.parity import random_adapter
     from jaxflow_bridge.contract.lora_shm import SharedAdapterFile
     from jaxflow_bridge.contract.trajectory import TrajectoryBatch
     from jaxflow_bridge.engines.vllm_omni.engine import VllmOmniEngine

@@ -1,5 +1,5 @@
 """Which micro-batch of the recipe's train step fits one GPU beside the rollout engine: XLA's memory analysis of the
-step compiled at each micro-batch size (the check every run makes before its first rollout, jaxflow/memory.py)
+step compiled at each micro-batch size (the check every run makes before its first rollout, jaxflow/trainer/memory.py)
 against JAX's pool, at full size with random weights; no rollout runs. Writes OUT/fit_micro_batch.json.
 
     XLA_PYTHON_CLIENT_PREALLOCATE=true XLA_CLIENT_MEM_FRACTION=0.55 \
@@ -32,8 +32,8 @@ def main(argv=None):
     p.add_argument("--prompts", type=int, default=2, help="sample.prompts_per_step")
     p.add_argument("--sizes", type=int, nargs="+", default=[8, 4, 2], help="samples per micro-batch to try")
     args = p.parse_args(argv)
-    from jaxflow import memory
-    from jaxflow.learner import Learner
+    from jaxflow.trainer import memory
+    from jaxflow.trainer.learner import Learner
 
     cfg = recipe(args.model, args.prompts)
     t = time.perf_counter()

@@ -3,7 +3,7 @@
     python scripts/profile_step.py --out DIR [--model DIR]     # full size, random weights (model.init=random)
     python scripts/profile_step.py --out DIR --phase rollout --rollout-n 32 --rollout-compile   # the rollout alone
     python scripts/profile_step.py --out DIR --trace RUN_DIR/profile
-        # the trace of the real run: python -m jaxflow.train ... --config.profile.num_steps=1 (jaxflow/profiling.py)
+        # the trace of the real run: python -m jaxflow.train ... --config.profile.num_steps=1 (jaxflow/run/profiling.py)
 
 Rollout: one `RolloutPipeline.generate` of 16 images (or --rollout-n; 512^2, 10 steps, CFG 4, window 2) under
 torch.profiler.
@@ -80,7 +80,7 @@ def profile_train_step(out: Path, batch: int, micro: int, hlo: Path | None = Non
     from jaxflow.models.lora_gemm import on_hopper
     from jaxflow.models.random_init import random_transformer
     from jaxflow.recipes import base
-    from jaxflow.train_step import make_train_step
+    from jaxflow.trainer.train_step import make_train_step
     from jaxflow_bench.workload import FULL, ONE_UPDATE, negatives_padded, recipe_train_config, synthetic_batch
 
     cfg = QwenImageConfig(**FULL)
@@ -95,7 +95,7 @@ def profile_train_step(out: Path, batch: int, micro: int, hlo: Path | None = Non
                                    (32 * 32, 128))
     opts = config_lib.model_options(recipe, gemm, cfg.num_layers)
     model = random_transformer(cfg, opts, LoRASpec(rank=64, alpha=128.0), seed=0)
-    if model.unrolled:  # as the trainer holds them (jaxflow/learner.py)
+    if model.unrolled:  # as the trainer holds them (jaxflow/trainer/learner.py)
         model.unstack_blocks()
     init_state, step = make_train_step(model, recipe_train_config((32, 32), num_micro_batches=micro, **ONE_UPDATE),
                                        compiler_options=config_lib.xla_options(recipe, gemm))

@@ -10,7 +10,7 @@ which vLLM-Omni needs; with --model-family bagel: the bagel_torch engine on the 
 --engine vllm_omni --dtype bfloat16 (scripts/check_bagel_vllm_omni.sh); BAGEL's text CFG over the whole interval
 with renorm min 0, 64 x 96 images; --think K: BAGEL's think mode, at most K think tokens in each context), then
 recomputes each window step's log-prob with the same transformer weights loaded into the Flax model, through the
-train step's own forward (`jaxflow.parity.recompute`). With --lora-rank both sides get one random non-zero PEFT
+train step's own forward (`jaxflow.trainer.parity.recompute`). With --lora-rank both sides get one random non-zero PEFT
 adapter (the engine via update_lora, JAX via peft_to_lora); --jax-lora-seed gives the JAX side a different one (a
 negative control).
 
@@ -47,7 +47,7 @@ from jaxflow.families.bagel.lora import BagelLoRASpec
 from jaxflow.models.config import ModelOptions
 from jaxflow.models.loading import load_transformer
 from jaxflow.models.lora import LoRASpec, peft_to_lora
-from jaxflow.parity import parity_stats, random_adapter, recompute
+from jaxflow.trainer.parity import parity_stats, random_adapter, recompute
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 
 PROMPTS = [

@@ -21,7 +21,7 @@ from jaxflow.config import config_module
 from jaxflow.models.config import ModelOptions, QwenImageConfig
 from jaxflow.models.lora import LoRAParam, LoRASpec
 from jaxflow.models.transformer import QwenImageTransformer
-from jaxflow.train_batch import TrainBatch
+from jaxflow.trainer.train_batch import TrainBatch
 from jaxflow_bridge.contract import keymap
 from tests.helpers_sampler import SamplerConfig, make_sampler
 
@@ -71,7 +71,7 @@ STATE = {"a": jnp.arange(1000, dtype=jnp.float32), "b": jnp.ones((256, 256))}  #
 
 def fake_run(run_dir, cfg, steps=(5,)):
     """A previous run's outputs: metrics rows 1..max(steps), an eval image, checkpoints of a tiny state."""
-    from jaxflow.checkpoint import Checkpointer, config_json
+    from jaxflow.trainer.checkpoint import Checkpointer, config_json
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, max(steps) + 1)))

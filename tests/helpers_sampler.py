@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxflow import sde
+from jaxflow.algorithms import sde
 from jaxflow.algorithms import flowgrpo
 from jaxflow.models.lora import LoRAParam
 from jaxflow_bridge.contract import schedule

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from jaxflow.algorithms import registry
-from jaxflow.step_config import TrainConfig
-from jaxflow.train_batch import TrainBatch
+from jaxflow.trainer.step_config import TrainConfig
+from jaxflow.trainer.train_batch import TrainBatch
 
 ROOT = Path(__file__).resolve().parents[1]
 REGISTERED = [(key, value, c) for key, table in registry.TABLES.items() for value, c in table.items()]
@@ -64,7 +64,7 @@ def algorithm_names_in(path: Path) -> list[str]:
 
 def test_the_train_step_names_no_algorithm():
     found = algorithm_names_in(ROOT / "jaxflow" / "train_step.py")
-    assert not found, f"jaxflow/train_step.py branches on algorithms ({found}): call config.policy's components"
+    assert not found, f"jaxflow/trainer/train_step.py branches on algorithms ({found}): call config.policy's components"
 
 
 def test_the_checker_sees_a_branch_on_an_algorithm(tmp_path):

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from jaxflow import config as config_lib
 from jaxflow import families, recipes
 from jaxflow.config import UserError, config_module
-from jaxflow.driver import text_length_error
+from jaxflow.run.driver import text_length_error
 from jaxflow.families.bagel.loading import folder_config
 from jaxflow_bridge.contract.trajectory import TextLengthError, TrajectoryBatch
 from jaxflow_bridge.families.bagel.sampling import BagelSamplingLoop

@@ -12,9 +12,9 @@ import pytest
 
 from jaxflow.families.bagel import objective as bf
 from jaxflow.algorithms import flowgrpo
-from jaxflow.step_config import TrainConfig
-from jaxflow.train_batch import TrainBatch
-from jaxflow.train_step import make_train_step
+from jaxflow.trainer.step_config import TrainConfig
+from jaxflow.trainer.train_batch import TrainBatch
+from jaxflow.trainer.train_step import make_train_step
 from tests.bagel_helpers import GUIDANCE, ROLLOUT_GRID, SP, U, arrays, bound, sampled
 
 ADV = np.array([1.0, -1.0, 2.0, -0.5], np.float32)

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxflow.checkpoint import Checkpointer
+from jaxflow.trainer.checkpoint import Checkpointer
 from jaxflow.config import UserError
 from tests.helpers import ROOT, STATE, fake_run, tiny_config
 from tests import HANG_S
@@ -152,7 +152,7 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_the_checkpoints_stay(tm
     import errno
     import logging
 
-    from jaxflow import cli
+    from jaxflow.run import cli
     ckpt = fake_run(tmp_path, tiny_config(tmp_path), steps=(3,))
 
     def full(step, **_):

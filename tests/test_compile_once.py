@@ -2,7 +2,7 @@
 import jax
 import pytest
 
-from jaxflow.driver import text_length_error
+from jaxflow.run.driver import text_length_error
 from jaxflow.train import Trainer
 from jaxflow_bridge.contract.trajectory import TextLengthError
 from tests.helpers import tiny_config

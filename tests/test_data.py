@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from jaxflow.data import GroupSampler, PromptItem, load_prompts
+from jaxflow.run.data import GroupSampler, PromptItem, load_prompts
 from tests import HANG_S
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

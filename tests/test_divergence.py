@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxflow import run_dir as run_dir_lib
-from jaxflow.divergence import Diverged, SkipStreak, check_finite
+from jaxflow.run import run_dir as run_dir_lib
+from jaxflow.trainer.divergence import Diverged, SkipStreak, check_finite
 from tests.helpers import ROOT, cluster_free_env
 from tests import HANG_S
 

@@ -2,7 +2,7 @@
 import numpy as np
 from PIL import Image
 
-from jaxflow.metrics_log import caption_lines, image_grid
+from jaxflow.run.metrics_log import caption_lines, image_grid
 
 PROMPT = '0.42 a hot air balloon with "MIDNIGHT VALLEY" written on the envelope above a misty lake at dawn'
 

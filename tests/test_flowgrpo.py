@@ -144,7 +144,7 @@ def test_guided_velocity_batched_or_split_matches_separate_calls():
         flowgrpo.guided_velocity(model, x, sigma, pos, pos_mask, grid_hw=(2, 2), guidance=4.0)
 
 
-@pytest.mark.parametrize("path", ["jaxflow/algorithms/flowgrpo.py", "jaxflow/train_step.py", "jaxflow/sharding.py"])
+@pytest.mark.parametrize("path", ["jaxflow/algorithms/flowgrpo.py", "jaxflow/trainer/train_step.py", "jaxflow/trainer/sharding.py"])
 def test_no_torch_import(path):
     tree = ast.parse((ROOT / path).read_text())
     names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]

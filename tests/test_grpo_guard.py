@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from jaxflow import config as config_lib
-from jaxflow import sde
+from jaxflow.algorithms import sde
 from jaxflow.algorithms import flowgrpo
-from jaxflow import train_step as ts
-from jaxflow.minibatches import order_minibatches
+from jaxflow.trainer import train_step as ts
+from jaxflow.trainer.minibatches import order_minibatches
 from tests.helpers import GRID, GROUPS, sampled_batch, tiny_config
 
 

@@ -94,8 +94,8 @@ def test_no_test_module_imports_another(path):
 
 def test_the_checker_sees_an_import(tmp_path):
     f = tmp_path / "m.py"
-    f.write_text("import jax.numpy as jnp\nfrom jaxflow.sde import sde_step\nfrom . import local\n")
-    assert imported_modules(f) == {"jax.numpy", "jaxflow.sde"}
+    f.write_text("import jax.numpy as jnp\nfrom jaxflow.algorithms.sde import sde_step\nfrom . import local\n")
+    assert imported_modules(f) == {"jax.numpy", "jaxflow.algorithms.sde"}
 
 
 def test_the_test_module_checker_sees_each_form(tmp_path):

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 import pytest
 
-from jaxflow.metrics_log import RunLog
+from jaxflow.run.metrics_log import RunLog
 from tests.helpers import ROOT
 from tests import HANG_S
 
@@ -83,8 +83,8 @@ def test_run_logged_to_a_file_is_a_line_per_step_and_a_summary(tmp_path):
 
 
 def test_verbose_brings_library_info_back(tmp_path):
-    code = ("import sys, jax.numpy as jnp; from jaxflow.cli import configure_logging; "
-            "from jaxflow.checkpoint import Checkpointer; configure_logging(sys.argv[1] == 'verbose'); "
+    code = ("import sys, jax.numpy as jnp; from jaxflow.run.cli import configure_logging; "
+            "from jaxflow.trainer.checkpoint import Checkpointer; configure_logging(sys.argv[1] == 'verbose'); "
             f"Checkpointer({str(tmp_path)!r} + '/' + sys.argv[1], 1).save(1, {{'a': jnp.ones(3)}}, {{}})")
     quiet, verbose = (subprocess.run([sys.executable, "-c", code, mode], cwd=ROOT, capture_output=True, text=True,
                                      timeout=HANG_S) for mode in ("quiet", "verbose"))

@@ -213,11 +213,11 @@ def _split_rows_check():
     split the fused path is refused."""
     import dataclasses
 
-    from jaxflow import sharding as S
+    from jaxflow.trainer import sharding as S
     from jaxflow.models import lora_gemm, transformer
     from jaxflow.models.lora import LoRAParam
-    from jaxflow.step_config import TrainConfig
-    from jaxflow.train_step import make_train_step
+    from jaxflow.trainer.step_config import TrainConfig
+    from jaxflow.trainer.train_step import make_train_step
     from tests.helpers import random_window_batch
 
     assert jax.device_count() == 2

@@ -23,7 +23,7 @@ SCALE = 2.0
 
 
 def shared(tensors: dict, tmp_path, dtype="bfloat16"):
-    """`tensors` (PEFT keys) in a shared file, lora_A first (as jaxflow.lora_sync.SharedLoRA lays it out); the
+    """`tensors` (PEFT keys) in a shared file, lora_A first (as jaxflow.sync.lora_sync.SharedLoRA lays it out); the
     manifest and its payload as a torch tensor."""
     f = lora_shm.SharedAdapterFile(dtype, root=tmp_path)
     manifest = f.write_arrays(tensors)

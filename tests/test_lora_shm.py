@@ -20,7 +20,7 @@ SCALE = 2.0
 
 
 def shared_file(tensors: dict, tmp_path) -> tuple[lora_shm.SharedAdapterFile, dict]:
-    """`tensors` (PEFT keys) in a shared file, lora_A first, as `jaxflow.lora_sync.SharedLoRA` lays it out
+    """`tensors` (PEFT keys) in a shared file, lora_A first, as `jaxflow.sync.lora_sync.SharedLoRA` lays it out
     (`SharedAdapterFile.write_arrays`: the engine's own writer for arrays sent through Ray)."""
     f = lora_shm.SharedAdapterFile("bfloat16", root=tmp_path)
     manifest = f.write_arrays(tensors)
@@ -116,7 +116,7 @@ def test_trainer_export_is_the_peft_adapter_in_the_engine_dtype(tmp_path):
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxflow.lora_sync import SharedLoRA
+    from jaxflow.sync.lora_sync import SharedLoRA
     from jaxflow.models.config import ModelOptions, QwenImageConfig
     from jaxflow.models.lora import LoRAParam, LoRASpec, lora_to_peft
     from jaxflow.models.transformer import QwenImageTransformer
@@ -150,7 +150,7 @@ def jax_tree_perturb(state):
 def test_driver_falls_back_to_arrays_when_the_file_is_on_another_host(monkeypatch):
     """A server that cannot read the file (FileNotFoundError, as from another host): the driver sends the arrays
     through Ray from then on, and says so once."""
-    from jaxflow.driver import Driver
+    from jaxflow.run.driver import Driver
 
     calls = []
 
@@ -177,7 +177,7 @@ def test_driver_falls_back_to_arrays_when_the_file_is_on_another_host(monkeypatc
     driver = Driver.__new__(Driver)
     driver.rollout, driver.shared, driver.sync_target = Rollout(), Shared(), None
     driver.spec = SimpleNamespace(peft_config=lambda: {"r": 4, "lora_alpha": 8})
-    monkeypatch.setattr("jaxflow.driver.lora_to_peft", lambda lora, spec: {"a.lora_A.weight": 1, "a.lora_B.weight": 2})
+    monkeypatch.setattr("jaxflow.run.driver.lora_to_peft", lambda lora, spec: {"a.lora_A.weight": 1, "a.lora_B.weight": 2})
     assert driver.serve(None, 1) == 1 and driver.serve(None, 2) == 1
     assert calls == ["shared", "arrays", "arrays"] and Shared.closed and driver.shared is None
 
@@ -187,7 +187,7 @@ def test_a_run_through_ray_syncs_through_the_file_and_times_it(ray_session, tmp_
     """The tiny run with its rollout in a Ray actor on this host: every sync goes through the shared file (its
     write timed as sync_write), and the run removes its file when it closes (its own: other tests' runs may be
     writing theirs at the same time)."""
-    import jaxflow.lora_sync
+    import jaxflow.sync.lora_sync
 
     made = []
 
@@ -196,7 +196,7 @@ def test_a_run_through_ray_syncs_through_the_file_and_times_it(ray_session, tmp_
             super().__init__(*args, **kwargs)
             made.append(self.path)
 
-    monkeypatch.setattr(jaxflow.lora_sync, "SharedAdapterFile", Recorded)
+    monkeypatch.setattr(jaxflow.sync.lora_sync, "SharedAdapterFile", Recorded)
     out = run(tiny_config(tmp_path / "run", num_steps=2))
     assert all("time/sync_write" in row for row in out["history"])
     assert len(made) == 1 and not made[0].exists()

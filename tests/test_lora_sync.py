@@ -1,4 +1,4 @@
-"""LoRA sync in process (jaxflow/lora_sync.py): DLPack device tensors into the tiny diffusers engine (CPU) leave the
+"""LoRA sync in process (jaxflow/sync/lora_sync.py): DLPack device tensors into the tiny diffusers engine (CPU) leave the
 same bytes as the host path, bad ones are refused atomically, nothing aliases the train state."""
 import jax
 import jax.numpy as jnp
@@ -7,10 +7,10 @@ import pytest
 import torch
 from flax import nnx
 
-from jaxflow.lora_sync import DeviceTarget, device_peft_tensors, device_target
+from jaxflow.sync.lora_sync import DeviceTarget, device_peft_tensors, device_target
 from jaxflow.models.loading import load_transformer
 from jaxflow.models.lora import LoRAParam, LoRASpec, lora_to_peft
-from jaxflow.rollout_client import LocalTransport, RolloutGroup
+from jaxflow.run.rollout_client import LocalTransport, RolloutGroup
 from jaxflow_bridge.rollout.lora.apply import ADAPTER_NAME
 
 SPEC = LoRASpec(rank=4, alpha=8.0)

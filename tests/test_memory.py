@@ -1,4 +1,4 @@
-"""The memory check before the first rollout (jaxflow/memory.py): XLA's analysis of the compiled step against JAX's
+"""The memory check before the first rollout (jaxflow/trainer/memory.py): XLA's analysis of the compiled step against JAX's
 pool; a step that cannot fit stops the run with one line naming the knobs, exit 2, nothing written."""
 import subprocess
 import sys
@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from jaxflow import memory
+from jaxflow.trainer import memory
 from tests.helpers import ROOT, run, tiny_config
 from tests import HANG_S
 
@@ -56,7 +56,7 @@ def test_a_step_that_does_not_fit_exits_2_before_the_rollout_with_nothing_writte
     """A pool of 1 MiB (what a GPU backend reports, made small): one line on stderr naming the knobs, exit 2, no
     run_dir, and no rollout engine started (the command line in a process of its own, its pool patched)."""
     run_dir = tmp_path / "run"
-    code = ("import sys; from jaxflow import cli, memory, driver; from jaxflow.train import Trainer; "
+    code = ("import sys; from jaxflow.run import cli, driver; from jaxflow.trainer import memory; from jaxflow.train import Trainer; "
             "memory.pool = lambda device=None: (2 ** 20, 0); "
             "driver.Driver.start_rollout = lambda *a: sys.exit('rollout started'); "
             "sys.exit(cli.main(Trainer))")
@@ -73,9 +73,9 @@ def test_abstract_batch_matches_prepare_batch():
     """The shapes the check compiles for are the ones `prepare_batch` produces from a rollout's batch."""
     import ml_dtypes
 
-    from jaxflow.step_config import TrainConfig
-    from jaxflow.train_batch import TrainBatch
-    from jaxflow.train_step import prepare_batch
+    from jaxflow.trainer.step_config import TrainConfig
+    from jaxflow.trainer.train_batch import TrainBatch
+    from jaxflow.trainer.train_step import prepare_batch
     b, w, n, s, c, length, neg, d = 4, 2, 6, 10, 8, 5, 3, 16
     bf16 = np.dtype(ml_dtypes.bfloat16)
     spec, old = memory.abstract_batch(batch=b, window=w, num_steps=n, seq=s, channels=c, text=length, width=d,
@@ -98,9 +98,9 @@ def test_abstract_batch_matches_prepare_batch():
 def test_abstract_batch_matches_prepare_batch_with_token_ids(nft):
     """BAGEL's batch: token ids (B, L) int32 (cast from int64) and masks in place of the embeds; the empty negative
     context padded to its text length; a missing negative named as such."""
-    from jaxflow.step_config import TrainConfig
-    from jaxflow.train_batch import TrainBatch
-    from jaxflow.train_step import prepare_batch
+    from jaxflow.trainer.step_config import TrainConfig
+    from jaxflow.trainer.train_batch import TrainBatch
+    from jaxflow.trainer.train_step import prepare_batch
     b, w, n, s, c, length, neg = 4, 2, 6, 10, 64, 5, 3
     spec, _ = memory.abstract_batch(batch=b, window=w, num_steps=n, seq=s, channels=c, text=length, width=None,
                                     embed_dtype=None, guided=not nft, recompute=False, nft=nft, negative_text=neg,
@@ -147,7 +147,7 @@ def test_sleep_is_flagged_where_a_fixed_pool_cannot_use_the_freed_memory(tmp_pat
 def test_out_of_memory_in_the_loop_is_one_line_exit_1(tmp_path, message):
     """A device OOM inside the loop (XLA's or torch's, here raised by a stand-in loop after start-up) ends with one
     line naming the knobs and --resume, exit 1, no traceback."""
-    code = ("import sys; from jaxflow import cli\n"
+    code = ("import sys; from jaxflow.run import cli\n"
             "class T:\n"
             "    driver, start = None, 0\n"
             "    def __init__(self, cfg, resume=False): pass\n"

@@ -11,12 +11,12 @@ import pytest
 from flax import nnx
 
 from jaxflow import config as config_lib
-from jaxflow import phases
-from jaxflow import train_step as ts
+from jaxflow.trainer import phases
+from jaxflow.trainer import train_step as ts
 from jaxflow.algorithms import flowgrpo_step
-from jaxflow.minibatches import combine_metrics, group_order, order_minibatches, select
+from jaxflow.trainer.minibatches import combine_metrics, group_order, order_minibatches, select
 from jaxflow.models.lora import LoRAParam
-from jaxflow.train_batch import TrainBatch
+from jaxflow.trainer.train_batch import TrainBatch
 from tests.helpers import GRID, GROUPS, sampled_batch, tiny_config
 
 
@@ -142,7 +142,7 @@ def test_mini_batch_config_is_validated(tmp_path, key, value):
 def test_later_inner_epochs_train_on_the_rows_shuffled_anew(lora_model):
     """Two inner epochs equal two one-epoch steps, the second on the rows in `epoch_order`'s shuffle for (shuffle_seed,
     the step's first update count, epoch 1); the shuffle moves rows between mini-batches (flow_grpo reshuffles)."""
-    from jaxflow.minibatches import epoch_order
+    from jaxflow.trainer.minibatches import epoch_order
     kw = dict(grid_hw=GRID, guidance=1.0, num_micro_batches=1, num_mini_batches=2, adam_eps=1e-6, shuffle_seed=5)
     batch = order_minibatches(sampled_batch(lora_model, 1.0), GROUPS, 2, seed=0, step=0)
     init_state, two = ts.make_train_step(lora_model, ts.TrainConfig(num_inner_epochs=2, **kw))

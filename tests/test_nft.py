@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from jaxflow.algorithms import nft
-from jaxflow.step_config import TrainConfig
-from jaxflow.train_step import make_train_step
+from jaxflow.trainer.step_config import TrainConfig
+from jaxflow.trainer.train_step import make_train_step
 from tests.helpers import ROOT, sampled_batch
 
 

@@ -1,8 +1,8 @@
-"""Phase timing by context (jaxflow/phases.py): what a recording collects, and what it does not."""
+"""Phase timing by context (jaxflow/trainer/phases.py): what a recording collects, and what it does not."""
 import threading
 import time
 
-from jaxflow import phases
+from jaxflow.trainer import phases
 
 
 def test_a_recording_collects_its_phases_and_nothing_outside_it():

@@ -9,7 +9,7 @@ from flax import nnx
 
 from jaxflow.models.config import ModelOptions, QwenImageConfig
 from jaxflow.models.transformer import QwenImageTransformer
-from jaxflow.profiling import StepProfiler
+from jaxflow.run.profiling import StepProfiler
 from jaxflow_bench.kernels import scope_of, with_hlo_dump
 
 TINY = QwenImageConfig(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,

@@ -122,7 +122,7 @@ def test_the_pickscore_recipe_is_the_ocr_recipe_with_its_reward_and_prompts(tiny
     """configs/qwen_pickscore.py: flow_grpo's pickscore_qwenimage differs from the OCR recipe in reward and prompts
     only; its prompt files (no quoted targets) are asked for at start."""
     from jaxflow import config as config_lib
-    from jaxflow.run_dir import flatten
+    from jaxflow.run.run_dir import flatten
 
     def load(name):
         return config_lib.config_module(ROOT / "configs" / f"{name}.py").get_config()

@@ -344,8 +344,8 @@ def test_reward_pool_reports_each_rewards_scoring_seconds():
     once); the driver sums them over a step's chunks into time/reward_busy/<name>."""
     from concurrent.futures import Future
 
-    from jaxflow.driver import Experience, merge_rewards
-    from jaxflow.train_batch import TrainBatch
+    from jaxflow.run.driver import Experience, merge_rewards
+    from jaxflow.trainer.train_batch import TrainBatch
 
     def slow(images, prompts):
         time.sleep(0.05)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from jaxflow import config as config_lib
-from jaxflow import train_step as ts
-from jaxflow.train_batch import TrainBatch
+from jaxflow.trainer import train_step as ts
+from jaxflow.trainer.train_batch import TrainBatch
 from tests.helpers import GRID, sampled_batch, tiny_config
 
 BASE = dict(grid_hw=GRID, guidance=1.0, num_micro_batches=1, adam_eps=1e-6)  # eps: test_minibatches' reason

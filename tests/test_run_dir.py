@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from jaxflow import run_dir as run_dir_lib
-from jaxflow import run_lock
+from jaxflow.run import run_dir as run_dir_lib
+from jaxflow.run import run_lock
 from jaxflow.config import UserError
-from jaxflow.metrics_log import RunLog
+from jaxflow.run.metrics_log import RunLog
 from tests.helpers import ROOT, fake_run, tiny_config
 from tests import HANG_S
 

@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from jaxflow import run_dir as run_dir_lib
-from jaxflow import run_lock
+from jaxflow.run import run_dir as run_dir_lib
+from jaxflow.run import run_lock
 from jaxflow.config import UserError
 from tests.helpers import ROOT, fake_run, tiny_config
 from tests import HANG_S
 
-HOLD = ("import sys; from pathlib import Path; from jaxflow import run_lock; run_lock.acquire(Path(sys.argv[1])); "
+HOLD = ("import sys; from pathlib import Path; from jaxflow.run import run_lock; run_lock.acquire(Path(sys.argv[1])); "
         "print('held', flush=True); sys.stdin.read()")
 
 

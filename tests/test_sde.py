@@ -14,7 +14,7 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxflow import sde as J
+from jaxflow.algorithms import sde as J
 from jaxflow_bridge.contract import schedule
 from jaxflow_bridge.rollout import sde as T
 
@@ -334,7 +334,7 @@ def test_sample_windows_rejects_bad_sizes(size, window_range, num_steps):
 # ---------------------------------------------------------------------------------------------- layering
 
 
-@pytest.mark.parametrize("path,forbidden", [("jaxflow/sde.py", {"torch"}), ("jaxflow_bridge/rollout/sde.py", {"jax"}),
+@pytest.mark.parametrize("path,forbidden", [("jaxflow/algorithms/sde.py", {"torch"}), ("jaxflow_bridge/rollout/sde.py", {"jax"}),
                                             ("jaxflow_bridge/contract/schedule.py", {"jax", "torch"})])
 def test_framework_isolation(path, forbidden):
     """Each step module imports its own framework and the shared numpy schedule only; the schedule neither."""

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
-from jaxflow import sharding as S
+from jaxflow.trainer import sharding as S
 from tests.helpers import random_window_batch
 from tests import HANG_S
 
@@ -55,7 +55,7 @@ def test_specs_from_rules():
 
 def test_indivisible_dim_is_replicated_and_logged_once(caplog):
     layout = _layout((1, 4, 1))
-    with caplog.at_level(logging.WARNING, logger="jaxflow.sharding"):
+    with caplog.at_level(logging.WARNING, logger="jaxflow.trainer.sharding"):
         assert layout.spec(("embed",), (6,)) == P(None)
         assert layout.spec(("embed", None), (6, 3)) == P(None, None)
     assert len([r for r in caplog.records if "not divisible" in r.getMessage()]) == 1
@@ -92,8 +92,8 @@ def _eight_device_check():
     from jaxflow.models.config import ModelOptions, QwenImageConfig
     from jaxflow.models.lora import LoRAParam, LoRASpec
     from jaxflow.models.transformer import QwenImageTransformer
-    from jaxflow.step_config import TrainConfig
-    from jaxflow.train_step import make_train_step
+    from jaxflow.trainer.step_config import TrainConfig
+    from jaxflow.trainer.train_step import make_train_step
 
     assert jax.device_count() == 8
     cfg = QwenImageConfig(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,

@@ -1,7 +1,7 @@
 """rollout.share_weights: the in-process diffusers engine serves the trainer's base weights, one copy in memory.
 
 Bridge side (jaxflow_bridge/rollout/shared_weights.py): a transformer built without weights takes given tensors as
-its parameters, not copied, checked first. Trainer side (jaxflow/base_share.py): the JAX model's arrays reach the
+its parameters, not copied, checked first. Trainer side (jaxflow/sync/base_share.py): the JAX model's arrays reach the
 engine as DLPack views, and the loop runs on them."""
 import jax
 import numpy as np

@@ -76,7 +76,7 @@ def test_an_interrupt_swallowed_by_a_gc_callback_comes_back_in_ordinary_code():
     "Exception ignored" traceback: the start-up handler gets it back, and the process still ends with one line."""
     code = """if True:
         import gc, os, signal, sys, time
-        from jaxflow import signals
+        from jaxflow.run import signals
         signals.install("error: interrupted (test)", unwind=True)
         fired = []
         def callback(phase, info):

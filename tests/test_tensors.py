@@ -1,4 +1,4 @@
-"""DLPack JAX->torch (jaxflow.lora_sync) and back (a test helper), jaxflow_bridge.rollout.tensors: numpy<->torch bf16 views,
+"""DLPack JAX->torch (jaxflow.sync.lora_sync) and back (a test helper), jaxflow_bridge.rollout.tensors: numpy<->torch bf16 views,
 jaxflow_bridge.contract.safetensors_io against the safetensors package (CPU)."""
 
 from types import SimpleNamespace
@@ -11,7 +11,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from jaxflow.lora_sync import jax_to_torch
+from jaxflow.sync.lora_sync import jax_to_torch
 from jaxflow_bridge.contract import safetensors_io
 from jaxflow_bridge.rollout.tensors import numpy_to_torch, torch_to_numpy
 

@@ -168,9 +168,9 @@ def test_the_rollout_is_idle_exactly_while_the_learner_trains(tmp_path, monkeypa
     """rollout.sleep_while_training: each step the engines sleep after the rollout and its rewards, the learner
     trains, then they wake before the LoRA sync; the phases and the freed memory are logged. Without it the engines
     are told the step's rollouts are over (release_adapter: a merged adapter's base restores meanwhile)."""
-    from jaxflow.driver import Driver
-    from jaxflow.learner import Learner
-    from jaxflow.rollout_client import RolloutGroup
+    from jaxflow.run.driver import Driver
+    from jaxflow.trainer.learner import Learner
+    from jaxflow.run.rollout_client import RolloutGroup
 
     events = []
     for cls, name in ((RolloutGroup, "sleep"), (RolloutGroup, "wake"), (RolloutGroup, "generate"),
@@ -213,7 +213,7 @@ def test_max_minutes_ends_the_run_like_a_finished_one(tmp_path):
 def test_ema_is_what_the_eval_serves_and_the_export_writes(tmp_path, monkeypatch):
     """train.ema_decay: each eval serves the LoRA's EMA and then the LoRA again (the next rollout samples the
     policy being trained); lora_final holds the EMA, as flow_grpo evaluates and saves its EMA."""
-    from jaxflow.driver import Driver
+    from jaxflow.run.driver import Driver
     from jaxflow.models.lora import lora_to_peft, read_peft
 
     events = []
@@ -255,7 +255,7 @@ def test_nft_samples_with_the_old_policy_and_evaluates_and_exports_the_lora(tmp_
     """train.algorithm='nft': the rollout samples with the old policy (TrainState.old; after the first step of a
     flat decay start it equals the LoRA, later it trails it), each eval serves the LoRA, which lora_final holds;
     a resume restores the old policy."""
-    from jaxflow.driver import Driver
+    from jaxflow.run.driver import Driver
     from jaxflow.models.lora import lora_to_peft, read_peft
 
     served = []
@@ -365,7 +365,7 @@ def test_a_second_signal_stops_at_once_with_130_and_one_line(tmp_path):
     assert trainer.stop_requested
     with pytest.raises(KeyboardInterrupt):
         trainer._request_stop(signal.SIGINT, None)
-    code = ("import sys; from jaxflow import cli\n"
+    code = ("import sys; from jaxflow.run import cli\n"
             "class T:\n"
             "    driver, start = None, 0\n"
             "    def __init__(self, cfg, resume=False): pass\n"

@@ -7,11 +7,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxflow.driver import train_batch
-from jaxflow.minibatches import group_order, zero_advantage_order
-from jaxflow.step_config import TrainConfig
-from jaxflow.train_batch import SHARED_FIELDS, TrainBatch
-from jaxflow.train_step import prepare_batch
+from jaxflow.run.driver import train_batch
+from jaxflow.trainer.minibatches import group_order, zero_advantage_order
+from jaxflow.trainer.step_config import TrainConfig
+from jaxflow.trainer.train_batch import SHARED_FIELDS, TrainBatch
+from jaxflow.trainer.train_step import prepare_batch
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 
 B, W, N, S, C, L, NEG, D = 8, 2, 6, 4, 8, 5, 3, 16

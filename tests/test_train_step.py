@@ -12,10 +12,10 @@ from flax import nnx
 from jaxflow.algorithms import flowgrpo
 from jaxflow.models.lora import LoRAParam
 from jaxflow.models.transformer import QwenImageTransformer
-from jaxflow.step_config import TrainConfig
-from jaxflow.train_batch import TrainBatch
+from jaxflow.trainer.step_config import TrainConfig
+from jaxflow.trainer.train_batch import TrainBatch
 from jaxflow.algorithms.flowgrpo_step import accumulate_gradients
-from jaxflow.train_step import make_train_step, prepare_batch
+from jaxflow.trainer.train_step import make_train_step, prepare_batch
 from jaxflow_bridge.contract import schedule
 from tests.helpers import GRID, SEEDS, TINY, inputs
 from tests.helpers_sampler import SamplerConfig, make_sampler

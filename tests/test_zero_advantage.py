@@ -7,9 +7,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxflow import train_step as ts
-from jaxflow.minibatches import compact_zero_advantage, order_minibatches, select, zero_advantage_order
-from jaxflow.train_batch import TrainBatch
+from jaxflow.trainer import train_step as ts
+from jaxflow.trainer.minibatches import compact_zero_advantage, order_minibatches, select, zero_advantage_order
+from jaxflow.trainer.train_batch import TrainBatch
 from tests.helpers import GRID, GROUPS, sampled_batch
 
 
@@ -93,7 +93,7 @@ def test_all_zero_mini_batch_is_not_an_update_and_the_pass_skips_it(lora_model):
 def test_a_later_epoch_s_device_order_compacts_its_shuffled_rows_as_the_host_does():
     import jax.numpy as jnp
 
-    from jaxflow.minibatches import epoch_order
+    from jaxflow.trainer.minibatches import epoch_order
     rng = np.random.default_rng(1)
     adv = np.where(rng.random(48) < 0.5, 0.0, rng.normal(size=48)).astype(np.float32)
     key = jax.random.key(3)

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from jaxflow import config as config_lib
-from jaxflow.data import load_prompts
-from jaxflow.metrics_log import image_grid
+from jaxflow.run.data import load_prompts
+from jaxflow.run.metrics_log import image_grid
 from jaxflow_bridge.contract.lora import read_peft
 from jaxflow_bridge.rewards.ocr import OcrReward
 from jaxflow_bridge.rollout.pipeline import RolloutPipeline

@@ -13,10 +13,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxflow import sde
+from jaxflow.algorithms import sde
 from jaxflow.algorithms import grpo_guard
 from jaxflow.algorithms.base import Component
-from jaxflow.train_batch import GUIDANCE_FIELDS, TEXT_IDS
+from jaxflow.trainer.train_batch import GUIDANCE_FIELDS, TEXT_IDS
 
 
 def _pad_text(embeds, mask, length):
@@ -54,7 +54,7 @@ def guided_velocity(model, x, sigma, txt, txt_mask, neg_txt=None, neg_mask=None,
 
 def window_steps(mb: dict) -> tuple[dict, dict]:
     """Split a per-sample micro-batch into per-window-step inputs (leading W axis) and inputs shared by all steps
-    (the train step's, `jaxflow.train_step`, for every model kind)."""
+    (the train step's, `jaxflow.trainer.train_step`, for every model kind)."""
     sigmas, idx = mb["sigmas"], mb["step_index"].T  # (b, N+1), (W, b)
     rows = jnp.arange(sigmas.shape[0])[None]
     latents = jnp.swapaxes(mb["latents"], 0, 1)

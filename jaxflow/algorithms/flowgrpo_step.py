@@ -1,6 +1,6 @@
 """FlowGRPO's policy loss (train.algorithm="flowgrpo") over one mini-batch: `accumulate_gradients` sums, over
 micro-batches and window steps, the gradient of `flowgrpo.window_step_terms`' loss; `FLOWGRPO` is its registered
-component, whose `update` the train step calls (`jaxflow.train_step`)."""
+component, whose `update` the train step calls (`jaxflow.trainer.train_step`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,12 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxflow import minibatches
+from jaxflow.trainer import minibatches
 from jaxflow.algorithms import flowgrpo
 from jaxflow.algorithms.base import Component
 from jaxflow.algorithms.objective import WINDOW, Objective
-from jaxflow.sharding import Layout
-from jaxflow.train_batch import GUIDANCE_FIELDS
+from jaxflow.trainer.sharding import Layout
+from jaxflow.trainer.train_batch import GUIDANCE_FIELDS
 
 FIELDS = ("latents", "log_probs", "sigmas", "step_index", "noise_level", "prompt_embeds", "prompt_mask", "advantages")
 

@@ -5,7 +5,7 @@ implicit positive policy on high-reward samples and away from an implicit negati
 built around the "old" policy that sampled (a slowly moving copy of the LoRA, `old_decay`).
 
 The loss terms are pure functions; `gradients` accumulates them over a mini-batch and `advanced` moves the
-old policy, both inside `jaxflow.train_step`'s jitted functions through the registered component `NFT`.
+old policy, both inside `jaxflow.trainer.train_step`'s jitted functions through the registered component `NFT`.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxflow import minibatches
+from jaxflow.trainer import minibatches
 from jaxflow.algorithms.base import Component
 
 FIELDS = ("final_latents", "sigmas", "prompt_embeds", "prompt_mask", "advantages")

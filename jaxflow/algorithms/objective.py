@@ -1,4 +1,4 @@
-"""What the FlowGRPO train step asks of a model family (`jaxflow.train_step`; the family's `objective`): the inputs a
+"""What the FlowGRPO train step asks of a model family (`jaxflow.trainer.train_step`; the family's `objective`): the inputs a
 micro-batch's window steps share (`context`, run once per micro-batch) and one window step's log-prob (`log_prob`).
 `WINDOW` reads the batch's text embeds at every step (`flowgrpo.window_log_prob`); a family whose batch carries token
 ids brings its own (its folder under `jaxflow/families/`)."""

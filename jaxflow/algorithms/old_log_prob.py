@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxflow import minibatches
+from jaxflow.trainer import minibatches
 from jaxflow.algorithms import flowgrpo
 from jaxflow.algorithms.base import Component
 from jaxflow.algorithms.objective import WINDOW, Objective
-from jaxflow.sharding import Layout
+from jaxflow.trainer.sharding import Layout
 
 
 @dataclasses.dataclass(frozen=True)

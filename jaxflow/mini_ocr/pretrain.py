@@ -9,7 +9,7 @@ serves true CFG as the rollout runs it.
 
 One functional jitted step: `nnx.split(model, nnx.Param, ...)`, gradients for the params, AdamW (linear warmup,
 cosine decay) after global-norm clipping, an EMA of the params; params, optimizer state and EMA placed by the
-`jaxflow.sharding.Layout` rules, the batch sharded over the data axis. The EMA weights are saved, through the key
+`jaxflow.trainer.sharding.Layout` rules, the batch sharded over the data axis. The EMA weights are saved, through the key
 map, as the folder's `transformer/` (`save_transformer`).
 
 Inputs (written by `python -m jaxflow_bridge.mini_ocr.prepare encode`): DATA/latents.npy (N, S, 64) float32 packed
@@ -36,7 +36,7 @@ from flax import nnx
 
 from jaxflow.models.config import ModelOptions
 from jaxflow.models.loading import load_transformer, save_transformer
-from jaxflow.sharding import Layout, ShardingConfig
+from jaxflow.trainer.sharding import Layout, ShardingConfig
 from jaxflow_bridge.contract.schedule import calculate_shift, pixels_per_token
 from jaxflow_bridge.mini_ocr.render import HEIGHT, WIDTH
 

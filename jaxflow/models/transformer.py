@@ -178,7 +178,7 @@ class QwenImageTransformer(nnx.Module):
 
     def split_rows(self, mesh, axes: tuple[str, ...]) -> None:
         """Run the fused LoRA kernel (model.lora_gemm=pallas) on every device's own rows, split over the mesh `axes`
-        (the batch's, `jaxflow.sharding.Layout.batch_axes`): data parallelism with the kernel, which is itself not
+        (the batch's, `jaxflow.trainer.sharding.Layout.batch_axes`): data parallelism with the kernel, which is itself not
         partitioned. The frozen weights should be whole on each device (replicated), as the default rules hold them."""
         self.row_split = (mesh, tuple(axes))
 

@@ -1,4 +1,4 @@
-"""The numpy half of the numerics spec (docs/numerics.md §1), shared by the JAX step (`jaxflow/sde.py`) and its torch
+"""The numpy half of the numerics spec (docs/numerics.md §1), shared by the JAX step (`jaxflow/algorithms/sde.py`) and its torch
 mirror (`jaxflow_bridge/rollout/sde.py`): the sigma schedule, bitwise equal to diffusers' FlowMatchEulerDiscreteScheduler,
 and the per-sample SDE windows. Imports neither JAX nor torch.
 """

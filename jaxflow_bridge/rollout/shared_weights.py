@@ -1,7 +1,7 @@
 """A rollout transformer whose base weights are another framework's tensors, shared rather than copied.
 
 With the engine in the trainer's process (`rollout.layout="in_process"`) the trainer can hand its frozen base
-weights over as torch views (DLPack, jaxflow/base_share.py): the 20B weights then sit on the device once instead of
+weights over as torch views (DLPack, jaxflow/sync/base_share.py): the 20B weights then sit on the device once instead of
 twice. `empty_transformer` builds the diffusers transformer with parameters that hold no memory (the meta device),
 `share_parameters` makes the given tensors its parameters. The engine only reads them (LoRA stays in PEFT's own
 layers, never merged), and the sharing side must never write them either.

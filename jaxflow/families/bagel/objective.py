@@ -1,6 +1,6 @@
 """FlowGRPO's log-prob of stored transitions for BAGEL (docs/bagel.md §2, §4): the two contexts prefilled once from the
 trajectory's token ids, BAGEL's text CFG (interval, per-sample "global" renorm) and the SDE log-prob of
-`jaxflow.sde`. The Qwen-Image counterpart is `jaxflow.algorithms.flowgrpo`; the torch rollout this mirrors is
+`jaxflow.algorithms.sde`. The Qwen-Image counterpart is `jaxflow.algorithms.flowgrpo`; the torch rollout this mirrors is
 `jaxflow_bridge/families/bagel/sampling.py`."""
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxflow import sde
+from jaxflow.algorithms import sde
 from jaxflow.algorithms import flowgrpo
 from jaxflow.algorithms.objective import Objective
 from jaxflow.families.bagel.model import BagelModel, KVCache
 
 if TYPE_CHECKING:  # step_config resolves the algorithms, which reach this module
-    from jaxflow.step_config import TrainConfig
+    from jaxflow.trainer.step_config import TrainConfig
 
 RENORM_EPS = 1e-8  # Bagel._combine_cfg's denominator guard
 

@@ -19,10 +19,10 @@ from jaxflow.models.config import QwenImageConfig
 from jaxflow.models.loading import TensorSource
 from jaxflow.models.lora import LoRAParam, LoRASpec
 from jaxflow import families
-from jaxflow.step_config import TrainConfig
-from jaxflow.train_batch import TrainBatch
+from jaxflow.trainer.step_config import TrainConfig
+from jaxflow.trainer.train_batch import TrainBatch
 from jaxflow.algorithms.flowgrpo_step import accumulate_gradients
-from jaxflow.train_step import prepare_batch
+from jaxflow.trainer.train_step import prepare_batch
 from jaxflow_bridge.contract import bagel_keymap, keymap
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 

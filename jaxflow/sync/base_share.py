@@ -1,5 +1,5 @@
 """The trainer's frozen base weights as torch tensors for an engine in its process (the trainer's glue; JAX and torch
-meet here, as in jaxflow/lora_sync.py).
+meet here, as in jaxflow/sync/lora_sync.py).
 
 With `rollout.share_weights` the diffusers engine in the trainer's process builds its transformer without weights
 and serves these instead (jaxflow_bridge/rollout/shared_weights.py): each diffusers tensor is a DLPack view of the
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from flax import nnx
 
-from jaxflow.lora_sync import jax_to_torch
+from jaxflow.sync.lora_sync import jax_to_torch
 from jaxflow.models.loading import state_leaf
 from jaxflow_bridge.contract import keymap
 

@@ -18,14 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxflow import config as config_lib
-from jaxflow import memory
-from jaxflow.checkpoint import Checkpointer
-from jaxflow.divergence import check_finite
+from jaxflow.trainer import memory
+from jaxflow.trainer.checkpoint import Checkpointer
+from jaxflow.trainer.divergence import check_finite
 from jaxflow import families
 from jaxflow.models.lora_gemm import on_hopper
-from jaxflow.sharding import Layout
-from jaxflow.train_batch import TrainBatch
-from jaxflow.train_step import make_train_step
+from jaxflow.trainer.sharding import Layout
+from jaxflow.trainer.train_batch import TrainBatch
+from jaxflow.trainer.train_step import make_train_step
 
 log = logging.getLogger("jaxflow.train")
 
@@ -134,7 +134,7 @@ class Learner:
 
     def check_memory(self) -> str | None:
         """Compile the step for the run's batch shapes (the loop then uses these executables) and check that it fits
-        JAX's pool beside the frozen weights (jaxflow/memory.py); returns the summary line. MemoryError naming the
+        JAX's pool beside the frozen weights (jaxflow/trainer/memory.py); returns the summary line. MemoryError naming the
         knobs if it does not fit; None where the backend keeps no statistics (the CPU). Call before `begin`: the
         train state is counted as still to be made."""
         plans, resident = self.memory_plans()
@@ -156,7 +156,7 @@ class Learner:
         """One train step on process 0's `batch` (None on the other processes) from policy `version` to the next;
         returns its metrics (host). `behavior`: the version that sampled the batch, `version` or (rollout.overlap)
         `version - 1`, whose LoRA the recompute pass then uses (a copy kept from the step before, only when that pass
-        runs); anything older is refused. Its phases (`jaxflow.phases`): to_device (the batch onto the devices),
+        runs); anything older is refused. Its phases (`jaxflow.trainer.phases`): to_device (the batch onto the devices),
         old_log_prob (the recompute pass, when on) and update."""
         if self.processes > 1:
             batch = local_rows(batch)

@@ -42,7 +42,7 @@ def _define_flags():
     """The flags; ml_collections parses the --config.KEY overrides of sys.argv already here."""
     from absl import flags
     from ml_collections import config_flags
-    default = Path(__file__).resolve().parents[1] / "configs" / "tiny_ocr.py"  # not relative to the cwd
+    default = Path(__file__).resolve().parents[2] / "configs" / "tiny_ocr.py"  # not relative to the cwd
     config_flags.DEFINE_config_file("config", str(default), "training config file (get_config())")
     flags.DEFINE_bool("print_config", False, "print every config key with its value and help, and exit")
     flags.DEFINE_bool("resume", False, "continue from the newest checkpoint in config.run_dir that restores")
@@ -84,7 +84,7 @@ def flag_error(exc: Exception, argv: list[str]) -> str:
 
 def config_file_arg(argv: list[str]) -> str:
     """The --config FILE of `argv` (the last one given; `--config=F`, `--config F`), else the default."""
-    path = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_ocr.py")
+    path = str(Path(__file__).resolve().parents[2] / "configs" / "tiny_ocr.py")
     for i, arg in enumerate(argv[1:], start=1):
         name, eq, value = arg.partition("=")
         if name in ("--config", "-config"):
@@ -148,8 +148,8 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
     if any(a in HELP_FLAGS for a in argv[1:]):
         print(USAGE)
         return 0
-    from jaxflow import signals
-    signals.install()  # a signal from here until the training loop: exit 130 at once (jaxflow/signals.py)
+    from jaxflow.run import signals
+    signals.install()  # a signal from here until the training loop: exit 130 at once (jaxflow/run/signals.py)
     from absl import flags
     problem = config_file_error(argv)
     if problem:
@@ -172,8 +172,8 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
         print_config(cfg)
         return 0
     from jaxflow import config as config_lib
-    from jaxflow import run_dir as run_dir_lib
-    from jaxflow.divergence import Diverged
+    from jaxflow.run import run_dir as run_dir_lib
+    from jaxflow.trainer.divergence import Diverged
     signals.install(f"error: interrupted; the checkpoints in {Path(cfg.run_dir) / 'checkpoints'} are as they were "
                     f"(continue with --resume if there are any)", unwind=True)
     try:
@@ -226,8 +226,8 @@ def disk_full(exc: BaseException, run_dir: Path) -> str | None:
     """One line for a write that found its filesystem full (a checkpoint, the metrics; also when closing the logs
     failed after it), or None for any other error: where, the space left there, and that the checkpoints before are
     intact (a checkpoint is renamed to its step only once complete)."""
-    from jaxflow.checkpoint import no_space
-    from jaxflow.run_dir import checkpoint_steps
+    from jaxflow.trainer.checkpoint import no_space
+    from jaxflow.run.run_dir import checkpoint_steps
     err = no_space(exc)
     if err is None:
         return None
@@ -279,13 +279,13 @@ def _start_ray(cfg, verbose: bool) -> str | None:
 
     A local cluster gets Ray's own default, token authentication, stated in RAY_AUTH_MODE: left unset, Ray warns
     on every start that it chose it."""
-    from jaxflow.run_dir import first_process
+    from jaxflow.run.run_dir import first_process
     if cfg.rollout.layout == "in_process" or not first_process():
         return None
     if not cfg.rollout.address:
         os.environ.setdefault("RAY_AUTH_MODE", "token")
-    from jaxflow import signals
-    from jaxflow.rollout_client import init_ray
+    from jaxflow.run import signals
+    from jaxflow.run.rollout_client import init_ray
     if cfg.log.progress:
         print("start-up: Ray ...", flush=True)
     try:

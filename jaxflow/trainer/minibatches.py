@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflow.train_batch import TrainBatch
+from jaxflow.trainer.train_batch import TrainBatch
 
 POSITION_KEYS = ("ratio_min", "ratio_mean", "ratio_max", "clipfrac", "approx_kl")
 

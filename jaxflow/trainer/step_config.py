@@ -1,6 +1,6 @@
 """The train step's static configuration (`TrainConfig`, flow_grpo's defaults; docs/numerics.md §4, §10) with the
 algorithm it resolves to (`TrainConfig.policy`, `jaxflow.algorithms.registry`), and its state (`TrainState`). The step
-itself is `jaxflow.train_step`."""
+itself is `jaxflow.trainer.train_step`."""
 from __future__ import annotations
 
 import dataclasses

@@ -5,7 +5,7 @@ Ray stops its local cluster's head processes with the driver (fate-sharing), but
 they exit. A watcher process, started with the cluster, notes the trainer's processes every second and kills those
 still running once the trainer is gone.
 
-    python -m jaxflow.orphan_reaper   # started by `start()`, as the trainer's child
+    python -m jaxflow.run.orphan_reaper   # started by `start()`, as the trainer's child
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import time
 
 def start() -> None:
     """Start this process's watcher (its own session, so a Ctrl-C at the terminal leaves it to see the end)."""
-    subprocess.Popen([sys.executable, "-m", "jaxflow.orphan_reaper"], stdin=subprocess.DEVNULL,
+    subprocess.Popen([sys.executable, "-m", "jaxflow.run.orphan_reaper"], stdin=subprocess.DEVNULL,
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from jaxflow.algorithms.nft import FIELDS as NFT_FIELDS
-from jaxflow.train_batch import with_text_ids
+from jaxflow.trainer.train_batch import with_text_ids
 
 GIB = 2 ** 30
 KNOBS = ("train.num_micro_batches (more micro-batches: fewer samples in each forward and backward), a larger JAX pool "

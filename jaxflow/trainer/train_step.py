@@ -3,7 +3,7 @@
 micro-batch filter) over one rollout batch with two jitted, sharded functions. It calls the policy's components and
 names none of them.
 
-The batch is cut into num_mini_batches (M) mini-batches of whole prompt groups (`jaxflow.minibatches`: the caller
+The batch is cut into num_mini_batches (M) mini-batches of whole prompt groups (`jaxflow.trainer.minibatches`: the caller
 lays the groups out, mini-batch j = rows j, j + M, ...), one optimizer update each; num_inner_epochs repeats the
 pass, each later epoch over the batch's rows shuffled anew (as flow_grpo does between inner epochs; seeded by
 shuffle_seed, the step's first update count and the epoch, on the devices: `minibatches.epoch_order`). Where the
@@ -37,13 +37,14 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxflow import families, minibatches, phases
+from jaxflow import families
+from jaxflow.trainer import minibatches, phases
 from jaxflow.algorithms.old_log_prob import old_log_probs
 from jaxflow.models.lora import LoRAParam
 from jaxflow.algorithms.objective import WINDOW, Objective
-from jaxflow.sharding import Layout
-from jaxflow.step_config import TrainConfig, TrainState
-from jaxflow.train_batch import GUIDANCE_FIELDS, TEXT_IDS, TrainBatch, with_text_ids
+from jaxflow.trainer.sharding import Layout
+from jaxflow.trainer.step_config import TrainConfig, TrainState
+from jaxflow.trainer.train_batch import GUIDANCE_FIELDS, TEXT_IDS, TrainBatch, with_text_ids
 
 
 def advance_old(state: TrainState, *, config: TrainConfig) -> TrainState:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from jaxflow.config import UserError
 
-log = logging.getLogger("jaxflow.run_dir")
+log = logging.getLogger("jaxflow.run.run_dir")
 
 LOCK_NAME = ".jaxflow.lock"
 _held: dict[str, int] = {}  # run_dir (resolved) -> the descriptor of its lock file, held by this process

@@ -19,11 +19,11 @@ import socket
 import tempfile
 from pathlib import Path
 
-from jaxflow import run_lock
-from jaxflow.checkpoint import config_json
+from jaxflow.run import run_lock
+from jaxflow.trainer.checkpoint import config_json
 from jaxflow.config import UserError
 
-log = logging.getLogger("jaxflow.run_dir")
+log = logging.getLogger("jaxflow.run.run_dir")
 
 OUTPUTS = ("metrics.jsonl", "checkpoints", "eval", "tb", "lora_final")
 NOT_TRAINING = ("run_dir", "train.num_steps", "log", "eval", "checkpoint", "rollout.address", "rollout.num_servers",

@@ -23,7 +23,7 @@ def init_ray(address: str = "", verbose: bool = False) -> None:
         ray.init(address=address or "local", include_dashboard=False, log_to_driver=False,
                  logging_level=logging.INFO if verbose else logging.WARNING)
         if not address:
-            from jaxflow import orphan_reaper
+            from jaxflow.run import orphan_reaper
             orphan_reaper.start()
 
 

@@ -1,6 +1,6 @@
 """The learner's batch: one step's trajectories with their advantages and SDE noise level, host arrays on a leading
 sample axis B. The driver makes it once from the rollout's `TrajectoryBatch` (`TrainBatch.of`), the mini-batch layout
-(`jaxflow.minibatches`) reorders its rows (`TrainBatch.reordered`) and `train_step.prepare_batch` reads it. Which
+(`jaxflow.trainer.minibatches`) reorders its rows (`TrainBatch.reordered`) and `train_step.prepare_batch` reads it. Which
 fields are per sample and which the batch shares is written here only.
 """
 from __future__ import annotations

@@ -14,16 +14,16 @@ import numpy as np
 
 from jaxflow import config as config_lib
 from jaxflow import families
-from jaxflow import phases
-from jaxflow.base_share import torch_base_weights
-from jaxflow.data import GroupSampler, load_prompts
+from jaxflow.trainer import phases
+from jaxflow.sync.base_share import torch_base_weights
+from jaxflow.run.data import GroupSampler, load_prompts
 from jaxflow.algorithms.advantages import compute_advantages
-from jaxflow.lora_sync import SharedLoRA, device_peft_tensors, device_target
-from jaxflow.metrics_log import image_grid
-from jaxflow.minibatches import compact_zero_advantage, order_minibatches
+from jaxflow.sync.lora_sync import SharedLoRA, device_peft_tensors, device_target
+from jaxflow.run.metrics_log import image_grid
+from jaxflow.trainer.minibatches import compact_zero_advantage, order_minibatches
 from jaxflow.models.lora import lora_to_peft
-from jaxflow.rollout_client import LocalTransport, RayTransport, RolloutGroup, init_ray
-from jaxflow.train_batch import TrainBatch
+from jaxflow.run.rollout_client import LocalTransport, RayTransport, RolloutGroup, init_ray
+from jaxflow.trainer.train_batch import TrainBatch
 from jaxflow_bridge.contract.trajectory import TextLengthError, TrajectoryBatch
 from jaxflow_bridge.rewards import RewardPool, build_reward
 
@@ -120,7 +120,7 @@ class Driver:
             engine["compile"] = True
         if config_lib.merged_lora(self.cfg):  # into the engine's base weights (jaxflow_bridge/rollout/lora/merge.py)
             engine["lora_apply"] = "merged"
-        if r.share_weights:  # the engine serves the trainer's own arrays (jaxflow/base_share.py)
+        if r.share_weights:  # the engine serves the trainer's own arrays (jaxflow/sync/base_share.py)
             engine["base_weights"] = "shared"
         elif self.cfg.model.init == "random":
             engine["random_seed"] = self.cfg.seed  # the rollout draws the same base weights (fingerprint below)
@@ -141,7 +141,7 @@ class Driver:
 
     def serve(self, lora, version: int) -> int:
         """The rollout serves `lora` (the train state's whole LoRA) as policy `version`; returns the bound-module
-        count. Device tensors through DLPack in process, host arrays otherwise (jaxflow/lora_sync.py). Through
+        count. Device tensors through DLPack in process, host arrays otherwise (jaxflow/sync/lora_sync.py). Through
         shared memory its phases are sync_write (the trainer's) and sync_engine (the engine's, from its ack)."""
         if self.shared is not None:
             try:
