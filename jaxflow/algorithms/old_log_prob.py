@@ -68,12 +68,11 @@ def old_log_probs(graphdef, lora, frozen, batch: dict, config, layout: Layout | 
 
         return carry, policy.filter.forward(forward, mb)
 
-    mbs = jax.tree.map(lambda x: x[np.asarray(run)], minibatches.micro_batches(batch, k))
+    rows = minibatches.RowLayout(m, config.num_micro_batches)
+    mbs = jax.tree.map(lambda x: x[np.asarray(run)], rows.all_micro_batches(batch))
     parts = jax.lax.scan(micro, None, mbs)[1]  # each (len(run), W, B/k, ...)
 
-    def whole(part):  # row t*k + c of the batch is [c, :, t] of the (k, W, B/k, ...) stack
-        full = jnp.zeros((k, *part.shape[1:]), part.dtype).at[np.asarray(run)].set(part)
-        full = jnp.moveaxis(full, 2, 0)  # (B/k, k, W, ...)
-        return full.reshape(-1, *full.shape[2:])
+    def whole(part):  # the (k, W, B/k, ...) stack back in batch rows
+        return rows.unstack(jnp.zeros((k, *part.shape[1:]), part.dtype).at[np.asarray(run)].set(part), axis=2)
 
     return jax.tree.map(whole, parts)

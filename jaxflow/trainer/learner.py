@@ -21,6 +21,7 @@ from jaxflow import config as config_lib
 from jaxflow.trainer import memory
 from jaxflow.trainer.checkpoint import Checkpointer
 from jaxflow.trainer.divergence import check_finite
+from jaxflow.trainer.minibatches import RowLayout
 from jaxflow import families
 from jaxflow.models.lora_gemm import on_hopper
 from jaxflow.trainer.sharding import Layout
@@ -77,9 +78,8 @@ def local_rows(batch: TrainBatch | None) -> TrainBatch:
     """Process 0's train `batch` (None on the other processes), made per-sample, on every process, cut to this
     process's contiguous share of rows."""
     full = share_batch(None if batch is None else batch.per_sample())
-    rows = len(full["advantages"]) // jax.process_count()
-    lo = jax.process_index() * rows
-    return TrainBatch(**{k: v[lo:lo + rows] for k, v in full.items()})
+    mine = RowLayout().process_rows(len(full["advantages"]), jax.process_index(), jax.process_count())
+    return TrainBatch(**{k: v[mine] for k, v in full.items()})
 
 
 class Learner:

@@ -19,6 +19,7 @@ from jaxflow.models.config import QwenImageConfig
 from jaxflow.models.loading import TensorSource
 from jaxflow.models.lora import LoRAParam, LoRASpec
 from jaxflow import families
+from jaxflow.trainer.minibatches import RowLayout
 from jaxflow.trainer.step_config import TrainConfig
 from jaxflow.trainer.train_batch import TrainBatch
 from jaxflow.algorithms.flowgrpo_step import accumulate_gradients
@@ -33,15 +34,15 @@ def recompute(model: nnx.Module, batch: TrajectoryBatch, *, grid_hw: tuple[int, 
     fields of TrainConfig (cfg_interval, cfg_renorm_min); the model's family picks the log-prob (`Family.objective`)."""
     config = TrainConfig(grid_hw=grid_hw, sde_type=sde_type, guidance=guidance,
                          num_micro_batches=num_micro_batches, **cfg)
-    b, w = batch.log_probs.shape
+    b = len(batch.log_probs)
     arrays = prepare_batch(TrainBatch.of(batch, np.zeros(b, np.float32), noise_level), config)
     graphdef, lora, frozen = nnx.split(model, LoRAParam, ...)
     objective = families.of_model(model).objective(config)
     terms = jax.jit(lambda lo, fr, ba: accumulate_gradients(graphdef, lo, fr, ba, config, objective=objective)[1])(
         lora, frozen, arrays)
 
-    def rows(t):  # (M, W, B/M) -> (B, W); micro-batch k holds rows k, k + M, ...
-        return np.transpose(np.asarray(t, np.float64), (2, 0, 1)).reshape(b, w)
+    def rows(t):  # the (M, W, B/M) micro-batch stack back in batch rows (B, W)
+        return RowLayout(1, num_micro_batches).unstack(np.asarray(t, np.float64), axis=2)
 
     dlogp = rows(terms["dlogp"])
     return {"log_prob": batch.log_probs + dlogp, "dlogp": dlogp, "ratio": rows(terms["ratio"])}
