@@ -10,7 +10,8 @@ import pytest
 from jaxflow.run.driver import train_batch
 from jaxflow.trainer.minibatches import group_order, zero_advantage_order
 from jaxflow.trainer.step_config import TrainConfig
-from jaxflow.trainer.train_batch import SHARED_FIELDS, TrainBatch
+from jaxflow.trainer.train_batch import TrainBatch
+from jaxflow_bridge.contract.batch import SHARED_FIELDS
 from jaxflow.trainer.train_step import prepare_batch
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 

@@ -10,7 +10,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxflow_bridge.contract.trajectory import TEXT_FIELDS, TextLengthError, TrajectoryBatch, validate_arrays
+from jaxflow_bridge.contract.batch import TEXT_FIELDS
+from jaxflow_bridge.contract.trajectory import TextLengthError, TrajectoryBatch, validate_arrays
 
 ROOT = Path(__file__).resolve().parents[1]
 BF16 = ml_dtypes.bfloat16

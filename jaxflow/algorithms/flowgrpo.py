@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jaxflow.algorithms import sde
 from jaxflow.algorithms import grpo_guard
 from jaxflow.algorithms.base import Component
-from jaxflow.trainer.train_batch import GUIDANCE_FIELDS, TEXT_IDS
+from jaxflow_bridge.contract.batch import GUIDANCE_FIELDS, TEXT_IDS
 
 
 def _pad_text(embeds, mask, length):

@@ -16,7 +16,7 @@ from jaxflow.algorithms import flowgrpo
 from jaxflow.algorithms.base import Component
 from jaxflow.algorithms.objective import WINDOW, Objective
 from jaxflow.trainer.sharding import Layout
-from jaxflow.trainer.train_batch import GUIDANCE_FIELDS
+from jaxflow_bridge.contract.batch import GUIDANCE_FIELDS
 
 FIELDS = ("latents", "log_probs", "sigmas", "step_index", "noise_level", "prompt_embeds", "prompt_mask", "advantages")
 

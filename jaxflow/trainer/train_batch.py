@@ -1,7 +1,7 @@
 """The learner's batch: one step's trajectories with their advantages and SDE noise level, host arrays on a leading
 sample axis B. The driver makes it once from the rollout's `TrajectoryBatch` (`TrainBatch.of`), the mini-batch layout
-(`jaxflow.trainer.minibatches`) reorders its rows (`TrainBatch.reordered`) and `train_step.prepare_batch` reads it. Which
-fields are per sample and which the batch shares is written here only.
+(`jaxflow.trainer.minibatches`) reorders its rows (`TrainBatch.reordered`) and `train_step.prepare_batch` reads it. Its fields,
+which are per sample and which the batch shares, are the schema's (`jaxflow_bridge.contract.batch.TRAIN_FIELDS`).
 """
 from __future__ import annotations
 
@@ -9,15 +9,8 @@ import dataclasses
 
 import numpy as np
 
+from jaxflow_bridge.contract.batch import SHARED_FIELDS, TEXT_IDS
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
-
-# fields the rollout sends once for the whole batch, and their number of dims there: `per_sample` broadcasts them to
-# every sample, `reordered` leaves them as they are (either may also come per sample, with a leading B axis)
-SHARED_FIELDS = {"sigmas": 1, "noise_level": 0}
-GUIDANCE_FIELDS = ("negative_prompt_embeds", "negative_prompt_mask")
-# a family whose text is token ids (`Family.batch_shape`) carries the context's ids (B, L) int32 in place of the embeds
-TEXT_IDS = {"prompt_embeds": "prompt_ids", "negative_prompt_embeds": "negative_prompt_ids"}
-
 
 def with_text_ids(fields: tuple[str, ...]) -> tuple[str, ...]:
     """`fields` with the text embeds replaced by the token ids (`TEXT_IDS`)."""

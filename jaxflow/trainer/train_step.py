@@ -44,7 +44,8 @@ from jaxflow.models.lora import LoRAParam
 from jaxflow.algorithms.objective import WINDOW, Objective
 from jaxflow.trainer.sharding import Layout
 from jaxflow.trainer.step_config import TrainConfig, TrainState
-from jaxflow.trainer.train_batch import GUIDANCE_FIELDS, TEXT_IDS, TrainBatch, with_text_ids
+from jaxflow.trainer.train_batch import TrainBatch, with_text_ids
+from jaxflow_bridge.contract.batch import GUIDANCE_FIELDS, TEXT_IDS
 
 
 def advance_old(state: TrainState, *, config: TrainConfig) -> TrainState:

@@ -2,8 +2,11 @@
 
 Numpy only: importing this module pulls in neither JAX nor torch. A `TrajectoryBatch` holds samples on a
 leading axis, the text right-padded (embeds or token ids with zeros, masks with False) to the longest prompt in the
-batch. The text is either text-encoder embeds (Qwen-Image) or the context's token ids (BAGEL), never both. It validates shapes and dtypes on construction and raises ValueError naming the field, the expected and the
-actual value.
+batch. The text is either text-encoder embeds (Qwen-Image) or the context's token ids (BAGEL), never both. Its fields
+are the schema's (`jaxflow_bridge.contract.batch`). It validates shapes and dtypes on construction and raises
+ValueError naming the field, the expected and the actual value; that runs once where a trajectory crosses into a
+process (`from_dict`, the vLLM-Omni codec): a producer's own arrays and `concat`'s join of validated batches are
+`assembled`, not checked again.
 """
 
 from __future__ import annotations
@@ -12,21 +15,12 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-import ml_dtypes
 import numpy as np
 
-F32 = np.dtype(np.float32)
-BF16 = np.dtype(ml_dtypes.bfloat16)
-EMBED_DTYPES = (BF16, F32)
-_INT32 = np.dtype(np.int32)
-_INT64 = np.dtype(np.int64)
-_UINT8 = np.dtype(np.uint8)
-_BOOL = np.dtype(np.bool_)
+from jaxflow_bridge.contract.batch import BOOL as _BOOL, EMBED_DTYPES, F32, INT32 as _INT32, INT64 as _INT64
+from jaxflow_bridge.contract.batch import UINT8 as _UINT8, require
 
 Dims = list[tuple[str, "int | None"]]  # (symbol, required size or None for any)
-# the text fields: embeds (Qwen-Image) or token ids (BAGEL, docs/bagel.md §4), each with its mask
-TEXT_FIELDS = ("prompt_embeds", "prompt_ids", "prompt_mask", "negative_prompt_embeds", "negative_prompt_ids",
-               "negative_prompt_mask")
 
 
 def _check(field: str, x, dtypes: Sequence[np.dtype], dims: Dims) -> None:
@@ -262,7 +256,7 @@ class TrajectoryBatch:
             return {f"{prefix}_{kind}": text, f"{prefix}_mask": mask}
 
         lengths = (None, None) if text_tokens is None else text_tokens
-        return cls(
+        return cls.assembled(
             images=cat("images"), latents=cat("latents"), log_probs=cat("log_probs"),
             sigmas=batches[0].sigmas, step_index=cat("step_index"), **pad("prompt", lengths[0]),
             **pad("negative_prompt", lengths[1]),
@@ -278,5 +272,22 @@ class TrajectoryBatch:
 
     @classmethod
     def from_dict(cls, arrays: dict[str, np.ndarray]) -> TrajectoryBatch:
-        """Inverse of to_dict."""
+        """Inverse of to_dict, validated (a trajectory crossing into this process): ValueError naming the first
+        field missing, of the wrong dims (`batch.require`), shape or dtype."""
+        require(arrays, "rollout trajectory")
         return cls(**{**arrays, "prompts": [str(p) for p in arrays["prompts"]]})
+
+    @classmethod
+    def assembled(cls, **fields) -> TrajectoryBatch:
+        """A batch of arrays that are valid already (a producer's own, or `concat`'s of validated batches), made
+        without validating them again; the trajectory is validated where it crosses into a process."""
+        batch = object.__new__(cls)
+        for f in dataclasses.fields(cls):
+            value = fields.pop(f.name, f.default)
+            if value is dataclasses.MISSING:
+                raise TypeError(f"TrajectoryBatch.assembled: missing {f.name}")
+            object.__setattr__(batch, f.name, value)
+        if fields:
+            raise TypeError(f"TrajectoryBatch.assembled: unknown fields {sorted(fields)}")
+        object.__setattr__(batch, "prompts", tuple(batch.prompts))
+        return batch

@@ -302,7 +302,7 @@ class SamplingLoop:
             noise = noise[torch.from_numpy(np.repeat(np.arange(len(prompts)) * n, n))]
         final, latents, log_probs = self._denoise(noise.to(self.device), sigmas, starts, gens, sp, text, grid)
         neg = text[2:] or (None, None)
-        return TrajectoryBatch(
+        return TrajectoryBatch.assembled(  # validated where it crosses into a process
             images=self.decode(final, sp.height, sp.width), latents=latents.cpu().numpy(),
             log_probs=log_probs.cpu().numpy(), sigmas=sigmas,
             step_index=(starts[:, None] + np.arange(window_size(size, steps))).astype(np.int32),

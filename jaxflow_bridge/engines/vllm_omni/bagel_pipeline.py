@@ -242,7 +242,7 @@ def build_pipeline_class(base: type, output_cls, cache_cls) -> type:
         ids, mask = pad_ids([fed] * n)
         empty = dict(negative_prompt_ids=np.zeros((n, 0), np.int32),
                      negative_prompt_mask=np.zeros((n, 0), bool)) if sp.cfg_text_scale > 1 else {}
-        batch = TrajectoryBatch(
+        batch = TrajectoryBatch.assembled(  # validated where it crosses into a process
             images=images, latents=np.stack([p["latents"] for p in paths]),
             log_probs=np.stack([p["log_probs"] for p in paths]), sigmas=sigmas,
             step_index=np.stack([p["step_index"] for p in paths]),

@@ -41,7 +41,8 @@ import numpy as np
 import torch
 
 from jaxflow_bridge.contract.schedule import CFG_FORWARDS
-from jaxflow_bridge.contract.trajectory import TEXT_FIELDS, TrajectoryBatch
+from jaxflow_bridge.contract.batch import PAYLOAD_FIELDS, TEXT_FIELDS
+from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.engines.vllm_omni.fa_version import FA_VERSIONS, use_fa3
 from jaxflow_bridge.rollout.kernels.linear_gelu import install_gelu_epilogue
 from jaxflow_bridge.rollout.kernels.lora_linear import install_fused_apply
@@ -107,19 +108,16 @@ def pack_trajectories(batch: TrajectoryBatch) -> dict:
     """DiffusionOutput fields for a batch of one prompt's samples.
 
     trajectory_latents (B, W+1, S, C) and trajectory_log_probs (B, W) use vLLM-Omni's own fields (shared memory
-    for large tensors); everything else rides in custom_output[PAYLOAD_KEY] as tensors (bf16 embeds stay bf16; the
-    text fields the batch carries: embeds or BAGEL's int32 token ids, negatives iff guided, L' = 0 included).
+    for large tensors); the schema's other `PAYLOAD_FIELDS` ride in custom_output[PAYLOAD_KEY] as tensors (bf16 embeds
+    stay bf16; the text fields the batch carries: embeds or BAGEL's int32 token ids, negatives iff guided, L' = 0
+    included). Every tensor is a view of the batch's numpy buffer (no copy); `unpack_trajectories` views them back.
     `output` is the image in [-1, 1] (B, 3, H, W), what vLLM-Omni's Qwen-Image post-processing turns into PIL
     images; exact from the uint8 images, so `OmniRequestOutput.images` shows the same pixels.
     """
-    payload = {"images": batch.images, "sigmas": batch.sigmas, "step_index": batch.step_index, "seeds": batch.seeds,
-               "policy_versions": batch.policy_versions}
-    for field in (*TEXT_FIELDS, "final_latents"):
-        if getattr(batch, field) is not None:
-            payload[field] = getattr(batch, field)
+    payload = {k: getattr(batch, k) for k in PAYLOAD_FIELDS if getattr(batch, k) is not None}
     images = torch.from_numpy(batch.images).permute(0, 3, 1, 2).float() / 127.5 - 1
-    return {"output": images, "trajectory_latents": torch.from_numpy(batch.latents),
-            "trajectory_log_probs": torch.from_numpy(batch.log_probs),
+    return {"output": images, "trajectory_latents": numpy_to_torch(batch.latents),
+            "trajectory_log_probs": numpy_to_torch(batch.log_probs),
             "custom_output": {PAYLOAD_KEY: {k: numpy_to_torch(np.ascontiguousarray(v)) for k, v in payload.items()}}}
 
 
@@ -142,12 +140,10 @@ def unpack_trajectories(output, prompt: str, group_id: int, thinker_ids: list | 
             raise ValueError(f"vLLM-Omni's thinker prefilled {len(thinker_ids)} ids for {prompt[:40]!r} that are not "
                              f"the trajectory's {len(fed[0])} context ids: the trainer would rebuild another context")
     latents = _numpy(output.trajectory_latents)
-    return TrajectoryBatch(
-        images=arrays["images"], latents=latents, log_probs=_numpy(output.trajectory_log_probs),
-        sigmas=arrays["sigmas"], step_index=arrays["step_index"], **{f: arrays.get(f) for f in TEXT_FIELDS},
-        prompts=[prompt] * len(latents),
-        group_ids=np.full(len(latents), group_id, np.int64), seeds=arrays["seeds"],
-        policy_versions=arrays["policy_versions"], final_latents=arrays.get("final_latents"))
+    return TrajectoryBatch.from_dict({  # the trajectory crossed from the worker: validated here, once
+        **arrays, "latents": latents, "log_probs": _numpy(output.trajectory_log_probs),
+        "prompts": np.asarray([prompt] * len(latents), np.str_),
+        "group_ids": np.full(len(latents), group_id, np.int64)})
 
 
 # ------------------------------------------------------------------------------------------ the classes

@@ -169,7 +169,7 @@ class BagelSamplingLoop:
         final, latents, log_probs = self._denoise(x, sigmas, starts, gens, sp, contexts, grid)
         empty = dict(negative_prompt_ids=np.zeros((len(group), 0), np.int32),
                      negative_prompt_mask=np.zeros((len(group), 0), bool)) if sp.cfg_text_scale > 1 else {}
-        return TrajectoryBatch(
+        return TrajectoryBatch.assembled(  # validated where it crosses into a process
             images=self.decode(final, grid), latents=latents.numpy(), log_probs=log_probs.numpy(), sigmas=sigmas,
             step_index=(starts[:, None] + np.arange(window_size(size, steps))).astype(np.int32),
             prompt_ids=ids.numpy().astype(np.int32), prompt_mask=mask.numpy(), **empty,

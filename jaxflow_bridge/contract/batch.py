@@ -1,0 +1,99 @@
+"""The batch schema: every field a step's data carries from the rollout to the loss, declared once (docs/design.md §2).
+
+Numpy only. Each `Field` names its dtypes and its dims per sample, symbolic in the step's sizes (H, W image; W window
+steps, W+1 latents; S image tokens, C channels; N+1 schedule; L, L' text tokens, D text width), and whether every
+sample has its own (a leading B axis) or the batch shares one. The rollout's `TrajectoryBatch`
+(`jaxflow_bridge.contract.trajectory`) is made of the trajectory fields, the learner's `TrainBatch`
+(`jaxflow.trainer.train_batch`) of the train fields, the vLLM-Omni codec carries the payload fields and an
+algorithm's `batch_fields` are names from here. `require` is the one check that a crossing's arrays hold every field
+the batch needs, each with its number of dims.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+
+F32 = np.dtype(np.float32)
+BF16 = np.dtype(ml_dtypes.bfloat16)
+EMBED_DTYPES = (BF16, F32)
+INT32 = np.dtype(np.int32)
+INT64 = np.dtype(np.int64)
+UINT8 = np.dtype(np.uint8)
+BOOL = np.dtype(np.bool_)
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """name; dtypes it may have; dims per sample (symbols); shared: one array for the whole batch (no B axis);
+    required: a trajectory without it is refused (the others are one text kind's, CFG's or DiffusionNFT's);
+    trajectory / train: whether the rollout's TrajectoryBatch / the learner's TrainBatch carries it."""
+
+    name: str
+    dtypes: tuple[np.dtype, ...]
+    dims: tuple[str, ...]
+    shared: bool = False
+    required: bool = True
+    trajectory: bool = True
+    train: bool = True
+
+
+FIELDS = {f.name: f for f in (
+    Field("images", (UINT8,), ("H", "W", "3"), train=False),
+    Field("latents", (F32,), ("W+1", "S", "C")),
+    Field("log_probs", (F32,), ("W",)),
+    Field("sigmas", (F32,), ("N+1",), shared=True),
+    Field("step_index", (INT32,), ("W",)),
+    Field("prompt_embeds", EMBED_DTYPES, ("L", "D"), required=False),
+    Field("prompt_ids", (INT32,), ("L",), required=False),
+    Field("prompt_mask", (BOOL,), ("L",)),
+    Field("negative_prompt_embeds", EMBED_DTYPES, ("L'", "D"), required=False),
+    Field("negative_prompt_ids", (INT32,), ("L'",), required=False),
+    Field("negative_prompt_mask", (BOOL,), ("L'",), required=False),
+    Field("prompts", (np.dtype(np.str_),), (), train=False),
+    Field("group_ids", (INT64,), (), train=False),
+    Field("seeds", (INT64,), (), train=False),
+    Field("policy_versions", (INT64,), (), train=False),
+    Field("final_latents", (F32,), ("S", "C"), required=False),
+    Field("advantages", (F32,), (), trajectory=False),
+    Field("noise_level", (F32,), (), shared=True, trajectory=False),
+)}
+
+TRAJECTORY_FIELDS = tuple(n for n, f in FIELDS.items() if f.trajectory)
+TRAIN_FIELDS = tuple(n for n, f in FIELDS.items() if f.train)
+# the text: embeds (Qwen-Image) or token ids (BAGEL, docs/bagel.md §4), each with its mask; a token-id family carries
+# the ids in place of the embeds (`TEXT_IDS`)
+TEXT_FIELDS = ("prompt_embeds", "prompt_ids", "prompt_mask", "negative_prompt_embeds", "negative_prompt_ids",
+               "negative_prompt_mask")
+GUIDANCE_FIELDS = ("negative_prompt_embeds", "negative_prompt_mask")
+TEXT_IDS = {"prompt_embeds": "prompt_ids", "negative_prompt_embeds": "negative_prompt_ids"}
+# fields the batch shares, with their number of dims (a train batch may also hold them per sample)
+SHARED_FIELDS = {n: len(f.dims) for n, f in FIELDS.items() if f.shared}
+# the trajectory fields the vLLM-Omni codec carries in its own payload: latents and log-probs ride in vLLM-Omni's
+# own output fields, prompts and group ids are the request's
+PAYLOAD_FIELDS = tuple(n for n in TRAJECTORY_FIELDS if n not in ("latents", "log_probs", "prompts", "group_ids"))
+
+
+def require(arrays: dict, where: str) -> None:
+    """ValueError naming the first trajectory field that `arrays` (name -> array, as it crossed into this process
+    at `where`) lacks, or that has the wrong number of dims, or a name the schema does not know."""
+    unknown = sorted(set(arrays) - set(TRAJECTORY_FIELDS))
+    if unknown:
+        raise ValueError(f"{where}: unknown trajectory field {unknown[0]!r}; the fields are {list(TRAJECTORY_FIELDS)}")
+    for name in TRAJECTORY_FIELDS:
+        field, value = FIELDS[name], arrays.get(name)
+        if value is None:
+            if field.required:
+                raise ValueError(f"{where}: the trajectory is missing {name} ({field_doc(name)})")
+            continue
+        ndim = len(field.dims) + (not field.shared)
+        if np.ndim(value) != ndim:
+            raise ValueError(f"{where}: {name} expected {ndim} dims {field_doc(name)}, got shape {np.shape(value)}")
+
+
+def field_doc(name: str) -> str:
+    """A field's shape and dtypes as text, e.g. "(B, W+1, S, C) float32"."""
+    field = FIELDS[name]
+    dims = field.dims if field.shared else ("B", *field.dims)
+    return f"({', '.join(dims)}) {' or '.join(str(d) for d in field.dtypes)}"
