@@ -14,15 +14,17 @@ import sys
 import types
 from types import SimpleNamespace
 
+import ml_dtypes
+import numpy as np
 import torch
 
 from jaxflow_bridge.contract.lora import lora_pairs, read_peft
-from jaxflow_bridge.rollout.sampling import SamplingParams
-from jaxflow_bridge.random_models.tiny_bagel import TINY_LLM, TINY_VIT
+from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.engines.vllm_omni.lora import lora_component, lora_module_table
 from jaxflow_bridge.engines.vllm_omni.pipeline import RolloutWorkerMethods
+from jaxflow_bridge.random_models.tiny_bagel import TINY_LLM, TINY_VIT
+from jaxflow_bridge.rollout.sampling import SamplingParams
 from tests.helpers import LAYERS, MLP, D
-
 
 _WEIGHTS = torch.Generator().manual_seed(0)
 
@@ -269,3 +271,17 @@ def install_fake_vllm_omni(monkeypatch, root, pipelines: dict, stages: int = 1, 
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
     return AsyncOmni
+
+
+def synthetic_batch(n=3, cfg=True, dtype=ml_dtypes.bfloat16, seed=0) -> TrajectoryBatch:
+    rng = np.random.default_rng(seed)
+    mask = np.ones((n, 6), bool)
+    mask[1, 4:] = False
+    neg = dict(negative_prompt_embeds=rng.standard_normal((n, 2, 16)).astype(dtype),
+               negative_prompt_mask=np.ones((n, 2), bool)) if cfg else {}
+    return TrajectoryBatch(
+        images=rng.integers(0, 256, (n, 40, 72, 3), np.uint8), latents=rng.standard_normal((n, 3, 45, 64), np.float32),
+        log_probs=rng.standard_normal((n, 2), np.float32), sigmas=np.array([1.0, 0.7, 0.4, 0.2, 0.0], np.float32),
+        step_index=np.array([[0, 1], [1, 2], [0, 1]][:n], np.int32),
+        prompt_embeds=rng.standard_normal((n, 6, 16)).astype(dtype), prompt_mask=mask, **neg, prompts=["p"] * n, group_ids=np.zeros(n, np.int64),
+        seeds=np.arange(n, dtype=np.int64), policy_versions=np.full(n, 4, np.int64))

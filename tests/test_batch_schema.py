@@ -12,7 +12,7 @@ from jaxflow.trainer.train_batch import TrainBatch
 from jaxflow_bridge.contract import batch as schema
 from jaxflow_bridge.contract import trajectory
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
-from tests.test_vllm_omni_engine import synthetic_batch
+from tests.helpers_vllm_omni import synthetic_batch
 
 
 def test_missing_or_wrong_shaped_field_is_one_clear_error_at_the_crossing():
@@ -37,8 +37,15 @@ def test_batches_are_the_schemas_fields():
 
 
 def _components():
-    import jaxflow.algorithms.base as base
-    from jaxflow.algorithms import flowgrpo, grpo_guard, nft, old_log_prob, rollout_correction, zero_advantage
+    from jaxflow.algorithms import (
+        base,
+        flowgrpo,
+        grpo_guard,
+        nft,
+        old_log_prob,
+        rollout_correction,
+        zero_advantage,
+    )
     mods = (flowgrpo, grpo_guard, nft, old_log_prob, rollout_correction, zero_advantage)
     found = [v for m in mods for v in vars(m).values() if isinstance(v, base.Component)]
     assert found

@@ -3,7 +3,6 @@ pipeline on diffusers components, LoRA binding against a fused transformer, fing
 import dataclasses
 from types import SimpleNamespace
 
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -17,7 +16,14 @@ from jaxflow_bridge.rollout.lora.binding import check_lora_binding
 from jaxflow_bridge.rollout.pipeline import RolloutPipeline, stored_fingerprint
 from jaxflow_bridge.rollout.server import engine_class
 from tests.helpers import LAYERS, MLP, RANK, D, random_peft
-from tests.helpers_vllm_omni import SAMPLING, SEEDS, FakeFusedTransformer, FakeOmniQwenImagePipeline, omni_params
+from tests.helpers_vllm_omni import (
+    SAMPLING,
+    SEEDS,
+    FakeFusedTransformer,
+    FakeOmniQwenImagePipeline,
+    omni_params,
+    synthetic_batch,
+)
 
 # ---------------------------------------------------------------------------------------------- request codec
 
@@ -56,20 +62,6 @@ def test_warmup_and_plain_requests_are_not_ours():
 
 
 # ---------------------------------------------------------------------------------------------- output codec
-
-
-def synthetic_batch(n=3, cfg=True, dtype=ml_dtypes.bfloat16, seed=0) -> TrajectoryBatch:
-    rng = np.random.default_rng(seed)
-    mask = np.ones((n, 6), bool)
-    mask[1, 4:] = False
-    neg = dict(negative_prompt_embeds=rng.standard_normal((n, 2, 16)).astype(dtype),
-               negative_prompt_mask=np.ones((n, 2), bool)) if cfg else {}
-    return TrajectoryBatch(
-        images=rng.integers(0, 256, (n, 40, 72, 3), np.uint8), latents=rng.standard_normal((n, 3, 45, 64), np.float32),
-        log_probs=rng.standard_normal((n, 2), np.float32), sigmas=np.array([1.0, 0.7, 0.4, 0.2, 0.0], np.float32),
-        step_index=np.array([[0, 1], [1, 2], [0, 1]][:n], np.int32),
-        prompt_embeds=rng.standard_normal((n, 6, 16)).astype(dtype), prompt_mask=mask, **neg, prompts=["p"] * n, group_ids=np.zeros(n, np.int64),
-        seeds=np.arange(n, dtype=np.int64), policy_versions=np.full(n, 4, np.int64))
 
 
 def assert_batches_equal(a: TrajectoryBatch, b: TrajectoryBatch) -> None:

@@ -12,6 +12,7 @@ import numpy as np
 from jaxflow_bridge.contract.batch import SHARED_FIELDS, TEXT_IDS
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 
+
 def with_text_ids(fields: tuple[str, ...]) -> tuple[str, ...]:
     """`fields` with the text embeds replaced by the token ids (`TEXT_IDS`)."""
     return tuple(TEXT_IDS.get(f, f) for f in fields)

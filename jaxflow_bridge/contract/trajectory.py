@@ -17,8 +17,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxflow_bridge.contract.batch import BOOL as _BOOL, EMBED_DTYPES, F32, INT32 as _INT32, INT64 as _INT64
-from jaxflow_bridge.contract.batch import UINT8 as _UINT8, require
+from jaxflow_bridge.contract.batch import BOOL as _BOOL
+from jaxflow_bridge.contract.batch import EMBED_DTYPES, F32, require
+from jaxflow_bridge.contract.batch import INT32 as _INT32
+from jaxflow_bridge.contract.batch import INT64 as _INT64
+from jaxflow_bridge.contract.batch import UINT8 as _UINT8
 
 Dims = list[tuple[str, "int | None"]]  # (symbol, required size or None for any)
 

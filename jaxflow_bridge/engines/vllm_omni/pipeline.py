@@ -40,19 +40,24 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from jaxflow_bridge.contract.batch import PAYLOAD_FIELDS
 from jaxflow_bridge.contract.schedule import CFG_FORWARDS
-from jaxflow_bridge.contract.batch import PAYLOAD_FIELDS, TEXT_FIELDS
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.engines.vllm_omni.fa_version import FA_VERSIONS, use_fa3
+from jaxflow_bridge.engines.vllm_omni.lora import (
+    MappedPayload,
+    lora_component,
+    lora_module_table,
+    write_lora_slots,
+)
 from jaxflow_bridge.rollout.kernels.linear_gelu import install_gelu_epilogue
 from jaxflow_bridge.rollout.kernels.lora_linear import install_fused_apply
+from jaxflow_bridge.rollout.kernels.qk_rope import QK_OPS, use_native_qk
 from jaxflow_bridge.rollout.lora.merge import MergedLoRA, plan_targets
 from jaxflow_bridge.rollout.pipeline import TensorHead, text_tower, weights_fingerprint
-from jaxflow_bridge.rollout.kernels.qk_rope import QK_OPS, use_native_qk
 from jaxflow_bridge.rollout.random_init import random_named_weights
 from jaxflow_bridge.rollout.sampling import Fp32Timestep, SamplingLoop, SamplingParams
 from jaxflow_bridge.rollout.tensors import numpy_to_torch, torch_to_numpy
-from jaxflow_bridge.engines.vllm_omni.lora import MappedPayload, lora_component, lora_module_table, write_lora_slots
 
 log = logging.getLogger(__name__)
 PIPELINE_CLASS = f"{__name__}.FlowGRPOQwenImagePipeline"
@@ -266,9 +271,15 @@ def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = N
 
 def _pipeline_class() -> type:
     from vllm_omni.diffusion.data import DiffusionOutput
-    from vllm_omni.diffusion.lora.layers.base_linear import DiffusionBaseLinearLayerWithLoRA
-    from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
-    from vllm_omni.diffusion.models.qwen_image.qwen_image_transformer import ColumnParallelApproxGELU
+    from vllm_omni.diffusion.lora.layers.base_linear import (
+        DiffusionBaseLinearLayerWithLoRA,
+    )
+    from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import (
+        QwenImagePipeline,
+    )
+    from vllm_omni.diffusion.models.qwen_image.qwen_image_transformer import (
+        ColumnParallelApproxGELU,
+    )
 
     return build_pipeline_class(QwenImagePipeline, DiffusionOutput, DiffusionBaseLinearLayerWithLoRA, use_fa3,
                                 ColumnParallelApproxGELU)
@@ -323,7 +334,9 @@ class RolloutWorkerMethods:
 
 
 def _worker_extension_class() -> type:
-    from vllm_omni.diffusion.worker.diffusion_worker import CustomPipelineWorkerExtension
+    from vllm_omni.diffusion.worker.diffusion_worker import (
+        CustomPipelineWorkerExtension,
+    )
 
     return type("RolloutWorkerExtension", (RolloutWorkerMethods, CustomPipelineWorkerExtension), {"__module__": __name__})
 
