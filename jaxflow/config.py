@@ -382,6 +382,7 @@ def train_config(cfg, grid_hw) -> TrainConfig:
                        adv_clip=t.adv_clip, learning_rate=t.learning_rate, weight_decay=t.weight_decay,
                        max_grad_norm=t.max_grad_norm, ema_decay=t.ema_decay or None, old_log_prob=t.old_log_prob,
                        rejection_threshold=t.rejection_threshold, ratio_norm=t.ratio_norm,
+                       rollout_rs=t.rollout_rs, guard_stats=t.guard_stats, guard_clip_range=t.guard_clip_range,
                        off_policy=bool(cfg.rollout.overlap), drop_zero_advantage=t.drop_zero_advantage,
                        shuffle_seed=int(cfg.seed), algorithm=t.algorithm, nft_beta=t.nft.beta,
                        nft_timesteps=nft_timesteps(cfg),

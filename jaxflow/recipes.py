@@ -133,10 +133,17 @@ HELP: dict[str, str] = {
     "train.adam_eps": "AdamW epsilon (flow_grpo's adam_epsilon)",
     "train.old_log_prob": "logp_old: 'recompute' (the trainer's, verl-omni), 'rollout' (the engine's, flow_grpo), "
                           "'rollout_corrected'",
-    "train.rejection_threshold": "t > 1, for 'rollout_corrected': a window step with exp(logp - logp_rollout) "
-                                 "outside [1/t, t] trains nothing",
+    "train.rejection_threshold": "t, for 'rollout_corrected': rollout_rs' bound (token_k1: a window step with "
+                                 "exp(logp - logp_rollout) outside [1/t, t], t > 1, has policy weight 0; default "
+                                 "2.0, verl-omni's band 0.5-2.0)",
+    "train.rollout_rs": "'rollout_corrected': verl's rejection estimator per window step, 'token_k1', 'token_k2' "
+                        "or 'token_k3' (docs/numerics.md)",
     "train.ratio_norm": "'none' (FlowGRPO's ratio) or 'guard' (GRPO-Guard's, arXiv 2510.22319; needs "
                         "old_log_prob='recompute')",
+    "train.guard_stats": "guard: 'sample' (each sample's own step's scale and dt, the paper's per-step "
+                         "normalization) or 'batch' (the micro-batch's means, verl-omni's GRPOGuardLoss)",
+    "train.guard_clip_range": "guard: the clip of its normalized ratio, > 0 (2e-6: flow_grpo's and verl-omni's "
+                              "Guard recipes)",
     "train.num_mini_batches": "optimizer updates per step, each on whole prompt groups; divides "
                               "sample.prompts_per_step",
     "train.num_inner_epochs": "passes over the step's mini-batches, >= 1 (each later one on the rows shuffled anew)",
@@ -232,7 +239,8 @@ def base() -> ml_collections.ConfigDict:
                    clip_range=1e-4, adv_clip=5.0, beta=0.0, global_std=True, max_grad_norm=1.0, weight_decay=1e-4,
                    ema_decay=0.0,
                    adam_b1=0.9, adam_b2=0.999, adam_eps=1e-8,
-                   old_log_prob="recompute", rejection_threshold=1.001, ratio_norm="none",
+                   old_log_prob="recompute", rejection_threshold=2.0, ratio_norm="none",
+                   rollout_rs="token_k1", guard_stats="sample", guard_clip_range=2e-6,
                    num_mini_batches=2, num_inner_epochs=1,
                    # flow_grpo's SD3 trainer drops such samples, its Qwen-Image script does not (docs/design.md)
                    drop_zero_advantage=False,

@@ -48,20 +48,23 @@ class Loss(Protocol):
 
 class Ratio(Protocol):
     """FlowGRPO's ratio: `normalized` gives (new, old, divisor): the clipped objective runs on exp(new - old) and
-    its policy term is divided by divisor (None: not divided); old_means: the recompute pass keeps the SDE means."""
+    its policy term is divided by divisor (None: not divided); `clip_range` the clip it is run with; old_means: the
+    recompute pass keeps the SDE means."""
 
     old_means: bool
 
-    def normalized(self, tr: dict, mean, logp, std, old, log_ratio, sde_type: str): ...
+    def clip_range(self, config) -> float: ...
+
+    def normalized(self, tr: dict, mean, logp, std, old, log_ratio, sde_type: str, stats: str = "sample"): ...
 
 
 class OldLogProb(Protocol):
-    """The source of logp_old: `with_old` puts it into the batch where it is the rollout's; `reject_log_ratio` the
-    rejection bound of rollout correction (None: no rejection)."""
+    """The source of logp_old: `with_old` puts it into the batch where it is the rollout's; `rejection` rollout
+    correction's keep mask, log_ratio (B,) -> bool (B,) (None: no rejection)."""
 
     def with_old(self, batch: dict) -> dict: ...
 
-    def reject_log_ratio(self, config) -> float | None: ...
+    def rejection(self, config): ...
 
 
 class Filter(Protocol):

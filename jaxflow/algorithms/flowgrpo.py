@@ -95,19 +95,20 @@ def window_log_prob(model, tr: dict, *, grid_hw, sde_type: str, guidance: float,
 
 
 def window_step_terms(model, tr: dict, *, grid_hw, sde_type: str, guidance: float, clip_range: float,
-                      adv_clip: float, beta: float, reject_log_ratio: float | None = None,
-                      ratio_norm: str = "none", log_prob=None) -> dict:
+                      adv_clip: float, beta: float, reject=None,
+                      ratio_norm: str = "none", guard_stats: str = "sample", log_prob=None) -> dict:
     """Per-sample terms (B,) of one window step: policy, kl, ratio, log_ratio = logp - logp_old and
     dlogp = logp - logp_rollout.
 
     `tr` holds what `window_log_prob` reads, advantages and rollout_log_prob (B,), and optionally
     old_log_prob (B,); without it, or where the scalar flag old_on_policy is set, logp_old is the trainer's own logp
     under stop_gradient (exactly on-policy: ratio 1). The loss of the step is mean(policy) + beta * mean(kl) (over
-    the kept samples, see `window_loss`). The KL reference is the same model with adapters off (lora_scale 0) under
-    stop_gradient. `reject_log_ratio` (rollout correction): `keep` marks the samples with
-    |logp - logp_rollout| <= it; the others are rejected (no gradient, not counted).
+    all samples, see `window_loss`). The KL reference is the same model with adapters off (lora_scale 0) under
+    stop_gradient. `reject` (rollout correction, `rollout_correction.keep_mask`): `keep` marks the samples it
+    keeps from logp - logp_rollout; the others' policy term is 0 (no gradient; still counted, KL kept).
 
-    ratio_norm: the ratio's name in `RATIOS` ("guard": GRPO-Guard's, `grpo_guard.Guard`).
+    ratio_norm: the ratio's name in `RATIOS` ("guard": GRPO-Guard's, `grpo_guard.Guard`, its scale and dt per
+    sample or per micro-batch by guard_stats).
 
     `log_prob(model, tr, lora_scale=1.0) -> (mean, logp, std)`: another model kind's window log-prob
     (`jaxflow.algorithms.objective`; grid_hw, sde_type and guidance are then its own); default `window_log_prob`.
@@ -119,18 +120,22 @@ def window_step_terms(model, tr: dict, *, grid_hw, sde_type: str, guidance: floa
     if "old_on_policy" in tr:  # a traced flag: this update is on-policy whatever old_log_prob holds
         old = jnp.where(tr["old_on_policy"], jax.lax.stop_gradient(logp), old)
     log_ratio = logp - old
-    new, base, divisor = RATIOS[ratio_norm].normalized(tr, mean, logp, std, old, log_ratio, sde_type)
+    new, base, divisor = RATIOS[ratio_norm].normalized(tr, mean, logp, std, old, log_ratio, sde_type,
+                                                    stats=guard_stats)
     policy, ratio = clipped_objective(new, base, tr["advantages"], clip_range, adv_clip)
     if divisor is not None:
         policy = policy / divisor
+    dlogp = logp - tr["rollout_log_prob"]
+    keep = None if reject is None else jax.lax.stop_gradient(reject(dlogp))
+    if keep is not None:
+        policy = jnp.where(keep, policy, 0.0)
     kl = jnp.zeros_like(policy)
     if beta > 0:
         ref_mean = jax.lax.stop_gradient(log_prob(model, tr, lora_scale=0.0)[0])
         kl = sde.kl_term(mean, ref_mean, std)
-    terms = {"policy": policy, "kl": kl, "ratio": ratio, "log_ratio": log_ratio,
-             "dlogp": logp - tr["rollout_log_prob"]}
-    if reject_log_ratio is not None:
-        terms["keep"] = jax.lax.stop_gradient(jnp.abs(terms["dlogp"]) <= reject_log_ratio)
+    terms = {"policy": policy, "kl": kl, "ratio": ratio, "log_ratio": log_ratio, "dlogp": dlogp}
+    if keep is not None:
+        terms["keep"] = keep
     return terms
 
 
@@ -140,7 +145,10 @@ class PlainRatio(Component):
 
     old_means: bool = False
 
-    def normalized(self, tr, mean, logp, std, old, log_ratio, sde_type):
+    def clip_range(self, config) -> float:
+        return config.clip_range
+
+    def normalized(self, tr, mean, logp, std, old, log_ratio, sde_type, stats="sample"):
         return logp, old, None
 
 
@@ -150,13 +158,9 @@ RATIOS = {r.name: r for r in (PLAIN, grpo_guard.GUARD)}  # train.ratio_norm's ch
 
 
 def window_loss(terms: dict, beta: float):
-    """mean(policy) + beta * mean(kl) over a window step's samples, or over its kept ones (`keep`, rollout
-    correction: the rejected leave the denominator too)."""
-    if "keep" not in terms:
-        return jnp.mean(terms["policy"]) + beta * jnp.mean(terms["kl"])
-    keep = terms["keep"]
-    total = jnp.sum(jnp.where(keep, terms["policy"] + beta * terms["kl"], 0.0))
-    return total / jnp.maximum(jnp.sum(keep), 1)
+    """mean(policy) + beta * mean(kl) over a window step's samples (rollout correction's rejected ones among them,
+    their policy term 0, as verl-omni weights them)."""
+    return jnp.mean(terms["policy"]) + beta * jnp.mean(terms["kl"])
 
 
 def step_metrics(terms: dict, *, clip_range: float, beta: float) -> dict:

@@ -25,8 +25,9 @@ def _window_loss(lora, frozen, step, scale, *, graphdef, config, objective: Obje
     model = nnx.merge(graphdef, lora, frozen)
     terms = flowgrpo.window_step_terms(
         model, step, grid_hw=config.grid_hw, sde_type=config.sde_type, guidance=config.guidance,
-        clip_range=config.clip_range, adv_clip=config.adv_clip, beta=config.beta,
-        reject_log_ratio=config.policy.old_log_prob.reject_log_ratio(config), ratio_norm=config.ratio_norm,
+        clip_range=config.policy.ratio.clip_range(config), adv_clip=config.adv_clip, beta=config.beta,
+        reject=config.policy.old_log_prob.rejection(config), ratio_norm=config.ratio_norm,
+        guard_stats=config.guard_stats,
         log_prob=functools.partial(objective.log_prob, config=config))
     return flowgrpo.window_loss(terms, config.beta) * scale, terms
 
@@ -108,7 +109,7 @@ class FlowGRPO(Component):
             if config.pass_skips_first:  # the pass left mini-batch 0 out: the first update is on-policy
                 mb["old_on_policy"] = index == 0
         grads, terms = accumulate_gradients(graphdef, state.lora, frozen, mb, config, layout, objective)
-        metrics = flowgrpo.step_metrics(terms, clip_range=config.clip_range, beta=config.beta)
+        metrics = flowgrpo.step_metrics(terms, clip_range=config.policy.ratio.clip_range(config), beta=config.beta)
         return grads, metrics, config.policy.filter.runs(terms, metrics)
 
     def rules(self, config, policy):

@@ -168,7 +168,7 @@ class DiffusionNFT(Component):
             ("guidance", config.guidance != 1, "NFT trains and samples a CFG-free policy: 1"),
             ("sde_type", config.sde_type not in ("sde", "cps", "ode"),
              "choose 'ode' (DiffusionNFT's deterministic rollout), 'sde' or 'cps'"),
-            ("old_log_prob", policy.old_log_prob.reject_log_ratio(config) is not None,
+            ("old_log_prob", policy.old_log_prob.rejection(config) is not None,
              "corrects log-probs; NFT has none: 'rollout'"),
             ("ratio_norm", policy.ratio.name != "none", "is a FlowGRPO ratio; NFT has none: 'none'"),
             ("drop_zero_advantage", policy.filter.compacts, "a zero advantage still trains in NFT (r = 1/2): False"),

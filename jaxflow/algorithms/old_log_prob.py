@@ -26,7 +26,7 @@ class Source(Component):
     def with_old(self, batch: dict) -> dict:
         return {**batch, "old_log_probs": batch["log_probs"]} if self.from_rollout else batch
 
-    def reject_log_ratio(self, config) -> float | None:
+    def rejection(self, config):
         return None
 
 

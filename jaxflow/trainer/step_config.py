@@ -36,9 +36,13 @@ class TrainConfig:
     ema_decay: float | None = None  # EMA of the LoRA params; None = off
     old_log_prob: str = "rollout"   # "recompute": logp_old from the trainer; "rollout_corrected": see below
     # old_log_prob="rollout_corrected" (verl's rollout-correction bypass mode with rejection): logp_old is the
-    # rollout's and a sample's window step is rejected when exp(logp - logp_rollout) leaves [1/t, t], t = this
-    rejection_threshold: float = 1.001
+    # rollout's and a sample's window step is rejected by verl's estimator rollout_rs at threshold t = this
+    # (token_k1: exp(logp - logp_rollout) outside [1/t, t]; jaxflow.algorithms.rollout_correction)
+    rejection_threshold: float = 2.0
+    rollout_rs: str = "token_k1"
     ratio_norm: str = "none"        # "guard": GRPO-Guard's normalized ratio (jaxflow.algorithms.grpo_guard)
+    guard_stats: str = "sample"     # guard: each sample's own step's scale and dt, or "batch": the micro-batch's
+    guard_clip_range: float = 2e-6  # guard: the clip of its normalized ratio (both references' recipes)
     off_policy: bool = False        # batches may come from the previous policy (rollout.overlap): see `__call__`
     drop_zero_advantage: bool = False  # skip micro-batches whose advantages are all 0 (algorithms.zero_advantage)
     shuffle_seed: int = 0           # the rows' shuffle between inner epochs; with "nft" also its timesteps and noise
@@ -72,8 +76,6 @@ class TrainConfig:
             ("num_micro_batches", self.num_micro_batches < 1, "must be >= 1"),
             ("num_mini_batches", self.num_mini_batches < 1, "must be >= 1"),
             ("num_inner_epochs", self.num_inner_epochs < 1, "must be >= 1"),
-            ("rejection_threshold", not self.rejection_threshold > 1,
-             "must be > 1 (samples whose exp(logp - logp_rollout) leaves [1/t, t] are rejected)"),
             ("adam_b1", not 0 <= self.adam_b1 < 1, "must be in [0, 1)"),
             ("adam_b2", not 0 <= self.adam_b2 < 1, "must be in [0, 1): adam_b2 < 1"),
             ("adam_eps", not self.adam_eps > 0, "must be > 0"),
