@@ -10,8 +10,8 @@ import torch
 
 from jaxflow_bridge.contract import lora_shm
 from jaxflow_bridge.contract.lora import lora_pairs, to_vllm_omni
-from jaxflow_bridge.engines.vllm_omni import lora as vol
-from jaxflow_bridge.rollout.lora.binding import slot_plan
+from jaxflow_bridge.sync import vllm_omni_slots as vol
+from jaxflow_bridge.sync.binding import slot_plan
 from tests.helpers import RANK, random_peft, run, tiny_config
 from tests.helpers_vllm_omni import FakeFusedTransformer, FakeManager
 

@@ -23,12 +23,12 @@ from jaxflow_bridge.contract.lora_shm import SharedAdapterFile
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.random_models import tiny, tiny_bagel
 from jaxflow_bridge.engines.vllm_omni import bagel_pipeline as vob
-from jaxflow_bridge.engines.vllm_omni import lora as vol
+from jaxflow_bridge.sync import vllm_omni_slots as vol
 from jaxflow_bridge.engines.vllm_omni import pipeline as vop
 from jaxflow_bridge.families.bagel.sampling import BagelSamplingParams
 from jaxflow_bridge.engines.bagel_torch import BagelTorchEngine
 from jaxflow_bridge.engines.vllm_omni.engine import VllmOmniEngine
-from jaxflow_bridge.rollout.lora.binding import bind_lora_modules
+from jaxflow_bridge.sync.binding import bind_lora_modules
 from jaxflow_bridge.rollout.pipeline import stored_fingerprint
 from jaxflow_bridge.engines.vllm_omni.kinds import BAGEL_DEPLOY_FILE, Bagel, QwenImage, model_kind
 from tests.helpers import ROOT

@@ -118,7 +118,7 @@ class Driver:
                   **family.engine_config(self.cfg)}
         if r.compile:
             engine["compile"] = True
-        if config_lib.merged_lora(self.cfg):  # into the engine's base weights (jaxflow_bridge/rollout/lora/merge.py)
+        if config_lib.merged_lora(self.cfg):  # into the engine's base weights (jaxflow_bridge/sync/merge.py)
             engine["lora_apply"] = "merged"
         if r.share_weights:  # the engine serves the trainer's own arrays (jaxflow/sync/base_share.py)
             engine["base_weights"] = "shared"
