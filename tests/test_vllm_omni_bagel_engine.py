@@ -403,3 +403,24 @@ def test_the_config_takes_bagels_deploy_on_vllm_omni_alone(change, needle):
     with pytest.raises(UserError) as err:
         config_lib.validate(cfg)
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_failed_in_place_write_is_an_error_and_never_switches_to_folders(folder, bagel_torch, tmp_path, monkeypatch,
+                                                                          caplog):
+    """The workers' in-place write failing (the slots not where this vLLM-Omni keeps them) fails the update with one
+    logged line naming the engine and version; the next update goes in place again (it once switched to folders for
+    good, silently but for one warning)."""
+    import logging
+
+    engine, omni = start(monkeypatch, tmp_path, bagel_torch)
+    engine.update_lora(adapter(folder, 1), 1, CONFIG)
+    shared = SharedAdapterFile("bfloat16", root=tmp_path)
+    failing = lambda *args: (_ for _ in ()).throw(RuntimeError("no wrapped layer"))  # noqa: E731
+    with monkeypatch.context() as m, caplog.at_level(logging.ERROR):
+        m.setattr(vop, "write_lora_slots", failing)
+        with pytest.raises(RuntimeError, match=r"^vllm_omni engine: in-place LoRA write of version 2 failed"):
+            engine.update_lora_shared(shared.write_arrays(adapter(folder, 2, prefix="")), 2, CONFIG)
+    assert [r.getMessage() for r in caplog.records if "in-place" in r.getMessage()][0].startswith("vllm_omni engine")
+    assert engine.info()["policy_version"] == 1 and len(omni.started[0].loaded) == 1  # no folder loaded instead
+    reply = engine.update_lora_shared(shared.write_arrays(adapter(folder, 3, prefix="")), 3, CONFIG)
+    assert "seconds" in reply and len(omni.started[0].loaded) == 1  # in place again

@@ -18,7 +18,11 @@ import torch
 
 from jaxflow_bridge.rollout.engine import RolloutEngine
 from jaxflow_bridge.rollout.pipeline import RolloutPipeline
-from jaxflow_bridge.rollout.sampling import SamplingLoop, SamplingParams, cfg_forward_choice
+from jaxflow_bridge.rollout.sampling import (
+    SamplingLoop,
+    SamplingParams,
+    cfg_forward_choice,
+)
 
 
 class DiffusersEngine(RolloutEngine):

@@ -11,12 +11,16 @@ from pathlib import Path
 
 import torch
 
+from jaxflow_bridge.contract.lora import read_peft
+from jaxflow_bridge.contract.lora_payload import LoRAPayload
 from jaxflow_bridge.rollout.engine import policy_version
 from jaxflow_bridge.rollout.random_init import random_transformer
 from jaxflow_bridge.rollout.sampling import Fp32Timestep, SamplingLoop
-from jaxflow_bridge.rollout.shared_weights import empty_transformer, share_parameters, waiting_for_weights
-from jaxflow_bridge.contract.lora import read_peft
-from jaxflow_bridge.contract.lora_payload import LoRAPayload
+from jaxflow_bridge.rollout.shared_weights import (
+    empty_transformer,
+    share_parameters,
+    waiting_for_weights,
+)
 from jaxflow_bridge.sync.sinks import make_sink
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
