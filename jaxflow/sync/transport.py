@@ -1,5 +1,5 @@
 """How each LoRA version travels to the rollout engines: one transport, chosen once at start from the placement and
-logged once (with the engines' apply mode), never switched at sync time.
+printed once (with the engines' apply mode), never switched at sync time.
 
 - "device": the engine in the trainer's process on a device JAX addresses: DLPack views (`lora_sync`);
 - "shm": engines on this host: one shared-memory file (`lora_sync.SharedLoRA`), only its manifest crosses Ray;
@@ -36,8 +36,9 @@ class LoRASync:
         self.engine, self.failures = info["engine"], 0
         self.target = device_target(info) if transport == "device" else None
         self.shared = SharedLoRA(spec, info["dtype"]) if transport == "shm" else None
-        log.info("LoRA sync: transport=%s, apply=%s, engine=%s", transport, info.get("lora_apply", "layers"),
-                 self.engine)
+        # one line at start on process 0, beside the start-up lines (warnings-only logging would hide it)
+        print(f"LoRA sync: transport={transport}, apply={info.get('lora_apply', 'layers')}, engine={self.engine}",
+              flush=True)
 
     def serve(self, lora, version: int) -> int:
         """The rollout serves `lora` as policy `version`; the bound-module count. Through shared memory the
