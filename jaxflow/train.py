@@ -163,7 +163,7 @@ class Trainer:
             experience, metrics, bound, freed = self._train_one(step)
         metrics.update({f"time/{k}": v for k, v in seconds.items()})
         if experience is not None:
-            metrics.update(experience.metrics(bound, seconds["step"], freed))
+            metrics.update(experience.metrics(bound, seconds["step"], freed), sync_failures=self.driver.sync_failures)
         return metrics
 
     def _train_one(self, step: int):

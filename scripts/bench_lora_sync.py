@@ -33,7 +33,7 @@ from jaxflow.models.transformer import QwenImageTransformer  # noqa: E402
 from jaxflow_bench.cli import bench_parser  # noqa: E402
 from jaxflow_bench.results import write_result  # noqa: E402
 from jaxflow_bench.workload import FULL, TINY  # noqa: E402
-from jaxflow_bridge.rollout.lora.apply import ADAPTER_NAME, LoraApplier  # noqa: E402
+from jaxflow_bridge.sync.layers import ADAPTER_NAME, LoraApplier  # noqa: E402
 
 
 def random_lora(cfg: QwenImageConfig, spec: LoRASpec) -> nnx.State:

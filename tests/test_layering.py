@@ -33,10 +33,15 @@ def test_bridge_imports_no_jax_and_no_trainer(path):
 
 
 BRIDGE = ROOT / "jaxflow_bridge"
-# The torch side's folders, bottom up: contract, rollout/kernels, rollout, families, random_models, engines. Each
+# The torch side's folders, bottom up: contract, rollout/kernels, sync, rollout, families, random_models, engines. Each
 # folder's forbidden imports: the folders above it.
 ABOVE = {
     "rollout/kernels": ("jaxflow_bridge",),  # torch ops alone
+    # LoRA sync's sinks: on contract, rollout/kernels and the numpy<->torch handoff (rollout/tensors) only
+    "sync": ("jaxflow_bridge.engines", "jaxflow_bridge.families", "jaxflow_bridge.random_models",
+             "jaxflow_bridge.rewards", "jaxflow_bridge.rollout.engine", "jaxflow_bridge.rollout.pipeline",
+             "jaxflow_bridge.rollout.sampling", "jaxflow_bridge.rollout.server", "jaxflow_bridge.rollout.sde",
+             "jaxflow_bridge.rollout.shared_weights", "jaxflow_bridge.rollout.random_init"),
     "rollout": ("jaxflow_bridge.engines", "jaxflow_bridge.families", "jaxflow_bridge.random_models"),
     "families": ("jaxflow_bridge.engines", "jaxflow_bridge.random_models"),
     "random_models": ("jaxflow_bridge.engines",),
@@ -129,3 +134,12 @@ def test_generic_trainer_modules_name_no_family(path):
 def test_the_family_word_checker_sees_a_name():
     assert family_words("from jaxflow.families.bagel import x  # Qwen-Image's, BAGEL's") == {"bagel", "qwen"}
     assert family_words("cfg.rollout.bagel_deploy, 'qwen_image', bagel_keymap") == set()
+
+
+@pytest.mark.parametrize("path", sorted(p for p in (ROOT / "jaxflow").rglob("*.py") if ROOT / "jaxflow" / "sync" not in p.parents),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_jax_side_reaches_torch_only_through_sync(path):
+    """jaxflow/sync/ is where JAX meets torch (DLPack views, the shared file's page-locked copy); nothing else in
+    jaxflow/ imports torch or the torch side's sinks."""
+    bad = {m for m in imported_modules(path) if m.split(".")[0] == "torch" or under(m, ("jaxflow_bridge.sync",))}
+    assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}: go through jaxflow/sync/"

@@ -1,4 +1,4 @@
-"""The rollout's LoRA merged into the base weights (jaxflow_bridge/rollout/lora/merge.py, vLLM-Omni's
+"""The rollout's LoRA merged into the base weights (jaxflow_bridge/sync/merge.py, vLLM-Omni's
 lora_apply="merged"): the merge is base + scale * B @ A rounded once, every merge starts from the pristine base
 (bit for bit), a refused adapter leaves the previous one served, and a rollout on merged weights equals one with the
 adapter applied as LoRA layers; the driver releases the adapter while the learner trains."""
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from jaxflow_bridge.contract import lora_shm
-from jaxflow_bridge.engines.vllm_omni import lora as vol
+from jaxflow_bridge.sync import vllm_omni_slots as vol
 from jaxflow_bridge.engines.vllm_omni import pipeline as vop
-from jaxflow_bridge.rollout.lora.binding import slot_plan
-from jaxflow_bridge.rollout.lora.merge import MergedLoRA, plan_targets
+from jaxflow_bridge.sync.binding import slot_plan
+from jaxflow_bridge.sync.merge import MergedLoRA, plan_targets
 from jaxflow_bridge.rollout.pipeline import RolloutPipeline
 from tests.helpers import RANK, make_adapter, random_peft
 from tests.helpers_vllm_omni import SAMPLING, SEEDS, FakeFusedTransformer, FakeOmniQwenImagePipeline, omni_params

@@ -10,8 +10,8 @@ import torch
 
 from jaxflow_bridge.contract import lora_shm
 from jaxflow_bridge.contract.lora import lora_pairs, to_vllm_omni
-from jaxflow_bridge.engines.vllm_omni import lora as vol
-from jaxflow_bridge.rollout.lora.binding import slot_plan
+from jaxflow_bridge.sync import vllm_omni_slots as vol
+from jaxflow_bridge.sync.binding import slot_plan
 from tests.helpers import RANK, random_peft, run, tiny_config
 from tests.helpers_vllm_omni import FakeFusedTransformer, FakeManager
 
@@ -147,39 +147,60 @@ def jax_tree_perturb(state):
     return jax.tree.unflatten(treedef, [jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
 
 
-def test_driver_falls_back_to_arrays_when_the_file_is_on_another_host(monkeypatch):
-    """A server that cannot read the file (FileNotFoundError, as from another host): the driver sends the arrays
-    through Ray from then on, and says so once."""
-    from jaxflow.run.driver import Driver
+def test_the_transport_is_chosen_once_from_the_hosts_and_a_failed_sync_never_switches_it(monkeypatch, caplog, capsys):
+    """Engines on this host get the shared file, others arrays, an in-process engine device tensors; the choice is
+    logged once. A server that cannot read the file fails the sync: each failure is logged and counted, the sync is
+    retried once through the same transport, then the run stops with one line naming engine, transport and version
+    (it once switched to arrays for good, silently but for one warning)."""
+    import logging
+    import socket
+
+    from jaxflow.sync import transport
+
+    here = {"engine": "diffusers", "dtype": "bfloat16", "host": socket.gethostname()}
+    assert transport.choose_transport(False, 1, [here, here]) == "shm"
+    assert transport.choose_transport(False, 1, [here, {**here, "host": "elsewhere"}]) == "ray"
+    assert transport.choose_transport(True, 1, [{**here, "device": "cpu"}]) == "device"
+    assert transport.choose_transport(True, 2, [{**here, "device": "cpu"}]) == "ray"
 
     calls = []
 
     class Rollout:
+        last_ack = {}
+        fail = 0
+
         def update_lora_shared(self, manifest, version, config):
             calls.append("shared")
-            raise FileNotFoundError("shared LoRA file /dev/shm/x is not on this host")
+            if Rollout.fail:
+                Rollout.fail -= 1
+                raise FileNotFoundError("shared LoRA file /dev/shm/x is not on this host")
+            return 7
 
         def update_lora(self, tensors, version, config):
             calls.append("arrays")
-            return len(tensors) // 2
-
-        last_ack = {}
+            return 7
 
     class Shared:
-        closed = False
+        def __init__(self, spec, dtype):
+            pass
 
         def write(self, lora):
             return {}
 
-        def close(self):
-            Shared.closed = True
-
-    driver = Driver.__new__(Driver)
-    driver.rollout, driver.shared, driver.sync_target = Rollout(), Shared(), None
-    driver.spec = SimpleNamespace(peft_config=lambda: {"r": 4, "lora_alpha": 8})
-    monkeypatch.setattr("jaxflow.run.driver.lora_to_peft", lambda lora, spec: {"a.lora_A.weight": 1, "a.lora_B.weight": 2})
-    assert driver.serve(None, 1) == 1 and driver.serve(None, 2) == 1
-    assert calls == ["shared", "arrays", "arrays"] and Shared.closed and driver.shared is None
+    monkeypatch.setattr(transport, "SharedLoRA", Shared)
+    spec = SimpleNamespace(peft_config=lambda: {"r": 4, "lora_alpha": 8})
+    with caplog.at_level(logging.INFO, logger=transport.__name__):
+        sync = transport.LoRASync(Rollout(), spec, "shm", here)
+        assert sync.serve(None, 1) == 7 and sync.failures == 0
+        Rollout.fail = 1
+        assert sync.serve(None, 2) == 7 and sync.failures == 1  # retried once, same transport
+        Rollout.fail = 2
+        with pytest.raises(RuntimeError, match=r"^LoRA sync of version 3 to the diffusers engine through shm failed "
+                                               r"again: FileNotFoundError: shared LoRA file"):
+            sync.serve(None, 3)
+    assert calls == ["shared"] * 5 and sync.failures == 3
+    assert capsys.readouterr().out == "LoRA sync: transport=shm, apply=layers, engine=diffusers\n"
+    assert len([r for r in caplog.records if "failed" in r.getMessage()]) == 3
 
 
 @pytest.mark.slow

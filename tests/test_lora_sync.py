@@ -11,7 +11,7 @@ from jaxflow.sync.lora_sync import DeviceTarget, device_peft_tensors, device_tar
 from jaxflow.models.loading import load_transformer
 from jaxflow.models.lora import LoRAParam, LoRASpec, lora_to_peft
 from jaxflow.run.rollout_client import LocalTransport, RolloutGroup
-from jaxflow_bridge.rollout.lora.apply import ADAPTER_NAME
+from jaxflow_bridge.sync.layers import ADAPTER_NAME
 
 SPEC = LoRASpec(rank=4, alpha=8.0)
 

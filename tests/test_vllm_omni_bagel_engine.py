@@ -23,12 +23,12 @@ from jaxflow_bridge.contract.lora_shm import SharedAdapterFile
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.random_models import tiny, tiny_bagel
 from jaxflow_bridge.engines.vllm_omni import bagel_pipeline as vob
-from jaxflow_bridge.engines.vllm_omni import lora as vol
+from jaxflow_bridge.sync import vllm_omni_slots as vol
 from jaxflow_bridge.engines.vllm_omni import pipeline as vop
 from jaxflow_bridge.families.bagel.sampling import BagelSamplingParams
 from jaxflow_bridge.engines.bagel_torch import BagelTorchEngine
 from jaxflow_bridge.engines.vllm_omni.engine import VllmOmniEngine
-from jaxflow_bridge.rollout.lora.binding import bind_lora_modules
+from jaxflow_bridge.sync.binding import bind_lora_modules
 from jaxflow_bridge.rollout.pipeline import stored_fingerprint
 from jaxflow_bridge.engines.vllm_omni.kinds import BAGEL_DEPLOY_FILE, Bagel, QwenImage, model_kind
 from tests.helpers import ROOT
@@ -403,3 +403,24 @@ def test_the_config_takes_bagels_deploy_on_vllm_omni_alone(change, needle):
     with pytest.raises(UserError) as err:
         config_lib.validate(cfg)
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_failed_in_place_write_is_an_error_and_never_switches_to_folders(folder, bagel_torch, tmp_path, monkeypatch,
+                                                                          caplog):
+    """The workers' in-place write failing (the slots not where this vLLM-Omni keeps them) fails the update with one
+    logged line naming the engine and version; the next update goes in place again (it once switched to folders for
+    good, silently but for one warning)."""
+    import logging
+
+    engine, omni = start(monkeypatch, tmp_path, bagel_torch)
+    engine.update_lora(adapter(folder, 1), 1, CONFIG)
+    shared = SharedAdapterFile("bfloat16", root=tmp_path)
+    failing = lambda *args: (_ for _ in ()).throw(RuntimeError("no wrapped layer"))  # noqa: E731
+    with monkeypatch.context() as m, caplog.at_level(logging.ERROR):
+        m.setattr(vop, "write_lora_slots", failing)
+        with pytest.raises(RuntimeError, match=r"^vllm_omni engine: in-place LoRA write of version 2 failed"):
+            engine.update_lora_shared(shared.write_arrays(adapter(folder, 2, prefix="")), 2, CONFIG)
+    assert [r.getMessage() for r in caplog.records if "in-place" in r.getMessage()][0].startswith("vllm_omni engine")
+    assert engine.info()["policy_version"] == 1 and len(omni.started[0].loaded) == 1  # no folder loaded instead
+    reply = engine.update_lora_shared(shared.write_arrays(adapter(folder, 3, prefix="")), 3, CONFIG)
+    assert "seconds" in reply and len(omni.started[0].loaded) == 1  # in place again

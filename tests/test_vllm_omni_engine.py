@@ -9,10 +9,10 @@ import torch
 
 from jaxflow_bridge.contract.lora import lora_pairs, to_vllm_omni
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
-from jaxflow_bridge.engines.vllm_omni import lora as vol
+from jaxflow_bridge.sync import vllm_omni_slots as vol
 from jaxflow_bridge.engines.vllm_omni import pipeline as vop
 from jaxflow_bridge.engines.vllm_omni.engine import INSTALL_HINT, ack_errors
-from jaxflow_bridge.rollout.lora.binding import check_lora_binding
+from jaxflow_bridge.sync.binding import check_lora_binding
 from jaxflow_bridge.rollout.pipeline import RolloutPipeline, stored_fingerprint
 from jaxflow_bridge.rollout.server import engine_class
 from tests.helpers import LAYERS, MLP, RANK, D, random_peft

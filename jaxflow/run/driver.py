@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,16 +17,14 @@ from jaxflow.trainer import phases
 from jaxflow.sync.base_share import torch_base_weights
 from jaxflow.run.data import GroupSampler, load_prompts
 from jaxflow.algorithms.advantages import compute_advantages
-from jaxflow.sync.lora_sync import SharedLoRA, device_peft_tensors, device_target
+from jaxflow.sync.transport import LoRASync, choose_transport
 from jaxflow.run.metrics_log import image_grid
 from jaxflow.trainer.minibatches import compact_zero_advantage, order_minibatches
-from jaxflow.models.lora import lora_to_peft
 from jaxflow.run.rollout_client import LocalTransport, RayTransport, RolloutGroup, init_ray
 from jaxflow.trainer.train_batch import TrainBatch
 from jaxflow_bridge.contract.trajectory import TextLengthError, TrajectoryBatch
 from jaxflow_bridge.rewards import RewardPool, build_reward
 
-log = logging.getLogger(__name__)
 
 
 def sample_seeds(seed: int, step: int, count: int) -> np.ndarray:
@@ -104,7 +101,7 @@ class Driver:
         except FileNotFoundError as exc:  # a reward model's checkpoint folder lacks files: the message names them
             raise config_lib.UserError(str(exc)) from None
         self.pool = RewardPool(reward, cfg.reward.workers)
-        self.rollout = self.sync_target = self.shared = None
+        self.rollout = self.lora_sync = None
         self._executor = self._prefetched = None  # rollout.overlap: the thread and (step, future) of a prefetch
 
     def start_rollout(self, model, processes: int) -> None:
@@ -118,7 +115,7 @@ class Driver:
                   **family.engine_config(self.cfg)}
         if r.compile:
             engine["compile"] = True
-        if config_lib.merged_lora(self.cfg):  # into the engine's base weights (jaxflow_bridge/rollout/lora/merge.py)
+        if config_lib.merged_lora(self.cfg):  # into the engine's base weights (jaxflow_bridge/sync/merge.py)
             engine["lora_apply"] = "merged"
         if r.share_weights:  # the engine serves the trainer's own arrays (jaxflow/sync/base_share.py)
             engine["base_weights"] = "shared"
@@ -134,32 +131,17 @@ class Driver:
             if info["fingerprint"] != mine:
                 raise RuntimeError(f"rollout base weights ({info.get('model')}) differ from the trainer's "
                                    f"({self.folder}): fingerprint {info['fingerprint'][:12]} != {mine[:12]}")
-        if in_process and processes == 1:  # the LoRA goes to the engine as device tensors (lora_sync)
-            self.sync_target = device_target(infos[0])
-        elif not in_process:  # actors on this host read it from shared memory; others get arrays (serve)
-            self.shared = SharedLoRA(self.spec, infos[0]["dtype"])
+        self.lora_sync = LoRASync(self.rollout, self.spec, choose_transport(in_process, processes, infos), infos[0])
 
     def serve(self, lora, version: int) -> int:
         """The rollout serves `lora` (the train state's whole LoRA) as policy `version`; returns the bound-module
-        count. Device tensors through DLPack in process, host arrays otherwise (jaxflow/sync/lora_sync.py). Through
-        shared memory its phases are sync_write (the trainer's) and sync_engine (the engine's, from its ack)."""
-        if self.shared is not None:
-            try:
-                with phases.phase("sync_write"):
-                    manifest = self.shared.write(lora)
-                bound = self.rollout.update_lora_shared(manifest, version, self.spec.peft_config())
-                if "seconds" in self.rollout.last_ack:
-                    phases.add("sync_engine", self.rollout.last_ack["seconds"])
-                return bound
-            except FileNotFoundError as exc:  # a server on another host: arrays through Ray from now on
-                log.warning("LoRA sync through shared memory failed (%s): sending the arrays through Ray", exc)
-                self.shared.close()
-                self.shared = None
-        if self.sync_target is not None:
-            tensors = device_peft_tensors(lora, self.spec, self.sync_target)
-        else:
-            tensors = lora_to_peft(lora, self.spec)
-        return self.rollout.update_lora(tensors, version, self.spec.peft_config())
+        count (jaxflow/sync/transport.py: the transport chosen at start, failures counted)."""
+        return self.lora_sync.serve(lora, version)
+
+    @property
+    def sync_failures(self) -> int:
+        """LoRA syncs that failed so far (each logged)."""
+        return self.lora_sync.failures if self.lora_sync is not None else 0
 
     def _rollout(self, step: int, version: int):
         s = self.cfg.sample
@@ -246,7 +228,7 @@ class Driver:
         if self._executor is not None:  # a prefetch still running is abandoned with its actors
             self._executor.shutdown(wait=False, cancel_futures=True)
         self.pool.close()
-        if self.shared is not None:
-            self.shared.close()
+        if self.lora_sync is not None:
+            self.lora_sync.close()
         if self.rollout is not None:
             self.rollout.close()

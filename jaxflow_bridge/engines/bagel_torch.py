@@ -30,7 +30,7 @@ from jaxflow_bridge.families.bagel.sampling import (PIXELS_PER_TOKEN, BagelSampl
 from jaxflow_bridge.families.bagel.think import TextHead, Thinker
 from jaxflow_bridge.families.bagel.vae import BagelDecoder
 from jaxflow_bridge.rollout.engine import RolloutEngine, policy_version
-from jaxflow_bridge.rollout.lora.apply import LoraApplier
+from jaxflow_bridge.sync.layers import LoraApplier
 from jaxflow_bridge.rollout.pipeline import weights_fingerprint
 from jaxflow_bridge.rollout.random_init import torch_weight
 from jaxflow_bridge.random_models.tiny_bagel import bagel_torch_fields

@@ -7,7 +7,8 @@ tiny random pipeline), `dtype` ("bfloat16" default, or "float32"), `device` (def
 transformer's repeated block once with torch.compile, dynamic shapes; inductor fuses the eager elementwise kernels),
 `cfg_forward` ("batched" or "split": true CFG's rows in one forward or two, `jaxflow_bridge.rollout.sampling`),
 `base_weights` ("own", default, or "shared": the transformer's weights come from `share_base_weights`, torch
-tensors of the trainer's in the same process, not copied; `jaxflow_bridge/rollout/shared_weights.py`).
+tensors of the trainer's in the same process, not copied; `jaxflow_bridge/rollout/shared_weights.py`), `lora_apply`
+("layers", default; "merged" into the base weights; "folder": loaded from a PEFT folder; `jaxflow_bridge/sync/sinks.py`).
 Everything crossing the engine boundary is numpy or plain Python, but the shared weights (in process only).
 """
 
@@ -17,14 +18,19 @@ import torch
 
 from jaxflow_bridge.rollout.engine import RolloutEngine
 from jaxflow_bridge.rollout.pipeline import RolloutPipeline
-from jaxflow_bridge.rollout.sampling import SamplingLoop, SamplingParams, cfg_forward_choice
+from jaxflow_bridge.rollout.sampling import (
+    SamplingLoop,
+    SamplingParams,
+    cfg_forward_choice,
+)
 
 
 class DiffusersEngine(RolloutEngine):
     """The `RolloutEngine` interface over one `RolloutPipeline`."""
 
     name = "diffusers"
-    config_keys = ("engine", "model", "dtype", "device", "random_seed", "compile", "cfg_forward", "base_weights")
+    config_keys = ("engine", "model", "dtype", "device", "random_seed", "compile", "cfg_forward", "base_weights",
+                   "lora_apply")
 
     def __init__(self, config: dict):
         self.check_config(config)
@@ -40,7 +46,8 @@ class DiffusersEngine(RolloutEngine):
                              "weights are the trainer's)")
         self.pipeline = RolloutPipeline.from_pretrained(model, config.get("dtype", "bfloat16"), config.get("device"),
                                                         random_seed=config.get("random_seed"),
-                                                        shared_base=base == "shared")
+                                                        shared_base=base == "shared",
+                                                        lora_apply=config.get("lora_apply", "layers"))
         self.shared_base = base == "shared"
         self.pipeline.cfg_forward = cfg_forward
         self.device = self.pipeline.device
@@ -65,12 +72,17 @@ class DiffusersEngine(RolloutEngine):
         """TrajectoryBatch.to_dict() of B = len(prompts) * n samples (see RolloutPipeline.generate)."""
         params = SamplingParams.from_dict(sampling)
         self.check_awake()
+        self.pipeline.lora.check_serving()
         return self.pipeline.generate(prompts, n, params, seeds).to_dict()
 
     def update_lora(self, tensors, version: int, adapter_config: dict | None = None) -> dict:
         """{"version", "bound_modules"}; atomic: a refused adapter leaves the previous one serving."""
         self.check_awake()
         return self.pipeline.update_lora(tensors, version, adapter_config)
+
+    def release_adapter(self) -> None:
+        """lora_apply="merged": start restoring the bare base weights (sampling waits for the next update)."""
+        self.pipeline.lora.release()
 
     def sleep(self) -> int:
         """Move the text encoder, VAE and transformer (LoRA included) to CPU; returns the GPU bytes freed (a no-op
@@ -96,4 +108,4 @@ class DiffusersEngine(RolloutEngine):
         return {"engine": self.name, "device": str(self.device), "dtype": str(p.dtype).removeprefix("torch."),
                 "policy_version": p.policy_version, "model": p.model_path, "fingerprint": p.fingerprint,
                 "size_multiple": p.size_multiple, "lora_modules": p.lora.bound_modules(), "asleep": self.asleep,
-                "base_weights": "shared" if self.shared_base else "own"}
+                "base_weights": "shared" if self.shared_base else "own", "lora_apply": p.lora.mode}

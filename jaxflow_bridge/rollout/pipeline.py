@@ -11,11 +11,17 @@ from pathlib import Path
 
 import torch
 
+from jaxflow_bridge.contract.lora import read_peft
+from jaxflow_bridge.contract.lora_payload import LoRAPayload
 from jaxflow_bridge.rollout.engine import policy_version
-from jaxflow_bridge.rollout.lora.apply import LoraApplier
 from jaxflow_bridge.rollout.random_init import random_transformer
 from jaxflow_bridge.rollout.sampling import Fp32Timestep, SamplingLoop
-from jaxflow_bridge.rollout.shared_weights import empty_transformer, share_parameters, waiting_for_weights
+from jaxflow_bridge.rollout.shared_weights import (
+    empty_transformer,
+    share_parameters,
+    waiting_for_weights,
+)
+from jaxflow_bridge.sync.sinks import make_sink
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 FINGERPRINT_ELEMENTS = 4096
@@ -87,7 +93,8 @@ class RolloutPipeline(SamplingLoop):
     """Qwen-Image sampling with trajectories, on the components of a diffusers `QwenImagePipeline` (it takes them:
     the text encoder keeps only its text tower, `text_tower`)."""
 
-    def __init__(self, pipe, device: str | torch.device = "cpu", model_path: str | None = None):
+    def __init__(self, pipe, device: str | torch.device = "cpu", model_path: str | None = None,
+                 lora_apply: str = "layers"):
         self.tokenizer, self.text_encoder, self.vae = pipe.tokenizer, text_tower(pipe.text_encoder), pipe.vae
         self.transformer = pipe.transformer
         self.scheduler_config = dict(pipe.scheduler.config)
@@ -101,12 +108,13 @@ class RolloutPipeline(SamplingLoop):
         self.fingerprint = (None if waiting_for_weights(self.transformer) else
                             weights_fingerprint(self.transformer.state_dict().items()))
         self.fp32_timestep = Fp32Timestep(self.transformer)
-        self.lora = LoraApplier(self.transformer)
-        self.policy_version = 0
+        self.lora = make_sink(lora_apply, self.transformer)  # jaxflow_bridge/sync/sinks.py
+        self.lora_config, self.policy_version = None, 0
 
     @classmethod
     def from_pretrained(cls, path, dtype: str = "bfloat16", device: str | None = None,
-                        random_seed: int | None = None, shared_base: bool = False) -> RolloutPipeline:
+                        random_seed: int | None = None, shared_base: bool = False,
+                        lora_apply: str = "layers") -> RolloutPipeline:
         """Load a diffusers Qwen-Image folder (local only) in `dtype` onto `device` (default: cuda if available).
         With `random_seed`, the transformer's weights are not read: they are drawn on `device` by the shared spec
         (`jaxflow_bridge/contract/random_weights.py`), so the folder needs only `transformer/config.json`. With
@@ -122,7 +130,7 @@ class RolloutPipeline(SamplingLoop):
             parts["transformer"] = (empty_transformer(config, DTYPES[dtype]) if shared_base else
                                     random_transformer(config, int(random_seed), DTYPES[dtype], device))
         pipe = QwenImagePipeline.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True, **parts)
-        return cls(pipe, device, str(Path(path)))
+        return cls(pipe, device, str(Path(path)), lora_apply)
 
     @property
     def modules(self) -> tuple[torch.nn.Module, ...]:
@@ -153,8 +161,17 @@ class RolloutPipeline(SamplingLoop):
     # ------------------------------------------------------------------------------------------ LoRA
 
     def update_lora(self, tensors, version: int, adapter_config: dict | None = None) -> dict:
-        """Serve a PEFT LoRA adapter (dict or path) as policy `version`; atomic (see lora_apply)."""
-        version = policy_version(version)
-        bound = self.lora.apply(tensors, adapter_config)
-        self.policy_version = version
+        """Serve a PEFT LoRA adapter (dict or path; adapter_config defaults to the folder's, then the previous
+        one's) as policy `version`; atomic (see jaxflow_bridge/sync/sinks.py)."""
+        if isinstance(tensors, (str, Path)):
+            tensors, file_config = read_peft(tensors)
+            adapter_config = adapter_config or file_config
+        return self.serve_lora(LoRAPayload(policy_version(version), adapter_config or self.lora_config, tensors))
+
+    def serve_lora(self, payload: LoRAPayload) -> dict:
+        """Serve `payload` through the pipeline's sink; {"version", "bound_modules"}."""
+        if not payload.config:
+            raise ValueError("adapter_config (r, lora_alpha) is required for the first LoRA update")
+        bound = self.lora.apply(payload)
+        self.lora_config, self.policy_version = dict(payload.config), policy_version(payload.version)
         return {"version": self.policy_version, "bound_modules": bound}

@@ -13,6 +13,7 @@ parallel. Never imports JAX.
 from __future__ import annotations
 
 import importlib
+import socket
 
 from jaxflow_bridge.rollout.engine import RolloutEngine
 
@@ -71,8 +72,9 @@ class RolloutServer:
         self.engine.wake()
 
     def info(self) -> dict:
-        """engine, device, dtype, policy_version, model, fingerprint (of the base transformer weights), ..."""
-        return self.engine.info()
+        """engine, device, dtype, policy_version, model, fingerprint (of the base transformer weights), ..., and the
+        server's host (the trainer picks the LoRA transport by it)."""
+        return {**self.engine.info(), "host": socket.gethostname()}
 
 
 def create_rollout_server(config: dict, name: str | None = None, num_cpus: float = 1, num_gpus: float = 0):

@@ -7,7 +7,7 @@ folder, or "tiny_bagel": the model kind comes from the folder, `jaxflow_bridge/e
 `jaxflow_bridge/contract/random_weights.py`, as with the diffusers engine; the folder needs only `transformer/config.json`),
 `omni_args` (extra `AsyncOmni` keyword arguments, e.g. {"enforce_eager": True}), `lora_apply` ("fused", the
 default: LoRA'd linears run `jaxflow_bridge/rollout/kernels/lora_linear.py`; "stock": vLLM-Omni's per-slice apply, for
-comparison; "merged": the adapter merged into the base weights, `jaxflow_bridge/rollout/lora/merge.py`),
+comparison; "merged": the adapter merged into the base weights, `jaxflow_bridge/sync/merge.py`),
 `cfg_forward` ("batched" or "split": true CFG's rows in one forward or two, `jaxflow_bridge.rollout.sampling`),
 `qk_ops` ("compiled", the default: the attention's q/k norms and rotary in torch ops that torch.compile fuses,
 `jaxflow_bridge/rollout/kernels/qk_rope.py`; "vllm": vLLM-Omni's own kernels, for comparison), `fa_version` ("auto",
@@ -30,9 +30,10 @@ and random_seed are refused.
   carries that LoRARequest. If loading fails, the previous adapter is loaded back and keeps serving.
 - update_lora_shared: the adapter in a shared-memory file on this host (jaxflow_bridge/contract/lora_shm.py); once an
   adapter of the same rank and alpha serves, the workers write the file's tensors into its LoRA slots in place
-  (`engines.vllm_omni.lora.write_lora_slots`), with the same checks and refusals; otherwise as update_lora.
+  (`jaxflow_bridge.sync.vllm_omni_slots.write_lora_slots`), with the same checks and refusals; otherwise as update_lora.
+  A failed in-place write is a RuntimeError (logged; the trainer counts it and retries once), never a silent switch.
 - lora_apply="merged": no LoRA layers at all; update_lora / update_lora_shared merge the adapter into the base
-  weights (`jaxflow_bridge/rollout/lora/merge.py`, restored exactly from a host copy each time), `release_adapter`
+  weights (`jaxflow_bridge/sync/merge.py`, restored exactly from a host copy each time), `release_adapter`
   starts that restore as soon as a step's rollouts are over.
 - BAGEL's two-stage deployment (`deploy="two_stage"`, vLLM-Omni's `bagel.yaml`): the thinker (vLLM's AR engine) prefills
   each request's framed prompt and sends its KV to our pipeline on the DiT stage (one greedy token, think mode
@@ -66,7 +67,7 @@ from jaxflow_bridge.contract.lora_shm import SharedAdapterFile, open_payload, re
 from jaxflow_bridge.contract.schedule import sample_windows
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.rollout.engine import RolloutEngine, policy_version
-from jaxflow_bridge.rollout.lora.binding import check_lora_binding, slot_plan
+from jaxflow_bridge.sync.binding import check_lora_binding, slot_plan
 from jaxflow_bridge.rollout.sampling import check_prompts, per_sample_seeds
 from jaxflow_bridge.rollout.tensors import torch_to_numpy
 from jaxflow_bridge.engines.vllm_omni.kinds import model_kind
@@ -164,7 +165,6 @@ class VllmOmniEngine(RolloutEngine):
             self.fingerprint = self.kind.fingerprint()
         self.policy_version, self.asleep = 0, False
         self._lora, self._lora_config, self._lora_bound, self._lora_ids = None, None, 0, 0
-        self._in_place = True  # later updates of a served adapter go into its slots (update_lora_shared)
         self._lora_dir = Path(tempfile.mkdtemp(prefix="jaxflow-lora-", dir=LORA_ROOT))
         weakref.finalize(self, shutil.rmtree, self._lora_dir, True)  # shared memory: free it with the engine
         self._loop = asyncio.new_event_loop()
@@ -288,7 +288,7 @@ class VllmOmniEngine(RolloutEngine):
             return self._merge(manifest, version, adapter_config)
         spec = adapter_spec(adapter_config) if adapter_config else None
         plan = None
-        if self._lora is not None and self._in_place and adapter_config == self._lora_config:
+        if self._lora is not None and adapter_config == self._lora_config:
             plan, first_b = slot_plan(manifest, spec.rank, self._modules)
         if plan is None or len(plan) != self._lora_bound:
             return self.update_lora(read_arrays(manifest), version, adapter_config or None)
@@ -296,10 +296,10 @@ class VllmOmniEngine(RolloutEngine):
         t = time.perf_counter()
         try:
             reply = _flat(self._rpc("rollout_write_lora", manifest, plan, first_b, scale, self._lora.lora_int_id))[0]
-        except RuntimeError as exc:  # the slots are not where this vLLM-Omni keeps them: the folder path from now on
-            log.warning("in-place LoRA write failed (%s); loading adapters through folders from now on", exc)
-            self._in_place = False
-            return self.update_lora(read_arrays(manifest), version, adapter_config)
+        except RuntimeError as exc:  # the slots are not where this vLLM-Omni keeps them: said, never switched
+            line = f"vllm_omni engine: in-place LoRA write of version {int(version)} failed: {exc}"
+            log.error(line)
+            raise RuntimeError(line) from exc
         if reply.get("refused"):
             raise refusal(reply["refused"], "modules with non-finite values")
         self.policy_version = int(version)

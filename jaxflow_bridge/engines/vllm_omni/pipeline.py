@@ -44,20 +44,15 @@ from jaxflow_bridge.contract.batch import PAYLOAD_FIELDS
 from jaxflow_bridge.contract.schedule import CFG_FORWARDS
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.engines.vllm_omni.fa_version import FA_VERSIONS, use_fa3
-from jaxflow_bridge.engines.vllm_omni.lora import (
-    MappedPayload,
-    lora_component,
-    lora_module_table,
-    write_lora_slots,
-)
 from jaxflow_bridge.rollout.kernels.linear_gelu import install_gelu_epilogue
 from jaxflow_bridge.rollout.kernels.lora_linear import install_fused_apply
 from jaxflow_bridge.rollout.kernels.qk_rope import QK_OPS, use_native_qk
-from jaxflow_bridge.rollout.lora.merge import MergedLoRA, plan_targets
+from jaxflow_bridge.sync.merge import MergedLoRA, plan_targets
 from jaxflow_bridge.rollout.pipeline import TensorHead, text_tower, weights_fingerprint
 from jaxflow_bridge.rollout.random_init import random_named_weights
 from jaxflow_bridge.rollout.sampling import Fp32Timestep, SamplingLoop, SamplingParams
 from jaxflow_bridge.rollout.tensors import numpy_to_torch, torch_to_numpy
+from jaxflow_bridge.sync.vllm_omni_slots import MappedPayload, lora_component, lora_module_table, write_lora_slots
 
 log = logging.getLogger(__name__)
 PIPELINE_CLASS = f"{__name__}.FlowGRPOQwenImagePipeline"
@@ -67,7 +62,7 @@ PAYLOAD_KEY = "rollout"  # our entry in DiffusionOutput.custom_output
 PARAM_FIELDS = ("height", "width", "num_inference_steps", "true_cfg_scale", "max_sequence_length", "seed")
 EXTRA_FIELDS = ("noise_level", "sde_type", "sde_window_size", "sde_window_range", "same_latent", "keep_final")
 # how LoRA'd linears run: "fused" (jaxflow_bridge/rollout/kernels/lora_linear.py), "stock" (vLLM-Omni's own per-slice
-# apply) or "merged" (the adapter merged into the base weights, jaxflow_bridge/rollout/lora/merge.py: plain linears)
+# apply) or "merged" (the adapter merged into the base weights, jaxflow_bridge/sync/merge.py: plain linears)
 LORA_APPLY = ("fused", "stock", "merged")
 # the MLP's tanh GELU: in the in-projection's cuBLASLt epilogue where no LoRA layer wraps it
 # (jaxflow_bridge/rollout/kernels/linear_gelu.py), or vLLM-Omni's separate elementwise kernel

@@ -32,6 +32,41 @@ def _as_tensor(x) -> torch.Tensor:
     return numpy_to_torch(x) if isinstance(x, np.ndarray) else torch.as_tensor(x)
 
 
+def validate_pairs(linears: dict, tensors: dict, rank: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{module: (A, B)} of PEFT `tensors` for the Linear layers `linears` ({name: nn.Linear}), after checking every
+    key, shape and value; ValueError listing every offender (nothing changes then)."""
+    errors, parts = [], {}
+    for key, value in tensors.items():
+        match = LORA_KEY.fullmatch(key)
+        if match is None:
+            errors.append(f"{key}: not a PEFT LoRA key '<module>.lora_A.weight' / '<module>.lora_B.weight'")
+        elif match["module"] not in linears:
+            errors.append(f"{key}: the transformer has no Linear module {match['module']!r}")
+        else:
+            parts.setdefault(match["module"], {})[match["part"]] = (key, _as_tensor(value))
+    pairs = {}
+    for module, got in parts.items():
+        linear = linears[module]
+        want = {"A": (rank, linear.in_features), "B": (linear.out_features, rank)}
+        for part in "AB":
+            if part not in got:
+                errors.append(f"{module}.lora_{part}.weight: missing (its lora_{'BA'[part == 'B']} is given)")
+                continue
+            key, t = got[part]
+            if tuple(t.shape) != want[part]:
+                errors.append(f"{key}: expected shape {want[part]}, got {tuple(t.shape)}")
+            elif not t.is_floating_point() or not torch.isfinite(t).all():
+                errors.append(f"{key}: expected finite floating-point values")
+        if len(got) == 2:
+            pairs[module] = (got["A"][1], got["B"][1])
+    if errors:
+        raise refusal(errors, "offending tensors")
+    if not pairs:
+        raise ValueError("LoRA adapter refused: it binds zero modules (no lora_A/lora_B tensors given); "
+                         "the previous adapter keeps serving")
+    return pairs
+
+
 class LoraApplier:
     """Owns the LoRA layers of one model: validate, (re-)inject when needed, copy tensors, count bound modules."""
 
@@ -51,7 +86,7 @@ class LoraApplier:
             spec = self.spec
         else:
             spec = adapter_spec(adapter_config)
-        pairs = self._validate(tensors, spec.rank)
+        pairs = validate_pairs(self.linears, tensors, spec.rank)
         spec = dataclasses.replace(spec, modules=tuple(sorted(pairs)))
         if spec != self.spec:
             self._inject(spec)
@@ -73,39 +108,6 @@ class LoraApplier:
     def bound_modules(self) -> int:
         """LoRA-wrapped Linear layers currently carrying the adapter."""
         return sum(isinstance(m, BaseTunerLayer) and ADAPTER_NAME in m.lora_A for m in self.model.modules())
-
-    def _validate(self, tensors: dict, rank: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """{module: (A, B)} after checking every key, shape and value; ValueError listing every offender."""
-        errors, parts = [], {}
-        for key, value in tensors.items():
-            match = LORA_KEY.fullmatch(key)
-            if match is None:
-                errors.append(f"{key}: not a PEFT LoRA key '<module>.lora_A.weight' / '<module>.lora_B.weight'")
-            elif match["module"] not in self.linears:
-                errors.append(f"{key}: the transformer has no Linear module {match['module']!r}")
-            else:
-                parts.setdefault(match["module"], {})[match["part"]] = (key, _as_tensor(value))
-        pairs = {}
-        for module, got in parts.items():
-            linear = self.linears[module]
-            want = {"A": (rank, linear.in_features), "B": (linear.out_features, rank)}
-            for part in "AB":
-                if part not in got:
-                    errors.append(f"{module}.lora_{part}.weight: missing (its lora_{'BA'[part == 'B']} is given)")
-                    continue
-                key, t = got[part]
-                if tuple(t.shape) != want[part]:
-                    errors.append(f"{key}: expected shape {want[part]}, got {tuple(t.shape)}")
-                elif not t.is_floating_point() or not torch.isfinite(t).all():
-                    errors.append(f"{key}: expected finite floating-point values")
-            if len(got) == 2:
-                pairs[module] = (got["A"][1], got["B"][1])
-        if errors:
-            raise refusal(errors, "offending tensors")
-        if not pairs:
-            raise ValueError("LoRA adapter refused: it binds zero modules (no lora_A/lora_B tensors given); "
-                             "the previous adapter keeps serving")
-        return pairs
 
     def _inject(self, spec: AdapterSpec) -> None:
         """Drop any existing LoRA layers, then wrap exactly `spec.modules`."""

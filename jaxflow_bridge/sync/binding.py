@@ -1,7 +1,7 @@
 """Binding a PEFT adapter to vLLM-Omni's LoRA-capable layers, checked before the engine sees it: which engine layer
 (and which slice of a fused q/k/v layer) each adapter module lands on, with shapes and values checked, and the
 plan for writing a shared adapter file (jaxflow_bridge/contract/lora_shm.py) into the engine in place. `table` is
-`engines.vllm_omni.lora.lora_module_table` of the engine's transformer. Numpy only."""
+`jaxflow_bridge.sync.vllm_omni_slots.lora_module_table` of the engine's transformer. Numpy only."""
 from __future__ import annotations
 
 import numpy as np
@@ -14,7 +14,7 @@ def bind_lora_modules(pairs: dict, rank: int, table: dict, check_values: bool = 
     """{module: (engine layer, slot)} binding every adapter module (vLLM-Omni names) to an engine layer.
 
     pairs: {module: (lora_A, lora_B)}, arrays (or, with check_values=False, anything with a shape); table:
-    `engines.vllm_omni.lora.lora_module_table` of the engine transformer. A module binds to the layer of its name (slot
+    `jaxflow_bridge.sync.vllm_omni_slots.lora_module_table` of the engine transformer. A module binds to the layer of its name (slot
     None: B spans all of a fused layer's slices), or to its slot of a fused layer through `packed` (`to_q` -> slice 0
     of `to_qkv`). ValueError listing every module that binds nowhere, has a wrong shape or (check_values)
     non-finite values, or if none binds.

@@ -1,6 +1,6 @@
 """vLLM-Omni 0.20's LoRA slots from the worker's side (the workers of `vllm_omni.engine`, through
 `vllm_omni.pipeline.RolloutWorkerExtension`): the pipeline component vLLM-Omni's LoRA manager wraps, the table of
-its LoRA-capable layers the engine checks adapters against (`jaxflow_bridge/rollout/lora/binding.py`), the in-place
+its LoRA-capable layers the engine checks adapters against (`jaxflow_bridge/sync/binding.py`), the in-place
 write of a shared adapter into the active adapter's slots, and the shared adapter file mapped into the worker.
 Imports no vLLM."""
 from __future__ import annotations

@@ -22,7 +22,7 @@ import torch
 
 def plan_targets(transformer: torch.nn.Module, plan: list, table: dict) -> list[tuple]:
     """[(module, weight, first row, rows, A offset, A shape, B offset, B shape)] of a slot plan
-    (`rollout.lora.binding.slot_plan`: one [module, layer, slot, A offset, A shape, B offset, B shape] per adapter
+    (`jaxflow_bridge.sync.binding.slot_plan`: one [module, layer, slot, A offset, A shape, B offset, B shape] per adapter
     module): the base weight (out, in) of its engine layer (the wrapped layer's `base_layer` where vLLM-Omni wrapped
     it) and the rows of its slice. RuntimeError naming a layer without a weight of the table's shape."""
     out = []

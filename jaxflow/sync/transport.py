@@ -1,0 +1,74 @@
+"""How each LoRA version travels to the rollout engines: one transport, chosen once at start from the placement and
+printed once (with the engines' apply mode), never switched at sync time.
+
+- "device": the engine in the trainer's process on a device JAX addresses: DLPack views (`lora_sync`);
+- "shm": engines on this host: one shared-memory file (`lora_sync.SharedLoRA`), only its manifest crosses Ray;
+- "ray": engines on another host (or an in-process engine JAX cannot reach): host numpy arrays.
+
+A sync that fails says so: one logged line, counted in `failures` (the step metric `sync_failures`), retried once;
+a second failure stops the run with one line naming the engine, the transport and the version. A refused adapter
+(ValueError: bad shapes or values) is counted and re-raised at once: resending it cannot help.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+
+from jaxflow.models.lora import LoRASpec, lora_to_peft
+from jaxflow.sync.lora_sync import SharedLoRA, device_peft_tensors, device_target
+from jaxflow.trainer import phases
+
+log = logging.getLogger(__name__)
+
+
+def choose_transport(in_process: bool, processes: int, infos: list[dict]) -> str:
+    """The transport for engines described by `infos` (their `info()`, with the server's "host")."""
+    if in_process:
+        return "device" if processes == 1 and device_target(infos[0]) is not None else "ray"
+    return "shm" if all(i.get("host") == socket.gethostname() for i in infos) else "ray"
+
+
+class LoRASync:
+    """Serves the train state's LoRA to `rollout` (a RolloutGroup) through the transport chosen at start."""
+
+    def __init__(self, rollout, spec: LoRASpec, transport: str, info: dict):
+        self.rollout, self.spec, self.transport = rollout, spec, transport
+        self.engine, self.failures = info["engine"], 0
+        self.target = device_target(info) if transport == "device" else None
+        self.shared = SharedLoRA(spec, info["dtype"]) if transport == "shm" else None
+        # one line at start on process 0, beside the start-up lines (warnings-only logging would hide it)
+        print(f"LoRA sync: transport={transport}, apply={info.get('lora_apply', 'layers')}, engine={self.engine}",
+              flush=True)
+
+    def serve(self, lora, version: int) -> int:
+        """The rollout serves `lora` as policy `version`; the bound-module count. Through shared memory the
+        phases are sync_write (the trainer's) and sync_engine (the engine's, from its ack)."""
+        for attempt in (1, 2):
+            try:
+                return self._send(lora, version)
+            except Exception as exc:  # counted and reported, then retried once or raised
+                self.failures += 1
+                line = (f"LoRA sync of version {version} to the {self.engine} engine through {self.transport} "
+                        f"failed{' again' if attempt == 2 else ''}: {type(exc).__name__}: {exc}")
+                log.error(line)
+                if isinstance(exc, ValueError):
+                    raise
+                if attempt == 2:
+                    raise RuntimeError(line) from exc
+
+    def _send(self, lora, version: int) -> int:
+        config = self.spec.peft_config()
+        if self.shared is not None:
+            with phases.phase("sync_write"):
+                manifest = self.shared.write(lora)
+            bound = self.rollout.update_lora_shared(manifest, version, config)
+            if "seconds" in self.rollout.last_ack:
+                phases.add("sync_engine", self.rollout.last_ack["seconds"])
+            return bound
+        tensors = (device_peft_tensors(lora, self.spec, self.target) if self.target is not None
+                   else lora_to_peft(lora, self.spec))
+        return self.rollout.update_lora(tensors, version, config)
+
+    def close(self) -> None:
+        if self.shared is not None:
+            self.shared.close()

@@ -1,0 +1,127 @@
+"""The engine side of LoRA sync for a torch transformer (the diffusers engine's): one sink per apply mode, each
+taking the one payload (`contract.lora_payload.LoRAPayload`) and leaving the same served weights, W + scale * B @ A.
+
+- "layers" (`LayersSink`): PEFT LoRA layers bound to the adapted Linear layers (`sync/layers.py`), the default;
+- "merged" (`MergedSink`): the adapter merged into the base weights from the payload's arrays
+  (`sync/merge.py`: the base restored exactly from a host copy, `release` starts that while the trainer trains);
+- "folder" (`FolderSink`): the payload written as a PEFT folder and loaded from it, as a stock loader would.
+
+A sink refuses a bad adapter (ValueError) before anything changes, and the previous one keeps serving. Nothing
+here falls back to another mode: the engine's `lora_apply` picks one sink at start. Torch only.
+"""
+from __future__ import annotations
+
+import shutil
+import tempfile
+import weakref
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from jaxflow_bridge.contract.lora import adapter_spec, write_peft
+from jaxflow_bridge.contract.lora_payload import LoRAPayload
+from jaxflow_bridge.rollout.tensors import torch_to_numpy
+from jaxflow_bridge.sync.layers import LoraApplier, validate_pairs
+from jaxflow_bridge.sync.merge import MergedLoRA
+
+
+class LayersSink:
+    """LoRA layers on the model's Linear layers, the payload's tensors copied into them."""
+
+    mode = "layers"
+
+    def __init__(self, model: torch.nn.Module):
+        self.applier = LoraApplier(model)
+        self.linears = self.applier.linears
+
+    def apply(self, payload: LoRAPayload) -> int:
+        return self.applier.apply(payload.arrays(), payload.config)
+
+    def bound_modules(self) -> int:
+        return self.applier.bound_modules()
+
+    def release(self) -> None:
+        """The step's rollouts are over: layers need nothing."""
+
+    def check_serving(self) -> None:
+        """Layers always serve the adapter last applied."""
+
+
+class MergedSink:
+    """The adapter merged into the Linear layers' base weights (`MergedLoRA`), straight from the payload's arrays."""
+
+    mode = "merged"
+
+    def __init__(self, model: torch.nn.Module):
+        self.linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        self.merged, self.bound = MergedLoRA(), 0
+
+    def apply(self, payload: LoRAPayload) -> int:
+        pairs = validate_pairs(self.linears, payload.arrays(), adapter_spec(payload.config).rank)
+        weight = next(iter(self.linears.values())).weight
+        modules = sorted(pairs)
+        parts = [pairs[m][0] for m in modules] + [pairs[m][1] for m in modules]  # every A, then every B
+        flat = torch.cat([p.to(weight.device, weight.dtype).reshape(-1) for p in parts])
+        starts = np.cumsum([0] + [p.numel() for p in parts])
+        targets = [(m, self.linears[m].weight, 0, self.linears[m].out_features,
+                    int(starts[i]), tuple(pairs[m][0].shape), int(starts[len(modules) + i]), tuple(pairs[m][1].shape))
+                   for i, m in enumerate(modules)]
+        reply = self.merged.merge(flat, targets, payload.scale)
+        if "refused" in reply:
+            raise ValueError(f"LoRA adapter refused: {reply['refused']}")
+        self.bound = reply["written"]
+        return self.bound
+
+    def bound_modules(self) -> int:
+        return self.bound if self.merged.serving or self.merged.previous is not None else 0
+
+    def release(self) -> None:
+        """Start restoring the bare base weights; sampling is refused until the next `apply`."""
+        self.merged.begin_restore()
+
+    def check_serving(self) -> None:
+        if self.merged.previous is not None and not self.merged.serving:
+            raise RuntimeError("the merged LoRA's base weights are being restored: serve the next adapter first")
+
+
+class FolderSink:
+    """The payload written as a PEFT folder (adapter_model.safetensors + adapter_config.json) under a temporary
+    directory of the engine's, then loaded from the folder into LoRA layers; the previous folder is removed."""
+
+    mode = "folder"
+
+    def __init__(self, model: torch.nn.Module):
+        self.applier = LoraApplier(model)
+        self.linears = self.applier.linears
+        self.root = Path(tempfile.mkdtemp(prefix="jaxflow-lora-folder-"))
+        weakref.finalize(self, shutil.rmtree, self.root, True)
+        self.folder = None
+
+    def apply(self, payload: LoRAPayload) -> int:
+        tensors = {k: v if isinstance(v, np.ndarray) else torch_to_numpy(v) for k, v in payload.arrays().items()}
+        folder = write_peft(self.root / f"adapter-v{payload.version}", tensors, payload.config, replace=True)
+        bound = self.applier.apply(folder)
+        if self.folder is not None and self.folder != folder:
+            shutil.rmtree(self.folder, ignore_errors=True)
+        self.folder = folder
+        return bound
+
+    def bound_modules(self) -> int:
+        return self.applier.bound_modules()
+
+    def release(self) -> None:
+        """The step's rollouts are over: a loaded folder needs nothing."""
+
+    def check_serving(self) -> None:
+        """The folder's adapter serves until the next one."""
+
+
+SINKS = {"layers": LayersSink, "merged": MergedSink, "folder": FolderSink}
+
+
+def make_sink(mode: str, model: torch.nn.Module):
+    """The sink of apply mode `mode` over `model`; ValueError naming the modes."""
+    if mode not in SINKS:
+        raise ValueError(f"lora_apply={mode!r}; choose one of {sorted(SINKS)}")
+    return SINKS[mode](model)
