@@ -63,7 +63,7 @@ def algorithm_names_in(path: Path) -> list[str]:
 
 
 def test_the_train_step_names_no_algorithm():
-    found = algorithm_names_in(ROOT / "jaxflow" / "train_step.py")
+    found = algorithm_names_in(ROOT / "jaxflow" / "trainer" / "train_step.py")
     assert not found, f"jaxflow/trainer/train_step.py branches on algorithms ({found}): call config.policy's components"
 
 
