@@ -123,7 +123,7 @@ HELP: dict[str, str] = {
     "train.learning_rate": "AdamW learning rate, > 0",
     "train.clip_range": "the ratio's clip: clip(r, 1 - clip_range, 1 + clip_range), > 0",
     "train.adv_clip": "advantages clamped to +-adv_clip (nft: its optimality r's scale)",
-    "train.beta": "KL coefficient against the adapters-off policy, >= 0 (0: no KL term)",
+    "train.beta": "KL coefficient against the adapters-off policy, >= 0 (0: no KL term; nft: train.nft.kl)",
     "train.global_std": "advantages divided by the reward std of the whole step (True) or of each prompt group",
     "train.max_grad_norm": "gradients clipped to this global norm",
     "train.weight_decay": "AdamW weight decay",
@@ -148,6 +148,10 @@ HELP: dict[str, str] = {
     "train.nft.decay_flat": "nft: updates during which the old policy's decay is 0 (the old policy is the LoRA)",
     "train.nft.decay_rate": "nft: the old policy's decay growth per update after decay_flat",
     "train.nft.decay_max": "nft: the old policy's largest decay, in [0, 1)",
+    "train.nft.kl": "nft: weight of the reference-velocity MSE, >= 0, in place of train.beta (verl-omni's Qwen-Image "
+                    "NFT recipe's ref_kl_coef 1e-4; docs/numerics.md §10)",
+    "train.nft.ema": "nft: EMA decay of the LoRA (NVlabs' 0.9, warm-up min(d, (1 + k) / (10 + k))), which the evals "
+                     "sample and lora_final holds; 0: off; a nonzero train.ema_decay wins",
     "train.xla_options": "XLA options (names 'xla_...') of the train step's jits only, never process-wide",
     "reward.fns": "reward name -> weight; the step's reward is the weighted sum (docs/design.md §3b)",
     "reward.options": "reward name -> its options (ocr: num_threads; 'actor': a Ray actor of its own; docs/design.md "
@@ -237,7 +241,7 @@ def base() -> ml_collections.ConfigDict:
                    # flow_grpo's SD3 trainer drops such samples, its Qwen-Image script does not (docs/design.md)
                    drop_zero_advantage=False,
                    algorithm="flowgrpo",
-                   nft=dict(beta=0.1, timesteps=0, decay_flat=75, decay_rate=0.0075, decay_max=0.999),
+                   nft=dict(beta=0.1, timesteps=0, decay_flat=75, decay_rate=0.0075, decay_max=0.999, kl=1e-4, ema=0.9),
                    # cuBLAS GEMMs, no Triton ones: 1.4% faster on an H200 (BENCHMARKS.md, train step). No
                    # latency-hiding scheduler: with the trainer on 2 GPUs it kept the unrolled backward's weight
                    # gradients alive to overlap the LoRA all-reduces, 50.5 GiB for the update at 4 samples against
