@@ -390,6 +390,9 @@ def train_config(cfg, grid_hw) -> TrainConfig:
                        shuffle_seed=int(cfg.seed), algorithm=t.algorithm, nft_beta=t.nft.beta,
                        nft_timesteps=nft_timesteps(cfg),
                        nft_decay=(t.nft.decay_flat, t.nft.decay_rate, t.nft.decay_max),
+                       mixgrpo_interval=t.mixgrpo.interval, mixgrpo_stride=t.mixgrpo.stride,
+                       awm_timesteps=t.awm.timesteps, awm_fraction=t.awm.fraction, awm_power=t.awm.power,
+                       awm_adv_max=t.awm.adv_max, awm_clip_range=t.awm.clip_range,
                        adam_b1=t.adam_b1, adam_b2=t.adam_b2, adam_eps=t.adam_eps)
 
 
