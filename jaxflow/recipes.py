@@ -143,7 +143,7 @@ HELP: dict[str, str] = {
     "train.drop_zero_advantage": "True: micro-batches whose advantages are all 0 are not trained (docs/design.md)",
     "train.algorithm": "'flowgrpo', 'nft': DiffusionNFT (arXiv 2509.16117, docs/numerics.md §10; sample.guidance 1), "
                        "'mixgrpo': MixGRPO's sliding SDE window (arXiv 2507.21802, §11) or 'awm': Advantage "
-                       "Weighted Matching (arXiv 2509.25050, §12; sample.guidance 1)",
+                       "Weighted Matching (arXiv 2509.25050, §12)",
     "train.nft.beta": "nft: beta, the implicit policies' step, > 0 (train.nft defaults: DiffusionNFT's config/nft.py "
                       "sd3_ocr)",
     "train.nft.timesteps": "nft: timesteps trained a sample, in [0, sample.num_steps]; 0: int(0.99 sample.num_steps)",

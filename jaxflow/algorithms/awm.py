@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxflow.algorithms import nft
+from jaxflow.algorithms import flowgrpo, nft
 from jaxflow.algorithms.base import Component
 from jaxflow.trainer import minibatches
+from jaxflow.trainer.train_batch import GUIDANCE_FIELDS
 
 SALT = 0x61776D  # folded into the seed's key for the timesteps and noise
 EPS = 1e-10  # the generalized Huber's offset (AWM's)
@@ -59,9 +60,10 @@ def _loss(lora, frozen, step, scale, *, graphdef, config):
     xt = nft.noised(step["final_latents"], step["noise"], step["t"])
     model = nnx.merge(graphdef, lora, frozen)
 
-    def velocity(lora_scale):
-        return model(xt, step["t"], step["prompt_embeds"], step["prompt_mask"], grid_hw=config.grid_hw,
-                     lora_scale=lora_scale)
+    def velocity(lora_scale):  # with CFG as the rollout samples (its train.cfg)
+        return flowgrpo.guided_velocity(model, xt, step["t"], step["prompt_embeds"], step["prompt_mask"],
+                                        step.get("negative_prompt_embeds"), step.get("negative_prompt_mask"),
+                                        grid_hw=config.grid_hw, guidance=config.guidance, lora_scale=lora_scale)
 
     v_ref = velocity(0.0) if config.beta > 0 else None
     terms = loss_terms(velocity(1.0), step["final_latents"], step["noise"], step["t"], step["advantages"],
@@ -83,7 +85,8 @@ def gradients(graphdef, lora, frozen, batch: dict, key, config, layout=None):
         idx = step_indices(pick, mb["sigmas"].shape[1] - 1, count, config.awm_fraction)
         t = mb["sigmas"][:, idx].T  # (T, b)
         noise = jax.random.normal(draw, (count, *mb["final_latents"].shape), jnp.float32)
-        shared = {k: mb[k] for k in ("final_latents", "advantages", "prompt_embeds", "prompt_mask")}
+        shared = {k: mb[k] for k in ("final_latents", "advantages", "prompt_embeds", "prompt_mask",
+                                     *GUIDANCE_FIELDS) if k in mb}
 
         def timestep(grads, xs):
             g, terms = grad_fn(lora, frozen, {**shared, "t": xs[0], "noise": xs[1]}, scale=1.0 / (m * count))
@@ -104,7 +107,7 @@ class AdvantageWeightedMatching(Component):
     keeps_old: bool = False
 
     def batch_fields(self, config) -> tuple[str, ...]:
-        return self.fields
+        return self.fields + (GUIDANCE_FIELDS if config.guided else ())
 
     def missing_hint(self, missing: list[str]) -> str:
         return (" (the rollout keeps them with keep_final: config.sampling does for train.algorithm='awm')"
@@ -123,7 +126,6 @@ class AdvantageWeightedMatching(Component):
 
     def rules(self, config, policy):
         return (
-            ("guidance", config.guidance != 1, "AWM's OCR recipe trains and samples without CFG: 1"),
             ("old_log_prob", policy.old_log_prob.reject_log_ratio(config) is not None,
              "corrects SDE log-probs; AWM has none: 'rollout'"),
             ("ratio_norm", policy.ratio.name != "none", "is a FlowGRPO ratio; AWM has its own: 'none'"),
@@ -138,4 +140,4 @@ class AdvantageWeightedMatching(Component):
 AWM = AdvantageWeightedMatching(
     "awm", "Advantage Weighted Matching on the forward process", fields=nft.FIELDS,
     config_keys=("algorithm", "awm_timesteps", "awm_fraction", "awm_power", "awm_adv_max", "awm_clip_range",
-                 "adv_clip", "beta", "shuffle_seed", "num_micro_batches"))
+                 "adv_clip", "beta", "guidance", "shuffle_seed", "num_micro_batches"))
