@@ -25,8 +25,10 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "mini_ocr"
 # the algorithm arms compared on this proof (experiments/mini_ocr/run.sh ARM=...): FlowGRPO as below (""), with
 # GRPO-Guard's ratio ("guard"), with rollout correction instead of the recompute pass ("corrected"), with the
 # zero-advantage filter ("dropzero": groups of equal rewards not trained), or DiffusionNFT ("nft": CFG-free,
-# deterministic rollouts, its OCR recipe's beta 0.1 and old-policy decay, eval without CFG too)
-ARMS = ("", "guard", "corrected", "dropzero", "nft")
+# deterministic rollouts, its OCR recipe's beta 0.1 and old-policy decay, eval without CFG too), MixGRPO ("mixgrpo":
+# a 2-step SDE window shared by the step's samples, sliding over the schedule every 10 steps) or AWM ("awm": its
+# OCR recipe's advantage-weighted matching, KL 0.003, one update a step as there)
+ARMS = ("", "guard", "corrected", "dropzero", "nft", "mixgrpo", "awm")
 VARIANTS = tuple(f"{arm}{sep}{control}" for arm in ARMS for sep, control in (("", ""), ("_" if arm else "", "control")))
 
 
@@ -69,4 +71,11 @@ def get_config(variant: str = ""):
         # its rollout is deterministic: a group's images differ only by their initial noise
         c.sample.update(guidance=1.0, sde_type="ode", same_latent=False)
         c.eval.guidance = 1.0
+    elif arm == "mixgrpo":
+        c.train.algorithm = "mixgrpo"
+        c.sample.window_size = 2
+        c.train.mixgrpo.update(interval=10, stride=1)
+    elif arm == "awm":
+        c.train.algorithm = "awm"
+        c.train.update(beta=0.003, num_mini_batches=1, old_log_prob="rollout")
     return c

@@ -219,6 +219,8 @@ def validate(cfg: ConfigDict) -> None:
     if t.algorithm == "nft" and not 0 <= t.nft.timesteps <= s.num_steps:
         _fail("train.nft.timesteps", f"{t.nft.timesteps!r} must be in [0, sample.num_steps={s.num_steps}] (0: "
                                      f"DiffusionNFT's int(0.99 num_steps))")
+    if t.algorithm == "nft" and t.beta:
+        _fail("train.beta", f"{t.beta!r}: nft's KL weight is train.nft.kl; leave train.beta 0")
     if not isinstance(s.same_latent, bool):
         _fail("sample.same_latent", f"{s.same_latent!r} must be a bool: pass True or False")
     if s.same_latent and (s.sde_type == "ode" or s.noise_level == 0):
@@ -375,18 +377,23 @@ def sharding_config(cfg) -> ShardingConfig:
 
 def train_config(cfg, grid_hw) -> TrainConfig:
     t, s = cfg.train, cfg.sample
+    nft = t.algorithm == "nft"  # its KL weight and EMA: train.nft.kl, train.nft.ema (docs/numerics.md §10)
     return TrainConfig(grid_hw=grid_hw, sde_type=s.sde_type, guidance=s.guidance,
                        cfg_interval=tuple(s.cfg_interval), cfg_renorm_min=s.cfg_renorm_min,
                        num_micro_batches=t.num_micro_batches, num_mini_batches=t.num_mini_batches,
-                       num_inner_epochs=t.num_inner_epochs, clip_range=t.clip_range, beta=t.beta,
+                       num_inner_epochs=t.num_inner_epochs, clip_range=t.clip_range, beta=t.nft.kl if nft else t.beta,
                        adv_clip=t.adv_clip, learning_rate=t.learning_rate, weight_decay=t.weight_decay,
-                       max_grad_norm=t.max_grad_norm, ema_decay=t.ema_decay or None, old_log_prob=t.old_log_prob,
+                       max_grad_norm=t.max_grad_norm, ema_decay=t.ema_decay or (t.nft.ema if nft else 0) or None,
+                       old_log_prob=t.old_log_prob,
                        rejection_threshold=t.rejection_threshold, ratio_norm=t.ratio_norm,
                        rollout_rs=t.rollout_rs, guard_stats=t.guard_stats, guard_clip_range=t.guard_clip_range,
                        off_policy=bool(cfg.rollout.overlap), drop_zero_advantage=t.drop_zero_advantage,
                        shuffle_seed=int(cfg.seed), algorithm=t.algorithm, nft_beta=t.nft.beta,
                        nft_timesteps=nft_timesteps(cfg),
                        nft_decay=(t.nft.decay_flat, t.nft.decay_rate, t.nft.decay_max),
+                       mixgrpo_interval=t.mixgrpo.interval, mixgrpo_stride=t.mixgrpo.stride,
+                       awm_timesteps=t.awm.timesteps, awm_fraction=t.awm.fraction, awm_power=t.awm.power,
+                       awm_adv_max=t.awm.adv_max, awm_clip_range=t.awm.clip_range,
                        adam_b1=t.adam_b1, adam_b2=t.adam_b2, adam_eps=t.adam_eps)
 
 

@@ -123,7 +123,7 @@ HELP: dict[str, str] = {
     "train.learning_rate": "AdamW learning rate, > 0",
     "train.clip_range": "the ratio's clip: clip(r, 1 - clip_range, 1 + clip_range), > 0",
     "train.adv_clip": "advantages clamped to +-adv_clip (nft: its optimality r's scale)",
-    "train.beta": "KL coefficient against the adapters-off policy, >= 0 (0: no KL term)",
+    "train.beta": "KL coefficient against the adapters-off policy, >= 0 (0: no KL term; nft: train.nft.kl)",
     "train.global_std": "advantages divided by the reward std of the whole step (True) or of each prompt group",
     "train.max_grad_norm": "gradients clipped to this global norm",
     "train.weight_decay": "AdamW weight decay",
@@ -148,13 +148,28 @@ HELP: dict[str, str] = {
                               "sample.prompts_per_step",
     "train.num_inner_epochs": "passes over the step's mini-batches, >= 1 (each later one on the rows shuffled anew)",
     "train.drop_zero_advantage": "True: micro-batches whose advantages are all 0 are not trained (docs/design.md)",
-    "train.algorithm": "'flowgrpo', or 'nft': DiffusionNFT (arXiv 2509.16117, docs/numerics.md §10; sample.guidance 1)",
+    "train.algorithm": "'flowgrpo', 'nft': DiffusionNFT (arXiv 2509.16117, docs/numerics.md §10; sample.guidance 1), "
+                       "'mixgrpo': MixGRPO's sliding SDE window (arXiv 2507.21802, §11) or 'awm': Advantage "
+                       "Weighted Matching (arXiv 2509.25050, §12)",
     "train.nft.beta": "nft: beta, the implicit policies' step, > 0 (train.nft defaults: DiffusionNFT's config/nft.py "
                       "sd3_ocr)",
     "train.nft.timesteps": "nft: timesteps trained a sample, in [0, sample.num_steps]; 0: int(0.99 sample.num_steps)",
     "train.nft.decay_flat": "nft: updates during which the old policy's decay is 0 (the old policy is the LoRA)",
     "train.nft.decay_rate": "nft: the old policy's decay growth per update after decay_flat",
     "train.nft.decay_max": "nft: the old policy's largest decay, in [0, 1)",
+    "train.nft.kl": "nft: weight of the reference-velocity MSE, >= 0, in place of train.beta (verl-omni's Qwen-Image "
+                    "NFT recipe's ref_kl_coef 1e-4; docs/numerics.md §10)",
+    "train.nft.ema": "nft: EMA decay of the LoRA (NVlabs' 0.9, warm-up min(d, (1 + k) / (10 + k))), which the evals "
+                     "sample and lora_final holds; 0: off; a nonzero train.ema_decay wins",
+    "train.mixgrpo.interval": "mixgrpo: training steps between the SDE window's moves (MixGRPO's iters_per_group)",
+    "train.mixgrpo.stride": "mixgrpo: steps the window moves each time (its prog_overlap_step); it slides over "
+                            "sample.window_range and starts over at its beginning (roll_back)",
+    "train.awm.timesteps": "awm: noised timesteps trained a micro-batch, one per stratum of the schedule's indices "
+                           "[1, int(fraction num_steps)] (its train_timesteps)",
+    "train.awm.fraction": "awm: the share of the schedule the timesteps are drawn from, in (0, 1]",
+    "train.awm.power": "awm: the generalized-Huber power p of its log-prob surrogate, > 0 (ghuber_power)",
+    "train.awm.adv_max": "awm: advantages scaled to clip(A, +-adv_clip) / adv_clip * adv_max (advantage_max)",
+    "train.awm.clip_range": "awm: its ratio's clip range, > 0 (1: the OCR recipe's)",
     "train.xla_options": "XLA options (names 'xla_...') of the train step's jits only, never process-wide",
     "reward.fns": "reward name -> weight; the step's reward is the weighted sum (docs/design.md §3b)",
     "reward.options": "reward name -> its options (ocr: num_threads; 'actor': a Ray actor of its own; docs/design.md "
@@ -245,7 +260,9 @@ def base() -> ml_collections.ConfigDict:
                    # flow_grpo's SD3 trainer drops such samples, its Qwen-Image script does not (docs/design.md)
                    drop_zero_advantage=False,
                    algorithm="flowgrpo",
-                   nft=dict(beta=0.1, timesteps=0, decay_flat=75, decay_rate=0.0075, decay_max=0.999),
+                   nft=dict(beta=0.1, timesteps=0, decay_flat=75, decay_rate=0.0075, decay_max=0.999, kl=1e-4, ema=0.9),
+                   mixgrpo=dict(interval=25, stride=1),
+                   awm=dict(timesteps=6, fraction=0.9, power=0.25, adv_max=1.0, clip_range=1.0),
                    # cuBLAS GEMMs, no Triton ones: 1.4% faster on an H200 (BENCHMARKS.md, train step). No
                    # latency-hiding scheduler: with the trainer on 2 GPUs it kept the unrolled backward's weight
                    # gradients alive to overlap the LoRA all-reduces, 50.5 GiB for the update at 4 samples against

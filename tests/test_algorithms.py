@@ -36,7 +36,8 @@ def test_the_config_resolves_to_the_registered_component(key, value, component):
 
 
 def test_an_unknown_choice_names_the_registered_ones():
-    with pytest.raises(ValueError, match=r"TrainConfig.algorithm='ppo'; choose 'flowgrpo' \(.*\) or 'nft' \(.*\)"):
+    with pytest.raises(ValueError, match=r"TrainConfig.algorithm='ppo'; choose 'flowgrpo' \(.*\), 'nft' \(.*\), "
+                                         r"'mixgrpo' \(.*\) or 'awm' \(.*\)"):
         TrainConfig(grid_hw=(2, 2), algorithm="ppo")
     with pytest.raises(ValueError, match=r"old_log_prob='bypass'; choose 'rollout' .*'recompute' .* or "
                                          r"'rollout_corrected'"):

@@ -127,6 +127,48 @@ def test_the_nft_step_trains_the_lora_and_moves_the_old_policy_by_its_decay(tiny
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
+def test_a_skipped_step_moves_neither_the_old_policy_nor_its_decay_and_the_ema_warms_up_as_nvlabs(tiny_batch):
+    """NVlabs' EMA (flow_grpo/ema.py, called after global_step += 1): decay min(0.9, (1 + k) / (10 + k)), k = 1 on
+    the first update. A step whose update is skipped (non-finite loss) leaves the old policy where it was."""
+    model, batch = tiny_batch
+    config = TrainConfig(grid_hw=(2, 2), algorithm="nft", nft_timesteps=2, learning_rate=1e-2,
+                         nft_decay=(0, 0.5, 0.9), ema_decay=0.9)
+    init_state, step = make_train_step(model, config)
+    state = init_state()
+    first = jax.tree.map(np.asarray, state.lora)
+    state, metrics = step(state, batch)
+    applied = jax.tree.map(np.asarray, state)
+    assert int(applied.step) == 1 and metrics["skipped"] == 0
+    for a, b, old, ema in zip(*(jax.tree.leaves(t) for t in (first, applied.lora, applied.old, applied.ema))):
+        np.testing.assert_allclose(old, 0.5 * a + 0.5 * b, rtol=1e-6, atol=1e-7)  # decay (1 - 0) * 0.5
+        np.testing.assert_allclose(ema, 2 / 11 * a + 9 / 11 * b, rtol=1e-6, atol=1e-7)
+    bad = dataclasses.replace(batch, advantages=np.full_like(batch.advantages, np.nan))
+    state, metrics = step(state, bad)
+    assert metrics["skipped"] == 1 and int(state.step) == 1
+    for before, after in zip(jax.tree.leaves(applied.old), jax.tree.leaves(jax.tree.map(np.asarray, state.old))):
+        np.testing.assert_array_equal(before, after)
+
+
+def test_the_nft_defaults_are_verl_omnis_qwen_image_recipe_with_nvlabs_ema():
+    from jaxflow import config as config_lib
+    from jaxflow.recipes import base, tiny
+    cfg = tiny(base())
+    cfg.train.algorithm, cfg.sample.guidance = "nft", 1.0
+    tc = config_lib.train_config(cfg, (2, 2))
+    assert (tc.beta, tc.ema_decay, tc.nft_beta, tc.adv_clip, tc.nft_decay) == (1e-4, 0.9, 0.1, 5.0,
+                                                                                (75.0, 0.0075, 0.999))
+    cfg.train.ema_decay, cfg.train.nft.ema = 0.95, 0.0
+    assert config_lib.train_config(cfg, (2, 2)).ema_decay == 0.95
+    cfg.train.ema_decay = 0.0
+    assert config_lib.train_config(cfg, (2, 2)).ema_decay is None
+    cfg.train.algorithm = "flowgrpo"  # the other algorithms keep train.beta and train.ema_decay
+    assert (config_lib.train_config(cfg, (2, 2)).beta, config_lib.train_config(cfg, (2, 2)).ema_decay) == (0.0, None)
+    cfg.train.algorithm, cfg.train.beta = "nft", 0.01
+    with pytest.raises(config_lib.UserError, match="train.beta.*train.nft.kl"):
+        config_lib.validate(cfg)
+
+
 def test_the_nft_step_needs_the_final_latents_and_refuses_flowgrpo_settings(tiny_batch):
     model, batch = tiny_batch
     _, step = make_train_step(model, TrainConfig(grid_hw=(2, 2), algorithm="nft"))

@@ -73,9 +73,9 @@ def test_recomputed_log_probs_match_rollout(setup, request):
     assert m["logp_diff_max"].shape == (2,) and float(jnp.max(m["logp_diff_max"])) < 1e-6
     assert float(m["clipfrac"]) == 0 and float(m["approx_kl"]) < 1e-12
     assert float(m["kl"]) > 0 and np.isfinite(float(m["grad_norm"])) and float(m["grad_norm"]) > 0
-    if setup == "cfg":  # EMA warm-up decay min(0.9, 1/10) on the first update
+    if setup == "cfg":  # EMA warm-up decay min(0.9, (1 + k) / (10 + k)) = 2/11 on the first update (k = 1)
         for e, old, new in zip(*(jax.tree.leaves(t) for t in (state.ema, before.lora, state.lora))):
-            np.testing.assert_allclose(e, 0.1 * old + 0.9 * np.asarray(new), rtol=1e-6, atol=1e-7)
+            np.testing.assert_allclose(e, 2 / 11 * old + 9 / 11 * np.asarray(new), rtol=1e-6, atol=1e-7)
 
 
 def test_negatives_in_their_own_call_update_the_lora_as_one_batched_call(cfg):

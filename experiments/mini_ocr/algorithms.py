@@ -21,7 +21,8 @@ from pathlib import Path
 from jaxflow_bench.cli import bench_parser
 from jaxflow_bench.results import write_result
 
-ARMS = {"flowgrpo": "", "guard": "_guard", "corrected": "_corrected", "dropzero": "_dropzero", "nft": "_nft"}
+ARMS = {"flowgrpo": "", "guard": "_guard", "corrected": "_corrected", "dropzero": "_dropzero", "nft": "_nft",
+        "mixgrpo": "_mixgrpo", "awm": "_awm"}
 
 
 def run_of(pipeline: Path, suffix: str) -> dict | None:

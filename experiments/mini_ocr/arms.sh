@@ -9,7 +9,7 @@
 #   SMOKE=1 GPUS=2 PIPELINES=1 ARMS="flowgrpo nft" bash experiments/mini_ocr/arms.sh /tmp/arms   # toy size, CPU
 #
 # GPUS: default every GPU nvidia-smi lists (1 without one); PIPELINES: default GPUS; ARMS: of flowgrpo, nft, guard,
-# corrected, dropzero (default all five); MINUTES: each RL run's train.max_minutes; other
+# corrected, dropzero, mixgrpo, awm (default all seven); MINUTES: each RL run's train.max_minutes; other
 # experiments/mini_ocr/run.sh knobs (SMOKE, RL_ARGS, PRETRAIN_STEPS, EVAL_NUM, POOL, ...) pass through. Logs:
 # OUT/build_pN.log, OUT/pN_ARM.log; OUT/status gets a line per finished command. A pipeline already built
 # (OUT/pN/eval/before.json) is reused, not built again. Exit 1 if any command failed (the others still run and are
@@ -22,11 +22,12 @@ OUT=$(cd "$OUT" && pwd)
 GPUS=${GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l || true)}
 [[ "$GPUS" -ge 1 ]] || GPUS=1
 PIPELINES=${PIPELINES:-$GPUS}
-ARMS=${ARMS:-flowgrpo nft guard corrected dropzero}
+ARMS=${ARMS:-flowgrpo nft guard corrected dropzero mixgrpo awm}
 MINUTES=${MINUTES:-8.75}
 for arm in $ARMS; do
-  case $arm in flowgrpo | nft | guard | corrected | dropzero) ;;
-    *) echo "error: ARMS: unknown arm $arm; choose from flowgrpo nft guard corrected dropzero" >&2; exit 2 ;; esac
+  case $arm in flowgrpo | nft | guard | corrected | dropzero | mixgrpo | awm) ;;
+    *) echo "error: ARMS: unknown arm $arm; choose from flowgrpo nft guard corrected dropzero mixgrpo awm" >&2
+       exit 2 ;; esac
 done
 
 launch() {  # launch GPU build|run PIPELINE [ARM]: one experiments/mini_ocr/run.sh command alone on GPU

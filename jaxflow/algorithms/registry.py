@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from jaxflow.algorithms import flowgrpo, nft, old_log_prob, rollout_correction, zero_advantage
+from jaxflow.algorithms import awm, flowgrpo, mixgrpo, nft, old_log_prob, rollout_correction, zero_advantage
 from jaxflow.algorithms.base import Filter, Loss, OldLogProb, Ratio
 from jaxflow.algorithms.flowgrpo_step import FLOWGRPO
 
 TABLES = {
-    "algorithm": {c.name: c for c in (FLOWGRPO, nft.NFT)},
+    "algorithm": {c.name: c for c in (FLOWGRPO, nft.NFT, mixgrpo.MIXGRPO, awm.AWM)},
     "ratio_norm": flowgrpo.RATIOS,
     "old_log_prob": {c.name: c for c in (old_log_prob.ROLLOUT, old_log_prob.RECOMPUTE,
                                          rollout_correction.ROLLOUT_CORRECTED)},
@@ -53,6 +53,21 @@ def _value(config, key):
     except TypeError:
         return None
     return value
+
+
+def final_latents(algorithm: str) -> bool:
+    """Whether the rollout keeps the final latents for train.algorithm `algorithm` (a loss without log-probs trains
+    on them)."""
+    loss = TABLES["algorithm"].get(algorithm)
+    return loss is not None and not loss.log_probs
+
+
+def rollout_sampling(params: dict, cfg, step: int) -> dict:
+    """The rollout's sampling params for training step `step`, as train.algorithm's loss schedules them (MixGRPO's
+    sliding window; the others leave them as they are)."""
+    loss = TABLES["algorithm"].get(cfg.train.algorithm)
+    schedule = getattr(loss, "rollout_sampling", None)
+    return params if schedule is None else schedule(params, cfg, step)
 
 
 def resolve(config) -> Policy:

@@ -16,6 +16,7 @@ from jaxflow import families
 from jaxflow.trainer import phases
 from jaxflow.sync.base_share import torch_base_weights
 from jaxflow.run.data import GroupSampler, load_prompts
+from jaxflow.algorithms import registry
 from jaxflow.algorithms.advantages import compute_advantages
 from jaxflow.sync.transport import LoRASync, choose_transport
 from jaxflow.run.metrics_log import image_grid
@@ -151,7 +152,7 @@ class Driver:
         with phases.phase("rollout"):
             try:  # text padded once, to the train step's one shape (it compiles once)
                 batch = self.rollout.generate(
-                    prompts, s.group_size, config_lib.sampling(self.cfg),
+                    prompts, s.group_size, registry.rollout_sampling(config_lib.sampling(self.cfg), self.cfg, step),
                     sample_seeds(self.cfg.seed, step, len(picks)), s.prompts_per_call,
                     on_chunk=lambda c, b: futures.__setitem__(c, self.pool.submit(b.images, b.prompts)),
                     text_tokens=config_lib.text_tokens(self.cfg))

@@ -94,11 +94,13 @@ def abstract_batch(*, batch: int, window: int, num_steps: int, seq: int, channel
     out = {"latents": s((batch, window + 1, seq, channels), np.float32), "log_probs": s((batch, window), np.float32),
            "sigmas": s((batch, num_steps + 1), np.float32), "step_index": s((batch, window), np.int32),
            "noise_level": s((batch,), np.float32), "advantages": s((batch,), np.float32), **text_spec("prompt", text)}
-    if nft:
-        out["final_latents"] = s((batch, seq, channels), np.float32)
-        return {k: out[k] for k in (with_text_ids(NFT_FIELDS) if text_ids else NFT_FIELDS)}, None
     if guided:
         out.update(text_spec("negative_prompt", negative_text or text))
+    if nft:  # a loss on the final latents (DiffusionNFT's fields; AWM's too, with the negative text under CFG)
+        out["final_latents"] = s((batch, seq, channels), np.float32)
+        fields = (*(with_text_ids(NFT_FIELDS) if text_ids else NFT_FIELDS),
+                  *(k for k in out if k.startswith("negative_prompt")))
+        return {k: out[k] for k in fields}, None
     old = {"log_probs": s((batch, window), np.float32)}
     if means:
         old["means"] = s((batch, window, seq, channels), np.float32)

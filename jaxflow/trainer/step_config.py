@@ -51,6 +51,15 @@ class TrainConfig:
     nft_beta: float = 0.1
     nft_timesteps: int = 1
     nft_decay: tuple[float, float, float] = (75, 0.0075, 0.999)
+    # "mixgrpo" (jaxflow.algorithms.mixgrpo): the window moves by mixgrpo_stride steps every mixgrpo_interval steps
+    mixgrpo_interval: int = 25
+    mixgrpo_stride: int = 1
+    # "awm" (jaxflow.algorithms.awm; its OCR recipe's values)
+    awm_timesteps: int = 6
+    awm_fraction: float = 0.9
+    awm_power: float = 0.25
+    awm_adv_max: float = 1.0
+    awm_clip_range: float = 1.0
 
     def __post_init__(self):
         object.__setattr__(self, "grid_hw", tuple(int(s) for s in self.grid_hw))

@@ -48,17 +48,22 @@ from jaxflow.trainer.train_batch import TrainBatch, with_text_ids
 from jaxflow_bridge.contract.batch import GUIDANCE_FIELDS, TEXT_IDS
 
 
-def advance_old(state: TrainState, *, config: TrainConfig) -> TrainState:
-    """The old policy after a step, where the policy loss keeps one (`keeps_old`: DiffusionNFT's)."""
-    return state.replace(old=config.policy.loss.advanced(state.old, state.lora, state.step, config))
+def advance_old(state: TrainState, first, *, config: TrainConfig) -> TrainState:
+    """The old policy after a step, where the policy loss keeps one (`keeps_old`: DiffusionNFT's); `first` is the
+    step's first update count. A step whose updates were all skipped leaves it as it was (no update applied, so
+    neither its decay nor the old policy moves)."""
+    moved = config.policy.loss.advanced(state.old, state.lora, state.step, config)
+    applied = state.step > first
+    return state.replace(old=jax.tree.map(lambda m, o: jnp.where(applied, m, o), moved, state.old))
 
 
 def _apply_update(state: TrainState, grads, *, tx, config: TrainConfig) -> TrainState:
     updates, opt_state = tx.update(grads, state.opt_state, state.lora)
     lora = optax.apply_updates(state.lora, updates)
     ema = state.ema
-    if ema is not None:  # flow_grpo's warm-up: decay min(ema_decay, (1 + k) / (10 + k))
-        decay = jnp.minimum(config.ema_decay, (1.0 + state.step) / (10.0 + state.step))
+    if ema is not None:  # flow_grpo's and NVlabs' warm-up: min(ema_decay, (1 + k) / (10 + k)), k counting this update
+        k = state.step + 1.0
+        decay = jnp.minimum(config.ema_decay, (1.0 + k) / (10.0 + k))
         ema = jax.tree.map(lambda e, p: decay * e + (1 - decay) * p, ema, lora)
     return TrainState(step=state.step + 1, lora=lora, opt_state=opt_state, ema=ema, old=state.old)
 
@@ -168,7 +173,7 @@ def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | Non
         update = jit(update_fn, in_shardings=(state_sh, frozen_sh, rows, rows, one),
                          out_shardings=(state_sh, one), donate_argnums=0)
         old_pass = jit(old_fn, in_shardings=(state_sh.lora, frozen_sh, rows), out_shardings=rows)
-        advance = jax.jit(advance_fn, in_shardings=(state_sh,), out_shardings=state_sh, donate_argnums=0)
+        advance = jax.jit(advance_fn, in_shardings=(state_sh, one), out_shardings=state_sh, donate_argnums=0)
         put, batch_devices = layout.put_batch, layout.batch_devices // jax.process_count()
     indices = [put({"j": np.int32(j)})["j"] for j in range(config.num_mini_batches)]
     def reorder(tree, step, epoch):  # {"batch": ..., "old": ...} for inner epoch `epoch` >= 1
@@ -245,7 +250,7 @@ class TrainStep:
                     state, metrics = self._update(state, self.frozen, rows["batch"], rows.get("old"), index)
                     updates.append(metrics)
             if self._advance is not None:
-                state = self._advance(state)
+                state = self._advance(state, first)
             if timed:
                 jax.block_until_ready(state)
         metrics = minibatches.combine_metrics(updates)
