@@ -149,8 +149,8 @@ HELP: dict[str, str] = {
     "train.num_inner_epochs": "passes over the step's mini-batches, >= 1 (each later one on the rows shuffled anew)",
     "train.drop_zero_advantage": "True: micro-batches whose advantages are all 0 are not trained (docs/design.md)",
     "train.algorithm": "'flowgrpo', 'nft': DiffusionNFT (arXiv 2509.16117, docs/numerics.md §10; sample.guidance 1), "
-                       "'mixgrpo': MixGRPO's sliding SDE window (arXiv 2507.21802, §11) or 'awm': Advantage "
-                       "Weighted Matching (arXiv 2509.25050, §12)",
+                       "'mixgrpo': MixGRPO's sliding SDE window (arXiv 2507.21802, §12) or 'awm': Advantage "
+                       "Weighted Matching (arXiv 2509.25050, §13)",
     "train.nft.beta": "nft: beta, the implicit policies' step, > 0 (train.nft defaults: DiffusionNFT's config/nft.py "
                       "sd3_ocr)",
     "train.nft.timesteps": "nft: timesteps trained a sample, in [0, sample.num_steps]; 0: int(0.99 sample.num_steps)",
