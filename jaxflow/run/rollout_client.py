@@ -136,7 +136,8 @@ class RolloutGroup:
         Trajectories come back as host numpy even in process (no DLPack path, by measurement of size): at the
         qwen_ocr recipe (512 images a step, 512^2, window 2) the latents (B, W+1, S, 64) float32 are 403 MB and the
         bf16 prompt embeds at most 470 MB, tens of ms through host memory against a step of minutes; and the
-        batch is needed on the host anyway (rewards read the images, mini-batch ordering is numpy, multi-process runs broadcast host bytes, and a sleeping engine must not hold them on the GPU)."""
+        batch is needed on the host anyway (rewards read the images, mini-batch ordering is numpy, multi-process runs
+        broadcast host bytes, and a sleeping engine must not hold them on the GPU)."""
         return self.transport.retrying(lambda: self._generate(prompts, n, sampling, seeds, prompts_per_call,
                                                               on_chunk), self._restart)
 

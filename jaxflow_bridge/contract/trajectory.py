@@ -3,11 +3,11 @@
 Numpy only: importing this module pulls in neither JAX nor torch. A `TrajectoryBatch` holds samples on a
 leading axis, the text right-padded (embeds or token ids with zeros, masks with False) to one length: the request's
 longest prompt, or the train step's `text_tokens` where its producer pads it (`TrajectoryBatch.padded`), once, so that
-`concat` joins batches of one text length and never pads. The text is either text-encoder embeds (Qwen-Image) or the context's token ids (BAGEL), never both. Its fields
-are the schema's (`jaxflow_bridge.contract.batch`). It validates shapes and dtypes on construction and raises
-ValueError naming the field, the expected and the actual value; that runs once where a trajectory crosses into a
-process (`from_dict`, the vLLM-Omni codec): a producer's own arrays and `concat`'s join of validated batches are
-`assembled`, not checked again.
+`concat` joins batches of one text length and never pads. The text is either text-encoder embeds (Qwen-Image) or the
+context's token ids (BAGEL), never both. Its fields are the schema's (`jaxflow_bridge.contract.batch`). It validates
+shapes and dtypes on construction and raises ValueError naming the field, the expected and the actual value; that runs
+once where a trajectory crosses into a process (`from_dict`, the vLLM-Omni codec): a producer's own arrays and
+`concat`'s join of validated batches are `assembled`, not checked again.
 """
 
 from __future__ import annotations
