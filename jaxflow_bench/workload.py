@@ -58,8 +58,8 @@ def synthetic_batch(cfg: QwenImageConfig, args) -> dict:
 
 def negatives_padded(batch: dict, tokens: int) -> TrainBatch:
     """`batch` (`synthetic_batch`'s) as the train step's batch, its negative prompt embeds and mask right-padded (or
-    cut, past their last real token) to `tokens`, as the rollout client pads them for the trainer
-    (TrajectoryBatch.concat with config.text_tokens). At the prompts' length (--txt) the train step runs both in one
+    cut, past their last real token) to `tokens`, as the engine pads them for the trainer
+    (TrajectoryBatch.padded to config.text_tokens). At the prompts' length (--txt) the train step runs both in one
     batched call, as the recipe does; shorter, the negatives get a forward of their own."""
     emb, mask = batch["negative_prompt_embeds"], batch["negative_prompt_mask"]
     if tokens < int(mask.sum(axis=1).max()):

@@ -33,6 +33,22 @@ def engine(folder):
     return engine_class({"engine": "bagel_torch"})({"engine": "bagel_torch", "model": str(folder), "decode": "preview"})
 
 
+def test_generate_pads_the_context_ids_to_text_tokens_with_the_same_numbers(engine):
+    """The engine's trajectory arrives with its context ids padded to `text_tokens` (the train step's one text
+    shape; the empty unconditional context to L' all-masked tokens), the samples as without."""
+    plain = TrajectoryBatch.from_dict(engine.generate(PROMPTS, 2, SAMPLING, seeds=[1, 2, 3, 4]))
+    length = plain.prompt_ids.shape[1]
+    out = TrajectoryBatch.from_dict(engine.generate(PROMPTS, 2, {**SAMPLING, "text_tokens": (length + 5, 7)},
+                                                    seeds=[1, 2, 3, 4]))
+    assert out.prompt_ids.shape == out.prompt_mask.shape == (4, length + 5)
+    assert out.negative_prompt_ids.shape == out.negative_prompt_mask.shape == (4, 7)
+    np.testing.assert_array_equal(out.prompt_ids[:, :length], plain.prompt_ids)
+    np.testing.assert_array_equal(out.prompt_mask[:, :length], plain.prompt_mask)
+    assert not out.prompt_mask[:, length:].any() and not out.negative_prompt_mask.any()
+    for field in ("images", "latents", "log_probs"):
+        np.testing.assert_array_equal(getattr(out, field), getattr(plain, field))
+
+
 def adapter(model: torch.nn.Module, seed: int = 1) -> dict[str, np.ndarray]:
     """A nonzero PEFT adapter (BAGEL's names, PEFT's prefix) on every generation-expert target of `model`."""
     rng, out = np.random.default_rng(seed), {}

@@ -167,6 +167,33 @@ def test_unknown_cfg_forward_is_refused(tiny_path):
         DiffusersEngine({"engine": "diffusers", "model": str(tiny_path), "cfg_forward": "fused"})
 
 
+def test_engine_returns_text_padded_to_the_steps_text_tokens_with_the_same_numbers(tiny_path):
+    """A rollout call's trajectory arrives from the engine padded to `text_tokens` (the train step's one text
+    shape), before any concat; the forwards ran on the request's own text: the same samples as without. A text
+    longer than `text_tokens` is a TextLengthError naming the field."""
+    from jaxflow_bridge.contract.trajectory import TextLengthError
+    from jaxflow_bridge.engines.diffusers import DiffusersEngine
+
+    engine = DiffusersEngine({"engine": "diffusers", "model": str(tiny_path), "dtype": "float32", "device": "cpu"})
+    sampling = {**SAMPLING, "num_inference_steps": 3, "sde_window_range": (0, 2)}
+    plain = TrajectoryBatch.from_dict(engine.generate(PROMPTS, 2, sampling, SEEDS))
+    padded = TrajectoryBatch.from_dict(engine.generate(PROMPTS, 2, {**sampling, "text_tokens": (64, 40)}, SEEDS))
+    assert padded.prompt_embeds.shape[:2] == padded.prompt_mask.shape == (4, 64)
+    assert padded.negative_prompt_embeds.shape[:2] == padded.negative_prompt_mask.shape == (4, 40)
+    for prefix in ("prompt", "negative_prompt"):
+        text, mask = getattr(plain, f"{prefix}_embeds"), getattr(plain, f"{prefix}_mask")
+        length = text.shape[1]
+        np.testing.assert_array_equal(getattr(padded, f"{prefix}_embeds")[:, :length], text)
+        np.testing.assert_array_equal(getattr(padded, f"{prefix}_mask")[:, :length], mask)
+        assert not getattr(padded, f"{prefix}_embeds")[:, length:].any()
+        assert not getattr(padded, f"{prefix}_mask")[:, length:].any()
+    for field in ("images", "latents", "log_probs"):
+        np.testing.assert_array_equal(getattr(padded, field), getattr(plain, field))
+    longest = plain.prompt_mask.shape[1]
+    with pytest.raises(TextLengthError, match=f"^prompt_embeds has {longest} tokens > {longest - 1}, "):
+        engine.generate(PROMPTS, 2, {**sampling, "text_tokens": (longest - 1, 40)}, SEEDS)
+
+
 def test_same_latent_shares_a_groups_initial_noise_but_not_its_step_noise(pipe):
     """2 prompts x 3 samples, window from step 0 (latents[:, 0] is the initial noise): with same_latent a group
     starts from its first sample's noise, its samples still diverge, and that first sample is unchanged."""

@@ -52,15 +52,19 @@ class Trajectory:
 
 
 def stack(trajectories) -> TrajectoryBatch:
-    """A batch of the samples (through TrajectoryBatch.concat of batches of one)."""
+    """A batch of the samples (through TrajectoryBatch.concat of batches of one, each padded to the longest text)."""
     def one(x):
         return None if x is None else x[None]
 
+    def longest(field):
+        return max((len(getattr(t, field)) for t in trajectories if getattr(t, field) is not None), default=0)
+
+    text_tokens = (longest("prompt_mask"), longest("negative_prompt_mask"))
     return TrajectoryBatch.concat([TrajectoryBatch(
         images=one(t.image), latents=one(t.latents), log_probs=one(t.log_probs), sigmas=t.sigmas,
         step_index=one(t.step_index), **{f: one(getattr(t, f)) for f in TEXT_FIELDS},
         prompts=(t.prompt,), group_ids=np.array([t.group_id], np.int64), seeds=np.array([t.seed], np.int64),
-        policy_versions=np.array([t.policy_version], np.int64)) for t in trajectories])
+        policy_versions=np.array([t.policy_version], np.int64)).padded(text_tokens) for t in trajectories])
 
 
 def select(batch: TrajectoryBatch, indices) -> TrajectoryBatch:
@@ -240,17 +244,17 @@ def test_select_and_concat():
     assert select(batch, batch.seeds % 2 == 0).seeds.tolist() == [0, 2, 4]
     assert len(select(batch, [])) == 0
     short, long = stack(samples[:2]), stack(samples[2:])
-    joined = TrajectoryBatch.concat([short, long])  # short's text (L=3) is re-padded to 6
+    joined = TrajectoryBatch.concat([short.padded((6, 0)), long])  # short's text (L=3) is padded to 6
     assert joined.prompt_embeds.shape == (5, 6, D)
     assert_same(joined, batch)
     with pytest.raises(ValueError, match="1-D"):
         select(batch, np.zeros((2, 2), int))
 
 
-def test_concat_pads_text_to_given_lengths_once():
+def test_padded_pads_text_to_given_lengths_once():
     short = stack([make(length=2, neg_length=3, seed=0)])
     long = stack([make(length=5, neg_length=4, seed=1)])
-    joined = TrajectoryBatch.concat([short, long], text_tokens=(8, 4))
+    joined = TrajectoryBatch.concat([short.padded((8, 4)), long.padded((8, 4))])
     assert joined.prompt_embeds.shape == (2, 8, D) and joined.negative_prompt_embeds.shape == (2, 4, D)
     assert joined.prompt_mask.sum(axis=1).tolist() == [2, 5]
     assert joined.negative_prompt_mask.sum(axis=1).tolist() == [3, 4]
@@ -258,8 +262,25 @@ def test_concat_pads_text_to_given_lengths_once():
     assert np.array_equal(joined.negative_prompt_embeds[0, :3], short.negative_prompt_embeds[0])
     assert not joined.prompt_embeds[0, 2:].astype(np.float32).any()  # padding: zeros, masks False
     with pytest.raises(TextLengthError, match="negative_prompt_embeds has 4 tokens > 3") as err:
-        TrajectoryBatch.concat([short, long], text_tokens=(8, 3))
+        long.padded((8, 3))
     assert (err.value.field, err.value.tokens, err.value.length) == ("negative_prompt_embeds", 4, 3)
+
+
+@pytest.mark.parametrize("ids", [False, True])
+def test_concat_of_different_text_lengths_is_one_error_naming_the_field(ids):
+    """concat joins text of one length (padded where it was made): it never pads, and different lengths are refused
+    by name."""
+    short = stack([make(length=2, neg_length=3, ids=ids, seed=0)])
+    long = stack([make(length=5, neg_length=3, ids=ids, seed=1)])
+    kind = "ids" if ids else "embeds"
+    with pytest.raises(ValueError, match=rf"^prompt_{kind}: item 1 has 5 tokens, item 0 has 2: concat joins text of "
+                                         r"one length \(pad it where it is made"):
+        TrajectoryBatch.concat([short, long])
+    with pytest.raises(ValueError, match=rf"^negative_prompt_{kind}: item 1 has 4 tokens, item 0 has 3"):
+        TrajectoryBatch.concat([short.padded((5, 3)), long.padded((5, 4))])
+    joined = TrajectoryBatch.concat([short.padded((5, 3)), long])
+    assert joined.prompt_mask.shape == (2, 5) and joined.prompt_mask.sum(axis=1).tolist() == [2, 5]
+    assert short.padded(None) is short and long.padded((5, 3)) is long  # at its length already: no copy
 
 
 def test_to_dict_from_dict_round_trip():
@@ -317,10 +338,10 @@ def test_ids_refusals_name_the_fields(build, message):
         build()
 
 
-def test_concat_pads_ids_to_text_tokens():
+def test_padded_pads_ids_to_text_tokens():
     short = stack([make(length=2, neg_length=0, ids=True, seed=0)])
     long = stack([make(length=5, neg_length=0, ids=True, seed=1)])
-    joined = TrajectoryBatch.concat([short, long], text_tokens=(8, 3))
+    joined = TrajectoryBatch.concat([short.padded((8, 3)), long.padded((8, 3))])
     assert joined.prompt_ids.shape == joined.prompt_mask.shape == (2, 8) and joined.prompt_ids.dtype == np.int32
     assert joined.prompt_mask.dtype == np.bool_ and joined.prompt_mask.sum(axis=1).tolist() == [2, 5]
     np.testing.assert_array_equal(joined.prompt_ids[0], np.r_[short.prompt_ids[0], np.zeros(6, np.int32)])
@@ -330,11 +351,11 @@ def test_concat_pads_ids_to_text_tokens():
     assert joined.negative_prompt_ids.shape == (2, 3) and not joined.negative_prompt_ids.any()
     assert not joined.negative_prompt_mask.any() and joined.prompt_embeds is None
     with pytest.raises(TextLengthError, match="^prompt_ids has 5 tokens > 4, the length the batch pads it to$") as err:
-        TrajectoryBatch.concat([short, long], text_tokens=(4, 3))
+        long.padded((4, 3))
     assert (err.value.field, err.value.tokens, err.value.length) == ("prompt_ids", 5, 4)
     guided = stack([make(length=2, neg_length=3, ids=True)])
     with pytest.raises(TextLengthError, match="^negative_prompt_ids has 3 tokens > 2"):
-        TrajectoryBatch.concat([guided], text_tokens=(8, 2))
+        guided.padded((8, 2))
 
 
 @pytest.mark.parametrize("other, field", [

@@ -19,7 +19,7 @@ from flax import nnx
 from jaxflow.algorithms import flowgrpo, nft
 from jaxflow.algorithms.base import Component
 from jaxflow.trainer import minibatches
-from jaxflow.trainer.train_batch import GUIDANCE_FIELDS
+from jaxflow_bridge.contract.batch import GUIDANCE_FIELDS
 
 SALT = 0x61776D  # folded into the seed's key for the timesteps and noise
 EPS = 1e-10  # the generalized Huber's offset (AWM's)
@@ -126,7 +126,7 @@ class AdvantageWeightedMatching(Component):
 
     def rules(self, config, policy):
         return (
-            ("old_log_prob", policy.old_log_prob.reject_log_ratio(config) is not None,
+            ("old_log_prob", policy.old_log_prob.rejection(config) is not None,
              "corrects SDE log-probs; AWM has none: 'rollout'"),
             ("ratio_norm", policy.ratio.name != "none", "is a FlowGRPO ratio; AWM has its own: 'none'"),
             ("drop_zero_advantage", policy.filter.compacts, "not an AWM option: False"),

@@ -19,19 +19,16 @@ from jaxflow.algorithms.base import Component
 from jaxflow_bridge.contract.batch import GUIDANCE_FIELDS, TEXT_IDS
 
 
-def _pad_text(embeds, mask, length):
-    pad = length - embeds.shape[1]
-    return (jnp.pad(embeds, ((0, 0), (0, pad), (0, 0))), jnp.pad(mask, ((0, 0), (0, pad))))
-
-
 def guided_velocity(model, x, sigma, txt, txt_mask, neg_txt=None, neg_mask=None, *, grid_hw, guidance: float,
                     lora_scale: float = 1.0) -> jax.Array:
     """Velocity (B, S, C) float32; true CFG with norm rescale when guidance > 1 (docs/numerics.md §5).
 
-    Positive and negative prompts run as ONE batched call (text right-padded to a common length), or as two calls
-    where the negative text is padded shorter than the positive (sample.negative_max_sequence_length): each call
-    then spends its tokens on its own text. comb = v_neg + g (v_pos - v_neg), v = comb * |v_pos| / |comb| (norms
-    over channels). guidance <= 1: one positive pass, no negative needed. `guidance` is static (a Python float).
+    Positive and negative prompts of one text length (the train batch's `config.text_tokens`, padded where the
+    rollout made them) run as ONE batched call, or as two calls where the negative text is padded shorter than the
+    positive (sample.negative_max_sequence_length): each call then spends its tokens on its own text. A negative
+    longer than the positive is a ValueError (the config refuses it). comb = v_neg + g (v_pos - v_neg),
+    v = comb * |v_pos| / |comb| (norms over channels). guidance <= 1: one positive pass, no negative needed.
+    `guidance` is static (a Python float).
     """
     if guidance <= 1:
         return model(x, sigma, txt, txt_mask, grid_hw=grid_hw, lora_scale=lora_scale).astype(jnp.float32)
@@ -41,10 +38,10 @@ def guided_velocity(model, x, sigma, txt, txt_mask, neg_txt=None, neg_mask=None,
     if neg_txt.shape[1] < txt.shape[1]:
         v_pos = model(x, sigma, txt, txt_mask, grid_hw=grid_hw, lora_scale=lora_scale).astype(jnp.float32)
         v_neg = model(x, sigma, neg_txt, neg_mask, grid_hw=grid_hw, lora_scale=lora_scale).astype(jnp.float32)
+    elif neg_txt.shape[1] > txt.shape[1]:
+        raise ValueError(f"negative prompt text of {neg_txt.shape[1]} tokens > the prompt's {txt.shape[1]}: the "
+                         f"train batch pads negatives to at most the prompts' length (config.text_tokens)")
     else:
-        length = max(txt.shape[1], neg_txt.shape[1])
-        txt, txt_mask = _pad_text(txt, txt_mask, length)
-        neg_txt, neg_mask = _pad_text(neg_txt, neg_mask, length)
         both = model(jnp.concatenate([x, x]), jnp.concatenate([sigma, sigma]), jnp.concatenate([txt, neg_txt]),
                      jnp.concatenate([txt_mask, neg_mask]), grid_hw=grid_hw, lora_scale=lora_scale)
         v_pos, v_neg = jnp.split(both.astype(jnp.float32), 2)

@@ -45,6 +45,12 @@ def text_length_error(err: TextLengthError, cfg) -> ValueError:
                       f"prompt)")
 
 
+def sampling(cfg, eval_mode: bool = False) -> dict:
+    """The rollout's sampling parameters (`config.sampling`) with `text_tokens`: the engine pads the text it returns
+    to the train step's one shape (`config.text_tokens`), once, at its source (it compiles once)."""
+    return {**config_lib.sampling(cfg, eval_mode=eval_mode), "text_tokens": config_lib.text_tokens(cfg)}
+
+
 def train_batch(trajectory: TrajectoryBatch, advantages, group_ids, cfg, step: int) -> TrainBatch:
     """The learner's batch of step `step`: the rollout's `trajectory` (prompt group `group_ids` (B,)) with its
     `advantages` and the SDE's noise level, its mini-batches laid out (`order_minibatches`) and with
@@ -150,12 +156,11 @@ class Driver:
         prompts = [self.prompts[picks[i * s.group_size][0]].prompt for i in range(s.prompts_per_step)]
         futures = {}
         with phases.phase("rollout"):
-            try:  # text padded once, to the train step's one shape (it compiles once)
+            try:
                 batch = self.rollout.generate(
-                    prompts, s.group_size, registry.rollout_sampling(config_lib.sampling(self.cfg), self.cfg, step),
+                    prompts, s.group_size, registry.rollout_sampling(sampling(self.cfg), self.cfg, step),
                     sample_seeds(self.cfg.seed, step, len(picks)), s.prompts_per_call,
-                    on_chunk=lambda c, b: futures.__setitem__(c, self.pool.submit(b.images, b.prompts)),
-                    text_tokens=config_lib.text_tokens(self.cfg))
+                    on_chunk=lambda c, b: futures.__setitem__(c, self.pool.submit(b.images, b.prompts)))
             except TextLengthError as err:
                 raise text_length_error(err, self.cfg) from None
         if batch.policy_version != version:
@@ -218,8 +223,11 @@ class Driver:
         """Mean reward of ODE samples of the held-out prompts; their grid goes to run_dir/eval/step_<step>.png."""
         cfg = self.cfg
         prompts = [it.prompt for it in self.test_items[:cfg.eval.num_prompts]]
-        batch = self.rollout.generate(prompts, 1, config_lib.sampling(cfg, eval_mode=True),
-                                      np.arange(len(prompts)), cfg.sample.prompts_per_call)
+        try:
+            batch = self.rollout.generate(prompts, 1, sampling(cfg, eval_mode=True), np.arange(len(prompts)),
+                                          cfg.sample.prompts_per_call)
+        except TextLengthError as err:
+            raise text_length_error(err, cfg) from None
         scores = self.pool.submit(batch.images, prompts).result()["avg"]
         image_grid(batch.images, [f"{r:.2f} {p}" for r, p in zip(scores, prompts)],
                    Path(cfg.run_dir) / "eval" / f"step_{step:06d}.png")

@@ -127,21 +127,21 @@ class RolloutGroup:
         return self._all("share_base_weights", tensors)
 
     def generate(self, prompts: list[str], n: int, sampling: dict, seeds: np.ndarray, prompts_per_call: int,
-                 on_chunk=None, text_tokens: tuple[int, int] | None = None) -> TrajectoryBatch:
+                 on_chunk=None) -> TrajectoryBatch:
         """B = len(prompts) * n samples in prompt order; chunks of `prompts_per_call` prompts go round-robin to
         the servers and `on_chunk(index, batch)` runs as each finishes (e.g. to submit rewards). A dead actor
-        restarts the whole call, so no batch ever mixes policy versions. The chunks' text is padded once, to the
-        longest or to `text_tokens` (`TrajectoryBatch.concat`).
+        restarts the whole call, so no batch ever mixes policy versions. The chunks' text arrives padded to one
+        length (`sampling["text_tokens"]`, at its source) and is joined as it is (`TrajectoryBatch.concat`).
 
         Trajectories come back as host numpy even in process (no DLPack path, by measurement of size): at the
         qwen_ocr recipe (512 images a step, 512^2, window 2) the latents (B, W+1, S, 64) float32 are 403 MB and the
         bf16 prompt embeds at most 470 MB, tens of ms through host memory against a step of minutes; and the
-        batch is needed on the host anyway (rewards read the images, mini-batch ordering and text padding are
-        numpy, multi-process runs broadcast host bytes, and a sleeping engine must not hold them on the GPU)."""
+        batch is needed on the host anyway (rewards read the images, mini-batch ordering is numpy, multi-process runs
+        broadcast host bytes, and a sleeping engine must not hold them on the GPU)."""
         return self.transport.retrying(lambda: self._generate(prompts, n, sampling, seeds, prompts_per_call,
-                                                              on_chunk, text_tokens), self._restart)
+                                                              on_chunk), self._restart)
 
-    def _generate(self, prompts, n, sampling, seeds, per_call, on_chunk, text_tokens):
+    def _generate(self, prompts, n, sampling, seeds, per_call, on_chunk):
         t, pending = self.transport, []
         for c, start in enumerate(range(0, len(prompts), per_call)):
             server = self.servers[c % len(self.servers)]
@@ -153,7 +153,7 @@ class RolloutGroup:
             chunks[c] = TrajectoryBatch.from_dict(t.get(ref))
             if on_chunk is not None:
                 on_chunk(c, chunks[c])
-        return TrajectoryBatch.concat([chunks[c] for c in sorted(chunks)], text_tokens)
+        return TrajectoryBatch.concat([chunks[c] for c in sorted(chunks)])
 
     def update_lora(self, tensors: dict, version: int, adapter_config: dict) -> int:
         """Serve the adapter on every server; returns the bound-module count after checking every ack.

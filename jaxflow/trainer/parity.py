@@ -35,6 +35,8 @@ def recompute(model: nnx.Module, batch: TrajectoryBatch, *, grid_hw: tuple[int, 
     config = TrainConfig(grid_hw=grid_hw, sde_type=sde_type, guidance=guidance,
                          num_micro_batches=num_micro_batches, **cfg)
     b = len(batch.log_probs)
+    if batch.guided and batch.negative_prompt_mask.shape[1] > batch.prompt_mask.shape[1]:  # as the rollout ran them
+        batch = batch.padded((batch.negative_prompt_mask.shape[1],) * 2)
     arrays = prepare_batch(TrainBatch.of(batch, np.zeros(b, np.float32), noise_level), config)
     graphdef, lora, frozen = nnx.split(model, LoRAParam, ...)
     objective = families.of_model(model).objective(config)

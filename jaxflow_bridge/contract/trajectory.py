@@ -1,12 +1,13 @@
 """The Trajectory contract between the rollout and the trainer (docs/numerics.md §9).
 
 Numpy only: importing this module pulls in neither JAX nor torch. A `TrajectoryBatch` holds samples on a
-leading axis, the text right-padded (embeds or token ids with zeros, masks with False) to the longest prompt in the
-batch. The text is either text-encoder embeds (Qwen-Image) or the context's token ids (BAGEL), never both. Its fields
-are the schema's (`jaxflow_bridge.contract.batch`). It validates shapes and dtypes on construction and raises
-ValueError naming the field, the expected and the actual value; that runs once where a trajectory crosses into a
-process (`from_dict`, the vLLM-Omni codec): a producer's own arrays and `concat`'s join of validated batches are
-`assembled`, not checked again.
+leading axis, the text right-padded (embeds or token ids with zeros, masks with False) to one length: the request's
+longest prompt, or the train step's `text_tokens` where its producer pads it (`TrajectoryBatch.padded`), once, so that
+`concat` joins batches of one text length and never pads. The text is either text-encoder embeds (Qwen-Image) or the
+context's token ids (BAGEL), never both. Its fields are the schema's (`jaxflow_bridge.contract.batch`). It validates
+shapes and dtypes on construction and raises ValueError naming the field, the expected and the actual value; that runs
+once where a trajectory crosses into a process (`from_dict`, the vLLM-Omni codec): a producer's own arrays and
+`concat`'s join of validated batches are `assembled`, not checked again.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxflow_bridge.contract.batch import BOOL as _BOOL
-from jaxflow_bridge.contract.batch import EMBED_DTYPES, F32, require
+from jaxflow_bridge.contract.batch import EMBED_DTYPES, F32, TEXT_FIELDS, require
 from jaxflow_bridge.contract.batch import INT32 as _INT32
 from jaxflow_bridge.contract.batch import INT64 as _INT64
 from jaxflow_bridge.contract.batch import UINT8 as _UINT8
@@ -130,29 +131,29 @@ def validate_arrays(rec, image_field: str, lead: Dims) -> None:
 
 
 class TextLengthError(ValueError):
-    """A batch's text is longer than the length `TrajectoryBatch.concat` pads it to."""
+    """A batch's text is longer than the length `TrajectoryBatch.padded` pads it to."""
 
     def __init__(self, field: str, tokens: int, length: int):
         super().__init__(f"{field} has {tokens} tokens > {length}, the length the batch pads it to")
         self.field, self.tokens, self.length = field, tokens, length
 
 
-def _pad_concat(field: str, texts: list[np.ndarray], masks: list[np.ndarray], length: int | None = None
-                ) -> tuple[np.ndarray, np.ndarray]:
-    """Concatenate (b_i, L_i, D) embeds or (b_i, L_i) ids and (b_i, L_i) masks, right-padding L with zeros / False
-    to `length` (default: the longest L_i) in one copy; TextLengthError if an L_i is longer."""
-    longest = max(t.shape[1] for t in texts)
-    if length is None:
-        length = longest
-    elif longest > length:
-        raise TextLengthError(field, longest, length)
-    out = np.zeros((sum(len(t) for t in texts), length, *texts[0].shape[2:]), texts[0].dtype)
-    out_mask = np.zeros(out.shape[:2], masks[0].dtype)
-    row = 0
-    for t, m in zip(texts, masks):
-        out[row:row + len(t), :t.shape[1]], out_mask[row:row + len(t), :t.shape[1]] = t, m
-        row += len(t)
+def _pad(field: str, text: np.ndarray, mask: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """(B, L, D) embeds or (B, L) ids and their (B, L) mask right-padded with zeros / False to `length` tokens;
+    TextLengthError if L is longer."""
+    if text.shape[1] > length:
+        raise TextLengthError(field, text.shape[1], length)
+    out = np.zeros((len(text), length, *text.shape[2:]), text.dtype)
+    out_mask = np.zeros(out.shape[:2], mask.dtype)
+    out[:, :text.shape[1]], out_mask[:, :text.shape[1]] = text, mask
     return out, out_mask
+
+
+def _text_lengths(batch: TrajectoryBatch) -> dict:
+    """Each text field's length L (L'), keyed by the field."""
+    kind = batch.text_kind
+    prefixes = ("prompt", "negative_prompt") if batch.guided else ("prompt",)
+    return {f"{p}_{kind}": getattr(batch, f"{p}_mask").shape[1] for p in prefixes}
 
 
 def _concat_key(batch: TrajectoryBatch) -> dict:
@@ -174,8 +175,8 @@ def _concat_key(batch: TrajectoryBatch) -> dict:
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class TrajectoryBatch:
-    """Trajectories stacked on a leading batch axis B; text right-padded (to the longest prompt, or as `concat`
-    was asked).
+    """Trajectories stacked on a leading batch axis B; text right-padded (to the longest prompt, or to the train
+    step's `text_tokens`: `padded`).
 
     images (B, H, W, 3); latents (B, W+1, S, C); log_probs (B, W); sigmas (N+1,) shared by all samples;
     step_index (B, W) (windows may differ per sample); the text, one kind per batch: prompt_embeds (B, L, D) bf16 or
@@ -234,10 +235,9 @@ class TrajectoryBatch:
         return int(versions[0])
 
     @classmethod
-    def concat(cls, batches: Sequence[TrajectoryBatch], text_tokens: tuple[int, int] | None = None
-               ) -> TrajectoryBatch:
-        """Join batches along B, padding text to the longest prompt among them, or to `text_tokens` (prompt,
-        negative prompt tokens: one text shape for every batch; TextLengthError if a text is longer)."""
+    def concat(cls, batches: Sequence[TrajectoryBatch]) -> TrajectoryBatch:
+        """Join batches along B. Their text has one length already (padded at its source, `padded`): concat never
+        pads; ValueError naming the field if the batches differ in it or in anything else they share."""
         if not batches:
             raise ValueError("concat: expected at least one batch, got none")
         first = _concat_key(batches[0])
@@ -245,27 +245,43 @@ class TrajectoryBatch:
             for field, value in _concat_key(batch).items():
                 if value != first[field]:
                     raise ValueError(f"{field}: item {i} has {value}, item 0 has {first[field]}")
+        lengths = _text_lengths(batches[0])
+        for i, batch in enumerate(batches[1:], 1):
+            for field, length in _text_lengths(batch).items():
+                if length != lengths[field]:
+                    raise ValueError(f"{field}: item {i} has {length} tokens, item 0 has {lengths[field]}: concat "
+                                     f"joins text of one length (pad it where it is made: TrajectoryBatch.padded, "
+                                     f"SamplingParams.text_tokens)")
 
         def cat(field):
-            return np.concatenate([getattr(b, field) for b in batches])
+            values = [getattr(b, field) for b in batches]
+            return None if values[0] is None else np.concatenate(values)
 
-        kind = batches[0].text_kind
-
-        def pad(prefix, length):
-            if not batches[0].guided and prefix == "negative_prompt":
-                return {}
-            text, mask = _pad_concat(f"{prefix}_{kind}", [getattr(b, f"{prefix}_{kind}") for b in batches],
-                                     [getattr(b, f"{prefix}_mask") for b in batches], length)
-            return {f"{prefix}_{kind}": text, f"{prefix}_mask": mask}
-
-        lengths = (None, None) if text_tokens is None else text_tokens
         return cls.assembled(
-            images=cat("images"), latents=cat("latents"), log_probs=cat("log_probs"),
-            sigmas=batches[0].sigmas, step_index=cat("step_index"), **pad("prompt", lengths[0]),
-            **pad("negative_prompt", lengths[1]),
+            images=cat("images"), latents=cat("latents"), log_probs=cat("log_probs"), sigmas=batches[0].sigmas,
+            step_index=cat("step_index"), **{f: cat(f) for f in TEXT_FIELDS},
             prompts=[p for b in batches for p in b.prompts], group_ids=cat("group_ids"),
-            seeds=cat("seeds"), policy_versions=cat("policy_versions"),
-            final_latents=None if batches[0].final_latents is None else cat("final_latents"))
+            seeds=cat("seeds"), policy_versions=cat("policy_versions"), final_latents=cat("final_latents"))
+
+    def padded(self, text_tokens: tuple[int, int] | None) -> TrajectoryBatch:
+        """This batch with its text right-padded (zeros, masks False) to `text_tokens` (prompt, negative prompt
+        tokens; the negative's ignored without CFG): the one text shape of every batch a train step joins, made
+        where the trajectory is made. None: as it is. TextLengthError if a text is longer."""
+        if text_tokens is None:
+            return self
+        if (len(text_tokens) != 2 or not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool)
+                                             and n >= 0 for n in text_tokens)):
+            raise ValueError(f"text_tokens: expected (prompt, negative prompt) token counts >= 0, got {text_tokens!r}")
+        kind, fields = self.text_kind, {}
+        for prefix, length in zip(("prompt", "negative_prompt"), text_tokens):
+            if prefix == "negative_prompt" and not self.guided:
+                continue
+            text, mask = getattr(self, f"{prefix}_{kind}"), getattr(self, f"{prefix}_mask")
+            if text.shape[1] != length:
+                fields[f"{prefix}_{kind}"], fields[f"{prefix}_mask"] = _pad(f"{prefix}_{kind}", text, mask, int(length))
+        if not fields:
+            return self
+        return self.assembled(**{**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, **fields})
 
     def to_dict(self) -> dict[str, np.ndarray]:
         """Plain numpy arrays (prompts as a str array; absent negatives omitted), for Ray or checkpoints."""

@@ -9,6 +9,7 @@ B = len(prompts) * n samples, prompt-major (sample b belongs to prompt b // n, i
   text at its own length (`"split"`: no padding between them, so no attention mask when the call's prompts have
   equal lengths), combined with per-token norm rescale;
 - sigma reaches the timestep embedding in float32 (`Fp32Timestep`), latents stay float32 between steps;
+- the returned text right-padded to `SamplingParams.text_tokens` (the train step's one text shape), if given;
 - initial and step noise come from one CPU `torch.Generator` per sample seeded by that sample's seed, drawn
   every step for every sample, so a sample does not depend on its batch; with `same_latent` every sample of a
   group starts from its group's first sample's initial noise (step noise stays per sample);
@@ -42,7 +43,7 @@ def params_from_dict(cls, d: dict | None, what: str, tuple_fields: tuple[str, ..
     unknown = sorted(set(d) - set(known))
     if unknown:
         raise ValueError(f"unknown {what} {unknown}; known: {known}")
-    return cls(**{k: tuple(v) if k in tuple_fields else v for k, v in d.items()})
+    return cls(**{k: tuple(v) if k in tuple_fields and v is not None else v for k, v in d.items()})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,11 +66,14 @@ class SamplingParams:
     # trained steps (a state-dependent baseline)
     same_latent: bool = False
     keep_final: bool = False  # the trajectories carry the final latents (DiffusionNFT trains on them)
+    # (prompt, negative prompt) tokens the returned trajectory's text is padded to after sampling (the train step's
+    # one text shape, `TrajectoryBatch.padded`); None: the request's longest. The forwards run on the request's text
+    text_tokens: tuple[int, int] | None = None
 
     @classmethod
     def from_dict(cls, d: dict | None) -> SamplingParams:
         """From a plain dict (what crosses Ray); unknown keys are a ValueError, never ignored."""
-        return params_from_dict(cls, d, "sampling parameters", ("sde_window_range",))
+        return params_from_dict(cls, d, "sampling parameters", ("sde_window_range", "text_tokens"))
 
     @property
     def guided(self) -> bool:
@@ -311,7 +315,7 @@ class SamplingLoop:
             negative_prompt_mask=None if neg[1] is None else neg[1].cpu().numpy(),
             prompts=[prompts[g] for g in group], group_ids=group.astype(np.int64), seeds=seeds,
             policy_versions=np.full(len(group), self.policy_version, np.int64),
-            final_latents=final.float().cpu().numpy() if sp.keep_final else None)
+            final_latents=final.float().cpu().numpy() if sp.keep_final else None).padded(sp.text_tokens)
 
     def _denoise(self, x, sigmas, starts, gens, sp: SamplingParams, text, grid):
         """Run every step from x; returns the final latents, the window latents (B, W+1, S, C) and log-probs (B, W)."""

@@ -51,11 +51,12 @@ def encode_request(prompt: str, sampling: BagelSamplingParams, seeds, policy_ver
                    framed: bool = False) -> tuple[dict, dict]:
     """(prompt dict, OmniDiffusionSamplingParams kwargs) for n = len(seeds) samples of one prompt: the stock keys
     the BAGEL pipeline reads (num_inference_steps = N + 1 schedule points, cfg_text_scale, cfg_interval,
-    cfg_renorm_min, think, max_think_tokens; image CFG off, empty negative, greedy) and our fields in extra_args.
+    cfg_renorm_min, think, max_think_tokens; image CFG off, empty negative, greedy) and our fields in extra_args;
+    text_tokens stays with the engine, which pads the trajectory it unpacks.
     `framed` (two stages): the prompt as the thinker prefills it, `<|im_start|>` + prompt + `<|im_end|>`, the ids our
     single-stage prefill feeds (`prepare_prompts`)."""
     fields = dataclasses.asdict(sampling)
-    extra = {k: v for k, v in fields.items() if k not in PARAM_FIELDS}
+    extra = {k: v for k, v in fields.items() if k not in (*PARAM_FIELDS, "text_tokens")}
     extra.update(ENGINE_EXTRA, cfg_interval=list(sampling.cfg_interval),
                  sde_window_range=list(sampling.sde_window_range), seeds=[int(s) for s in seeds],
                  policy_version=int(policy_version), framed=bool(framed))

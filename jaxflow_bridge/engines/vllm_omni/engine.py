@@ -203,7 +203,9 @@ class VllmOmniEngine(RolloutEngine):
     # -------------------------------------------------------------------------------------- generation
 
     def generate(self, prompts: list[str], n: int, sampling: dict | None = None, seeds=None) -> dict:
-        """TrajectoryBatch.to_dict() of B = len(prompts) * n samples, prompt-major (sample b of prompt b // n)."""
+        """TrajectoryBatch.to_dict() of B = len(prompts) * n samples, prompt-major (sample b of prompt b // n); each
+        request's text padded as it arrives, to `text_tokens` (a request's own length without them: then one request
+        a call, or prompts of one length)."""
         sp = self.kind.sampling.from_dict(sampling)
         check_prompts(prompts, n)
         self.check_awake()
@@ -213,7 +215,7 @@ class VllmOmniEngine(RolloutEngine):
         requests = [(*self.kind.encode_request(p, sp, seeds[g * n:(g + 1) * n], self.policy_version), thinker)
                     for g, p in enumerate(prompts)]
         outputs = self._run(self._generate_all(requests))
-        return TrajectoryBatch.concat([unpack_trajectories(out, p, g, thinker_ids)
+        return TrajectoryBatch.concat([unpack_trajectories(out, p, g, thinker_ids).padded(sp.text_tokens)
                                        for g, (p, (out, thinker_ids)) in enumerate(zip(prompts, outputs))]).to_dict()
 
     async def _generate_all(self, requests):

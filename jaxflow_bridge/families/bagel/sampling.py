@@ -59,11 +59,13 @@ class BagelSamplingParams:
     keep_final: bool = False
     think: bool = False  # BAGEL's think mode: a greedy text decode extends the conditional context (think.py)
     max_think_tokens: int = 1000  # most tokens a think decode feeds, its start token included (vLLM-Omni's default)
+    text_tokens: tuple[int, int] | None = None  # the returned context ids' padding (SamplingParams.text_tokens)
 
     @classmethod
     def from_dict(cls, d: dict | None) -> BagelSamplingParams:
         """From a plain dict; unknown keys are a ValueError, never ignored."""
-        return params_from_dict(cls, d, "BAGEL sampling parameters", ("cfg_interval", "sde_window_range"))
+        return params_from_dict(cls, d, "BAGEL sampling parameters",
+                                ("cfg_interval", "sde_window_range", "text_tokens"))
 
 
 def guided_velocity(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float, renorm_min: float) -> torch.Tensor:
@@ -175,7 +177,7 @@ class BagelSamplingLoop:
             prompt_ids=ids.numpy().astype(np.int32), prompt_mask=mask.numpy(), **empty,
             prompts=[prompts[g] for g in group], group_ids=group.astype(np.int64), seeds=seeds,
             policy_versions=np.full(len(group), self.policy_version, np.int64),
-            final_latents=final.numpy().copy() if sp.keep_final else None)
+            final_latents=final.numpy().copy() if sp.keep_final else None).padded(sp.text_tokens)
 
     def velocity(self, x, sigma: float, contexts, grid, sp: BagelSamplingParams) -> torch.Tensor:
         """The step's velocity at the float32 sigma: conditional, or CFG-guided inside the interval."""
