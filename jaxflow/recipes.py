@@ -147,7 +147,8 @@ HELP: dict[str, str] = {
     "train.num_mini_batches": "optimizer updates per step, each on whole prompt groups; divides "
                               "sample.prompts_per_step",
     "train.num_inner_epochs": "passes over the step's mini-batches, >= 1 (each later one on the rows shuffled anew)",
-    "train.drop_zero_advantage": "True: micro-batches whose advantages are all 0 are not trained (docs/design.md)",
+    "train.drop_zero_advantage": ("True: rows whose advantage is 0 are dropped, the loss is the kept rows' "
+                                   "mean (docs/numerics.md §11)"),
     "train.algorithm": "'flowgrpo', 'nft': DiffusionNFT (arXiv 2509.16117, docs/numerics.md §10; sample.guidance 1), "
                        "'mixgrpo': MixGRPO's sliding SDE window (arXiv 2507.21802, §12) or 'awm': Advantage "
                        "Weighted Matching (arXiv 2509.25050, §13)",

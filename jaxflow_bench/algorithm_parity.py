@@ -1,7 +1,9 @@
 """Algorithm parity on CPU (float32): GRPO-Guard and rollout correction's loss of one window step, and its gradient
 with respect to the step's log-probs and SDE means, against the reference transcriptions in
 tests/reference_transcriptions.py, on identical inputs (a micro-batch of samples at different SDE steps, the
-project's per-sample windows). Writes benchmarks/results/algorithm_parity.json; tests/test_algorithm_parity.py
+project's per-sample windows); and the zero-advantage filter's updates (`flowgrpo_step.accumulate_gradients`'s loss
+and gradient with respect to a stand-in policy's one LoRA weight) against flow_grpo's SD3 trainer's filtering and
+loss averaging. Writes benchmarks/results/algorithm_parity.json; tests/test_algorithm_parity.py
 asserts the same figures.
 
     PYTHONPATH=$PWD python -m jaxflow_bench.algorithm_parity [--out benchmarks/results]
@@ -16,8 +18,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from flax import nnx
 
 from jaxflow.algorithms import flowgrpo, rollout_correction
+from jaxflow.algorithms.flowgrpo_step import accumulate_gradients
+from jaxflow.algorithms.objective import Objective
+from jaxflow.models.lora import LoRAParam
+from jaxflow.trainer import minibatches
+from jaxflow.trainer.step_config import TrainConfig
 from jaxflow_bench.results import write_result
 from tests import reference_transcriptions as ref
 
@@ -96,6 +104,97 @@ def differences(ours, theirs) -> dict:
             "grad_abs": g_abs, "grad_rel": g_abs / g_scale}
 
 
+ZB, ZW, ZS, ZC, ZCLIP = 16, 2, 8, 4, 0.02  # the filter's comparison: rows, window steps, tokens, channels, clip
+# (M, m) of the project, (num_batches_per_epoch, gradient_accumulation_steps) of flow_grpo: the same rows per update;
+# the project's micro-batches of the last two are partly filled (3 of 4 rows kept; 4 and 2 of 4)
+ZERO_LAYOUTS = {"one_micro_batch": ((1, 1), (2, 2)), "two_mini_two_micro": ((2, 2), (2, 1)),
+                "one_mini_four_micro": ((1, 4), (3, 3))}
+
+
+class Drift(nnx.Module):
+    """A stand-in policy for the filter's comparison: the SDE step's mean is x + p, p (S, C) its one LoRA weight."""
+
+    def __init__(self, p):
+        self.p = LoRAParam(jnp.asarray(p))
+
+
+def drift_log_prob(model, tr, config, lora_scale=1.0):
+    mean = tr["x"] + lora_scale * model.p[...]
+    std = tr["sigma"]
+    return mean, -jnp.mean((tr["x_next"] - mean) ** 2, axis=(1, 2)) / (2 * std ** 2), std
+
+
+def zero_inputs(seed: int = 0) -> dict:
+    """float32 numpy rows: rows 0-5 with advantages (M = 2 deals 3 to each mini-batch), rows 6-15 at 0."""
+    r = np.random.default_rng(seed)
+    f32 = functools.partial(np.asarray, dtype=np.float32)
+    sigmas = np.tile(f32([1.0, 0.8, 0.6, 0.4]), (ZB, 1))
+    step_index = np.stack([np.arange(ZW) + (i % 2) for i in range(ZB)]).astype(np.int32)  # rows at different steps
+    latents = f32(r.normal(size=(ZB, ZW + 1, ZS, ZC)))
+    p0 = f32(r.normal(0, 0.1, (ZS, ZC)))
+    sigma = sigmas[np.arange(ZB)[:, None], step_index]
+    mean = latents[:, :-1] + p0
+    logp = -np.mean((latents[:, 1:] - mean) ** 2, axis=(2, 3)) / (2 * sigma ** 2)
+    advantages = np.where(np.arange(ZB) < 6, r.normal(0, 1.5, ZB), 0.0)
+    return {"latents": latents, "sigmas": sigmas, "step_index": step_index, "p0": p0,
+            "log_probs": f32(logp + r.normal(0, 0.02, logp.shape)), "advantages": f32(advantages)}
+
+
+def _zero_project(x: dict, mini: int, micro: int):
+    """[(loss, (grad,))] of each update: the batch compacted as the driver does, `accumulate_gradients` per
+    mini-batch at the same LoRA."""
+    config = TrainConfig(grid_hw=(1, 1), clip_range=ZCLIP, beta=BETA, num_mini_batches=mini,
+                         num_micro_batches=micro, drop_zero_advantage=True)
+    order = minibatches.zero_advantage_order(x["advantages"], mini, micro)
+    batch = {k: jnp.asarray(x[k][order]) for k in ("latents", "sigmas", "step_index", "log_probs", "advantages")}
+    graphdef, lora, frozen = nnx.split(Drift(x["p0"]), LoRAParam, ...)
+    objective = Objective(lambda model, shared, config: shared, drift_log_prob)
+    out = []
+    for j in range(mini):
+        grads, terms = accumulate_gradients(graphdef, lora, frozen, minibatches.select(batch, mini, j), config,
+                                            objective=objective)
+        loss = flowgrpo.step_metrics(terms, clip_range=ZCLIP, beta=BETA)["loss"]
+        out.append((np.float32(loss), (np.asarray(grads["p"][...]),)))
+    return out
+
+
+def _zero_reference(x: dict, mini: int, batches: int, accumulation: int):
+    """[(loss, (grad,))] of each of flow_grpo's updates, its shuffle dealing the project's mini-batch j's kept rows
+    to update j (in a random order inside it)."""
+    r = np.random.default_rng(1)
+    kept = np.flatnonzero(x["advantages"] != 0)  # the rows flow_grpo keeps, in their order
+    perm = np.concatenate([r.permutation(np.flatnonzero(kept % mini == j)) for j in range(mini)])
+    samples = {k: torch.tensor(x[k]) for k in ("latents", "log_probs")}
+    samples["sigma"] = torch.tensor(np.take_along_axis(x["sigmas"], x["step_index"], 1))
+    samples["advantages"] = torch.tensor(np.repeat(x["advantages"][:, None], ZW, 1))
+    p = torch.tensor(x["p0"], requires_grad=True)
+
+    def compute_log_prob(sample, j, adapter):
+        xt, std = sample["latents"][:, j], sample["sigma"][:, j]
+        mean = xt + p if adapter else xt
+        logp = -((sample["latents"][:, j + 1] - mean) ** 2).mean(dim=(1, 2)) / (2 * std ** 2)
+        return logp, mean, std[:, None, None]
+
+    losses = ref.flow_grpo_sd3_filtered_updates(samples, compute_log_prob, batches, accumulation, ZCLIP, ADV_CLIP,
+                                                BETA, torch.tensor(perm))
+    out = []
+    for loss in losses:
+        p.grad = None
+        loss.backward()
+        out.append((np.float32(loss.item()), (p.grad.numpy().copy(),)))
+    return out
+
+
+def zero_advantage_figures(seed: int = 0) -> dict:
+    """{layout: the largest differences over the updates} of the filter against flow_grpo's SD3 trainer."""
+    x, out = zero_inputs(seed), {}
+    for name, ((mini, micro), (batches, accumulation)) in ZERO_LAYOUTS.items():
+        pairs = zip(_zero_project(x, mini, micro), _zero_reference(x, mini, batches, accumulation), strict=True)
+        diffs = [differences(ours, theirs) for ours, theirs in pairs]
+        out[f"zero_advantage_{name}_vs_flow_grpo_sd3"] = {k: max(d[k] for d in diffs) for k in diffs[0]}
+    return out
+
+
 def figures(seed: int = 0) -> dict:
     """{algorithm/comparison: differences}."""
     x = inputs(seed)
@@ -111,7 +210,7 @@ def figures(seed: int = 0) -> dict:
         reject = functools.partial(rollout_correction.keep_mask, option=option, threshold=threshold)
         out[f"rollout_corrected_{option}_vs_verl_omni_bypass"] = differences(
             _project(x, ratio_norm="none", reject=reject, beta=BETA), _corrected_ref(x, option, threshold))
-    return out
+    return {**out, **zero_advantage_figures(seed)}
 
 
 def main(argv=None):
@@ -121,7 +220,9 @@ def main(argv=None):
     flat = {f"{k}/{m}": v for k, d in figures().items() for m, v in d.items()}
     path = write_result(args.out, "algorithm_parity", flat,
                         extra={"cpu": platform.processor() or platform.machine(), "dtype": "float32",
-                               "inputs": f"B={B} samples at different SDE steps, S={S}, C={C}, seed 0"})
+                               "inputs": f"B={B} samples at different SDE steps, S={S}, C={C}, seed 0; zero-advantage "
+                                         f"filter: {ZB} rows (10 at advantage 0) x {ZW} window steps, S={ZS}, "
+                                         f"C={ZC}"})
     for k, v in flat.items():
         print(f"{k}: {v:.3g}")
     print(path)

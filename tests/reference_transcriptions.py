@@ -69,3 +69,54 @@ def verl_omni_bypass_flow_grpo_loss(log_prob, rollout_log_prob, advantages, clip
     per_elem = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio))
     loss = torch.mean(per_elem * weights.detach())
     return loss if kl is None else loss + kl_coef * torch.mean(kl)
+
+
+def flow_grpo_sd3_filtered_updates(samples, compute_log_prob, num_batches_per_epoch, gradient_accumulation_steps,
+                                   clip_range, adv_clip_max, beta, perm, generator=None):
+    """yifan123/flow_grpo scripts/train_sd3.py (commit ac4c86e8cae021841f1fde853d340e0db67690dd), lines 796-835 (the
+    rows whose advantages are all 0 dropped, topped up with random such rows to a multiple of num_batches_per_epoch,
+    shuffled and re-batched into num_batches_per_epoch micro-batches) and 868-933 (each timestep's loss; accelerate
+    divides it by its accumulation steps, gradient_accumulation_steps x num_train_timesteps): one inner epoch on one
+    process, the shuffle `perm` given. samples: (B, ...) tensors with advantages and log_probs (B, T);
+    compute_log_prob(sample, j, adapter) -> (log_prob, prev_sample_mean, std_dev_t) stands for its
+    `compute_log_prob` (adapter False: under `disable_adapter`). Returns each optimizer update's loss as it is
+    backpropagated (the sum of its micro-steps' loss / accumulation steps)."""
+    mask = samples["advantages"].abs().sum(dim=1) != 0
+    num_batches = num_batches_per_epoch
+    true_count = mask.sum()
+    if true_count % num_batches != 0:
+        false_indices = torch.where(~mask)[0]
+        num_to_change = num_batches - (true_count % num_batches)
+        if len(false_indices) >= num_to_change:
+            random_indices = torch.randperm(len(false_indices), generator=generator)[:num_to_change]
+            mask[false_indices[random_indices]] = True
+    samples = {k: v[mask] for k, v in samples.items()}
+    total_batch_size, num_timesteps = samples["log_probs"].shape
+    samples = {k: v[perm] for k, v in samples.items()}
+    batched = {k: v.reshape(-1, total_batch_size // num_batches, *v.shape[1:]) for k, v in samples.items()}
+    batched = [dict(zip(batched, x)) for x in zip(*batched.values())]
+    accumulation = gradient_accumulation_steps * num_timesteps
+    updates, pending, micro_steps = [], 0.0, 0
+    for sample in batched:
+        for j in range(num_timesteps):
+            log_prob, prev_sample_mean, std_dev_t = compute_log_prob(sample, j, True)
+            advantages = torch.clamp(sample["advantages"][:, j], -adv_clip_max, adv_clip_max)
+            ratio = torch.exp(log_prob - sample["log_probs"][:, j])
+            unclipped_loss = -advantages * ratio
+            clipped_loss = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+            policy_loss = torch.mean(torch.maximum(unclipped_loss, clipped_loss))
+            if beta > 0:
+                with torch.no_grad():
+                    prev_sample_mean_ref = compute_log_prob(sample, j, False)[1]
+                dims = tuple(range(1, prev_sample_mean.ndim))  # SD3's (B, C, H, W): (1, 2, 3)
+                kl_loss = ((prev_sample_mean - prev_sample_mean_ref) ** 2).mean(dim=dims, keepdim=True) / (
+                    2 * std_dev_t ** 2)
+                loss = policy_loss + beta * torch.mean(kl_loss)
+            else:
+                loss = policy_loss
+            pending = pending + loss / accumulation
+            micro_steps += 1
+            if micro_steps % accumulation == 0:
+                updates.append(pending)
+                pending = 0.0
+    return updates

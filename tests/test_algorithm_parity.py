@@ -5,7 +5,8 @@ benchmarks/results/algorithm_parity.json.
 Tolerance: the loss is a mean over B = 8 samples of about ten float32 operations each (exp, clip, max, a mean over
 S x C = 64 elements), so its rounding error is within (10 + log2(64) + log2(8)) eps ~ 19 eps; TOL = 32 eps leaves
 headroom for the different summation orders of XLA and torch. The gradient's, relative to its largest entry,
-likewise."""
+likewise. The zero-advantage filter's update sums at most 6 kept rows x 2 window steps of the same per-row terms
+(S x C = 32 elements): (10 + log2(32) + log2(12)) eps ~ 19 eps, the same bound."""
 
 import functools
 import json
@@ -25,7 +26,8 @@ from tests.helpers import tiny_config
 TOL = 32 * float(np.finfo(np.float32).eps)
 RESULT = Path(__file__).parents[1] / "benchmarks" / "results" / "algorithm_parity.json"
 EQUAL = ["grpo_guard_batch_vs_verl_omni", *(f"rollout_corrected_{o}_vs_verl_omni_bypass"
-                                            for o in ("token_k1", "token_k2", "token_k3"))]
+                                            for o in ("token_k1", "token_k2", "token_k3")),
+         *(f"zero_advantage_{layout}_vs_flow_grpo_sd3" for layout in parity.ZERO_LAYOUTS)]
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
-"""train.drop_zero_advantage: rows of equal-reward groups gathered into whole micro-batches that the
-step skips; the update equals training on the other rows alone; nothing trains when every advantage is 0."""
+"""train.drop_zero_advantage: rows of equal-reward groups dropped (dealt behind the kept rows; micro-batches left
+with none are skipped, the others' dropped rows weigh 0); the update equals training on the kept rows alone, one
+micro-batch per update included; nothing trains when every advantage is 0, and the step says so."""
 
 import dataclasses
 
@@ -85,6 +86,7 @@ def test_all_zero_mini_batch_is_not_an_update_and_the_pass_skips_it(lora_model):
                for a, b in zip(jax.tree.leaves(state.lora), jax.tree.leaves(before.lora)))
     state, m = step(init_state(), dataclasses.replace(laid, advantages=np.zeros(4, np.float32)))
     assert int(m["empty_updates"]) == 2 and int(m["micro_skipped"]) == 2 and int(state.step) == 0
+    assert int(m["zero_advantage_step"]) == 1 and int(m["rows_dropped"]) == 4
     assert int(m["skipped"]) == 0
     for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(before)):
         np.testing.assert_array_equal(np.asarray(got), want)
@@ -102,3 +104,70 @@ def test_a_later_epoch_s_device_order_compacts_its_shuffled_rows_as_the_host_doe
         got = np.asarray(epoch_order(key, jnp.asarray(adv), mini, micro, True))
         np.testing.assert_array_equal(got, perm[zero_advantage_order(adv[perm], mini, micro)])
     np.testing.assert_array_equal(np.asarray(epoch_order(key, jnp.asarray(adv), 2, 3, False)), perm)
+
+
+def _drift_update(x, mini, micro, drop):
+    """(grads, metrics) of `accumulate_gradients` on mini-batch 0 of `x` (jaxflow_bench.algorithm_parity's stand-in
+    policy), laid out as the driver does when `drop`."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxflow.algorithms import flowgrpo
+    from jaxflow.algorithms.flowgrpo_step import accumulate_gradients
+    from jaxflow.algorithms.objective import Objective
+    from jaxflow.models.lora import LoRAParam
+    from jaxflow_bench import algorithm_parity as parity
+
+    config = ts.TrainConfig(grid_hw=(1, 1), clip_range=parity.ZCLIP, beta=parity.BETA, num_mini_batches=mini,
+                            num_micro_batches=micro, drop_zero_advantage=drop)
+    order = zero_advantage_order(x["advantages"], mini, micro) if drop else np.arange(len(x["advantages"]))
+    batch = {k: jnp.asarray(x[k][order]) for k in ("latents", "sigmas", "step_index", "log_probs", "advantages")}
+    graphdef, lora, frozen = nnx.split(parity.Drift(x["p0"]), LoRAParam, ...)
+    grads, terms = accumulate_gradients(graphdef, lora, frozen, select(batch, mini, 0), config,
+                                        objective=Objective(lambda model, shared, config: shared,
+                                                            parity.drift_log_prob))
+    metrics = flowgrpo.step_metrics(terms, clip_range=parity.ZCLIP, beta=parity.BETA)
+    config.policy.filter.runs(terms, metrics)
+    return np.asarray(grads["p"][...]), metrics
+
+
+def test_one_micro_batch_per_update_drops_the_zero_rows():
+    """The mini OCR arm's layout (one micro-batch per update): the 10 rows at advantage 0 weigh nothing, KL
+    included; the update equals the filter off on the 6 other rows alone (the old filter ran them all: 6/16 of it)."""
+    from jaxflow_bench import algorithm_parity as parity
+
+    x = parity.zero_inputs()
+    grads, metrics = _drift_update(x, 1, 1, drop=True)
+    assert int(metrics["rows_dropped"]) == 10 and int(metrics["micro_skipped"]) == 0
+    kept = {k: (v[:6] if k != "p0" else v) for k, v in x.items()}
+    want, plain = _drift_update(kept, 1, 1, drop=False)
+    np.testing.assert_allclose(grads, want, rtol=0, atol=32 * np.finfo(np.float32).eps * np.abs(want).max())
+    np.testing.assert_allclose(float(metrics["loss"]), float(plain["loss"]), rtol=32 * np.finfo(np.float32).eps)
+    assert np.abs(want).max() > 0
+
+
+def test_a_step_with_every_advantage_0_is_no_update_and_is_counted():
+    """All advantages 0: no micro-batch runs, the gradient is 0, the step reports zero_advantage_step = 1 (not a
+    skipped update, so the run's divergence check does not count it) and its log line says so; flow_grpo's
+    trainer would fail on the empty batch."""
+    from jaxflow.run.metrics_log import step_line
+    from jaxflow.trainer.divergence import SkipStreak
+    from jaxflow.trainer.minibatches import combine_metrics
+    from jaxflow_bench import algorithm_parity as parity
+
+    x = {**parity.zero_inputs(), "advantages": np.zeros(16, np.float32)}
+    updates = []
+    for mini, micro in ((2, 2), (1, 1)):
+        grads, metrics = _drift_update(x, mini, micro, drop=True)
+        assert not grads.any() and int(metrics["empty_updates"]) == 1 and float(metrics["loss"]) == 0.0
+        assert int(metrics["rows_dropped"]) == 16 // mini
+        updates.append({**metrics, "skipped": np.int32(0)})
+    step = combine_metrics(updates)
+    assert int(step["zero_advantage_step"]) == 1 and int(step["empty_updates"]) == 2 and int(step["skipped"]) == 0
+    streak = SkipStreak(0)
+    streak.record(1, bool(step["skipped"]))
+    assert not streak.over
+    flat = {"step": 1, "reward_mean": 0.5, "reward_std": 0.0, **{k: float(np.mean(v)) for k, v in step.items()}}
+    assert "no update (every advantage 0)" in step_line(flat, 3)
+    partly = combine_metrics([updates[0], {**updates[0], "empty_updates": np.int32(0)}])
+    assert int(partly["zero_advantage_step"]) == 0

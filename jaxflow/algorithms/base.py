@@ -4,7 +4,7 @@ TrainConfig fields it reads, whether it needs the old-log-prob recompute pass, a
 
 Four roles, one config key each: the policy loss (`train.algorithm`: flowgrpo, nft), FlowGRPO's ratio
 (`train.ratio_norm`: none, guard), the source of logp_old (`train.old_log_prob`: rollout, recompute,
-rollout_corrected) and the micro-batch filter (`train.drop_zero_advantage`: False, True). Each role's hooks are
+rollout_corrected) and the row filter (`train.drop_zero_advantage`: False, True). Each role's hooks are
 named in its Protocol below; the train step calls them and never names a component."""
 from __future__ import annotations
 
@@ -68,18 +68,20 @@ class OldLogProb(Protocol):
 
 
 class Filter(Protocol):
-    """Which micro-batches train (`jaxflow.algorithms.flowgrpo_step.accumulate_gradients`); compacts: the driver
-    gathered the rows it skips into whole micro-batches (the epochs' shuffles keep them so)."""
+    """Which rows train and what each weighs in the loss (`jaxflow.algorithms.flowgrpo_step.accumulate_gradients`):
+    `active` (m, b) advantages -> (m,) the micro-batches that run, `weights` -> (m, b) each row's loss weight (they
+    sum to 1 / W); compacts: the driver dealt the rows it keeps into the first micro-batches (the epochs' shuffles
+    keep them so)."""
 
     compacts: bool
 
-    def active(self, advantages, m: int): ...
+    def active(self, advantages): ...
 
-    def scale(self, active, m: int, w: int): ...
+    def weights(self, advantages, w: int): ...
 
     def run(self, train, grads, run): ...
 
-    def marked(self, terms: dict, active) -> dict: ...
+    def marked(self, terms: dict, advantages) -> dict: ...
 
     def runs(self, terms: dict, metrics: dict): ...
 

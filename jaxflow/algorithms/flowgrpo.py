@@ -154,10 +154,13 @@ PLAIN = PlainRatio("none", "FlowGRPO's ratio", fields=("log_probs",),
 RATIOS = {r.name: r for r in (PLAIN, grpo_guard.GUARD)}  # train.ratio_norm's choices
 
 
-def window_loss(terms: dict, beta: float):
+def window_loss(terms: dict, beta: float, weight=None):
     """mean(policy) + beta * mean(kl) over a window step's samples (rollout correction's rejected ones among them,
-    their policy term 0, as verl-omni weights them)."""
-    return jnp.mean(terms["policy"]) + beta * jnp.mean(terms["kl"])
+    their policy term 0, as verl-omni weights them); with `weight` (B,) the weighted sum of policy + beta * kl
+    instead (the row filter's weights, `zero_advantage`)."""
+    if weight is None:
+        return jnp.mean(terms["policy"]) + beta * jnp.mean(terms["kl"])
+    return jnp.sum(weight * (terms["policy"] + beta * terms["kl"]))
 
 
 def step_metrics(terms: dict, *, clip_range: float, beta: float) -> dict:
@@ -166,7 +169,8 @@ def step_metrics(terms: dict, *, clip_range: float, beta: float) -> dict:
     on); logp_diff_mean / logp_diff_max are (W,): |logp - logp_rollout| per window step (rollout-trainer
     mismatch); with rollout correction, rejected_frac = the share of samples x window steps rejected (`keep`
     False). An optional `mask` term (same shape, bool; all True without it) keeps only the samples that trained
-    (drop_zero_advantage); with none of them, the means are 0 and the ratio's extremes 1."""
+    (drop_zero_advantage: the rows whose advantage is not 0); with none of them, the means are 0 and the ratio's
+    extremes 1."""
     ratio, dlogp = terms["ratio"], terms["dlogp"]
     given = terms.get("mask")
 

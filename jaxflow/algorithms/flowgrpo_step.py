@@ -21,7 +21,7 @@ from jaxflow_bridge.contract.batch import GUIDANCE_FIELDS
 FIELDS = ("latents", "log_probs", "sigmas", "step_index", "noise_level", "prompt_embeds", "prompt_mask", "advantages")
 
 
-def _window_loss(lora, frozen, step, scale, *, graphdef, config, objective: Objective):
+def _window_loss(lora, frozen, step, weight, *, graphdef, config, objective: Objective):
     model = nnx.merge(graphdef, lora, frozen)
     terms = flowgrpo.window_step_terms(
         model, step, grid_hw=config.grid_hw, sde_type=config.sde_type, guidance=config.guidance,
@@ -29,32 +29,34 @@ def _window_loss(lora, frozen, step, scale, *, graphdef, config, objective: Obje
         reject=config.policy.old_log_prob.rejection(config), ratio_norm=config.ratio_norm,
         guard_stats=config.guard_stats,
         log_prob=functools.partial(objective.log_prob, config=config))
-    return flowgrpo.window_loss(terms, config.beta) * scale, terms
+    return flowgrpo.window_loss(terms, config.beta, weight), terms
 
 
 def accumulate_gradients(graphdef, lora, frozen, batch: dict, config, layout: Layout | None = None,
                          objective: Objective = WINDOW):
-    """Sum over micro-batches and window steps of grad(loss / (M * W)) wrt `lora`, and the per-sample terms
-    stacked as (M, W, B/M), M = num_micro_batches (`config` a TrainConfig). `batch` is per-sample (see
+    """Sum over micro-batches and window steps of the gradient of the rows' weighted loss wrt `lora` (weights by the
+    filter: 1 / (B' W) each, the mini-batch's mean as flow_grpo divides by its accumulation steps), and the
+    per-sample terms stacked as (M, W, B/M), M = num_micro_batches (`config` a TrainConfig). `batch` is per-sample (see
     `train_step.prepare_batch`). logp_old: the rollout's log_probs where the source is the rollout's
     (old_log_prob="rollout", or "rollout_corrected", which also rejects: `rollout_correction`), else
     batch["old_log_probs"] (B, W) if given, else the on-policy stop_gradient(logp).
 
-    The filter (`zero_advantage`) picks the micro-batches that run and M then counts those only (the terms carry
-    `mask`). `objective` (`jaxflow.algorithms.objective`): the model family's window log-prob; its `context` runs once
-    per micro-batch, outside the gradient (e.g. a family's frozen text contexts' K/V, reused at every window step)."""
+    The filter (`zero_advantage`) picks the micro-batches that run and the rows' weights: with
+    drop_zero_advantage the loss is the mean over the rows whose advantage is not 0 (the terms carry their `mask`).
+    `objective` (`jaxflow.algorithms.objective`): the model family's window log-prob; its `context` runs once per
+    micro-batch, outside the gradient (e.g. a family's frozen text contexts' K/V, reused at every window step)."""
     policy = config.policy
     m, w = config.num_micro_batches, batch["log_probs"].shape[1]
     batch = policy.old_log_prob.with_old(batch)
     flags = {k: batch[k] for k in ("old_on_policy",) if k in batch}  # scalars, not per sample
     batch = minibatches.micro_batches({k: v for k, v in batch.items() if k not in flags}, m)
-    active = policy.filter.active(batch["advantages"], m)
-    scale = policy.filter.scale(active, m, w)
+    active = policy.filter.active(batch["advantages"])
+    weights = policy.filter.weights(batch["advantages"], w)
     grad_fn = jax.grad(functools.partial(_window_loss, graphdef=graphdef, config=config, objective=objective),
                        has_aux=True)
 
     def micro(grads, xs):
-        mb, run = xs
+        mb, run, weight = xs
         if layout is not None:
             mb = jax.lax.with_sharding_constraint(mb, layout.batch_sharding)
         per_step, shared = flowgrpo.window_steps(mb)
@@ -63,15 +65,15 @@ def accumulate_gradients(graphdef, lora, frozen, batch: dict, config, layout: La
             ctx = objective.context(nnx.merge(graphdef, lora, frozen), shared, config)
 
             def window(grads, xs):
-                g, terms = grad_fn(lora, frozen, {**ctx, **flags, **xs}, scale=scale)
+                g, terms = grad_fn(lora, frozen, {**ctx, **flags, **xs}, weight=weight)
                 return jax.tree.map(jnp.add, grads, g), terms
 
             return jax.lax.scan(window, grads, per_step)
 
         return policy.filter.run(train, grads, run)
 
-    grads, terms = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, lora), (batch, active))
-    return grads, policy.filter.marked(terms, active)
+    grads, terms = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, lora), (batch, active, weights))
+    return grads, policy.filter.marked(terms, batch["advantages"])
 
 
 @dataclasses.dataclass(frozen=True)

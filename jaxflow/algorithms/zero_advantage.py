@@ -1,7 +1,10 @@
-"""The micro-batch filter (train.drop_zero_advantage): every micro-batch trains (False), or one whose advantages are
-all 0 is not run (True: its rows' policy gradient is 0 and, with beta = 0, so is their loss), as flow_grpo's SD3
-trainer trains only the samples it keeps. The driver first gathers the zero rows into whole micro-batches
-(`minibatches.compact_zero_advantage`)."""
+"""The row filter (train.drop_zero_advantage), flow_grpo's SD3 trainer's (`scripts/train_sd3.py`: it drops the
+samples whose advantages are all 0 and re-batches the others): every row trains (False), or the rows with advantage
+0 are dropped (True) and each update's loss is the mean over the rows it kept. Shapes stay static under jit: the
+driver deals the kept rows into each mini-batch's first micro-batches (`minibatches.compact_zero_advantage`,
+`RowLayout.packed`), the micro-batches left with no kept row are not run, and a row's loss weight is 1 / (K W)
+where it is kept (K the update's kept rows, W the window steps), 0 where not (a partly-filled micro-batch's zero
+rows)."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,20 +21,20 @@ def _zeros(shapes):
 
 @dataclasses.dataclass(frozen=True)
 class KeepAll(Component):
-    """Every micro-batch trains; the loss is divided by (M * W)."""
+    """Every row trains, each weighing 1 / (B' W) (B' the mini-batch's rows): the mean over all of them."""
 
     compacts: bool = False
 
-    def active(self, advantages, m: int):
-        return jnp.ones(m, bool)
+    def active(self, advantages):
+        return jnp.ones(advantages.shape[0], bool)
 
-    def scale(self, active, m: int, w: int):
-        return 1.0 / (m * w)
+    def weights(self, advantages, w: int):
+        return jnp.full(advantages.shape, 1.0 / (advantages.size * w), jnp.float32)
 
     def run(self, train, grads, run):
         return train(grads)
 
-    def marked(self, terms: dict, active) -> dict:
+    def marked(self, terms: dict, advantages) -> dict:
         return terms
 
     def runs(self, terms: dict, metrics: dict):
@@ -46,30 +49,32 @@ class KeepAll(Component):
 
 @dataclasses.dataclass(frozen=True)
 class DropZero(KeepAll):
-    """A micro-batch whose advantages are all 0 is not run and M counts the others only, so the loss is the mean over
-    the micro-batches that train. The terms then carry `mask` (M, W, B/M): False where a micro-batch did not run
-    (its terms are zeros); an update with none to train on is no optimizer update (flow_grpo would have no batch)."""
+    """A row whose advantage is 0 weighs 0 and the others 1 / (K W), K the update's kept rows; a micro-batch with no
+    kept row is not run. The terms then carry `mask` (M, W, B/M): the kept rows (the metrics are theirs); an update
+    with no kept row is no optimizer update (flow_grpo's trainer would have an empty batch)."""
 
     compacts: bool = True
 
-    def active(self, advantages, m: int):
+    def active(self, advantages):
         return jnp.any(advantages != 0, axis=1)
 
-    def scale(self, active, m: int, w: int):
-        return 1.0 / (jnp.maximum(jnp.sum(active), 1) * w)
+    def weights(self, advantages, w: int):
+        keep = advantages != 0
+        return keep.astype(jnp.float32) / (jnp.maximum(jnp.sum(keep), 1) * w).astype(jnp.float32)
 
     def run(self, train, grads, run):
         shapes = jax.eval_shape(train, grads)[1]
         return jax.lax.cond(run, train, lambda g: (g, _zeros(shapes)), grads)
 
-    def marked(self, terms: dict, active) -> dict:
-        terms["mask"] = jnp.broadcast_to(active[:, None, None], terms["ratio"].shape)
+    def marked(self, terms: dict, advantages) -> dict:
+        terms["mask"] = jnp.broadcast_to((advantages != 0)[:, None, :], terms["ratio"].shape)
         return terms
 
     def runs(self, terms: dict, metrics: dict):
-        """Which micro-batches ran (metrics gain micro_skipped and empty_updates)."""
+        """Which micro-batches ran; metrics gain rows_dropped, micro_skipped and empty_updates."""
         runs = jnp.any(terms["mask"], axis=(1, 2))
-        metrics.update(micro_skipped=jnp.sum(~runs).astype(jnp.int32),
+        metrics.update(rows_dropped=jnp.sum(~terms["mask"][:, 0]).astype(jnp.int32),
+                       micro_skipped=jnp.sum(~runs).astype(jnp.int32),
                        empty_updates=(~jnp.any(runs)).astype(jnp.int32))
         return runs
 
@@ -78,10 +83,10 @@ class DropZero(KeepAll):
         return jax.lax.cond(jnp.any(mb["advantages"] != 0), forward, lambda: _zeros(jax.eval_shape(forward)))
 
     def logp_rows(self, diff, advantages):
-        """Rows of skipped micro-batches have no logp_old."""
+        """Dropped rows have no logp_old (their micro-batch may not have run)."""
         return jnp.where(advantages[:, None] != 0, diff, 0.0)
 
 
-KEEP_ALL = KeepAll("none", "every micro-batch trains", config_keys=("drop_zero_advantage",))
-DROP_ZERO = DropZero("zero_advantage", "micro-batches whose advantages are all 0 are not trained",
+KEEP_ALL = KeepAll("none", "every row trains", config_keys=("drop_zero_advantage",))
+DROP_ZERO = DropZero("zero_advantage", "rows whose advantage is 0 are dropped, the loss is the kept rows' mean",
                      fields=("advantages",), config_keys=("drop_zero_advantage",))

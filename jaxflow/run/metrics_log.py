@@ -52,6 +52,8 @@ def step_line(flat: dict, total_steps: int) -> str:
         line += f"  reward errors {flat['reward_errors']:.0f}"
     if flat.get("skipped"):
         line += "  update skipped (non-finite)"
+    if flat.get("zero_advantage_step"):
+        line += "  no update (every advantage 0)"
     if "eval_reward_mean" in flat:
         line += f"  eval reward {flat['eval_reward_mean']:.3f}"
     return line

@@ -4,7 +4,8 @@ The row layout the train step reads is `RowLayout` (mini-batch j = rows j, j + M
 rows k, k + m, ...), the only place its strides are written. `order_minibatches` (host side, before the batch is put or broadcast) shuffles
 the prompt groups, seeded by (seed, step) so a resumed run repeats it, and lays them out so that each mini-batch
 holds whole groups; `compact_zero_advantage` (train.drop_zero_advantage) then moves, inside each mini-batch, the rows
-whose advantage is not zero into its first micro-batches, so the step can skip the micro-batches left with none.
+whose advantage is not zero into its first micro-batches, so the step can skip the micro-batches left with none
+(the dropped rows of a partly-filled one weigh 0: `jaxflow.algorithms.zero_advantage`).
 `combine_metrics` reduces the per-update metrics to the step's and names the per-position
 ones.
 """
@@ -154,24 +155,31 @@ def select(tree, m: int, j) -> dict:
     return RowLayout(m).select(tree, j)
 
 
+SUMMED = ("skipped", "rows_dropped", "micro_skipped", "empty_updates")
+
+
 def combine_metrics(updates: list[dict]) -> dict:
     """The step's metrics from its updates' (equal-sized mini-batches): min of *_min, max of *_max and
-    logp_diff_max, sum of skipped, micro_skipped and empty_updates, mean of the rest. With more than one update,
-    also `mb{k}/<key>` for the k-th update of the step (k = 1 .. num_inner_epochs x num_mini_batches) and each key of
-    POSITION_KEYS the updates report (DiffusionNFT's have no ratio)."""
+    logp_diff_max, sum of SUMMED, mean of the rest; where the updates report empty_updates (drop_zero_advantage),
+    zero_advantage_step = 1 when none of them had a row to train (every advantage 0: the step made no update). With
+    more than one update, also `mb{k}/<key>` for the k-th update of the step (k = 1 .. num_inner_epochs x
+    num_mini_batches) and each key of POSITION_KEYS the updates report (DiffusionNFT's have no ratio)."""
     if len(updates) == 1:
-        return updates[0]
-    out = {}
-    for key in updates[0]:
-        stacked = jnp.stack([u[key] for u in updates])
-        if key.endswith("_min"):
-            out[key] = jnp.min(stacked, axis=0)
-        elif key.endswith("_max"):
-            out[key] = jnp.max(stacked, axis=0)
-        elif key in ("skipped", "micro_skipped", "empty_updates"):
-            out[key] = jnp.sum(stacked, axis=0)
-        else:
-            out[key] = jnp.mean(stacked, axis=0)
-    for k, u in enumerate(updates, 1):
-        out.update({f"mb{k}/{key}": u[key] for key in POSITION_KEYS if key in u})
+        out = dict(updates[0])
+    else:
+        out = {key: _reduced(key, jnp.stack([u[key] for u in updates])) for key in updates[0]}
+        for k, u in enumerate(updates, 1):
+            out.update({f"mb{k}/{key}": u[key] for key in POSITION_KEYS if key in u})
+    if "empty_updates" in out:
+        out["zero_advantage_step"] = (out["empty_updates"] == len(updates)).astype(jnp.int32)
     return out
+
+
+def _reduced(key: str, stacked):
+    if key.endswith("_min"):
+        return jnp.min(stacked, axis=0)
+    if key.endswith("_max"):
+        return jnp.max(stacked, axis=0)
+    if key in SUMMED:
+        return jnp.sum(stacked, axis=0)
+    return jnp.mean(stacked, axis=0)

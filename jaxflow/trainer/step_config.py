@@ -44,7 +44,7 @@ class TrainConfig:
     guard_stats: str = "sample"     # guard: each sample's own step's scale and dt, or "batch": the micro-batch's
     guard_clip_range: float = 2e-6  # guard: the clip of its normalized ratio (both references' recipes)
     off_policy: bool = False        # batches may come from the previous policy (rollout.overlap): see `__call__`
-    drop_zero_advantage: bool = False  # skip micro-batches whose advantages are all 0 (algorithms.zero_advantage)
+    drop_zero_advantage: bool = False  # drop rows whose advantage is 0 (algorithms.zero_advantage)
     shuffle_seed: int = 0           # the rows' shuffle between inner epochs; with "nft" also its timesteps and noise
     # the policy loss (jaxflow.algorithms.registry): "flowgrpo", or "nft" (DiffusionNFT, jaxflow.algorithms.nft)
     algorithm: str = "flowgrpo"

@@ -1,6 +1,6 @@
 """The train step (docs/design.md §2): `step(state, batch)` runs the algorithm the config resolves to
 (`TrainConfig.policy`, `jaxflow.algorithms.registry`: a policy loss, FlowGRPO's ratio, the source of logp_old and a
-micro-batch filter) over one rollout batch with two jitted, sharded functions. It calls the policy's components and
+row filter) over one rollout batch with two jitted, sharded functions. It calls the policy's components and
 names none of them.
 
 The batch is cut into num_mini_batches (M) mini-batches of whole prompt groups (`jaxflow.trainer.minibatches`: the caller
@@ -17,7 +17,8 @@ Each update (`_update`, compiled once: every mini-batch has the same shapes and 
 NNX (`graphdef, lora, frozen = nnx.split(model, LoRAParam, ...)`, `nnx.merge` inside the loss, gradients only for
 the LoRA tree); the policy loss's gradient over the mini-batch (FlowGRPO's: for each micro-batch x each window step,
 forward, SDE log-prob of the stored next latent, clipped objective (+ beta KL), gradient, accumulated with lax.scan,
-each loss divided by (num_micro_batches * W) as flow_grpo does: `algorithms.flowgrpo_step`). Then ONE optimizer
+each row's loss weighted 1 / (rows x W), the mini-batch's mean as flow_grpo's accumulation makes it, or with
+drop_zero_advantage the mean over the rows whose advantage is not 0: `algorithms.flowgrpo_step`). Then ONE optimizer
 update, skipped (state untouched, `skipped` = 1) when the loss or the gradient is not finite, or when the update
 would make the LoRA or the optimizer state non-finite (checked inside the jit). The optimizer state covers the LoRA
 tree only; the frozen base is an argument, never updated and never donated. num_micro_batches counts the
