@@ -27,7 +27,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxflow import config as config_lib
+from jaxflow.config import validation as config_lib
 from jaxflow.trainer import phases
 from jaxflow.run import run_dir as run_dir_lib
 from jaxflow.trainer.checkpoint import config_json

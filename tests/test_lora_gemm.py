@@ -142,8 +142,8 @@ def test_tile_walk_visits_every_output_tile_once(m_tiles, n_tiles, group):
 
 
 def test_pallas_turns_off_dynamic_slice_fusion_unless_set():
-    from jaxflow import config as config_lib
-    from jaxflow.recipes import base
+    from jaxflow.config import validation as config_lib
+    from jaxflow.config.recipes import base
 
     cfg = base()
     assert "xla_gpu_enable_dynamic_slice_fusion" not in config_lib.xla_options(cfg)  # "auto", not resolved
@@ -159,8 +159,8 @@ def test_auto_picks_the_fused_gemm_only_where_it_runs_and_pays():
     """model.lora_gemm=auto (the recipe's): pallas for unrolled blocks in bf16 on H100/H200s with rows that tile
     the kernel or nearly (padding them adds at most 1/16); each condition that fails is named, and "xla" or "pallas"
     set in the config is kept."""
-    from jaxflow import config as config_lib
-    from jaxflow.recipes import base, tiny
+    from jaxflow.config import validation as config_lib
+    from jaxflow.config.recipes import base, tiny
 
     cfg = base()
     assert (cfg.model.lora_gemm, cfg.model.scan_unroll) == ("auto", 0)
@@ -197,8 +197,8 @@ def test_auto_picks_the_fused_gemm_only_where_it_runs_and_pays():
 def test_scan_unroll_zero_follows_the_resolved_gemm():
     """model.scan_unroll=0 (the recipe's): the blocks unrolled where the linears run the fused kernel, a scan with
     XLA's (unrolled, those hold about twice the update's temporaries); a number set in the config is kept."""
-    from jaxflow import config as config_lib
-    from jaxflow.recipes import base
+    from jaxflow.config import validation as config_lib
+    from jaxflow.config.recipes import base
 
     cfg = base()
     assert config_lib.model_options(cfg, "pallas", 60).scan_unroll == 60

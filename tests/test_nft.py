@@ -140,7 +140,7 @@ def test_the_nft_step_needs_the_final_latents_and_refuses_flowgrpo_settings(tiny
 
 
 def test_the_mini_ocr_arms_validate_and_set_what_they_name():
-    from jaxflow import config as config_lib
+    from jaxflow.config import validation as config_lib
     module = config_lib.config_module(ROOT / "configs" / "mini_ocr.py")
     seen = {}
     for variant in module.VARIANTS:

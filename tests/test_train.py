@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxflow import config as config_lib
+from jaxflow.config import validation as config_lib
 from jaxflow.train import Trainer
 from tests.helpers import ROOT, run, tiny_config
 from tests import HANG_S

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxflow import config as config_lib
+from jaxflow.config import validation as config_lib
 from jaxflow import families
 from jaxflow.trainer import phases
 from jaxflow.sync.base_share import torch_base_weights

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflow import config as config_lib
+from jaxflow.config import validation as config_lib
 from jaxflow.trainer import memory
 from jaxflow.trainer.checkpoint import Checkpointer
 from jaxflow.trainer.divergence import check_finite

@@ -34,7 +34,7 @@ class Bagel:
     example = "/path/to/BAGEL-7B-MoT"
     files = ("llm_config.json", "config.json", "tokenizer.json")
     weights = ("ema.safetensors",)  # read with model.init='checkpoint' only
-    one_device = True  # jaxflow.config.check_layout
+    one_device = True  # jaxflow.config.validation.check_layout
     stages = DEPLOYS
     thinks = True
 
@@ -103,7 +103,7 @@ class Bagel:
     def build_model(self, cfg, folder: Path, spec, opts_for, **kw):
         """BAGEL's generation path from the folder's ema.safetensors (checkpoint names through bagel_keymap), or
         drawn from `seed` with model.init=random; its markers' ids from tokenizer.json, fresh adapters from `seed`.
-        One device (jaxflow.config.check_layout): its weights carry no sharding yet."""
+        One device (jaxflow.config.validation.check_layout): its weights carry no sharding yet."""
         mc = folder_config(folder)
         opts = opts_for(mc.num_hidden_layers)
         if opts.lora_gemm != "xla":  # "auto" resolved to the fused kernel, which BAGEL's layers do not call

@@ -36,7 +36,7 @@ def _fail(key: str, message: str):
     raise UserError(f"config.{key}: {message}")
 
 
-LAYOUTS = ("colocated", "split", "in_process")  # rollout.layout (jaxflow/recipes.py)
+LAYOUTS = ("colocated", "split", "in_process")  # rollout.layout (jaxflow/config/recipes.py)
 LORA_MODES = ("auto", "merged", "layers")  # rollout.lora_mode
 
 
