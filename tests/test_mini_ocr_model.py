@@ -54,7 +54,8 @@ def test_vae_loss_drops_and_latents_pack_to_the_transformer_input(toy):
 
 
 def test_the_rl_config_and_its_control_validate(tiny_path):
-    from jaxflow.config.validation import UserError, validate
+    from jaxflow.config.errors import UserError
+    from jaxflow.config.validation import validate
 
     for variant, reward in (("", "ocr"), ("control", "ocr_shuffled")):
         cfg = mini_config(variant)

@@ -177,16 +177,17 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
     signals.install(f"error: interrupted; the checkpoints in {Path(cfg.run_dir) / 'checkpoints'} are as they were "
                     f"(continue with --resume if there are any)", unwind=True)
     try:
-        config_lib.validate(cfg)
+        config = config_lib.validate(cfg)  # the one validation of this process: the trainer takes its result
         finished = run_dir_lib.preflight(cfg, resume=FLAGS.resume, overwrite=FLAGS.overwrite,
                                          allow_config_changes=FLAGS.allow_config_changes)
         if finished:
             print(finished)
             return 0
         ray_logs = _start_ray(cfg, FLAGS.verbose)
-        trainer = trainer_class(cfg, resume=FLAGS.resume)
+        trainer = trainer_class(config, resume=FLAGS.resume)
         if trainer.driver:
             print(f"training {Path(cfg.run_dir).resolve()}: step {trainer.start} -> {cfg.train.num_steps}", flush=True)
+            print(trainer.plan.summary(), flush=True)  # the plan, logged once
             print(trainer.startup_line(), flush=True)
             if trainer.memory_summary:
                 print(trainer.memory_summary, flush=True)
