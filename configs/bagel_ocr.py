@@ -13,7 +13,7 @@ One H200 holds it at 2 samples a micro-batch with JAX's pool at half the GPU (`X
 XLA_CLIENT_MEM_FRACTION=0.5`: the update planned at 37.8 GiB beside 26.0 GiB, the GPU's peak 100.9 GiB, measured
 at 2 prompts a step and one a rollout call; BENCHMARKS.md, BAGEL-7B-MoT at full size). On the CPU: configs/tiny_bagel_ocr.py (the `bagel_torch` engine).
 """
-from jaxflow.recipes import base
+from jaxflow.config.recipes import base
 from jaxflow_bridge.contract.bagel_keymap import DEFAULT_LORA_TARGETS
 
 

@@ -19,7 +19,7 @@ held-out OCR rose +0.149 to +0.207 on six pipelines built from nothing, and no s
 "Mini OCR")."""
 from pathlib import Path
 
-from jaxflow.recipes import base, tiny
+from jaxflow.config.recipes import base, tiny
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "mini_ocr"
 # the algorithm arms compared on this proof (experiments/mini_ocr/run.sh ARM=...): FlowGRPO as below (""), with

@@ -5,7 +5,7 @@
 The tiny random Qwen-Image draws noise, so OCR scores it 0 everywhere (no signal to learn from); the mean pixel
 value is a dense signal the LoRA moves from the first step. Group size, lr and steps: measured in README.
 """
-from jaxflow.recipes import base, tiny
+from jaxflow.config.recipes import base, tiny
 
 
 def get_config():

@@ -2,9 +2,9 @@
 
     python -m jaxflow.train --config configs/tiny_ocr.py [--config.train.num_steps=20]
 
-The real recipe (configs/qwen_ocr.py) with the tiny overrides of jaxflow/recipes.py: the same knobs at toy sizes.
+The real recipe (configs/qwen_ocr.py) with the tiny overrides of jaxflow/config/recipes.py: the same knobs at toy sizes.
 """
-from jaxflow.recipes import base, tiny
+from jaxflow.config.recipes import base, tiny
 
 
 def get_config():

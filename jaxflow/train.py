@@ -26,18 +26,20 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from ml_collections import ConfigDict
 
-from jaxflow import config as config_lib
+from jaxflow.config import validation as config_lib
+from jaxflow.config.sections import RunConfig
 from jaxflow.trainer import phases
 from jaxflow.run import run_dir as run_dir_lib
 from jaxflow.trainer.checkpoint import config_json
 from jaxflow.run.data import GroupSampler, load_prompts
 from jaxflow.trainer.divergence import SkipStreak
 from jaxflow.run.driver import Driver
-from jaxflow.trainer.learner import Learner
+from jaxflow.trainer.learner import Learner, run_plan
 from jaxflow.run.metrics_log import RunLog
 from jaxflow.run.profiling import StepProfiler
-from jaxflow.trainer.sharding import maybe_initialize_distributed
+from jaxflow.trainer.sharding import Layout, maybe_initialize_distributed
 
 log = logging.getLogger("jaxflow.train")
 
@@ -71,13 +73,15 @@ def check_backend(cfg) -> None:
 
 
 class Trainer:
-    """Holds the run's pieces; `run()` drives the loop. Build with `Trainer(cfg, resume)`."""
+    """Holds the run's pieces; `run()` drives the loop. Build with `Trainer(config, resume)`: `config` is the
+    validation stage's RunConfig (the command line validated it), or a ConfigDict validated here."""
 
-    def __init__(self, cfg, resume: bool = False):
+    def __init__(self, config: RunConfig | ConfigDict, resume: bool = False):
         self.started = time.monotonic()  # train.max_minutes counts from here
-        self.cfg, self.startup, self._phase_began = cfg, {}, None  # seconds per start-up phase, in order
+        self.startup, self._phase_began = {}, None  # seconds per start-up phase, in order
+        self.cfg = cfg = config.source if isinstance(config, RunConfig) else config
         self._begin("checks")
-        config_lib.validate(cfg)
+        self.config = config if isinstance(config, RunConfig) else config_lib.validate(cfg)
         maybe_initialize_distributed()
         run_dir_lib.check_shared(Path(cfg.run_dir))
         check_backend(cfg)
@@ -96,11 +100,13 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self._begin("prompts and rewards")
         folder = config_lib.model_folder(cfg)
+        # every 'auto' resolved once (jaxflow/config/plan.py): what the driver and the learner read
+        self.plan = run_plan(cfg, folder, Layout.create(config_lib.sharding_config(cfg)))
         train_items = load_prompts(cfg.data.train, config_lib.needs_target(cfg))
         self.sampler = GroupSampler(len(train_items), s.prompts_per_step, s.group_size, cfg.seed)
-        self.driver = Driver(cfg, folder, train_items, self.sampler) if first else None
+        self.driver = Driver(cfg, folder, train_items, self.sampler, self.plan) if first else None
         self._begin("trainer's model")
-        self.learner = Learner(cfg, folder)
+        self.learner = Learner(cfg, folder, self.plan)
         self._begin("memory plan")
         try:  # before the rollout starts and before anything is written: a step that cannot fit stops here
             self.memory_summary = self.learner.check_memory()

@@ -61,7 +61,7 @@ ARMS = {"flowgrpo": [], "guard": ["--config.train.ratio_norm=guard"],
         "corrected": ["--config.train.old_log_prob=rollout_corrected"],
         "nft": ["--config.train.algorithm=nft", "--config.sample.guidance=1", "--config.sample.sde_type=ode"]}
 FIXED = ["--config.eval.every=0", "--config.checkpoint.every=1000", "--config.log.progress=False"]
-RECIPE_VALUES = ("import json, sys; from jaxflow.config import config_module; "
+RECIPE_VALUES = ("import json, sys; from jaxflow.config.validation import config_module; "
                  "c = config_module(sys.argv[1]).get_config(); print(json.dumps(dict("
                  "prompts=c.sample.prompts_per_step, group=c.sample.group_size, "
                  "mini=c.train.num_mini_batches, micro=c.train.num_micro_batches)))")

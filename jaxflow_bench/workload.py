@@ -13,11 +13,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxflow import config as config_lib
+from jaxflow.config import validation as config_lib
 from jaxflow.models.config import ModelOptions, QwenImageConfig
 from jaxflow.models.lora import LoRASpec
 from jaxflow.models.transformer import QwenImageTransformer
-from jaxflow.recipes import base
+from jaxflow.config.recipes import base
 from jaxflow.trainer.step_config import TrainConfig
 from jaxflow.trainer.train_batch import TrainBatch
 from jaxflow_bench.timing import median_ms
@@ -33,7 +33,7 @@ ONE_UPDATE = dict(num_mini_batches=1, old_log_prob="rollout")
 
 
 def recipe_train_config(grid_hw, **changes) -> TrainConfig:
-    """The train step's config as the recipe ships it (`jaxflow.recipes.base()` through `jaxflow.config.train_config`,
+    """The train step's config as the recipe ships it (`jaxflow.config.recipes.base()` through `jaxflow.config.validation.train_config`,
     as the trainer builds it) with a benchmark's own `changes` (micro-batches, mini-batches, ...)."""
     return dataclasses.replace(config_lib.train_config(base(), grid_hw), **changes)
 

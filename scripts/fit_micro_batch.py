@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from jaxflow.config import config_module
+from jaxflow.config.validation import config_module
 from jaxflow_bench.cli import bench_parser
 from jaxflow_bench.results import write_result
 

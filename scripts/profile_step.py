@@ -74,12 +74,13 @@ def profile_train_step(out: Path, batch: int, micro: int, hlo: Path | None = Non
 
     import jax
 
-    from jaxflow import config as config_lib
+    from jaxflow.config import plan as plan_lib
+    from jaxflow.config import validation as config_lib
     from jaxflow.models.config import QwenImageConfig
     from jaxflow.models.lora import LoRASpec
     from jaxflow.models.lora_gemm import on_hopper
     from jaxflow.models.random_init import random_transformer
-    from jaxflow.recipes import base
+    from jaxflow.config.recipes import base
     from jaxflow.trainer.train_step import make_train_step
     from jaxflow_bench.workload import FULL, ONE_UPDATE, negatives_padded, recipe_train_config, synthetic_batch
 
@@ -91,8 +92,8 @@ def profile_train_step(out: Path, batch: int, micro: int, hlo: Path | None = Non
         recipe.model.scan_unroll = unroll
     if gemm:
         recipe.model.lora_gemm = gemm
-    gemm, _ = config_lib.lora_gemm(recipe, cfg.num_layers, jax.device_count(), on_hopper(), batch // micro,
-                                   (32 * 32, 128))
+    gemm, _ = plan_lib.lora_gemm(recipe, cfg.num_layers, jax.device_count(), on_hopper(), batch // micro,
+                                 (32 * 32, 128))
     opts = config_lib.model_options(recipe, gemm, cfg.num_layers)
     model = random_transformer(cfg, opts, LoRASpec(rank=64, alpha=128.0), seed=0)
     if model.unrolled:  # as the trainer holds them (jaxflow/trainer/learner.py)

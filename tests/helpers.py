@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxflow.config import config_module
+from jaxflow.config.validation import config_module
 from jaxflow.models.config import ModelOptions, QwenImageConfig
 from jaxflow.models.lora import LoRAParam, LoRASpec
 from jaxflow.models.transformer import QwenImageTransformer

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from jaxflow import config as config_lib
+from jaxflow.config import validation as config_lib
 from jaxflow.algorithms import rollout_correction
 from jaxflow_bench import algorithm_parity as parity
 from tests import reference_transcriptions as ref

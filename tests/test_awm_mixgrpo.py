@@ -98,7 +98,7 @@ def test_mixgrpo_window_slides_as_the_official_schedule(steps, size, interval, s
 
 def test_mixgrpo_narrows_the_rollouts_window_range_to_the_steps_window():
     from jaxflow.algorithms import registry
-    from jaxflow.recipes import base, tiny
+    from jaxflow.config.recipes import base, tiny
     cfg = tiny(base())
     cfg.train.algorithm = "mixgrpo"
     cfg.sample.update(num_steps=10, window_size=2, window_range=(0, 9))

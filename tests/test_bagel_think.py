@@ -13,9 +13,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from jaxflow import config as config_lib
-from jaxflow import families, recipes
-from jaxflow.config import UserError, config_module
+from jaxflow.config import validation as config_lib
+from jaxflow import families
+from jaxflow.config import recipes
+from jaxflow.config.errors import UserError
+from jaxflow.config.validation import config_module
 from jaxflow.run.driver import text_length_error
 from jaxflow.families.bagel.loading import folder_config
 from jaxflow_bridge.contract.trajectory import TextLengthError, TrajectoryBatch

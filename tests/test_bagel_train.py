@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxflow import families
-from jaxflow.config import config_module
+from jaxflow.config.validation import config_module
 from jaxflow.families.bagel.lora import peft_state_dict, read_peft
 from tests.helpers import ROOT, run
 
@@ -96,7 +96,8 @@ def test_the_trainer_fingerprint_is_the_engines_and_sees_a_changed_weight():
 
 
 def test_more_than_one_trainer_device_is_refused_in_one_line(tmp_path):
-    from jaxflow.config import UserError, check_layout
+    from jaxflow.config.errors import UserError
+    from jaxflow.config.validation import check_layout
     cfg = bagel_config(tmp_path)
     check_layout(cfg, "cpu", 1)
     with pytest.raises(UserError, match=r"config\.model\.family: 'bagel' trains on one device .* JAX sees 2: set "
@@ -107,8 +108,9 @@ def test_more_than_one_trainer_device_is_refused_in_one_line(tmp_path):
 def test_bagel_on_vllm_omni_is_a_valid_config_served_through_lora_layers(tmp_path):
     """BAGEL on the vllm_omni engine (bfloat16 on cuda) passes validation, and rollout.lora_mode='auto' serves its
     adapter through vLLM-Omni's LoRA layers (its pipeline has no merged path), where Qwen-Image's merges."""
-    from jaxflow.config import merged_lora, validate
-    from jaxflow.recipes import base
+    from jaxflow.config.plan import merged_lora
+    from jaxflow.config.validation import validate
+    from jaxflow.config.recipes import base
     cfg = bagel_config(tmp_path)
     cfg.rollout.update(engine="vllm_omni", dtype="bfloat16", device="cuda")
     validate(cfg)

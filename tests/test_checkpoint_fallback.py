@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxflow.trainer.checkpoint import Checkpointer
-from jaxflow.config import UserError
+from jaxflow.config.errors import UserError
 from tests.helpers import ROOT, STATE, fake_run, tiny_config
 from tests import HANG_S
 

@@ -1,6 +1,6 @@
 """The command line's answers to user errors: one line naming the fix and exit 2, before anything heavy; --help
 exits 0 and says how to list the config keys, which --print_config does, each with its value and help (every key
-has help: jaxflow/recipes.py HELP)."""
+has help: jaxflow/config/recipes.py HELP)."""
 import os
 import re
 import runpy
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from jaxflow.recipes import HELP, base, config_keys, tiny
+from jaxflow.config.recipes import HELP, base, config_keys, tiny
 from tests.helpers import ROOT
 from tests import HANG_S
 
@@ -104,12 +104,12 @@ def test_print_config_shows_each_keys_help(printed):
 
 
 def test_every_config_key_has_help():
-    """A key added to base() without a line in jaxflow/recipes.py HELP fails here, and so does help for a key that
+    """A key added to base() without a line in jaxflow/config/recipes.py HELP fails here, and so does help for a key that
     base() no longer has."""
     keys = config_keys(base())
     assert len(keys) == len(set(keys)) and {"train.nft.beta", "reward.options", "sharding.rules"} <= set(keys)
     missing, stale = [k for k in keys if not HELP.get(k, "").strip()], sorted(set(HELP) - set(keys))
-    assert not missing, f"keys without help in jaxflow/recipes.py HELP: {missing}"
+    assert not missing, f"keys without help in jaxflow/config/recipes.py HELP: {missing}"
     assert not stale, f"HELP names keys that base() lacks: {stale}"
     assert all("\n" not in text and len(text) <= 120 for text in HELP.values())  # one line each
 
@@ -117,7 +117,7 @@ def test_every_config_key_has_help():
 @pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("*.py")))
 def test_shipped_configs_add_no_key_without_help(config):
     cfg = runpy.run_path(str(ROOT / "configs" / config))["get_config"]()
-    assert not sorted(set(config_keys(cfg)) - set(HELP)), "keys without help in jaxflow/recipes.py HELP"
+    assert not sorted(set(config_keys(cfg)) - set(HELP)), "keys without help in jaxflow/config/recipes.py HELP"
 
 
 @pytest.mark.parametrize("source, needle", [

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxflow import config as config_lib
+from jaxflow.config import validation as config_lib
 from jaxflow.algorithms import sde
 from jaxflow.algorithms import flowgrpo
 from jaxflow.trainer import train_step as ts

@@ -117,7 +117,8 @@ def test_the_test_module_checker_sees_each_form(tmp_path):
 # sources) and the config keys' help; parity.py's random_adapter still picks BAGEL's key map by the folder.
 FAMILY_WORDS = ("bagel", "qwen")  # as `grep -w`: bagel_deploy, qwen_image, bagel_keymap are other words
 NAMES_FAMILIES = {"recipes.py", "parity.py"}
-GENERIC = sorted(p for p in [*(ROOT / "jaxflow").glob("*.py"), *(ROOT / "jaxflow" / "algorithms").glob("*.py")]
+GENERIC = sorted(p for p in [*(ROOT / "jaxflow").glob("*.py"), *(ROOT / "jaxflow" / "algorithms").glob("*.py"),
+                             *(ROOT / "jaxflow" / "config").glob("*.py")]
                  if p.name not in NAMES_FAMILIES)
 
 

@@ -4,7 +4,7 @@ Measured: 0.5125 -> 0.531 (mean of steps 15-19), about 30 standard errors."""
 import numpy as np
 import pytest
 
-from jaxflow.config import config_module
+from jaxflow.config.validation import config_module
 from jaxflow.train import Trainer
 from tests.helpers import ROOT
 

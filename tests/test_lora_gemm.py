@@ -142,8 +142,8 @@ def test_tile_walk_visits_every_output_tile_once(m_tiles, n_tiles, group):
 
 
 def test_pallas_turns_off_dynamic_slice_fusion_unless_set():
-    from jaxflow import config as config_lib
-    from jaxflow.recipes import base
+    from jaxflow.config import validation as config_lib
+    from jaxflow.config.recipes import base
 
     cfg = base()
     assert "xla_gpu_enable_dynamic_slice_fusion" not in config_lib.xla_options(cfg)  # "auto", not resolved
@@ -159,33 +159,34 @@ def test_auto_picks_the_fused_gemm_only_where_it_runs_and_pays():
     """model.lora_gemm=auto (the recipe's): pallas for unrolled blocks in bf16 on H100/H200s with rows that tile
     the kernel or nearly (padding them adds at most 1/16); each condition that fails is named, and "xla" or "pallas"
     set in the config is kept."""
-    from jaxflow import config as config_lib
-    from jaxflow.recipes import base, tiny
+    from jaxflow.config import plan as plan_lib
+    from jaxflow.config import validation as config_lib
+    from jaxflow.config.recipes import base, tiny
 
     cfg = base()
     assert (cfg.model.lora_gemm, cfg.model.scan_unroll) == ("auto", 0)
     fits = dict(num_layers=60, devices=1, on_hopper=True, micro_batch=4, tokens=(1024, 96))
-    assert config_lib.lora_gemm(cfg, **fits)[0] == "pallas"
+    assert plan_lib.lora_gemm(cfg, **fits)[0] == "pallas"
     cfg.model.scan_unroll = 60
-    assert config_lib.lora_gemm(cfg, **{**fits, "devices": 2})[0] == "pallas"  # data parallel: rows split
+    assert plan_lib.lora_gemm(cfg, **{**fits, "devices": 2})[0] == "pallas"  # data parallel: rows split
     cfg.sharding.fsdp = 2
-    assert "2 devices with the weights sharded" in config_lib.lora_gemm(cfg, **{**fits, "devices": 2})[1]
+    assert "2 devices with the weights sharded" in plan_lib.lora_gemm(cfg, **{**fits, "devices": 2})[1]
     cfg.sharding.fsdp = 1
     for nearly in (dict(micro_batch=2), dict(micro_batch=2, devices=2)):  # rows 2048 and 192: 64 padded, +2.9%
-        assert config_lib.lora_gemm(cfg, **{**fits, **nearly})[0] == "pallas"
+        assert plan_lib.lora_gemm(cfg, **{**fits, **nearly})[0] == "pallas"
     for change, reason in ((dict(num_layers=61), "scan"), (dict(on_hopper=False), "H100/H200"),
                            (dict(micro_batch=1, tokens=(64, 96)),
                             "rows [64, 96] padded to 128-row tiles would add 60% (over 1/16; model.lora_gemm=pallas"),
                            (dict(micro_batch=1, tokens=(512, 200)), "would add 8%")):
-        gemm, why = config_lib.lora_gemm(cfg, **{**fits, **change})
+        gemm, why = plan_lib.lora_gemm(cfg, **{**fits, **change})
         assert gemm == "xla" and reason in why, (change, why)
     cfg.model.dtype = "float32"
-    assert "float32 compute" in config_lib.lora_gemm(cfg, **fits)[1]
+    assert "float32 compute" in plan_lib.lora_gemm(cfg, **fits)[1]
     cfg.model.dtype, cfg.lora.rank = "bfloat16", 40
-    assert "rank 40" in config_lib.lora_gemm(cfg, **fits)[1]
+    assert "rank 40" in plan_lib.lora_gemm(cfg, **fits)[1]
     for fixed in ("xla", "pallas"):
         cfg.model.lora_gemm = fixed
-        assert config_lib.lora_gemm(cfg, **{**fits, "on_hopper": fixed == "xla"}) == (fixed, "set in the config")
+        assert plan_lib.lora_gemm(cfg, **{**fits, "on_hopper": fixed == "xla"}) == (fixed, "set in the config")
     cfg = tiny(base())
     cfg.model.lora_gemm = "triton"
     with pytest.raises(config_lib.UserError, match=r"model.lora_gemm.*'auto', 'xla', 'pallas'"):
@@ -197,8 +198,8 @@ def test_auto_picks_the_fused_gemm_only_where_it_runs_and_pays():
 def test_scan_unroll_zero_follows_the_resolved_gemm():
     """model.scan_unroll=0 (the recipe's): the blocks unrolled where the linears run the fused kernel, a scan with
     XLA's (unrolled, those hold about twice the update's temporaries); a number set in the config is kept."""
-    from jaxflow import config as config_lib
-    from jaxflow.recipes import base
+    from jaxflow.config import validation as config_lib
+    from jaxflow.config.recipes import base
 
     cfg = base()
     assert config_lib.model_options(cfg, "pallas", 60).scan_unroll == 60

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from jaxflow.config import config_module
+from jaxflow.config.validation import config_module
 from jaxflow_bridge.mini_ocr.folder import build_folder, encode_text
 from jaxflow_bridge.mini_ocr.render import render_dataset
 from jaxflow_bridge.mini_ocr.vae import build_vae, pack, posterior_means, train_vae
@@ -54,7 +54,8 @@ def test_vae_loss_drops_and_latents_pack_to_the_transformer_input(toy):
 
 
 def test_the_rl_config_and_its_control_validate(tiny_path):
-    from jaxflow.config import UserError, validate
+    from jaxflow.config.errors import UserError
+    from jaxflow.config.validation import validate
 
     for variant, reward in (("", "ocr"), ("control", "ocr_shuffled")):
         cfg = mini_config(variant)

@@ -10,7 +10,7 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxflow import config as config_lib
+from jaxflow.config import validation as config_lib
 from jaxflow.trainer import phases
 from jaxflow.trainer import train_step as ts
 from jaxflow.algorithms import flowgrpo_step

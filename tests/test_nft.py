@@ -151,8 +151,8 @@ def test_a_skipped_step_moves_neither_the_old_policy_nor_its_decay_and_the_ema_w
 
 
 def test_the_nft_defaults_are_verl_omnis_qwen_image_recipe_with_nvlabs_ema():
-    from jaxflow import config as config_lib
-    from jaxflow.recipes import base, tiny
+    from jaxflow.config import validation as config_lib
+    from jaxflow.config.recipes import base, tiny
     cfg = tiny(base())
     cfg.train.algorithm, cfg.sample.guidance = "nft", 1.0
     tc = config_lib.train_config(cfg, (2, 2))
@@ -182,7 +182,7 @@ def test_the_nft_step_needs_the_final_latents_and_refuses_flowgrpo_settings(tiny
 
 
 def test_the_mini_ocr_arms_validate_and_set_what_they_name():
-    from jaxflow import config as config_lib
+    from jaxflow.config import validation as config_lib
     module = config_lib.config_module(ROOT / "configs" / "mini_ocr.py")
     seen = {}
     for variant in module.VARIANTS:

@@ -48,7 +48,7 @@ def test_profiler_traces_only_the_configured_steps(tmp_path):
 
 
 def test_profile_config_is_validated(tmp_path):
-    from jaxflow import config as config_lib
+    from jaxflow.config import validation as config_lib
     from tests.helpers import tiny_config
 
     cfg = tiny_config(tmp_path)

@@ -121,7 +121,7 @@ def test_the_trainer_stops_with_one_line_when_a_reward_checkpoint_is_incomplete(
 def test_the_pickscore_recipe_is_the_ocr_recipe_with_its_reward_and_prompts(tiny_path):
     """configs/qwen_pickscore.py: flow_grpo's pickscore_qwenimage differs from the OCR recipe in reward and prompts
     only; its prompt files (no quoted targets) are asked for at start."""
-    from jaxflow import config as config_lib
+    from jaxflow.config import validation as config_lib
     from jaxflow.run.run_dir import flatten
 
     def load(name):
@@ -152,7 +152,7 @@ def test_a_reward_model_in_its_own_ray_actor_scores_as_in_process(ray_session, c
 
 
 def test_a_reward_actor_needs_ray_so_not_the_in_process_layout(tmp_path):
-    from jaxflow import config as config_lib
+    from jaxflow.config import validation as config_lib
 
     cfg = tiny_config(tmp_path)
     cfg.reward.fns = {"pickscore": 1.0}

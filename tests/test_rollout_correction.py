@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxflow import config as config_lib
+from jaxflow.config import validation as config_lib
 from jaxflow.trainer import train_step as ts
 from tests.helpers import GRID, sampled_batch, tiny_config
 

@@ -10,7 +10,7 @@ import pytest
 
 from jaxflow.run import run_dir as run_dir_lib
 from jaxflow.run import run_lock
-from jaxflow.config import UserError
+from jaxflow.config.errors import UserError
 from tests.helpers import ROOT, fake_run, tiny_config
 from tests import HANG_S
 

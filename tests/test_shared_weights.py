@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxflow import config as config_lib
+from jaxflow.config import validation as config_lib
 from jaxflow.train import Trainer
 from jaxflow_bridge.engines.diffusers import DiffusersEngine
 from jaxflow_bridge.rollout.pipeline import RolloutPipeline

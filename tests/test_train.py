@@ -11,7 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from jaxflow import config as config_lib
+from jaxflow.config import plan as plan_lib
+from jaxflow.config import validation as config_lib
 from jaxflow.train import Trainer
 from tests.helpers import ROOT, run, tiny_config
 from tests import HANG_S
@@ -121,7 +122,7 @@ def test_the_cpu_overrides_named_for_qwen_ocr_are_all_it_needs(tmp_path):
             cfg[section][name], bool) else value == "True"
     config_lib.validate(cfg)
     tiny = QwenImageConfig(**TINY)
-    gemm, why = config_lib.lora_gemm(cfg, tiny.num_layers, 1, False, 4, (64, 96))  # as the trainer resolves "auto"
+    gemm, why = plan_lib.lora_gemm(cfg, tiny.num_layers, 1, False, 4, (64, 96))  # as the trainer resolves "auto"
     assert gemm == "xla" and "not an H100/H200" in why
     QwenImageTransformer(tiny, config_lib.model_options(cfg, gemm, tiny.num_layers), config_lib.lora_spec(cfg), rngs=nnx.Rngs(0))
 
@@ -476,4 +477,4 @@ def test_the_lora_mode_merges_on_vllm_omni_unless_told_layers(tmp_path):
     for engine, mode, merged in (("vllm_omni", "auto", True), ("diffusers", "auto", False),
                                  ("vllm_omni", "layers", False), ("vllm_omni", "merged", True)):
         cfg.rollout.engine, cfg.rollout.lora_mode = engine, mode
-        assert config_lib.merged_lora(cfg) is merged, (engine, mode)
+        assert plan_lib.merged_lora(cfg) is merged, (engine, mode)

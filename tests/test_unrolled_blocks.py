@@ -136,7 +136,7 @@ def test_per_block_weights_keep_the_fingerprint_and_the_export():
 
 def test_the_trainer_holds_unrolled_blocks_weights_per_block(tmp_path):
     from jaxflow.trainer.learner import build_model
-    from jaxflow.recipes import base, tiny
+    from jaxflow.config.recipes import base, tiny
     from jaxflow.trainer.sharding import Layout, ShardingConfig
     (tmp_path / "transformer").mkdir()
     (tmp_path / "transformer" / "config.json").write_text(json.dumps(CFG.to_dict()))

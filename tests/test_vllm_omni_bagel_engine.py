@@ -14,9 +14,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from jaxflow import config as config_lib
-from jaxflow import families, recipes
-from jaxflow.config import UserError, config_module
+from jaxflow.config import validation as config_lib
+from jaxflow import families
+from jaxflow.config import recipes
+from jaxflow.config.errors import UserError
+from jaxflow.config.validation import config_module
 from jaxflow_bridge.contract import bagel_keymap
 from jaxflow_bridge.contract.lora import lora_pairs, read_peft
 from jaxflow_bridge.contract.lora_shm import SharedAdapterFile

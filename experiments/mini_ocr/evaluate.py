@@ -4,7 +4,7 @@
         --prompts data/mini_ocr/test.txt --json OUT/eval/before.json --grid OUT/eval/before.png
         [--num 200 --steps 10 --guidance 4.0]
 
-Sampling is the trainer's eval of configs/mini_ocr.py (`jaxflow.config.sampling(eval_mode=True)`; --steps and
+Sampling is the trainer's eval of configs/mini_ocr.py (`jaxflow.config.validation.sampling(eval_mode=True)`; --steps and
 --guidance replace its eval.num_steps and eval.guidance): deterministic ODE, one image per prompt from seed = its
 index, on the rollout's own `RolloutPipeline`; scores are `OcrReward`. The grid shows the first 32.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxflow import config as config_lib
+from jaxflow.config import validation as config_lib
 from jaxflow.run.data import load_prompts
 from jaxflow.run.metrics_log import image_grid
 from jaxflow_bridge.contract.lora import read_peft
@@ -29,7 +29,7 @@ CONFIG = Path(__file__).resolve().parents[2] / "configs" / "mini_ocr.py"
 
 
 def eval_sampling(steps: int | None = None, guidance: float | None = None) -> SamplingParams:
-    """configs/mini_ocr.py's eval sampling (`jaxflow.config.sampling(eval_mode=True)`); `steps` and `guidance`, where
+    """configs/mini_ocr.py's eval sampling (`jaxflow.config.validation.sampling(eval_mode=True)`); `steps` and `guidance`, where
     given, replace its eval.num_steps and eval.guidance."""
     cfg = config_lib.config_module(CONFIG).get_config()
     if steps is not None:

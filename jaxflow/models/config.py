@@ -84,7 +84,7 @@ class QwenImageConfig:
 REMAT_POLICIES = ("none", "full", "save_attn", "save_matmuls", "save_matmuls_stats", "dots", "dots_no_batch")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 MATMUL_PRECISIONS = ("auto", "default", "high", "highest")
-LORA_GEMMS = ("xla", "pallas")  # what runs; the config also takes "auto" (jaxflow/config.py: lora_gemm)
+LORA_GEMMS = ("xla", "pallas")  # what runs; the config also takes "auto" (jaxflow/config/plan.py: lora_gemm)
 
 
 @dataclasses.dataclass(frozen=True)

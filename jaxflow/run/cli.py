@@ -127,9 +127,9 @@ def config_file_error(argv: list[str]) -> str | None:
 
 
 def print_config(cfg) -> None:
-    """One line per key in the config's order: `key = value  # help` (jaxflow/recipes.py HELP), the columns aligned;
+    """One line per key in the config's order: `key = value  # help` (jaxflow/config/recipes.py HELP), the columns aligned;
     a value longer than VALUE_COLUMN pushes its help along rather than widening the column for all."""
-    from jaxflow.recipes import HELP, config_keys, config_value
+    from jaxflow.config.recipes import HELP, config_keys, config_value
     keys = config_keys(cfg)
     values = [repr(config_value(cfg, key)) for key in keys]
     key_width = max(map(len, keys), default=0)
@@ -171,22 +171,23 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
     if FLAGS.print_config:
         print_config(cfg)
         return 0
-    from jaxflow import config as config_lib
+    from jaxflow.config import validation as config_lib
     from jaxflow.run import run_dir as run_dir_lib
     from jaxflow.trainer.divergence import Diverged
     signals.install(f"error: interrupted; the checkpoints in {Path(cfg.run_dir) / 'checkpoints'} are as they were "
                     f"(continue with --resume if there are any)", unwind=True)
     try:
-        config_lib.validate(cfg)
+        config = config_lib.validate(cfg)  # the one validation of this process: the trainer takes its result
         finished = run_dir_lib.preflight(cfg, resume=FLAGS.resume, overwrite=FLAGS.overwrite,
                                          allow_config_changes=FLAGS.allow_config_changes)
         if finished:
             print(finished)
             return 0
         ray_logs = _start_ray(cfg, FLAGS.verbose)
-        trainer = trainer_class(cfg, resume=FLAGS.resume)
+        trainer = trainer_class(config, resume=FLAGS.resume)
         if trainer.driver:
             print(f"training {Path(cfg.run_dir).resolve()}: step {trainer.start} -> {cfg.train.num_steps}", flush=True)
+            print(trainer.plan.summary(), flush=True)  # the plan, logged once
             print(trainer.startup_line(), flush=True)
             if trainer.memory_summary:
                 print(trainer.memory_summary, flush=True)

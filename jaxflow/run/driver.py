@@ -11,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxflow import config as config_lib
+from jaxflow.config import validation as config_lib
+from jaxflow.config.plan import RunPlan
 from jaxflow import families
 from jaxflow.trainer import phases
 from jaxflow.sync.base_share import torch_base_weights
@@ -99,8 +100,8 @@ class Driver:
     """Built on process 0 with the train `prompts` and the `sampler` that indexes them (its position is checkpointed
     by every process); `start_rollout` once the trainer's model exists."""
 
-    def __init__(self, cfg, folder: Path, prompts: list, sampler: GroupSampler):
-        self.cfg, self.folder, self.prompts, self.sampler = cfg, folder, prompts, sampler
+    def __init__(self, cfg, folder: Path, prompts: list, sampler: GroupSampler, plan: RunPlan):
+        self.cfg, self.folder, self.prompts, self.sampler, self.plan = cfg, folder, prompts, sampler, plan
         self.test_items = load_prompts(cfg.data.test, config_lib.needs_target(cfg))
         self.spec = config_lib.lora_spec(cfg)
         try:  # reward models load here (a VLM endpoint's health is checked), before any model or device work
@@ -122,7 +123,7 @@ class Driver:
                   **family.engine_config(self.cfg)}
         if r.compile:
             engine["compile"] = True
-        if config_lib.merged_lora(self.cfg):  # into the engine's base weights (jaxflow_bridge/sync/merge.py)
+        if self.plan.lora_apply == "merged":  # into the engine's base weights (jaxflow_bridge/sync/merge.py)
             engine["lora_apply"] = "merged"
         if r.share_weights:  # the engine serves the trainer's own arrays (jaxflow/sync/base_share.py)
             engine["base_weights"] = "shared"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from jaxflow.run import run_lock
 from jaxflow.trainer.checkpoint import config_json
-from jaxflow.config import UserError
+from jaxflow.config.errors import UserError
 
 log = logging.getLogger("jaxflow.run.run_dir")
 

@@ -26,7 +26,7 @@ import socket
 import time
 from pathlib import Path
 
-from jaxflow.config import UserError
+from jaxflow.config.errors import UserError
 
 log = logging.getLogger("jaxflow.run.run_dir")
 

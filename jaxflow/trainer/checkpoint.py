@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxflow.config import UserError
+from jaxflow.config.errors import UserError
 
 log = logging.getLogger(__name__)
 

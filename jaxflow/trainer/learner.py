@@ -17,7 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflow import config as config_lib
+from jaxflow.config import plan as plan_lib
+from jaxflow.config import validation as config_lib
+from jaxflow.config.plan import RunPlan
 from jaxflow.trainer import memory
 from jaxflow.trainer.checkpoint import Checkpointer
 from jaxflow.trainer.divergence import check_finite
@@ -31,20 +33,21 @@ from jaxflow.trainer.train_step import make_train_step
 log = logging.getLogger("jaxflow.train")
 
 
-def build_model(cfg, folder: Path, spec, layout: Layout, micro_batch: int = 1, tokens: tuple[int, ...] = ()):
-    """The trainer's model of the config's family (jaxflow/families/) from `folder`: base weights from it, or drawn
-    from `seed` with `model.init=random`; with unrolled blocks (model.scan_unroll >= the blocks) each block's frozen
-    weights are arrays of their own. model.lora_gemm=auto is resolved (and logged) for `micro_batch` samples of
-    `tokens` (image, text) each."""
-    def opts_for(num_layers: int):
-        gemm, why = config_lib.lora_gemm(cfg, num_layers, jax.device_count(), on_hopper(), micro_batch, tokens)
-        log.info("trainer linears: model.lora_gemm=%s (%s)", gemm, why)
-        return config_lib.model_options(cfg, gemm, num_layers)
-
-    model = families.of(cfg).build_model(cfg, folder, spec, opts_for, sharding=layout.sharding_fn, seed=cfg.seed)
+def build_model(cfg, folder: Path, spec, layout: Layout, plan: RunPlan | None = None):
+    """The trainer's model of the config's family (jaxflow/families/) from `folder`, with the plan's ModelOptions
+    (the plan made here where none is given): base weights from it, or drawn from `seed` with `model.init=random`;
+    with unrolled blocks (model.scan_unroll >= the blocks) each block's frozen weights are arrays of their own."""
+    plan = plan or run_plan(cfg, folder, layout)
+    model = families.of(cfg).build_model(cfg, folder, spec, plan.model, sharding=layout.sharding_fn, seed=cfg.seed)
     if model.opts.lora_gemm == "pallas" and layout.batch_devices > 1:
         model.split_rows(layout.mesh, layout.batch_axes)  # data parallelism: each device runs the kernel on its rows
     return model
+
+
+def run_plan(cfg, folder: Path, layout: Layout) -> RunPlan:
+    """The validated config's plan (jaxflow/config/plan.py) on this process's JAX, for the batch split of `layout`."""
+    return plan_lib.make_plan(cfg, folder, backend=jax.default_backend(), devices=jax.device_count(),
+                              batch_devices=layout.batch_devices, on_hopper=on_hopper())
 
 
 _DESC_BYTES = 1 << 14  # the broadcast description of a train batch (keys, shapes, dtypes) as JSON
@@ -85,17 +88,18 @@ def local_rows(batch: TrainBatch | None) -> TrainBatch:
 class Learner:
     """Built on every process from the config and the model folder; `begin` then makes the train state."""
 
-    def __init__(self, cfg, folder: Path):
+    def __init__(self, cfg, folder: Path, plan: RunPlan | None = None):
+        """`plan`: the run's (the Trainer's); made here where none is given."""
         self.cfg, self.processes = cfg, jax.process_count()
         self.layout = Layout.create(config_lib.sharding_config(cfg))
+        self.plan = plan or run_plan(cfg, folder, self.layout)
         self.spec = config_lib.lora_spec(cfg)
         self.family = families.of(cfg)
         try:
             self.grid = self.family.grid_hw(folder, cfg)
         except ValueError as exc:
             raise config_lib.UserError(str(exc)) from None
-        tokens = (self.grid[0] * self.grid[1], *config_lib.text_tokens(cfg))
-        self.model = build_model(cfg, folder, self.spec, self.layout, self.micro_batch_size(), tokens)
+        self.model = build_model(cfg, folder, self.spec, self.layout, self.plan)
         o = self.model.opts
         log.info("trainer model: %s compute, %s storage, matmul precision %s, attention %s", o.dtype, o.param_dtype,
                  o.precision, self.model.impl)
@@ -123,14 +127,12 @@ class Learner:
         return plans, memory.device_bytes(step.frozen)
 
     def xla_options(self) -> dict:
-        """The train step's XLA options for the linears the model runs (config.xla_options)."""
-        return config_lib.xla_options(self.cfg, self.model.opts.lora_gemm)
+        """The train step's XLA options for the linears the model runs (the plan's)."""
+        return dict(self.plan.xla_options)
 
     def micro_batch_size(self, num_micro_batches: int | None = None) -> int:
         """Samples in one micro-batch on one device."""
-        s, t = self.cfg.sample, self.cfg.train
-        per_update = s.prompts_per_step * s.group_size // t.num_mini_batches
-        return max(1, per_update // (num_micro_batches or t.num_micro_batches) // self.layout.batch_devices)
+        return plan_lib.micro_batch_size(self.cfg, self.layout.batch_devices, num_micro_batches)
 
     def check_memory(self) -> str | None:
         """Compile the step for the run's batch shapes (the loop then uses these executables) and check that it fits

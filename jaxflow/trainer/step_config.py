@@ -71,7 +71,7 @@ class TrainConfig:
 
     def _rules(self):
         """(field, fails, why) for every rule on the fields, in the order they are checked: the one place they are
-        written (jaxflow.config.validate reports the first failing one under its config key). The algorithm keys'
+        written (jaxflow.config.validation.validate reports the first failing one under its config key). The algorithm keys'
         choices come first, the resolved policy's own rules (`registry.Policy.rules`) last."""
         choices = registry.choice_rules(self)
         general = (

@@ -3,9 +3,7 @@
 generation expert, BAGEL's text CFG (docs/bagel.md)."""
 from __future__ import annotations
 
-import dataclasses
 import json
-import logging
 from pathlib import Path
 from typing import Iterator
 
@@ -21,8 +19,6 @@ from jaxflow.models.loading import entries_fingerprint
 from jaxflow.models.lora import LoRASpec
 from jaxflow_bridge.contract import bagel_keymap
 
-log = logging.getLogger("jaxflow.train")
-
 
 class Bagel:
     name = "bagel"
@@ -34,9 +30,10 @@ class Bagel:
     example = "/path/to/BAGEL-7B-MoT"
     files = ("llm_config.json", "config.json", "tokenizer.json")
     weights = ("ema.safetensors",)  # read with model.init='checkpoint' only
-    one_device = True  # jaxflow.config.check_layout
+    one_device = True  # jaxflow.config.validation.check_layout
     stages = DEPLOYS
     thinks = True
+    fused_gemm = False  # its layers run XLA's linears (model.lora_gemm 'auto' or 'xla')
 
     def folder(self, cfg) -> Path:
         if cfg.model.path == self.tiny:
@@ -100,15 +97,15 @@ class Bagel:
     def lora_spec(self, cfg) -> LoRASpec:
         return bagel_lora.BagelLoRASpec(rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=tuple(cfg.lora.targets))
 
-    def build_model(self, cfg, folder: Path, spec, opts_for, **kw):
+    def num_layers(self, folder: Path) -> int:
+        return folder_config(folder).num_hidden_layers
+
+    def build_model(self, cfg, folder: Path, spec, opts, **kw):
         """BAGEL's generation path from the folder's ema.safetensors (checkpoint names through bagel_keymap), or
-        drawn from `seed` with model.init=random; its markers' ids from tokenizer.json, fresh adapters from `seed`.
-        One device (jaxflow.config.check_layout): its weights carry no sharding yet."""
+        drawn from `seed` with model.init=random, with ModelOptions `opts` (the plan's); its markers' ids from
+        tokenizer.json, fresh adapters from `seed`. One device (jaxflow.config.validation.check_layout): its weights
+        carry no sharding yet."""
         mc = folder_config(folder)
-        opts = opts_for(mc.num_hidden_layers)
-        if opts.lora_gemm != "xla":  # "auto" resolved to the fused kernel, which BAGEL's layers do not call
-            log.info("BAGEL's linears run model.lora_gemm=xla (its layers have no fused-kernel path)")
-            opts = dataclasses.replace(opts, lora_gemm="xla")
         if cfg.model.init == "random":
             return random_bagel(mc, opts, spec, kw["seed"])
         return load_bagel(folder, opts, spec, kw["seed"])

@@ -30,6 +30,7 @@ class QwenImage:
     one_device = False
     stages = ("single_stage",)
     thinks = False
+    fused_gemm = True
 
     def folder(self, cfg) -> Path:
         if cfg.model.path == self.tiny:
@@ -76,11 +77,13 @@ class QwenImage:
     def lora_spec(self, cfg) -> LoRASpec:
         return LoRASpec(rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=tuple(cfg.lora.targets))
 
-    def build_model(self, cfg, folder: Path, spec, opts_for, **kw):
-        """The transformer of `folder`: loaded, or drawn from `seed` with model.init=random; `opts_for(num_layers)`
-        resolves the ModelOptions (model.lora_gemm) for its depth."""
+    def num_layers(self, folder: Path) -> int:
+        return QwenImageConfig.from_json(folder / "transformer" / "config.json").num_layers
+
+    def build_model(self, cfg, folder: Path, spec, opts, **kw):
+        """The transformer of `folder` with ModelOptions `opts` (the plan's): loaded, or drawn from `seed` with
+        model.init=random."""
         mc = QwenImageConfig.from_json(folder / "transformer" / "config.json")
-        opts = opts_for(mc.num_layers)
         if cfg.model.init == "random":
             model = random_transformer(mc, opts, spec, **kw)
         else:

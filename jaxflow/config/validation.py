@@ -9,6 +9,9 @@ from types import ModuleType
 from ml_collections import ConfigDict
 
 from jaxflow import families
+from jaxflow.config import sections
+from jaxflow.config.errors import UserError, fail
+from jaxflow.config.sections import RunConfig
 from jaxflow.families.base import option_problems
 from jaxflow.run.data import load_prompts
 from jaxflow.models.config import LORA_GEMMS, ModelOptions
@@ -19,10 +22,6 @@ from jaxflow_bridge.contract.schedule import CFG_FORWARDS
 from jaxflow_bridge.rewards.registry import NEED_TARGET, REGISTRY
 from jaxflow_bridge.rollout.server import ENGINES
 
-class UserError(ValueError):
-    """Input the user must fix (config, flags, run directory): the command line prints the message alone, exit 2."""
-
-
 def config_module(path: str | Path) -> ModuleType:
     """A config file (`--config path.py`: its `get_config(...)`, and whatever else it defines) as a module."""
     path = Path(path)
@@ -32,19 +31,8 @@ def config_module(path: str | Path) -> ModuleType:
     return module
 
 
-def _fail(key: str, message: str):
-    raise UserError(f"config.{key}: {message}")
-
-
-LAYOUTS = ("colocated", "split", "in_process")  # rollout.layout (jaxflow/recipes.py)
+LAYOUTS = ("colocated", "split", "in_process")  # rollout.layout (jaxflow/config/recipes.py)
 LORA_MODES = ("auto", "merged", "layers")  # rollout.lora_mode
-
-
-def merged_lora(cfg) -> bool:
-    """Whether the rollout serves the LoRA merged into its base weights (rollout.lora_mode; 'auto': on vllm_omni,
-    for a family whose vllm_omni pipeline merges)."""
-    return cfg.rollout.lora_mode == "merged" or (cfg.rollout.lora_mode == "auto" and cfg.rollout.engine == "vllm_omni"
-                                                 and families.of(cfg).merges_lora)
 
 
 def check_layout(cfg, backend: str, devices: int) -> None:
@@ -52,13 +40,13 @@ def check_layout(cfg, backend: str, devices: int) -> None:
     processes'), so every GPU both rolls out and trains; fewer engines would leave GPUs idle while the rollout runs."""
     r = cfg.rollout
     if families.of(cfg).one_device and devices != 1:
-        _fail("model.family", f"{cfg.model.family!r} trains on one device for now (its weights carry no sharding "
+        fail("model.family", f"{cfg.model.family!r} trains on one device for now (its weights carry no sharding "
                               f"yet); JAX sees {devices}: set CUDA_VISIBLE_DEVICES to one GPU")
     if r.share_weights and (devices != 1 or r.device.partition(":")[0] != {"gpu": "cuda"}.get(backend, backend)):
-        _fail("rollout.share_weights", f"needs the trainer on one device of the engine's kind: {devices} "
+        fail("rollout.share_weights", f"needs the trainer on one device of the engine's kind: {devices} "
                                        f"{backend} device(s), rollout.device={r.device!r}")
     if r.layout == "colocated" and backend == "gpu" and r.num_gpus > 0 and r.num_servers != devices:
-        _fail("rollout.num_servers", f"{r.num_servers}: the colocated layout runs one engine on each of the trainer's "
+        fail("rollout.num_servers", f"{r.num_servers}: the colocated layout runs one engine on each of the trainer's "
                                      f"{devices} GPUs: set --config.rollout.num_servers={devices} (or "
                                      f"rollout.layout='split', the engines on GPUs of their own)")
 
@@ -83,30 +71,30 @@ def model_folder(cfg: ConfigDict) -> Path:
 def _check_model(cfg: ConfigDict) -> None:
     """model.family, model.path and what the family's trainer and engines support."""
     if cfg.model.family not in families.FAMILIES:
-        _fail("model.family", f"{cfg.model.family!r}; choose one of {', '.join(families.FAMILIES)}")
+        fail("model.family", f"{cfg.model.family!r}; choose one of {', '.join(families.FAMILIES)}")
     family = families.of(cfg)
     hint = family.tiny_config
     if not cfg.model.path:
-        _fail("model.path", f"is empty: pass --config.model.path={family.example}, or run {hint}")
+        fail("model.path", f"is empty: pass --config.model.path={family.example}, or run {hint}")
     if cfg.model.path != family.tiny:
         folder = Path(cfg.model.path)
         for need in family.files + (family.weights if cfg.model.init == "checkpoint" else ()):
             if not (folder / need).exists():
-                _fail("model.path", f"{folder} has no {need}: it must be a {family.name} folder; for a run without "
+                fail("model.path", f"{folder} has no {need}: it must be a {family.name} folder; for a run without "
                                     f"weights use {hint}")
         try:
             family.check_folder(folder)
         except ValueError as exc:
-            _fail("model.path", str(exc))
+            fail("model.path", str(exc))
     if cfg.model.init not in ("checkpoint", "random"):
-        _fail("model.init", f"{cfg.model.init!r}; choose 'checkpoint' (weights from model.path) or 'random'")
+        fail("model.init", f"{cfg.model.init!r}; choose 'checkpoint' (weights from model.path) or 'random'")
     if cfg.rollout.engine in ENGINES and cfg.rollout.engine not in family.engines:
-        _fail("rollout.engine", f"{cfg.rollout.engine!r} does not serve model.family={family.name!r}; choose "
+        fail("rollout.engine", f"{cfg.rollout.engine!r} does not serve model.family={family.name!r}; choose "
                                 f"{' or '.join(family.engines)}")
     for key, message in itertools.chain(family.problems(cfg), option_problems(cfg, family)):
-        _fail(key, message)
+        fail(key, message)
     if cfg.sample.max_think_tokens < 1:
-        _fail("sample.max_think_tokens", f"{cfg.sample.max_think_tokens!r} must be an int >= 1 (vLLM-Omni's default: "
+        fail("sample.max_think_tokens", f"{cfg.sample.max_think_tokens!r} must be an int >= 1 (vLLM-Omni's default: "
                                          f"1000)")
 
 
@@ -116,68 +104,72 @@ def _check_prompts(cfg: ConfigDict) -> None:
         try:
             items = load_prompts(cfg.data[key], needs_target(cfg))
         except ValueError as exc:
-            _fail(f"data.{key}", str(exc))
+            fail(f"data.{key}", str(exc))
         per_step = cfg.sample.prompts_per_step
         if key == "train" and len(items) < per_step:
-            _fail("data.train", f"{cfg.data.train} holds {len(items)} prompts, fewer than a step's "
+            fail("data.train", f"{cfg.data.train} holds {len(items)} prompts, fewer than a step's "
                                 f"sample.prompts_per_step={per_step} (distinct prompts): add prompts or pass "
                                 f"--config.sample.prompts_per_step={len(items)}")
 
 
-def validate(cfg: ConfigDict) -> None:
-    """Reject a config that cannot run, naming the key and the fix; touches no model, device or Ray."""
+def validate(cfg: ConfigDict) -> RunConfig:
+    """The validation stage, run once per process start (the command line's preflight, or a Trainer built from a
+    ConfigDict): the config's typed sections (`sections.build`), then every rule, the families' (`problems`) and the
+    algorithm components' (`rules`, through TrainConfig) included. The first broken one raises its one-line UserError
+    naming the key and the fix; touches no model, device or Ray."""
+    config = sections.build(cfg)
     _check_model(cfg)
     if cfg.rollout.engine == "vllm_omni" and cfg.rollout.dtype != "bfloat16":
-        _fail("rollout.dtype", f"{cfg.rollout.dtype!r}: the vllm_omni engine runs bfloat16 only; use "
+        fail("rollout.dtype", f"{cfg.rollout.dtype!r}: the vllm_omni engine runs bfloat16 only; use "
                                f"rollout.engine='diffusers' for float32")
     layout = cfg.rollout.layout
     if layout not in LAYOUTS:
-        _fail("rollout.layout", f"{layout!r}; choose one of {LAYOUTS}")
+        fail("rollout.layout", f"{layout!r}; choose one of {LAYOUTS}")
     if cfg.rollout.overlap and layout != "split":
-        _fail("rollout.overlap", f"runs the next rollout while the trainer trains: it needs rollout GPUs of their own "
+        fail("rollout.overlap", f"runs the next rollout while the trainer trains: it needs rollout GPUs of their own "
                                  f"(rollout.layout='split'), not {layout!r}")
     if cfg.rollout.sleep_while_training and layout == "split":
-        _fail("rollout.sleep_while_training", "frees the engines' memory for the trainer, which the split layout does "
+        fail("rollout.sleep_while_training", "frees the engines' memory for the trainer, which the split layout does "
                                               "not share: leave it False there")
     actors = sorted(n for n, o in cfg.reward.options.items() if n in cfg.reward.fns and "actor" in (o or {}))
     if layout == "in_process" and actors:
-        _fail(f"reward.options.{actors[0]}.actor", "puts the reward model in a Ray actor; the in_process layout runs "
+        fail(f"reward.options.{actors[0]}.actor", "puts the reward model in a Ray actor; the in_process layout runs "
                                                    "without Ray: drop the option or use rollout.layout='colocated'")
     if layout == "in_process" and cfg.rollout.num_servers != 1:
-        _fail("rollout.num_servers", f"{cfg.rollout.num_servers}: the in_process layout runs one engine, in the "
+        fail("rollout.num_servers", f"{cfg.rollout.num_servers}: the in_process layout runs one engine, in the "
                                      f"trainer's process; use rollout.layout='colocated' for one per device")
     if cfg.rollout.share_weights:
         if layout != "in_process" or cfg.rollout.engine != "diffusers":
-            _fail("rollout.share_weights", f"serves the trainer's base weights to an engine in its process: it "
+            fail("rollout.share_weights", f"serves the trainer's base weights to an engine in its process: it "
                                            f"needs rollout.layout='in_process' and rollout.engine='diffusers', not "
                                            f"{layout!r} / {cfg.rollout.engine!r}")
         if cfg.rollout.dtype != cfg.model.param_dtype:
-            _fail("rollout.share_weights", f"the engine runs the trainer's weights as they are: set rollout.dtype "
+            fail("rollout.share_weights", f"the engine runs the trainer's weights as they are: set rollout.dtype "
                                            f"to model.param_dtype ({cfg.model.param_dtype!r}, not "
                                            f"{cfg.rollout.dtype!r})")
         if cfg.rollout.sleep_while_training:
-            _fail("rollout.share_weights", "the shared weights are the trainer's and cannot sleep: leave "
+            fail("rollout.share_weights", "the shared weights are the trainer's and cannot sleep: leave "
                                            "rollout.sleep_while_training False")
     if cfg.rollout.lora_mode not in LORA_MODES:
-        _fail("rollout.lora_mode", f"{cfg.rollout.lora_mode!r}; choose one of {LORA_MODES}")
+        fail("rollout.lora_mode", f"{cfg.rollout.lora_mode!r}; choose one of {LORA_MODES}")
     if cfg.rollout.lora_mode == "merged" and cfg.rollout.engine != "vllm_omni":
-        _fail("rollout.lora_mode", f"'merged' is a mode of the vllm_omni engine; with rollout.engine="
+        fail("rollout.lora_mode", f"'merged' is a mode of the vllm_omni engine; with rollout.engine="
                                    f"{cfg.rollout.engine!r} use 'auto' or 'layers'")
     if cfg.rollout.compile and cfg.rollout.engine != "diffusers":
-        _fail("rollout.compile", "is an option of the diffusers engine; leave it False with "
+        fail("rollout.compile", "is an option of the diffusers engine; leave it False with "
                                  f"rollout.engine={cfg.rollout.engine!r}")
     if cfg.rollout.cfg_forward not in CFG_FORWARDS:
-        _fail("rollout.cfg_forward", f"{cfg.rollout.cfg_forward!r}; choose one of {CFG_FORWARDS}")
+        fail("rollout.cfg_forward", f"{cfg.rollout.cfg_forward!r}; choose one of {CFG_FORWARDS}")
     if cfg.model.lora_gemm not in ("auto", *LORA_GEMMS):
-        _fail("model.lora_gemm", f"{cfg.model.lora_gemm!r}; choose one of {('auto', *LORA_GEMMS)}")
+        fail("model.lora_gemm", f"{cfg.model.lora_gemm!r}; choose one of {('auto', *LORA_GEMMS)}")
     if not isinstance(cfg.model.scan_unroll, int) or cfg.model.scan_unroll < 0:
-        _fail("model.scan_unroll", f"{cfg.model.scan_unroll!r}: blocks per scan step, >= 1, or 0 (auto: unrolled where "
+        fail("model.scan_unroll", f"{cfg.model.scan_unroll!r}: blocks per scan step, >= 1, or 0 (auto: unrolled where "
                                    f"model.lora_gemm runs 'pallas', else 1)")
     _typed("model", lambda c: model_options(c, "xla", 1), cfg)  # lora_gemm is resolved once JAX runs (lora_gemm)
     if not isinstance(cfg.lora.rank, int) or cfg.lora.rank < 1:
-        _fail("lora.rank", f"{cfg.lora.rank!r}: the LoRA rank must be an int >= 1 (the recipe's is 64)")
+        fail("lora.rank", f"{cfg.lora.rank!r}: the LoRA rank must be an int >= 1 (the recipe's is 64)")
     if not cfg.lora.alpha > 0:
-        _fail("lora.alpha", f"{cfg.lora.alpha!r} must be > 0 (the LoRA scale is alpha / rank)")
+        fail("lora.alpha", f"{cfg.lora.alpha!r} must be > 0 (the LoRA scale is alpha / rank)")
     _typed("lora", lora_spec, cfg)
     _typed("sharding", sharding_config, cfg)
     xla_options(cfg)
@@ -187,68 +179,69 @@ def validate(cfg: ConfigDict) -> None:
                                   0 <= s.negative_max_sequence_length <= s.max_sequence_length,
                                   f"in [0, sample.max_sequence_length={s.max_sequence_length}] (0: that length)")):
         if not ok:
-            _fail(key, f"{value!r} must be {want}")
+            fail(key, f"{value!r} must be {want}")
     device = str(cfg.rollout.device)
     if device not in ("cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
-        _fail("rollout.device", f"{device!r}; choose 'cpu', 'cuda' or 'cuda:N'")
+        fail("rollout.device", f"{device!r}; choose 'cpu', 'cuda' or 'cuda:N'")
     multiple = _size_multiple(cfg)
     for key in ("height", "width"):
         if s[key] < multiple or s[key] % multiple:
-            _fail(f"sample.{key}", f"{s[key]} must be a positive multiple of {multiple} for this model (its VAE's "
+            fail(f"sample.{key}", f"{s[key]} must be a positive multiple of {multiple} for this model (its VAE's "
                                    f"factor x 2, the latent patch)")
     if s.group_size < 2:
-        _fail("sample.group_size", f"{s.group_size}: GRPO needs at least 2 images per prompt")
+        fail("sample.group_size", f"{s.group_size}: GRPO needs at least 2 images per prompt")
     if s.prompts_per_step < 1 or s.prompts_per_call < 1 or s.prompts_per_step % s.prompts_per_call:
-        _fail("sample.prompts_per_call", f"{s.prompts_per_call} must divide prompts_per_step {s.prompts_per_step}")
+        fail("sample.prompts_per_call", f"{s.prompts_per_call} must divide prompts_per_step {s.prompts_per_step}")
     batch = s.prompts_per_step * s.group_size
     if t.num_mini_batches < 1 or s.prompts_per_step % t.num_mini_batches:
-        _fail("train.num_mini_batches", f"{t.num_mini_batches} must divide sample.prompts_per_step "
+        fail("train.num_mini_batches", f"{t.num_mini_batches} must divide sample.prompts_per_step "
                                         f"{s.prompts_per_step}: each mini-batch holds whole prompt groups")
     if t.num_micro_batches < 1 or (batch // t.num_mini_batches) % t.num_micro_batches:
-        _fail("train.num_micro_batches", f"{t.num_micro_batches} must divide each mini-batch's "
+        fail("train.num_micro_batches", f"{t.num_micro_batches} must divide each mini-batch's "
                                          f"{batch // t.num_mini_batches} samples (train.num_mini_batches "
                                          f"{t.num_mini_batches})")
     if not t.max_minutes >= 0:
-        _fail("train.max_minutes", f"must be >= 0 (0 = no time limit), got {t.max_minutes}")
+        fail("train.max_minutes", f"must be >= 0 (0 = no time limit), got {t.max_minutes}")
     if not isinstance(t.max_skipped_steps, int) or t.max_skipped_steps < 0:
-        _fail("train.max_skipped_steps", f"must be an int >= 0 (0: the first step with a skipped update stops the "
+        fail("train.max_skipped_steps", f"must be an int >= 0 (0: the first step with a skipped update stops the "
                                          f"run), got {t.max_skipped_steps!r}")
     if not 0 < s.window_size < s.num_steps or s.window_range[1] - s.window_range[0] < s.window_size:
-        _fail("sample.window_size", f"{s.window_size} must be in [1, num_steps) and fit window_range "
+        fail("sample.window_size", f"{s.window_size} must be in [1, num_steps) and fit window_range "
                                     f"{tuple(s.window_range)}")
     if t.algorithm == "nft" and not 0 <= t.nft.timesteps <= s.num_steps:
-        _fail("train.nft.timesteps", f"{t.nft.timesteps!r} must be in [0, sample.num_steps={s.num_steps}] (0: "
+        fail("train.nft.timesteps", f"{t.nft.timesteps!r} must be in [0, sample.num_steps={s.num_steps}] (0: "
                                      f"DiffusionNFT's int(0.99 num_steps))")
     if t.algorithm == "nft" and t.beta:
         _fail("train.beta", f"{t.beta!r}: nft's KL weight is train.nft.kl; leave train.beta 0")
     if not isinstance(s.same_latent, bool):
-        _fail("sample.same_latent", f"{s.same_latent!r} must be a bool: pass True or False")
+        fail("sample.same_latent", f"{s.same_latent!r} must be a bool: pass True or False")
     if s.same_latent and (s.sde_type == "ode" or s.noise_level == 0):
-        _fail("sample.same_latent", f"True with a deterministic sampler (sde_type {s.sde_type!r}, noise_level "
+        fail("sample.same_latent", f"True with a deterministic sampler (sde_type {s.sde_type!r}, noise_level "
                                     f"{s.noise_level}) gives a group's images the same pixels and every advantage 0: "
                                     f"pass --config.sample.same_latent=False")
     if not isinstance(cfg.train.drop_zero_advantage, bool):
-        _fail("train.drop_zero_advantage", f"{cfg.train.drop_zero_advantage!r} must be a bool: pass True or False")
+        fail("train.drop_zero_advantage", f"{cfg.train.drop_zero_advantage!r} must be a bool: pass True or False")
     _typed_train(cfg)
     unknown = sorted(set(cfg.reward.fns) - set(REGISTRY))
     if unknown or not cfg.reward.fns:
-        _fail("reward.fns", f"unknown {unknown}; known rewards: {sorted(REGISTRY)}")
+        fail("reward.fns", f"unknown {unknown}; known rewards: {sorted(REGISTRY)}")
     for key in ("train", "test"):
         if not cfg.data[key] or not Path(cfg.data[key]).is_file():
-            _fail(f"data.{key}", f"{cfg.data[key]!r} is not a file: pass --config.data.{key}=PROMPTS.txt (one prompt "
+            fail(f"data.{key}", f"{cfg.data[key]!r} is not a file: pass --config.data.{key}=PROMPTS.txt (one prompt "
                                  f"per line) or .jsonl")
     _check_prompts(cfg)
     if cfg.rollout.engine not in ENGINES:
-        _fail("rollout.engine", f"{cfg.rollout.engine!r}; choose one of {sorted(ENGINES)}")
+        fail("rollout.engine", f"{cfg.rollout.engine!r}; choose one of {sorted(ENGINES)}")
     if cfg.profile.num_steps < 0 or cfg.profile.start_step < 1:
-        _fail("profile", f"start_step {cfg.profile.start_step} must be >= 1 and num_steps {cfg.profile.num_steps} "
+        fail("profile", f"start_step {cfg.profile.start_step} must be >= 1 and num_steps {cfg.profile.num_steps} "
                          f">= 0 (0 = no trace)")
     for key in ("checkpoint.every", "checkpoint.keep", "train.num_steps"):
         section, name = key.split(".")
         if cfg[section][name] < 1:
-            _fail(key, f"must be >= 1, got {cfg[section][name]}")
+            fail(key, f"must be >= 1, got {cfg[section][name]}")
     if cfg.eval.every < 0:
-        _fail("eval.every", f"must be >= 0 (0: no eval, not even of the final policy), got {cfg.eval.every}")
+        fail("eval.every", f"must be >= 0 (0: no eval, not even of the final policy), got {cfg.eval.every}")
+    return config
 
 
 def nft_timesteps(cfg) -> int:
@@ -265,7 +258,7 @@ def _typed(section: str, make, cfg):
         text = str(exc)
         field, sep, rest = text.partition("=")
         key = field.rpartition(".")[2] if sep and "." in field and " " not in field else None
-        _fail(f"{section}.{key}" if key else section, rest if key else text)
+        fail(f"{section}.{key}" if key else section, rest if key else text)
 
 
 # the config keys of TrainConfig's checked fields not named train.FIELD (`train_config`), for its errors
@@ -280,7 +273,7 @@ def _typed_train(cfg) -> TrainConfig:
         return train_config(cfg, grid_hw=(1, 1))
     except ValueError as exc:
         field, _, rest = str(exc).removeprefix("TrainConfig.").partition("=")
-        _fail(TRAIN_KEYS.get(field, f"train.{field}"), rest)
+        fail(TRAIN_KEYS.get(field, f"train.{field}"), rest)
 
 
 def _size_multiple(cfg) -> int:
@@ -288,7 +281,7 @@ def _size_multiple(cfg) -> int:
     try:
         return families.of(cfg).size_multiple(cfg)
     except FileNotFoundError as exc:
-        _fail("model.path", str(exc))
+        fail("model.path", str(exc))
 
 
 def text_tokens(cfg) -> tuple[int, int]:
@@ -299,33 +292,6 @@ def text_tokens(cfg) -> tuple[int, int]:
     s = cfg.sample
     return (s.max_sequence_length + (s.max_think_tokens if s.think else 0),
             s.negative_max_sequence_length or s.max_sequence_length)
-
-
-def lora_gemm(cfg, num_layers: int, devices: int, on_hopper: bool, micro_batch: int,
-              tokens: tuple[int, ...]) -> tuple[str, str]:
-    """model.lora_gemm as it runs, and why: "auto" is "pallas" where the fused kernel runs and pays, else "xla".
-
-    It pays with unrolled blocks (model.scan_unroll >= the blocks, or 0, which unrolls them for it): the recipe's
-    step 10% faster end to end on one H200; inside a scan it is 12% slower (BENCHMARKS.md, the fused LoRA GEMM). It
-    runs on H100/H200s with bf16 compute where the rank tiles its 16; on several devices under data parallelism,
-    each device on its own rows (micro_batch is per device). A linear's rows (micro_batch x `tokens`, the image and
-    the padded text) short of its 128-row tiles are padded (`lora_gemm.lora_matmul`); "auto" pads where that adds at
-    most 1/16 of the rows: at 2 samples a micro-batch a GPU (rows 2048 and 2 x 96, +2.9%) the recipe's train phase
-    took 12.9 s on two H200s against 15.0 s with XLA's linears in a scan (BENCHMARKS.md, "Two GPUs")."""
-    m = cfg.model
-    if m.lora_gemm != "auto":
-        return m.lora_gemm, "set in the config"
-    rows = [micro_batch * t for t in tokens]
-    padding = sum(-r % 128 for r in rows) / (sum(rows) or 1)  # no tokens given: no rows to pad
-    why = [reason for reason, fails in (
-        (f"blocks in a scan (model.scan_unroll={m.scan_unroll} < {num_layers})", 0 < m.scan_unroll < num_layers),
-        ("not an H100/H200", not on_hopper), (f"{m.dtype} compute, not bfloat16", m.dtype != "bfloat16"),
-        (f"{devices} devices with the weights sharded (sharding.fsdp / sharding.tensor > 1: the kernel takes whole "
-         f"weights)", devices > 1 and (cfg.sharding.fsdp != 1 or cfg.sharding.tensor != 1)),
-        (f"rows {rows} padded to 128-row tiles would add {padding:.0%} (over 1/16; model.lora_gemm=pallas pads "
-         f"them)", padding > 1 / 16),
-        (f"LoRA rank {cfg.lora.rank} not a multiple of 16", cfg.lora.rank % 16)) if fails]
-    return ("xla", "auto: " + "; ".join(why)) if why else ("pallas", "auto: unrolled blocks, bf16 on H100/H200s")
 
 
 def model_options(cfg, gemm: str | None, num_layers: int) -> ModelOptions:
@@ -339,7 +305,7 @@ def model_options(cfg, gemm: str | None, num_layers: int) -> ModelOptions:
     m = cfg.model
     gemm = gemm or m.lora_gemm
     if gemm == "auto":
-        raise ValueError("model.lora_gemm='auto' must be resolved first (config.lora_gemm)")
+        raise ValueError("model.lora_gemm='auto' must be resolved first (jaxflow/config/plan.py lora_gemm)")
     unroll = m.scan_unroll or (num_layers if gemm == "pallas" else 1)
     return ModelOptions(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, attention=m.attention,
                         scan_unroll=unroll, matmul_precision=m.matmul_precision, lora_gemm=gemm)
@@ -357,7 +323,7 @@ def xla_options(cfg, gemm: str | None = None) -> dict:
     opts = dict(cfg.train.xla_options)
     bad = sorted(k for k in opts if not k.startswith("xla_"))
     if bad:
-        _fail("train.xla_options", f"{bad} are not XLA options (names start with 'xla_', e.g. "
+        fail("train.xla_options", f"{bad} are not XLA options (names start with 'xla_', e.g. "
                                    f"xla_gpu_enable_triton_gemm)")
     if (gemm or cfg.model.lora_gemm) == "pallas":
         opts = {**PALLAS_XLA_OPTIONS, **opts}

@@ -36,7 +36,7 @@ import ml_collections
 
 from jaxflow_bridge.contract.keymap import DEFAULT_LORA_TARGETS
 
-DATA = Path(__file__).resolve().parents[1] / "data"  # the clone's prompt files, found from any working directory
+DATA = Path(__file__).resolve().parents[2] / "data"  # the clone's prompt files, found from any working directory
 
 # Keys whose value is a whole dict or list: one key each (`config_keys`), not a section.
 WHOLE_KEYS = ("reward.fns", "reward.options", "train.xla_options", "sharding.rules")

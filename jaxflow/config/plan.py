@@ -1,0 +1,109 @@
+"""The plan stage: every `auto` of the validated config resolved once, after JAX starts, into a frozen `RunPlan`
+that the learner and the driver read (they resolve nothing themselves), logged once at start as one block.
+
+Resolved here: model.lora_gemm (a hardware policy: `lora_gemm`), model.scan_unroll=0 and the train step's XLA
+options (both follow the resolved linears), rollout.lora_mode (`merged_lora`: how the rollout serves the LoRA), and
+the placement (backend, devices, engines, samples per micro-batch per device)."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from types import MappingProxyType
+
+from jaxflow import families
+from jaxflow.config import validation
+from jaxflow.config.errors import UserError
+from jaxflow.models.config import ModelOptions
+
+
+def merged_lora(cfg) -> bool:
+    """Whether the rollout serves the LoRA merged into its base weights (rollout.lora_mode; 'auto': on vllm_omni,
+    for a family whose vllm_omni pipeline merges)."""
+    return cfg.rollout.lora_mode == "merged" or (cfg.rollout.lora_mode == "auto" and cfg.rollout.engine == "vllm_omni"
+                                                 and families.of(cfg).merges_lora)
+
+
+def lora_gemm(cfg, num_layers: int, devices: int, on_hopper: bool, micro_batch: int,
+              tokens: tuple[int, ...]) -> tuple[str, str]:
+    """model.lora_gemm as it runs, and why: "auto" is "pallas" where the fused kernel runs and pays, else "xla".
+
+    It pays with unrolled blocks (model.scan_unroll >= the blocks, or 0, which unrolls them for it); inside a scan it
+    is slower (BENCHMARKS.md, the fused LoRA GEMM). It runs on H100/H200s with bf16 compute where the rank tiles its
+    16; on several devices under data parallelism, each device on its own rows (micro_batch is per device). A
+    linear's rows (micro_batch x `tokens`, the image and the padded text) short of its 128-row tiles are padded
+    (`lora_gemm.lora_matmul`); "auto" pads where that adds at most 1/16 of the rows (BENCHMARKS.md, "Two GPUs")."""
+    m = cfg.model
+    if m.lora_gemm != "auto":
+        return m.lora_gemm, "set in the config"
+    rows = [micro_batch * t for t in tokens]
+    padding = sum(-r % 128 for r in rows) / (sum(rows) or 1)  # no tokens given: no rows to pad
+    why = [reason for reason, fails in (
+        (f"blocks in a scan (model.scan_unroll={m.scan_unroll} < {num_layers})", 0 < m.scan_unroll < num_layers),
+        ("not an H100/H200", not on_hopper), (f"{m.dtype} compute, not bfloat16", m.dtype != "bfloat16"),
+        (f"{devices} devices with the weights sharded (sharding.fsdp / sharding.tensor > 1: the kernel takes whole "
+         f"weights)", devices > 1 and (cfg.sharding.fsdp != 1 or cfg.sharding.tensor != 1)),
+        (f"rows {rows} padded to 128-row tiles would add {padding:.0%} (over 1/16; model.lora_gemm=pallas pads "
+         f"them)", padding > 1 / 16),
+        (f"LoRA rank {cfg.lora.rank} not a multiple of 16", cfg.lora.rank % 16)) if fails]
+    return ("xla", "auto: " + "; ".join(why)) if why else ("pallas", "auto: unrolled blocks, bf16 on H100/H200s")
+
+
+def micro_batch_size(cfg, batch_devices: int, num_micro_batches: int | None = None) -> int:
+    """Samples in one micro-batch on one device (train.num_micro_batches, or `num_micro_batches`)."""
+    s, t = cfg.sample, cfg.train
+    per_update = s.prompts_per_step * s.group_size // t.num_mini_batches
+    return max(1, per_update // (num_micro_batches or t.num_micro_batches) // batch_devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """What the run does where the config says `auto`, resolved once (`make_plan`)."""
+
+    backend: str  # JAX's
+    devices: int  # JAX's, all processes'
+    batch_devices: int  # the ways the batch is split (the mesh's batch axes)
+    micro_batch: int  # samples in one micro-batch on one device
+    layout: str  # rollout.layout
+    engines: int  # rollout engines (rollout.num_servers)
+    lora_apply: str  # how the rollout serves the LoRA: "merged" into its base weights, or "layers"
+    lora_gemm_why: str  # why model.lora_gemm (model.lora_gemm below) resolved as it did
+    model: ModelOptions  # the trainer model's options: lora_gemm and scan_unroll resolved
+    xla_options: Mapping  # the train step's XLA options for the linears the model runs
+
+    def summary(self) -> str:
+        """The plan as one compact block, logged once at start."""
+        m = self.model
+        return "\n".join((
+            f"plan: {self.devices} {self.backend} device(s), batch over {self.batch_devices}, {self.micro_batch} "
+            f"sample(s) per micro-batch per device",
+            f"  trainer linears: model.lora_gemm={m.lora_gemm} ({self.lora_gemm_why}); model.scan_unroll="
+            f"{m.scan_unroll}; XLA options {dict(self.xla_options) or '{}'}",
+            f"  rollout: layout {self.layout}, {self.engines} engine(s), LoRA served as {self.lora_apply} "
+            f"(rollout.lora_mode)"))
+
+
+def _tokens(cfg, family, folder: Path) -> tuple[int, int, int]:
+    """(image, prompt, negative prompt) tokens of a sample: the latent grid of the folder's family, the text's."""
+    try:
+        grid = family.grid_hw(folder, cfg)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    return (grid[0] * grid[1], *validation.text_tokens(cfg))
+
+
+def make_plan(cfg, folder: Path, *, backend: str, devices: int, batch_devices: int, on_hopper: bool) -> RunPlan:
+    """The validated config's plan on this machine (`backend`, `devices`, `on_hopper`: JAX's, after it starts) for
+    the model in `folder` (its depth and latent grid: the family's) with the batch split `batch_devices` ways."""
+    family = families.of(cfg)
+    num_layers = family.num_layers(folder)
+    micro = micro_batch_size(cfg, batch_devices)
+    tokens = _tokens(cfg, family, folder) if cfg.model.lora_gemm == "auto" and on_hopper else ()  # else "xla"
+    gemm, why = lora_gemm(cfg, num_layers, devices, on_hopper, micro, tokens)
+    if gemm != "xla" and not family.fused_gemm:
+        gemm, why = "xla", f"{family.name}'s layers have no fused-kernel path"
+    return RunPlan(backend=backend, devices=devices, batch_devices=batch_devices, micro_batch=micro,
+                   layout=cfg.rollout.layout, engines=cfg.rollout.num_servers,
+                   lora_apply="merged" if merged_lora(cfg) else "layers", lora_gemm_why=why,
+                   model=validation.model_options(cfg, gemm, num_layers),
+                   xla_options=MappingProxyType(validation.xla_options(cfg, gemm)))

@@ -1,0 +1,264 @@
+"""The config's typed sections: one frozen dataclass per section of `recipes.base()`, whose values are the only
+defaults (the fields declare types, never defaults). `build(cfg)` types the user's ConfigDict, the first step of
+the validation stage (validation.py): a value of the wrong type is one line naming its key.
+
+The algorithm keys of `train` that this module does not declare (an algorithm component's own section, such as
+`train.nft`, or a key an algorithm adds) are kept in `TrainSection.algorithms`, typed by their value in
+`recipes.base()`: an algorithm adds its keys to the recipe without a field here."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from ml_collections import ConfigDict
+
+from jaxflow.config.errors import fail
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    family: str
+    path: str
+    dtype: str
+    param_dtype: str
+    attention: str
+    remat: str
+    scan_unroll: int
+    matmul_precision: str
+    lora_gemm: str
+    init: str
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRASection:
+    rank: int
+    alpha: float
+    targets: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSection:
+    engine: str
+    dtype: str
+    device: str
+    num_servers: int
+    num_gpus: float
+    num_cpus: float
+    max_retries: int
+    address: str
+    sleep_while_training: bool
+    layout: str
+    overlap: bool
+    compile: bool
+    share_weights: bool
+    lora_mode: str
+    cfg_forward: str
+    bagel_deploy: str
+    thinker_memory: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleSection:
+    height: int
+    width: int
+    num_steps: int
+    guidance: float
+    noise_level: float
+    sde_type: str
+    window_size: int
+    window_range: tuple
+    negative_prompt: str
+    same_latent: bool
+    cfg_interval: tuple
+    cfg_renorm_min: float
+    think: bool
+    max_think_tokens: int
+    max_sequence_length: int
+    negative_max_sequence_length: int
+    prompts_per_step: int
+    group_size: int
+    prompts_per_call: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSection:
+    num_steps: int
+    max_minutes: float
+    max_skipped_steps: int
+    num_micro_batches: int
+    learning_rate: float
+    clip_range: float
+    adv_clip: float
+    beta: float
+    global_std: bool
+    max_grad_norm: float
+    weight_decay: float
+    ema_decay: float
+    adam_b1: float
+    adam_b2: float
+    adam_eps: float
+    old_log_prob: str
+    rejection_threshold: float
+    ratio_norm: str
+    num_mini_batches: int
+    num_inner_epochs: int
+    drop_zero_advantage: bool
+    algorithm: str
+    xla_options: Mapping
+    algorithms: Mapping  # the algorithm components' own keys (e.g. "nft": its section), typed by recipes.base()
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardSection:
+    fns: Mapping
+    options: Mapping
+    workers: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection:
+    train: str
+    test: str
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSection:
+    every: int
+    num_prompts: int
+    num_steps: int
+    guidance: float
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSection:
+    every: int
+    keep: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingSection:
+    data: int
+    fsdp: int
+    tensor: int
+    rules: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class LogSection:
+    tensorboard: bool
+    progress: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileSection:
+    start_step: int
+    num_steps: int
+    dir: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """The validated config: its typed sections, and the ConfigDict they were built from (`source`), which the
+    modules not yet reading sections take."""
+
+    seed: int
+    run_dir: str
+    model: ModelSection
+    lora: LoRASection
+    rollout: RolloutSection
+    sample: SampleSection
+    train: TrainSection
+    reward: RewardSection
+    data: DataSection
+    eval: EvalSection
+    checkpoint: CheckpointSection
+    sharding: ShardingSection
+    log: LogSection
+    profile: ProfileSection
+    source: ConfigDict = dataclasses.field(compare=False, repr=False)
+
+
+_NAMES = {int: "an int", float: "a float", bool: "a bool", str: "a str", tuple: "a list or tuple",
+          Mapping: "a dict"}
+
+
+def _is(value, kind) -> bool:
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind in (int, float):  # an int is a float too; a bool is neither
+        return isinstance(value, int if kind is int else (int, float)) and not isinstance(value, bool)
+    if kind is Mapping:
+        return isinstance(value, (dict, ConfigDict))
+    return isinstance(value, (tuple, list) if kind is tuple else kind)
+
+
+def _frozen(value):
+    """A section's value made immutable: lists as tuples, dicts as read-only plain dicts."""
+    if isinstance(value, ConfigDict):
+        value = value.to_dict()
+    if isinstance(value, dict):
+        return MappingProxyType({k: _frozen(v) for k, v in value.items()})
+    return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _typed(key: str, value, kind):
+    """`value` of config key `key` if it is of `kind`, frozen; else the key's one-line error."""
+    if not _is(value, kind):
+        fail(key, f"{value!r} must be {_NAMES[kind]} (it is {'None' if value is None else type(value).__name__})")
+    return _frozen(value)
+
+
+@functools.cache
+def _recipe_types() -> dict:
+    """The type of every key of `recipes.base()` (the defaults' one place), for the keys no section declares."""
+    from jaxflow.config.recipes import base, config_keys, config_value
+    cfg = base()
+    kinds = {bool: bool, int: int, float: float, str: str, list: tuple, tuple: tuple, dict: Mapping}
+    return {key: kinds[type(config_value(cfg, key))] for key in config_keys(cfg)}
+
+
+def _algorithms(prefix: str, values: Mapping) -> Mapping:
+    """The undeclared keys of `train` (the algorithm components'), each typed by its value in the recipe."""
+    types, out = _recipe_types(), {}
+    for name, value in values.items():
+        key = prefix + name
+        if isinstance(value, (dict, ConfigDict)) and key not in types:
+            out[name] = _algorithms(key + ".", value)
+        else:
+            out[name] = _typed(key, value, types[key]) if key in types else _frozen(value)
+    return MappingProxyType(out)
+
+
+def _section(cls, key: str, values):
+    if not isinstance(values, (dict, ConfigDict)):
+        fail(key, f"{values!r} must be a section (a dict of its keys)")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    missing = sorted(fields - set(values) - {"algorithms"})
+    if missing:
+        fail(f"{key}.{missing[0]}", f"is missing: a config builds on jaxflow/config/recipes.py base(), which sets "
+                                    f"every key")
+    kwargs = {name: _typed(f"{key}.{name}", values[name], hints[name]) for name in fields if name != "algorithms"}
+    if "algorithms" in fields:
+        kwargs["algorithms"] = _algorithms(key + ".", {n: values[n] for n in values if n not in fields})
+    return cls(**kwargs)
+
+
+def build(cfg: ConfigDict) -> RunConfig:
+    """`cfg` as typed sections; UserError "config.KEY: VALUE must be an int (it is str)" for the first value of a
+    wrong type."""
+    hints = typing.get_type_hints(RunConfig)
+    kwargs = {}
+    for f in dataclasses.fields(RunConfig):
+        if f.name == "source":
+            continue
+        if f.name not in cfg:
+            fail(f.name, "is missing: a config builds on jaxflow/config/recipes.py base(), which sets every key")
+        kind = hints[f.name]
+        kwargs[f.name] = (_section(kind, f.name, cfg[f.name]) if dataclasses.is_dataclass(kind)
+                          else _typed(f.name, cfg[f.name], kind))
+    return RunConfig(**kwargs, source=cfg)
+

@@ -1,0 +1,132 @@
+"""The config's stages: typed sections (jaxflow/config/sections.py), the validation stage run once per process
+start (the command line's, whose result the Trainer takes), and the plan that resolves every 'auto'
+(jaxflow/config/plan.py)."""
+import dataclasses
+import subprocess
+import sys
+
+import jax
+import pytest
+from ml_collections import ConfigDict
+
+from jaxflow import train
+from jaxflow.config import validation
+from jaxflow.config.errors import UserError
+from jaxflow.config.sections import RunConfig
+from jaxflow.trainer import learner
+from jaxflow.trainer.sharding import Layout
+from tests import HANG_S
+from tests.helpers import ROOT, tiny_config
+
+
+def test_the_sections_are_typed_frozen_and_hold_the_algorithms_keys(tmp_path):
+    config = validation.validate(tiny_config(tmp_path))
+    assert isinstance(config, RunConfig) and config.sample.height == 40 and config.lora.rank == 8
+    assert config.lora.targets == tuple(config.source.lora.targets)  # lists become tuples
+    assert config.train.algorithm == "flowgrpo" and config.train.algorithms["nft"]["beta"] == 0.1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.sample.height = 41
+    with pytest.raises(TypeError):
+        config.reward.fns["ocr"] = 1.0  # read-only
+
+
+@pytest.mark.parametrize("key, value, line", [
+    ("sample.height", "40", "config.sample.height: '40' must be an int (it is str)"),
+    ("train.num_steps", True, "config.train.num_steps: True must be an int (it is bool)"),
+    ("train.learning_rate", "1e-3", "config.train.learning_rate: '1e-3' must be a float (it is str)"),
+    ("rollout.overlap", 0, "config.rollout.overlap: 0 must be a bool (it is int)"),
+    ("train.nft.beta", "x", "config.train.nft.beta: 'x' must be a float (it is str)"),  # an algorithm's section
+])
+def test_a_value_of_the_wrong_type_is_one_line_naming_the_key(tmp_path, key, value, line):
+    values = tiny_config(tmp_path).to_dict()  # a config built without ConfigDict's own type checks
+    *path, name = key.split(".")
+    section = values
+    for part in path:
+        section = section[part]
+    section[name] = value
+    with pytest.raises(UserError) as e:
+        validation.validate(ConfigDict(values))
+    assert str(e.value) == line
+
+
+def test_the_command_line_validates_once_and_the_trainer_takes_the_result(tmp_path):
+    """The command line's preflight validates; the trainer it builds receives that RunConfig, and nothing in the
+    process validates again (a stand-in trainer: the count is the whole process's)."""
+    code = ("import sys\n"
+            "from jaxflow.config import validation\n"
+            "from jaxflow.run import cli\n"
+            "calls, real = [], validation.validate\n"
+            "validation.validate = lambda cfg: calls.append(cfg) or real(cfg)\n"
+            "class T:\n"
+            "    driver, start = None, 0\n"
+            "    def __init__(self, config, resume=False): print('trainer got', type(config).__name__)\n"
+            "    def run(self): return {'history': []}\n"
+            "    def close(self): pass\n"
+            "code = cli.main(T)\n"
+            "print('validations', len(calls))\n"
+            "sys.exit(code)")
+    out = subprocess.run([sys.executable, "-c", code, "--config.rollout.layout=in_process",
+                          f"--config.run_dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=HANG_S)
+    assert out.returncode == 0, out.stderr
+    assert "trainer got RunConfig" in out.stdout and "validations 1" in out.stdout, out.stdout
+
+
+class _Stop(Exception):
+    pass
+
+
+def _stop(*args, **kwargs):
+    raise _Stop
+
+
+def test_the_trainer_validates_only_a_config_not_yet_validated(tmp_path, monkeypatch):
+    config = validation.validate(tiny_config(tmp_path))
+    calls = []
+    monkeypatch.setattr(validation, "validate", lambda cfg: calls.append(cfg) or config)
+    monkeypatch.setattr(train, "maybe_initialize_distributed", _stop)  # the step after the checks' validation
+    with pytest.raises(_Stop):
+        train.Trainer(config)
+    assert calls == []
+    raw = tiny_config(tmp_path)
+    with pytest.raises(_Stop):
+        train.Trainer(raw)  # built from a ConfigDict (tests, scripts): validated here, once
+    assert calls == [raw]
+
+
+def test_the_plan_on_this_cpu_machine(tmp_path):
+    """The tiny config's plan here: XLA's linears (no H100/H200), its scan of 1 block, the config's XLA options, the LoRA
+    served as layers by the diffusers engine; vllm_omni merges it (rollout.lora_mode 'auto')."""
+    cfg = tiny_config(tmp_path)
+    validation.validate(cfg)
+    folder = validation.model_folder(cfg)
+    layout = Layout.create(validation.sharding_config(cfg))
+    plan = learner.run_plan(cfg, folder, layout)
+    assert (plan.backend, plan.devices, plan.batch_devices) == ("cpu", jax.device_count(), layout.batch_devices)
+    assert plan.micro_batch == max(1, 4 * 4 // plan.batch_devices)  # 4 prompts x 4 images, one micro-batch
+    assert (plan.model.lora_gemm, plan.model.scan_unroll) == ("xla", 1)
+    assert dict(plan.xla_options) == cfg.train.xla_options.to_dict()  # the config's, no pallas ones
+    assert "not an H100/H200" in plan.lora_gemm_why and "float32 compute" in plan.lora_gemm_why
+    assert (plan.layout, plan.engines, plan.lora_apply) == ("colocated", 1, "layers")
+    lines = plan.summary().splitlines()
+    assert len(lines) == 3 and lines[0].startswith("plan: ") and "model.lora_gemm=xla" in lines[1]
+    cfg.rollout.engine, cfg.model.scan_unroll = "vllm_omni", 0
+    plan = learner.run_plan(cfg, folder, layout)
+    assert plan.lora_apply == "merged" and plan.model.scan_unroll == 1  # 0: a scan of 1 where the linears run xla
+
+
+def test_auto_never_reaches_the_family_or_the_learner(tmp_path, monkeypatch):
+    """The family builds its model from resolved ModelOptions (the plan's), not from 'auto' nor a callback."""
+    from jaxflow import families
+    cfg = tiny_config(tmp_path)
+    cfg.model.scan_unroll = 0
+    assert cfg.model.lora_gemm == "auto"
+    folder = validation.model_folder(cfg)
+    family, seen = families.of(cfg), []
+    build = family.build_model
+    monkeypatch.setattr(type(family), "build_model",
+                        lambda self, cfg, folder, spec, opts, **kw: seen.append(opts) or build(cfg, folder, spec,
+                                                                                                opts, **kw))
+    trainer_learner = learner.Learner(cfg, folder)
+    assert [(o.lora_gemm, o.scan_unroll) for o in seen] == [("xla", 1)]
+    assert trainer_learner.plan.model == seen[0] and trainer_learner.model.opts.lora_gemm == "xla"
