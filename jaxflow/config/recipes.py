@@ -133,15 +133,12 @@ HELP: dict[str, str] = {
     "train.adam_eps": "AdamW epsilon (flow_grpo's adam_epsilon)",
     "train.old_log_prob": "logp_old: 'recompute' (the trainer's, verl-omni), 'rollout' (the engine's, flow_grpo), "
                           "'rollout_corrected'",
-    "train.rejection_threshold": "t, for 'rollout_corrected': rollout_rs' bound (token_k1: a window step with "
-                                 "exp(logp - logp_rollout) outside [1/t, t], t > 1, has policy weight 0; default "
-                                 "2.0, verl-omni's band 0.5-2.0)",
+    "train.rejection_threshold": "t for 'rollout_corrected': a window step outside rollout_rs' bound (token_k1: ratio in [1/t, t]) weighs 0; 2.0",
     "train.rollout_rs": "'rollout_corrected': verl's rejection estimator per window step, 'token_k1', 'token_k2' "
                         "or 'token_k3' (docs/numerics.md)",
     "train.ratio_norm": "'none' (FlowGRPO's ratio) or 'guard' (GRPO-Guard's, arXiv 2510.22319; needs "
                         "old_log_prob='recompute')",
-    "train.guard_stats": "guard: 'sample' (each sample's own step's scale and dt, the paper's per-step "
-                         "normalization) or 'batch' (the micro-batch's means, verl-omni's GRPOGuardLoss)",
+    "train.guard_stats": "guard: 'sample' (each sample's own step's scale and dt: the paper's per step) or 'batch' (verl-omni's means)",
     "train.guard_clip_range": "guard: the clip of its normalized ratio, > 0 (2e-6: flow_grpo's and verl-omni's "
                               "Guard recipes)",
     "train.num_mini_batches": "optimizer updates per step, each on whole prompt groups; divides "
@@ -149,24 +146,18 @@ HELP: dict[str, str] = {
     "train.num_inner_epochs": "passes over the step's mini-batches, >= 1 (each later one on the rows shuffled anew)",
     "train.drop_zero_advantage": ("True: rows whose advantage is 0 are dropped, the loss is the kept rows' "
                                    "mean (docs/numerics.md §11)"),
-    "train.algorithm": "'flowgrpo', 'nft': DiffusionNFT (arXiv 2509.16117, docs/numerics.md §10; sample.guidance 1), "
-                       "'mixgrpo': MixGRPO's sliding SDE window (arXiv 2507.21802, §12) or 'awm': Advantage "
-                       "Weighted Matching (arXiv 2509.25050, §13)",
+    "train.algorithm": "'flowgrpo', 'nft' (DiffusionNFT), 'mixgrpo' (sliding SDE window) or 'awm' (docs/numerics.md §10, §12, §13)",
     "train.nft.beta": "nft: beta, the implicit policies' step, > 0 (train.nft defaults: DiffusionNFT's config/nft.py "
                       "sd3_ocr)",
     "train.nft.timesteps": "nft: timesteps trained a sample, in [0, sample.num_steps]; 0: int(0.99 sample.num_steps)",
     "train.nft.decay_flat": "nft: updates during which the old policy's decay is 0 (the old policy is the LoRA)",
     "train.nft.decay_rate": "nft: the old policy's decay growth per update after decay_flat",
     "train.nft.decay_max": "nft: the old policy's largest decay, in [0, 1)",
-    "train.nft.kl": "nft: weight of the reference-velocity MSE, >= 0, in place of train.beta (verl-omni's Qwen-Image "
-                    "NFT recipe's ref_kl_coef 1e-4; docs/numerics.md §10)",
-    "train.nft.ema": "nft: EMA decay of the LoRA (NVlabs' 0.9, warm-up min(d, (1 + k) / (10 + k))), which the evals "
-                     "sample and lora_final holds; 0: off; a nonzero train.ema_decay wins",
+    "train.nft.kl": "nft: weight of the reference-velocity MSE, >= 0, in place of train.beta (verl-omni's Qwen-Image NFT: 1e-4)",
+    "train.nft.ema": "nft: EMA decay of the LoRA that evals sample and lora_final holds (NVlabs' 0.9, with warm-up); 0: off",
     "train.mixgrpo.interval": "mixgrpo: training steps between the SDE window's moves (MixGRPO's iters_per_group)",
-    "train.mixgrpo.stride": "mixgrpo: steps the window moves each time (its prog_overlap_step); it slides over "
-                            "sample.window_range and starts over at its beginning (roll_back)",
-    "train.awm.timesteps": "awm: noised timesteps trained a micro-batch, one per stratum of the schedule's indices "
-                           "[1, int(fraction num_steps)] (its train_timesteps)",
+    "train.mixgrpo.stride": "mixgrpo: steps the window moves each time (prog_overlap_step); it rolls back at sample.window_range's end",
+    "train.awm.timesteps": "awm: noised timesteps trained a micro-batch, one per stratum of [1, int(fraction num_steps)]",
     "train.awm.fraction": "awm: the share of the schedule the timesteps are drawn from, in (0, 1]",
     "train.awm.power": "awm: the generalized-Huber power p of its log-prob surrogate, > 0 (ghuber_power)",
     "train.awm.adv_max": "awm: advantages scaled to clip(A, +-adv_clip) / adv_clip * adv_max (advantage_max)",

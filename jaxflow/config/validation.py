@@ -212,7 +212,7 @@ def validate(cfg: ConfigDict) -> RunConfig:
         fail("train.nft.timesteps", f"{t.nft.timesteps!r} must be in [0, sample.num_steps={s.num_steps}] (0: "
                                      f"DiffusionNFT's int(0.99 num_steps))")
     if t.algorithm == "nft" and t.beta:
-        _fail("train.beta", f"{t.beta!r}: nft's KL weight is train.nft.kl; leave train.beta 0")
+        fail("train.beta", f"{t.beta!r}: nft's KL weight is train.nft.kl; leave train.beta 0")
     if not isinstance(s.same_latent, bool):
         fail("sample.same_latent", f"{s.same_latent!r} must be a bool: pass True or False")
     if s.same_latent and (s.sde_type == "ode" or s.noise_level == 0):
