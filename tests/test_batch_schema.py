@@ -79,7 +79,8 @@ def test_one_validation_per_rollout_call(tiny_path, monkeypatch):
     monkeypatch.setattr(trajectory, "validate_arrays", lambda *a: calls.append(1) or check(*a))
     group = RolloutGroup({"engine": "diffusers", "model": str(tiny_path), "dtype": "float32", "device": "cpu"},
                          transport=LocalTransport())
-    sampling = {"height": 16, "width": 24, "num_inference_steps": 3, "sde_window_size": 1, "sde_window_range": (0, 2)}
+    sampling = {"height": 16, "width": 24, "num_inference_steps": 3, "sde_window_size": 1, "sde_window_range": (0, 2),
+                "text_tokens": (64, 40)}  # the step's one text length, as the driver sends it
     batch = group.generate(["a red fox", "a blue cat"], 2, sampling, np.arange(4), prompts_per_call=1)
     assert len(batch) == 4 and batch.prompts == ("a red fox",) * 2 + ("a blue cat",) * 2
     assert len(calls) == 2  # the two calls' trajectories, each once as it arrives; not the producer's, not the join

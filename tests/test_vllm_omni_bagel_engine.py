@@ -242,7 +242,7 @@ def test_a_two_stage_rollout_is_the_single_stages(folder, bagel_torch, tmp_path,
     """The thinker prefills the framed prompt (one greedy token asked) and its KV replaces our prefill: every
     sample equal to the single-stage engine's byte for byte, with and without a LoRA, which binds on the DiT stage
     alone; the ids the thinker reports are the trajectory's."""
-    sp = dataclasses.asdict(SP)
+    sp = dataclasses.asdict(dataclasses.replace(SP, text_tokens=(64, 64)))  # joined calls: one text length
     single, _ = start(monkeypatch, tmp_path / "single", bagel_torch)
     engine, omni = start(monkeypatch, tmp_path / "two", bagel_torch, stages=2, deploy="two_stage")
     started = omni.started[-1]
