@@ -11,8 +11,8 @@ from ml_collections import ConfigDict
 from jaxflow import families
 from jaxflow.families.base import option_problems
 from jaxflow.run.data import load_prompts
-from jaxflow.models.config import LORA_GEMMS, ModelOptions
-from jaxflow.models.lora import LoRASpec
+from jaxflow.nn.config import LORA_GEMMS, ModelOptions
+from jaxflow.nn.lora import LoRASpec
 from jaxflow.trainer.sharding import ShardingConfig
 from jaxflow.trainer.step_config import TrainConfig
 from jaxflow_bridge.contract.schedule import CFG_FORWARDS
@@ -74,7 +74,7 @@ def model_folder(cfg: ConfigDict) -> Path:
     try:
         return families.of(cfg).folder(cfg)
     except OSError as exc:
-        from jaxflow_bridge.random_models.tiny import CacheUnwritable  # imported by the tiny folders that raise it
+        from jaxflow_bridge.families.qwen_image.tiny import CacheUnwritable  # imported by the tiny folders that raise it
         if isinstance(exc, CacheUnwritable):
             raise UserError(str(exc)) from None
         raise

@@ -14,9 +14,9 @@ import numpy as np
 from flax import nnx
 
 from jaxflow import config as config_lib
-from jaxflow.models.config import ModelOptions, QwenImageConfig
-from jaxflow.models.lora import LoRASpec
-from jaxflow.models.transformer import QwenImageTransformer
+from jaxflow.nn.config import ModelOptions, QwenImageConfig
+from jaxflow.nn.lora import LoRASpec
+from jaxflow.families.qwen_image.transformer import QwenImageTransformer
 from jaxflow.recipes import base
 from jaxflow.trainer.step_config import TrainConfig
 from jaxflow.trainer.train_batch import TrainBatch

@@ -27,9 +27,9 @@ import torch  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxflow.sync.lora_sync import device_peft_tensors, device_target  # noqa: E402
-from jaxflow.models.config import ModelOptions, QwenImageConfig  # noqa: E402
-from jaxflow.models.lora import LoRAParam, LoRASpec, lora_to_peft, peft_stacks  # noqa: E402
-from jaxflow.models.transformer import QwenImageTransformer  # noqa: E402
+from jaxflow.nn.config import ModelOptions, QwenImageConfig  # noqa: E402
+from jaxflow.nn.lora import LoRAParam, LoRASpec, lora_to_peft, peft_stacks  # noqa: E402
+from jaxflow.families.qwen_image.transformer import QwenImageTransformer  # noqa: E402
 from jaxflow_bench.cli import bench_parser  # noqa: E402
 from jaxflow_bench.results import write_result  # noqa: E402
 from jaxflow_bench.workload import FULL, TINY  # noqa: E402

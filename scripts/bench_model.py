@@ -24,9 +24,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxflow.models.config import ModelOptions, QwenImageConfig  # noqa: E402
-from jaxflow.models.lora import LoRAParam, LoRASpec  # noqa: E402
-from jaxflow.models.transformer import QwenImageTransformer  # noqa: E402
+from jaxflow.nn.config import ModelOptions, QwenImageConfig  # noqa: E402
+from jaxflow.nn.lora import LoRAParam, LoRASpec  # noqa: E402
+from jaxflow.families.qwen_image.transformer import QwenImageTransformer  # noqa: E402
 from jaxflow_bench.flops import DATASHEET_TFLOPS, qwen_flops  # noqa: E402
 from jaxflow_bench.timing import jax_matmul_tflops, jax_peak_gib, median_ms, torch_matmul_tflops  # noqa: E402
 from jaxflow_bench.workload import FULL, TINY  # noqa: E402

@@ -29,9 +29,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxflow.models.config import ModelOptions, QwenImageConfig  # noqa: E402
-from jaxflow.models.lora import LoRAParam, LoRASpec, lora_to_peft  # noqa: E402
-from jaxflow.models.transformer import QwenImageTransformer  # noqa: E402
+from jaxflow.nn.config import ModelOptions, QwenImageConfig  # noqa: E402
+from jaxflow.nn.lora import LoRAParam, LoRASpec, lora_to_peft  # noqa: E402
+from jaxflow.families.qwen_image.transformer import QwenImageTransformer  # noqa: E402
 from jaxflow.trainer.train_step import make_train_step  # noqa: E402
 from jaxflow_bench.flops import DATASHEET_TFLOPS, qwen_flops  # noqa: E402
 from jaxflow_bench.results import write_result  # noqa: E402
@@ -201,7 +201,7 @@ def bench_torch(cfg, args, batch, ceiling, shapes, tc):
 
 def _peft_shapes(abstract, spec) -> dict[str, tuple[int, ...]]:
     """PEFT key -> shape without materialising the adapters."""
-    from jaxflow_bridge.contract import keymap
+    from jaxflow_bridge.families.qwen_image import keymap
     state = nnx.state(abstract, LoRAParam)
     out = {}
     for e in keymap.lora_key_map(spec.targets):

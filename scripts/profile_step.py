@@ -75,10 +75,10 @@ def profile_train_step(out: Path, batch: int, micro: int, hlo: Path | None = Non
     import jax
 
     from jaxflow import config as config_lib
-    from jaxflow.models.config import QwenImageConfig
-    from jaxflow.models.lora import LoRASpec
-    from jaxflow.models.lora_gemm import on_hopper
-    from jaxflow.models.random_init import random_transformer
+    from jaxflow.nn.config import QwenImageConfig
+    from jaxflow.nn.lora import LoRASpec
+    from jaxflow.nn.lora_gemm import on_hopper
+    from jaxflow.families.qwen_image.random_init import random_transformer
     from jaxflow.recipes import base
     from jaxflow.trainer.train_step import make_train_step
     from jaxflow_bench.workload import FULL, ONE_UPDATE, negatives_padded, recipe_train_config, synthetic_batch

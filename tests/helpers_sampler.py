@@ -17,7 +17,7 @@ from flax import nnx
 
 from jaxflow.algorithms import sde
 from jaxflow.algorithms import flowgrpo
-from jaxflow.models.lora import LoRAParam
+from jaxflow.nn.lora import LoRAParam
 from jaxflow_bridge.contract import schedule
 
 TEXT_FIELDS = ("prompt_embeds", "prompt_mask", "negative_prompt_embeds", "negative_prompt_mask")

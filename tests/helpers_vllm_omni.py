@@ -18,9 +18,9 @@ import torch
 
 from jaxflow_bridge.contract.lora import lora_pairs, read_peft
 from jaxflow_bridge.rollout.sampling import SamplingParams
-from jaxflow_bridge.random_models.tiny_bagel import TINY_LLM, TINY_VIT
+from jaxflow_bridge.families.bagel.tiny import TINY_LLM, TINY_VIT
 from jaxflow_bridge.engines.vllm_omni.lora import lora_component, lora_module_table
-from jaxflow_bridge.engines.vllm_omni.pipeline import RolloutWorkerMethods
+from jaxflow_bridge.families.qwen_image.vllm_omni_pipeline import RolloutWorkerMethods
 from tests.helpers import LAYERS, MLP, D
 
 

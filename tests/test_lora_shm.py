@@ -117,9 +117,9 @@ def test_trainer_export_is_the_peft_adapter_in_the_engine_dtype(tmp_path):
     from flax import nnx
 
     from jaxflow.sync.lora_sync import SharedLoRA
-    from jaxflow.models.config import ModelOptions, QwenImageConfig
-    from jaxflow.models.lora import LoRAParam, LoRASpec, lora_to_peft
-    from jaxflow.models.transformer import QwenImageTransformer
+    from jaxflow.nn.config import ModelOptions, QwenImageConfig
+    from jaxflow.nn.lora import LoRAParam, LoRASpec, lora_to_peft
+    from jaxflow.families.qwen_image.transformer import QwenImageTransformer
     from tests.qwen_ref import TINY
 
     spec = LoRASpec(rank=4, alpha=8.0)

@@ -12,7 +12,7 @@ from safetensors.numpy import save_file
 import jaxflow_bridge.rollout
 from jaxflow_bridge.contract.schedule import sigma_schedule
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
-from jaxflow_bridge.rollout.pipeline import RolloutPipeline
+from jaxflow_bridge.families.qwen_image.diffusers_pipeline import RolloutPipeline
 from jaxflow_bridge.rollout.sampling import DECODE_PIXELS, Fp32Timestep, SamplingParams, cfg_combine, decode_batch
 from jaxflow_bridge.rollout.sde import sde_step
 from jaxflow_bridge.rollout.server import create_rollout_server

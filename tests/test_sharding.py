@@ -88,10 +88,10 @@ def _eight_device_check():
     meshes equal to the single-device step."""
     from flax import nnx
 
-    from jaxflow.models import loading
-    from jaxflow.models.config import ModelOptions, QwenImageConfig
-    from jaxflow.models.lora import LoRAParam, LoRASpec
-    from jaxflow.models.transformer import QwenImageTransformer
+    from jaxflow.families.qwen_image import loading
+    from jaxflow.nn.config import ModelOptions, QwenImageConfig
+    from jaxflow.nn.lora import LoRAParam, LoRASpec
+    from jaxflow.families.qwen_image.transformer import QwenImageTransformer
     from jaxflow.trainer.step_config import TrainConfig
     from jaxflow.trainer.train_step import make_train_step
 

@@ -17,19 +17,20 @@ from safetensors.torch import load_file, save_file
 from jaxflow import config as config_lib
 from jaxflow import families, recipes
 from jaxflow.config import UserError, config_module
-from jaxflow_bridge.contract import bagel_keymap
+from jaxflow_bridge.families.bagel import keymap as bagel_keymap
 from jaxflow_bridge.contract.lora import lora_pairs, read_peft
 from jaxflow_bridge.contract.lora_shm import SharedAdapterFile
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
-from jaxflow_bridge.random_models import tiny, tiny_bagel
-from jaxflow_bridge.engines.vllm_omni import bagel_pipeline as vob
+from jaxflow_bridge.families.qwen_image import tiny
+from jaxflow_bridge.families.bagel import tiny as tiny_bagel
+from jaxflow_bridge.families.bagel import vllm_omni_pipeline as vob
 from jaxflow_bridge.engines.vllm_omni import lora as vol
-from jaxflow_bridge.engines.vllm_omni import pipeline as vop
+from jaxflow_bridge.families.qwen_image import vllm_omni_pipeline as vop
 from jaxflow_bridge.families.bagel.sampling import BagelSamplingParams
-from jaxflow_bridge.engines.bagel_torch import BagelTorchEngine
+from jaxflow_bridge.families.bagel.engine import BagelTorchEngine
 from jaxflow_bridge.engines.vllm_omni.engine import VllmOmniEngine
 from jaxflow_bridge.rollout.lora.binding import bind_lora_modules
-from jaxflow_bridge.rollout.pipeline import stored_fingerprint
+from jaxflow_bridge.families.qwen_image.diffusers_pipeline import stored_fingerprint
 from jaxflow_bridge.engines.vllm_omni.kinds import BAGEL_DEPLOY_FILE, Bagel, QwenImage, model_kind
 from tests.helpers import ROOT
 from tests.helpers_vllm_omni import SAMPLING, SEEDS, FakeBagel, FakeOmniQwenImagePipeline, install_fake_vllm_omni

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Iterator, Protocol
 
 from jaxflow.algorithms.objective import Objective
-from jaxflow.models.lora import LoRASpec
+from jaxflow.nn.lora import LoRASpec
 
 DEPLOYS = ("single_stage", "two_stage")  # rollout.bagel_deploy: vLLM-Omni's BAGEL topologies
 

@@ -21,7 +21,7 @@ from jaxflow.algorithms.advantages import compute_advantages
 from jaxflow.sync.lora_sync import SharedLoRA, device_peft_tensors, device_target
 from jaxflow.run.metrics_log import image_grid
 from jaxflow.trainer.minibatches import compact_zero_advantage, order_minibatches
-from jaxflow.models.lora import lora_to_peft
+from jaxflow.nn.lora import lora_to_peft
 from jaxflow.run.rollout_client import LocalTransport, RayTransport, RolloutGroup, init_ray
 from jaxflow.trainer.train_batch import TrainBatch
 from jaxflow_bridge.contract.trajectory import TextLengthError, TrajectoryBatch

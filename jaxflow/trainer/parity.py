@@ -15,15 +15,16 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxflow.models.config import QwenImageConfig
-from jaxflow.models.loading import TensorSource
-from jaxflow.models.lora import LoRAParam, LoRASpec
+from jaxflow.nn.config import QwenImageConfig
+from jaxflow.families.qwen_image.loading import TensorSource
+from jaxflow.nn.lora import LoRAParam, LoRASpec
 from jaxflow import families
 from jaxflow.trainer.step_config import TrainConfig
 from jaxflow.trainer.train_batch import TrainBatch
 from jaxflow.algorithms.flowgrpo_step import accumulate_gradients
 from jaxflow.trainer.train_step import prepare_batch
-from jaxflow_bridge.contract import bagel_keymap, keymap
+from jaxflow_bridge.families.bagel import keymap as bagel_keymap
+from jaxflow_bridge.families.qwen_image import keymap
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 
 

@@ -4,7 +4,7 @@ vLLM-Omni names.
 Numpy only (no JAX, no torch): the trainer and the rollout both import it; safetensors files go through
 `jaxflow_bridge.contract.safetensors_io`. PEFT keys are `transformer_blocks.N.<target>.lora_A.weight` (r, in) and
 `lora_B.weight` (out, r), an optional `transformer.` prefix (diffusers' pipeline namespace) accepted on input.
-(The trainer's Flax LoRA state <-> PEFT arrays conversion is `jaxflow.models.lora`.)
+(The trainer's Flax LoRA state <-> PEFT arrays conversion is `jaxflow.nn.lora`.)
 
 vLLM-Omni 0.20 (verified in its source, see `to_vllm_omni`): its LoRA loader wants `attn.to_out` where PEFT
 says `attn.to_out.0`, in the tensor names and in adapter_config's target_modules; q/k/v and add_q/k/v stay per

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from jaxflow_bridge.rollout.engine import RolloutEngine
-from jaxflow_bridge.rollout.pipeline import RolloutPipeline
+from jaxflow_bridge.families.qwen_image.diffusers_pipeline import RolloutPipeline
 from jaxflow_bridge.rollout.sampling import SamplingLoop, SamplingParams, cfg_forward_choice
 
 
@@ -31,7 +31,7 @@ class DiffusersEngine(RolloutEngine):
         cfg_forward = cfg_forward_choice(config.get("cfg_forward", SamplingLoop.cfg_forward))
         model = config["model"]
         if model == "tiny":
-            from jaxflow_bridge.random_models.tiny import tiny_pipeline_path
+            from jaxflow_bridge.families.qwen_image.tiny import tiny_pipeline_path
 
             model = tiny_pipeline_path()
         base = config.get("base_weights", "own")

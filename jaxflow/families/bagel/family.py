@@ -17,9 +17,9 @@ from jaxflow.families.bagel.loading import folder_config, load_bagel, random_bag
 from jaxflow.families.bagel.model import BagelModel
 from jaxflow.families.bagel.objective import OBJECTIVE
 from jaxflow.families.base import DEPLOYS, Problem, read_json
-from jaxflow.models.loading import entries_fingerprint
-from jaxflow.models.lora import LoRASpec
-from jaxflow_bridge.contract import bagel_keymap
+from jaxflow.families.qwen_image.loading import entries_fingerprint
+from jaxflow.nn.lora import LoRASpec
+from jaxflow_bridge.families.bagel import keymap as bagel_keymap
 
 log = logging.getLogger("jaxflow.train")
 
@@ -40,13 +40,13 @@ class Bagel:
 
     def folder(self, cfg) -> Path:
         if cfg.model.path == self.tiny:
-            from jaxflow_bridge.random_models.tiny_bagel import tiny_bagel_path
+            from jaxflow_bridge.families.bagel.tiny import tiny_bagel_path
             return tiny_bagel_path()
         return Path(cfg.model.path)
 
     def _top(self, cfg) -> dict:
         if cfg.model.path == self.tiny:
-            from jaxflow_bridge.random_models.tiny_bagel import top_config
+            from jaxflow_bridge.families.bagel.tiny import top_config
             return top_config()
         return json.loads((Path(cfg.model.path) / "config.json").read_text())
 

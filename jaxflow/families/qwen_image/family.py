@@ -1,5 +1,5 @@
 """Qwen-Image (`model.family='qwen_image'`): a diffusers Qwen-Image folder (or "tiny"), engines diffusers and
-vllm_omni, text as embeds, true CFG; its transformer, key map and loading are `jaxflow/models/`."""
+vllm_omni, text as embeds, true CFG; its transformer, key map and loading are `jaxflow/nn/`."""
 from __future__ import annotations
 
 import json
@@ -8,12 +8,12 @@ from typing import Iterator
 
 from jaxflow.algorithms.objective import WINDOW, Objective
 from jaxflow.families.base import Problem, read_json
-from jaxflow.models import lora as qwen_lora
-from jaxflow.models.config import QwenImageConfig
-from jaxflow.models.loading import fingerprint, load_transformer
-from jaxflow.models.lora import LoRASpec
-from jaxflow.models.random_init import random_transformer
-from jaxflow.models.transformer import QwenImageTransformer
+from jaxflow.nn import lora as qwen_lora
+from jaxflow.nn.config import QwenImageConfig
+from jaxflow.families.qwen_image.loading import fingerprint, load_transformer
+from jaxflow.nn.lora import LoRASpec
+from jaxflow.families.qwen_image.random_init import random_transformer
+from jaxflow.families.qwen_image.transformer import QwenImageTransformer
 from jaxflow_bridge.contract.schedule import pixels_per_token
 
 
@@ -32,7 +32,7 @@ class QwenImage:
 
     def folder(self, cfg) -> Path:
         if cfg.model.path == self.tiny:
-            from jaxflow_bridge.random_models.tiny import tiny_pipeline_path
+            from jaxflow_bridge.families.qwen_image.tiny import tiny_pipeline_path
             return tiny_pipeline_path(dtype=cfg.rollout.dtype)
         return Path(cfg.model.path)
 
@@ -57,7 +57,7 @@ class QwenImage:
     def size_multiple(self, cfg) -> int:
         """`pixels_per_token` of the VAE: the folder's vae/config.json or the tiny model's."""
         if cfg.model.path == self.tiny:
-            from jaxflow_bridge.random_models.tiny import TINY_VAE_CONFIG
+            from jaxflow_bridge.families.qwen_image.tiny import TINY_VAE_CONFIG
             vae = TINY_VAE_CONFIG
         else:
             path = Path(cfg.model.path) / "vae" / "config.json"

@@ -13,13 +13,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from jaxflow_bridge.contract.bagel_keymap import IGNORED_PREFIXES, generation_expert_adapter
+from jaxflow_bridge.families.bagel.keymap import IGNORED_PREFIXES, generation_expert_adapter
 from jaxflow_bridge.contract.lora import to_vllm_omni
 from jaxflow_bridge.contract.schedule import pixels_per_token
-from jaxflow_bridge.engines.vllm_omni import bagel_pipeline
-from jaxflow_bridge.engines.vllm_omni import pipeline as qwen_pipeline
+from jaxflow_bridge.families.bagel import vllm_omni_pipeline as bagel_pipeline
+from jaxflow_bridge.families.qwen_image import vllm_omni_pipeline as qwen_pipeline
 from jaxflow_bridge.families.bagel.sampling import BagelSamplingParams
-from jaxflow_bridge.rollout.pipeline import stored_fingerprint
+from jaxflow_bridge.families.qwen_image.diffusers_pipeline import stored_fingerprint
 from jaxflow_bridge.rollout.sampling import SamplingParams
 
 # vLLM-Omni 0.20's BAGEL topologies inside the installed package: "single_stage", one DiT stage doing prefill,
@@ -138,11 +138,11 @@ def model_kind(model: str, dtype: str, deploy: str | None = None):
     deploy given for Qwen-Image."""
     folder = Path(model)
     if model == "tiny":
-        from jaxflow_bridge.random_models.tiny import tiny_pipeline_path
+        from jaxflow_bridge.families.qwen_image.tiny import tiny_pipeline_path
 
         folder = tiny_pipeline_path(dtype=dtype)
     elif model == "tiny_bagel":
-        from jaxflow_bridge.random_models.tiny_bagel import tiny_bagel_path
+        from jaxflow_bridge.families.bagel.tiny import tiny_bagel_path
 
         return Bagel(tiny_bagel_path(dtype=dtype), deploy or "single_stage")
     config = folder / "config.json"

@@ -43,9 +43,9 @@ import numpy as np
 import torch
 
 from jaxflow_bridge.contract.safetensors_io import save_streamed
-from jaxflow_bridge.random_models import tiny
+from jaxflow_bridge.families.qwen_image import tiny
 from jaxflow_bridge.rollout.tensors import torch_to_numpy
-from jaxflow_bridge.random_models.tiny_bagel import (DTYPES, SINCOS, Geometry, build_atomically, draw, sincos_table,
+from jaxflow_bridge.families.bagel.tiny import (DTYPES, SINCOS, Geometry, build_atomically, draw, sincos_table,
                                                tensor_shapes, write_folder)
 
 FULL_LLM = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,

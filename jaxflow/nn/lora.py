@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxflow_bridge.contract import keymap
+from jaxflow_bridge.families.qwen_image import keymap
 from jaxflow_bridge.contract import lora as peft_folder
 
 

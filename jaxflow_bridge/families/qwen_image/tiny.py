@@ -13,7 +13,7 @@ thinker marks an image to edit with ``<|fim_middle|>``), all in their real relat
 bytes. ``vocab_size`` is that count rounded up to 64 (384), instead of the real 152064, which keeps the text encoder
 at about 0.1M params.
 
-CLI: ``python -m jaxflow_bridge.random_models.tiny --out DIR [--seed 0] [--dtype float32]``.
+CLI: ``python -m jaxflow_bridge.families.qwen_image.tiny --out DIR [--seed 0] [--dtype float32]``.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ connector, 3 autoencoder), drawing each component's tensors in ``components`` or
 ``dtype``. By role (``draw``): weights ~ N(0, 1/fan_in), biases ~ N(0, 0.1^2), norm weights 1 + N(0, 0.1^2),
 embedding tables ~ N(0, 1); the two position tables are BAGEL's fixed 2-D sin-cos. The global RNG is never touched.
 
-CLI: ``python -m jaxflow_bridge.random_models.tiny_bagel --out DIR [--seed 0] [--dtype float32]``.
+CLI: ``python -m jaxflow_bridge.families.bagel.tiny --out DIR [--seed 0] [--dtype float32]``.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from jaxflow_bridge.random_models import tiny
+from jaxflow_bridge.families.qwen_image import tiny
 from jaxflow_bridge.families.bagel.vae import checkpoint_shapes
 
 FORMAT_VERSION = 4  # 2: max_latent_size 32 (vLLM-Omni's 512 x 512 warm-up); 3: the FIM tokens (tiny.py);

@@ -14,10 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxflow.models.config import ModelOptions, QwenImageConfig
-from jaxflow.models.lora import LoRAParam, LoRASpec, merged_kernels
-from jaxflow.models.transformer import QwenImageTransformer
-from jaxflow_bridge.contract import keymap, safetensors_io
+from jaxflow.nn.config import ModelOptions, QwenImageConfig
+from jaxflow.nn.lora import LoRAParam, LoRASpec, merged_kernels
+from jaxflow.families.qwen_image.transformer import QwenImageTransformer
+from jaxflow_bridge.contract import safetensors_io
+from jaxflow_bridge.families.qwen_image import keymap
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 INDEX = WEIGHTS + ".index.json"

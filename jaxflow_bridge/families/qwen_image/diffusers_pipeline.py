@@ -13,7 +13,7 @@ import torch
 
 from jaxflow_bridge.rollout.engine import policy_version
 from jaxflow_bridge.rollout.lora.apply import LoraApplier
-from jaxflow_bridge.rollout.random_init import random_transformer
+from jaxflow_bridge.families.qwen_image.random_init import random_transformer
 from jaxflow_bridge.rollout.sampling import Fp32Timestep, SamplingLoop
 from jaxflow_bridge.rollout.shared_weights import empty_transformer, share_parameters, waiting_for_weights
 

@@ -9,11 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflow.models.config import ModelOptions, QwenImageConfig
-from jaxflow.models.loading import ShardingFn, assemble
-from jaxflow.models.lora import LoRASpec
-from jaxflow.models.transformer import QwenImageTransformer
-from jaxflow_bridge.contract import keymap
+from jaxflow.nn.config import ModelOptions, QwenImageConfig
+from jaxflow.families.qwen_image.loading import ShardingFn, assemble
+from jaxflow.nn.lora import LoRASpec
+from jaxflow.families.qwen_image.transformer import QwenImageTransformer
+from jaxflow_bridge.families.qwen_image import keymap
 from jaxflow_bridge.contract.random_weights import FMIX, GOLDEN, key_id, kind, scale
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxflow_bridge.contract.keymap import Entry
+from jaxflow_bridge.families.qwen_image.keymap import Entry
 from jaxflow_bridge.contract.lora import LORA_KEY, refusal
 
 LLM = "language_model.model."
