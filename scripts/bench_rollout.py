@@ -23,7 +23,7 @@ import torch
 
 from jaxflow_bench.flops import DATASHEET_TFLOPS, qwen_flops
 from jaxflow_bench.results import write_result
-from jaxflow_bridge.contract.schedule import pixels_per_token
+from jaxflow_bridge.families.qwen_image.spec import pixels_per_token
 from jaxflow_bridge.families.qwen_image.full_size import full_size_pipeline
 from jaxflow_bridge.families.qwen_image.diffusers_pipeline import RolloutPipeline
 from jaxflow_bridge.rollout.sampling import SamplingParams

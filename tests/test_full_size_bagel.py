@@ -165,7 +165,7 @@ def test_full_size_shapes_are_the_trainers_and_the_bagel_torch_engines():
     from jaxflow.families.bagel.config import BagelConfig
     from jaxflow.families.bagel.model import BagelModel
     from jaxflow.nn.config import ModelOptions
-    from jaxflow.families.qwen_image.loading import state_leaf
+    from jaxflow.nn.weights import state_leaf
     from jaxflow_bridge.families.bagel.model import BagelTorch
 
     ids = tiny_bagel.special_ids()
@@ -247,7 +247,7 @@ def test_the_trainer_and_both_engines_load_the_shrunk_folder_with_one_fingerprin
     from jaxflow.families.bagel.loading import arrays, load_bagel
     from jaxflow_bridge.families.bagel import keymap as bagel_keymap
     from jaxflow_bridge.families.bagel.engine import BagelTorchEngine
-    from jaxflow_bridge.engines.vllm_omni.kinds import Bagel
+    from jaxflow_bridge.families.bagel.vllm_omni_kind import VllmOmniKind as Bagel
 
     model = load_bagel(small)
     stored = load_file(small / "ema.safetensors")

@@ -9,8 +9,9 @@ from diffusers import QwenImageTransformer2DModel
 from flax import nnx
 
 from jaxflow.nn.config import ModelOptions, QwenImageConfig
-from jaxflow.families.qwen_image.loading import (INDEX, WEIGHTS, TensorSource, build_from_source, load_transformer,
+from jaxflow.families.qwen_image.loading import (build_from_source, load_transformer,
                                     save_transformer, to_diffusers_state_dict)
+from jaxflow.nn.weights import INDEX, WEIGHTS, TensorSource
 from jaxflow.nn.lora import LoRAParam, LoRASpec
 from jaxflow.families.qwen_image.transformer import QwenImageTransformer
 from jaxflow_bridge.contract import safetensors_io

@@ -10,7 +10,8 @@ from peft import LoraConfig, get_peft_model_state_dict
 
 from jaxflow.nn.config import QwenImageConfig
 from jaxflow.nn.layers import Linear
-from jaxflow.families.qwen_image.loading import TensorSource, build_from_source, load_transformer, to_diffusers_state_dict
+from jaxflow.families.qwen_image.loading import build_from_source, load_transformer, to_diffusers_state_dict
+from jaxflow.nn.weights import TensorSource
 from jaxflow.nn.lora import LoRAParam, LoRASpec, lora_to_peft, peft_to_lora, read_peft, save_peft
 from jaxflow_bridge.families.qwen_image.tiny import tiny_pipeline_path
 from tests.qwen_ref import TINY, inputs, state_dict_numpy, torch_forward, torch_model

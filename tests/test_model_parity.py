@@ -9,7 +9,8 @@ from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope, Q
 
 from jaxflow.nn.config import ModelOptions, QwenImageConfig
 from jaxflow.nn.embeddings import TIMESTEP_FREQS, inv_freq, rope_angles, rope_tables, timestep_embedding
-from jaxflow.families.qwen_image.loading import TensorSource, build_from_source
+from jaxflow.families.qwen_image.loading import build_from_source
+from jaxflow.nn.weights import TensorSource
 from tests.qwen_ref import OTHER, TINY, inputs, state_dict_numpy, torch_forward, torch_model
 
 TOL = 1e-5

@@ -11,7 +11,7 @@ from jaxflow.families.qwen_image.loading import fingerprint, to_diffusers_state_
 from jaxflow.families.qwen_image.random_init import random_transformer
 from jaxflow_bridge.contract.random_weights import numpy_weight
 from jaxflow_bridge.families.qwen_image.diffusers_pipeline import RolloutPipeline
-from jaxflow_bridge.families.qwen_image.random_init import torch_weight
+from jaxflow_bridge.rollout.random_weights import torch_weight
 from jaxflow_bridge.families.qwen_image.tiny import tiny_pipeline_path
 
 

@@ -108,8 +108,9 @@ def test_sigma_schedule_known_qwen_values():
 def test_pixels_per_token_is_the_vaes_factor_times_the_2x2_patch():
     """Qwen-Image's VAE (three temporal-downsample entries: 8x) gives 16 pixels a token; the tiny model's (two) 8."""
     from jaxflow_bridge.families.qwen_image.full_size import VAE_CONFIG
+    from jaxflow_bridge.families.qwen_image.spec import pixels_per_token
     from jaxflow_bridge.families.qwen_image.tiny import TINY_VAE_CONFIG
-    assert schedule.pixels_per_token(VAE_CONFIG) == 16 and schedule.pixels_per_token(TINY_VAE_CONFIG) == 8
+    assert pixels_per_token(VAE_CONFIG) == 16 and pixels_per_token(TINY_VAE_CONFIG) == 8
 
 
 def test_sigma_schedule_rejects_unsupported():

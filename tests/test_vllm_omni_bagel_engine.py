@@ -30,8 +30,11 @@ from jaxflow_bridge.families.bagel.sampling import BagelSamplingParams
 from jaxflow_bridge.families.bagel.engine import BagelTorchEngine
 from jaxflow_bridge.engines.vllm_omni.engine import VllmOmniEngine
 from jaxflow_bridge.rollout.lora.binding import bind_lora_modules
-from jaxflow_bridge.families.qwen_image.diffusers_pipeline import stored_fingerprint
-from jaxflow_bridge.engines.vllm_omni.kinds import BAGEL_DEPLOY_FILE, Bagel, QwenImage, model_kind
+from jaxflow_bridge.rollout.fingerprint import stored_fingerprint
+from jaxflow_bridge.engines.vllm_omni.kinds import model_kind
+from jaxflow_bridge.families.bagel.spec import DEPLOY_FILES
+from jaxflow_bridge.families.bagel.vllm_omni_kind import VllmOmniKind as Bagel
+from jaxflow_bridge.families.qwen_image.vllm_omni_kind import VllmOmniKind as QwenImage
 from tests.helpers import ROOT
 from tests.helpers_vllm_omni import SAMPLING, SEEDS, FakeBagel, FakeOmniQwenImagePipeline, install_fake_vllm_omni
 from tests.helpers_vllm_omni_bagel import NaiveCache, stand_in_thinker, stock_bagel_pipeline
@@ -129,7 +132,7 @@ def test_bagel_starts_our_pipeline_in_vllm_omnis_single_stage_deployment(folder,
     engine, omni = start(monkeypatch, tmp_path, bagel_torch)
     (started,) = omni.started
     deploy = tmp_path / "vllm_omni" / "deploy" / "bagel_single_stage.yaml"  # vLLM-Omni 0.20's wheel layout
-    assert started.model == str(folder) and BAGEL_DEPLOY_FILE == ("deploy", "bagel_single_stage.yaml")
+    assert started.model == str(folder) and DEPLOY_FILES["single_stage"] == ("deploy", "bagel_single_stage.yaml")
     assert started.kwargs == {"custom_pipeline_args": {"pipeline_class": vob.PIPELINE_CLASS},
                               "deploy_config": str(deploy), "worker_extension_cls": vop.WORKER_EXTENSION_CLASS,
                               "dtype": "bfloat16", "enable_sleep_mode": True}

@@ -14,7 +14,8 @@ from jaxflow_bridge.engines.vllm_omni import lora as vol
 from jaxflow_bridge.families.qwen_image import vllm_omni_pipeline as vop
 from jaxflow_bridge.engines.vllm_omni.engine import INSTALL_HINT, ack_errors
 from jaxflow_bridge.rollout.lora.binding import check_lora_binding
-from jaxflow_bridge.families.qwen_image.diffusers_pipeline import RolloutPipeline, stored_fingerprint
+from jaxflow_bridge.families.qwen_image.diffusers_pipeline import RolloutPipeline
+from jaxflow_bridge.rollout.fingerprint import stored_fingerprint
 from jaxflow_bridge.rollout.server import engine_class
 from tests.helpers import LAYERS, MLP, RANK, D, random_peft
 from tests.helpers_vllm_omni import SAMPLING, SEEDS, FakeFusedTransformer, FakeOmniQwenImagePipeline, omni_params

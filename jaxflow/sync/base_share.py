@@ -12,7 +12,7 @@ from __future__ import annotations
 from flax import nnx
 
 from jaxflow.sync.lora_sync import jax_to_torch
-from jaxflow.families.qwen_image.loading import state_leaf
+from jaxflow.nn.weights import state_leaf
 from jaxflow_bridge.families.qwen_image import keymap
 
 

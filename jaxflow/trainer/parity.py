@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from jaxflow.nn.config import QwenImageConfig
-from jaxflow.families.qwen_image.loading import TensorSource
+from jaxflow.nn.weights import TensorSource
 from jaxflow.nn.lora import LoRAParam, LoRASpec
 from jaxflow import families
 from jaxflow.trainer.step_config import TrainConfig

@@ -48,12 +48,6 @@ _UNSUPPORTED_FLAGS = ("invert_sigmas", "use_karras_sigmas", "use_exponential_sig
 # ---------------------------------------------------------------------------------------------- schedule
 
 
-def pixels_per_token(vae_config: dict) -> int:
-    """Pixels a packed Qwen-Image latent token spans per side: the VAE's 2 ** len(temperal_downsample) (its
-    config.json's spelling) times the 2 x 2 patch packing; 16 for Qwen-Image's. Image sides must be multiples of it."""
-    return 2 * 2 ** len(vae_config["temperal_downsample"])
-
-
 def calculate_shift(image_seq_len, base_seq_len, max_seq_len, base_shift, max_shift) -> float:
     """Resolution-dependent shift mu: linear in the image token count, unclamped (as the diffusers pipelines)."""
     m = (max_shift - base_shift) / (max_seq_len - base_seq_len)

@@ -16,26 +16,27 @@ from jaxflow.families.bagel import lora as bagel_lora
 from jaxflow.families.bagel.loading import folder_config, load_bagel, random_bagel
 from jaxflow.families.bagel.model import BagelModel
 from jaxflow.families.bagel.objective import OBJECTIVE
-from jaxflow.families.base import DEPLOYS, Problem, read_json
-from jaxflow.families.qwen_image.loading import entries_fingerprint
+from jaxflow.families.base import Problem, read_json
+from jaxflow.nn.weights import entries_fingerprint
 from jaxflow.nn.lora import LoRASpec
 from jaxflow_bridge.families.bagel import keymap as bagel_keymap
+from jaxflow_bridge.families.bagel import spec
 
 log = logging.getLogger("jaxflow.train")
 
 
 class Bagel:
-    name = "bagel"
+    name = spec.NAME
     engine_runs = {"bagel_torch": ("float32", "cpu"), "vllm_omni": ("bfloat16", "cuda")}  # (rollout dtype, device)
     engines = tuple(engine_runs)
     merges_lora = False  # vllm_omni serves BAGEL's adapter through vLLM-Omni's LoRA layers only
-    tiny = "tiny_bagel"
+    tiny = spec.TINY
     tiny_config = "configs/tiny_bagel_ocr.py (the tiny offline BAGEL)"
     example = "/path/to/BAGEL-7B-MoT"
     files = ("llm_config.json", "config.json", "tokenizer.json")
     weights = ("ema.safetensors",)  # read with model.init='checkpoint' only
     one_device = True  # jaxflow.config.check_layout
-    stages = DEPLOYS
+    stages = spec.DEPLOYS
     thinks = True
 
     def folder(self, cfg) -> Path:
@@ -49,11 +50,6 @@ class Bagel:
             from jaxflow_bridge.families.bagel.tiny import top_config
             return top_config()
         return json.loads((Path(cfg.model.path) / "config.json").read_text())
-
-    @staticmethod
-    def _per_token(top: dict) -> int:
-        """Pixels per latent token (a side): the VAE's downsampling x latent_patch_size (16 for BAGEL)."""
-        return top["vae_config"]["downsample"] * top["latent_patch_size"]
 
     def check_folder(self, folder: Path) -> None:
         """ValueError naming the folder's file when llm_config.json, config.json or tokenizer.json does not read
@@ -84,12 +80,12 @@ class Bagel:
                 yield key, f"{value!r}: BAGEL runs with {want} for now (docs/bagel.md §7)"
 
     def size_multiple(self, cfg) -> int:
-        return self._per_token(self._top(cfg))
+        return spec.pixels_per_token(self._top(cfg))
 
     def grid_hw(self, folder: Path, cfg) -> tuple[int, int]:
         """Latent tokens per side; each side at most config.json's max_latent_size (the position table's)."""
         top = json.loads((folder / "config.json").read_text())
-        m = self._per_token(top)
+        m = spec.pixels_per_token(top)
         grid = cfg.sample.height // m, cfg.sample.width // m
         if max(grid) > top["max_latent_size"]:
             raise ValueError(f"config.sample.height/width: {cfg.sample.height}x{cfg.sample.width} is {grid} latent "

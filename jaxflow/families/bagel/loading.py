@@ -14,8 +14,8 @@ from jaxflow.families.bagel.config import BagelConfig
 from jaxflow.families.bagel.model import BagelModel
 from jaxflow.nn.config import ModelOptions
 from jaxflow.nn.lora import LoRAParam, LoRASpec
-from jaxflow.families.qwen_image.loading import state_leaf
-from jaxflow.families.qwen_image.random_init import entry_value
+from jaxflow.nn.random_init import entry_value
+from jaxflow.nn.weights import state_leaf
 from jaxflow_bridge.contract import safetensors_io
 from jaxflow_bridge.families.bagel import keymap as bagel_keymap
 

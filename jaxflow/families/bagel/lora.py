@@ -12,7 +12,7 @@ from flax import nnx
 from jaxflow.nn.lora import LoRASpec, lora_to_peft, peft_to_lora
 from jaxflow_bridge.families.bagel import keymap as bagel_keymap
 from jaxflow_bridge.contract import lora as peft_folder
-from jaxflow_bridge.families.qwen_image.keymap import Entry
+from jaxflow_bridge.contract.weight_keys import Entry
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """Qwen-Image (`model.family='qwen_image'`): a diffusers Qwen-Image folder (or "tiny"), engines diffusers and
-vllm_omni, text as embeds, true CFG; its transformer, key map and loading are `jaxflow/nn/`."""
+vllm_omni, text as embeds, true CFG; its identity is `jaxflow_bridge/families/qwen_image/spec.py`, its transformer
+and loading are beside this module (shared layers: `jaxflow/nn/`)."""
 from __future__ import annotations
 
 import json
@@ -14,14 +15,14 @@ from jaxflow.families.qwen_image.loading import fingerprint, load_transformer
 from jaxflow.nn.lora import LoRASpec
 from jaxflow.families.qwen_image.random_init import random_transformer
 from jaxflow.families.qwen_image.transformer import QwenImageTransformer
-from jaxflow_bridge.contract.schedule import pixels_per_token
+from jaxflow_bridge.families.qwen_image import spec
 
 
 class QwenImage:
-    name = "qwen_image"
+    name = spec.NAME
     engines = ("diffusers", "vllm_omni")
     merges_lora = True  # vllm_omni's rollout.lora_mode='auto' merges the adapter into the base weights
-    tiny = "tiny"
+    tiny = spec.TINY
     tiny_config = "configs/tiny_ocr.py (the embedded tiny offline model)"
     example = "/path/to/Qwen-Image (a diffusers folder)"
     files = ("model_index.json", "transformer/config.json")
@@ -65,11 +66,11 @@ class QwenImage:
                 raise FileNotFoundError(f"{cfg.model.path} has no vae/config.json: it must be a diffusers Qwen-Image "
                                         "folder")
             vae = json.loads(path.read_text())
-        return pixels_per_token(vae)
+        return spec.pixels_per_token(vae)
 
     def grid_hw(self, folder: Path, cfg) -> tuple[int, int]:
         """Packed latent grid: a token spans `pixels_per_token` of the folder's VAE per side."""
-        factor = pixels_per_token(json.loads((folder / "vae" / "config.json").read_text()))
+        factor = spec.size_multiple(folder)
         return cfg.sample.height // factor, cfg.sample.width // factor
 
     def lora_spec(self, cfg) -> LoRASpec:

@@ -31,8 +31,8 @@ from jaxflow_bridge.families.bagel.think import TextHead, Thinker
 from jaxflow_bridge.families.bagel.vae import BagelDecoder
 from jaxflow_bridge.rollout.engine import RolloutEngine, policy_version
 from jaxflow_bridge.rollout.lora.apply import LoraApplier
-from jaxflow_bridge.families.qwen_image.diffusers_pipeline import weights_fingerprint
-from jaxflow_bridge.families.qwen_image.random_init import torch_weight
+from jaxflow_bridge.rollout.fingerprint import weights_fingerprint
+from jaxflow_bridge.rollout.random_weights import torch_weight
 from jaxflow_bridge.families.bagel.tiny import bagel_torch_fields
 
 

@@ -46,7 +46,8 @@ from jaxflow_bridge.engines.vllm_omni.fa_version import FA_VERSIONS, use_fa3
 from jaxflow_bridge.families.qwen_image.linear_gelu import install_gelu_epilogue
 from jaxflow_bridge.rollout.kernels.lora_linear import install_fused_apply
 from jaxflow_bridge.rollout.lora.merge import MergedLoRA, plan_targets
-from jaxflow_bridge.families.qwen_image.diffusers_pipeline import TensorHead, text_tower, weights_fingerprint
+from jaxflow_bridge.families.qwen_image.diffusers_pipeline import text_tower
+from jaxflow_bridge.rollout.fingerprint import TensorHead, weights_fingerprint
 from jaxflow_bridge.families.qwen_image.qk_rope import QK_OPS, use_native_qk
 from jaxflow_bridge.families.qwen_image.random_init import random_named_weights
 from jaxflow_bridge.rollout.sampling import Fp32Timestep, SamplingLoop, SamplingParams
