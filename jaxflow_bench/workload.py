@@ -14,8 +14,9 @@ import numpy as np
 from flax import nnx
 
 from jaxflow import config as config_lib
-from jaxflow.nn.config import ModelOptions, QwenImageConfig
-from jaxflow.nn.lora import LoRASpec
+from jaxflow.families.qwen_image.config import QwenImageConfig
+from jaxflow.nn.config import ModelOptions
+from jaxflow.families.qwen_image.lora import QwenImageLoRASpec
 from jaxflow.families.qwen_image.transformer import QwenImageTransformer
 from jaxflow.recipes import base
 from jaxflow.trainer.step_config import TrainConfig
@@ -94,7 +95,7 @@ def time_steps(step, state, batch, args) -> tuple[float, object]:
 
 def random_model(cfg, rank: int, remat: str = "save_matmuls", attention: str = "auto"):
     """(model, spec): the bf16 transformer with LoRA r=rank (alpha 2r), random weights drawn on the device."""
-    spec = LoRASpec(rank=rank, alpha=2.0 * rank)
+    spec = QwenImageLoRASpec(rank=rank, alpha=2.0 * rank)
     opts = ModelOptions(dtype="bfloat16", param_dtype="bfloat16", remat=remat, attention=attention)
     abstract = nnx.eval_shape(lambda: QwenImageTransformer(cfg, opts, spec, rngs=nnx.Rngs(0)))
     state = jax.jit(lambda: nnx.state(QwenImageTransformer(cfg, opts, spec, rngs=nnx.Rngs(0))))()

@@ -75,8 +75,8 @@ def profile_train_step(out: Path, batch: int, micro: int, hlo: Path | None = Non
     import jax
 
     from jaxflow import config as config_lib
-    from jaxflow.nn.config import QwenImageConfig
-    from jaxflow.nn.lora import LoRASpec
+    from jaxflow.families.qwen_image.config import QwenImageConfig
+    from jaxflow.families.qwen_image.lora import QwenImageLoRASpec
     from jaxflow.nn.lora_gemm import on_hopper
     from jaxflow.families.qwen_image.random_init import random_transformer
     from jaxflow.recipes import base
@@ -94,7 +94,7 @@ def profile_train_step(out: Path, batch: int, micro: int, hlo: Path | None = Non
     gemm, _ = config_lib.lora_gemm(recipe, cfg.num_layers, jax.device_count(), on_hopper(), batch // micro,
                                    (32 * 32, 128))
     opts = config_lib.model_options(recipe, gemm, cfg.num_layers)
-    model = random_transformer(cfg, opts, LoRASpec(rank=64, alpha=128.0), seed=0)
+    model = random_transformer(cfg, opts, QwenImageLoRASpec(rank=64, alpha=128.0), seed=0)
     if model.unrolled:  # as the trainer holds them (jaxflow/trainer/learner.py)
         model.unstack_blocks()
     init_state, step = make_train_step(model, recipe_train_config((32, 32), num_micro_batches=micro, **ONE_UPDATE),

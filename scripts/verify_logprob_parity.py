@@ -46,7 +46,8 @@ from jaxflow.families.bagel.loading import load_bagel
 from jaxflow.families.bagel.lora import BagelLoRASpec
 from jaxflow.nn.config import ModelOptions
 from jaxflow.families.qwen_image.loading import load_transformer
-from jaxflow.nn.lora import LoRASpec, peft_to_lora
+from jaxflow.nn.lora import peft_to_lora
+from jaxflow.families.qwen_image.lora import QwenImageLoRASpec
 from jaxflow.trainer.parity import parity_stats, random_adapter, recompute
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 
@@ -170,7 +171,7 @@ def check(args, engine, bagel: bool) -> int:
     """Roll out on `engine`, recompute in JAX, print and write the comparison; the exit code."""
     engine_fingerprint = engine.info()["fingerprint"]
     folder = args.model if bagel else args.model / "transformer"
-    spec = (BagelLoRASpec if bagel else LoRASpec)(rank=args.lora_rank, alpha=float(args.lora_rank)) \
+    spec = (BagelLoRASpec if bagel else QwenImageLoRASpec)(rank=args.lora_rank, alpha=float(args.lora_rank)) \
         if args.lora_rank else None
     round_to = ml_dtypes.bfloat16 if args.dtype == "bfloat16" else None  # both sides hold the same adapter values
     if spec:

@@ -18,8 +18,10 @@ import numpy as np
 from flax import nnx
 
 from jaxflow.config import config_module
-from jaxflow.nn.config import ModelOptions, QwenImageConfig
-from jaxflow.nn.lora import LoRAParam, LoRASpec
+from jaxflow.families.qwen_image.config import QwenImageConfig
+from jaxflow.nn.config import ModelOptions
+from jaxflow.nn.lora import LoRAParam
+from jaxflow.families.qwen_image.lora import QwenImageLoRASpec as LoRASpec
 from jaxflow.families.qwen_image.transformer import QwenImageTransformer
 from jaxflow.trainer.train_batch import TrainBatch
 from jaxflow_bridge.families.qwen_image import keymap

@@ -6,7 +6,8 @@ import pytest
 from flax import nnx
 
 from jaxflow.nn.attention import resolve_implementation
-from jaxflow.nn.config import ModelOptions, QwenImageConfig
+from jaxflow.families.qwen_image.config import QwenImageConfig
+from jaxflow.nn.config import ModelOptions
 from jaxflow.families.qwen_image.transformer import QwenImageTransformer
 
 TINY = QwenImageConfig(num_layers=1, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,

@@ -12,7 +12,8 @@ from flax import nnx
 
 from jaxflow.algorithms import flowgrpo
 from jaxflow.algorithms.advantages import compute_advantages
-from jaxflow.nn.config import ModelOptions, QwenImageConfig
+from jaxflow.families.qwen_image.config import QwenImageConfig
+from jaxflow.nn.config import ModelOptions
 from jaxflow.families.qwen_image.transformer import QwenImageTransformer
 
 ROOT = Path(__file__).resolve().parents[1]

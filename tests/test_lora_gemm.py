@@ -11,8 +11,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxflow.nn import layers
-from jaxflow.nn.config import ModelOptions, QwenImageConfig
-from jaxflow.nn.lora import LoRASpec
+from jaxflow.families.qwen_image.config import QwenImageConfig
+from jaxflow.nn.config import ModelOptions
+from jaxflow.families.qwen_image.lora import QwenImageLoRASpec as LoRASpec
 from jaxflow.nn.lora_gemm import Tiling, tile_order, check_shapes, lora_linear, lora_matmul, smem_bytes
 from jaxflow.families.qwen_image.transformer import QwenImageTransformer
 from tests.qwen_ref import TINY

@@ -9,7 +9,8 @@ from flax import nnx
 
 from jaxflow.sync.lora_sync import DeviceTarget, device_peft_tensors, device_target
 from jaxflow.families.qwen_image.loading import load_transformer
-from jaxflow.nn.lora import LoRAParam, LoRASpec, lora_to_peft
+from jaxflow.nn.lora import LoRAParam, lora_to_peft
+from jaxflow.families.qwen_image.lora import QwenImageLoRASpec as LoRASpec
 from jaxflow.run.rollout_client import LocalTransport, RolloutGroup
 from jaxflow_bridge.rollout.lora.apply import ADAPTER_NAME
 

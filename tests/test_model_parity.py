@@ -7,7 +7,8 @@ import pytest
 import torch
 from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope, QwenTimestepProjEmbeddings
 
-from jaxflow.nn.config import ModelOptions, QwenImageConfig
+from jaxflow.families.qwen_image.config import QwenImageConfig
+from jaxflow.nn.config import ModelOptions
 from jaxflow.nn.embeddings import TIMESTEP_FREQS, inv_freq, rope_angles, rope_tables, timestep_embedding
 from jaxflow.families.qwen_image.loading import build_from_source
 from jaxflow.nn.weights import TensorSource

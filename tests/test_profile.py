@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from jaxflow.nn.config import ModelOptions, QwenImageConfig
+from jaxflow.families.qwen_image.config import QwenImageConfig
+from jaxflow.nn.config import ModelOptions
 from jaxflow.families.qwen_image.transformer import QwenImageTransformer
 from jaxflow.run.profiling import StepProfiler
 from jaxflow_bench.kernels import scope_of, with_hlo_dump

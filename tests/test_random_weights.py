@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from jaxflow.nn.config import ModelOptions, QwenImageConfig
+from jaxflow.families.qwen_image.config import QwenImageConfig
+from jaxflow.nn.config import ModelOptions
 from jaxflow.families.qwen_image.loading import fingerprint, to_diffusers_state_dict
 from jaxflow.families.qwen_image.random_init import random_transformer
 from jaxflow_bridge.contract.random_weights import numpy_weight

@@ -46,7 +46,8 @@ def test_save_matmuls_stats_refuses_the_xla_attention():
 def test_a_model_with_save_matmuls_stats_is_refused_when_built_off_cudnn():
     from flax import nnx
 
-    from jaxflow.nn.config import ModelOptions, QwenImageConfig
+    from jaxflow.families.qwen_image.config import QwenImageConfig
+    from jaxflow.nn.config import ModelOptions
     from jaxflow.families.qwen_image.transformer import QwenImageTransformer
     cfg = QwenImageConfig(num_layers=1, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,
                           in_channels=16, out_channels=4, axes_dims_rope=(8, 12, 12))
@@ -58,7 +59,8 @@ def test_a_model_with_save_matmuls_stats_is_refused_when_built_off_cudnn():
 def test_remat_leaves_the_gradient_unchanged(remat):
     from flax import nnx
 
-    from jaxflow.nn.config import ModelOptions, QwenImageConfig
+    from jaxflow.families.qwen_image.config import QwenImageConfig
+    from jaxflow.nn.config import ModelOptions
     from jaxflow.families.qwen_image.transformer import QwenImageTransformer
     cfg = QwenImageConfig(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,
                           axes_dims_rope=(8, 12, 12))
@@ -82,7 +84,8 @@ def test_the_remat_policy_follows_the_model_options_at_trace_time():
 
     from flax import nnx
 
-    from jaxflow.nn.config import ModelOptions, QwenImageConfig
+    from jaxflow.families.qwen_image.config import QwenImageConfig
+    from jaxflow.nn.config import ModelOptions
     from jaxflow.families.qwen_image.transformer import QwenImageTransformer
     cfg = QwenImageConfig(num_layers=1, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,
                           axes_dims_rope=(8, 12, 12))

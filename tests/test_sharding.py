@@ -90,8 +90,10 @@ def _eight_device_check():
 
     from jaxflow.families.qwen_image import loading
     from jaxflow.nn.weights import TensorSource
-    from jaxflow.nn.config import ModelOptions, QwenImageConfig
-    from jaxflow.nn.lora import LoRAParam, LoRASpec
+    from jaxflow.families.qwen_image.config import QwenImageConfig
+    from jaxflow.nn.config import ModelOptions
+    from jaxflow.nn.lora import LoRAParam
+    from jaxflow.families.qwen_image.lora import QwenImageLoRASpec as LoRASpec
     from jaxflow.families.qwen_image.transformer import QwenImageTransformer
     from jaxflow.trainer.step_config import TrainConfig
     from jaxflow.trainer.train_step import make_train_step

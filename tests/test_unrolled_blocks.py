@@ -10,8 +10,10 @@ import pytest
 from flax import nnx
 from jax.extend.core import jaxprs_in_params
 
-from jaxflow.nn.config import ModelOptions, QwenImageConfig
-from jaxflow.nn.lora import LoRAParam, LoRASpec
+from jaxflow.families.qwen_image.config import QwenImageConfig
+from jaxflow.nn.config import ModelOptions
+from jaxflow.nn.lora import LoRAParam
+from jaxflow.families.qwen_image.lora import QwenImageLoRASpec as LoRASpec
 from jaxflow.families.qwen_image.transformer import QwenImageTransformer
 
 CFG = QwenImageConfig(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxflow.nn.config import QwenImageConfig
+from jaxflow.families.qwen_image.config import QwenImageConfig
 from jaxflow.nn.weights import TensorSource
 from jaxflow.nn.lora import LoRAParam, LoRASpec
 from jaxflow import families

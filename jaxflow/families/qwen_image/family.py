@@ -9,8 +9,9 @@ from typing import Iterator
 
 from jaxflow.algorithms.objective import WINDOW, Objective
 from jaxflow.families.base import Problem, read_json
-from jaxflow.nn import lora as qwen_lora
-from jaxflow.nn.config import QwenImageConfig
+from jaxflow.families.qwen_image.lora import QwenImageLoRASpec
+from jaxflow.nn import lora as lora_peft
+from jaxflow.families.qwen_image.config import QwenImageConfig
 from jaxflow.families.qwen_image.loading import fingerprint, load_transformer
 from jaxflow.nn.lora import LoRASpec
 from jaxflow.families.qwen_image.random_init import random_transformer
@@ -74,7 +75,7 @@ class QwenImage:
         return cfg.sample.height // factor, cfg.sample.width // factor
 
     def lora_spec(self, cfg) -> LoRASpec:
-        return LoRASpec(rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=tuple(cfg.lora.targets))
+        return QwenImageLoRASpec(rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=tuple(cfg.lora.targets))
 
     def build_model(self, cfg, folder: Path, spec, opts_for, **kw):
         """The transformer of `folder`: loaded, or drawn from `seed` with model.init=random; `opts_for(num_layers)`
@@ -101,7 +102,7 @@ class QwenImage:
         return dict(channels=model.cfg.in_channels, width=model.cfg.joint_attention_dim, text_ids=False)
 
     def save_peft(self, lora, spec, directory: Path) -> None:
-        qwen_lora.save_peft(lora, spec, directory)
+        lora_peft.save_peft(lora, spec, directory)
 
     def fingerprint(self, model) -> str:
         return fingerprint(model)

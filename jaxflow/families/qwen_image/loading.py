@@ -14,7 +14,8 @@ import numpy as np
 from flax import nnx
 
 from jaxflow.families.qwen_image.transformer import QwenImageTransformer
-from jaxflow.nn.config import ModelOptions, QwenImageConfig
+from jaxflow.families.qwen_image.config import QwenImageConfig
+from jaxflow.nn.config import ModelOptions
 from jaxflow.nn.lora import LoRAParam, LoRASpec, merged_kernels
 from jaxflow_bridge.contract import safetensors_io
 from jaxflow.nn.weights import INDEX, WEIGHTS, ShardingFn, TensorSource, entries_fingerprint, report, state_leaf

@@ -7,7 +7,8 @@ import functools
 
 from jaxflow.families.qwen_image.loading import ShardingFn, assemble
 from jaxflow.families.qwen_image.transformer import QwenImageTransformer
-from jaxflow.nn.config import ModelOptions, QwenImageConfig
+from jaxflow.families.qwen_image.config import QwenImageConfig
+from jaxflow.nn.config import ModelOptions
 from jaxflow.nn.lora import LoRASpec
 from jaxflow.nn.random_init import entry_value
 

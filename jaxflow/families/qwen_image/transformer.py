@@ -8,7 +8,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxflow.nn.attention import attention, resolve_implementation
-from jaxflow.nn.config import ModelOptions, QwenImageConfig
+from jaxflow.families.qwen_image.config import QwenImageConfig
+from jaxflow.nn.config import ModelOptions
 from jaxflow.nn.embeddings import TIMESTEP_CHANNELS, apply_rope, rope_angles, rope_tables, timestep_embedding
 from jaxflow.nn.layers import Linear, RMSNorm, gelu_tanh, layer_norm
 from jaxflow.nn.lora import LoRAParam, LoRASpec
