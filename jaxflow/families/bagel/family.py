@@ -17,7 +17,7 @@ from jaxflow.families.bagel.loading import folder_config, load_bagel, random_bag
 from jaxflow.families.bagel.model import BagelModel
 from jaxflow.families.bagel.objective import OBJECTIVE
 from jaxflow.families.base import Problem, read_json
-from jaxflow.nn.weights import entries_fingerprint
+from jaxflow.nn.weights import TensorSource, entries_fingerprint
 from jaxflow.nn.lora import LoRASpec
 from jaxflow_bridge.families.bagel import keymap as bagel_keymap
 from jaxflow_bridge.families.bagel import spec
@@ -27,8 +27,8 @@ log = logging.getLogger("jaxflow.train")
 
 class Bagel:
     name = spec.NAME
-    engine_runs = {"bagel_torch": ("float32", "cpu"), "vllm_omni": ("bfloat16", "cuda")}  # (rollout dtype, device)
-    engines = tuple(engine_runs)
+    engines = spec.ENGINES
+    engine_runs = dict(zip(engines, (("float32", "cpu"), ("bfloat16", "cuda"))))  # (rollout dtype, device)
     merges_lora = False  # vllm_omni serves BAGEL's adapter through vLLM-Omni's LoRA layers only
     tiny = spec.TINY
     tiny_config = "configs/tiny_bagel_ocr.py (the tiny offline BAGEL)"
@@ -92,6 +92,13 @@ class Bagel:
                              f"tokens; this BAGEL holds at most {top['max_latent_size']} a side "
                              f"({top['max_latent_size'] * m} pixels)")
         return grid
+
+    lora_spec_type = bagel_lora.BagelLoRASpec
+
+    def weights_source(self, folder: Path) -> tuple[TensorSource, int]:
+        """ema.safetensors' tensors and the LLM's layer count (llm_config.json)."""
+        layers = json.loads((folder / "llm_config.json").read_text())["num_hidden_layers"]
+        return TensorSource.from_file(folder / "ema.safetensors"), layers
 
     def lora_spec(self, cfg) -> LoRASpec:
         return bagel_lora.BagelLoRASpec(rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=tuple(cfg.lora.targets))

@@ -14,6 +14,7 @@ from jaxflow.nn import lora as lora_peft
 from jaxflow.families.qwen_image.config import QwenImageConfig
 from jaxflow.families.qwen_image.loading import fingerprint, load_transformer
 from jaxflow.nn.lora import LoRASpec
+from jaxflow.nn.weights import TensorSource
 from jaxflow.families.qwen_image.random_init import random_transformer
 from jaxflow.families.qwen_image.transformer import QwenImageTransformer
 from jaxflow_bridge.families.qwen_image import spec
@@ -21,7 +22,7 @@ from jaxflow_bridge.families.qwen_image import spec
 
 class QwenImage:
     name = spec.NAME
-    engines = ("diffusers", "vllm_omni")
+    engines = spec.ENGINES
     merges_lora = True  # vllm_omni's rollout.lora_mode='auto' merges the adapter into the base weights
     tiny = spec.TINY
     tiny_config = "configs/tiny_ocr.py (the embedded tiny offline model)"
@@ -73,6 +74,12 @@ class QwenImage:
         """Packed latent grid: a token spans `pixels_per_token` of the folder's VAE per side."""
         factor = spec.size_multiple(folder)
         return cfg.sample.height // factor, cfg.sample.width // factor
+
+    lora_spec_type = QwenImageLoRASpec
+
+    def weights_source(self, folder: Path) -> tuple[TensorSource, int]:
+        """A diffusers `transformer/` folder's tensors and its block count."""
+        return TensorSource.from_folder(folder), QwenImageConfig.from_json(folder / "config.json").num_layers
 
     def lora_spec(self, cfg) -> LoRASpec:
         return QwenImageLoRASpec(rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=tuple(cfg.lora.targets))

@@ -20,6 +20,8 @@ WEIGHTS = "ema.safetensors"
 DEPLOY_FILES = {"single_stage": ("deploy", "bagel_single_stage.yaml"), "two_stage": ("deploy", "bagel.yaml")}
 DEPLOYS = tuple(DEPLOY_FILES)
 
+ENGINES = ("bagel_torch", "vllm_omni")  # the rollout engines that serve it
+
 
 def is_folder(folder: Path) -> bool:
     config = Path(folder) / "config.json"

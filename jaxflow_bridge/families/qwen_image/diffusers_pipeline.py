@@ -19,6 +19,13 @@ from jaxflow_bridge.rollout.shared_weights import empty_transformer, share_param
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def tiny_folder() -> Path:
+    """The cached tiny Qwen-Image folder (float32) the diffusers engine serves for model "tiny"."""
+    from jaxflow_bridge.families.qwen_image.tiny import tiny_pipeline_path
+
+    return tiny_pipeline_path()
+
+
 def text_tower(encoder):
     """The part of Qwen2.5-VL that encodes text prompts: its base model (`hidden_states[-1]` as the whole model's),
     without the vision tower (detached from `encoder`: no image reaches it) and without the output head (prompt

@@ -12,6 +12,8 @@ FOLDER = "a diffusers Qwen-Image folder (model_index.json)"
 MARKER = "model_index.json"
 WEIGHTS = "transformer"  # the fingerprinted weights: every safetensors file of the folder's transformer/
 
+ENGINES = ("diffusers", "vllm_omni")  # the rollout engines that serve it
+
 
 def is_folder(folder: Path) -> bool:
     return (Path(folder) / MARKER).is_file()
