@@ -74,7 +74,7 @@ def model_folder(cfg: ConfigDict) -> Path:
     try:
         return families.of(cfg).folder(cfg)
     except OSError as exc:
-        from jaxflow_bridge.families.qwen_image.tiny import CacheUnwritable  # imported by the tiny folders that raise it
+        from jaxflow_bridge.rollout.model_cache import CacheUnwritable  # imported by the tiny folders that raise it
         if isinstance(exc, CacheUnwritable):
             raise UserError(str(exc)) from None
         raise

@@ -23,6 +23,7 @@ from jaxflow.trainer.step_config import TrainConfig
 from jaxflow.trainer.train_batch import TrainBatch
 from jaxflow_bench.timing import median_ms
 from jaxflow_bridge.contract import schedule
+from jaxflow_bridge.families.qwen_image import spec as qwen_spec
 
 FULL = dict(num_layers=60, attention_head_dim=128, num_attention_heads=24, joint_attention_dim=3584)
 TINY = dict(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,
@@ -43,7 +44,7 @@ def synthetic_batch(cfg: QwenImageConfig, args) -> dict:
     """A Trajectory-shaped batch with the real 10-step schedule; latents are random (timing only)."""
     rng = np.random.default_rng(0)
     b, s, w = args.batch, args.grid ** 2, len(WINDOW)
-    sigmas = schedule.sigma_schedule(schedule.QWEN_IMAGE_SCHEDULER_CONFIG, 10, s)
+    sigmas = schedule.sigma_schedule(qwen_spec.SCHEDULER_CONFIG, 10, s)
     neg = np.zeros((b, args.neg_txt), bool)
     neg[:, :5] = True
     return {

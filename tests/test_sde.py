@@ -16,9 +16,10 @@ from hypothesis import strategies as st
 
 from jaxflow.algorithms import sde as J
 from jaxflow_bridge.contract import schedule
+from jaxflow_bridge.families.qwen_image import spec as qwen_spec
 from jaxflow_bridge.rollout import sde as T
 
-QWEN = schedule.QWEN_IMAGE_SCHEDULER_CONFIG
+QWEN = qwen_spec.SCHEDULER_CONFIG
 MODULES = [J, T]
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -32,7 +32,7 @@ _UNSUPPORTED = ("use_dora", "rank_pattern", "alpha_pattern", "lora_bias", "modul
                 "target_parameters", "layer_replication")
 # PEFT LoRA key: `[transformer.]<module>.lora_A.weight` / `.lora_B.weight`
 LORA_KEY = re.compile(r"(?:transformer\.)?(?P<module>.+)\.lora_(?P<part>[AB])\.weight")
-# vLLM-Omni's fused Qwen-Image transformer: module renames its LoRA loader needs (diffusers -> vLLM-Omni).
+# vLLM-Omni's fused diffusion transformer: module renames its LoRA loader needs (diffusers -> vLLM-Omni).
 VLLM_OMNI_RENAMES = {"to_out.0": "to_out"}
 
 

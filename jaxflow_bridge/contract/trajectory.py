@@ -2,7 +2,8 @@
 
 Numpy only: importing this module pulls in neither JAX nor torch. A `TrajectoryBatch` holds samples on a
 leading axis, the text right-padded (embeds or token ids with zeros, masks with False) to the longest prompt in the
-batch. The text is either text-encoder embeds (Qwen-Image) or the context's token ids (BAGEL), never both. It validates shapes and dtypes on construction and raises ValueError naming the field, the expected and the
+batch. The text is either text-encoder embeds or the context's token ids (a family whose model prefills
+its context), never both. It validates shapes and dtypes on construction and raises ValueError naming the field, the expected and the
 actual value.
 """
 
@@ -24,7 +25,7 @@ _UINT8 = np.dtype(np.uint8)
 _BOOL = np.dtype(np.bool_)
 
 Dims = list[tuple[str, "int | None"]]  # (symbol, required size or None for any)
-# the text fields: embeds (Qwen-Image) or token ids (BAGEL, docs/bagel.md §4), each with its mask
+# the text fields: encoder embeds or context token ids, each with its mask
 TEXT_FIELDS = ("prompt_embeds", "prompt_ids", "prompt_mask", "negative_prompt_embeds", "negative_prompt_ids",
                "negative_prompt_mask")
 
@@ -54,7 +55,7 @@ def _check_sigmas(sigmas) -> int:
 
 
 def _check_seq_len(seq: int, height: int, width: int) -> None:
-    """S must be (H/p)(W/p) for an integer patch p dividing H and W (p = 2 x the VAE factor, 16 for Qwen-Image)."""
+    """S must be (H/p)(W/p) for an integer patch p dividing H and W (p = 2 x the VAE factor, 16 for the released VAEs)."""
     patch = math.isqrt(height * width // seq) if seq > 0 and (height * width) % seq == 0 else 0
     if patch == 0 or patch * patch * seq != height * width or height % patch or width % patch:
         raise ValueError(
@@ -75,7 +76,7 @@ def _check_ids(prefix: str, ids, mask, lead: Dims) -> None:
 
 
 def text_kind(rec) -> str:
-    """"ids" if `rec` carries the context's token ids (BAGEL), "embeds" if text-encoder embeds (Qwen-Image);
+    """"ids" if `rec` carries the context's token ids, "embeds" if text-encoder embeds;
     ValueError if both or neither."""
     embeds, ids = getattr(rec, "prompt_embeds", None), getattr(rec, "prompt_ids", None)
     if (embeds is None) == (ids is None):
@@ -182,9 +183,9 @@ class TrajectoryBatch:
 
     images (B, H, W, 3); latents (B, W+1, S, C); log_probs (B, W); sigmas (N+1,) shared by all samples;
     step_index (B, W) (windows may differ per sample); the text, one kind per batch: prompt_embeds (B, L, D) bf16 or
-    float32 (Qwen-Image) or prompt_ids (B, L) int32 (BAGEL's context token ids), and prompt_mask (B, L);
+    float32 (encoder embeds) or prompt_ids (B, L) int32 (the context's token ids), and prompt_mask (B, L);
     negative_prompt_embeds (B, L', D) or negative_prompt_ids (B, L') with negative_prompt_mask (B, L'), or None
-    (no CFG; L' = 0: BAGEL's empty unconditional context); prompts (B strings);
+    (no CFG; L' = 0: an empty unconditional context); prompts (B strings);
     group_ids, seeds, policy_versions (B,) int64; final_latents (B, S, C), the samples' last latents (sigma 0),
     or None (SamplingParams.keep_final; DiffusionNFT trains on them).
     """
@@ -225,7 +226,7 @@ class TrajectoryBatch:
 
     @property
     def text_kind(self) -> str:
-        """"embeds" (prompt_embeds, Qwen-Image) or "ids" (prompt_ids, BAGEL)."""
+        """"embeds" (prompt_embeds) or "ids" (prompt_ids)."""
         return text_kind(self)
 
     @property

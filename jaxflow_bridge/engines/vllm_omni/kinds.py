@@ -1,4 +1,4 @@
-"""The model kinds the vllm_omni engine serves (docs/bagel.md §7 (d)), one per family of the registry
+"""The model kinds the vllm_omni engine serves, one per family of the registry
 (`engines/families.py`), told apart by the model folder (its family's `spec.is_folder`) or a tiny model's name.
 
 A kind (`jaxflow_bridge/families/<name>/vllm_omni_kind.py`) gives the engine what differs between families: the

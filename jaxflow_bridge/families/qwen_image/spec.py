@@ -14,6 +14,24 @@ WEIGHTS = "transformer"  # the fingerprinted weights: every safetensors file of 
 
 ENGINES = ("diffusers", "vllm_omni")  # the rollout engines that serve it
 
+# scheduler/scheduler_config.json of the Hugging Face model Qwen/Qwen-Image (docs/numerics.md §1).
+SCHEDULER_CONFIG = {
+    "num_train_timesteps": 1000,
+    "shift": 1.0,
+    "use_dynamic_shifting": True,
+    "base_shift": 0.5,
+    "max_shift": 0.9,
+    "base_image_seq_len": 256,
+    "max_image_seq_len": 8192,
+    "shift_terminal": 0.02,
+    "time_shift_type": "exponential",
+    "invert_sigmas": False,
+    "stochastic_sampling": False,
+    "use_karras_sigmas": False,
+    "use_exponential_sigmas": False,
+    "use_beta_sigmas": False,
+}
+
 
 def is_folder(folder: Path) -> bool:
     return (Path(folder) / MARKER).is_file()
