@@ -136,7 +136,8 @@ def bench_torch(cfg, args, batch, ceiling, shapes, tc):
         torch.manual_seed(0)
         model = QwenImageTransformer2DModel(**{k: v for k, v in cfg.to_dict().items() if k != "_class_name"})
     model = model.to(torch.bfloat16)
-    model.add_adapter(LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=list(QwenImageLoRASpec().targets),
+    model.add_adapter(LoraConfig(r=args.rank, lora_alpha=2 * args.rank,
+                                 target_modules=list(QwenImageLoRASpec().targets),
                                  init_lora_weights="gaussian"))
     lora_params = [p for n, p in model.named_parameters() if "lora_" in n]
     for n, p in model.named_parameters():

@@ -1,6 +1,7 @@
 """The layout's dependency rules, read from the imports: the contract imports neither framework nor either side,
 nothing in jaxflow_bridge/ imports JAX or the trainer, the torch side's folders import only the folders below them
-(docs/design.md §1), jaxflow/nn/ imports no family, a family's spec.py and keymap.py no framework, neither side imports the benchmarks (jaxflow_bench/) or the experiments (experiments/), and no
+(docs/design.md §1), jaxflow/nn/ imports no family, a family's spec.py and keymap.py no framework, neither side
+imports the benchmarks (jaxflow_bench/) or the experiments (experiments/), and no
 module under tests/ imports a test module (shared helpers live in tests/helpers*.py, tests/bagel_helpers.py, ...)."""
 import ast
 import re
@@ -64,7 +65,8 @@ def test_the_server_names_each_engine():
 
 @pytest.mark.parametrize("path", sorted(p for d in ("jaxflow", "jaxflow_bridge", "jaxflow_bench")
                                         for p in (ROOT / d).rglob("*.py")
-                                        if BRIDGE / "engines" not in p.parents and p != BRIDGE / "families/bagel/engine.py"),
+                                        if BRIDGE / "engines" not in p.parents
+                                        and p != BRIDGE / "families/bagel/engine.py"),
                          ids=lambda p: str(p.relative_to(ROOT)))
 def test_only_the_server_reaches_the_engines(path):
     """The packages reach an engine through rollout/server.py's table of import paths, never by an import."""

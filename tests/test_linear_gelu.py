@@ -1,5 +1,5 @@
-"""The MLP in-projection with its tanh GELU as one op (jaxflow_bridge/families/qwen_image/linear_gelu.py): the formula, the
-routing of vLLM-Omni's ColumnParallelApproxGELU (plain projections only), and torch.compile calling the op as is.
+"""The MLP in-projection with its tanh GELU as one op (jaxflow_bridge/families/qwen_image/linear_gelu.py): the formula,
+the routing of vLLM-Omni's ColumnParallelApproxGELU (plain projections only), and torch.compile calling the op as is.
 The cuBLASLt epilogue itself runs only on a GPU (scripts/bench_rollout_lora_linear.py checks it there)."""
 import pytest
 import torch

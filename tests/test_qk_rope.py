@@ -1,4 +1,5 @@
-"""jaxflow_bridge/families/qwen_image/qk_rope.py: the rollout attention's q/k norm and RoPE in torch ops, against diffusers'
+"""jaxflow_bridge/families/qwen_image/qk_rope.py: the rollout attention's q/k norm and RoPE in torch ops, against
+diffusers'
 Qwen-Image functions (the reference vLLM-Omni's kernels implement), and the module swap."""
 import pytest
 import torch

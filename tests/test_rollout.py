@@ -267,8 +267,8 @@ def test_bf16_rollout_keeps_latents_fp32_and_embeds_in_model_dtype(tiny_path):
 
 def test_rollout_package_never_imports_jax():
     root = Path(jaxflow_bridge.rollout.__file__).parents[1]
-    paths = sorted(p for folder in ("rollout", "engines") for p in (root / folder).rglob("*.py"))
-    assert {"pipeline.py", "server.py", "apply.py", "diffusers.py"} <= {p.name for p in paths}
+    paths = sorted(p for folder in ("rollout", "engines", "families") for p in (root / folder).rglob("*.py"))
+    assert {"diffusers_pipeline.py", "server.py", "apply.py", "diffusers.py"} <= {p.name for p in paths}
     for path in paths:
         for node in ast.walk(ast.parse(path.read_text())):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)

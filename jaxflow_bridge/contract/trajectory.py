@@ -3,7 +3,8 @@
 Numpy only: importing this module pulls in neither JAX nor torch. A `TrajectoryBatch` holds samples on a
 leading axis, the text right-padded (embeds or token ids with zeros, masks with False) to the longest prompt in the
 batch. The text is either text-encoder embeds or the context's token ids (a family whose model prefills
-its context), never both. It validates shapes and dtypes on construction and raises ValueError naming the field, the expected and the
+its context), never both. It validates shapes and dtypes on construction and raises ValueError naming the field,
+the expected and the
 actual value.
 """
 
@@ -55,7 +56,8 @@ def _check_sigmas(sigmas) -> int:
 
 
 def _check_seq_len(seq: int, height: int, width: int) -> None:
-    """S must be (H/p)(W/p) for an integer patch p dividing H and W (p = 2 x the VAE factor, 16 for the released VAEs)."""
+    """S must be (H/p)(W/p) for an integer patch p dividing H and W (p = 2 x the VAE factor, 16 for the released
+    VAEs)."""
     patch = math.isqrt(height * width // seq) if seq > 0 and (height * width) % seq == 0 else 0
     if patch == 0 or patch * patch * seq != height * width or height % patch or width % patch:
         raise ValueError(

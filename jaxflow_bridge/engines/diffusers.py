@@ -2,7 +2,8 @@
 
 Config keys: `engine` ("diffusers"), `model` (a local diffusers folder of a family this engine serves: its
 `spec.ENGINES` names "diffusers" and its torch folder holds `diffusers_pipeline.py`; or that family's tiny model's
-name, e.g. "tiny", for the cached tiny random pipeline), `dtype` ("bfloat16" default, or "float32"), `device` (default: cuda if available),
+name, e.g. "tiny", for the cached tiny random pipeline), `dtype` ("bfloat16" default, or "float32"), `device`
+(default: cuda if available),
 `random_seed` (optional: ignore the folder's transformer weights and draw them from this seed on the device,
 `jaxflow_bridge/contract/random_weights.py`; the trainer with `model.init=random` draws the same), `compile` (optional: compile the
 transformer's repeated block once with torch.compile, dynamic shapes; inductor fuses the eager elementwise kernels),
@@ -49,9 +50,9 @@ class DiffusersEngine(RolloutEngine):
         if base not in ("own", "shared") or (base == "shared" and config.get("random_seed") is not None):
             raise ValueError(f"base_weights: {base!r}; choose 'own' or 'shared' (without random_seed: the shared "
                              "weights are the trainer's)")
-        self.pipeline = pipelines.RolloutPipeline.from_pretrained(model, config.get("dtype", "bfloat16"), config.get("device"),
-                                                                  random_seed=config.get("random_seed"),
-                                                                  shared_base=base == "shared")
+        self.pipeline = pipelines.RolloutPipeline.from_pretrained(
+            model, config.get("dtype", "bfloat16"), config.get("device"), random_seed=config.get("random_seed"),
+            shared_base=base == "shared")
         self.shared_base = base == "shared"
         self.pipeline.cfg_forward = cfg_forward
         self.device = self.pipeline.device

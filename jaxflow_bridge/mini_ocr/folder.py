@@ -1,6 +1,7 @@
 """The mini model's diffusers folder and what the JAX pretraining reads from it.
 
-The folder is the tiny offline pipeline (`jaxflow_bridge/families/qwen_image/tiny.py`: tokenizer, text encoder, scheduler)
+The folder is the tiny offline pipeline (`jaxflow_bridge/families/qwen_image/tiny.py`: tokenizer, text encoder,
+scheduler)
 with the trained VAE and a fresh transformer of a `SIZES` config in place of its own; the pretraining then overwrites
 `transformer/` with its weights (`jaxflow/families/qwen_image/loading.py: save_transformer`).
 Text embeddings come from the folder through `RolloutPipeline.encode`, the rollout's own text path.

@@ -167,7 +167,8 @@ def _right_pad(t: torch.Tensor, length: int) -> torch.Tensor:
 
 
 class SamplingLoop:
-    """Sampling with trajectories for a family whose text is encoder embeds (true CFG). Subclasses provide the components and their settings: tokenizer,
+    """Sampling with trajectories for a family whose text is encoder embeds (true CFG). Subclasses provide the
+    components and their settings: tokenizer,
     text_encoder, vae, transformer, template, drop, vae_scale_factor, scheduler_config, device, dtype,
     fp32_timestep (an `Fp32Timestep` on the transformer) and policy_version; `cfg_forward` (one of CFG_FORWARDS)
     may be set per instance."""

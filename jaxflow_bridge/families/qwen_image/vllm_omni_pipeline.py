@@ -182,7 +182,7 @@ def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = N
     """Our pipeline as a subclass of `SamplingLoop` and `base` (vLLM-Omni's QwenImagePipeline); `output_cls`
     builds its results (vLLM-Omni's DiffusionOutput); `lora_layer_cls` (vLLM-Omni's diffusion LoRA layer base class)
     gets `jaxflow_bridge.rollout.kernels.lora_linear`'s fused apply unless custom_pipeline_args say
-    lora_apply="stock"; the attention's q/k norms and rotary become `jaxflow_bridge.families.qwen_image.qk_rope`'s unless
+    lora_apply="stock"; the attention's q/k norms and rotary become `qk_rope`'s unless
     they say qk_ops="vllm"; `attention_fa3` (`jaxflow_bridge.engines.vllm_omni.fa_version.use_fa3`) runs unless they
     say fa_version="2"; `gelu_cls` (vLLM-Omni's ColumnParallelApproxGELU) gets
     `jaxflow_bridge.families.qwen_image.linear_gelu`'s forward unless they say gelu="separate";
