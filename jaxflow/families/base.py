@@ -11,8 +11,6 @@ from jaxflow.algorithms.objective import Objective
 from jaxflow.nn.lora import LoRASpec
 from jaxflow.nn.weights import TensorSource
 
-DEPLOYS = ("single_stage", "two_stage")  # rollout.bagel_deploy: vLLM-Omni's BAGEL topologies
-
 Problem = tuple[str, str]  # (config key, message) of a setting the family refuses
 
 
@@ -64,9 +62,12 @@ def read_json(path: Path) -> dict:
 
 def option_problems(cfg, family: Family) -> Iterator[Problem]:
     """vLLM-Omni's two-stage deployment and think mode against what `family` runs (after its own `problems`)."""
+    from jaxflow import families  # the registry imports this module
+
+    deploys = tuple(dict.fromkeys(s for name in families.FAMILIES for s in families.by_name(name).stages))
     deploy = cfg.rollout.bagel_deploy
-    if deploy not in DEPLOYS:
-        yield "rollout.bagel_deploy", f"{deploy!r}; choose one of {DEPLOYS}"
+    if deploy not in deploys:
+        yield "rollout.bagel_deploy", f"{deploy!r}; choose one of {deploys}"
     if deploy != "single_stage" and (deploy not in family.stages or cfg.rollout.engine != "vllm_omni"):
         yield "rollout.bagel_deploy", (f"{deploy!r} is vLLM-Omni's BAGEL topology; with model.family={family.name!r} "
                                        f"and rollout.engine={cfg.rollout.engine!r} leave it 'single_stage'")
