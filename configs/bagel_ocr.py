@@ -14,7 +14,7 @@ XLA_CLIENT_MEM_FRACTION=0.5`: the update planned at 37.8 GiB beside 26.0 GiB, th
 at 2 prompts a step and one a rollout call; BENCHMARKS.md, BAGEL-7B-MoT at full size). On the CPU: configs/tiny_bagel_ocr.py (the `bagel_torch` engine).
 """
 from jaxflow.config.recipes import base
-from jaxflow_bridge.contract.bagel_keymap import DEFAULT_LORA_TARGETS
+from jaxflow_bridge.families.bagel.keymap import DEFAULT_LORA_TARGETS
 
 
 def get_config():

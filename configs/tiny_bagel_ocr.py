@@ -1,4 +1,4 @@
-"""The BAGEL recipe (configs/bagel_ocr.py) on the tiny random BAGEL (jaxflow_bridge/random_models/tiny_bagel.py),
+"""The BAGEL recipe (configs/bagel_ocr.py) on the tiny random BAGEL (jaxflow_bridge/families/bagel/tiny.py),
 float32 on the CPU, in a few minutes:
 
     python -m jaxflow.train --config configs/tiny_bagel_ocr.py [--config.train.num_steps=4]

@@ -23,7 +23,7 @@ from flax import nnx
 from jaxflow.algorithms import flowgrpo, rollout_correction
 from jaxflow.algorithms.flowgrpo_step import accumulate_gradients
 from jaxflow.algorithms.objective import Objective
-from jaxflow.models.lora import LoRAParam
+from jaxflow.nn.lora import LoRAParam
 from jaxflow.trainer import minibatches
 from jaxflow.trainer.step_config import TrainConfig
 from jaxflow_bench.results import write_result

@@ -14,14 +14,16 @@ import numpy as np
 from flax import nnx
 
 from jaxflow.config import validation as config_lib
-from jaxflow.models.config import ModelOptions, QwenImageConfig
-from jaxflow.models.lora import LoRASpec
-from jaxflow.models.transformer import QwenImageTransformer
+from jaxflow.families.qwen_image.config import QwenImageConfig
+from jaxflow.nn.config import ModelOptions
+from jaxflow.families.qwen_image.lora import QwenImageLoRASpec
+from jaxflow.families.qwen_image.transformer import QwenImageTransformer
 from jaxflow.config.recipes import base
 from jaxflow.trainer.step_config import TrainConfig
 from jaxflow.trainer.train_batch import TrainBatch
 from jaxflow_bench.timing import median_ms
 from jaxflow_bridge.contract import schedule
+from jaxflow_bridge.families.qwen_image import spec as qwen_spec
 
 FULL = dict(num_layers=60, attention_head_dim=128, num_attention_heads=24, joint_attention_dim=3584)
 TINY = dict(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,
@@ -42,7 +44,7 @@ def synthetic_batch(cfg: QwenImageConfig, args) -> dict:
     """A Trajectory-shaped batch with the real 10-step schedule; latents are random (timing only)."""
     rng = np.random.default_rng(0)
     b, s, w = args.batch, args.grid ** 2, len(WINDOW)
-    sigmas = schedule.sigma_schedule(schedule.QWEN_IMAGE_SCHEDULER_CONFIG, 10, s)
+    sigmas = schedule.sigma_schedule(qwen_spec.SCHEDULER_CONFIG, 10, s)
     neg = np.zeros((b, args.neg_txt), bool)
     neg[:, :5] = True
     return {
@@ -94,7 +96,7 @@ def time_steps(step, state, batch, args) -> tuple[float, object]:
 
 def random_model(cfg, rank: int, remat: str = "save_matmuls", attention: str = "auto"):
     """(model, spec): the bf16 transformer with LoRA r=rank (alpha 2r), random weights drawn on the device."""
-    spec = LoRASpec(rank=rank, alpha=2.0 * rank)
+    spec = QwenImageLoRASpec(rank=rank, alpha=2.0 * rank)
     opts = ModelOptions(dtype="bfloat16", param_dtype="bfloat16", remat=remat, attention=attention)
     abstract = nnx.eval_shape(lambda: QwenImageTransformer(cfg, opts, spec, rngs=nnx.Rngs(0)))
     state = jax.jit(lambda: nnx.state(QwenImageTransformer(cfg, opts, spec, rngs=nnx.Rngs(0))))()

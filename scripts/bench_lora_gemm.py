@@ -7,7 +7,7 @@ Per shape (M x K x N, rank 64, bf16) and orientation, in ms per linear (LOOP lin
 stack of inputs, best of REPEATS, as scripts/gemm_ceiling.py times):
 - fwd: y = x W + b + (x A)(s B). `base`: x W + b alone (the floor); `xla`: the model's Linear as written, compiled
   with the recipe's flag (xla_gpu_enable_triton_gemm=false); `fused[T]`: x A by XLA, then
-  `jaxflow.models.lora_gemm.lora_matmul` at tiling T.
+  `jaxflow.nn.lora_gemm.lora_matmul` at tiling T.
 - bwd: the input gradient dx = dy W^T + (dy (s B)^T) A^T, the same three ways.
 Each fused output is checked against an fp32 reference (bf16 rounding: at most 2^-7 of the largest entry).
 """
@@ -18,7 +18,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from jaxflow.models.lora_gemm import Tiling, lora_matmul, on_hopper
+from jaxflow.nn.lora_gemm import Tiling, lora_matmul, on_hopper
 from jaxflow_bench.cli import bench_parser
 from jaxflow_bench.results import write_result
 from jaxflow_bench.timing import LOOP, best_seconds, looped

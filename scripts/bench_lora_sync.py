@@ -27,16 +27,18 @@ import torch  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxflow.sync.lora_sync import device_peft_tensors, device_target  # noqa: E402
-from jaxflow.models.config import ModelOptions, QwenImageConfig  # noqa: E402
-from jaxflow.models.lora import LoRAParam, LoRASpec, lora_to_peft, peft_stacks  # noqa: E402
-from jaxflow.models.transformer import QwenImageTransformer  # noqa: E402
+from jaxflow.families.qwen_image.config import QwenImageConfig  # noqa: E402
+from jaxflow.nn.config import ModelOptions  # noqa: E402
+from jaxflow.nn.lora import LoRAParam, lora_to_peft, peft_stacks  # noqa: E402
+from jaxflow.families.qwen_image.lora import QwenImageLoRASpec
+from jaxflow.families.qwen_image.transformer import QwenImageTransformer  # noqa: E402
 from jaxflow_bench.cli import bench_parser  # noqa: E402
 from jaxflow_bench.results import write_result  # noqa: E402
 from jaxflow_bench.workload import FULL, TINY  # noqa: E402
 from jaxflow_bridge.sync.layers import ADAPTER_NAME, LoraApplier  # noqa: E402
 
 
-def random_lora(cfg: QwenImageConfig, spec: LoRASpec) -> nnx.State:
+def random_lora(cfg: QwenImageConfig, spec: QwenImageLoRASpec) -> nnx.State:
     """The trainer's LoRA state (float32, stacked over layers) with random values, without building the model."""
     abstract = nnx.state(nnx.eval_shape(lambda: QwenImageTransformer(cfg, ModelOptions(), spec, rngs=nnx.Rngs(0))),
                          LoRAParam)
@@ -46,7 +48,7 @@ def random_lora(cfg: QwenImageConfig, spec: LoRASpec) -> nnx.State:
     return jax.tree.unflatten(tree, [draw(k, x.shape) for k, x in zip(keys, leaves)])
 
 
-def engine_targets(lora: nnx.State, spec: LoRASpec, device: str, dtype: torch.dtype) -> torch.nn.Module:
+def engine_targets(lora: nnx.State, spec: QwenImageLoRASpec, device: str, dtype: torch.dtype) -> torch.nn.Module:
     """The engine's target Linear layers under their diffusers names, shaped from the PEFT tensors."""
     features = {}  # module -> {"A": in, "B": out}
     for keys, stacked in peft_stacks(lora, spec):
@@ -90,7 +92,7 @@ def main(argv=None):
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda:0"
     dims = TINY if args.tiny else FULL
     cfg = QwenImageConfig(**{**dims, "num_layers": args.layers or dims["num_layers"]})
-    spec = LoRASpec(rank=args.rank, alpha=2.0 * args.rank)
+    spec = QwenImageLoRASpec(rank=args.rank, alpha=2.0 * args.rank)
     target = device_target({"device": device, "dtype": args.engine_dtype})
     if target is None:
         raise SystemExit(f"error: JAX has no device for the engine's {device}; install a CUDA jaxlib or pass --tiny")

@@ -29,7 +29,7 @@ import time  # noqa: E402
 import jax  # noqa: E402
 
 from jaxflow.trainer import phases  # noqa: E402
-from jaxflow.models.config import QwenImageConfig  # noqa: E402
+from jaxflow.families.qwen_image.config import QwenImageConfig  # noqa: E402
 from jaxflow.trainer.train_step import make_train_step  # noqa: E402
 from jaxflow_bench.timing import jax_peak_gib  # noqa: E402
 from jaxflow_bench.workload import (FULL, TINY, WINDOW, add_workload_args, negatives_padded, random_model,  # noqa: E402

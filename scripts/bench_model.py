@@ -24,9 +24,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxflow.models.config import ModelOptions, QwenImageConfig  # noqa: E402
-from jaxflow.models.lora import LoRAParam, LoRASpec  # noqa: E402
-from jaxflow.models.transformer import QwenImageTransformer  # noqa: E402
+from jaxflow.families.qwen_image.config import QwenImageConfig  # noqa: E402
+from jaxflow.nn.config import ModelOptions  # noqa: E402
+from jaxflow.nn.lora import LoRAParam  # noqa: E402
+from jaxflow.families.qwen_image.lora import QwenImageLoRASpec
+from jaxflow.families.qwen_image.transformer import QwenImageTransformer  # noqa: E402
 from jaxflow_bench.flops import DATASHEET_TFLOPS, qwen_flops  # noqa: E402
 from jaxflow_bench.timing import jax_matmul_tflops, jax_peak_gib, median_ms, torch_matmul_tflops  # noqa: E402
 from jaxflow_bench.workload import FULL, TINY  # noqa: E402
@@ -34,7 +36,7 @@ from jaxflow_bench.workload import FULL, TINY  # noqa: E402
 
 def bench_jax(cfg, args, rows):
     opts = ModelOptions(dtype="bfloat16", param_dtype="bfloat16", remat="none", attention=args.attention)
-    spec = LoRASpec(rank=args.rank, alpha=2.0 * args.rank)
+    spec = QwenImageLoRASpec(rank=args.rank, alpha=2.0 * args.rank)
     make = lambda o: QwenImageTransformer(cfg, o, spec, rngs=nnx.Rngs(0))  # noqa: E731
     t = time.perf_counter()
     state = jax.jit(lambda: nnx.state(make(opts)))()
@@ -100,7 +102,7 @@ def bench_torch(cfg, args, rows):
         torch.manual_seed(0)
         model = QwenImageTransformer2DModel(**{k: v for k, v in cfg.to_dict().items() if k != "_class_name"})
     model = model.to(dtype).eval()
-    spec = LoRASpec(rank=args.rank)
+    spec = QwenImageLoRASpec(rank=args.rank)
     model.add_adapter(LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=list(spec.targets),
                                  init_lora_weights="gaussian"))
     for n, p in model.named_parameters():

@@ -23,11 +23,11 @@ import torch
 
 from jaxflow_bench.flops import DATASHEET_TFLOPS, qwen_flops
 from jaxflow_bench.results import write_result
-from jaxflow_bridge.contract.schedule import pixels_per_token
-from jaxflow_bridge.random_models.full_size import full_size_pipeline
-from jaxflow_bridge.rollout.pipeline import RolloutPipeline
+from jaxflow_bridge.families.qwen_image.spec import pixels_per_token
+from jaxflow_bridge.families.qwen_image.full_size import full_size_pipeline
+from jaxflow_bridge.families.qwen_image.diffusers_pipeline import RolloutPipeline
 from jaxflow_bridge.rollout.sampling import SamplingParams
-from jaxflow_bridge.random_models.tiny import build_pipeline
+from jaxflow_bridge.families.qwen_image.tiny import build_pipeline
 
 PROMPT = 'a wooden shop sign above a bakery door that reads "Fresh Bread Daily", warm morning light'
 

@@ -18,7 +18,7 @@ at T = 32768, text 96 tokens): the fused op reading the slice in place (strided-
 against the slice copied first, as a reshape does (`slice_copied`), eager.
 
 Then the image MLP's in-projection and tanh GELU on T / 2 rows (one CFG half): GELU as its own kernel (eager,
-compiled) against the GELU in the GEMM's cuBLASLt epilogue (`jaxflow_bridge.rollout.kernels.linear_gelu`).
+compiled) against the GELU in the GEMM's cuBLASLt epilogue (`jaxflow_bridge.families.qwen_image.linear_gelu`).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from jaxflow_bench.cli import bench_parser
 from jaxflow_bench.results import write_result
-from jaxflow_bridge.rollout.kernels.linear_gelu import linear_gelu
+from jaxflow_bridge.families.qwen_image.linear_gelu import linear_gelu
 from jaxflow_bridge.rollout.kernels.lora_linear import lora_linear
 
 RANK, REPEATS = 64, 20

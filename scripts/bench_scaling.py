@@ -17,7 +17,7 @@ import json  # noqa: E402
 
 import jax  # noqa: E402
 
-from jaxflow.models.config import QwenImageConfig  # noqa: E402
+from jaxflow.families.qwen_image.config import QwenImageConfig  # noqa: E402
 from jaxflow.trainer.sharding import DEFAULT_RULES, FSDP_RULES, Layout, ShardingConfig  # noqa: E402
 from jaxflow.trainer.train_step import make_train_step  # noqa: E402
 from jaxflow_bench.workload import (FULL, ONE_UPDATE, TINY, WINDOW, add_workload_args, negatives_padded,  # noqa: E402

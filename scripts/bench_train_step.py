@@ -29,9 +29,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxflow.models.config import ModelOptions, QwenImageConfig  # noqa: E402
-from jaxflow.models.lora import LoRAParam, LoRASpec, lora_to_peft  # noqa: E402
-from jaxflow.models.transformer import QwenImageTransformer  # noqa: E402
+from jaxflow.families.qwen_image.config import QwenImageConfig  # noqa: E402
+from jaxflow.nn.config import ModelOptions  # noqa: E402
+from jaxflow.nn.lora import LoRAParam, lora_to_peft  # noqa: E402
+from jaxflow.families.qwen_image.lora import QwenImageLoRASpec
+from jaxflow.families.qwen_image.transformer import QwenImageTransformer  # noqa: E402
 from jaxflow.trainer.train_step import make_train_step  # noqa: E402
 from jaxflow_bench.flops import DATASHEET_TFLOPS, qwen_flops  # noqa: E402
 from jaxflow_bench.results import write_result  # noqa: E402
@@ -134,7 +136,8 @@ def bench_torch(cfg, args, batch, ceiling, shapes, tc):
         torch.manual_seed(0)
         model = QwenImageTransformer2DModel(**{k: v for k, v in cfg.to_dict().items() if k != "_class_name"})
     model = model.to(torch.bfloat16)
-    model.add_adapter(LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=list(LoRASpec().targets),
+    model.add_adapter(LoraConfig(r=args.rank, lora_alpha=2 * args.rank,
+                                 target_modules=list(QwenImageLoRASpec().targets),
                                  init_lora_weights="gaussian"))
     lora_params = [p for n, p in model.named_parameters() if "lora_" in n]
     for n, p in model.named_parameters():
@@ -201,7 +204,7 @@ def bench_torch(cfg, args, batch, ceiling, shapes, tc):
 
 def _peft_shapes(abstract, spec) -> dict[str, tuple[int, ...]]:
     """PEFT key -> shape without materialising the adapters."""
-    from jaxflow_bridge.contract import keymap
+    from jaxflow_bridge.families.qwen_image import keymap
     state = nnx.state(abstract, LoRAParam)
     out = {}
     for e in keymap.lora_key_map(spec.targets):
@@ -235,7 +238,7 @@ def main(argv=None):
     ceiling = {"jax": jax_matmul_tflops(n, args.iters), "torch": torch_matmul_tflops(n, args.iters)}
     print(f"devices {jax.devices()}; matmul ceiling TFLOP/s {ceiling}", flush=True)
     batch = synthetic_batch(cfg, args)
-    spec = LoRASpec(rank=args.rank, alpha=2.0 * args.rank)
+    spec = QwenImageLoRASpec(rank=args.rank, alpha=2.0 * args.rank)
     abstract = nnx.eval_shape(lambda: QwenImageTransformer(cfg, ModelOptions(), spec, rngs=nnx.Rngs(0)))
     shapes = _peft_shapes(abstract, spec)
     rows, trow, apply_ms = [], None, None

@@ -26,7 +26,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxflow.trainer.minibatches import compact_zero_advantage  # noqa: E402
-from jaxflow.models.config import QwenImageConfig  # noqa: E402
+from jaxflow.families.qwen_image.config import QwenImageConfig  # noqa: E402
 from jaxflow.trainer.train_step import make_train_step  # noqa: E402
 from jaxflow_bench.results import write_result  # noqa: E402
 from jaxflow_bench.workload import (FULL, TINY, add_workload_args, negatives_padded, random_model,  # noqa: E402

@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     from jaxflow_bridge.engines.vllm_omni.engine import VllmOmniEngine
 
     if args.model is None:
-        from jaxflow_bridge.random_models.tiny_bagel import tiny_bagel_path
+        from jaxflow_bridge.families.bagel.tiny import tiny_bagel_path
 
         args.model = tiny_bagel_path(dtype="bfloat16")
     layers = json.loads((args.model / "llm_config.json").read_text())["num_hidden_layers"]

@@ -16,7 +16,7 @@ out=${1:?usage: check_bagel_vllm_omni.sh OUT_DIR}
 mkdir -p "$out"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1  # JAX and torch share the GPU
 unset XLA_PYTHON_CLIENT_MEM_FRACTION
-folder=$(python3 -c 'from jaxflow_bridge.random_models.tiny_bagel import tiny_bagel_path; print(tiny_bagel_path(dtype="bfloat16"))') \
+folder=$(python3 -c 'from jaxflow_bridge.families.bagel.tiny import tiny_bagel_path; print(tiny_bagel_path(dtype="bfloat16"))') \
   || { echo "could not write the tiny BAGEL folder"; exit 1; }
 echo "== tiny BAGEL, bf16: $folder"
 echo "== engine: scripts/check_bagel_engine.py"

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from diffusers import QwenImageTransformer2DModel
 
-from jaxflow.models.config import ModelOptions
-from jaxflow.models.loading import load_transformer
+from jaxflow.nn.config import ModelOptions
+from jaxflow.families.qwen_image.loading import load_transformer
 
 CASES = [  # (name, grid, text lengths, sigmas)
     ("square 4x4, full text", (4, 4), (8, 8), (1.0, 0.5)),
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     p.add_argument("--tol", type=float, default=1e-5)
     args = p.parse_args(argv)
     if args.model is None:
-        from jaxflow_bridge.random_models.tiny import tiny_pipeline_path
+        from jaxflow_bridge.families.qwen_image.tiny import tiny_pipeline_path
         args.model = tiny_pipeline_path()
     folder = args.model / "transformer"
     ref_model = QwenImageTransformer2DModel.from_pretrained(folder, dtype=torch.float32).eval()

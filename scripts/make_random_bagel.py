@@ -2,7 +2,7 @@ r"""Write a BAGEL folder with random weights (no download, no checkpoint), for v
 
     python scripts/make_random_bagel.py --out DIR [--seed 0] [--dtype bfloat16] [--size full|tiny]
 
---size full (default): BAGEL-7B-MoT's released geometry (jaxflow_bridge/random_models/full_size_bagel.py: both 28-layer
+--size full (default): BAGEL-7B-MoT's released geometry (jaxflow_bridge/families/bagel/full_size.py: both 28-layer
 Qwen2.5-7B experts, the 152064-row embedding and LM head, the 26 stored layers of the SigLIP so400m ViT, the
 connector, the 64 x 64 latent position table; 14.61B parameters): ema.safetensors 29.2 GB in bf16 (58.4 GB in
 float32), 29.4 GB with the rest. Written one tensor at a time: under 5 GB of host memory (4.75 GB peak on the CPU
@@ -20,9 +20,9 @@ import argparse
 import time
 from pathlib import Path
 
-from jaxflow_bridge.random_models.full_size_bagel import FULL, build_bagel, parameter_count
-from jaxflow_bridge.random_models.tiny import DTYPES
-from jaxflow_bridge.random_models.tiny_bagel import build_tiny_bagel
+from jaxflow_bridge.families.bagel.full_size import FULL, build_bagel, parameter_count
+from jaxflow_bridge.families.qwen_image.tiny import DTYPES
+from jaxflow_bridge.families.bagel.tiny import build_tiny_bagel
 
 
 def main(argv=None):

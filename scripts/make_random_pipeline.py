@@ -4,7 +4,8 @@
 
 Real transformer (20.4B) and VAE configs; a text encoder of Qwen2.5-VL-7B's size (8.3B, 16.6 GB: what a run holds
 with the released checkpoint), or with --text-encoder short its width but 2 layers (0.9 GB; folders written before
-2026-11-26 had only this one) (jaxflow_bridge/random_models/full_size.py); our locally built tokenizer; the real scheduler
+2026-11-26 had only this one) (jaxflow_bridge/families/qwen_image/full_size.py); our locally built tokenizer; the real
+scheduler
 config. bf16 safetensors, sharded. With --no-transformer-weights no transformer weights are written (17 GB in all
 instead of 58): for `--config.model.init=random`, where the trainer and the rollout draw the transformer's weights
 on their devices.
@@ -16,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from jaxflow_bridge.random_models.full_size import TEXT_ENCODERS, full_size_pipeline
-from jaxflow_bridge.random_models.tiny import save_folder
+from jaxflow_bridge.families.qwen_image.full_size import TEXT_ENCODERS, full_size_pipeline
+from jaxflow_bridge.families.qwen_image.tiny import save_folder
 
 
 def main(argv=None):

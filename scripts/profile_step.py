@@ -76,10 +76,10 @@ def profile_train_step(out: Path, batch: int, micro: int, hlo: Path | None = Non
 
     from jaxflow.config import plan as plan_lib
     from jaxflow.config import validation as config_lib
-    from jaxflow.models.config import QwenImageConfig
-    from jaxflow.models.lora import LoRASpec
-    from jaxflow.models.lora_gemm import on_hopper
-    from jaxflow.models.random_init import random_transformer
+    from jaxflow.families.qwen_image.config import QwenImageConfig
+    from jaxflow.families.qwen_image.lora import QwenImageLoRASpec
+    from jaxflow.nn.lora_gemm import on_hopper
+    from jaxflow.families.qwen_image.random_init import random_transformer
     from jaxflow.config.recipes import base
     from jaxflow.trainer.train_step import make_train_step
     from jaxflow_bench.workload import FULL, ONE_UPDATE, negatives_padded, recipe_train_config, synthetic_batch
@@ -95,7 +95,7 @@ def profile_train_step(out: Path, batch: int, micro: int, hlo: Path | None = Non
     gemm, _ = plan_lib.lora_gemm(recipe, cfg.num_layers, jax.device_count(), on_hopper(), batch // micro,
                                  (32 * 32, 128))
     opts = config_lib.model_options(recipe, gemm, cfg.num_layers)
-    model = random_transformer(cfg, opts, LoRASpec(rank=64, alpha=128.0), seed=0)
+    model = random_transformer(cfg, opts, QwenImageLoRASpec(rank=64, alpha=128.0), seed=0)
     if model.unrolled:  # as the trainer holds them (jaxflow/trainer/learner.py)
         model.unstack_blocks()
     init_state, step = make_train_step(model, recipe_train_config((32, 32), num_micro_batches=micro, **ONE_UPDATE),

@@ -44,9 +44,10 @@ import numpy as np
 from jaxflow import families
 from jaxflow.families.bagel.loading import load_bagel
 from jaxflow.families.bagel.lora import BagelLoRASpec
-from jaxflow.models.config import ModelOptions
-from jaxflow.models.loading import load_transformer
-from jaxflow.models.lora import LoRASpec, peft_to_lora
+from jaxflow.nn.config import ModelOptions
+from jaxflow.families.qwen_image.loading import load_transformer
+from jaxflow.nn.lora import peft_to_lora
+from jaxflow.families.qwen_image.lora import QwenImageLoRASpec
 from jaxflow.trainer.parity import parity_stats, random_adapter, recompute
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 
@@ -152,11 +153,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     bagel = args.model_family == "bagel"
     if args.model is None and bagel:
-        from jaxflow_bridge.random_models.tiny_bagel import tiny_bagel_path
+        from jaxflow_bridge.families.bagel.tiny import tiny_bagel_path
 
         args.model = tiny_bagel_path(dtype=args.dtype)
     elif args.model is None:
-        from jaxflow_bridge.random_models.tiny import tiny_pipeline_path
+        from jaxflow_bridge.families.qwen_image.tiny import tiny_pipeline_path
 
         args.model = tiny_pipeline_path(dtype=args.dtype)  # vLLM-Omni takes its dtype from the folder's
     engine = build_engine(args.engine, args.model, args.dtype, args.lora_apply, args.deploy)
@@ -170,7 +171,7 @@ def check(args, engine, bagel: bool) -> int:
     """Roll out on `engine`, recompute in JAX, print and write the comparison; the exit code."""
     engine_fingerprint = engine.info()["fingerprint"]
     folder = args.model if bagel else args.model / "transformer"
-    spec = (BagelLoRASpec if bagel else LoRASpec)(rank=args.lora_rank, alpha=float(args.lora_rank)) \
+    spec = (BagelLoRASpec if bagel else QwenImageLoRASpec)(rank=args.lora_rank, alpha=float(args.lora_rank)) \
         if args.lora_rank else None
     round_to = ml_dtypes.bfloat16 if args.dtype == "bfloat16" else None  # both sides hold the same adapter values
     if spec:

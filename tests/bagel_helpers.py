@@ -19,7 +19,7 @@ from jaxflow.families.bagel.config import TINY
 from jaxflow.families.bagel.loading import build
 from jaxflow.families.bagel.lora import BagelLoRASpec, peft_state_dict, set_peft
 from jaxflow.families.bagel.model import velocity
-from jaxflow_bridge.contract import bagel_keymap
+from jaxflow_bridge.families.bagel import keymap as bagel_keymap
 from jaxflow_bridge.families.bagel.sampling import BagelSamplingLoop, BagelSamplingParams
 from jaxflow_bridge.families.bagel.model import BagelTorch
 from tests import bagel_ref

@@ -34,7 +34,7 @@ def ray_session():
 @pytest.fixture(scope="session")
 def tiny_path():
     """The tiny random Qwen-Image pipeline folder (float32), built on first use."""
-    from jaxflow_bridge.random_models.tiny import tiny_pipeline_path
+    from jaxflow_bridge.families.qwen_image.tiny import tiny_pipeline_path
 
     return tiny_pipeline_path()
 

@@ -18,11 +18,13 @@ import numpy as np
 from flax import nnx
 
 from jaxflow.config.validation import config_module
-from jaxflow.models.config import ModelOptions, QwenImageConfig
-from jaxflow.models.lora import LoRAParam, LoRASpec
-from jaxflow.models.transformer import QwenImageTransformer
+from jaxflow.families.qwen_image.config import QwenImageConfig
+from jaxflow.nn.config import ModelOptions
+from jaxflow.nn.lora import LoRAParam
+from jaxflow.families.qwen_image.lora import QwenImageLoRASpec as LoRASpec
+from jaxflow.families.qwen_image.transformer import QwenImageTransformer
 from jaxflow.trainer.train_batch import TrainBatch
-from jaxflow_bridge.contract import keymap
+from jaxflow_bridge.families.qwen_image import keymap
 from tests.helpers_sampler import SamplerConfig, make_sampler
 
 ROOT = Path(__file__).resolve().parents[1]

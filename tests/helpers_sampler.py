@@ -17,8 +17,9 @@ from flax import nnx
 
 from jaxflow.algorithms import sde
 from jaxflow.algorithms import flowgrpo
-from jaxflow.models.lora import LoRAParam
+from jaxflow.nn.lora import LoRAParam
 from jaxflow_bridge.contract import schedule
+from jaxflow_bridge.families.qwen_image import spec as qwen_spec
 
 TEXT_FIELDS = ("prompt_embeds", "prompt_mask", "negative_prompt_embeds", "negative_prompt_mask")
 
@@ -34,7 +35,7 @@ class SamplerConfig:
     guidance: float = 1.0
     window_size: int | None = 2           # 0 / None: every step but the last
     window_range: tuple[int, int] = (0, 5)
-    scheduler_config: dict = dataclasses.field(default_factory=lambda: dict(schedule.QWEN_IMAGE_SCHEDULER_CONFIG))
+    scheduler_config: dict = dataclasses.field(default_factory=lambda: dict(qwen_spec.SCHEDULER_CONFIG))
 
     def sigmas(self) -> np.ndarray:
         h, w = self.grid_hw

@@ -20,10 +20,10 @@ import torch
 
 from jaxflow_bridge.contract.lora import lora_pairs, read_peft
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
-from jaxflow_bridge.sync.vllm_omni_slots import lora_component, lora_module_table
-from jaxflow_bridge.engines.vllm_omni.pipeline import RolloutWorkerMethods
-from jaxflow_bridge.random_models.tiny_bagel import TINY_LLM, TINY_VIT
 from jaxflow_bridge.rollout.sampling import SamplingParams
+from jaxflow_bridge.families.bagel.tiny import TINY_LLM, TINY_VIT
+from jaxflow_bridge.sync.vllm_omni_slots import lora_component, lora_module_table
+from jaxflow_bridge.families.qwen_image.vllm_omni_pipeline import RolloutWorkerMethods
 from tests.helpers import LAYERS, MLP, D
 
 _WEIGHTS = torch.Generator().manual_seed(0)

@@ -5,9 +5,10 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from jaxflow.models.attention import resolve_implementation
-from jaxflow.models.config import ModelOptions, QwenImageConfig
-from jaxflow.models.transformer import QwenImageTransformer
+from jaxflow.nn.attention import resolve_implementation
+from jaxflow.families.qwen_image.config import QwenImageConfig
+from jaxflow.nn.config import ModelOptions
+from jaxflow.families.qwen_image.transformer import QwenImageTransformer
 
 TINY = QwenImageConfig(num_layers=1, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,
                        axes_dims_rope=(8, 12, 12))

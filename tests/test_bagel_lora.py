@@ -11,8 +11,9 @@ from jaxflow.families.bagel.config import TINY
 from jaxflow.families.bagel.loading import build
 from jaxflow.families.bagel.lora import BagelLoRASpec, peft_state_dict, read_peft, save_peft, set_peft
 from jaxflow.families.bagel.model import BagelModel, velocity
-from jaxflow.models.lora import LoRAParam, LoRASpec
-from jaxflow_bridge.contract import bagel_keymap
+from jaxflow.nn.lora import LoRAParam
+from jaxflow.families.qwen_image.lora import QwenImageLoRASpec as LoRASpec
+from jaxflow_bridge.families.bagel import keymap as bagel_keymap
 from tests.bagel_ref import OTHER
 from tests.bagel_helpers import (PARITY_GRID, TOL, checkpoint, flax_velocity, inputs, max_rel_err, merged,
                                  random_adapter)

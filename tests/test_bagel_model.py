@@ -12,8 +12,8 @@ from jaxflow.families.bagel.embeddings import latent_pos_table
 from jaxflow.families.bagel.loading import arrays, build
 from jaxflow.families.bagel.model import velocity
 from jaxflow.families.bagel.mot import Make, MoTLayer
-from jaxflow.models.config import ModelOptions
-from jaxflow_bridge.contract import bagel_keymap
+from jaxflow.nn.config import ModelOptions
+from jaxflow_bridge.families.bagel import keymap as bagel_keymap
 from tests import bagel_ref
 from tests.bagel_helpers import LENGTHS, PARITY_GRID, TOL, checkpoint, flax_velocity, inputs, max_rel_err
 from tests.bagel_ref import OTHER

@@ -13,8 +13,8 @@ from jaxflow.families.bagel import objective as bf
 from jaxflow.families.bagel.config import TINY
 from jaxflow.families.bagel.loading import build
 from jaxflow.families.bagel.lora import set_peft
-from jaxflow.models.lora import LoRAParam
-from jaxflow_bridge.contract import bagel_keymap
+from jaxflow.nn.lora import LoRAParam
+from jaxflow_bridge.families.bagel import keymap as bagel_keymap
 from jaxflow_bridge.families.bagel.sampling import guided_velocity
 from tests import bagel_ref
 from tests.bagel_helpers import GUIDANCE, ROLLOUT_GRID, SP, SPEC, U, arrays, bound, random_adapter, sampled

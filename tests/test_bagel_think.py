@@ -23,7 +23,7 @@ from jaxflow.families.bagel.loading import folder_config
 from jaxflow_bridge.contract.trajectory import TextLengthError, TrajectoryBatch
 from jaxflow_bridge.families.bagel.sampling import BagelSamplingLoop
 from jaxflow_bridge.families.bagel.think import think_decode
-from jaxflow_bridge.engines.bagel_torch import BagelTorchEngine, context_ids
+from jaxflow_bridge.families.bagel.engine import BagelTorchEngine, context_ids
 from tests import bagel_ref
 from tests.bagel_helpers import SP
 from tests.helpers import ROOT

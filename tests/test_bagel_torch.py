@@ -10,7 +10,7 @@ import torch
 from jaxflow.families.bagel.config import TINY
 from jaxflow.families.bagel.loading import build
 from jaxflow.families.bagel.model import velocity as flax_velocity
-from jaxflow_bridge.contract import bagel_keymap
+from jaxflow_bridge.families.bagel import keymap as bagel_keymap
 from jaxflow_bridge.families.bagel.model import BagelTorch
 from tests import bagel_ref
 from tests.bagel_ref import OTHER

@@ -50,7 +50,7 @@ def test_two_steps_train_the_generation_expert_and_sync_every_step(trained):
 
 
 def test_the_export_is_the_final_lora_in_bagel_names_and_the_engine_takes_it(trained):
-    from jaxflow_bridge.engines.bagel_torch import BagelTorchEngine
+    from jaxflow_bridge.families.bagel.engine import BagelTorchEngine
 
     cfg, run_dir, out = trained
     spec, tensors = read_peft(run_dir / "lora_final")
@@ -80,9 +80,9 @@ def test_the_trainer_fingerprint_is_the_engines_and_sees_a_changed_weight():
     transposed kernel changes it."""
     from jaxflow.families.bagel.config import TINY
     from jaxflow.families.bagel.loading import arrays, build, load_bagel
-    from jaxflow_bridge.contract import bagel_keymap
-    from jaxflow_bridge.engines.bagel_torch import BagelTorchEngine
-    from jaxflow_bridge.random_models.tiny_bagel import tiny_bagel_path
+    from jaxflow_bridge.families.bagel import keymap as bagel_keymap
+    from jaxflow_bridge.families.bagel.engine import BagelTorchEngine
+    from jaxflow_bridge.families.bagel.tiny import tiny_bagel_path
 
     model = load_bagel(tiny_bagel_path())
     family = families.Bagel()
@@ -125,9 +125,9 @@ def test_random_init_draws_the_engines_weights_by_checkpoint_name():
     another seed)."""
     from jaxflow.families.bagel.config import TINY
     from jaxflow.families.bagel.loading import arrays, random_bagel
-    from jaxflow_bridge.contract import bagel_keymap
+    from jaxflow_bridge.families.bagel import keymap as bagel_keymap
     from jaxflow_bridge.contract.random_weights import numpy_weight
-    from jaxflow_bridge.engines.bagel_torch import BagelTorchEngine
+    from jaxflow_bridge.families.bagel.engine import BagelTorchEngine
 
     model = random_bagel(TINY, seed=7)
     for name, value in bagel_keymap.to_checkpoint(arrays(model), TINY.num_hidden_layers).items():

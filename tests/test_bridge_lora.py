@@ -7,7 +7,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxflow_bridge.contract import keymap, safetensors_io
+from jaxflow_bridge.contract import safetensors_io
+from jaxflow_bridge.families.qwen_image import keymap
 from jaxflow_bridge.contract.lora import (adapter_config, bound_modules, lora_pairs, read_peft, to_vllm_omni,
                                           vllm_omni_adapter_config, write_peft)
 from tests.helpers import LAYERS, RANK, random_peft

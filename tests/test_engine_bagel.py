@@ -1,4 +1,4 @@
-"""The embedded BAGEL engine (jaxflow_bridge/engines/bagel_torch.py) on the tiny BAGEL folder, CPU float32: the
+"""The embedded BAGEL engine (jaxflow_bridge/families/bagel/engine.py) on the tiny BAGEL folder, CPU float32: the
 contexts it builds, the trajectories it returns, LoRA on the generation expert (against the adapter merged into the
 weights), the adapters it refuses, leaving the previous one serving, and its images (the folder's autoencoder; the
 other tests use the latent preview, which needs no decoder)."""
@@ -7,13 +7,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from jaxflow_bridge.contract.bagel_keymap import LORA_TARGETS, PEFT_PREFIX
+from jaxflow_bridge.families.bagel.keymap import LORA_TARGETS, PEFT_PREFIX
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
-from jaxflow_bridge.random_models import tiny_bagel
+from jaxflow_bridge.families.bagel import tiny as tiny_bagel
 from jaxflow_bridge.families.bagel.sampling import BagelSamplingLoop
 from jaxflow_bridge.families.bagel.model import BagelTorch
 from jaxflow_bridge.families.bagel.vae import BagelDecoder
-from jaxflow_bridge.engines.bagel_torch import BagelTorchEngine, context_ids
+from jaxflow_bridge.families.bagel.engine import BagelTorchEngine, context_ids
 from jaxflow_bridge.rollout.server import engine_class
 from tests.bagel_helpers import SP, V_TOL
 

@@ -12,8 +12,9 @@ from flax import nnx
 
 from jaxflow.algorithms import flowgrpo
 from jaxflow.algorithms.advantages import compute_advantages
-from jaxflow.models.config import ModelOptions, QwenImageConfig
-from jaxflow.models.transformer import QwenImageTransformer
+from jaxflow.families.qwen_image.config import QwenImageConfig
+from jaxflow.nn.config import ModelOptions
+from jaxflow.families.qwen_image.transformer import QwenImageTransformer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = QwenImageConfig(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,

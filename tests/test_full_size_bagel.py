@@ -1,5 +1,5 @@
-"""BAGEL folders of any geometry (jaxflow_bridge/random_models/tiny_bagel.py's `Geometry`) and the full-size random
-writer (jaxflow_bridge/random_models/full_size_bagel.py, scripts/make_random_bagel.py): the tiny folder byte for byte as
+"""BAGEL folders of any geometry (jaxflow_bridge/families/bagel/tiny.py's `Geometry`) and the full-size random
+writer (jaxflow_bridge/families/bagel/full_size.py, scripts/make_random_bagel.py): the tiny folder byte for byte as
 the writer before `Geometry` wrote it, BAGEL-7B-MoT's shapes listed without drawing (equal to the trainer's and the
 bagel_torch engine's), and a shrunk full geometry written through the streamed path, loaded by the trainer and both
 engines' fingerprints."""
@@ -19,12 +19,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from jaxflow_bridge.contract.bagel_keymap import IGNORED_PREFIXES, key_map
-from jaxflow_bridge.random_models import full_size_bagel as fsb
-from jaxflow_bridge.random_models import tiny_bagel
+from jaxflow_bridge.families.bagel.keymap import IGNORED_PREFIXES, key_map
+from jaxflow_bridge.families.bagel import full_size as fsb
+from jaxflow_bridge.families.bagel import tiny as tiny_bagel
 from jaxflow_bridge.families.bagel.vae import checkpoint_shapes
-from jaxflow_bridge.random_models.full_size_bagel import FULL, build_bagel, draw_named, parameter_count, write_ema
-from jaxflow_bridge.random_models.tiny_bagel import FILES, Geometry, tensor_shapes
+from jaxflow_bridge.families.bagel.full_size import FULL, build_bagel, draw_named, parameter_count, write_ema
+from jaxflow_bridge.families.bagel.tiny import FILES, Geometry, tensor_shapes
 from tests.helpers import ROOT
 from tests import HANG_S
 
@@ -164,8 +164,8 @@ def test_full_size_shapes_are_the_trainers_and_the_bagel_torch_engines():
 
     from jaxflow.families.bagel.config import BagelConfig
     from jaxflow.families.bagel.model import BagelModel
-    from jaxflow.models.config import ModelOptions
-    from jaxflow.models.loading import state_leaf
+    from jaxflow.nn.config import ModelOptions
+    from jaxflow.nn.weights import state_leaf
     from jaxflow_bridge.families.bagel.model import BagelTorch
 
     ids = tiny_bagel.special_ids()
@@ -245,9 +245,9 @@ def test_the_writer_holds_one_drawn_tensor_at_a_time(tmp_path, monkeypatch):
 def test_the_trainer_and_both_engines_load_the_shrunk_folder_with_one_fingerprint(small, tmp_path):
     from jaxflow import families
     from jaxflow.families.bagel.loading import arrays, load_bagel
-    from jaxflow_bridge.contract import bagel_keymap
-    from jaxflow_bridge.engines.bagel_torch import BagelTorchEngine
-    from jaxflow_bridge.engines.vllm_omni.kinds import Bagel
+    from jaxflow_bridge.families.bagel import keymap as bagel_keymap
+    from jaxflow_bridge.families.bagel.engine import BagelTorchEngine
+    from jaxflow_bridge.families.bagel.vllm_omni_kind import VllmOmniKind as Bagel
 
     model = load_bagel(small)
     stored = load_file(small / "ema.safetensors")

@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 import pytest
 
-from jaxflow_bridge.random_models.tiny import cache_root
+from jaxflow_bridge.rollout.model_cache import cache_root
 from tests.helpers import ROOT
 from tests import HANG_S
 

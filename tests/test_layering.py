@@ -1,6 +1,7 @@
 """The layout's dependency rules, read from the imports: the contract imports neither framework nor either side,
 nothing in jaxflow_bridge/ imports JAX or the trainer, the torch side's folders import only the folders below them
-(docs/design.md §1), neither side imports the benchmarks (jaxflow_bench/) or the experiments (experiments/), and no
+(docs/design.md §1), jaxflow/nn/ imports no family, a family's spec.py and keymap.py no framework, neither side
+imports the benchmarks (jaxflow_bench/) or the experiments (experiments/), and no
 module under tests/ imports a test module (shared helpers live in tests/helpers*.py, tests/bagel_helpers.py, ...)."""
 import ast
 import re
@@ -33,18 +34,21 @@ def test_bridge_imports_no_jax_and_no_trainer(path):
 
 
 BRIDGE = ROOT / "jaxflow_bridge"
-# The torch side's folders, bottom up: contract, rollout/kernels, sync, rollout, families, random_models, engines. Each
-# folder's forbidden imports: the folders above it.
+# The torch side's folders, bottom up: contract, rollout/kernels, sync, rollout, families, engines. Each folder's forbidden
+# imports: the folders above it. A family's vLLM-Omni pipeline runs in vLLM-Omni's workers and uses that engine's
+# worker-side helpers (engines/vllm_omni/fa_version.py; the LoRA slots in sync/vllm_omni_slots.py), never an engine the server names.
+SERVED = tuple(m.split(":")[0] for m in re.findall(r'"(jaxflow_bridge\.[\w.]+:\w+)"',
+                                                   (ROOT / "jaxflow_bridge/rollout/server.py").read_text()))
 ABOVE = {
     "rollout/kernels": ("jaxflow_bridge",),  # torch ops alone
     # LoRA sync's sinks: on contract, rollout/kernels and the numpy<->torch handoff (rollout/tensors) only
-    "sync": ("jaxflow_bridge.engines", "jaxflow_bridge.families", "jaxflow_bridge.random_models",
-             "jaxflow_bridge.rewards", "jaxflow_bridge.rollout.engine", "jaxflow_bridge.rollout.pipeline",
-             "jaxflow_bridge.rollout.sampling", "jaxflow_bridge.rollout.server", "jaxflow_bridge.rollout.sde",
-             "jaxflow_bridge.rollout.shared_weights", "jaxflow_bridge.rollout.random_init"),
-    "rollout": ("jaxflow_bridge.engines", "jaxflow_bridge.families", "jaxflow_bridge.random_models"),
-    "families": ("jaxflow_bridge.engines", "jaxflow_bridge.random_models"),
-    "random_models": ("jaxflow_bridge.engines",),
+    "sync": ("jaxflow_bridge.engines", "jaxflow_bridge.families", "jaxflow_bridge.rewards",
+             "jaxflow_bridge.rollout.engine", "jaxflow_bridge.rollout.sampling", "jaxflow_bridge.rollout.server",
+             "jaxflow_bridge.rollout.sde", "jaxflow_bridge.rollout.shared_weights",
+             "jaxflow_bridge.rollout.random_weights", "jaxflow_bridge.rollout.fingerprint"),
+    "rollout": ("jaxflow_bridge.engines", "jaxflow_bridge.families"),
+    "families": ("jaxflow_bridge.engines.diffusers", "jaxflow_bridge.engines.vllm_omni.engine",
+                 "jaxflow_bridge.engines.vllm_omni.kinds"),
 }
 
 
@@ -59,12 +63,19 @@ def test_torch_side_folders_import_no_folder_above(folder, path):
     assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}, above {folder}/"
 
 
+def test_the_server_names_each_engine():
+    assert set(SERVED) == {"jaxflow_bridge.engines.diffusers", "jaxflow_bridge.engines.vllm_omni.engine",
+                           "jaxflow_bridge.families.bagel.engine"}
+
+
 @pytest.mark.parametrize("path", sorted(p for d in ("jaxflow", "jaxflow_bridge", "jaxflow_bench")
-                                        for p in (ROOT / d).rglob("*.py") if BRIDGE / "engines" not in p.parents),
+                                        for p in (ROOT / d).rglob("*.py")
+                                        if BRIDGE / "engines" not in p.parents
+                                        and p != BRIDGE / "families/bagel/engine.py"),
                          ids=lambda p: str(p.relative_to(ROOT)))
 def test_only_the_server_reaches_the_engines(path):
     """The packages reach an engine through rollout/server.py's table of import paths, never by an import."""
-    bad = {m for m in imported_modules(path) if under(m, ("jaxflow_bridge.engines",))}
+    bad = {m for m in imported_modules(path) if under(m, SERVED)}
     assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}: go through jaxflow_bridge.rollout.server"
 
 
@@ -112,29 +123,29 @@ def test_the_test_module_checker_sees_each_form(tmp_path):
                                         "tests.test_f"}
 
 
-# The generic trainer modules reach a model family only through jaxflow/families/ (its `Family` protocol and
-# registry): they name none, in code, strings or comments. recipes.py is the real recipe (Qwen-Image's, with its
-# sources) and the config keys' help; parity.py's random_adapter still picks BAGEL's key map by the folder.
-FAMILY_WORDS = ("bagel", "qwen")  # as `grep -w`: bagel_deploy, qwen_image, bagel_keymap are other words
-NAMES_FAMILIES = {"recipes.py", "parity.py"}
-GENERIC = sorted(p for p in [*(ROOT / "jaxflow").glob("*.py"), *(ROOT / "jaxflow" / "algorithms").glob("*.py"),
-                             *(ROOT / "jaxflow" / "config").glob("*.py")]
-                 if p.name not in NAMES_FAMILIES)
+# jaxflow/nn/ holds the family-free building blocks: below every family, never importing one or torch.
+NN = ROOT / "jaxflow" / "nn"
 
 
-def family_words(text: str) -> set[str]:
-    return {m.group(0).lower() for w in FAMILY_WORDS for m in re.finditer(rf"(?<!\w){w}(?!\w)", text, re.I)}
+@pytest.mark.parametrize("path", sorted(NN.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_nn_imports_no_family_and_no_torch(path):
+    bad = {m for m in imported_modules(path)
+           if m.split(".")[0] == "torch" or under(m, ("jaxflow.families", "jaxflow_bridge.families"))}
+    assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}: jaxflow/nn/ is below the families"
 
 
-@pytest.mark.parametrize("path", GENERIC, ids=lambda p: str(p.relative_to(ROOT)))
-def test_generic_trainer_modules_name_no_family(path):
-    bad = family_words(path.read_text())
-    assert not bad, f"{path.relative_to(ROOT)} names the family word(s) {sorted(bad)}: ask the family (jaxflow/families/)"
+@pytest.mark.parametrize("path", sorted(p for d in ("jaxflow", "jaxflow_bridge") for p in (ROOT / d).rglob("*.py")
+                                        if p.name in ("spec.py", "keymap.py", "weight_keys.py")),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_family_specs_and_key_maps_import_no_framework(path):
+    """A family's spec.py and keymap.py are read by both sides: plain Python and numpy."""
+    bad = {m for m in imported_modules(path) if m.split(".")[0] in {"jax", "flax", "optax", "torch", "jaxflow"}}
+    assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 
 
-def test_the_family_word_checker_sees_a_name():
-    assert family_words("from jaxflow.families.bagel import x  # Qwen-Image's, BAGEL's") == {"bagel", "qwen"}
-    assert family_words("cfg.rollout.bagel_deploy, 'qwen_image', bagel_keymap") == set()
+def test_the_spec_checker_sees_every_family():
+    found = {p.parent.name for p in (ROOT / "jaxflow_bridge" / "families").glob("*/spec.py")}
+    assert found == {p.parent.name for p in (ROOT / "jaxflow" / "families").glob("*/family.py")}
 
 
 @pytest.mark.parametrize("path", sorted(p for p in (ROOT / "jaxflow").rglob("*.py") if ROOT / "jaxflow" / "sync" not in p.parents),

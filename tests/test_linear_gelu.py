@@ -1,11 +1,11 @@
-"""The MLP in-projection with its tanh GELU as one op (jaxflow_bridge/rollout/kernels/linear_gelu.py): the formula, the
-routing of vLLM-Omni's ColumnParallelApproxGELU (plain projections only), and torch.compile calling the op as is.
+"""The MLP in-projection with its tanh GELU as one op (jaxflow_bridge/families/qwen_image/linear_gelu.py): the formula,
+the routing of vLLM-Omni's ColumnParallelApproxGELU (plain projections only), and torch.compile calling the op as is.
 The cuBLASLt epilogue itself runs only on a GPU (scripts/bench_rollout_lora_linear.py checks it there)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from jaxflow_bridge.rollout.kernels.linear_gelu import epilogue_applies, install_gelu_epilogue, linear_gelu
+from jaxflow_bridge.families.qwen_image.linear_gelu import epilogue_applies, install_gelu_epilogue, linear_gelu
 
 
 class UnquantizedLinearMethod:

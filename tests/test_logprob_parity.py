@@ -91,8 +91,8 @@ def test_bagel_think_mode_recompute_matches_the_bagel_torch_rollout(parity, tmp_
     carried prompt_ids, within the same float32 threshold as without think."""
     from transformers import Qwen2TokenizerFast
 
-    from jaxflow_bridge.engines.bagel_torch import context_ids
-    from jaxflow_bridge.random_models.tiny_bagel import tiny_bagel_path
+    from jaxflow_bridge.families.bagel.engine import context_ids
+    from jaxflow_bridge.families.bagel.tiny import tiny_bagel_path
 
     code, report = _run(parity, tmp_path, "--model-family", "bagel", "--lora-rank", "4", "--think", "24")
     assert code == 0 and report["passed"] and report["args"]["think"] == 24

@@ -10,11 +10,12 @@ import pytest
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxflow.models import layers
-from jaxflow.models.config import ModelOptions, QwenImageConfig
-from jaxflow.models.lora import LoRASpec
-from jaxflow.models.lora_gemm import Tiling, tile_order, check_shapes, lora_linear, lora_matmul, smem_bytes
-from jaxflow.models.transformer import QwenImageTransformer
+from jaxflow.nn import layers
+from jaxflow.families.qwen_image.config import QwenImageConfig
+from jaxflow.nn.config import ModelOptions
+from jaxflow.families.qwen_image.lora import QwenImageLoRASpec as LoRASpec
+from jaxflow.nn.lora_gemm import Tiling, tile_order, check_shapes, lora_linear, lora_matmul, smem_bytes
+from jaxflow.families.qwen_image.transformer import QwenImageTransformer
 from tests.qwen_ref import TINY
 from tests import HANG_S
 
@@ -110,7 +111,7 @@ def test_shape_checks_name_the_fix():
 def test_rows_short_of_a_tile_are_padded_for_the_kernel(monkeypatch, rows, transposed):
     """lora_matmul hands the kernel whole 128-row tiles (zero rows appended) and returns the caller's rows: the
     kernel (an XLA stand-in here) sees M padded, the result equals the unpadded product."""
-    from jaxflow.models import lora_gemm
+    from jaxflow.nn import lora_gemm
 
     seen = []
 
@@ -215,8 +216,9 @@ def _split_rows_check():
     import dataclasses
 
     from jaxflow.trainer import sharding as S
-    from jaxflow.models import lora_gemm, transformer
-    from jaxflow.models.lora import LoRAParam
+    from jaxflow.nn import lora_gemm
+    from jaxflow.families.qwen_image import transformer
+    from jaxflow.nn.lora import LoRAParam
     from jaxflow.trainer.step_config import TrainConfig
     from jaxflow.trainer.train_step import make_train_step
     from tests.helpers import random_window_batch

@@ -11,10 +11,10 @@ import torch
 
 from jaxflow_bridge.contract import lora_shm
 from jaxflow_bridge.sync import vllm_omni_slots as vol
-from jaxflow_bridge.engines.vllm_omni import pipeline as vop
+from jaxflow_bridge.families.qwen_image import vllm_omni_pipeline as vop
 from jaxflow_bridge.sync.binding import slot_plan
 from jaxflow_bridge.sync.merge import MergedLoRA, plan_targets
-from jaxflow_bridge.rollout.pipeline import RolloutPipeline
+from jaxflow_bridge.families.qwen_image.diffusers_pipeline import RolloutPipeline
 from tests.helpers import RANK, make_adapter, random_peft
 from tests.helpers_vllm_omni import SAMPLING, SEEDS, FakeFusedTransformer, FakeOmniQwenImagePipeline, omni_params
 

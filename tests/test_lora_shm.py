@@ -117,9 +117,11 @@ def test_trainer_export_is_the_peft_adapter_in_the_engine_dtype(tmp_path):
     from flax import nnx
 
     from jaxflow.sync.lora_sync import SharedLoRA
-    from jaxflow.models.config import ModelOptions, QwenImageConfig
-    from jaxflow.models.lora import LoRAParam, LoRASpec, lora_to_peft
-    from jaxflow.models.transformer import QwenImageTransformer
+    from jaxflow.families.qwen_image.config import QwenImageConfig
+    from jaxflow.nn.config import ModelOptions
+    from jaxflow.nn.lora import LoRAParam, lora_to_peft
+    from jaxflow.families.qwen_image.lora import QwenImageLoRASpec as LoRASpec
+    from jaxflow.families.qwen_image.transformer import QwenImageTransformer
     from tests.qwen_ref import TINY
 
     spec = LoRASpec(rank=4, alpha=8.0)

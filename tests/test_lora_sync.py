@@ -8,8 +8,9 @@ import torch
 from flax import nnx
 
 from jaxflow.sync.lora_sync import DeviceTarget, device_peft_tensors, device_target
-from jaxflow.models.loading import load_transformer
-from jaxflow.models.lora import LoRAParam, LoRASpec, lora_to_peft
+from jaxflow.families.qwen_image.loading import load_transformer
+from jaxflow.nn.lora import LoRAParam, lora_to_peft
+from jaxflow.families.qwen_image.lora import QwenImageLoRASpec as LoRASpec
 from jaxflow.run.rollout_client import LocalTransport, RolloutGroup
 from jaxflow_bridge.sync.layers import ADAPTER_NAME
 

@@ -24,7 +24,7 @@ def toy(tmp_path_factory):
     """A toy folder (8-channel VAE trained 6 steps, one-block transformer) and its encoded data."""
     import torch
 
-    from jaxflow_bridge.rollout.pipeline import RolloutPipeline
+    from jaxflow_bridge.families.qwen_image.diffusers_pipeline import RolloutPipeline
 
     torch.manual_seed(0)
     out = tmp_path_factory.mktemp("mini")
@@ -73,8 +73,8 @@ def test_pretraining_lowers_the_loss_and_both_sides_load_the_folder(toy):
     import jax
 
     from jaxflow.mini_ocr.pretrain import pretrain
-    from jaxflow.models.loading import fingerprint, load_transformer
-    from jaxflow_bridge.rollout.pipeline import RolloutPipeline
+    from jaxflow.families.qwen_image.loading import fingerprint, load_transformer
+    from jaxflow_bridge.families.qwen_image.diffusers_pipeline import RolloutPipeline
     from jaxflow_bridge.rollout.sampling import SamplingParams
 
     out, _ = toy

@@ -15,7 +15,7 @@ from jaxflow.trainer import phases
 from jaxflow.trainer import train_step as ts
 from jaxflow.algorithms import flowgrpo_step
 from jaxflow.trainer.minibatches import combine_metrics, group_order, order_minibatches, select
-from jaxflow.models.lora import LoRAParam
+from jaxflow.nn.lora import LoRAParam
 from jaxflow.trainer.train_batch import TrainBatch
 from tests.helpers import GRID, GROUPS, sampled_batch, tiny_config
 
@@ -114,7 +114,7 @@ def test_the_pass_leaves_out_the_first_update_rows_only_in_one_epoch(lora_model)
     those rows equal the full pass's (two epochs: every row), the first mini-batch's rows are left at 0."""
     from flax import nnx
 
-    from jaxflow.models.lora import LoRAParam
+    from jaxflow.nn.lora import LoRAParam
     batch = order_minibatches(sampled_batch(lora_model, 4.0), GROUPS, 2, seed=0, step=0)
     graphdef, lora, frozen = nnx.split(lora_model, LoRAParam, ...)
     out = {}

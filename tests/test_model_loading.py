@@ -8,12 +8,16 @@ import torch
 from diffusers import QwenImageTransformer2DModel
 from flax import nnx
 
-from jaxflow.models.config import ModelOptions, QwenImageConfig
-from jaxflow.models.loading import (INDEX, WEIGHTS, TensorSource, build_from_source, load_transformer,
+from jaxflow.families.qwen_image.config import QwenImageConfig
+from jaxflow.nn.config import ModelOptions
+from jaxflow.families.qwen_image.loading import (build_from_source, load_transformer,
                                     save_transformer, to_diffusers_state_dict)
-from jaxflow.models.lora import LoRAParam, LoRASpec
-from jaxflow.models.transformer import QwenImageTransformer
-from jaxflow_bridge.contract import keymap, safetensors_io
+from jaxflow.nn.weights import INDEX, WEIGHTS, TensorSource
+from jaxflow.nn.lora import LoRAParam
+from jaxflow.families.qwen_image.lora import QwenImageLoRASpec as LoRASpec
+from jaxflow.families.qwen_image.transformer import QwenImageTransformer
+from jaxflow_bridge.contract import safetensors_io
+from jaxflow_bridge.families.qwen_image import keymap
 from tests.qwen_ref import TINY, inputs, state_dict_numpy, torch_forward, torch_model
 
 

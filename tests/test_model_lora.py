@@ -8,11 +8,13 @@ from diffusers import QwenImagePipeline
 from flax import nnx
 from peft import LoraConfig, get_peft_model_state_dict
 
-from jaxflow.models.config import QwenImageConfig
-from jaxflow.models.layers import Linear
-from jaxflow.models.loading import TensorSource, build_from_source, load_transformer, to_diffusers_state_dict
-from jaxflow.models.lora import LoRAParam, LoRASpec, lora_to_peft, peft_to_lora, read_peft, save_peft
-from jaxflow_bridge.random_models.tiny import tiny_pipeline_path
+from jaxflow.families.qwen_image.config import QwenImageConfig
+from jaxflow.nn.layers import Linear
+from jaxflow.families.qwen_image.loading import build_from_source, load_transformer, to_diffusers_state_dict
+from jaxflow.nn.weights import TensorSource
+from jaxflow.nn.lora import LoRAParam, lora_to_peft, peft_to_lora, save_peft
+from jaxflow.families.qwen_image.lora import QwenImageLoRASpec as LoRASpec, read_peft
+from jaxflow_bridge.families.qwen_image.tiny import tiny_pipeline_path
 from tests.qwen_ref import TINY, inputs, state_dict_numpy, torch_forward, torch_model
 
 SPEC = LoRASpec(rank=4, alpha=8.0)

@@ -7,9 +7,11 @@ import pytest
 import torch
 from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope, QwenTimestepProjEmbeddings
 
-from jaxflow.models.config import ModelOptions, QwenImageConfig
-from jaxflow.models.embeddings import TIMESTEP_FREQS, inv_freq, rope_angles, rope_tables, timestep_embedding
-from jaxflow.models.loading import TensorSource, build_from_source
+from jaxflow.families.qwen_image.config import QwenImageConfig
+from jaxflow.nn.config import ModelOptions
+from jaxflow.nn.embeddings import TIMESTEP_FREQS, inv_freq, rope_angles, rope_tables, timestep_embedding
+from jaxflow.families.qwen_image.loading import build_from_source
+from jaxflow.nn.weights import TensorSource
 from tests.qwen_ref import OTHER, TINY, inputs, state_dict_numpy, torch_forward, torch_model
 
 TOL = 1e-5

@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from jaxflow.models.config import ModelOptions, QwenImageConfig
-from jaxflow.models.transformer import QwenImageTransformer
+from jaxflow.families.qwen_image.config import QwenImageConfig
+from jaxflow.nn.config import ModelOptions
+from jaxflow.families.qwen_image.transformer import QwenImageTransformer
 from jaxflow.run.profiling import StepProfiler
 from jaxflow_bench.kernels import scope_of, with_hlo_dump
 

@@ -1,11 +1,12 @@
-"""jaxflow_bridge/rollout/kernels/qk_rope.py: the rollout attention's q/k norm and RoPE in torch ops, against diffusers'
+"""jaxflow_bridge/families/qwen_image/qk_rope.py: the rollout attention's q/k norm and RoPE in torch ops, against
+diffusers'
 Qwen-Image functions (the reference vLLM-Omni's kernels implement), and the module swap."""
 import pytest
 import torch
 from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
 from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope, apply_rotary_emb_qwen
 
-from jaxflow_bridge.rollout.kernels.qk_rope import (NativeRMSNorm, NativeRotary, rms_norm, rope_interleaved,
+from jaxflow_bridge.families.qwen_image.qk_rope import (NativeRMSNorm, NativeRotary, rms_norm, rope_interleaved,
                                                   use_native_qk)
 
 

@@ -6,13 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from jaxflow.models.config import ModelOptions, QwenImageConfig
-from jaxflow.models.loading import fingerprint, to_diffusers_state_dict
-from jaxflow.models.random_init import random_transformer
+from jaxflow.families.qwen_image.config import QwenImageConfig
+from jaxflow.nn.config import ModelOptions
+from jaxflow.families.qwen_image.loading import fingerprint, to_diffusers_state_dict
+from jaxflow.families.qwen_image.random_init import random_transformer
 from jaxflow_bridge.contract.random_weights import numpy_weight
-from jaxflow_bridge.rollout.pipeline import RolloutPipeline
-from jaxflow_bridge.rollout.random_init import torch_weight
-from jaxflow_bridge.random_models.tiny import tiny_pipeline_path
+from jaxflow_bridge.families.qwen_image.diffusers_pipeline import RolloutPipeline
+from jaxflow_bridge.rollout.random_weights import torch_weight
+from jaxflow_bridge.families.qwen_image.tiny import tiny_pipeline_path
 
 
 @pytest.mark.parametrize("name, shape", [("blocks.0.attn.to_q.weight", (96, 160)), ("x.proj.weight", (7, 3, 5)),

@@ -9,7 +9,7 @@ import pytest
 from jax.ad_checkpoint import checkpoint_name, print_saved_residuals
 from jax.extend.core import Primitive
 
-from jaxflow.models.transformer import CUDNN_ATTENTION_FWD, remat_policy
+from jaxflow.families.qwen_image.transformer import CUDNN_ATTENTION_FWD, remat_policy
 
 
 def test_the_policy_names_jax_s_cudnn_attention_forward_primitive():
@@ -46,8 +46,9 @@ def test_save_matmuls_stats_refuses_the_xla_attention():
 def test_a_model_with_save_matmuls_stats_is_refused_when_built_off_cudnn():
     from flax import nnx
 
-    from jaxflow.models.config import ModelOptions, QwenImageConfig
-    from jaxflow.models.transformer import QwenImageTransformer
+    from jaxflow.families.qwen_image.config import QwenImageConfig
+    from jaxflow.nn.config import ModelOptions
+    from jaxflow.families.qwen_image.transformer import QwenImageTransformer
     cfg = QwenImageConfig(num_layers=1, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,
                           in_channels=16, out_channels=4, axes_dims_rope=(8, 12, 12))
     with pytest.raises(ValueError, match="save_matmuls_stats"):
@@ -58,8 +59,9 @@ def test_a_model_with_save_matmuls_stats_is_refused_when_built_off_cudnn():
 def test_remat_leaves_the_gradient_unchanged(remat):
     from flax import nnx
 
-    from jaxflow.models.config import ModelOptions, QwenImageConfig
-    from jaxflow.models.transformer import QwenImageTransformer
+    from jaxflow.families.qwen_image.config import QwenImageConfig
+    from jaxflow.nn.config import ModelOptions
+    from jaxflow.families.qwen_image.transformer import QwenImageTransformer
     cfg = QwenImageConfig(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,
                           axes_dims_rope=(8, 12, 12))
     x = jax.random.normal(jax.random.key(1), (1, 4, 64))
@@ -82,8 +84,9 @@ def test_the_remat_policy_follows_the_model_options_at_trace_time():
 
     from flax import nnx
 
-    from jaxflow.models.config import ModelOptions, QwenImageConfig
-    from jaxflow.models.transformer import QwenImageTransformer
+    from jaxflow.families.qwen_image.config import QwenImageConfig
+    from jaxflow.nn.config import ModelOptions
+    from jaxflow.families.qwen_image.transformer import QwenImageTransformer
     cfg = QwenImageConfig(num_layers=1, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,
                           axes_dims_rope=(8, 12, 12))
     model = QwenImageTransformer(cfg, ModelOptions(), rngs=nnx.Rngs(0))

@@ -12,7 +12,7 @@ from safetensors.numpy import save_file
 import jaxflow_bridge.rollout
 from jaxflow_bridge.contract.schedule import sigma_schedule
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
-from jaxflow_bridge.rollout.pipeline import RolloutPipeline
+from jaxflow_bridge.families.qwen_image.diffusers_pipeline import RolloutPipeline
 from jaxflow_bridge.rollout.sampling import DECODE_PIXELS, Fp32Timestep, SamplingParams, cfg_combine, decode_batch
 from jaxflow_bridge.rollout.sde import sde_step
 from jaxflow_bridge.rollout.server import create_rollout_server
@@ -294,8 +294,8 @@ def test_bf16_rollout_keeps_latents_fp32_and_embeds_in_model_dtype(tiny_path):
 
 def test_rollout_package_never_imports_jax():
     root = Path(jaxflow_bridge.rollout.__file__).parents[1]
-    paths = sorted(p for folder in ("rollout", "sync", "engines") for p in (root / folder).rglob("*.py"))
-    assert {"pipeline.py", "server.py", "layers.py", "diffusers.py"} <= {p.name for p in paths}
+    paths = sorted(p for folder in ("rollout", "sync", "engines", "families") for p in (root / folder).rglob("*.py"))
+    assert {"diffusers_pipeline.py", "server.py", "layers.py", "diffusers.py"} <= {p.name for p in paths}
     for path in paths:
         for node in ast.walk(ast.parse(path.read_text())):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)

@@ -16,9 +16,10 @@ from hypothesis import strategies as st
 
 from jaxflow.algorithms import sde as J
 from jaxflow_bridge.contract import schedule
+from jaxflow_bridge.families.qwen_image import spec as qwen_spec
 from jaxflow_bridge.rollout import sde as T
 
-QWEN = schedule.QWEN_IMAGE_SCHEDULER_CONFIG
+QWEN = qwen_spec.SCHEDULER_CONFIG
 MODULES = [J, T]
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,9 +108,10 @@ def test_sigma_schedule_known_qwen_values():
 
 def test_pixels_per_token_is_the_vaes_factor_times_the_2x2_patch():
     """Qwen-Image's VAE (three temporal-downsample entries: 8x) gives 16 pixels a token; the tiny model's (two) 8."""
-    from jaxflow_bridge.random_models.full_size import VAE_CONFIG
-    from jaxflow_bridge.random_models.tiny import TINY_VAE_CONFIG
-    assert schedule.pixels_per_token(VAE_CONFIG) == 16 and schedule.pixels_per_token(TINY_VAE_CONFIG) == 8
+    from jaxflow_bridge.families.qwen_image.full_size import VAE_CONFIG
+    from jaxflow_bridge.families.qwen_image.spec import pixels_per_token
+    from jaxflow_bridge.families.qwen_image.tiny import TINY_VAE_CONFIG
+    assert pixels_per_token(VAE_CONFIG) == 16 and pixels_per_token(TINY_VAE_CONFIG) == 8
 
 
 def test_sigma_schedule_rejects_unsupported():

@@ -88,10 +88,13 @@ def _eight_device_check():
     meshes equal to the single-device step."""
     from flax import nnx
 
-    from jaxflow.models import loading
-    from jaxflow.models.config import ModelOptions, QwenImageConfig
-    from jaxflow.models.lora import LoRAParam, LoRASpec
-    from jaxflow.models.transformer import QwenImageTransformer
+    from jaxflow.families.qwen_image import loading
+    from jaxflow.nn.weights import TensorSource
+    from jaxflow.families.qwen_image.config import QwenImageConfig
+    from jaxflow.nn.config import ModelOptions
+    from jaxflow.nn.lora import LoRAParam
+    from jaxflow.families.qwen_image.lora import QwenImageLoRASpec as LoRASpec
+    from jaxflow.families.qwen_image.transformer import QwenImageTransformer
     from jaxflow.trainer.step_config import TrainConfig
     from jaxflow.trainer.train_step import make_train_step
 
@@ -100,7 +103,7 @@ def _eight_device_check():
                           axes_dims_rope=(8, 12, 12))
     spec = LoRASpec(rank=4, alpha=8.0, targets=("to_q", "to_v", "img_mlp.net.2"))
     model = QwenImageTransformer(cfg, ModelOptions(), spec, rngs=nnx.Rngs(0))
-    source = loading.TensorSource(loading.to_diffusers_state_dict(model))
+    source = TensorSource(loading.to_diffusers_state_dict(model))
     fsdp = S.Layout.create(S.ShardingConfig(data=2, fsdp=4, rules=S.FSDP_RULES))
     loaded = loading.build_from_source(cfg, source, sharding=fsdp.sharding_fn)
     kernel = loaded.blocks.img_mlp_in.kernel  # (layers, embed, mlp)

@@ -11,7 +11,7 @@ from flax import nnx
 from jaxflow.config import validation as config_lib
 from jaxflow.train import Trainer
 from jaxflow_bridge.engines.diffusers import DiffusersEngine
-from jaxflow_bridge.rollout.pipeline import RolloutPipeline
+from jaxflow_bridge.families.qwen_image.diffusers_pipeline import RolloutPipeline
 from tests.helpers import tiny_config
 
 SAMPLING = dict(height=40, width=72, num_inference_steps=3, true_cfg_scale=4.0, noise_level=1.2, sde_window_size=2,

@@ -1,4 +1,4 @@
-"""The tiny random BAGEL folder (jaxflow_bridge/random_models/tiny_bagel.py, docs/bagel.md §6): files, loading into
+"""The tiny random BAGEL folder (jaxflow_bridge/families/bagel/tiny.py, docs/bagel.md §6): files, loading into
 BagelTorch, determinism, tokenizer, a finite velocity."""
 import json
 import os
@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from jaxflow_bridge.contract.bagel_keymap import IGNORED_PREFIXES
-from jaxflow_bridge.random_models import tiny_bagel
+from jaxflow_bridge.families.bagel.keymap import IGNORED_PREFIXES
+from jaxflow_bridge.families.bagel import tiny as tiny_bagel
 from jaxflow_bridge.families.bagel.model import BagelTorch
 
 
@@ -127,7 +127,7 @@ def test_configs_fit_the_two_stage_thinker(size):
     its start-up profiling runs it on a dummy image to edit, then a dummy request whose positions outrun a RoPE table
     of max_position_embeddings rows (2048 indexed out of range); a dummy image's tokens are
     vit_max_num_patch_per_side^2 placeholders filled by (image_size / patch_size)^2 ViT outputs."""
-    from jaxflow_bridge.random_models.full_size_bagel import FULL
+    from jaxflow_bridge.families.bagel.full_size import FULL
 
     geo = tiny_bagel.TINY if size == "tiny" else FULL
     top, llm = tiny_bagel.top_config(geo), tiny_bagel.llm_config(geo)

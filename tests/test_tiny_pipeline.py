@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from jaxflow_bridge.random_models import tiny
+from jaxflow_bridge.families.qwen_image import tiny
 
 PROMPTS = ["a red fox", "a red fox jumping over the lazy dog"]
 NEGATIVES = ["bad quality", "blurry"]

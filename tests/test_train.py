@@ -109,8 +109,8 @@ def test_the_cpu_overrides_named_for_qwen_ocr_are_all_it_needs(tmp_path):
 
     from flax import nnx
 
-    from jaxflow.models.config import QwenImageConfig
-    from jaxflow.models.transformer import QwenImageTransformer
+    from jaxflow.families.qwen_image.config import QwenImageConfig
+    from jaxflow.families.qwen_image.transformer import QwenImageTransformer
     from jaxflow.train import CPU_OVERRIDES
     from tests.qwen_ref import TINY
     cfg = config_lib.config_module(ROOT / "configs" / "qwen_ocr.py").get_config()
@@ -215,7 +215,8 @@ def test_ema_is_what_the_eval_serves_and_the_export_writes(tmp_path, monkeypatch
     """train.ema_decay: each eval serves the LoRA's EMA and then the LoRA again (the next rollout samples the
     policy being trained); lora_final holds the EMA, as flow_grpo evaluates and saves its EMA."""
     from jaxflow.run.driver import Driver
-    from jaxflow.models.lora import lora_to_peft, read_peft
+    from jaxflow.nn.lora import lora_to_peft
+    from jaxflow.families.qwen_image.lora import read_peft
 
     events = []
     serve, evaluate = Driver.serve, Driver.evaluate
@@ -257,7 +258,8 @@ def test_nft_samples_with_the_old_policy_and_evaluates_and_exports_the_lora(tmp_
     flat decay start it equals the LoRA, later it trails it), each eval serves the LoRA, which lora_final holds;
     a resume restores the old policy."""
     from jaxflow.run.driver import Driver
-    from jaxflow.models.lora import lora_to_peft, read_peft
+    from jaxflow.nn.lora import lora_to_peft
+    from jaxflow.families.qwen_image.lora import read_peft
 
     served = []
     serve = Driver.serve

@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 
 from jaxflow.algorithms import flowgrpo
-from jaxflow.models.lora import LoRAParam
-from jaxflow.models.transformer import QwenImageTransformer
+from jaxflow.nn.lora import LoRAParam
+from jaxflow.families.qwen_image.transformer import QwenImageTransformer
 from jaxflow.trainer.step_config import TrainConfig
 from jaxflow.trainer.train_batch import TrainBatch
 from jaxflow.algorithms.flowgrpo_step import accumulate_gradients

@@ -10,9 +10,11 @@ import pytest
 from flax import nnx
 from jax.extend.core import jaxprs_in_params
 
-from jaxflow.models.config import ModelOptions, QwenImageConfig
-from jaxflow.models.lora import LoRAParam, LoRASpec
-from jaxflow.models.transformer import QwenImageTransformer
+from jaxflow.families.qwen_image.config import QwenImageConfig
+from jaxflow.nn.config import ModelOptions
+from jaxflow.nn.lora import LoRAParam
+from jaxflow.families.qwen_image.lora import QwenImageLoRASpec as LoRASpec
+from jaxflow.families.qwen_image.transformer import QwenImageTransformer
 
 CFG = QwenImageConfig(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,
                       axes_dims_rope=(8, 12, 12))
@@ -120,7 +122,7 @@ def test_per_block_weights_are_refused_where_a_scan_would_read_them():
 
 
 def test_per_block_weights_keep_the_fingerprint_and_the_export():
-    from jaxflow.models.loading import fingerprint, to_diffusers_state_dict
+    from jaxflow.families.qwen_image.loading import fingerprint, to_diffusers_state_dict
     model = _lora_model(2)
     leaves, treedef = jax.tree.flatten(nnx.state(model, LoRAParam))  # non-zero B: the merge changes the kernels
     nnx.update(model, jax.tree.unflatten(treedef, [x + 0.1 for x in leaves]))

@@ -19,20 +19,24 @@ from jaxflow import families
 from jaxflow.config import recipes
 from jaxflow.config.errors import UserError
 from jaxflow.config.validation import config_module
-from jaxflow_bridge.contract import bagel_keymap
+from jaxflow_bridge.families.bagel import keymap as bagel_keymap
 from jaxflow_bridge.contract.lora import lora_pairs, read_peft
 from jaxflow_bridge.contract.lora_shm import SharedAdapterFile
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
-from jaxflow_bridge.random_models import tiny, tiny_bagel
-from jaxflow_bridge.engines.vllm_omni import bagel_pipeline as vob
+from jaxflow_bridge.families.qwen_image import tiny
+from jaxflow_bridge.families.bagel import tiny as tiny_bagel
+from jaxflow_bridge.families.bagel import vllm_omni_pipeline as vob
 from jaxflow_bridge.sync import vllm_omni_slots as vol
-from jaxflow_bridge.engines.vllm_omni import pipeline as vop
+from jaxflow_bridge.families.qwen_image import vllm_omni_pipeline as vop
 from jaxflow_bridge.families.bagel.sampling import BagelSamplingParams
-from jaxflow_bridge.engines.bagel_torch import BagelTorchEngine
+from jaxflow_bridge.families.bagel.engine import BagelTorchEngine
 from jaxflow_bridge.engines.vllm_omni.engine import VllmOmniEngine
 from jaxflow_bridge.sync.binding import bind_lora_modules
-from jaxflow_bridge.rollout.pipeline import stored_fingerprint
-from jaxflow_bridge.engines.vllm_omni.kinds import BAGEL_DEPLOY_FILE, Bagel, QwenImage, model_kind
+from jaxflow_bridge.rollout.fingerprint import stored_fingerprint
+from jaxflow_bridge.engines.vllm_omni.kinds import model_kind
+from jaxflow_bridge.families.bagel.spec import DEPLOY_FILES
+from jaxflow_bridge.families.bagel.vllm_omni_kind import VllmOmniKind as Bagel
+from jaxflow_bridge.families.qwen_image.vllm_omni_kind import VllmOmniKind as QwenImage
 from tests.helpers import ROOT
 from tests.helpers_vllm_omni import SAMPLING, SEEDS, FakeBagel, FakeOmniQwenImagePipeline, install_fake_vllm_omni
 from tests.helpers_vllm_omni_bagel import NaiveCache, stand_in_thinker, stock_bagel_pipeline
@@ -130,7 +134,7 @@ def test_bagel_starts_our_pipeline_in_vllm_omnis_single_stage_deployment(folder,
     engine, omni = start(monkeypatch, tmp_path, bagel_torch)
     (started,) = omni.started
     deploy = tmp_path / "vllm_omni" / "deploy" / "bagel_single_stage.yaml"  # vLLM-Omni 0.20's wheel layout
-    assert started.model == str(folder) and BAGEL_DEPLOY_FILE == ("deploy", "bagel_single_stage.yaml")
+    assert started.model == str(folder) and DEPLOY_FILES["single_stage"] == ("deploy", "bagel_single_stage.yaml")
     assert started.kwargs == {"custom_pipeline_args": {"pipeline_class": vob.PIPELINE_CLASS},
                               "deploy_config": str(deploy), "worker_extension_cls": vop.WORKER_EXTENSION_CLASS,
                               "dtype": "bfloat16", "enable_sleep_mode": True}

@@ -1,4 +1,4 @@
-"""jaxflow_bridge/engines/vllm_omni/bagel_pipeline.py on the CPU: the request codec, and FlowGRPOBagelPipeline built
+"""jaxflow_bridge/families/bagel/vllm_omni_pipeline.py on the CPU: the request codec, and FlowGRPOBagelPipeline built
 on a stand-in for vLLM-Omni's BagelPipeline and Bagel (tests/helpers_vllm_omni_bagel.py: their prefill, think decode,
 packing, merged CFG caches, `_combine_cfg` and `generate_image` loop, each packed sequence evaluated by the
 bagel_torch engine's model). A request's n samples run in lockstep, one LLM forward a step for all of them and both
@@ -17,12 +17,12 @@ import torch
 from PIL import Image
 
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
-from jaxflow_bridge.engines.vllm_omni import bagel_pipeline as vob
+from jaxflow_bridge.families.bagel import vllm_omni_pipeline as vob
 from jaxflow_bridge.families.bagel.sampling import BagelSamplingParams
-from jaxflow_bridge.engines.bagel_torch import BagelTorchEngine, context_ids
-from jaxflow_bridge.engines.vllm_omni.bagel_pipeline import (build_pipeline_class, decode_request, encode_request,
+from jaxflow_bridge.families.bagel.engine import BagelTorchEngine, context_ids
+from jaxflow_bridge.families.bagel.vllm_omni_pipeline import (build_pipeline_class, decode_request, encode_request,
                                                              is_rollout_request)
-from jaxflow_bridge.engines.vllm_omni.pipeline import unpack_trajectories
+from jaxflow_bridge.families.qwen_image.vllm_omni_pipeline import unpack_trajectories
 from tests.helpers_vllm_omni_bagel import NaiveCache, stock_bagel_pipeline
 
 SP = BagelSamplingParams(height=64, width=96, num_inference_steps=4, sde_window_range=(0, 3), cfg_interval=(0.8, 1.0))

@@ -10,10 +10,11 @@ import torch
 from jaxflow_bridge.contract.lora import lora_pairs, to_vllm_omni
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.sync import vllm_omni_slots as vol
-from jaxflow_bridge.engines.vllm_omni import pipeline as vop
+from jaxflow_bridge.families.qwen_image import vllm_omni_pipeline as vop
 from jaxflow_bridge.engines.vllm_omni.engine import INSTALL_HINT, ack_errors
 from jaxflow_bridge.sync.binding import check_lora_binding
-from jaxflow_bridge.rollout.pipeline import RolloutPipeline, stored_fingerprint
+from jaxflow_bridge.families.qwen_image.diffusers_pipeline import RolloutPipeline
+from jaxflow_bridge.rollout.fingerprint import stored_fingerprint
 from jaxflow_bridge.rollout.server import engine_class
 from tests.helpers import LAYERS, MLP, RANK, D, random_peft
 from tests.helpers_vllm_omni import (
@@ -297,7 +298,7 @@ def test_custom_pipeline_takes_cfg_forward_from_its_args(tiny_path):
 
 
 def test_custom_pipeline_refuses_an_unknown_qk_ops(tiny_path):
-    """qk_ops picks the attention's q/k norm and rotary ops (jaxflow_bridge/rollout/kernels/qk_rope.py swaps them,
+    """qk_ops picks the attention's q/k norm and rotary ops (jaxflow_bridge/families/qwen_image/qk_rope.py swaps them,
     tested there); a typo is refused when the pipeline is built, before any weight loads."""
     cls = vop.build_pipeline_class(FakeOmniQwenImagePipeline, SimpleNamespace)
     for qk_ops in ("compiled", "vllm"):

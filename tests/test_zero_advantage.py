@@ -115,7 +115,7 @@ def _drift_update(x, mini, micro, drop):
     from jaxflow.algorithms import flowgrpo
     from jaxflow.algorithms.flowgrpo_step import accumulate_gradients
     from jaxflow.algorithms.objective import Objective
-    from jaxflow.models.lora import LoRAParam
+    from jaxflow.nn.lora import LoRAParam
     from jaxflow_bench import algorithm_parity as parity
 
     config = ts.TrainConfig(grid_hw=(1, 1), clip_range=parity.ZCLIP, beta=parity.BETA, num_mini_batches=mini,

@@ -22,7 +22,7 @@ from jaxflow.run.data import load_prompts
 from jaxflow.run.metrics_log import image_grid
 from jaxflow_bridge.contract.lora import read_peft
 from jaxflow_bridge.rewards.ocr import OcrReward
-from jaxflow_bridge.rollout.pipeline import RolloutPipeline
+from jaxflow_bridge.families.qwen_image.diffusers_pipeline import RolloutPipeline
 from jaxflow_bridge.rollout.sampling import SamplingParams
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "mini_ocr.py"

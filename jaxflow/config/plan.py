@@ -14,7 +14,7 @@ from types import MappingProxyType
 from jaxflow import families
 from jaxflow.config import validation
 from jaxflow.config.errors import UserError
-from jaxflow.models.config import ModelOptions
+from jaxflow.nn.config import ModelOptions
 
 
 def merged_lora(cfg) -> bool:

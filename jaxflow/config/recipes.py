@@ -34,7 +34,7 @@ from pathlib import Path
 
 import ml_collections
 
-from jaxflow_bridge.contract.keymap import DEFAULT_LORA_TARGETS
+from jaxflow_bridge.families.qwen_image.keymap import DEFAULT_LORA_TARGETS
 
 DATA = Path(__file__).resolve().parents[2] / "data"  # the clone's prompt files, found from any working directory
 
@@ -63,7 +63,8 @@ HELP: dict[str, str] = {
                   "jaxflow_bridge/contract/random_weights.py)",
     "lora.rank": "LoRA rank, an int >= 1",
     "lora.alpha": "LoRA alpha, > 0: the adapter's scale is alpha / rank",
-    "lora.targets": "the linears adapted in every block: diffusers names (contract/keymap.py LORA_TARGETS) or "
+    "lora.targets": "the linears adapted in every block: diffusers names "
+                    "(jaxflow_bridge/families/qwen_image/keymap.py LORA_TARGETS) or "
                     "BAGEL's (bagel_keymap.py)",
     "rollout.engine": "rollout engine: 'vllm_omni' (GPU, bfloat16 only), 'diffusers' (anywhere), 'bagel_torch' (BAGEL, "
                       "CPU, float32)",

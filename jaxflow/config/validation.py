@@ -14,8 +14,8 @@ from jaxflow.config.errors import UserError, fail
 from jaxflow.config.sections import RunConfig
 from jaxflow.families.base import option_problems
 from jaxflow.run.data import load_prompts
-from jaxflow.models.config import LORA_GEMMS, ModelOptions
-from jaxflow.models.lora import LoRASpec
+from jaxflow.nn.config import LORA_GEMMS, ModelOptions
+from jaxflow.nn.lora import LoRASpec
 from jaxflow.trainer.sharding import ShardingConfig
 from jaxflow.trainer.step_config import TrainConfig
 from jaxflow_bridge.contract.schedule import CFG_FORWARDS
@@ -62,7 +62,7 @@ def model_folder(cfg: ConfigDict) -> Path:
     try:
         return families.of(cfg).folder(cfg)
     except OSError as exc:
-        from jaxflow_bridge.random_models.tiny import CacheUnwritable  # imported by the tiny folders that raise it
+        from jaxflow_bridge.rollout.model_cache import CacheUnwritable  # imported by the tiny folders that raise it
         if isinstance(exc, CacheUnwritable):
             raise UserError(str(exc)) from None
         raise

@@ -27,3 +27,8 @@ def of(cfg) -> Family:
 def of_model(model) -> Family:
     """The family whose model `model` is."""
     return next(f for f in _FAMILIES.values() if f.owns(model))
+
+
+def of_lora_spec(spec) -> Family:
+    """The family whose LoRA spec `spec` is."""
+    return next(f for f in _FAMILIES.values() if isinstance(spec, f.lora_spec_type))

@@ -8,9 +8,8 @@ from pathlib import Path
 from typing import Iterator, Protocol
 
 from jaxflow.algorithms.objective import Objective
-from jaxflow.models.lora import LoRASpec
-
-DEPLOYS = ("single_stage", "two_stage")  # rollout.bagel_deploy: vLLM-Omni's BAGEL topologies
+from jaxflow.nn.lora import LoRASpec
+from jaxflow.nn.weights import TensorSource
 
 Problem = tuple[str, str]  # (config key, message) of a setting the family refuses
 
@@ -31,6 +30,7 @@ class Family(Protocol):
     stages: tuple[str, ...]  # the rollout.bagel_deploy values its vllm_omni rollout runs
     thinks: bool  # has a think mode (sample.think)
     fused_gemm: bool  # its layers call the fused LoRA GEMM (model.lora_gemm='pallas'; the plan resolves 'auto')
+    lora_spec_type: type[LoRASpec]  # its LoRA spec's class
 
     def folder(self, cfg) -> Path: ...
     def check_folder(self, folder: Path) -> None: ...
@@ -38,6 +38,7 @@ class Family(Protocol):
     def size_multiple(self, cfg) -> int: ...
     def grid_hw(self, folder: Path, cfg) -> tuple[int, int]: ...
     def lora_spec(self, cfg) -> LoRASpec: ...
+    def weights_source(self, folder: Path) -> tuple[TensorSource, int]: ...
     def num_layers(self, folder: Path) -> int: ...
     def build_model(self, cfg, folder: Path, spec, opts, **kw): ...
     def owns(self, model) -> bool: ...
@@ -63,9 +64,12 @@ def read_json(path: Path) -> dict:
 
 def option_problems(cfg, family: Family) -> Iterator[Problem]:
     """vLLM-Omni's two-stage deployment and think mode against what `family` runs (after its own `problems`)."""
+    from jaxflow import families  # the registry imports this module
+
+    deploys = tuple(dict.fromkeys(s for name in families.FAMILIES for s in families.by_name(name).stages))
     deploy = cfg.rollout.bagel_deploy
-    if deploy not in DEPLOYS:
-        yield "rollout.bagel_deploy", f"{deploy!r}; choose one of {DEPLOYS}"
+    if deploy not in deploys:
+        yield "rollout.bagel_deploy", f"{deploy!r}; choose one of {deploys}"
     if deploy != "single_stage" and (deploy not in family.stages or cfg.rollout.engine != "vllm_omni"):
         yield "rollout.bagel_deploy", (f"{deploy!r} is vLLM-Omni's BAGEL topology; with model.family={family.name!r} "
                                        f"and rollout.engine={cfg.rollout.engine!r} leave it 'single_stage'")

@@ -34,10 +34,11 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxflow.models.config import ModelOptions
-from jaxflow.models.loading import load_transformer, save_transformer
+from jaxflow.nn.config import ModelOptions
+from jaxflow.families.qwen_image.loading import load_transformer, save_transformer
 from jaxflow.trainer.sharding import Layout, ShardingConfig
-from jaxflow_bridge.contract.schedule import calculate_shift, pixels_per_token
+from jaxflow_bridge.contract.schedule import calculate_shift
+from jaxflow_bridge.families.qwen_image.spec import pixels_per_token
 from jaxflow_bridge.mini_ocr.render import HEIGHT, WIDTH
 
 

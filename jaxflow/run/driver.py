@@ -22,6 +22,7 @@ from jaxflow.algorithms.advantages import compute_advantages
 from jaxflow.sync.transport import LoRASync, choose_transport
 from jaxflow.run.metrics_log import image_grid
 from jaxflow.trainer.minibatches import compact_zero_advantage, order_minibatches
+from jaxflow.nn.lora import lora_to_peft
 from jaxflow.run.rollout_client import LocalTransport, RayTransport, RolloutGroup, init_ray
 from jaxflow.trainer.train_batch import TrainBatch
 from jaxflow_bridge.contract.trajectory import TextLengthError, TrajectoryBatch

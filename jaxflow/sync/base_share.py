@@ -12,8 +12,8 @@ from __future__ import annotations
 from flax import nnx
 
 from jaxflow.sync.lora_sync import jax_to_torch
-from jaxflow.models.loading import state_leaf
-from jaxflow_bridge.contract import keymap
+from jaxflow.nn.weights import state_leaf
+from jaxflow_bridge.families.qwen_image import keymap
 
 
 def torch_base_weights(model) -> dict:

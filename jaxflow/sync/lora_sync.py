@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflow.models.lora import LoRASpec, peft_stacks
+from jaxflow.nn.lora import LoRASpec, peft_stacks
 from jaxflow_bridge.contract.lora_shm import SharedAdapterFile
 
 _PLATFORMS = {"cpu": "cpu", "cuda": "gpu"}

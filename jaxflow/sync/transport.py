@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import socket
 
-from jaxflow.models.lora import LoRASpec, lora_to_peft
+from jaxflow.nn.lora import LoRASpec, lora_to_peft
 from jaxflow.sync.lora_sync import SharedLoRA, device_peft_tensors, device_target
 from jaxflow.trainer import phases
 

@@ -25,7 +25,7 @@ from jaxflow.trainer.checkpoint import Checkpointer
 from jaxflow.trainer.divergence import check_finite
 from jaxflow.trainer.minibatches import RowLayout
 from jaxflow import families
-from jaxflow.models.lora_gemm import on_hopper
+from jaxflow.nn.lora_gemm import on_hopper
 from jaxflow.trainer.sharding import Layout
 from jaxflow.trainer.train_batch import TrainBatch
 from jaxflow.trainer.train_step import make_train_step

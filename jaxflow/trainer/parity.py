@@ -8,23 +8,19 @@ step_index, the stored latents, text embeds and masks, true CFG when guidance > 
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import jax
 import numpy as np
 from flax import nnx
 
-from jaxflow.models.config import QwenImageConfig
-from jaxflow.models.loading import TensorSource
-from jaxflow.models.lora import LoRAParam, LoRASpec
+from jaxflow.nn.lora import LoRAParam, LoRASpec
 from jaxflow import families
 from jaxflow.trainer.minibatches import RowLayout
 from jaxflow.trainer.step_config import TrainConfig
 from jaxflow.trainer.train_batch import TrainBatch
 from jaxflow.algorithms.flowgrpo_step import accumulate_gradients
 from jaxflow.trainer.train_step import prepare_batch
-from jaxflow_bridge.contract import bagel_keymap, keymap
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 
 
@@ -52,20 +48,14 @@ def recompute(model: nnx.Module, batch: TrajectoryBatch, *, grid_hw: tuple[int, 
 
 def random_adapter(folder: str | Path, spec: LoRASpec, seed: int, scale: float = 0.05,
                    round_to=None) -> dict[str, np.ndarray]:
-    """A random, non-zero PEFT adapter for a diffusers `transformer/` folder or a BAGEL folder (llm_config.json;
-    the generation expert's targets, BAGEL's names), shapes from the safetensors headers (touches no accelerator).
+    """A random, non-zero PEFT adapter on `spec`'s targets for a model folder of `spec`'s family (its
+    `weights_source`: e.g. a diffusers `transformer/` folder), shapes from the safetensors headers (touches no
+    accelerator).
     A has std 1/sqrt(in) and B std scale sqrt(r) / alpha, so each adapted layer adds about `scale` x the input's RMS
     to every output. `round_to` (e.g. ml_dtypes.bfloat16) rounds the values, so a low-precision engine holds
     exactly what JAX holds."""
-    folder = Path(folder)
-    if (folder / "llm_config.json").exists():
-        source = TensorSource.from_file(folder / "ema.safetensors")
-        layers = json.loads((folder / "llm_config.json").read_text())["num_hidden_layers"]
-        entries = bagel_keymap.lora_key_map(spec.targets)
-    else:
-        source = TensorSource.from_folder(folder)
-        layers = QwenImageConfig.from_json(folder / "config.json").num_layers
-        entries = keymap.lora_key_map(spec.targets)
+    source, layers = families.of_lora_spec(spec).weights_source(Path(folder))
+    entries = spec.key_map()
     keys = sorted(k for e in entries for k in e.diffusers_keys(layers))
     rng = np.random.default_rng(seed)
     out = {}

@@ -147,7 +147,7 @@ class Layout:
         return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
     def sharding_fn(self, path: tuple[str, ...], logical_axes, shape) -> NamedSharding:
-        """For `jaxflow.models.loading.build_from_source(..., sharding=layout.sharding_fn)`."""
+        """For a family's loader, e.g. `build_from_source(..., sharding=layout.sharding_fn)`."""
         del path
         return self.sharding(logical_axes, shape)
 

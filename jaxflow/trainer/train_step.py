@@ -41,7 +41,7 @@ from flax import nnx
 from jaxflow import families
 from jaxflow.trainer import minibatches, phases
 from jaxflow.algorithms.old_log_prob import old_log_probs
-from jaxflow.models.lora import LoRAParam
+from jaxflow.nn.lora import LoRAParam
 from jaxflow.algorithms.objective import WINDOW, Objective
 from jaxflow.trainer.sharding import Layout
 from jaxflow.trainer.step_config import TrainConfig, TrainState

@@ -4,7 +4,7 @@ vLLM-Omni names.
 Numpy only (no JAX, no torch): the trainer and the rollout both import it; safetensors files go through
 `jaxflow_bridge.contract.safetensors_io`. PEFT keys are `transformer_blocks.N.<target>.lora_A.weight` (r, in) and
 `lora_B.weight` (out, r), an optional `transformer.` prefix (diffusers' pipeline namespace) accepted on input.
-(The trainer's Flax LoRA state <-> PEFT arrays conversion is `jaxflow.models.lora`.)
+(The trainer's Flax LoRA state <-> PEFT arrays conversion is `jaxflow.nn.lora`.)
 
 vLLM-Omni 0.20 (verified in its source, see `to_vllm_omni`): its LoRA loader wants `attn.to_out` where PEFT
 says `attn.to_out.0`, in the tensor names and in adapter_config's target_modules; q/k/v and add_q/k/v stay per
@@ -32,7 +32,7 @@ _UNSUPPORTED = ("use_dora", "rank_pattern", "alpha_pattern", "lora_bias", "modul
                 "target_parameters", "layer_replication")
 # PEFT LoRA key: `[transformer.]<module>.lora_A.weight` / `.lora_B.weight`
 LORA_KEY = re.compile(r"(?:transformer\.)?(?P<module>.+)\.lora_(?P<part>[AB])\.weight")
-# vLLM-Omni's fused Qwen-Image transformer: module renames its LoRA loader needs (diffusers -> vLLM-Omni).
+# vLLM-Omni's fused diffusion transformer: module renames its LoRA loader needs (diffusers -> vLLM-Omni).
 VLLM_OMNI_RENAMES = {"to_out.0": "to_out"}
 
 

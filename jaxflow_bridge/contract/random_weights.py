@@ -9,8 +9,8 @@ Spec, per diffusers key `name` with torch shape `shape`:
 - otherwise, for C-order element index i: x = (i * GOLDEN + key_id(seed, name)) mod 2^32, then murmur3's fmix32;
   w = float32((x >> 8) - 2^23) * scale(shape), scale = float32(1 / sqrt(prod(shape[1:])) / 2^23): uniform in
   [-1, 1) / sqrt(fan_in) like torch's default Linear init; then cast (round to nearest even) to the model dtype.
-This module holds the constants and the numpy reference; `jaxflow_bridge/rollout/random_init.py` (torch) and
-`jaxflow/models/random_init.py` (JAX) implement the same and are tested against it.
+This module holds the constants and the numpy reference; `jaxflow_bridge/rollout/random_weights.py` (torch) and
+`jaxflow/nn/random_init.py` (JAX) implement the same and are tested against it.
 """
 from __future__ import annotations
 

@@ -13,24 +13,6 @@ import numpy as np
 # trainer's config names it `rollout.cfg_forward`): one forward with the texts padded to one length, or one each.
 CFG_FORWARDS = ("batched", "split")
 
-# scheduler/scheduler_config.json of the Hugging Face model Qwen/Qwen-Image (docs/numerics.md §1).
-QWEN_IMAGE_SCHEDULER_CONFIG = {
-    "num_train_timesteps": 1000,
-    "shift": 1.0,
-    "use_dynamic_shifting": True,
-    "base_shift": 0.5,
-    "max_shift": 0.9,
-    "base_image_seq_len": 256,
-    "max_image_seq_len": 8192,
-    "shift_terminal": 0.02,
-    "time_shift_type": "exponential",
-    "invert_sigmas": False,
-    "stochastic_sampling": False,
-    "use_karras_sigmas": False,
-    "use_exponential_sigmas": False,
-    "use_beta_sigmas": False,
-}
-
 # FlowMatchEulerDiscreteScheduler's constructor defaults, for keys a config leaves out.
 _SCHEDULER_DEFAULTS = {
     "shift": 1.0,
@@ -46,12 +28,6 @@ _UNSUPPORTED_FLAGS = ("invert_sigmas", "use_karras_sigmas", "use_exponential_sig
 
 
 # ---------------------------------------------------------------------------------------------- schedule
-
-
-def pixels_per_token(vae_config: dict) -> int:
-    """Pixels a packed Qwen-Image latent token spans per side: the VAE's 2 ** len(temperal_downsample) (its
-    config.json's spelling) times the 2 x 2 patch packing; 16 for Qwen-Image's. Image sides must be multiples of it."""
-    return 2 * 2 ** len(vae_config["temperal_downsample"])
 
 
 def calculate_shift(image_seq_len, base_seq_len, max_seq_len, base_shift, max_shift) -> float:

@@ -3,8 +3,8 @@
 Numpy only: importing this module pulls in neither JAX nor torch. A `TrajectoryBatch` holds samples on a
 leading axis, the text right-padded (embeds or token ids with zeros, masks with False) to one length: the request's
 longest prompt, or the train step's `text_tokens` where its producer pads it (`TrajectoryBatch.padded`), once, so that
-`concat` joins batches of one text length and never pads. The text is either text-encoder embeds (Qwen-Image) or the
-context's token ids (BAGEL), never both. Its fields are the schema's (`jaxflow_bridge.contract.batch`). It validates
+`concat` joins batches of one text length and never pads. The text is either text-encoder embeds or the
+context's token ids (a family whose model prefills its context), never both. Its fields are the schema's (`jaxflow_bridge.contract.batch`). It validates
 shapes and dtypes on construction and raises ValueError naming the field, the expected and the actual value; that runs
 once where a trajectory crosses into a process (`from_dict`, the vLLM-Omni codec): a producer's own arrays and
 `concat`'s join of validated batches are `assembled`, not checked again.
@@ -52,7 +52,8 @@ def _check_sigmas(sigmas) -> int:
 
 
 def _check_seq_len(seq: int, height: int, width: int) -> None:
-    """S must be (H/p)(W/p) for an integer patch p dividing H and W (p = 2 x the VAE factor, 16 for Qwen-Image)."""
+    """S must be (H/p)(W/p) for an integer patch p dividing H and W (p = 2 x the VAE factor, 16 for the released
+    VAEs)."""
     patch = math.isqrt(height * width // seq) if seq > 0 and (height * width) % seq == 0 else 0
     if patch == 0 or patch * patch * seq != height * width or height % patch or width % patch:
         raise ValueError(
@@ -73,7 +74,7 @@ def _check_ids(prefix: str, ids, mask, lead: Dims) -> None:
 
 
 def text_kind(rec) -> str:
-    """"ids" if `rec` carries the context's token ids (BAGEL), "embeds" if text-encoder embeds (Qwen-Image);
+    """"ids" if `rec` carries the context's token ids, "embeds" if text-encoder embeds;
     ValueError if both or neither."""
     embeds, ids = getattr(rec, "prompt_embeds", None), getattr(rec, "prompt_ids", None)
     if (embeds is None) == (ids is None):
@@ -180,9 +181,9 @@ class TrajectoryBatch:
 
     images (B, H, W, 3); latents (B, W+1, S, C); log_probs (B, W); sigmas (N+1,) shared by all samples;
     step_index (B, W) (windows may differ per sample); the text, one kind per batch: prompt_embeds (B, L, D) bf16 or
-    float32 (Qwen-Image) or prompt_ids (B, L) int32 (BAGEL's context token ids), and prompt_mask (B, L);
+    float32 (encoder embeds) or prompt_ids (B, L) int32 (the context's token ids), and prompt_mask (B, L);
     negative_prompt_embeds (B, L', D) or negative_prompt_ids (B, L') with negative_prompt_mask (B, L'), or None
-    (no CFG; L' = 0: BAGEL's empty unconditional context); prompts (B strings);
+    (no CFG; L' = 0: an empty unconditional context); prompts (B strings);
     group_ids, seeds, policy_versions (B,) int64; final_latents (B, S, C), the samples' last latents (sigma 0),
     or None (SamplingParams.keep_final; DiffusionNFT trains on them).
     """
@@ -223,7 +224,7 @@ class TrajectoryBatch:
 
     @property
     def text_kind(self) -> str:
-        """"embeds" (prompt_embeds, Qwen-Image) or "ids" (prompt_ids, BAGEL)."""
+        """"embeds" (prompt_embeds) or "ids" (prompt_ids)."""
         return text_kind(self)
 
     @property

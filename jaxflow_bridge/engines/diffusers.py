@@ -1,7 +1,9 @@
-"""The embedded rollout engine: `RolloutPipeline` on diffusers components, on CPU or one GPU.
+"""The embedded rollout engine: a family's `RolloutPipeline` on diffusers components, on CPU or one GPU.
 
-Config keys: `engine` ("diffusers"), `model` (a local diffusers Qwen-Image folder, or "tiny" for the cached
-tiny random pipeline), `dtype` ("bfloat16" default, or "float32"), `device` (default: cuda if available),
+Config keys: `engine` ("diffusers"), `model` (a local diffusers folder of a family this engine serves: its
+`spec.ENGINES` names "diffusers" and its torch folder holds `diffusers_pipeline.py`; or that family's tiny model's
+name, e.g. "tiny", for the cached tiny random pipeline), `dtype` ("bfloat16" default, or "float32"), `device`
+(default: cuda if available),
 `random_seed` (optional: ignore the folder's transformer weights and draw them from this seed on the device,
 `jaxflow_bridge/contract/random_weights.py`; the trainer with `model.init=random` draws the same), `compile` (optional: compile the
 transformer's repeated block once with torch.compile, dynamic shapes; inductor fuses the eager elementwise kernels),
@@ -14,15 +16,25 @@ Everything crossing the engine boundary is numpy or plain Python, but the shared
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+from jaxflow_bridge.engines import families
 from jaxflow_bridge.rollout.engine import RolloutEngine
-from jaxflow_bridge.rollout.pipeline import RolloutPipeline
-from jaxflow_bridge.rollout.sampling import (
-    SamplingLoop,
-    SamplingParams,
-    cfg_forward_choice,
-)
+from jaxflow_bridge.rollout.sampling import SamplingLoop, SamplingParams, cfg_forward_choice
+
+
+def family_pipelines(model: str):
+    """(its family's diffusers_pipeline module, its folder) for `model`, a folder or a family's tiny model name
+    (the cached tiny folder); ValueError in one line for a folder of no family this engine serves."""
+    specs = [families.spec(name) for name in families.FAMILIES]
+    specs = [s for s in specs if "diffusers" in s.ENGINES]
+    for spec in specs:
+        if model == spec.TINY or spec.is_folder(Path(model)):
+            pipelines = families.module(spec.NAME, "diffusers_pipeline")
+            return pipelines, pipelines.tiny_folder() if model == spec.TINY else model
+    raise ValueError(f"diffusers engine: {model} is not {' nor '.join(s.FOLDER for s in specs)}")
 
 
 class DiffusersEngine(RolloutEngine):
@@ -35,19 +47,14 @@ class DiffusersEngine(RolloutEngine):
     def __init__(self, config: dict):
         self.check_config(config)
         cfg_forward = cfg_forward_choice(config.get("cfg_forward", SamplingLoop.cfg_forward))
-        model = config["model"]
-        if model == "tiny":
-            from jaxflow_bridge.random_models.tiny import tiny_pipeline_path
-
-            model = tiny_pipeline_path()
+        pipelines, model = family_pipelines(config["model"])
         base = config.get("base_weights", "own")
         if base not in ("own", "shared") or (base == "shared" and config.get("random_seed") is not None):
             raise ValueError(f"base_weights: {base!r}; choose 'own' or 'shared' (without random_seed: the shared "
                              "weights are the trainer's)")
-        self.pipeline = RolloutPipeline.from_pretrained(model, config.get("dtype", "bfloat16"), config.get("device"),
-                                                        random_seed=config.get("random_seed"),
-                                                        shared_base=base == "shared",
-                                                        lora_apply=config.get("lora_apply", "layers"))
+        self.pipeline = pipelines.RolloutPipeline.from_pretrained(
+            model, config.get("dtype", "bfloat16"), config.get("device"), random_seed=config.get("random_seed"),
+            shared_base=base == "shared", lora_apply=config.get("lora_apply", "layers"))
         self.shared_base = base == "shared"
         self.pipeline.cfg_forward = cfg_forward
         self.device = self.pipeline.device

@@ -1,8 +1,9 @@
 """The mini model's diffusers folder and what the JAX pretraining reads from it.
 
-The folder is the tiny offline pipeline (`jaxflow_bridge/random_models/tiny.py`: tokenizer, text encoder, scheduler)
+The folder is the tiny offline pipeline (`jaxflow_bridge/families/qwen_image/tiny.py`: tokenizer, text encoder,
+scheduler)
 with the trained VAE and a fresh transformer of a `SIZES` config in place of its own; the pretraining then overwrites
-`transformer/` with its weights (`jaxflow/models/loading.py: save_transformer`).
+`transformer/` with its weights (`jaxflow/families/qwen_image/loading.py: save_transformer`).
 Text embeddings come from the folder through `RolloutPipeline.encode`, the rollout's own text path.
 """
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxflow_bridge.random_models.tiny import TINY_TRANSFORMER_CONFIG, build_pipeline, save_folder
+from jaxflow_bridge.families.qwen_image.tiny import TINY_TRANSFORMER_CONFIG, build_pipeline, save_folder
 
 # "mini": the proof's model (8 blocks of width 384, about 45M params); "toy": CPU smoke tests.
 SIZES = {

@@ -74,7 +74,7 @@ def step_vae(out: Path, steps: int, batch: int, size: str, device: str, max_minu
 
 
 def step_encode(out: Path, device: str) -> dict:
-    from jaxflow_bridge.rollout.pipeline import RolloutPipeline
+    from jaxflow_bridge.families.qwen_image.diffusers_pipeline import RolloutPipeline
 
     pipe = RolloutPipeline.from_pretrained(out / "pipeline", "float32", device)
     train, _ = _words(out)

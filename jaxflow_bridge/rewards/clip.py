@@ -3,7 +3,7 @@
 Each loads a user's local checkpoint folders (nothing is downloaded) and scores uint8 (B, H, W, 3) images with their
 prompts in batches of `batch_size`, in `dtype` on `device`; a sample's score depends on that sample alone.
 
-- `PickScore` (Kirstain et al. 2023; flow_grpo's `PickScoreScorer`, the reward of its Qwen-Image recipe):
+- `PickScore` (Kirstain et al. 2023; flow_grpo's `PickScoreScorer`, a reward of its recipes):
   `logit_scale.exp() * cos(image embedding, text embedding) / 26`, i.e. roughly in [0, 1]. `path`: the PickScore_v1
   folder (a `CLIPModel`); `processor_path`: the folder of its processor (CLIP-ViT-H-14-laion2B's
   `preprocessor_config.json` and tokenizer files), by default `path`.

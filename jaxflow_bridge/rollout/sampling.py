@@ -48,7 +48,7 @@ def params_from_dict(cls, d: dict | None, what: str, tuple_fields: tuple[str, ..
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """Per-request knobs; names follow vllm-omni / verl-omni. Defaults: flow_grpo's Qwen-Image recipe."""
+    """Per-request knobs; names follow vllm-omni / verl-omni. Defaults: flow_grpo's recipe (the real one)."""
 
     height: int = 512
     width: int = 512
@@ -171,7 +171,8 @@ def _right_pad(t: torch.Tensor, length: int) -> torch.Tensor:
 
 
 class SamplingLoop:
-    """Qwen-Image sampling with trajectories. Subclasses provide the components and their settings: tokenizer,
+    """Sampling with trajectories for a family whose text is encoder embeds (true CFG). Subclasses provide the
+    components and their settings: tokenizer,
     text_encoder, vae, transformer, template, drop, vae_scale_factor, scheduler_config, device, dtype,
     fp32_timestep (an `Fp32Timestep` on the transformer) and policy_version; `cfg_forward` (one of CFG_FORWARDS)
     may be set per instance."""
@@ -180,7 +181,7 @@ class SamplingLoop:
 
     @property
     def size_multiple(self) -> int:
-        """Height and width must be multiples of this: 2 x the VAE factor (16 for Qwen-Image)."""
+        """Height and width must be multiples of this: 2 x the VAE factor (16 for the released VAE)."""
         return 2 * self.vae_scale_factor
 
     # ------------------------------------------------------------------------------------------ validation

@@ -20,7 +20,7 @@ from jaxflow_bridge.rollout.engine import RolloutEngine
 ENGINES: dict[str, str] = {
     "diffusers": "jaxflow_bridge.engines.diffusers:DiffusersEngine",
     "vllm_omni": "jaxflow_bridge.engines.vllm_omni.engine:VllmOmniEngine",
-    "bagel_torch": "jaxflow_bridge.engines.bagel_torch:BagelTorchEngine",
+    "bagel_torch": "jaxflow_bridge.families.bagel.engine:BagelTorchEngine",
 }
 
 

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflow.models.embeddings import TIMESTEP_FREQS, inv_freq
+from jaxflow.nn.embeddings import TIMESTEP_FREQS, inv_freq
 
 
 def rope_tables(num_positions: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:

@@ -14,43 +14,39 @@ from jaxflow.families.bagel import lora as bagel_lora
 from jaxflow.families.bagel.loading import folder_config, load_bagel, random_bagel
 from jaxflow.families.bagel.model import BagelModel
 from jaxflow.families.bagel.objective import OBJECTIVE
-from jaxflow.families.base import DEPLOYS, Problem, read_json
-from jaxflow.models.loading import entries_fingerprint
-from jaxflow.models.lora import LoRASpec
-from jaxflow_bridge.contract import bagel_keymap
+from jaxflow.families.base import Problem, read_json
+from jaxflow.nn.weights import TensorSource, entries_fingerprint
+from jaxflow.nn.lora import LoRASpec
+from jaxflow_bridge.families.bagel import keymap as bagel_keymap
+from jaxflow_bridge.families.bagel import spec
 
 
 class Bagel:
-    name = "bagel"
-    engine_runs = {"bagel_torch": ("float32", "cpu"), "vllm_omni": ("bfloat16", "cuda")}  # (rollout dtype, device)
-    engines = tuple(engine_runs)
+    name = spec.NAME
+    engines = spec.ENGINES
+    engine_runs = dict(zip(engines, (("float32", "cpu"), ("bfloat16", "cuda"))))  # (rollout dtype, device)
     merges_lora = False  # vllm_omni serves BAGEL's adapter through vLLM-Omni's LoRA layers only
-    tiny = "tiny_bagel"
+    tiny = spec.TINY
     tiny_config = "configs/tiny_bagel_ocr.py (the tiny offline BAGEL)"
     example = "/path/to/BAGEL-7B-MoT"
     files = ("llm_config.json", "config.json", "tokenizer.json")
     weights = ("ema.safetensors",)  # read with model.init='checkpoint' only
     one_device = True  # jaxflow.config.validation.check_layout
-    stages = DEPLOYS
+    stages = spec.DEPLOYS
     thinks = True
     fused_gemm = False  # its layers run XLA's linears (model.lora_gemm 'auto' or 'xla')
 
     def folder(self, cfg) -> Path:
         if cfg.model.path == self.tiny:
-            from jaxflow_bridge.random_models.tiny_bagel import tiny_bagel_path
+            from jaxflow_bridge.families.bagel.tiny import tiny_bagel_path
             return tiny_bagel_path()
         return Path(cfg.model.path)
 
     def _top(self, cfg) -> dict:
         if cfg.model.path == self.tiny:
-            from jaxflow_bridge.random_models.tiny_bagel import top_config
+            from jaxflow_bridge.families.bagel.tiny import top_config
             return top_config()
         return json.loads((Path(cfg.model.path) / "config.json").read_text())
-
-    @staticmethod
-    def _per_token(top: dict) -> int:
-        """Pixels per latent token (a side): the VAE's downsampling x latent_patch_size (16 for BAGEL)."""
-        return top["vae_config"]["downsample"] * top["latent_patch_size"]
 
     def check_folder(self, folder: Path) -> None:
         """ValueError naming the folder's file when llm_config.json, config.json or tokenizer.json does not read
@@ -81,18 +77,25 @@ class Bagel:
                 yield key, f"{value!r}: BAGEL runs with {want} for now (docs/bagel.md §7)"
 
     def size_multiple(self, cfg) -> int:
-        return self._per_token(self._top(cfg))
+        return spec.pixels_per_token(self._top(cfg))
 
     def grid_hw(self, folder: Path, cfg) -> tuple[int, int]:
         """Latent tokens per side; each side at most config.json's max_latent_size (the position table's)."""
         top = json.loads((folder / "config.json").read_text())
-        m = self._per_token(top)
+        m = spec.pixels_per_token(top)
         grid = cfg.sample.height // m, cfg.sample.width // m
         if max(grid) > top["max_latent_size"]:
             raise ValueError(f"config.sample.height/width: {cfg.sample.height}x{cfg.sample.width} is {grid} latent "
                              f"tokens; this BAGEL holds at most {top['max_latent_size']} a side "
                              f"({top['max_latent_size'] * m} pixels)")
         return grid
+
+    lora_spec_type = bagel_lora.BagelLoRASpec
+
+    def weights_source(self, folder: Path) -> tuple[TensorSource, int]:
+        """ema.safetensors' tensors and the LLM's layer count (llm_config.json)."""
+        layers = json.loads((folder / "llm_config.json").read_text())["num_hidden_layers"]
+        return TensorSource.from_file(folder / "ema.safetensors"), layers
 
     def lora_spec(self, cfg) -> LoRASpec:
         return bagel_lora.BagelLoRASpec(rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=tuple(cfg.lora.targets))

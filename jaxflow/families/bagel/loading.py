@@ -12,11 +12,12 @@ from flax import nnx
 
 from jaxflow.families.bagel.config import BagelConfig
 from jaxflow.families.bagel.model import BagelModel
-from jaxflow.models.config import ModelOptions
-from jaxflow.models.lora import LoRAParam, LoRASpec
-from jaxflow.models.loading import state_leaf
-from jaxflow.models.random_init import entry_value
-from jaxflow_bridge.contract import bagel_keymap, safetensors_io
+from jaxflow.nn.config import ModelOptions
+from jaxflow.nn.lora import LoRAParam, LoRASpec
+from jaxflow.nn.random_init import entry_value
+from jaxflow.nn.weights import state_leaf
+from jaxflow_bridge.contract import safetensors_io
+from jaxflow_bridge.families.bagel import keymap as bagel_keymap
 
 
 def init_lora(cfg: BagelConfig, opts: ModelOptions, lora: LoRASpec, seed: int = 0) -> nnx.State:

@@ -1,6 +1,6 @@
 """LoRA on BAGEL's generation expert (docs/bagel.md §5): the spec naming BAGEL's targets and PEFT keys
-(jaxflow_bridge.contract.bagel_keymap), and the PEFT state dict of a model's adapters. The adapters themselves are
-models/layers.Linear's, and the conversion is models/lora.py's (it reads the names through the spec)."""
+(jaxflow_bridge.families.bagel.keymap), and the PEFT state dict of a model's adapters. The adapters themselves are
+models/layers.Linear's, and the conversion is jaxflow/nn/lora.py's (it reads the names through the spec)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
-from jaxflow.models.lora import LoRASpec, lora_to_peft, peft_to_lora
-from jaxflow_bridge.contract import bagel_keymap
+from jaxflow.nn.lora import LoRASpec, lora_to_peft, peft_to_lora
+from jaxflow_bridge.families.bagel import keymap as bagel_keymap
 from jaxflow_bridge.contract import lora as peft_folder
-from jaxflow_bridge.contract.keymap import Entry
+from jaxflow_bridge.contract.weight_keys import Entry
 
 
 @dataclasses.dataclass(frozen=True)

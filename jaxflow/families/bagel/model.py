@@ -7,14 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxflow.models.attention import resolve_implementation
+from jaxflow.nn.attention import resolve_implementation
 from jaxflow.families.bagel.config import BagelConfig
 from jaxflow.families.bagel.embeddings import latent_pos_table, latent_position_ids, rope_tables, timestep_embedding
 from jaxflow.families.bagel.lora import expert_targets
 from jaxflow.families.bagel.mot import Make, MoTLayer
-from jaxflow.models.config import ModelOptions
-from jaxflow.models.embeddings import TIMESTEP_CHANNELS
-from jaxflow.models.lora import LoRASpec
+from jaxflow.nn.config import ModelOptions
+from jaxflow.nn.embeddings import TIMESTEP_CHANNELS
+from jaxflow.nn.lora import LoRASpec
 
 KVCache = tuple[jax.Array, jax.Array]  # keys, values: (layers, B, L, kv_heads, head_dim) after q/k norm and RoPE
 

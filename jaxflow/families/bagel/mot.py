@@ -7,13 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxflow.models.attention import attention
+from jaxflow.nn.attention import attention
 from jaxflow.families.bagel.config import BagelConfig
 from jaxflow.families.bagel.embeddings import apply_rope
-from jaxflow.models.config import ModelOptions
+from jaxflow.nn.config import ModelOptions
 from jaxflow.families.bagel.lora import expert_targets
-from jaxflow.models.layers import Linear, RMSNorm
-from jaxflow.models.lora import LoRASpec
+from jaxflow.nn.layers import Linear, RMSNorm
+from jaxflow.nn.lora import LoRASpec
 
 
 class Make:

@@ -1,5 +1,6 @@
 """Qwen-Image (`model.family='qwen_image'`): a diffusers Qwen-Image folder (or "tiny"), engines diffusers and
-vllm_omni, text as embeds, true CFG; its transformer, key map and loading are `jaxflow/models/`."""
+vllm_omni, text as embeds, true CFG; its identity is `jaxflow_bridge/families/qwen_image/spec.py`, its transformer
+and loading are beside this module (shared layers: `jaxflow/nn/`)."""
 from __future__ import annotations
 
 import json
@@ -9,20 +10,22 @@ from typing import Iterator
 from jaxflow.algorithms import registry
 from jaxflow.algorithms.objective import WINDOW, Objective
 from jaxflow.families.base import Problem, read_json
-from jaxflow.models import lora as qwen_lora
-from jaxflow.models.config import QwenImageConfig
-from jaxflow.models.loading import fingerprint, load_transformer
-from jaxflow.models.lora import LoRASpec
-from jaxflow.models.random_init import random_transformer
-from jaxflow.models.transformer import QwenImageTransformer
-from jaxflow_bridge.contract.schedule import pixels_per_token
+from jaxflow.families.qwen_image.lora import QwenImageLoRASpec
+from jaxflow.nn import lora as lora_peft
+from jaxflow.families.qwen_image.config import QwenImageConfig
+from jaxflow.families.qwen_image.loading import fingerprint, load_transformer
+from jaxflow.nn.lora import LoRASpec
+from jaxflow.nn.weights import TensorSource
+from jaxflow.families.qwen_image.random_init import random_transformer
+from jaxflow.families.qwen_image.transformer import QwenImageTransformer
+from jaxflow_bridge.families.qwen_image import spec
 
 
 class QwenImage:
-    name = "qwen_image"
-    engines = ("diffusers", "vllm_omni")
+    name = spec.NAME
+    engines = spec.ENGINES
     merges_lora = True  # vllm_omni's rollout.lora_mode='auto' merges the adapter into the base weights
-    tiny = "tiny"
+    tiny = spec.TINY
     tiny_config = "configs/tiny_ocr.py (the embedded tiny offline model)"
     example = "/path/to/Qwen-Image (a diffusers folder)"
     files = ("model_index.json", "transformer/config.json")
@@ -34,7 +37,7 @@ class QwenImage:
 
     def folder(self, cfg) -> Path:
         if cfg.model.path == self.tiny:
-            from jaxflow_bridge.random_models.tiny import tiny_pipeline_path
+            from jaxflow_bridge.families.qwen_image.tiny import tiny_pipeline_path
             return tiny_pipeline_path(dtype=cfg.rollout.dtype)
         return Path(cfg.model.path)
 
@@ -59,7 +62,7 @@ class QwenImage:
     def size_multiple(self, cfg) -> int:
         """`pixels_per_token` of the VAE: the folder's vae/config.json or the tiny model's."""
         if cfg.model.path == self.tiny:
-            from jaxflow_bridge.random_models.tiny import TINY_VAE_CONFIG
+            from jaxflow_bridge.families.qwen_image.tiny import TINY_VAE_CONFIG
             vae = TINY_VAE_CONFIG
         else:
             path = Path(cfg.model.path) / "vae" / "config.json"
@@ -67,15 +70,21 @@ class QwenImage:
                 raise FileNotFoundError(f"{cfg.model.path} has no vae/config.json: it must be a diffusers Qwen-Image "
                                         "folder")
             vae = json.loads(path.read_text())
-        return pixels_per_token(vae)
+        return spec.pixels_per_token(vae)
 
     def grid_hw(self, folder: Path, cfg) -> tuple[int, int]:
         """Packed latent grid: a token spans `pixels_per_token` of the folder's VAE per side."""
-        factor = pixels_per_token(json.loads((folder / "vae" / "config.json").read_text()))
+        factor = spec.size_multiple(folder)
         return cfg.sample.height // factor, cfg.sample.width // factor
 
+    lora_spec_type = QwenImageLoRASpec
+
+    def weights_source(self, folder: Path) -> tuple[TensorSource, int]:
+        """A diffusers `transformer/` folder's tensors and its block count."""
+        return TensorSource.from_folder(folder), QwenImageConfig.from_json(folder / "config.json").num_layers
+
     def lora_spec(self, cfg) -> LoRASpec:
-        return LoRASpec(rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=tuple(cfg.lora.targets))
+        return QwenImageLoRASpec(rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=tuple(cfg.lora.targets))
 
     def num_layers(self, folder: Path) -> int:
         return QwenImageConfig.from_json(folder / "transformer" / "config.json").num_layers
@@ -104,7 +113,7 @@ class QwenImage:
         return dict(channels=model.cfg.in_channels, width=model.cfg.joint_attention_dim, text_ids=False)
 
     def save_peft(self, lora, spec, directory: Path) -> None:
-        qwen_lora.save_peft(lora, spec, directory)
+        lora_peft.save_peft(lora, spec, directory)
 
     def fingerprint(self, model) -> str:
         return fingerprint(model)

@@ -10,10 +10,10 @@ default: LoRA'd linears run `jaxflow_bridge/rollout/kernels/lora_linear.py`; "st
 comparison; "merged": the adapter merged into the base weights, `jaxflow_bridge/sync/merge.py`),
 `cfg_forward` ("batched" or "split": true CFG's rows in one forward or two, `jaxflow_bridge.rollout.sampling`),
 `qk_ops` ("compiled", the default: the attention's q/k norms and rotary in torch ops that torch.compile fuses,
-`jaxflow_bridge/rollout/kernels/qk_rope.py`; "vllm": vLLM-Omni's own kernels, for comparison), `fa_version` ("auto",
+`jaxflow_bridge/families/qwen_image/qk_rope.py`; "vllm": vLLM-Omni's own kernels, for comparison), `fa_version` ("auto",
 the default: FA3 on Hopper where vLLM-Omni would fall back to FA2, `jaxflow_bridge/engines/vllm_omni/fa_version.py`;
 "2": as vLLM-Omni chooses), `gelu` ("epilogue", the default: the MLP's in-projection and tanh GELU in one cuBLASLt GEMM
-where no LoRA layer wraps it, `jaxflow_bridge/rollout/kernels/linear_gelu.py`; "separate": vLLM-Omni's elementwise
+where no LoRA layer wraps it, `jaxflow_bridge/families/qwen_image/linear_gelu.py`; "separate": vLLM-Omni's elementwise
 kernel), `deploy` (BAGEL only: "single_stage", the default, or "two_stage"; `kinds.BAGEL_DEPLOY_FILES`).
 Same calls and results as the diffusers engine. BAGEL (docs/bagel.md §7 (d)): our FlowGRPOBagelPipeline in
 vLLM-Omni's single-stage deployment (`deploy_config`; or on the DiT stage of two, below), BagelSamplingParams, LoRA
@@ -22,7 +22,7 @@ and random_seed are refused.
 
 - generate: one engine request per prompt with `num_outputs_per_prompt=n` (one B=n forward, 2n with true CFG,
   per step), all submitted at once; knobs split into OmniDiffusionSamplingParams fields and `extra_args`
-  (`engines.vllm_omni.pipeline.encode_request`); results unpacked into one TrajectoryBatch, prompt-major.
+  (`families.qwen_image.vllm_omni_pipeline.encode_request`); results unpacked into one TrajectoryBatch, prompt-major.
 - update_lora: the adapter, renamed for vLLM-Omni (`jaxflow_bridge.contract.lora.to_vllm_omni`; BAGEL's checked on
   the generation expert first), is checked against the engine's LoRA-capable layers (the transformer's, BAGEL's
   `bagel`'s: names, packed slots, shapes) before the engine sees it, written as a PEFT folder under /dev/shm and
@@ -71,7 +71,7 @@ from jaxflow_bridge.sync.binding import check_lora_binding, slot_plan
 from jaxflow_bridge.rollout.sampling import check_prompts, per_sample_seeds
 from jaxflow_bridge.rollout.tensors import torch_to_numpy
 from jaxflow_bridge.engines.vllm_omni.kinds import model_kind
-from jaxflow_bridge.engines.vllm_omni.pipeline import WORKER_EXTENSION_CLASS, unpack_trajectories
+from jaxflow_bridge.families.qwen_image.vllm_omni_pipeline import WORKER_EXTENSION_CLASS, unpack_trajectories
 
 log = logging.getLogger(__name__)
 INSTALL_HINT = ("the 'vllm_omni' rollout engine needs vLLM-Omni 0.20 on a CUDA machine: `pip install jaxflow[omni]`, "

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jaxflow_bridge.contract.bagel_keymap import IGNORED_PREFIXES
+from jaxflow_bridge.families.bagel.keymap import IGNORED_PREFIXES
 
 TIMESTEP_CHANNELS = 256  # the DiT sinusoid's width: [cos | sin] of 128 frequencies
 

@@ -3,7 +3,7 @@
 vLLM-Omni 0.20's diffusion LoRA layers (`DiffusionBaseLinearLayerWithLoRA.apply`,
 vllm_omni/diffusion/lora/layers/base_linear.py) add each output slice's LoRA term out of place,
 `y[:, s] = y[:, s] + (x @ A_s.T) @ B_s.T`: a fused q/k/v layer reads its input three times and its output passes
-through memory five more times per slice. At Qwen-Image's r=64 on 12 targets that costs the rollout ~4 s of 27 s a
+through memory five more times per slice. At the real recipe's r=64 on 12 targets that costs the rollout ~4 s of 27 s a
 step of 32 images at 512^2 (BENCHMARKS.md). `lora_linear` computes the same sum as
 
     h = x @ [A_1; ...; A_n].T                      one shrink GEMM over all slices (the input read once)

@@ -2,6 +2,7 @@
 folders are written and read by `jaxflow_bridge.contract.lora`)."""
 from __future__ import annotations
 
+import abc
 import dataclasses
 import functools
 from pathlib import Path
@@ -11,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxflow_bridge.contract import keymap
 from jaxflow_bridge.contract import lora as peft_folder
+from jaxflow_bridge.contract.weight_keys import Entry
 
 
 class LoRAParam(nnx.Variable):
@@ -20,12 +21,13 @@ class LoRAParam(nnx.Variable):
 
 
 @dataclasses.dataclass(frozen=True)
-class LoRASpec:
-    """rank r, alpha (scaling alpha/r) and target module names (diffusers names inside a block)."""
+class LoRASpec(abc.ABC):
+    """rank r, alpha (scaling alpha/r) and target module names. Each family's subclass names its targets and PEFT
+    keys (its key map), so the PEFT conversions below serve any family."""
 
     rank: int = 64
     alpha: float = 128.0
-    targets: tuple[str, ...] = keymap.DEFAULT_LORA_TARGETS
+    targets: tuple[str, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "targets", tuple(self.targets))
@@ -36,13 +38,13 @@ class LoRASpec:
         for t in self.targets:
             self.target_path(t)
 
-    # The model family's target names and PEFT keys (Qwen-Image's here; a subclass such as
-    # families/bagel/lora.BagelLoRASpec names another model's), so the PEFT conversions below serve any family.
+    @abc.abstractmethod
     def target_path(self, target: str) -> tuple[str, ...]:
-        return keymap.lora_target_path(target)
+        """The Flax module path of target `target`; ValueError naming the known targets."""
 
-    def key_map(self) -> list[keymap.Entry]:
-        return keymap.lora_key_map(self.targets)
+    @abc.abstractmethod
+    def key_map(self) -> list[Entry]:
+        """The adapters' leaves and their PEFT keys."""
 
     def target_paths(self) -> set[tuple[str, ...]]:
         return {self.target_path(t) for t in self.targets}
@@ -128,13 +130,6 @@ def save_peft(model: nnx.Module | nnx.State, spec: LoRASpec, directory: str | Pa
     (`jaxflow_bridge.contract.lora.write_peft`); an adapter already in `directory` is replaced."""
     return peft_folder.write_peft(directory, lora_to_peft(model, spec), spec.peft_config(), diffusers=True,
                                   replace=True)
-
-
-def read_peft(directory: str | Path) -> tuple[LoRASpec, dict[str, np.ndarray]]:
-    """The spec and PEFT state dict (prefix dropped) of a PEFT folder."""
-    tensors, cfg = peft_folder.read_peft(directory)
-    spec = LoRASpec(rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]), targets=tuple(cfg["target_modules"]))
-    return spec, {k.removeprefix(peft_folder.PREFIX): v for k, v in tensors.items()}
 
 
 def merged_kernels(model: nnx.Module) -> dict[tuple[str, ...], np.ndarray]:

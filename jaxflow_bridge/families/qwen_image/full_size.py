@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from jaxflow_bridge.random_models.tiny import TINY_VAE_CONFIG, assemble
-from jaxflow_bridge.random_models.tiny import text_encoder as make_text_encoder
+from jaxflow_bridge.families.qwen_image.tiny import TINY_VAE_CONFIG, assemble
+from jaxflow_bridge.families.qwen_image.tiny import text_encoder as make_text_encoder
 
 # Qwen/Qwen-Image's vae/config.json (the latent statistics are the tiny VAE's, which copies them)
 VAE_CONFIG = dict(TINY_VAE_CONFIG, base_dim=96, dim_mult=[1, 2, 4, 4], num_res_blocks=2,

@@ -43,9 +43,9 @@ import numpy as np
 import torch
 
 from jaxflow_bridge.contract.safetensors_io import save_streamed
-from jaxflow_bridge.random_models import tiny
+from jaxflow_bridge.rollout.model_cache import check_dtype
 from jaxflow_bridge.rollout.tensors import torch_to_numpy
-from jaxflow_bridge.random_models.tiny_bagel import (DTYPES, SINCOS, Geometry, build_atomically, draw, sincos_table,
+from jaxflow_bridge.families.bagel.tiny import (DTYPES, SINCOS, Geometry, build_atomically, draw, sincos_table,
                                                tensor_shapes, write_folder)
 
 FULL_LLM = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
@@ -92,7 +92,7 @@ def write_ema(path: Path, geo: Geometry, seed: int, dtype: str, device) -> None:
 def build_bagel(out_dir, geo: Geometry = FULL, seed: int = 0, dtype: str = "bfloat16", device=None) -> Path:
     """Write a random BAGEL folder at ``geo`` to ``out_dir`` (absent or empty; via a temporary sibling and a rename),
     drawing on ``device`` (default: cuda when available, else cpu); every file of ``tiny_bagel.FILES``."""
-    tiny.check_dtype(dtype)
+    check_dtype(dtype)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     return build_atomically(out_dir, lambda tmp: write_folder(
         tmp, geo, seed, dtype, lambda path: write_ema(path, geo, seed, dtype, device)))

@@ -13,26 +13,22 @@ thinker marks an image to edit with ``<|fim_middle|>``), all in their real relat
 bytes. ``vocab_size`` is that count rounded up to 64 (384), instead of the real 152064, which keeps the text encoder
 at about 0.1M params.
 
-CLI: ``python -m jaxflow_bridge.random_models.tiny --out DIR [--seed 0] [--dtype float32]``.
+CLI: ``python -m jaxflow_bridge.families.qwen_image.tiny --out DIR [--seed 0] [--dtype float32]``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import re
-import shutil
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from tokenizers import Regex, pre_tokenizers
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
+from jaxflow_bridge.rollout.model_cache import DTYPES, cached_folder, check_dtype, folder_cli
+
 FORMAT_VERSION = 2  # 2: the fill-in-the-middle tokens
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 PROMPT_TEMPLATE = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
@@ -222,51 +218,10 @@ def build_pipeline(seed: int = 0, dtype: str = "float32", transformer_config: di
     return assemble(transformer, vae, encoder)
 
 
-def check_dtype(dtype: str) -> None:
-    """ValueError unless `dtype` is one of the tiny folders' dtypes."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-
-
 def build_tiny_pipeline(out_dir, seed: int = 0, dtype: str = "float32") -> Path:
     """Write the tiny pipeline folder to ``out_dir``; the same (seed, dtype) gives byte-identical files."""
     check_dtype(dtype)
     return save_folder(build_pipeline(seed, dtype), out_dir)
-
-
-class CacheUnwritable(OSError):
-    """The cache folder (``$JAXFLOW_CACHE`` or ``~/.cache/jaxflow``) cannot hold a new tiny folder; the message names
-    the variable, the path and the cause."""
-
-
-def cache_root() -> Path:
-    """``$JAXFLOW_CACHE``, or ``~/.cache/jaxflow``."""
-    return Path(os.environ.get("JAXFLOW_CACHE") or Path.home() / ".cache" / "jaxflow")
-
-
-def cached_folder(name: str, marker: str, build: Callable[[Path], object]) -> Path:
-    """``cache_root() / name``, built atomically on first use by ``build(temporary folder)`` and reused once it holds
-    ``marker``; a process that loses the race to another one takes the other's folder."""
-    root = cache_root()
-    final = root / name
-    if (final / marker).is_file():
-        return final
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
-    except OSError as exc:
-        raise CacheUnwritable(f"JAXFLOW_CACHE={root}: cannot build {name} there ({exc.strerror or exc}): set "
-                              f"JAXFLOW_CACHE to a writable folder") from exc
-    try:
-        build(tmp)
-        try:
-            os.replace(tmp, final)
-        except OSError:  # another process finished first
-            if not (final / marker).is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
 
 
 def tiny_pipeline_path(seed: int = 0, dtype: str = "float32") -> Path:
@@ -274,16 +229,6 @@ def tiny_pipeline_path(seed: int = 0, dtype: str = "float32") -> Path:
     check_dtype(dtype)
     return cached_folder(f"qwen_image_tiny-v{FORMAT_VERSION}-seed{seed}-{dtype}", "model_index.json",
                          lambda tmp: build_tiny_pipeline(tmp, seed, dtype))
-
-
-def folder_cli(doc: str, build: Callable[[str, int, str], Path], argv=None) -> None:
-    """A tiny folder builder's command line: ``--out DIR [--seed 0] [--dtype float32]``; prints the folder."""
-    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    args = parser.parse_args(argv)
-    print(build(args.out, args.seed, args.dtype))
 
 
 def main(argv=None) -> None:

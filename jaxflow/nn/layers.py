@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxflow.models.lora import LoRAParam, LoRASpec
-from jaxflow.models.lora_gemm import lora_linear
+from jaxflow.nn.lora import LoRAParam, LoRASpec
+from jaxflow.nn.lora_gemm import lora_linear
 
 Axes = tuple[str | None, ...]
 
@@ -34,7 +34,7 @@ class Linear(nnx.Module):
             self.lora_b = LoRAParam(jnp.zeros((lora.rank, dout), jnp.float32), logical_axes=(None, axes[1]))
 
     def __call__(self, x: jax.Array, lora_scale: jax.Array | float = 1.0, gemm: str | Callable = "xla") -> jax.Array:
-        """gemm="pallas" (ModelOptions.lora_gemm): an adapted layer runs as one fused kernel (models/lora_gemm.py),
+        """gemm="pallas" (ModelOptions.lora_gemm): an adapted layer runs as one fused kernel (jaxflow/nn/lora_gemm.py),
         every term in the compute dtype, rounded once; a callable: that fused matmul instead (the kernel with its
         rows split over devices, `lora_gemm.split_rows`); layers without an adapter are XLA's GEMM either way."""
         x = x.astype(self.dtype)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxflow_bridge.contract.keymap import Entry
 from jaxflow_bridge.contract.lora import LORA_KEY, refusal
+from jaxflow_bridge.contract.weight_keys import Entry
 
 LLM = "language_model.model."
 LAYERS, CHECKPOINT_LAYERS = "layers", LLM + "layers.{i}."

@@ -7,13 +7,14 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxflow.models.attention import attention, resolve_implementation
-from jaxflow.models.config import ModelOptions, QwenImageConfig
-from jaxflow.models.embeddings import TIMESTEP_CHANNELS, apply_rope, rope_angles, rope_tables, timestep_embedding
-from jaxflow.models.layers import Linear, RMSNorm, gelu_tanh, layer_norm
-from jaxflow.models.lora import LoRAParam, LoRASpec
-from jaxflow.models import lora_gemm
-from jaxflow.models.lora_gemm import check_available, check_partitioned, split_rows
+from jaxflow.nn.attention import attention, resolve_implementation
+from jaxflow.families.qwen_image.config import QwenImageConfig
+from jaxflow.nn.config import ModelOptions
+from jaxflow.nn.embeddings import TIMESTEP_CHANNELS, apply_rope, rope_angles, rope_tables, timestep_embedding
+from jaxflow.nn.layers import Linear, RMSNorm, gelu_tanh, layer_norm
+from jaxflow.nn.lora import LoRAParam, LoRASpec
+from jaxflow.nn import lora_gemm
+from jaxflow.nn.lora_gemm import check_available, check_partitioned, split_rows
 
 # The cuDNN attention's forward primitive: its outputs are the attention output and the softmax statistics.
 CUDNN_ATTENTION_FWD = "dot_product_attention_fwd_wrapper"

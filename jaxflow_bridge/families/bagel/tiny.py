@@ -15,7 +15,7 @@ connector, 3 autoencoder), drawing each component's tensors in ``components`` or
 ``dtype``. By role (``draw``): weights ~ N(0, 1/fan_in), biases ~ N(0, 0.1^2), norm weights 1 + N(0, 0.1^2),
 embedding tables ~ N(0, 1); the two position tables are BAGEL's fixed 2-D sin-cos. The global RNG is never touched.
 
-CLI: ``python -m jaxflow_bridge.random_models.tiny_bagel --out DIR [--seed 0] [--dtype float32]``.
+CLI: ``python -m jaxflow_bridge.families.bagel.tiny --out DIR [--seed 0] [--dtype float32]``.
 """
 from __future__ import annotations
 
@@ -31,12 +31,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from jaxflow_bridge.random_models import tiny
+from jaxflow_bridge.families.qwen_image import tiny
+from jaxflow_bridge.rollout.model_cache import DTYPES, cached_folder, check_dtype, folder_cli
 from jaxflow_bridge.families.bagel.vae import checkpoint_shapes
 
 FORMAT_VERSION = 4  # 2: max_latent_size 32 (vLLM-Omni's 512 x 512 warm-up); 3: the FIM tokens (tiny.py);
 # 4: visual_und true and max_position_embeddings 32768 (THINKER_TOKENS)
-DTYPES = tiny.DTYPES
 FILES = ("llm_config.json", "config.json", "vit_config.json", "ema.safetensors", "ae.safetensors", "tokenizer.json",
          "tokenizer_config.json", "vocab.json", "merges.txt", "preprocessor_config.json")
 TIMESTEP_CHANNELS = 256
@@ -184,7 +184,7 @@ def sincos_table(name: str, geo: Geometry = TINY) -> torch.Tensor:
 
 def weights(seed: int = 0, dtype: str = "float32", geo: Geometry = TINY) -> dict[str, torch.Tensor]:
     """Every tensor of ``ema.safetensors`` under BagelPipeline's names (see the module docstring for the seeds)."""
-    tiny.check_dtype(dtype)
+    check_dtype(dtype)
     sd = {}
     for k, part in enumerate(components(geo)):
         g = torch.Generator().manual_seed(seed + k)
@@ -196,7 +196,7 @@ def weights(seed: int = 0, dtype: str = "float32", geo: Geometry = TINY) -> dict
 
 def ae_weights(seed: int = 0, dtype: str = "float32") -> dict[str, torch.Tensor]:
     """Every tensor of ``ae.safetensors`` (FLUX's names), drawn by role from a generator seeded ``seed + 3``."""
-    tiny.check_dtype(dtype)
+    check_dtype(dtype)
     g = torch.Generator().manual_seed(seed + 3)
     return {name: draw(name, shape, lambda *s: torch.randn(*s, generator=g)).to(DTYPES[dtype]).contiguous()
             for name, shape in checkpoint_shapes().items()}
@@ -257,19 +257,19 @@ def build_atomically(out_dir, write: Callable[[Path], None]) -> Path:
 def build_tiny_bagel(out_dir, seed: int = 0, dtype: str = "float32") -> Path:
     """Write the tiny BAGEL folder to ``out_dir`` atomically (``build_atomically``). The same (seed, dtype) gives
     identical tensors."""
-    tiny.check_dtype(dtype)
+    check_dtype(dtype)
     return build_atomically(out_dir, lambda tmp: _write(tmp, seed, dtype))
 
 
 def tiny_bagel_path(seed: int = 0, dtype: str = "float32") -> Path:
-    """The cached tiny BAGEL folder under ``tiny.cache_root()``, built on first use and reused afterwards."""
-    tiny.check_dtype(dtype)
-    return tiny.cached_folder(f"bagel_tiny-v{FORMAT_VERSION}-seed{seed}-{dtype}", "ema.safetensors",
+    """The cached tiny BAGEL folder under ``model_cache.cache_root()``, built on first use and reused afterwards."""
+    check_dtype(dtype)
+    return cached_folder(f"bagel_tiny-v{FORMAT_VERSION}-seed{seed}-{dtype}", "ema.safetensors",
                               lambda tmp: _write(tmp, seed, dtype))
 
 
 def main(argv=None) -> None:
-    tiny.folder_cli(__doc__, build_tiny_bagel, argv)
+    folder_cli(__doc__, build_tiny_bagel, argv)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,6 @@ def install_gelu_epilogue(gelu_cls: type) -> bool:
         return linear_gelu(x, self.proj.weight, self.proj.bias)
 
     forward.gelu_epilogue, forward.stock = True, stock
-    forward.__doc__ = f"{stock.__qualname__} through jaxflow_bridge.rollout.kernels.linear_gelu where it applies."
+    forward.__doc__ = f"{stock.__qualname__} through jaxflow_bridge.families.qwen_image.linear_gelu where it applies."
     gelu_cls.forward = forward
     return True

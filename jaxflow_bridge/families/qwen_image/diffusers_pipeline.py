@@ -1,20 +1,20 @@
 """Our Qwen-Image rollout pipeline on diffusers components: `SamplingLoop` (jaxflow_bridge/rollout/sampling.py) over
-the components of a diffusers `QwenImagePipeline`, plus the weights fingerprint and LoRA updates.
+the components of a diffusers `QwenImagePipeline`, plus its weights fingerprint and LoRA updates.
 Never imports JAX.
 """
 
 from __future__ import annotations
 
-import hashlib
-import math
 from pathlib import Path
 
 import torch
 
 from jaxflow_bridge.contract.lora import read_peft
 from jaxflow_bridge.contract.lora_payload import LoRAPayload
+from jaxflow_bridge.families.qwen_image.random_init import random_transformer
 from jaxflow_bridge.rollout.engine import policy_version
-from jaxflow_bridge.rollout.random_init import random_transformer
+from jaxflow_bridge.rollout.fingerprint import weights_fingerprint
+from jaxflow_bridge.sync.layers import LoraApplier
 from jaxflow_bridge.rollout.sampling import Fp32Timestep, SamplingLoop
 from jaxflow_bridge.rollout.shared_weights import (
     empty_transformer,
@@ -24,59 +24,13 @@ from jaxflow_bridge.rollout.shared_weights import (
 from jaxflow_bridge.sync.sinks import make_sink
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-FINGERPRINT_ELEMENTS = 4096
 
 
-class TensorHead:
-    """What `weights_fingerprint` reads of a tensor: its shape and its first elements (the rest need not exist)."""
+def tiny_folder() -> Path:
+    """The cached tiny Qwen-Image folder (float32) the diffusers engine serves for model "tiny"."""
+    from jaxflow_bridge.families.qwen_image.tiny import tiny_pipeline_path
 
-    def __init__(self, shape, head):
-        self.shape, self.head = tuple(shape), head
-
-    @classmethod
-    def of(cls, t: torch.Tensor) -> TensorHead:
-        return cls(t.shape, t.detach().reshape(-1)[:FINGERPRINT_ELEMENTS].to("cpu"))
-
-    def detach(self):
-        return self
-
-    def reshape(self, *shape):
-        return self.head.reshape(*shape)
-
-
-def weights_fingerprint(named_tensors) -> str:
-    """sha256 of the base weights: per tensor in name order, f"{name}{shape}" then the bf16 bytes of its first
-    4096 elements (C order). Cheap for 20B, yet every tensor counts; bf16 rounding makes fp32 and bf16 copies of
-    one checkpoint agree. Trainer mirror: `np.asarray(x.reshape(-1)[:4096], ml_dtypes.bfloat16).tobytes()`.
-    """
-    h = hashlib.sha256()
-    for name, t in sorted(named_tensors, key=lambda kv: kv[0]):
-        head = t.detach().reshape(-1)[:FINGERPRINT_ELEMENTS].to("cpu", torch.bfloat16)
-        h.update(f"{name}{tuple(t.shape)}".encode())
-        h.update(head.view(torch.uint16).numpy().tobytes())
-    return h.hexdigest()
-
-
-def stored_fingerprint(folder, pattern: str = "*.safetensors", skip: tuple[str, ...] = ()) -> str:
-    """`weights_fingerprint` of the tensors in `folder`'s safetensors files matching `pattern`, names starting with
-    one of `skip` left out, reading only the first 4096 elements of each: what an engine loading those tensors
-    reports (a diffusers `transformer/` folder: the diffusers engine's; BAGEL's ema.safetensors without the
-    trainer-ignored prefixes: the bagel_torch engine's)."""
-    from safetensors import safe_open
-
-    heads = []
-    for path in sorted(Path(folder).glob(pattern)):
-        with safe_open(path, framework="pt") as f:
-            for key in f.keys():
-                if key.startswith(skip):
-                    continue
-                stored = f.get_slice(key)
-                shape = stored.get_shape()
-                rows = -(-FINGERPRINT_ELEMENTS // max(1, math.prod(shape[1:])))
-                heads.append((key, TensorHead(shape, stored[:rows])))
-    if not heads:
-        raise FileNotFoundError(f"no {pattern} in {folder}")
-    return weights_fingerprint(heads)
+    return tiny_pipeline_path()
 
 
 def text_tower(encoder):

@@ -5,7 +5,7 @@ and map onto the stacked (scan) axis of the Flax leaf.
 """
 from __future__ import annotations
 
-import dataclasses
+from jaxflow_bridge.contract.weight_keys import Entry
 
 # Flax module path -> diffusers module name. Linear = kernel/bias (kernel is the transposed torch weight).
 TOP_LINEARS = {
@@ -46,21 +46,6 @@ DIFFUSERS_BLOCKS = "transformer_blocks"
 LORA_TARGETS = {name.removeprefix("attn."): path for path, name in BLOCK_LINEARS.items()}
 DEFAULT_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
                         "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2")
-
-
-@dataclasses.dataclass(frozen=True)
-class Entry:
-    """One Flax leaf <-> one diffusers tensor (or one per layer when `stacked`)."""
-
-    flax_path: tuple[str, ...]
-    diffusers_key: str          # contains "{i}" when stacked
-    transpose: bool
-    stacked: bool
-
-    def diffusers_keys(self, num_layers: int) -> list[str]:
-        if not self.stacked:
-            return [self.diffusers_key]
-        return [self.diffusers_key.format(i=i) for i in range(num_layers)]
 
 
 def _entries(linears, norms, prefix_flax, prefix_torch, stacked) -> list[Entry]:

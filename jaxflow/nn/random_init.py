@@ -1,20 +1,16 @@
-"""JAX side of `jaxflow_bridge/contract/random_weights.py`: the transformer with the shared random base weights, drawn on device
-straight into each leaf's sharding (the rollout draws the same in torch; the fingerprint check compares)."""
+"""JAX side of `jaxflow_bridge/contract/random_weights.py`: a key-map entry's value by the shared random spec, drawn
+on device straight into the leaf's sharding (the rollout draws the same in torch; the fingerprint check compares).
+Each family's random model assembles these over its key map."""
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflow.models.config import ModelOptions, QwenImageConfig
-from jaxflow.models.loading import ShardingFn, assemble
-from jaxflow.models.lora import LoRASpec
-from jaxflow.models.transformer import QwenImageTransformer
-from jaxflow_bridge.contract import keymap
 from jaxflow_bridge.contract.random_weights import FMIX, GOLDEN, key_id, kind, scale
+from jaxflow_bridge.contract.weight_keys import Entry
 
 
 def _uniform(key_ids: jax.Array, torch_shape: tuple[int, ...], transpose: bool, dtype) -> jax.Array:
@@ -30,7 +26,7 @@ def _uniform(key_ids: jax.Array, torch_shape: tuple[int, ...], transpose: bool, 
     return jax.lax.map(one, key_ids)
 
 
-def entry_value(seed: int, num_layers: int, e: keymap.Entry, var, sharding) -> jax.Array:
+def entry_value(seed: int, num_layers: int, e: Entry, var, sharding) -> jax.Array:
     """The value of key-map entry `e` (abstract leaf `var`, its layers stacked when `e.stacked`) by the shared spec,
     drawn on the device into `sharding`: the torch tensors of its checkpoint names, in Flax layout."""
     names, shape, dtype = e.diffusers_keys(num_layers), var.shape, var.dtype
@@ -45,9 +41,3 @@ def entry_value(seed: int, num_layers: int, e: keymap.Entry, var, sharding) -> j
         w = _uniform(ids, torch_shape, e.transpose, dtype)
         return w if e.stacked else w[0]
     return jax.jit(draw, out_shardings=sharding)() if sharding is not None else jax.jit(draw)()
-
-
-def random_transformer(cfg: QwenImageConfig, opts: ModelOptions = ModelOptions(), lora: LoRASpec | None = None,
-                       *, sharding: ShardingFn | None = None, seed: int = 0) -> QwenImageTransformer:
-    """The model with base weights drawn by the shared spec from `seed` (fresh LoRA from `seed` if `lora`)."""
-    return assemble(cfg, opts, lora, seed, sharding, functools.partial(entry_value, seed, cfg.num_layers))

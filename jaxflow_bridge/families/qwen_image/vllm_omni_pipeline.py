@@ -22,7 +22,7 @@ With JAXFLOW_ROLLOUT_TRACE=DIR in the workers' environment, the JAXFLOW_ROLLOUT_
 The class inherits `SamplingLoop` ahead of vLLM-Omni's pipeline, so the loop's methods win: they only touch
 attributes vLLM-Omni's pipeline has under the same names, plus the few aliases `__init__` adds.
 Numerics that differ from diffusers sit inside vLLM-Omni's transformer: RoPE applied with cos/sin cast to the
-model dtype (by default in our torch ops, `jaxflow_bridge.rollout.kernels.qk_rope`, which torch.compile fuses), its
+model dtype (by default in our torch ops, `jaxflow_bridge.families.qwen_image.qk_rope`, which torch.compile fuses), its
 attention backends (masked varlen FlashAttention for padded text; FA3 on Hopper,
 `jaxflow_bridge.engines.vllm_omni.fa_version`), fused QKV.
 """
@@ -44,12 +44,13 @@ from jaxflow_bridge.contract.batch import PAYLOAD_FIELDS
 from jaxflow_bridge.contract.schedule import CFG_FORWARDS
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.engines.vllm_omni.fa_version import FA_VERSIONS, use_fa3
-from jaxflow_bridge.rollout.kernels.linear_gelu import install_gelu_epilogue
+from jaxflow_bridge.families.qwen_image.linear_gelu import install_gelu_epilogue
 from jaxflow_bridge.rollout.kernels.lora_linear import install_fused_apply
-from jaxflow_bridge.rollout.kernels.qk_rope import QK_OPS, use_native_qk
 from jaxflow_bridge.sync.merge import MergedLoRA, plan_targets
-from jaxflow_bridge.rollout.pipeline import TensorHead, text_tower, weights_fingerprint
-from jaxflow_bridge.rollout.random_init import random_named_weights
+from jaxflow_bridge.families.qwen_image.diffusers_pipeline import text_tower
+from jaxflow_bridge.rollout.fingerprint import TensorHead, weights_fingerprint
+from jaxflow_bridge.families.qwen_image.qk_rope import QK_OPS, use_native_qk
+from jaxflow_bridge.families.qwen_image.random_init import random_named_weights
 from jaxflow_bridge.rollout.sampling import Fp32Timestep, SamplingLoop, SamplingParams
 from jaxflow_bridge.rollout.tensors import numpy_to_torch, torch_to_numpy
 from jaxflow_bridge.sync.vllm_omni_slots import MappedPayload, lora_component, lora_module_table, write_lora_slots
@@ -65,7 +66,7 @@ EXTRA_FIELDS = ("noise_level", "sde_type", "sde_window_size", "sde_window_range"
 # apply) or "merged" (the adapter merged into the base weights, jaxflow_bridge/sync/merge.py: plain linears)
 LORA_APPLY = ("fused", "stock", "merged")
 # the MLP's tanh GELU: in the in-projection's cuBLASLt epilogue where no LoRA layer wraps it
-# (jaxflow_bridge/rollout/kernels/linear_gelu.py), or vLLM-Omni's separate elementwise kernel
+# (jaxflow_bridge/families/qwen_image/linear_gelu.py), or vLLM-Omni's separate elementwise kernel
 GELU = ("epilogue", "separate")
 # a torch.profiler trace (CUDA kernels) of the Nth rollout request a worker serves, written to TRACE_ENV's folder
 TRACE_ENV, TRACE_AT_ENV = "JAXFLOW_ROLLOUT_TRACE", "JAXFLOW_ROLLOUT_TRACE_AT"
@@ -177,10 +178,10 @@ def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = N
     """Our pipeline as a subclass of `SamplingLoop` and `base` (vLLM-Omni's QwenImagePipeline); `output_cls`
     builds its results (vLLM-Omni's DiffusionOutput); `lora_layer_cls` (vLLM-Omni's diffusion LoRA layer base class)
     gets `jaxflow_bridge.rollout.kernels.lora_linear`'s fused apply unless custom_pipeline_args say
-    lora_apply="stock"; the attention's q/k norms and rotary become `jaxflow_bridge.rollout.kernels.qk_rope`'s unless
+    lora_apply="stock"; the attention's q/k norms and rotary become `qk_rope`'s unless
     they say qk_ops="vllm"; `attention_fa3` (`jaxflow_bridge.engines.vllm_omni.fa_version.use_fa3`) runs unless they
     say fa_version="2"; `gelu_cls` (vLLM-Omni's ColumnParallelApproxGELU) gets
-    `jaxflow_bridge.rollout.kernels.linear_gelu`'s forward unless they say gelu="separate";
+    `jaxflow_bridge.families.qwen_image.linear_gelu`'s forward unless they say gelu="separate";
     custom_pipeline_args' cfg_forward sets `SamplingLoop.cfg_forward`. All are
     parameters so tests can run it on diffusers components."""
 

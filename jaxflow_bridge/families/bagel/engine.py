@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import Qwen2TokenizerFast
 
-from jaxflow_bridge.contract.bagel_keymap import generation_expert_adapter
+from jaxflow_bridge.families.bagel.keymap import generation_expert_adapter
 from jaxflow_bridge.contract.lora import read_peft
 from jaxflow_bridge.families.bagel.model import BagelTorch
 from jaxflow_bridge.families.bagel.sampling import (PIXELS_PER_TOKEN, BagelSamplingLoop, BagelSamplingParams,
@@ -31,9 +31,9 @@ from jaxflow_bridge.families.bagel.think import TextHead, Thinker
 from jaxflow_bridge.families.bagel.vae import BagelDecoder
 from jaxflow_bridge.rollout.engine import RolloutEngine, policy_version
 from jaxflow_bridge.sync.layers import LoraApplier
-from jaxflow_bridge.rollout.pipeline import weights_fingerprint
-from jaxflow_bridge.rollout.random_init import torch_weight
-from jaxflow_bridge.random_models.tiny_bagel import bagel_torch_fields
+from jaxflow_bridge.rollout.fingerprint import weights_fingerprint
+from jaxflow_bridge.rollout.random_weights import torch_weight
+from jaxflow_bridge.families.bagel.tiny import bagel_torch_fields
 
 
 def context_ids(tokenizer, prompt: str) -> list[int]:
@@ -55,7 +55,7 @@ class BagelTorchEngine(RolloutEngine):
                 raise ValueError(f"{self.name} engine: {key} {config[key]!r} is not supported yet; pass {only!r}")
         model = config["model"]
         if model == "tiny_bagel":
-            from jaxflow_bridge.random_models.tiny_bagel import tiny_bagel_path
+            from jaxflow_bridge.families.bagel.tiny import tiny_bagel_path
 
             model = tiny_bagel_path()
         folder, decode, seed = Path(model), config.get("decode", "vae"), config.get("random_seed")

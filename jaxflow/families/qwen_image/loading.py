@@ -7,77 +7,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxflow.models.config import ModelOptions, QwenImageConfig
-from jaxflow.models.lora import LoRAParam, LoRASpec, merged_kernels
-from jaxflow.models.transformer import QwenImageTransformer
-from jaxflow_bridge.contract import keymap, safetensors_io
-
-WEIGHTS = "diffusion_pytorch_model.safetensors"
-INDEX = WEIGHTS + ".index.json"
-# (flax path, logical axes, shape) -> Sharding or None (= default device)
-ShardingFn = Callable[[tuple[str, ...], tuple, tuple[int, ...]], "jax.sharding.Sharding | None"]
-
-
-class TensorSource:
-    """Key -> lazily read tensor over one safetensors file, a sharded folder (index.json), or a dict."""
-
-    def __init__(self, tensors: dict[str, np.ndarray] | None = None, files: dict[str, Path] | None = None):
-        self._tensors = tensors or {}
-        self._open: dict[Path, safetensors_io.SafetensorsFile] = {}
-        self._files = files or {}
-
-    @classmethod
-    def from_folder(cls, folder: str | Path) -> "TensorSource":
-        folder = Path(folder)
-        if (folder / INDEX).exists():
-            weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
-            return cls(files={k: folder / f for k, f in weight_map.items()})
-        if not (folder / WEIGHTS).exists():
-            raise FileNotFoundError(f"{folder} has neither {WEIGHTS} nor {INDEX}")
-        return cls.from_file(folder / WEIGHTS)
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> "TensorSource":
-        """Every tensor of one safetensors file."""
-        f = safetensors_io.SafetensorsFile(path)
-        src = cls(files={k: f.path for k in f.keys()})
-        src._open[f.path] = f
-        return src
-
-    def keys(self) -> set[str]:
-        return set(self._tensors) | set(self._files)
-
-    def _file(self, key):
-        path = self._files[key]
-        if path not in self._open:
-            self._open[path] = safetensors_io.SafetensorsFile(path)
-        return self._open[path]
-
-    def shape(self, key) -> tuple[int, ...]:
-        return tuple(self._tensors[key].shape) if key in self._tensors else self._file(key).shape(key)
-
-    def get(self, key) -> np.ndarray:
-        return np.asarray(self._tensors[key]) if key in self._tensors else self._file(key).get(key)
-
-
-def _report(problems: list[str], what: str) -> None:
-    if problems:
-        raise ValueError(f"{what}: {len(problems)} problem(s); first {min(20, len(problems))}: {problems[:20]}")
-
-
-def state_leaf(state: nnx.State, path):
-    """The variable at `path` (a keymap Entry's flax_path) of an nnx state."""
-    node = state
-    for p in path:
-        node = node[p]
-    return node
+from jaxflow.families.qwen_image.transformer import QwenImageTransformer
+from jaxflow.families.qwen_image.config import QwenImageConfig
+from jaxflow.nn.config import ModelOptions
+from jaxflow.nn.lora import LoRAParam, LoRASpec, merged_kernels
+from jaxflow_bridge.contract import safetensors_io
+from jaxflow.nn.weights import INDEX, WEIGHTS, ShardingFn, TensorSource, entries_fingerprint, report, state_leaf
+from jaxflow_bridge.families.qwen_image import keymap
 
 
 def _check(source: TensorSource, entries, abstract: nnx.State, num_layers: int) -> None:
@@ -93,7 +35,7 @@ def _check(source: TensorSource, entries, abstract: nnx.State, num_layers: int) 
             elif source.shape(key) != want:
                 problems.append(f"shape {key}: checkpoint {source.shape(key)}, model {want}")
     problems += [f"unexpected {k}" for k in sorted(source.keys() - expected)]
-    _report(problems, "checkpoint does not match the Qwen-Image model")
+    report(problems, "checkpoint does not match the Qwen-Image model")
 
 
 def _host_value(source: TensorSource, e: keymap.Entry, num_layers: int, dtype) -> np.ndarray:
@@ -173,40 +115,10 @@ def to_diffusers_state_dict(model: QwenImageTransformer, merge_lora: bool = Fals
     return out
 
 
-FINGERPRINT_ELEMENTS = 4096
-
-
 def fingerprint(model: QwenImageTransformer) -> str:
     """sha256 of the base weights, equal to the rollout's `weights_fingerprint` for the same checkpoint
     (`entries_fingerprint` over the diffusers key map)."""
     return entries_fingerprint(nnx.state(model, nnx.Param), keymap.transformer_key_map(), model.cfg.num_layers)
-
-
-def entries_fingerprint(base: nnx.State, entries: list[keymap.Entry], num_layers: int) -> str:
-    """sha256 of the weights `entries` map, as the rollout's `weights_fingerprint` hashes the torch tensors of their
-    checkpoint names: per name in sorted order, f"{name}{torch shape}" then the bf16 bytes of its first 4096
-    elements in torch layout. Reads only those elements from the device."""
-    import hashlib
-
-    import ml_dtypes
-
-    heads = {}
-    for e in entries:
-        var = state_leaf(base, e.flax_path)
-        for i, key in enumerate(e.diffusers_keys(num_layers)):
-            t = var[i] if e.stacked else var[...]
-            if e.transpose:  # torch (out, in): its first elements are the first columns of the (in, out) kernel
-                cols = -(-FINGERPRINT_ELEMENTS // t.shape[0])
-                head, shape = np.asarray(t[:, :cols]).T, tuple(t.shape[::-1])
-            else:
-                head, shape = np.asarray(t.reshape(-1)[:FINGERPRINT_ELEMENTS]), tuple(t.shape)
-            heads[key] = (shape, np.asarray(head.reshape(-1)[:FINGERPRINT_ELEMENTS], ml_dtypes.bfloat16))
-    h = hashlib.sha256()
-    for key in sorted(heads):
-        shape, head = heads[key]
-        h.update(f"{key}{shape}".encode())
-        h.update(head.tobytes())
-    return h.hexdigest()
 
 
 def save_transformer(model: QwenImageTransformer, folder: str | Path, *, merge_lora: bool = False,

@@ -1,4 +1,4 @@
-"""Timestep embedding and Qwen-Image RoPE (interleaved pairs, centred image grid, text offset)."""
+"""Timestep embedding and the interleaved-pair RoPE (centred image grid, text offset)."""
 from __future__ import annotations
 
 import jax

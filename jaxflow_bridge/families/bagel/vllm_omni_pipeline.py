@@ -5,7 +5,7 @@ request's n samples in lockstep through vLLM-Omni's own pieces, one LLM forward 
 branches instead of the stock `forward` once a sample:
 
 1. one prefill of the conditional context (`prepare_prompts` + `forward_cache_update_text` on a `NaiveCache`:
-   `<|im_start|>` + prompt + `<|im_end|>`, our `engines.bagel_torch.context_ids`) and, with `think` (greedy), one
+   `<|im_start|>` + prompt + `<|im_end|>`, our `families.bagel.engine.context_ids`) and, with `think` (greedy), one
    `prepare_start_tokens` + `generate_text` on it, shared by the request's samples; the unconditional context is
    empty (kv length 0, image at RoPE position 0); image CFG off;
 2. one `Bagel.generate_image` over the n samples packed: the context cache repeated per sample, `prepare_vae_latent`
@@ -36,7 +36,7 @@ from jaxflow_bridge.contract.schedule import sigma_schedule
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.families.bagel.sampling import PIXELS_PER_TOKEN, SCHEDULER_CONFIG, BagelSamplingParams, pad_ids
 from jaxflow_bridge.families.bagel.scheduler import WindowScheduler
-from jaxflow_bridge.engines.vllm_omni.pipeline import pack_trajectories
+from jaxflow_bridge.families.qwen_image.vllm_omni_pipeline import pack_trajectories
 
 PIPELINE_CLASS = f"{__name__}.FlowGRPOBagelPipeline"
 # BagelSamplingParams fields in OmniDiffusionSamplingParams attributes; the rest ride in extra_args

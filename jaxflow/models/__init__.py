@@ -1,1 +1,0 @@
-"""Flax Qwen-Image DiT, LoRA and diffusers-checkpoint loading."""

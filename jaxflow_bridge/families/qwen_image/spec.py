@@ -1,0 +1,53 @@
+"""Qwen-Image's identity, defined once for both sides (the JAX `Family` and the torch engines read it): its name,
+its tiny model's name, what makes a folder one, the image size multiple and the rule its base-weight fingerprint
+follows. Plain Python: imports neither jax/flax nor torch."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+NAME = "qwen_image"
+TINY = "tiny"  # model.path / engine `model` of the cached tiny offline Qwen-Image
+FOLDER = "a diffusers Qwen-Image folder (model_index.json)"
+MARKER = "model_index.json"
+WEIGHTS = "transformer"  # the fingerprinted weights: every safetensors file of the folder's transformer/
+
+ENGINES = ("diffusers", "vllm_omni")  # the rollout engines that serve it
+
+# scheduler/scheduler_config.json of the Hugging Face model Qwen/Qwen-Image (docs/numerics.md §1).
+SCHEDULER_CONFIG = {
+    "num_train_timesteps": 1000,
+    "shift": 1.0,
+    "use_dynamic_shifting": True,
+    "base_shift": 0.5,
+    "max_shift": 0.9,
+    "base_image_seq_len": 256,
+    "max_image_seq_len": 8192,
+    "shift_terminal": 0.02,
+    "time_shift_type": "exponential",
+    "invert_sigmas": False,
+    "stochastic_sampling": False,
+    "use_karras_sigmas": False,
+    "use_exponential_sigmas": False,
+    "use_beta_sigmas": False,
+}
+
+
+def is_folder(folder: Path) -> bool:
+    return (Path(folder) / MARKER).is_file()
+
+
+def pixels_per_token(vae_config: dict) -> int:
+    """Pixels a packed latent token spans per side: the VAE's 2 ** len(temperal_downsample) (its config.json's
+    spelling) times the 2 x 2 patch packing; 16 for the released VAE. Image sides must be multiples of it."""
+    return 2 * 2 ** len(vae_config["temperal_downsample"])
+
+
+def size_multiple(folder: Path) -> int:
+    """`pixels_per_token` of the folder's vae/config.json."""
+    return pixels_per_token(json.loads((Path(folder) / "vae" / "config.json").read_text()))
+
+
+def fingerprint_files(folder: Path) -> tuple[Path, str, tuple[str, ...]]:
+    """(folder, file pattern, names left out) of the weights the base-weight fingerprint covers."""
+    return Path(folder) / WEIGHTS, "*.safetensors", ()
