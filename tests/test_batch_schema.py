@@ -54,7 +54,7 @@ def _components():
 
 def test_codec_round_trip_keeps_the_numpy_buffers():
     torch = pytest.importorskip("torch")
-    from jaxflow_bridge.engines.vllm_omni import pipeline as vop
+    from jaxflow_bridge.families.qwen_image import vllm_omni_pipeline as vop
 
     batch = dataclasses.replace(synthetic_batch(cfg=True), final_latents=np.ones((3, 45, 64), np.float32))
     fields = vop.pack_trajectories(batch)
