@@ -71,7 +71,8 @@ from jaxflow_bridge.sync.binding import check_lora_binding, slot_plan
 from jaxflow_bridge.rollout.sampling import check_prompts, per_sample_seeds
 from jaxflow_bridge.rollout.tensors import torch_to_numpy
 from jaxflow_bridge.engines.vllm_omni.kinds import model_kind
-from jaxflow_bridge.families.qwen_image.vllm_omni_pipeline import WORKER_EXTENSION_CLASS, unpack_trajectories
+from jaxflow_bridge.engines.vllm_omni.codec import unpack_trajectories
+from jaxflow_bridge.engines.vllm_omni.worker import WORKER_EXTENSION_CLASS
 
 log = logging.getLogger(__name__)
 INSTALL_HINT = ("the 'vllm_omni' rollout engine needs vLLM-Omni 0.20 on a CUDA machine: `pip install jaxflow[omni]`, "
