@@ -18,8 +18,6 @@ REGISTRIES = {"jaxflow/families/__init__.py", "jaxflow_bridge/engines/families.p
 PENDING = {
     "jaxflow/config/recipes.py": "cfg: the real recipe's sources and the family keys' help",
     "jaxflow/sync/base_share.py": "sync: the shared base weights use Qwen-Image's key map",
-    "jaxflow_bridge/sync/vllm_omni_slots.py": "sync: the workers' LoRA slots per family component",
-    "jaxflow_bridge/engines/vllm_omni/engine.py": "sync and batch: its docstring, the codec and worker extension",
     "jaxflow_bench/e2e.py": "bench: --recipe qwen|bagel",
     "jaxflow_bench/flops.py": "bench: Qwen-Image's FLOP model",
     "jaxflow_bench/workload.py": "bench: Qwen-Image's step workload",

@@ -424,7 +424,7 @@ def test_a_failed_in_place_write_is_an_error_and_never_switches_to_folders(folde
     shared = SharedAdapterFile("bfloat16", root=tmp_path)
     failing = lambda *args: (_ for _ in ()).throw(RuntimeError("no wrapped layer"))  # noqa: E731
     with monkeypatch.context() as m, caplog.at_level(logging.ERROR):
-        m.setattr(vop, "write_lora_slots", failing)
+        m.setattr(worker, "write_lora_slots", failing)
         with pytest.raises(RuntimeError, match=r"^vllm_omni engine: in-place LoRA write of version 2 failed"):
             engine.update_lora_shared(shared.write_arrays(adapter(folder, 2, prefix="")), 2, CONFIG)
     assert [r.getMessage() for r in caplog.records if "in-place" in r.getMessage()][0].startswith("vllm_omni engine")

@@ -1,4 +1,5 @@
-"""Our Qwen-Image rollout inside vLLM-Omni 0.20: the custom pipeline class and the request/output codec.
+"""Our Qwen-Image rollout inside vLLM-Omni 0.20: the custom pipeline class and its request codec (the result's
+codec and the workers' extension are the engine's, `jaxflow_bridge/engines/vllm_omni/{codec,worker}.py`).
 
 vLLM-Omni builds a custom pipeline from `custom_pipeline_args={"pipeline_class": "<module>.<Class>"}`: its worker
 calls `vllm.utils.import_utils.resolve_obj_by_qualname`, i.e. `getattr(importlib.import_module(module), Class)`
@@ -12,9 +13,6 @@ imports without vLLM-Omni (CPU machines, tests) and builds its vLLM-Omni subclas
   `QwenTimestepProjEmbeddings` has the same call and cast as diffusers'), per-sample CPU generators, seeds and
   SDE windows, the torch SDE of `jaxflow_bridge.rollout.sde`. Requests without our `extra_args` (the engine's warm-up
   run, plain text-to-image requests) run the stock pipeline.
-- `RolloutWorkerExtension`: vLLM-Omni's `CustomPipelineWorkerExtension` plus `rollout_lora_modules()`, the
-  transformer's LoRA-capable layers and their shapes (the engine checks adapters against it), the in-place LoRA
-  write into vLLM-Omni's slots, and with lora_apply="merged" the merge into the base weights and its restore.
 
 With JAXFLOW_ROLLOUT_TRACE=DIR in the workers' environment, the JAXFLOW_ROLLOUT_TRACE_AT-th rollout request (default
 3) a worker serves runs under torch.profiler and its CUDA kernels go to DIR (scripts/bench_rollout_lora.py reads them).
@@ -45,6 +43,7 @@ from jaxflow_bridge.engines.vllm_omni.fa_version import FA_VERSIONS, use_fa3
 from jaxflow_bridge.families.qwen_image.linear_gelu import install_gelu_epilogue
 from jaxflow_bridge.rollout.kernels.lora_linear import install_fused_apply
 from jaxflow_bridge.sync.merge import MergedLoRA
+from jaxflow_bridge.families.qwen_image import spec
 from jaxflow_bridge.families.qwen_image.diffusers_pipeline import text_tower
 from jaxflow_bridge.rollout.fingerprint import TensorHead, weights_fingerprint
 from jaxflow_bridge.families.qwen_image.qk_rope import QK_OPS, use_native_qk
@@ -209,8 +208,8 @@ def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = N
 
     doc = "vLLM-Omni's QwenImagePipeline serving SamplingLoop's FlowGRPO rollout (see the module docstring)."
     namespace = {"__init__": __init__, "load_weights": load_weights, "dtype": property(dtype), "forward": forward,
-                 "lora_component": "transformer", "__module__": __name__, "__qualname__": "FlowGRPOQwenImagePipeline",
-                 "__doc__": doc}
+                 "lora_component": spec.LORA_COMPONENT, "__module__": __name__,
+                 "__qualname__": "FlowGRPOQwenImagePipeline", "__doc__": doc}
     return type("FlowGRPOQwenImagePipeline", (SamplingLoop, base), namespace)
 
 
