@@ -17,9 +17,7 @@ REGISTRIES = {"jaxflow/families/__init__.py", "jaxflow_bridge/engines/families.p
 # them stops naming a family (drop it here) or when any other module starts to.
 PENDING = {
     "jaxflow/config/recipes.py": "cfg: the real recipe's sources and the family keys' help",
-    "jaxflow/sync/base_share.py": "sync: the shared base weights use Qwen-Image's key map",
     "jaxflow_bench/e2e.py": "bench: --recipe qwen|bagel",
-    "jaxflow_bench/flops.py": "bench: Qwen-Image's FLOP model",
     "jaxflow_bench/workload.py": "bench: Qwen-Image's step workload",
     "jaxflow_bench/rollout.py": "bench: Qwen-Image's rollout parameter count",
 }
