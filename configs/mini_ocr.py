@@ -5,7 +5,7 @@
 
 OUT/pipeline is built by experiments/mini_ocr/run.sh (which runs both). `:control` is the same run with the OCR scores
 shuffled across the batch (`jaxflow_bridge/rewards/shuffled.py`): it must not raise OCR. Prompts: data/mini_ocr, written by
-`python -m jaxflow_bridge.mini_ocr.words --out data/mini_ocr` (4000 train words, 200 held out for eval).
+`python -m experiments.mini_ocr.words --out data/mini_ocr` (4000 train words, 200 held out for eval).
 Both sides store float32 (the model is small); the diffusers engine runs in the trainer's process, the trainer's
 matmuls run at XLA's default precision (TF32 on GPUs: its log-probs move ~1e-5, and the old log-probs are
 recomputed by the trainer, so the ratio's reference is its own).

@@ -1,10 +1,11 @@
-"""Token-active FLOP model for Qwen-Image (docs/design.md §5): never 6 x 20B x tokens."""
+"""Token-active FLOP model of a dual-stream (MMDiT) transformer from its diffusers config (docs/design.md §5): never
+6 x parameters x tokens."""
 from __future__ import annotations
 
 DATASHEET_TFLOPS = 989.0  # H100 SXM / H200 dense bf16
 
 
-def qwen_flops(cfg: dict, img_tokens: int, txt_tokens: int, lora_rank: int = 0, lora_targets: int = 12) -> dict:
+def mmdit_flops(cfg: dict, img_tokens: int, txt_tokens: int, lora_rank: int = 0, lora_targets: int = 12) -> dict:
     """Model FLOPs per sample for one transformer call: forward, LoRA train (frozen base), full fine-tune."""
     d, layers = cfg["num_attention_heads"] * cfg["attention_head_dim"], cfg["num_layers"]
     s = img_tokens + txt_tokens

@@ -29,7 +29,7 @@ from jaxflow.nn.config import ModelOptions  # noqa: E402
 from jaxflow.nn.lora import LoRAParam  # noqa: E402
 from jaxflow.families.qwen_image.lora import QwenImageLoRASpec
 from jaxflow.families.qwen_image.transformer import QwenImageTransformer  # noqa: E402
-from jaxflow_bench.flops import DATASHEET_TFLOPS, qwen_flops  # noqa: E402
+from jaxflow_bench.flops import DATASHEET_TFLOPS, mmdit_flops  # noqa: E402
 from jaxflow_bench.timing import jax_matmul_tflops, jax_peak_gib, median_ms, torch_matmul_tflops  # noqa: E402
 from jaxflow_bench.workload import FULL, TINY  # noqa: E402
 
@@ -83,7 +83,7 @@ def run_jax(name, fn, fn_args, batch, kind, cfg, args):
 
 
 def summarize(framework, name, ms, batch, kind, cfg, args, peak_gib, compile_s=None):
-    f = qwen_flops(dataclasses.asdict(cfg), args.grid ** 2, args.txt, args.rank)[kind]
+    f = mmdit_flops(dataclasses.asdict(cfg), args.grid ** 2, args.txt, args.rank)[kind]
     tflops = f * batch / (ms / 1e3) / 1e12
     return {"framework": framework, "case": name, "ms_step": round(ms, 2), "ms_sample": round(ms / batch, 2),
             "model_tflops": round(tflops, 1), "mfu_989": round(tflops / DATASHEET_TFLOPS, 4),

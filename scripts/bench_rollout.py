@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from jaxflow_bench.flops import DATASHEET_TFLOPS, qwen_flops
+from jaxflow_bench.flops import DATASHEET_TFLOPS, mmdit_flops
 from jaxflow_bench.results import write_result
 from jaxflow_bridge.families.qwen_image.spec import pixels_per_token
 from jaxflow_bridge.families.qwen_image.full_size import full_size_pipeline
@@ -65,7 +65,7 @@ def image_tflops(pipe, rollout: RolloutPipeline, args) -> float:
     prompt, negative = (len(e) for e in rollout.encode([PROMPT, " "]))
     img = (args.size // pixels_per_token(pipe.vae.config)) ** 2
     calls = [prompt, negative] if args.cfg > 1 else [prompt]
-    return args.steps * sum(qwen_flops(dict(pipe.transformer.config), img, t)["fwd"] for t in calls) / 1e12
+    return args.steps * sum(mmdit_flops(dict(pipe.transformer.config), img, t)["fwd"] for t in calls) / 1e12
 
 
 def main(argv=None):

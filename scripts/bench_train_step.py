@@ -35,7 +35,7 @@ from jaxflow.nn.lora import LoRAParam, lora_to_peft  # noqa: E402
 from jaxflow.families.qwen_image.lora import QwenImageLoRASpec
 from jaxflow.families.qwen_image.transformer import QwenImageTransformer  # noqa: E402
 from jaxflow.trainer.train_step import make_train_step  # noqa: E402
-from jaxflow_bench.flops import DATASHEET_TFLOPS, qwen_flops  # noqa: E402
+from jaxflow_bench.flops import DATASHEET_TFLOPS, mmdit_flops  # noqa: E402
 from jaxflow_bench.results import write_result  # noqa: E402
 from jaxflow_bench.timing import jax_matmul_tflops, median_ms, torch_matmul_tflops  # noqa: E402
 from jaxflow_bench.workload import (FULL, ONE_UPDATE, TINY, WINDOW, add_workload_args, negatives_padded,  # noqa: E402
@@ -46,7 +46,7 @@ def flops_per_sample_step(cfg, args) -> float:
     """One window step of one sample: the LoRA-train transformer call on positive and negative rows."""
     d = dataclasses.asdict(cfg)
     txt = max(args.txt, args.neg_txt)
-    return 2 * qwen_flops(d, args.grid ** 2, txt, args.rank)["lora_train"]
+    return 2 * mmdit_flops(d, args.grid ** 2, txt, args.rank)["lora_train"]
 
 
 def row(framework, name, ms, cfg, args, ceiling, peak, extra=None):

@@ -23,7 +23,7 @@ from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.rollout.sampling import SamplingParams
 from jaxflow_bridge.families.bagel.tiny import TINY_LLM, TINY_VIT
 from jaxflow_bridge.sync.vllm_omni_slots import lora_component, lora_module_table
-from jaxflow_bridge.families.qwen_image.vllm_omni_pipeline import RolloutWorkerMethods
+from jaxflow_bridge.engines.vllm_omni.worker import RolloutWorkerMethods
 from tests.helpers import LAYERS, MLP, D
 
 _WEIGHTS = torch.Generator().manual_seed(0)

@@ -54,14 +54,14 @@ def _components():
 
 def test_codec_round_trip_keeps_the_numpy_buffers():
     torch = pytest.importorskip("torch")
-    from jaxflow_bridge.families.qwen_image import vllm_omni_pipeline as vop
+    from jaxflow_bridge.engines.vllm_omni import codec
 
     batch = dataclasses.replace(synthetic_batch(cfg=True), final_latents=np.ones((3, 45, 64), np.float32))
-    fields = vop.pack_trajectories(batch)
+    fields = codec.pack_trajectories(batch)
     result = SimpleNamespace(trajectory_latents=fields["trajectory_latents"],
                              trajectory_log_probs=fields["trajectory_log_probs"],
                              custom_output=fields["custom_output"], error=None)
-    out = vop.unpack_trajectories(result, "p", group_id=0)
+    out = codec.unpack_trajectories(result, "p", group_id=0)
     for name in schema.PAYLOAD_FIELDS + ("latents", "log_probs"):
         mine, got = getattr(batch, name), getattr(out, name)
         if mine is None:

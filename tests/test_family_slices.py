@@ -17,15 +17,7 @@ REGISTRIES = {"jaxflow/families/__init__.py", "jaxflow_bridge/engines/families.p
 # them stops naming a family (drop it here) or when any other module starts to.
 PENDING = {
     "jaxflow/config/recipes.py": "cfg: the real recipe's sources and the family keys' help",
-    "jaxflow/sync/base_share.py": "sync: the shared base weights use Qwen-Image's key map",
-    "jaxflow_bridge/sync/vllm_omni_slots.py": "sync: the workers' LoRA slots per family component",
-    "jaxflow_bridge/engines/vllm_omni/engine.py": "sync and batch: its docstring, the codec and worker extension",
-    "jaxflow/mini_ocr/__init__.py": "the mini OCR experiment (a tiny Qwen-Image) moving to experiments/",
-    "jaxflow/mini_ocr/pretrain.py": "the mini OCR experiment (pretrains Qwen-Image's transformer)",
-    "jaxflow_bridge/mini_ocr/folder.py": "the mini OCR experiment (a Qwen-Image folder)",
-    "jaxflow_bridge/mini_ocr/prepare.py": "the mini OCR experiment (Qwen-Image's rollout pipeline)",
     "jaxflow_bench/e2e.py": "bench: --recipe qwen|bagel",
-    "jaxflow_bench/flops.py": "bench: Qwen-Image's FLOP model",
     "jaxflow_bench/workload.py": "bench: Qwen-Image's step workload",
     "jaxflow_bench/rollout.py": "bench: Qwen-Image's rollout parameter count",
 }

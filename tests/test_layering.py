@@ -28,7 +28,7 @@ def test_contract_imports_no_framework_and_neither_side(path):
 
 @pytest.mark.parametrize("path", sorted((ROOT / "jaxflow_bridge").rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
 def test_bridge_imports_no_jax_and_no_trainer(path):
-    """One rule for all of jaxflow_bridge/ (rollout, rewards, mini_ocr, contract): the trainer imports it, never the reverse."""
+    """One rule for all of jaxflow_bridge/ (rollout, rewards, contract): the trainer imports it, never the reverse."""
     bad = {m for m in imported_modules(path) if m.split(".")[0] in {"jax", "flax", "optax", "jaxflow"}}
     assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 

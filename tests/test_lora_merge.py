@@ -11,6 +11,7 @@ import torch
 
 from jaxflow_bridge.contract import lora_shm
 from jaxflow_bridge.sync import vllm_omni_slots as vol
+from jaxflow_bridge.engines.vllm_omni import codec
 from jaxflow_bridge.families.qwen_image import vllm_omni_pipeline as vop
 from jaxflow_bridge.sync.binding import slot_plan
 from jaxflow_bridge.sync.merge import MergedLoRA, plan_targets
@@ -134,7 +135,7 @@ def test_rollout_on_merged_weights_equals_the_lora_layers(tiny_path, tmp_path):
         targets = plan_targets(ours.transformer, plan, table)
         assert ours.merged_lora.merge(payload, targets, config["lora_alpha"] / config["r"])["written"] == 8
         with torch.inference_mode():
-            got = vop.unpack_trajectories(ours.forward(request), "a red fox jumping", group_id=0)
+            got = codec.unpack_trajectories(ours.forward(request), "a red fox jumping", group_id=0)
         want = ref.generate(["a red fox jumping"], 2, SAMPLING, SEEDS)
         np.testing.assert_allclose(got.latents, want.latents, rtol=0, atol=2e-5)
         np.testing.assert_allclose(got.log_probs, want.log_probs, rtol=0, atol=2e-4)

@@ -2,8 +2,8 @@
 control reward."""
 import numpy as np
 
-from jaxflow_bridge.mini_ocr.render import render, render_dataset
-from jaxflow_bridge.mini_ocr.words import MAX_LEN, MIN_LEN, prompt, split, write_prompts
+from experiments.mini_ocr.render import render, render_dataset
+from experiments.mini_ocr.words import MAX_LEN, MIN_LEN, prompt, split, write_prompts
 from jaxflow_bridge.rewards import build_reward
 from jaxflow_bridge.rewards.ocr import OcrReward
 from jaxflow_bridge.rewards.shuffled import Shuffled

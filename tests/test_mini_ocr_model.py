@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from jaxflow.config.validation import config_module
-from jaxflow_bridge.mini_ocr.folder import build_folder, encode_text
-from jaxflow_bridge.mini_ocr.render import render_dataset
-from jaxflow_bridge.mini_ocr.vae import build_vae, pack, posterior_means, train_vae
-from jaxflow_bridge.mini_ocr.words import prompt, split
+from experiments.mini_ocr.folder import build_folder, encode_text
+from experiments.mini_ocr.render import render_dataset
+from experiments.mini_ocr.vae import build_vae, pack, posterior_means, train_vae
+from experiments.mini_ocr.words import prompt, split
 from tests.helpers import ROOT
 
 WORDS = split(4000, 200)[0][:8]
@@ -72,7 +72,7 @@ def test_the_rl_config_and_its_control_validate(tiny_path):
 def test_pretraining_lowers_the_loss_and_both_sides_load_the_folder(toy):
     import jax
 
-    from jaxflow.mini_ocr.pretrain import pretrain
+    from experiments.mini_ocr.pretrain import pretrain
     from jaxflow.families.qwen_image.loading import fingerprint, load_transformer
     from jaxflow_bridge.families.qwen_image.diffusers_pipeline import RolloutPipeline
     from jaxflow_bridge.rollout.sampling import SamplingParams

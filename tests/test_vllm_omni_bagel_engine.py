@@ -27,6 +27,7 @@ from jaxflow_bridge.families.qwen_image import tiny
 from jaxflow_bridge.families.bagel import tiny as tiny_bagel
 from jaxflow_bridge.families.bagel import vllm_omni_pipeline as vob
 from jaxflow_bridge.sync import vllm_omni_slots as vol
+from jaxflow_bridge.engines.vllm_omni import worker
 from jaxflow_bridge.families.qwen_image import vllm_omni_pipeline as vop
 from jaxflow_bridge.families.bagel.sampling import BagelSamplingParams
 from jaxflow_bridge.families.bagel.engine import BagelTorchEngine
@@ -136,7 +137,7 @@ def test_bagel_starts_our_pipeline_in_vllm_omnis_single_stage_deployment(folder,
     deploy = tmp_path / "vllm_omni" / "deploy" / "bagel_single_stage.yaml"  # vLLM-Omni 0.20's wheel layout
     assert started.model == str(folder) and DEPLOY_FILES["single_stage"] == ("deploy", "bagel_single_stage.yaml")
     assert started.kwargs == {"custom_pipeline_args": {"pipeline_class": vob.PIPELINE_CLASS},
-                              "deploy_config": str(deploy), "worker_extension_cls": vop.WORKER_EXTENSION_CLASS,
+                              "deploy_config": str(deploy), "worker_extension_cls": worker.WORKER_EXTENSION_CLASS,
                               "dtype": "bfloat16", "enable_sleep_mode": True}
     info = engine.info()
     assert info["fingerprint"] == bagel_torch.info()["fingerprint"] and info["size_multiple"] == 16
@@ -186,7 +187,7 @@ def test_qwen_image_starts_and_asks_as_before(tiny_path, tmp_path, monkeypatch):
     assert started.kwargs == {"custom_pipeline_args": {"pipeline_class": vop.PIPELINE_CLASS, "lora_apply": "fused",
                                                        "qk_ops": "compiled", "fa_version": "auto",
                                                        "cfg_forward": "batched", "gelu": "epilogue"},
-                              "worker_extension_cls": vop.WORKER_EXTENSION_CLASS, "dtype": "bfloat16",
+                              "worker_extension_cls": worker.WORKER_EXTENSION_CLASS, "dtype": "bfloat16",
                               "enable_sleep_mode": True}
     assert engine.info()["fingerprint"] == stored_fingerprint(tiny_path / "transformer") and engine.merged is False
     out = TrajectoryBatch.from_dict(engine.generate(["a red fox"], 2, dataclasses.asdict(SAMPLING), seeds=SEEDS))
@@ -232,7 +233,7 @@ def test_two_stages_start_the_thinker_and_our_pipeline_on_the_dit_stage(folder, 
     (started,) = omni.started
     assert started.kwargs == {"stage_1_custom_pipeline_args": {"pipeline_class": vob.PIPELINE_CLASS},
                               "deploy_config": str(tmp_path / "vllm_omni" / "deploy" / "bagel.yaml"),
-                              "stage_1_worker_extension_cls": vop.WORKER_EXTENSION_CLASS,
+                              "stage_1_worker_extension_cls": worker.WORKER_EXTENSION_CLASS,
                               "dtype": "bfloat16", "enable_sleep_mode": True}
     assert started.rpcs == [("rollout_lora_modules", [1])] and engine.info()["lora_modules"] == 0
     one = fake_omni(monkeypatch, tmp_path / "one", bagel_torch)  # a one-stage start where two were asked
@@ -423,7 +424,7 @@ def test_a_failed_in_place_write_is_an_error_and_never_switches_to_folders(folde
     shared = SharedAdapterFile("bfloat16", root=tmp_path)
     failing = lambda *args: (_ for _ in ()).throw(RuntimeError("no wrapped layer"))  # noqa: E731
     with monkeypatch.context() as m, caplog.at_level(logging.ERROR):
-        m.setattr(vop, "write_lora_slots", failing)
+        m.setattr(worker, "write_lora_slots", failing)
         with pytest.raises(RuntimeError, match=r"^vllm_omni engine: in-place LoRA write of version 2 failed"):
             engine.update_lora_shared(shared.write_arrays(adapter(folder, 2, prefix="")), 2, CONFIG)
     assert [r.getMessage() for r in caplog.records if "in-place" in r.getMessage()][0].startswith("vllm_omni engine")

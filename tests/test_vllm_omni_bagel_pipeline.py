@@ -22,7 +22,7 @@ from jaxflow_bridge.families.bagel.sampling import BagelSamplingParams
 from jaxflow_bridge.families.bagel.engine import BagelTorchEngine, context_ids
 from jaxflow_bridge.families.bagel.vllm_omni_pipeline import (build_pipeline_class, decode_request, encode_request,
                                                              is_rollout_request)
-from jaxflow_bridge.families.qwen_image.vllm_omni_pipeline import unpack_trajectories
+from jaxflow_bridge.engines.vllm_omni.codec import unpack_trajectories
 from tests.helpers_vllm_omni_bagel import NaiveCache, stock_bagel_pipeline
 
 SP = BagelSamplingParams(height=64, width=96, num_inference_steps=4, sde_window_range=(0, 3), cfg_interval=(0.8, 1.0))

@@ -10,6 +10,7 @@ import torch
 from jaxflow_bridge.contract.lora import lora_pairs, to_vllm_omni
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.sync import vllm_omni_slots as vol
+from jaxflow_bridge.engines.vllm_omni import codec
 from jaxflow_bridge.families.qwen_image import vllm_omni_pipeline as vop
 from jaxflow_bridge.engines.vllm_omni.engine import INSTALL_HINT, ack_errors
 from jaxflow_bridge.sync.binding import check_lora_binding
@@ -80,7 +81,7 @@ def test_output_pack_unpack(cfg, final):
     if final:  # keep_final (DiffusionNFT): the final latents ride in the payload
         batch = dataclasses.replace(batch, final_latents=np.random.default_rng(1).standard_normal((3, 45, 64),
                                                                                                   np.float32))
-    fields = vop.pack_trajectories(batch)
+    fields = codec.pack_trajectories(batch)
     assert fields["trajectory_latents"].dtype == torch.float32 and fields["trajectory_latents"].shape == (3, 3, 45, 64)
     assert fields["custom_output"]["rollout"]["prompt_embeds"].dtype == torch.bfloat16
     # vLLM-Omni's post-processing of `output` ((x / 2 + 0.5).clamp(0, 1), * 255, round) gives back the pixels
@@ -90,7 +91,7 @@ def test_output_pack_unpack(cfg, final):
     result = SimpleNamespace(images=[], trajectory_latents=fields["trajectory_latents"],
                              trajectory_log_probs=fields["trajectory_log_probs"],
                              custom_output=fields["custom_output"], error=None)
-    out = vop.unpack_trajectories(result, "a red fox", group_id=5)
+    out = codec.unpack_trajectories(result, "a red fox", group_id=5)
     want = dataclasses.replace(batch, prompts=("a red fox",) * 3, group_ids=np.full(3, 5, np.int64))
     assert_batches_equal(out, want)
 
@@ -105,7 +106,7 @@ def test_output_pack_unpack_token_ids(neg_length):
         negative_prompt_ids=rng.integers(1, 384, (3, neg_length)).astype(np.int32),
         negative_prompt_mask=np.ones((3, neg_length), bool))
     batch = dataclasses.replace(synthetic_batch(cfg=False), prompt_embeds=None, prompt_ids=ids, **neg)
-    fields = vop.pack_trajectories(batch)
+    fields = codec.pack_trajectories(batch)
     payload = fields["custom_output"]["rollout"]
     assert payload["prompt_ids"].dtype == torch.int32 and "prompt_embeds" not in payload
     assert ("negative_prompt_ids" in payload) == (neg_length is not None)
@@ -114,7 +115,7 @@ def test_output_pack_unpack_token_ids(neg_length):
     result = SimpleNamespace(images=[], trajectory_latents=fields["trajectory_latents"],
                              trajectory_log_probs=fields["trajectory_log_probs"],
                              custom_output=fields["custom_output"], error=None)
-    out = vop.unpack_trajectories(result, "a red fox", group_id=2)
+    out = codec.unpack_trajectories(result, "a red fox", group_id=2)
     assert out.text_kind == "ids" and out.guided == (neg_length is not None)
     assert_batches_equal(out, dataclasses.replace(batch, prompts=("a red fox",) * 3, group_ids=np.full(3, 2, np.int64)))
 
@@ -122,7 +123,7 @@ def test_output_pack_unpack_token_ids(neg_length):
 def test_unpack_without_payload_names_the_pipeline():
     result = SimpleNamespace(trajectory_latents=None, trajectory_log_probs=None, custom_output={}, error="boom")
     with pytest.raises(ValueError, match="FlowGRPOQwenImagePipeline"):
-        vop.unpack_trajectories(result, "p", 0)
+        codec.unpack_trajectories(result, "p", 0)
 
 
 # ---------------------------------------------------------------------------------------------- the pipeline
@@ -138,7 +139,7 @@ def test_custom_pipeline_matches_rollout_pipeline(tiny_path):
         result = ours.forward(SimpleNamespace(prompts=[prompt], sampling_params=omni_params(kwargs)))
         stock = ours.forward(SimpleNamespace(prompts=["dummy run"], sampling_params=SimpleNamespace(extra_args={})))
     assert stock == "stock pipeline"
-    got = vop.unpack_trajectories(result, "a red fox jumping", group_id=0)
+    got = codec.unpack_trajectories(result, "a red fox jumping", group_id=0)
     ref = RolloutPipeline.from_pretrained(tiny_path, dtype="float32", device="cpu")
     ref.policy_version = 3
     assert_batches_equal(got, ref.generate(["a red fox jumping"], 2, SAMPLING, SEEDS))
@@ -329,8 +330,8 @@ def test_the_traced_request_writes_a_profile_and_the_same_trajectory(tiny_path, 
     prompt, kwargs = vop.encode_request("a red fox jumping", SAMPLING, SEEDS, policy_version=0)
     request = SimpleNamespace(prompts=[prompt], sampling_params=omni_params(kwargs))
     with torch.inference_mode():
-        first = vop.unpack_trajectories(ours.forward(request), "a red fox jumping", 0)
+        first = codec.unpack_trajectories(ours.forward(request), "a red fox jumping", 0)
         assert not (tmp_path / "trace").exists()
-        second = vop.unpack_trajectories(ours.forward(request), "a red fox jumping", 0)
+        second = codec.unpack_trajectories(ours.forward(request), "a red fox jumping", 0)
     assert len(list((tmp_path / "trace").glob("rollout-*-2-*s.json"))) == 1
     assert_batches_equal(first, second)

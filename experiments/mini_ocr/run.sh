@@ -112,10 +112,10 @@ rl() {  # rl RUN_DIR CONFIG: a new run, or with RL_RESUME=1 the continuation of 
 }
 
 [[ -n "${ONLY:-}" ]] || : > "$OUT/timings.txt"
-step data python -m jaxflow_bridge.mini_ocr.prepare data --out "$OUT" "${DATA[@]}"
-step vae python -m jaxflow_bridge.mini_ocr.prepare vae --out "$OUT" --device "$DEVICE" "${VAE[@]}"
-step encode python -m jaxflow_bridge.mini_ocr.prepare encode --out "$OUT" --device "$DEVICE"
-step pretrain python -m jaxflow.mini_ocr.pretrain --pipeline "$OUT/pipeline" --data "$OUT/data" "${PRE[@]}"
+step data python -m experiments.mini_ocr.prepare data --out "$OUT" "${DATA[@]}"
+step vae python -m experiments.mini_ocr.prepare vae --out "$OUT" --device "$DEVICE" "${VAE[@]}"
+step encode python -m experiments.mini_ocr.prepare encode --out "$OUT" --device "$DEVICE"
+step pretrain python -m experiments.mini_ocr.pretrain --pipeline "$OUT/pipeline" --data "$OUT/data" "${PRE[@]}"
 ev() {  # ev NAME PROMPTS [--lora DIR]: OCR of the pipeline (+ LoRA) on PROMPTS -> OUT/eval/NAME.{json,png}
   local name=$1 prompts=$2
   shift 2

@@ -13,12 +13,15 @@ from flax import nnx
 
 from jaxflow.sync.lora_sync import jax_to_torch
 from jaxflow.nn.weights import state_leaf
-from jaxflow_bridge.families.qwen_image import keymap
+from jaxflow import families
+from jaxflow_bridge.engines import families as torch_families
 
 
 def torch_base_weights(model) -> dict:
-    """{diffusers key: torch.Tensor} of `model`'s base weights (a QwenImageTransformer on one device), views of its
-    arrays in torch's layout (torch (out, in) weights as transposed views of the (in, out) kernels)."""
+    """{diffusers key: torch.Tensor} of `model`'s base weights (a transformer on one device whose family's key map,
+    its torch folder's keymap.py, lists diffusers keys), views of its arrays in torch's layout (torch (out, in) weights
+    as transposed views of the (in, out) kernels)."""
+    keymap = torch_families.module(families.of_model(model).name, "keymap")
     base = nnx.state(model, nnx.Param)
     out = {}
     for e in keymap.transformer_key_map():

@@ -62,7 +62,7 @@ FIELDS = {f.name: f for f in (
 
 TRAJECTORY_FIELDS = tuple(n for n, f in FIELDS.items() if f.trajectory)
 TRAIN_FIELDS = tuple(n for n, f in FIELDS.items() if f.train)
-# the text: embeds (Qwen-Image) or token ids (BAGEL, docs/bagel.md §4), each with its mask; a token-id family carries
+# the text: embeds or token ids, each with its mask; a token-id family carries
 # the ids in place of the embeds (`TEXT_IDS`)
 TEXT_FIELDS = ("prompt_embeds", "prompt_ids", "prompt_mask", "negative_prompt_embeds", "negative_prompt_ids",
                "negative_prompt_mask")

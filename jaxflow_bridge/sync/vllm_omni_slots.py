@@ -10,8 +10,8 @@ import torch
 
 def lora_component(pipeline) -> tuple[str, torch.nn.Module]:
     """(name, module) of the pipeline part whose layers vLLM-Omni's LoRA manager wraps, as our pipeline classes
-    name it in `lora_component`: Qwen-Image's "transformer", BAGEL's "bagel" (the manager's full layer names
-    start with it)."""
+    name it in `lora_component`, their family spec's `LORA_COMPONENT` (the manager's full layer names start with
+    it)."""
     return pipeline.lora_component, getattr(pipeline, pipeline.lora_component)
 
 
@@ -21,9 +21,9 @@ def _leaf(suffix: str) -> str:
 
 def packed_modules(component: torch.nn.Module) -> dict[str, list[str]]:
     """{fused layer leaf: [slice leaves, in slot order]}: what vLLM-Omni's LoRA manager derives from its modules'
-    `stacked_params_mapping` entries (fused suffix, slice suffix, shard id), which their `load_weights` set (BAGEL's
-    `Qwen2MoTForCausalLM` has no `packed_modules_mapping`), with the component class's `packed_modules_mapping`
-    (Qwen-Image's transformer) taking precedence."""
+    `stacked_params_mapping` entries (fused suffix, slice suffix, shard id), which their `load_weights` set (a component
+    whose class has no `packed_modules_mapping` declares its fused layers only there), with the component class's
+    `packed_modules_mapping`, where it has one, taking precedence."""
     derived: dict[str, list[str]] = {}
     for module in component.modules():
         for fused, part, *_ in getattr(module, "stacked_params_mapping", None) or ():

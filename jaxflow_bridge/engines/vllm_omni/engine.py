@@ -1,31 +1,29 @@
 """The GPU rollout engine: vLLM-Omni 0.20 (`AsyncOmni`) serving our FlowGRPO pipeline, inside the Ray actor.
 
-Config keys: `engine` ("vllm_omni"), `model` (a local diffusers Qwen-Image folder saved in bf16, or "tiny"; or a BAGEL
-folder, or "tiny_bagel": the model kind comes from the folder, `jaxflow_bridge/engines/vllm_omni/kinds.py`),
-`dtype` ("bfloat16"; vLLM-Omni 0.20 runs bf16 folders only), `device` (None or "cuda": the GPU Ray gave the actor),
-`random_seed` (optional: the transformer's weights are drawn on the GPU from this seed by the shared spec,
-`jaxflow_bridge/contract/random_weights.py`, as with the diffusers engine; the folder needs only `transformer/config.json`),
-`omni_args` (extra `AsyncOmni` keyword arguments, e.g. {"enforce_eager": True}), `lora_apply` ("fused", the
-default: LoRA'd linears run `jaxflow_bridge/rollout/kernels/lora_linear.py`; "stock": vLLM-Omni's per-slice apply, for
-comparison; "merged": the adapter merged into the base weights, `jaxflow_bridge/sync/merge.py`),
-`cfg_forward` ("batched" or "split": true CFG's rows in one forward or two, `jaxflow_bridge.rollout.sampling`),
-`qk_ops` ("compiled", the default: the attention's q/k norms and rotary in torch ops that torch.compile fuses,
-`jaxflow_bridge/families/qwen_image/qk_rope.py`; "vllm": vLLM-Omni's own kernels, for comparison), `fa_version` ("auto",
-the default: FA3 on Hopper where vLLM-Omni would fall back to FA2, `jaxflow_bridge/engines/vllm_omni/fa_version.py`;
-"2": as vLLM-Omni chooses), `gelu` ("epilogue", the default: the MLP's in-projection and tanh GELU in one cuBLASLt GEMM
-where no LoRA layer wraps it, `jaxflow_bridge/families/qwen_image/linear_gelu.py`; "separate": vLLM-Omni's elementwise
-kernel), `deploy` (BAGEL only: "single_stage", the default, or "two_stage"; `kinds.BAGEL_DEPLOY_FILES`).
-Same calls and results as the diffusers engine. BAGEL (docs/bagel.md §7 (d)): our FlowGRPOBagelPipeline in
-vLLM-Omni's single-stage deployment (`deploy_config`; or on the DiT stage of two, below), BagelSamplingParams, LoRA
-on the generation expert through vLLM-Omni's per-slice apply; the Qwen-Image options, lora_apply other than "stock"
-and random_seed are refused.
+Config keys: `engine` ("vllm_omni"), `model` (a local model folder saved in bf16, or a family's tiny model name: the
+model kind, hence the pipeline and its options, comes from the folder, `jaxflow_bridge/engines/vllm_omni/kinds.py` and
+the families' `vllm_omni_kind.py`), `dtype` ("bfloat16"; vLLM-Omni 0.20 runs bf16 folders only), `device` (None or
+"cuda": the GPU Ray gave the actor), `random_seed` (optional: the transformer's weights are drawn on the GPU from this
+seed by the shared spec, `jaxflow_bridge/contract/random_weights.py`, as with the diffusers engine; the folder needs
+only `transformer/config.json`), `omni_args` (extra `AsyncOmni` keyword arguments, e.g. {"enforce_eager": True}),
+`lora_apply` ("fused", the default: LoRA'd linears run `jaxflow_bridge/rollout/kernels/lora_linear.py`; "stock":
+vLLM-Omni's per-slice apply, for comparison; "merged": the adapter merged into the base weights,
+`jaxflow_bridge/sync/merge.py`), `cfg_forward` ("batched" or "split": true CFG's rows in one forward or two,
+`jaxflow_bridge.rollout.sampling`), `qk_ops` ("compiled", the default: the attention's q/k norms and rotary in torch
+ops that torch.compile fuses; "vllm": vLLM-Omni's own kernels, for comparison), `fa_version` ("auto", the default: FA3
+on Hopper where vLLM-Omni would fall back to FA2, `jaxflow_bridge/engines/vllm_omni/fa_version.py`; "2": as vLLM-Omni
+chooses), `gelu` ("epilogue", the default: the MLP's in-projection and tanh GELU in one cuBLASLt GEMM where no LoRA
+layer wraps it; "separate": vLLM-Omni's elementwise kernel), `deploy` (a kind with several vLLM-Omni deployments:
+"single_stage", the default, or "two_stage"). Same calls and results as the diffusers engine. Each kind refuses the
+options its pipeline lacks (`pipeline_args`), checks adapters' names (`adapter`) and brings its sampling parameters
+(`sampling`) and request encoder (`encode_request`).
 
 - generate: one engine request per prompt with `num_outputs_per_prompt=n` (one B=n forward, 2n with true CFG,
   per step), all submitted at once; knobs split into OmniDiffusionSamplingParams fields and `extra_args`
-  (`families.qwen_image.vllm_omni_pipeline.encode_request`); results unpacked into one TrajectoryBatch, prompt-major.
-- update_lora: the adapter, renamed for vLLM-Omni (`jaxflow_bridge.contract.lora.to_vllm_omni`; BAGEL's checked on
-  the generation expert first), is checked against the engine's LoRA-capable layers (the transformer's, BAGEL's
-  `bagel`'s: names, packed slots, shapes) before the engine sees it, written as a PEFT folder under /dev/shm and
+  (the kind's `encode_request`); results unpacked into one TrajectoryBatch (`codec.unpack_trajectories`), prompt-major.
+- update_lora: the adapter, renamed for vLLM-Omni (`jaxflow_bridge.contract.lora.to_vllm_omni`; the kind checks its
+  names first), is checked against the engine's LoRA-capable layers (its pipeline's LoRA component's: names,
+  packed slots, shapes) before the engine sees it, written as a PEFT folder under /dev/shm and
   loaded by vLLM-Omni's own loader (`add_lora(LoRARequest)`); every later request
   carries that LoRARequest. If loading fails, the previous adapter is loaded back and keeps serving.
 - update_lora_shared: the adapter in a shared-memory file on this host (jaxflow_bridge/contract/lora_shm.py); once an
@@ -35,7 +33,7 @@ and random_seed are refused.
 - lora_apply="merged": no LoRA layers at all; update_lora / update_lora_shared merge the adapter into the base
   weights (`jaxflow_bridge/sync/merge.py`, restored exactly from a host copy each time), `release_adapter`
   starts that restore as soon as a step's rollouts are over.
-- BAGEL's two-stage deployment (`deploy="two_stage"`, vLLM-Omni's `bagel.yaml`): the thinker (vLLM's AR engine) prefills
+- a two-stage deployment (`deploy="two_stage"`): the thinker (vLLM's AR engine) prefills
   each request's framed prompt and sends its KV to our pipeline on the DiT stage (one greedy token, think mode
   refused); worker RPCs and adapters go to the DiT stage alone, sleep and wake to both; the ids the thinker reports
   must be the trajectory's `prompt_ids` (`unpack_trajectories`).
@@ -71,7 +69,8 @@ from jaxflow_bridge.sync.binding import check_lora_binding, slot_plan
 from jaxflow_bridge.rollout.sampling import check_prompts, per_sample_seeds
 from jaxflow_bridge.rollout.tensors import torch_to_numpy
 from jaxflow_bridge.engines.vllm_omni.kinds import model_kind
-from jaxflow_bridge.families.qwen_image.vllm_omni_pipeline import WORKER_EXTENSION_CLASS, unpack_trajectories
+from jaxflow_bridge.engines.vllm_omni.codec import unpack_trajectories
+from jaxflow_bridge.engines.vllm_omni.worker import WORKER_EXTENSION_CLASS
 
 log = logging.getLogger(__name__)
 INSTALL_HINT = ("the 'vllm_omni' rollout engine needs vLLM-Omni 0.20 on a CUDA machine: `pip install jaxflow[omni]`, "
@@ -117,7 +116,7 @@ def _export_package_path() -> None:
 
 
 def _import_text_params():
-    """vLLM's SamplingParams: a two-stage BAGEL's thinker is a vLLM AR engine."""
+    """vLLM's SamplingParams: a two-stage deployment's thinker is a vLLM AR engine."""
     try:
         from vllm import SamplingParams
     except ImportError as e:
@@ -177,8 +176,7 @@ class VllmOmniEngine(RolloutEngine):
         if self.omni.num_stages != self.kind.stages:  # one params object a stage, the DiT stage's RPC replies
             self.omni.shutdown()
             raise RuntimeError(f"vLLM-Omni started {self.omni.num_stages} stages for {self.model_path}; the vllm_omni "
-                               f"engine expected {self.kind.stages} (BAGEL: deploy/bagel_single_stage.yaml for one, "
-                               f"deploy/bagel.yaml for the thinker and the DiT)")
+                               f"engine expected {self.kind.stages} ({self.kind.stage_layout})")
         self._modules = _flat(self._rpc("rollout_lora_modules"))[0]
         if self.random_seed is not None:  # what the workers drew, not what the spec promises
             self.fingerprint = _flat(self._rpc("rollout_random_fingerprint"))[0]
@@ -282,7 +280,7 @@ class VllmOmniEngine(RolloutEngine):
         policy_version(version)
         self.check_awake()
         open_payload(manifest)
-        self.kind.adapter(dict(manifest["entries"]))  # its names (BAGEL: on the generation expert only)
+        self.kind.adapter(dict(manifest["entries"]))  # its names, as the kind allows them
         adapter_config = dict(adapter_config or self._lora_config or {})
         if self.merged:
             if not adapter_config:
@@ -360,13 +358,13 @@ class VllmOmniEngine(RolloutEngine):
 
     async def _dit_lora(self, method: str, arg) -> bool:
         """`add_lora` / `remove_lora` on the diffusion stage: what AsyncOmni's methods of those names do on every
-        stage (a two-stage BAGEL's thinker runs no adapter: the generation expert it would bind never runs there)."""
+        stage (a two-stage deployment's thinker runs no adapter: the layers it would bind never run there)."""
         results = await self.omni.collective_rpc(method=method, args=(arg,), stage_ids=self._dit)
         return bool(results) and all(all(map(bool, r)) if isinstance(r, list) else bool(r) for r in results)
 
     # -------------------------------------------------------------------------------------- lifecycle
 
-    def close(self) -> None:  # without it a failed request left a two-stage BAGEL's process waiting on its stages
+    def close(self) -> None:  # without it a failed request left a two-stage deployment's process waiting on its stages
         self.omni.shutdown()
 
     def sleep(self) -> int:

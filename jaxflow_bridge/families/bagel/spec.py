@@ -21,6 +21,7 @@ DEPLOY_FILES = {"single_stage": ("deploy", "bagel_single_stage.yaml"), "two_stag
 DEPLOYS = tuple(DEPLOY_FILES)
 
 ENGINES = ("bagel_torch", "vllm_omni")  # the rollout engines that serve it
+LORA_COMPONENT = "bagel"  # the pipeline part vLLM-Omni's LoRA manager wraps (its layer names start with it)
 
 
 def is_folder(folder: Path) -> bool:

@@ -34,9 +34,10 @@ import torch
 
 from jaxflow_bridge.contract.schedule import sigma_schedule
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
+from jaxflow_bridge.families.bagel import spec
 from jaxflow_bridge.families.bagel.sampling import PIXELS_PER_TOKEN, SCHEDULER_CONFIG, BagelSamplingParams, pad_ids
 from jaxflow_bridge.families.bagel.scheduler import WindowScheduler
-from jaxflow_bridge.families.qwen_image.vllm_omni_pipeline import pack_trajectories
+from jaxflow_bridge.engines.vllm_omni.codec import pack_trajectories
 
 PIPELINE_CLASS = f"{__name__}.FlowGRPOBagelPipeline"
 # BagelSamplingParams fields in OmniDiffusionSamplingParams attributes; the rest ride in extra_args
@@ -258,8 +259,8 @@ def build_pipeline_class(base: type, output_cls, cache_cls) -> type:
     namespace = {"__init__": __init__, "_autocast": _autocast, "_on_device": _on_device,
                  "_rollout_context": _rollout_context, "_received_context": _received_context,
                  "_rollout_denoise": _rollout_denoise, "forward": forward,
-                 "lora_component": "bagel", "__module__": __name__, "__qualname__": "FlowGRPOBagelPipeline",
-                 "__doc__": doc}
+                 "lora_component": spec.LORA_COMPONENT, "__module__": __name__,
+                 "__qualname__": "FlowGRPOBagelPipeline", "__doc__": doc}
     return type("FlowGRPOBagelPipeline", (base,), namespace)
 
 

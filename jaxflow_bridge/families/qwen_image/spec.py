@@ -13,6 +13,7 @@ MARKER = "model_index.json"
 WEIGHTS = "transformer"  # the fingerprinted weights: every safetensors file of the folder's transformer/
 
 ENGINES = ("diffusers", "vllm_omni")  # the rollout engines that serve it
+LORA_COMPONENT = "transformer"  # the pipeline part vLLM-Omni's LoRA manager wraps (its layer names start with it)
 
 # scheduler/scheduler_config.json of the Hugging Face model Qwen/Qwen-Image (docs/numerics.md §1).
 SCHEDULER_CONFIG = {

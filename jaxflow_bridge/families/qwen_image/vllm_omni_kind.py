@@ -24,6 +24,7 @@ class VllmOmniKind:
 
     name = spec.NAME
     stages = 1  # vLLM-Omni's default: one diffusion stage
+    stage_layout = "Qwen-Image: vLLM-Omni's default, one diffusion stage"  # named when another count starts
     sampling = SamplingParams
     encode_request = staticmethod(qwen_pipeline.encode_request)
 

@@ -1,4 +1,5 @@
-"""Our Qwen-Image rollout inside vLLM-Omni 0.20: the custom pipeline class and the request/output codec.
+"""Our Qwen-Image rollout inside vLLM-Omni 0.20: the custom pipeline class and its request codec (the result's
+codec and the workers' extension are the engine's, `jaxflow_bridge/engines/vllm_omni/{codec,worker}.py`).
 
 vLLM-Omni builds a custom pipeline from `custom_pipeline_args={"pipeline_class": "<module>.<Class>"}`: its worker
 calls `vllm.utils.import_utils.resolve_obj_by_qualname`, i.e. `getattr(importlib.import_module(module), Class)`
@@ -12,9 +13,6 @@ imports without vLLM-Omni (CPU machines, tests) and builds its vLLM-Omni subclas
   `QwenTimestepProjEmbeddings` has the same call and cast as diffusers'), per-sample CPU generators, seeds and
   SDE windows, the torch SDE of `jaxflow_bridge.rollout.sde`. Requests without our `extra_args` (the engine's warm-up
   run, plain text-to-image requests) run the stock pipeline.
-- `RolloutWorkerExtension`: vLLM-Omni's `CustomPipelineWorkerExtension` plus `rollout_lora_modules()`, the
-  transformer's LoRA-capable layers and their shapes (the engine checks adapters against it), the in-place LoRA
-  write into vLLM-Omni's slots, and with lora_apply="merged" the merge into the base weights and its restore.
 
 With JAXFLOW_ROLLOUT_TRACE=DIR in the workers' environment, the JAXFLOW_ROLLOUT_TRACE_AT-th rollout request (default
 3) a worker serves runs under torch.profiler and its CUDA kernels go to DIR (scripts/bench_rollout_lora.py reads them).
@@ -37,28 +35,23 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from jaxflow_bridge.contract.batch import PAYLOAD_FIELDS
 from jaxflow_bridge.contract.schedule import CFG_FORWARDS
-from jaxflow_bridge.contract.trajectory import TrajectoryBatch
+from jaxflow_bridge.engines.vllm_omni.codec import pack_trajectories
 from jaxflow_bridge.engines.vllm_omni.fa_version import FA_VERSIONS, use_fa3
 from jaxflow_bridge.families.qwen_image.linear_gelu import install_gelu_epilogue
 from jaxflow_bridge.rollout.kernels.lora_linear import install_fused_apply
-from jaxflow_bridge.sync.merge import MergedLoRA, plan_targets
+from jaxflow_bridge.sync.merge import MergedLoRA
+from jaxflow_bridge.families.qwen_image import spec
 from jaxflow_bridge.families.qwen_image.diffusers_pipeline import text_tower
 from jaxflow_bridge.rollout.fingerprint import TensorHead, weights_fingerprint
 from jaxflow_bridge.families.qwen_image.qk_rope import QK_OPS, use_native_qk
 from jaxflow_bridge.families.qwen_image.random_init import random_named_weights
 from jaxflow_bridge.rollout.sampling import Fp32Timestep, SamplingLoop, SamplingParams
-from jaxflow_bridge.rollout.tensors import numpy_to_torch, torch_to_numpy
-from jaxflow_bridge.sync.vllm_omni_slots import MappedPayload, lora_component, lora_module_table, write_lora_slots
 
 log = logging.getLogger(__name__)
 PIPELINE_CLASS = f"{__name__}.FlowGRPOQwenImagePipeline"
-WORKER_EXTENSION_CLASS = f"{__name__}.RolloutWorkerExtension"
-PAYLOAD_KEY = "rollout"  # our entry in DiffusionOutput.custom_output
 # SamplingParams fields carried by OmniDiffusionSamplingParams attributes, and those carried in its extra_args.
 PARAM_FIELDS = ("height", "width", "num_inference_steps", "true_cfg_scale", "max_sequence_length", "seed")
 EXTRA_FIELDS = ("noise_level", "sde_type", "sde_window_size", "sde_window_range", "same_latent", "keep_final")
@@ -100,51 +93,6 @@ def decode_request(prompts: list, params) -> tuple[str, SamplingParams, int, lis
                   negative_prompt=prompts[0]["negative_prompt"])
     return (prompts[0]["prompt"], SamplingParams(**values), params.num_outputs_per_prompt, list(extra["seeds"]),
             int(extra["policy_version"]))
-
-
-# ------------------------------------------------------------------------------------------ output codec
-
-
-def pack_trajectories(batch: TrajectoryBatch) -> dict:
-    """DiffusionOutput fields for a batch of one prompt's samples.
-
-    trajectory_latents (B, W+1, S, C) and trajectory_log_probs (B, W) use vLLM-Omni's own fields (shared memory
-    for large tensors); the schema's other `PAYLOAD_FIELDS` ride in custom_output[PAYLOAD_KEY] as tensors (bf16 embeds
-    stay bf16; the text fields the batch carries: embeds or BAGEL's int32 token ids, negatives iff guided, L' = 0
-    included). Every tensor is a view of the batch's numpy buffer (no copy); `unpack_trajectories` views them back.
-    `output` is the image in [-1, 1] (B, 3, H, W), what vLLM-Omni's Qwen-Image post-processing turns into PIL
-    images; exact from the uint8 images, so `OmniRequestOutput.images` shows the same pixels.
-    """
-    payload = {k: getattr(batch, k) for k in PAYLOAD_FIELDS if getattr(batch, k) is not None}
-    images = torch.from_numpy(batch.images).permute(0, 3, 1, 2).float() / 127.5 - 1
-    return {"output": images, "trajectory_latents": numpy_to_torch(batch.latents),
-            "trajectory_log_probs": numpy_to_torch(batch.log_probs),
-            "custom_output": {PAYLOAD_KEY: {k: numpy_to_torch(np.ascontiguousarray(v)) for k, v in payload.items()}}}
-
-
-def _numpy(x) -> np.ndarray:
-    return x if isinstance(x, np.ndarray) else torch_to_numpy(x)
-
-
-def unpack_trajectories(output, prompt: str, group_id: int, thinker_ids: list | None = None) -> TrajectoryBatch:
-    """TrajectoryBatch of one request's samples from a vLLM-Omni result (`OmniRequestOutput` or anything with
-    trajectory_latents, trajectory_log_probs and custom_output); ValueError if our payload is missing, or if
-    `thinker_ids` (the ids a two-stage BAGEL's thinker prefilled) are not every sample's `prompt_ids`."""
-    payload = (getattr(output, "custom_output", None) or {}).get(PAYLOAD_KEY)
-    if payload is None or output.trajectory_latents is None:
-        raise ValueError(f"vLLM-Omni result for {prompt[:40]!r} carries no rollout trajectory "
-                         f"(error: {getattr(output, 'error', None)!r}); was the pipeline {PIPELINE_CLASS}?")
-    arrays = {k: _numpy(v) for k, v in payload.items()}
-    if thinker_ids is not None:
-        fed = [list(ids[mask]) for ids, mask in zip(arrays["prompt_ids"], arrays["prompt_mask"])]
-        if any(f != [int(t) for t in thinker_ids] for f in fed):
-            raise ValueError(f"vLLM-Omni's thinker prefilled {len(thinker_ids)} ids for {prompt[:40]!r} that are not "
-                             f"the trajectory's {len(fed[0])} context ids: the trainer would rebuild another context")
-    latents = _numpy(output.trajectory_latents)
-    return TrajectoryBatch.from_dict({  # the trajectory crossed from the worker: validated here, once
-        **arrays, "latents": latents, "log_probs": _numpy(output.trajectory_log_probs),
-        "prompts": np.asarray([prompt] * len(latents), np.str_),
-        "group_ids": np.full(len(latents), group_id, np.int64)})
 
 
 # ------------------------------------------------------------------------------------------ the classes
@@ -260,8 +208,8 @@ def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = N
 
     doc = "vLLM-Omni's QwenImagePipeline serving SamplingLoop's FlowGRPO rollout (see the module docstring)."
     namespace = {"__init__": __init__, "load_weights": load_weights, "dtype": property(dtype), "forward": forward,
-                 "lora_component": "transformer", "__module__": __name__, "__qualname__": "FlowGRPOQwenImagePipeline",
-                 "__doc__": doc}
+                 "lora_component": spec.LORA_COMPONENT, "__module__": __name__,
+                 "__qualname__": "FlowGRPOQwenImagePipeline", "__doc__": doc}
     return type("FlowGRPOQwenImagePipeline", (SamplingLoop, base), namespace)
 
 
@@ -281,63 +229,7 @@ def _pipeline_class() -> type:
                                 ColumnParallelApproxGELU)
 
 
-class RolloutWorkerMethods:
-    """What `RolloutWorkerExtension` adds to vLLM-Omni's diffusion worker (its `model_runner.pipeline`, one of our
-    pipeline classes, and its `lora_manager`); a plain mixin, so tests can call it on a stand-in worker."""
-
-    def rollout_lora_modules(self) -> dict:
-        return lora_module_table(lora_component(self.model_runner.pipeline)[1])
-
-    def rollout_random_fingerprint(self) -> str | None:
-        return self.model_runner.pipeline.random_fingerprint
-
-    def rollout_write_lora(self, manifest: dict, plan: list, first_b: int, scale: float, adapter_id: int) -> dict:
-        if not hasattr(self, "_rollout_payload"):
-            self._rollout_payload = MappedPayload()
-        name, component = lora_component(self.model_runner.pipeline)
-        device = next(component.parameters()).device
-        try:
-            return write_lora_slots(self.lora_manager, self._rollout_payload.to(manifest, device), plan, first_b,
-                                    scale, adapter_id, name)
-        except (RuntimeError, AttributeError, KeyError) as e:  # reported as an RPC error: the engine falls back
-            return {"error": True, "reason": f"{type(e).__name__}: {e}"}
-
-    def rollout_merge_lora(self, manifest: dict | None, plan: list, scale: float) -> dict:
-        """lora_apply="merged": the shared file's adapter merged into the base weights (manifest None: the previous
-        adapter merged again, after the engine refused a new one)."""
-        pipeline = self.model_runner.pipeline
-        merged = pipeline.merged_lora
-        try:
-            if manifest is None:
-                serve_again = merged.previous is not None and not merged.serving
-                return merged.merge(*merged.previous) if serve_again else {"written": 0}
-            if not hasattr(self, "_rollout_payload"):
-                self._rollout_payload = MappedPayload()
-            if not hasattr(self, "_rollout_table"):  # the transformer's layers do not change: read them once
-                self._rollout_table = lora_module_table(pipeline.transformer)
-            device = next(pipeline.transformer.parameters()).device
-            targets = plan_targets(pipeline.transformer, plan, self._rollout_table)
-            return merged.merge(self._rollout_payload.to(manifest, device), targets, scale)
-        except (RuntimeError, AttributeError, KeyError) as e:  # reported as an RPC error
-            return {"error": True, "reason": f"{type(e).__name__}: {e}"}
-
-    def rollout_restore_base(self) -> dict:
-        """lora_apply="merged": start restoring the bare base weights (they copy back while the trainer trains)."""
-        merged = self.model_runner.pipeline.merged_lora
-        if merged is not None:
-            merged.begin_restore()
-        return {"restoring": merged is not None}
-
-
-def _worker_extension_class() -> type:
-    from vllm_omni.diffusion.worker.diffusion_worker import (
-        CustomPipelineWorkerExtension,
-    )
-
-    return type("RolloutWorkerExtension", (RolloutWorkerMethods, CustomPipelineWorkerExtension), {"__module__": __name__})
-
-
-_LAZY = {"FlowGRPOQwenImagePipeline": _pipeline_class, "RolloutWorkerExtension": _worker_extension_class}
+_LAZY = {"FlowGRPOQwenImagePipeline": _pipeline_class}
 
 
 def __getattr__(name: str):

@@ -12,11 +12,11 @@ cosine decay) after global-norm clipping, an EMA of the params; params, optimize
 `jaxflow.trainer.sharding.Layout` rules, the batch sharded over the data axis. The EMA weights are saved, through the key
 map, as the folder's `transformer/` (`save_transformer`).
 
-Inputs (written by `python -m jaxflow_bridge.mini_ocr.prepare encode`): DATA/latents.npy (N, S, 64) float32 packed
+Inputs (written by `python -m experiments.mini_ocr.prepare encode`): DATA/latents.npy (N, S, 64) float32 packed
 normalised VAE means, DATA/index.npy (N,) the train word of each image, DATA/text.npz (embeds (P, L, D), mask
 (P, L), neg_embeds (L, D), neg_mask (L,)).
 
-CLI: ``python -m jaxflow.mini_ocr.pretrain --pipeline OUT/pipeline --data OUT/data --steps N [--batch 256]
+CLI: ``python -m experiments.mini_ocr.pretrain --pipeline OUT/pipeline --data OUT/data --steps N [--batch 256]
 [--max-minutes 8] [--dtype bfloat16]``.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ from jaxflow.families.qwen_image.loading import load_transformer, save_transform
 from jaxflow.trainer.sharding import Layout, ShardingConfig
 from jaxflow_bridge.contract.schedule import calculate_shift
 from jaxflow_bridge.families.qwen_image.spec import pixels_per_token
-from jaxflow_bridge.mini_ocr.render import HEIGHT, WIDTH
+from experiments.mini_ocr.render import HEIGHT, WIDTH
 
 
 @flax.struct.dataclass
@@ -158,7 +158,7 @@ def _grid(pipeline: Path, tokens: int) -> tuple[int, int]:
     grid = (HEIGHT // factor, WIDTH // factor)
     if grid[0] * grid[1] != tokens:
         raise ValueError(f"latents have {tokens} tokens, but {HEIGHT}x{WIDTH} images give {grid}: re-run "
-                         f"`python -m jaxflow_bridge.mini_ocr.prepare encode` for this folder")
+                         f"`python -m experiments.mini_ocr.prepare encode` for this folder")
     return grid
 
 

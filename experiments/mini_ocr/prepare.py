@@ -1,8 +1,8 @@
 """The torch-side steps of the mini OCR proof, each one command (`experiments/mini_ocr/run.sh` runs them in order):
 
-    python -m jaxflow_bridge.mini_ocr.prepare data   --out OUT [--train 4000 --test 200 --variants 4]
-    python -m jaxflow_bridge.mini_ocr.prepare vae    --out OUT [--steps 6000 --batch 16 --crop 32x64 --device cuda]
-    python -m jaxflow_bridge.mini_ocr.prepare encode --out OUT [--device cuda]
+    python -m experiments.mini_ocr.prepare data   --out OUT [--train 4000 --test 200 --variants 4]
+    python -m experiments.mini_ocr.prepare vae    --out OUT [--steps 6000 --batch 16 --crop 32x64 --device cuda]
+    python -m experiments.mini_ocr.prepare encode --out OUT [--device cuda]
 
 data: OUT/data/{train,test}.txt (prompts), images.npy (uint8 renders of the train words, `variants` each),
 index.npy (the word of each image), and the OCR reward of clean renders of the held-out words (ocr_clean.json).
@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from jaxflow_bridge.mini_ocr.folder import SIZES, build_folder, encode_text
-from jaxflow_bridge.mini_ocr.render import HEIGHT, WIDTH, render_dataset
-from jaxflow_bridge.mini_ocr.vae import build_vae, pack, posterior_means, reconstruct, set_latent_stats, train_vae
-from jaxflow_bridge.mini_ocr.words import prompt, split, write_prompts
+from experiments.mini_ocr.folder import SIZES, build_folder, encode_text
+from experiments.mini_ocr.render import HEIGHT, WIDTH, render_dataset
+from experiments.mini_ocr.vae import build_vae, pack, posterior_means, reconstruct, set_latent_stats, train_vae
+from experiments.mini_ocr.words import prompt, split, write_prompts
 from jaxflow_bridge.rewards.ocr import OcrReward
 
 

@@ -3,7 +3,7 @@
 Words are seeded random letter strings, not dictionary words: nothing to download, and a held-out word shares no
 string with training, only letters, so the eval measures letter-level generalisation.
 
-CLI: ``python -m jaxflow_bridge.mini_ocr.words --out DIR [--train 4000 --test 200 --seed 0]`` writes DIR/train.txt and
+CLI: ``python -m experiments.mini_ocr.words --out DIR [--train 4000 --test 200 --seed 0]`` writes DIR/train.txt and
 DIR/test.txt, one prompt a line (the format `jaxflow.run.data.load_prompts` reads).
 """
 from __future__ import annotations

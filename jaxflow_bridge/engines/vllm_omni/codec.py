@@ -1,0 +1,62 @@
+"""The rollout result's codec across vLLM-Omni 0.20: our pipelines pack a TrajectoryBatch into vLLM-Omni's
+DiffusionOutput fields in the worker, the engine unpacks it from the request's result."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from jaxflow_bridge.contract.batch import PAYLOAD_FIELDS
+from jaxflow_bridge.contract.trajectory import TrajectoryBatch
+from jaxflow_bridge.engines import families
+from jaxflow_bridge.rollout.tensors import numpy_to_torch, torch_to_numpy
+
+PAYLOAD_KEY = "rollout"  # our entry in DiffusionOutput.custom_output
+
+
+
+def pack_trajectories(batch: TrajectoryBatch) -> dict:
+    """DiffusionOutput fields for a batch of one prompt's samples.
+
+    trajectory_latents (B, W+1, S, C) and trajectory_log_probs (B, W) use vLLM-Omni's own fields (shared memory
+    for large tensors); the schema's other `PAYLOAD_FIELDS` ride in custom_output[PAYLOAD_KEY] as tensors (bf16 embeds
+    stay bf16; the text fields the batch carries: embeds or int32 token ids, negatives iff guided, L' = 0
+    included). Every tensor is a view of the batch's numpy buffer (no copy); `unpack_trajectories` views them back.
+    `output` is the image in [-1, 1] (B, 3, H, W), what vLLM-Omni's diffusers-style post-processing turns into PIL
+    images; exact from the uint8 images, so `OmniRequestOutput.images` shows the same pixels.
+    """
+    payload = {k: getattr(batch, k) for k in PAYLOAD_FIELDS if getattr(batch, k) is not None}
+    images = torch.from_numpy(batch.images).permute(0, 3, 1, 2).float() / 127.5 - 1
+    return {"output": images, "trajectory_latents": numpy_to_torch(batch.latents),
+            "trajectory_log_probs": numpy_to_torch(batch.log_probs),
+            "custom_output": {PAYLOAD_KEY: {k: numpy_to_torch(np.ascontiguousarray(v)) for k, v in payload.items()}}}
+
+
+def our_pipelines() -> list[str]:
+    """The pipeline classes (custom_pipeline_args' pipeline_class) of the families vLLM-Omni serves."""
+    return [families.module(name, "vllm_omni_pipeline").PIPELINE_CLASS for name in families.FAMILIES
+            if "vllm_omni" in families.spec(name).ENGINES]
+
+
+def _numpy(x) -> np.ndarray:
+    return x if isinstance(x, np.ndarray) else torch_to_numpy(x)
+
+
+def unpack_trajectories(output, prompt: str, group_id: int, thinker_ids: list | None = None) -> TrajectoryBatch:
+    """TrajectoryBatch of one request's samples from a vLLM-Omni result (`OmniRequestOutput` or anything with
+    trajectory_latents, trajectory_log_probs and custom_output); ValueError if our payload is missing, or if
+    `thinker_ids` (the ids a two-stage deployment's thinker prefilled) are not every sample's `prompt_ids`."""
+    payload = (getattr(output, "custom_output", None) or {}).get(PAYLOAD_KEY)
+    if payload is None or output.trajectory_latents is None:
+        raise ValueError(f"vLLM-Omni result for {prompt[:40]!r} carries no rollout trajectory "
+                         f"(error: {getattr(output, 'error', None)!r}); was the pipeline one of {our_pipelines()}?")
+    arrays = {k: _numpy(v) for k, v in payload.items()}
+    if thinker_ids is not None:
+        fed = [list(ids[mask]) for ids, mask in zip(arrays["prompt_ids"], arrays["prompt_mask"])]
+        if any(f != [int(t) for t in thinker_ids] for f in fed):
+            raise ValueError(f"vLLM-Omni's thinker prefilled {len(thinker_ids)} ids for {prompt[:40]!r} that are not "
+                             f"the trajectory's {len(fed[0])} context ids: the trainer would rebuild another context")
+    latents = _numpy(output.trajectory_latents)
+    return TrajectoryBatch.from_dict({  # the trajectory crossed from the worker: validated here, once
+        **arrays, "latents": latents, "log_probs": _numpy(output.trajectory_log_probs),
+        "prompts": np.asarray([prompt] * len(latents), np.str_),
+        "group_ids": np.full(len(latents), group_id, np.int64)})
