@@ -82,3 +82,17 @@ def test_the_engine_and_the_validation_stage_call_the_same_rules(tmp_path, monke
     assert omni.started == []
     assert vllm_omni_engine.engine_problems is rules.engine_problems
     assert vllm_omni_engine.family_problems is rules.family_problems and validation.vllm_omni_rules is rules
+
+
+def test_cfg_forward_is_checked_by_one_function(tmp_path, monkeypatch):
+    """rollout.cfg_forward's check is the contract's `cfg_forward_choice`, which the diffusers engine calls too."""
+    from jaxflow_bridge.contract import schedule
+    from jaxflow_bridge.engines import diffusers
+
+    cfg = tiny_config(tmp_path)
+    cfg.rollout.cfg_forward = "both"
+    with pytest.raises(UserError, match=r"^config\.rollout\.cfg_forward: 'both'; choose one of \('batched', 'split'\)$"):
+        validation.validate(cfg)
+    assert diffusers.cfg_forward_choice is schedule.cfg_forward_choice
+    monkeypatch.setattr(validation, "cfg_forward_choice", lambda value: value)
+    validation.validate(cfg)  # the stage holds no second copy

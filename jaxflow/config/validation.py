@@ -19,7 +19,7 @@ from jaxflow.nn.config import LORA_GEMMS, ModelOptions
 from jaxflow.nn.lora import LoRASpec
 from jaxflow.trainer.sharding import ShardingConfig
 from jaxflow.trainer.step_config import TrainConfig
-from jaxflow_bridge.contract.schedule import CFG_FORWARDS
+from jaxflow_bridge.contract.schedule import cfg_forward_choice
 from jaxflow_bridge.engines.vllm_omni import rules as vllm_omni_rules
 from jaxflow_bridge.rewards.registry import NEED_TARGET, REGISTRY
 from jaxflow_bridge.rollout.server import ENGINES
@@ -171,8 +171,10 @@ def validate(cfg: ConfigDict) -> RunConfig:
     if cfg.rollout.compile and cfg.rollout.engine != "diffusers":
         fail("rollout.compile", "is an option of the diffusers engine; leave it False with "
                                  f"rollout.engine={cfg.rollout.engine!r}")
-    if cfg.rollout.cfg_forward not in CFG_FORWARDS:
-        fail("rollout.cfg_forward", f"{cfg.rollout.cfg_forward!r}; choose one of {CFG_FORWARDS}")
+    try:
+        cfg_forward_choice(cfg.rollout.cfg_forward)
+    except ValueError as exc:
+        fail("rollout.cfg_forward", str(exc).removeprefix("cfg_forward="))
     if cfg.model.lora_gemm not in ("auto", *LORA_GEMMS):
         fail("model.lora_gemm", f"{cfg.model.lora_gemm!r}; choose one of {('auto', *LORA_GEMMS)}")
     if not isinstance(cfg.model.scan_unroll, int) or cfg.model.scan_unroll < 0:
