@@ -134,11 +134,13 @@ def test_nn_imports_no_family_and_no_torch(path):
     assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}: jaxflow/nn/ is below the families"
 
 
-@pytest.mark.parametrize("path", sorted(p for d in ("jaxflow", "jaxflow_bridge") for p in (ROOT / d).rglob("*.py")
-                                        if p.name in ("spec.py", "keymap.py", "weight_keys.py")),
+@pytest.mark.parametrize("path", sorted([*(p for d in ("jaxflow", "jaxflow_bridge") for p in (ROOT / d).rglob("*.py")
+                                           if p.name in ("spec.py", "keymap.py", "weight_keys.py")),
+                                         ROOT / "jaxflow_bridge" / "engines" / "vllm_omni" / "rules.py"]),
                          ids=lambda p: str(p.relative_to(ROOT)))
 def test_family_specs_and_key_maps_import_no_framework(path):
-    """A family's spec.py and keymap.py are read by both sides: plain Python and numpy."""
+    """A family's spec.py and keymap.py, and the vllm_omni engine's rules, are read by both sides: plain Python and
+    numpy."""
     bad = {m for m in imported_modules(path) if m.split(".")[0] in {"jax", "flax", "optax", "torch", "jaxflow"}}
     assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 

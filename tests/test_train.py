@@ -67,7 +67,7 @@ def test_adam_settings_reach_the_train_config(tmp_path):
 
 def test_vllm_omni_takes_random_init_in_bf16_and_no_compile(tmp_path):
     cfg = tiny_config(tmp_path)
-    cfg.model.init, cfg.rollout.engine = "random", "vllm_omni"
+    cfg.model.init, cfg.rollout.engine, cfg.rollout.device = "random", "vllm_omni", "cuda"
     with pytest.raises(ValueError, match=r"rollout\.dtype.*bfloat16 only"):
         config_lib.validate(cfg)
     cfg.rollout.dtype = "bfloat16"

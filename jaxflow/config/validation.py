@@ -5,6 +5,7 @@ import importlib.util
 import itertools
 from pathlib import Path
 from types import ModuleType
+from typing import Iterator
 
 from ml_collections import ConfigDict
 
@@ -12,13 +13,14 @@ from jaxflow import families
 from jaxflow.config import sections
 from jaxflow.config.errors import UserError, fail
 from jaxflow.config.sections import RunConfig
-from jaxflow.families.base import option_problems
+from jaxflow.families.base import Problem, option_problems
 from jaxflow.run.data import load_prompts
 from jaxflow.nn.config import LORA_GEMMS, ModelOptions
 from jaxflow.nn.lora import LoRASpec
 from jaxflow.trainer.sharding import ShardingConfig
 from jaxflow.trainer.step_config import TrainConfig
-from jaxflow_bridge.contract.schedule import CFG_FORWARDS
+from jaxflow_bridge.contract.schedule import cfg_forward_choice
+from jaxflow_bridge.engines.vllm_omni import rules as vllm_omni_rules
 from jaxflow_bridge.rewards.registry import NEED_TARGET, REGISTRY
 from jaxflow_bridge.rollout.server import ENGINES
 
@@ -91,11 +93,25 @@ def _check_model(cfg: ConfigDict) -> None:
     if cfg.rollout.engine in ENGINES and cfg.rollout.engine not in family.engines:
         fail("rollout.engine", f"{cfg.rollout.engine!r} does not serve model.family={family.name!r}; choose "
                                 f"{' or '.join(family.engines)}")
-    for key, message in itertools.chain(family.problems(cfg), option_problems(cfg, family)):
+    for key, message in itertools.chain(family.problems(cfg), option_problems(cfg, family), engine_problems(cfg)):
         fail(key, message)
     if cfg.sample.max_think_tokens < 1:
         fail("sample.max_think_tokens", f"{cfg.sample.max_think_tokens!r} must be an int >= 1 (vLLM-Omni's default: "
                                          f"1000)")
+
+
+def engine_problems(cfg: ConfigDict) -> Iterator[Problem]:
+    """The rollout engine's rules on the config (the vllm_omni engine's: `vllm_omni_rules.problems`, the one copy its
+    engine checks too), on what the run hands it: the LoRA merged or not (`plan.merged_lora`) and the family's
+    engine keys (`Family.engine_config`)."""
+    if cfg.rollout.engine != "vllm_omni":
+        return
+    from jaxflow.config.plan import merged_lora  # the plan stage imports this module
+
+    family, r = families.of(cfg), cfg.rollout
+    yield from vllm_omni_rules.problems(family.name, dtype=r.dtype, device=r.device, init=cfg.model.init,
+                                        lora_mode="merged" if merged_lora(cfg) else r.lora_mode,
+                                        deploy=family.engine_config(cfg).get("deploy"), think=bool(cfg.sample.think))
 
 
 def _check_prompts(cfg: ConfigDict) -> None:
@@ -119,9 +135,6 @@ def validate(cfg: ConfigDict) -> RunConfig:
     naming the key and the fix; touches no model, device or Ray."""
     config = sections.build(cfg)
     _check_model(cfg)
-    if cfg.rollout.engine == "vllm_omni" and cfg.rollout.dtype != "bfloat16":
-        fail("rollout.dtype", f"{cfg.rollout.dtype!r}: the vllm_omni engine runs bfloat16 only; use "
-                               f"rollout.engine='diffusers' for float32")
     layout = cfg.rollout.layout
     if layout not in LAYOUTS:
         fail("rollout.layout", f"{layout!r}; choose one of {LAYOUTS}")
@@ -158,8 +171,10 @@ def validate(cfg: ConfigDict) -> RunConfig:
     if cfg.rollout.compile and cfg.rollout.engine != "diffusers":
         fail("rollout.compile", "is an option of the diffusers engine; leave it False with "
                                  f"rollout.engine={cfg.rollout.engine!r}")
-    if cfg.rollout.cfg_forward not in CFG_FORWARDS:
-        fail("rollout.cfg_forward", f"{cfg.rollout.cfg_forward!r}; choose one of {CFG_FORWARDS}")
+    try:
+        cfg_forward_choice(cfg.rollout.cfg_forward)
+    except ValueError as exc:
+        fail("rollout.cfg_forward", str(exc).removeprefix("cfg_forward="))
     if cfg.model.lora_gemm not in ("auto", *LORA_GEMMS):
         fail("model.lora_gemm", f"{cfg.model.lora_gemm!r}; choose one of {('auto', *LORA_GEMMS)}")
     if not isinstance(cfg.model.scan_unroll, int) or cfg.model.scan_unroll < 0:

@@ -63,7 +63,8 @@ def read_json(path: Path) -> dict:
 
 
 def option_problems(cfg, family: Family) -> Iterator[Problem]:
-    """vLLM-Omni's two-stage deployment and think mode against what `family` runs (after its own `problems`)."""
+    """vLLM-Omni's two-stage deployment and think mode against what `family` runs (after its own `problems`; the
+    vllm_omni engine's own rules on them: `validation.engine_problems`)."""
     from jaxflow import families  # the registry imports this module
 
     deploys = tuple(dict.fromkeys(s for name in families.FAMILIES for s in families.by_name(name).stages))
@@ -76,9 +77,6 @@ def option_problems(cfg, family: Family) -> Iterator[Problem]:
     if not 0.0 <= cfg.rollout.thinker_memory < 1.0 or (cfg.rollout.thinker_memory and deploy != "two_stage"):
         yield "rollout.thinker_memory", (f"{cfg.rollout.thinker_memory!r}: the two-stage thinker's share of the GPU "
                                          f"in (0, 1) with rollout.bagel_deploy='two_stage', or 0.0 for bagel.yaml's")
-    if deploy == "two_stage" and cfg.sample.think:
-        yield "rollout.bagel_deploy", ("'two_stage' has no think mode yet (the thinker only prefills): pass "
-                                       "--config.rollout.bagel_deploy=single_stage or --config.sample.think=False")
     if cfg.sample.think and not family.thinks:
         yield "sample.think", (f"True is BAGEL's think mode; model.family={family.name!r} has none: pass "
                                f"--config.sample.think=False")

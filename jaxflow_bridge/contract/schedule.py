@@ -13,6 +13,14 @@ import numpy as np
 # trainer's config names it `rollout.cfg_forward`): one forward with the texts padded to one length, or one each.
 CFG_FORWARDS = ("batched", "split")
 
+
+def cfg_forward_choice(value: str) -> str:
+    """`value` if it names a way to run true CFG's rows (CFG_FORWARDS), else ValueError: the one check, made by the
+    config's validation stage and the diffusers engine."""
+    if value not in CFG_FORWARDS:
+        raise ValueError(f"cfg_forward={value!r}; choose one of {CFG_FORWARDS}")
+    return value
+
 # FlowMatchEulerDiscreteScheduler's constructor defaults, for keys a config leaves out.
 _SCHEDULER_DEFAULTS = {
     "shift": 1.0,

@@ -22,7 +22,8 @@ import torch
 
 from jaxflow_bridge.engines import families
 from jaxflow_bridge.rollout.engine import RolloutEngine
-from jaxflow_bridge.rollout.sampling import SamplingLoop, SamplingParams, cfg_forward_choice
+from jaxflow_bridge.contract.schedule import cfg_forward_choice
+from jaxflow_bridge.rollout.sampling import SamplingLoop, SamplingParams
 
 
 def family_pipelines(model: str):

@@ -25,7 +25,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from jaxflow_bridge.contract.schedule import (CFG_FORWARDS, sample_windows, sigma_schedule, window_noise_levels,
+from jaxflow_bridge.contract.schedule import (sample_windows, sigma_schedule, window_noise_levels,
                                               window_size)
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.rollout.sde import SDE_TYPES, sde_step
@@ -113,13 +113,6 @@ class Fp32Timestep:
             yield
         finally:
             self.sigma = None
-
-
-def cfg_forward_choice(value: str) -> str:
-    """`value` if it names a way to run true CFG's rows (CFG_FORWARDS), else ValueError."""
-    if value not in CFG_FORWARDS:
-        raise ValueError(f"cfg_forward={value!r}; choose one of {CFG_FORWARDS}")
-    return value
 
 
 def check_prompts(prompts, n) -> None:

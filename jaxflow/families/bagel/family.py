@@ -24,7 +24,7 @@ from jaxflow_bridge.families.bagel import spec
 class Bagel:
     name = spec.NAME
     engines = spec.ENGINES
-    engine_runs = dict(zip(engines, (("float32", "cpu"), ("bfloat16", "cuda"))))  # (rollout dtype, device)
+    engine_runs = {"bagel_torch": ("float32", "cpu")}  # (rollout dtype, device); vllm_omni's: its rules
     merges_lora = False  # vllm_omni serves BAGEL's adapter through vLLM-Omni's LoRA layers only
     tiny = spec.TINY
     tiny_config = "configs/tiny_bagel_ocr.py (the tiny offline BAGEL)"
@@ -59,16 +59,15 @@ class Bagel:
             raise ValueError(f"{folder}'s {', '.join(self.files)} do not describe a BAGEL: {exc!r}") from None
 
     def problems(self, cfg) -> Iterator[Problem]:
-        """The engines' dtype and device, and what BAGEL's trainer and engines do not run yet."""
+        """The bagel_torch engine's dtype and device, and what BAGEL's trainer and engines do not run yet (the
+        vllm_omni engine's rules, `spec.vllm_omni_problems`, are checked with that engine's:
+        `validation.engine_problems`)."""
         r = cfg.rollout
         dtype, device = self.engine_runs.get(r.engine, (r.dtype, r.device))
         on = f"on the {r.engine} engine"
         for key, value, ok, want in (
                 ("rollout.dtype", r.dtype, r.dtype == dtype, f"'{dtype}' {on}"),
                 ("rollout.device", r.device, r.device == device, f"'{device}' {on}"),
-                ("rollout.lora_mode", r.lora_mode, r.lora_mode != "merged", "'auto' or 'layers' (no merged LoRA path)"),
-                ("model.init", cfg.model.init, cfg.model.init == "checkpoint" or r.engine == "bagel_torch",
-                 f"'checkpoint' {on} (vLLM-Omni's BAGEL has no random-weight path; bagel_torch has)"),
                 ("model.lora_gemm", cfg.model.lora_gemm, cfg.model.lora_gemm in ("auto", "xla"), "'auto' or 'xla'"),
                 ("train.algorithm", cfg.train.algorithm, cfg.train.algorithm == "flowgrpo", "'flowgrpo'"),
                 ("sample.negative_prompt", cfg.sample.negative_prompt, cfg.sample.negative_prompt == "",

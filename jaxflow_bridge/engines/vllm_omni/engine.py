@@ -68,8 +68,9 @@ from jaxflow_bridge.rollout.engine import RolloutEngine, policy_version
 from jaxflow_bridge.sync.binding import check_lora_binding, slot_plan
 from jaxflow_bridge.rollout.sampling import check_prompts, per_sample_seeds
 from jaxflow_bridge.rollout.tensors import torch_to_numpy
-from jaxflow_bridge.engines.vllm_omni.kinds import model_kind
 from jaxflow_bridge.engines.vllm_omni.codec import unpack_trajectories
+from jaxflow_bridge.engines.vllm_omni.kinds import family_of, model_kind
+from jaxflow_bridge.engines.vllm_omni.rules import engine_problems, family_problems, refuse, settings
 from jaxflow_bridge.engines.vllm_omni.worker import WORKER_EXTENSION_CLASS
 
 log = logging.getLogger(__name__)
@@ -146,13 +147,10 @@ class VllmOmniEngine(RolloutEngine):
 
     def __init__(self, config: dict):
         self.check_config(config)
-        if config.get("device") not in (None, "cuda"):
-            raise ValueError(f"the vllm_omni engine runs on the actor's CUDA GPU, got device={config['device']!r}")
         self.dtype = config.get("dtype", "bfloat16")
-        if self.dtype != "bfloat16":
-            raise ValueError(f"the vllm_omni engine runs dtype 'bfloat16' only (vLLM-Omni 0.20's warm-up fails on "
-                             f"float32 folders), got {self.dtype!r}; use the diffusers engine for float32")
+        refuse(engine_problems(self.dtype, config.get("device")))  # the validation stage's rules (rules.py): one copy
         async_omni, self._params_cls, self._lora_cls = _import_omni()
+        refuse(family_problems(family_of(config["model"]), **settings(config)))
         self.kind = model_kind(config["model"], self.dtype, config.get("deploy"))
         pipeline_args = self.kind.pipeline_args(config)  # refuses what the kind lacks, before anything loads
         start_args = self.kind.start_args(pipeline_args, WORKER_EXTENSION_CLASS)

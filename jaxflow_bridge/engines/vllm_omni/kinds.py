@@ -14,13 +14,19 @@ from pathlib import Path
 from jaxflow_bridge.engines import families
 
 
-def model_kind(model: str, dtype: str, deploy: str | None = None):
-    """The kind serving `model` (a folder, or a family's tiny model name: its cached folder saved in `dtype`), in
-    the topology `deploy` where its family has several (None: its default); ValueError in one line for a folder of
-    no family, or a deploy its family does not take."""
+def family_of(model: str) -> str:
+    """The family of `model` (a folder, or a family's tiny model name); ValueError in one line for a folder of no
+    family."""
     specs = [families.spec(name) for name in families.FAMILIES]
     for spec in specs:
         if model == spec.TINY or spec.is_folder(Path(model)):
-            kinds = families.module(spec.NAME, "vllm_omni_kind")
-            return kinds.VllmOmniKind(kinds.tiny_folder(dtype) if model == spec.TINY else Path(model), deploy)
+            return spec.NAME
     raise ValueError(f"vllm_omni engine: {model} is neither {' nor '.join(s.FOLDER for s in specs)}")
+
+
+def model_kind(model: str, dtype: str, deploy: str | None = None):
+    """The kind serving `model` (`family_of`; a tiny model: its cached folder saved in `dtype`), in the topology
+    `deploy` where its family has several (None: its default; the engine's rules, `rules.py`, refuse another)."""
+    spec = families.spec(family_of(model))
+    kinds = families.module(spec.NAME, "vllm_omni_kind")
+    return kinds.VllmOmniKind(kinds.tiny_folder(dtype) if model == spec.TINY else Path(model), deploy)

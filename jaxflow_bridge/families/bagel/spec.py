@@ -4,11 +4,13 @@ and vLLM-Omni's deployments of it. Plain Python: imports neither jax/flax nor to
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 from jaxflow_bridge.families.bagel.keymap import IGNORED_PREFIXES
 
 NAME = "bagel"
+LABEL = "BAGEL"  # its name in messages
 TINY = "tiny_bagel"  # model.path / engine `model` of the cached tiny random BAGEL
 FOLDER = "a BAGEL folder (config.json with model_type 'bagel')"
 MODEL_TYPE = "bagel"
@@ -42,3 +44,27 @@ def size_multiple(folder: Path) -> int:
 def fingerprint_files(folder: Path) -> tuple[Path, str, tuple[str, ...]]:
     """(folder, file pattern, names left out): ema.safetensors without the trainer-ignored prefixes."""
     return Path(folder), WEIGHTS, IGNORED_PREFIXES
+
+
+def vllm_omni_problems(*, init: str, lora_mode: str, deploy: str | None, think: bool) -> Iterator[tuple[str, str]]:
+    """What vLLM-Omni's BAGEL does not run, as (config key, message): the family's part of the vllm_omni engine's
+    rules (`jaxflow_bridge/engines/vllm_omni/rules.py`), checked by the validation stage and by the engine."""
+    if init != "checkpoint":
+        yield "model.init", (f"{init!r}: BAGEL runs with 'checkpoint' on the vllm_omni engine (vLLM-Omni's BAGEL has no "
+                             f"random-weight path; bagel_torch has): use model.init='checkpoint', or the bagel_torch "
+                             f"engine for model.init='random'")
+    if lora_mode == "merged":
+        yield "rollout.lora_mode", ("'merged': BAGEL runs with 'auto' or 'layers' (no merged LoRA path); its LoRA runs "
+                                    "vLLM-Omni's per-slice apply: pass rollout.lora_mode='layers' (to the engine itself: pass "
+                                    "lora_apply='stock')")
+    if deploy is not None and deploy not in DEPLOYS:
+        yield "rollout.bagel_deploy", f"{deploy!r}: BAGEL runs one of {DEPLOYS} on the vllm_omni engine"
+    yield from think_problems(deploy, think)
+
+
+def think_problems(deploy: str | None, think: bool) -> Iterator[tuple[str, str]]:
+    """Think mode (sample.think) against the deployment: the engine checks each request's, the config its own."""
+    if deploy == "two_stage" and think:
+        yield "rollout.bagel_deploy", ("'two_stage' has no think mode yet (the thinker only prefills): BAGEL's think "
+                                       "mode runs in the single-stage deployment only: pass --config.rollout."
+                                       "bagel_deploy=single_stage or --config.sample.think=False")

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from jaxflow_bridge.contract.lora import to_vllm_omni
+from jaxflow_bridge.engines.vllm_omni.rules import refuse
 from jaxflow_bridge.families.bagel import spec
 from jaxflow_bridge.families.bagel import vllm_omni_pipeline as bagel_pipeline
 from jaxflow_bridge.families.bagel.keymap import generation_expert_adapter
@@ -32,24 +33,20 @@ class VllmOmniKind:
     QWEN_ONLY = ("qk_ops", "fa_version", "gelu", "cfg_forward")  # options of FlowGRPOQwenImagePipeline alone
 
     def __init__(self, folder: Path, deploy: str | None = None):
-        deploy = deploy or "single_stage"
-        if deploy not in spec.DEPLOY_FILES:
-            raise ValueError(f"vllm_omni engine: deploy={deploy!r}; BAGEL runs one of {tuple(spec.DEPLOY_FILES)}")
+        deploy = deploy or "single_stage"  # one of spec.DEPLOYS (the engine's rules, `spec.vllm_omni_problems`)
         self.folder, self.deploy, self.stages = folder, deploy, 1 if deploy == "single_stage" else 2
         self.size_multiple = spec.size_multiple(folder)
 
     def pipeline_args(self, config: dict) -> dict:
-        """custom_pipeline_args: the class alone; ValueError (one line, naming the fix) for what BAGEL lacks."""
+        """custom_pipeline_args: the class alone; ValueError (one line, naming the fix) for the Qwen-Image pipeline's
+        options (what a run's config cannot ask of BAGEL is refused before, by the engine's rules)."""
         given = [k for k in self.QWEN_ONLY if k in config]
         if given:
             raise ValueError(f"vllm_omni engine: {', '.join(given)} configure(s) the Qwen-Image pipeline only; "
                              f"drop them for a BAGEL model")
-        if config.get("lora_apply", "stock") != "stock":
+        if config.get("lora_apply", "stock") not in ("stock", "merged"):  # merged: the engine's rules refuse it
             raise ValueError(f"vllm_omni engine: lora_apply={config['lora_apply']!r} is Qwen-Image's; BAGEL's LoRA "
                              f"runs vLLM-Omni's per-slice apply: pass lora_apply='stock' (rollout.lora_mode='layers')")
-        if config.get("random_seed") is not None:
-            raise ValueError("vllm_omni engine: BAGEL has no random-weight path in vLLM-Omni yet: use "
-                             "model.init='checkpoint', or the bagel_torch engine for model.init='random'")
         return {"pipeline_class": bagel_pipeline.PIPELINE_CLASS}
 
     def start_args(self, pipeline_args: dict, extension: str) -> dict:
@@ -74,12 +71,10 @@ class VllmOmniKind:
     def thinker_params(self, sampling: BagelSamplingParams) -> list:
         """The thinker's sampling parameters (vLLM's SamplingParams keywords) before the DiT's, two stages only: one
         greedy token, the prompt's KV sent when its prefill ends (`bagel.yaml`'s transfer criterion). ValueError for
-        think mode, which two stages do not run yet."""
+        think mode, which two stages do not run yet (`spec.think_problems`, the validation stage's rule)."""
         if self.stages == 1:
             return []
-        if sampling.think:
-            raise ValueError("vllm_omni engine: BAGEL's think mode runs in the single-stage deployment only: pass "
-                             "rollout.bagel_deploy='single_stage' or sample.think=False")
+        refuse(spec.think_problems(self.deploy, sampling.think))
         return [{"max_tokens": 1, "temperature": 0.0}]
 
     def fingerprint(self) -> str:

@@ -4,9 +4,11 @@ follows. Plain Python: imports neither jax/flax nor torch."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 NAME = "qwen_image"
+LABEL = "Qwen-Image"  # its name in messages
 TINY = "tiny"  # model.path / engine `model` of the cached tiny offline Qwen-Image
 FOLDER = "a diffusers Qwen-Image folder (model_index.json)"
 MARKER = "model_index.json"
@@ -52,3 +54,10 @@ def size_multiple(folder: Path) -> int:
 def fingerprint_files(folder: Path) -> tuple[Path, str, tuple[str, ...]]:
     """(folder, file pattern, names left out) of the weights the base-weight fingerprint covers."""
     return Path(folder) / WEIGHTS, "*.safetensors", ()
+
+
+def vllm_omni_problems(*, init: str, lora_mode: str, deploy: str | None, think: bool) -> Iterator[tuple[str, str]]:
+    """The family's part of the vllm_omni engine's rules (`jaxflow_bridge/engines/vllm_omni/rules.py`): Qwen-Image
+    runs vLLM-Omni's default stage, so no deployment is chosen (its `engine_config` names none)."""
+    if deploy is not None:
+        yield "rollout.bagel_deploy", f"{deploy!r} chooses BAGEL's topology; Qwen-Image runs one stage: drop it"

@@ -28,10 +28,7 @@ class VllmOmniKind:
     sampling = SamplingParams
     encode_request = staticmethod(qwen_pipeline.encode_request)
 
-    def __init__(self, folder: Path, deploy: str | None = None):
-        if deploy is not None:
-            raise ValueError(f"vllm_omni engine: deploy={deploy!r} chooses BAGEL's topology; Qwen-Image runs one "
-                             f"stage: drop it")
+    def __init__(self, folder: Path, deploy: str | None = None):  # deploy: None (the engine's rules refuse one)
         self.folder = folder
         self.size_multiple = spec.size_multiple(folder)
 
