@@ -63,9 +63,7 @@ HELP: dict[str, str] = {
                   "jaxflow_bridge/contract/random_weights.py)",
     "lora.rank": "LoRA rank, an int >= 1",
     "lora.alpha": "LoRA alpha, > 0: the adapter's scale is alpha / rank",
-    "lora.targets": "the linears adapted in every block: diffusers names "
-                    "(jaxflow_bridge/families/qwen_image/keymap.py LORA_TARGETS) or "
-                    "BAGEL's (bagel_keymap.py)",
+    "lora.targets": "the linears adapted in every block, by checkpoint name (the family's keymap.py LORA_TARGETS)",
     "rollout.engine": "rollout engine: 'vllm_omni' (GPU, bfloat16 only), 'diffusers' (anywhere), 'bagel_torch' (BAGEL, "
                       "CPU, float32)",
     "rollout.dtype": "the engine's dtype: 'bfloat16' (vllm_omni's only) or 'float32' (diffusers)",
