@@ -3,7 +3,7 @@ with respect to the step's log-probs and SDE means, against the reference transc
 tests/reference_transcriptions.py, on identical inputs (a micro-batch of samples at different SDE steps, the
 project's per-sample windows); and the zero-advantage filter's updates (`flowgrpo_step.accumulate_gradients`'s loss
 and gradient with respect to a stand-in policy's one LoRA weight) against flow_grpo's SD3 trainer's filtering and
-loss averaging. Writes benchmarks/results/algorithm_parity.json; tests/test_algorithm_parity.py
+loss averaging. Writes benchmarks/results/algorithm_parity.json; tests/algorithms/test_algorithm_parity.py
 asserts the same figures.
 
     PYTHONPATH=$PWD python -m jaxflow_bench.algorithm_parity [--out benchmarks/results]

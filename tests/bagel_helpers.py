@@ -91,7 +91,7 @@ def merged(sd, adapter, spec):
 
 U = 2.0**-24  # float32 unit roundoff
 # Each CFG branch's velocity, Flax against torch on the same weights: within 256 u of the sample's max|v|
-# (tests/test_bagel_torch.py and test_bagel_model.py derive it; adapters merged into the torch weights keep it,
+# (tests/families/bagel/test_bagel_torch.py and test_bagel_model.py derive it; adapters merged into the torch weights keep it,
 # test_bagel_lora.py).
 V_TOL = 256 * U
 PROMPTS, SEEDS, ROLLOUT_GRID = [[5, 17, 240, 3, 99], [311, 8, 42]], [21, 22, 23, 24], (4, 6)

@@ -1,5 +1,5 @@
 """A pure-torch BAGEL generation path (float32, one sample at a time, no padding) and seeded tiny weights under the
-checkpoint's names: the torch side of tests/test_bagel_model.py, written from docs/bagel.md §1, not from the Flax
+checkpoint's names: the torch side of tests/families/bagel/test_bagel_model.py, written from docs/bagel.md §1, not from the Flax
 model."""
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The FlowGRPO SDE / CPS / ODE step with log-prob, in JAX (docs/numerics.md §1-3). The sigma schedule and SDE windows
 are numpy, shared by both sides: jaxflow_bridge/contract/schedule.py.
 
-This is the spec. `jaxflow_bridge/rollout/sde.py` mirrors it line for line in torch, and tests/test_sde.py pins
+This is the spec. `jaxflow_bridge/rollout/sde.py` mirrors it line for line in torch, and tests/algorithms/test_sde.py pins
 the two together. All step math runs in float32 whatever the input dtype.
 """
 

@@ -42,7 +42,7 @@ DATA = Path(__file__).resolve().parents[2] / "data"  # the clone's prompt files,
 WHOLE_KEYS = ("reward.fns", "reward.options", "train.xla_options", "sharding.rules")
 
 # Every key of `base()` with one line of help: what it is, its unit or allowed values (`--print_config` prints it
-# beside the value; tests/test_cli.py fails for a key without one). Why a default was chosen stays beside the value.
+# beside the value; tests/run/test_cli.py fails for a key without one). Why a default was chosen stays beside the value.
 HELP: dict[str, str] = {
     "seed": "seed of the prompt order, the rollout's noise, the mini-batch shuffles and model.init='random'",
     "run_dir": "output folder (checkpoints, metrics.jsonl, tb, eval grids, lora_final), relative to the cwd",

@@ -1,7 +1,7 @@
 """The FlowGRPO SDE / CPS / ODE step with log-prob in torch (docs/numerics.md §2-3); schedule and windows re-exported
 from jaxflow_bridge/contract/schedule.py.
 
-A line-for-line mirror of `jaxflow/algorithms/sde.py` (the spec) for the rollout; tests/test_sde.py pins the two
+A line-for-line mirror of `jaxflow/algorithms/sde.py` (the spec) for the rollout; tests/algorithms/test_sde.py pins the two
 together. All step math runs in float32 whatever the input dtype. Never imports JAX.
 """
 

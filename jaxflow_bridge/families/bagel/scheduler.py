@@ -5,7 +5,7 @@ It takes the contract's steps, not the engine's: sigma i -> i + 1 of `sigma_sche
 timesteps are ignored), the sample's SDE window from its seed (`sample_windows`), `rollout/sde.py`'s step with its
 noise level inside the window and none outside, every draw from the sample's own generator in
 `BagelSamplingLoop`'s order (the initial latents first, `initial`; then one noise tensor per step). So a sample has
-the latents and log-probs that the loop gives it (tests/test_bagel_scheduler.py). It records the window's latents
+the latents and log-probs that the loop gives it (tests/families/bagel/test_bagel_scheduler.py). It records the window's latents
 and log-probs itself (`trajectory`); the engine's `return_trajectory_latents` can stay off. Never imports JAX or
 vLLM.
 """

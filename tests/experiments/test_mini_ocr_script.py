@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from tests import HANG_S
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = ["data", "vae", "encode", "pretrain", "eval_before", "eval_before_train", "rl", "rl_control", "eval_after",
          "eval_after_train", "eval_control", "result"]
 # the fewest training steps and eval images that still run every step's code (these tests check the plumbing;
-# tests/test_learning.py checks that RL learns)
+# tests/run/test_learning.py checks that RL learns)
 ENV = {**os.environ, "SMOKE": "1", "JAX_PLATFORMS": "cpu", "VAE_STEPS": "10", "PRETRAIN_STEPS": "5", "EVAL_NUM": "4",
        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
 

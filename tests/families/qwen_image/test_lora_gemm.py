@@ -299,9 +299,9 @@ def test_split_rows_runs_the_fused_kernel_data_parallel():
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[3]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
-    code = "import tests.test_lora_gemm as t; t._split_rows_check()"
+    code = "import tests.families.qwen_image.test_lora_gemm as t; t._split_rows_check()"
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
                           timeout=HANG_S)
     assert proc.returncode == 0 and "SPLIT_ROWS_OK" in proc.stdout, proc.stdout + proc.stderr[-5000:]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tests import HANG_S
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_editable_install_puts_the_checkout_on_sys_path(tmp_path):

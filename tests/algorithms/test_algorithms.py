@@ -10,7 +10,7 @@ from jaxflow.algorithms import registry
 from jaxflow.trainer.step_config import TrainConfig
 from jaxflow.trainer.train_batch import TrainBatch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REGISTERED = [(key, value, c) for key, table in registry.TABLES.items() for value, c in table.items()]
 
 

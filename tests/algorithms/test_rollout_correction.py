@@ -1,6 +1,6 @@
 """train.old_log_prob="rollout_corrected": the rollout's log-probs as logp_old, and a sample's window
 step rejected when exp(logp - logp_rollout) leaves [1/t, t]: its policy term trains nothing but it stays in the
-loss's denominator, as in verl-omni's bypass mode (tests/test_algorithm_parity.py compares with its transcription)."""
+loss's denominator, as in verl-omni's bypass mode (tests/algorithms/test_algorithm_parity.py compares with its transcription)."""
 
 import dataclasses
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 JAX_FAMILIES, TORCH_FAMILIES = ROOT / "jaxflow" / "families", ROOT / "jaxflow_bridge" / "families"
 REGISTRIES = {"jaxflow/families/__init__.py", "jaxflow_bridge/engines/families.py",
               "jaxflow_bridge/rollout/server.py"}  # the server's engine table names BAGEL's engine by import path

@@ -17,7 +17,7 @@ from jaxflow.trainer import sharding as S
 from tests.helpers import random_window_batch
 from tests import HANG_S
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _layout(shape, rules=S.FSDP_RULES):
@@ -145,7 +145,7 @@ def _eight_device_check():
 @pytest.mark.slow
 def test_sharded_step_equals_single_device():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    code = "import tests.test_sharding as t; t._eight_device_check()"
+    code = "import tests.trainer.test_sharding as t; t._eight_device_check()"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=HANG_S)
     assert proc.returncode == 0 and "EIGHT_DEVICES_OK" in proc.stdout, proc.stdout + proc.stderr[-5000:]

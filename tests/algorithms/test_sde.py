@@ -21,7 +21,7 @@ from jaxflow_bridge.rollout import sde as T
 
 QWEN = qwen_spec.SCHEDULER_CONFIG
 MODULES = [J, T]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(module, x, v, sigma, sigma_next, sigma_max, *, noise=None, prev_sample=None, **kw):

@@ -115,7 +115,7 @@ def test_the_kind_comes_from_the_folder(folder, bagel_torch, tiny_path, tmp_path
 
 def test_the_fingerprint_is_the_bagel_torch_engines_over_the_trainers_tensors(folder, bagel_torch, tmp_path):
     """ema.safetensors' first elements without the prefixes the trainer ignores: the bagel_torch engine's value (and
-    so the trainer's, tests/test_bagel_train.py); a changed ViT tensor leaves it, a changed expert weight moves it."""
+    so the trainer's, tests/families/bagel/test_bagel_train.py); a changed ViT tensor leaves it, a changed expert weight moves it."""
     assert Bagel(folder).fingerprint() == bagel_torch.info()["fingerprint"]
     (tmp_path / "config.json").write_bytes((folder / "config.json").read_bytes())
     tensors = load_file(folder / "ema.safetensors")

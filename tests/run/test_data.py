@@ -13,7 +13,7 @@ import pytest
 from jaxflow.run.data import GroupSampler, PromptItem, load_prompts
 from tests import HANG_S
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 # --- loading -------------------------------------------------------------------------------------

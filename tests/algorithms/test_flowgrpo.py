@@ -16,7 +16,7 @@ from jaxflow.families.qwen_image.config import QwenImageConfig
 from jaxflow.nn.config import ModelOptions
 from jaxflow.families.qwen_image.transformer import QwenImageTransformer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = QwenImageConfig(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,
                        axes_dims_rope=(8, 12, 12))
 

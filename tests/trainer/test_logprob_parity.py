@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "verify_logprob_parity.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "verify_logprob_parity.py"
 TINY = ["--dtype", "float32", "--cfg", "4", "--prompts", "2", "--n", "2", "--steps", "4", "--window", "2"]
 
 

@@ -14,7 +14,7 @@ from experiments.mini_ocr.result import breakdown
 from jaxflow_bridge.rollout.sampling import SamplingParams
 from tests import HANG_S
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 IMPORT = re.compile(r"^\s*(?:from\s+([\w.]+)\s+import\b|import\s+([\w.]+))", re.M)
 
 

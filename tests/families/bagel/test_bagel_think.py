@@ -3,8 +3,8 @@ decode (jaxflow_bridge/families/bagel/think.py) against a direct transcription t
 step, its stop rule (after predicting the end token, which is never fed) and its cut at max_think_tokens; the
 bagel_torch engine's trajectories with think on (each prompt decoded once, the fed tokens after its context in
 `prompt_ids`) and off (the bytes of the plain loop, the decode never run); the config's refusals and the train batch's
-text padding. The trainer's recompute of a think rollout: tests/test_logprob_parity.py; vLLM-Omni's side:
-tests/test_vllm_omni_bagel_pipeline.py and test_vllm_omni_bagel_engine.py."""
+text padding. The trainer's recompute of a think rollout: tests/trainer/test_logprob_parity.py; vLLM-Omni's side:
+tests/families/bagel/test_vllm_omni_bagel_pipeline.py and test_vllm_omni_bagel_engine.py."""
 import dataclasses
 
 import numpy as np

@@ -13,7 +13,7 @@ import pytest
 from jaxflow_bridge.contract.batch import TEXT_FIELDS
 from jaxflow_bridge.contract.trajectory import TextLengthError, TrajectoryBatch, validate_arrays
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BF16 = ml_dtypes.bfloat16
 H, W, N, C, D = 32, 48, 6, 64, 8
 S = (H // 16) * (W // 16)
