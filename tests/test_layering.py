@@ -97,10 +97,10 @@ def imported_test_modules(path: Path) -> set[str]:
             names.add(module)
             if module.rstrip(".") == "tests":
                 names |= {f"tests.{a.name}" for a in n.names}
-    return {m for m in names if m.removeprefix("tests.").split(".")[0].startswith("test_")}
+    return {m for m in names if any(part.startswith("test_") for part in m.split("."))}
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "tests").glob("*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((ROOT / "tests").rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_test_module_imports_another(path):
     """A helper shared by several test modules lives in a helper module, not in one of the tests (pytest would
     import that test module a second time under another name, and a test module's edit would break another's)."""
