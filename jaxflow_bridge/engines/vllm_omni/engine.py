@@ -5,9 +5,10 @@ folder, or "tiny_bagel": the model kind comes from the folder, `jaxflow_bridge/e
 `dtype` ("bfloat16"; vLLM-Omni 0.20 runs bf16 folders only), `device` (None or "cuda": the GPU Ray gave the actor),
 `random_seed` (optional: the transformer's weights are drawn on the GPU from this seed by the shared spec,
 `jaxflow_bridge/contract/random_weights.py`, as with the diffusers engine; the folder needs only `transformer/config.json`),
-`omni_args` (extra `AsyncOmni` keyword arguments, e.g. {"enforce_eager": True}), `lora_apply` ("fused", the
-default: LoRA'd linears run `jaxflow_bridge/rollout/kernels/lora_linear.py`; "stock": vLLM-Omni's per-slice apply, for
-comparison; "merged": the adapter merged into the base weights, `jaxflow_bridge/sync/merge.py`),
+`omni_args` (extra `AsyncOmni` keyword arguments, e.g. {"enforce_eager": True}), `lora_apply` ("layers", the
+default: LoRA'd linears run `jaxflow_bridge/rollout/kernels/lora_linear.py`; "folder": vLLM-Omni's own per-slice apply
+of the adapter its loader read, for comparison; "merged": the adapter merged into the base weights,
+`jaxflow_bridge/sync/merge.py`),
 `cfg_forward` ("batched" or "split": true CFG's rows in one forward or two, `jaxflow_bridge.rollout.sampling`),
 `qk_ops` ("compiled", the default: the attention's q/k norms and rotary in torch ops that torch.compile fuses,
 `jaxflow_bridge/families/qwen_image/qk_rope.py`; "vllm": vLLM-Omni's own kernels, for comparison), `fa_version` ("auto",
@@ -17,7 +18,7 @@ where no LoRA layer wraps it, `jaxflow_bridge/families/qwen_image/linear_gelu.py
 kernel), `deploy` (BAGEL only: "single_stage", the default, or "two_stage"; `kinds.BAGEL_DEPLOY_FILES`).
 Same calls and results as the diffusers engine. BAGEL (docs/bagel.md §7 (d)): our FlowGRPOBagelPipeline in
 vLLM-Omni's single-stage deployment (`deploy_config`; or on the DiT stage of two, below), BagelSamplingParams, LoRA
-on the generation expert through vLLM-Omni's per-slice apply; the Qwen-Image options, lora_apply other than "stock"
+on the generation expert through vLLM-Omni's per-slice apply; the Qwen-Image options, lora_apply other than "folder"
 and random_seed are refused.
 
 - generate: one engine request per prompt with `num_outputs_per_prompt=n` (one B=n forward, 2n with true CFG,
@@ -202,7 +203,7 @@ class VllmOmniEngine(RolloutEngine):
 
     # -------------------------------------------------------------------------------------- generation
 
-    def generate(self, prompts: list[str], n: int, sampling: dict | None = None, seeds=None) -> dict:
+    def generate(self, prompts: list[str], n: int, sampling: dict, seeds=None) -> dict:
         """TrajectoryBatch.to_dict() of B = len(prompts) * n samples, prompt-major (sample b of prompt b // n); each
         request's text padded as it arrives, to `text_tokens` (a request's own length without them: then one request
         a call, or prompts of one length)."""

@@ -43,9 +43,9 @@ class VllmOmniKind:
         if given:
             raise ValueError(f"vllm_omni engine: {', '.join(given)} configure(s) the Qwen-Image pipeline only; "
                              f"drop them for a BAGEL model")
-        if config.get("lora_apply", "stock") != "stock":
+        if config.get("lora_apply", "folder") != "folder":
             raise ValueError(f"vllm_omni engine: lora_apply={config['lora_apply']!r} is Qwen-Image's; BAGEL's LoRA "
-                             f"runs vLLM-Omni's per-slice apply: pass lora_apply='stock' (rollout.lora_mode='layers')")
+                             f"runs vLLM-Omni's own apply: pass lora_apply='folder' (rollout.lora_mode='auto')")
         if config.get("random_seed") is not None:
             raise ValueError("vllm_omni engine: BAGEL has no random-weight path in vLLM-Omni yet: use "
                              "model.init='checkpoint', or the bagel_torch engine for model.init='random'")
