@@ -178,7 +178,7 @@ def test_the_nft_step_needs_the_final_latents_and_refuses_flowgrpo_settings(tiny
                                                         "ratio_norm"),
                        ({"drop_zero_advantage": True}, "drop_zero_advantage"), ({"nft_beta": 0.0}, "nft_beta")):
         with pytest.raises(ValueError, match=needle):
-            TrainConfig(guidance=1.0, grid_hw=(2, 2), algorithm="nft", **kw)
+            TrainConfig(grid_hw=(2, 2), algorithm="nft", **{"guidance": 1.0, **kw})
 
 
 def test_the_mini_ocr_arms_validate_and_set_what_they_name():
