@@ -143,7 +143,7 @@ def zero_inputs(seed: int = 0) -> dict:
 def _zero_project(x: dict, mini: int, micro: int):
     """[(loss, (grad,))] of each update: the batch compacted as the driver does, `accumulate_gradients` per
     mini-batch at the same LoRA."""
-    config = TrainConfig(grid_hw=(1, 1), clip_range=ZCLIP, beta=BETA, num_mini_batches=mini,
+    config = TrainConfig(guidance=1.0, grid_hw=(1, 1), clip_range=ZCLIP, beta=BETA, num_mini_batches=mini,
                          num_micro_batches=micro, drop_zero_advantage=True)
     order = minibatches.zero_advantage_order(x["advantages"], mini, micro)
     batch = {k: jnp.asarray(x[k][order]) for k in ("latents", "sigmas", "step_index", "log_probs", "advantages")}

@@ -48,7 +48,7 @@ def profile_rollout(folder: Path, out: Path, n: int = 16, compile_block: bool = 
     from jaxflow_bridge.rollout.sampling import SamplingParams
     pipe = DiffusersEngine({"engine": "diffusers", "model": str(folder), "dtype": "bfloat16", "device": "cuda",
                             "random_seed": 0, "compile": compile_block}).pipeline
-    sp = SamplingParams()  # flow_grpo's Qwen-Image recipe: 512^2, 10 steps, CFG 4, sde 1.2, window 2 in [0, 5)
+    sp = SamplingParams(true_cfg_scale=4.0)  # flow_grpo's Qwen-Image recipe: 512^2, 10 steps, sde 1.2, window 2
     prompts = ['a hot air balloon with "MIDNIGHT VALLEY" written on the envelope']
     pipe.generate(prompts, n, sp, list(range(n)))  # warm-up (compiles)
     torch.cuda.synchronize()

@@ -2,7 +2,7 @@
 
     python scripts/verify_logprob_parity.py [--model-family qwen_image|bagel] [--model DIR]
         [--engine diffusers|vllm_omni|bagel_torch] [--dtype float32] [--jax-dtype D] [--jax-rope bfloat16] [--cfg 4]
-        [--steps 4] [--window 2] [--prompts 4] [--n 2] [--lora-rank R] [--lora-apply fused|stock|merged] [--think K]
+        [--steps 4] [--window 2] [--prompts 4] [--n 2] [--lora-rank R] [--lora-apply layers|folder|merged] [--think K]
         [--deploy single_stage|two_stage] [--json OUT]
 
 Rolls out on the engine (default: diffusers; the model defaults to the tiny offline pipeline saved in --dtype,
@@ -84,8 +84,8 @@ def parse_args(argv):
     p.add_argument("--width", type=int, help="default: 72 (BAGEL 96)")
     p.add_argument("--seed", type=int, default=0, help="base sample seed; also seeds the LoRA adapter")
     p.add_argument("--lora-rank", type=int, help="apply one random LoRA adapter (alpha = rank) to both sides")
-    p.add_argument("--lora-apply", choices=("fused", "stock", "merged"),
-                   help="vllm_omni: how the engine applies the adapter (default: the engine's, fused)")
+    p.add_argument("--lora-apply", choices=("layers", "folder", "merged"),
+                   help="vllm_omni: how the engine applies the adapter (default: the engine's, layers)")
     p.add_argument("--deploy", choices=("single_stage", "two_stage"),
                    help="BAGEL on vllm_omni: vLLM-Omni's deployment (default: the engine's, single_stage)")
     p.add_argument("--jax-lora-seed", type=int, help="a different adapter seed for the JAX side (negative control)")
@@ -126,7 +126,7 @@ def parse_args(argv):
 
 def build_engine(name: str, folder: Path, dtype: str, lora_apply: str | None = None, deploy: str | None = None):
     """The rollout engine `name` from jaxflow_bridge.rollout.server's registry, in-process; SystemExit if unavailable.
-    `lora_apply`: the vllm_omni engine's (fused, stock, merged); `deploy`: its BAGEL deployment; bagel_torch skips its
+    `lora_apply`: the vllm_omni engine's (layers, folder, merged); `deploy`: its BAGEL deployment; bagel_torch skips its
     image decode."""
     from jaxflow_bridge.rollout.server import engine_class
 

@@ -96,7 +96,8 @@ U = 2.0**-24  # float32 unit roundoff
 V_TOL = 256 * U
 PROMPTS, SEEDS, ROLLOUT_GRID = [[5, 17, 240, 3, 99], [311, 8, 42]], [21, 22, 23, 24], (4, 6)
 # sigmas [1, .9, .75, .5, 0]: CFG at steps 0 and 1 only; windows of 2 starting at steps 0..2
-SP = BagelSamplingParams(height=64, width=96, num_inference_steps=4, sde_window_range=(0, 3), cfg_interval=(0.8, 1.0))
+SP = BagelSamplingParams(height=64, width=96, num_inference_steps=4, sde_window_range=(0, 3), cfg_interval=(0.8, 1.0),
+                         cfg_text_scale=4.0)
 GUIDANCE = bf.BagelGuidance(SP.cfg_text_scale, SP.cfg_interval, SP.cfg_renorm_min)
 SPEC = BagelLoRASpec(rank=4, alpha=8.0)
 

@@ -2,7 +2,7 @@
 that the learner and the driver read (they resolve nothing themselves), logged once at start as one block.
 
 Resolved here: model.lora_gemm (a hardware policy: `lora_gemm`), model.scan_unroll=0 and the train step's XLA
-options (both follow the resolved linears), rollout.lora_mode (`merged_lora`: how the rollout serves the LoRA), and
+options (both follow the resolved linears), rollout.lora_mode (`lora_apply`: how the rollout serves the LoRA), and
 the placement (backend, devices, engines, samples per micro-batch per device)."""
 from __future__ import annotations
 
@@ -17,11 +17,17 @@ from jaxflow.config.errors import UserError
 from jaxflow.nn.config import ModelOptions
 
 
+def lora_apply(cfg) -> str:
+    """How the rollout serves the LoRA, the engines' `lora_apply`: rollout.lora_mode, 'auto' resolved to the family's
+    mode on its engine (`Family.auto_lora_apply`: 'merged' for Qwen-Image on vllm_omni, else 'layers', or 'folder'
+    for BAGEL on vllm_omni)."""
+    mode = cfg.rollout.lora_mode
+    return families.of(cfg).auto_lora_apply[cfg.rollout.engine] if mode == "auto" else mode
+
+
 def merged_lora(cfg) -> bool:
-    """Whether the rollout serves the LoRA merged into its base weights (rollout.lora_mode; 'auto': on vllm_omni,
-    for a family whose vllm_omni pipeline merges)."""
-    return cfg.rollout.lora_mode == "merged" or (cfg.rollout.lora_mode == "auto" and cfg.rollout.engine == "vllm_omni"
-                                                 and families.of(cfg).merges_lora)
+    """Whether the rollout serves the LoRA merged into its base weights (`lora_apply`)."""
+    return lora_apply(cfg) == "merged"
 
 
 def lora_gemm(cfg, num_layers: int, devices: int, on_hopper: bool, micro_batch: int,
@@ -66,7 +72,7 @@ class RunPlan:
     micro_batch: int  # samples in one micro-batch on one device
     layout: str  # rollout.layout
     engines: int  # rollout engines (rollout.num_servers)
-    lora_apply: str  # how the rollout serves the LoRA: "merged" into its base weights, or "layers"
+    lora_apply: str  # how the rollout serves the LoRA (the engines' lora_apply): "layers", "merged" or "folder"
     lora_gemm_why: str  # why model.lora_gemm (model.lora_gemm below) resolved as it did
     model: ModelOptions  # the trainer model's options: lora_gemm and scan_unroll resolved
     xla_options: Mapping  # the train step's XLA options for the linears the model runs
@@ -104,6 +110,6 @@ def make_plan(cfg, folder: Path, *, backend: str, devices: int, batch_devices: i
         gemm, why = "xla", f"{family.name}'s layers have no fused-kernel path"
     return RunPlan(backend=backend, devices=devices, batch_devices=batch_devices, micro_batch=micro,
                    layout=cfg.rollout.layout, engines=cfg.rollout.num_servers,
-                   lora_apply="merged" if merged_lora(cfg) else "layers", lora_gemm_why=why,
+                   lora_apply=lora_apply(cfg), lora_gemm_why=why,
                    model=validation.model_options(cfg, gemm, num_layers),
                    xla_options=MappingProxyType(validation.xla_options(cfg, gemm)))

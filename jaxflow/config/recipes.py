@@ -80,8 +80,8 @@ HELP: dict[str, str] = {
                        "(docs/design.md)",
     "rollout.compile": "diffusers engine only: torch.compile the transformer block",
     "rollout.share_weights": "True: the in_process diffusers engine runs on the trainer's base weights (one copy)",
-    "rollout.lora_mode": "the rollout's LoRA: 'merged' into the base weights (vllm_omni), 'layers', or 'auto' (merged "
-                         "on vllm_omni, but for BAGEL)",
+    "rollout.lora_mode": "the engines' lora_apply: 'layers', 'merged' (vllm_omni), 'folder' (engine's own) or 'auto' "
+                         "(plan.py)",
     "rollout.cfg_forward": "true CFG's two rows: 'batched' (one forward, text padded to one length) or 'split' (a "
                            "forward each)",
     "rollout.bagel_deploy": "BAGEL on vllm_omni: 'single_stage' or 'two_stage' (a vLLM thinker prefills, the DiT "

@@ -34,7 +34,7 @@ def config_module(path: str | Path) -> ModuleType:
 
 
 LAYOUTS = ("colocated", "split", "in_process")  # rollout.layout (jaxflow/config/recipes.py)
-LORA_MODES = ("auto", "merged", "layers")  # rollout.lora_mode
+LORA_MODES = ("auto", "merged", "layers", "folder")  # rollout.lora_mode: 'auto' or an engine's lora_apply
 
 
 def check_layout(cfg, backend: str, devices: int) -> None:
@@ -167,7 +167,7 @@ def validate(cfg: ConfigDict) -> RunConfig:
         fail("rollout.lora_mode", f"{cfg.rollout.lora_mode!r}; choose one of {LORA_MODES}")
     if cfg.rollout.lora_mode == "merged" and cfg.rollout.engine != "vllm_omni":
         fail("rollout.lora_mode", f"'merged' is a mode of the vllm_omni engine; with rollout.engine="
-                                   f"{cfg.rollout.engine!r} use 'auto' or 'layers'")
+                                   f"{cfg.rollout.engine!r} use 'auto' or 'layers' (or 'folder')")
     if cfg.rollout.compile and cfg.rollout.engine != "diffusers":
         fail("rollout.compile", "is an option of the diffusers engine; leave it False with "
                                  f"rollout.engine={cfg.rollout.engine!r}")

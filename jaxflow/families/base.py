@@ -4,6 +4,7 @@ family shares (`option_problems`). Each family lives in a folder of its own besi
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Iterator, Protocol
 
@@ -20,7 +21,7 @@ class Family(Protocol):
 
     name: str
     engines: tuple[str, ...]  # the rollout engines that serve it
-    merges_lora: bool  # vllm_omni's rollout.lora_mode='auto' merges the adapter into the base weights
+    auto_lora_apply: Mapping[str, str]  # rollout.lora_mode='auto' on each of its engines: 'layers', 'merged', 'folder'
     tiny: str  # model.path of its tiny offline model
     tiny_config: str  # the config that runs it
     example: str  # an example model.path

@@ -124,8 +124,7 @@ class Driver:
                   **family.engine_config(self.cfg)}
         if r.compile:
             engine["compile"] = True
-        if self.plan.lora_apply == "merged":  # into the engine's base weights (jaxflow_bridge/sync/merge.py)
-            engine["lora_apply"] = "merged"
+        engine["lora_apply"] = self.plan.lora_apply  # layers, merged (jaxflow_bridge/sync/merge.py) or folder
         if r.share_weights:  # the engine serves the trainer's own arrays (jaxflow/sync/base_share.py)
             engine["base_weights"] = "shared"
         elif self.cfg.model.init == "random":

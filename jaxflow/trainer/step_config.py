@@ -18,7 +18,9 @@ class TrainConfig:
 
     grid_hw: tuple[int, int]
     sde_type: str = "sde"
-    guidance: float = 1.0          # > 1: true CFG in the training forward (a family's text CFG: its scale)
+    # sample.guidance (no default here: the recipe's, jaxflow/config/recipes.py); > 1: true CFG in the training
+    # forward (a family's text CFG: its scale)
+    guidance: float = dataclasses.field(kw_only=True)
     cfg_interval: tuple[float, float] = (0.0, 1.0)  # a family's text CFG at steps with lo < sigma <= hi
     cfg_renorm_min: float = 0.0     # a family's text CFG: floor of its renorm factor
     num_micro_batches: int = 1     # per update (per mini-batch)

@@ -76,7 +76,7 @@ class DiffusersEngine(RolloutEngine):
         self.pipeline.share_base_weights(tensors)
         return self.info()
 
-    def generate(self, prompts: list[str], n: int, sampling: dict | None = None, seeds=None) -> dict:
+    def generate(self, prompts: list[str], n: int, sampling: dict, seeds=None) -> dict:
         """TrajectoryBatch.to_dict() of B = len(prompts) * n samples (see RolloutPipeline.generate)."""
         params = SamplingParams.from_dict(sampling)
         self.check_awake()

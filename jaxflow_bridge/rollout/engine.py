@@ -40,7 +40,7 @@ class RolloutEngine(abc.ABC):
             raise RuntimeError("the rollout engine is asleep: call wake() first")
 
     @abc.abstractmethod
-    def generate(self, prompts: list[str], n: int, sampling: dict | None = None, seeds=None) -> dict:
+    def generate(self, prompts: list[str], n: int, sampling: dict, seeds=None) -> dict:
         """TrajectoryBatch.to_dict() for B = len(prompts) * n samples, prompt-major; sampling: SamplingParams
         fields; seeds: one per sample, a base seed, or None (sampling's seed)."""
 

@@ -37,23 +37,30 @@ DECODE_PIXELS = 4 * 512 * 512  # pixels per VAE decode call: 4 samples at 512^2 
 
 def params_from_dict(cls, d: dict | None, what: str, tuple_fields: tuple[str, ...] = ()):
     """A frozen params dataclass `cls` from a plain dict (what crosses Ray): unknown keys are a ValueError naming
-    them (never ignored); `tuple_fields` come back as tuples (a list after JSON or msgpack)."""
+    them (never ignored), and so are missing keys without a default; `tuple_fields` come back as tuples (a list after
+    JSON or msgpack)."""
     d = dict(d or {})
     known = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(d) - set(known))
     if unknown:
         raise ValueError(f"unknown {what} {unknown}; known: {known}")
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in d and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ValueError(f"{what} {missing} have no default: give them")
     return cls(**{k: tuple(v) if k in tuple_fields and v is not None else v for k, v in d.items()})
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """Per-request knobs; names follow vllm-omni / verl-omni. Defaults: flow_grpo's recipe (the real one)."""
+    """Per-request knobs; names follow vllm-omni / verl-omni. Defaults: flow_grpo's recipe (the real one), but
+    `true_cfg_scale`, which every request gives."""
 
     height: int = 512
     width: int = 512
     num_inference_steps: int = 10
-    true_cfg_scale: float = 4.0  # true CFG (a second, negative pass) iff > 1
+    # true CFG (a second, negative pass) iff > 1; the config's sample.guidance (its default: the recipe's), no default
+    true_cfg_scale: float = dataclasses.field(kw_only=True)
     negative_prompt: str = " "
     max_sequence_length: int = 512  # prompt tokens after the template drop; longer prompts are refused
     sde_type: str = "sde"  # 'sde' | 'cps' | 'ode'
@@ -224,17 +231,17 @@ class SamplingLoop:
 
     @torch.inference_mode()
     def velocity(self, latents, sigma, prompt_embeds, prompt_mask, negative_embeds=None, negative_mask=None, *,
-                 cfg_scale: float = 1.0, grid: tuple[int, int]) -> torch.Tensor:
+                 true_cfg_scale: float = 1.0, grid: tuple[int, int]) -> torch.Tensor:
         """float32 v for (B, S, C) latents at sigma (scalar or (B,)): one forward over B; with true CFG one over 2B
         or two over B (`cfg_forward`).
 
         Text: (B, L, D) embeds with (B, L) bool masks, right-padded. grid: the packed (rows, cols), rows * cols = S.
-        With negatives and cfg_scale > 1: `cfg_combine` of the two (in float32).
+        With negatives and true_cfg_scale > 1: `cfg_combine` of the two (in float32).
         """
         x = latents.to(self.device, torch.float32)
         batch = x.shape[0]
         sigma = torch.as_tensor(sigma, dtype=torch.float32).reshape(-1).expand(batch)
-        if negative_embeds is None or cfg_scale <= 1:
+        if negative_embeds is None or true_cfg_scale <= 1:
             return self._forward(x, sigma, prompt_embeds, prompt_mask, grid)
         if self.cfg_forward == "split":
             pos = self._forward(x, sigma, prompt_embeds, prompt_mask, grid)
@@ -244,7 +251,7 @@ class SamplingLoop:
             text = torch.cat([_right_pad(prompt_embeds, length), _right_pad(negative_embeds, length)])
             mask = torch.cat([_right_pad(prompt_mask, length), _right_pad(negative_mask, length)])
             pos, neg = self._forward(torch.cat([x, x]), sigma.repeat(2), text, mask, grid).split(batch)
-        return cfg_combine(pos, neg, cfg_scale)
+        return cfg_combine(pos, neg, true_cfg_scale)
 
     def _forward(self, x, sigma, text, mask, grid) -> torch.Tensor:
         """One transformer call: float32 (N, S, C) latents, float32 (N,) sigma, (N, L, D) text, (N, L) mask."""
@@ -277,10 +284,9 @@ class SamplingLoop:
     # ------------------------------------------------------------------------------------------ generation
 
     @torch.inference_mode()
-    def generate(self, prompts: list[str], n: int = 1, sampling: SamplingParams | None = None,
-                 seeds=None) -> TrajectoryBatch:
+    def generate(self, prompts: list[str], n: int, sampling: SamplingParams, seeds=None) -> TrajectoryBatch:
         """B = len(prompts) * n trajectories; seeds: one per sample, a base seed, or None (sampling.seed)."""
-        sp = sampling or SamplingParams()
+        sp = sampling
         seeds = self.validate(prompts, n, sp, seeds)
         steps, size = sp.num_inference_steps, sp.sde_window_size
         grid = (sp.height // self.size_multiple, sp.width // self.size_multiple)
@@ -324,7 +330,7 @@ class SamplingLoop:
             noise = torch.stack([torch.randn(x.shape[1:], generator=g) for g in gens]).to(x.device)
             slot = i - starts
             latents[slot == 0, 0] = x[slot == 0]
-            v = self.velocity(x, sigmas[i], *text, cfg_scale=sp.true_cfg_scale, grid=grid)
+            v = self.velocity(x, sigmas[i], *text, true_cfg_scale=sp.true_cfg_scale, grid=grid)
             x, log_prob, _, _ = sde_step(x, v, sigmas[i], sigmas[i + 1], sigmas[1], sde_type=sp.sde_type,
                                          noise_level=levels[:, i], noise=noise)
             inside = (slot >= 0) & (slot < window)

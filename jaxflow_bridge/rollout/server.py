@@ -44,7 +44,7 @@ class RolloutServer:
     def __init__(self, config: dict):
         self.engine: RolloutEngine = engine_class(config)(config)
 
-    def generate(self, prompts: list[str], n: int, sampling: dict | None = None, seeds=None) -> dict:
+    def generate(self, prompts: list[str], n: int, sampling: dict, seeds=None) -> dict:
         """TrajectoryBatch.to_dict() for B = len(prompts) * n samples; seeds: per sample, base, or None."""
         return self.engine.generate(prompts, n, sampling, seeds)
 

@@ -29,7 +29,7 @@ def test_the_config_resolves_to_the_registered_component(key, value, component):
     kw = {"algorithm": loss, key: value}
     if key == "ratio_norm" and value == "guard":
         kw["old_log_prob"] = "recompute"
-    config = TrainConfig(grid_hw=(2, 2), **kw)
+    config = TrainConfig(guidance=1.0, grid_hw=(2, 2), **kw)
     role = registry.Policy._fields[list(registry.TABLES).index(key)]
     assert getattr(config.policy, role) is component
     assert config.batch_fields == config.policy.loss.batch_fields(config)
@@ -38,16 +38,17 @@ def test_the_config_resolves_to_the_registered_component(key, value, component):
 def test_an_unknown_choice_names_the_registered_ones():
     with pytest.raises(ValueError, match=r"TrainConfig.algorithm='ppo'; choose 'flowgrpo' \(.*\), 'nft' \(.*\), "
                                          r"'mixgrpo' \(.*\) or 'awm' \(.*\)"):
-        TrainConfig(grid_hw=(2, 2), algorithm="ppo")
+        TrainConfig(guidance=1.0, grid_hw=(2, 2), algorithm="ppo")
     with pytest.raises(ValueError, match=r"old_log_prob='bypass'; choose 'rollout' .*'recompute' .* or "
                                          r"'rollout_corrected'"):
-        TrainConfig(grid_hw=(2, 2), old_log_prob="bypass")
+        TrainConfig(guidance=1.0, grid_hw=(2, 2), old_log_prob="bypass")
 
 
 def test_the_recompute_pass_is_asked_for_by_a_component_and_runs_for_a_log_prob_loss():
-    assert TrainConfig(grid_hw=(2, 2), old_log_prob="recompute", num_mini_batches=2).recompute_pass
-    assert not TrainConfig(grid_hw=(2, 2), old_log_prob="rollout", num_mini_batches=2).recompute_pass
-    assert not TrainConfig(grid_hw=(2, 2), algorithm="nft", old_log_prob="recompute", num_mini_batches=2).recompute_pass
+    assert TrainConfig(guidance=1.0, grid_hw=(2, 2), old_log_prob="recompute", num_mini_batches=2).recompute_pass
+    assert not TrainConfig(guidance=1.0, grid_hw=(2, 2), old_log_prob="rollout", num_mini_batches=2).recompute_pass
+    assert not TrainConfig(guidance=1.0, grid_hw=(2, 2), algorithm="nft", old_log_prob="recompute",
+                           num_mini_batches=2).recompute_pass
 
 
 def algorithm_names_in(path: Path) -> list[str]:

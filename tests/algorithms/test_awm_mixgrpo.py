@@ -112,10 +112,10 @@ def test_mixgrpo_narrows_the_rollouts_window_range_to_the_steps_window():
 
 
 def test_the_new_entries_are_registered_with_their_rules():
-    assert TrainConfig(grid_hw=(2, 2), algorithm="mixgrpo").policy.loss.name == "mixgrpo"
-    assert TrainConfig(grid_hw=(2, 2), algorithm="awm").policy.loss.name == "awm"
+    assert TrainConfig(guidance=1.0, grid_hw=(2, 2), algorithm="mixgrpo").policy.loss.name == "mixgrpo"
+    assert TrainConfig(guidance=1.0, grid_hw=(2, 2), algorithm="awm").policy.loss.name == "awm"
     for kw, needle in (({"algorithm": "awm", "awm_timesteps": 0}, "awm_timesteps"),
                        ({"algorithm": "mixgrpo", "mixgrpo_interval": 0}, "mixgrpo_interval"),
                        ({"algorithm": "mixgrpo", "sde_type": "ode"}, "sde_type")):
         with pytest.raises(ValueError, match=needle):
-            TrainConfig(grid_hw=(2, 2), **kw)
+            TrainConfig(guidance=1.0, grid_hw=(2, 2), **kw)

@@ -73,4 +73,4 @@ def test_guard_needs_the_recompute_pass(tmp_path):
     with pytest.raises(ValueError, match="train.ratio_norm"):
         config_lib.validate(cfg)
     with pytest.raises(ValueError, match="recompute"):
-        ts.TrainConfig(grid_hw=GRID, ratio_norm="guard")
+        ts.TrainConfig(guidance=1.0, grid_hw=GRID, ratio_norm="guard")

@@ -103,7 +103,7 @@ def tiny_batch(lora_model):
 
 
 def _step(model, batch, **kw):
-    config = TrainConfig(grid_hw=(2, 2), algorithm="nft", num_micro_batches=2, nft_timesteps=3, beta=0.01,
+    config = TrainConfig(guidance=1.0, grid_hw=(2, 2), algorithm="nft", num_micro_batches=2, nft_timesteps=3, beta=0.01,
                          learning_rate=1e-2, **kw)
     init_state, step = make_train_step(model, config)
     state = init_state()
@@ -132,7 +132,7 @@ def test_a_skipped_step_moves_neither_the_old_policy_nor_its_decay_and_the_ema_w
     """NVlabs' EMA (flow_grpo/ema.py, called after global_step += 1): decay min(0.9, (1 + k) / (10 + k)), k = 1 on
     the first update. A step whose update is skipped (non-finite loss) leaves the old policy where it was."""
     model, batch = tiny_batch
-    config = TrainConfig(grid_hw=(2, 2), algorithm="nft", nft_timesteps=2, learning_rate=1e-2,
+    config = TrainConfig(guidance=1.0, grid_hw=(2, 2), algorithm="nft", nft_timesteps=2, learning_rate=1e-2,
                          nft_decay=(0, 0.5, 0.9), ema_decay=0.9)
     init_state, step = make_train_step(model, config)
     state = init_state()
@@ -171,14 +171,14 @@ def test_the_nft_defaults_are_verl_omnis_qwen_image_recipe_with_nvlabs_ema():
 
 def test_the_nft_step_needs_the_final_latents_and_refuses_flowgrpo_settings(tiny_batch):
     model, batch = tiny_batch
-    _, step = make_train_step(model, TrainConfig(grid_hw=(2, 2), algorithm="nft"))
+    _, step = make_train_step(model, TrainConfig(guidance=1.0, grid_hw=(2, 2), algorithm="nft"))
     with pytest.raises(ValueError, match="final_latents.*keep_final"):
         step(None, dataclasses.replace(batch, final_latents=None))
     for kw, needle in (({"guidance": 4.0}, "guidance"), ({"ratio_norm": "guard", "old_log_prob": "recompute"},
                                                         "ratio_norm"),
                        ({"drop_zero_advantage": True}, "drop_zero_advantage"), ({"nft_beta": 0.0}, "nft_beta")):
         with pytest.raises(ValueError, match=needle):
-            TrainConfig(grid_hw=(2, 2), algorithm="nft", **kw)
+            TrainConfig(grid_hw=(2, 2), algorithm="nft", **{"guidance": 1.0, **kw})
 
 
 def test_the_mini_ocr_arms_validate_and_set_what_they_name():

@@ -118,8 +118,8 @@ def _drift_update(x, mini, micro, drop):
     from jaxflow.nn.lora import LoRAParam
     from jaxflow_bench import algorithm_parity as parity
 
-    config = ts.TrainConfig(grid_hw=(1, 1), clip_range=parity.ZCLIP, beta=parity.BETA, num_mini_batches=mini,
-                            num_micro_batches=micro, drop_zero_advantage=drop)
+    config = ts.TrainConfig(guidance=1.0, grid_hw=(1, 1), clip_range=parity.ZCLIP, beta=parity.BETA,
+                            num_mini_batches=mini, num_micro_batches=micro, drop_zero_advantage=drop)
     order = zero_advantage_order(x["advantages"], mini, micro) if drop else np.arange(len(x["advantages"]))
     batch = {k: jnp.asarray(x[k][order]) for k in ("latents", "sigmas", "step_index", "log_probs", "advantages")}
     graphdef, lora, frozen = nnx.split(parity.Drift(x["p0"]), LoRAParam, ...)

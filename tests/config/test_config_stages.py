@@ -15,6 +15,9 @@ from jaxflow.config.errors import UserError
 from jaxflow.config.sections import RunConfig
 from jaxflow.trainer import learner
 from jaxflow.trainer.sharding import Layout
+from jaxflow.trainer.step_config import TrainConfig
+from jaxflow_bridge.families.bagel.sampling import BagelSamplingParams
+from jaxflow_bridge.rollout.sampling import SamplingParams
 from tests import HANG_S
 from tests.helpers import ROOT, tiny_config
 
@@ -130,3 +133,14 @@ def test_auto_never_reaches_the_family_or_the_learner(tmp_path, monkeypatch):
     trainer_learner = learner.Learner(cfg, folder)
     assert [(o.lora_gemm, o.scan_unroll) for o in seen] == [("xla", 1)]
     assert trainer_learner.plan.model == seen[0] and trainer_learner.model.opts.lora_gemm == "xla"
+
+
+def test_the_cfg_scale_has_no_default_of_its_own():
+    """The CFG scale's one default is the config's (sample.guidance in the recipe): a request, a sampling params
+    object or a train step config without it is refused, never run at a scale of its own."""
+    with pytest.raises(ValueError, match=r"sampling parameters \['true_cfg_scale'\] have no default: give them"):
+        SamplingParams.from_dict({"height": 64})
+    with pytest.raises(ValueError, match=r"BAGEL sampling parameters \['cfg_text_scale'\] have no default"):
+        BagelSamplingParams.from_dict({})
+    with pytest.raises(TypeError, match="guidance"):
+        TrainConfig(grid_hw=(1, 1))

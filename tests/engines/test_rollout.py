@@ -87,7 +87,7 @@ def test_replaying_the_window_gives_ratio_one(pipe, batch):
     for k in range(W):
         x = torch.from_numpy(batch.latents[:, k])
         sigma, sigma_next = batch.sigmas[batch.step_index[:, k]], batch.sigmas[batch.step_index[:, k] + 1]
-        v = pipe.velocity(x, sigma, *text, cfg_scale=4.0, grid=GRID)
+        v = pipe.velocity(x, sigma, *text, true_cfg_scale=4.0, grid=GRID)
         _, log_prob, _, _ = sde_step(x, v, sigma, sigma_next, batch.sigmas[1], sde_type="sde", noise_level=1.2,
                                      prev_sample=torch.from_numpy(batch.latents[:, k + 1]))
         np.testing.assert_allclose(log_prob.numpy(), batch.log_probs[:, k], atol=1e-5)
@@ -109,7 +109,7 @@ def test_cfg_velocity_combines_the_positive_and_negative_velocities(pipe, batch)
     x, sigma = torch.from_numpy(batch.latents[:, 0]), batch.sigmas[batch.step_index[:, 0]]
     pos, pos_mask, neg, neg_mask = (torch.from_numpy(a) for a in (
         batch.prompt_embeds, batch.prompt_mask, batch.negative_prompt_embeds, batch.negative_prompt_mask))
-    v = pipe.velocity(x, sigma, pos, pos_mask, neg, neg_mask, cfg_scale=4.0, grid=GRID)
+    v = pipe.velocity(x, sigma, pos, pos_mask, neg, neg_mask, true_cfg_scale=4.0, grid=GRID)
     v_pos = pipe.velocity(x, sigma, pos, pos_mask, grid=GRID)
     v_neg = pipe.velocity(x, sigma, neg, neg_mask, grid=GRID)
     np.testing.assert_allclose(v.numpy(), cfg_combine(v_pos, v_neg, 4.0).numpy(), atol=1e-5)
@@ -363,7 +363,7 @@ def test_invalid_requests_fail_before_any_model_runs(pipe, monkeypatch, change, 
 
 
 def test_sampling_params_refuse_unknown_keys():
-    assert SamplingParams.from_dict({"sde_window_range": [0, 3]}).sde_window_range == (0, 3)
+    assert SamplingParams.from_dict({"sde_window_range": [0, 3], "true_cfg_scale": 4.0}).sde_window_range == (0, 3)
     with pytest.raises(ValueError, match=r"unknown sampling parameters \['guidance'\]"):
         SamplingParams.from_dict({"guidance": 3.0})
 

@@ -275,11 +275,11 @@ def _has_vllm_omni() -> bool:
 
 def test_custom_pipeline_installs_the_fused_lora_apply_unless_told_stock(tiny_path):
     """vLLM-Omni's diffusion LoRA layer class gets jaxflow_bridge.rollout.kernels.lora_linear's apply when our pipeline
-    is built (before any LoRA layer or compiled graph exists); lora_apply="stock" leaves it alone; a typo is refused."""
+    is built (before any LoRA layer or compiled graph exists); lora_apply="folder" leaves it alone; a typo is refused."""
     def stock(self, x, bias=None):
         return x
 
-    for args, fused in (({}, True), ({"lora_apply": "stock"}, False)):
+    for args, fused in (({}, True), ({"lora_apply": "folder"}, False)):
         layer_cls = type("LoRALayer", (), {"apply": stock})
         cls = vop.build_pipeline_class(FakeOmniQwenImagePipeline, SimpleNamespace, layer_cls)
         cls(od_config=SimpleNamespace(model=str(tiny_path), custom_pipeline_args=args))

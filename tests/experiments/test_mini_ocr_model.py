@@ -88,7 +88,7 @@ def test_pretraining_lowers_the_loss_and_both_sides_load_the_folder(toy):
     assert pipe.fingerprint == fingerprint(load_transformer(folder / "transformer"))
     assert json.loads((folder / "transformer" / "config.json").read_text())["num_layers"] == 1
     sampling = SamplingParams(height=64, width=128, num_inference_steps=2, max_sequence_length=32, sde_type="ode",
-                              noise_level=0.0, sde_window_size=None)
+                              noise_level=0.0, sde_window_size=None, true_cfg_scale=4.0)
     images = pipe.generate([prompt(WORDS[0])], 1, sampling, [0]).images
     assert images.shape == (1, 64, 128, 3)
     del jax

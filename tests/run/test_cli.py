@@ -45,7 +45,7 @@ BAGEL_OMNI = ["--config=configs/tiny_bagel_ocr.py", "--config.rollout.engine=vll
     ([*BAGEL_OMNI, "--config.model.init=random"],
      "config.model.init: 'random': BAGEL runs with 'checkpoint' on the vllm_omni engine (vLLM-Omni's BAGEL has no"),
     ([*BAGEL_OMNI, "--config.rollout.lora_mode=merged"],
-     "config.rollout.lora_mode: 'merged': BAGEL runs with 'auto' or 'layers' (no merged LoRA path)"),
+     "config.rollout.lora_mode: 'merged': BAGEL runs with 'auto' or 'folder' on the vllm_omni engine (its one LoRA"),
     (["--config=configs/tiny_bagel_ocr.py", "--config.train.algorithm=nft", "--config.sample.guidance=1"],
      "config.train.algorithm: 'nft': BAGEL runs with 'flowgrpo' for now"),
     (["--config=configs/tiny_bagel_ocr.py", "--config.model.path=/nonexistent/bagel"],

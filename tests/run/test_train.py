@@ -461,7 +461,7 @@ def test_the_colocated_layout_on_gpus_runs_one_engine_per_device(tmp_path):
     ({"layout": "hybrid"}, "rollout.layout: 'hybrid'; choose one of \\('colocated', 'split', 'in_process'\\)"),
     ({"lora_mode": "merged"}, "rollout.lora_mode: 'merged' is a mode of the vllm_omni engine; with "
                               "rollout.engine='diffusers' use 'auto' or 'layers'"),
-    ({"lora_mode": "fused"}, "rollout.lora_mode: 'fused'; choose one of \\('auto', 'merged', 'layers'\\)"),
+    ({"lora_mode": "fused"}, "rollout.lora_mode: 'fused'; choose one of \\('auto', 'merged', 'layers', 'folder'\\)"),
 ])
 def test_the_layout_refuses_what_it_cannot_run(tmp_path, changes, needle):
     cfg = tiny_config(tmp_path)
@@ -480,3 +480,14 @@ def test_the_lora_mode_merges_on_vllm_omni_unless_told_layers(tmp_path):
                                  ("vllm_omni", "layers", False), ("vllm_omni", "merged", True)):
         cfg.rollout.engine, cfg.rollout.lora_mode = engine, mode
         assert plan_lib.merged_lora(cfg) is merged, (engine, mode)
+
+
+def test_the_plan_resolves_the_lora_mode_into_the_engines_lora_apply(tmp_path):
+    """rollout.lora_mode and the engines' lora_apply are one vocabulary (layers, merged, folder): the plan resolves
+    'auto' into the family's mode on its engine and passes any other value as it is."""
+    cfg = tiny_config(tmp_path)
+    for engine, mode, apply in (("diffusers", "auto", "layers"), ("vllm_omni", "auto", "merged"),
+                                ("diffusers", "folder", "folder"), ("vllm_omni", "folder", "folder"),
+                                ("vllm_omni", "layers", "layers")):
+        cfg.rollout.engine, cfg.rollout.lora_mode = engine, mode
+        assert plan_lib.lora_apply(cfg) == apply, (engine, mode)

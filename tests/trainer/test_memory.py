@@ -110,8 +110,8 @@ def test_abstract_batch_matches_prepare_batch_with_token_ids(nft):
            "noise_level": np.float32(0.7), "advantages": np.zeros(b, np.float32),
            "final_latents": np.zeros((b, s, c), np.float32),
            "prompt_ids": np.ones((b, length), np.int64), "prompt_mask": np.ones((b, length), bool)}
-    config = TrainConfig(grid_hw=(2, 5), algorithm="nft", sde_type="ode") if nft else TrainConfig(grid_hw=(2, 5),
-                                                                                                  guidance=4.0)
+    config = (TrainConfig(guidance=1.0, grid_hw=(2, 5), algorithm="nft", sde_type="ode") if nft
+              else TrainConfig(grid_hw=(2, 5), guidance=4.0))
     if not nft:
         with pytest.raises(ValueError, match=r"missing \['negative_prompt_ids', 'negative_prompt_mask'\] \(guidance"):
             prepare_batch(TrainBatch(**raw), config)

@@ -118,7 +118,7 @@ def _eight_device_check():
     nnx.update(model, jax.tree.unflatten(
         treedef, [x + 0.1 * jax.random.normal(jax.random.key(i), x.shape) for i, x in enumerate(leaves)]))
     batch = random_window_batch(16)
-    config = TrainConfig(grid_hw=(2, 2), num_micro_batches=2, clip_range=1e-2)
+    config = TrainConfig(guidance=1.0, grid_hw=(2, 2), num_micro_batches=2, clip_range=1e-2)
     results = {"before": jax.tree.map(np.asarray, nnx.state(model, LoRAParam))}
     for name, layout in [("single", None), ("data8", S.Layout.create(S.ShardingConfig(data=8))), ("fsdp", fsdp)]:
         init_state, step = make_train_step(model, config, layout)

@@ -141,7 +141,7 @@ def test_an_update_that_overflows_the_lora_is_skipped(lora_model, plain):
 def test_gradient_matches_finite_differences(lora_model, plain):
     """Accumulated gradient (2 micro-batches x 2 window steps, KL on) vs a central difference of the mean
     loss along the top-6 gradient entries."""
-    config = TrainConfig(grid_hw=GRID, num_micro_batches=2, beta=0.04, clip_range=10.0)  # no clipping
+    config = TrainConfig(guidance=1.0, grid_hw=GRID, num_micro_batches=2, beta=0.04, clip_range=10.0)  # no clipping
     graphdef, lora, frozen = nnx.split(lora_model, LoRAParam, ...)
     batch = jax.tree.map(jnp.asarray, prepare_batch(plain[1], config))
 
@@ -180,13 +180,13 @@ def test_batch_validation():
     with pytest.raises(ValueError, match="multiple"):
         prepare_batch(TrainBatch(**{**batch, **inputs(True)}), config, batch_devices=4)
     with pytest.raises(ValueError, match="sde_type"):
-        TrainConfig(grid_hw=GRID, sde_type="ode")
+        TrainConfig(guidance=1.0, grid_hw=GRID, sde_type="ode")
 
 
 def test_compiler_options_reach_the_step_jits(lora_model, plain):
     """train.xla_options go to the step's own jits (XLA rejects an unknown option when compiling them)."""
     _, traj, _, _ = plain
-    init_state, step = make_train_step(lora_model, TrainConfig(grid_hw=GRID, num_micro_batches=2),
+    init_state, step = make_train_step(lora_model, TrainConfig(guidance=1.0, grid_hw=GRID, num_micro_batches=2),
                                        compiler_options={"xla_jaxflow_no_such_option": True})
     with pytest.raises(Exception, match="xla_jaxflow_no_such_option"):
         step(init_state(), traj)
@@ -194,7 +194,7 @@ def test_compiler_options_reach_the_step_jits(lora_model, plain):
 
 def test_model_without_lora_is_rejected():
     with pytest.raises(ValueError, match="no LoRA"):
-        make_train_step(QwenImageTransformer(TINY, rngs=nnx.Rngs(0)), TrainConfig(grid_hw=GRID))
+        make_train_step(QwenImageTransformer(TINY, rngs=nnx.Rngs(0)), TrainConfig(guidance=1.0, grid_hw=GRID))
 
 
 @pytest.mark.parametrize("mode", ["rollout", "recompute"])

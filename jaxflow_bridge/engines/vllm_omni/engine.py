@@ -6,8 +6,8 @@ the families' `vllm_omni_kind.py`), `dtype` ("bfloat16"; vLLM-Omni 0.20 runs bf1
 "cuda": the GPU Ray gave the actor), `random_seed` (optional: the transformer's weights are drawn on the GPU from this
 seed by the shared spec, `jaxflow_bridge/contract/random_weights.py`, as with the diffusers engine; the folder needs
 only `transformer/config.json`), `omni_args` (extra `AsyncOmni` keyword arguments, e.g. {"enforce_eager": True}),
-`lora_apply` ("fused", the default: LoRA'd linears run `jaxflow_bridge/rollout/kernels/lora_linear.py`; "stock":
-vLLM-Omni's per-slice apply, for comparison; "merged": the adapter merged into the base weights,
+`lora_apply` ("layers", the default: LoRA'd linears run `jaxflow_bridge/rollout/kernels/lora_linear.py`; "folder":
+vLLM-Omni's own per-slice apply of the adapter its loader read, for comparison; "merged": the adapter merged into the base weights,
 `jaxflow_bridge/sync/merge.py`), `cfg_forward` ("batched" or "split": true CFG's rows in one forward or two,
 `jaxflow_bridge.rollout.sampling`), `qk_ops` ("compiled", the default: the attention's q/k norms and rotary in torch
 ops that torch.compile fuses; "vllm": vLLM-Omni's own kernels, for comparison), `fa_version` ("auto", the default: FA3
@@ -198,7 +198,7 @@ class VllmOmniEngine(RolloutEngine):
 
     # -------------------------------------------------------------------------------------- generation
 
-    def generate(self, prompts: list[str], n: int, sampling: dict | None = None, seeds=None) -> dict:
+    def generate(self, prompts: list[str], n: int, sampling: dict, seeds=None) -> dict:
         """TrajectoryBatch.to_dict() of B = len(prompts) * n samples, prompt-major (sample b of prompt b // n); each
         request's text padded as it arrives, to `text_tokens` (a request's own length without them: then one request
         a call, or prompts of one length)."""

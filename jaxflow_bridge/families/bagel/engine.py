@@ -5,7 +5,8 @@ the tokenizer; or "tiny_bagel" for the cached tiny random one), `device` ("cpu",
 ("float32", the only one for now), `decode` ("vae", default: the folder's `ae.safetensors` through
 `families.bagel.vae.BagelDecoder`, as vLLM-Omni decodes; or "preview": `latent_preview`, no decoder, for plumbing runs),
 `random_seed` (optional: the weights drawn by the shared random spec, `jaxflow_bridge/contract/random_weights.py`, by
-checkpoint name, as the trainer's `model.init=random`; the folder then needs no ema.safetensors). A prompt's context
+checkpoint name, as the trainer's `model.init=random`; the folder then needs no ema.safetensors), `lora_apply`
+("layers", the only one: `LoraApplier`'s LoRA layers). A prompt's context
 is `<|im_start|>` + its tokens + `<|im_end|>` (docs/bagel.md §4), carried as the trajectory's `prompt_ids`; with the
 sampling's `think`, followed by the prompt's think tokens (`families/bagel/think.py`: the checkpoint's text head, loaded
 on the first think request, decodes once a prompt). LoRA: PEFT adapters in BAGEL's names (the trainer's
@@ -46,11 +47,11 @@ class BagelTorchEngine(RolloutEngine):
     """The `RolloutEngine` interface over one `BagelTorch` and its sampling loop."""
 
     name = "bagel_torch"
-    config_keys = ("engine", "model", "device", "dtype", "decode", "random_seed")
+    config_keys = ("engine", "model", "device", "dtype", "decode", "random_seed", "lora_apply")
 
     def __init__(self, config: dict):
         self.check_config(config)
-        for key, only in (("device", "cpu"), ("dtype", "float32")):
+        for key, only in (("device", "cpu"), ("dtype", "float32"), ("lora_apply", "layers")):
             if config.get(key, only) != only:
                 raise ValueError(f"{self.name} engine: {key} {config[key]!r} is not supported yet; pass {only!r}")
         model = config["model"]
@@ -111,7 +112,7 @@ class BagelTorchEngine(RolloutEngine):
         """Think mode's decode of one prompt's context ids (`families.bagel.think.Thinker`)."""
         return Thinker(self.model, self.head, *self.think_ids)(ids, max_tokens)
 
-    def generate(self, prompts: list[str], n: int, sampling: dict | None = None, seeds=None) -> dict:
+    def generate(self, prompts: list[str], n: int, sampling: dict, seeds=None) -> dict:
         """TrajectoryBatch.to_dict() of B = len(prompts) * n samples (see BagelSamplingLoop.generate)."""
         params = BagelSamplingParams.from_dict(sampling)
         self.check_awake()

@@ -41,13 +41,13 @@ RENORM_EPS = 1e-8  # Bagel._combine_cfg's denominator guard
 
 @dataclasses.dataclass(frozen=True)
 class BagelSamplingParams:
-    """Per-request knobs. Defaults: verl-omni's BAGEL OCR recipe (text CFG 4, image CFG 1, interval (0, 1), global
+    """Per-request knobs. Defaults: verl-omni's BAGEL OCR recipe (image CFG 1, interval (0, 1), global
     renorm, min 0; 'sde' noise 0.7, window 2 in [0, 7))."""
 
     height: int = 512
     width: int = 512
     num_inference_steps: int = 14  # N denoising steps: N + 1 schedule points
-    cfg_text_scale: float = 4.0  # CFG iff > 1
+    cfg_text_scale: float = dataclasses.field(kw_only=True)  # CFG iff > 1; the config's sample.guidance, no default
     cfg_interval: tuple[float, float] = (0.0, 1.0)  # CFG at steps with lo < sigma <= hi
     cfg_renorm_min: float = 0.0
     sde_type: str = "sde"  # 'sde' | 'cps' | 'ode'
@@ -141,11 +141,11 @@ class BagelSamplingLoop:
         self.model, self.decode, self.policy_version, self.thinker = model, decode, policy_version, thinker
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: Sequence[Sequence[int]], n: int = 1, sampling: BagelSamplingParams | None = None,
-                 seeds=None, prompts: Sequence[str] | None = None) -> TrajectoryBatch:
+    def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, sampling: BagelSamplingParams, seeds=None,
+                 prompts: Sequence[str] | None = None) -> TrajectoryBatch:
         """B = len(prompt_ids) * n trajectories; seeds: one per sample, a base seed, or None (sampling.seed);
         prompts: the prompts' text for `TrajectoryBatch.prompts` (default: empty strings)."""
-        sp = sampling or BagelSamplingParams()
+        sp = sampling
         seeds = validate(prompt_ids, n, sp, seeds, prompts)
         if sp.think and self.thinker is None:
             raise ValueError("think mode needs a thinker (families.bagel.think.Thinker: the checkpoint's text head)")

@@ -53,10 +53,6 @@ def vllm_omni_problems(*, init: str, lora_mode: str, deploy: str | None, think: 
         yield "model.init", (f"{init!r}: BAGEL runs with 'checkpoint' on the vllm_omni engine (vLLM-Omni's BAGEL has no "
                              f"random-weight path; bagel_torch has): use model.init='checkpoint', or the bagel_torch "
                              f"engine for model.init='random'")
-    if lora_mode == "merged":
-        yield "rollout.lora_mode", ("'merged': BAGEL runs with 'auto' or 'layers' (no merged LoRA path); its LoRA runs "
-                                    "vLLM-Omni's per-slice apply: pass rollout.lora_mode='layers' (to the engine itself: pass "
-                                    "lora_apply='stock')")
     if deploy is not None and deploy not in DEPLOYS:
         yield "rollout.bagel_deploy", f"{deploy!r}: BAGEL runs one of {DEPLOYS} on the vllm_omni engine"
     yield from think_problems(deploy, think)

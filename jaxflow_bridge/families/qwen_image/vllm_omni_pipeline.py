@@ -55,9 +55,10 @@ PIPELINE_CLASS = f"{__name__}.FlowGRPOQwenImagePipeline"
 # SamplingParams fields carried by OmniDiffusionSamplingParams attributes, and those carried in its extra_args.
 PARAM_FIELDS = ("height", "width", "num_inference_steps", "true_cfg_scale", "max_sequence_length", "seed")
 EXTRA_FIELDS = ("noise_level", "sde_type", "sde_window_size", "sde_window_range", "same_latent", "keep_final")
-# how LoRA'd linears run: "fused" (jaxflow_bridge/rollout/kernels/lora_linear.py), "stock" (vLLM-Omni's own per-slice
-# apply) or "merged" (the adapter merged into the base weights, jaxflow_bridge/sync/merge.py: plain linears)
-LORA_APPLY = ("fused", "stock", "merged")
+# how LoRA'd linears run (the engines' one vocabulary, jaxflow_bridge/sync/sinks.py): "layers" (LoRA layers through
+# jaxflow_bridge/rollout/kernels/lora_linear.py's fused apply), "folder" (vLLM-Omni's own: its per-slice apply of the
+# adapter its loader read) or "merged" (the adapter merged into the base weights, jaxflow_bridge/sync/merge.py)
+LORA_APPLY = ("layers", "folder", "merged")
 # the MLP's tanh GELU: in the in-projection's cuBLASLt epilogue where no LoRA layer wraps it
 # (jaxflow_bridge/families/qwen_image/linear_gelu.py), or vLLM-Omni's separate elementwise kernel
 GELU = ("epilogue", "separate")
@@ -126,7 +127,7 @@ def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = N
     """Our pipeline as a subclass of `SamplingLoop` and `base` (vLLM-Omni's QwenImagePipeline); `output_cls`
     builds its results (vLLM-Omni's DiffusionOutput); `lora_layer_cls` (vLLM-Omni's diffusion LoRA layer base class)
     gets `jaxflow_bridge.rollout.kernels.lora_linear`'s fused apply unless custom_pipeline_args say
-    lora_apply="stock"; the attention's q/k norms and rotary become `qk_rope`'s unless
+    lora_apply="folder"; the attention's q/k norms and rotary become `qk_rope`'s unless
     they say qk_ops="vllm"; `attention_fa3` (`jaxflow_bridge.engines.vllm_omni.fa_version.use_fa3`) runs unless they
     say fa_version="2"; `gelu_cls` (vLLM-Omni's ColumnParallelApproxGELU) gets
     `jaxflow_bridge.families.qwen_image.linear_gelu`'s forward unless they say gelu="separate";
@@ -138,7 +139,7 @@ def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = N
         self.text_encoder = text_tower(self.text_encoder)  # its vision tower and output head never run
         args = getattr(od_config, "custom_pipeline_args", None) or {}
         options = pipeline_options(args)
-        if lora_layer_cls is not None and options["lora_apply"] == "fused":
+        if lora_layer_cls is not None and options["lora_apply"] == "layers":
             install_fused_apply(lora_layer_cls)
         if gelu_cls is not None and options["gelu"] == "epilogue":
             install_gelu_epilogue(gelu_cls)

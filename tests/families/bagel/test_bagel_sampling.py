@@ -18,7 +18,7 @@ from tests import bagel_ref
 U = 2.0**-24  # float32 unit roundoff
 PROMPT_A, PROMPT_B = [5, 17, 240, 3, 99], [311, 8, 42]
 GRID, N = (4, 6), 4  # 64 x 96 pixels; 4 steps, 5 schedule points
-SP = BagelSamplingParams(height=64, width=96, num_inference_steps=N, sde_window_range=(0, 3))
+SP = BagelSamplingParams(height=64, width=96, num_inference_steps=N, sde_window_range=(0, 3), cfg_text_scale=4.0)
 FIRST_STEP = dataclasses.replace(SP, sde_window_size=1, sde_window_range=(0, 1))  # every window starts at step 0
 
 

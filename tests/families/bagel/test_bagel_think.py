@@ -31,7 +31,8 @@ from tests.helpers import ROOT
 PROMPTS = ["a sign", "OCR 42 long prompt here"]  # the tiny model predicts <|im_end|> after 15 tokens of the first
 MAX = 40
 SAMPLING = dict(height=SP.height, width=SP.width, num_inference_steps=SP.num_inference_steps,
-                sde_window_range=SP.sde_window_range, cfg_interval=SP.cfg_interval, keep_final=True)
+                sde_window_range=SP.sde_window_range, cfg_interval=SP.cfg_interval, keep_final=True,
+                cfg_text_scale=SP.cfg_text_scale)
 THINK = dict(SAMPLING, think=True, max_think_tokens=MAX)
 SEEDS = [1, 2, 3, 4]
 LLM = bagel_ref.LLM

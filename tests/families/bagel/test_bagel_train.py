@@ -119,6 +119,26 @@ def test_bagel_on_vllm_omni_is_a_valid_config_served_through_lora_layers(tmp_pat
     assert qwen.rollout.engine == "vllm_omni" and qwen.rollout.lora_mode == "auto" and merged_lora(qwen)
 
 
+def test_bagel_lora_mode_is_the_one_its_engine_runs(tmp_path):
+    """BAGEL's rollout.lora_mode='auto' is 'folder' on vllm_omni (vLLM-Omni's own apply, the engines' word for what
+    was its "stock") and 'layers' on bagel_torch; 'layers' on vllm_omni (the fused apply, Qwen-Image's) is refused in
+    one line naming 'folder', and the bagel_torch engine refuses any lora_apply but 'layers'."""
+    from jaxflow.config.errors import UserError
+    from jaxflow.config.plan import lora_apply
+    from jaxflow.config.validation import validate
+    from jaxflow_bridge.families.bagel.engine import BagelTorchEngine
+    cfg = bagel_config(tmp_path)
+    assert cfg.rollout.engine == "bagel_torch" and lora_apply(cfg) == "layers"
+    cfg.rollout.update(engine="vllm_omni", dtype="bfloat16", device="cuda")
+    assert lora_apply(cfg) == "folder"
+    cfg.rollout.lora_mode = "layers"
+    with pytest.raises(UserError, match=r"config\.rollout\.lora_mode: 'layers': BAGEL runs with 'auto' or 'folder' "
+                                        r"on the vllm_omni engine"):
+        validate(cfg)
+    with pytest.raises(ValueError, match="bagel_torch engine: lora_apply 'merged' is not supported yet; pass 'layers'"):
+        BagelTorchEngine({"engine": "bagel_torch", "model": "tiny_bagel", "lora_apply": "merged"})
+
+
 def test_random_init_draws_the_engines_weights_by_checkpoint_name():
     """model.init=random: the trainer's BAGEL (drawn on the device into Flax layout) holds exactly the shared spec's
     tensors by checkpoint name, and its fingerprint is the bagel_torch engine's with the same random_seed (not with

@@ -116,6 +116,6 @@ def test_bagel_refuses_what_it_cannot_train(run):
 
 def test_bagel_cfg_fields_are_checked():
     with pytest.raises(ValueError, match="cfg_interval"):
-        TrainConfig(grid_hw=ROLLOUT_GRID, cfg_interval=(0.9, 0.2))
+        TrainConfig(guidance=1.0, grid_hw=ROLLOUT_GRID, cfg_interval=(0.9, 0.2))
     with pytest.raises(ValueError, match="cfg_renorm_min"):
-        TrainConfig(grid_hw=ROLLOUT_GRID, cfg_renorm_min=1.5)
+        TrainConfig(guidance=1.0, grid_hw=ROLLOUT_GRID, cfg_renorm_min=1.5)

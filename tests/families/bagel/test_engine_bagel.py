@@ -19,7 +19,7 @@ from tests.bagel_helpers import SP, V_TOL
 
 PROMPTS = ["a sign", "OCR 42"]
 SAMPLING = dict(height=SP.height, width=SP.width, num_inference_steps=SP.num_inference_steps,
-                sde_window_range=SP.sde_window_range, cfg_interval=SP.cfg_interval)
+                sde_window_range=SP.sde_window_range, cfg_interval=SP.cfg_interval, cfg_text_scale=SP.cfg_text_scale)
 RANK, ALPHA = 4, 8.0
 
 

@@ -45,7 +45,8 @@ from tests.helpers_vllm_omni_bagel import NaiveCache, stand_in_thinker, stock_ba
 LAYERS, TARGETS = tiny_bagel.TINY_LLM["num_hidden_layers"], len(bagel_keymap.DEFAULT_LORA_TARGETS)
 RANK, ALPHA = 4, 8.0
 CONFIG = {"r": RANK, "lora_alpha": ALPHA, "target_modules": list(bagel_keymap.DEFAULT_LORA_TARGETS)}
-SP = BagelSamplingParams(height=64, width=96, num_inference_steps=4, sde_window_range=(0, 3), cfg_interval=(0.8, 1.0))
+SP = BagelSamplingParams(height=64, width=96, num_inference_steps=4, sde_window_range=(0, 3), cfg_interval=(0.8, 1.0),
+                         cfg_text_scale=4.0)
 PROMPT = "a red sign"
 LLM = "language_model.model.layers"
 

@@ -25,7 +25,8 @@ from jaxflow_bridge.families.bagel.vllm_omni_pipeline import (build_pipeline_cla
 from jaxflow_bridge.engines.vllm_omni.codec import unpack_trajectories
 from tests.helpers_vllm_omni_bagel import NaiveCache, stock_bagel_pipeline
 
-SP = BagelSamplingParams(height=64, width=96, num_inference_steps=4, sde_window_range=(0, 3), cfg_interval=(0.8, 1.0))
+SP = BagelSamplingParams(height=64, width=96, num_inference_steps=4, sde_window_range=(0, 3), cfg_interval=(0.8, 1.0),
+                         cfg_text_scale=4.0)
 CFG = dataclasses.replace(SP, keep_final=True)
 THINK = dataclasses.replace(SP, think=True, max_think_tokens=40)  # the tiny model ends this prompt's think early
 PROMPT, SEEDS = "a red sign", [21, 22, 23]

@@ -235,7 +235,7 @@ def _split_rows_check():
     nnx.update(model, jax.tree.unflatten(
         treedef, [x + 0.1 * jax.random.normal(jax.random.key(i), x.shape) for i, x in enumerate(leaves)]))
     batch = random_window_batch(8)
-    config = TrainConfig(grid_hw=(2, 2), num_micro_batches=2, clip_range=1e-2)
+    config = TrainConfig(guidance=1.0, grid_hw=(2, 2), num_micro_batches=2, clip_range=1e-2)
     layout = S.Layout.create(S.ShardingConfig())
     assert layout.batch_devices == 2
     fused = nnx.clone(model)
