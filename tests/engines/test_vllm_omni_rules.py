@@ -44,8 +44,8 @@ def config(recipe: str, changes: dict):
      "random-weight path; bagel_torch has): use model.init='checkpoint', or the bagel_torch engine for "
      "model.init='random'"),
     ("tiny_bagel_ocr.py", {**BAGEL_OMNI, "rollout.lora_mode": "merged"},
-     "config.rollout.lora_mode: 'merged': BAGEL runs with 'auto' or 'layers' (no merged LoRA path); its LoRA runs "
-     "vLLM-Omni's per-slice apply: pass rollout.lora_mode='layers' (to the engine itself: pass lora_apply='stock')"),
+     "config.rollout.lora_mode: 'merged': BAGEL runs with 'auto' or 'folder' on the vllm_omni engine (its one LoRA "
+     "mode there) for now (docs/bagel.md §7)"),
     ("tiny_bagel_ocr.py", {**BAGEL_OMNI, "rollout.bagel_deploy": "two_stage", "sample.think": True},
      "config.rollout.bagel_deploy: 'two_stage' has no think mode yet (the thinker only prefills): BAGEL's think mode "
      "runs in the single-stage deployment only: pass --config.rollout.bagel_deploy=single_stage or "

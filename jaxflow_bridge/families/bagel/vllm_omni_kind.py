@@ -44,7 +44,7 @@ class VllmOmniKind:
         if given:
             raise ValueError(f"vllm_omni engine: {', '.join(given)} configure(s) the Qwen-Image pipeline only; "
                              f"drop them for a BAGEL model")
-        if config.get("lora_apply", "folder") not in ("folder", "merged"):  # merged: the engine's rules refuse it
+        if config.get("lora_apply", "folder") != "folder":
             raise ValueError(f"vllm_omni engine: lora_apply={config['lora_apply']!r} is Qwen-Image's; BAGEL's LoRA "
                              f"runs vLLM-Omni's own apply: pass lora_apply='folder' (rollout.lora_mode='auto')")
         return {"pipeline_class": bagel_pipeline.PIPELINE_CLASS}

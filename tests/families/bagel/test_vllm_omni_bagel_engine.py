@@ -162,8 +162,8 @@ def test_a_missing_deploy_file_or_a_second_stage_is_refused_in_one_line(bagel_to
 @pytest.mark.parametrize("option, needle", [
     ({"qk_ops": "vllm"}, "qk_ops configure"), ({"fa_version": "2"}, "fa_version configure"),
     ({"gelu": "separate", "cfg_forward": "split"}, "gelu, cfg_forward configure"),
-    ({"lora_apply": "fused"}, "lora_apply='fused' is Qwen-Image's"),
-    ({"lora_apply": "merged"}, "pass lora_apply='stock'"), ({"random_seed": 3}, "model.init='checkpoint'")])
+    ({"lora_apply": "layers"}, "lora_apply='layers' is Qwen-Image's"),
+    ({"lora_apply": "merged"}, "pass lora_apply='folder'"), ({"random_seed": 3}, "model.init='checkpoint'")])
 def test_what_bagel_lacks_is_refused_in_one_line_before_the_start(bagel_torch, tmp_path, monkeypatch, option, needle):
     omni = fake_omni(monkeypatch, tmp_path, bagel_torch)
     with pytest.raises(ValueError, match=needle) as err:
@@ -172,8 +172,8 @@ def test_what_bagel_lacks_is_refused_in_one_line_before_the_start(bagel_torch, t
     assert omni.started == []
 
 
-def test_lora_apply_stock_is_bagels_own(bagel_torch, tmp_path, monkeypatch):
-    engine, omni = start(monkeypatch, tmp_path, bagel_torch, lora_apply="stock")
+def test_lora_apply_folder_is_bagels_own(bagel_torch, tmp_path, monkeypatch):
+    engine, omni = start(monkeypatch, tmp_path, bagel_torch, lora_apply="folder")
     assert omni.started[0].kwargs["custom_pipeline_args"] == {"pipeline_class": vob.PIPELINE_CLASS}
 
 
@@ -185,7 +185,7 @@ def test_qwen_image_starts_and_asks_as_before(tiny_path, tmp_path, monkeypatch):
     omni = install_fake_vllm_omni(monkeypatch, tmp_path, {vop.PIPELINE_CLASS: pipeline})
     engine = VllmOmniEngine({"engine": "vllm_omni", "model": str(tiny_path)})
     (started,) = omni.started
-    assert started.kwargs == {"custom_pipeline_args": {"pipeline_class": vop.PIPELINE_CLASS, "lora_apply": "fused",
+    assert started.kwargs == {"custom_pipeline_args": {"pipeline_class": vop.PIPELINE_CLASS, "lora_apply": "layers",
                                                        "qk_ops": "compiled", "fa_version": "auto",
                                                        "cfg_forward": "batched", "gelu": "epilogue"},
                               "worker_extension_cls": worker.WORKER_EXTENSION_CLASS, "dtype": "bfloat16",
