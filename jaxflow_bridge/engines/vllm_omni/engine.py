@@ -88,6 +88,14 @@ def _flat(results) -> list:
     return [leaf for r in results for leaf in (_flat(r) if isinstance(r, list) else [r]) if leaf is not None]
 
 
+def longest_text(parts) -> tuple[int, int]:
+    """The longest prompt and negative prompt (0 without CFG) over a call's trajectories."""
+    def width(b, prefix):
+        mask = getattr(b, f"{prefix}_mask")
+        return 0 if mask is None else mask.shape[1]
+    return tuple(max(width(b, prefix) for b in parts) for prefix in ("prompt", "negative_prompt"))
+
+
 def ack_errors(results) -> list[str]:
     """What went wrong in the OmniACKs (dataclasses or dicts) of a sleep/wake RPC; [] if all succeeded."""
     acks = _flat(results)
@@ -200,8 +208,7 @@ class VllmOmniEngine(RolloutEngine):
 
     def generate(self, prompts: list[str], n: int, sampling: dict, seeds=None) -> dict:
         """TrajectoryBatch.to_dict() of B = len(prompts) * n samples, prompt-major (sample b of prompt b // n); each
-        request's text padded as it arrives, to `text_tokens` (a request's own length without them: then one request
-        a call, or prompts of one length)."""
+        request's text padded as it arrives, to `text_tokens` (without them: to the call's longest text)."""
         sp = self.kind.sampling.from_dict(sampling)
         check_prompts(prompts, n)
         self.check_awake()
@@ -211,8 +218,9 @@ class VllmOmniEngine(RolloutEngine):
         requests = [(*self.kind.encode_request(p, sp, seeds[g * n:(g + 1) * n], self.policy_version), thinker)
                     for g, p in enumerate(prompts)]
         outputs = self._run(self._generate_all(requests))
-        return TrajectoryBatch.concat([unpack_trajectories(out, p, g, thinker_ids).padded(sp.text_tokens)
-                                       for g, (p, (out, thinker_ids)) in enumerate(zip(prompts, outputs))]).to_dict()
+        parts = [unpack_trajectories(out, p, g, thinker_ids)
+                 for g, (p, (out, thinker_ids)) in enumerate(zip(prompts, outputs))]
+        return TrajectoryBatch.concat([b.padded(sp.text_tokens or longest_text(parts)) for b in parts]).to_dict()
 
     async def _generate_all(self, requests):
         tag = uuid.uuid4().hex[:12]
