@@ -24,7 +24,7 @@ from tests import reference_transcriptions as ref
 from tests.helpers import tiny_config
 
 TOL = 32 * float(np.finfo(np.float32).eps)
-RESULT = Path(__file__).parents[1] / "benchmarks" / "results" / "algorithm_parity.json"
+RESULT = Path(__file__).parents[2] / "benchmarks" / "results" / "algorithm_parity.json"
 EQUAL = ["grpo_guard_batch_vs_verl_omni", *(f"rollout_corrected_{o}_vs_verl_omni_bypass"
                                             for o in ("token_k1", "token_k2", "token_k3")),
          *(f"zero_advantage_{layout}_vs_flow_grpo_sd3" for layout in parity.ZERO_LAYOUTS)]

@@ -80,7 +80,7 @@ def test_one_validation_per_rollout_call(tiny_path, monkeypatch):
     group = RolloutGroup({"engine": "diffusers", "model": str(tiny_path), "dtype": "float32", "device": "cpu"},
                          transport=LocalTransport())
     sampling = {"height": 16, "width": 24, "num_inference_steps": 3, "sde_window_size": 1, "sde_window_range": (0, 2),
-                "text_tokens": (64, 40)}  # the step's one text length, as the driver sends it
+                "text_tokens": (64, 40), "true_cfg_scale": 4.0}  # the step's one text length, as the driver sends it
     batch = group.generate(["a red fox", "a blue cat"], 2, sampling, np.arange(4), prompts_per_call=1)
     assert len(batch) == 4 and batch.prompts == ("a red fox",) * 2 + ("a blue cat",) * 2
     assert len(calls) == 2  # the two calls' trajectories, each once as it arrives; not the producer's, not the join
