@@ -5,7 +5,7 @@
         'processor_path': '/models/CLIP-ViT-H-14-laion2B-s32B-b79K', 'device': 'cuda', 'dtype': 'bfloat16'}}" \
       --config.data.train=/data/pickscore/train.txt --config.data.test=/data/pickscore/test.txt
 
-Every sampling and training value of pickscore_qwenimage is the OCR recipe's (jaxflow/config/recipes.py, whose sources
+Every sampling and training value of pickscore_qwenimage is the OCR recipe's (configs/qwen_ocr.py, whose sources
 name it): 512^2, 10 steps, CFG 4, noise 1.2 'sde' in a window of 2 within [0, 5), 32 prompts x 16 images, 2 updates
 a step, LoRA, no EMA, beta 0, global std. What differs: the reward, `{"pickscore": 1.0}` (flow_grpo's PickScoreScorer:
 the PickScore_v1 CLIP model with the CLIP-ViT-H-14-laion2B processor, exp(logit_scale) x cosine / 26;

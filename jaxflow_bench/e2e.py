@@ -1,19 +1,20 @@
 """End-to-end `python -m jaxflow.train` benchmarks with random full-size weights, each layout an argument.
 
-    python -m jaxflow_bench.e2e OUT [--layout inproc|1gpu|2gpu|2gpu_colocated|node] [--recipe qwen|bagel]
+    python -m jaxflow_bench.e2e OUT [--layout inproc|1gpu|2gpu|2gpu_colocated|node] [--recipe FAMILY]
         [--config FILE] [--device cuda|cpu] [--engine vllm_omni|diffusers] [--sleep true|false] [--prompts 2]
         [--micro N] [--per-call N] [--steps N] [--reward NAME] [--result NAME] [--model-dir DIR] [--profile-step K]
         [--one-gpu FILE] [--config.x=y ...]
     python -m jaxflow_bench.e2e OUT --scaling [--layouts 2gpu_colocated 2gpu] [--config.x=y ...]
     python -m jaxflow_bench.e2e OUT --arms flowgrpo guard corrected nft [--config.x=y ...]
 
-One run: the recipe (configs/qwen_ocr.py, or configs/bagel_ocr.py with --recipe bagel) at its own settings with
-only the prompts per step cut (--prompts, default 2; prompts per rollout call min(4, prompts / 2), or --per-call;
-BAGEL one), train.num_micro_batches scaled so that a micro-batch keeps the recipe's size (or --micro samples), 4
-steps (--steps), no eval or checkpoints. The random folder (--model-dir, default /tmp/qwen_random or
+One run: a family's recipe (--recipe, default the registry's DEFAULT: its spec.py E2E names the config, e.g.
+configs/qwen_ocr.py or configs/bagel_ocr.py) at its own settings with only the prompts per step cut (--prompts,
+default 2; prompts per rollout call min(4, prompts / 2), or --per-call; a one-GPU recipe one),
+train.num_micro_batches scaled so that a micro-batch keeps the recipe's size (or --micro samples), 4 steps
+(--steps), no eval or checkpoints. The random folder (--model-dir, default the E2E folder, e.g. /tmp/qwen_random or
 /tmp/bagel_random) is written if missing. The log goes to OUT/train.log, each line stamped with the time of day; the
 GPUs' memory is read by nvidia-smi every 0.5 s; OUT/RESULT.json gets `jaxflow_bench.summary`'s figures (RESULT
-default e2e_ENGINE_LAYOUT, e2e_bagel_1gpu, e2e_8gpu for the node). --config.x=y arguments go to the trainer.
+default e2e_ENGINE_LAYOUT, e2e_FAMILY_1gpu for a one-GPU recipe, e2e_8gpu for the node). --config.x=y arguments go to the trainer.
 --config FILE runs that recipe on the model it names (--model-dir replaces it; nothing is written). --device cpu
 runs inproc or 1gpu on the CPU with jaxflow.train's CPU_OVERRIDES (the tiny recipe: --config configs/tiny_ocr.py):
 no memory is read there, nor without nvidia-smi, and the result has no peak_gib; RESULT default e2e_cpu_LAYOUT.
@@ -21,7 +22,7 @@ The micro-batch defaults to the recipe's, at most an update's samples per device
 
 Layouts (JAX gets a fixed pool, XLA_CLIENT_MEM_FRACTION, where it shares a GPU):
   inproc  one GPU, the diffusers engine in the trainer's process (no Ray); pool 0.5
-  1gpu    one GPU shared by the trainer and a Ray rollout actor (num_gpus=1); pool 0.56 (0.5 for BAGEL); with
+  1gpu    one GPU shared by the trainer and a Ray rollout actor (num_gpus=1); pool 0.56 (a one-GPU recipe 0.5); with
           --sleep true the engine also sleeps while JAX trains
   2gpu    two GPUs (CUDA_VISIBLE_DEVICES, default 0,1): a Ray head of its own owns both; the trainer sees only the
           second and the Ray actor takes the first; pool 0.9
@@ -50,12 +51,9 @@ from pathlib import Path
 
 from jaxflow_bench.results import scaling_figures, write_result
 from jaxflow_bench.summary import summarize
+from jaxflow_bridge.engines import families
 
 LAYOUTS = ("inproc", "1gpu", "2gpu", "2gpu_colocated", "node")
-RECIPES = {  # config, default folder, the file that marks it written, the command that writes it
-    "qwen": ("configs/qwen_ocr.py", "/tmp/qwen_random", "model_index.json",
-             ["scripts/make_random_pipeline.py", "--no-transformer-weights"]),
-    "bagel": ("configs/bagel_ocr.py", "/tmp/bagel_random", "ema.safetensors", ["scripts/make_random_bagel.py"])}
 POOL = {"inproc": "0.5", "1gpu": "0.56", "2gpu": "0.9", "2gpu_colocated": "0.56", "node": "0.5"}
 ARMS = {"flowgrpo": [], "guard": ["--config.train.ratio_norm=guard"],
         "corrected": ["--config.train.old_log_prob=rollout_corrected"],
@@ -163,14 +161,20 @@ def cpu_overrides() -> list[str]:
     return CPU_OVERRIDES.split()
 
 
+def e2e_recipe(args) -> dict:
+    """The --recipe family's (default the registry's DEFAULT) `spec.E2E`: its config, random folder and the rest."""
+    return families.spec(args.recipe or families.DEFAULT).E2E
+
+
 def setup(args, given: dict) -> tuple[list[str], dict, int, list[str] | None]:
     """The layout's set-up, checked before anything starts (Refused: input to fix): the trainer's command (but for
     a private Ray head's address), its environment, the GPUs the result counts and those nvidia-smi watches (ids;
     [] all; None none: a CPU run, or no nvidia-smi)."""
     env = dict(given)
-    layout, bagel, cpu = args.layout, args.recipe == "bagel", args.device == "cpu"
-    config = args.config or RECIPES[args.recipe or "qwen"][0]
-    engine = "diffusers" if cpu else "vllm_omni" if bagel else args.engine or "vllm_omni"
+    layout, recipe, cpu = args.layout, e2e_recipe(args), args.device == "cpu"
+    one_gpu = bool(args.recipe) and recipe["one_gpu"]
+    config = args.config or recipe["config"]
+    engine = "diffusers" if cpu else "vllm_omni" if one_gpu else args.engine or "vllm_omni"
     if args.config and not Path(args.config).is_file():
         raise Refused(f"--config {args.config}: no such file (a recipe such as configs/tiny_ocr.py)")
     if cpu and not args.config:
@@ -179,15 +183,15 @@ def setup(args, given: dict) -> tuple[list[str], dict, int, list[str] | None]:
         raise Refused("--device cpu runs the diffusers engine in --layout inproc or 1gpu (its actor on the CPU)")
     if engine == "vllm_omni" and layout == "inproc":
         raise Refused("the vllm_omni engine runs in a Ray actor: --layout 1gpu or 2gpu")
-    if bagel and (layout != "1gpu" or args.engine == "diffusers"):
-        raise Refused("--recipe bagel runs vLLM-Omni on one GPU: --layout 1gpu without --engine")
+    if one_gpu and (layout != "1gpu" or args.engine == "diffusers"):
+        raise Refused(f"--recipe {args.recipe} runs vLLM-Omni on one GPU: --layout 1gpu without --engine")
     env["PYTHONUNBUFFERED"] = "1"
     if cpu:
         env["JAX_PLATFORMS"] = "cpu"
     else:
         env.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)  # jax >= 0.11 ignores the GPU when both fractions are set
-        env.setdefault("XLA_CLIENT_MEM_FRACTION", "0.5" if bagel else POOL[layout])
-        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true" if bagel or layout == "node" else env.get(
+        env.setdefault("XLA_CLIENT_MEM_FRACTION", "0.5" if one_gpu else POOL[layout])
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true" if one_gpu or layout == "node" else env.get(
             "XLA_PYTHON_CLIENT_PREALLOCATE", "true")
     r = recipe_values(config)
     gpus, devices, visible = 1, 1, env.get("CUDA_VISIBLE_DEVICES")
@@ -203,15 +207,15 @@ def setup(args, given: dict) -> tuple[list[str], dict, int, list[str] | None]:
         gpus = devices = 2
     prompts = args.prompts or (r["prompts"] if layout == "node" else 2)
     samples = prompts * r["group"] // r["mini"]  # an update's
-    micro = args.micro or (2 if bagel or layout == "node" else  # the recipe's micro-batch, at most an update
+    micro = args.micro or (2 if one_gpu or layout == "node" else  # the recipe's micro-batch, at most an update
                            min(r["prompts"] * r["group"] // (r["mini"] * r["micro"]), samples // devices))
     if samples % (micro * devices):
         raise Refused(f"--micro {micro} x {devices} {'GPUs' if devices > 1 else 'device'} does not divide an "
                       f"update's {samples} samples")
     cmd = [] if args.config and not args.model_dir else [
-        f"--config.model.path={args.model_dir or RECIPES[args.recipe or 'qwen'][1]}"]
-    if not args.config and not bagel:
-        cmd.append("--config.model.init=random")
+        f"--config.model.path={args.model_dir or recipe['folder']}"]
+    if not args.config and recipe["init"] != "checkpoint":
+        cmd.append(f"--config.model.init={recipe['init']}")
     if cpu:
         cmd += cpu_overrides()
     elif layout != "node":
@@ -221,7 +225,7 @@ def setup(args, given: dict) -> tuple[list[str], dict, int, list[str] | None]:
     if layout != "node" or args.prompts:
         cmd += [f"--config.sample.prompts_per_step={prompts}"]
     if layout != "node" or args.per_call:
-        cmd += [f"--config.sample.prompts_per_call={1 if bagel else args.per_call or max(1, min(4, prompts // 2))}"]
+        cmd += [f"--config.sample.prompts_per_call={1 if one_gpu else args.per_call or max(1, min(4, prompts // 2))}"]
     cmd += [f"--config.train.num_micro_batches={samples // micro // devices}",
             f"--config.train.num_steps={args.steps or (3 if layout == 'node' else 4)}", *FIXED,
             f"--config.run_dir={Path(args.out) / 'run'}"]
@@ -229,7 +233,7 @@ def setup(args, given: dict) -> tuple[list[str], dict, int, list[str] | None]:
         cmd.append(f"--config.reward.fns={json.dumps({args.reward: 1.0})}")
     gpu_share = [] if cpu else ["--config.rollout.num_gpus=1"]
     cmd += {"inproc": ["--config.rollout.layout=in_process", "--config.rollout.num_gpus=0"],
-            "1gpu": [*([] if bagel else ["--config.rollout.layout=colocated"]), *gpu_share],
+            "1gpu": [*([] if one_gpu else ["--config.rollout.layout=colocated"]), *gpu_share],
             "2gpu_colocated": ["--config.rollout.layout=colocated", *gpu_share, "--config.rollout.num_servers=2"],
             "2gpu": ["--config.rollout.layout=split", *gpu_share],
             "node": ["--config.rollout.layout=colocated", *gpu_share, f"--config.rollout.num_servers={gpus}"]}[layout]
@@ -256,9 +260,9 @@ def run(args, overrides: list[str], env: dict | None = None) -> Path:
         if layout != "node" and args.device != "cpu":
             check_jax_on_gpu(env)
         if not args.config:
-            _, default_dir, marker, maker = RECIPES[args.recipe or "qwen"]
-            model = args.model_dir or default_dir
-            if not (Path(model) / marker).is_file():
+            recipe = e2e_recipe(args)
+            model, maker = args.model_dir or recipe["folder"], recipe["writer"]
+            if not (Path(model) / recipe["marker"]).is_file():
                 subprocess.run([sys.executable, maker[0], "--out", model, *maker[1:]], env=env, check=True)
         if layout == "2gpu":
             # no token authentication (ray 2.60's `ray start` turns it on where ~/.ray/auth_token exists, and then
@@ -285,7 +289,7 @@ def run(args, overrides: list[str], env: dict | None = None) -> Path:
     if figures is None:
         raise RuntimeError(f"{out / 'run'} has no step after the first to time: run more --steps")
     engine = "cpu" if args.device == "cpu" else args.engine or "vllm_omni"
-    result = args.result or ("e2e_8gpu" if layout == "node" else "e2e_bagel_1gpu" if args.recipe == "bagel" else
+    result = args.result or ("e2e_8gpu" if layout == "node" else f"e2e_{args.recipe}_1gpu" if args.recipe and e2e_recipe(args)["one_gpu"] else
                              f"e2e_{engine}_{layout}")
     if args.one_gpu:
         one = json.loads(Path(args.one_gpu).read_text())["figures"]["img_per_gpu_s"]
@@ -347,14 +351,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("out", type=Path)
     p.add_argument("--layout", choices=LAYOUTS, default="1gpu")
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--recipe", choices=tuple(RECIPES), help="default qwen")
+    source.add_argument("--recipe", choices=tuple(families.FAMILIES), help=f"a family's recipe (its spec.py E2E; "
+                                                                             f"default {families.DEFAULT})")
     source.add_argument("--config", help="a recipe config of its own model instead (e.g. configs/tiny_ocr.py)")
     p.add_argument("--device", choices=("cuda", "cpu"), help="cpu: the trainer and a diffusers engine on the CPU "
                                                              "(jaxflow.train's CPU overrides; default cuda)")
     p.add_argument("--engine", choices=("vllm_omni", "diffusers"))
     p.add_argument("--sleep", choices=("true", "false"), help="rollout.sleep_while_training (default the recipe's)")
     p.add_argument("--prompts", type=int, help="prompts a step (default 2; the node: the recipe's)")
-    p.add_argument("--micro", type=int, help="samples a micro-batch (default the recipe's; BAGEL and the node 2)")
+    p.add_argument("--micro", type=int, help="samples a micro-batch (default the recipe's; a one-GPU recipe and the node 2)")
     p.add_argument("--per-call", type=int, help="prompts a rollout call (default min(4, prompts / 2))")
     p.add_argument("--steps", type=int, help="training steps (default 4; the node 3)")
     p.add_argument("--reward", help="train on this one reward instead of the recipe's (e.g. brightness)")

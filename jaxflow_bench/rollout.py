@@ -23,8 +23,10 @@ def random_adapter(model: Path, rank: int, seed: int, shapes=None) -> dict:
     """PEFT tensors (float32) of a random r=`rank` adapter on the 12 targets; each adds ~5% of the input RMS."""
     import json
 
-    from jaxflow_bridge.families.qwen_image.random_init import parameter_shapes
+    from jaxflow.config.recipes import base
+    from jaxflow_bridge.engines import families
 
+    parameter_shapes = families.module(base().model.family, "random_init").parameter_shapes  # the recipe's family
     shapes = shapes or dict(parameter_shapes(json.loads((model / "transformer" / "config.json").read_text())))
     rng, out = np.random.default_rng(seed), {}
     for name, shape in sorted(shapes.items()):

@@ -1,4 +1,4 @@
-"""The train-step benchmarks' workload: Qwen-Image's sizes (`FULL`, `TINY` for CPU code-path checks), the SDE window,
+"""The train-step benchmarks' workload: the recipe's family's (model.family) sizes (`FULL`, `TINY` for CPU code-path checks), the SDE window,
 a Trajectory-shaped synthetic batch, the random-weight LoRA'd transformer, the recipe's train-step config, the shared
 command-line flags and the step timer (scripts/bench_train_step.py, bench_minibatch.py, bench_scaling.py,
 profile_step.py). JAX side.
@@ -13,18 +13,17 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxflow import families
 from jaxflow.config import validation as config_lib
-from jaxflow.families.qwen_image.config import QwenImageConfig
 from jaxflow.nn.config import ModelOptions
-from jaxflow.families.qwen_image.lora import QwenImageLoRASpec
-from jaxflow.families.qwen_image.transformer import QwenImageTransformer
 from jaxflow.config.recipes import base
 from jaxflow.trainer.step_config import TrainConfig
 from jaxflow.trainer.train_batch import TrainBatch
 from jaxflow_bench.timing import median_ms
 from jaxflow_bridge.contract import schedule
-from jaxflow_bridge.families.qwen_image import spec as qwen_spec
+from jaxflow_bridge.engines import families as torch_families
 
+FAMILY = families.of(base())  # the recipe's
 FULL = dict(num_layers=60, attention_head_dim=128, num_attention_heads=24, joint_attention_dim=3584)
 TINY = dict(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,
             axes_dims_rope=(8, 12, 12))
@@ -40,11 +39,11 @@ def recipe_train_config(grid_hw, **changes) -> TrainConfig:
     return dataclasses.replace(config_lib.train_config(base(), grid_hw), **changes)
 
 
-def synthetic_batch(cfg: QwenImageConfig, args) -> dict:
+def synthetic_batch(cfg, args) -> dict:
     """A Trajectory-shaped batch with the real 10-step schedule; latents are random (timing only)."""
     rng = np.random.default_rng(0)
     b, s, w = args.batch, args.grid ** 2, len(WINDOW)
-    sigmas = schedule.sigma_schedule(qwen_spec.SCHEDULER_CONFIG, 10, s)
+    sigmas = schedule.sigma_schedule(torch_families.spec(FAMILY.name).SCHEDULER_CONFIG, 10, s)
     neg = np.zeros((b, args.neg_txt), bool)
     neg[:, :5] = True
     return {
@@ -96,8 +95,8 @@ def time_steps(step, state, batch, args) -> tuple[float, object]:
 
 def random_model(cfg, rank: int, remat: str = "save_matmuls", attention: str = "auto"):
     """(model, spec): the bf16 transformer with LoRA r=rank (alpha 2r), random weights drawn on the device."""
-    spec = QwenImageLoRASpec(rank=rank, alpha=2.0 * rank)
+    spec = FAMILY.lora_spec_type(rank=rank, alpha=2.0 * rank)
     opts = ModelOptions(dtype="bfloat16", param_dtype="bfloat16", remat=remat, attention=attention)
-    abstract = nnx.eval_shape(lambda: QwenImageTransformer(cfg, opts, spec, rngs=nnx.Rngs(0)))
-    state = jax.jit(lambda: nnx.state(QwenImageTransformer(cfg, opts, spec, rngs=nnx.Rngs(0))))()
+    abstract = nnx.eval_shape(lambda: FAMILY.model_type(cfg, opts, spec, rngs=nnx.Rngs(0)))
+    state = jax.jit(lambda: nnx.state(FAMILY.model_type(cfg, opts, spec, rngs=nnx.Rngs(0))))()
     return nnx.merge(nnx.graphdef(abstract), state), spec

@@ -19,8 +19,7 @@ from jaxflow.nn.config import ModelOptions
 
 def lora_apply(cfg) -> str:
     """How the rollout serves the LoRA, the engines' `lora_apply`: rollout.lora_mode, 'auto' resolved to the family's
-    mode on its engine (`Family.auto_lora_apply`: 'merged' for Qwen-Image on vllm_omni, else 'layers', or 'folder'
-    for BAGEL on vllm_omni)."""
+    mode on its engine (`Family.auto_lora_apply`: 'layers', 'merged' or 'folder', each family's per engine)."""
     mode = cfg.rollout.lora_mode
     return families.of(cfg).auto_lora_apply[cfg.rollout.engine] if mode == "auto" else mode
 

@@ -1,30 +1,10 @@
 """The config's every key in one base, the real recipe, and the tiny offline overrides the defaults build on.
 
-`base()` is the real setting, Qwen-Image LoRA FlowGRPO on OCR prompts with the vLLM-Omni rollout
-(`configs/qwen_ocr.py`). Values and their sources:
-- 512^2, 10 sampling steps, noise 1.2 'sde', window 2 in [0, 5), true CFG 4, 50 ODE eval steps:
-  flow_grpo `config/grpo.py: pickscore_qwenimage` and verl-omni
-  `examples/flowgrpo_trainer/qwen_image/run_qwen_image_ocr_lora.sh`.
-- LoRA r64 / alpha128 on the 12 targets: flow_grpo `scripts/train_qwenimage.py`, verl-omni's OCR script.
-- lr 3e-4, AdamW b (0.9, 0.999), wd 1e-4, eps 1e-8, grad clip 1.0, adv clip 5: flow_grpo `config/base.py`.
-- clip range 1e-4: flow_grpo's default (verl-omni's script uses 1e-5); beta 0: both Qwen recipes.
-- 32 prompts x 16 images per step: both (pickscore_qwenimage groups per epoch; verl-omni train_batch_size 32, n 16).
-- 2 optimizer updates of 256 samples per step, like both: flow_grpo `scripts/train_qwenimage.py` with
-  num_batches_per_epoch 4 and gradient_accumulation_steps 2 (2 updates per epoch), verl-omni's
-  ppo_mini_batch_size 16 of train_batch_size 32 prompts. Here train.num_mini_batches 2: each update takes 16 whole
-  prompt groups x 16 images (shuffled), in 64 micro-batches of 4 samples: the largest micro-batch whose step fits
-  one H200 beside the vLLM-Omni engine, measured (`scripts/fit_micro_batch.py`, BENCHMARKS.md): 8 samples need
-  66.9 GiB beside the weights, 4 need 36.3 GiB (JAX's pool 0.56 of the GPU leaves 38.5 free, and the engine its
-  62 GiB for the weights and the 7B text encoder), 2 need 22.9 GiB; 4 samples train 12% faster than 2 (12.8 s against 14.6 a step of 32 images). On more
-  devices a micro-batch spreads over them (train.num_micro_batches counts the micro-batches of one update).
-- old log-probs recomputed by the trainer before the first update (verl-omni's `compute_log_prob`; flow_grpo
-  takes the rollout's): the bf16 rollout's log-probs differ from the trainer's by ~1e-4..4e-4
-  (scripts/verify_logprob_parity.py), more than the 1e-4 clip band. The mismatch stays in the metrics
-  (logp_diff_*).
-- negative prompt " ": flow_grpo's Qwen pipeline. Reward: OCR (flow_grpo's `ocr`; verl-omni uses a VLM judge,
-  available here as `vlm_ocr`).
+`base()` is the real setting: the default family's (the torch registry's DEFAULT) LoRA FlowGRPO on OCR prompts
+with the vLLM-Omni rollout (`configs/qwen_ocr.py`, whose docstring gives each value's source).
 
-`tiny(c)` turns a config into the embedded default's: the tiny offline Qwen-Image, diffusers rollout on CPU, float32,
+`tiny(c)` turns a config into the embedded default's: the default family's tiny offline model, diffusers rollout on
+CPU, float32,
 toy sizes (the tiny VAE has spatial factor 4, so 40x72 images are 5x9 packed latent tokens).
 """
 from __future__ import annotations
@@ -34,7 +14,10 @@ from pathlib import Path
 
 import ml_collections
 
-from jaxflow_bridge.families.qwen_image.keymap import DEFAULT_LORA_TARGETS
+from jaxflow_bridge.engines import families
+
+FAMILY = families.DEFAULT  # the real recipe's
+SPECS = [families.spec(name) for name in families.FAMILIES]
 
 DATA = Path(__file__).resolve().parents[2] / "data"  # the clone's prompt files, found from any working directory
 
@@ -46,9 +29,9 @@ WHOLE_KEYS = ("reward.fns", "reward.options", "train.xla_options", "sharding.rul
 HELP: dict[str, str] = {
     "seed": "seed of the prompt order, the rollout's noise, the mini-batch shuffles and model.init='random'",
     "run_dir": "output folder (checkpoints, metrics.jsonl, tb, eval grids, lora_final), relative to the cwd",
-    "model.family": "the model's family: 'qwen_image' or 'bagel' (engines bagel_torch, vllm_omni; docs/bagel.md)",
-    "model.path": "required: a diffusers Qwen-Image folder (model_index.json, transformer/, ...) or a BAGEL one; "
-                  "'tiny', 'tiny_bagel'",
+    "model.family": f"the model's family: {' or '.join(map(repr, families.FAMILIES))} (its engines: its spec.py ENGINES)",
+    "model.path": f"required: the family's model folder (its spec.py FOLDER) or tiny offline model: "
+                  f"{', '.join(repr(s.TINY) for s in SPECS)}",
     "model.dtype": "the trainer's compute dtype: float32, bfloat16 or float16",
     "model.param_dtype": "storage dtype of the frozen base weights: float32, bfloat16 or float16",
     "model.attention": "attention: 'auto' (cudnn for bf16/fp16 compute on a GPU, else xla), 'xla' or 'cudnn'",
@@ -64,8 +47,8 @@ HELP: dict[str, str] = {
     "lora.rank": "LoRA rank, an int >= 1",
     "lora.alpha": "LoRA alpha, > 0: the adapter's scale is alpha / rank",
     "lora.targets": "the linears adapted in every block, by checkpoint name (the family's keymap.py LORA_TARGETS)",
-    "rollout.engine": "rollout engine: 'vllm_omni' (GPU, bfloat16 only), 'diffusers' (anywhere), 'bagel_torch' (BAGEL, "
-                      "CPU, float32)",
+    "rollout.engine": "rollout engine: 'vllm_omni' (GPU, bfloat16 only), 'diffusers' (anywhere), 'bagel_torch' (CPU, "
+                      "float32)",
     "rollout.dtype": "the engine's dtype: 'bfloat16' (vllm_omni's only) or 'float32' (diffusers)",
     "rollout.device": "the engine's torch device: 'cpu', 'cuda' or 'cuda:N'",
     "rollout.num_servers": "rollout engines (Ray actors); colocated on GPUs: one per trainer device; in_process: 1",
@@ -84,12 +67,14 @@ HELP: dict[str, str] = {
                          "(plan.py)",
     "rollout.cfg_forward": "true CFG's two rows: 'batched' (one forward, text padded to one length) or 'split' (a "
                            "forward each)",
-    "rollout.bagel_deploy": "BAGEL on vllm_omni: 'single_stage' or 'two_stage' (a vLLM thinker prefills, the DiT "
-                            "denoises; docs/bagel.md §3)",
-    "rollout.thinker_memory": "two-stage BAGEL: the thinker's share of the GPU (vLLM's gpu_memory_utilization; 0.0: "
-                              "bagel.yaml's 0.45)",
-    "sample.height": "image height in pixels: a multiple of 2 x the VAE's spatial factor (16 for Qwen-Image)",
-    "sample.width": "image width in pixels: a multiple of 2 x the VAE's spatial factor (16 for Qwen-Image)",
+    "rollout.bagel_deploy": "vllm_omni's stages (Family.stages): 'single_stage' or 'two_stage' (a vLLM thinker "
+                            "prefills, the DiT denoises)",
+    "rollout.thinker_memory": "two-stage deployment: the thinker's share of the GPU (vLLM's gpu_memory_utilization; "
+                              "0.0: its deploy file's 0.45)",
+    "sample.height": "image height in pixels: a multiple of the family's pixels per latent token (16 for the released "
+                     "models)",
+    "sample.width": "image width in pixels: a multiple of the family's pixels per latent token (16 for the released "
+                    "models)",
     "sample.num_steps": "sampling steps of the training rollout",
     "sample.guidance": "true CFG scale of the rollout and the train step, >= 1 (1: no CFG)",
     "sample.noise_level": "the SDE's noise level inside a sample's window, > 0",
@@ -98,14 +83,15 @@ HELP: dict[str, str] = {
     "sample.window_size": "steps of a sample's SDE window (noised; ODE outside), the steps FlowGRPO trains; in [1, "
                           "num_steps)",
     "sample.window_range": "(lo, hi): each sample's window lies in steps [lo, hi), its start drawn per sample",
-    "sample.negative_prompt": "true CFG's negative prompt (flow_grpo's Qwen pipeline: ' '); BAGEL's is the empty "
-                              "context",
-    "sample.cfg_interval": "BAGEL only: (lo, hi), its text CFG at steps with lo < sigma <= hi",
-    "sample.cfg_renorm_min": "BAGEL only: floor of its CFG's per-sample global renorm factor, in [0, 1]",
+    "sample.negative_prompt": "true CFG's negative prompt (the recipe's ' ': flow_grpo's pipeline; '': the empty "
+                              "context)",
+    "sample.cfg_interval": "a family with interval CFG only: (lo, hi), its text CFG at steps with lo < sigma <= hi",
+    "sample.cfg_renorm_min": "a family with interval CFG only: floor of its CFG's per-sample global renorm factor, "
+                             "in [0, 1]",
     "sample.same_latent": "True: a prompt group shares its initial noise (flow_grpo's same_latent; not with a "
                           "deterministic sampler)",
-    "sample.think": "BAGEL only: True adds a greedy think decode (vLLM-Omni's think mode) to each prompt's context",
-    "sample.max_think_tokens": "BAGEL: most tokens a think decode feeds (<|im_start|> included), >= 1; ids pad to "
+    "sample.think": "a family that thinks (Family.thinks): True adds a greedy think decode (vLLM-Omni's think mode)",
+    "sample.max_think_tokens": "think mode: most tokens a think decode feeds (<|im_start|> included), >= 1; ids pad to "
                                "max_sequence_length + this",
     "sample.max_sequence_length": "prompt tokens: the train step pads text to this, the rollout refuses longer prompts",
     "sample.negative_max_sequence_length": "negative prompt tokens the train step pads to (0: max_sequence_length); "
@@ -152,7 +138,7 @@ HELP: dict[str, str] = {
     "train.nft.decay_flat": "nft: updates during which the old policy's decay is 0 (the old policy is the LoRA)",
     "train.nft.decay_rate": "nft: the old policy's decay growth per update after decay_flat",
     "train.nft.decay_max": "nft: the old policy's largest decay, in [0, 1)",
-    "train.nft.kl": "nft: weight of the reference-velocity MSE, >= 0, in place of train.beta (verl-omni's Qwen-Image NFT: 1e-4)",
+    "train.nft.kl": "nft: weight of the reference-velocity MSE, >= 0, in place of train.beta (verl-omni's NFT recipe: 1e-4)",
     "train.nft.ema": "nft: EMA decay of the LoRA that evals sample and lora_final holds (NVlabs' 0.9, with warm-up); 0: off",
     "train.mixgrpo.interval": "mixgrpo: training steps between the SDE window's moves (MixGRPO's iters_per_group)",
     "train.mixgrpo.stride": "mixgrpo: steps the window moves each time (prog_overlap_step); it rolls back at sample.window_range's end",
@@ -192,7 +178,7 @@ def base() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.run_dir = "runs/qwen_ocr"
-    c.model = dict(family="qwen_image", path="", dtype="bfloat16", param_dtype="bfloat16", attention="auto",
+    c.model = dict(family=FAMILY, path="", dtype="bfloat16", param_dtype="bfloat16", attention="auto",
                    # save_matmuls_stats keeps q/k/v, MLP hidden and cuDNN attention's output + softmax statistics:
                    # 2.2% faster than save_matmuls (BENCHMARKS.md, train step)
                    remat="save_matmuls_stats",
@@ -207,7 +193,7 @@ def base() -> ml_collections.ConfigDict:
                    # tile; BENCHMARKS.md, the fused LoRA GEMM), else "xla", the choice and its reason logged at start
                    lora_gemm="auto",
                    init="checkpoint")
-    c.lora = dict(rank=64, alpha=128.0, targets=list(DEFAULT_LORA_TARGETS))
+    c.lora = dict(rank=64, alpha=128.0, targets=list(families.module(FAMILY, "keymap").DEFAULT_LORA_TARGETS))
     c.rollout = dict(engine="vllm_omni", dtype="bfloat16", device="cuda", num_servers=1, num_gpus=1.0,
                      num_cpus=1.0, max_retries=2, address="",
                      # off: it pays only where something can use the freed memory; JAX's fixed pool cannot (it never
@@ -224,16 +210,16 @@ def base() -> ml_collections.ConfigDict:
                      # "split": no attention mask within a prompt group; vLLM-Omni's rollout 1.05x with the LoRA,
                      # 1.07x without (BENCHMARKS.md, true CFG)
                      cfg_forward="split",
-                     # BAGEL on vllm_omni: vLLM-Omni's single DiT stage (what verl-omni trains with), or "two_stage"
-                     # (its bagel.yaml: a vLLM thinker prefills, the DiT denoises; docs/bagel.md §3)
+                     # a family with stages on vllm_omni: vLLM-Omni's single DiT stage (what verl-omni trains
+                     # with), or "two_stage" (a vLLM thinker prefills, the DiT denoises; the family's docs)
                      bagel_deploy="single_stage",
-                     # its thinker's share of the GPU; 0.0: bagel.yaml's 0.45, too much beside the DiT stage and the
-                     # trainer at full size (about 0.25 on an H200: docs/bagel.md §3)
+                     # its thinker's share of the GPU; 0.0: the deploy file's 0.45, too much beside the DiT stage and
+                     # the trainer at full size (about 0.25 on an H200: the family's docs)
                      thinker_memory=0.0)
     c.sample = dict(height=512, width=512, num_steps=10, guidance=4.0, noise_level=1.2, sde_type="sde",
                     window_size=2, window_range=(0, 5), negative_prompt=" ", same_latent=False,
                     cfg_interval=(0.0, 1.0), cfg_renorm_min=0.0,
-                    # BAGEL's think mode off; vLLM-Omni's default cap on a think decode
+                    # think mode off; vLLM-Omni's default cap on a think decode
                     think=False, max_think_tokens=1000,
                     # the longest OCR prompt has 74 tokens (96 rather than 128: 2.8% fewer train-step tokens at 512^2)
                     max_sequence_length=96,
@@ -248,7 +234,7 @@ def base() -> ml_collections.ConfigDict:
                    old_log_prob="recompute", rejection_threshold=2.0, ratio_norm="none",
                    rollout_rs="token_k1", guard_stats="sample", guard_clip_range=2e-6,
                    num_mini_batches=2, num_inner_epochs=1,
-                   # flow_grpo's SD3 trainer drops such samples, its Qwen-Image script does not (docs/design.md)
+                   # flow_grpo's SD3 trainer drops such samples, the recipe's (train_qwenimage.py) does not (docs/design.md)
                    drop_zero_advantage=False,
                    algorithm="flowgrpo",
                    nft=dict(beta=0.1, timesteps=0, decay_flat=75, decay_rate=0.0075, decay_max=0.999, kl=1e-4, ema=0.9),

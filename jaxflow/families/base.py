@@ -32,6 +32,8 @@ class Family(Protocol):
     thinks: bool  # has a think mode (sample.think)
     fused_gemm: bool  # its layers call the fused LoRA GEMM (model.lora_gemm='pallas'; the plan resolves 'auto')
     lora_spec_type: type[LoRASpec]  # its LoRA spec's class
+    config_type: type  # its model config's class (the model's sizes)
+    model_type: type  # its model's class: model_type(config, opts, lora_spec, rngs=...)
 
     def folder(self, cfg) -> Path: ...
     def check_folder(self, folder: Path) -> None: ...

@@ -9,6 +9,7 @@ FAMILIES: dict[str, str] = {
     "qwen_image": "jaxflow_bridge.families.qwen_image",
     "bagel": "jaxflow_bridge.families.bagel",
 }
+DEFAULT = "qwen_image"  # model.family's default: the real recipe's family (jaxflow/config/recipes.py base())
 
 
 def module(name: str, part: str) -> ModuleType:

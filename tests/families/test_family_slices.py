@@ -15,12 +15,7 @@ REGISTRIES = {"jaxflow/families/__init__.py", "jaxflow_bridge/engines/families.p
               "jaxflow_bridge/rollout/server.py"}  # the server's engine table names BAGEL's engine by import path
 # Modules that still name a family, each with the part of redesign-3 that rewrites it; the test fails when one of
 # them stops naming a family (drop it here) or when any other module starts to.
-PENDING = {
-    "jaxflow/config/recipes.py": "cfg: the real recipe's sources and the family keys' help",
-    "jaxflow_bench/e2e.py": "bench: --recipe qwen|bagel",
-    "jaxflow_bench/workload.py": "bench: Qwen-Image's step workload",
-    "jaxflow_bench/rollout.py": "bench: Qwen-Image's rollout parameter count",
-}
+PENDING: dict[str, str] = {}
 FAMILY_WORDS = ("bagel", "qwen", "qwen_image", "qwenimage")  # as `grep -wi`: bagel_deploy, qwen_image_tiny are other words
 
 

@@ -12,6 +12,7 @@ from flax import nnx
 from jaxflow.algorithms.objective import Objective
 from jaxflow.families.bagel import lora as bagel_lora
 from jaxflow.families.bagel.loading import folder_config, load_bagel, random_bagel
+from jaxflow.families.bagel.config import BagelConfig
 from jaxflow.families.bagel.model import BagelModel
 from jaxflow.families.bagel.objective import OBJECTIVE
 from jaxflow.families.base import Problem, read_json
@@ -37,6 +38,8 @@ class Bagel:
     stages = spec.DEPLOYS
     thinks = True
     fused_gemm = False  # its layers run XLA's linears (model.lora_gemm 'auto' or 'xla')
+    config_type = BagelConfig
+    model_type = BagelModel
 
     def folder(self, cfg) -> Path:
         if cfg.model.path == self.tiny:

@@ -34,6 +34,8 @@ class QwenImage:
     stages = ("single_stage",)
     thinks = False
     fused_gemm = True
+    config_type = QwenImageConfig
+    model_type = QwenImageTransformer
 
     def folder(self, cfg) -> Path:
         if cfg.model.path == self.tiny:

@@ -24,6 +24,10 @@ DEPLOYS = tuple(DEPLOY_FILES)
 
 ENGINES = ("bagel_torch", "vllm_omni")  # the rollout engines that serve it
 LORA_COMPONENT = "bagel"  # the pipeline part vLLM-Omni's LoRA manager wraps (its layer names start with it)
+# `jaxflow_bench.e2e --recipe bagel` (as Qwen-Image's spec.E2E): vLLM-Omni's BAGEL has no random-weight path, so the
+# random folder holds weights
+E2E = dict(config="configs/bagel_ocr.py", folder="/tmp/bagel_random", marker="ema.safetensors",
+           writer=["scripts/make_random_bagel.py"], init="checkpoint", one_gpu=True)
 
 
 def is_folder(folder: Path) -> bool:

@@ -16,6 +16,11 @@ WEIGHTS = "transformer"  # the fingerprinted weights: every safetensors file of 
 
 ENGINES = ("diffusers", "vllm_omni")  # the rollout engines that serve it
 LORA_COMPONENT = "transformer"  # the pipeline part vLLM-Omni's LoRA manager wraps (its layer names start with it)
+# `jaxflow_bench.e2e --recipe qwen_image`: its recipe, the random full-size folder it trains (where, the file that
+# marks it written, the command that writes it), the model.init it runs that folder with, and whether the recipe
+# runs on one GPU only (vLLM-Omni's rollout beside the trainer, JAX's pool at half the GPU, 2 samples a micro-batch)
+E2E = dict(config="configs/qwen_ocr.py", folder="/tmp/qwen_random", marker="model_index.json",
+           writer=["scripts/make_random_pipeline.py", "--no-transformer-weights"], init="random", one_gpu=False)
 
 # scheduler/scheduler_config.json of the Hugging Face model Qwen/Qwen-Image (docs/numerics.md §1).
 SCHEDULER_CONFIG = {
