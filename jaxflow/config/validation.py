@@ -102,15 +102,12 @@ def _check_model(cfg: ConfigDict) -> None:
 
 def engine_problems(cfg: ConfigDict) -> Iterator[Problem]:
     """The rollout engine's rules on the config (the vllm_omni engine's: `vllm_omni_rules.problems`, the one copy its
-    engine checks too), on what the run hands it: the LoRA merged or not (`plan.merged_lora`) and the family's
-    engine keys (`Family.engine_config`)."""
+    engine checks too), on the family's engine keys
+    (`Family.engine_config`)."""
     if cfg.rollout.engine != "vllm_omni":
         return
-    from jaxflow.config.plan import merged_lora  # the plan stage imports this module
-
     family, r = families.of(cfg), cfg.rollout
     yield from vllm_omni_rules.problems(family.name, dtype=r.dtype, device=r.device, init=cfg.model.init,
-                                        lora_mode="merged" if merged_lora(cfg) else r.lora_mode,
                                         deploy=family.engine_config(cfg).get("deploy"), think=bool(cfg.sample.think))
 
 

@@ -13,11 +13,11 @@ DTYPE = "bfloat16"  # vLLM-Omni 0.20's warm-up fails on float32 folders
 DEVICE = "cuda"  # the GPU Ray gives the engine's actor
 
 
-def problems(family: str, *, dtype: str, device: str | None, init: str, lora_mode: str, deploy: str | None,
+def problems(family: str, *, dtype: str, device: str | None, init: str, deploy: str | None,
              think: bool = False) -> Iterator[Problem]:
     """What the vllm_omni engine refuses for model family `family`: `engine_problems`, then `family_problems`."""
     yield from engine_problems(dtype, device, family)
-    yield from family_problems(family, init=init, lora_mode=lora_mode, deploy=deploy, think=think)
+    yield from family_problems(family, init=init, deploy=deploy, think=think)
 
 
 def engine_problems(dtype: str, device: str | None, family: str | None = None) -> Iterator[Problem]:
@@ -34,18 +34,15 @@ def engine_problems(dtype: str, device: str | None, family: str | None = None) -
                                  f"GPU, which Ray gives it)")
 
 
-def family_problems(family: str, *, init: str, lora_mode: str, deploy: str | None,
+def family_problems(family: str, *, init: str, deploy: str | None,
                     think: bool = False) -> Iterator[Problem]:
-    """The family's own rules (its spec's `vllm_omni_problems`): `init` is model.init, `lora_mode` 'merged' where
-    the LoRA is served merged, `deploy` the engine's deployment (None: the family's default)."""
-    yield from families.spec(family).vllm_omni_problems(init=init, lora_mode=lora_mode, deploy=deploy, think=think)
+    """The family's own rules (its spec's `vllm_omni_problems`): `init` is model.init, `deploy` the engine's deployment (None: the family's default)."""
+    yield from families.spec(family).vllm_omni_problems(init=init, deploy=deploy, think=think)
 
 
 def settings(config: dict) -> dict:
-    """The engine config's settings in `family_problems`' terms (random_seed: model.init='random'; lora_apply='merged':
-    the LoRA served merged)."""
-    return dict(init="checkpoint" if config.get("random_seed") is None else "random",
-                lora_mode="merged" if config.get("lora_apply") == "merged" else "layers", deploy=config.get("deploy"))
+    """The engine config's settings in `family_problems`' terms (random_seed: model.init='random')."""
+    return dict(init="checkpoint" if config.get("random_seed") is None else "random", deploy=config.get("deploy"))
 
 
 def refuse(found: Iterable[Problem]) -> None:

@@ -50,7 +50,7 @@ def fingerprint_files(folder: Path) -> tuple[Path, str, tuple[str, ...]]:
     return Path(folder), WEIGHTS, IGNORED_PREFIXES
 
 
-def vllm_omni_problems(*, init: str, lora_mode: str, deploy: str | None, think: bool) -> Iterator[tuple[str, str]]:
+def vllm_omni_problems(*, init: str, deploy: str | None, think: bool) -> Iterator[tuple[str, str]]:
     """What vLLM-Omni's BAGEL does not run, as (config key, message): the family's part of the vllm_omni engine's
     rules (`jaxflow_bridge/engines/vllm_omni/rules.py`), checked by the validation stage and by the engine."""
     if init != "checkpoint":

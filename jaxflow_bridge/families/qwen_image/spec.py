@@ -61,7 +61,7 @@ def fingerprint_files(folder: Path) -> tuple[Path, str, tuple[str, ...]]:
     return Path(folder) / WEIGHTS, "*.safetensors", ()
 
 
-def vllm_omni_problems(*, init: str, lora_mode: str, deploy: str | None, think: bool) -> Iterator[tuple[str, str]]:
+def vllm_omni_problems(*, init: str, deploy: str | None, think: bool) -> Iterator[tuple[str, str]]:
     """The family's part of the vllm_omni engine's rules (`jaxflow_bridge/engines/vllm_omni/rules.py`): Qwen-Image
     runs vLLM-Omni's default stage, so no deployment is chosen (its `engine_config` names none)."""
     if deploy is not None:
