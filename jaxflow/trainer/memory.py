@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxflow.algorithms.nft import FIELDS as NFT_FIELDS
 from jaxflow.trainer.train_batch import with_text_ids
+from jaxflow_bridge.contract import batch as schema
 
 GIB = 2 ** 30
 KNOBS = ("train.num_micro_batches (more micro-batches: fewer samples in each forward and backward), a larger JAX pool "
@@ -80,28 +81,27 @@ def check_fits(plans: list[StepMemory], resident: int, limit: int, in_use: int, 
 def abstract_batch(*, batch: int, window: int, num_steps: int, seq: int, channels: int, text: int, width: int,
                    embed_dtype, guided: bool, recompute: bool, means: bool = False, nft: bool = False,
                    negative_text: int | None = None, text_ids: bool = False) -> tuple[dict, dict | None]:
-    """Shapes and dtypes of the batch `train_step.prepare_batch` hands the step (text padded to `text` tokens,
-    negatives to `negative_text`, default `text`: `config.text_tokens`), and of the old-log-prob pass's output when
-    it runs (with `means`: the SDE means train.ratio_norm="guard" keeps); with `nft`, DiffusionNFT's batch
-    (algorithms.nft.FIELDS); with `text_ids`, token ids (B, tokens) int32 in place of the embeds (a family whose text
-    is token ids, `Family.batch_shape`; `width` and `embed_dtype` unused)."""
-    s = jax.ShapeDtypeStruct
-
-    def text_spec(prefix, tokens):
-        value = s((batch, tokens), np.int32) if text_ids else s((batch, tokens, width), embed_dtype)
-        return {f"{prefix}_{'ids' if text_ids else 'embeds'}": value, f"{prefix}_mask": s((batch, tokens), np.bool_)}
-
-    out = {"latents": s((batch, window + 1, seq, channels), np.float32), "log_probs": s((batch, window), np.float32),
-           "sigmas": s((batch, num_steps + 1), np.float32), "step_index": s((batch, window), np.int32),
-           "noise_level": s((batch,), np.float32), "advantages": s((batch,), np.float32), **text_spec("prompt", text)}
-    if guided:
-        out.update(text_spec("negative_prompt", negative_text or text))
+    """Shapes and dtypes of the batch `train_step.prepare_batch` hands the step, every field per sample, from the batch
+    schema (`schema.shapes`; text padded to `text` tokens, negatives to `negative_text`, default `text`:
+    `config.text_tokens`), and of the old-log-prob pass's output when it runs (with `means`: the SDE means
+    train.ratio_norm="guard" keeps); with `nft`, DiffusionNFT's batch (algorithms.nft.FIELDS); with `text_ids`, token
+    ids (B, tokens) int32 in place of the embeds (a family whose text is token ids, `Family.batch_shape`; `width` and
+    `embed_dtype` unused)."""
+    kind = "ids" if text_ids else "embeds"
+    negatives = (f"negative_prompt_{kind}", "negative_prompt_mask") if guided else ()
     if nft:  # a loss on the final latents (DiffusionNFT's fields; AWM's too, with the negative text under CFG)
-        out["final_latents"] = s((batch, seq, channels), np.float32)
-        fields = (*(with_text_ids(NFT_FIELDS) if text_ids else NFT_FIELDS),
-                  *(k for k in out if k.startswith("negative_prompt")))
-        return {k: out[k] for k in fields}, None
-    old = {"log_probs": s((batch, window), np.float32)}
+        names = (*(with_text_ids(NFT_FIELDS) if text_ids else NFT_FIELDS), *negatives)
+    else:
+        names = ("latents", "log_probs", "sigmas", "step_index", "noise_level", "advantages", f"prompt_{kind}",
+                 "prompt_mask", *negatives)
+    sizes = {"B": batch, "W": window, "N": num_steps, "S": seq, "C": channels, "L": text,
+             "L'": negative_text or text, "D": width}
+    embeds = {"prompt_embeds": embed_dtype, "negative_prompt_embeds": embed_dtype}
+    s = jax.ShapeDtypeStruct
+    out = {k: s(*v) for k, v in schema.shapes(names, sizes, embeds, per_sample=True).items()}
+    if nft:
+        return out, None
+    old = {"log_probs": out["log_probs"]}
     if means:
         old["means"] = s((batch, window, seq, channels), np.float32)
     return out, (old if recompute else None)

@@ -6,7 +6,8 @@ sample has its own (a leading B axis) or the batch shares one. The rollout's `Tr
 (`jaxflow_bridge.contract.trajectory`) is made of the trajectory fields, the learner's `TrainBatch`
 (`jaxflow.trainer.train_batch`) of the train fields, the vLLM-Omni codec carries the payload fields and an
 algorithm's `batch_fields` are names from here. `require` is the one check that a crossing's arrays hold every field
-the batch needs, each with its number of dims.
+the batch needs, each with its number of dims; `shapes` resolves the fields' shapes at a step's sizes (the learner's
+compile-time memory plan) and `dim_size` one dim (the trajectory's shape checks).
 """
 from __future__ import annotations
 
@@ -97,3 +98,29 @@ def field_doc(name: str) -> str:
     field = FIELDS[name]
     dims = field.dims if field.shared else ("B", *field.dims)
     return f"({', '.join(dims)}) {' or '.join(str(d) for d in field.dtypes)}"
+
+
+def dim_size(dim: str, sizes: dict) -> int | None:
+    """A symbolic dim's size at `sizes` (symbol -> size or None): a number is itself, "X+1" is X's plus one, a symbol
+    its own; None where `sizes` does not give it."""
+    if dim.isdigit():
+        return int(dim)
+    base, plus = (dim[:-2], 1) if dim.endswith("+1") else (dim, 0)
+    size = sizes.get(base)
+    return None if size is None else size + plus
+
+
+def shapes(names, sizes: dict, dtypes: dict | None = None, per_sample: bool = False) -> dict[str, tuple]:
+    """name -> (shape, dtype) of each of the fields `names` at a step's `sizes` (B samples and the dims' symbols: W
+    window steps, N schedule steps, S, C, L, L', D; the images' W is their width, so not theirs): a leading B axis
+    unless the field is shared (with `per_sample` every field has one, as the learner's step takes them); the dtype
+    `dtypes`' for the name, else the field's first. ValueError naming a dim that `sizes` does not give."""
+    out = {}
+    for name in names:
+        field = FIELDS[name]
+        dims = field.dims if field.shared and not per_sample else ("B", *field.dims)
+        shape = tuple(dim_size(d, sizes) for d in dims)
+        if None in shape:
+            raise ValueError(f"{name}: no size for its dim {dims[shape.index(None)]!r} in {sorted(sizes)}")
+        out[name] = (shape, np.dtype((dtypes or {}).get(name, field.dtypes[0])))
+    return out

@@ -18,11 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxflow_bridge.contract.batch import BOOL as _BOOL
-from jaxflow_bridge.contract.batch import EMBED_DTYPES, F32, TEXT_FIELDS, require
-from jaxflow_bridge.contract.batch import INT32 as _INT32
-from jaxflow_bridge.contract.batch import INT64 as _INT64
-from jaxflow_bridge.contract.batch import UINT8 as _UINT8
+from jaxflow_bridge.contract.batch import FIELDS, TEXT_FIELDS, dim_size, require
 
 Dims = list[tuple[str, "int | None"]]  # (symbol, required size or None for any)
 
@@ -41,9 +37,17 @@ def _check(field: str, x, dtypes: Sequence[np.dtype], dims: Dims) -> None:
         raise ValueError(f"{field}: expected shape ({symbols}) = ({want}), got shape {x.shape}")
 
 
+def _check_field(name: str, x, lead: Dims, sizes: dict | None = None, dtypes: Sequence[np.dtype] | None = None,
+                 label: str | None = None) -> None:
+    """`_check` of `x` against the schema's field `name`: its dtypes (or `dtypes`), `lead` then its dims, each sized
+    from `sizes` where they give it (else any); reported as `label` (default `name`)."""
+    field = FIELDS[name]
+    _check(label or name, x, dtypes or field.dtypes, lead + [(d, dim_size(d, sizes or {})) for d in field.dims])
+
+
 def _check_sigmas(sigmas) -> int:
     """Validate the (N+1,) schedule and return N."""
-    _check("sigmas", sigmas, (F32,), [("N+1", None)])
+    _check_field("sigmas", sigmas, [])
     if len(sigmas) < 2 or not np.all(np.diff(sigmas) < 0) or sigmas[-1] != 0:
         raise ValueError(
             "sigmas: expected N+1 >= 2 strictly decreasing values ending in 0, "
@@ -61,14 +65,15 @@ def _check_seq_len(seq: int, height: int, width: int) -> None:
             f"got S={seq}")
 
 
+# a negative's text is checked against its prompt's field: the same dims and dtypes, its own length (L)
 def _check_text(prefix: str, embeds, mask, lead: Dims, dtypes, width) -> None:
-    _check(f"{prefix}_embeds", embeds, dtypes, lead + [("L", None), ("D", width)])
-    _check(f"{prefix}_mask", mask, (_BOOL,), lead + [("L", embeds.shape[-2])])
+    _check_field("prompt_embeds", embeds, lead, {"D": width}, dtypes, label=f"{prefix}_embeds")
+    _check_field("prompt_mask", mask, lead, {"L": embeds.shape[-2]}, label=f"{prefix}_mask")
 
 
 def _check_ids(prefix: str, ids, mask, lead: Dims) -> None:
-    _check(f"{prefix}_ids", ids, (_INT32,), lead + [("L", None)])
-    _check(f"{prefix}_mask", mask, (_BOOL,), lead + [("L", ids.shape[-1])])
+    _check_field("prompt_ids", ids, lead, label=f"{prefix}_ids")
+    _check_field("prompt_mask", mask, lead, {"L": ids.shape[-1]}, label=f"{prefix}_mask")
     if ids.size and ids.min() < 0:
         raise ValueError(f"{prefix}_ids: expected token ids >= 0, got {ids.min()}")
 
@@ -92,7 +97,7 @@ def _check_all_text(rec, lead: Dims) -> None:
     if kind == "ids":
         _check_ids("prompt", rec.prompt_ids, rec.prompt_mask, lead)
     else:
-        _check_text("prompt", rec.prompt_embeds, rec.prompt_mask, lead, EMBED_DTYPES, None)
+        _check_text("prompt", rec.prompt_embeds, rec.prompt_mask, lead, None, None)
     neg = (getattr(rec, f"negative_prompt_{kind}", None), rec.negative_prompt_mask)
     if (neg[0] is None) != (neg[1] is None):
         given = f"negative_prompt_{kind}" if neg[1] is None else "negative_prompt_mask"
@@ -108,17 +113,18 @@ def _check_all_text(rec, lead: Dims) -> None:
 
 
 def validate_arrays(rec, image_field: str, lead: Dims) -> None:
-    """Validate the array fields of a TrajectoryBatch (lead=[("B", b)]) or of one sample (lead=[])."""
+    """Validate the array fields of a TrajectoryBatch (lead=[("B", b)]) or of one sample (lead=[]): each field's
+    dtype and dims the schema's (`batch.FIELDS`), the sizes they share equal, and the checks of their values."""
     image = getattr(rec, image_field)
-    _check(image_field, image, (_UINT8,), lead + [("H", None), ("W", None), ("3", 3)])
+    _check_field("images", image, lead, label=image_field)
     height, width = image.shape[-3:-1]
     n = _check_sigmas(rec.sigmas)
-    _check("log_probs", rec.log_probs, (F32,), lead + [("W", None)])
+    _check_field("log_probs", rec.log_probs, lead)
     window = rec.log_probs.shape[-1]
     if window < 1:
         raise ValueError(f"log_probs: expected a window of W >= 1 steps, got shape {rec.log_probs.shape}")
-    _check("step_index", rec.step_index, (_INT32,), lead + [("W", window)])
-    _check("latents", rec.latents, (F32,), lead + [("W+1", window + 1), ("S", None), ("C", None)])
+    _check_field("step_index", rec.step_index, lead, {"W": window})
+    _check_field("latents", rec.latents, lead, {"W": window})
     _check_seq_len(rec.latents.shape[-2], height, width)
     steps = rec.step_index
     if np.any(steps < 0) or np.any(steps >= n - 1) or np.any(np.diff(steps, axis=-1) != 1):
@@ -127,7 +133,7 @@ def validate_arrays(rec, image_field: str, lead: Dims) -> None:
             f"got {steps.tolist()}")
     final = getattr(rec, "final_latents", None)
     if final is not None:
-        _check("final_latents", final, (F32,), lead + [("S", rec.latents.shape[-2]), ("C", rec.latents.shape[-1])])
+        _check_field("final_latents", final, lead, {"S": rec.latents.shape[-2], "C": rec.latents.shape[-1]})
     _check_all_text(rec, lead)
 
 
@@ -212,7 +218,7 @@ class TrajectoryBatch:
         lead = [("B", len(self.prompts))]
         validate_arrays(self, "images", lead)
         for field in ("group_ids", "seeds", "policy_versions"):
-            _check(field, getattr(self, field), (_INT64,), lead)
+            _check_field(field, getattr(self, field), lead)
 
     def __len__(self) -> int:
         return len(self.prompts)

@@ -85,3 +85,33 @@ def test_one_validation_per_rollout_call(tiny_path, monkeypatch):
     assert len(batch) == 4 and batch.prompts == ("a red fox",) * 2 + ("a blue cat",) * 2
     assert len(calls) == 2  # the two calls' trajectories, each once as it arrives; not the producer's, not the join
     group.close()
+
+
+def test_shapes_resolve_the_fields_dims_at_a_steps_sizes():
+    sizes = {"B": 2, "W": 3, "N": 6, "S": 4, "C": 5, "L": 7, "L'": 1, "D": 8}
+    got = schema.shapes(("latents", "sigmas", "negative_prompt_embeds", "noise_level"), sizes,
+                        {"negative_prompt_embeds": schema.F32})
+    assert got == {"latents": ((2, 4, 4, 5), schema.F32), "sigmas": ((7,), schema.F32),
+                   "negative_prompt_embeds": ((2, 1, 8), schema.F32), "noise_level": ((), schema.F32)}
+    per_sample = schema.shapes(schema.TRAIN_FIELDS, sizes, per_sample=True)
+    assert per_sample["sigmas"] == ((2, 7), schema.F32) and per_sample["noise_level"] == ((2,), schema.F32)
+    assert per_sample["prompt_embeds"] == ((2, 7, 8), schema.BF16) and per_sample["step_index"][1] == schema.INT32
+    with pytest.raises(ValueError, match=r"^final_latents: no size for its dim 'S'"):
+        schema.shapes(("final_latents",), {"B": 2, "C": 5})
+
+
+def test_memory_plan_shapes_are_a_validated_trajectorys():
+    """The compile-time memory plan's batch (`memory.abstract_batch`, from the schema) is what the step gets from a
+    rollout's trajectory crossing into the trainer, with the recompute pass."""
+    from jaxflow.trainer import memory
+    from jaxflow.trainer.step_config import TrainConfig
+    from jaxflow.trainer.train_step import prepare_batch
+    traj = TrajectoryBatch.from_dict(synthetic_batch().to_dict())
+    got = prepare_batch(TrainBatch.of(traj, np.zeros(len(traj), np.float32), 0.7), TrainConfig(grid_hw=(5, 9), guidance=4.0))
+    (b, window), (s, c) = traj.log_probs.shape, traj.latents.shape[2:]
+    spec, old = memory.abstract_batch(batch=b, window=window, num_steps=len(traj.sigmas) - 1, seq=s, channels=c,
+                                      text=traj.prompt_mask.shape[1], negative_text=traj.negative_prompt_mask.shape[1],
+                                      width=traj.prompt_embeds.shape[2], embed_dtype=traj.prompt_embeds.dtype,
+                                      guided=True, recompute=True)
+    assert {k: (v.shape, v.dtype) for k, v in got.items()} == {k: (v.shape, v.dtype) for k, v in spec.items()}
+    assert (old["log_probs"].shape, old["log_probs"].dtype) == (got["log_probs"].shape, got["log_probs"].dtype)
