@@ -10,7 +10,9 @@ process stops after the same step); the final LoRA is exported in PEFT format to
 trainer's start, model loading included). With
 `train.ema_decay` the eval and the export use the LoRA's EMA, as flow_grpo's do. A step that skipped an update (a
 non-finite loss, gradient or LoRA) writes no checkpoint; more than `train.max_skipped_steps` of them in a row, or
-one at the last step, stop the run with `divergence.Diverged`, nothing of the diverged state written.
+one at the last step, stop the run with `divergence.Diverged`, nothing of the diverged state written. The log-prob
+gate (`trainer.logp_gate`: train.logp_gate, train.logp_gate_steps) stops a run whose trainer no longer scores the
+rollout's samples as the engine drew them, before the step's checkpoint.
 
 Multi-host (jax.distributed, one trainer process per host; see `maybe_initialize_distributed`): process 0 alone
 holds the driver; every process holds a learner and checkpoints; `run_dir` must be on a filesystem they share.
@@ -35,6 +37,7 @@ from jaxflow.run import run_dir as run_dir_lib
 from jaxflow.trainer.checkpoint import config_json
 from jaxflow.run.data import GroupSampler, load_prompts
 from jaxflow.trainer.divergence import SkipStreak
+from jaxflow.trainer.logp_gate import Gate
 from jaxflow.run.driver import Driver
 from jaxflow.trainer.learner import Learner, run_plan
 from jaxflow.run.metrics_log import RunLog
@@ -205,6 +208,7 @@ class Trainer:
         history, profiler = [], StepProfiler.from_config(cfg, self.run_dir)
         limit = cfg.train.max_minutes * 60 or float("inf")
         stopped, skips = False, SkipStreak(cfg.train.max_skipped_steps)
+        gate = Gate(cfg.train.logp_gate, cfg.train.logp_gate_steps, first_step=self.start + 1)
         saved = self.start if self.start else None  # the newest checkpoint's step
         try:
             for step in range(self.start, cfg.train.num_steps):
@@ -230,6 +234,9 @@ class Trainer:
                 last = step + 1 == cfg.train.num_steps or out_of_time
                 if skips.over or (last and skipped):  # nothing of the diverged state is written
                     raise skips.error(self.run_dir, saved, ended=not skips.over)
+                gate.record(done, metrics)  # the same figures on every process (the step's replicated metrics)
+                if gate.tripped:  # the step is logged; its checkpoint and lora_final are not written
+                    raise gate.error(self.run_dir, saved)
                 if (step + 1) % cfg.checkpoint.every == 0 or last or self.stop_requested:
                     if skipped:  # no checkpoint of a state whose loss was not finite (`jaxflow.trainer.divergence`)
                         log.warning("step %d skipped an update: its checkpoint is not written", done)

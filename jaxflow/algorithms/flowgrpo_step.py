@@ -102,7 +102,9 @@ class FlowGRPO(Component):
 
     def update(self, state, frozen, mb: dict, old, index, *, graphdef, config, layout, objective):
         """(grads, metrics, runs) of one update on mini-batch `mb` (number `index`); `old` the recompute pass's
-        output for it or None; runs: which micro-batches ran (None: all)."""
+        output for it or None; runs: which micro-batches ran (None: all). metrics["logp_gap"] (M, W, B/M) holds
+        |logp - logp_rollout| per sample and window step, NaN where the filter left a row out (the train step reads
+        the first update's for the log-prob gate, `jaxflow.trainer.logp_gate`)."""
         if old is not None:
             old = minibatches.select(old, config.num_mini_batches, index)
             mb["old_log_probs"] = old["log_probs"]
@@ -112,6 +114,8 @@ class FlowGRPO(Component):
                 mb["old_on_policy"] = index == 0
         grads, terms = accumulate_gradients(graphdef, state.lora, frozen, mb, config, layout, objective)
         metrics = flowgrpo.step_metrics(terms, clip_range=config.policy.ratio.clip_range(config), beta=config.beta)
+        gap = jnp.abs(terms["dlogp"])
+        metrics["logp_gap"] = gap if "mask" not in terms else jnp.where(terms["mask"], gap, jnp.nan)
         return grads, metrics, config.policy.filter.runs(terms, metrics)
 
     def rules(self, config, policy):

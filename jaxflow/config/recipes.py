@@ -104,6 +104,8 @@ HELP: dict[str, str] = {
     "train.max_minutes": "> 0: end the run (checkpoint, lora_final) before this many minutes; 0: no limit",
     "train.max_skipped_steps": "steps in a row with a skipped (non-finite) update a run tolerates, >= 0; one more "
                                "stops it, exit 1",
+    "train.logp_gate": "bound on each step's p99 |trainer - rollout| log-prob (bf16 noise < 1e-3, float32 < 1e-6), > 0",
+    "train.logp_gate_steps": "k steps in a row over train.logp_gate (or the run's first step) stop the run, exit 1; 0/None: off",
     "train.num_micro_batches": "micro-batches of one update (gradient accumulation); divides a mini-batch's samples",
     "train.learning_rate": "AdamW learning rate, > 0",
     "train.clip_range": "the ratio's clip: clip(r, 1 - clip_range, 1 + clip_range), > 0",
@@ -227,7 +229,8 @@ def base() -> ml_collections.ConfigDict:
                     # train phase in 11.9 s, batched 11.2 (two H200s; BENCHMARKS.md, the recipe on one GPU)
                     negative_max_sequence_length=0,
                     prompts_per_step=32, group_size=16, prompts_per_call=4)
-    c.train = dict(num_steps=300, max_minutes=0.0, max_skipped_steps=3, num_micro_batches=64, learning_rate=3e-4,
+    c.train = dict(num_steps=300, max_minutes=0.0, max_skipped_steps=3, logp_gate=1e-2, logp_gate_steps=3,
+                   num_micro_batches=64, learning_rate=3e-4,
                    clip_range=1e-4, adv_clip=5.0, beta=0.0, global_std=True, max_grad_norm=1.0, weight_decay=1e-4,
                    ema_decay=0.0,
                    adam_b1=0.9, adam_b2=0.999, adam_eps=1e-8,

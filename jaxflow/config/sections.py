@@ -88,6 +88,8 @@ class TrainSection:
     num_steps: int
     max_minutes: float
     max_skipped_steps: int
+    logp_gate: float
+    logp_gate_steps: int | None
     num_micro_batches: int
     learning_rate: float
     clip_range: float

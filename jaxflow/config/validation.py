@@ -217,6 +217,13 @@ def validate(cfg: ConfigDict) -> RunConfig:
     if not isinstance(t.max_skipped_steps, int) or t.max_skipped_steps < 0:
         fail("train.max_skipped_steps", f"must be an int >= 0 (0: the first step with a skipped update stops the "
                                          f"run), got {t.max_skipped_steps!r}")
+    if not isinstance(t.logp_gate, (int, float)) or isinstance(t.logp_gate, bool) or not t.logp_gate > 0:
+        fail("train.logp_gate", f"must be a number > 0 (the bound on p99 |trainer - rollout| log-prob), got "
+                                 f"{t.logp_gate!r}")
+    if t.logp_gate_steps is not None and (not isinstance(t.logp_gate_steps, int) or isinstance(t.logp_gate_steps, bool)
+                                          or t.logp_gate_steps < 0):
+        fail("train.logp_gate_steps", f"must be an int >= 0 or None (0 or None: the gate is off), got "
+                                       f"{t.logp_gate_steps!r}")
     if not 0 < s.window_size < s.num_steps or s.window_range[1] - s.window_range[0] < s.window_size:
         fail("sample.window_size", f"{s.window_size} must be in [1, num_steps) and fit window_range "
                                     f"{tuple(s.window_range)}")

@@ -174,6 +174,7 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
     from jaxflow.config import validation as config_lib
     from jaxflow.run import run_dir as run_dir_lib
     from jaxflow.trainer.divergence import Diverged
+    from jaxflow.trainer.logp_gate import GateTripped
     signals.install(f"error: interrupted; the checkpoints in {Path(cfg.run_dir) / 'checkpoints'} are as they were "
                     f"(continue with --resume if there are any)", unwind=True)
     try:
@@ -198,7 +199,7 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
     except config_lib.UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CODES["input"]
-    except Diverged as exc:
+    except (Diverged, GateTripped) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CODES["failed"]
     except KeyboardInterrupt:  # in start-up (signals.Interrupted) or a second signal in the loop

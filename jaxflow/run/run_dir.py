@@ -33,7 +33,8 @@ NOT_TRAINING = ("run_dir", "train.num_steps", "log", "eval", "checkpoint", "roll
                 "reward.workers", "sharding",
                 "train.num_micro_batches", "model.remat", "model.attention", "model.scan_unroll", "model.lora_gemm",
                 "train.xla_options", "profile",
-                "train.max_skipped_steps")  # when a diverged run stops, not what an update computes
+                # when a diverged or mismatched run stops, not what an update computes
+                "train.max_skipped_steps", "train.logp_gate", "train.logp_gate_steps")
 
 
 def previous_outputs(run_dir: Path) -> list[str]:

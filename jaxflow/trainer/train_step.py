@@ -39,7 +39,7 @@ import optax
 from flax import nnx
 
 from jaxflow import families
-from jaxflow.trainer import minibatches, phases
+from jaxflow.trainer import logp_gate, minibatches, phases
 from jaxflow.algorithms.old_log_prob import old_log_probs
 from jaxflow.nn.lora import LoRAParam
 from jaxflow.algorithms.objective import WINDOW, Objective
@@ -227,7 +227,8 @@ class TrainStep:
         """One step; `behavior`: the LoRA of the policy that sampled `batch` when it is not `state.lora` (one
         version behind, rollout.overlap): the recompute pass takes logp_old from it, so the ratio is against the
         sampling policy. Metrics add old_logp_diff_max, max |logp_old - the rollout's logp| over the batch, when the
-        pass covers every row (0 up to the engine's rounding when logp_old is the sampling policy's). Under a
+        pass covers every row (0 up to the engine's rounding when logp_old is the sampling policy's), and
+        logp_mismatch_* (`_sampled_gaps`, `logp_gate.mismatch_metrics`). Under a
         `phases.recording()` each phase waits for its device work and is timed: to_device (the host batch onto the
         devices: the trajectories' host round trip's way in), old_log_prob (when the pass runs) and update."""
         config, timed = self.config, phases.active()
@@ -254,8 +255,29 @@ class TrainStep:
                 state = self._advance(state, first)
             if timed:
                 jax.block_until_ready(state)
+        first = [u.pop("logp_gap", None) for u in updates][0]  # the first update's, on the pre-update LoRA
         metrics = minibatches.combine_metrics(updates)
+        gaps = None if first is None else self._sampled_gaps(first, old, batch)
+        if gaps is not None:
+            metrics.update(logp_gate.mismatch_metrics(gaps))
         if old is not None and not config.pass_skips_first:
             diff = jnp.abs(old["log_probs"] - batch["log_probs"])
             metrics["old_logp_diff_max"] = jnp.max(config.policy.filter.logp_rows(diff, batch["advantages"]))
         return state, metrics
+
+    def _sampled_gaps(self, first, old, batch):
+        """|logp_trainer - logp_rollout| of the rows the trainer scored with the policy that sampled them (NaN where
+        not measured), for the log-prob gate: the first update's rows (`first`, its pre-update LoRA is that policy
+        unless the batch is one version old, rollout.overlap) and the recompute pass's (its LoRA is the sampling
+        policy's); None where neither is (overlap without the pass)."""
+        config = self.config
+        if old is None:
+            return None if config.off_policy else first
+        kept = config.policy.filter.logp_rows(jnp.ones_like(old["log_probs"]), batch["advantages"]) > 0
+        gaps = jnp.where(kept, jnp.abs(old["log_probs"] - batch["log_probs"]), jnp.nan)
+        if not config.pass_skips_first:  # the pass covers every row
+            return gaps
+        rows = gaps.shape[0]  # the pass left mini-batch 0 out: the first update scored it
+        skipped = np.zeros((rows, 1), bool)
+        skipped[minibatches.RowLayout(config.num_mini_batches).rows(rows, 0)] = True
+        return jnp.concatenate([jnp.ravel(first), jnp.ravel(jnp.where(skipped, jnp.nan, gaps))])
