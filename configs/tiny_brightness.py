@@ -17,6 +17,7 @@ def get_config():
     c.train.num_steps, c.train.learning_rate = 40, 1e-2
     c.eval.every = c.checkpoint.every = 40  # one eval grid and checkpoint, at the end
     # a gold reward that brightness ruins (closeness to mid-grey), lora_best kept by it; with
-    # --config.eval.every=1 --config.eval.stop_after=2 the run stops once brightness hacks it (docs/running.md)
+    # --config.eval.every=1 --config.eval.stop_after=2 --config.train.learning_rate=3e-2 the run stops once
+    # brightness hacks it (docs/running.md)
     c.eval.rewards, c.eval.best_metric = {"midtone": 1.0}, "midtone"
     return c

@@ -106,7 +106,8 @@ def test_a_brightness_hacking_run_keeps_its_best_adapter_and_stops_early(tmp_pat
     args = [sys.executable, "-m", "jaxflow.train", "--config", str(ROOT / "configs" / "tiny_brightness.py"),
             f"--config.run_dir={run_dir}", "--config.log.progress=False", "--config.log.tensorboard=False",
             "--config.rollout.layout=in_process", "--config.train.num_steps=12", "--config.eval.every=1",
-            "--config.checkpoint.every=1", "--config.checkpoint.keep=12", "--config.eval.stop_after=2"]
+            "--config.checkpoint.every=1", "--config.checkpoint.keep=12", "--config.eval.stop_after=2",
+            "--config.train.learning_rate=3e-2"]  # brightness rises within a few steps
     out = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [x for x in out.stdout.splitlines() if x.startswith("stopped early: ")]
