@@ -267,8 +267,6 @@ def _check_gold(cfg) -> None:
     if e.best_metric and e.best_metric not in e.rewards:
         fail("eval.best_metric", f"{e.best_metric!r} is not a gold reward: name one of eval.rewards "
                                  f"{sorted(e.rewards)} (add it there), or '' for no lora_best")
-    if e.best_metric and not e.every:
-        fail("eval.best_metric", "needs evals: set --config.eval.every to a step count > 0")
     if not isinstance(e.stop_after, int) or isinstance(e.stop_after, bool) or e.stop_after < 0:
         fail("eval.stop_after", f"must be an int >= 0 (0: no early stop), got {e.stop_after!r}")
     if e.stop_after and not e.best_metric:
