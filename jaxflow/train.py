@@ -7,7 +7,9 @@ bound-module count checked) -> metrics, logged by process 0. Evaluation (ODE sam
 grid) every `eval.every` steps; orbax checkpoints every `checkpoint.every` steps and on SIGINT/SIGTERM (every
 process stops after the same step); the final LoRA is exported in PEFT format to `run_dir/lora_final`, also when
 `train.max_minutes` ends the run early (its last step is the one expected to end within that many minutes of the
-trainer's start, model loading included). With
+trainer's start, model loading included). With `eval.rewards` the evals also score gold rewards; with
+`eval.best_metric` the best eval's policy is kept in `run_dir/lora_best`, and with `eval.stop_after` the run ends
+early, normally, when that gold metric falls while the training reward rises (jaxflow/run/gold.py). With
 `train.ema_decay` the eval and the export use the LoRA's EMA, as flow_grpo's do. A step that skipped an update (a
 non-finite loss, gradient or LoRA) writes no checkpoint; more than `train.max_skipped_steps` of them in a row, or
 one at the last step, stop the run with `divergence.Diverged`, nothing of the diverged state written. The log-prob
@@ -33,6 +35,7 @@ from ml_collections import ConfigDict
 from jaxflow.config import validation as config_lib
 from jaxflow.config.sections import RunConfig
 from jaxflow.trainer import phases
+from jaxflow.run import gold
 from jaxflow.run import run_dir as run_dir_lib
 from jaxflow.trainer.checkpoint import config_json
 from jaxflow.run.data import GroupSampler, load_prompts
@@ -124,6 +127,9 @@ class Trainer:
         if meta:
             self.sampler.load_state_dict(meta["sampler"])
         self._sync(self.start)  # the rollout serves exactly the trainer's policy before the first step
+        e = cfg.eval  # the best eval so far by eval.best_metric and the early-stop rule, on process 0
+        self.gold = gold.GoldWatch.resume(e.best_metric, e.stop_after, self.run_dir / "lora_best") \
+            if e.best_metric and self.driver else None
         self._begin(None)
         self.stop_requested = False
 
@@ -150,17 +156,28 @@ class Trainer:
         lora = self.learner.whole_lora(which or self.learner.sampling)
         return self.driver.serve(lora, version) if self.driver else None
 
-    def _evaluate(self, step: int) -> float | None:
-        """Held-out reward of the policy the run exports (every process joins): where it is not the one that samples
+    def _evaluate(self, step: int) -> dict | None:
+        """Held-out rewards (`Driver.evaluate`'s metrics; None off process 0) of the policy the run exports (every process joins): where it is not the one that samples
         (train.ema_decay: its EMA, as flow_grpo evaluates; train.algorithm='nft': the LoRA, not the old policy) the
         rollout serves it for the eval and the sampling one again after it."""
         other = self.learner.exported != self.learner.sampling
         if other:
             self._sync(step, self.learner.exported)
-        score = self.driver.evaluate(step) if self.driver else None
+        scores = self.driver.evaluate(step) if self.driver else None
         if other:
             self._sync(step)
-        return score
+        return scores
+
+    def _keep_best(self, step: int) -> None:
+        """Export the policy of eval `step`, the best so far by eval.best_metric, to run_dir/lora_best (every
+        process joins the gather): written beside it, then swapped in whole (`gold.publish`)."""
+        dest = self.run_dir / "lora_best"
+        first = run_dir_lib.first_process()
+        tmp = gold.staging(dest) if first else dest.with_name(dest.name + ".partial")
+        self.learner.export_lora(tmp)
+        if first:
+            gold.publish(tmp, dest, self.gold.note())
+            log.info("step %d: the best eval so far by %s: its adapter is in %s", step, self.gold.metric, dest)
 
     def _meta(self, step: int) -> dict:
         return {"step": step, "sampler": self.sampler.state_dict(), "config": config_json(self.cfg)}
@@ -207,7 +224,7 @@ class Trainer:
         previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         history, profiler = [], StepProfiler.from_config(cfg, self.run_dir)
         limit = cfg.train.max_minutes * 60 or float("inf")
-        stopped, skips = False, SkipStreak(cfg.train.max_skipped_steps)
+        stopped, early, skips = False, None, SkipStreak(cfg.train.max_skipped_steps)
         gate = Gate(cfg.train.logp_gate, cfg.train.logp_gate_steps, first_step=self.start + 1)
         saved = self.start if self.start else None  # the newest checkpoint's step
         try:
@@ -217,10 +234,15 @@ class Trainer:
                 metrics = self.train_one(step)
                 profiler.end(step + 1, self.learner.state)
                 every = cfg.eval.every  # 0: no eval; else every `every` steps and the final policy
+                best = False  # this eval is the best so far by eval.best_metric (process 0 decides)
                 if every and ((step + 1) % every == 0 or step + 1 == cfg.train.num_steps):
-                    score = self._evaluate(step + 1)
+                    scores = self._evaluate(step + 1)
                     if self.driver:
-                        metrics["eval_reward_mean"] = score
+                        metrics.update(scores)
+                    if self.gold:
+                        verdict = self.gold.record(step + 1, scores[gold.gold_key(self.gold.metric)],
+                                                   scores[gold.TRAIN_KEY])
+                        best, early = verdict.best, verdict.stop
                 done = step + 1  # steps are counted as completed updates everywhere: metrics, eval, checkpoints
                 history.append(runlog.log(done, metrics) if self.driver else {"step": done, **metrics})
                 now = time.monotonic()  # out of time: the next step, as long as this one, would end past the limit
@@ -228,10 +250,14 @@ class Trainer:
                 skipped = bool(metrics.get("skipped", 0))
                 if self.processes > 1:  # every process stops after the same step
                     from jax.experimental import multihost_utils
-                    flags = multihost_utils.process_allgather(np.int32([self.stop_requested, out_of_time, skipped]))
-                    self.stop_requested, out_of_time, skipped = (bool(x) for x in np.any(flags, axis=0))
+                    flags = multihost_utils.process_allgather(np.int32([self.stop_requested, out_of_time, skipped,
+                                                                        best, early is not None]))
+                    self.stop_requested, out_of_time, skipped, best, gold_stop = (bool(x) for x in np.any(flags, 0))
+                    early = early or ("eval.stop_after" if gold_stop else None)
+                if best and cfg.eval.best_metric:
+                    self._keep_best(done)
                 skips.record(done, skipped)
-                last = step + 1 == cfg.train.num_steps or out_of_time
+                last = step + 1 == cfg.train.num_steps or out_of_time or early is not None
                 if skips.over or (last and skipped):  # nothing of the diverged state is written
                     raise skips.error(self.run_dir, saved, ended=not skips.over)
                 gate.record(done, metrics)  # the same figures on every process (the step's replicated metrics)
@@ -247,6 +273,8 @@ class Trainer:
                     log.warning("stop requested: the newest checkpoint is step %s", saved)
                     stopped = True
                     break
+                if early is not None:  # a normal end: checkpointed above, lora_final below
+                    break
                 if out_of_time:
                     log.warning("train.max_minutes=%g: the run ends after step %d (of %d)", cfg.train.max_minutes,
                                 step + 1, cfg.train.num_steps)
@@ -259,7 +287,8 @@ class Trainer:
                 signal.signal(sig, handler)
             if runlog is not None:
                 runlog.close()
-        return {"history": history, "state": self.learner.state, "stopped": stopped, "checkpoint": saved}
+        return {"history": history, "state": self.learner.state, "stopped": stopped, "checkpoint": saved,
+                "early_stop": early}
 
     def _request_stop(self, signum, frame):
         """The first SIGINT/SIGTERM: finish the step, checkpoint, stop. A second: stop at once (KeyboardInterrupt;

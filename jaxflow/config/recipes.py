@@ -22,7 +22,7 @@ SPECS = [families.spec(name) for name in families.FAMILIES]
 DATA = Path(__file__).resolve().parents[2] / "data"  # the clone's prompt files, found from any working directory
 
 # Keys whose value is a whole dict or list: one key each (`config_keys`), not a section.
-WHOLE_KEYS = ("reward.fns", "reward.options", "train.xla_options", "sharding.rules")
+WHOLE_KEYS = ("reward.fns", "reward.options", "eval.rewards", "train.xla_options", "sharding.rules")
 
 # Every key of `base()` with one line of help: what it is, its unit or allowed values (`--print_config` prints it
 # beside the value; tests/run/test_cli.py fails for a key without one). Why a default was chosen stays beside the value.
@@ -160,6 +160,9 @@ HELP: dict[str, str] = {
     "eval.num_prompts": "held-out prompts evaluated (data.test's first), one ODE image each",
     "eval.num_steps": "ODE sampling steps of the eval",
     "eval.guidance": "true CFG scale of the eval",
+    "eval.rewards": "gold rewards of the evals, name -> weight as reward.fns (logged eval_gold/<name>); {}: none",
+    "eval.best_metric": "an eval.rewards name: run_dir/lora_best keeps the best eval's adapter by it; '': none",
+    "eval.stop_after": "N > 0: stop (exit 0) once best_metric fell at N evals in a row as the training reward rose",
     "checkpoint.every": "steps between checkpoints (also after the last step and on SIGINT/SIGTERM), >= 1",
     "checkpoint.keep": "the newest checkpoints kept, >= 1",
     "sharding.data": "size of the mesh's data axis (one of data/fsdp/tensor may be -1: the remaining devices)",
@@ -251,7 +254,8 @@ def base() -> ml_collections.ConfigDict:
     # 8 reward threads, each with its own RapidOCR engine of 2 onnxruntime threads (16 cores a GPU)
     c.reward = dict(fns={"ocr": 1.0}, options={"ocr": {"num_threads": 2}}, workers=8)
     c.data = dict(train=str(DATA / "ocr" / "train.txt"), test=str(DATA / "ocr" / "test.txt"))
-    c.eval = dict(every=30, num_prompts=32, num_steps=50, guidance=4.0)
+    # no gold rewards: the evals score the training rewards alone
+    c.eval = dict(every=30, num_prompts=32, num_steps=50, guidance=4.0, rewards={}, best_metric="", stop_after=0)
     c.checkpoint = dict(every=10, keep=3)
     c.sharding = dict(data=-1, fsdp=1, tensor=1, rules=[("batch", ("data", "fsdp"))])
     c.log = dict(tensorboard=True, progress=True)

@@ -141,7 +141,8 @@ def validate(cfg: ConfigDict) -> RunConfig:
     if cfg.rollout.sleep_while_training and layout == "split":
         fail("rollout.sleep_while_training", "frees the engines' memory for the trainer, which the split layout does "
                                               "not share: leave it False there")
-    actors = sorted(n for n, o in cfg.reward.options.items() if n in cfg.reward.fns and "actor" in (o or {}))
+    scored = set(cfg.reward.fns) | set(cfg.eval.rewards)
+    actors = sorted(n for n, o in cfg.reward.options.items() if n in scored and "actor" in (o or {}))
     if layout == "in_process" and actors:
         fail(f"reward.options.{actors[0]}.actor", "puts the reward model in a Ray actor; the in_process layout runs "
                                                    "without Ray: drop the option or use rollout.layout='colocated'")
@@ -260,7 +261,23 @@ def validate(cfg: ConfigDict) -> RunConfig:
             fail(key, f"must be >= 1, got {cfg[section][name]}")
     if cfg.eval.every < 0:
         fail("eval.every", f"must be >= 0 (0: no eval, not even of the final policy), got {cfg.eval.every}")
+    _check_gold(cfg)
     return config
+
+
+def _check_gold(cfg) -> None:
+    """eval.rewards, eval.best_metric and eval.stop_after (jaxflow/run/gold.py)."""
+    e = cfg.eval
+    unknown = sorted(set(e.rewards) - set(REGISTRY))
+    if unknown:
+        fail("eval.rewards", f"unknown {unknown}; known rewards: {sorted(REGISTRY)}")
+    if e.best_metric and e.best_metric not in e.rewards:
+        fail("eval.best_metric", f"{e.best_metric!r} is not a gold reward: name one of eval.rewards "
+                                 f"{sorted(e.rewards)} (add it there), or '' for no lora_best")
+    if not isinstance(e.stop_after, int) or isinstance(e.stop_after, bool) or e.stop_after < 0:
+        fail("eval.stop_after", f"must be an int >= 0 (0: no early stop), got {e.stop_after!r}")
+    if e.stop_after and not e.best_metric:
+        fail("eval.stop_after", "watches eval.best_metric: set --config.eval.best_metric to a gold reward's name")
 
 
 def nft_timesteps(cfg) -> int:

@@ -29,9 +29,9 @@ FlowGRPO LoRA training (README.md). Every output goes under config.run_dir.
   --overwrite             delete a previous run's outputs in config.run_dir, then start a new run there
   --verbose               show the libraries' INFO logs (orbax, JAX, Ray), silenced by default
 
-Exit codes: 0 finished; 1 failed; 2 a flag, config value or run_dir to fix (nothing ran); 75 stopped by
-SIGINT/SIGTERM after checkpointing its last step (continue with --resume); 130 interrupted at once (a second
-signal, or one during start-up), the checkpoints as they were.
+Exit codes: 0 finished (also a run that eval.stop_after ended early); 1 failed; 2 a flag, config value or run_dir
+to fix (nothing ran); 75 stopped by SIGINT/SIGTERM after checkpointing its last step (continue with --resume); 130
+interrupted at once (a second signal, or one during start-up), the checkpoints as they were.
 """
 HELP_FLAGS = ("-h", "-help", "--help", "--helpshort", "--helpfull", "-?")
 EXIT_CODES = {"finished": 0, "failed": 1, "input": 2, "stopped": 75, "interrupted": 130}
@@ -221,6 +221,8 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
               f"continues" if saved else f"stopped by a signal before any checkpoint: exit code "
               f"{EXIT_CODES['stopped']}; start again with --overwrite", flush=True)
         return EXIT_CODES["stopped"]
+    if result.get("early_stop") and trainer.driver:  # eval.stop_after: a normal end, exit 0 (jaxflow/run/gold.py)
+        print(f"stopped early: {result['early_stop']}: exit code {EXIT_CODES['finished']}", flush=True)
     return EXIT_CODES["finished"]
 
 

@@ -20,6 +20,7 @@ from jaxflow.run.data import GroupSampler, load_prompts
 from jaxflow.algorithms import registry
 from jaxflow.algorithms.advantages import compute_advantages
 from jaxflow.sync.transport import LoRASync, choose_transport
+from jaxflow.run.gold import TRAIN_KEY, gold_key
 from jaxflow.run.metrics_log import image_grid
 from jaxflow.trainer.minibatches import compact_zero_advantage, order_minibatches
 from jaxflow.nn.lora import lora_to_peft
@@ -28,6 +29,7 @@ from jaxflow.trainer.train_batch import TrainBatch
 from jaxflow_bridge.contract.trajectory import TextLengthError, TrajectoryBatch
 from jaxflow_bridge.rewards import RewardPool, build_reward
 
+NOT_SCORES = ("avg", "errors", "seconds")  # a reward pool result's keys that are no reward's scores
 
 
 def sample_seeds(seed: int, step: int, count: int) -> np.ndarray:
@@ -94,7 +96,7 @@ class Experience:
                 "images_per_s": len(self.batch) / seconds, "time/step": seconds,
                 **({"rollout_freed_gib": freed_bytes / 2 ** 30} if freed_bytes is not None else {}),
                 **{f"time/reward_busy/{k}": v for k, v in self.rewards["seconds"].items()},
-                **{f"reward/{k}": v.mean() for k, v in self.rewards.items() if k not in ("avg", "errors", "seconds")}}
+                **{f"reward/{k}": v.mean() for k, v in self.rewards.items() if k not in NOT_SCORES}}
 
 
 class Driver:
@@ -110,6 +112,9 @@ class Driver:
         except FileNotFoundError as exc:  # a reward model's checkpoint folder lacks files: the message names them
             raise config_lib.UserError(str(exc)) from None
         self.pool = RewardPool(reward, cfg.reward.workers)
+        # eval.rewards: gold rewards the evals score beside the training rewards (jaxflow/run/gold.py)
+        self.gold = RewardPool(build_reward(dict(cfg.eval.rewards), **cfg.reward.options.to_dict()),
+                               cfg.reward.workers) if cfg.eval.rewards else None
         self.rollout = self.lora_sync = None
         self._executor = self._prefetched = None  # rollout.overlap: the thread and (step, future) of a prefetch
 
@@ -220,8 +225,10 @@ class Driver:
         with phases.phase("wake"):
             self.rollout.wake()
 
-    def evaluate(self, step: int) -> float:
-        """Mean reward of ODE samples of the held-out prompts; their grid goes to run_dir/eval/step_<step>.png."""
+    def evaluate(self, step: int) -> dict:
+        """Mean rewards of ODE samples of the held-out prompts: the training rewards' weighted sum
+        (`eval_reward_mean`) and each one's (`eval_reward/<name>`), with eval.rewards each gold reward's
+        (`eval_gold/<name>`); their grid goes to run_dir/eval/step_<step>.png."""
         cfg = self.cfg
         prompts = [it.prompt for it in self.test_items[:cfg.eval.num_prompts]]
         try:
@@ -229,15 +236,26 @@ class Driver:
                                           cfg.sample.prompts_per_call)
         except TextLengthError as err:
             raise text_length_error(err, cfg) from None
-        scores = self.pool.submit(batch.images, prompts).result()["avg"]
-        image_grid(batch.images, [f"{r:.2f} {p}" for r, p in zip(scores, prompts)],
-                   Path(cfg.run_dir) / "eval" / f"step_{step:06d}.png")
-        return float(scores.mean())
+        gold = self.gold.submit(batch.images, prompts) if self.gold else None
+        trained = self.pool.submit(batch.images, prompts).result()
+        scores = trained["avg"]
+        out = {TRAIN_KEY: float(scores.mean()),
+               **{f"eval_reward/{k}": float(v.mean()) for k, v in trained.items() if k not in NOT_SCORES}}
+        captions = [f"{r:.2f} {p}" for r, p in zip(scores, prompts)]
+        if gold is not None:
+            golds = {k: v for k, v in gold.result().items() if k not in NOT_SCORES}
+            out.update({gold_key(k): float(v.mean()) for k, v in golds.items()})
+            captions = [f"{r:.2f} gold {' '.join(f'{v[i]:.2f}' for v in golds.values())} {p}"
+                        for i, (r, p) in enumerate(zip(scores, prompts))]
+        image_grid(batch.images, captions, Path(cfg.run_dir) / "eval" / f"step_{step:06d}.png")
+        return out
 
     def close(self) -> None:
         if self._executor is not None:  # a prefetch still running is abandoned with its actors
             self._executor.shutdown(wait=False, cancel_futures=True)
         self.pool.close()
+        if self.gold is not None:
+            self.gold.close()
         if self.lora_sync is not None:
             self.lora_sync.close()
         if self.rollout is not None:

@@ -7,7 +7,7 @@ from typing import Callable
 from jaxflow_bridge.rewards.base import RewardFn
 from jaxflow_bridge.rewards.jpeg import jpeg_compressibility, jpeg_incompressibility
 from jaxflow_bridge.rewards.ocr import OcrReward
-from jaxflow_bridge.rewards.pixel import brightness
+from jaxflow_bridge.rewards.pixel import brightness, midtone
 from jaxflow_bridge.rewards.shuffled import Shuffled
 from jaxflow_bridge.rewards.vlm_judge import VlmJudge
 from jaxflow_bridge.rewards.vlm_ocr import VlmOcrReward
@@ -30,6 +30,7 @@ REGISTRY: dict[str, Callable[..., RewardFn]] = {
     "jpeg_compressibility": lambda: jpeg_compressibility,
     "jpeg_incompressibility": lambda: jpeg_incompressibility,
     "brightness": lambda: brightness,
+    "midtone": lambda: midtone,  # closeness to mid-grey: the gold reward that brightness ruins
     # the control of the mini OCR proof: OCR scores permuted across the batch (options: seed, then OcrReward's)
     "ocr_shuffled": lambda seed=0, **ocr: Shuffled(OcrReward(**ocr), seed),
     # CLIP-based reward models from local folders (options: path, processor_path, device, dtype, batch_size)
