@@ -65,7 +65,14 @@ def test_run_logged_to_a_file_is_a_line_per_step_and_a_summary(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stderr.strip() == ""  # no orbax/absl INFO, no Ray token notice, no os.fork() warning
-    lines = out.stdout.splitlines()
+    sync = [line for line in out.stdout.splitlines() if line.startswith("LoRA sync: transport=")]
+    assert len(sync) == 1, out.stdout  # the LoRA sync's transport, chosen once at start, said once
+    lines = [line for line in out.stdout.splitlines() if line not in sync]
+    (at,) = [i for i, line in enumerate(lines) if line.startswith("plan: ")]  # the run's plan, said once, after
+    assert lines[at - 1].startswith("training ")  # the training line: its block of indented lines taken out here
+    end = next(i for i in range(at + 1, len(lines)) if not lines[i].startswith("  "))
+    assert end - at >= 3, lines[at:end]  # the plan's devices, the trainer's linears, the rollout
+    lines = lines[:at] + lines[end:]
     names = ["checks", "prompts and rewards", "trainer's model", "memory plan", "rollout start",
              "train state and first LoRA sync"]
     assert lines[:7] == [f"start-up: {name} ..." for name in ["Ray", *names]]  # each phase as it begins

@@ -267,6 +267,7 @@ def test_nft_samples_with_the_old_policy_and_evaluates_and_exports_the_lora(tmp_
         served.append((version, lora_to_peft(lora, self.spec))), serve(self, lora, version))[1])
     cfg = tiny_config(tmp_path, num_steps=2, learning_rate=3e-3, algorithm="nft")
     cfg.train.nft.update(decay_flat=1, decay_rate=0.5, decay_max=0.5)  # after 2 updates old = (old + lora) / 2
+    cfg.train.nft.ema = 0.0  # evals and lora_final take the raw LoRA (the EMA, nft's default: test_nft.py)
     cfg.rollout.layout, cfg.sample.guidance, cfg.sample.sde_type, cfg.eval.every = "in_process", 1.0, "ode", 2
     out = run(cfg)
     spec = read_peft(tmp_path / "lora_final")[0]
