@@ -4,8 +4,8 @@ tests/reference_transcriptions.py, on identical inputs (a micro-batch of samples
 project's per-sample windows); and the zero-advantage filter's updates (`flowgrpo_step.accumulate_gradients`'s loss
 and gradient with respect to a stand-in policy's one LoRA weight) against flow_grpo's SD3 trainer's filtering and
 loss averaging; and decoupled rollout correction's IS and RS variants (`accumulate_gradients`' loss and
-gradient) against verl's helpers' transcription. Writes benchmarks/results/algorithm_parity.json; tests/algorithms/test_algorithm_parity.py
-asserts the same figures.
+gradient) against verl's helpers' transcription. Writes benchmarks/results/algorithm_parity.json;
+tests/algorithms/test_algorithm_parity.py asserts the same figures.
 
     PYTHONPATH=$PWD python -m jaxflow_bench.algorithm_parity [--out benchmarks/results]
 """
