@@ -3,8 +3,9 @@ with respect to the step's log-probs and SDE means, against the reference transc
 tests/reference_transcriptions.py, on identical inputs (a micro-batch of samples at different SDE steps, the
 project's per-sample windows); and the zero-advantage filter's updates (`flowgrpo_step.accumulate_gradients`'s loss
 and gradient with respect to a stand-in policy's one LoRA weight) against flow_grpo's SD3 trainer's filtering and
-loss averaging. Writes benchmarks/results/algorithm_parity.json; tests/algorithms/test_algorithm_parity.py
-asserts the same figures.
+loss averaging; and decoupled rollout correction's IS and RS variants (`accumulate_gradients`' loss and
+gradient) against verl's helpers' transcription. Writes benchmarks/results/algorithm_parity.json;
+tests/algorithms/test_algorithm_parity.py asserts the same figures.
 
     PYTHONPATH=$PWD python -m jaxflow_bench.algorithm_parity [--out benchmarks/results]
 """
@@ -195,6 +196,63 @@ def zero_advantage_figures(seed: int = 0) -> dict:
     return out
 
 
+# decoupled rollout correction's variants: (rollout_is, rollout_rs, rejection_threshold), "off" for none
+DECOUPLED = {"is_token": ("token", "off", 2.0), "is_sequence": ("sequence", "off", 2.0),
+             "is_sequence_rs_seq_mean_k3": ("sequence", "seq_mean_k3", 0.02),
+             **{f"rs_{o}": ("off", o, 1.3 if o.endswith("k1") else 0.03 if o.startswith("seq_sum") else 0.015)
+                for o in rollout_correction.RS_OPTIONS}}
+
+
+def decoupled_inputs(seed: int = 0) -> dict:
+    """`zero_inputs`' rows, every advantage non-zero; old_log_probs near the policy's logp (the recompute pass's),
+    log_probs (the rollout's) off them by N(0, 0.15) per window step."""
+    x = zero_inputs(seed)
+    r = np.random.default_rng(seed + 1)
+    x["advantages"] = np.asarray(r.normal(0, 1.5, ZB), np.float32)
+    x["old_log_probs"] = x["log_probs"]
+    x["log_probs"] = np.asarray(x["log_probs"] + r.normal(0, 0.15, x["log_probs"].shape), np.float32)
+    return x
+
+
+def decoupled_config(rollout_is: str, rollout_rs: str, threshold: float) -> TrainConfig:
+    return TrainConfig(guidance=1.0, grid_hw=(1, 1), clip_range=ZCLIP, beta=0.0, num_micro_batches=2,
+                       old_log_prob="recompute_corrected", rollout_is=rollout_is, rollout_rs=rollout_rs,
+                       rejection_threshold=threshold)
+
+
+def _decoupled_project(x: dict, config: TrainConfig):
+    """(loss, (grad,)) of `accumulate_gradients` on the rows with logp_old given (the recompute pass's)."""
+    batch = {k: jnp.asarray(x[k]) for k in ("latents", "sigmas", "step_index", "log_probs", "old_log_probs",
+                                            "advantages")}
+    graphdef, lora, frozen = nnx.split(Drift(x["p0"]), LoRAParam, ...)
+    grads, terms = accumulate_gradients(graphdef, lora, frozen, batch, config,
+                                        objective=Objective(lambda model, shared, config: shared, drift_log_prob))
+    loss = flowgrpo.step_metrics(terms, clip_range=ZCLIP, beta=0.0)["loss"]
+    return np.float32(loss), (np.asarray(grads["p"][...]),)
+
+
+def _decoupled_reference(x: dict, rollout_is: str, rollout_rs: str, threshold: float):
+    p = torch.tensor(x["p0"], requires_grad=True)
+    latents = torch.tensor(x["latents"])
+    sigma = torch.tensor(np.take_along_axis(x["sigmas"], x["step_index"], 1))
+    logp = torch.stack([-((latents[:, j + 1] - latents[:, j] - p) ** 2).mean(dim=(1, 2)) / (2 * sigma[:, j] ** 2)
+                        for j in range(ZW)], dim=1)
+    loss = ref.verl_decoupled_flow_grpo_loss(
+        logp, torch.tensor(x["old_log_probs"]), torch.tensor(x["log_probs"]),
+        torch.tensor(x["advantages"])[:, None], ZCLIP, ADV_CLIP, None if rollout_is == "off" else rollout_is,
+        2.0, None if rollout_rs == "off" else rollout_rs, threshold)
+    loss.backward()
+    return np.float32(loss.item()), (p.grad.numpy(),)
+
+
+def decoupled_figures(seed: int = 0) -> dict:
+    """{variant: differences} of decoupled rollout correction against verl's helpers' transcription."""
+    x = decoupled_inputs(seed)
+    return {f"recompute_corrected_{name}_vs_verl": differences(_decoupled_project(x, decoupled_config(*v)),
+                                                                 _decoupled_reference(x, *v))
+            for name, v in DECOUPLED.items()}
+
+
 def figures(seed: int = 0) -> dict:
     """{algorithm/comparison: differences}."""
     x = inputs(seed)
@@ -210,7 +268,7 @@ def figures(seed: int = 0) -> dict:
         reject = functools.partial(rollout_correction.keep_mask, option=option, threshold=threshold)
         out[f"rollout_corrected_{option}_vs_verl_omni_bypass"] = differences(
             _project(x, ratio_norm="none", reject=reject, beta=BETA), _corrected_ref(x, option, threshold))
-    return {**out, **zero_advantage_figures(seed)}
+    return {**out, **zero_advantage_figures(seed), **decoupled_figures(seed)}
 
 
 def main(argv=None):

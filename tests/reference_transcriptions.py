@@ -120,3 +120,55 @@ def flow_grpo_sd3_filtered_updates(samples, compute_log_prob, num_batches_per_ep
                 updates.append(pending)
                 pending = 0.0
     return updates
+
+
+def verl_rejection_mask(log_ratio, option, threshold):
+    """volcengine/verl verl/trainer/ppo/rollout_corr_helper.py `compute_rollout_rejection_mask` (commit
+    e1904109a3a83d7c911baaf8998b9188b4cf7874), one option, a single threshold (k1: lower 1/t), every token valid:
+    (B, T) 0/1 mask, sequence-level options (seq_sum/seq_mean/seq_max) over the T axis."""
+    lr = torch.clamp(log_ratio, min=-20.0, max=20.0)
+    stats = {"k1": -lr, "k2": 0.5 * lr ** 2, "k3": torch.exp(lr) - 1.0 - lr}
+    k = option[-2:]
+    stat = stats[k]
+    if option.startswith("seq_sum"):
+        stat = stat.sum(dim=-1, keepdim=True)
+    elif option.startswith("seq_mean"):
+        stat = stat.mean(dim=-1, keepdim=True)
+    elif option.startswith("seq_max"):
+        stat = stat.max(dim=-1, keepdim=True).values
+    if k == "k1":
+        keep = (stat >= math.log(1.0 / float(threshold))) & (stat <= math.log(float(threshold)))
+    else:
+        keep = stat <= threshold
+    return keep.expand_as(log_ratio).to(log_ratio.dtype)
+
+
+def verl_is_weights(log_ratio, level, threshold):
+    """volcengine/verl verl/trainer/ppo/rollout_corr_helper.py `compute_rollout_correction_weights` (commit
+    e1904109a3a83d7c911baaf8998b9188b4cf7874), every token valid, no batch normalization: (B, T) truncated weights."""
+    if level == "token":
+        w = torch.exp(torch.clamp(log_ratio, min=-20.0, max=20.0))
+    elif level == "sequence":
+        w = torch.exp(torch.clamp(log_ratio.sum(dim=-1, keepdim=True), min=-20.0, max=20.0)).expand_as(log_ratio)
+    else:
+        raise ValueError(level)
+    return w.clamp(max=threshold).detach()
+
+
+def verl_decoupled_flow_grpo_loss(log_prob, old_log_prob, rollout_log_prob, advantages, clip_ratio, adv_clip_max,
+                                  rollout_is, is_threshold, rollout_rs, rs_threshold):
+    """verl's decoupled mode on (B, T) log-probs (T a sample's window steps): IS weights and the rejection mask
+    from old_log_prob - rollout_log_prob (`compute_rollout_correction_and_rejection_mask`, as above), the PPO terms
+    (verl-omni diffusion_algos.py `FlowGRPOLoss`, commit a1139bafffb5b9711f0a6b6edff8ecaa60bfff30) multiplied by
+    the IS weights (core_algos' `pg_losses * rollout_is_weights`) and the mask, averaged over every (sample, step)
+    (the rejected kept in the denominator, as verl-omni's bypass weights them)."""
+    log_ratio = old_log_prob - rollout_log_prob
+    weights = torch.ones_like(log_ratio)
+    if rollout_is is not None:
+        weights = weights * verl_is_weights(log_ratio, rollout_is, is_threshold)
+    if rollout_rs is not None:
+        weights = weights * verl_rejection_mask(log_ratio, rollout_rs, rs_threshold)
+    advantages = torch.clamp(advantages, -adv_clip_max, adv_clip_max)
+    ratio = torch.exp(log_prob - old_log_prob)
+    per_elem = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio))
+    return torch.mean(per_elem * weights.detach())

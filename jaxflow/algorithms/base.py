@@ -60,11 +60,16 @@ class Ratio(Protocol):
 
 class OldLogProb(Protocol):
     """The source of logp_old: `with_old` puts it into the batch where it is the rollout's; `rejection` rollout
-    correction's keep mask, log_ratio (B,) -> bool (B,) (None: no rejection)."""
+    correction's keep mask, log_ratio (B,) -> bool (B,) (None: no rejection); `weigh` adds the window steps' weights
+    computed before the update (decoupled rollout correction); every_row: the recompute pass scores every row."""
+
+    every_row: bool
 
     def with_old(self, batch: dict) -> dict: ...
 
     def rejection(self, config): ...
+
+    def weigh(self, batch: dict, config) -> dict: ...
 
 
 class Filter(Protocol):

@@ -61,6 +61,8 @@ def window_steps(mb: dict) -> tuple[dict, dict]:
         per_step["rollout_log_prob"] = mb["log_probs"].T
     if "old_log_probs" in mb:
         per_step["old_log_prob"] = mb["old_log_probs"].T
+    if "rc_keep" in mb:  # decoupled rollout correction's (B, W), `rollout_correction.Decoupled`
+        per_step["rc_weight"], per_step["rc_keep"] = mb["rc_weights"].T, mb["rc_keep"].T
     if "old_means" in mb:
         per_step["old_mean"] = jnp.swapaxes(mb["old_means"], 0, 1)
     text = ("prompt_embeds", "prompt_mask", *GUIDANCE_FIELDS, *TEXT_IDS.values())
@@ -102,7 +104,8 @@ def window_step_terms(model, tr: dict, *, grid_hw, sde_type: str, guidance: floa
     under stop_gradient (exactly on-policy: ratio 1). The loss of the step is mean(policy) + beta * mean(kl) (over
     all samples, see `window_loss`). The KL reference is the same model with adapters off (lora_scale 0) under
     stop_gradient. `reject` (rollout correction, `rollout_correction.keep_mask`): `keep` marks the samples it
-    keeps from logp - logp_rollout; the others' policy term is 0 (no gradient; still counted, KL kept).
+    keeps from logp - logp_rollout; the others' policy term is 0 (no gradient; still counted, KL kept). With
+    rc_weight / rc_keep (B,) in `tr` (decoupled rollout correction) the policy term is weighted and kept by them.
 
     ratio_norm: the ratio's name in `RATIOS` ("guard": GRPO-Guard's, `grpo_guard.Guard`, its scale and dt per
     sample or per micro-batch by guard_stats).
@@ -124,6 +127,9 @@ def window_step_terms(model, tr: dict, *, grid_hw, sde_type: str, guidance: floa
         policy = policy / divisor
     dlogp = logp - tr["rollout_log_prob"]
     keep = None if reject is None else jax.lax.stop_gradient(reject(dlogp))
+    if "rc_keep" in tr:  # decoupled rollout correction: the step's IS weight and keep, detached
+        keep = tr["rc_keep"]
+        policy = policy * tr["rc_weight"]
     if keep is not None:
         policy = jnp.where(keep, policy, 0.0)
     kl = jnp.zeros_like(policy)

@@ -47,7 +47,7 @@ def accumulate_gradients(graphdef, lora, frozen, batch: dict, config, layout: La
     micro-batch, outside the gradient (e.g. a family's frozen text contexts' K/V, reused at every window step)."""
     policy = config.policy
     m, w = config.num_micro_batches, batch["log_probs"].shape[1]
-    batch = policy.old_log_prob.with_old(batch)
+    batch = policy.old_log_prob.weigh(policy.old_log_prob.with_old(batch), config)
     flags = {k: batch[k] for k in ("old_on_policy",) if k in batch}  # scalars, not per sample
     batch = minibatches.micro_batches({k: v for k, v in batch.items() if k not in flags}, m)
     active = policy.filter.active(batch["advantages"])

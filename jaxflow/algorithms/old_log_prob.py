@@ -19,15 +19,22 @@ from jaxflow.trainer.sharding import Layout
 
 @dataclasses.dataclass(frozen=True)
 class Source(Component):
-    """from_rollout: logp_old is the rollout's log_probs (else the recompute pass's, or the on-policy logp)."""
+    """from_rollout: logp_old is the rollout's log_probs (else the recompute pass's, or the on-policy logp);
+    every_row: the recompute pass must score every row, whatever the updates (its logp_old weighs them: `weigh`)."""
 
     from_rollout: bool = True
+    every_row: bool = False
 
     def with_old(self, batch: dict) -> dict:
         return {**batch, "old_log_probs": batch["log_probs"]} if self.from_rollout else batch
 
     def rejection(self, config):
         return None
+
+    def weigh(self, batch: dict, config) -> dict:
+        """The per-sample batch with rollout correction's (B, W) weights "rc_weights" and "rc_keep" where the source
+        weighs window steps before the update (`rollout_correction.Decoupled`); else as given."""
+        return batch
 
 
 ROLLOUT = Source("rollout", "the engine's log-probs", fields=("log_probs",), config_keys=("old_log_prob",))

@@ -13,7 +13,8 @@ TABLES = {
     "algorithm": {c.name: c for c in (FLOWGRPO, nft.NFT, mixgrpo.MIXGRPO, awm.AWM)},
     "ratio_norm": flowgrpo.RATIOS,
     "old_log_prob": {c.name: c for c in (old_log_prob.ROLLOUT, old_log_prob.RECOMPUTE,
-                                         rollout_correction.ROLLOUT_CORRECTED)},
+                                         rollout_correction.ROLLOUT_CORRECTED,
+                                         rollout_correction.RECOMPUTE_CORRECTED)},
     "drop_zero_advantage": {False: zero_advantage.KEEP_ALL, True: zero_advantage.DROP_ZERO},
 }
 

@@ -119,10 +119,14 @@ HELP: dict[str, str] = {
     "train.adam_b2": "AdamW beta2 (flow_grpo's adam_beta2)",
     "train.adam_eps": "AdamW epsilon (flow_grpo's adam_epsilon)",
     "train.old_log_prob": "logp_old: 'recompute' (the trainer's, verl-omni), 'rollout' (the engine's, flow_grpo), "
-                          "'rollout_corrected'",
+                          "'rollout_corrected' (verl's bypass mode), 'recompute_corrected' (verl's decoupled mode)",
     "train.rejection_threshold": "t for 'rollout_corrected': a window step outside rollout_rs' bound (token_k1: ratio in [1/t, t]) weighs 0; 2.0",
-    "train.rollout_rs": "'rollout_corrected': verl's rejection estimator per window step, 'token_k1', 'token_k2' "
-                        "or 'token_k3' (docs/numerics.md)",
+    "train.rollout_rs": "verl's rejection estimator: 'token_k1', 'token_k2', 'token_k3' per window step; with "
+                        "'recompute_corrected' also 'off' or seq_sum_k1..3, seq_mean_k1..3, seq_max_k2/k3 over a "
+                        "sample's window steps (docs/numerics.md)",
+    "train.rollout_is": "'recompute_corrected': verl's truncated IS weights of logp_old - logp_rollout, 'off', "
+                        "'token' (per window step) or 'sequence' (per sample)",
+    "train.rollout_is_threshold": "rollout_is: the IS weights' truncation, > 0; 2.0",
     "train.ratio_norm": "'none' (FlowGRPO's ratio) or 'guard' (GRPO-Guard's, arXiv 2510.22319; needs "
                         "old_log_prob='recompute')",
     "train.guard_stats": "guard: 'sample' (each sample's own step's scale and dt: the paper's per step) or 'batch' (verl-omni's means)",
@@ -238,7 +242,8 @@ def base() -> ml_collections.ConfigDict:
                    ema_decay=0.0,
                    adam_b1=0.9, adam_b2=0.999, adam_eps=1e-8,
                    old_log_prob="recompute", rejection_threshold=2.0, ratio_norm="none",
-                   rollout_rs="token_k1", guard_stats="sample", guard_clip_range=2e-6,
+                   rollout_rs="token_k1", rollout_is="off", rollout_is_threshold=2.0,
+                   guard_stats="sample", guard_clip_range=2e-6,
                    num_mini_batches=2, num_inner_epochs=1,
                    # flow_grpo's SD3 trainer drops such samples, the recipe's (train_qwenimage.py) does not (docs/design.md)
                    drop_zero_advantage=False,

@@ -42,6 +42,10 @@ class TrainConfig:
     # (token_k1: exp(logp - logp_rollout) outside [1/t, t]; jaxflow.algorithms.rollout_correction)
     rejection_threshold: float = 2.0
     rollout_rs: str = "token_k1"
+    # "recompute_corrected" (verl's decoupled mode): truncated IS weights "token" / "sequence" of logp_old -
+    # logp_rollout at rollout_is_threshold ("off": none), and rollout_rs ("off" or any, seq_* over a sample)
+    rollout_is: str = "off"
+    rollout_is_threshold: float = 2.0
     ratio_norm: str = "none"        # "guard": GRPO-Guard's normalized ratio (jaxflow.algorithms.grpo_guard)
     guard_stats: str = "sample"     # guard: each sample's own step's scale and dt, or "batch": the micro-batch's
     guard_clip_range: float = 2e-6  # guard: the clip of its normalized ratio (both references' recipes)
@@ -118,12 +122,12 @@ class TrainConfig:
     def pass_skips_first(self) -> bool:
         """Whether the recompute pass leaves out mini-batch 0 (one inner epoch, on-policy: its update is the first
         and its own logp is logp_old)."""
-        return self.num_inner_epochs == 1 and not self.off_policy
+        return self.num_inner_epochs == 1 and not self.off_policy and not self.policy.old_log_prob.every_row
 
     @property
     def recompute_pass(self) -> bool:
         """Whether `step` runs the forward-only old-log-prob pass before its updates."""
-        return self.policy.recompute and (self.updates > 1 or self.off_policy)
+        return self.policy.recompute and (self.updates > 1 or self.off_policy or self.policy.old_log_prob.every_row)
 
     def optimizer(self) -> optax.GradientTransformation:
         return optax.chain(
