@@ -80,8 +80,8 @@ HELP: dict[str, str] = {
     "sample.noise_level": "the SDE's noise level inside a sample's window, > 0",
     "sample.sde_type": "the window's step: 'sde', 'cps' (coefficients-preserving) or 'ode' (train.algorithm "
                        "'nft' only)",
-    "sample.solver": "the rollout's solver: 'euler' (the sde_type step) or 'dpm2' (DiffusionNFT's second-order "
-                     "DPM-Solver++(2M); sde_type 'ode', algorithms without log-probs: nft, awm)",
+    "sample.solver": "rollout solver: 'euler' (the sde_type step) or 'dpm2' (DiffusionNFT's DPM-Solver++(2M); "
+                     "sde_type 'ode', nft or awm)",
     "sample.window_size": "steps of a sample's SDE window (noised; ODE outside), the steps FlowGRPO trains; in [1, "
                           "num_steps)",
     "sample.window_range": "(lo, hi): each sample's window lies in steps [lo, hi), its start drawn per sample",
@@ -162,8 +162,7 @@ HELP: dict[str, str] = {
     "eval.num_prompts": "held-out prompts evaluated (data.test's first), one ODE image each",
     "eval.num_steps": "ODE sampling steps of the eval",
     "eval.guidance": "true CFG scale of the eval",
-    "eval.solver": "the eval's ODE solver, any algorithm: 'euler' or 'dpm2' (DiffusionNFT's second-order "
-                   "DPM-Solver++(2M))",
+    "eval.solver": "the eval's ODE solver, for any algorithm: 'euler' or 'dpm2' (DiffusionNFT's DPM-Solver++(2M))",
     "eval.rewards": "gold rewards of the evals, name -> weight as reward.fns (logged eval_gold/<name>); {}: none",
     "eval.best_metric": "an eval.rewards name: run_dir/lora_best keeps the best eval's adapter by it; '': none",
     "eval.stop_after": "N > 0: stop (exit 0) once best_metric fell at N evals in a row as the training reward rose",
