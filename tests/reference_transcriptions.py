@@ -172,3 +172,26 @@ def verl_decoupled_flow_grpo_loss(log_prob, old_log_prob, rollout_log_prob, adva
     ratio = torch.exp(log_prob - old_log_prob)
     per_elem = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio))
     return torch.mean(per_elem * weights.detach())
+def nvlabs_nft_dpm2_sampling(v_pred_fn, z, sigmas):
+    """NVlabs/DiffusionNFT flow_grpo/diffusers_patch/solver.py `run_sampling(..., solver="dpm2", determistic=True)`
+    (commit 24af5556): `dpm_step` at order 2 with its `DPMState`, `convert_model_output` (x0 = x - sigma v),
+    `ddim_update` at eta 0 for the first and the last step and `multistep_dpm_solver_second_order_update` between,
+    the lambdas in float64 (`sigmas.to(torch.float64)`). Returns the final latents and every step's latents."""
+    s64 = sigmas.to(torch.float64)
+    lam = lambda s: torch.log(1 - s) - torch.log(s)  # noqa: E731  (alpha = 1 - sigma, sigma = sigma)
+    n, outputs, all_latents = len(sigmas) - 1, [], [z]
+    for i in range(n):
+        x0 = z.float() - sigmas[i] * v_pred_fn(z, sigmas[i]).float()
+        outputs = (outputs + [x0])[-2:]
+        t, s = s64[i + 1], s64[i]
+        if i == 0 or i == n - 1:
+            noise_pred = (z.float() - (1 - s) * x0) / s
+            z = (1 - t) * x0 + torch.sqrt(t ** 2) * noise_pred
+        else:
+            h, h_0 = lam(t) - lam(s), lam(s) - lam(s64[i - 1])
+            d0, d1 = outputs[-1], (1.0 / (h_0 / h)) * (outputs[-1] - outputs[-2])
+            z = (t / s) * z.float() - ((1 - t) * (torch.exp(-h) - 1.0)) * d0 \
+                - 0.5 * ((1 - t) * (torch.exp(-h) - 1.0)) * d1
+        z = z.to(torch.float32)
+        all_latents.append(z)
+    return z, all_latents

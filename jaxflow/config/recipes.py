@@ -80,6 +80,8 @@ HELP: dict[str, str] = {
     "sample.noise_level": "the SDE's noise level inside a sample's window, > 0",
     "sample.sde_type": "the window's step: 'sde', 'cps' (coefficients-preserving) or 'ode' (train.algorithm "
                        "'nft' only)",
+    "sample.solver": "rollout solver: 'euler' (the sde_type step) or 'dpm2' (DiffusionNFT's DPM-Solver++(2M); "
+                     "sde_type 'ode', nft or awm)",
     "sample.window_size": "steps of a sample's SDE window (noised; ODE outside), the steps FlowGRPO trains; in [1, "
                           "num_steps)",
     "sample.window_range": "(lo, hi): each sample's window lies in steps [lo, hi), its start drawn per sample",
@@ -164,6 +166,7 @@ HELP: dict[str, str] = {
     "eval.num_prompts": "held-out prompts evaluated (data.test's first), one ODE image each",
     "eval.num_steps": "ODE sampling steps of the eval",
     "eval.guidance": "true CFG scale of the eval",
+    "eval.solver": "the eval's ODE solver, for any algorithm: 'euler' or 'dpm2' (DiffusionNFT's DPM-Solver++(2M))",
     "eval.rewards": "gold rewards of the evals, name -> weight as reward.fns (logged eval_gold/<name>); {}: none",
     "eval.best_metric": "an eval.rewards name: run_dir/lora_best keeps the best eval's adapter by it; '': none",
     "eval.stop_after": "N > 0: stop (exit 0) once best_metric fell at N evals in a row as the training reward rose",
@@ -226,7 +229,7 @@ def base() -> ml_collections.ConfigDict:
                      # the trainer at full size (about 0.25 on an H200: the family's docs)
                      thinker_memory=0.0)
     c.sample = dict(height=512, width=512, num_steps=10, guidance=4.0, noise_level=1.2, sde_type="sde",
-                    window_size=2, window_range=(0, 5), negative_prompt=" ", same_latent=False,
+                    solver="euler", window_size=2, window_range=(0, 5), negative_prompt=" ", same_latent=False,
                     cfg_interval=(0.0, 1.0), cfg_renorm_min=0.0,
                     # think mode off; vLLM-Omni's default cap on a think decode
                     think=False, max_think_tokens=1000,
@@ -260,7 +263,7 @@ def base() -> ml_collections.ConfigDict:
     c.reward = dict(fns={"ocr": 1.0}, options={"ocr": {"num_threads": 2}}, workers=8)
     c.data = dict(train=str(DATA / "ocr" / "train.txt"), test=str(DATA / "ocr" / "test.txt"))
     # no gold rewards: the evals score the training rewards alone
-    c.eval = dict(every=30, num_prompts=32, num_steps=50, guidance=4.0, rewards={}, best_metric="", stop_after=0)
+    c.eval = dict(every=30, num_prompts=32, num_steps=50, guidance=4.0, solver="euler", rewards={}, best_metric="", stop_after=0)
     c.checkpoint = dict(every=10, keep=3)
     c.sharding = dict(data=-1, fsdp=1, tensor=1, rules=[("batch", ("data", "fsdp"))])
     c.log = dict(tensorboard=True, progress=True)

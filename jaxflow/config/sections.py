@@ -68,6 +68,7 @@ class SampleSection:
     guidance: float
     noise_level: float
     sde_type: str
+    solver: str
     window_size: int
     window_range: tuple
     negative_prompt: str
@@ -132,6 +133,7 @@ class EvalSection:
     num_prompts: int
     num_steps: int
     guidance: float
+    solver: str
 
 
 @dataclasses.dataclass(frozen=True)

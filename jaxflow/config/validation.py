@@ -10,6 +10,7 @@ from typing import Iterator
 from ml_collections import ConfigDict
 
 from jaxflow import families
+from jaxflow.algorithms import registry
 from jaxflow.config import sections
 from jaxflow.config.errors import UserError, fail
 from jaxflow.config.sections import RunConfig
@@ -20,6 +21,7 @@ from jaxflow.nn.lora import LoRASpec
 from jaxflow.trainer.sharding import ShardingConfig
 from jaxflow.trainer.step_config import TrainConfig
 from jaxflow_bridge.contract.schedule import cfg_forward_choice
+from jaxflow_bridge.contract.solver import SOLVERS
 from jaxflow_bridge.engines.vllm_omni import rules as vllm_omni_rules
 from jaxflow_bridge.rewards.registry import NEED_TARGET, REGISTRY
 from jaxflow_bridge.rollout.server import ENGINES
@@ -242,6 +244,16 @@ def validate(cfg: ConfigDict) -> RunConfig:
     if not isinstance(cfg.train.drop_zero_advantage, bool):
         fail("train.drop_zero_advantage", f"{cfg.train.drop_zero_advantage!r} must be a bool: pass True or False")
     _typed_train(cfg)
+    for key, solver in (("sample.solver", s.solver), ("eval.solver", cfg.eval.solver)):
+        if solver not in SOLVERS:
+            fail(key, f"{solver!r}; choose 'euler' (the sde_type step) or 'dpm2' (DiffusionNFT's second-order ODE)")
+    if s.solver == "dpm2" and not registry.final_latents(t.algorithm):
+        free = " or ".join(a for a in registry.TABLES["algorithm"] if registry.final_latents(a))
+        fail("sample.solver", f"'dpm2' samples without log-probs and train.algorithm {t.algorithm!r} trains on them: "
+                              f"pass --config.sample.solver=euler (dpm2 rolls out for {free})")
+    if s.solver == "dpm2" and s.sde_type != "ode":
+        fail("sample.solver", f"'dpm2' is a deterministic solver: pass --config.sample.sde_type=ode (not "
+                              f"{s.sde_type!r})")
     unknown = sorted(set(cfg.reward.fns) - set(REGISTRY))
     if unknown or not cfg.reward.fns:
         fail("reward.fns", f"unknown {unknown}; known rewards: {sorted(REGISTRY)}")

@@ -13,7 +13,8 @@ B = len(prompts) * n samples, prompt-major (sample b belongs to prompt b // n, i
 - initial and step noise come from one CPU `torch.Generator` per sample seeded by that sample's seed, drawn
   every step for every sample, so a sample does not depend on its batch; with `same_latent` every sample of a
   group starts from its group's first sample's initial noise (step noise stays per sample);
-- the schedule, SDE windows and the SDE/CPS/ODE step are `jaxflow_bridge.rollout.sde`.
+- the schedule, SDE windows and the SDE/CPS/ODE step are `jaxflow_bridge.rollout.sde`; `solver` 'dpm2' takes
+  DiffusionNFT's second-order ODE steps instead (`jaxflow_bridge.rollout.solver`).
 Never imports JAX.
 """
 
@@ -28,7 +29,8 @@ import torch
 from jaxflow_bridge.contract.schedule import (sample_windows, sigma_schedule, window_noise_levels,
                                               window_size)
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
-from jaxflow_bridge.rollout.sde import SDE_TYPES, sde_step
+from jaxflow_bridge.rollout.sde import SDE_TYPES
+from jaxflow_bridge.rollout.solver import Solver, check_solver
 from jaxflow_bridge.rollout.tensors import torch_to_numpy
 
 MAX_SEQUENCE_LENGTH = 1024  # diffusers' QwenImagePipeline.tokenizer_max_length
@@ -64,6 +66,7 @@ class SamplingParams:
     negative_prompt: str = " "
     max_sequence_length: int = 512  # prompt tokens after the template drop; longer prompts are refused
     sde_type: str = "sde"  # 'sde' | 'cps' | 'ode'
+    solver: str = "euler"  # 'euler' (the sde_type step) | 'dpm2' (DPM-Solver++(2M), sde_type 'ode' only)
     noise_level: float = 1.2
     sde_window_size: int | None = 2  # None or 0: every step but the last
     sde_window_range: tuple[int, int] = (0, 5)
@@ -198,6 +201,7 @@ class SamplingLoop:
                              f"{self.vae_scale_factor}), got {sampling.height}x{sampling.width}")
         if sampling.sde_type not in SDE_TYPES:
             raise ValueError(f"sde_type must be one of {SDE_TYPES}, got {sampling.sde_type!r}")
+        check_solver(sampling.solver, sampling.sde_type)
         if not isinstance(sampling.same_latent, bool):
             raise ValueError(f"same_latent must be a bool (True or False), got {sampling.same_latent!r}")
         if sampling.noise_level < 0:
@@ -325,14 +329,14 @@ class SamplingLoop:
         latents = x.new_zeros(batch, window + 1, *x.shape[1:])
         log_probs = x.new_zeros(batch, window)
         rows = torch.arange(batch, device=x.device)
+        solver = Solver(sp.solver, sigmas, sp.sde_type)
         starts = torch.as_tensor(starts, dtype=torch.long, device=x.device)
         for i in range(steps):
             noise = torch.stack([torch.randn(x.shape[1:], generator=g) for g in gens]).to(x.device)
             slot = i - starts
             latents[slot == 0, 0] = x[slot == 0]
             v = self.velocity(x, sigmas[i], *text, true_cfg_scale=sp.true_cfg_scale, grid=grid)
-            x, log_prob, _, _ = sde_step(x, v, sigmas[i], sigmas[i + 1], sigmas[1], sde_type=sp.sde_type,
-                                         noise_level=levels[:, i], noise=noise)
+            x, log_prob = solver.step(x, v, i, noise_level=levels[:, i], noise=noise)
             inside = (slot >= 0) & (slot < window)
             latents[rows[inside], slot[inside] + 1] = x[inside]
             log_probs[rows[inside], slot[inside]] = log_prob[inside]

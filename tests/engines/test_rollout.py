@@ -228,6 +228,17 @@ def test_keep_final_returns_the_latents_the_images_decode_from(pipe):
         TrajectoryBatch.concat([kept, plain])
 
 
+def test_dpm2_rollout_runs_and_differs_from_euler(pipe):
+    """solver='dpm2' (DiffusionNFT's sampler) through the diffusers engine: final latents of the same seeds that
+    differ from the Euler ODE's by more than rounding, and log-probs 0."""
+    sampling = {**SAMPLING, "sde_type": "ode", "true_cfg_scale": 1.0, "keep_final": True}
+    dpm = pipe.generate(PROMPTS, 1, SamplingParams(**sampling, solver="dpm2"), seeds=[7, 8])
+    euler = pipe.generate(PROMPTS, 1, SamplingParams(**sampling), seeds=[7, 8])
+    assert np.all(np.isfinite(dpm.final_latents)) and not np.any(dpm.log_probs)
+    gap = np.abs(dpm.final_latents - euler.final_latents).max()
+    assert gap > 1e-3 * np.abs(euler.final_latents).max()
+
+
 def test_decode_calls_follow_the_pixel_budget(pipe, monkeypatch):
     """Small images decode many to a VAE call (one call for this batch); full-size ones 4 at 512^2, 1 at 1024^2; the
     images do not depend on how the batch was split."""
@@ -348,6 +359,8 @@ def test_fp32_timestep_equals_stock_diffusers_in_fp32_and_skips_bf16_rounding(ti
     (dict(sde_type="dance"), "sde_type must be one of"),
     (dict(sde_window_size=4), "SDE window size 4 must be in"),
     (dict(same_latent=1), "same_latent must be a bool"),
+    (dict(solver="dpm3"), "solver='dpm3'; choose one of"),
+    (dict(solver="dpm2"), "solver 'dpm2' is deterministic: it needs sde_type 'ode', got 'sde'"),
 ])
 def test_invalid_requests_fail_before_any_model_runs(pipe, monkeypatch, change, message):
     def untouchable(*args, **kwargs):

@@ -157,9 +157,10 @@ class Bagel:
         s = cfg.sample
         d = dict(height=s.height, width=s.width, num_inference_steps=s.num_steps, cfg_text_scale=s.guidance,
                  cfg_interval=tuple(s.cfg_interval), cfg_renorm_min=s.cfg_renorm_min, sde_type=s.sde_type,
-                 noise_level=s.noise_level, sde_window_size=s.window_size, sde_window_range=tuple(s.window_range),
+                 solver=s.solver, noise_level=s.noise_level, sde_window_size=s.window_size,
+                 sde_window_range=tuple(s.window_range),
                  same_latent=s.same_latent, keep_final=False, think=s.think, max_think_tokens=s.max_think_tokens)
         if eval_mode:
             d.update(num_inference_steps=cfg.eval.num_steps, cfg_text_scale=cfg.eval.guidance, sde_type="ode",
-                     noise_level=0.0, sde_window_size=None, same_latent=False)
+                     solver=cfg.eval.solver, noise_level=0.0, sde_window_size=None, same_latent=False)
         return d

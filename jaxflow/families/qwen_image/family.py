@@ -127,9 +127,10 @@ class QwenImage:
         s = cfg.sample
         d = dict(height=s.height, width=s.width, num_inference_steps=s.num_steps, true_cfg_scale=s.guidance,
                  negative_prompt=s.negative_prompt, max_sequence_length=s.max_sequence_length, sde_type=s.sde_type,
-                 noise_level=s.noise_level, sde_window_size=s.window_size, sde_window_range=tuple(s.window_range),
+                 solver=s.solver, noise_level=s.noise_level, sde_window_size=s.window_size,
+                 sde_window_range=tuple(s.window_range),
                  same_latent=s.same_latent, keep_final=registry.final_latents(cfg.train.algorithm))
         if eval_mode:
             d.update(num_inference_steps=cfg.eval.num_steps, true_cfg_scale=cfg.eval.guidance, sde_type="ode",
-                     noise_level=0.0, sde_window_size=None, same_latent=False, keep_final=False)
+                     solver=cfg.eval.solver, noise_level=0.0, sde_window_size=None, same_latent=False, keep_final=False)
         return d

@@ -31,7 +31,8 @@ from jaxflow_bridge.contract.schedule import sample_windows, sigma_schedule, win
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.families.bagel.model import stack_contexts
 from jaxflow_bridge.rollout.sampling import params_from_dict, per_sample_seeds
-from jaxflow_bridge.rollout.sde import SDE_TYPES, sde_step
+from jaxflow_bridge.rollout.sde import SDE_TYPES
+from jaxflow_bridge.rollout.solver import Solver, check_solver
 
 # BagelGenParams.timestep_shift (hard-coded 3.0): a static shift, no resolution dependence.
 SCHEDULER_CONFIG = {"shift": 3.0, "use_dynamic_shifting": False}
@@ -51,6 +52,7 @@ class BagelSamplingParams:
     cfg_interval: tuple[float, float] = (0.0, 1.0)  # CFG at steps with lo < sigma <= hi
     cfg_renorm_min: float = 0.0
     sde_type: str = "sde"  # 'sde' | 'cps' | 'ode'
+    solver: str = "euler"  # 'euler' (the sde_type step) | 'dpm2' (SamplingParams.solver)
     noise_level: float = 0.7
     sde_window_size: int | None = 2  # None or 0: every step but the last
     sde_window_range: tuple[int, int] = (0, 7)
@@ -105,6 +107,7 @@ def validate(prompt_ids, n, sp: BagelSamplingParams, seeds, prompts=None) -> np.
         raise ValueError(f"height and width must be positive multiples of {m}, got {sp.height}x{sp.width}")
     if sp.sde_type not in SDE_TYPES:
         raise ValueError(f"sde_type must be one of {SDE_TYPES}, got {sp.sde_type!r}")
+    check_solver(sp.solver, sp.sde_type)
     if sp.noise_level < 0 or not isinstance(sp.same_latent, bool) or not isinstance(sp.keep_final, bool):
         raise ValueError(f"noise_level must be >= 0 and same_latent / keep_final bools, got {sp.noise_level}, "
                          f"{sp.same_latent!r}, {sp.keep_final!r}")
@@ -196,13 +199,13 @@ class BagelSamplingLoop:
         batch, window = x.shape[0], window_size(size, steps)
         latents, log_probs = x.new_zeros(batch, window + 1, *x.shape[1:]), x.new_zeros(batch, window)
         rows, starts = torch.arange(batch), torch.from_numpy(starts).long()
+        solver = Solver(sp.solver, sigmas, sp.sde_type)
         for i in range(steps):
             noise = torch.stack([torch.randn(x.shape[1:], generator=g) for g in gens])
             slot = i - starts
             latents[slot == 0, 0] = x[slot == 0]
             v = self.velocity(x, sigmas[i], contexts, grid, sp)
-            x, log_prob, _, _ = sde_step(x, v, sigmas[i], sigmas[i + 1], sigmas[1], sde_type=sp.sde_type,
-                                         noise_level=levels[:, i], noise=noise)
+            x, log_prob = solver.step(x, v, i, noise_level=levels[:, i], noise=noise)
             inside = (slot >= 0) & (slot < window)
             latents[rows[inside], slot[inside] + 1] = x[inside]
             log_probs[rows[inside], slot[inside]] = log_prob[inside]

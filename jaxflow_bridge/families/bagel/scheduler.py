@@ -3,8 +3,9 @@
 
 It takes the contract's steps, not the engine's: sigma i -> i + 1 of `sigma_schedule` (the engine's own float32
 timesteps are ignored), the sample's SDE window from its seed (`sample_windows`), `rollout/sde.py`'s step with its
-noise level inside the window and none outside, every draw from the sample's own generator in
-`BagelSamplingLoop`'s order (the initial latents first, `initial`; then one noise tensor per step). So a sample has
+noise level inside the window and none outside (or, with solver 'dpm2', `rollout/solver.py`'s second-order ODE
+step), every draw from the sample's own generator in `BagelSamplingLoop`'s order (the initial latents first,
+`initial`; then one noise tensor per step). So a sample has
 the latents and log-probs that the loop gives it (tests/families/bagel/test_bagel_scheduler.py). It records the window's latents
 and log-probs itself (`trajectory`); the engine's `return_trajectory_latents` can stay off. Never imports JAX or
 vLLM.
@@ -17,16 +18,17 @@ import numpy as np
 import torch
 
 from jaxflow_bridge.contract.schedule import sample_windows, window_noise_levels, window_size
-from jaxflow_bridge.rollout.sde import sde_step
+from jaxflow_bridge.rollout.solver import Solver
 
 
 class WindowScheduler:
     """Built per sample: `sigmas` (N + 1,) of the request, the sample's `seed`, the request's window size, range,
-    noise level and sde_type, the latent shape (tokens, channels)."""
+    noise level, sde_type and solver, the latent shape (tokens, channels)."""
 
     def __init__(self, sigmas: np.ndarray, seed: int, *, window: int | None, window_range: tuple[int, int],
-                 noise_level: float, sde_type: str, tokens: int, channels: int):
-        self.sigmas, self.sde_type = np.asarray(sigmas, np.float32), sde_type
+                 noise_level: float, sde_type: str, tokens: int, channels: int, solver: str):
+        self.sigmas = np.asarray(sigmas, np.float32)
+        self.solver = Solver(solver, self.sigmas, sde_type)
         steps = len(self.sigmas) - 1
         self.start = int(sample_windows(np.array([seed]), window, window_range, steps)[0])
         self.size = window_size(window, steps)
@@ -48,9 +50,8 @@ class WindowScheduler:
         slot, here = i - self.start, x.detach().float().cpu()
         if slot == 0:
             self.latents[0] = here
-        s = self.sigmas
-        out, log_prob, _, _ = sde_step(here[None], v.detach().float().cpu()[None], s[i], s[i + 1], s[1],
-                                       sde_type=self.sde_type, noise_level=self.levels[i:i + 1], noise=noise[None])
+        out, log_prob = self.solver.step(here[None], v.detach().float().cpu()[None], i,
+                                         noise_level=self.levels[i:i + 1], noise=noise[None])
         if 0 <= slot < self.size:
             self.latents[slot + 1], self.log_probs[slot] = out[0], log_prob[0]
         self.index += 1

@@ -227,7 +227,8 @@ def build_pipeline_class(base: type, output_cls, cache_cls) -> type:
         grid = (sp.height // PIXELS_PER_TOKEN, sp.width // PIXELS_PER_TOKEN)
         sigmas = sigma_schedule(SCHEDULER_CONFIG, sp.num_inference_steps, grid[0] * grid[1])
         scheds = [WindowScheduler(sigmas, s, window=sp.sde_window_size, window_range=sp.sde_window_range,
-                                  noise_level=sp.noise_level, sde_type=sp.sde_type, tokens=grid[0] * grid[1],
+                                  noise_level=sp.noise_level, sde_type=sp.sde_type, solver=sp.solver,
+                                  tokens=grid[0] * grid[1],
                                   channels=self.bagel.latent_channel * self.bagel.latent_patch_size ** 2)
                   for s in seeds]
         if sp.same_latent:  # each drew its own first, as BagelSamplingLoop's generators do

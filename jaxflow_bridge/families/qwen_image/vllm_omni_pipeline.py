@@ -54,7 +54,8 @@ log = logging.getLogger(__name__)
 PIPELINE_CLASS = f"{__name__}.FlowGRPOQwenImagePipeline"
 # SamplingParams fields carried by OmniDiffusionSamplingParams attributes, and those carried in its extra_args.
 PARAM_FIELDS = ("height", "width", "num_inference_steps", "true_cfg_scale", "max_sequence_length", "seed")
-EXTRA_FIELDS = ("noise_level", "sde_type", "sde_window_size", "sde_window_range", "same_latent", "keep_final")
+EXTRA_FIELDS = ("noise_level", "sde_type", "solver", "sde_window_size", "sde_window_range", "same_latent",
+                "keep_final")
 # how LoRA'd linears run (the engines' one vocabulary, jaxflow_bridge/sync/sinks.py): "layers" (LoRA layers through
 # jaxflow_bridge/rollout/kernels/lora_linear.py's fused apply), "folder" (vLLM-Omni's own: its per-slice apply of the
 # adapter its loader read) or "merged" (the adapter merged into the base weights, jaxflow_bridge/sync/merge.py)

@@ -34,14 +34,15 @@ def loop():
 
 
 @pytest.mark.parametrize("sp", [SP, dataclasses.replace(SP, sde_type="cps", noise_level=0.5, sde_window_size=3,
-                                                        sde_window_range=(0, 4))], ids=["sde", "cps_w3"])
+                                                        sde_window_range=(0, 4)),
+                                dataclasses.replace(SP, sde_type="ode", solver="dpm2")], ids=["sde", "cps_w3", "dpm2"])
 def test_the_scheduler_driven_steps_are_the_loops(loop, sp):
     want = loop.generate([PROMPT], 1, sp, seeds=[SEED])
     grid = (sp.height // PIXELS_PER_TOKEN, sp.width // PIXELS_PER_TOKEN)
     sigmas = sigma_schedule(SCHEDULER_CONFIG, sp.num_inference_steps, grid[0] * grid[1])
     sched = WindowScheduler(sigmas, SEED, window=sp.sde_window_size, window_range=sp.sde_window_range,
-                            noise_level=sp.noise_level, sde_type=sp.sde_type, tokens=grid[0] * grid[1],
-                            channels=loop.model.latent_dim)
+                            noise_level=sp.noise_level, sde_type=sp.sde_type, solver=sp.solver,
+                            tokens=grid[0] * grid[1], channels=loop.model.latent_dim)
     ids, mask = pad_ids([PROMPT])
     contexts = (loop.model.prefill(ids, mask), loop.model.prefill(ids.new_zeros(1, 0), mask.new_zeros(1, 0)))
     x = sched.initial
@@ -62,7 +63,7 @@ def test_the_scheduler_driven_steps_are_the_loops(loop, sp):
 def test_a_step_past_the_schedule_and_an_early_trajectory_are_refused():
     sigmas = sigma_schedule(SCHEDULER_CONFIG, 2, 4)
     sched = WindowScheduler(sigmas, 0, window=1, window_range=(0, 1), noise_level=0.7, sde_type="sde", tokens=4,
-                            channels=2)
+                            channels=2, solver="euler")
     x = sched.initial
     with pytest.raises(RuntimeError, match="took 0 of its 2 steps"):
         sched.trajectory()

@@ -1,0 +1,46 @@
+"""sample.solver and eval.solver: 'dpm2' (DiffusionNFT's second-order sampler) rolls out only for an algorithm that
+trains without log-probs and with sde_type 'ode'; the eval's may be 'dpm2' for every algorithm; each reaches the
+engine's sampling params."""
+import pytest
+
+from jaxflow import families
+from jaxflow.config import validation
+from jaxflow.config.errors import UserError
+from jaxflow_bridge.rollout.sampling import SamplingParams
+from tests.helpers import tiny_config
+
+
+def _config(tmp_path, algorithm="flowgrpo", **sample):
+    cfg = tiny_config(tmp_path, algorithm=algorithm)
+    if algorithm == "nft":
+        cfg.sample.guidance = 1.0
+    cfg.sample.update(sample)
+    return cfg
+
+
+@pytest.mark.parametrize("algorithm, sample, line", [
+    ("flowgrpo", dict(solver="dpm2"), "config.sample.solver: 'dpm2' samples without log-probs and train.algorithm "
+                                      "'flowgrpo' trains on them: pass --config.sample.solver=euler (dpm2 rolls out "
+                                      "for nft or awm)"),
+    ("nft", dict(solver="dpm2", sde_type="sde"), "config.sample.solver: 'dpm2' is a deterministic solver: pass "
+                                                 "--config.sample.sde_type=ode (not 'sde')"),
+    ("nft", dict(solver="rk4", sde_type="ode"), "config.sample.solver: 'rk4'; choose 'euler' (the sde_type step) or "
+                                                "'dpm2' (DiffusionNFT's second-order ODE)"),
+])
+def test_a_solver_the_rollout_cannot_use_is_one_line(tmp_path, algorithm, sample, line):
+    with pytest.raises(UserError) as e:
+        validation.validate(_config(tmp_path, algorithm, **sample))
+    assert str(e.value) == line
+
+
+def test_dpm2_reaches_the_rollout_for_nft_and_the_eval_for_flowgrpo(tmp_path):
+    nft = validation.validate(_config(tmp_path, "nft", solver="dpm2", sde_type="ode"))
+    family = families.of(nft)
+    rollout = SamplingParams.from_dict(family.sampling(nft, eval_mode=False))
+    assert (rollout.solver, rollout.sde_type, rollout.keep_final) == ("dpm2", "ode", True)
+    assert family.sampling(nft, eval_mode=True)["solver"] == "euler"  # the eval's own key
+    cfg = _config(tmp_path / "b")
+    cfg.eval.solver = "dpm2"
+    flowgrpo = validation.validate(cfg)
+    assert SamplingParams.from_dict(family.sampling(flowgrpo, eval_mode=True)).solver == "dpm2"
+    assert family.sampling(flowgrpo, eval_mode=False)["solver"] == "euler"
