@@ -172,6 +172,8 @@ def verl_decoupled_flow_grpo_loss(log_prob, old_log_prob, rollout_log_prob, adva
     ratio = torch.exp(log_prob - old_log_prob)
     per_elem = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio))
     return torch.mean(per_elem * weights.detach())
+
+
 def nvlabs_nft_dpm2_sampling(v_pred_fn, z, sigmas):
     """NVlabs/DiffusionNFT flow_grpo/diffusers_patch/solver.py `run_sampling(..., solver="dpm2", determistic=True)`
     (commit 24af5556): `dpm_step` at order 2 with its `DPMState`, `convert_model_output` (x0 = x - sigma v),
