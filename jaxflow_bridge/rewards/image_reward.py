@@ -41,6 +41,8 @@ KEYS = (
      r"encoder.layers.\1.self_attn.projection.\2"),
     (r"blip\.visual_encoder\.blocks\.(\d+)\.mlp\.(fc1|fc2)\.(weight|bias)", "vision", r"encoder.layers.\1.mlp.\2.\3"),
     (r"blip\.visual_encoder\.norm\.(weight|bias)", "vision", r"post_layernorm.\1"),
+    # BERT's position_ids buffer (0..max_position-1), saved in the released state dicts; BlipTextModel makes its own
+    (r"blip\.text_encoder\.embeddings\.position_ids", None, None),
     (r"blip\.text_encoder\.(.+)", "text", r"\1"),
     (r"mlp\.(layers\.\d+\.(?:weight|bias))", "mlp", r"\1"),
     (r"blip\.(?:vision_proj|text_proj)\..+", None, None),  # the contrastive heads: not part of the score

@@ -271,8 +271,8 @@ IR_WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "red", "fox", "si
 
 
 def _image_reward_state(seed: int = 5) -> dict:
-    """A random state dict with ImageReward.pt's keys (BLIP's timm-style ViT, its BERT with cross-attention, the
-    contrastive projections, the MLP) at the tiny sizes above."""
+    """A random state dict with ImageReward.pt's keys (BLIP's timm-style ViT, its BERT with cross-attention and its
+    position_ids buffer, the contrastive projections, the MLP) at the tiny sizes above."""
     g = torch.Generator().manual_seed(seed)
 
     def r(*shape, base=0.0):
@@ -288,7 +288,9 @@ def _image_reward_state(seed: int = 5) -> dict:
           "blip.text_proj.bias": r(8), "blip.text_encoder.embeddings.word_embeddings.weight": r(m["vocab_size"], h),
           "blip.text_encoder.embeddings.position_embeddings.weight": r(m["max_position_embeddings"], h),
           "blip.text_encoder.embeddings.LayerNorm.weight": r(h, base=1.0),
-          "blip.text_encoder.embeddings.LayerNorm.bias": r(h)}
+          "blip.text_encoder.embeddings.LayerNorm.bias": r(h),
+          # a buffer of BLIP's BERT, saved in the released ImageReward.pt
+          "blip.text_encoder.embeddings.position_ids": torch.arange(m["max_position_embeddings"]).expand(1, -1)}
     for i in range(v["num_hidden_layers"]):
         b = f"blip.visual_encoder.blocks.{i}."
         for name, shape in (("norm1", (d,)), ("norm2", (d,))):
