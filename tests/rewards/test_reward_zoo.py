@@ -134,6 +134,7 @@ def test_the_pickscore_recipe_is_the_ocr_recipe_with_its_reward_and_prompts(tiny
         "reward.options.pickscore.batch_size", "reward.options.pickscore.device", "reward.options.pickscore.dtype",
         "reward.options.pickscore.path", "reward.options.pickscore.processor_path", "reward.workers", "run_dir"]
     assert not config_lib.needs_target(pick) and config_lib.needs_target(ocr)
+    assert pick.reward.options.pickscore.dtype == "float32"  # flow_grpo's PickScoreScorer scores in float32
     pick.model.path = str(tiny_path)
     with pytest.raises(ValueError, match="config.data.train: '' is not a file"):
         config_lib.validate(pick)
