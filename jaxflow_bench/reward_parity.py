@@ -54,12 +54,12 @@ def _scores(fn, pairs) -> np.ndarray:
 
 
 def figures(folder: Path) -> dict:
-    from transformers import BertTokenizer, CLIPModel, CLIPProcessor
+    from transformers import BertTokenizer, CLIPModel
 
     pairs = [(image(s, i), PROMPTS[i]) for i, s in enumerate(SHAPES)]
     merges = ckpt.learn_merges(ckpt.CORPUS, 300)
     clip_dir = ckpt.write_clip_model(folder / "clip", merges, image_size=SIZE, patch_size=32)
-    model, processor = CLIPModel.from_pretrained(clip_dir).eval(), CLIPProcessor.from_pretrained(clip_dir)
+    model, processor = CLIPModel.from_pretrained(clip_dir).eval(), ref.clip_processor(clip_dir)
     torch.manual_seed(1)
     mlp = AestheticMLP(16).eval()
     torch.save(mlp.state_dict(), folder / "mlp.pth")

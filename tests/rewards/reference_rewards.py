@@ -129,12 +129,22 @@ class OpenClipTokenizer:
         return result
 
 
-# --- scores -----------------------------------------------------------------------------------------------------------
+# --- scores ---------------------------------------------------------------------------------------------------------
+
+def clip_processor(folder):
+    """CLIPProcessor.from_pretrained(folder) as the references ran it under transformers 4: the PIL image processor
+    (transformers 5 picks its torchvision one when torchvision is installed) and the fast tokenizer."""
+    import transformers
+
+    images = getattr(transformers, "CLIPImageProcessorPil", transformers.CLIPImageProcessor)
+    return transformers.CLIPProcessor(images.from_pretrained(folder),
+                                      transformers.CLIPTokenizerFast.from_pretrained(folder))
+
 
 @torch.no_grad()
 def pickscore(model, processor, images: np.ndarray, prompts: list[str]) -> np.ndarray:
     """yangjie-cv/flow_grpo flow_grpo/pickscore_scorer.py `PickScoreScorer.__call__` (the processor is
-    transformers' CLIPProcessor of CLIP-ViT-H-14-laion2B: image processor and fast tokenizer)."""
+    transformers' CLIPProcessor of CLIP-ViT-H-14-laion2B: `clip_processor`)."""
     image_inputs = processor(images=list(images), padding=True, truncation=True, max_length=77, return_tensors="pt")
     text_inputs = processor(text=prompts, padding=True, truncation=True, max_length=77, return_tensors="pt")
     image_embs = _pooled(model.get_image_features(pixel_values=image_inputs["pixel_values"]))

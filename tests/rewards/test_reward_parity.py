@@ -103,10 +103,10 @@ def _hps_arch(clip_dir):
 
 
 def test_pickscore_is_flow_grpo_s_scorer(clip_dir, images):
-    from transformers import CLIPModel, CLIPProcessor
+    from transformers import CLIPModel
 
     reward = build_reward({"pickscore": 1.0}, pickscore={"path": str(clip_dir), "batch_size": 3})
-    model, processor = CLIPModel.from_pretrained(clip_dir).eval(), CLIPProcessor.from_pretrained(clip_dir)
+    model, processor = CLIPModel.from_pretrained(clip_dir).eval(), ref.clip_processor(clip_dir)
     scale = model.logit_scale.exp().item() / 26
     for batch, prompts in _both(images):
         np.testing.assert_allclose(reward(batch, prompts)["pickscore"], ref.pickscore(model, processor, batch, prompts),
@@ -115,10 +115,10 @@ def test_pickscore_is_flow_grpo_s_scorer(clip_dir, images):
 
 def test_clip_score_is_torchmetrics_clip_score(clip_dir, images):
     """100 * max(cos, 0); the long prompt is cut to 77 tokens without its end token, as torchmetrics cuts it."""
-    from transformers import CLIPModel, CLIPProcessor
+    from transformers import CLIPModel
 
     reward = build_reward({"clip_score": 1.0}, clip_score={"path": str(clip_dir)})
-    model, processor = CLIPModel.from_pretrained(clip_dir).eval(), CLIPProcessor.from_pretrained(clip_dir)
+    model, processor = CLIPModel.from_pretrained(clip_dir).eval(), ref.clip_processor(clip_dir)
     for batch, prompts in _both(images):
         got = reward(batch, prompts)["clip_score"]
         np.testing.assert_allclose(got, ref.torchmetrics_clip_score(model, processor, batch, prompts), rtol=0,
