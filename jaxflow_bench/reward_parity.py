@@ -144,7 +144,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as folder:
         flat = figures(Path(folder))
-    path = write_result(args.out, "reward_parity", flat, extra={
+    path = write_result(args.out, "reward_parity", flat, command="python -m jaxflow_bench.reward_parity", extra={
         "cpu": platform.processor() or platform.machine(), "dtype": "float32",
         "inputs": f"{PAIRS} non-square images {SHAPES} with their prompts (curly quotes, HTML entities, ligatures, "
                   f"full-width letters, a prompt over 77 tokens); seeded random checkpoints at 224 px, patch 32, "

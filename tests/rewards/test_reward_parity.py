@@ -106,6 +106,7 @@ def test_pickscore_is_flow_grpo_s_scorer(clip_dir, images):
     from transformers import CLIPModel
 
     reward = build_reward({"pickscore": 1.0}, pickscore={"path": str(clip_dir), "batch_size": 3})
+    assert reward.rewards["pickscore"].tokenizer.is_fast  # PickScore's AutoProcessor loads the fast one
     model, processor = CLIPModel.from_pretrained(clip_dir).eval(), ref.clip_processor(clip_dir)
     scale = model.logit_scale.exp().item() / 26
     for batch, prompts in _both(images):
