@@ -9,7 +9,8 @@ through transformers' image processors, whose backend changes with whether torch
   even), so one pixel further when H - size = 3 (mod 4).
 - "letterbox": hpsv2's validation transform (ToTensor, then open_clip's ResizeMaxSize): the float image resized so
   its long side is `size` (sides round(side * size / long)) by torch's antialiased bicubic interpolation, unclamped,
-  then padded with black (left and top get half the padding, rounded down).
+  then padded with black (left and top get half the padding, rounded down). An image whose long side is already
+  `size` is padded here; hpsv2 leaves it unpadded (a non-square input its ViT refuses).
 Each then scales to [0, 1] and normalises with the model's mean and std, in float32.
 
 Prompts (`clean_prompt`): open_clip's tokenizer (hpsv2's) cleans text before its BPE: ftfy.fix_text, html.unescape
