@@ -1,30 +1,46 @@
 """CLIP-based rewards through `transformers`: PickScore, CLIP score and the LAION aesthetic predictor.
 
 Each loads a user's local checkpoint folders (nothing is downloaded) and scores uint8 (B, H, W, 3) images with their
-prompts in batches of `batch_size`, in `dtype` on `device`; a sample's score depends on that sample alone.
+prompts in batches of `batch_size`, on `device`; a sample's score depends on that sample alone. Each scores as its
+reference code does: that code's image preprocessing (`preprocess.Pixels`, whose sizes, mean and std come from the
+processor folder's preprocessor_config.json) and the fast CLIP tokenizer (the one PickScore's AutoProcessor and
+torchmetrics' CLIPProcessor load; pinned, so transformers 4's slow CLIPTokenizer is never used).
+
+`dtype` (float32, bfloat16 or float16) is the model's weights and activations; float32 by default, as flow_grpo's
+scorers run (PickScore's own example and LAION's script run in float16 on a GPU, hpsv2 under float16 autocast).
+Embeddings are normalised in float32.
 
 - `PickScore` (Kirstain et al. 2023; flow_grpo's `PickScoreScorer`, a reward of its recipes):
   `logit_scale.exp() * cos(image embedding, text embedding) / 26`, i.e. roughly in [0, 1]. `path`: the PickScore_v1
   folder (a `CLIPModel`); `processor_path`: the folder of its processor (CLIP-ViT-H-14-laion2B's
-  `preprocessor_config.json` and tokenizer files), by default `path`.
-- `ClipScore`: cos(image embedding, text embedding) of a CLIP model (e.g. openai/clip-vit-large-patch14), in [-1, 1].
+  `preprocessor_config.json` and tokenizer files), by default `path`. Pixels "floor" (transformers' processor),
+  prompts truncated to 77 tokens keeping the end-of-text token.
+- `ClipScore`: torchmetrics' CLIPScore (what papers report) with a CLIP model (e.g. openai/clip-vit-large-patch14):
+  100 * max(cos(image embedding, text embedding), 0), pixels "floor"; a prompt over 77 tokens is cut to its first
+  77 (its end-of-text token dropped), as torchmetrics cuts it.
 - `Aesthetic` (LAION's improved aesthetic predictor, as flow_grpo's `AestheticScorer`): an MLP 768-1024-128-64-16-1
   on the L2-normalised CLIP ViT-L/14 image embedding. `path`: the CLIP folder; `mlp_path`: the predictor's state
-  dict (`sac+logos+ava1-l14-linearMSE.pth`, keys `layers.{0,2,4,6,7}.{weight,bias}`). Prompts are not used.
+  dict (`sac+logos+ava1-l14-linearMSE.pth`, keys `layers.{0,2,4,6,7}.{weight,bias}`). Pixels "round" (LAION's script
+  preprocesses with OpenAI CLIP's torchvision transform). Prompts are not used.
 Never imports JAX.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
 
+from jaxflow_bridge.rewards.preprocess import Pixels
+
 MODEL_FILES = ("config.json", ("model.safetensors", "pytorch_model.bin"))
 PROCESSOR_FILES = ("preprocessor_config.json", "tokenizer_config.json", ("vocab.json", "tokenizer.json"))
 PICKSCORE_SCALE = 26.0  # flow_grpo divides PickScore's logits by 26 ("norm to 0-1")
+OPENAI_MEAN, OPENAI_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+BICUBIC = 3  # PIL's code, as preprocessor_config.json's "resample" names it
 
 
 def require_files(reward: str, key: str, folder, files) -> Path:
@@ -40,15 +56,31 @@ def require_files(reward: str, key: str, folder, files) -> Path:
     return folder
 
 
-class _Clip:
-    """A CLIPModel and its processor from local folders; embeddings in float32, L2-normalised. Subclasses define
-    `score(images, prompts)` -> (b,) float32 tensor for one batch."""
+def processor_pixels(reward: str, folder: Path, crop: str) -> Pixels:
+    """The `Pixels` of a transformers CLIP processor folder's preprocessor_config.json (transformers' defaults for
+    what it leaves out); ValueError unless it describes a bicubic resize and a square crop of the resized side."""
+    cfg = json.loads((folder / "preprocessor_config.json").read_text())
+    size, crop_size = cfg.get("size", 224), cfg.get("crop_size", 224)
+    size = size.get("shortest_edge") if isinstance(size, dict) else size
+    crop_size = (crop_size.get("height"), crop_size.get("width")) if isinstance(crop_size, dict) else (crop_size,) * 2
+    if size is None or crop_size != (size, size) or cfg.get("resample", BICUBIC) != BICUBIC:
+        raise ValueError(f"reward {reward!r}: {folder / 'preprocessor_config.json'} is not a CLIP processor's "
+                         f"(a bicubic resize of the short side to N, then an N x N crop): size {cfg.get('size')}, "
+                         f"crop_size {cfg.get('crop_size')}, resample {cfg.get('resample')}")
+    return Pixels(size, cfg.get("image_mean", OPENAI_MEAN), cfg.get("image_std", OPENAI_STD), crop)
+
+
+class ClipReward:
+    """A CLIPModel, its pixels (`crop`: preprocess.CROPS) and fast tokenizer from local folders; embeddings in
+    float32, L2-normalised. Subclasses define `score(images, prompts)` -> (b,) float32 tensor for one batch."""
 
     splittable = True
+    crop = "floor"
+    keep_end_token = True  # a prompt over the context keeps its end-of-text token (False: cut as torchmetrics cuts)
 
     def __init__(self, path=None, processor_path=None, device: str = "cpu", dtype: str = "float32",
                  batch_size: int = 16, text: bool = True):
-        from transformers import CLIPImageProcessor, CLIPTokenizer
+        from transformers import CLIPTokenizerFast
 
         self.require_model(path)  # the model's files first: a folder that lacks everything names them
         files = PROCESSOR_FILES if text else PROCESSOR_FILES[:1]
@@ -58,8 +90,8 @@ class _Clip:
         self.device, self.dtype, self.batch_size = torch.device(device), getattr(torch, dtype), int(batch_size)
         self.model = self.load_model(path, self.dtype)
         self.model.eval().to(self.device)
-        self.images = CLIPImageProcessor.from_pretrained(proc_dir, local_files_only=True)
-        self.tokenizer = CLIPTokenizer.from_pretrained(proc_dir, local_files_only=True) if text else None
+        self.pixels = processor_pixels(self.name, proc_dir, self.crop)
+        self.tokenizer = CLIPTokenizerFast.from_pretrained(proc_dir, local_files_only=True) if text else None
 
     def require_model(self, path) -> None:
         """FileNotFoundError naming what the model's checkpoint lacks (a transformers CLIPModel folder here)."""
@@ -72,14 +104,20 @@ class _Clip:
         folder = require_files(self.name, "path", path, MODEL_FILES)
         return CLIPModel.from_pretrained(folder, local_files_only=True, torch_dtype=dtype)
 
+    def tokens(self, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+        """input_ids and attention_mask of the prompts, padded to the longest, at most the model's context long."""
+        context = self.model.config.text_config.max_position_embeddings
+        if self.keep_end_token:
+            return dict(self.tokenizer(list(prompts), padding=True, truncation=True, max_length=context,
+                                       return_tensors="pt"))
+        tok = self.tokenizer(list(prompts), padding=True, return_tensors="pt")
+        return {k: tok[k][:, :context] for k in ("input_ids", "attention_mask")}
+
     def embed(self, images: np.ndarray, prompts: Sequence[str] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        pixels = self.images(images=list(images), return_tensors="pt")["pixel_values"]
-        image = self.model.get_image_features(pixel_values=pixels.to(self.device, self.dtype))
+        image = self.model.get_image_features(pixel_values=self.pixels(images).to(self.device, self.dtype))
         text = None
         if prompts is not None:
-            tok = self.tokenizer(list(prompts), padding=True, truncation=True,
-                                 max_length=self.model.config.text_config.max_position_embeddings, return_tensors="pt")
-            text = self.model.get_text_features(**{k: v.to(self.device) for k, v in tok.items()})
+            text = self.model.get_text_features(**{k: v.to(self.device) for k, v in self.tokens(prompts).items()})
             text = torch.nn.functional.normalize(_features(text).float(), dim=-1)
         return torch.nn.functional.normalize(_features(image).float(), dim=-1), text
 
@@ -97,7 +135,7 @@ def _features(out) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.pooler_output
 
 
-class PickScore(_Clip):
+class PickScore(ClipReward):
     name = "pickscore"
 
     def score(self, images, prompts):
@@ -105,16 +143,18 @@ class PickScore(_Clip):
         return self.model.logit_scale.exp().float() * (image * text).sum(-1) / PICKSCORE_SCALE
 
 
-class ClipScore(_Clip):
+class ClipScore(ClipReward):
     name = "clip_score"
+    keep_end_token = False
 
     def score(self, images, prompts):
         image, text = self.embed(images, prompts)
-        return (image * text).sum(-1)
+        return 100 * (image * text).sum(-1).clamp(min=0)
 
 
-class Aesthetic(_Clip):
+class Aesthetic(ClipReward):
     name = "aesthetic"
+    crop = "round"
 
     def __init__(self, path=None, mlp_path=None, processor_path=None, device: str = "cpu", dtype: str = "float32",
                  batch_size: int = 16):

@@ -4,10 +4,13 @@ image_features @ text_features.T of the normalised features).
 
 The checkpoint (`HPS_v2.1_compressed.pt`: {"state_dict": open_clip CLIP keys}) runs as transformers' `CLIPModel`:
 `open_clip_to_clip` renames its keys (`KEYS`) and splits each attention's fused in-projection into q, k and v, so
-no open_clip (nor its torchvision) is needed. The processor is the ViT-H-14 one of transformers
-(laion/CLIP-ViT-H-14-laion2B-s32B-b79K: 224 px bicubic resize and centre crop, OpenAI's mean and std, the CLIP BPE
-vocabulary, 77 tokens), as PickScore's. Options: `path` (the .pt file), `processor_path` (that folder), device,
-dtype, batch_size; `arch` overrides the ViT-H-14 sizes (VIT_H_14). Never imports JAX.
+no open_clip (nor its torchvision) is needed. Its inputs are hpsv2's: the image letterboxed (`preprocess.Pixels`
+"letterbox": the long side to 224, black padding, no crop), the prompt cleaned as open_clip's tokenizer cleans it
+(`preprocess.clean_prompt`: ftfy's fixes, HTML unescaping, whitespace) before the CLIP BPE, 77 tokens (a longer
+prompt keeps its end-of-text token last). The processor folder is the ViT-H-14 one of transformers
+(laion/CLIP-ViT-H-14-laion2B-s32B-b79K: its size, OpenAI's mean and std, the CLIP BPE vocabulary), as PickScore's.
+Options: `path` (the .pt file), `processor_path` (that folder), device, dtype (float32 by default; hpsv2 scores
+under float16 autocast on a GPU), batch_size; `arch` overrides the ViT-H-14 sizes (VIT_H_14). Never imports JAX.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from jaxflow_bridge.rewards.clip import ClipScore
+from jaxflow_bridge.rewards.clip import ClipReward
+from jaxflow_bridge.rewards.preprocess import clean_prompt
 
 # open_clip's ViT-H-14 (model_configs/ViT-H-14.json): image 224, patch 14, width 1280, 32 layers, head width 80;
 # text width 1024, 16 heads, 24 layers, 77 tokens, vocabulary 49408; embeddings 1024; GELU; LayerNorm eps 1e-5
@@ -88,8 +92,9 @@ def open_clip_to_clip(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return out
 
 
-class Hps(ClipScore):
+class Hps(ClipReward):
     name = "hps"
+    crop = "letterbox"
 
     def __init__(self, path=None, processor_path=None, device: str = "cpu", dtype: str = "float32",
                  batch_size: int = 16, arch: dict | None = None):
@@ -122,3 +127,7 @@ class Hps(ClipScore):
             raise ValueError(f"reward 'hps': {self.checkpoint} does not fit the CLIP of reward.options.hps.arch: "
                              f"missing {missing[:3]}, unexpected {unexpected[:3]}")
         return model.to(dtype)
+
+    def score(self, images, prompts):
+        image, text = self.embed(images, [clean_prompt(p) for p in prompts])
+        return (image * text).sum(-1)

@@ -1,13 +1,15 @@
 """ImageReward (Xu et al. 2023; flow_grpo's `imagereward` reward): BLIP's ViT-L image tokens cross-attended by its
 BERT text encoder, the [CLS] output through an MLP 768-1024-128-64-16-1, then (r - 0.16717362830052426) /
-1.0333394966054072, as the ImageReward package's `score` computes it (prompt padded to 35 tokens, the image
-resized to 224 on its short side with bicubic resampling, centre-cropped, normalised with OpenAI CLIP's mean and std).
+1.0333394966054072, as the ImageReward package's `score` computes it (prompt padded to 35 tokens; the image through OpenAI CLIP's
+torchvision transform, `preprocess.Pixels` "round": resized to 224 on its short side with bicubic resampling,
+centre-cropped as torchvision crops, normalised with OpenAI CLIP's mean and std).
 
 The checkpoint (`ImageReward.pt`: the keys of its `blip.visual_encoder`, `blip.text_encoder`, `blip.vision_proj`,
 `blip.text_proj` and `mlp`) runs as transformers' `BlipVisionModel` and `BlipTextModel` through `KEYS`; the
 contrastive projections are not used by the score. Options: `path` (ImageReward.pt), `med_config` (its
 med_config.json: the text encoder's sizes), `tokenizer_path` (a bert-base-uncased folder: vocab.txt,
-tokenizer_config.json), device, dtype, batch_size; `vision` overrides the ViT-L sizes (VIT_L). Never imports JAX.
+tokenizer_config.json), device, dtype (float32 by default), batch_size; `vision` overrides the ViT-L sizes (VIT_L).
+Never imports JAX.
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from jaxflow_bridge.rewards.clip import AestheticMLP, require_files
+from jaxflow_bridge.rewards.clip import OPENAI_MEAN, OPENAI_STD, AestheticMLP, require_files
+from jaxflow_bridge.rewards.preprocess import Pixels
 
 MEAN, STD = 0.16717362830052426, 1.0333394966054072  # ImageReward's normalisation of the MLP's output
 MAX_TOKENS = 35
-CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
 # BLIP's create_vit('large', 224): patch 16, width 1024, 24 blocks, 16 heads, MLP 4096, LayerNorm eps 1e-6
 VIT_L = dict(image_size=224, patch_size=16, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
              intermediate_size=4096)
@@ -41,6 +43,8 @@ KEYS = (
      r"encoder.layers.\1.self_attn.projection.\2"),
     (r"blip\.visual_encoder\.blocks\.(\d+)\.mlp\.(fc1|fc2)\.(weight|bias)", "vision", r"encoder.layers.\1.mlp.\2.\3"),
     (r"blip\.visual_encoder\.norm\.(weight|bias)", "vision", r"post_layernorm.\1"),
+    # BERT's position_ids buffer (0..max_position-1), saved in the released state dicts; BlipTextModel makes its own
+    (r"blip\.text_encoder\.embeddings\.position_ids", None, None),
     (r"blip\.text_encoder\.(.+)", "text", r"\1"),
     (r"mlp\.(layers\.\d+\.(?:weight|bias))", "mlp", r"\1"),
     (r"blip\.(?:vision_proj|text_proj)\..+", None, None),  # the contrastive heads: not part of the score
@@ -72,8 +76,7 @@ class ImageReward:
 
     def __init__(self, path=None, med_config=None, tokenizer_path=None, device: str = "cpu", dtype: str = "float32",
                  batch_size: int = 16, vision: dict | None = None):
-        from transformers import (BertTokenizer, BlipTextConfig, BlipVisionConfig, BlipVisionModel,
-                                  CLIPImageProcessor)
+        from transformers import BertTokenizer, BlipTextConfig, BlipVisionConfig, BlipVisionModel
         from transformers.models.blip.modeling_blip_text import BlipTextModel
 
         for key, value, what in (("path", path, "the checkpoint (ImageReward.pt)"),
@@ -107,13 +110,10 @@ class ImageReward:
         # BLIP's tokenizer: bert-base-uncased plus [DEC] as bos and [ENC] (ids 30522, 30523 in a 30524 vocabulary)
         self.tokenizer = BertTokenizer.from_pretrained(folder, local_files_only=True)
         self.tokenizer.add_special_tokens({"bos_token": "[DEC]", "additional_special_tokens": ["[ENC]"]})
-        self.images = CLIPImageProcessor(size={"shortest_edge": v["image_size"]}, resample=3,
-                                         crop_size={"height": v["image_size"], "width": v["image_size"]},
-                                         image_mean=CLIP_MEAN, image_std=CLIP_STD)
+        self.pixels = Pixels(v["image_size"], OPENAI_MEAN, OPENAI_STD, "round")
 
     def score(self, images: np.ndarray, prompts: Sequence[str]) -> torch.Tensor:
-        pixels = self.images(images=list(images), return_tensors="pt")["pixel_values"]
-        image = self.vision(pixel_values=pixels.to(self.device, self.dtype)).last_hidden_state
+        image = self.vision(pixel_values=self.pixels(images).to(self.device, self.dtype)).last_hidden_state
         tok = self.tokenizer(list(prompts), padding="max_length", truncation=True, max_length=MAX_TOKENS,
                              return_tensors="pt").to(self.device)
         text = self.text(input_ids=tok["input_ids"], attention_mask=tok["attention_mask"],

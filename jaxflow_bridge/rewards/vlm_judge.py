@@ -2,15 +2,21 @@
 score in [0, 1] (the same client, retries and health check as `VlmOcrReward`).
 
 Tasks (`task`, or your own `template` with `{prompt}` and `answer`):
-- "geneval": "Does this image show {prompt}?": yes -> 1, anything else -> 0 (GenEval-style prompts name the
-  objects, counts, colours and positions to check).
-- "quality": a 1-10 rating of how well the image matches the prompt and how good it looks: the first number of the
-  reply / 10, clipped to [0, 1].
+- "geneval": "Does this image show {prompt}?": yes -> 1, no -> 0 (GenEval-style prompts name the objects, counts,
+  colours and positions to check).
+- "quality": a 1-10 rating of how well the image matches the prompt and how good it looks: the rating / 10.
+
+The prompt contract (`parse`): a yes_no reply is judged by its first word that is "yes" or "no" ("Answer: yes" is
+yes); a score_10 reply by "N/10" or "N out of 10" where it says so, else by its last number ("On a scale of 1 to 10:
+8" is 8), which must lie in [1, 10]. A reply that fits neither (no verdict, "-3", "12") is refused: it scores 0, is
+logged, and counted in the judge's `refused`.
 """
 
 from __future__ import annotations
 
+import logging
 import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
@@ -18,6 +24,8 @@ import numpy as np
 
 from jaxflow_bridge.rewards.base import check_batch
 from jaxflow_bridge.rewards.vlm_ocr import VlmOcrReward
+
+log = logging.getLogger(__name__)
 
 TASKS = {
     "geneval": ("Does this image show {prompt}? Check every object, count, colour and position it names. "
@@ -28,14 +36,19 @@ TASKS = {
 ANSWERS = ("yes_no", "score_10")
 
 
-def parse(reply: str, answer: str) -> float:
-    """The score of one reply: yes_no -> 1.0 if its first word is yes, else 0.0; score_10 -> its first number / 10
-    clipped to [0, 1] (0.0 without a number)."""
+def parse(reply: str, answer: str) -> float | None:
+    """The score of one reply under the prompt contract above, None when the reply is refused."""
     text = reply.strip().lower()
     if answer == "yes_no":
-        return float(re.match(r"\W*yes\b", text) is not None)
-    number = re.search(r"\d+(?:\.\d+)?", text)
-    return 0.0 if number is None else float(min(max(float(number.group()) / 10.0, 0.0), 1.0))
+        word = re.search(r"\b(yes|no)\b", text)
+        return None if word is None else float(word.group(1) == "yes")
+    number = r"[-+]?\d+(?:\.\d+)?"
+    out_of = re.search(rf"({number})\s*(?:/|out of)\s*10\b", text)
+    numbers = [out_of.group(1)] if out_of else re.findall(number, text)
+    if not numbers:
+        return None
+    value = float(numbers[-1])
+    return value / 10.0 if 1.0 <= value <= 10.0 else None
 
 
 class VlmJudge(VlmOcrReward):
@@ -53,6 +66,7 @@ class VlmJudge(VlmOcrReward):
         if answer not in ANSWERS:
             raise ValueError(f"vlm_judge answer {answer!r}; choose one of {ANSWERS}")
         self.template, self.answer = template, answer
+        self.refused, self.lock = 0, threading.Lock()  # replies outside the contract, over the judge's life
         client.setdefault("temperature", 0.0)  # a judge should not sample its verdict
         super().__init__(base_url, model, **client)
 
@@ -61,4 +75,11 @@ class VlmJudge(VlmOcrReward):
         questions = [self.template.replace("{prompt}", p) for p in prompts]
         with ThreadPoolExecutor(max_workers=max(1, min(self.max_concurrency, len(images)))) as ex:
             replies = list(ex.map(self.read_text, images, questions))
-        return np.asarray([parse(r, self.answer) for r in replies], dtype=np.float32)
+        scores = [parse(r, self.answer) for r in replies]
+        refused = [r for r, score in zip(replies, scores) if score is None]
+        if refused:
+            with self.lock:
+                self.refused += len(refused)
+            log.warning("vlm_judge refused %d of %d replies (scored 0), e.g. %r", len(refused), len(replies),
+                        refused[0][:200])
+        return np.asarray([0.0 if score is None else score for score in scores], dtype=np.float32)

@@ -162,10 +162,13 @@ def test_vlm_ocr_scores_and_request_format(fake_server):
     np.testing.assert_array_equal(decoded, images[0])
 
 
-@pytest.mark.parametrize("task, reply, want", [("geneval", "Yes.", 1.0), ("geneval", "no, it shows two cats", 0.0),
-                                               ("geneval", "yesterday", 0.0), ("quality", "7/10", 0.7),
-                                               ("quality", "Rating: 12", 1.0), ("quality", "unsure", 0.0)])
-def test_vlm_judge_asks_about_each_prompt_and_parses_the_verdict(fake_server, task, reply, want):
+@pytest.mark.parametrize("task, reply, want, refused", [
+    ("geneval", "Yes.", 1.0, 0), ("geneval", "no, it shows two cats", 0.0, 0), ("geneval", "Answer: yes", 1.0, 0),
+    ("geneval", "yesterday", 0.0, 2), ("quality", "7/10", 0.7, 0), ("quality", "On a scale of 1 to 10: 8", 0.8, 0),
+    ("quality", "I'd say 6 out of 10 for the 2 cats", 0.6, 0), ("quality", "-3", 0.0, 2),
+    ("quality", "Rating: 12", 0.0, 2), ("quality", "Answer: yes", 0.0, 2), ("quality", "unsure", 0.0, 2)])
+def test_vlm_judge_asks_about_each_prompt_and_parses_the_verdict(fake_server, task, reply, want, refused):
+    """The reply contract of jaxflow_bridge/rewards/vlm_judge.py: a reply outside it scores 0 and is counted."""
     from jaxflow_bridge.rewards.vlm_judge import VlmJudge
 
     fake_server.reply = reply
@@ -174,6 +177,7 @@ def test_vlm_judge_asks_about_each_prompt_and_parses_the_verdict(fake_server, ta
     images = np.zeros((2, 16, 16, 3), np.uint8)
     scores = judge(images, ["three red apples", "a dog left of a cat"])["vlm_judge"]
     np.testing.assert_allclose(scores, [want, want])
+    assert judge.rewards["vlm_judge"].refused == refused
     asked = sorted(body["messages"][1]["content"][1]["text"] for body in fake_server.posts)
     assert "three red apples" in asked[1] and "a dog left of a cat" in asked[0]
     assert all(body["temperature"] == 0.0 for body in fake_server.posts)
