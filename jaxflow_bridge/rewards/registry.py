@@ -10,6 +10,7 @@ from jaxflow_bridge.rewards.jpeg import jpeg_compressibility, jpeg_incompressibi
 from jaxflow_bridge.rewards.ocr import OcrReward
 from jaxflow_bridge.rewards.pixel import brightness, midtone
 from jaxflow_bridge.rewards.shuffled import Shuffled
+from jaxflow_bridge.rewards.vlm_edit_judge import VlmEditJudge
 from jaxflow_bridge.rewards.vlm_judge import VlmJudge
 from jaxflow_bridge.rewards.vlm_ocr import VlmOcrReward
 
@@ -31,6 +32,7 @@ REGISTRY: dict[str, Callable[..., RewardFn]] = {
     "edit_ocr": EditOcrReward,
     "vlm_ocr": VlmOcrReward,
     "vlm_judge": VlmJudge,  # a question per image about its prompt (GenEval-style yes/no, or a 1-10 rating)
+    "vlm_edit_judge": VlmEditJudge,  # edits (conditioned): a 1-10 rating of instruction following and consistency
     "jpeg_compressibility": lambda: jpeg_compressibility,
     "jpeg_incompressibility": lambda: jpeg_incompressibility,
     "brightness": lambda: brightness,

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import base64
+import io
+
 import numpy as np
 import pytest
+from PIL import Image
 
 from experiments.mini_edit.signs import SignEdit
 from experiments.mini_ocr.render import render
 from jaxflow_bridge.rewards.base import check_sources
 from jaxflow_bridge.rewards.edit_ocr import EditOcrReward, outside_change, text_region
 from jaxflow_bridge.rewards.registry import REGISTRY
+from tests.rewards.test_rewards import fake_server  # noqa: F401 (the loopback OpenAI-compatible server fixture)
 
 EDIT = SignEdit("QNHIB", "SYQJ", (2, -1))
 
@@ -80,3 +85,24 @@ def test_conditioned_inputs_are_checked():
     with pytest.raises(ValueError, match="must be >= 0"):
         EditOcrReward(consistency=-1.0)
     assert EditOcrReward.conditioned
+
+
+def test_vlm_edit_judge_sees_source_and_edit_side_by_side(fake_server):
+    from jaxflow_bridge.rewards.vlm_edit_judge import BAR
+
+    fake_server.reply = "8"
+    url = f"http://127.0.0.1:{fake_server.server_address[1]}"
+    judge = REGISTRY["vlm_edit_judge"](url, "fake-vl", backoff=0.01, timeout=5.0)
+    source, edited = EDIT.images()
+    scores = judge(edited[None], [EDIT.instruction], sources=source[None], targets=[None])
+    np.testing.assert_allclose(scores, [0.8])
+    (body,) = fake_server.posts
+    image_part, text_part = body["messages"][1]["content"]
+    assert EDIT.instruction in text_part["text"] and "left half" in text_part["text"]
+    sent = np.asarray(Image.open(io.BytesIO(base64.b64decode(image_part["image_url"]["url"].split(",", 1)[1]))))
+    w = source.shape[1]
+    assert sent.shape == (source.shape[0], 2 * w + BAR, 3)
+    assert np.array_equal(sent[:, :w], source) and np.array_equal(sent[:, w + BAR:], edited)
+    assert body["temperature"] == 0.0
+    with pytest.raises(ValueError, match="sources must have the images' shape"):
+        judge(edited[None], [EDIT.instruction], sources=source[None, :, :8], targets=[None])
