@@ -7,9 +7,10 @@ rewards that score text need it). Train and test use disjoint word sets (mini_oc
 another word of its split and each sign is shifted by a few pixels (mini_ocr's `jitter`), both pure functions of
 (count, seed), so a regeneration is identical.
 
-CLI: ``python -m experiments.mini_edit.signs --out DIR [--train 64 --test 16 --seed 0 --height 64 --width 128]``
-writes DIR/{train,test}.jsonl and DIR/images/{train,test}_NNN.png. The shipped set, data/edit_signs, is the
-defaults' output: ``python -m experiments.mini_edit.signs --out data/edit_signs``.
+CLI: ``python -m experiments.mini_edit.signs --out DIR [--train 64 --test 16 --seed 0 --height 64 --width 128]
+[--pairs]`` writes DIR/{train,test}.jsonl and DIR/images/{train,test}_NNN.png; with --pairs also the pretraining
+feed DIR/pairs.npz (the train split's source and edited signs, uint8, and instructions). The shipped set,
+data/edit_signs, is the defaults' output: ``python -m experiments.mini_edit.signs --out data/edit_signs``.
 """
 from __future__ import annotations
 
@@ -88,6 +89,14 @@ def write_edits(out: str | Path, num_train: int = 64, num_test: int = 16, seed: 
     return write_split(out, "train", train, height, width), write_split(out, "test", test, height, width)
 
 
+def save_pairs(out: str | Path, edits: list[SignEdit], height: int = HEIGHT, width: int = WIDTH) -> Path:
+    """OUT/pairs.npz: `pair_arrays` of `edits` (sources, edited, instructions)."""
+    sources, edited, instructions = pair_arrays(edits, height, width)
+    path = Path(out) / "pairs.npz"
+    np.savez(path, sources=sources, edited=edited, instructions=np.asarray(instructions))
+    return path
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
@@ -96,8 +105,11 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--height", type=int, default=HEIGHT)
     parser.add_argument("--width", type=int, default=WIDTH)
+    parser.add_argument("--pairs", action="store_true", help="also write the pretraining feed DIR/pairs.npz")
     args = parser.parse_args(argv)
     print(*write_edits(args.out, args.train, args.test, args.seed, args.height, args.width))
+    if args.pairs:
+        print(save_pairs(args.out, split_edits(args.train, args.test, args.seed)[0], args.height, args.width))
 
 
 if __name__ == "__main__":
