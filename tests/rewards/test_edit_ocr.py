@@ -14,7 +14,6 @@ from experiments.mini_ocr.render import render
 from jaxflow_bridge.rewards.base import check_sources
 from jaxflow_bridge.rewards.edit_ocr import EditOcrReward, outside_change, text_region
 from jaxflow_bridge.rewards.registry import REGISTRY
-from tests.rewards.test_rewards import fake_server  # noqa: F401 (the loopback OpenAI-compatible server fixture)
 
 EDIT = SignEdit("QNHIB", "SYQJ", (2, -1))
 
