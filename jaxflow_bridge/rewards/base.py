@@ -3,6 +3,11 @@
 A reward may also say how a batch can be scored in pieces on several workers (`split`): `splittable = True` when a
 sample's score depends on that sample alone and the fn has no parallelism of its own (the OCR); `pieces()` when
 it is a whole-batch step over such a fn (the shuffled control).
+
+Conditioned rewards (image editing): a reward fn with `conditioned = True` is called
+`fn(images, prompts, *, sources, targets)`: `sources` uint8 (B,H,W,3), each sample's reference image resized to its
+output's size, and `targets` list[str | None], each sample's target text (the edit data's optional "target"). Its
+`__call__` checks them with `check_sources`. Plain rewards keep the two-argument call.
 """
 
 from __future__ import annotations
@@ -23,6 +28,21 @@ def check_batch(images: np.ndarray, prompts: Sequence[str]) -> None:
         raise ValueError(f"images must have shape (B, H, W, 3), got {images.shape}")
     if len(prompts) != images.shape[0]:
         raise ValueError(f"{images.shape[0]} images but {len(prompts)} prompts")
+
+
+def check_sources(images: np.ndarray, sources: np.ndarray, targets: Sequence[str | None]) -> None:
+    """Raise ValueError unless a conditioned reward's `sources` are uint8 of the images' shape and `targets` has one
+    entry (str or None) per image."""
+    if not isinstance(sources, np.ndarray) or sources.dtype != np.uint8:
+        raise ValueError(f"sources must be a uint8 numpy array, got {type(sources).__name__} "
+                         f"{getattr(sources, 'dtype', '')}")
+    if sources.shape != images.shape:
+        raise ValueError(f"sources must have the images' shape {images.shape} (resized to the output size), "
+                         f"got {sources.shape}")
+    if len(targets) != images.shape[0]:
+        raise ValueError(f"{images.shape[0]} images but {len(targets)} targets")
+    if not all(t is None or isinstance(t, str) for t in targets):
+        raise ValueError(f"targets must be str or None, got {[type(t).__name__ for t in targets]}")
 
 
 def check_scores(name: str, scores: np.ndarray, batch: int) -> np.ndarray:

@@ -50,13 +50,17 @@ class OcrReward:
         self.min_confidence = min_confidence
         self.num_threads = num_threads
 
-    def read_text(self, image: np.ndarray) -> str:
-        """Concatenated text of the lines detected in an RGB uint8 image (top-to-bottom)."""
+    def read_lines(self, image: np.ndarray) -> list[tuple[np.ndarray, str]]:
+        """(box (4, 2) float32 corner pixels (x, y), text) of each line detected in an RGB uint8 image with
+        confidence >= min_confidence, top-to-bottom."""
         bgr = np.ascontiguousarray(image[..., ::-1])
         result, _ = thread_engine(self.num_threads)(bgr)
-        if not result:
-            return ""
-        return "".join(text for _, text, conf in result if float(conf) >= self.min_confidence)
+        return [(np.asarray(box, np.float32), text) for box, text, conf in result or ()
+                if float(conf) >= self.min_confidence]
+
+    def read_text(self, image: np.ndarray) -> str:
+        """Concatenated text of the lines detected in an RGB uint8 image (top-to-bottom)."""
+        return "".join(text for _, text in self.read_lines(image))
 
     def __call__(self, images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
         check_batch(images, prompts)

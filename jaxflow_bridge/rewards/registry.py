@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Callable
 
 from jaxflow_bridge.rewards.base import RewardFn
+from jaxflow_bridge.rewards.edit_ocr import EditOcrReward
 from jaxflow_bridge.rewards.jpeg import jpeg_compressibility, jpeg_incompressibility
 from jaxflow_bridge.rewards.ocr import OcrReward
 from jaxflow_bridge.rewards.pixel import brightness, midtone
 from jaxflow_bridge.rewards.shuffled import Shuffled
+from jaxflow_bridge.rewards.vlm_edit_judge import VlmEditJudge
 from jaxflow_bridge.rewards.vlm_judge import VlmJudge
 from jaxflow_bridge.rewards.vlm_ocr import VlmOcrReward
 
@@ -25,8 +27,12 @@ def _torch_model(name: str, module: str = "clip") -> Callable[..., RewardFn]:
 # name -> factory(**options) -> reward fn
 REGISTRY: dict[str, Callable[..., RewardFn]] = {
     "ocr": OcrReward,
+    # edits (conditioned: the source image and target text, rewards/base.py): OCR of the target less the change
+    # outside the text (options: consistency, margin, then OcrReward's)
+    "edit_ocr": EditOcrReward,
     "vlm_ocr": VlmOcrReward,
     "vlm_judge": VlmJudge,  # a question per image about its prompt (GenEval-style yes/no, or a 1-10 rating)
+    "vlm_edit_judge": VlmEditJudge,  # edits (conditioned): a 1-10 rating of instruction following and consistency
     "jpeg_compressibility": lambda: jpeg_compressibility,
     "jpeg_incompressibility": lambda: jpeg_incompressibility,
     "brightness": lambda: brightness,
