@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jaxflow.algorithms import sde
 from jaxflow.algorithms import grpo_guard
 from jaxflow.algorithms.base import Component
-from jaxflow_bridge.contract.batch import GUIDANCE_FIELDS, TEXT_IDS
+from jaxflow_bridge.contract.batch import CONDITION_FIELDS, GUIDANCE_FIELDS, TEXT_IDS
 
 
 def guided_velocity(model, x, sigma, txt, txt_mask, neg_txt=None, neg_mask=None, *, grid_hw, guidance: float,
@@ -66,7 +66,7 @@ def window_steps(mb: dict) -> tuple[dict, dict]:
     if "old_means" in mb:
         per_step["old_mean"] = jnp.swapaxes(mb["old_means"], 0, 1)
     text = ("prompt_embeds", "prompt_mask", *GUIDANCE_FIELDS, *TEXT_IDS.values())
-    shared = {k: mb[k] for k in ("noise_level", "advantages", *text) if k in mb}
+    shared = {k: mb[k] for k in ("noise_level", "advantages", *text, *CONDITION_FIELDS) if k in mb}
     return per_step, {**shared, "sigma_max": sigmas[:, 1]}
 
 

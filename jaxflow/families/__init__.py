@@ -6,9 +6,11 @@ from __future__ import annotations
 from jaxflow.families.bagel.family import Bagel
 from jaxflow.families.base import Family
 from jaxflow.families.qwen_image.family import QwenImage
+from jaxflow.families.qwen_image_edit.family import QwenImageEdit
 
 _FAMILIES: dict[str, Family] = {f.name: f for f in (
     QwenImage(),
+    QwenImageEdit(),
     Bagel(),
 )}
 FAMILIES = tuple(_FAMILIES)

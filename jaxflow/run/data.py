@@ -13,11 +13,21 @@ from jaxflow_bridge.rewards.text import extract_target
 
 @dataclass(frozen=True)
 class PromptItem:
-    prompt: str
+    prompt: str  # an edit dataset's instruction
     target: str | None  # the text to render (OCR tasks); None where the rewards need none
+    image: str | None = None  # an edit dataset's reference image: its absolute path
 
 
-def _parse_txt(text: str, where: str, need_target: bool = True) -> PromptItem:
+def load_reference(path: str, height: int, width: int) -> np.ndarray:
+    """An edit item's reference image as uint8 (1, height, width, 3), RGB, resized to the sample size: what the
+    engine receives once per prompt group and the conditioned rewards score against."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return np.asarray(im.convert("RGB").resize((width, height), Image.BICUBIC), np.uint8)[None]
+
+
+def _parse_txt(text: str, where: str, need_target: bool = True, base: str = ".") -> PromptItem:
     target = extract_target(text)
     if target is None and need_target:
         raise ValueError(f"{where}: no target text in double quotes: {text!r}; the OCR rewards score the text in "
@@ -25,11 +35,26 @@ def _parse_txt(text: str, where: str, need_target: bool = True) -> PromptItem:
     return PromptItem(text, target)
 
 
-def _parse_jsonl(text: str, where: str, need_target: bool = True) -> PromptItem:
+def _parse_edit(row: dict, where: str, base: str) -> PromptItem:
+    """An edit row: `image` (a path relative to the file), `instruction`, optional `target` text."""
+    image, instruction, target = row.get("image"), row.get("instruction"), row.get("target")
+    if not isinstance(instruction, str) or not instruction.strip():
+        raise ValueError(f"{where}: an edit row (with 'image') needs a non-blank string 'instruction'")
+    if target is not None and (not isinstance(target, str) or not target.strip()):
+        raise ValueError(f"{where}: 'target' must be a non-blank string, got {target!r}")
+    path = os.path.join(base, image) if isinstance(image, str) else None
+    if path is None or not os.path.isfile(path):
+        raise ValueError(f"{where}: 'image' {image!r} is no file (paths are relative to the dataset file)")
+    return PromptItem(instruction, target, os.path.abspath(path))
+
+
+def _parse_jsonl(text: str, where: str, need_target: bool = True, base: str = ".") -> PromptItem:
     try:
         row = json.loads(text)
     except json.JSONDecodeError as err:
         raise ValueError(f"{where}: invalid JSON: {err}") from err
+    if isinstance(row, dict) and "image" in row:
+        return _parse_edit(row, where, base)
     if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
         raise ValueError(f"{where}: expected an object with a string 'prompt'")
     target = row.get("target")
@@ -45,7 +70,8 @@ _PARSERS = {".txt": _parse_txt, ".jsonl": _parse_jsonl}
 
 def load_prompts(path: str | os.PathLike, need_target: bool = True) -> list[PromptItem]:
     """Read prompts from .txt (one per line, target in the first "...") or .jsonl
-    ({"prompt": ..., "target": optional}). Blank lines are skipped; errors name file:line. With need_target (the
+    ({"prompt": ..., "target": optional}, or an edit dataset's {"image": path relative to the file, "instruction":
+    ..., "target": optional}). Blank lines are skipped; errors name file:line. With need_target (the
     OCR rewards) a prompt without a target is an error; without it (PickScore, ...) its target is None."""
     path = os.fspath(path)
     parse = _PARSERS.get(os.path.splitext(path)[1])
@@ -58,7 +84,7 @@ def load_prompts(path: str | os.PathLike, need_target: bool = True) -> list[Prom
             for lineno, line in enumerate(f, start=1):
                 text = line.strip()
                 if text:
-                    items.append(parse(text, f"{path}:{lineno}", need_target))
+                    items.append(parse(text, f"{path}:{lineno}", need_target, os.path.dirname(path) or "."))
         except UnicodeDecodeError as err:
             raise ValueError(f"{path}: not UTF-8 text ({err.reason}): save the prompts as UTF-8") from None
     if not items:

@@ -16,7 +16,7 @@ from jaxflow.config.plan import RunPlan
 from jaxflow import families
 from jaxflow.trainer import phases
 from jaxflow.sync.base_share import torch_base_weights
-from jaxflow.run.data import GroupSampler, load_prompts
+from jaxflow.run.data import GroupSampler, load_prompts, load_reference
 from jaxflow.algorithms import registry
 from jaxflow.algorithms.advantages import compute_advantages
 from jaxflow.sync.transport import LoRASync, choose_transport
@@ -159,14 +159,16 @@ class Driver:
     def _rollout(self, step: int, version: int):
         s = self.cfg.sample
         picks = self.sampler.sample(step)
-        prompts = [self.prompts[picks[i * s.group_size][0]].prompt for i in range(s.prompts_per_step)]
+        items = [self.prompts[picks[i * s.group_size][0]] for i in range(s.prompts_per_step)]
+        prompts = [it.prompt for it in items]
         futures = {}
         with phases.phase("rollout"):
             try:
                 batch = self.rollout.generate(
                     prompts, s.group_size, registry.rollout_sampling(sampling(self.cfg), self.cfg, step),
                     sample_seeds(self.cfg.seed, step, len(picks)), s.prompts_per_call,
-                    on_chunk=lambda c, b: futures.__setitem__(c, self.pool.submit(b.images, b.prompts)))
+                    on_chunk=lambda c, b: futures.__setitem__(c, self.pool.submit(b.images, b.prompts)),
+                    references=self.references(items))
             except TextLengthError as err:
                 raise text_length_error(err, self.cfg) from None
         if batch.policy_version != version:
@@ -174,6 +176,12 @@ class Driver:
         with phases.phase("reward"):
             rewards = merge_rewards(futures)
         return batch, rewards
+
+    def references(self, items) -> list | None:
+        """An edit dataset's reference images of `items` at the sample size (one array per prompt group), or None."""
+        if all(it.image is None for it in items):
+            return None
+        return [load_reference(it.image, self.cfg.sample.height, self.cfg.sample.width) for it in items]
 
     def experience(self, step: int) -> Experience:
         """Step `step`'s experience: the one `prefetch` started for it (the time waited for it as phase
@@ -230,10 +238,11 @@ class Driver:
         (`eval_reward_mean`) and each one's (`eval_reward/<name>`), with eval.rewards each gold reward's
         (`eval_gold/<name>`); their grid goes to run_dir/eval/step_<step>.png."""
         cfg = self.cfg
-        prompts = [it.prompt for it in self.test_items[:cfg.eval.num_prompts]]
+        items = self.test_items[:cfg.eval.num_prompts]
+        prompts = [it.prompt for it in items]
         try:
             batch = self.rollout.generate(prompts, 1, sampling(cfg, eval_mode=True), np.arange(len(prompts)),
-                                          cfg.sample.prompts_per_call)
+                                          cfg.sample.prompts_per_call, references=self.references(items))
         except TextLengthError as err:
             raise text_length_error(err, cfg) from None
         gold = self.gold.submit(batch.images, prompts) if self.gold else None

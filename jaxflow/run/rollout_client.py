@@ -127,7 +127,7 @@ class RolloutGroup:
         return self._all("share_base_weights", tensors)
 
     def generate(self, prompts: list[str], n: int, sampling: dict, seeds: np.ndarray, prompts_per_call: int,
-                 on_chunk=None) -> TrajectoryBatch:
+                 on_chunk=None, references: list | None = None) -> TrajectoryBatch:
         """B = len(prompts) * n samples in prompt order; chunks of `prompts_per_call` prompts go round-robin to
         the servers and `on_chunk(index, batch)` runs as each finishes (e.g. to submit rewards). A dead actor
         restarts the whole call, so no batch ever mixes policy versions. The chunks' text arrives padded to one
@@ -137,16 +137,20 @@ class RolloutGroup:
         qwen_ocr recipe (512 images a step, 512^2, window 2) the latents (B, W+1, S, 64) float32 are 403 MB and the
         bf16 prompt embeds at most 470 MB, tens of ms through host memory against a step of minutes; and the
         batch is needed on the host anyway (rewards read the images, mini-batch ordering is numpy, multi-process runs
-        broadcast host bytes, and a sleeping engine must not hold them on the GPU)."""
+        broadcast host bytes, and a sleeping engine must not hold them on the GPU). `references`: an edit model's,
+        one uint8 (R, H, W, 3) array per prompt, each sent once with its prompt (not once per sample of its group)."""
         return self.transport.retrying(lambda: self._generate(prompts, n, sampling, seeds, prompts_per_call,
-                                                              on_chunk), self._restart)
+                                                              on_chunk, references), self._restart)
 
-    def _generate(self, prompts, n, sampling, seeds, per_call, on_chunk):
+    def _generate(self, prompts, n, sampling, seeds, per_call, on_chunk, references=None):
         t, pending = self.transport, []
         for c, start in enumerate(range(0, len(prompts), per_call)):
             server = self.servers[c % len(self.servers)]
             chunk_seeds = [int(s) for s in seeds[start * n:(start + per_call) * n]]
-            pending.append((t.submit(server, "generate", prompts[start:start + per_call], n, sampling, chunk_seeds), c))
+            args = (prompts[start:start + per_call], n, sampling, chunk_seeds)
+            if references is not None:
+                args += (references[start:start + per_call],)
+            pending.append((t.submit(server, "generate", *args), c))
         chunks = {}
         while pending:
             ref, c = pending.pop(t.first_done([ref for ref, _ in pending]))

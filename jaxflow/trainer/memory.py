@@ -80,13 +80,14 @@ def check_fits(plans: list[StepMemory], resident: int, limit: int, in_use: int, 
 
 def abstract_batch(*, batch: int, window: int, num_steps: int, seq: int, channels: int, text: int, width: int,
                    embed_dtype, guided: bool, recompute: bool, means: bool = False, nft: bool = False,
-                   negative_text: int | None = None, text_ids: bool = False) -> tuple[dict, dict | None]:
+                   negative_text: int | None = None, text_ids: bool = False,
+                   references: int = 0) -> tuple[dict, dict | None]:
     """Shapes and dtypes of the batch `train_step.prepare_batch` hands the step, every field per sample, from the batch
     schema (`schema.shapes`; text padded to `text` tokens, negatives to `negative_text`, default `text`:
     `config.text_tokens`), and of the old-log-prob pass's output when it runs (with `means`: the SDE means
     train.ratio_norm="guard" keeps); with `nft`, DiffusionNFT's batch (algorithms.nft.FIELDS); with `text_ids`, token
     ids (B, tokens) int32 in place of the embeds (a family whose text is token ids, `Family.batch_shape`; `width` and
-    `embed_dtype` unused)."""
+    `embed_dtype` unused); with `references`, an edit model's reference latents (B, references, seq, channels)."""
     kind = "ids" if text_ids else "embeds"
     negatives = (f"negative_prompt_{kind}", "negative_prompt_mask") if guided else ()
     if nft:  # a loss on the final latents (DiffusionNFT's fields; AWM's too, with the negative text under CFG)
@@ -94,8 +95,9 @@ def abstract_batch(*, batch: int, window: int, num_steps: int, seq: int, channel
     else:
         names = ("latents", "log_probs", "sigmas", "step_index", "noise_level", "advantages", f"prompt_{kind}",
                  "prompt_mask", *negatives)
+    names += ("reference_latents",) if references else ()
     sizes = {"B": batch, "W": window, "N": num_steps, "S": seq, "C": channels, "L": text,
-             "L'": negative_text or text, "D": width}
+             "L'": negative_text or text, "D": width, "R": references}
     embeds = {"prompt_embeds": embed_dtype, "negative_prompt_embeds": embed_dtype}
     s = jax.ShapeDtypeStruct
     out = {k: s(*v) for k, v in schema.shapes(names, sizes, embeds, per_sample=True).items()}

@@ -23,7 +23,7 @@ class TrainBatch:
     """advantages (B,) float32, the rows' count; the Trajectory fields the step reads (docs/numerics.md §9):
     latents (B, W+1, S, C), log_probs (B, W), step_index (B, W), the text (prompt_embeds (B, L, D) or a token-id
     family's prompt_ids (B, L), prompt_mask (B, L), their negatives for true CFG), final_latents (B, S, C) for
-    DiffusionNFT; sigmas (N+1,) and noise_level (scalar) shared (`SHARED_FIELDS`). A field the rollout did not send is
+    DiffusionNFT, reference_latents (B, R, S, C) for an edit model (`CONDITION_FIELDS`); sigmas (N+1,) and noise_level (scalar) shared (`SHARED_FIELDS`). A field the rollout did not send is
     None; which ones a step needs is its config's (`train_step.prepare_batch`). ValueError, naming the field, for one
     without B rows."""
 
@@ -40,6 +40,7 @@ class TrainBatch:
     negative_prompt_ids: np.ndarray | None = None
     negative_prompt_mask: np.ndarray | None = None
     final_latents: np.ndarray | None = None
+    reference_latents: np.ndarray | None = None
 
     def __post_init__(self):
         for name, value in self.arrays().items():

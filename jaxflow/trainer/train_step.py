@@ -46,7 +46,7 @@ from jaxflow.algorithms.objective import WINDOW, Objective
 from jaxflow.trainer.sharding import Layout
 from jaxflow.trainer.step_config import TrainConfig, TrainState
 from jaxflow.trainer.train_batch import TrainBatch, with_text_ids
-from jaxflow_bridge.contract.batch import GUIDANCE_FIELDS, TEXT_IDS
+from jaxflow_bridge.contract.batch import CONDITION_FIELDS, GUIDANCE_FIELDS, TEXT_IDS
 
 
 def advance_old(state: TrainState, first, *, config: TrainConfig) -> TrainState:
@@ -109,6 +109,7 @@ def prepare_batch(batch: TrainBatch, config: TrainConfig, batch_devices: int = 1
     fields = loss.batch_fields(config)
     if batch.prompt_ids is not None:
         fields = with_text_ids(fields)
+    fields += tuple(k for k in CONDITION_FIELDS if getattr(batch, k) is not None)  # what the model reads beside text
     missing = [k for k in fields if getattr(batch, k) is None]
     if missing:
         hint = (" (guidance > 1 needs the negative prompt)" if set(missing) & set(GUIDANCE_FIELDS) else

@@ -57,6 +57,9 @@ FIELDS = {f.name: f for f in (
     Field("seeds", (INT64,), (), train=False),
     Field("policy_versions", (INT64,), (), train=False),
     Field("final_latents", (F32,), ("S", "C"), required=False),
+    # an edit model's reference images (R of them, each packed on the target's S tokens): its VAE latents, made once
+    # per prompt group and carried per sample; the model reads them beside the text at every window step
+    Field("reference_latents", (F32,), ("R", "S", "C"), required=False),
     Field("advantages", (F32,), (), trajectory=False),
     Field("noise_level", (F32,), (), shared=True, trajectory=False),
 )}
@@ -69,6 +72,8 @@ TEXT_FIELDS = ("prompt_embeds", "prompt_ids", "prompt_mask", "negative_prompt_em
                "negative_prompt_mask")
 GUIDANCE_FIELDS = ("negative_prompt_embeds", "negative_prompt_mask")
 TEXT_IDS = {"prompt_embeds": "prompt_ids", "negative_prompt_embeds": "negative_prompt_ids"}
+# what a family's model reads beside the text, the same at every window step (a field the rollout may send)
+CONDITION_FIELDS = ("reference_latents",)
 # fields the batch shares, with their number of dims (a train batch may also hold them per sample)
 SHARED_FIELDS = {n: len(f.dims) for n, f in FIELDS.items() if f.shared}
 # the trajectory fields the vLLM-Omni codec carries in its own payload: latents and log-probs ride in vLLM-Omni's

@@ -131,9 +131,10 @@ def validate_arrays(rec, image_field: str, lead: Dims) -> None:
         raise ValueError(
             f"step_index: expected contiguous increasing steps within [0, N-1) = [0, {n - 1}), "
             f"got {steps.tolist()}")
-    final = getattr(rec, "final_latents", None)
-    if final is not None:
-        _check_field("final_latents", final, lead, {"S": rec.latents.shape[-2], "C": rec.latents.shape[-1]})
+    for name in ("final_latents", "reference_latents"):
+        value = getattr(rec, name, None)
+        if value is not None:
+            _check_field(name, value, lead, {"S": rec.latents.shape[-2], "C": rec.latents.shape[-1]})
     _check_all_text(rec, lead)
 
 
@@ -191,7 +192,8 @@ class TrajectoryBatch:
     negative_prompt_embeds (B, L', D) or negative_prompt_ids (B, L') with negative_prompt_mask (B, L'), or None
     (no CFG; L' = 0: an empty unconditional context); prompts (B strings);
     group_ids, seeds, policy_versions (B,) int64; final_latents (B, S, C), the samples' last latents (sigma 0),
-    or None (SamplingParams.keep_final; DiffusionNFT trains on them).
+    or None (SamplingParams.keep_final; DiffusionNFT trains on them); reference_latents (B, R, S, C), an edit model's
+    reference images' latents, or None.
     """
 
     images: np.ndarray
@@ -210,6 +212,7 @@ class TrajectoryBatch:
     seeds: np.ndarray
     policy_versions: np.ndarray
     final_latents: np.ndarray | None = None
+    reference_latents: np.ndarray | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "prompts", tuple(self.prompts))
@@ -268,7 +271,8 @@ class TrajectoryBatch:
             images=cat("images"), latents=cat("latents"), log_probs=cat("log_probs"), sigmas=batches[0].sigmas,
             step_index=cat("step_index"), **{f: cat(f) for f in TEXT_FIELDS},
             prompts=[p for b in batches for p in b.prompts], group_ids=cat("group_ids"),
-            seeds=cat("seeds"), policy_versions=cat("policy_versions"), final_latents=cat("final_latents"))
+            seeds=cat("seeds"), policy_versions=cat("policy_versions"), final_latents=cat("final_latents"),
+            reference_latents=cat("reference_latents"))
 
     def padded(self, text_tokens: tuple[int, int] | None) -> TrajectoryBatch:
         """This batch with its text right-padded (zeros, masks False) to `text_tokens` (prompt, negative prompt

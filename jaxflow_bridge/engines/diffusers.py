@@ -76,12 +76,13 @@ class DiffusersEngine(RolloutEngine):
         self.pipeline.share_base_weights(tensors)
         return self.info()
 
-    def generate(self, prompts: list[str], n: int, sampling: dict, seeds=None) -> dict:
-        """TrajectoryBatch.to_dict() of B = len(prompts) * n samples (see RolloutPipeline.generate)."""
+    def generate(self, prompts: list[str], n: int, sampling: dict, seeds=None, references=None) -> dict:
+        """TrajectoryBatch.to_dict() of B = len(prompts) * n samples (see RolloutPipeline.generate); references:
+        an edit model's, per prompt."""
         params = SamplingParams.from_dict(sampling)
         self.check_awake()
         self.pipeline.lora.check_serving()
-        return self.pipeline.generate(prompts, n, params, seeds).to_dict()
+        return self.pipeline.generate(prompts, n, params, seeds, references=references).to_dict()
 
     def update_lora(self, tensors, version: int, adapter_config: dict | None = None) -> dict:
         """{"version", "bound_modules"}; atomic: a refused adapter leaves the previous one serving."""

@@ -7,6 +7,7 @@ from types import ModuleType
 
 FAMILIES: dict[str, str] = {
     "qwen_image": "jaxflow_bridge.families.qwen_image",
+    "qwen_image_edit": "jaxflow_bridge.families.qwen_image_edit",
     "bagel": "jaxflow_bridge.families.bagel",
 }
 DEFAULT = "qwen_image"  # model.family's default: the real recipe's family (jaxflow/config/recipes.py base())

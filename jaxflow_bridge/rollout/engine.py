@@ -40,9 +40,10 @@ class RolloutEngine(abc.ABC):
             raise RuntimeError("the rollout engine is asleep: call wake() first")
 
     @abc.abstractmethod
-    def generate(self, prompts: list[str], n: int, sampling: dict, seeds=None) -> dict:
+    def generate(self, prompts: list[str], n: int, sampling: dict, seeds=None, references=None) -> dict:
         """TrajectoryBatch.to_dict() for B = len(prompts) * n samples, prompt-major; sampling: SamplingParams
-        fields; seeds: one per sample, a base seed, or None (sampling's seed)."""
+        fields; seeds: one per sample, a base seed, or None (sampling's seed); references: an edit model's reference
+        images, one uint8 (R, H, W, 3) array per prompt (sent once for its group), or None."""
 
     @abc.abstractmethod
     def update_lora(self, tensors, version: int, adapter_config: dict | None = None) -> dict:

@@ -235,35 +235,43 @@ class SamplingLoop:
 
     @torch.inference_mode()
     def velocity(self, latents, sigma, prompt_embeds, prompt_mask, negative_embeds=None, negative_mask=None, *,
-                 true_cfg_scale: float = 1.0, grid: tuple[int, int]) -> torch.Tensor:
+                 true_cfg_scale: float = 1.0, grid: tuple[int, int], references=None) -> torch.Tensor:
         """float32 v for (B, S, C) latents at sigma (scalar or (B,)): one forward over B; with true CFG one over 2B
         or two over B (`cfg_forward`).
 
         Text: (B, L, D) embeds with (B, L) bool masks, right-padded. grid: the packed (rows, cols), rows * cols = S.
-        With negatives and true_cfg_scale > 1: `cfg_combine` of the two (in float32).
+        references: an edit model's (B, R, S, C) reference latents, or None. With negatives and true_cfg_scale > 1:
+        `cfg_combine` of the two (in float32).
         """
         x = latents.to(self.device, torch.float32)
         batch = x.shape[0]
         sigma = torch.as_tensor(sigma, dtype=torch.float32).reshape(-1).expand(batch)
         if negative_embeds is None or true_cfg_scale <= 1:
-            return self._forward(x, sigma, prompt_embeds, prompt_mask, grid)
+            return self._forward(x, sigma, prompt_embeds, prompt_mask, grid, references)
         if self.cfg_forward == "split":
-            pos = self._forward(x, sigma, prompt_embeds, prompt_mask, grid)
-            neg = self._forward(x, sigma, negative_embeds, negative_mask, grid)
+            pos = self._forward(x, sigma, prompt_embeds, prompt_mask, grid, references)
+            neg = self._forward(x, sigma, negative_embeds, negative_mask, grid, references)
         else:
             length = max(prompt_embeds.shape[1], negative_embeds.shape[1])
             text = torch.cat([_right_pad(prompt_embeds, length), _right_pad(negative_embeds, length)])
             mask = torch.cat([_right_pad(prompt_mask, length), _right_pad(negative_mask, length)])
-            pos, neg = self._forward(torch.cat([x, x]), sigma.repeat(2), text, mask, grid).split(batch)
+            refs = None if references is None else torch.cat([references, references])
+            pos, neg = self._forward(torch.cat([x, x]), sigma.repeat(2), text, mask, grid, refs).split(batch)
         return cfg_combine(pos, neg, true_cfg_scale)
 
-    def _forward(self, x, sigma, text, mask, grid) -> torch.Tensor:
-        """One transformer call: float32 (N, S, C) latents, float32 (N,) sigma, (N, L, D) text, (N, L) mask."""
+    def _forward(self, x, sigma, text, mask, grid, references=None) -> torch.Tensor:
+        """One transformer call: float32 (N, S, C) latents, float32 (N,) sigma, (N, L, D) text, (N, L) mask; with
+        (N, R, S, C) `references`, their tokens after the latents' (each image its own entry of img_shapes, as the
+        edit pipelines pass them) and the latents' rows of the output."""
+        shapes = [(1, *grid)] * (1 + (0 if references is None else references.shape[1]))
+        if references is not None:
+            x = torch.cat([x, references.reshape(x.shape[0], -1, x.shape[-1]).to(x)], dim=1)
         with self.fp32_timestep(sigma):
-            return self.transformer(hidden_states=x.to(self.dtype), timestep=sigma.to(self.device),
-                                    encoder_hidden_states=text.to(self.device, self.dtype),
-                                    encoder_hidden_states_mask=mask.to(self.device),
-                                    img_shapes=[[(1, *grid)]] * x.shape[0], return_dict=False)[0].float()
+            out = self.transformer(hidden_states=x.to(self.dtype), timestep=sigma.to(self.device),
+                                   encoder_hidden_states=text.to(self.device, self.dtype),
+                                   encoder_hidden_states_mask=mask.to(self.device),
+                                   img_shapes=[shapes] * x.shape[0], return_dict=False)[0].float()
+        return out[:, : grid[0] * grid[1]]
 
     @torch.inference_mode()
     def decode(self, latents: torch.Tensor, height: int, width: int) -> np.ndarray:
@@ -287,9 +295,20 @@ class SamplingLoop:
 
     # ------------------------------------------------------------------------------------------ generation
 
+    def conditioning(self, prompts: list[str], sp: SamplingParams, references=None):
+        """(per prompt its (L_i, D) text embeds; the negative prompt's, one for all or one per prompt, or None without
+        CFG; per prompt its (R, S, C) reference latents or None): what sampling is conditioned on, computed once per
+        prompt, never per sample of its group. A text-to-image model takes no `references`."""
+        if references is not None:
+            raise ValueError("this model takes no reference images (references): it is not an edit model")
+        embeds = self.encode(list(prompts) + ([sp.negative_prompt] if sp.guided else []))
+        return embeds[: len(prompts)], (embeds[len(prompts):] or None), None
+
     @torch.inference_mode()
-    def generate(self, prompts: list[str], n: int, sampling: SamplingParams, seeds=None) -> TrajectoryBatch:
-        """B = len(prompts) * n trajectories; seeds: one per sample, a base seed, or None (sampling.seed)."""
+    def generate(self, prompts: list[str], n: int, sampling: SamplingParams, seeds=None,
+                 references=None) -> TrajectoryBatch:
+        """B = len(prompts) * n trajectories; seeds: one per sample, a base seed, or None (sampling.seed);
+        references: an edit model's reference images, one uint8 (R, H, W, 3) array per prompt (its group's)."""
         sp = sampling
         seeds = self.validate(prompts, n, sp, seeds)
         steps, size = sp.num_inference_steps, sp.sde_window_size
@@ -297,18 +316,20 @@ class SamplingLoop:
         sigmas = sigma_schedule(self.scheduler_config, steps, grid[0] * grid[1])
         starts = sample_windows(seeds, size, sp.sde_window_range, steps)
 
-        embeds = self.encode(list(prompts) + ([sp.negative_prompt] if sp.guided else []))
+        embeds, negatives, refs = self.conditioning(list(prompts), sp, references)
         group = np.repeat(np.arange(len(prompts)), n)
-        text = _pad_text([embeds[g] for g in group], max(len(e) for e in embeds[: len(prompts)]))
+        text = _pad_text([embeds[g] for g in group], max(len(e) for e in embeds))
         if sp.guided:
-            text += _pad_text([embeds[-1]] * len(group), len(embeds[-1]))
+            rows = [negatives[g if len(negatives) > 1 else 0] for g in group]
+            text += _pad_text(rows, max(len(e) for e in rows))
+        refs = None if refs is None else refs[torch.from_numpy(group).to(refs.device)]  # a view per sample
 
         gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
         noise = torch.stack([torch.randn(grid[0] * grid[1], self.transformer.config.in_channels, generator=g)
                              for g in gens])
         if sp.same_latent:  # after every generator drew its own: each sample's step noise stays as it was
             noise = noise[torch.from_numpy(np.repeat(np.arange(len(prompts)) * n, n))]
-        final, latents, log_probs = self._denoise(noise.to(self.device), sigmas, starts, gens, sp, text, grid)
+        final, latents, log_probs = self._denoise(noise.to(self.device), sigmas, starts, gens, sp, text, grid, refs)
         neg = text[2:] or (None, None)
         return TrajectoryBatch.assembled(  # validated where it crosses into a process
             images=self.decode(final, sp.height, sp.width), latents=latents.cpu().numpy(),
@@ -319,9 +340,10 @@ class SamplingLoop:
             negative_prompt_mask=None if neg[1] is None else neg[1].cpu().numpy(),
             prompts=[prompts[g] for g in group], group_ids=group.astype(np.int64), seeds=seeds,
             policy_versions=np.full(len(group), self.policy_version, np.int64),
-            final_latents=final.float().cpu().numpy() if sp.keep_final else None).padded(sp.text_tokens)
+            final_latents=final.float().cpu().numpy() if sp.keep_final else None,
+            reference_latents=None if refs is None else refs.float().cpu().numpy()).padded(sp.text_tokens)
 
-    def _denoise(self, x, sigmas, starts, gens, sp: SamplingParams, text, grid):
+    def _denoise(self, x, sigmas, starts, gens, sp: SamplingParams, text, grid, refs=None):
         """Run every step from x; returns the final latents, the window latents (B, W+1, S, C) and log-probs (B, W)."""
         steps, size = sp.num_inference_steps, sp.sde_window_size
         levels = torch.from_numpy(window_noise_levels(starts, size, steps, sp.noise_level))
@@ -335,7 +357,7 @@ class SamplingLoop:
             noise = torch.stack([torch.randn(x.shape[1:], generator=g) for g in gens]).to(x.device)
             slot = i - starts
             latents[slot == 0, 0] = x[slot == 0]
-            v = self.velocity(x, sigmas[i], *text, true_cfg_scale=sp.true_cfg_scale, grid=grid)
+            v = self.velocity(x, sigmas[i], *text, true_cfg_scale=sp.true_cfg_scale, grid=grid, references=refs)
             x, log_prob = solver.step(x, v, i, noise_level=levels[:, i], noise=noise)
             inside = (slot >= 0) & (slot < window)
             latents[rows[inside], slot[inside] + 1] = x[inside]

@@ -44,9 +44,12 @@ class RolloutServer:
     def __init__(self, config: dict):
         self.engine: RolloutEngine = engine_class(config)(config)
 
-    def generate(self, prompts: list[str], n: int, sampling: dict, seeds=None) -> dict:
-        """TrajectoryBatch.to_dict() for B = len(prompts) * n samples; seeds: per sample, base, or None."""
-        return self.engine.generate(prompts, n, sampling, seeds)
+    def generate(self, prompts: list[str], n: int, sampling: dict, seeds=None, references=None) -> dict:
+        """TrajectoryBatch.to_dict() for B = len(prompts) * n samples; seeds: per sample, base, or None; references:
+        per prompt its reference images (an edit model's) or None."""
+        if references is None:  # engines that serve no edit model keep their signature
+            return self.engine.generate(prompts, n, sampling, seeds)
+        return self.engine.generate(prompts, n, sampling, seeds, references=references)
 
     def update_lora(self, tensors, version: int, adapter_config: dict | None = None) -> dict:
         """Serve a PEFT LoRA adapter (dict of arrays, or a path on the server's host) as policy `version`."""

@@ -88,7 +88,7 @@ def test_one_validation_per_rollout_call(tiny_path, monkeypatch):
 
 
 def test_shapes_resolve_the_fields_dims_at_a_steps_sizes():
-    sizes = {"B": 2, "W": 3, "N": 6, "S": 4, "C": 5, "L": 7, "L'": 1, "D": 8}
+    sizes = {"B": 2, "W": 3, "N": 6, "S": 4, "C": 5, "L": 7, "L'": 1, "D": 8, "R": 2}
     got = schema.shapes(("latents", "sigmas", "negative_prompt_embeds", "noise_level"), sizes,
                         {"negative_prompt_embeds": schema.F32})
     assert got == {"latents": ((2, 4, 4, 5), schema.F32), "sigmas": ((7,), schema.F32),
@@ -96,6 +96,7 @@ def test_shapes_resolve_the_fields_dims_at_a_steps_sizes():
     per_sample = schema.shapes(schema.TRAIN_FIELDS, sizes, per_sample=True)
     assert per_sample["sigmas"] == ((2, 7), schema.F32) and per_sample["noise_level"] == ((2,), schema.F32)
     assert per_sample["prompt_embeds"] == ((2, 7, 8), schema.BF16) and per_sample["step_index"][1] == schema.INT32
+    assert per_sample["reference_latents"] == ((2, 2, 4, 5), schema.F32)  # R reference images on the S tokens
     with pytest.raises(ValueError, match=r"^final_latents: no size for its dim 'S'"):
         schema.shapes(("final_latents",), {"B": 2, "C": 5})
 

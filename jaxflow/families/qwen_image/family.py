@@ -96,15 +96,15 @@ class QwenImage:
         model.init=random."""
         mc = QwenImageConfig.from_json(folder / "transformer" / "config.json")
         if cfg.model.init == "random":
-            model = random_transformer(mc, opts, spec, **kw)
+            model = random_transformer(mc, opts, spec, model_type=self.model_type, **kw)
         else:
-            model = load_transformer(folder / "transformer", opts, spec, **kw)
+            model = load_transformer(folder / "transformer", opts, spec, model_type=self.model_type, **kw)
         if model.unrolled:
             model.unstack_blocks()
         return model
 
     def owns(self, model) -> bool:
-        return isinstance(model, QwenImageTransformer)
+        return type(model) is self.model_type  # not a subclass: the edit family's model is one
 
     def objective(self, config) -> Objective:
         """The window log-prob on the batch's text embeds (`flowgrpo.window_log_prob`), true CFG."""

@@ -67,10 +67,12 @@ def init_lora(cfg: QwenImageConfig, opts: ModelOptions, lora: LoRASpec, seed: in
 
 
 def assemble(cfg: QwenImageConfig, opts: ModelOptions, lora: LoRASpec | None, seed: int,
-             sharding: ShardingFn | None, value, check=None) -> QwenImageTransformer:
-    """The model with every base leaf set to `value(entry, abstract_var, leaf_sharding)` (after `check(abstract
-    base state)`, if given) and a fresh LoRA from `seed` if `lora`. Shared by checkpoint loading and random init."""
-    abstract = nnx.eval_shape(lambda: QwenImageTransformer(cfg, opts, lora, rngs=nnx.Rngs(seed)))
+             sharding: ShardingFn | None, value, check=None,
+             model_type: type[QwenImageTransformer] = QwenImageTransformer) -> QwenImageTransformer:
+    """The `model_type` model (Qwen-Image's transformer or a subclass with its weights: the edit model) with every
+    base leaf set to `value(entry, abstract_var, leaf_sharding)` (after `check(abstract base state)`, if given) and
+    a fresh LoRA from `seed` if `lora`. Shared by checkpoint loading and random init."""
+    abstract = nnx.eval_shape(lambda: model_type(cfg, opts, lora, rngs=nnx.Rngs(seed)))
     graphdef, base, lora_state, rest = nnx.split(abstract, nnx.Param, LoRAParam, ...)
     if check is not None:
         check(base)
@@ -84,20 +86,23 @@ def assemble(cfg: QwenImageConfig, opts: ModelOptions, lora: LoRASpec | None, se
 
 
 def build_from_source(cfg: QwenImageConfig, source: TensorSource, opts: ModelOptions = ModelOptions(),
-                      lora: LoRASpec | None = None, *, sharding: ShardingFn | None = None,
-                      seed: int = 0) -> QwenImageTransformer:
+                      lora: LoRASpec | None = None, *, sharding: ShardingFn | None = None, seed: int = 0,
+                      model_type: type[QwenImageTransformer] = QwenImageTransformer) -> QwenImageTransformer:
     """Create the model with base weights from `source` (fresh LoRA if `lora`), checking everything first."""
     return assemble(cfg, opts, lora, seed, sharding,
                     lambda e, var, shard: _place(_host_value(source, e, cfg.num_layers, np.dtype(var.dtype)), shard),
-                    check=lambda base: _check(source, keymap.transformer_key_map(), base, cfg.num_layers))
+                    check=lambda base: _check(source, keymap.transformer_key_map(), base, cfg.num_layers),
+                    model_type=model_type)
 
 
 def load_transformer(folder: str | Path, opts: ModelOptions = ModelOptions(), lora: LoRASpec | None = None, *,
-                     sharding: ShardingFn | None = None, seed: int = 0) -> QwenImageTransformer:
+                     sharding: ShardingFn | None = None, seed: int = 0,
+                     model_type: type[QwenImageTransformer] = QwenImageTransformer) -> QwenImageTransformer:
     """Load a diffusers `transformer/` folder (config.json + single or index-sharded safetensors)."""
     folder = Path(folder)
     cfg = QwenImageConfig.from_json(folder / "config.json")
-    return build_from_source(cfg, TensorSource.from_folder(folder), opts, lora, sharding=sharding, seed=seed)
+    return build_from_source(cfg, TensorSource.from_folder(folder), opts, lora, sharding=sharding, seed=seed,
+                             model_type=model_type)
 
 
 def to_diffusers_state_dict(model: QwenImageTransformer, merge_lora: bool = False) -> dict[str, np.ndarray]:

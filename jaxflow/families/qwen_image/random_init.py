@@ -14,6 +14,9 @@ from jaxflow.nn.random_init import entry_value
 
 
 def random_transformer(cfg: QwenImageConfig, opts: ModelOptions = ModelOptions(), lora: LoRASpec | None = None,
-                       *, sharding: ShardingFn | None = None, seed: int = 0) -> QwenImageTransformer:
-    """The model with base weights drawn by the shared spec from `seed` (fresh LoRA from `seed` if `lora`)."""
-    return assemble(cfg, opts, lora, seed, sharding, functools.partial(entry_value, seed, cfg.num_layers))
+                       *, sharding: ShardingFn | None = None, seed: int = 0,
+                       model_type: type[QwenImageTransformer] = QwenImageTransformer) -> QwenImageTransformer:
+    """The `model_type` model with base weights drawn by the shared spec from `seed` (fresh LoRA from `seed` if
+    `lora`)."""
+    return assemble(cfg, opts, lora, seed, sharding, functools.partial(entry_value, seed, cfg.num_layers),
+                    model_type=model_type)

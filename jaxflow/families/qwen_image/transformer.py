@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
@@ -10,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxflow.nn.attention import attention, resolve_implementation
 from jaxflow.families.qwen_image.config import QwenImageConfig
 from jaxflow.nn.config import ModelOptions
-from jaxflow.nn.embeddings import TIMESTEP_CHANNELS, apply_rope, rope_angles, rope_tables, timestep_embedding
+from jaxflow.nn.embeddings import TIMESTEP_CHANNELS, apply_rope, inv_freq, rope_angles, rope_tables, timestep_embedding
 from jaxflow.nn.layers import Linear, RMSNorm, gelu_tanh, layer_norm
 from jaxflow.nn.lora import LoRAParam, LoRASpec
 from jaxflow.nn import lora_gemm
@@ -46,6 +47,21 @@ def remat_policy(name: str, attention_impl: str):
         raise ValueError(f"model.remat=save_matmuls_stats saves the cuDNN attention's softmax statistics, but the "
                          f"attention runs {attention_impl!r}: use model.remat=save_matmuls (or cuDNN: bf16 on a GPU)")
     return _POLICIES[name]
+
+
+def image_rope_angles(grids: tuple[tuple[int, int], ...], txt_len: int, axes_dims: tuple[int, int, int]):
+    """Rotation angles of several images' tokens, concatenated (image k at frame position k, its rows and columns
+    centred as `rope_angles`'), and of the text after them, at the largest image's offset: diffusers' `QwenEmbedRope`
+    over `img_shapes` [(1, h0, w0), (1, h1, w1), ...] (the edit model's target and reference images). One image is
+    `rope_angles`."""
+    angles = []
+    for k, (h, w) in enumerate(grids):
+        img, _ = rope_angles(h, w, 0, axes_dims)
+        if k:  # the frame axis' first axes_dims[0] / 2 angles: position k
+            img[:, : axes_dims[0] // 2] = np.float32(k) * inv_freq(axes_dims[0])
+        angles.append(img)
+    widest = max(grids, key=lambda g: max(g[0] // 2, g[1] // 2))
+    return np.concatenate(angles), rope_angles(*widest, txt_len, axes_dims)[1]
 
 
 def _modulate(x, shift, scale):
@@ -205,24 +221,27 @@ class QwenImageTransformer(nnx.Module):
         (valid tokens first) or None; grid_hw = (h, w) static; lora_scale 0 = adapters off (the KL reference).
         Matmuls run at `opts.precision` (set while tracing, so it is part of the compiled step)."""
         with jax.default_matmul_precision(self.opts.precision):
-            return self._forward(x, sigma, txt, txt_mask, grid_hw, lora_scale)
+            return self._forward(x, sigma, txt, txt_mask, (tuple(grid_hw),), lora_scale)
 
-    def _forward(self, x, sigma, txt, txt_mask, grid_hw, lora_scale):
+    def _forward(self, x, sigma, txt, txt_mask, grids, lora_scale):
+        """x holds the tokens of every image of `grids` ((h, w) each, static), the first one's first; the
+        velocity of the first image's tokens only (`image_rope_angles`: one image is the text-to-image model)."""
         dtype = self.opts.compute_dtype
-        h, w = grid_hw
-        if x.shape[1] != h * w:
-            raise ValueError(f"x has {x.shape[1]} tokens but grid_hw={grid_hw} gives {h * w}")
+        tokens = sum(h * w for h, w in grids)
+        if x.shape[1] != tokens:
+            raise ValueError(f"x has {x.shape[1]} tokens but the image grids {grids} give {tokens}")
         img = self.img_in(x)
         ctx = self.txt_in(self.txt_norm(txt.astype(dtype)))
         temb = self.time_linear_2(jax.nn.silu(self.time_linear_1(timestep_embedding(sigma, dtype))))
-        img_ang, txt_ang = rope_angles(h, w, txt.shape[1], self.cfg.axes_dims_rope)
+        img_ang, txt_ang = image_rope_angles(grids, txt.shape[1], self.cfg.axes_dims_rope)
         rope = (*rope_tables(img_ang), *rope_tables(txt_ang))
         if self.opts.rope_table_dtype == "bfloat16":
             rope = tuple(t.astype(jnp.bfloat16).astype(jnp.float32) for t in rope)
-        kv_len = None if txt_mask is None else (h * w + jnp.sum(txt_mask, axis=-1)).astype(jnp.int32)
+        kv_len = None if txt_mask is None else (tokens + jnp.sum(txt_mask, axis=-1)).astype(jnp.int32)
         img, ctx = self._blocks(img, ctx, temb, rope, kv_len, lora_scale)
         scale, shift = jnp.split(self.norm_out(jax.nn.silu(temb)), 2, axis=-1)
-        return self.proj_out(_modulate(layer_norm(img), shift, scale))
+        target = grids[0][0] * grids[0][1]
+        return self.proj_out(_modulate(layer_norm(img[:, :target]), shift, scale))
 
     def _blocks(self, img, ctx, temb, rope, kv_len, lora_scale):
         """The stacked blocks, remat policy by name: a lax.scan over them (compile time independent of depth), or

@@ -49,7 +49,7 @@ class RolloutPipeline(SamplingLoop):
 
     def __init__(self, pipe, device: str | torch.device = "cpu", model_path: str | None = None,
                  lora_apply: str = "layers"):
-        self.tokenizer, self.text_encoder, self.vae = pipe.tokenizer, text_tower(pipe.text_encoder), pipe.vae
+        self.tokenizer, self.text_encoder, self.vae = pipe.tokenizer, self.text_model(pipe.text_encoder), pipe.vae
         self.transformer = pipe.transformer
         self.scheduler_config = dict(pipe.scheduler.config)
         self.template, self.drop = pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx
@@ -65,6 +65,15 @@ class RolloutPipeline(SamplingLoop):
         self.lora = make_sink(lora_apply, self.transformer)  # jaxflow_bridge/sync/sinks.py
         self.lora_config, self.policy_version = None, 0
 
+    text_model = staticmethod(text_tower)  # the part of the pipeline's text encoder it keeps
+
+    @classmethod
+    def diffusers_pipeline(cls, path, **kw):
+        """The diffusers pipeline of the folder `path` (`from_pretrained(path, **kw)`)."""
+        from diffusers import QwenImagePipeline
+
+        return QwenImagePipeline.from_pretrained(path, **kw)
+
     @classmethod
     def from_pretrained(cls, path, dtype: str = "bfloat16", device: str | None = None,
                         random_seed: int | None = None, shared_base: bool = False,
@@ -73,7 +82,7 @@ class RolloutPipeline(SamplingLoop):
         With `random_seed`, the transformer's weights are not read: they are drawn on `device` by the shared spec
         (`jaxflow_bridge/contract/random_weights.py`), so the folder needs only `transformer/config.json`. With
         `shared_base`, they are neither read nor drawn: the transformer waits for `share_base_weights`."""
-        from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
+        from diffusers import QwenImageTransformer2DModel
 
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -83,7 +92,7 @@ class RolloutPipeline(SamplingLoop):
             config = QwenImageTransformer2DModel.load_config(Path(path) / "transformer")
             parts["transformer"] = (empty_transformer(config, DTYPES[dtype]) if shared_base else
                                     random_transformer(config, int(random_seed), DTYPES[dtype], device))
-        pipe = QwenImagePipeline.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True, **parts)
+        pipe = cls.diffusers_pipeline(path, dtype=DTYPES[dtype], local_files_only=True, **parts)
         return cls(pipe, device, str(Path(path)), lora_apply)
 
     @property

@@ -12,6 +12,7 @@ LABEL = "Qwen-Image"  # its name in messages
 TINY = "tiny"  # model.path / engine `model` of the cached tiny offline Qwen-Image
 FOLDER = "a diffusers Qwen-Image folder (model_index.json)"
 MARKER = "model_index.json"
+PIPELINE_CLASS = "QwenImagePipeline"  # model_index.json's _class_name: an edit pipeline's folder is another family's
 WEIGHTS = "transformer"  # the fingerprinted weights: every safetensors file of the folder's transformer/
 
 ENGINES = ("diffusers", "vllm_omni")  # the rollout engines that serve it
@@ -41,8 +42,19 @@ SCHEDULER_CONFIG = {
 }
 
 
+def pipeline_class(folder: Path) -> str | None:
+    """model_index.json's `_class_name` (the diffusers pipeline the folder holds), None without one."""
+    path = Path(folder) / MARKER
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text()).get("_class_name")
+    except (ValueError, AttributeError):  # not JSON, or not an object: no pipeline class
+        return None
+
+
 def is_folder(folder: Path) -> bool:
-    return (Path(folder) / MARKER).is_file()
+    return pipeline_class(folder) == PIPELINE_CLASS
 
 
 def pixels_per_token(vae_config: dict) -> int:

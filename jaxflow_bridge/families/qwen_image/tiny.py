@@ -108,22 +108,25 @@ def _byte_alphabet() -> list[str]:
     return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
 
 
-def _template_words() -> list[str]:
-    """Byte-level words of the template (user and assistant turns included), split as Qwen2 splits them."""
+def _template_words(templates: tuple[str, ...]) -> list[str]:
+    """Byte-level words of the templates (user and assistant turns included), split as Qwen2 splits them."""
     pre = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
-    text = re.sub(r"<\|im_(start|end)\|>", "\0", PROMPT_TEMPLATE.format(""))
-    words = [w for piece in text.split("\0") for w, _ in pre.pre_tokenize_str(piece)]
+    special = "|".join(re.escape(t) for t in QWEN_SPECIAL_TOKENS)
+    texts = [re.sub(special, "\0", t.format("")) for t in templates]
+    words = [w for text in texts for piece in text.split("\0") for w, _ in pre.pre_tokenize_str(piece)]
     return list(dict.fromkeys(words))
 
 
-def tokenizer_vocab() -> tuple[dict[str, int], list[tuple[str, str]], int]:
-    """(vocab, merges, vocab_size): bytes, chained merges of template words, then Qwen's special and FIM tokens."""
+def tokenizer_vocab(templates: tuple[str, ...] = (PROMPT_TEMPLATE,)) -> tuple[dict[str, int], list[tuple[str, str]],
+                                                                               int]:
+    """(vocab, merges, vocab_size): bytes, chained merges of the `templates`' words, then Qwen's special and FIM
+    tokens."""
     vocab = {c: i for i, c in enumerate(_byte_alphabet())}
     merges = []
-    for word in _template_words():
+    for word in _template_words(templates):
         for k in range(1, len(word)):
             if word[: k + 1] not in vocab:
                 merges.append((word[:k], word[k]))
@@ -133,13 +136,13 @@ def tokenizer_vocab() -> tuple[dict[str, int], list[tuple[str, str]], int]:
     return vocab, merges, -(-len(vocab) // 64) * 64
 
 
-def build_tokenizer():
-    """A Qwen2Tokenizer whose template prefix tokenizes to exactly ``TEMPLATE_DROP`` tokens; each FIM token is one
-    added token of its vocab id."""
+def build_tokenizer(templates: tuple[str, ...] = (PROMPT_TEMPLATE,)):
+    """A Qwen2Tokenizer whose template prefix tokenizes to exactly ``TEMPLATE_DROP`` tokens (every word of the
+    `templates` one token); each FIM token is one added token of its vocab id."""
     from tokenizers import AddedToken
     from transformers import Qwen2Tokenizer
 
-    vocab, merges, _ = tokenizer_vocab()
+    vocab, merges, _ = tokenizer_vocab(templates)
     tok = Qwen2Tokenizer(
         vocab=vocab,
         merges=merges,
@@ -151,20 +154,21 @@ def build_tokenizer():
     return tok
 
 
-def save_slow_tokenizer_files(tok_dir: Path) -> None:
+def save_slow_tokenizer_files(tok_dir: Path, templates: tuple[str, ...] = (PROMPT_TEMPLATE,)) -> None:
     """Also write vocab.json and merges.txt, as the released folder has them, for loaders that want them."""
-    vocab, merges, _ = tokenizer_vocab()
+    vocab, merges, _ = tokenizer_vocab(templates)
     (tok_dir / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
     lines = ["#version: 0.2"] + [f"{a} {b}" for a, b in merges]
     (tok_dir / "merges.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
-def text_encoder(text_config: dict, vision_config: dict, vocab_size: int | None = None):
-    """A random Qwen2_5_VLForConditionalGeneration of these configs whose token ids match :func:`build_tokenizer`;
-    `vocab_size` (at least the tokenizer's): embedding rows, for an encoder of a real one's size."""
+def text_encoder(text_config: dict, vision_config: dict, vocab_size: int | None = None,
+                 templates: tuple[str, ...] = (PROMPT_TEMPLATE,)):
+    """A random Qwen2_5_VLForConditionalGeneration of these configs whose token ids match :func:`build_tokenizer` of
+    `templates`; `vocab_size` (at least the tokenizer's): embedding rows, for an encoder of a real one's size."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    vocab, _, own = tokenizer_vocab()
+    vocab, _, own = tokenizer_vocab(templates)
     if vocab_size is not None and vocab_size < own:
         raise ValueError(f"vocab_size {vocab_size} is below the tokenizer's {own}")
     vocab_size = vocab_size or own

@@ -1,0 +1,44 @@
+"""Qwen-Image-Edit (`model.family='qwen_image_edit'`): a diffusers Qwen-Image-Edit(-Plus) folder (or "tiny_edit"),
+engine diffusers; Qwen-Image's family (`jaxflow/families/qwen_image/family.py`: the same transformer weights, loading,
+LoRA and checks) with what differs: its model reads the reference images' latents (`transformer.py`), its objective
+the trajectory's `reference_latents` (`objective.py`). Its identity is `jaxflow_bridge/families/qwen_image_edit/spec.py`."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from jaxflow.algorithms.objective import Objective
+from jaxflow.families.qwen_image.family import QwenImage
+from jaxflow.families.qwen_image_edit.objective import EDIT_WINDOW
+from jaxflow.families.qwen_image_edit.transformer import QwenImageEditTransformer
+from jaxflow_bridge.families.qwen_image_edit import spec
+
+REFERENCES = 1  # reference images a sample is conditioned on (Edit: one; Edit-Plus takes several)
+
+
+class QwenImageEdit(QwenImage):
+    name = spec.NAME
+    engines = spec.ENGINES
+    auto_lora_apply = {"diffusers": "layers"}
+    tiny = spec.TINY
+    tiny_config = "configs/tiny_qwen_edit.py (the tiny offline edit model)"
+    example = spec.EXAMPLE
+    model_type = QwenImageEditTransformer
+
+    def folder(self, cfg) -> Path:
+        if cfg.model.path == self.tiny:
+            from jaxflow_bridge.families.qwen_image_edit.tiny import tiny_pipeline_path
+            return tiny_pipeline_path(dtype=cfg.rollout.dtype)
+        return Path(cfg.model.path)
+
+    def size_multiple(self, cfg) -> int:
+        if cfg.model.path == self.tiny:  # the tiny Qwen-Image's VAE
+            from jaxflow_bridge.families.qwen_image.tiny import TINY_VAE_CONFIG
+            return spec.pixels_per_token(TINY_VAE_CONFIG)
+        return super().size_multiple(cfg)
+
+    def objective(self, config) -> Objective:
+        """Qwen-Image's window log-prob with the batch's reference latents (`objective.EDIT_WINDOW`)."""
+        return EDIT_WINDOW
+
+    def batch_shape(self, model) -> dict:
+        return {**super().batch_shape(model), "references": REFERENCES}

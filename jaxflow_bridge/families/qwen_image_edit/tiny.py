@@ -1,0 +1,84 @@
+"""A tiny, deterministic, offline Qwen-Image-Edit(-Plus) pipeline folder in diffusers format.
+
+The tiny Qwen-Image's transformer, VAE and Qwen2.5-VL text encoder (`jaxflow_bridge/families/qwen_image/tiny.py`, same
+seeds) with a vision tower that sees the reference image, the tokenizer's merges extended by the edit templates'
+words, and a Qwen2-VL image processor whose images stay small (at most `MAX_PIXELS`, in `image_processor/`). Loads
+with ``QwenImageEditPipeline.from_pretrained`` (or ``QwenImageEditPlusPipeline`` with ``plus=True``), its processor
+None; nothing downloaded.
+
+CLI: ``python -m jaxflow_bridge.families.qwen_image_edit.tiny --out DIR [--seed 0] [--dtype float32]``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from jaxflow_bridge.families.qwen_image import tiny as base
+from jaxflow_bridge.rollout.model_cache import DTYPES, cached_folder, check_dtype, folder_cli
+
+FORMAT_VERSION = 1
+# diffusers' QwenImageEditPipeline / QwenImageEditPlusPipeline prompt templates (their prompt_template_encode)
+EDIT_TEMPLATE = (
+    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
+    "background), then explain how the user's text instruction should alter or modify the image. Generate a new image "
+    "that meets the user's requirements while maintaining consistency with the original input where appropriate."
+    "<|im_end|>\n<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n<|im_start|>assistant\n")
+PLUS_PICTURE = "Picture 1: <|vision_start|><|image_pad|><|vision_end|>"
+TEMPLATES = (base.PROMPT_TEMPLATE, EDIT_TEMPLATE, PLUS_PICTURE)
+MIN_PIXELS, MAX_PIXELS = 28 * 28, 56 * 56  # the VL encoder's image: 1 to 4 merged tokens
+
+
+def image_processor():
+    """Qwen2-VL's image processor (patches of 14, merged 2 x 2), its images kept tiny. The PIL one: transformers'
+    `Qwen2VLProcessor` wants torchvision for its video part, so the folder holds no `processor/` and the rollout
+    pipeline expands the image tokens itself (`jaxflow_bridge/families/qwen_image_edit/vl_condition.py`)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+
+
+def build_pipeline(seed: int = 0, dtype: str = "float32", plus: bool = False):
+    """The tiny ``QwenImageEditPipeline`` (``QwenImageEditPlusPipeline`` with `plus`) in memory, seeded as the tiny
+    Qwen-Image's components are."""
+    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline,
+                           QwenImageEditPlusPipeline, QwenImageTransformer2DModel)
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer = QwenImageTransformer2DModel(**base.TINY_TRANSFORMER_CONFIG)
+        torch.manual_seed(seed + 1)
+        vae = AutoencoderKLQwenImage(**base.TINY_VAE_CONFIG)
+        torch.manual_seed(seed + 2)
+        encoder = base.text_encoder(base.TINY_TEXT_CONFIG, base.TINY_VISION_CONFIG, templates=TEMPLATES)
+    for module in (transformer, vae, encoder):
+        module.to(DTYPES[dtype])
+    tokenizer = base.build_tokenizer(TEMPLATES)
+    cls = QwenImageEditPlusPipeline if plus else QwenImageEditPipeline
+    return cls(scheduler=FlowMatchEulerDiscreteScheduler(**base.QWEN_SCHEDULER_CONFIG), vae=vae, text_encoder=encoder,
+               tokenizer=tokenizer, processor=None, transformer=transformer)
+
+
+def build_tiny_pipeline(out_dir, seed: int = 0, dtype: str = "float32", plus: bool = False) -> Path:
+    """Write the tiny edit pipeline folder to ``out_dir``."""
+    check_dtype(dtype)
+    pipe = build_pipeline(seed, dtype, plus)
+    out = base.save_folder(pipe, out_dir)
+    base.save_slow_tokenizer_files(out / "tokenizer", TEMPLATES)
+    image_processor().save_pretrained(out / "image_processor")
+    return out
+
+
+def tiny_pipeline_path(seed: int = 0, dtype: str = "float32", plus: bool = False) -> Path:
+    """The cached tiny edit pipeline folder, built atomically on first use and reused afterwards."""
+    check_dtype(dtype)
+    name = f"qwen_image_edit{'_plus' if plus else ''}_tiny-v{FORMAT_VERSION}-seed{seed}-{dtype}"
+    return cached_folder(name, "model_index.json", lambda tmp: build_tiny_pipeline(tmp, seed, dtype, plus))
+
+
+def main(argv=None) -> None:
+    folder_cli(__doc__, build_tiny_pipeline, argv)
+
+
+if __name__ == "__main__":
+    main()
