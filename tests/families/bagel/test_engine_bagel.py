@@ -8,6 +8,9 @@ import torch
 from safetensors.torch import load_file
 
 from jaxflow_bridge.families.bagel.keymap import LORA_TARGETS, PEFT_PREFIX
+from jaxflow_bridge.contract.lora import lora_pairs
+from jaxflow_bridge.contract.lora_payload import LoRAPayload
+from jaxflow_bridge.contract.served import ServedProbe, differing, expected, probe_modules, probe_positions
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.families.bagel import tiny as tiny_bagel
 from jaxflow_bridge.families.bagel.sampling import BagelSamplingLoop
@@ -88,7 +91,8 @@ def test_lora_adapts_the_generation_expert_as_merged_weights_do(folder):
         base = engine.model.velocity(x, sigma, engine.model.prefill(ids, mask), grid)
         info = engine.update_lora(peft, 3, {"r": RANK, "lora_alpha": ALPHA})
         adapted = engine.model.velocity(x, sigma, engine.model.prefill(ids, mask), grid)
-    assert info == {"version": 3, "bound_modules": len(peft) // 2} and engine.info()["lora_modules"] == len(peft) // 2
+    assert (info["version"], info["bound_modules"]) == (3, len(peft) // 2)
+    assert engine.info()["lora_modules"] == len(peft) // 2
     sd = {k: v.clone() for k, v in load_file(folder / "ema.safetensors").items()}
     for key, a in peft.items():
         if ".lora_A." in key:
@@ -104,6 +108,27 @@ def test_lora_adapts_the_generation_expert_as_merged_weights_do(folder):
     assert float((adapted - base).abs().max()) > 1000 * V_TOL * scale  # the adapter moves it far beyond that
     out = TrajectoryBatch.from_dict(engine.generate(PROMPTS[:1], 2, SAMPLING, seeds=[1, 2]))
     assert list(out.policy_versions) == [3, 3]
+
+
+def want(payload: LoRAPayload) -> dict[str, np.ndarray]:
+    """The trainer's expected deltas at the probe's positions, under the payload's own (PEFT) names."""
+    pairs = lora_pairs(payload.arrays())
+    return {m: expected(*pairs[m], payload.scale, *probe_positions(m, (pairs[m][1].shape[0], pairs[m][0].shape[1])))
+            for m in probe_modules(pairs, payload.version)}
+
+
+@pytest.mark.parametrize("mode", ["layers", "merged", "folder"])
+def test_every_sink_reports_what_it_serves_under_the_payloads_names(folder, mode):
+    """Each apply mode's reply carries the served probe under the trainer's PEFT names (BAGEL's prefix kept), within
+    tolerance of what the payload asks; a sink still holding version 1 when asked for version 2 is caught."""
+    engine = BagelTorchEngine({"engine": "bagel_torch", "model": str(folder), "decode": "preview", "lora_apply": mode})
+    config = {"r": RANK, "lora_alpha": ALPHA}
+    v1, v2 = (LoRAPayload(v, config, adapter(engine.model, seed=v)) for v in (1, 2))
+    probe = ServedProbe.from_dict(engine.update_lora(v1.tensors, 1, config)["served"])
+    assert probe.bound_modules == len(v1.tensors) // 2 and all(m.startswith(PEFT_PREFIX) for m in probe.deltas)
+    assert differing(want(v1), probe) == []
+    assert differing(want(v2), engine.lora.served(v2)) == sorted(want(v2))
+    assert engine.info()["lora_apply"] == mode
 
 
 @pytest.mark.parametrize("mutate, needle", [
