@@ -4,12 +4,13 @@ import numpy as np
 import pytest
 import torch
 
-from jaxflow_bridge.contract.lora import adapter_config, lora_pairs
+from jaxflow_bridge.contract.lora import adapter_config
 from jaxflow_bridge.contract.lora_payload import LoRAPayload
 from jaxflow_bridge.contract.lora_shm import SharedAdapterFile
-from jaxflow_bridge.contract.served import ServedProbe, differing, expected, probe_modules, probe_positions
+from jaxflow_bridge.contract.served import ServedProbe, differing
 from jaxflow_bridge.engines.diffusers import DiffusersEngine
 from jaxflow_bridge.sync.sinks import make_sink
+from tests.helpers import expected_served
 
 TARGETS = ("attn.to_q", "attn.to_out.0", "img_mlp.net.2")
 CONFIG = adapter_config(4, 8.0, ["to_q", "to_out.0", "img_mlp.net.2"])
@@ -94,16 +95,6 @@ def test_an_unknown_apply_mode_is_refused(tiny_path):
         engine(tiny_path, "fused")
 
 
-def want(payload: LoRAPayload) -> dict[str, np.ndarray]:
-    """What the trainer expects at the probe's positions (contract.served.expected from the payload itself)."""
-    pairs = lora_pairs(payload.arrays())
-    out = {}
-    for m in probe_modules(pairs, payload.version):
-        a, b = pairs[m]
-        out[m] = expected(a, b, payload.scale, *probe_positions(m, (b.shape[0], a.shape[1])))
-    return out
-
-
 @pytest.mark.parametrize("mode", ["layers", "merged", "folder"])
 def test_each_sink_reports_what_it_serves_and_a_stale_adapter_is_caught(tiny_path, mode):
     e = engine(tiny_path, mode)
@@ -112,10 +103,10 @@ def test_each_sink_reports_what_it_serves_and_a_stale_adapter_is_caught(tiny_pat
     reply = e.pipeline.serve_lora(v1)
     probe = ServedProbe.from_dict(reply["served"])
     assert probe.version == 1 and probe.bound_modules == 2 * len(TARGETS) and len(probe.deltas) == 2 * len(TARGETS)
-    assert differing(want(v1), probe) == []
+    assert differing(expected_served(v1), probe) == []
     stale = e.pipeline.lora.served(v2)  # fed version 2, still holding version 1's weights
-    assert differing(want(v2), stale) == sorted(want(v2))
-    assert differing(want(v2), ServedProbe.from_dict(e.pipeline.serve_lora(v2)["served"])) == []
+    assert differing(expected_served(v2), stale) == sorted(expected_served(v2))
+    assert differing(expected_served(v2), ServedProbe.from_dict(e.pipeline.serve_lora(v2)["served"])) == []
 
 
 def test_a_module_the_sink_did_not_bind_reports_zeros(tiny_path):
@@ -123,7 +114,7 @@ def test_a_module_the_sink_did_not_bind_reports_zeros(tiny_path):
     tensors = payload_tensors(e.pipeline.transformer)
     e.pipeline.serve_lora(LoRAPayload(1, CONFIG, tensors={k: v for k, v in tensors.items() if "to_q" not in k}))
     probe = e.pipeline.lora.served(LoRAPayload(1, CONFIG, tensors=tensors))
-    assert differing(want(LoRAPayload(1, CONFIG, tensors=tensors)), probe) == [
+    assert differing(expected_served(LoRAPayload(1, CONFIG, tensors=tensors)), probe) == [
         f"transformer_blocks.{i}.attn.to_q" for i in range(2)]
     assert not any(probe.deltas[f"transformer_blocks.{i}.attn.to_q"].any() for i in range(2))
 
@@ -143,8 +134,8 @@ def test_merged_in_bfloat16_is_within_half_an_ulp_of_a_real_bf16_linear():
         sink = make_sink(mode, model)
         assert sink.apply(payload) == 1
         probe = sink.served(payload)
-        assert differing(want(payload), probe) == [], mode
-        assert differing(want(LoRAPayload(6, CONFIG, tensors={k: v * 1.5 for k, v in tensors.items()})), probe) \
+        assert differing(expected_served(payload), probe) == [], mode
+        assert differing(expected_served(LoRAPayload(6, CONFIG, tensors={k: v * 1.5 for k, v in tensors.items()})), probe) \
             == ["0"], mode
         sink.release()
         if mode == "merged":

@@ -14,7 +14,6 @@ from jaxflow_bridge.contract.lora_payload import LoRAPayload
 from jaxflow_bridge.families.qwen_image.random_init import random_transformer
 from jaxflow_bridge.rollout.engine import policy_version
 from jaxflow_bridge.rollout.fingerprint import weights_fingerprint
-from jaxflow_bridge.sync.layers import LoraApplier
 from jaxflow_bridge.rollout.sampling import Fp32Timestep, SamplingLoop
 from jaxflow_bridge.rollout.shared_weights import (
     empty_transformer,

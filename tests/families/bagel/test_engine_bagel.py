@@ -8,9 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from jaxflow_bridge.families.bagel.keymap import LORA_TARGETS, PEFT_PREFIX
-from jaxflow_bridge.contract.lora import lora_pairs
 from jaxflow_bridge.contract.lora_payload import LoRAPayload
-from jaxflow_bridge.contract.served import ServedProbe, differing, expected, probe_modules, probe_positions
+from jaxflow_bridge.contract.served import ServedProbe, differing
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.families.bagel import tiny as tiny_bagel
 from jaxflow_bridge.families.bagel.sampling import BagelSamplingLoop
@@ -19,6 +18,7 @@ from jaxflow_bridge.families.bagel.vae import BagelDecoder
 from jaxflow_bridge.families.bagel.engine import BagelTorchEngine, context_ids
 from jaxflow_bridge.rollout.server import engine_class
 from tests.bagel_helpers import SP, V_TOL
+from tests.helpers import expected_served
 
 PROMPTS = ["a sign", "OCR 42"]
 SAMPLING = dict(height=SP.height, width=SP.width, num_inference_steps=SP.num_inference_steps,
@@ -110,13 +110,6 @@ def test_lora_adapts_the_generation_expert_as_merged_weights_do(folder):
     assert list(out.policy_versions) == [3, 3]
 
 
-def want(payload: LoRAPayload) -> dict[str, np.ndarray]:
-    """The trainer's expected deltas at the probe's positions, under the payload's own (PEFT) names."""
-    pairs = lora_pairs(payload.arrays())
-    return {m: expected(*pairs[m], payload.scale, *probe_positions(m, (pairs[m][1].shape[0], pairs[m][0].shape[1])))
-            for m in probe_modules(pairs, payload.version)}
-
-
 @pytest.mark.parametrize("mode", ["layers", "merged", "folder"])
 def test_every_sink_reports_what_it_serves_under_the_payloads_names(folder, mode):
     """Each apply mode's reply carries the served probe under the trainer's PEFT names (BAGEL's prefix kept), within
@@ -126,8 +119,8 @@ def test_every_sink_reports_what_it_serves_under_the_payloads_names(folder, mode
     v1, v2 = (LoRAPayload(v, config, adapter(engine.model, seed=v)) for v in (1, 2))
     probe = ServedProbe.from_dict(engine.update_lora(v1.tensors, 1, config)["served"])
     assert probe.bound_modules == len(v1.tensors) // 2 and all(m.startswith(PEFT_PREFIX) for m in probe.deltas)
-    assert differing(want(v1), probe) == []
-    assert differing(want(v2), engine.lora.served(v2)) == sorted(want(v2))
+    assert differing(expected_served(v1), probe) == []
+    assert differing(expected_served(v2), engine.lora.served(v2)) == sorted(expected_served(v2))
     assert engine.info()["lora_apply"] == mode
 
 
