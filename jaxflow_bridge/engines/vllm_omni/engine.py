@@ -174,7 +174,9 @@ class VllmOmniEngine(RolloutEngine):
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="vllm-omni-loop", daemon=True).start()
         _export_package_path()
-        self.lora_apply = pipeline_args.get("lora_apply", "layers")  # the workers' sink (sync/vllm_omni_sinks.py)
+        # the workers' LoRA sink (sync/vllm_omni_sinks.py) is the pipeline's lora_apply; a kind whose pipeline takes
+        # none (BAGEL's, on vLLM-Omni's own LoRA layers) syncs through their slots, as "layers" does
+        self.lora_apply = pipeline_args.get("lora_apply", "layers")
         self.merged = self.lora_apply == "merged"  # adapters merged into the base weights
         self.fallbacks = 0  # in-place LoRA writes that failed (each logged; that update loaded a folder instead)
         kwargs = {**start_args, "dtype": self.dtype, "enable_sleep_mode": True, **config.get("omni_args", {})}

@@ -353,15 +353,23 @@ def test_lora_updates_reach_the_bagel_slots(folder, bagel_torch, tmp_path, monke
     update_lora_shared: the next one written in place into the `bagel.`-prefixed layers' slots (B times alpha / r),
     the understanding expert's untouched; an off-expert adapter refused, the served one kept."""
     engine, omni = start(monkeypatch, tmp_path, bagel_torch)
-    assert engine.update_lora(adapter(folder, 1), 1, CONFIG)["bound_modules"] == TARGETS * LAYERS
+    first = LoRAPayload(1, CONFIG, adapter(folder, 1))
+    reply = engine.update_lora(first.tensors, 1, CONFIG)
+    assert reply["bound_modules"] == TARGETS * LAYERS
+    served = ServedProbe.from_dict(reply["served"])  # read back from the slots, under the trainer's PEFT names
+    assert all(m.startswith(bagel_keymap.PEFT_PREFIX) for m in served.deltas)
+    assert differing(expected_served(first), served) == []
     (request,) = omni.started[0].loaded
     tensors, config = read_peft(request.lora_path)
     assert sorted(tensors) == sorted(k.removeprefix(bagel_keymap.PEFT_PREFIX) for k in adapter(folder, 1))
     assert config["r"] == RANK and config["target_modules"] == CONFIG["target_modules"]
     second = adapter(folder, 2, prefix="")  # the trainer's shared file: lora_to_peft's names
     shared = SharedAdapterFile("bfloat16", root=tmp_path)
-    reply = engine.update_lora_shared(shared.write_arrays(second), 2, CONFIG)
-    assert reply["bound_modules"] == TARGETS * LAYERS and "seconds" in reply  # in place, not a new folder
+    payload = LoRAPayload(2, CONFIG, shared=shared.write_arrays(second))
+    reply = engine.update_lora_shared(payload.shared, 2, CONFIG)
+    assert reply["bound_modules"] == TARGETS * LAYERS and len(omni.started[0].loaded) == 1  # in place, no new folder
+    assert differing(expected_served(payload), ServedProbe.from_dict(reply["served"])) == []
+    assert differing(expected_served(first), ServedProbe.from_dict(reply["served"])) != []
     slots = omni.started[0].worker.lora_manager._lora_modules
     gate_up = slots[f"bagel.{LLM}.1.mlp_moe_gen.gate_up_proj"]
     up = f"{LLM}.1.mlp_moe_gen.up_proj.lora_"
