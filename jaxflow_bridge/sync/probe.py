@@ -43,10 +43,12 @@ class Target:
         return self.dtype != stored and not (stored == "float32" and self.dtype in UNIT_ROUNDOFF)
 
 
-def _host(x, index) -> np.ndarray:
-    """x[index] as a float64 host array (x numpy or a torch tensor on any device)."""
-    part = x[index]
-    return np.asarray(part if isinstance(part, np.ndarray) else torch_to_numpy(part), np.float64)
+def _host(x, rows=None, cols=None) -> np.ndarray:
+    """x[rows] or x[:, cols] as a float64 host array (x numpy, or a torch tensor on any device: gathered there)."""
+    if isinstance(x, np.ndarray):
+        return np.asarray(x[rows] if cols is None else x[:, cols], np.float64)
+    index = torch.from_numpy(rows if cols is None else cols).to(x.device)
+    return np.asarray(torch_to_numpy(x.index_select(0 if cols is None else 1, index)), np.float64)
 
 
 def engine_names(adapter: Callable[[dict], dict] | None, modules) -> dict[str, str]:
@@ -68,7 +70,7 @@ def probe_targets(payload: LoRAPayload, adapter: Callable[[dict], dict] | None =
         rows, cols = probe_positions(m, (b.shape[0], a.shape[1]))
         dtypes = {str(x.dtype).removeprefix("torch.") for x in (a, b)}
         dtype = dtypes.pop() if len(dtypes) == 1 else "mixed"
-        out.append(Target(m, renamed[m], rows, cols, _host(a, (slice(None), cols)), _host(b, rows), dtype))
+        out.append(Target(m, renamed[m], rows, cols, _host(a, cols=cols), _host(b, rows=rows), dtype))
     return out
 
 

@@ -113,15 +113,9 @@ class MergedSink:
     def served(self, payload: LoRAPayload) -> ServedProbe:
         """W - W_base at the probe's positions, W the merged weight, W_base the exact base copy `MergedLoRA`
         keeps (zeros for a module never merged, or while the base is being restored)."""
-        merged = {t[0] for t in self.merged.previous[1]} if self.merged.serving else set()
-
-        def weights(name):
-            if name not in merged:
-                return None
-            weight = self.linears[name].weight
-            return weight, self.merged.copies[id(weight)][1], 0
         with torch.no_grad():
-            return merged_probe(payload, probe_targets(payload, self.adapter), weights, self.bound_modules())
+            return merged_probe(payload, probe_targets(payload, self.adapter), self.merged.served_slices().get,
+                                self.bound_modules())
 
 
 class FolderSink(_LoraLayers):

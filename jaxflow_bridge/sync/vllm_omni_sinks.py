@@ -125,20 +125,11 @@ class SlotsSink(_VllmOmniSink):
         return reply["written"]
 
     def _factors(self, module: str):
-        """(A (r, in), B (out, r) times alpha / r, 1.0) of a bound module as the manager holds them: the active
-        adapter's slots, or, until a request activates the adapter just loaded, the copy it will activate."""
+        """(A, B times alpha / r, 1.0) of a bound module as the manager holds them (`served_lora`)."""
         if module not in self.binding or self.adapter_id is None:
             return None
-        manager = self.manager()
-        layer, slot = self.binding[module]
-        if getattr(manager, "_active_adapter_id", None) != self.adapter_id:
-            held = manager._registered_adapters[self.adapter_id].get_lora(module)
-            return held.lora_a, held.lora_b, 1.0
-        wrapped = manager._lora_modules.get(layer, manager._lora_modules.get(f"{self.name}.{layer}"))
-        slots = range(len(wrapped.lora_a_stacked)) if slot is None else [slot]
-        a = wrapped.lora_a_stacked[slots[0]][0, 0, :self.rank]
-        b = torch.cat([wrapped.lora_b_stacked[s][0, 0, :, :self.rank] for s in slots])
-        return a, b, 1.0
+        return (*vllm_omni_slots.served_lora(self.manager(), self.adapter_id, self.name, module,
+                                             *self.binding[module], self.rank), 1.0)
 
     def served(self, payload: LoRAPayload) -> ServedProbe:
         """The served B @ A (B holding alpha / r) at the probe's positions, read from the manager's tensors."""
@@ -193,15 +184,9 @@ class MergedSlotsSink(_VllmOmniSink):
 
     def served(self, payload: LoRAPayload) -> ServedProbe:
         """W - W_base of each probed module's slice of its engine layer (zeros while the base is restored)."""
-        targets = {t[0]: t for t in self.merged.previous[1]} if self.merged.serving else {}
-
-        def weights(module):
-            if module not in targets:
-                return None
-            _, weight, row, *_ = targets[module]
-            return weight, self.merged.copies[id(weight)][1], row
         with torch.no_grad():
-            return merged_probe(payload, probe_targets(payload, self.adapter), weights, self.bound_modules())
+            return merged_probe(payload, probe_targets(payload, self.adapter), self.merged.served_slices().get,
+                                self.bound_modules())
 
 
 SINKS = {"layers": SlotsSink, "folder": FolderSlotsSink, "merged": MergedSlotsSink}

@@ -116,3 +116,16 @@ def test_a_non_finite_payload_is_refused_with_nothing_written(payloads):
     reply = worker.rollout_apply_lora("layers", payload, engine_names(to_vllm_omni, payload.modules))
     assert "finite" in reply["refused"] and "previous adapter keeps serving" in reply["refused"]
     assert differing(expected_served(v1), worker.rollout_sink("layers").served(v1)) == []
+
+
+def test_merged_serves_the_previous_adapter_again_after_a_refusal_while_restoring(payloads):
+    """The engine refused an adapter after `release_adapter` began restoring the base: the workers merge the previous
+    one again, and the probe reads it back; before that they serve the bare base and refuse to sample."""
+    worker = stand_in("merged")
+    v1 = payloads(1)
+    apply(worker, "merged", v1)
+    worker.rollout_restore_base()
+    with pytest.raises(RuntimeError, match="being restored"):
+        worker.rollout_sink("merged").check_serving()
+    assert worker.rollout_serve_again() == {"written": 36}
+    assert differing(expected_served(v1), worker.rollout_sink("merged").served(v1)) == []
