@@ -258,7 +258,7 @@ def test_a_two_stage_rollout_is_the_single_stages(folder, bagel_torch, tmp_path,
         if version:
             for e in (single, engine):
                 assert e.update_lora(adapter(folder, 5), 1, CONFIG)["bound_modules"] == LAYERS * TARGETS
-            assert started.rpcs[-1] == ("add_lora", [1])
+            assert started.rpcs[-2:] == [("add_lora", [1]), ("rollout_apply_lora", [1])]  # loaded, read back
         want = TrajectoryBatch.from_dict(single.generate([PROMPT, "a fox"], 2, sp, seeds=[3, 4, 5, 6]))
         got = TrajectoryBatch.from_dict(engine.generate([PROMPT, "a fox"], 2, sp, seeds=[3, 4, 5, 6]))
         for field in ("images", "latents", "log_probs", "sigmas", "step_index", "prompt_ids", "prompt_mask",
