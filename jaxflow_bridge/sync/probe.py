@@ -19,7 +19,7 @@ from jaxflow_bridge.contract.lora import lora_module, lora_pairs
 from jaxflow_bridge.contract.lora_payload import LoRAPayload
 from jaxflow_bridge.contract.served import (UNIT_ROUNDOFF, ServedProbe, merged_tolerance, probe_modules,
                                             probe_positions, product_tolerance)
-from jaxflow_bridge.rollout.tensors import numpy_to_torch, torch_to_numpy
+from jaxflow_bridge.rollout.tensors import torch_to_numpy
 
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -141,8 +141,3 @@ def _to_host(values: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     for m, v in values.items():
         out[m], start = flat[start:start + len(v)], start + len(v)
     return out
-
-
-def as_tensor(x) -> torch.Tensor:
-    """A payload array as a torch tensor (numpy shared, tensors as they are)."""
-    return numpy_to_torch(x) if isinstance(x, np.ndarray) else torch.as_tensor(x)

@@ -28,7 +28,8 @@ from jaxflow_bridge.contract.served import ServedProbe
 from jaxflow_bridge.sync import vllm_omni_slots
 from jaxflow_bridge.sync.binding import bind_lora_modules, slot_plan
 from jaxflow_bridge.sync.merge import plan_targets
-from jaxflow_bridge.sync.probe import as_tensor, layers_probe, merged_probe, probe_targets
+from jaxflow_bridge.sync.layers import as_tensor
+from jaxflow_bridge.sync.probe import layers_probe, merged_probe, probe_targets
 from jaxflow_bridge.sync.vllm_omni_slots import MappedPayload, lora_component, lora_module_table
 
 
@@ -53,7 +54,7 @@ class _VllmOmniSink:
     mode = ""
 
     def __init__(self, pipeline, manager: Callable[[], object]):
-        self.pipeline, self.manager = pipeline, manager
+        self.manager = manager
         self.name, self.component = lora_component(pipeline)
         self.table = lora_module_table(self.component)
         self.mapped = MappedPayload()
