@@ -8,7 +8,8 @@
   its load_weights leaves (FakeBagel, BAGEL_STACKED_PARAMS); its computing stand-in over the bagel_torch engine's
   model is tests/helpers_vllm_omni_bagel.py
 - the LoRA manager's slots (FakeManager), and the package itself: AsyncOmni over one in-process worker with our
-  extension, the BAGEL deploy file in its folder (install_fake_vllm_omni)
+  extension, the BAGEL deploy file in its folder (install_fake_vllm_omni), whose add_lora loads and activates the
+  adapter in the manager's slots
 """
 import sys
 import types
@@ -18,7 +19,8 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from jaxflow_bridge.contract.lora import lora_pairs, read_peft
+from jaxflow_bridge.contract.lora import adapter_spec, lora_pairs, read_peft
+from jaxflow_bridge.sync.binding import bind_lora_modules
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.rollout.sampling import SamplingParams
 from jaxflow_bridge.families.bagel.tiny import TINY_LLM, TINY_VIT
@@ -163,9 +165,11 @@ class FakeBagel(torch.nn.Module):
 class FakeManager:
     """vLLM-Omni 0.20's DiffusionLoRAManager as `write_lora_slots` sees it: wrapped layers keyed by full module name
     (`component.` + the table's name) with one (1, 1, r, in) / (1, 1, out_i, r) slot pair per slice, and the active
-    adapter's CPU copy per module."""
+    adapter's CPU copy per module: zeros, or with `scale` the modules' (A, B) arrays loaded and activated as vLLM-Omni
+    does (bf16, B times `scale`, into the copy and the slots of each module's layer and slice)."""
 
-    def __init__(self, table: dict, modules: dict, rank: int, component: str = "transformer", adapter_id: int = 7):
+    def __init__(self, table: dict, modules: dict, rank: int, component: str = "transformer", adapter_id: int = 7,
+                 scale: float | None = None):
         self._active_adapter_id = adapter_id
         self._lora_modules = {}
         for name, (fan_in, outs) in table["modules"].items():
@@ -177,6 +181,19 @@ class FakeManager:
                    for m, (a, b) in modules.items()}
         self._registered_adapters = {adapter_id: SimpleNamespace(get_lora=masters.get)}
         self.masters = masters
+        if scale is None:
+            return
+        for module, (layer, slot) in bind_lora_modules(modules, rank, table).items():
+            a, b = (torch.from_numpy(np.asarray(x, np.float32)) for x in modules[module])
+            masters[module].lora_a.copy_(a)
+            masters[module].lora_b.copy_(b * scale)
+            wrapped = self._lora_modules[f"{component}.{layer}"]
+            for i in range(len(wrapped.lora_a_stacked)) if slot is None else [slot]:
+                wrapped.lora_a_stacked[i][0, 0].copy_(a)
+            rows = [0, *np.cumsum([t.shape[2] for t in wrapped.lora_b_stacked])]
+            for i in range(len(wrapped.lora_b_stacked)) if slot is None else [slot]:
+                part = b[rows[i]:rows[i + 1]] if slot is None else b
+                wrapped.lora_b_stacked[i][0, 0].copy_(part * scale)
 
 
 # ---------------------------------------------------------------------------------------------- the package
@@ -246,11 +263,12 @@ def install_fake_vllm_omni(monkeypatch, root, pipelines: dict, stages: int = 1, 
                     SimpleNamespace(prompts=[prompt], sampling_params=params, request_ids=[request_id]))
 
         def _add_lora(self, request):
-            pairs = lora_pairs(read_peft(request.lora_path)[0])
+            tensors, config = read_peft(request.lora_path)
+            pairs = lora_pairs(tensors)
             name, component = lora_component(self.worker.model_runner.pipeline)
             rank = next(iter(pairs.values()))[0].shape[0]
             self.worker.lora_manager = FakeManager(lora_module_table(component), pairs, rank, name,
-                                                   request.lora_int_id)
+                                                   request.lora_int_id, adapter_spec(config).alpha / rank)
             self.loaded.append(request)
             return True
 

@@ -48,7 +48,8 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def update_lora(self, tensors, version: int, adapter_config: dict | None = None) -> dict:
         """Serve a PEFT LoRA adapter (dict of arrays, or a path on the engine's host) as policy `version`;
-        returns {"version", "bound_modules"}. A refused adapter leaves the previous one serving."""
+        returns {"version", "bound_modules", "served": `ServedProbe.to_dict()` of what the engine now serves, read
+        from its own memory (jaxflow_bridge/contract/served.py)}. A refused adapter leaves the previous one serving."""
 
     def update_lora_shared(self, manifest: dict, version: int, adapter_config: dict | None = None) -> dict:
         """`update_lora` from a shared-memory adapter file on this host (jaxflow_bridge/contract/lora_shm.py; the manifest

@@ -2,7 +2,7 @@
 
     server = create_rollout_server({"engine": "diffusers", "model": path, "dtype": "bfloat16"}, num_gpus=1)
     batch = TrajectoryBatch.from_dict(ray.get(server.generate.remote(prompts, n, {"height": 512, ...})))
-    ray.get(server.update_lora.remote(tensors, version, adapter_config))  # {"version", "bound_modules"}
+    ray.get(server.update_lora.remote(tensors, version, adapter_config))  # {"version", "bound_modules", "served"}
 
 `ENGINES` names each engine's `RolloutEngine` subclass by import path ("package.module:Class"), so that choosing
 one never imports another's dependencies. An actor runs one call at a time (Ray's default max_concurrency=1), so a

@@ -28,7 +28,8 @@ from jaxflow_bridge.rollout.tensors import numpy_to_torch
 ADAPTER_NAME = "rollout"
 
 
-def _as_tensor(x) -> torch.Tensor:
+def as_tensor(x) -> torch.Tensor:
+    """An adapter array as a torch tensor (numpy shared, not copied; tensors as they are)."""
     return numpy_to_torch(x) if isinstance(x, np.ndarray) else torch.as_tensor(x)
 
 
@@ -43,7 +44,7 @@ def validate_pairs(linears: dict, tensors: dict, rank: int) -> dict[str, tuple[t
         elif match["module"] not in linears:
             errors.append(f"{key}: the transformer has no Linear module {match['module']!r}")
         else:
-            parts.setdefault(match["module"], {})[match["part"]] = (key, _as_tensor(value))
+            parts.setdefault(match["module"], {})[match["part"]] = (key, as_tensor(value))
     pairs = {}
     for module, got in parts.items():
         linear = linears[module]

@@ -53,6 +53,13 @@ class MergedLoRA:
         self.serving = False
         self._restore = None  # (stream, event) of a restore in flight
 
+    def served_slices(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, int]]:
+        """{module: (its merged weight, that weight's pristine host copy, its slice's first row)} of the adapter
+        served now; empty while none is (the base being restored)."""
+        if not self.serving:
+            return {}
+        return {t[0]: (t[1], self.copies[id(t[1])][1], t[2]) for t in self.previous[1]}
+
     @torch.no_grad()
     def _keep(self, targets: list) -> None:
         """Copy each weight not seen yet to host memory, once, while it is the pristine base."""

@@ -85,6 +85,21 @@ def write_lora_slots(manager, payload: torch.Tensor, plan: list, first_b: int, s
     return {"written": len(targets)}
 
 
+def served_lora(manager, adapter_id: int, component: str, module: str, layer: str, slot: int | None,
+                rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A (r, in), B (out, r) times alpha / r) of adapter `adapter_id`'s `module` as vLLM-Omni 0.20's manager
+    holds it (see `write_lora_slots`): the wrapped `layer`'s slots of `slot` (None: every slice, B's rows stacked)
+    while that adapter is active, else the CPU copy its next activation (a request carrying it) copies in."""
+    if getattr(manager, "_active_adapter_id", None) != adapter_id:
+        held = manager._registered_adapters[adapter_id].get_lora(module)
+        return held.lora_a, held.lora_b
+    layers = manager._lora_modules
+    wrapped = layers.get(layer, layers.get(f"{component}.{layer}"))
+    slots = range(len(wrapped.lora_a_stacked)) if slot is None else [slot]
+    a = wrapped.lora_a_stacked[slots[0]][0, 0, :rank]
+    return a, torch.cat([wrapped.lora_b_stacked[s][0, 0, :, :rank] for s in slots])
+
+
 class MappedPayload:
     """A shared adapter file mapped into this process once (torch.from_file, shared) and, on a GPU, page-locked
     (cudaHostRegister) so that each step's copy to the GPU runs at pinned speed; remapped when the path or size

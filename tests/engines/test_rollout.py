@@ -10,13 +10,15 @@ import torch
 from safetensors.numpy import save_file
 
 import jaxflow_bridge.rollout
+from jaxflow_bridge.contract.lora_payload import LoRAPayload
 from jaxflow_bridge.contract.schedule import sigma_schedule
+from jaxflow_bridge.contract.served import ServedProbe, differing
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.families.qwen_image.diffusers_pipeline import RolloutPipeline
 from jaxflow_bridge.rollout.sampling import DECODE_PIXELS, Fp32Timestep, SamplingParams, cfg_combine, decode_batch
 from jaxflow_bridge.rollout.sde import sde_step
 from jaxflow_bridge.rollout.server import create_rollout_server
-from tests.helpers import make_adapter
+from tests.helpers import expected_served, make_adapter
 
 PROMPTS = ["a red fox", "a red fox jumping over the lazy dog"]
 SAMPLING = dict(height=40, width=72, num_inference_steps=4, true_cfg_scale=4.0, noise_level=1.2, sde_window_size=2,
@@ -388,20 +390,25 @@ def test_update_lora_changes_outputs_and_version(fresh_pipe, tmp_path):
     p, args = fresh_pipe, (PROMPTS[:1], 1, NO_CFG, [0])
     base = p.generate(*args)
     tensors, config = make_adapter(p, prefix="transformer.")
-    assert p.update_lora(tensors, 1, config) == {"version": 1, "bound_modules": 8}
+    reply = p.update_lora(tensors, 1, config)
+    assert (reply["version"], reply["bound_modules"]) == (1, 8)
+    assert differing(expected_served(LoRAPayload(1, config, tensors)), ServedProbe.from_dict(reply["served"])) == []
     first = p.generate(*args)
     assert first.policy_versions.tolist() == [1] and not np.allclose(first.latents, base.latents, atol=1e-3)
 
     layer = p.transformer.get_submodule("transformer_blocks.0.attn.to_q")
     zeros = {k: np.zeros_like(v) for k, v in make_adapter(p)[0].items()}
-    assert p.update_lora(zeros, 2) == {"version": 2, "bound_modules": 8}  # config reused, no re-injection
+    reply = p.update_lora(zeros, 2)
+    assert (reply["version"], reply["bound_modules"]) == (2, 8)  # config reused, no re-injection
+    assert not any(np.any(v) for v in reply["served"]["deltas"].values())
     assert p.transformer.get_submodule("transformer_blocks.0.attn.to_q") is layer
     np.testing.assert_allclose(p.generate(*args).latents, base.latents, atol=1e-6)  # a zero delta is the base
 
     other, other_config = make_adapter(p, modules=("attn.to_v",), rank=2, seed=1)  # new rank and targets
     save_file(other, str(tmp_path / "adapter_model.safetensors"))
     (tmp_path / "adapter_config.json").write_text(json.dumps(other_config))
-    assert p.update_lora(str(tmp_path), 3) == {"version": 3, "bound_modules": 2}
+    reply = p.update_lora(str(tmp_path), 3)
+    assert (reply["version"], reply["bound_modules"], len(reply["served"]["deltas"])) == (3, 2, 2)
     assert type(p.transformer.get_submodule("transformer_blocks.0.attn.to_q")) is torch.nn.Linear
     assert not np.allclose(p.generate(*args).latents, base.latents, atol=1e-3)
 
@@ -493,7 +500,8 @@ def test_server_generate_update_lora_info(ray_session, servers, pipe):
     assert out.seeds.tolist() == [7, 8] and out.negative_prompt_embeds is not None
 
     tensors, config = make_adapter(pipe)
-    assert ray_session.get(server.update_lora.remote(tensors, 5, config)) == {"version": 5, "bound_modules": 8}
+    reply = ray_session.get(server.update_lora.remote(tensors, 5, config))
+    assert (reply["version"], reply["bound_modules"], len(reply["served"]["deltas"])) == (5, 8, 8)
     with pytest.raises(ValueError, match="binds zero modules"):
         ray_session.get(server.update_lora.remote({}, 6))
     ray_session.get([server.sleep.remote(), server.wake.remote()])  # no-ops on CPU

@@ -7,7 +7,10 @@ import torch
 from jaxflow_bridge.contract.lora import adapter_config
 from jaxflow_bridge.contract.lora_payload import LoRAPayload
 from jaxflow_bridge.contract.lora_shm import SharedAdapterFile
+from jaxflow_bridge.contract.served import ServedProbe, differing
 from jaxflow_bridge.engines.diffusers import DiffusersEngine
+from jaxflow_bridge.sync.sinks import make_sink
+from tests.helpers import expected_served
 
 TARGETS = ("attn.to_q", "attn.to_out.0", "img_mlp.net.2")
 CONFIG = adapter_config(4, 8.0, ["to_q", "to_out.0", "img_mlp.net.2"])
@@ -54,7 +57,8 @@ def test_each_sink_serves_the_same_weights_and_images_from_one_payload(tiny_path
         for mode in ("layers", "merged", "folder"):
             for carrier, payload in payloads.items():
                 e = engine(tiny_path, mode)
-                assert e.pipeline.serve_lora(payload) == {"version": 1, "bound_modules": 2 * len(TARGETS)}
+                reply = e.pipeline.serve_lora(payload)
+                assert (reply["version"], reply["bound_modules"]) == (1, 2 * len(TARGETS))
                 assert e.info()["lora_apply"] == mode and e.info()["lora_modules"] == 2 * len(TARGETS)
                 served[mode, carrier] = effective_weights(e)
                 images[mode, carrier] = e.generate(["a red square"], 1, SAMPLING, [7])["images"]
@@ -89,3 +93,51 @@ def test_merged_sink_restores_the_base_and_refuses_to_sample_until_the_next_upda
 def test_an_unknown_apply_mode_is_refused(tiny_path):
     with pytest.raises(ValueError, match=r"lora_apply='fused'; choose one of \['folder', 'layers', 'merged'\]"):
         engine(tiny_path, "fused")
+
+
+@pytest.mark.parametrize("mode", ["layers", "merged", "folder"])
+def test_each_sink_reports_what_it_serves_and_a_stale_adapter_is_caught(tiny_path, mode):
+    e = engine(tiny_path, mode)
+    v1 = LoRAPayload(1, CONFIG, tensors=payload_tensors(e.pipeline.transformer, seed=0))
+    v2 = LoRAPayload(2, CONFIG, tensors=payload_tensors(e.pipeline.transformer, seed=1))
+    reply = e.pipeline.serve_lora(v1)
+    probe = ServedProbe.from_dict(reply["served"])
+    assert probe.version == 1 and probe.bound_modules == 2 * len(TARGETS) and len(probe.deltas) == 2 * len(TARGETS)
+    assert differing(expected_served(v1), probe) == []
+    stale = e.pipeline.lora.served(v2)  # fed version 2, still holding version 1's weights
+    assert differing(expected_served(v2), stale) == sorted(expected_served(v2))
+    assert differing(expected_served(v2), ServedProbe.from_dict(e.pipeline.serve_lora(v2)["served"])) == []
+
+
+def test_a_module_the_sink_did_not_bind_reports_zeros(tiny_path):
+    e = engine(tiny_path, "layers")
+    tensors = payload_tensors(e.pipeline.transformer)
+    e.pipeline.serve_lora(LoRAPayload(1, CONFIG, tensors={k: v for k, v in tensors.items() if "to_q" not in k}))
+    probe = e.pipeline.lora.served(LoRAPayload(1, CONFIG, tensors=tensors))
+    assert differing(expected_served(LoRAPayload(1, CONFIG, tensors=tensors)), probe) == [
+        f"transformer_blocks.{i}.attn.to_q" for i in range(2)]
+    assert not any(probe.deltas[f"transformer_blocks.{i}.attn.to_q"].any() for i in range(2))
+
+
+def test_merged_in_bfloat16_is_within_half_an_ulp_of_a_real_bf16_linear():
+    """A real bf16 Linear (weights of magnitude 1, so the merge rounds): W - W_base within `merged_tolerance`; the
+    same payload read as layers in bf16 within `product_tolerance`."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(96, 80)).to(torch.bfloat16)
+    with torch.no_grad():
+        model[0].weight.normal_()
+    rng = np.random.default_rng(3)
+    tensors = {"0.lora_A.weight": rng.normal(0, 0.1, (4, 96)).astype(np.float32),
+               "0.lora_B.weight": rng.normal(0, 0.1, (80, 4)).astype(np.float32)}
+    payload = LoRAPayload(5, CONFIG, tensors=tensors)
+    for mode in ("merged", "layers"):
+        sink = make_sink(mode, model)
+        assert sink.apply(payload) == 1
+        probe = sink.served(payload)
+        assert differing(expected_served(payload), probe) == [], mode
+        assert differing(expected_served(LoRAPayload(6, CONFIG, tensors={k: v * 1.5 for k, v in tensors.items()})), probe) \
+            == ["0"], mode
+        sink.release()
+        if mode == "merged":
+            assert not np.any(sink.served(payload).deltas["0"])  # the bare base while it is restored
+            sink.apply(payload)

@@ -21,18 +21,16 @@ options its pipeline lacks (`pipeline_args`), checks adapters' names (`adapter`)
 - generate: one engine request per prompt with `num_outputs_per_prompt=n` (one B=n forward, 2n with true CFG,
   per step), all submitted at once; knobs split into OmniDiffusionSamplingParams fields and `extra_args`
   (the kind's `encode_request`); results unpacked into one TrajectoryBatch (`codec.unpack_trajectories`), prompt-major.
-- update_lora: the adapter, renamed for vLLM-Omni (`jaxflow_bridge.contract.lora.to_vllm_omni`; the kind checks its
-  names first), is checked against the engine's LoRA-capable layers (its pipeline's LoRA component's: names,
-  packed slots, shapes) before the engine sees it, written as a PEFT folder under /dev/shm and
-  loaded by vLLM-Omni's own loader (`add_lora(LoRARequest)`); every later request
-  carries that LoRARequest. If loading fails, the previous adapter is loaded back and keeps serving.
-- update_lora_shared: the adapter in a shared-memory file on this host (jaxflow_bridge/contract/lora_shm.py); once an
-  adapter of the same rank and alpha serves, the workers write the file's tensors into its LoRA slots in place
-  (`jaxflow_bridge.sync.vllm_omni_slots.write_lora_slots`), with the same checks and refusals; otherwise as update_lora.
-  A failed in-place write is a RuntimeError (logged; the trainer counts it and retries once), never a silent switch.
-- lora_apply="merged": no LoRA layers at all; update_lora / update_lora_shared merge the adapter into the base
-  weights (`jaxflow_bridge/sync/merge.py`, restored exactly from a host copy each time), `release_adapter`
-  starts that restore as soon as a step's rollouts are over.
+- update_lora / update_lora_shared: one payload (`jaxflow_bridge/contract/lora_payload.py`: arrays over Ray, or a
+  shared-memory file on this host), its names (renamed for vLLM-Omni, `jaxflow_bridge.contract.lora.to_vllm_omni`;
+  the kind checks them first) and shapes checked against the engine's LoRA-capable layers, then served by the
+  workers' sink of `lora_apply` (`jaxflow_bridge/sync/vllm_omni_sinks.py`): "layers" writes it in place into the
+  LoRA slots of the adapter `add_lora` loaded first (a PEFT folder under /dev/shm; every later request carries
+  that LoRARequest), "folder" loads every adapter with `add_lora`, "merged" merges it into the base weights
+  (`jaxflow_bridge/sync/merge.py`, restored exactly from a host copy each time; `release_adapter` starts that
+  restore as soon as a step's rollouts are over). The reply says what the workers then serve ("served",
+  contract/served.py). A refused adapter leaves the previous one serving; a failed in-place write is logged and
+  counted ("fallbacks"), and that update loads a folder instead, never a silent or lasting switch.
 - a two-stage deployment (`deploy="two_stage"`): the thinker (vLLM's AR engine) prefills
   each request's framed prompt and sends its KV to our pipeline on the DiT stage (one greedy token, think mode
   refused); worker RPCs and adapters go to the DiT stage alone, sleep and wake to both; the ids the thinker reports
@@ -46,7 +44,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import shutil
 import subprocess
@@ -60,12 +57,14 @@ from pathlib import Path
 import numpy as np
 
 import jaxflow_bridge
-from jaxflow_bridge.contract.lora import adapter_spec, lora_pairs, read_peft, refusal, vllm_omni_adapter_config, write_peft
-from jaxflow_bridge.contract.lora_shm import SharedAdapterFile, open_payload, read_arrays
+from jaxflow_bridge.contract.lora import (adapter_spec, lora_module, lora_pairs, read_peft, vllm_omni_adapter_config,
+                                         write_peft)
+from jaxflow_bridge.contract.lora_payload import LoRAPayload
+from jaxflow_bridge.contract.lora_shm import open_payload
 from jaxflow_bridge.contract.schedule import sample_windows
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.rollout.engine import RolloutEngine, policy_version
-from jaxflow_bridge.sync.binding import check_lora_binding, slot_plan
+from jaxflow_bridge.sync.binding import bind_lora_modules, check_lora_binding
 from jaxflow_bridge.rollout.sampling import check_prompts, per_sample_seeds
 from jaxflow_bridge.rollout.tensors import torch_to_numpy
 from jaxflow_bridge.engines.vllm_omni.codec import unpack_trajectories
@@ -175,8 +174,11 @@ class VllmOmniEngine(RolloutEngine):
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="vllm-omni-loop", daemon=True).start()
         _export_package_path()
-        self.merged = pipeline_args.get("lora_apply") == "merged"  # adapters merged into the base weights
-        self._merge_file = None  # update_lora's arrays, written to a shared file of the engine's own when merged
+        # the workers' LoRA sink (sync/vllm_omni_sinks.py) is the pipeline's lora_apply; a kind whose pipeline takes
+        # none (BAGEL's, on vLLM-Omni's own LoRA layers) syncs through their slots, as "layers" does
+        self.lora_apply = pipeline_args.get("lora_apply", "layers")
+        self.merged = self.lora_apply == "merged"  # adapters merged into the base weights
+        self.fallbacks = 0  # in-place LoRA writes that failed (each logged; that update loaded a folder instead)
         kwargs = {**start_args, "dtype": self.dtype, "enable_sleep_mode": True, **config.get("omni_args", {})}
         self.omni = self._run(self._start(async_omni, kwargs))
         if self.omni.num_stages != self.kind.stages:  # one params object a stage, the DiT stage's RPC replies
@@ -252,91 +254,83 @@ class VllmOmniEngine(RolloutEngine):
     # -------------------------------------------------------------------------------------- LoRA
 
     def update_lora(self, tensors, version: int, adapter_config: dict | None = None) -> dict:
-        """{"version", "bound_modules"}; a refused or failed adapter leaves the previous one serving."""
+        """Serve a PEFT adapter (dict of arrays, or a path on this host) as policy `version` (`serve_lora`)."""
         policy_version(version)
-        self.check_awake()
         if isinstance(tensors, (str, Path)):
             tensors, file_config = read_peft(tensors)
             adapter_config = adapter_config or file_config
-        adapter_config = adapter_config or self._lora_config
-        if not adapter_config:
-            raise ValueError("adapter_config (r, lora_alpha) is required for the first LoRA update")
-        if self.merged:
-            return self._merge(self._shared_copy(tensors), version, dict(adapter_config))
-        spec = adapter_spec(adapter_config)
-        tensors = self.kind.adapter({k: v if isinstance(v, np.ndarray) else torch_to_numpy(v)
-                                     for k, v in tensors.items()})
-        bound = check_lora_binding(lora_pairs(tensors), spec.rank, self._modules)
-        self._lora_ids += 1
-        folder = write_peft(self._lora_dir / f"adapter-{self._lora_ids}", tensors,
-                            vllm_omni_adapter_config(adapter_config))
-        request = self._lora_cls(lora_name=f"policy-v{int(version)}", lora_int_id=self._lora_ids,
-                                 lora_path=str(folder))
-        self._run(self._swap_lora(request))
-        self._lora, self._lora_config, self._lora_bound = request, dict(adapter_config), bound
-        self.policy_version = int(version)
-        return {"version": self.policy_version, "bound_modules": bound}
+        tensors = {k: v if isinstance(v, np.ndarray) else torch_to_numpy(v) for k, v in tensors.items()}
+        return self.serve_lora(LoRAPayload(int(version), dict(adapter_config or self._lora_config or {}), tensors))
 
     def update_lora_shared(self, manifest: dict, version: int, adapter_config: dict | None = None) -> dict:
-        """The shared-memory adapter file (jaxflow_bridge/contract/lora_shm.py) written by the workers into the served
-        adapter's LoRA slots in place (`RolloutWorkerExtension.rollout_write_lora`: one host-to-device copy, the
-        values checked on the GPU, then slot copies), when an adapter of the same rank, alpha and modules serves;
-        otherwise (the first update, another rank) through `update_lora`'s folder and `add_lora`. A refused adapter
-        leaves the previous one serving; FileNotFoundError if the file is not on this host."""
+        """Serve the adapter in a shared-memory file on this host (jaxflow_bridge/contract/lora_shm.py; the workers
+        map it) as policy `version` (`serve_lora`); FileNotFoundError if the file is not here."""
         policy_version(version)
-        self.check_awake()
         open_payload(manifest)
-        self.kind.adapter(dict(manifest["entries"]))  # its names, as the kind allows them
-        adapter_config = dict(adapter_config or self._lora_config or {})
-        if self.merged:
-            if not adapter_config:
-                raise ValueError("adapter_config (r, lora_alpha) is required for the first LoRA update")
-            return self._merge(manifest, version, adapter_config)
-        spec = adapter_spec(adapter_config) if adapter_config else None
-        plan = None
-        if self._lora is not None and adapter_config == self._lora_config:
-            plan, first_b = slot_plan(manifest, spec.rank, self._modules)
-        if plan is None or len(plan) != self._lora_bound:
-            return self.update_lora(read_arrays(manifest), version, adapter_config or None)
-        scale = spec.alpha / (math.sqrt(spec.rank) if spec.rslora else spec.rank)
+        return self.serve_lora(LoRAPayload(int(version), dict(adapter_config or self._lora_config or {}),
+                                           shared=manifest))
+
+    def serve_lora(self, payload: LoRAPayload) -> dict:
+        """{"version", "bound_modules", "seconds", "served": what the workers' sink now serves, "fallbacks": in-place
+        writes failed so far}. The names and shapes are checked here (the kind's names, the engine's layer table),
+        the values by the workers' sink; then by `lora_apply`: "merged" merges on the workers, "layers" writes in
+        place once `add_lora` has loaded an adapter of the same config and modules, "folder" (and "layers" before
+        that) loads a PEFT folder with `add_lora`. A refused adapter leaves the previous one serving. A failed
+        in-place write is logged and counted, and that update loads a folder instead; the next one goes in place
+        again."""
+        self.check_awake()
+        if not payload.config:
+            raise ValueError("adapter_config (r, lora_alpha) is required for the first LoRA update")
+        shapes = {k: v.shape for k, v in payload.tensors.items()} if payload.tensors is not None else \
+            {k: tuple(s) for k, s in payload.shared["entries"]}
+        vllm = self.kind.adapter(dict.fromkeys(shapes))  # its names, as the kind allows them
+        names = {lora_module(k): lora_module(v) for k, v in zip(shapes, vllm)}
+        pairs = lora_pairs({v: np.broadcast_to(np.uint8(0), shapes[k]) for k, v in zip(shapes, vllm)})
         t = time.perf_counter()
         try:
-            reply = _flat(self._rpc("rollout_write_lora", manifest, plan, first_b, scale, self._lora.lora_int_id))[0]
-        except RuntimeError as exc:  # the slots are not where this vLLM-Omni keeps them: said, never switched
-            line = f"vllm_omni engine: in-place LoRA write of version {int(version)} failed: {exc}"
-            log.error(line)
-            raise RuntimeError(line) from exc
-        if reply.get("refused"):
-            raise refusal(reply["refused"], "modules with non-finite values")
-        self.policy_version = int(version)
-        return {"version": self.policy_version, "bound_modules": self._lora_bound, "seconds": time.perf_counter() - t}
-
-    def _merge(self, manifest: dict, version: int, adapter_config: dict) -> dict:
-        """lora_apply="merged": the workers merge the file's adapter into the base weights
-        (`RolloutWorkerExtension.rollout_merge_lora`); shapes are checked here first, values on the GPU. A refused
-        adapter leaves the previous one merged (again, if `release_adapter` had begun restoring the base)."""
-        spec = adapter_spec(adapter_config)
-        try:
-            plan, _ = slot_plan(manifest, spec.rank, self._modules)
+            bound = len(bind_lora_modules(pairs, adapter_spec(payload.config).rank, self._modules, check_values=False))
         except ValueError:
-            self._rpc("rollout_merge_lora", None, [], 0.0)
+            if self.merged:
+                self._rpc("rollout_serve_again")
             raise
-        scale = spec.alpha / (math.sqrt(spec.rank) if spec.rslora else spec.rank)
-        t = time.perf_counter()
-        reply = _flat(self._rpc("rollout_merge_lora", manifest, plan, scale))[0]
-        if reply.get("refused"):
-            raise refusal(reply["refused"], "modules with non-finite values")
-        self._lora_config, self._lora_bound = adapter_config, reply["written"]
-        self.policy_version = int(version)
-        return {"version": self.policy_version, "bound_modules": self._lora_bound, "seconds": time.perf_counter() - t}
+        if self.merged:
+            reply = self._apply(payload, names)
+        elif self.lora_apply == "layers" and self._lora is not None and payload.config == self._lora_config \
+                and bound == self._lora_bound:
+            try:
+                reply = self._apply(payload, names)
+            except RuntimeError as exc:  # the slots are not where this vLLM-Omni keeps them: said and counted
+                self.fallbacks += 1
+                log.error(f"vllm_omni engine: in-place LoRA write of version {payload.version} failed "
+                          f"({self.fallbacks} so far); loading it from a PEFT folder instead: {exc}")
+                reply = self._load(payload, names)
+        else:
+            reply = self._load(payload, names)
+        self._lora_config, self._lora_bound = dict(payload.config), reply["written"]
+        self.policy_version = int(payload.version)
+        return {"version": self.policy_version, "bound_modules": self._lora_bound, "served": reply["served"],
+                "seconds": time.perf_counter() - t, "fallbacks": self.fallbacks}
 
-    def _shared_copy(self, tensors: dict) -> dict:
-        """update_lora's arrays (PEFT keys) in the engine's own shared file; its manifest."""
-        if self._merge_file is None:
-            self._merge_file = SharedAdapterFile(self.dtype)
-            weakref.finalize(self, self._merge_file.close)
-        return self._merge_file.write_arrays({k: v if isinstance(v, np.ndarray) else torch_to_numpy(v)
-                                              for k, v in tensors.items()})
+    def _apply(self, payload: LoRAPayload, names: dict, loaded_id: int | None = None) -> dict:
+        """The workers' sink serving `payload` (`RolloutWorkerMethods.rollout_apply_lora`); ValueError if refused."""
+        reply = _flat(self._rpc("rollout_apply_lora", self.lora_apply, payload, names, loaded_id))[0]
+        if "refused" in reply:
+            raise ValueError(reply["refused"])
+        return reply
+
+    def _load(self, payload: LoRAPayload, names: dict) -> dict:
+        """`payload` written as a PEFT folder under /dev/shm (vLLM-Omni's names; values checked here) and loaded
+        by vLLM-Omni's `add_lora`, the previous adapter dropped; then read back by the workers' sink."""
+        tensors = self.kind.adapter(payload.arrays())
+        check_lora_binding(lora_pairs(tensors), adapter_spec(payload.config).rank, self._modules)
+        self._lora_ids += 1
+        folder = write_peft(self._lora_dir / f"adapter-{self._lora_ids}", tensors,
+                            vllm_omni_adapter_config(payload.config))
+        request = self._lora_cls(lora_name=f"policy-v{int(payload.version)}", lora_int_id=self._lora_ids,
+                                 lora_path=str(folder))
+        self._run(self._swap_lora(request))
+        self._lora = request
+        return self._apply(payload, names, request.lora_int_id)
 
     def release_adapter(self) -> None:
         """lora_apply="merged": the workers start restoring the bare base weights (pinned host copies back to the

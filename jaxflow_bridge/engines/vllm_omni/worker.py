@@ -1,18 +1,21 @@
 """The extension of vLLM-Omni 0.20's diffusion worker our engine starts its workers with (`WORKER_EXTENSION_CLASS`,
 built on first attribute access, PEP 562, so this module imports without vLLM-Omni): `rollout_lora_modules()`, the
-pipeline's LoRA-capable layers and their shapes (the engine checks adapters against it), the in-place LoRA write into
-vLLM-Omni's slots, and with lora_apply="merged" the merge into the base weights and its restore."""
+pipeline's LoRA-capable layers and their shapes (the engine checks adapters against it), and the worker's LoRA sink
+(jaxflow_bridge/sync/vllm_omni_sinks.py, one per apply mode): each update's payload applied and read back."""
 from __future__ import annotations
 
-from jaxflow_bridge.sync.merge import plan_targets
-from jaxflow_bridge.sync.vllm_omni_slots import MappedPayload, lora_component, lora_module_table, write_lora_slots
+from jaxflow_bridge.contract.lora_payload import LoRAPayload
+from jaxflow_bridge.sync.vllm_omni_sinks import SINKS, Renames
+from jaxflow_bridge.sync.vllm_omni_slots import lora_component, lora_module_table
 
 WORKER_EXTENSION_CLASS = f"{__name__}.RolloutWorkerExtension"
+_FAILURES = (RuntimeError, AttributeError, KeyError, IndexError, TypeError)  # a manager unlike vLLM-Omni 0.20's
 
 
 class RolloutWorkerMethods:
     """What `RolloutWorkerExtension` adds to vLLM-Omni's diffusion worker (its `model_runner.pipeline`, one of our
-    pipeline classes, and its `lora_manager`); a plain mixin, so tests can call it on a stand-in worker."""
+    pipeline classes, and its `lora_manager`); a plain mixin, so tests can call it on a stand-in worker. Replies are
+    dicts: a refused adapter {"refused": reason}, a failure {"error": True, "reason"} (the engine raises it)."""
 
     def rollout_lora_modules(self) -> dict:
         return lora_module_table(lora_component(self.model_runner.pipeline)[1])
@@ -20,42 +23,39 @@ class RolloutWorkerMethods:
     def rollout_random_fingerprint(self) -> str | None:
         return self.model_runner.pipeline.random_fingerprint
 
-    def rollout_write_lora(self, manifest: dict, plan: list, first_b: int, scale: float, adapter_id: int) -> dict:
-        if not hasattr(self, "_rollout_payload"):
-            self._rollout_payload = MappedPayload()
-        name, component = lora_component(self.model_runner.pipeline)
-        device = next(component.parameters()).device
+    def rollout_sink(self, mode: str):
+        """The worker's LoRA sink of apply mode `mode`, made on first use."""
+        sink = getattr(self, "_rollout_sink", None)
+        if sink is None or sink.mode != mode:
+            sink = self._rollout_sink = SINKS[mode](self.model_runner.pipeline, lambda: self.lora_manager)
+        return sink
+
+    def rollout_apply_lora(self, mode: str, payload: LoRAPayload, names: dict, loaded_id: int | None = None) -> dict:
+        """Serve `payload` (PEFT names; `names`: {PEFT module: vLLM-Omni module}) through the mode's sink: written
+        by it, or (`loaded_id`) already loaded by the engine's `add_lora` as that adapter; {"written": modules bound,
+        "served": what the sink now serves (contract/served.py)}."""
+        sink = self.rollout_sink(mode)
+        sink.adapter = Renames(names)
         try:
-            return write_lora_slots(self.lora_manager, self._rollout_payload.to(manifest, device), plan, first_b,
-                                    scale, adapter_id, name)
-        except (RuntimeError, AttributeError, KeyError) as e:  # reported as an RPC error: the engine falls back
+            bound = sink.apply(payload) if loaded_id is None else sink.loaded(payload, loaded_id)
+            return {"written": bound, "served": sink.served(payload).to_dict()}
+        except ValueError as e:
+            return {"refused": str(e)}
+        except _FAILURES as e:
             return {"error": True, "reason": f"{type(e).__name__}: {e}"}
 
-    def rollout_merge_lora(self, manifest: dict | None, plan: list, scale: float) -> dict:
-        """lora_apply="merged": the shared file's adapter merged into the base weights (manifest None: the previous
-        adapter merged again, after the engine refused a new one)."""
-        pipeline = self.model_runner.pipeline
-        merged = pipeline.merged_lora
+    def rollout_serve_again(self) -> dict:
+        """lora_apply="merged": the previous adapter merged again (the engine refused a new one after the base
+        began restoring)."""
         try:
-            if manifest is None:
-                serve_again = merged.previous is not None and not merged.serving
-                return merged.merge(*merged.previous) if serve_again else {"written": 0}
-            if not hasattr(self, "_rollout_payload"):
-                self._rollout_payload = MappedPayload()
-            if not hasattr(self, "_rollout_table"):  # the transformer's layers do not change: read them once
-                self._rollout_table = lora_module_table(pipeline.transformer)
-            device = next(pipeline.transformer.parameters()).device
-            targets = plan_targets(pipeline.transformer, plan, self._rollout_table)
-            return merged.merge(self._rollout_payload.to(manifest, device), targets, scale)
-        except (RuntimeError, AttributeError, KeyError) as e:  # reported as an RPC error
+            return {"written": self.rollout_sink("merged").serve_again()}
+        except _FAILURES as e:
             return {"error": True, "reason": f"{type(e).__name__}: {e}"}
 
     def rollout_restore_base(self) -> dict:
         """lora_apply="merged": start restoring the bare base weights (they copy back while the trainer trains)."""
-        merged = self.model_runner.pipeline.merged_lora
-        if merged is not None:
-            merged.begin_restore()
-        return {"restoring": merged is not None}
+        self.rollout_sink("merged").release()
+        return {"restoring": True}
 
 
 def _worker_extension_class() -> type:

@@ -6,12 +6,13 @@ the tokenizer; or "tiny_bagel" for the cached tiny random one), `device` ("cpu",
 `families.bagel.vae.BagelDecoder`, as vLLM-Omni decodes; or "preview": `latent_preview`, no decoder, for plumbing runs),
 `random_seed` (optional: the weights drawn by the shared random spec, `jaxflow_bridge/contract/random_weights.py`, by
 checkpoint name, as the trainer's `model.init=random`; the folder then needs no ema.safetensors), `lora_apply`
-("layers", the only one: `LoraApplier`'s LoRA layers). A prompt's context
+("layers", default; "merged"; "folder": the sinks of `jaxflow_bridge/sync/sinks.py`). A prompt's context
 is `<|im_start|>` + its tokens + `<|im_end|>` (docs/bagel.md §4), carried as the trajectory's `prompt_ids`; with the
 sampling's `think`, followed by the prompt's think tokens (`families/bagel/think.py`: the checkpoint's text head, loaded
 on the first think request, decodes once a prompt). LoRA: PEFT adapters in BAGEL's names (the trainer's
 `jaxflow.families.bagel.lora.peft_state_dict`; the `base_model.model.` prefix optional) on the generation expert's
-Linears, applied atomically by `LoraApplier`. Never imports JAX.
+Linears, applied atomically by the engine's sink; each update's reply says what the sink then serves ("served").
+Never imports JAX.
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ from transformers import Qwen2TokenizerFast
 
 from jaxflow_bridge.families.bagel.keymap import generation_expert_adapter
 from jaxflow_bridge.contract.lora import read_peft
+from jaxflow_bridge.contract.lora_payload import LoRAPayload
 from jaxflow_bridge.families.bagel.model import BagelTorch
 from jaxflow_bridge.families.bagel.sampling import (PIXELS_PER_TOKEN, BagelSamplingLoop, BagelSamplingParams,
                                                     latent_preview)
 from jaxflow_bridge.families.bagel.think import TextHead, Thinker
 from jaxflow_bridge.families.bagel.vae import BagelDecoder
 from jaxflow_bridge.rollout.engine import RolloutEngine, policy_version
-from jaxflow_bridge.sync.layers import LoraApplier
+from jaxflow_bridge.sync.sinks import SINKS, make_sink
 from jaxflow_bridge.rollout.fingerprint import weights_fingerprint
 from jaxflow_bridge.rollout.random_weights import torch_weight
 from jaxflow_bridge.families.bagel.tiny import bagel_torch_fields
@@ -51,9 +53,11 @@ class BagelTorchEngine(RolloutEngine):
 
     def __init__(self, config: dict):
         self.check_config(config)
-        for key, only in (("device", "cpu"), ("dtype", "float32"), ("lora_apply", "layers")):
+        for key, only in (("device", "cpu"), ("dtype", "float32")):
             if config.get(key, only) != only:
                 raise ValueError(f"{self.name} engine: {key} {config[key]!r} is not supported yet; pass {only!r}")
+        if config.get("lora_apply", "layers") not in SINKS:
+            raise ValueError(f"{self.name} engine: lora_apply {config['lora_apply']!r}; choose one of {sorted(SINKS)}")
         model = config["model"]
         if model == "tiny_bagel":
             from jaxflow_bridge.families.bagel.tiny import tiny_bagel_path
@@ -77,7 +81,8 @@ class BagelTorchEngine(RolloutEngine):
         self.model.eval()
         self.fingerprint = weights_fingerprint(self.model.state_dict().items())
         self.tokenizer = Qwen2TokenizerFast.from_pretrained(folder)  # BAGEL ships Qwen2.5's tokenizer files
-        self.lora = LoraApplier(self.model)
+        self.lora = make_sink(config.get("lora_apply", "layers"), self.model, generation_expert_adapter)
+        self.lora_config = None
         self.decoder = None
         if decode == "vae":
             self.decoder = BagelDecoder(load_file(folder / "ae.safetensors"), patch=fields["latent_patch_size"])
@@ -116,19 +121,28 @@ class BagelTorchEngine(RolloutEngine):
         """TrajectoryBatch.to_dict() of B = len(prompts) * n samples (see BagelSamplingLoop.generate)."""
         params = BagelSamplingParams.from_dict(sampling)
         self.check_awake()
+        self.lora.check_serving()
         ids = [context_ids(self.tokenizer, p) for p in prompts]
         return self.loop.generate(ids, n, params, seeds, prompts=list(prompts)).to_dict()
 
     def update_lora(self, tensors, version: int, adapter_config: dict | None = None) -> dict:
-        """{"version", "bound_modules"}; atomic: a refused adapter leaves the previous one serving."""
+        """{"version", "bound_modules", "served"}; atomic: a refused adapter leaves the previous one serving."""
         self.check_awake()
         version = policy_version(version)
         if isinstance(tensors, (str, Path)):
             tensors, file_config = read_peft(tensors)
             adapter_config = adapter_config or file_config
-        bound = self.lora.apply(generation_expert_adapter(tensors), adapter_config)
-        self.loop.policy_version = version
-        return {"version": version, "bound_modules": bound}
+        adapter_config = adapter_config or self.lora_config
+        if not adapter_config:
+            raise ValueError("adapter_config (r, lora_alpha) is required for the first LoRA update")
+        payload = LoRAPayload(version, dict(adapter_config), tensors)
+        bound = self.lora.apply(payload)
+        self.loop.policy_version, self.lora_config = version, dict(adapter_config)
+        return {"version": version, "bound_modules": bound, "served": self.lora.served(payload).to_dict()}
+
+    def release_adapter(self) -> None:
+        """lora_apply="merged": start restoring the bare base weights (sampling waits for the next update)."""
+        self.lora.release()
 
     def sleep(self) -> int:
         """A no-op on the CPU: 0 bytes freed."""
@@ -141,4 +155,4 @@ class BagelTorchEngine(RolloutEngine):
     def info(self) -> dict:
         return {"engine": self.name, "device": "cpu", "dtype": "float32", "policy_version": self.loop.policy_version,
                 "model": self.model_path, "fingerprint": self.fingerprint, "size_multiple": PIXELS_PER_TOKEN,
-                "lora_modules": self.lora.bound_modules(), "asleep": self.asleep}
+                "lora_modules": self.lora.bound_modules(), "asleep": self.asleep, "lora_apply": self.lora.mode}

@@ -14,7 +14,6 @@ from jaxflow_bridge.contract.lora_payload import LoRAPayload
 from jaxflow_bridge.families.qwen_image.random_init import random_transformer
 from jaxflow_bridge.rollout.engine import policy_version
 from jaxflow_bridge.rollout.fingerprint import weights_fingerprint
-from jaxflow_bridge.sync.layers import LoraApplier
 from jaxflow_bridge.rollout.sampling import Fp32Timestep, SamplingLoop
 from jaxflow_bridge.rollout.shared_weights import (
     empty_transformer,
@@ -132,9 +131,11 @@ class RolloutPipeline(SamplingLoop):
         return self.serve_lora(LoRAPayload(policy_version(version), adapter_config or self.lora_config, tensors))
 
     def serve_lora(self, payload: LoRAPayload) -> dict:
-        """Serve `payload` through the pipeline's sink; {"version", "bound_modules"}."""
+        """Serve `payload` through the pipeline's sink; {"version", "bound_modules", "served": what the sink now
+        serves at the probe's positions (contract/served.py)}."""
         if not payload.config:
             raise ValueError("adapter_config (r, lora_alpha) is required for the first LoRA update")
         bound = self.lora.apply(payload)
         self.lora_config, self.policy_version = dict(payload.config), policy_version(payload.version)
-        return {"version": self.policy_version, "bound_modules": bound}
+        return {"version": self.policy_version, "bound_modules": bound,
+                "served": self.lora.served(payload).to_dict()}

@@ -122,7 +122,7 @@ def test_bagel_on_vllm_omni_is_a_valid_config_served_through_lora_layers(tmp_pat
 def test_bagel_lora_mode_is_the_one_its_engine_runs(tmp_path):
     """BAGEL's rollout.lora_mode='auto' is 'folder' on vllm_omni (vLLM-Omni's own apply, the engines' word for what
     was its "stock") and 'layers' on bagel_torch; 'layers' on vllm_omni (the fused apply, Qwen-Image's) is refused in
-    one line naming 'folder', and the bagel_torch engine refuses any lora_apply but 'layers'."""
+    one line naming 'folder', and the bagel_torch engine refuses a lora_apply that is not one of its sinks'."""
     from jaxflow.config.errors import UserError
     from jaxflow.config.plan import lora_apply
     from jaxflow.config.validation import validate
@@ -135,8 +135,9 @@ def test_bagel_lora_mode_is_the_one_its_engine_runs(tmp_path):
     with pytest.raises(UserError, match=r"config\.rollout\.lora_mode: 'layers': BAGEL runs with 'auto' or 'folder' "
                                         r"on the vllm_omni engine"):
         validate(cfg)
-    with pytest.raises(ValueError, match="bagel_torch engine: lora_apply 'merged' is not supported yet; pass 'layers'"):
-        BagelTorchEngine({"engine": "bagel_torch", "model": "tiny_bagel", "lora_apply": "merged"})
+    with pytest.raises(ValueError, match=r"bagel_torch engine: lora_apply 'fused'; choose one of \['folder', 'layers', "
+                                         r"'merged'\]"):
+        BagelTorchEngine({"engine": "bagel_torch", "model": "tiny_bagel", "lora_apply": "fused"})
 
 
 def test_random_init_draws_the_engines_weights_by_checkpoint_name():

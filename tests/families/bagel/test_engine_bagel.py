@@ -8,6 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from jaxflow_bridge.families.bagel.keymap import LORA_TARGETS, PEFT_PREFIX
+from jaxflow_bridge.contract.lora_payload import LoRAPayload
+from jaxflow_bridge.contract.served import ServedProbe, differing
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.families.bagel import tiny as tiny_bagel
 from jaxflow_bridge.families.bagel.sampling import BagelSamplingLoop
@@ -16,6 +18,7 @@ from jaxflow_bridge.families.bagel.vae import BagelDecoder
 from jaxflow_bridge.families.bagel.engine import BagelTorchEngine, context_ids
 from jaxflow_bridge.rollout.server import engine_class
 from tests.bagel_helpers import SP, V_TOL
+from tests.helpers import expected_served
 
 PROMPTS = ["a sign", "OCR 42"]
 SAMPLING = dict(height=SP.height, width=SP.width, num_inference_steps=SP.num_inference_steps,
@@ -88,7 +91,8 @@ def test_lora_adapts_the_generation_expert_as_merged_weights_do(folder):
         base = engine.model.velocity(x, sigma, engine.model.prefill(ids, mask), grid)
         info = engine.update_lora(peft, 3, {"r": RANK, "lora_alpha": ALPHA})
         adapted = engine.model.velocity(x, sigma, engine.model.prefill(ids, mask), grid)
-    assert info == {"version": 3, "bound_modules": len(peft) // 2} and engine.info()["lora_modules"] == len(peft) // 2
+    assert (info["version"], info["bound_modules"]) == (3, len(peft) // 2)
+    assert engine.info()["lora_modules"] == len(peft) // 2
     sd = {k: v.clone() for k, v in load_file(folder / "ema.safetensors").items()}
     for key, a in peft.items():
         if ".lora_A." in key:
@@ -104,6 +108,20 @@ def test_lora_adapts_the_generation_expert_as_merged_weights_do(folder):
     assert float((adapted - base).abs().max()) > 1000 * V_TOL * scale  # the adapter moves it far beyond that
     out = TrajectoryBatch.from_dict(engine.generate(PROMPTS[:1], 2, SAMPLING, seeds=[1, 2]))
     assert list(out.policy_versions) == [3, 3]
+
+
+@pytest.mark.parametrize("mode", ["layers", "merged", "folder"])
+def test_every_sink_reports_what_it_serves_under_the_payloads_names(folder, mode):
+    """Each apply mode's reply carries the served probe under the trainer's PEFT names (BAGEL's prefix kept), within
+    tolerance of what the payload asks; a sink still holding version 1 when asked for version 2 is caught."""
+    engine = BagelTorchEngine({"engine": "bagel_torch", "model": str(folder), "decode": "preview", "lora_apply": mode})
+    config = {"r": RANK, "lora_alpha": ALPHA}
+    v1, v2 = (LoRAPayload(v, config, adapter(engine.model, seed=v)) for v in (1, 2))
+    probe = ServedProbe.from_dict(engine.update_lora(v1.tensors, 1, config)["served"])
+    assert probe.bound_modules == len(v1.tensors) // 2 and all(m.startswith(PEFT_PREFIX) for m in probe.deltas)
+    assert differing(expected_served(v1), probe) == []
+    assert differing(expected_served(v2), engine.lora.served(v2)) == sorted(expected_served(v2))
+    assert engine.info()["lora_apply"] == mode
 
 
 @pytest.mark.parametrize("mutate, needle", [

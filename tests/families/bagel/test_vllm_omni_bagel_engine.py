@@ -21,7 +21,9 @@ from jaxflow.config.errors import UserError
 from jaxflow.config.validation import config_module
 from jaxflow_bridge.families.bagel import keymap as bagel_keymap
 from jaxflow_bridge.contract.lora import lora_pairs, read_peft
+from jaxflow_bridge.contract.lora_payload import LoRAPayload
 from jaxflow_bridge.contract.lora_shm import SharedAdapterFile
+from jaxflow_bridge.contract.served import ServedProbe, differing
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.families.qwen_image import tiny
 from jaxflow_bridge.families.bagel import tiny as tiny_bagel
@@ -38,7 +40,7 @@ from jaxflow_bridge.engines.vllm_omni.kinds import model_kind
 from jaxflow_bridge.families.bagel.spec import DEPLOY_FILES
 from jaxflow_bridge.families.bagel.vllm_omni_kind import VllmOmniKind as Bagel
 from jaxflow_bridge.families.qwen_image.vllm_omni_kind import VllmOmniKind as QwenImage
-from tests.helpers import ROOT
+from tests.helpers import ROOT, expected_served
 from tests.helpers_vllm_omni import SAMPLING, SEEDS, FakeBagel, FakeOmniQwenImagePipeline, install_fake_vllm_omni
 from tests.helpers_vllm_omni_bagel import NaiveCache, stand_in_thinker, stock_bagel_pipeline
 
@@ -256,7 +258,7 @@ def test_a_two_stage_rollout_is_the_single_stages(folder, bagel_torch, tmp_path,
         if version:
             for e in (single, engine):
                 assert e.update_lora(adapter(folder, 5), 1, CONFIG)["bound_modules"] == LAYERS * TARGETS
-            assert started.rpcs[-1] == ("add_lora", [1])
+            assert started.rpcs[-2:] == [("add_lora", [1]), ("rollout_apply_lora", [1])]  # loaded, read back
         want = TrajectoryBatch.from_dict(single.generate([PROMPT, "a fox"], 2, sp, seeds=[3, 4, 5, 6]))
         got = TrajectoryBatch.from_dict(engine.generate([PROMPT, "a fox"], 2, sp, seeds=[3, 4, 5, 6]))
         for field in ("images", "latents", "log_probs", "sigmas", "step_index", "prompt_ids", "prompt_mask",
@@ -351,15 +353,23 @@ def test_lora_updates_reach_the_bagel_slots(folder, bagel_torch, tmp_path, monke
     update_lora_shared: the next one written in place into the `bagel.`-prefixed layers' slots (B times alpha / r),
     the understanding expert's untouched; an off-expert adapter refused, the served one kept."""
     engine, omni = start(monkeypatch, tmp_path, bagel_torch)
-    assert engine.update_lora(adapter(folder, 1), 1, CONFIG)["bound_modules"] == TARGETS * LAYERS
+    first = LoRAPayload(1, CONFIG, adapter(folder, 1))
+    reply = engine.update_lora(first.tensors, 1, CONFIG)
+    assert reply["bound_modules"] == TARGETS * LAYERS
+    served = ServedProbe.from_dict(reply["served"])  # read back from the slots, under the trainer's PEFT names
+    assert all(m.startswith(bagel_keymap.PEFT_PREFIX) for m in served.deltas)
+    assert differing(expected_served(first), served) == []
     (request,) = omni.started[0].loaded
     tensors, config = read_peft(request.lora_path)
     assert sorted(tensors) == sorted(k.removeprefix(bagel_keymap.PEFT_PREFIX) for k in adapter(folder, 1))
     assert config["r"] == RANK and config["target_modules"] == CONFIG["target_modules"]
     second = adapter(folder, 2, prefix="")  # the trainer's shared file: lora_to_peft's names
     shared = SharedAdapterFile("bfloat16", root=tmp_path)
-    reply = engine.update_lora_shared(shared.write_arrays(second), 2, CONFIG)
-    assert reply["bound_modules"] == TARGETS * LAYERS and "seconds" in reply  # in place, not a new folder
+    payload = LoRAPayload(2, CONFIG, shared=shared.write_arrays(second))
+    reply = engine.update_lora_shared(payload.shared, 2, CONFIG)
+    assert reply["bound_modules"] == TARGETS * LAYERS and len(omni.started[0].loaded) == 1  # in place, no new folder
+    assert differing(expected_served(payload), ServedProbe.from_dict(reply["served"])) == []
+    assert differing(expected_served(first), ServedProbe.from_dict(reply["served"])) != []
     slots = omni.started[0].worker.lora_manager._lora_modules
     gate_up = slots[f"bagel.{LLM}.1.mlp_moe_gen.gate_up_proj"]
     up = f"{LLM}.1.mlp_moe_gen.up_proj.lora_"
@@ -413,22 +423,25 @@ def test_the_config_takes_bagels_deploy_on_vllm_omni_alone(change, needle):
     assert needle in str(err.value) and "\n" not in str(err.value)
 
 
-def test_a_failed_in_place_write_is_an_error_and_never_switches_to_folders(folder, bagel_torch, tmp_path, monkeypatch,
-                                                                          caplog):
-    """The workers' in-place write failing (the slots not where this vLLM-Omni keeps them) fails the update with one
-    logged line naming the engine and version; the next update goes in place again (it once switched to folders for
-    good, silently but for one warning)."""
+def test_a_failed_in_place_write_is_logged_counted_and_never_a_lasting_switch(folder, bagel_torch, tmp_path,
+                                                                           monkeypatch, caplog):
+    """The workers' in-place write failing (the slots not where this vLLM-Omni keeps them) is one logged line naming
+    the engine and version and a count in the reply ("fallbacks"); that update loads a folder instead and serves it
+    (the reply's probe says so); the next update goes in place again (it once switched to folders for good, silently
+    but for one warning)."""
     import logging
 
     engine, omni = start(monkeypatch, tmp_path, bagel_torch)
-    engine.update_lora(adapter(folder, 1), 1, CONFIG)
+    assert engine.update_lora(adapter(folder, 1), 1, CONFIG)["fallbacks"] == 0
     shared = SharedAdapterFile("bfloat16", root=tmp_path)
     failing = lambda *args: (_ for _ in ()).throw(RuntimeError("no wrapped layer"))  # noqa: E731
     with monkeypatch.context() as m, caplog.at_level(logging.ERROR):
-        m.setattr(worker, "write_lora_slots", failing)
-        with pytest.raises(RuntimeError, match=r"^vllm_omni engine: in-place LoRA write of version 2 failed"):
-            engine.update_lora_shared(shared.write_arrays(adapter(folder, 2, prefix="")), 2, CONFIG)
-    assert [r.getMessage() for r in caplog.records if "in-place" in r.getMessage()][0].startswith("vllm_omni engine")
-    assert engine.info()["policy_version"] == 1 and len(omni.started[0].loaded) == 1  # no folder loaded instead
+        m.setattr(vol, "write_lora_slots", failing)
+        second = LoRAPayload(2, CONFIG, shared=shared.write_arrays(adapter(folder, 2, prefix="")))
+        reply = engine.update_lora_shared(second.shared, 2, CONFIG)
+    line = [r.getMessage() for r in caplog.records if "in-place" in r.getMessage()][0]
+    assert line.startswith("vllm_omni engine: in-place LoRA write of version 2 failed (1 so far)") and "\n" not in line
+    assert reply["fallbacks"] == 1 and len(omni.started[0].loaded) == 2  # this update loaded a folder
+    assert engine.info()["policy_version"] == 2 and differing(expected_served(second), ServedProbe.from_dict(reply["served"])) == []
     reply = engine.update_lora_shared(shared.write_arrays(adapter(folder, 3, prefix="")), 3, CONFIG)
-    assert "seconds" in reply and len(omni.started[0].loaded) == 1  # in place again
+    assert reply["fallbacks"] == 1 and len(omni.started[0].loaded) == 2  # in place again
