@@ -187,3 +187,22 @@ def test_the_stop_is_one_line_and_exit_1(tmp_path):
     assert out.returncode == 1 and len(err) == 1, out.stderr
     assert err[0] == (f"error: LoRA sync check: diffusers engine 0 of 1 does not serve version 3; the checkpoints in "
                       f"{tmp_path / 'run' / 'checkpoints'} are as they were")
+
+
+@pytest.mark.slow
+def test_a_real_run_verifies_every_sync_and_stops_at_the_first_stale_one(tmp_path):
+    """The tiny run with the diffusers engine in process (its replies carry served probes: the engines' side of the
+    check): a healthy step logs sync_verify_s and no mismatch; with the previous version's LoRA sent from version 2
+    on, the run stops in step 1's sync, its first step after the fault, before that step's checkpoint."""
+    from jaxflow.run.run_dir import checkpoint_steps
+    from tests.helpers import run, tiny_config
+    cfg = tiny_config(tmp_path / "ok", num_steps=1)
+    cfg.rollout.layout = "in_process"
+    row = run(cfg)["history"][0]
+    assert row["sync_mismatches"] == 0 and 0 < row["sync_verify_s"]
+    cfg = tiny_config(tmp_path / "stale", num_steps=3, sync_fault_from=2)
+    cfg.rollout.layout = "in_process"
+    cfg.checkpoint.every = 1
+    with pytest.raises(SyncMismatch, match="engine 0 of 1 does not serve version 2: "):
+        run(cfg)
+    assert checkpoint_steps(tmp_path / "stale") == [1]
