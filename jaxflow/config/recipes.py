@@ -106,10 +106,8 @@ HELP: dict[str, str] = {
                                "stops it, exit 1",
     "train.logp_gate": "bound on each step's p99 |trainer - rollout| log-prob (bf16 noise < 1e-3, float32 < 1e-6), > 0",
     "train.logp_gate_steps": "k steps in a row over train.logp_gate (or the run's first step) stop the run, exit 1; 0/None: off",
-    "train.sync_verify": "check after every LoRA sync that each engine serves the adapter sent (its own read-back); a "
-                         "mismatch syncs again once, a second stops the run, exit 1",
-    "train.sync_fault_from": "fault injection (tests, jaxflow_bench.trust): from this version on the engines get the "
-                             "previous version's LoRA while the check expects the new one; 0: off",
+    "train.sync_verify": "check each engine serves the LoRA sent after every sync; a mismatch re-syncs once, then exit 1",
+    "train.sync_fault_from": "fault injection (tests, benchmarks): engines get the previous LoRA from this version on; 0: off",
     "train.num_micro_batches": "micro-batches of one update (gradient accumulation); divides a mini-batch's samples",
     "train.learning_rate": "AdamW learning rate, > 0",
     "train.clip_range": "the ratio's clip: clip(r, 1 - clip_range, 1 + clip_range), > 0",
