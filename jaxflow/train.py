@@ -189,7 +189,8 @@ class Trainer:
             experience, metrics, bound, freed = self._train_one(step)
         metrics.update({f"time/{k}": v for k, v in seconds.items()})
         if experience is not None:
-            metrics.update(experience.metrics(bound, seconds["step"], freed), sync_failures=self.driver.sync_failures)
+            metrics.update(experience.metrics(bound, seconds["step"], freed), sync_failures=self.driver.sync_failures,
+                           **self.driver.sync_checks)
         return metrics
 
     def _train_one(self, step: int):

@@ -243,6 +243,15 @@ def setup(args, given: dict) -> tuple[list[str], dict, int, list[str] | None]:
     return [*train, *cmd], env, gpus, watched
 
 
+def ensure_model(args, env: dict) -> None:
+    """Write the recipe's random folder if it is missing (nothing for --config)."""
+    if not args.config:
+        recipe = e2e_recipe(args)
+        model, maker = args.model_dir or recipe["folder"], recipe["writer"]
+        if not (Path(model) / recipe["marker"]).is_file():
+            subprocess.run([sys.executable, maker[0], "--out", model, *maker[1:]], env=env, check=True)
+
+
 def run(args, overrides: list[str], env: dict | None = None) -> Path:
     """One layout's run into args.out; the result file's path."""
     given = dict(os.environ if env is None else env)
@@ -259,11 +268,7 @@ def run(args, overrides: list[str], env: dict | None = None) -> Path:
     try:
         if layout != "node" and args.device != "cpu":
             check_jax_on_gpu(env)
-        if not args.config:
-            recipe = e2e_recipe(args)
-            model, maker = args.model_dir or recipe["folder"], recipe["writer"]
-            if not (Path(model) / recipe["marker"]).is_file():
-                subprocess.run([sys.executable, maker[0], "--out", model, *maker[1:]], env=env, check=True)
+        ensure_model(args, env)
         if layout == "2gpu":
             # no token authentication (ray 2.60's `ray start` turns it on where ~/.ray/auth_token exists, and then
             # refuses a driver without RAY_AUTH_MODE=token)

@@ -91,6 +91,8 @@ class TrainSection:
     max_skipped_steps: int
     logp_gate: float
     logp_gate_steps: int | None
+    sync_verify: bool
+    sync_fault_from: int
     num_micro_batches: int
     learning_rate: float
     clip_range: float

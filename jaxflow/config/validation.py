@@ -227,6 +227,10 @@ def validate(cfg: ConfigDict) -> RunConfig:
                                           or t.logp_gate_steps < 0):
         fail("train.logp_gate_steps", f"must be an int >= 0 or None (0 or None: the gate is off), got "
                                        f"{t.logp_gate_steps!r}")
+    if not isinstance(t.sync_verify, bool):
+        fail("train.sync_verify", f"{t.sync_verify!r} must be a bool: pass True or False")
+    if not isinstance(t.sync_fault_from, int) or isinstance(t.sync_fault_from, bool) or t.sync_fault_from < 0:
+        fail("train.sync_fault_from", f"must be an int >= 0 (0: no fault injected), got {t.sync_fault_from!r}")
     if not 0 < s.window_size < s.num_steps or s.window_range[1] - s.window_range[0] < s.window_size:
         fail("sample.window_size", f"{s.window_size} must be in [1, num_steps) and fit window_range "
                                     f"{tuple(s.window_range)}")

@@ -95,6 +95,33 @@ def lora_to_peft(model: nnx.Module | nnx.State, spec: LoRASpec) -> dict[str, np.
     return out
 
 
+def peft_pairs(model: nnx.Module | nnx.State, spec: LoRASpec, modules=None) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """{PEFT module: (lora_A (r, in), lora_B (out, r))} host float32 arrays of only `modules` (None: every one):
+    each stack's wanted layers are gathered on the device before the host copy, so reading a few modules of a large
+    adapter copies only those."""
+    state = model if isinstance(model, nnx.State) else nnx.state(model, LoRAParam)
+    parts: dict[str, dict[str, np.ndarray]] = {}
+    for e in spec.key_map():
+        x = _get(state, e.flax_path)[...]
+        keys = e.diffusers_keys(x.shape[0])
+        picked = [(i, match["module"], match["part"]) for i, match in
+                  enumerate(peft_folder.LORA_KEY.fullmatch(k) for k in keys)
+                  if modules is None or match["module"] in modules]
+        if not picked:
+            continue
+        layers = np.asarray(x[np.array([i for i, _, _ in picked])], np.float32)
+        for layer, (_, module, part) in zip(np.swapaxes(layers, -1, -2), picked):
+            parts.setdefault(module, {})[part] = layer
+    return {m: (p["A"], p["B"]) for m, p in parts.items()}
+
+
+def peft_modules(model: nnx.Module | nnx.State, spec: LoRASpec) -> list[str]:
+    """The adapted modules' PEFT names (prefix dropped), sorted: from the stacks' shapes, no array read."""
+    state = model if isinstance(model, nnx.State) else nnx.state(model, LoRAParam)
+    return sorted({peft_folder.lora_module(k) for e in spec.key_map()
+                   for k in e.diffusers_keys(_get(state, e.flax_path)[...].shape[0])})
+
+
 def peft_to_lora(model: nnx.Module, spec: LoRASpec, tensors: dict[str, np.ndarray]) -> None:
     """Set the model's LoRA params from a PEFT state dict; all keys and shapes are checked before any write."""
     tensors = {k.removeprefix("transformer."): v for k, v in tensors.items()}

@@ -175,6 +175,7 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
     from jaxflow.run import run_dir as run_dir_lib
     from jaxflow.trainer.divergence import Diverged
     from jaxflow.trainer.logp_gate import GateTripped
+    from jaxflow.sync.verify import SyncMismatch
     signals.install(f"error: interrupted; the checkpoints in {Path(cfg.run_dir) / 'checkpoints'} are as they were "
                     f"(continue with --resume if there are any)", unwind=True)
     try:
@@ -201,6 +202,10 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
         return EXIT_CODES["input"]
     except (Diverged, GateTripped) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return EXIT_CODES["failed"]
+    except SyncMismatch as exc:  # raised in the step's sync, before its checkpoint
+        print(f"error: {exc}; the checkpoints in {Path(cfg.run_dir) / 'checkpoints'} are as they were",
+              file=sys.stderr)
         return EXIT_CODES["failed"]
     except KeyboardInterrupt:  # in start-up (signals.Interrupted) or a second signal in the loop
         signals.exit_now(EXIT_CODES["interrupted"], release=_stop_ray)

@@ -144,7 +144,8 @@ class Driver:
             if info["fingerprint"] != mine:
                 raise RuntimeError(f"rollout base weights ({info.get('model')}) differ from the trainer's "
                                    f"({self.folder}): fingerprint {info['fingerprint'][:12]} != {mine[:12]}")
-        self.lora_sync = LoRASync(self.rollout, self.spec, choose_transport(in_process, processes, infos), infos[0])
+        self.lora_sync = LoRASync(self.rollout, self.spec, choose_transport(in_process, processes, infos), infos[0],
+                                  verify=self.cfg.train.sync_verify, stale_from=self.cfg.train.sync_fault_from)
 
     def serve(self, lora, version: int) -> int:
         """The rollout serves `lora` (the train state's whole LoRA) as policy `version`; returns the bound-module
@@ -155,6 +156,13 @@ class Driver:
     def sync_failures(self) -> int:
         """LoRA syncs that failed so far (each logged)."""
         return self.lora_sync.failures if self.lora_sync is not None else 0
+
+    @property
+    def sync_checks(self) -> dict:
+        """The last LoRA sync's check: its seconds (`sync_verify_s`) and the mismatches so far (each logged and
+        synced again); empty with train.sync_verify off."""
+        s = self.lora_sync
+        return {} if s is None or s.verify_s is None else {"sync_verify_s": s.verify_s, "sync_mismatches": s.mismatches}
 
     def _rollout(self, step: int, version: int):
         s = self.cfg.sample

@@ -102,6 +102,7 @@ class RolloutGroup:
         self.servers = [self.transport.start(self.engine_config) for _ in range(count)]
         self.adapter = None  # (method, args) of the LoRA update currently served, re-sent after a restart
         self.last_ack = {}  # the first server's acknowledgement of the last LoRA update
+        self.last_acks = []  # every server's, in server order (each with its "served" probe: jaxflow/sync/verify.py)
 
     def _all(self, method: str, *args) -> list:
         """`method(*args)` on every server, retried on fresh servers if one dies."""
@@ -182,12 +183,13 @@ class RolloutGroup:
         for ack in acks:
             if ack["version"] != version or ack["bound_modules"] < 1:
                 raise RuntimeError(f"rollout did not take LoRA version {version}: ack {ack}")
-        if len({ack["bound_modules"] for ack in acks}) > 1:  # every engine serves the same model
+        # every engine serves the same model; with served probes the sync check compares each with the adapter
+        if len({ack["bound_modules"] for ack in acks}) > 1 and not all("served" in ack for ack in acks):
             raise RuntimeError(f"rollout engines bound different LoRA modules for version {version}: "
                                f"{[ack['bound_modules'] for ack in acks]}")
         if not self.transport.device_tensors:  # re-sent after a restart (in process it would pin device buffers)
             self.adapter = (method, args)
-        self.last_ack = acks[0]
+        self.last_ack, self.last_acks = acks[0], acks
         return acks[0]["bound_modules"]
 
     def close(self) -> None:

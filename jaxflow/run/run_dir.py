@@ -34,7 +34,8 @@ NOT_TRAINING = ("run_dir", "train.num_steps", "log", "eval", "checkpoint", "roll
                 "train.num_micro_batches", "model.remat", "model.attention", "model.scan_unroll", "model.lora_gemm",
                 "train.xla_options", "profile",
                 # when a diverged or mismatched run stops, not what an update computes
-                "train.max_skipped_steps", "train.logp_gate", "train.logp_gate_steps")
+                "train.max_skipped_steps", "train.logp_gate", "train.logp_gate_steps",
+                "train.sync_verify", "train.sync_fault_from")
 
 
 def previous_outputs(run_dir: Path) -> list[str]:

@@ -8,14 +8,25 @@ printed once (with the engines' apply mode), never switched at sync time.
 A sync that fails says so: one logged line, counted in `failures` (the step metric `sync_failures`), retried once;
 a second failure stops the run with one line naming the engine, the transport and the version. A refused adapter
 (ValueError: bad shapes or values) is counted and re-raised at once: resending it cannot help.
+
+Every sync is then checked (`jaxflow/sync/verify.py`, `train.sync_verify`): each engine's reply says what it serves,
+read from its own memory; a mismatch is logged, counted in `mismatches` and the version sent again, once; a second
+stops the run (`SyncMismatch`). The check's own time is `verify_s` (the step metric `sync_verify_s`).
+`stale_from` is fault injection (`train.sync_fault_from`, for tests and jaxflow_bench.trust): from that version on
+the engines are sent the previous version's LoRA while the check expects the new one, as a stale engine would serve.
 """
 from __future__ import annotations
 
 import logging
 import socket
+import time
+
+import jax
+import jax.numpy as jnp
 
 from jaxflow.nn.lora import LoRASpec, lora_to_peft
 from jaxflow.sync.lora_sync import SharedLoRA, device_peft_tensors, device_target
+from jaxflow.sync.verify import SyncMismatch, expected_probe, mismatch
 from jaxflow.trainer import phases
 
 log = logging.getLogger(__name__)
@@ -31,9 +42,11 @@ def choose_transport(in_process: bool, processes: int, infos: list[dict]) -> str
 class LoRASync:
     """Serves the train state's LoRA to `rollout` (a RolloutGroup) through the transport chosen at start."""
 
-    def __init__(self, rollout, spec: LoRASpec, transport: str, info: dict):
+    def __init__(self, rollout, spec: LoRASpec, transport: str, info: dict, verify: bool = True,
+                 stale_from: int = 0):
         self.rollout, self.spec, self.transport = rollout, spec, transport
-        self.engine, self.failures = info["engine"], 0
+        self.engine, self.failures, self.mismatches = info["engine"], 0, 0
+        self.verify, self.stale_from, self.verify_s, self._sent = verify, stale_from, None, None
         self.target = device_target(info) if transport == "device" else None
         self.shared = SharedLoRA(spec, info["dtype"]) if transport == "shm" else None
         # one line at start on process 0, beside the start-up lines (warnings-only logging would hide it)
@@ -41,8 +54,40 @@ class LoRASync:
               flush=True)
 
     def serve(self, lora, version: int) -> int:
-        """The rollout serves `lora` as policy `version`; the bound-module count. Through shared memory the
-        phases are sync_write (the trainer's) and sync_engine (the engine's, from its ack)."""
+        """The rollout serves `lora` as policy `version`, checked; the bound-module count. Through shared memory
+        the phases are sync_write (the trainer's) and sync_engine (the engine's, from its ack)."""
+        sent = self._faulty(lora, version)
+        bound = self._deliver(sent, version)
+        if not self.verify:
+            return bound
+        began = time.perf_counter()
+        want = expected_probe(lora, self.spec, version)
+        line = mismatch(self.rollout.last_acks, want, self.engine)
+        self.verify_s = time.perf_counter() - began
+        if line is None:
+            return bound
+        self.mismatches += 1
+        log.error("%s; syncing version %d again", line, version)
+        bound = self._deliver(sent, version)
+        began = time.perf_counter()
+        line = mismatch(self.rollout.last_acks, want, self.engine)
+        self.verify_s += time.perf_counter() - began
+        if line is not None:
+            self.mismatches += 1
+            raise SyncMismatch(f"{line}, also after a re-sync: the engine does not apply the LoRA the trainer "
+                               f"sends (train.sync_verify=False turns the check off)")
+        return bound
+
+    def _faulty(self, lora, version: int):
+        """What is sent for `version`: `lora`, or with `stale_from` the previous version's (kept as a copy: the
+        next train step donates the state's arrays)."""
+        if not self.stale_from:
+            return lora
+        previous, self._sent = self._sent, jax.tree.map(jnp.copy, lora)
+        return previous if version >= self.stale_from and previous is not None else lora
+
+    def _deliver(self, lora, version: int) -> int:
+        """One sync through the transport, retried once on failure."""
         for attempt in (1, 2):
             try:
                 return self._send(lora, version)

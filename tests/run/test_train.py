@@ -36,6 +36,7 @@ def lora_leaves(state):
     ("train.adam_b2", 1.0, "adam_b2 < 1"),
     ("train.max_minutes", -1.0, "train.max_minutes"),
     ("train.max_skipped_steps", -1, "config.train.max_skipped_steps: must be an int >= 0"),
+    ("train.sync_fault_from", -1, "config.train.sync_fault_from: must be an int >= 0"),
     ("model.dtype", "fp16", "config.model.dtype: 'fp16'"),
     ("model.remat", "bogus", "config.model.remat: 'bogus'"),
     ("lora.rank", 0, "config.lora.rank"),

@@ -1,0 +1,69 @@
+"""jaxflow_bench.trust on the CPU without a run: its arguments, the stale part's trainer command, and the figures
+it writes from the parts' metrics."""
+import json
+
+import pytest
+
+from jaxflow_bench import e2e, trust
+from tests.helpers import ROOT
+
+
+def test_bad_arguments_exit_2_naming_them(capsys):
+    for argv in (["out", "--stale-from", "9"], ["out", "--kill-after", "5"], ["out", "--parts", "nope"],
+                 ["out", "--seed=3"]):
+        with pytest.raises(SystemExit) as err:
+            trust.main(argv)
+        assert err.value.code == 2
+    assert "--stale-from 9 must be in [1, --steps 5]" in capsys.readouterr().err
+
+
+def test_each_part_runs_the_e2e_command_and_the_stale_part_injects_the_fault(tmp_path, monkeypatch):
+    ran = {}
+
+    def logged(cmd, env, out, watched):
+        ran[out.name] = cmd
+        (out / "train.log").write_text("error: LoRA sync check: diffusers engine 0 of 1 does not serve version 2\n"
+                                       if out.name == "stale" else "")
+        return 1 if out.name == "stale" else 0
+
+    monkeypatch.setattr(e2e, "run_logged", logged)
+    monkeypatch.setattr(e2e, "recipe_values", lambda config: {"prompts": 2, "group": 2, "mini": 1, "micro": 1})
+    args = trust.parser().parse_args([str(tmp_path), "--config", str(ROOT / "configs/tiny_ocr.py"), "--device", "cpu",
+                                      "--steps", "3"])
+    assert trust.run_part(args, "stale", ["--config.seed=1"])["stopped_by_check"]
+    cmd = ran["stale"]
+    assert cmd[1:3] == ["-m", "jaxflow.train"] and "--config.train.num_steps=3" in cmd
+    assert cmd[-2:] == ["--config.seed=1", "--config.train.sync_fault_from=2"]
+    trust.run_part(args, "healthy", [])
+    assert not any("sync_fault_from" in a for a in ran["healthy"])
+    monkeypatch.setattr(e2e, "run_logged", lambda *a: 1)
+    with pytest.raises(RuntimeError, match="the repeat run failed .exit 1."):
+        trust.run_part(args, "repeat", [])
+
+
+def _part(out, name, metrics, **record):
+    (out / name / "run").mkdir(parents=True)
+    (out / name / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics))
+    (out / name / "part.json").write_text(json.dumps({"part": name, **record}))
+
+
+def _row(step, **k):
+    return {"step": step, "sync_verify_s": 0.01 * step, "logp_mismatch_p99": 1e-4 * step, "logp_mismatch_max": 0.1,
+            "logp_mismatch_rows": 8, "sync_mismatches": 0, "reward_mean": 0.5, "loss": [0.1, 0.3], "time/step": 10.0,
+            **k}
+
+
+def test_the_figures_of_the_parts_found(tmp_path):
+    _part(tmp_path, "healthy", [_row(s) for s in (1, 2, 3)], rc=0)
+    assert set(trust.figures(tmp_path)) == {"sync_verify_s", "logp_mismatch_p99_p99", "logp_mismatch_p99_max",
+                                            "logp_mismatch_max", "sync_mismatches", "healthy_steps"}
+    _part(tmp_path, "repeat", [_row(1), _row(2, reward_mean=0.75), _row(3, loss=[0.1, 0.2])], rc=0)
+    _part(tmp_path, "stale", [_row(1)], rc=1, stopped_by_check=True, stale_from=2)
+    _part(tmp_path, "kill", [_row(1, **{"time/step": 50.0}), _row(2), _row(3, **{"time/step": 16.5}), _row(4)],
+          rc=0, killed_step=3)
+    f = trust.figures(tmp_path)
+    assert f["sync_verify_s"] == pytest.approx(0.02) and f["logp_mismatch_p99_max"] == pytest.approx(3e-4)
+    assert 2e-4 < f["logp_mismatch_p99_p99"] < 3e-4
+    assert f["reward_spread_max"] == 0.25 and f["loss_spread_max"] == pytest.approx(0.05)
+    assert (f["stale_caught_step"], f["stale_from"], f["stale_exit"]) == (2, 2, 1)
+    assert (f["actor_kill_recovery_s"], f["actor_kill_step"]) == (6.5, 3)
