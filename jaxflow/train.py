@@ -85,9 +85,8 @@ class Trainer:
     def __init__(self, config: RunConfig | ConfigDict, resume: bool = False):
         self.started = time.monotonic()  # train.max_minutes counts from here
         self.startup, self._phase_began = {}, None  # seconds per start-up phase, in order
-        self.cfg = cfg = config.source if isinstance(config, RunConfig) else config
+        self.cfg = cfg = config if isinstance(config, RunConfig) else config_lib.validate(config)
         self._begin("checks")
-        self.config = config if isinstance(config, RunConfig) else config_lib.validate(cfg)
         maybe_initialize_distributed()
         run_dir_lib.check_shared(Path(cfg.run_dir))
         check_backend(cfg)

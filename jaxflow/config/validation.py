@@ -58,7 +58,7 @@ def needs_target(cfg) -> bool:
     return bool(NEED_TARGET & set(cfg.reward.fns))
 
 
-def model_folder(cfg: ConfigDict) -> Path:
+def model_folder(cfg: RunConfig) -> Path:
     """The model folder: a family's tiny one builds or reuses the cached tiny offline model (jaxflow/families/);
     UserError when its cache ($JAXFLOW_CACHE) cannot be written."""
     try:
@@ -70,7 +70,7 @@ def model_folder(cfg: ConfigDict) -> Path:
         raise
 
 
-def _check_model(cfg: ConfigDict) -> None:
+def _check_model(cfg: RunConfig) -> None:
     """model.family, model.path and what the family's trainer and engines support."""
     if cfg.model.family not in families.FAMILIES:
         fail("model.family", f"{cfg.model.family!r}; choose one of {', '.join(families.FAMILIES)}")
@@ -100,7 +100,7 @@ def _check_model(cfg: ConfigDict) -> None:
                                          f"1000)")
 
 
-def engine_problems(cfg: ConfigDict) -> Iterator[Problem]:
+def engine_problems(cfg: RunConfig) -> Iterator[Problem]:
     """The rollout engine's rules on the config (the vllm_omni engine's: `vllm_omni_rules.problems`, the one copy its
     engine checks too), on the family's engine keys
     (`Family.engine_config`)."""
@@ -111,11 +111,11 @@ def engine_problems(cfg: ConfigDict) -> Iterator[Problem]:
                                         deploy=family.engine_config(cfg).get("deploy"), think=bool(cfg.sample.think))
 
 
-def _check_prompts(cfg: ConfigDict) -> None:
+def _check_prompts(cfg: RunConfig) -> None:
     """The prompt files parse (each error names FILE:LINE and the fix) and data.train holds a step's prompts."""
     for key in ("train", "test"):
         try:
-            items = load_prompts(cfg.data[key], needs_target(cfg))
+            items = load_prompts(getattr(cfg.data, key), needs_target(cfg))
         except ValueError as exc:
             fail(f"data.{key}", str(exc))
         per_step = cfg.sample.prompts_per_step
@@ -125,12 +125,12 @@ def _check_prompts(cfg: ConfigDict) -> None:
                                 f"--config.sample.prompts_per_step={len(items)}")
 
 
-def validate(cfg: ConfigDict) -> RunConfig:
+def validate(user: ConfigDict) -> RunConfig:
     """The validation stage, run once per process start (the command line's preflight, or a Trainer built from a
     ConfigDict): the config's typed sections (`sections.build`), then every rule, the families' (`problems`) and the
     algorithm components' (`rules`, through TrainConfig) included. The first broken one raises its one-line UserError
-    naming the key and the fix; touches no model, device or Ray."""
-    config = sections.build(cfg)
+    naming the key and the fix; touches no model, device or Ray. The rules read the typed sections."""
+    cfg = sections.build(user)
     _check_model(cfg)
     layout = cfg.rollout.layout
     if layout not in LAYOUTS:
@@ -198,8 +198,9 @@ def validate(cfg: ConfigDict) -> RunConfig:
         fail("rollout.device", f"{device!r}; choose 'cpu', 'cuda' or 'cuda:N'")
     multiple = _size_multiple(cfg)
     for key in ("height", "width"):
-        if s[key] < multiple or s[key] % multiple:
-            fail(f"sample.{key}", f"{s[key]} must be a positive multiple of {multiple} for this model (its VAE's "
+        size = getattr(s, key)
+        if size < multiple or size % multiple:
+            fail(f"sample.{key}", f"{size} must be a positive multiple of {multiple} for this model (its VAE's "
                                    f"factor x 2, the latent patch)")
     if s.group_size < 2:
         fail("sample.group_size", f"{s.group_size}: GRPO needs at least 2 images per prompt")
@@ -246,8 +247,9 @@ def validate(cfg: ConfigDict) -> RunConfig:
     if unknown or not cfg.reward.fns:
         fail("reward.fns", f"unknown {unknown}; known rewards: {sorted(REGISTRY)}")
     for key in ("train", "test"):
-        if not cfg.data[key] or not Path(cfg.data[key]).is_file():
-            fail(f"data.{key}", f"{cfg.data[key]!r} is not a file: pass --config.data.{key}=PROMPTS.txt (one prompt "
+        path = getattr(cfg.data, key)
+        if not path or not Path(path).is_file():
+            fail(f"data.{key}", f"{path!r} is not a file: pass --config.data.{key}=PROMPTS.txt (one prompt "
                                  f"per line) or .jsonl")
     _check_prompts(cfg)
     if cfg.rollout.engine not in ENGINES:
@@ -256,13 +258,13 @@ def validate(cfg: ConfigDict) -> RunConfig:
         fail("profile", f"start_step {cfg.profile.start_step} must be >= 1 and num_steps {cfg.profile.num_steps} "
                          f">= 0 (0 = no trace)")
     for key in ("checkpoint.every", "checkpoint.keep", "train.num_steps"):
-        section, name = key.split(".")
-        if cfg[section][name] < 1:
-            fail(key, f"must be >= 1, got {cfg[section][name]}")
+        value = getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
+        if value < 1:
+            fail(key, f"must be >= 1, got {value}")
     if cfg.eval.every < 0:
         fail("eval.every", f"must be >= 0 (0: no eval, not even of the final policy), got {cfg.eval.every}")
     _check_gold(cfg)
-    return config
+    return cfg
 
 
 def _check_gold(cfg) -> None:

@@ -108,12 +108,12 @@ class Driver:
         self.test_items = load_prompts(cfg.data.test, config_lib.needs_target(cfg))
         self.spec = config_lib.lora_spec(cfg)
         try:  # reward models load here (a VLM endpoint's health is checked), before any model or device work
-            reward = build_reward(dict(cfg.reward.fns), **cfg.reward.options.to_dict())
+            reward = build_reward(dict(cfg.reward.fns), **cfg.reward.options_dict())
         except FileNotFoundError as exc:  # a reward model's checkpoint folder lacks files: the message names them
             raise config_lib.UserError(str(exc)) from None
         self.pool = RewardPool(reward, cfg.reward.workers)
         # eval.rewards: gold rewards the evals score beside the training rewards (jaxflow/run/gold.py)
-        self.gold = RewardPool(build_reward(dict(cfg.eval.rewards), **cfg.reward.options.to_dict()),
+        self.gold = RewardPool(build_reward(dict(cfg.eval.rewards), **cfg.reward.options_dict()),
                                cfg.reward.workers) if cfg.eval.rewards else None
         self.rollout = self.lora_sync = None
         self._executor = self._prefetched = None  # rollout.overlap: the thread and (step, future) of a prefetch

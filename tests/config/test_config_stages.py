@@ -2,6 +2,7 @@
 start (the command line's, whose result the Trainer takes), and the plan that resolves every 'auto'
 (jaxflow/config/plan.py)."""
 import dataclasses
+import json
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ from jaxflow.config import validation
 from jaxflow.config.errors import UserError
 from jaxflow.config.sections import RunConfig
 from jaxflow.trainer import learner
+from jaxflow.trainer.checkpoint import config_json
 from jaxflow.trainer.sharding import Layout
 from jaxflow.trainer.step_config import TrainConfig
 from jaxflow_bridge.families.bagel.sampling import BagelSamplingParams
@@ -25,12 +27,27 @@ from tests.helpers import ROOT, tiny_config
 def test_the_sections_are_typed_frozen_and_hold_the_algorithms_keys(tmp_path):
     config = validation.validate(tiny_config(tmp_path))
     assert isinstance(config, RunConfig) and config.sample.height == 40 and config.lora.rank == 8
-    assert config.lora.targets == tuple(config.source.lora.targets)  # lists become tuples
+    assert config.lora.targets == tuple(tiny_config(tmp_path).lora.targets)  # lists become tuples
     assert config.train.algorithm == "flowgrpo" and config.train.algorithms["nft"]["beta"] == 0.1
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.sample.height = 41
     with pytest.raises(TypeError):
         config.reward.fns["ocr"] = 1.0  # read-only
+
+
+def test_the_typed_config_reads_as_the_config_it_was_built_from(tmp_path):
+    """Everything after the validation stage reads the RunConfig: the algorithms' keys as attributes, and its
+    `to_dict` (config.json, every checkpoint's config, which a resume compares) the user's ConfigDict's."""
+    raw = tiny_config(tmp_path, ema_decay=0.5)
+    config = validation.validate(raw)
+    assert (config.train.nft.kl, config.train.rollout_rs, config.train.awm.power) == (
+        raw.train.nft.kl, raw.train.rollout_rs, raw.train.awm.power)
+    assert config.eval.best_metric == raw.eval.best_metric and dict(config.eval.rewards) == raw.eval.rewards.to_dict()
+    assert json.loads(config_json(config)) == json.loads(config_json(raw))
+    with pytest.raises(AttributeError, match="train.no_such_key is not a config key"):
+        config.train.no_such_key
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.train.nft.kl = 0.0
 
 
 @pytest.mark.parametrize("key, value, line", [
@@ -100,20 +117,20 @@ def test_the_trainer_validates_only_a_config_not_yet_validated(tmp_path, monkeyp
 def test_the_plan_on_this_cpu_machine(tmp_path):
     """The tiny config's plan here: XLA's linears (no H100/H200), its scan of 1 block, the config's XLA options, the LoRA
     served as layers by the diffusers engine; vllm_omni merges it (rollout.lora_mode 'auto')."""
-    cfg = tiny_config(tmp_path)
-    validation.validate(cfg)
+    cfg = validation.validate(tiny_config(tmp_path))
     folder = validation.model_folder(cfg)
     layout = Layout.create(validation.sharding_config(cfg))
     plan = learner.run_plan(cfg, folder, layout)
     assert (plan.backend, plan.devices, plan.batch_devices) == ("cpu", jax.device_count(), layout.batch_devices)
     assert plan.micro_batch == max(1, 4 * 4 // plan.batch_devices)  # 4 prompts x 4 images, one micro-batch
     assert (plan.model.lora_gemm, plan.model.scan_unroll) == ("xla", 1)
-    assert dict(plan.xla_options) == cfg.train.xla_options.to_dict()  # the config's, no pallas ones
+    assert dict(plan.xla_options) == dict(cfg.train.xla_options)  # the config's, no pallas ones
     assert "not an H100/H200" in plan.lora_gemm_why and "float32 compute" in plan.lora_gemm_why
     assert (plan.layout, plan.engines, plan.lora_apply) == ("colocated", 1, "layers")
     lines = plan.summary().splitlines()
     assert len(lines) == 3 and lines[0].startswith("plan: ") and "model.lora_gemm=xla" in lines[1]
-    cfg.rollout.engine, cfg.model.scan_unroll = "vllm_omni", 0
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, engine="vllm_omni"),
+                              model=dataclasses.replace(cfg.model, scan_unroll=0))
     plan = learner.run_plan(cfg, folder, layout)
     assert plan.lora_apply == "merged" and plan.model.scan_unroll == 1  # 0: a scan of 1 where the linears run xla
 
@@ -121,8 +138,9 @@ def test_the_plan_on_this_cpu_machine(tmp_path):
 def test_auto_never_reaches_the_family_or_the_learner(tmp_path, monkeypatch):
     """The family builds its model from resolved ModelOptions (the plan's), not from 'auto' nor a callback."""
     from jaxflow import families
-    cfg = tiny_config(tmp_path)
-    cfg.model.scan_unroll = 0
+    raw = tiny_config(tmp_path)
+    raw.model.scan_unroll = 0
+    cfg = validation.validate(raw)
     assert cfg.model.lora_gemm == "auto"
     folder = validation.model_folder(cfg)
     family, seen = families.of(cfg), []
