@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Iterator
 
 from ml_collections import ConfigDict
@@ -19,6 +19,7 @@ from jaxflow.nn.config import LORA_GEMMS, ModelOptions
 from jaxflow.nn.lora import LoRASpec
 from jaxflow.trainer.sharding import ShardingConfig
 from jaxflow.trainer.step_config import TrainConfig
+from jaxflow_bridge.contract import sampling_rules
 from jaxflow_bridge.contract.schedule import cfg_forward_choice
 from jaxflow_bridge.engines.vllm_omni import rules as vllm_omni_rules
 from jaxflow_bridge.rewards.registry import NEED_TARGET, REGISTRY
@@ -196,12 +197,6 @@ def validate(user: ConfigDict) -> RunConfig:
     device = str(cfg.rollout.device)
     if device not in ("cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
         fail("rollout.device", f"{device!r}; choose 'cpu', 'cuda' or 'cuda:N'")
-    multiple = _size_multiple(cfg)
-    for key in ("height", "width"):
-        size = getattr(s, key)
-        if size < multiple or size % multiple:
-            fail(f"sample.{key}", f"{size} must be a positive multiple of {multiple} for this model (its VAE's "
-                                   f"factor x 2, the latent patch)")
     if s.group_size < 2:
         fail("sample.group_size", f"{s.group_size}: GRPO needs at least 2 images per prompt")
     if s.prompts_per_step < 1 or s.prompts_per_call < 1 or s.prompts_per_step % s.prompts_per_call:
@@ -226,16 +221,14 @@ def validate(user: ConfigDict) -> RunConfig:
                                           or t.logp_gate_steps < 0):
         fail("train.logp_gate_steps", f"must be an int >= 0 or None (0 or None: the gate is off), got "
                                        f"{t.logp_gate_steps!r}")
-    if not 0 < s.window_size < s.num_steps or s.window_range[1] - s.window_range[0] < s.window_size:
-        fail("sample.window_size", f"{s.window_size} must be in [1, num_steps) and fit window_range "
-                                    f"{tuple(s.window_range)}")
+    if s.window_size < 1:
+        fail("sample.window_size", f"{s.window_size} must be >= 1: the steps a sample trains (the rollout's 0, "
+                                    f"every step but the last, is no training window)")
     if t.algorithm == "nft" and not 0 <= t.nft.timesteps <= s.num_steps:
         fail("train.nft.timesteps", f"{t.nft.timesteps!r} must be in [0, sample.num_steps={s.num_steps}] (0: "
                                      f"DiffusionNFT's int(0.99 num_steps))")
     if t.algorithm == "nft" and t.beta:
         fail("train.beta", f"{t.beta!r}: nft's KL weight is train.nft.kl; leave train.beta 0")
-    if not isinstance(s.same_latent, bool):
-        fail("sample.same_latent", f"{s.same_latent!r} must be a bool: pass True or False")
     if s.same_latent and (s.sde_type == "ode" or s.noise_level == 0):
         fail("sample.same_latent", f"True with a deterministic sampler (sde_type {s.sde_type!r}, noise_level "
                                     f"{s.noise_level}) gives a group's images the same pixels and every advantage 0: "
@@ -243,6 +236,7 @@ def validate(user: ConfigDict) -> RunConfig:
     if not isinstance(cfg.train.drop_zero_advantage, bool):
         fail("train.drop_zero_advantage", f"{cfg.train.drop_zero_advantage!r} must be a bool: pass True or False")
     _typed_train(cfg)
+    _check_sampling(cfg)
     unknown = sorted(set(cfg.reward.fns) - set(REGISTRY))
     if unknown or not cfg.reward.fns:
         fail("reward.fns", f"unknown {unknown}; known rewards: {sorted(REGISTRY)}")
@@ -312,6 +306,25 @@ def _typed_train(cfg) -> TrainConfig:
     except ValueError as exc:
         field, _, rest = str(exc).removeprefix("TrainConfig.").partition("=")
         fail(TRAIN_KEYS.get(field, f"train.{field}"), rest)
+
+
+# the config keys of the sampling params' fields (`sampling`), for the rules they break (`sampling_rules.problems`)
+SAMPLING_KEYS = {"height": "sample.height", "width": "sample.width", "num_inference_steps": "sample.num_steps",
+                 "sde_type": "sample.sde_type", "same_latent": "sample.same_latent",
+                 "noise_level": "sample.noise_level", "max_sequence_length": "sample.max_sequence_length",
+                 "sde_window_size": "sample.window_size"}
+
+
+def _check_sampling(cfg: RunConfig) -> None:
+    """The rollout's requests, the training's and the evals', by the rules the engines check them with
+    (`sampling_rules.problems`, their one copy); the first broken one as its config key's UserError."""
+    multiple = _size_multiple(cfg)
+    for eval_mode in (False, True):
+        params = SimpleNamespace(**sampling(cfg, eval_mode=eval_mode))
+        for field, message in sampling_rules.problems(params, multiple, "the model's VAE factor x 2, the latent "
+                                                                        "patch"):
+            fail("eval.num_steps" if eval_mode and field == "num_inference_steps" else SAMPLING_KEYS[field],
+                 message)
 
 
 def _size_multiple(cfg) -> int:

@@ -69,6 +69,23 @@ def test_a_value_of_the_wrong_type_is_one_line_naming_the_key(tmp_path, key, val
     assert str(e.value) == line
 
 
+@pytest.mark.parametrize("key, value, line", [
+    ("sample.window_range", (2, 5), "config.sample.window_size: SDE window size 2 does not fit in window_range (2, 5) "
+                                    "(clipped to [2, 3) so that the last step 3 is excluded)"),
+    ("sample.max_sequence_length", 2000, "config.sample.max_sequence_length: max_sequence_length must be in "
+                                         "[1, 1024], got 2000"),
+])
+def test_the_sampling_rules_are_the_engines(tmp_path, key, value, line):
+    """The rollout requests' rules (jaxflow_bridge/contract/sampling_rules.py), which the engine checks each request
+    with (tests/engines/test_rollout.py: the same messages), refuse the config's values, naming the key."""
+    cfg = tiny_config(tmp_path)
+    section, name = key.split(".")
+    cfg[section][name] = value
+    with pytest.raises(UserError) as e:
+        validation.validate(cfg)
+    assert str(e.value) == line
+
+
 def test_the_command_line_validates_once_and_the_trainer_takes_the_result(tmp_path):
     """The command line's preflight validates; the trainer it builds receives that RunConfig, and nothing in the
     process validates again (a stand-in trainer: the count is the whole process's)."""
