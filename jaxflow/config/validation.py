@@ -181,7 +181,7 @@ def validate(user: ConfigDict) -> RunConfig:
                                    f"model.lora_gemm runs 'pallas', else 1)")
     _typed("model", lambda c: model_options(c, "xla", 1), cfg)  # lora_gemm is resolved once JAX runs (lora_gemm)
     if not isinstance(cfg.lora.rank, int) or cfg.lora.rank < 1:
-        fail("lora.rank", f"{cfg.lora.rank!r}: the LoRA rank must be an int >= 1 (the recipe's is 64)")
+        fail("lora.rank", f"{cfg.lora.rank!r}: the LoRA rank must be an int >= 1")
     if not cfg.lora.alpha > 0:
         fail("lora.alpha", f"{cfg.lora.alpha!r} must be > 0 (the LoRA scale is alpha / rank)")
     _typed("lora", lora_spec, cfg)
