@@ -10,13 +10,12 @@ old policy, both inside `jaxflow.trainer.train_step`'s jitted functions through 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxflow.trainer import minibatches
+from jaxflow.algorithms import forward_process
 from jaxflow.algorithms.base import Component
 
 FIELDS = ("final_latents", "sigmas", "prompt_embeds", "prompt_mask", "advantages")
@@ -106,26 +105,12 @@ def gradients(graphdef, lora, old, frozen, batch: dict, key, config, layout=None
     T = nft_timesteps) and the per-sample terms stacked as (M, T, B/M). Each sample trains on T distinct timesteps of
     its schedule with fresh noise, both drawn from `key` (`timestep_picks`); `old` is the old policy's LoRA (no
     gradient)."""
-    m, count = config.num_micro_batches, config.nft_timesteps
-    grad_fn = jax.grad(functools.partial(_loss, graphdef=graphdef, config=config), has_aux=True)
+    def loss(params, step, scale):
+        return _loss(params, old, frozen, step, scale, graphdef=graphdef, config=config)
 
-    def micro(grads, xs):
-        mb, k = xs
-        if layout is not None:
-            mb = jax.lax.with_sharding_constraint(mb, layout.batch_sharding)
-        pick, draw = jax.random.split(k)
-        t = timestep_picks(pick, mb["sigmas"], count).T  # (T, b)
-        noise = jax.random.normal(draw, (count, *mb["final_latents"].shape), jnp.float32)
-        shared = {k: mb[k] for k in ("final_latents", "advantages", "prompt_embeds", "prompt_mask")}
-
-        def timestep(grads, xs):
-            g, terms = grad_fn(lora, old, frozen, {**shared, "t": xs[0], "noise": xs[1]}, scale=1.0 / (m * count))
-            return jax.tree.map(jnp.add, grads, g), terms
-
-        return jax.lax.scan(timestep, grads, (t, noise))
-
-    xs = (minibatches.micro_batches(batch, m), jax.random.split(key, m))
-    return jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, lora), xs)
+    return forward_process.timestep_gradients(
+        loss, lora, batch, key, num_micro_batches=config.num_micro_batches, count=config.nft_timesteps,
+        pick=timestep_picks, fields=("final_latents", "advantages", "prompt_embeds", "prompt_mask"), layout=layout)
 
 
 def advanced(old, lora, updates, decay: tuple[float, float, float]):
