@@ -251,10 +251,10 @@ def validate(user: ConfigDict) -> RunConfig:
     if cfg.profile.num_steps < 0 or cfg.profile.start_step < 1:
         fail("profile", f"start_step {cfg.profile.start_step} must be >= 1 and num_steps {cfg.profile.num_steps} "
                          f">= 0 (0 = no trace)")
-    for key in ("checkpoint.every", "checkpoint.keep", "train.num_steps"):
-        value = getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
+    for section, name in (("checkpoint", "every"), ("checkpoint", "keep"), ("train", "num_steps")):
+        value = getattr(getattr(cfg, section), name)
         if value < 1:
-            fail(key, f"must be >= 1, got {value}")
+            fail(f"{section}.{name}", f"must be >= 1, got {value}")
     if cfg.eval.every < 0:
         fail("eval.every", f"must be >= 0 (0: no eval, not even of the final policy), got {cfg.eval.every}")
     _check_gold(cfg)
