@@ -16,7 +16,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxflow.algorithms import flowgrpo, forward_process, nft
-from jaxflow.algorithms.base import Component
 from jaxflow_bridge.contract.batch import GUIDANCE_FIELDS
 
 SALT = 0x61776D  # folded into the seed's key for the timesteps and noise
@@ -84,26 +83,17 @@ def gradients(graphdef, lora, frozen, batch: dict, key, config, layout=None):
 
 
 @dataclasses.dataclass(frozen=True)
-class AdvantageWeightedMatching(Component):
+class AdvantageWeightedMatching(forward_process.ForwardProcessLoss):
     """AWM on the rollout's final latents, awm_timesteps noised timesteps a micro-batch; on-policy (logp_old is
     each update's own logp, ratio 1: the reference's OCR recipe takes one optimizer step a rollout)."""
 
-    log_probs: bool = False
     keeps_old: bool = False
 
     def batch_fields(self, config) -> tuple[str, ...]:
         return self.fields + (GUIDANCE_FIELDS if config.guided else ())
 
-    def missing_hint(self, missing: list[str]) -> str:
-        return (" (the rollout keeps them with keep_final: config.sampling does for train.algorithm='awm')"
-                if "final_latents" in missing else "")
-
-    def prepare(self, out: dict, batch, config) -> dict:
-        return out
-
     def update(self, state, frozen, mb: dict, old, index, *, graphdef, config, layout, objective):
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(config.shuffle_seed), SALT), state.step)
-        grads, terms = gradients(graphdef, state.lora, frozen, mb, key, config, layout)
+        grads, terms = gradients(graphdef, state.lora, frozen, mb, self.update_key(config, state.step), config, layout)
         policy, kl = jnp.mean(terms["policy"]), jnp.mean(terms["kl"])
         metrics = {"loss": policy + config.beta * kl, "policy_loss": policy, "kl": kl,
                    "ratio_mean": jnp.mean(terms["ratio"])}
@@ -123,6 +113,6 @@ class AdvantageWeightedMatching(Component):
 
 
 AWM = AdvantageWeightedMatching(
-    "awm", "Advantage Weighted Matching on the forward process", fields=nft.FIELDS,
+    "awm", "Advantage Weighted Matching on the forward process", fields=nft.FIELDS, salt=SALT,
     config_keys=("algorithm", "awm_timesteps", "awm_fraction", "awm_power", "awm_adv_max", "awm_clip_range",
                  "adv_clip", "beta", "guidance", "shuffle_seed", "num_micro_batches"))

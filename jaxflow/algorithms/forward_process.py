@@ -1,12 +1,37 @@
-"""The gradient loop of the forward-process algorithms (DiffusionNFT `nft`, AWM `awm`): the rollout's final latents
-noised afresh at T timesteps a micro-batch, the loss's gradients summed over micro-batches and timesteps inside the
-train step (their counterpart of `flowgrpo_step.accumulate_gradients`)."""
+"""What the forward-process algorithms (DiffusionNFT `nft`, AWM `awm`) share: the rollout's final latents noised
+afresh at T timesteps a micro-batch, no SDE log-probs. `ForwardProcessLoss` is their component's common part,
+`timestep_gradients` their gradient loop inside the train step (the counterpart of
+`flowgrpo_step.accumulate_gradients`)."""
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 
+from jaxflow.algorithms.base import Component
 from jaxflow.trainer import minibatches
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardProcessLoss(Component):
+    """A loss on the rollout's final latents (`fields`), noised at timesteps drawn from the seed, `salt` and the
+    update count."""
+
+    log_probs: bool = False
+    salt: int = 0  # folded into the seed's key for the timesteps and noise (apart from the epochs' shuffles)
+
+    def missing_hint(self, missing: list[str]) -> str:
+        return (f" (the rollout keeps them with keep_final: config.sampling does for train.algorithm={self.name!r})"
+                if "final_latents" in missing else "")
+
+    def prepare(self, out: dict, batch, config) -> dict:
+        return out
+
+    def update_key(self, config, updates):
+        """The key of an update's timesteps and noise: a function of the seed and the update count (a resume draws
+        the same)."""
+        return jax.random.fold_in(jax.random.fold_in(jax.random.key(config.shuffle_seed), self.salt), updates)
 
 
 def timestep_gradients(loss, lora, batch: dict, key, *, num_micro_batches: int, count: int, pick, fields,

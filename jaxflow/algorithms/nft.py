@@ -16,7 +16,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxflow.algorithms import forward_process
-from jaxflow.algorithms.base import Component
 
 FIELDS = ("final_latents", "sigmas", "prompt_embeds", "prompt_mask", "advantages")
 SALT = 0x6E6674  # folded into the seed's key for the timesteps and noise (apart from the epochs' shuffles)
@@ -120,27 +119,18 @@ def advanced(old, lora, updates, decay: tuple[float, float, float]):
 
 
 @dataclasses.dataclass(frozen=True)
-class DiffusionNFT(Component):
+class DiffusionNFT(forward_process.ForwardProcessLoss):
     """DiffusionNFT on the rollout's final latents, nft_timesteps noised timesteps a sample; the old policy
     (TrainState.old, what the rollout serves) moved after each step by `old_decay(*nft_decay)`."""
 
-    log_probs: bool = False
     keeps_old: bool = True
 
     def batch_fields(self, config) -> tuple[str, ...]:
         return self.fields
 
-    def missing_hint(self, missing: list[str]) -> str:
-        return (" (the rollout keeps them with keep_final: config.sampling does for train.algorithm='nft')"
-                if "final_latents" in missing else "")
-
-    def prepare(self, out: dict, batch, config) -> dict:
-        return out
-
     def update(self, state, frozen, mb: dict, old, index, *, graphdef, config, layout, objective):
-        """(grads, metrics, None); the timesteps and noise: a function of the seed and the update count (a resume
-        draws the same)."""
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(config.shuffle_seed), SALT), state.step)
+        """(grads, metrics, None)."""
+        key = self.update_key(config, state.step)
         grads, terms = gradients(graphdef, state.lora, state.old, frozen, mb, key, config, layout)
         return grads, step_metrics(terms, config.beta), None
 
@@ -163,6 +153,6 @@ class DiffusionNFT(Component):
              "(flat updates, rate, cap): flat >= 0, rate >= 0, cap in [0, 1)"))
 
 
-NFT = DiffusionNFT("nft", "DiffusionNFT on the forward process", fields=FIELDS,
+NFT = DiffusionNFT("nft", "DiffusionNFT on the forward process", fields=FIELDS, salt=SALT,
                    config_keys=("algorithm", "nft_beta", "nft_timesteps", "nft_decay", "adv_clip", "beta",
                                 "shuffle_seed", "num_micro_batches"))
