@@ -50,7 +50,7 @@ from jaxflow.trainer.sharding import Layout, maybe_initialize_distributed
 log = logging.getLogger("jaxflow.train")
 
 
-def sleep_warning(cfg) -> str | None:
+def sleep_warning(cfg: RunConfig) -> str | None:
     """The rule for `rollout.sleep_while_training`: a sleeping engine frees its GPU memory for the trainer, which can
     use it only if JAX allocates as it goes. With a fixed pool (XLA_PYTHON_CLIENT_PREALLOCATE, as README says for
     one GPU) nothing takes it: the sleep costs time (2.3 s a step, the first ~30 s) and buys nothing."""
@@ -67,7 +67,7 @@ CPU_OVERRIDES = ("--config.rollout.device=cpu --config.rollout.num_gpus=0 --conf
                  "--config.model.remat=save_matmuls --config.train.xla_options={}")
 
 
-def check_backend(cfg) -> None:
+def check_backend(cfg: RunConfig) -> None:
     """A rollout on a GPU with JAX on the CPU is a broken install or environment, not a choice: refuse it in one
     line that names both ways out (a CUDA jaxlib, or every override a CPU run of this config needs)."""
     backend = jax.default_backend()
@@ -85,9 +85,8 @@ class Trainer:
     def __init__(self, config: RunConfig | ConfigDict, resume: bool = False):
         self.started = time.monotonic()  # train.max_minutes counts from here
         self.startup, self._phase_began = {}, None  # seconds per start-up phase, in order
-        self.cfg = cfg = config.source if isinstance(config, RunConfig) else config
+        self.cfg = cfg = config if isinstance(config, RunConfig) else config_lib.validate(config)
         self._begin("checks")
-        self.config = config if isinstance(config, RunConfig) else config_lib.validate(cfg)
         maybe_initialize_distributed()
         run_dir_lib.check_shared(Path(cfg.run_dir))
         check_backend(cfg)

@@ -16,6 +16,7 @@ from flax import nnx
 from jaxflow import families
 from jaxflow.config import validation as config_lib
 from jaxflow.nn.config import ModelOptions
+from jaxflow.config import sections
 from jaxflow.config.recipes import base
 from jaxflow.trainer.step_config import TrainConfig
 from jaxflow.trainer.train_batch import TrainBatch
@@ -23,7 +24,8 @@ from jaxflow_bench.timing import median_ms
 from jaxflow_bridge.contract import schedule
 from jaxflow_bridge.engines import families as torch_families
 
-FAMILY = families.of(base())  # the recipe's
+RECIPE = sections.build(base())  # the recipe, typed as the trainer reads it
+FAMILY = families.of(RECIPE)
 FULL = dict(num_layers=60, attention_head_dim=128, num_attention_heads=24, joint_attention_dim=3584)
 TINY = dict(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,
             axes_dims_rope=(8, 12, 12))
@@ -36,7 +38,7 @@ ONE_UPDATE = dict(num_mini_batches=1, old_log_prob="rollout")
 def recipe_train_config(grid_hw, **changes) -> TrainConfig:
     """The train step's config as the recipe ships it (`jaxflow.config.recipes.base()` through `jaxflow.config.validation.train_config`,
     as the trainer builds it) with a benchmark's own `changes` (micro-batches, mini-batches, ...)."""
-    return dataclasses.replace(config_lib.train_config(base(), grid_hw), **changes)
+    return dataclasses.replace(config_lib.train_config(RECIPE, grid_hw), **changes)
 
 
 def synthetic_batch(cfg, args) -> dict:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from jaxflow.config import sections
 from jaxflow.config.validation import config_module
 from jaxflow_bench.cli import bench_parser
 from jaxflow_bench.results import write_result
@@ -23,7 +24,7 @@ def recipe(model: str, prompts: int):
     cfg = config_module(ROOT / "configs" / "qwen_ocr.py").get_config()
     cfg.model.update(path=model, init="random")
     cfg.sample.update(prompts_per_step=prompts, prompts_per_call=min(4, prompts))
-    return cfg
+    return sections.build(cfg)  # typed as the trainer reads it (the random-weight model folder is not checked)
 
 
 def main(argv=None):

@@ -80,6 +80,7 @@ def profile_train_step(out: Path, batch: int, micro: int, hlo: Path | None = Non
     from jaxflow.families.qwen_image.lora import QwenImageLoRASpec
     from jaxflow.nn.lora_gemm import on_hopper
     from jaxflow.families.qwen_image.random_init import random_transformer
+    from jaxflow.config import sections
     from jaxflow.config.recipes import base
     from jaxflow.trainer.train_step import make_train_step
     from jaxflow_bench.workload import FULL, ONE_UPDATE, negatives_padded, recipe_train_config, synthetic_batch
@@ -92,6 +93,7 @@ def profile_train_step(out: Path, batch: int, micro: int, hlo: Path | None = Non
         recipe.model.scan_unroll = unroll
     if gemm:
         recipe.model.lora_gemm = gemm
+    recipe = sections.build(recipe)
     gemm, _ = plan_lib.lora_gemm(recipe, cfg.num_layers, jax.device_count(), on_hopper(), batch // micro,
                                  (32 * 32, 128))
     opts = config_lib.model_options(recipe, gemm, cfg.num_layers)

@@ -10,15 +10,12 @@ component `AWM`."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxflow.algorithms import flowgrpo, nft
-from jaxflow.algorithms.base import Component
-from jaxflow.trainer import minibatches
+from jaxflow.algorithms import flowgrpo, forward_process, nft
 from jaxflow_bridge.contract.batch import GUIDANCE_FIELDS
 
 SALT = 0x61776D  # folded into the seed's key for the timesteps and noise
@@ -74,51 +71,29 @@ def _loss(lora, frozen, step, scale, *, graphdef, config):
 
 def gradients(graphdef, lora, frozen, batch: dict, key, config, layout=None):
     """Sum over micro-batches and timesteps of grad(loss / (M * T)) wrt `lora` and the terms stacked (M, T, B/M)."""
-    m, count = config.num_micro_batches, config.awm_timesteps
-    grad_fn = jax.grad(functools.partial(_loss, graphdef=graphdef, config=config), has_aux=True)
+    def loss(params, step, scale):
+        return _loss(params, frozen, step, scale, graphdef=graphdef, config=config)
 
-    def micro(grads, xs):
-        mb, k = xs
-        if layout is not None:
-            mb = jax.lax.with_sharding_constraint(mb, layout.batch_sharding)
-        pick, draw = jax.random.split(k)
-        idx = step_indices(pick, mb["sigmas"].shape[1] - 1, count, config.awm_fraction)
-        t = mb["sigmas"][:, idx].T  # (T, b)
-        noise = jax.random.normal(draw, (count, *mb["final_latents"].shape), jnp.float32)
-        shared = {k: mb[k] for k in ("final_latents", "advantages", "prompt_embeds", "prompt_mask",
-                                     *GUIDANCE_FIELDS) if k in mb}
+    def pick(key, sigmas, count):
+        return sigmas[:, step_indices(key, sigmas.shape[1] - 1, count, config.awm_fraction)]
 
-        def timestep(grads, xs):
-            g, terms = grad_fn(lora, frozen, {**shared, "t": xs[0], "noise": xs[1]}, scale=1.0 / (m * count))
-            return jax.tree.map(jnp.add, grads, g), terms
-
-        return jax.lax.scan(timestep, grads, (t, noise))
-
-    xs = (minibatches.micro_batches(batch, m), jax.random.split(key, m))
-    return jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, lora), xs)
+    return forward_process.timestep_gradients(
+        loss, lora, batch, key, num_micro_batches=config.num_micro_batches, count=config.awm_timesteps, pick=pick,
+        fields=("final_latents", "advantages", "prompt_embeds", "prompt_mask", *GUIDANCE_FIELDS), layout=layout)
 
 
 @dataclasses.dataclass(frozen=True)
-class AdvantageWeightedMatching(Component):
+class AdvantageWeightedMatching(forward_process.ForwardProcessLoss):
     """AWM on the rollout's final latents, awm_timesteps noised timesteps a micro-batch; on-policy (logp_old is
     each update's own logp, ratio 1: the reference's OCR recipe takes one optimizer step a rollout)."""
 
-    log_probs: bool = False
     keeps_old: bool = False
 
     def batch_fields(self, config) -> tuple[str, ...]:
         return self.fields + (GUIDANCE_FIELDS if config.guided else ())
 
-    def missing_hint(self, missing: list[str]) -> str:
-        return (" (the rollout keeps them with keep_final: config.sampling does for train.algorithm='awm')"
-                if "final_latents" in missing else "")
-
-    def prepare(self, out: dict, batch, config) -> dict:
-        return out
-
     def update(self, state, frozen, mb: dict, old, index, *, graphdef, config, layout, objective):
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(config.shuffle_seed), SALT), state.step)
-        grads, terms = gradients(graphdef, state.lora, frozen, mb, key, config, layout)
+        grads, terms = gradients(graphdef, state.lora, frozen, mb, self.update_key(config, state.step), config, layout)
         policy, kl = jnp.mean(terms["policy"]), jnp.mean(terms["kl"])
         metrics = {"loss": policy + config.beta * kl, "policy_loss": policy, "kl": kl,
                    "ratio_mean": jnp.mean(terms["ratio"])}
@@ -138,6 +113,6 @@ class AdvantageWeightedMatching(Component):
 
 
 AWM = AdvantageWeightedMatching(
-    "awm", "Advantage Weighted Matching on the forward process", fields=nft.FIELDS,
+    "awm", "Advantage Weighted Matching on the forward process", fields=nft.FIELDS, salt=SALT,
     config_keys=("algorithm", "awm_timesteps", "awm_fraction", "awm_power", "awm_adv_max", "awm_clip_range",
                  "adv_clip", "beta", "guidance", "shuffle_seed", "num_micro_batches"))

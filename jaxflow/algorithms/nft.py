@@ -10,14 +10,12 @@ old policy, both inside `jaxflow.trainer.train_step`'s jitted functions through 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxflow.trainer import minibatches
-from jaxflow.algorithms.base import Component
+from jaxflow.algorithms import forward_process
 
 FIELDS = ("final_latents", "sigmas", "prompt_embeds", "prompt_mask", "advantages")
 SALT = 0x6E6674  # folded into the seed's key for the timesteps and noise (apart from the epochs' shuffles)
@@ -106,26 +104,12 @@ def gradients(graphdef, lora, old, frozen, batch: dict, key, config, layout=None
     T = nft_timesteps) and the per-sample terms stacked as (M, T, B/M). Each sample trains on T distinct timesteps of
     its schedule with fresh noise, both drawn from `key` (`timestep_picks`); `old` is the old policy's LoRA (no
     gradient)."""
-    m, count = config.num_micro_batches, config.nft_timesteps
-    grad_fn = jax.grad(functools.partial(_loss, graphdef=graphdef, config=config), has_aux=True)
+    def loss(params, step, scale):
+        return _loss(params, old, frozen, step, scale, graphdef=graphdef, config=config)
 
-    def micro(grads, xs):
-        mb, k = xs
-        if layout is not None:
-            mb = jax.lax.with_sharding_constraint(mb, layout.batch_sharding)
-        pick, draw = jax.random.split(k)
-        t = timestep_picks(pick, mb["sigmas"], count).T  # (T, b)
-        noise = jax.random.normal(draw, (count, *mb["final_latents"].shape), jnp.float32)
-        shared = {k: mb[k] for k in ("final_latents", "advantages", "prompt_embeds", "prompt_mask")}
-
-        def timestep(grads, xs):
-            g, terms = grad_fn(lora, old, frozen, {**shared, "t": xs[0], "noise": xs[1]}, scale=1.0 / (m * count))
-            return jax.tree.map(jnp.add, grads, g), terms
-
-        return jax.lax.scan(timestep, grads, (t, noise))
-
-    xs = (minibatches.micro_batches(batch, m), jax.random.split(key, m))
-    return jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, lora), xs)
+    return forward_process.timestep_gradients(
+        loss, lora, batch, key, num_micro_batches=config.num_micro_batches, count=config.nft_timesteps,
+        pick=timestep_picks, fields=("final_latents", "advantages", "prompt_embeds", "prompt_mask"), layout=layout)
 
 
 def advanced(old, lora, updates, decay: tuple[float, float, float]):
@@ -135,27 +119,18 @@ def advanced(old, lora, updates, decay: tuple[float, float, float]):
 
 
 @dataclasses.dataclass(frozen=True)
-class DiffusionNFT(Component):
+class DiffusionNFT(forward_process.ForwardProcessLoss):
     """DiffusionNFT on the rollout's final latents, nft_timesteps noised timesteps a sample; the old policy
     (TrainState.old, what the rollout serves) moved after each step by `old_decay(*nft_decay)`."""
 
-    log_probs: bool = False
     keeps_old: bool = True
 
     def batch_fields(self, config) -> tuple[str, ...]:
         return self.fields
 
-    def missing_hint(self, missing: list[str]) -> str:
-        return (" (the rollout keeps them with keep_final: config.sampling does for train.algorithm='nft')"
-                if "final_latents" in missing else "")
-
-    def prepare(self, out: dict, batch, config) -> dict:
-        return out
-
     def update(self, state, frozen, mb: dict, old, index, *, graphdef, config, layout, objective):
-        """(grads, metrics, None); the timesteps and noise: a function of the seed and the update count (a resume
-        draws the same)."""
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(config.shuffle_seed), SALT), state.step)
+        """(grads, metrics, None)."""
+        key = self.update_key(config, state.step)
         grads, terms = gradients(graphdef, state.lora, state.old, frozen, mb, key, config, layout)
         return grads, step_metrics(terms, config.beta), None
 
@@ -178,6 +153,6 @@ class DiffusionNFT(Component):
              "(flat updates, rate, cap): flat >= 0, rate >= 0, cap in [0, 1)"))
 
 
-NFT = DiffusionNFT("nft", "DiffusionNFT on the forward process", fields=FIELDS,
+NFT = DiffusionNFT("nft", "DiffusionNFT on the forward process", fields=FIELDS, salt=SALT,
                    config_keys=("algorithm", "nft_beta", "nft_timesteps", "nft_decay", "adv_clip", "beta",
                                 "shuffle_seed", "num_micro_batches"))

@@ -12,7 +12,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-SDE_TYPES = ("sde", "cps", "ode")
+from jaxflow_bridge.contract.schedule import SDE_TYPES
+
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 
 

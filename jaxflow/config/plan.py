@@ -14,6 +14,7 @@ from types import MappingProxyType
 from jaxflow import families
 from jaxflow.config import validation
 from jaxflow.config.errors import UserError
+from jaxflow.config.sections import RunConfig
 from jaxflow.nn.config import ModelOptions
 
 
@@ -97,7 +98,7 @@ def _tokens(cfg, family, folder: Path) -> tuple[int, int, int]:
     return (grid[0] * grid[1], *validation.text_tokens(cfg))
 
 
-def make_plan(cfg, folder: Path, *, backend: str, devices: int, batch_devices: int, on_hopper: bool) -> RunPlan:
+def make_plan(cfg: RunConfig, folder: Path, *, backend: str, devices: int, batch_devices: int, on_hopper: bool) -> RunPlan:
     """The validated config's plan on this machine (`backend`, `devices`, `on_hopper`: JAX's, after it starts) for
     the model in `folder` (its depth and latent grid: the family's) with the batch split `batch_devices` ways."""
     family = families.of(cfg)

@@ -25,7 +25,8 @@ DATA = Path(__file__).resolve().parents[2] / "data"  # the clone's prompt files,
 WHOLE_KEYS = ("reward.fns", "reward.options", "eval.rewards", "train.xla_options", "sharding.rules")
 
 # Every key of `base()` with one line of help: what it is, its unit or allowed values (`--print_config` prints it
-# beside the value; tests/run/test_cli.py fails for a key without one). Why a default was chosen stays beside the value.
+# beside the value; tests/run/test_cli.py fails for a key without one). A default is stated once, in `base()` (the
+# help never repeats it: tests/run/test_cli.py); why it was chosen stays beside the value.
 HELP: dict[str, str] = {
     "seed": "seed of the prompt order, the rollout's noise, the mini-batch shuffles and model.init='random'",
     "run_dir": "output folder (checkpoints, metrics.jsonl, tb, eval grids, lora_final), relative to the cwd",
@@ -51,7 +52,7 @@ HELP: dict[str, str] = {
                       "float32)",
     "rollout.dtype": "the engine's dtype: 'bfloat16' (vllm_omni's only) or 'float32' (diffusers)",
     "rollout.device": "the engine's torch device: 'cpu', 'cuda' or 'cuda:N'",
-    "rollout.num_servers": "rollout engines (Ray actors); colocated on GPUs: one per trainer device; in_process: 1",
+    "rollout.num_servers": "rollout engines (Ray actors); colocated on GPUs: one per trainer device; in_process: one",
     "rollout.num_gpus": "GPUs Ray gives each rollout actor (1: a GPU to itself; 0 on a CPU)",
     "rollout.num_cpus": "CPUs Ray gives each rollout actor",
     "rollout.max_retries": "retries of a rollout call on fresh actors after an actor dies",
@@ -122,41 +123,39 @@ HELP: dict[str, str] = {
     "train.adam_b1": "AdamW beta1 (flow_grpo's adam_beta1)",
     "train.adam_b2": "AdamW beta2 (flow_grpo's adam_beta2)",
     "train.adam_eps": "AdamW epsilon (flow_grpo's adam_epsilon)",
-    "train.old_log_prob": "logp_old: 'recompute' (the trainer's, verl-omni), 'rollout' (the engine's, flow_grpo), "
-                          "'rollout_corrected' (verl's bypass mode), 'recompute_corrected' (verl's decoupled mode)",
-    "train.rejection_threshold": "t for 'rollout_corrected': a window step outside rollout_rs' bound (token_k1: ratio in [1/t, t]) weighs 0; 2.0",
-    "train.rollout_rs": "verl's rejection estimator: 'token_k1', 'token_k2', 'token_k3' per window step; with "
-                        "'recompute_corrected' also 'off' or seq_sum_k1..3, seq_mean_k1..3, seq_max_k2/k3 over a "
-                        "sample's window steps (docs/numerics.md)",
-    "train.rollout_is": "'recompute_corrected': verl's truncated IS weights of logp_old - logp_rollout, 'off', "
-                        "'token' (per window step) or 'sequence' (per sample)",
-    "train.rollout_is_threshold": "rollout_is: the IS weights' truncation, > 0; 2.0",
+    "train.old_log_prob": "logp_old: 'recompute' (trainer's), 'rollout' (engine's), 'rollout_corrected' (verl "
+                          "bypass), 'recompute_corrected'",
+    "train.rejection_threshold": "t for 'rollout_corrected': a window step outside rollout_rs' bound (token_k1: ratio "
+                                 "in [1/t, t]) weighs 0",
+    "train.rollout_rs": "verl's rejection estimator: token_k1..3 per window step; recompute_corrected adds off, "
+                        "seq_sum/mean_k1..3, seq_max_k2/3",
+    "train.rollout_is": "'recompute_corrected': verl's truncated IS weights, 'off', 'token' (per window step) or "
+                        "'sequence' (per sample)",
+    "train.rollout_is_threshold": "rollout_is: the IS weights' truncation, > 0",
     "train.ratio_norm": "'none' (FlowGRPO's ratio) or 'guard' (GRPO-Guard's, arXiv 2510.22319; needs "
                         "old_log_prob='recompute')",
     "train.guard_stats": "guard: 'sample' (each sample's own step's scale and dt: the paper's per step) or 'batch' (verl-omni's means)",
-    "train.guard_clip_range": "guard: the clip of its normalized ratio, > 0 (2e-6: flow_grpo's and verl-omni's "
-                              "Guard recipes)",
+    "train.guard_clip_range": "guard: the clip of its normalized ratio, > 0",
     "train.num_mini_batches": "optimizer updates per step, each on whole prompt groups; divides "
                               "sample.prompts_per_step",
     "train.num_inner_epochs": "passes over the step's mini-batches, >= 1 (each later one on the rows shuffled anew)",
     "train.drop_zero_advantage": ("True: rows whose advantage is 0 are dropped, the loss is the kept rows' "
                                    "mean (docs/numerics.md §11)"),
     "train.algorithm": "'flowgrpo', 'nft' (DiffusionNFT), 'mixgrpo' (sliding SDE window) or 'awm' (docs/numerics.md §10, §12, §13)",
-    "train.nft.beta": "nft: beta, the implicit policies' step, > 0 (train.nft defaults: DiffusionNFT's config/nft.py "
-                      "sd3_ocr)",
+    "train.nft.beta": "nft: beta, the implicit policies' step, > 0",
     "train.nft.timesteps": "nft: timesteps trained a sample, in [0, sample.num_steps]; 0: int(0.99 sample.num_steps)",
     "train.nft.decay_flat": "nft: updates during which the old policy's decay is 0 (the old policy is the LoRA)",
     "train.nft.decay_rate": "nft: the old policy's decay growth per update after decay_flat",
     "train.nft.decay_max": "nft: the old policy's largest decay, in [0, 1)",
-    "train.nft.kl": "nft: weight of the reference-velocity MSE, >= 0, in place of train.beta (verl-omni's NFT recipe: 1e-4)",
-    "train.nft.ema": "nft: EMA decay of the LoRA that evals sample and lora_final holds (NVlabs' 0.9, with warm-up); 0: off",
+    "train.nft.kl": "nft: weight of the reference-velocity MSE, >= 0, in place of train.beta",
+    "train.nft.ema": "nft: EMA decay (with warm-up) of the LoRA that evals sample and lora_final holds; 0: off",
     "train.mixgrpo.interval": "mixgrpo: training steps between the SDE window's moves (MixGRPO's iters_per_group)",
     "train.mixgrpo.stride": "mixgrpo: steps the window moves each time (prog_overlap_step); it rolls back at sample.window_range's end",
     "train.awm.timesteps": "awm: noised timesteps trained a micro-batch, one per stratum of [1, int(fraction num_steps)]",
     "train.awm.fraction": "awm: the share of the schedule the timesteps are drawn from, in (0, 1]",
     "train.awm.power": "awm: the generalized-Huber power p of its log-prob surrogate, > 0 (ghuber_power)",
     "train.awm.adv_max": "awm: advantages scaled to clip(A, +-adv_clip) / adv_clip * adv_max (advantage_max)",
-    "train.awm.clip_range": "awm: its ratio's clip range, > 0 (1: the OCR recipe's)",
+    "train.awm.clip_range": "awm: its ratio's clip range, > 0",
     "train.xla_options": "XLA options (names 'xla_...') of the train step's jits only, never process-wide",
     "reward.fns": "reward name -> weight; the step's reward is the weighted sum (docs/design.md §3b)",
     "reward.options": "reward name -> its options (ocr: num_threads; 'actor': a Ray actor of its own; docs/design.md "
@@ -248,14 +247,17 @@ def base() -> ml_collections.ConfigDict:
                    ema_decay=0.0,
                    adam_b1=0.9, adam_b2=0.999, adam_eps=1e-8,
                    old_log_prob="recompute", rejection_threshold=2.0, ratio_norm="none",
+                   # guard_clip_range: flow_grpo's and verl-omni's Guard recipes
                    rollout_rs="token_k1", rollout_is="off", rollout_is_threshold=2.0,
                    guard_stats="sample", guard_clip_range=2e-6,
                    num_mini_batches=2, num_inner_epochs=1,
                    # flow_grpo's SD3 trainer drops such samples, the recipe's (train_qwenimage.py) does not (docs/design.md)
                    drop_zero_advantage=False,
                    algorithm="flowgrpo",
+                   # nft: DiffusionNFT's config/nft.py sd3_ocr; kl: verl-omni's NFT recipe; ema: NVlabs'
                    nft=dict(beta=0.1, timesteps=0, decay_flat=75, decay_rate=0.0075, decay_max=0.999, kl=1e-4, ema=0.9),
                    mixgrpo=dict(interval=25, stride=1),
+                   # clip_range: AWM's OCR recipe
                    awm=dict(timesteps=6, fraction=0.9, power=0.25, adv_max=1.0, clip_range=1.0),
                    # cuBLAS GEMMs, no Triton ones: 1.4% faster on an H200 (BENCHMARKS.md, train step). No
                    # latency-hiding scheduler: with the trainer on 2 GPUs it kept the unrolled backward's weight

@@ -1,10 +1,12 @@
 """The config's typed sections: one frozen dataclass per section of `recipes.base()`, whose values are the only
 defaults (the fields declare types, never defaults). `build(cfg)` types the user's ConfigDict, the first step of
-the validation stage (validation.py): a value of the wrong type is one line naming its key.
+the validation stage (validation.py): a value of the wrong type is one line naming its key. Everything after that
+stage reads the RunConfig; only the command line and the validation stage touch the ConfigDict.
 
 The algorithm keys of `train` that this module does not declare (an algorithm component's own section, such as
 `train.nft`, or a key an algorithm adds) are kept in `TrainSection.algorithms`, typed by their value in
-`recipes.base()`: an algorithm adds its keys to the recipe without a field here."""
+`recipes.base()`: an algorithm adds its keys to the recipe without a field here, and reads them as attributes of the
+section (`cfg.train.nft.kl`, `cfg.train.rollout_rs`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -115,12 +117,25 @@ class TrainSection:
     xla_options: Mapping
     algorithms: Mapping  # the algorithm components' own keys (e.g. "nft": its section), typed by recipes.base()
 
+    def __getattr__(self, name: str):
+        """An algorithm component's key (`train.rollout_rs`) or section (`train.nft`, a `Keys`)."""
+        if name.startswith("__") or name == "algorithms":
+            raise AttributeError(name)
+        try:
+            return self.algorithms[name]
+        except KeyError:
+            raise AttributeError(f"train.{name} is not a config key (jaxflow/config/recipes.py base())") from None
+
 
 @dataclasses.dataclass(frozen=True)
 class RewardSection:
     fns: Mapping
     options: Mapping
     workers: int
+
+    def options_dict(self) -> dict:
+        """reward.options as plain dicts: name -> its options (what `build_reward` takes)."""
+        return thawed(self.options)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +151,9 @@ class EvalSection:
     num_steps: int
     guidance: float
     solver: str
+    rewards: Mapping
+    best_metric: str
+    stop_after: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,8 +185,7 @@ class ProfileSection:
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    """The validated config: its typed sections, and the ConfigDict they were built from (`source`), which the
-    modules not yet reading sections take."""
+    """The validated config: its typed sections, what everything after the validation stage reads."""
 
     seed: int
     run_dir: str
@@ -184,7 +201,19 @@ class RunConfig:
     sharding: ShardingSection
     log: LogSection
     profile: ProfileSection
-    source: ConfigDict = dataclasses.field(compare=False, repr=False)
+
+    def to_dict(self) -> dict:
+        """The config as the plain nested dict the user's ConfigDict's `to_dict()` gives (the train section's
+        algorithm keys back among its own): the run's config.json and checkpoints hold it."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if dataclasses.is_dataclass(value):
+                fields = {g.name: thawed(getattr(value, g.name)) for g in dataclasses.fields(value)}
+                algorithms = fields.pop("algorithms", {})
+                value = {**fields, **algorithms}
+            out[f.name] = thawed(value)
+        return out
 
 
 _NAMES = {int: "an int", float: "a float", bool: "a bool", str: "a str", tuple: "a list or tuple",
@@ -201,6 +230,37 @@ def _is(value, kind) -> bool:
     return isinstance(value, (tuple, list) if kind is tuple else kind)
 
 
+class Keys(Mapping):
+    """An algorithm component's own section of `train` (`train.nft`), read-only; its keys read as attributes too."""
+
+    def __init__(self, values: Mapping):
+        object.__setattr__(self, "_values", dict(values))
+
+    def __getattr__(self, name: str):
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __setattr__(self, name, value):
+        raise dataclasses.FrozenInstanceError(f"cannot assign to {name}: the config is read-only after validation")
+
+    def __getitem__(self, name):
+        return self._values[name]
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"Keys({self._values!r})"
+
+    def __reduce__(self):
+        return Keys, (self._values,)
+
+
 def _frozen(value):
     """A section's value made immutable: lists as tuples, dicts as read-only plain dicts."""
     if isinstance(value, ConfigDict):
@@ -208,6 +268,13 @@ def _frozen(value):
     if isinstance(value, dict):
         return MappingProxyType({k: _frozen(v) for k, v in value.items()})
     return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def thawed(value):
+    """A frozen value as plain Python: read-only mappings as dicts (tuples stay tuples, as in a ConfigDict)."""
+    if isinstance(value, Mapping):
+        return {k: thawed(v) for k, v in value.items()}
+    return tuple(thawed(v) for v in value) if isinstance(value, tuple) else value
 
 
 def _typed(key: str, value, kind):
@@ -232,7 +299,7 @@ def _algorithms(prefix: str, values: Mapping) -> Mapping:
     for name, value in values.items():
         key = prefix + name
         if isinstance(value, (dict, ConfigDict)) and key not in types:
-            out[name] = _algorithms(key + ".", value)
+            out[name] = Keys(_algorithms(key + ".", value))
         else:
             out[name] = _typed(key, value, types[key]) if key in types else _frozen(value)
     return MappingProxyType(out)
@@ -259,12 +326,10 @@ def build(cfg: ConfigDict) -> RunConfig:
     hints = typing.get_type_hints(RunConfig)
     kwargs = {}
     for f in dataclasses.fields(RunConfig):
-        if f.name == "source":
-            continue
         if f.name not in cfg:
             fail(f.name, "is missing: a config builds on jaxflow/config/recipes.py base(), which sets every key")
         kind = hints[f.name]
         kwargs[f.name] = (_section(kind, f.name, cfg[f.name]) if dataclasses.is_dataclass(kind)
                           else _typed(f.name, cfg[f.name], kind))
-    return RunConfig(**kwargs, source=cfg)
+    return RunConfig(**kwargs)
 

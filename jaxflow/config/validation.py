@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Iterator
 
 from ml_collections import ConfigDict
@@ -20,8 +20,8 @@ from jaxflow.nn.config import LORA_GEMMS, ModelOptions
 from jaxflow.nn.lora import LoRASpec
 from jaxflow.trainer.sharding import ShardingConfig
 from jaxflow.trainer.step_config import TrainConfig
+from jaxflow_bridge.contract import sampling_rules
 from jaxflow_bridge.contract.schedule import cfg_forward_choice
-from jaxflow_bridge.contract.solver import SOLVERS
 from jaxflow_bridge.engines.vllm_omni import rules as vllm_omni_rules
 from jaxflow_bridge.rewards.registry import NEED_TARGET, REGISTRY
 from jaxflow_bridge.rollout.server import ENGINES
@@ -60,7 +60,7 @@ def needs_target(cfg) -> bool:
     return bool(NEED_TARGET & set(cfg.reward.fns))
 
 
-def model_folder(cfg: ConfigDict) -> Path:
+def model_folder(cfg: RunConfig) -> Path:
     """The model folder: a family's tiny one builds or reuses the cached tiny offline model (jaxflow/families/);
     UserError when its cache ($JAXFLOW_CACHE) cannot be written."""
     try:
@@ -72,7 +72,7 @@ def model_folder(cfg: ConfigDict) -> Path:
         raise
 
 
-def _check_model(cfg: ConfigDict) -> None:
+def _check_model(cfg: RunConfig) -> None:
     """model.family, model.path and what the family's trainer and engines support."""
     if cfg.model.family not in families.FAMILIES:
         fail("model.family", f"{cfg.model.family!r}; choose one of {', '.join(families.FAMILIES)}")
@@ -102,7 +102,7 @@ def _check_model(cfg: ConfigDict) -> None:
                                          f"1000)")
 
 
-def engine_problems(cfg: ConfigDict) -> Iterator[Problem]:
+def engine_problems(cfg: RunConfig) -> Iterator[Problem]:
     """The rollout engine's rules on the config (the vllm_omni engine's: `vllm_omni_rules.problems`, the one copy its
     engine checks too), on the family's engine keys
     (`Family.engine_config`)."""
@@ -113,11 +113,11 @@ def engine_problems(cfg: ConfigDict) -> Iterator[Problem]:
                                         deploy=family.engine_config(cfg).get("deploy"), think=bool(cfg.sample.think))
 
 
-def _check_prompts(cfg: ConfigDict) -> None:
+def _check_prompts(cfg: RunConfig) -> None:
     """The prompt files parse (each error names FILE:LINE and the fix) and data.train holds a step's prompts."""
     for key in ("train", "test"):
         try:
-            items = load_prompts(cfg.data[key], needs_target(cfg))
+            items = load_prompts(getattr(cfg.data, key), needs_target(cfg))
         except ValueError as exc:
             fail(f"data.{key}", str(exc))
         per_step = cfg.sample.prompts_per_step
@@ -127,12 +127,12 @@ def _check_prompts(cfg: ConfigDict) -> None:
                                 f"--config.sample.prompts_per_step={len(items)}")
 
 
-def validate(cfg: ConfigDict) -> RunConfig:
+def validate(user: ConfigDict) -> RunConfig:
     """The validation stage, run once per process start (the command line's preflight, or a Trainer built from a
     ConfigDict): the config's typed sections (`sections.build`), then every rule, the families' (`problems`) and the
     algorithm components' (`rules`, through TrainConfig) included. The first broken one raises its one-line UserError
-    naming the key and the fix; touches no model, device or Ray."""
-    config = sections.build(cfg)
+    naming the key and the fix; touches no model, device or Ray. The rules read the typed sections."""
+    cfg = sections.build(user)
     _check_model(cfg)
     layout = cfg.rollout.layout
     if layout not in LAYOUTS:
@@ -182,7 +182,7 @@ def validate(cfg: ConfigDict) -> RunConfig:
                                    f"model.lora_gemm runs 'pallas', else 1)")
     _typed("model", lambda c: model_options(c, "xla", 1), cfg)  # lora_gemm is resolved once JAX runs (lora_gemm)
     if not isinstance(cfg.lora.rank, int) or cfg.lora.rank < 1:
-        fail("lora.rank", f"{cfg.lora.rank!r}: the LoRA rank must be an int >= 1 (the recipe's is 64)")
+        fail("lora.rank", f"{cfg.lora.rank!r}: the LoRA rank must be an int >= 1")
     if not cfg.lora.alpha > 0:
         fail("lora.alpha", f"{cfg.lora.alpha!r} must be > 0 (the LoRA scale is alpha / rank)")
     _typed("lora", lora_spec, cfg)
@@ -198,11 +198,6 @@ def validate(cfg: ConfigDict) -> RunConfig:
     device = str(cfg.rollout.device)
     if device not in ("cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
         fail("rollout.device", f"{device!r}; choose 'cpu', 'cuda' or 'cuda:N'")
-    multiple = _size_multiple(cfg)
-    for key in ("height", "width"):
-        if s[key] < multiple or s[key] % multiple:
-            fail(f"sample.{key}", f"{s[key]} must be a positive multiple of {multiple} for this model (its VAE's "
-                                   f"factor x 2, the latent patch)")
     if s.group_size < 2:
         fail("sample.group_size", f"{s.group_size}: GRPO needs at least 2 images per prompt")
     if s.prompts_per_step < 1 or s.prompts_per_call < 1 or s.prompts_per_step % s.prompts_per_call:
@@ -231,16 +226,14 @@ def validate(cfg: ConfigDict) -> RunConfig:
         fail("train.sync_verify", f"{t.sync_verify!r} must be a bool: pass True or False")
     if not isinstance(t.sync_fault_from, int) or isinstance(t.sync_fault_from, bool) or t.sync_fault_from < 0:
         fail("train.sync_fault_from", f"must be an int >= 0 (0: no fault injected), got {t.sync_fault_from!r}")
-    if not 0 < s.window_size < s.num_steps or s.window_range[1] - s.window_range[0] < s.window_size:
-        fail("sample.window_size", f"{s.window_size} must be in [1, num_steps) and fit window_range "
-                                    f"{tuple(s.window_range)}")
+    if s.window_size < 1:
+        fail("sample.window_size", f"{s.window_size} must be >= 1: the steps a sample trains (the rollout's 0, "
+                                    f"every step but the last, is no training window)")
     if t.algorithm == "nft" and not 0 <= t.nft.timesteps <= s.num_steps:
         fail("train.nft.timesteps", f"{t.nft.timesteps!r} must be in [0, sample.num_steps={s.num_steps}] (0: "
                                      f"DiffusionNFT's int(0.99 num_steps))")
     if t.algorithm == "nft" and t.beta:
         fail("train.beta", f"{t.beta!r}: nft's KL weight is train.nft.kl; leave train.beta 0")
-    if not isinstance(s.same_latent, bool):
-        fail("sample.same_latent", f"{s.same_latent!r} must be a bool: pass True or False")
     if s.same_latent and (s.sde_type == "ode" or s.noise_level == 0):
         fail("sample.same_latent", f"True with a deterministic sampler (sde_type {s.sde_type!r}, noise_level "
                                     f"{s.noise_level}) gives a group's images the same pixels and every advantage 0: "
@@ -248,22 +241,18 @@ def validate(cfg: ConfigDict) -> RunConfig:
     if not isinstance(cfg.train.drop_zero_advantage, bool):
         fail("train.drop_zero_advantage", f"{cfg.train.drop_zero_advantage!r} must be a bool: pass True or False")
     _typed_train(cfg)
-    for key, solver in (("sample.solver", s.solver), ("eval.solver", cfg.eval.solver)):
-        if solver not in SOLVERS:
-            fail(key, f"{solver!r}; choose 'euler' (the sde_type step) or 'dpm2' (DiffusionNFT's second-order ODE)")
     if s.solver == "dpm2" and not registry.final_latents(t.algorithm):
         free = " or ".join(a for a in registry.TABLES["algorithm"] if registry.final_latents(a))
         fail("sample.solver", f"'dpm2' samples without log-probs and train.algorithm {t.algorithm!r} trains on them: "
                               f"pass --config.sample.solver=euler (dpm2 rolls out for {free})")
-    if s.solver == "dpm2" and s.sde_type != "ode":
-        fail("sample.solver", f"'dpm2' is a deterministic solver: pass --config.sample.sde_type=ode (not "
-                              f"{s.sde_type!r})")
+    _check_sampling(cfg)
     unknown = sorted(set(cfg.reward.fns) - set(REGISTRY))
     if unknown or not cfg.reward.fns:
         fail("reward.fns", f"unknown {unknown}; known rewards: {sorted(REGISTRY)}")
     for key in ("train", "test"):
-        if not cfg.data[key] or not Path(cfg.data[key]).is_file():
-            fail(f"data.{key}", f"{cfg.data[key]!r} is not a file: pass --config.data.{key}=PROMPTS.txt (one prompt "
+        path = getattr(cfg.data, key)
+        if not path or not Path(path).is_file():
+            fail(f"data.{key}", f"{path!r} is not a file: pass --config.data.{key}=PROMPTS.txt (one prompt "
                                  f"per line) or .jsonl")
     _check_prompts(cfg)
     if cfg.rollout.engine not in ENGINES:
@@ -271,14 +260,14 @@ def validate(cfg: ConfigDict) -> RunConfig:
     if cfg.profile.num_steps < 0 or cfg.profile.start_step < 1:
         fail("profile", f"start_step {cfg.profile.start_step} must be >= 1 and num_steps {cfg.profile.num_steps} "
                          f">= 0 (0 = no trace)")
-    for key in ("checkpoint.every", "checkpoint.keep", "train.num_steps"):
-        section, name = key.split(".")
-        if cfg[section][name] < 1:
-            fail(key, f"must be >= 1, got {cfg[section][name]}")
+    for section, name in (("checkpoint", "every"), ("checkpoint", "keep"), ("train", "num_steps")):
+        value = getattr(getattr(cfg, section), name)
+        if value < 1:
+            fail(f"{section}.{name}", f"must be >= 1, got {value}")
     if cfg.eval.every < 0:
         fail("eval.every", f"must be >= 0 (0: no eval, not even of the final policy), got {cfg.eval.every}")
     _check_gold(cfg)
-    return config
+    return cfg
 
 
 def _check_gold(cfg) -> None:
@@ -326,6 +315,25 @@ def _typed_train(cfg) -> TrainConfig:
     except ValueError as exc:
         field, _, rest = str(exc).removeprefix("TrainConfig.").partition("=")
         fail(TRAIN_KEYS.get(field, f"train.{field}"), rest)
+
+
+# the config keys of the sampling params' fields (`sampling`), for the rules they break (`sampling_rules.problems`)
+SAMPLING_KEYS = {"height": "sample.height", "width": "sample.width", "num_inference_steps": "sample.num_steps",
+                 "sde_type": "sample.sde_type", "same_latent": "sample.same_latent",
+                 "noise_level": "sample.noise_level", "max_sequence_length": "sample.max_sequence_length",
+                 "sde_window_size": "sample.window_size", "solver": "sample.solver"}
+EVAL_KEYS = {"num_inference_steps": "eval.num_steps", "solver": "eval.solver"}  # where an eval request's field differs
+
+
+def _check_sampling(cfg: RunConfig) -> None:
+    """The rollout's requests, the training's and the evals', by the rules the engines check them with
+    (`sampling_rules.problems`, their one copy); the first broken one as its config key's UserError."""
+    multiple = _size_multiple(cfg)
+    for eval_mode in (False, True):
+        params = SimpleNamespace(**sampling(cfg, eval_mode=eval_mode))
+        for field, message in sampling_rules.problems(params, multiple, "the model's VAE factor x 2, the latent "
+                                                                        "patch"):
+            fail(EVAL_KEYS.get(field, SAMPLING_KEYS[field]) if eval_mode else SAMPLING_KEYS[field], message)
 
 
 def _size_multiple(cfg) -> int:

@@ -180,12 +180,12 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
                     f"(continue with --resume if there are any)", unwind=True)
     try:
         config = config_lib.validate(cfg)  # the one validation of this process: the trainer takes its result
-        finished = run_dir_lib.preflight(cfg, resume=FLAGS.resume, overwrite=FLAGS.overwrite,
+        finished = run_dir_lib.preflight(config, resume=FLAGS.resume, overwrite=FLAGS.overwrite,
                                          allow_config_changes=FLAGS.allow_config_changes)
         if finished:
             print(finished)
             return 0
-        ray_logs = _start_ray(cfg, FLAGS.verbose)
+        ray_logs = _start_ray(config, FLAGS.verbose)
         trainer = trainer_class(config, resume=FLAGS.resume)
         if trainer.driver:
             print(f"training {Path(cfg.run_dir).resolve()}: step {trainer.start} -> {cfg.train.num_steps}", flush=True)

@@ -13,6 +13,7 @@ import numpy as np
 
 from jaxflow.config import validation as config_lib
 from jaxflow.config.plan import RunPlan
+from jaxflow.config.sections import RunConfig
 from jaxflow import families
 from jaxflow.trainer import phases
 from jaxflow.sync.base_share import torch_base_weights
@@ -37,7 +38,7 @@ def sample_seeds(seed: int, step: int, count: int) -> np.ndarray:
     return np.random.default_rng([seed, step]).integers(0, 2 ** 62, size=count)
 
 
-def text_length_error(err: TextLengthError, cfg) -> ValueError:
+def text_length_error(err: TextLengthError, cfg: RunConfig) -> ValueError:
     """The rollout's text longer than the train batch's padding (`config.text_tokens`), as the knob to raise."""
     s = cfg.sample
     key = ("negative_max_sequence_length" if err.field.startswith("negative") and s.negative_max_sequence_length
@@ -49,13 +50,13 @@ def text_length_error(err: TextLengthError, cfg) -> ValueError:
                       f"prompt)")
 
 
-def sampling(cfg, eval_mode: bool = False) -> dict:
+def sampling(cfg: RunConfig, eval_mode: bool = False) -> dict:
     """The rollout's sampling parameters (`config.sampling`) with `text_tokens`: the engine pads the text it returns
     to the train step's one shape (`config.text_tokens`), once, at its source (it compiles once)."""
     return {**config_lib.sampling(cfg, eval_mode=eval_mode), "text_tokens": config_lib.text_tokens(cfg)}
 
 
-def train_batch(trajectory: TrajectoryBatch, advantages, group_ids, cfg, step: int) -> TrainBatch:
+def train_batch(trajectory: TrajectoryBatch, advantages, group_ids, cfg: RunConfig, step: int) -> TrainBatch:
     """The learner's batch of step `step`: the rollout's `trajectory` (prompt group `group_ids` (B,)) with its
     `advantages` and the SDE's noise level, its mini-batches laid out (`order_minibatches`) and with
     train.drop_zero_advantage its zero advantages gathered (`compact_zero_advantage`)."""
@@ -103,17 +104,17 @@ class Driver:
     """Built on process 0 with the train `prompts` and the `sampler` that indexes them (its position is checkpointed
     by every process); `start_rollout` once the trainer's model exists."""
 
-    def __init__(self, cfg, folder: Path, prompts: list, sampler: GroupSampler, plan: RunPlan):
+    def __init__(self, cfg: RunConfig, folder: Path, prompts: list, sampler: GroupSampler, plan: RunPlan):
         self.cfg, self.folder, self.prompts, self.sampler, self.plan = cfg, folder, prompts, sampler, plan
         self.test_items = load_prompts(cfg.data.test, config_lib.needs_target(cfg))
         self.spec = config_lib.lora_spec(cfg)
         try:  # reward models load here (a VLM endpoint's health is checked), before any model or device work
-            reward = build_reward(dict(cfg.reward.fns), **cfg.reward.options.to_dict())
+            reward = build_reward(dict(cfg.reward.fns), **cfg.reward.options_dict())
         except FileNotFoundError as exc:  # a reward model's checkpoint folder lacks files: the message names them
             raise config_lib.UserError(str(exc)) from None
         self.pool = RewardPool(reward, cfg.reward.workers)
         # eval.rewards: gold rewards the evals score beside the training rewards (jaxflow/run/gold.py)
-        self.gold = RewardPool(build_reward(dict(cfg.eval.rewards), **cfg.reward.options.to_dict()),
+        self.gold = RewardPool(build_reward(dict(cfg.eval.rewards), **cfg.reward.options_dict()),
                                cfg.reward.workers) if cfg.eval.rewards else None
         self.rollout = self.lora_sync = None
         self._executor = self._prefetched = None  # rollout.overlap: the thread and (step, future) of a prefetch

@@ -22,6 +22,7 @@ from pathlib import Path
 from jaxflow.run import run_lock
 from jaxflow.trainer.checkpoint import config_json
 from jaxflow.config.errors import UserError
+from jaxflow.config.sections import RunConfig
 
 log = logging.getLogger("jaxflow.run.run_dir")
 
@@ -84,7 +85,7 @@ def _saved_config(run_dir: Path, steps: list[int]) -> tuple[int, dict] | None:
     return None
 
 
-def check_resume(cfg, allow_config_changes: bool = False) -> str | None:
+def check_resume(cfg: RunConfig, allow_config_changes: bool = False) -> str | None:
     """Checks a resume of `cfg.run_dir`, the config first: a message when the run is already finished (its
     lora_final written, nothing to do), else None. A run stopped at its last step before exporting its LoRA (a stop
     request after the last step's checkpoint, or `--config.train.num_steps` lowered to a stopped run's newest
@@ -118,7 +119,7 @@ def check_resume(cfg, allow_config_changes: bool = False) -> str | None:
     return None
 
 
-def preflight(cfg, *, resume: bool, overwrite: bool = False, allow_config_changes: bool = False) -> str | None:
+def preflight(cfg: RunConfig, *, resume: bool, overwrite: bool = False, allow_config_changes: bool = False) -> str | None:
     """The run_dir checks of the command line, before any model, device or Ray: None to go on, or a message when a
     resumed run is already finished. The first process locks run_dir first (`run_lock`: a run_dir another run holds
     is refused, never overwritten). `overwrite` deletes a previous run's outputs (on the first process only)."""

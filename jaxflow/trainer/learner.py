@@ -20,6 +20,7 @@ import numpy as np
 from jaxflow.config import plan as plan_lib
 from jaxflow.config import validation as config_lib
 from jaxflow.config.plan import RunPlan
+from jaxflow.config.sections import RunConfig
 from jaxflow.trainer import memory
 from jaxflow.trainer.checkpoint import Checkpointer
 from jaxflow.trainer.divergence import check_finite
@@ -33,7 +34,7 @@ from jaxflow.trainer.train_step import make_train_step
 log = logging.getLogger("jaxflow.train")
 
 
-def build_model(cfg, folder: Path, spec, layout: Layout, plan: RunPlan | None = None):
+def build_model(cfg: RunConfig, folder: Path, spec, layout: Layout, plan: RunPlan | None = None):
     """The trainer's model of the config's family (jaxflow/families/) from `folder`, with the plan's ModelOptions
     (the plan made here where none is given): base weights from it, or drawn from `seed` with `model.init=random`;
     with unrolled blocks (model.scan_unroll >= the blocks) each block's frozen weights are arrays of their own."""
@@ -44,7 +45,7 @@ def build_model(cfg, folder: Path, spec, layout: Layout, plan: RunPlan | None = 
     return model
 
 
-def run_plan(cfg, folder: Path, layout: Layout) -> RunPlan:
+def run_plan(cfg: RunConfig, folder: Path, layout: Layout) -> RunPlan:
     """The validated config's plan (jaxflow/config/plan.py) on this process's JAX, for the batch split of `layout`."""
     return plan_lib.make_plan(cfg, folder, backend=jax.default_backend(), devices=jax.device_count(),
                               batch_devices=layout.batch_devices, on_hopper=on_hopper())
@@ -88,7 +89,7 @@ def local_rows(batch: TrainBatch | None) -> TrainBatch:
 class Learner:
     """Built on every process from the config and the model folder; `begin` then makes the train state."""
 
-    def __init__(self, cfg, folder: Path, plan: RunPlan | None = None):
+    def __init__(self, cfg: RunConfig, folder: Path, plan: RunPlan | None = None):
         """`plan`: the run's (the Trainer's); made here where none is given."""
         self.cfg, self.processes = cfg, jax.process_count()
         self.layout = Layout.create(config_lib.sharding_config(cfg))

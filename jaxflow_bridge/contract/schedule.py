@@ -9,6 +9,9 @@ import math
 
 import numpy as np
 
+# The step a sample's window takes (docs/numerics.md §2-3), both step modules' choices (`sde_step`)
+SDE_TYPES = ("sde", "cps", "ode")
+
 # How a rollout runs true CFG's positive and negative rows (`jaxflow_bridge.rollout.sampling.SamplingLoop.cfg_forward`; the
 # trainer's config names it `rollout.cfg_forward`): one forward with the texts padded to one length, or one each.
 CFG_FORWARDS = ("batched", "split")
@@ -91,28 +94,36 @@ def window_size(size: int | None, num_steps: int) -> int:
     return int(size) if size else num_steps - 1
 
 
+def window_problem(size: int | None, window_range: tuple[int, int], num_steps: int) -> str | None:
+    """Why SDE windows of `size` steps in `window_range` cannot be drawn on a schedule of `num_steps` steps (the
+    rules of `sample_windows`), or None."""
+    if num_steps < 2:
+        return f"an SDE window needs num_steps >= 2, got {num_steps}"
+    if not size:
+        return None
+    if size < 0 or size >= num_steps:
+        return f"SDE window size {size} must be in [1, num_steps - 1 = {num_steps - 1}]: the last step is never trained"
+    lo, hi = window_range
+    hi = min(hi, num_steps - 1)
+    if lo < 0 or size > hi - lo:
+        return (f"SDE window size {size} does not fit in window_range {tuple(window_range)} "
+                f"(clipped to [{lo}, {hi}) so that the last step {num_steps - 1} is excluded)")
+    return None
+
+
 def sample_windows(seeds, size: int | None, window_range: tuple[int, int], num_steps: int) -> np.ndarray:
     """Per-sample window starts (B,) int32; the window of a sample is [start, start + window_size).
 
     start ~ uniform on [lo, hi - size] from numpy's Generator seeded by that sample's seed alone, with hi
     clipped to num_steps - 1 so that the schedule's last step is never in a window. size 0 or None: start 0
-    (the window is every step but the last, window_range is ignored).
+    (the window is every step but the last, window_range is ignored). ValueError: `window_problem`'s.
     """
-    if num_steps < 2:
-        raise ValueError(f"an SDE window needs num_steps >= 2, got {num_steps}")
+    problem = window_problem(size, window_range, num_steps)
+    if problem:
+        raise ValueError(problem)
     if not size:
         return np.zeros(len(seeds), np.int32)
-    if size < 0 or size >= num_steps:
-        raise ValueError(
-            f"SDE window size {size} must be in [1, num_steps - 1 = {num_steps - 1}]: the last step is never trained"
-        )
-    lo, hi = window_range
-    hi = min(hi, num_steps - 1)
-    if lo < 0 or size > hi - lo:
-        raise ValueError(
-            f"SDE window size {size} does not fit in window_range {tuple(window_range)} "
-            f"(clipped to [{lo}, {hi}) so that the last step {num_steps - 1} is excluded)"
-        )
+    lo, hi = window_range[0], min(window_range[1], num_steps - 1)
     starts = [np.random.default_rng(seed).integers(lo, hi - size, endpoint=True) for seed in seeds]
     return np.asarray(starts, np.int32)
 

@@ -26,14 +26,13 @@ import dataclasses
 import numpy as np
 import torch
 
+from jaxflow_bridge.contract import sampling_rules
 from jaxflow_bridge.contract.schedule import (sample_windows, sigma_schedule, window_noise_levels,
                                               window_size)
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
-from jaxflow_bridge.rollout.sde import SDE_TYPES
-from jaxflow_bridge.rollout.solver import Solver, check_solver
+from jaxflow_bridge.rollout.solver import Solver
 from jaxflow_bridge.rollout.tensors import torch_to_numpy
 
-MAX_SEQUENCE_LENGTH = 1024  # diffusers' QwenImagePipeline.tokenizer_max_length
 DECODE_PIXELS = 4 * 512 * 512  # pixels per VAE decode call: 4 samples at 512^2 (bounded memory), 128 at 64x128
 
 
@@ -192,28 +191,10 @@ class SamplingLoop:
     def validate(self, prompts, n: int, sampling: SamplingParams, seeds=None) -> np.ndarray:
         """ValueError on any bad input, before a model runs; returns the per-sample seeds (B,) int64."""
         check_prompts(prompts, n)
-        ints = {k: getattr(sampling, k) for k in ("height", "width", "num_inference_steps")}
-        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in ints.values()):
-            raise ValueError(f"height, width and num_inference_steps must be ints, got {ints}")
-        m = self.size_multiple
-        if min(sampling.height, sampling.width) < m or sampling.height % m or sampling.width % m:
-            raise ValueError(f"height and width must be positive multiples of {m} (2 x VAE factor "
-                             f"{self.vae_scale_factor}), got {sampling.height}x{sampling.width}")
-        if sampling.sde_type not in SDE_TYPES:
-            raise ValueError(f"sde_type must be one of {SDE_TYPES}, got {sampling.sde_type!r}")
-        check_solver(sampling.solver, sampling.sde_type)
-        if not isinstance(sampling.same_latent, bool):
-            raise ValueError(f"same_latent must be a bool (True or False), got {sampling.same_latent!r}")
-        if sampling.noise_level < 0:
-            raise ValueError(f"noise_level must be >= 0, got {sampling.noise_level}")
-        if not 1 <= sampling.max_sequence_length <= MAX_SEQUENCE_LENGTH:
-            raise ValueError(f"max_sequence_length must be in [1, {MAX_SEQUENCE_LENGTH}], "
-                             f"got {sampling.max_sequence_length}")
+        sampling_rules.check(sampling, self.size_multiple, f"2 x VAE factor {self.vae_scale_factor}")
         texts = list(prompts) + ([sampling.negative_prompt] if sampling.guided else [])
         self._check_lengths(texts, sampling.max_sequence_length)
-        seeds = per_sample_seeds(len(prompts) * n, sampling.seed if seeds is None else seeds)
-        sample_windows(seeds, sampling.sde_window_size, sampling.sde_window_range, sampling.num_inference_steps)
-        return seeds
+        return per_sample_seeds(len(prompts) * n, sampling.seed if seeds is None else seeds)
 
     def _check_lengths(self, texts: list[str], limit: int) -> None:
         ids = self.tokenizer([self.template.format(t) for t in texts])["input_ids"]

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-SDE_TYPES = ("sde", "cps", "ode")
+from jaxflow_bridge.contract.schedule import SDE_TYPES
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 
 

@@ -2,6 +2,7 @@
 start (the command line's, whose result the Trainer takes), and the plan that resolves every 'auto'
 (jaxflow/config/plan.py)."""
 import dataclasses
+import json
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ from jaxflow.config import validation
 from jaxflow.config.errors import UserError
 from jaxflow.config.sections import RunConfig
 from jaxflow.trainer import learner
+from jaxflow.trainer.checkpoint import config_json
 from jaxflow.trainer.sharding import Layout
 from jaxflow.trainer.step_config import TrainConfig
 from jaxflow_bridge.families.bagel.sampling import BagelSamplingParams
@@ -25,12 +27,27 @@ from tests.helpers import ROOT, tiny_config
 def test_the_sections_are_typed_frozen_and_hold_the_algorithms_keys(tmp_path):
     config = validation.validate(tiny_config(tmp_path))
     assert isinstance(config, RunConfig) and config.sample.height == 40 and config.lora.rank == 8
-    assert config.lora.targets == tuple(config.source.lora.targets)  # lists become tuples
+    assert config.lora.targets == tuple(tiny_config(tmp_path).lora.targets)  # lists become tuples
     assert config.train.algorithm == "flowgrpo" and config.train.algorithms["nft"]["beta"] == 0.1
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.sample.height = 41
     with pytest.raises(TypeError):
         config.reward.fns["ocr"] = 1.0  # read-only
+
+
+def test_the_typed_config_reads_as_the_config_it_was_built_from(tmp_path):
+    """Everything after the validation stage reads the RunConfig: the algorithms' keys as attributes, and its
+    `to_dict` (config.json, every checkpoint's config, which a resume compares) the user's ConfigDict's."""
+    raw = tiny_config(tmp_path, ema_decay=0.5)
+    config = validation.validate(raw)
+    assert (config.train.nft.kl, config.train.rollout_rs, config.train.awm.power) == (
+        raw.train.nft.kl, raw.train.rollout_rs, raw.train.awm.power)
+    assert config.eval.best_metric == raw.eval.best_metric and dict(config.eval.rewards) == raw.eval.rewards.to_dict()
+    assert json.loads(config_json(config)) == json.loads(config_json(raw))
+    with pytest.raises(AttributeError, match="train.no_such_key is not a config key"):
+        config.train.no_such_key
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.train.nft.kl = 0.0
 
 
 @pytest.mark.parametrize("key, value, line", [
@@ -49,6 +66,23 @@ def test_a_value_of_the_wrong_type_is_one_line_naming_the_key(tmp_path, key, val
     section[name] = value
     with pytest.raises(UserError) as e:
         validation.validate(ConfigDict(values))
+    assert str(e.value) == line
+
+
+@pytest.mark.parametrize("key, value, line", [
+    ("sample.window_range", (2, 5), "config.sample.window_size: SDE window size 2 does not fit in window_range (2, 5) "
+                                    "(clipped to [2, 3) so that the last step 3 is excluded)"),
+    ("sample.max_sequence_length", 2000, "config.sample.max_sequence_length: max_sequence_length must be in "
+                                         "[1, 1024], got 2000"),
+])
+def test_the_sampling_rules_are_the_engines(tmp_path, key, value, line):
+    """The rollout requests' rules (jaxflow_bridge/contract/sampling_rules.py), which the engine checks each request
+    with (tests/engines/test_rollout.py: the same messages), refuse the config's values, naming the key."""
+    cfg = tiny_config(tmp_path)
+    section, name = key.split(".")
+    cfg[section][name] = value
+    with pytest.raises(UserError) as e:
+        validation.validate(cfg)
     assert str(e.value) == line
 
 
@@ -100,20 +134,20 @@ def test_the_trainer_validates_only_a_config_not_yet_validated(tmp_path, monkeyp
 def test_the_plan_on_this_cpu_machine(tmp_path):
     """The tiny config's plan here: XLA's linears (no H100/H200), its scan of 1 block, the config's XLA options, the LoRA
     served as layers by the diffusers engine; vllm_omni merges it (rollout.lora_mode 'auto')."""
-    cfg = tiny_config(tmp_path)
-    validation.validate(cfg)
+    cfg = validation.validate(tiny_config(tmp_path))
     folder = validation.model_folder(cfg)
     layout = Layout.create(validation.sharding_config(cfg))
     plan = learner.run_plan(cfg, folder, layout)
     assert (plan.backend, plan.devices, plan.batch_devices) == ("cpu", jax.device_count(), layout.batch_devices)
     assert plan.micro_batch == max(1, 4 * 4 // plan.batch_devices)  # 4 prompts x 4 images, one micro-batch
     assert (plan.model.lora_gemm, plan.model.scan_unroll) == ("xla", 1)
-    assert dict(plan.xla_options) == cfg.train.xla_options.to_dict()  # the config's, no pallas ones
+    assert dict(plan.xla_options) == dict(cfg.train.xla_options)  # the config's, no pallas ones
     assert "not an H100/H200" in plan.lora_gemm_why and "float32 compute" in plan.lora_gemm_why
     assert (plan.layout, plan.engines, plan.lora_apply) == ("colocated", 1, "layers")
     lines = plan.summary().splitlines()
     assert len(lines) == 3 and lines[0].startswith("plan: ") and "model.lora_gemm=xla" in lines[1]
-    cfg.rollout.engine, cfg.model.scan_unroll = "vllm_omni", 0
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, engine="vllm_omni"),
+                              model=dataclasses.replace(cfg.model, scan_unroll=0))
     plan = learner.run_plan(cfg, folder, layout)
     assert plan.lora_apply == "merged" and plan.model.scan_unroll == 1  # 0: a scan of 1 where the linears run xla
 
@@ -121,8 +155,9 @@ def test_the_plan_on_this_cpu_machine(tmp_path):
 def test_auto_never_reaches_the_family_or_the_learner(tmp_path, monkeypatch):
     """The family builds its model from resolved ModelOptions (the plan's), not from 'auto' nor a callback."""
     from jaxflow import families
-    cfg = tiny_config(tmp_path)
-    cfg.model.scan_unroll = 0
+    raw = tiny_config(tmp_path)
+    raw.model.scan_unroll = 0
+    cfg = validation.validate(raw)
     assert cfg.model.lora_gemm == "auto"
     folder = validation.model_folder(cfg)
     family, seen = families.of(cfg), []

@@ -22,10 +22,9 @@ def _config(tmp_path, algorithm="flowgrpo", **sample):
     ("flowgrpo", dict(solver="dpm2"), "config.sample.solver: 'dpm2' samples without log-probs and train.algorithm "
                                       "'flowgrpo' trains on them: pass --config.sample.solver=euler (dpm2 rolls out "
                                       "for nft or awm)"),
-    ("nft", dict(solver="dpm2", sde_type="sde"), "config.sample.solver: 'dpm2' is a deterministic solver: pass "
-                                                 "--config.sample.sde_type=ode (not 'sde')"),
-    ("nft", dict(solver="rk4", sde_type="ode"), "config.sample.solver: 'rk4'; choose 'euler' (the sde_type step) or "
-                                                "'dpm2' (DiffusionNFT's second-order ODE)"),
+    ("nft", dict(solver="dpm2", sde_type="sde"), "config.sample.solver: solver 'dpm2' is deterministic: it needs "
+                                                 "sde_type 'ode', got 'sde'"),
+    ("nft", dict(solver="rk4", sde_type="ode"), "config.sample.solver: solver='rk4'; choose one of ('euler', 'dpm2')"),
 ])
 def test_a_solver_the_rollout_cannot_use_is_one_line(tmp_path, algorithm, sample, line):
     with pytest.raises(UserError) as e:

@@ -2,6 +2,7 @@
 
 import ast
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -363,6 +364,9 @@ def test_fp32_timestep_equals_stock_diffusers_in_fp32_and_skips_bf16_rounding(ti
     (dict(same_latent=1), "same_latent must be a bool"),
     (dict(solver="dpm3"), "solver='dpm3'; choose one of"),
     (dict(solver="dpm2"), "solver 'dpm2' is deterministic: it needs sde_type 'ode', got 'sde'"),
+    # the rules the config's validation stage checks too, with the same message (tests/config/test_config_stages.py)
+    (dict(sde_window_range=(2, 5)), re.escape("SDE window size 2 does not fit in window_range (2, 5) (clipped to "
+                                              "[2, 3) so that the last step 3 is excluded)")),
 ])
 def test_invalid_requests_fail_before_any_model_runs(pipe, monkeypatch, change, message):
     def untouchable(*args, **kwargs):

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from jaxflow.config.recipes import HELP, base, config_keys, tiny
+from jaxflow.config.recipes import HELP, base, config_keys, config_value, tiny
 from tests.helpers import ROOT
 from tests import HANG_S
 
@@ -52,7 +52,7 @@ BAGEL_OMNI = ["--config=configs/tiny_bagel_ocr.py", "--config.rollout.engine=vll
      "has no llm_config.json: it must be a bagel folder; for a run without weights use configs/tiny_bagel_ocr.py"),
     (["--config=configs/tiny_bagel_ocr.py", "--config.sample.negative_prompt=blurry"],
      "config.sample.negative_prompt: 'blurry': BAGEL runs with '' (its text CFG's unconditional branch"),
-    (["--config.model.family=flux"], "config.model.family: 'flux'; choose one of qwen_image, bagel"),
+    (["--config.model.family=flux"], "config.model.family: 'flux'; choose one of qwen_image, qwen_image_edit, bagel"),
     (["--config.sample.cfg_renorm_min=0.5"], "sample.cfg_renorm_min are BAGEL's text CFG"),
     (["--config.model.path=/nonexistent/qwen"], "configs/tiny_ocr.py"),
     (["--resme"], "resume"),
@@ -112,6 +112,30 @@ def test_every_config_key_has_help():
     assert not missing, f"keys without help in jaxflow/config/recipes.py HELP: {missing}"
     assert not stale, f"HELP names keys that base() lacks: {stale}"
     assert all("\n" not in text and len(text) <= 120 for text in HELP.values())  # one line each
+
+
+def _spellings(value) -> set[str]:
+    """How a help line could write a number: 2.0, 2, 2e-06, 2e-6."""
+    forms = {repr(value), str(value), f"{value:g}"}
+    if isinstance(value, float) and value.is_integer():
+        forms.add(str(int(value)))
+    return forms | {re.sub(r"e([+-])0+(\d)", r"e\1\2", f) for f in forms}
+
+
+def test_no_help_line_repeats_its_keys_default():
+    """A default lives once, in base() (--print_config shows it beside the help): a help line may name its key's
+    value only as a bound (>= 1, in [0, 1], exit 0) or as the meaning of a special value ("0: off")."""
+    cfg, repeats = base(), []
+    for key, text in HELP.items():
+        value = config_value(cfg, key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        for form in _spellings(value):
+            for hit in re.finditer(rf"(?<![\w.\-]){re.escape(form)}(?![\w.])", text):
+                before, after = text[:hit.start()].rstrip(), text[hit.end():]
+                if not (after.startswith(":") or before.endswith((">=", ">", "<", "[", "(", "in", "exit"))):
+                    repeats.append(f"{key}: {text!r} repeats {form}")
+    assert not repeats, repeats
 
 
 @pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("*.py")))

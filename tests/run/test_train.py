@@ -41,7 +41,7 @@ def lora_leaves(state):
     ("model.remat", "bogus", "config.model.remat: 'bogus'"),
     ("lora.rank", 0, "config.lora.rank"),
     ("train.old_log_prob", "foo", "config.train.old_log_prob: 'foo'"),
-    ("sample.height", 41, "config.sample.height: 41 must be a positive multiple of 8"),
+    ("sample.height", 41, "config.sample.height: height and width must be positive multiples of 8"),
     ("sample.guidance", 0.5, "config.sample.guidance"),
     ("sample.negative_max_sequence_length", 97, "config.sample.negative_max_sequence_length: 97 must be in"),
     ("rollout.device", "tpu", "config.rollout.device"),

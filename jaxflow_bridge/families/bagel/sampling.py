@@ -27,12 +27,12 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from jaxflow_bridge.contract import sampling_rules
 from jaxflow_bridge.contract.schedule import sample_windows, sigma_schedule, window_noise_levels, window_size
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.families.bagel.model import stack_contexts
 from jaxflow_bridge.rollout.sampling import params_from_dict, per_sample_seeds
-from jaxflow_bridge.rollout.sde import SDE_TYPES
-from jaxflow_bridge.rollout.solver import Solver, check_solver
+from jaxflow_bridge.rollout.solver import Solver
 
 # BagelGenParams.timestep_shift (hard-coded 3.0): a static shift, no resolution dependence.
 SCHEDULER_CONFIG = {"shift": 3.0, "use_dynamic_shifting": False}
@@ -102,15 +102,9 @@ def validate(prompt_ids, n, sp: BagelSamplingParams, seeds, prompts=None) -> np.
         raise ValueError(f"prompts must give one text per prompt_ids entry ({len(prompt_ids)}), got {len(prompts)}")
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
         raise ValueError(f"n (samples per prompt) must be an int >= 1, got {n!r}")
-    m = PIXELS_PER_TOKEN
-    if min(sp.height, sp.width) < m or sp.height % m or sp.width % m:
-        raise ValueError(f"height and width must be positive multiples of {m}, got {sp.height}x{sp.width}")
-    if sp.sde_type not in SDE_TYPES:
-        raise ValueError(f"sde_type must be one of {SDE_TYPES}, got {sp.sde_type!r}")
-    check_solver(sp.solver, sp.sde_type)
-    if sp.noise_level < 0 or not isinstance(sp.same_latent, bool) or not isinstance(sp.keep_final, bool):
-        raise ValueError(f"noise_level must be >= 0 and same_latent / keep_final bools, got {sp.noise_level}, "
-                         f"{sp.same_latent!r}, {sp.keep_final!r}")
+    sampling_rules.check(sp, PIXELS_PER_TOKEN)
+    if not isinstance(sp.keep_final, bool):
+        raise ValueError(f"keep_final must be a bool, got {sp.keep_final!r}")
     if not isinstance(sp.think, bool) or isinstance(sp.max_think_tokens, bool) or not isinstance(
             sp.max_think_tokens, (int, np.integer)) or sp.max_think_tokens < 1:
         raise ValueError(f"think must be a bool and max_think_tokens an int >= 1, got {sp.think!r}, "
@@ -120,9 +114,7 @@ def validate(prompt_ids, n, sp: BagelSamplingParams, seeds, prompts=None) -> np.
         raise ValueError(f"cfg_text_scale must be >= 1 (1 turns CFG off), cfg_interval 0 <= lo <= hi <= 1 and "
                          f"cfg_renorm_min in [0, 1], got {sp.cfg_text_scale}, {sp.cfg_interval}, "
                          f"{sp.cfg_renorm_min}")
-    seeds = per_sample_seeds(len(prompt_ids) * n, sp.seed if seeds is None else seeds)
-    sample_windows(seeds, sp.sde_window_size, sp.sde_window_range, sp.num_inference_steps)
-    return seeds
+    return per_sample_seeds(len(prompt_ids) * n, sp.seed if seeds is None else seeds)
 
 
 def pad_ids(ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
