@@ -145,3 +145,21 @@ def test_vlm_edit_judge_counts_its_refusals_per_batch(fake_server):
         out = pool.submit(images, prompts, sources, targets).result(timeout=HANG_S)
     assert out["counts"] == {"vlm_edit_judge": {"refused": 0}}
     np.testing.assert_allclose(out["vlm_edit_judge"], 0.7)
+
+
+@pytest.mark.slow
+def test_a_conditioned_reward_in_a_ray_actor_gets_its_sources(ray_session):
+    """reward.options.edit_ocr.actor: the actor's reward is conditioned too and scores as in the trainer's process."""
+    from jaxflow.run.data import load_prompts, load_reference
+    from tests.helpers import ROOT
+
+    items = load_prompts(ROOT / "data" / "edit_signs" / "test.jsonl")[:2]
+    sources = np.concatenate([load_reference(it.image, 64, 128) for it in items])
+    images, prompts, targets = sources[::-1].copy(), [it.prompt for it in items], [it.target for it in items]
+    local = build_reward({"edit_ocr": 1.0}, edit_ocr={"num_threads": 1})(images, prompts, sources, targets)
+    remote = build_reward({"edit_ocr": 1.0}, edit_ocr={"num_threads": 1, "actor": {"num_cpus": 0}})
+    assert remote.rewards["edit_ocr"].conditioned
+    with RewardPool(remote, max_workers=2) as pool:
+        out = pool.submit(images, prompts, sources, targets).result(timeout=HANG_S)
+    assert out["errors"] == 0
+    np.testing.assert_allclose(out["edit_ocr"], local["edit_ocr"], rtol=1e-6)
