@@ -5,8 +5,9 @@ HELP).
     python -m jaxflow.train --config configs/qwen_edit_ocr.py --config.model.path=/models/Qwen-Image-Edit
     python -m jaxflow.train --config configs/qwen_edit_ocr.py:tiny   # toy size on the CPU (the tests' edit config)
 
-`:tiny` is the recipe with jaxflow/config/recipes.py's tiny overrides (the tiny offline model, diffusers on the CPU);
-a tiny random model's edits read as nothing, so its reward moves only through the consistency term.
+`:tiny` is the recipe with jaxflow/config/recipes.py's tiny overrides on the tiny offline edit model ("tiny_edit",
+diffusers on the CPU; tests/run/test_edit_run.py trains it through Ray); a tiny random model's edits read as nothing,
+so its reward moves only through the consistency term.
 
 Data: the edit JSONL format, one {"image": path relative to the .jsonl, "instruction", "target"} a line
 (experiments/mini_edit/signs.py). The shipped set, data/edit_signs (64 train and 16 held-out 64x128 signs, the
@@ -53,6 +54,7 @@ def get_config(variant: str = ""):
     c.data = dict(train=str(DATA / "train.jsonl"), test=str(DATA / "test.jsonl"))
     if variant == "tiny":
         c = tiny(c)
+        c.model.path = "tiny_edit"  # the family's tiny offline model (jaxflow_bridge/families/qwen_image_edit/tiny.py)
         c.run_dir = "runs/tiny_edit_ocr"
         c.sample.window_size = 2  # of tiny's 4 steps, in its window_range (0, 3)
         c.reward.options = {"edit_ocr": {"consistency": 1.0, "num_threads": 1}}

@@ -23,7 +23,7 @@ from jaxflow.trainer.step_config import TrainConfig
 from jaxflow_bridge.contract import sampling_rules
 from jaxflow_bridge.contract.schedule import cfg_forward_choice
 from jaxflow_bridge.engines.vllm_omni import rules as vllm_omni_rules
-from jaxflow_bridge.rewards.registry import NEED_TARGET, REGISTRY
+from jaxflow_bridge.rewards.registry import CONDITIONED, NEED_TARGET, REGISTRY
 from jaxflow_bridge.rollout.server import ENGINES
 
 def config_module(path: str | Path) -> ModuleType:
@@ -120,6 +120,15 @@ def _check_prompts(cfg: RunConfig) -> None:
             items = load_prompts(getattr(cfg.data, key), needs_target(cfg))
         except ValueError as exc:
             fail(f"data.{key}", str(exc))
+        conditioned = sorted(CONDITIONED & {*cfg.reward.fns, *cfg.eval.rewards})
+        plain = next((it for it in items if it.image is None), None)
+        if conditioned and plain is not None:
+            fail(f"data.{key}", f"{plain.prompt!r} has no source image, but reward(s) {conditioned} score edits "
+                                 f"against theirs: use an edit dataset ({{\"image\", \"instruction\", \"target\"}} "
+                                 f"rows, e.g. data/edit_signs)")
+        untargeted = next((it for it in items if it.target is None), None)
+        if CONDITIONED & NEED_TARGET & {*cfg.reward.fns, *cfg.eval.rewards} and untargeted is not None:
+            fail(f"data.{key}", f"{untargeted.prompt!r} has no \"target\", which edit-OCR scores: give each row one")
         per_step = cfg.sample.prompts_per_step
         if key == "train" and len(items) < per_step:
             fail("data.train", f"{cfg.data.train} holds {len(items)} prompts, fewer than a step's "

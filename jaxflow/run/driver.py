@@ -30,7 +30,7 @@ from jaxflow.trainer.train_batch import TrainBatch
 from jaxflow_bridge.contract.trajectory import TextLengthError, TrajectoryBatch
 from jaxflow_bridge.rewards import RewardPool, build_reward
 
-NOT_SCORES = ("avg", "errors", "seconds")  # a reward pool result's keys that are no reward's scores
+NOT_SCORES = ("avg", "errors", "seconds", "counts")  # a reward pool result's keys that are no reward's scores
 
 
 def sample_seeds(seed: int, step: int, count: int) -> np.ndarray:
@@ -70,12 +70,37 @@ def train_batch(trajectory: TrajectoryBatch, advantages, group_ids, cfg: RunConf
 
 def merge_rewards(futures: dict) -> dict:
     """The reward pool's results of a step's chunks (`futures`: chunk index -> future) as one batch's: scores
-    joined, errors and each reward's scoring seconds summed."""
+    joined, errors, each reward's scoring seconds and its counts (a VLM judge's refused replies) summed."""
     parts = [futures[c].result() for c in sorted(futures)]
-    out = {k: np.concatenate([p[k] for p in parts]) for k in parts[0] if k not in ("errors", "seconds")}
+    out = {k: np.concatenate([p[k] for p in parts]) for k in parts[0] if k not in ("errors", "seconds", "counts")}
     out["errors"] = sum(p["errors"] for p in parts)
     out["seconds"] = {k: sum(p["seconds"][k] for p in parts) for k in parts[0]["seconds"]}
+    out["counts"] = {}
+    for part in parts:
+        for name, counts in part.get("counts", {}).items():
+            mine = out["counts"].setdefault(name, {})
+            for key, value in counts.items():
+                mine[key] = mine.get(key, 0) + value
     return out
+
+
+def count_metrics(prefix: str, counts: dict) -> dict:
+    """A reward pool result's counts as metrics `<prefix>/<reward>/<count>` (e.g. reward/vlm_judge/refused)."""
+    return {f"{prefix}/{name}/{key}": value for name, mine in counts.items() for key, value in mine.items()}
+
+
+def edit_conditions(items, references: list | None, n: int) -> tuple:
+    """(sources (B,H,W,3) uint8, targets [B]) of the `n` samples of each of `items` (prompt-major, as the rollout
+    returns them) for the conditioned rewards: each sample's group reference image (`references`, one
+    (1,H,W,3) per item at the sample size; a broadcast view for one group) and target; (None, None) without
+    references (no edit data)."""
+    if references is None:
+        return None, None
+    if len(references) == 1:
+        sources = np.broadcast_to(references[0], (n, *references[0].shape[1:]))
+    else:
+        sources = np.repeat(np.concatenate(references), n, axis=0)
+    return sources, [it.target for it in items for _ in range(n)]
 
 
 @dataclasses.dataclass
@@ -97,7 +122,8 @@ class Experience:
                 "images_per_s": len(self.batch) / seconds, "time/step": seconds,
                 **({"rollout_freed_gib": freed_bytes / 2 ** 30} if freed_bytes is not None else {}),
                 **{f"time/reward_busy/{k}": v for k, v in self.rewards["seconds"].items()},
-                **{f"reward/{k}": v.mean() for k, v in self.rewards.items() if k not in NOT_SCORES}}
+                **{f"reward/{k}": v.mean() for k, v in self.rewards.items() if k not in NOT_SCORES},
+                **count_metrics("reward", self.rewards.get("counts", {}))}
 
 
 class Driver:
@@ -170,14 +196,18 @@ class Driver:
         picks = self.sampler.sample(step)
         items = [self.prompts[picks[i * s.group_size][0]] for i in range(s.prompts_per_step)]
         prompts = [it.prompt for it in items]
-        futures = {}
+        references, per_call, futures = self.references(items), s.prompts_per_call, {}
+
+        def score(c: int, b) -> None:  # chunk c holds the samples of items[c * per_call:][:per_call]
+            chunk = slice(c * per_call, (c + 1) * per_call)
+            futures[c] = self.pool.submit(b.images, b.prompts, *edit_conditions(
+                items[chunk], None if references is None else references[chunk], s.group_size))
+
         with phases.phase("rollout"):
             try:
                 batch = self.rollout.generate(
                     prompts, s.group_size, registry.rollout_sampling(sampling(self.cfg), self.cfg, step),
-                    sample_seeds(self.cfg.seed, step, len(picks)), s.prompts_per_call,
-                    on_chunk=lambda c, b: futures.__setitem__(c, self.pool.submit(b.images, b.prompts)),
-                    references=self.references(items))
+                    sample_seeds(self.cfg.seed, step, len(picks)), per_call, on_chunk=score, references=references)
             except TextLengthError as err:
                 raise text_length_error(err, self.cfg) from None
         if batch.policy_version != version:
@@ -249,16 +279,19 @@ class Driver:
         cfg = self.cfg
         items = self.test_items[:cfg.eval.num_prompts]
         prompts = [it.prompt for it in items]
+        references = self.references(items)
         try:
             batch = self.rollout.generate(prompts, 1, sampling(cfg, eval_mode=True), np.arange(len(prompts)),
-                                          cfg.sample.prompts_per_call, references=self.references(items))
+                                          cfg.sample.prompts_per_call, references=references)
         except TextLengthError as err:
             raise text_length_error(err, cfg) from None
-        gold = self.gold.submit(batch.images, prompts) if self.gold else None
-        trained = self.pool.submit(batch.images, prompts).result()
+        conditions = edit_conditions(items, references, 1)
+        gold = self.gold.submit(batch.images, prompts, *conditions) if self.gold else None
+        trained = self.pool.submit(batch.images, prompts, *conditions).result()
         scores = trained["avg"]
         out = {TRAIN_KEY: float(scores.mean()),
-               **{f"eval_reward/{k}": float(v.mean()) for k, v in trained.items() if k not in NOT_SCORES}}
+               **{f"eval_reward/{k}": float(v.mean()) for k, v in trained.items() if k not in NOT_SCORES},
+               **count_metrics("eval_reward", trained["counts"])}
         captions = [f"{r:.2f} {p}" for r, p in zip(scores, prompts)]
         if gold is not None:
             golds = {k: v for k, v in gold.result().items() if k not in NOT_SCORES}

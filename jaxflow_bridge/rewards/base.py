@@ -8,6 +8,10 @@ Conditioned rewards (image editing): a reward fn with `conditioned = True` is ca
 `fn(images, prompts, *, sources, targets)`: `sources` uint8 (B,H,W,3), each sample's reference image resized to its
 output's size, and `targets` list[str | None], each sample's target text (the edit data's optional "target"). Its
 `__call__` checks them with `check_sources`. Plain rewards keep the two-argument call.
+
+Counted rewards (the VLM judges' refused replies): a reward fn with a `scored(images, prompts, **conditions)` method
+returns (scores, counts {name: int}) for that batch alone; the reward pool reports each batch's counts. `score`
+calls any reward fn the right way.
 """
 
 from __future__ import annotations
@@ -43,6 +47,22 @@ def check_sources(images: np.ndarray, sources: np.ndarray, targets: Sequence[str
         raise ValueError(f"{images.shape[0]} images but {len(targets)} targets")
     if not all(t is None or isinstance(t, str) for t in targets):
         raise ValueError(f"targets must be str or None, got {[type(t).__name__ for t in targets]}")
+
+
+def score(fn, images: np.ndarray, prompts: Sequence[str], sources: np.ndarray | None = None,
+          targets: Sequence[str | None] | None = None) -> tuple[np.ndarray, dict[str, int]]:
+    """(scores, counts) of reward `fn` on a batch: `sources` and `targets` go to a conditioned fn only (ValueError
+    when it gets none: its data must be an edit dataset); counts are {} unless fn is counted (`scored`)."""
+    conditions = {}
+    if getattr(fn, "conditioned", False):
+        if sources is None or targets is None:
+            raise ValueError("a conditioned reward (image editing) needs each sample's source image and target text: "
+                             "train on an edit dataset ({\"image\", \"instruction\", \"target\"} rows)")
+        conditions = {"sources": sources, "targets": list(targets)}
+    if hasattr(fn, "scored"):
+        scores, counts = fn.scored(images, prompts, **conditions)
+        return scores, dict(counts)
+    return fn(images, prompts, **conditions), {}
 
 
 def check_scores(name: str, scores: np.ndarray, batch: int) -> np.ndarray:

@@ -46,9 +46,11 @@ def outside_change(edited: np.ndarray, source: np.ndarray, region: np.ndarray) -
 
 class EditOcrReward:
     """`fn(images, prompts, *, sources, targets) -> (B,) float32` (a conditioned reward: rewards/base.py);
-    `min_confidence` and `num_threads` as `OcrReward`'s."""
+    `min_confidence` and `num_threads` as `OcrReward`'s. Per sample, as the OCR: the reward pool scores a batch in
+    pieces."""
 
     conditioned = True
+    splittable = True
 
     def __init__(self, consistency: float = 1.0, margin: int = 2, min_confidence: float = 0.5,
                  num_threads: int = -1):

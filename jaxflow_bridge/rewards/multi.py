@@ -6,7 +6,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from jaxflow_bridge.rewards.base import RewardFn, check_scores
+from jaxflow_bridge.rewards.base import RewardFn, check_scores, score
 from jaxflow_bridge.rewards.registry import REGISTRY
 
 
@@ -23,9 +23,11 @@ class MultiReward:
     def names(self) -> list[str]:
         return list(self.rewards)
 
-    def score_one(self, name: str, images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
-        """One named reward, checked to be finite float32 (B,)."""
-        return check_scores(name, self.rewards[name](images, prompts), len(images))
+    def score_one(self, name: str, images: np.ndarray, prompts: Sequence[str], sources: np.ndarray | None = None,
+                  targets: Sequence[str | None] | None = None) -> np.ndarray:
+        """One named reward, checked to be finite float32 (B,); `sources` and `targets` reach conditioned rewards
+        only (base.py)."""
+        return check_scores(name, score(self.rewards[name], images, prompts, sources, targets)[0], len(images))
 
     def combine(self, scores: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Add the weighted sum "avg" to per-reward scores."""
@@ -34,8 +36,9 @@ class MultiReward:
         out["avg"] = np.asarray(avg, dtype=np.float32)
         return out
 
-    def __call__(self, images: np.ndarray, prompts: Sequence[str]) -> dict[str, np.ndarray]:
-        return self.combine({name: self.score_one(name, images, prompts) for name in self.names})
+    def __call__(self, images: np.ndarray, prompts: Sequence[str], sources: np.ndarray | None = None,
+                 targets: Sequence[str | None] | None = None) -> dict[str, np.ndarray]:
+        return self.combine({name: self.score_one(name, images, prompts, sources, targets) for name in self.names})
 
 
 def build_reward(spec: Mapping[str, float], **options: Mapping) -> MultiReward:

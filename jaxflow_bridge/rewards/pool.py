@@ -10,7 +10,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxflow_bridge.rewards.base import check_scores, split
+from jaxflow_bridge.rewards.base import check_scores, score, split
 from jaxflow_bridge.rewards.multi import MultiReward
 
 log = logging.getLogger(__name__)
@@ -29,9 +29,12 @@ class RewardPool:
         self.reward, self.max_workers = reward, max_workers
         self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="reward")
 
-    def submit(self, images: np.ndarray, prompts: Sequence[str]) -> Future:
+    def submit(self, images: np.ndarray, prompts: Sequence[str], sources: np.ndarray | None = None,
+               targets: Sequence[str | None] | None = None) -> Future:
         """Future of {name: (B,) float32, "avg": (B,) float32, "errors": int, "seconds": {name: worker seconds spent
-        scoring the batch}}."""
+        scoring the batch}, "counts": {name: {count: int}} of the counted rewards (base.py)}. `sources` (B,H,W,3)
+        uint8 and `targets` (B,) reach the conditioned rewards only (an edit batch: each sample's reference image and
+        target text)."""
         prompts = list(prompts)
         n = len(prompts)
         edges = np.linspace(0, n, max(1, min(self.max_workers, n)) + 1).astype(int).tolist()
@@ -41,7 +44,8 @@ class RewardPool:
             fn = self.reward.rewards[name]
             piece, whole = split(fn)
             parts[name] = (piece, whole, spans) if piece is not None else (fn, lambda scores: scores, [(0, n)])
-        batch = _Batch(self.reward, images, prompts, parts)
+        conditions = (sources, None if targets is None else list(targets))
+        batch = _Batch(self.reward, images, prompts, conditions, parts)
         for name, (_, _, name_spans) in parts.items():
             for index, span in enumerate(name_spans):
                 self._executor.submit(batch.run, name, index, span)
@@ -60,23 +64,32 @@ class RewardPool:
 
 class _Batch:
     """One submitted batch. `parts[name]` = (piece fn, whole fn, spans): each task scores one span with the piece fn;
-    the last task to finish joins each reward's spans and applies its whole fn."""
+    the last task to finish joins each reward's spans and applies its whole fn. `conditions`: (sources, targets) of
+    the batch, or Nones."""
 
-    def __init__(self, reward: MultiReward, images: np.ndarray, prompts: list[str], parts: dict):
+    def __init__(self, reward: MultiReward, images: np.ndarray, prompts: list[str], conditions: tuple, parts: dict):
         self.reward, self.images, self.prompts, self.parts = reward, images, prompts, parts
+        self.sources, self.targets = conditions
         self.result: Future = Future()
         self.pieces = {name: [None] * len(spans) for name, (_, _, spans) in parts.items()}
         self.remaining = sum(len(p) for p in self.pieces.values())
         self.failed: set[str] = set()
         self.seconds = dict.fromkeys(parts, 0.0)
+        self.counts: dict[str, dict[str, int]] = {}
         self._lock = threading.Lock()
 
     def run(self, name: str, index: int, span: tuple[int, int]) -> None:
         a, b = span
         start = time.perf_counter()
+        sources = None if self.sources is None else self.sources[a:b]
+        targets = None if self.targets is None else self.targets[a:b]
         try:
-            self.pieces[name][index] = check_scores(name, self.parts[name][0](self.images[a:b], self.prompts[a:b]),
-                                                    b - a)
+            scores, counts = score(self.parts[name][0], self.images[a:b], self.prompts[a:b], sources, targets)
+            self.pieces[name][index] = check_scores(name, scores, b - a)
+            with self._lock:
+                for key, value in counts.items():
+                    mine = self.counts.setdefault(name, {})
+                    mine[key] = mine.get(key, 0) + int(value)
         except Exception:
             log.exception("reward %r failed on samples %d:%d of a batch; scoring the batch 0", name, a, b)
             with self._lock:
@@ -91,7 +104,7 @@ class _Batch:
     def _finish(self) -> None:
         try:
             out = self.reward.combine({name: self._joined(name) for name in self.reward.names})
-            out["errors"], out["seconds"] = len(self.failed), dict(self.seconds)
+            out["errors"], out["seconds"], out["counts"] = len(self.failed), dict(self.seconds), self.counts
             self.result.set_result(out)
         except Exception as e:  # a bug here must reach the caller, not vanish in a worker
             self.result.set_exception(e)

@@ -39,6 +39,8 @@ REGISTRY: dict[str, Callable[..., RewardFn]] = {
     "midtone": lambda: midtone,  # closeness to mid-grey: the gold reward that brightness ruins
     # the control of the mini OCR proof: OCR scores permuted across the batch (options: seed, then OcrReward's)
     "ocr_shuffled": lambda seed=0, **ocr: Shuffled(OcrReward(**ocr), seed),
+    # the edit proof's control: edit-OCR scores permuted across the batch (options: seed, then EditOcrReward's)
+    "edit_ocr_shuffled": lambda seed=0, **edit: Shuffled(EditOcrReward(**edit), seed),
     # CLIP-based reward models from local folders (options: path, processor_path, device, dtype, batch_size)
     "pickscore": _torch_model("PickScore"),
     "clip_score": _torch_model("ClipScore"),
@@ -48,5 +50,8 @@ REGISTRY: dict[str, Callable[..., RewardFn]] = {
 }
 
 
-# rewards that score the text a prompt asks to render (its first "..."): their prompt files must name one
-NEED_TARGET = frozenset({"ocr", "vlm_ocr", "ocr_shuffled"})
+# rewards that score the text a prompt asks to render (its first "...", or an edit row's "target"): their prompt
+# files must name one
+NEED_TARGET = frozenset({"ocr", "vlm_ocr", "ocr_shuffled", "edit_ocr", "edit_ocr_shuffled"})
+# conditioned rewards (base.py): they score an edit against its source image, so their data must be an edit dataset
+CONDITIONED = frozenset({"edit_ocr", "edit_ocr_shuffled", "vlm_edit_judge"})

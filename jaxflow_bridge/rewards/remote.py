@@ -12,6 +12,8 @@ from typing import Sequence
 
 import numpy as np
 
+from jaxflow_bridge.rewards.base import score
+
 
 class _RewardHost:
     """The actor: builds the named reward in its process and scores batches."""
@@ -26,28 +28,35 @@ class _RewardHost:
             self.error = (type(exc).__name__, str(exc))
 
     def ready(self):
-        return self.error
+        """(error or None, whether the reward is conditioned: base.py)."""
+        return self.error, getattr(self.fn, "conditioned", False)
 
-    def score(self, images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
-        return np.asarray(self.fn(images, prompts), dtype=np.float32)
+    def score(self, images: np.ndarray, prompts: Sequence[str], conditions: dict) -> tuple[np.ndarray, dict]:
+        scores, counts = score(self.fn, images, prompts, conditions.get("sources"), conditions.get("targets"))
+        return np.asarray(scores, dtype=np.float32), counts
 
 
 class RemoteReward:
-    """fn(images, prompts) -> (B,) float32, scored by the reward `name` in a Ray actor with `num_gpus` and
-    `num_cpus`. Needs Ray running (the trainer starts it before the rewards unless the layout is in_process)."""
+    """fn(images, prompts, **conditions) -> (B,) float32, scored by the reward `name` in a Ray actor with `num_gpus`
+    and `num_cpus`; conditioned and counted as that reward is (base.py). Needs Ray running (the trainer starts it
+    before the rewards unless the layout is in_process)."""
 
     def __init__(self, name: str, options: dict, num_gpus: float = 0.0, num_cpus: float = 1.0):
         import ray
 
         actor = ray.remote(num_gpus=num_gpus, num_cpus=num_cpus)(_RewardHost)
         self.actor = actor.remote(name, dict(options))
-        error = ray.get(self.actor.ready.remote())
+        error, self.conditioned = ray.get(self.actor.ready.remote())
         if error is not None:
             ray.kill(self.actor)
             kind, message = error
             raise (FileNotFoundError if kind == "FileNotFoundError" else ValueError)(message)
 
-    def __call__(self, images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
+    def scored(self, images: np.ndarray, prompts: Sequence[str], **conditions) -> tuple[np.ndarray, dict]:
+        """(scores, the reward's counts: {} unless it is counted)."""
         import ray
 
-        return ray.get(self.actor.score.remote(images, list(prompts)))
+        return ray.get(self.actor.score.remote(images, list(prompts), conditions))
+
+    def __call__(self, images: np.ndarray, prompts: Sequence[str], **conditions) -> np.ndarray:
+        return self.scored(images, prompts, **conditions)[0]

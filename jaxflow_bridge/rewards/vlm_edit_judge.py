@@ -37,8 +37,12 @@ class VlmEditJudge(VlmJudge):
                  **client):
         super().__init__(base_url, model, template=template, answer=answer, **client)
 
-    def __call__(self, images: np.ndarray, prompts: Sequence[str], *, sources: np.ndarray,
-                 targets: Sequence[str | None]) -> np.ndarray:
+    def scored(self, images: np.ndarray, prompts: Sequence[str], *, sources: np.ndarray,
+               targets: Sequence[str | None]) -> tuple[np.ndarray, dict[str, int]]:
         check_batch(images, prompts)
         check_sources(images, sources, targets)
-        return super().__call__(side_by_side(sources, images), prompts)
+        return super().scored(side_by_side(sources, images), prompts)
+
+    def __call__(self, images: np.ndarray, prompts: Sequence[str], *, sources: np.ndarray,
+                 targets: Sequence[str | None]) -> np.ndarray:
+        return self.scored(images, prompts, sources=sources, targets=targets)[0]

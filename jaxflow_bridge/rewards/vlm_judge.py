@@ -9,7 +9,8 @@ Tasks (`task`, or your own `template` with `{prompt}` and `answer`):
 The prompt contract (`parse`): a yes_no reply is judged by its first word that is "yes" or "no" ("Answer: yes" is
 yes); a score_10 reply by "N/10" or "N out of 10" where it says so, else by its last number ("On a scale of 1 to 10:
 8" is 8), which must lie in [1, 10]. A reply that fits neither (no verdict, "-3", "12") is refused: it scores 0, is
-logged, and counted in the judge's `refused`.
+logged, and counted: in the judge's `refused` over its life, and per batch in `scored`'s counts (the run's
+`reward/<name>/refused`).
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ class VlmJudge(VlmOcrReward):
         client.setdefault("temperature", 0.0)  # a judge should not sample its verdict
         super().__init__(base_url, model, **client)
 
-    def __call__(self, images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
+    def scored(self, images: np.ndarray, prompts: Sequence[str]) -> tuple[np.ndarray, dict[str, int]]:
+        """(scores, {"refused": replies of this batch outside the contract}): a counted reward (base.py)."""
         check_batch(images, prompts)
         questions = [self.template.replace("{prompt}", p) for p in prompts]
         with ThreadPoolExecutor(max_workers=max(1, min(self.max_concurrency, len(images)))) as ex:
@@ -82,4 +84,8 @@ class VlmJudge(VlmOcrReward):
                 self.refused += len(refused)
             log.warning("vlm_judge refused %d of %d replies (scored 0), e.g. %r", len(refused), len(replies),
                         refused[0][:200])
-        return np.asarray([0.0 if score is None else score for score in scores], dtype=np.float32)
+        return (np.asarray([0.0 if score is None else score for score in scores], dtype=np.float32),
+                {"refused": len(refused)})
+
+    def __call__(self, images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
+        return self.scored(images, prompts)[0]

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from jaxflow.config.validation import config_module, validate
+import pytest
+
+from jaxflow.config.validation import UserError, config_module, validate
 
 RECIPE = Path(__file__).resolve().parents[2] / "configs" / "qwen_edit_ocr.py"
 
@@ -21,10 +24,28 @@ def test_edit_recipe_at_the_published_settings():
 
 
 def test_tiny_edit_recipe_passes_the_validation_stage():
-    # the qwen_image_edit family and the edit JSONL loader come with that family (another branch): until then the
-    # tiny variant is checked with Qwen-Image and OCR prompt files in their place; every other key is the recipe's
     c = config_module(RECIPE).get_config("tiny")
-    assert c.model.path == "tiny" and c.rollout.device == "cpu"
-    data = RECIPE.parents[1] / "data" / "ocr"
-    c.model.family, c.data.train, c.data.test = "qwen_image", str(data / "train.txt"), str(data / "test.txt")
+    assert (c.model.family, c.model.path, c.rollout.device) == ("qwen_image_edit", "tiny_edit", "cpu")
+    assert c.data.train.endswith("data/edit_signs/train.jsonl")
     validate(c)
+
+
+@pytest.mark.parametrize("key", ["train", "test"])
+def test_conditioned_reward_needs_an_edit_dataset(key):
+    """edit_ocr scores an edit against its source image: plain prompt files fail the validation stage by name."""
+    c = config_module(RECIPE).get_config("tiny")
+    c.data[key] = str(RECIPE.parents[1] / "data" / "ocr" / f"{key}.txt")
+    with pytest.raises(UserError, match=rf"data\.{key}: .* no source image, but reward\(s\) \['edit_ocr'\]"):
+        validate(c)
+
+
+def test_edit_ocr_needs_each_rows_target(tmp_path):
+    c = config_module(RECIPE).get_config("tiny")
+    rows = (RECIPE.parents[1] / "data" / "edit_signs" / "test.jsonl").read_text().splitlines()
+    row = json.loads(rows[0])
+    row["image"] = str(RECIPE.parents[1] / "data" / "edit_signs" / row.pop("image"))
+    del row["target"]
+    (tmp_path / "test.jsonl").write_text(json.dumps(row) + "\n")
+    c.data.test = str(tmp_path / "test.jsonl")
+    with pytest.raises(UserError, match=r"data\.test: .* has no \"target\""):
+        validate(c)

@@ -20,7 +20,7 @@ class QwenImageEdit(QwenImage):
     engines = spec.ENGINES
     auto_lora_apply = {"diffusers": "layers"}
     tiny = spec.TINY
-    tiny_config = "configs/tiny_qwen_edit.py (the tiny offline edit model)"
+    tiny_config = "configs/qwen_edit_ocr.py:tiny (the tiny offline edit model)"
     example = spec.EXAMPLE
     model_type = QwenImageEditTransformer
 
