@@ -1,6 +1,6 @@
 """Rollout vs trainer log-prob parity: |logp_jax - logp_rollout| for every SDE window step of real rollouts.
 
-    python scripts/verify_logprob_parity.py [--model-family qwen_image|bagel] [--model DIR]
+    python scripts/verify_logprob_parity.py [--model-family qwen_image|qwen_image_edit|bagel] [--model DIR]
         [--engine diffusers|vllm_omni|bagel_torch] [--dtype float32] [--jax-dtype D] [--jax-rope bfloat16] [--cfg 4]
         [--steps 4] [--window 2] [--prompts 4] [--n 2] [--lora-rank R] [--lora-apply layers|folder|merged] [--think K]
         [--deploy single_stage|two_stage] [--json OUT]
@@ -8,7 +8,9 @@
 Rolls out on the engine (default: diffusers; the model defaults to the tiny offline pipeline saved in --dtype,
 which vLLM-Omni needs; with --model-family bagel: the bagel_torch engine on the tiny random BAGEL, float32, or
 --engine vllm_omni --dtype bfloat16 (scripts/check_bagel_vllm_omni.sh); BAGEL's text CFG over the whole interval
-with renorm min 0, 64 x 96 images; --think K: BAGEL's think mode, at most K think tokens in each context), then
+with renorm min 0, 64 x 96 images; --think K: BAGEL's think mode, at most K think tokens in each context; with
+--model-family qwen_image_edit, or a --model folder of that family, the tiny Qwen-Image-Edit or the folder's on
+either engine, each prompt an instruction over one seeded random reference image of the sample size), then
 recomputes each window step's log-prob with the same transformer weights loaded into the Flax model, through the
 train step's own forward (`jaxflow.trainer.parity.recompute`). With --lora-rank both sides get one random non-zero PEFT
 adapter (the engine via update_lora, JAX via peft_to_lora); --jax-lora-seed gives the JAX side a different one (a
@@ -67,8 +69,10 @@ DTYPE_CHOICES = ("float32", "bfloat16")
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model-family", choices=families.FAMILIES, default="qwen_image")
-    p.add_argument("--model", type=Path, help="diffusers Qwen-Image folder or BAGEL folder (default: the tiny one)")
+    p.add_argument("--model-family", choices=families.FAMILIES,
+                   help="default: the --model folder's family, else qwen_image")
+    p.add_argument("--model", type=Path, help="a diffusers Qwen-Image(-Edit) folder or a BAGEL folder (default: the "
+                                              "family's tiny one)")
     p.add_argument("--engine", choices=("diffusers", "vllm_omni", "bagel_torch"),
                    help="default: diffusers, or bagel_torch for --model-family bagel")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32", help="rollout dtype")
@@ -97,6 +101,8 @@ def parse_args(argv):
     p.add_argument("--threshold", type=float, help="max |dlogp| allowed (default: 1e-5 fp32, 1e-2 with bf16)")
     p.add_argument("--json", type=Path, help="write the config, stats and per-sample dlogp here")
     args = p.parse_args(argv)
+    if args.model_family is None:
+        args.model_family = folder_family(args.model) if args.model else "qwen_image"
     bagel = args.model_family == "bagel"
     for key, qwen, bagel_value in (("engine", "diffusers", "bagel_torch"), ("noise_level", 1.2, 0.7),
                                    ("height", 40, 64), ("width", 72, 96)):
@@ -122,6 +128,29 @@ def parse_args(argv):
     if args.threshold is None:
         args.threshold = THRESHOLDS[args.dtype == args.jax_dtype == "float32"]
     return args
+
+
+def folder_family(folder: Path) -> str:
+    """The family whose spec claims the model folder; SystemExit naming the choices for a folder of none."""
+    from jaxflow_bridge.engines import families as torch_families
+
+    for name in torch_families.FAMILIES:
+        if torch_families.spec(name).is_folder(folder):
+            return name
+    raise SystemExit(f"--model {folder} is no family's folder: pass --model-family ({', '.join(families.FAMILIES)})")
+
+
+def tiny_folder(family: str, dtype: str) -> Path:
+    """The family's tiny offline model folder saved in `dtype`."""
+    from jaxflow_bridge.engines import families as torch_families
+
+    return torch_families.module(family, "tiny").tiny_pipeline_path(dtype=dtype)
+
+
+def edit_references(count: int, height: int, width: int, seed: int) -> list[np.ndarray]:
+    """One seeded random uint8 (1, height, width, 3) reference image per prompt (an edit model's)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (1, height, width, 3), dtype=np.uint8) for _ in range(count)]
 
 
 def build_engine(name: str, folder: Path, dtype: str, lora_apply: str | None = None, deploy: str | None = None):
@@ -157,9 +186,7 @@ def main(argv=None) -> int:
 
         args.model = tiny_bagel_path(dtype=args.dtype)
     elif args.model is None:
-        from jaxflow_bridge.families.qwen_image.tiny import tiny_pipeline_path
-
-        args.model = tiny_pipeline_path(dtype=args.dtype)  # vLLM-Omni takes its dtype from the folder's
+        args.model = tiny_folder(args.model_family, args.dtype)  # vLLM-Omni takes its dtype from the folder's
     engine = build_engine(args.engine, args.model, args.dtype, args.lora_apply, args.deploy)
     try:
         return check(args, engine, bagel)
@@ -185,13 +212,16 @@ def check(args, engine, bagel: bool) -> int:
     sampling.update({"cfg_text_scale": args.cfg, **bagel_cfg} if bagel else {"true_cfg_scale": args.cfg})
     if args.think is not None:
         sampling.update(think=True, max_think_tokens=args.think)
+    edit = args.model_family == "qwen_image_edit"
+    refs = {"references": edit_references(args.prompts, args.height, args.width, args.seed)} if edit else {}
     t0 = time.perf_counter()
-    batch = TrajectoryBatch.from_dict(engine.generate(PROMPTS[: args.prompts], args.n, sampling, args.seed))
+    batch = TrajectoryBatch.from_dict(engine.generate(PROMPTS[: args.prompts], args.n, sampling, args.seed, **refs))
     engine.sleep()  # frees the accelerator before JAX first touches it; a no-op on CPU
     t1 = time.perf_counter()
 
     opts = ModelOptions(dtype=args.jax_dtype, param_dtype=args.jax_dtype, rope_table_dtype=args.jax_rope)
-    model = load_bagel(folder, opts, spec) if bagel else load_transformer(folder, opts, lora=spec)
+    model = load_bagel(folder, opts, spec) if bagel else load_transformer(
+        folder, opts, lora=spec, model_type=families.by_name(args.model_family).model_type)
     if spec:
         jax_seed = args.seed if args.jax_lora_seed is None else args.jax_lora_seed
         peft_to_lora(model, spec, random_adapter(folder, spec, jax_seed, round_to=round_to))

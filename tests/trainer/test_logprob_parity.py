@@ -1,5 +1,5 @@
-"""scripts/verify_logprob_parity.py in-process: diffusers rollout vs the train step's JAX log-prob, tiny fp32, CFG 4;
-and --model-family bagel: the bagel_torch rollout of the tiny BAGEL vs the train step's BAGEL log-prob (also in think
+"""scripts/verify_logprob_parity.py in-process: diffusers rollout vs the train step's JAX log-prob, tiny fp32, CFG 4
+(Qwen-Image, and Qwen-Image-Edit with its reference images); and --model-family bagel: the bagel_torch rollout of the tiny BAGEL vs the train step's BAGEL log-prob (also in think
 mode)."""
 
 import dataclasses
@@ -141,3 +141,36 @@ def test_deploy_is_bagels_on_vllm_omni_and_reaches_the_engine(parity, capsys, mo
     monkeypatch.setattr("jaxflow_bridge.rollout.server.engine_class", lambda config: seen.append(config) or dict)
     parity.build_engine("vllm_omni", Path("/m"), "bfloat16", None, "two_stage")
     assert seen == [{"engine": "vllm_omni", "model": "/m", "dtype": "bfloat16", "deploy": "two_stage"}]
+
+
+@pytest.mark.slow
+def test_edit_fp32_recompute_matches_the_diffusers_rollout(parity, tmp_path):
+    """--model-family qwen_image_edit on the diffusers engine (tiny Qwen-Image-Edit, fp32, CFG 4, rank-4 adapter):
+    the trainer's edit objective over the trajectory's reference latents within the float32 threshold."""
+    code, report = _run(parity, tmp_path, "--model-family", "qwen_image_edit", "--lora-rank", "4")
+    assert code == 0 and report["passed"] and len(report["dlogp"]) == 4
+    assert report["args"]["model"].endswith("-float32") and "qwen_image_edit" in report["args"]["model"]
+    assert report["overall"]["p99"] <= 1e-6
+
+
+@pytest.mark.slow
+def test_edit_recompute_without_the_reference_latents_fails(parity, tmp_path, monkeypatch):
+    """The negative control: the trainer's reference latents zeroed fails the same check."""
+    recompute = parity.recompute
+
+    def blind(model, batch, **kw):
+        refs = np.zeros_like(batch.reference_latents)
+        return recompute(model, dataclasses.replace(batch, reference_latents=refs), **kw)
+
+    monkeypatch.setattr(parity, "recompute", blind)
+    code, report = _run(parity, tmp_path, "--model-family", "qwen_image_edit")
+    assert code == 1 and not report["passed"]
+
+
+def test_the_family_follows_the_model_folder(parity, capsys, tmp_path):
+    from jaxflow_bridge.families.qwen_image_edit.tiny import tiny_pipeline_path
+
+    assert parity.parse_args(["--model", str(tiny_pipeline_path())]).model_family == "qwen_image_edit"
+    assert parity.parse_args([]).model_family == "qwen_image"
+    with pytest.raises(SystemExit, match="is no family's folder"):
+        parity.parse_args(["--model", str(tmp_path)])

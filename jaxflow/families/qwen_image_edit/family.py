@@ -1,5 +1,5 @@
 """Qwen-Image-Edit (`model.family='qwen_image_edit'`): a diffusers Qwen-Image-Edit(-Plus) folder (or "tiny_edit"),
-engine diffusers; Qwen-Image's family (`jaxflow/families/qwen_image/family.py`: the same transformer weights, loading,
+engines diffusers and vllm_omni; Qwen-Image's family (`jaxflow/families/qwen_image/family.py`: the same transformer weights, loading,
 LoRA and checks) with what differs: its model reads the reference images' latents (`transformer.py`), its objective
 the trajectory's `reference_latents` (`objective.py`). Its identity is `jaxflow_bridge/families/qwen_image_edit/spec.py`."""
 from __future__ import annotations
@@ -18,7 +18,7 @@ REFERENCES = 1  # reference images a sample is conditioned on (Edit: one; Edit-P
 class QwenImageEdit(QwenImage):
     name = spec.NAME
     engines = spec.ENGINES
-    auto_lora_apply = {"diffusers": "layers"}
+    auto_lora_apply = QwenImage.auto_lora_apply
     tiny = spec.TINY
     tiny_config = "configs/qwen_edit_ocr.py:tiny (the tiny offline edit model)"
     example = spec.EXAMPLE

@@ -123,8 +123,24 @@ def pipeline_options(args: dict) -> dict:
     return options
 
 
+class TextRequests:
+    """What a Qwen-Image pipeline class reads of a request and keeps of its text encoder (`build_pipeline_class`'s
+    `requests`; an edit family's adds its reference images and keeps the whole VL encoder)."""
+
+    text_model = staticmethod(text_tower)
+
+    def setup_requests(self, od_config) -> None:
+        """Anything the family's requests need beyond vLLM-Omni's pipeline (nothing for text-to-image)."""
+
+    @staticmethod
+    def read_request(prompts: list, params) -> tuple[str, SamplingParams, int, list[int], int, None]:
+        """`decode_request`'s fields and the prompt's reference images (none)."""
+        return (*decode_request(prompts, params), None)
+
+
 def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = None,
-                         attention_fa3: Callable[[], int | None] | None = None, gelu_cls: type | None = None) -> type:
+                         attention_fa3: Callable[[], int | None] | None = None, gelu_cls: type | None = None,
+                         requests: type = TextRequests, name: str = "FlowGRPOQwenImagePipeline") -> type:
     """Our pipeline as a subclass of `SamplingLoop` and `base` (vLLM-Omni's QwenImagePipeline); `output_cls`
     builds its results (vLLM-Omni's DiffusionOutput); `lora_layer_cls` (vLLM-Omni's diffusion LoRA layer base class)
     gets `jaxflow_bridge.rollout.kernels.lora_linear`'s fused apply unless custom_pipeline_args say
@@ -132,12 +148,13 @@ def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = N
     they say qk_ops="vllm"; `attention_fa3` (`jaxflow_bridge.engines.vllm_omni.fa_version.use_fa3`) runs unless they
     say fa_version="2"; `gelu_cls` (vLLM-Omni's ColumnParallelApproxGELU) gets
     `jaxflow_bridge.families.qwen_image.linear_gelu`'s forward unless they say gelu="separate";
-    custom_pipeline_args' cfg_forward sets `SamplingLoop.cfg_forward`. All are
-    parameters so tests can run it on diffusers components."""
+    custom_pipeline_args' cfg_forward sets `SamplingLoop.cfg_forward`; `requests` (ahead of `SamplingLoop` in the
+    class's bases) reads the requests and keeps the text encoder's part the family needs; `name` is the class's. All
+    are parameters so tests can run it on diffusers components."""
 
     def __init__(self, *, od_config, **kwargs):
         base.__init__(self, od_config=od_config, **kwargs)
-        self.text_encoder = text_tower(self.text_encoder)  # its vision tower and output head never run
+        self.text_encoder = self.text_model(self.text_encoder)  # text-to-image: its vision tower and head never run
         args = getattr(od_config, "custom_pipeline_args", None) or {}
         options = pipeline_options(args)
         if lora_layer_cls is not None and options["lora_apply"] == "layers":
@@ -163,6 +180,7 @@ def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = N
         self.random_seed = args.get("random_seed")
         self.random_fingerprint = None
         self.merged_lora = MergedLoRA() if options["lora_apply"] == "merged" else None
+        self.setup_requests(od_config)
 
     def load_weights(self, weights):
         """vLLM-Omni's weight loading; with `random_seed` (custom_pipeline_args) the folder's transformer weights
@@ -191,16 +209,17 @@ def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = N
             return base.forward(self, req, *args, **kwargs)
         if self.merged_lora is not None and self.merged_lora.previous is not None and not self.merged_lora.serving:
             raise RuntimeError("the merged LoRA's base weights are being restored: serve the next adapter first")
-        prompt, sampling, n, seeds, self.policy_version = decode_request(req.prompts, req.sampling_params)
+        prompt, sampling, n, seeds, self.policy_version, refs = self.read_request(req.prompts, req.sampling_params)
+        references = None if refs is None else [refs]
         self.rollout_requests += 1
         folder = os.environ.get(TRACE_ENV)
         if not folder or self.rollout_requests != int(os.environ.get(TRACE_AT_ENV, "3")):
-            return output_cls(**pack_trajectories(self.generate([prompt], n, sampling, seeds)))
+            return output_cls(**pack_trajectories(self.generate([prompt], n, sampling, seeds, references)))
         cuda = torch.cuda.is_available()
         activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
         with torch.profiler.profile(activities=[activity]) as prof:
             start = time.perf_counter()
-            batch = self.generate([prompt], n, sampling, seeds)
+            batch = self.generate([prompt], n, sampling, seeds, references)
             if cuda:
                 torch.cuda.synchronize()
             wall = time.perf_counter() - start
@@ -208,11 +227,11 @@ def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = N
         prof.export_chrome_trace(f"{folder}/rollout-{os.getpid()}-{self.rollout_requests}-{wall:.3f}s.json")
         return output_cls(**pack_trajectories(batch))
 
-    doc = "vLLM-Omni's QwenImagePipeline serving SamplingLoop's FlowGRPO rollout (see the module docstring)."
+    doc = f"vLLM-Omni's {base.__name__} serving SamplingLoop's FlowGRPO rollout (see the module docstring)."
     namespace = {"__init__": __init__, "load_weights": load_weights, "dtype": property(dtype), "forward": forward,
-                 "lora_component": spec.LORA_COMPONENT, "__module__": __name__,
-                 "__qualname__": "FlowGRPOQwenImagePipeline", "__doc__": doc}
-    return type("FlowGRPOQwenImagePipeline", (SamplingLoop, base), namespace)
+                 "lora_component": spec.LORA_COMPONENT, "__module__": requests.__module__,  # the family's module, where vLLM-Omni's loader finds it by name
+                 "__qualname__": name, "__doc__": doc}
+    return type(name, (requests, SamplingLoop, base), namespace)
 
 
 def _pipeline_class() -> type:

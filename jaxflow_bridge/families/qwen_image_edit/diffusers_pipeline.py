@@ -27,25 +27,12 @@ def tiny_folder() -> Path:
     return tiny_pipeline_path()
 
 
-class RolloutPipeline(base.RolloutPipeline):
-    """Edit sampling with trajectories on the components of a diffusers QwenImageEdit(Plus)Pipeline; the VL image
-    processor is the folder's `image_processor/` (or `processor/`)."""
+class EditConditioning:
+    """The edit conditioning of a Qwen-Image `SamplingLoop` (this module's `RolloutPipeline`, and the vLLM-Omni
+    pipeline class, `vllm_omni_pipeline.py`): it needs `plus` (Edit-Plus's numbered pictures) and `vl_processor`
+    (`image_processor`) beside the loop's components."""
 
     text_model = staticmethod(lambda encoder: encoder)  # the whole VL model: it sees the reference images
-
-    @classmethod
-    def diffusers_pipeline(cls, path, **kw):
-        import diffusers
-
-        name = spec.pipeline_class(Path(path))
-        if name not in spec.PIPELINE_CLASSES:
-            raise ValueError(f"{path}: model_index.json names {name!r}, not one of {spec.PIPELINE_CLASSES}")
-        return getattr(diffusers, name).from_pretrained(path, processor=None, **kw)
-
-    def __init__(self, pipe, device="cpu", model_path: str | None = None, lora_apply: str = "layers"):
-        super().__init__(pipe, device, model_path, lora_apply)
-        self.plus = type(pipe).__name__ == "QwenImageEditPlusPipeline"
-        self.image_processor = image_processor(Path(model_path)) if model_path else None
 
     def conditioning(self, prompts: list[str], sp, references=None):
         """Per prompt its VL embeds over (its images, instruction) and over (its images, negative prompt), and its
@@ -82,8 +69,8 @@ class RolloutPipeline(base.RolloutPipeline):
         elif any(len(g) != 1 for g in pictures):
             raise ValueError("Qwen-Image-Edit takes one reference image per prompt (Edit-Plus takes several)")
         prompts = [self.template.format(t) for t in texts]
-        vision = self.image_processor(images=[p for g in pictures for p in g], return_tensors="pt")
-        counts = iter((vision["image_grid_thw"].prod(-1) // self.image_processor.merge_size ** 2).tolist())
+        vision = self.vl_processor(images=[p for g in pictures for p in g], return_tensors="pt")
+        counts = iter((vision["image_grid_thw"].prod(-1) // self.vl_processor.merge_size ** 2).tolist())
         prompts = [re.sub(re.escape(IMAGE_PAD), lambda _: IMAGE_PAD * next(counts), p) for p in prompts]
         tok = self.tokenizer(prompts, padding=True, return_tensors="pt")
         ids, mask = tok.input_ids.to(self.device), tok.attention_mask.to(self.device)
@@ -103,6 +90,25 @@ class RolloutPipeline(base.RolloutPipeline):
         z = (z - mean) / std
         b, ch, h, w = z.shape
         return z.view(b, ch, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), ch * 4)
+
+
+class RolloutPipeline(EditConditioning, base.RolloutPipeline):
+    """Edit sampling with trajectories on the components of a diffusers QwenImageEdit(Plus)Pipeline; the VL image
+    processor is the folder's `image_processor/` (or `processor/`)."""
+
+    @classmethod
+    def diffusers_pipeline(cls, path, **kw):
+        import diffusers
+
+        name = spec.pipeline_class(Path(path))
+        if name not in spec.PIPELINE_CLASSES:
+            raise ValueError(f"{path}: model_index.json names {name!r}, not one of {spec.PIPELINE_CLASSES}")
+        return getattr(diffusers, name).from_pretrained(path, processor=None, **kw)
+
+    def __init__(self, pipe, device="cpu", model_path: str | None = None, lora_apply: str = "layers"):
+        super().__init__(pipe, device, model_path, lora_apply)
+        self.plus = type(pipe).__name__ == "QwenImageEditPlusPipeline"
+        self.vl_processor = image_processor(Path(model_path)) if model_path else None
 
 
 def image_processor(folder: Path):

@@ -18,7 +18,7 @@ TINY = "tiny_edit"  # model.path / engine `model` of the cached tiny offline Qwe
 FOLDER = "a diffusers Qwen-Image-Edit(-Plus) folder (model_index.json)"
 # Edit: one reference image; Edit-Plus: one or more (its VL prompt numbers them "Picture k: ...")
 PIPELINE_CLASSES = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
-ENGINES = ("diffusers",)  # vLLM-Omni's edit pipeline is not wired yet (see docs)
+ENGINES = ("diffusers", "vllm_omni")  # the rollout engines that serve it
 EXAMPLE = "/path/to/Qwen-Image-Edit (a diffusers folder)"
 
 
@@ -27,5 +27,6 @@ def is_folder(folder: Path) -> bool:
 
 
 def vllm_omni_problems(*, init: str, deploy: str | None, think: bool) -> Iterator[tuple[str, str]]:
-    """The vllm_omni engine does not serve this family yet."""
-    yield "rollout.engine", f"'vllm_omni' does not serve {LABEL} yet: use rollout.engine='diffusers'"
+    """The family's part of the vllm_omni engine's rules: one stage, as Qwen-Image's, so no deployment is chosen."""
+    if deploy is not None:
+        yield "rollout.bagel_deploy", f"{deploy!r} chooses BAGEL's topology; {LABEL} runs one stage: drop it"

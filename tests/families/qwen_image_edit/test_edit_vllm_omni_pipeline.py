@@ -1,0 +1,116 @@
+"""The edit family on the vllm_omni engine, CPU-testable parts (no vLLM-Omni here): our pipeline class over a
+stand-in of vLLM-Omni's QwenImageEdit(Plus)Pipeline on the tiny edit model's diffusers components gives the diffusers
+edit pipeline's trajectory (reference latents included) for the same seeds; the request carries the prompt's images
+once; the kind picks the class by the folder."""
+import dataclasses
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from jaxflow_bridge.contract.trajectory import TrajectoryBatch
+from jaxflow_bridge.engines.vllm_omni import codec
+from jaxflow_bridge.engines.vllm_omni.kinds import family_of, model_kind
+from jaxflow_bridge.engines.vllm_omni.rules import problems
+from jaxflow_bridge.families.qwen_image_edit import vllm_omni_pipeline as vop
+from jaxflow_bridge.families.qwen_image_edit.diffusers_pipeline import RolloutPipeline
+from jaxflow_bridge.families.qwen_image_edit.tiny import tiny_pipeline_path
+from jaxflow_bridge.rollout.sampling import SamplingParams
+
+SIZE = 32  # the tiny VAE: 8 pixels a packed token
+SAMPLING = SamplingParams(height=SIZE, width=SIZE, num_inference_steps=4, true_cfg_scale=4.0, noise_level=1.2,
+                          sde_window_size=2, sde_window_range=(0, 3), max_sequence_length=64, seed=5)
+SEEDS = [10, 11, 12]
+PROMPT = 'make the sign read "OPEN"'
+
+
+class FakeOmniQwenImageEditPipeline(torch.nn.Module):
+    """What our class uses of vLLM-Omni 0.20's QwenImageEdit(Plus)Pipeline, on the tiny diffusers components: the
+    whole VL text encoder, its attribute names, and its own `image_processor` (a VaeImageProcessor, unused by ours)."""
+
+    def __init__(self, *, od_config, prefix=""):
+        import diffusers
+        from diffusers.image_processor import VaeImageProcessor
+
+        super().__init__()
+        name = "QwenImageEditPlusPipeline" if "plus" in od_config.model else "QwenImageEditPipeline"
+        pipe = getattr(diffusers, name).from_pretrained(od_config.model, processor=None, local_files_only=True)
+        self.od_config, self.scheduler, self.tokenizer = od_config, pipe.scheduler, pipe.tokenizer
+        self.text_encoder, self.vae, self.transformer = pipe.text_encoder, pipe.vae, pipe.transformer
+        self.prompt_template_encode = pipe.prompt_template_encode
+        self.prompt_template_encode_start_idx = pipe.prompt_template_encode_start_idx
+        self.vae_scale_factor, self.device = pipe.vae_scale_factor, torch.device("cpu")
+        self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
+
+    def forward(self, req):
+        return "stock pipeline"
+
+
+def references(count: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (count, SIZE, SIZE, 3), dtype=np.uint8)
+
+
+def assert_batches_equal(a: TrajectoryBatch, b: TrajectoryBatch) -> None:
+    for f in dataclasses.fields(TrajectoryBatch):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, np.ndarray):
+            assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), f.name
+        else:
+            assert x == y, f.name
+
+
+@pytest.mark.parametrize("plus, count", [(False, 1), pytest.param(True, 2, marks=pytest.mark.slow)],
+                         ids=["edit", "plus"])
+def test_the_vllm_omni_class_gives_the_diffusers_edit_trajectory(plus, count):
+    """One request (the prompt, its images once, n = 3 outputs) through our class on vLLM-Omni's stand-in: the
+    diffusers edit pipeline's trajectory for the same seeds, bit for bit (float32 CPU), reference latents included."""
+    folder = tiny_pipeline_path(plus=plus)
+    cls = vop.build_pipeline_class(FakeOmniQwenImageEditPipeline, SimpleNamespace, plus=plus)
+    assert cls.__module__ == vop.__name__ and f"{vop.__name__}.{cls.__qualname__}" == vop.PIPELINE_CLASSES[
+        "QwenImageEditPlusPipeline" if plus else "QwenImageEditPipeline"]
+    ours = cls(od_config=SimpleNamespace(model=str(folder), custom_pipeline_args={"pipeline_class": "x"}))
+    images = references(count)
+    prompt, kwargs = vop.encode_request(PROMPT, SAMPLING, SEEDS, policy_version=3, references=images)
+    assert kwargs["num_outputs_per_prompt"] == 3 and len(prompt["multi_modal_data"]["image"]) == count
+    prompt["additional_information"] = {"prompt_image": "vLLM-Omni's resized copy, unused"}  # its pre-processing
+    with torch.inference_mode():
+        result = ours.forward(SimpleNamespace(prompts=[prompt], sampling_params=SimpleNamespace(**kwargs)))
+        stock = ours.forward(SimpleNamespace(prompts=[{"prompt": "dummy run"}],
+                                             sampling_params=SimpleNamespace(extra_args={})))
+    assert stock == "stock pipeline"
+    got = codec.unpack_trajectories(result, PROMPT, group_id=0)
+    ref = RolloutPipeline.from_pretrained(folder, dtype="float32", device="cpu")
+    ref.policy_version = 3
+    want = ref.generate([PROMPT], 3, SAMPLING, SEEDS, references=[images])
+    assert got.reference_latents.shape == (3, count, (SIZE // 8) ** 2, 64)
+    assert_batches_equal(got, want)
+
+
+def test_the_request_carries_the_images_and_refuses_none():
+    images = references(1, seed=4)
+    prompt, _ = vop.encode_request(PROMPT, SAMPLING, SEEDS, 0, references=images)
+    params = SimpleNamespace(**vop.encode_request(PROMPT, SAMPLING, SEEDS, 0, references=images)[1])
+    *_, back = vop.decode_request([prompt], params)
+    assert back.dtype == np.uint8 and np.array_equal(back, images)  # the exact pixels, through PIL
+    with pytest.raises(ValueError, match="reference images"):
+        vop.encode_request(PROMPT, SAMPLING, SEEDS, 0)
+    with pytest.raises(ValueError, match=r"uint8 \(R, height, width, 3\)"):
+        vop.encode_request(PROMPT, SAMPLING, SEEDS, 0, references=images.astype(np.float32))
+    with pytest.raises(ValueError, match=r"multi_modal_data\['image'\]"):
+        vop.decode_request([{"prompt": PROMPT, "negative_prompt": " "}], params)
+
+
+def test_the_engine_serves_an_edit_folder_with_the_edit_class():
+    folder = tiny_pipeline_path()
+    assert family_of(str(folder)) == family_of("tiny_edit") == "qwen_image_edit"
+    kind = model_kind("tiny_edit", "float32")
+    args = kind.pipeline_args({"cfg_forward": "split"})
+    assert args["pipeline_class"] == vop.PIPELINE_CLASS and args["cfg_forward"] == "split"
+    assert kind.encode_request is vop.encode_request and kind.size_multiple == 8
+    plus = model_kind(str(tiny_pipeline_path(plus=True)), "float32")
+    assert plus.pipeline_args({})["pipeline_class"] == vop.PLUS_PIPELINE_CLASS
+    assert vop.PIPELINE_CLASS in codec.our_pipelines()
+    assert list(problems("qwen_image_edit", dtype="bfloat16", device=None, init="checkpoint", deploy=None)) == []
+    assert [k for k, _ in problems("qwen_image_edit", dtype="bfloat16", device=None, init="checkpoint",
+                                   deploy="two_stage")] == ["rollout.bagel_deploy"]
