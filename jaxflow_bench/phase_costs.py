@@ -43,7 +43,7 @@ def memory_row(record: dict) -> tuple[dict, int]:
     per, fixed = np.polyfit(sizes, [f[f"need_gib_mb{m}"] * GIB for m in sizes], 1)
     lora = int((f["in_use_gib"] * GIB - RECIPE["transformer_bytes"]) / TRAIN_STATE_BYTES)
     scale = ModelSizes(**RECIPE, lora_params=lora).scale
-    return ({"file": MEMORY_FILE, "card": card_of(record["device"])[0],
+    return ({"file": MEMORY_FILE, "card": card_of(record["device"])[0], "transformer_bytes": RECIPE["transformer_bytes"],
              "fixed_per_transformer_byte": float(fixed / RECIPE["transformer_bytes"]),
              "per_sample_per_scale": float(per / scale)}, lora)
 

@@ -115,7 +115,8 @@ class Plan:
 
     def summary(self) -> str:
         speed = (f"predicted {self.step_s:.1f} s a step, {self.img_per_gpu_s:.2f} img/GPU/s" if self.step_s
-                 else "no measured costs for this engine: no prediction")
+                 else "no prediction (why below)" if any(w.startswith("no prediction") for w in self.why)
+            else "no measured costs for this engine: no prediction")
         return "\n".join((
             f"machine: {self.gpus} x {self.card.name} ({self.card.memory_gib:.0f} GiB): layout {self.layout.name}, "
             f"{self.layout.engine} engine{' on the trainer weights' if self.layout.share_weights else ''}, "
@@ -178,6 +179,11 @@ def _fit(job: Job, sizes: ModelSizes, card: Card, gpus: int, update: UpdateMemor
            f"{m} sample(s) per micro-batch: the largest that fits" if job.micro_batches is None
            else f"{m} sample(s) per micro-batch: train.num_micro_batches={job.micro_batches}"]
     step = speed = None
+    measured = table["memory"]["transformer_bytes"]
+    if row and abs(sizes.transformer_bytes / measured - 1) > 0.1:
+        why.append(f"no prediction: the costs were measured on a {measured / 1e9:.0f} GB transformer, this one is "
+                   f"{sizes.transformer_bytes / 1e9:.2g} GB")
+        row = None
     if row:
         images = job.images / gpus
         step = images * (row["rollout_s_per_image"] + row["old_log_prob_s_per_image"]
