@@ -213,7 +213,7 @@ def plan_machine(job: Job, sizes: ModelSizes, card: Card, gpus: int, table: dict
         if smaller:
             raise NoFit(f"train.num_micro_batches={job.micro_batches} does not fit {what}: a GPU would need "
                         f"{short:.0f} GiB; what fits: --config.train.num_micro_batches={smaller.num_micro_batches} "
-                        f"({smaller.micro_batch} sample(s) per micro-batch) or 'auto'")
+                        f"({smaller.micro_batch} sample(s) per micro-batch)")
     other = next((p for p, _ in fits[1:] if p), None)
     if other:
         raise NoFit(f"layout {layouts[0].name} with the {layouts[0].engine} engine does not fit {what}: a GPU would "
