@@ -5,9 +5,8 @@
 #   ray job submit --address http://10.0.0.1:8265 --working-dir . -- bash launch/ray_train.sh configs/qwen_ocr.py ...
 set -euo pipefail
 config=${1:?usage: ray_train.sh CONFIG [--config.x=y ...]}; shift
-# JAX allocates as it goes (rollout engines on other GPUs); colocated engines on the trainer's GPUs want a fixed
-# pool instead: XLA_PYTHON_CLIENT_PREALLOCATE=true XLA_CLIENT_MEM_FRACTION=0.5 (H200s; docs/vllm_omni.md)
-export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-false}
+# JAX's share of each GPU comes from the run's plan (`python -m jaxflow.plan`), set before JAX starts; an
+# XLA_PYTHON_CLIENT_MEM_FRACTION or XLA_CLIENT_MEM_FRACTION in the environment wins
 # Ray 2.60's token authentication is the cluster's choice: export RAY_AUTH_MODE=token here exactly when the cluster
 # was started with it (the token in ~/.ray/auth_token or RAY_AUTH_TOKEN); a plain `ray start --head` has none.
 exec python -m jaxflow.train --config "$config" --config.rollout.address="${RAY_ADDRESS:-auto}" "$@"

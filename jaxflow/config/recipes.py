@@ -104,6 +104,8 @@ HELP: dict[str, str] = {
     "sample.prompts_per_call": "prompts per rollout request (requests go round-robin to the engines); divides "
                                "prompts_per_step",
     "train.num_steps": "training steps (a rollout and its updates each), >= 1",
+    "train.compile_cache": "True: keep compiled steps in the cache folder ($JAXFLOW_CACHE/xla) for the next start; "
+                           "JAX_COMPILATION_CACHE_DIR, when set, wins",
     "train.max_minutes": "> 0: end the run (checkpoint, lora_final) before this many minutes; 0: no limit",
     "train.max_skipped_steps": "steps in a row with a skipped (non-finite) update a run tolerates, >= 0; one more "
                                "stops it, exit 1",
@@ -240,8 +242,8 @@ def base() -> ml_collections.ConfigDict:
                     # train phase in 11.9 s, batched 11.2 (two H200s; BENCHMARKS.md, the recipe on one GPU)
                     negative_max_sequence_length=0,
                     prompts_per_step=32, group_size=16, prompts_per_call=4)
-    c.train = dict(num_steps=300, max_minutes=0.0, max_skipped_steps=3, logp_gate=1e-2, logp_gate_steps=3,
-                   sync_verify=True, sync_fault_from=0,
+    c.train = dict(num_steps=300, compile_cache=True, max_minutes=0.0, max_skipped_steps=3, logp_gate=1e-2,
+                   logp_gate_steps=3, sync_verify=True, sync_fault_from=0,
                    num_micro_batches=64, learning_rate=3e-4,
                    clip_range=1e-4, adv_clip=5.0, beta=0.0, global_std=True, max_grad_norm=1.0, weight_decay=1e-4,
                    ema_decay=0.0,

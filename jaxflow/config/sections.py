@@ -89,6 +89,7 @@ class SampleSection:
 @dataclasses.dataclass(frozen=True)
 class TrainSection:
     num_steps: int
+    compile_cache: bool
     max_minutes: float
     max_skipped_steps: int
     logp_gate: float

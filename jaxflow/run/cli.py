@@ -185,11 +185,16 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
         if finished:
             print(finished)
             return 0
+        from jaxflow.plan import before_jax, compilation_cache
+        machine = before_jax(config)  # JAX's share of each GPU, set before JAX starts
+        compilation_cache(config.train.compile_cache)
         ray_logs = _start_ray(config, FLAGS.verbose)
         trainer = trainer_class(config, resume=FLAGS.resume)
         if trainer.driver:
             print(f"training {Path(cfg.run_dir).resolve()}: step {trainer.start} -> {cfg.train.num_steps}", flush=True)
             print(trainer.plan.summary(), flush=True)  # the plan, logged once
+            if machine:
+                print(machine, flush=True)
             print(trainer.startup_line(), flush=True)
             if trainer.memory_summary:
                 print(trainer.memory_summary, flush=True)

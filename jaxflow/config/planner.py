@@ -1,0 +1,224 @@
+"""The machine plan: which layout, how many samples per micro-batch, JAX's share of each GPU and the engine's, and
+the step time it predicts, from the model's sizes, the card and the per-phase cost table (`phase_costs.json`,
+written by `python -m jaxflow_bench.phase_costs` from measured result files). Pure: no JAX, no device.
+
+The memory model on one GPU: JAX holds the frozen transformer and the LoRA's train state (`resident`), and the
+update needs `fixed + per_sample x micro-batch` beside it (`UpdateMemory`); the engine holds the weights it does
+not share with the trainer plus a working reserve measured per engine. `UpdateMemory` comes from the compiled
+step's memory analysis when the run has it (`from_analysis`), else from parameter counts (`from_counts`), scaled
+from the measured recipe; the plan's `why` says which."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+GIB = 2 ** 30
+TABLE = Path(__file__).with_name("phase_costs.json")
+TRAIN_STATE_BYTES = 12  # per LoRA parameter: float32 value and Adam's two moments
+
+
+class NoFit(ValueError):
+    """The config cannot run on the machine; the message is one line naming what would."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Card:
+    name: str
+    memory_gib: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSizes:
+    """The model as the plan sees it: its weights' bytes as they run, its LoRA, its depth and a sample's tokens."""
+
+    transformer_bytes: int
+    text_encoder_bytes: int
+    vae_bytes: int
+    lora_params: int
+    layers: int
+    tokens: int  # one sample's image and prompt tokens
+
+    @property
+    def scale(self) -> float:
+        """A sample's activations grow with tokens x width x depth; width x depth ~ sqrt(params x depth) for a
+        transformer (params ~ 12 depth width^2), in bf16 parameters."""
+        return self.tokens * math.sqrt(self.transformer_bytes / 2 * self.layers)
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateMemory:
+    """Bytes on one GPU: `resident` before the update, and the update's need at `m` samples per micro-batch."""
+
+    resident: float
+    fixed: float
+    per_sample: float
+    source: str
+
+    def need(self, m: int) -> float:
+        return self.fixed + self.per_sample * m
+
+    @classmethod
+    def from_counts(cls, sizes: ModelSizes, table: dict) -> UpdateMemory:
+        """From parameter counts, scaled from the recipe's measured update (the table's "memory")."""
+        mem = table["memory"]
+        return cls(resident=sizes.transformer_bytes + sizes.lora_params * TRAIN_STATE_BYTES,
+                   fixed=mem["fixed_per_transformer_byte"] * sizes.transformer_bytes,
+                   per_sample=mem["per_sample_per_scale"] * sizes.scale,
+                   source=f"parameter counts, scaled from {mem['file']} ({mem['card']})")
+
+    @classmethod
+    def from_analysis(cls, resident: int, need: int, micro_batch: int, counts: UpdateMemory) -> UpdateMemory:
+        """The compiled step's memory analysis (`need` bytes at `micro_batch` samples, `resident` on the device),
+        other micro-batches in the proportion of the counts model."""
+        ratio = need / counts.need(micro_batch)
+        return cls(resident, counts.fixed * ratio, counts.per_sample * ratio,
+                   f"the compiled step's memory analysis at {micro_batch} sample(s) per micro-batch")
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """What the config asks of the machine."""
+
+    images: int  # per step
+    mini_batches: int
+    micro_batches: int | None  # None: 'auto', the largest micro-batch that fits
+    engine: str
+    layout: str
+    share_weights: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    name: str  # rollout.layout
+    engine: str
+    share_weights: bool
+
+    def overrides(self) -> str:
+        return (f"--config.rollout.layout={self.name} --config.rollout.engine={self.engine} "
+                f"--config.rollout.share_weights={self.share_weights}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    card: Card
+    gpus: int
+    layout: Layout
+    micro_batch: int  # samples per micro-batch per GPU
+    num_micro_batches: int
+    jax_share: float  # of each GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION)
+    engine_share: float
+    step_s: float | None
+    img_per_gpu_s: float | None
+    why: tuple[str, ...]
+
+    def summary(self) -> str:
+        speed = (f"predicted {self.step_s:.1f} s a step, {self.img_per_gpu_s:.2f} img/GPU/s" if self.step_s
+                 else "no prediction (why below)" if any(w.startswith("no prediction") for w in self.why)
+            else "no measured costs for this engine: no prediction")
+        return "\n".join((
+            f"machine: {self.gpus} x {self.card.name} ({self.card.memory_gib:.0f} GiB): layout {self.layout.name}, "
+            f"{self.layout.engine} engine{' on the trainer weights' if self.layout.share_weights else ''}, "
+            f"{self.micro_batch} sample(s) per micro-batch ({self.num_micro_batches} per update), JAX "
+            f"{self.jax_share:.3f} of each GPU, the engine {self.engine_share:.3f}; {speed}",
+            *(f"  why: {line}" for line in self.why)))
+
+
+def load_table(path: Path = TABLE) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def engine_bytes(sizes: ModelSizes, layout: Layout, reserve_gib: float) -> float:
+    """The engine's bytes on a GPU: the weights it does not share with the trainer and its working reserve."""
+    own = sizes.text_encoder_bytes + sizes.vae_bytes + (0 if layout.share_weights else sizes.transformer_bytes)
+    return own + reserve_gib * GIB
+
+
+def costs_for(table: dict, engine: str, share_weights: bool, card: Card) -> dict | None:
+    """The measured row for the engine (and weight sharing) on the card of the nearest memory; None if never
+    measured."""
+    rows = [r for r in table["phases"] if r["engine"] == engine and r["share_weights"] == share_weights] or \
+        [r for r in table["phases"] if r["engine"] == engine]
+    return min(rows, key=lambda r: abs(r["card_gib"] - card.memory_gib)) if rows else None
+
+
+def candidates(job: Job, gpus: int) -> list[Layout]:
+    """The config's layout first, then the in-process diffusers engine on the trainer's weights (one GPU)."""
+    own = Layout(job.layout, job.engine, job.share_weights)
+    shared = Layout("in_process", "diffusers", True)
+    return [own] + ([shared] if gpus == 1 and own != shared else [])
+
+
+def _micro_batches(job: Job, gpus: int) -> list[int]:
+    """Samples per micro-batch per GPU the job allows, largest first: divisors of a GPU's share of a mini-batch."""
+    per_gpu = job.images // job.mini_batches // gpus
+    if job.micro_batches is not None:
+        return [max(1, per_gpu // job.micro_batches)]
+    return [m for m in range(per_gpu, 0, -1) if per_gpu % m == 0]
+
+
+def _fit(job: Job, sizes: ModelSizes, card: Card, gpus: int, update: UpdateMemory, layout: Layout,
+         table: dict) -> tuple[Plan | None, float]:
+    """The layout's plan, or (None, the GiB a GPU would need at the smallest micro-batch)."""
+    row = costs_for(table, layout.engine, layout.share_weights, card)
+    reserve = row["engine_reserve_gib"] if row else table["default_engine_reserve_gib"]
+    engine = engine_bytes(sizes, layout, reserve)
+    total = card.memory_gib * GIB
+    jax_bytes = total - engine
+    sizes_ok = [m for m in _micro_batches(job, gpus) if update.resident + update.need(m) <= jax_bytes]
+    smallest = _micro_batches(job, gpus)[-1]
+    if not sizes_ok:
+        return None, (engine + update.resident + update.need(smallest)) / GIB
+    m = sizes_ok[0]
+    per_gpu = job.images // job.mini_batches // gpus
+    share = math.floor(jax_bytes / total * 1000) / 1000
+    why = [f"memory from {update.source}: {update.resident / GIB:.1f} GiB resident, the update "
+           f"{update.need(m) / GIB:.1f} GiB at {m} sample(s) ({update.per_sample / GIB:.2f} GiB a sample); "
+           f"the engine {engine / GIB:.1f} GiB ({reserve:.1f} GiB working reserve)",
+           f"{m} sample(s) per micro-batch: the largest that fits" if job.micro_batches is None
+           else f"{m} sample(s) per micro-batch: train.num_micro_batches={job.micro_batches}"]
+    step = speed = None
+    measured = table["memory"]["transformer_bytes"]
+    if row and abs(sizes.transformer_bytes / measured - 1) > 0.1:
+        why.append(f"no prediction: the costs were measured on a {measured / 1e9:.0f} GB transformer, this one is "
+                   f"{sizes.transformer_bytes / 1e9:.2g} GB")
+        row = None
+    if row:
+        images = job.images / gpus
+        step = images * (row["rollout_s_per_image"] + row["old_log_prob_s_per_image"]
+                         + row["update_s_per_image"]) + row["sync_s"] + row["reward_s"]
+        speed = job.images / (step * gpus)
+        why.append(f"costs per image measured on {row['card']} ({row['file']}, {row['micro_batch']} sample(s) per "
+                   f"micro-batch)")
+    return Plan(card, gpus, layout, m, per_gpu // m, share, round(1 - share, 3), step, speed, tuple(why)), 0.0
+
+
+def plan_machine(job: Job, sizes: ModelSizes, card: Card, gpus: int, table: dict,
+                 update: UpdateMemory | None = None) -> Plan:
+    """The plan for `job` on `gpus` x `card`: the config's layout if it fits, else NoFit naming the layout that
+    would (its overrides) or the memory a GPU would need."""
+    if job.images % (job.mini_batches * gpus):
+        raise NoFit(f"the batch of {job.images} images does not split into {job.mini_batches} mini-batch(es) over "
+                    f"{gpus} GPU(s); use a GPU count that divides {job.images // job.mini_batches}")
+    update = update or UpdateMemory.from_counts(sizes, table)
+    layouts = candidates(job, gpus)
+    fits = [_fit(job, sizes, card, gpus, update, layout, table) for layout in layouts]
+    own, short = fits[0]
+    if own:
+        return own
+    what = f"{gpus} x {card.name} ({card.memory_gib:.0f} GiB)"
+    if job.micro_batches is not None:  # a smaller micro-batch of the same layout
+        smaller, _ = _fit(dataclasses.replace(job, micro_batches=None), sizes, card, gpus, update, layouts[0], table)
+        if smaller:
+            raise NoFit(f"train.num_micro_batches={job.micro_batches} does not fit {what}: a GPU would need "
+                        f"{short:.0f} GiB; what fits: --config.train.num_micro_batches={smaller.num_micro_batches} "
+                        f"({smaller.micro_batch} sample(s) per micro-batch)")
+    other = next((p for p, _ in fits[1:] if p), None)
+    if other:
+        raise NoFit(f"layout {layouts[0].name} with the {layouts[0].engine} engine does not fit {what}: a GPU would "
+                    f"need {short:.0f} GiB; what fits: {other.layout.overrides()} ({other.micro_batch} sample(s) per "
+                    f"micro-batch)")
+    least = min(s for _, s in fits)
+    raise NoFit(f"the model does not fit {what} in any layout: at its smallest micro-batch a GPU needs {least:.0f} "
+                f"GiB; a card with that much memory would fit")

@@ -1,0 +1,169 @@
+"""`python -m jaxflow.plan --config FILE [--config.KEY=VALUE ...] [--gpus N] [--gpu-memory GiB]`: the machine plan
+(jaxflow/config/planner.py) for the config, the block every run prints at its start; exit 2 with one `error:` line
+when the config cannot fit. The GPUs are nvidia-smi's unless --gpus / --gpu-memory say otherwise. Nothing starts:
+no JAX device, no engine; the model's sizes come from its folder's safetensors headers."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from jaxflow.config import planner
+from jaxflow.config.errors import UserError
+
+COMPONENTS = ("transformer", "text_encoder", "vae")
+
+
+def local_gpus() -> tuple[planner.Card, int] | None:
+    """(the first GPU as a Card, how many) as nvidia-smi reports them, or None without one."""
+    try:
+        lines = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                               capture_output=True, text=True, timeout=60, check=True).stdout.strip().splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if not lines:
+        return None
+    name, mib = lines[0].rsplit(",", 1)
+    return planner.Card(name.strip(), float(mib) / 1024), len(lines)
+
+
+def _weights(folder: Path) -> list[tuple[str, tuple[int, ...], int]]:
+    """(key, shape, bytes) of every tensor in a component folder's safetensors files (their headers only)."""
+    from jaxflow_bridge.contract.safetensors_io import SafetensorsFile
+    out = []
+    for path in sorted(folder.glob("*.safetensors")):
+        f = SafetensorsFile(path)
+        out += [(k, f.shape(k), int(f.dtype(k).itemsize * _count(f.shape(k)))) for k in f.keys()]
+    return out
+
+
+def _count(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def model_sizes(cfg, folder: Path) -> planner.ModelSizes:
+    """The folder's weights as the plan sees them (bytes per component, the LoRA's parameters over the targeted
+    linears, the depth) and a sample's tokens (the family's latent grid and the prompt's tokens)."""
+    from jaxflow import families
+    from jaxflow.config import validation
+    family = families.of(cfg)
+    weights = {c: _weights(folder / c) for c in COMPONENTS}
+    missing = [c for c in COMPONENTS if not weights[c]]
+    if missing:
+        raise UserError(f"model.path: {folder} has no safetensors weights in {', '.join(missing)}: the plan sizes "
+                        f"the model from them; give a folder with its weights")
+    targets = tuple(cfg.lora.targets)
+    lora = sum(cfg.lora.rank * sum(shape) for key, shape, _ in weights["transformer"]
+               if len(shape) == 2 and key.endswith(".weight") and key[:-len(".weight")].endswith(targets))
+    try:
+        grid = family.grid_hw(folder, cfg)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    total = {c: sum(b for *_, b in weights[c]) for c in COMPONENTS}
+    return planner.ModelSizes(transformer_bytes=total["transformer"], text_encoder_bytes=total["text_encoder"],
+                              vae_bytes=total["vae"], lora_params=lora, layers=family.num_layers(folder),
+                              tokens=grid[0] * grid[1] + validation.text_tokens(cfg)[0])
+
+
+def job_of(cfg) -> planner.Job:
+    s, t, r = cfg.sample, cfg.train, cfg.rollout
+    micro = t.num_micro_batches
+    return planner.Job(images=s.prompts_per_step * s.group_size, mini_batches=t.num_mini_batches,
+                       micro_batches=None if micro == "auto" else micro, engine=r.engine, layout=r.layout,
+                       share_weights=bool(r.share_weights))
+
+
+def machine_plan(cfg, gpus: int | None = None, gpu_memory: float | None = None) -> planner.Plan | None:
+    """The validated config's plan on this machine's GPUs (or `gpus` x a `gpu_memory` GiB card); None without a
+    GPU and without `gpu_memory`. NoFit (a UserError line) when it cannot fit."""
+    from jaxflow.config import validation
+    found = local_gpus()
+    if gpu_memory is not None:
+        card = planner.Card(found[0].name if found and abs(found[0].memory_gib - gpu_memory) < 1
+                            else f"a {gpu_memory:g} GiB card", gpu_memory)
+    elif found:
+        card = found[0]
+    else:
+        return None
+    count = gpus or (found[1] if found else 1)
+    sizes = model_sizes(cfg, validation.model_folder(cfg))
+    return planner.plan_machine(job_of(cfg), sizes, card, count, planner.load_table())
+
+
+def before_jax(cfg) -> str | None:
+    """At a run's start, before JAX initialises: the plan block for this machine's GPUs (None without one, or on a
+    CPU rollout), and JAX's share of each GPU from it (XLA_PYTHON_CLIENT_MEM_FRACTION, a fixed pool) where the user
+    set neither fraction variable (setting both makes jax >= 0.11 ignore the GPU). A plan that cannot be made or
+    does not fit is one `plan:` line; the compiled step's memory check then decides."""
+    import os
+    if not str(cfg.rollout.device).startswith("cuda"):
+        return None
+    try:
+        plan = machine_plan(cfg)
+    except (UserError, planner.NoFit) as exc:
+        return f"plan: none ({exc}); JAX's memory share is left to the environment"
+    if plan is None:
+        return None
+    if not {"XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION"} & set(os.environ):
+        os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{plan.jax_share}"
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "true")
+    return plan.summary()
+
+
+def compilation_cache(enabled: bool) -> Path | None:
+    """JAX's persistent compilation cache in `$JAXFLOW_CACHE/xla` (default ~/.cache/jaxflow/xla), keyed by JAX on
+    the compiled program and its options, so a changed config recompiles; JAX_COMPILATION_CACHE_DIR, when set, wins.
+    Returns the folder in use (None: off)."""
+    import os
+
+    import jax
+    if not enabled:
+        return None
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
+    folder = Path(os.environ.get("JAXFLOW_CACHE") or Path.home() / ".cache" / "jaxflow") / "xla"
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    return folder
+
+
+def main(argv: list[str] | None = None) -> int:
+    from absl import flags
+    from ml_collections import config_flags
+
+    from jaxflow.config import validation
+    from jaxflow.run import cli
+    argv = list(sys.argv if argv is None else argv)
+    problem = cli.config_file_error(argv)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    fv = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", cli.config_file_arg(argv), "the config file", flag_values=fv)
+    flags.DEFINE_integer("gpus", None, "GPUs to plan for (default: nvidia-smi's)", flag_values=fv)
+    flags.DEFINE_float("gpu_memory", None, "GiB of each GPU (default: nvidia-smi's)", flag_values=fv)
+    try:
+        fv([a.replace("--gpu-memory", "--gpu_memory", 1) for a in argv])
+        cfg = fv.config
+        cfg.keys()
+    except (flags.Error, KeyError, AttributeError, OSError, ValueError) as exc:
+        print(f"error: {cli.flag_error(exc, argv)}", file=sys.stderr)
+        return 2
+    try:
+        validation.validate(cfg)
+        plan = machine_plan(cfg, fv.gpus, fv.gpu_memory)
+    except (UserError, planner.NoFit) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if plan is None:
+        print("error: no GPU found (nvidia-smi): pass --gpu-memory GiB (and --gpus N) to plan for one",
+              file=sys.stderr)
+        return 2
+    print(plan.summary())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""The planner's cost table, `jaxflow/config/phase_costs.json`, from measured result files: per engine and card the
+seconds per image of the rollout, the old log-probs and the update, the seconds per step of the LoRA sync and the
+reward's tail, and the engine's working memory beside its weights; and the update's memory per sample and fixed,
+from the micro-batch fit (`scripts/fit_micro_batch.py`). The planner (`jaxflow/config/planner.py`) reads it.
+
+    python -m jaxflow_bench.phase_costs [--results benchmarks/results] [--out jaxflow/config/phase_costs.json]
+
+Every row names its file and card. The measured model is the recipe's (configs/qwen_ocr.py) at full size with
+random weights (`jaxflow_bridge/families/qwen_image/full_size.py`), its sizes below."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from jaxflow.config.planner import GIB, TABLE, TRAIN_STATE_BYTES, ModelSizes
+
+ROOT = Path(__file__).resolve().parents[1]
+# Qwen-Image in bf16 (full_size.py: the 20.4B transformer, the 8.3B Qwen2.5-VL-7B-sized text encoder, the VAE),
+# the recipe's 512x512 images (32 x 32 latent tokens) and 96 prompt tokens; its LoRA as the fit measured it
+RECIPE = dict(transformer_bytes=int(20.43e9 * 2), text_encoder_bytes=int(8.29e9 * 2), vae_bytes=int(0.127e9 * 2),
+              layers=60, tokens=32 * 32 + 96)
+MEMORY_FILE = "fit_micro_batch.json"
+# (file, engine, whether the engine runs on the trainer's weights): each the recipe, one GPU, its engine colocated
+PHASE_FILES = (("e2e_recipe_vllm_omni_1gpu_runner.json", "vllm_omni", False),
+               ("e2e_recipe_diffusers_1gpu.json", "diffusers", False),
+               ("e2e_recipe_diffusers_h100.json", "diffusers", True))
+
+
+def card_of(device: str) -> tuple[str, float]:
+    """("NVIDIA H200", GiB) of a result's device line ("NVIDIA H200, 143771 MiB")."""
+    name, _, mib = device.rpartition(", ")
+    return name, float(mib.split()[0]) / 1024
+
+
+def memory_row(record: dict) -> tuple[dict, int]:
+    """The update's fixed bytes per transformer byte and bytes per sample per `ModelSizes.scale`, a least-squares
+    line through the fit's needs; and the LoRA parameters its resident bytes imply."""
+    f = record["figures"]
+    sizes = sorted(int(k.rsplit("mb", 1)[1]) for k in f if k.startswith("need_gib_mb"))
+    per, fixed = np.polyfit(sizes, [f[f"need_gib_mb{m}"] * GIB for m in sizes], 1)
+    lora = int((f["in_use_gib"] * GIB - RECIPE["transformer_bytes"]) / TRAIN_STATE_BYTES)
+    scale = ModelSizes(**RECIPE, lora_params=lora).scale
+    return ({"file": MEMORY_FILE, "card": card_of(record["device"])[0], "transformer_bytes": RECIPE["transformer_bytes"],
+             "fixed_per_transformer_byte": float(fixed / RECIPE["transformer_bytes"]),
+             "per_sample_per_scale": float(per / scale)}, lora)
+
+
+def phase_row(name: str, record: dict, engine: str, share_weights: bool) -> dict:
+    """Per-image seconds of one e2e result and the engine's working reserve: the process peak less JAX's peak and
+    the weights the engine holds."""
+    f = record["figures"]
+    images = f["images_per_step"]
+    card, gib = card_of(record["device"])
+    weights = RECIPE["text_encoder_bytes"] + RECIPE["vae_bytes"] + (0 if share_weights else RECIPE["transformer_bytes"])
+    return {"file": name, "engine": engine, "share_weights": share_weights, "card": card, "card_gib": round(gib, 2),
+            "micro_batch": int(f["micro_batch"]), "rollout_s_per_image": f["rollout_s"] / images,
+            "old_log_prob_s_per_image": f["old_log_prob_s"] / images, "update_s_per_image": f["update_s"] / images,
+            "sync_s": f["sync_s"], "reward_s": f["reward_s"],
+            "engine_reserve_gib": round(f["peak_gib"] - f["jax_peak_gib"] - weights / GIB, 2)}
+
+
+def build(results: Path) -> dict:
+    memory, _ = memory_row(json.loads((results / MEMORY_FILE).read_text()))
+    phases = [phase_row(name, json.loads((results / name).read_text()), engine, shared)
+              for name, engine, shared in PHASE_FILES]
+    return {"written_by": "python -m jaxflow_bench.phase_costs", "memory": memory, "phases": phases,
+            "default_engine_reserve_gib": max(r["engine_reserve_gib"] for r in phases)}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--out", type=Path, default=TABLE)
+    args = p.parse_args(argv)
+    args.out.write_text(json.dumps(build(args.results), indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
