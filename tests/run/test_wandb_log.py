@@ -1,5 +1,6 @@
 """wandb as an optional log (log.wandb, jaxflow/run/wandb_log.py), against a stand-in `wandb` module that records
 what the run sends through wandb's public API (init, Image, run.log, run.finish); wandb itself is not installed."""
+import importlib.machinery
 import sys
 import types
 
@@ -8,9 +9,10 @@ import pytest
 
 from jaxflow.config import validation
 from jaxflow.config.errors import UserError
+from jaxflow.run import run_dir as run_dir_lib
 from jaxflow.run.metrics_log import RunLog, eval_grid_path, image_grid
 from jaxflow.run.wandb_log import ID_FILE, WandbLog
-from tests.helpers import tiny_config
+from tests.helpers import run, tiny_config
 
 
 class StandIn(types.ModuleType):
@@ -18,6 +20,7 @@ class StandIn(types.ModuleType):
 
     def __init__(self):
         super().__init__("wandb")
+        self.__spec__ = importlib.machinery.ModuleSpec("wandb", None)  # installed, as importlib.util.find_spec sees
         self.inits, self.rows, self.finished = [], [], 0
         stand_in = self
 
@@ -76,6 +79,9 @@ def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, wandb):
     assert first["id"] == resumed["id"] == kept and fresh["id"] != kept
     assert all(init["resume"] == "allow" for init in wandb.inits)
     assert (tmp_path / ID_FILE).read_text().strip() == fresh["id"]
+    assert f"wandb        run {fresh['id']}" in run_dir_lib.summary(tmp_path, 1, 1)
+    with pytest.raises(UserError, match="already holds a run"):  # a new run (no --resume) is refused
+        run_dir_lib.check_fresh(tmp_path)
 
 
 def test_offline_is_the_default_and_wandb_mode_overrides(tmp_path, wandb, monkeypatch):
@@ -113,3 +119,18 @@ def test_without_wandb_installed(tmp_path, monkeypatch):
     for opened in (lambda: validation.validate(cfg), lambda: WandbLog(tmp_path, 0, "jaxflow", "offline", {})):
         with pytest.raises(UserError, match=r"^config\.log\.wandb: True needs the wandb package: pip install wandb"):
             opened()
+
+
+@pytest.mark.slow
+def test_a_run_and_its_resume_log_to_one_wandb_run(ray_session, tmp_path, wandb):
+    cfg = tiny_config(tmp_path, num_steps=2)
+    cfg.log.wandb, cfg.eval.every = True, 2
+    run(cfg)
+    cfg.train.num_steps = 3
+    run(cfg, resume=True)
+    first, resumed = wandb.inits
+    assert first["config"]["train"]["num_steps"] == 2 and resumed["config"]["train"]["num_steps"] == 3
+    assert first["id"] == resumed["id"] and resumed["resume"] == "allow" and first["mode"] == "offline"
+    assert [step for step, _ in wandb.rows] == [1, 2, 3] and wandb.finished == 2
+    assert [("eval/grid" in row, "reward_mean" in row) for _, row in wandb.rows] == [(False, True), (True, True),
+                                                                                     (True, True)]
