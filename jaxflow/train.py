@@ -22,6 +22,7 @@ holds the driver; every process holds a learner and checkpoints; `run_dir` must 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -45,6 +46,7 @@ from jaxflow.run.driver import Driver
 from jaxflow.trainer.learner import Learner, run_plan
 from jaxflow.run.metrics_log import RunLog
 from jaxflow.run.profiling import StepProfiler
+from jaxflow.run.wandb_log import WandbLog
 from jaxflow.trainer.sharding import Layout, maybe_initialize_distributed
 
 log = logging.getLogger("jaxflow.train")
@@ -219,8 +221,10 @@ class Trainer:
     def run(self) -> dict:
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        runlog = RunLog(self.run_dir, cfg.train.num_steps, self.start, cfg.log.tensorboard, cfg.log.progress) \
-            if self.driver else None
+        wandb = WandbLog(self.run_dir, self.start, cfg.log.wandb_project, cfg.log.wandb_mode,
+                         json.loads(config_json(cfg))) if self.driver and cfg.log.wandb else None
+        runlog = RunLog(self.run_dir, cfg.train.num_steps, self.start, cfg.log.tensorboard, cfg.log.progress,
+                        wandb) if self.driver else None
         previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         history, profiler = [], StepProfiler.from_config(cfg, self.run_dir)
         limit = cfg.train.max_minutes * 60 or float("inf")

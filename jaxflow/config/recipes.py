@@ -182,6 +182,9 @@ HELP: dict[str, str] = {
     "log.tensorboard": "TensorBoard scalars in run_dir/tb (metrics.jsonl is always written)",
     "log.progress": "a line as each start-up phase begins; a progress bar on a terminal, one line a step when "
                     "stdout is a file",
+    "log.wandb": "also log config, metrics and eval grids to wandb (pip install wandb); a resume continues its run",
+    "log.wandb_project": "the wandb project (the run's id is kept in run_dir/wandb_id)",
+    "log.wandb_mode": "'offline' (no network; `wandb sync` uploads later) or 'online'; env WANDB_MODE overrides it",
     "profile.start_step": "the first step (>= 1) of the jax.profiler trace",
     "profile.num_steps": "steps traced from start_step on; 0: no trace",
     "profile.dir": "the trace's folder; '': run_dir/profile",
@@ -273,7 +276,7 @@ def base() -> ml_collections.ConfigDict:
     c.eval = dict(every=30, num_prompts=32, num_steps=50, guidance=4.0, solver="euler", rewards={}, best_metric="", stop_after=0)
     c.checkpoint = dict(every=10, keep=3)
     c.sharding = dict(data=-1, fsdp=1, tensor=1, rules=[("batch", ("data", "fsdp"))])
-    c.log = dict(tensorboard=True, progress=True)
+    c.log = dict(tensorboard=True, progress=True, wandb=False, wandb_project="jaxflow", wandb_mode="offline")
     c.profile = dict(start_step=2, num_steps=0, dir="")
     return c
 

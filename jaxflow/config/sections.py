@@ -175,6 +175,9 @@ class ShardingSection:
 class LogSection:
     tensorboard: bool
     progress: bool
+    wandb: bool
+    wandb_project: str
+    wandb_mode: str
 
 
 @dataclasses.dataclass(frozen=True)

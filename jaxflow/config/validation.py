@@ -16,6 +16,7 @@ from jaxflow.config.errors import UserError, fail
 from jaxflow.config.sections import RunConfig
 from jaxflow.families.base import Problem, option_problems
 from jaxflow.run.data import load_prompts
+from jaxflow.run.wandb_log import MODES as WANDB_MODES
 from jaxflow.nn.config import LORA_GEMMS, ModelOptions
 from jaxflow.nn.lora import LoRASpec
 from jaxflow.trainer.sharding import ShardingConfig
@@ -276,7 +277,18 @@ def validate(user: ConfigDict) -> RunConfig:
     if cfg.eval.every < 0:
         fail("eval.every", f"must be >= 0 (0: no eval, not even of the final policy), got {cfg.eval.every}")
     _check_gold(cfg)
+    _check_wandb(cfg)
     return cfg
+
+
+def _check_wandb(cfg) -> None:
+    """log.wandb, log.wandb_project and log.wandb_mode (jaxflow/run/wandb_log.py)."""
+    if cfg.log.wandb_mode not in WANDB_MODES:
+        fail("log.wandb_mode", f"{cfg.log.wandb_mode!r}; choose one of {WANDB_MODES}")
+    if cfg.log.wandb and not cfg.log.wandb_project:
+        fail("log.wandb_project", "is empty: name the wandb project, e.g. --config.log.wandb_project=jaxflow")
+    if cfg.log.wandb and importlib.util.find_spec("wandb") is None:
+        fail("log.wandb", "True needs the wandb package: pip install wandb (or pass --config.log.wandb=False)")
 
 
 def _check_gold(cfg) -> None:

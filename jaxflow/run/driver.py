@@ -22,7 +22,7 @@ from jaxflow.algorithms import registry
 from jaxflow.algorithms.advantages import compute_advantages
 from jaxflow.sync.transport import LoRASync, choose_transport
 from jaxflow.run.gold import TRAIN_KEY, gold_key
-from jaxflow.run.metrics_log import image_grid
+from jaxflow.run.metrics_log import eval_grid_path, image_grid
 from jaxflow.trainer.minibatches import compact_zero_advantage, order_minibatches
 from jaxflow.nn.lora import lora_to_peft
 from jaxflow.run.rollout_client import LocalTransport, RayTransport, RolloutGroup, init_ray
@@ -298,7 +298,7 @@ class Driver:
             out.update({gold_key(k): float(v.mean()) for k, v in golds.items()})
             captions = [f"{r:.2f} gold {' '.join(f'{v[i]:.2f}' for v in golds.values())} {p}"
                         for i, (r, p) in enumerate(zip(scores, prompts))]
-        image_grid(batch.images, captions, Path(cfg.run_dir) / "eval" / f"step_{step:06d}.png")
+        image_grid(batch.images, captions, eval_grid_path(cfg.run_dir, step))
         return out
 
     def close(self) -> None:

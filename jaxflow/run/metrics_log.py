@@ -1,5 +1,5 @@
-"""Run logging: JSONL + TensorBoard metrics, a rich progress bar on a terminal (else one line per step), eval
-image grids."""
+"""Run logging: JSONL + TensorBoard (and, with log.wandb, wandb) metrics, a rich progress bar on a terminal (else
+one line per step), eval image grids."""
 from __future__ import annotations
 
 import json
@@ -9,9 +9,13 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
+
+if TYPE_CHECKING:
+    from jaxflow.run.wandb_log import WandbLog
 
 
 def _scalars(metrics: dict) -> dict[str, float]:
@@ -59,12 +63,19 @@ def step_line(flat: dict, total_steps: int) -> str:
     return line
 
 
-class RunLog:
-    """metrics.jsonl (one row per step), TensorBoard scalars and, with `progress`, a rich progress bar on a terminal
-    or one printed line per step when stdout is a file (nohup, SLURM)."""
+def eval_grid_path(run_dir: Path, step: int) -> Path:
+    """Where the eval after `step` writes its image grid."""
+    return Path(run_dir) / "eval" / f"step_{step:06d}.png"
 
-    def __init__(self, run_dir: Path, total_steps: int, start_step: int, tensorboard: bool, progress: bool):
-        self.run_dir = run_dir
+
+class RunLog:
+    """metrics.jsonl (one row per step), TensorBoard scalars, a `wandb` log's rows and eval grids and, with
+    `progress`, a rich progress bar on a terminal or one printed line per step when stdout is a file (nohup, SLURM).
+    The RunLog closes the wandb log it is given."""
+
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, tensorboard: bool, progress: bool,
+                 wandb: WandbLog | None = None):
+        self.run_dir, self._wandb = run_dir, wandb
         run_dir.mkdir(parents=True, exist_ok=True)
         _drop_rows_after(run_dir / "metrics.jsonl", start_step)
         self._jsonl = open(run_dir / "metrics.jsonl", "a")
@@ -94,6 +105,10 @@ class RunLog:
             for k, v in flat.items():
                 if k not in ("step", "time"):
                     self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            grid = eval_grid_path(self.run_dir, step)  # written by this step's eval, if it had one
+            grid = grid if "eval_reward_mean" in flat and grid.exists() else None
+            self._wandb.log(step, {k: v for k, v in flat.items() if k != "step"}, grid)
         if self._lines and "reward_mean" in flat:
             print(step_line(flat, self.total_steps), flush=True)
         if self._progress is not None and "reward_mean" in flat:
@@ -108,6 +123,8 @@ class RunLog:
             self._progress.stop()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.close()
         self._jsonl.close()
 
 

@@ -19,14 +19,14 @@ import socket
 import tempfile
 from pathlib import Path
 
-from jaxflow.run import run_lock
+from jaxflow.run import run_lock, wandb_log
 from jaxflow.trainer.checkpoint import config_json
 from jaxflow.config.errors import UserError
 from jaxflow.config.sections import RunConfig
 
 log = logging.getLogger("jaxflow.run.run_dir")
 
-OUTPUTS = ("metrics.jsonl", "checkpoints", "eval", "tb", "lora_final")
+OUTPUTS = ("metrics.jsonl", "checkpoints", "eval", "tb", "lora_final", "wandb", wandb_log.ID_FILE)
 NOT_TRAINING = ("run_dir", "train.num_steps", "log", "eval", "checkpoint", "rollout.address", "rollout.num_servers",
                 "rollout.num_cpus", "rollout.num_gpus", "rollout.max_retries", "rollout.layout",
                 "rollout.in_process",  # runs before rollout.layout named it
@@ -210,6 +210,9 @@ def summary(run_dir: Path, step: int, num_steps: int, ray_logs: str | None = Non
                 f"{run_dir / 'tb'} (event files; to view them: pip install tensorboard, then tensorboard --logdir "
                 f"{run_dir / 'tb'})")
         lines.append(f"  tensorboard  {view}")
+    if (run_dir / wandb_log.ID_FILE).exists():
+        lines.append(f"  wandb        run {(run_dir / wandb_log.ID_FILE).read_text().strip()} (an offline run's files: "
+                     f"{run_dir / 'wandb'}; `wandb sync` uploads them)")
     images = sorted((run_dir / "eval").glob("step_*.png"))
     if images:
         lines.append(f"  eval grids   {run_dir / 'eval'} (the newest {images[-1].name}; {len(images)} in all)")
