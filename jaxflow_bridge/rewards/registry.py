@@ -39,6 +39,8 @@ REGISTRY: dict[str, Callable[..., RewardFn]] = {
     "midtone": lambda: midtone,  # closeness to mid-grey: the gold reward that brightness ruins
     # the control of the mini OCR proof: OCR scores permuted across the batch (options: seed, then OcrReward's)
     "ocr_shuffled": lambda seed=0, **ocr: Shuffled(OcrReward(**ocr), seed),
+    # the control of the mini edit proof: edit_ocr scores permuted across the batch (options: seed, then edit_ocr's)
+    "edit_ocr_shuffled": lambda seed=0, **edit: Shuffled(EditOcrReward(**edit), seed),
     # CLIP-based reward models from local folders (options: path, processor_path, device, dtype, batch_size)
     "pickscore": _torch_model("PickScore"),
     "clip_score": _torch_model("ClipScore"),
