@@ -81,6 +81,8 @@ def test_the_smoke_script_runs_every_step_and_writes_the_result(tmp_path):
                 "rl_steps", "rl_minutes"):
         assert key in result["figures"], key
     assert result["figures"]["rl_steps"] == 2
+    # edit_ocr scored every step (the reward pool scores a failed reward 0; a toy model's edits score below 0)
+    assert all(r != 0 for r in result["reward_curve"] + result["control_reward_curve"]), result["reward_curve"]
     for run in ("rl", "rl_control"):
         assert (tmp_path / run / "lora_final" / "adapter_config.json").exists()
     assert json.loads((tmp_path / "eval" / "before.json").read_text())["n"] == 4
