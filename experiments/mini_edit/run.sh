@@ -1,31 +1,31 @@
 #!/usr/bin/env bash
-# The mini edit proof, planned after experiments/mini_ocr/run.sh: a tiny Qwen-Image-Edit-shaped model pretrained to
-# edit sign text, then FlowGRPO (or NFT) with the edit_ocr reward must raise held-out edit-OCR by >= 0.2 within one
-# 10-minute run on one GPU, beside a shuffled-reward control that does not rise.
+# The mini edit proof from nothing, on one GPU, planned after experiments/mini_ocr/run.sh: sign-edit data -> the sign
+# VAE -> encode -> pretrain a tiny Qwen-Image-Edit-shaped model to edit sign text -> held-out edit-OCR before ->
+# FlowGRPO with the edit_ocr reward (python -m jaxflow.train, configs/mini_edit.py) and its shuffled-reward control
+# -> edit-OCR after -> OUT/mini_edit.json. The proof asks a rise >= 0.2 within one 10-minute RL run, and a control
+# that does not rise. Every step is sized (or time-capped) to finish within 10 minutes on one H200;
+# OUT/timings.txt records each. Weights and data stay under OUT.
 #
-#   bash experiments/mini_edit/run.sh OUT                  # every step implemented so far
-#   SMOKE=1 bash experiments/mini_edit/run.sh /tmp/edit     # the same at toy size
-#   ONLY="data" bash experiments/mini_edit/run.sh OUT       # only these steps
+#   bash experiments/mini_edit/run.sh OUT                   # the GPU run
+#   SMOKE=1 bash experiments/mini_edit/run.sh /tmp/edit     # every step at toy size on the CPU
+#   ONLY="data vae encode" bash experiments/mini_edit/run.sh OUT   # only these steps
+#   steps: data vae encode pretrain eval_before rl rl_control eval_after eval_control result
 #
-# Steps (mini_ocr's pieces reused where they fit):
-#   data        implemented: sign edits (experiments/mini_edit/signs.py) over mini_ocr's disjoint word split,
-#               OUT/data/{train,test}.jsonl + images (the RL and eval prompts, the edit JSONL format) and
-#               OUT/data/pairs.npz (the train split's source and edited signs and instructions: the pretraining feed).
-#   vae         not yet: mini_ocr's `prepare vae` as is (the same renderer, so the same sign VAE), trained on
-#               pairs.npz's sources and edits instead of images.npy.
-#   encode      not yet: the packed VAE means of sources and edits, and the instructions' text embeddings
-#               (mini_ocr's `prepare encode` over two image sets).
-#   pretrain    not yet: mini_ocr's flow-matching pretrain with the edit family's conditioning (the source's
-#               latent tokens beside the noisy target's, as Qwen-Image-Edit takes them); needs the qwen_image_edit
-#               family's Flax model and its tiny folder builder.
-#   eval_before, eval_after
-#               not yet: edit_ocr (jaxflow_bridge/rewards/edit_ocr.py) of ODE edits of the held-out signs
-#               (mini_ocr's evaluate.py with sources and targets passed to the reward).
-#   rl, rl_control
-#               not yet: python -m jaxflow.train with a configs/mini_edit.py (mini_ocr's RL recipe, the edit family,
-#               reward edit_ocr; the control an "edit_ocr_shuffled", Shuffled over EditOcrReward, which needs
-#               Shuffled to pass sources and targets through).
-#   result      not yet: mini_ocr's result.py over the edit evals.
+# Steps: data (experiments/mini_edit/signs.py: OUT/data/{train,test}.jsonl + source PNGs, pairs.npz the pretraining
+# feed); vae and encode (experiments/mini_edit/prepare.py: mini_ocr's sign VAE on the pairs' source and edited signs,
+# the edit pipeline folder OUT/pipeline, the pairs' latents and VL embeds); pretrain (experiments/mini_edit/pretrain.py:
+# mini_ocr's flow-matching loop over (source latents, instruction) -> edited latents); eval_* (experiments/mini_edit/
+# evaluate.py: edit_ocr of ODE edits of the held-out pairs); result (experiments/mini_edit/result.py).
+#
+# H200 estimates (mini_ocr's measured timings scaled by the FLOPs; not yet measured for this proof):
+#   data ~20 s. vae: mini_ocr's (32x64 crops, 16 a step: 6000 steps ~190-260 s), capped at VAE_MINUTES=5.
+#   encode ~30 s. pretrain: each row is twice mini_ocr's image tokens (target + source), so ~2x its 35 ms a step of
+#   256: 2000 steps ~2.5 min with compilation, capped at PRETRAIN_MINUTES=9. eval (200 pairs, 10 ODE steps, OCR of
+#   edit and source) ~1 min each. rl: configs/mini_edit.py's train.max_minutes=8.75 (as many steps as fit, then the
+#   checkpoint and lora_final); ~2x mini_ocr's 3.3-4.1 s a step (twice the tokens, two OCR reads an edit).
+# Knobs (env): PRETRAIN_STEPS (default 2000; fewer if the "before" edit-OCR is near 1: RL needs room),
+# PRETRAIN_MINUTES (9), VAE_STEPS (6000), VAE_MINUTES (5), RL_STEPS (default: the config's), RL_ARGS (more --config
+# overrides of both RL runs), EVAL_NUM (200), POOL (the trainer's JAX memory fraction of the GPU, 0.5).
 set -euo pipefail
 OUT=${1:?usage: [SMOKE=1] [ONLY="data ..."] bash experiments/mini_edit/run.sh OUT}
 cd "$(dirname "$0")/../.."
@@ -34,22 +34,62 @@ OUT=$(cd "$OUT" && pwd)
 export HF_HUB_OFFLINE=1
 
 if [[ "${SMOKE:-0}" == 1 ]]; then
+  DEVICE=cpu
   DATA=(--train 64 --test 16)
+  VAE=(--steps "${VAE_STEPS:-100}" --batch 4 --crop 32x64 --size toy --max-minutes 2)
+  PRE=(--steps "${PRETRAIN_STEPS:-30}" --batch 8 --dtype float32 --ema 0.9 --log-every 10 --max-minutes 2)
+  EVAL=(--num "${EVAL_NUM:-8}" --steps 4 --device cpu)
+  RL=(--config.rollout.device=cpu --config.rollout.num_gpus=0 --config.train.num_steps="${RL_STEPS:-2}"
+      --config.sample.prompts_per_step=2 --config.sample.group_size=2 --config.sample.prompts_per_call=2
+      --config.sample.num_steps=4 --config.sample.window_size=3 --config.sample.window_range="(0, 3)"
+      --config.eval.num_steps=4 --config.eval.every=2 --config.eval.num_prompts=4 --config.reward.workers=1)
 else
+  DEVICE=cuda
   DATA=(--train 4000 --test 200)
+  VAE=(--steps "${VAE_STEPS:-6000}" --batch 16 --crop 32x64 --size mini --max-minutes "${VAE_MINUTES:-5}" --min-ocr 0.8)
+  PRE=(--steps "${PRETRAIN_STEPS:-2000}" --batch 256 --dtype bfloat16 --ema 0.99 --max-minutes "${PRETRAIN_MINUTES:-9}")
+  EVAL=(--num "${EVAL_NUM:-200}" --steps 10 --device cuda)
+  RL=(${RL_STEPS:+--config.train.num_steps=$RL_STEPS} ${RL_ARGS:-})
+  # one GPU shared by JAX and the in-process torch engine: a fixed JAX pool (README, "Running for real")
+  export XLA_PYTHON_CLIENT_PREALLOCATE=true XLA_CLIENT_MEM_FRACTION=${POOL:-0.5}
 fi
-IMPLEMENTED="data"
-PLANNED="vae encode pretrain eval_before rl rl_control eval_after result"
 
-for step in ${ONLY:-$IMPLEMENTED}; do
-  case "$step" in
-    data) python -m experiments.mini_edit.signs --out "$OUT/data" "${DATA[@]}" --pairs ;;
-    *)
-      if [[ " $PLANNED " == *" $step "* ]]; then
-        echo "error: mini_edit step '$step' is not implemented yet (experiments/mini_edit/run.sh lists what it needs); run ONLY=\"$IMPLEMENTED\"" >&2
-      else
-        echo "error: unknown mini_edit step '$step'; steps: $IMPLEMENTED $PLANNED" >&2
-      fi
-      exit 2 ;;
-  esac
+STEPS=" data vae encode pretrain eval_before rl rl_control eval_after eval_control result "
+for name in ${ONLY:-}; do
+  [[ "$STEPS" == *" $name "* ]] || { echo "error: unknown mini_edit step '$name' in ONLY; steps:$STEPS" >&2; exit 2; }
 done
+
+step() {  # step NAME COMMAND...: run, time, log (skipped when ONLY is set and does not name it)
+  local name=$1 start=$SECONDS
+  shift
+  [[ -z "${ONLY:-}" || " $ONLY " == *" $name "* ]] || return 0
+  echo "== $name: $*"
+  "$@"
+  echo "$name $((SECONDS - start)) s" | tee -a "$OUT/timings.txt"
+}
+
+rl() {  # rl RUN_DIR CONFIG: one RL run on the pipeline and the edit data
+  python -m jaxflow.train --config "$2" --config.model.path="$OUT/pipeline" --config.run_dir="$1" \
+    --config.data.train="$OUT/data/train.jsonl" --config.data.test="$OUT/data/test.jsonl" \
+    --config.log.progress=False --overwrite "${RL[@]}"
+}
+
+ev() {  # ev NAME [--lora DIR]: edit-OCR of the pipeline (+ LoRA) on the held-out pairs -> OUT/eval/NAME.{json,png}
+  local name=$1
+  shift
+  python -m experiments.mini_edit.evaluate --pipeline "$OUT/pipeline" --data "$OUT/data/test.jsonl" \
+    --json "$OUT/eval/$name.json" --grid "$OUT/eval/$name.png" "$@" "${EVAL[@]}"
+}
+
+[[ -n "${ONLY:-}" ]] || : > "$OUT/timings.txt"
+step data python -m experiments.mini_edit.signs --out "$OUT/data" "${DATA[@]}" --pairs
+step vae python -m experiments.mini_edit.prepare vae --out "$OUT" --device "$DEVICE" "${VAE[@]}"
+step encode python -m experiments.mini_edit.prepare encode --out "$OUT" --device "$DEVICE"
+step pretrain python -m experiments.mini_edit.pretrain --pipeline "$OUT/pipeline" --data "$OUT/data" "${PRE[@]}"
+step eval_before ev before
+step rl rl "$OUT/rl" configs/mini_edit.py
+step rl_control rl "$OUT/rl_control" configs/mini_edit.py:control
+step eval_after ev after --lora "$OUT/rl/lora_final"
+step eval_control ev control --lora "$OUT/rl_control/lora_final"
+step result python -m experiments.mini_edit.result --out "$OUT" \
+  --rl-seconds "$(awk '$1 == "rl" {s = $2} END {print s}' "$OUT/timings.txt")"

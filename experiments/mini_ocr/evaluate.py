@@ -29,10 +29,10 @@ from jaxflow_bridge.rollout.sampling import SamplingParams
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "mini_ocr.py"
 
 
-def eval_sampling(steps: int | None = None, guidance: float | None = None) -> SamplingParams:
-    """configs/mini_ocr.py's eval sampling (`jaxflow.config.validation.sampling(eval_mode=True)`); `steps` and `guidance`, where
-    given, replace its eval.num_steps and eval.guidance."""
-    cfg = config_lib.config_module(CONFIG).get_config()
+def eval_sampling(steps: int | None = None, guidance: float | None = None, config: Path = CONFIG) -> SamplingParams:
+    """configs/mini_ocr.py's (or `config`'s) eval sampling (`jaxflow.config.validation.sampling(eval_mode=True)`);
+    `steps` and `guidance`, where given, replace its eval.num_steps and eval.guidance."""
+    cfg = config_lib.config_module(config).get_config()
     if steps is not None:
         cfg.eval.num_steps = steps
     if guidance is not None:

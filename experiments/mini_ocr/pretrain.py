@@ -14,7 +14,8 @@ map, as the folder's `transformer/` (`save_transformer`).
 
 Inputs (written by `python -m experiments.mini_ocr.prepare encode`): DATA/latents.npy (N, S, 64) float32 packed
 normalised VAE means, DATA/index.npy (N,) the train word of each image, DATA/text.npz (embeds (P, L, D), mask
-(P, L), neg_embeds (L, D), neg_mask (L,)).
+(P, L), neg_embeds (L, D), neg_mask (L,)), read by `WordFeed`. `pretrain` takes any feed of that interface (the mini
+edit proof's, experiments/mini_edit/pretrain.py, adds the source images' latents and per-row negatives).
 
 CLI: ``python -m experiments.mini_ocr.pretrain --pipeline OUT/pipeline --data OUT/data --steps N [--batch 256]
 [--max-minutes 8] [--dtype bfloat16]``.
@@ -36,6 +37,7 @@ from flax import nnx
 
 from jaxflow.nn.config import ModelOptions
 from jaxflow.families.qwen_image.loading import load_transformer, save_transformer
+from jaxflow.families.qwen_image.transformer import QwenImageTransformer
 from jaxflow.trainer.sharding import Layout, ShardingConfig
 from jaxflow_bridge.contract.schedule import calculate_shift
 from jaxflow_bridge.families.qwen_image.spec import pixels_per_token
@@ -69,7 +71,9 @@ def optimizer(lr: float, steps: int, warmup: int = 200, clip: float = 1.0) -> op
 
 def make_step(model, tx, grid_hw, mu: float, p_uncond: float, ema_decay: float, layout: Layout | None = None):
     """(init() -> state, step(state, batch, neg, key) -> (state, loss)); `state` is donated. batch: x0 (B, S, C),
-    txt (B, L, D), mask (B, L); neg: (txt (L, D), mask (L,)) the negative prompt."""
+    txt (B, L, D), mask (B, L), and optionally refs (B, R, S, C) (an edit model's reference latents, passed to the
+    model as `refs`) and neg_txt (B, L, D), neg_mask (B, L) (each row's own negative conditioning); neg: (txt
+    (L, D), mask (L,)) the negative prompt shared by all rows, or None when the batch holds each row's."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def init(params):
@@ -82,10 +86,12 @@ def make_step(model, tx, grid_hw, mu: float, p_uncond: float, ema_decay: float, 
         sigma = sample_sigma(k_sigma, x0.shape[0], mu)
         eps = jax.random.normal(k_noise, x0.shape, x0.dtype)
         drop = jax.random.bernoulli(k_drop, p_uncond, (x0.shape[0],))
-        txt = jnp.where(drop[:, None, None], neg[0][None], txt)
-        mask = jnp.where(drop[:, None], neg[1][None], mask)
+        neg_txt, neg_mask = (batch["neg_txt"], batch["neg_mask"]) if neg is None else (neg[0][None], neg[1][None])
+        txt = jnp.where(drop[:, None, None], neg_txt, txt)
+        mask = jnp.where(drop[:, None], neg_mask, mask)
         xt = (1 - sigma[:, None, None]) * x0 + sigma[:, None, None] * eps
-        v = nnx.merge(graphdef, params, rest)(xt, sigma, txt, mask, grid_hw)
+        refs = {"refs": batch["refs"]} if "refs" in batch else {}
+        v = nnx.merge(graphdef, params, rest)(xt, sigma, txt, mask, grid_hw, **refs)
         return jnp.mean((v.astype(jnp.float32) - (eps - x0)) ** 2)
 
     def step(state, rest, batch, neg, key):
@@ -109,34 +115,43 @@ def make_step(model, tx, grid_hw, mu: float, p_uncond: float, ema_decay: float, 
     return (lambda: init_jit(params)), (lambda state, batch, neg, key: step_jit(state, rest, put(batch), neg, key))
 
 
-def load_data(data: Path) -> dict[str, np.ndarray]:
-    text = np.load(data / "text.npz")
-    return dict(latents=np.load(data / "latents.npy", mmap_mode="r"), index=np.load(data / "index.npy"),
-                **{k: text[k] for k in ("embeds", "mask", "neg_embeds", "neg_mask")})
+class WordFeed:
+    """The mini OCR pretraining feed: images of train words, each conditioned on its word's prompt; one negative
+    prompt for all (`neg`). `size` rows, each of `tokens` latent tokens; `batch(rows)` is `make_step`'s batch."""
+
+    model_type = QwenImageTransformer
+
+    def __init__(self, data: Path):
+        text = np.load(data / "text.npz")
+        self.latents, self.index = np.load(data / "latents.npy", mmap_mode="r"), np.load(data / "index.npy")
+        self.embeds, self.mask = text["embeds"], text["mask"]
+        self.neg = (jnp.asarray(text["neg_embeds"]), jnp.asarray(text["neg_mask"]))
+        self.size, self.tokens = len(self.index), self.latents.shape[1]
+
+    def batch(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        words = self.index[rows]
+        return dict(x0=np.asarray(self.latents[rows]), txt=self.embeds[words], mask=self.mask[words])
 
 
-def pretrain(pipeline: Path, data: Path, steps: int, batch: int = 256, lr: float = 3e-4, dtype: str = "bfloat16",
+def pretrain(pipeline: Path, data, steps: int, batch: int = 256, lr: float = 3e-4, dtype: str = "bfloat16",
              p_uncond: float = 0.1, ema_decay: float = 0.999, seed: int = 0, max_minutes: float | None = None,
              log_every: int = 100, log=print) -> list[dict]:
-    """Train from the folder's transformer weights and write the EMA weights back; returns the loss log."""
-    d = load_data(data)
+    """Train from the folder's transformer weights and write the EMA weights back; returns the loss log. `data`: the
+    mini OCR data folder (read by `WordFeed`) or a feed of its interface."""
+    feed = WordFeed(data) if isinstance(data, Path) else data
     layout = Layout.create(ShardingConfig())
     if batch % layout.batch_devices:
         raise ValueError(f"--batch {batch} must be a multiple of the {layout.batch_devices} devices")
     model = load_transformer(pipeline / "transformer", ModelOptions(dtype=dtype, param_dtype="float32"),
-                             sharding=layout.sharding_fn)
-    grid_hw = _grid(pipeline, d["latents"].shape[1])
+                             sharding=layout.sharding_fn, model_type=feed.model_type)
+    grid_hw = _grid(pipeline, feed.tokens)
     scheduler = json.loads((pipeline / "scheduler" / "scheduler_config.json").read_text())
     mu = shift_mu(scheduler, grid_hw[0] * grid_hw[1])
     init, step = make_step(model, optimizer(lr, steps), grid_hw, mu, p_uncond, ema_decay, layout)
     state, key = init(), jax.random.key(seed)
-    neg = (jnp.asarray(d["neg_embeds"]), jnp.asarray(d["neg_mask"]))
     rng, history, start, window = np.random.default_rng(seed), [], time.perf_counter(), []
     for i in range(steps):
-        rows = np.sort(rng.integers(0, len(d["index"]), batch))
-        words = d["index"][rows]
-        state, loss = step(state, dict(x0=np.asarray(d["latents"][rows]), txt=d["embeds"][words],
-                                       mask=d["mask"][words]), neg, key)
+        state, loss = step(state, feed.batch(np.sort(rng.integers(0, feed.size, batch))), feed.neg, key)
         window.append(loss)
         elapsed = time.perf_counter() - start
         over = max_minutes is not None and elapsed > 60 * max_minutes
@@ -162,8 +177,9 @@ def _grid(pipeline: Path, tokens: int) -> tuple[int, int]:
     return grid
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None, feed=WordFeed, description: str = __doc__) -> None:
+    """The CLI over `feed(--data)` (the mini edit proof's pretraining passes its own feed and docstring)."""
+    p = argparse.ArgumentParser(description=description.splitlines()[0])
     p.add_argument("--pipeline", type=Path, required=True, help="the diffusers folder; transformer/ is replaced")
     p.add_argument("--data", type=Path, required=True)
     p.add_argument("--steps", type=int, required=True)
@@ -176,7 +192,7 @@ def main(argv=None) -> None:
     p.add_argument("--max-minutes", type=float, default=None, help="stop (and save) after this long")
     p.add_argument("--log-every", type=int, default=100)
     args = p.parse_args(argv)
-    history = pretrain(args.pipeline, args.data, args.steps, args.batch, args.lr, args.dtype, args.p_uncond,
+    history = pretrain(args.pipeline, feed(args.data), args.steps, args.batch, args.lr, args.dtype, args.p_uncond,
                        args.ema, args.seed, args.max_minutes, args.log_every)
     (args.data / "pretrain_loss.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
 

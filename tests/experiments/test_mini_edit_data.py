@@ -64,7 +64,7 @@ def test_run_sh_data_step_writes_the_rl_data_and_the_pretraining_feed(tmp_path):
     assert len(rows) == 64 and pairs["sources"].shape == pairs["edited"].shape == (64, HEIGHT, WIDTH, 3)
     for (row, image), source, instruction in zip(rows, pairs["sources"], pairs["instructions"]):
         assert np.array_equal(image, source) and row["instruction"] == instruction
-    env["ONLY"] = "pretrain"
+    env["ONLY"] = "data pretrian"
     done = subprocess.run(["bash", str(ROOT / "experiments/mini_edit/run.sh"), str(tmp_path)], env=env,
                           timeout=HANG_S, capture_output=True, text=True)
-    assert done.returncode == 2 and "step 'pretrain' is not implemented yet" in done.stderr
+    assert done.returncode == 2 and "unknown mini_edit step 'pretrian'" in done.stderr

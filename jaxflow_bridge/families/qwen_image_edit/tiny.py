@@ -38,17 +38,19 @@ def image_processor():
     return Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
 
 
-def build_pipeline(seed: int = 0, dtype: str = "float32", plus: bool = False):
+def build_pipeline(seed: int = 0, dtype: str = "float32", plus: bool = False, transformer_config: dict | None = None,
+                   vae=None):
     """The tiny ``QwenImageEditPipeline`` (``QwenImageEditPlusPipeline`` with `plus`) in memory, seeded as the tiny
-    Qwen-Image's components are."""
+    Qwen-Image's components are; ``transformer_config`` and a ready ``vae`` replace the tiny ones (the mini edit
+    model, experiments/mini_edit)."""
     from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline,
                            QwenImageEditPlusPipeline, QwenImageTransformer2DModel)
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        transformer = QwenImageTransformer2DModel(**base.TINY_TRANSFORMER_CONFIG)
+        transformer = QwenImageTransformer2DModel(**(transformer_config or base.TINY_TRANSFORMER_CONFIG))
         torch.manual_seed(seed + 1)
-        vae = AutoencoderKLQwenImage(**base.TINY_VAE_CONFIG)
+        vae = vae if vae is not None else AutoencoderKLQwenImage(**base.TINY_VAE_CONFIG)
         torch.manual_seed(seed + 2)
         encoder = base.text_encoder(base.TINY_TEXT_CONFIG, base.TINY_VISION_CONFIG, templates=TEMPLATES)
     for module in (transformer, vae, encoder):
@@ -59,10 +61,11 @@ def build_pipeline(seed: int = 0, dtype: str = "float32", plus: bool = False):
                tokenizer=tokenizer, processor=None, transformer=transformer)
 
 
-def build_tiny_pipeline(out_dir, seed: int = 0, dtype: str = "float32", plus: bool = False) -> Path:
-    """Write the tiny edit pipeline folder to ``out_dir``."""
+def build_tiny_pipeline(out_dir, seed: int = 0, dtype: str = "float32", plus: bool = False,
+                        transformer_config: dict | None = None, vae=None) -> Path:
+    """Write the tiny edit pipeline folder to ``out_dir`` (``transformer_config`` and ``vae``: `build_pipeline`'s)."""
     check_dtype(dtype)
-    pipe = build_pipeline(seed, dtype, plus)
+    pipe = build_pipeline(seed, dtype, plus, transformer_config, vae)
     out = base.save_folder(pipe, out_dir)
     base.save_slow_tokenizer_files(out / "tokenizer", TEMPLATES)
     image_processor().save_pretrained(out / "image_processor")
