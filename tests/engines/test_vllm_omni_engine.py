@@ -38,7 +38,7 @@ def test_sampling_split_and_round_trip():
     assert kwargs["num_outputs_per_prompt"] == 2 and kwargs["height"] == 16 and kwargs["true_cfg_scale"] == 4.0
     assert kwargs["extra_args"] == {"noise_level": 1.2, "sde_type": "sde", "sde_window_size": 1,
                                     "sde_window_range": [0, 2], "same_latent": False, "keep_final": False,
-                                    "seeds": SEEDS,
+                                    "solver": "euler", "seeds": SEEDS,
                                     "policy_version": 7}
     params = omni_params(kwargs)
     assert vop.is_rollout_request(params)
