@@ -6,7 +6,7 @@ from the micro-batch fit (`scripts/fit_micro_batch.py`). The planner (`jaxflow/c
     python -m jaxflow_bench.phase_costs [--results benchmarks/results] [--out jaxflow/config/phase_costs.json]
 
 Every row names its file and card. The measured model is the recipe's (configs/qwen_ocr.py) at full size with
-random weights (`jaxflow_bridge/families/qwen_image/full_size.py`), its sizes below."""
+random weights (its family's full_size.py builder), its sizes below."""
 from __future__ import annotations
 
 import argparse
@@ -18,7 +18,7 @@ import numpy as np
 from jaxflow.config.planner import GIB, TABLE, TRAIN_STATE_BYTES, ModelSizes
 
 ROOT = Path(__file__).resolve().parents[1]
-# Qwen-Image in bf16 (full_size.py: the 20.4B transformer, the 8.3B Qwen2.5-VL-7B-sized text encoder, the VAE),
+# the recipe's model in bf16 (full_size.py: the 20.4B transformer, the 8.3B text encoder, the VAE),
 # the recipe's 512x512 images (32 x 32 latent tokens) and 96 prompt tokens; its LoRA as the fit measured it
 RECIPE = dict(transformer_bytes=int(20.43e9 * 2), text_encoder_bytes=int(8.29e9 * 2), vae_bytes=int(0.127e9 * 2),
               layers=60, tokens=32 * 32 + 96)

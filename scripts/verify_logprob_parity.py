@@ -51,6 +51,8 @@ from jaxflow.families.qwen_image.loading import load_transformer
 from jaxflow.nn.lora import peft_to_lora
 from jaxflow.families.qwen_image.lora import QwenImageLoRASpec
 from jaxflow.trainer.parity import parity_stats, random_adapter, recompute
+from jaxflow_bridge.contract.lora_payload import LoRAPayload
+from jaxflow_bridge.contract.served import ServedProbe, differing, expected_probe
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 
 PROMPTS = [
@@ -202,8 +204,18 @@ def check(args, engine, bagel: bool) -> int:
         if args.lora_rank else None
     round_to = ml_dtypes.bfloat16 if args.dtype == "bfloat16" else None  # both sides hold the same adapter values
     if spec:
-        ack = engine.update_lora(random_adapter(folder, spec, args.seed, round_to=round_to), 1, spec.peft_config())
+        adapter = random_adapter(folder, spec, args.seed, round_to=round_to)
+        ack = engine.update_lora(adapter, 1, spec.peft_config())
         print(f"LoRA rank {spec.rank} on {ack['bound_modules']} engine modules")
+        payload = LoRAPayload(1, spec.peft_config(), tensors=adapter)
+        want = expected_probe(adapter, payload.scale, 1)
+        served = ServedProbe.from_dict(ack["served"])
+        bad = differing(want, served)
+        print(f"served probe: {len(want) - len(bad)} of {len(want)} probed modules within their rounding bound"
+              + (f"; differing: {bad[:5]}" if bad else ""))
+        if bad:
+            print("FAIL: the engine does not serve the adapter it was sent")
+            return 1
 
     sampling = {"height": args.height, "width": args.width, "num_inference_steps": args.steps,
                 "sde_type": args.sde_type, "noise_level": args.noise_level,

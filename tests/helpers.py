@@ -173,9 +173,6 @@ def random_window_batch(b: int, w: int = 2, n: int = 6, length: int = 5, seed: i
 def expected_served(payload) -> dict:
     """What the trainer expects an engine to serve for a LoRA payload at the probe's modules and positions
     (jaxflow_bridge/contract/served.py's `expected`, under the payload's own module names)."""
-    from jaxflow_bridge.contract.lora import lora_pairs
-    from jaxflow_bridge.contract.served import expected, probe_modules, probe_positions
+    from jaxflow_bridge.contract.served import expected_probe
 
-    pairs = lora_pairs(payload.arrays())
-    return {m: expected(a, b, payload.scale, *probe_positions(m, (b.shape[0], a.shape[1])))
-            for m, (a, b) in ((m, pairs[m]) for m in probe_modules(pairs, payload.version))}
+    return expected_probe(payload.arrays(), payload.scale, payload.version)

@@ -95,24 +95,26 @@ def lora_to_peft(model: nnx.Module | nnx.State, spec: LoRASpec) -> dict[str, np.
     return out
 
 
-def peft_pairs(model: nnx.Module | nnx.State, spec: LoRASpec, modules=None) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """{PEFT module: (lora_A (r, in), lora_B (out, r))} host float32 arrays of only `modules` (None: every one):
-    each stack's wanted layers are gathered on the device before the host copy, so reading a few modules of a large
-    adapter copies only those."""
+def peft_probe(model: nnx.Module | nnx.State, spec: LoRASpec, positions) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """{PEFT module: (lora_A[:, cols] (r, k), lora_B[rows] (k, r))} host float32 arrays at `positions(module, (out,
+    in))` -> (rows, cols) of each module it returns a value for (None: not read): only those rows and columns are
+    gathered on the device, and all of them come to the host in one copy."""
     state = model if isinstance(model, nnx.State) else nnx.state(model, LoRAParam)
-    parts: dict[str, dict[str, np.ndarray]] = {}
+    found: dict[str, dict[str, tuple]] = {}
     for e in spec.key_map():
         x = _get(state, e.flax_path)[...]
-        keys = e.diffusers_keys(x.shape[0])
-        picked = [(i, match["module"], match["part"]) for i, match in
-                  enumerate(peft_folder.LORA_KEY.fullmatch(k) for k in keys)
-                  if modules is None or match["module"] in modules]
-        if not picked:
-            continue
-        layers = np.asarray(x[np.array([i for i, _, _ in picked])], np.float32)
-        for layer, (_, module, part) in zip(np.swapaxes(layers, -1, -2), picked):
-            parts.setdefault(module, {})[part] = layer
-    return {m: (p["A"], p["B"]) for m, p in parts.items()}
+        for i, key in enumerate(e.diffusers_keys(x.shape[0])):
+            match = peft_folder.LORA_KEY.fullmatch(key)
+            found.setdefault(match["module"], {})[match["part"]] = (x, i)
+    gathered = {}
+    for module, parts in found.items():
+        (a, i), (b, j) = parts["A"], parts["B"]  # flax layouts: A (L, in, r), B (L, r, out)
+        picked = positions(module, (b.shape[2], a.shape[1]))
+        if picked is not None:
+            rows, cols = picked
+            gathered[module] = (a[i][np.asarray(cols)].T, b[j][:, np.asarray(rows)].T)
+    return {m: (np.asarray(pa, np.float32), np.asarray(pb, np.float32))
+            for m, (pa, pb) in jax.device_get(gathered).items()}
 
 
 def peft_modules(model: nnx.Module | nnx.State, spec: LoRASpec) -> list[str]:

@@ -4,7 +4,7 @@ weights at a probe of modules and positions fixed by name, shape and version), a
 the deltas the adapter it sent gives at the same probe.
 
 The expected deltas come from the trainer's LoRA: only the probed modules' A and B are gathered to the host
-(`peft_pairs`), so the check costs the same at any adapter size. `LoRASync.serve` logs a mismatch as one line and
+(`peft_probe`: their probed rows and columns, one host copy), so the check costs the same at any adapter size. `LoRASync.serve` logs a mismatch as one line and
 syncs the same version again; a second mismatch stops the run with `SyncMismatch` (one line naming the engine, the
 version and the modules that differ). An engine whose reply carries no probe fails the check too;
 `train.sync_verify=False` turns it off.
@@ -15,7 +15,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxflow.nn.lora import LoRASpec, peft_modules, peft_pairs
+from jaxflow.nn.lora import LoRASpec, peft_modules, peft_probe
 from jaxflow_bridge.contract.lora_payload import LoRAPayload
 from jaxflow_bridge.contract.served import ServedProbe, differing, expected, probe_modules, probe_positions
 
@@ -41,9 +41,11 @@ def expected_probe(lora, spec: LoRASpec, version: int) -> Expected:
     probed = probe_modules(names, version)
     scale = LoRAPayload(version, spec.peft_config(), tensors={}).scale
     deltas = {}
-    for module, (a, b) in peft_pairs(lora, spec, set(probed)).items():
-        rows, cols = probe_positions(module, (b.shape[0], a.shape[1]))
-        deltas[module] = expected(a, b, scale, rows, cols)
+    wanted = set(probed)
+    factors = peft_probe(lora, spec, lambda m, shape: probe_positions(m, shape) if m in wanted else None)
+    for module, (a_cols, b_rows) in factors.items():  # A[:, cols] (r, k), B[rows] (k, r)
+        k = np.arange(b_rows.shape[0])
+        deltas[module] = expected(a_cols, b_rows, scale, k, k)
     return Expected(int(version), len(names), deltas)
 
 

@@ -1,5 +1,5 @@
 """The rules a rollout request's sampling parameters keep, defined once: the engines check each request with them
-(`SamplingLoop.validate`, BAGEL's `validate`) and the config's validation stage checks the requests the config will
+(`SamplingLoop.validate` and each family's own loop's) and the config's validation stage checks the requests the config will
 make (jaxflow/config/validation.py maps each field to its config key). Imports neither JAX nor torch."""
 from __future__ import annotations
 

@@ -46,6 +46,15 @@ def expected(a: np.ndarray, b: np.ndarray, scale: float, rows: np.ndarray, cols:
     return float(scale) * np.einsum("kr,rk->k", b64[rows], a64[:, cols])
 
 
+def expected_probe(tensors: Mapping, scale: float, version: int) -> dict[str, np.ndarray]:
+    """{probed module: expected served deltas} of a PEFT adapter (`tensors`: {PEFT key: array}) at `version`."""
+    from jaxflow_bridge.contract.lora import lora_pairs
+
+    pairs = lora_pairs(tensors)
+    return {m: expected(a, b, scale, *probe_positions(m, (b.shape[0], a.shape[1])))
+            for m, (a, b) in ((m, pairs[m]) for m in probe_modules(pairs, version))}
+
+
 def product_tolerance(a: np.ndarray, b: np.ndarray, scale: float, rows, cols, stored: str, rounded: bool) -> np.ndarray:
     """The bound on a served scale * (B @ A)[row, col] computed in float32 from factors stored in dtype `stored`:
     each factor rounded once into it when `rounded` (the engine cast the payload), then r products summed."""

@@ -39,8 +39,8 @@ def test_an_unknown_choice_names_the_registered_ones():
     with pytest.raises(ValueError, match=r"TrainConfig.algorithm='ppo'; choose 'flowgrpo' \(.*\), 'nft' \(.*\), "
                                          r"'mixgrpo' \(.*\) or 'awm' \(.*\)"):
         TrainConfig(guidance=1.0, grid_hw=(2, 2), algorithm="ppo")
-    with pytest.raises(ValueError, match=r"old_log_prob='bypass'; choose 'rollout' .*'recompute' .* or "
-                                         r"'rollout_corrected'"):
+    with pytest.raises(ValueError, match=r"old_log_prob='bypass'; choose 'rollout' .*'recompute' .*"
+                                         r"'rollout_corrected' .* or 'recompute_corrected'"):
         TrainConfig(guidance=1.0, grid_hw=(2, 2), old_log_prob="bypass")
 
 

@@ -14,7 +14,7 @@ from flax import nnx
 
 from jaxflow.families.qwen_image.loading import load_transformer
 from jaxflow.families.qwen_image.lora import QwenImageLoRASpec as LoRASpec
-from jaxflow.nn.lora import LoRAParam, lora_to_peft, peft_modules, peft_pairs
+from jaxflow.nn.lora import LoRAParam, lora_to_peft, peft_modules, peft_probe
 from jaxflow.run.rollout_client import RolloutGroup
 from jaxflow.sync.transport import LoRASync
 from jaxflow.sync.verify import SyncMismatch, expected_probe
@@ -97,11 +97,12 @@ def test_the_expected_probe_reads_only_the_probed_modules_and_matches_the_peft_a
     names = peft_modules(lora, SPEC)
     pairs = lora_pairs(lora_to_peft(lora, SPEC))
     assert names == sorted(pairs) and len(names) == 24
-    picked = peft_pairs(lora, SPEC, {names[3], names[10]})
+    rows, cols = np.array([0, 5, 2]), np.array([1, 1, 3])
+    picked = peft_probe(lora, SPEC, lambda m, shape: (rows, cols) if m in {names[3], names[10]} else None)
     assert sorted(picked) == [names[3], names[10]]
-    for m, (a, b) in picked.items():
-        np.testing.assert_array_equal(a, pairs[m][0])
-        np.testing.assert_array_equal(b, pairs[m][1])
+    for m, (a_cols, b_rows) in picked.items():  # only the probed columns of A and rows of B
+        np.testing.assert_array_equal(a_cols, pairs[m][0][:, cols])
+        np.testing.assert_array_equal(b_rows, pairs[m][1][rows])
     want = expected_probe(lora, SPEC, 1)
     assert want.modules == 24 and sorted(want.deltas) == names  # 24 <= PROBE_MODULES: all probed
 

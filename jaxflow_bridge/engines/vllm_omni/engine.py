@@ -175,7 +175,7 @@ class VllmOmniEngine(RolloutEngine):
         threading.Thread(target=self._loop.run_forever, name="vllm-omni-loop", daemon=True).start()
         _export_package_path()
         # the workers' LoRA sink (sync/vllm_omni_sinks.py) is the pipeline's lora_apply; a kind whose pipeline takes
-        # none (BAGEL's, on vLLM-Omni's own LoRA layers) syncs through their slots, as "layers" does
+        # none (one on vLLM-Omni's own LoRA layers) syncs through their slots, as "layers" does
         self.lora_apply = pipeline_args.get("lora_apply", "layers")
         self.merged = self.lora_apply == "merged"  # adapters merged into the base weights
         self.fallbacks = 0  # in-place LoRA writes that failed (each logged; that update loaded a folder instead)
