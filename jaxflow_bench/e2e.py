@@ -5,7 +5,7 @@
         [--micro N] [--per-call N] [--steps N] [--reward NAME] [--result NAME] [--model-dir DIR] [--profile-step K]
         [--one-gpu FILE] [--config.x=y ...]
     python -m jaxflow_bench.e2e OUT --scaling [--layouts 2gpu_colocated 2gpu] [--config.x=y ...]
-    python -m jaxflow_bench.e2e OUT --arms flowgrpo guard corrected nft [--config.x=y ...]
+    python -m jaxflow_bench.e2e OUT --arms flowgrpo guard corrected nft mixgrpo awm [--config.x=y ...]
 
 One run: a family's recipe (--recipe, default the registry's DEFAULT: its spec.py E2E names the config, e.g.
 configs/qwen_ocr.py or configs/bagel_ocr.py) at its own settings with only the prompts per step cut (--prompts,
@@ -33,7 +33,8 @@ Layouts (JAX gets a fixed pool, XLA_CLIENT_MEM_FRACTION, where it shares a GPU):
 --scaling: 1gpu on GPU 0 (PROMPTS 2) and each of --layouts on two (PROMPTS 4), one prompt a call, into
 OUT/LAYOUT/RESULT.json (a result already there is kept), then OUT/e2e_2gpu.json (`results.scaling_figures`);
 2gpu_colocated runs --colocated-micro (2) samples in a pool of --colocated-pool (0.5), 2gpu with rollout.overlap.
---arms: 1gpu per algorithm arm into OUT/ARM/e2e_alg_ARM.json, then OUT/e2e_algorithms.json side by side.
+--arms: --layout (1gpu) per algorithm arm into OUT/ARM/e2e_alg_ARM.json, then OUT/e2e_algorithms.json side by
+side: `ARM/step_s` etc. and `ARM/step_vs_flowgrpo` (the arm's step time over FlowGRPO's).
 --profile-step K traces step K, dumps the train step's HLO and runs scripts/profile_step.py on both.
 """
 from __future__ import annotations
@@ -55,9 +56,14 @@ from jaxflow_bridge.engines import families
 
 LAYOUTS = ("inproc", "1gpu", "2gpu", "2gpu_colocated", "node")
 POOL = {"inproc": "0.5", "1gpu": "0.56", "2gpu": "0.9", "2gpu_colocated": "0.56", "node": "0.5"}
+# each algorithm arm's overrides of the recipe: those of configs/mini_ocr.py's ARMS that define the algorithm
+# (tests/bench checks the match). Its mini-size choices stay there: mixgrpo's window interval, the evals' CFG, and
+# awm's one mini-batch a step (the same forward and backward work; the micro-batches here are sized from the recipe's)
 ARMS = {"flowgrpo": [], "guard": ["--config.train.ratio_norm=guard"],
         "corrected": ["--config.train.old_log_prob=rollout_corrected"],
-        "nft": ["--config.train.algorithm=nft", "--config.sample.guidance=1", "--config.sample.sde_type=ode"]}
+        "nft": ["--config.train.algorithm=nft", "--config.sample.guidance=1", "--config.sample.sde_type=ode"],
+        "mixgrpo": ["--config.train.algorithm=mixgrpo", "--config.sample.window_size=2"],
+        "awm": ["--config.train.algorithm=awm", "--config.train.beta=0.003", "--config.train.old_log_prob=rollout"]}
 FIXED = ["--config.eval.every=0", "--config.checkpoint.every=1000", "--config.log.progress=False"]
 RECIPE_VALUES = ("import json, sys; from jaxflow.config.validation import config_module; "
                  "c = config_module(sys.argv[1]).get_config(); print(json.dumps(dict("
@@ -335,19 +341,25 @@ def scaling(args, overrides: list[str]) -> Path:
 
 
 def arms(args, overrides: list[str]) -> Path:
-    """Each algorithm arm as a run of args.layout into OUT/ARM/e2e_alg_ARM.json, then OUT/e2e_algorithms.json: every
-    arm's figures side by side, with its step time over FlowGRPO's where both ran."""
+    """Each algorithm arm as a run of args.layout into OUT/ARM/e2e_alg_ARM.json (one start-up each, one after the
+    other), then OUT/e2e_algorithms.json: every arm's figures there, this session's or an earlier one's, side by side."""
     out = Path(args.out)
     for arm in args.arms:
         run(argparse.Namespace(**{**vars(args), "out": out / arm, "result": f"e2e_alg_{arm}"}), ARMS[arm] + overrides)
-    done = {p.parent.name: json.loads(p.read_text()) for p in sorted(out.glob("*/e2e_alg_*.json"))}
-    figures = {f"{arm}/{k}": v for arm, r in done.items() for k, v in r["figures"].items()}
-    base = done.get("flowgrpo", {}).get("figures", {}).get("step_s")
-    for arm, r in done.items():
-        if base and arm != "flowgrpo" and r["figures"].get("step_s"):
-            figures[f"{arm}/step_vs_flowgrpo"] = r["figures"]["step_s"] / base
-    return write_result(out, "e2e_algorithms", figures, command=shlex.join(
+    done = {p.parent.name: json.loads(p.read_text())["figures"] for p in sorted(out.glob("*/e2e_alg_*.json"))}
+    return write_result(out, "e2e_algorithms", arms_figures(done), command=shlex.join(
         ["python", "-m", "jaxflow_bench.e2e", "OUT", "--arms", *done, *overrides]))
+
+
+def arms_figures(done: dict[str, dict]) -> dict:
+    """{ARM: its run's figures} as `ARM/KEY`, with `ARM/step_vs_flowgrpo`, its step time over FlowGRPO's, where
+    both have one."""
+    figures = {f"{arm}/{k}": v for arm, r in done.items() for k, v in r.items()}
+    base = done.get("flowgrpo", {}).get("step_s")
+    for arm, r in done.items():
+        if base and arm != "flowgrpo" and r.get("step_s"):
+            figures[f"{arm}/step_vs_flowgrpo"] = r["step_s"] / base
+    return figures
 
 
 def parser() -> argparse.ArgumentParser:

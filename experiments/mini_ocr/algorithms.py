@@ -9,7 +9,8 @@ evals run without CFG, is measured from eval/before_nft.json). Figures per arm: 
 OCR, means over the pipelines it ran on), `ARM/rise` (after - before), `ARM/rise_se` (its standard
 error: the pipelines' errors combined), `ARM/rise_min` (the lowest pipeline's), `ARM/steps` and `ARM/minutes` (mean
 trained steps and wall minutes of the RL command), `ARM/pipelines`; `ARM/PIPELINE/rise` and `.../rise_se` for each
-pipeline, and `ARM/rise_vs_flowgrpo` (the mean paired difference over the pipelines both ran on). `--exclude
+pipeline, and `ARM/rise_vs_flowgrpo` (the mean paired difference over the pipelines both ran on) with
+`ARM/rise_vs_flowgrpo_se` (from the evals' errors; a "before" both share cancels). `--exclude
 PIPELINE/ARM` leaves out a run known to be invalid (say why where the result is reported).
 """
 from __future__ import annotations
@@ -30,8 +31,8 @@ def run_of(pipeline: Path, suffix: str) -> dict | None:
     after = pipeline / "eval" / f"after{suffix}.json"
     if not after.exists():
         return None
-    before = pipeline / "eval" / ("before_nft.json" if suffix == "_nft" else "before.json")
-    before, after = (json.loads(p.read_text()) for p in (before, after))
+    before_name = "before_nft" if suffix == "_nft" else "before"
+    before, after = (json.loads(p.read_text()) for p in (pipeline / "eval" / f"{before_name}.json", after))
     if before["n"] != after["n"]:
         raise ValueError(f"{pipeline}: before has {before['n']} prompts and after{suffix} {after['n']}")
     run = pipeline / f"rl{suffix}"
@@ -44,18 +45,21 @@ def run_of(pipeline: Path, suffix: str) -> dict | None:
     if not seconds:
         raise ValueError(f"{pipeline}/timings.txt has no rl{suffix} line: was the run cut?")
     return dict(before=before["mean"], after=after["mean"], rise=after["mean"] - before["mean"],
-                rise_se=math.hypot(before["se"], after["se"]), steps=steps,
+                rise_se=math.hypot(before["se"], after["se"]), before_name=before_name, before_se=before["se"],
+                after_se=after["se"], steps=steps,
                 minutes=seconds[-1] / 60)
 
 
-def collect(pipelines: list[Path], exclude: tuple[str, ...] = ()) -> dict:
-    unknown = [e for e in exclude if e.partition("/")[2] not in ARMS or e.partition("/")[0] not in
-               {p.name for p in pipelines}]
-    if unknown:
-        raise ValueError(f"--exclude {unknown}: name PIPELINE/ARM, a pipeline folder's name and one of {list(ARMS)}")
+def paired_variance(a: dict, b: dict) -> float:
+    """The variance of run a's rise minus run b's on one pipeline: their after-evals', and their before-evals' unless
+    both rose from the same one (it cancels)."""
+    same = a["before_name"] == b["before_name"]
+    return a["after_se"] ** 2 + b["after_se"] ** 2 + (0 if same else a["before_se"] ** 2 + b["before_se"] ** 2)
+
+
+def summarize(runs: dict[str, dict[str, dict]], baseline: str) -> dict:
+    """Figures of each arm's runs by pipeline ({arm: {pipeline: run_of(...)}}), paired against `baseline`'s."""
     figures = {}
-    runs = {arm: {p.name: r for p in pipelines if f"{p.name}/{arm}" not in exclude and (r := run_of(p, suffix))}
-            for arm, suffix in ARMS.items()}
     for arm, by_pipeline in runs.items():
         if not by_pipeline:
             continue
@@ -70,10 +74,24 @@ def collect(pipelines: list[Path], exclude: tuple[str, ...] = ()) -> dict:
                         f"{arm}/minutes": sum(r["minutes"] for r in values) / n, f"{arm}/pipelines": n})
         for name, r in by_pipeline.items():
             figures.update({f"{arm}/{name}/rise": r["rise"], f"{arm}/{name}/rise_se": r["rise_se"]})
-        shared = [name for name in by_pipeline if name in runs["flowgrpo"]]
-        if arm != "flowgrpo" and shared:
-            figures[f"{arm}/rise_vs_flowgrpo"] = sum(
-                by_pipeline[name]["rise"] - runs["flowgrpo"][name]["rise"] for name in shared) / len(shared)
+        base = runs.get(baseline, {})
+        shared = [name for name in by_pipeline if name in base]
+        if arm != baseline and shared:
+            figures[f"{arm}/rise_vs_{baseline}"] = sum(
+                by_pipeline[name]["rise"] - base[name]["rise"] for name in shared) / len(shared)
+            figures[f"{arm}/rise_vs_{baseline}_se"] = math.sqrt(sum(
+                paired_variance(by_pipeline[name], base[name]) for name in shared)) / len(shared)
+    return figures
+
+
+def collect(pipelines: list[Path], exclude: tuple[str, ...] = ()) -> dict:
+    unknown = [e for e in exclude if e.partition("/")[2] not in ARMS or e.partition("/")[0] not in
+               {p.name for p in pipelines}]
+    if unknown:
+        raise ValueError(f"--exclude {unknown}: name PIPELINE/ARM, a pipeline folder's name and one of {list(ARMS)}")
+    runs = {arm: {p.name: r for p in pipelines if f"{p.name}/{arm}" not in exclude and (r := run_of(p, suffix))}
+            for arm, suffix in ARMS.items()}
+    figures = summarize(runs, "flowgrpo")
     if not figures:
         raise ValueError(f"no arm's eval/after*.json in {[str(p) for p in pipelines]}: "
                          "run experiments/mini_ocr/run.sh first")

@@ -35,7 +35,8 @@
 # evals, timings and result are named for it (OUT/rl_nft, OUT/eval/after_nft.json, mini_ocr_nft.json), so every arm can train on one
 # pipeline, at once on several GPUs:
 #   ONLY="rl eval_after" ARM=guard CUDA_VISIBLE_DEVICES=1 bash experiments/mini_ocr/run.sh OUT
-# (nft also needs its eval_before: without CFG, eval/before_nft.json).
+# (nft also needs its eval_before: without CFG, eval/before_nft.json). RUN names the run's files instead of ARM (a
+# variant of an arm set by RL_ARGS, as experiments/mini_ocr/sweep.sh runs them: ONLY="rl eval_after" RUN=sweep_lr2x).
 set -euo pipefail
 OUT=${1:?usage: [SMOKE=1] bash experiments/mini_ocr/run.sh OUT}
 cd "$(dirname "$0")/../.."
@@ -53,7 +54,7 @@ if [[ "${SMOKE:-0}" == 1 ]]; then
       --config.sample.prompts_per_step=2 --config.sample.group_size=2 --config.sample.prompts_per_call=2
       --config.sample.num_steps=4 --config.sample.window_size=3 --config.sample.window_range="(0, 3)"
       --config.eval.num_steps=4
-      --config.eval.every=2 --config.eval.num_prompts=4 --config.reward.workers=1)
+      --config.eval.every=2 --config.eval.num_prompts=4 --config.reward.workers=1 ${RL_ARGS:-})
 else
   DEVICE=cuda
   DATA=(--train 4000 --test 200 --variants 4)
@@ -74,7 +75,8 @@ ARM=${ARM:-}
 BEFORE=before  # NFT's policy is CFG-free: its evals, the pipeline's "before" too, run without CFG (before_nft)
 [[ "$ARM" == nft ]] && EVAL+=(--guidance 1) && BEFORE=before_nft
 RL_CONFIG=configs/mini_ocr.py${ARM:+:$ARM} CONTROL_CONFIG=configs/mini_ocr.py:${ARM:+${ARM}_}control
-A=${ARM:+_$ARM}  # the arm's suffix of run, eval and timing names
+RUN=${RUN:-$ARM}
+A=${RUN:+_$RUN}  # the run's suffix of run, eval and timing names
 
 step() {  # step NAME COMMAND...: run, time, log (skipped when ONLY is set and does not name it)
   local name=$1 start=$SECONDS
@@ -133,5 +135,5 @@ together step eval_after ev "after$A" "$OUT/data/test.txt" --lora "$OUT/rl$A/lor
 together step eval_after_train ev "after${A}_train" "$OUT/data/train.txt" --lora "$OUT/rl$A/lora_final"
 together step eval_control ev "control$A" "$OUT/data/test.txt" --lora "$OUT/rl${A}_control/lora_final"
 join
-step result python -m experiments.mini_ocr.result --out "$OUT" ${ARM:+--arm "$ARM"} \
+step result python -m experiments.mini_ocr.result --out "$OUT" ${RUN:+--arm "$RUN"} \
   --rl-seconds "$(awk -v n="rl$A" '$1 == n {s = $2} END {print s}' "$OUT/timings.txt")"

@@ -112,6 +112,9 @@ def test_mini_ocr_algorithms_collects_each_arm_over_its_pipelines(tmp_path):
     assert figures["nft/p1/rise"] == pytest.approx(0.5)
     assert figures["nft/rise_vs_flowgrpo"] == pytest.approx(((0.5 - 0.2) + (0.5 - 0.1)) / 2)
     assert figures["guard/pipelines"] == 1 and figures["guard/rise_vs_flowgrpo"] == pytest.approx(0.1 - 0.2)
+    # paired: guard shares FlowGRPO's "before", which cancels; NFT's CFG-free one does not
+    assert figures["guard/rise_vs_flowgrpo_se"] == pytest.approx((2 * 0.04 ** 2) ** 0.5)
+    assert figures["nft/rise_vs_flowgrpo_se"] == pytest.approx((2 * (2 * 0.04 ** 2 + 2 * 0.03 ** 2)) ** 0.5 / 2)
     assert not any(k.startswith("corrected/") for k in figures)
     assert figures["dropzero/pipelines"] == 1 and figures["dropzero/rise_vs_flowgrpo"] == pytest.approx(0.15 - 0.1)
     without = collect([tmp_path / "p0", tmp_path / "p1"], exclude=("p0/nft",))
@@ -120,6 +123,35 @@ def test_mini_ocr_algorithms_collects_each_arm_over_its_pipelines(tmp_path):
         collect([tmp_path / "p0"], exclude=("p9/nft",))
     with pytest.raises(ValueError, match="run experiments/mini_ocr/run.sh first"):
         collect([tmp_path / "nothing"])
+
+
+def test_the_mini_ocr_sweep_collects_each_variant_paired_with_the_baseline_and_every_variant_validates(tmp_path):
+    from experiments.mini_ocr import sweep
+    from jaxflow.config import validation
+    fake_mini_ocr_run(tmp_path / "p0", 0.5, {"_sweep_baseline": (0.6, 50, 420), "_sweep_lr2x": (0.75, 52, 420),
+                                             "_guard": (0.9, 50, 420)})
+    fake_mini_ocr_run(tmp_path / "p1", 0.4, {"_sweep_baseline": (0.45, 50, 420), "_sweep_lr2x": (0.6, 48, 420),
+                                             "_sweep_kl": (0.5, 49, 420)})
+    figures = sweep.collect([tmp_path / "p0", tmp_path / "p1"])
+    assert figures["lr2x/rise"] == pytest.approx(0.225) and figures["baseline/rise"] == pytest.approx(0.075)
+    assert figures["lr2x/rise_vs_baseline"] == pytest.approx(0.15) and figures["lr2x/steps"] == 50
+    assert figures["lr2x/rise_vs_baseline_se"] == pytest.approx((2 * 2 * 0.04 ** 2) ** 0.5 / 2)
+    assert figures["kl/pipelines"] == 1 and figures["kl/rise_vs_baseline"] == pytest.approx(0.1 - 0.05)
+    assert not any(k.startswith("guard/") for k in figures)  # an arm's run is no sweep variant
+    with pytest.raises(ValueError, match="run experiments/mini_ocr/sweep.sh first"):
+        sweep.collect([tmp_path / "nothing"])
+    assert set(sweep.FIRST) <= set(sweep.VARIANTS) and sweep.FIRST[0] == "baseline"
+    assert sweep.overrides("window5") == ["--config.sample.window_size=5"]
+    module = validation.config_module(ROOT / "configs" / "mini_ocr.py")
+    for name, (settings, why) in sweep.VARIANTS.items():
+        cfg = module.get_config()
+        cfg.model.path = "tiny"
+        for key, value in settings.items():
+            section, field = key.split(".")
+            assert cfg[section][field] != value, (name, key)  # a variant changes what it names
+            cfg[section][field] = value
+        validation.validate(cfg)
+        assert why
 
 
 def test_scaling_figures_pick_the_better_layout_by_images_per_second_over_one_gpus():

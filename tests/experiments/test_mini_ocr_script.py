@@ -1,6 +1,7 @@
 """`SMOKE=1 bash experiments/mini_ocr/run.sh OUT`: every step of the mini OCR proof at toy size on the CPU (about
 2 minutes on 2 cores), from the rendered data to OUT/mini_ocr.json with the figures the proof reports; then
-`experiments/mini_ocr/arms.sh` training two algorithm arms on that pipeline at once (two "GPUs" of CPU)."""
+`experiments/mini_ocr/arms.sh` training two algorithm arms on that pipeline at once (two "GPUs" of CPU), and
+`experiments/mini_ocr/sweep.sh` two FlowGRPO variants side by side on one "GPU" (PER_GPU=2)."""
 import json
 import os
 import subprocess
@@ -64,3 +65,24 @@ def test_the_arms_launcher_trains_each_arm_on_the_built_pipeline_and_collects_th
     assert (out / "p0" / "eval" / "before_nft.json").exists() and (out / "p0" / "rl_guard" / "lora_final").is_dir()
     bad = script("arms.sh", out, ARMS="ppo")
     assert bad.returncode == 2 and "unknown arm ppo" in bad.stderr
+
+
+@pytest.mark.slow
+def test_the_sweep_runs_its_variants_side_by_side_with_their_overrides_and_pairs_them_with_the_baseline(built):
+    out, first = built
+    assert first.returncode == 0, first.stderr[-3000:]
+    done = script("sweep.sh", out, GPUS="1", PER_GPU="2", PIPELINES="1", VARIANTS="baseline lr2x", RL_STEPS="1")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    status = (out / "status").read_text().splitlines()
+    assert sorted(line.split()[:4] for line in status) == [["run", "p0", "baseline", "gpu=0"],
+                                                           ["run", "p0", "lr2x", "gpu=0"]]
+    result = json.loads((out / "mini_ocr_sweep.json").read_text())
+    figures = result["figures"]
+    assert figures["baseline/pipelines"] == figures["lr2x/pipelines"] == 1 and figures["lr2x/steps"] == 1
+    assert figures["lr2x/rise_vs_baseline"] == pytest.approx(figures["lr2x/rise"] - figures["baseline/rise"], abs=2e-6)
+    assert result["variants"]["lr2x"]["overrides"] == ["--config.train.learning_rate=0.0006"]
+    for name, lr in (("baseline", 3e-4), ("lr2x", 6e-4)):
+        meta = json.loads((out / "p0" / f"rl_sweep_{name}" / "checkpoints" / "1" / "meta" / "metadata").read_text())
+        assert json.loads(meta["config"])["train"]["learning_rate"] == pytest.approx(lr)
+    bad = script("sweep.sh", out, VARIANTS="lr9x")
+    assert bad.returncode == 2 and "unknown sweep variant 'lr9x'" in bad.stderr

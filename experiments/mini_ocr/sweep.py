@@ -1,0 +1,89 @@
+"""The FlowGRPO knob sweep of the mini OCR proof: named variants of configs/mini_ocr.py's FlowGRPO arm, and the
+collector of their runs into OUT/mini_ocr_sweep.json.
+
+    python -m experiments.mini_ocr.sweep args NAME          # the variant's --config overrides, one line
+    python -m experiments.mini_ocr.sweep collect --out OUT --pipelines P0 [P1 ...]
+
+experiments/mini_ocr/sweep.sh runs each variant NAME on each pipeline as `experiments/mini_ocr/run.sh` with
+RUN=sweep_NAME (eval/after_sweep_NAME.json, rl_sweep_NAME/, the "rl_sweep_NAME N s" line of timings.txt). Figures
+per variant, as experiments.mini_ocr.algorithms's per arm: `NAME/rise`, `NAME/rise_se`, `NAME/steps`, ... and
+`NAME/rise_vs_baseline` (the mean paired difference with the baseline, the arm unchanged, on the same pipelines)
+with `NAME/rise_vs_baseline_se`.
+
+The question: FlowGRPO rose +0.10 in 7 minutes where DiffusionNFT rose +0.53 and AWM +0.21 (BENCHMARKS.md, "Mini
+OCR: the algorithm arms"); which knob holds it back? configs/mini_ocr.py is flow_grpo's SD3 OCR recipe (lr 3e-4,
+clip 1e-4, 9 of 10 steps trained, noise 0.7) with beta 0, group 12, CFG 4.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from experiments.mini_ocr.algorithms import run_of, summarize
+from jaxflow_bench.results import write_result
+
+# name: (overrides of configs/mini_ocr.py's FlowGRPO arm, why this variant)
+VARIANTS = {
+    "baseline": ({}, "the arm as configured, run beside the variants on the same pipelines: the pairing's reference"),
+    "lr2x": ({"train.learning_rate": 6e-4}, "50-60 steps in 7 minutes: is the step size what is short?"),
+    "lr4x": ({"train.learning_rate": 1.2e-3}, "the same, further; where the gain stops (or the run breaks)"),
+    "clip1e3": ({"train.clip_range": 1e-3}, "two updates a step: at 1e-4 (flow_grpo's SD3) the second may be "
+                                            "mostly clipped; 1e-3 is flow_grpo's Wan 2.1 OCR value"),
+    "kl": ({"train.beta": 0.004}, "flow_grpo trains OCR with a KL term (SD3 0.04, Wan 0.004); the arm has none: "
+                                  "does anchoring to the base help or only slow the rise?"),
+    "window5": ({"sample.window_size": 5}, "train 5 of the 10 steps (start drawn per sample in [0, 9)) instead "
+                                           "of 9: a cheaper train phase, more steps in the minutes"),
+    "group8": ({"sample.group_size": 8, "sample.prompts_per_step": 24, "sample.prompts_per_call": 24},
+               "flow_grpo's one-GPU OCR group: the same 192 images a step over 24 prompts, noisier baselines"),
+    "noise1": ({"sample.noise_level": 1.0}, "more SDE noise than flow_grpo's SD3 0.7: a wider reward spread "
+                                            "within a group, so larger advantages"),
+    "group16": ({"sample.group_size": 16, "sample.prompts_per_step": 12, "sample.prompts_per_call": 12},
+                "flow_grpo's four-GPU OCR group: the same 192 images over 12 prompts, better baselines"),
+    "cfg45": ({"sample.guidance": 4.5}, "flow_grpo's SD3 OCR guidance in the rollouts (the evals stay at 4)"),
+}
+# the first sweep: 8 runs a pipeline, so two pipelines fill a 4-GPU host's 8 slots (PER_GPU=2) once
+FIRST = ("baseline", "lr2x", "lr4x", "clip1e3", "kl", "window5", "group8", "noise1")
+
+
+def cli_value(value) -> str:
+    """A value as a --config.KEY=VALUE override reads it, without spaces (run.sh splits RL_ARGS on them)."""
+    return repr(value).replace(" ", "")
+
+
+def overrides(name: str) -> list[str]:
+    """The variant's --config.KEY=VALUE arguments."""
+    return [f"--config.{key}={cli_value(value)}" for key, value in VARIANTS[name][0].items()]
+
+
+def collect(pipelines: list[Path]) -> dict:
+    runs = {name: {p.name: r for p in pipelines if (r := run_of(p, f"_sweep_{name}"))} for name in VARIANTS}
+    figures = summarize(runs, "baseline")
+    if not figures:
+        raise ValueError(f"no eval/after_sweep_*.json in {[str(p) for p in pipelines]}: "
+                         "run experiments/mini_ocr/sweep.sh first")
+    return figures
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("args", help="print a variant's --config overrides").add_argument("name")
+    c = sub.add_parser("collect", help="write OUT/mini_ocr_sweep.json")
+    c.add_argument("--out", type=Path, required=True, help="folder for the result file")
+    c.add_argument("--pipelines", type=Path, nargs="+", required=True, help="experiments/mini_ocr/run.sh OUT folders")
+    a = p.parse_args(argv)
+    if a.command == "args":
+        if a.name not in VARIANTS:
+            p.error(f"unknown sweep variant {a.name!r}; choose from {' '.join(VARIANTS)}")
+        print(" ".join(overrides(a.name)))
+        return
+    figures = collect(a.pipelines)
+    extra = dict(variants={name: dict(overrides=overrides(name), why=why) for name, (_, why) in VARIANTS.items()
+                           if f"{name}/rise" in figures})
+    path = write_result(a.out, "mini_ocr_sweep", figures, extra=extra)
+    print(json.dumps(figures, indent=1), "->", path)
+
+
+if __name__ == "__main__":
+    main()
