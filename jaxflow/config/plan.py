@@ -2,7 +2,7 @@
 that the learner and the driver read (they resolve nothing themselves), logged once at start as one block.
 
 Resolved here: model.lora_gemm (a hardware policy: `lora_gemm`), model.scan_unroll=0 and the train step's XLA
-options (both follow the resolved linears), rollout.lora_mode (`lora_apply`: how the rollout serves the LoRA), and
+options (both follow the resolved linears), rollout.lora_apply (how the rollout serves the LoRA), and
 the placement (backend, devices, engines, samples per micro-batch per device)."""
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from jaxflow.nn.config import ModelOptions
 
 
 def lora_apply(cfg) -> str:
-    """How the rollout serves the LoRA, the engines' `lora_apply`: rollout.lora_mode, 'auto' resolved to the family's
+    """How the rollout serves the LoRA, the engines' `lora_apply`: rollout.lora_apply, 'auto' resolved to the family's
     mode on its engine (`Family.auto_lora_apply`: 'layers', 'merged' or 'folder', each family's per engine)."""
-    mode = cfg.rollout.lora_mode
+    mode = cfg.rollout.lora_apply
     return families.of(cfg).auto_lora_apply[cfg.rollout.engine] if mode == "auto" else mode
 
 
@@ -86,7 +86,7 @@ class RunPlan:
             f"  trainer linears: model.lora_gemm={m.lora_gemm} ({self.lora_gemm_why}); model.scan_unroll="
             f"{m.scan_unroll}; XLA options {dict(self.xla_options) or '{}'}",
             f"  rollout: layout {self.layout}, {self.engines} engine(s), LoRA served as {self.lora_apply} "
-            f"(rollout.lora_mode)"))
+            f"(rollout.lora_apply)"))
 
 
 def _tokens(cfg, family, folder: Path) -> tuple[int, int, int]:

@@ -64,7 +64,7 @@ HELP: dict[str, str] = {
                        "(docs/design.md)",
     "rollout.compile": "diffusers engine only: torch.compile the transformer block",
     "rollout.share_weights": "True: the in_process diffusers engine runs on the trainer's base weights (one copy)",
-    "rollout.lora_mode": "the engines' lora_apply: 'layers', 'merged' (vllm_omni), 'folder' (engine's own) or 'auto' "
+    "rollout.lora_apply": "the engines' lora_apply: 'layers', 'merged' (vllm_omni), 'folder' (engine's own) or 'auto' "
                          "(plan.py)",
     "rollout.cfg_forward": "true CFG's two rows: 'batched' (one forward, text padded to one length) or 'split' (a "
                            "forward each)",
@@ -224,7 +224,7 @@ def base() -> ml_collections.ConfigDict:
                      # "auto": vLLM-Omni serves the LoRA merged into its base weights, restored from a host copy
                      # while JAX trains: the recipe 1.064x on one H200 (1.045 against 0.982 img/GPU/s with LoRA
                      # layers, same session; BENCHMARKS.md, the recipe on one GPU); the diffusers engine, layers
-                     lora_mode="auto",
+                     lora_apply="auto",
                      # "split": no attention mask within a prompt group; vLLM-Omni's rollout 1.05x with the LoRA,
                      # 1.07x without (BENCHMARKS.md, true CFG)
                      cfg_forward="split",

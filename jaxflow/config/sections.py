@@ -56,7 +56,7 @@ class RolloutSection:
     overlap: bool
     compile: bool
     share_weights: bool
-    lora_mode: str
+    lora_apply: str
     cfg_forward: str
     bagel_deploy: str
     thinker_memory: float

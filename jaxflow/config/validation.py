@@ -37,7 +37,7 @@ def config_module(path: str | Path) -> ModuleType:
 
 
 LAYOUTS = ("colocated", "split", "in_process")  # rollout.layout (jaxflow/config/recipes.py)
-LORA_MODES = ("auto", "merged", "layers", "folder")  # rollout.lora_mode: 'auto' or an engine's lora_apply
+LORA_APPLY_CHOICES = ("auto", "merged", "layers", "folder")  # rollout.lora_apply: 'auto' or an engine's lora_apply
 
 
 def check_layout(cfg, backend: str, devices: int) -> None:
@@ -173,10 +173,10 @@ def validate(user: ConfigDict) -> RunConfig:
         if cfg.rollout.sleep_while_training:
             fail("rollout.share_weights", "the shared weights are the trainer's and cannot sleep: leave "
                                            "rollout.sleep_while_training False")
-    if cfg.rollout.lora_mode not in LORA_MODES:
-        fail("rollout.lora_mode", f"{cfg.rollout.lora_mode!r}; choose one of {LORA_MODES}")
-    if cfg.rollout.lora_mode == "merged" and cfg.rollout.engine != "vllm_omni":
-        fail("rollout.lora_mode", f"'merged' is a mode of the vllm_omni engine; with rollout.engine="
+    if cfg.rollout.lora_apply not in LORA_APPLY_CHOICES:
+        fail("rollout.lora_apply", f"{cfg.rollout.lora_apply!r}; choose one of {LORA_APPLY_CHOICES}")
+    if cfg.rollout.lora_apply == "merged" and cfg.rollout.engine != "vllm_omni":
+        fail("rollout.lora_apply", f"'merged' is a mode of the vllm_omni engine; with rollout.engine="
                                    f"{cfg.rollout.engine!r} use 'auto' or 'layers' (or 'folder')")
     if cfg.rollout.compile and cfg.rollout.engine != "diffusers":
         fail("rollout.compile", "is an option of the diffusers engine; leave it False with "

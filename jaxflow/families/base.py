@@ -22,7 +22,7 @@ class Family(Protocol):
 
     name: str
     engines: tuple[str, ...]  # the rollout engines that serve it
-    auto_lora_apply: Mapping[str, str]  # rollout.lora_mode='auto' on each of its engines: 'layers', 'merged', 'folder'
+    auto_lora_apply: Mapping[str, str]  # rollout.lora_apply='auto' on each of its engines: 'layers', 'merged', 'folder'
     tiny: str  # model.path of its tiny offline model
     tiny_config: str  # the config that runs it
     example: str  # an example model.path

@@ -76,7 +76,7 @@ class MergedLoRA:
                     total = sum(w.numel() * w.element_size() for w in {id(t[1]): t[1] for t in targets}.values()) / 2 ** 30
                     raise RuntimeError(f"page-locking the host copy of the merged LoRA's base weights failed (CUDA "
                                        f"error {err}; {total:.1f} GiB in all): free host memory, or set "
-                                       f"--config.rollout.lora_mode=layers")
+                                       f"--config.rollout.lora_apply=layers")
             copy.copy_(weight)
             self.copies[id(weight)] = (weight, copy)
 

@@ -133,7 +133,7 @@ def test_the_trainer_validates_only_a_config_not_yet_validated(tmp_path, monkeyp
 
 def test_the_plan_on_this_cpu_machine(tmp_path):
     """The tiny config's plan here: XLA's linears (no H100/H200), its scan of 1 block, the config's XLA options, the LoRA
-    served as layers by the diffusers engine; vllm_omni merges it (rollout.lora_mode 'auto')."""
+    served as layers by the diffusers engine; vllm_omni merges it (rollout.lora_apply 'auto')."""
     cfg = validation.validate(tiny_config(tmp_path))
     folder = validation.model_folder(cfg)
     layout = Layout.create(validation.sharding_config(cfg))

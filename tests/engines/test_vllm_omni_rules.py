@@ -43,8 +43,8 @@ def config(recipe: str, changes: dict):
      "config.model.init: 'random': BAGEL runs with 'checkpoint' on the vllm_omni engine (vLLM-Omni's BAGEL has no "
      "random-weight path; bagel_torch has): use model.init='checkpoint', or the bagel_torch engine for "
      "model.init='random'"),
-    ("tiny_bagel_ocr.py", {**BAGEL_OMNI, "rollout.lora_mode": "merged"},
-     "config.rollout.lora_mode: 'merged': BAGEL runs with 'auto' or 'folder' on the vllm_omni engine (its one LoRA "
+    ("tiny_bagel_ocr.py", {**BAGEL_OMNI, "rollout.lora_apply": "merged"},
+     "config.rollout.lora_apply: 'merged': BAGEL runs with 'auto' or 'folder' on the vllm_omni engine (its one LoRA "
      "mode there) for now (docs/bagel.md §7)"),
     ("tiny_bagel_ocr.py", {**BAGEL_OMNI, "rollout.bagel_deploy": "two_stage", "sample.think": True},
      "config.rollout.bagel_deploy: 'two_stage' has no think mode yet (the thinker only prefills): BAGEL's think mode "

@@ -461,35 +461,35 @@ def test_the_colocated_layout_on_gpus_runs_one_engine_per_device(tmp_path):
     ({"layout": "split", "sleep_while_training": True}, "rollout.sleep_while_training: frees"),
     ({"layout": "in_process", "num_servers": 2}, "rollout.num_servers: 2: the in_process layout runs one engine"),
     ({"layout": "hybrid"}, "rollout.layout: 'hybrid'; choose one of \\('colocated', 'split', 'in_process'\\)"),
-    ({"lora_mode": "merged"}, "rollout.lora_mode: 'merged' is a mode of the vllm_omni engine; with "
+    ({"lora_apply": "merged"}, "rollout.lora_apply: 'merged' is a mode of the vllm_omni engine; with "
                               "rollout.engine='diffusers' use 'auto' or 'layers'"),
-    ({"lora_mode": "fused"}, "rollout.lora_mode: 'fused'; choose one of \\('auto', 'merged', 'layers', 'folder'\\)"),
+    ({"lora_apply": "fused"}, "rollout.lora_apply: 'fused'; choose one of \\('auto', 'merged', 'layers', 'folder'\\)"),
 ])
 def test_the_layout_refuses_what_it_cannot_run(tmp_path, changes, needle):
     cfg = tiny_config(tmp_path)
     cfg.rollout.update(changes)
     with pytest.raises(config_lib.UserError, match=needle):
         config_lib.validate(cfg)
-    cfg.rollout.update(layout="split", sleep_while_training=False, num_servers=1, overlap=True, lora_mode="auto")
+    cfg.rollout.update(layout="split", sleep_while_training=False, num_servers=1, overlap=True, lora_apply="auto")
     config_lib.validate(cfg)  # the overlap of the split layout
 
 
 def test_the_lora_mode_merges_on_vllm_omni_unless_told_layers(tmp_path):
-    """rollout.lora_mode 'auto' (the recipe's) merges the LoRA into vLLM-Omni's weights and keeps LoRA layers on
+    """rollout.lora_apply 'auto' (the recipe's) merges the LoRA into vLLM-Omni's weights and keeps LoRA layers on
     the diffusers engine; 'layers' keeps layers on vLLM-Omni too."""
     cfg = tiny_config(tmp_path)
     for engine, mode, merged in (("vllm_omni", "auto", True), ("diffusers", "auto", False),
                                  ("vllm_omni", "layers", False), ("vllm_omni", "merged", True)):
-        cfg.rollout.engine, cfg.rollout.lora_mode = engine, mode
+        cfg.rollout.engine, cfg.rollout.lora_apply = engine, mode
         assert plan_lib.merged_lora(cfg) is merged, (engine, mode)
 
 
 def test_the_plan_resolves_the_lora_mode_into_the_engines_lora_apply(tmp_path):
-    """rollout.lora_mode and the engines' lora_apply are one vocabulary (layers, merged, folder): the plan resolves
+    """rollout.lora_apply and the engines' lora_apply are one vocabulary (layers, merged, folder): the plan resolves
     'auto' into the family's mode on its engine and passes any other value as it is."""
     cfg = tiny_config(tmp_path)
     for engine, mode, apply in (("diffusers", "auto", "layers"), ("vllm_omni", "auto", "merged"),
                                 ("diffusers", "folder", "folder"), ("vllm_omni", "folder", "folder"),
                                 ("vllm_omni", "layers", "layers")):
-        cfg.rollout.engine, cfg.rollout.lora_mode = engine, mode
+        cfg.rollout.engine, cfg.rollout.lora_apply = engine, mode
         assert plan_lib.lora_apply(cfg) == apply, (engine, mode)

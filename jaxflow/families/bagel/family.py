@@ -26,7 +26,7 @@ class Bagel:
     name = spec.NAME
     engines = spec.ENGINES
     engine_runs = {"bagel_torch": ("float32", "cpu")}  # (rollout dtype, device); vllm_omni's: its rules
-    # rollout.lora_mode='auto' on each engine, the one mode each runs: vllm_omni serves BAGEL's adapter through
+    # rollout.lora_apply='auto' on each engine, the one mode each runs: vllm_omni serves BAGEL's adapter through
     # vLLM-Omni's own LoRA apply only
     auto_lora_apply = {"bagel_torch": "layers", "vllm_omni": "folder"}
     tiny = spec.TINY
@@ -73,7 +73,7 @@ class Bagel:
         for key, value, ok, want in (
                 ("rollout.dtype", r.dtype, r.dtype == dtype, f"'{dtype}' {on}"),
                 ("rollout.device", r.device, r.device == device, f"'{device}' {on}"),
-                ("rollout.lora_mode", r.lora_mode, r.lora_mode in ("auto", self.auto_lora_apply.get(r.engine)),
+                ("rollout.lora_apply", r.lora_apply, r.lora_apply in ("auto", self.auto_lora_apply.get(r.engine)),
                  f"'auto' or {self.auto_lora_apply.get(r.engine)!r} {on} (its one LoRA mode there)"),
                 ("model.lora_gemm", cfg.model.lora_gemm, cfg.model.lora_gemm in ("auto", "xla"), "'auto' or 'xla'"),
                 ("train.algorithm", cfg.train.algorithm, cfg.train.algorithm == "flowgrpo", "'flowgrpo'"),

@@ -24,7 +24,7 @@ from jaxflow_bridge.families.qwen_image import spec
 class QwenImage:
     name = spec.NAME
     engines = spec.ENGINES
-    auto_lora_apply = {"diffusers": "layers", "vllm_omni": "merged"}  # rollout.lora_mode='auto' on each engine
+    auto_lora_apply = {"diffusers": "layers", "vllm_omni": "merged"}  # rollout.lora_apply='auto' on each engine
     tiny = spec.TINY
     tiny_config = "configs/tiny_ocr.py (the embedded tiny offline model)"
     example = "/path/to/Qwen-Image (a diffusers folder)"

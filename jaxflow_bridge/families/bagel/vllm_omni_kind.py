@@ -46,7 +46,7 @@ class VllmOmniKind:
                              f"drop them for a BAGEL model")
         if config.get("lora_apply", "folder") != "folder":
             raise ValueError(f"vllm_omni engine: lora_apply={config['lora_apply']!r} is Qwen-Image's; BAGEL's LoRA "
-                             f"runs vLLM-Omni's own apply: pass lora_apply='folder' (rollout.lora_mode='auto')")
+                             f"runs vLLM-Omni's own apply: pass lora_apply='folder' (rollout.lora_apply='auto')")
         return {"pipeline_class": bagel_pipeline.PIPELINE_CLASS}
 
     def start_args(self, pipeline_args: dict, extension: str) -> dict:

@@ -106,7 +106,7 @@ def test_more_than_one_trainer_device_is_refused_in_one_line(tmp_path):
 
 
 def test_bagel_on_vllm_omni_is_a_valid_config_served_through_lora_layers(tmp_path):
-    """BAGEL on the vllm_omni engine (bfloat16 on cuda) passes validation, and rollout.lora_mode='auto' serves its
+    """BAGEL on the vllm_omni engine (bfloat16 on cuda) passes validation, and rollout.lora_apply='auto' serves its
     adapter through vLLM-Omni's LoRA layers (its pipeline has no merged path), where Qwen-Image's merges."""
     from jaxflow.config.plan import merged_lora
     from jaxflow.config.validation import validate
@@ -114,13 +114,13 @@ def test_bagel_on_vllm_omni_is_a_valid_config_served_through_lora_layers(tmp_pat
     cfg = bagel_config(tmp_path)
     cfg.rollout.update(engine="vllm_omni", dtype="bfloat16", device="cuda")
     validate(cfg)
-    assert cfg.rollout.lora_mode == "auto" and not merged_lora(cfg)
+    assert cfg.rollout.lora_apply == "auto" and not merged_lora(cfg)
     qwen = base()
-    assert qwen.rollout.engine == "vllm_omni" and qwen.rollout.lora_mode == "auto" and merged_lora(qwen)
+    assert qwen.rollout.engine == "vllm_omni" and qwen.rollout.lora_apply == "auto" and merged_lora(qwen)
 
 
 def test_bagel_lora_mode_is_the_one_its_engine_runs(tmp_path):
-    """BAGEL's rollout.lora_mode='auto' is 'folder' on vllm_omni (vLLM-Omni's own apply, the engines' word for what
+    """BAGEL's rollout.lora_apply='auto' is 'folder' on vllm_omni (vLLM-Omni's own apply, the engines' word for what
     was its "stock") and 'layers' on bagel_torch; 'layers' on vllm_omni (the fused apply, Qwen-Image's) is refused in
     one line naming 'folder', and the bagel_torch engine refuses a lora_apply that is not one of its sinks'."""
     from jaxflow.config.errors import UserError
@@ -131,8 +131,8 @@ def test_bagel_lora_mode_is_the_one_its_engine_runs(tmp_path):
     assert cfg.rollout.engine == "bagel_torch" and lora_apply(cfg) == "layers"
     cfg.rollout.update(engine="vllm_omni", dtype="bfloat16", device="cuda")
     assert lora_apply(cfg) == "folder"
-    cfg.rollout.lora_mode = "layers"
-    with pytest.raises(UserError, match=r"config\.rollout\.lora_mode: 'layers': BAGEL runs with 'auto' or 'folder' "
+    cfg.rollout.lora_apply = "layers"
+    with pytest.raises(UserError, match=r"config\.rollout\.lora_apply: 'layers': BAGEL runs with 'auto' or 'folder' "
                                         r"on the vllm_omni engine"):
         validate(cfg)
     with pytest.raises(ValueError, match=r"bagel_torch engine: lora_apply 'fused'; choose one of \['folder', 'layers', "
