@@ -12,7 +12,7 @@ from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.rollout.server import RolloutServer, create_rollout_server
 
 log = logging.getLogger(__name__)
-# an engine's out-of-memory error as text (it reaches the trainer as Ray's RayTaskError, or as an actor that died of it):
+# an engine's out-of-memory error as text (it reaches the trainer in Ray's RayTaskError, or an actor that died of it):
 # torch's "CUDA out of memory" (torch.OutOfMemoryError), vLLM's cache that found no room, Ray's memory monitor
 OOM_MARKERS = ("out of memory", "outofmemoryerror", "no available memory for the cache blocks")
 
