@@ -10,7 +10,9 @@ into OUT/PART, so the parts can be split over several device commands (--parts) 
   stale    train.sync_fault_from=--stale-from (the engine is sent the previous version's LoRA from that version on):
            the step the sync check stops the run at (exit 1), against the version the fault starts at;
   kill     the engine's actor process killed (SIGKILL) mid-rollout of the step after --kill-after: the retry on a
-           fresh actor, as the killed step's seconds over the median of the other steps after the first.
+           fresh actor, as the killed step's seconds over the median of the other steps after the first, the
+           retries the run logged, and no mixed versions: every step's samples from one policy, the step's own
+           (metrics `rollout/versions` 1, `staleness` 0; a run that shows otherwise fails the part).
 Then OUT/trust_gpu.json gets the figures of every part found in OUT (a part not run yet is left out).
 """
 from __future__ import annotations
@@ -32,11 +34,17 @@ from jaxflow_bench.results import write_result
 
 PARTS = ("healthy", "repeat", "stale", "kill")
 STOP_LINE = "error: LoRA sync check:"
+RETRY_LINE = "rollout actor died"  # jaxflow.run.rollout_client's warning before it restarts the actors and retries
 
 
 def rows(part_dir: Path) -> list[dict]:
     path = part_dir / "run" / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def mixed_steps(part_rows: list[dict]) -> list[int]:
+    """The steps whose samples did not all come from the step's own policy (`rollout/versions` 1, `staleness` 0)."""
+    return [r["step"] for r in part_rows if r.get("rollout/versions") != 1 or r.get("staleness", 0) != 0]
 
 
 def _mean(value) -> float:
@@ -71,6 +79,8 @@ def figures(out: Path) -> dict:
         if killed in steps and others:
             f["actor_kill_recovery_s"] = steps[killed] - statistics.median(others)
             f["actor_kill_step"] = killed
+            f["actor_kill_retries"] = done["kill"]["retries"]
+            f["actor_kill_mixed_steps"] = mixed_steps(rows(out / "kill"))
     return f
 
 
@@ -133,10 +143,13 @@ def run_part(args, part: str, overrides: list[str]) -> dict:
     log = (out / "train.log").read_text(errors="replace") if (out / "train.log").is_file() else ""
     record = {"part": part, "rc": rc, "steps": args.steps, "stopped_by_check": STOP_LINE in log,
               "stale_from": args.stale_from if part == "stale" else None,
-              "killed_step": killer.killed_step if killer else None}
+              "killed_step": killer.killed_step if killer else None, "retries": log.count(RETRY_LINE)}
     (out / "part.json").write_text(json.dumps(record) + "\n")
     if part != "stale" and rc:
         raise RuntimeError(f"the {part} run failed (exit {rc}): see {out / 'train.log'}")
+    if part == "kill" and (mixed := mixed_steps(rows(out))):
+        raise RuntimeError(f"the kill run shows mixed or stale policy versions at steps {mixed}: see "
+                           f"{out / 'run' / 'metrics.jsonl'}")
     return record
 
 

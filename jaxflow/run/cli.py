@@ -176,6 +176,7 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
     from jaxflow.trainer.divergence import Diverged
     from jaxflow.trainer.logp_gate import GateTripped
     from jaxflow.sync.verify import SyncMismatch
+    from jaxflow.run.rollout_client import EngineOutOfMemory
     signals.install(f"error: interrupted; the checkpoints in {Path(cfg.run_dir) / 'checkpoints'} are as they were "
                     f"(continue with --resume if there are any)", unwind=True)
     try:
@@ -211,6 +212,9 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
     except SyncMismatch as exc:  # raised in the step's sync, before its checkpoint
         print(f"error: {exc}; the checkpoints in {Path(cfg.run_dir) / 'checkpoints'} are as they were",
               file=sys.stderr)
+        return EXIT_CODES["failed"]
+    except EngineOutOfMemory as exc:  # not retried: a fresh engine would run out again
+        print(f"error: {engine_out_of_memory(exc, config, Path(cfg.run_dir))}", file=sys.stderr)
         return EXIT_CODES["failed"]
     except KeyboardInterrupt:  # in start-up (signals.Interrupted) or a second signal in the loop
         signals.exit_now(EXIT_CODES["interrupted"], release=_stop_ray)
@@ -275,6 +279,24 @@ def out_of_memory(exc: BaseException, run_dir: Path) -> str | None:
     return (f"out of device memory in the training loop ({first[:240]}); the checkpoints in {where} are as they were: "
             f"lower the memory (train.num_micro_batches, XLA_CLIENT_MEM_FRACTION, model.remat) and continue with "
             f"--resume")
+
+
+def engine_out_of_memory(exc: BaseException, config, run_dir: Path) -> str:
+    """One line for a rollout engine out of memory (`EngineOutOfMemory`): its error, the checkpoints as they were,
+    and the knobs that lower the engine's memory with their values now."""
+    s, r = config.sample, config.rollout
+    smaller = [d for d in range(1, s.prompts_per_call) if s.prompts_per_step % d == 0]
+    knobs = [f"--config.sample.prompts_per_call={smaller[-1]} (now {s.prompts_per_call}: fewer prompts per engine "
+             f"request)" if smaller else "a smaller sample.group_size or image (sample.height, sample.width): "
+             "prompts_per_call is 1 already"]
+    if r.engine == "vllm_omni" and r.bagel_deploy == "two_stage":
+        knobs.append(f"rollout.thinker_memory (the thinker's share of the GPU, now {r.thinker_memory or 0.45})")
+    if r.layout != "split" and str(r.device).startswith("cuda"):  # the engine shares its GPUs with JAX's pool
+        share = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION") or os.environ.get("XLA_CLIENT_MEM_FRACTION")
+        knobs.append(f"a smaller JAX share of each GPU, XLA_PYTHON_CLIENT_MEM_FRACTION (now {share or 'unset'}), or "
+                     f"--config.rollout.layout=split (engines on GPUs of their own)")
+    return (f"the rollout engine ran out of memory ({exc}); the checkpoints in {run_dir / 'checkpoints'} are as they "
+            f"were: lower the engine's memory with {'; '.join(knobs)}, and continue with --resume")
 
 
 def configure_logging(verbose: bool) -> None:

@@ -111,6 +111,7 @@ class Experience:
     rewards: dict  # per reward function, "avg" (their weighted sum), "errors" and "seconds" (scoring, per function)
     zero_std_ratio: float
     policy_version: int  # the policy that sampled it
+    versions: int  # distinct policy versions among its samples, as the engines stamped them: 1 (never mixed)
 
     def metrics(self, bound_modules: int, seconds: float, freed_bytes: int | None = None) -> dict:
         """The metrics logged beside the learner's: rewards, each reward's scoring time (`time/reward_busy/<name>`:
@@ -119,6 +120,7 @@ class Experience:
         avg = self.rewards["avg"]
         return {"reward_mean": avg.mean(), "reward_std": avg.std(), "reward_errors": self.rewards["errors"],
                 "zero_std_ratio": self.zero_std_ratio, "bound_modules": bound_modules,
+                "rollout/versions": self.versions,
                 "images_per_s": len(self.batch) / seconds, "time/step": seconds,
                 **({"rollout_freed_gib": freed_bytes / 2 ** 30} if freed_bytes is not None else {}),
                 **{f"time/reward_busy/{k}": v for k, v in self.rewards["seconds"].items()},
@@ -251,7 +253,8 @@ class Driver:
         group_ids = np.repeat(np.arange(s.prompts_per_step), s.group_size)
         adv, zero_std = compute_advantages(rewards["avg"], group_ids, global_std=cfg.train.global_std,
                                            clip=cfg.train.adv_clip, expected_group_size=s.group_size)
-        return Experience(train_batch(batch, adv, group_ids, cfg, step), rewards, zero_std, version), seconds
+        versions = len(np.unique(batch.policy_versions))
+        return Experience(train_batch(batch, adv, group_ids, cfg, step), rewards, zero_std, version, versions), seconds
 
     @contextlib.contextmanager
     def idle(self):

@@ -1,6 +1,7 @@
 """The trainer's side of the rollout: RolloutServers behind one of two transports (`RayTransport`: actors;
 `LocalTransport`: one server in this process), chunked generation that feeds the reward pool as chunks finish, LoRA
-sync with acked versions, restart-and-retry when an actor dies."""
+sync with acked versions, restart-and-retry when an actor dies; an engine out of memory (`EngineOutOfMemory`) is never
+retried."""
 from __future__ import annotations
 
 import logging
@@ -11,6 +12,21 @@ from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.rollout.server import RolloutServer, create_rollout_server
 
 log = logging.getLogger(__name__)
+# an engine's out-of-memory error as text (it reaches the trainer in Ray's RayTaskError, or an actor that died of it):
+# torch's "CUDA out of memory" (torch.OutOfMemoryError), vLLM's cache that found no room, Ray's memory monitor
+OOM_MARKERS = ("out of memory", "outofmemoryerror", "no available memory for the cache blocks")
+
+
+class EngineOutOfMemory(RuntimeError):
+    """A rollout engine ran out of memory: its own error line. Not retried: a fresh engine with the same settings
+    runs out again."""
+
+
+def engine_out_of_memory(exc: BaseException) -> str | None:
+    """The line of `exc` (with its remote traceback, if any) that says an engine ran out of memory, or None."""
+    lines = f"{type(exc).__name__}: {exc}".splitlines()
+    found = [ln.strip() for ln in lines if any(m in ln.lower() for m in OOM_MARKERS)]
+    return found[-1][:240] if found else None  # the last: a traceback ends with the error's own line
 
 
 def init_ray(address: str = "", verbose: bool = False) -> None:
@@ -82,6 +98,8 @@ class RayTransport:
             try:
                 return fn()
             except ray.exceptions.RayActorError as e:
+                if engine_out_of_memory(e):  # died of it: RolloutGroup says so, once
+                    raise
                 if attempt == self.max_retries:
                     raise RuntimeError(f"rollout actor died {attempt + 1} times; giving up") from e
                 log.warning("rollout actor died (%s); restarting and retrying", e)
@@ -94,7 +112,8 @@ class RayTransport:
 
 class RolloutGroup:
     """`num_servers` servers with one engine config behind a `transport` (RayTransport or LocalTransport); every
-    call is retried on fresh servers if one dies (Ray)."""
+    call is retried on fresh servers if one dies (Ray), and ends in `EngineOutOfMemory` if an engine ran out of
+    memory."""
 
     def __init__(self, engine_config: dict, num_servers: int = 1, transport=None):
         self.engine_config, self.transport = dict(engine_config), transport or RayTransport()
@@ -107,7 +126,17 @@ class RolloutGroup:
     def _all(self, method: str, *args) -> list:
         """`method(*args)` on every server, retried on fresh servers if one dies."""
         t = self.transport
-        return t.retrying(lambda: t.get([t.submit(s, method, *args) for s in self.servers]), self._restart)
+        return self._retrying(lambda: t.get([t.submit(s, method, *args) for s in self.servers]))
+
+    def _retrying(self, fn):
+        """`fn()` through the transport's retries; an engine's out-of-memory error becomes `EngineOutOfMemory`."""
+        try:
+            return self.transport.retrying(fn, self._restart)
+        except Exception as exc:  # noqa: BLE001 - only out of memory is converted; the rest as it came
+            line = engine_out_of_memory(exc)
+            if line is None or isinstance(exc, EngineOutOfMemory):
+                raise
+            raise EngineOutOfMemory(line) from exc
 
     def _restart(self) -> None:
         count = len(self.servers)
@@ -140,8 +169,8 @@ class RolloutGroup:
         batch is needed on the host anyway (rewards read the images, mini-batch ordering is numpy, multi-process runs
         broadcast host bytes, and a sleeping engine must not hold them on the GPU). `references`: an edit model's,
         one uint8 (R, H, W, 3) array per prompt, each sent once with its prompt (not once per sample of its group)."""
-        return self.transport.retrying(lambda: self._generate(prompts, n, sampling, seeds, prompts_per_call,
-                                                              on_chunk, references), self._restart)
+        return self._retrying(lambda: self._generate(prompts, n, sampling, seeds, prompts_per_call, on_chunk,
+                                                     references))
 
     def _generate(self, prompts, n, sampling, seeds, per_call, on_chunk, references=None):
         t, pending = self.transport, []

@@ -50,7 +50,7 @@ def _part(out, name, metrics, **record):
 def _row(step, **k):
     return {"step": step, "sync_verify_s": 0.01 * step, "logp_mismatch_p99": 1e-4 * step, "logp_mismatch_max": 0.1,
             "logp_mismatch_rows": 8, "sync_mismatches": 0, "reward_mean": 0.5, "loss": [0.1, 0.3], "time/step": 10.0,
-            **k}
+            "rollout/versions": 1, "staleness": 0, **k}
 
 
 def test_the_figures_of_the_parts_found(tmp_path):
@@ -60,10 +60,35 @@ def test_the_figures_of_the_parts_found(tmp_path):
     _part(tmp_path, "repeat", [_row(1), _row(2, reward_mean=0.75), _row(3, loss=[0.1, 0.2])], rc=0)
     _part(tmp_path, "stale", [_row(1)], rc=1, stopped_by_check=True, stale_from=2)
     _part(tmp_path, "kill", [_row(1, **{"time/step": 50.0}), _row(2), _row(3, **{"time/step": 16.5}), _row(4)],
-          rc=0, killed_step=3)
+          rc=0, killed_step=3, retries=1)
     f = trust.figures(tmp_path)
     assert f["sync_verify_s"] == pytest.approx(0.02) and f["logp_mismatch_p99_max"] == pytest.approx(3e-4)
     assert 2e-4 < f["logp_mismatch_p99_p99"] < 3e-4
     assert f["reward_spread_max"] == 0.25 and f["loss_spread_max"] == pytest.approx(0.05)
     assert (f["stale_caught_step"], f["stale_from"], f["stale_exit"]) == (2, 2, 1)
-    assert (f["actor_kill_recovery_s"], f["actor_kill_step"]) == (6.5, 3)
+    assert (f["actor_kill_recovery_s"], f["actor_kill_step"], f["actor_kill_retries"]) == (6.5, 3, 1)
+    assert f["actor_kill_mixed_steps"] == []
+
+
+def test_the_kill_part_fails_on_mixed_versions_and_counts_the_retries(tmp_path, monkeypatch):
+    """The kill part's run (here a stand-in writing its metrics and log) fails the part when a step's samples came
+    from more than one policy or not the step's own; it records the retries the trainer logged."""
+    written = {}
+
+    def logged(cmd, env, out, watched):
+        (out / "run").mkdir(parents=True, exist_ok=True)
+        (out / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in written["rows"]))
+        (out / "train.log").write_text("WARNING rollout actor died (ActorDiedError); restarting and retrying\n")
+        return 0
+
+    monkeypatch.setattr(e2e, "run_logged", logged)
+    monkeypatch.setattr(e2e, "recipe_values", lambda config: {"prompts": 2, "group": 2, "mini": 1, "micro": 1})
+    monkeypatch.setattr(trust.Killer, "start", lambda self: None)  # no actor to kill here
+    args = trust.parser().parse_args([str(tmp_path), "--config", str(ROOT / "configs/tiny_ocr.py"), "--device", "cpu",
+                                      "--steps", "3"])
+    written["rows"] = [_row(1), _row(2), _row(3)]
+    assert trust.run_part(args, "kill", [])["retries"] == 1
+    for bad in ({"rollout/versions": 2}, {"staleness": 1}, {"rollout/versions": None}):
+        written["rows"] = [_row(1), _row(2), _row(3, **bad)]
+        with pytest.raises(RuntimeError, match=r"mixed or stale policy versions at steps \[3\]"):
+            trust.run_part(args, "kill", [])

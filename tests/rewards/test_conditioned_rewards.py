@@ -126,7 +126,7 @@ def test_refusals_reach_the_steps_metrics():
         futures[c] = Future()
         futures[c].set_result(out)
     merged = merge_rewards(futures)
-    metrics = Experience(TrainBatch(advantages=np.zeros(7)), merged, 0.0, 0).metrics(1, 1.0)
+    metrics = Experience(TrainBatch(advantages=np.zeros(7)), merged, 0.0, 0, 1).metrics(1, 1.0)
     assert metrics["reward/judge/refused"] == 3 and "reward/plain/refused" not in metrics
     assert "reward/counts" not in metrics
 

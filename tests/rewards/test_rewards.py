@@ -323,6 +323,6 @@ def test_reward_pool_reports_each_rewards_scoring_seconds():
     merged = merge_rewards(futures)
     assert merged["slow"].shape == (16,) and merged["seconds"]["slow"] == outs[0]["seconds"]["slow"] + \
         outs[1]["seconds"]["slow"]
-    metrics = Experience(TrainBatch(advantages=np.zeros(16)), merged, 0.0, 0).metrics(720, 2.0)
+    metrics = Experience(TrainBatch(advantages=np.zeros(16)), merged, 0.0, 0, 1).metrics(720, 2.0)
     assert metrics["time/reward_busy/slow"] == merged["seconds"]["slow"] >= 0.1
     assert "reward/seconds" not in metrics and metrics["reward/slow"] == 1.0

@@ -393,6 +393,7 @@ def test_rollout_actor_killed_mid_generate_is_restarted_and_retried(ray_session,
         metrics = trainer.train_one(0)
         assert trainer.driver.rollout.servers[0] is not victim
         assert metrics["skipped"] == 0 and np.max(metrics["logp_diff_max"]) < 1e-5  # one policy after the restart
+        assert metrics["rollout/versions"] == 1 and metrics["staleness"] == 0  # every sample the step's policy's
     finally:
         trainer.close()
 
@@ -413,6 +414,7 @@ def test_one_of_two_engines_killed_after_an_update_loses_no_step_and_mixes_no_ve
         metrics = trainer.train_one(1)
         assert victim not in trainer.driver.rollout.servers and len(trainer.driver.rollout.servers) == 2
         assert metrics["skipped"] == 0 and np.max(metrics["logp_diff_max"]) < 1e-5
+        assert metrics["rollout/versions"] == 1 and metrics["staleness"] == 0
     finally:
         trainer.close()
 
