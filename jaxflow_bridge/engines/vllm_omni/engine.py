@@ -20,7 +20,8 @@ options its pipeline lacks (`pipeline_args`), checks adapters' names (`adapter`)
 
 - generate: one engine request per prompt with `num_outputs_per_prompt=n` (one B=n forward, 2n with true CFG,
   per step), all submitted at once; knobs split into OmniDiffusionSamplingParams fields and `extra_args`
-  (the kind's `encode_request`, with an edit model's reference images, once per prompt); results unpacked into one TrajectoryBatch (`codec.unpack_trajectories`), prompt-major.
+  (the kind's `encode_request`, with an edit model's reference images, once per prompt); results unpacked into
+  one TrajectoryBatch (`codec.unpack_trajectories`), prompt-major.
 - update_lora / update_lora_shared: one payload (`jaxflow_bridge/contract/lora_payload.py`: arrays over Ray, or a
   shared-memory file on this host), its names (renamed for vLLM-Omni, `jaxflow_bridge.contract.lora.to_vllm_omni`;
   the kind checks them first) and shapes checked against the engine's LoRA-capable layers, then served by the
