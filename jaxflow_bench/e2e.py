@@ -14,7 +14,7 @@ train.num_micro_batches scaled so that a micro-batch keeps the recipe's size (or
 (--steps), no eval or checkpoints. The random folder (--model-dir, default the E2E folder, e.g. /tmp/qwen_random or
 /tmp/bagel_random) is written if missing. The log goes to OUT/train.log, each line stamped with the time of day; the
 GPUs' memory is read by nvidia-smi every 0.5 s; OUT/RESULT.json gets `jaxflow_bench.summary`'s figures (RESULT
-default e2e_ENGINE_LAYOUT, e2e_FAMILY_1gpu for a one-GPU recipe, e2e_8gpu for the node). --config.x=y arguments go to the trainer.
+default e2e_ENGINE_LAYOUT, e2e_FAMILY_LAYOUT for another family's recipe, e2e_8gpu for the node). --config.x=y arguments go to the trainer.
 --config FILE runs that recipe on the model it names (--model-dir replaces it; nothing is written). --device cpu
 runs inproc or 1gpu on the CPU with jaxflow.train's CPU_OVERRIDES (the tiny recipe: --config configs/tiny_ocr.py):
 no memory is read there, nor without nvidia-smi, and the result has no peak_gib; RESULT default e2e_cpu_LAYOUT.
@@ -249,6 +249,16 @@ def setup(args, given: dict) -> tuple[list[str], dict, int, list[str] | None]:
     return [*train, *cmd], env, gpus, watched
 
 
+def result_name(args) -> str:
+    """The result file's default name: e2e_8gpu for the node, e2e_RECIPE_LAYOUT for a recipe other than the
+    default family's (e2e_bagel_1gpu), else e2e_ENGINE_LAYOUT (cpu for a CPU run)."""
+    if args.layout == "node":
+        return "e2e_8gpu"
+    if args.recipe and args.recipe != families.DEFAULT:
+        return f"e2e_{args.recipe}_{args.layout}"
+    return f"e2e_{'cpu' if args.device == 'cpu' else args.engine or 'vllm_omni'}_{args.layout}"
+
+
 def ensure_model(args, env: dict) -> None:
     """Write the recipe's random folder if it is missing (nothing for --config)."""
     if not args.config:
@@ -299,9 +309,7 @@ def run(args, overrides: list[str], env: dict | None = None) -> Path:
     figures = summarize(out / "run", gpus, exclude=exclude, gpu_mem=None if watched is None else out / "gpu_mem.csv")
     if figures is None:
         raise RuntimeError(f"{out / 'run'} has no step after the first to time: run more --steps")
-    engine = "cpu" if args.device == "cpu" else args.engine or "vllm_omni"
-    result = args.result or ("e2e_8gpu" if layout == "node" else f"e2e_{args.recipe}_1gpu" if args.recipe and e2e_recipe(args)["one_gpu"] else
-                             f"e2e_{engine}_{layout}")
+    result = args.result or result_name(args)
     if args.one_gpu:
         one = json.loads(Path(args.one_gpu).read_text())["figures"]["img_per_gpu_s"]
         figures.update(one_gpu_img_per_gpu_s=one, scaling_efficiency=figures["img_per_gpu_s"] / one)

@@ -20,7 +20,8 @@ options its pipeline lacks (`pipeline_args`), checks adapters' names (`adapter`)
 
 - generate: one engine request per prompt with `num_outputs_per_prompt=n` (one B=n forward, 2n with true CFG,
   per step), all submitted at once; knobs split into OmniDiffusionSamplingParams fields and `extra_args`
-  (the kind's `encode_request`); results unpacked into one TrajectoryBatch (`codec.unpack_trajectories`), prompt-major.
+  (the kind's `encode_request`, with an edit model's reference images, once per prompt); results unpacked into
+  one TrajectoryBatch (`codec.unpack_trajectories`), prompt-major.
 - update_lora / update_lora_shared: one payload (`jaxflow_bridge/contract/lora_payload.py`: arrays over Ray, or a
   shared-memory file on this host), its names (renamed for vLLM-Omni, `jaxflow_bridge.contract.lora.to_vllm_omni`;
   the kind checks them first) and shapes checked against the engine's LoRA-capable layers, then served by the
@@ -208,17 +209,22 @@ class VllmOmniEngine(RolloutEngine):
 
     # -------------------------------------------------------------------------------------- generation
 
-    def generate(self, prompts: list[str], n: int, sampling: dict, seeds=None) -> dict:
+    def generate(self, prompts: list[str], n: int, sampling: dict, seeds=None, references=None) -> dict:
         """TrajectoryBatch.to_dict() of B = len(prompts) * n samples, prompt-major (sample b of prompt b // n); each
-        request's text padded as it arrives, to `text_tokens` (without them: to the call's longest text)."""
+        request's text padded as it arrives, to `text_tokens` (without them: to the call's longest text).
+        `references`: an edit model's images, one uint8 (R, H, W, 3) array per prompt, in its request once."""
         sp = self.kind.sampling.from_dict(sampling)
         check_prompts(prompts, n)
+        if references is not None and len(references) != len(prompts):
+            raise ValueError(f"references: one array of images per prompt, got {len(references)} for "
+                             f"{len(prompts)} prompts")
+        images = [{}] * len(prompts) if references is None else [{"references": r} for r in references]
         self.check_awake()
         seeds = per_sample_seeds(len(prompts) * n, sp.seed if seeds is None else seeds)
         sample_windows(seeds, sp.sde_window_size, sp.sde_window_range, sp.num_inference_steps)
         thinker = self.kind.thinker_params(sp)  # two stages: the thinker's parameters first (refuses think mode)
-        requests = [(*self.kind.encode_request(p, sp, seeds[g * n:(g + 1) * n], self.policy_version), thinker)
-                    for g, p in enumerate(prompts)]
+        requests = [(*self.kind.encode_request(p, sp, seeds[g * n:(g + 1) * n], self.policy_version, **images[g]),
+                     thinker) for g, p in enumerate(prompts)]
         outputs = self._run(self._generate_all(requests))
         parts = [unpack_trajectories(out, p, g, thinker_ids)
                  for g, (p, (out, thinker_ids)) in enumerate(zip(prompts, outputs))]

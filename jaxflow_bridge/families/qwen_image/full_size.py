@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from jaxflow_bridge.families.qwen_image.tiny import TINY_VAE_CONFIG, assemble
+from jaxflow_bridge.families.qwen_image.tiny import PROMPT_TEMPLATE, TINY_VAE_CONFIG, assemble
 from jaxflow_bridge.families.qwen_image.tiny import text_encoder as make_text_encoder
 
 # Qwen/Qwen-Image's vae/config.json (the latent statistics are the tiny VAE's, which copies them)
@@ -29,6 +29,13 @@ TEXT_ENCODERS = ("full", "short")
 def full_size_pipeline(device, transformer_device=None, text_encoder: str = "full"):
     """The pipeline in bf16 on `device` (seed 0); `transformer_device="meta"` builds the transformer's config only;
     `text_encoder`: "full" (Qwen2.5-VL-7B's size) or "short" (2 layers)."""
+    return assemble(*full_size_modules(device, transformer_device, text_encoder))
+
+
+def full_size_modules(device, transformer_device=None, text_encoder: str = "full",
+                      templates: tuple[str, ...] = (PROMPT_TEMPLATE,)):
+    """`full_size_pipeline`'s (transformer, vae, text encoder); the encoder's token ids are those of
+    `build_tokenizer(templates)` (a family whose prompt templates add words: Qwen-Image-Edit)."""
     if text_encoder not in TEXT_ENCODERS:
         raise ValueError(f"text_encoder must be one of {TEXT_ENCODERS}, got {text_encoder!r}")
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
@@ -40,8 +47,9 @@ def full_size_pipeline(device, transformer_device=None, text_encoder: str = "ful
             with torch.device(transformer_device or device):
                 transformer = QwenImageTransformer2DModel()
             vae = AutoencoderKLQwenImage(**VAE_CONFIG)
-            encoder = (make_text_encoder(TEXT_CONFIG, VISION_CONFIG, vocab_size=VOCAB_SIZE) if text_encoder == "full"
-                       else make_text_encoder(SHORT_TEXT_CONFIG, SHORT_VISION_CONFIG))
+            encoder = (make_text_encoder(TEXT_CONFIG, VISION_CONFIG, vocab_size=VOCAB_SIZE, templates=templates)
+                       if text_encoder == "full" else
+                       make_text_encoder(SHORT_TEXT_CONFIG, SHORT_VISION_CONFIG, templates=templates))
     finally:
         torch.set_default_dtype(torch.float32)
-    return assemble(transformer, vae, encoder)
+    return transformer, vae, encoder

@@ -20,6 +20,11 @@ FOLDER = "a diffusers Qwen-Image-Edit(-Plus) folder (model_index.json)"
 PIPELINE_CLASSES = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
 ENGINES = ("diffusers", "vllm_omni")  # the rollout engines that serve it
 EXAMPLE = "/path/to/Qwen-Image-Edit (a diffusers folder)"
+# `jaxflow_bench.e2e --recipe qwen_image_edit` (as Qwen-Image's spec.E2E): the edit recipe on a random full-size edit
+# folder (Qwen-Image's transformer, drawn on the devices; the VL encoder at Qwen2.5-VL-7B's size; processor/)
+E2E = dict(config="configs/qwen_edit_ocr.py", folder="/tmp/qwen_edit_random", marker="model_index.json",
+           writer=["scripts/make_random_pipeline.py", "--family", NAME, "--no-transformer-weights"], init="random",
+           one_gpu=False)
 
 
 def is_folder(folder: Path) -> bool:

@@ -1,7 +1,7 @@
 """The edit family on the vllm_omni engine, CPU-testable parts (no vLLM-Omni here): our pipeline class over a
 stand-in of vLLM-Omni's QwenImageEdit(Plus)Pipeline on the tiny edit model's diffusers components gives the diffusers
 edit pipeline's trajectory (reference latents included) for the same seeds; the request carries the prompt's images
-once; the kind picks the class by the folder."""
+once; the kind picks the class by the folder; the vllm_omni engine sends each prompt's images in its request."""
 import dataclasses
 from types import SimpleNamespace
 
@@ -11,12 +11,15 @@ import torch
 
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.engines.vllm_omni import codec
+from jaxflow_bridge.engines.vllm_omni.engine import VllmOmniEngine
 from jaxflow_bridge.engines.vllm_omni.kinds import family_of, model_kind
 from jaxflow_bridge.engines.vllm_omni.rules import problems
 from jaxflow_bridge.families.qwen_image_edit import vllm_omni_pipeline as vop
 from jaxflow_bridge.families.qwen_image_edit.diffusers_pipeline import RolloutPipeline
 from jaxflow_bridge.families.qwen_image_edit.tiny import tiny_pipeline_path
 from jaxflow_bridge.rollout.sampling import SamplingParams
+from tests.helpers import ROOT
+from tests.helpers_vllm_omni import install_fake_vllm_omni
 
 SIZE = 32  # the tiny VAE: 8 pixels a packed token
 SAMPLING = SamplingParams(height=SIZE, width=SIZE, num_inference_steps=4, true_cfg_scale=4.0, noise_level=1.2,
@@ -114,3 +117,29 @@ def test_the_engine_serves_an_edit_folder_with_the_edit_class():
     assert list(problems("qwen_image_edit", dtype="bfloat16", device=None, init="checkpoint", deploy=None)) == []
     assert [k for k, _ in problems("qwen_image_edit", dtype="bfloat16", device=None, init="checkpoint",
                                    deploy="two_stage")] == ["rollout.bagel_deploy"]
+
+
+def test_the_engine_sends_each_prompts_images_once(tmp_path, monkeypatch):
+    """VllmOmniEngine.generate with `references` (one array per prompt, as the rollout server passes them): one
+    request per prompt, carrying that prompt's images once for its n samples; each group's trajectory conditioned on
+    its own images (reference latents shared within a group, not across); a count that is not one per prompt
+    refused."""
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    cls = vop.build_pipeline_class(FakeOmniQwenImageEditPipeline, SimpleNamespace)
+    omni = install_fake_vllm_omni(monkeypatch, tmp_path, {vop.PIPELINE_CLASS: cls})
+    engine = VllmOmniEngine({"engine": "vllm_omni", "model": str(tiny_pipeline_path())})
+    images = [references(1, seed=1), references(1, seed=2)]
+    sampling = dataclasses.asdict(dataclasses.replace(SAMPLING, num_inference_steps=2, sde_window_size=1, sde_window_range=(0, 1)))
+    out = TrajectoryBatch.from_dict(engine.generate([PROMPT, "paint it blue"], 2, sampling, seeds=[1, 2, 3, 4],
+                                                    references=images))
+    (started,) = omni.started
+    assert [p["prompt"] for p, _ in started.requests] == [PROMPT, "paint it blue"]
+    for (prompt, params), sent in zip(started.requests, images):
+        assert params.num_outputs_per_prompt == 2
+        (image,) = prompt["multi_modal_data"]["image"]
+        assert np.array_equal(np.asarray(image), sent[0])
+    assert out.reference_latents.shape[:2] == (4, 1) and list(out.seeds) == [1, 2, 3, 4]
+    lat = out.reference_latents
+    assert np.array_equal(lat[0], lat[1]) and np.array_equal(lat[2], lat[3]) and not np.array_equal(lat[0], lat[2])
+    with pytest.raises(ValueError, match="one array of images per prompt"):
+        engine.generate([PROMPT, "paint it blue"], 2, sampling, references=images[:1])
