@@ -65,7 +65,7 @@ def _ranged(name: str, fn):
 
 
 def profile(engine, prompts: list[str], n: int, sampling: dict, calls: int) -> dict:
-    """The figures of `calls` calls of `engine.generate` (a DiffusersEngine) after a warm-up one."""
+    """The figures of `calls` calls of `engine.generate` (the diffusers engine) after a warm-up one of each setting."""
     import torch
 
     pipeline = engine.pipeline
@@ -120,15 +120,16 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    from jaxflow_bridge.engines.diffusers import DiffusersEngine
     from jaxflow_bridge.families.qwen_image import spec
+    from jaxflow_bridge.rollout.server import engine_class
 
     model = args.model or spec.E2E["folder"]
     if args.model is None and not (Path(model) / spec.E2E["marker"]).is_file():
         writer = spec.E2E["writer"]
         subprocess.run([sys.executable, writer[0], "--out", model, *writer[1:]], check=True)
-    engine = DiffusersEngine({"engine": "diffusers", "model": model, "device": args.device,
-                              "dtype": "bfloat16" if args.device == "cuda" else "float32", "random_seed": args.seed})
+    config = {"engine": "diffusers", "model": model, "device": args.device,
+              "dtype": "bfloat16" if args.device == "cuda" else "float32", "random_seed": args.seed}
+    engine = engine_class(config)(config)
     window = (0, max(1, min(TRAIN_SETTINGS["sde_window_range"][1], args.steps - 1)))
     sampling = {**TRAIN_SETTINGS, "height": args.size, "width": args.size, "num_inference_steps": args.steps,
                 "sde_window_size": min(TRAIN_SETTINGS["sde_window_size"], window[1]), "sde_window_range": window}

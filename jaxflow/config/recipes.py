@@ -230,7 +230,7 @@ def base() -> ml_collections.ConfigDict:
                      # "split": no attention mask within a prompt group; vLLM-Omni's rollout 1.05x with the LoRA,
                      # 1.07x without (BENCHMARKS.md, true CFG)
                      cfg_forward="split",
-                     # "none": the bf16 DiT the trainer trains (FP8's trade-off: docs/vllm_omni.md, FP8 rollout)
+                     # "none": the bf16 DiT the trainer trains, until FP8's trade-off is measured (docs/vllm_omni.md, FP8 rollout)
                      quantization="none",
                      # a family with stages on vllm_omni: vLLM-Omni's single DiT stage (what verl-omni trains
                      # with), or "two_stage" (a vLLM thinker prefills, the DiT denoises; the family's docs)

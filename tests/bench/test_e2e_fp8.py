@@ -14,7 +14,7 @@ import pytest
 from jaxflow_bench.e2e import parser, result_name, setup
 from jaxflow_bench.summary import mismatch_figures, summarize
 from tests import HANG_S
-from tests.bench.test_bench_scripts import ROOT
+from tests.helpers import ROOT
 
 
 def row(step: int, means, maxes, rejected=None) -> dict:

@@ -10,7 +10,7 @@ import pytest
 
 from jaxflow_bench.rollout_profile import categorize, category
 from tests import HANG_S
-from tests.bench.test_bench_scripts import ROOT
+from tests.helpers import ROOT
 
 
 def test_kernel_names_fall_in_their_categories():
