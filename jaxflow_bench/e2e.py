@@ -3,7 +3,7 @@
     python -m jaxflow_bench.e2e OUT [--layout inproc|1gpu|2gpu|2gpu_colocated|node] [--recipe FAMILY]
         [--config FILE] [--device cuda|cpu] [--engine vllm_omni|diffusers] [--sleep true|false] [--prompts 2]
         [--micro N] [--per-call N] [--steps N] [--reward NAME] [--result NAME] [--model-dir DIR] [--profile-step K]
-        [--one-gpu FILE] [--config.x=y ...]
+        [--one-gpu FILE] [--quantization fp8] [--config.x=y ...]
     python -m jaxflow_bench.e2e OUT --scaling [--layouts 2gpu_colocated 2gpu] [--config.x=y ...]
     python -m jaxflow_bench.e2e OUT --arms flowgrpo guard corrected nft mixgrpo awm [--config.x=y ...]
 
@@ -35,6 +35,10 @@ OUT/LAYOUT/RESULT.json (a result already there is kept), then OUT/e2e_2gpu.json 
 2gpu_colocated runs --colocated-micro (2) samples in a pool of --colocated-pool (0.5), 2gpu with rollout.overlap.
 --arms: --layout (1gpu) per algorithm arm into OUT/ARM/e2e_alg_ARM.json, then OUT/e2e_algorithms.json side by
 side: `ARM/step_s` etc. and `ARM/step_vs_flowgrpo` (the arm's step time over FlowGRPO's).
+--quantization fp8: the rollout's DiT in FP8 (rollout.quantization, vLLM-Omni only; the LoRA served as layers);
+RESULT default e2e_recipe_fp8_LAYOUT. Its figures beside img_per_gpu_s and rollout_s: logp_diff_p50 / logp_diff_p99
+(the log-prob mismatch against the bf16 trainer, `summary.mismatch_figures`) and, with
+--config.train.old_log_prob=rollout_corrected (or recompute_corrected), rejected_share.
 --profile-step K traces step K, dumps the train step's HLO and runs scripts/profile_step.py on both.
 """
 from __future__ import annotations
@@ -189,6 +193,9 @@ def setup(args, given: dict) -> tuple[list[str], dict, int, list[str] | None]:
         raise Refused("--device cpu runs the diffusers engine in --layout inproc or 1gpu (its actor on the CPU)")
     if engine == "vllm_omni" and layout == "inproc":
         raise Refused("the vllm_omni engine runs in a Ray actor: --layout 1gpu or 2gpu")
+    if args.quantization != "none" and engine != "vllm_omni":
+        raise Refused(f"--quantization {args.quantization} quantizes vLLM-Omni's DiT: a GPU run without --engine "
+                      f"diffusers")
     if one_gpu and (layout != "1gpu" or args.engine == "diffusers"):
         raise Refused(f"--recipe {args.recipe} runs vLLM-Omni on one GPU: --layout 1gpu without --engine")
     env["PYTHONUNBUFFERED"] = "1"
@@ -226,6 +233,8 @@ def setup(args, given: dict) -> tuple[list[str], dict, int, list[str] | None]:
         cmd += cpu_overrides()
     elif layout != "node":
         cmd += [f"--config.rollout.engine={engine}", "--config.rollout.dtype=bfloat16", "--config.rollout.device=cuda"]
+    if args.quantization != "none":
+        cmd.append(f"--config.rollout.quantization={args.quantization}")
     if args.sleep:
         cmd.append(f"--config.rollout.sleep_while_training={args.sleep}")
     if layout != "node" or args.prompts:
@@ -249,16 +258,6 @@ def setup(args, given: dict) -> tuple[list[str], dict, int, list[str] | None]:
     return [*train, *cmd], env, gpus, watched
 
 
-def result_name(args) -> str:
-    """The result file's default name: e2e_8gpu for the node, e2e_RECIPE_LAYOUT for a recipe other than the
-    default family's (e2e_bagel_1gpu), else e2e_ENGINE_LAYOUT (cpu for a CPU run)."""
-    if args.layout == "node":
-        return "e2e_8gpu"
-    if args.recipe and args.recipe != families.DEFAULT:
-        return f"e2e_{args.recipe}_{args.layout}"
-    return f"e2e_{'cpu' if args.device == 'cpu' else args.engine or 'vllm_omni'}_{args.layout}"
-
-
 def ensure_model(args, env: dict) -> None:
     """Write the recipe's random folder if it is missing (nothing for --config)."""
     if not args.config:
@@ -266,6 +265,20 @@ def ensure_model(args, env: dict) -> None:
         model, maker = args.model_dir or recipe["folder"], recipe["writer"]
         if not (Path(model) / recipe["marker"]).is_file():
             subprocess.run([sys.executable, maker[0], "--out", model, *maker[1:]], env=env, check=True)
+
+
+def result_name(args) -> str:
+    """The result file's name: --result, else the node's, a recipe's other than the default family's
+    (e2e_RECIPE_LAYOUT: e2e_bagel_1gpu), a quantized rollout's (e2e_recipe_fp8_LAYOUT) or e2e_ENGINE_LAYOUT."""
+    if args.result:
+        return args.result
+    if args.layout == "node":
+        return "e2e_8gpu"
+    if args.recipe and args.recipe != families.DEFAULT:
+        return f"e2e_{args.recipe}_{args.layout}"
+    if args.quantization != "none":
+        return f"e2e_recipe_{args.quantization}_{args.layout}"
+    return f"e2e_{'cpu' if args.device == 'cpu' else args.engine or 'vllm_omni'}_{args.layout}"
 
 
 def run(args, overrides: list[str], env: dict | None = None) -> Path:
@@ -309,7 +322,7 @@ def run(args, overrides: list[str], env: dict | None = None) -> Path:
     figures = summarize(out / "run", gpus, exclude=exclude, gpu_mem=None if watched is None else out / "gpu_mem.csv")
     if figures is None:
         raise RuntimeError(f"{out / 'run'} has no step after the first to time: run more --steps")
-    result = args.result or result_name(args)
+    result = result_name(args)
     if args.one_gpu:
         one = json.loads(Path(args.one_gpu).read_text())["figures"]["img_per_gpu_s"]
         figures.update(one_gpu_img_per_gpu_s=one, scaling_efficiency=figures["img_per_gpu_s"] / one)
@@ -382,6 +395,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cuda", "cpu"), help="cpu: the trainer and a diffusers engine on the CPU "
                                                              "(jaxflow.train's CPU overrides; default cuda)")
     p.add_argument("--engine", choices=("vllm_omni", "diffusers"))
+    p.add_argument("--quantization", choices=("none", "fp8"), default="none",
+                   help="rollout.quantization: the rollout's DiT in FP8 (vLLM-Omni)")
     p.add_argument("--sleep", choices=("true", "false"), help="rollout.sleep_while_training (default the recipe's)")
     p.add_argument("--prompts", type=int, help="prompts a step (default 2; the node: the recipe's)")
     p.add_argument("--micro", type=int, help="samples a micro-batch (default the recipe's; a one-GPU recipe and the node 2)")

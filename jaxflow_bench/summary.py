@@ -12,10 +12,31 @@ import json
 import statistics
 from pathlib import Path
 
+import numpy as np
+
 from jaxflow_bench.results import write_result
 
 KEYS = ("time/step", "time/rollout", "time/reward", "time/train", "time/to_device", "time/sync", "time/old_log_prob",
         "time/update", "time/sleep", "time/wake", "rollout_freed_gib", "bound_modules", "micro_batch", "jax_peak_gib")
+
+
+def mismatch_figures(rows: list[dict]) -> dict:
+    """The rollout/trainer log-prob mismatch of metrics rows (FlowGRPO's; DiffusionNFT logs none): logp_diff_max
+    (the largest |logp - logp_rollout|), logp_diff_p50 (the median over steps and window steps of each window step's
+    mean |logp - logp_rollout|), logp_diff_p99 (the 99th percentile over steps and window steps of each window step's
+    largest); with rollout correction rejected_share (the median step's share of samples x window steps rejected,
+    `rejected_frac`)."""
+    def values(prefix):
+        return [v for r in rows for k, v in r.items() if k.startswith(prefix)]
+
+    out, means, maxes = {}, values("logp_diff_mean/"), values("logp_diff_max/")
+    if maxes:
+        out.update(logp_diff_max=max(maxes), logp_diff_p50=float(np.percentile(means, 50)),
+                   logp_diff_p99=float(np.percentile(maxes, 99)))
+    rejected = [r["rejected_frac"] for r in rows if "rejected_frac" in r]
+    if rejected:
+        out["rejected_share"] = statistics.median(rejected)
+    return out
 
 
 def summarize(run_dir: Path, gpus: int = 1, skip: int = 1, exclude=(), gpu_mem: Path | None = None) -> dict | None:
@@ -46,9 +67,7 @@ def summarize(run_dir: Path, gpus: int = 1, skip: int = 1, exclude=(), gpu_mem: 
     for key in sorted(k for k in steady[0] if k.startswith("time/reward_busy/")):  # scoring seconds per reward
         figures[f"reward_busy_{key.rpartition('/')[2]}_s"] = statistics.median(r[key] for r in steady)
     figures["share_of_step_sync"] = figures["sync_s"] / figures["step_s"]
-    diffs = [v for r in steady for k, v in r.items() if k.startswith("logp_diff_max/")]
-    if diffs:  # FlowGRPO's rollout/trainer log-prob mismatch (DiffusionNFT has no log-probs)
-        figures["logp_diff_max"] = max(diffs)
+    figures.update(mismatch_figures(steady))
     if gpu_mem and Path(gpu_mem).is_file():
         used = [int(x) for x in Path(gpu_mem).read_text().split() if x.isdigit()]
         if used:

@@ -20,9 +20,13 @@ from jaxflow.nn.config import ModelOptions
 
 def lora_apply(cfg) -> str:
     """How the rollout serves the LoRA, the engines' `lora_apply`: rollout.lora_apply, 'auto' resolved to the family's
-    mode on its engine (`Family.auto_lora_apply`: 'layers', 'merged' or 'folder', each family's per engine)."""
+    mode on its engine (`Family.auto_lora_apply`: 'layers', 'merged' or 'folder', each family's per engine), 'layers'
+    for 'merged' with a quantized rollout (rollout.quantization: FP8 weights take no merge)."""
     mode = cfg.rollout.lora_apply
-    return families.of(cfg).auto_lora_apply[cfg.rollout.engine] if mode == "auto" else mode
+    if mode != "auto":
+        return mode
+    mode = families.of(cfg).auto_lora_apply[cfg.rollout.engine]
+    return "layers" if mode == "merged" and cfg.rollout.quantization != "none" else mode
 
 
 def merged_lora(cfg) -> bool:
@@ -73,6 +77,7 @@ class RunPlan:
     layout: str  # rollout.layout
     engines: int  # rollout engines (rollout.num_servers)
     lora_apply: str  # how the rollout serves the LoRA (the engines' lora_apply): "layers", "merged" or "folder"
+    quantization: str  # the rollout DiT's linears (rollout.quantization): "none" (bf16) or "fp8"
     lora_gemm_why: str  # why model.lora_gemm (model.lora_gemm below) resolved as it did
     model: ModelOptions  # the trainer model's options: lora_gemm and scan_unroll resolved
     xla_options: Mapping  # the train step's XLA options for the linears the model runs
@@ -86,7 +91,7 @@ class RunPlan:
             f"  trainer linears: model.lora_gemm={m.lora_gemm} ({self.lora_gemm_why}); model.scan_unroll="
             f"{m.scan_unroll}; XLA options {dict(self.xla_options) or '{}'}",
             f"  rollout: layout {self.layout}, {self.engines} engine(s), LoRA served as {self.lora_apply} "
-            f"(rollout.lora_apply)"))
+            f"(rollout.lora_apply), quantization {self.quantization} (rollout.quantization)"))
 
 
 def _tokens(cfg, family, folder: Path) -> tuple[int, int, int]:
@@ -110,6 +115,6 @@ def make_plan(cfg: RunConfig, folder: Path, *, backend: str, devices: int, batch
         gemm, why = "xla", f"{family.name}'s layers have no fused-kernel path"
     return RunPlan(backend=backend, devices=devices, batch_devices=batch_devices, micro_batch=micro,
                    layout=cfg.rollout.layout, engines=cfg.rollout.num_servers,
-                   lora_apply=lora_apply(cfg), lora_gemm_why=why,
+                   lora_apply=lora_apply(cfg), quantization=cfg.rollout.quantization, lora_gemm_why=why,
                    model=validation.model_options(cfg, gemm, num_layers),
                    xla_options=MappingProxyType(validation.xla_options(cfg, gemm)))

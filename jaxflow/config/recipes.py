@@ -68,6 +68,8 @@ HELP: dict[str, str] = {
                          "(plan.py)",
     "rollout.cfg_forward": "true CFG's two rows: 'batched' (one forward, text padded to one length) or 'split' (a "
                            "forward each)",
+    "rollout.quantization": "vllm_omni only: 'none' (the bf16 DiT) or 'fp8' (vLLM-Omni quantizes the DiT's linears at "
+                            "load: FP8 weights and activations; the LoRA as layers, never merged)",
     "rollout.bagel_deploy": "vllm_omni's stages (Family.stages): 'single_stage' or 'two_stage' (a vLLM thinker "
                             "prefills, the DiT denoises)",
     "rollout.thinker_memory": "two-stage deployment: the thinker's share of the GPU (vLLM's gpu_memory_utilization; "
@@ -228,6 +230,8 @@ def base() -> ml_collections.ConfigDict:
                      # "split": no attention mask within a prompt group; vLLM-Omni's rollout 1.05x with the LoRA,
                      # 1.07x without (BENCHMARKS.md, true CFG)
                      cfg_forward="split",
+                     # "none": the bf16 DiT the trainer trains, until FP8's trade-off is measured (docs/vllm_omni.md, FP8 rollout)
+                     quantization="none",
                      # a family with stages on vllm_omni: vLLM-Omni's single DiT stage (what verl-omni trains
                      # with), or "two_stage" (a vLLM thinker prefills, the DiT denoises; the family's docs)
                      bagel_deploy="single_stage",

@@ -58,6 +58,7 @@ class RolloutSection:
     share_weights: bool
     lora_apply: str
     cfg_forward: str
+    quantization: str
     bagel_deploy: str
     thinker_memory: float
 

@@ -178,6 +178,12 @@ def validate(user: ConfigDict) -> RunConfig:
     if cfg.rollout.lora_apply == "merged" and cfg.rollout.engine != "vllm_omni":
         fail("rollout.lora_apply", f"'merged' is a mode of the vllm_omni engine; with rollout.engine="
                                    f"{cfg.rollout.engine!r} use 'auto' or 'layers' (or 'folder')")
+    for key, message in vllm_omni_rules.quantization_problems(cfg.rollout.quantization, cfg.rollout.lora_apply):
+        fail(key, message)
+    if cfg.rollout.quantization != "none" and cfg.rollout.engine != "vllm_omni":
+        fail("rollout.quantization", f"{cfg.rollout.quantization!r} is vLLM-Omni's quantized DiT: it needs "
+                                      f"rollout.engine='vllm_omni' (a bfloat16 rollout), not "
+                                      f"{cfg.rollout.engine!r}; leave it 'none'")
     if cfg.rollout.compile and cfg.rollout.engine != "diffusers":
         fail("rollout.compile", "is an option of the diffusers engine; leave it False with "
                                  f"rollout.engine={cfg.rollout.engine!r}")

@@ -159,6 +159,8 @@ class Driver:
         if r.compile:
             engine["compile"] = True
         engine["lora_apply"] = self.plan.lora_apply  # layers, merged (jaxflow_bridge/sync/merge.py) or folder
+        if self.plan.quantization != "none":  # vllm_omni's FP8 DiT (the validation stage refuses it elsewhere)
+            engine["quantization"] = self.plan.quantization
         if r.share_weights:  # the engine serves the trainer's own arrays (jaxflow/sync/base_share.py)
             engine["base_weights"] = "shared"
         elif self.cfg.model.init == "random":

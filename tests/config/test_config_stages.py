@@ -150,6 +150,11 @@ def test_the_plan_on_this_cpu_machine(tmp_path):
                               model=dataclasses.replace(cfg.model, scan_unroll=0))
     plan = learner.run_plan(cfg, folder, layout)
     assert plan.lora_apply == "merged" and plan.model.scan_unroll == 1  # 0: a scan of 1 where the linears run xla
+    assert plan.quantization == "none" and "quantization none (rollout.quantization)" in plan.summary()
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, quantization="fp8"))
+    plan = learner.run_plan(cfg, folder, layout)  # FP8 weights take no merge: 'auto' serves the LoRA as layers
+    assert (plan.lora_apply, plan.quantization) == ("layers", "fp8")
+    assert "LoRA served as layers (rollout.lora_apply), quantization fp8" in plan.summary().splitlines()[2]
 
 
 def test_auto_never_reaches_the_family_or_the_learner(tmp_path, monkeypatch):

@@ -96,3 +96,54 @@ def test_cfg_forward_is_checked_by_one_function(tmp_path, monkeypatch):
     assert diffusers.cfg_forward_choice is schedule.cfg_forward_choice
     monkeypatch.setattr(validation, "cfg_forward_choice", lambda value: value)
     validation.validate(cfg)  # the stage holds no second copy
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"rollout.quantization": "fp8"},
+     "config.rollout.quantization: 'fp8' is vLLM-Omni's quantized DiT: it needs rollout.engine='vllm_omni' (a "
+     "bfloat16 rollout), not 'diffusers'; leave it 'none'"),
+    ({"rollout.quantization": "fp8", "rollout.engine": "vllm_omni", "rollout.device": "cuda"},
+     "config.rollout.dtype: 'float32': Qwen-Image runs with 'bfloat16' on the vllm_omni engine (vLLM-Omni 0.20 runs "
+     "bfloat16 only: its warm-up fails on float32 folders); use rollout.engine='diffusers' for float32"),
+    ({"rollout.quantization": "int8", **BAGEL_OMNI},
+     "config.rollout.quantization: 'int8'; choose one of ('none', 'fp8')"),
+    ({"rollout.quantization": "fp8", "rollout.lora_apply": "merged", **BAGEL_OMNI},
+     "config.rollout.lora_apply: 'merged' with rollout.quantization='fp8': the merge adds the adapter to bf16 base "
+     "weights, and vLLM-Omni 0.20's FP8 linears hold float8 weights quantized once at load (one scale per tensor), "
+     "which take no merge; use rollout.lora_apply='layers' (or 'auto')"),
+])
+def test_fp8_rollout_refusals_at_validation(changes, message):
+    """rollout.quantization='fp8': vLLM-Omni's engine only, a bf16 rollout, never with the LoRA merged."""
+    with pytest.raises(UserError) as err:
+        validation.validate(config("tiny_ocr.py", changes))
+    assert str(err.value) == message
+
+
+def test_fp8_rollout_passes_with_the_lora_as_layers():
+    for lora_apply in ("auto", "layers", "folder"):
+        validation.validate(config("tiny_ocr.py", {**BAGEL_OMNI, "rollout.quantization": "fp8",
+                                                   "rollout.lora_apply": lora_apply}))
+
+
+def test_the_engine_starts_vllm_omni_quantized_and_refuses_fp8_merged(tiny_path, tmp_path, monkeypatch):
+    """quantization='fp8' reaches AsyncOmni's start keywords (vLLM-Omni 0.20 maps `quantization` to its diffusion
+    stages' quantization_config); 'none' sends none; merged with FP8 and an unknown method are refused before
+    vLLM-Omni starts."""
+    from types import SimpleNamespace
+
+    from jaxflow_bridge.families.qwen_image import vllm_omni_pipeline as vop
+    from tests.helpers_vllm_omni import FakeOmniQwenImagePipeline
+
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    pipeline = vop.build_pipeline_class(FakeOmniQwenImagePipeline, SimpleNamespace)
+    omni = install_fake_vllm_omni(monkeypatch, tmp_path, {vop.PIPELINE_CLASS: pipeline})
+    base = {"engine": "vllm_omni", "model": str(tiny_path)}
+    engine = vllm_omni_engine.VllmOmniEngine({**base, "quantization": "fp8"})
+    assert omni.started[-1].kwargs["quantization"] == "fp8" and engine.info()["quantization"] == "fp8"
+    vllm_omni_engine.VllmOmniEngine({**base, "quantization": "none"})
+    assert "quantization" not in omni.started[-1].kwargs
+    for config_, match in (({"quantization": "fp8", "lora_apply": "merged"}, r"rollout\.lora_apply='merged' with "),
+                           ({"quantization": "fp4"}, r"rollout\.quantization='fp4'; choose one of")):
+        with pytest.raises(ValueError, match=rf"^vllm_omni engine: {match}"):
+            vllm_omni_engine.VllmOmniEngine({**base, **config_})
+    assert len(omni.started) == 2

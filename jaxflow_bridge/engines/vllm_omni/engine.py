@@ -14,9 +14,11 @@ ops that torch.compile fuses; "vllm": vLLM-Omni's own kernels, for comparison), 
 on Hopper where vLLM-Omni would fall back to FA2, `jaxflow_bridge/engines/vllm_omni/fa_version.py`; "2": as vLLM-Omni
 chooses), `gelu` ("epilogue", the default: the MLP's in-projection and tanh GELU in one cuBLASLt GEMM where no LoRA
 layer wraps it; "separate": vLLM-Omni's elementwise kernel), `deploy` (a kind with several vLLM-Omni deployments:
-"single_stage", the default, or "two_stage"). Same calls and results as the diffusers engine. Each kind refuses the
-options its pipeline lacks (`pipeline_args`), checks adapters' names (`adapter`) and brings its sampling parameters
-(`sampling`) and request encoder (`encode_request`).
+"single_stage", the default, or "two_stage"), `quantization` ("none", the default, or "fp8": vLLM-Omni's FP8 DiT,
+`rules.QUANTIZATIONS`; the LoRA then as layers, vLLM-Omni's own per-slice apply over the FP8 GEMM, never merged).
+Same calls and results as the diffusers engine. Each kind refuses the options its pipeline lacks (`pipeline_args`),
+checks adapters' names (`adapter`) and brings its sampling parameters (`sampling`) and request encoder
+(`encode_request`).
 
 - generate: one engine request per prompt with `num_outputs_per_prompt=n` (one B=n forward, 2n with true CFG,
   per step), all submitted at once; knobs split into OmniDiffusionSamplingParams fields and `extra_args`
@@ -70,7 +72,8 @@ from jaxflow_bridge.rollout.sampling import check_prompts, per_sample_seeds
 from jaxflow_bridge.rollout.tensors import torch_to_numpy
 from jaxflow_bridge.engines.vllm_omni.codec import unpack_trajectories
 from jaxflow_bridge.engines.vllm_omni.kinds import family_of, model_kind
-from jaxflow_bridge.engines.vllm_omni.rules import engine_problems, family_problems, refuse, settings
+from jaxflow_bridge.engines.vllm_omni.rules import (engine_problems, family_problems, quantization_problems, refuse,
+                                                   settings)
 from jaxflow_bridge.engines.vllm_omni.worker import WORKER_EXTENSION_CLASS
 
 log = logging.getLogger(__name__)
@@ -151,7 +154,7 @@ class VllmOmniEngine(RolloutEngine):
 
     name = "vllm_omni"
     config_keys = ("engine", "model", "dtype", "device", "random_seed", "omni_args", "lora_apply", "cfg_forward",
-                   "qk_ops", "fa_version", "gelu", "deploy")
+                   "qk_ops", "fa_version", "gelu", "deploy", "quantization")
 
     def __init__(self, config: dict):
         self.check_config(config)
@@ -161,6 +164,8 @@ class VllmOmniEngine(RolloutEngine):
         refuse(family_problems(family_of(config["model"]), **settings(config)))
         self.kind = model_kind(config["model"], self.dtype, config.get("deploy"))
         pipeline_args = self.kind.pipeline_args(config)  # refuses what the kind lacks, before anything loads
+        self.quantization = config.get("quantization", "none")  # the DiT's linears: bf16, or FP8 (rules.QUANTIZATIONS)
+        refuse(quantization_problems(self.quantization, pipeline_args.get("lora_apply", "layers")))
         start_args = self.kind.start_args(pipeline_args, WORKER_EXTENSION_CLASS)
         self._text_params_cls = _import_text_params() if self.kind.stages > 1 else None
         self._dit = [self.kind.stages - 1]  # the diffusion stage: our pipeline, extension and LoRA
@@ -181,6 +186,8 @@ class VllmOmniEngine(RolloutEngine):
         self.merged = self.lora_apply == "merged"  # adapters merged into the base weights
         self.fallbacks = 0  # in-place LoRA writes that failed (each logged; that update loaded a folder instead)
         kwargs = {**start_args, "dtype": self.dtype, "enable_sleep_mode": True, **config.get("omni_args", {})}
+        if self.quantization != "none":  # vLLM-Omni hands it to its diffusion stages' OmniDiffusionConfig
+            kwargs["quantization"] = self.quantization
         self.omni = self._run(self._start(async_omni, kwargs))
         if self.omni.num_stages != self.kind.stages:  # one params object a stage, the DiT stage's RPC replies
             self.omni.shutdown()
@@ -405,4 +412,5 @@ class VllmOmniEngine(RolloutEngine):
     def info(self) -> dict:
         return {"engine": self.name, "device": "cuda", "dtype": self.dtype, "policy_version": self.policy_version,
                 "model": self.model_path, "fingerprint": self.fingerprint, "size_multiple": self.size_multiple,
-                "lora_modules": self._lora_bound, "asleep": self.asleep}
+                "lora_modules": self._lora_bound, "asleep": self.asleep,
+                "quantization": self.quantization}

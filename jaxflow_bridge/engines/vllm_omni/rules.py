@@ -11,6 +11,10 @@ from jaxflow_bridge.engines import families
 Problem = tuple[str, str]
 DTYPE = "bfloat16"  # vLLM-Omni 0.20's warm-up fails on float32 folders
 DEVICE = "cuda"  # the GPU Ray gives the engine's actor
+# the DiT's linears: bf16 as the trainer's, or "fp8": vLLM-Omni 0.20's `quantization="fp8"` (vLLM's Fp8Config, online:
+# the bf16 weights quantized at load to float8_e4m3fn with a scale per tensor, activations quantized per call); the
+# modulation, timestep and time-embedding linears, the text encoder and the VAE stay bf16
+QUANTIZATIONS = ("none", "fp8")
 
 
 def problems(family: str, *, dtype: str, device: str | None, init: str, deploy: str | None,
@@ -38,6 +42,17 @@ def family_problems(family: str, *, init: str, deploy: str | None,
                     think: bool = False) -> Iterator[Problem]:
     """The family's own rules (its spec's `vllm_omni_problems`): `init` is model.init, `deploy` the engine's deployment (None: the family's default)."""
     yield from families.spec(family).vllm_omni_problems(init=init, deploy=deploy, think=think)
+
+
+def quantization_problems(quantization: str, lora_apply: str) -> Iterator[Problem]:
+    """`quantization` (rollout.quantization) with the LoRA apply mode `lora_apply` (the engines' resolved one)."""
+    if quantization not in QUANTIZATIONS:
+        yield "rollout.quantization", f"{quantization!r}; choose one of {QUANTIZATIONS}"
+    elif quantization != "none" and lora_apply == "merged":
+        yield "rollout.lora_apply", (f"'merged' with rollout.quantization={quantization!r}: the merge adds the adapter "
+                                     f"to bf16 base weights, and vLLM-Omni 0.20's FP8 linears hold float8 weights "
+                                     f"quantized once at load (one scale per tensor), which take no merge; use "
+                                     f"rollout.lora_apply='layers' (or 'auto')")
 
 
 def settings(config: dict) -> dict:

@@ -1,0 +1,53 @@
+"""jaxflow_bench.rollout_profile: the categorisation of a profiler table by kernel / op name, and the runner on the
+CPU with the tiny model (CPU ops) writing every figure."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jaxflow_bench.rollout_profile import categorize, category
+from tests import HANG_S
+from tests.helpers import ROOT
+
+
+def test_kernel_names_fall_in_their_categories():
+    for name in ("flash_fwd_kernel<Flash_fwd_kernel_traits<128>>", "void pytorch_flash::flash_fwd_splitkv_kernel",
+                 "fmha_cutlassF_bf16_aligned_64x128_rf_sm80", "aten::_scaled_dot_product_flash_attention",
+                 "cudnn_generated_fort_native_sdpa_sm90_flash_fprop"):
+        assert category(name) == "attention", name
+    for name in ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "nvjet_hsh_128x256_64x4_1x2_h_bz_TNT",
+                 "cutlass3x_sm90_tensorop_s64x128x32gemm_e4m3", "aten::addmm", "aten::mm", "aten::linear",
+                 "ampere_bf16_s16816gemm_bf16_128x64_ldg8_f2f_tn", "_scaled_mm"):
+        assert category(name) == "gemm", name
+    for name in ("void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl>",
+                 "aten::add", "aten::conv3d", "triton_poi_fused_mul_rsqrt_0", "aten::mmap_like"):
+        assert category(name) == "other_kernels", name
+
+
+def test_a_synthetic_profiler_table_per_image():
+    """Own times summed by category over the images; the phase ranges never counted twice; the gaps the rest."""
+    rows = [("flash_fwd_kernel", 0.4), ("nvjet_gemm", 1.0), ("aten::addmm", 0.2), ("elementwise_kernel", 0.2),
+            ("sample", 5.0), ("vae_decode", 1.0), ("text_encoder", 0.5)]
+    got = categorize(rows, wall_s=4.0, images=2)
+    assert got == pytest.approx({"attention_s": 0.2, "gemm_s": 0.6, "other_kernels_s": 0.1, "idle_gaps_s": 1.1})
+    assert categorize(rows, wall_s=1.0, images=1)["idle_gaps_s"] == 0.0  # busier than the wall: no negative gap
+
+
+@pytest.mark.slow
+def test_the_runner_on_the_cpu_with_the_tiny_model(tmp_path):
+    got = subprocess.run([sys.executable, "-m", "jaxflow_bench.rollout_profile", str(tmp_path), "--model", "tiny",
+                          "--device", "cpu", "--calls", "1", "--prompts", "1", "--n", "2", "--size", "32",
+                          "--steps", "3"], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
+    assert got.returncode == 0, got.stderr[-3000:]
+    record = json.loads((tmp_path / "rollout_profile.json").read_text())
+    f = record["figures"]
+    assert record["engine"] == "diffusers" and f["images"] == 2
+    for key in ("attention_s", "gemm_s", "other_kernels_s", "text_encoder_s", "vae_decode_s", "denoise_s", "wall_s"):
+        assert f[key] > 0, (key, f)
+    assert f["idle_gaps_s"] >= 0 and f["trajectory_export_s"] >= 0
+    kernels = f["attention_s"] + f["gemm_s"] + f["other_kernels_s"] + f["idle_gaps_s"]
+    assert kernels == pytest.approx(f["wall_s"], rel=1e-3) or kernels > f["wall_s"]  # gaps clipped at 0
+    assert f["text_encoder_s"] + f["vae_decode_s"] + f["denoise_s"] <= f["wall_s"] * 1.05
