@@ -87,6 +87,7 @@ class Trainer:
     def __init__(self, config: RunConfig | ConfigDict, resume: bool = False):
         self.started = time.monotonic()  # train.max_minutes counts from here
         self.startup, self._phase_began = {}, None  # seconds per start-up phase, in order
+        self.rollout_load_s = None  # the rollout engines' start, from their launch (`_start_rollout_and_step`)
         self.cfg = cfg = config if isinstance(config, RunConfig) else config_lib.validate(config)
         self._begin("checks")
         maybe_initialize_distributed()
@@ -114,14 +115,12 @@ class Trainer:
         self.driver = Driver(cfg, folder, train_items, self.sampler, self.plan) if first else None
         self._begin("trainer's model")
         self.learner = Learner(cfg, folder, self.plan)
-        self._begin("memory plan")
-        try:  # before the rollout starts and before anything is written: a step that cannot fit stops here
-            self.memory_summary = self.learner.check_memory()
-        except MemoryError as exc:
-            raise config_lib.UserError(str(exc)) from None
-        if self.driver:
-            self._begin("rollout start")
-            self.driver.start_rollout(self.learner.model, self.processes)
+        try:
+            self._start_rollout_and_step()
+        except BaseException:  # the engines launched beside the compile go with the failed start
+            if self.driver:
+                self.driver.close()
+            raise
         self._begin("train state and first LoRA sync")
         meta = self.learner.begin(resume)
         self.start = meta["step"] if meta else 0
@@ -133,6 +132,31 @@ class Trainer:
             if e.best_metric and self.driver else None
         self._begin(None)
         self.stop_requested = False
+
+    def _start_rollout_and_step(self) -> None:
+        """The memory plan (the step compiled and checked, train.num_micro_batches='auto' fitted: the plan that the
+        driver and the learner read from then on) and the rollout's start. Engines that load in processes of their
+        own (Ray actors) are launched first and load while the step compiles, on memory JAX already holds (its pool
+        and the trainer's weights); an in-process engine starts after the check, so that a step which cannot fit
+        stops with no engine loaded. `rollout_load_s`: the engines' whole start, overlapped part included."""
+        apart = self.driver is not None and self.driver.loads_apart
+        if apart:
+            launched = time.monotonic()
+            self.driver.launch_rollout()
+        self._begin("memory plan")
+        try:  # before anything is written: a step that cannot fit stops here
+            self.memory_summary = self.learner.check_memory()
+        except MemoryError as exc:
+            raise config_lib.UserError(str(exc)) from None
+        self.plan = self.learner.plan
+        if self.driver:
+            self.driver.plan = self.plan
+            self._begin("rollout start")
+            if not apart:
+                launched = time.monotonic()
+                self.driver.launch_rollout()
+            self.driver.join_rollout(self.learner.model, self.processes)
+            self.rollout_load_s = time.monotonic() - launched
 
     def _begin(self, phase: str | None) -> None:
         """End the running start-up phase (its seconds go to `startup`) and begin `phase` (None: start-up is over),
@@ -147,9 +171,14 @@ class Trainer:
 
     def startup_line(self) -> str:
         """Where the start went: "start-up 312 s: checks 2 s, trainer's model 95 s, ..." (the first step, which
-        compiles, comes after)."""
-        return (f"start-up {sum(self.startup.values()):.0f} s: "
+        compiles, comes after), and the engines' start where part of it ran beside the memory plan."""
+        line = (f"start-up {sum(self.startup.values()):.0f} s: "
                 + ", ".join(f"{name} {sec:.0f} s" for name, sec in self.startup.items()))
+        beside = 0.0 if self.rollout_load_s is None else self.rollout_load_s - self.startup.get("rollout start", 0)
+        if beside > 0.5:
+            line += (f"; the rollout engines started in {self.rollout_load_s:.0f} s, {beside:.0f} s of it beside "
+                     f"the memory plan")
+        return line
 
     def _sync(self, version: int, which: str | None = None) -> int | None:
         """The rollout serves the train state's tree `which` (default: the one it samples with, `Learner.sampling`)

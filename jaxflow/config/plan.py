@@ -2,8 +2,9 @@
 that the learner and the driver read (they resolve nothing themselves), logged once at start as one block.
 
 Resolved here: model.lora_gemm (a hardware policy: `lora_gemm`), model.scan_unroll=0 and the train step's XLA
-options (both follow the resolved linears), rollout.lora_apply (how the rollout serves the LoRA), and
-the placement (backend, devices, engines, samples per micro-batch per device)."""
+options (both follow the resolved linears), rollout.lora_apply (how the rollout serves the LoRA),
+train.num_micro_batches ('auto': the largest micro-batch that fits, `num_micro_batches`) and the placement
+(backend, devices, engines, samples per micro-batch per device)."""
 from __future__ import annotations
 
 import dataclasses
@@ -59,11 +60,38 @@ def lora_gemm(cfg, num_layers: int, devices: int, on_hopper: bool, micro_batch: 
     return ("xla", "auto: " + "; ".join(why)) if why else ("pallas", "auto: unrolled blocks, bf16 on H100/H200s")
 
 
-def micro_batch_size(cfg, batch_devices: int, num_micro_batches: int | None = None) -> int:
-    """Samples in one micro-batch on one device (train.num_micro_batches, or `num_micro_batches`)."""
-    s, t = cfg.sample, cfg.train
-    per_update = s.prompts_per_step * s.group_size // t.num_mini_batches
-    return max(1, per_update // (num_micro_batches or t.num_micro_batches) // batch_devices)
+def per_update(cfg) -> int:
+    """Samples in one update (a mini-batch), all devices'."""
+    return cfg.sample.prompts_per_step * cfg.sample.group_size // cfg.train.num_mini_batches
+
+
+def micro_batch_size(cfg, batch_devices: int, num_micro_batches: int) -> int:
+    """Samples in one micro-batch on one device with `num_micro_batches` an update."""
+    return max(1, per_update(cfg) // num_micro_batches // batch_devices)
+
+
+def num_micro_batches(cfg, folder: Path, backend: str, batch_devices: int) -> tuple[int, str]:
+    """train.num_micro_batches as the run takes it, and why. 'auto' keeps the mini-batch and takes the largest
+    micro-batch that fits: on the CPU (no device memory to fit) the whole mini-batch; on a GPU the largest that the
+    planner's memory model admits for the card (jaxflow/config/planner.py: nvidia-smi's card, the folder's
+    sizes), which the compiled step's memory analysis then corrects (`Learner.check_memory`)."""
+    micro = cfg.train.num_micro_batches
+    if micro != "auto":
+        return micro, "train.num_micro_batches"
+    if backend == "cpu":
+        return 1, "auto: the whole mini-batch, the CPU has no device memory to fit"
+    from jaxflow import plan as machine
+    from jaxflow.config import planner
+    found = machine.local_gpus()
+    if found is None:
+        return 1, (f"auto: no card to size it for (nvidia-smi found no GPU on {backend}): the whole mini-batch, "
+                   f"then the compiled step's memory check")
+    try:
+        plan = planner.plan_machine(machine.job_of(cfg), machine.model_sizes(cfg, folder), found[0], batch_devices,
+                                    planner.load_table())
+    except (UserError, planner.NoFit) as exc:
+        return per_update(cfg) // batch_devices, f"auto: 1 sample, the memory model fits no micro-batch ({exc})"
+    return plan.num_micro_batches, f"auto: the largest that the memory model admits on a {found[0].name}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +102,8 @@ class RunPlan:
     devices: int  # JAX's, all processes'
     batch_devices: int  # the ways the batch is split (the mesh's batch axes)
     micro_batch: int  # samples in one micro-batch on one device
+    num_micro_batches: int  # micro-batches of one update: train.num_micro_batches, 'auto' resolved
+    micro_batch_why: str  # why num_micro_batches is what it is
     layout: str  # rollout.layout
     engines: int  # rollout engines (rollout.num_servers)
     lora_apply: str  # how the rollout serves the LoRA (the engines' lora_apply): "layers", "merged" or "folder"
@@ -82,12 +112,19 @@ class RunPlan:
     model: ModelOptions  # the trainer model's options: lora_gemm and scan_unroll resolved
     xla_options: Mapping  # the train step's XLA options for the linears the model runs
 
+    def resized(self, num_micro_batches: int, micro_batch: int, why: str) -> RunPlan:
+        """The plan with another micro-batch (train.num_micro_batches='auto' after the compiled step's memory check);
+        the trainer's linears stay as planned."""
+        return dataclasses.replace(self, num_micro_batches=num_micro_batches, micro_batch=micro_batch,
+                                   micro_batch_why=why)
+
     def summary(self) -> str:
         """The plan as one compact block, logged once at start."""
         m = self.model
         return "\n".join((
             f"plan: {self.devices} {self.backend} device(s), batch over {self.batch_devices}, {self.micro_batch} "
-            f"sample(s) per micro-batch per device",
+            f"sample(s) per micro-batch per device, {self.num_micro_batches} micro-batch(es) an update "
+            f"(train.num_micro_batches: {self.micro_batch_why})",
             f"  trainer linears: model.lora_gemm={m.lora_gemm} ({self.lora_gemm_why}); model.scan_unroll="
             f"{m.scan_unroll}; XLA options {dict(self.xla_options) or '{}'}",
             f"  rollout: layout {self.layout}, {self.engines} engine(s), LoRA served as {self.lora_apply} "
@@ -108,12 +145,14 @@ def make_plan(cfg: RunConfig, folder: Path, *, backend: str, devices: int, batch
     the model in `folder` (its depth and latent grid: the family's) with the batch split `batch_devices` ways."""
     family = families.of(cfg)
     num_layers = family.num_layers(folder)
-    micro = micro_batch_size(cfg, batch_devices)
+    count, count_why = num_micro_batches(cfg, folder, backend, batch_devices)
+    micro = micro_batch_size(cfg, batch_devices, count)
     tokens = _tokens(cfg, family, folder) if cfg.model.lora_gemm == "auto" and on_hopper else ()  # else "xla"
     gemm, why = lora_gemm(cfg, num_layers, devices, on_hopper, micro, tokens)
     if gemm != "xla" and not family.fused_gemm:
         gemm, why = "xla", f"{family.name}'s layers have no fused-kernel path"
     return RunPlan(backend=backend, devices=devices, batch_devices=batch_devices, micro_batch=micro,
+                   num_micro_batches=count, micro_batch_why=count_why,
                    layout=cfg.rollout.layout, engines=cfg.rollout.num_servers,
                    lora_apply=lora_apply(cfg), quantization=cfg.rollout.quantization, lora_gemm_why=why,
                    model=validation.model_options(cfg, gemm, num_layers),

@@ -115,7 +115,8 @@ HELP: dict[str, str] = {
     "train.logp_gate_steps": "k steps in a row over train.logp_gate (or the run's first step) stop the run, exit 1; 0/None: off",
     "train.sync_verify": "check each engine serves the LoRA sent after every sync; a mismatch re-syncs once, then exit 1",
     "train.sync_fault_from": "fault injection (tests, benchmarks): engines get the previous LoRA from this version on; 0: off",
-    "train.num_micro_batches": "micro-batches of one update (gradient accumulation); divides a mini-batch's samples",
+    "train.num_micro_batches": "micro-batches of one update (gradient accumulation), dividing a mini-batch's samples; "
+                               "'auto': the largest micro-batch that fits (the plan says which and why)",
     "train.learning_rate": "AdamW learning rate, > 0",
     "train.clip_range": "the ratio's clip: clip(r, 1 - clip_range, 1 + clip_range), > 0",
     "train.adv_clip": "advantages clamped to +-adv_clip (nft: its optimality r's scale)",
@@ -251,7 +252,8 @@ def base() -> ml_collections.ConfigDict:
                     prompts_per_step=32, group_size=16, prompts_per_call=4)
     c.train = dict(num_steps=300, compile_cache=True, max_minutes=0.0, max_skipped_steps=3, logp_gate=1e-2,
                    logp_gate_steps=3, sync_verify=True, sync_fault_from=0,
-                   num_micro_batches=64, learning_rate=3e-4,
+                   # an int or "auto" (any literal on the command line: the field's type is object)
+                   num_micro_batches=ml_collections.FieldReference(64, field_type=object), learning_rate=3e-4,
                    clip_range=1e-4, adv_clip=5.0, beta=0.0, global_std=True, max_grad_norm=1.0, weight_decay=1e-4,
                    ema_decay=0.0,
                    adam_b1=0.9, adam_b2=0.999, adam_eps=1e-8,

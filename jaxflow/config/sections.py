@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 import typing
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -97,7 +98,7 @@ class TrainSection:
     logp_gate_steps: int | None
     sync_verify: bool
     sync_fault_from: int
-    num_micro_batches: int
+    num_micro_batches: int | str  # 'auto' until the plan stage resolves it (RunPlan.num_micro_batches)
     learning_rate: float
     clip_range: float
     adv_clip: float
@@ -221,11 +222,17 @@ class RunConfig:
         return out
 
 
+def _name(kind) -> str:
+    return " or ".join(_NAMES[k] for k in typing.get_args(kind)) if isinstance(kind, types.UnionType) else _NAMES[kind]
+
+
 _NAMES = {int: "an int", float: "a float", bool: "a bool", str: "a str", tuple: "a list or tuple",
           Mapping: "a dict"}
 
 
 def _is(value, kind) -> bool:
+    if isinstance(kind, types.UnionType):
+        return any(_is(value, k) for k in typing.get_args(kind))
     if kind is bool:
         return isinstance(value, bool)
     if kind in (int, float):  # an int is a float too; a bool is neither
@@ -285,7 +292,7 @@ def thawed(value):
 def _typed(key: str, value, kind):
     """`value` of config key `key` if it is of `kind`, frozen; else the key's one-line error."""
     if not _is(value, kind):
-        fail(key, f"{value!r} must be {_NAMES[kind]} (it is {'None' if value is None else type(value).__name__})")
+        fail(key, f"{value!r} must be {_name(kind)} (it is {'None' if value is None else type(value).__name__})")
     return _frozen(value)
 
 

@@ -222,10 +222,14 @@ def validate(user: ConfigDict) -> RunConfig:
     if t.num_mini_batches < 1 or s.prompts_per_step % t.num_mini_batches:
         fail("train.num_mini_batches", f"{t.num_mini_batches} must divide sample.prompts_per_step "
                                         f"{s.prompts_per_step}: each mini-batch holds whole prompt groups")
-    if t.num_micro_batches < 1 or (batch // t.num_mini_batches) % t.num_micro_batches:
-        fail("train.num_micro_batches", f"{t.num_micro_batches} must divide each mini-batch's "
-                                         f"{batch // t.num_mini_batches} samples (train.num_mini_batches "
-                                         f"{t.num_mini_batches})")
+    micro = t.num_micro_batches
+    if isinstance(micro, str) and micro != "auto":
+        fail("train.num_micro_batches", f"{micro!r}; give an int that divides each mini-batch's "
+                                         f"{batch // t.num_mini_batches} samples, or 'auto' (the largest micro-batch "
+                                         f"that fits)")
+    if micro != "auto" and (micro < 1 or (batch // t.num_mini_batches) % micro):
+        fail("train.num_micro_batches", f"{micro} must divide each mini-batch's {batch // t.num_mini_batches} "
+                                         f"samples (train.num_mini_batches {t.num_mini_batches}), or be 'auto'")
     if not t.max_minutes >= 0:
         fail("train.max_minutes", f"must be >= 0 (0 = no time limit), got {t.max_minutes}")
     if not isinstance(t.max_skipped_steps, int) or t.max_skipped_steps < 0:
@@ -338,7 +342,7 @@ def _typed_train(cfg) -> TrainConfig:
     """`train_config(cfg)`; the first rule it breaks (`TrainConfig._rules`, the one place the train step's settings
     are checked) as the config key's UserError."""
     try:
-        return train_config(cfg, grid_hw=(1, 1))
+        return train_config(cfg, grid_hw=(1, 1), num_micro_batches=1)  # 'auto' or not: its rule is checked above
     except ValueError as exc:
         field, _, rest = str(exc).removeprefix("TrainConfig.").partition("=")
         fail(TRAIN_KEYS.get(field, f"train.{field}"), rest)
@@ -428,12 +432,17 @@ def sharding_config(cfg) -> ShardingConfig:
     return ShardingConfig(data=s.data, fsdp=s.fsdp, tensor=s.tensor, rules=rules)
 
 
-def train_config(cfg, grid_hw) -> TrainConfig:
+def train_config(cfg, grid_hw, num_micro_batches: int | None = None) -> TrainConfig:
+    """The train step's settings; `num_micro_batches`: the plan's (`RunPlan.num_micro_batches`), which a config's
+    train.num_micro_batches='auto' needs."""
     t, s = cfg.train, cfg.sample
+    num_micro_batches = num_micro_batches or t.num_micro_batches
+    if num_micro_batches == "auto":
+        raise ValueError("TrainConfig.num_micro_batches='auto' is resolved by the plan stage: pass the plan's")
     nft = t.algorithm == "nft"  # its KL weight and EMA: train.nft.kl, train.nft.ema (docs/numerics.md §10)
     return TrainConfig(grid_hw=grid_hw, sde_type=s.sde_type, guidance=s.guidance,
                        cfg_interval=tuple(s.cfg_interval), cfg_renorm_min=s.cfg_renorm_min,
-                       num_micro_batches=t.num_micro_batches, num_mini_batches=t.num_mini_batches,
+                       num_micro_batches=num_micro_batches, num_mini_batches=t.num_mini_batches,
                        num_inner_epochs=t.num_inner_epochs, clip_range=t.clip_range, beta=t.nft.kl if nft else t.beta,
                        adv_clip=t.adv_clip, learning_rate=t.learning_rate, weight_decay=t.weight_decay,
                        max_grad_norm=t.max_grad_norm, ema_decay=t.ema_decay or (t.nft.ema if nft else 0) or None,

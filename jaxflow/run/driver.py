@@ -56,15 +56,17 @@ def sampling(cfg: RunConfig, eval_mode: bool = False) -> dict:
     return {**config_lib.sampling(cfg, eval_mode=eval_mode), "text_tokens": config_lib.text_tokens(cfg)}
 
 
-def train_batch(trajectory: TrajectoryBatch, advantages, group_ids, cfg: RunConfig, step: int) -> TrainBatch:
+def train_batch(trajectory: TrajectoryBatch, advantages, group_ids, cfg: RunConfig, step: int,
+                num_micro_batches: int) -> TrainBatch:
     """The learner's batch of step `step`: the rollout's `trajectory` (prompt group `group_ids` (B,)) with its
     `advantages` and the SDE's noise level, its mini-batches laid out (`order_minibatches`) and with
-    train.drop_zero_advantage its zero advantages gathered (`compact_zero_advantage`)."""
+    train.drop_zero_advantage its zero advantages gathered (`compact_zero_advantage`) into the plan's
+    `num_micro_batches` micro-batches of an update."""
     t = cfg.train
     batch = order_minibatches(TrainBatch.of(trajectory, advantages, cfg.sample.noise_level), group_ids,
                               t.num_mini_batches, cfg.seed, step)
     if t.drop_zero_advantage:
-        batch = compact_zero_advantage(batch, t.num_mini_batches, t.num_micro_batches)
+        batch = compact_zero_advantage(batch, t.num_mini_batches, num_micro_batches)
     return batch
 
 
@@ -130,7 +132,7 @@ class Experience:
 
 class Driver:
     """Built on process 0 with the train `prompts` and the `sampler` that indexes them (its position is checkpointed
-    by every process); `start_rollout` once the trainer's model exists."""
+    by every process); `launch_rollout`, then `join_rollout` once the trainer's model exists."""
 
     def __init__(self, cfg: RunConfig, folder: Path, prompts: list, sampler: GroupSampler, plan: RunPlan):
         self.cfg, self.folder, self.prompts, self.sampler, self.plan = cfg, folder, prompts, sampler, plan
@@ -147,10 +149,16 @@ class Driver:
         self.rollout = self.lora_sync = None
         self._executor = self._prefetched = None  # rollout.overlap: the thread and (step, future) of a prefetch
 
-    def start_rollout(self, model, processes: int) -> None:
-        """Start the rollout servers and check that they hold `model`'s base weights."""
-        r = self.cfg.rollout
-        in_process = r.layout == "in_process"
+    @property
+    def loads_apart(self) -> bool:
+        """Whether the rollout's engines load in processes of their own (Ray actors: `launch_rollout` returns at
+        once), not in this one (rollout.layout='in_process')."""
+        return self.cfg.rollout.layout != "in_process"
+
+    def launch_rollout(self) -> None:
+        """Start the rollout servers: Ray actors load their engines meanwhile (`loads_apart`), an in-process one
+        loads here; `join_rollout` then waits for them."""
+        r, in_process = self.cfg.rollout, not self.loads_apart
         if not in_process:
             init_ray(r.address)
         family = families.of(self.cfg)
@@ -167,6 +175,11 @@ class Driver:
             engine["random_seed"] = self.cfg.seed  # the rollout draws the same base weights (fingerprint below)
         transport = LocalTransport() if in_process else RayTransport(r.num_cpus, r.num_gpus, r.max_retries)
         self.rollout = RolloutGroup(engine, r.num_servers, transport)
+
+    def join_rollout(self, model, processes: int) -> None:
+        """Wait for the launched servers, check that they hold `model`'s base weights (an in-process one is handed
+        them with rollout.share_weights) and choose the LoRA sync's transport for `processes` trainer processes."""
+        r, family, in_process = self.cfg.rollout, families.of(self.cfg), not self.loads_apart
         if r.share_weights:
             self.rollout.share_base_weights(torch_base_weights(model))
         mine = family.fingerprint(model)
@@ -256,7 +269,8 @@ class Driver:
         adv, zero_std = compute_advantages(rewards["avg"], group_ids, global_std=cfg.train.global_std,
                                            clip=cfg.train.adv_clip, expected_group_size=s.group_size)
         versions = len(np.unique(batch.policy_versions))
-        return Experience(train_batch(batch, adv, group_ids, cfg, step), rewards, zero_std, version, versions), seconds
+        batch = train_batch(batch, adv, group_ids, cfg, step, self.plan.num_micro_batches)
+        return Experience(batch, rewards, zero_std, version, versions), seconds
 
     @contextlib.contextmanager
     def idle(self):

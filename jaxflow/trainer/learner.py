@@ -8,7 +8,6 @@ filesystem they share.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -104,20 +103,26 @@ class Learner:
         o = self.model.opts
         log.info("trainer model: %s compute, %s storage, matmul precision %s, attention %s", o.dtype, o.param_dtype,
                  o.precision, self.model.impl)
-        self._init_state, self._step = make_train_step(
-            self.model, config_lib.train_config(cfg, self.grid), self.layout, self.xla_options())
+        self.folder = folder
+        self._init_state, self._step = self._make_step(self.plan.num_micro_batches)
         self.ckpt = self.state = None
         self._previous = None  # (version, LoRA copy) of the policy one step back, for rollout.overlap
+
+    def _make_step(self, num_micro_batches: int):
+        """(init_state, step) of the train step with `num_micro_batches` an update."""
+        return make_train_step(self.model, config_lib.train_config(self.cfg, self.grid, num_micro_batches),
+                               self.layout, self.xla_options())
 
     def memory_plans(self, num_micro_batches: int | None = None) -> tuple[list, int]:
         """(per-function `memory.StepMemory`, bytes of their arguments already on a device) of the step compiled
         for the run's batch shapes: the learner's own step (whose executables the loop then runs), or with
         `num_micro_batches` a trial step made and compiled for that count alone."""
-        cfg, step = self.cfg, self._step
-        if num_micro_batches is not None:
-            tc = dataclasses.replace(step.config, num_micro_batches=num_micro_batches)
-            step = make_train_step(self.model, tc, self.layout, self.xla_options())[1]
-        tc = step.config
+        step = self._step if num_micro_batches is None else self._make_step(num_micro_batches)[1]
+        return self._compiled(step)
+
+    def _compiled(self, step) -> tuple[list, int]:
+        """`memory_plans` of `step`, compiled now for the run's batch shapes (it runs these executables)."""
+        cfg, tc = self.cfg, step.config
         text, negative_text = config_lib.text_tokens(cfg)
         batch, old = memory.abstract_batch(
             batch=cfg.sample.prompts_per_step * cfg.sample.group_size, window=cfg.sample.window_size,
@@ -132,18 +137,60 @@ class Learner:
         return dict(self.plan.xla_options)
 
     def micro_batch_size(self, num_micro_batches: int | None = None) -> int:
-        """Samples in one micro-batch on one device."""
-        return plan_lib.micro_batch_size(self.cfg, self.layout.batch_devices, num_micro_batches)
+        """Samples in one micro-batch on one device (the plan's, or with `num_micro_batches` an update)."""
+        return plan_lib.micro_batch_size(self.cfg, self.layout.batch_devices,
+                                         num_micro_batches or self.plan.num_micro_batches)
 
     def check_memory(self) -> str | None:
         """Compile the step for the run's batch shapes (the loop then uses these executables) and check that it fits
         JAX's pool beside the frozen weights (jaxflow/trainer/memory.py); returns the summary line. MemoryError naming the
-        knobs if it does not fit; None where the backend keeps no statistics (the CPU). Call before `begin`: the
-        train state is counted as still to be made."""
+        knobs if it does not fit; None where the backend keeps no statistics (the CPU). With
+        train.num_micro_batches='auto' the micro-batch is first fitted to the compiled analysis (`_fit_auto`; the
+        plan then says so). Call before `begin`: the train state is counted as still to be made."""
         plans, resident = self.memory_plans()
-        what = f"{self.micro_batch_size()} samples per micro-batch per device, model.remat={self.cfg.model.remat}"
         stats = memory.pool()
-        return None if stats is None else memory.check_fits(plans, resident, *stats, what)
+        if stats is None:
+            return None
+        if self.cfg.train.num_micro_batches == "auto":
+            plans = self._fit_auto(plans, resident, stats[0] - stats[1])
+        what = f"{self.micro_batch_size()} samples per micro-batch per device, model.remat={self.cfg.model.remat}"
+        return memory.check_fits(plans, resident, *stats, what)
+
+    def _fit_auto(self, plans: list, resident: int, free: int) -> list:
+        """train.num_micro_batches='auto' from the compiled step's memory analysis: the largest micro-batch (a
+        divisor of a device's share of the mini-batch) whose update fits `free` bytes, tried from the largest down,
+        each predicted by the planner's memory model scaled to the compiled need at the planned size
+        (`planner.UpdateMemory.from_analysis`) and compiled to confirm. Adopts it (its compiled step, the plan
+        resized) and returns its plans; the plan's own where none fits (`check_fits` then names the knobs)."""
+        need = lambda ps: max(p.need(resident) for p in ps)  # noqa: E731
+        planned, per_device = self.plan.micro_batch, plan_lib.per_update(self.cfg) // self.layout.batch_devices
+        model = self._update_memory(need(plans), planned)
+        sizes = [m for m in range(per_device, 0, -1) if per_device % m == 0]
+        if need(plans) <= free:  # larger ones that the scaled model admits
+            tries = [m for m in sizes if m > planned and model is not None and model.need(m) <= free]
+        else:  # smaller ones, but those it rules out
+            tries = [m for m in sizes if m < planned and (model is None or model.need(m) <= free)]
+        for m in tries:
+            init, step = self._make_step(per_device // m)
+            trial, _ = self._compiled(step)
+            if need(trial) <= free:
+                self._init_state, self._step = init, step
+                self.plan = self.plan.resized(per_device // m, m, f"auto: the largest that the compiled step's "
+                                                                  f"memory analysis fits in JAX's pool (planned "
+                                                                  f"{planned}: {self.plan.micro_batch_why})")
+                return trial
+        return plans
+
+    def _update_memory(self, need: int, micro_batch: int):
+        """The planner's memory model (`planner.UpdateMemory`) scaled to the compiled `need` at `micro_batch`; None
+        where the folder has no weights to size it from."""
+        from jaxflow import plan as machine
+        from jaxflow.config import planner
+        try:
+            counts = planner.UpdateMemory.from_counts(machine.model_sizes(self.cfg, self.folder), planner.load_table())
+        except config_lib.UserError:
+            return None
+        return planner.UpdateMemory.from_analysis(0, need, micro_batch, counts)
 
     def begin(self, resume: bool) -> dict | None:
         """Open the checkpoint folder and make the train state: fresh, or with `resume` the newest checkpoint's that

@@ -23,6 +23,16 @@ def test_tiny_plan_block_for_a_given_card(capsys):
     assert "no prediction: the costs were measured on a 41 GB transformer" in out
 
 
+def test_auto_micro_batch_from_the_command_line(capsys, monkeypatch):
+    """--config.train.num_micro_batches=auto parses (the key takes an int or 'auto') and plans the largest that fits
+    (ml_collections reads the overrides from sys.argv)."""
+    argv = ["plan", "--config", TINY, "--gpu-memory", "80", "--config.train.num_micro_batches=auto"]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert plan_cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "16 sample(s) per micro-batch (1 per update)" in out and "the largest that fits" in out
+
+
 @pytest.mark.parametrize("args, line", [
     (["--gpus", "3", "--gpu-memory", "80"], "does not split into 1 mini-batch(es) over 3 GPU(s)"),
     (["--gpu-memory", "80", "--config.train.num_micro_batches=3"], "train.num_micro_batches"),

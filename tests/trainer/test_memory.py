@@ -58,7 +58,7 @@ def test_a_step_that_does_not_fit_exits_2_before_the_rollout_with_nothing_writte
     run_dir = tmp_path / "run"
     code = ("import sys; from jaxflow.run import cli, driver; from jaxflow.trainer import memory; from jaxflow.train import Trainer; "
             "memory.pool = lambda device=None: (2 ** 20, 0); "
-            "driver.Driver.start_rollout = lambda *a: sys.exit('rollout started'); "
+            "driver.Driver.launch_rollout = lambda *a: sys.exit('rollout started'); "
             "sys.exit(cli.main(Trainer))")
     out = subprocess.run([sys.executable, "-c", code, f"--config.run_dir={run_dir}", "--config.rollout.layout=in_process",
                           "--config.reward.fns={'jpeg_incompressibility': 1.0}", "--config.log.progress=False"],

@@ -45,7 +45,7 @@ def config(**train):
 
 def test_the_driver_lays_out_one_batch_whose_per_sample_fields_move_together():
     traj = trajectory(final=True)
-    got = train_batch(traj, ADV, traj.group_ids, config(), step=5)
+    got = train_batch(traj, ADV, traj.group_ids, config(), step=5, num_micro_batches=2)
     order = group_order(traj.group_ids, 2, 3, 5)
     order = order[zero_advantage_order(ADV[order], 2, 2)]
     assert sorted(order) == list(range(B)) and not np.array_equal(order, np.arange(B))
@@ -61,7 +61,8 @@ def test_the_driver_lays_out_one_batch_whose_per_sample_fields_move_together():
         np.testing.assert_array_equal(value, want[order], err_msg=name)
         assert value.dtype == want.dtype, name
     assert got.sigmas is traj.sigmas and got.noise_level.dtype == np.float32 and got.noise_level == np.float32(0.7)
-    plain = train_batch(traj, ADV, traj.group_ids, config(num_mini_batches=1, drop_zero_advantage=False), step=5)
+    plain = train_batch(traj, ADV, traj.group_ids, config(num_mini_batches=1, drop_zero_advantage=False), step=5,
+                        num_micro_batches=2)
     np.testing.assert_array_equal(plain.latents, traj.latents)  # one mini-batch, nothing dropped: rows as sampled
 
 
