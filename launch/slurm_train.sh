@@ -21,7 +21,7 @@ head=${nodes[0]}
 port=${RAY_PORT:-6379}
 jax_port=${JAX_PORT:-6380}
 head_ip=$(srun --nodes=1 --ntasks=1 -w "$head" hostname --ip-address | awk '{print $1}')
-export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}  # JAX's share of each GPU: the run's plan (jaxflow/plan.py)
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}  # JAX's share of each GPU: the run's plan (jaxflow/config/machine.py)
 # Ray's token authentication, the default of `ray start --head`, on every node and for the trainer alike (the token
 # the head writes to ~/.ray/auth_token must reach every node: a shared home, or RAY_AUTH_TOKEN in the environment)
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}

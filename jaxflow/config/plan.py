@@ -80,7 +80,7 @@ def num_micro_batches(cfg, folder: Path, backend: str, batch_devices: int) -> tu
         return micro, "train.num_micro_batches"
     if backend == "cpu":
         return 1, "auto: the whole mini-batch, the CPU has no device memory to fit"
-    from jaxflow import plan as machine
+    from jaxflow.config import machine
     from jaxflow.config import planner
     found = machine.local_gpus()
     if found is None:

@@ -186,7 +186,7 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
         if finished:
             print(finished)
             return 0
-        from jaxflow.plan import before_jax, compilation_cache
+        from jaxflow.config.machine import before_jax, compilation_cache
         machine = before_jax(config)  # JAX's share of each GPU, set before JAX starts
         compilation_cache(config.train.compile_cache)
         ray_logs = _start_ray(config, FLAGS.verbose)

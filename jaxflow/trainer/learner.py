@@ -184,7 +184,7 @@ class Learner:
     def _update_memory(self, need: int, micro_batch: int):
         """The planner's memory model (`planner.UpdateMemory`) scaled to the compiled `need` at `micro_batch`; None
         where the folder has no weights to size it from."""
-        from jaxflow import plan as machine
+        from jaxflow.config import machine
         from jaxflow.config import planner
         try:
             counts = planner.UpdateMemory.from_counts(machine.model_sizes(self.cfg, self.folder), planner.load_table())

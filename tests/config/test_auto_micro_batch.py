@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxflow import plan as plan_cli
+from jaxflow.config import machine
 from jaxflow.config import plan as plan_lib
 from jaxflow.config import planner, recipes, validation
 from jaxflow.config.errors import UserError
@@ -74,8 +74,8 @@ def test_auto_on_a_gpu_is_the_largest_the_memory_model_admits(monkeypatch, card)
     """The recipe (256 samples an update, vLLM-Omni beside JAX) on one card: the largest divisor of the update
     whose update fits beside the engine by the memory model; one sample where none fits (the compiled check then
     decides). On one H200 that is the recipe's measured 4 samples, 64 micro-batches."""
-    monkeypatch.setattr(plan_cli, "local_gpus", lambda: (card, 1))
-    monkeypatch.setattr(plan_cli, "model_sizes", lambda cfg, folder: RECIPE)
+    monkeypatch.setattr(machine, "local_gpus", lambda: (card, 1))
+    monkeypatch.setattr(machine, "model_sizes", lambda cfg, folder: RECIPE)
     count, why = plan_lib.num_micro_batches(_recipe_auto(), Path("unused"), "gpu", 1)
     update = planner.UpdateMemory.from_counts(RECIPE, TABLE)
     engine = planner.engine_bytes(RECIPE, planner.Layout("colocated", "vllm_omni", False),

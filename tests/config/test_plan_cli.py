@@ -1,4 +1,4 @@
-"""`python -m jaxflow.plan` (jaxflow/plan.py): the plan block, its refusal lines, JAX's share set before JAX starts,
+"""`python -m jaxflow.plan` (jaxflow/plan.py, jaxflow/config/machine.py): the plan block, its refusal lines, JAX's share set before JAX starts,
 and the compilation cache a second process hits."""
 import json
 import os
@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from jaxflow import plan as plan_cli
+from jaxflow.config import machine
 from jaxflow.config import planner
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,7 +45,7 @@ def test_refusals_are_one_line_and_exit_2(capsys, monkeypatch, args, line):
 
 
 def test_no_gpu_and_no_card_memory_is_refused(capsys, monkeypatch):
-    monkeypatch.setattr(plan_cli, "local_gpus", lambda: None)
+    monkeypatch.setattr(machine, "local_gpus", lambda: None)
     assert plan_cli.main(["plan", "--config", TINY]) == 2
     assert "pass --gpu-memory" in capsys.readouterr().err
 
@@ -57,21 +58,21 @@ def _cuda_cfg():
 
 
 def test_jax_share_set_from_the_plan_unless_the_user_set_one(monkeypatch):
-    monkeypatch.setattr(plan_cli, "local_gpus", lambda: (planner.Card("NVIDIA H200", 140.4), 1))
+    monkeypatch.setattr(machine, "local_gpus", lambda: (planner.Card("NVIDIA H200", 140.4), 1))
     for name in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE"):
         monkeypatch.delenv(name, raising=False)
-    block = plan_cli.before_jax(_cuda_cfg())
+    block = machine.before_jax(_cuda_cfg())
     share = os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"]
     assert f"JAX {share} of each GPU" in block and os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
     monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.5")  # the user's: never both fraction variables
-    plan_cli.before_jax(_cuda_cfg())
+    machine.before_jax(_cuda_cfg())
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ
 
 
 CACHED = """
 import json, sys, jax, jax.numpy as jnp
-from jaxflow.plan import compilation_cache
+from jaxflow.config.machine import compilation_cache
 hits = []
 jax.monitoring.register_event_listener(lambda name, **kw: hits.append(name) if name.endswith("cache_hits") else None)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
