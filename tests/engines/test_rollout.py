@@ -363,7 +363,6 @@ def test_fp32_timestep_equals_stock_diffusers_in_fp32_and_skips_bf16_rounding(ti
     (dict(sde_window_size=4), "SDE window size 4 must be in"),
     (dict(same_latent=1), "same_latent must be a bool"),
     (dict(solver="dpm3"), "solver='dpm3'; choose one of"),
-    (dict(solver="dpm2"), "solver 'dpm2' is deterministic: it needs sde_type 'ode', got 'sde'"),
     # the rules the config's validation stage checks too, with the same message (tests/config/test_config_stages.py)
     (dict(sde_window_range=(2, 5)), re.escape("SDE window size 2 does not fit in window_range (2, 5) (clipped to "
                                               "[2, 3) so that the last step 3 is excluded)")),
