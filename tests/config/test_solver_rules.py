@@ -1,5 +1,5 @@
-"""sample.solver and eval.solver: 'dpm2' (DPM-Solver++(2M)) rolls out with sde_type 'ode' only for an algorithm that
-trains without log-probs, and with an SDE only for mixgrpo (its Flash variant: dpm2 after the window); the eval's may
+"""sample.solver and eval.solver: 'dpm2' (DPM-Solver++(2M)) rolls out with sde_type 'ode' (nft's: the sde_type rule
+refuses it to the others), and with an SDE only for mixgrpo (its Flash variant: dpm2 after the window); the eval's may
 be 'dpm2' for every algorithm; each reaches the engine's sampling params."""
 import pytest
 
@@ -19,18 +19,12 @@ def _config(tmp_path, algorithm="flowgrpo", **sample):
 
 
 @pytest.mark.parametrize("algorithm, sample, line", [
-    ("flowgrpo", dict(solver="dpm2", sde_type="ode"), "config.sample.solver: 'dpm2' samples without log-probs and "
-                                                      "train.algorithm 'flowgrpo' trains on them: pass "
-                                                      "--config.sample.solver=euler (dpm2 rolls out for nft or awm)"),
     ("flowgrpo", dict(solver="dpm2"), "config.sample.solver: 'dpm2' with sde_type 'sde' is MixGRPO-Flash (dpm2 after "
                                       "the SDE window), for train.algorithm mixgrpo, not 'flowgrpo': pass "
                                       "--config.sample.solver=euler"),
     ("nft", dict(solver="dpm2", sde_type="sde"), "config.sample.solver: 'dpm2' with sde_type 'sde' is MixGRPO-Flash "
                                                  "(dpm2 after the SDE window), for train.algorithm mixgrpo, not 'nft': "
-                                                 "pass --config.sample.solver=euler"),
-    ("mixgrpo", dict(solver="dpm2", sde_type="ode"), "config.sample.solver: 'dpm2' samples without log-probs and "
-                                                     "train.algorithm 'mixgrpo' trains on them: pass "
-                                                     "--config.sample.solver=euler (dpm2 rolls out for nft or awm)"),
+                                                 "pass --config.sample.solver=euler or --config.sample.sde_type=ode"),
     ("nft", dict(solver="rk4", sde_type="ode"), "config.sample.solver: solver='rk4'; choose one of ('euler', 'dpm2')"),
 ])
 def test_a_solver_the_rollout_cannot_use_is_one_line(tmp_path, algorithm, sample, line):
