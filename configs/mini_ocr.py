@@ -26,9 +26,10 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "mini_ocr"
 # GRPO-Guard's ratio ("guard"), with rollout correction instead of the recompute pass ("corrected"), with the
 # zero-advantage filter ("dropzero": groups of equal rewards not trained), or DiffusionNFT ("nft": CFG-free,
 # deterministic rollouts, its OCR recipe's beta 0.1 and old-policy decay, eval without CFG too), MixGRPO ("mixgrpo":
-# a 2-step SDE window shared by the step's samples, sliding over the schedule every 10 steps) or AWM ("awm": its
-# OCR recipe's advantage-weighted matching, KL 0.003, one update a step as there)
-ARMS = ("", "guard", "corrected", "dropzero", "nft", "mixgrpo", "awm")
+# a 2-step SDE window shared by the step's samples, sliding over the schedule every 10 steps), its Flash variant
+# ("mixgrpo_flash": DPM-Solver++(2M) after the window) or AWM ("awm": its OCR recipe's advantage-weighted matching,
+# KL 0.003, one update a step as there)
+ARMS = ("", "guard", "corrected", "dropzero", "nft", "mixgrpo", "mixgrpo_flash", "awm")
 VARIANTS = tuple(f"{arm}{sep}{control}" for arm in ARMS for sep, control in (("", ""), ("_" if arm else "", "control")))
 
 
@@ -71,9 +72,9 @@ def get_config(variant: str = ""):
         # its rollout is deterministic: a group's images differ only by their initial noise
         c.sample.update(guidance=1.0, sde_type="ode", same_latent=False)
         c.eval.guidance = 1.0
-    elif arm == "mixgrpo":
+    elif arm in ("mixgrpo", "mixgrpo_flash"):
         c.train.algorithm = "mixgrpo"
-        c.sample.window_size = 2
+        c.sample.update(window_size=2, solver="dpm2" if arm == "mixgrpo_flash" else "euler")
         c.train.mixgrpo.update(interval=10, stride=1)
     elif arm == "awm":
         c.train.algorithm = "awm"

@@ -197,3 +197,50 @@ def nvlabs_nft_dpm2_sampling(v_pred_fn, z, sigmas):
         z = z.to(torch.float32)
         all_latents.append(z)
     return z, all_latents
+
+
+def mixgrpo_flash_sampling(v_pred_fn, z, sigmas, deterministic, noises, eta):
+    """Tencent-Hunyuan/MixGRPO fastvideo/utils/sampling_utils.py `run_sample_step` (commit d270daf3) as its Flash
+    recipe runs it (scripts/finetune/finetune_flux_grpo_MixGRPO_Flash.sh: dpm_algorithm_type "dpmsolver++",
+    dpm_apply_strategy "post", dpm_solver_order 2, dpm_solver_type "midpoint", flow_grpo_sampling, sde_type "sde"),
+    with the schedule after the window not rebuilt (dpm_post_compress_ratio 1) and `noises[i]` standing in for step
+    i's randn_tensor. Steps up to the last non-deterministic one are `flow_grpo_step` (x + dt v where deterministic),
+    each pushing its x0 = x - sigma v into the `DPMState`; later steps are `dpm_step`: first order (DDIM) while the
+    state holds fewer than one output or at the last step, else the midpoint second-order update with the
+    state's last two outputs, in the schedule's dtype. Returns the final latents, every step's latents, log-probs."""
+    last = max(i for i, d in enumerate(deterministic) if not d)
+    n, sigma_max = len(sigmas) - 1, sigmas[1]
+    lam = lambda s: torch.log(1 - s) - torch.log(s)  # noqa: E731  (_sigma_to_alpha_sigma_t: alpha = 1 - sigma)
+    outputs, lower_order_nums, all_latents, log_probs = [None, None], 0, [z], []
+    for i in range(n):
+        v = v_pred_fn(z, sigmas[i]).float()
+        z = z.float()
+        sigma, sigma_prev = sigmas[i], sigmas[i + 1]
+        x0 = z - sigma * v
+        outputs = [outputs[1], x0]
+        if i <= last:
+            dt = sigma_prev - sigma
+            std_dev_t = torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_max, sigma))) * eta
+            mean = z * (1 + std_dev_t ** 2 / (2 * sigma) * dt) + v * (1 + std_dev_t ** 2 * (1 - sigma) / (2 * sigma)) * dt
+            step_std = std_dev_t * torch.sqrt(-dt)
+            z_next = mean + step_std * noises[i]
+            if deterministic[i]:
+                z_next = z + dt * v
+            log_prob = -((z_next - mean) ** 2) / (2 * step_std ** 2) - torch.log(step_std) \
+                - torch.log(torch.sqrt(2 * torch.as_tensor(math.pi)))
+            log_probs.append(log_prob.mean(dim=tuple(range(1, log_prob.ndim))))
+            z = z_next
+        else:
+            h = lam(sigma_prev) - lam(sigma)
+            alpha_t = 1 - sigma_prev
+            if lower_order_nums < 1 or i == n - 1:
+                z = (sigma_prev / sigma) * z - (alpha_t * (torch.exp(-h) - 1.0)) * x0
+            else:
+                r0 = (lam(sigma) - lam(sigmas[i - 1])) / h
+                d0, d1 = outputs[1], (1.0 / r0) * (outputs[1] - outputs[0])
+                z = (sigma_prev / sigma) * z - (alpha_t * (torch.exp(-h) - 1.0)) * d0 \
+                    - 0.5 * (alpha_t * (torch.exp(-h) - 1.0)) * d1
+            log_probs.append(torch.zeros(z.shape[0]))  # dpm_step's log-prob of a deterministic step: not used
+        lower_order_nums = min(lower_order_nums + 1, 2)
+        all_latents.append(z)
+    return z, all_latents, log_probs

@@ -23,7 +23,7 @@ from jaxflow_bench.cli import bench_parser
 from jaxflow_bench.results import write_result
 
 ARMS = {"flowgrpo": "", "guard": "_guard", "corrected": "_corrected", "dropzero": "_dropzero", "nft": "_nft",
-        "mixgrpo": "_mixgrpo", "awm": "_awm"}
+        "mixgrpo": "_mixgrpo", "mixgrpo_flash": "_mixgrpo_flash", "awm": "_awm"}
 
 
 def run_of(pipeline: Path, suffix: str) -> dict | None:

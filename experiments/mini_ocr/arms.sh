@@ -9,17 +9,17 @@
 #   SMOKE=1 GPUS=1 PER_GPU=2 PIPELINES=1 ARMS="flowgrpo nft" bash experiments/mini_ocr/arms.sh /tmp/arms  # toy, CPU
 #
 # GPUS, PER_GPU (POOL 0.3 at two), PIPELINES, MINUTES: experiments/mini_ocr/jobs.sh. ARMS: of flowgrpo, nft, guard,
-# corrected, dropzero, mixgrpo, awm (default all seven). Other experiments/mini_ocr/run.sh knobs (SMOKE, RL_ARGS,
+# corrected, dropzero, mixgrpo, mixgrpo_flash, awm (default all eight). Other experiments/mini_ocr/run.sh knobs (SMOKE, RL_ARGS,
 # PRETRAIN_STEPS, EVAL_NUM, ...) pass through. Logs: OUT/build_pN.log, OUT/pN_ARM.log; OUT/status gets a line per
 # finished command. A pipeline already built (OUT/pN/eval/before.json) is reused. Exit 1 if any command failed (the
 # others still run and are collected).
 set -euo pipefail
 OUT=${1:?usage: [GPUS=N] [PIPELINES=N] [PER_GPU=N] [ARMS="..."] [MINUTES=M] bash experiments/mini_ocr/arms.sh OUT}
 cd "$(dirname "$0")/../.."
-ARMS=${ARMS:-flowgrpo nft guard corrected dropzero mixgrpo awm}
+ARMS=${ARMS:-flowgrpo nft guard corrected dropzero mixgrpo mixgrpo_flash awm}
 for arm in $ARMS; do
-  case $arm in flowgrpo | nft | guard | corrected | dropzero | mixgrpo | awm) ;;
-    *) echo "error: ARMS: unknown arm $arm; choose from flowgrpo nft guard corrected dropzero mixgrpo awm" >&2
+  case $arm in flowgrpo | nft | guard | corrected | dropzero | mixgrpo | mixgrpo_flash | awm) ;;
+    *) echo "error: ARMS: unknown arm $arm; choose from flowgrpo nft guard corrected dropzero mixgrpo mixgrpo_flash awm" >&2
        exit 2 ;; esac
 done
 mkdir -p "$OUT"

@@ -31,7 +31,7 @@
 # current step and this script exports that step's LoRA as lora_final), RL_RESUME=1 (continue such a run:
 # ONLY="rl rl_control" RL_RESUME=1 ...), and POOL (each trainer's JAX memory fraction of the GPU: 0.3 side by side,
 # 0.5 alone; lower it when more runs share the GPU). ARM (configs/mini_ocr.py's ARMS: "" FlowGRPO, guard, corrected,
-# dropzero, nft, mixgrpo, awm) picks the algorithm of the RL run and its control (and, for nft, evals without CFG); an arm's runs,
+# dropzero, nft, mixgrpo, mixgrpo_flash, awm) picks the algorithm of the RL run and its control (and, for nft, evals without CFG); an arm's runs,
 # evals, timings and result are named for it (OUT/rl_nft, OUT/eval/after_nft.json, mini_ocr_nft.json), so every arm can train on one
 # pipeline, at once on several GPUs:
 #   ONLY="rl eval_after" ARM=guard CUDA_VISIBLE_DEVICES=1 bash experiments/mini_ocr/run.sh OUT

@@ -5,10 +5,13 @@ slides with training progress (its "progressive" strategy with prog_overlap and 
 
 The project's per-sample SDE windows (sample.window_size, sample.window_range; `jaxflow_bridge.contract.schedule`)
 carry it: for step k the rollout's window_range is narrowed to exactly [start_k, start_k + window_size), so every
-sample's window starts at start_k; the train step then trains those steps as FlowGRPO does."""
+sample's window starts at start_k; the train step then trains those steps as FlowGRPO does. Its Flash variant
+(sample.solver 'dpm2') only changes the rollout's steps after the window, never the window's, so the train step is
+the same."""
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 from jaxflow.algorithms.flowgrpo_step import FLOWGRPO, FlowGRPO
 
@@ -30,7 +33,10 @@ def window_start(step: int, *, num_steps: int, size: int, window_range: tuple[in
 
 @dataclasses.dataclass(frozen=True)
 class MixGRPO(FlowGRPO):
-    """FlowGRPO's objective on a sliding SDE window shared by the step's samples (`window_start`)."""
+    """FlowGRPO's objective on a sliding SDE window shared by the step's samples (`window_start`); with
+    sample.solver 'dpm2' its Flash variant: DPM-Solver++(2M) after the window (the rollout's `Solver`)."""
+
+    dpm2_after_window: ClassVar[bool] = True
 
     def rollout_sampling(self, params: dict, cfg, step: int) -> dict:
         """`params` (the family's sampling dict) with its window_range narrowed to step `step`'s window."""

@@ -63,6 +63,12 @@ def final_latents(algorithm: str) -> bool:
     return loss is not None and not loss.log_probs
 
 
+def dpm2_after_window(algorithm: str) -> bool:
+    """Whether train.algorithm `algorithm` samples with sample.solver 'dpm2' and an SDE (sde_type 'sde' or 'cps'):
+    the window's SDE steps, DPM-Solver++(2M) after them (MixGRPO-Flash; docs/numerics.md §12)."""
+    return getattr(TABLES["algorithm"].get(algorithm), "dpm2_after_window", False)
+
+
 def rollout_sampling(params: dict, cfg, step: int) -> dict:
     """The rollout's sampling params for training step `step`, as train.algorithm's loss schedules them (MixGRPO's
     sliding window; the others leave them as they are)."""

@@ -261,10 +261,11 @@ def validate(user: ConfigDict) -> RunConfig:
     if not isinstance(cfg.train.drop_zero_advantage, bool):
         fail("train.drop_zero_advantage", f"{cfg.train.drop_zero_advantage!r} must be a bool: pass True or False")
     _typed_train(cfg)
-    if s.solver == "dpm2" and not registry.final_latents(t.algorithm):
-        free = " or ".join(a for a in registry.TABLES["algorithm"] if registry.final_latents(a))
-        fail("sample.solver", f"'dpm2' samples without log-probs and train.algorithm {t.algorithm!r} trains on them: "
-                              f"pass --config.sample.solver=euler (dpm2 rolls out for {free})")
+    if s.solver == "dpm2" and s.sde_type != "ode" and not registry.dpm2_after_window(t.algorithm):
+        flash = " or ".join(a for a in registry.TABLES["algorithm"] if registry.dpm2_after_window(a))
+        ode = " or --config.sample.sde_type=ode" if registry.final_latents(t.algorithm) else ""
+        fail("sample.solver", f"'dpm2' with sde_type {s.sde_type!r} is MixGRPO-Flash (dpm2 after the SDE window), "
+                              f"for train.algorithm {flash}, not {t.algorithm!r}: pass --config.sample.solver=euler{ode}")
     _check_sampling(cfg)
     unknown = sorted(set(cfg.reward.fns) - set(REGISTRY))
     if unknown or not cfg.reward.fns:

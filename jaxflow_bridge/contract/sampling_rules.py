@@ -38,8 +38,6 @@ def problems(params, size_multiple: int, why: str = "") -> Iterator[tuple[str, s
     solver = getattr(params, "solver", "euler")
     if solver not in SOLVERS:
         yield "solver", f"solver={solver!r}; choose one of {SOLVERS}"
-    elif solver == "dpm2" and params.sde_type != "ode":
-        yield "solver", f"solver 'dpm2' is deterministic: it needs sde_type 'ode', got {params.sde_type!r}"
     if not isinstance(params.same_latent, bool):
         yield "same_latent", f"same_latent must be a bool (True or False), got {params.same_latent!r}"
     if params.noise_level < 0:

@@ -14,7 +14,8 @@ B = len(prompts) * n samples, prompt-major (sample b belongs to prompt b // n, i
   every step for every sample, so a sample does not depend on its batch; with `same_latent` every sample of a
   group starts from its group's first sample's initial noise (step noise stays per sample);
 - the schedule, SDE windows and the SDE/CPS/ODE step are `jaxflow_bridge.rollout.sde`; `solver` 'dpm2' takes
-  DiffusionNFT's second-order ODE steps instead (`jaxflow_bridge.rollout.solver`).
+  second-order ODE steps instead (`jaxflow_bridge.rollout.solver`): every step with sde_type 'ode' (DiffusionNFT),
+  the steps after each sample's SDE window otherwise (MixGRPO-Flash).
 Never imports JAX.
 """
 
@@ -65,7 +66,7 @@ class SamplingParams:
     negative_prompt: str = " "
     max_sequence_length: int = 512  # prompt tokens after the template drop; longer prompts are refused
     sde_type: str = "sde"  # 'sde' | 'cps' | 'ode'
-    solver: str = "euler"  # 'euler' (the sde_type step) | 'dpm2' (DPM-Solver++(2M), sde_type 'ode' only)
+    solver: str = "euler"  # 'euler' (the sde_type step) | 'dpm2' (DPM-Solver++(2M); after the window unless 'ode')
     noise_level: float = 1.2
     sde_window_size: int | None = 2  # None or 0: every step but the last
     sde_window_range: tuple[int, int] = (0, 5)
@@ -332,7 +333,7 @@ class SamplingLoop:
         latents = x.new_zeros(batch, window + 1, *x.shape[1:])
         log_probs = x.new_zeros(batch, window)
         rows = torch.arange(batch, device=x.device)
-        solver = Solver(sp.solver, sigmas, sp.sde_type)
+        solver = Solver(sp.solver, sigmas, sp.sde_type, window_ends=starts + window)
         starts = torch.as_tensor(starts, dtype=torch.long, device=x.device)
         for i in range(steps):
             noise = torch.stack([torch.randn(x.shape[1:], generator=g) for g in gens]).to(x.device)

@@ -191,11 +191,13 @@ def test_the_mini_ocr_arms_validate_and_set_what_they_name():
         config_lib.validate(cfg)
         t = cfg.train
         seen[variant] = (t.algorithm, t.ratio_norm, t.old_log_prob, cfg.sample.guidance, cfg.eval.guidance,
-                         list(cfg.reward.fns), t.drop_zero_advantage)
-    assert seen["nft"] == ("nft", "none", "recompute", 1.0, 1.0, ["ocr"], False)
-    assert seen["nft_control"][-2] == ["ocr_shuffled"] and seen["guard"][1] == "guard"
+                         list(cfg.reward.fns), t.drop_zero_advantage, cfg.sample.solver)
+    assert seen["nft"] == ("nft", "none", "recompute", 1.0, 1.0, ["ocr"], False, "euler")
+    assert seen["nft_control"][-3] == ["ocr_shuffled"] and seen["guard"][1] == "guard"
     assert seen["corrected"][2] == "rollout_corrected" and seen[""] == ("flowgrpo", "none", "recompute", 4.0, 4.0,
-                                                                        ["ocr"], False)
-    assert seen["dropzero"] == seen[""][:-1] + (True,) and seen["dropzero_control"][-1]
+                                                                        ["ocr"], False, "euler")
+    assert seen["dropzero"] == seen[""][:-2] + (True, "euler") and seen["dropzero_control"][-2]
+    assert seen["mixgrpo_flash"] == seen["mixgrpo"][:-1] + ("dpm2",) and seen["mixgrpo"][0] == "mixgrpo"
+    assert seen["mixgrpo_flash_control"][-1] == "dpm2" and seen["mixgrpo_flash_control"][-3] == ["ocr_shuffled"]
     with pytest.raises(ValueError, match="unknown variant"):
         module.get_config("dpo")

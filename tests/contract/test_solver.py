@@ -1,15 +1,16 @@
 """jaxflow_bridge/contract/solver.py and rollout/solver.py: 'dpm2' is NVlabs DiffusionNFT's second-order sampler
 (against a transcription of its solver.py), is second order (its error falls ~4x when the steps double, Euler's ~2x,
-on a flow with a closed-form solution), and 'euler' is the SDE step unchanged."""
+on a flow with a closed-form solution), and 'euler' is the SDE step unchanged; 'dpm2' with an SDE is MixGRPO-Flash's
+sampler (against a transcription of its run_sample_step), the window's steps those of 'euler'."""
 import numpy as np
 import pytest
 import torch
 
-from jaxflow_bridge.contract.schedule import sigma_schedule
+from jaxflow_bridge.contract.schedule import sigma_schedule, window_noise_levels
 from jaxflow_bridge.contract.solver import dpm2_coefficients, solver_choice
 from jaxflow_bridge.rollout.sde import sde_step
 from jaxflow_bridge.rollout.solver import Solver
-from tests.reference_transcriptions import nvlabs_nft_dpm2_sampling
+from tests.reference_transcriptions import mixgrpo_flash_sampling, nvlabs_nft_dpm2_sampling
 
 SHIFTED = {"shift": 3.0, "use_dynamic_shifting": False}
 
@@ -89,9 +90,73 @@ def test_euler_is_the_sde_step_unchanged():
     assert torch.equal(got, want) and torch.equal(got_lp, want_lp)
 
 
-def test_unknown_solver_and_a_noisy_dpm2_are_refused():
+def test_unknown_solver_and_a_noisy_dpm2_without_windows_are_refused():
     assert solver_choice("dpm2") == "dpm2"
     with pytest.raises(ValueError, match=r"solver='heun'; choose one of \('euler', 'dpm2'\)"):
         Solver("heun", [1.0, 0.0], "ode")
-    with pytest.raises(ValueError, match="solver 'dpm2' is deterministic: it needs sde_type 'ode', got 'cps'"):
+    with pytest.raises(ValueError, match="solver 'dpm2' with sde_type 'cps' steps after each sample's SDE window: "
+                                         "it needs window_ends"):
         Solver("dpm2", [1.0, 0.0], "cps")
+
+
+FLASH_STEPS, FLASH_SIZE, FLASH_STARTS, FLASH_LEVEL = 10, 2, np.array([0, 3, 6, 7]), 0.7
+
+
+def _flash_inputs():
+    """A shifted 10-step schedule, 4 samples with windows of 2 steps starting at 0, 3, 6 and 7, the field, the initial
+    latents and every step's noise."""
+    sigmas = sigma_schedule(SHIFTED, FLASH_STEPS, 16)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(len(FLASH_STARTS), 16, 8, generator=g)
+    noises = torch.randn(FLASH_STEPS, *x.shape, generator=g)
+    return sigmas, _field(11), x, noises
+
+
+def _sample(solver: Solver, v_fn, x, sigmas, noises):
+    """Every step's latents (N + 1, B, ...) and log-probs (N, B) of `solver` from x, the windows' noise levels."""
+    levels = torch.from_numpy(window_noise_levels(FLASH_STARTS, FLASH_SIZE, FLASH_STEPS, FLASH_LEVEL))
+    latents, log_probs = [x], []
+    for i in range(FLASH_STEPS):
+        x, log_prob = solver.step(x, v_fn(x, sigmas[i]), i, noise_level=levels[:, i], noise=noises[i])
+        latents.append(x)
+        log_probs.append(log_prob)
+    return torch.stack(latents), torch.stack(log_probs)
+
+
+def test_flash_is_mixgrpo_flash_sampling_to_float32_rounding():
+    """Each sample against MixGRPO's Flash sampler run on it alone with its window as the deterministic list:
+    every step's latents and the window's log-probs."""
+    sigmas, v_fn, x, noises = _flash_inputs()
+    solver = Solver("dpm2", sigmas, "sde", window_ends=FLASH_STARTS + FLASH_SIZE)
+    latents, log_probs = _sample(solver, v_fn, x, sigmas, noises)
+    for b, start in enumerate(FLASH_STARTS):
+        deterministic = [not start <= i < start + FLASH_SIZE for i in range(FLASH_STEPS)]
+        _, want, want_lp = mixgrpo_flash_sampling(v_fn, x[b:b + 1], torch.from_numpy(sigmas), deterministic,
+                                                  noises[:, b:b + 1], FLASH_LEVEL)
+        want = torch.stack(want)[:, 0]
+        # a few float32 roundings per step on values of size ~|x|, over the steps
+        np.testing.assert_allclose(latents[:, b].numpy(), want.numpy(), rtol=0,
+                                   atol=8 * FLASH_STEPS * np.finfo(np.float32).eps * float(want.abs().max()))
+        window = slice(start, start + FLASH_SIZE)
+        got_lp, ref_lp = log_probs[window, b], torch.stack(want_lp)[window, 0]
+        # -(x' - mean)^2 / (2 std^2) with x' - mean = std noise: the latents' rounding over the step std, times |noise|
+        step_std = FLASH_LEVEL * np.sqrt(sigmas[window] / (1 - np.where(sigmas[window] == 1, sigmas[1], sigmas[window]))
+                                         * (sigmas[window] - sigmas[start + 1:start + FLASH_SIZE + 1]))
+        tol = 8 * np.finfo(np.float32).eps * float(want.abs().max()) / step_std.min() * float(noises.abs().max())
+        np.testing.assert_allclose(got_lp.numpy(), ref_lp.numpy(), rtol=0, atol=tol)
+
+
+def test_flash_keeps_the_windows_steps_and_changes_only_the_steps_after():
+    """Against 'euler' on the same inputs: the latents up to each window's end and its log-probs bit-equal (what the
+    trainer recomputes is unchanged), every later step's latents different."""
+    sigmas, v_fn, x, noises = _flash_inputs()
+    ends = FLASH_STARTS + FLASH_SIZE
+    flash, flash_lp = _sample(Solver("dpm2", sigmas, "sde", window_ends=ends), v_fn, x, sigmas, noises)
+    euler, euler_lp = _sample(Solver("euler", sigmas, "sde"), v_fn, x, sigmas, noises)
+    for b, (start, end) in enumerate(zip(FLASH_STARTS, ends)):
+        assert torch.equal(flash[:end + 1, b], euler[:end + 1, b])
+        assert torch.equal(flash_lp[start:end, b], euler_lp[start:end, b])
+        assert not torch.any(flash_lp[end:, b])
+        if end < FLASH_STEPS - 1:  # dpm2's last step alone is Euler's (both land on the data prediction)
+            gaps = (flash[end + 1:, b] - euler[end + 1:, b]).flatten(1).abs().amax(1)
+            assert torch.all(gaps > 1e-4 * float(euler[:, b].abs().max()))

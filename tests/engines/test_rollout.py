@@ -242,6 +242,22 @@ def test_dpm2_rollout_runs_and_differs_from_euler(pipe):
     assert gap > 1e-3 * np.abs(euler.final_latents).max()
 
 
+def test_mixgrpo_flash_rollout_keeps_the_window_and_changes_the_steps_after(pipe):
+    """solver='dpm2' with the SDE (MixGRPO-Flash) through the diffusers engine, every sample's window [1, 3) as
+    MixGRPO narrows it: the window's latents and log-probs equal the Euler rollout's of the same seeds (bit for bit:
+    the same steps up to the window's end), the final latents differ (second-order steps 3 and 4)."""
+    sampling = {**SAMPLING, "num_inference_steps": 6, "sde_window_range": (1, 3), "true_cfg_scale": 1.0,
+                "keep_final": True}
+    flash = pipe.generate(PROMPTS, 1, SamplingParams(**sampling, solver="dpm2"), seeds=[7, 8])
+    euler = pipe.generate(PROMPTS, 1, SamplingParams(**sampling), seeds=[7, 8])
+    assert np.all(flash.step_index == [1, 2])
+    np.testing.assert_array_equal(flash.latents, euler.latents)
+    np.testing.assert_array_equal(flash.log_probs, euler.log_probs)
+    assert np.all(flash.log_probs != 0)
+    gap = np.abs(flash.final_latents - euler.final_latents).max()
+    assert gap > 1e-3 * np.abs(euler.final_latents).max()
+
+
 def test_decode_calls_follow_the_pixel_budget(pipe, monkeypatch):
     """Small images decode many to a VAE call (one call for this batch); full-size ones 4 at 512^2, 1 at 1024^2; the
     images do not depend on how the batch was split."""
@@ -363,7 +379,6 @@ def test_fp32_timestep_equals_stock_diffusers_in_fp32_and_skips_bf16_rounding(ti
     (dict(sde_window_size=4), "SDE window size 4 must be in"),
     (dict(same_latent=1), "same_latent must be a bool"),
     (dict(solver="dpm3"), "solver='dpm3'; choose one of"),
-    (dict(solver="dpm2"), "solver 'dpm2' is deterministic: it needs sde_type 'ode', got 'sde'"),
     # the rules the config's validation stage checks too, with the same message (tests/config/test_config_stages.py)
     (dict(sde_window_range=(2, 5)), re.escape("SDE window size 2 does not fit in window_range (2, 5) (clipped to "
                                               "[2, 3) so that the last step 3 is excluded)")),

@@ -191,7 +191,7 @@ class BagelSamplingLoop:
         batch, window = x.shape[0], window_size(size, steps)
         latents, log_probs = x.new_zeros(batch, window + 1, *x.shape[1:]), x.new_zeros(batch, window)
         rows, starts = torch.arange(batch), torch.from_numpy(starts).long()
-        solver = Solver(sp.solver, sigmas, sp.sde_type)
+        solver = Solver(sp.solver, sigmas, sp.sde_type, window_ends=starts.numpy() + window)
         for i in range(steps):
             noise = torch.stack([torch.randn(x.shape[1:], generator=g) for g in gens])
             slot = i - starts

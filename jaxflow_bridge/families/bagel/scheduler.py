@@ -28,10 +28,10 @@ class WindowScheduler:
     def __init__(self, sigmas: np.ndarray, seed: int, *, window: int | None, window_range: tuple[int, int],
                  noise_level: float, sde_type: str, tokens: int, channels: int, solver: str):
         self.sigmas = np.asarray(sigmas, np.float32)
-        self.solver = Solver(solver, self.sigmas, sde_type)
         steps = len(self.sigmas) - 1
         self.start = int(sample_windows(np.array([seed]), window, window_range, steps)[0])
         self.size = window_size(window, steps)
+        self.solver = Solver(solver, self.sigmas, sde_type, window_ends=np.array([self.start + self.size]))
         self.levels = torch.from_numpy(window_noise_levels(np.array([self.start]), window, steps, noise_level)[0])
         self.generator = torch.Generator().manual_seed(int(seed))
         self.initial = torch.randn(tokens, channels, generator=self.generator)
