@@ -6,12 +6,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-
 from types import SimpleNamespace
 
 import pytest
 
-from jaxflow_bench.rollout_profile import WorkerProfiler, categorize, category, main, profile
+from jaxflow_bench.rollout_profile import (
+    WorkerProfiler,
+    categorize,
+    category,
+    main,
+    profile,
+)
 from tests import HANG_S
 from tests.helpers import ROOT
 
@@ -68,7 +73,10 @@ def test_vllm_omni_figures_from_its_workers_table(tiny_path, tmp_path, monkeypat
     same figures as the diffusers path's."""
     from jaxflow_bridge.engines.vllm_omni.engine import VllmOmniEngine
     from jaxflow_bridge.families.qwen_image import vllm_omni_pipeline as vop
-    from tests.helpers_vllm_omni import FakeOmniQwenImagePipeline, install_fake_vllm_omni
+    from tests.helpers_vllm_omni import (
+        FakeOmniQwenImagePipeline,
+        install_fake_vllm_omni,
+    )
 
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     install_fake_vllm_omni(monkeypatch, tmp_path, {
