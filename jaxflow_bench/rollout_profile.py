@@ -1,21 +1,23 @@
-"""Where a rollout's time goes, per image: the diffusers engine in this process under torch.profiler.
+"""Where a rollout's time goes, per image: an engine's pipeline under torch.profiler (the diffusers engine in this
+process, or vLLM-Omni's in its workers).
 
-    python -m jaxflow_bench.rollout_profile OUT [--model DIR|tiny] [--device cuda|cpu] [--calls 3] [--prompts 2]
-        [--n 4] [--size 512] [--steps 10] [--seed 0]
+    python -m jaxflow_bench.rollout_profile OUT [--engine diffusers|vllm_omni] [--model DIR|tiny]
+        [--device cuda|cpu] [--calls 3] [--prompts 2] [--n 4] [--size 512] [--steps 10] [--seed 0]
 
 Runs the recipe's training rollout (jaxflow_bench.rollout.TRAIN_SETTINGS: true CFG 4, the SDE window; --size and
 --steps shrink it) on the model (default the recipe's random full-size folder, written if missing; `tiny`: the cached
 tiny model) with random weights drawn from --seed: one warm-up call, then --calls calls of --prompts prompts x --n
-images under torch.profiler (CUDA kernels on a GPU, CPU ops on the CPU), and the same calls without CFG. Writes
-OUT/rollout_profile.json, seconds per image:
+images under torch.profiler (CUDA kernels on a GPU, CPU ops on the CPU), and the same calls without CFG. The profiler
+runs where the pipeline does (jaxflow_bridge/rollout/profiling.py): in this process for --engine diffusers (the
+default), in the diffusion workers for --engine vllm_omni (a GPU only; the engine's `profile_start` /
+`profile_stop`, its first worker's table). Writes OUT/rollout_profile.json, seconds per image:
   attention_s, gemm_s, other_kernels_s  the kernels' (CPU: the ops') own time by name (`CATEGORIES`)
   idle_gaps_s          the call's wall time the device ran nothing (launch gaps, host work, syncs)
   text_encoder_s, vae_decode_s, denoise_s  the pipeline's phases (`SamplingLoop.encode`, `decode`, the rest of
                        its `generate`), each under a torch.profiler range of its name
-  trajectory_export_s  the engine's call beyond the pipeline's `generate` (the trajectory to host arrays, its dict)
+  trajectory_export_s  the engine's call beyond the pipeline's `generate` (the trajectory to host arrays, its dict;
+                       vLLM-Omni: also its scheduling and the result's way back from the worker)
   cfg_overhead_s       wall time per image with true CFG less that without (the negative rows), both unprofiled
-vLLM-Omni's rollout is not profiled here: its workers trace a request with JAXFLOW_ROLLOUT_TRACE
-(jaxflow_bridge/families/qwen_image/vllm_omni_pipeline.py), whose kernels `categorize` names the same way.
 """
 from __future__ import annotations
 
@@ -28,13 +30,13 @@ from pathlib import Path
 
 from jaxflow_bench.results import write_result
 from jaxflow_bench.rollout import PROMPTS, TRAIN_SETTINGS
+from jaxflow_bridge.rollout.profiling import PHASES, PipelineProfiler
 
 # kernel / op names to categories, first match wins (FlashAttention, cuDNN and PyTorch's SDPA kernels; cuBLAS(Lt),
 # CUTLASS and nvjet GEMMs, FP8 scaled GEMMs, ATen's GEMM ops on the CPU)
 CATEGORIES = (("attention", re.compile(r"flash|fmha|attention|sdpa|softmax", re.I)),
               ("gemm", re.compile(r"gemm|cutlass|cublas|nvjet|xmma|scaled_mm|aten::(addmm|mm|bmm|matmul|linear)\b"
                                   r"|^void at::native::\w*mm", re.I)))
-PHASES = ("text_encoder", "vae_decode", "sample")  # torch.profiler ranges: the pipeline's encode, decode, generate
 
 
 def category(name: str) -> str:
@@ -54,47 +56,39 @@ def categorize(rows, wall_s: float, images: int) -> dict:
     return {k: v / images for k, v in out.items()}
 
 
-def _ranged(name: str, fn):
-    """`fn` under a torch.profiler range `name`."""
-    import torch
+class WorkerProfiler:
+    """vLLM-Omni's profiler, in its diffusion workers: `PipelineProfiler`'s calls through the engine (CUDA kernels
+    with `cuda`, else CPU ops)."""
 
-    def call(*args, **kwargs):
-        with torch.profiler.record_function(name):
-            return fn(*args, **kwargs)
-    return call
+    def __init__(self, engine, cuda: bool = True):
+        self.engine, self.cuda = engine, cuda
+
+    def start(self) -> None:
+        self.engine.profile_start(cuda=self.cuda)
+
+    def stop(self) -> dict:
+        return self.engine.profile_stop()
 
 
-def profile(engine, prompts: list[str], n: int, sampling: dict, calls: int) -> dict:
-    """The figures of `calls` calls of `engine.generate` (the diffusers engine) after a warm-up one of each setting."""
-    import torch
-
-    pipeline = engine.pipeline
-    pipeline.encode = _ranged("text_encoder", pipeline.encode)
-    pipeline.decode = _ranged("vae_decode", pipeline.decode)
-    pipeline.generate = _ranged("sample", pipeline.generate)
-    cuda = engine.device.type == "cuda"
-
-    def timed(settings: dict) -> float:
+def profile(engine, prompts: list[str], n: int, sampling: dict, calls: int, profiler) -> dict:
+    """The figures of `calls` calls of `engine.generate` after a warm-up one of each setting; `profiler` records
+    the profiled calls where the pipeline runs (`start()`, `stop()` -> `PipelineProfiler.stop`'s table)."""
+    def timed(settings: dict) -> float:  # the engine returns host arrays: its work is done when it returns
         start = time.perf_counter()
         for c in range(calls):
             engine.generate(prompts, n, settings, seeds=list(range(c * len(prompts) * n, (c + 1) * len(prompts) * n)))
-        if cuda:
-            torch.cuda.synchronize()
         return time.perf_counter() - start
 
     plain = {**sampling, "true_cfg_scale": 1.0}
     for settings in (sampling, plain):  # warm-up: allocations, autotuning, each path once
         engine.generate(prompts, n, settings, seeds=list(range(len(prompts) * n)))
     cfg_wall, plain_wall = timed(sampling), timed(plain)  # unprofiled, both alike
-    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
-    with torch.profiler.profile(activities=[activity]) as prof:
-        wall = timed(sampling)
+    profiler.start()
+    wall = timed(sampling)
+    table = profiler.stop()
     images = calls * len(prompts) * n
-    events = prof.key_averages()
-    own = "self_device_time_total" if cuda else "self_cpu_time_total"
-    rows = [(e.key, getattr(e, own) / 1e6) for e in events]
-    phases = {e.key: e.cpu_time_total / 1e6 / images for e in events if e.key in PHASES}
-    figures = categorize(rows, wall, images)
+    phases = {k: v / images for k, v in table["phases"].items()}
+    figures = categorize(table["rows"], wall, images)
     figures.update(text_encoder_s=phases.get("text_encoder", 0.0), vae_decode_s=phases.get("vae_decode", 0.0),
                    denoise_s=phases.get("sample", 0.0) - phases.get("text_encoder", 0.0)
                    - phases.get("vae_decode", 0.0),
@@ -107,6 +101,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], usage=__doc__.split("\n\n")[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", type=Path)
+    p.add_argument("--engine", choices=("diffusers", "vllm_omni"), default="diffusers",
+                   help="vllm_omni: profiled in its workers, on a GPU")
     p.add_argument("--model", help="a Qwen-Image folder, or tiny (default the recipe's random folder)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--calls", type=int, default=3)
@@ -120,6 +116,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
+    if args.engine == "vllm_omni" and args.device == "cpu":
+        print("error: --engine vllm_omni runs its workers on a GPU: drop --device cpu, or profile --engine diffusers "
+              "on the CPU", file=sys.stderr)
+        return 2
     from jaxflow_bridge.families.qwen_image import spec
     from jaxflow_bridge.rollout.server import engine_class
 
@@ -127,14 +127,24 @@ def main(argv=None) -> int:
     if args.model is None and not (Path(model) / spec.E2E["marker"]).is_file():
         writer = spec.E2E["writer"]
         subprocess.run([sys.executable, writer[0], "--out", model, *writer[1:]], check=True)
-    config = {"engine": "diffusers", "model": model, "device": args.device,
+    config = {"engine": args.engine, "model": model, "device": args.device,
               "dtype": "bfloat16" if args.device == "cuda" else "float32", "random_seed": args.seed}
-    engine = engine_class(config)(config)
+    try:
+        engine = engine_class(config)(config)
+    except ValueError as e:  # the engine's refusal of the model or its settings
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     window = (0, max(1, min(TRAIN_SETTINGS["sde_window_range"][1], args.steps - 1)))
     sampling = {**TRAIN_SETTINGS, "height": args.size, "width": args.size, "num_inference_steps": args.steps,
                 "sde_window_size": min(TRAIN_SETTINGS["sde_window_size"], window[1]), "sde_window_range": window}
-    figures = profile(engine, PROMPTS[:args.prompts], args.n, sampling, args.calls)
-    print(write_result(args.out, "rollout_profile", figures, extra={"engine": "diffusers", "model": model}))
+    profiler = (WorkerProfiler(engine) if args.engine == "vllm_omni" else
+                PipelineProfiler(engine.pipeline, cuda=engine.device.type == "cuda"))
+    try:
+        figures = profile(engine, PROMPTS[:args.prompts], args.n, sampling, args.calls, profiler)
+    finally:
+        if args.engine == "vllm_omni":
+            engine.close()
+    print(write_result(args.out, "rollout_profile", figures, extra={"engine": args.engine, "model": model}))
     return 0
 
 

@@ -1,14 +1,22 @@
-"""jaxflow_bench.rollout_profile: the categorisation of a profiler table by kernel / op name, and the runner on the
-CPU with the tiny model (CPU ops) writing every figure."""
+"""jaxflow_bench.rollout_profile: the categorisation of a profiler table by kernel / op name, the runner on the
+CPU with the tiny model (CPU ops) writing every figure, and --engine vllm_omni: its figures from the workers' table
+over the stand-in vLLM-Omni, and refused on the CPU."""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
-from jaxflow_bench.rollout_profile import categorize, category
+from jaxflow_bench.rollout_profile import (
+    WorkerProfiler,
+    categorize,
+    category,
+    main,
+    profile,
+)
 from tests import HANG_S
 from tests.helpers import ROOT
 
@@ -51,3 +59,34 @@ def test_the_runner_on_the_cpu_with_the_tiny_model(tmp_path):
     kernels = f["attention_s"] + f["gemm_s"] + f["other_kernels_s"] + f["idle_gaps_s"]
     assert kernels == pytest.approx(f["wall_s"], rel=1e-3) or kernels > f["wall_s"]  # gaps clipped at 0
     assert f["text_encoder_s"] + f["vae_decode_s"] + f["denoise_s"] <= f["wall_s"] * 1.05
+
+
+def test_vllm_omni_on_the_cpu_is_refused_in_one_line(capsys):
+    assert main(["/nonexistent/out", "--engine", "vllm_omni", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --engine vllm_omni runs its workers on a GPU") and err.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_vllm_omni_figures_from_its_workers_table(tiny_path, tmp_path, monkeypatch):
+    """`profile` over the vllm_omni engine (the stand-in vLLM-Omni on the tiny model): the workers' table gives the
+    same figures as the diffusers path's."""
+    from jaxflow_bridge.engines.vllm_omni.engine import VllmOmniEngine
+    from jaxflow_bridge.families.qwen_image import vllm_omni_pipeline as vop
+    from tests.helpers_vllm_omni import (
+        FakeOmniQwenImagePipeline,
+        install_fake_vllm_omni,
+    )
+
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    install_fake_vllm_omni(monkeypatch, tmp_path, {
+        vop.PIPELINE_CLASS: vop.build_pipeline_class(FakeOmniQwenImagePipeline, SimpleNamespace)})
+    engine = VllmOmniEngine({"engine": "vllm_omni", "model": str(tiny_path)})
+    sampling = {"height": 32, "width": 32, "num_inference_steps": 2, "true_cfg_scale": 4.0, "sde_window_size": 1,
+                "sde_window_range": (0, 1)}
+    f = profile(engine, ["a red fox"], 2, sampling, 1, WorkerProfiler(engine, cuda=False))
+    assert f["images"] == 2
+    for key in ("attention_s", "gemm_s", "other_kernels_s", "text_encoder_s", "vae_decode_s", "denoise_s", "wall_s"):
+        assert f[key] > 0, (key, f)
+    assert f["trajectory_export_s"] >= 0 and f["idle_gaps_s"] >= 0
+    assert f["text_encoder_s"] + f["vae_decode_s"] + f["denoise_s"] <= f["wall_s"]

@@ -38,6 +38,8 @@ checks adapters' names (`adapter`) and brings its sampling parameters (`sampling
   each request's framed prompt and sends its KV to our pipeline on the DiT stage (one greedy token, think mode
   refused); worker RPCs and adapters go to the DiT stage alone, sleep and wake to both; the ids the thinker reports
   must be the trajectory's `prompt_ids` (`unpack_trajectories`).
+- profile_start / profile_stop: torch.profiler around the workers' requests in between, the first diffusion
+  worker's table back (jaxflow_bench/rollout_profile.py categorises it).
 - sleep / wake: level-1 sleep through the workers' sleep task (weights, text encoder and VAE included, move to
   CPU and come back); wake goes through the same RPC path, so the actor process never creates a CUDA context.
 AsyncOmni runs on an event loop in a background thread; the engine's methods block on it (one call at a time).
@@ -374,6 +376,14 @@ class VllmOmniEngine(RolloutEngine):
         stage (a two-stage deployment's thinker runs no adapter: the layers it would bind never run there)."""
         results = await self.omni.collective_rpc(method=method, args=(arg,), stage_ids=self._dit)
         return bool(results) and all(all(map(bool, r)) if isinstance(r, list) else bool(r) for r in results)
+
+    def profile_start(self, cuda: bool = True) -> None:
+        """torch.profiler in the diffusion stage's workers around the requests until `profile_stop`."""
+        self._rpc("rollout_profile_start", cuda)
+
+    def profile_stop(self) -> dict:
+        """The first diffusion worker's recording (jaxflow_bridge/rollout/profiling.py's `PipelineProfiler.stop`)."""
+        return _flat(self._rpc("rollout_profile_stop"))[0]
 
     # -------------------------------------------------------------------------------------- lifecycle
 

@@ -1,10 +1,12 @@
 """The extension of vLLM-Omni 0.20's diffusion worker our engine starts its workers with (`WORKER_EXTENSION_CLASS`,
 built on first attribute access, PEP 562, so this module imports without vLLM-Omni): `rollout_lora_modules()`, the
-pipeline's LoRA-capable layers and their shapes (the engine checks adapters against it), and the worker's LoRA sink
-(jaxflow_bridge/sync/vllm_omni_sinks.py, one per apply mode): each update's payload applied and read back."""
+pipeline's LoRA-capable layers and their shapes (the engine checks adapters against it), the worker's LoRA sink
+(jaxflow_bridge/sync/vllm_omni_sinks.py, one per apply mode): each update's payload applied and read back, and a
+torch.profiler around the requests it serves (`rollout_profile_start` / `rollout_profile_stop`)."""
 from __future__ import annotations
 
 from jaxflow_bridge.contract.lora_payload import LoRAPayload
+from jaxflow_bridge.rollout.profiling import PipelineProfiler
 from jaxflow_bridge.sync.vllm_omni_sinks import SINKS, Renames
 from jaxflow_bridge.sync.vllm_omni_slots import lora_component, lora_module_table
 
@@ -56,6 +58,23 @@ class RolloutWorkerMethods:
         """lora_apply="merged": start restoring the bare base weights (they copy back while the trainer trains)."""
         self.rollout_sink("merged").release()
         return {"restoring": True}
+
+    def rollout_profile_start(self, cuda: bool) -> dict:
+        """Start torch.profiler (CUDA kernels with `cuda`, else CPU ops) around the requests this worker serves until
+        `rollout_profile_stop`, its pipeline's phases under ranges (jaxflow_bridge/rollout/profiling.py)."""
+        if getattr(self, "_rollout_profiler", None) is not None:
+            return {"error": True, "reason": "a rollout profile is recording already: rollout_profile_stop first"}
+        self._rollout_profiler = PipelineProfiler(self.model_runner.pipeline, cuda)
+        self._rollout_profiler.start()
+        return {"recording": True}
+
+    def rollout_profile_stop(self) -> dict:
+        """The recording's table ({"rows": [[name, own seconds]], "phases": {range: seconds}}, plain lists for the
+        RPC's reply); the pipeline unwrapped."""
+        profiler, self._rollout_profiler = getattr(self, "_rollout_profiler", None), None
+        if profiler is None:
+            return {"error": True, "reason": "no rollout profile is recording: rollout_profile_start first"}
+        return profiler.stop()
 
 
 def _worker_extension_class() -> type:
