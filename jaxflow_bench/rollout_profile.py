@@ -103,7 +103,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("out", type=Path)
     p.add_argument("--engine", choices=("diffusers", "vllm_omni"), default="diffusers",
                    help="vllm_omni: profiled in its workers, on a GPU")
-    p.add_argument("--model", help="a Qwen-Image folder, or tiny (default the recipe's random folder)")
+    p.add_argument("--model", help="a folder of the default family's model, or tiny (default its recipe's random folder)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("--prompts", type=int, default=2, choices=range(1, len(PROMPTS) + 1))
@@ -120,12 +120,12 @@ def main(argv=None) -> int:
         print("error: --engine vllm_omni runs its workers on a GPU: drop --device cpu, or profile --engine diffusers "
               "on the CPU", file=sys.stderr)
         return 2
-    from jaxflow_bridge.families.qwen_image import spec
+    from jaxflow_bridge.engines import families
     from jaxflow_bridge.rollout.server import engine_class
 
-    model = args.model or spec.E2E["folder"]
-    if args.model is None and not (Path(model) / spec.E2E["marker"]).is_file():
-        writer = spec.E2E["writer"]
+    model = args.model or families.spec(families.DEFAULT).E2E["folder"]
+    if args.model is None and not (Path(model) / families.spec(families.DEFAULT).E2E["marker"]).is_file():
+        writer = families.spec(families.DEFAULT).E2E["writer"]
         subprocess.run([sys.executable, writer[0], "--out", model, *writer[1:]], check=True)
     config = {"engine": args.engine, "model": model, "device": args.device,
               "dtype": "bfloat16" if args.device == "cuda" else "float32", "random_seed": args.seed}

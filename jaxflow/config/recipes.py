@@ -68,8 +68,8 @@ HELP: dict[str, str] = {
                          "(plan.py)",
     "rollout.cfg_forward": "true CFG's two rows: 'batched' (one forward, text padded to one length) or 'split' (a "
                            "forward each)",
-    "rollout.quantization": "vllm_omni only: 'none' (the bf16 DiT) or 'fp8' (vLLM-Omni quantizes the DiT's linears at "
-                            "load: FP8 weights and activations; the LoRA as layers, never merged)",
+    "rollout.quantization": "vllm_omni only: 'none' (bf16 DiT) or 'fp8' (FP8 weights and activations of the DiT's linears; "
+                            "LoRA as layers)",
     "rollout.bagel_deploy": "vllm_omni's stages (Family.stages): 'single_stage' or 'two_stage' (a vLLM thinker "
                             "prefills, the DiT denoises)",
     "rollout.thinker_memory": "two-stage deployment: the thinker's share of the GPU (vLLM's gpu_memory_utilization; "
@@ -83,8 +83,8 @@ HELP: dict[str, str] = {
     "sample.noise_level": "the SDE's noise level inside a sample's window, > 0",
     "sample.sde_type": "the window's step: 'sde', 'cps' (coefficients-preserving) or 'ode' (train.algorithm "
                        "'nft' only)",
-    "sample.solver": "rollout solver: 'euler' (the sde_type step) or 'dpm2' (DPM-Solver++(2M): with sde_type 'ode' "
-                     "every step, nft or awm; with 'sde'/'cps' the steps after the SDE window, mixgrpo's Flash)",
+    "sample.solver": "'euler' (the sde_type step) or 'dpm2' (DPM-Solver++(2M): every step with 'ode' (nft, awm), "
+                     "after the window (mixgrpo Flash))",
     "sample.window_size": "steps of a sample's SDE window (noised; ODE outside), the steps FlowGRPO trains; in [1, "
                           "num_steps)",
     "sample.window_range": "(lo, hi): each sample's window lies in steps [lo, hi), its start drawn per sample",
@@ -115,8 +115,8 @@ HELP: dict[str, str] = {
     "train.logp_gate_steps": "k steps in a row over train.logp_gate (or the run's first step) stop the run, exit 1; 0/None: off",
     "train.sync_verify": "check each engine serves the LoRA sent after every sync; a mismatch re-syncs once, then exit 1",
     "train.sync_fault_from": "fault injection (tests, benchmarks): engines get the previous LoRA from this version on; 0: off",
-    "train.num_micro_batches": "micro-batches of one update (gradient accumulation), dividing a mini-batch's samples; "
-                               "'auto': the largest micro-batch that fits (the plan says which and why)",
+    "train.num_micro_batches": "micro-batches of an update (gradient accumulation), dividing a mini-batch; 'auto': the largest "
+                               "micro-batch that fits",
     "train.learning_rate": "AdamW learning rate, > 0",
     "train.clip_range": "the ratio's clip: clip(r, 1 - clip_range, 1 + clip_range), > 0",
     "train.adv_clip": "advantages clamped to +-adv_clip (nft: its optimality r's scale)",
