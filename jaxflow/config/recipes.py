@@ -83,8 +83,8 @@ HELP: dict[str, str] = {
     "sample.noise_level": "the SDE's noise level inside a sample's window, > 0",
     "sample.sde_type": "the window's step: 'sde', 'cps' (coefficients-preserving) or 'ode' (train.algorithm "
                        "'nft' only)",
-    "sample.solver": "'euler' (the sde_type step) or 'dpm2' (DPM-Solver++(2M): every step with 'ode' (nft, awm), "
-                     "after the window (mixgrpo Flash))",
+    "sample.solver": "'euler' (the sde_type step) or 'dpm2' (DPM-Solver++(2M): each step with 'ode' (nft, awm), or "
+                     "after the window)",
     "sample.window_size": "steps of a sample's SDE window (noised; ODE outside), the steps FlowGRPO trains; in [1, "
                           "num_steps)",
     "sample.window_range": "(lo, hi): each sample's window lies in steps [lo, hi), its start drawn per sample",
