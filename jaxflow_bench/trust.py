@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxflow_bench import e2e
+from jaxflow_bench.cli import parse_with_overrides
 from jaxflow_bench.results import write_result
 
 PARTS = ("healthy", "repeat", "stale", "kill")
@@ -169,9 +170,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     p = parser()
-    args, overrides = p.parse_known_args(argv)
-    if bad := [a for a in overrides if not a.startswith("--config.")]:
-        p.error(f"unrecognized arguments: {' '.join(bad)} (the trainer's overrides are --config.x=y)")
+    args, overrides = parse_with_overrides(p, argv)
     if not 1 <= args.stale_from <= args.steps or not 1 <= args.kill_after < args.steps:
         p.error(f"--stale-from {args.stale_from} must be in [1, --steps {args.steps}] and --kill-after "
                 f"{args.kill_after} in [1, --steps)")

@@ -10,7 +10,9 @@
 - the LoRA manager's slots (FakeManager), and the package itself: AsyncOmni over one in-process worker with our
   extension, the BAGEL deploy file in its folder (install_fake_vllm_omni), whose add_lora loads and activates the
   adapter in the manager's slots
+- a synthetic trajectory batch and a byte-exact comparison of two (synthetic_batch, assert_batches_equal)
 """
+import dataclasses
 import sys
 import types
 from types import SimpleNamespace
@@ -289,6 +291,16 @@ def install_fake_vllm_omni(monkeypatch, root, pipelines: dict, stages: int = 1, 
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
     return AsyncOmni
+
+
+def assert_batches_equal(a: TrajectoryBatch, b: TrajectoryBatch) -> None:
+    """Every field of the two batches equal (arrays to the byte, dtype and shape too)."""
+    for f in dataclasses.fields(TrajectoryBatch):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, np.ndarray):
+            assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), f.name
+        else:
+            assert x == y, f.name
 
 
 def synthetic_batch(n=3, cfg=True, dtype=ml_dtypes.bfloat16, seed=0) -> TrajectoryBatch:

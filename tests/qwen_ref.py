@@ -1,9 +1,11 @@
-"""Seeded tiny diffusers Qwen-Image transformers and inputs for parity tests (torch side of the comparison)."""
+"""Seeded tiny diffusers Qwen-Image transformers (with or without a random PEFT adapter) and inputs for parity tests
+(torch side of the comparison)."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 from diffusers import QwenImageTransformer2DModel
+from peft import LoraConfig, get_peft_model_state_dict
 
 TINY = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=32,
             num_attention_heads=2, joint_attention_dim=64, guidance_embeds=False, axes_dims_rope=(8, 12, 12))
@@ -25,6 +27,21 @@ def torch_model(cfg: dict, seed: int = 0) -> QwenImageTransformer2DModel:
 
 def state_dict_numpy(model) -> dict[str, np.ndarray]:
     return {k: v.detach().float().numpy() if v.dtype != torch.bfloat16 else v for k, v in model.state_dict().items()}
+
+
+def torch_with_adapter(cfg: dict, spec, seed: int = 0) -> tuple[QwenImageTransformer2DModel, dict, dict]:
+    """(`torch_model(cfg, seed)` with a PEFT adapter of `spec`'s rank, alpha and targets, random 0.2 * N(0, 1)
+    factors, its base state dict and the adapter's PEFT state dict), both as numpy."""
+    tm = torch_model(cfg, seed)
+    base = state_dict_numpy(tm)
+    tm.add_adapter(LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.targets),
+                              init_lora_weights="gaussian"))
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in tm.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    return tm, base, {k: v.numpy() for k, v in get_peft_model_state_dict(tm).items()}
 
 
 def inputs(cfg: dict, batch=2, grid=(5, 9), txt_lens=(7, 4), sigmas=(1.0, 0.37), seed=0):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.mini_ocr.evaluate import eval_sampling
+from experiments.mini_ocr.evaluate import add_eval_arguments, eval_sampling
 from jaxflow.config import validation as config_lib
 from jaxflow.run.data import PromptItem, load_prompts, load_reference
 from jaxflow.run.metrics_log import image_grid
@@ -57,15 +57,8 @@ def evaluate(pipeline: Path, items: list[PromptItem], lora: Path | None = None, 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--pipeline", type=Path, required=True)
-    p.add_argument("--lora", type=Path, default=None, help="a PEFT folder, e.g. RUN_DIR/lora_final")
+    add_eval_arguments(p)
     p.add_argument("--data", type=Path, required=True, help="edit JSONL (experiments/mini_edit/signs.py)")
-    p.add_argument("--num", type=int, default=200)
-    p.add_argument("--steps", type=int, help="denoising steps (default: the config's eval.num_steps, 10)")
-    p.add_argument("--guidance", type=float, help="true CFG scale (default: the config's eval.guidance, 4)")
-    p.add_argument("--device", default=None)
-    p.add_argument("--json", type=Path, required=True)
-    p.add_argument("--grid", type=Path, required=True)
     a = p.parse_args(argv)
     items = load_prompts(a.data)[:a.num]
     start = time.perf_counter()

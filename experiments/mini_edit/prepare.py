@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from experiments.mini_ocr.folder import SIZES
-from experiments.mini_ocr.prepare import ocr_scores
+from experiments.mini_ocr.prepare import add_vae_arguments, fit_vae, save_vae_report
 from experiments.mini_ocr.render import HEIGHT, WIDTH
-from experiments.mini_ocr.vae import build_vae, posterior_means, reconstruct, set_latent_stats, train_vae
 from jaxflow.run.data import load_prompts, load_reference
 from jaxflow_bridge.families.qwen_image_edit.tiny import build_tiny_pipeline
 from jaxflow_bridge.rewards.text import extract_target
@@ -43,25 +41,13 @@ def held_out_sources(data: Path) -> tuple[np.ndarray, list[str]]:
 
 def step_vae(out: Path, steps: int, batch: int, size: str, device: str, max_minutes: float | None, seed: int,
              min_ocr: float = 0.0, crop: tuple[int, int] | None = None, lr: float = 3e-4) -> dict:
-    pairs = np.load(out / "data" / "pairs.npz")
-    images = np.concatenate([pairs["sources"], pairs["edited"]])
-    vae = build_vae(seed)
-    start = time.perf_counter()
-    losses = train_vae(vae, images, steps, batch, lr, seed=seed, device=device, crop=crop,
-                       max_seconds=None if max_minutes is None else 60 * max_minutes)
-    set_latent_stats(vae, posterior_means(vae, images[::max(1, len(images) // 4096)], device=device))
-    held_out, words = held_out_sources(out / "data")
-    report = dict(steps=len(losses), seconds=round(time.perf_counter() - start, 1), crop=crop, lr=lr,
-                  loss_first=losses[0], loss_last=float(np.mean(losses[-20:])),
-                  ocr_recon=ocr_scores(reconstruct(vae, held_out, device=device), words))
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
+    pairs = np.load(out / "data" / "pairs.npz")
+    vae, report = fit_vae(np.concatenate([pairs["sources"], pairs["edited"]]), *held_out_sources(out / "data"),
+                          steps, batch, device, max_minutes, seed, crop, lr)
     build_tiny_pipeline(out / "pipeline", seed, transformer_config=SIZES[size], vae=vae.to("cpu"))
-    (out / "vae_report.json").write_text(json.dumps(report, indent=1))
-    if report["ocr_recon"]["mean"] < min_ocr:
-        raise SystemExit(f"vae: OCR of reconstructions {report['ocr_recon']['mean']:.3f} < --min-ocr {min_ocr}: the "
-                         f"VAE bounds everything after it; train it longer (--steps) or lower --min-ocr knowingly")
-    return report
+    return save_vae_report(out, report, min_ocr)
 
 
 def pad_embeds(embeds: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
@@ -104,19 +90,10 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("step", choices=("vae", "encode"))
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--steps", type=int, default=6000)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--size", default="mini", choices=sorted(SIZES))
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--max-minutes", type=float, default=None)
-    p.add_argument("--lr", type=float, default=3e-4, help="vae: peak learning rate (cosine decay)")
-    p.add_argument("--crop", default=None, help="vae: train on random HxW crops, e.g. 32x64 (cheaper steps)")
-    p.add_argument("--min-ocr", type=float, default=0.0, help="vae: fail if OCR of reconstructions is lower")
-    p.add_argument("--seed", type=int, default=0)
+    add_vae_arguments(p, steps=6000, batch=16)
     a = p.parse_args(argv)
     if a.step == "vae":
-        report = step_vae(a.out, a.steps, a.batch, a.size, a.device, a.max_minutes, a.seed, a.min_ocr,
-                          tuple(int(v) for v in a.crop.split("x")) if a.crop else None, a.lr)
+        report = step_vae(a.out, a.steps, a.batch, a.size, a.device, a.max_minutes, a.seed, a.min_ocr, a.crop, a.lr)
     else:
         report = step_encode(a.out, a.device)
     print(json.dumps(report))

@@ -56,17 +56,22 @@ def evaluate(pipeline: Path, prompts: list[str], lora: Path | None = None, steps
                 scores=[round(float(s), 4) for s in scores], images=images)
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_eval_arguments(p: argparse.ArgumentParser) -> None:
+    """The options every mini proof's evaluate shares (all but its held-out data's)."""
     p.add_argument("--pipeline", type=Path, required=True)
     p.add_argument("--lora", type=Path, default=None, help="a PEFT folder, e.g. RUN_DIR/lora_final")
-    p.add_argument("--prompts", type=Path, required=True)
     p.add_argument("--num", type=int, default=200)
     p.add_argument("--steps", type=int, help="denoising steps (default: the config's eval.num_steps, 10)")
     p.add_argument("--guidance", type=float, help="true CFG scale (default: the config's eval.guidance, 4)")
     p.add_argument("--device", default=None)
     p.add_argument("--json", type=Path, required=True)
     p.add_argument("--grid", type=Path, required=True)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_eval_arguments(p)
+    p.add_argument("--prompts", type=Path, required=True)
     a = p.parse_args(argv)
     prompts = [it.prompt for it in load_prompts(a.prompts)][:a.num]
     start = time.perf_counter()

@@ -51,26 +51,38 @@ def step_data(out: Path, num_train: int, num_test: int, variants: int, seed: int
     return report
 
 
-def step_vae(out: Path, steps: int, batch: int, size: str, device: str, max_minutes: float | None,
-             seed: int, min_ocr: float = 0.0, crop: tuple[int, int] | None = None, lr: float = 3e-4) -> dict:
-    images = np.load(out / "data" / "images.npy")
+def fit_vae(images: np.ndarray, held_out: np.ndarray, words: list[str], steps: int, batch: int, device: str,
+            max_minutes: float | None, seed: int, crop: tuple[int, int] | None = None, lr: float = 3e-4):
+    """(the sign VAE trained on `images` with its latent statistics set, its report: steps, seconds, crop, lr,
+    losses and `ocr_scores` of its reconstructions of `held_out`, the renders of `words`)."""
     vae = build_vae(seed)
     start = time.perf_counter()
     losses = train_vae(vae, images, steps, batch, lr, seed=seed, device=device, crop=crop,
                        max_seconds=None if max_minutes is None else 60 * max_minutes)
     set_latent_stats(vae, posterior_means(vae, images[::max(1, len(images) // 4096)], device=device))
-    _, test = _words(out)
-    held_out = render_dataset(test, 1, HEIGHT, WIDTH, seed)[0]
     report = dict(steps=len(losses), seconds=round(time.perf_counter() - start, 1), crop=crop, lr=lr,
                   loss_first=losses[0], loss_last=float(np.mean(losses[-20:])),
                   loss_curve=[round(float(np.mean(losses[i:i + 50])), 5) for i in range(0, len(losses), 50)],
-                  ocr_recon=ocr_scores(reconstruct(vae, held_out, device=device), test))
-    build_folder(out / "pipeline", vae.to("cpu"), size, seed)
+                  ocr_recon=ocr_scores(reconstruct(vae, held_out, device=device), words))
+    return vae, report
+
+
+def save_vae_report(out: Path, report: dict, min_ocr: float) -> dict:
+    """Write OUT/vae_report.json; SystemExit when the OCR of reconstructions is below `min_ocr`."""
     (out / "vae_report.json").write_text(json.dumps(report, indent=1))
     if report["ocr_recon"]["mean"] < min_ocr:
         raise SystemExit(f"vae: OCR of reconstructions {report['ocr_recon']['mean']:.3f} < --min-ocr {min_ocr}: the "
                          f"VAE bounds everything after it; train it longer (--steps) or lower --min-ocr knowingly")
     return report
+
+
+def step_vae(out: Path, steps: int, batch: int, size: str, device: str, max_minutes: float | None,
+             seed: int, min_ocr: float = 0.0, crop: tuple[int, int] | None = None, lr: float = 3e-4) -> dict:
+    _, test = _words(out)
+    vae, report = fit_vae(np.load(out / "data" / "images.npy"), render_dataset(test, 1, HEIGHT, WIDTH, seed)[0], test,
+                          steps, batch, device, max_minutes, seed, crop, lr)
+    build_folder(out / "pipeline", vae.to("cpu"), size, seed)
+    return save_vae_report(out, report, min_ocr)
 
 
 def step_encode(out: Path, device: str) -> dict:
@@ -86,6 +98,25 @@ def step_encode(out: Path, device: str) -> dict:
     return dict(latents=list(latents.shape), std=float(latents.std()))
 
 
+def crop_size(text: str) -> tuple[int, int]:
+    """--crop's HxW, e.g. 32x64 -> (32, 64)."""
+    return tuple(int(v) for v in text.split("x"))
+
+
+def add_vae_arguments(p: argparse.ArgumentParser, steps: int, batch: int) -> None:
+    """The vae and encode steps' options (--crop parsed to (H, W)), `steps` and `batch` their defaults."""
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--batch", type=int, default=batch)
+    p.add_argument("--size", default="mini", choices=sorted(SIZES))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--max-minutes", type=float, default=None)
+    p.add_argument("--lr", type=float, default=3e-4, help="vae: peak learning rate (cosine decay; 1e-3 stalls)")
+    p.add_argument("--crop", default=None, type=crop_size,
+                   help="vae: train on random HxW crops, e.g. 32x64 (cheaper steps)")
+    p.add_argument("--min-ocr", type=float, default=0.0, help="vae: fail if OCR of reconstructions is lower")
+    p.add_argument("--seed", type=int, default=0)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("step", choices=("data", "vae", "encode"))
@@ -93,21 +124,12 @@ def main(argv=None) -> None:
     p.add_argument("--train", type=int, default=4000)
     p.add_argument("--test", type=int, default=200)
     p.add_argument("--variants", type=int, default=4)
-    p.add_argument("--steps", type=int, default=3000)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--size", default="mini", choices=sorted(SIZES))
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--max-minutes", type=float, default=None)
-    p.add_argument("--lr", type=float, default=3e-4, help="vae: peak learning rate (cosine decay; 1e-3 stalls)")
-    p.add_argument("--crop", default=None, help="vae: train on random HxW crops, e.g. 32x64 (cheaper steps)")
-    p.add_argument("--min-ocr", type=float, default=0.0, help="vae: fail if OCR of reconstructions is lower")
-    p.add_argument("--seed", type=int, default=0)
+    add_vae_arguments(p, steps=3000, batch=64)
     a = p.parse_args(argv)
     if a.step == "data":
         report = step_data(a.out, a.train, a.test, a.variants, a.seed)
     elif a.step == "vae":
-        report = step_vae(a.out, a.steps, a.batch, a.size, a.device, a.max_minutes, a.seed, a.min_ocr,
-                          tuple(int(v) for v in a.crop.split("x")) if a.crop else None, a.lr)
+        report = step_vae(a.out, a.steps, a.batch, a.size, a.device, a.max_minutes, a.seed, a.min_ocr, a.crop, a.lr)
     else:
         report = step_encode(a.out, a.device)
     print(json.dumps(report))

@@ -73,7 +73,27 @@ class LayersSink(_LoraLayers):
         """Layers always serve the adapter last applied."""
 
 
-class MergedSink:
+class MergedServing:
+    """What every merged sink shares (this module's and `sync/vllm_omni_sinks.py`'s): its `MergedLoRA` as `merged`,
+    its `adapter` and `bound_modules()` give release, the serving check and the probe."""
+
+    def release(self) -> None:
+        """Start restoring the bare base weights; sampling is refused until the next `apply`."""
+        self.merged.begin_restore()
+
+    def check_serving(self) -> None:
+        if self.merged.previous is not None and not self.merged.serving:
+            raise RuntimeError("the merged LoRA's base weights are being restored: serve the next adapter first")
+
+    def served(self, payload: LoRAPayload) -> ServedProbe:
+        """W - W_base at the probe's positions, W the merged weight, W_base the exact base copy `MergedLoRA`
+        keeps (zeros for a module never merged, or while the base is being restored)."""
+        with torch.no_grad():
+            return merged_probe(payload, probe_targets(payload, self.adapter), self.merged.served_slices().get,
+                                self.bound_modules())
+
+
+class MergedSink(MergedServing):
     """The adapter merged into the Linear layers' base weights (`MergedLoRA`), straight from the payload's arrays."""
 
     mode = "merged"
@@ -101,21 +121,6 @@ class MergedSink:
 
     def bound_modules(self) -> int:
         return self.bound if self.merged.serving or self.merged.previous is not None else 0
-
-    def release(self) -> None:
-        """Start restoring the bare base weights; sampling is refused until the next `apply`."""
-        self.merged.begin_restore()
-
-    def check_serving(self) -> None:
-        if self.merged.previous is not None and not self.merged.serving:
-            raise RuntimeError("the merged LoRA's base weights are being restored: serve the next adapter first")
-
-    def served(self, payload: LoRAPayload) -> ServedProbe:
-        """W - W_base at the probe's positions, W the merged weight, W_base the exact base copy `MergedLoRA`
-        keeps (zeros for a module never merged, or while the base is being restored)."""
-        with torch.no_grad():
-            return merged_probe(payload, probe_targets(payload, self.adapter), self.merged.served_slices().get,
-                                self.bound_modules())
 
 
 class FolderSink(_LoraLayers):

@@ -29,7 +29,8 @@ from jaxflow_bridge.sync import vllm_omni_slots
 from jaxflow_bridge.sync.binding import bind_lora_modules, slot_plan
 from jaxflow_bridge.sync.merge import plan_targets
 from jaxflow_bridge.sync.layers import as_tensor
-from jaxflow_bridge.sync.probe import layers_probe, merged_probe, probe_targets
+from jaxflow_bridge.sync.probe import layers_probe, probe_targets
+from jaxflow_bridge.sync.sinks import MergedServing
 from jaxflow_bridge.sync.vllm_omni_slots import MappedPayload, lora_component, lora_module_table
 
 
@@ -148,7 +149,7 @@ class FolderSlotsSink(SlotsSink):
         raise RuntimeError("lora_apply='folder' loads every adapter with add_lora; nothing is written in place")
 
 
-class MergedSlotsSink(_VllmOmniSink):
+class MergedSlotsSink(MergedServing, _VllmOmniSink):
     """lora_apply="merged": the adapter merged into the component's base weights by the pipeline's `MergedLoRA`
     (restored exactly from its host copy before each merge), straight from the payload."""
 
@@ -174,20 +175,6 @@ class MergedSlotsSink(_VllmOmniSink):
         if self.merged.previous is not None and not self.merged.serving:
             return self.merged.merge(*self.merged.previous)["written"]
         return 0
-
-    def release(self) -> None:
-        """Start restoring the bare base weights; sampling is refused until the next `apply`."""
-        self.merged.begin_restore()
-
-    def check_serving(self) -> None:
-        if self.merged.previous is not None and not self.merged.serving:
-            raise RuntimeError("the merged LoRA's base weights are being restored: serve the next adapter first")
-
-    def served(self, payload: LoRAPayload) -> ServedProbe:
-        """W - W_base of each probed module's slice of its engine layer (zeros while the base is restored)."""
-        with torch.no_grad():
-            return merged_probe(payload, probe_targets(payload, self.adapter), self.merged.served_slices().get,
-                                self.bound_modules())
 
 
 SINKS = {"layers": SlotsSink, "folder": FolderSlotsSink, "merged": MergedSlotsSink}

@@ -14,7 +14,9 @@ def test_bad_arguments_exit_2_naming_them(capsys):
         with pytest.raises(SystemExit) as err:
             trust.main(argv)
         assert err.value.code == 2
-    assert "--stale-from 9 must be in [1, --steps 5]" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--stale-from 9 must be in [1, --steps 5]" in err
+    assert "unrecognized arguments: --seed=3 (the trainer's overrides are --config.x=y)" in err
 
 
 def test_each_part_runs_the_e2e_command_and_the_stale_part_injects_the_fault(tmp_path, monkeypatch):

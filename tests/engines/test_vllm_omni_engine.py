@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from jaxflow_bridge.contract.lora import lora_pairs, to_vllm_omni
-from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.sync import vllm_omni_slots as vol
 from jaxflow_bridge.engines.vllm_omni import codec
 from jaxflow_bridge.families.qwen_image import vllm_omni_pipeline as vop
@@ -23,6 +22,7 @@ from tests.helpers_vllm_omni import (
     SEEDS,
     FakeFusedTransformer,
     FakeOmniQwenImagePipeline,
+    assert_batches_equal,
     omni_params,
     synthetic_batch,
 )
@@ -64,15 +64,6 @@ def test_warmup_and_plain_requests_are_not_ours():
 
 
 # ---------------------------------------------------------------------------------------------- output codec
-
-
-def assert_batches_equal(a: TrajectoryBatch, b: TrajectoryBatch) -> None:
-    for f in dataclasses.fields(TrajectoryBatch):
-        x, y = getattr(a, f.name), getattr(b, f.name)
-        if isinstance(x, np.ndarray):
-            assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), f.name
-        else:
-            assert x == y, f.name
 
 
 @pytest.mark.parametrize("cfg, final", [(True, False), (False, False), (False, True)])

@@ -3,10 +3,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from diffusers import QwenImagePipeline
 from flax import nnx
-from peft import LoraConfig, get_peft_model_state_dict
 
 from jaxflow.families.qwen_image.config import QwenImageConfig
 from jaxflow.nn.layers import Linear
@@ -15,7 +13,7 @@ from jaxflow.nn.weights import TensorSource
 from jaxflow.nn.lora import LoRAParam, lora_to_peft, peft_to_lora, save_peft
 from jaxflow.families.qwen_image.lora import QwenImageLoRASpec as LoRASpec, read_peft
 from jaxflow_bridge.families.qwen_image.tiny import tiny_pipeline_path
-from tests.qwen_ref import TINY, inputs, state_dict_numpy, torch_forward, torch_model
+from tests.qwen_ref import TINY, inputs, state_dict_numpy, torch_forward, torch_model, torch_with_adapter
 
 SPEC = LoRASpec(rank=4, alpha=8.0)
 
@@ -24,25 +22,12 @@ def _rel(a, b):
     return float(np.max(np.abs(np.asarray(a) - b)) / np.max(np.abs(b)))
 
 
-def _torch_with_adapter(spec=SPEC, seed=0):
-    tm = torch_model(TINY, seed)
-    base = state_dict_numpy(tm)
-    tm.add_adapter(LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.targets),
-                              init_lora_weights="gaussian"))
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in tm.named_parameters():
-            if "lora_" in name:
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
-    return tm, base, {k: v.numpy() for k, v in get_peft_model_state_dict(tm).items()}
-
-
 def _run(model, x, s, txt, mask, lora_scale=1.0):
     return model(jnp.asarray(x), jnp.asarray(s), jnp.asarray(txt), jnp.asarray(mask), (5, 9), lora_scale)
 
 
 def test_lora_forward_matches_diffusers_peft():
-    tm, base, peft_sd = _torch_with_adapter()
+    tm, base, peft_sd = torch_with_adapter(TINY, SPEC)
     assert any(k.endswith("to_out.0.lora_A.weight") for k in peft_sd)
     model = build_from_source(QwenImageConfig(**TINY), TensorSource(base), lora=SPEC)
     peft_to_lora(model, SPEC, peft_sd)
@@ -68,7 +53,7 @@ def test_fresh_lora_is_peft_gaussian_init_and_a_no_op():
 
 
 def test_peft_round_trip_bit_exact_and_bad_adapters_refused(tmp_path):
-    _, base, peft_sd = _torch_with_adapter()
+    _, base, peft_sd = torch_with_adapter(TINY, SPEC)
     model = build_from_source(QwenImageConfig(**TINY), TensorSource(base), lora=SPEC)
     peft_to_lora(model, SPEC, peft_sd)
     save_peft(model, SPEC, tmp_path)
@@ -89,7 +74,7 @@ def test_peft_round_trip_bit_exact_and_bad_adapters_refused(tmp_path):
 
 
 def test_merged_export_equals_adapter_forward():
-    tm, base, peft_sd = _torch_with_adapter()
+    tm, base, peft_sd = torch_with_adapter(TINY, SPEC)
     model = build_from_source(QwenImageConfig(**TINY), TensorSource(base), lora=SPEC)
     peft_to_lora(model, SPEC, peft_sd)
     merged = build_from_source(QwenImageConfig(**TINY), TensorSource(to_diffusers_state_dict(model, merge_lora=True)))

@@ -4,7 +4,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model_state_dict
 
 from jaxflow.families.qwen_image.config import QwenImageConfig
 from jaxflow.families.qwen_image.lora import QwenImageLoRASpec
@@ -12,7 +11,7 @@ from jaxflow.families.qwen_image.loading import build_from_source
 from jaxflow.families.qwen_image_edit.transformer import QwenImageEditTransformer
 from jaxflow.nn.lora import peft_to_lora
 from jaxflow.nn.weights import TensorSource
-from tests.qwen_ref import TINY, inputs, state_dict_numpy, torch_model
+from tests.qwen_ref import TINY, inputs, state_dict_numpy, torch_model, torch_with_adapter
 
 TOL = 1e-5  # float32: the same sums in another order, a few eps times the depth
 SPEC = QwenImageLoRASpec(rank=4, alpha=8.0)
@@ -24,20 +23,14 @@ def rel_err(a, b):
 
 def models(lora: bool):
     """The diffusers model (with a random PEFT adapter if `lora`) and the Flax edit model of the same weights."""
-    tm = torch_model(TINY)
-    base = state_dict_numpy(tm)
     if not lora:
-        return tm, build_from_source(QwenImageConfig(**TINY), TensorSource(base), model_type=QwenImageEditTransformer)
-    tm.add_adapter(LoraConfig(r=SPEC.rank, lora_alpha=SPEC.alpha, target_modules=list(SPEC.targets),
-                              init_lora_weights="gaussian"))
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in tm.named_parameters():
-            if "lora_" in name:
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+        tm = torch_model(TINY)
+        return tm, build_from_source(QwenImageConfig(**TINY), TensorSource(state_dict_numpy(tm)),
+                                     model_type=QwenImageEditTransformer)
+    tm, base, peft = torch_with_adapter(TINY, SPEC)
     model = build_from_source(QwenImageConfig(**TINY), TensorSource(base), lora=SPEC,
                               model_type=QwenImageEditTransformer)
-    peft_to_lora(model, SPEC, {k: v.numpy() for k, v in get_peft_model_state_dict(tm).items()})
+    peft_to_lora(model, SPEC, peft)
     return tm, model
 
 

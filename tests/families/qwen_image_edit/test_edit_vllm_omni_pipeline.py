@@ -19,7 +19,7 @@ from jaxflow_bridge.families.qwen_image_edit.diffusers_pipeline import RolloutPi
 from jaxflow_bridge.families.qwen_image_edit.tiny import tiny_pipeline_path
 from jaxflow_bridge.rollout.sampling import SamplingParams
 from tests.helpers import ROOT
-from tests.helpers_vllm_omni import install_fake_vllm_omni
+from tests.helpers_vllm_omni import assert_batches_equal, install_fake_vllm_omni
 
 SIZE = 32  # the tiny VAE: 8 pixels a packed token
 SAMPLING = SamplingParams(height=SIZE, width=SIZE, num_inference_steps=4, true_cfg_scale=4.0, noise_level=1.2,
@@ -52,15 +52,6 @@ class FakeOmniQwenImageEditPipeline(torch.nn.Module):
 
 def references(count: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (count, SIZE, SIZE, 3), dtype=np.uint8)
-
-
-def assert_batches_equal(a: TrajectoryBatch, b: TrajectoryBatch) -> None:
-    for f in dataclasses.fields(TrajectoryBatch):
-        x, y = getattr(a, f.name), getattr(b, f.name)
-        if isinstance(x, np.ndarray):
-            assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), f.name
-        else:
-            assert x == y, f.name
 
 
 @pytest.mark.parametrize("plus, count", [(False, 1), pytest.param(True, 2, marks=pytest.mark.slow)],
