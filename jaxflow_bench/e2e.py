@@ -54,6 +54,7 @@ import sys
 import time
 from pathlib import Path
 
+from jaxflow_bench.cli import parse_with_overrides
 from jaxflow_bench.results import scaling_figures, write_result
 from jaxflow_bench.summary import summarize
 from jaxflow_bridge.engines import families
@@ -416,10 +417,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    p = parser()
-    args, overrides = p.parse_known_args(argv)
-    if bad := [a for a in overrides if not a.startswith("--config.")]:
-        p.error(f"unrecognized arguments: {' '.join(bad)} (the trainer's overrides are --config.x=y)")
+    args, overrides = parse_with_overrides(parser(), argv)
     try:
         (scaling if args.scaling else arms if args.arms else run)(args, overrides)
     except Refused as e:
