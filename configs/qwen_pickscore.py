@@ -9,7 +9,7 @@ Every sampling and training value of pickscore_qwenimage is the OCR recipe's (co
 name it): 512^2, 10 steps, CFG 4, noise 1.2 'sde' in a window of 2 within [0, 5), 32 prompts x 16 images, 2 updates
 a step, LoRA, no EMA, beta 0, global std. What differs: the reward, `{"pickscore": 1.0}` (flow_grpo's PickScoreScorer:
 the PickScore_v1 CLIP model with the CLIP-ViT-H-14-laion2B processor, exp(logit_scale) x cosine / 26, in float32;
-jaxflow_bridge/rewards/clip.py), and the prompts, flow_grpo's `dataset/pickscore/{train,test}.txt` (one prompt per line;
+jaxflow_bridge/rewards/models/clip.py), and the prompts, flow_grpo's `dataset/pickscore/{train,test}.txt` (one prompt per line;
 not shipped here: pass their paths). Both checkpoint folders are local; a missing file stops the run at start with
 one line naming it. PickScore scores in the trainer's process on its GPU (outside JAX's fixed pool); where Ray has a
 GPU to spare, `'actor': {'num_gpus': 1}` in its options runs it in a Ray actor of its own instead.

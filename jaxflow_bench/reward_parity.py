@@ -23,8 +23,8 @@ import torch
 from PIL import Image
 
 from jaxflow_bench.results import write_result
-from jaxflow_bridge.rewards import preprocess
-from jaxflow_bridge.rewards.clip import AestheticMLP
+from jaxflow_bridge.rewards.models import preprocess
+from jaxflow_bridge.rewards.models.clip import AestheticMLP
 from jaxflow_bridge.rewards.multi import build_reward
 from tests.rewards import reference_rewards as ref
 from tests.rewards import reward_checkpoints as ckpt

@@ -10,9 +10,9 @@ from jaxflow_bridge.rewards.jpeg import jpeg_compressibility, jpeg_incompressibi
 from jaxflow_bridge.rewards.ocr import OcrReward
 from jaxflow_bridge.rewards.pixel import brightness, midtone
 from jaxflow_bridge.rewards.shuffled import Shuffled
-from jaxflow_bridge.rewards.vlm_edit_judge import VlmEditJudge
-from jaxflow_bridge.rewards.vlm_judge import VlmJudge
-from jaxflow_bridge.rewards.vlm_ocr import VlmOcrReward
+from jaxflow_bridge.rewards.vlm.vlm_edit_judge import VlmEditJudge
+from jaxflow_bridge.rewards.vlm.vlm_judge import VlmJudge
+from jaxflow_bridge.rewards.vlm.vlm_ocr import VlmOcrReward
 
 
 def _torch_model(name: str, module: str = "clip") -> Callable[..., RewardFn]:
@@ -20,7 +20,7 @@ def _torch_model(name: str, module: str = "clip") -> Callable[..., RewardFn]:
     when that reward is built."""
     def build(**options) -> RewardFn:
         import importlib
-        return getattr(importlib.import_module(f"jaxflow_bridge.rewards.{module}"), name)(**options)
+        return getattr(importlib.import_module(f"jaxflow_bridge.rewards.models.{module}"), name)(**options)
     return build
 
 

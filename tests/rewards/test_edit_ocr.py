@@ -87,7 +87,7 @@ def test_conditioned_inputs_are_checked():
 
 
 def test_vlm_edit_judge_sees_source_and_edit_side_by_side(fake_server):
-    from jaxflow_bridge.rewards.vlm_edit_judge import BAR
+    from jaxflow_bridge.rewards.vlm.vlm_edit_judge import BAR
 
     fake_server.reply = "8"
     url = f"http://127.0.0.1:{fake_server.server_address[1]}"

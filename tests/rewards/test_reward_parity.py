@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from jaxflow_bridge.rewards import preprocess
+from jaxflow_bridge.rewards.models import preprocess
 from jaxflow_bridge.rewards.multi import build_reward
 from tests.rewards import reference_rewards as ref
 from tests.rewards import reward_checkpoints as ckpt
@@ -84,7 +84,7 @@ def test_prompt_cleaning_is_ftfy_s_and_open_clip_s():
 
 def test_hps_tokens_are_open_clip_s(clip_dir, merges):
     """The HPS reward's ids (cleaned prompt, fast tokenizer, 77 tokens, end token kept) are open_clip's tokenize."""
-    from jaxflow_bridge.rewards.hps import Hps
+    from jaxflow_bridge.rewards.models.hps import Hps
 
     arch = _hps_arch(clip_dir)
     path = clip_dir.parent / "hps_tokens.pt"
@@ -130,7 +130,7 @@ def test_clip_score_is_torchmetrics_clip_score(clip_dir, images):
 def test_aesthetic_is_laion_s_script(clip_dir, images):
     from transformers import CLIPModel
 
-    from jaxflow_bridge.rewards.clip import AestheticMLP
+    from jaxflow_bridge.rewards.models.clip import AestheticMLP
 
     torch.manual_seed(1)
     mlp = AestheticMLP(16).eval()

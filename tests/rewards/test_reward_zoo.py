@@ -29,7 +29,7 @@ def clip_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mlp_path(clip_dir):
-    from jaxflow_bridge.rewards.clip import AestheticMLP
+    from jaxflow_bridge.rewards.models.clip import AestheticMLP
 
     torch.manual_seed(1)
     path = clip_dir.parent / "sac+logos+ava1-l14-linearMSE.pth"
@@ -69,7 +69,7 @@ def test_text_image_rewards_match_clip_s_own_logits_and_do_not_depend_on_the_bat
 
 
 def test_aesthetic_is_the_predictor_on_the_normalised_image_embedding(clip_dir, mlp_path, images):
-    from jaxflow_bridge.rewards.clip import AestheticMLP
+    from jaxflow_bridge.rewards.models.clip import AestheticMLP
 
     reward = build_reward({"aesthetic": 1.0}, aesthetic={"path": str(clip_dir), "mlp_path": str(mlp_path),
                                                          "batch_size": 3})
@@ -101,7 +101,7 @@ def test_a_missing_file_is_named_in_one_line(clip_dir, tmp_path):
 
 def test_reward_models_are_imported_only_when_used():
     code = ("import sys; from jaxflow_bridge.rewards.multi import build_reward; build_reward({'brightness': 1.0}); "
-            "print('jaxflow_bridge.rewards.clip' in sys.modules, 'transformers' in sys.modules)")
+            "print('jaxflow_bridge.rewards.models.clip' in sys.modules, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
     assert out.stdout.split() == ["False", "False"], out.stderr[-2000:]
 

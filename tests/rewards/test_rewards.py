@@ -121,8 +121,8 @@ def test_vlm_ocr_scores_and_request_format(fake_server):
     ("quality", "I'd say 6 out of 10 for the 2 cats", 0.6, 0), ("quality", "-3", 0.0, 2),
     ("quality", "Rating: 12", 0.0, 2), ("quality", "Answer: yes", 0.0, 2), ("quality", "unsure", 0.0, 2)])
 def test_vlm_judge_asks_about_each_prompt_and_parses_the_verdict(fake_server, task, reply, want, refused):
-    """The reply contract of jaxflow_bridge/rewards/vlm_judge.py: a reply outside it scores 0 and is counted."""
-    from jaxflow_bridge.rewards.vlm_judge import VlmJudge
+    """The reply contract of jaxflow_bridge/rewards/vlm/vlm_judge.py: a reply outside it scores 0 and is counted."""
+    from jaxflow_bridge.rewards.vlm.vlm_judge import VlmJudge
 
     fake_server.reply = reply
     url = f"http://127.0.0.1:{fake_server.server_address[1]}"

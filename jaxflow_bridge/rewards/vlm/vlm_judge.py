@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from jaxflow_bridge.rewards.base import check_batch
-from jaxflow_bridge.rewards.vlm_ocr import VlmOcrReward
+from jaxflow_bridge.rewards.vlm.vlm_ocr import VlmOcrReward
 
 log = logging.getLogger(__name__)
 

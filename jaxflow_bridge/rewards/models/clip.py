@@ -34,7 +34,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from jaxflow_bridge.rewards.preprocess import Pixels
+from jaxflow_bridge.rewards.models.preprocess import Pixels
 
 MODEL_FILES = ("config.json", ("model.safetensors", "pytorch_model.bin"))
 PROCESSOR_FILES = ("preprocessor_config.json", "tokenizer_config.json", ("vocab.json", "tokenizer.json"))

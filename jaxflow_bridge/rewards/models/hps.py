@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from jaxflow_bridge.rewards.clip import ClipReward
-from jaxflow_bridge.rewards.preprocess import clean_prompt
+from jaxflow_bridge.rewards.models.clip import ClipReward
+from jaxflow_bridge.rewards.models.preprocess import clean_prompt
 
 # open_clip's ViT-H-14 (model_configs/ViT-H-14.json): image 224, patch 14, width 1280, 32 layers, head width 80;
 # text width 1024, 16 heads, 24 layers, 77 tokens, vocabulary 49408; embeddings 1024; GELU; LayerNorm eps 1e-5

@@ -22,8 +22,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from jaxflow_bridge.rewards.clip import OPENAI_MEAN, OPENAI_STD, AestheticMLP, require_files
-from jaxflow_bridge.rewards.preprocess import Pixels
+from jaxflow_bridge.rewards.models.clip import OPENAI_MEAN, OPENAI_STD, AestheticMLP, require_files
+from jaxflow_bridge.rewards.models.preprocess import Pixels
 
 MEAN, STD = 0.16717362830052426, 1.0333394966054072  # ImageReward's normalisation of the MLP's output
 MAX_TOKENS = 35

@@ -12,7 +12,7 @@ from typing import Sequence
 import numpy as np
 
 from jaxflow_bridge.rewards.base import check_batch, check_sources
-from jaxflow_bridge.rewards.vlm_judge import VlmJudge
+from jaxflow_bridge.rewards.vlm.vlm_judge import VlmJudge
 
 EDIT_TEMPLATE = ("The left half of this image is the original; the right half is the original edited by the "
                  "instruction \"{prompt}\". Rate from 1 to 10 how well the edit follows the instruction while "
