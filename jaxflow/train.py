@@ -33,6 +33,7 @@ import jax
 import numpy as np
 from ml_collections import ConfigDict
 
+from jaxflow.config import derived
 from jaxflow.config import validation as config_lib
 from jaxflow.config.sections import RunConfig
 from jaxflow.trainer import phases
@@ -109,7 +110,7 @@ class Trainer:
         self._begin("prompts and rewards")
         folder = config_lib.model_folder(cfg)
         # every 'auto' resolved once (jaxflow/config/plan.py): what the driver and the learner read
-        self.plan = run_plan(cfg, folder, Layout.create(config_lib.sharding_config(cfg)))
+        self.plan = run_plan(cfg, folder, Layout.create(derived.sharding_config(cfg)))
         train_items = load_prompts(cfg.data.train, config_lib.needs_target(cfg))
         self.sampler = GroupSampler(len(train_items), s.prompts_per_step, s.group_size, cfg.seed)
         self.driver = Driver(cfg, folder, train_items, self.sampler, self.plan) if first else None

@@ -13,8 +13,8 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxflow.config import derived
 from jaxflow import families
-from jaxflow.config import validation as config_lib
 from jaxflow.nn.config import ModelOptions
 from jaxflow.config import sections
 from jaxflow.config.recipes import base
@@ -38,7 +38,7 @@ ONE_UPDATE = dict(num_mini_batches=1, old_log_prob="rollout")
 def recipe_train_config(grid_hw, **changes) -> TrainConfig:
     """The train step's config as the recipe ships it (`jaxflow.config.recipes.base()` through `jaxflow.config.validation.train_config`,
     as the trainer builds it) with a benchmark's own `changes` (micro-batches, mini-batches, ...)."""
-    return dataclasses.replace(config_lib.train_config(RECIPE, grid_hw), **changes)
+    return dataclasses.replace(derived.train_config(RECIPE, grid_hw), **changes)
 
 
 def synthetic_batch(cfg, args) -> dict:

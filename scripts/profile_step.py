@@ -28,6 +28,7 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from jaxflow.config import derived
 from jaxflow_bench.cli import bench_parser  # noqa: E402
 from jaxflow_bench.kernels import (  # noqa: E402
     CLASSES,
@@ -75,7 +76,6 @@ def profile_train_step(out: Path, batch: int, micro: int, hlo: Path | None = Non
     import jax
 
     from jaxflow.config import plan as plan_lib
-    from jaxflow.config import validation as config_lib
     from jaxflow.families.qwen_image.config import QwenImageConfig
     from jaxflow.families.qwen_image.lora import QwenImageLoRASpec
     from jaxflow.nn.lora_gemm import on_hopper
@@ -96,12 +96,12 @@ def profile_train_step(out: Path, batch: int, micro: int, hlo: Path | None = Non
     recipe = sections.build(recipe)
     gemm, _ = plan_lib.lora_gemm(recipe, cfg.num_layers, jax.device_count(), on_hopper(), batch // micro,
                                  (32 * 32, 128))
-    opts = config_lib.model_options(recipe, gemm, cfg.num_layers)
+    opts = derived.model_options(recipe, gemm, cfg.num_layers)
     model = random_transformer(cfg, opts, QwenImageLoRASpec(rank=64, alpha=128.0), seed=0)
     if model.unrolled:  # as the trainer holds them (jaxflow/trainer/learner.py)
         model.unstack_blocks()
     init_state, step = make_train_step(model, recipe_train_config((32, 32), num_micro_batches=micro, **ONE_UPDATE),
-                                       compiler_options=config_lib.xla_options(recipe, gemm))
+                                       compiler_options=derived.xla_options(recipe, gemm))
     args = argparse.Namespace(batch=batch, grid=32, txt=128, neg_txt=8)
     data = negatives_padded(synthetic_batch(cfg, args), args.txt)  # one batched CFG call, as the recipe
     state = init_state()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxflow.config import derived
 from jaxflow.config import sections
 from jaxflow.config import validation as config_lib
 from jaxflow.run.data import load_prompts
@@ -37,7 +38,7 @@ def eval_sampling(steps: int | None = None, guidance: float | None = None, confi
         cfg.eval.num_steps = steps
     if guidance is not None:
         cfg.eval.guidance = guidance
-    return SamplingParams.from_dict(config_lib.sampling(sections.build(cfg), eval_mode=True))
+    return SamplingParams.from_dict(derived.sampling(sections.build(cfg), eval_mode=True))
 
 
 def evaluate(pipeline: Path, prompts: list[str], lora: Path | None = None, steps: int | None = None,

@@ -46,7 +46,7 @@ def model_sizes(cfg, folder: Path) -> planner.ModelSizes:
     """The folder's weights as the plan sees them (bytes per component, the LoRA's parameters over the targeted
     linears, the depth) and a sample's tokens (the family's latent grid and the prompt's tokens)."""
     from jaxflow import families
-    from jaxflow.config import validation
+    from jaxflow.config import derived
     family = families.of(cfg)
     weights = {c: _weights(folder / c) for c in COMPONENTS}
     missing = [c for c in COMPONENTS if not weights[c]]
@@ -63,7 +63,7 @@ def model_sizes(cfg, folder: Path) -> planner.ModelSizes:
     total = {c: sum(b for *_, b in weights[c]) for c in COMPONENTS}
     return planner.ModelSizes(transformer_bytes=total["transformer"], text_encoder_bytes=total["text_encoder"],
                               vae_bytes=total["vae"], lora_params=lora, layers=family.num_layers(folder),
-                              tokens=grid[0] * grid[1] + validation.text_tokens(cfg)[0])
+                              tokens=grid[0] * grid[1] + derived.text_tokens(cfg)[0])
 
 
 def job_of(cfg) -> planner.Job:

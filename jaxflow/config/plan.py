@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 
+from jaxflow.config import derived
 from jaxflow import families
-from jaxflow.config import validation
 from jaxflow.config.errors import UserError
 from jaxflow.config.sections import RunConfig
 from jaxflow.nn.config import ModelOptions
@@ -137,7 +137,7 @@ def _tokens(cfg, family, folder: Path) -> tuple[int, int, int]:
         grid = family.grid_hw(folder, cfg)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    return (grid[0] * grid[1], *validation.text_tokens(cfg))
+    return (grid[0] * grid[1], *derived.text_tokens(cfg))
 
 
 def make_plan(cfg: RunConfig, folder: Path, *, backend: str, devices: int, batch_devices: int, on_hopper: bool) -> RunPlan:
@@ -155,5 +155,5 @@ def make_plan(cfg: RunConfig, folder: Path, *, backend: str, devices: int, batch
                    num_micro_batches=count, micro_batch_why=count_why,
                    layout=cfg.rollout.layout, engines=cfg.rollout.num_servers,
                    lora_apply=lora_apply(cfg), quantization=cfg.rollout.quantization, lora_gemm_why=why,
-                   model=validation.model_options(cfg, gemm, num_layers),
-                   xla_options=MappingProxyType(validation.xla_options(cfg, gemm)))
+                   model=derived.model_options(cfg, gemm, num_layers),
+                   xla_options=MappingProxyType(derived.xla_options(cfg, gemm)))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxflow.config import derived
 from jaxflow.config import validation as config_lib
 from jaxflow.config.plan import RunPlan
 from jaxflow.config.sections import RunConfig
@@ -24,7 +25,6 @@ from jaxflow.sync.transport import LoRASync, choose_transport
 from jaxflow.run.gold import TRAIN_KEY, gold_key
 from jaxflow.run.metrics_log import eval_grid_path, image_grid
 from jaxflow.trainer.minibatches import compact_zero_advantage, order_minibatches
-from jaxflow.nn.lora import lora_to_peft
 from jaxflow.run.rollout_client import LocalTransport, RayTransport, RolloutGroup, init_ray
 from jaxflow.trainer.train_batch import TrainBatch
 from jaxflow_bridge.contract.trajectory import TextLengthError, TrajectoryBatch
@@ -53,7 +53,7 @@ def text_length_error(err: TextLengthError, cfg: RunConfig) -> ValueError:
 def sampling(cfg: RunConfig, eval_mode: bool = False) -> dict:
     """The rollout's sampling parameters (`config.sampling`) with `text_tokens`: the engine pads the text it returns
     to the train step's one shape (`config.text_tokens`), once, at its source (it compiles once)."""
-    return {**config_lib.sampling(cfg, eval_mode=eval_mode), "text_tokens": config_lib.text_tokens(cfg)}
+    return {**derived.sampling(cfg, eval_mode=eval_mode), "text_tokens": derived.text_tokens(cfg)}
 
 
 def train_batch(trajectory: TrajectoryBatch, advantages, group_ids, cfg: RunConfig, step: int,
@@ -137,7 +137,7 @@ class Driver:
     def __init__(self, cfg: RunConfig, folder: Path, prompts: list, sampler: GroupSampler, plan: RunPlan):
         self.cfg, self.folder, self.prompts, self.sampler, self.plan = cfg, folder, prompts, sampler, plan
         self.test_items = load_prompts(cfg.data.test, config_lib.needs_target(cfg))
-        self.spec = config_lib.lora_spec(cfg)
+        self.spec = derived.lora_spec(cfg)
         try:  # reward models load here (a VLM endpoint's health is checked), before any model or device work
             reward = build_reward(dict(cfg.reward.fns), **cfg.reward.options_dict())
         except FileNotFoundError as exc:  # a reward model's checkpoint folder lacks files: the message names them

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxflow.config import derived
 from jaxflow.config import plan as plan_lib
 from jaxflow.config import validation as config_lib
 from jaxflow.config.plan import RunPlan
@@ -91,9 +92,9 @@ class Learner:
     def __init__(self, cfg: RunConfig, folder: Path, plan: RunPlan | None = None):
         """`plan`: the run's (the Trainer's); made here where none is given."""
         self.cfg, self.processes = cfg, jax.process_count()
-        self.layout = Layout.create(config_lib.sharding_config(cfg))
+        self.layout = Layout.create(derived.sharding_config(cfg))
         self.plan = plan or run_plan(cfg, folder, self.layout)
-        self.spec = config_lib.lora_spec(cfg)
+        self.spec = derived.lora_spec(cfg)
         self.family = families.of(cfg)
         try:
             self.grid = self.family.grid_hw(folder, cfg)
@@ -110,7 +111,7 @@ class Learner:
 
     def _make_step(self, num_micro_batches: int):
         """(init_state, step) of the train step with `num_micro_batches` an update."""
-        return make_train_step(self.model, config_lib.train_config(self.cfg, self.grid, num_micro_batches),
+        return make_train_step(self.model, derived.train_config(self.cfg, self.grid, num_micro_batches),
                                self.layout, self.xla_options())
 
     def memory_plans(self, num_micro_batches: int | None = None) -> tuple[list, int]:
@@ -123,11 +124,11 @@ class Learner:
     def _compiled(self, step) -> tuple[list, int]:
         """`memory_plans` of `step`, compiled now for the run's batch shapes (it runs these executables)."""
         cfg, tc = self.cfg, step.config
-        text, negative_text = config_lib.text_tokens(cfg)
+        text, negative_text = derived.text_tokens(cfg)
         batch, old = memory.abstract_batch(
             batch=cfg.sample.prompts_per_step * cfg.sample.group_size, window=cfg.sample.window_size,
             num_steps=cfg.sample.num_steps, seq=self.grid[0] * self.grid[1], text=text, negative_text=negative_text,
-            embed_dtype=config_lib.embed_dtype(cfg), guided=tc.guided, recompute=tc.recompute_pass,
+            embed_dtype=derived.embed_dtype(cfg), guided=tc.guided, recompute=tc.recompute_pass,
             means=tc.policy.ratio.old_means, nft=not tc.policy.loss.log_probs, **self.family.batch_shape(self.model))
         plans = [memory.StepMemory.of(name, c) for name, c in step.compile(batch, old).items()]
         return plans, memory.device_bytes(step.frozen)

@@ -8,7 +8,6 @@ headroom for the different summation orders of XLA and torch. The gradient's, re
 likewise. The zero-advantage filter's update sums at most 6 kept rows x 2 window steps of the same per-row terms
 (S x C = 32 elements): (10 + log2(32) + log2(12)) eps ~ 19 eps, the same bound."""
 
-import functools
 import json
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from jaxflow.config import derived
 from jaxflow.config import validation as config_lib
 from jaxflow.algorithms import rollout_correction
 from jaxflow_bench import algorithm_parity as parity
@@ -145,5 +145,5 @@ def test_decoupled_sequence_options_are_accepted(tmp_path):
     cfg.train.update(old_log_prob="recompute_corrected", rollout_is="sequence", rollout_rs="seq_mean_k3",
                      rejection_threshold=0.02)
     config_lib.validate(cfg)
-    config = config_lib.train_config(cfg, (1, 1))
+    config = derived.train_config(cfg, (1, 1))
     assert config.recompute_pass and not config.pass_skips_first  # the pass scores every row, even for one update

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from jaxflow.config import derived
 from jaxflow.algorithms import nft
 from jaxflow.trainer.step_config import TrainConfig
 from jaxflow.trainer.train_step import make_train_step
@@ -155,15 +156,15 @@ def test_the_nft_defaults_are_verl_omnis_qwen_image_recipe_with_nvlabs_ema():
     from jaxflow.config.recipes import base, tiny
     cfg = tiny(base())
     cfg.train.algorithm, cfg.sample.guidance = "nft", 1.0
-    tc = config_lib.train_config(cfg, (2, 2))
+    tc = derived.train_config(cfg, (2, 2))
     assert (tc.beta, tc.ema_decay, tc.nft_beta, tc.adv_clip, tc.nft_decay) == (1e-4, 0.9, 0.1, 5.0,
                                                                                 (75.0, 0.0075, 0.999))
     cfg.train.ema_decay, cfg.train.nft.ema = 0.95, 0.0
-    assert config_lib.train_config(cfg, (2, 2)).ema_decay == 0.95
+    assert derived.train_config(cfg, (2, 2)).ema_decay == 0.95
     cfg.train.ema_decay = 0.0
-    assert config_lib.train_config(cfg, (2, 2)).ema_decay is None
+    assert derived.train_config(cfg, (2, 2)).ema_decay is None
     cfg.train.algorithm = "flowgrpo"  # the other algorithms keep train.beta and train.ema_decay
-    assert (config_lib.train_config(cfg, (2, 2)).beta, config_lib.train_config(cfg, (2, 2)).ema_decay) == (0.0, None)
+    assert (derived.train_config(cfg, (2, 2)).beta, derived.train_config(cfg, (2, 2)).ema_decay) == (0.0, None)
     cfg.train.algorithm, cfg.train.beta = "nft", 0.01
     with pytest.raises(config_lib.UserError, match="train.beta.*train.nft.kl"):
         config_lib.validate(cfg)

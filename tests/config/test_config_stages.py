@@ -10,6 +10,7 @@ import jax
 import pytest
 from ml_collections import ConfigDict
 
+from jaxflow.config import derived
 from jaxflow import train
 from jaxflow.config import validation
 from jaxflow.config.errors import UserError
@@ -136,7 +137,7 @@ def test_the_plan_on_this_cpu_machine(tmp_path):
     served as layers by the diffusers engine; vllm_omni merges it (rollout.lora_apply 'auto')."""
     cfg = validation.validate(tiny_config(tmp_path))
     folder = validation.model_folder(cfg)
-    layout = Layout.create(validation.sharding_config(cfg))
+    layout = Layout.create(derived.sharding_config(cfg))
     plan = learner.run_plan(cfg, folder, layout)
     assert (plan.backend, plan.devices, plan.batch_devices) == ("cpu", jax.device_count(), layout.batch_devices)
     assert plan.micro_batch == max(1, 4 * 4 // plan.batch_devices)  # 4 prompts x 4 images, one micro-batch

@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+from jaxflow.config import derived
 from jaxflow.config import plan as plan_lib
 from jaxflow.config import validation as config_lib
 from jaxflow.train import Trainer
@@ -62,7 +63,7 @@ def test_invalid_config_fails_before_anything_heavy(tmp_path, key, value, needle
 def test_adam_settings_reach_the_train_config(tmp_path):
     cfg = tiny_config(tmp_path)
     cfg.train.adam_b1, cfg.train.adam_b2, cfg.train.adam_eps = 0.8, 0.99, 1e-6
-    t = config_lib.train_config(cfg, grid_hw=(2, 2))
+    t = derived.train_config(cfg, grid_hw=(2, 2))
     assert (t.adam_b1, t.adam_b2, t.adam_eps) == (0.8, 0.99, 1e-6)
 
 
@@ -82,8 +83,8 @@ def test_same_latent_is_a_bool_and_reaches_the_rollout(tmp_path):
     from jaxflow_bridge.rollout.sampling import SamplingParams
     cfg = tiny_config(tmp_path)
     cfg.sample.same_latent = True
-    assert SamplingParams.from_dict(config_lib.sampling(cfg)).same_latent
-    assert not config_lib.sampling(cfg, eval_mode=True)["same_latent"]  # eval: one sample per prompt
+    assert SamplingParams.from_dict(derived.sampling(cfg)).same_latent
+    assert not derived.sampling(cfg, eval_mode=True)["same_latent"]  # eval: one sample per prompt
     cfg.sample.same_latent = None  # ConfigDict refuses an int here, not None
     with pytest.raises(ValueError, match=r"sample\.same_latent: None must be a bool"):
         config_lib.validate(cfg)
@@ -125,7 +126,7 @@ def test_the_cpu_overrides_named_for_qwen_ocr_are_all_it_needs(tmp_path):
     tiny = QwenImageConfig(**TINY)
     gemm, why = plan_lib.lora_gemm(cfg, tiny.num_layers, 1, False, 4, (64, 96))  # as the trainer resolves "auto"
     assert gemm == "xla" and "not an H100/H200" in why
-    QwenImageTransformer(tiny, config_lib.model_options(cfg, gemm, tiny.num_layers), config_lib.lora_spec(cfg), rngs=nnx.Rngs(0))
+    QwenImageTransformer(tiny, derived.model_options(cfg, gemm, tiny.num_layers), derived.lora_spec(cfg), rngs=nnx.Rngs(0))
 
 
 def test_unknown_reward_names_the_known_ones(tmp_path):

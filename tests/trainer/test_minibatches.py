@@ -10,6 +10,7 @@ import optax
 import pytest
 from flax import nnx
 
+from jaxflow.config import derived
 from jaxflow.config import validation as config_lib
 from jaxflow.trainer import phases
 from jaxflow.trainer import train_step as ts
@@ -136,7 +137,7 @@ def test_mini_batch_config_is_validated(tmp_path, key, value):
     cfg.train[key.split(".")[1]] = value
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         config_lib.validate(cfg)
-    assert config_lib.train_config(tiny_config(tmp_path, num_mini_batches=2), GRID).num_mini_batches == 2
+    assert derived.train_config(tiny_config(tmp_path, num_mini_batches=2), GRID).num_mini_batches == 2
 
 
 def test_later_inner_epochs_train_on_the_rows_shuffled_anew(lora_model):

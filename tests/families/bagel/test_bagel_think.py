@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from jaxflow.config import derived
 from jaxflow.config import validation as config_lib
 from jaxflow import families
 from jaxflow.config import recipes
@@ -167,11 +168,11 @@ def test_the_config_refuses_think_outside_bagel_and_a_cap_below_one(family, key,
 def test_think_pads_prompt_ids_to_the_prompt_and_the_think_cap_and_reaches_the_rollout():
     cfg = bagel_config()
     s = cfg.sample
-    assert config_lib.text_tokens(cfg) == (s.max_sequence_length, s.max_sequence_length)
+    assert derived.text_tokens(cfg) == (s.max_sequence_length, s.max_sequence_length)
     assert "sample.think" in recipes.HELP and not s.think and s.max_think_tokens == 1000  # off; vLLM-Omni's cap
     s.think, s.max_think_tokens = True, 24
     config_lib.validate(cfg)
-    assert config_lib.text_tokens(cfg) == (s.max_sequence_length + 24, s.max_sequence_length)
+    assert derived.text_tokens(cfg) == (s.max_sequence_length + 24, s.max_sequence_length)
     for eval_mode in (False, True):  # the evals sample the same policy: the same context
         assert {k: v for k, v in families.of(cfg).sampling(cfg, eval_mode).items() if "think" in k} == {
             "think": True, "max_think_tokens": 24}

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxflow.config import derived
 from jaxflow.nn import layers
 from jaxflow.families.qwen_image.config import QwenImageConfig
 from jaxflow.nn.config import ModelOptions
@@ -143,17 +144,16 @@ def test_tile_walk_visits_every_output_tile_once(m_tiles, n_tiles, group):
 
 
 def test_pallas_turns_off_dynamic_slice_fusion_unless_set():
-    from jaxflow.config import validation as config_lib
     from jaxflow.config.recipes import base
 
     cfg = base()
-    assert "xla_gpu_enable_dynamic_slice_fusion" not in config_lib.xla_options(cfg)  # "auto", not resolved
-    assert config_lib.xla_options(cfg, "pallas")["xla_gpu_enable_dynamic_slice_fusion"] is False  # auto -> pallas
-    assert "xla_gpu_enable_dynamic_slice_fusion" not in config_lib.xla_options(cfg, "xla")
+    assert "xla_gpu_enable_dynamic_slice_fusion" not in derived.xla_options(cfg)  # "auto", not resolved
+    assert derived.xla_options(cfg, "pallas")["xla_gpu_enable_dynamic_slice_fusion"] is False  # auto -> pallas
+    assert "xla_gpu_enable_dynamic_slice_fusion" not in derived.xla_options(cfg, "xla")
     cfg.model.lora_gemm = "pallas"
-    assert config_lib.xla_options(cfg)["xla_gpu_enable_dynamic_slice_fusion"] is False
+    assert derived.xla_options(cfg)["xla_gpu_enable_dynamic_slice_fusion"] is False
     cfg.train.xla_options = {"xla_gpu_enable_dynamic_slice_fusion": True}
-    assert config_lib.xla_options(cfg)["xla_gpu_enable_dynamic_slice_fusion"] is True
+    assert derived.xla_options(cfg)["xla_gpu_enable_dynamic_slice_fusion"] is True
 
 
 def test_auto_picks_the_fused_gemm_only_where_it_runs_and_pays():
@@ -193,20 +193,19 @@ def test_auto_picks_the_fused_gemm_only_where_it_runs_and_pays():
     with pytest.raises(config_lib.UserError, match=r"model.lora_gemm.*'auto', 'xla', 'pallas'"):
         config_lib.validate(cfg)
     with pytest.raises(ValueError, match="resolved first"):
-        config_lib.model_options(base(), None, 60)
+        derived.model_options(base(), None, 60)
 
 
 def test_scan_unroll_zero_follows_the_resolved_gemm():
     """model.scan_unroll=0 (the recipe's): the blocks unrolled where the linears run the fused kernel, a scan with
     XLA's (unrolled, those hold about twice the update's temporaries); a number set in the config is kept."""
-    from jaxflow.config import validation as config_lib
     from jaxflow.config.recipes import base
 
     cfg = base()
-    assert config_lib.model_options(cfg, "pallas", 60).scan_unroll == 60
-    assert config_lib.model_options(cfg, "xla", 60).scan_unroll == 1
+    assert derived.model_options(cfg, "pallas", 60).scan_unroll == 60
+    assert derived.model_options(cfg, "xla", 60).scan_unroll == 1
     cfg.model.scan_unroll = 7
-    assert [config_lib.model_options(cfg, g, 60).scan_unroll for g in ("pallas", "xla")] == [7, 7]
+    assert [derived.model_options(cfg, g, 60).scan_unroll for g in ("pallas", "xla")] == [7, 7]
 
 
 def _split_rows_check():
