@@ -60,3 +60,18 @@ def test_merged_bf16_within_half_an_ulp():
     probe = ServedProbe(1, 0, {"m": stale.tolist()}, {"m": tol.tolist()})
     assert differing({"m": want}, probe) == ["m"]
     assert ServedProbe.from_dict(probe.to_dict()) == probe
+
+
+def test_positions_beyond_float32_are_not_compared_and_a_served_nan_is_caught():
+    """A diverged adapter (a runaway learning rate) has deltas no float32 engine can hold: those positions are the
+    divergence checks' to stop, not the sync check's; a NaN served where the value is representable is a mismatch."""
+    rng = np.random.default_rng(2)
+    a, b = _pair(rng)
+    rows, cols = probe_positions("m", (48, 40))
+    big = expected(a * 1e25, b * 1e25, 1.0, rows, cols)
+    assert np.all(np.isnan(big))
+    inf = ServedProbe(1, 1, {"m": [float("inf")] * len(rows)}, {"m": [1.0] * len(rows)})
+    assert differing({"m": big}, inf) == []
+    want = expected(a, b, 1.0, rows, cols)
+    nan = ServedProbe(1, 1, {"m": [float("nan")] + list(want[1:])}, {"m": [1e-6] * len(rows)})
+    assert differing({"m": want}, nan) == ["m"]

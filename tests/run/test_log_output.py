@@ -79,6 +79,9 @@ def test_run_logged_to_a_file_is_a_line_per_step_and_a_summary(tmp_path):
     lines = lines[7:]
     assert lines[0].startswith(f"training {run_dir}") and " step 1/2  reward " in lines[2] and " step 2/2 " in lines[3]
     total, phases = re.fullmatch(r"start-up (\d+) s: (.*)", lines[1]).groups()  # where the start went, in order
+    phases, _, overlap = phases.partition("; ")  # the engines' start beside the memory plan, where it overlapped
+    assert not overlap or re.fullmatch(r"the rollout engines started in \d+ s, \d+ s of it beside the memory plan",
+                                       overlap), lines[1]
     assert [re.fullmatch(r"(.+) (\d+) s", part).group(1) for part in phases.split(", ")] == names, lines[1]
     assert abs(sum(int(part.rsplit(" ", 2)[1]) for part in phases.split(", ")) - int(total)) <= len(names)
     summary = "\n".join(lines[4:])
