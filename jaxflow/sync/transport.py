@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from jaxflow.nn.lora import LoRASpec, lora_to_peft
 from jaxflow.sync.lora_sync import SharedLoRA, device_peft_tensors, device_target
-from jaxflow.sync.verify import SyncMismatch, expected_probe, mismatch
+from jaxflow.sync.verify import SyncMismatch, expected_of, mismatch
 from jaxflow.trainer import phases
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class LoRASync:
         if not self.verify:
             return bound
         began = time.perf_counter()
-        want = expected_probe(lora, self.spec, version)
+        want = expected_of(lora, self.spec, version)
         line = mismatch(self.rollout.last_acks, want, self.engine)
         self.verify_s = time.perf_counter() - began
         if line is None:

@@ -35,7 +35,7 @@ class Expected:
     deltas: dict[str, np.ndarray]
 
 
-def expected_probe(lora, spec: LoRASpec, version: int) -> Expected:
+def expected_of(lora, spec: LoRASpec, version: int) -> Expected:
     """The probe of `version` for `lora` (the LoRA state sent, device or host arrays), in float64."""
     names = peft_modules(lora, spec)
     probed = probe_modules(names, version)

@@ -17,7 +17,7 @@ from jaxflow.families.qwen_image.lora import QwenImageLoRASpec as LoRASpec
 from jaxflow.nn.lora import LoRAParam, lora_to_peft, peft_modules, peft_probe
 from jaxflow.run.rollout_client import RolloutGroup
 from jaxflow.sync.transport import LoRASync
-from jaxflow.sync.verify import SyncMismatch, expected_probe
+from jaxflow.sync.verify import SyncMismatch, expected_of
 from jaxflow_bridge.contract.lora import lora_pairs
 from jaxflow_bridge.contract.lora_payload import LoRAPayload
 from jaxflow_bridge.contract.served import ServedProbe, probe_modules, probe_positions, product_tolerance
@@ -103,7 +103,7 @@ def test_the_expected_probe_reads_only_the_probed_modules_and_matches_the_peft_a
     for m, (a_cols, b_rows) in picked.items():  # only the probed columns of A and rows of B
         np.testing.assert_array_equal(a_cols, pairs[m][0][:, cols])
         np.testing.assert_array_equal(b_rows, pairs[m][1][rows])
-    want = expected_probe(lora, SPEC, 1)
+    want = expected_of(lora, SPEC, 1)
     assert want.modules == 24 and sorted(want.deltas) == names  # 24 <= PROBE_MODULES: all probed
 
 
