@@ -9,10 +9,16 @@
 #   with the rank-8 LoRA in vLLM-Omni's two-stage deployment (--deploy two_stage: the thinker, then the DiT stage).
 #   bash scripts/check_bagel_vllm_omni.sh OUT_DIR      (needs vLLM-Omni 0.20: launch/stage_vllm_omni.sh on machines
 #                                                       without a package index)
+#   CASES="cfg4_lora8 two_stage_cfg4_lora8" bash scripts/check_bagel_vllm_omni.sh OUT_DIR   (the engine and these
+#                                                       parity cases only; the figures of the others are left null)
 # Writes OUT_DIR/engine.{log,json}, OUT_DIR/CASE.{log,json} per parity case and OUT_DIR/parity_bagel.json (figures:
 # max / p99 |dlogp| per case, the engine checks); prints a short table last.
 set -uo pipefail
 out=${1:?usage: check_bagel_vllm_omni.sh OUT_DIR}
+ALL="cfg4_lora8 cfg4_jax_fp32 cfg4 cfg1 cfg4_think two_stage_cfg4 two_stage_cfg4_lora8"
+for name in ${CASES:-}; do
+  [[ " $ALL " == *" $name "* ]] || { echo "error: unknown case '$name' in CASES; cases: $ALL" >&2; exit 2; }
+done
 mkdir -p "$out"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1  # JAX and torch share the GPU
 unset XLA_PYTHON_CLIENT_MEM_FRACTION
@@ -24,6 +30,7 @@ python3 scripts/check_bagel_engine.py --model "$folder" --json "$out/engine.json
 echo "   exit $?: $(grep -E '^(PASS|FAIL)' "$out/engine.log" || tail -n 3 "$out/engine.log")"
 run() {  # NAME ARGS...: one parity run, its table in OUT_DIR/NAME.log, its report in OUT_DIR/NAME.json
   local name=$1; shift
+  [[ -z "${CASES:-}" || " $CASES " == *" $name "* ]] || return 0
   echo "== $name: $*"
   python3 scripts/verify_logprob_parity.py --model-family bagel --engine vllm_omni --dtype bfloat16 \
     --model "$folder" --json "$out/$name.json" "$@" > "$out/$name.log" 2>&1
