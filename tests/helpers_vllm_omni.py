@@ -10,9 +10,12 @@
 - the LoRA manager's slots (FakeManager), and the package itself: AsyncOmni over one in-process worker with our
   extension, the BAGEL deploy file in its folder (install_fake_vllm_omni), whose add_lora loads and activates the
   adapter in the manager's slots
+- how worker RPC arguments and replies cross vLLM-Omni's process boundaries (omni_msgpack_round_trip,
+  pickle_round_trip)
 - a synthetic trajectory batch and a byte-exact comparison of two (synthetic_batch, assert_batches_equal)
 """
 import dataclasses
+import pickle
 import sys
 import types
 from types import SimpleNamespace
@@ -198,6 +201,35 @@ class FakeManager:
                 wrapped.lora_b_stacked[i][0, 0].copy_(part * scale)
 
 
+# ---------------------------------------------------------------------------------------------- RPC transports
+
+
+def omni_msgpack_round_trip(obj):
+    """`obj` as it arrives after vLLM-Omni 0.20's msgpack (its OmniMsgpackEncoder / Decoder between a several-stage
+    deployment's processes, on msgspec): a dataclass becomes the dict of its fields and a tuple a list; a numpy array
+    comes back a read-only array from its bytes and a torch tensor a tensor, but an array of a void or object dtype
+    (bfloat16 is void to numpy) and any other object (numpy scalars too) is refused with TypeError, as the encoder
+    refuses them."""
+    if obj is None or isinstance(obj, (bool, str, bytes)) or type(obj) in (int, float):
+        return obj
+    if isinstance(obj, (list, tuple)):
+        return [omni_msgpack_round_trip(x) for x in obj]
+    if isinstance(obj, dict):
+        return {omni_msgpack_round_trip(k): omni_msgpack_round_trip(v) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: omni_msgpack_round_trip(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, np.ndarray) and obj.dtype.kind not in "OV":
+        return np.frombuffer(np.ascontiguousarray(obj).tobytes(), obj.dtype).reshape(obj.shape)
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    raise TypeError(f"Object of type {type(obj).__name__} is not serializable")
+
+
+def pickle_round_trip(obj):
+    """`obj` as it arrives after pickle (vLLM's shared-memory message queue to a one-stage deployment's workers)."""
+    return pickle.loads(pickle.dumps(obj))
+
+
 # ---------------------------------------------------------------------------------------------- the package
 
 
@@ -218,7 +250,11 @@ def install_fake_vllm_omni(monkeypatch, root, pipelines: dict, stages: int = 1, 
     level, or `stage_<N>_` prefixed): `collective_rpc` calls the worker's methods on that stage (`stage_ids`
     recorded in `rpcs`; a thinker stage answers `{"todo": True}`), its `add_lora` puts a FakeManager of the adapter
     folder's modules over the pipeline's LoRA component, `generate` runs the pipeline's `forward` on the request the
-    inline diffusion client builds; with two stages `thinker(text)` -> (ids, kv, next position) stands in for the
+    inline diffusion client builds; our workers' RPCs carry their arguments and replies as vLLM-Omni 0.20 does, pickled
+    with one stage (`pickle_round_trip`), through msgpack with several (`omni_msgpack_round_trip`), a failure
+    answered as its stage clients answer it ({"supported": False, "error": message} where the arguments do not
+    encode or, with one stage, the method raised; {"error": True, "reason"} where a several-stage worker raised); with
+    two stages `thinker(text)` -> (ids, kv, next position) stands in for the
     AR stage: its output first (`stage_id` 0, `request_output.prompt_token_ids`), then its KV and `kv_metadata` in
     the DiT's params, as vLLM-Omni's KV transfer sets them. `shutdown` sets `stopped`. Every instance is in
     `started`. OmniDiffusionSamplingParams, vLLM's SamplingParams and LoRARequest are SimpleNamespace."""
@@ -245,11 +281,22 @@ def install_fake_vllm_omni(monkeypatch, root, pipelines: dict, stages: int = 1, 
             for stage in range(stages) if stage_ids is None else stage_ids:
                 if stage != stages - 1:
                     replies.append({"todo": True})
-                elif method in ("add_lora", "remove_lora"):
+                elif method in ("add_lora", "remove_lora"):  # vLLM-Omni's own: it rebuilds the LoRARequest itself
                     replies.append(getattr(self, f"_{method}")(*args))
                 else:
-                    replies.append([getattr(self.worker, method)(*args)])
+                    replies.append(self._worker_rpc(method, args))
             return replies
+
+        def _worker_rpc(self, method, args):
+            wire = pickle_round_trip if stages == 1 else omni_msgpack_round_trip
+            try:
+                args = wire(args)
+            except TypeError as e:
+                return {"supported": False, "error": str(e)}
+            try:
+                return wire([getattr(self.worker, method)(*args)])
+            except Exception as e:  # noqa: BLE001 - what the stage client sends back
+                return {"supported": False, "error": str(e)} if stages == 1 else {"error": True, "reason": str(e)}
 
         async def generate(self, prompt, request_id, sampling_params_list):
             *first, params = sampling_params_list

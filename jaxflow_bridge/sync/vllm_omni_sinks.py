@@ -8,8 +8,9 @@ reply). Same interface as jaxflow_bridge/sync/sinks.py: `apply(payload) -> bound
 - "folder" (`FolderSlotsSink`): every payload loaded by `add_lora` from a PEFT folder; the sink only reads back;
 - "merged" (`MergedSlotsSink`): the adapter merged into the base weights (`sync/merge.py`), no LoRA layers.
 
-The payload (`contract.lora_payload.LoRAPayload`) reaches the workers as the argument of vLLM-Omni's `collective_rpc`,
-pickled by it: the arrays themselves over Ray, or a shared file's manifest only, which the worker maps
+The payload (`contract.lora_payload.LoRAPayload`) reaches the workers as an argument of vLLM-Omni's `collective_rpc`,
+in plain values (`to_wire`, rebuilt by the worker with `from_wire`: msgpack carries it between a two-stage
+deployment's processes): the arrays themselves, or a shared file's manifest only, which the worker maps
 (`MappedPayload`). Either way it lands on the weights' device as one flat tensor (lora_A tensors first) in one copy.
 `adapter` renames the payload's PEFT keys to vLLM-Omni's module names (the engine's kind's renames); `served`
 answers under the payload's own names. A bad adapter is refused (ValueError) with nothing written; a manager that

@@ -11,7 +11,7 @@ from jaxflow_bridge.contract.lora import lora_pairs, to_vllm_omni
 from jaxflow_bridge.sync import vllm_omni_slots as vol
 from jaxflow_bridge.engines.vllm_omni import codec
 from jaxflow_bridge.families.qwen_image import vllm_omni_pipeline as vop
-from jaxflow_bridge.engines.vllm_omni.engine import INSTALL_HINT, ack_errors
+from jaxflow_bridge.engines.vllm_omni.engine import INSTALL_HINT, ack_errors, rpc_errors
 from jaxflow_bridge.sync.binding import check_lora_binding
 from jaxflow_bridge.families.qwen_image.diffusers_pipeline import RolloutPipeline
 from jaxflow_bridge.rollout.fingerprint import stored_fingerprint
@@ -213,6 +213,15 @@ def test_sleep_wake_acknowledgements():
     assert ack_errors([[SimpleNamespace(status="SUCCESS", error_msg=None)]]) == []
     assert "oom" in ack_errors([[{"status": "ERROR", "error_msg": "oom"}]])[0]
     assert ack_errors([[None]]) == ["no acknowledgement"]
+
+
+def test_rpc_errors_are_our_workers_and_vllm_omnis_own():
+    """Our workers' failure reply, and vLLM-Omni's for a stage that raised or whose serializer refused an argument
+    (StagePool: {"supported": False, "error": message}) or that lacks the RPC ({"todo": True})."""
+    ours, raised = {"error": True, "reason": "AttributeError: x"}, {"supported": False, "error": "TypeError: y"}
+    todo = {"supported": False, "todo": True, "reason": "not implemented yet"}
+    assert rpc_errors([[{"written": 3, "served": {}}], [True, None]]) == []
+    assert rpc_errors([[ours], raised, todo, [{"refused": "z"}]]) == [ours, raised, todo]
 
 
 def test_gpu_memory_reading(monkeypatch):

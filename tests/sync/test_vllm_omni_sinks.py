@@ -2,8 +2,11 @@
 transformer (bf16 weights), vLLM-Omni's LoRA slots (tests/helpers_vllm_omni.py FakeManager). Every apply mode, with
 the payload as arrays (float32, as over Ray) and as a shared bf16 file, serves what the payload asks, read back from
 the worker's own tensors under the payload's PEFT names; a sink still holding version 1 when asked for version 2 is
-caught."""
+caught. The worker gets its arguments as the engine sends them (`LoRAPayload.to_wire()`) after vLLM-Omni's msgpack
+between a two-stage deployment's processes (and pickle, one stage's), which turns a dataclass into a dict."""
 from types import SimpleNamespace
+
+import ml_dtypes
 
 import numpy as np
 import pytest
@@ -17,7 +20,8 @@ from jaxflow_bridge.sync.merge import MergedLoRA
 from jaxflow_bridge.sync.probe import engine_names
 from jaxflow_bridge.sync.vllm_omni_slots import lora_module_table
 from tests.helpers import RANK, expected_served, random_peft
-from tests.helpers_vllm_omni import FakeFusedTransformer, FakeManager, FakeWorker
+from tests.helpers_vllm_omni import (FakeFusedTransformer, FakeManager, FakeWorker, omni_msgpack_round_trip,
+                                     pickle_round_trip)
 
 CONFIG = adapter_config(RANK, 8.0, ["to_q"])  # the scale, 2; the tensors decide which modules bind
 ADAPTER_ID = 7
@@ -37,9 +41,14 @@ def add_lora(worker: FakeWorker, payload: LoRAPayload) -> None:
     worker.lora_manager = FakeManager(table, pairs, RANK, "transformer", ADAPTER_ID, payload.scale)
 
 
+def apply_rpc(worker, mode, payload, loaded=False, wire=omni_msgpack_round_trip) -> dict:
+    """`rollout_apply_lora`'s reply to the engine's arguments, both across the transport `wire`."""
+    args = (mode, payload.to_wire(), engine_names(to_vllm_omni, payload.modules), ADAPTER_ID if loaded else None)
+    return wire(worker.rollout_apply_lora(*wire(args)))
+
+
 def apply(worker, mode, payload, loaded=False) -> ServedProbe:
-    names = engine_names(to_vllm_omni, payload.modules)
-    reply = worker.rollout_apply_lora(mode, payload, names, ADAPTER_ID if loaded else None)
+    reply = apply_rpc(worker, mode, payload, loaded)
     assert reply["written"] == len(payload.modules), reply
     return ServedProbe.from_dict(reply["served"])
 
@@ -76,7 +85,7 @@ def test_every_mode_serves_the_payload_and_a_stale_adapter_is_caught(payloads, m
     sink = worker.rollout_sink(mode)
     assert differing(expected_served(v2), sink.served(v2)) == sorted(expected_served(v2))
     if mode == "folder":  # nothing written in place: every adapter comes through add_lora
-        assert worker.rollout_apply_lora(mode, v2, engine_names(to_vllm_omni, v2.modules))["error"] is True
+        assert apply_rpc(worker, mode, v2)["error"] is True
         add_lora(worker, v2)
         probe = apply(worker, mode, v2, loaded=True)
     else:
@@ -113,7 +122,7 @@ def test_a_non_finite_payload_is_refused_with_nothing_written(payloads):
     key = next(k for k in bad if k.endswith("to_q.lora_A.weight"))
     bad[key] = np.full_like(bad[key], np.nan)
     payload = LoRAPayload(2, CONFIG, tensors=bad)
-    reply = worker.rollout_apply_lora("layers", payload, engine_names(to_vllm_omni, payload.modules))
+    reply = apply_rpc(worker, "layers", payload)
     assert "finite" in reply["refused"] and "previous adapter keeps serving" in reply["refused"]
     assert differing(expected_served(v1), worker.rollout_sink("layers").served(v1)) == []
 
@@ -129,3 +138,30 @@ def test_merged_serves_the_previous_adapter_again_after_a_refusal_while_restorin
         worker.rollout_sink("merged").check_serving()
     assert worker.rollout_serve_again() == {"written": 36}
     assert differing(expected_served(v1), worker.rollout_sink("merged").served(v1)) == []
+
+
+@pytest.mark.parametrize("wire", [omni_msgpack_round_trip, pickle_round_trip], ids=["msgpack", "pickle"])
+@pytest.mark.parametrize("form", ["float32", "bfloat16", "shared"])
+def test_the_payload_crosses_either_transport_as_plain_values(wire, form, tmp_path):
+    """msgpack (a two-stage deployment) turns the payload dataclass into a dict and refuses bfloat16 arrays; its wire
+    form comes back byte for byte (dtype, shape, manifest) through msgpack and pickle, and the worker serves it."""
+    tensors = random_peft(seed=4)
+    if form == "bfloat16":
+        tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
+    shared = SharedAdapterFile("bfloat16", root=tmp_path)
+    payload = LoRAPayload(4, CONFIG, shared=shared.write_arrays(tensors)) if form == "shared" else \
+        LoRAPayload(4, CONFIG, tensors=tensors)
+    if form == "bfloat16":  # the dataclass as it was sent: refused whole (numpy has no bfloat16 kind msgpack takes)
+        with pytest.raises(TypeError, match="not serializable"):
+            omni_msgpack_round_trip(payload)
+    else:  # or a dict, without `.shared`, at the worker
+        assert isinstance(omni_msgpack_round_trip(payload), dict)
+    back = LoRAPayload.from_wire(wire(payload.to_wire()))
+    assert (back.version, back.config, back.shared) == (4, CONFIG, payload.shared and wire(payload.shared))
+    for key, array in payload.arrays().items():
+        got = back.arrays()[key]
+        assert got.dtype == array.dtype and got.shape == array.shape and got.tobytes() == array.tobytes(), key
+    reply = apply_rpc(stand_in("merged"), "merged", payload, wire=wire)
+    assert reply["written"] == len(payload.modules), reply
+    assert differing(expected_served(payload), ServedProbe.from_dict(reply["served"])) == []
+    shared.close()

@@ -38,6 +38,10 @@ checks adapters' names (`adapter`) and brings its sampling parameters (`sampling
   each request's framed prompt and sends its KV to our pipeline on the DiT stage (one greedy token, think mode
   refused); worker RPCs and adapters go to the DiT stage alone, sleep and wake to both; the ids the thinker reports
   must be the trajectory's `prompt_ids` (`unpack_trajectories`).
+- worker RPCs: every argument and reply a plain value (the payload as `LoRAPayload.to_wire()`, rebuilt by the
+  worker): vLLM-Omni pickles them to a one-stage deployment's workers but sends them to a several-stage one's DiT
+  process through msgpack, which turns a dataclass into a dict, a tuple into a list, and refuses bfloat16 arrays.
+  A stage that raised or could not run the method replies with an error dict (`rpc_errors`); the engine raises it.
 - profile_start / profile_stop: torch.profiler around the workers' requests in between, the first diffusion
   worker's table back (jaxflow_bench/rollout_profile.py categorises it).
 - sleep / wake: level-1 sleep through the workers' sleep task (weights, text encoder and VAE included, move to
@@ -91,6 +95,13 @@ LORA_ROOT = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.get
 def _flat(results) -> list:
     """The leaves of a collective_rpc result: one list per stage, of one reply per answering worker."""
     return [leaf for r in results for leaf in (_flat(r) if isinstance(r, list) else [r]) if leaf is not None]
+
+
+def rpc_errors(results) -> list[dict]:
+    """The failures among a collective_rpc's replies: our workers' {"error": True, "reason"}, and vLLM-Omni's own
+    for a stage that did not run the method: {"error": message} (it raised, or its serializer refused an argument)
+    or {"todo": True} (a stage without that RPC)."""
+    return [leaf for leaf in _flat(results) if isinstance(leaf, dict) and (leaf.get("error") or leaf.get("todo"))]
 
 
 def longest_text(parts) -> tuple[int, int]:
@@ -211,7 +222,7 @@ class VllmOmniEngine(RolloutEngine):
         error."""
         stages = None if every_stage else self._dit
         results = self._run(self.omni.collective_rpc(method=method, args=args, stage_ids=stages))
-        errors = [leaf for leaf in _flat(results) if isinstance(leaf, dict) and leaf.get("error") is True]
+        errors = rpc_errors(results)
         if errors:
             raise RuntimeError(f"vLLM-Omni RPC {method} failed: {errors}")
         return results
@@ -328,7 +339,7 @@ class VllmOmniEngine(RolloutEngine):
 
     def _apply(self, payload: LoRAPayload, names: dict, loaded_id: int | None = None) -> dict:
         """The workers' sink serving `payload` (`RolloutWorkerMethods.rollout_apply_lora`); ValueError if refused."""
-        reply = _flat(self._rpc("rollout_apply_lora", self.lora_apply, payload, names, loaded_id))[0]
+        reply = _flat(self._rpc("rollout_apply_lora", self.lora_apply, payload.to_wire(), names, loaded_id))[0]
         if "refused" in reply:
             raise ValueError(reply["refused"])
         return reply
@@ -375,7 +386,8 @@ class VllmOmniEngine(RolloutEngine):
         """`add_lora` / `remove_lora` on the diffusion stage: what AsyncOmni's methods of those names do on every
         stage (a two-stage deployment's thinker runs no adapter: the layers it would bind never run there)."""
         results = await self.omni.collective_rpc(method=method, args=(arg,), stage_ids=self._dit)
-        return bool(results) and all(all(map(bool, r)) if isinstance(r, list) else bool(r) for r in results)
+        return bool(results) and not rpc_errors(results) and all(
+            all(map(bool, r)) if isinstance(r, list) else bool(r) for r in results)
 
     def profile_start(self, cuda: bool = True) -> None:
         """torch.profiler in the diffusion stage's workers around the requests until `profile_stop`."""

@@ -16,8 +16,10 @@ _FAILURES = (RuntimeError, AttributeError, KeyError, IndexError, TypeError)  # a
 
 class RolloutWorkerMethods:
     """What `RolloutWorkerExtension` adds to vLLM-Omni's diffusion worker (its `model_runner.pipeline`, one of our
-    pipeline classes, and its `lora_manager`); a plain mixin, so tests can call it on a stand-in worker. Replies are
-    dicts: a refused adapter {"refused": reason}, a failure {"error": True, "reason"} (the engine raises it)."""
+    pipeline classes, and its `lora_manager`); a plain mixin, so tests can call it on a stand-in worker. Arguments
+    and replies are plain values (dicts, lists, str, numbers, uint8 arrays): vLLM-Omni pickles them to a one-stage
+    deployment's workers but sends a several-stage one's through msgpack, which turns a dataclass into a dict.
+    Replies: a refused adapter {"refused": reason}, a failure {"error": True, "reason"} (the engine raises it)."""
 
     def rollout_lora_modules(self) -> dict:
         return lora_module_table(lora_component(self.model_runner.pipeline)[1])
@@ -32,13 +34,14 @@ class RolloutWorkerMethods:
             sink = self._rollout_sink = SINKS[mode](self.model_runner.pipeline, lambda: self.lora_manager)
         return sink
 
-    def rollout_apply_lora(self, mode: str, payload: LoRAPayload, names: dict, loaded_id: int | None = None) -> dict:
-        """Serve `payload` (PEFT names; `names`: {PEFT module: vLLM-Omni module}) through the mode's sink: written
-        by it, or (`loaded_id`) already loaded by the engine's `add_lora` as that adapter; {"written": modules bound,
-        "served": what the sink now serves (contract/served.py)}."""
+    def rollout_apply_lora(self, mode: str, wire: dict, names: dict, loaded_id: int | None = None) -> dict:
+        """Serve the payload (`LoRAPayload.to_wire()`'s plain values, PEFT names; `names`: {PEFT module: vLLM-Omni
+        module}) through the mode's sink: written by it, or (`loaded_id`) already loaded by the engine's `add_lora`
+        as that adapter; {"written": modules bound, "served": what the sink now serves (contract/served.py)}."""
         sink = self.rollout_sink(mode)
         sink.adapter = Renames(names)
         try:
+            payload = LoRAPayload.from_wire(wire)
             bound = sink.apply(payload) if loaded_id is None else sink.loaded(payload, loaded_id)
             return {"written": bound, "served": sink.served(payload).to_dict()}
         except ValueError as e:

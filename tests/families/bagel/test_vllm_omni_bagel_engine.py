@@ -4,9 +4,12 @@ tests/helpers_vllm_omni_bagel.py): the kind read from the folder, AsyncOmni's st
 vLLM-Omni's single-stage deploy file by `deploy_config`), the one-stage check, the refusals, Qwen-Image's start and
 requests as before, the weights fingerprint (the bagel_torch engine's), a rollout equal to the bagel_torch engine's
 samples, and LoRA: the module table from BAGEL's `stacked_params_mapping`, the generation expert's seven targets on
-four layers a decoder layer, slot writes under `bagel.`-prefixed names."""
+four layers a decoder layer, slot writes under `bagel.`-prefixed names; a two-stage deployment's updates across
+vLLM-Omni's msgpack."""
 import dataclasses
 from types import SimpleNamespace
+
+import ml_dtypes
 
 import numpy as np
 import pytest
@@ -445,3 +448,28 @@ def test_a_failed_in_place_write_is_logged_counted_and_never_a_lasting_switch(fo
     assert engine.info()["policy_version"] == 2 and differing(expected_served(second), ServedProbe.from_dict(reply["served"])) == []
     reply = engine.update_lora_shared(shared.write_arrays(adapter(folder, 3, prefix="")), 3, CONFIG)
     assert reply["fallbacks"] == 1 and len(omni.started[0].loaded) == 2  # in place again
+
+
+def test_two_stage_lora_updates_cross_vllm_omnis_msgpack(folder, bagel_torch, tmp_path, monkeypatch):
+    """Between a two-stage deployment's processes vLLM-Omni 0.20 sends worker RPCs through msgpack (the stand-in does
+    too): bfloat16 arrays, which it refuses raw, and a shared file's manifest both reach the DiT stage's slots and are
+    read back; an add_lora its stage client answers with an error dict (the DiT process raised) is a refused adapter,
+    the previous one kept."""
+    engine, omni = start(monkeypatch, tmp_path, bagel_torch, stages=2, deploy="two_stage")
+    started = omni.started[-1]
+    first = LoRAPayload(1, CONFIG, {k: v.astype(ml_dtypes.bfloat16) for k, v in adapter(folder, 1).items()})
+    reply = engine.update_lora(first.tensors, 1, CONFIG)
+    assert reply["bound_modules"] == LAYERS * TARGETS
+    assert differing(expected_served(first), ServedProbe.from_dict(reply["served"])) == []
+    shared = SharedAdapterFile("bfloat16", root=tmp_path)
+    second = LoRAPayload(2, CONFIG, shared=shared.write_arrays(adapter(folder, 2, prefix="")))
+    reply = engine.update_lora_shared(second.shared, 2, CONFIG)
+    assert len(started.loaded) == 1 and started.rpcs[-1] == ("rollout_apply_lora", [1])  # in place
+    assert differing(expected_served(second), ServedProbe.from_dict(reply["served"])) == []
+    add_lora = started._add_lora
+    monkeypatch.setattr(started, "_add_lora", lambda request: {"error": True, "reason": "ValueError: no such layer"}
+                        if request is not started.loaded[0] else add_lora(request))
+    with pytest.raises(RuntimeError, match="refused by vLLM-Omni; the previous adapter keeps serving"):
+        engine.update_lora(adapter(folder, 3), 3, dict(CONFIG, lora_alpha=2 * ALPHA))  # a new config: add_lora
+    assert engine.info()["policy_version"] == 2 and started.loaded[-1] is started.loaded[0]  # loaded again
+    shared.close()
