@@ -18,8 +18,8 @@ default e2e_ENGINE_LAYOUT, e2e_FAMILY_LAYOUT for another family's recipe, e2e_8g
 --config FILE runs that recipe on the model it names (--model-dir replaces it; nothing is written). --device cpu
 runs inproc or 1gpu on the CPU with jaxflow.train's CPU_OVERRIDES (the tiny recipe: --config configs/tiny_ocr.py):
 no memory is read there, nor without nvidia-smi, and the result has no peak_gib; RESULT default e2e_cpu_LAYOUT.
-The micro-batch defaults to the family's E2E `micro` where it names one (Qwen-Image-Edit's 2: its rows carry the
-reference image's tokens too), else the recipe's; at most an update's samples per device.
+The micro-batch defaults to the family's E2E `micro` where it names one (an edit family's rows carry the reference
+image's tokens too), else the recipe's; at most an update's samples per device.
 
 Layouts (JAX gets a fixed pool, XLA_CLIENT_MEM_FRACTION, where it shares a GPU):
   inproc  one GPU, the diffusers engine in the trainer's process (no Ray); pool 0.5
