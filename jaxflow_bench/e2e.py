@@ -18,7 +18,8 @@ default e2e_ENGINE_LAYOUT, e2e_FAMILY_LAYOUT for another family's recipe, e2e_8g
 --config FILE runs that recipe on the model it names (--model-dir replaces it; nothing is written). --device cpu
 runs inproc or 1gpu on the CPU with jaxflow.train's CPU_OVERRIDES (the tiny recipe: --config configs/tiny_ocr.py):
 no memory is read there, nor without nvidia-smi, and the result has no peak_gib; RESULT default e2e_cpu_LAYOUT.
-The micro-batch defaults to the recipe's, at most an update's samples per device.
+The micro-batch defaults to the family's E2E `micro` where it names one (an edit family's rows carry the reference
+image's tokens too), else the recipe's; at most an update's samples per device.
 
 Layouts (JAX gets a fixed pool, XLA_CLIENT_MEM_FRACTION, where it shares a GPU):
   inproc  one GPU, the diffusers engine in the trainer's process (no Ray); pool 0.5
@@ -221,8 +222,9 @@ def setup(args, given: dict) -> tuple[list[str], dict, int, list[str] | None]:
         gpus = devices = 2
     prompts = args.prompts or (r["prompts"] if layout == "node" else 2)
     samples = prompts * r["group"] // r["mini"]  # an update's
-    micro = args.micro or (2 if one_gpu or layout == "node" else  # the recipe's micro-batch, at most an update
-                           min(r["prompts"] * r["group"] // (r["mini"] * r["micro"]), samples // devices))
+    micro = args.micro or (2 if one_gpu or layout == "node" else  # the E2E's or the recipe's, at most an update
+                           min(recipe.get("micro") or r["prompts"] * r["group"] // (r["mini"] * r["micro"]),
+                               samples // devices))
     if samples % (micro * devices):
         raise Refused(f"--micro {micro} x {devices} {'GPUs' if devices > 1 else 'device'} does not divide an "
                       f"update's {samples} samples")
@@ -400,7 +402,8 @@ def parser() -> argparse.ArgumentParser:
                    help="rollout.quantization: the rollout's DiT in FP8 (vLLM-Omni)")
     p.add_argument("--sleep", choices=("true", "false"), help="rollout.sleep_while_training (default the recipe's)")
     p.add_argument("--prompts", type=int, help="prompts a step (default 2; the node: the recipe's)")
-    p.add_argument("--micro", type=int, help="samples a micro-batch (default the recipe's; a one-GPU recipe and the node 2)")
+    p.add_argument("--micro", type=int, help="samples a micro-batch (default the E2E's or the recipe's; a one-GPU "
+                                             "recipe and the node 2)")
     p.add_argument("--per-call", type=int, help="prompts a rollout call (default min(4, prompts / 2))")
     p.add_argument("--steps", type=int, help="training steps (default 4; the node 3)")
     p.add_argument("--reward", help="train on this one reward instead of the recipe's (e.g. brightness)")

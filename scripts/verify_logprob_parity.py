@@ -10,7 +10,8 @@ which vLLM-Omni needs; with --model-family bagel: the bagel_torch engine on the 
 --engine vllm_omni --dtype bfloat16 (scripts/check_bagel_vllm_omni.sh); BAGEL's text CFG over the whole interval
 with renorm min 0, 64 x 96 images; --think K: BAGEL's think mode, at most K think tokens in each context; with
 --model-family qwen_image_edit, or a --model folder of that family, the tiny Qwen-Image-Edit or the folder's on
-either engine, each prompt an instruction over one seeded random reference image of the sample size), then
+either engine, each prompt an instruction over one seeded random reference image of the sample size; 40 x 72
+images, 48 x 80 on vllm_omni, whose edit pre-processing samples multiples of 16 only), then
 recomputes each window step's log-prob with the same transformer weights loaded into the Flax model, through the
 train step's own forward (`jaxflow.trainer.parity.recompute`). With --lora-rank both sides get one random non-zero PEFT
 adapter (the engine via update_lora, JAX via peft_to_lora); --jax-lora-seed gives the JAX side a different one (a
@@ -86,8 +87,8 @@ def parse_args(argv):
     p.add_argument("--sde-type", choices=("sde", "cps"), default="sde")
     p.add_argument("--prompts", type=int, default=4, help=f"number of prompts (at most {len(PROMPTS)})")
     p.add_argument("--n", type=int, default=2, help="images per prompt")
-    p.add_argument("--height", type=int, help="default: 40 (BAGEL 64)")
-    p.add_argument("--width", type=int, help="default: 72 (BAGEL 96)")
+    p.add_argument("--height", type=int, help="default: 40 (BAGEL 64; Qwen-Image-Edit on vllm_omni 48)")
+    p.add_argument("--width", type=int, help="default: 72 (BAGEL 96; Qwen-Image-Edit on vllm_omni 80)")
     p.add_argument("--seed", type=int, default=0, help="base sample seed; also seeds the LoRA adapter")
     p.add_argument("--lora-rank", type=int, help="apply one random LoRA adapter (alpha = rank) to both sides")
     p.add_argument("--lora-apply", choices=("layers", "folder", "merged"),
@@ -106,8 +107,11 @@ def parse_args(argv):
     if args.model_family is None:
         args.model_family = folder_family(args.model) if args.model else "qwen_image"
     bagel = args.model_family == "bagel"
-    for key, qwen, bagel_value in (("engine", "diffusers", "bagel_torch"), ("noise_level", 1.2, 0.7),
-                                   ("height", 40, 64), ("width", 72, 96)):
+    args.engine = args.engine or ("bagel_torch" if bagel else "diffusers")
+    # Qwen-Image-Edit on vllm_omni: multiples of 16, the sizes vLLM-Omni's edit pre-processing keeps
+    edit_vllm = args.model_family == "qwen_image_edit" and args.engine == "vllm_omni"
+    for key, qwen, bagel_value in (("noise_level", 1.2, 0.7), ("height", 48 if edit_vllm else 40, 64),
+                                   ("width", 80 if edit_vllm else 72, 96)):
         if getattr(args, key) is None:
             setattr(args, key, bagel_value if bagel else qwen)
     if args.engine not in families.by_name(args.model_family).engines:

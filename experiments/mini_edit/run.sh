@@ -17,13 +17,13 @@
 # mini_ocr's flow-matching loop over (source latents, instruction) -> edited latents); eval_* (experiments/mini_edit/
 # evaluate.py: edit_ocr of ODE edits of the held-out pairs); result (experiments/mini_edit/result.py).
 #
-# H200 estimates (mini_ocr's measured timings scaled by the FLOPs; not yet measured for this proof):
-#   data ~20 s. vae: mini_ocr's (32x64 crops, 16 a step: 6000 steps ~190-260 s), capped at VAE_MINUTES=5.
-#   encode ~30 s. pretrain: each row is twice mini_ocr's image tokens (target + source), so ~2x its 35 ms a step of
-#   256: 2000 steps ~2.5 min with compilation, capped at PRETRAIN_MINUTES=9. eval (200 pairs, 10 ODE steps, OCR of
-#   edit and source) ~1 min each. rl: configs/mini_edit.py's train.max_minutes=8.75 (as many steps as fit, then the
-#   checkpoint and lora_final); ~2x mini_ocr's 3.3-4.1 s a step (twice the tokens, two OCR reads an edit).
-# Knobs (env): PRETRAIN_STEPS (default 2000; fewer if the "before" edit-OCR is near 1: RL needs room),
+# Measured on one H200 (2026-11-28): data 16 s; vae 249 s (capped at VAE_MINUTES=3.5; default cap 5); encode 36 s;
+#   pretrain 45 s at 400 steps, 145 s at 2000 (capped at PRETRAIN_MINUTES=9); eval (200 pairs, 10 ODE steps, OCR of
+#   edit and source) 36 s each; rl ~11.5 s a step with the two RL runs sharing the GPU, within configs/mini_edit.py's
+#   train.max_minutes=8.75 (as many steps as fit, then the checkpoint and lora_final).
+# PRETRAIN_STEPS defaults to 1000, between the two measured points (same day, one H200): 2000 steps gave a held-out
+#   edit-OCR "before" of 0.997 (no room for RL to rise), 400 gave 0.006 (RL's 39 steps did not rise from there).
+# Knobs (env): PRETRAIN_STEPS (default 1000; fewer if the "before" edit-OCR is near 1: RL needs room),
 # PRETRAIN_MINUTES (9), VAE_STEPS (6000), VAE_MINUTES (5), RL_STEPS (default: the config's), RL_ARGS (more --config
 # overrides of both RL runs), EVAL_NUM (200), POOL (the trainer's JAX memory fraction of the GPU, 0.5).
 set -euo pipefail
@@ -47,7 +47,7 @@ else
   DEVICE=cuda
   DATA=(--train 4000 --test 200)
   VAE=(--steps "${VAE_STEPS:-6000}" --batch 16 --crop 32x64 --size mini --max-minutes "${VAE_MINUTES:-5}" --min-ocr 0.8)
-  PRE=(--steps "${PRETRAIN_STEPS:-2000}" --batch 256 --dtype bfloat16 --ema 0.99 --max-minutes "${PRETRAIN_MINUTES:-9}")
+  PRE=(--steps "${PRETRAIN_STEPS:-1000}" --batch 256 --dtype bfloat16 --ema 0.99 --max-minutes "${PRETRAIN_MINUTES:-9}")
   EVAL=(--num "${EVAL_NUM:-200}" --steps 10 --device cuda)
   RL=(${RL_STEPS:+--config.train.num_steps=$RL_STEPS} ${RL_ARGS:-})
   # one GPU shared by JAX and the in-process torch engine: a fixed JAX pool (README, "Running for real")

@@ -20,11 +20,13 @@ def nft_timesteps(cfg) -> int:
 def text_tokens(cfg) -> tuple[int, int]:
     """(prompt, negative prompt) tokens the train batch pads text to: sample.max_sequence_length (plus
     sample.max_think_tokens with a family's think mode, sample.think: the think tokens, start token included, follow the
-    prompt's context), and sample.negative_max_sequence_length or, where that is 0, sample.max_sequence_length.
-    Negatives shorter than prompts run as their own forward in the train step (`flowgrpo.guided_velocity`)."""
-    s = cfg.sample
-    return (s.max_sequence_length + (s.max_think_tokens if s.think else 0),
-            s.negative_max_sequence_length or s.max_sequence_length)
+    prompt's context), and sample.negative_max_sequence_length or, where that is 0, sample.max_sequence_length; each
+    plus the tokens of the family's conditioning images (`Family.vision_tokens`: an edit prompt's reference images,
+    which both prompts see). Negatives shorter than prompts run as their own forward in the train step
+    (`flowgrpo.guided_velocity`)."""
+    s, images = cfg.sample, families.of(cfg).vision_tokens(cfg)
+    return (s.max_sequence_length + (s.max_think_tokens if s.think else 0) + images,
+            (s.negative_max_sequence_length or s.max_sequence_length) + images)
 
 
 def model_options(cfg, gemm: str | None, num_layers: int) -> ModelOptions:

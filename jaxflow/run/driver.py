@@ -38,16 +38,18 @@ def sample_seeds(seed: int, step: int, count: int) -> np.ndarray:
     return np.random.default_rng([seed, step]).integers(0, 2 ** 62, size=count)
 
 
-def text_length_error(err: TextLengthError, cfg: RunConfig) -> ValueError:
-    """The rollout's text longer than the train batch's padding (`config.text_tokens`), as the knob to raise."""
+def text_length_error(err: TextLengthError, cfg: RunConfig) -> config_lib.UserError:
+    """The rollout's text longer than the train batch's padding (`config.text_tokens`), as the knob to raise: input
+    to fix, one line and exit 2 from the command line."""
     s = cfg.sample
     key = ("negative_max_sequence_length" if err.field.startswith("negative") and s.negative_max_sequence_length
            else "max_sequence_length")
-    limit = f"sample.{key}={err.length}"
-    if s.think and not err.field.startswith("negative"):  # its think tokens fit max_think_tokens: the prompt does not
-        limit = f"{err.length} (sample.max_sequence_length={s.max_sequence_length} + sample.max_think_tokens)"
-    return ValueError(f"{err.field} has {err.tokens} tokens > {limit}: raise --config.sample.{key} (or shorten the "
-                      f"prompt)")
+    value, limit = getattr(s, key), f"sample.{key}={err.length}"
+    if err.length != value:  # think tokens (they fit max_think_tokens) or an edit prompt's image tokens on top
+        extra = "sample.max_think_tokens" if s.think and not err.field.startswith("negative") else "the images' tokens"
+        limit = f"{err.length} (sample.{key}={value} + {extra})"
+    return config_lib.UserError(f"{err.field} has {err.tokens} tokens > {limit}: raise --config.sample.{key} (or "
+                                f"shorten the prompt)")
 
 
 def sampling(cfg: RunConfig, eval_mode: bool = False) -> dict:

@@ -8,7 +8,7 @@ import logging
 
 import numpy as np
 
-from jaxflow_bridge.contract.trajectory import TrajectoryBatch
+from jaxflow_bridge.contract.trajectory import TextLengthError, TrajectoryBatch
 from jaxflow_bridge.rollout.server import RolloutServer, create_rollout_server
 
 log = logging.getLogger(__name__)
@@ -84,8 +84,15 @@ class RayTransport:
         return getattr(server, method).remote(*args)
 
     def get(self, refs):
+        """The refs' results; an engine's TextLengthError (input to fix, not a failure) as itself, out of Ray's
+        RayTaskError."""
         import ray
-        return ray.get(refs)
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, TextLengthError):
+                raise e.cause from None
+            raise
 
     def first_done(self, refs: list) -> int:
         import ray

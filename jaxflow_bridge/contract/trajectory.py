@@ -139,11 +139,15 @@ def validate_arrays(rec, image_field: str, lead: Dims) -> None:
 
 
 class TextLengthError(ValueError):
-    """A batch's text is longer than the length `TrajectoryBatch.padded` pads it to."""
+    """A batch's text is longer than the length `TrajectoryBatch.padded` pads it to. Pickles with its fields: raised
+    in a Ray actor, it reaches the trainer as itself (the driver's one line), not as Ray's UnserializableException."""
 
     def __init__(self, field: str, tokens: int, length: int):
         super().__init__(f"{field} has {tokens} tokens > {length}, the length the batch pads it to")
         self.field, self.tokens, self.length = field, tokens, length
+
+    def __reduce__(self):
+        return type(self), (self.field, self.tokens, self.length)
 
 
 def _pad(field: str, text: np.ndarray, mask: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:

@@ -174,3 +174,12 @@ def test_the_family_follows_the_model_folder(parity, capsys, tmp_path):
     assert parity.parse_args([]).model_family == "qwen_image"
     with pytest.raises(SystemExit, match="is no family's folder"):
         parity.parse_args(["--model", str(tmp_path)])
+
+
+def test_the_edit_default_size_on_vllm_omni_is_one_its_pre_processing_keeps(parity):
+    """vLLM-Omni's edit pre-processing keeps multiples of 16 only: 48 x 80 there, 40 x 72 on diffusers."""
+    edit = ["--model-family", "qwen_image_edit"]
+    args = parity.parse_args([*edit, "--engine", "vllm_omni", "--dtype", "bfloat16"])
+    assert (args.height, args.width) == (48, 80)
+    assert (lambda a: (a.height, a.width))(parity.parse_args(edit)) == (40, 72)
+    assert parity.parse_args(["--model-family", "bagel"]).engine == "bagel_torch"

@@ -164,3 +164,6 @@ class Bagel:
             d.update(num_inference_steps=cfg.eval.num_steps, cfg_text_scale=cfg.eval.guidance, sde_type="ode",
                      solver=cfg.eval.solver, noise_level=0.0, sde_window_size=None, same_latent=False)
         return d
+
+    def vision_tokens(self, cfg) -> int:
+        return 0  # a text-only prompt (its think tokens: sample.max_think_tokens)

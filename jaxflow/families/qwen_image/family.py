@@ -134,3 +134,6 @@ class QwenImage:
             d.update(num_inference_steps=cfg.eval.num_steps, true_cfg_scale=cfg.eval.guidance, sde_type="ode",
                      solver=cfg.eval.solver, noise_level=0.0, sde_window_size=None, same_latent=False, keep_final=False)
         return d
+
+    def vision_tokens(self, cfg) -> int:
+        return 0  # a text-only prompt

@@ -36,6 +36,19 @@ class QwenImageEdit(QwenImage):
             return spec.pixels_per_token(TINY_VAE_CONFIG)
         return super().size_multiple(cfg)
 
+    def problems(self, cfg):
+        """Qwen-Image's, and on the vllm_omni engine the sizes its edit pre-processing samples as they are."""
+        yield from super().problems(cfg)
+        if cfg.rollout.engine == "vllm_omni" and (found := spec.vllm_omni_size_problem(cfg.sample.height,
+                                                                                       cfg.sample.width)):
+            yield found
+
+    def vision_tokens(self, cfg) -> int:
+        """The reference images' tokens in the VL prompt (`spec.vision_tokens` at the sample size, the images being
+        resized to it; the tiny folder's processor bounds for the tiny model)."""
+        bounds = spec.TINY_PIXELS if cfg.model.path == self.tiny else spec.RELEASED_PIXELS
+        return spec.vision_tokens(cfg.sample.height, cfg.sample.width, REFERENCES, bounds)
+
     def objective(self, config) -> Objective:
         """Qwen-Image's window log-prob with the batch's reference latents (`objective.EDIT_WINDOW`)."""
         return EDIT_WINDOW

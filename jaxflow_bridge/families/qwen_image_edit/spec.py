@@ -4,6 +4,7 @@ Qwen-Image (`BASE`): the same transformer weights, key map, scheduler and VAE; w
 Python: imports neither jax/flax nor torch."""
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +25,20 @@ EXAMPLE = "/path/to/Qwen-Image-Edit (a diffusers folder)"
 # folder (Qwen-Image's transformer, drawn on the devices; the VL encoder at Qwen2.5-VL-7B's size; processor/)
 E2E = dict(config="configs/qwen_edit_ocr.py", folder="/tmp/qwen_edit_random", marker="model_index.json",
            writer=["scripts/make_random_pipeline.py", "--family", NAME, "--no-transformer-weights"], init="random",
-           one_gpu=False)
+           one_gpu=False, micro=2)  # 2 samples a micro-batch: the edit rows carry the reference image's tokens too
+
+# The Qwen2.5-VL processor's image bounds (its preprocessor_config.json's min_pixels / max_pixels): the released
+# folders' and the tiny folder's (tiny.py writes them; its images stay at 1 to 4 merged tokens)
+RELEASED_PIXELS = (56 * 56, 28 * 28 * 16384)
+TINY_PIXELS = (28 * 28, 56 * 56)
+VISION_PATCH = 28  # pixels a side of one merged vision token: patches of 14, merged 2 x 2
+# tokens of the prompt an image adds beyond its merged patches, a bound: Edit-Plus's "Picture k: " label and the
+# vision start / end tokens (Edit's one picture is in its template)
+PICTURE_TOKENS = 8
+# vLLM-Omni 0.20's edit pre-processing rounds the request's height and width down to a multiple of this (2 x the VAE
+# factor it reads from vae/config.json's "temporal_downsample", a key diffusers' Qwen-Image VAE config spells
+# "temperal_downsample": always its default 8), whatever the folder's VAE
+VLLM_OMNI_SIZE_MULTIPLE = 16
 
 
 def is_folder(folder: Path) -> bool:
@@ -35,3 +49,33 @@ def vllm_omni_problems(*, init: str, deploy: str | None, think: bool) -> Iterato
     """The family's part of the vllm_omni engine's rules: one stage, as Qwen-Image's, so no deployment is chosen."""
     if deploy is not None:
         yield "rollout.bagel_deploy", f"{deploy!r} chooses BAGEL's topology; {LABEL} runs one stage: drop it"
+
+
+def vision_tokens(height: int, width: int, references: int, bounds: tuple[int, int] = RELEASED_PIXELS) -> int:
+    """Prompt tokens `references` reference images of `height` x `width` add to the VL prompt beyond its text: per
+    image its merged patches as Qwen2-VL's processor (min / max pixels `bounds`) resizes it ((H/28) x (W/28) within
+    the bounds: 324 at 512 x 512) and PICTURE_TOKENS."""
+    low, high = bounds
+    p = VISION_PATCH
+    h, w = max(p, round(height / p) * p), max(p, round(width / p) * p)
+    if h * w > high:
+        scale = math.sqrt(height * width / high)
+        h, w = max(p, math.floor(height / scale / p) * p), max(p, math.floor(width / scale / p) * p)
+    elif h * w < low:
+        scale = math.sqrt(low / (height * width))
+        h, w = math.ceil(height * scale / p) * p, math.ceil(width * scale / p) * p
+    return references * ((h // p) * (w // p) + PICTURE_TOKENS)
+
+
+def vllm_omni_size_problem(height: int, width: int) -> tuple[str, str] | None:
+    """(config key, message) when vLLM-Omni's edit pre-processing would sample another size than `height` x `width`
+    (not multiples of VLLM_OMNI_SIZE_MULTIPLE), naming the nearest sizes that work; None when it samples that size."""
+    m = VLLM_OMNI_SIZE_MULTIPLE
+    if height % m == 0 and width % m == 0:
+        return None
+    key = "sample.height" if height % m else "sample.width"
+    near = sorted({(max(m, h), max(m, w)) for h in (height // m * m, -(-height // m) * m)
+                   for w in (width // m * m, -(-width // m) * m)})
+    listed = ", ".join(f"{h}x{w}" for h, w in near)
+    return key, (f"{height}x{width} (sample.height x sample.width): {LABEL} on the vllm_omni engine samples multiples "
+                 f"of {m} (vLLM-Omni 0.20's edit pre-processing rounds other sizes down); use one of {listed}")

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from jaxflow_bridge.families.qwen_image import tiny as base
+from jaxflow_bridge.families.qwen_image_edit import spec
 from jaxflow_bridge.rollout.model_cache import DTYPES, cached_folder, check_dtype, folder_cli
 
 FORMAT_VERSION = 2  # 2: processor/
@@ -29,7 +30,7 @@ EDIT_TEMPLATE = (
     "<|im_end|>\n<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n<|im_start|>assistant\n")
 PLUS_PICTURE = "Picture 1: <|vision_start|><|image_pad|><|vision_end|>"
 TEMPLATES = (base.PROMPT_TEMPLATE, EDIT_TEMPLATE, PLUS_PICTURE)
-MIN_PIXELS, MAX_PIXELS = 28 * 28, 56 * 56  # the VL encoder's image: 1 to 4 merged tokens
+MIN_PIXELS, MAX_PIXELS = spec.TINY_PIXELS  # the VL encoder's image: 1 to 4 merged tokens
 
 
 def image_processor(min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS):

@@ -20,6 +20,7 @@ import numpy as np
 
 from jaxflow_bridge.engines.vllm_omni.fa_version import use_fa3
 from jaxflow_bridge.families.qwen_image import vllm_omni_pipeline as qwen
+from jaxflow_bridge.families.qwen_image_edit import spec
 from jaxflow_bridge.families.qwen_image_edit.diffusers_pipeline import EditConditioning, image_processor
 from jaxflow_bridge.rollout.sampling import SamplingParams
 
@@ -32,8 +33,13 @@ IMAGES = "image"  # the prompt's multi_modal_data key vLLM-Omni's edit pipelines
 def encode_request(prompt: str, sampling: SamplingParams, seeds, policy_version: int,
                    references=None) -> tuple[dict, dict]:
     """Qwen-Image's request (`qwen.encode_request`) with the prompt's reference images, a uint8 (R, H, W, 3) array,
-    in its multi_modal_data as R PIL images; ValueError without them."""
+    in its multi_modal_data as R PIL images; ValueError without them, or for a size vLLM-Omni's edit pre-processing
+    would change (`spec.vllm_omni_size_problem`: the engine never samples another size than asked)."""
     from PIL import Image
+
+    size = spec.vllm_omni_size_problem(sampling.height, sampling.width)
+    if size is not None:
+        raise ValueError(f"vllm_omni engine: {size[1]}")
 
     if references is None:
         raise ValueError("the edit model needs the prompt's reference images (references), one uint8 "

@@ -95,6 +95,18 @@ def test_the_request_carries_the_images_and_refuses_none():
         vop.decode_request([{"prompt": PROMPT, "negative_prompt": " "}], params)
 
 
+def test_a_size_vllm_omnis_edit_pre_processing_would_change_is_refused():
+    """vLLM-Omni 0.20 rounds an edit request's size down to multiples of 16 whatever the VAE (the tiny's is 8): the
+    request is refused with the nearest sizes that work, never sampled at another size."""
+    at = dataclasses.replace(SAMPLING, height=40, width=72)
+    with pytest.raises(ValueError, match=r"^vllm_omni engine: 40x72 \(sample.height x sample.width\).* multiples of "
+                                         r"16 .*use one of 32x64, 32x80, 48x64, 48x80$"):
+        vop.encode_request(PROMPT, at, SEEDS, 0, references=references(1))
+    prompt, _ = vop.encode_request(PROMPT, dataclasses.replace(SAMPLING, height=48, width=80), SEEDS, 0,
+                                   references=references(1))
+    assert prompt["prompt"] == PROMPT
+
+
 def test_the_engine_serves_an_edit_folder_with_the_edit_class():
     folder = tiny_pipeline_path()
     assert family_of(str(folder)) == family_of("tiny_edit") == "qwen_image_edit"
