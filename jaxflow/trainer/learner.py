@@ -106,6 +106,7 @@ class Learner:
                  o.precision, self.model.impl)
         self.folder = folder
         self._init_state, self._step = self._make_step(self.plan.num_micro_batches)
+        self.compile_times = []  # every ahead-of-time compile's seconds by stage (trials included; `_compiled`)
         self.ckpt = self.state = None
         self._previous = None  # (version, LoRA copy) of the policy one step back, for rollout.overlap
 
@@ -131,6 +132,7 @@ class Learner:
             embed_dtype=derived.embed_dtype(cfg), guided=tc.guided, recompute=tc.recompute_pass,
             means=tc.policy.ratio.old_means, nft=not tc.policy.loss.log_probs, **self.family.batch_shape(self.model))
         plans = [memory.StepMemory.of(name, c) for name, c in step.compile(batch, old).items()]
+        self.compile_times += step.compile_times
         return plans, memory.device_bytes(step.frozen)
 
     def xla_options(self) -> dict:

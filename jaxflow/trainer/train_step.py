@@ -40,6 +40,7 @@ from flax import nnx
 
 from jaxflow import families
 from jaxflow.trainer import logp_gate, minibatches, phases
+from jaxflow.trainer.compile_times import CompileTime, compile_timed
 from jaxflow.algorithms.old_log_prob import old_log_probs
 from jaxflow.nn.lora import LoRAParam
 from jaxflow.algorithms.objective import WINDOW, Objective
@@ -211,17 +212,22 @@ class TrainStep:
         self._advance = advance  # state -> state with NFT's old policy moved toward the LoRA (`advance_old`)
         self._put, self._batch_devices, self._indices = put, batch_devices, indices
         self.abstract_state = abstract_state  # () -> the TrainState's shapes and dtypes
+        self.compile_times: list[CompileTime] = []  # `compile`'s, by function and stage
 
     def compile(self, batch: dict, old) -> dict:
         """Compile the update (and the old-log-prob pass when it runs) for `batch` (ShapeDtypeStructs of the
         prepared batch; `old`: the pass's output's, or None) and use them from now on; returns
-        {name: compiled} (their `memory_analysis()` says what they need on one device)."""
+        {name: compiled} (their `memory_analysis()` says what they need on one device); `compile_times` then holds
+        each one's seconds by stage (`compile_times.CompileTime`)."""
         state, index = self.abstract_state(), jax.ShapeDtypeStruct((), jnp.int32)
-        out = {"update": self._update.lower(state, self.frozen, batch, old, index).compile()}
+        calls = {"update": (self._update, state, self.frozen, batch, old, index)}
         if self.config.recompute_pass:
-            out["old_log_prob"] = self._old_pass.lower(state.lora, self.frozen, batch).compile()
-            self._old_pass = out["old_log_prob"]
+            calls["old_log_prob"] = (self._old_pass, state.lora, self.frozen, batch)
+        timed = {name: compile_timed(name, *call) for name, call in calls.items()}
+        out = {name: compiled for name, (compiled, _) in timed.items()}
+        self.compile_times = [t for _, t in timed.values()]
         self._update = out["update"]
+        self._old_pass = out.get("old_log_prob", self._old_pass)
         return out
 
     def __call__(self, state: TrainState, batch: TrainBatch, behavior=None) -> tuple[TrainState, dict]:

@@ -4,6 +4,8 @@ check; the driver reads the plan that the check fitted. Stand-ins for the driver
 import pytest
 
 from jaxflow import train
+from jaxflow.trainer import compile_times
+from jaxflow.trainer.compile_times import CompileTime
 from jaxflow.config import validation
 from tests.helpers import tiny_config
 
@@ -26,6 +28,7 @@ def _stand_ins(monkeypatch, events, apart):
             return {}
 
         sampling = "lora"
+        compile_times = []
 
     class Driver:
         loads_apart = apart
@@ -83,3 +86,17 @@ def test_a_failed_memory_check_closes_the_launched_engines(tmp_path, monkeypatch
     with pytest.raises(validation.UserError, match="does not fit"):
         train.Trainer(validation.validate(tiny_config(tmp_path / "run")))
     assert events == ["model", "launch", "close"]
+
+
+def test_the_memory_plan_names_its_compiles_by_stage(tmp_path, monkeypatch):
+    """The start-up line's memory plan says where its seconds went: tracing and lowering (redone at every start) and
+    XLA's compile, and how many compiles the persistent cache served (`jaxflow.trainer.compile_times`)."""
+    events = []
+    _stand_ins(monkeypatch, events, True)
+    times = [CompileTime("update", 20.2, 30.4, 0.6, True), CompileTime("old_log_prob", 5.0, 6.0, 40.0, False)]
+    monkeypatch.setattr(train.Learner, "compile_times", times)
+    trainer = train.Trainer(validation.validate(tiny_config(tmp_path / "run")))
+    trainer.startup["memory plan"] = 91.0
+    assert ", memory plan 91 s (trace 25 s, lower 36 s, compile 41 s; 1 of 2 compiles from the cache), rollout " \
+           "start" in trainer.startup_line()
+    assert compile_times.summary([]) == ""

@@ -21,6 +21,7 @@ from tests.helpers import GRID, SEEDS, TINY, inputs
 from tests.helpers_sampler import SamplerConfig, make_sampler
 
 ADV = np.array([1.0, -1.0, 2.0, -0.5], np.float32)
+PLAIN = TrainConfig(grid_hw=GRID, guidance=1.0, num_micro_batches=2, beta=0.04)  # the `plain` fixture's step
 
 
 def _numpy(tree):
@@ -30,8 +31,7 @@ def _numpy(tree):
 def _setup(model, guidance, **train_kw):
     config = SamplerConfig(grid_hw=GRID, num_steps=6, noise_level=1.2, guidance=guidance, window_size=2)
     traj = make_sampler(model, config)(inputs(guidance > 1), SEEDS)
-    init_state, step = make_train_step(model, TrainConfig(grid_hw=GRID, guidance=guidance, num_micro_batches=2,
-                                                          beta=0.04, **train_kw))
+    init_state, step = make_train_step(model, dataclasses.replace(PLAIN, guidance=guidance, **train_kw))
     return config, TrainBatch(**traj, advantages=ADV), init_state, step
 
 
@@ -92,6 +92,47 @@ def test_negatives_in_their_own_call_update_the_lora_as_one_batched_call(cfg):
     for s, b, old in zip(*(jax.tree.leaves(t) for t in (_numpy(split.lora), _numpy(batched.lora), before))):
         np.testing.assert_allclose(s - old, b - old, rtol=1e-4, atol=1e-7)
         assert np.abs(s - old).max() > 0
+
+
+def _compiled(model, batch, config):
+    """(init_state, step) with the step compiled ahead of time for `batch`'s shapes, as the memory plan does."""
+    init_state, step = make_train_step(model, config)
+    step.compile({k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in prepare_batch(batch, config).items()}, None)
+    return init_state, step
+
+
+def test_the_update_is_lowered_once_for_the_memory_plan_and_the_first_step(lora_model, plain):
+    """The memory plan's compile (`TrainStep.compile`, timed by stage) is the executable the first step runs."""
+    lowered, batch = [], plain[1]
+
+    def listen(event, secs, **kw):  # every jit's lowering, whether the persistent cache then serves it or not
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration" and "_update" in kw.get("fun_name", ""):
+            lowered.append(secs)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        init_state, step = _compiled(lora_model, batch, PLAIN)
+        state, metrics = step(init_state(), batch)
+        jax.block_until_ready(state)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert len(lowered) == 1 and int(metrics["skipped"]) == 0
+    [update] = step.compile_times
+    assert update.name == "update" and min(update.trace, update.lower, update.compile) > 0
+
+
+def test_a_second_start_is_served_by_the_persistent_cache(lora_model, plain):
+    """A step made anew (new jits, traced and lowered again, as a warm start does) gets XLA's part from the
+    persistent cache (tests/conftest.py points the session at one) that the first compile wrote."""
+    assert jax.config.jax_compilation_cache_dir, "tests/conftest.py sets JAX_COMPILATION_CACHE_DIR"
+    minimum = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # written however quick the compile
+    try:
+        _, first = _compiled(lora_model, plain[1], PLAIN)
+        _, again = _compiled(lora_model, plain[1], PLAIN)
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", minimum)
+    assert [t.cached for t in again.compile_times] == [True], (first.compile_times, again.compile_times)
 
 
 def test_only_lora_params_change(lora_model, plain):
