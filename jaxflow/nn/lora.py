@@ -95,33 +95,72 @@ def lora_to_peft(model: nnx.Module | nnx.State, spec: LoRASpec) -> dict[str, np.
     return out
 
 
+@functools.lru_cache(maxsize=8)
+def _peft_layout(spec: LoRASpec, layers: tuple[int, ...]) -> dict[str, tuple[int, int, int, int]]:
+    """{PEFT module: (A's key-map entry, its layer, B's entry, its layer)} of `spec`'s stacks of `layers` layers
+    (one count per key-map entry), sorted by module."""
+    found: dict[str, dict[str, tuple[int, int]]] = {}
+    for n, (e, count) in enumerate(zip(spec.key_map(), layers)):
+        for i, key in enumerate(e.diffusers_keys(count)):
+            match = peft_folder.LORA_KEY.fullmatch(key)
+            found.setdefault(match["module"], {})[match["part"]] = (n, i)
+    return {m: found[m]["A"] + found[m]["B"] for m in sorted(found)}
+
+
+def _stacks(model: nnx.Module | nnx.State, spec: LoRASpec) -> tuple[list, dict[str, tuple[int, int, int, int]]]:
+    """The LoRA state's stacked arrays in key-map order and their `_peft_layout`."""
+    state = model if isinstance(model, nnx.State) else nnx.state(model, LoRAParam)
+    stacks = [_get(state, e.flax_path)[...] for e in spec.key_map()]
+    return stacks, _peft_layout(spec, tuple(int(x.shape[0]) for x in stacks))
+
+
+@jax.jit
+def _probe_gather(a_stacks, b_stacks, index, rows, cols):
+    """A[:, cols] (m, r, k) and B[rows] (m, k, r) in float32 of m modules: module n's A is layer index[n, 1] of
+    a_stacks[index[n, 0]] (flax layout (L, in, r)), its B layer index[n, 3] of b_stacks[index[n, 2]] ((L, r, out));
+    rows, cols (m, k). Each stack is gathered for every module and the owner's values kept, so one program serves
+    any choice of modules (the indices are arguments: one compile per shape, not per version)."""
+    def pick(stacks, owner, layer, take):
+        out = None
+        for s, x in enumerate(stacks):  # an index past a stack's size is clamped; the owner test drops it
+            got = take(x, layer[:, None]).astype(jnp.float32)  # (m, k, r)
+            out = got if out is None else jnp.where((owner == s)[:, None, None], got, out)
+        return out
+    a = pick(a_stacks, index[:, 0], index[:, 1], lambda x, layer: x[layer, cols])
+    b = pick(b_stacks, index[:, 2], index[:, 3], lambda x, layer: x[layer, :, rows])
+    return a.swapaxes(1, 2), b
+
+
 def peft_probe(model: nnx.Module | nnx.State, spec: LoRASpec, positions) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """{PEFT module: (lora_A[:, cols] (r, k), lora_B[rows] (k, r))} host float32 arrays at `positions(module, (out,
-    in))` -> (rows, cols) of each module it returns a value for (None: not read): only those rows and columns are
-    gathered on the device, and all of them come to the host in one copy."""
-    state = model if isinstance(model, nnx.State) else nnx.state(model, LoRAParam)
-    found: dict[str, dict[str, tuple]] = {}
-    for e in spec.key_map():
-        x = _get(state, e.flax_path)[...]
-        for i, key in enumerate(e.diffusers_keys(x.shape[0])):
-            match = peft_folder.LORA_KEY.fullmatch(key)
-            found.setdefault(match["module"], {})[match["part"]] = (x, i)
-    gathered = {}
-    for module, parts in found.items():
-        (a, i), (b, j) = parts["A"], parts["B"]  # flax layouts: A (L, in, r), B (L, r, out)
-        picked = positions(module, (b.shape[2], a.shape[1]))
-        if picked is not None:
-            rows, cols = picked
-            gathered[module] = (a[i][np.asarray(cols)].T, b[j][:, np.asarray(rows)].T)
-    return {m: (np.asarray(pa, np.float32), np.asarray(pb, np.float32))
-            for m, (pa, pb) in jax.device_get(gathered).items()}
+    in))` -> (rows, cols), each (k,) with one k for all, of each module it returns a value for (None: not read): only
+    those rows and columns are gathered on the device, in one program, and come to the host in one copy."""
+    stacks, layout = _stacks(model, spec)
+    a_of = {n: s for s, n in enumerate(sorted({v[0] for v in layout.values()}))}  # entry -> its place among A's
+    b_of = {n: s for s, n in enumerate(sorted({v[2] for v in layout.values()}))}
+    picked, index, rows, cols = [], [], [], []
+    for module, (na, i, nb, j) in layout.items():
+        at = positions(module, (stacks[nb].shape[2], stacks[na].shape[1]))
+        if at is not None:
+            picked.append(module)
+            index.append((a_of[na], i, b_of[nb], j))
+            rows.append(at[0])
+            cols.append(at[1])
+    if not picked:
+        return {}
+    a_stacks, b_stacks = [stacks[n] for n in a_of], [stacks[n] for n in b_of]
+    if all(isinstance(x, jax.Array) for x in stacks):
+        a, b = jax.device_get(_probe_gather(a_stacks, b_stacks, np.asarray(index, np.int32),
+                                            np.asarray(rows, np.int32), np.asarray(cols, np.int32)))
+    else:  # a host state
+        a = [a_stacks[s][i][c].T for (s, i, _, _), c in zip(index, cols)]
+        b = [b_stacks[s][j][:, r].T for (_, _, s, j), r in zip(index, rows)]
+    return {m: (np.asarray(a[n], np.float32), np.asarray(b[n], np.float32)) for n, m in enumerate(picked)}
 
 
 def peft_modules(model: nnx.Module | nnx.State, spec: LoRASpec) -> list[str]:
     """The adapted modules' PEFT names (prefix dropped), sorted: from the stacks' shapes, no array read."""
-    state = model if isinstance(model, nnx.State) else nnx.state(model, LoRAParam)
-    return sorted({peft_folder.lora_module(k) for e in spec.key_map()
-                   for k in e.diffusers_keys(_get(state, e.flax_path)[...].shape[0])})
+    return list(_stacks(model, spec)[1])
 
 
 def peft_to_lora(model: nnx.Module, spec: LoRASpec, tensors: dict[str, np.ndarray]) -> None:

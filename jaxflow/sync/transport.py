@@ -22,7 +22,6 @@ import socket
 import time
 
 import jax
-import jax.numpy as jnp
 
 from jaxflow.nn.lora import LoRASpec, lora_to_peft
 from jaxflow.sync.lora_sync import SharedLoRA, device_peft_tensors, device_target
@@ -79,11 +78,12 @@ class LoRASync:
         return bound
 
     def _faulty(self, lora, version: int):
-        """What is sent for `version`: `lora`, or with `stale_from` the previous version's (kept as a copy: the
-        next train step donates the state's arrays)."""
+        """What is sent for `version`: `lora`, or with `stale_from` the previous version's, kept as a host copy (the
+        next train step donates the state's arrays, and a device copy would take the update's memory) from the
+        version before `stale_from` on."""
         if not self.stale_from:
             return lora
-        previous, self._sent = self._sent, jax.tree.map(jnp.copy, lora)
+        previous, self._sent = self._sent, (jax.device_get(lora) if version + 1 >= self.stale_from else None)
         return previous if version >= self.stale_from and previous is not None else lora
 
     def _deliver(self, lora, version: int) -> int:

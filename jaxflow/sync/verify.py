@@ -4,10 +4,10 @@ weights at a probe of modules and positions fixed by name, shape and version), a
 the deltas the adapter it sent gives at the same probe.
 
 The expected deltas come from the trainer's LoRA: only the probed modules' A and B are gathered to the host
-(`peft_probe`: their probed rows and columns, one host copy), so the check costs the same at any adapter size. `LoRASync.serve` logs a mismatch as one line and
-syncs the same version again; a second mismatch stops the run with `SyncMismatch` (one line naming the engine, the
-version and the modules that differ). An engine whose reply carries no probe fails the check too;
-`train.sync_verify=False` turns it off.
+(`peft_probe`: their probed rows and columns, in one jitted program compiled once, then one host copy), so the check
+costs the same at any adapter size. `LoRASync.serve` logs a mismatch as one line and syncs the same version again;
+a second mismatch stops the run with `SyncMismatch` (one line naming the engine, the version and the modules that
+differ). An engine whose reply carries no probe fails the check too; `train.sync_verify=False` turns it off.
 """
 from __future__ import annotations
 

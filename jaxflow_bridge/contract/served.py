@@ -10,6 +10,7 @@ each with its own rounding bound, so a served value is right when |served - expe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import zlib
 from collections.abc import Mapping, Sequence
@@ -34,10 +35,16 @@ def probe_modules(modules: Sequence[str], version: int, limit: int = PROBE_MODUL
 
 
 def probe_positions(module: str, shape: tuple[int, int], k: int = PROBE_ELEMENTS) -> tuple[np.ndarray, np.ndarray]:
-    """(rows, cols) int64 (k,) of a module's (out, in) weight: fixed by its name and shape."""
-    out_features, in_features = (int(s) for s in shape)
+    """(rows, cols) int64 (k,) of a module's (out, in) weight: fixed by its name and shape (drawn once per module,
+    every sync probes some)."""
+    rows, cols = _positions(module, tuple(int(s) for s in shape), int(k))
+    return rows.copy(), cols.copy()
+
+
+@functools.lru_cache(maxsize=4096)
+def _positions(module: str, shape: tuple[int, int], k: int) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(zlib.crc32(module.encode()))
-    return rng.integers(0, out_features, k), rng.integers(0, in_features, k)
+    return rng.integers(0, shape[0], k), rng.integers(0, shape[1], k)
 
 
 def expected(a: np.ndarray, b: np.ndarray, scale: float, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:

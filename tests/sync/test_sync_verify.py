@@ -2,6 +2,8 @@
 served probe computed as the contract says (jaxflow_bridge/contract/served.py) from what they hold. An engine that
 keeps the old adapter, or binds fewer modules, is caught at the first sync after it; a mismatch a re-sync fixes
 does not stop the run; the stop line names the engine, the version and the modules."""
+import gc
+import logging
 import subprocess
 import sys
 
@@ -20,7 +22,9 @@ from jaxflow.sync.transport import LoRASync
 from jaxflow.sync.verify import SyncMismatch, expected_of
 from jaxflow_bridge.contract.lora import lora_pairs
 from jaxflow_bridge.contract.lora_payload import LoRAPayload
-from jaxflow_bridge.contract.served import ServedProbe, probe_modules, probe_positions, product_tolerance
+from jaxflow_bridge.contract.served import (PROBE_MODULES, ServedProbe, expected_probe, probe_modules, probe_positions,
+                                            product_tolerance)
+from jaxflow_bench.sync_verify import lora_state as sized_lora_state
 from tests import HANG_S
 from tests.helpers import ROOT
 
@@ -105,6 +109,53 @@ def test_the_expected_probe_reads_only_the_probed_modules_and_matches_the_peft_a
         np.testing.assert_array_equal(b_rows, pairs[m][1][rows])
     want = expected_of(lora, SPEC, 1)
     assert want.modules == 24 and sorted(want.deltas) == names  # 24 <= PROBE_MODULES: all probed
+
+
+def test_the_one_program_probe_matches_the_contract_as_the_window_moves_and_compiles_once(caplog):
+    """More modules than the probe reads, of three shapes (d -> d, d -> mlp, mlp -> d): at each version the probe
+    of the device state, and of its host copy, is the contract's `expected_probe` of the PEFT arrays; after the
+    first version no version compiles anything."""
+    spec = LoRASpec(rank=4, alpha=8.0)
+    lora = sized_lora_state(spec, layers=6, dim=8, mlp=24, seed=1)
+    host = jax.device_get(lora)
+    tensors = lora_to_peft(lora, spec)
+    scale = LoRAPayload(0, spec.peft_config(), tensors={}).scale
+    expected_of(lora, spec, 1)
+    probed = set()
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+        for version in range(2, 8):
+            want = expected_of(lora, spec, version)
+            contract = expected_probe(tensors, scale, version)
+            assert want.modules == 72 and sorted(want.deltas) == sorted(contract) and len(contract) == PROBE_MODULES
+            for m, values in contract.items():
+                np.testing.assert_allclose(want.deltas[m], values, rtol=1e-12, atol=1e-300)
+                np.testing.assert_array_equal(expected_of(host, spec, version).deltas[m], want.deltas[m])
+            probed.update(want.deltas)
+    assert len(probed) > PROBE_MODULES  # the window moved
+    assert not [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
+
+
+def test_the_injected_fault_keeps_the_previous_version_on_the_host_not_on_the_device(lora_state):
+    """The stale copy must take no device memory (at full size the update has none to spare): a sync with the fault
+    armed leaves as many device bytes live as one without it (the stand-in group keeps the arrays sent, on the CPU
+    views of device buffers: the baseline is a sync without the fault)."""
+    def device_bytes():  # per buffer (a host view of one on the CPU is listed as another array of the same buffer)
+        gc.collect()
+        return sum({x.unsafe_buffer_pointer(): x.nbytes for x in jax.live_arrays()}.values())
+
+    def kept(stale_from):
+        s, lora = sync([Engine()], stale_from=stale_from), lora_state(2)
+        before = device_bytes()
+        s.serve(lora, 2)  # the version before stale_from: its LoRA is kept for the next sync
+        return device_bytes() - before
+
+    assert kept(3) == kept(0)
+    engine = Engine()
+    s = sync([engine], stale_from=3)
+    s.serve(lora_state(1), 1)
+    s.serve(lora_state(2), 2)
+    with pytest.raises(SyncMismatch, match="does not serve version 3"):
+        s.serve(lora_state(3), 3)
 
 
 def test_a_healthy_engine_passes_every_sync_and_the_check_is_timed(lora_state):
