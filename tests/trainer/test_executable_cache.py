@@ -20,6 +20,7 @@ from tests.helpers import GRID, SEEDS, TINY, inputs
 from tests.helpers_sampler import SamplerConfig, make_sampler
 
 PLAIN = TrainConfig(grid_hw=GRID, guidance=1.0, num_micro_batches=2, beta=0.04)  # tests/trainer/test_train_step.py's
+SPEC = LoRASpec(rank=4, alpha=8.0, targets=("to_q", "to_v", "img_mlp.net.2"))  # tests.helpers.tiny_lora_model's
 ADV = np.array([1.0, -1.0, 2.0, -0.5], np.float32)
 
 
@@ -82,12 +83,11 @@ def test_a_changed_program_arguments_or_source_change_the_key(lora_model, batch,
     assert _key(make_train_step(lora_model, PLAIN)[1], batch) == base  # the same step made anew
     clipped = dataclasses.replace(PLAIN, clip_range=2e-4)  # closed over by the update, not an argument
     assert _key(make_train_step(lora_model, clipped)[1], batch, clipped) != base
-    remat = QwenImageTransformer(TINY, ModelOptions(remat="full"), LoRASpec(rank=4, alpha=8.0, targets=(
-        "to_q", "to_v", "img_mlp.net.2")), rngs=nnx.Rngs(0))  # same weights' shapes, a static option of the graphdef
-    assert _key(make_train_step(remat, PLAIN)[1], batch) != base
-    rank = QwenImageTransformer(TINY, ModelOptions(), LoRASpec(rank=2, alpha=8.0, targets=(
-        "to_q", "to_v", "img_mlp.net.2")), rngs=nnx.Rngs(0))
-    assert _key(make_train_step(rank, PLAIN)[1], batch) != base
+    for opts, spec in ((ModelOptions(remat="full"), SPEC),  # the graphdef's static attributes, the same shapes
+                       (ModelOptions(), dataclasses.replace(SPEC, alpha=16.0)),
+                       (ModelOptions(), dataclasses.replace(SPEC, rank=2))):
+        other = QwenImageTransformer(TINY, opts, spec, rngs=nnx.Rngs(0))
+        assert _key(make_train_step(other, PLAIN)[1], batch) != base, (opts, spec)
     longer = dataclasses.replace(batch, prompt_embeds=np.concatenate([batch.prompt_embeds] * 2, axis=1),
                                  prompt_mask=np.concatenate([batch.prompt_mask] * 2, axis=1))
     assert _key(step, longer) != base
