@@ -6,7 +6,8 @@ signature of its arguments (tree, shapes, dtypes, shardings), the source of the 
 versions, the devices, XLA_FLAGS and the JAX flags that change tracing. A hit loads the serialized executable
 (`jax.experimental.serialize_executable`); a miss compiles as `compile_times.compile_timed` does and stores it (temp
 file + rename). An unreadable entry is a miss with one warning line, then replaced. On while the persistent cache
-is (`jaxflow.config.machine.compilation_cache` calls `use`); off in a multi-process run."""
+is (`jaxflow.config.machine.compilation_cache` calls `use`), on GPU and TPU backends only (`BACKENDS`: jaxlib 0.10's
+CPU executables load in a new process but fail to run, "Function ... not found"); off in a multi-process run."""
 from __future__ import annotations
 
 import dataclasses
@@ -32,6 +33,7 @@ PACKAGES = ("jaxflow", "jaxflow_bridge")  # the source the traced programs come 
 LIBRARIES = ("jax", "jaxlib", "flax", "optax", "numpy")
 JAX_FLAGS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_default_prng_impl", "jax_threefry_partitionable",
              "jax_numpy_dtype_promotion", "jax_numpy_rank_promotion", "jax_use_shardy_partitioner")
+BACKENDS = ("gpu", "cuda", "rocm", "tpu")  # where a deserialized executable runs in a new process
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 _folder: Path | None = None
 
@@ -121,7 +123,7 @@ def compile_cached(name: str, fn, program: str | None, *args) -> tuple[jax.stage
     lower 0 and the load's seconds, `loaded`), else traced, lowered and compiled (`compile_timed`) and stored.
     `program`: `describe` of what `fn` closes over; None: not cached."""
     where = _folder
-    if where is None or program is None or jax.process_count() > 1:
+    if where is None or program is None or jax.process_count() > 1 or jax.default_backend() not in BACKENDS:
         return compile_timed(name, fn, *args)
     path = where / f"{name}-{key(name, program, args)}.exe"
     began = time.perf_counter()

@@ -31,7 +31,10 @@ def batch(lora_model):
 
 
 @pytest.fixture
-def cache(tmp_path):
+def cache(tmp_path, monkeypatch):
+    """The cache in `tmp_path`, on for this CPU (off there by default: a CPU executable cannot run in a new process;
+    in this process it can, so the keying and loading are tested here)."""
+    monkeypatch.setattr(executable_cache, "BACKENDS", (jax.default_backend(),))
     before = executable_cache.folder()
     executable_cache.use(tmp_path)
     yield tmp_path
@@ -105,3 +108,13 @@ def test_an_unreadable_entry_is_a_miss_with_a_warning_and_is_replaced(lora_model
     assert [r.getMessage() for r in caplog.records if "unreadable" in r.getMessage()] != []
     _, third = _compiled(lora_model, batch)
     assert [t.loaded for t in third.compile_times] == [True] and list(cache.glob("update-*.exe")) == [entry]
+
+
+def test_off_on_the_cpu(lora_model, batch, tmp_path):
+    before = executable_cache.folder()
+    executable_cache.use(tmp_path)
+    try:
+        _, step = _compiled(lora_model, batch)
+    finally:
+        executable_cache.use(before)
+    assert jax.default_backend() != "cpu" or (not step.compile_times[0].loaded and not list(tmp_path.iterdir()))
