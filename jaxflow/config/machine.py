@@ -114,14 +114,22 @@ def before_jax(cfg) -> str | None:
 def compilation_cache(enabled: bool) -> Path | None:
     """JAX's persistent compilation cache in `$JAXFLOW_CACHE/xla` (default ~/.cache/jaxflow/xla), keyed by JAX on
     the compiled program and its options, so a changed config recompiles; JAX_COMPILATION_CACHE_DIR, when set, wins.
-    Returns the folder in use (None: off)."""
+    Beside it the executable cache (`jaxflow.trainer.executable_cache`: the train step's executables, keyed without
+    tracing) in `$JAXFLOW_CACHE/executables`, or `executables/` in JAX_COMPILATION_CACHE_DIR when that is set.
+    Returns the persistent cache's folder in use (None: both off)."""
     import os
 
     import jax
+
+    from jaxflow.trainer import executable_cache
     if not enabled:
+        executable_cache.use(None)
         return None
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        return Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
-    folder = Path(os.environ.get("JAXFLOW_CACHE") or Path.home() / ".cache" / "jaxflow") / "xla"
-    jax.config.update("jax_compilation_cache_dir", str(folder))
-    return folder
+        folder = Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
+        executable_cache.use(folder / "executables")
+        return folder
+    root = Path(os.environ.get("JAXFLOW_CACHE") or Path.home() / ".cache" / "jaxflow")
+    jax.config.update("jax_compilation_cache_dir", str(root / "xla"))
+    executable_cache.use(root / "executables")
+    return root / "xla"

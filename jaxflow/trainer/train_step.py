@@ -31,6 +31,7 @@ not depend on the grouping.
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -39,8 +40,8 @@ import optax
 from flax import nnx
 
 from jaxflow import families
-from jaxflow.trainer import logp_gate, minibatches, phases
-from jaxflow.trainer.compile_times import CompileTime, compile_timed
+from jaxflow.trainer import executable_cache, logp_gate, minibatches, phases
+from jaxflow.trainer.compile_times import CompileTime
 from jaxflow.algorithms.old_log_prob import old_log_probs
 from jaxflow.nn.lora import LoRAParam
 from jaxflow.algorithms.objective import WINDOW, Objective
@@ -48,6 +49,8 @@ from jaxflow.trainer.sharding import Layout
 from jaxflow.trainer.step_config import TrainConfig, TrainState
 from jaxflow.trainer.train_batch import TrainBatch, with_text_ids
 from jaxflow_bridge.contract.batch import CONDITION_FIELDS, GUIDANCE_FIELDS, TEXT_IDS
+
+log = logging.getLogger(__name__)
 
 
 def advance_old(state: TrainState, first, *, config: TrainConfig) -> TrainState:
@@ -193,7 +196,8 @@ def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | Non
         reorder_jit = jax.jit(reorder, in_shardings=(rows, one, one), out_shardings=rows)
     step = TrainStep(config, update, old_pass, frozen, put, batch_devices, indices,
                      abstract_state=lambda: jax.eval_shape(init, lora), reorder=reorder_jit,
-                     advance=advance if policy.loss.keeps_old else None)
+                     advance=advance if policy.loss.keeps_old else None,
+                     program=_program(config, graphdef, objective, layout, compiler_options))
 
     def init_state() -> TrainState:
         return init_jit(lora)
@@ -201,29 +205,45 @@ def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | Non
     return init_state, step
 
 
+def _program(config: TrainConfig, graphdef, objective, layout: Layout | None, compiler_options) -> str | None:
+    """What the step's jits close over (`executable_cache.describe`d, for its key): the step config, the model's
+    graphdef, the objective, the layout with its devices and the XLA options; None (not cached, said once) where
+    one of them has no stable description."""
+    mesh = None if layout is None else (layout, [d.id for d in layout.mesh.devices.flat])
+    try:
+        return executable_cache.describe((config, executable_cache.describe_graphdef(graphdef), objective, mesh,
+                                          compiler_options))
+    except executable_cache.Unkeyable as exc:
+        log.warning("executable cache: not used for this train step (%s)", exc)
+        return None
+
+
 class TrainStep:
     """`step(state, batch) -> (state, metrics)`, see `make_train_step`; `compile` builds its functions
     ahead of time for the batch's shapes and reports their memory (the first call otherwise compiles them)."""
 
     def __init__(self, config: TrainConfig, update, old_pass, frozen, put, batch_devices: int, indices: list,
-                 abstract_state, reorder=None, advance=None):
+                 abstract_state, reorder=None, advance=None, program: str | None = None):
         self.config, self._update, self._old_pass, self.frozen = config, update, old_pass, frozen
         self._reorder = reorder  # ({"batch", "old"}, step, epoch) -> the same rows reordered for a later epoch
         self._advance = advance  # state -> state with NFT's old policy moved toward the LoRA (`advance_old`)
         self._put, self._batch_devices, self._indices = put, batch_devices, indices
         self.abstract_state = abstract_state  # () -> the TrainState's shapes and dtypes
         self.compile_times: list[CompileTime] = []  # `compile`'s, by function and stage
+        self.program = program  # what the jits close over, for the executable cache's key (None: not cached)
 
     def compile(self, batch: dict, old) -> dict:
         """Compile the update (and the old-log-prob pass when it runs) for `batch` (ShapeDtypeStructs of the
         prepared batch; `old`: the pass's output's, or None) and use them from now on; returns
         {name: compiled} (their `memory_analysis()` says what they need on one device); `compile_times` then holds
-        each one's seconds by stage (`compile_times.CompileTime`)."""
+        each one's seconds by stage (`compile_times.CompileTime`). Each is loaded from the executable cache where
+        it holds it (no tracing: `executable_cache.compile_cached`), else compiled and stored there."""
         state, index = self.abstract_state(), jax.ShapeDtypeStruct((), jnp.int32)
         calls = {"update": (self._update, state, self.frozen, batch, old, index)}
         if self.config.recompute_pass:
             calls["old_log_prob"] = (self._old_pass, state.lora, self.frozen, batch)
-        timed = {name: compile_timed(name, *call) for name, call in calls.items()}
+        timed = {name: executable_cache.compile_cached(name, fn, self.program, *args)
+                 for name, (fn, *args) in calls.items()}
         out = {name: compiled for name, (compiled, _) in timed.items()}
         self.compile_times = [t for _, t in timed.values()]
         self._update = out["update"]

@@ -97,6 +97,6 @@ def test_the_memory_plan_names_its_compiles_by_stage(tmp_path, monkeypatch):
     monkeypatch.setattr(train.Learner, "compile_times", times)
     trainer = train.Trainer(validation.validate(tiny_config(tmp_path / "run")))
     trainer.startup["memory plan"] = 91.0
-    assert ", memory plan 91 s (trace 25 s, lower 36 s, compile 41 s; 1 of 2 compiles from the cache), rollout " \
-           "start" in trainer.startup_line()
+    assert ", memory plan 91 s (trace 25 s, lower 36 s, compile 41 s; 1 of 2 compiles from the cache, 0 of 2 " \
+           "from the executable cache), rollout start" in trainer.startup_line()
     assert compile_times.summary([]) == ""
