@@ -1,8 +1,8 @@
 """The LoRA sync check's trainer-side cost (`expected_of` + `mismatch`, the step metric `sync_verify_s`) at the
-Qwen-Image recipe's LoRA shapes: random float32 stacks of the 12 FlowGRPO targets over 60 blocks (d=3072, MLP 12288,
-r=64: 720 PEFT modules), on whatever device JAX has.
+default family's recipe LoRA (its rank, alpha and targets, through the family registry) over full-size stacks:
+random float32, 60 blocks of d=3072 and MLP 12288 by default (720 PEFT modules at r=64), on whatever device JAX has.
 
-    python -m jaxflow_bench.sync_verify OUT [--layers 60 --dim 3072 --mlp 12288 --rank 64 --repeats 10]
+    python -m jaxflow_bench.sync_verify OUT [--config RECIPE] [--layers 60 --dim 3072 --mlp 12288 --repeats 10]
 """
 from __future__ import annotations
 
@@ -15,15 +15,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxflow.families.qwen_image.lora import QwenImageLoRASpec
+from jaxflow import families as jax_families
+from jaxflow.config.validation import config_module
 from jaxflow.nn.lora import LoRAParam
 from jaxflow.sync.verify import expected_of, mismatch
 from jaxflow_bench.results import write_result
 from jaxflow_bridge.contract.served import ServedProbe
-from jaxflow_bridge.families.qwen_image import keymap
+from jaxflow_bridge.engines import families
 
 
-def lora_state(spec: QwenImageLoRASpec, layers: int, dim: int, mlp: int, seed: int = 0) -> nnx.State:
+def lora_state(spec, layers: int, dim: int, mlp: int, seed: int = 0) -> nnx.State:
     """A LoRA state of `spec`'s targets at these sizes, as `nnx.state(model, LoRAParam)` lays it out."""
     rng = np.random.default_rng(seed)
     tree: dict = {}
@@ -68,17 +69,22 @@ def main(argv=None) -> None:
     p.add_argument("--layers", type=int, default=60)
     p.add_argument("--dim", type=int, default=3072)
     p.add_argument("--mlp", type=int, default=12288)
-    p.add_argument("--rank", type=int, default=64)
+    p.add_argument("--config", default=families.spec(families.DEFAULT).E2E["config"],
+                   help="the recipe whose LoRA is checked (default: the default family's)")
+    p.add_argument("--rank", type=int, help="another rank (alpha = 2 x rank) than the recipe's")
     p.add_argument("--repeats", type=int, default=10)
     args = p.parse_args(argv)
-    spec = QwenImageLoRASpec(rank=args.rank, alpha=2.0 * args.rank, targets=keymap.DEFAULT_LORA_TARGETS)
+    recipe = config_module(args.config).get_config()
+    if args.rank:
+        recipe.lora.rank, recipe.lora.alpha = args.rank, 2.0 * args.rank
+    spec = jax_families.by_name(recipe.model.family).lora_spec(recipe)
     lora = lora_state(spec, args.layers, args.dim, args.mlp)
     figures = measure(lora, spec, args.repeats)
     figures["lora_params"] = sum(x.size for x in jax.tree.leaves(lora))
     platform = jax.devices()[0].platform
     print(figures)
     print(write_result(args.out, f"sync_verify_{platform}", figures,
-                       extra={"shapes": {k: getattr(args, k) for k in ("layers", "dim", "mlp", "rank")}}))
+                       extra={"shapes": {"rank": spec.rank, **{k: getattr(args, k) for k in ("layers", "dim", "mlp")}}}))
 
 
 if __name__ == "__main__":
