@@ -106,8 +106,7 @@ HELP: dict[str, str] = {
     "sample.prompts_per_call": "prompts per rollout request (requests go round-robin to the engines); divides "
                                "prompts_per_step",
     "train.num_steps": "training steps (a rollout and its updates each), >= 1",
-    "train.compile_cache": "True: keep compiled steps in $JAXFLOW_CACHE/xla and the train step's executables in "
-                           "$JAXFLOW_CACHE/executables for the next start (JAX_COMPILATION_CACHE_DIR wins)",
+    "train.compile_cache": "True: keep compiles ($JAXFLOW_CACHE/xla) and step executables (…/executables) for next start",
     "train.max_minutes": "> 0: end the run (checkpoint, lora_final) before this many minutes; 0: no limit",
     "train.max_skipped_steps": "steps in a row with a skipped (non-finite) update a run tolerates, >= 0; one more "
                                "stops it, exit 1",
