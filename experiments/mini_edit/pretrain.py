@@ -8,7 +8,7 @@ Inputs (written by `python -m experiments.mini_edit.prepare encode`): DATA/laten
 float32) and DATA/text.npz (embeds, neg_embeds (N, L, D); mask, neg_mask (N, L)).
 
 CLI: ``python -m experiments.mini_edit.pretrain --pipeline OUT/pipeline --data OUT/data --steps N [--batch 256]
-[--max-minutes 8] [--dtype bfloat16]`` (mini_ocr's options).
+[--max-minutes 8] [--dtype bfloat16] [--save-at 500,1000 --snapshots OUT/snapshots]`` (mini_ocr's options).
 """
 from __future__ import annotations
 

@@ -1,30 +1,36 @@
 #!/usr/bin/env bash
 # The mini edit proof from nothing, on one GPU, planned after experiments/mini_ocr/run.sh: sign-edit data -> the sign
-# VAE -> encode -> pretrain a tiny Qwen-Image-Edit-shaped model to edit sign text -> held-out edit-OCR before ->
-# FlowGRPO with the edit_ocr reward (python -m jaxflow.train, configs/mini_edit.py) and its shuffled-reward control
-# -> edit-OCR after -> OUT/mini_edit.json. The proof asks a rise >= 0.2 within one 10-minute RL run, and a control
-# that does not rise. Every step is sized (or time-capped) to finish within 10 minutes on one H200;
-# OUT/timings.txt records each. Weights and data stay under OUT.
+# VAE -> encode -> pretrain a tiny Qwen-Image-Edit-shaped model to edit sign text, saving snapshots -> pick the
+# snapshot whose held-out edit-OCR is closest to PICK_TARGET -> edit-OCR before -> FlowGRPO with the edit_ocr reward
+# (python -m jaxflow.train, configs/mini_edit.py) and its shuffled-reward control -> edit-OCR after ->
+# OUT/mini_edit.json. The proof asks a rise >= 0.2 within one 10-minute RL run, and a control that does not rise, so
+# "before" must leave room (below ~0.75) while the model already edits somewhat (above ~0.2). Every step is sized (or
+# time-capped) to finish within 10 minutes on one H200; OUT/timings.txt records each. Weights and data stay under OUT.
 #
 #   bash experiments/mini_edit/run.sh OUT                   # the GPU run
 #   SMOKE=1 bash experiments/mini_edit/run.sh /tmp/edit     # every step at toy size on the CPU
 #   ONLY="data vae encode" bash experiments/mini_edit/run.sh OUT   # only these steps
-#   steps: data vae encode pretrain eval_before rl rl_control eval_after eval_control result
+#   steps: data vae encode pretrain pick eval_before rl rl_control eval_after eval_control result
 #
 # Steps: data (experiments/mini_edit/signs.py: OUT/data/{train,test}.jsonl + source PNGs, pairs.npz the pretraining
 # feed); vae and encode (experiments/mini_edit/prepare.py: mini_ocr's sign VAE on the pairs' source and edited signs,
 # the edit pipeline folder OUT/pipeline, the pairs' latents and VL embeds); pretrain (experiments/mini_edit/pretrain.py:
-# mini_ocr's flow-matching loop over (source latents, instruction) -> edited latents); eval_* (experiments/mini_edit/
-# evaluate.py: edit_ocr of ODE edits of the held-out pairs); result (experiments/mini_edit/result.py).
+# mini_ocr's flow-matching loop over (source latents, instruction) -> edited latents, one run of the largest
+# PICK_STEPS, the EMA weights saved at each as OUT/snapshots/STEP/transformer/); pick (experiments/mini_edit/pick.py:
+# each snapshot's edit-OCR on the first PICK_NUM held-out pairs, the closest to PICK_TARGET installed as
+# OUT/pipeline/transformer/, OUT/pick.json); eval_* (experiments/mini_edit/evaluate.py: edit_ocr of ODE edits of the
+# held-out pairs); result (experiments/mini_edit/result.py, with the picked step as pretrain_steps).
 #
 # Measured on one H200 (2026-11-28): data 16 s; vae 249 s (capped at VAE_MINUTES=3.5; default cap 5); encode 36 s;
-#   pretrain 45 s at 400 steps, 145 s at 2000 (capped at PRETRAIN_MINUTES=9); eval (200 pairs, 10 ODE steps, OCR of
+#   pretrain 45 s for 400 steps, 145 s for 2000 (capped at PRETRAIN_MINUTES=9); eval (200 pairs, 10 ODE steps, OCR of
 #   edit and source) 36 s each; rl ~11.5 s a step with the two RL runs sharing the GPU, within configs/mini_edit.py's
 #   train.max_minutes=8.75 (as many steps as fit, then the checkpoint and lora_final).
-# PRETRAIN_STEPS defaults to 1000, between the two measured points (same day, one H200): 2000 steps gave a held-out
-#   edit-OCR "before" of 0.997 (no room for RL to rise), 400 gave 0.006 (RL's 39 steps did not rise from there).
-# Knobs (env): PRETRAIN_STEPS (default 1000; fewer if the "before" edit-OCR is near 1: RL needs room),
-# PRETRAIN_MINUTES (9), VAE_STEPS (6000), VAE_MINUTES (5), RL_STEPS (default: the config's), RL_ARGS (more --config
+# Why pick: separate runs of 2000 steps gave a "before" of 0.997 (no room for RL to rise), of 400 steps 0.006 (RL's
+#   39 steps did not rise from there); the snapshots span that range in one run (its learning-rate schedule spans
+#   the largest step, so a snapshot is not the same model as a run of that length).
+# Knobs (env): PICK_STEPS (snapshot steps, comma-separated; the largest is the pretraining length; default
+# 400,600,800,1000,1200,1500,2000), PICK_TARGET (0.5), PICK_NUM (48), PRETRAIN_MINUTES (9; snapshots after the cap
+# are not written), VAE_STEPS (6000), VAE_MINUTES (5), RL_STEPS (default: the config's), RL_ARGS (more --config
 # overrides of both RL runs), EVAL_NUM (200), POOL (the trainer's JAX memory fraction of the GPU, 0.5).
 set -euo pipefail
 OUT=${1:?usage: [SMOKE=1] [ONLY="data ..."] bash experiments/mini_edit/run.sh OUT}
@@ -32,13 +38,17 @@ cd "$(dirname "$0")/../.."
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export HF_HUB_OFFLINE=1
+[[ -z "${PRETRAIN_STEPS:-}" ]] ||
+  { echo "error: PRETRAIN_STEPS is replaced by PICK_STEPS (snapshot steps; the largest is the length)" >&2; exit 2; }
 
 if [[ "${SMOKE:-0}" == 1 ]]; then
   DEVICE=cpu
   DATA=(--train 64 --test 16)
   VAE=(--steps "${VAE_STEPS:-100}" --batch 4 --crop 32x64 --size toy --max-minutes 2)
-  PRE=(--steps "${PRETRAIN_STEPS:-30}" --batch 8 --dtype float32 --ema 0.9 --log-every 10 --max-minutes 2)
+  PICK_STEPS=${PICK_STEPS:-10,20,30}
+  PRE=(--batch 8 --dtype float32 --ema 0.9 --log-every 10 --max-minutes 2)
   EVAL=(--num "${EVAL_NUM:-8}" --steps 4 --device cpu)
+  PICK=(--num "${PICK_NUM:-4}" --steps 4 --device cpu)
   RL=(--config.rollout.device=cpu --config.rollout.num_gpus=0 --config.train.num_steps="${RL_STEPS:-2}"
       --config.sample.prompts_per_step=2 --config.sample.group_size=2 --config.sample.prompts_per_call=2
       --config.sample.num_steps=4 --config.sample.window_size=3 --config.sample.window_range="(0, 3)"
@@ -47,14 +57,16 @@ else
   DEVICE=cuda
   DATA=(--train 4000 --test 200)
   VAE=(--steps "${VAE_STEPS:-6000}" --batch 16 --crop 32x64 --size mini --max-minutes "${VAE_MINUTES:-5}" --min-ocr 0.8)
-  PRE=(--steps "${PRETRAIN_STEPS:-1000}" --batch 256 --dtype bfloat16 --ema 0.99 --max-minutes "${PRETRAIN_MINUTES:-9}")
+  PICK_STEPS=${PICK_STEPS:-400,600,800,1000,1200,1500,2000}
+  PRE=(--batch 256 --dtype bfloat16 --ema 0.99 --max-minutes "${PRETRAIN_MINUTES:-9}")
   EVAL=(--num "${EVAL_NUM:-200}" --steps 10 --device cuda)
+  PICK=(--num "${PICK_NUM:-48}" --steps 10 --device cuda)
   RL=(${RL_STEPS:+--config.train.num_steps=$RL_STEPS} ${RL_ARGS:-})
   # one GPU shared by JAX and the in-process torch engine: a fixed JAX pool (README, "Running for real")
   export XLA_PYTHON_CLIENT_PREALLOCATE=true XLA_CLIENT_MEM_FRACTION=${POOL:-0.5}
 fi
 
-STEPS=" data vae encode pretrain eval_before rl rl_control eval_after eval_control result "
+STEPS=" data vae encode pretrain pick eval_before rl rl_control eval_after eval_control result "
 for name in ${ONLY:-}; do
   [[ "$STEPS" == *" $name "* ]] || { echo "error: unknown mini_edit step '$name' in ONLY; steps:$STEPS" >&2; exit 2; }
 done
@@ -74,6 +86,12 @@ rl() {  # rl RUN_DIR CONFIG: one RL run on the pipeline and the edit data
     --config.log.progress=False --overwrite "${RL[@]}"
 }
 
+pretrain() {  # one pretraining run to the largest PICK_STEPS, a snapshot at each (the previous run's removed)
+  rm -rf "$OUT/snapshots"
+  python -m experiments.mini_edit.pretrain --pipeline "$OUT/pipeline" --data "$OUT/data" "${PRE[@]}" \
+    --steps "$(tr , '\n' <<< "$PICK_STEPS" | sort -n | tail -1)" --save-at "$PICK_STEPS" --snapshots "$OUT/snapshots"
+}
+
 ev() {  # ev NAME [--lora DIR]: edit-OCR of the pipeline (+ LoRA) on the held-out pairs -> OUT/eval/NAME.{json,png}
   local name=$1
   shift
@@ -85,7 +103,9 @@ ev() {  # ev NAME [--lora DIR]: edit-OCR of the pipeline (+ LoRA) on the held-ou
 step data python -m experiments.mini_edit.signs --out "$OUT/data" "${DATA[@]}" --pairs
 step vae python -m experiments.mini_edit.prepare vae --out "$OUT" --device "$DEVICE" "${VAE[@]}"
 step encode python -m experiments.mini_edit.prepare encode --out "$OUT" --device "$DEVICE"
-step pretrain python -m experiments.mini_edit.pretrain --pipeline "$OUT/pipeline" --data "$OUT/data" "${PRE[@]}"
+step pretrain pretrain
+step pick python -m experiments.mini_edit.pick --pipeline "$OUT/pipeline" --snapshots "$OUT"/snapshots/* \
+  --data "$OUT/data/test.jsonl" --json "$OUT/pick.json" --target "${PICK_TARGET:-0.5}" "${PICK[@]}"
 step eval_before ev before
 step rl rl "$OUT/rl" configs/mini_edit.py
 step rl_control rl "$OUT/rl_control" configs/mini_edit.py:control

@@ -10,7 +10,8 @@ serves true CFG as the rollout runs it.
 One functional jitted step: `nnx.split(model, nnx.Param, ...)`, gradients for the params, AdamW (linear warmup,
 cosine decay) after global-norm clipping, an EMA of the params; params, optimizer state and EMA placed by the
 `jaxflow.trainer.sharding.Layout` rules, the batch sharded over the data axis. The EMA weights are saved, through the key
-map, as the folder's `transformer/` (`save_transformer`).
+map, as the folder's `transformer/` (`save_transformer`); with `--save-at`, also as SNAPSHOTS/STEP/transformer/ at each
+of those steps of the one run (the learning-rate schedule spans all --steps).
 
 Inputs (written by `python -m experiments.mini_ocr.prepare encode`): DATA/latents.npy (N, S, 64) float32 packed
 normalised VAE means, DATA/index.npy (N,) the train word of each image, DATA/text.npz (embeds (P, L, D), mask
@@ -18,7 +19,7 @@ normalised VAE means, DATA/index.npy (N,) the train word of each image, DATA/tex
 edit proof's, experiments/mini_edit/pretrain.py, adds the source images' latents and per-row negatives).
 
 CLI: ``python -m experiments.mini_ocr.pretrain --pipeline OUT/pipeline --data OUT/data --steps N [--batch 256]
-[--max-minutes 8] [--dtype bfloat16]``.
+[--max-minutes 8] [--dtype bfloat16] [--save-at 500,1000 --snapshots OUT/snapshots]``.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import argparse
 import json
 import math
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import flax.struct
@@ -135,9 +137,11 @@ class WordFeed:
 
 def pretrain(pipeline: Path, data, steps: int, batch: int = 256, lr: float = 3e-4, dtype: str = "bfloat16",
              p_uncond: float = 0.1, ema_decay: float = 0.999, seed: int = 0, max_minutes: float | None = None,
-             log_every: int = 100, log=print) -> list[dict]:
+             log_every: int = 100, log=print, save_at: Collection[int] = (),
+             snapshots: Path | None = None) -> list[dict]:
     """Train from the folder's transformer weights and write the EMA weights back; returns the loss log. `data`: the
-    mini OCR data folder (read by `WordFeed`) or a feed of its interface."""
+    mini OCR data folder (read by `WordFeed`) or a feed of its interface. After each step in `save_at`, the EMA
+    weights also go to `snapshots`/STEP/transformer/."""
     feed = WordFeed(data) if isinstance(data, Path) else data
     layout = Layout.create(ShardingConfig())
     if batch % layout.batch_devices:
@@ -159,6 +163,9 @@ def pretrain(pipeline: Path, data, steps: int, batch: int = 256, lr: float = 3e-
             history.append(dict(step=i + 1, loss=float(np.mean(jax.device_get(window))), seconds=round(elapsed, 1)))
             window = []
             log(f"pretrain step {i + 1}/{steps} loss {history[-1]['loss']:.4f} ({elapsed:.0f}s)")
+        if i + 1 in save_at:
+            nnx.update(model, state.ema)  # the model is only read here and at the end: the next step donates state
+            log(f"pretrain: snapshot -> {save_transformer(model, snapshots / str(i + 1) / 'transformer')}")
         if over:
             log(f"pretrain: stopped at step {i + 1} after {max_minutes} min")
             break
@@ -191,9 +198,16 @@ def main(argv=None, feed=WordFeed, description: str = __doc__) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-minutes", type=float, default=None, help="stop (and save) after this long")
     p.add_argument("--log-every", type=int, default=100)
+    p.add_argument("--save-at", type=lambda s: {int(x) for x in s.split(",")}, default=set(),
+                   help="comma-separated steps after which the EMA weights also go to --snapshots/STEP/transformer/")
+    p.add_argument("--snapshots", type=Path, default=None, help="the snapshots folder (with --save-at)")
     args = p.parse_args(argv)
+    if args.save_at and (args.snapshots is None or not all(1 <= s <= args.steps for s in args.save_at)):
+        p.error(f"--save-at {','.join(map(str, sorted(args.save_at)))} needs --snapshots DIR and steps in 1..--steps "
+                f"({args.steps})")
     history = pretrain(args.pipeline, feed(args.data), args.steps, args.batch, args.lr, args.dtype, args.p_uncond,
-                       args.ema, args.seed, args.max_minutes, args.log_every)
+                       args.ema, args.seed, args.max_minutes, args.log_every, save_at=args.save_at,
+                       snapshots=args.snapshots)
     (args.data / "pretrain_loss.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
 
 
