@@ -63,14 +63,14 @@ def test_the_edit_feed_conditions_the_loss_on_sources_and_each_rows_negative(tmp
         EditFeed(tmp_path)
 
 
-STEPS = ["data", "vae", "encode", "pretrain", "eval_before", "rl", "rl_control", "eval_after", "eval_control",
+STEPS = ["data", "vae", "encode", "pretrain", "pick", "eval_before", "rl", "rl_control", "eval_after", "eval_control",
          "result"]
 
 
 @pytest.mark.slow
 def test_the_smoke_script_runs_every_step_and_writes_the_result(tmp_path):
-    env = {**os.environ, "SMOKE": "1", "JAX_PLATFORMS": "cpu", "VAE_STEPS": "10", "PRETRAIN_STEPS": "5",
-           "EVAL_NUM": "4", "PYTHONPATH": str(ROOT),
+    env = {**os.environ, "SMOKE": "1", "JAX_PLATFORMS": "cpu", "VAE_STEPS": "10", "PICK_STEPS": "5,3",
+           "EVAL_NUM": "4", "PICK_NUM": "2", "PYTHONPATH": str(ROOT),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     done = subprocess.run(["bash", str(ROOT / "experiments/mini_edit/run.sh"), str(tmp_path)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=HANG_S)
@@ -81,6 +81,13 @@ def test_the_smoke_script_runs_every_step_and_writes_the_result(tmp_path):
                 "rl_steps", "rl_minutes"):
         assert key in result["figures"], key
     assert result["figures"]["rl_steps"] == 2
+    # the pick scored both snapshots and installed the chosen one as the pipeline's transformer
+    picked = json.loads((tmp_path / "pick.json").read_text())
+    assert sorted(picked["scores"]) == ["3", "5"] and picked["n"] == 2
+    assert result["figures"]["pretrain_steps"] == picked["step"] in (3, 5)
+    assert result["pick"]["scores"] == picked["scores"]
+    chosen = tmp_path / "snapshots" / str(picked["step"]) / "transformer" / "diffusion_pytorch_model.safetensors"
+    assert chosen.read_bytes() == (tmp_path / "pipeline/transformer/diffusion_pytorch_model.safetensors").read_bytes()
     # edit_ocr scored every step (the reward pool scores a failed reward 0; a toy model's edits score below 0)
     assert all(r != 0 for r in result["reward_curve"] + result["control_reward_curve"]), result["reward_curve"]
     for run in ("rl", "rl_control"):
