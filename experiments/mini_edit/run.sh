@@ -24,7 +24,8 @@
 # Measured on one H200 (2026-11-28): data 16 s; vae 249 s (capped at VAE_MINUTES=3.5; default cap 5); encode 36 s;
 #   pretrain 45 s for 400 steps, 145 s for 2000 (capped at PRETRAIN_MINUTES=9); eval (200 pairs, 10 ODE steps, OCR of
 #   edit and source) 36 s each; rl ~11.5 s a step with the two RL runs sharing the GPU, within configs/mini_edit.py's
-#   train.max_minutes=8.75 (as many steps as fit, then the checkpoint and lora_final).
+#   train.max_minutes=8.75 (as many steps as fit, then the checkpoint and lora_final). pick: not yet measured (sized
+#   from eval's 36 s for 200 pairs: 7 snapshots x 48 pairs in one process, meant to stay under ~2 minutes).
 # Why pick: separate runs of 2000 steps gave a "before" of 0.997 (no room for RL to rise), of 400 steps 0.006 (RL's
 #   39 steps did not rise from there); the snapshots span that range in one run (its learning-rate schedule spans
 #   the largest step, so a snapshot is not the same model as a run of that length).
