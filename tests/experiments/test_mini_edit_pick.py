@@ -62,6 +62,7 @@ class StopAfter:
         return next(self.reads)
 
 
+@pytest.mark.slow  # two compiles of the toy model
 def test_snapshots_hold_the_ema_weights_of_their_step(tmp_path, monkeypatch):
     data = toy_data(tmp_path / "data")
     run = dict(steps=3, batch=2, lr=1e-2, dtype="float32", ema_decay=0.5, log_every=1, log=lambda _: None)
