@@ -44,11 +44,14 @@ def _count(shape) -> int:
 
 def model_sizes(cfg, folder: Path) -> planner.ModelSizes:
     """The folder's weights as the plan sees them (bytes per component, the LoRA's parameters over the targeted
-    linears, the depth) and a sample's tokens (the family's latent grid and the prompt's tokens)."""
+    linears, the depth) and a sample's tokens (the family's latent grid and the prompt's tokens). With
+    model.init=random a transformer/ without weights is sized from its config (`Family.random_weights`)."""
     from jaxflow import families
     from jaxflow.config import derived
     family = families.of(cfg)
     weights = {c: _weights(folder / c) for c in COMPONENTS}
+    if not weights["transformer"] and cfg.model.init == "random":  # drawn on the devices: sized from its config
+        weights["transformer"] = family.random_weights(folder)
     missing = [c for c in COMPONENTS if not weights[c]]
     if missing:
         raise UserError(f"model.path: {folder} has no safetensors weights in {', '.join(missing)}: the plan sizes "

@@ -103,6 +103,10 @@ class Bagel:
         layers = json.loads((folder / "llm_config.json").read_text())["num_hidden_layers"]
         return TensorSource.from_file(folder / "ema.safetensors"), layers
 
+    def random_weights(self, folder: Path) -> list[tuple[str, tuple[int, ...], int]]:
+        """None drawn on the devices: a random BAGEL folder is written with its weights."""
+        return []
+
     def lora_spec(self, cfg) -> LoRASpec:
         return bagel_lora.BagelLoRASpec(rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=tuple(cfg.lora.targets))
 

@@ -4,6 +4,7 @@ and loading are beside this module (shared layers: `jaxflow/nn/`)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Iterator
 
@@ -13,7 +14,7 @@ from jaxflow.families.base import Problem, read_json
 from jaxflow.families.qwen_image.lora import QwenImageLoRASpec
 from jaxflow.nn import lora as lora_peft
 from jaxflow.families.qwen_image.config import QwenImageConfig
-from jaxflow.families.qwen_image.loading import fingerprint, load_transformer
+from jaxflow.families.qwen_image.loading import checkpoint_shapes, fingerprint, load_transformer
 from jaxflow.nn.lora import LoRASpec
 from jaxflow.nn.weights import TensorSource
 from jaxflow.families.qwen_image.random_init import random_transformer
@@ -84,6 +85,12 @@ class QwenImage:
     def weights_source(self, folder: Path) -> tuple[TensorSource, int]:
         """A diffusers `transformer/` folder's tensors and its block count."""
         return TensorSource.from_folder(folder), QwenImageConfig.from_json(folder / "config.json").num_layers
+
+    def random_weights(self, folder: Path) -> list[tuple[str, tuple[int, ...], int]]:
+        """(key, shape, bytes in bf16) of the transformer's tensors from `folder`'s transformer/config.json, for a
+        folder without its weights (model.init=random draws them on the devices)."""
+        mc = QwenImageConfig.from_json(folder / "transformer" / "config.json")
+        return [(key, shape, 2 * math.prod(shape)) for key, shape, _ in checkpoint_shapes(mc, self.model_type)]
 
     def lora_spec(self, cfg) -> LoRASpec:
         return QwenImageLoRASpec(rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=tuple(cfg.lora.targets))

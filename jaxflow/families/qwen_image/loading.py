@@ -85,6 +85,21 @@ def assemble(cfg: QwenImageConfig, opts: ModelOptions, lora: LoRASpec | None, se
     return nnx.merge(graphdef, base, lora_state, rest)
 
 
+def checkpoint_shapes(cfg: QwenImageConfig, model_type: type[QwenImageTransformer] = QwenImageTransformer
+                      ) -> list[tuple[str, tuple[int, ...], np.dtype]]:
+    """(diffusers key, torch shape, dtype) of every base tensor the model of `cfg` reads from a checkpoint, from its
+    config alone (an abstract model, nothing allocated): what a folder without weights (model.init=random) holds."""
+    abstract = nnx.eval_shape(lambda: model_type(cfg, ModelOptions(), None, rngs=nnx.Rngs(0)))
+    base = nnx.state(abstract, nnx.Param)
+    out = []
+    for e in keymap.transformer_key_map():
+        var = state_leaf(base, e.flax_path)
+        per_layer = var.shape[1:] if e.stacked else var.shape
+        shape = tuple(per_layer[::-1]) if e.transpose else tuple(per_layer)
+        out += [(name, shape, np.dtype(var.dtype)) for name in e.diffusers_keys(cfg.num_layers)]
+    return out
+
+
 def build_from_source(cfg: QwenImageConfig, source: TensorSource, opts: ModelOptions = ModelOptions(),
                       lora: LoRASpec | None = None, *, sharding: ShardingFn | None = None, seed: int = 0,
                       model_type: type[QwenImageTransformer] = QwenImageTransformer) -> QwenImageTransformer:

@@ -1,0 +1,39 @@
+"""With model.init=random the plan sizes a transformer/ that holds no weights from its config: the family's
+abstract checkpoint (`Family.random_weights`) names the same tensors, with the same shapes, as a real checkpoint."""
+import dataclasses
+import shutil
+
+import pytest
+
+from jaxflow import families
+from jaxflow.config import machine, validation
+from jaxflow.config.errors import UserError
+from tests.helpers import tiny_config
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    cfg = validation.validate(tiny_config(tmp_path_factory.mktemp("run")))
+    return cfg, families.of(cfg), validation.model_folder(cfg)
+
+
+def test_the_abstract_checkpoint_is_the_real_ones_keys_and_shapes(tiny):
+    _, family, folder = tiny
+    real = {key: tuple(shape) for key, shape, _ in machine._weights(folder / "transformer")}
+    abstract = {key: tuple(shape) for key, shape, _ in family.random_weights(folder)}
+    assert abstract == real and len(real) > 10
+
+
+def test_a_folder_without_transformer_weights_is_sized_from_its_config_only_when_random(tiny, tmp_path):
+    cfg, family, folder = tiny
+    bare = tmp_path / "bare"
+    shutil.copytree(folder, bare)
+    for f in (bare / "transformer").glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(UserError, match="no safetensors weights in transformer"):
+        machine.model_sizes(cfg, bare)
+    random = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init="random"))
+    real, drawn = machine.model_sizes(cfg, folder), machine.model_sizes(random, bare)
+    assert (drawn.lora_params, drawn.layers, drawn.tokens) == (real.lora_params, real.layers, real.tokens)
+    assert drawn.transformer_bytes == sum(b for *_, b in family.random_weights(folder)) > 0
+    assert (drawn.text_encoder_bytes, drawn.vae_bytes) == (real.text_encoder_bytes, real.vae_bytes)
