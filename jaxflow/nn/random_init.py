@@ -30,8 +30,7 @@ def entry_value(seed: int, num_layers: int, e: Entry, var, sharding) -> jax.Arra
     """The value of key-map entry `e` (abstract leaf `var`, its layers stacked when `e.stacked`) by the shared spec,
     drawn on the device into `sharding`: the torch tensors of its checkpoint names, in Flax layout."""
     names, shape, dtype = e.diffusers_keys(num_layers), var.shape, var.dtype
-    per_layer = shape[1:] if e.stacked else shape
-    torch_shape = tuple(per_layer[::-1]) if e.transpose else tuple(per_layer)
+    torch_shape = e.torch_shape(shape)
     k = kind(names[0], torch_shape)
 
     def draw():

@@ -18,3 +18,8 @@ class Entry:
         if not self.stacked:
             return [self.diffusers_key]
         return [self.diffusers_key.format(i=i) for i in range(num_layers)]
+
+    def torch_shape(self, flax_shape) -> tuple[int, ...]:
+        """The shape of each of its diffusers tensors, given the Flax leaf's (layers first when `stacked`)."""
+        per_layer = tuple(flax_shape[1:] if self.stacked else flax_shape)
+        return per_layer[::-1] if self.transpose else per_layer

@@ -26,8 +26,7 @@ def _check(source: TensorSource, entries, abstract: nnx.State, num_layers: int) 
     problems, expected = [], set()
     for e in entries:
         var = state_leaf(abstract, e.flax_path)
-        per_layer = var.shape[1:] if e.stacked else var.shape
-        want = tuple(per_layer[::-1]) if e.transpose else tuple(per_layer)
+        want = e.torch_shape(var.shape)
         for key in e.diffusers_keys(num_layers):
             expected.add(key)
             if key not in source.keys():
@@ -94,9 +93,7 @@ def checkpoint_shapes(cfg: QwenImageConfig, model_type: type[QwenImageTransforme
     out = []
     for e in keymap.transformer_key_map():
         var = state_leaf(base, e.flax_path)
-        per_layer = var.shape[1:] if e.stacked else var.shape
-        shape = tuple(per_layer[::-1]) if e.transpose else tuple(per_layer)
-        out += [(name, shape, np.dtype(var.dtype)) for name in e.diffusers_keys(cfg.num_layers)]
+        out += [(name, e.torch_shape(var.shape), np.dtype(var.dtype)) for name in e.diffusers_keys(cfg.num_layers)]
     return out
 
 
