@@ -10,6 +10,8 @@
 """
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -176,3 +178,19 @@ def expected_served(payload) -> dict:
     from jaxflow_bridge.contract.served import expected_probe
 
     return expected_probe(payload.arrays(), payload.scale, payload.version)
+
+
+def cli_run_raising(tmp_path, imports: str, raised: str) -> subprocess.CompletedProcess:
+    """`python -m jaxflow.train`'s command line (jaxflow.run.cli.main) over a stand-in trainer whose run raises
+    `raised` (an expression over `imports` and `self.cfg`) after start-up; the finished process."""
+    from tests import HANG_S
+    code = ("import sys; from jaxflow.run import cli\n" + imports + "\n"
+            "class T:\n"
+            "    driver, start = None, 0\n"
+            "    def __init__(self, cfg, resume=False): self.cfg = cfg\n"
+            f"    def run(self): raise {raised}\n"
+            "    def close(self): pass\n"
+            "sys.exit(cli.main(T))")
+    return subprocess.run([sys.executable, "-c", code, f"--config.run_dir={tmp_path / 'run'}",
+                           "--config.rollout.layout=in_process"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=HANG_S)

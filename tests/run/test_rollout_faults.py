@@ -1,8 +1,6 @@
 """Engine faults through the rollout client and the Ray server: an engine out of memory (torch's CUDA OOM, raised
 by a stand-in engine on the CPU) ends the call at once as `EngineOutOfMemory`, never restarted and retried; the
 command line turns it into one line naming the engine's memory knobs."""
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -11,8 +9,7 @@ import pytest
 from jaxflow.run import cli
 from jaxflow.run.rollout_client import EngineOutOfMemory, RayTransport, RolloutGroup, engine_out_of_memory
 from jaxflow_bridge.rollout.server import RolloutServer
-from tests import HANG_S
-from tests.helpers import ROOT
+from tests.helpers import cli_run_raising
 
 OOM = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.81 GiB"
 
@@ -115,17 +112,8 @@ def test_the_line_names_the_engine_memory_knobs_with_their_values(tmp_path, monk
 @pytest.mark.slow
 def test_an_engine_out_of_memory_in_the_loop_is_one_line_exit_1(tmp_path):
     """From the command line (a stand-in loop raising it after start-up): one line, exit 1, no traceback."""
-    code = ("import sys; from jaxflow.run import cli\n"
-            "from jaxflow.run.rollout_client import EngineOutOfMemory\n"
-            "class T:\n"
-            "    driver, start = None, 0\n"
-            "    def __init__(self, cfg, resume=False): pass\n"
-            f"    def run(self): raise EngineOutOfMemory({OOM!r})\n"
-            "    def close(self): pass\n"
-            "sys.exit(cli.main(T))")
-    out = subprocess.run([sys.executable, "-c", code, f"--config.run_dir={tmp_path / 'run'}",
-                          "--config.rollout.layout=in_process"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=HANG_S)
+    out = cli_run_raising(tmp_path, "from jaxflow.run.rollout_client import EngineOutOfMemory",
+                          f"EngineOutOfMemory({OOM!r})")
     err = out.stderr.strip().splitlines()
     assert out.returncode == 1 and len(err) == 1 and "Traceback" not in out.stderr, out.stderr
     assert err[0].startswith("error: the rollout engine ran out of memory (CUDA out of memory")

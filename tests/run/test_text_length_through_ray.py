@@ -1,8 +1,6 @@
 """An engine's TextLengthError (its text longer than the train batch pads to) comes back through Ray as itself, with
 its fields, and the command line prints the driver's one line for it (exit 2), not Ray's UnserializableException."""
 import pickle
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -14,8 +12,7 @@ from jaxflow.run.driver import text_length_error
 from jaxflow.run.rollout_client import RayTransport, RolloutGroup
 from jaxflow_bridge.contract.trajectory import TextLengthError
 from jaxflow_bridge.rollout.server import RolloutServer
-from tests import HANG_S
-from tests.helpers import ROOT
+from tests.helpers import ROOT, cli_run_raising
 
 
 class LongTextServer(RolloutServer):
@@ -77,18 +74,9 @@ def test_an_actors_text_length_error_reaches_the_group_as_itself(ray_session):
 @pytest.mark.slow
 def test_the_driver_line_is_one_line_exit_2(tmp_path):
     """From the command line (a stand-in loop whose rollout raised it): the driver's line, exit 2, no traceback."""
-    code = ("import sys; from jaxflow.run import cli\n"
-            "from jaxflow.run.driver import text_length_error\n"
-            "from jaxflow_bridge.contract.trajectory import TextLengthError\n"
-            "class T:\n"
-            "    driver, start = None, 0\n"
-            "    def __init__(self, cfg, resume=False): self.cfg = cfg\n"
-            "    def run(self): raise text_length_error(TextLengthError('prompt_embeds', 358, 96), self.cfg)\n"
-            "    def close(self): pass\n"
-            "sys.exit(cli.main(T))")
-    out = subprocess.run([sys.executable, "-c", code, f"--config.run_dir={tmp_path / 'run'}",
-                          "--config.rollout.layout=in_process"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=HANG_S)
+    out = cli_run_raising(tmp_path, "from jaxflow.run.driver import text_length_error\n"
+                          "from jaxflow_bridge.contract.trajectory import TextLengthError",
+                          "text_length_error(TextLengthError('prompt_embeds', 358, 96), self.cfg)")
     err = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(err) == 1 and "Traceback" not in out.stderr, out.stderr
     assert err[0].startswith("error: prompt_embeds has 358 tokens > sample.max_sequence_length=96: raise ")
