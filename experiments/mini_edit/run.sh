@@ -23,8 +23,9 @@
 #
 # Measured on one H200 (2026-11-28): data 16 s; vae 249 s (capped at VAE_MINUTES=3.5; default cap 5); encode 36 s;
 #   pretrain 45 s for 400 steps, 145 s for 2000 (capped at PRETRAIN_MINUTES=9); eval (200 pairs, 10 ODE steps, OCR of
-#   edit and source) 36 s each; rl ~11.5 s a step with the two RL runs sharing the GPU, within configs/mini_edit.py's
-#   train.max_minutes=8.75 (as many steps as fit, then the checkpoint and lora_final). pick: not yet measured (sized
+#   edit and source) 36 s each; rl ~11.5 s a step with the two RL runs side by side on the GPU (as run.sh runs them on
+#   a GPU, RL_POOL=0.3 of it each), within configs/mini_edit.py's train.max_minutes=8.75 (as many steps as fit, then
+#   the checkpoint and lora_final). pick: not yet measured (sized
 #   from eval's 36 s for 200 pairs: 7 snapshots x 48 pairs in one process, meant to stay under ~2 minutes).
 # Why pick: separate runs of 2000 steps gave a "before" of 0.997 (no room for RL to rise), of 400 steps 0.006 (RL's
 #   39 steps did not rise from there); the snapshots span that range in one run (its learning-rate schedule spans
@@ -32,7 +33,8 @@
 # Knobs (env): PICK_STEPS (snapshot steps, comma-separated; the largest is the pretraining length; default
 # 400,600,800,1000,1200,1500,2000), PICK_TARGET (0.5), PICK_NUM (48), PRETRAIN_MINUTES (9; snapshots after the cap
 # are not written), VAE_STEPS (6000), VAE_MINUTES (5), RL_STEPS (default: the config's), RL_ARGS (more --config
-# overrides of both RL runs), EVAL_NUM (200), POOL (the trainer's JAX memory fraction of the GPU, 0.5).
+# overrides of both RL runs), EVAL_NUM (200), POOL (the trainer's JAX memory fraction of the GPU, 0.5),
+# RL_POOL (each side-by-side RL run's fraction, 0.3).
 set -euo pipefail
 OUT=${1:?usage: [SMOKE=1] [ONLY="data ..."] bash experiments/mini_edit/run.sh OUT}
 cd "$(dirname "$0")/../.."
@@ -108,8 +110,19 @@ step pretrain pretrain
 step pick python -m experiments.mini_edit.pick --pipeline "$OUT/pipeline" --snapshots "$OUT"/snapshots/* \
   --data "$OUT/data/test.jsonl" --json "$OUT/pick.json" --target "${PICK_TARGET:-0.5}" "${PICK[@]}"
 step eval_before ev before
-step rl rl "$OUT/rl" configs/mini_edit.py
-step rl_control rl "$OUT/rl_control" configs/mini_edit.py:control
+sel() { [[ -z "${ONLY:-}" || " $ONLY " == *" $1 "* ]]; }
+if [[ "$DEVICE" == cuda ]] && sel rl && sel rl_control; then  # side by side on the one GPU, RL_POOL of it each
+  export XLA_CLIENT_MEM_FRACTION=${RL_POOL:-0.3}
+  echo "== rl and rl_control side by side: logs $OUT/rl.log, $OUT/rl_control.log"
+  step rl rl "$OUT/rl" configs/mini_edit.py > "$OUT/rl.log" 2>&1 & a=$!
+  step rl_control rl "$OUT/rl_control" configs/mini_edit.py:control > "$OUT/rl_control.log" 2>&1 & b=$!
+  failed=0; wait $a || failed=$?; wait $b || failed=$?
+  [[ $failed == 0 ]] || { echo "error: an RL run failed: see $OUT/rl.log and $OUT/rl_control.log" >&2; exit 1; }
+  export XLA_CLIENT_MEM_FRACTION=${POOL:-0.5}
+else
+  step rl rl "$OUT/rl" configs/mini_edit.py
+  step rl_control rl "$OUT/rl_control" configs/mini_edit.py:control
+fi
 step eval_after ev after --lora "$OUT/rl/lora_final"
 step eval_control ev control --lora "$OUT/rl_control/lora_final"
 step result python -m experiments.mini_edit.result --out "$OUT" \
