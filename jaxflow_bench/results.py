@@ -13,15 +13,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+from jaxflow.config.machine import visible
+
 
 def device_name() -> str:
-    """The GPU(s) as nvidia-smi names them ("NVIDIA H200, 143771 MiB" per GPU), else "cpu"."""
+    """The GPU(s) this process sees (nvidia-smi's, filtered by CUDA_VISIBLE_DEVICES) as nvidia-smi names them
+    ("NVIDIA H200, 143771 MiB" per GPU), else "cpu"."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,name,memory.total", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=30, check=True).stdout.strip().splitlines()
     except (OSError, subprocess.SubprocessError):
         return "cpu"
-    return f"{len(out)} x {out[0]}" if len(out) > 1 else out[0]
+    seen = [", ".join(row[2:]) for row in visible([[f.strip() for f in line.split(",")] for line in out if line])]
+    if not seen:
+        return "cpu"
+    return f"{len(seen)} x {seen[0]}" if len(seen) > 1 else seen[0]
 
 
 def significant(value, digits: int = 6):

@@ -3,6 +3,7 @@ safetensors headers, the GPUs from nvidia-smi; `before_jax` sets JAX's share of 
 `compilation_cache` points JAX's persistent cache at the cache folder. `python -m jaxflow.plan` prints it."""
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -13,16 +14,35 @@ COMPONENTS = ("transformer", "text_encoder", "vae")
 
 
 def local_gpus() -> tuple[planner.Card, int] | None:
-    """(the first GPU as a Card, how many) as nvidia-smi reports them, or None without one."""
+    """(the first visible GPU as a Card, how many are visible) as nvidia-smi reports them, or None without one. The
+    visible ones are those CUDA_VISIBLE_DEVICES names (indices or UUIDs, read as CUDA does: up to the first that names
+    no GPU) when it is set: a run given one GPU of a host plans for one."""
     try:
-        lines = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+        lines = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,name,memory.total",
+                                "--format=csv,noheader,nounits"],
                                capture_output=True, text=True, timeout=60, check=True).stdout.strip().splitlines()
     except (OSError, subprocess.SubprocessError):
         return None
-    if not lines:
+    gpus = visible([[f.strip() for f in line.split(",")] for line in lines if line.strip()])
+    if not gpus:
         return None
-    name, mib = lines[0].rsplit(",", 1)
-    return planner.Card(name.strip(), float(mib) / 1024), len(lines)
+    _, _, name, mib = gpus[0]
+    return planner.Card(name, float(mib) / 1024), len(gpus)
+
+
+def visible(gpus: list[list[str]], env: str | None = None) -> list[list[str]]:
+    """The [index, uuid, name, MiB] rows of `gpus` that CUDA_VISIBLE_DEVICES (or `env`) lets a process see, in its
+    order; all of them when it is unset."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES") if env is None else env
+    if env is None:
+        return gpus
+    out = []
+    for token in (t.strip() for t in env.split(",")):
+        match = [g for g in gpus if token and (g[0] == token or g[1].startswith(token) and token.startswith("GPU-"))]
+        if not match:
+            break
+        out.append(match[0])
+    return out
 
 
 def _weights(folder: Path) -> list[tuple[str, tuple[int, ...], int]]:
@@ -99,7 +119,6 @@ def before_jax(cfg) -> str | None:
     CPU rollout), and JAX's share of each GPU from it (XLA_PYTHON_CLIENT_MEM_FRACTION, a fixed pool) where the user
     set neither fraction variable (setting both makes jax >= 0.11 ignore the GPU). A plan that cannot be made or
     does not fit is one `plan:` line; the compiled step's memory check then decides."""
-    import os
     if not str(cfg.rollout.device).startswith("cuda"):
         return None
     try:
@@ -120,7 +139,6 @@ def compilation_cache(enabled: bool) -> Path | None:
     Beside it the executable cache (`jaxflow.trainer.executable_cache`: the train step's executables, keyed without
     tracing) in `$JAXFLOW_CACHE/executables`, or `executables/` in JAX_COMPILATION_CACHE_DIR when that is set.
     Returns the persistent cache's folder in use (None: both off)."""
-    import os
 
     import jax
 
