@@ -49,7 +49,7 @@ class LoRASync:
         self.target = device_target(info) if transport == "device" else None
         self.shared = SharedLoRA(spec, info["dtype"]) if transport == "shm" else None
         # one line at start on process 0, beside the start-up lines (warnings-only logging would hide it)
-        print(f"LoRA sync: transport={transport}, apply={info.get('lora_apply', 'layers')}, engine={self.engine}",
+        print(f"LoRA sync: transport={transport}, apply={info['lora_apply']}, engine={self.engine}",
               flush=True)
 
     def serve(self, lora, version: int) -> int:

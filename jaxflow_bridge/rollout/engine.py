@@ -82,4 +82,4 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def info(self) -> dict:
         """engine, device, dtype, policy_version, model, fingerprint (of the base transformer weights),
-        size_multiple, lora_modules, asleep."""
+        size_multiple, lora_modules, asleep, lora_apply (how it serves the LoRA: "layers", "merged" or "folder")."""

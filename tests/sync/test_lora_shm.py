@@ -159,7 +159,7 @@ def test_the_transport_is_chosen_once_from_the_hosts_and_a_failed_sync_never_swi
 
     from jaxflow.sync import transport
 
-    here = {"engine": "diffusers", "dtype": "bfloat16", "host": socket.gethostname()}
+    here = {"engine": "diffusers", "dtype": "bfloat16", "host": socket.gethostname(), "lora_apply": "merged"}
     assert transport.choose_transport(False, 1, [here, here]) == "shm"
     assert transport.choose_transport(False, 1, [here, {**here, "host": "elsewhere"}]) == "ray"
     assert transport.choose_transport(True, 1, [{**here, "device": "cpu"}]) == "device"
@@ -201,7 +201,7 @@ def test_the_transport_is_chosen_once_from_the_hosts_and_a_failed_sync_never_swi
                                                r"again: FileNotFoundError: shared LoRA file"):
             sync.serve(None, 3)
     assert calls == ["shared"] * 5 and sync.failures == 3
-    assert capsys.readouterr().out == "LoRA sync: transport=shm, apply=layers, engine=diffusers\n"
+    assert capsys.readouterr().out == "LoRA sync: transport=shm, apply=merged, engine=diffusers\n"
     assert len([r for r in caplog.records if "failed" in r.getMessage()]) == 3
 
 

@@ -93,7 +93,7 @@ class Transport:
 
 def sync(engines, **options):
     group = RolloutGroup({}, num_servers=len(engines), transport=Transport(engines))
-    return LoRASync(group, SPEC, "ray", {"engine": "stand-in", "dtype": "bfloat16"}, **options)
+    return LoRASync(group, SPEC, "ray", {"engine": "stand-in", "dtype": "bfloat16", "lora_apply": "layers"}, **options)
 
 
 def test_the_expected_probe_reads_only_the_probed_modules_and_matches_the_peft_arrays(lora_state):

@@ -435,4 +435,4 @@ class VllmOmniEngine(RolloutEngine):
         return {"engine": self.name, "device": "cuda", "dtype": self.dtype, "policy_version": self.policy_version,
                 "model": self.model_path, "fingerprint": self.fingerprint, "size_multiple": self.size_multiple,
                 "lora_modules": self._lora_bound, "asleep": self.asleep,
-                "quantization": self.quantization}
+                "quantization": self.quantization, "lora_apply": self.lora_apply}
