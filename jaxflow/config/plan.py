@@ -77,7 +77,7 @@ def num_micro_batches(cfg, folder: Path, backend: str, batch_devices: int) -> tu
     sizes), which the compiled step's memory analysis then corrects (`Learner.check_memory`)."""
     micro = cfg.train.num_micro_batches
     if micro != "auto":
-        return micro, "train.num_micro_batches"
+        return micro, "as set"
     if backend == "cpu":
         return 1, "auto: the whole mini-batch, the CPU has no device memory to fit"
     from jaxflow.config import machine

@@ -120,7 +120,7 @@ class Plan:
         return "\n".join((
             f"machine: {self.gpus} x {self.card.name} ({self.card.memory_gib:.0f} GiB): layout {self.layout.name}, "
             f"{self.layout.engine} engine{' on the trainer weights' if self.layout.share_weights else ''}, "
-            f"{self.micro_batch} sample(s) per micro-batch ({self.num_micro_batches} per update), JAX "
+            f"{self.micro_batch} sample(s) per micro-batch per GPU, {self.num_micro_batches} micro-batch(es) an update, JAX "
             f"{self.jax_share:.3f} of each GPU, the engine {self.engine_share:.3f}; {speed}",
             *(f"  why: {line}" for line in self.why)))
 

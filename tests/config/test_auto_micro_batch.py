@@ -135,3 +135,11 @@ def test_the_compiled_analysis_grows_a_planned_micro_batch_the_scaled_model_admi
     trainer.check_memory()
     assert trainer.plan.micro_batch == min(2, per_device) and tried[0] == 1
     assert tried[1:] == [m for m in (4, 2) if m <= per_device and per_device % m == 0]
+
+
+def test_a_set_micro_batch_count_is_said_as_set(tmp_path):
+    """The plan line names why: a number the config sets is 'as set' (not the key's name again)."""
+    cfg = validation.validate(tiny_config(tmp_path, num_micro_batches=2))
+    layout = Layout.create(validation.sharding_config(cfg))
+    line = learner.run_plan(cfg, validation.model_folder(cfg), layout).summary().splitlines()[0]
+    assert line.endswith("2 micro-batch(es) an update (train.num_micro_batches: as set)")

@@ -20,7 +20,7 @@ def test_tiny_plan_block_for_a_given_card(capsys):
     assert plan_cli.main(["plan", "--config", TINY, "--gpu-memory", "80", "--gpus", "2"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("machine: 2 x a 80 GiB card (80 GiB): layout colocated, diffusers engine, 8 sample(s) "
-                          "per micro-batch (1 per update)")
+                          "per micro-batch per GPU, 1 micro-batch(es) an update")
     assert "no prediction: the costs were measured on a 41 GB transformer" in out
 
 
@@ -31,7 +31,7 @@ def test_auto_micro_batch_from_the_command_line(capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", argv)
     assert plan_cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert "16 sample(s) per micro-batch (1 per update)" in out and "the largest that fits" in out
+    assert "16 sample(s) per micro-batch per GPU, 1 micro-batch(es) an update" in out and "the largest that fits" in out
 
 
 @pytest.mark.parametrize("args, line", [
