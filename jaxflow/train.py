@@ -175,8 +175,10 @@ class Trainer:
     def startup_line(self) -> str:
         """Where the start went: "start-up 312 s: checks 2 s, trainer's model 95 s, ..." (the first step, which
         compiles, comes after), the memory plan's compiles by stage ("memory plan 91 s (trace 20 s, lower 30 s,
-        compile 41 s; 2 of 2 compiles from the cache)": tracing and lowering are redone at every start, XLA's compile
-        a warm start's cache serves), and the engines' start where part of it ran beside the memory plan."""
+        compile 41 s; 2 of 2 compiles from the cache, ...)": tracing and lowering are redone at every start, XLA's
+        compile, the wall time of the step's programs compiled at once, a warm start's cache serves; "load N s"
+        where the executable cache served them, `compile_times.summary`), and the engines' start where part of it
+        ran beside the memory plan."""
         detail = {name: f" ({text})" for name, text in self.startup_detail.items() if text}
         line = (f"start-up {sum(self.startup.values()):.0f} s: "
                 + ", ".join(f"{name} {sec:.0f} s{detail.get(name, '')}" for name, sec in self.startup.items()))

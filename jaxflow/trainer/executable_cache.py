@@ -4,12 +4,13 @@ the compile only). The key is a sha256 over everything the program could change 
 it closes over (`describe`: the step config, the model's graphdef, the layout, the XLA options), the abstract
 signature of its arguments (tree, shapes, dtypes, shardings), the source of the jaxflow packages, the library
 versions, the devices, XLA_FLAGS and the JAX flags that change tracing. A hit loads the serialized executable
-(`jax.experimental.serialize_executable`); a miss compiles as `compile_times.compile_timed` does and stores it (temp
-file + rename). An unreadable entry is a miss with one warning line, then replaced. On while the persistent cache
+(`jax.experimental.serialize_executable`); a miss is traced and lowered, compiled by XLA in a thread of its own
+(`compile_times.compile_lowered`: the step's misses compile at once) and stored (temp file + rename). An unreadable entry is a miss with one warning line, then replaced. On while the persistent cache
 is (`jaxflow.config.machine.compilation_cache` calls `use`), on GPU and TPU backends only (`BACKENDS`: jaxlib 0.10's
 CPU executables load in a new process but fail to run, "Function ... not found"); off in a multi-process run."""
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import hashlib
@@ -26,7 +27,7 @@ from pathlib import Path
 import jax
 from jax.experimental import serialize_executable
 
-from jaxflow.trainer.compile_times import CompileTime, compile_timed
+from jaxflow.trainer.compile_times import CompileTime, compile_lowered, lower_timed
 
 log = logging.getLogger(__name__)
 PACKAGES = ("jaxflow", "jaxflow_bridge")  # the source the traced programs come from (hashed whole)
@@ -118,20 +119,45 @@ def key(name: str, program: str, args) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
-def compile_cached(name: str, fn, program: str | None, *args) -> tuple[jax.stages.Compiled, CompileTime]:
-    """`fn` (a jit) compiled for `args`: loaded from the cache where an entry has the key (a CompileTime of trace 0,
-    lower 0 and the load's seconds, `loaded`), else traced, lowered and compiled (`compile_timed`) and stored.
-    `program`: `describe` of what `fn` closes over; None: not cached."""
+def compile_cached(calls: dict, program: str | None) -> dict[str, tuple[jax.stages.Compiled, CompileTime]]:
+    """Each of `calls` ({name: (jit, *args)}) compiled for its args, as {name: (compiled, CompileTime)}: loaded from
+    the cache where an entry has its key (in a thread each; a CompileTime of trace 0, lower 0 and the load's
+    seconds, `loaded`), else traced and lowered here, one after the other (they hold the GIL), and compiled by XLA
+    in a thread each, all at once (`compile_times.compile_lowered`), then stored. `program`: `describe` of what the
+    jits close over; None: not cached."""
     where = _folder
-    if where is None or program is None or jax.process_count() > 1 or jax.default_backend() not in BACKENDS:
-        return compile_timed(name, fn, *args)
-    path = where / f"{name}-{key(name, program, args)}.exe"
+    on = (where is not None and program is not None and jax.process_count() == 1
+          and jax.default_backend() in BACKENDS)
+    paths = {name: where / f"{name}-{key(name, program, args)}.exe" for name, (_, *args) in calls.items()} if on else {}
+    out = {}
+    with concurrent.futures.ThreadPoolExecutor(len(calls), thread_name_prefix="compile") as pool:
+        loads = {name: pool.submit(_load_timed, name, path) for name, path in paths.items() if path.exists()}
+        compiles = {name: pool.submit(_compile_stored, lower_timed(name, fn, *args), paths.get(name))
+                    for name, (fn, *args) in calls.items() if name not in loads}
+        for name, future in loads.items():
+            out[name] = future.result()
+            if out[name] is None:  # unreadable: compiled anew and replaced
+                fn, *args = calls[name]
+                compiles[name] = pool.submit(_compile_stored, lower_timed(name, fn, *args), paths[name])
+        out.update({name: future.result() for name, future in compiles.items()})
+    return {name: out[name] for name in calls}
+
+
+def _load_timed(name: str, path: Path) -> tuple[jax.stages.Compiled, CompileTime] | None:
+    """`_load` timed as a CompileTime (trace 0, lower 0, `loaded`); None where it is a miss."""
     began = time.perf_counter()
     compiled = _load(path)
-    if compiled is not None:
-        return compiled, CompileTime(name, 0.0, 0.0, time.perf_counter() - began, False, loaded=True)
-    compiled, took = compile_timed(name, fn, *args)
-    _store(path, compiled)
+    done = time.perf_counter()
+    if compiled is None:
+        return None
+    return compiled, CompileTime(name, 0.0, 0.0, 0.0, False, loaded=True, load=done - began, span=(began, done))
+
+
+def _compile_stored(lowered, path: Path | None) -> tuple[jax.stages.Compiled, CompileTime]:
+    """`compile_times.compile_lowered`, the result stored at `path` (None: not stored)."""
+    compiled, took = compile_lowered(lowered)
+    if path is not None:
+        _store(path, compiled)
     return compiled, took
 
 

@@ -237,13 +237,13 @@ class TrainStep:
         prepared batch; `old`: the pass's output's, or None) and use them from now on; returns
         {name: compiled} (their `memory_analysis()` says what they need on one device); `compile_times` then holds
         each one's seconds by stage (`compile_times.CompileTime`). Each is loaded from the executable cache where
-        it holds it (no tracing: `executable_cache.compile_cached`), else compiled and stored there."""
+        it holds it (no tracing), else traced and lowered, then compiled by XLA beside the others, in threads
+        (`executable_cache.compile_cached`), and stored there."""
         state, index = self.abstract_state(), jax.ShapeDtypeStruct((), jnp.int32)
         calls = {"update": (self._update, state, self.frozen, batch, old, index)}
         if self.config.recompute_pass:
             calls["old_log_prob"] = (self._old_pass, state.lora, self.frozen, batch)
-        timed = {name: executable_cache.compile_cached(name, fn, self.program, *args)
-                 for name, (fn, *args) in calls.items()}
+        timed = executable_cache.compile_cached(calls, self.program)
         out = {name: compiled for name, (compiled, _) in timed.items()}
         self.compile_times = [t for _, t in timed.values()]
         self._update = out["update"]
