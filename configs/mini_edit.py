@@ -11,8 +11,8 @@ shuffled across the batch (`edit_ocr_shuffled`): it must not raise the held-out 
 The RL recipe is configs/mini_ocr.py's (flow_grpo's SD3 OCR one: window 9 of 10 SDE steps at noise 0.7, two updates a
 step, LoRA r32, EMA of the LoRA for the eval and export, a group's samples sharing their initial noise, 8.75 minutes
 of steps) on the edit family, with 8 prompts a step where mini_ocr has 16 (an edit sample carries twice the image
-tokens: the same train FLOPs a step, so about as many steps); the reward is edit_ocr with its consistency term (weight 1: the change outside the text
-region costs), scored against each pair's source sign and target word.
+tokens: the same train FLOPs a step, so about as many steps); the reward is edit_ocr with its consistency term
+(weight 1: the change outside the text region costs), scored against each pair's source sign and target word.
 """
 from pathlib import Path
 
