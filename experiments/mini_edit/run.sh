@@ -30,7 +30,8 @@
 #   from eval's 36 s for 200 pairs: 7 snapshots x 48 pairs in one process, meant to stay under ~2 minutes).
 # Result (one H200, the run after those measurements, VAE_MINUTES=3.5, the RL runs side by side, 16 prompts x 12
 #   edits a step): pick chose step 1200; before 0.586 +- 0.023; RL 36 steps in 8.87 min (12.8 s a step: rollout
-#   3.8, reward 1.5, train 7.3) -> after 0.633, a rise of 0.047 +- 0.032 (the proof asks >= 0.2); control after 0.530 (-0.056).
+#   3.8, reward 1.5, train 7.3) -> after 0.633, a rise of 0.047 +- 0.032 (the proof asks >= 0.2); control after
+#   0.530 (-0.056).
 # What changed after it (counted on the CPU, not yet measured): an edit row is 128 target + 128 reference image tokens
 #   and its text where mini_ocr's is 128 + 32, and the text was padded to 64 + 18 (the VL image's bound) for the
 #   prompt and the negative where they hold at most 48 and 20: configs/mini_edit.py pads 40 + 18 and 12 + 18 and
