@@ -10,8 +10,9 @@ shuffled across the batch (`edit_ocr_shuffled`): it must not raise the held-out 
 
 The RL recipe is configs/mini_ocr.py's (flow_grpo's SD3 OCR one: window 9 of 10 SDE steps at noise 0.7, two updates a
 step, LoRA r32, EMA of the LoRA for the eval and export, a group's samples sharing their initial noise, 8.75 minutes
-of steps) on the edit family; the reward is edit_ocr with its consistency term (weight 1: the change outside the text
-region costs), scored against each pair's source sign and target word.
+of steps) on the edit family, with 8 prompts a step where mini_ocr has 16 (an edit sample carries twice the image
+tokens: the same train FLOPs a step, so about as many steps); the reward is edit_ocr with its consistency term
+(weight 1: the change outside the text region costs), scored against each pair's source sign and target word.
 """
 from pathlib import Path
 
@@ -32,14 +33,19 @@ def get_config(variant: str = ""):
     c.lora.rank, c.lora.alpha = 32, 64.0
     c.rollout.update(device="cuda", num_gpus=1.0, layout="in_process")
     c.model.matmul_precision = "default"
+    # text padded to what the data holds: an instruction of two 5-letter words is 39 tokens after the template (no
+    # instruction is longer), the negative " " 11; each plus the reference image's VL tokens (derived.text_tokens)
+    # 8 prompts of 12 edits a step, half mini_ocr's 16: an edit row holds the target's 128 image tokens, the
+    # reference's 128 and its text, so 96 edits a step cost the train step about the FLOPs of mini_ocr's 192
+    # text-to-image samples (jaxflow_bench/flops.py: 1.01x), and the run as many steps in its 8.75 minutes
     c.sample.update(height=64, width=128, num_steps=10, guidance=4.0, noise_level=0.7, window_size=9,
-                    window_range=(0, 9), max_sequence_length=64, prompts_per_step=16, group_size=12,
-                    prompts_per_call=16, same_latent=True)
+                    window_range=(0, 9), max_sequence_length=40, negative_max_sequence_length=12,
+                    prompts_per_step=8, group_size=12, prompts_per_call=8, same_latent=True)
     c.train.update(num_steps=1000, max_minutes=8.75, learning_rate=3e-4, beta=0.0, num_mini_batches=2,
                    old_log_prob="recompute", ema_decay=0.95)
     name = "edit_ocr_shuffled" if control else "edit_ocr"
     c.reward.fns = {name: 1.0}
-    # 192 edits a step, each read twice by OCR (edit and source): 12 engines of 1 thread each
+    # 96 edits a step and their 8 source signs read by OCR (a group's source once): 12 engines of 1 thread each
     c.reward.update(workers=12, options={name: {"consistency": 1.0, "num_threads": 1}})
     c.data = dict(train=str(DATA / "train.jsonl"), test=str(DATA / "test.jsonl"))
     c.eval.update(every=10, num_prompts=64, num_steps=10, guidance=4.0)

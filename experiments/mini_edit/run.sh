@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The mini edit proof from nothing, on one GPU, planned after experiments/mini_ocr/run.sh: sign-edit data -> the sign
-# VAE -> encode -> pretrain a tiny Qwen-Image-Edit-shaped model to edit sign text, saving snapshots -> pick the
-# snapshot whose held-out edit-OCR is closest to PICK_TARGET -> edit-OCR before -> FlowGRPO with the edit_ocr reward
-# (python -m jaxflow.train, configs/mini_edit.py) and its shuffled-reward control -> edit-OCR after ->
-# OUT/mini_edit.json. The proof asks a rise >= 0.2 within one 10-minute RL run, and a control that does not rise, so
-# "before" must leave room (below ~0.75) while the model already edits somewhat (above ~0.2). Every step is sized (or
-# time-capped) to finish within 10 minutes on one H200; OUT/timings.txt records each. Weights and data stay under OUT.
+# The mini edit proof from nothing, on one GPU (or two: the RL run and its control on one each), planned after
+# experiments/mini_ocr/run.sh: sign-edit data -> the sign VAE -> encode -> pretrain a tiny Qwen-Image-Edit-shaped model
+# to edit sign text, saving snapshots -> pick the snapshot whose held-out edit-OCR is closest to PICK_TARGET -> edit-OCR
+# before -> FlowGRPO with the edit_ocr reward (python -m jaxflow.train, configs/mini_edit.py) and its shuffled-reward
+# control -> edit-OCR after -> OUT/mini_edit.json. The proof asks a rise >= 0.2 within one 10-minute RL run, and a
+# control that does not rise, so "before" must leave room (below ~0.75) while the model already edits somewhat (above
+# ~0.2). Every step is sized (or time-capped) to finish within 10 minutes on one H200; OUT/timings.txt records each.
+# Weights and data stay under OUT.
 #
 #   bash experiments/mini_edit/run.sh OUT                   # the GPU run
 #   SMOKE=1 bash experiments/mini_edit/run.sh /tmp/edit     # every step at toy size on the CPU
@@ -27,6 +28,16 @@
 #   a GPU, RL_POOL=0.3 of it each), within configs/mini_edit.py's train.max_minutes=8.75 (as many steps as fit, then
 #   the checkpoint and lora_final). pick: not yet measured (sized
 #   from eval's 36 s for 200 pairs: 7 snapshots x 48 pairs in one process, meant to stay under ~2 minutes).
+# Result (one H200, the run after those measurements, VAE_MINUTES=3.5, the RL runs side by side, 16 prompts x 12
+#   edits a step): pick chose step 1200; before 0.586 +- 0.023; RL 36 steps in 8.87 min (12.8 s a step: rollout
+#   3.8, reward 1.5, train 7.3) -> after 0.633, a rise of 0.047 +- 0.032 (the proof asks >= 0.2); control after
+#   0.530 (-0.056).
+# What changed after it (counted on the CPU, not yet measured): an edit row is 128 target + 128 reference image tokens
+#   and its text where mini_ocr's is 128 + 32, and the text was padded to 64 + 18 (the VL image's bound) for the
+#   prompt and the negative where they hold at most 48 and 20: configs/mini_edit.py pads 40 + 18 and 12 + 18 and
+#   takes 8 prompts of 12 a step, not 16 (train FLOPs a step 2.33x mini_ocr's before, 1.01x now); edit_ocr reads a
+#   group's source sign once (OCR reads a step 192 + 192 before, 96 + 8 now); and with two GPUs the RL run and its
+#   control each take one (below). Expected: about mini_ocr's ~3.8 s a step alone on a GPU, ~120 steps in 8.75 min.
 # Why pick: separate runs of 2000 steps gave a "before" of 0.997 (no room for RL to rise), of 400 steps 0.006 (RL's
 #   39 steps did not rise from there); the snapshots span that range in one run (its learning-rate schedule spans
 #   the largest step, so a snapshot is not the same model as a run of that length).
@@ -35,6 +46,8 @@
 # are not written), VAE_STEPS (6000), VAE_MINUTES (5), RL_STEPS (default: the config's), RL_ARGS (more --config
 # overrides of both RL runs), EVAL_NUM (200), POOL (the trainer's JAX memory fraction of the GPU, 0.5),
 # RL_POOL (each side-by-side RL run's fraction, 0.3).
+# rl and rl_control run at once: with two or more GPUs visible (CUDA_VISIBLE_DEVICES, else nvidia-smi) each on its own
+# (the first two), with the whole POOL; with one, side by side on it, RL_POOL of it each.
 set -euo pipefail
 OUT=${1:?usage: [SMOKE=1] [ONLY="data ..."] bash experiments/mini_edit/run.sh OUT}
 cd "$(dirname "$0")/../.."
@@ -83,8 +96,10 @@ step() {  # step NAME COMMAND...: run, time, log (skipped when ONLY is set and d
   echo "$name $((SECONDS - start)) s" | tee -a "$OUT/timings.txt"
 }
 
-rl() {  # rl RUN_DIR CONFIG: one RL run on the pipeline and the edit data
-  python -m jaxflow.train --config "$2" --config.model.path="$OUT/pipeline" --config.run_dir="$1" \
+rl() {  # rl RUN_DIR CONFIG [VAR=VALUE ...]: one RL run on the pipeline and the edit data, in that environment
+  local dir=$1 config=$2
+  shift 2
+  env "$@" python -m jaxflow.train --config "$config" --config.model.path="$OUT/pipeline" --config.run_dir="$dir" \
     --config.data.train="$OUT/data/train.jsonl" --config.data.test="$OUT/data/test.jsonl" \
     --config.log.progress=False --overwrite "${RL[@]}"
 }
@@ -111,14 +126,24 @@ step pick python -m experiments.mini_edit.pick --pipeline "$OUT/pipeline" --snap
   --data "$OUT/data/test.jsonl" --json "$OUT/pick.json" --target "${PICK_TARGET:-0.5}" "${PICK[@]}"
 step eval_before ev before
 sel() { [[ -z "${ONLY:-}" || " $ONLY " == *" $1 "* ]]; }
-if [[ "$DEVICE" == cuda ]] && sel rl && sel rl_control; then  # side by side on the one GPU, RL_POOL of it each
-  export XLA_CLIENT_MEM_FRACTION=${RL_POOL:-0.3}
-  echo "== rl and rl_control side by side: logs $OUT/rl.log, $OUT/rl_control.log"
-  step rl rl "$OUT/rl" configs/mini_edit.py > "$OUT/rl.log" 2>&1 & a=$!
-  step rl_control rl "$OUT/rl_control" configs/mini_edit.py:control > "$OUT/rl_control.log" 2>&1 & b=$!
+gpus() {  # the visible GPUs' ids: CUDA_VISIBLE_DEVICES's, else nvidia-smi's indices
+  if [[ -n "${CUDA_VISIBLE_DEVICES+set}" ]]; then tr , ' ' <<< "$CUDA_VISIBLE_DEVICES"
+  else nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | tr '\n' ' '; fi
+}
+if [[ "$DEVICE" == cuda ]] && sel rl && sel rl_control; then  # at once: on two GPUs, else side by side on one
+  read -r -a ids <<< "$(gpus)"
+  if (( ${#ids[@]} >= 2 )); then  # each run alone on its GPU, with the whole POOL
+    echo "== rl on GPU ${ids[0]}, rl_control on GPU ${ids[1]}: logs $OUT/rl.log, $OUT/rl_control.log"
+    pin=(CUDA_VISIBLE_DEVICES="${ids[0]}"); pin_control=(CUDA_VISIBLE_DEVICES="${ids[1]}")
+  else  # the one GPU shared, RL_POOL of it each
+    echo "== rl and rl_control side by side on one GPU: logs $OUT/rl.log, $OUT/rl_control.log"
+    pin=(XLA_CLIENT_MEM_FRACTION="${RL_POOL:-0.3}"); pin_control=("${pin[@]}")
+  fi
+  step rl rl "$OUT/rl" configs/mini_edit.py "${pin[@]}" > "$OUT/rl.log" 2>&1 & a=$!
+  step rl_control rl "$OUT/rl_control" configs/mini_edit.py:control "${pin_control[@]}" > "$OUT/rl_control.log" 2>&1 &
+  b=$!
   failed=0; wait $a || failed=$?; wait $b || failed=$?
   [[ $failed == 0 ]] || { echo "error: an RL run failed: see $OUT/rl.log and $OUT/rl_control.log" >&2; exit 1; }
-  export XLA_CLIENT_MEM_FRACTION=${POOL:-0.5}
 else
   step rl rl "$OUT/rl" configs/mini_edit.py
   step rl_control rl "$OUT/rl_control" configs/mini_edit.py:control

@@ -47,7 +47,7 @@ def outside_change(edited: np.ndarray, source: np.ndarray, region: np.ndarray) -
 class EditOcrReward:
     """`fn(images, prompts, *, sources, targets) -> (B,) float32` (a conditioned reward: rewards/base.py);
     `min_confidence` and `num_threads` as `OcrReward`'s. Per sample, as the OCR: the reward pool scores a batch in
-    pieces."""
+    pieces; a source sign shared by several samples of a piece (a group's) is read once."""
 
     conditioned = True
     splittable = True
@@ -59,10 +59,12 @@ class EditOcrReward:
         self.consistency, self.margin = float(consistency), int(margin)
         self.ocr = OcrReward(min_confidence=min_confidence, num_threads=num_threads)
 
-    def score(self, edited: np.ndarray, source: np.ndarray, target: str) -> tuple[float, float]:
-        """(OCR similarity to `target`, change outside the text region) of one edit."""
+    def score(self, edited: np.ndarray, source: np.ndarray, target: str,
+              source_boxes: list[np.ndarray]) -> tuple[float, float]:
+        """(OCR similarity to `target`, change outside the text region) of one edit; `source_boxes`: the line boxes
+        the OCR detects in `source`."""
         lines = self.ocr.read_lines(edited)
-        boxes = [box for box, _ in lines] + [box for box, _ in self.ocr.read_lines(source)]
+        boxes = [box for box, _ in lines] + source_boxes
         region = text_region(boxes, edited.shape[:2], self.margin)
         text = "".join(t for _, t in lines)
         return edit_score(text, target), outside_change(edited, source, region)
@@ -75,8 +77,13 @@ class EditOcrReward:
         if missing:
             raise ValueError(f"edit_ocr needs each sample's target text (the edit data's \"target\"); "
                              f"none for {missing[:3]}")
+        # a group's samples share their source sign: each distinct source is read once a call
+        read: dict[bytes, list[np.ndarray]] = {}
         scores = []
         for edited, source, target in zip(images, sources, targets):
-            similarity, change = self.score(edited, source, target)
+            key = np.ascontiguousarray(source).tobytes()
+            if key not in read:
+                read[key] = [box for box, _ in self.ocr.read_lines(source)]
+            similarity, change = self.score(edited, source, target, read[key])
             scores.append(similarity - self.consistency * change)
         return np.asarray(scores, dtype=np.float32)

@@ -105,3 +105,23 @@ def test_vlm_edit_judge_sees_source_and_edit_side_by_side(fake_server):
     assert body["temperature"] == 0.0
     with pytest.raises(ValueError, match="sources must have the images' shape"):
         judge(edited[None], [EDIT.instruction], sources=source[None, :, :8], targets=[None])
+
+
+def test_a_source_shared_by_a_groups_samples_is_read_once(monkeypatch):
+    """A group's 12 edits of one sign: 12 reads of the edits and one of the source, with the scores of a batch
+    scored one sample at a time."""
+    source, edited = EDIT.images()
+    other = SignEdit("KFDM", "ABC", (0, 0))
+    other_source, other_edited = other.images()
+    images = np.stack([edited, tinted(edited)] * 6 + [other_edited])
+    sources = np.stack([source] * 12 + [other_source])
+    targets = [EDIT.target] * 12 + [other.target]
+    reward = EditOcrReward(num_threads=1)
+    one_at_a_time = [reward(images[i:i + 1], ["p"], sources=sources[i:i + 1], targets=targets[i:i + 1])[0]
+                     for i in range(len(images))]
+    reads = []
+    read_lines = reward.ocr.read_lines
+    monkeypatch.setattr(reward.ocr, "read_lines", lambda image: reads.append(image) or read_lines(image))
+    scores = reward(images, ["p"] * len(images), sources=sources, targets=targets)
+    np.testing.assert_array_equal(scores, np.asarray(one_at_a_time, np.float32))
+    assert len(reads) == len(images) + 2
