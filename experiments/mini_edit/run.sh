@@ -33,11 +33,12 @@
 #   3.8, reward 1.5, train 7.3) -> after 0.633, a rise of 0.047 +- 0.032 (the proof asks >= 0.2); control after
 #   0.530 (-0.056).
 # What changed after it (counted on the CPU, not yet measured): an edit row is 128 target + 128 reference image tokens
-#   and its text where mini_ocr's is 128 + 32, and the text was padded to 64 + 18 (the VL image's bound) for the
-#   prompt and the negative where they hold at most 48 and 20: configs/mini_edit.py pads 40 + 18 and 12 + 18 and
-#   takes 8 prompts of 12 a step, not 16 (train FLOPs a step 2.33x mini_ocr's before, 1.01x now); edit_ocr reads a
-#   group's source sign once (OCR reads a step 192 + 192 before, 96 + 8 now); and with two GPUs the RL run and its
-#   control each take one (below). Expected: about mini_ocr's ~3.8 s a step alone on a GPU, ~120 steps in 8.75 min.
+#   and its text where mini_ocr's is 128 + 32; the text was padded to 64 + 18 (the VL image's bound at the released
+#   processor's pixels) for the prompt and the negative: configs/mini_edit.py pads 40 and 12, each + 10 (the image's
+#   bound at the folder's own processor pixels, read from the folder; the diffusers engine saw 10 image tokens where
+#   the folder asks 2: fixed) and takes 8 prompts of 12 a step, not 16 (train FLOPs a step 2.33x mini_ocr's before,
+#   ~1x now); edit_ocr reads a group's source sign once (OCR reads a step 192 + 192 before, 96 + 8 now); and with two
+#   GPUs the RL run and its control each take one (below). Expected: about mini_ocr's ~3.8 s a step alone on a GPU.
 # Why pick: separate runs of 2000 steps gave a "before" of 0.997 (no room for RL to rise), of 400 steps 0.006 (RL's
 #   39 steps did not rise from there); the snapshots span that range in one run (its learning-rate schedule spans
 #   the largest step, so a snapshot is not the same model as a run of that length).

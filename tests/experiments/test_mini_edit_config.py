@@ -17,6 +17,7 @@ def test_the_mini_edit_text_padding_holds_the_longest_instruction_and_little_mor
     from jaxflow_bridge.families.qwen_image_edit.diffusers_pipeline import RolloutPipeline, tiny_folder
 
     cfg = config_module(ROOT / "configs" / "mini_edit.py").get_config()
+    cfg.model.path = str(tiny_folder())  # run.sh's OUT/pipeline holds the tiny folder's image processor
     s, (prompt_tokens, negative_tokens) = cfg.sample, derived.text_tokens(cfg)
     pipe = RolloutPipeline.from_pretrained(tiny_folder(), "float32", "cpu")
     train, test = split_edits(4000, 200)

@@ -45,8 +45,9 @@ class QwenImageEdit(QwenImage):
 
     def vision_tokens(self, cfg) -> int:
         """The reference images' tokens in the VL prompt (`spec.vision_tokens` at the sample size, the images being
-        resized to it; the tiny folder's processor bounds for the tiny model)."""
-        bounds = spec.TINY_PIXELS if cfg.model.path == self.tiny else spec.RELEASED_PIXELS
+        resized to it, within the folder's processor bounds: `spec.pixel_bounds`; the tiny folder's for the tiny
+        model)."""
+        bounds = spec.TINY_PIXELS if cfg.model.path == self.tiny else spec.pixel_bounds(Path(cfg.model.path))
         return spec.vision_tokens(cfg.sample.height, cfg.sample.width, REFERENCES, bounds)
 
     def objective(self, config) -> Objective:

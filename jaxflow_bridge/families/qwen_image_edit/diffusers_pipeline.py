@@ -112,13 +112,15 @@ class RolloutPipeline(EditConditioning, base.RolloutPipeline):
 
 
 def image_processor(folder: Path):
-    """The folder's Qwen2-VL image processor (`image_processor/`, or a released folder's `processor/`)."""
+    """The folder's Qwen2-VL image processor (`image_processor/`, or a released folder's `processor/`), within the
+    folder's pixel bounds (`spec.pixel_bounds`)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     for name in ("image_processor", "processor"):
         if (folder / name / "preprocessor_config.json").is_file():
             config = json.loads((folder / name / "preprocessor_config.json").read_text())
-            keep = {k: config[k] for k in ("min_pixels", "max_pixels", "patch_size", "merge_size",
-                                           "temporal_patch_size", "image_mean", "image_std") if k in config}
-            return Qwen2VLImageProcessorPil(**keep)
+            keep = {k: config[k] for k in ("patch_size", "merge_size", "temporal_patch_size", "image_mean",
+                                           "image_std") if k in config}
+            low, high = spec.pixel_bounds(folder)
+            return Qwen2VLImageProcessorPil(min_pixels=low, max_pixels=high, **keep)
     raise FileNotFoundError(f"{folder} has no image_processor/ nor processor/ preprocessor_config.json")

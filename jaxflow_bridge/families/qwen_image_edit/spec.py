@@ -51,6 +51,21 @@ def vllm_omni_problems(*, init: str, deploy: str | None, think: bool) -> Iterato
         yield "rollout.bagel_deploy", f"{deploy!r} chooses BAGEL's topology; {LABEL} runs one stage: drop it"
 
 
+def pixel_bounds(folder: Path) -> tuple[int, int]:
+    """A folder's image processor bounds (min, max pixels) from its `image_processor/` or, as released folders hold
+    it, `processor/` preprocessor_config.json: `min_pixels` / `max_pixels`, or (as transformers >= 5 saves them)
+    `size`'s shortest / longest edge; RELEASED_PIXELS where the folder says nothing (or is not there yet)."""
+    import json
+    for name in ("image_processor", "processor"):
+        path = Path(folder) / name / "preprocessor_config.json"
+        if path.is_file():
+            config = json.loads(path.read_text())
+            size = config.get("size") or {}
+            return (config.get("min_pixels", size.get("shortest_edge", RELEASED_PIXELS[0])),
+                    config.get("max_pixels", size.get("longest_edge", RELEASED_PIXELS[1])))
+    return RELEASED_PIXELS
+
+
 def vision_tokens(height: int, width: int, references: int, bounds: tuple[int, int] = RELEASED_PIXELS) -> int:
     """Prompt tokens `references` reference images of `height` x `width` add to the VL prompt beyond its text: per
     image its merged patches as Qwen2-VL's processor (min / max pixels `bounds`) resizes it ((H/28) x (W/28) within

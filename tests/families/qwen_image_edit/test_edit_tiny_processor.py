@@ -57,3 +57,19 @@ def test_the_processor_loads_as_the_folders_own(folder):
     assert a["image_grid_thw"].tolist() == b["image_grid_thw"].tolist()
     assert a["image_grid_thw"].prod() // 4 <= tiny.MAX_PIXELS // 28 ** 2  # kept tiny: at most 4 merged tokens
     np.testing.assert_array_equal(a["pixel_values"], b["pixel_values"])
+
+
+def test_the_diffusers_engine_sees_the_bounds_vllm_omni_loads(folder):
+    """The diffusers pipeline's image processor (`diffusers_pipeline.image_processor`: `image_processor/` first, saved
+    by transformers with its bounds under `size` only) grids a source sign as the `processor/` vLLM-Omni loads does:
+    the two engines condition on the same number of image tokens."""
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    from jaxflow_bridge.families.qwen_image_edit.diffusers_pipeline import image_processor
+
+    omni = AutoImageProcessor.from_pretrained(folder, subfolder="processor", local_files_only=True)
+    sign = Image.fromarray(np.random.default_rng(1).integers(0, 256, (64, 128, 3), dtype=np.uint8))
+    ours = image_processor(folder)(images=[sign], return_tensors="np")["image_grid_thw"].tolist()
+    assert ours == omni(images=[sign], return_tensors="np")["image_grid_thw"].tolist()
+    assert ours[0][0] * ours[0][1] * ours[0][2] // 4 <= tiny.MAX_PIXELS // 28 ** 2
