@@ -110,7 +110,7 @@ class RunPlan:
     quantization: str  # the rollout DiT's linears (rollout.quantization): "none" (bf16) or "fp8"
     lora_gemm_why: str  # why model.lora_gemm (model.lora_gemm below) resolved as it did
     model: ModelOptions  # the trainer model's options: lora_gemm and scan_unroll resolved
-    xla_options: Mapping  # the train step's XLA options for the linears the model runs
+    xla_options: Mapping  # the train step's XLA options: for the linears the model runs and, on a GPU, a quick start
 
     def resized(self, num_micro_batches: int, micro_batch: int, why: str) -> RunPlan:
         """The plan with another micro-batch (train.num_micro_batches='auto' after the compiled step's memory check);
@@ -151,9 +151,10 @@ def make_plan(cfg: RunConfig, folder: Path, *, backend: str, devices: int, batch
     gemm, why = lora_gemm(cfg, num_layers, devices, on_hopper, micro, tokens)
     if gemm != "xla" and not family.fused_gemm:
         gemm, why = "xla", f"{family.name}'s layers have no fused-kernel path"
+    from jaxflow.trainer.start_options import with_start_options  # JAX's backend is up: it probes XLA's options
     return RunPlan(backend=backend, devices=devices, batch_devices=batch_devices, micro_batch=micro,
                    num_micro_batches=count, micro_batch_why=count_why,
                    layout=cfg.rollout.layout, engines=cfg.rollout.num_servers,
                    lora_apply=lora_apply(cfg), quantization=cfg.rollout.quantization, lora_gemm_why=why,
                    model=derived.model_options(cfg, gemm, num_layers),
-                   xla_options=MappingProxyType(derived.xla_options(cfg, gemm)))
+                   xla_options=MappingProxyType(with_start_options(derived.xla_options(cfg, gemm))))

@@ -21,7 +21,7 @@ from jaxflow.config import plan as plan_lib
 from jaxflow.config import validation as config_lib
 from jaxflow.config.plan import RunPlan
 from jaxflow.config.sections import RunConfig
-from jaxflow.trainer import memory, start_options
+from jaxflow.trainer import memory
 from jaxflow.trainer.checkpoint import Checkpointer
 from jaxflow.trainer.divergence import check_finite
 from jaxflow.trainer.minibatches import RowLayout
@@ -113,7 +113,7 @@ class Learner:
     def _make_step(self, num_micro_batches: int):
         """(init_state, step) of the train step with `num_micro_batches` an update."""
         return make_train_step(self.model, derived.train_config(self.cfg, self.grid, num_micro_batches),
-                               self.layout, self.xla_options())
+                               self.layout, dict(self.plan.xla_options))
 
     def memory_plans(self, num_micro_batches: int | None = None) -> tuple[list, int]:
         """(per-function `memory.StepMemory`, bytes of their arguments already on a device) of the step compiled
@@ -134,11 +134,6 @@ class Learner:
         plans = [memory.StepMemory.of(name, c) for name, c in step.compile(batch, old).items()]
         self.compile_times += step.compile_times
         return plans, memory.device_bytes(step.frozen)
-
-    def xla_options(self) -> dict:
-        """The train step's XLA options: the plan's (for the linears the model runs) and, on a GPU, those for a
-        quicker start (`start_options`)."""
-        return start_options.with_start_options(self.plan.xla_options)
 
     def micro_batch_size(self, num_micro_batches: int | None = None) -> int:
         """Samples in one micro-batch on one device (the plan's, or with `num_micro_batches` an update)."""

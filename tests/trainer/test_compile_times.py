@@ -80,3 +80,18 @@ def test_start_options_only_on_a_gpu_and_only_those_xla_knows(monkeypatch):
     assert start_options.with_start_options({"xla_gpu_experimental_aot_compiled_thunks": False}) == \
         {"xla_gpu_experimental_aot_compiled_thunks": False}  # train.xla_options' value wins
     assert start_options.with_start_options({}) == {"xla_gpu_experimental_aot_compiled_thunks": True}
+
+
+def test_the_plan_line_lists_the_start_options_on_a_gpu(monkeypatch, tmp_path):
+    """The plan stage adds them (`make_plan`), so the plan's XLA options line shows what the step compiles with."""
+    from jaxflow.config import validation
+    from jaxflow.trainer import learner
+    from jaxflow.trainer.sharding import Layout
+    from tests.helpers import tiny_config
+
+    cfg = validation.validate(tiny_config(tmp_path))
+    layout = Layout.create(validation.sharding_config(cfg))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    plan = learner.run_plan(cfg, validation.model_folder(cfg), layout)
+    assert plan.xla_options["xla_gpu_experimental_aot_compiled_thunks"] is True
+    assert "'xla_gpu_experimental_aot_compiled_thunks': True" in plan.summary()
