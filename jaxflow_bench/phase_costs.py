@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxflow.config.planner import GIB, TABLE, TRAIN_STATE_BYTES, ModelSizes
+from jaxflow.config.planner import GIB, LORA_RESIDENT_BYTES, TABLE, ModelSizes
 
 ROOT = Path(__file__).resolve().parents[1]
 # the recipe's model in bf16 (full_size.py: the 20.4B transformer, the 8.3B text encoder, the VAE),
@@ -41,7 +41,7 @@ def memory_row(record: dict) -> tuple[dict, int]:
     f = record["figures"]
     sizes = sorted(int(k.rsplit("mb", 1)[1]) for k in f if k.startswith("need_gib_mb"))
     per, fixed = np.polyfit(sizes, [f[f"need_gib_mb{m}"] * GIB for m in sizes], 1)
-    lora = int((f["in_use_gib"] * GIB - RECIPE["transformer_bytes"]) / TRAIN_STATE_BYTES)
+    lora = int((f["in_use_gib"] * GIB - RECIPE["transformer_bytes"]) / LORA_RESIDENT_BYTES)
     scale = ModelSizes(**RECIPE, lora_params=lora).scale
     return ({"file": MEMORY_FILE, "card": card_of(record["device"])[0], "transformer_bytes": RECIPE["transformer_bytes"],
              "fixed_per_transformer_byte": float(fixed / RECIPE["transformer_bytes"]),

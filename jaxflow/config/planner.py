@@ -16,7 +16,9 @@ from pathlib import Path
 
 GIB = 2 ** 30
 TABLE = Path(__file__).with_name("phase_costs.json")
-TRAIN_STATE_BYTES = 12  # per LoRA parameter: float32 value and Adam's two moments
+# per LoRA parameter resident before the update: its float32 value. Adam's two moments are the update's outputs, in
+# its measured need (the micro-batch fit's 39.6 GiB in use = the bf16 transformer + 4 bytes x the recipe's 424.7M)
+LORA_RESIDENT_BYTES = 4
 
 
 class NoFit(ValueError):
@@ -63,7 +65,7 @@ class UpdateMemory:
     def from_counts(cls, sizes: ModelSizes, table: dict) -> UpdateMemory:
         """From parameter counts, scaled from the recipe's measured update (the table's "memory")."""
         mem = table["memory"]
-        return cls(resident=sizes.transformer_bytes + sizes.lora_params * TRAIN_STATE_BYTES,
+        return cls(resident=sizes.transformer_bytes + sizes.lora_params * LORA_RESIDENT_BYTES,
                    fixed=mem["fixed_per_transformer_byte"] * sizes.transformer_bytes,
                    per_sample=mem["per_sample_per_scale"] * sizes.scale,
                    source=f"parameter counts, scaled from {mem['file']} ({mem['card']})")
@@ -214,11 +216,16 @@ def plan_machine(job: Job, sizes: ModelSizes, card: Card, gpus: int, table: dict
             raise NoFit(f"train.num_micro_batches={job.micro_batches} does not fit {what}: a GPU would need "
                         f"{short:.0f} GiB; what fits: --config.train.num_micro_batches={smaller.num_micro_batches} "
                         f"({smaller.micro_batch} sample(s) per micro-batch)")
-    other = next((p for p, _ in fits[1:] if p), None)
+    other, count = next((p for p, _ in fits[1:] if p), None), ""
+    if other is None and job.micro_batches is not None:  # another layout at a smaller micro-batch
+        auto = dataclasses.replace(job, micro_batches=None)
+        other = next((p for p in (_fit(auto, sizes, card, gpus, update, layout, table)[0] for layout in layouts[1:])
+                      if p), None)
+        count = f" --config.train.num_micro_batches={other.num_micro_batches}" if other else ""
     if other:
         raise NoFit(f"layout {layouts[0].name} with the {layouts[0].engine} engine does not fit {what}: a GPU would "
-                    f"need {short:.0f} GiB; what fits: {other.layout.overrides()} ({other.micro_batch} sample(s) per "
-                    f"micro-batch)")
+                    f"need {short:.0f} GiB; what fits: {other.layout.overrides()}{count} ({other.micro_batch} "
+                    f"sample(s) per micro-batch)")
     least = min(s for _, s in fits)
     raise NoFit(f"the model does not fit {what} in any layout: at its smallest micro-batch a GPU needs {least:.0f} "
                 f"GiB; a card with that much memory would fit")

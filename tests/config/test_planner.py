@@ -51,6 +51,15 @@ def test_recipe_on_one_h100_refuses_naming_the_shared_engine():
     assert plan.micro_batch == 1 and plan.why[-1].startswith("costs per image measured on NVIDIA H100")
 
 
+def test_the_recipes_own_micro_batch_on_one_h100_names_the_layout_and_the_micro_batch_that_fit():
+    """configs/qwen_ocr.py sets num_micro_batches (4 samples a micro-batch on one GPU): neither a smaller micro-batch
+    of its layout nor the shared engine at 4 fits an 80 GB card; the shared engine at 1 sample does."""
+    with pytest.raises(NoFit, match=r"what fits: --config.rollout.layout=in_process --config.rollout.engine=diffusers "
+                                    r"--config.rollout.share_weights=True --config.train.num_micro_batches=32 "
+                                    r"\(1 sample"):
+        plan_machine(job(micro_batches=8), RECIPE, H100, 1, TABLE)
+
+
 @pytest.mark.parametrize("gpus", [2, 4])
 def test_recipe_on_several_h100s_refuses_in_one_line(gpus):
     with pytest.raises(NoFit, match="in any layout") as info:
@@ -94,3 +103,19 @@ def test_tiny_model_takes_whole_mini_batches(card, gpus):
 def test_a_batch_that_does_not_split_over_the_gpus_is_refused():
     with pytest.raises(NoFit, match="does not split"):
         plan_machine(job(images=16), TINY, H200, 3, TABLE)
+
+
+def test_the_fits_resident_bytes_are_the_recipes_lora_in_float32():
+    """The micro-batch fit's bytes in use before the update, less the bf16 transformer, are the recipe's LoRA
+    (r64 on 8 attention linears of 3072 x 3072 and 4 MLP linears of 3072 x 12288 a block, 60 blocks) at 4 bytes a
+    parameter: Adam's moments are not resident yet (they are the update's outputs, in its measured need)."""
+    per_block = 8 * 64 * (3072 + 3072) + 4 * 64 * (3072 + 12288)
+    assert LORA == pytest.approx(60 * per_block, rel=0.01)
+
+
+def test_the_recipes_own_micro_batch_fits_one_h200_with_its_real_lora():
+    """README's command on one H200: the recipe's LoRA as its folder counts it (424.7M parameters) at its own 4
+    samples a micro-batch fits, JAX's share near the 0.56 the recipe ran at (76.1 GiB needed of a 78.3 GiB pool)."""
+    real = ModelSizes(**phase_costs.RECIPE, lora_params=424_673_280)
+    plan = plan_machine(job(micro_batches=8), real, H200, 1, TABLE)
+    assert plan.micro_batch == 4 and 0.54 < plan.jax_share < 0.57
