@@ -9,22 +9,16 @@ from __future__ import annotations
 import datetime
 import json
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
-from jaxflow.config.machine import visible
+from jaxflow.config.machine import visible_gpus
 
 
 def device_name() -> str:
-    """The GPU(s) this process sees (nvidia-smi's, filtered by CUDA_VISIBLE_DEVICES) as nvidia-smi names them
-    ("NVIDIA H200, 143771 MiB" per GPU), else "cpu"."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,name,memory.total", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout.strip().splitlines()
-    except (OSError, subprocess.SubprocessError):
-        return "cpu"
-    seen = [", ".join(row[2:]) for row in visible([[f.strip() for f in line.split(",")] for line in out if line])]
+    """The GPU(s) this process sees (`jaxflow.config.machine.visible_gpus`) as nvidia-smi names them ("NVIDIA H200,
+    143771 MiB" per GPU), else "cpu"."""
+    seen = [f"{name}, {mib} MiB" for _, _, name, mib in visible_gpus()]
     if not seen:
         return "cpu"
     return f"{len(seen)} x {seen[0]}" if len(seen) > 1 else seen[0]

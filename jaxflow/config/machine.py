@@ -14,25 +14,29 @@ COMPONENTS = ("transformer", "text_encoder", "vae")
 
 
 def local_gpus() -> tuple[planner.Card, int] | None:
-    """(the first visible GPU as a Card, how many are visible) as nvidia-smi reports them, or None without one. The
-    visible ones are those CUDA_VISIBLE_DEVICES names (indices or UUIDs, read as CUDA does: up to the first that names
-    no GPU) when it is set: a run given one GPU of a host plans for one."""
-    try:
-        lines = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,name,memory.total",
-                                "--format=csv,noheader,nounits"],
-                               capture_output=True, text=True, timeout=60, check=True).stdout.strip().splitlines()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    gpus = visible([[f.strip() for f in line.split(",")] for line in lines if line.strip()])
+    """(the first visible GPU as a Card, how many are visible) as nvidia-smi reports them (`visible_gpus`), or None
+    without one: a run given one GPU of a host plans for one."""
+    gpus = visible_gpus()
     if not gpus:
         return None
     _, _, name, mib = gpus[0]
     return planner.Card(name, float(mib) / 1024), len(gpus)
 
 
+def visible_gpus() -> list[list[str]]:
+    """nvidia-smi's [index, uuid, name, MiB] rows of the GPUs this process sees (`visible`); [] without nvidia-smi."""
+    try:
+        lines = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,name,memory.total",
+                                "--format=csv,noheader,nounits"],
+                               capture_output=True, text=True, timeout=60, check=True).stdout.strip().splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return visible([[f.strip() for f in line.split(",")] for line in lines if line.strip()])
+
+
 def visible(gpus: list[list[str]], env: str | None = None) -> list[list[str]]:
     """The [index, uuid, name, MiB] rows of `gpus` that CUDA_VISIBLE_DEVICES (or `env`) lets a process see, in its
-    order; all of them when it is unset."""
+    order (indices or UUIDs, read as CUDA does: up to the first that names no GPU); all of them when it is unset."""
     env = os.environ.get("CUDA_VISIBLE_DEVICES") if env is None else env
     if env is None:
         return gpus

@@ -39,6 +39,6 @@ def test_visible_keeps_cuda_order():
 def test_result_device_names_the_visible_gpus(smi):
     from jaxflow_bench.results import device_name
     smi.setenv("CUDA_VISIBLE_DEVICES", "1")
-    assert device_name() == "NVIDIA H200, 143771"
+    assert device_name() == "NVIDIA H200, 143771 MiB"
     smi.delenv("CUDA_VISIBLE_DEVICES")
-    assert device_name() == "2 x NVIDIA H200, 143771"
+    assert device_name() == "2 x NVIDIA H200, 143771 MiB"
