@@ -6,7 +6,6 @@ size), which the transformer reads as extra image tokens and the trajectory carr
 imports JAX."""
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -116,11 +115,10 @@ def image_processor(folder: Path):
     folder's pixel bounds (`spec.pixel_bounds`)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    for name in ("image_processor", "processor"):
-        if (folder / name / "preprocessor_config.json").is_file():
-            config = json.loads((folder / name / "preprocessor_config.json").read_text())
-            keep = {k: config[k] for k in ("patch_size", "merge_size", "temporal_patch_size", "image_mean",
-                                           "image_std") if k in config}
-            low, high = spec.pixel_bounds(folder)
-            return Qwen2VLImageProcessorPil(min_pixels=low, max_pixels=high, **keep)
-    raise FileNotFoundError(f"{folder} has no image_processor/ nor processor/ preprocessor_config.json")
+    config = spec.processor_config(folder)
+    if config is None:
+        raise FileNotFoundError(f"{folder} has no image_processor/ nor processor/ preprocessor_config.json")
+    keep = {k: config[k] for k in ("patch_size", "merge_size", "temporal_patch_size", "image_mean", "image_std")
+            if k in config}
+    low, high = spec.pixel_bounds(folder, config)
+    return Qwen2VLImageProcessorPil(min_pixels=low, max_pixels=high, **keep)

@@ -51,19 +51,27 @@ def vllm_omni_problems(*, init: str, deploy: str | None, think: bool) -> Iterato
         yield "rollout.bagel_deploy", f"{deploy!r} chooses BAGEL's topology; {LABEL} runs one stage: drop it"
 
 
-def pixel_bounds(folder: Path) -> tuple[int, int]:
-    """A folder's image processor bounds (min, max pixels) from its `image_processor/` or, as released folders hold
-    it, `processor/` preprocessor_config.json: `min_pixels` / `max_pixels`, or (as transformers >= 5 saves them)
-    `size`'s shortest / longest edge; RELEASED_PIXELS where the folder says nothing (or is not there yet)."""
+def processor_config(folder: Path) -> dict | None:
+    """A folder's image processor preprocessor_config.json (its `image_processor/`'s or, as released folders hold
+    it, `processor/`'s), or None without one."""
     import json
     for name in ("image_processor", "processor"):
         path = Path(folder) / name / "preprocessor_config.json"
         if path.is_file():
-            config = json.loads(path.read_text())
-            size = config.get("size") or {}
-            return (config.get("min_pixels", size.get("shortest_edge", RELEASED_PIXELS[0])),
-                    config.get("max_pixels", size.get("longest_edge", RELEASED_PIXELS[1])))
-    return RELEASED_PIXELS
+            return json.loads(path.read_text())
+    return None
+
+
+def pixel_bounds(folder: Path, config: dict | None = None) -> tuple[int, int]:
+    """The image processor's bounds (min, max pixels) of a folder (or of its `config`, `processor_config`'s):
+    `min_pixels` / `max_pixels`, or (as transformers >= 5 saves them) `size`'s shortest / longest edge;
+    RELEASED_PIXELS where the folder says nothing (or is not there yet)."""
+    config = processor_config(folder) if config is None else config
+    if config is None:
+        return RELEASED_PIXELS
+    size = config.get("size") or {}
+    return (config.get("min_pixels", size.get("shortest_edge", RELEASED_PIXELS[0])),
+            config.get("max_pixels", size.get("longest_edge", RELEASED_PIXELS[1])))
 
 
 def vision_tokens(height: int, width: int, references: int, bounds: tuple[int, int] = RELEASED_PIXELS) -> int:
