@@ -1,10 +1,13 @@
 """The trust benchmark: what the run's own checks cost and catch, on the recipe (vLLM-Omni engine, one GPU).
 
     python -m jaxflow_bench.trust OUT [--steps 5] [--parts healthy repeat stale kill] [--stale-from 2]
-        [--kill-after 2] [--config FILE --device cpu] [--config.x=y ...]
+        [--kill-after 2] [--reward brightness] [--config FILE --device cpu] [--config.x=y ...]
 
 Each part is one `jaxflow_bench.e2e` 1gpu run (its set-up: the recipe at 2 prompts a step, no eval or checkpoints)
-into OUT/PART, so the parts can be split over several device commands (--parts) into one OUT:
+into OUT/PART, so the parts can be split over several device commands (--parts) into one OUT. The runs train on
+--reward (brightness): on random weights' images the recipe's OCR scores every sample 0, so no sample has an
+advantage, the LoRA never moves and every version is the same adapter: the checks would have nothing to see. A
+healthy, repeat or stale run whose LoRA did not move (grad_norm 0 at every step before the fault) fails its part.
   healthy  --steps steps: sync_verify_s (median over steps), the log-prob gate's per-step p99 (its p99 and max);
   repeat   the same run again: the run-to-run spread of reward_mean and loss (largest |a - b| over steps);
   stale    train.sync_fault_from=--stale-from (the engine is sent the previous version's LoRA from that version on):
@@ -46,6 +49,11 @@ def rows(part_dir: Path) -> list[dict]:
 def mixed_steps(part_rows: list[dict]) -> list[int]:
     """The steps whose samples did not all come from the step's own policy (`rollout/versions` 1, `staleness` 0)."""
     return [r["step"] for r in part_rows if r.get("rollout/versions") != 1 or r.get("staleness", 0) != 0]
+
+
+def moved(part_rows: list[dict], before: int | None = None) -> bool:
+    """Whether the LoRA changed in the run: a step (before step `before`, when given) with a nonzero grad_norm."""
+    return any(r.get("grad_norm", 0) for r in part_rows if before is None or r["step"] < before)
 
 
 def _mean(value) -> float:
@@ -128,7 +136,8 @@ class Killer(threading.Thread):
 def run_part(args, part: str, overrides: list[str]) -> dict:
     """One part's run into OUT/PART; its record (also written as OUT/PART/part.json)."""
     out = Path(args.out) / part
-    given = ["--layout", "1gpu", "--steps", str(args.steps), *(["--config", args.config] if args.config else []),
+    given = ["--layout", "1gpu", "--steps", str(args.steps), "--reward", args.reward,
+             *(["--config", args.config] if args.config else []),
              *(["--device", args.device] if args.device else [])]
     e2e_args = e2e.parser().parse_args([str(out), *given])
     cmd, env, _, watched = e2e.setup(e2e_args, dict(os.environ))
@@ -148,6 +157,13 @@ def run_part(args, part: str, overrides: list[str]) -> dict:
     (out / "part.json").write_text(json.dumps(record) + "\n")
     if part != "stale" and rc:
         raise RuntimeError(f"the {part} run failed (exit {rc}): see {out / 'train.log'}")
+    if part != "kill" and not moved(rows(out), args.stale_from if part == "stale" else None):
+        when = " before the fault" if part == "stale" else ""
+        raise RuntimeError(f"the {part} run's LoRA did not move (grad_norm 0 at every step{when}): --reward "
+                           f"{args.reward} gave every sample of a group the same score; train on a reward that varies")
+    if part == "stale" and not record["stopped_by_check"]:
+        raise RuntimeError(f"the sync check did not stop the stale run (exit {rc}; the engine was sent the previous "
+                           f"version's LoRA from version {args.stale_from} on): see {out / 'train.log'}")
     if part == "kill" and (mixed := mixed_steps(rows(out))):
         raise RuntimeError(f"the kill run shows mixed or stale policy versions at steps {mixed}: see "
                            f"{out / 'run' / 'metrics.jsonl'}")
@@ -163,6 +179,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--stale-from", type=int, default=2, help="the version the stale engine starts at, >= 1")
     p.add_argument("--kill-after", type=int, default=2, help="steps logged before the engine is killed, >= 1")
     p.add_argument("--kill-delay", type=float, default=2.0, help="seconds into the next step (its rollout)")
+    p.add_argument("--reward", default="brightness", help="the one reward the runs train on (default brightness: "
+                   "it varies on random weights' images)")
     p.add_argument("--config", help="a recipe config of its own model instead (e.g. configs/tiny_ocr.py)")
     p.add_argument("--device", choices=("cuda", "cpu"))
     return p

@@ -24,6 +24,8 @@ def test_each_part_runs_the_e2e_command_and_the_stale_part_injects_the_fault(tmp
 
     def logged(cmd, env, out, watched):
         ran[out.name] = cmd
+        (out / "run").mkdir(parents=True, exist_ok=True)
+        (out / "run" / "metrics.jsonl").write_text(json.dumps(_row(1)) + "\n")
         (out / "train.log").write_text("error: LoRA sync check: diffusers engine 0 of 1 does not serve version 2\n"
                                        if out.name == "stale" else "")
         return 1 if out.name == "stale" else 0
@@ -36,6 +38,7 @@ def test_each_part_runs_the_e2e_command_and_the_stale_part_injects_the_fault(tmp
     cmd = ran["stale"]
     assert cmd[1:3] == ["-m", "jaxflow.train"] and "--config.train.num_steps=3" in cmd
     assert cmd[-2:] == ["--config.seed=1", "--config.train.sync_fault_from=2"]
+    assert '--config.reward.fns={"brightness": 1.0}' in cmd  # a reward that varies on random weights' images
     trust.run_part(args, "healthy", [])
     assert not any("sync_fault_from" in a for a in ran["healthy"])
     monkeypatch.setattr(e2e, "run_logged", lambda *a: 1)
@@ -50,7 +53,7 @@ def _part(out, name, metrics, **record):
 
 
 def _row(step, **k):
-    return {"step": step, "sync_verify_s": 0.01 * step, "logp_mismatch_p99": 1e-4 * step, "logp_mismatch_max": 0.1,
+    return {"step": step, "grad_norm": 0.5, "sync_verify_s": 0.01 * step, "logp_mismatch_p99": 1e-4 * step, "logp_mismatch_max": 0.1,
             "logp_mismatch_rows": 8, "sync_mismatches": 0, "reward_mean": 0.5, "loss": [0.1, 0.3], "time/step": 10.0,
             "rollout/versions": 1, "staleness": 0, **k}
 
@@ -94,3 +97,32 @@ def test_the_kill_part_fails_on_mixed_versions_and_counts_the_retries(tmp_path, 
         written["rows"] = [_row(1), _row(2), _row(3, **bad)]
         with pytest.raises(RuntimeError, match=r"mixed or stale policy versions at steps \[3\]"):
             trust.run_part(args, "kill", [])
+
+
+def test_a_part_whose_lora_did_not_move_or_a_stale_run_not_stopped_fails(tmp_path, monkeypatch):
+    """A run whose every step had grad_norm 0 (every sample of a group scored the same: the recipe's OCR on random
+    weights' images) proves nothing: the part fails naming the reward; so does a stale run the check let finish."""
+    written = {}
+
+    def logged(cmd, env, out, watched):
+        (out / "run").mkdir(parents=True, exist_ok=True)
+        (out / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in written["rows"]))
+        (out / "train.log").write_text(written.get("log", ""))
+        return written.get("rc", 0)
+
+    monkeypatch.setattr(e2e, "run_logged", logged)
+    monkeypatch.setattr(e2e, "recipe_values", lambda config: {"prompts": 2, "group": 2, "mini": 1, "micro": 1})
+    args = trust.parser().parse_args([str(tmp_path), "--config", str(ROOT / "configs/tiny_ocr.py"), "--device", "cpu",
+                                      "--steps", "3", "--reward", "ocr"])
+    written["rows"] = [_row(s, grad_norm=0.0) for s in (1, 2, 3)]
+    for part in ("healthy", "repeat"):
+        with pytest.raises(RuntimeError, match=f"the {part} run's LoRA did not move .* --reward ocr"):
+            trust.run_part(args, part, [])
+    written["rows"] = [_row(1, grad_norm=0.0), _row(2), _row(3)]  # moved only after the fault began (version 2)
+    with pytest.raises(RuntimeError, match="the stale run's LoRA did not move .grad_norm 0 at every step before"):
+        trust.run_part(args, "stale", [])
+    written["rows"] = [_row(1), _row(2), _row(3)]
+    with pytest.raises(RuntimeError, match="the sync check did not stop the stale run .exit 0"):
+        trust.run_part(args, "stale", [])
+    written.update(log="error: LoRA sync check: vllm_omni engine 0 of 1 does not serve version 2\n", rc=1)
+    assert trust.run_part(args, "stale", [])["stopped_by_check"]
