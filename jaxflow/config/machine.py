@@ -68,7 +68,7 @@ def _count(shape) -> int:
 
 def model_sizes(cfg, folder: Path) -> planner.ModelSizes:
     """The folder's weights as the plan sees them (bytes per component, the LoRA's parameters over the targeted
-    linears, the depth) and a sample's tokens (the family's latent grid and the prompt's tokens). With
+    linears, the depth) and a sample's tokens (the family's image tokens and the prompt's). With
     model.init=random a transformer/ without weights is sized from its config (`Family.random_weights`)."""
     from jaxflow import families
     from jaxflow.config import derived
@@ -84,13 +84,13 @@ def model_sizes(cfg, folder: Path) -> planner.ModelSizes:
     lora = sum(cfg.lora.rank * sum(shape) for key, shape, _ in weights["transformer"]
                if len(shape) == 2 and key.endswith(".weight") and key[:-len(".weight")].endswith(targets))
     try:
-        grid = family.grid_hw(folder, cfg)
+        image = family.image_tokens(folder, cfg)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     total = {c: sum(b for *_, b in weights[c]) for c in COMPONENTS}
     return planner.ModelSizes(transformer_bytes=total["transformer"], text_encoder_bytes=total["text_encoder"],
                               vae_bytes=total["vae"], lora_params=lora, layers=family.num_layers(folder),
-                              tokens=grid[0] * grid[1] + derived.text_tokens(cfg)[0])
+                              tokens=image + derived.text_tokens(cfg)[0])
 
 
 def job_of(cfg) -> planner.Job:

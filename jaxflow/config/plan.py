@@ -132,12 +132,13 @@ class RunPlan:
 
 
 def _tokens(cfg, family, folder: Path) -> tuple[int, int, int]:
-    """(image, prompt, negative prompt) tokens of a sample: the latent grid of the folder's family, the text's."""
+    """(image, prompt, negative prompt) tokens of a sample: the family's image tokens (its latent grid and any
+    conditioning images'), the text's."""
     try:
-        grid = family.grid_hw(folder, cfg)
+        image = family.image_tokens(folder, cfg)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    return (grid[0] * grid[1], *derived.text_tokens(cfg))
+    return (image, *derived.text_tokens(cfg))
 
 
 def make_plan(cfg: RunConfig, folder: Path, *, backend: str, devices: int, batch_devices: int, on_hopper: bool) -> RunPlan:

@@ -37,3 +37,22 @@ def test_a_folder_without_transformer_weights_is_sized_from_its_config_only_when
     assert (drawn.lora_params, drawn.layers, drawn.tokens) == (real.lora_params, real.layers, real.tokens)
     assert drawn.transformer_bytes == sum(b for *_, b in family.random_weights(folder)) > 0
     assert (drawn.text_encoder_bytes, drawn.vae_bytes) == (real.text_encoder_bytes, real.vae_bytes)
+
+
+def test_an_edit_sample_counts_its_reference_images_tokens(tiny):
+    """The plan's memory and the fused GEMM's row padding see every image token of a sample: an edit row carries
+    the reference image's latents beside the target's (the transformer's sequence), so twice the grid."""
+    from jaxflow.config import derived, plan
+    from tests.helpers import config_module, ROOT
+    cfg, family, folder = tiny
+    edit = config_module(ROOT / "configs" / "qwen_edit_ocr.py").get_config("tiny")
+    edit.run_dir = cfg.run_dir
+    edit.data.train, edit.data.test = str(ROOT / edit.data.train), str(ROOT / edit.data.test)
+    edit = validation.validate(edit)
+    edit_family, edit_folder = families.of(edit), validation.model_folder(edit)
+    h, w = edit_family.grid_hw(edit_folder, edit)
+    assert edit_family.image_tokens(edit_folder, edit) == 2 * h * w
+    assert machine.model_sizes(edit, edit_folder).tokens == 2 * h * w + derived.text_tokens(edit)[0]
+    assert plan._tokens(edit, edit_family, edit_folder) == (2 * h * w, *derived.text_tokens(edit))
+    h, w = family.grid_hw(folder, cfg)  # text-to-image: the target's grid alone
+    assert machine.model_sizes(cfg, folder).tokens == h * w + derived.text_tokens(cfg)[0]

@@ -98,6 +98,11 @@ class Bagel:
 
     lora_spec_type = bagel_lora.BagelLoRASpec
 
+
+    def image_tokens(self, folder: Path, cfg) -> int:
+        """A sample's image tokens in the sequence: the generated image's latent grid (a text-to-image prompt)."""
+        h, w = self.grid_hw(folder, cfg)
+        return h * w
     def weights_source(self, folder: Path) -> tuple[TensorSource, int]:
         """ema.safetensors' tensors and the LLM's layer count (llm_config.json)."""
         layers = json.loads((folder / "llm_config.json").read_text())["num_hidden_layers"]

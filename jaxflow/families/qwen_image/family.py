@@ -80,6 +80,11 @@ class QwenImage:
         factor = spec.size_multiple(folder)
         return cfg.sample.height // factor, cfg.sample.width // factor
 
+    def image_tokens(self, folder: Path, cfg) -> int:
+        """A sample's image tokens in the transformer's sequence: the target's latent grid."""
+        h, w = self.grid_hw(folder, cfg)
+        return h * w
+
     lora_spec_type = QwenImageLoRASpec
 
     def weights_source(self, folder: Path) -> tuple[TensorSource, int]:

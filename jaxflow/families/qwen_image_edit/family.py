@@ -50,6 +50,10 @@ class QwenImageEdit(QwenImage):
         bounds = spec.TINY_PIXELS if cfg.model.path == self.tiny else spec.pixel_bounds(Path(cfg.model.path))
         return spec.vision_tokens(cfg.sample.height, cfg.sample.width, REFERENCES, bounds)
 
+    def image_tokens(self, folder: Path, cfg) -> int:
+        """The target's latent grid and each reference image's, resized to the sample size (`transformer.py`)."""
+        return super().image_tokens(folder, cfg) * (1 + REFERENCES)
+
     def objective(self, config) -> Objective:
         """Qwen-Image's window log-prob with the batch's reference latents (`objective.EDIT_WINDOW`)."""
         return EDIT_WINDOW
