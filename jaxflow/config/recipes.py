@@ -58,11 +58,8 @@ HELP: dict[str, str] = {
     "rollout.max_retries": "retries of a rollout call on fresh actors after an actor dies",
     "rollout.address": "the Ray cluster to join; '': start a local Ray instance",
     "rollout.sleep_while_training": "True: the engines' weights go to CPU while JAX trains (not with layout 'split')",
-    "rollout.layout": "engines: 'colocated' (trainer's GPUs, in turns), 'split' (own GPUs), 'in_process' (no "
-                      "Ray), or 'auto': the first that fits the card, colocated, else (one GPU) in_process with "
-                      "the diffusers engine on the trainer's weights (rollout.engine and a too-large "
-                      "train.num_micro_batches follow); colocated without a card; a resume keeps its run's; "
-                      "docs/design.md §3",
+    "rollout.layout": "'colocated' (trainer's GPUs), 'split' (own GPUs), 'in_process' (no Ray), 'auto': the first that "
+                      "fits, else colocated",
     "rollout.overlap": "True: step k+1's rollout runs while step k trains, one step off-policy; needs layout 'split' "
                        "(docs/design.md)",
     "rollout.compile": "diffusers engine only: torch.compile the transformer block",
