@@ -1,5 +1,6 @@
 """`python -m jaxflow.plan --config FILE [--config.KEY=VALUE ...] [--gpus N] [--gpu-memory GiB]`: the machine plan
-(jaxflow/config/machine.py, jaxflow/config/planner.py) for the config, the block every run prints at its start; exit
+(jaxflow/config/machine.py, jaxflow/config/planner.py) for the config, the block every run prints at its start
+(rollout.layout='auto' resolved first, as the run resolves it, on the line before); exit
 2 with one `error:` line when the config cannot fit. The GPUs are nvidia-smi's unless --gpus / --gpu-memory say
 otherwise. Nothing starts: no JAX device, no engine."""
 from __future__ import annotations
@@ -15,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     from ml_collections import config_flags
 
     from jaxflow.config import validation
-    from jaxflow.config.machine import machine_plan
+    from jaxflow.config.machine import machine_plan, resolve_layout
     from jaxflow.run import cli
     argv = list(sys.argv if argv is None else argv)
     problem = cli.config_file_error(argv)
@@ -34,8 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {cli.flag_error(exc, argv)}", file=sys.stderr)
         return 2
     try:
-        validation.validate(cfg)
-        plan = machine_plan(cfg, fv.gpus, fv.gpu_memory)
+        config, chosen = resolve_layout(validation.validate(cfg), fv.gpus, fv.gpu_memory)
+        plan = machine_plan(config, fv.gpus, fv.gpu_memory)
     except (UserError, planner.NoFit) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no GPU found (nvidia-smi): pass --gpu-memory GiB (and --gpus N) to plan for one",
               file=sys.stderr)
         return 2
-    print(plan.summary())
+    print("\n".join(line for line in (chosen, plan.summary()) if line))
     return 0
 
 

@@ -35,6 +35,7 @@ from ml_collections import ConfigDict
 
 from jaxflow.config import derived
 from jaxflow.config import validation as config_lib
+from jaxflow.config.machine import resolve_layout
 from jaxflow.config.sections import RunConfig
 from jaxflow.trainer import compile_times, phases
 from jaxflow.run import gold
@@ -90,7 +91,8 @@ class Trainer:
         self.startup, self._phase_began = {}, None  # seconds per start-up phase, in order
         self.rollout_load_s = None  # the rollout engines' start, from their launch (`_start_rollout_and_step`)
         self.startup_detail = {}  # a phase's breakdown, for the start-up line: the memory plan's compiles by stage
-        self.cfg = cfg = config if isinstance(config, RunConfig) else config_lib.validate(config)
+        cfg = config if isinstance(config, RunConfig) else config_lib.validate(config)
+        self.cfg = cfg = resolve_layout(cfg, resume=resume)[0]  # rollout.layout='auto' (the command line resolved it)
         self._begin("checks")
         maybe_initialize_distributed()
         run_dir_lib.check_shared(Path(cfg.run_dir))

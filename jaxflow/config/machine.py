@@ -3,6 +3,7 @@ safetensors headers, the GPUs from nvidia-smi; `before_jax` sets JAX's share of 
 `compilation_cache` points JAX's persistent cache at the cache folder. `python -m jaxflow.plan` prints it."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 from pathlib import Path
@@ -101,10 +102,9 @@ def job_of(cfg) -> planner.Job:
                        share_weights=bool(r.share_weights))
 
 
-def machine_plan(cfg, gpus: int | None = None, gpu_memory: float | None = None) -> planner.Plan | None:
-    """The validated config's plan on this machine's GPUs (or `gpus` x a `gpu_memory` GiB card); None without a
-    GPU and without `gpu_memory`. NoFit (a UserError line) when it cannot fit."""
-    from jaxflow.config import validation
+def _machine(gpus: int | None = None, gpu_memory: float | None = None) -> tuple[planner.Card, int] | None:
+    """The card and GPU count to plan for: this machine's (nvidia-smi), or `gpus` x a `gpu_memory` GiB card; None
+    without a GPU and without `gpu_memory`."""
     found = local_gpus()
     if gpu_memory is not None:
         card = planner.Card(found[0].name if found and abs(found[0].memory_gib - gpu_memory) < 1
@@ -113,16 +113,99 @@ def machine_plan(cfg, gpus: int | None = None, gpu_memory: float | None = None) 
         card = found[0]
     else:
         return None
-    count = gpus or (found[1] if found else 1)
+    return card, gpus or (found[1] if found else 1)
+
+
+def machine_plan(cfg, gpus: int | None = None, gpu_memory: float | None = None) -> planner.Plan | None:
+    """The validated config's plan on this machine's GPUs (or `gpus` x a `gpu_memory` GiB card); None without a
+    GPU and without `gpu_memory`. NoFit (a UserError line) when it cannot fit."""
+    from jaxflow.config import validation
+    machine = _machine(gpus, gpu_memory)
+    if machine is None:
+        return None
     sizes = model_sizes(cfg, validation.model_folder(cfg))
-    return planner.plan_machine(job_of(cfg), sizes, card, count, planner.load_table())
+    return planner.plan_machine(job_of(cfg), sizes, *machine, planner.load_table())
 
 
-def before_jax(cfg) -> str | None:
+def resolve_layout(cfg, gpus: int | None = None, gpu_memory: float | None = None,
+                   resume: bool = False) -> tuple[object, str | None]:
+    """rollout.layout='auto' resolved once, before the validated config is used: the config with the layout chosen
+    (rollout.layout, rollout.engine, rollout.share_weights, and train.num_micro_batches where that layout needs a
+    smaller micro-batch than the one set), validated again, and the plan block's line saying what was chosen and why.
+    A pinned layout comes back as it is (and None).
+
+    The choice: a resumed run's layout as its newest checkpoint saved it (a smaller micro-batch of it where this card
+    needs one); else on a GPU rollout the first layout that fits the card (`planner.plan_first_fit`): the config's
+    engine colocated, else (one GPU, a family the diffusers engine serves) the diffusers engine in the trainer's
+    process on its weights. Without a card to plan for (a CPU rollout, no GPU found) or where none fits (the plan
+    block then says what would), the first of them."""
+    from jaxflow import families
+    from jaxflow.config import validation
+    from jaxflow.run.run_dir import saved_config
+    r = cfg.rollout
+    if r.layout != "auto":
+        return cfg, None
+    saved = saved_config(Path(cfg.run_dir)) if resume else None
+    old = saved[1].get("rollout", {}) if saved else {}
+    if old.get("layout") in validation.PLACED:
+        layouts = [planner.Layout(old["layout"], old.get("engine", r.engine), bool(old.get("share_weights")))]
+        why = f"the layout of checkpoint {saved[0]}, which --resume continues"
+    else:
+        layouts = [planner.Layout("colocated", r.engine, False)]
+        if "diffusers" in families.of(cfg).engines:
+            layouts.append(planner.Layout("in_process", "diffusers", True))
+        why = ""
+    on_gpu = str(r.device).startswith("cuda")
+    machine = _machine(gpus, gpu_memory) if on_gpu else None
+    chosen, first, micro = layouts[0], layouts[0], None
+    if machine is None:
+        why = why or f"no card to plan for ({'nvidia-smi found no GPU' if on_gpu else f'rollout.device={r.device!r}'})"
+    else:
+        card, count = machine
+        job = dataclasses.replace(job_of(cfg), engine=first.engine, layout=first.name,
+                                  share_weights=first.share_weights)
+        what = f"{count} x {card.name} ({card.memory_gib:.0f} GiB)"
+        try:
+            plan, resized = planner.plan_first_fit(job, model_sizes(cfg, validation.model_folder(cfg)), card, count,
+                                                   planner.load_table(), layouts if count == 1 else layouts[:1])
+        except (UserError, planner.NoFit) as exc:
+            why = why or f"none fits {what} ({exc})"
+        else:
+            chosen, micro = plan.layout, plan.num_micro_batches if resized else None
+            why = why or (f"the first layout that fits {what}" + (
+                f"; {first.name} with the {first.engine} engine does not" if chosen != first else ""))
+    return _with_layout(cfg, chosen, micro, why)
+
+
+def _with_layout(cfg, layout: planner.Layout, micro: int | None, why: str) -> tuple[object, str]:
+    """`cfg` with `layout` (and `micro` micro-batches an update), validated again; the line saying so."""
+    from ml_collections import ConfigDict
+
+    from jaxflow.config import validation
+    user = ConfigDict(cfg.to_dict())
+    user.rollout.update(layout=layout.name, engine=layout.engine, share_weights=layout.share_weights)
+    if micro is not None:
+        user.train.num_micro_batches = micro
+    switched = f" (in place of rollout.engine={cfg.rollout.engine!r})" if layout.engine != cfg.rollout.engine else ""
+    shared = " on the trainer weights" if layout.share_weights else ""
+    line = (f"layout auto: {layout.name}, the {layout.engine} engine{shared}{switched}{f', train.num_micro_batches={micro}' if micro else ''}: {why}")
+    try:
+        return validation.validate(user), line
+    except UserError as exc:
+        raise UserError(f"{exc} ({line}; pin rollout.layout to choose another)") from None
+
+
+def before_jax(cfg, chosen: str | None = None) -> str | None:
     """At a run's start, before JAX initialises: the plan block for this machine's GPUs (None without one, or on a
-    CPU rollout), and JAX's share of each GPU from it (XLA_PYTHON_CLIENT_MEM_FRACTION, a fixed pool) where the user
-    set neither fraction variable (setting both makes jax >= 0.11 ignore the GPU). A plan that cannot be made or
-    does not fit is one `plan:` line; the compiled step's memory check then decides."""
+    CPU rollout), after `chosen` (`resolve_layout`'s line, when rollout.layout was 'auto'), and JAX's share of each
+    GPU from it (XLA_PYTHON_CLIENT_MEM_FRACTION, a fixed pool) where the user set neither fraction variable (setting
+    both makes jax >= 0.11 ignore the GPU). A plan that cannot be made or does not fit is one `plan:` line; the
+    compiled step's memory check then decides."""
+    block = _plan_block(cfg)
+    return "\n".join(line for line in (chosen, block) if line) or None
+
+
+def _plan_block(cfg) -> str | None:
     if not str(cfg.rollout.device).startswith("cuda"):
         return None
     try:

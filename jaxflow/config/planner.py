@@ -196,36 +196,70 @@ def _fit(job: Job, sizes: ModelSizes, card: Card, gpus: int, update: UpdateMemor
     return Plan(card, gpus, layout, m, per_gpu // m, share, round(1 - share, 3), step, speed, tuple(why)), 0.0
 
 
+def _search(job: Job, sizes: ModelSizes, card: Card, gpus: int, table: dict, update: UpdateMemory,
+            layouts: list[Layout]) -> tuple[Plan | None, bool, float, float]:
+    """The first plan that fits, in the order a refusal names them: `layouts[0]` at the job's micro-batch, at a
+    smaller one (train.num_micro_batches set), then the other layouts at the job's micro-batch, then at a smaller one.
+    Returns (that plan or None, whether it takes a smaller micro-batch than the job's, the GiB a GPU needs for
+    `layouts[0]` at its smallest micro-batch, the least GiB of any layout)."""
+    fits = [_fit(job, sizes, card, gpus, update, layout, table) for layout in layouts]
+    (own, short), least = fits[0], min(s for _, s in fits)
+    if own:
+        return own, False, short, least
+    auto = dataclasses.replace(job, micro_batches=None)
+    if job.micro_batches is not None:  # a smaller micro-batch of the same layout
+        smaller, _ = _fit(auto, sizes, card, gpus, update, layouts[0], table)
+        if smaller:
+            return smaller, True, short, least
+    other = next((p for p, _ in fits[1:] if p), None)
+    if other is None and job.micro_batches is not None:  # another layout at a smaller micro-batch
+        other = next((p for p in (_fit(auto, sizes, card, gpus, update, layout, table)[0] for layout in layouts[1:])
+                      if p), None)
+        return other, other is not None, short, least
+    return other, False, short, least
+
+
+def _split(job: Job, gpus: int) -> None:
+    if job.images % (job.mini_batches * gpus):
+        raise NoFit(f"the batch of {job.images} images does not split into {job.mini_batches} mini-batch(es) over "
+                    f"{gpus} GPU(s); use a GPU count that divides {job.images // job.mini_batches}")
+
+
+def _nothing_fits(card: Card, gpus: int, least: float) -> NoFit:
+    return NoFit(f"the model does not fit {gpus} x {card.name} ({card.memory_gib:.0f} GiB) in any layout: at its "
+                 f"smallest micro-batch a GPU needs {least:.0f} GiB; a card with that much memory would fit")
+
+
 def plan_machine(job: Job, sizes: ModelSizes, card: Card, gpus: int, table: dict,
                  update: UpdateMemory | None = None) -> Plan:
     """The plan for `job` on `gpus` x `card`: the config's layout if it fits, else NoFit naming the layout that
     would (its overrides) or the memory a GPU would need."""
-    if job.images % (job.mini_batches * gpus):
-        raise NoFit(f"the batch of {job.images} images does not split into {job.mini_batches} mini-batch(es) over "
-                    f"{gpus} GPU(s); use a GPU count that divides {job.images // job.mini_batches}")
-    update = update or UpdateMemory.from_counts(sizes, table)
+    _split(job, gpus)
     layouts = candidates(job, gpus)
-    fits = [_fit(job, sizes, card, gpus, update, layout, table) for layout in layouts]
-    own, short = fits[0]
-    if own:
-        return own
+    plan, resized, short, least = _search(job, sizes, card, gpus, table,
+                                          update or UpdateMemory.from_counts(sizes, table), layouts)
+    if plan is None:
+        raise _nothing_fits(card, gpus, least)
+    if plan.layout == layouts[0] and not resized:
+        return plan
     what = f"{gpus} x {card.name} ({card.memory_gib:.0f} GiB)"
-    if job.micro_batches is not None:  # a smaller micro-batch of the same layout
-        smaller, _ = _fit(dataclasses.replace(job, micro_batches=None), sizes, card, gpus, update, layouts[0], table)
-        if smaller:
-            raise NoFit(f"train.num_micro_batches={job.micro_batches} does not fit {what}: a GPU would need "
-                        f"{short:.0f} GiB; what fits: --config.train.num_micro_batches={smaller.num_micro_batches} "
-                        f"({smaller.micro_batch} sample(s) per micro-batch)")
-    other, count = next((p for p, _ in fits[1:] if p), None), ""
-    if other is None and job.micro_batches is not None:  # another layout at a smaller micro-batch
-        auto = dataclasses.replace(job, micro_batches=None)
-        other = next((p for p in (_fit(auto, sizes, card, gpus, update, layout, table)[0] for layout in layouts[1:])
-                      if p), None)
-        count = f" --config.train.num_micro_batches={other.num_micro_batches}" if other else ""
-    if other:
-        raise NoFit(f"layout {layouts[0].name} with the {layouts[0].engine} engine does not fit {what}: a GPU would "
-                    f"need {short:.0f} GiB; what fits: {other.layout.overrides()}{count} ({other.micro_batch} "
-                    f"sample(s) per micro-batch)")
-    least = min(s for _, s in fits)
-    raise NoFit(f"the model does not fit {what} in any layout: at its smallest micro-batch a GPU needs {least:.0f} "
-                f"GiB; a card with that much memory would fit")
+    if plan.layout == layouts[0]:
+        raise NoFit(f"train.num_micro_batches={job.micro_batches} does not fit {what}: a GPU would need "
+                    f"{short:.0f} GiB; what fits: --config.train.num_micro_batches={plan.num_micro_batches} "
+                    f"({plan.micro_batch} sample(s) per micro-batch)")
+    count = f" --config.train.num_micro_batches={plan.num_micro_batches}" if resized else ""
+    raise NoFit(f"layout {layouts[0].name} with the {layouts[0].engine} engine does not fit {what}: a GPU would "
+                f"need {short:.0f} GiB; what fits: {plan.layout.overrides()}{count} ({plan.micro_batch} "
+                f"sample(s) per micro-batch)")
+
+
+def plan_first_fit(job: Job, sizes: ModelSizes, card: Card, gpus: int, table: dict, layouts: list[Layout],
+                   update: UpdateMemory | None = None) -> tuple[Plan, bool]:
+    """rollout.layout='auto': the plan of the first of `layouts` that fits, in the order `plan_machine`'s refusal
+    names them, and whether it takes a smaller micro-batch than train.num_micro_batches; NoFit when none fits."""
+    _split(job, gpus)
+    plan, resized, _, least = _search(job, sizes, card, gpus, table,
+                                      update or UpdateMemory.from_counts(sizes, table), layouts)
+    if plan is None:
+        raise _nothing_fits(card, gpus, least)
+    return plan, resized

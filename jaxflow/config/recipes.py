@@ -58,8 +58,8 @@ HELP: dict[str, str] = {
     "rollout.max_retries": "retries of a rollout call on fresh actors after an actor dies",
     "rollout.address": "the Ray cluster to join; '': start a local Ray instance",
     "rollout.sleep_while_training": "True: the engines' weights go to CPU while JAX trains (not with layout 'split')",
-    "rollout.layout": "engines: 'colocated' (trainer's GPUs, in turns), 'split' (own GPUs), 'in_process' (no "
-                      "Ray); docs/design.md §3",
+    "rollout.layout": "'colocated' (trainer's GPUs), 'split' (own GPUs), 'in_process' (no Ray), 'auto': the first that "
+                      "fits, else colocated",
     "rollout.overlap": "True: step k+1's rollout runs while step k trains, one step off-policy; needs layout 'split' "
                        "(docs/design.md)",
     "rollout.compile": "diffusers engine only: torch.compile the transformer block",
@@ -220,8 +220,11 @@ def base() -> ml_collections.ConfigDict:
                      # grows): one H200 0.716 img/GPU/s without, 0.681 with, first sleep 29 s (BENCHMARKS.md, the
                      # recipe on one GPU); the trainer warns if set there
                      sleep_while_training=False,
-                     layout="colocated", overlap=False, compile=False,
-                     # off: only the diffusers engine in the trainer's process (layout "in_process") can share
+                     # "auto": vLLM-Omni colocated where it fits (an H200), else the diffusers engine in the
+                     # trainer's process on its weights (an 80 GB card; BENCHMARKS.md, the recipe on one H100)
+                     layout="auto", overlap=False, compile=False,
+                     # off: only the diffusers engine in the trainer's process (layout "in_process") can share;
+                     # layout "auto" turns it on where it picks that engine
                      share_weights=False,
                      # "auto": vLLM-Omni serves the LoRA merged into its base weights, restored from a host copy
                      # while JAX trains: the recipe 1.064x on one H200 (1.045 against 0.982 img/GPU/s with LoRA
@@ -311,7 +314,8 @@ def tiny(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.run_dir = "runs/tiny_ocr"
     c.model.update(path="tiny", dtype="float32", param_dtype="float32", remat="none", scan_unroll=1)
     c.lora.update(rank=8, alpha=16.0)
-    c.rollout.update(engine="diffusers", dtype="float32", device="cpu", num_gpus=0.0, sleep_while_training=False)
+    c.rollout.update(engine="diffusers", dtype="float32", device="cpu", num_gpus=0.0, sleep_while_training=False,
+                     layout="colocated")
     c.sample.update(height=40, width=72, num_steps=4, window_range=(0, 3), prompts_per_step=4, group_size=4,
                     prompts_per_call=2)
     c.train.update(num_steps=10, num_micro_batches=1, num_mini_batches=1, old_log_prob="rollout", xla_options={})

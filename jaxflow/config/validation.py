@@ -37,7 +37,8 @@ def config_module(path: str | Path) -> ModuleType:
     return module
 
 
-LAYOUTS = ("colocated", "split", "in_process")  # rollout.layout (jaxflow/config/recipes.py)
+PLACED = ("colocated", "split", "in_process")  # the layouts a run takes (jaxflow/config/recipes.py rollout.layout)
+LAYOUTS = ("auto", *PLACED)  # rollout.layout: 'auto' is resolved once to one of PLACED (machine.resolve_layout)
 LORA_APPLY_CHOICES = ("auto", "merged", "layers", "folder")  # rollout.lora_apply: 'auto' or an engine's lora_apply
 
 

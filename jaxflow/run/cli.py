@@ -181,13 +181,14 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
                     f"(continue with --resume if there are any)", unwind=True)
     try:
         config = config_lib.validate(cfg)  # the one validation of this process: the trainer takes its result
+        from jaxflow.config.machine import before_jax, compilation_cache, resolve_layout
+        config, chosen = resolve_layout(config, resume=FLAGS.resume)  # rollout.layout='auto', once
         finished = run_dir_lib.preflight(config, resume=FLAGS.resume, overwrite=FLAGS.overwrite,
                                          allow_config_changes=FLAGS.allow_config_changes)
         if finished:
             print(finished)
             return 0
-        from jaxflow.config.machine import before_jax, compilation_cache
-        machine = before_jax(config)  # JAX's share of each GPU, set before JAX starts
+        machine = before_jax(config, chosen)  # JAX's share of each GPU, set before JAX starts
         compilation_cache(config.train.compile_cache)
         ray_logs = _start_ray(config, FLAGS.verbose)
         trainer = trainer_class(config, resume=FLAGS.resume)

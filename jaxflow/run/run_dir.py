@@ -74,6 +74,11 @@ def config_changes(saved: dict, current: dict) -> list[str]:
             and not any(k == n or k.startswith(n + ".") for n in NOT_TRAINING)]
 
 
+def saved_config(run_dir: Path) -> tuple[int, dict] | None:
+    """(step, config) of the run's newest checkpoint whose metadata reads; None without one."""
+    return _saved_config(run_dir, checkpoint_steps(run_dir))
+
+
 def _saved_config(run_dir: Path, steps: list[int]) -> tuple[int, dict] | None:
     """(step, config) of the newest checkpoint whose metadata reads."""
     for step in steps:
