@@ -188,7 +188,8 @@ def _with_layout(cfg, layout: planner.Layout, micro: int | None, why: str) -> tu
         user.train.num_micro_batches = micro
     switched = f" (in place of rollout.engine={cfg.rollout.engine!r})" if layout.engine != cfg.rollout.engine else ""
     shared = " on the trainer weights" if layout.share_weights else ""
-    line = (f"layout auto: {layout.name}, the {layout.engine} engine{shared}{switched}{f', train.num_micro_batches={micro}' if micro else ''}: {why}")
+    count = f", train.num_micro_batches={micro}" if micro else ""
+    line = f"layout auto: {layout.name}, the {layout.engine} engine{shared}{switched}{count}: {why}"
     try:
         return validation.validate(user), line
     except UserError as exc:
