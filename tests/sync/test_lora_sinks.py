@@ -168,3 +168,27 @@ def test_merged_bf16_deltas_within_half_an_ulp_of_the_weight_still_tell_a_stale_
         sink.apply(payload(2, b_scale))
         assert differing(want, sink.served(payload(2, scale))) == caught, b_scale
         sink.release()
+
+
+@pytest.mark.parametrize("mode", ["layers", "merged"])
+def test_a_bf16_shared_file_of_the_trainers_float32_lora_is_checked_against_the_float32_deltas(mode):
+    """The trainer casts its float32 LoRA to the engine's bf16 in the shared file and expects the float32 factors'
+    deltas: the bound counts that cast although the engine keeps the payload's dtype; a stale adapter is caught."""
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(96, 80)).to(torch.bfloat16)
+    with torch.no_grad():
+        model[0].weight.normal_()
+    rng = np.random.default_rng(5)
+    tensors = {"0.lora_A.weight": rng.normal(0, 0.1, (4, 96)).astype(np.float32),
+               "0.lora_B.weight": rng.normal(0, 0.1, (80, 4)).astype(np.float32)}
+    file = SharedAdapterFile("bfloat16")
+    try:
+        payload = LoRAPayload(1, CONFIG, shared=file.write_arrays(tensors))
+        sink = make_sink(mode, model)
+        sink.apply(payload)
+        probe = sink.served(payload)
+        assert differing(expected_served(LoRAPayload(1, CONFIG, tensors=tensors)), probe) == []
+        stale = {k: v * (1.5 if "lora_B" in k else 1.0) for k, v in tensors.items()}
+        assert differing(expected_served(LoRAPayload(1, CONFIG, tensors=stale)), probe) == ["0"]
+    finally:
+        file.close()
