@@ -82,7 +82,8 @@ def product_tolerance(a: np.ndarray, b: np.ndarray, scale: float, rows, cols, pe
     a64, b64 = np.abs(np.asarray(a, np.float64)), np.abs(np.asarray(b, np.float64))
     magnitude = abs(float(scale)) * np.einsum("kr,rk->k", b64[rows], a64[:, cols])
     rank = a64.shape[0]
-    return magnitude * (2.0 * per_factor + (rank + 2) * UNIT_ROUNDOFF["float32"]) + np.finfo(np.float32).tiny
+    product = (2.0 + per_factor) * per_factor  # (1 + u) ** 2 - 1: both factors rounded
+    return magnitude * (product + (rank + 2) * UNIT_ROUNDOFF["float32"]) + np.finfo(np.float32).tiny
 
 
 def merged_error(base: np.ndarray, delta_magnitude: np.ndarray, rank: int, per_factor: float) -> np.ndarray:
@@ -91,8 +92,9 @@ def merged_error(base: np.ndarray, delta_magnitude: np.ndarray, rank: int, per_f
     added to W_base (exact) in float32."""
     magnitude = np.abs(np.asarray(delta_magnitude, np.float64))
     u32 = UNIT_ROUNDOFF["float32"]
-    return (magnitude * (2.0 * per_factor + (int(rank) + 2) * u32) + (np.abs(np.asarray(base, np.float64))
-            + magnitude) * u32 + np.finfo(np.float32).tiny)
+    product = (2.0 + per_factor) * per_factor  # (1 + u) ** 2 - 1: both factors rounded
+    return (magnitude * (product + (int(rank) + 2) * u32) + (np.abs(np.asarray(base, np.float64)) + magnitude) * u32
+            + np.finfo(np.float32).tiny)
 
 
 def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
