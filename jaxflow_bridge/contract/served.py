@@ -5,7 +5,15 @@ The probe is a fixed sample: up to `PROBE_MODULES` of the payload's modules (a w
 moves with the version, so every module is read within a few syncs) and `PROBE_ELEMENTS` (row, column) positions of
 each, chosen from the module's name and shape alone. At each position the engine reports the served delta of the
 adapted weight, scale * (B @ A)[row, col]: from the LoRA layer it binds (layers, folder), or W - W_base (merged),
-each with its own rounding bound, so a served value is right when |served - expected| <= tolerance.
+each with its own rounding bound.
+
+Layers: a served delta is right when |served - expected| <= its tolerance. Merged: the engine also reports the base
+values W_base (exact in the weight's dtype) and that dtype, and its tolerance bounds the arithmetic error of
+W_base + delta before the one rounding into the dtype, so the trainer predicts the served weight itself: right when
+round(W_base + expected - tolerance) <= W <= round(W_base + expected + tolerance), round-to-nearest-even into the
+dtype (`round_to`). That is as sharp as the arithmetic: a merged bf16 weight whose delta is below half an ulp serves
+the base value there, the check predicts that, and a stale or missing adapter differs wherever its weight rounds
+differently, not only where it is off by an ulp.
 """
 from __future__ import annotations
 
@@ -21,6 +29,8 @@ PROBE_MODULES = 32
 PROBE_ELEMENTS = 64
 # unit roundoff (half an ulp at 1) of the dtypes an engine stores weights in
 UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+# (significand bits with the implicit one, exponent of the least normal, of the largest) of the same dtypes
+FORMATS = {"float32": (24, -126, 127), "bfloat16": (8, -126, 127), "float16": (11, -14, 15)}
 
 
 def probe_modules(modules: Sequence[str], version: int, limit: int = PROBE_MODULES) -> list[str]:
@@ -66,56 +76,87 @@ def expected_probe(tensors: Mapping, scale: float, version: int) -> dict[str, np
             for m, (a, b) in ((m, pairs[m]) for m in probe_modules(pairs, version))}
 
 
-def product_tolerance(a: np.ndarray, b: np.ndarray, scale: float, rows, cols, stored: str, rounded: bool) -> np.ndarray:
-    """The bound on a served scale * (B @ A)[row, col] computed in float32 from factors stored in dtype `stored`:
-    each factor rounded once into it when `rounded` (the engine cast the payload), then r products summed."""
+def product_tolerance(a: np.ndarray, b: np.ndarray, scale: float, rows, cols, per_factor: float) -> np.ndarray:
+    """The bound on a served scale * (B @ A)[row, col] computed in float32 from factors each rounded once with unit
+    roundoff `per_factor` (0: held exactly), then r products summed."""
     a64, b64 = np.abs(np.asarray(a, np.float64)), np.abs(np.asarray(b, np.float64))
     magnitude = abs(float(scale)) * np.einsum("kr,rk->k", b64[rows], a64[:, cols])
-    per_factor = UNIT_ROUNDOFF[stored] if rounded else 0.0
     rank = a64.shape[0]
-    return magnitude * (2.0 * per_factor + (rank + 2) * UNIT_ROUNDOFF["float32"]) + np.finfo(np.float32).tiny
+    product = (2.0 + per_factor) * per_factor  # (1 + u) ** 2 - 1: both factors rounded
+    return magnitude * (product + (rank + 2) * UNIT_ROUNDOFF["float32"]) + np.finfo(np.float32).tiny
 
 
-def merged_tolerance(served_weights: np.ndarray, stored: str, delta_magnitude: np.ndarray) -> np.ndarray:
-    """The bound on a served W - W_base, where W = round(W_base + delta) is stored in dtype `stored` (W_base exact):
-    half an ulp of W plus the float32 rounding of the delta's computation."""
-    w = np.abs(np.asarray(served_weights, np.float64))
-    return (w * UNIT_ROUNDOFF[stored] + np.abs(delta_magnitude) * 4 * UNIT_ROUNDOFF["float32"]
+def merged_error(base: np.ndarray, delta_magnitude: np.ndarray, rank: int, per_factor: float) -> np.ndarray:
+    """The bound on W_base + scale * (B @ A) as an engine computes it before rounding into W's dtype: each factor
+    rounded once with unit roundoff `per_factor` (0: held exactly), r products summed and scaled in float32, then
+    added to W_base (exact) in float32."""
+    magnitude = np.abs(np.asarray(delta_magnitude, np.float64))
+    u32 = UNIT_ROUNDOFF["float32"]
+    product = (2.0 + per_factor) * per_factor  # (1 + u) ** 2 - 1: both factors rounded
+    return (magnitude * (product + (int(rank) + 2) * u32) + (np.abs(np.asarray(base, np.float64)) + magnitude) * u32
             + np.finfo(np.float32).tiny)
+
+
+def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float64 `x` rounded to nearest, ties to even, into `dtype` (a key of FORMATS; subnormals and overflow to inf
+    as IEEE rounds), as float64."""
+    bits, least, largest = FORMATS[dtype]
+    x = np.asarray(x, np.float64)
+    exponent = np.frexp(x)[1]  # |x| in [2 ** (exponent - 1), 2 ** exponent)
+    quantum = np.ldexp(1.0, np.maximum(exponent - 1, least) - (bits - 1))
+    with np.errstate(invalid="ignore"):
+        out = np.rint(x / quantum) * quantum
+    top = (2.0 - 2.0 ** (1 - bits)) * 2.0 ** largest
+    return np.where(np.abs(out) > top, np.copysign(np.inf, x), out)
 
 
 @dataclasses.dataclass(frozen=True)
 class ServedProbe:
     """An engine's answer for policy `version`: how many modules it binds, and per probed module the served deltas at
-    `probe_positions` with their tolerances (plain lists, so it crosses Ray and JSON as is)."""
+    `probe_positions` with their tolerances; for a merged module also its base values there (`bases`) and its
+    weight's dtype (`dtypes`), which make its tolerance the bound before rounding (module docstring). Plain lists,
+    so it crosses Ray and JSON as is."""
 
     version: int
     bound_modules: int
     deltas: Mapping[str, Sequence[float]]
     tolerances: Mapping[str, Sequence[float]]
+    bases: Mapping[str, Sequence[float]] = dataclasses.field(default_factory=dict)
+    dtypes: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {"version": int(self.version), "bound_modules": int(self.bound_modules),
                 "deltas": {m: [float(x) for x in v] for m, v in self.deltas.items()},
-                "tolerances": {m: [float(x) for x in v] for m, v in self.tolerances.items()}}
+                "tolerances": {m: [float(x) for x in v] for m, v in self.tolerances.items()},
+                "bases": {m: [float(x) for x in v] for m, v in self.bases.items()},
+                "dtypes": {m: str(d) for m, d in self.dtypes.items()}}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "ServedProbe":
-        return cls(int(d["version"]), int(d["bound_modules"]), dict(d["deltas"]), dict(d["tolerances"]))
+        return cls(int(d["version"]), int(d["bound_modules"]), dict(d["deltas"]), dict(d["tolerances"]),
+                   dict(d["bases"]), dict(d["dtypes"]))
 
 
 def differing(want: Mapping[str, np.ndarray], served: ServedProbe) -> list[str]:
-    """The probed modules whose served deltas are off `want` (module: expected values) by more than their
-    tolerance, or that the engine did not report, sorted; positions whose expected value is NaN are not compared."""
+    """The probed modules whose served values are off `want` (module: expected deltas) by more than their bound
+    (module docstring), or that the engine did not report, sorted; positions whose expected value is NaN are not
+    compared."""
     bad = []
     for module, values in want.items():
         got = served.deltas.get(module)
         tol = served.tolerances.get(module)
-        if got is None or tol is None or len(got) != len(values):
+        if got is None or tol is None or len(got) != len(values) or not _within(module, values, got, tol, served):
             bad.append(module)
-        else:
-            exact = np.asarray(values, np.float64)
-            within = np.abs(np.asarray(got, np.float64) - exact) <= np.asarray(tol)  # a NaN served is not within
-            if np.any(~within & ~np.isnan(exact)):  # an expected NaN: beyond float32's range (`expected`)
-                bad.append(module)
     return sorted(bad)
+
+
+def _within(module: str, values, got, tol, served: ServedProbe) -> bool:
+    exact, got, tol = (np.asarray(x, np.float64) for x in (values, got, tol))
+    if module in served.bases:
+        base, dtype = np.asarray(served.bases[module], np.float64), served.dtypes[module]
+        weight, centre = base + got, base + exact  # base + (W - base) is W: both exact in W's dtype
+        tol = tol + np.abs(centre) * 2.0 ** -52  # float64's own rounding of the sums here
+        within = (round_to(centre - tol, dtype) <= weight) & (weight <= round_to(centre + tol, dtype))
+    else:
+        within = np.abs(got - exact) <= tol  # a NaN served is not within
+    return not np.any(~within & ~np.isnan(exact))  # an expected NaN: beyond float32's range (`expected`)

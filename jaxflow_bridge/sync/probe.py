@@ -4,8 +4,13 @@ its own memory at the probe's fixed positions, with the rounding bound of its ap
 `probe_targets(payload, to_engine)` picks the probed modules (PEFT names, as the payload names them) and their
 positions, and gathers the payload's own factors there on the host (the bound's magnitudes). A sink then reads, per
 module, either its LoRA factors (`layers_probe`: one gather of B's rows and A's columns on the weights' device, the
-product in float32) or its merged weight and the base copy it keeps (`merged_probe`: W[rows, cols] - W_base[rows, cols]).
-Only the probed modules are read, a few dozen values each; one device-to-host copy in all.
+product in float32) or its merged weight and the base copy it keeps (`merged_probe`: W[rows, cols] -
+W_base[rows, cols], with W_base there and W's dtype, so the trainer predicts W's rounding: contract/served.py). Only
+the probed modules are read, a few dozen values each; one device-to-host copy in all.
+
+The bounds count one rounding of each factor wherever the engine's dtype or the payload's is coarser than float32:
+the trainer's LoRA is float32, and a payload in bf16 was cast from it (the shared file), so the engine's factors
+are not the trainer's even where the engine keeps the payload's dtype.
 """
 from __future__ import annotations
 
@@ -17,8 +22,8 @@ import torch
 
 from jaxflow_bridge.contract.lora import lora_module, lora_pairs
 from jaxflow_bridge.contract.lora_payload import LoRAPayload
-from jaxflow_bridge.contract.served import (UNIT_ROUNDOFF, ServedProbe, merged_tolerance, probe_modules,
-                                            probe_positions, product_tolerance)
+from jaxflow_bridge.contract.served import (UNIT_ROUNDOFF, ServedProbe, merged_error, probe_modules, probe_positions,
+                                            product_tolerance)
 from jaxflow_bridge.rollout.tensors import torch_to_numpy
 
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -27,8 +32,7 @@ DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "
 @dataclasses.dataclass(frozen=True)
 class Target:
     """One probed module: its PEFT name, its name on the engine, its positions and the payload's factors there
-    (a (r, k) = A[:, cols], b (k, r) = B[rows], float64, unscaled), and whether the payload held them exactly in
-    a float format of at most 32 bits."""
+    (a (r, k) = A[:, cols], b (k, r) = B[rows], float64, unscaled), and the payload's dtypes."""
 
     module: str
     engine: str
@@ -36,11 +40,15 @@ class Target:
     cols: np.ndarray
     a: np.ndarray
     b: np.ndarray
-    dtype: str
+    dtypes: tuple[str, ...]
 
-    def rounded(self, stored: str) -> bool:
-        """Whether storing the payload's factors in dtype `stored` may round them."""
-        return self.dtype != stored and not (stored == "float32" and self.dtype in UNIT_ROUNDOFF)
+    def roundoff(self, stored: str) -> float:
+        """The unit roundoff of the one rounding the engine's factors, held in dtype `stored`, may have had on their
+        way from the trainer's float32 values (or a wider payload's): the coarser of `stored` and the payload's
+        dtypes; 0.0 where both are float32 (held exactly)."""
+        coarsest = max(UNIT_ROUNDOFF.get(d, 0.0) for d in (stored, *self.dtypes))
+        wider = any(d not in UNIT_ROUNDOFF for d in self.dtypes)  # float64: rounded even into float32
+        return coarsest if coarsest > UNIT_ROUNDOFF["float32"] or wider else 0.0
 
 
 def _host(x, rows=None, cols=None) -> np.ndarray:
@@ -68,9 +76,8 @@ def probe_targets(payload: LoRAPayload, adapter: Callable[[dict], dict] | None =
     for m in names:
         a, b = pairs[m]
         rows, cols = probe_positions(m, (b.shape[0], a.shape[1]))
-        dtypes = {str(x.dtype).removeprefix("torch.") for x in (a, b)}
-        dtype = dtypes.pop() if len(dtypes) == 1 else "mixed"
-        out.append(Target(m, renamed[m], rows, cols, _host(a, cols=cols), _host(b, rows=rows), dtype))
+        dtypes = tuple(sorted({str(x.dtype).removeprefix("torch.") for x in (a, b)}))
+        out.append(Target(m, renamed[m], rows, cols, _host(a, cols=cols), _host(b, rows=rows), dtypes))
     return out
 
 
@@ -82,19 +89,18 @@ def layers_probe(payload: LoRAPayload, targets: list[Target], factors: Callable[
                  bound: int) -> ServedProbe:
     """The served deltas of LoRA layers: `factors(engine module)` -> (A (r, in), B (out, r), scale) as the engine
     holds them, or None where nothing is bound (zeros served). The bound: `product_tolerance` of the payload's
-    factors, rounded once into the layers' dtype unless both are float32."""
+    factors, each rounded once (`Target.roundoff`)."""
     deltas, tolerances, found = {}, {}, {}
     for t in targets:
         held = factors(t.engine)
         if held is None:
             deltas[t.module] = np.zeros(len(t.rows))
-            tolerances[t.module] = product_tolerance(t.a, t.b, payload.scale, *_diag(t), "float32", False)
+            tolerances[t.module] = product_tolerance(t.a, t.b, payload.scale, *_diag(t), 0.0)
             continue
         a, b, scale = held
         rows, cols = (torch.from_numpy(i).to(a.device) for i in (t.rows, t.cols))
         found[t.module] = scale * (b[rows].float() * a[:, cols].float().T).sum(1)
-        stored = DTYPES[a.dtype]
-        tolerances[t.module] = product_tolerance(t.a, t.b, payload.scale, *_diag(t), stored, t.rounded(stored))
+        tolerances[t.module] = product_tolerance(t.a, t.b, payload.scale, *_diag(t), t.roundoff(DTYPES[a.dtype]))
     deltas.update(_to_host(found))
     return ServedProbe(payload.version, bound, deltas, tolerances)
 
@@ -103,27 +109,25 @@ def merged_probe(payload: LoRAPayload, targets: list[Target], weights: Callable[
                  bound: int) -> ServedProbe:
     """The served deltas of merged weights: `weights(engine module)` -> (W, W_base, first row) with W the
     adapted weight on its device and W_base its exact base copy (host), or None where nothing is merged (zeros
-    served); the bound: `merged_tolerance` in W's dtype, plus each factor's rounding into it where the sink cast
-    the payload to W's dtype before merging (arrays in float32 into bf16 weights)."""
-    deltas, tolerances, served, base, stored = {}, {}, {}, {}, {}
+    served, bounded as unbound layers are); with W_base at the positions and W's dtype, and as the bound
+    `merged_error`: the error of W_base + delta before W's rounding, each factor rounded once (`Target.roundoff`)."""
+    deltas, tolerances, served, bases, dtypes = {}, {}, {}, {}, {}
     for t in targets:
         held = weights(t.engine)
         if held is None:
             deltas[t.module] = np.zeros(len(t.rows))
-            tolerances[t.module] = merged_tolerance(np.zeros(len(t.rows)), "float32", _magnitude(t, payload.scale))
+            tolerances[t.module] = product_tolerance(t.a, t.b, payload.scale, *_diag(t), 0.0)
             continue
         w, w_base, row = held
         rows, cols = torch.from_numpy(t.rows + row), torch.from_numpy(t.cols)
         served[t.module] = w[rows.to(w.device), cols.to(w.device)].float()
-        base[t.module] = w_base[rows.to(w_base.device), cols.to(w_base.device)].double().cpu().numpy()
-        stored[t.module] = DTYPES[w.dtype]
+        bases[t.module] = w_base[rows.to(w_base.device), cols.to(w_base.device)].double().cpu().numpy()
+        dtypes[t.module] = DTYPES[w.dtype]
     for m, w in _to_host(served).items():
         t = next(t for t in targets if t.module == m)
-        deltas[m] = w - base[m]
-        magnitude = _magnitude(t, payload.scale)
-        cast = 2 * UNIT_ROUNDOFF[stored[m]] * magnitude if t.rounded(stored[m]) else 0.0
-        tolerances[m] = merged_tolerance(w, stored[m], magnitude) + cast
-    return ServedProbe(payload.version, bound, deltas, tolerances)
+        deltas[m] = w - bases[m]
+        tolerances[m] = merged_error(bases[m], _magnitude(t, payload.scale), t.a.shape[0], t.roundoff(dtypes[m]))
+    return ServedProbe(payload.version, bound, deltas, tolerances, bases, dtypes)
 
 
 def _diag(t: Target) -> tuple[np.ndarray, np.ndarray]:

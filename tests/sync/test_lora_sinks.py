@@ -7,7 +7,7 @@ import torch
 from jaxflow_bridge.contract.lora import adapter_config
 from jaxflow_bridge.contract.lora_payload import LoRAPayload
 from jaxflow_bridge.contract.lora_shm import SharedAdapterFile
-from jaxflow_bridge.contract.served import ServedProbe, differing
+from jaxflow_bridge.contract.served import ServedProbe, differing, probe_positions
 from jaxflow_bridge.engines.diffusers import DiffusersEngine
 from jaxflow_bridge.sync.sinks import make_sink
 from tests.helpers import expected_served
@@ -119,9 +119,9 @@ def test_a_module_the_sink_did_not_bind_reports_zeros(tiny_path):
     assert not any(probe.deltas[f"transformer_blocks.{i}.attn.to_q"].any() for i in range(2))
 
 
-def test_merged_in_bfloat16_is_within_half_an_ulp_of_a_real_bf16_linear():
-    """A real bf16 Linear (weights of magnitude 1, so the merge rounds): W - W_base within `merged_tolerance`; the
-    same payload read as layers in bf16 within `product_tolerance`."""
+def test_merged_in_bfloat16_is_predicted_for_a_real_bf16_linear():
+    """A real bf16 Linear (weights of magnitude 1, so the merge rounds): the served W is the predicted rounding of
+    W_base + delta; the same payload read as layers in bf16 within `product_tolerance`."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(96, 80)).to(torch.bfloat16)
     with torch.no_grad():
@@ -141,3 +141,54 @@ def test_merged_in_bfloat16_is_within_half_an_ulp_of_a_real_bf16_linear():
         if mode == "merged":
             assert not np.any(sink.served(payload).deltas["0"])  # the bare base while it is restored
             sink.apply(payload)
+
+
+def test_merged_bf16_deltas_within_half_an_ulp_of_the_weight_still_tell_a_stale_or_no_adapter_apart():
+    """The GPU case: bf16 weights and a young adapter whose deltas are all within |W| / 256 (half an ulp of W at
+    most), below half an ulp at most positions, so merging it leaves most weights as they were. The right adapter
+    passes; the previous version's (0.7 of this B) and one that changes nothing (B = 0) are caught, where they round
+    W_base + delta to another neighbour than the right one does."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(96, 80)).to(torch.bfloat16)
+    with torch.no_grad():  # |W| in [1.5, 2): half an ulp is 2 ** -8, |W| / 256 at least 1.5 * 2 ** -8
+        model[0].weight.copy_(torch.sign(torch.randn(80, 96)) * (1.5 + 0.5 * torch.rand(80, 96)))
+    rng = np.random.default_rng(7)
+    a, b = rng.normal(0, 0.1, (4, 96)).astype(np.float32), rng.normal(0, 0.1, (80, 4)).astype(np.float32)
+
+    def payload(version, b_scale):
+        return LoRAPayload(version, CONFIG, tensors={"0.lora_A.weight": a, "0.lora_B.weight": b * b_scale})
+
+    rows, cols = probe_positions("0", (80, 96))
+    scale = 5.5e-3 / np.abs(expected_served(payload(1, 1.0))["0"]).max()  # the largest delta: 5.5e-3
+    want = expected_served(payload(2, scale))
+    weight = model[0].weight.detach().float().numpy()[rows, cols]
+    assert np.all(np.abs(want["0"]) < np.abs(weight) / 256) and np.mean(np.abs(want["0"]) < 2.0 ** -8) > 0.8
+    for b_scale, caught in ((scale, []), (0.7 * scale, ["0"]), (0.0, ["0"])):
+        sink = make_sink("merged", model)
+        sink.apply(payload(2, b_scale))
+        assert differing(want, sink.served(payload(2, scale))) == caught, b_scale
+        sink.release()
+
+
+@pytest.mark.parametrize("mode", ["layers", "merged"])
+def test_a_bf16_shared_file_of_the_trainers_float32_lora_is_checked_against_the_float32_deltas(mode):
+    """The trainer casts its float32 LoRA to the engine's bf16 in the shared file and expects the float32 factors'
+    deltas: the bound counts that cast although the engine keeps the payload's dtype; a stale adapter is caught."""
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(96, 80)).to(torch.bfloat16)
+    with torch.no_grad():
+        model[0].weight.normal_()
+    rng = np.random.default_rng(5)
+    tensors = {"0.lora_A.weight": rng.normal(0, 0.1, (4, 96)).astype(np.float32),
+               "0.lora_B.weight": rng.normal(0, 0.1, (80, 4)).astype(np.float32)}
+    file = SharedAdapterFile("bfloat16")
+    try:
+        payload = LoRAPayload(1, CONFIG, shared=file.write_arrays(tensors))
+        sink = make_sink(mode, model)
+        sink.apply(payload)
+        probe = sink.served(payload)
+        assert differing(expected_served(LoRAPayload(1, CONFIG, tensors=tensors)), probe) == []
+        stale = {k: v * (1.5 if "lora_B" in k else 1.0) for k, v in tensors.items()}
+        assert differing(expected_served(LoRAPayload(1, CONFIG, tensors=stale)), probe) == ["0"]
+    finally:
+        file.close()

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+import torch
 from flax import nnx
 
 from jaxflow.families.qwen_image.loading import load_transformer
@@ -22,8 +23,9 @@ from jaxflow.sync.transport import LoRASync
 from jaxflow.sync.verify import SyncMismatch, expected_of
 from jaxflow_bridge.contract.lora import lora_pairs
 from jaxflow_bridge.contract.lora_payload import LoRAPayload
-from jaxflow_bridge.contract.served import (PROBE_MODULES, ServedProbe, expected_probe, probe_modules, probe_positions,
-                                            product_tolerance)
+from jaxflow_bridge.contract.served import (PROBE_MODULES, UNIT_ROUNDOFF, ServedProbe, expected_probe, probe_modules,
+                                            probe_positions, product_tolerance)
+from jaxflow_bridge.sync.sinks import make_sink
 from jaxflow_bench.sync_verify import lora_state as sized_lora_state
 from tests import HANG_S
 from tests.helpers import ROOT
@@ -62,9 +64,39 @@ class Engine:
                 a, b = self.held[m]
                 rows, cols = probe_positions(m, (b.shape[0], a.shape[1]))
                 deltas[m] = (scale * (b[rows] * a[:, cols].T).sum(1)).astype(np.float32).tolist()
-                tolerances[m] = product_tolerance(a, b, scale, rows, cols, "bfloat16", rounded=True).tolist()
+                tolerances[m] = product_tolerance(a, b, scale, rows, cols, UNIT_ROUNDOFF["bfloat16"]).tolist()
         served = ServedProbe(version, len(self.held), deltas, tolerances)
         return {"version": version, "bound_modules": len(self.held), "served": served.to_dict()}
+
+
+class MergedEngine:
+    """A stand-in engine that merges what it is sent into bf16 weights of |W| in [1.5, 2) (the sinks' `MergedLoRA`),
+    answering with the merged sink's own probe."""
+
+    def __init__(self):
+        self.sink, self.calls = None, []
+
+    def update_lora(self, tensors, version, config):
+        self.calls.append(version)
+        payload = LoRAPayload(version, config, tensors=tensors)
+        if self.sink is None:
+            model = torch.nn.Module()
+            for m, (a, b) in sorted(lora_pairs(tensors).items()):
+                *path, leaf = m.split(".")
+                parent = model
+                for part in path:
+                    if not hasattr(parent, part):
+                        parent.add_module(part, torch.nn.Module())
+                    parent = parent.get_submodule(part)
+                linear = torch.nn.Linear(a.shape[1], b.shape[0], bias=False, dtype=torch.bfloat16)
+                with torch.no_grad():
+                    linear.weight.copy_(torch.sign(torch.randn(linear.weight.shape))
+                                        * (1.5 + 0.5 * torch.rand(linear.weight.shape)))
+                parent.add_module(leaf, linear)
+            self.sink = make_sink("merged", model)
+        self.sink.release()
+        bound = self.sink.apply(payload)
+        return {"version": version, "bound_modules": bound, "served": self.sink.served(payload).to_dict()}
 
 
 class Transport:
@@ -221,6 +253,36 @@ def test_the_injected_fault_sends_the_previous_version_and_is_caught_at_that_ver
     s.serve(lora_state(2), 2)
     with pytest.raises(SyncMismatch, match="does not serve version 3: 24 of 24 probed modules differ"):
         s.serve(lora_state(3), 3)
+    assert engine.calls == [1, 2, 3, 3]
+
+
+def test_a_merged_engine_sent_the_previous_version_is_caught_while_the_deltas_are_within_half_an_ulp(lora_state):
+    """The GPU case at the sync's level: bf16 merged weights and a young adapter (version v's B is v times a small
+    one: every delta within |W| / 256, half an ulp of W at most); the injected fault (the previous version sent from
+    version 3 on) stops the run at version 3, and without it every version passes."""
+    young = {}
+
+    def lora(version):
+        if not young:
+            state = lora_state(5)
+            peak = max(np.abs(v).max() for v in expected_probe(lora_to_peft(state, SPEC), 2.0, 1).values())
+            young["b"] = jax.tree_util.tree_map_with_path(  # the largest delta of version 3 is 5e-3
+                lambda p, x: x * (5e-3 / 3 / peak if "lora_b" in jax.tree_util.keystr(p) else 1.0), state)
+        return jax.tree_util.tree_map_with_path(
+            lambda p, x: x * (version if "lora_b" in jax.tree_util.keystr(p) else 1.0), young["b"])
+
+    torch.manual_seed(0)
+    healthy = sync([MergedEngine()])
+    for version in (1, 2, 3):
+        assert healthy.serve(lora(version), version) == 24
+    assert healthy.mismatches == 0
+    assert max(np.abs(v).max() for v in expected_of(lora(3), SPEC, 3).deltas.values()) < 1.5 / 256
+    engine = MergedEngine()
+    stale = sync([engine], stale_from=3)
+    stale.serve(lora(1), 1)
+    stale.serve(lora(2), 2)
+    with pytest.raises(SyncMismatch, match="does not serve version 3: "):
+        stale.serve(lora(3), 3)
     assert engine.calls == [1, 2, 3, 3]
 
 
