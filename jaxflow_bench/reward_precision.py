@@ -25,6 +25,8 @@ import argparse
 import gc
 import math
 import re
+import shlex
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -166,6 +168,7 @@ def main(argv=None):
     p.add_argument("--device", default="cuda")
     p.add_argument("--pairs", type=int, default=PAIRS, help="image/prompt pairs scored in each dtype")
     p.add_argument("--out", default=None, help="write OUT/reward_precision.json (else print only)")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as folder:
         flat = figures(Path(folder), args.size, args.device, args.pairs)
@@ -173,7 +176,8 @@ def main(argv=None):
         print(f"{k}: {v:.3g}")
     if args.out:
         a = SIZES[args.size]
-        print(write_result(args.out, "reward_precision", flat, extra={
+        command = shlex.join(["python", "-m", "jaxflow_bench.reward_precision", *argv])
+        print(write_result(args.out, "reward_precision", flat, command=command, extra={
             "size": args.size, "torch": torch.__version__,
             "inputs": f"{args.pairs} seeded images of sizes {SHAPES} (one batch a size) with reward_parity's prompts",
             "models": f"seeded random CLIPs, transformers' initialisation, logit scale 100: vision "
