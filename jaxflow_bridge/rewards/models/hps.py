@@ -92,6 +92,17 @@ def open_clip_to_clip(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return out
 
 
+def clip_config(arch: dict, **extra):
+    """transformers' CLIPConfig of an open_clip CLIP at `arch` (VIT_H_14's layout): GELU, LayerNorm eps 1e-5, the
+    end-of-text token padding; `extra`: further CLIPConfig fields."""
+    from transformers import CLIPConfig
+
+    return CLIPConfig(vision_config={**arch["vision"], "hidden_act": "gelu", "layer_norm_eps": 1e-5},
+                      text_config={**arch["text"], "hidden_act": "gelu", "layer_norm_eps": 1e-5,
+                                   "pad_token_id": arch["text"]["eos_token_id"]},
+                      projection_dim=arch["projection_dim"], **extra)
+
+
 class Hps(ClipReward):
     name = "hps"
     crop = "letterbox"
@@ -111,14 +122,9 @@ class Hps(ClipReward):
         """Checked in __init__: the checkpoint is one file, not a folder."""
 
     def load_model(self, path, dtype: torch.dtype):
-        from transformers import CLIPConfig, CLIPModel
+        from transformers import CLIPModel
 
-        a = self.arch
-        config = CLIPConfig(vision_config={**a["vision"], "hidden_act": "gelu", "layer_norm_eps": 1e-5},
-                            text_config={**a["text"], "hidden_act": "gelu", "layer_norm_eps": 1e-5,
-                                         "pad_token_id": a["text"]["eos_token_id"]},
-                            projection_dim=a["projection_dim"])
-        model = CLIPModel(config)
+        model = CLIPModel(clip_config(self.arch))
         state = torch.load(self.checkpoint, map_location="cpu", weights_only=True)
         state = open_clip_to_clip(state.get("state_dict", state))
         missing, unexpected = model.load_state_dict(state, strict=False)
