@@ -23,10 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = dict(transformer_bytes=int(20.43e9 * 2), text_encoder_bytes=int(8.29e9 * 2), vae_bytes=int(0.127e9 * 2),
               layers=60, tokens=32 * 32 + 96)
 MEMORY_FILE = "fit_micro_batch.json"
-# (file, engine, whether the engine runs on the trainer's weights): each the recipe, one GPU, its engine colocated
-PHASE_FILES = (("e2e_recipe_vllm_omni_1gpu_runner.json", "vllm_omni", False),
-               ("e2e_recipe_diffusers_1gpu.json", "diffusers", False),
-               ("e2e_recipe_diffusers_h100.json", "diffusers", True))
+# (file, engine, whether the engine runs on the trainer's weights, the JAX share of the GPU the run had: its
+# XLA_CLIENT_MEM_FRACTION, the e2e benchmark's 1gpu default or its command's): each the recipe on one GPU
+PHASE_FILES = (("e2e_recipe_vllm_omni_1gpu_runner.json", "vllm_omni", False, 0.56),
+               ("e2e_recipe_diffusers_1gpu.json", "diffusers", False, 0.56),
+               ("e2e_recipe_diffusers_h100.json", "diffusers", True, 0.745))
 
 
 def card_of(device: str) -> tuple[str, float]:
@@ -48,9 +49,9 @@ def memory_row(record: dict) -> tuple[dict, int]:
              "per_sample_per_scale": float(per / scale)}, lora)
 
 
-def phase_row(name: str, record: dict, engine: str, share_weights: bool) -> dict:
-    """Per-image seconds of one e2e result and the engine's working reserve: the process peak less JAX's peak and
-    the weights the engine holds."""
+def phase_row(name: str, record: dict, engine: str, share_weights: bool, jax_share: float) -> dict:
+    """Per-image seconds of one e2e result, the JAX share it ran at, and the engine's working reserve: the GPU's
+    peak less JAX's whole pool (preallocated: `jax_share` of the card) and the weights the engine holds."""
     f = record["figures"]
     images = f["images_per_step"]
     card, gib = card_of(record["device"])
@@ -58,14 +59,14 @@ def phase_row(name: str, record: dict, engine: str, share_weights: bool) -> dict
     return {"file": name, "engine": engine, "share_weights": share_weights, "card": card, "card_gib": round(gib, 2),
             "micro_batch": int(f["micro_batch"]), "rollout_s_per_image": f["rollout_s"] / images,
             "old_log_prob_s_per_image": f["old_log_prob_s"] / images, "update_s_per_image": f["update_s"] / images,
-            "sync_s": f["sync_s"], "reward_s": f["reward_s"],
-            "engine_reserve_gib": round(f["peak_gib"] - f["jax_peak_gib"] - weights / GIB, 2)}
+            "sync_s": f["sync_s"], "reward_s": f["reward_s"], "jax_share": jax_share,
+            "engine_reserve_gib": round(f["peak_gib"] - jax_share * gib - weights / GIB, 2)}
 
 
 def build(results: Path) -> dict:
     memory, _ = memory_row(json.loads((results / MEMORY_FILE).read_text()))
-    phases = [phase_row(name, json.loads((results / name).read_text()), engine, shared)
-              for name, engine, shared in PHASE_FILES]
+    phases = [phase_row(name, json.loads((results / name).read_text()), engine, shared, share)
+              for name, engine, shared, share in PHASE_FILES]
     return {"written_by": "python -m jaxflow_bench.phase_costs", "memory": memory, "phases": phases,
             "default_engine_reserve_gib": max(r["engine_reserve_gib"] for r in phases)}
 

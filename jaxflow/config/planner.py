@@ -167,24 +167,30 @@ def _fit(job: Job, sizes: ModelSizes, card: Card, gpus: int, update: UpdateMemor
     reserve = row["engine_reserve_gib"] if row else table["default_engine_reserve_gib"]
     engine = engine_bytes(sizes, layout, reserve)
     total = card.memory_gib * GIB
-    jax_bytes = total - engine
-    sizes_ok = [m for m in _micro_batches(job, gpus) if update.resident + update.need(m) <= jax_bytes]
+    # JAX's share: the measured run's on its card and model (the engine fitting the rest), else all but the engine's
+    shares = [row["jax_share"]] if row and abs(row["card_gib"] - card.memory_gib) < 1 and \
+        _measured_model(sizes, table) and total * (1 - row["jax_share"]) >= engine else []
+    shares.append(math.floor((total - engine) / total * 1000) / 1000)
+    for share in shares:
+        sizes_ok = [m for m in _micro_batches(job, gpus) if update.resident + update.need(m) <= share * total]
+        if sizes_ok:
+            break
     smallest = _micro_batches(job, gpus)[-1]
     if not sizes_ok:
         return None, (engine + update.resident + update.need(smallest)) / GIB
-    m = sizes_ok[0]
+    m, measured = sizes_ok[0], share != shares[-1]
     per_gpu = job.images // job.mini_batches // gpus
-    share = math.floor(jax_bytes / total * 1000) / 1000
     why = [f"memory from {update.source}: {update.resident / GIB:.1f} GiB resident, the update "
            f"{update.need(m) / GIB:.1f} GiB at {m} sample(s) ({update.per_sample / GIB:.2f} GiB a sample); "
-           f"the engine {engine / GIB:.1f} GiB ({reserve:.1f} GiB working reserve)",
+           f"the engine {engine / GIB:.1f} GiB ({reserve:.1f} GiB working reserve); JAX "
+           + (f"{share} of the GPU as the measured run on this card ({row['file']})" if measured
+              else "the rest of the GPU"),
            f"{m} sample(s) per micro-batch: the largest that fits" if job.micro_batches is None
            else f"{m} sample(s) per micro-batch: train.num_micro_batches={job.micro_batches}"]
     step = speed = None
-    measured = table["memory"]["transformer_bytes"]
-    if row and abs(sizes.transformer_bytes / measured - 1) > 0.1:
-        why.append(f"no prediction: the costs were measured on a {measured / 1e9:.0f} GB transformer, this one is "
-                   f"{sizes.transformer_bytes / 1e9:.2g} GB")
+    if row and not _measured_model(sizes, table):
+        why.append(f"no prediction: the costs were measured on a {table['memory']['transformer_bytes'] / 1e9:.0f} GB "
+                   f"transformer, this one is {sizes.transformer_bytes / 1e9:.2g} GB")
         row = None
     if row:
         images = job.images / gpus
@@ -228,6 +234,11 @@ def _split(job: Job, gpus: int) -> None:
 def _nothing_fits(card: Card, gpus: int, least: float) -> NoFit:
     return NoFit(f"the model does not fit {gpus} x {card.name} ({card.memory_gib:.0f} GiB) in any layout: at its "
                  f"smallest micro-batch a GPU needs {least:.0f} GiB; a card with that much memory would fit")
+
+
+def _measured_model(sizes: ModelSizes, table: dict) -> bool:
+    """Whether the model is the one the table measured (its transformer within 10%)."""
+    return abs(sizes.transformer_bytes / table["memory"]["transformer_bytes"] - 1) <= 0.1
 
 
 def plan_machine(job: Job, sizes: ModelSizes, card: Card, gpus: int, table: dict,

@@ -1,5 +1,6 @@
 """The machine plan for given sizes (jaxflow/config/planner.py) and its cost table (jaxflow_bench/phase_costs.py)."""
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -119,3 +120,30 @@ def test_the_recipes_own_micro_batch_fits_one_h200_with_its_real_lora():
     real = ModelSizes(**phase_costs.RECIPE, lora_params=424_673_280)
     plan = plan_machine(job(micro_batches=8), real, H200, 1, TABLE)
     assert plan.micro_batch == 4 and 0.54 < plan.jax_share < 0.57
+
+
+def test_jax_takes_the_measured_runs_share_on_its_card_and_the_rest_elsewhere():
+    """On a card where the recipe ran, JAX gets the share that run had (0.56 on an H200; on an 80 GB H100 0.745,
+    where 0.72 ran out of memory): the engine's reserve is what it used beside JAX's whole preallocated pool. On
+    another card, or for another model, JAX gets all but the engine's measured need."""
+    plan = plan_machine(job(), RECIPE, H200, 1, TABLE)
+    assert plan.jax_share == 0.56 and "as the measured run on this card" in plan.why[0]
+    shared = plan_machine(job(engine="diffusers", layout="in_process", shared=True), RECIPE, H100, 1, TABLE)
+    assert shared.jax_share == 0.745 and shared.micro_batch == 1
+    other = Card("a 150 GiB card", 150.0)
+    plan = plan_machine(job(), RECIPE, other, 1, TABLE)
+    engine = planner.engine_bytes(RECIPE, plan.layout, planner.costs_for(TABLE, "vllm_omni", False, other)[
+        "engine_reserve_gib"])
+    assert plan.jax_share == math.floor((150 * GIB - engine) / (150 * GIB) * 1000) / 1000
+    assert "the rest of the GPU" in plan.why[0]
+    assert "the rest of the GPU" in plan_machine(job(images=16, engine="diffusers"), TINY, H200, 1, TABLE).why[0]
+
+
+def test_the_engines_reserve_is_its_peak_beside_jaxs_whole_pool():
+    """The runner's GPU peak less JAX's preallocated pool (its share of the card) less the weights the engine holds:
+    JAX's unused pool is not the engine's."""
+    f = json.loads((RESULTS / "e2e_recipe_vllm_omni_1gpu_runner.json").read_text())["figures"]
+    row = planner.costs_for(TABLE, "vllm_omni", False, H200)
+    weights = sum(phase_costs.RECIPE[k] for k in ("transformer_bytes", "text_encoder_bytes", "vae_bytes")) / GIB
+    assert row["engine_reserve_gib"] == pytest.approx(f["peak_gib"] - 0.56 * row["card_gib"] - weights, abs=0.01)
+    assert row["engine_reserve_gib"] < f["peak_gib"] - f["jax_peak_gib"] - weights
