@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxflow.algorithms import flowgrpo, forward_process, nft
-from jaxflow_bridge.contract.batch import GUIDANCE_FIELDS
+from jaxflow.algorithms.objective import WINDOW
+from jaxflow_bridge.contract.batch import CONDITION_FIELDS, GUIDANCE_FIELDS
 
 SALT = 0x61776D  # folded into the seed's key for the timesteps and noise
 EPS = 1e-10  # the generalized Huber's offset (AWM's)
@@ -53,9 +54,9 @@ def loss_terms(v, x0, noise, t, advantages, *, power: float, adv_clip: float, ad
     return {"policy": policy, "kl": kl, "ratio": jax.lax.stop_gradient(ratio)}
 
 
-def _loss(lora, frozen, step, scale, *, graphdef, config):
+def _loss(lora, frozen, step, scale, *, graphdef, config, objective):
     xt = nft.noised(step["final_latents"], step["noise"], step["t"])
-    model = nnx.merge(graphdef, lora, frozen)
+    model = objective.velocity(nnx.merge(graphdef, lora, frozen), step)
 
     def velocity(lora_scale):  # with CFG as the rollout samples (its train.cfg)
         return flowgrpo.guided_velocity(model, xt, step["t"], step["prompt_embeds"], step["prompt_mask"],
@@ -69,17 +70,19 @@ def _loss(lora, frozen, step, scale, *, graphdef, config):
     return (jnp.mean(terms["policy"]) + config.beta * jnp.mean(terms["kl"])) * scale, terms
 
 
-def gradients(graphdef, lora, frozen, batch: dict, key, config, layout=None):
-    """Sum over micro-batches and timesteps of grad(loss / (M * T)) wrt `lora` and the terms stacked (M, T, B/M)."""
+def gradients(graphdef, lora, frozen, batch: dict, key, config, layout=None, objective=WINDOW):
+    """Sum over micro-batches and timesteps of grad(loss / (M * T)) wrt `lora` and the terms stacked (M, T, B/M);
+    `objective` (the family's) conditions the model on the micro-batch's `CONDITION_FIELDS`."""
     def loss(params, step, scale):
-        return _loss(params, frozen, step, scale, graphdef=graphdef, config=config)
+        return _loss(params, frozen, step, scale, graphdef=graphdef, config=config, objective=objective)
 
     def pick(key, sigmas, count):
         return sigmas[:, step_indices(key, sigmas.shape[1] - 1, count, config.awm_fraction)]
 
     return forward_process.timestep_gradients(
         loss, lora, batch, key, num_micro_batches=config.num_micro_batches, count=config.awm_timesteps, pick=pick,
-        fields=("final_latents", "advantages", "prompt_embeds", "prompt_mask", *GUIDANCE_FIELDS), layout=layout)
+        fields=("final_latents", "advantages", "prompt_embeds", "prompt_mask", *GUIDANCE_FIELDS, *CONDITION_FIELDS),
+        layout=layout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +96,8 @@ class AdvantageWeightedMatching(forward_process.ForwardProcessLoss):
         return self.fields + (GUIDANCE_FIELDS if config.guided else ())
 
     def update(self, state, frozen, mb: dict, old, index, *, graphdef, config, layout, objective):
-        grads, terms = gradients(graphdef, state.lora, frozen, mb, self.update_key(config, state.step), config, layout)
+        grads, terms = gradients(graphdef, state.lora, frozen, mb, self.update_key(config, state.step), config, layout,
+                                 objective)
         policy, kl = jnp.mean(terms["policy"]), jnp.mean(terms["kl"])
         metrics = {"loss": policy + config.beta * kl, "policy_loss": policy, "kl": kl,
                    "ratio_mean": jnp.mean(terms["ratio"])}

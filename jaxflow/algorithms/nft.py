@@ -16,6 +16,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxflow.algorithms import forward_process
+from jaxflow.algorithms.objective import WINDOW
+from jaxflow_bridge.contract.batch import CONDITION_FIELDS
 
 FIELDS = ("final_latents", "sigmas", "prompt_embeds", "prompt_mask", "advantages")
 SALT = 0x6E6674  # folded into the seed's key for the timesteps and noise (apart from the epochs' shuffles)
@@ -85,12 +87,13 @@ def step_metrics(terms: dict, beta: float) -> dict:
             "old_deviate": jnp.mean(terms["old_deviate"]), "old_deviate_max": jnp.max(terms["old_deviate"])}
 
 
-def _loss(lora, old, frozen, step, scale, *, graphdef, config):
+def _loss(lora, old, frozen, step, scale, *, graphdef, config, objective):
     xt = noised(step["final_latents"], step["noise"], step["t"])
 
     def velocity(params, lora_scale=1.0):
-        return nnx.merge(graphdef, params, frozen)(xt, step["t"], step["prompt_embeds"], step["prompt_mask"],
-                                                   grid_hw=config.grid_hw, lora_scale=lora_scale)
+        model = objective.velocity(nnx.merge(graphdef, params, frozen), step)
+        return model(xt, step["t"], step["prompt_embeds"], step["prompt_mask"], grid_hw=config.grid_hw,
+                     lora_scale=lora_scale)
 
     v_ref = velocity(lora, 0.0) if config.beta > 0 else None
     terms = loss_terms(velocity(lora), velocity(old), step["final_latents"], xt, step["t"], step["advantages"],
@@ -98,18 +101,19 @@ def _loss(lora, old, frozen, step, scale, *, graphdef, config):
     return (jnp.mean(terms["policy"]) + config.beta * jnp.mean(terms["kl"])) * scale, terms
 
 
-def gradients(graphdef, lora, old, frozen, batch: dict, key, config, layout=None):
+def gradients(graphdef, lora, old, frozen, batch: dict, key, config, layout=None, objective=WINDOW):
     """DiffusionNFT's counterpart of `flowgrpo_step.accumulate_gradients` (`config` a TrainConfig, `layout` a Layout or
     None): the sum over micro-batches and noised timesteps of grad(loss / (M * T)) wrt `lora` (M = num_micro_batches,
     T = nft_timesteps) and the per-sample terms stacked as (M, T, B/M). Each sample trains on T distinct timesteps of
     its schedule with fresh noise, both drawn from `key` (`timestep_picks`); `old` is the old policy's LoRA (no
-    gradient)."""
+    gradient); `objective` (the family's) conditions the model on the micro-batch's `CONDITION_FIELDS`."""
     def loss(params, step, scale):
-        return _loss(params, old, frozen, step, scale, graphdef=graphdef, config=config)
+        return _loss(params, old, frozen, step, scale, graphdef=graphdef, config=config, objective=objective)
 
     return forward_process.timestep_gradients(
         loss, lora, batch, key, num_micro_batches=config.num_micro_batches, count=config.nft_timesteps,
-        pick=timestep_picks, fields=("final_latents", "advantages", "prompt_embeds", "prompt_mask"), layout=layout)
+        pick=timestep_picks, fields=("final_latents", "advantages", "prompt_embeds", "prompt_mask", *CONDITION_FIELDS),
+        layout=layout)
 
 
 def advanced(old, lora, updates, decay: tuple[float, float, float]):
@@ -131,7 +135,7 @@ class DiffusionNFT(forward_process.ForwardProcessLoss):
     def update(self, state, frozen, mb: dict, old, index, *, graphdef, config, layout, objective):
         """(grads, metrics, None)."""
         key = self.update_key(config, state.step)
-        grads, terms = gradients(graphdef, state.lora, state.old, frozen, mb, key, config, layout)
+        grads, terms = gradients(graphdef, state.lora, state.old, frozen, mb, key, config, layout, objective)
         return grads, step_metrics(terms, config.beta), None
 
     def advanced(self, old, lora, updates, config):

@@ -28,4 +28,5 @@ def _window_log_prob(model, tr: dict, config, lora_scale: float = 1.0):
                                     sde_type=config.sde_type, guidance=config.guidance, lora_scale=lora_scale)
 
 
-EDIT_WINDOW = Objective(lambda model, shared, config: shared, _window_log_prob)
+EDIT_WINDOW = Objective(lambda model, shared, config: shared, _window_log_prob,
+                        lambda model, step: with_references(model, step["reference_latents"]))

@@ -94,3 +94,48 @@ def test_jax_log_prob_matches_the_rollouts(batch):
     del without["reference_latents"]
     with pytest.raises(ValueError, match="no reference_latents"):
         EDIT_WINDOW.log_prob(model, without, config)
+
+
+@pytest.mark.slow  # two jitted gradient passes of the edit model, ~10 s each
+@pytest.mark.parametrize("algorithm", ["nft", "awm"])
+def test_the_forward_process_algorithms_train_on_the_edit_models_references(batch, algorithm):
+    """DiffusionNFT and AWM call the model on the noised final latents through the family's objective
+    (`Objective.velocity`): the edit model gets each row's reference latents, so the loss depends on them; without
+    the family's conditioning (the text-to-image objective) the edit model refuses to run."""
+    import jax
+    from flax import nnx
+
+    from jaxflow.algorithms import awm, nft
+    from jaxflow.algorithms.objective import WINDOW
+    from jaxflow.families.qwen_image.lora import QwenImageLoRASpec
+    from jaxflow.nn.lora import LoRAParam
+
+    model = load_transformer(tiny_folder() / "transformer", lora=QwenImageLoRASpec(rank=4, alpha=8.0),
+                             model_type=QwenImageEditTransformer)
+    graphdef, lora, frozen = nnx.split(model, LoRAParam, ...)
+    lora = jax.tree.map(lambda x: x + 0.01, lora)  # B != 0: the LoRA's gradient flows through the model
+    b = len(batch)
+    mb = {"final_latents": jnp.asarray(batch.latents[:, -1]), "advantages": jnp.linspace(-1.0, 1.0, b),
+          "sigmas": jnp.broadcast_to(jnp.asarray(batch.sigmas), (b, len(batch.sigmas))),
+          "prompt_embeds": jnp.asarray(batch.prompt_embeds), "prompt_mask": jnp.asarray(batch.prompt_mask),
+          "negative_prompt_embeds": jnp.asarray(batch.negative_prompt_embeds),
+          "negative_prompt_mask": jnp.asarray(batch.negative_prompt_mask),
+          "reference_latents": jnp.asarray(batch.reference_latents)}
+    config = types.SimpleNamespace(grid_hw=(SIZE // 8, SIZE // 8), num_micro_batches=1, beta=0.0, adv_clip=5.0,
+                                   guidance=1.0, nft_timesteps=2, nft_beta=1.0, awm_timesteps=2, awm_fraction=1.0,
+                                   awm_power=1.0, awm_adv_max=1.0, awm_clip_range=0.2)
+
+    def grads(step, objective):
+        key = jax.random.PRNGKey(0)
+        if algorithm == "nft":
+            g, _ = nft.gradients(graphdef, lora, lora, frozen, step, key, config, objective=objective)
+        else:
+            g, _ = awm.gradients(graphdef, lora, frozen, step, key, config, objective=objective)
+        return np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)])
+
+    with_refs = grads(mb, EDIT_WINDOW)
+    assert np.all(np.isfinite(with_refs)) and np.any(with_refs != 0)
+    swapped = grads({**mb, "reference_latents": mb["reference_latents"][::-1]}, EDIT_WINDOW)
+    assert not np.allclose(swapped, with_refs, rtol=1e-3, atol=0)
+    with pytest.raises(ValueError, match="needs the reference images' latents"):
+        grads(mb, WINDOW)
