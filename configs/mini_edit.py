@@ -3,6 +3,7 @@
     python -m jaxflow.train --config configs/mini_edit.py --config.model.path=OUT/pipeline \
         --config.data.train=OUT/data/train.jsonl --config.data.test=OUT/data/test.jsonl
     python -m jaxflow.train --config configs/mini_edit.py:control ...   # the shuffled-reward control
+    python -m jaxflow.train --config configs/mini_edit.py:nft ...       # DiffusionNFT (and :nft_control)
 
 OUT is built by experiments/mini_edit/run.sh (which runs both): a tiny Edit-shaped model pretrained to edit sign text
 ("Replace the word "A" with "B"", experiments/mini_edit/signs.py). `:control` is the same run with the edit-OCR scores
@@ -19,15 +20,15 @@ from pathlib import Path
 from jaxflow.config.recipes import base, tiny
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "edit_signs"
-VARIANTS = ("", "control")
+VARIANTS = ("", "control", "nft", "nft_control")
 
 
 def get_config(variant: str = ""):
     if variant not in VARIANTS:
-        raise ValueError(f"configs/mini_edit.py:{variant}: unknown variant; choose control or none")
-    control = variant == "control"
+        raise ValueError(f"configs/mini_edit.py:{variant}: unknown variant; choose one of {VARIANTS[1:]} or none")
+    control, nft = variant.endswith("control"), variant.startswith("nft")
     c = tiny(base())
-    c.run_dir = f"runs/mini_edit{'_control' if control else ''}"
+    c.run_dir = f"runs/mini_edit{'_nft' if nft else ''}{'_control' if control else ''}"
     c.model.family = "qwen_image_edit"
     c.model.path = ""  # the folder experiments/mini_edit/run.sh builds: --config.model.path=OUT/pipeline
     c.lora.rank, c.lora.alpha = 32, 64.0
@@ -50,4 +51,8 @@ def get_config(variant: str = ""):
     c.data = dict(train=str(DATA / "train.jsonl"), test=str(DATA / "test.jsonl"))
     c.eval.update(every=10, num_prompts=64, num_steps=10, guidance=4.0)
     c.checkpoint.update(every=10, keep=1)  # a run cut by a time limit resumes (experiments/mini_edit/run.sh)
+    if nft:  # configs/mini_ocr.py's nft arm: DiffusionNFT trains and samples CFG-free, a deterministic rollout
+        c.train.algorithm = "nft"
+        c.sample.update(guidance=1.0, sde_type="ode", same_latent=False)
+        c.eval.guidance = 1.0
     return c

@@ -46,7 +46,9 @@
 # 400,600,800,1000,1200,1500,2000), PICK_TARGET (0.5), PICK_NUM (48), PRETRAIN_MINUTES (9; snapshots after the cap
 # are not written), VAE_STEPS (6000), VAE_MINUTES (5), RL_STEPS (default: the config's), RL_ARGS (more --config
 # overrides of both RL runs), EVAL_NUM (200), POOL (the trainer's JAX memory fraction of the GPU, 0.5),
-# RL_POOL (each side-by-side RL run's fraction, 0.3).
+# RL_POOL (each side-by-side RL run's fraction, 0.3), ARM ("" FlowGRPO, or nft: DiffusionNFT, configs/mini_edit.py:nft
+# and :nft_control, every eval without CFG as it trains; run it into an OUT of its own, or with ONLY from eval_before
+# on an OUT whose pipeline is built).
 # rl and rl_control run at once: with two or more GPUs visible (CUDA_VISIBLE_DEVICES, else nvidia-smi) each on its own
 # (the first two), with the whole POOL; with one, side by side on it, RL_POOL of it each.
 set -euo pipefail
@@ -82,6 +84,9 @@ else
   # one GPU shared by JAX and the in-process torch engine: a fixed JAX pool (README, "Running for real")
   export XLA_PYTHON_CLIENT_PREALLOCATE=true XLA_CLIENT_MEM_FRACTION=${POOL:-0.5}
 fi
+case ${ARM:-} in "") ;; nft) EVAL+=(--guidance 1) ;;  # the pick stays at the eval config's CFG
+  *) echo "error: ARM: unknown arm '$ARM'; choose nft or leave it unset (FlowGRPO)" >&2; exit 2 ;; esac
+CONFIG=configs/mini_edit.py${ARM:+:$ARM} CONTROL_CONFIG=configs/mini_edit.py:${ARM:+${ARM}_}control
 
 STEPS=" data vae encode pretrain pick eval_before rl rl_control eval_after eval_control result "
 for name in ${ONLY:-}; do
@@ -140,14 +145,14 @@ if [[ "$DEVICE" == cuda ]] && sel rl && sel rl_control; then  # at once: on two 
     echo "== rl and rl_control side by side on one GPU: logs $OUT/rl.log, $OUT/rl_control.log"
     pin=(XLA_CLIENT_MEM_FRACTION="${RL_POOL:-0.3}"); pin_control=("${pin[@]}")
   fi
-  step rl rl "$OUT/rl" configs/mini_edit.py "${pin[@]}" > "$OUT/rl.log" 2>&1 & a=$!
-  step rl_control rl "$OUT/rl_control" configs/mini_edit.py:control "${pin_control[@]}" > "$OUT/rl_control.log" 2>&1 &
+  step rl rl "$OUT/rl" "$CONFIG" "${pin[@]}" > "$OUT/rl.log" 2>&1 & a=$!
+  step rl_control rl "$OUT/rl_control" "$CONTROL_CONFIG" "${pin_control[@]}" > "$OUT/rl_control.log" 2>&1 &
   b=$!
   failed=0; wait $a || failed=$?; wait $b || failed=$?
   [[ $failed == 0 ]] || { echo "error: an RL run failed: see $OUT/rl.log and $OUT/rl_control.log" >&2; exit 1; }
 else
-  step rl rl "$OUT/rl" configs/mini_edit.py
-  step rl_control rl "$OUT/rl_control" configs/mini_edit.py:control
+  step rl rl "$OUT/rl" "$CONFIG"
+  step rl_control rl "$OUT/rl_control" "$CONTROL_CONFIG"
 fi
 step eval_after ev after --lora "$OUT/rl/lora_final"
 step eval_control ev control --lora "$OUT/rl_control/lora_final"

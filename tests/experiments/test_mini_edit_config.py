@@ -31,3 +31,23 @@ def test_the_mini_edit_text_padding_holds_the_longest_instruction_and_little_mor
     prompt, negative = pipe.encode_with_images([longest, " "], [source, source])
     assert len(prompt) <= prompt_tokens <= len(prompt) + 16  # the trajectory pads to these (no more than it needs)
     assert len(negative) <= negative_tokens <= len(negative) + 16
+
+
+def test_every_mini_edit_variant_validates_and_the_nft_arm_trains_cfg_free():
+    """run.sh's ARM=nft runs configs/mini_edit.py:nft and :nft_control: DiffusionNFT with a CFG-free, deterministic
+    rollout and eval (as configs/mini_ocr.py's nft arm); the controls train on the shuffled reward."""
+    from jaxflow.config.validation import validate
+    from jaxflow_bridge.families.qwen_image_edit.diffusers_pipeline import tiny_folder
+
+    module = config_module(ROOT / "configs" / "mini_edit.py")
+    seen = {}
+    for variant in module.VARIANTS:
+        cfg = module.get_config(variant)
+        cfg.model.path = str(tiny_folder())
+        validate(cfg)
+        seen[variant] = (cfg.train.algorithm, cfg.sample.guidance, cfg.sample.sde_type, cfg.eval.guidance,
+                         list(cfg.reward.fns))
+    assert seen[""] == ("flowgrpo", 4.0, "sde", 4.0, ["edit_ocr"])
+    assert seen["nft"] == ("nft", 1.0, "ode", 1.0, ["edit_ocr"])
+    assert seen["control"][-1] == seen["nft_control"][-1] == ["edit_ocr_shuffled"]
+    assert seen["nft_control"][:-1] == seen["nft"][:-1]
