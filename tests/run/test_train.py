@@ -463,7 +463,7 @@ def test_the_colocated_layout_on_gpus_runs_one_engine_per_device(tmp_path):
     ({"overlap": True, "layout": "in_process"}, "rollout.overlap: .* not 'in_process'"),
     ({"layout": "split", "sleep_while_training": True}, "rollout.sleep_while_training: frees"),
     ({"layout": "in_process", "num_servers": 2}, "rollout.num_servers: 2: the in_process layout runs one engine"),
-    ({"layout": "hybrid"}, "rollout.layout: 'hybrid'; choose one of \\('colocated', 'split', 'in_process'\\)"),
+    ({"layout": "hybrid"}, "rollout.layout: 'hybrid'; choose one of \\('auto', 'colocated', 'split', 'in_process'\\)"),
     ({"lora_apply": "merged"}, "rollout.lora_apply: 'merged' is a mode of the vllm_omni engine; with "
                               "rollout.engine='diffusers' use 'auto' or 'layers'"),
     ({"lora_apply": "fused"}, "rollout.lora_apply: 'fused'; choose one of \\('auto', 'merged', 'layers', 'folder'\\)"),
