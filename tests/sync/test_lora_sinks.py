@@ -119,16 +119,26 @@ def test_a_module_the_sink_did_not_bind_reports_zeros(tiny_path):
     assert not any(probe.deltas[f"transformer_blocks.{i}.attn.to_q"].any() for i in range(2))
 
 
-def test_merged_in_bfloat16_is_predicted_for_a_real_bf16_linear():
-    """A real bf16 Linear (weights of magnitude 1, so the merge rounds): the served W is the predicted rounding of
-    W_base + delta; the same payload read as layers in bf16 within `product_tolerance`."""
-    torch.manual_seed(0)
+def bf16_linear(seed: int) -> torch.nn.Sequential:
+    """A bf16 Linear(96, 80) with N(0, 1) weights (magnitude 1: a merge rounds them)."""
+    torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(96, 80)).to(torch.bfloat16)
     with torch.no_grad():
         model[0].weight.normal_()
-    rng = np.random.default_rng(3)
-    tensors = {"0.lora_A.weight": rng.normal(0, 0.1, (4, 96)).astype(np.float32),
-               "0.lora_B.weight": rng.normal(0, 0.1, (80, 4)).astype(np.float32)}
+    return model
+
+
+def factors(seed: int) -> dict[str, np.ndarray]:
+    """A rank-4 float32 adapter of `bf16_linear`'s layer, under PEFT's names (A first)."""
+    rng = np.random.default_rng(seed)
+    return {"0.lora_A.weight": rng.normal(0, 0.1, (4, 96)).astype(np.float32),
+            "0.lora_B.weight": rng.normal(0, 0.1, (80, 4)).astype(np.float32)}
+
+
+def test_merged_in_bfloat16_is_predicted_for_a_real_bf16_linear():
+    """A real bf16 Linear (weights of magnitude 1, so the merge rounds): the served W is the predicted rounding of
+    W_base + delta; the same payload read as layers in bf16 within `product_tolerance`."""
+    model, tensors = bf16_linear(0), factors(3)
     payload = LoRAPayload(5, CONFIG, tensors=tensors)
     for mode in ("merged", "layers"):
         sink = make_sink(mode, model)
@@ -148,12 +158,10 @@ def test_merged_bf16_deltas_within_half_an_ulp_of_the_weight_still_tell_a_stale_
     most), below half an ulp at most positions, so merging it leaves most weights as they were. The right adapter
     passes; the previous version's (0.7 of this B) and one that changes nothing (B = 0) are caught, where they round
     W_base + delta to another neighbour than the right one does."""
-    torch.manual_seed(1)
-    model = torch.nn.Sequential(torch.nn.Linear(96, 80)).to(torch.bfloat16)
+    model = bf16_linear(1)
     with torch.no_grad():  # |W| in [1.5, 2): half an ulp is 2 ** -8, |W| / 256 at least 1.5 * 2 ** -8
         model[0].weight.copy_(torch.sign(torch.randn(80, 96)) * (1.5 + 0.5 * torch.rand(80, 96)))
-    rng = np.random.default_rng(7)
-    a, b = rng.normal(0, 0.1, (4, 96)).astype(np.float32), rng.normal(0, 0.1, (80, 4)).astype(np.float32)
+    a, b = factors(7).values()
 
     def payload(version, b_scale):
         return LoRAPayload(version, CONFIG, tensors={"0.lora_A.weight": a, "0.lora_B.weight": b * b_scale})
@@ -174,13 +182,7 @@ def test_merged_bf16_deltas_within_half_an_ulp_of_the_weight_still_tell_a_stale_
 def test_a_bf16_shared_file_of_the_trainers_float32_lora_is_checked_against_the_float32_deltas(mode):
     """The trainer casts its float32 LoRA to the engine's bf16 in the shared file and expects the float32 factors'
     deltas: the bound counts that cast although the engine keeps the payload's dtype; a stale adapter is caught."""
-    torch.manual_seed(2)
-    model = torch.nn.Sequential(torch.nn.Linear(96, 80)).to(torch.bfloat16)
-    with torch.no_grad():
-        model[0].weight.normal_()
-    rng = np.random.default_rng(5)
-    tensors = {"0.lora_A.weight": rng.normal(0, 0.1, (4, 96)).astype(np.float32),
-               "0.lora_B.weight": rng.normal(0, 0.1, (80, 4)).astype(np.float32)}
+    model, tensors = bf16_linear(2), factors(5)
     file = SharedAdapterFile("bfloat16")
     try:
         payload = LoRAPayload(1, CONFIG, shared=file.write_arrays(tensors))
