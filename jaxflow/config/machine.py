@@ -131,7 +131,8 @@ def resolve_layout(cfg, gpus: int | None = None, gpu_memory: float | None = None
                    resume: bool = False) -> tuple[object, str | None]:
     """rollout.layout='auto' resolved once, before the validated config is used: the config with the layout chosen
     (rollout.layout, rollout.engine, rollout.share_weights, and train.num_micro_batches where that layout needs a
-    smaller micro-batch than the one set), validated again, and the plan block's line saying what was chosen and why.
+    smaller micro-batch than the one set; rollout.compile on where it switches a GPU rollout to the diffusers
+    engine, as that engine was measured), validated again, and the plan block's line saying what was chosen and why.
     A pinned layout comes back as it is (and None).
 
     The choice: a resumed run's layout as its newest checkpoint saved it (a smaller micro-batch of it where this card
@@ -187,6 +188,9 @@ def _with_layout(cfg, layout: planner.Layout, micro: int | None, why: str) -> tu
     if micro is not None:
         user.train.num_micro_batches = micro
     switched = f" (in place of rollout.engine={cfg.rollout.engine!r})" if layout.engine != cfg.rollout.engine else ""
+    if switched and layout.engine == "diffusers" and str(cfg.rollout.device).startswith("cuda"):
+        user.rollout.compile = True  # as the diffusers engine ran where it was measured (the planner's costs)
+        switched += ", rollout.compile=True"
     shared = " on the trainer weights" if layout.share_weights else ""
     count = f", train.num_micro_batches={micro}" if micro else ""
     line = f"layout auto: {layout.name}, the {layout.engine} engine{shared}{switched}{count}: {why}"

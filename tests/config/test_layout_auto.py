@@ -47,8 +47,9 @@ def test_the_recipe_on_an_80_gb_card_runs_the_diffusers_engine_in_process_on_sha
     resolved, line = machine.resolve_layout(validation.validate(_recipe(tmp_path)))
     assert _rollout(resolved) == ("in_process", "diffusers", True, 256)  # 1 sample per micro-batch of 256
     assert line.startswith("layout auto: in_process, the diffusers engine on the trainer weights (in place of "
-                           "rollout.engine='vllm_omni'), train.num_micro_batches=256: the first layout that fits 1 x "
-                           "NVIDIA H100")
+                           "rollout.engine='vllm_omni'), rollout.compile=True, train.num_micro_batches=256: the first "
+                           "layout that fits 1 x NVIDIA H100")
+    assert resolved.rollout.compile  # the diffusers engine as it ran on an 80 GB card (its cost row)
     assert "colocated with the vllm_omni engine does not" in line
     plan = machine.machine_plan(resolved)  # what the resolved config plans: it fits as it is
     assert (plan.layout.name, plan.layout.engine, plan.micro_batch) == ("in_process", "diffusers", 1)
