@@ -124,14 +124,24 @@ class Hps(ClipReward):
     def load_model(self, path, dtype: torch.dtype):
         from transformers import CLIPModel
 
-        model = CLIPModel(clip_config(self.arch))
+        with torch.device("meta"):  # no random weights drawn: the checkpoint's replace every one
+            model = CLIPModel(clip_config(self.arch))
         state = torch.load(self.checkpoint, map_location="cpu", weights_only=True)
         state = open_clip_to_clip(state.get("state_dict", state))
-        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
         missing = [k for k in missing if not k.endswith("position_ids")]
         if missing or unexpected:
             raise ValueError(f"reward 'hps': {self.checkpoint} does not fit the CLIP of reward.options.hps.arch: "
                              f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+        for name, buffer in list(model.named_buffers()):  # the position ids: no checkpoint holds them
+            owner, _, leaf = name.rpartition(".")
+            if buffer.is_meta and leaf == "position_ids":
+                model.get_submodule(owner).register_buffer(
+                    leaf, torch.arange(buffer.shape[-1]).expand(buffer.shape), persistent=False)
+        empty = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+        if empty:
+            raise ValueError(f"reward 'hps': {self.checkpoint} leaves {empty[:3]} of the CLIP of "
+                             f"reward.options.hps.arch unset")
         return model.to(dtype)
 
     def score(self, images, prompts):
