@@ -246,14 +246,18 @@ def test_a_reply_without_a_probe_fails_unless_the_check_is_off(lora_state):
     assert off.serve(lora_state(1), 1) == 24 and off.verify_s is None
 
 
-def test_the_injected_fault_sends_the_previous_version_and_is_caught_at_that_version(lora_state):
-    engine = Engine()
+def caught_at_version_3(engine, lora, match: str) -> None:
+    """The injected fault from version 3 on: versions 1 and 2 pass, 3 is sent twice (the re-sync) and stops."""
     s = sync([engine], stale_from=3)
-    s.serve(lora_state(1), 1)
-    s.serve(lora_state(2), 2)
-    with pytest.raises(SyncMismatch, match="does not serve version 3: 24 of 24 probed modules differ"):
-        s.serve(lora_state(3), 3)
+    s.serve(lora(1), 1)
+    s.serve(lora(2), 2)
+    with pytest.raises(SyncMismatch, match=match):
+        s.serve(lora(3), 3)
     assert engine.calls == [1, 2, 3, 3]
+
+
+def test_the_injected_fault_sends_the_previous_version_and_is_caught_at_that_version(lora_state):
+    caught_at_version_3(Engine(), lora_state, "does not serve version 3: 24 of 24 probed modules differ")
 
 
 def test_a_merged_engine_sent_the_previous_version_is_caught_while_the_deltas_are_within_half_an_ulp(lora_state):
@@ -277,13 +281,7 @@ def test_a_merged_engine_sent_the_previous_version_is_caught_while_the_deltas_ar
         assert healthy.serve(lora(version), version) == 24
     assert healthy.mismatches == 0
     assert max(np.abs(v).max() for v in expected_of(lora(3), SPEC, 3).deltas.values()) < 1.5 / 256
-    engine = MergedEngine()
-    stale = sync([engine], stale_from=3)
-    stale.serve(lora(1), 1)
-    stale.serve(lora(2), 2)
-    with pytest.raises(SyncMismatch, match="does not serve version 3: "):
-        stale.serve(lora(3), 3)
-    assert engine.calls == [1, 2, 3, 3]
+    caught_at_version_3(MergedEngine(), lora, "does not serve version 3: ")
 
 
 @pytest.mark.slow
