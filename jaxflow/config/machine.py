@@ -148,27 +148,27 @@ def resolve_layout(cfg, gpus: int | None = None, gpu_memory: float | None = None
         return cfg, None
     saved = saved_config(Path(cfg.run_dir)) if resume else None
     old = saved[1].get("rollout", {}) if saved else {}
-    if old.get("layout") in validation.PLACED:
-        layouts = [planner.Layout(old["layout"], old.get("engine", r.engine), bool(old.get("share_weights")))]
+    resumed = old.get("layout") in validation.PLACED
+    if resumed:
+        first = planner.Layout(old["layout"], old.get("engine", r.engine), bool(old.get("share_weights")))
         why = f"the layout of checkpoint {saved[0]}, which --resume continues"
     else:
-        layouts = [planner.Layout("colocated", r.engine, False)]
-        if "diffusers" in families.of(cfg).engines:
-            layouts.append(planner.Layout("in_process", "diffusers", True))
-        why = ""
+        first, why = planner.Layout("colocated", r.engine, False), ""
     on_gpu = str(r.device).startswith("cuda")
     machine = _machine(gpus, gpu_memory) if on_gpu else None
-    chosen, first, micro = layouts[0], layouts[0], None
+    chosen, micro = first, None
     if machine is None:
         why = why or f"no card to plan for ({'nvidia-smi found no GPU' if on_gpu else f'rollout.device={r.device!r}'})"
     else:
         card, count = machine
         job = dataclasses.replace(job_of(cfg), engine=first.engine, layout=first.name,
                                   share_weights=first.share_weights)
+        engines = families.of(cfg).engines  # the planner's candidates that the family's engines serve
+        layouts = [first] if resumed else [c for c in planner.candidates(job, count) if c.engine in engines]
         what = f"{count} x {card.name} ({card.memory_gib:.0f} GiB)"
         try:
             plan, resized = planner.plan_first_fit(job, model_sizes(cfg, validation.model_folder(cfg)), card, count,
-                                                   planner.load_table(), layouts if count == 1 else layouts[:1])
+                                                   planner.load_table(), layouts)
         except (UserError, planner.NoFit) as exc:
             why = why or f"none fits {what} ({exc})"
         else:
