@@ -16,7 +16,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxflow.algorithms import flowgrpo, forward_process, nft
-from jaxflow.algorithms.objective import WINDOW
 from jaxflow_bridge.contract.batch import CONDITION_FIELDS, GUIDANCE_FIELDS
 
 SALT = 0x61776D  # folded into the seed's key for the timesteps and noise
@@ -70,7 +69,7 @@ def _loss(lora, frozen, step, scale, *, graphdef, config, objective):
     return (jnp.mean(terms["policy"]) + config.beta * jnp.mean(terms["kl"])) * scale, terms
 
 
-def gradients(graphdef, lora, frozen, batch: dict, key, config, layout=None, objective=WINDOW):
+def gradients(graphdef, lora, frozen, batch: dict, key, config, layout=None, *, objective):
     """Sum over micro-batches and timesteps of grad(loss / (M * T)) wrt `lora` and the terms stacked (M, T, B/M);
     `objective` (the family's) conditions the model on the micro-batch's `CONDITION_FIELDS`."""
     def loss(params, step, scale):
@@ -97,7 +96,7 @@ class AdvantageWeightedMatching(forward_process.ForwardProcessLoss):
 
     def update(self, state, frozen, mb: dict, old, index, *, graphdef, config, layout, objective):
         grads, terms = gradients(graphdef, state.lora, frozen, mb, self.update_key(config, state.step), config, layout,
-                                 objective)
+                                 objective=objective)
         policy, kl = jnp.mean(terms["policy"]), jnp.mean(terms["kl"])
         metrics = {"loss": policy + config.beta * kl, "policy_loss": policy, "kl": kl,
                    "ratio_mean": jnp.mean(terms["ratio"])}

@@ -16,7 +16,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxflow.algorithms import forward_process
-from jaxflow.algorithms.objective import WINDOW
 from jaxflow_bridge.contract.batch import CONDITION_FIELDS
 
 FIELDS = ("final_latents", "sigmas", "prompt_embeds", "prompt_mask", "advantages")
@@ -101,7 +100,7 @@ def _loss(lora, old, frozen, step, scale, *, graphdef, config, objective):
     return (jnp.mean(terms["policy"]) + config.beta * jnp.mean(terms["kl"])) * scale, terms
 
 
-def gradients(graphdef, lora, old, frozen, batch: dict, key, config, layout=None, objective=WINDOW):
+def gradients(graphdef, lora, old, frozen, batch: dict, key, config, layout=None, *, objective):
     """DiffusionNFT's counterpart of `flowgrpo_step.accumulate_gradients` (`config` a TrainConfig, `layout` a Layout or
     None): the sum over micro-batches and noised timesteps of grad(loss / (M * T)) wrt `lora` (M = num_micro_batches,
     T = nft_timesteps) and the per-sample terms stacked as (M, T, B/M). Each sample trains on T distinct timesteps of
@@ -135,7 +134,7 @@ class DiffusionNFT(forward_process.ForwardProcessLoss):
     def update(self, state, frozen, mb: dict, old, index, *, graphdef, config, layout, objective):
         """(grads, metrics, None)."""
         key = self.update_key(config, state.step)
-        grads, terms = gradients(graphdef, state.lora, state.old, frozen, mb, key, config, layout, objective)
+        grads, terms = gradients(graphdef, state.lora, state.old, frozen, mb, key, config, layout, objective=objective)
         return grads, step_metrics(terms, config.beta), None
 
     def advanced(self, old, lora, updates, config):
