@@ -120,7 +120,7 @@ class Plan:
     def summary(self) -> str:
         speed = (f"predicted {self.step_s:.1f} s a step, {self.img_per_gpu_s:.2f} img/GPU/s" if self.step_s
                  else "no prediction (why below)" if any(w.startswith("no prediction") for w in self.why)
-            else "no measured costs for this engine: no prediction")
+            else "no costs measured for this family on this engine: no prediction")
         return "\n".join((
             f"machine: {self.gpus} x {self.card.name} ({self.card.memory_gib:.0f} GiB): layout {self.layout.name}, "
             f"{self.layout.engine} engine{' on the trainer weights' if self.layout.share_weights else ''}, "
