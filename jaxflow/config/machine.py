@@ -97,9 +97,9 @@ def model_sizes(cfg, folder: Path) -> planner.ModelSizes:
 def job_of(cfg) -> planner.Job:
     s, t, r = cfg.sample, cfg.train, cfg.rollout
     micro = t.num_micro_batches
-    return planner.Job(images=s.prompts_per_step * s.group_size, mini_batches=t.num_mini_batches,
-                       micro_batches=None if micro == "auto" else micro, engine=r.engine, layout=r.layout,
-                       share_weights=bool(r.share_weights))
+    return planner.Job(family=cfg.model.family, images=s.prompts_per_step * s.group_size,
+                       mini_batches=t.num_mini_batches, micro_batches=None if micro == "auto" else micro,
+                       engine=r.engine, layout=r.layout, share_weights=bool(r.share_weights))
 
 
 def _machine(gpus: int | None = None, gpu_memory: float | None = None) -> tuple[planner.Card, int] | None:

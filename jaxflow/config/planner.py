@@ -1,6 +1,7 @@
 """The machine plan: which layout, how many samples per micro-batch, JAX's share of each GPU and the engine's, and
 the step time it predicts, from the model's sizes, the card and the per-phase cost table (`phase_costs.json`,
-written by `python -m jaxflow_bench.phase_costs` from measured result files). Pure: no JAX, no device.
+written by `python -m jaxflow_bench.phase_costs` from measured result files). Pure: no JAX, no device. The step
+time comes only from rows measured on the job's own family (`costs_for`): a family never measured gets none.
 
 The memory model on one GPU: JAX holds the frozen transformer and the LoRA's train state (`resident`), and the
 update needs `fixed + per_sample x micro-batch` beside it (`UpdateMemory`); the engine holds the weights it does
@@ -83,6 +84,7 @@ class UpdateMemory:
 class Job:
     """What the config asks of the machine."""
 
+    family: str  # model.family: the cost rows the step time is predicted from
     images: int  # per step
     mini_batches: int
     micro_batches: int | None  # None: 'auto', the largest micro-batch that fits
@@ -118,7 +120,7 @@ class Plan:
     def summary(self) -> str:
         speed = (f"predicted {self.step_s:.1f} s a step, {self.img_per_gpu_s:.2f} img/GPU/s" if self.step_s
                  else "no prediction (why below)" if any(w.startswith("no prediction") for w in self.why)
-            else "no measured costs for this engine: no prediction")
+            else "no costs measured for this family on this engine: no prediction")
         return "\n".join((
             f"machine: {self.gpus} x {self.card.name} ({self.card.memory_gib:.0f} GiB): layout {self.layout.name}, "
             f"{self.layout.engine} engine{' on the trainer weights' if self.layout.share_weights else ''}, "
@@ -137,12 +139,23 @@ def engine_bytes(sizes: ModelSizes, layout: Layout, reserve_gib: float) -> float
     return own + reserve_gib * GIB
 
 
-def costs_for(table: dict, engine: str, share_weights: bool, card: Card) -> dict | None:
-    """The measured row for the engine (and weight sharing) on the card of the nearest memory; None if never
-    measured."""
-    rows = [r for r in table["phases"] if r["engine"] == engine and r["share_weights"] == share_weights] or \
-        [r for r in table["phases"] if r["engine"] == engine]
+def _nearest(rows: list[dict], engine: str, share_weights: bool, card: Card) -> dict | None:
+    """The row of `rows` for the engine (and weight sharing) on the card of the nearest memory; None if none."""
+    rows = [r for r in rows if r["engine"] == engine and r["share_weights"] == share_weights] or \
+        [r for r in rows if r["engine"] == engine]
     return min(rows, key=lambda r: abs(r["card_gib"] - card.memory_gib)) if rows else None
+
+
+def costs_for(table: dict, family: str, engine: str, share_weights: bool, card: Card) -> dict | None:
+    """The step's costs: `family`'s measured row for the engine on the nearest card; None if never measured."""
+    return _nearest([r for r in table["phases"] if r["family"] == family], engine, share_weights, card)
+
+
+def engine_row(table: dict, engine: str, share_weights: bool, card: Card) -> dict | None:
+    """The memory plan's row (the engine's working reserve, JAX's measured share): the engine's run on the nearest
+    card of the family the memory model measured (the table's "memory"), whatever the job's family."""
+    return _nearest([r for r in table["phases"] if r["family"] == table["memory"]["family"]], engine, share_weights,
+                    card)
 
 
 def candidates(job: Job, gpus: int) -> list[Layout]:
@@ -163,7 +176,7 @@ def _micro_batches(job: Job, gpus: int) -> list[int]:
 def _fit(job: Job, sizes: ModelSizes, card: Card, gpus: int, update: UpdateMemory, layout: Layout,
          table: dict) -> tuple[Plan | None, float]:
     """The layout's plan, or (None, the GiB a GPU would need at the smallest micro-batch)."""
-    row = costs_for(table, layout.engine, layout.share_weights, card)
+    row = engine_row(table, layout.engine, layout.share_weights, card)
     reserve = row["engine_reserve_gib"] if row else table["default_engine_reserve_gib"]
     engine = engine_bytes(sizes, layout, reserve)
     total = card.memory_gib * GIB
@@ -188,17 +201,22 @@ def _fit(job: Job, sizes: ModelSizes, card: Card, gpus: int, update: UpdateMemor
            f"{m} sample(s) per micro-batch: the largest that fits" if job.micro_batches is None
            else f"{m} sample(s) per micro-batch: train.num_micro_batches={job.micro_batches}"]
     step = speed = None
-    if row and not _measured_model(sizes, table):
+    costs = costs_for(table, job.family, layout.engine, layout.share_weights, card)
+    measured_families = sorted({r["family"] for r in table["phases"]})
+    if job.family not in measured_families:
+        why.append(f"no prediction: no costs were measured on the {job.family} family (the table has "
+                   f"{', '.join(measured_families)}; python -m jaxflow_bench.phase_costs adds a family's e2e result)")
+    elif costs and not _measured_model(sizes, table):
         why.append(f"no prediction: the costs were measured on a {table['memory']['transformer_bytes'] / 1e9:.0f} GB "
                    f"transformer, this one is {sizes.transformer_bytes / 1e9:.2g} GB")
-        row = None
-    if row:
+        costs = None
+    if costs:
         images = job.images / gpus
-        step = images * (row["rollout_s_per_image"] + row["old_log_prob_s_per_image"]
-                         + row["update_s_per_image"]) + row["sync_s"] + row["reward_s"]
+        step = images * (costs["rollout_s_per_image"] + costs["old_log_prob_s_per_image"]
+                         + costs["update_s_per_image"]) + costs["sync_s"] + costs["reward_s"]
         speed = job.images / (step * gpus)
-        why.append(f"costs per image measured on {row['card']} ({row['file']}, {row['micro_batch']} sample(s) per "
-                   f"micro-batch)")
+        why.append(f"costs per image measured on {costs['card']} ({costs['file']}: the {costs['family']} family, "
+                   f"{costs['micro_batch']} sample(s) per micro-batch)")
     return Plan(card, gpus, layout, m, per_gpu // m, share, round(1 - share, 3), step, speed, tuple(why)), 0.0
 
 
@@ -237,7 +255,8 @@ def _nothing_fits(card: Card, gpus: int, least: float) -> NoFit:
 
 
 def _measured_model(sizes: ModelSizes, table: dict) -> bool:
-    """Whether the model is the one the table measured (its transformer within 10%)."""
+    """Whether the model is the size the table measured (its transformer within 10%; the measured families'
+    transformers are one size)."""
     return abs(sizes.transformer_bytes / table["memory"]["transformer_bytes"] - 1) <= 0.1
 
 

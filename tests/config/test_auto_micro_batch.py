@@ -79,7 +79,7 @@ def test_auto_on_a_gpu_is_the_largest_the_memory_model_admits(monkeypatch, card)
     count, why = plan_lib.num_micro_batches(_recipe_auto(), Path("unused"), "gpu", 1)
     update = planner.UpdateMemory.from_counts(RECIPE, TABLE)
     engine = planner.engine_bytes(RECIPE, planner.Layout("colocated", "vllm_omni", False),
-                                  planner.costs_for(TABLE, "vllm_omni", False, card)["engine_reserve_gib"])
+                                  planner.engine_row(TABLE, "vllm_omni", False, card)["engine_reserve_gib"])
     admitted = [m for m in range(1, 257) if 256 % m == 0
                 and update.resident + update.need(m) <= card.memory_gib * planner.GIB - engine]
     assert count == 256 // max(admitted, default=1)

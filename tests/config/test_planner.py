@@ -1,15 +1,19 @@
-"""The machine plan for given sizes (jaxflow/config/planner.py) and its cost table (jaxflow_bench/phase_costs.py)."""
+"""The machine plan for given sizes (jaxflow/config/planner.py) and its cost table (jaxflow_bench/phase_costs.py): the
+step predicted from the job's own family's measured costs."""
+import dataclasses
 import json
 import math
 from pathlib import Path
 
 import pytest
 
-from jaxflow.config import planner
+from jaxflow.config import derived, machine, planner
 from jaxflow.config.planner import GIB, Card, Job, ModelSizes, NoFit, UpdateMemory, plan_machine
+from jaxflow.config.validation import config_module
 from jaxflow_bench import phase_costs
 
-RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
 H200, H100 = Card("NVIDIA H200", 140.4), Card("NVIDIA H100 80GB HBM3", 79.65)
 TABLE = planner.load_table()
 LORA = phase_costs.memory_row(json.loads((RESULTS / phase_costs.MEMORY_FILE).read_text()))[1]
@@ -18,8 +22,8 @@ TINY = ModelSizes(transformer_bytes=2_000_000, text_encoder_bytes=3_000_000, vae
                   layers=2, tokens=50)
 
 
-def job(images=32, micro_batches=None, engine="vllm_omni", layout="colocated", shared=False):
-    return Job(images=images, mini_batches=1, micro_batches=micro_batches, engine=engine, layout=layout,
+def job(images=32, micro_batches=None, engine="vllm_omni", layout="colocated", shared=False, family="qwen_image"):
+    return Job(family=family, images=images, mini_batches=1, micro_batches=micro_batches, engine=engine, layout=layout,
                share_weights=shared)
 
 
@@ -82,7 +86,7 @@ def test_auto_micro_batch_is_the_largest_the_memory_model_admits():
             except NoFit:
                 continue
             room = card.memory_gib * GIB - planner.engine_bytes(
-                RECIPE, plan.layout, planner.costs_for(TABLE, j.engine, j.share_weights, card)["engine_reserve_gib"])
+                RECIPE, plan.layout, planner.engine_row(TABLE, j.engine, j.share_weights, card)["engine_reserve_gib"])
             admitted = [m for m in range(1, 33) if 32 % m == 0 and update.resident + update.need(m) <= room]
             assert plan.micro_batch == max(admitted)
 
@@ -132,7 +136,7 @@ def test_jax_takes_the_measured_runs_share_on_its_card_and_the_rest_elsewhere():
     assert shared.jax_share == 0.745 and shared.micro_batch == 1
     other = Card("a 150 GiB card", 150.0)
     plan = plan_machine(job(), RECIPE, other, 1, TABLE)
-    engine = planner.engine_bytes(RECIPE, plan.layout, planner.costs_for(TABLE, "vllm_omni", False, other)[
+    engine = planner.engine_bytes(RECIPE, plan.layout, planner.engine_row(TABLE, "vllm_omni", False, other)[
         "engine_reserve_gib"])
     assert plan.jax_share == math.floor((150 * GIB - engine) / (150 * GIB) * 1000) / 1000
     assert "the rest of the GPU" in plan.why[0]
@@ -143,7 +147,52 @@ def test_the_engines_reserve_is_its_peak_beside_jaxs_whole_pool():
     """The runner's GPU peak less JAX's preallocated pool (its share of the card) less the weights the engine holds:
     JAX's unused pool is not the engine's."""
     f = json.loads((RESULTS / "e2e_recipe_vllm_omni_1gpu_runner.json").read_text())["figures"]
-    row = planner.costs_for(TABLE, "vllm_omni", False, H200)
+    row = planner.engine_row(TABLE, "vllm_omni", False, H200)
     weights = sum(phase_costs.RECIPE[k] for k in ("transformer_bytes", "text_encoder_bytes", "vae_bytes")) / GIB
     assert row["engine_reserve_gib"] == pytest.approx(f["peak_gib"] - 0.56 * row["card_gib"] - weights, abs=0.01)
     assert row["engine_reserve_gib"] < f["peak_gib"] - f["jax_peak_gib"] - weights
+
+
+def _edit_recipe_at_the_benchmark():
+    """configs/qwen_edit_ocr.py as jaxflow_bench.e2e ran it on one H200 (e2e_edit_1gpu.json: 2 prompts x 16 edits,
+    vLLM-Omni colocated) and its sizes: the recipe's weights, twice the image tokens (the reference's) and the
+    prompt's with the reference's vision tokens."""
+    cfg = config_module(ROOT / "configs" / "qwen_edit_ocr.py").get_config()
+    cfg.sample.prompts_per_step, cfg.rollout.layout, cfg.rollout.engine = 2, "colocated", "vllm_omni"
+    sizes = ModelSizes(**{**phase_costs.RECIPE, "tokens": 2 * 32 * 32 + derived.text_tokens(cfg)[0]},
+                       lora_params=LORA)
+    return machine.job_of(cfg), sizes
+
+
+def test_the_edit_recipe_is_predicted_from_the_edit_familys_own_costs():
+    """The edit family (Qwen-Image's transformer size, twice its image tokens, CFG) ran 105.4 s a step on one H200;
+    the text-to-image recipe's per-image costs predict a third of that, so its plan must not take them."""
+    edit_job, sizes = _edit_recipe_at_the_benchmark()
+    assert edit_job.family == "qwen_image_edit"
+    measured = json.loads((RESULTS / "e2e_edit_1gpu.json").read_text())["figures"]["step_s"]
+    plan = plan_machine(edit_job, sizes, H200, 1, TABLE)
+    assert plan.step_s == pytest.approx(measured, rel=0.15)
+    assert "e2e_edit_1gpu.json: the qwen_image_edit family" in plan.why[-1]
+    text_to_image = plan_machine(dataclasses.replace(edit_job, family="qwen_image"), sizes, H200, 1, TABLE)
+    assert plan.step_s != pytest.approx(text_to_image.step_s, rel=0.15)
+    # the memory part is the engine's, whatever the family: the same micro-batch, shares and reserve line
+    assert (plan.micro_batch, plan.jax_share, plan.why[:2]) == (text_to_image.micro_batch, text_to_image.jax_share,
+                                                                text_to_image.why[:2])
+
+
+def test_a_family_never_measured_gets_no_prediction_and_one_line_saying_so():
+    plan = plan_machine(job(family="bagel"), RECIPE, H200, 1, TABLE)
+    assert plan.step_s is None and plan.img_per_gpu_s is None
+    lines = [w for w in plan.why if w.startswith("no prediction")]
+    assert len(lines) == 1 and "no costs were measured on the bagel family" in lines[0]
+    assert "no prediction (why below)" in plan.summary() and not any("costs per image" in w for w in plan.why)
+    assert plan.micro_batch == plan_machine(job(), RECIPE, H200, 1, TABLE).micro_batch
+
+
+def test_the_text_to_image_recipes_prediction_is_its_own_rows():
+    """The recipe on one H200: 32 images at the runner's per-image costs plus its sync and reward tail, 31.4 s."""
+    plan = plan_machine(job(), RECIPE, H200, 1, TABLE)
+    f = json.loads((RESULTS / "e2e_recipe_vllm_omni_1gpu_runner.json").read_text())["figures"]
+    assert plan.step_s == pytest.approx(f["rollout_s"] + f["old_log_prob_s"] + f["update_s"] + f["sync_s"]
+                                        + f["reward_s"], rel=1e-9)
+    assert "predicted 31.4 s a step" in plan.summary()
