@@ -10,8 +10,9 @@ projections; lr 1e-4, weight decay 1e-4, clip range 1e-5, 32 prompts x 16 images
 normalised per group (global_std False), beta 0, old log-probs recomputed; prompts up to 256 tokens; eval 50 ODE
 steps. The rollout is vLLM-Omni's single-stage BAGEL in bf16 (our pipeline, docs/bagel.md §3), as for Qwen-Image.
 One H200 holds it at 2 samples a micro-batch with JAX's pool at half the GPU (`XLA_PYTHON_CLIENT_PREALLOCATE=true
-XLA_CLIENT_MEM_FRACTION=0.5`: the update planned at 37.8 GiB beside 26.0 GiB, the GPU's peak 100.9 GiB, measured
-at 2 prompts a step and one a rollout call; BENCHMARKS.md, BAGEL-7B-MoT at full size). On the CPU: configs/tiny_bagel_ocr.py (the `bagel_torch` engine).
+XLA_CLIENT_MEM_FRACTION=0.5`; the update's plan and the GPU's peak, measured at 2 prompts a step and one a rollout
+call: BENCHMARKS.md and benchmarks/HISTORY.md, BAGEL-7B-MoT at full size). On the CPU: configs/tiny_bagel_ocr.py
+(the `bagel_torch` engine).
 """
 from jaxflow.config.recipes import base
 from jaxflow_bridge.families.bagel.keymap import DEFAULT_LORA_TARGETS

@@ -45,13 +45,13 @@ def get_config(variant: str = ""):
     c.rollout.update(device="cuda", num_gpus=1.0, layout="in_process")
     c.model.matmul_precision = "default"
     # one rollout call a step (192 images): faster steps than 4 calls whose OCR overlaps the next call's rollout,
-    # 1.4x side by side and 4.1 s a step alone on the GPU (benchmarks/HISTORY.md, "Mini OCR", attempts 8 and 13)
+    # side by side and alone on the GPU (docs/mini_ocr.md; benchmarks/HISTORY.md, "Mini OCR", attempts 8 and 13)
     c.sample.update(height=64, width=128, num_steps=10, guidance=4.0, noise_level=0.7, window_size=9,
                     window_range=(0, 9), max_sequence_length=32, prompts_per_step=16, group_size=12,
                     prompts_per_call=16, same_latent=True)
     # the eval and lora_final use the LoRA's EMA (flow_grpo's OCR recipe evaluates an EMA): about the last 20 updates
-    # one 10-minute run: as many steps as fit in 8.75 minutes from the trainer's start (about 3.4 s a step alone on an
-    # H200 after the first, which compiles; process start-up comes on top), then the checkpoint and lora_final
+    # one 10-minute run: as many steps as fit in 8.75 minutes from the trainer's start (the first compiles; process
+    # start-up comes on top; the step time on an H200: docs/mini_ocr.md), then the checkpoint and lora_final
     c.train.update(num_steps=1000, max_minutes=8.75, learning_rate=3e-4, beta=0.0, num_mini_batches=2,
                    old_log_prob="recompute", ema_decay=0.95)
     c.reward.fns = {"ocr_shuffled": 1.0} if control else {"ocr": 1.0}

@@ -15,10 +15,10 @@ Values and their sources:
   num_batches_per_epoch 4 and gradient_accumulation_steps 2 (2 updates per epoch), verl-omni's
   ppo_mini_batch_size 16 of train_batch_size 32 prompts. Here train.num_mini_batches 2: each update takes 16 whole
   prompt groups x 16 images (shuffled), in 64 micro-batches of 4 samples: the largest micro-batch whose step fits
-  one H200 beside the vLLM-Omni engine, measured (`scripts/fit_micro_batch.py`, BENCHMARKS.md): 8 samples need
-  66.9 GiB beside the weights, 4 need 36.3 GiB (JAX's pool 0.56 of the GPU leaves 38.5 free, and the engine its
-  62 GiB for the weights and the 7B text encoder), 2 need 22.9 GiB; 4 samples train 12% faster than 2 (12.8 s against 14.6 a step of 32 images). On more
-  devices a micro-batch spreads over them (train.num_micro_batches counts the micro-batches of one update).
+  one H200 beside the vLLM-Omni engine (JAX's pool 0.56 of the GPU, the engine the rest for the weights and the 7B
+  text encoder), and faster than 2, measured (`scripts/fit_micro_batch.py`; what each size needs and its speed:
+  BENCHMARKS.md, "Memory fit: which micro-batch fits"). On more devices a micro-batch spreads over them
+  (train.num_micro_batches counts the micro-batches of one update).
 - old log-probs recomputed by the trainer before the first update (verl-omni's `compute_log_prob`; flow_grpo
   takes the rollout's): the bf16 rollout's log-probs differ from the trainer's by ~1e-4..4e-4
   (scripts/verify_logprob_parity.py), more than the 1e-4 clip band. The mismatch stays in the metrics

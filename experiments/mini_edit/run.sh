@@ -5,7 +5,8 @@
 # before -> FlowGRPO with the edit_ocr reward (python -m jaxflow.train, configs/mini_edit.py) and its shuffled-reward
 # control -> edit-OCR after -> OUT/mini_edit.json. The proof asks a rise >= 0.2 within one 10-minute RL run, and a
 # control that does not rise, so "before" must leave room (below ~0.75) while the model already edits somewhat (above
-# ~0.2). Every step is sized (or time-capped) to finish within 10 minutes on one H200; OUT/timings.txt records each.
+# ~0.2). Every step is sized (or time-capped) to finish within 10 minutes on one H200 (docs/mini_edit.md);
+# OUT/timings.txt records each.
 # Weights and data stay under OUT.
 #
 #   bash experiments/mini_edit/run.sh OUT                   # the GPU run
@@ -22,26 +23,7 @@
 # OUT/pipeline/transformer/, OUT/pick.json); eval_* (experiments/mini_edit/evaluate.py: edit_ocr of ODE edits of the
 # held-out pairs); result (experiments/mini_edit/result.py, with the picked step as pretrain_steps).
 #
-# Measured on one H200 (2026-11-28): data 16 s; vae 249 s (capped at VAE_MINUTES=3.5; default cap 5); encode 36 s;
-#   pretrain 45 s for 400 steps, 145 s for 2000 (capped at PRETRAIN_MINUTES=9); eval (200 pairs, 10 ODE steps, OCR of
-#   edit and source) 36 s each; rl ~11.5 s a step with the two RL runs side by side on the GPU (as run.sh runs them on
-#   a GPU, RL_POOL=0.3 of it each), within configs/mini_edit.py's train.max_minutes=8.75 (as many steps as fit, then
-#   the checkpoint and lora_final). pick: not yet measured (sized
-#   from eval's 36 s for 200 pairs: 7 snapshots x 48 pairs in one process, meant to stay under ~2 minutes).
-# Result (one H200, the run after those measurements, VAE_MINUTES=3.5, the RL runs side by side, 16 prompts x 12
-#   edits a step): pick chose step 1200; before 0.586 +- 0.023; RL 36 steps in 8.87 min (12.8 s a step: rollout
-#   3.8, reward 1.5, train 7.3) -> after 0.633, a rise of 0.047 +- 0.032 (the proof asks >= 0.2); control after
-#   0.530 (-0.056).
-# What changed after it (counted on the CPU, not yet measured): an edit row is 128 target + 128 reference image tokens
-#   and its text where mini_ocr's is 128 + 32; the text was padded to 64 + 18 (the VL image's bound at the released
-#   processor's pixels) for the prompt and the negative: configs/mini_edit.py pads 40 and 12, each + 10 (the image's
-#   bound at the folder's own processor pixels, read from the folder; the diffusers engine saw 10 image tokens where
-#   the folder asks 2: fixed) and takes 8 prompts of 12 a step, not 16 (train FLOPs a step 2.33x mini_ocr's before,
-#   ~1x now); edit_ocr reads a group's source sign once (OCR reads a step 192 + 192 before, 96 + 8 now); and with two
-#   GPUs the RL run and its control each take one (below). Expected: about mini_ocr's ~3.8 s a step alone on a GPU.
-# Why pick: separate runs of 2000 steps gave a "before" of 0.997 (no room for RL to rise), of 400 steps 0.006 (RL's
-#   39 steps did not rise from there); the snapshots span that range in one run (its learning-rate schedule spans
-#   the largest step, so a snapshot is not the same model as a run of that length).
+# What each run measured, why the pick step, and the results: docs/mini_edit.md.
 # Knobs (env): PICK_STEPS (snapshot steps, comma-separated; the largest is the pretraining length; default
 # 400,600,800,1000,1200,1500,2000), PICK_TARGET (0.5), PICK_NUM (48), PRETRAIN_MINUTES (9; snapshots after the cap
 # are not written), VAE_STEPS (6000), VAE_MINUTES (5), RL_STEPS (default: the config's), RL_ARGS (more --config

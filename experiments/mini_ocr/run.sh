@@ -9,20 +9,11 @@
 #   ONLY="data vae encode" bash experiments/mini_ocr/run.sh OUT   # only these steps (commands capped at 10 minutes);
 #   steps: data vae encode pretrain eval_before eval_before_train rl rl_control eval_after eval_after_train
 #   eval_control result
-# SIDE_BY_SIDE=0 (default) runs the evals, the RL run and its control one at a time, each alone on the GPU (about
-# twice the steps per minute); SIDE_BY_SIDE=1 runs the two evals before, the RL run and its control, and the three
+# SIDE_BY_SIDE=0 (default) runs the evals, the RL run and its control one at a time, each alone on the GPU (more
+# steps per minute: docs/mini_ocr.md); SIDE_BY_SIDE=1 runs the two evals before, the RL run and its control, and the three
 # evals after side by side on the one GPU.
 #
-# H200 estimates (from FLOPs counted on the CPU with torch's FlopCounterMode, except where measured):
-#   data 15 s (measured). vae: whole signs, 64 a step, ran 0.11 s a step (measured) but stalled at the blank-sign
-#   loss (0.156, OCR 0); 32x64 crops 16 a step: 6000 steps in 188 s, loss 1.4e-4, OCR of reconstructions 1.000.
-#   encode 20 s. pretrain: ~35 ms a step of 256 (1000 steps ~1 min with compilation). eval (200 prompts, 10 ODE
-#   steps, OCR) ~30 s each. rl (window 9, two updates): the first step ~50 s (the train step compiles), then 8 s a
-#   step with the control beside it (4 rollout calls a step; one OCR engine per reward thread): RL_STEPS=100
-#   RL_TIMEOUT=450 gave 44-46 steps, +0.07..+0.12 held-out OCR. Alone on the GPU (SIDE_BY_SIDE=0 POOL=0.5), one
-#   rollout call a step and 12 reward workers: 3.3-4.1 s a step, 85-114 steps, +0.12..+0.135; with a group's
-#   samples sharing their initial noise (configs/mini_ocr.py) +0.149 to +0.207 on six pipelines, the last two as one
-#   8.8-minute command each (118 and 128 steps; measured, BENCHMARKS.md "Mini OCR").
+# Each step's time on one H200, the sizing of the VAE and pretraining, and every run: docs/mini_ocr.md.
 # Each RL run ends by itself within 10 minutes: configs/mini_ocr.py's train.max_minutes=8.75 (as many steps as fit,
 # then the checkpoint and lora_final). Knobs (env): PRETRAIN_STEPS (default 1000; fewer if the "before" OCR is near
 # 1: RL needs room), PRETRAIN_MINUTES (time cap, default 9), VAE_STEPS (default 6000), VAE_MINUTES (time cap,
@@ -58,9 +49,9 @@ if [[ "${SMOKE:-0}" == 1 ]]; then
 else
   DEVICE=cuda
   DATA=(--train 4000 --test 200 --variants 4)
-  # 32x64 crops, 16 a step: whole 64x128 signs 64 a step stalled at the blank-sign loss for 3445 steps on an H200
+  # 32x64 crops, 16 a step: whole 64x128 signs 64 a step stalled at the blank-sign loss (docs/mini_ocr.md)
   VAE=(--steps "${VAE_STEPS:-6000}" --batch 16 --crop 32x64 --size mini --max-minutes "${VAE_MINUTES:-5}" --min-ocr 0.8)
-  # held-out OCR after 600 / 1000 / 1500 / 6000 steps (H200, 2026-11-23): 0.06 / 0.65 / 0.91 / 1.00; RL needs room
+  # 1000 steps: held-out OCR well below 1, so RL has room (the OCR after each length: docs/mini_ocr.md)
   PRE=(--steps "${PRETRAIN_STEPS:-1000}" --batch 256 --dtype bfloat16 --ema 0.99 --max-minutes "${PRETRAIN_MINUTES:-9}")
   EVAL=(--num "${EVAL_NUM:-200}" --steps 10 --device cuda)
   RL=(${RL_STEPS:+--config.train.num_steps=$RL_STEPS} ${RL_ARGS:-})  # RL_ARGS: more --config overrides

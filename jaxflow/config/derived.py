@@ -35,8 +35,8 @@ def model_options(cfg, gemm: str | None, num_layers: int) -> ModelOptions:
 
     model.scan_unroll=0 (the recipe's) unrolls the blocks where the linears run "pallas" and scans them otherwise:
     unrolled blocks pay with the fused kernel (BENCHMARKS.md, the recipe on one GPU), and with XLA's linears their
-    update holds about twice the scan's temporaries (4 full-width blocks compiled for the CPU: 29.2 against 15.1 GiB
-    at 4 samples a micro-batch; 2 H200s, data-parallel: 43.6 GiB, which did not fit beside the engine)."""
+    update holds about twice the scan's temporaries, which did not fit beside the engine on 2 H200s (docs/design.md,
+    the scan and the unrolled blocks)."""
     m = cfg.model
     gemm = gemm or m.lora_gemm
     if gemm == "auto":

@@ -200,13 +200,12 @@ def base() -> ml_collections.ConfigDict:
     c.run_dir = "runs/qwen_ocr"
     c.model = dict(family=FAMILY, path="", dtype="bfloat16", param_dtype="bfloat16", attention="auto",
                    # save_matmuls_stats keeps q/k/v, MLP hidden and cuDNN attention's output + softmax statistics:
-                   # 2.2% faster than save_matmuls (BENCHMARKS.md, train step)
+                   # faster than save_matmuls (BENCHMARKS.md, train step)
                    remat="save_matmuls_stats",
                    # 0 = the blocks unrolled (each block's weights held as arrays of their own) where lora_gemm runs
                    # "pallas", else a scan (with XLA's linears about half the update's temporaries; config.model_options).
-                   # Unrolled with the fused kernel, the recipe's train phase 1.12x on one H200 (11.1 s against 12.4 a
-                   # step of 32 images; the step 1.03x) for ~4 min more compile at start (BENCHMARKS.md, the recipe on
-                   # one GPU); a scan compiles in ~16 s
+                   # Unrolled with the fused kernel, the recipe's train phase is faster on one H200 for minutes more
+                   # compile at start than a scan's seconds (BENCHMARKS.md, the recipe on one GPU; docs/design.md)
                    scan_unroll=0,
                    matmul_precision="auto",
                    # "auto" picks "pallas" where it runs and pays (unrolled blocks, bf16, one H100/H200, rows that
@@ -217,8 +216,8 @@ def base() -> ml_collections.ConfigDict:
     c.rollout = dict(engine="vllm_omni", dtype="bfloat16", device="cuda", num_servers=1, num_gpus=1.0,
                      num_cpus=1.0, max_retries=2, address="",
                      # off: it pays only where something can use the freed memory; JAX's fixed pool cannot (it never
-                     # grows): one H200 0.716 img/GPU/s without, 0.681 with, first sleep 29 s (BENCHMARKS.md, the
-                     # recipe on one GPU); the trainer warns if set there
+                     # grows): one H200 is slower with it (BENCHMARKS.md, the recipe on one GPU); the trainer warns if
+                     # set there
                      sleep_while_training=False,
                      # "auto": vLLM-Omni colocated where it fits (an H200), else the diffusers engine in the
                      # trainer's process on its weights (an 80 GB card; BENCHMARKS.md, the recipe on one H100)
@@ -227,11 +226,11 @@ def base() -> ml_collections.ConfigDict:
                      # layout "auto" turns it on where it picks that engine
                      share_weights=False,
                      # "auto": vLLM-Omni serves the LoRA merged into its base weights, restored from a host copy
-                     # while JAX trains: the recipe 1.064x on one H200 (1.045 against 0.982 img/GPU/s with LoRA
-                     # layers, same session; BENCHMARKS.md, the recipe on one GPU); the diffusers engine, layers
+                     # while JAX trains: the recipe faster on one H200 than with LoRA layers (BENCHMARKS.md, the
+                     # recipe on one GPU); the diffusers engine, layers
                      lora_apply="auto",
-                     # "split": no attention mask within a prompt group; vLLM-Omni's rollout 1.05x with the LoRA,
-                     # 1.07x without (BENCHMARKS.md, true CFG)
+                     # "split": no attention mask within a prompt group; vLLM-Omni's rollout faster with the LoRA and
+                     # without (BENCHMARKS.md, true CFG)
                      cfg_forward="split",
                      # "none": the bf16 DiT the trainer trains, until FP8's trade-off is measured (docs/vllm_omni.md, FP8 rollout)
                      quantization="none",
@@ -249,7 +248,7 @@ def base() -> ml_collections.ConfigDict:
                     # the longest OCR prompt has 74 tokens (96 rather than 128: 2.8% fewer train-step tokens at 512^2)
                     max_sequence_length=96,
                     # 0: negatives padded to 96 and run in one call with the prompts. 32 (2.9% fewer tokens) ran the
-                    # train phase in 11.9 s, batched 11.2 (two H200s; BENCHMARKS.md, the recipe on one GPU)
+                    # train phase slower than batched (two H200s; benchmarks/HISTORY.md, vLLM-Omni in the loop)
                     negative_max_sequence_length=0,
                     prompts_per_step=32, group_size=16, prompts_per_call=4)
     c.train = dict(num_steps=300, compile_cache=True, max_minutes=0.0, max_skipped_steps=3, logp_gate=1e-2,
@@ -272,10 +271,11 @@ def base() -> ml_collections.ConfigDict:
                    mixgrpo=dict(interval=25, stride=1),
                    # clip_range: AWM's OCR recipe
                    awm=dict(timesteps=6, fraction=0.9, power=0.25, adv_max=1.0, clip_range=1.0),
-                   # cuBLAS GEMMs, no Triton ones: 1.4% faster on an H200 (BENCHMARKS.md, train step). No
+                   # cuBLAS GEMMs, no Triton ones: faster on an H200 (BENCHMARKS.md, train step). No
                    # latency-hiding scheduler: with the trainer on 2 GPUs it kept the unrolled backward's weight
-                   # gradients alive to overlap the LoRA all-reduces, 50.5 GiB for the update at 4 samples against
-                   # 36.3 without it, one GPU's need; one GPU runs the same either way (BENCHMARKS.md, two GPUs)
+                   # gradients alive to overlap the LoRA all-reduces, the update at 4 samples far above its need
+                   # without it, one GPU's; one GPU runs the same either way (BENCHMARKS.md, two GPUs;
+                   # benchmarks/HISTORY.md, two GPUs colocated)
                    xla_options={"xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_latency_hiding_scheduler": False})
     # 8 reward threads, each with its own RapidOCR engine of 2 onnxruntime threads (16 cores a GPU)
     c.reward = dict(fns={"ocr": 1.0}, options={"ocr": {"num_threads": 2}}, workers=8)

@@ -74,7 +74,7 @@ def check_fits(plans: list[StepMemory], resident: int, limit: int, in_use: int, 
                f"JAX's pool {limit / GIB:.1f} GiB")
     if need > free:
         raise MemoryError(f"{summary}: it does not fit ({(need - free) / GIB:.1f} GiB short). Set {KNOBS}")
-    # a pool that fragments can still fail with little to spare (one H100 run did with 0.9 GiB: BENCHMARKS.md)
+    # a pool that fragments can still fail with little to spare (one H100 run did: BENCHMARKS.md)
     return f"{summary}, {(free - need) / GIB:.1f} GiB to spare"
 
 

@@ -14,7 +14,8 @@ so the output is written once by the small GEMM and read back inside the base GE
 whose leading dims do not fold without a copy, with S >= BATCHED_ROWS (vLLM-Omni's to_out takes the image slice of
 the joint attention output, a view into a longer sequence), goes through the shrink and the base GEMM as B
 matrices of a strided-batched GEMM, read in place, where a reshape would copy it (the batched GEMM is slower than
-the flat one by most of the copy's cost: ~30 ms a rollout of 32 images saved, BENCHMARKS.md). Numerics: the LoRA terms plus bias are rounded to the compute dtype once, then added to the base
+the flat one by most of the copy's cost; the time saved: BENCHMARKS.md and benchmarks/HISTORY.md, the rollout's
+LoRA'd linears). Numerics: the LoRA terms plus bias are rounded to the compute dtype once, then added to the base
 product in the GEMM's float32 accumulator (vLLM-Omni rounds the base product, the LoRA term and their sum separately).
 
 It is a torch custom op: torch.compile (vLLM-Omni compiles the transformer's blocks) calls it as it is instead of
