@@ -18,7 +18,8 @@ from pathlib import Path
 GIB = 2 ** 30
 TABLE = Path(__file__).with_name("phase_costs.json")
 # per LoRA parameter resident before the update: its float32 value. Adam's two moments are the update's outputs, in
-# its measured need (the micro-batch fit's 39.6 GiB in use = the bf16 transformer + 4 bytes x the recipe's 424.7M)
+# its measured need (the micro-batch fit's memory in use is the bf16 transformer plus 4 bytes a LoRA parameter:
+# BENCHMARKS.md, "Memory fit")
 LORA_RESIDENT_BYTES = 4
 
 
