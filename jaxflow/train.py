@@ -199,11 +199,11 @@ class Trainer:
         if self.rollout_load_s is None or WAIT not in self.startup:
             return line
         names = list(self.startup)  # engines in Ray actors load from the trainer's model's start to the wait
-        overlapped = names[names.index("trainer's model"):names.index(WAIT)]
+        *rest, last = names[names.index("trainer's model"):names.index(WAIT)]
         beside = self.rollout_load_s - self.startup[WAIT]
         if beside > 0.5:
-            line += (f"; the rollout engines started in {self.rollout_load_s:.0f} s, {beside:.0f} s of it beside the "
-                     + ", the ".join(overlapped[:-1]) + " and the " * (len(overlapped) > 1) + overlapped[-1])
+            where = f"the {', the '.join(rest)} and the {last}" if rest else f"the {last}"
+            line += f"; the rollout engines started in {self.rollout_load_s:.0f} s, {beside:.0f} s of it beside {where}"
         return line
 
     def _sync(self, version: int, which: str | None = None) -> int | None:
