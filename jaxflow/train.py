@@ -52,6 +52,7 @@ from jaxflow.run.wandb_log import WandbLog
 from jaxflow.trainer.sharding import Layout, maybe_initialize_distributed
 
 log = logging.getLogger("jaxflow.train")
+WAIT = "waiting for the rollout engines"  # the start-up phase in which the trainer waits for engines in Ray actors
 
 
 def sleep_warning(cfg: RunConfig) -> str | None:
@@ -89,7 +90,7 @@ class Trainer:
     def __init__(self, config: RunConfig | ConfigDict, resume: bool = False):
         self.started = time.monotonic()  # train.max_minutes counts from here
         self.startup, self._phase_began = {}, None  # seconds per start-up phase, in order
-        self.rollout_load_s = None  # the rollout engines' start, from their launch (`_start_rollout_and_step`)
+        self.rollout_load_s = None  # the rollout engines' start, from their launch (`_start`)
         self.startup_detail = {}  # a phase's breakdown, for the start-up line: the memory plan's compiles by stage
         cfg = config if isinstance(config, RunConfig) else config_lib.validate(config)
         self.cfg = cfg = resolve_layout(cfg, resume=resume)[0]  # rollout.layout='auto' (the command line resolved it)
@@ -117,36 +118,29 @@ class Trainer:
         train_items = load_prompts(cfg.data.train, config_lib.needs_target(cfg))
         self.sampler = GroupSampler(len(train_items), s.prompts_per_step, s.group_size, cfg.seed)
         self.driver = Driver(cfg, folder, train_items, self.sampler, self.plan) if first else None
-        self._begin("trainer's model")
-        self.learner = Learner(cfg, folder, self.plan)
-        try:
-            self._start_rollout_and_step()
-        except BaseException:  # the engines launched beside the compile go with the failed start
+        try:  # a failed start closes what it launched: engines in Ray actors load from their launch on
+            self._start(folder, resume)
+        except BaseException:
             if self.driver:
                 self.driver.close()
             raise
-        self._begin("train state and first LoRA sync")
-        meta = self.learner.begin(resume)
-        self.start = meta["step"] if meta else 0
-        if meta:
-            self.sampler.load_state_dict(meta["sampler"])
-        self._sync(self.start)  # the rollout serves exactly the trainer's policy before the first step
-        e = cfg.eval  # the best eval so far by eval.best_metric and the early-stop rule, on process 0
-        self.gold = gold.GoldWatch.resume(e.best_metric, e.stop_after, self.run_dir / "lora_best") \
-            if e.best_metric and self.driver else None
         self._begin(None)
         self.stop_requested = False
 
-    def _start_rollout_and_step(self) -> None:
-        """The memory plan (the step compiled and checked, train.num_micro_batches='auto' fitted: the plan that the
-        driver and the learner read from then on) and the rollout's start. Engines that load in processes of their
-        own (Ray actors) are launched first and load while the step compiles, on memory JAX already holds (its pool
-        and the trainer's weights); an in-process engine starts after the check, so that a step which cannot fit
-        stops with no engine loaded. `rollout_load_s`: the engines' whole start, overlapped part included."""
+    def _start(self, folder: Path, resume: bool) -> None:
+        """The trainer's model, the memory plan (the step compiled and checked, train.num_micro_batches='auto'
+        fitted: the plan that the driver and the learner read from then on), the train state (`Learner.begin`,
+        fresh or with `resume` its checkpoint's: the start step and the sampler's position), the rollout's start and
+        the first LoRA sync. Engines that load in processes of their own (Ray actors) are launched first, as soon as
+        the plan exists, and load beside all of it (on memory JAX's pool already holds), waited for just before the
+        sync; an in-process engine starts after the memory check, so that a step which cannot fit stops with no
+        engine loaded, and the train state is made after it. `rollout_load_s`: the engines' whole start."""
         apart = self.driver is not None and self.driver.loads_apart
+        self._begin("trainer's model")
         if apart:
             launched = time.monotonic()
             self.driver.launch_rollout()
+        self.learner = Learner(self.cfg, folder, self.plan)
         self._begin("memory plan")
         try:  # before anything is written: a step that cannot fit stops here
             self.memory_summary = self.learner.check_memory()
@@ -156,12 +150,30 @@ class Trainer:
         self.plan = self.learner.plan
         if self.driver:
             self.driver.plan = self.plan
+        if self.driver and not apart:
             self._begin("rollout start")
-            if not apart:
-                launched = time.monotonic()
-                self.driver.launch_rollout()
-            self.driver.join_rollout(self.learner.model, self.processes)
-            self.rollout_load_s = time.monotonic() - launched
+            launched = time.monotonic()
+            self.driver.launch_rollout()
+            self._join_rollout(launched)
+        self._begin("train state")
+        meta = self.learner.begin(resume)  # nothing of it comes from the engines
+        self.start = meta["step"] if meta else 0
+        if meta:
+            self.sampler.load_state_dict(meta["sampler"])
+        if apart:
+            self._begin(WAIT)
+            self._join_rollout(launched)
+        self._begin("first LoRA sync")
+        self._sync(self.start)  # the rollout serves exactly the trainer's policy before the first step
+        e = self.cfg.eval  # the best eval so far by eval.best_metric and the early-stop rule, on process 0
+        self.gold = gold.GoldWatch.resume(e.best_metric, e.stop_after, self.run_dir / "lora_best") \
+            if e.best_metric and self.driver else None
+
+    def _join_rollout(self, launched: float) -> None:
+        """Wait for the rollout's engines (launched at `launched`, monotonic) and check them against the trainer's
+        model (`Driver.join_rollout`)."""
+        self.driver.join_rollout(self.learner.model, self.processes)
+        self.rollout_load_s = time.monotonic() - launched
 
     def _begin(self, phase: str | None) -> None:
         """End the running start-up phase (its seconds go to `startup`) and begin `phase` (None: start-up is over),
@@ -179,15 +191,19 @@ class Trainer:
         compiles, comes after), the memory plan's compiles by stage ("memory plan 91 s (trace 20 s, lower 30 s,
         compile 41 s; 2 of 2 compiles from the cache, ...)": tracing and lowering are redone at every start, XLA's
         compile, the wall time of the step's programs compiled at once, a warm start's cache serves; "load N s"
-        where the executable cache served them, `compile_times.summary`), and the engines' start where part of it
-        ran beside the memory plan."""
+        where the executable cache served them, `compile_times.summary`), and the engines' whole start where part of
+        it ran beside the trainer's own phases (engines in Ray actors), naming those phases."""
         detail = {name: f" ({text})" for name, text in self.startup_detail.items() if text}
         line = (f"start-up {sum(self.startup.values()):.0f} s: "
                 + ", ".join(f"{name} {sec:.0f} s{detail.get(name, '')}" for name, sec in self.startup.items()))
-        beside = 0.0 if self.rollout_load_s is None else self.rollout_load_s - self.startup.get("rollout start", 0)
+        if self.rollout_load_s is None or WAIT not in self.startup:
+            return line
+        names = list(self.startup)  # engines in Ray actors load from the trainer's model's start to the wait
+        *rest, last = names[names.index("trainer's model"):names.index(WAIT)]
+        beside = self.rollout_load_s - self.startup[WAIT]
         if beside > 0.5:
-            line += (f"; the rollout engines started in {self.rollout_load_s:.0f} s, {beside:.0f} s of it beside "
-                     f"the memory plan")
+            where = f"the {', the '.join(rest)} and the {last}" if rest else f"the {last}"
+            line += f"; the rollout engines started in {self.rollout_load_s:.0f} s, {beside:.0f} s of it beside {where}"
         return line
 
     def _sync(self, version: int, which: str | None = None) -> int | None:

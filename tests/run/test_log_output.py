@@ -73,19 +73,19 @@ def test_run_logged_to_a_file_is_a_line_per_step_and_a_summary(tmp_path):
     end = next(i for i in range(at + 1, len(lines)) if not lines[i].startswith("  "))
     assert end - at >= 3, lines[at:end]  # the plan's devices, the trainer's linears, the rollout
     lines = lines[:at] + lines[end:]
-    names = ["checks", "prompts and rewards", "trainer's model", "memory plan", "rollout start",
-             "train state and first LoRA sync"]
-    assert lines[:7] == [f"start-up: {name} ..." for name in ["Ray", *names]]  # each phase as it begins
-    lines = lines[7:]
+    names = ["checks", "prompts and rewards", "trainer's model", "memory plan", "train state",
+             "waiting for the rollout engines", "first LoRA sync"]
+    assert lines[:8] == [f"start-up: {name} ..." for name in ["Ray", *names]]  # each phase as it begins
+    lines = lines[8:]
     assert lines[0].startswith(f"training {run_dir}") and " step 1/2  reward " in lines[2] and " step 2/2 " in lines[3]
     total, phases = re.fullmatch(r"start-up (\d+) s: (.*)", lines[1]).groups()  # where the start went, in order
     detail = re.search(r"memory plan \d+ s \((.*?)\)", phases)  # its compiles by stage, then taken out here
     assert detail and re.fullmatch(r"trace \d+ s, lower \d+ s, compile \d+ s(, load \d+ s)?; \d+ of \d+ compiles "
                                    r"from the cache, \d+ of \d+ from the executable cache", detail.group(1)), lines[1]
     phases = phases.replace(f" ({detail.group(1)})", "")
-    phases, _, overlap = phases.partition("; ")  # the engines' start beside the memory plan, where it overlapped
-    assert not overlap or re.fullmatch(r"the rollout engines started in \d+ s, \d+ s of it beside the memory plan",
-                                       overlap), lines[1]
+    phases, _, overlap = phases.partition("; ")  # the engines' start beside the trainer's, where it overlapped
+    assert not overlap or re.fullmatch(r"the rollout engines started in \d+ s, \d+ s of it beside the trainer's "
+                                       r"model, the memory plan and the train state", overlap), lines[1]
     assert [re.fullmatch(r"(.+) (\d+) s", part).group(1) for part in phases.split(", ")] == names, lines[1]
     assert abs(sum(int(part.rsplit(" ", 2)[1]) for part in phases.split(", ")) - int(total)) <= len(names)
     summary = "\n".join(lines[4:])

@@ -1,6 +1,7 @@
 """The start-up's order (jaxflow/train.py): engines that load in processes of their own (Ray actors) are launched
-before the step compiles and joined after it, the overlap reported; an in-process engine starts after the memory
-check; the driver reads the plan that the check fitted. Stand-ins for the driver and the learner record the order."""
+before the trainer's model is built and joined after the train state is made, the overlap reported; an in-process
+engine starts after the memory check, before the train state; the driver reads the plan that the check fitted; a
+failure after the launch closes the driver. Stand-ins for the driver and the learner record the order."""
 import pytest
 
 from jaxflow import train
@@ -53,27 +54,44 @@ def _stand_ins(monkeypatch, events, apart):
     monkeypatch.setattr(train, "Driver", Driver)
 
 
-@pytest.mark.parametrize("apart, order", [
-    (True, ["model", "launch", "compile", ("join", "a stand-in's fit"), "train state", "sync"]),
-    (False, ["model", "compile", "launch", ("join", "a stand-in's fit"), "train state", "sync"]),
+APART = ["checks", "prompts and rewards", "trainer's model", "memory plan", "train state",
+         "waiting for the rollout engines", "first LoRA sync"]
+IN_PROCESS = ["checks", "prompts and rewards", "trainer's model", "memory plan", "rollout start", "train state",
+              "first LoRA sync"]
+
+
+@pytest.mark.parametrize("apart, order, phases", [
+    (True, ["launch", "model", "compile", "train state", ("join", "a stand-in's fit"), "sync"], APART),
+    (False, ["model", "compile", "launch", ("join", "a stand-in's fit"), "train state", "sync"], IN_PROCESS),
 ])
-def test_ray_engines_launch_before_the_compile_and_join_after(tmp_path, monkeypatch, apart, order):
+def test_ray_engines_launch_before_the_model_and_are_waited_for_after_the_train_state(tmp_path, monkeypatch, apart,
+                                                                                       order, phases):
     events = []
     _stand_ins(monkeypatch, events, apart)
     trainer = train.Trainer(validation.validate(tiny_config(tmp_path / "run")))
     assert events == order
     assert trainer.plan.micro_batch_why == "a stand-in's fit" and trainer.rollout_load_s >= 0
-    assert list(trainer.startup) == ["checks", "prompts and rewards", "trainer's model", "memory plan",
-                                     "rollout start", "train state and first LoRA sync"]
+    assert list(trainer.startup) == phases
 
 
 def test_the_overlap_is_reported_in_the_start_up_line(tmp_path, monkeypatch):
     events = []
     _stand_ins(monkeypatch, events, True)
     trainer = train.Trainer(validation.validate(tiny_config(tmp_path / "run")))
+    trainer.startup.update({"trainer's model": 10.0, "memory plan": 33.0, "train state": 4.0,
+                            "waiting for the rollout engines": 3.0})
+    trainer.rollout_load_s = 50.0
+    assert trainer.startup_line().endswith(
+        "waiting for the rollout engines 3 s, first LoRA sync 0 s; the rollout engines started in 50 s, 47 s of it "
+        "beside the trainer's model, the memory plan and the train state")
+
+
+def test_an_in_process_engine_reports_no_overlap(tmp_path, monkeypatch):
+    events = []
+    _stand_ins(monkeypatch, events, False)
+    trainer = train.Trainer(validation.validate(tiny_config(tmp_path / "run")))
     trainer.startup["rollout start"], trainer.rollout_load_s = 3.0, 80.0
-    assert trainer.startup_line().endswith("rollout start 3 s, train state and first LoRA sync 0 s; the rollout "
-                                           "engines started in 80 s, 77 s of it beside the memory plan")
+    assert trainer.startup_line().endswith("rollout start 3 s, train state 0 s, first LoRA sync 0 s")
 
 
 def test_a_failed_memory_check_closes_the_launched_engines(tmp_path, monkeypatch):
@@ -85,7 +103,23 @@ def test_a_failed_memory_check_closes_the_launched_engines(tmp_path, monkeypatch
     monkeypatch.setattr(train.Learner, "check_memory", no_fit)
     with pytest.raises(validation.UserError, match="does not fit"):
         train.Trainer(validation.validate(tiny_config(tmp_path / "run")))
-    assert events == ["model", "launch", "close"]
+    assert events == ["launch", "model", "close"]
+
+
+@pytest.mark.parametrize("fails", ["model", "begin", "join", "serve"])
+def test_a_failure_after_the_launch_closes_the_driver(tmp_path, monkeypatch, fails):
+    """The trainer's model, the train state, the wait for the engines and the first sync each fail after the
+    engines were launched: the driver (and with it the engines) is closed."""
+    events = []
+    _stand_ins(monkeypatch, events, True)
+
+    def broken(*args):
+        raise RuntimeError(f"{fails} failed")
+    owner = train.Driver if fails in ("join", "serve") else train.Learner
+    monkeypatch.setattr(owner, {"model": "__init__", "join": "join_rollout"}.get(fails, fails), broken)
+    with pytest.raises(RuntimeError, match=f"{fails} failed"):
+        train.Trainer(validation.validate(tiny_config(tmp_path / "run")))
+    assert events[0] == "launch" and events[-1] == "close"
 
 
 def test_the_memory_plan_names_its_compiles_by_stage(tmp_path, monkeypatch):
@@ -98,5 +132,22 @@ def test_the_memory_plan_names_its_compiles_by_stage(tmp_path, monkeypatch):
     trainer = train.Trainer(validation.validate(tiny_config(tmp_path / "run")))
     trainer.startup["memory plan"] = 91.0
     assert ", memory plan 91 s (trace 25 s, lower 36 s, compile 41 s; 1 of 2 compiles from the cache, 0 of 2 " \
-           "from the executable cache), rollout start" in trainer.startup_line()
+           "from the executable cache), train state" in trainer.startup_line()
     assert compile_times.summary([]) == ""
+
+
+@pytest.mark.parametrize("apart", [True, False], ids=["ray", "in_process"])
+def test_resume_takes_the_start_step_and_the_sampler_from_the_checkpoint(tmp_path, monkeypatch, apart):
+    """A resumed start, in either order: the checkpoint's step is the start step and the first sync's version, and
+    the sampler (the driver's own) continues from the checkpoint's position."""
+    events = []
+    _stand_ins(monkeypatch, events, apart)
+    saved = {}
+    monkeypatch.setattr(train.Learner, "begin", lambda self, resume: {"step": 3, "sampler": saved} if resume else None)
+    monkeypatch.setattr(train.Driver, "serve", lambda self, lora, version: events.append(("sync", version)) or 0)
+    cfg = validation.validate(tiny_config(tmp_path / "run"))
+    fresh = train.Trainer(cfg)
+    saved.update(fresh.sampler.state_dict(), step=3)
+    assert fresh.start == 0 and events[-1] == ("sync", 0)
+    trainer = train.Trainer(cfg, resume=True)
+    assert trainer.start == 3 and trainer.sampler.step == 3 and events[-1] == ("sync", 3)

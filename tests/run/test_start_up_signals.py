@@ -12,8 +12,8 @@ import pytest
 from tests.helpers import ROOT
 from tests import HANG_S
 
-PHASES = ["checks", "prompts and rewards", "trainer's model", "memory plan", "rollout start",
-          "train state and first LoRA sync"]
+PHASES = ["checks", "prompts and rewards", "trainer's model", "memory plan", "train state",
+          "waiting for the rollout engines", "first LoRA sync"]
 TRIES = 2
 
 
