@@ -58,7 +58,7 @@ WAIT = "waiting for the rollout engines"  # the start-up phase in which the trai
 def sleep_warning(cfg: RunConfig) -> str | None:
     """The rule for `rollout.sleep_while_training`: a sleeping engine frees its GPU memory for the trainer, which can
     use it only if JAX allocates as it goes. With a fixed pool (XLA_PYTHON_CLIENT_PREALLOCATE, as README says for
-    one GPU) nothing takes it: the sleep costs time (2.3 s a step, the first ~30 s) and buys nothing."""
+    one GPU) nothing takes it: the sleep costs time (a few seconds a step, BENCHMARKS.md) and buys nothing."""
     if not cfg.rollout.sleep_while_training or jax.default_backend() != "gpu":
         return None
     if os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "true").lower() in ("false", "0"):
