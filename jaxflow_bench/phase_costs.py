@@ -8,7 +8,8 @@ from the micro-batch fit (`scripts/fit_micro_batch.py`). The planner (`jaxflow/c
 
 Every row names its file, family and card. The measured model is the recipe's (configs/qwen_ocr.py) at full size
 with random weights (its family's full_size.py builder), its sizes below; the edit recipe's (configs/qwen_edit_ocr.py)
-has the same weights (Qwen-Image-Edit's full_size.py builds on Qwen-Image's) and twice the image tokens."""
+has the same weights (the edit family's full_size.py builds on the text-to-image one's) and twice the image tokens.
+"""
 from __future__ import annotations
 
 import argparse
@@ -18,20 +19,26 @@ from pathlib import Path
 import numpy as np
 
 from jaxflow.config.planner import GIB, LORA_RESIDENT_BYTES, TABLE, ModelSizes
+from jaxflow_bridge.engines import families
 
 ROOT = Path(__file__).resolve().parents[1]
 # the recipe's model in bf16 (full_size.py: the 20.4B transformer, the 8.3B text encoder, the VAE),
 # the recipe's 512x512 images (32 x 32 latent tokens) and 96 prompt tokens; its LoRA as the fit measured it
 RECIPE = dict(transformer_bytes=int(20.43e9 * 2), text_encoder_bytes=int(8.29e9 * 2), vae_bytes=int(0.127e9 * 2),
               layers=60, tokens=32 * 32 + 96)
-MEMORY_FILE, MEMORY_FAMILY = "fit_micro_batch.json", "qwen_image"  # the fit ran the recipe
-# (file, the family its recipe runs, engine, whether the engine runs on the trainer's weights, the JAX share of the
+MEMORY_FILE, MEMORY_CONFIG = "fit_micro_batch.json", "configs/qwen_ocr.py"  # the fit ran the recipe
+# (file, the recipe it ran, engine, whether the engine runs on the trainer's weights, the JAX share of the
 # GPU the run had: its XLA_CLIENT_MEM_FRACTION, the e2e benchmark's 1gpu default or its command's): each a recipe on
 # one GPU
-PHASE_FILES = (("e2e_recipe_vllm_omni_1gpu_runner.json", "qwen_image", "vllm_omni", False, 0.56),
-               ("e2e_recipe_diffusers_1gpu.json", "qwen_image", "diffusers", False, 0.56),
-               ("e2e_recipe_diffusers_h100.json", "qwen_image", "diffusers", True, 0.745),
-               ("e2e_edit_1gpu.json", "qwen_image_edit", "vllm_omni", False, 0.56))
+PHASE_FILES = (("e2e_recipe_vllm_omni_1gpu_runner.json", "configs/qwen_ocr.py", "vllm_omni", False, 0.56),
+               ("e2e_recipe_diffusers_1gpu.json", "configs/qwen_ocr.py", "diffusers", False, 0.56),
+               ("e2e_recipe_diffusers_h100.json", "configs/qwen_ocr.py", "diffusers", True, 0.745),
+               ("e2e_edit_1gpu.json", "configs/qwen_edit_ocr.py", "vllm_omni", False, 0.56))
+
+
+def family_of(config: str) -> str:
+    """The family whose E2E recipe (its spec.py) is `config`."""
+    return next(name for name in families.FAMILIES if families.spec(name).E2E["config"] == config)
 
 
 def card_of(device: str) -> tuple[str, float]:
@@ -48,21 +55,21 @@ def memory_row(record: dict) -> tuple[dict, int]:
     per, fixed = np.polyfit(sizes, [f[f"need_gib_mb{m}"] * GIB for m in sizes], 1)
     lora = int((f["in_use_gib"] * GIB - RECIPE["transformer_bytes"]) / LORA_RESIDENT_BYTES)
     scale = ModelSizes(**RECIPE, lora_params=lora).scale
-    return ({"file": MEMORY_FILE, "family": MEMORY_FAMILY, "card": card_of(record["device"])[0],
+    return ({"file": MEMORY_FILE, "family": family_of(MEMORY_CONFIG), "card": card_of(record["device"])[0],
              "transformer_bytes": RECIPE["transformer_bytes"],
              "fixed_per_transformer_byte": float(fixed / RECIPE["transformer_bytes"]),
              "per_sample_per_scale": float(per / scale)}, lora)
 
 
-def phase_row(name: str, record: dict, family: str, engine: str, share_weights: bool, jax_share: float) -> dict:
-    """Per-image seconds of one e2e result of `family`'s recipe, the JAX share it ran at, and the engine's working
+def phase_row(name: str, record: dict, config: str, engine: str, share_weights: bool, jax_share: float) -> dict:
+    """Per-image seconds of one e2e result of the recipe `config`, the JAX share it ran at, and the engine's working
     reserve: the GPU's peak less JAX's whole pool (preallocated: `jax_share` of the card) and the weights the engine
     holds (RECIPE's: the edit family's are the same)."""
     f = record["figures"]
     images = f["images_per_step"]
     card, gib = card_of(record["device"])
     weights = RECIPE["text_encoder_bytes"] + RECIPE["vae_bytes"] + (0 if share_weights else RECIPE["transformer_bytes"])
-    return {"file": name, "family": family, "engine": engine, "share_weights": share_weights, "card": card,
+    return {"file": name, "family": family_of(config), "engine": engine, "share_weights": share_weights, "card": card,
             "card_gib": round(gib, 2), "micro_batch": int(f["micro_batch"]),
             "rollout_s_per_image": f["rollout_s"] / images,
             "old_log_prob_s_per_image": f["old_log_prob_s"] / images, "update_s_per_image": f["update_s"] / images,
@@ -75,7 +82,7 @@ def build(results: Path) -> dict:
     phases = [phase_row(name, json.loads((results / name).read_text()), *row) for name, *row in PHASE_FILES]
     # an engine never measured: the largest reserve of the memory model's family (the rows its memory plan reads)
     return {"written_by": "python -m jaxflow_bench.phase_costs", "memory": memory, "phases": phases,
-            "default_engine_reserve_gib": max(r["engine_reserve_gib"] for r in phases if r["family"] == MEMORY_FAMILY)}
+            "default_engine_reserve_gib": max(r["engine_reserve_gib"] for r in phases if r["family"] == memory["family"])}
 
 
 def main(argv=None) -> None:
