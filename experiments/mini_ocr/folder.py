@@ -37,7 +37,7 @@ def bf16_copy(folder: str | Path, out: str | Path) -> Path:
 
     from jaxflow_bridge.families.qwen_image.diffusers_pipeline import RolloutPipeline
 
-    pipe = RolloutPipeline.diffusers_pipeline(folder, torch_dtype=torch.bfloat16, local_files_only=True)
+    pipe = RolloutPipeline.diffusers_pipeline(folder, dtype=torch.bfloat16, local_files_only=True)
     return save_folder(pipe, out)
 
 
