@@ -28,8 +28,10 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "mini_ocr"
 # deterministic rollouts, its OCR recipe's beta 0.1 and old-policy decay, eval without CFG too), MixGRPO ("mixgrpo":
 # a 2-step SDE window shared by the step's samples, sliding over the schedule every 10 steps), its Flash variant
 # ("mixgrpo_flash": DPM-Solver++(2M) after the window) or AWM ("awm": its OCR recipe's advantage-weighted matching,
-# KL 0.003, one update a step as there)
-ARMS = ("", "guard", "corrected", "dropzero", "nft", "mixgrpo", "mixgrpo_flash", "awm")
+# KL 0.003, one update a step as there); and FlowGRPO with the rollout in vLLM-Omni, in a Ray actor on the trainer's
+# GPU, on the pipeline's bf16 copy (OUT/pipeline_bf16): its DiT in bf16 ("omni") or FP8 ("omni_fp8"; docs/mini_ocr.md,
+# "FP8 arm")
+ARMS = ("", "guard", "corrected", "dropzero", "nft", "mixgrpo", "mixgrpo_flash", "awm", "omni", "omni_fp8")
 VARIANTS = tuple(f"{arm}{sep}{control}" for arm in ARMS for sep, control in (("", ""), ("_" if arm else "", "control")))
 
 
@@ -79,4 +81,9 @@ def get_config(variant: str = ""):
     elif arm == "awm":
         c.train.algorithm = "awm"
         c.train.update(beta=0.003, num_mini_batches=1, old_log_prob="rollout")
+    elif arm in ("omni", "omni_fp8"):
+        # the LoRA as layers in both (bf16's 'auto' would merge it; FP8 weights take no merge), so the two arms
+        # differ in rollout.quantization alone
+        c.rollout.update(engine="vllm_omni", dtype="bfloat16", layout="colocated", lora_apply="layers",
+                         quantization="fp8" if arm == "omni_fp8" else "none")
     return c

@@ -1,16 +1,18 @@
-"""Collect the algorithm arms' mini OCR runs over one or more pipelines into OUT/mini_ocr_algorithms.json.
+"""Collect the arms' mini OCR runs over one or more pipelines into OUT/mini_ocr_algorithms.json (the algorithm arms,
+paired against FlowGRPO) and OUT/mini_ocr_fp8.json (the vLLM-Omni arms: omni_fp8 paired against omni, the bf16 DiT).
 
     python -m experiments.mini_ocr.algorithms --out OUT --pipelines P0 [P1 ...] [--exclude P0/nft ...]
 
 Each pipeline folder is one experiments/mini_ocr/run.sh OUT (its eval/before.json, and per arm ARM that ran on it:
 eval/after_ARM.json, rl_ARM/checkpoints (or, in a copy without checkpoints, the last step of rl_ARM/metrics.jsonl),
 the "rl_ARM N s" line of timings.txt; FlowGRPO has no suffix; NFT, whose
-evals run without CFG, is measured from eval/before_nft.json). Figures per arm: `ARM/before` and `ARM/after` (held-out
+evals run without CFG, is measured from eval/before_nft.json, omni and omni_fp8 from eval/before_omni.json, the
+eval of the bf16 folder they train on). A result is written where any of its arms ran. Figures per arm: `ARM/before` and `ARM/after` (held-out
 OCR, means over the pipelines it ran on), `ARM/rise` (after - before), `ARM/rise_se` (its standard
 error: the pipelines' errors combined), `ARM/rise_min` (the lowest pipeline's), `ARM/steps` and `ARM/minutes` (mean
 trained steps and wall minutes of the RL command), `ARM/pipelines`; `ARM/PIPELINE/rise` and `.../rise_se` for each
-pipeline, and `ARM/rise_vs_flowgrpo` (the mean paired difference over the pipelines both ran on) with
-`ARM/rise_vs_flowgrpo_se` (from the evals' errors; a "before" both share cancels). `--exclude
+pipeline, and `ARM/rise_vs_BASELINE` (flowgrpo, or omni in mini_ocr_fp8.json: the mean paired difference over the
+pipelines both ran on) with `ARM/rise_vs_BASELINE_se` (from the evals' errors; a "before" both share cancels). `--exclude
 PIPELINE/ARM` leaves out a run known to be invalid (say why where the result is reported).
 """
 from __future__ import annotations
@@ -23,7 +25,13 @@ from jaxflow_bench.cli import bench_parser
 from jaxflow_bench.results import write_result
 
 ARMS = {"flowgrpo": "", "guard": "_guard", "corrected": "_corrected", "dropzero": "_dropzero", "nft": "_nft",
-        "mixgrpo": "_mixgrpo", "mixgrpo_flash": "_mixgrpo_flash", "awm": "_awm"}
+        "mixgrpo": "_mixgrpo", "mixgrpo_flash": "_mixgrpo_flash", "awm": "_awm", "omni": "_omni",
+        "omni_fp8": "_omni_fp8"}
+# the eval an arm rises from where it is not the pipeline's eval/before.json (run.sh's BEFORE)
+BEFORE = {"_nft": "before_nft", "_omni": "before_omni", "_omni_fp8": "before_omni"}
+# each result file: its arms and the arm they are paired against
+RESULTS = {"mini_ocr_algorithms": (tuple(a for a in ARMS if not a.startswith("omni")), "flowgrpo"),
+           "mini_ocr_fp8": (("omni", "omni_fp8"), "omni")}
 
 
 def run_of(pipeline: Path, suffix: str) -> dict | None:
@@ -31,7 +39,7 @@ def run_of(pipeline: Path, suffix: str) -> dict | None:
     after = pipeline / "eval" / f"after{suffix}.json"
     if not after.exists():
         return None
-    before_name = "before_nft" if suffix == "_nft" else "before"
+    before_name = BEFORE.get(suffix, "before")
     before, after = (json.loads(p.read_text()) for p in (pipeline / "eval" / f"{before_name}.json", after))
     if before["n"] != after["n"]:
         raise ValueError(f"{pipeline}: before has {before['n']} prompts and after{suffix} {after['n']}")
@@ -84,18 +92,22 @@ def summarize(runs: dict[str, dict[str, dict]], baseline: str) -> dict:
     return figures
 
 
-def collect(pipelines: list[Path], exclude: tuple[str, ...] = ()) -> dict:
+def collect(pipelines: list[Path], exclude: tuple[str, ...] = ()) -> dict[str, dict]:
+    """{result name: its figures} for each of `RESULTS` whose arms ran on `pipelines` (but the `exclude`d runs)."""
     unknown = [e for e in exclude if e.partition("/")[2] not in ARMS or e.partition("/")[0] not in
                {p.name for p in pipelines}]
     if unknown:
         raise ValueError(f"--exclude {unknown}: name PIPELINE/ARM, a pipeline folder's name and one of {list(ARMS)}")
-    runs = {arm: {p.name: r for p in pipelines if f"{p.name}/{arm}" not in exclude and (r := run_of(p, suffix))}
-            for arm, suffix in ARMS.items()}
-    figures = summarize(runs, "flowgrpo")
-    if not figures:
+    results = {}
+    for name, (arms, baseline) in RESULTS.items():
+        runs = {arm: {p.name: r for p in pipelines if f"{p.name}/{arm}" not in exclude and (r := run_of(p, ARMS[arm]))}
+                for arm in arms}
+        if figures := summarize(runs, baseline):
+            results[name] = figures
+    if not results:
         raise ValueError(f"no arm's eval/after*.json in {[str(p) for p in pipelines]}: "
                          "run experiments/mini_ocr/run.sh first")
-    return figures
+    return results
 
 
 def main(argv=None) -> None:
@@ -103,9 +115,8 @@ def main(argv=None) -> None:
     p.add_argument("--pipelines", type=Path, nargs="+", required=True, help="experiments/mini_ocr/run.sh OUT folders")
     p.add_argument("--exclude", nargs="*", default=(), help="PIPELINE/ARM runs to leave out (known invalid)")
     a = p.parse_args(argv)
-    figures = collect(a.pipelines, tuple(a.exclude))
-    path = write_result(a.out, "mini_ocr_algorithms", figures)
-    print(json.dumps(figures, indent=1), "->", path)
+    for name, figures in collect(a.pipelines, tuple(a.exclude)).items():
+        print(json.dumps(figures, indent=1), "->", write_result(a.out, name, figures))
 
 
 if __name__ == "__main__":

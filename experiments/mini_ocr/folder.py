@@ -5,6 +5,8 @@ scheduler)
 with the trained VAE and a fresh transformer of a `SIZES` config in place of its own; the pretraining then overwrites
 `transformer/` with its weights (`jaxflow/families/qwen_image/loading.py: save_transformer`).
 Text embeddings come from the folder through `RolloutPipeline.encode`, the rollout's own text path.
+`bf16_copy` writes the folder in bf16 for the vLLM-Omni arms (`configs/mini_ocr.py`'s omni and omni_fp8): vLLM-Omni 0.20
+serves bf16 folders only (`jaxflow_bridge/engines/vllm_omni/rules.py`).
 """
 from __future__ import annotations
 
@@ -27,6 +29,16 @@ def build_folder(out: str | Path, vae, size: str = "mini", seed: int = 0) -> Pat
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
     return save_folder(build_pipeline(seed, transformer_config=SIZES[size], vae=vae), out)
+
+
+def bf16_copy(folder: str | Path, out: str | Path) -> Path:
+    """Write the pipeline folder `folder` to `out` with every component's weights in bf16."""
+    import torch
+
+    from jaxflow_bridge.families.qwen_image.diffusers_pipeline import RolloutPipeline
+
+    pipe = RolloutPipeline.diffusers_pipeline(folder, dtype=torch.bfloat16, local_files_only=True)
+    return save_folder(pipe, out)
 
 
 def encode_text(pipeline, prompts: list[str], negative: str = " ") -> dict[str, np.ndarray]:

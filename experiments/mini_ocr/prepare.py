@@ -3,6 +3,7 @@
     python -m experiments.mini_ocr.prepare data   --out OUT [--train 4000 --test 200 --variants 4]
     python -m experiments.mini_ocr.prepare vae    --out OUT [--steps 6000 --batch 16 --crop 32x64 --device cuda]
     python -m experiments.mini_ocr.prepare encode --out OUT [--device cuda]
+    python -m experiments.mini_ocr.prepare bf16   --out OUT
 
 data: OUT/data/{train,test}.txt (prompts), images.npy (uint8 renders of the train words, `variants` each),
 index.npy (the word of each image), and the OCR reward of clean renders of the held-out words (ocr_clean.json).
@@ -10,6 +11,7 @@ vae: trains the VAE on images.npy, sets its latent statistics, scores OCR on its
 renders (vae_report.json), writes the pipeline folder OUT/pipeline (random transformer of `--size`), and fails
 when that OCR is below `--min-ocr` (the GPU run asks 0.8).
 encode: OUT/data/latents.npy (packed normalised VAE means) and text.npz (prompt and negative embeddings).
+bf16: OUT/pipeline_bf16, the (pretrained) pipeline folder in bf16, which the vLLM-Omni arms train on.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from experiments.mini_ocr.folder import SIZES, build_folder, encode_text
+from experiments.mini_ocr.folder import SIZES, bf16_copy, build_folder, encode_text
 from experiments.mini_ocr.render import HEIGHT, WIDTH, render_dataset
 from experiments.mini_ocr.vae import build_vae, pack, posterior_means, reconstruct, set_latent_stats, train_vae
 from experiments.mini_ocr.words import prompt, split, write_prompts
@@ -119,7 +121,7 @@ def add_vae_arguments(p: argparse.ArgumentParser, steps: int, batch: int) -> Non
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("step", choices=("data", "vae", "encode"))
+    p.add_argument("step", choices=("data", "vae", "encode", "bf16"))
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--train", type=int, default=4000)
     p.add_argument("--test", type=int, default=200)
@@ -130,8 +132,10 @@ def main(argv=None) -> None:
         report = step_data(a.out, a.train, a.test, a.variants, a.seed)
     elif a.step == "vae":
         report = step_vae(a.out, a.steps, a.batch, a.size, a.device, a.max_minutes, a.seed, a.min_ocr, a.crop, a.lr)
-    else:
+    elif a.step == "encode":
         report = step_encode(a.out, a.device)
+    else:
+        report = dict(folder=str(bf16_copy(a.out / "pipeline", a.out / "pipeline_bf16")))
     print(json.dumps(report))
 
 

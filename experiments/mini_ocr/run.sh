@@ -7,8 +7,8 @@
 #   bash experiments/mini_ocr/run.sh OUT                   # the GPU run
 #   SMOKE=1 bash experiments/mini_ocr/run.sh /tmp/mini     # every step at toy size on the CPU (a few minutes)
 #   ONLY="data vae encode" bash experiments/mini_ocr/run.sh OUT   # only these steps (commands capped at 10 minutes);
-#   steps: data vae encode pretrain eval_before eval_before_train rl rl_control eval_after eval_after_train
-#   eval_control result
+#   steps: data vae encode pretrain bf16 (the omni arms') eval_before eval_before_train rl rl_control eval_after
+#   eval_after_train eval_control result
 # SIDE_BY_SIDE=0 (default) runs the evals, the RL run and its control one at a time, each alone on the GPU (more
 # steps per minute: docs/mini_ocr.md); SIDE_BY_SIDE=1 runs the two evals before, the RL run and its control, and the three
 # evals after side by side on the one GPU.
@@ -22,11 +22,13 @@
 # current step and this script exports that step's LoRA as lora_final), RL_RESUME=1 (continue such a run:
 # ONLY="rl rl_control" RL_RESUME=1 ...), and POOL (each trainer's JAX memory fraction of the GPU: 0.3 side by side,
 # 0.5 alone; lower it when more runs share the GPU). ARM (configs/mini_ocr.py's ARMS: "" FlowGRPO, guard, corrected,
-# dropzero, nft, mixgrpo, mixgrpo_flash, awm) picks the algorithm of the RL run and its control (and, for nft, evals without CFG); an arm's runs,
+# dropzero, nft, mixgrpo, mixgrpo_flash, awm, omni, omni_fp8) picks the algorithm (omni: the rollout engine) of the RL
+# run and its control (and, for nft, evals without CFG); an arm's runs,
 # evals, timings and result are named for it (OUT/rl_nft, OUT/eval/after_nft.json, mini_ocr_nft.json), so every arm can train on one
 # pipeline, at once on several GPUs:
 #   ONLY="rl eval_after" ARM=guard CUDA_VISIBLE_DEVICES=1 bash experiments/mini_ocr/run.sh OUT
-# (nft also needs its eval_before: without CFG, eval/before_nft.json). RUN names the run's files instead of ARM (a
+# (nft also needs its eval_before: without CFG, eval/before_nft.json; omni and omni_fp8 the bf16 folder and its
+# eval_before, eval/before_omni.json, once for both: ONLY="bf16 eval_before" ARM=omni). RUN names the run's files instead of ARM (a
 # variant of an arm set by RL_ARGS, as experiments/mini_ocr/sweep.sh runs them: ONLY="rl eval_after" RUN=sweep_lr2x).
 set -euo pipefail
 OUT=${1:?usage: [SMOKE=1] bash experiments/mini_ocr/run.sh OUT}
@@ -65,6 +67,9 @@ fi
 ARM=${ARM:-}
 BEFORE=before  # NFT's policy is CFG-free: its evals, the pipeline's "before" too, run without CFG (before_nft)
 [[ "$ARM" == nft ]] && EVAL+=(--guidance 1) && BEFORE=before_nft
+# the vLLM-Omni arms train on the folder's bf16 copy (step bf16): their evals, "before" too (before_omni), run on it
+PIPELINE=pipeline
+[[ "$ARM" == omni || "$ARM" == omni_fp8 ]] && PIPELINE=pipeline_bf16 && BEFORE=before_omni
 RL_CONFIG=configs/mini_ocr.py${ARM:+:$ARM} CONTROL_CONFIG=configs/mini_ocr.py:${ARM:+${ARM}_}control
 RUN=${RUN:-$ARM}
 A=${RUN:+_$RUN}  # the run's suffix of run, eval and timing names
@@ -93,7 +98,7 @@ join() {  # wait for every `together` command; fail if any failed
 rl() {  # rl RUN_DIR CONFIG: a new run, or with RL_RESUME=1 the continuation of one cut by RL_TIMEOUT
   local start=--overwrite rc=0 args
   [[ "${RL_RESUME:-0}" == 1 ]] && start=--resume
-  args=(--config "$2" --config.model.path="$OUT/pipeline" --config.run_dir="$1"
+  args=(--config "$2" --config.model.path="$OUT/$PIPELINE" --config.run_dir="$1"
         --config.data.train="$OUT/data/train.txt" --config.data.test="$OUT/data/test.txt" --config.log.progress=False)
   timeout --kill-after=30 "${RL_TIMEOUT:-0}" python -m jaxflow.train "${args[@]}" "$start" "${RL[@]}" || rc=$?
   [[ $rc == 124 || $rc == 137 ]] || return $rc
@@ -109,10 +114,11 @@ step data python -m experiments.mini_ocr.prepare data --out "$OUT" "${DATA[@]}"
 step vae python -m experiments.mini_ocr.prepare vae --out "$OUT" --device "$DEVICE" "${VAE[@]}"
 step encode python -m experiments.mini_ocr.prepare encode --out "$OUT" --device "$DEVICE"
 step pretrain python -m experiments.mini_ocr.pretrain --pipeline "$OUT/pipeline" --data "$OUT/data" "${PRE[@]}"
+[[ $PIPELINE == pipeline ]] || step bf16 python -m experiments.mini_ocr.prepare bf16 --out "$OUT"
 ev() {  # ev NAME PROMPTS [--lora DIR]: OCR of the pipeline (+ LoRA) on PROMPTS -> OUT/eval/NAME.{json,png}
   local name=$1 prompts=$2
   shift 2
-  python -m experiments.mini_ocr.evaluate --pipeline "$OUT/pipeline" --prompts "$prompts" \
+  python -m experiments.mini_ocr.evaluate --pipeline "$OUT/$PIPELINE" --prompts "$prompts" \
     --json "$OUT/eval/$name.json" --grid "$OUT/eval/$name.png" "$@" "${EVAL[@]}"
 }
 # the train words too: RL trains on them, so they must also score well below 1 (else lower PRETRAIN_STEPS)

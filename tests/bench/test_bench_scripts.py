@@ -85,10 +85,10 @@ def test_mini_ocr_breakdown_counts_prompts_by_score_and_change():
 
 
 def fake_mini_ocr_run(pipeline: Path, before: float, after: dict[str, tuple[float, int, int]]) -> None:
-    """An experiments/mini_ocr/run.sh OUT as its files: eval/before.json (before_nft.json: 0.1 lower, no CFG) and,
-    per arm suffix, (OCR after, steps, seconds)."""
+    """An experiments/mini_ocr/run.sh OUT as its files: eval/before.json (before_nft.json: 0.1 lower, no CFG;
+    before_omni.json, the bf16 folder's: 0.05 higher) and, per arm suffix, (OCR after, steps, seconds)."""
     (pipeline / "eval").mkdir(parents=True)
-    for name, ocr in (("before", before), ("before_nft", before - 0.1)):
+    for name, ocr in (("before", before), ("before_nft", before - 0.1), ("before_omni", before + 0.05)):
         (pipeline / "eval" / f"{name}.json").write_text(json.dumps(dict(mean=ocr, se=0.03, n=200)))
     lines = []
     for suffix, (ocr, steps, seconds) in after.items():
@@ -102,7 +102,9 @@ def fake_mini_ocr_run(pipeline: Path, before: float, after: dict[str, tuple[floa
 def test_mini_ocr_algorithms_collects_each_arm_over_its_pipelines(tmp_path):
     fake_mini_ocr_run(tmp_path / "p0", 0.5, {"": (0.7, 100, 540), "_nft": (0.9, 60, 600), "_guard": (0.6, 90, 530)})
     fake_mini_ocr_run(tmp_path / "p1", 0.4, {"": (0.5, 110, 480), "_nft": (0.8, 70, 480), "_dropzero": (0.55, 120, 480)})
-    figures = collect([tmp_path / "p0", tmp_path / "p1"])
+    results = collect([tmp_path / "p0", tmp_path / "p1"])
+    assert list(results) == ["mini_ocr_algorithms"]  # no omni arm ran: no mini_ocr_fp8
+    figures = results["mini_ocr_algorithms"]
     assert figures["nft/rise"] == pytest.approx((0.5 + 0.5) / 2)  # from the CFG-free "before"
     assert figures["nft/before"] == pytest.approx(0.35) and figures["nft/after"] == pytest.approx(0.85)
     assert figures["flowgrpo/before"] == pytest.approx(0.45)
@@ -117,12 +119,33 @@ def test_mini_ocr_algorithms_collects_each_arm_over_its_pipelines(tmp_path):
     assert figures["nft/rise_vs_flowgrpo_se"] == pytest.approx((2 * (2 * 0.04 ** 2 + 2 * 0.03 ** 2)) ** 0.5 / 2)
     assert not any(k.startswith("corrected/") for k in figures)
     assert figures["dropzero/pipelines"] == 1 and figures["dropzero/rise_vs_flowgrpo"] == pytest.approx(0.15 - 0.1)
-    without = collect([tmp_path / "p0", tmp_path / "p1"], exclude=("p0/nft",))
+    without = collect([tmp_path / "p0", tmp_path / "p1"], exclude=("p0/nft",))["mini_ocr_algorithms"]
     assert without["nft/pipelines"] == 1 and without["nft/rise"] == pytest.approx(0.5) and "nft/p0/rise" not in without
     with pytest.raises(ValueError, match="PIPELINE/ARM"):
         collect([tmp_path / "p0"], exclude=("p9/nft",))
     with pytest.raises(ValueError, match="run experiments/mini_ocr/run.sh first"):
         collect([tmp_path / "nothing"])
+
+
+def test_the_fp8_result_pairs_the_fp8_rollout_arm_with_the_bf16_one_from_their_shared_bf16_before(tmp_path):
+    fake_mini_ocr_run(tmp_path / "p0", 0.5, {"": (0.7, 100, 540), "_omni": (0.75, 90, 540), "_omni_fp8": (0.65, 120, 530)})
+    fake_mini_ocr_run(tmp_path / "p1", 0.4, {"_omni": (0.6, 80, 500), "_omni_fp8": (0.62, 110, 500)})
+    results = collect([tmp_path / "p0", tmp_path / "p1"])
+    assert set(results) == {"mini_ocr_algorithms", "mini_ocr_fp8"}
+    assert set(results["mini_ocr_algorithms"]) == {k for k in results["mini_ocr_algorithms"] if k.startswith("flowgrpo/")}
+    fp8 = results["mini_ocr_fp8"]
+    assert not any(k.startswith("flowgrpo/") for k in fp8)
+    # both rise from the bf16 folder's "before" (0.55, 0.45), not the pipeline's (0.5, 0.4)
+    assert fp8["omni/before"] == pytest.approx(0.5) and fp8["omni/rise"] == pytest.approx((0.2 + 0.15) / 2)
+    assert fp8["omni_fp8/rise"] == pytest.approx((0.1 + 0.17) / 2) and fp8["omni_fp8/steps"] == 115
+    assert fp8["omni_fp8/rise_se"] == pytest.approx((2 * (0.03 ** 2 + 0.04 ** 2)) ** 0.5 / 2)
+    assert fp8["omni_fp8/rise_vs_omni"] == pytest.approx(((0.1 - 0.2) + (0.17 - 0.15)) / 2)
+    # paired on one "before": only the two after-evals' errors remain
+    assert fp8["omni_fp8/rise_vs_omni_se"] == pytest.approx((2 * 2 * 0.04 ** 2) ** 0.5 / 2)
+    assert "omni/rise_vs_omni" not in fp8
+    assert collect([tmp_path / "p1"]).keys() == {"mini_ocr_fp8"}
+    assert collect([tmp_path / "p0", tmp_path / "p1"], exclude=("p0/omni_fp8",))["mini_ocr_fp8"][
+        "omni_fp8/pipelines"] == 1
 
 
 def test_the_mini_ocr_sweep_collects_each_variant_paired_with_the_baseline_and_every_variant_validates(tmp_path):

@@ -92,3 +92,42 @@ def test_pretraining_lowers_the_loss_and_both_sides_load_the_folder(toy):
     images = pipe.generate([prompt(WORDS[0])], 1, sampling, [0]).images
     assert images.shape == (1, 64, 128, 3)
     del jax
+
+
+def test_the_fp8_arm_differs_from_the_bf16_vllm_omni_arm_in_the_rollout_quantization_alone(tiny_path):
+    from jaxflow.config import plan
+    from jaxflow.config.recipes import config_keys, config_value
+    from jaxflow.config.validation import validate
+
+    cfgs = {v: mini_config(v) for v in ("", "omni", "omni_fp8", "omni_fp8_control")}
+    for cfg in cfgs.values():
+        cfg.model.path = str(tiny_path)
+        validate(cfg)
+
+    def differ(a, b):
+        return {k for k in config_keys(cfgs[a]) if config_value(cfgs[a], k) != config_value(cfgs[b], k)}
+
+    assert differ("omni", "omni_fp8") == {"rollout.quantization", "run_dir"}
+    assert cfgs["omni_fp8"].rollout.quantization == "fp8" and cfgs["omni"].rollout.quantization == "none"
+    assert differ("", "omni") == {"rollout.engine", "rollout.dtype", "rollout.layout", "rollout.lora_apply", "run_dir"}
+    assert cfgs["omni"].rollout.engine == "vllm_omni" and cfgs["omni"].rollout.dtype == "bfloat16"
+    assert plan.lora_apply(cfgs["omni"]) == plan.lora_apply(cfgs["omni_fp8"]) == "layers"
+    assert differ("omni_fp8", "omni_fp8_control") == {"reward.fns", "run_dir"}
+
+
+def test_the_bf16_copy_holds_the_folder_rounded_to_bf16_and_loads(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from experiments.mini_ocr.folder import bf16_copy
+    from jaxflow_bridge.families.qwen_image.diffusers_pipeline import RolloutPipeline
+
+    folder = build_folder(tmp_path / "pipeline", build_vae(base_dim=8), "toy")
+    copy = bf16_copy(folder, tmp_path / "pipeline_bf16")
+    for part in ("transformer/diffusion_pytorch_model", "vae/diffusion_pytorch_model", "text_encoder/model"):
+        src, dst = (load_file(f / f"{part}.safetensors") for f in (folder, copy))
+        assert src.keys() == dst.keys() and {t.dtype for t in dst.values()} == {torch.bfloat16}, part
+        assert all(torch.equal(src[k].to(torch.bfloat16), dst[k]) for k in src), part
+    assert json.loads((copy / "vae" / "config.json").read_text())["temperal_downsample"] == [False, True]  # factor 4
+    pipe = RolloutPipeline.from_pretrained(copy, "float32", "cpu")
+    assert pipe.encode(["a sign"])[0].shape[-1] == 64
