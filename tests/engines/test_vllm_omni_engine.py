@@ -11,7 +11,8 @@ from jaxflow_bridge.contract.lora import lora_pairs, to_vllm_omni
 from jaxflow_bridge.sync import vllm_omni_slots as vol
 from jaxflow_bridge.engines.vllm_omni import codec
 from jaxflow_bridge.families.qwen_image import vllm_omni_pipeline as vop
-from jaxflow_bridge.engines.vllm_omni.engine import INSTALL_HINT, ack_errors, rpc_errors
+from jaxflow_bridge.engines.vllm_omni.imports import INSTALL_HINT
+from jaxflow_bridge.engines.vllm_omni.rpc import ack_errors, rpc_errors
 from jaxflow_bridge.sync.binding import check_lora_binding
 from jaxflow_bridge.families.qwen_image.diffusers_pipeline import RolloutPipeline
 from jaxflow_bridge.rollout.fingerprint import stored_fingerprint

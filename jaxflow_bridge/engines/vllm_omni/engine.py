@@ -41,7 +41,7 @@ checks adapters' names (`adapter`) and brings its sampling parameters (`sampling
 - worker RPCs: every argument and reply a plain value (the payload as `LoRAPayload.to_wire()`, rebuilt by the
   worker): vLLM-Omni pickles them to a one-stage deployment's workers but sends them to a several-stage one's DiT
   process through msgpack, which turns a dataclass into a dict, a tuple into a list, and refuses bfloat16 arrays.
-  A stage that raised or could not run the method replies with an error dict (`rpc_errors`); the engine raises it.
+  A stage that raised or could not run the method replies with an error dict (`rpc.rpc_errors`); the engine raises it.
 - profile_start / profile_stop: torch.profiler around the workers' requests in between, the first diffusion
   worker's table back (jaxflow_bench/rollout_profile.py categorises it).
 - sleep / wake: level-1 sleep through the workers' sleep task (weights, text encoder and VAE included, move to
@@ -65,7 +65,6 @@ from pathlib import Path
 
 import numpy as np
 
-import jaxflow_bridge
 from jaxflow_bridge.contract.lora import (adapter_spec, lora_module, lora_pairs, read_peft, vllm_omni_adapter_config,
                                          write_peft)
 from jaxflow_bridge.contract.lora_payload import LoRAPayload
@@ -77,31 +76,18 @@ from jaxflow_bridge.sync.binding import bind_lora_modules, check_lora_binding
 from jaxflow_bridge.rollout.sampling import check_prompts, per_sample_seeds
 from jaxflow_bridge.rollout.tensors import torch_to_numpy
 from jaxflow_bridge.engines.vllm_omni.codec import unpack_trajectories
+from jaxflow_bridge.engines.vllm_omni.imports import export_package_path, import_omni, import_text_params
 from jaxflow_bridge.engines.vllm_omni.kinds import family_of, model_kind
 from jaxflow_bridge.engines.vllm_omni.rules import (engine_problems, family_problems, quantization_problems, refuse,
                                                    settings)
+from jaxflow_bridge.engines.vllm_omni.rpc import ack_errors, rpc_errors, rpc_replies
 from jaxflow_bridge.engines.vllm_omni.worker import WORKER_EXTENSION_CLASS
 
 log = logging.getLogger(__name__)
-INSTALL_HINT = ("the 'vllm_omni' rollout engine needs vLLM-Omni 0.20 on a CUDA machine: `pip install jaxflow[omni]`, "
-                "or, where the machine has no package index, stage the wheels here with "
-                "launch/stage_vllm_omni.sh and install them there with launch/install_staged.sh")
 LORA_ROOT = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 
 
 # ------------------------------------------------------------------------------------------ pure helpers
-
-
-def _flat(results) -> list:
-    """The leaves of a collective_rpc result: one list per stage, of one reply per answering worker."""
-    return [leaf for r in results for leaf in (_flat(r) if isinstance(r, list) else [r]) if leaf is not None]
-
-
-def rpc_errors(results) -> list[dict]:
-    """The failures among a collective_rpc's replies: our workers' {"error": True, "reason"}, and vLLM-Omni's own
-    for a stage that did not run the method: {"error": message} (it raised, or its serializer refused an argument)
-    or {"todo": True} (a stage without that RPC)."""
-    return [leaf for leaf in _flat(results) if isinstance(leaf, dict) and (leaf.get("error") or leaf.get("todo"))]
 
 
 def longest_text(parts) -> tuple[int, int]:
@@ -110,13 +96,6 @@ def longest_text(parts) -> tuple[int, int]:
         mask = getattr(b, f"{prefix}_mask")
         return 0 if mask is None else mask.shape[1]
     return tuple(max(width(b, prefix) for b in parts) for prefix in ("prompt", "negative_prompt"))
-
-
-def ack_errors(results) -> list[str]:
-    """What went wrong in the OmniACKs (dataclasses or dicts) of a sleep/wake RPC; [] if all succeeded."""
-    acks = _flat(results)
-    bad = [str(a) for a in acks if (a.get("status") if isinstance(a, dict) else a.status) != "SUCCESS"]
-    return bad if acks else ["no acknowledgement"]
 
 
 def gpu_memory_used(visible: str | None = None) -> int | None:
@@ -130,33 +109,6 @@ def gpu_memory_used(visible: str | None = None) -> int | None:
         return int(out.split()[0]) * 2 ** 20
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None
-
-
-def _export_package_path() -> None:
-    """Let vLLM-Omni's spawned workers import `jaxflow_bridge` (they resolve our classes by module path)."""
-    root = str(Path(jaxflow_bridge.__file__).resolve().parents[1])
-    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
-    if root not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([root] + [p for p in paths if p])
-
-
-def _import_text_params():
-    """vLLM's SamplingParams: a two-stage deployment's thinker is a vLLM AR engine."""
-    try:
-        from vllm import SamplingParams
-    except ImportError as e:
-        raise ImportError(f"{INSTALL_HINT} ({e})") from e
-    return SamplingParams
-
-
-def _import_omni():
-    try:
-        from vllm_omni.entrypoints.async_omni import AsyncOmni
-        from vllm_omni.inputs.data import OmniDiffusionSamplingParams
-        from vllm_omni.lora.request import LoRARequest
-    except ImportError as e:
-        raise ImportError(f"{INSTALL_HINT} ({e})") from e
-    return AsyncOmni, OmniDiffusionSamplingParams, LoRARequest
 
 
 # ------------------------------------------------------------------------------------------ the engine
@@ -173,14 +125,14 @@ class VllmOmniEngine(RolloutEngine):
         self.check_config(config)
         self.dtype = config.get("dtype", "bfloat16")
         refuse(engine_problems(self.dtype, config.get("device")))  # the validation stage's rules (rules.py): one copy
-        async_omni, self._params_cls, self._lora_cls = _import_omni()
+        async_omni, self._params_cls, self._lora_cls = import_omni()
         refuse(family_problems(family_of(config["model"]), **settings(config)))
         self.kind = model_kind(config["model"], self.dtype, config.get("deploy"))
         pipeline_args = self.kind.pipeline_args(config)  # refuses what the kind lacks, before anything loads
         self.quantization = config.get("quantization", "none")  # the DiT's linears: bf16, or FP8 (rules.QUANTIZATIONS)
         refuse(quantization_problems(self.quantization, pipeline_args.get("lora_apply", "layers")))
         start_args = self.kind.start_args(pipeline_args, WORKER_EXTENSION_CLASS)
-        self._text_params_cls = _import_text_params() if self.kind.stages > 1 else None
+        self._text_params_cls = import_text_params() if self.kind.stages > 1 else None
         self._dit = [self.kind.stages - 1]  # the diffusion stage: our pipeline, extension and LoRA
         self.model_path, self.size_multiple = str(self.kind.folder), self.kind.size_multiple
         self.random_seed = config.get("random_seed")
@@ -192,7 +144,7 @@ class VllmOmniEngine(RolloutEngine):
         weakref.finalize(self, shutil.rmtree, self._lora_dir, True)  # shared memory: free it with the engine
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="vllm-omni-loop", daemon=True).start()
-        _export_package_path()
+        export_package_path()
         # the workers' LoRA sink (sync/vllm_omni_sinks.py) is the pipeline's lora_apply; a kind whose pipeline takes
         # none (one on vLLM-Omni's own LoRA layers) syncs through their slots, as "layers" does
         self.lora_apply = pipeline_args.get("lora_apply", "layers")
@@ -206,9 +158,9 @@ class VllmOmniEngine(RolloutEngine):
             self.omni.shutdown()
             raise RuntimeError(f"vLLM-Omni started {self.omni.num_stages} stages for {self.model_path}; the vllm_omni "
                                f"engine expected {self.kind.stages} ({self.kind.stage_layout})")
-        self._modules = _flat(self._rpc("rollout_lora_modules"))[0]
+        self._modules = rpc_replies(self._rpc("rollout_lora_modules"))[0]
         if self.random_seed is not None:  # what the workers drew, not what the spec promises
-            self.fingerprint = _flat(self._rpc("rollout_random_fingerprint"))[0]
+            self.fingerprint = rpc_replies(self._rpc("rollout_random_fingerprint"))[0]
 
     async def _start(self, async_omni, kwargs):
         return async_omni(model=self.model_path, **kwargs)
@@ -339,7 +291,7 @@ class VllmOmniEngine(RolloutEngine):
 
     def _apply(self, payload: LoRAPayload, names: dict, loaded_id: int | None = None) -> dict:
         """The workers' sink serving `payload` (`RolloutWorkerMethods.rollout_apply_lora`); ValueError if refused."""
-        reply = _flat(self._rpc("rollout_apply_lora", self.lora_apply, payload.to_wire(), names, loaded_id))[0]
+        reply = rpc_replies(self._rpc("rollout_apply_lora", self.lora_apply, payload.to_wire(), names, loaded_id))[0]
         if "refused" in reply:
             raise ValueError(reply["refused"])
         return reply
@@ -395,7 +347,7 @@ class VllmOmniEngine(RolloutEngine):
 
     def profile_stop(self) -> dict:
         """The first diffusion worker's recording (jaxflow_bridge/rollout/profiling.py's `PipelineProfiler.stop`)."""
-        return _flat(self._rpc("rollout_profile_stop"))[0]
+        return rpc_replies(self._rpc("rollout_profile_stop"))[0]
 
     # -------------------------------------------------------------------------------------- lifecycle
 
@@ -429,7 +381,7 @@ class VllmOmniEngine(RolloutEngine):
         errors = ack_errors(results)
         if errors:
             raise RuntimeError(f"vLLM-Omni {method} failed: {errors}")
-        return _flat(results)
+        return rpc_replies(results)
 
     def info(self) -> dict:
         return {"engine": self.name, "device": "cuda", "dtype": self.dtype, "policy_version": self.policy_version,
