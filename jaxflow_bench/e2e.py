@@ -56,20 +56,13 @@ import time
 from pathlib import Path
 
 from jaxflow_bench.cli import parse_with_overrides
-from jaxflow_bench.results import scaling_figures, write_result
+from jaxflow_bench.e2e_series import ARMS, arms, scaling
+from jaxflow_bench.results import write_result
 from jaxflow_bench.summary import summarize
 from jaxflow_bridge.engines import families
 
 LAYOUTS = ("inproc", "1gpu", "2gpu", "2gpu_colocated", "node")
 POOL = {"inproc": "0.5", "1gpu": "0.56", "2gpu": "0.9", "2gpu_colocated": "0.56", "node": "0.5"}
-# each algorithm arm's overrides of the recipe: those of configs/mini_ocr.py's ARMS that define the algorithm
-# (tests/bench checks the match). Its mini-size choices stay there: mixgrpo's window interval, the evals' CFG, and
-# awm's one mini-batch a step (the same forward and backward work; the micro-batches here are sized from the recipe's)
-ARMS = {"flowgrpo": [], "guard": ["--config.train.ratio_norm=guard"],
-        "corrected": ["--config.train.old_log_prob=rollout_corrected"],
-        "nft": ["--config.train.algorithm=nft", "--config.sample.guidance=1", "--config.sample.sde_type=ode"],
-        "mixgrpo": ["--config.train.algorithm=mixgrpo", "--config.sample.window_size=2"],
-        "awm": ["--config.train.algorithm=awm", "--config.train.beta=0.003", "--config.train.old_log_prob=rollout"]}
 FIXED = ["--config.eval.every=0", "--config.checkpoint.every=1000", "--config.log.progress=False"]
 RECIPE_VALUES = ("import json, sys; from jaxflow.config.validation import config_module; "
                  "c = config_module(sys.argv[1]).get_config(); print(json.dumps(dict("
@@ -337,55 +330,6 @@ def run(args, overrides: list[str], env: dict | None = None) -> Path:
     return path
 
 
-def scaling(args, overrides: list[str]) -> Path:
-    """1gpu on GPU 0, then each of args.layouts on two GPUs (a result already in OUT is kept: layouts measured side
-    by side on a larger host are put together), then OUT/e2e_2gpu.json."""
-    out = Path(args.out)
-    one = out / "1gpu" / "e2e_1gpu.json"
-    if not one.is_file():
-        run(argparse.Namespace(**{**vars(args), "out": one.parent, "layout": "1gpu", "prompts": 2, "per_call": 1,
-                                  "result": "e2e_1gpu"}), overrides, dict(os.environ, CUDA_VISIBLE_DEVICES="0"))
-    layouts = {}
-    for layout in args.layouts:
-        result = "e2e_2gpu_colocated" if layout == "2gpu_colocated" else "e2e_2gpu_split"
-        path = out / layout / f"{result}.json"
-        if not path.is_file():
-            env, extra, micro = dict(os.environ), [], args.micro
-            if layout == "2gpu_colocated":
-                env["XLA_CLIENT_MEM_FRACTION"], micro = str(args.colocated_pool), args.colocated_micro
-            else:
-                extra = ["--config.rollout.overlap=True"]
-            run(argparse.Namespace(**{**vars(args), "out": path.parent, "layout": layout, "prompts": 4,
-                                      "per_call": 1, "micro": micro, "result": result}), extra + overrides, env)
-        layouts[layout] = json.loads(path.read_text())["figures"]
-    figures = scaling_figures(json.loads(one.read_text())["figures"], layouts)
-    print(json.dumps(figures, indent=1))
-    return write_result(out, "e2e_2gpu", figures, command=shlex.join(
-        ["python", "-m", "jaxflow_bench.e2e", "OUT", "--scaling", "--layouts", *layouts, *overrides]))
-
-
-def arms(args, overrides: list[str]) -> Path:
-    """Each algorithm arm as a run of args.layout into OUT/ARM/e2e_alg_ARM.json (one start-up each, one after the
-    other), then OUT/e2e_algorithms.json: every arm's figures there, this session's or an earlier one's, side by side."""
-    out = Path(args.out)
-    for arm in args.arms:
-        run(argparse.Namespace(**{**vars(args), "out": out / arm, "result": f"e2e_alg_{arm}"}), ARMS[arm] + overrides)
-    done = {p.parent.name: json.loads(p.read_text())["figures"] for p in sorted(out.glob("*/e2e_alg_*.json"))}
-    return write_result(out, "e2e_algorithms", arms_figures(done), command=shlex.join(
-        ["python", "-m", "jaxflow_bench.e2e", "OUT", "--arms", *done, *overrides]))
-
-
-def arms_figures(done: dict[str, dict]) -> dict:
-    """{ARM: its run's figures} as `ARM/KEY`, with `ARM/step_vs_flowgrpo`, its step time over FlowGRPO's, where
-    both have one."""
-    figures = {f"{arm}/{k}": v for arm, r in done.items() for k, v in r.items()}
-    base = done.get("flowgrpo", {}).get("step_s")
-    for arm, r in done.items():
-        if base and arm != "flowgrpo" and r.get("step_s"):
-            figures[f"{arm}/step_vs_flowgrpo"] = r["step_s"] / base
-    return figures
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], usage=__doc__.split("\n\n")[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -422,7 +366,10 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args, overrides = parse_with_overrides(parser(), argv)
     try:
-        (scaling if args.scaling else arms if args.arms else run)(args, overrides)
+        if args.scaling or args.arms:
+            (scaling if args.scaling else arms)(args, overrides, run)
+        else:
+            run(args, overrides)
     except Refused as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from jaxflow.config import validation
-from jaxflow_bench import e2e
+from jaxflow_bench import e2e, e2e_series
 
 ROOT = Path(__file__).resolve().parents[2]
 # what makes an arm that algorithm: the keys compared between the two definitions
@@ -23,8 +23,8 @@ def value(cfg, key: str):
 
 def test_each_e2e_arm_sets_what_configs_mini_ocr_sets_for_it():
     module = validation.config_module(ROOT / "configs" / "mini_ocr.py")
-    assert set(e2e.ARMS) - {"flowgrpo"} <= set(module.ARMS)
-    for arm, overrides in e2e.ARMS.items():
+    assert set(e2e_series.ARMS) - {"flowgrpo"} <= set(module.ARMS)
+    for arm, overrides in e2e_series.ARMS.items():
         cfg = module.get_config()
         for arg in overrides:
             key, _, text = arg.removeprefix("--config.").partition("=")
@@ -49,7 +49,7 @@ def test_arms_run_each_arm_with_its_overrides_and_write_its_step_time_over_flowg
     monkeypatch.setattr(e2e, "run", fake_run)
     assert e2e.main([str(tmp_path), "--arms", "awm", "flowgrpo", "mixgrpo", "--config.train.num_steps=3"]) == 0
     assert [r[:3] for r in ran] == [("1gpu", arm, f"e2e_alg_{arm}") for arm in ("awm", "flowgrpo", "mixgrpo")]
-    assert ran[0][3] == e2e.ARMS["awm"] + ["--config.train.num_steps=3"]
+    assert ran[0][3] == e2e_series.ARMS["awm"] + ["--config.train.num_steps=3"]
     result = json.loads((tmp_path / "e2e_algorithms.json").read_text())
     figures = result["figures"]
     assert figures["awm/step_s"] == 24.0 and figures["flowgrpo/step_s"] == 30.0
@@ -59,7 +59,7 @@ def test_arms_run_each_arm_with_its_overrides_and_write_its_step_time_over_flowg
 
 
 def test_arms_figures_without_flowgrpo_have_no_ratio():
-    assert e2e.arms_figures({"awm": {"step_s": 24.0}}) == {"awm/step_s": 24.0}
+    assert e2e_series.arms_figures({"awm": {"step_s": 24.0}}) == {"awm/step_s": 24.0}
 
 
 def test_an_unknown_arm_is_refused_before_anything_runs(tmp_path, capsys):
