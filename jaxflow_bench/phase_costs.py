@@ -82,7 +82,8 @@ def build(results: Path) -> dict:
     phases = [phase_row(name, json.loads((results / name).read_text()), *row) for name, *row in PHASE_FILES]
     # an engine never measured: the largest reserve of the memory model's family (the rows its memory plan reads)
     return {"written_by": "python -m jaxflow_bench.phase_costs", "memory": memory, "phases": phases,
-            "default_engine_reserve_gib": max(r["engine_reserve_gib"] for r in phases if r["family"] == memory["family"])}
+            "default_engine_reserve_gib": max(r["engine_reserve_gib"] for r in phases
+                                              if r["family"] == memory["family"])}
 
 
 def main(argv=None) -> None:

@@ -7,13 +7,14 @@ Each pipeline folder is one experiments/mini_ocr/run.sh OUT (its eval/before.jso
 eval/after_ARM.json, rl_ARM/checkpoints (or, in a copy without checkpoints, the last step of rl_ARM/metrics.jsonl),
 the "rl_ARM N s" line of timings.txt; FlowGRPO has no suffix; NFT, whose
 evals run without CFG, is measured from eval/before_nft.json, omni and omni_fp8 from eval/before_omni.json, the
-eval of the bf16 folder they train on). A result is written where any of its arms ran. Figures per arm: `ARM/before` and `ARM/after` (held-out
-OCR, means over the pipelines it ran on), `ARM/rise` (after - before), `ARM/rise_se` (its standard
-error: the pipelines' errors combined), `ARM/rise_min` (the lowest pipeline's), `ARM/steps` and `ARM/minutes` (mean
-trained steps and wall minutes of the RL command), `ARM/pipelines`; `ARM/PIPELINE/rise` and `.../rise_se` for each
-pipeline, and `ARM/rise_vs_BASELINE` (flowgrpo, or omni in mini_ocr_fp8.json: the mean paired difference over the
-pipelines both ran on) with `ARM/rise_vs_BASELINE_se` (from the evals' errors; a "before" both share cancels). `--exclude
-PIPELINE/ARM` leaves out a run known to be invalid (say why where the result is reported).
+eval of the bf16 folder they train on). A result is written where any of its arms ran. Figures per arm:
+`ARM/before` and `ARM/after` (held-out OCR, means over the pipelines it ran on), `ARM/rise` (after - before),
+`ARM/rise_se` (its standard error: the pipelines' errors combined), `ARM/rise_min` (the lowest pipeline's),
+`ARM/steps` and `ARM/minutes` (mean trained steps and wall minutes of the RL command), `ARM/pipelines`;
+`ARM/PIPELINE/rise` and `.../rise_se` for each pipeline, and `ARM/rise_vs_BASELINE` (flowgrpo, or omni in
+mini_ocr_fp8.json: the mean paired difference over the pipelines both ran on) with `ARM/rise_vs_BASELINE_se` (from
+the evals' errors; a "before" both share cancels). `--exclude PIPELINE/ARM` leaves out a run known to be invalid (say
+why where the result is reported).
 """
 from __future__ import annotations
 

@@ -128,11 +128,13 @@ def test_mini_ocr_algorithms_collects_each_arm_over_its_pipelines(tmp_path):
 
 
 def test_the_fp8_result_pairs_the_fp8_rollout_arm_with_the_bf16_one_from_their_shared_bf16_before(tmp_path):
-    fake_mini_ocr_run(tmp_path / "p0", 0.5, {"": (0.7, 100, 540), "_omni": (0.75, 90, 540), "_omni_fp8": (0.65, 120, 530)})
+    fake_mini_ocr_run(tmp_path / "p0", 0.5,
+                      {"": (0.7, 100, 540), "_omni": (0.75, 90, 540), "_omni_fp8": (0.65, 120, 530)})
     fake_mini_ocr_run(tmp_path / "p1", 0.4, {"_omni": (0.6, 80, 500), "_omni_fp8": (0.62, 110, 500)})
     results = collect([tmp_path / "p0", tmp_path / "p1"])
     assert set(results) == {"mini_ocr_algorithms", "mini_ocr_fp8"}
-    assert set(results["mini_ocr_algorithms"]) == {k for k in results["mini_ocr_algorithms"] if k.startswith("flowgrpo/")}
+    flowgrpo_only = {k for k in results["mini_ocr_algorithms"] if k.startswith("flowgrpo/")}
+    assert set(results["mini_ocr_algorithms"]) == flowgrpo_only
     fp8 = results["mini_ocr_fp8"]
     assert not any(k.startswith("flowgrpo/") for k in fp8)
     # both rise from the bf16 folder's "before" (0.55, 0.45), not the pipeline's (0.5, 0.4)
