@@ -2,8 +2,9 @@
 
 - Qwen-Image's fused transformer (module tree and layer sizes only), sized like tests/helpers.py's random_peft (width
   D, MLP width MLP, LAYERS blocks): FakeLinearBase, FakeFusedTransformer
-- a rollout request to its pipeline (SAMPLING, SEEDS, omni_params) and its QwenImagePipeline on the tiny diffusers
-  components (FakeOmniQwenImagePipeline)
+- a rollout request to its pipeline (SAMPLING, SEEDS, omni_params), the engine's start-up warm-up request
+  (warmup_request), the result (FakeDiffusionOutput) and its QwenImagePipeline on the tiny diffusers components
+  (FakeOmniQwenImagePipeline)
 - BAGEL: `Bagel` (BagelPipeline.bagel) at the tiny BAGEL's sizes, its vLLM linears and the `stacked_params_mapping`
   its load_weights leaves (FakeBagel, BAGEL_STACKED_PARAMS); its computing stand-in over the bagel_torch engine's
   model is tests/helpers_vllm_omni_bagel.py
@@ -90,6 +91,27 @@ SEEDS = [10, 11]
 def omni_params(kwargs: dict) -> SimpleNamespace:
     """Stand-in for OmniDiffusionSamplingParams built from encode_request's kwargs."""
     return SimpleNamespace(**kwargs)
+
+
+def warmup_request(prompt: dict | None = None) -> SimpleNamespace:
+    """The request vLLM-Omni 0.20's engine sends once at start (`DiffusionEngine._dummy_run`): "dummy run" (`prompt`
+    for a model taking images: with its blank 512 x 512 image), 512 x 512, one step, CFG off."""
+    params = SimpleNamespace(height=512, width=512, num_inference_steps=1, guidance_scale=0.0, num_outputs_per_prompt=1,
+                             seed=None, extra_args={"cfg_text_scale": 1.0, "cfg_img_scale": 1.0})
+    return SimpleNamespace(prompts=[prompt or {"prompt": "dummy run"}], request_ids=["dummy_req_id"],
+                           sampling_params=params)
+
+
+@dataclasses.dataclass
+class FakeDiffusionOutput:
+    """vLLM-Omni 0.20's DiffusionOutput: the fields our pipelines fill, every one optional; `_dummy_run` reads
+    `error`."""
+
+    output: object = None
+    trajectory_latents: object = None
+    trajectory_log_probs: object = None
+    custom_output: dict = dataclasses.field(default_factory=dict)
+    error: str | None = None
 
 
 class FakeOmniQwenImagePipeline(torch.nn.Module):

@@ -21,11 +21,13 @@ from tests.helpers import LAYERS, MLP, RANK, D, random_peft
 from tests.helpers_vllm_omni import (
     SAMPLING,
     SEEDS,
+    FakeDiffusionOutput,
     FakeFusedTransformer,
     FakeOmniQwenImagePipeline,
     assert_batches_equal,
     omni_params,
     synthetic_batch,
+    warmup_request,
 )
 
 # ---------------------------------------------------------------------------------------------- request codec
@@ -136,6 +138,31 @@ def test_custom_pipeline_matches_rollout_pipeline(tiny_path):
     ref.policy_version = 3
     assert_batches_equal(got, ref.generate(["a red fox jumping"], 2, SAMPLING, SEEDS))
     assert ours.dtype == torch.float32 and ours.size_multiple == ref.size_multiple
+
+
+def test_the_start_up_warm_up_is_answered_empty_without_running_the_model(tiny_path, monkeypatch):
+    """vLLM-Omni's engine start sends one warm-up request (`DiffusionEngine._dummy_run`, which reads only the result's
+    `error`): ours answers it with an empty DiffusionOutput, the stock forward, text encoder, transformer and VAE
+    never called; the same request under another id runs the stock pipeline, a rollout request our loop."""
+    stock = []
+    monkeypatch.setattr(FakeOmniQwenImagePipeline, "forward", lambda self, req: stock.append(req) or "stock pipeline")
+    ours = vop.build_pipeline_class(FakeOmniQwenImagePipeline, FakeDiffusionOutput)(
+        od_config=SimpleNamespace(model=str(tiny_path)))
+    ran = []
+    for name, module in (("text_encoder", ours.text_encoder), ("transformer", ours.transformer),
+                         ("vae", ours.vae.decoder)):
+        module.register_forward_hook(lambda *_, name=name: ran.append(name))
+    with torch.inference_mode():
+        answer = ours.forward(warmup_request())
+        assert answer == FakeDiffusionOutput() and answer.error is None and stock == [] and ran == []
+        plain = warmup_request()
+        plain.request_ids = ["a-plain-request"]
+        assert ours.forward(plain) == "stock pipeline" and stock == [plain]
+        prompt, kwargs = vop.encode_request("a red fox jumping", SAMPLING, SEEDS[:1], policy_version=0)
+        result = ours.forward(SimpleNamespace(prompts=[prompt], sampling_params=omni_params(kwargs),
+                                              request_ids=["rollout-0-0"]))
+    assert codec.unpack_trajectories(result, "a red fox jumping", 0).latents.shape[0] == 1
+    assert {"text_encoder", "transformer", "vae"} <= set(ran) and len(stock) == 1
 
 
 def test_random_init_draws_the_shared_weights_without_reading_the_folder(tiny_path):

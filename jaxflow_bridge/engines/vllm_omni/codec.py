@@ -1,5 +1,6 @@
 """The rollout result's codec across vLLM-Omni 0.20: our pipelines pack a TrajectoryBatch into vLLM-Omni's
-DiffusionOutput fields in the worker, the engine unpacks it from the request's result."""
+DiffusionOutput fields in the worker, the engine unpacks it from the request's result; the engine's start-up warm-up
+request (`is_warmup_request`) gets an empty result."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,6 +12,8 @@ from jaxflow_bridge.engines import families
 from jaxflow_bridge.rollout.tensors import numpy_to_torch, torch_to_numpy
 
 PAYLOAD_KEY = "rollout"  # our entry in DiffusionOutput.custom_output
+# the request id of the warm-up request vLLM-Omni 0.20's engine sends once at start (`DiffusionEngine._dummy_run`)
+WARMUP_REQUEST_ID = "dummy_req_id"
 
 
 
@@ -29,6 +32,14 @@ def pack_trajectories(batch: TrajectoryBatch) -> dict:
     return {"output": images, "trajectory_latents": numpy_to_torch(batch.latents),
             "trajectory_log_probs": numpy_to_torch(batch.log_probs),
             "custom_output": {PAYLOAD_KEY: {k: numpy_to_torch(np.ascontiguousarray(v)) for k, v in payload.items()}}}
+
+
+def is_warmup_request(req) -> bool:
+    """Whether a request is vLLM-Omni's start-up warm-up (one prompt, 512 x 512, one step). Our pipelines answer it
+    with an empty DiffusionOutput, running neither text encoder, transformer nor VAE: `_dummy_run` only checks the
+    result's `error`, and the compile it would warm is redone by the first rollout anyway (LoRA layers are swapped in
+    at the first sync, and the rollout's batch is not its batch of one)."""
+    return list(getattr(req, "request_ids", None) or ()) == [WARMUP_REQUEST_ID]
 
 
 def our_pipelines() -> list[str]:

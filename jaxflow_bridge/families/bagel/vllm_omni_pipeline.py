@@ -20,9 +20,10 @@ arrives with the thinker's KV of the framed prompt (`past_key_values`, `kv_metad
 prefill after its length and next position are checked against that prefill's; think mode is single-stage only.
 Everything runs under the stock forward's autocast. The trajectory's `prompt_ids` are the ids the prefill and the
 think decode fed. The engine's velocity sees its own float32 timesteps (`linspace(1, 0, N + 1)` shifted by 3), the
-steps our contract's sigmas of the same formula: equal up to float32 rounding. Requests without our `extra_args`
-(warm-up, plain text-to-image) run the stock pipeline. Built lazily on attribute access, as `vllm_omni.pipeline`'s
-classes are; never imports JAX. Parity on a GPU: BENCHMARKS.md, "BAGEL through vLLM-Omni, tiny".
+steps our contract's sigmas of the same formula: equal up to float32 rounding. The engine's start-up warm-up
+request gets an empty result (`jaxflow_bridge.engines.vllm_omni.codec.is_warmup_request`); other requests without
+our `extra_args` (plain text-to-image) run the stock pipeline. Built lazily on attribute access, as
+`vllm_omni.pipeline`'s classes are; never imports JAX. Parity on a GPU: BENCHMARKS.md, "BAGEL through vLLM-Omni, tiny".
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.families.bagel import spec
 from jaxflow_bridge.families.bagel.sampling import PIXELS_PER_TOKEN, SCHEDULER_CONFIG, BagelSamplingParams, pad_ids
 from jaxflow_bridge.families.bagel.scheduler import WindowScheduler
-from jaxflow_bridge.engines.vllm_omni.codec import pack_trajectories
+from jaxflow_bridge.engines.vllm_omni.codec import is_warmup_request, pack_trajectories
 
 PIPELINE_CLASS = f"{__name__}.FlowGRPOBagelPipeline"
 # BagelSamplingParams fields in OmniDiffusionSamplingParams attributes; the rest ride in extra_args
@@ -216,9 +217,10 @@ def build_pipeline_class(base: type, output_cls, cache_cls) -> type:
 
     @torch.inference_mode()
     def forward(self, req, *args, **kwargs):
-        """A rollout request -> DiffusionOutput with our trajectory; any other request -> the stock pipeline."""
+        """A rollout request -> DiffusionOutput with our trajectory; vLLM-Omni's start-up warm-up -> an empty one
+        (`is_warmup_request`); any other request -> the stock pipeline."""
         if not is_rollout_request(req.sampling_params):
-            return base.forward(self, req, *args, **kwargs)
+            return output_cls() if is_warmup_request(req) else base.forward(self, req, *args, **kwargs)
         prompt, sp, seeds, self.policy_version = decode_request(req.prompts, req.sampling_params)
         shape, n = (sp.height, sp.width), len(seeds)
         if max(shape) > self.bagel.max_latent_size * self.bagel.latent_downsample:

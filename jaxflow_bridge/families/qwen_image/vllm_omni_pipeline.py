@@ -11,8 +11,9 @@ imports without vLLM-Omni (CPU machines, tests) and builds its vLLM-Omni subclas
   VAE) running `SamplingLoop.generate`: one text-encoder pass, CFG positive/negative in one forward or two
   (`cfg_forward`), float32 latents between steps, sigma in float32 to the timestep embedding (`Fp32Timestep`; vLLM-Omni's
   `QwenTimestepProjEmbeddings` has the same call and cast as diffusers'), per-sample CPU generators, seeds and
-  SDE windows, the torch SDE of `jaxflow_bridge.rollout.sde`. Requests without our `extra_args` (the engine's warm-up
-  run, plain text-to-image requests) run the stock pipeline.
+  SDE windows, the torch SDE of `jaxflow_bridge.rollout.sde`. The engine's start-up warm-up request gets an empty
+  result (`jaxflow_bridge.engines.vllm_omni.codec.is_warmup_request`); other requests without our `extra_args`
+  (plain text-to-image requests) run the stock pipeline.
 
 With JAXFLOW_ROLLOUT_TRACE=DIR in the workers' environment, the JAXFLOW_ROLLOUT_TRACE_AT-th rollout request (default
 3) a worker serves runs under torch.profiler and its CUDA kernels go to DIR (scripts/bench_rollout_lora.py reads them).
@@ -38,7 +39,7 @@ from pathlib import Path
 import torch
 
 from jaxflow_bridge.contract.schedule import CFG_FORWARDS
-from jaxflow_bridge.engines.vllm_omni.codec import pack_trajectories
+from jaxflow_bridge.engines.vllm_omni.codec import is_warmup_request, pack_trajectories
 from jaxflow_bridge.engines.vllm_omni.fa_version import FA_VERSIONS, use_fa3
 from jaxflow_bridge.families.qwen_image.linear_gelu import install_gelu_epilogue
 from jaxflow_bridge.rollout.kernels.lora_linear import install_fused_apply
@@ -204,9 +205,10 @@ def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = N
         return next(self.transformer.parameters()).dtype
 
     def forward(self, req, *args, **kwargs):
-        """A rollout request -> DiffusionOutput with our trajectory; any other request -> the stock pipeline."""
+        """A rollout request -> DiffusionOutput with our trajectory; vLLM-Omni's start-up warm-up -> an empty one
+        (`is_warmup_request`); any other request -> the stock pipeline."""
         if not is_rollout_request(req.sampling_params):
-            return base.forward(self, req, *args, **kwargs)
+            return output_cls() if is_warmup_request(req) else base.forward(self, req, *args, **kwargs)
         if self.merged_lora is not None and self.merged_lora.previous is not None and not self.merged_lora.serving:
             raise RuntimeError("the merged LoRA's base weights are being restored: serve the next adapter first")
         prompt, sampling, n, seeds, self.policy_version, refs = self.read_request(req.prompts, req.sampling_params)
