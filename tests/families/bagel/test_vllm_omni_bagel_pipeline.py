@@ -23,6 +23,7 @@ from jaxflow_bridge.families.bagel.engine import BagelTorchEngine, context_ids
 from jaxflow_bridge.families.bagel.vllm_omni_pipeline import (build_pipeline_class, decode_request, encode_request,
                                                              is_rollout_request)
 from jaxflow_bridge.engines.vllm_omni.codec import unpack_trajectories
+from tests.helpers_vllm_omni import FakeDiffusionOutput, warmup_request
 from tests.helpers_vllm_omni_bagel import NaiveCache, stock_bagel_pipeline
 
 SP = BagelSamplingParams(height=64, width=96, num_inference_steps=4, sde_window_range=(0, 3), cfg_interval=(0.8, 1.0),
@@ -154,3 +155,11 @@ def test_other_requests_run_the_stock_bagel_pipeline(engine):
     out = pipeline.forward(types.SimpleNamespace(prompts=[PROMPT], sampling_params=params))
     assert isinstance(out.output, Image.Image) and out.output.size == (96, 64)
     assert pipeline.bagel.llm_forwards == [("und", 1)] + [("gen", 2)] * 4  # the stock forward: one image, 2 branches
+
+
+def test_the_start_up_warm_up_is_answered_empty(engine):
+    """vLLM-Omni's engine start sends one warm-up request (`DiffusionEngine._dummy_run`, which reads only the result's
+    `error`): an empty DiffusionOutput, no LLM forward (the stock forward would run one image's prefill and steps)."""
+    pipeline = pipeline_on(engine, FakeDiffusionOutput)
+    answer = pipeline.forward(warmup_request())
+    assert answer == FakeDiffusionOutput() and answer.error is None and pipeline.bagel.llm_forwards == []

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.engines.vllm_omni import codec
@@ -19,7 +20,7 @@ from jaxflow_bridge.families.qwen_image_edit.diffusers_pipeline import RolloutPi
 from jaxflow_bridge.families.qwen_image_edit.tiny import tiny_pipeline_path
 from jaxflow_bridge.rollout.sampling import SamplingParams
 from tests.helpers import ROOT
-from tests.helpers_vllm_omni import assert_batches_equal, install_fake_vllm_omni
+from tests.helpers_vllm_omni import FakeDiffusionOutput, assert_batches_equal, install_fake_vllm_omni, warmup_request
 
 SIZE = 32  # the tiny VAE: 8 pixels a packed token
 SAMPLING = SamplingParams(height=SIZE, width=SIZE, num_inference_steps=4, true_cfg_scale=4.0, noise_level=1.2,
@@ -60,7 +61,7 @@ def test_the_vllm_omni_class_gives_the_diffusers_edit_trajectory(plus, count):
     """One request (the prompt, its images once, n = 3 outputs) through our class on vLLM-Omni's stand-in: the
     diffusers edit pipeline's trajectory for the same seeds, bit for bit (float32 CPU), reference latents included."""
     folder = tiny_pipeline_path(plus=plus)
-    cls = vop.build_pipeline_class(FakeOmniQwenImageEditPipeline, SimpleNamespace, plus=plus)
+    cls = vop.build_pipeline_class(FakeOmniQwenImageEditPipeline, FakeDiffusionOutput, plus=plus)
     assert cls.__module__ == vop.__name__ and f"{vop.__name__}.{cls.__qualname__}" == vop.PIPELINE_CLASSES[
         "QwenImageEditPlusPipeline" if plus else "QwenImageEditPipeline"]
     ours = cls(od_config=SimpleNamespace(model=str(folder), custom_pipeline_args={"pipeline_class": "x"}))
@@ -72,7 +73,9 @@ def test_the_vllm_omni_class_gives_the_diffusers_edit_trajectory(plus, count):
         result = ours.forward(SimpleNamespace(prompts=[prompt], sampling_params=SimpleNamespace(**kwargs)))
         stock = ours.forward(SimpleNamespace(prompts=[{"prompt": "dummy run"}],
                                              sampling_params=SimpleNamespace(extra_args={})))
-    assert stock == "stock pipeline"
+        blank = Image.new("RGB", (512, 512))  # vLLM-Omni's start-up warm-up (`_dummy_run`) for a model taking images
+        warmup = ours.forward(warmup_request({"prompt": "dummy run", "multi_modal_data": {vop.IMAGES: blank}}))
+    assert stock == "stock pipeline" and warmup == FakeDiffusionOutput()
     got = codec.unpack_trajectories(result, PROMPT, group_id=0)
     ref = RolloutPipeline.from_pretrained(folder, dtype="float32", device="cpu")
     ref.policy_version = 3
