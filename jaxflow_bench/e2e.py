@@ -14,7 +14,9 @@ train.num_micro_batches scaled so that a micro-batch keeps the recipe's size (or
 (--steps), no eval or checkpoints. The random folder (--model-dir, default the E2E folder, e.g. /tmp/qwen_random or
 /tmp/bagel_random) is written if missing. The log goes to OUT/train.log, each line stamped with the time of day; the
 GPUs' memory is read by nvidia-smi every 0.5 s; OUT/RESULT.json gets `jaxflow_bench.summary`'s figures (RESULT
-default e2e_ENGINE_LAYOUT, e2e_FAMILY_LAYOUT for another family's recipe, e2e_8gpu for the node). --config.x=y arguments go to the trainer.
+default e2e_ENGINE_LAYOUT, e2e_FAMILY_LAYOUT for another family's recipe, e2e_8gpu for the node), rewritten
+after each step past the first, marked partial until the run ends (run_result.py: a run cut short leaves one).
+--config.x=y arguments go to the trainer.
 --config FILE runs that recipe on the model it names (--model-dir replaces it; nothing is written). --device cpu
 runs inproc or 1gpu on the CPU with jaxflow.train's CPU_OVERRIDES (the tiny recipe: --config configs/tiny_ocr.py):
 no memory is read there, nor without nvidia-smi, and the result has no peak_gib; RESULT default e2e_cpu_LAYOUT.
