@@ -14,7 +14,9 @@ train.num_micro_batches scaled so that a micro-batch keeps the recipe's size (or
 (--steps), no eval or checkpoints. The random folder (--model-dir, default the E2E folder, e.g. /tmp/qwen_random or
 /tmp/bagel_random) is written if missing. The log goes to OUT/train.log, each line stamped with the time of day; the
 GPUs' memory is read by nvidia-smi every 0.5 s; OUT/RESULT.json gets `jaxflow_bench.summary`'s figures (RESULT
-default e2e_ENGINE_LAYOUT, e2e_FAMILY_LAYOUT for another family's recipe, e2e_8gpu for the node). --config.x=y arguments go to the trainer.
+default e2e_ENGINE_LAYOUT, e2e_FAMILY_LAYOUT for another family's recipe, e2e_8gpu for the node), rewritten
+after each step past the first, marked partial until the run ends (run_result.py: a run cut short leaves one).
+--config.x=y arguments go to the trainer.
 --config FILE runs that recipe on the model it names (--model-dir replaces it; nothing is written). --device cpu
 runs inproc or 1gpu on the CPU with jaxflow.train's CPU_OVERRIDES (the tiny recipe: --config configs/tiny_ocr.py):
 no memory is read there, nor without nvidia-smi, and the result has no peak_gib; RESULT default e2e_cpu_LAYOUT.
@@ -57,8 +59,8 @@ from pathlib import Path
 
 from jaxflow_bench.cli import parse_with_overrides
 from jaxflow_bench.e2e_series import ARMS, arms, scaling
-from jaxflow_bench.results import write_result
-from jaxflow_bench.summary import summarize
+from jaxflow_bench.run_result import RunResult
+from jaxflow_bench.summary import metrics_rows, print_steps, steady_figures
 from jaxflow_bridge.engines import families
 
 LAYOUTS = ("inproc", "1gpu", "2gpu", "2gpu_colocated", "node")
@@ -277,6 +279,15 @@ def result_name(args) -> str:
     return f"e2e_{'cpu' if args.device == 'cpu' else args.engine or 'vllm_omni'}_{args.layout}"
 
 
+def one_gpu_figure(path: Path) -> float:
+    """The img/GPU/s of --one-gpu's result (Refused: not a result file with one)."""
+    try:
+        return float(json.loads(Path(path).read_text())["figures"]["img_per_gpu_s"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise Refused(f"--one-gpu {path}: not a result file with figures.img_per_gpu_s (a 1gpu run's "
+                      f"OUT/e2e_1gpu.json)") from None
+
+
 def run(args, overrides: list[str], env: dict | None = None) -> Path:
     """One layout's run into args.out; the result file's path."""
     given = dict(os.environ if env is None else env)
@@ -289,6 +300,16 @@ def run(args, overrides: list[str], env: dict | None = None) -> Path:
         env["XLA_FLAGS"] = (f"{env.get('XLA_FLAGS', '')} --xla_dump_to={out / 'hlo'} --xla_dump_hlo_as_text "
                             "--xla_dump_hlo_module_re=.*update.*")
         exclude = [args.profile_step]
+    one = one_gpu_figure(args.one_gpu) if args.one_gpu else None
+    mem = None if watched is None else out / "gpu_mem.csv"
+
+    def figures(rows: list[dict]) -> dict | None:
+        f = steady_figures(rows, gpus, exclude=exclude, gpu_mem=mem)
+        if f is not None and one:
+            f.update(one_gpu_img_per_gpu_s=one, scaling_efficiency=f["img_per_gpu_s"] / one)
+        return f
+
+    result = RunResult(out / "run", out, result_name(args), described(args, overrides, given), figures)
     temp_dir = None
     try:
         if layout != "node" and args.device != "cpu":
@@ -305,9 +326,11 @@ def run(args, overrides: list[str], env: dict | None = None) -> Path:
         elif layout == "node":
             env.setdefault("RAY_AUTH_MODE", "token")  # the head makes a token (~/.ray/auth_token); the trainer asks
             start_ray_head(env, out, gpus, None)
-        rc = run_logged([*cmd, *overrides], env, out, watched)
+        with result.watching():
+            rc = run_logged([*cmd, *overrides], env, out, watched)
         if rc:
-            raise RuntimeError(f"the training run failed (exit {rc}): see {out / 'train.log'}")
+            raise RuntimeError(f"the training run failed (exit {rc}): see {out / 'train.log'} (the steps done, if "
+                               f"any count, are in {result.out / result.name}.json, marked partial)")
     finally:
         if temp_dir:
             stop_private_head(temp_dir)
@@ -315,14 +338,8 @@ def run(args, overrides: list[str], env: dict | None = None) -> Path:
             subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop"], capture_output=True, check=False)
     if watched is None:
         print("the GPUs' memory is not read (a CPU run, or no nvidia-smi): the result has no peak_gib")
-    figures = summarize(out / "run", gpus, exclude=exclude, gpu_mem=None if watched is None else out / "gpu_mem.csv")
-    if figures is None:
-        raise RuntimeError(f"{out / 'run'} has no step after the first to time: run more --steps")
-    result = result_name(args)
-    if args.one_gpu:
-        one = json.loads(Path(args.one_gpu).read_text())["figures"]["img_per_gpu_s"]
-        figures.update(one_gpu_img_per_gpu_s=one, scaling_efficiency=figures["img_per_gpu_s"] / one)
-    path = write_result(out, result, figures, command=described(args, overrides, given))
+    print_steps(metrics_rows(out / "run"), gpus)
+    path = result.final()
     print(path)
     if args.profile_step is not None:
         subprocess.run([sys.executable, "scripts/profile_step.py", "--out", str(out), "--trace",

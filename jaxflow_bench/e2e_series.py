@@ -10,7 +10,7 @@ import shlex
 from collections.abc import Callable
 from pathlib import Path
 
-from jaxflow_bench.results import scaling_figures, write_result
+from jaxflow_bench.results import finished, scaling_figures, write_result
 
 # each algorithm arm's overrides of the recipe: those of configs/mini_ocr.py's ARMS that define the algorithm
 # (tests/bench checks the match). Its mini-size choices stay there: mixgrpo's window interval, the evals' CFG, and
@@ -23,18 +23,18 @@ ARMS = {"flowgrpo": [], "guard": ["--config.train.ratio_norm=guard"],
 
 
 def scaling(args, overrides: list[str], run: Callable[..., Path]) -> Path:
-    """1gpu on GPU 0, then each of args.layouts on two GPUs (a result already in OUT is kept: layouts measured side
-    by side on a larger host are put together), then OUT/e2e_2gpu.json."""
+    """1gpu on GPU 0, then each of args.layouts on two GPUs (a whole result already in OUT is kept: layouts measured
+    side by side on a larger host are put together; a partial one is run again), then OUT/e2e_2gpu.json."""
     out = Path(args.out)
     one = out / "1gpu" / "e2e_1gpu.json"
-    if not one.is_file():
+    if not finished(one):
         run(argparse.Namespace(**{**vars(args), "out": one.parent, "layout": "1gpu", "prompts": 2, "per_call": 1,
                                   "result": "e2e_1gpu"}), overrides, dict(os.environ, CUDA_VISIBLE_DEVICES="0"))
     layouts = {}
     for layout in args.layouts:
         result = "e2e_2gpu_colocated" if layout == "2gpu_colocated" else "e2e_2gpu_split"
         path = out / layout / f"{result}.json"
-        if not path.is_file():
+        if not finished(path):
             env, extra, micro = dict(os.environ), [], args.micro
             if layout == "2gpu_colocated":
                 env["XLA_CLIENT_MEM_FRACTION"], micro = str(args.colocated_pool), args.colocated_micro
@@ -51,11 +51,13 @@ def scaling(args, overrides: list[str], run: Callable[..., Path]) -> Path:
 
 def arms(args, overrides: list[str], run: Callable[..., Path]) -> Path:
     """Each algorithm arm as a run of args.layout into OUT/ARM/e2e_alg_ARM.json (one start-up each, one after the
-    other), then OUT/e2e_algorithms.json: every arm's figures there, this session's or an earlier one's, side by side."""
+    other), then OUT/e2e_algorithms.json: every arm's whole result there (this session's or an earlier one's; not a
+    partial one) side by side."""
     out = Path(args.out)
     for arm in args.arms:
         run(argparse.Namespace(**{**vars(args), "out": out / arm, "result": f"e2e_alg_{arm}"}), ARMS[arm] + overrides)
-    done = {p.parent.name: json.loads(p.read_text())["figures"] for p in sorted(out.glob("*/e2e_alg_*.json"))}
+    done = {p.parent.name: json.loads(p.read_text())["figures"] for p in sorted(out.glob("*/e2e_alg_*.json"))
+            if finished(p)}
     return write_result(out, "e2e_algorithms", arms_figures(done), command=shlex.join(
         ["python", "-m", "jaxflow_bench.e2e", "OUT", "--arms", *done, *overrides]))
 

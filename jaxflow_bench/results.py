@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -33,7 +34,8 @@ def significant(value, digits: int = 6):
 
 def write_result(out_dir: str | Path, name: str, figures: dict, command: str | None = None,
                  extra: dict | None = None) -> Path:
-    """Write out_dir/NAME.json; `command` defaults to this process's command line."""
+    """Write out_dir/NAME.json whole or not at all (a temporary file moved over it: a write cut short leaves the
+    earlier file); `command` defaults to this process's command line."""
     record = {"name": name, "command": command or shlex.join(["python3", *sys.argv]), "device": device_name(),
               "date": datetime.date.today().isoformat(),
               "figures": {k: significant(v) for k, v in figures.items()}}
@@ -41,8 +43,18 @@ def write_result(out_dir: str | Path, name: str, figures: dict, command: str | N
         record.update(extra)
     path = Path(out_dir) / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1) + "\n")
+    tmp = path.with_name(f"{path.name}.tmp")
+    try:
+        tmp.write_text(json.dumps(record, indent=1) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
+
+
+def finished(path: str | Path) -> bool:
+    """Whether `path` holds a whole run's result (not one a run cut short left, marked partial)."""
+    return Path(path).is_file() and not json.loads(Path(path).read_text()).get("partial", False)
 
 
 def scaling_figures(one: dict, layouts: dict[str, dict]) -> dict:

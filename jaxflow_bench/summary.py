@@ -39,26 +39,23 @@ def mismatch_figures(rows: list[dict]) -> dict:
     return out
 
 
-def summarize(run_dir: Path, gpus: int = 1, skip: int = 1, exclude=(), gpu_mem: Path | None = None) -> dict | None:
-    """Print the run's steps and return the figures of its steady steps (after `skip`, but for `exclude`): medians
-    of img/GPU/s and each phase, the largest log-prob mismatch, and with `gpu_mem` (nvidia-smi memory.used, MiB per
-    line) the peak as peak_gib; None when no step is left."""
-    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    print(f"{'step':>4s} {'rollout':>8s} {'reward':>7s} {'train':>7s} {'sync':>6s} {'wall':>7s} {'img/GPU/s':>9s} "
-          f"{'logp_diff_max':>13s}")
-    for r in rows:
-        total = r["time/step"]  # wall time of the step: the phases and everything between them
-        diff = max((v for k, v in r.items() if k.startswith("logp_diff_max/")), default=None)  # none with NFT
-        print(f"{r['step']:4d} {r['time/rollout']:8.1f} {r['time/reward']:7.1f} {r['time/train']:7.1f} "
-              f"{r['time/sync']:6.1f} {total:7.1f} {r['images_per_s'] / gpus:9.3f} "
-              + (f"{diff:13.2e}" if diff is not None else f"{'-':>13s}"))
+def metrics_rows(run_dir: Path) -> list[dict]:
+    """The rows of the run's metrics.jsonl, each a step's; a last line the trainer is still writing (no newline yet)
+    is left for the next read."""
+    text = (Path(run_dir) / "metrics.jsonl").read_text()
+    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines()]
+
+
+def steady_figures(rows: list[dict], gpus: int = 1, skip: int = 1, exclude=(),
+                   gpu_mem: Path | None = None) -> dict | None:
+    """The figures of the steady steps of metrics `rows` (after `skip`, but for `exclude`): medians of img/GPU/s and
+    each phase, the log-prob mismatch, and with `gpu_mem` (nvidia-smi memory.used, MiB per line) the peak as
+    peak_gib; None when no step is left."""
     steady = [r for r in rows[skip:] if r["step"] not in exclude]
     if not steady:
         return None
-    med = statistics.median(r["images_per_s"] for r in steady) / gpus
-    print(f"median over steps {[r['step'] for r in steady]}: {med:.3f} img/GPU/s")
-    figures = {"img_per_gpu_s": med, "gpus": gpus, "images_per_step": round(steady[0]["images_per_s"] *
-                                                                            steady[0]["time/step"]),
+    figures = {"img_per_gpu_s": statistics.median(r["images_per_s"] for r in steady) / gpus, "gpus": gpus,
+               "images_per_step": round(steady[0]["images_per_s"] * steady[0]["time/step"]),
                "steps_timed": len(steady)}
     for key in KEYS:
         if key in steady[0]:
@@ -72,6 +69,29 @@ def summarize(run_dir: Path, gpus: int = 1, skip: int = 1, exclude=(), gpu_mem: 
         used = [int(x) for x in Path(gpu_mem).read_text().split() if x.isdigit()]
         if used:
             figures["peak_gib"] = max(used) / 1024
+    return figures
+
+
+def print_steps(rows: list[dict], gpus: int = 1) -> None:
+    """A table of the run's steps: each phase's seconds, img/GPU/s and the largest log-prob mismatch."""
+    print(f"{'step':>4s} {'rollout':>8s} {'reward':>7s} {'train':>7s} {'sync':>6s} {'wall':>7s} {'img/GPU/s':>9s} "
+          f"{'logp_diff_max':>13s}")
+    for r in rows:
+        total = r["time/step"]  # wall time of the step: the phases and everything between them
+        diff = max((v for k, v in r.items() if k.startswith("logp_diff_max/")), default=None)  # none with NFT
+        print(f"{r['step']:4d} {r['time/rollout']:8.1f} {r['time/reward']:7.1f} {r['time/train']:7.1f} "
+              f"{r['time/sync']:6.1f} {total:7.1f} {r['images_per_s'] / gpus:9.3f} "
+              + (f"{diff:13.2e}" if diff is not None else f"{'-':>13s}"))
+
+
+def summarize(run_dir: Path, gpus: int = 1, skip: int = 1, exclude=(), gpu_mem: Path | None = None) -> dict | None:
+    """Print the run's steps and return `steady_figures` of its metrics.jsonl."""
+    rows = metrics_rows(run_dir)
+    print_steps(rows, gpus)
+    figures = steady_figures(rows, gpus, skip, exclude, gpu_mem)
+    if figures is not None:
+        print(f"median over steps {[r['step'] for r in rows[skip:] if r['step'] not in exclude]}: "
+              f"{figures['img_per_gpu_s']:.3f} img/GPU/s")
     return figures
 
 
