@@ -10,13 +10,16 @@ CUDNN_DTYPES = ("bfloat16", "float16")  # cuDNN's fused attention refuses float3
 
 def resolve_implementation(name: str, dtype: str) -> str:
     """'auto' -> 'cudnn' for bf16/fp16 compute on a GPU, else 'xla'; 'cudnn' with float32 (or off a GPU) is refused
-    here, at model construction, rather than failing inside jit. Never falls back silently later."""
+    here, at model construction, rather than failing inside jit. Never falls back silently later. JAX's backend is
+    asked only where the answer depends on it ('xla' starts nothing: the plan stage sizes models before JAX starts)."""
+    if name not in ("auto", "xla", "cudnn"):
+        raise ValueError(f"attention implementation {name!r}; choose 'auto', 'xla' or 'cudnn'")
+    if name == "xla":
+        return name
     on_gpu = jax.default_backend() == "gpu"
     if name == "auto":
         return "cudnn" if on_gpu and dtype in CUDNN_DTYPES else "xla"
-    if name not in ("xla", "cudnn"):
-        raise ValueError(f"attention implementation {name!r}; choose 'auto', 'xla' or 'cudnn'")
-    if name == "cudnn" and (dtype not in CUDNN_DTYPES or not on_gpu):
+    if dtype not in CUDNN_DTYPES or not on_gpu:
         raise ValueError(f"attention='cudnn' needs a GPU and compute dtype in {CUDNN_DTYPES} (got {dtype} on "
                          f"{jax.default_backend()}); use attention='auto' or 'xla'")
     return name

@@ -56,3 +56,45 @@ def test_an_edit_sample_counts_its_reference_images_tokens(tiny):
     assert plan._tokens(edit, edit_family, edit_folder) == (2 * h * w, *derived.text_tokens(edit))
     h, w = family.grid_hw(folder, cfg)  # text-to-image: the target's grid alone
     assert machine.model_sizes(cfg, folder).tokens == h * w + derived.text_tokens(cfg)[0]
+
+
+SIZED_BEFORE_JAX = """
+import dataclasses, importlib.util, os, shutil, sys
+from pathlib import Path
+from jax._src import xla_bridge
+from jaxflow.config import machine, validation
+machine.visible_gpus = lambda: [["0", "GPU-0", "NVIDIA H200", "143771"]]
+spec = importlib.util.spec_from_file_location("tiny_ocr", "configs/tiny_ocr.py")  # not tests.helpers: it starts JAX
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+cfg = module.get_config()
+cfg.run_dir = str(Path(sys.argv[1]) / "run")
+cfg.data.train, cfg.data.test = str(Path(cfg.data.train).resolve()), str(Path(cfg.data.test).resolve())
+cfg = validation.validate(cfg)
+bare = Path(sys.argv[1]) / "bare"
+shutil.copytree(validation.model_folder(cfg), bare)
+for f in (bare / "transformer").glob("*.safetensors"):
+    f.unlink()
+cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init="random", path=str(bare)),
+                          rollout=dataclasses.replace(cfg.rollout, device="cuda"))
+block = machine.before_jax(cfg)
+print(xla_bridge.backends_are_initialized(), os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"), block.splitlines()[0])
+"""
+
+
+def test_sizing_a_random_transformer_does_not_start_jax_before_its_memory_share_is_set(tmp_path):
+    """The plan stage sizes a folder without transformer weights from an abstract model; building it must not ask
+    JAX for its backend, or JAX starts with its default share of the GPU (75%) before `before_jax` sets the plan's,
+    and a colocated engine finds no room (what README's command did on an H200 with model.init=random)."""
+    import subprocess
+    import sys
+    from tests.helpers import ROOT, cluster_free_env
+    env = cluster_free_env()
+    for name in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION"):
+        env.pop(name, None)
+    out = subprocess.run([sys.executable, "-c", SIZED_BEFORE_JAX, str(tmp_path)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    started, share, line = out.stdout.strip().splitlines()[-1].split(" ", 2)
+    assert started == "False", "JAX's backend started while the plan sized the model"
+    assert line.startswith("machine: 1 x NVIDIA H200") and float(share) > 0, out.stdout

@@ -87,8 +87,10 @@ def assemble(cfg: QwenImageConfig, opts: ModelOptions, lora: LoRASpec | None, se
 def checkpoint_shapes(cfg: QwenImageConfig, model_type: type[QwenImageTransformer] = QwenImageTransformer
                       ) -> list[tuple[str, tuple[int, ...], np.dtype]]:
     """(diffusers key, torch shape, dtype) of every base tensor the model of `cfg` reads from a checkpoint, from its
-    config alone (an abstract model, nothing allocated): what a folder without weights (model.init=random) holds."""
-    abstract = nnx.eval_shape(lambda: model_type(cfg, ModelOptions(), None, rngs=nnx.Rngs(0)))
+    config alone (an abstract model, nothing allocated): what a folder without weights (model.init=random) holds.
+    Attention is named ('xla': shapes do not depend on it) so that nothing asks JAX for its backend: the plan stage
+    calls this before JAX starts, and a started JAX would have taken its default memory share, not the plan's."""
+    abstract = nnx.eval_shape(lambda: model_type(cfg, ModelOptions(attention="xla"), None, rngs=nnx.Rngs(0)))
     base = nnx.state(abstract, nnx.Param)
     out = []
     for e in keymap.transformer_key_map():
