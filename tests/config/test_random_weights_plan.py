@@ -64,10 +64,10 @@ from pathlib import Path
 from jax._src import xla_bridge
 from jaxflow.config import machine, validation
 machine.visible_gpus = lambda: [["0", "GPU-0", "NVIDIA H200", "143771"]]
-spec = importlib.util.spec_from_file_location("tiny_ocr", "configs/tiny_ocr.py")  # not tests.helpers: it starts JAX
+spec = importlib.util.spec_from_file_location("config", sys.argv[2])  # not tests.helpers: it starts JAX
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
-cfg = module.get_config()
+cfg = module.get_config(*sys.argv[3:])
 cfg.run_dir = str(Path(sys.argv[1]) / "run")
 cfg.data.train, cfg.data.test = str(Path(cfg.data.train).resolve()), str(Path(cfg.data.test).resolve())
 cfg = validation.validate(cfg)
@@ -82,7 +82,8 @@ print(xla_bridge.backends_are_initialized(), os.environ.get("XLA_PYTHON_CLIENT_M
 """
 
 
-def test_sizing_a_random_transformer_does_not_start_jax_before_its_memory_share_is_set(tmp_path):
+@pytest.mark.parametrize("config", [["configs/tiny_ocr.py"], ["configs/qwen_edit_ocr.py", "tiny"]])
+def test_sizing_a_random_transformer_does_not_start_jax_before_its_memory_share_is_set(tmp_path, config):
     """The plan stage sizes a folder without transformer weights from an abstract model; building it must not ask
     JAX for its backend, or JAX starts with its default share of the GPU (75%) before `before_jax` sets the plan's,
     and a colocated engine finds no room (what README's command did on an H200 with model.init=random)."""
@@ -92,7 +93,7 @@ def test_sizing_a_random_transformer_does_not_start_jax_before_its_memory_share_
     env = cluster_free_env()
     for name in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION"):
         env.pop(name, None)
-    out = subprocess.run([sys.executable, "-c", SIZED_BEFORE_JAX, str(tmp_path)], cwd=ROOT, env=env,
+    out = subprocess.run([sys.executable, "-c", SIZED_BEFORE_JAX, str(tmp_path), *config], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     started, share, line = out.stdout.strip().splitlines()[-1].split(" ", 2)
