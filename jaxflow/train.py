@@ -35,9 +35,9 @@ from ml_collections import ConfigDict
 
 from jaxflow.config import derived
 from jaxflow.config import validation as config_lib
-from jaxflow.config.machine import resolve_layout
+from jaxflow.config.machine import resolve_layout, share_set
 from jaxflow.config.sections import RunConfig
-from jaxflow.trainer import compile_times, phases
+from jaxflow.trainer import compile_times, memory, phases
 from jaxflow.run import gold
 from jaxflow.run import run_dir as run_dir_lib
 from jaxflow.trainer.checkpoint import config_json
@@ -83,6 +83,20 @@ def check_backend(cfg: RunConfig) -> None:
             f"with {CPU_OVERRIDES} (a full-size model on a CPU is very slow: configs/tiny_ocr.py is the CPU run)")
 
 
+SHARING = {"colocated": "the colocated engine", "in_process": "the in-process engine"}  # engines on JAX's GPUs
+
+
+def check_share(cfg: RunConfig, devices=None) -> None:
+    """Where the plan set JAX's share of each GPU (`share_set`) and an engine shares the GPUs, JAX's pool on
+    each local device (default `jax.local_devices()`) must be that share: a JAX started before it took its default
+    75%, and the engine would die minutes later (`memory.check_share`, exit 1). A share the user set is theirs."""
+    share = share_set()
+    if share is None or cfg.rollout.layout not in SHARING:
+        return
+    memory.check_share(share.fraction, share.card_bytes, jax.local_devices() if devices is None else devices,
+                       SHARING[cfg.rollout.layout])
+
+
 class Trainer:
     """Holds the run's pieces; `run()` drives the loop. Build with `Trainer(config, resume)`: `config` is the
     validation stage's RunConfig (the command line validated it), or a ConfigDict validated here."""
@@ -98,6 +112,7 @@ class Trainer:
         maybe_initialize_distributed()
         run_dir_lib.check_shared(Path(cfg.run_dir))
         check_backend(cfg)
+        check_share(cfg)  # before any engine is launched
         config_lib.check_layout(cfg, jax.default_backend(), jax.device_count())
         warning = sleep_warning(cfg)
         if warning:

@@ -200,29 +200,50 @@ def _with_layout(cfg, layout: planner.Layout, micro: int | None, why: str) -> tu
         raise UserError(f"{exc} ({line}; pin rollout.layout to choose another)") from None
 
 
+@dataclasses.dataclass(frozen=True)
+class JaxShare:
+    """The share of each GPU that `before_jax` gave JAX itself (XLA_PYTHON_CLIENT_MEM_FRACTION), of a card of
+    `card_bytes` (nvidia-smi's total): what the trainer checks JAX's pool against once JAX has started."""
+
+    fraction: float
+    card_bytes: int
+
+
+_share: JaxShare | None = None  # what before_jax set in this process (`share_set`)
+
+
+def share_set() -> JaxShare | None:
+    """The share the last `before_jax` of this process set from the plan; None where it set none (no GPU, a CPU
+    rollout, no plan, or the user's own XLA_PYTHON_CLIENT_MEM_FRACTION / XLA_CLIENT_MEM_FRACTION)."""
+    return _share
+
+
 def before_jax(cfg, chosen: str | None = None) -> str | None:
     """At a run's start, before JAX initialises: the plan block for this machine's GPUs (None without one, or on a
     CPU rollout), after `chosen` (`resolve_layout`'s line, when rollout.layout was 'auto'), and JAX's share of each
     GPU from it (XLA_PYTHON_CLIENT_MEM_FRACTION, a fixed pool) where the user set neither fraction variable (setting
-    both makes jax >= 0.11 ignore the GPU). A plan that cannot be made or does not fit is one `plan:` line; the
-    compiled step's memory check then decides."""
-    block = _plan_block(cfg)
+    both makes jax >= 0.11 ignore the GPU); the share it set is kept (`share_set`). A plan that cannot be made or
+    does not fit is one `plan:` line; the compiled step's memory check then decides."""
+    global _share
+    block, _share = _plan_block(cfg)
     return "\n".join(line for line in (chosen, block) if line) or None
 
 
-def _plan_block(cfg) -> str | None:
+def _plan_block(cfg) -> tuple[str | None, JaxShare | None]:
+    """The plan block and the share of each GPU set from it (None where none was set)."""
     if not str(cfg.rollout.device).startswith("cuda"):
-        return None
+        return None, None
     try:
         plan = machine_plan(cfg)
     except (UserError, planner.NoFit) as exc:
-        return f"plan: none ({exc}); JAX's memory share is left to the environment"
+        return f"plan: none ({exc}); JAX's memory share is left to the environment", None
     if plan is None:
-        return None
-    if not {"XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION"} & set(os.environ):
-        os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{plan.jax_share}"
-        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "true")
-    return plan.summary()
+        return None, None
+    if {"XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION"} & set(os.environ):
+        return plan.summary(), None  # the user's share
+    os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{plan.jax_share}"
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "true")
+    return plan.summary(), JaxShare(plan.jax_share, round(plan.card.memory_gib * planner.GIB))
 
 
 def compilation_cache(enabled: bool) -> Path | None:

@@ -175,6 +175,7 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
     from jaxflow.run import run_dir as run_dir_lib
     from jaxflow.trainer.divergence import Diverged
     from jaxflow.trainer.logp_gate import GateTripped
+    from jaxflow.trainer.memory import PoolLargerThanPlanned
     from jaxflow.sync.verify import SyncMismatch
     from jaxflow.run.rollout_client import EngineOutOfMemory
     signals.install(f"error: interrupted; the checkpoints in {Path(cfg.run_dir) / 'checkpoints'} are as they were "
@@ -207,7 +208,7 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
     except config_lib.UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CODES["input"]
-    except (Diverged, GateTripped) as exc:
+    except (Diverged, GateTripped, PoolLargerThanPlanned) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CODES["failed"]
     except SyncMismatch as exc:  # raised in the step's sync, before its checkpoint

@@ -63,6 +63,32 @@ def pool(device=None) -> tuple[int, int] | None:
     return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
 
 
+# XLA's pool on a GPU is floor(fraction x CUDA's total), CUDA's total at most nvidia-smi's (it leaves out what the
+# driver reserves), which the plan's card holds floored to whole MiB: the pool of the planned fraction exceeds
+# fraction x the card's total by less than one MiB
+POOL_MARGIN = 2 ** 20
+
+
+class PoolLargerThanPlanned(RuntimeError):
+    """JAX's pool is larger than the share of the GPU the plan gave it (`check_share`)."""
+
+
+def check_share(fraction: float, card_bytes: int, devices, engine: str) -> None:
+    """Stop (`PoolLargerThanPlanned`, one line naming the fix) where JAX's pool on one of `devices` is larger than
+    `fraction` of a card of `card_bytes` by more than `POOL_MARGIN`: JAX started before the share was set, and
+    `engine` (the engine sharing the GPU) will find no room. Devices without pool statistics (the CPU) pass."""
+    planned = fraction * card_bytes
+    for index, device in enumerate(devices):
+        stats = pool(device)
+        if stats is None or stats[0] <= planned + POOL_MARGIN:
+            continue
+        raise PoolLargerThanPlanned(
+            f"JAX holds {stats[0] / GIB:.1f} GiB of GPU {index} where the plan gave it {planned / GIB:.1f} GiB "
+            f"({fraction:g}): JAX started before its share was set (a JAX call before "
+            f"jaxflow.config.machine.before_jax: a bug to report); {engine} has no room. Set "
+            f"XLA_CLIENT_MEM_FRACTION={fraction:g} XLA_PYTHON_CLIENT_PREALLOCATE=true in the command's environment")
+
+
 def check_fits(plans: list[StepMemory], resident: int, limit: int, in_use: int, what: str) -> str:
     """A one-line summary of the largest need against the pool; UserError-style ValueError naming `KNOBS` if it
     exceeds what is free. `resident`: bytes of the functions' arguments already on the device (the frozen base);
