@@ -63,10 +63,11 @@ def pool(device=None) -> tuple[int, int] | None:
     return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
 
 
-# XLA's pool on a GPU is floor(fraction x CUDA's total), CUDA's total at most nvidia-smi's (it leaves out what the
-# driver reserves), which the plan's card holds floored to whole MiB: the pool of the planned fraction exceeds
-# fraction x the card's total by less than one MiB
-POOL_MARGIN = 2 ** 20
+# XLA's pool on a GPU is floor(fraction x CUDA's total), CUDA's total at most nvidia-smi's, which the plan's card
+# holds floored to whole MiB: the planned pool exceeds fraction x the card's total by under one MiB. The margin is far
+# above that (a driver or XLA that counts a little differently must not stop every run) and far below the failure it
+# guards: JAX's default 75% against a planned share, tens of GiB on a 140 GiB card
+POOL_MARGIN = 0.02  # of the card
 
 
 class PoolLargerThanPlanned(RuntimeError):
@@ -75,12 +76,12 @@ class PoolLargerThanPlanned(RuntimeError):
 
 def check_share(fraction: float, card_bytes: int, devices, engine: str) -> None:
     """Stop (`PoolLargerThanPlanned`, one line naming the fix) where JAX's pool on one of `devices` is larger than
-    `fraction` of a card of `card_bytes` by more than `POOL_MARGIN`: JAX started before the share was set, and
+    `fraction` of a card of `card_bytes` by more than `POOL_MARGIN` of it: JAX started before the share was set, and
     `engine` (the engine sharing the GPU) will find no room. Devices without pool statistics (the CPU) pass."""
     planned = fraction * card_bytes
     for index, device in enumerate(devices):
         stats = pool(device)
-        if stats is None or stats[0] <= planned + POOL_MARGIN:
+        if stats is None or stats[0] <= planned + POOL_MARGIN * card_bytes:
             continue
         raise PoolLargerThanPlanned(
             f"JAX holds {stats[0] / GIB:.1f} GiB of GPU {index} where the plan gave it {planned / GIB:.1f} GiB "

@@ -80,10 +80,15 @@ def test_a_pool_larger_than_planned_stops_the_trainer_in_its_checks(tmp_path, h2
 @pytest.mark.parametrize("layout", ["colocated", "in_process"])
 def test_the_planned_pool_passes_with_xlas_rounding(tmp_path, h200, layout):
     """XLA's pool of the planned fraction: floor(fraction x CUDA's total), below the plan's fraction x nvidia-smi's
-    total; nvidia-smi floors its total to whole MiB, so a CUDA total up to one MiB above it passes too."""
+    total; nvidia-smi floors its total to whole MiB, so a CUDA total up to one MiB above it passes too, and so does a
+    pool just within the margin; one just beyond it stops."""
     cfg = _plan(tmp_path, layout)
     fraction = machine.share_set().fraction
     train.check_share(cfg, [Device(int(fraction * CUDA_TOTAL)), Device(int(fraction * (H200_MIB + 1) * MIB) - 1)])
+    margin = int(memory.POOL_MARGIN * H200_MIB * MIB)
+    train.check_share(cfg, [Device(int(fraction * H200_MIB * MIB) + margin)])
+    with pytest.raises(memory.PoolLargerThanPlanned, match="GPU 0 where"):
+        train.check_share(cfg, [Device(int(fraction * H200_MIB * MIB) + margin + MIB)])
     with pytest.raises(memory.PoolLargerThanPlanned, match="GPU 1 where"):  # the check reads every device
         train.check_share(cfg, [Device(int(fraction * CUDA_TOTAL)), Device(_default_pool())])
 
