@@ -177,9 +177,10 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
     from jaxflow.trainer.logp_gate import GateTripped
     from jaxflow.trainer.memory import PoolLargerThanPlanned
     from jaxflow.sync.verify import SyncMismatch
-    from jaxflow.run.rollout_client import EngineOutOfMemory
+    from jaxflow.run.rollout_client import EngineDidNotStart, EngineOutOfMemory, RolloutDied
     signals.install(f"error: interrupted; the checkpoints in {Path(cfg.run_dir) / 'checkpoints'} are as they were "
                     f"(continue with --resume if there are any)", unwind=True)
+    ray_logs = None  # Ray's log folder, once Ray started
     try:
         config = config_lib.validate(cfg)  # the one validation of this process: the trainer takes its result
         from jaxflow.config.machine import before_jax, compilation_cache, resolve_layout
@@ -217,6 +218,13 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
         return EXIT_CODES["failed"]
     except EngineOutOfMemory as exc:  # not retried: a fresh engine would run out again
         print(f"error: {engine_out_of_memory(exc, config, Path(cfg.run_dir))}", file=sys.stderr)
+        return EXIT_CODES["failed"]
+    except EngineDidNotStart as exc:  # not retried: the same folder, memory and config fail the same way
+        print(f"error: {engine_did_not_start(exc, config, ray_logs)}", file=sys.stderr)
+        return EXIT_CODES["failed"]
+    except RolloutDied as exc:  # died on every retry
+        print(f"error: {exc}; {_worker_logs(ray_logs)}; the checkpoints in {Path(cfg.run_dir) / 'checkpoints'} are "
+              f"as they were (continue with --resume if there are any)", file=sys.stderr)
         return EXIT_CODES["failed"]
     except KeyboardInterrupt:  # in start-up (signals.Interrupted) or a second signal in the loop
         signals.exit_now(EXIT_CODES["interrupted"], release=_stop_ray)
@@ -293,12 +301,38 @@ def engine_out_of_memory(exc: BaseException, config, run_dir: Path) -> str:
              "prompts_per_call is 1 already"]
     if r.engine == "vllm_omni" and r.bagel_deploy == "two_stage":
         knobs.append(f"rollout.thinker_memory (the thinker's share of the GPU, now {r.thinker_memory or 0.45})")
-    if r.layout != "split" and str(r.device).startswith("cuda"):  # the engine shares its GPUs with JAX's pool
-        share = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION") or os.environ.get("XLA_CLIENT_MEM_FRACTION")
-        knobs.append(f"a smaller JAX share of each GPU, XLA_PYTHON_CLIENT_MEM_FRACTION (now {share or 'unset'}), or "
+    if _shares_gpus(r):
+        knobs.append(f"a smaller JAX share of each GPU, XLA_PYTHON_CLIENT_MEM_FRACTION (now {_jax_share()}), or "
                      f"--config.rollout.layout=split (engines on GPUs of their own)")
     return (f"the rollout engine ran out of memory ({exc}); the checkpoints in {run_dir / 'checkpoints'} are as they "
             f"were: lower the engine's memory with {'; '.join(knobs)}, and continue with --resume")
+
+
+def engine_did_not_start(exc: BaseException, config, ray_logs: str | None) -> str:
+    """One line for a rollout engine whose actor died in its creation (`EngineDidNotStart`: the engine, its device and
+    its error's last line): where the worker's own log is, and, where the engine shares its GPUs with JAX's pool, the
+    knobs for the usual cause (too little GPU memory left to the engine)."""
+    line = f"{exc}; {_worker_logs(ray_logs)}: look there for the worker's error"
+    if _shares_gpus(config.rollout):
+        line += (f" (out of GPU memory: lower JAX's share of each GPU, XLA_CLIENT_MEM_FRACTION (now {_jax_share()}), "
+                 f"or use --config.rollout.layout=split: engines on GPUs of their own)")
+    return line
+
+
+def _worker_logs(ray_logs: str | None) -> str:
+    """Where the rollout actors' own output is: Ray's log folder of this run, when it is known."""
+    return f"its own log is under {ray_logs} (worker-*.err)" if ray_logs else \
+        "its own log is in Ray's log folder (worker-*.err)"
+
+
+def _shares_gpus(rollout) -> bool:
+    """Whether the rollout's engines share their GPUs with JAX's pool."""
+    return rollout.layout != "split" and str(rollout.device).startswith("cuda")
+
+
+def _jax_share() -> str:
+    """JAX's share of each GPU as the environment sets it, or 'unset'."""
+    return os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION") or os.environ.get("XLA_CLIENT_MEM_FRACTION") or "unset"
 
 
 def configure_logging(verbose: bool) -> None:

@@ -1,10 +1,11 @@
 """The trainer's side of the rollout: RolloutServers behind one of two transports (`RayTransport`: actors;
 `LocalTransport`: one server in this process), chunked generation that feeds the reward pool as chunks finish, LoRA
-sync with acked versions, restart-and-retry when an actor dies; an engine out of memory (`EngineOutOfMemory`) is never
-retried."""
+sync with acked versions, restart-and-retry when an actor dies mid-run; an engine out of memory (`EngineOutOfMemory`)
+and an engine whose actor died in its creation at start-up (`EngineDidNotStart`) are never retried."""
 from __future__ import annotations
 
 import logging
+import re
 
 import numpy as np
 
@@ -20,6 +21,29 @@ OOM_MARKERS = ("out of memory", "outofmemoryerror", "no available memory for the
 class EngineOutOfMemory(RuntimeError):
     """A rollout engine ran out of memory: its own error line. Not retried: a fresh engine with the same settings
     runs out again."""
+
+
+class EngineDidNotStart(RuntimeError):
+    """A rollout engine's actor died in its creation (its constructor raised) before the run's first call to it
+    returned: the engine's name and device and its error's last line. Not retried: the same folder, memory and config
+    fail the same way."""
+
+
+class RolloutDied(RuntimeError):
+    """A rollout actor died on every retry of a call; the message names the last death's cause."""
+
+
+def cause_line(exc: BaseException) -> str:
+    """The last line of `exc`'s message (Ray's carries the remote traceback, whose last line is the error itself),
+    without terminal colours, at most 240 characters."""
+    lines = [ln.strip() for ln in re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).splitlines() if ln.strip()]
+    return (lines[-1] if lines else type(exc).__name__)[:240]
+
+
+def died_in_creation(exc: BaseException) -> bool:
+    """Whether `exc` is Ray's error for an actor that died in its creation task (its constructor raised: Ray's
+    `RayActorError.actor_init_failed`), not one that died later (a killed or crashed process)."""
+    return bool(getattr(exc, "actor_init_failed", False))
 
 
 def engine_out_of_memory(exc: BaseException) -> str | None:
@@ -61,7 +85,7 @@ class LocalTransport:
     def first_done(self, refs: list) -> int:
         return 0
 
-    def retrying(self, fn, restart):
+    def retrying(self, fn, restart, started: bool = True):
         return fn()
 
     def kill(self, server) -> None:
@@ -70,7 +94,8 @@ class LocalTransport:
 
 class RayTransport:
     """RolloutServer actors: a call returns a Ray ref; a call on which an actor dies is retried on fresh actors
-    (`restart`), up to `max_retries` times; LoRA arrives as host arrays."""
+    (`restart`), up to `max_retries` times, unless it died in its creation before the group `started`; LoRA arrives
+    as host arrays."""
 
     max_servers, device_tensors = None, False
 
@@ -99,17 +124,21 @@ class RayTransport:
         done, _ = ray.wait(refs, num_returns=1)
         return next(i for i, ref in enumerate(refs) if ref == done[0])
 
-    def retrying(self, fn, restart):
+    def retrying(self, fn, restart, started: bool = True):
+        """`fn()`, restarting the actors (`restart`) and calling it again when one died; an engine out of memory, or
+        one whose actor died in its creation before the group `started` (served a call), is raised at once."""
         import ray
         for attempt in range(self.max_retries + 1):
             try:
                 return fn()
             except ray.exceptions.RayActorError as e:
-                if engine_out_of_memory(e):  # died of it: RolloutGroup says so, once
+                if engine_out_of_memory(e) or (not started and died_in_creation(e)):  # RolloutGroup says so, once
                     raise
                 if attempt == self.max_retries:
-                    raise RuntimeError(f"rollout actor died {attempt + 1} times; giving up") from e
-                log.warning("rollout actor died (%s); restarting and retrying", e)
+                    raise RolloutDied(f"the rollout actor died {attempt + 1} times; giving up: the last time: "
+                                      f"{cause_line(e)}") from e
+                log.warning("rollout actor died (%s); restarting and retrying (%d of %d)", cause_line(e),
+                            attempt + 1, self.max_retries)
                 restart()
 
     def kill(self, server) -> None:
@@ -120,7 +149,7 @@ class RayTransport:
 class RolloutGroup:
     """`num_servers` servers with one engine config behind a `transport` (RayTransport or LocalTransport); every
     call is retried on fresh servers if one dies (Ray), and ends in `EngineOutOfMemory` if an engine ran out of
-    memory."""
+    memory, in `EngineDidNotStart` if an actor died in its creation before any call returned (`started`)."""
 
     def __init__(self, engine_config: dict, num_servers: int = 1, transport=None):
         self.engine_config, self.transport = dict(engine_config), transport or RayTransport()
@@ -129,6 +158,7 @@ class RolloutGroup:
         self.adapter = None  # (method, args) of the LoRA update currently served, re-sent after a restart
         self.last_ack = {}  # the first server's acknowledgement of the last LoRA update
         self.last_acks = []  # every server's, in server order (each with its "served" probe: jaxflow/sync/verify.py)
+        self.started = False  # a call has returned: the engines started (a later death is restarted and retried)
 
     def _all(self, method: str, *args) -> list:
         """`method(*args)` on every server, retried on fresh servers if one dies."""
@@ -136,14 +166,23 @@ class RolloutGroup:
         return self._retrying(lambda: t.get([t.submit(s, method, *args) for s in self.servers]))
 
     def _retrying(self, fn):
-        """`fn()` through the transport's retries; an engine's out-of-memory error becomes `EngineOutOfMemory`."""
+        """`fn()` through the transport's retries; an engine's out-of-memory error becomes `EngineOutOfMemory`, an
+        actor's death in its creation before the engines started `EngineDidNotStart`."""
         try:
-            return self.transport.retrying(fn, self._restart)
-        except Exception as exc:  # noqa: BLE001 - only out of memory is converted; the rest as it came
+            result = self.transport.retrying(fn, self._restart, self.started)
+        except Exception as exc:  # noqa: BLE001 - only these two are converted; the rest as it came
             line = engine_out_of_memory(exc)
-            if line is None or isinstance(exc, EngineOutOfMemory):
+            if isinstance(exc, (EngineOutOfMemory, EngineDidNotStart)):
                 raise
-            raise EngineOutOfMemory(line) from exc
+            if line is not None:
+                raise EngineOutOfMemory(line) from exc
+            if not self.started and died_in_creation(exc):
+                c = self.engine_config
+                raise EngineDidNotStart(f"the rollout engine did not start ({c.get('engine')} on {c.get('device')}): "
+                                        f"{cause_line(exc)}") from exc
+            raise
+        self.started = True
+        return result
 
     def _restart(self) -> None:
         count = len(self.servers)

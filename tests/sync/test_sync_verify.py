@@ -116,7 +116,7 @@ class Transport:
     def get(self, refs):
         return refs
 
-    def retrying(self, fn, restart):
+    def retrying(self, fn, restart, started=True):
         return fn()
 
     def kill(self, server):
