@@ -302,7 +302,7 @@ def engine_out_of_memory(exc: BaseException, config, run_dir: Path) -> str:
     if r.engine == "vllm_omni" and r.bagel_deploy == "two_stage":
         knobs.append(f"rollout.thinker_memory (the thinker's share of the GPU, now {r.thinker_memory or 0.45})")
     if _shares_gpus(r):
-        knobs.append(f"a smaller JAX share of each GPU, XLA_PYTHON_CLIENT_MEM_FRACTION (now {_jax_share()}), or "
+        knobs.append(f"a smaller JAX share of each GPU, XLA_CLIENT_MEM_FRACTION (now {_jax_share()}), or "
                      f"--config.rollout.layout=split (engines on GPUs of their own)")
     return (f"the rollout engine ran out of memory ({exc}); the checkpoints in {run_dir / 'checkpoints'} are as they "
             f"were: lower the engine's memory with {'; '.join(knobs)}, and continue with --resume")

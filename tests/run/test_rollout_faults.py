@@ -200,7 +200,7 @@ def test_the_line_names_the_engine_memory_knobs_with_their_values(tmp_path, monk
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.55")
     line = cli.engine_out_of_memory(EngineOutOfMemory(OOM), _config(), tmp_path)
     assert line.startswith(f"the rollout engine ran out of memory ({OOM}); the checkpoints in {tmp_path}/checkpoints")
-    assert "--config.sample.prompts_per_call=2 (now 4" in line and "XLA_PYTHON_CLIENT_MEM_FRACTION (now 0.55)" in line
+    assert "--config.sample.prompts_per_call=2 (now 4" in line and "XLA_CLIENT_MEM_FRACTION (now 0.55)" in line
     assert "--config.rollout.layout=split" in line and line.endswith("continue with --resume")
     assert "thinker_memory" not in line and "\n" not in line
     two_stage = cli.engine_out_of_memory(EngineOutOfMemory(OOM), _config(1, "split", deploy="two_stage"), tmp_path)
