@@ -105,6 +105,7 @@ class Trainer:
         self.started = time.monotonic()  # train.max_minutes counts from here
         self.startup, self._phase_began = {}, None  # seconds per start-up phase, in order
         self.rollout_load_s = None  # the rollout engines' start, from their launch (`_start`)
+        self.engine_start = None  # where the slowest engine's own start went, as it reports it (EngineStart)
         self.startup_detail = {}  # a phase's breakdown, for the start-up line: the memory plan's compiles by stage
         cfg = config if isinstance(config, RunConfig) else config_lib.validate(config)
         self.cfg = cfg = resolve_layout(cfg, resume=resume)[0]  # rollout.layout='auto' (the command line resolved it)
@@ -187,8 +188,10 @@ class Trainer:
     def _join_rollout(self, launched: float) -> None:
         """Wait for the rollout's engines (launched at `launched`, monotonic) and check them against the trainer's
         model (`Driver.join_rollout`)."""
-        self.driver.join_rollout(self.learner.model, self.processes)
+        self.engine_start = self.driver.join_rollout(self.learner.model, self.processes)
         self.rollout_load_s = time.monotonic() - launched
+        if self.engine_start is not None and not self.driver.loads_apart:  # in process: its own phase's detail
+            self.startup_detail["rollout start"] = self.engine_start.summary()
 
     def _begin(self, phase: str | None) -> None:
         """End the running start-up phase (its seconds go to `startup`) and begin `phase` (None: start-up is over),
@@ -207,7 +210,8 @@ class Trainer:
         compile 41 s; 2 of 2 compiles from the cache, ...)": tracing and lowering are redone at every start, XLA's
         compile, the wall time of the step's programs compiled at once, a warm start's cache serves; "load N s"
         where the executable cache served them, `compile_times.summary`), and the engines' whole start where part of
-        it ran beside the trainer's own phases (engines in Ray actors), naming those phases."""
+        it ran beside the trainer's own phases (engines in Ray actors), naming those phases; an engine that reports
+        its own start's parts (`EngineStart`: vllm_omni) has them named beside its phase or its whole start."""
         detail = {name: f" ({text})" for name, text in self.startup_detail.items() if text}
         line = (f"start-up {sum(self.startup.values()):.0f} s: "
                 + ", ".join(f"{name} {sec:.0f} s{detail.get(name, '')}" for name, sec in self.startup.items()))
@@ -218,7 +222,9 @@ class Trainer:
         beside = self.rollout_load_s - self.startup[WAIT]
         if beside > 0.5:
             where = f"the {', the '.join(rest)} and the {last}" if rest else f"the {last}"
-            line += f"; the rollout engines started in {self.rollout_load_s:.0f} s, {beside:.0f} s of it beside {where}"
+            parts = f" ({self.engine_start.summary()})" if self.engine_start is not None else ""
+            line += (f"; the rollout engines started in {self.rollout_load_s:.0f} s{parts}, {beside:.0f} s of it "
+                     f"beside {where}")
         return line
 
     def _sync(self, version: int, which: str | None = None) -> int | None:

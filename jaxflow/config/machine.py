@@ -246,6 +246,12 @@ def _plan_block(cfg) -> tuple[str | None, JaxShare | None]:
     return plan.summary(), JaxShare(plan.jax_share, round(plan.card.memory_gib * planner.GIB))
 
 
+def cache_root() -> Path:
+    """`$JAXFLOW_CACHE`, default ~/.cache/jaxflow: JAX's compiles go under it (`compilation_cache`) and the
+    vllm_omni engine's torch compile caches (the engine config's `compile_cache`)."""
+    return Path(os.environ.get("JAXFLOW_CACHE") or Path.home() / ".cache" / "jaxflow")
+
+
 def compilation_cache(enabled: bool) -> Path | None:
     """JAX's persistent compilation cache in `$JAXFLOW_CACHE/xla` (default ~/.cache/jaxflow/xla), keyed by JAX on
     the compiled program and its options, so a changed config recompiles; JAX_COMPILATION_CACHE_DIR, when set, wins.
@@ -263,7 +269,7 @@ def compilation_cache(enabled: bool) -> Path | None:
         folder = Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
         executable_cache.use(folder / "executables")
         return folder
-    root = Path(os.environ.get("JAXFLOW_CACHE") or Path.home() / ".cache" / "jaxflow")
+    root = cache_root()
     jax.config.update("jax_compilation_cache_dir", str(root / "xla"))
     executable_cache.use(root / "executables")
     return root / "xla"

@@ -13,6 +13,7 @@ import numpy as np
 
 from jaxflow.config import derived
 from jaxflow.config import validation as config_lib
+from jaxflow.config.machine import cache_root
 from jaxflow.config.plan import RunPlan
 from jaxflow.config.sections import RunConfig
 from jaxflow import families
@@ -27,6 +28,7 @@ from jaxflow.run.metrics_log import eval_grid_path, image_grid
 from jaxflow.trainer.minibatches import compact_zero_advantage, order_minibatches
 from jaxflow.run.rollout_client import LocalTransport, RayTransport, RolloutGroup, init_ray
 from jaxflow.trainer.train_batch import TrainBatch
+from jaxflow_bridge.contract.engine_start import EngineStart, slowest_start
 from jaxflow_bridge.contract.trajectory import TextLengthError, TrajectoryBatch
 from jaxflow_bridge.rewards import RewardPool, build_reward
 
@@ -168,6 +170,8 @@ class Driver:
                   **family.engine_config(self.cfg)}
         if r.compile:
             engine["compile"] = True
+        if r.engine == "vllm_omni" and self.cfg.train.compile_cache:  # torch's compile caches beside JAX's
+            engine["compile_cache"] = str(cache_root())
         engine["lora_apply"] = self.plan.lora_apply  # layers, merged (jaxflow_bridge/sync/merge.py) or folder
         if self.plan.quantization != "none":  # vllm_omni's FP8 DiT (the validation stage refuses it elsewhere)
             engine["quantization"] = self.plan.quantization
@@ -178,9 +182,10 @@ class Driver:
         transport = LocalTransport() if in_process else RayTransport(r.num_cpus, r.num_gpus, r.max_retries)
         self.rollout = RolloutGroup(engine, r.num_servers, transport)
 
-    def join_rollout(self, model, processes: int) -> None:
+    def join_rollout(self, model, processes: int) -> EngineStart | None:
         """Wait for the launched servers, check that they hold `model`'s base weights (an in-process one is handed
-        them with rollout.share_weights) and choose the LoRA sync's transport for `processes` trainer processes."""
+        them with rollout.share_weights) and choose the LoRA sync's transport for `processes` trainer processes.
+        Returns where the slowest engine's start went, where its engine reports it (vllm_omni)."""
         r, family, in_process = self.cfg.rollout, families.of(self.cfg), not self.loads_apart
         if r.share_weights:
             self.rollout.share_base_weights(torch_base_weights(model))
@@ -192,6 +197,7 @@ class Driver:
                                    f"({self.folder}): fingerprint {info['fingerprint'][:12]} != {mine[:12]}")
         self.lora_sync = LoRASync(self.rollout, self.spec, choose_transport(in_process, processes, infos), infos[0],
                                   verify=self.cfg.train.sync_verify, stale_from=self.cfg.train.sync_fault_from)
+        return slowest_start(infos)
 
     def serve(self, lora, version: int) -> int:
         """The rollout serves `lora` (the train state's whole LoRA) as policy `version`; returns the bound-module

@@ -15,7 +15,8 @@ on Hopper where vLLM-Omni would fall back to FA2, `jaxflow_bridge/engines/vllm_o
 chooses), `gelu` ("epilogue", the default: the MLP's in-projection and tanh GELU in one cuBLASLt GEMM where no LoRA
 layer wraps it; "separate": vLLM-Omni's elementwise kernel), `deploy` (a kind with several vLLM-Omni deployments:
 "single_stage", the default, or "two_stage"), `quantization` ("none", the default, or "fp8": vLLM-Omni's FP8 DiT,
-`rules.QUANTIZATIONS`; the LoRA then as layers, vLLM-Omni's own per-slice apply over the FP8 GEMM, never merged).
+`rules.QUANTIZATIONS`; the LoRA then as layers, vLLM-Omni's own per-slice apply over the FP8 GEMM, never merged),
+`compile_cache` (optional: the folder torch's compile caches go under in the workers, `startup.py`).
 Same calls and results as the diffusers engine. Each kind refuses the options its pipeline lacks (`pipeline_args`),
 checks adapters' names (`adapter`) and brings its sampling parameters (`sampling`) and request encoder
 (`encode_request`).
@@ -67,6 +68,7 @@ import numpy as np
 
 from jaxflow_bridge.contract.lora import (adapter_spec, lora_module, lora_pairs, read_peft, vllm_omni_adapter_config,
                                          write_peft)
+from jaxflow_bridge.contract.engine_start import EngineStart
 from jaxflow_bridge.contract.lora_payload import LoRAPayload
 from jaxflow_bridge.contract.lora_shm import open_payload
 from jaxflow_bridge.contract.schedule import sample_windows
@@ -81,6 +83,7 @@ from jaxflow_bridge.engines.vllm_omni.kinds import family_of, model_kind
 from jaxflow_bridge.engines.vllm_omni.rules import (engine_problems, family_problems, quantization_problems, refuse,
                                                    settings)
 from jaxflow_bridge.engines.vllm_omni.rpc import ack_errors, rpc_errors, rpc_replies
+from jaxflow_bridge.engines.vllm_omni.startup import compile_threads, export_compile_caches
 from jaxflow_bridge.engines.vllm_omni.worker import WORKER_EXTENSION_CLASS
 
 log = logging.getLogger(__name__)
@@ -119,19 +122,22 @@ class VllmOmniEngine(RolloutEngine):
 
     name = "vllm_omni"
     config_keys = ("engine", "model", "dtype", "device", "random_seed", "omni_args", "lora_apply", "cfg_forward",
-                   "qk_ops", "fa_version", "gelu", "deploy", "quantization")
+                   "qk_ops", "fa_version", "gelu", "deploy", "quantization", "compile_cache")
 
     def __init__(self, config: dict):
+        entry = time.monotonic()  # the start's parts (`self.start`, in `info()`): imports, AsyncOmni, our checks
         self.check_config(config)
         self.dtype = config.get("dtype", "bfloat16")
         refuse(engine_problems(self.dtype, config.get("device")))  # the validation stage's rules (rules.py): one copy
+        threads = compile_threads()  # before `import vllm` overwrites the user's value
         async_omni, self._params_cls, self._lora_cls = import_omni()
+        imported = time.monotonic()
         refuse(family_problems(family_of(config["model"]), **settings(config)))
         self.kind = model_kind(config["model"], self.dtype, config.get("deploy"))
         pipeline_args = self.kind.pipeline_args(config)  # refuses what the kind lacks, before anything loads
         self.quantization = config.get("quantization", "none")  # the DiT's linears: bf16, or FP8 (rules.QUANTIZATIONS)
         refuse(quantization_problems(self.quantization, pipeline_args.get("lora_apply", "layers")))
-        start_args = self.kind.start_args(pipeline_args, WORKER_EXTENSION_CLASS)
+        start_args = self.kind.start_args({**pipeline_args, "compile_threads": threads}, WORKER_EXTENSION_CLASS)
         self._text_params_cls = import_text_params() if self.kind.stages > 1 else None
         self._dit = [self.kind.stages - 1]  # the diffusion stage: our pipeline, extension and LoRA
         self.model_path, self.size_multiple = str(self.kind.folder), self.kind.size_multiple
@@ -145,6 +151,7 @@ class VllmOmniEngine(RolloutEngine):
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="vllm-omni-loop", daemon=True).start()
         export_package_path()
+        export_compile_caches(config.get("compile_cache"))
         # the workers' LoRA sink (sync/vllm_omni_sinks.py) is the pipeline's lora_apply; a kind whose pipeline takes
         # none (one on vLLM-Omni's own LoRA layers) syncs through their slots, as "layers" does
         self.lora_apply = pipeline_args.get("lora_apply", "layers")
@@ -154,6 +161,7 @@ class VllmOmniEngine(RolloutEngine):
         if self.quantization != "none":  # vLLM-Omni hands it to its diffusion stages' OmniDiffusionConfig
             kwargs["quantization"] = self.quantization
         self.omni = self._run(self._start(async_omni, kwargs))
+        started = time.monotonic()
         if self.omni.num_stages != self.kind.stages:  # one params object a stage, the DiT stage's RPC replies
             self.omni.shutdown()
             raise RuntimeError(f"vLLM-Omni started {self.omni.num_stages} stages for {self.model_path}; the vllm_omni "
@@ -161,6 +169,7 @@ class VllmOmniEngine(RolloutEngine):
         self._modules = rpc_replies(self._rpc("rollout_lora_modules"))[0]
         if self.random_seed is not None:  # what the workers drew, not what the spec promises
             self.fingerprint = rpc_replies(self._rpc("rollout_random_fingerprint"))[0]
+        self.start = EngineStart.from_stamps(entry, imported, started, time.monotonic())
 
     async def _start(self, async_omni, kwargs):
         return async_omni(model=self.model_path, **kwargs)
@@ -387,4 +396,4 @@ class VllmOmniEngine(RolloutEngine):
         return {"engine": self.name, "device": "cuda", "dtype": self.dtype, "policy_version": self.policy_version,
                 "model": self.model_path, "fingerprint": self.fingerprint, "size_multiple": self.size_multiple,
                 "lora_modules": self._lora_bound, "asleep": self.asleep,
-                "quantization": self.quantization, "lora_apply": self.lora_apply}
+                "quantization": self.quantization, "lora_apply": self.lora_apply, "start": self.start.to_dict()}

@@ -39,6 +39,7 @@ from jaxflow_bridge.families.bagel import spec
 from jaxflow_bridge.families.bagel.sampling import PIXELS_PER_TOKEN, SCHEDULER_CONFIG, BagelSamplingParams, pad_ids
 from jaxflow_bridge.families.bagel.scheduler import WindowScheduler
 from jaxflow_bridge.engines.vllm_omni.codec import is_warmup_request, pack_trajectories
+from jaxflow_bridge.engines.vllm_omni.startup import use_compile_threads
 
 PIPELINE_CLASS = f"{__name__}.FlowGRPOBagelPipeline"
 # BagelSamplingParams fields in OmniDiffusionSamplingParams attributes; the rest ride in extra_args
@@ -138,6 +139,7 @@ def build_pipeline_class(base: type, output_cls, cache_cls) -> type:
 
     def __init__(self, *, od_config, **kwargs):
         base.__init__(self, od_config=od_config, **kwargs)
+        use_compile_threads(getattr(od_config, "custom_pipeline_args", None) or {})  # engines/vllm_omni/startup.py
         self.policy_version = 0
 
     def _autocast(self):  # the stock forward's

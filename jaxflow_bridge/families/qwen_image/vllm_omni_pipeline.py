@@ -41,6 +41,7 @@ import torch
 from jaxflow_bridge.contract.schedule import CFG_FORWARDS
 from jaxflow_bridge.engines.vllm_omni.codec import is_warmup_request, pack_trajectories
 from jaxflow_bridge.engines.vllm_omni.fa_version import FA_VERSIONS, use_fa3
+from jaxflow_bridge.engines.vllm_omni.startup import use_compile_threads
 from jaxflow_bridge.families.qwen_image.linear_gelu import install_gelu_epilogue
 from jaxflow_bridge.rollout.kernels.lora_linear import install_fused_apply
 from jaxflow_bridge.sync.merge import MergedLoRA
@@ -157,6 +158,7 @@ def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = N
         base.__init__(self, od_config=od_config, **kwargs)
         self.text_encoder = self.text_model(self.text_encoder)  # text-to-image: its vision tower and head never run
         args = getattr(od_config, "custom_pipeline_args", None) or {}
+        use_compile_threads(args)  # Inductor's threads, vLLM's forced 1 undone (engines/vllm_omni/startup.py)
         options = pipeline_options(args)
         if lora_layer_cls is not None and options["lora_apply"] == "layers":
             install_fused_apply(lora_layer_cls)

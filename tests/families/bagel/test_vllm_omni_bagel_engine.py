@@ -37,6 +37,7 @@ from jaxflow_bridge.families.qwen_image import vllm_omni_pipeline as vop
 from jaxflow_bridge.families.bagel.sampling import BagelSamplingParams
 from jaxflow_bridge.families.bagel.engine import BagelTorchEngine
 from jaxflow_bridge.engines.vllm_omni.engine import VllmOmniEngine
+from jaxflow_bridge.engines.vllm_omni.startup import compile_threads
 from jaxflow_bridge.sync.binding import bind_lora_modules
 from jaxflow_bridge.rollout.fingerprint import stored_fingerprint
 from jaxflow_bridge.engines.vllm_omni.kinds import model_kind
@@ -142,7 +143,8 @@ def test_bagel_starts_our_pipeline_in_vllm_omnis_single_stage_deployment(folder,
     (started,) = omni.started
     deploy = tmp_path / "vllm_omni" / "deploy" / "bagel_single_stage.yaml"  # vLLM-Omni 0.20's wheel layout
     assert started.model == str(folder) and DEPLOY_FILES["single_stage"] == ("deploy", "bagel_single_stage.yaml")
-    assert started.kwargs == {"custom_pipeline_args": {"pipeline_class": vob.PIPELINE_CLASS},
+    assert started.kwargs == {"custom_pipeline_args": {"pipeline_class": vob.PIPELINE_CLASS,
+                                                       "compile_threads": compile_threads()},
                               "deploy_config": str(deploy), "worker_extension_cls": worker.WORKER_EXTENSION_CLASS,
                               "dtype": "bfloat16", "enable_sleep_mode": True}
     info = engine.info()
@@ -179,7 +181,8 @@ def test_what_bagel_lacks_is_refused_in_one_line_before_the_start(bagel_torch, t
 
 def test_lora_apply_folder_is_bagels_own(bagel_torch, tmp_path, monkeypatch):
     engine, omni = start(monkeypatch, tmp_path, bagel_torch, lora_apply="folder")
-    assert omni.started[0].kwargs["custom_pipeline_args"] == {"pipeline_class": vob.PIPELINE_CLASS}
+    assert omni.started[0].kwargs["custom_pipeline_args"] == {"pipeline_class": vob.PIPELINE_CLASS,
+                                                              "compile_threads": compile_threads()}
 
 
 def test_qwen_image_starts_and_asks_as_before(tiny_path, tmp_path, monkeypatch):
@@ -192,7 +195,8 @@ def test_qwen_image_starts_and_asks_as_before(tiny_path, tmp_path, monkeypatch):
     (started,) = omni.started
     assert started.kwargs == {"custom_pipeline_args": {"pipeline_class": vop.PIPELINE_CLASS, "lora_apply": "layers",
                                                        "qk_ops": "compiled", "fa_version": "auto",
-                                                       "cfg_forward": "batched", "gelu": "epilogue"},
+                                                       "cfg_forward": "batched", "gelu": "epilogue",
+                                                       "compile_threads": compile_threads()},
                               "worker_extension_cls": worker.WORKER_EXTENSION_CLASS, "dtype": "bfloat16",
                               "enable_sleep_mode": True}
     assert engine.info()["fingerprint"] == stored_fingerprint(tiny_path / "transformer") and engine.merged is False
@@ -237,7 +241,8 @@ def test_two_stages_start_the_thinker_and_our_pipeline_on_the_dit_stage(folder, 
     stage's `stage_1_*` keywords (the thinker stays vLLM-Omni's), worker RPCs to that stage alone."""
     engine, omni = start(monkeypatch, tmp_path, bagel_torch, stages=2, deploy="two_stage")
     (started,) = omni.started
-    assert started.kwargs == {"stage_1_custom_pipeline_args": {"pipeline_class": vob.PIPELINE_CLASS},
+    assert started.kwargs == {"stage_1_custom_pipeline_args": {"pipeline_class": vob.PIPELINE_CLASS,
+                                                               "compile_threads": compile_threads()},
                               "deploy_config": str(tmp_path / "vllm_omni" / "deploy" / "bagel.yaml"),
                               "stage_1_worker_extension_cls": worker.WORKER_EXTENSION_CLASS,
                               "dtype": "bfloat16", "enable_sleep_mode": True}

@@ -1,0 +1,53 @@
+"""The vllm_omni engine's start: where torch's compile caches go and how many threads Inductor compiles with, in the
+worker processes vLLM-Omni spawns (they inherit the actor's `os.environ`; our pipeline's `__init__` runs there).
+
+- Compile caches: the diffusion stage's torch.compile keeps Inductor's FX-graph and AOTAutograd caches in
+  TORCHINDUCTOR_CACHE_DIR (torch's default is under /tmp) and Triton's kernels in TRITON_CACHE_DIR. The engine config's
+  `compile_cache` (the trainer's $JAXFLOW_CACHE, absent with train.compile_cache=False) pins them to `inductor/` and
+  `triton/` there, beside JAX's cache, each only where the user has not set it.
+- Compile threads: `import vllm` sets TORCHINDUCTOR_COMPILE_THREADS=1 in every process (vllm/env_override.py,
+  unconditionally, overwriting any value), so Inductor would compile a cold start's kernels one at a time. The actor
+  reads the variable before it imports vLLM-Omni (`compile_threads`) and the pipeline sets Inductor's
+  `compile_threads` to that in the worker (`use_compile_threads`).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CACHE_FOLDERS = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
+MAX_COMPILE_THREADS = 8
+VLLM_COMPILE_THREADS = "1"  # what vllm/env_override.py sets
+
+
+def export_compile_caches(root: str | None) -> dict:
+    """TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR under `root` in this process's environment (which vLLM-Omni's
+    workers inherit), each where the user has not set it; nothing with `root` None. Returns the variables set."""
+    if root is None:
+        return {}
+    chosen = {var: str(Path(root) / folder) for var, folder in CACHE_FOLDERS.items() if not os.environ.get(var)}
+    os.environ.update(chosen)
+    return chosen
+
+
+def compile_threads(environ=os.environ, cpus: int | None = None) -> int:
+    """Inductor's compile threads for the workers: the user's TORCHINDUCTOR_COMPILE_THREADS where it is set to
+    other than vLLM's 1, else min(8, this machine's CPUs). Read it before vLLM is imported in this process."""
+    given = environ.get("TORCHINDUCTOR_COMPILE_THREADS", "").strip()
+    if given and given != VLLM_COMPILE_THREADS:
+        try:
+            return max(1, int(given))
+        except ValueError:
+            raise ValueError(f"TORCHINDUCTOR_COMPILE_THREADS={given!r}: set it to a whole number of threads") from None
+    return max(1, min(MAX_COMPILE_THREADS, cpus if cpus is not None else os.cpu_count() or 1))
+
+
+def use_compile_threads(pipeline_args: dict) -> None:
+    """In the worker: Inductor's `compile_threads` from custom_pipeline_args' `compile_threads` (the engine's
+    `compile_threads`), undoing vLLM's 1; nothing where they carry none. torch keeps config overrides per thread:
+    vLLM-Omni's worker builds the pipeline and runs its requests (hence the compiles) in its main thread."""
+    threads = pipeline_args.get("compile_threads")
+    if threads is not None:
+        import torch._inductor.config
+
+        torch._inductor.config.compile_threads = int(threads)

@@ -1,0 +1,94 @@
+"""The vllm_omni engine's start (jaxflow_bridge/engines/vllm_omni/startup.py and the engine's stamps), on the CPU over
+the stand-in vLLM-Omni: the parts it reports in `info()`, the compile caches and Inductor's compile threads its
+workers get (the stand-in builds the pipeline inside AsyncOmni, where a spawned worker would: it sees the actor's
+environment as vLLM-Omni's workers inherit it)."""
+import os
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch._inductor.config
+
+from jaxflow_bridge.engines.vllm_omni import engine as vllm_omni_engine
+from jaxflow_bridge.engines.vllm_omni.startup import compile_threads, export_compile_caches
+from jaxflow_bridge.families.qwen_image import vllm_omni_pipeline as vop
+from jaxflow_bridge.families.qwen_image.tiny import tiny_pipeline_path
+from tests.helpers import ROOT
+from tests.helpers_vllm_omni import FakeOmniQwenImagePipeline, install_fake_vllm_omni
+
+CACHE_VARS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """The variables the start sets, unset, and put back as they were after the test (the engine writes os.environ)."""
+    for var in (*CACHE_VARS, "TORCHINDUCTOR_COMPILE_THREADS"):
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+
+
+def start(monkeypatch, tmp_path, config=None):
+    """The engine over the stand-in, with a clock the start's steps advance: importing vLLM-Omni 9 s (which sets
+    TORCHINDUCTOR_COMPILE_THREADS=1, as `import vllm` does), building the pipeline in AsyncOmni 47 s, each reply to
+    our RPCs 3 s. Returns the engine and the environment the worker saw, with Inductor's compile_threads after our
+    pipeline's __init__."""
+    now, seen = [100.0], {}
+    base = vop.build_pipeline_class(FakeOmniQwenImagePipeline, SimpleNamespace)
+
+    class Worker(base):
+        def __init__(self, **kwargs):
+            seen.update(os.environ)
+            now[0] += 47
+            torch._inductor.config.compile_threads = 1  # what a worker's Inductor reads after `import vllm`
+            super().__init__(**kwargs)
+            seen["compile_threads"] = torch._inductor.config.compile_threads  # torch's overrides are per thread
+
+    install_fake_vllm_omni(monkeypatch, tmp_path, {vop.PIPELINE_CLASS: Worker})
+    import_omni, rpc_replies = vllm_omni_engine.import_omni, vllm_omni_engine.rpc_replies
+
+    def importing():
+        now[0] += 9
+        os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+        return import_omni()
+
+    def replies(results):
+        now[0] += 3
+        return rpc_replies(results)
+    monkeypatch.setattr(vllm_omni_engine, "import_omni", importing)
+    monkeypatch.setattr(vllm_omni_engine, "rpc_replies", replies)
+    monkeypatch.setattr(vllm_omni_engine, "time", SimpleNamespace(monotonic=lambda: now[0],
+                                                                  perf_counter=time.perf_counter))
+    engine = vllm_omni_engine.VllmOmniEngine({"engine": "vllm_omni", "model": str(tiny_pipeline_path()), **(config or {})})
+    return engine, seen
+
+
+def test_the_engine_reports_its_starts_parts(tmp_path, monkeypatch, clean_env):
+    engine, _ = start(monkeypatch, tmp_path)
+    assert engine.info()["start"] == {"imports": 9.0, "engine": 47.0, "checks": 3.0}
+
+
+def test_the_workers_compile_caches_go_under_compile_cache_unless_the_user_set_them(tmp_path, monkeypatch, clean_env):
+    _, seen = start(monkeypatch, tmp_path / "off")
+    assert not {var for var in CACHE_VARS if seen.get(var)}  # train.compile_cache=False: torch's defaults
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    _, seen = start(monkeypatch, tmp_path / "on", {"compile_cache": str(tmp_path / "cache")})
+    assert seen["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "inductor")
+    assert seen["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
+    assert export_compile_caches(None) == {}
+
+
+@pytest.mark.parametrize("user, want", [(None, min(8, os.cpu_count())), ("1", min(8, os.cpu_count())), ("3", 3)])
+def test_the_worker_compiles_with_threads_vllms_import_forced_to_one(tmp_path, monkeypatch, clean_env, user, want):
+    if user is not None:
+        monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", user)
+    _, seen = start(monkeypatch, tmp_path)
+    assert seen["TORCHINDUCTOR_COMPILE_THREADS"] == "1" and seen["compile_threads"] == want
+
+
+def test_compile_threads_rule():
+    assert compile_threads({}, cpus=32) == 8 and compile_threads({}, cpus=2) == 2
+    assert compile_threads({"TORCHINDUCTOR_COMPILE_THREADS": "1"}, cpus=32) == 8
+    assert compile_threads({"TORCHINDUCTOR_COMPILE_THREADS": "12"}, cpus=4) == 12
+    with pytest.raises(ValueError, match=r"^TORCHINDUCTOR_COMPILE_THREADS='many': set it to a whole number"):
+        compile_threads({"TORCHINDUCTOR_COMPILE_THREADS": "many"})
