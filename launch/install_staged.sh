@@ -19,3 +19,7 @@ done
 sha256sum --quiet -c SHA256SUMS
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$TARGET" ./*.whl
 echo "installed $(ls ./*.whl | wc -l) wheels into $TARGET"
+# pip ran --no-compile: byte-compile the site once here, in parallel, so that the engine's processes (the actor and
+# each worker vLLM-Omni spawns, which imports torch, vLLM and vLLM-Omni again) do not compile them at every import;
+# a file that does not compile (a template, an optional backend's) is imported from source as before
+python3 -m compileall -q -j0 "$TARGET" >/dev/null || echo "compileall: some files in $TARGET were left uncompiled"

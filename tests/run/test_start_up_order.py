@@ -8,6 +8,7 @@ from jaxflow import train
 from jaxflow.trainer import compile_times
 from jaxflow.trainer.compile_times import CompileTime
 from jaxflow.config import validation
+from jaxflow_bridge.contract.engine_start import EngineStart
 from tests.helpers import tiny_config
 
 
@@ -92,6 +93,26 @@ def test_an_in_process_engine_reports_no_overlap(tmp_path, monkeypatch):
     trainer = train.Trainer(validation.validate(tiny_config(tmp_path / "run")))
     trainer.startup["rollout start"], trainer.rollout_load_s = 3.0, 80.0
     assert trainer.startup_line().endswith("rollout start 3 s, train state 0 s, first LoRA sync 0 s")
+
+
+@pytest.mark.parametrize("apart", [True, False], ids=["ray", "in_process"])
+def test_the_engines_own_start_parts_are_named(tmp_path, monkeypatch, apart):
+    """An engine that reports where its start went (vllm_omni's `EngineStart`, the slowest engine's from
+    `Driver.join_rollout`): named beside its whole start (Ray actors) or as its phase's detail (in process)."""
+    events = []
+    _stand_ins(monkeypatch, events, apart)
+    monkeypatch.setattr(train.Driver, "join_rollout", lambda self, model, processes: EngineStart(9.0, 47.0, 3.0))
+    trainer = train.Trainer(validation.validate(tiny_config(tmp_path / "run")))
+    if apart:
+        trainer.startup.update({"trainer's model": 10.0, "memory plan": 33.0, "train state": 4.0,
+                                "waiting for the rollout engines": 28.0})
+        trainer.rollout_load_s = 75.0
+        assert trainer.startup_line().endswith(
+            "the rollout engines started in 75 s (imports 9 s, engine 47 s, checks 3 s), 47 s of it beside the "
+            "trainer's model, the memory plan and the train state")
+    else:
+        trainer.startup["rollout start"] = 60.0
+        assert "rollout start 60 s (imports 9 s, engine 47 s, checks 3 s), train state" in trainer.startup_line()
 
 
 def test_a_failed_memory_check_closes_the_launched_engines(tmp_path, monkeypatch):
