@@ -6,9 +6,10 @@ worker processes vLLM-Omni spawns (they inherit the actor's `os.environ`; our pi
   `compile_cache` (the trainer's $JAXFLOW_CACHE, absent with train.compile_cache=False) pins them to `inductor/` and
   `triton/` there, beside JAX's cache, each only where the user has not set it.
 - Compile threads: `import vllm` sets TORCHINDUCTOR_COMPILE_THREADS=1 in every process (vllm/env_override.py,
-  unconditionally, overwriting any value), so Inductor would compile a cold start's kernels one at a time. The actor
-  reads the variable before it imports vLLM-Omni (`compile_threads`) and the pipeline sets Inductor's
-  `compile_threads` to that in the worker (`use_compile_threads`).
+  unconditionally, overwriting any value), so Inductor compiles a cold start's kernels one at a time. A user's own
+  value (other than 1) is read by the actor before it imports vLLM-Omni (`compile_threads`) and set as Inductor's
+  `compile_threads` in the worker (`use_compile_threads`); without one, vLLM's 1 stays (its choice; more threads
+  start Inductor's compile subprocesses in the worker, not yet measured there).
 """
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import os
 from pathlib import Path
 
 CACHE_FOLDERS = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
-MAX_COMPILE_THREADS = 8
 VLLM_COMPILE_THREADS = "1"  # what vllm/env_override.py sets
 
 
@@ -30,21 +30,21 @@ def export_compile_caches(root: str | None) -> dict:
     return chosen
 
 
-def compile_threads(environ=os.environ, cpus: int | None = None) -> int:
-    """Inductor's compile threads for the workers: the user's TORCHINDUCTOR_COMPILE_THREADS where it is set to
-    other than vLLM's 1, else min(8, this machine's CPUs). Read it before vLLM is imported in this process."""
+def compile_threads(environ=os.environ) -> int | None:
+    """Inductor's compile threads for the workers: the user's TORCHINDUCTOR_COMPILE_THREADS where it is set to other
+    than vLLM's 1, else None (vLLM's 1 stays). Read it before vLLM is imported in this process."""
     given = environ.get("TORCHINDUCTOR_COMPILE_THREADS", "").strip()
-    if given and given != VLLM_COMPILE_THREADS:
-        try:
-            return max(1, int(given))
-        except ValueError:
-            raise ValueError(f"TORCHINDUCTOR_COMPILE_THREADS={given!r}: set it to a whole number of threads") from None
-    return max(1, min(MAX_COMPILE_THREADS, cpus if cpus is not None else os.cpu_count() or 1))
+    if not given or given == VLLM_COMPILE_THREADS:
+        return None
+    try:
+        return max(1, int(given))
+    except ValueError:
+        raise ValueError(f"TORCHINDUCTOR_COMPILE_THREADS={given!r}: set it to a whole number of threads") from None
 
 
 def use_compile_threads(pipeline_args: dict) -> None:
     """In the worker: Inductor's `compile_threads` from custom_pipeline_args' `compile_threads` (the engine's
-    `compile_threads`), undoing vLLM's 1; nothing where they carry none. torch keeps config overrides per thread:
+    `compile_threads`, the user's), undoing vLLM's 1; nothing where they carry none. torch keeps config overrides per thread:
     vLLM-Omni's worker builds the pipeline and runs its requests (hence the compiles) in its main thread."""
     threads = pipeline_args.get("compile_threads")
     if threads is not None:
