@@ -43,6 +43,9 @@ checks adapters' names (`adapter`) and brings its sampling parameters (`sampling
   worker): vLLM-Omni pickles them to a one-stage deployment's workers but sends them to a several-stage one's DiT
   process through msgpack, which turns a dataclass into a dict, a tuple into a list, and refuses bfloat16 arrays.
   A stage that raised or could not run the method replies with an error dict (`rpc.rpc_errors`); the engine raises it.
+- after the first generate returns (the diffusion stage compiles at its first rollout), once: the workers' torch
+  compile-cache lookups, summed (`rollout_compile_cache_counts`), logged in one line and kept in info()
+  ("compile_cache_hits"); a warm start's caches hit.
 - profile_start / profile_stop: torch.profiler around the workers' requests in between, the first diffusion
   worker's table back (jaxflow_bench/rollout_profile.py categorises it).
 - sleep / wake: level-1 sleep through the workers' sleep task (weights, text encoder and VAE included, move to
@@ -83,7 +86,8 @@ from jaxflow_bridge.engines.vllm_omni.kinds import family_of, model_kind
 from jaxflow_bridge.engines.vllm_omni.rules import (engine_problems, family_problems, quantization_problems, refuse,
                                                    settings)
 from jaxflow_bridge.engines.vllm_omni.rpc import ack_errors, rpc_errors, rpc_replies
-from jaxflow_bridge.engines.vllm_omni.startup import compile_threads, export_compile_caches
+from jaxflow_bridge.engines.vllm_omni.startup import (compile_cache_line, compile_threads, COMPILE_COUNTERS,
+                                                     export_compile_caches)
 from jaxflow_bridge.engines.vllm_omni.worker import WORKER_EXTENSION_CLASS
 
 log = logging.getLogger(__name__)
@@ -170,6 +174,7 @@ class VllmOmniEngine(RolloutEngine):
         if self.random_seed is not None:  # what the workers drew, not what the spec promises
             self.fingerprint = rpc_replies(self._rpc("rollout_random_fingerprint"))[0]
         self.start = EngineStart.from_stamps(entry, imported, started, time.monotonic())
+        self.compile_cache_hits = None  # the workers' compile-cache lookups, read after the first rollout
 
     async def _start(self, async_omni, kwargs):
         return async_omni(model=self.model_path, **kwargs)
@@ -207,9 +212,23 @@ class VllmOmniEngine(RolloutEngine):
         requests = [(*self.kind.encode_request(p, sp, seeds[g * n:(g + 1) * n], self.policy_version, **images[g]),
                      thinker) for g, p in enumerate(prompts)]
         outputs = self._run(self._generate_all(requests))
+        if self.compile_cache_hits is None:
+            self.compile_cache_hits = self._compile_cache_hits()
         parts = [unpack_trajectories(out, p, g, thinker_ids)
                  for g, (p, (out, thinker_ids)) in enumerate(zip(prompts, outputs))]
         return TrajectoryBatch.concat([b.padded(sp.text_tokens or longest_text(parts)) for b in parts]).to_dict()
+
+    def _compile_cache_hits(self) -> dict:
+        """The diffusion stage's workers' compile-cache lookups, summed, and logged; {} (said) where the RPC failed:
+        a report, never a failed rollout."""
+        try:
+            replies = rpc_replies(self._rpc("rollout_compile_cache_counts"))
+        except RuntimeError as exc:
+            log.warning(f"vllm_omni: could not read the workers' torch compile caches: {exc}")
+            return {}
+        counts = {name: sum(int(r.get(name, 0)) for r in replies) for name in COMPILE_COUNTERS}
+        log.info(compile_cache_line(counts))
+        return counts
 
     async def _generate_all(self, requests):
         tag = uuid.uuid4().hex[:12]
@@ -396,4 +415,5 @@ class VllmOmniEngine(RolloutEngine):
         return {"engine": self.name, "device": "cuda", "dtype": self.dtype, "policy_version": self.policy_version,
                 "model": self.model_path, "fingerprint": self.fingerprint, "size_multiple": self.size_multiple,
                 "lora_modules": self._lora_bound, "asleep": self.asleep,
-                "quantization": self.quantization, "lora_apply": self.lora_apply, "start": self.start.to_dict()}
+                "quantization": self.quantization, "lora_apply": self.lora_apply, "start": self.start.to_dict(),
+                "compile_cache_hits": self.compile_cache_hits}

@@ -10,6 +10,9 @@ worker processes vLLM-Omni spawns (they inherit the actor's `os.environ`; our pi
   value (other than 1) is read by the actor before it imports vLLM-Omni (`compile_threads`) and set as Inductor's
   `compile_threads` in the worker (`use_compile_threads`); without one, vLLM's 1 stays (its choice; more threads
   start Inductor's compile subprocesses in the worker, not yet measured there).
+- Cache hits: torch counts each compile's FX-graph and AOTAutograd cache lookups in the process that compiled
+  (`torch._dynamo.utils.counters`); the workers report them (`compile_cache_counts`) and the engine logs them once,
+  after its first rollout, where the diffusion stage compiles (`compile_cache_line`).
 """
 from __future__ import annotations
 
@@ -18,6 +21,9 @@ from pathlib import Path
 
 CACHE_FOLDERS = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
 VLLM_COMPILE_THREADS = "1"  # what vllm/env_override.py sets
+COMPILE_COUNTERS = {"fxgraph_cache_hit": "inductor", "fxgraph_cache_miss": "inductor",
+                    "fxgraph_cache_bypass": "inductor", "autograd_cache_hit": "aot_autograd",
+                    "autograd_cache_miss": "aot_autograd", "autograd_cache_bypass": "aot_autograd"}  # name: group
 
 
 def export_compile_caches(root: str | None) -> dict:
@@ -51,3 +57,17 @@ def use_compile_threads(pipeline_args: dict) -> None:
         import torch._inductor.config
 
         torch._inductor.config.compile_threads = int(threads)
+
+
+def compile_cache_counts(counters) -> dict[str, int]:
+    """The compile caches' lookups in torch's `counters` ({group: {name: count}}) as plain ints, 0 where absent."""
+    return {name: int(counters.get(group, {}).get(name, 0)) for name, group in COMPILE_COUNTERS.items()}
+
+
+def compile_cache_line(counts: dict) -> str:
+    """One line of `compile_cache_counts` (summed over the workers)."""
+    def part(label, prefix):
+        return f"{label} {counts[prefix + '_hit']} hit / {counts[prefix + '_miss']} miss / " \
+               f"{counts[prefix + '_bypass']} bypass"
+    return (f"vllm_omni: torch compile caches after the first rollout: {part('fx-graph', 'fxgraph_cache')}, "
+            f"{part('aot-autograd', 'autograd_cache')}")

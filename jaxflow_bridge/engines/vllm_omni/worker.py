@@ -1,11 +1,13 @@
 """The extension of vLLM-Omni 0.20's diffusion worker our engine starts its workers with (`WORKER_EXTENSION_CLASS`,
 built on first attribute access, PEP 562, so this module imports without vLLM-Omni): `rollout_lora_modules()`, the
 pipeline's LoRA-capable layers and their shapes (the engine checks adapters against it), the worker's LoRA sink
-(jaxflow_bridge/sync/vllm_omni_sinks.py, one per apply mode): each update's payload applied and read back, and a
-torch.profiler around the requests it serves (`rollout_profile_start` / `rollout_profile_stop`)."""
+(jaxflow_bridge/sync/vllm_omni_sinks.py, one per apply mode): each update's payload applied and read back, a
+torch.profiler around the requests it serves (`rollout_profile_start` / `rollout_profile_stop`), and its torch
+compile caches' lookups (`rollout_compile_cache_counts`)."""
 from __future__ import annotations
 
 from jaxflow_bridge.contract.lora_payload import LoRAPayload
+from jaxflow_bridge.engines.vllm_omni.startup import compile_cache_counts
 from jaxflow_bridge.rollout.profiling import PipelineProfiler
 from jaxflow_bridge.sync.vllm_omni_sinks import SINKS, Renames
 from jaxflow_bridge.sync.vllm_omni_slots import lora_component, lora_module_table
@@ -78,6 +80,12 @@ class RolloutWorkerMethods:
         if profiler is None:
             return {"error": True, "reason": "no rollout profile is recording: rollout_profile_start first"}
         return profiler.stop()
+
+    def rollout_compile_cache_counts(self) -> dict:
+        """This worker's FX-graph and AOTAutograd cache hits, misses and bypasses so far (plain ints)."""
+        from torch._dynamo.utils import counters
+
+        return compile_cache_counts(counters)
 
 
 def _worker_extension_class() -> type:
