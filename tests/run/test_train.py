@@ -400,19 +400,34 @@ def test_rollout_actor_killed_mid_generate_is_restarted_and_retried(ray_session,
 
 
 @pytest.mark.slow
-def test_one_of_two_engines_killed_after_an_update_loses_no_step_and_mixes_no_versions(ray_session, tmp_path):
-    """Two rollout actors; after the first update one is killed during the next step (its rollout or its sync):
-    the call is retried on fresh actors that get the current LoRA (version 1) again before generating, so every
-    sample of the step is version 1 and the trainer's recompute matches it (fp32)."""
+def test_one_of_two_engines_killed_after_an_update_loses_no_step_and_mixes_no_versions(ray_session, tmp_path,
+                                                                                      monkeypatch):
+    """Two rollout actors; after the first update one is dead at the next step's first call to it (its rollout or
+    its sync): the call is retried on fresh actors that get the current LoRA (version 1) again before generating, so
+    every sample of the step is version 1 and the trainer's recompute matches it (fp32). The kill waits for the
+    actor's death before that call goes out (a timer could land after the step's last call: no death seen)."""
     import ray
     cfg = tiny_config(tmp_path, num_steps=2)
     cfg.rollout.num_servers = 2
     trainer = Trainer(cfg)
     try:
         trainer.train_one(0)
-        victim = trainer.driver.rollout.servers[1]
-        threading.Timer(0.5, lambda: ray.kill(victim, no_restart=True)).start()
+        victim, transport, killed = trainer.driver.rollout.servers[1], trainer.driver.rollout.transport, []
+        submit = transport.submit
+
+        def kill_first(server, method, *args):
+            if server is victim and not killed:
+                killed.append(method)
+                ray.kill(victim, no_restart=True)
+                with pytest.raises(ray.exceptions.RayActorError):
+                    for _ in range(100):  # until the actor is gone
+                        ray.get(victim.info.remote(), timeout=30)
+                        time.sleep(0.1)
+            return submit(server, method, *args)
+
+        monkeypatch.setattr(transport, "submit", kill_first)
         metrics = trainer.train_one(1)
+        assert killed  # the step called the victim
         assert victim not in trainer.driver.rollout.servers and len(trainer.driver.rollout.servers) == 2
         assert metrics["skipped"] == 0 and np.max(metrics["logp_diff_max"]) < 1e-5
         assert metrics["rollout/versions"] == 1 and metrics["staleness"] == 0
