@@ -110,6 +110,12 @@ def sampling(cfg, *, eval_mode: bool = False) -> dict:
     return families.of(cfg).sampling(cfg, eval_mode)
 
 
+def eval_prompts_per_call(cfg) -> int:
+    """Held-out prompts a rollout call of the eval (one image each): as many images a call as a training call's
+    (sample.prompts_per_call x group_size), which the engine is known to hold."""
+    return cfg.sample.prompts_per_call * cfg.sample.group_size
+
+
 def embed_dtype(cfg):
     """The dtype of the text embeds the rollout hands the trainer: the rollout's own (bfloat16 or float32)."""
     import ml_dtypes

@@ -302,14 +302,15 @@ class Driver:
     def evaluate(self, step: int) -> dict:
         """Mean rewards of ODE samples of the held-out prompts: the training rewards' weighted sum
         (`eval_reward_mean`) and each one's (`eval_reward/<name>`), with eval.rewards each gold reward's
-        (`eval_gold/<name>`); their grid goes to run_dir/eval/step_<step>.png."""
+        (`eval_gold/<name>`); their grid goes to run_dir/eval/step_<step>.png. A call holds as many images as a
+        training call (`derived.eval_prompts_per_call`)."""
         cfg = self.cfg
         items = self.test_items[:cfg.eval.num_prompts]
         prompts = [it.prompt for it in items]
         references = self.references(items)
         try:
             batch = self.rollout.generate(prompts, 1, sampling(cfg, eval_mode=True), np.arange(len(prompts)),
-                                          cfg.sample.prompts_per_call, references=references)
+                                          derived.eval_prompts_per_call(cfg), references=references)
         except TextLengthError as err:
             raise text_length_error(err, cfg) from None
         conditions = edit_conditions(items, references, 1)
