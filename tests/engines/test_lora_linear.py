@@ -136,3 +136,28 @@ def test_install_routes_eligible_layers_and_keeps_the_rest():
         before = cls.calls
         other.apply(args[0], args[2])
         assert cls.calls == before + 1
+
+
+class ViewingQuantizedMethod:
+    """An FP8 quant method's input handling (vLLM's ScaledMMLinearKernel: `x.view(-1, x.shape[-1])`)."""
+
+    def apply(self, layer, x, bias=None):
+        return torch.nn.functional.linear(x.view(-1, x.shape[-1]), layer.weight, bias).view(*x.shape[:-1], -1)
+
+
+def test_a_quantized_base_layer_gets_a_contiguous_input():
+    """Qwen-Image's `to_out` gets a slice of the joint attention's output (not contiguous): vLLM's FP8 kernels
+    refuse to view it as rows (FP8 rollout failed on an H200 at its first call)."""
+    args = problem()
+    cls = type("Layer", (StandInLoRALayer,), {"calls": 0})
+    cls.apply = lambda self, x, bias=None: self.base_layer.quant_method.apply(self.base_layer, x, bias)
+    layer = cls(args, quant=ViewingQuantizedMethod)
+    joint = torch.randn(2, 7, args[0].shape[-1], dtype=args[0].dtype)
+    image_part = joint[:, 3:]  # the image tokens of a joint sequence
+    assert not image_part.is_contiguous()
+    with pytest.raises(RuntimeError, match="view"):
+        layer.apply(image_part)
+    install_fused_apply(cls)
+    got = layer.apply(image_part)
+    want = torch.nn.functional.linear(image_part, layer.base_layer.weight)
+    assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-12, atol=1e-12)

@@ -92,16 +92,23 @@ def fused_slots(layer) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
     a_stacked, b_stacked = getattr(layer, "lora_a_stacked", None), getattr(layer, "lora_b_stacked", None)
     active = getattr(layer, "_diffusion_lora_active_slices", ())
     config = getattr(layer, "lora_config", None)
-    if (base is None or type(getattr(base, "quant_method", None)).__name__ != "UnquantizedLinearMethod"
+    if (base is None or not unquantized(layer)
             or not a_stacked or not b_stacked or len(a_stacked) != len(b_stacked) or len(active) != len(a_stacked)
             or not all(active) or (config is not None and config.fully_sharded_loras)):
         return None
     return [a[0, 0] for a in a_stacked], [b[0, 0] for b in b_stacked]
 
 
+def unquantized(layer) -> bool:
+    """Whether a vLLM-Omni LoRA layer's base linear computes in its weights' dtype (no FP8 or other quant method)."""
+    return type(getattr(layer.base_layer, "quant_method", None)).__name__ == "UnquantizedLinearMethod"
+
+
 def install_fused_apply(layer_cls: type) -> bool:
     """Route `layer_cls.apply(x, bias)` (vLLM-Omni's diffusion LoRA layer base class) to `lora_linear` where
-    `fused_slots` allows, else to the class's own apply. False if it was installed already."""
+    `fused_slots` allows, else to the class's own apply, a quantized base layer's input made contiguous (vLLM's FP8
+    kernels `view` it as rows, which a slice of the joint attention's output, as Qwen-Image's `to_out` gets, is not).
+    False if it was installed already."""
     stock = layer_cls.apply
     if getattr(stock, "fused_lora", False):
         return False
@@ -109,7 +116,7 @@ def install_fused_apply(layer_cls: type) -> bool:
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         slots = fused_slots(self)
         if slots is None:
-            return stock(self, x, bias)
+            return stock(self, x if unquantized(self) else x.contiguous(), bias)
         return lora_linear(x, self.base_layer.weight, bias, *slots)
 
     apply.fused_lora, apply.stock = True, stock
