@@ -503,6 +503,7 @@ def servers(ray_session, tiny_path):
         ray_session.kill(handle)
 
 
+@pytest.mark.slow  # starts Ray (the ray_session fixture) and Ray actors
 def test_two_servers_start_in_parallel(ray_session, servers, pipe):
     infos = ray_session.get([s.info.remote() for s in servers])
     for info in infos:
@@ -511,6 +512,7 @@ def test_two_servers_start_in_parallel(ray_session, servers, pipe):
         assert info["model"] == infos[0]["model"] and info["size_multiple"] == 8
 
 
+@pytest.mark.slow  # starts Ray (the ray_session fixture) and Ray actors
 def test_server_generate_update_lora_info(ray_session, servers, pipe):
     server, sampling = servers[0], {**SAMPLING, "num_inference_steps": 3}
     out = TrajectoryBatch.from_dict(ray_session.get(server.generate.remote(PROMPTS[:1], 2, sampling, 7)))

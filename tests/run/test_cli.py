@@ -6,12 +6,14 @@ import re
 import runpy
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
 from jaxflow.config.recipes import HELP, base, config_keys, config_value, tiny
 from tests.helpers import ROOT
 from tests import HANG_S
+from tests.forked_cli import run_many
 
 
 def cli(*args, env=None):
@@ -24,7 +26,7 @@ BAGEL_OMNI = ["--config=configs/tiny_bagel_ocr.py", "--config.rollout.engine=vll
               "--config.rollout.device=cuda"]
 
 
-@pytest.mark.parametrize("args, needle", [
+USER_ERRORS = [
     (["--config.train.lerning_rate=1e-3"], 'Did you mean "learning_rate"'),
     (["--config.train.learning_rate=abc"], "could not convert"),
     (["--config.sample.same_latent=maybe"], "--config.sample.same_latent: 'maybe' is not a bool; pass True or False"),
@@ -57,9 +59,35 @@ BAGEL_OMNI = ["--config=configs/tiny_bagel_ocr.py", "--config.rollout.engine=vll
     (["--config.model.path=/nonexistent/qwen"], "configs/tiny_ocr.py"),
     (["--resme"], "resume"),
     (["configs/qwen_ocr.py"], "--config FILE"),
-])
-def test_user_errors_are_one_line_and_exit_2(args, needle):
-    out = cli(*args)
+]
+
+
+@pytest.fixture(scope="module")
+def forked(tmp_path_factory):
+    """Every command line of this module's parametrized error tests, each a child of one process that imported
+    jaxflow.train (tests/forked_cli.py): ({argv tuple: result}, what that process wrote itself)."""
+    root = tmp_path_factory.mktemp("cli")
+    cases = [args for args, _ in USER_ERRORS]
+    cases += [_broken_config(root, i, write=True) for i in range(len(BROKEN_CONFIGS))]
+    cases += [_broken_transformer(root, i, write=True) for i in range(len(BROKEN_TRANSFORMERS))]
+    runs, output = run_many(cases)
+    return {tuple(args): SimpleNamespace(**run) for args, run in zip(cases, runs)}, root, output
+
+
+def test_a_forked_command_line_is_what_a_fresh_process_writes(forked):
+    """The forked runs stand for fresh processes: the same exit status and output, and the process they are forked
+    from writes nothing while it imports jaxflow.train."""
+    results, _, output = forked
+    args = USER_ERRORS[0][0]
+    fresh, child = cli(*args), results[tuple(args)]
+    assert (child.returncode, child.stdout, child.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr) and \
+        fresh.returncode == 2
+    assert output == ""
+
+
+@pytest.mark.parametrize("args, needle", USER_ERRORS)
+def test_user_errors_are_one_line_and_exit_2(forked, args, needle):
+    out = forked[0][tuple(args)]
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), out.stderr[-3000:]
     assert needle in lines[0] and "\\n" not in lines[0] and "Traceback" not in out.stderr
@@ -144,19 +172,31 @@ def test_shipped_configs_add_no_key_without_help(config):
     assert not sorted(set(config_keys(cfg)) - set(HELP)), "keys without help in jaxflow/config/recipes.py HELP"
 
 
-@pytest.mark.parametrize("source, needle", [
+BROKEN_CONFIGS = [
     ("def get_config(:\n    pass\n", "{path}:1: SyntaxError: invalid syntax"),
     ("X = 1\nimport no_such_module_here\n", "{path}:2: ModuleNotFoundError: No module named 'no_such_module_here'"),
     ("def get_config():\n    return {{}}['missing']\n", "{path}:2: KeyError: 'missing'"),
     ("X = 1\n", "{path} has no get_config(): define get_config() returning a ConfigDict"),
     ("def get_config():\n    return {{'a': 1}}\n", "{path}: get_config() returned dict, not a ConfigDict"),
     ("def get_config():\n    pass\n", "{path}: get_config() returned NoneType, not a ConfigDict"),
-])
-def test_broken_config_file_is_one_line_naming_it(tmp_path, source, needle):
+]
+
+
+def _broken_config(root, case: int, write=False) -> list[str]:
+    """The command line of BROKEN_CONFIGS[case], its file under `root` (written if `write`)."""
+    path = root / f"config{case}" / "my_config.py"
+    if write:
+        path.parent.mkdir()
+        path.write_text(BROKEN_CONFIGS[case][0].format())
+    return [f"--config={path}", "--config.train.num_steps=3"]
+
+
+@pytest.mark.parametrize("case", range(len(BROKEN_CONFIGS)), ids=[needle for _, needle in BROKEN_CONFIGS])
+def test_broken_config_file_is_one_line_naming_it(forked, case):
     """A --config file that does not compile, import or give a ConfigDict: its path, line and error on one line."""
-    path = tmp_path / "my_config.py"
-    path.write_text(source.format())
-    out = cli(f"--config={path}", "--config.train.num_steps=3")
+    results, root, _ = forked
+    args = _broken_config(root, case)
+    out, path, needle = results[tuple(args)], args[0].removeprefix("--config="), BROKEN_CONFIGS[case][1]
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
     assert lines[0] == "error: --config: " + needle.format(path=path)
@@ -175,21 +215,33 @@ def test_unwritable_jaxflow_cache_is_one_line_naming_it(tmp_path):
         "Not a directory" in lines[0] and "set JAXFLOW_CACHE to a writable folder" in lines[0]
 
 
-@pytest.mark.parametrize("text, needle", [
+BROKEN_TRANSFORMERS = [
     ('{"num_layers": 2,', "is not valid JSON (Expecting"),
     ("", "is not valid JSON (empty file)"),
     ("[1, 2]", "holds a list, not a JSON object"),
     ('{"attention_head_dim": 32, "axes_dims_rope": [16, 56, 56]}', ": axes_dims_rope (16, 56, 56) sums to 128 but "
                                                                    "attention_head_dim is 32"),
     ('{"num_layers": "two"}', ": '<' not supported"),
-])
-def test_broken_transformer_config_is_one_line_naming_the_file(tmp_path, text, needle):
+]
+
+
+def _broken_transformer(root, case: int, write=False) -> list[str]:
+    """The command line of BROKEN_TRANSFORMERS[case], its model folder under `root` (written if `write`)."""
+    folder = root / f"model{case}"
+    if write:
+        (folder / "transformer").mkdir(parents=True)
+        (folder / "model_index.json").write_text("{}")
+        (folder / "transformer" / "config.json").write_text(BROKEN_TRANSFORMERS[case][0])
+    return [f"--config.model.path={folder}", "--config.model.init=random", f"--config.run_dir={folder / 'run'}"]
+
+
+@pytest.mark.parametrize("case", range(len(BROKEN_TRANSFORMERS)), ids=[needle for _, needle in BROKEN_TRANSFORMERS])
+def test_broken_transformer_config_is_one_line_naming_the_file(forked, case):
     """A model folder whose transformer/config.json does not read (bad JSON, empty, inconsistent shapes): one line
     naming the file and what is wrong, exit 2, before any model loads."""
-    (tmp_path / "transformer").mkdir()
-    (tmp_path / "model_index.json").write_text("{}")
-    (tmp_path / "transformer" / "config.json").write_text(text)
-    out = cli(f"--config.model.path={tmp_path}", "--config.model.init=random", f"--config.run_dir={tmp_path / 'run'}")
+    results, root, _ = forked
+    tmp_path, needle = root / f"model{case}", BROKEN_TRANSFORMERS[case][1]
+    out = results[tuple(_broken_transformer(root, case))]
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
     assert lines[0].startswith(f"error: config.model.path: {tmp_path / 'transformer' / 'config.json'}") and \

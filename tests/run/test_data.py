@@ -7,11 +7,13 @@ import pathlib
 import subprocess
 import sys
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 
 from jaxflow.run.data import GroupSampler, PromptItem, load_prompts
 from tests import HANG_S
+from tests.forked_cli import run_many
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -148,7 +150,7 @@ def test_sampler_uniform_coverage():
     assert set(counts.values()) == {40}
 
 
-@pytest.mark.parametrize("name, text, needle", [
+BAD_PROMPT_FILES = [
     ("empty.txt", "", "{path}: no prompts (the file is empty or blank): write one prompt a line"),
     ("blank.txt", "\n  \n\n", "{path}: no prompts (the file is empty or blank)"),
     ("plain.txt", '"OPEN"\nno quotes here\n', '{path}:2: no target text in double quotes: \'no quotes here\'; the '
@@ -158,16 +160,29 @@ def test_sampler_uniform_coverage():
     ("latin1.txt", '"caf\xe9"\n', "{path}: not UTF-8 text"),
     ("few.txt", '"A"\n"B"\n', "{path} holds 2 prompts, fewer than a step's sample.prompts_per_step=4 (distinct "
                               "prompts): add prompts or pass --config.sample.prompts_per_step=2"),
-])
-def test_a_bad_prompt_file_is_one_line_before_any_work(tmp_path, name, text, needle):
+]
+
+
+@pytest.fixture(scope="module")
+def bad_prompt_runs(tmp_path_factory):
+    """The command line of each BAD_PROMPT_FILES case, its file and run_dir in a folder of its own, all run by
+    tests/forked_cli.py (test_cli.py checks that its runs are what fresh processes do): [(folder, result)]."""
+    root, cases = tmp_path_factory.mktemp("prompts"), []
+    for i, (name, text, _) in enumerate(BAD_PROMPT_FILES):
+        (root / str(i)).mkdir()
+        (root / str(i) / name).write_bytes(text.encode("latin-1"))
+        cases.append(["--config=configs/tiny_ocr.py", f"--config.data.train={root / str(i) / name}",
+                      "--config.sample.prompts_per_step=4", f"--config.run_dir={root / str(i) / 'run'}"])
+    runs, _ = run_many(cases)
+    return [(root / str(i), SimpleNamespace(**run)) for i, run in enumerate(runs)]
+
+
+@pytest.mark.parametrize("case", range(len(BAD_PROMPT_FILES)), ids=[name for name, _, _ in BAD_PROMPT_FILES])
+def test_a_bad_prompt_file_is_one_line_before_any_work(bad_prompt_runs, case):
     """Each problem of data.train is one line naming the file (and line) and the fix, exit 2, from the command
     line's checks (no model, no Ray)."""
+    (tmp_path, out), (name, _, needle) = bad_prompt_runs[case], BAD_PROMPT_FILES[case]
     path = tmp_path / name
-    path.write_bytes(text.encode("latin-1"))
-    out = subprocess.run([sys.executable, "-m", "jaxflow.train", "--config=configs/tiny_ocr.py",
-                          f"--config.data.train={path}", "--config.sample.prompts_per_step=4",
-                          f"--config.run_dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=HANG_S)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
     assert lines[0].startswith("error: config.data.train: " + needle.format(path=path)), lines[0]

@@ -70,6 +70,7 @@ def _group(fail_in: str):
     return RolloutGroup({"fail_in": fail_in}, 1, transport), transport
 
 
+@pytest.mark.slow  # starts Ray (the ray_session fixture) and Ray actors
 def test_an_engine_out_of_memory_in_generate_is_not_retried(ray_session):
     group, transport = _group("generate")
     try:
@@ -83,6 +84,7 @@ def test_an_engine_out_of_memory_in_generate_is_not_retried(ray_session):
         group.close()
 
 
+@pytest.mark.slow  # starts Ray (the ray_session fixture) and Ray actors
 def test_an_engine_that_dies_of_out_of_memory_at_start_is_not_restarted(ray_session):
     """The actor dies in its creation (Ray's RayActorError, the restart path's trigger): one start, no retries."""
     group, transport = _group("start")
@@ -95,6 +97,7 @@ def test_an_engine_that_dies_of_out_of_memory_at_start_is_not_restarted(ray_sess
         group.close()
 
 
+@pytest.mark.slow  # starts Ray (the ray_session fixture) and Ray actors
 def test_an_engine_whose_actor_dies_in_its_creation_at_start_up_is_not_restarted(ray_session):
     """Ray's error for an actor whose constructor raised (`actor_init_failed`): one start, the error's last line."""
     transport = CountingTransport(num_cpus=0, max_retries=2)

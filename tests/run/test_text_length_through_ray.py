@@ -61,6 +61,7 @@ def test_the_ray_transport_raises_it_out_of_rays_task_error(monkeypatch):
                                   "tokens): raise --config.sample.max_sequence_length")
 
 
+@pytest.mark.slow  # starts Ray (the ray_session fixture) and Ray actors
 def test_an_actors_text_length_error_reaches_the_group_as_itself(ray_session):
     group = RolloutGroup({}, 1, LongTextTransport(num_cpus=0))
     try:

@@ -166,6 +166,7 @@ def test_in_process_rollout_with_random_init_runs_without_ray(tmp_path):
     assert (tmp_path / "eval" / "step_000001.png").exists()  # the final step is evaluated, eval.every or not
 
 
+@pytest.mark.slow  # a whole Trainer (driver, in-process engine, learner) for its steps
 @pytest.mark.parametrize("sleep", [True, False])
 def test_the_rollout_is_idle_exactly_while_the_learner_trains(tmp_path, monkeypatch, sleep):
     """rollout.sleep_while_training: each step the engines sleep after the rollout and its rewards, the learner

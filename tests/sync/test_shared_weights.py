@@ -66,6 +66,7 @@ def test_mismatched_weights_are_refused_and_nothing_changes(tiny_path):
         DiffusersEngine({"engine": "diffusers", "model": str(tiny_path), "base_weights": "shared", "random_seed": 1})
 
 
+@pytest.mark.slow  # a whole Trainer with its in-process engine, one step
 def test_the_trainer_shares_its_base_with_the_in_process_engine(tmp_path):
     """One copy: every engine parameter is a view into a JAX array of the model's base; the loop trains on it, and
     the rollout's log-probs match the trainer's recompute as with an engine of its own (float32)."""

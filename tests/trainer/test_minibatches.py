@@ -140,6 +140,7 @@ def test_mini_batch_config_is_validated(tmp_path, key, value):
     assert derived.train_config(tiny_config(tmp_path, num_mini_batches=2), GRID).num_mini_batches == 2
 
 
+@pytest.mark.slow  # two steps compiled (two epochs, one epoch)
 def test_later_inner_epochs_train_on_the_rows_shuffled_anew(lora_model):
     """Two inner epochs equal two one-epoch steps, the second on the rows in `epoch_order`'s shuffle for (shuffle_seed,
     the step's first update count, epoch 1); the shuffle moves rows between mini-batches (flow_grpo reshuffles)."""

@@ -78,6 +78,7 @@ def test_recomputed_log_probs_match_rollout(setup, request):
             np.testing.assert_allclose(e, 2 / 11 * old + 9 / 11 * np.asarray(new), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow  # a second compile of the step, for the padded negatives: ~40 s on 2 cores
 def test_negatives_in_their_own_call_update_the_lora_as_one_batched_call(cfg):
     """The fixture's negatives (2 tokens) are shorter than its prompts (5): guided_velocity runs them as their own
     call. Padded to the prompts' length they run in one batched call: the same update to fp32 rounding."""

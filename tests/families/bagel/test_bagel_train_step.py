@@ -15,7 +15,10 @@ from jaxflow.algorithms import flowgrpo
 from jaxflow.trainer.step_config import TrainConfig
 from jaxflow.trainer.train_batch import TrainBatch
 from jaxflow.trainer.train_step import make_train_step
-from tests.bagel_helpers import GUIDANCE, ROLLOUT_GRID, SP, U, arrays, bound, sampled
+from jaxflow.families.bagel.config import TINY
+from jaxflow.families.bagel.loading import build
+from jaxflow_bridge.families.bagel import keymap as bagel_keymap
+from tests.bagel_helpers import GUIDANCE, ROLLOUT_GRID, SP, SPEC, U, arrays, bound, checkpoint, sampled
 
 ADV = np.array([1.0, -1.0, 2.0, -0.5], np.float32)
 CONFIG = TrainConfig(grid_hw=ROLLOUT_GRID, guidance=SP.cfg_text_scale, cfg_interval=SP.cfg_interval,
@@ -32,7 +35,7 @@ def one_step(model, batch: TrainBatch, config: TrainConfig = CONFIG):
 
 
 @pytest.fixture(scope="module")
-def run():
+def run():  # a torch rollout and a compiled step, ~25 s on 2 cores: the tests that take it are slow
     """The rollout (with a random adapter), its batch arrays, their log-prob bound (B, W) and the step's results."""
     model, out = sampled(adapter=True)
     assert out.prompt_ids is not None and out.prompt_embeds is None
@@ -49,6 +52,7 @@ def test_ratio_is_one_within_the_log_prob_bound(run):
     assert lo <= metrics["ratio_min"] <= metrics["ratio_max"] <= hi, (metrics["ratio_min"], metrics["ratio_max"])
 
 
+@pytest.mark.slow
 def test_the_step_updates_the_lora(run):
     *_, (before, after, metrics) = run
     assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
@@ -86,6 +90,7 @@ def test_loss_equals_the_clipped_objective_of_window_log_probs(run):
     assert abs(loss(np.roll(ADV, 1))[0] - want) > 10 * allowed
 
 
+@pytest.mark.slow
 def test_shuffled_ids_move_the_ratio_beyond_the_bound(run):
     """Each sample given the other prompt's context (ids and masks rolled by one group): the step's ratio leaves
     exp(+-max bound) more than tenfold."""
@@ -109,9 +114,10 @@ def test_beta_adds_the_kl_to_the_model_with_its_adapters_off(run):
     assert abs(metrics["loss"] - total) <= 16 * U * (abs(plain["loss"]) + beta * metrics["kl"])
 
 
-def test_bagel_refuses_what_it_cannot_train(run):
+def test_bagel_refuses_what_it_cannot_train():
+    model = build(TINY, bagel_keymap.to_flax(checkpoint(TINY), TINY.num_hidden_layers), lora=SPEC)  # no rollout
     with pytest.raises(ValueError, match="train.algorithm="):
-        make_train_step(run[0], dataclasses.replace(CONFIG, algorithm="nft", guidance=1.0))
+        make_train_step(model, dataclasses.replace(CONFIG, algorithm="nft", guidance=1.0))
 
 
 def test_bagel_cfg_fields_are_checked():
