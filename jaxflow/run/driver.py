@@ -303,7 +303,8 @@ class Driver:
         """Mean rewards of ODE samples of the held-out prompts: the training rewards' weighted sum
         (`eval_reward_mean`) and each one's (`eval_reward/<name>`), with eval.rewards each gold reward's
         (`eval_gold/<name>`); their grid goes to run_dir/eval/step_<step>.png. A call holds as many images as a
-        training call (`derived.eval_prompts_per_call`)."""
+        training call (`derived.eval_prompts_per_call`): the diffusers engine samples them as one batch; vLLM-Omni
+        (one request at a time) runs each prompt's request at batch 1 whatever the call holds."""
         cfg = self.cfg
         items = self.test_items[:cfg.eval.num_prompts]
         prompts = [it.prompt for it in items]
