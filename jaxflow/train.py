@@ -180,7 +180,10 @@ class Trainer:
             self._begin(WAIT)
             self._join_rollout(launched)
         self._begin("first LoRA sync")
-        self._sync(self.start)  # the rollout serves exactly the trainer's policy before the first step
+        with phases.recording() as seconds:
+            self._sync(self.start)  # the rollout serves exactly the trainer's policy before the first step
+        if self.driver:
+            self.startup_detail["first LoRA sync"] = self.driver.sync_summary(seconds)
         e = self.cfg.eval  # the best eval so far by eval.best_metric and the early-stop rule, on process 0
         self.gold = gold.GoldWatch.resume(e.best_metric, e.stop_after, self.run_dir / "lora_best") \
             if e.best_metric and self.driver else None

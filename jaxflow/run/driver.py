@@ -204,6 +204,10 @@ class Driver:
         count (jaxflow/sync/transport.py: the transport chosen at start, failures counted)."""
         return self.lora_sync.serve(lora, version)
 
+    def sync_summary(self, seconds: dict[str, float]) -> str:
+        """A sync's parts from its recorded phases `seconds`, for the start-up line (`LoRASync.summary`)."""
+        return self.lora_sync.summary(seconds) if self.lora_sync is not None else ""
+
     @property
     def sync_failures(self) -> int:
         """LoRA syncs that failed so far (each logged)."""

@@ -114,6 +114,16 @@ class LoRASync:
                    else lora_to_peft(lora, self.spec))
         return self.rollout.update_lora(tensors, version, config)
 
+    def summary(self, seconds: dict[str, float]) -> str:
+        """One sync's parts for the start-up line, from its recorded phases `seconds`: "write 1 s, engines 11 s,
+        check 0 s" (the trainer's write to shared memory, the engines' apply from their acks, the served-weight
+        check); '' for a transport that times no parts."""
+        parts = [(label, seconds[name]) for label, name in (("write", "sync_write"), ("engines", "sync_engine"))
+                 if name in seconds]
+        if parts and self.verify_s is not None:
+            parts.append(("check", self.verify_s))
+        return ", ".join(f"{label} {sec:.0f} s" for label, sec in parts)
+
     def close(self) -> None:
         if self.shared is not None:
             self.shared.close()

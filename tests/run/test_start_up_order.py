@@ -48,6 +48,9 @@ def _stand_ins(monkeypatch, events, apart):
             events.append("sync")
             return 0
 
+        def sync_summary(self, seconds):
+            return ""
+
         def close(self):
             events.append("close")
 
@@ -85,6 +88,18 @@ def test_the_overlap_is_reported_in_the_start_up_line(tmp_path, monkeypatch):
     assert trainer.startup_line().endswith(
         "waiting for the rollout engines 3 s, first LoRA sync 0 s; the rollout engines started in 50 s, 47 s of it "
         "beside the trainer's model, the memory plan and the train state")
+
+
+def test_the_first_syncs_parts_are_named(tmp_path, monkeypatch):
+    """The first LoRA sync's parts (the driver's `sync_summary` of the phases recorded around it) in its phase."""
+    events, recorded = [], []
+    _stand_ins(monkeypatch, events, True)
+    monkeypatch.setattr(train.Driver, "serve", lambda self, lora, version: train.phases.add("sync_write", 1.0) or 0)
+    monkeypatch.setattr(train.Driver, "sync_summary",
+                        lambda self, seconds: recorded.append(dict(seconds)) or "write 1 s, engines 11 s")
+    trainer = train.Trainer(validation.validate(tiny_config(tmp_path / "run")))
+    assert recorded == [{"sync_write": 1.0}]
+    assert "first LoRA sync 0 s (write 1 s, engines 11 s)" in trainer.startup_line()
 
 
 def test_an_in_process_engine_reports_no_overlap(tmp_path, monkeypatch):

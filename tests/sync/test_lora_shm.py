@@ -223,3 +223,36 @@ def test_a_run_through_ray_syncs_through_the_file_and_times_it(ray_session, tmp_
     out = run(tiny_config(tmp_path / "run", num_steps=2))
     assert all("time/sync_write" in row for row in out["history"])
     assert len(made) == 1 and not made[0].exists()
+
+
+def test_a_syncs_parts_are_named_for_the_start_up_line(monkeypatch, capsys):
+    """The first sync's line names its parts: the trainer's write, the engines' apply (their ack's seconds) and the
+    served-weight check; a transport that times no parts (Ray arrays) names none."""
+    from jaxflow.sync import transport
+    from jaxflow.trainer import phases
+
+    class Rollout:
+        last_ack = {"seconds": 11.4}
+
+        def update_lora_shared(self, manifest, version, config):
+            return 7
+
+    class Shared:
+        def __init__(self, spec, dtype):
+            pass
+
+        def write(self, lora):
+            return {}
+
+    monkeypatch.setattr(transport, "SharedLoRA", Shared)
+    spec = SimpleNamespace(peft_config=lambda: {"r": 4, "lora_alpha": 8})
+    info = {"engine": "vllm_omni", "dtype": "bfloat16", "lora_apply": "merged"}
+    sync = transport.LoRASync(Rollout(), spec, "shm", info, verify=False)
+    with phases.recording() as seconds:
+        sync.serve(None, 0)
+    assert set(seconds) == {"sync_write", "sync_engine"}
+    assert sync.summary(seconds) == "write 0 s, engines 11 s"
+    sync.verify_s = 0.6
+    assert sync.summary({**seconds, "sync_write": 1.5}) == "write 2 s, engines 11 s, check 1 s"
+    assert sync.summary({}) == ""
+    capsys.readouterr()
