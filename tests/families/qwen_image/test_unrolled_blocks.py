@@ -136,6 +136,30 @@ def test_per_block_weights_keep_the_fingerprint_and_the_export():
             np.testing.assert_array_equal(want[key], got[key], err_msg=key)
 
 
+@pytest.mark.parametrize("unroll", [1, 2])
+def test_the_fingerprint_is_the_folder_s_and_reads_every_head_in_one_program(tiny_path, unroll):
+    """Stacked (a scan) or per block, the trainer's fingerprint of the tiny folder's weights is the one the rollout
+    computes from the folder, and it lowers one program (slicing each tensor eagerly lowered one per shape: 20)."""
+    from jaxflow.families.qwen_image.loading import fingerprint, load_transformer
+    from jaxflow_bridge.rollout.fingerprint import stored_fingerprint
+    model = load_transformer(tiny_path / "transformer", ModelOptions(scan_unroll=unroll))
+    if model.unrolled:
+        model.unstack_blocks()
+    lowered = []
+
+    def listen(event, secs, **kw):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowered.append(kw.get("fun_name"))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        mine = fingerprint(model)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert mine == stored_fingerprint(tiny_path / "transformer")
+    assert len(lowered) <= 1, lowered
+
+
 def test_the_trainer_holds_unrolled_blocks_weights_per_block(tmp_path):
     from jaxflow.trainer.learner import build_model
     from jaxflow.config.recipes import base, tiny
