@@ -252,11 +252,16 @@ def cache_root() -> Path:
     return Path(os.environ.get("JAXFLOW_CACHE") or Path.home() / ".cache" / "jaxflow")
 
 
+MIN_COMPILE_SECS = 0.0  # the persistent cache keeps every compile: a warm start then compiles nothing again
+
+
 def compilation_cache(enabled: bool) -> Path | None:
     """JAX's persistent compilation cache in `$JAXFLOW_CACHE/xla` (default ~/.cache/jaxflow/xla), keyed by JAX on
     the compiled program and its options, so a changed config recompiles; JAX_COMPILATION_CACHE_DIR, when set, wins.
     Beside it the executable cache (`jaxflow.trainer.executable_cache`: the train step's executables, keyed without
     tracing) in `$JAXFLOW_CACHE/executables`, or `executables/` in JAX_COMPILATION_CACHE_DIR when that is set.
+    Every compile is stored, however short (`MIN_COMPILE_SECS`; JAX's default keeps those over 1 s, so a warm start
+    compiled again the start's many small programs); JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS, when set, wins.
     Returns the persistent cache's folder in use (None: both off)."""
 
     import jax
@@ -265,6 +270,8 @@ def compilation_cache(enabled: bool) -> Path | None:
     if not enabled:
         executable_cache.use(None)
         return None
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECS)
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         folder = Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
         executable_cache.use(folder / "executables")

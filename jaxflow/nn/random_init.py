@@ -3,6 +3,7 @@ on device straight into the leaf's sharding (the rollout draws the same in torch
 Each family's random model assembles these over its key map."""
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -28,15 +29,22 @@ def _uniform(key_ids: jax.Array, torch_shape: tuple[int, ...], transpose: bool, 
 
 def entry_value(seed: int, num_layers: int, e: Entry, var, sharding) -> jax.Array:
     """The value of key-map entry `e` (abstract leaf `var`, its layers stacked when `e.stacked`) by the shared spec,
-    drawn on the device into `sharding`: the torch tensors of its checkpoint names, in Flax layout."""
-    names, shape, dtype = e.diffusers_keys(num_layers), var.shape, var.dtype
+    drawn on the device into `sharding`: the torch tensors of its checkpoint names, in Flax layout. The names' key
+    ids are the program's argument (`_program`), so entries of one shape share one compile, whatever the seed."""
+    names, shape = e.diffusers_keys(num_layers), tuple(var.shape)
     torch_shape = e.torch_shape(shape)
-    k = kind(names[0], torch_shape)
+    ids = np.array([key_id(seed, n) for n in names], np.uint32)
+    draw = _program(kind(names[0], torch_shape), shape, torch_shape, e.transpose, e.stacked, np.dtype(var.dtype),
+                    sharding)
+    return draw(ids)
 
-    def draw():
+
+@functools.cache
+def _program(k: str, shape: tuple, torch_shape: tuple, transpose: bool, stacked: bool, dtype, sharding):
+    """The jit drawing an entry of kind `k` ("uniform", "ones" or "zeros") from its names' key ids."""
+    def draw(ids):
         if k != "uniform":
             return (jnp.ones if k == "ones" else jnp.zeros)(shape, dtype)
-        ids = jnp.asarray(np.array([key_id(seed, n) for n in names], np.uint32))
-        w = _uniform(ids, torch_shape, e.transpose, dtype)
-        return w if e.stacked else w[0]
-    return jax.jit(draw, out_shardings=sharding)() if sharding is not None else jax.jit(draw)()
+        w = _uniform(ids, torch_shape, transpose, dtype)
+        return w if stacked else w[0]
+    return jax.jit(draw, out_shardings=sharding) if sharding is not None else jax.jit(draw)

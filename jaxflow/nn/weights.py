@@ -3,6 +3,7 @@ file, a sharded diffusers-style folder or a dict), the variable at a key-map ent
 fingerprint over a key map (the rollout's `weights_fingerprint` of the same checkpoint names)."""
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Callable
@@ -82,25 +83,45 @@ FINGERPRINT_ELEMENTS = 4096
 def entries_fingerprint(base: nnx.State, entries: list[Entry], num_layers: int) -> str:
     """sha256 of the weights `entries` map, as the rollout's `weights_fingerprint` hashes the torch tensors of their
     checkpoint names: per name in sorted order, f"{name}{torch shape}" then the bf16 bytes of its first 4096
-    elements in torch layout. Reads only those elements from the device."""
+    elements in torch layout. Reads only those elements from the device, all of them in one program (`_heads`: one
+    compile and one transfer, where slicing each tensor eagerly compiled a program per shape)."""
     import hashlib
 
     import ml_dtypes
 
-    heads = {}
-    for e in entries:
-        var = state_leaf(base, e.flax_path)
-        for i, key in enumerate(e.diffusers_keys(num_layers)):
-            t = var[i] if e.stacked else var[...]
-            if e.transpose:  # torch (out, in): its first elements are the first columns of the (in, out) kernel
-                cols = -(-FINGERPRINT_ELEMENTS // t.shape[0])
-                head, shape = np.asarray(t[:, :cols]).T, tuple(t.shape[::-1])
-            else:
-                head, shape = np.asarray(t.reshape(-1)[:FINGERPRINT_ELEMENTS]), tuple(t.shape)
-            heads[key] = (shape, np.asarray(head.reshape(-1)[:FINGERPRINT_ELEMENTS], ml_dtypes.bfloat16))
+    values = {e.flax_path: state_leaf(base, e.flax_path).get_value() for e in entries}
+    plan = {e.flax_path: (e.stacked, e.transpose, e.diffusers_keys(num_layers)) for e in entries}
+    heads = jax.device_get(_heads(values, plan))
     h = hashlib.sha256()
     for key in sorted(heads):
         shape, head = heads[key]
         h.update(f"{key}{shape}".encode())
-        h.update(head.tobytes())
+        h.update(np.asarray(np.ravel(head), ml_dtypes.bfloat16).tobytes())
     return h.hexdigest()
+
+
+def _heads(values: dict, plan: dict) -> dict:
+    """{checkpoint name: (torch shape, its first FINGERPRINT_ELEMENTS elements in torch layout)} of `values`
+    ({flax path: an array, a (layers, ...) stack or one array per block}), each path's (stacked, transpose, names)
+    in `plan`: the slices of every tensor in one jit."""
+    shapes, layout = {}, {}
+    for path, (stacked, transpose, keys) in plan.items():
+        value = values[path]
+        for i, key in enumerate(keys):
+            shape = tuple((value[i].shape if isinstance(value, tuple) else value.shape[1:]) if stacked else value.shape)
+            layout[key] = (path, i if stacked else None, transpose)
+            shapes[key] = shape[::-1] if transpose else shape
+    heads = _heads_jit(values, tuple(sorted(layout.items())))
+    return {key: (shapes[key], heads[key]) for key in shapes}
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _heads_jit(values: dict, layout: tuple) -> dict:
+    """{name: its head} for `layout`'s (name, (path, layer or None, transpose)), read from `values`."""
+    out = {}
+    for key, (path, layer, transpose) in layout:
+        t = values[path] if layer is None else values[path][layer]
+        if transpose:  # torch (out, in): its first elements are the first columns of the (in, out) kernel
+            t = t[:, :-(-FINGERPRINT_ELEMENTS // t.shape[0])].T
+        out[key] = t.reshape(-1)[:FINGERPRINT_ELEMENTS]
+    return out

@@ -165,10 +165,12 @@ def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | Non
     old_fn = functools.partial(old_log_probs, graphdef, config=config, layout=layout, objective=objective)
     jit = functools.partial(jax.jit, compiler_options=compiler_options or None)
     advance_fn = functools.partial(advance_old, config=config)
+    metrics_fn = functools.partial(step_metrics, config=config)
     if layout is None:
         init_jit, update, old_pass = jax.jit(init), jit(update_fn, donate_argnums=0), jit(old_fn)
         advance = jax.jit(advance_fn, donate_argnums=0)
-        put, batch_devices = (lambda b: jax.tree.map(jnp.asarray, b)), 1
+        metrics_jit = jax.jit(metrics_fn)
+        put, batch_devices = jax.device_put, 1  # jnp.asarray would compile a program per field
     else:
         state_sh = layout.tree_shardings(jax.eval_shape(init, lora))
         frozen_sh = layout.tree_shardings(frozen)
@@ -180,6 +182,7 @@ def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | Non
                          out_shardings=(state_sh, one), donate_argnums=0)
         old_pass = jit(old_fn, in_shardings=(state_sh.lora, frozen_sh, rows), out_shardings=rows)
         advance = jax.jit(advance_fn, in_shardings=(state_sh, one), out_shardings=state_sh, donate_argnums=0)
+        metrics_jit = jax.jit(metrics_fn, out_shardings=one)
         put, batch_devices = layout.put_batch, layout.batch_devices // jax.process_count()
     indices = [put({"j": np.int32(j)})["j"] for j in range(config.num_mini_batches)]
     def reorder(tree, step, epoch):  # {"batch": ..., "old": ...} for inner epoch `epoch` >= 1
@@ -196,7 +199,7 @@ def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | Non
         reorder_jit = jax.jit(reorder, in_shardings=(rows, one, one), out_shardings=rows)
     step = TrainStep(config, update, old_pass, frozen, put, batch_devices, indices,
                      abstract_state=lambda: jax.eval_shape(init, lora), reorder=reorder_jit,
-                     advance=advance if policy.loss.keeps_old else None,
+                     advance=advance if policy.loss.keeps_old else None, metrics=metrics_jit,
                      program=_program(config, graphdef, objective, layout, compiler_options))
 
     def init_state() -> TrainState:
@@ -223,10 +226,11 @@ class TrainStep:
     ahead of time for the batch's shapes and reports their memory (the first call otherwise compiles them)."""
 
     def __init__(self, config: TrainConfig, update, old_pass, frozen, put, batch_devices: int, indices: list,
-                 abstract_state, reorder=None, advance=None, program: str | None = None):
+                 abstract_state, metrics, reorder=None, advance=None, program: str | None = None):
         self.config, self._update, self._old_pass, self.frozen = config, update, old_pass, frozen
         self._reorder = reorder  # ({"batch", "old"}, step, epoch) -> the same rows reordered for a later epoch
         self._advance = advance  # state -> state with NFT's old policy moved toward the LoRA (`advance_old`)
+        self._metrics = metrics  # (updates' metrics, old, the batch's log_probs and advantages) -> `step_metrics`
         self._put, self._batch_devices, self._indices = put, batch_devices, indices
         self.abstract_state = abstract_state  # () -> the TrainState's shapes and dtypes
         self.compile_times: list[CompileTime] = []  # `compile`'s, by function and stage
@@ -282,29 +286,38 @@ class TrainStep:
                 state = self._advance(state, first)
             if timed:
                 jax.block_until_ready(state)
-        first = [u.pop("logp_gap", None) for u in updates][0]  # the first update's, on the pre-update LoRA
-        metrics = minibatches.combine_metrics(updates)
-        gaps = None if first is None else self._sampled_gaps(first, old, batch)
-        if gaps is not None:
-            metrics.update(logp_gate.mismatch_metrics(gaps))
-        if old is not None and not config.pass_skips_first:
-            diff = jnp.abs(old["log_probs"] - batch["log_probs"])
-            metrics["old_logp_diff_max"] = jnp.max(config.policy.filter.logp_rows(diff, batch["advantages"]))
-        return state, metrics
+        scored = {k: batch[k] for k in ("log_probs", "advantages") if k in batch}
+        return state, self._metrics(updates, old, scored)
 
-    def _sampled_gaps(self, first, old, batch):
-        """|logp_trainer - logp_rollout| of the rows the trainer scored with the policy that sampled them (NaN where
-        not measured), for the log-prob gate: the first update's rows (`first`, its pre-update LoRA is that policy
-        unless the batch is one version old, rollout.overlap) and the recompute pass's (its LoRA is the sampling
-        policy's); None where neither is (overlap without the pass)."""
-        config = self.config
-        if old is None:
-            return None if config.off_policy else first
-        kept = config.policy.filter.logp_rows(jnp.ones_like(old["log_probs"]), batch["advantages"]) > 0
-        gaps = jnp.where(kept, jnp.abs(old["log_probs"] - batch["log_probs"]), jnp.nan)
-        if not config.pass_skips_first:  # the pass covers every row
-            return gaps
-        rows = gaps.shape[0]  # the pass left mini-batch 0 out: the first update scored it
-        skipped = np.zeros((rows, 1), bool)
-        skipped[minibatches.RowLayout(config.num_mini_batches).rows(rows, 0)] = True
-        return jnp.concatenate([jnp.ravel(first), jnp.ravel(jnp.where(skipped, jnp.nan, gaps))])
+
+def step_metrics(updates: list[dict], old, batch: dict, *, config: TrainConfig) -> dict:
+    """The step's metrics from its `updates`' (`minibatches.combine_metrics`), the log-prob gate's logp_mismatch_*
+    (`_sampled_gaps`, `logp_gate.mismatch_metrics`) and, where the recompute pass covers every row,
+    old_logp_diff_max; `batch`: the step's log_probs and advantages. Jitted once (`TrainStep`): one program, where
+    its reductions run eagerly compiled one program each at the first step."""
+    first = updates[0].get("logp_gap")  # the first update's, on the pre-update LoRA
+    metrics = minibatches.combine_metrics([{k: v for k, v in u.items() if k != "logp_gap"} for u in updates])
+    gaps = None if first is None else _sampled_gaps(first, old, batch, config)
+    if gaps is not None:
+        metrics.update(logp_gate.mismatch_metrics(gaps))
+    if old is not None and not config.pass_skips_first:
+        diff = jnp.abs(old["log_probs"] - batch["log_probs"])
+        metrics["old_logp_diff_max"] = jnp.max(config.policy.filter.logp_rows(diff, batch["advantages"]))
+    return metrics
+
+
+def _sampled_gaps(first, old, batch, config: TrainConfig):
+    """|logp_trainer - logp_rollout| of the rows the trainer scored with the policy that sampled them (NaN where
+    not measured), for the log-prob gate: the first update's rows (`first`, its pre-update LoRA is that policy
+    unless the batch is one version old, rollout.overlap) and the recompute pass's (its LoRA is the sampling
+    policy's); None where neither is (overlap without the pass)."""
+    if old is None:
+        return None if config.off_policy else first
+    kept = config.policy.filter.logp_rows(jnp.ones_like(old["log_probs"]), batch["advantages"]) > 0
+    gaps = jnp.where(kept, jnp.abs(old["log_probs"] - batch["log_probs"]), jnp.nan)
+    if not config.pass_skips_first:  # the pass covers every row
+        return gaps
+    rows = gaps.shape[0]  # the pass left mini-batch 0 out: the first update scored it
+    skipped = np.zeros((rows, 1), bool)
+    skipped[minibatches.RowLayout(config.num_mini_batches).rows(rows, 0)] = True
+    return jnp.concatenate([jnp.ravel(first), jnp.ravel(jnp.where(skipped, jnp.nan, gaps))])

@@ -122,6 +122,33 @@ def test_the_update_is_lowered_once_for_the_memory_plan_and_the_first_step(lora_
     assert update.name == "update" and min(update.trace, update.lower, update.compile) > 0
 
 
+@pytest.mark.slow  # its own update and recompute pass compile (about 10 s on 2 cores)
+def test_the_first_step_compiles_its_metrics_as_one_program(lora_model, plain):
+    """Past the memory plan's update and recompute pass, the first step compiles the copy of the step count (the
+    state is donated) and the step's metrics (`step_metrics`, one jit): its reductions, the log-prob gate's
+    percentiles and the pass's gaps ran eagerly before, one program each (26 on the tiny recipe)."""
+    config = dataclasses.replace(PLAIN, num_mini_batches=2, num_micro_batches=1, old_log_prob="recompute")
+    batch = plain[1]
+    init_state, step = make_train_step(lora_model, config)
+    shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in prepare_batch(batch, config).items()}
+    step.compile(shapes, {"log_probs": shapes["log_probs"]})
+    state, lowered = init_state(), []
+
+    def listen(event, secs, **kw):  # each program lowered (whether or not a cache then serves its compile)
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowered.append(kw.get("fun_name", ""))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        state, metrics = step(state, batch)
+        jax.block_until_ready(metrics)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert len(lowered) <= 2 and not {"_update", "old_log_probs"} & set(lowered), lowered
+    assert int(metrics["logp_mismatch_rows"]) == batch.log_probs.size and "old_logp_diff_max" not in metrics
+    assert float(metrics["logp_mismatch_max"]) < 1e-4 and int(metrics["skipped"]) == 0
+
+
 def test_a_second_start_is_served_by_the_persistent_cache(lora_model, plain):
     """A step made anew (new jits, traced and lowered again, as a warm start does) gets XLA's part from the
     persistent cache (tests/conftest.py points the session at one) that the first compile wrote."""

@@ -203,7 +203,8 @@ class QwenImageTransformer(nnx.Module):
         """Hold each frozen block weight as one array per block instead of a (num_layers, ...) stack (the LoRA stays
         stacked), for unrolled blocks: a block then reads its weights in place, where a static slice of a stack is a
         copy (docs/design.md §2). One stack at a time is replaced by its pieces (peak memory: one stack more); each
-        piece keeps the stack's sharding of its other axes. Only the unrolled blocks run on such a model."""
+        piece keeps the stack's sharding of its other axes; a stack is cut in one program (`_unstack`: one compile per
+        stack shape, where each piece's eager slice compiled two). Only the unrolled blocks run on such a model."""
         if not self.unrolled:
             raise ValueError(f"unstack_blocks needs unrolled blocks: model.scan_unroll={self.opts.scan_unroll} < "
                              f"{self.cfg.num_layers} blocks; set model.scan_unroll >= {self.cfg.num_layers}")
@@ -214,7 +215,7 @@ class QwenImageTransformer(nnx.Module):
             sharding = stack.sharding
             if isinstance(sharding, NamedSharding):
                 sharding = NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
-            var.set_value(tuple(jax.device_put(stack[i], sharding) for i in range(stack.shape[0])))
+            var.set_value(tuple(jax.device_put(piece, sharding) for piece in _unstack(stack)))
 
     def __call__(self, x, sigma, txt, txt_mask, grid_hw: tuple[int, int], lora_scale: float | jax.Array = 1.0):
         """x (B, h*w, C_in); sigma (B,) in [0, 1]; txt (B, L, joint_dim); txt_mask (B, L) bool, right-padded
@@ -297,6 +298,12 @@ class QwenImageTransformer(nnx.Module):
 def _frozen_variables(blocks: nnx.Module):
     """(path, variable) of the blocks' frozen (non-LoRA) weights."""
     return [(p, v) for p, v in nnx.iter_graph(blocks) if isinstance(v, nnx.Variable) and not isinstance(v, LoRAParam)]
+
+
+@jax.jit
+def _unstack(stack) -> tuple:
+    """The (n, ...) `stack`'s n pieces."""
+    return tuple(stack[i] for i in range(stack.shape[0]))
 
 
 def _split_stacks(tree, n: int) -> list:

@@ -1,6 +1,7 @@
 """`model.init=random`: the trainer (JAX) and the rollout (torch) draw bit-identical base weights from one seed."""
 import shutil
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -48,3 +49,26 @@ def test_rollout_and_trainer_draw_the_same_transformer(tmp_path):
                                       err_msg=key)
     assert fingerprint(model) == pipe.fingerprint
     assert fingerprint(random_transformer(cfg, seed=6)) != pipe.fingerprint
+
+
+def test_entries_of_one_shape_share_a_program_whatever_the_seed():
+    """The key ids are the draw's argument: a model lowers one program per entry shape (not one per entry, each
+    with its ids as constants), and another seed lowers none (three blocks: shapes no other test draws)."""
+    from jaxflow_bridge.families.qwen_image import keymap
+    cfg = QwenImageConfig(num_layers=3, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,
+                          axes_dims_rope=(8, 12, 12))
+    lowered = []
+
+    def listen(event, secs, **kw):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration" and kw.get("fun_name") == "jit(draw)":
+            lowered.append(secs)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        first = random_transformer(cfg, seed=1)
+        drawn = len(lowered)
+        second = random_transformer(cfg, seed=2)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert 0 < drawn < len(keymap.transformer_key_map()) and len(lowered) == drawn
+    assert fingerprint(first) != fingerprint(second)

@@ -136,6 +136,60 @@ def test_per_block_weights_keep_the_fingerprint_and_the_export():
             np.testing.assert_array_equal(want[key], got[key], err_msg=key)
 
 
+def test_each_stack_is_cut_in_one_program():
+    """unstack_blocks lowers one program per stack shape (three blocks: shapes no other test cuts, so nothing is
+    compiled already), where slicing each piece eagerly lowered two (a slice and a squeeze); the pieces are the
+    stack's. The model is abstract with random frozen weights put from the host (drawing them compiles)."""
+    cfg, opts = dataclasses.replace(CFG, num_layers=3), ModelOptions(scan_unroll=3)
+    model = nnx.eval_shape(lambda: QwenImageTransformer(cfg, opts, LoRASpec(rank=4, alpha=8.0), rngs=nnx.Rngs(0)))
+    rng, stacks = np.random.default_rng(0), {}
+    for path, var in nnx.iter_graph(model.blocks):
+        if isinstance(var, nnx.Param) and not isinstance(var, LoRAParam):
+            stacks[path] = rng.standard_normal(var.shape).astype(var.dtype)
+            var.set_value(jax.device_put(stacks[path]))
+    lowered = []
+
+    def listen(event, secs, **kw):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowered.append(kw.get("fun_name"))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        model.unstack_blocks()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert len(lowered) <= len({(s.shape, s.dtype) for s in stacks.values()}), lowered
+    pieces = {p: v.get_value() for p, v in nnx.iter_graph(model.blocks) if p in stacks}
+    for p, stack in stacks.items():
+        assert len(pieces[p]) == 3
+        for i, piece in enumerate(pieces[p]):
+            np.testing.assert_array_equal(np.asarray(piece), stack[i])
+
+
+@pytest.mark.parametrize("unroll", [1, 2])
+def test_the_fingerprint_is_the_folder_s_and_reads_every_head_in_one_program(tiny_path, unroll):
+    """Stacked (a scan) or per block, the trainer's fingerprint of the tiny folder's weights is the one the rollout
+    computes from the folder, and it lowers one program (slicing each tensor eagerly lowered one per shape: 20)."""
+    from jaxflow.families.qwen_image.loading import fingerprint, load_transformer
+    from jaxflow_bridge.rollout.fingerprint import stored_fingerprint
+    model = load_transformer(tiny_path / "transformer", ModelOptions(scan_unroll=unroll))
+    if model.unrolled:
+        model.unstack_blocks()
+    lowered = []
+
+    def listen(event, secs, **kw):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowered.append(kw.get("fun_name"))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        mine = fingerprint(model)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert mine == stored_fingerprint(tiny_path / "transformer")
+    assert len(lowered) <= 1, lowered
+
+
 def test_the_trainer_holds_unrolled_blocks_weights_per_block(tmp_path):
     from jaxflow.trainer.learner import build_model
     from jaxflow.config.recipes import base, tiny
