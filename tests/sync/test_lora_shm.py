@@ -15,6 +15,16 @@ from jaxflow_bridge.sync.binding import slot_plan
 from tests.helpers import RANK, random_peft, run, tiny_config
 from tests.helpers_vllm_omni import FakeFusedTransformer, FakeManager
 
+
+class NoFile:
+    """A SharedLoRA stand-in that writes nothing (its manifest: {})."""
+
+    def __init__(self, spec, dtype):
+        pass
+
+    def write(self, lora):
+        return {}
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 SCALE = 2.0
 
@@ -182,14 +192,7 @@ def test_the_transport_is_chosen_once_from_the_hosts_and_a_failed_sync_never_swi
             calls.append("arrays")
             return 7
 
-    class Shared:
-        def __init__(self, spec, dtype):
-            pass
-
-        def write(self, lora):
-            return {}
-
-    monkeypatch.setattr(transport, "SharedLoRA", Shared)
+    monkeypatch.setattr(transport, "SharedLoRA", NoFile)
     spec = SimpleNamespace(peft_config=lambda: {"r": 4, "lora_alpha": 8})
     with caplog.at_level(logging.INFO, logger=transport.__name__):
         sync = transport.LoRASync(Rollout(), spec, "shm", here, verify=False)  # the check: tests/sync/test_sync_verify.py
@@ -237,14 +240,7 @@ def test_a_syncs_parts_are_named_for_the_start_up_line(monkeypatch, capsys):
         def update_lora_shared(self, manifest, version, config):
             return 7
 
-    class Shared:
-        def __init__(self, spec, dtype):
-            pass
-
-        def write(self, lora):
-            return {}
-
-    monkeypatch.setattr(transport, "SharedLoRA", Shared)
+    monkeypatch.setattr(transport, "SharedLoRA", NoFile)
     spec = SimpleNamespace(peft_config=lambda: {"r": 4, "lora_alpha": 8})
     info = {"engine": "vllm_omni", "dtype": "bfloat16", "lora_apply": "merged"}
     sync = transport.LoRASync(Rollout(), spec, "shm", info, verify=False)

@@ -1,5 +1,6 @@
 """The blocks unrolled (model.scan_unroll >= the blocks): the scan's gradient, remat kept per block, and each
 block's frozen weights held as arrays of their own (unstack_blocks) instead of slices of the stacks."""
+import contextlib
 import dataclasses
 import json
 
@@ -15,6 +16,22 @@ from jaxflow.nn.config import ModelOptions
 from jaxflow.nn.lora import LoRAParam
 from jaxflow.families.qwen_image.lora import QwenImageLoRASpec as LoRASpec
 from jaxflow.families.qwen_image.transformer import QwenImageTransformer
+
+
+@contextlib.contextmanager
+def lowerings():
+    """The names of the functions JAX lowers inside the block (a list, filled as they are lowered)."""
+    lowered = []
+
+    def listen(event, secs, **kw):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowered.append(kw.get("fun_name"))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield lowered
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
 
 CFG = QwenImageConfig(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,
                       axes_dims_rope=(8, 12, 12))
@@ -147,17 +164,8 @@ def test_each_stack_is_cut_in_one_program():
         if isinstance(var, nnx.Param) and not isinstance(var, LoRAParam):
             stacks[path] = rng.standard_normal(var.shape).astype(var.dtype)
             var.set_value(jax.device_put(stacks[path]))
-    lowered = []
-
-    def listen(event, secs, **kw):
-        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
-            lowered.append(kw.get("fun_name"))
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with lowerings() as lowered:
         model.unstack_blocks()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
     assert len(lowered) <= len({(s.shape, s.dtype) for s in stacks.values()}), lowered
     pieces = {p: v.get_value() for p, v in nnx.iter_graph(model.blocks) if p in stacks}
     for p, stack in stacks.items():
@@ -175,17 +183,8 @@ def test_the_fingerprint_is_the_folder_s_and_reads_every_head_in_one_program(tin
     model = load_transformer(tiny_path / "transformer", ModelOptions(scan_unroll=unroll))
     if model.unrolled:
         model.unstack_blocks()
-    lowered = []
-
-    def listen(event, secs, **kw):
-        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
-            lowered.append(kw.get("fun_name"))
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with lowerings() as lowered:
         mine = fingerprint(model)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
     assert mine == stored_fingerprint(tiny_path / "transformer")
     assert len(lowered) <= 1, lowered
 
