@@ -18,6 +18,8 @@ default), in the diffusion workers for --engine vllm_omni (a GPU only; the engin
   trajectory_export_s  the engine's call beyond the pipeline's `generate` (the trajectory to host arrays, its dict;
                        vLLM-Omni: also its scheduling and the result's way back from the worker)
   cfg_overhead_s       wall time per image with true CFG less that without (the negative rows), both unprofiled
+  unprofiled_wall_s, no_cfg_wall_s  the calls' wall time per image without the profiler, with and without CFG
+and beside the figures `top_kernels`: the 15 kernels (ops) of most own time, with their categories.
 """
 from __future__ import annotations
 
@@ -56,6 +58,13 @@ def categorize(rows, wall_s: float, images: int) -> dict:
     return {k: v / images for k, v in out.items()}
 
 
+def top_rows(rows, images: int, n: int = 15) -> list[dict]:
+    """The `n` rows of most own time (phase ranges left out): {"name" (first 160 characters), "category",
+    "s_per_image"}, largest first: what the categories' sums are made of."""
+    kept = sorted(((name, sec) for name, sec in rows if name not in PHASES), key=lambda r: -r[1])[:n]
+    return [{"name": name[:160], "category": category(name), "s_per_image": sec / images} for name, sec in kept]
+
+
 class WorkerProfiler:
     """vLLM-Omni's profiler, in its diffusion workers: `PipelineProfiler`'s calls through the engine (CUDA kernels
     with `cuda`, else CPU ops)."""
@@ -70,9 +79,11 @@ class WorkerProfiler:
         return self.engine.profile_stop()
 
 
-def profile(engine, prompts: list[str], n: int, sampling: dict, calls: int, profiler) -> dict:
-    """The figures of `calls` calls of `engine.generate` after a warm-up one of each setting; `profiler` records
-    the profiled calls where the pipeline runs (`start()`, `stop()` -> `PipelineProfiler.stop`'s table)."""
+def profile(engine, prompts: list[str], n: int, sampling: dict, calls: int, profiler) -> tuple[dict, list[dict]]:
+    """(figures, top kernels: `top_rows`) of `calls` calls of `engine.generate` after a warm-up one of each setting;
+    `profiler` records the profiled calls where the pipeline runs (`start()`, `stop()` -> `PipelineProfiler.stop`'s
+    table). Beside the profiled wall_s, the same calls' unprofiled wall (unprofiled_wall_s) and without CFG
+    (no_cfg_wall_s), per image: the profiler's own overhead shows as wall_s - unprofiled_wall_s."""
     def timed(settings: dict) -> float:  # the engine returns host arrays: its work is done when it returns
         start = time.perf_counter()
         for c in range(calls):
@@ -93,8 +104,9 @@ def profile(engine, prompts: list[str], n: int, sampling: dict, calls: int, prof
                    denoise_s=phases.get("sample", 0.0) - phases.get("text_encoder", 0.0)
                    - phases.get("vae_decode", 0.0),
                    trajectory_export_s=max(0.0, wall / images - phases.get("sample", 0.0)),
-                   cfg_overhead_s=(cfg_wall - plain_wall) / images, wall_s=wall / images, images=images)
-    return figures
+                   cfg_overhead_s=(cfg_wall - plain_wall) / images, wall_s=wall / images,
+                   unprofiled_wall_s=cfg_wall / images, no_cfg_wall_s=plain_wall / images, images=images)
+    return figures, top_rows(table["rows"], images)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -140,11 +152,12 @@ def main(argv=None) -> int:
     profiler = (WorkerProfiler(engine) if args.engine == "vllm_omni" else
                 PipelineProfiler(engine.pipeline, cuda=engine.device.type == "cuda"))
     try:
-        figures = profile(engine, PROMPTS[:args.prompts], args.n, sampling, args.calls, profiler)
+        figures, top = profile(engine, PROMPTS[:args.prompts], args.n, sampling, args.calls, profiler)
     finally:
         if args.engine == "vllm_omni":
             engine.close()
-    print(write_result(args.out, "rollout_profile", figures, extra={"engine": args.engine, "model": model}))
+    print(write_result(args.out, "rollout_profile", figures,
+                       extra={"engine": args.engine, "model": model, "top_kernels": top}))
     return 0
 
 

@@ -16,6 +16,7 @@ from jaxflow_bench.rollout_profile import (
     category,
     main,
     profile,
+    top_rows,
 )
 from tests import HANG_S
 from tests.helpers import ROOT
@@ -53,12 +54,19 @@ def test_the_runner_on_the_cpu_with_the_tiny_model(tmp_path):
     record = json.loads((tmp_path / "rollout_profile.json").read_text())
     f = record["figures"]
     assert record["engine"] == "diffusers" and f["images"] == 2
+    assert f["unprofiled_wall_s"] > 0 and f["no_cfg_wall_s"] > 0 and len(record["top_kernels"]) == 15
     for key in ("attention_s", "gemm_s", "other_kernels_s", "text_encoder_s", "vae_decode_s", "denoise_s", "wall_s"):
         assert f[key] > 0, (key, f)
     assert f["idle_gaps_s"] >= 0 and f["trajectory_export_s"] >= 0
     kernels = f["attention_s"] + f["gemm_s"] + f["other_kernels_s"] + f["idle_gaps_s"]
     assert kernels == pytest.approx(f["wall_s"], rel=1e-3) or kernels > f["wall_s"]  # gaps clipped at 0
     assert f["text_encoder_s"] + f["vae_decode_s"] + f["denoise_s"] <= f["wall_s"] * 1.05
+
+
+def test_the_top_rows_are_the_largest_without_the_phase_ranges():
+    rows = [("sample", 9.0), ("nvjet_gemm", 1.0), ("elementwise_kernel", 0.4), ("flash_fwd_kernel", 0.6)]
+    assert top_rows(rows, images=2, n=2) == [{"name": "nvjet_gemm", "category": "gemm", "s_per_image": 0.5},
+                                             {"name": "flash_fwd_kernel", "category": "attention", "s_per_image": 0.3}]
 
 
 def test_vllm_omni_on_the_cpu_is_refused_in_one_line(capsys):
@@ -84,7 +92,8 @@ def test_vllm_omni_figures_from_its_workers_table(tiny_path, tmp_path, monkeypat
     engine = VllmOmniEngine({"engine": "vllm_omni", "model": str(tiny_path)})
     sampling = {"height": 32, "width": 32, "num_inference_steps": 2, "true_cfg_scale": 4.0, "sde_window_size": 1,
                 "sde_window_range": (0, 1)}
-    f = profile(engine, ["a red fox"], 2, sampling, 1, WorkerProfiler(engine, cuda=False))
+    f, top = profile(engine, ["a red fox"], 2, sampling, 1, WorkerProfiler(engine, cuda=False))
+    assert top and all(t["s_per_image"] > 0 for t in top)
     assert f["images"] == 2
     for key in ("attention_s", "gemm_s", "other_kernels_s", "text_encoder_s", "vae_decode_s", "denoise_s", "wall_s"):
         assert f[key] > 0, (key, f)
