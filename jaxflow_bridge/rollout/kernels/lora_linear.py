@@ -107,7 +107,7 @@ def unquantized(layer) -> bool:
 def install_fused_apply(layer_cls: type) -> bool:
     """Route `layer_cls.apply(x, bias)` (vLLM-Omni's diffusion LoRA layer base class) to `lora_linear` where
     `fused_slots` allows, else to the class's own apply, a quantized base layer's input made contiguous (vLLM's FP8
-    kernels `view` it as rows, which a slice of the joint attention's output, as Qwen-Image's `to_out` gets, is not).
+    kernels `view` it as rows, which a slice of a joint attention's output, as an MMDiT block's `to_out` gets, is not).
     False if it was installed already."""
     stock = layer_cls.apply
     if getattr(stock, "fused_lora", False):
