@@ -172,6 +172,8 @@ class Driver:
             engine["compile"] = True
         if r.engine == "vllm_omni" and self.cfg.train.compile_cache:  # torch's compile caches beside JAX's
             engine["compile_cache"] = str(cache_root())
+        if r.engine == "vllm_omni":  # the eval's packed requests hold at most a training request's samples
+            engine["request_images"] = self.cfg.sample.group_size
         engine["lora_apply"] = self.plan.lora_apply  # layers, merged (jaxflow_bridge/sync/merge.py) or folder
         if self.plan.quantization != "none":  # vllm_omni's FP8 DiT (the validation stage refuses it elsewhere)
             engine["quantization"] = self.plan.quantization
@@ -308,7 +310,7 @@ class Driver:
         (`eval_reward_mean`) and each one's (`eval_reward/<name>`), with eval.rewards each gold reward's
         (`eval_gold/<name>`); their grid goes to run_dir/eval/step_<step>.png. A call holds as many images as a
         training call (`derived.eval_prompts_per_call`): the diffusers engine samples them as one batch; vLLM-Omni
-        (one request at a time) runs each prompt's request at batch 1 whatever the call holds."""
+        (one request at a time) packs them into requests of a training request's images (`request_images`)."""
         cfg = self.cfg
         items = self.test_items[:cfg.eval.num_prompts]
         prompts = [it.prompt for it in items]

@@ -45,7 +45,7 @@ def test_sampling_split_and_round_trip():
                                     "policy_version": 7}
     params = omni_params(kwargs)
     assert vop.is_rollout_request(params)
-    assert vop.decode_request([prompt], params) == ("a red fox", SAMPLING, 2, SEEDS, 7)
+    assert vop.decode_request([prompt], params) == (["a red fox"], SAMPLING, 2, SEEDS, 7)
     shared = dataclasses.replace(SAMPLING, same_latent=True)
     _, kwargs = vop.encode_request("a red fox", shared, SEEDS, policy_version=7)
     assert vop.decode_request([prompt], omni_params(kwargs))[1] == shared

@@ -18,7 +18,7 @@ WARMUP_REQUEST_ID = "dummy_req_id"
 
 
 def pack_trajectories(batch: TrajectoryBatch) -> dict:
-    """DiffusionOutput fields for a batch of one prompt's samples.
+    """DiffusionOutput fields for a batch of one request's samples (one prompt's, or a packed request's prompts').
 
     trajectory_latents (B, W+1, S, C) and trajectory_log_probs (B, W) use vLLM-Omni's own fields (shared memory
     for large tensors); the schema's other `PAYLOAD_FIELDS` ride in custom_output[PAYLOAD_KEY] as tensors (bf16 embeds
@@ -52,22 +52,30 @@ def _numpy(x) -> np.ndarray:
     return x if isinstance(x, np.ndarray) else torch_to_numpy(x)
 
 
-def unpack_trajectories(output, prompt: str, group_id: int, thinker_ids: list | None = None) -> TrajectoryBatch:
+def unpack_trajectories(output, prompt: str | list[str], group_id: int,
+                        thinker_ids: list | None = None) -> TrajectoryBatch:
     """TrajectoryBatch of one request's samples from a vLLM-Omni result (`OmniRequestOutput` or anything with
-    trajectory_latents, trajectory_log_probs and custom_output); ValueError if our payload is missing, or if
-    `thinker_ids` (the ids a two-stage deployment's thinker prefilled) are not every sample's `prompt_ids`."""
+    trajectory_latents, trajectory_log_probs and custom_output): `prompt`'s samples in group `group_id`, or a packed
+    request's prompts' (a list: their samples split evenly, prompt-major, in groups `group_id`, `group_id` + 1, ...);
+    ValueError if our payload is missing, if its samples do not split evenly among the prompts, or if `thinker_ids`
+    (the ids a two-stage deployment's thinker prefilled) are not every sample's `prompt_ids`."""
+    texts = [prompt] if isinstance(prompt, str) else list(prompt)
     payload = (getattr(output, "custom_output", None) or {}).get(PAYLOAD_KEY)
     if payload is None or output.trajectory_latents is None:
-        raise ValueError(f"vLLM-Omni result for {prompt[:40]!r} carries no rollout trajectory "
+        raise ValueError(f"vLLM-Omni result for {texts[0][:40]!r} carries no rollout trajectory "
                          f"(error: {getattr(output, 'error', None)!r}); was the pipeline one of {our_pipelines()}?")
     arrays = {k: _numpy(v) for k, v in payload.items()}
     if thinker_ids is not None:
         fed = [list(ids[mask]) for ids, mask in zip(arrays["prompt_ids"], arrays["prompt_mask"])]
         if any(f != [int(t) for t in thinker_ids] for f in fed):
-            raise ValueError(f"vLLM-Omni's thinker prefilled {len(thinker_ids)} ids for {prompt[:40]!r} that are not "
-                             f"the trajectory's {len(fed[0])} context ids: the trainer would rebuild another context")
+            raise ValueError(f"vLLM-Omni's thinker prefilled {len(thinker_ids)} ids for {texts[0][:40]!r} that are "
+                             f"not the trajectory's {len(fed[0])} context ids: the trainer would rebuild another context")
     latents = _numpy(output.trajectory_latents)
+    per, rest = divmod(len(latents), len(texts))
+    if rest or not per:
+        raise ValueError(f"vLLM-Omni returned {len(latents)} samples for a request of {len(texts)} prompts: not the "
+                         f"same number for each")
     return TrajectoryBatch.from_dict({  # the trajectory crossed from the worker: validated here, once
         **arrays, "latents": latents, "log_probs": _numpy(output.trajectory_log_probs),
-        "prompts": np.asarray([prompt] * len(latents), np.str_),
-        "group_ids": np.full(len(latents), group_id, np.int64)})
+        "prompts": np.asarray(np.repeat(texts, per), np.str_),
+        "group_ids": group_id + np.repeat(np.arange(len(texts), dtype=np.int64), per)})

@@ -16,7 +16,9 @@ chooses), `gelu` ("epilogue", the default: the MLP's in-projection and tanh GELU
 layer wraps it; "separate": vLLM-Omni's elementwise kernel), `deploy` (a kind with several vLLM-Omni deployments:
 "single_stage", the default, or "two_stage"), `quantization` ("none", the default, or "fp8": vLLM-Omni's FP8 DiT,
 `rules.QUANTIZATIONS`; the LoRA then as layers, vLLM-Omni's own per-slice apply over the FP8 GEMM, never merged),
-`compile_cache` (optional: the folder torch's compile caches go under in the workers, `startup.py`).
+`compile_cache` (optional: the folder torch's compile caches go under in the workers, `startup.py`),
+`request_images` (optional: the most samples a packed request holds, the driver's a training request's,
+sample.group_size; without it a call's prompts go in one request).
 Same calls and results as the diffusers engine. Each kind refuses the options its pipeline lacks (`pipeline_args`),
 checks adapters' names (`adapter`) and brings its sampling parameters (`sampling`) and request encoder
 (`encode_request`).
@@ -24,7 +26,10 @@ checks adapters' names (`adapter`) and brings its sampling parameters (`sampling
 - generate: one engine request per prompt with `num_outputs_per_prompt=n` (one B=n forward, 2n with true CFG,
   per step), all submitted at once; knobs split into OmniDiffusionSamplingParams fields and `extra_args`
   (the kind's `encode_request`, with an edit model's reference images, once per prompt); results unpacked into
-  one TrajectoryBatch (`codec.unpack_trajectories`), prompt-major.
+  one TrajectoryBatch (`codec.unpack_trajectories`), prompt-major. A call of one sample per prompt (the eval's)
+  packs consecutive prompts into requests of up to `request_images` (`request_groups`; the kind's `encode_packed`,
+  a kind without one keeps a request per prompt): vLLM-Omni 0.20 runs one request at a time, so one-sample requests
+  would run the eval at batch 1.
 - update_lora / update_lora_shared: one payload (`jaxflow_bridge/contract/lora_payload.py`: arrays over Ray, or a
   shared-memory file on this host), its names (renamed for vLLM-Omni, `jaxflow_bridge.contract.lora.to_vllm_omni`;
   the kind checks them first) and shapes checked against the engine's LoRA-capable layers, then served by the
@@ -105,6 +110,13 @@ def longest_text(parts) -> tuple[int, int]:
     return tuple(max(width(b, prefix) for b in parts) for prefix in ("prompt", "negative_prompt"))
 
 
+def request_groups(prompts: int, n: int, packs: bool, limit: int | None) -> list[range]:
+    """The prompts of each request, consecutive: with one sample per prompt (n == 1) and a kind that packs, up to
+    `limit` prompts a request (all without one); otherwise one prompt a request."""
+    size = (limit or prompts) if n == 1 and packs else 1
+    return [range(i, min(i + size, prompts)) for i in range(0, prompts, size)]
+
+
 def gpu_memory_used(visible: str | None = None) -> int | None:
     """Bytes in use on this process's first visible GPU, device-wide (nvidia-smi), or None where it cannot be read.
     vLLM-Omni's sleep acknowledgement reports 0 freed bytes (its accounting does not see the sleep pool), and the
@@ -126,7 +138,7 @@ class VllmOmniEngine(RolloutEngine):
 
     name = "vllm_omni"
     config_keys = ("engine", "model", "dtype", "device", "random_seed", "omni_args", "lora_apply", "cfg_forward",
-                   "qk_ops", "fa_version", "gelu", "deploy", "quantization", "compile_cache")
+                   "qk_ops", "fa_version", "gelu", "deploy", "quantization", "compile_cache", "request_images")
 
     def __init__(self, config: dict):
         entry = time.monotonic()  # the start's parts (`self.start`, in `info()`): imports, AsyncOmni, our checks
@@ -146,6 +158,11 @@ class VllmOmniEngine(RolloutEngine):
         self._dit = [self.kind.stages - 1]  # the diffusion stage: our pipeline, extension and LoRA
         self.model_path, self.size_multiple = str(self.kind.folder), self.kind.size_multiple
         self.random_seed = config.get("random_seed")
+        self.request_images = config.get("request_images")
+        if self.request_images is not None and (isinstance(self.request_images, bool) or
+                                                not isinstance(self.request_images, int) or self.request_images < 1):
+            raise ValueError(f"vllm_omni engine: request_images={self.request_images!r}; pass an int >= 1 (the "
+                             f"samples a training request holds, sample.group_size) or leave it out")
         if self.random_seed is None:
             self.fingerprint = self.kind.fingerprint()
         self.policy_version, self.asleep = 0, False
@@ -198,25 +215,34 @@ class VllmOmniEngine(RolloutEngine):
     def generate(self, prompts: list[str], n: int, sampling: dict, seeds=None, references=None) -> dict:
         """TrajectoryBatch.to_dict() of B = len(prompts) * n samples, prompt-major (sample b of prompt b // n); each
         request's text padded as it arrives, to `text_tokens` (without them: to the call's longest text).
-        `references`: an edit model's images, one uint8 (R, H, W, 3) array per prompt, in its request once."""
+        `references`: an edit model's images, one uint8 (R, H, W, 3) array per prompt, in its request once. With n == 1
+        the prompts go packed (`request_groups`), the same samples, seeds and order."""
         sp = self.kind.sampling.from_dict(sampling)
         check_prompts(prompts, n)
         if references is not None and len(references) != len(prompts):
             raise ValueError(f"references: one array of images per prompt, got {len(references)} for "
                              f"{len(prompts)} prompts")
-        images = [{}] * len(prompts) if references is None else [{"references": r} for r in references]
         self.check_awake()
         seeds = per_sample_seeds(len(prompts) * n, sp.seed if seeds is None else seeds)
         sample_windows(seeds, sp.sde_window_size, sp.sde_window_range, sp.num_inference_steps)
         thinker = self.kind.thinker_params(sp)  # two stages: the thinker's parameters first (refuses think mode)
-        requests = [(*self.kind.encode_request(p, sp, seeds[g * n:(g + 1) * n], self.policy_version, **images[g]),
-                     thinker) for g, p in enumerate(prompts)]
+        groups = request_groups(len(prompts), n, self.kind.encode_packed is not None, self.request_images)
+        requests = [(*self._encode([prompts[g] for g in group], sp, seeds[group.start * n:group.stop * n],
+                                   None if references is None else [references[g] for g in group]), thinker)
+                    for group in groups]
         outputs = self._run(self._generate_all(requests))
         if self.compile_cache_hits is None:
             self.compile_cache_hits = self._compile_cache_hits()
-        parts = [unpack_trajectories(out, p, g, thinker_ids)
-                 for g, (p, (out, thinker_ids)) in enumerate(zip(prompts, outputs))]
+        parts = [unpack_trajectories(out, [prompts[g] for g in group], group.start, thinker_ids)
+                 for group, (out, thinker_ids) in zip(groups, outputs)]
         return TrajectoryBatch.concat([b.padded(sp.text_tokens or longest_text(parts)) for b in parts]).to_dict()
+
+    def _encode(self, prompts: list[str], sp, seeds, references) -> tuple[dict, dict]:
+        """The kind's request for one prompt's samples, or several prompts' of one sample each (`encode_packed`)."""
+        images = {} if references is None else {"references": references if len(prompts) > 1 else references[0]}
+        if len(prompts) > 1:
+            return self.kind.encode_packed(prompts, sp, seeds, self.policy_version, **images)
+        return self.kind.encode_request(prompts[0], sp, seeds, self.policy_version, **images)
 
     def _compile_cache_hits(self) -> dict:
         """The diffusion stage's workers' compile-cache lookups, summed, and logged; {} (said) where the RPC failed:

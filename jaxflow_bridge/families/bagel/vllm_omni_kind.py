@@ -30,6 +30,7 @@ class VllmOmniKind:
     name = spec.NAME
     sampling = BagelSamplingParams
     stage_layout = "BAGEL: deploy/bagel_single_stage.yaml for one, deploy/bagel.yaml for the thinker and the DiT"
+    encode_packed = None  # one prompt a request, the eval's too: our BAGEL pipeline reads one prompt a request
     QWEN_ONLY = ("qk_ops", "fa_version", "gelu", "cfg_forward")  # options of FlowGRPOQwenImagePipeline alone
 
     def __init__(self, folder: Path, deploy: str | None = None):

@@ -27,6 +27,7 @@ class VllmOmniKind:
     stage_layout = "Qwen-Image: vLLM-Omni's default, one diffusion stage"  # named when another count starts
     sampling = SamplingParams
     encode_request = staticmethod(qwen_pipeline.encode_request)
+    encode_packed = staticmethod(qwen_pipeline.encode_packed)  # several prompts of one sample each in one request
 
     def __init__(self, folder: Path, deploy: str | None = None):  # deploy: None (the engine's rules refuse one)
         self.folder = folder

@@ -67,6 +67,7 @@ LORA_APPLY = ("layers", "folder", "merged")
 GELU = ("epilogue", "separate")
 # a torch.profiler trace (CUDA kernels) of the Nth rollout request a worker serves, written to TRACE_ENV's folder
 TRACE_ENV, TRACE_AT_ENV = "JAXFLOW_ROLLOUT_TRACE", "JAXFLOW_ROLLOUT_TRACE_AT"
+PACKED = "prompts"  # a packed request's extra_args entry: its prompts, one sample each (`encode_packed`)
 
 
 # ------------------------------------------------------------------------------------------ request codec
@@ -82,21 +83,44 @@ def encode_request(prompt: str, sampling: SamplingParams, seeds, policy_version:
     return {"prompt": prompt, "negative_prompt": sampling.negative_prompt}, kwargs
 
 
+def encode_packed(prompts: list[str], sampling: SamplingParams, seeds, policy_version: int) -> tuple[dict, dict]:
+    """One request for several prompts of one sample each (the eval's calls; vLLM-Omni 0.20 runs one request at a
+    time, so the prompts share its forwards): vLLM-Omni sees the first prompt and num_outputs_per_prompt =
+    len(prompts), the images the request returns; every prompt rides in extra_args[PACKED], prompt-major with
+    `seeds`."""
+    if len(seeds) != len(prompts):
+        raise ValueError(f"a packed request holds one sample per prompt: {len(seeds)} seeds for {len(prompts)} "
+                         f"prompts")
+    text, kwargs = encode_request(prompts[0], sampling, seeds, policy_version)
+    kwargs["extra_args"][PACKED] = list(prompts)
+    return text, kwargs
+
+
 def is_rollout_request(params) -> bool:
     """Whether OmniDiffusionSamplingParams came from `encode_request` (its extra_args carry per-sample seeds)."""
     return "seeds" in (getattr(params, "extra_args", None) or {})
 
 
-def decode_request(prompts: list, params) -> tuple[str, SamplingParams, int, list[int], int]:
-    """(prompt, SamplingParams, n, seeds, policy_version) back from a request's prompts and sampling params."""
+def decode_request(prompts: list, params) -> tuple[list[str], SamplingParams, int, list[int], int]:
+    """(the request's prompts, SamplingParams, n per prompt, seeds, policy_version) back from a request's prompts
+    and sampling params: one prompt's n samples, or a packed request's prompts of one sample each
+    (`encode_packed`); ValueError for a request neither carries."""
     if len(prompts) != 1 or not isinstance(prompts[0], dict):
         raise ValueError(f"a rollout request carries one prompt dict, got {prompts!r}")
     extra = params.extra_args
     values = {f: getattr(params, f) for f in PARAM_FIELDS}
     values.update({f: extra[f] for f in EXTRA_FIELDS}, sde_window_range=tuple(extra["sde_window_range"]),
                   negative_prompt=prompts[0]["negative_prompt"])
-    return (prompts[0]["prompt"], SamplingParams(**values), params.num_outputs_per_prompt, list(extra["seeds"]),
-            int(extra["policy_version"]))
+    texts, n, seeds = [prompts[0]["prompt"]], params.num_outputs_per_prompt, list(extra["seeds"])
+    if PACKED in extra:
+        texts, n = extra[PACKED], 1
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts) or not texts \
+                or texts[0] != prompts[0]["prompt"] or not len(texts) == params.num_outputs_per_prompt == len(seeds):
+            raise ValueError(f"a packed rollout request carries its prompts in extra_args[{PACKED!r}], the first the "
+                             f"request's own, one output and one seed each (encode_packed); got {texts!r} for prompt "
+                             f"{prompts[0]['prompt']!r}, num_outputs_per_prompt={params.num_outputs_per_prompt}, "
+                             f"{len(seeds)} seeds")
+    return list(texts), SamplingParams(**values), n, seeds, int(extra["policy_version"])
 
 
 # ------------------------------------------------------------------------------------------ the classes
@@ -135,8 +159,8 @@ class TextRequests:
         """Anything the family's requests need beyond vLLM-Omni's pipeline (nothing for text-to-image)."""
 
     @staticmethod
-    def read_request(prompts: list, params) -> tuple[str, SamplingParams, int, list[int], int, None]:
-        """`decode_request`'s fields and the prompt's reference images (none)."""
+    def read_request(prompts: list, params) -> tuple[list[str], SamplingParams, int, list[int], int, None]:
+        """`decode_request`'s fields and the prompts' reference images (none)."""
         return (*decode_request(prompts, params), None)
 
 
@@ -213,17 +237,17 @@ def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = N
             return output_cls() if is_warmup_request(req) else base.forward(self, req, *args, **kwargs)
         if self.merged_lora is not None and self.merged_lora.previous is not None and not self.merged_lora.serving:
             raise RuntimeError("the merged LoRA's base weights are being restored: serve the next adapter first")
-        prompt, sampling, n, seeds, self.policy_version, refs = self.read_request(req.prompts, req.sampling_params)
-        references = None if refs is None else [refs]
+        texts, sampling, n, seeds, self.policy_version, references = self.read_request(req.prompts,
+                                                                                      req.sampling_params)
         self.rollout_requests += 1
         folder = os.environ.get(TRACE_ENV)
         if not folder or self.rollout_requests != int(os.environ.get(TRACE_AT_ENV, "3")):
-            return output_cls(**pack_trajectories(self.generate([prompt], n, sampling, seeds, references)))
+            return output_cls(**pack_trajectories(self.generate(texts, n, sampling, seeds, references)))
         cuda = torch.cuda.is_available()
         activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
         with torch.profiler.profile(activities=[activity]) as prof:
             start = time.perf_counter()
-            batch = self.generate([prompt], n, sampling, seeds, references)
+            batch = self.generate(texts, n, sampling, seeds, references)
             if cuda:
                 torch.cuda.synchronize()
             wall = time.perf_counter() - start
