@@ -23,7 +23,7 @@ class VllmOmniKind(QwenImageKind):
     name = spec.NAME
     stage_layout = "Qwen-Image-Edit: vLLM-Omni's default, one diffusion stage"
     encode_request = staticmethod(edit_pipeline.encode_request)  # its `references`: the prompt's images
-    encode_packed = staticmethod(edit_pipeline.encode_packed)  # `references`: one array per prompt
+    encode_packed = None  # one prompt a request, the eval's too (its images: edit_pipeline's module docstring)
 
     def pipeline_args(self, config: dict) -> dict:
         """Qwen-Image's custom_pipeline_args with the edit class of the folder's pipeline (Edit or Edit-Plus)."""

@@ -8,8 +8,9 @@ reference images' VAE latents at the sample size, once per prompt). Imports with
 
 How the reference images travel: a request is one prompt with `num_outputs_per_prompt=n`, and its images ride in
 the prompt's `multi_modal_data["image"]` (vLLM-Omni's own way for its edit pipelines), as PIL images: once per
-prompt, never per sample of its group. A packed request (the eval's: one sample per prompt, `encode_packed`) carries
-the first prompt's that way and the others' as uint8 arrays in its extra_args. vLLM-Omni's edit pre-processing (run on every request, by the folder's
+prompt, never per sample of its group, one prompt a request (the eval's too: a packed request would carry the other
+prompts' images as arrays in its extra_args, which vLLM-Omni's request codec is not known to carry; text-to-image
+packs, `qwen.encode_packed`). vLLM-Omni's edit pre-processing (run on every request, by the folder's
 `_class_name`) reads them too and adds a resized copy under `additional_information`, which our class leaves unused:
 it samples at the request's height and width and encodes the images it was sent, as the diffusers engine does.
 """
@@ -29,7 +30,6 @@ PIPELINE_CLASS = f"{__name__}.FlowGRPOQwenImageEditPipeline"
 PLUS_PIPELINE_CLASS = f"{__name__}.FlowGRPOQwenImageEditPlusPipeline"
 PIPELINE_CLASSES = {"QwenImageEditPipeline": PIPELINE_CLASS, "QwenImageEditPlusPipeline": PLUS_PIPELINE_CLASS}
 IMAGES = "image"  # the prompt's multi_modal_data key vLLM-Omni's edit pipelines read
-PACKED_IMAGES = "references"  # a packed request's extra_args entry: its other prompts' images (`encode_packed`)
 
 
 def encode_request(prompt: str, sampling: SamplingParams, seeds, policy_version: int,
@@ -53,36 +53,17 @@ def encode_request(prompt: str, sampling: SamplingParams, seeds, policy_version:
     return {**text, "multi_modal_data": {IMAGES: [Image.fromarray(im) for im in images]}}, kwargs
 
 
-def encode_packed(prompts: list[str], sampling: SamplingParams, seeds, policy_version: int,
-                  references=None) -> tuple[dict, dict]:
-    """Qwen-Image's packed request (`qwen.encode_packed`: one sample per prompt) with the first prompt's images in
-    its multi_modal_data (`encode_request`, what vLLM-Omni's edit pre-processing reads) and every other prompt's
-    uint8 (R, H, W, 3) array in extra_args[PACKED_IMAGES], in order."""
-    if references is None or len(references) != len(prompts):
-        raise ValueError(f"references: one array of images per prompt, got "
-                         f"{'none' if references is None else len(references)} for {len(prompts)} prompts")
-    first, _ = encode_request(prompts[0], sampling, seeds[:1], policy_version, references[0])
-    for prompt, images in zip(prompts[1:], references[1:]):  # each checked as its own request would be
-        encode_request(prompt, sampling, seeds[:1], policy_version, images)
-    others = [np.asarray(images) for images in references[1:]]
-    _, kwargs = qwen.encode_packed(prompts, sampling, seeds, policy_version)
-    kwargs["extra_args"][PACKED_IMAGES] = others
-    return first, kwargs
-
-
 def decode_request(prompts: list, params) -> tuple[list[str], SamplingParams, int, list[int], int, list[np.ndarray]]:
-    """`qwen.decode_request`'s fields and each of its prompts' reference images back as uint8 (R, H, W, 3)."""
+    """`qwen.decode_request`'s fields (one prompt: an edit request is never packed) and its reference images back
+    as uint8 (R, H, W, 3), in a list of one."""
     images = (prompts[0].get("multi_modal_data") or {}).get(IMAGES) if isinstance(prompts[0], dict) else None
     if not images:
         raise ValueError("an edit rollout request carries its reference images in multi_modal_data['image']")
     images = images if isinstance(images, list) else [images]
     texts, *fields = qwen.decode_request(prompts, params)
-    others = params.extra_args.get(PACKED_IMAGES, [])
-    if len(others) != len(texts) - 1:
-        raise ValueError(f"a packed edit request carries its other prompts' images in "
-                         f"extra_args[{PACKED_IMAGES!r}], one array each: got {len(others)} for {len(texts) - 1}")
-    return (texts, *fields, [np.stack([np.asarray(im.convert("RGB")) for im in images]),
-                             *(np.asarray(r, np.uint8) for r in others)])
+    if len(texts) != 1:
+        raise ValueError(f"an edit rollout request carries one prompt, got a packed one of {len(texts)}")
+    return (texts, *fields, [np.stack([np.asarray(im.convert("RGB")) for im in images])])
 
 
 class EditRequests(EditConditioning):

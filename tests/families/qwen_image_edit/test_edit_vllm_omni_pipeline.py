@@ -19,7 +19,6 @@ from jaxflow_bridge.families.qwen_image_edit import vllm_omni_pipeline as vop
 from jaxflow_bridge.families.qwen_image_edit.diffusers_pipeline import RolloutPipeline
 from jaxflow_bridge.families.qwen_image_edit.tiny import tiny_pipeline_path
 from jaxflow_bridge.rollout.sampling import SamplingParams
-from tests.batch_numerics import assert_same_samples
 from tests.helpers import ROOT
 from tests.helpers_vllm_omni import FakeDiffusionOutput, assert_batches_equal, install_fake_vllm_omni, warmup_request
 
@@ -152,28 +151,22 @@ def test_the_engine_sends_each_prompts_images_once(tmp_path, monkeypatch):
         engine.generate([PROMPT, "paint it blue"], 2, sampling, references=images[:1])
 
 
-def test_an_eval_call_packs_the_prompts_with_their_own_images(tmp_path, monkeypatch):
-    """n = 1: one request for the call (2 before), the first prompt's images in its multi_modal_data and the other's
-    in its extra_args; each sample conditioned on its own prompt's images, the samples of one request per prompt
-    (`request_images=1`) within the batch's numerics, in the same order with the same seeds."""
+def test_an_eval_call_keeps_one_request_per_prompt(tmp_path, monkeypatch):
+    """n = 1 (the eval): an edit call is not packed (its other prompts' images would ride in extra_args): one request
+    per prompt, each with its own images; a packed request reaching the pipeline is refused in one line."""
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     omni = install_fake_vllm_omni(monkeypatch, tmp_path, {
         vop.PIPELINE_CLASS: vop.build_pipeline_class(FakeOmniQwenImageEditPipeline, SimpleNamespace)})
     images = [references(1, seed=1), references(1, seed=2)]
     sp = dataclasses.replace(SAMPLING, num_inference_steps=2, sde_type="ode", noise_level=0.0, sde_window_size=None)
-    runs = [TrajectoryBatch.from_dict(VllmOmniEngine({"engine": "vllm_omni", "model": str(tiny_pipeline_path()),
-                                                      **config}).generate([PROMPT, "paint it blue"], 1,
-                                                                          dataclasses.asdict(sp), seeds=[7, 8],
-                                                                          references=images))
-            for config in ({}, {"request_images": 1})]
-    assert [len(o.requests) for o in omni.started] == [1, 2]
-    (prompt, params), = omni.started[0].requests
-    assert np.array_equal(np.asarray(prompt["multi_modal_data"]["image"][0]), images[0][0])
-    assert np.array_equal(params.extra_args[vop.PACKED_IMAGES][0], images[1])
-    got, want = runs
-    assert list(got.prompts) == [PROMPT, "paint it blue"] and list(got.seeds) == [7, 8]
-    assert not np.array_equal(got.reference_latents[0], got.reference_latents[1])
-    assert_same_samples(got, want, omni.started[0].worker.model_runner.pipeline, sp)
-    with pytest.raises(ValueError, match=r"extra_args\['references'\], one array each: got 0 for 1"):
-        vop.decode_request([prompt], SimpleNamespace(**{**vars(params), "extra_args": {
-            k: v for k, v in params.extra_args.items() if k != vop.PACKED_IMAGES}}))
+    out = TrajectoryBatch.from_dict(VllmOmniEngine({"engine": "vllm_omni", "model": str(tiny_pipeline_path())}).generate(
+        [PROMPT, "paint it blue"], 1, dataclasses.asdict(sp), seeds=[7, 8], references=images))
+    (started,) = omni.started
+    assert [p["prompt"] for p, _ in started.requests] == [PROMPT, "paint it blue"]
+    assert list(out.seeds) == [7, 8] and not np.array_equal(out.reference_latents[0], out.reference_latents[1])
+    prompt, params = started.requests[0]
+    packed = SimpleNamespace(**{**vars(params), "num_outputs_per_prompt": 2, "seeds": None,
+                                "extra_args": {**params.extra_args, "seeds": [7, 8],
+                                               "prompts": [PROMPT, "paint it blue"]}})
+    with pytest.raises(ValueError, match="^an edit rollout request carries one prompt, got a packed one of 2$"):
+        vop.decode_request([prompt], packed)
