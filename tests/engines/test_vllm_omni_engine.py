@@ -9,7 +9,7 @@ import torch
 
 from jaxflow_bridge.contract.lora import lora_pairs, to_vllm_omni
 from jaxflow_bridge.sync import vllm_omni_slots as vol
-from jaxflow_bridge.engines.vllm_omni import codec
+from jaxflow_bridge.engines.vllm_omni import codec, gpu_memory
 from jaxflow_bridge.families.qwen_image import vllm_omni_pipeline as vop
 from jaxflow_bridge.engines.vllm_omni.imports import INSTALL_HINT
 from jaxflow_bridge.engines.vllm_omni.rpc import ack_errors, rpc_errors
@@ -253,22 +253,20 @@ def test_rpc_errors_are_our_workers_and_vllm_omnis_own():
 
 
 def test_gpu_memory_reading(monkeypatch):
-    from jaxflow_bridge.engines.vllm_omni import engine as eng
-
     calls = []
 
     def fake_run(cmd, **kwargs):
         calls.append(cmd)
         return SimpleNamespace(stdout="1536\n")
 
-    monkeypatch.setattr(eng.subprocess, "run", fake_run)
-    assert eng.gpu_memory_used("3,1") == 1536 * 2 ** 20 and calls[0][-2:] == ["-i", "3"]
+    monkeypatch.setattr(gpu_memory.subprocess, "run", fake_run)
+    assert gpu_memory.gpu_memory_used("3,1") == 1536 * 2 ** 20 and calls[0][-2:] == ["-i", "3"]
 
     def missing(cmd, **kwargs):
         raise FileNotFoundError("nvidia-smi")
 
-    monkeypatch.setattr(eng.subprocess, "run", missing)
-    assert eng.gpu_memory_used("0") is None
+    monkeypatch.setattr(gpu_memory.subprocess, "run", missing)
+    assert gpu_memory.gpu_memory_used("0") is None
 
 
 def test_selecting_vllm_omni_without_it_says_how_to_install():

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
-from jaxflow_bridge.engines.vllm_omni.engine import VllmOmniEngine, request_groups
+from jaxflow_bridge.engines.vllm_omni.codec import request_groups
+from jaxflow_bridge.engines.vllm_omni.engine import VllmOmniEngine
 from jaxflow_bridge.families.qwen_image import vllm_omni_pipeline as vop
 from jaxflow_bridge.families.qwen_image.diffusers_pipeline import RolloutPipeline
 from tests.batch_numerics import assert_same_samples

@@ -1,6 +1,7 @@
-"""The rollout result's codec across vLLM-Omni 0.20: our pipelines pack a TrajectoryBatch into vLLM-Omni's
-DiffusionOutput fields in the worker, the engine unpacks it from the request's result; the engine's start-up warm-up
-request (`is_warmup_request`) gets an empty result."""
+"""The rollout's requests and results across vLLM-Omni 0.20: the engine groups a call's prompts into requests
+(`request_groups`); our pipelines pack a TrajectoryBatch into vLLM-Omni's DiffusionOutput fields in the worker, the
+engine unpacks it from the request's result and pads the call's text to one width (`longest_text`); the engine's
+start-up warm-up request (`is_warmup_request`) gets an empty result."""
 from __future__ import annotations
 
 import numpy as np
@@ -79,3 +80,18 @@ def unpack_trajectories(output, prompt: str | list[str], group_id: int,
         **arrays, "latents": latents, "log_probs": _numpy(output.trajectory_log_probs),
         "prompts": np.asarray(np.repeat(texts, per), np.str_),
         "group_ids": group_id + np.repeat(np.arange(len(texts), dtype=np.int64), per)})
+
+
+def request_groups(prompts: int, n: int, packs: bool, limit: int | None) -> list[range]:
+    """The prompts of each request, consecutive: with one sample per prompt (n == 1) and a kind that packs, up to
+    `limit` prompts a request (all without one); otherwise one prompt a request."""
+    size = (limit or prompts) if n == 1 and packs else 1
+    return [range(i, min(i + size, prompts)) for i in range(0, prompts, size)]
+
+
+def longest_text(parts) -> tuple[int, int]:
+    """The longest prompt and negative prompt (0 without CFG) over a call's trajectories."""
+    def width(b, prefix):
+        mask = getattr(b, f"{prefix}_mask")
+        return 0 if mask is None else mask.shape[1]
+    return tuple(max(width(b, prefix) for b in parts) for prefix in ("prompt", "negative_prompt"))

@@ -62,9 +62,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import shutil
-import subprocess
 import tempfile
 import threading
 import time
@@ -85,7 +83,8 @@ from jaxflow_bridge.rollout.engine import RolloutEngine, policy_version
 from jaxflow_bridge.sync.binding import bind_lora_modules, check_lora_binding
 from jaxflow_bridge.rollout.sampling import check_prompts, per_sample_seeds
 from jaxflow_bridge.rollout.tensors import torch_to_numpy
-from jaxflow_bridge.engines.vllm_omni.codec import unpack_trajectories
+from jaxflow_bridge.engines.vllm_omni.codec import longest_text, request_groups, unpack_trajectories
+from jaxflow_bridge.engines.vllm_omni.gpu_memory import gpu_memory_used
 from jaxflow_bridge.engines.vllm_omni.imports import export_package_path, import_omni, import_text_params
 from jaxflow_bridge.engines.vllm_omni.kinds import family_of, model_kind
 from jaxflow_bridge.engines.vllm_omni.rules import (engine_problems, family_problems, quantization_problems, refuse,
@@ -97,40 +96,6 @@ from jaxflow_bridge.engines.vllm_omni.worker import WORKER_EXTENSION_CLASS
 
 log = logging.getLogger(__name__)
 LORA_ROOT = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-
-
-# ------------------------------------------------------------------------------------------ pure helpers
-
-
-def longest_text(parts) -> tuple[int, int]:
-    """The longest prompt and negative prompt (0 without CFG) over a call's trajectories."""
-    def width(b, prefix):
-        mask = getattr(b, f"{prefix}_mask")
-        return 0 if mask is None else mask.shape[1]
-    return tuple(max(width(b, prefix) for b in parts) for prefix in ("prompt", "negative_prompt"))
-
-
-def request_groups(prompts: int, n: int, packs: bool, limit: int | None) -> list[range]:
-    """The prompts of each request, consecutive: with one sample per prompt (n == 1) and a kind that packs, up to
-    `limit` prompts a request (all without one); otherwise one prompt a request."""
-    size = (limit or prompts) if n == 1 and packs else 1
-    return [range(i, min(i + size, prompts)) for i in range(0, prompts, size)]
-
-
-def gpu_memory_used(visible: str | None = None) -> int | None:
-    """Bytes in use on this process's first visible GPU, device-wide (nvidia-smi), or None where it cannot be read.
-    vLLM-Omni's sleep acknowledgement reports 0 freed bytes (its accounting does not see the sleep pool), and the
-    actor holds no CUDA context of its own to ask."""
-    first = (os.environ.get("CUDA_VISIBLE_DEVICES", "0") if visible is None else visible).split(",")[0].strip()
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", first],
-                             capture_output=True, text=True, timeout=20, check=True).stdout
-        return int(out.split()[0]) * 2 ** 20
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        return None
-
-
-# ------------------------------------------------------------------------------------------ the engine
 
 
 class VllmOmniEngine(RolloutEngine):
