@@ -23,38 +23,20 @@ Same calls and results as the diffusers engine. Each kind refuses the options it
 checks adapters' names (`adapter`) and brings its sampling parameters (`sampling`) and request encoder
 (`encode_request`).
 
-- generate: one engine request per prompt with `num_outputs_per_prompt=n` (one B=n forward, 2n with true CFG,
-  per step), all submitted at once; knobs split into OmniDiffusionSamplingParams fields and `extra_args`
-  (the kind's `encode_request`, with an edit model's reference images, once per prompt); results unpacked into
-  one TrajectoryBatch (`codec.unpack_trajectories`), prompt-major. A call of one sample per prompt (the eval's)
-  packs consecutive prompts into requests of up to `request_images` (`request_groups`; the kind's `encode_packed`,
-  a kind without one keeps a request per prompt): vLLM-Omni 0.20 runs one request at a time, so one-sample requests
-  would run the eval at batch 1.
-- update_lora / update_lora_shared: one payload (`jaxflow_bridge/contract/lora_payload.py`: arrays over Ray, or a
-  shared-memory file on this host), its names (renamed for vLLM-Omni, `jaxflow_bridge.contract.lora.to_vllm_omni`;
-  the kind checks them first) and shapes checked against the engine's LoRA-capable layers, then served by the
-  workers' sink of `lora_apply` (`jaxflow_bridge/sync/vllm_omni_sinks.py`): "layers" writes it in place into the
-  LoRA slots of the adapter `add_lora` loaded first (a PEFT folder under /dev/shm; every later request carries
-  that LoRARequest), "folder" loads every adapter with `add_lora`, "merged" merges it into the base weights
-  (`jaxflow_bridge/sync/merge.py`, restored exactly from a host copy each time; `release_adapter` starts that
-  restore as soon as a step's rollouts are over). The reply says what the workers then serve ("served",
-  contract/served.py). A refused adapter leaves the previous one serving; a failed in-place write is logged and
-  counted ("fallbacks"), and that update loads a folder instead, never a silent or lasting switch.
-- a two-stage deployment (`deploy="two_stage"`): the thinker (vLLM's AR engine) prefills
-  each request's framed prompt and sends its KV to our pipeline on the DiT stage (one greedy token, think mode
-  refused); worker RPCs and adapters go to the DiT stage alone, sleep and wake to both; the ids the thinker reports
-  must be the trajectory's `prompt_ids` (`unpack_trajectories`).
-- worker RPCs: every argument and reply a plain value (the payload as `LoRAPayload.to_wire()`, rebuilt by the
-  worker): vLLM-Omni pickles them to a one-stage deployment's workers but sends them to a several-stage one's DiT
-  process through msgpack, which turns a dataclass into a dict, a tuple into a list, and refuses bfloat16 arrays.
-  A stage that raised or could not run the method replies with an error dict (`rpc.rpc_errors`); the engine raises it.
-- after the first generate returns (the diffusion stage compiles at its first rollout), once: the workers' torch
-  compile-cache lookups, summed (`rollout_compile_cache_counts`), logged in one line and kept in info()
-  ("compile_cache_hits"); a warm start's caches hit.
-- profile_start / profile_stop: torch.profiler around the workers' requests in between, the first diffusion
-  worker's table back (jaxflow_bench/rollout_profile.py categorises it).
-- sleep / wake: level-1 sleep through the workers' sleep task (weights, text encoder and VAE included, move to
-  CPU and come back); wake goes through the same RPC path, so the actor process never creates a CUDA context.
+- generate: one request per prompt with `num_outputs_per_prompt=n` (one B=n forward, 2n with true CFG, per step), all
+  submitted at once, the kind's `encode_request` splitting the knobs into OmniDiffusionSamplingParams fields and
+  `extra_args`; a call of one sample per prompt (the eval's) goes packed (`codec.request_groups`, the kind's
+  `encode_packed`), as vLLM-Omni 0.20 runs one request at a time.
+- LoRA (`serve_lora`): one payload (`jaxflow_bridge/contract/lora_payload.py`), its names renamed for vLLM-Omni
+  (`jaxflow_bridge.contract.lora.to_vllm_omni`), served by the workers' sink of `lora_apply`
+  (`jaxflow_bridge/sync/vllm_omni_sinks.py`).
+- two stages (`deploy="two_stage"`): the thinker (vLLM's AR engine) prefills each request's framed prompt and sends
+  its KV to our pipeline on the DiT stage (one greedy token, think mode refused); worker RPCs and adapters go to the
+  DiT stage alone, sleep and wake to both; the ids the thinker reports must be the trajectory's `prompt_ids`.
+- worker RPCs: every argument and reply a plain value (the payload as `LoRAPayload.to_wire()`): vLLM-Omni pickles
+  them to a one-stage deployment's workers but sends them to a several-stage one's DiT process through msgpack,
+  which turns a dataclass into a dict, a tuple into a list, and refuses bfloat16 arrays. A stage's error dict
+  (`rpc.rpc_errors`) is raised here. Sleep and wake go the same way: the actor process never creates a CUDA context.
 AsyncOmni runs on an event loop in a background thread; the engine's methods block on it (one call at a time).
 """
 
