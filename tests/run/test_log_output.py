@@ -83,6 +83,9 @@ def test_run_logged_to_a_file_is_a_line_per_step_and_a_summary(tmp_path):
     assert detail and re.fullmatch(r"trace \d+ s, lower \d+ s, compile \d+ s(, load \d+ s)?; \d+ of \d+ compiles "
                                    r"from the cache, \d+ of \d+ from the executable cache", detail.group(1)), lines[1]
     phases = phases.replace(f" ({detail.group(1)})", "")
+    sync = re.search(r"first LoRA sync \d+ s \((.*?)\)", phases)  # the first sync's parts, taken out too
+    assert sync and re.fullmatch(r"write \d+ s(, engines \d+ s)?(, check \d+ s)?", sync.group(1)), lines[1]
+    phases = phases.replace(f" ({sync.group(1)})", "")
     phases, _, overlap = phases.partition("; ")  # the engines' start beside the trainer's, where it overlapped
     assert not overlap or re.fullmatch(r"the rollout engines started in \d+ s, \d+ s of it beside the trainer's "
                                        r"model, the memory plan and the train state", overlap), lines[1]
