@@ -173,7 +173,8 @@ class VllmOmniEngine(RolloutEngine):
         seeds = per_sample_seeds(len(prompts) * n, sp.seed if seeds is None else seeds)
         sample_windows(seeds, sp.sde_window_size, sp.sde_window_range, sp.num_inference_steps)
         thinker = self.kind.thinker_params(sp)  # two stages: the thinker's parameters first (refuses think mode)
-        groups = request_groups(len(prompts), n, self.kind.encode_packed is not None, self.request_images)
+        packs = self.kind.encode_packed is not None and references is None
+        groups = request_groups(len(prompts), n, packs, self.request_images)
         requests = [(*self._encode([prompts[g] for g in group], sp, seeds[group.start * n:group.stop * n],
                                    None if references is None else [references[g] for g in group]), thinker)
                     for group in groups]
@@ -185,10 +186,11 @@ class VllmOmniEngine(RolloutEngine):
         return TrajectoryBatch.concat([b.padded(sp.text_tokens or longest_text(parts)) for b in parts]).to_dict()
 
     def _encode(self, prompts: list[str], sp, seeds, references) -> tuple[dict, dict]:
-        """The kind's request for one prompt's samples, or several prompts' of one sample each (`encode_packed`)."""
-        images = {} if references is None else {"references": references if len(prompts) > 1 else references[0]}
+        """The kind's request for one prompt's samples, or several prompts' of one sample each (`encode_packed`: a
+        kind that packs takes no reference images)."""
         if len(prompts) > 1:
-            return self.kind.encode_packed(prompts, sp, seeds, self.policy_version, **images)
+            return self.kind.encode_packed(prompts, sp, seeds, self.policy_version)
+        images = {} if references is None else {"references": references[0]}
         return self.kind.encode_request(prompts[0], sp, seeds, self.policy_version, **images)
 
     def _compile_cache_hits(self) -> dict:
