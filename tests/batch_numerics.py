@@ -28,7 +28,8 @@ def reordering_bound(module: torch.nn.Module, passes: float = 1) -> float:
 def assert_same_samples(got: TrajectoryBatch, want: TrajectoryBatch, pipeline, sp) -> None:
     """Every field equal, the float ones within the batch's numerics (`reordering_bound`): text embeds one
     text-encoder pass, latents and log-probs `steps` transformer passes, each CFG velocity (1 + 2 x scale) times
-    one's error, an edit model's reference latents one VAE pass; images within one level (a value the latents move across a rounding boundary of the VAE's uint8)."""
+    one's error, an edit model's reference latents one VAE pass; images within one level (a value the latents move
+    across a rounding boundary of the VAE's uint8)."""
     text = reordering_bound(pipeline.text_encoder)
     steps = reordering_bound(pipeline.transformer, sp.num_inference_steps * (1 + 2 * sp.true_cfg_scale))
     tolerance = {"prompt_embeds": text, "negative_prompt_embeds": text, "latents": steps, "log_probs": steps,
