@@ -229,6 +229,8 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # in start-up (signals.Interrupted) or a second signal in the loop
         signals.exit_now(EXIT_CODES["interrupted"], release=_stop_ray)
     except Exception as exc:  # noqa: BLE001 - out of memory in the loop is one line; anything else re-raised
+        if signals.raised():  # the start-up interrupt, swallowed by a library and raised again as another error
+            signals.exit_now(EXIT_CODES["interrupted"], release=_stop_ray)
         line = disk_full(exc, Path(cfg.run_dir)) or out_of_memory(exc, Path(cfg.run_dir))
         if line is None:
             raise

@@ -24,7 +24,7 @@ INTERRUPTED = 130  # cli.EXIT_CODES["interrupted"]
 GRACE_S = 20.0  # from the signal to the exit at the latest: unwinding and releasing Ray take a few seconds
 
 _state = {"line": "error: interrupted", "unwind": False, "printed": False, "exiting": False, "deadline": None,
-          "watcher": None, "unraisablehook": None}
+          "watcher": None, "unraisablehook": None, "raised": None}
 _lock = threading.RLock()  # a handler may run while the main thread holds it
 
 
@@ -59,7 +59,15 @@ def installed() -> bool:
 def _on_signal(signum, frame):
     if _state["exiting"] or not _state["unwind"]:  # nothing to release, or a signal again while releasing
         _finish(INTERRUPTED)
+    _state["raised"] = signum
     raise Interrupted(signum)  # args[0]: the signal
+
+
+def raised() -> bool:
+    """Whether the start-up handler raised `Interrupted`: an exception of another type after it is the interrupt
+    turned into something else by a library's bare `except:` (JAX's make_mesh returns None from one and raises a
+    ValueError)."""
+    return _state["raised"] is not None
 
 
 def _unraisable(unraisable) -> None:

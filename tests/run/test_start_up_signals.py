@@ -96,3 +96,31 @@ def test_an_interrupt_swallowed_by_a_gc_callback_comes_back_in_ordinary_code():
     """
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     assert out.returncode == 130 and out.stderr == "error: interrupted (test)\n", out.stderr
+
+
+def test_an_interrupt_a_library_turns_into_another_error_still_exits_130(tmp_path):
+    """JAX's make_mesh runs int() under a bare `except:`: a signal landing there became its ValueError and the run
+    ended with a traceback, exit 1 (seen once in CI). An error raised after the start-up handler raised its interrupt
+    ends as the interrupt: exit 130, one line."""
+    code = f"""if True:
+        import os, signal, sys
+        from jaxflow.run import cli
+
+        def swallowing():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                sum(range(100000))  # the handler raises here
+            except:  # noqa: E722 - as the library does
+                return None
+
+        class Trainer:
+            def __init__(self, config, resume=False):
+                swallowing()
+                raise ValueError("what the library raises instead")
+
+        sys.argv = ["train", "--config=configs/tiny_ocr.py", "--config.rollout.layout=in_process",
+                    "--config.run_dir={tmp_path / 'run'}"]  # ml_collections reads its overrides from sys.argv
+        sys.exit(cli.main(Trainer, sys.argv))
+    """
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
+    assert_interrupted(out.returncode, out.stderr, tmp_path / "run")
