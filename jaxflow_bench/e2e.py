@@ -158,6 +158,7 @@ def described(args, overrides: list[str], given: dict) -> str:
     opts = [f"--layout={args.layout}"] + [f"--{k.replace('_', '-')}={v}" for k in (
         "device", "recipe", "config", "engine", "sleep", "prompts", "micro", "per_call", "steps", "reward", "model_dir",
         "profile_step", "one_gpu") if (v := getattr(args, k)) is not None]
+    opts += [f"--quantization={args.quantization}"] if args.quantization != "none" else []
     return shlex.join([*env, "python", "-m", "jaxflow_bench.e2e", "OUT", *opts, *overrides])
 
 

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from jaxflow_bench.e2e import parser, result_name, setup
+from jaxflow_bench.e2e import described, parser, result_name, setup
 from jaxflow_bench.summary import mismatch_figures, summarize
 from tests import HANG_S
 from tests.helpers import ROOT
@@ -67,3 +67,11 @@ def test_e2e_fp8_refuses_the_diffusers_engine(tmp_path):
     assert (got.returncode, got.stderr.strip()) == (2, "error: --quantization fp8 quantizes vLLM-Omni's DiT: a GPU "
                                                        "run without --engine diffusers")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_result_command_names_the_quantization(tmp_path):
+    """The result file's command reruns what ran: an FP8 run's names --quantization=fp8, a bf16 run's none."""
+    args, _ = parser().parse_known_args([str(tmp_path / "out"), "--quantization", "fp8", "--steps", "3"])
+    assert "--quantization=fp8" in described(args, [], {}).split()
+    plain, _ = parser().parse_known_args([str(tmp_path / "out")])
+    assert "--quantization" not in described(plain, [], {})
