@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The recipe end to end on one GPU with a PickScore + OCR reward mix: a random full-size PickScore
-# (scripts/make_random_pickscore.py) scores in a Ray actor of its own on the same GPU (bf16, a tenth of the GPU in
+# (scripts/make_random_pickscore.py) scores in a Ray actor of its own on the same GPU (its default float32, a tenth of the GPU in
 # Ray's count, the rollout actor the rest), overlapping the rollout as the OCR pool does; 3 timed steps; writes
 # OUT_DIR/reward_zoo.json with the reward time per step (jaxflow_bench.e2e's figures).
 #
@@ -12,5 +12,5 @@ pick=${PICKSCORE_DIR:-/tmp/pickscore_random}
 python -m jaxflow_bench.e2e "$out" --result "${RESULT:-reward_zoo}" ${PROMPTS:+--prompts "$PROMPTS"} \
   --config.rollout.num_gpus=0.9 \
   "--config.reward.fns={'ocr': 1.0, 'pickscore': 1.0}" \
-  "--config.reward.options={'ocr': {'num_threads': 2}, 'pickscore': {'path': '$pick', 'device': 'cuda', 'dtype': 'bfloat16', 'batch_size': 16, 'actor': {'num_gpus': 0.1, 'num_cpus': 1}}}" \
+  "--config.reward.options={'ocr': {'num_threads': 2}, 'pickscore': {'path': '$pick', 'device': 'cuda', 'batch_size': 16, 'actor': {'num_gpus': 0.1, 'num_cpus': 1}}}" \
   "$@"
