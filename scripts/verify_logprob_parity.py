@@ -3,7 +3,7 @@
     python scripts/verify_logprob_parity.py [--model-family qwen_image|qwen_image_edit|bagel] [--model DIR]
         [--engine diffusers|vllm_omni|bagel_torch] [--dtype float32] [--jax-dtype D] [--jax-rope bfloat16] [--cfg 4]
         [--steps 4] [--window 2] [--prompts 4] [--n 2] [--lora-rank R] [--lora-apply layers|folder|merged] [--think K]
-        [--deploy single_stage|two_stage] [--json OUT]
+        [--deploy single_stage|two_stage] [--quantization fp8] [--enforce-eager] [--json OUT]
 
 Rolls out on the engine (default: diffusers; the model defaults to the tiny offline pipeline saved in --dtype,
 which vLLM-Omni needs; with --model-family bagel: the bagel_torch engine on the tiny random BAGEL, float32, or
@@ -15,7 +15,10 @@ images, 48 x 80 on vllm_omni, whose edit pre-processing samples multiples of 16 
 recomputes each window step's log-prob with the same transformer weights loaded into the Flax model, through the
 train step's own forward (`jaxflow.trainer.parity.recompute`). With --lora-rank both sides get one random non-zero PEFT
 adapter (the engine via update_lora, JAX via peft_to_lora); --jax-lora-seed gives the JAX side a different one (a
-negative control).
+negative control). --quantization fp8 (vllm_omni) serves the DiT's linears in FP8 (rollout.quantization) against the
+bf16/fp32 JAX recompute: its |dlogp| is FP8's error, not a bug's (pass a --threshold that fits it); --enforce-eager
+runs vLLM-Omni without torch.compile (a compiled graph's fault vs a kernel's). A rollout whose log-probs are not all
+finite fails before JAX loads.
 
 Prints |dlogp| mean/p50/p99/max and ratio mean/min/max per window position, then overall. Exits 1 when the
 overall MAX |dlogp| exceeds --threshold: a mismatch bug need not touch every sample (one prompt length, one
@@ -95,6 +98,9 @@ def parse_args(argv):
                    help="vllm_omni: how the engine applies the adapter (default: the engine's, layers)")
     p.add_argument("--deploy", choices=("single_stage", "two_stage"),
                    help="BAGEL on vllm_omni: vLLM-Omni's deployment (default: the engine's, single_stage)")
+    p.add_argument("--quantization", choices=("none", "fp8"), default="none",
+                   help="vllm_omni: the DiT's linears in FP8 (rollout.quantization)")
+    p.add_argument("--enforce-eager", action="store_true", help="vllm_omni: no torch.compile (omni_args enforce_eager)")
     p.add_argument("--jax-lora-seed", type=int, help="a different adapter seed for the JAX side (negative control)")
     p.add_argument("--think", type=int, help="BAGEL: think mode with this max_think_tokens (the trainer rebuilds the "
                                             "context from the carried ids)")
@@ -124,6 +130,9 @@ def parse_args(argv):
         p.error("--think is BAGEL's think mode: pass --model-family bagel")
     if args.lora_apply and args.engine != "vllm_omni":
         p.error("--lora-apply is an option of --engine vllm_omni")
+    for flag, used in (("--quantization", args.quantization != "none"), ("--enforce-eager", args.enforce_eager)):
+        if used and args.engine != "vllm_omni":
+            p.error(f"{flag} is an option of --engine vllm_omni")
     if args.deploy and not (bagel and args.engine == "vllm_omni"):
         p.error("--deploy is BAGEL's vLLM-Omni deployment: pass --model-family bagel --engine vllm_omni")
     if args.deploy == "two_stage" and args.think is not None:
@@ -159,14 +168,17 @@ def edit_references(count: int, height: int, width: int, seed: int) -> list[np.n
     return [rng.integers(0, 256, (1, height, width, 3), dtype=np.uint8) for _ in range(count)]
 
 
-def build_engine(name: str, folder: Path, dtype: str, lora_apply: str | None = None, deploy: str | None = None):
+def build_engine(name: str, folder: Path, dtype: str, lora_apply: str | None = None, deploy: str | None = None,
+                 quantization: str = "none", eager: bool = False):
     """The rollout engine `name` from jaxflow_bridge.rollout.server's registry, in-process; SystemExit if unavailable.
-    `lora_apply`: the vllm_omni engine's (layers, folder, merged); `deploy`: its BAGEL deployment; bagel_torch skips its
-    image decode."""
+    `lora_apply`: the vllm_omni engine's (layers, folder, merged); `deploy`: its BAGEL deployment; `quantization`,
+    `eager`: its DiT's FP8 and no torch.compile; bagel_torch skips its image decode."""
     from jaxflow_bridge.rollout.server import engine_class
 
     config = {"engine": name, "model": str(folder), "dtype": dtype, **({"lora_apply": lora_apply} if lora_apply else {}),
-              **({"deploy": deploy} if deploy else {}), **({"decode": "preview"} if name == "bagel_torch" else {})}
+              **({"deploy": deploy} if deploy else {}), **({"decode": "preview"} if name == "bagel_torch" else {}),
+              **({"quantization": quantization} if quantization != "none" else {}),
+              **({"omni_args": {"enforce_eager": True}} if eager else {})}
     try:
         return engine_class(config)(config)
     except (ImportError, ValueError) as e:
@@ -193,7 +205,8 @@ def main(argv=None) -> int:
         args.model = tiny_bagel_path(dtype=args.dtype)
     elif args.model is None:
         args.model = tiny_folder(args.model_family, args.dtype)  # vLLM-Omni takes its dtype from the folder's
-    engine = build_engine(args.engine, args.model, args.dtype, args.lora_apply, args.deploy)
+    engine = build_engine(args.engine, args.model, args.dtype, args.lora_apply, args.deploy, args.quantization,
+                          args.enforce_eager)
     try:
         return check(args, engine, bagel)
     finally:
@@ -234,6 +247,11 @@ def check(args, engine, bagel: bool) -> int:
     batch = TrajectoryBatch.from_dict(engine.generate(PROMPTS[: args.prompts], args.n, sampling, args.seed, **refs))
     engine.sleep()  # frees the accelerator before JAX first touches it; a no-op on CPU
     t1 = time.perf_counter()
+    nonfinite = int((~np.isfinite(batch.log_probs)).sum())
+    if nonfinite:
+        print(f"FAIL: {nonfinite} of {batch.log_probs.size} rollout log-probs are not finite (latents: "
+              f"{int((~np.isfinite(batch.latents)).sum())} of {batch.latents.size} values not finite)")
+        return 1
 
     opts = ModelOptions(dtype=args.jax_dtype, param_dtype=args.jax_dtype, rope_table_dtype=args.jax_rope)
     model = load_bagel(folder, opts, spec) if bagel else load_transformer(

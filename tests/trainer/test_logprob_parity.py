@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers_vllm_omni import synthetic_batch
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "verify_logprob_parity.py"
 TINY = ["--dtype", "float32", "--cfg", "4", "--prompts", "2", "--n", "2", "--steps", "4", "--window", "2"]
 
@@ -142,6 +144,53 @@ def test_deploy_is_bagels_on_vllm_omni_and_reaches_the_engine(parity, capsys, mo
     parity.build_engine("vllm_omni", Path("/m"), "bfloat16", None, "two_stage")
     assert seen == [{"engine": "vllm_omni", "model": "/m", "dtype": "bfloat16", "deploy": "two_stage"}]
 
+
+
+def test_quantization_and_eager_are_vllm_omnis_and_reach_the_engine(parity, capsys, monkeypatch, tmp_path):
+    for flag in (["--quantization", "fp8"], ["--enforce-eager"]):
+        with pytest.raises(SystemExit):
+            parity.main(flag)
+        assert f"{flag[0]} is an option of --engine vllm_omni" in capsys.readouterr().err
+    seen = []
+
+    def engine_class(config):
+        seen.append(config)
+        raise ValueError("not started in this test")
+
+    monkeypatch.setattr("jaxflow_bridge.rollout.server.engine_class", engine_class)
+    argv = ["--engine", "vllm_omni", "--dtype", "bfloat16", "--model-family", "qwen_image", "--model", str(tmp_path)]
+    for extra in ([], ["--quantization", "fp8", "--enforce-eager"]):
+        with pytest.raises(SystemExit, match="not started in this test"):
+            parity.main([*argv, *extra])
+    base = {"engine": "vllm_omni", "model": str(tmp_path), "dtype": "bfloat16"}
+    assert seen == [base, {**base, "quantization": "fp8", "omni_args": {"enforce_eager": True}}]
+
+
+def test_a_rollout_with_non_finite_log_probs_fails_before_jax_loads(parity, capsys, monkeypatch):
+    """An FP8 rollout returned NaN log-probs (an H200 run): the check names that, rather than a NaN |dlogp|."""
+    batch = synthetic_batch(n=3)
+    batch.log_probs[1, 0] = np.nan
+
+    class NaNEngine:
+        def info(self):
+            return {"fingerprint": "0"}
+
+        def generate(self, *args, **kwargs):
+            return batch.to_dict()
+
+        def sleep(self):
+            return 0
+
+        def close(self):
+            pass
+
+    def no_jax(*args, **kwargs):
+        raise AssertionError("JAX loaded after a non-finite rollout")
+
+    monkeypatch.setattr(parity, "build_engine", lambda *args: NaNEngine())
+    monkeypatch.setattr(parity, "load_transformer", no_jax)
+    assert parity.main(TINY) == 1
+    assert "FAIL: 1 of 6 rollout log-probs are not finite (latents: 0 of" in capsys.readouterr().out
 
 @pytest.mark.slow
 def test_edit_fp32_recompute_matches_the_diffusers_rollout(parity, tmp_path):
