@@ -5,7 +5,9 @@ updated LoRA or optimizer state is not finite. A step with a skipped update is s
 gave a non-finite value, so it writes no checkpoint (the newest one, and those that orbax's `checkpoint.keep`
 rotation would otherwise drop, stay as they were). More than `train.max_skipped_steps` such steps in a row stop the
 run with `Diverged`; so does a run that ends on such a step (its LoRA is not exported), and an adapter with a
-non-finite value at the export. The command line prints `Diverged` as one `error:` line, exit 1.
+non-finite value at the export. A rollout batch whose float arrays that the loss reads are not finite stops the run
+at its step, before any update, with `RolloutNotFinite`: the engine's output is broken, not the policy. The command
+line prints either as one `error:` line, exit 1.
 """
 from __future__ import annotations
 
@@ -17,6 +19,25 @@ import numpy as np
 
 class Diverged(RuntimeError):
     """The run stopped without writing its state: its policy diverged (a one-line message naming the fix)."""
+
+
+class RolloutNotFinite(RuntimeError):
+    """A step's rollout returned non-finite values the loss would read; no update ran on it (a one-line message)."""
+
+
+def rollout_not_finite(step: int, bad: dict[str, int], rows: int, engine: str, quantization: str, lora_apply: str,
+                       run_dir: Path) -> RolloutNotFinite:
+    """Why the run stops at step `step` (counted as completed updates, as the metrics are): its rollout's fields
+    `bad` (name -> rows of `rows` holding a NaN or an infinity) from `engine` with rollout.quantization
+    `quantization`, serving the LoRA as `lora_apply`."""
+    fields = "; ".join(f"{name}: {count} of {rows} rows" for name, count in bad.items())
+    fix = ("try --config.rollout.quantization=none or check the engine's log" if quantization != "none" else
+           "check the engine's log")
+    return RolloutNotFinite(
+        f"step {step}'s rollout returned non-finite values ({fields}) from the {engine} engine "
+        f"(rollout.quantization={quantization}, LoRA served as {lora_apply}): the engine's output is broken, not the "
+        f"policy; no update ran on it and nothing of step {step} was written (the checkpoints in "
+        f"{run_dir / 'checkpoints'} are as they were); {fix}")
 
 
 def check_finite(tree, what: str, directory: Path) -> None:
