@@ -4,8 +4,9 @@ The train step skips an update (the state is left as it was, metric `skipped`) w
 updated LoRA or optimizer state is not finite. A step with a skipped update is suspect: the LoRA it started from
 gave a non-finite value, so it writes no checkpoint (the newest one, and those that orbax's `checkpoint.keep`
 rotation would otherwise drop, stay as they were). More than `train.max_skipped_steps` such steps in a row stop the
-run with `Diverged`; so does a run that ends on such a step (its LoRA is not exported), and an adapter with a
-non-finite value at the export. A rollout batch whose float arrays that the loss reads are not finite stops the run
+run with `Diverged` (a streak from a fresh run's first update, before the policy moved, is named as no divergence);
+so does a run that ends on such a step (its LoRA is not exported), and an adapter with a non-finite value at the
+export. A rollout batch whose float arrays that the loss reads are not finite stops the run
 at its step, before any update, with `RolloutNotFinite`: the engine's output is broken, not the policy. The command
 line prints either as one `error:` line, exit 1.
 """
@@ -82,6 +83,12 @@ class SkipStreak:
                f"train.max_skipped_steps={self.limit}")
         kept = (f"the newest checkpoint, step {newest_checkpoint}, is as it was" if newest_checkpoint is not None
                 else "no checkpoint was written")
+        metrics = run_dir / "metrics.jsonl"
+        if self.first == 1:  # a fresh run's first update: the policy had not moved yet
+            return Diverged(f"{why} (a non-finite loss, gradient or updated LoRA) from the run's first update on, "
+                            f"when the policy had not moved, so it did not diverge: the batch (rewards, advantages) "
+                            f"or the trainer's numerics are at fault, not train.learning_rate; no lora_final is "
+                            f"written and {kept}; see loss, grad_norm, reward_mean and logp_mismatch_* in {metrics}")
         return Diverged(f"{why} (a non-finite loss, gradient or updated LoRA): the policy diverged, so no lora_final "
-                        f"is written and {kept}; see loss and grad_norm in {run_dir / 'metrics.jsonl'}, then lower "
+                        f"is written and {kept}; see loss and grad_norm in {metrics}, then lower "
                         f"train.learning_rate and start again with --overwrite")
