@@ -173,7 +173,7 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
         return 0
     from jaxflow.config import validation as config_lib
     from jaxflow.run import run_dir as run_dir_lib
-    from jaxflow.trainer.divergence import Diverged
+    from jaxflow.trainer.divergence import Diverged, RolloutNotFinite
     from jaxflow.trainer.logp_gate import GateTripped
     from jaxflow.trainer.memory import PoolLargerThanPlanned
     from jaxflow.sync.verify import SyncMismatch
@@ -209,7 +209,7 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
     except config_lib.UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CODES["input"]
-    except (Diverged, GateTripped, PoolLargerThanPlanned) as exc:
+    except (Diverged, RolloutNotFinite, GateTripped, PoolLargerThanPlanned) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CODES["failed"]
     except SyncMismatch as exc:  # raised in the step's sync, before its checkpoint

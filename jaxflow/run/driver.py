@@ -18,6 +18,7 @@ from jaxflow.config.plan import RunPlan
 from jaxflow.config.sections import RunConfig
 from jaxflow import families
 from jaxflow.trainer import phases
+from jaxflow.trainer.divergence import rollout_not_finite
 from jaxflow.sync.base_share import torch_base_weights
 from jaxflow.run.data import GroupSampler, load_prompts, load_reference
 from jaxflow.algorithms import registry
@@ -28,6 +29,7 @@ from jaxflow.run.metrics_log import eval_grid_path, image_grid
 from jaxflow.trainer.minibatches import compact_zero_advantage, order_minibatches
 from jaxflow.run.rollout_client import LocalTransport, RayTransport, RolloutGroup, init_ray
 from jaxflow.trainer.train_batch import TrainBatch
+from jaxflow_bridge.contract.batch import nonfinite_rows
 from jaxflow_bridge.contract.engine_start import EngineStart, slowest_start
 from jaxflow_bridge.contract.trajectory import TextLengthError, TrajectoryBatch
 from jaxflow_bridge.rewards import RewardPool, build_reward
@@ -274,11 +276,16 @@ class Driver:
 
     def _experience(self, step: int, version: int) -> tuple[Experience, dict]:
         """The rollout of step `step`'s prompt groups on policy `version`, its rewards and advantages, and the
-        train batch (mini-batches laid out); with the phases it recorded (it may run in a thread)."""
+        train batch (mini-batches laid out); with the phases it recorded (it may run in a thread).
+        `RolloutNotFinite` where the rollout's float arrays that the loss reads hold a NaN or an infinity."""
         cfg, s = self.cfg, self.cfg.sample
         with phases.recording() as seconds:
             batch, rewards = self._rollout(step, version)
         phases.merge(seconds)
+        bad = nonfinite_rows(batch)  # host arrays: one pass, no device sync
+        if bad:
+            raise rollout_not_finite(step + 1, bad, len(batch), cfg.rollout.engine, self.plan.quantization,
+                                     self.plan.lora_apply, Path(cfg.run_dir))
         group_ids = np.repeat(np.arange(s.prompts_per_step), s.group_size)
         adv, zero_std = compute_advantages(rewards["avg"], group_ids, global_std=cfg.train.global_std,
                                            clip=cfg.train.adv_clip, expected_group_size=s.group_size)

@@ -4,8 +4,11 @@ The train step skips an update (the state is left as it was, metric `skipped`) w
 updated LoRA or optimizer state is not finite. A step with a skipped update is suspect: the LoRA it started from
 gave a non-finite value, so it writes no checkpoint (the newest one, and those that orbax's `checkpoint.keep`
 rotation would otherwise drop, stay as they were). More than `train.max_skipped_steps` such steps in a row stop the
-run with `Diverged`; so does a run that ends on such a step (its LoRA is not exported), and an adapter with a
-non-finite value at the export. The command line prints `Diverged` as one `error:` line, exit 1.
+run with `Diverged` (a streak from a fresh run's first update, before the policy moved, is named as no divergence);
+so does a run that ends on such a step (its LoRA is not exported), and an adapter with a non-finite value at the
+export. A rollout batch whose float arrays that the loss reads are not finite stops the run
+at its step, before any update, with `RolloutNotFinite`: the engine's output is broken, not the policy. The command
+line prints either as one `error:` line, exit 1.
 """
 from __future__ import annotations
 
@@ -17,6 +20,25 @@ import numpy as np
 
 class Diverged(RuntimeError):
     """The run stopped without writing its state: its policy diverged (a one-line message naming the fix)."""
+
+
+class RolloutNotFinite(RuntimeError):
+    """A step's rollout returned non-finite values the loss would read; no update ran on it (a one-line message)."""
+
+
+def rollout_not_finite(step: int, bad: dict[str, int], rows: int, engine: str, quantization: str, lora_apply: str,
+                       run_dir: Path) -> RolloutNotFinite:
+    """Why the run stops at step `step` (counted as completed updates, as the metrics are): its rollout's fields
+    `bad` (name -> rows of `rows` holding a NaN or an infinity) from `engine` with rollout.quantization
+    `quantization`, serving the LoRA as `lora_apply`."""
+    fields = "; ".join(f"{name}: {count} of {rows} rows" for name, count in bad.items())
+    fix = ("try --config.rollout.quantization=none or check the engine's log" if quantization != "none" else
+           "check the engine's log")
+    return RolloutNotFinite(
+        f"step {step}'s rollout returned non-finite values ({fields}) from the {engine} engine "
+        f"(rollout.quantization={quantization}, LoRA served as {lora_apply}): the engine's output is broken, not the "
+        f"policy; no update ran on it and nothing of step {step} was written (the checkpoints in "
+        f"{run_dir / 'checkpoints'} are as they were); {fix}")
 
 
 def check_finite(tree, what: str, directory: Path) -> None:
@@ -61,6 +83,12 @@ class SkipStreak:
                f"train.max_skipped_steps={self.limit}")
         kept = (f"the newest checkpoint, step {newest_checkpoint}, is as it was" if newest_checkpoint is not None
                 else "no checkpoint was written")
+        metrics = run_dir / "metrics.jsonl"
+        if self.first == 1:  # a fresh run's first update: the policy had not moved yet
+            return Diverged(f"{why} (a non-finite loss, gradient or updated LoRA) from the run's first update on, "
+                            f"when the policy had not moved, so it did not diverge: the batch (rewards, advantages) "
+                            f"or the trainer's numerics are at fault, not train.learning_rate; no lora_final is "
+                            f"written and {kept}; see loss, grad_norm, reward_mean and logp_mismatch_* in {metrics}")
         return Diverged(f"{why} (a non-finite loss, gradient or updated LoRA): the policy diverged, so no lora_final "
-                        f"is written and {kept}; see loss and grad_norm in {run_dir / 'metrics.jsonl'}, then lower "
+                        f"is written and {kept}; see loss and grad_norm in {metrics}, then lower "
                         f"train.learning_rate and start again with --overwrite")

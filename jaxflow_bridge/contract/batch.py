@@ -6,8 +6,9 @@ sample has its own (a leading B axis) or the batch shares one. The rollout's `Tr
 (`jaxflow_bridge.contract.trajectory`) is made of the trajectory fields, the learner's `TrainBatch`
 (`jaxflow.trainer.train_batch`) of the train fields, the vLLM-Omni codec carries the payload fields and an
 algorithm's `batch_fields` are names from here. `require` is the one check that a crossing's arrays hold every field
-the batch needs, each with its number of dims; `shapes` resolves the fields' shapes at a step's sizes (the learner's
-compile-time memory plan) and `dim_size` one dim (the trajectory's shape checks).
+the batch needs, each with its number of dims; `nonfinite_rows` names the float fields the learner reads that hold a
+value that is not finite; `shapes` resolves the fields' shapes at a step's sizes (the learner's compile-time memory
+plan) and `dim_size` one dim (the trajectory's shape checks).
 """
 from __future__ import annotations
 
@@ -96,6 +97,25 @@ def require(arrays: dict, where: str) -> None:
         ndim = len(field.dims) + (not field.shared)
         if np.ndim(value) != ndim:
             raise ValueError(f"{where}: {name} expected {ndim} dims {field_doc(name)}, got shape {np.shape(value)}")
+
+
+def nonfinite_rows(batch) -> dict[str, int]:
+    """Field name -> rows holding a NaN or an infinity, for the float fields (float32, bfloat16) of `batch` that the
+    learner reads (the schema's train fields; `batch` is a TrajectoryBatch or a TrainBatch, per-sample fields on a
+    leading axis); a shared field that is not finite counts every row. Only the fields with such rows are named."""
+    rows, out = len(batch), {}
+    for name, field in FIELDS.items():
+        value = getattr(batch, name, None)
+        if not field.train or value is None or value.dtype.kind in "biu":
+            continue
+        finite = np.isfinite(value)
+        if np.ndim(value) == len(field.dims):  # shared: one array for every row
+            bad = 0 if finite.all() else rows
+        else:
+            bad = int(np.count_nonzero(~finite.reshape(rows, -1).all(axis=1)))
+        if bad:
+            out[name] = bad
+    return out
 
 
 def field_doc(name: str) -> str:

@@ -34,6 +34,21 @@ def test_zero_allows_no_skipped_step():
     assert skips.over and "no checkpoint was written" in str(skips.error(Path("r"), None, ended=False))
 
 
+def test_a_streak_from_the_first_update_is_not_called_a_divergence():
+    """The policy had not moved when the first update's loss was not finite: the learning rate is not the fix."""
+    skips = SkipStreak(2)
+    for step in (1, 2, 3):
+        skips.record(step, True)
+    message = str(skips.error(Path("/r"), None, ended=True))
+    assert message.startswith("the run ended on steps 1-3, whose updates were skipped (a non-finite loss, gradient "
+                              "or updated LoRA) from the run's first update on, when the policy had not moved")
+    assert "the policy diverged" not in message and "lower train.learning_rate" not in message
+    assert "not train.learning_rate" in message and "/r/metrics.jsonl" in message
+    skips.record(4, False)
+    skips.record(5, True)  # a streak after an update that moved the policy
+    assert "the policy diverged" in str(skips.error(Path("/r"), 4, ended=True))
+
+
 def test_a_lora_with_a_non_finite_value_is_not_exported():
     lora = {"a": np.ones((2, 3), np.float32), "b": np.array([1.0, np.inf, np.nan], np.float32)}
     with pytest.raises(Diverged, match=r"^the trained lora holds 2 non-finite values, so out/lora_final is not "):
