@@ -86,8 +86,8 @@ class SkipStreak:
         metrics = run_dir / "metrics.jsonl"
         if self.first == 1:  # a fresh run's first update: the policy had not moved yet
             return Diverged(f"{why} (a non-finite loss, gradient or updated LoRA) from the run's first update on, "
-                            f"when the policy had not moved, so it did not diverge: the batch (rewards, advantages) "
-                            f"or the trainer's numerics are at fault, not train.learning_rate; no lora_final is "
+                            f"when the policy had not moved: look first at the batch (rewards, advantages) and the "
+                            f"trainer's numerics, then at train.learning_rate; no lora_final is "
                             f"written and {kept}; see loss, grad_norm, reward_mean and logp_mismatch_* in {metrics}")
         return Diverged(f"{why} (a non-finite loss, gradient or updated LoRA): the policy diverged, so no lora_final "
                         f"is written and {kept}; see loss and grad_norm in {metrics}, then lower "

@@ -35,7 +35,8 @@ def test_zero_allows_no_skipped_step():
 
 
 def test_a_streak_from_the_first_update_is_not_called_a_divergence():
-    """The policy had not moved when the first update's loss was not finite: the learning rate is not the fix."""
+    """The policy had not moved when the first update's loss was not finite: the batch and the numerics come first,
+    the learning rate after them."""
     skips = SkipStreak(2)
     for step in (1, 2, 3):
         skips.record(step, True)
@@ -43,7 +44,7 @@ def test_a_streak_from_the_first_update_is_not_called_a_divergence():
     assert message.startswith("the run ended on steps 1-3, whose updates were skipped (a non-finite loss, gradient "
                               "or updated LoRA) from the run's first update on, when the policy had not moved")
     assert "the policy diverged" not in message and "lower train.learning_rate" not in message
-    assert "not train.learning_rate" in message and "/r/metrics.jsonl" in message
+    assert "the batch (rewards, advantages)" in message and "/r/metrics.jsonl" in message
     skips.record(4, False)
     skips.record(5, True)  # a streak after an update that moved the policy
     assert "the policy diverged" in str(skips.error(Path("/r"), 4, ended=True))
