@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -266,19 +267,26 @@ class QwenImageTransformer(nnx.Module):
 
         if self.unrolled:
             graphdef, lora, frozen = nnx.split(self.blocks, LoRAParam, ...)
+            stacked = jax.tree.map(lambda w: not isinstance(w, tuple), frozen, is_leaf=_is_pieces)
 
-            def layer(carry, lora_i, frozen, i):
-                # the frozen weights are taken inside the checkpoint: a stack's slice taken outside would be one of
-                # its inputs, kept from the forward to the backward (a copy of every block's weights). Unstacked
-                # weights (one array per block) are picked, not copied.
-                return block(carry, graphdef, lora_i, _block_weights(frozen, i))
+            def layer(carry, lora_i, weights, i, temb, rope, kv_len, lora_scale):
+                # a stack's block is taken inside the checkpoint: a slice taken outside would be one of its inputs,
+                # kept from the forward to the backward (a copy of every block's weights); i is an argument, so
+                # every block is this one program, a constant index once XLA inlines the calls (a static slice).
+                # Unstacked weights (one array per block) are picked outside, in place.
+                frozen_i = jax.tree.map(lambda s, w: lax.dynamic_index_in_dim(w, i, keepdims=False) if s else w,
+                                        stacked, weights)
+                block_i = nnx.merge(graphdef, _squeezed(lora_i), frozen_i)
+                return block_i(*carry, temb, rope, kv_len, impl, lora_scale, gemm)
 
             if remat:  # no loop between forward and backward: barriers keep XLA from merging the recompute into
                 # the forward (which would keep every activation)
-                layer = jax.checkpoint(layer, policy=policy, prevent_cse=True, static_argnums=(3,))
+                layer = jax.checkpoint(layer, policy=policy, prevent_cse=True)
+            layer = jax.jit(layer)  # traced (and differentiated) once for all the blocks, not once a block
             carry = (img, ctx)
             for i, lora_i in enumerate(_split_stacks(lora, self.cfg.num_layers)):
-                carry = layer(carry, lora_i, frozen, i)
+                weights = jax.tree.map(lambda w: w[i] if isinstance(w, tuple) else w, frozen, is_leaf=_is_pieces)
+                carry = layer(carry, lora_i, weights, np.int32(i), temb, rope, kv_len, lora_scale)
             return carry
 
         if self.blocks_unstacked:
@@ -307,13 +315,19 @@ def _unstack(stack) -> tuple:
 
 
 def _split_stacks(tree, n: int) -> list:
-    """`tree`'s (n, ...) stacks as n per-block trees, by one split per stack: its gradient is one concatenate,
-    where n separate slices' gradients are n zero-padded whole stacks summed (traffic growing with n squared)."""
+    """`tree`'s (n, ...) stacks as n per-block trees of (1, ...) pieces, by one split per stack: its gradient is one
+    concatenate, where n separate slices' gradients are n zero-padded whole stacks summed (traffic growing with n
+    squared). The blocks' program drops the leading axis (`_squeezed`), once for all of them."""
     leaves, treedef = jax.tree.flatten(tree)
-    parts = [[p.reshape(p.shape[1:]) for p in jnp.split(w, n)] for w in leaves]
+    parts = [lax.split(w, (1,) * n) for w in leaves]
     return [jax.tree.unflatten(treedef, [ps[i] for ps in parts]) for i in range(n)]
 
 
-def _block_weights(frozen, i: int):
-    """Block i's frozen weights: a static slice of each stack, or the i-th of each per-block tuple."""
-    return jax.tree.map(lambda w: w[i], frozen, is_leaf=lambda x: isinstance(x, tuple))
+def _squeezed(tree):
+    """A block's (1, ...) LoRA pieces (`_split_stacks`) as its weights."""
+    return jax.tree.map(lambda w: lax.squeeze(w, (0,)), tree)
+
+
+def _is_pieces(x) -> bool:
+    """A frozen weight held one array per block (a tuple, `unstack_blocks`)."""
+    return isinstance(x, tuple)

@@ -82,7 +82,7 @@ def test_the_unrolled_blocks_keep_their_remat_and_slice_their_weights_inside_it(
     loss, lora, frozen = _lora_loss(_lora_model(2))
     lowered = jax.jit(jax.grad(loss)).lower(lora, frozen).as_text()
     assert "stablehlo.while" not in lowered and "optimization_barrier" in lowered
-    blocks = [e for e in jax.make_jaxpr(loss)(lora, frozen).jaxpr.eqns
+    blocks = [e for e in _eqns(jax.make_jaxpr(loss)(lora, frozen).jaxpr)
               if e.primitive.name in ("checkpoint", "remat", "remat2")]
     shapes = {tuple(v.aval.shape) for e in blocks for v in e.invars}
     assert len(blocks) == CFG.num_layers
@@ -127,6 +127,24 @@ def test_the_lora_gradient_of_unrolled_blocks_is_not_a_sum_of_padded_stacks():
            if e.primitive.name in ("pad", "add_any", "concatenate")]
     assert not [op for op in ops if op[0] in ("pad", "add_any") and op[1] in stacks]
     assert {op[1] for op in ops if op[0] == "concatenate"} >= stacks
+
+
+def test_the_unrolled_blocks_are_traced_once_not_once_a_block(monkeypatch):
+    # each block is one call of the same jitted (and checkpointed) program: its Python runs once however many blocks
+    # there are, so the recipe's 60 blocks trace and differentiate as fast as one (a block's tracing was most of the
+    # step's start-up trace); the gradient matches the scan's (test_the_unrolled_blocks_give_the_scan_s_gradient)
+    from jaxflow.families.qwen_image import transformer
+
+    calls = []
+    real = transformer.Block.__call__
+    monkeypatch.setattr(transformer.Block, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
+    for unstack in (False, True):
+        three = dataclasses.replace(CFG, num_layers=3)
+        model = _lora_model(3, three)
+        loss, lora, frozen = _lora_loss(_unstacked(model) if unstack else model)
+        calls.clear()
+        jax.make_jaxpr(jax.grad(loss))(lora, frozen)
+        assert len(calls) == 1, (unstack, len(calls))
 
 
 def test_per_block_weights_are_refused_where_a_scan_would_read_them():
