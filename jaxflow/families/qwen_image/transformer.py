@@ -247,8 +247,9 @@ class QwenImageTransformer(nnx.Module):
 
     def _blocks(self, img, ctx, temb, rope, kv_len, lora_scale):
         """The stacked blocks, remat policy by name: a lax.scan over them (compile time independent of depth), or
-        a straight line when model.scan_unroll >= num_layers (each block then reads its weights at a static
-        offset, with no per-iteration dynamic slice of the stacks).
+        a straight line when model.scan_unroll >= num_layers: each block one call of the same jitted program
+        (traced once; XLA inlines the calls, so each block reads its weights at a constant offset, with no
+        per-iteration dynamic slice of the stacks).
 
         A functional loop over the split block state rather than nnx.scan: under jax.grad wrt the LoRA params
         only, a block holds variables at two trace levels, which NNX's graph transforms refuse.
