@@ -277,15 +277,18 @@ class Driver:
     def _experience(self, step: int, version: int) -> tuple[Experience, dict]:
         """The rollout of step `step`'s prompt groups on policy `version`, its rewards and advantages, and the
         train batch (mini-batches laid out); with the phases it recorded (it may run in a thread).
-        `RolloutNotFinite` where the rollout's float arrays that the loss reads hold a NaN or an infinity."""
+        `RolloutNotFinite` where the rollout of the policy no update has changed yet (version 0) returns float
+        arrays that the loss reads with a NaN or an infinity: the engine's output is broken. A later policy's are
+        left to the learner, whose non-finite loss skips the update (`divergence.SkipStreak`: it may have
+        diverged)."""
         cfg, s = self.cfg, self.cfg.sample
         with phases.recording() as seconds:
             batch, rewards = self._rollout(step, version)
         phases.merge(seconds)
-        bad = nonfinite_rows(batch)  # host arrays: one pass, no device sync
+        bad = nonfinite_rows(batch) if version == 0 else None  # host arrays: one pass, no device sync
         if bad:
             raise rollout_not_finite(step + 1, bad, len(batch), cfg.rollout.engine, self.plan.quantization,
-                                     self.plan.lora_apply, Path(cfg.run_dir))
+                                     self.plan.lora_apply)
         group_ids = np.repeat(np.arange(s.prompts_per_step), s.group_size)
         adv, zero_std = compute_advantages(rewards["avg"], group_ids, global_std=cfg.train.global_std,
                                            clip=cfg.train.adv_clip, expected_group_size=s.group_size)

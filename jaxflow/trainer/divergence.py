@@ -6,8 +6,8 @@ gave a non-finite value, so it writes no checkpoint (the newest one, and those t
 rotation would otherwise drop, stay as they were). More than `train.max_skipped_steps` such steps in a row stop the
 run with `Diverged` (a streak from a fresh run's first update, before the policy moved, is named as no divergence);
 so does a run that ends on such a step (its LoRA is not exported), and an adapter with a non-finite value at the
-export. A rollout batch whose float arrays that the loss reads are not finite stops the run
-at its step, before any update, with `RolloutNotFinite`: the engine's output is broken, not the policy. The command
+export. A rollout of the policy before any update (version 0) whose float arrays that the loss reads are not
+finite stops the run at its step with `RolloutNotFinite`: the engine's output is broken, not the policy. The command
 line prints either as one `error:` line, exit 1.
 """
 from __future__ import annotations
@@ -26,8 +26,8 @@ class RolloutNotFinite(RuntimeError):
     """A step's rollout returned non-finite values the loss would read; no update ran on it (a one-line message)."""
 
 
-def rollout_not_finite(step: int, bad: dict[str, int], rows: int, engine: str, quantization: str, lora_apply: str,
-                       run_dir: Path) -> RolloutNotFinite:
+def rollout_not_finite(step: int, bad: dict[str, int], rows: int, engine: str, quantization: str,
+                       lora_apply: str) -> RolloutNotFinite:
     """Why the run stops at step `step` (counted as completed updates, as the metrics are): its rollout's fields
     `bad` (name -> rows of `rows` holding a NaN or an infinity) from `engine` with rollout.quantization
     `quantization`, serving the LoRA as `lora_apply`."""
@@ -36,9 +36,9 @@ def rollout_not_finite(step: int, bad: dict[str, int], rows: int, engine: str, q
            "check the engine's log")
     return RolloutNotFinite(
         f"step {step}'s rollout returned non-finite values ({fields}) from the {engine} engine "
-        f"(rollout.quantization={quantization}, LoRA served as {lora_apply}): the engine's output is broken, not the "
-        f"policy; no update ran on it and nothing of step {step} was written (the checkpoints in "
-        f"{run_dir / 'checkpoints'} are as they were); {fix}")
+        f"(rollout.quantization={quantization}, LoRA served as {lora_apply}) serving the policy before any update: "
+        f"the engine's output is broken, not the policy; no update ran on it and nothing of step {step} was "
+        f"written; {fix}")
 
 
 def check_finite(tree, what: str, directory: Path) -> None:
