@@ -268,7 +268,7 @@ class QwenImageTransformer(nnx.Module):
 
         if self.unrolled:
             graphdef, lora, frozen = nnx.split(self.blocks, LoRAParam, ...)
-            stacked = jax.tree.map(lambda w: not isinstance(w, tuple), frozen, is_leaf=_is_pieces)
+            stacked = jax.tree.map(lambda w: not _is_pieces(w), frozen, is_leaf=_is_pieces)
 
             def layer(carry, lora_i, weights, i, temb, rope, kv_len, lora_scale):
                 # a stack's block is taken inside the checkpoint: a slice taken outside would be one of its inputs,
@@ -286,7 +286,7 @@ class QwenImageTransformer(nnx.Module):
             layer = jax.jit(layer)  # traced (and differentiated) once for all the blocks, not once a block
             carry = (img, ctx)
             for i, lora_i in enumerate(_split_stacks(lora, self.cfg.num_layers)):
-                weights = jax.tree.map(lambda w: w[i] if isinstance(w, tuple) else w, frozen, is_leaf=_is_pieces)
+                weights = jax.tree.map(lambda w: w[i] if _is_pieces(w) else w, frozen, is_leaf=_is_pieces)
                 carry = layer(carry, lora_i, weights, np.int32(i), temb, rope, kv_len, lora_scale)
             return carry
 
