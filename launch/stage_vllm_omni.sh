@@ -7,7 +7,8 @@
 #
 # Downloads Python 3.12 manylinux x86_64 wheels (--no-deps; the set that ran on an H200 with torch
 # 2.11.0+cu130, see docs/vllm_omni.md) into the ignored folder .stage/wheels, splits the
-# big vllm wheel into parts below 62 MB (one device call carries at most 64 MiB, the working tree included),
+# big wheels into parts that fit one device call beside the working tree (a call carries at most 64 MiB, the
+# tracked files counted as they lie on disk, plus 1 MB of margin; PART_BYTES=N overrides),
 # groups everything into .stage/call-N folders (one per device call) and prints the calls to make.
 # The last call runs launch/install_staged.sh, which reassembles, checks sha256 and pip-installs into
 # /tmp/site. Calls must follow each other while the machine is warm (/tmp survives only that long).
@@ -15,7 +16,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 SET=${SET:-all}
-PART_BYTES=62000000
+TREE_BYTES=$(git ls-files -z | du -B1 -c --files0-from=- | tail -n 1 | cut -f1)
+PART_BYTES=${PART_BYTES:-$((64 * 1024 * 1024 - TREE_BYTES - 1000000))}
 # the OCR reward's packages that the device image lacks (it has onnxruntime and opencv-python-headless)
 OCR_WHEELS=(rapidocr-onnxruntime==1.4.4 pyclipper==1.4.0 shapely==2.1.2)
 TRAINER_WHEELS=(ml-collections==1.1.0 tensorboardX==2.6.5 levenshtein==0.27.5 rapidfuzz==3.14.6)
