@@ -207,17 +207,19 @@ class Trainer:
         if phase and self.cfg.log.progress and run_dir_lib.first_process():
             print(f"start-up: {phase} ...", flush=True)
 
-    def startup_line(self) -> str:
-        """Where the start went: "start-up 312 s: checks 2 s, trainer's model 95 s, ..." (the first step, which
-        compiles, comes after), the memory plan's compiles by stage ("memory plan 91 s (trace 20 s, lower 30 s,
+    def startup_line(self, before: dict[str, float] | None = None) -> str:
+        """Where the start went: "start-up 312 s: Ray 3 s, checks 2 s, trainer's model 95 s, ..." (the first step,
+        which compiles, comes after; `before`: phases that ran before the trainer was built, in order and counted in
+        the total, e.g. the command line's start of Ray), the memory plan's compiles by stage ("memory plan 91 s (trace 20 s, lower 30 s,
         compile 41 s; 2 of 2 compiles from the cache, ...)": tracing and lowering are redone at every start, XLA's
         compile, the wall time of the step's programs compiled at once, a warm start's cache serves; "load N s"
         where the executable cache served them, `compile_times.summary`), and the engines' whole start where part of
         it ran beside the trainer's own phases (engines in Ray actors), naming those phases; an engine that reports
         its own start's parts (`EngineStart`: vllm_omni) has them named beside its phase or its whole start."""
         detail = {name: f" ({text})" for name, text in self.startup_detail.items() if text}
-        line = (f"start-up {sum(self.startup.values()):.0f} s: "
-                + ", ".join(f"{name} {sec:.0f} s{detail.get(name, '')}" for name, sec in self.startup.items()))
+        phases = {**(before or {}), **self.startup}
+        line = (f"start-up {sum(phases.values()):.0f} s: "
+                + ", ".join(f"{name} {sec:.0f} s{detail.get(name, '')}" for name, sec in phases.items()))
         if self.rollout_load_s is None or WAIT not in self.startup:
             return line
         names = list(self.startup)  # engines in Ray actors load from the trainer's model's start to the wait

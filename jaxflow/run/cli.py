@@ -14,6 +14,7 @@ import re
 import shutil
 import signal
 import sys
+import time
 from pathlib import Path
 
 USAGE = """\
@@ -192,14 +193,16 @@ def main(trainer_class, argv: list[str] | None = None) -> int:
             return 0
         machine = before_jax(config, chosen)  # JAX's share of each GPU, set before JAX starts
         compilation_cache(config.train.compile_cache)
+        began = time.monotonic()
         ray_logs = _start_ray(config, FLAGS.verbose)
+        before = {"Ray": time.monotonic() - began} if ray_logs is not None else {}  # the start-up line's first phase
         trainer = trainer_class(config, resume=FLAGS.resume)
         if trainer.driver:
             print(f"training {Path(cfg.run_dir).resolve()}: step {trainer.start} -> {cfg.train.num_steps}", flush=True)
             print(trainer.plan.summary(), flush=True)  # the plan, logged once
             if machine:
                 print(machine, flush=True)
-            print(trainer.startup_line(), flush=True)
+            print(trainer.startup_line(before), flush=True)
             if trainer.memory_summary:
                 print(trainer.memory_summary, flush=True)
         try:

@@ -90,6 +90,18 @@ def test_the_overlap_is_reported_in_the_start_up_line(tmp_path, monkeypatch):
         "beside the trainer's model, the memory plan and the train state")
 
 
+def test_phases_before_the_trainer_come_first_and_count_in_the_total(tmp_path, monkeypatch):
+    """The command line's start of Ray runs before the trainer is built: named first and counted in the total."""
+    events = []
+    _stand_ins(monkeypatch, events, True)
+    trainer = train.Trainer(validation.validate(tiny_config(tmp_path / "run")))
+    trainer.startup.update({name: 0.0 for name in trainer.startup})
+    trainer.startup.update({"trainer's model": 10.0, "memory plan": 33.0})
+    line = trainer.startup_line({"Ray": 4.0})
+    assert line.startswith("start-up 47 s: Ray 4 s, checks 0 s, prompts and rewards 0 s, trainer's model 10 s, ")
+    assert trainer.startup_line().startswith("start-up 43 s: checks 0 s, ")
+
+
 def test_the_first_syncs_parts_are_named(tmp_path, monkeypatch):
     """The first LoRA sync's parts (the driver's `sync_summary` of the phases recorded around it) in its phase."""
     events, recorded = [], []
