@@ -3,7 +3,8 @@
     python scripts/verify_logprob_parity.py [--model-family qwen_image|qwen_image_edit|bagel] [--model DIR]
         [--engine diffusers|vllm_omni|bagel_torch] [--dtype float32] [--jax-dtype D] [--jax-rope bfloat16] [--cfg 4]
         [--steps 4] [--window 2] [--prompts 4] [--n 2] [--lora-rank R] [--lora-apply layers|folder|merged] [--think K]
-        [--deploy single_stage|two_stage] [--quantization fp8] [--enforce-eager] [--json OUT]
+        [--deploy single_stage|two_stage] [--quantization fp8] [--enforce-eager] [--init checkpoint|random]
+        [--sleep-cycles N] [--micro-batches M] [--json OUT]
 
 Rolls out on the engine (default: diffusers; the model defaults to the tiny offline pipeline saved in --dtype,
 which vLLM-Omni needs; with --model-family bagel: the bagel_torch engine on the tiny random BAGEL, float32, or
@@ -17,8 +18,12 @@ train step's own forward (`jaxflow.trainer.parity.recompute`). With --lora-rank 
 adapter (the engine via update_lora, JAX via peft_to_lora); --jax-lora-seed gives the JAX side a different one (a
 negative control). --quantization fp8 (vllm_omni) serves the DiT's linears in FP8 (rollout.quantization) against the
 bf16/fp32 JAX recompute: its |dlogp| is FP8's error, not a bug's (pass a --threshold that fits it); --enforce-eager
-runs vLLM-Omni without torch.compile (a compiled graph's fault vs a kernel's). A rollout whose log-probs are not all
-finite fails before JAX loads.
+runs vLLM-Omni without torch.compile (a compiled graph's fault vs a kernel's). --init random draws the base
+weights from --seed by the shared random spec on both sides (the engine's `random_seed`, the trainer's
+model.init=random), so a --model folder needs no transformer weights (`scripts/make_random_pipeline.py
+--no-transformer-weights`); at full size pass --micro-batches to bound the JAX recompute's memory. --sleep-cycles N
+sleeps and wakes the engine N times after the adapter is applied, before the rollout, as the trainer does around each
+update. A rollout whose log-probs are not all finite fails before JAX loads.
 
 Prints |dlogp| mean/p50/p99/max and ratio mean/min/max per window position, then overall. Exits 1 when the
 overall MAX |dlogp| exceeds --threshold: a mismatch bug need not touch every sample (one prompt length, one
@@ -48,16 +53,19 @@ import ml_dtypes
 import numpy as np
 
 from jaxflow import families
-from jaxflow.families.bagel.loading import load_bagel
+from jaxflow.families.bagel.loading import folder_config, load_bagel, random_bagel
 from jaxflow.families.bagel.lora import BagelLoRASpec
 from jaxflow.nn.config import ModelOptions
+from jaxflow.families.qwen_image.config import QwenImageConfig
 from jaxflow.families.qwen_image.loading import load_transformer
+from jaxflow.families.qwen_image.random_init import random_transformer
 from jaxflow.nn.lora import peft_to_lora
 from jaxflow.families.qwen_image.lora import QwenImageLoRASpec
 from jaxflow.trainer.parity import parity_stats, random_adapter, recompute
 from jaxflow_bridge.contract.lora_payload import LoRAPayload
 from jaxflow_bridge.contract.served import ServedProbe, differing, expected_probe
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
+from jaxflow_bridge.engines.vllm_omni.rules import family_problems
 
 PROMPTS = [
     'A storefront sign that reads "OPEN 24 HOURS" in red neon',
@@ -92,7 +100,12 @@ def parse_args(argv):
     p.add_argument("--n", type=int, default=2, help="images per prompt")
     p.add_argument("--height", type=int, help="default: 40 (BAGEL 64; Qwen-Image-Edit on vllm_omni 48)")
     p.add_argument("--width", type=int, help="default: 72 (BAGEL 96; Qwen-Image-Edit on vllm_omni 80)")
-    p.add_argument("--seed", type=int, default=0, help="base sample seed; also seeds the LoRA adapter")
+    p.add_argument("--seed", type=int, default=0,
+                   help="base sample seed; also seeds the LoRA adapter and --init random's base weights")
+    p.add_argument("--init", choices=("checkpoint", "random"), default="checkpoint",
+                   help="base weights: the folder's, or drawn from --seed on both sides (model.init=random)")
+    p.add_argument("--sleep-cycles", type=int, default=0,
+                   help="sleep and wake the engine this many times after the adapter is applied, before the rollout")
     p.add_argument("--lora-rank", type=int, help="apply one random LoRA adapter (alpha = rank) to both sides")
     p.add_argument("--lora-apply", choices=("layers", "folder", "merged"),
                    help="vllm_omni: how the engine applies the adapter (default: the engine's, layers)")
@@ -137,6 +150,12 @@ def parse_args(argv):
         p.error("--deploy is BAGEL's vLLM-Omni deployment: pass --model-family bagel --engine vllm_omni")
     if args.deploy == "two_stage" and args.think is not None:
         p.error("--deploy two_stage has no think mode: drop --think")
+    if args.sleep_cycles < 0:
+        p.error("--sleep-cycles must be >= 0")
+    if args.init == "random" and args.engine == "vllm_omni":  # the engine's own rule, refused before it starts
+        for key, message in family_problems(args.model_family, init="random", deploy=None):
+            if key == "model.init":
+                p.error(f"--init random on --engine vllm_omni: {message}")
     if args.engine == "vllm_omni" and args.dtype != "bfloat16":
         p.error("--engine vllm_omni runs --dtype bfloat16 only (vLLM-Omni 0.20 fails its warm-up in float32)")
     args.jax_dtype = args.jax_dtype or args.dtype
@@ -169,16 +188,18 @@ def edit_references(count: int, height: int, width: int, seed: int) -> list[np.n
 
 
 def build_engine(name: str, folder: Path, dtype: str, lora_apply: str | None = None, deploy: str | None = None,
-                 quantization: str = "none", eager: bool = False):
+                 quantization: str = "none", eager: bool = False, random_seed: int | None = None):
     """The rollout engine `name` from jaxflow_bridge.rollout.server's registry, in-process; SystemExit if unavailable.
     `lora_apply`: the vllm_omni engine's (layers, folder, merged); `deploy`: its BAGEL deployment; `quantization`,
-    `eager`: its DiT's FP8 and no torch.compile; bagel_torch skips its image decode."""
+    `eager`: its DiT's FP8 and no torch.compile; `random_seed`: base weights drawn from it, not read from the folder;
+    bagel_torch skips its image decode."""
     from jaxflow_bridge.rollout.server import engine_class
 
     config = {"engine": name, "model": str(folder), "dtype": dtype, **({"lora_apply": lora_apply} if lora_apply else {}),
               **({"deploy": deploy} if deploy else {}), **({"decode": "preview"} if name == "bagel_torch" else {}),
               **({"quantization": quantization} if quantization != "none" else {}),
-              **({"omni_args": {"enforce_eager": True}} if eager else {})}
+              **({"omni_args": {"enforce_eager": True}} if eager else {}),
+              **({"random_seed": random_seed} if random_seed is not None else {})}
     try:
         return engine_class(config)(config)
     except (ImportError, ValueError) as e:
@@ -196,6 +217,19 @@ def print_table(stats: dict, step_index: np.ndarray) -> None:
             f"{s[c]:12.4e}" if "ratio" not in c else f"{s[c]:12.9f}" for c in cols))
 
 
+def jax_model(args, folder: Path, opts: ModelOptions, spec):
+    """The JAX model: the base weights read from `folder` (BAGEL's, or a `transformer/`), or drawn from --seed by the
+    shared random spec as the engine drew them (--init random: nothing read but the config)."""
+    if args.model_family == "bagel":
+        return random_bagel(folder_config(folder), opts, spec, args.seed) if args.init == "random" else \
+            load_bagel(folder, opts, spec)
+    model_type = families.by_name(args.model_family).model_type
+    if args.init == "random":
+        return random_transformer(QwenImageConfig.from_json(folder / "config.json"), opts, spec, seed=args.seed,
+                                  model_type=model_type)
+    return load_transformer(folder, opts, lora=spec, model_type=model_type)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     bagel = args.model_family == "bagel"
@@ -206,7 +240,7 @@ def main(argv=None) -> int:
     elif args.model is None:
         args.model = tiny_folder(args.model_family, args.dtype)  # vLLM-Omni takes its dtype from the folder's
     engine = build_engine(args.engine, args.model, args.dtype, args.lora_apply, args.deploy, args.quantization,
-                          args.enforce_eager)
+                          args.enforce_eager, args.seed if args.init == "random" else None)
     try:
         return check(args, engine, bagel)
     finally:
@@ -220,8 +254,10 @@ def check(args, engine, bagel: bool) -> int:
     spec = (BagelLoRASpec if bagel else QwenImageLoRASpec)(rank=args.lora_rank, alpha=float(args.lora_rank)) \
         if args.lora_rank else None
     round_to = ml_dtypes.bfloat16 if args.dtype == "bfloat16" else None  # both sides hold the same adapter values
+    # drawn base weights: the adapter's shapes from the config (a BAGEL folder always holds its weights)
+    drawn = args.model if args.init == "random" and not bagel else None
     if spec:
-        adapter = random_adapter(folder, spec, args.seed, round_to=round_to)
+        adapter = random_adapter(folder, spec, args.seed, round_to=round_to, drawn=drawn)
         ack = engine.update_lora(adapter, 1, spec.peft_config())
         print(f"LoRA rank {spec.rank} on {ack['bound_modules']} engine modules")
         payload = LoRAPayload(1, spec.peft_config(), tensors=adapter)
@@ -233,6 +269,10 @@ def check(args, engine, bagel: bool) -> int:
         if bad:
             print("FAIL: the engine does not serve the adapter it was sent")
             return 1
+    for cycle in range(args.sleep_cycles):  # the trainer's sleep/wake around each update, the adapter in place
+        freed = engine.sleep()
+        engine.wake()
+        print(f"sleep/wake cycle {cycle + 1} of {args.sleep_cycles}: the sleep freed {freed / 2**30:.2f} GiB")
 
     sampling = {"height": args.height, "width": args.width, "num_inference_steps": args.steps,
                 "sde_type": args.sde_type, "noise_level": args.noise_level,
@@ -254,11 +294,10 @@ def check(args, engine, bagel: bool) -> int:
         return 1
 
     opts = ModelOptions(dtype=args.jax_dtype, param_dtype=args.jax_dtype, rope_table_dtype=args.jax_rope)
-    model = load_bagel(folder, opts, spec) if bagel else load_transformer(
-        folder, opts, lora=spec, model_type=families.by_name(args.model_family).model_type)
+    model = jax_model(args, folder, opts, spec)
     if spec:
         jax_seed = args.seed if args.jax_lora_seed is None else args.jax_lora_seed
-        peft_to_lora(model, spec, random_adapter(folder, spec, jax_seed, round_to=round_to))
+        peft_to_lora(model, spec, random_adapter(folder, spec, jax_seed, round_to=round_to, drawn=drawn))
     t2 = time.perf_counter()
     if families.by_name(args.model_family).fingerprint(model) != engine_fingerprint:
         print(f"FAIL: the JAX base weights' fingerprint differs from the engine's ({engine_fingerprint[:12]})")
@@ -270,7 +309,9 @@ def check(args, engine, bagel: bool) -> int:
     t3 = time.perf_counter()
 
     stats = parity_stats(out["dlogp"], out["ratio"])
-    print(f"{args.model_family}: engine {args.engine} ({args.dtype}) vs JAX ({args.jax_dtype}); cfg {args.cfg}, {args.sde_type} "
+    print(f"{args.model_family}: engine {args.engine} ({args.dtype}) vs JAX ({args.jax_dtype}); base weights "
+          f"{'drawn from seed ' + str(args.seed) if args.init == 'random' else 'from the folder'}, "
+          f"{args.sleep_cycles} sleep/wake cycle(s) before the rollout; cfg {args.cfg}, {args.sde_type} "
           f"noise {args.noise_level}, {args.steps} steps, window {args.window}, B = {len(batch)}, "
           f"{args.height}x{args.width}; JAX matmul precision {opts.precision}, attention {model.impl}, RoPE tables "
           f"{args.jax_rope}; rollout {t1 - t0:.1f} s, JAX load {t2 - t1:.1f} s, recompute {t3 - t2:.1f} s")
@@ -281,7 +322,8 @@ def check(args, engine, bagel: bool) -> int:
           f"threshold {args.threshold:.1e}")
     if args.json:
         report = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                  **stats, "passed": passed, "step_index": batch.step_index.tolist(),
+                  **stats, "passed": passed, "fingerprint": engine_fingerprint,
+                  "step_index": batch.step_index.tolist(),
                   "log_prob_rollout": batch.log_probs.tolist(), "dlogp": out["dlogp"].tolist(),
                   **({"context_tokens": batch.prompt_mask.sum(1).tolist()} if bagel else {})}
         args.json.write_text(json.dumps(report, indent=1))

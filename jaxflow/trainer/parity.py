@@ -47,21 +47,28 @@ def recompute(model: nnx.Module, batch: TrajectoryBatch, *, grid_hw: tuple[int, 
 
 
 def random_adapter(folder: str | Path, spec: LoRASpec, seed: int, scale: float = 0.05,
-                   round_to=None) -> dict[str, np.ndarray]:
+                   round_to=None, *, drawn: str | Path | None = None) -> dict[str, np.ndarray]:
     """A random, non-zero PEFT adapter on `spec`'s targets for a model folder of `spec`'s family (its
     `weights_source`: e.g. a diffusers `transformer/` folder), shapes from the safetensors headers (touches no
-    accelerator).
+    accelerator); with `drawn`, a model folder whose base weights are drawn (model.init=random), shapes from its
+    config (`Family.random_weights`), so that folder need hold no transformer weights.
     A has std 1/sqrt(in) and B std scale sqrt(r) / alpha, so each adapted layer adds about `scale` x the input's RMS
     to every output. `round_to` (e.g. ml_dtypes.bfloat16) rounds the values, so a low-precision engine holds
     exactly what JAX holds."""
-    source, layers = families.of_lora_spec(spec).weights_source(Path(folder))
+    family = families.of_lora_spec(spec)
+    if drawn is None:
+        source, layers = family.weights_source(Path(folder))
+        shape = source.shape
+    else:
+        shape = {key: s for key, s, _ in family.random_weights(Path(drawn))}.__getitem__
+        layers = family.num_layers(Path(drawn))
     entries = spec.key_map()
     keys = sorted(k for e in entries for k in e.diffusers_keys(layers))
     rng = np.random.default_rng(seed)
     out = {}
     for key in keys:
         module, part, _ = key.rsplit(".", 2)
-        fan_out, fan_in = source.shape(f"{module}.weight")
+        fan_out, fan_in = shape(f"{module}.weight")
         if part == "lora_A":
             value = rng.standard_normal((spec.rank, fan_in)) / np.sqrt(fan_in)
         else:

@@ -40,6 +40,55 @@ def test_fp32_recompute_matches_rollout(parity, tmp_path, tiny_path, extra):
     assert abs(report["overall"]["ratio_min"] - 1) <= 1e-6 and abs(report["overall"]["ratio_max"] - 1) <= 1e-6
 
 
+def test_random_init_on_a_folder_without_transformer_weights_matches_rollout(parity, tmp_path, tiny_path):
+    """--init random: the engine draws the base weights from --seed (not the folder's: its fingerprint differs) and
+    JAX draws the same, within the float32 threshold; the folder's transformer/ holds its config.json alone, as a
+    full-size folder from make_random_pipeline.py --no-transformer-weights, so neither side reads weights there."""
+    folder = tmp_path / "no_transformer_weights"
+    (folder / "transformer").mkdir(parents=True)
+    for part in tiny_path.iterdir():
+        if part.name != "transformer":
+            (folder / part.name).symlink_to(part)
+    (folder / "transformer" / "config.json").write_bytes((tiny_path / "transformer" / "config.json").read_bytes())
+    code, report = _run(parity, tmp_path, "--model", str(folder), "--init", "random", "--lora-rank", "4")
+    assert code == 0 and report["passed"] and len(report["dlogp"]) == 4
+    assert report["overall"]["p99"] <= 1e-6
+    from_folder = parity.build_engine("diffusers", tiny_path, "float32")
+    assert report["fingerprint"] != from_folder.info()["fingerprint"]
+
+
+def test_sleep_cycles_run_after_the_adapter_and_before_the_rollout(parity, tmp_path, tiny_path, monkeypatch, capsys):
+    """--sleep-cycles 2: the engine sleeps and wakes twice between update_lora and generate (the header says so),
+    and the check still passes."""
+    calls, build = [], parity.build_engine
+
+    def recording(*args):
+        engine = build(*args)
+        for name in ("update_lora", "sleep", "wake", "generate"):
+            method = getattr(engine, name)
+            setattr(engine, name, lambda *a, _m=method, _n=name, **k: calls.append(_n) or _m(*a, **k))
+        return engine
+
+    monkeypatch.setattr(parity, "build_engine", recording)
+    code, report = _run(parity, tmp_path, "--lora-rank", "4", "--sleep-cycles", "2")
+    assert code == 0 and report["passed"]
+    assert calls == ["update_lora", "sleep", "wake", "sleep", "wake", "generate", "sleep"]  # the last frees for JAX
+    assert "2 sleep/wake cycle(s) before the rollout" in capsys.readouterr().out
+
+
+def test_init_and_sleep_cycles_bad_combinations_and_the_seed_reaching_the_engine(parity, capsys, monkeypatch):
+    for argv, needle in ((["--sleep-cycles", "-1"], "--sleep-cycles must be >= 0"),
+                         (["--model-family", "bagel", "--engine", "vllm_omni", "--dtype", "bfloat16", "--init",
+                           "random"], "--init random on --engine vllm_omni: 'random': BAGEL runs with 'checkpoint'")):
+        with pytest.raises(SystemExit):
+            parity.main(argv)
+        assert needle in capsys.readouterr().err
+    seen = []
+    monkeypatch.setattr("jaxflow_bridge.rollout.server.engine_class", lambda config: seen.append(config) or dict)
+    parity.build_engine("vllm_omni", Path("/m"), "bfloat16", random_seed=3)
+    assert seen == [{"engine": "vllm_omni", "model": "/m", "dtype": "bfloat16", "random_seed": 3}]
+
+
 def test_a_different_jax_adapter_fails(parity, tmp_path, tiny_path):
     code, report = _run(parity, tmp_path, "--lora-rank", "4", "--jax-lora-seed", "1")
     assert code == 1 and not report["passed"]
