@@ -13,12 +13,15 @@ has the same weights (the edit family's full_size.py builds on the text-to-image
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
 import numpy as np
 
 from jaxflow.config.planner import GIB, LORA_RESIDENT_BYTES, TABLE, ModelSizes
+from jaxflow.config.validation import config_module
+from jaxflow.config.work import work_of
 from jaxflow_bridge.engines import families
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,8 +76,21 @@ def phase_row(name: str, record: dict, config: str, engine: str, share_weights: 
             "card_gib": round(gib, 2), "micro_batch": int(f["micro_batch"]),
             "rollout_s_per_image": f["rollout_s"] / images,
             "old_log_prob_s_per_image": f["old_log_prob_s"] / images, "update_s_per_image": f["update_s"] / images,
-            "sync_s": f["sync_s"], "reward_s": f["reward_s"], "jax_share": jax_share,
+            "sync_s": f["sync_s"], "reward_s": f["reward_s"], "jax_share": jax_share, "work": recipe_work(config),
             "engine_reserve_gib": round(f["peak_gib"] - jax_share * gib - weights / GIB, 2)}
+
+
+def recipe_work(config: str) -> dict:
+    """The transformer passes per image (`jaxflow.config.work`) of the recipe `config` as jaxflow_bench.e2e runs it
+    (its settings; the prompts a step do not change them)."""
+    return dataclasses.asdict(work_of(config_module(ROOT / config).get_config()))
+
+
+def forward_share(phases: list[dict]) -> float:
+    """What a forward-only pass costs against a forward-and-backward one, per image: the first row that measured
+    both an old-log-prob pass and an update without forward-only passes."""
+    row = next(r for r in phases if r["work"]["recompute"] and not r["work"]["forward"])
+    return (row["old_log_prob_s_per_image"] / row["work"]["recompute"]) / (row["update_s_per_image"] / row["work"]["train"])
 
 
 def build(results: Path) -> dict:
@@ -82,6 +98,7 @@ def build(results: Path) -> dict:
     phases = [phase_row(name, json.loads((results / name).read_text()), *row) for name, *row in PHASE_FILES]
     # an engine never measured: the largest reserve of the memory model's family (the rows its memory plan reads)
     return {"written_by": "python -m jaxflow_bench.phase_costs", "memory": memory, "phases": phases,
+            "forward_share": forward_share(phases),
             "default_engine_reserve_gib": max(r["engine_reserve_gib"] for r in phases
                                               if r["family"] == memory["family"])}
 

@@ -102,6 +102,12 @@ class AdvantageWeightedMatching(forward_process.ForwardProcessLoss):
                    "ratio_mean": jnp.mean(terms["ratio"])}
         return grads, metrics, None
 
+    def passes(self, config, window: int) -> tuple[int, int]:
+        """Each noised timestep's guided velocity (two passes with true CFG) trained; with a KL the adapters-off
+        one beside it."""
+        guided = config.awm_timesteps * (2 if config.guided else 1)
+        return guided, guided if config.beta > 0 else 0
+
     def rules(self, config, policy):
         return (
             ("old_log_prob", policy.old_log_prob.rejection(config) is not None,

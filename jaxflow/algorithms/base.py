@@ -45,6 +45,11 @@ class Loss(Protocol):
 
     def update(self, state, frozen, mb: dict, old, index, *, graphdef, config, layout, objective): ...
 
+    def passes(self, config, window: int) -> tuple[int, int]:
+        """(forward-and-backward, forward-only) transformer passes a sample takes in one update, `window` the
+        rollout's SDE window steps (the planner scales measured costs by them: `jaxflow.config.work`)."""
+        ...
+
 
 class Ratio(Protocol):
     """FlowGRPO's ratio: `normalized` gives (new, old, divisor): the clipped objective runs on exp(new - old) and

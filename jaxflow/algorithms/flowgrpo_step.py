@@ -118,6 +118,12 @@ class FlowGRPO(Component):
         metrics["logp_gap"] = gap if "mask" not in terms else jnp.where(terms["mask"], gap, jnp.nan)
         return grads, metrics, config.policy.filter.runs(terms, metrics)
 
+    def passes(self, config, window: int) -> tuple[int, int]:
+        """Each window step's guided velocity (two passes with true CFG) trained; with a KL the adapters-off one
+        beside it."""
+        guided = window * (2 if config.guided else 1)
+        return guided, guided if config.beta > 0 else 0
+
     def rules(self, config, policy):
         return (("sde_type", config.sde_type not in ("sde", "cps"),
                  "training needs 'sde' or 'cps' ('ode' has no log-prob to train; it samples for algorithm 'nft')"),)

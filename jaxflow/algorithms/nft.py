@@ -137,6 +137,11 @@ class DiffusionNFT(forward_process.ForwardProcessLoss):
         grads, terms = gradients(graphdef, state.lora, state.old, frozen, mb, key, config, layout, objective=objective)
         return grads, step_metrics(terms, config.beta), None
 
+    def passes(self, config, window: int) -> tuple[int, int]:
+        """Each noised timestep's velocity trained (no CFG), the old policy's beside it, with a KL the
+        adapters-off one too."""
+        return config.nft_timesteps, config.nft_timesteps * (2 if config.beta > 0 else 1)
+
     def advanced(self, old, lora, updates, config):
         return advanced(old, lora, updates, config.nft_decay)
 

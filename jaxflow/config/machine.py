@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 from jaxflow.config import planner
+from jaxflow.config.work import work_of
 from jaxflow.config.errors import UserError
 
 COMPONENTS = ("transformer", "text_encoder", "vae")
@@ -99,7 +100,7 @@ def job_of(cfg) -> planner.Job:
     micro = t.num_micro_batches
     return planner.Job(family=cfg.model.family, images=s.prompts_per_step * s.group_size,
                        mini_batches=t.num_mini_batches, micro_batches=None if micro == "auto" else micro,
-                       engine=r.engine, layout=r.layout, share_weights=bool(r.share_weights))
+                       engine=r.engine, layout=r.layout, share_weights=bool(r.share_weights), work=work_of(cfg))
 
 
 def _machine(gpus: int | None = None, gpu_memory: float | None = None) -> tuple[planner.Card, int] | None:

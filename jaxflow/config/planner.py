@@ -1,7 +1,9 @@
 """The machine plan: which layout, how many samples per micro-batch, JAX's share of each GPU and the engine's, and
 the step time it predicts, from the model's sizes, the card and the per-phase cost table (`phase_costs.json`,
 written by `python -m jaxflow_bench.phase_costs` from measured result files). Pure: no JAX, no device. The step
-time comes only from rows measured on the job's own family (`costs_for`): a family never measured gets none.
+time comes only from rows measured on the job's own family (`costs_for`): a family never measured gets none; a job
+whose algorithm or settings run other transformer passes per image than the row's config has its costs scaled to
+them (`jaxflow.config.work`).
 
 The memory model on one GPU: JAX holds the frozen transformer and the LoRA's train state (`resident`), and the
 update needs `fixed + per_sample x micro-batch` beside it (`UpdateMemory`); the engine holds the weights it does
@@ -14,6 +16,8 @@ import dataclasses
 import json
 import math
 from pathlib import Path
+
+from jaxflow.config.work import Work, scaled_costs
 
 GIB = 2 ** 30
 TABLE = Path(__file__).with_name("phase_costs.json")
@@ -92,6 +96,7 @@ class Job:
     engine: str
     layout: str
     share_weights: bool
+    work: Work | None = None  # its transformer passes per image (None: the measured row's, unscaled)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +133,11 @@ class Plan:
             f"{self.micro_batch} sample(s) per micro-batch per GPU, {self.num_micro_batches} micro-batch(es) an update, JAX "
             f"{self.jax_share:.3f} of each GPU, the engine {self.engine_share:.3f}; {speed}",
             *(f"  why: {line}" for line in self.why)))
+
+
+def _passes(work: Work) -> str:
+    return (f"rollout {work.rollout:g}, trained {work.train:g}, forward-only {work.forward:g}, old log-probs "
+            f"{work.recompute:g}")
 
 
 def load_table(path: Path = TABLE) -> dict:
@@ -212,6 +222,10 @@ def _fit(job: Job, sizes: ModelSizes, card: Card, gpus: int, update: UpdateMemor
                    f"transformer, this one is {sizes.transformer_bytes / 1e9:.2g} GB")
         costs = None
     if costs:
+        if job.work is not None and Work(**costs["work"]) != job.work:
+            costs = scaled_costs(costs, job.work, table["forward_share"])
+            why.append(f"costs scaled to this config's transformer passes per image ({_passes(job.work)}; measured "
+                       f"{_passes(Work(**costs['work']))})")
         images = job.images / gpus
         step = images * (costs["rollout_s_per_image"] + costs["old_log_prob_s_per_image"]
                          + costs["update_s_per_image"]) + costs["sync_s"] + costs["reward_s"]

@@ -1,6 +1,8 @@
 """jaxflow_bench.plan_vs_measured reads a run's plan line and its measured steps (the first, compiling, left out)."""
 import json
 
+import pytest
+
 from jaxflow.config import planner
 from jaxflow_bench import plan_vs_measured
 
@@ -32,3 +34,22 @@ def test_a_run_without_a_prediction_is_one_line_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "predicted" in err[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_arms_mode_plans_every_measured_arm_and_writes_its_own_file(tmp_path):
+    assert plan_vs_measured.main([str(tmp_path), "--arms"]) == 0
+    record = json.loads((tmp_path / "plan_arms.json").read_text())
+    f, measured = record["figures"], json.loads(plan_vs_measured.ARMS_RESULT.read_text())["figures"]
+    arms = [a for a in plan_vs_measured.ARMS if f"{a}/step_s" in measured]
+    assert {"awm", "nft", "flowgrpo"} <= set(arms)
+    for arm in arms:
+        assert f[f"{arm}/measured_step_s"] == measured[f"{arm}/step_s"]
+        assert abs(f[f"{arm}/error"] - (f[f"{arm}/predicted_step_s"] / f[f"{arm}/measured_step_s"] - 1)) < 1e-5
+    assert f["max_abs_error"] == max(abs(f[f"{a}/error"]) for a in arms)
+    assert record["command"].endswith("--arms e2e_algorithms.json") and not (tmp_path / "plan_vs_measured.json").exists()
+
+
+def test_no_runs_and_no_arms_is_a_usage_error(tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        plan_vs_measured.main([str(tmp_path)])
+    assert exc.value.code == 2
