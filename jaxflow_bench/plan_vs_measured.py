@@ -15,6 +15,7 @@ now from the cost table, against the measured step: OUT/plan_arms.json.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import re
 import statistics
@@ -79,7 +80,10 @@ def arm_job(arm: str) -> planner.Job:
     for flag in ARMS[arm]:
         key, value = flag.removeprefix("--config.").split("=")
         section, name = key.split(".")
-        cfg[section][name] = type(cfg[section][name])(value)
+        try:
+            cfg[section][name] = ast.literal_eval(value)  # numbers and booleans; a name stays a string
+        except (ValueError, SyntaxError):
+            cfg[section][name] = value
     return machine.job_of(cfg)
 
 
