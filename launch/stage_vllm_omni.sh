@@ -16,7 +16,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 SET=${SET:-all}
-TREE_BYTES=$(git ls-files -z | du -B1 -c --files0-from=- | tail -n 1 | cut -f1)
+# the tracked files' blocks on disk (0 outside a git checkout, which no device call carries)
+TREE_BYTES=$({ git ls-files -z 2>/dev/null || true; } | du -B1 -c --files0-from=- | tail -n 1 | cut -f1)
 PART_BYTES=${PART_BYTES:-$((64 * 1024 * 1024 - TREE_BYTES - 1000000))}
 # the OCR reward's packages that the device image lacks (it has onnxruntime and opencv-python-headless)
 OCR_WHEELS=(rapidocr-onnxruntime==1.4.4 pyclipper==1.4.0 shapely==2.1.2)
