@@ -1,8 +1,10 @@
 """The planner's cost table, `jaxflow/config/phase_costs.json`, from measured result files: per engine and card the
 seconds per image of the rollout, the old log-probs and the update, the seconds per step of the LoRA sync and the
 reward's tail, and the engine's working memory beside its weights, each row for the family it was measured on (the
-planner predicts a family's step only from its own rows); and the update's memory per sample and fixed,
-from the micro-batch fit (`scripts/fit_micro_batch.py`). The planner (`jaxflow/config/planner.py`) reads it.
+planner predicts a family's step only from its own rows) with its config's transformer passes per image
+(`jaxflow.config.work`; `forward_share`: a forward-only pass's cost against a forward-and-backward one's, from a row
+that measured both, for a config whose passes differ); and the update's memory per sample and fixed, from the
+micro-batch fit (`scripts/fit_micro_batch.py`). The planner (`jaxflow/config/planner.py`) reads it.
 
     python -m jaxflow_bench.phase_costs [--results benchmarks/results] [--out jaxflow/config/phase_costs.json]
 
@@ -90,7 +92,8 @@ def forward_share(phases: list[dict]) -> float:
     """What a forward-only pass costs against a forward-and-backward one, per image: the first row that measured
     both an old-log-prob pass and an update without forward-only passes."""
     row = next(r for r in phases if r["work"]["recompute"] and not r["work"]["forward"])
-    return (row["old_log_prob_s_per_image"] / row["work"]["recompute"]) / (row["update_s_per_image"] / row["work"]["train"])
+    forward = row["old_log_prob_s_per_image"] / row["work"]["recompute"]
+    return forward / (row["update_s_per_image"] / row["work"]["train"])
 
 
 def build(results: Path) -> dict:
