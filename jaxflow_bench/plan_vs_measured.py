@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import re
 import statistics
@@ -78,12 +79,13 @@ def arm_job(arm: str) -> planner.Job:
     cfg.sample.prompts_per_step, cfg.rollout.layout, cfg.rollout.engine = 2, "colocated", "vllm_omni"
     cfg.train.num_micro_batches = 4
     for flag in ARMS[arm]:
-        key, value = flag.removeprefix("--config.").split("=")
-        section, name = key.split(".")
+        key, value = flag.removeprefix("--config.").split("=", 1)
+        *path, name = key.split(".")
+        node = functools.reduce(lambda d, k: d[k], path, cfg)  # train.nft.kl as well as train.beta
         try:
-            cfg[section][name] = ast.literal_eval(value)  # numbers and booleans; a name stays a string
+            node[name] = ast.literal_eval(value)  # numbers and booleans; a name stays a string
         except (ValueError, SyntaxError):
-            cfg[section][name] = value
+            node[name] = value
     return machine.job_of(cfg)
 
 

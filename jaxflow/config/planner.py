@@ -222,10 +222,11 @@ def _fit(job: Job, sizes: ModelSizes, card: Card, gpus: int, update: UpdateMemor
                    f"transformer, this one is {sizes.transformer_bytes / 1e9:.2g} GB")
         costs = None
     if costs:
-        if job.work is not None and Work(**costs["work"]) != job.work:
+        measured = Work(**costs["work"])
+        if job.work is not None and measured != job.work:
             costs = scaled_costs(costs, job.work, table["forward_share"])
             why.append(f"costs scaled to this config's transformer passes per image ({_passes(job.work)}; measured "
-                       f"{_passes(Work(**costs['work']))})")
+                       f"{_passes(measured)})")
         images = job.images / gpus
         step = images * (costs["rollout_s_per_image"] + costs["old_log_prob_s_per_image"]
                          + costs["update_s_per_image"]) + costs["sync_s"] + costs["reward_s"]
