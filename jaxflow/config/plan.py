@@ -19,6 +19,15 @@ from jaxflow.config.sections import RunConfig
 from jaxflow.nn.config import ModelOptions
 
 
+def engines(cfg, backend: str, devices: int) -> int:
+    """rollout.num_servers as the run takes it: 'auto' is one engine on each of JAX's `devices` (all processes')
+    where the colocated layout rolls out on GPUs (validation.check_layout), else one."""
+    r = cfg.rollout
+    if r.num_servers != "auto":
+        return r.num_servers
+    return devices if r.layout == "colocated" and backend == "gpu" and r.num_gpus > 0 else 1
+
+
 def lora_apply(cfg) -> str:
     """How the rollout serves the LoRA, the engines' `lora_apply`: rollout.lora_apply, 'auto' resolved to the family's
     mode on its engine (`Family.auto_lora_apply`: 'layers', 'merged' or 'folder', each family's per engine), 'layers'
@@ -155,7 +164,7 @@ def make_plan(cfg: RunConfig, folder: Path, *, backend: str, devices: int, batch
     from jaxflow.trainer.start_options import with_start_options  # JAX's backend is up: it probes XLA's options
     return RunPlan(backend=backend, devices=devices, batch_devices=batch_devices, micro_batch=micro,
                    num_micro_batches=count, micro_batch_why=count_why,
-                   layout=cfg.rollout.layout, engines=cfg.rollout.num_servers,
+                   layout=cfg.rollout.layout, engines=engines(cfg, backend, devices),
                    lora_apply=lora_apply(cfg), quantization=cfg.rollout.quantization, lora_gemm_why=why,
                    model=derived.model_options(cfg, gemm, num_layers),
                    xla_options=MappingProxyType(with_start_options(derived.xla_options(cfg, gemm))))

@@ -52,7 +52,8 @@ HELP: dict[str, str] = {
                       "float32)",
     "rollout.dtype": "the engine's dtype: 'bfloat16' (vllm_omni's only) or 'float32' (diffusers)",
     "rollout.device": "the engine's torch device: 'cpu', 'cuda' or 'cuda:N'",
-    "rollout.num_servers": "rollout engines (Ray actors); colocated on GPUs: one per trainer device; in_process: one",
+    "rollout.num_servers": "rollout engines (Ray actors); 'auto': colocated on GPUs one per trainer device (all "
+                           "processes'), else one",
     "rollout.num_gpus": "GPUs Ray gives each rollout actor (1: a GPU to itself; 0 on a CPU)",
     "rollout.num_cpus": "CPUs Ray gives each rollout actor",
     "rollout.max_retries": "retries of a rollout call on fresh actors after an actor dies",
@@ -213,7 +214,9 @@ def base() -> ml_collections.ConfigDict:
                    lora_gemm="auto",
                    init="checkpoint")
     c.lora = dict(rank=64, alpha=128.0, targets=list(families.module(FAMILY, "keymap").DEFAULT_LORA_TARGETS))
-    c.rollout = dict(engine="vllm_omni", dtype="bfloat16", device="cuda", num_servers=1, num_gpus=1.0,
+    # num_servers: an int or "auto" (one engine per trainer GPU where colocated; the field's type is object)
+    c.rollout = dict(engine="vllm_omni", dtype="bfloat16", device="cuda",
+                     num_servers=ml_collections.FieldReference("auto", field_type=object), num_gpus=1.0,
                      num_cpus=1.0, max_retries=2, address="",
                      # off: it pays only where something can use the freed memory; JAX's fixed pool cannot (it never
                      # grows): one H200 is slower with it (BENCHMARKS.md, the recipe on one GPU); the trainer warns if

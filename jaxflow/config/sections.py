@@ -47,7 +47,7 @@ class RolloutSection:
     engine: str
     dtype: str
     device: str
-    num_servers: int
+    num_servers: int | str  # 'auto' until the plan stage resolves it (RunPlan.engines)
     num_gpus: float
     num_cpus: float
     max_retries: int

@@ -52,7 +52,7 @@ def check_layout(cfg, backend: str, devices: int) -> None:
     if r.share_weights and (devices != 1 or r.device.partition(":")[0] != {"gpu": "cuda"}.get(backend, backend)):
         fail("rollout.share_weights", f"needs the trainer on one device of the engine's kind: {devices} "
                                        f"{backend} device(s), rollout.device={r.device!r}")
-    if r.layout == "colocated" and backend == "gpu" and r.num_gpus > 0 and r.num_servers != devices:
+    if r.layout == "colocated" and backend == "gpu" and r.num_gpus > 0 and r.num_servers not in ("auto", devices):
         fail("rollout.num_servers", f"{r.num_servers}: the colocated layout runs one engine on each of the trainer's "
                                      f"{devices} GPUs: set --config.rollout.num_servers={devices} (or "
                                      f"rollout.layout='split', the engines on GPUs of their own)")
@@ -160,7 +160,11 @@ def validate(user: ConfigDict) -> RunConfig:
     if layout == "in_process" and actors:
         fail(f"reward.options.{actors[0]}.actor", "puts the reward model in a Ray actor; the in_process layout runs "
                                                    "without Ray: drop the option or use rollout.layout='colocated'")
-    if layout == "in_process" and cfg.rollout.num_servers != 1:
+    servers = cfg.rollout.num_servers
+    if servers != "auto" and (isinstance(servers, str) or servers < 1):
+        fail("rollout.num_servers", f"{servers!r}; give an int >= 1 or 'auto' (colocated on GPUs one engine per "
+                                     f"trainer device, else one)")
+    if layout == "in_process" and servers not in ("auto", 1):
         fail("rollout.num_servers", f"{cfg.rollout.num_servers}: the in_process layout runs one engine, in the "
                                      f"trainer's process; use rollout.layout='colocated' for one per device")
     if cfg.rollout.share_weights:

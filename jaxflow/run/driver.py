@@ -184,7 +184,7 @@ class Driver:
         elif self.cfg.model.init == "random":
             engine["random_seed"] = self.cfg.seed  # the rollout draws the same base weights (fingerprint below)
         transport = LocalTransport() if in_process else RayTransport(r.num_cpus, r.num_gpus, r.max_retries)
-        self.rollout = RolloutGroup(engine, r.num_servers, transport)
+        self.rollout = RolloutGroup(engine, self.plan.engines, transport)
 
     def join_rollout(self, model, processes: int) -> EngineStart | None:
         """Wait for the launched servers, check that they hold `model`'s base weights (an in-process one is handed

@@ -473,12 +473,29 @@ def test_the_colocated_layout_on_gpus_runs_one_engine_per_device(tmp_path):
     config_lib.check_layout(cfg, "gpu", 8)
 
 
+def test_auto_engines_are_one_per_gpu_where_colocated(tmp_path):
+    from jaxflow.config import plan as plan_lib
+    cfg = tiny_config(tmp_path)
+    cfg.rollout.update(layout="colocated", num_gpus=1.0, num_servers="auto")
+    config_lib.check_layout(cfg, "gpu", 8)  # the same command on any number of GPUs
+    assert plan_lib.engines(cfg, "gpu", 8) == 8 and plan_lib.engines(cfg, "gpu", 1) == 1
+    assert plan_lib.engines(cfg, "cpu", 8) == 1  # host devices share one engine
+    cfg.rollout.num_servers = 3
+    assert plan_lib.engines(cfg, "gpu", 8) == 3  # a set count is kept (check_layout refuses it colocated)
+    cfg.rollout.update(layout="split", num_servers="auto")
+    assert plan_lib.engines(cfg, "gpu", 8) == 1
+    cfg.rollout.update(layout="colocated", num_gpus=0.0)
+    assert plan_lib.engines(cfg, "gpu", 8) == 1  # engines asking Ray for no GPU
+
+
 @pytest.mark.parametrize("changes, needle", [
     ({"overlap": True}, "rollout.overlap: runs the next rollout while the trainer trains: it needs rollout GPUs of "
                         "their own .rollout.layout='split'., not 'colocated'"),
     ({"overlap": True, "layout": "in_process"}, "rollout.overlap: .* not 'in_process'"),
     ({"layout": "split", "sleep_while_training": True}, "rollout.sleep_while_training: frees"),
     ({"layout": "in_process", "num_servers": 2}, "rollout.num_servers: 2: the in_process layout runs one engine"),
+    ({"num_servers": "two"}, "rollout.num_servers: 'two'; give an int >= 1 or 'auto'"),
+    ({"num_servers": 0}, "rollout.num_servers: 0; give an int >= 1 or 'auto'"),
     ({"layout": "hybrid"}, "rollout.layout: 'hybrid'; choose one of \\('auto', 'colocated', 'split', 'in_process'\\)"),
     ({"lora_apply": "merged"}, "rollout.lora_apply: 'merged' is a mode of the vllm_omni engine; with "
                               "rollout.engine='diffusers' use 'auto' or 'layers'"),
