@@ -19,6 +19,13 @@ from jaxflow.algorithms.base import Component
 from jaxflow_bridge.contract.batch import CONDITION_FIELDS, GUIDANCE_FIELDS, TEXT_IDS
 
 
+def paired(a: jax.Array, b: jax.Array) -> jax.Array:
+    """(B, ...) twice -> (2B, ...), row 2i a[i] and row 2i+1 b[i]: CFG's batched call with each sample's positive and
+    negative rows side by side, so a batch split over devices stays on its devices (joining [a; b] along the batch
+    would move half of each device's rows to another: an all-to-all in every guided forward and its gradient)."""
+    return jnp.stack([a, b], axis=1).reshape(-1, *a.shape[1:])
+
+
 def guided_velocity(model, x, sigma, txt, txt_mask, neg_txt=None, neg_mask=None, *, grid_hw, guidance: float,
                     lora_scale: float = 1.0) -> jax.Array:
     """Velocity (B, S, C) float32; true CFG with norm rescale when guidance > 1 (docs/numerics.md §5).
@@ -42,9 +49,10 @@ def guided_velocity(model, x, sigma, txt, txt_mask, neg_txt=None, neg_mask=None,
         raise ValueError(f"negative prompt text of {neg_txt.shape[1]} tokens > the prompt's {txt.shape[1]}: the "
                          f"train batch pads negatives to at most the prompts' length (config.text_tokens)")
     else:
-        both = model(jnp.concatenate([x, x]), jnp.concatenate([sigma, sigma]), jnp.concatenate([txt, neg_txt]),
-                     jnp.concatenate([txt_mask, neg_mask]), grid_hw=grid_hw, lora_scale=lora_scale)
-        v_pos, v_neg = jnp.split(both.astype(jnp.float32), 2)
+        both = model(paired(x, x), paired(sigma, sigma), paired(txt, neg_txt), paired(txt_mask, neg_mask),
+                     grid_hw=grid_hw, lora_scale=lora_scale).astype(jnp.float32)
+        both = both.reshape(-1, 2, *both.shape[1:])
+        v_pos, v_neg = both[:, 0], both[:, 1]
     comb = v_neg + guidance * (v_pos - v_neg)
     return comb * (jnp.linalg.norm(v_pos, axis=-1, keepdims=True) / jnp.linalg.norm(comb, axis=-1, keepdims=True))
 

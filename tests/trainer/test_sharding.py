@@ -139,6 +139,15 @@ def _eight_device_check():
             np.testing.assert_allclose(got, want, atol=1e-6, rtol=0, err_msg=name)
     moved = [np.abs(a - b).max() for a, b in zip(*(jax.tree.leaves(results[k]) for k in ("single", "before")))]
     assert min(moved) > 1e-4  # the update did something to every LoRA param
+    # true CFG's batched call keeps each device's rows on it: no all-to-all (ncclAlltoAll on GPUs) in the update
+    from jaxflow.trainer.train_step import prepare_batch
+    guided = dataclasses.replace(batch, negative_prompt_embeds=batch.prompt_embeds[::-1].copy(),
+                                 negative_prompt_mask=batch.prompt_mask[::-1].copy())
+    config = dataclasses.replace(config, guidance=4.0)
+    _, step = make_train_step(model, config, S.Layout.create(S.ShardingConfig(data=8)))
+    shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in prepare_batch(guided, config).items()}
+    hlo = step.compile(shapes, None)["update"].as_text()
+    assert "all-reduce" in hlo and "all-to-all" not in hlo, [ln for ln in hlo.splitlines() if "all-to-all" in ln][:3]
     print("EIGHT_DEVICES_OK")
 
 

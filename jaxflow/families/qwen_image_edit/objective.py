@@ -10,10 +10,11 @@ from jaxflow.algorithms.objective import Objective
 
 def with_references(model, refs):
     """`model` as the text-to-image call `flowgrpo.guided_velocity` makes, each row with its references (CFG's
-    batched call joins positive and negative rows: the references are repeated to match)."""
+    batched call pairs each sample's positive and negative rows, `flowgrpo.paired`: each reference is repeated in
+    place to match)."""
 
     def call(x, sigma, txt, txt_mask, *, grid_hw, lora_scale=1.0):
-        r = refs if x.shape[0] == refs.shape[0] else jnp.concatenate([refs] * (x.shape[0] // refs.shape[0]))
+        r = refs if x.shape[0] == refs.shape[0] else jnp.repeat(refs, x.shape[0] // refs.shape[0], axis=0)
         return model(x, sigma, txt, txt_mask, grid_hw, lora_scale, refs=r)
 
     return call
