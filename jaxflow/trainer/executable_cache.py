@@ -1,16 +1,21 @@
 """Compiled train-step executables kept across starts, looked up by a key computed without tracing, so a warm start
-skips tracing and lowering as well as XLA's compile (JAX's persistent cache is keyed by the lowered program: it serves
-the compile only). The key is a sha256 over everything the program could change with: the function's name and what
-it closes over (`describe`: the step config, the model's graphdef, the layout, the XLA options), the abstract
+skips tracing and lowering as well as XLA's compile (JAX's persistent cache is keyed by the lowered program: it
+serves the compile only). The key is a sha256 over everything the program could change with: the function's name and
+what it closes over (`describe`: the step config, the model's graphdef, the layout, the XLA options), the abstract
 signature of its arguments (tree, shapes, dtypes, shardings), the source of the jaxflow packages, the library
 versions, the devices, XLA_FLAGS and the JAX flags that change tracing. A hit loads the serialized executable
 (`jax.experimental.serialize_executable`); a miss is traced and lowered, compiled by XLA in a thread of its own
-(`compile_times.compile_lowered`: the step's misses compile at once) and stored (temp file + rename). An unreadable entry is a miss with one warning line, then replaced. On while the persistent cache
-is (`jaxflow.config.machine.compilation_cache` calls `use`), on GPU and TPU backends only (`BACKENDS`: jaxlib 0.10's
-CPU executables load in a new process but fail to run, "Function ... not found"); off in a multi-process run."""
+(`compile_times.compile_lowered`: the step's misses compile at once) and stored (temp file + rename). An unreadable
+entry is a miss with one warning line, then replaced. A program with a custom-partitioned op (cuDNN's attention over
+several devices) keeps its partitioner's Python callbacks alive on the executable; they run only inside XLA's compile
+and hold local functions that cannot be pickled, so a stored executable holds None in their place
+(`_drop_partitioner_callbacks`). On while the persistent cache is (`jaxflow.config.machine.compilation_cache` calls
+`use`), on GPU and TPU backends only (`BACKENDS`: jaxlib 0.10's CPU executables load in a new process but fail to
+run, "Function ... not found"); off in a multi-process run."""
 from __future__ import annotations
 
 import concurrent.futures
+import copyreg
 import dataclasses
 import functools
 import hashlib
@@ -37,6 +42,19 @@ JAX_FLAGS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_default_prng
 BACKENDS = ("gpu", "cuda", "rocm", "tpu")  # where a deserialized executable runs in a new process
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 _folder: Path | None = None
+
+
+def _drop_partitioner_callbacks() -> None:
+    """Pickle custom partitioning's callback holders (JAX keeps them on the executable until XLA has partitioned it)
+    as None: a loaded executable is partitioned already. Nothing where this JAX has no such holder."""
+    try:
+        from jax._src.custom_partitioning import _ShardingCallbackInfo
+    except ImportError:
+        return
+    copyreg.pickle(_ShardingCallbackInfo, lambda _: (type(None), ()))
+
+
+_drop_partitioner_callbacks()
 
 
 class Unkeyable(ValueError):

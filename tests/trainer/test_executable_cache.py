@@ -3,6 +3,10 @@ without tracing and runs it bit for bit as the traced one; a changed program, ar
 unreadable entry is a miss with a warning, then replaced."""
 import dataclasses
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -18,6 +22,9 @@ from jaxflow.trainer.train_batch import TrainBatch
 from jaxflow.trainer.train_step import make_train_step, prepare_batch
 from tests.helpers import GRID, SEEDS, TINY, inputs
 from tests.helpers_sampler import SamplerConfig, make_sampler
+from tests import HANG_S
+
+ROOT = Path(__file__).resolve().parents[2]
 
 PLAIN = TrainConfig(grid_hw=GRID, guidance=1.0, num_micro_batches=2, beta=0.04)  # tests/trainer/test_train_step.py's
 SPEC = LoRASpec(rank=4, alpha=8.0, targets=("to_q", "to_v", "img_mlp.net.2"))  # tests.helpers.tiny_lora_model's
@@ -118,3 +125,39 @@ def test_off_on_the_cpu(lora_model, batch, tmp_path):
     finally:
         executable_cache.use(before)
     assert jax.default_backend() != "cpu" or (not step.compile_times[0].loaded and not list(tmp_path.iterdir()))
+
+
+def _partitioned_program_check(folder: str):
+    """In a subprocess with 2 CPU devices: a jit with a custom-partitioned op (as cuDNN's attention is over several
+    GPUs) is stored, then loaded by the next lookup and runs as compiled."""
+    import jax.numpy as jnp
+    from jax.experimental.custom_partitioning import custom_partitioning
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    @custom_partitioning
+    def double(x):
+        return 2 * x
+
+    double.def_partition(partition=lambda mesh, args, out: (mesh, lambda x: 2 * x, out.sharding, (args[0].sharding,)),
+                         infer_sharding_from_operands=lambda mesh, args, out: args[0].sharding,
+                         sharding_rule="i j -> i j")
+    rows = NamedSharding(jax.make_mesh((2,), ("b",)), P("b"))
+    fn = jax.jit(lambda x: double(x) + 1, in_shardings=rows, out_shardings=rows)
+    executable_cache.BACKENDS = ("cpu",)
+    executable_cache.use(Path(folder))
+    calls = {"double": (fn, jax.ShapeDtypeStruct((4, 3), np.float32, sharding=rows))}
+    first = executable_cache.compile_cached(calls, "double-test")
+    again = executable_cache.compile_cached(calls, "double-test")
+    assert [t.loaded for _, t in (first["double"], again["double"])] == [False, True]
+    x = jax.device_put(np.arange(12, dtype=np.float32).reshape(4, 3), rows)
+    np.testing.assert_array_equal(np.asarray(again["double"][0](x)), 2 * np.asarray(x) + 1)
+    print("PARTITIONED_OK")
+
+
+def test_a_program_with_a_custom_partitioned_op_is_stored_and_loaded(tmp_path):
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    code = f"import tests.trainer.test_executable_cache as t; t._partitioned_program_check({str(tmp_path)!r})"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=HANG_S)
+    assert proc.returncode == 0 and "PARTITIONED_OK" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    assert "cannot store" not in proc.stderr, proc.stderr[-3000:]
