@@ -161,7 +161,7 @@ def validate(user: ConfigDict) -> RunConfig:
         fail(f"reward.options.{actors[0]}.actor", "puts the reward model in a Ray actor; the in_process layout runs "
                                                    "without Ray: drop the option or use rollout.layout='colocated'")
     servers = cfg.rollout.num_servers
-    if servers != "auto" and (not isinstance(servers, int) or isinstance(servers, bool) or servers < 1):
+    if servers != "auto" and (isinstance(servers, str) or servers < 1):
         fail("rollout.num_servers", f"{servers!r}; give an int >= 1 or 'auto' (colocated on GPUs one engine per "
                                      f"trainer device, else one)")
     if layout == "in_process" and servers not in ("auto", 1):

@@ -496,7 +496,8 @@ def test_auto_engines_are_one_per_gpu_where_colocated(tmp_path):
     ({"layout": "in_process", "num_servers": 2}, "rollout.num_servers: 2: the in_process layout runs one engine"),
     ({"num_servers": "two"}, "rollout.num_servers: 'two'; give an int >= 1 or 'auto'"),
     ({"num_servers": 0}, "rollout.num_servers: 0; give an int >= 1 or 'auto'"),
-    ({"num_servers": 2.5}, "rollout.num_servers: 2.5; give an int >= 1 or 'auto'"),
+    ({"num_servers": 2.5}, "rollout.num_servers: 2.5 must be an int or a str"),
+    ({"num_servers": True}, "rollout.num_servers: True must be an int or a str"),
     ({"layout": "hybrid"}, "rollout.layout: 'hybrid'; choose one of \\('auto', 'colocated', 'split', 'in_process'\\)"),
     ({"lora_apply": "merged"}, "rollout.lora_apply: 'merged' is a mode of the vllm_omni engine; with "
                               "rollout.engine='diffusers' use 'auto' or 'layers'"),
