@@ -19,13 +19,18 @@ from jaxflow.config.sections import RunConfig
 from jaxflow.nn.config import ModelOptions
 
 
+def engine_per_device(rollout, backend: str) -> bool:
+    """Whether the rollout runs one engine on each trainer device: the colocated layout's engines on GPUs."""
+    return rollout.layout == "colocated" and backend == "gpu" and rollout.num_gpus > 0
+
+
 def engines(cfg, backend: str, devices: int) -> int:
     """rollout.num_servers as the run takes it: 'auto' is one engine on each of JAX's `devices` (all processes')
-    where the colocated layout rolls out on GPUs (validation.check_layout), else one."""
+    where `engine_per_device` (validation.check_layout refuses another count there), else one."""
     r = cfg.rollout
     if r.num_servers != "auto":
         return r.num_servers
-    return devices if r.layout == "colocated" and backend == "gpu" and r.num_gpus > 0 else 1
+    return devices if engine_per_device(r, backend) else 1
 
 
 def lora_apply(cfg) -> str:

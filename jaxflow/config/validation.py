@@ -15,6 +15,7 @@ from jaxflow.config import sections
 from jaxflow.config.derived import (lora_spec, model_options, sampling, sharding_config, train_config,
                                     xla_options)
 from jaxflow.config.errors import UserError, fail
+from jaxflow.config.plan import engine_per_device
 from jaxflow.config.sections import RunConfig
 from jaxflow.families.base import Problem, option_problems
 from jaxflow.run.data import load_prompts
@@ -52,7 +53,7 @@ def check_layout(cfg, backend: str, devices: int) -> None:
     if r.share_weights and (devices != 1 or r.device.partition(":")[0] != {"gpu": "cuda"}.get(backend, backend)):
         fail("rollout.share_weights", f"needs the trainer on one device of the engine's kind: {devices} "
                                        f"{backend} device(s), rollout.device={r.device!r}")
-    if r.layout == "colocated" and backend == "gpu" and r.num_gpus > 0 and r.num_servers not in ("auto", devices):
+    if engine_per_device(r, backend) and r.num_servers not in ("auto", devices):
         fail("rollout.num_servers", f"{r.num_servers}: the colocated layout runs one engine on each of the trainer's "
                                      f"{devices} GPUs: set --config.rollout.num_servers={devices} (or "
                                      f"rollout.layout='split', the engines on GPUs of their own)")
@@ -165,7 +166,7 @@ def validate(user: ConfigDict) -> RunConfig:
         fail("rollout.num_servers", f"{servers!r}; give an int >= 1 or 'auto' (colocated on GPUs one engine per "
                                      f"trainer device, else one)")
     if layout == "in_process" and servers not in ("auto", 1):
-        fail("rollout.num_servers", f"{cfg.rollout.num_servers}: the in_process layout runs one engine, in the "
+        fail("rollout.num_servers", f"{servers}: the in_process layout runs one engine, in the "
                                      f"trainer's process; use rollout.layout='colocated' for one per device")
     if cfg.rollout.share_weights:
         if layout != "in_process" or cfg.rollout.engine != "diffusers":
