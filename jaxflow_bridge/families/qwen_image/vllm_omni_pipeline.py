@@ -41,7 +41,7 @@ import torch
 from jaxflow_bridge.contract.schedule import CFG_FORWARDS
 from jaxflow_bridge.engines.vllm_omni.codec import is_warmup_request, pack_trajectories
 from jaxflow_bridge.engines.vllm_omni.fa_version import FA_VERSIONS, use_fa3
-from jaxflow_bridge.engines.vllm_omni.load_order import biases_last
+from jaxflow_bridge.engines.vllm_omni.bias_reload import load_with_biases_again
 from jaxflow_bridge.engines.vllm_omni.startup import use_compile_threads
 from jaxflow_bridge.families.qwen_image.linear_gelu import install_gelu_epilogue
 from jaxflow_bridge.rollout.kernels.lora_linear import install_fused_apply
@@ -211,13 +211,13 @@ def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = N
         self.setup_requests(od_config)
 
     def load_weights(self, weights):
-        """vLLM-Omni's weight loading, every bias after the other tensors (vLLM 0.20's online FP8 loses a bias
-        loaded before its layer's weight: `jaxflow_bridge/engines/vllm_omni/load_order.py`); with `random_seed`
+        """vLLM-Omni's weight loading, then every bias again in a call of its own (vLLM 0.20's online FP8 loses a
+        quantized linear's bias within the call: `jaxflow_bridge/engines/vllm_omni/bias_reload.py`); with `random_seed`
         (custom_pipeline_args) the folder's transformer weights are never read: the shared random spec's tensors are
         drawn on the GPU one at a time and go through the same loader (which fuses q/k/v), and their fingerprint is
         kept for the trainer's check."""
         if self.random_seed is None:
-            return base.load_weights(self, biases_last(weights))
+            return load_with_biases_again(lambda w: base.load_weights(self, w), weights)
         heads = []
 
         def drawn():
@@ -226,7 +226,7 @@ def build_pipeline_class(base: type, output_cls, lora_layer_cls: type | None = N
                 heads.append((name, TensorHead.of(t)))
                 yield f"transformer.{name}", t
 
-        loaded = base.load_weights(self, biases_last(drawn()))
+        loaded = load_with_biases_again(lambda w: base.load_weights(self, w), drawn())
         self.random_fingerprint = weights_fingerprint(heads)
         return loaded
 
