@@ -3,9 +3,9 @@
 vLLM 0.20's online FP8 (`quantization="fp8"` on a bf16 checkpoint) creates each quantized linear's weight on the meta
 device and buffers its loads until every element arrived (`vllm/model_executor/model_loader/reload/layerwise.py`);
 then `materialize_layer` (`reload/meta.py`) replaces *every* tensor of the layer, its bias included, by a new
-uninitialized Parameter and replays only the buffered weight loads. vLLM-Omni's Qwen-Image transformer looks its
-parameters up in a dict built once at the start of `load_weights`, so within that call a quantized linear's bias is
-lost whatever the order: loaded before the layer completes, it is replaced; after, it goes to the replaced object.
+uninitialized Parameter and replays only the buffered weight loads. vLLM-Omni's DiT loaders look their parameters up
+in a dict built once at the start of `load_weights`, so within that call a quantized linear's bias is lost whatever
+the order: loaded before the layer completes, it is replaced; after, it goes to the replaced object.
 When the first call returns every quantized layer is materialized; a second call, with only the biases, finds the
 layers' current Parameters and fills them. For any other loader the second call rewrites the same values.
 """
