@@ -158,11 +158,12 @@ class Trainer:
             self.driver.launch_rollout()
         self.learner = Learner(self.cfg, folder, self.plan)
         self._begin("memory plan")
+        autotuned = compile_times.autotune_results()  # before the step's compiles add to it
         try:  # before anything is written: a step that cannot fit stops here
             self.memory_summary = self.learner.check_memory()
         except MemoryError as exc:
             raise config_lib.UserError(str(exc)) from None
-        self.startup_detail["memory plan"] = compile_times.summary(self.learner.compile_times)
+        self.startup_detail["memory plan"] = compile_times.summary(self.learner.compile_times, autotuned)
         self.plan = self.learner.plan
         if self.driver:
             self.driver.plan = self.plan
@@ -210,12 +211,14 @@ class Trainer:
     def startup_line(self, before: dict[str, float] | None = None) -> str:
         """Where the start went: "start-up 312 s: Ray 3 s, checks 2 s, trainer's model 95 s, ..." (the first step,
         which compiles, comes after; `before`: phases that ran before the trainer was built, in order and counted in
-        the total, e.g. the command line's start of Ray), the memory plan's compiles by stage ("memory plan 91 s (trace 20 s, lower 30 s,
-        compile 41 s; 2 of 2 compiles from the cache, ...)": tracing and lowering are redone at every start, XLA's
-        compile, the wall time of the step's programs compiled at once, a warm start's cache serves; "load N s"
-        where the executable cache served them, `compile_times.summary`), and the engines' whole start where part of
-        it ran beside the trainer's own phases (engines in Ray actors), naming those phases; an engine that reports
-        its own start's parts (`EngineStart`: vllm_omni) has them named beside its phase or its whole start."""
+        the total, e.g. the command line's start of Ray), the memory plan's compiles by stage ("memory plan 91 s
+        (trace 20 s, lower 30 s, compile 41 s; 2 of 2 compiles from the cache, ..., XLA's autotune cache held 0
+        results)": tracing and lowering are redone at every start, XLA's compile, the wall time of the step's programs
+        compiled at once, a warm start's cache serves; "load N s" where the executable cache served them; the
+        autotune results an earlier run left, which a compile neither cache serves still reads,
+        `compile_times.summary`), and the engines' whole start where part of it ran beside the trainer's own phases
+        (engines in Ray actors), naming those phases; an engine that reports its own start's parts (`EngineStart`:
+        vllm_omni) has them named beside its phase or its whole start."""
         detail = {name: f" ({text})" for name, text in self.startup_detail.items() if text}
         phases = {**(before or {}), **self.startup}
         line = (f"start-up {sum(phases.values()):.0f} s: "

@@ -3,16 +3,23 @@ redone at every start: the persistent compilation cache is keyed by the lowered 
 run one after the other) and XLA's compile (on a warm start served by that cache,
 `jaxflow.config.machine.compilation_cache`), which releases the GIL: `compile_lowered` runs in a thread of its own,
 so that the step's programs compile at once (`jaxflow.trainer.train_step.TrainStep.compile`). A compile the executable
-cache serves (`jaxflow.trainer.executable_cache`) shows as trace 0, lower 0 and its load's seconds."""
+cache serves (`jaxflow.trainer.executable_cache`) shows as trace 0, lower 0 and its load's seconds.
+
+A compile that neither cache serves is not always cold: beside its persistent cache JAX keeps XLA's per-fusion
+autotune cache (`jax_persistent_cache_enable_xla_caches`, on by default), read by every compile whatever its program,
+so the GEMMs and fusions an earlier run tuned are not tuned again (a program that differs in its loss alone shares
+every block's); `autotune_results` counts what it held, which the summary names."""
 from __future__ import annotations
 
 import dataclasses
 import functools
 import threading
 import time
+from pathlib import Path
 
 import jax
 
+AUTOTUNE_CACHE = "xla_gpu_per_fusion_autotune_cache_dir"  # JAX's folder for XLA's autotune cache, in its cache's
 CACHE_HITS = "/jax/compilation_cache/cache_hits"  # the event JAX records when the persistent cache serves a compile
 _hit = threading.local()  # `hit`: the persistent cache served a compile in this thread (set by `_listen`)
 
@@ -94,14 +101,28 @@ def _seconds(times: list[CompileTime], stage: str) -> float:
             + sum(getattr(t, stage) for t in did if t.span is None))
 
 
-def summary(times: list[CompileTime]) -> str:
+def autotune_results() -> int | None:
+    """The results XLA's per-fusion autotune cache holds now (one file each), where JAX's persistent cache keeps one
+    (its folder `AUTOTUNE_CACHE`); None where it keeps none (the cache or that option off)."""
+    enabled = jax.config.jax_persistent_cache_enable_xla_caches or ""
+    folder = jax.config.jax_compilation_cache_dir
+    if not (jax.config.jax_enable_compilation_cache and folder and (enabled == "all" or AUTOTUNE_CACHE in enabled)):
+        return None
+    tuned = Path(folder) / AUTOTUNE_CACHE
+    return sum(1 for f in tuned.rglob("*") if f.is_file()) if tuned.is_dir() else 0
+
+
+def summary(times: list[CompileTime], autotuned: int | None = None) -> str:
     """"trace 20 s, lower 30 s, compile 41 s; 1 of 2 compiles from the cache, 0 of 2 from the executable cache"
     over `times` ("" if none): tracing and lowering summed (they run one after the other), XLA's compile as the
-    wall time of those that ran at once, and the executable cache's loads as "load N s" where there were any."""
+    wall time of those that ran at once, and the executable cache's loads as "load N s" where there were any; with
+    `autotuned` (`autotune_results` before the compiles) ", XLA's autotune cache held N results": 0 where the
+    compiles were cold."""
     if not times:
         return ""
+    held = "" if autotuned is None else f", XLA's autotune cache held {autotuned} results"
     total = lambda stage: sum(getattr(t, stage) for t in times)  # noqa: E731
     load = f", load {_seconds(times, 'load'):.0f} s" if any(t.loaded for t in times) else ""
     return (f"trace {total('trace'):.0f} s, lower {total('lower'):.0f} s, compile {_seconds(times, 'compile'):.0f} s"
             f"{load}; {sum(t.cached for t in times)} of {len(times)} compiles from the cache, "
-            f"{sum(t.loaded for t in times)} of {len(times)} from the executable cache")
+            f"{sum(t.loaded for t in times)} of {len(times)} from the executable cache{held}")

@@ -81,7 +81,8 @@ def test_run_logged_to_a_file_is_a_line_per_step_and_a_summary(tmp_path):
     total, phases = re.fullmatch(r"start-up (\d+) s: (.*)", lines[1]).groups()  # where the start went, in order
     detail = re.search(r"memory plan \d+ s \((.*?)\)", phases)  # its compiles by stage, then taken out here
     assert detail and re.fullmatch(r"trace \d+ s, lower \d+ s, compile \d+ s(, load \d+ s)?; \d+ of \d+ compiles "
-                                   r"from the cache, \d+ of \d+ from the executable cache", detail.group(1)), lines[1]
+                                   r"from the cache, \d+ of \d+ from the executable cache, XLA's autotune cache "
+                                   r"held \d+ results", detail.group(1)), lines[1]
     phases = phases.replace(f" ({detail.group(1)})", "")
     sync = re.search(r"first LoRA sync \d+ s \((.*?)\)", phases)  # the first sync's parts, taken out too
     assert sync and re.fullmatch(r"write \d+ s(, engines \d+ s)?(, check \d+ s)?", sync.group(1)), lines[1]

@@ -172,15 +172,17 @@ def test_a_failure_after_the_launch_closes_the_driver(tmp_path, monkeypatch, fai
 
 def test_the_memory_plan_names_its_compiles_by_stage(tmp_path, monkeypatch):
     """The start-up line's memory plan says where its seconds went: tracing and lowering (redone at every start) and
-    XLA's compile, and how many compiles the persistent cache served (`jaxflow.trainer.compile_times`)."""
+    XLA's compile, how many compiles the persistent cache served, and the results XLA's autotune cache held before
+    them (`jaxflow.trainer.compile_times`)."""
     events = []
     _stand_ins(monkeypatch, events, True)
     times = [CompileTime("update", 20.2, 30.4, 0.6, True), CompileTime("old_log_prob", 5.0, 6.0, 40.0, False)]
     monkeypatch.setattr(train.Learner, "compile_times", times)
+    monkeypatch.setattr(compile_times, "autotune_results", lambda: 7)  # what an earlier run's compiles tuned
     trainer = train.Trainer(validation.validate(tiny_config(tmp_path / "run")))
     trainer.startup["memory plan"] = 91.0
     assert ", memory plan 91 s (trace 25 s, lower 36 s, compile 41 s; 1 of 2 compiles from the cache, 0 of 2 " \
-           "from the executable cache), train state" in trainer.startup_line()
+           "from the executable cache, XLA's autotune cache held 7 results), train state" in trainer.startup_line()
     assert compile_times.summary([]) == ""
 
 

@@ -95,3 +95,30 @@ def test_the_plan_line_lists_the_start_options_on_a_gpu(monkeypatch, tmp_path):
     plan = learner.run_plan(cfg, validation.model_folder(cfg), layout)
     assert plan.xla_options["xla_gpu_experimental_aot_compiled_thunks"] is True
     assert "'xla_gpu_experimental_aot_compiled_thunks': True" in plan.summary()
+
+
+def test_the_summary_names_the_autotune_results_an_earlier_run_left(tmp_path):
+    """A compile that neither cache serves still reads XLA's per-fusion autotune cache, which JAX keeps in its
+    persistent cache's folder: the summary says how many results it held, so that a start that missed both caches
+    but found an earlier run's tuning is not read as cold; with that cache off it says nothing of it."""
+    tuned = tmp_path / compile_times.AUTOTUNE_CACHE
+    tuned.mkdir()
+    for name in ("a.textproto", "b.textproto", "c.textproto"):
+        (tuned / name).write_text("result")
+    times = [CompileTime("update", 1.0, 1.0, 9.0, False)]
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_enable_xla_caches")
+    before = {key: getattr(jax.config, key) for key in keys}
+    try:
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+        jax.config.update("jax_persistent_cache_enable_xla_caches", compile_times.AUTOTUNE_CACHE)
+        assert compile_times.autotune_results() == 3
+        assert compile_times.summary(times, compile_times.autotune_results()).endswith(
+            "0 of 1 from the executable cache, XLA's autotune cache held 3 results")
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "fresh"))
+        assert compile_times.autotune_results() == 0  # a fresh cache folder: the compiles were cold
+        jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
+        assert compile_times.autotune_results() is None
+    finally:
+        for key, value in before.items():
+            jax.config.update(key, value)
+    assert compile_times.summary(times).endswith("0 of 1 from the executable cache")
