@@ -4,7 +4,9 @@ With the adapter merged, `W <- round(W + scale * B @ A)` per adapted slice, the 
 no shrink, expand or LoRA kernels at all (vLLM-Omni's `lora_apply="merged"`, docs/design.md "LoRA sync"). A merge
 cannot be undone by subtracting (the bf16 rounding of W + dW loses bits), so the first merge copies every adapted
 weight once to page-locked host memory, and every later merge starts from that pristine copy: the served weights
-are always base + the current adapter, rounded once, never a sum of rounded steps. The copy back to the GPU can
+are always base + the current adapter, rounded once, never a sum of rounded steps. A first adapter that is all zero
+(B = 0: a fresh LoRA, every run's first sync) leaves the weights as they are, so that copy, seconds of page-locking,
+is taken in a thread of its own while the first rollout runs, and the next merge or restore waits for it. The copy back to the GPU can
 start as soon as a step's rollout is over (`begin_restore`), on a stream of its own, so it runs while the trainer
 trains; `merge` waits for it.
 
@@ -16,6 +18,9 @@ Between `begin_restore` and the next `merge` the engine holds the bare base: `se
 refuses to sample. A refused adapter (non-finite values) leaves the previous one merged again. Torch only.
 """
 from __future__ import annotations
+
+import contextlib
+import threading
 
 import torch
 
@@ -52,23 +57,62 @@ class MergedLoRA:
         self.previous = None  # (payload, targets, scale) of the adapter merged last
         self.serving = False
         self._restore = None  # (stream, event) of a restore in flight
+        self._copying = None  # (thread, errors) of the host copies a zero first adapter left to the background
 
     def served_slices(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, int]]:
         """{module: (its merged weight, that weight's pristine host copy, its slice's first row)} of the adapter
         served now; empty while none is (the base being restored)."""
         if not self.serving:
             return {}
+        if self._copying is not None:  # a zero first adapter: nothing written, each weight is its own base
+            return {t[0]: (t[1], t[1], t[2]) for t in self.previous[1]}
         return {t[0]: (t[1], self.copies[id(t[1])][1], t[2]) for t in self.previous[1]}
 
-    @torch.no_grad()
     def _keep(self, targets: list) -> None:
         """Copy each weight not seen yet to host memory, once, while it is the pristine base."""
+        self._settle()
+        if self.serving and any(id(t[1]) not in self.copies for t in targets):
+            raise RuntimeError(f"{next(t[0] for t in targets if id(t[1]) not in self.copies)}: a new layer to merge "
+                               f"into while an adapter is merged")
+        self._copy(targets)
+
+    def _keep_later(self, targets: list) -> None:
+        """`_copy(targets)` in a thread of its own (on a GPU on a stream of its own, after the work queued so far);
+        `_settle` waits for it."""
+        weight = targets[0][1] if targets else None
+        stream = torch.cuda.Stream(weight.device) if weight is not None and weight.is_cuda else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(weight.device))
+        errors = []
+
+        def run():
+            try:
+                with (torch.cuda.device(weight.device) if stream is not None else contextlib.nullcontext(),
+                      torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+                    self._copy(targets)
+            except Exception as exc:  # raised by `_settle`
+                errors.append(exc)
+
+        thread = threading.Thread(target=run, name="merged-lora-host-copy", daemon=True)
+        thread.start()
+        self._copying = (thread, errors)
+
+    def _settle(self) -> None:
+        """Wait for the host copies `_keep_later` started; their error, if any, raised here."""
+        if self._copying is None:
+            return
+        thread, errors = self._copying
+        thread.join()
+        self._copying = None
+        if errors:
+            raise errors[0]
+
+    @torch.no_grad()
+    def _copy(self, targets: list) -> None:
         for t in targets:
             weight = t[1]
             if id(weight) in self.copies:
                 continue
-            if self.serving:
-                raise RuntimeError(f"{t[0]}: a new layer to merge into while an adapter is merged")
             copy = torch.empty(weight.shape, dtype=weight.dtype)
             if weight.is_cuda:  # page-locked at its exact size (torch's pinned allocator rounds up to powers of 2)
                 err = int(torch.cuda.cudart().cudaHostRegister(copy.data_ptr(), copy.numel() * copy.element_size(), 0))
@@ -84,6 +128,7 @@ class MergedLoRA:
     def begin_restore(self) -> None:
         """Start writing the pristine base back into every merged weight (on a GPU asynchronously, on a stream of
         its own after the work queued so far); no adapter is served from here until `merge`."""
+        self._settle()
         if not self.serving:
             return
         self.serving = False
@@ -119,6 +164,10 @@ class MergedLoRA:
             if self.previous is not None and not self.serving:
                 self.merge(*self.previous)
             return {"refused": [f"{m}: expected finite values" for m in bad]}
+        if self.previous is None and targets and not bool(payload[min(t[6] for t in targets):].any()):
+            self._keep_later(targets)  # all B tensors (they follow the A tensors) zero: base + 0 is the base
+            self.previous, self.serving = (payload, targets, scale), True
+            return {"written": len(targets)}
         self._keep(targets)
         self._restored()
         for _, weight, row, rows, a, b in views:

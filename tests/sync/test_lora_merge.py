@@ -143,3 +143,63 @@ def test_rollout_on_merged_weights_equals_the_lora_layers(tiny_path, tmp_path):
         with pytest.raises(RuntimeError, match="being restored"):
             ours.forward(request)
         f.close()
+
+
+def zero_b(payload: torch.Tensor, targets: list) -> torch.Tensor:
+    """The payload with every B tensor (they follow the A tensors) zero: a fresh LoRA."""
+    out = payload.clone()
+    out[min(t[6] for t in targets):] = 0
+    return out
+
+
+def test_a_zero_first_adapter_writes_nothing_and_copies_the_base_in_the_background(tmp_path, monkeypatch):
+    """Every run's first sync serves B = 0: the weights stay the base bit for bit, the served probe reads zero deltas
+    at once, and the host copies are taken in a thread the next merge waits for; that merge equals a merge with no
+    zero adapter before it, bit for bit."""
+    transformer, table, plan, payload, f = fused_setup(tmp_path)
+    base = weights(transformer)
+    targets = plan_targets(transformer, plan, table)
+    merged, started = MergedLoRA(), []
+    real = merged._keep_later
+    monkeypatch.setattr(merged, "_keep_later", lambda t: (started.append(len(t)), real(t)))
+    assert merged.merge(zero_b(payload, targets), targets, SCALE) == {"written": 36}
+    assert started == [36] and merged.serving
+    assert all(torch.equal(p, base[n]) for n, p in weights(transformer).items())
+    assert all(torch.equal(w, b) for w, b, _ in merged.served_slices().values())
+    merged.merge(payload, targets, SCALE)
+    assert merged._copying is None and len(merged.copies) == len({id(t[1]) for t in targets})
+    after = weights(transformer)
+    reference = FakeFusedTransformer()
+    with torch.no_grad():
+        for n, p in reference.named_parameters():
+            p.copy_(base[n])
+    MergedLoRA().merge(payload, plan_targets(reference, plan, table), SCALE)
+    assert all(torch.equal(after[n], p) for n, p in weights(reference).items())
+    merged.begin_restore()
+    assert all(torch.equal(p, base[n]) for n, p in weights(transformer).items())
+    f.close()
+
+
+def test_a_failed_background_copy_is_raised_by_the_next_restore(tmp_path, monkeypatch):
+    transformer, table, plan, payload, f = fused_setup(tmp_path)
+    targets = plan_targets(transformer, plan, table)
+    merged = MergedLoRA()
+
+    def fail(targets):
+        raise RuntimeError("page-locking the host copy failed")
+
+    monkeypatch.setattr(merged, "_copy", fail)
+    merged.merge(zero_b(payload, targets), targets, SCALE)
+    with pytest.raises(RuntimeError, match="page-locking"):
+        merged.begin_restore()
+    f.close()
+
+
+def test_a_nonzero_first_adapter_copies_before_it_merges(tmp_path, monkeypatch):
+    transformer, table, plan, payload, f = fused_setup(tmp_path)
+    targets = plan_targets(transformer, plan, table)
+    merged = MergedLoRA()
+    monkeypatch.setattr(merged, "_keep_later", lambda t: pytest.fail("a nonzero adapter's copies are taken first"))
+    merged.merge(payload, targets, SCALE)
+    assert merged._copying is None and len(merged.copies) == len({id(t[1]) for t in targets})
+    f.close()
