@@ -6,9 +6,9 @@ cannot be undone by subtracting (the bf16 rounding of W + dW loses bits), so the
 weight once to page-locked host memory, and every later merge starts from that pristine copy: the served weights
 are always base + the current adapter, rounded once, never a sum of rounded steps. A first adapter that is all zero
 (B = 0: a fresh LoRA, every run's first sync) leaves the weights as they are, so that copy, seconds of page-locking,
-is taken in a thread of its own while the first rollout runs, and the next merge or restore waits for it. The copy back to the GPU can
-start as soon as a step's rollout is over (`begin_restore`), on a stream of its own, so it runs while the trainer
-trains; `merge` waits for it.
+is taken in a thread of its own while the first rollout runs, and the next merge or restore waits for it. The copy
+back to the GPU can start as soon as a step's rollout is over (`begin_restore`), on a stream of its own, so it runs
+while the trainer trains; `merge` waits for it.
 
 Numerics: each weight is rounded to bf16 once with its adapter term (fp32 product, `addmm_`), where the fused
 LoRA op rounds the LoRA term of each output instead; an adapter term smaller than half a bf16 step of a weight
