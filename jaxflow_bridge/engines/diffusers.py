@@ -100,6 +100,7 @@ class DiffusersEngine(RolloutEngine):
             raise RuntimeError("an engine on the trainer's shared base weights cannot sleep: they are the trainer's")
         if self.device.type == "cpu" or self.asleep:
             return 0
+        self.pipeline.lora.settle()
         before = torch.cuda.memory_reserved(self.device)
         self.pipeline.to("cpu")
         torch.cuda.empty_cache()

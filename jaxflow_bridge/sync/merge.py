@@ -70,7 +70,7 @@ class MergedLoRA:
 
     def _keep(self, targets: list) -> None:
         """Copy each weight not seen yet to host memory, once, while it is the pristine base."""
-        self._settle()
+        self.settle()
         if self.serving and any(id(t[1]) not in self.copies for t in targets):
             raise RuntimeError(f"{next(t[0] for t in targets if id(t[1]) not in self.copies)}: a new layer to merge "
                                f"into while an adapter is merged")
@@ -78,7 +78,7 @@ class MergedLoRA:
 
     def _keep_later(self, targets: list) -> None:
         """`_copy(targets)` in a thread of its own (on a GPU on a stream of its own, after the work queued so far);
-        `_settle` waits for it."""
+        `settle` waits for it."""
         weight = targets[0][1] if targets else None
         stream = torch.cuda.Stream(weight.device) if weight is not None and weight.is_cuda else None
         if stream is not None:
@@ -90,15 +90,16 @@ class MergedLoRA:
                 with (torch.cuda.device(weight.device) if stream is not None else contextlib.nullcontext(),
                       torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
                     self._copy(targets)
-            except Exception as exc:  # raised by `_settle`
+            except Exception as exc:  # raised by `settle`
                 errors.append(exc)
 
         thread = threading.Thread(target=run, name="merged-lora-host-copy", daemon=True)
         thread.start()
         self._copying = (thread, errors)
 
-    def _settle(self) -> None:
-        """Wait for the host copies `_keep_later` started; their error, if any, raised here."""
+    def settle(self) -> None:
+        """Wait for the host copies `_keep_later` started (before the weights move: an engine's sleep); their error,
+        if any, raised here."""
         if self._copying is None:
             return
         thread, errors = self._copying
@@ -128,7 +129,7 @@ class MergedLoRA:
     def begin_restore(self) -> None:
         """Start writing the pristine base back into every merged weight (on a GPU asynchronously, on a stream of
         its own after the work queued so far); no adapter is served from here until `merge`."""
-        self._settle()
+        self.settle()
         if not self.serving:
             return
         self.serving = False

@@ -69,6 +69,9 @@ class LayersSink(_LoraLayers):
     def release(self) -> None:
         """The step's rollouts are over: layers need nothing."""
 
+    def settle(self) -> None:
+        """Layers copy nothing in the background."""
+
     def check_serving(self) -> None:
         """Layers always serve the adapter last applied."""
 
@@ -80,6 +83,10 @@ class MergedServing:
     def release(self) -> None:
         """Start restoring the bare base weights; sampling is refused until the next `apply`."""
         self.merged.begin_restore()
+
+    def settle(self) -> None:
+        """Wait for the base's host copies a zero first adapter left to the background (`MergedLoRA.settle`)."""
+        self.merged.settle()
 
     def check_serving(self) -> None:
         if self.merged.previous is not None and not self.merged.serving:
@@ -147,6 +154,9 @@ class FolderSink(_LoraLayers):
 
     def release(self) -> None:
         """The step's rollouts are over: a loaded folder needs nothing."""
+
+    def settle(self) -> None:
+        """A folder copies nothing in the background."""
 
     def check_serving(self) -> None:
         """The folder's adapter serves until the next one."""

@@ -94,6 +94,9 @@ class _VllmOmniSink:
     def release(self) -> None:
         """The step's rollouts are over: LoRA slots need nothing."""
 
+    def settle(self) -> None:
+        """LoRA slots copy nothing in the background."""
+
     def check_serving(self) -> None:
         """The slots serve the adapter last applied."""
 

@@ -165,3 +165,19 @@ def test_the_payload_crosses_either_transport_as_plain_values(wire, form, tmp_pa
     assert reply["written"] == len(payload.modules), reply
     assert differing(expected_served(payload), ServedProbe.from_dict(reply["served"])) == []
     shared.close()
+
+
+def test_a_zero_first_adapter_is_served_at_once_and_settles_before_the_weights_move():
+    """Every run's first sync (B = 0) writes nothing: its probe reads zero deltas while the base's host copies are
+    taken in the background; `rollout_settle` (the engine's sleep calls it first) waits for them."""
+    worker = stand_in("merged")
+    tensors = {k: (np.zeros_like(v) if "lora_B" in k else v) for k, v in random_peft(seed=1).items()}
+    zero = LoRAPayload(1, CONFIG, tensors=tensors)
+    probe = apply(worker, "merged", zero)
+    assert probe.bound_modules == 36 and not any(np.any(v) for v in probe.deltas.values())
+    assert differing(expected_served(zero), probe) == []
+    assert worker.rollout_settle() == {"settled": True}
+    merged = worker.model_runner.pipeline.merged_lora
+    assert merged.serving and len(merged.copies) == len({id(w) for w, _, _ in merged.served_slices().values()})
+    assert all(torch.equal(w, c) for w, c, _ in merged.served_slices().values())
+    assert worker.rollout_settle() == {"settled": True}

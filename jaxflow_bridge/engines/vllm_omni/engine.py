@@ -363,6 +363,8 @@ class VllmOmniEngine(RolloutEngine):
         read), 0 if already asleep."""
         if self.asleep:
             return 0
+        if self.merged:
+            self._rpc("rollout_settle")  # the base's host copies done before the weights move
         before = gpu_memory_used()
         acks = self._lifecycle("handle_sleep_task", {"task_id": uuid.uuid4().hex, "level": 1})
         self.asleep = True

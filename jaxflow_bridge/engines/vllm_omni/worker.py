@@ -64,6 +64,14 @@ class RolloutWorkerMethods:
         self.rollout_sink("merged").release()
         return {"restoring": True}
 
+    def rollout_settle(self) -> dict:
+        """lora_apply="merged": wait for the base's host copies still in flight, before the weights move (sleep)."""
+        try:
+            self.rollout_sink("merged").settle()
+            return {"settled": True}
+        except _FAILURES as e:
+            return {"error": True, "reason": f"{type(e).__name__}: {e}"}
+
     def rollout_profile_start(self, cuda: bool) -> dict:
         """Start torch.profiler (CUDA kernels with `cuda`, else CPU ops) around the requests this worker serves until
         `rollout_profile_stop`, its pipeline's phases under ranges (jaxflow_bridge/rollout/profiling.py)."""
