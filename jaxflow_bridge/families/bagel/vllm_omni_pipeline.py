@@ -38,6 +38,7 @@ from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.families.bagel import spec
 from jaxflow_bridge.families.bagel.sampling import PIXELS_PER_TOKEN, SCHEDULER_CONFIG, BagelSamplingParams, pad_ids
 from jaxflow_bridge.families.bagel.scheduler import WindowScheduler
+from jaxflow_bridge.engines.vllm_omni.bias_reload import load_with_biases_again
 from jaxflow_bridge.engines.vllm_omni.codec import is_warmup_request, pack_trajectories
 from jaxflow_bridge.engines.vllm_omni.startup import use_compile_threads
 
@@ -141,6 +142,11 @@ def build_pipeline_class(base: type, output_cls, cache_cls) -> type:
         base.__init__(self, od_config=od_config, **kwargs)
         use_compile_threads(getattr(od_config, "custom_pipeline_args", None) or {})  # engines/vllm_omni/startup.py
         self.policy_version = 0
+
+    def load_weights(self, weights):
+        """vLLM-Omni's weight loading, then every bias again in a call of its own (vLLM 0.20's online FP8 loses a
+        quantized linear's bias within the call: `jaxflow_bridge/engines/vllm_omni/bias_reload.py`)."""
+        return load_with_biases_again(lambda w: base.load_weights(self, w), weights)
 
     def _autocast(self):  # the stock forward's
         return torch.autocast(device_type=self.device.type, enabled=self.device.type != "cpu",
@@ -261,8 +267,8 @@ def build_pipeline_class(base: type, output_cls, cache_cls) -> type:
         return output_cls(**{**pack_trajectories(batch), "output": torch.from_numpy(images)})
 
     doc = "vLLM-Omni's BagelPipeline running a request's samples in lockstep (see the module docstring)."
-    namespace = {"__init__": __init__, "_autocast": _autocast, "_on_device": _on_device,
-                 "_rollout_context": _rollout_context, "_received_context": _received_context,
+    namespace = {"__init__": __init__, "load_weights": load_weights, "_autocast": _autocast,
+                 "_on_device": _on_device, "_rollout_context": _rollout_context, "_received_context": _received_context,
                  "_rollout_denoise": _rollout_denoise, "forward": forward,
                  "lora_component": spec.LORA_COMPONENT, "__module__": __name__,
                  "__qualname__": "FlowGRPOBagelPipeline", "__doc__": doc}

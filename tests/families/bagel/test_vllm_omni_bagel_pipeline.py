@@ -163,3 +163,23 @@ def test_the_start_up_warm_up_is_answered_empty(engine):
     pipeline = pipeline_on(engine, FakeDiffusionOutput)
     answer = pipeline.forward(warmup_request())
     assert answer == FakeDiffusionOutput() and answer.error is None and pipeline.bagel.llm_forwards == []
+
+
+def test_every_bias_is_loaded_again_in_a_call_of_its_own():
+    """vLLM 0.20's online FP8 loses a quantized linear's bias within a load call (engines/vllm_omni/bias_reload.py):
+    the pipeline hands the stock loader the whole stream, then its biases again."""
+    calls = []
+
+    class Base:
+        def __init__(self, *, od_config, **kwargs):
+            pass
+
+        def load_weights(self, weights):
+            calls.append(list(weights))
+            return {name for name, _ in calls[-1]}
+
+    pipe = build_pipeline_class(Base, FakeDiffusionOutput, NaiveCache)(od_config=None)
+    stream = [("bagel.language_model.model.layers.0.self_attn.q_proj.bias", 0),
+              ("bagel.language_model.model.layers.0.self_attn.q_proj.weight", 1), ("vae.decoder.conv_in.weight", 2)]
+    assert pipe.load_weights(iter(stream)) == {name for name, _ in stream}
+    assert calls == [stream, stream[:1]]
