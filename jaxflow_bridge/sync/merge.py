@@ -19,7 +19,6 @@ refuses to sample. A refused adapter (non-finite values) leaves the previous one
 """
 from __future__ import annotations
 
-import contextlib
 import threading
 
 import torch
@@ -71,24 +70,23 @@ class MergedLoRA:
     def _keep(self, targets: list) -> None:
         """Copy each weight not seen yet to host memory, once, while it is the pristine base."""
         self.settle()
-        if self.serving and any(id(t[1]) not in self.copies for t in targets):
-            raise RuntimeError(f"{next(t[0] for t in targets if id(t[1]) not in self.copies)}: a new layer to merge "
-                               f"into while an adapter is merged")
+        new = [t[0] for t in targets if id(t[1]) not in self.copies]
+        if self.serving and new:
+            raise RuntimeError(f"{new[0]}: a new layer to merge into while an adapter is merged")
         self._copy(targets)
 
     def _keep_later(self, targets: list) -> None:
-        """`_copy(targets)` in a thread of its own (on a GPU on a stream of its own, after the work queued so far);
-        `settle` waits for it."""
-        weight = targets[0][1] if targets else None
-        stream = torch.cuda.Stream(weight.device) if weight is not None and weight.is_cuda else None
+        """`_copy(targets)` in a thread of its own (on a GPU on a stream of its own, its device's, after the work
+        queued so far); `settle` waits for it."""
+        weight = targets[0][1]
+        stream = torch.cuda.Stream(weight.device) if weight.is_cuda else None  # None: `torch.cuda.stream` does nothing
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(weight.device))
         errors = []
 
         def run():
             try:
-                with (torch.cuda.device(weight.device) if stream is not None else contextlib.nullcontext(),
-                      torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+                with torch.cuda.stream(stream):
                     self._copy(targets)
             except Exception as exc:  # raised by `settle`
                 errors.append(exc)
