@@ -66,10 +66,14 @@ from jaxflow_bridge.engines import families
 LAYOUTS = ("inproc", "1gpu", "2gpu", "2gpu_colocated", "node")
 POOL = {"inproc": "0.5", "1gpu": "0.56", "2gpu": "0.9", "2gpu_colocated": "0.56", "node": "0.5"}
 FIXED = ["--config.eval.every=0", "--config.checkpoint.every=1000", "--config.log.progress=False"]
-RECIPE_VALUES = ("import json, sys; from jaxflow.config.validation import config_module; "
+RECIPE_VALUES = ("import json, sys; from jaxflow import families; from jaxflow.config.validation import config_module; "
                  "c = config_module(sys.argv[1]).get_config(); print(json.dumps(dict("
                  "prompts=c.sample.prompts_per_step, group=c.sample.group_size, "
-                 "mini=c.train.num_mini_batches, micro=c.train.num_micro_batches)))")
+                 "mini=c.train.num_mini_batches, micro=c.train.num_micro_batches, "
+                 "short_start=c.model.scan_unroll == 0 and c.model.lora_gemm == 'auto' and families.of(c).fused_gemm)))")
+# a run's blocks unrolled, whatever their count (model.scan_unroll >= the blocks): the recipe's long run's program,
+# which the plan's short-run start (jaxflow/config/planner.py short_start) would scan for a benchmark's few steps
+UNROLLED = "--config.model.scan_unroll=1000"
 
 
 class Refused(Exception):
@@ -77,8 +81,8 @@ class Refused(Exception):
 
 
 def recipe_values(config: str) -> dict:
-    """The recipe's prompts per step, group size, mini- and micro-batches (read in a process of its own on the CPU:
-    this one must not hold a GPU)."""
+    """The recipe's prompts per step, group size, mini- and micro-batches, and whether the plan may start a short
+    run with its blocks in a scan (read in a process of its own on the CPU: this one must not hold a GPU)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", RECIPE_VALUES, config], env=env, check=True, capture_output=True,
                          text=True).stdout
@@ -242,6 +246,7 @@ def setup(args, given: dict) -> tuple[list[str], dict, int, list[str] | None]:
         cmd += [f"--config.sample.prompts_per_call={1 if one_gpu else args.per_call or max(1, min(4, prompts // 2))}"]
     cmd += [f"--config.train.num_micro_batches={samples // micro // devices}",
             f"--config.train.num_steps={args.steps or (3 if layout == 'node' else 4)}", *FIXED,
+            *([UNROLLED] if r["short_start"] and not cpu else []),
             f"--config.run_dir={Path(args.out) / 'run'}"]
     if args.reward:
         cmd.append(f"--config.reward.fns={json.dumps({args.reward: 1.0})}")

@@ -4,7 +4,8 @@ reward's tail, and the engine's working memory beside its weights, each row for 
 planner predicts a family's step only from its own rows) with its config's transformer passes per image
 (`jaxflow.config.work`; `forward_share`: a forward-only pass's cost against a forward-and-backward one's, from a row
 that measured both, for a config whose passes differ); and the update's memory per sample and fixed, from the
-micro-batch fit (`scripts/fit_micro_batch.py`). The planner (`jaxflow/config/planner.py`) reads it.
+micro-batch fit (`scripts/fit_micro_batch.py`); and the short-run start's compile saving and step cost, from
+README's command started cold both ways (`short_start_row`). The planner (`jaxflow/config/planner.py`) reads it.
 
     python -m jaxflow_bench.phase_costs [--results benchmarks/results] [--out jaxflow/config/phase_costs.json]
 
@@ -39,6 +40,12 @@ PHASE_FILES = (("e2e_recipe_vllm_omni_1gpu_runner.json", "configs/qwen_ocr.py", 
                ("e2e_recipe_diffusers_1gpu.json", "configs/qwen_ocr.py", "diffusers", False, 0.56),
                ("e2e_recipe_diffusers_h100.json", "configs/qwen_ocr.py", "diffusers", True, 0.745),
                ("e2e_edit_1gpu.json", "configs/qwen_edit_ocr.py", "vllm_omni", False, 0.56))
+
+
+# README's GPU command (configs/qwen_ocr.py, 2 prompts x 16 images a step) cold, unrolled and with its blocks in a
+# scan and XLA's linears: the keys of startup.json, and the images of its steps
+SHORT_START = dict(file="startup.json", config="configs/qwen_ocr.py", unrolled="readme_cold_14th",
+                   scanned="readme_scan_cold_14th", images=32)
 
 
 def family_of(config: str) -> str:
@@ -82,6 +89,17 @@ def phase_row(name: str, record: dict, config: str, engine: str, share_weights: 
             "engine_reserve_gib": round(f["peak_gib"] - jax_share * gib - weights / GIB, 2)}
 
 
+def short_start_row(record: dict) -> dict:
+    """The short-run start's costs (`planner.short_start`): how much longer the unrolled blocks compile, and the
+    scan's extra seconds per image of a step (its steps after the first, against the unrolled run's)."""
+    f, r = record["figures"], SHORT_START
+    unrolled, scanned = (f"{r[k]}/" for k in ("unrolled", "scanned"))
+    return {"file": r["file"], "family": family_of(r["config"]), "card": card_of(record["device"].split(" (")[0])[0],
+            "compile_saving_s": f[unrolled + "compile_s"] - f[scanned + "compile_s"],
+            "step_s_per_image": f[unrolled + "step_s"] / r["images"],
+            "step_extra_s_per_image": (f[scanned + "step_s"] - f[unrolled + "step_s"]) / r["images"]}
+
+
 def recipe_work(config: str) -> dict:
     """The transformer passes per image (`jaxflow.config.work`) of the recipe `config` as jaxflow_bench.e2e runs it
     (its settings; the prompts a step do not change them)."""
@@ -100,7 +118,9 @@ def build(results: Path) -> dict:
     memory, _ = memory_row(json.loads((results / MEMORY_FILE).read_text()))
     phases = [phase_row(name, json.loads((results / name).read_text()), *row) for name, *row in PHASE_FILES]
     # an engine never measured: the largest reserve of the memory model's family (the rows its memory plan reads)
+    short = short_start_row(json.loads((results / SHORT_START["file"]).read_text()))
     return {"written_by": "python -m jaxflow_bench.phase_costs", "memory": memory, "phases": phases,
+            "short_start": [short],
             "forward_share": forward_share(phases),
             "default_engine_reserve_gib": max(r["engine_reserve_gib"] for r in phases
                                               if r["family"] == memory["family"])}

@@ -100,7 +100,9 @@ def job_of(cfg) -> planner.Job:
     micro = t.num_micro_batches
     return planner.Job(family=cfg.model.family, images=s.prompts_per_step * s.group_size,
                        mini_batches=t.num_mini_batches, micro_batches=None if micro == "auto" else micro,
-                       engine=r.engine, layout=r.layout, share_weights=bool(r.share_weights), work=work_of(cfg))
+                       engine=r.engine, layout=r.layout, share_weights=bool(r.share_weights), work=work_of(cfg),
+                       steps=t.num_steps, max_minutes=t.max_minutes,
+                       auto_unroll=cfg.model.scan_unroll == 0 and cfg.model.lora_gemm == "auto")
 
 
 def _machine(gpus: int | None = None, gpu_memory: float | None = None) -> tuple[planner.Card, int] | None:

@@ -1,8 +1,8 @@
 """The plan stage: every `auto` of the validated config resolved once, after JAX starts, into a frozen `RunPlan`
 that the learner and the driver read (they resolve nothing themselves), logged once at start as one block.
 
-Resolved here: model.lora_gemm (a hardware policy: `lora_gemm`), model.scan_unroll=0 and the train step's XLA
-options (both follow the resolved linears), rollout.lora_apply (how the rollout serves the LoRA),
+Resolved here: model.lora_gemm (a hardware policy: `lora_gemm`; a short run's start, `_short_start`, takes XLA's),
+model.scan_unroll=0 and the train step's XLA options (both follow the resolved linears), rollout.lora_apply (how the rollout serves the LoRA),
 train.num_micro_batches ('auto': the largest micro-batch that fits, `num_micro_batches`) and the placement
 (backend, devices, engines, samples per micro-batch per device)."""
 from __future__ import annotations
@@ -155,6 +155,16 @@ def _tokens(cfg, family, folder: Path) -> tuple[int, int, int]:
     return (image, *derived.text_tokens(cfg))
 
 
+def _short_start(cfg: RunConfig, batch_devices: int) -> str | None:
+    """The planner's short-run start (`planner.short_start`) on this machine's card, with the batch over
+    `batch_devices` GPUs: why the blocks go in a scan with XLA's linears, or None."""
+    from jaxflow.config import machine
+    from jaxflow.config import planner
+    found = machine.local_gpus()
+    short = found and planner.short_start(machine.job_of(cfg), found[0], batch_devices, planner.load_table())
+    return short[0] if short else None
+
+
 def make_plan(cfg: RunConfig, folder: Path, *, backend: str, devices: int, batch_devices: int, on_hopper: bool) -> RunPlan:
     """The validated config's plan on this machine (`backend`, `devices`, `on_hopper`: JAX's, after it starts) for
     the model in `folder` (its depth and latent grid: the family's) with the batch split `batch_devices` ways."""
@@ -166,6 +176,9 @@ def make_plan(cfg: RunConfig, folder: Path, *, backend: str, devices: int, batch
     gemm, why = lora_gemm(cfg, num_layers, devices, on_hopper, micro, tokens)
     if gemm != "xla" and not family.fused_gemm:
         gemm, why = "xla", f"{family.name}'s layers have no fused-kernel path"
+    short = _short_start(cfg, batch_devices) if gemm == "pallas" else None
+    if short:  # model.scan_unroll=0 then scans the blocks: "xla" runs them in a scan
+        gemm, why = "xla", short
     from jaxflow.trainer.start_options import with_start_options  # JAX's backend is up: it probes XLA's options
     return RunPlan(backend=backend, devices=devices, batch_devices=batch_devices, micro_batch=micro,
                    num_micro_batches=count, micro_batch_why=count_why,

@@ -97,6 +97,9 @@ class Job:
     layout: str
     share_weights: bool
     work: Work | None = None  # its transformer passes per image (None: the measured row's, unscaled)
+    steps: int = 0  # train.num_steps: the steps a run does at most (with max_minutes, `short_start`)
+    max_minutes: float = 0.0  # train.max_minutes (0: no limit)
+    auto_unroll: bool = False  # model.scan_unroll=0 with model.lora_gemm='auto': the plan may pick a short-run start
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +136,29 @@ class Plan:
             f"{self.micro_batch} sample(s) per micro-batch per GPU, {self.num_micro_batches} micro-batch(es) an update, JAX "
             f"{self.jax_share:.3f} of each GPU, the engine {self.engine_share:.3f}; {speed}",
             *(f"  why: {line}" for line in self.why)))
+
+
+def short_start(job: Job, card: Card, gpus: int, table: dict) -> tuple[str, float] | None:
+    """(why, the step's extra seconds) where the job's trainer runs its blocks in a scan with XLA's linears (the
+    short-run start), else None. For a job that leaves both to the plan (`Job.auto_unroll`) on the card and family
+    of the table's `short_start` row (README's command measured both ways): unrolled blocks compile that row's
+    `compile_saving_s` longer and save `step_extra_s_per_image` a step per image, so they pay only for a run longer
+    than that; its steps are train.num_steps, fewer where train.max_minutes ends it first (at the unrolled step's
+    measured pace)."""
+    row = next((r for r in table.get("short_start", ()) if r["family"] == job.family and r["card"] == card.name),
+               None)
+    if row is None or not job.auto_unroll or not job.steps:
+        return None
+    images = job.images / gpus
+    steps = job.steps
+    if job.max_minutes:
+        steps = min(steps, math.ceil(job.max_minutes * 60 / (images * row["step_s_per_image"])))
+    extra = images * row["step_extra_s_per_image"]
+    if steps * extra >= row["compile_saving_s"]:
+        return None
+    return (f"auto: a short run ({steps} step(s) of {images:g} images a GPU): unrolled blocks would compile "
+            f"{row['compile_saving_s']:.0f} s longer to save {steps * extra:.0f} s ({row['file']}); "
+            f"--config.model.scan_unroll=60 keeps them unrolled"), extra
 
 
 def _passes(work: Work) -> str:
@@ -230,6 +256,10 @@ def _fit(job: Job, sizes: ModelSizes, card: Card, gpus: int, update: UpdateMemor
         images = job.images / gpus
         step = images * (costs["rollout_s_per_image"] + costs["old_log_prob_s_per_image"]
                          + costs["update_s_per_image"]) + costs["sync_s"] + costs["reward_s"]
+        short = short_start(job, card, gpus, table)
+        if short:
+            step += short[1]
+            why.append(f"blocks in a scan, XLA's linears: {short[0]}")
         speed = job.images / (step * gpus)
         why.append(f"costs per image measured on {costs['card']} ({costs['file']}: the {costs['family']} family, "
                    f"{costs['micro_batch']} sample(s) per micro-batch)")

@@ -75,3 +75,18 @@ def test_the_result_command_names_the_quantization(tmp_path):
     assert "--quantization=fp8" in described(args, [], {}).split()
     plain, _ = parser().parse_known_args([str(tmp_path / "out")])
     assert "--quantization" not in described(plain, [], {})
+
+
+def test_e2e_pins_the_long_runs_unrolled_blocks(tmp_path):
+    """A benchmark's few steps would get the plan's short-run start (blocks in a scan, jaxflow/config/planner.py
+    short_start): the recipe's e2e run pins the unrolled blocks of its long run, which BAGEL (XLA's linears, its
+    blocks scanned anyway) and a CPU run of the tiny recipe (its own scan_unroll) are not given."""
+    from jaxflow_bench.e2e import UNROLLED
+
+    args, _ = parser().parse_known_args([str(tmp_path / "out")])
+    assert UNROLLED in setup(args, dict(os.environ))[0]
+    bagel, _ = parser().parse_known_args([str(tmp_path / "b"), "--recipe", "bagel"])
+    assert UNROLLED not in setup(bagel, dict(os.environ))[0]
+    cpu, _ = parser().parse_known_args([str(tmp_path / "c"), "--device", "cpu", "--config", "configs/tiny_ocr.py",
+                                        "--layout", "inproc"])
+    assert UNROLLED not in setup(cpu, dict(os.environ))[0]
