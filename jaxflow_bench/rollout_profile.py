@@ -3,14 +3,19 @@ process, or vLLM-Omni's in its workers).
 
     python -m jaxflow_bench.rollout_profile OUT [--engine diffusers|vllm_omni] [--model DIR|tiny]
         [--device cuda|cpu] [--calls 3] [--prompts 2] [--n 4] [--size 512] [--steps 10] [--seed 0]
+        [--lora-rank R [--lora-apply layers|merged]] [--quantization fp8]
 
 Runs the recipe's training rollout (jaxflow_bench.rollout.TRAIN_SETTINGS: true CFG 4, the SDE window; --size and
 --steps shrink it) on the model (default the recipe's random full-size folder, written if missing; `tiny`: the cached
 tiny model) with random weights drawn from --seed: one warm-up call, then --calls calls of --prompts prompts x --n
-images under torch.profiler (CUDA kernels on a GPU, CPU ops on the CPU), and the same calls without CFG. The profiler
+images under torch.profiler (CUDA kernels on a GPU, CPU ops on the CPU), and the same calls without CFG; with
+--lora-rank a random adapter of that rank on the recipe's 12 targets is bound first (served as --lora-apply, the
+engine's default without it), and --quantization fp8 runs vLLM-Omni's DiT in FP8 (its LoRA as layers, which it
+needs). Such a variant's file is named for it: rollout_profile_fp8_lora64.json for `--quantization fp8 --lora-rank
+64`. The profiler
 runs where the pipeline does (jaxflow_bridge/rollout/profiling.py): in this process for --engine diffusers (the
 default), in the diffusion workers for --engine vllm_omni (a GPU only; the engine's `profile_start` /
-`profile_stop`, its first worker's table). Writes OUT/rollout_profile.json, seconds per image:
+`profile_stop`, its first worker's table). Writes OUT/rollout_profile.json (`result_name`), seconds per image:
   attention_s, gemm_s, other_kernels_s  the kernels' (CPU: the ops') own time by name (`CATEGORIES`)
   idle_gaps_s          the call's wall time the device ran nothing (launch gaps, host work, syncs)
   text_encoder_s, vae_decode_s, denoise_s  the pipeline's phases (`SamplingLoop.encode`, `decode`, the rest of
@@ -31,7 +36,7 @@ import time
 from pathlib import Path
 
 from jaxflow_bench.results import write_result
-from jaxflow_bench.rollout import PROMPTS, TRAIN_SETTINGS
+from jaxflow_bench.rollout import PROMPTS, TARGETS, TRAIN_SETTINGS, random_adapter
 from jaxflow_bridge.rollout.profiling import PHASES, PipelineProfiler
 
 # kernel / op names to categories, first match wins (FlashAttention, cuDNN and PyTorch's SDPA kernels; cuBLAS(Lt),
@@ -123,14 +128,40 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--size", type=int, default=TRAIN_SETTINGS["height"])
     p.add_argument("--steps", type=int, default=TRAIN_SETTINGS["num_inference_steps"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lora-rank", type=int, default=0, help="bind a random adapter of this rank (0: none)")
+    p.add_argument("--lora-apply", choices=("layers", "merged"), help="how the engine serves it (its default)")
+    p.add_argument("--quantization", choices=("none", "fp8"), default="none", help="fp8: vLLM-Omni's DiT in FP8")
     return p
+
+
+def refusal(args) -> str | None:
+    """The one-line error for options that cannot run together, or None."""
+    if args.engine == "vllm_omni" and args.device == "cpu":
+        return ("--engine vllm_omni runs its workers on a GPU: drop --device cpu, or profile --engine diffusers on "
+                "the CPU")
+    if args.quantization != "none" and args.engine != "vllm_omni":
+        return f"--quantization {args.quantization} quantizes vLLM-Omni's DiT: add --engine vllm_omni"
+    if args.quantization != "none" and (not args.lora_rank or args.lora_apply == "merged"):
+        return (f"--quantization {args.quantization} serves the LoRA as layers (vLLM-Omni 0.20 serves no FP8 DiT "
+                f"without one): add --lora-rank 64 and drop --lora-apply merged")
+    if args.lora_apply and not args.lora_rank:
+        return "--lora-apply needs an adapter to serve: add --lora-rank 64"
+    return None
+
+
+def result_name(args) -> str:
+    """rollout_profile, with the variant's options: _fp8, _lora64, _merged."""
+    return "rollout_profile" + "".join(
+        part for part, on in ((f"_{args.quantization}", args.quantization != "none"),
+                              (f"_lora{args.lora_rank}", args.lora_rank), (f"_{args.lora_apply}", args.lora_apply))
+        if on)
 
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    if args.engine == "vllm_omni" and args.device == "cpu":
-        print("error: --engine vllm_omni runs its workers on a GPU: drop --device cpu, or profile --engine diffusers "
-              "on the CPU", file=sys.stderr)
+    refused = refusal(args)
+    if refused:
+        print(f"error: {refused}", file=sys.stderr)
         return 2
     from jaxflow_bridge.engines import families
     from jaxflow_bridge.rollout.server import engine_class
@@ -140,12 +171,20 @@ def main(argv=None) -> int:
         writer = families.spec(families.DEFAULT).E2E["writer"]
         subprocess.run([sys.executable, writer[0], "--out", model, *writer[1:]], check=True)
     config = {"engine": args.engine, "model": model, "device": args.device,
-              "dtype": "bfloat16" if args.device == "cuda" else "float32", "random_seed": args.seed}
+              "dtype": "bfloat16" if args.device == "cuda" else "float32", "random_seed": args.seed,
+              **({"quantization": args.quantization, "lora_apply": "layers"} if args.quantization != "none" else {}),
+              **({"lora_apply": args.lora_apply} if args.lora_apply else {})}
     try:
         engine = engine_class(config)(config)
     except ValueError as e:  # the engine's refusal of the model or its settings
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.lora_rank:
+        folder = families.module(families.DEFAULT, "diffusers_pipeline").tiny_folder() if model == "tiny" else model
+        adapter = random_adapter(Path(folder), args.lora_rank, args.seed)
+        ack = engine.update_lora(adapter, 1, {"r": args.lora_rank, "lora_alpha": 2 * args.lora_rank,
+                                              "target_modules": list(TARGETS)})
+        print(f"a random rank-{args.lora_rank} adapter bound to {ack['bound_modules']} modules", flush=True)
     window = (0, max(1, min(TRAIN_SETTINGS["sde_window_range"][1], args.steps - 1)))
     sampling = {**TRAIN_SETTINGS, "height": args.size, "width": args.size, "num_inference_steps": args.steps,
                 "sde_window_size": min(TRAIN_SETTINGS["sde_window_size"], window[1]), "sde_window_range": window}
@@ -156,8 +195,10 @@ def main(argv=None) -> int:
     finally:
         if args.engine == "vllm_omni":
             engine.close()
-    print(write_result(args.out, "rollout_profile", figures,
-                       extra={"engine": args.engine, "model": model, "top_kernels": top}))
+    print(write_result(args.out, result_name(args), figures,
+                       extra={"engine": args.engine, "model": model, "lora_rank": args.lora_rank,
+                              "lora_apply": args.lora_apply or "the engine's default",
+                              "quantization": args.quantization, "top_kernels": top}))
     return 0
 
 

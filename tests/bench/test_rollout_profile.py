@@ -15,7 +15,9 @@ from jaxflow_bench.rollout_profile import (
     categorize,
     category,
     main,
+    parser,
     profile,
+    result_name,
     top_rows,
 )
 from tests import HANG_S
@@ -46,14 +48,18 @@ def test_a_synthetic_profiler_table_per_image():
 
 
 @pytest.mark.slow
-def test_the_runner_on_the_cpu_with_the_tiny_model(tmp_path):
+@pytest.mark.parametrize("lora", [[], ["--lora-rank", "4"]], ids=["base", "lora4"])
+def test_the_runner_on_the_cpu_with_the_tiny_model(tmp_path, lora):
     got = subprocess.run([sys.executable, "-m", "jaxflow_bench.rollout_profile", str(tmp_path), "--model", "tiny",
                           "--device", "cpu", "--calls", "1", "--prompts", "1", "--n", "2", "--size", "32",
-                          "--steps", "3"], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
+                          "--steps", "3", *lora], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     assert got.returncode == 0, got.stderr[-3000:]
-    record = json.loads((tmp_path / "rollout_profile.json").read_text())
+    record = json.loads((tmp_path / f"rollout_profile{'_lora4' if lora else ''}.json").read_text())
     f = record["figures"]
-    assert record["engine"] == "diffusers" and f["images"] == 2
+    assert record["engine"] == "diffusers" and f["images"] == 2 and record["lora_rank"] == (4 if lora else 0)
+    if lora:  # the tiny model's blocks, each with the recipe's 12 targets
+        bound = int(got.stdout.split("adapter bound to ")[1].split()[0])
+        assert bound > 0 and bound % 12 == 0, got.stdout[-2000:]
     assert f["unprofiled_wall_s"] > 0 and f["no_cfg_wall_s"] > 0 and len(record["top_kernels"]) == 15
     for key in ("attention_s", "gemm_s", "other_kernels_s", "text_encoder_s", "vae_decode_s", "denoise_s", "wall_s"):
         assert f[key] > 0, (key, f)
@@ -73,6 +79,29 @@ def test_vllm_omni_on_the_cpu_is_refused_in_one_line(capsys):
     assert main(["/nonexistent/out", "--engine", "vllm_omni", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --engine vllm_omni runs its workers on a GPU") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--quantization", "fp8", "--lora-rank", "64"], "add --engine vllm_omni"),
+    (["--engine", "vllm_omni", "--quantization", "fp8"], "add --lora-rank 64"),
+    (["--engine", "vllm_omni", "--quantization", "fp8", "--lora-rank", "64", "--lora-apply", "merged"],
+     "drop --lora-apply merged"),
+    (["--lora-apply", "layers"], "--lora-apply needs an adapter"),
+])
+def test_variants_that_cannot_run_are_refused_in_one_line(capsys, tmp_path, argv, names):
+    assert main([str(tmp_path / "out"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and names in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_variants_file_is_named_for_it():
+    def name(*argv):
+        return result_name(parser().parse_args(["OUT", *argv]))
+
+    assert name() == "rollout_profile"
+    assert name("--engine", "vllm_omni", "--quantization", "fp8", "--lora-rank", "64") == "rollout_profile_fp8_lora64"
+    assert name("--lora-rank", "64", "--lora-apply", "merged") == "rollout_profile_lora64_merged"
 
 
 @pytest.mark.slow
