@@ -5,7 +5,8 @@
         [--micro N] [--per-call N] [--steps N] [--reward NAME] [--result NAME] [--model-dir DIR] [--profile-step K]
         [--one-gpu FILE] [--quantization fp8] [--config.x=y ...]
     python -m jaxflow_bench.e2e OUT --scaling [--layouts 2gpu_colocated 2gpu] [--config.x=y ...]
-    python -m jaxflow_bench.e2e OUT --arms flowgrpo guard corrected nft mixgrpo awm [--config.x=y ...]
+    python -m jaxflow_bench.e2e OUT --arms flowgrpo guard corrected dropzero nft mixgrpo mixgrpo_flash awm
+        [--config.x=y ...]
 
 One run: a family's recipe (--recipe, default the registry's DEFAULT: its spec.py E2E names the config, e.g.
 configs/qwen_ocr.py or configs/bagel_ocr.py) at its own settings with only the prompts per step cut (--prompts,

@@ -17,8 +17,11 @@ from jaxflow_bench.results import finished, scaling_figures, write_result
 # awm's one mini-batch a step (the same forward and backward work; the micro-batches here are sized from the recipe's)
 ARMS = {"flowgrpo": [], "guard": ["--config.train.ratio_norm=guard"],
         "corrected": ["--config.train.old_log_prob=rollout_corrected"],
+        "dropzero": ["--config.train.drop_zero_advantage=True"],
         "nft": ["--config.train.algorithm=nft", "--config.sample.guidance=1", "--config.sample.sde_type=ode"],
         "mixgrpo": ["--config.train.algorithm=mixgrpo", "--config.sample.window_size=2"],
+        "mixgrpo_flash": ["--config.train.algorithm=mixgrpo", "--config.sample.window_size=2",
+                          "--config.sample.solver=dpm2"],
         "awm": ["--config.train.algorithm=awm", "--config.train.beta=0.003", "--config.train.old_log_prob=rollout"]}
 
 

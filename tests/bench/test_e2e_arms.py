@@ -12,7 +12,7 @@ from jaxflow_bench import e2e, e2e_series
 ROOT = Path(__file__).resolve().parents[2]
 # what makes an arm that algorithm: the keys compared between the two definitions
 ALGORITHM_KEYS = ("train.algorithm", "train.ratio_norm", "train.old_log_prob", "train.beta", "sample.guidance",
-                  "sample.sde_type", "sample.window_size")
+                  "sample.sde_type", "sample.window_size", "sample.solver", "train.drop_zero_advantage")
 
 
 def value(cfg, key: str):
