@@ -8,11 +8,12 @@ import pytest
 from jaxflow.config import machine, planner
 from jaxflow.config import plan as plan_lib
 from jaxflow.config.planner import Card, Job, ModelSizes
-from tests.config.test_planner import RECIPE
+from jaxflow_bench import phase_costs
 
 H200, H100 = Card("NVIDIA H200", 140.4), Card("NVIDIA H100 80GB HBM3", 79.65)
 TABLE = planner.load_table()
 ROW = TABLE["short_start"][0]
+RECIPE = ModelSizes(**phase_costs.RECIPE, lora_params=20_000_000)  # the measured model's size (`_measured_model`)
 
 
 def readme_job(**change) -> Job:
