@@ -303,3 +303,25 @@ class MixGRPOTrainingStates:
             self.cur += self.stride
         if self.cur > self.max_t:
             self.cur, self.it = 0, 0
+
+
+def flow_grpo_sde_step_log_prob(v, x, prev_sample, sigma, sigma_prev, sigma_max, noise_level, sde_type):
+    """yifan123/flow_grpo flow_grpo/diffusers_patch/sd3_sde_with_logprob.py `sde_step_with_logprob` (commit
+    54809b5fcf4d3930d2a17fa553928704bd0b719e) with prev_sample given, per-sample sigma and sigma_prev (B,) in place
+    of the scheduler's step indices: (log_prob (B,), prev_sample_mean), float32."""
+    v, x = v.float(), x.float()
+    sigma, sigma_prev = (s.view(-1, *([1] * (x.ndim - 1))) for s in (sigma, sigma_prev))
+    dt = sigma_prev - sigma
+    if sde_type == "sde":
+        std_dev_t = torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_max, sigma))) * noise_level
+        mean = x * (1 + std_dev_t ** 2 / (2 * sigma) * dt) + v * (1 + std_dev_t ** 2 * (1 - sigma) / (2 * sigma)) * dt
+        step_std = std_dev_t * torch.sqrt(-1 * dt)
+        log_prob = -((prev_sample.detach() - mean) ** 2) / (2 * step_std ** 2) - torch.log(step_std) \
+            - torch.log(torch.sqrt(2 * torch.as_tensor(math.pi)))
+    elif sde_type == "cps":
+        std_dev_t = sigma_prev * math.sin(noise_level * math.pi / 2)
+        mean = (x - sigma * v) * (1 - sigma_prev) + (x + v * (1 - sigma)) * torch.sqrt(sigma_prev ** 2 - std_dev_t ** 2)
+        log_prob = -((prev_sample.detach() - mean) ** 2)
+    else:
+        raise ValueError(sde_type)
+    return log_prob.mean(dim=tuple(range(1, log_prob.ndim))), mean
