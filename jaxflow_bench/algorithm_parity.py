@@ -4,8 +4,9 @@ tests/reference_transcriptions.py, on identical inputs (a micro-batch of samples
 project's per-sample windows); and the zero-advantage filter's updates (`flowgrpo_step.accumulate_gradients`'s loss
 and gradient with respect to a stand-in policy's one LoRA weight) against flow_grpo's SD3 trainer's filtering and
 loss averaging; and decoupled rollout correction's IS and RS variants (`accumulate_gradients`' loss and
-gradient) against verl's helpers' transcription. Writes benchmarks/results/algorithm_parity.json;
-tests/algorithms/test_algorithm_parity.py asserts the same figures.
+gradient) against verl's helpers' transcription; with `flow_matching_parity`'s figures (DiffusionNFT, AWM) and
+`sampling_parity`'s (FlowGRPO's SDE step, MixGRPO's window schedule and Flash sampler). Writes
+benchmarks/results/algorithm_parity.json; tests/algorithms/test_algorithm_parity.py asserts the same figures.
 
     PYTHONPATH=$PWD python -m jaxflow_bench.algorithm_parity [--out benchmarks/results]
 """
@@ -14,6 +15,8 @@ from __future__ import annotations
 import argparse
 import functools
 import platform
+import shlex
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +30,8 @@ from jaxflow.algorithms.objective import Objective
 from jaxflow.nn.lora import LoRAParam
 from jaxflow.trainer import minibatches
 from jaxflow.trainer.step_config import TrainConfig
+from jaxflow_bench import flow_matching_parity, sampling_parity
+from jaxflow_bench.parity_differences import differences
 from jaxflow_bench.results import write_result
 from tests import reference_transcriptions as ref
 
@@ -94,15 +99,6 @@ def _corrected_ref(x, option, threshold):
                                                    torch.tensor(x["advantages"]), CLIP, ADV_CLIP, option, threshold,
                                                    kl=kl, kl_coef=BETA)
     return _torch(run, x)
-
-
-def differences(ours, theirs) -> dict:
-    """max abs and rel difference of the loss and of the gradient (rel: over the reference's max |.|)."""
-    (lo, go), (lt, gt) = ours, theirs
-    g_abs = max(float(np.max(np.abs(a - b))) for a, b in zip(go, gt))
-    g_scale = max(float(np.max(np.abs(b))) for b in gt)
-    return {"loss_abs": abs(float(lo) - float(lt)), "loss_rel": abs(float(lo) - float(lt)) / abs(float(lt)),
-            "grad_abs": g_abs, "grad_rel": g_abs / g_scale}
 
 
 ZB, ZW, ZS, ZC, ZCLIP = 16, 2, 8, 4, 0.02  # the filter's comparison: rows, window steps, tokens, channels, clip
@@ -268,21 +264,27 @@ def figures(seed: int = 0) -> dict:
         reject = functools.partial(rollout_correction.keep_mask, option=option, threshold=threshold)
         out[f"rollout_corrected_{option}_vs_verl_omni_bypass"] = differences(
             _project(x, ratio_norm="none", reject=reject, beta=BETA), _corrected_ref(x, option, threshold))
-    return {**out, **zero_advantage_figures(seed), **decoupled_figures(seed)}
+    return {**out, **zero_advantage_figures(seed), **decoupled_figures(seed), **flow_matching_parity.figures(seed),
+            **sampling_parity.figures()}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="benchmarks/results")
+    argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
     flat = {f"{k}/{m}": v for k, d in figures().items() for m, v in d.items()}
     path = write_result(args.out, "algorithm_parity", flat,
+                        command=shlex.join(["python", "-m", "jaxflow_bench.algorithm_parity", *argv]),
                         extra={"cpu": platform.processor() or platform.machine(), "dtype": "float32",
                                "inputs": f"B={B} samples at different SDE steps, S={S}, C={C}, seed 0; zero-advantage "
                                          f"filter: {ZB} rows (10 at advantage 0) x {ZW} window steps, S={ZS}, "
-                                         f"C={ZC}"})
+                                         f"C={ZC}; NFT 5 samples, AWM 6, S x C = 24 and 128; SDE step 4 samples at "
+                                         f"steps {sampling_parity.STEP_INDICES.tolist()} of 10; Flash "
+                                         f"{len(sampling_parity.FLASH_STARTS)} samples x {sampling_parity.FLASH_STEPS} "
+                                         f"steps; windows over {len(sampling_parity.WINDOW_GRID)} schedule settings"})
     for k, v in flat.items():
-        print(f"{k}: {v:.3g}")
+        print(f"{k}: {v:.3g}" if isinstance(v, float) else f"{k}: {v}")
     print(path)
 
 

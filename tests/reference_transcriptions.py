@@ -1,5 +1,6 @@
-"""Short transcriptions (torch, float32) of the reference functions the algorithm parity tests compare against;
-written for these tests, each naming its repository, file and commit. Not product code."""
+"""Short transcriptions (torch, float32 unless named) of the reference functions the algorithm parity tests compare
+against; written for these tests, each naming its source (repository, file, and the commit where it was read). Not
+product code."""
 from __future__ import annotations
 
 import math
@@ -244,3 +245,83 @@ def mixgrpo_flash_sampling(v_pred_fn, z, sigmas, deterministic, noises, eta):
         lower_order_nums = min(lower_order_nums + 1, 2)
         all_latents.append(z)
     return z, all_latents, log_probs
+
+
+def nvlabs_nft_loss(v, v_old, v_ref, x0, noise, t, adv, beta, adv_clip):
+    """DiffusionNFT's objective written out in torch (arXiv 2509.16117, eq. of the implicit policies; the adaptive
+    weight as its SD3 trainer NVlabs/DiffusionNFT scripts/train_nft_sd3.py computes it, in float64 without
+    gradient): per-sample (policy, kl)."""
+    t = t.view(-1, 1, 1)
+    xt = (1 - t) * x0 + t * noise
+    r = torch.clamp(torch.clamp(adv, -adv_clip, adv_clip) / adv_clip / 2 + 0.5, 0, 1)
+
+    def loss(pred):
+        x0_hat = xt - t * pred
+        with torch.no_grad():
+            w = (x0_hat.double() - x0.double()).abs().mean(dim=(1, 2), keepdim=True).clip(min=1e-5)
+        return ((x0_hat - x0) ** 2 / w).mean(dim=(1, 2))
+
+    pos = loss(beta * v + (1 - beta) * v_old)
+    neg = loss((1 + beta) * v_old - beta * v)
+    policy = (r * pos / beta + (1 - r) * neg / beta) * adv_clip
+    kl = ((v - v_ref) ** 2).mean(dim=(1, 2))
+    return policy, kl
+
+
+def awm_official_loss(v, v_ref, x0, noise, t, adv, *, power, adv_clip, adv_max, clip_range, beta):
+    """Transcribed from scxue/advantage_weighted_matching @ be5137232e33a21b449ed65a533211d0deb97ed8,
+    advantage_weighted_matching/scripts/train_sd3_awm.py: compute_log_prob_awm (weighting 'ghuber') and the
+    training loop's loss (loss_type 'exp_first', on-policy old_log_probs = log_prob.detach(), kl_weight 'Uniform')
+    for one timestep, in float64 as there."""
+    lp = -(v - (noise - x0)) ** 2
+    lp = lp.mean(dim=tuple(range(1, lp.ndim)))
+    lp = -(torch.pow(-lp + 1e-10, power) - torch.pow(torch.tensor(1e-10, dtype=lp.dtype), power)) * t / power
+    a = torch.clamp(adv, -adv_clip, adv_clip) / adv_clip * adv_max
+    ratio = torch.exp(lp - lp.detach())
+    policy = torch.mean(torch.maximum(-a * ratio, -a * torch.clamp(ratio, 1 - clip_range, 1 + clip_range)))
+    kl = ((v - v_ref) ** 2).mean(dim=tuple(range(1, v.ndim))).mean()
+    return policy + beta * kl
+
+
+class MixGRPOTrainingStates:
+    """Transcribed from Tencent-Hunyuan/MixGRPO @ e5cdd6a427778d8c8b2e7a48ce16972141adbe7c,
+    fastvideo/utils/grpo_states.py: GRPOTrainingStates, sample_strategy 'progressive' with prog_overlap and
+    roll_back (scripts/finetune/finetune_flux_grpo_MixGRPO.sh), max_timesteps = sampling_steps - 2
+    (fastvideo/train_grpo_flux.py); the window of an iteration is read before update_iteration."""
+
+    def __init__(self, interval, size, max_timesteps, stride):
+        self.interval, self.size, self.max_t, self.stride = interval, size, max_timesteps, stride
+        self.cur, self.it = 0, 0
+
+    def window(self):
+        return list(range(self.cur, min(self.cur + self.size, self.max_t)))
+
+    def update(self):
+        self.it += 1
+        if self.it >= self.interval:
+            self.it = 0
+            self.cur += self.stride
+        if self.cur > self.max_t:
+            self.cur, self.it = 0, 0
+
+
+def flow_grpo_sde_step_log_prob(v, x, prev_sample, sigma, sigma_prev, sigma_max, noise_level, sde_type):
+    """yifan123/flow_grpo flow_grpo/diffusers_patch/sd3_sde_with_logprob.py `sde_step_with_logprob` (commit
+    54809b5fcf4d3930d2a17fa553928704bd0b719e) with prev_sample given, per-sample sigma and sigma_prev (B,) in place
+    of the scheduler's step indices: (log_prob (B,), prev_sample_mean), float32."""
+    v, x = v.float(), x.float()
+    sigma, sigma_prev = (s.view(-1, *([1] * (x.ndim - 1))) for s in (sigma, sigma_prev))
+    dt = sigma_prev - sigma
+    if sde_type == "sde":
+        std_dev_t = torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_max, sigma))) * noise_level
+        mean = x * (1 + std_dev_t ** 2 / (2 * sigma) * dt) + v * (1 + std_dev_t ** 2 * (1 - sigma) / (2 * sigma)) * dt
+        step_std = std_dev_t * torch.sqrt(-1 * dt)
+        log_prob = -((prev_sample.detach() - mean) ** 2) / (2 * step_std ** 2) - torch.log(step_std) \
+            - torch.log(torch.sqrt(2 * torch.as_tensor(math.pi)))
+    elif sde_type == "cps":
+        std_dev_t = sigma_prev * math.sin(noise_level * math.pi / 2)
+        mean = (x - sigma * v) * (1 - sigma_prev) + (x + v * (1 - sigma)) * torch.sqrt(sigma_prev ** 2 - std_dev_t ** 2)
+        log_prob = -((prev_sample.detach() - mean) ** 2)
+    else:
+        raise ValueError(sde_type)
+    return log_prob.mean(dim=tuple(range(1, log_prob.ndim))), mean

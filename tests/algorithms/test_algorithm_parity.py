@@ -6,7 +6,10 @@ Tolerance: the loss is a mean over B = 8 samples of about ten float32 operations
 S x C = 64 elements), so its rounding error is within (10 + log2(64) + log2(8)) eps ~ 19 eps; TOL = 32 eps leaves
 headroom for the different summation orders of XLA and torch. The gradient's, relative to its largest entry,
 likewise. The zero-advantage filter's update sums at most 6 kept rows x 2 window steps of the same per-row terms
-(S x C = 32 elements): (10 + log2(32) + log2(12)) eps ~ 19 eps, the same bound."""
+(S x C = 32 elements): (10 + log2(32) + log2(12)) eps ~ 19 eps, the same bound. DiffusionNFT's and AWM's loss
+(`flow_matching_parity`) is likewise a mean over 5 or 6 samples of about ten operations on S x C = 24 or 128
+elements ((10 + 7 + 3) eps ~ 20 eps at most; AWM's reference in float64 adds nothing): the same TOL. The samplers'
+(`sampling_parity`) bounds are derived where they are asserted."""
 
 import json
 from pathlib import Path
@@ -20,6 +23,7 @@ from jaxflow.config import derived
 from jaxflow.config import validation as config_lib
 from jaxflow.algorithms import rollout_correction
 from jaxflow_bench import algorithm_parity as parity
+from jaxflow_bench import flow_matching_parity, sampling_parity
 from tests import reference_transcriptions as ref
 from tests.helpers import tiny_config
 
@@ -28,7 +32,8 @@ RESULT = Path(__file__).parents[2] / "benchmarks" / "results" / "algorithm_parit
 EQUAL = ["grpo_guard_batch_vs_verl_omni", *(f"rollout_corrected_{o}_vs_verl_omni_bypass"
                                             for o in ("token_k1", "token_k2", "token_k3")),
          *(f"zero_advantage_{layout}_vs_flow_grpo_sd3" for layout in parity.ZERO_LAYOUTS),
-         *(f"recompute_corrected_{name}_vs_verl" for name in parity.DECOUPLED)]
+         *(f"recompute_corrected_{name}_vs_verl" for name in parity.DECOUPLED),
+         *(f"nft_beta{beta:g}_vs_nvlabs" for beta in flow_matching_parity.NFT_BETAS), "awm_vs_official"]
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +47,66 @@ def test_equal_to_the_reference_to_float32_rounding(figures, name):
         assert figures[name][key] <= TOL, (name, key, figures[name][key])
 
 
+def _step_bounds() -> dict:
+    """{sde_type: (log_prob_abs, mean_rel, grad_rel) bounds} of the SDE step's parity: the mean, about six float32
+    operations on x and v, within d = 8 eps (|x| + |v|); d moves x' - mean = step_std noise, so the 'sde' log-prob
+    -(x' - mean)^2 / (2 step_std^2) by up to d |noise| / step_std and 'cps''s -(x' - mean)^2 by 2 step_std |noise| d
+    (plus 8 eps of the log-prob's own size); its gradient, (x' - mean) / step_std^2 times the mean's, by d /
+    step_std^2 against its largest entry's |noise| / step_std."""
+    x, eps = sampling_parity.step_inputs(), float(np.finfo(np.float32).eps)
+    s, sn, a = x["sigma"], x["sigma_next"], sampling_parity.STEP_LEVEL
+    d = 8 * eps * float(np.abs(x["x"]).max() + np.abs(x["v"]).max())
+    noise = float(np.abs(x["noise"]).max())
+    sde_std = float(np.min(a * np.sqrt(s / (1 - np.where(s == 1, x["sigma_max"], s)) * (s - sn))))
+    cps_std = sn * np.sin(a * np.pi / 2)
+    lp_sde = float(np.max(np.abs(-0.5 - np.log(sde_std) - 0.5 * np.log(2 * np.pi)))) + noise ** 2
+    return {"sde": (d * noise / sde_std + 8 * eps * lp_sde, 8 * eps, d / (sde_std * noise) + 8 * eps),
+            "cps": (2 * float(cps_std.max()) * noise * d + 8 * eps * float(cps_std.max() * noise) ** 2, 8 * eps,
+                    d / (float(cps_std.min()) * noise) + 8 * eps)}
+
+
+@pytest.mark.parametrize("sde_type", ["sde", "cps"])
+def test_the_sde_step_is_flow_grpos_to_float32_rounding(figures, sde_type):
+    got = figures[f"flowgrpo_{sde_type}_step_vs_flow_grpo"]
+    lp_abs, mean_rel, grad_rel = _step_bounds()[sde_type]
+    assert got["log_prob_abs"] <= lp_abs and got["mean_rel"] <= mean_rel and got["grad_rel"] <= grad_rel, got
+
+
+def _flash_bounds() -> tuple[float, float]:
+    """(latents_rel, log_prob_abs) bounds of the Flash sampler's parity: a few float32 roundings per step on values of
+    size ~|x| over the N steps, 8 N eps relative; a window step's log-prob -(x' - mean)^2 / (2 step_std^2) with
+    x' - mean = step_std noise moves by the latents' error over step_std, times |noise|."""
+    sigmas, v_fn, x, noises = sampling_parity.flash_inputs()
+    eps, n = float(np.finfo(np.float32).eps), sampling_parity.FLASH_STEPS
+    latents, _ = sampling_parity.flash_sample(sigmas, v_fn, x, noises)
+    s, sn = sigmas[:-2], sigmas[1:-1]  # every step a window may take (the last never is)
+    step_std = sampling_parity.FLASH_LEVEL * np.sqrt(s / (1 - np.where(s == 1, sigmas[1], s)) * (s - sn))
+    err = 8 * n * eps * float(latents.abs().max())
+    return 8 * n * eps, err / float(step_std.min()) * float(noises.abs().max())
+
+
+def test_mixgrpo_flash_and_window_are_the_officials(figures):
+    latents_rel, lp_abs = _flash_bounds()
+    flash = figures["mixgrpo_flash_sampler_vs_official"]
+    assert flash["latents_rel"] <= latents_rel and flash["log_prob_abs"] <= lp_abs, flash
+    window = figures["mixgrpo_window_vs_official"]
+    assert window["mismatched_starts"] == 0 and window["compared"] > 1000, window
+
+
 def test_committed_figures_are_the_scripts(figures):
     saved = json.loads(RESULT.read_text())
     assert saved["name"] == "algorithm_parity" and saved["device"]
+    assert set(saved["figures"]) == {f"{name}/{key}" for name, d in figures.items() for key in d}
+    assert saved["command"] == "python -m jaxflow_bench.algorithm_parity"
+    for sde_type, (lp_abs, mean_rel, grad_rel) in _step_bounds().items():
+        name = f"flowgrpo_{sde_type}_step_vs_flow_grpo"
+        assert saved["figures"][f"{name}/log_prob_abs"] <= lp_abs and saved["figures"][f"{name}/mean_rel"] <= mean_rel
+        assert saved["figures"][f"{name}/grad_rel"] <= grad_rel
+    latents_rel, lp_abs = _flash_bounds()
+    assert saved["figures"]["mixgrpo_flash_sampler_vs_official/latents_rel"] <= latents_rel
+    assert saved["figures"]["mixgrpo_flash_sampler_vs_official/log_prob_abs"] <= lp_abs
+    assert saved["figures"]["mixgrpo_window_vs_official/mismatched_starts"] == 0
+    assert saved["figures"]["mixgrpo_window_vs_official/compared"] == figures["mixgrpo_window_vs_official"]["compared"]
     for name in EQUAL:
         for key in ("loss_rel", "grad_rel"):
             assert saved["figures"][f"{name}/{key}"] <= TOL

@@ -9,21 +9,7 @@ import torch
 
 from jaxflow.algorithms import awm, mixgrpo
 from jaxflow.trainer.step_config import TrainConfig
-
-
-def transcribed_awm(v, v_ref, x0, noise, t, adv, *, power, adv_clip, adv_max, clip_range, beta):
-    """Transcribed from scxue/advantage_weighted_matching @ be5137232e33a21b449ed65a533211d0deb97ed8,
-    advantage_weighted_matching/scripts/train_sd3_awm.py: compute_log_prob_awm (weighting 'ghuber') and the
-    training loop's loss (loss_type 'exp_first', on-policy old_log_probs = log_prob.detach(), kl_weight 'Uniform')
-    for one timestep, in float64 as there."""
-    lp = -(v - (noise - x0)) ** 2
-    lp = lp.mean(dim=tuple(range(1, lp.ndim)))
-    lp = -(torch.pow(-lp + 1e-10, power) - torch.pow(torch.tensor(1e-10, dtype=lp.dtype), power)) * t / power
-    a = torch.clamp(adv, -adv_clip, adv_clip) / adv_clip * adv_max
-    ratio = torch.exp(lp - lp.detach())
-    policy = torch.mean(torch.maximum(-a * ratio, -a * torch.clamp(ratio, 1 - clip_range, 1 + clip_range)))
-    kl = ((v - v_ref) ** 2).mean(dim=tuple(range(1, v.ndim))).mean()
-    return policy + beta * kl
+from tests.reference_transcriptions import MixGRPOTrainingStates, awm_official_loss
 
 
 def test_awm_loss_and_gradient_match_a_transcription_of_the_official_trainer():
@@ -41,7 +27,7 @@ def test_awm_loss_and_gradient_match_a_transcription_of_the_official_trainer():
 
     loss, grad = jax.value_and_grad(ours)(jnp.asarray(v))
     tv = torch.tensor(v, dtype=torch.float64, requires_grad=True)
-    ref = transcribed_awm(tv, *(torch.tensor(x, dtype=torch.float64) for x in (v_ref, x0, noise, t, adv)),
+    ref = awm_official_loss(tv, *(torch.tensor(x, dtype=torch.float64) for x in (v_ref, x0, noise, t, adv)),
                           beta=0.003, **kw)
     ref.backward()
     # float32 against float64: each per-sample mean over s * c = 128 terms and one power; rounding ~1e-6 relative
@@ -58,31 +44,9 @@ def test_awm_timestep_indices_are_one_per_stratum_as_discrete_wo_init():
     assert ((idx >= edges[:-1]) & ((idx < edges[1:]) | (edges[1:] == edges[:-1]))).all()
 
 
-class TranscribedStates:
-    """Transcribed from Tencent-Hunyuan/MixGRPO @ e5cdd6a427778d8c8b2e7a48ce16972141adbe7c,
-    fastvideo/utils/grpo_states.py: GRPOTrainingStates, sample_strategy 'progressive' with prog_overlap and
-    roll_back (scripts/finetune/finetune_flux_grpo_MixGRPO.sh), max_timesteps = sampling_steps - 2
-    (fastvideo/train_grpo_flux.py); the window of an iteration is read before update_iteration."""
-
-    def __init__(self, interval, size, max_timesteps, stride):
-        self.interval, self.size, self.max_t, self.stride = interval, size, max_timesteps, stride
-        self.cur, self.it = 0, 0
-
-    def window(self):
-        return list(range(self.cur, min(self.cur + self.size, self.max_t)))
-
-    def update(self):
-        self.it += 1
-        if self.it >= self.interval:
-            self.it = 0
-            self.cur += self.stride
-        if self.cur > self.max_t:
-            self.cur, self.it = 0, 0
-
-
 @pytest.mark.parametrize("steps,size,interval,stride", [(25, 4, 25, 1), (10, 2, 3, 1), (10, 3, 2, 2)])
 def test_mixgrpo_window_slides_as_the_official_schedule(steps, size, interval, stride):
-    ref = TranscribedStates(interval, size, steps - 2, stride)
+    ref = MixGRPOTrainingStates(interval, size, steps - 2, stride)
     full = 0
     for k in range(4 * steps * interval):
         window = ref.window()

@@ -14,26 +14,7 @@ from jaxflow.algorithms import nft
 from jaxflow.trainer.step_config import TrainConfig
 from jaxflow.trainer.train_step import make_train_step
 from tests.helpers import ROOT, sampled_batch
-
-
-def transcribed(v, v_old, v_ref, x0, noise, t, adv, beta, adv_clip):
-    """DiffusionNFT's objective written out in torch (arXiv 2509.16117, eq. of the implicit policies; the
-    adaptive weight as its SD3 trainer computes it, in float64 without gradient)."""
-    t = t.view(-1, 1, 1)
-    xt = (1 - t) * x0 + t * noise
-    r = torch.clamp(torch.clamp(adv, -adv_clip, adv_clip) / adv_clip / 2 + 0.5, 0, 1)
-
-    def loss(pred):
-        x0_hat = xt - t * pred
-        with torch.no_grad():
-            w = (x0_hat.double() - x0.double()).abs().mean(dim=(1, 2), keepdim=True).clip(min=1e-5)
-        return ((x0_hat - x0) ** 2 / w).mean(dim=(1, 2))
-
-    pos = loss(beta * v + (1 - beta) * v_old)
-    neg = loss((1 + beta) * v_old - beta * v)
-    policy = (r * pos / beta + (1 - r) * neg / beta) * adv_clip
-    kl = ((v - v_ref) ** 2).mean(dim=(1, 2))
-    return policy, kl
+from tests.reference_transcriptions import nvlabs_nft_loss
 
 
 @pytest.mark.parametrize("beta", [1.0, 0.1])
@@ -52,7 +33,7 @@ def test_loss_and_gradient_match_a_transcription_of_diffusionnft(beta):
 
     (loss, terms), grad = jax.value_and_grad(jax_loss, has_aux=True)(jnp.asarray(v))
     tv = torch.tensor(v, requires_grad=True)
-    policy, kl = transcribed(tv, *(torch.tensor(a) for a in (v_old, v_ref, x0, noise, t, adv)), beta, adv_clip)
+    policy, kl = nvlabs_nft_loss(tv, *(torch.tensor(a) for a in (v_old, v_ref, x0, noise, t, adv)), beta, adv_clip)
     ref = policy.mean() + kl_beta * kl.mean()
     ref.backward()
     np.testing.assert_allclose(terms["policy"], policy.detach().numpy(), rtol=2e-6)
