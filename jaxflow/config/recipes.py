@@ -38,8 +38,7 @@ HELP: dict[str, str] = {
     "model.attention": "attention: 'auto' (cudnn for bf16/fp16 compute on a GPU, else xla), 'xla' or 'cudnn'",
     "model.remat": "remat policy: none, full, save_attn, save_matmuls, save_matmuls_stats (bf16 on GPUs), dots, "
                    "dots_no_batch",
-    "model.scan_unroll": "blocks per scan step; >= the blocks: unrolled; 0: unrolled where lora_gemm runs pallas, else 1 (with "
-                         "lora_gemm=auto a run too short to repay the unrolled compile scans them)",
+    "model.scan_unroll": "blocks per scan step; >= the blocks: unrolled; 0: the plan's (unrolled for pallas, not for a short run)",
     "model.matmul_precision": "XLA matmul precision: auto (highest, true fp32, for float32 compute; else default), "
                               "default, high, highest",
     "model.lora_gemm": "adapted linears: 'xla', 'pallas' (fused Hopper GEMM: bf16, H100/H200s) or 'auto' (logged "
