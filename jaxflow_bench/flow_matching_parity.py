@@ -13,7 +13,7 @@ from jaxflow.algorithms import awm, nft
 from jaxflow_bench.parity_differences import differences
 from tests import reference_transcriptions as ref
 
-NFT_BETAS = (1.0, 0.1)  # train.nft.beta: NVlabs' SD3 value and verl-omni's Qwen-Image recipe's
+NFT_BETAS = (1.0, 0.1)  # train.nft.beta: NVlabs' SD3 value and verl-omni's recipe's for the default family
 NFT_KL, ADV_CLIP = 0.3, 5.0
 AWM = {"power": 0.25, "adv_clip": 2.0, "adv_max": 1.0, "clip_range": 1.0}
 AWM_KL = 0.003

@@ -15,7 +15,7 @@ import torch
 from jaxflow.algorithms import mixgrpo, sde
 from jaxflow_bench.parity_differences import array_differences
 from jaxflow_bridge.contract.schedule import sigma_schedule, window_noise_levels
-from jaxflow_bridge.families.qwen_image.spec import SCHEDULER_CONFIG
+from jaxflow_bridge.engines import families
 from jaxflow_bridge.rollout.solver import Solver
 from tests import reference_transcriptions as ref
 
@@ -23,9 +23,9 @@ STEP_SHAPE, STEP_INDICES, STEP_LEVEL = (4, 32, 16), np.array([0, 3, 5, 8]), 0.7 
 
 
 def step_inputs(seed: int = 0) -> dict:
-    """Qwen-Image's 10-step schedule at 1024 tokens, 4 samples at different steps: x, v, noise float32."""
+    """The default family's 10-step schedule at 1024 tokens, 4 samples at different steps: x, v, noise float32."""
     r = np.random.default_rng(seed)
-    sigmas = sigma_schedule(SCHEDULER_CONFIG, 10, 1024)
+    sigmas = sigma_schedule(families.spec(families.DEFAULT).SCHEDULER_CONFIG, 10, 1024)
     x, v, noise = (r.standard_normal(STEP_SHAPE).astype(np.float32) for _ in range(3))
     return {"x": x, "v": v, "noise": noise, "sigma": sigmas[STEP_INDICES], "sigma_next": sigmas[STEP_INDICES + 1],
             "sigma_max": sigmas[1]}
