@@ -71,7 +71,8 @@ RECIPE_VALUES = ("import json, sys; from jaxflow import families; from jaxflow.c
                  "c = config_module(sys.argv[1]).get_config(); print(json.dumps(dict("
                  "prompts=c.sample.prompts_per_step, group=c.sample.group_size, "
                  "mini=c.train.num_mini_batches, micro=c.train.num_micro_batches, "
-                 "short_start=c.model.scan_unroll == 0 and c.model.lora_gemm == 'auto' and families.of(c).fused_gemm)))")
+                 "short_start=c.model.scan_unroll == 0 and c.model.lora_gemm == 'auto' "
+                 "and families.of(c).fused_gemm)))")
 # a run's blocks unrolled, whatever their count (model.scan_unroll >= the blocks): the recipe's long run's program,
 # which the plan's short-run start (jaxflow/config/planner.py short_start) would scan for a benchmark's few steps
 UNROLLED = "--config.model.scan_unroll=1000"

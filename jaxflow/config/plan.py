@@ -2,9 +2,9 @@
 that the learner and the driver read (they resolve nothing themselves), logged once at start as one block.
 
 Resolved here: model.lora_gemm (a hardware policy: `lora_gemm`; a short run's start, `_short_start`, takes XLA's),
-model.scan_unroll=0 and the train step's XLA options (both follow the resolved linears), rollout.lora_apply (how the rollout serves the LoRA),
-train.num_micro_batches ('auto': the largest micro-batch that fits, `num_micro_batches`) and the placement
-(backend, devices, engines, samples per micro-batch per device)."""
+model.scan_unroll=0 and the train step's XLA options (both follow the resolved linears), rollout.lora_apply (how
+the rollout serves the LoRA), train.num_micro_batches ('auto': the largest micro-batch that fits,
+`num_micro_batches`) and the placement (backend, devices, engines, samples per micro-batch per device)."""
 from __future__ import annotations
 
 import dataclasses

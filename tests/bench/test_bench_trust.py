@@ -8,6 +8,9 @@ from jaxflow_bench import e2e, trust
 from tests.helpers import ROOT
 
 
+RECIPE_VALUES = {"prompts": 2, "group": 2, "mini": 1, "micro": 1, "short_start": False}  # e2e.recipe_values' stand-in
+
+
 def test_bad_arguments_exit_2_naming_them(capsys):
     for argv in (["out", "--stale-from", "9"], ["out", "--kill-after", "5"], ["out", "--parts", "nope"],
                  ["out", "--seed=3"]):
@@ -31,7 +34,7 @@ def test_each_part_runs_the_e2e_command_and_the_stale_part_injects_the_fault(tmp
         return 1 if out.name == "stale" else 0
 
     monkeypatch.setattr(e2e, "run_logged", logged)
-    monkeypatch.setattr(e2e, "recipe_values", lambda config: {"prompts": 2, "group": 2, "mini": 1, "micro": 1, "short_start": False})
+    monkeypatch.setattr(e2e, "recipe_values", lambda config: RECIPE_VALUES)
     args = trust.parser().parse_args([str(tmp_path), "--config", str(ROOT / "configs/tiny_ocr.py"), "--device", "cpu",
                                       "--steps", "3"])
     assert trust.run_part(args, "stale", ["--config.seed=1"])["stopped_by_check"]
@@ -87,7 +90,7 @@ def test_the_kill_part_fails_on_mixed_versions_and_counts_the_retries(tmp_path, 
         return 0
 
     monkeypatch.setattr(e2e, "run_logged", logged)
-    monkeypatch.setattr(e2e, "recipe_values", lambda config: {"prompts": 2, "group": 2, "mini": 1, "micro": 1, "short_start": False})
+    monkeypatch.setattr(e2e, "recipe_values", lambda config: RECIPE_VALUES)
     monkeypatch.setattr(trust.Killer, "start", lambda self: None)  # no actor to kill here
     args = trust.parser().parse_args([str(tmp_path), "--config", str(ROOT / "configs/tiny_ocr.py"), "--device", "cpu",
                                       "--steps", "3"])
@@ -111,7 +114,7 @@ def test_a_part_whose_lora_did_not_move_or_a_stale_run_not_stopped_fails(tmp_pat
         return written.get("rc", 0)
 
     monkeypatch.setattr(e2e, "run_logged", logged)
-    monkeypatch.setattr(e2e, "recipe_values", lambda config: {"prompts": 2, "group": 2, "mini": 1, "micro": 1, "short_start": False})
+    monkeypatch.setattr(e2e, "recipe_values", lambda config: RECIPE_VALUES)
     args = trust.parser().parse_args([str(tmp_path), "--config", str(ROOT / "configs/tiny_ocr.py"), "--device", "cpu",
                                       "--steps", "3", "--reward", "ocr"])
     written["rows"] = [_row(s, grad_norm=0.0) for s in (1, 2, 3)]
