@@ -80,7 +80,8 @@ def get_config(variant: str = ""):
         c.train.mixgrpo.update(interval=10, stride=1)
     elif arm == "awm":
         c.train.algorithm = "awm"
-        c.train.update(beta=0.003, num_mini_batches=1, old_log_prob="rollout")
+        # its one update a step is all 192 samples: 'auto' splits it where a shared GPU's JAX pool is too small
+        c.train.update(beta=0.003, num_mini_batches=1, num_micro_batches="auto", old_log_prob="rollout")
     elif arm in ("omni", "omni_fp8"):
         # the LoRA as layers in both (bf16's 'auto' would merge it; FP8 weights take no merge), so the two arms
         # differ in rollout.quantization alone

@@ -68,6 +68,16 @@ def test_the_rl_config_and_its_control_validate(tiny_path):
         mini_config("typo")
 
 
+def test_the_awm_arm_leaves_its_micro_batch_to_the_plan(tiny_path):
+    """AWM updates once on all 192 samples: with num_micro_batches as set (1) it did not fit a 0.2 JAX pool."""
+    from jaxflow.config.validation import validate
+
+    cfg = mini_config("awm")
+    assert cfg.train.num_micro_batches == "auto" and cfg.train.num_mini_batches == 1
+    cfg.model.path = str(tiny_path)
+    validate(cfg)
+
+
 @pytest.mark.slow
 def test_pretraining_lowers_the_loss_and_both_sides_load_the_folder(toy):
     import jax
