@@ -41,6 +41,10 @@ VARIANTS = {
     "group16": ({"sample.group_size": 16, "sample.prompts_per_step": 12, "sample.prompts_per_call": 12},
                 "flow_grpo's four-GPU OCR group: the same 192 images over 12 prompts, better baselines"),
     "cfg45": ({"sample.guidance": 4.5}, "flow_grpo's SD3 OCR guidance in the rollouts (the evals stay at 4)"),
+    "clip1e2": ({"train.clip_range": 1e-2}, "late in a run the policy moves about the clip range a step (RMS log-ratio "
+                                            "~1e-4); NFT and AWM, which rose more, clip at 1.0 or not at all"),
+    "clip1e3_lr4x": ({"train.clip_range": 1e-3, "train.learning_rate": 1.2e-3},
+                     "a wider clip with the larger step that can use it: lr alone moved the rise by under 1 se"),
 }
 # the first sweep: 8 runs a pipeline, so two pipelines fill a 4-GPU host's 8 slots (PER_GPU=2) once
 FIRST = ("baseline", "lr2x", "lr4x", "clip1e3", "kl", "window5", "group8", "noise1")
