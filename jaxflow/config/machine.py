@@ -102,7 +102,8 @@ def job_of(cfg) -> planner.Job:
                        mini_batches=t.num_mini_batches, micro_batches=None if micro == "auto" else micro,
                        engine=r.engine, layout=r.layout, share_weights=bool(r.share_weights), work=work_of(cfg),
                        steps=t.num_steps, max_minutes=t.max_minutes,
-                       auto_unroll=cfg.model.scan_unroll == 0 and cfg.model.lora_gemm == "auto")
+                       auto_unroll=cfg.model.scan_unroll == 0 and cfg.model.lora_gemm == "auto",
+                       scanned=cfg.model.scan_unroll == 1 and cfg.model.lora_gemm != "pallas")
 
 
 def _machine(gpus: int | None = None, gpu_memory: float | None = None) -> tuple[planner.Card, int] | None:

@@ -100,6 +100,7 @@ class Job:
     steps: int = 0  # train.num_steps: the steps a run does at most (with max_minutes, `short_start`)
     max_minutes: float = 0.0  # train.max_minutes (0: no limit)
     auto_unroll: bool = False  # model.scan_unroll=0 with model.lora_gemm='auto': the plan may pick a short-run start
+    scanned: bool = False  # model.scan_unroll=1 with XLA's linears, as set: the short-run start's program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,8 +146,7 @@ def short_start(job: Job, card: Card, gpus: int, table: dict) -> tuple[str, floa
     `compile_saving_s` longer and save `step_extra_s_per_image` a step per image, so they pay only for a run longer
     than that; its steps are train.num_steps, fewer where train.max_minutes ends it first (at the unrolled step's
     measured pace)."""
-    row = next((r for r in table.get("short_start", ()) if r["family"] == job.family and r["card"] == card.name),
-               None)
+    row = _scan_row(job, card, table)
     if row is None or not job.auto_unroll or not job.steps:
         return None
     images = job.images / gpus
@@ -159,6 +159,12 @@ def short_start(job: Job, card: Card, gpus: int, table: dict) -> tuple[str, floa
     return (f"auto: a short run ({steps} step(s) of {images:g} images a GPU): unrolled blocks would compile "
             f"{row['compile_saving_s']:.0f} s longer to save {steps * extra:.0f} s ({row['file']}); "
             f"--config.model.scan_unroll=60 keeps them unrolled"), extra
+
+
+def _scan_row(job: Job, card: Card, table: dict) -> dict | None:
+    """The table's `short_start` row for the job's family on the card: blocks in a scan against unrolled."""
+    return next((r for r in table.get("short_start", ()) if r["family"] == job.family and r["card"] == card.name),
+                None)
 
 
 def _passes(work: Work) -> str:
@@ -257,9 +263,14 @@ def _fit(job: Job, sizes: ModelSizes, card: Card, gpus: int, update: UpdateMemor
         step = images * (costs["rollout_s_per_image"] + costs["old_log_prob_s_per_image"]
                          + costs["update_s_per_image"]) + costs["sync_s"] + costs["reward_s"]
         short = short_start(job, card, gpus, table)
+        scan = job.scanned and _scan_row(job, card, table)
         if short:
             step += short[1]
             why.append(f"blocks in a scan, XLA's linears: {short[0]}")
+        elif scan:
+            step += images * scan["step_extra_s_per_image"]
+            why.append(f"blocks in a scan, XLA's linears (model.scan_unroll=1, as set): "
+                       f"{images * scan['step_extra_s_per_image']:.1f} s a step more than unrolled ({scan['file']})")
         speed = job.images / (step * gpus)
         why.append(f"costs per image measured on {costs['card']} ({costs['file']}: the {costs['family']} family, "
                    f"{costs['micro_batch']} sample(s) per micro-batch)")

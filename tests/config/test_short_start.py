@@ -63,6 +63,31 @@ def test_the_prediction_adds_the_scan_cost():
     assert not any("short run" in w for w in long.why)
 
 
+def test_a_scan_set_by_hand_is_predicted_at_the_scan_cost():
+    """model.scan_unroll=1 with XLA's linears, as set: the same program as the short start, the same extra cost."""
+    unrolled = planner.plan_machine(readme_job(auto_unroll=False), RECIPE, H200, 1, TABLE)
+    scanned = planner.plan_machine(readme_job(auto_unroll=False, scanned=True), RECIPE, H200, 1, TABLE)
+    assert scanned.step_s - unrolled.step_s == pytest.approx(32 * ROW["step_extra_s_per_image"])
+    assert any("model.scan_unroll=1, as set" in w for w in scanned.why)
+    # where the short start already chose the scan, its cost is added once
+    short = planner.plan_machine(readme_job(scanned=True), RECIPE, H200, 1, TABLE)
+    assert short.step_s == pytest.approx(scanned.step_s)
+    # no row for the card (the layout that fits an 80 GB one): nothing to add
+    fits = dict(layout="in_process", engine="diffusers", share_weights=True)
+    h100 = [planner.plan_machine(readme_job(scanned=flag, **fits), RECIPE, H100, 1, TABLE) for flag in (True, False)]
+    assert h100[0].step_s == h100[1].step_s and h100[0].why == h100[1].why
+
+
+def test_job_of_marks_the_hand_set_scan(tmp_path):
+    from tests.helpers import tiny_config
+
+    cfg = tiny_config(tmp_path)
+    for unroll, gemm, scanned in ((1, "xla", True), (1, "auto", True), (1, "pallas", False), (0, "xla", False),
+                                  (60, "xla", False)):
+        cfg.model.update(scan_unroll=unroll, lora_gemm=gemm)
+        assert machine.job_of(cfg).scanned is scanned, (unroll, gemm)
+
+
 def test_the_plan_stage_scans_a_short_run(monkeypatch, tmp_path):
     """Where the fused kernel would run (stubbed: the tiny model is no H200 case), a short run on a measured card
     gets XLA's linears and blocks in a scan; a long one, or one with the knobs set, keeps the unrolled kernel."""
