@@ -16,7 +16,8 @@ needs). Such a variant's file is named for it: rollout_profile_fp8_lora64.json f
 runs where the pipeline does (jaxflow_bridge/rollout/profiling.py): in this process for --engine diffusers (the
 default), in the diffusion workers for --engine vllm_omni (a GPU only; the engine's `profile_start` /
 `profile_stop`, its first worker's table). Writes OUT/rollout_profile.json (`result_name`), seconds per image:
-  attention_s, gemm_s, other_kernels_s  the kernels' (CPU: the ops') own time by name (`CATEGORIES`)
+  attention_s, gemm_s, quant_s, other_kernels_s  the kernels' (CPU: the ops') own time by name (`CATEGORIES`;
+                       quant_s: an FP8 DiT's activation quantization)
   idle_gaps_s          the call's wall time the device ran nothing (launch gaps, host work, syncs)
   text_encoder_s, vae_decode_s, denoise_s  the pipeline's phases (`SamplingLoop.encode`, `decode`, the rest of
                        its `generate`), each under a torch.profiler range of its name
@@ -40,14 +41,16 @@ from jaxflow_bench.rollout import PROMPTS, TARGETS, TRAIN_SETTINGS, random_adapt
 from jaxflow_bridge.rollout.profiling import PHASES, PipelineProfiler
 
 # kernel / op names to categories, first match wins (FlashAttention, cuDNN and PyTorch's SDPA kernels; cuBLAS(Lt),
-# CUTLASS and nvjet GEMMs, FP8 scaled GEMMs, ATen's GEMM ops on the CPU)
+# CUTLASS and nvjet GEMMs, FP8 scaled GEMMs, ATen's GEMM ops on the CPU; an FP8 DiT's activation quantization: vLLM's
+# scale reduction and cast kernels, or Inductor's fused amax / cast kernels)
 CATEGORIES = (("attention", re.compile(r"flash|fmha|attention|sdpa|softmax", re.I)),
               ("gemm", re.compile(r"gemm|cutlass|cublas|nvjet|xmma|scaled_mm|aten::(addmm|mm|bmm|matmul|linear)\b"
-                                  r"|^void at::native::\w*mm", re.I)))
+                                  r"|^void at::native::\w*mm", re.I)),
+              ("quant", re.compile(r"quant|fp8|e4m3|segmented_max_reduction|triton_\w*amax", re.I)))
 
 
 def category(name: str) -> str:
-    """The category of a kernel or op name: attention, gemm or other_kernels."""
+    """The category of a kernel or op name: attention, gemm, quant or other_kernels."""
     return next((c for c, pattern in CATEGORIES if pattern.search(name)), "other_kernels")
 
 
@@ -55,7 +58,7 @@ def categorize(rows, wall_s: float, images: int) -> dict:
     """Seconds per image by category of profiler rows (name, own seconds: a kernel's or an op's self time; the phase
     ranges of PHASES, whose time is their total, are left out) over calls of `wall_s` seconds in all that made
     `images` images; idle_gaps_s the wall time no row covers."""
-    out = {"attention_s": 0.0, "gemm_s": 0.0, "other_kernels_s": 0.0}
+    out = {"attention_s": 0.0, "gemm_s": 0.0, "quant_s": 0.0, "other_kernels_s": 0.0}
     for name, seconds in rows:
         if name not in PHASES:
             out[f"{category(name)}_s"] += seconds

@@ -33,17 +33,23 @@ def test_kernel_names_fall_in_their_categories():
                  "cutlass3x_sm90_tensorop_s64x128x32gemm_e4m3", "aten::addmm", "aten::mm", "aten::linear",
                  "ampere_bf16_s16816gemm_bf16_128x64_ldg8_f2f_tn", "_scaled_mm"):
         assert category(name) == "gemm", name
+    for name in ("void vllm::scaled_fp8_quant_kernel<c10::BFloat16, c10::Float8_e4m3fn>",
+                 "void vllm::segmented_max_reduction<c10::BFloat16>", "triton_red_fused_abs_amax_clamp_div_0",
+                 "vllm::dynamic_per_token_scaled_fp8_quant_kernel"):
+        assert category(name) == "quant", name
     for name in ("void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl>",
-                 "aten::add", "aten::conv3d", "triton_poi_fused_mul_rsqrt_0", "aten::mmap_like"):
+                 "aten::add", "aten::conv3d", "triton_poi_fused_mul_rsqrt_0", "aten::mmap_like",
+                 "aten::amax"):
         assert category(name) == "other_kernels", name
 
 
 def test_a_synthetic_profiler_table_per_image():
     """Own times summed by category over the images; the phase ranges never counted twice; the gaps the rest."""
     rows = [("flash_fwd_kernel", 0.4), ("nvjet_gemm", 1.0), ("aten::addmm", 0.2), ("elementwise_kernel", 0.2),
-            ("sample", 5.0), ("vae_decode", 1.0), ("text_encoder", 0.5)]
+            ("scaled_fp8_quant_kernel", 0.2), ("sample", 5.0), ("vae_decode", 1.0), ("text_encoder", 0.5)]
     got = categorize(rows, wall_s=4.0, images=2)
-    assert got == pytest.approx({"attention_s": 0.2, "gemm_s": 0.6, "other_kernels_s": 0.1, "idle_gaps_s": 1.1})
+    assert got == pytest.approx({"attention_s": 0.2, "gemm_s": 0.6, "quant_s": 0.1, "other_kernels_s": 0.1,
+                                 "idle_gaps_s": 1.0})
     assert categorize(rows, wall_s=1.0, images=1)["idle_gaps_s"] == 0.0  # busier than the wall: no negative gap
 
 
@@ -64,7 +70,7 @@ def test_the_runner_on_the_cpu_with_the_tiny_model(tmp_path, lora):
     for key in ("attention_s", "gemm_s", "other_kernels_s", "text_encoder_s", "vae_decode_s", "denoise_s", "wall_s"):
         assert f[key] > 0, (key, f)
     assert f["idle_gaps_s"] >= 0 and f["trajectory_export_s"] >= 0
-    kernels = f["attention_s"] + f["gemm_s"] + f["other_kernels_s"] + f["idle_gaps_s"]
+    kernels = f["attention_s"] + f["gemm_s"] + f["quant_s"] + f["other_kernels_s"] + f["idle_gaps_s"]
     assert kernels == pytest.approx(f["wall_s"], rel=1e-3) or kernels > f["wall_s"]  # gaps clipped at 0
     assert f["text_encoder_s"] + f["vae_decode_s"] + f["denoise_s"] <= f["wall_s"] * 1.05
 
