@@ -42,7 +42,7 @@ from jaxflow_bridge.rollout.profiling import PHASES, PipelineProfiler
 
 # kernel / op names to categories, first match wins (FlashAttention, cuDNN and PyTorch's SDPA kernels; cuBLAS(Lt),
 # CUTLASS and nvjet GEMMs, FP8 scaled GEMMs, ATen's GEMM ops on the CPU; an FP8 DiT's activation quantization: vLLM's
-# scale reduction and cast kernels, or Inductor's fused amax / cast kernels)
+# scale reduction and cast kernels, or the amax reductions Inductor fuses)
 CATEGORIES = (("attention", re.compile(r"flash|fmha|attention|sdpa|softmax", re.I)),
               ("gemm", re.compile(r"gemm|cutlass|cublas|nvjet|xmma|scaled_mm|aten::(addmm|mm|bmm|matmul|linear)\b"
                                   r"|^void at::native::\w*mm", re.I)),
