@@ -1,11 +1,13 @@
-"""jaxflow_bridge/rollout/kernels/lora_linear.py: the fused LoRA'd linear against the per-slice sum, under
-torch.compile, and its routing inside a stand-in of vLLM-Omni's diffusion LoRA layer (vLLM-Omni itself needs a GPU)."""
+"""jaxflow_bridge/rollout/kernels/lora_linear.py: the fused LoRA'd linear and the LoRA added after a quantized base
+against the per-slice sum, under torch.compile, and their routing inside a stand-in of vLLM-Omni's diffusion LoRA layer
+(vLLM-Omni itself needs a GPU)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from jaxflow_bridge.rollout.kernels.lora_linear import BATCHED_ROWS, fused_slots, install_fused_apply, lora_linear
+from jaxflow_bridge.rollout.kernels.lora_linear import (BATCHED_ROWS, adapter_slots, install_fused_apply, lora_add,
+                                                        lora_linear, unquantized)
 
 
 def per_slice(x, w, bias, a_list, b_list):
@@ -53,6 +55,28 @@ def test_refuses_slices_that_do_not_tile_the_output():
     x, w, b, a_list, b_list = problem((12, 12, 12))
     with pytest.raises(ValueError, match="do not tile"):
         lora_linear(x, w, b, a_list, b_list[:2])
+    with pytest.raises(ValueError, match="do not tile"):
+        lora_add(torch.nn.functional.linear(x, w, b), x, a_list, b_list[:2])
+
+
+@pytest.mark.parametrize("slices,bias", [((12, 12, 12), True), ((20,), False), ((5, 9), True)])
+def test_lora_add_after_a_base_output_equals_the_per_slice_sum(slices, bias):
+    x, w, b, a_list, b_list = problem(slices, bias=bias)
+    got = lora_add(torch.nn.functional.linear(x, w, b), x, a_list, b_list)
+    want = per_slice(x, w, b, a_list, b_list)
+    assert got.shape == want.shape and torch.allclose(got, want, rtol=0, atol=1e-12)
+
+
+def test_lora_add_in_bfloat16_within_rounding_of_the_float64_sum():
+    """The base output (an FP8 GEMM's, here bf16's) rounded once; h rounded once; the LoRA terms added to it in the
+    expansion GEMM's float32 accumulator and the sum rounded once."""
+    x, w, b, a_list, b_list = problem(rank=8, fan_in=64)
+    want = per_slice(x, w, b, a_list, b_list)
+    xb = x.bfloat16()
+    base = torch.nn.functional.linear(xb, w.bfloat16(), b.bfloat16())
+    got = lora_add(base, xb, [a.bfloat16() for a in a_list], [t.bfloat16() for t in b_list]).double()
+    terms = per_slice(x.abs(), w.abs(), b.abs(), [a.abs() for a in a_list], [t.abs() for t in b_list])
+    assert torch.all((got - want).abs() <= 3 * 2 ** -8 * terms + 2 ** -8 * want.abs())
 
 
 @pytest.mark.parametrize("tokens", [BATCHED_ROWS, 5])
@@ -87,6 +111,14 @@ def test_torch_compile_calls_it_with_dynamic_shapes():
         xs = torch.randn(2, tokens, 16)
         assert torch.allclose(compiled(xs), layer(xs), rtol=0, atol=0)
 
+    def after_base(x):
+        return torch.nn.functional.gelu(lora_add(torch.nn.functional.linear(x, w, b), x, a_list, b_list))
+
+    compiled = torch.compile(after_base, backend="aot_eager", dynamic=True, fullgraph=True)
+    for tokens in (7, 11):
+        xs = torch.randn(2, tokens, 16)
+        assert torch.allclose(compiled(xs), after_base(xs), rtol=0, atol=0)
+
 
 # ------------------------------------------------------------------------------------------ routing
 
@@ -95,8 +127,11 @@ class UnquantizedLinearMethod:  # the name vLLM gives its plain GEMM
     pass
 
 
-class QuantizedMethod:
-    pass
+class ViewingQuantizedMethod:
+    """An FP8 quant method's input handling (vLLM's ScaledMMLinearKernel: `x.view(-1, x.shape[-1])`)."""
+
+    def apply(self, layer, x, bias=None):
+        return torch.nn.functional.linear(x.view(-1, x.shape[-1]), layer.weight, bias).view(*x.shape[:-1], -1)
 
 
 class StandInLoRALayer(torch.nn.Module):
@@ -125,24 +160,28 @@ def test_install_routes_eligible_layers_and_keeps_the_rest():
     assert install_fused_apply(cls) and not install_fused_apply(cls)
     args = problem()
     layer = cls(args)
-    assert fused_slots(layer) is not None
+    assert adapter_slots(layer) is not None and unquantized(layer)
     got = layer.apply(args[0], args[2])
     assert cls.calls == 0 and torch.allclose(got, per_slice(*args), rtol=0, atol=1e-12)
 
-    for other in (cls(args, quant=QuantizedMethod), cls(args)):
-        if other.base_layer.quant_method.__class__ is UnquantizedLinearMethod:
-            other._diffusion_lora_active_slices = (True, False, True)  # one slice without an adapter
-        assert fused_slots(other) is None
+    for quant in (UnquantizedLinearMethod, ViewingQuantizedMethod):
+        other = cls(args, quant=quant)
+        other._diffusion_lora_active_slices = (True, False, True)  # one slice without an adapter
+        assert adapter_slots(other) is None
         before = cls.calls
         other.apply(args[0], args[2])
         assert cls.calls == before + 1
 
 
-class ViewingQuantizedMethod:
-    """An FP8 quant method's input handling (vLLM's ScaledMMLinearKernel: `x.view(-1, x.shape[-1])`)."""
-
-    def apply(self, layer, x, bias=None):
-        return torch.nn.functional.linear(x.view(-1, x.shape[-1]), layer.weight, bias).view(*x.shape[:-1], -1)
+def test_a_quantized_base_layer_gets_its_gemm_and_then_lora_add():
+    """An FP8 base: its quant method's GEMM (bias included), then every slice's LoRA term, not the stock apply."""
+    cls = type("Layer", (StandInLoRALayer,), {"calls": 0})
+    install_fused_apply(cls)
+    args = problem()
+    layer = cls(args, quant=ViewingQuantizedMethod)
+    assert adapter_slots(layer) is not None and not unquantized(layer)
+    got = layer.apply(args[0], args[2])
+    assert cls.calls == 0 and torch.allclose(got, per_slice(*args), rtol=0, atol=1e-12)
 
 
 def test_a_quantized_base_layer_gets_a_contiguous_input():
@@ -159,5 +198,5 @@ def test_a_quantized_base_layer_gets_a_contiguous_input():
         layer.apply(image_part)
     install_fused_apply(cls)
     got = layer.apply(image_part)
-    want = torch.nn.functional.linear(image_part, layer.base_layer.weight)
+    want = per_slice(image_part, layer.base_layer.weight, None, args[3], args[4])
     assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-12, atol=1e-12)

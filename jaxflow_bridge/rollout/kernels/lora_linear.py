@@ -18,10 +18,14 @@ the flat one by most of the copy's cost; the time saved: BENCHMARKS.md and bench
 LoRA'd linears). Numerics: the LoRA terms plus bias are rounded to the compute dtype once, then added to the base
 product in the GEMM's float32 accumulator (vLLM-Omni rounds the base product, the LoRA term and their sum separately).
 
-It is a torch custom op: torch.compile (vLLM-Omni compiles the transformer's blocks) calls it as it is instead of
-decomposing the in-place accumulation. `install_fused_apply` routes vLLM-Omni's layers to it where it computes the
-same thing (an unquantized base weight, every slice's adapter present, no fully sharded LoRA); any other layer keeps
-vLLM-Omni's own `apply`.
+A quantized base (vLLM's FP8 linears) takes no accumulator: `lora_add` adds the same LoRA terms to its output in
+two GEMMs, one shrink over all slices and one expansion that reads the base output as cuBLAS's C (beta = 1), where
+vLLM-Omni runs two GEMMs a slice and passes the output through memory three more times a slice.
+
+Both are torch custom ops: torch.compile (vLLM-Omni compiles the transformer's blocks) calls them as they are instead
+of decomposing the accumulation. `install_fused_apply` routes vLLM-Omni's layers to them where they compute the same
+thing (`adapter_slots`: every slice's adapter present, no fully sharded LoRA): `lora_linear` on an unquantized base
+weight, `lora_add` after a quantized one; any other layer keeps vLLM-Omni's own `apply`.
 """
 from __future__ import annotations
 
@@ -82,8 +86,25 @@ def _lora_linear_shape(x, weight, bias, lora_a, lora_b):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-def fused_slots(layer) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-    """(A slots, B slots) of a vLLM-Omni LoRA layer whose `apply` `lora_linear` computes exactly, else None.
+@torch.library.custom_op("jaxflow::lora_add", mutates_args=())
+def lora_add(y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
+             lora_b: list[torch.Tensor]) -> torch.Tensor:
+    """y + sum over slices of (x @ A_i.T) @ B_i.T placed at slice i's rows of y (y: a quantized base linear's output
+    for x, (..., out) contiguous; lora_a, lora_b as `lora_linear`'s)."""
+    if sum(b.shape[0] for b in lora_b) != y.shape[-1] or len(lora_a) != len(lora_b):
+        raise ValueError(f"LoRA slices {[tuple(b.shape) for b in lora_b]} do not tile the output {y.shape[-1]}")
+    h = torch.mm(x.reshape(-1, x.shape[-1]), torch.cat(lora_a).t())
+    return torch.addmm(y.view(-1, y.shape[-1]), h, torch.block_diag(*lora_b).t()).view(y.shape)
+
+
+@lora_add.register_fake
+def _lora_add_shape(y, x, lora_a, lora_b):
+    return y.new_empty(y.shape)
+
+
+def adapter_slots(layer) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    """(A slots, B slots) of a vLLM-Omni LoRA layer with every slice's adapter present and no fully sharded LoRA,
+    else None.
 
     The layer's active adapter sits in slot 0 of `lora_a_stacked[i]` (1, 1, r, in) and `lora_b_stacked[i]`
     (1, 1, out_i, r), B scaled; `_diffusion_lora_active_slices` says which slices hold one.
@@ -92,7 +113,7 @@ def fused_slots(layer) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
     a_stacked, b_stacked = getattr(layer, "lora_a_stacked", None), getattr(layer, "lora_b_stacked", None)
     active = getattr(layer, "_diffusion_lora_active_slices", ())
     config = getattr(layer, "lora_config", None)
-    if (base is None or not unquantized(layer)
+    if (base is None
             or not a_stacked or not b_stacked or len(a_stacked) != len(b_stacked) or len(active) != len(a_stacked)
             or not all(active) or (config is not None and config.fully_sharded_loras)):
         return None
@@ -105,19 +126,23 @@ def unquantized(layer) -> bool:
 
 
 def install_fused_apply(layer_cls: type) -> bool:
-    """Route `layer_cls.apply(x, bias)` (vLLM-Omni's diffusion LoRA layer base class) to `lora_linear` where
-    `fused_slots` allows, else to the class's own apply, a quantized base layer's input made contiguous (vLLM's FP8
-    kernels `view` it as rows, which a slice of a joint attention's output, as an MMDiT block's `to_out` gets, is not).
-    False if it was installed already."""
+    """Route `layer_cls.apply(x, bias)` (vLLM-Omni's diffusion LoRA layer base class), where `adapter_slots` finds
+    the layer's adapters, to `lora_linear` (an unquantized base) or to the base layer's quantized GEMM and `lora_add`,
+    else to the class's own apply. A quantized base layer's input is made contiguous (vLLM's FP8 kernels `view` it
+    as rows, which a slice of a joint attention's output, as an MMDiT block's `to_out` gets, is not). False if it was
+    installed already."""
     stock = layer_cls.apply
     if getattr(stock, "fused_lora", False):
         return False
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        slots = fused_slots(self)
+        slots = adapter_slots(self)
+        if unquantized(self):
+            return stock(self, x, bias) if slots is None else lora_linear(x, self.base_layer.weight, bias, *slots)
+        x = x.contiguous()
         if slots is None:
-            return stock(self, x if unquantized(self) else x.contiguous(), bias)
-        return lora_linear(x, self.base_layer.weight, bias, *slots)
+            return stock(self, x, bias)
+        return lora_add(self.base_layer.quant_method.apply(self.base_layer, x, bias), x, *slots)
 
     apply.fused_lora, apply.stock = True, stock
     apply.__doc__ = f"{stock.__qualname__} through jaxflow_bridge.rollout.kernels.lora_linear where it applies."
