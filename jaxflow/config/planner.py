@@ -263,11 +263,10 @@ def _fit(job: Job, sizes: ModelSizes, card: Card, gpus: int, update: UpdateMemor
         step = images * (costs["rollout_s_per_image"] + costs["old_log_prob_s_per_image"]
                          + costs["update_s_per_image"]) + costs["sync_s"] + costs["reward_s"]
         short = short_start(job, card, gpus, table)
-        scan = job.scanned and _scan_row(job, card, table)
         if short:
             step += short[1]
             why.append(f"blocks in a scan, XLA's linears: {short[0]}")
-        elif scan:
+        elif job.scanned and (scan := _scan_row(job, card, table)):
             step += images * scan["step_extra_s_per_image"]
             why.append(f"blocks in a scan, XLA's linears (model.scan_unroll=1, as set): "
                        f"{images * scan['step_extra_s_per_image']:.1f} s a step more than unrolled ({scan['file']})")

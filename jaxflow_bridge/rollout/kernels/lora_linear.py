@@ -45,9 +45,7 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     x (..., in); weight (out, in); bias (out,) or None; lora_a[i] (r_i, in); lora_b[i] (out_i, r_i), already scaled
     (alpha / r), sum of out_i == out.
     """
-    if sum(b.shape[0] for b in lora_b) != weight.shape[0] or len(lora_a) != len(lora_b):
-        raise ValueError(f"LoRA slices {[tuple(b.shape) for b in lora_b]} do not tile the output "
-                         f"{weight.shape[0]} of weight {tuple(weight.shape)}")
+    _check_tiles(lora_a, lora_b, weight.shape[0], f" of weight {tuple(weight.shape)}")
     rank = sum(a.shape[0] for a in lora_a)
     inner = -(-(rank + 1) // ALIGN) * ALIGN
     a_t = torch.cat(lora_a).t()
@@ -76,6 +74,12 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
+def _check_tiles(lora_a: list[torch.Tensor], lora_b: list[torch.Tensor], out: int, where: str = "") -> None:
+    """ValueError unless the slices pair up (an A per B) and their outputs tile the `out` rows."""
+    if sum(b.shape[0] for b in lora_b) != out or len(lora_a) != len(lora_b):
+        raise ValueError(f"LoRA slices {[tuple(b.shape) for b in lora_b]} do not tile the output {out}{where}")
+
+
 def _folds(x: torch.Tensor) -> bool:
     """Whether x's leading dims fold into one without a copy (as torch.matmul decides whether to fold)."""
     return all(x.stride(i) == x.stride(i + 1) * x.shape[i + 1] for i in range(x.dim() - 2) if x.shape[i] > 1)
@@ -91,8 +95,7 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
              lora_b: list[torch.Tensor]) -> torch.Tensor:
     """y + sum over slices of (x @ A_i.T) @ B_i.T placed at slice i's rows of y (y: a quantized base linear's output
     for x, (..., out) contiguous; lora_a, lora_b as `lora_linear`'s)."""
-    if sum(b.shape[0] for b in lora_b) != y.shape[-1] or len(lora_a) != len(lora_b):
-        raise ValueError(f"LoRA slices {[tuple(b.shape) for b in lora_b]} do not tile the output {y.shape[-1]}")
+    _check_tiles(lora_a, lora_b, y.shape[-1])
     h = torch.mm(x.reshape(-1, x.shape[-1]), torch.cat(lora_a).t())
     return torch.addmm(y.view(-1, y.shape[-1]), h, torch.block_diag(*lora_b).t()).view(y.shape)
 
