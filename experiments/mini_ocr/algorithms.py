@@ -11,6 +11,9 @@ eval of the bf16 folder they train on). A result is written where any of its arm
 `ARM/before` and `ARM/after` (held-out OCR, means over the pipelines it ran on), `ARM/rise` (after - before),
 `ARM/rise_se` (its standard error: the pipelines' errors combined), `ARM/rise_min` (the lowest pipeline's),
 `ARM/steps` and `ARM/minutes` (mean trained steps and wall minutes of the RL command), `ARM/pipelines`;
+where rl_ARM/metrics.jsonl logs them, `ARM/train_reward_first` and `ARM/train_reward_last` (the rollouts' mean
+reward over the first and the last `EDGE` steps: the train side's rise, from SDE samples where the eval's are ODE),
+`ARM/approx_kl_late` and `ARM/clipfrac_late` (medians from step `LATE` on: how far an update moves the policy);
 `ARM/PIPELINE/rise` and `.../rise_se` for each pipeline, and `ARM/rise_vs_BASELINE` (flowgrpo, or omni in
 mini_ocr_fp8.json: the mean paired difference over the pipelines both ran on) with `ARM/rise_vs_BASELINE_se` (from
 the evals' errors; a "before" both share cancels). `--exclude PIPELINE/ARM` leaves out a run known to be invalid (say
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 from jaxflow_bench.cli import bench_parser
@@ -33,6 +37,27 @@ BEFORE = {"_nft": "before_nft", "_omni": "before_omni", "_omni_fp8": "before_omn
 # each result file: its arms and the arm they are paired against
 RESULTS = {"mini_ocr_algorithms": (tuple(a for a in ARMS if not a.startswith("omni")), "flowgrpo"),
            "mini_ocr_fp8": (("omni", "omni_fp8"), "omni")}
+
+
+EDGE, LATE = 3, 6  # steps averaged at each end of the train reward; the step the late medians start from
+
+
+def train_dynamics(run: Path) -> dict:
+    """The run's train-side figures from its metrics.jsonl (none without one, or for a metric it does not log)."""
+    metrics = run / "metrics.jsonl"
+    if not metrics.is_file():
+        return {}
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line]
+    rewards = [r["reward_mean"] for r in rows if "reward_mean" in r]
+    figures = {}
+    if len(rewards) >= 2 * EDGE:
+        figures.update(train_reward_first=statistics.fmean(rewards[:EDGE]),
+                       train_reward_last=statistics.fmean(rewards[-EDGE:]))
+    for key in ("approx_kl", "clipfrac"):
+        late = [r[key] for r in rows if r["step"] >= LATE and key in r]
+        if late:
+            figures[f"{key}_late"] = statistics.median(late)
+    return figures
 
 
 def run_of(pipeline: Path, suffix: str) -> dict | None:
@@ -55,8 +80,7 @@ def run_of(pipeline: Path, suffix: str) -> dict | None:
         raise ValueError(f"{pipeline}/timings.txt has no rl{suffix} line: was the run cut?")
     return dict(before=before["mean"], after=after["mean"], rise=after["mean"] - before["mean"],
                 rise_se=math.hypot(before["se"], after["se"]), before_name=before_name, before_se=before["se"],
-                after_se=after["se"], steps=steps,
-                minutes=seconds[-1] / 60)
+                after_se=after["se"], steps=steps, minutes=seconds[-1] / 60, train=train_dynamics(run))
 
 
 def paired_variance(a: dict, b: dict) -> float:
@@ -81,6 +105,9 @@ def summarize(runs: dict[str, dict[str, dict]], baseline: str) -> dict:
                         f"{arm}/rise_min": min(r["rise"] for r in values),
                         f"{arm}/steps": sum(r["steps"] for r in values) / n,
                         f"{arm}/minutes": sum(r["minutes"] for r in values) / n, f"{arm}/pipelines": n})
+        for key in sorted({k for r in values for k in r["train"]}):
+            logged = [r["train"][key] for r in values if key in r["train"]]
+            figures[f"{arm}/{key}"] = sum(logged) / len(logged)
         for name, r in by_pipeline.items():
             figures.update({f"{arm}/{name}/rise": r["rise"], f"{arm}/{name}/rise_se": r["rise_se"]})
         base = runs.get(baseline, {})

@@ -10,9 +10,9 @@ per variant, as experiments.mini_ocr.algorithms's per arm: `NAME/rise`, `NAME/ri
 `NAME/rise_vs_baseline` (the mean paired difference with the baseline, the arm unchanged, on the same pipelines)
 with `NAME/rise_vs_baseline_se`.
 
-The question: FlowGRPO rose +0.10 in 7 minutes where DiffusionNFT rose +0.53 and AWM +0.21 (BENCHMARKS.md, "Mini
-OCR: the algorithm arms"); which knob holds it back? configs/mini_ocr.py is flow_grpo's SD3 OCR recipe (lr 3e-4,
-clip 1e-4, 9 of 10 steps trained, noise 0.7) with beta 0, group 12, CFG 4.
+The question: which knob holds FlowGRPO's rise below DiffusionNFT's and AWM's on the same pipelines (BENCHMARKS.md,
+"Mini OCR: the algorithm arms"; the answers so far: "Mini OCR: FlowGRPO's knobs"). configs/mini_ocr.py is flow_grpo's
+SD3 OCR recipe (lr 3e-4, clip 1e-4, 9 of 10 steps trained, noise 0.7) with beta 0, group 12, CFG 4.
 """
 from __future__ import annotations
 

@@ -163,6 +163,17 @@ def test_the_mini_ocr_sweep_collects_each_variant_paired_with_the_baseline_and_e
     assert figures["lr2x/rise_vs_baseline_se"] == pytest.approx((2 * 2 * 0.04 ** 2) ** 0.5 / 2)
     assert figures["kl/pipelines"] == 1 and figures["kl/rise_vs_baseline"] == pytest.approx(0.1 - 0.05)
     assert not any(k.startswith("guard/") for k in figures)  # an arm's run is no sweep variant
+    assert not any(k.endswith(("train_reward_last", "approx_kl_late")) for k in figures)  # no metrics.jsonl
+    # the train side from metrics.jsonl: rewards at both ends, medians from step 6 on (clipfrac logged from 7 on)
+    rows = [dict(step=s, reward_mean=0.1 * s, approx_kl=1e-8 * s, **({"clipfrac": 0.5} if s >= 7 else {}))
+            for s in range(1, 11)]
+    (tmp_path / "p0" / "rl_sweep_lr2x" / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (tmp_path / "p1" / "rl_sweep_lr2x" / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    figures = sweep.collect([tmp_path / "p0", tmp_path / "p1"])
+    assert figures["lr2x/train_reward_first"] == pytest.approx(0.2) and figures["lr2x/train_reward_last"] == \
+        pytest.approx(0.9)  # p1's one row is too few for either end: p0's alone
+    assert figures["lr2x/approx_kl_late"] == pytest.approx(8e-8) and figures["lr2x/clipfrac_late"] == 0.5
+    assert "baseline/train_reward_first" not in figures
     with pytest.raises(ValueError, match="run experiments/mini_ocr/sweep.sh first"):
         sweep.collect([tmp_path / "nothing"])
     assert set(sweep.FIRST) <= set(sweep.VARIANTS) and sweep.FIRST[0] == "baseline"
