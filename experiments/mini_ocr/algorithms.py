@@ -28,6 +28,7 @@ from pathlib import Path
 
 from jaxflow_bench.cli import bench_parser
 from jaxflow_bench.results import write_result
+from jaxflow_bench.summary import metrics_rows
 
 ARMS = {"flowgrpo": "", "guard": "_guard", "corrected": "_corrected", "dropzero": "_dropzero", "nft": "_nft",
         "mixgrpo": "_mixgrpo", "mixgrpo_flash": "_mixgrpo_flash", "awm": "_awm", "omni": "_omni",
@@ -42,12 +43,8 @@ RESULTS = {"mini_ocr_algorithms": (tuple(a for a in ARMS if not a.startswith("om
 EDGE, LATE = 3, 6  # steps averaged at each end of the train reward; the step the late medians start from
 
 
-def train_dynamics(run: Path) -> dict:
-    """The run's train-side figures from its metrics.jsonl (none without one, or for a metric it does not log)."""
-    metrics = run / "metrics.jsonl"
-    if not metrics.is_file():
-        return {}
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line]
+def train_dynamics(rows: list[dict]) -> dict:
+    """A run's train-side figures from its metrics.jsonl `rows` (none for a metric it does not log)."""
     rewards = [r["reward_mean"] for r in rows if "reward_mean" in r]
     figures = {}
     if len(rewards) >= 2 * EDGE:
@@ -70,17 +67,18 @@ def run_of(pipeline: Path, suffix: str) -> dict | None:
     if before["n"] != after["n"]:
         raise ValueError(f"{pipeline}: before has {before['n']} prompts and after{suffix} {after['n']}")
     run = pipeline / f"rl{suffix}"
+    rows = metrics_rows(run) if (run / "metrics.jsonl").is_file() else []
     if (run / "checkpoints").is_dir():
         steps = max(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
     else:
-        steps = max(json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines() if line)
+        steps = max(r["step"] for r in rows or metrics_rows(run))  # no file: FileNotFoundError, as before
     seconds = [float(line.split()[1]) for line in (pipeline / "timings.txt").read_text().splitlines()
                if line.split()[:1] == [f"rl{suffix}"]]
     if not seconds:
         raise ValueError(f"{pipeline}/timings.txt has no rl{suffix} line: was the run cut?")
     return dict(before=before["mean"], after=after["mean"], rise=after["mean"] - before["mean"],
                 rise_se=math.hypot(before["se"], after["se"]), before_name=before_name, before_se=before["se"],
-                after_se=after["se"], steps=steps, minutes=seconds[-1] / 60, train=train_dynamics(run))
+                after_se=after["se"], steps=steps, minutes=seconds[-1] / 60, train=train_dynamics(rows))
 
 
 def paired_variance(a: dict, b: dict) -> float:
