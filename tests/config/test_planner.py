@@ -217,7 +217,7 @@ def test_the_text_to_image_recipes_prediction_is_its_own_rows():
     assert "predicted 31.4 s a step" in plan.summary()
 
 
-@pytest.mark.parametrize("arm", ["flowgrpo", "guard", "corrected", "nft", "mixgrpo", "awm"])
+@pytest.mark.parametrize("arm", ["flowgrpo", "guard", "corrected", "nft", "mixgrpo", "awm", "dropzero", "mixgrpo_flash"])
 def test_each_measured_arm_is_predicted_within_15_percent(arm):
     """e2e_algorithms.json's arms on one H200: the recipe's measured costs scaled to each arm's transformer passes
     (NFT: 9 timesteps without CFG, an old and an adapters-off forward each; AWM: 6 guided, with the KL's forward;
