@@ -3,8 +3,8 @@ that the learner and the driver read (they resolve nothing themselves), logged o
 
 Resolved here: model.lora_gemm (a hardware policy: `lora_gemm`; a short run's start, `_short_start`, takes XLA's),
 model.scan_unroll=0 and the train step's XLA options (both follow the resolved linears), rollout.lora_apply (how
-the rollout serves the LoRA), train.num_micro_batches ('auto': the largest micro-batch that fits,
-`num_micro_batches`) and the placement (backend, devices, engines, samples per micro-batch per device)."""
+the rollout serves the LoRA), the engines' warm-up request (`warm_up`), train.num_micro_batches ('auto': the
+largest micro-batch that fits, `num_micro_batches`) and the placement (backend, devices, engines, samples per micro-batch per device)."""
 from __future__ import annotations
 
 import dataclasses
@@ -47,6 +47,14 @@ def lora_apply(cfg) -> str:
 def merged_lora(cfg) -> bool:
     """Whether the rollout serves the LoRA merged into its base weights (`lora_apply`)."""
     return lora_apply(cfg) == "merged"
+
+
+def warm_up(cfg) -> bool:
+    """Whether each rollout engine runs one request of a rollout call's shape as it starts (`Driver.warmup_request`):
+    where it loads in a process of its own, beside the trainer's model and compile (not rollout.layout='in_process',
+    which would wait for it), and does not serve the LoRA as layers (swapped in at the first sync, they would redo
+    the compile it warms)."""
+    return cfg.rollout.layout != "in_process" and lora_apply(cfg) != "layers"
 
 
 def lora_gemm(cfg, num_layers: int, devices: int, on_hopper: bool, micro_batch: int,
@@ -122,6 +130,7 @@ class RunPlan:
     engines: int  # rollout engines (rollout.num_servers)
     lora_apply: str  # how the rollout serves the LoRA (the engines' lora_apply): "layers", "merged" or "folder"
     quantization: str  # the rollout DiT's linears (rollout.quantization): "none" (bf16) or "fp8"
+    warmup: bool  # each engine runs one request of a rollout call's shape as it starts (`warm_up`)
     lora_gemm_why: str  # why model.lora_gemm (model.lora_gemm below) resolved as it did
     model: ModelOptions  # the trainer model's options: lora_gemm and scan_unroll resolved
     xla_options: Mapping  # the train step's XLA options: for the linears the model runs and, on a GPU, a quick start
@@ -142,7 +151,8 @@ class RunPlan:
             f"  trainer linears: model.lora_gemm={m.lora_gemm} ({self.lora_gemm_why}); model.scan_unroll="
             f"{m.scan_unroll}; XLA options {dict(self.xla_options) or '{}'}",
             f"  rollout: layout {self.layout}, {self.engines} engine(s), LoRA served as {self.lora_apply} "
-            f"(rollout.lora_apply), quantization {self.quantization} (rollout.quantization)"))
+            f"(rollout.lora_apply), quantization {self.quantization} (rollout.quantization)"
+            f"{', a warm-up request as each engine starts' if self.warmup else ''}"))
 
 
 def _tokens(cfg, family, folder: Path) -> tuple[int, int, int]:
@@ -183,6 +193,7 @@ def make_plan(cfg: RunConfig, folder: Path, *, backend: str, devices: int, batch
     return RunPlan(backend=backend, devices=devices, batch_devices=batch_devices, micro_batch=micro,
                    num_micro_batches=count, micro_batch_why=count_why,
                    layout=cfg.rollout.layout, engines=engines(cfg, backend, devices),
-                   lora_apply=lora_apply(cfg), quantization=cfg.rollout.quantization, lora_gemm_why=why,
+                   lora_apply=lora_apply(cfg), quantization=cfg.rollout.quantization, warmup=warm_up(cfg),
+                   lora_gemm_why=why,
                    model=derived.model_options(cfg, gemm, num_layers),
                    xla_options=MappingProxyType(with_start_options(derived.xla_options(cfg, gemm))))

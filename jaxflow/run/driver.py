@@ -179,12 +179,25 @@ class Driver:
         engine["lora_apply"] = self.plan.lora_apply  # layers, merged (jaxflow_bridge/sync/merge.py) or folder
         if self.plan.quantization != "none":  # vllm_omni's FP8 DiT (the validation stage refuses it elsewhere)
             engine["quantization"] = self.plan.quantization
+        if self.plan.warmup:
+            engine["warmup"] = self.warmup_request()
         if r.share_weights:  # the engine serves the trainer's own arrays (jaxflow/sync/base_share.py)
             engine["base_weights"] = "shared"
         elif self.cfg.model.init == "random":
             engine["random_seed"] = self.cfg.seed  # the rollout draws the same base weights (fingerprint below)
         transport = LocalTransport() if in_process else RayTransport(r.num_cpus, r.num_gpus, r.max_retries)
         self.rollout = RolloutGroup(engine, self.plan.engines, transport)
+
+    def warmup_request(self) -> dict:
+        """`RolloutServer`'s warm-up: one rollout call's shape (the first rollout.prompts_per_call train prompts x
+        sample.group_size, the first step's sampling and seeds), run once and discarded as each engine starts."""
+        s = self.cfg.sample
+        items = self.prompts[:s.prompts_per_call]
+        request = {"prompts": [it.prompt for it in items], "n": s.group_size,
+                   "sampling": registry.rollout_sampling(sampling(self.cfg), self.cfg, 0),
+                   "seeds": [int(x) for x in sample_seeds(self.cfg.seed, 0, len(items) * s.group_size)]}
+        references = self.references(items)
+        return request if references is None else {**request, "references": references}
 
     def join_rollout(self, model, processes: int) -> EngineStart | None:
         """Wait for the launched servers, check that they hold `model`'s base weights (an in-process one is handed

@@ -10,11 +10,13 @@ from collections.abc import Iterable
 class EngineStart:
     """Seconds of an engine's start, in order: `imports` (the engine library's modules), `engine` (the library's
     engine up: its worker processes, model load and warm-up), `checks` (the engine's own calls to its workers after
-    that: layer table, fingerprint)."""
+    that: layer table, fingerprint), `warmup` (our warm-up request, where the run sends one: the server's
+    `RolloutServer.warmup_s`; 0 without)."""
 
     imports: float
     engine: float
     checks: float
+    warmup: float = 0.0
 
     @classmethod
     def from_stamps(cls, entry: float, imported: float, started: float, checked: float) -> EngineStart:
@@ -23,18 +25,20 @@ class EngineStart:
 
     @classmethod
     def from_dict(cls, d: dict) -> EngineStart:
-        return cls(**{f.name: float(d[f.name]) for f in dataclasses.fields(cls)})
+        return cls(**{f.name: float(d[f.name]) for f in dataclasses.fields(cls)
+                      if f.name in d or f.default is dataclasses.MISSING})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     @property
     def total(self) -> float:
-        return self.imports + self.engine + self.checks
+        return self.imports + self.engine + self.checks + self.warmup
 
     def summary(self) -> str:
-        """"imports 9 s, engine 47 s, checks 3 s"."""
-        return ", ".join(f"{name} {sec:.0f} s" for name, sec in self.to_dict().items())
+        """"imports 9 s, engine 47 s, checks 3 s" (", warm-up 40 s" where one ran)."""
+        parts = {"imports": self.imports, "engine": self.engine, "checks": self.checks, "warm-up": self.warmup}
+        return ", ".join(f"{name} {sec:.0f} s" for name, sec in parts.items() if name != "warm-up" or sec)
 
 
 def slowest_start(infos: Iterable[dict]) -> EngineStart | None:

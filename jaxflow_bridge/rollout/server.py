@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import socket
+import time
 
 from jaxflow_bridge.rollout.engine import RolloutEngine
 
@@ -41,8 +42,20 @@ def engine_class(config: dict) -> type[RolloutEngine]:
 class RolloutServer:
     """Engine host: the `RolloutEngine` interface as Ray actor methods, forwarded one to one."""
 
+    warmup_s: float | None = None  # the warm-up request's seconds, where one ran
+
     def __init__(self, config: dict):
+        """`config["warmup"]`, where given: `generate`'s keyword arguments for one request that the server runs and
+        discards once its engine is up, before any other call (an actor runs one call at a time): the first
+        rollout's one-off costs (its torch.compile, its kernels' first calls) are then paid while the trainer
+        still starts. `warmup_s` times it (also in `info()["start"]`, where the engine reports its start)."""
+        config = dict(config)
+        warmup = config.pop("warmup", None)
         self.engine: RolloutEngine = engine_class(config)(config)
+        if warmup is not None:
+            began = time.monotonic()
+            self.generate(**warmup)
+            self.warmup_s = time.monotonic() - began
 
     def generate(self, prompts: list[str], n: int, sampling: dict, seeds=None, references=None) -> dict:
         """TrajectoryBatch.to_dict() for B = len(prompts) * n samples; seeds: per sample, base, or None; references:
@@ -76,8 +89,11 @@ class RolloutServer:
 
     def info(self) -> dict:
         """engine, device, dtype, policy_version, model, fingerprint (of the base transformer weights), ..., and the
-        server's host (the trainer picks the LoRA transport by it)."""
-        return {**self.engine.info(), "host": socket.gethostname()}
+        server's host (the trainer picks the LoRA transport by it); the warm-up's seconds in "start" where both are."""
+        info = {**self.engine.info(), "host": socket.gethostname()}
+        if self.warmup_s is not None and info.get("start"):
+            info["start"] = {**info["start"], "warmup": self.warmup_s}
+        return info
 
 
 def create_rollout_server(config: dict, name: str | None = None, num_cpus: float = 1, num_gpus: float = 0):
