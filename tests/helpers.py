@@ -6,7 +6,7 @@
   matching fused transformer; a PEFT adapter over a RolloutPipeline's tiny blocks (make_adapter)
 - the train-step tests' tiny LoRA model and sampled batch (TINY, GRID, SEEDS, GROUPS, inputs, tiny_lora_model,
   sampled_batch; conftest.py's `lora_model` fixture is tiny_lora_model()); a random window batch for the sharded
-  steps' 2 x 2 grid (random_window_batch)
+  steps' 2 x 2 grid (random_window_batch); a random batch in a learner's shapes (random_train_batch)
 """
 import json
 import os

@@ -79,13 +79,14 @@ UNROLL_UPGRADES = ("off", "auto", "on")
 
 
 def unroll_upgrade(mode: str, planned: ModelOptions, num_layers: int, *, auto_unroll: bool, processes: int,
-                   family: str, upgrades: bool) -> tuple[bool, str]:
+                   family: str, upgrades: bool, shared: bool = False) -> tuple[bool, str]:
     """model.unroll_upgrade as it runs: whether the run starts on the blocks in a scan with XLA's linears and swaps
     to the `planned` program (its unrolled blocks) once that compiled beside the first steps, and why ("" for "off").
     "auto" upgrades where the plan unrolled the blocks for the fused kernel (`auto_unroll`: model.scan_unroll=0 with
     model.lora_gemm='auto', resolved "pallas" on a long run), "on" wherever the planned blocks are unrolled; a
-    family whose model cannot swap (`Family.upgrades`) and a run of several processes (all would have to swap at
-    the same step) keep the planned program."""
+    family whose model cannot swap (`Family.upgrades`), a run of several processes (all would have to swap at the
+    same step) and an engine serving the trainer's own weights (`shared`, rollout.share_weights: it would keep the
+    stacks alive beside the unstacked blocks) keep the planned program."""
     if mode == "off":
         return False, ""
     if planned.scan_unroll < num_layers:
@@ -99,6 +100,9 @@ def unroll_upgrade(mode: str, planned: ModelOptions, num_layers: int, *, auto_un
     if processes > 1:
         return False, (f"{mode}: {processes} processes would all have to swap at the same step; the unrolled blocks "
                        f"run from the start")
+    if shared:
+        return False, (f"{mode}: the engine serves the trainer's stacked weights (rollout.share_weights): unstacked, "
+                       f"they would be held twice; the unrolled blocks run from the start")
     return True, (f"{mode}: the blocks start in a scan with XLA's linears (the short-run program, seconds to compile); "
                   f"the unrolled ones compile beside the first steps and take over at the next step boundary")
 
@@ -233,7 +237,8 @@ def make_plan(cfg: RunConfig, folder: Path, *, backend: str, devices: int, batch
     model = derived.model_options(cfg, gemm, num_layers)
     swaps, upgrade_why = unroll_upgrade(cfg.model.unroll_upgrade, model, num_layers, processes=processes,
                                         auto_unroll=cfg.model.scan_unroll == 0 and cfg.model.lora_gemm == "auto",
-                                        family=family.name, upgrades=family.upgrades)
+                                        family=family.name, upgrades=family.upgrades,
+                                        shared=cfg.rollout.share_weights)
     upgrade = None
     if swaps:  # the start: the short run's program
         upgrade = Upgrade(model, MappingProxyType(with_start_options(derived.xla_options(cfg, gemm))))

@@ -1,6 +1,7 @@
 """model.unroll_upgrade, resolved by the plan stage (`plan.unroll_upgrade`, `make_plan`): a long single-process run
 planned with unrolled blocks and the fused kernel starts on the short-run program and records the unrolled one to
-swap to; a short run, a run of several processes and 'off' do not upgrade, each with its reason."""
+swap to; a short run, a run of several processes, an engine on the trainer's weights and 'off' do not upgrade, each
+with its reason."""
 import dataclasses
 
 import pytest
@@ -36,6 +37,9 @@ def test_the_cases():
     assert not decide(planned=xla)[0] and decide("on", xla, auto_unroll=False)[0]
     swaps, why = decide("on", upgrades=False)
     assert not swaps and "qwen_image's model cannot swap" in why
+    swaps, why = plan_lib.unroll_upgrade("auto", UNROLLED, 60, auto_unroll=True, processes=1, family="qwen_image",
+                                         upgrades=True, shared=True)
+    assert not swaps and "rollout.share_weights" in why
 
 
 @pytest.fixture
