@@ -150,7 +150,9 @@ class Trainer:
         the first LoRA sync. Engines that load in processes of their own (Ray actors) are launched first, as soon as
         the plan exists, and load beside all of it (on memory JAX's pool already holds), waited for just before the
         sync; an in-process engine starts after the memory check, so that a step which cannot fit stops with no
-        engine loaded, and the train state is made after it. `rollout_load_s`: the engines' whole start."""
+        engine loaded, and the train state is made after it. With model.unroll_upgrade the unrolled step starts
+        compiling in the background then (`Learner.start_upgrade`), its seconds not the start-up's.
+        `rollout_load_s`: the engines' whole start."""
         apart = self.driver is not None and self.driver.loads_apart
         self._begin("trainer's model")
         if apart:
@@ -174,6 +176,7 @@ class Trainer:
             self._join_rollout(launched)
         self._begin("train state")
         meta = self.learner.begin(resume)  # nothing of it comes from the engines
+        self.learner.start_upgrade()  # model.unroll_upgrade: the unrolled step compiles beside what follows
         self.start = meta["step"] if meta else 0
         if meta:
             self.sampler.load_state_dict(meta["sampler"])

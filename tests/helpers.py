@@ -6,7 +6,7 @@
   matching fused transformer; a PEFT adapter over a RolloutPipeline's tiny blocks (make_adapter)
 - the train-step tests' tiny LoRA model and sampled batch (TINY, GRID, SEEDS, GROUPS, inputs, tiny_lora_model,
   sampled_batch; conftest.py's `lora_model` fixture is tiny_lora_model()); a random window batch for the sharded
-  steps' 2 x 2 grid (random_window_batch)
+  steps' 2 x 2 grid (random_window_batch); a random batch in a learner's shapes (random_train_batch)
 """
 import json
 import os
@@ -194,3 +194,35 @@ def cli_run_raising(tmp_path, imports: str, raised: str) -> subprocess.Completed
     return subprocess.run([sys.executable, "-c", code, f"--config.run_dir={tmp_path / 'run'}",
                            "--config.rollout.layout=in_process"], cwd=ROOT, capture_output=True, text=True,
                           timeout=HANG_S)
+
+
+def random_train_batch(learner, seed: int = 0) -> TrainBatch:
+    """A random TrainBatch in the shapes the `learner`'s step is compiled for (`memory.abstract_batch`): latents,
+    embeds and log-probs drawn from `seed`, the schedule 1 -> 0, each row's window inside it, masks right-padded."""
+    from jaxflow.config import derived
+    from jaxflow.trainer import memory
+
+    cfg = learner.cfg
+    config = derived.train_config(cfg, learner.grid, learner.plan.num_micro_batches)
+    text, negative_text = derived.text_tokens(cfg)
+    shapes, _ = memory.abstract_batch(
+        batch=cfg.sample.prompts_per_step * cfg.sample.group_size, window=cfg.sample.window_size,
+        num_steps=cfg.sample.num_steps, seq=learner.grid[0] * learner.grid[1], text=text, negative_text=negative_text,
+        embed_dtype=np.float32, guided=config.guided, recompute=False, **learner.family.batch_shape(learner.model))
+    r = np.random.default_rng(seed)
+    b, w, n = shapes["advantages"].shape[0], cfg.sample.window_size, cfg.sample.num_steps
+    out = {}
+    for name, s in shapes.items():
+        if name.endswith("mask"):
+            out[name] = np.arange(s.shape[1])[None] < r.integers(1, s.shape[1] + 1, size=(b, 1))
+        elif name == "sigmas":
+            out[name] = np.broadcast_to(np.linspace(1, 0, n + 1, dtype=np.float32), s.shape).copy()
+        elif name == "step_index":
+            out[name] = (r.integers(0, n - w + 1, size=(b, 1)) + np.arange(w)).astype(np.int32)
+        elif name == "noise_level":
+            out[name] = np.full(s.shape, 0.7, np.float32)
+        elif name == "log_probs":
+            out[name] = (-1.4 + 0.01 * r.normal(size=s.shape)).astype(np.float32)
+        else:
+            out[name] = r.normal(size=s.shape).astype(s.dtype)
+    return TrainBatch(**out)

@@ -2,9 +2,11 @@
 that the learner and the driver read (they resolve nothing themselves), logged once at start as one block.
 
 Resolved here: model.lora_gemm (a hardware policy: `lora_gemm`; a short run's start, `_short_start`, takes XLA's),
-model.scan_unroll=0 and the train step's XLA options (both follow the resolved linears), rollout.lora_apply (how
-the rollout serves the LoRA), the engines' warm-up request (`warm_up`), train.num_micro_batches ('auto': the
-largest micro-batch that fits, `num_micro_batches`) and the placement (backend, devices, engines, samples per micro-batch per device)."""
+model.scan_unroll=0 and the train step's XLA options (both follow the resolved linears), model.unroll_upgrade (a start
+on the scanned program and the unrolled one to swap to, `unroll_upgrade`), rollout.lora_apply (how the rollout
+serves the LoRA), the engines' warm-up request (`warm_up`), train.num_micro_batches ('auto': the largest
+micro-batch that fits, `num_micro_batches`) and the placement (backend, devices, engines, samples per micro-batch
+per device)."""
 from __future__ import annotations
 
 import dataclasses
@@ -82,6 +84,46 @@ def lora_gemm(cfg, num_layers: int, devices: int, on_hopper: bool, micro_batch: 
     return ("xla", "auto: " + "; ".join(why)) if why else ("pallas", "auto: unrolled blocks, bf16 on H100/H200s")
 
 
+UNROLL_UPGRADES = ("off", "auto", "on")
+
+
+def unroll_upgrade(mode: str, planned: ModelOptions, num_layers: int, *, auto_unroll: bool, processes: int,
+                   family: str, upgrades: bool, shared: bool = False) -> tuple[bool, str]:
+    """model.unroll_upgrade as it runs: whether the run starts on the blocks in a scan with XLA's linears and swaps
+    to the `planned` program (its unrolled blocks) once that compiled beside the first steps, and why ("" for "off").
+    "auto" upgrades where the plan unrolled the blocks for the fused kernel (`auto_unroll`: model.scan_unroll=0 with
+    model.lora_gemm='auto', resolved "pallas" on a long run), "on" wherever the planned blocks are unrolled; a
+    family whose model cannot swap (`Family.upgrades`), a run of several processes (all would have to swap at the
+    same step) and an engine serving the trainer's own weights (`shared`, rollout.share_weights: it would keep the
+    stacks alive beside the unstacked blocks) keep the planned program."""
+    if mode == "off":
+        return False, ""
+    if planned.scan_unroll < num_layers:
+        return False, (f"{mode}: the planned blocks run in a scan (model.scan_unroll={planned.scan_unroll}): nothing "
+                       f"to swap to")
+    if mode == "auto" and not (auto_unroll and planned.lora_gemm == "pallas"):
+        return False, ("auto: the blocks are unrolled as the config sets them, not by the plan for the fused kernel; "
+                       "model.unroll_upgrade='on' upgrades them too")
+    if not upgrades:
+        return False, f"{mode}: {family}'s model cannot swap to unrolled blocks mid-run; it runs them from the start"
+    if processes > 1:
+        return False, (f"{mode}: {processes} processes would all have to swap at the same step; the unrolled blocks "
+                       f"run from the start")
+    if shared:
+        return False, (f"{mode}: the engine serves the trainer's stacked weights (rollout.share_weights): unstacked, "
+                       f"they would be held twice; the unrolled blocks run from the start")
+    return True, (f"{mode}: the blocks start in a scan with XLA's linears (the short-run program, seconds to compile); "
+                  f"the unrolled ones compile beside the first steps and take over at the next step boundary")
+
+
+@dataclasses.dataclass(frozen=True)
+class Upgrade:
+    """The program the run swaps to once it compiled beside the first steps (model.unroll_upgrade)."""
+
+    model: ModelOptions  # unrolled blocks, the planned linears
+    xla_options: Mapping  # their train step's
+
+
 def per_update(cfg) -> int:
     """Samples in one update (a mini-batch), all devices'."""
     return cfg.sample.prompts_per_step * cfg.sample.group_size // cfg.train.num_mini_batches
@@ -134,6 +176,8 @@ class RunPlan:
     lora_gemm_why: str  # why model.lora_gemm (model.lora_gemm below) resolved as it did
     model: ModelOptions  # the trainer model's options: lora_gemm and scan_unroll resolved
     xla_options: Mapping  # the train step's XLA options: for the linears the model runs and, on a GPU, a quick start
+    upgrade: Upgrade | None = None  # the unrolled program the run swaps to (model.unroll_upgrade), or None
+    upgrade_why: str = ""  # why it does or does not ("" with model.unroll_upgrade='off')
 
     def resized(self, num_micro_batches: int, micro_batch: int, why: str) -> RunPlan:
         """The plan with another micro-batch (train.num_micro_batches='auto' after the compiled step's memory check);
@@ -152,7 +196,16 @@ class RunPlan:
             f"{m.scan_unroll}; XLA options {dict(self.xla_options) or '{}'}",
             f"  rollout: layout {self.layout}, {self.engines} engine(s), LoRA served as {self.lora_apply} "
             f"(rollout.lora_apply), quantization {self.quantization} (rollout.quantization)"
-            f"{', a warm-up request as each engine starts' if self.warmup else ''}"))
+            f"{', a warm-up request as each engine starts' if self.warmup else ''}",
+            *self._upgrade_lines()))
+
+    def _upgrade_lines(self) -> tuple[str, ...]:
+        if not self.upgrade_why:
+            return ()
+        u = self.upgrade
+        to = (f"; then model.lora_gemm={u.model.lora_gemm}, model.scan_unroll={u.model.scan_unroll}, XLA options "
+              f"{dict(u.xla_options) or '{}'}") if u else ""
+        return (f"  unroll upgrade (model.unroll_upgrade): {self.upgrade_why}{to}",)
 
 
 def _tokens(cfg, family, folder: Path) -> tuple[int, int, int]:
@@ -175,9 +228,11 @@ def _short_start(cfg: RunConfig, batch_devices: int) -> str | None:
     return short[0] if short else None
 
 
-def make_plan(cfg: RunConfig, folder: Path, *, backend: str, devices: int, batch_devices: int, on_hopper: bool) -> RunPlan:
-    """The validated config's plan on this machine (`backend`, `devices`, `on_hopper`: JAX's, after it starts) for
-    the model in `folder` (its depth and latent grid: the family's) with the batch split `batch_devices` ways."""
+def make_plan(cfg: RunConfig, folder: Path, *, backend: str, devices: int, batch_devices: int, on_hopper: bool,
+              processes: int = 1) -> RunPlan:
+    """The validated config's plan on this machine (`backend`, `devices`, `on_hopper`, `processes`: JAX's, after it
+    starts) for the model in `folder` (its depth and latent grid: the family's) with the batch split `batch_devices`
+    ways."""
     family = families.of(cfg)
     num_layers = family.num_layers(folder)
     count, count_why = num_micro_batches(cfg, folder, backend, batch_devices)
@@ -190,10 +245,20 @@ def make_plan(cfg: RunConfig, folder: Path, *, backend: str, devices: int, batch
     if short:  # model.scan_unroll=0 then scans the blocks: "xla" runs them in a scan
         gemm, why = "xla", short
     from jaxflow.trainer.start_options import with_start_options  # JAX's backend is up: it probes XLA's options
+    model = derived.model_options(cfg, gemm, num_layers)
+    swaps, upgrade_why = unroll_upgrade(cfg.model.unroll_upgrade, model, num_layers, processes=processes,
+                                        auto_unroll=cfg.model.scan_unroll == 0 and cfg.model.lora_gemm == "auto",
+                                        family=family.name, upgrades=family.upgrades,
+                                        shared=cfg.rollout.share_weights)
+    upgrade = None
+    if swaps:  # the start: the short run's program
+        upgrade = Upgrade(model, MappingProxyType(with_start_options(derived.xla_options(cfg, gemm))))
+        gemm, why = "xla", f"until the unroll upgrade, then {model.lora_gemm} ({why})"
+        model = dataclasses.replace(model, scan_unroll=1, lora_gemm=gemm)
     return RunPlan(backend=backend, devices=devices, batch_devices=batch_devices, micro_batch=micro,
                    num_micro_batches=count, micro_batch_why=count_why,
                    layout=cfg.rollout.layout, engines=engines(cfg, backend, devices),
                    lora_apply=lora_apply(cfg), quantization=cfg.rollout.quantization, warmup=warm_up(cfg),
                    lora_gemm_why=why,
-                   model=derived.model_options(cfg, gemm, num_layers),
-                   xla_options=MappingProxyType(with_start_options(derived.xla_options(cfg, gemm))))
+                   model=model, xla_options=MappingProxyType(with_start_options(derived.xla_options(cfg, gemm))),
+                   upgrade=upgrade, upgrade_why=upgrade_why)

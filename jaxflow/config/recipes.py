@@ -43,6 +43,8 @@ HELP: dict[str, str] = {
                               "default, high, highest",
     "model.lora_gemm": "adapted linears: 'xla', 'pallas' (fused Hopper GEMM: bf16, H100/H200s) or 'auto' (logged "
                        "at start)",
+    "model.unroll_upgrade": "'off'; 'auto': long runs planned unrolled+pallas start scanned, swap once compiled; "
+                            "'on': any unrolled",
     "model.init": "base weights: 'checkpoint' (from model.path) or 'random' (drawn from seed; "
                   "jaxflow_bridge/contract/random_weights.py)",
     "lora.rank": "LoRA rank, an int >= 1",
@@ -212,7 +214,10 @@ def base() -> ml_collections.ConfigDict:
                    # "auto" picks "pallas" where it runs and pays (unrolled blocks, bf16, one H100/H200, rows that
                    # tile; BENCHMARKS.md, the fused LoRA GEMM), else "xla", the choice and its reason logged at start
                    lora_gemm="auto",
-                   init="checkpoint")
+                   init="checkpoint",
+                   # "auto": a long run planned with unrolled blocks and the fused kernel starts on the scanned program
+                   # and swaps to the unrolled one once it compiled beside the first steps (jaxflow/config/plan.py)
+                   unroll_upgrade="off")
     c.lora = dict(rank=64, alpha=128.0, targets=list(families.module(FAMILY, "keymap").DEFAULT_LORA_TARGETS))
     # num_servers: an int or "auto" (one engine per trainer GPU where colocated; the field's type is object)
     c.rollout = dict(engine="vllm_omni", dtype="bfloat16", device="cuda",

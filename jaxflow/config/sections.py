@@ -33,6 +33,7 @@ class ModelSection:
     matmul_precision: str
     lora_gemm: str
     init: str
+    unroll_upgrade: str
 
 
 @dataclasses.dataclass(frozen=True)

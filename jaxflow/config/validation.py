@@ -15,7 +15,7 @@ from jaxflow.config import sections
 from jaxflow.config.derived import (lora_spec, model_options, sampling, sharding_config, train_config,
                                     xla_options)
 from jaxflow.config.errors import UserError, fail
-from jaxflow.config.plan import engine_per_device
+from jaxflow.config.plan import UNROLL_UPGRADES, engine_per_device
 from jaxflow.config.sections import RunConfig
 from jaxflow.families.base import Problem, option_problems
 from jaxflow.run.data import load_prompts
@@ -203,6 +203,8 @@ def validate(user: ConfigDict) -> RunConfig:
     if not isinstance(cfg.model.scan_unroll, int) or cfg.model.scan_unroll < 0:
         fail("model.scan_unroll", f"{cfg.model.scan_unroll!r}: blocks per scan step, >= 1, or 0 (auto: unrolled where "
                                    f"model.lora_gemm runs 'pallas', else 1)")
+    if cfg.model.unroll_upgrade not in UNROLL_UPGRADES:
+        fail("model.unroll_upgrade", f"{cfg.model.unroll_upgrade!r}; choose one of {UNROLL_UPGRADES}")
     _typed("model", lambda c: model_options(c, "xla", 1), cfg)  # lora_gemm is resolved once JAX runs (lora_gemm)
     if not isinstance(cfg.lora.rank, int) or cfg.lora.rank < 1:
         fail("lora.rank", f"{cfg.lora.rank!r}: the LoRA rank must be an int >= 1")

@@ -32,6 +32,7 @@ class Family(Protocol):
     stages: tuple[str, ...]  # the rollout.bagel_deploy values its vllm_omni rollout runs
     thinks: bool  # has a think mode (sample.think)
     fused_gemm: bool  # its layers call the fused LoRA GEMM (model.lora_gemm='pallas'; the plan resolves 'auto')
+    upgrades: bool  # its model swaps to unrolled blocks mid-run (model.unroll_upgrade: abstract_unrolled, unroll)
     lora_spec_type: type[LoRASpec]  # its LoRA spec's class
     config_type: type  # its model config's class (the model's sizes)
     model_type: type  # its model's class: model_type(config, opts, lora_spec, rngs=...)
@@ -47,6 +48,8 @@ class Family(Protocol):
     def random_weights(self, folder: Path) -> list[tuple[str, tuple[int, ...], int]]: ...  # model.init=random
     def num_layers(self, folder: Path) -> int: ...
     def build_model(self, cfg: RunConfig, folder: Path, spec, opts, **kw): ...
+    def abstract_unrolled(self, model, opts): ...  # model as `unroll` leaves it, arrays as ShapeDtypeStructs
+    def unroll(self, model, opts) -> None: ...  # model runs `opts`' unrolled blocks from now on
     def owns(self, model) -> bool: ...
     def objective(self, config) -> Objective: ...
     def batch_shape(self, model) -> dict: ...

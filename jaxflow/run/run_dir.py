@@ -33,6 +33,7 @@ NOT_TRAINING = ("run_dir", "train.num_steps", "log", "eval", "checkpoint", "roll
                 "rollout.sleep_while_training", "rollout.compile", "rollout.cfg_forward", "rollout.bagel_deploy",
                 "reward.workers", "sharding",
                 "train.num_micro_batches", "model.remat", "model.attention", "model.scan_unroll", "model.lora_gemm",
+                "model.unroll_upgrade",
                 "train.xla_options", "profile",
                 # when a diverged or mismatched run stops, not what an update computes
                 "train.max_skipped_steps", "train.logp_gate", "train.logp_gate_steps",

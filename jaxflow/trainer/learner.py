@@ -15,13 +15,15 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxflow.config import derived
 from jaxflow.config import plan as plan_lib
 from jaxflow.config import validation as config_lib
 from jaxflow.config.plan import RunPlan
 from jaxflow.config.sections import RunConfig
-from jaxflow.trainer import memory
+from jaxflow.nn.lora import LoRAParam
+from jaxflow.trainer import compile_times, memory
 from jaxflow.trainer.checkpoint import Checkpointer
 from jaxflow.trainer.divergence import check_finite
 from jaxflow.trainer.minibatches import RowLayout
@@ -30,6 +32,7 @@ from jaxflow.nn.lora_gemm import on_hopper
 from jaxflow.trainer.sharding import Layout
 from jaxflow.trainer.train_batch import TrainBatch
 from jaxflow.trainer.train_step import make_train_step
+from jaxflow.trainer.unroll_upgrade import Background
 
 log = logging.getLogger("jaxflow.train")
 
@@ -40,15 +43,21 @@ def build_model(cfg: RunConfig, folder: Path, spec, layout: Layout, plan: RunPla
     with unrolled blocks (model.scan_unroll >= the blocks) each block's frozen weights are arrays of their own."""
     plan = plan or run_plan(cfg, folder, layout)
     model = families.of(cfg).build_model(cfg, folder, spec, plan.model, sharding=layout.sharding_fn, seed=cfg.seed)
-    if model.opts.lora_gemm == "pallas" and layout.batch_devices > 1:
-        model.split_rows(layout.mesh, layout.batch_axes)  # data parallelism: each device runs the kernel on its rows
+    _split_rows(model, layout)
     return model
+
+
+def _split_rows(model, layout: Layout) -> None:
+    """With model.lora_gemm=pallas under data parallelism each device runs the fused kernel on its own rows."""
+    if model.opts.lora_gemm == "pallas" and layout.batch_devices > 1:
+        model.split_rows(layout.mesh, layout.batch_axes)
 
 
 def run_plan(cfg: RunConfig, folder: Path, layout: Layout) -> RunPlan:
     """The validated config's plan (jaxflow/config/plan.py) on this process's JAX, for the batch split of `layout`."""
     return plan_lib.make_plan(cfg, folder, backend=jax.default_backend(), devices=jax.device_count(),
-                              batch_devices=layout.batch_devices, on_hopper=on_hopper())
+                              batch_devices=layout.batch_devices, on_hopper=on_hopper(),
+                              processes=jax.process_count())
 
 
 _DESC_BYTES = 1 << 14  # the broadcast description of a train batch (keys, shapes, dtypes) as JSON
@@ -86,6 +95,11 @@ def local_rows(batch: TrainBatch | None) -> TrainBatch:
     return TrainBatch(**{k: v[mine] for k, v in full.items()})
 
 
+def _layout(tree) -> tuple:
+    """A tree's structure and its leaves' shapes and dtypes."""
+    return jax.tree.structure(tree), [(x.shape, x.dtype) for x in jax.tree.leaves(tree)]
+
+
 class Learner:
     """Built on every process from the config and the model folder; `begin` then makes the train state."""
 
@@ -109,6 +123,10 @@ class Learner:
         self.compile_times = []  # every ahead-of-time compile's seconds by stage (trials included; `_compiled`)
         self.ckpt = self.state = None
         self._previous = None  # (version, LoRA copy) of the policy one step back, for rollout.overlap
+        self._upgrade = None  # the unrolled step building in the background (`start_upgrade`), until the swap
+        self.upgraded = False  # the unrolled step runs (model.unroll_upgrade)
+        self.upgrade_compile_times = []  # its compile's seconds by stage, apart from the start-up's
+        self._calls = 0  # train steps run by this learner
 
     def _make_step(self, num_micro_batches: int):
         """(init_state, step) of the train step with `num_micro_batches` an update."""
@@ -124,6 +142,12 @@ class Learner:
 
     def _compiled(self, step) -> tuple[list, int]:
         """`memory_plans` of `step`, compiled now for the run's batch shapes (it runs these executables)."""
+        plans = self._compile(step)
+        self.compile_times += step.compile_times
+        return plans, memory.device_bytes(step.frozen)
+
+    def _compile(self, step) -> list:
+        """Compile `step` for the run's batch shapes; its functions' `memory.StepMemory`."""
         cfg, tc = self.cfg, step.config
         text, negative_text = derived.text_tokens(cfg)
         batch, old = memory.abstract_batch(
@@ -131,9 +155,7 @@ class Learner:
             num_steps=cfg.sample.num_steps, seq=self.grid[0] * self.grid[1], text=text, negative_text=negative_text,
             embed_dtype=derived.embed_dtype(cfg), guided=tc.guided, recompute=tc.recompute_pass,
             means=tc.policy.ratio.old_means, nft=not tc.policy.loss.log_probs, **self.family.batch_shape(self.model))
-        plans = [memory.StepMemory.of(name, c) for name, c in step.compile(batch, old).items()]
-        self.compile_times += step.compile_times
-        return plans, memory.device_bytes(step.frozen)
+        return [memory.StepMemory.of(name, c) for name, c in step.compile(batch, old).items()]
 
     def micro_batch_size(self, num_micro_batches: int | None = None) -> int:
         """Samples in one micro-batch on one device (the plan's, or with `num_micro_batches` an update)."""
@@ -201,12 +223,71 @@ class Learner:
         self.state, meta = self.ckpt.restore(self.state)
         return meta
 
+    def start_upgrade(self) -> None:
+        """Where the plan upgrades (model.unroll_upgrade, `RunPlan.upgrade`), start building the unrolled step in a
+        background thread (`unroll_upgrade.Background`): made from the model as it will run, abstract
+        (`Family.abstract_unrolled`), compiled for the run's batch shapes, and checked against JAX's pool as it is
+        now, beside the frozen weights and the train state (on a backend without statistics, the CPU, not
+        checked). Call after `begin`; `train` swaps to it at the first step boundary after it is ready."""
+        target = self.plan.upgrade
+        if target is None or self._upgrade is not None or self.upgraded:
+            return
+        abstract = self.family.abstract_unrolled(self.model, target.model)
+        _split_rows(abstract, self.layout)
+        stats, resident = memory.pool(), memory.device_bytes((self._step.frozen, self.state))
+        what = f"{self.micro_batch_size()} samples per micro-batch per device, unrolled blocks"
+        config = derived.train_config(self.cfg, self.grid, self.plan.num_micro_batches)
+
+        def build():
+            step = make_train_step(abstract, config, self.layout, dict(target.xla_options))[1]
+            plans = self._compile(step)
+            if stats is not None:
+                memory.check_fits(plans, resident, *stats, what)
+            return step
+
+        self._upgrade = Background(build)
+
+    def wait_upgrade(self) -> None:
+        """Block until the background build (`start_upgrade`), if any, is done: the next `train` swaps (for a caller
+        that wants the swap at a known step)."""
+        if self._upgrade is not None:
+            self._upgrade.wait()
+
+    def _swap(self, step: int) -> None:
+        """The background build is done: from training step `step` (1-based) on, the unrolled step runs, the
+        model's frozen block weights unstacked (the old step released first: one stack more at the peak); the
+        train state keeps its layout. A build that failed leaves the scanned step, with one warning."""
+        built, self._upgrade = self._upgrade, None
+        if built.error is not None:
+            log.warning(built.problem())
+            return
+        new = built.result
+        if _layout(self.state) != _layout(new.abstract_state()):  # the LoRA, optimizer, EMA and old policy
+            raise RuntimeError("upgrade: the unrolled step's train state differs from the running one's")
+        self._step = None  # its frozen stacks go as the model unstacks them
+        self.family.unroll(self.model, self.plan.upgrade.model)
+        _split_rows(self.model, self.layout)
+        _, _, frozen = nnx.split(self.model, LoRAParam, ...)
+        if jax.tree.structure(frozen) != jax.tree.structure(new.frozen):
+            raise RuntimeError("upgrade: the unrolled model's frozen weights differ from the compiled step's")
+        new.frozen = frozen
+        self._step, self.upgraded = new, True
+        self.upgrade_compile_times = new.compile_times
+        log.info("upgrade: unrolled blocks compiled in %.0f s beside %s; step %d on (%s)", built.seconds,
+                 built.steps(), step, compile_times.summary(new.compile_times))
+
     def train(self, batch: TrainBatch | None, version: int | None = None, behavior: int | None = None) -> dict:
         """One train step on process 0's `batch` (None on the other processes) from policy `version` to the next;
         returns its metrics (host). `behavior`: the version that sampled the batch, `version` or (rollout.overlap)
         `version - 1`, whose LoRA the recompute pass then uses (a copy kept from the step before, only when that pass
         runs); anything older is refused. Its phases (`jaxflow.trainer.phases`): to_device (the batch onto the devices),
         old_log_prob (the recompute pass, when on) and update."""
+        step = (self._calls if version is None else version) + 1
+        self._calls += 1
+        if self._upgrade is not None and self._upgrade.ready:
+            self._swap(step)
+        if self._upgrade is not None:
+            self._upgrade.beside.append(step)
         if self.processes > 1:
             batch = local_rows(batch)
         lora, config = None, self._step.config
@@ -219,7 +300,10 @@ class Learner:
         if config.off_policy and config.recompute_pass:
             self._previous = (version, jax.tree.map(jnp.copy, self.state.lora))
         self.state, metrics = self._step(self.state, batch, behavior=lora)
-        return jax.device_get(metrics)
+        metrics = jax.device_get(metrics)
+        if self.plan.upgrade is not None:  # which steps ran the unrolled blocks
+            metrics["upgraded"] = int(self.upgraded)
+        return metrics
 
     def save(self, step: int, meta: dict) -> None:
         self.ckpt.save(step, self.state, meta)

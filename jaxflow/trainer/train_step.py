@@ -147,12 +147,15 @@ def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | Non
     The model's family picks the window log-prob (`Family.objective`, `jaxflow.algorithms.objective`), e.g. one
     that reads the batch's token ids with its own CFG (from `guidance`, `cfg_interval`, `cfg_renorm_min`), and
     refuses an algorithm it cannot train yet.
+    An abstract model (its arrays ShapeDtypeStructs, `Family.abstract_unrolled`) gives a step to `compile` only:
+    nothing is placed, and its `frozen` is set to the real weights (the same tree) before it runs.
     """
     objective, policy = families.of_model(model).objective(config), config.policy
     graphdef, lora, frozen = nnx.split(model, LoRAParam, ...)
     if not jax.tree.leaves(lora):
         raise ValueError("the model has no LoRA params: build it with a LoRASpec")
     tx = config.optimizer()
+    abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves((lora, frozen)))
 
     def init(lora):
         lora = jax.tree.map(jnp.copy, lora)
@@ -174,8 +177,9 @@ def make_train_step(model: nnx.Module, config: TrainConfig, layout: Layout | Non
     else:
         state_sh = layout.tree_shardings(jax.eval_shape(init, lora))
         frozen_sh = layout.tree_shardings(frozen)
-        frozen = jax.device_put(frozen, frozen_sh)
-        lora = jax.device_put(lora, layout.tree_shardings(lora))
+        if not abstract:
+            frozen = jax.device_put(frozen, frozen_sh)
+            lora = jax.device_put(lora, layout.tree_shardings(lora))
         init_jit = jax.jit(init, out_shardings=state_sh)
         rows, one = layout.batch_sharding, layout.replicated
         update = jit(update_fn, in_shardings=(state_sh, frozen_sh, rows, rows, one),

@@ -70,6 +70,9 @@ def _stand_ins(monkeypatch, rollout: Rollout, trained: list):
         def begin(self, resume):
             return None
 
+        def start_upgrade(self):
+            pass
+
         def whole_lora(self, which):
             return {}
 

@@ -1,7 +1,7 @@
 """The start-up's order (jaxflow/train.py): engines that load in processes of their own (Ray actors) are launched
 before the trainer's model is built and joined after the train state is made, the overlap reported; an in-process
-engine starts after the memory check, before the train state; the driver reads the plan that the check fitted; a
-failure after the launch closes the driver. Stand-ins for the driver and the learner record the order."""
+engine starts after the memory check, before the train state; the unroll upgrade's build starts after the train
+state; the driver reads the plan that the check fitted; a failure after the launch closes the driver. Stand-ins for the driver and the learner record the order."""
 import pytest
 
 from jaxflow import train
@@ -25,6 +25,9 @@ def _stand_ins(monkeypatch, events, apart):
 
         def begin(self, resume):
             events.append("train state")
+
+        def start_upgrade(self):
+            events.append("upgrade")
 
         def whole_lora(self, which):
             return {}
@@ -65,8 +68,9 @@ IN_PROCESS = ["checks", "prompts and rewards", "trainer's model", "memory plan",
 
 
 @pytest.mark.parametrize("apart, order, phases", [
-    (True, ["launch", "model", "compile", "train state", ("join", "a stand-in's fit"), "sync"], APART),
-    (False, ["model", "compile", "launch", ("join", "a stand-in's fit"), "train state", "sync"], IN_PROCESS),
+    (True, ["launch", "model", "compile", "train state", "upgrade", ("join", "a stand-in's fit"), "sync"], APART),
+    (False, ["model", "compile", "launch", ("join", "a stand-in's fit"), "train state", "upgrade", "sync"],
+     IN_PROCESS),
 ])
 def test_ray_engines_launch_before_the_model_and_are_waited_for_after_the_train_state(tmp_path, monkeypatch, apart,
                                                                                        order, phases):

@@ -38,6 +38,7 @@ class Bagel:
     stages = spec.DEPLOYS
     thinks = True
     fused_gemm = False  # its layers run XLA's linears (model.lora_gemm 'auto' or 'xla')
+    upgrades = False  # its model has no unrolled program to swap to (model.unroll_upgrade)
     config_type = BagelConfig
     model_type = BagelModel
 
@@ -127,6 +128,12 @@ class Bagel:
         if cfg.model.init == "random":
             return random_bagel(mc, opts, spec, kw["seed"])
         return load_bagel(folder, opts, spec, kw["seed"])
+
+    def abstract_unrolled(self, model, opts):
+        raise ValueError(f"{self.name}'s model has no unrolled program to swap to: leave model.unroll_upgrade='off'")
+
+    def unroll(self, model, opts) -> None:
+        raise ValueError(f"{self.name}'s model has no unrolled program to swap to: leave model.unroll_upgrade='off'")
 
     def owns(self, model) -> bool:
         return isinstance(model, BagelModel)

@@ -35,6 +35,7 @@ class QwenImage:
     stages = ("single_stage",)
     thinks = False
     fused_gemm = True
+    upgrades = True  # its model swaps to unrolled blocks mid-run (`unroll`)
     config_type = QwenImageConfig
     model_type = QwenImageTransformer
 
@@ -114,6 +115,14 @@ class QwenImage:
         if model.unrolled:
             model.unstack_blocks()
         return model
+
+    def abstract_unrolled(self, model, opts):
+        """The model as it runs `opts`' unrolled blocks, abstract (`QwenImageTransformer.abstract_unrolled`)."""
+        return model.abstract_unrolled(opts)
+
+    def unroll(self, model, opts) -> None:
+        """Swap the model to `opts`' unrolled blocks (`QwenImageTransformer.unroll`)."""
+        model.unroll(opts)
 
     def owns(self, model) -> bool:
         return type(model) is self.model_type  # not a subclass: the edit family's model is one

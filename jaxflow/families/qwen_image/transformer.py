@@ -211,12 +211,39 @@ class QwenImageTransformer(nnx.Module):
                              f"{self.cfg.num_layers} blocks; set model.scan_unroll >= {self.cfg.num_layers}")
         for _, var in _frozen_variables(self.blocks):
             stack = var.get_value()
-            if isinstance(stack, tuple):
-                continue
-            sharding = stack.sharding
-            if isinstance(sharding, NamedSharding):
-                sharding = NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
-            var.set_value(tuple(jax.device_put(piece, sharding) for piece in _unstack(stack)))
+            if not isinstance(stack, tuple):
+                sharding = _piece_sharding(stack.sharding)
+                var.set_value(tuple(jax.device_put(piece, sharding) for piece in _unstack(stack)))
+
+    def abstract_unrolled(self, opts: ModelOptions) -> QwenImageTransformer:
+        """This model as it runs `opts` (unrolled blocks) after `unroll`, abstract: every array a ShapeDtypeStruct
+        with its sharding (nothing copied), each frozen block weight one per block. A train step made from it
+        compiles the unrolled program while this model still runs its own (model.unroll_upgrade)."""
+        self._check_unrolled(opts)
+        graphdef, state = nnx.split(self)
+        abstract = nnx.merge(graphdef, jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), state))
+        abstract.opts = opts
+        for _, var in _frozen_variables(abstract.blocks):
+            stack = var.get_value()
+            if not isinstance(stack, tuple):
+                piece = jax.ShapeDtypeStruct(stack.shape[1:], stack.dtype, sharding=_piece_sharding(stack.sharding))
+                var.set_value((piece,) * stack.shape[0])
+        return abstract
+
+    def unroll(self, opts: ModelOptions) -> None:
+        """Run `opts` (unrolled blocks) from now on, the frozen block weights unstacked (`unstack_blocks`); the LoRA
+        keeps its stacks."""
+        self._check_unrolled(opts)
+        self.opts = opts
+        self.unstack_blocks()
+
+    def _check_unrolled(self, opts: ModelOptions) -> None:
+        if opts.scan_unroll < self.cfg.num_layers:
+            raise ValueError(f"ModelOptions.scan_unroll={opts.scan_unroll} does not unroll the {self.cfg.num_layers} "
+                             f"blocks")
+        if opts.lora_gemm == "pallas":
+            check_available(opts.dtype)
 
     def __call__(self, x, sigma, txt, txt_mask, grid_hw: tuple[int, int], lora_scale: float | jax.Array = 1.0):
         """x (B, h*w, C_in); sigma (B,) in [0, 1]; txt (B, L, joint_dim); txt_mask (B, L) bool, right-padded
@@ -307,6 +334,13 @@ class QwenImageTransformer(nnx.Module):
 def _frozen_variables(blocks: nnx.Module):
     """(path, variable) of the blocks' frozen (non-LoRA) weights."""
     return [(p, v) for p, v in nnx.iter_graph(blocks) if isinstance(v, nnx.Variable) and not isinstance(v, LoRAParam)]
+
+
+def _piece_sharding(sharding):
+    """A stack's sharding for one of its pieces: a NamedSharding without the stack's axis; another as it is."""
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
+    return sharding
 
 
 @jax.jit
