@@ -273,7 +273,7 @@ class Learner:
         new.frozen = frozen
         self._step, self.upgraded = new, True
         self.upgrade_compile_times = new.compile_times
-        log.info("upgrade: unrolled blocks compiled in %.0f s beside %s; step %d on (%s)", built.seconds,
+        log.warning("upgrade: unrolled blocks compiled in %.0f s beside %s; step %d on (%s)", built.seconds,
                  built.steps(), step, compile_times.summary(new.compile_times))
 
     def train(self, batch: TrainBatch | None, version: int | None = None, behavior: int | None = None) -> dict:
