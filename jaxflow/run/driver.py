@@ -37,6 +37,9 @@ from jaxflow_bridge.rewards import RewardPool, build_reward
 NOT_SCORES = ("avg", "errors", "seconds", "counts")  # a reward pool result's keys that are no reward's scores
 
 
+WARMUP_STEPS = 2  # sampling steps of the engines' warm-up request (`Driver.warmup_request`)
+
+
 def sample_seeds(seed: int, step: int, count: int) -> np.ndarray:
     """Per-sample rollout seeds, a pure function of (seed, step, index): a resumed run draws the same noise."""
     return np.random.default_rng([seed, step]).integers(0, 2 ** 62, size=count)
@@ -189,12 +192,16 @@ class Driver:
         self.rollout = RolloutGroup(engine, self.plan.engines, transport)
 
     def warmup_request(self) -> dict:
-        """`RolloutServer`'s warm-up: one rollout call's shape (the first rollout.prompts_per_call train prompts x
-        sample.group_size, the first step's sampling and seeds), run once and discarded as each engine starts."""
+        """`RolloutServer`'s warm-up: one rollout call's shape (the first sample.prompts_per_call train prompts x
+        sample.group_size, the first step's sampling and seeds), run once and discarded as each engine starts. It
+        samples `WARMUP_STEPS` steps (the SDE window the first), not the run's: the model's calls have the same
+        shapes at every step, so a short one warms what the first rollout would compile."""
         s = self.cfg.sample
+        short = dataclasses.replace(self.cfg, sample=dataclasses.replace(
+            s, num_steps=min(s.num_steps, WARMUP_STEPS), window_size=1, window_range=(0, 1)))
         items = self.prompts[:s.prompts_per_call]
         request = {"prompts": [it.prompt for it in items], "n": s.group_size,
-                   "sampling": registry.rollout_sampling(sampling(self.cfg), self.cfg, 0),
+                   "sampling": registry.rollout_sampling(sampling(short), short, 0),
                    "seeds": [int(x) for x in sample_seeds(self.cfg.seed, 0, len(items) * s.group_size)]}
         references = self.references(items)
         return request if references is None else {**request, "references": references}

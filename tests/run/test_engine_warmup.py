@@ -96,7 +96,10 @@ def test_the_warm_up_request_is_one_rollout_call_of_the_first_step(tmp_path, mon
         driver.close()
     assert launched[0].get("warmup") == (request if warmup else None)  # the plan decides; the engines get it
     assert request["prompts"] == [it.prompt for it in items[:2]] and request["n"] == s.group_size
-    assert request["sampling"] == driver_lib.registry.rollout_sampling(driver_lib.sampling(cfg), cfg, 0)
+    full = driver_lib.registry.rollout_sampling(driver_lib.sampling(cfg), cfg, 0)
+    assert request["sampling"] == {**full, "num_inference_steps": driver_lib.WARMUP_STEPS, "sde_window_size": 1,
+                                   "sde_window_range": (0, 1)}  # the call's shapes, the fewest steps with a window
+    assert full["num_inference_steps"] > driver_lib.WARMUP_STEPS
     assert request["seeds"] == [int(x) for x in driver_lib.sample_seeds(cfg.seed, 0, 2 * s.group_size)]
     assert "references" not in request and all(type(x) is int for x in request["seeds"])
     assert len(set(request["seeds"])) == len(request["seeds"]) and np.ndim(request["seeds"]) == 1
