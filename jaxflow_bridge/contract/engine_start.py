@@ -37,8 +37,8 @@ class EngineStart:
 
     def summary(self) -> str:
         """"imports 9 s, engine 47 s, checks 3 s" (", warm-up 40 s" where one ran)."""
-        parts = {"imports": self.imports, "engine": self.engine, "checks": self.checks, "warm-up": self.warmup}
-        return ", ".join(f"{name} {sec:.0f} s" for name, sec in parts.items() if name != "warm-up" or sec)
+        return ", ".join(f"{name.replace('warmup', 'warm-up')} {sec:.0f} s" for name, sec in self.to_dict().items()
+                         if sec or name != "warmup")
 
 
 def slowest_start(infos: Iterable[dict]) -> EngineStart | None:
