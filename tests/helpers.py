@@ -197,18 +197,12 @@ def cli_run_raising(tmp_path, imports: str, raised: str) -> subprocess.Completed
 
 
 def random_train_batch(learner, seed: int = 0) -> TrainBatch:
-    """A random TrainBatch in the shapes the `learner`'s step is compiled for (`memory.abstract_batch`): latents,
+    """A random TrainBatch in the shapes the `learner`'s step is compiled for (`Learner.batch_shapes`): latents,
     embeds and log-probs drawn from `seed`, the schedule 1 -> 0, each row's window inside it, masks right-padded."""
     from jaxflow.config import derived
-    from jaxflow.trainer import memory
 
     cfg = learner.cfg
-    config = derived.train_config(cfg, learner.grid, learner.plan.num_micro_batches)
-    text, negative_text = derived.text_tokens(cfg)
-    shapes, _ = memory.abstract_batch(
-        batch=cfg.sample.prompts_per_step * cfg.sample.group_size, window=cfg.sample.window_size,
-        num_steps=cfg.sample.num_steps, seq=learner.grid[0] * learner.grid[1], text=text, negative_text=negative_text,
-        embed_dtype=np.float32, guided=config.guided, recompute=False, **learner.family.batch_shape(learner.model))
+    shapes, _ = learner.batch_shapes(derived.train_config(cfg, learner.grid, learner.plan.num_micro_batches))
     r = np.random.default_rng(seed)
     b, w, n = shapes["advantages"].shape[0], cfg.sample.window_size, cfg.sample.num_steps
     out = {}

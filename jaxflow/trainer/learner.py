@@ -146,16 +146,20 @@ class Learner:
         self.compile_times += step.compile_times
         return plans, memory.device_bytes(step.frozen)
 
-    def _compile(self, step) -> list:
-        """Compile `step` for the run's batch shapes; its functions' `memory.StepMemory`."""
-        cfg, tc = self.cfg, step.config
+    def batch_shapes(self, tc) -> tuple[dict, dict | None]:
+        """The run's train batch as the step with TrainConfig `tc` takes it, and its old-log-prob pass's output
+        (`memory.abstract_batch`): ShapeDtypeStructs, per sample."""
+        cfg = self.cfg
         text, negative_text = derived.text_tokens(cfg)
-        batch, old = memory.abstract_batch(
+        return memory.abstract_batch(
             batch=cfg.sample.prompts_per_step * cfg.sample.group_size, window=cfg.sample.window_size,
             num_steps=cfg.sample.num_steps, seq=self.grid[0] * self.grid[1], text=text, negative_text=negative_text,
             embed_dtype=derived.embed_dtype(cfg), guided=tc.guided, recompute=tc.recompute_pass,
             means=tc.policy.ratio.old_means, nft=not tc.policy.loss.log_probs, **self.family.batch_shape(self.model))
-        return [memory.StepMemory.of(name, c) for name, c in step.compile(batch, old).items()]
+
+    def _compile(self, step) -> list:
+        """Compile `step` for the run's batch shapes; its functions' `memory.StepMemory`."""
+        return [memory.StepMemory.of(name, c) for name, c in step.compile(*self.batch_shapes(step.config)).items()]
 
     def micro_batch_size(self, num_micro_batches: int | None = None) -> int:
         """Samples in one micro-batch on one device (the plan's, or with `num_micro_batches` an update)."""
