@@ -200,20 +200,32 @@ class QwenImageTransformer(nnx.Module):
         partitioned. The frozen weights should be whole on each device (replicated), as the default rules hold them."""
         self.row_split = (mesh, tuple(axes))
 
-    def unstack_blocks(self) -> None:
+    def unstack_blocks(self, through_host: bool = False) -> None:
         """Hold each frozen block weight as one array per block instead of a (num_layers, ...) stack (the LoRA stays
         stacked), for unrolled blocks: a block then reads its weights in place, where a static slice of a stack is a
         copy (docs/design.md §2). One stack at a time is replaced by its pieces (peak memory: one stack more); each
         piece keeps the stack's sharding of its other axes; a stack is cut in one program (`_unstack`: one compile per
-        stack shape, where each piece's eager slice compiled two). Only the unrolled blocks run on such a model."""
+        stack shape, where each piece's eager slice compiled two). Only the unrolled blocks run on such a model.
+        `through_host`: the stacks are copied to the host and freed, all of them, before the pieces go back (a
+        running model's, `unroll`): the pieces then fill the stacks' place together, where one stack at a time
+        leaves holes between them that a large buffer of the train step no longer fits in."""
         if not self.unrolled:
             raise ValueError(f"unstack_blocks needs unrolled blocks: model.scan_unroll={self.opts.scan_unroll} < "
                              f"{self.cfg.num_layers} blocks; set model.scan_unroll >= {self.cfg.num_layers}")
-        for _, var in _frozen_variables(self.blocks):
-            stack = var.get_value()
-            if not isinstance(stack, tuple):
-                sharding = _piece_sharding(stack.sharding)
-                var.set_value(tuple(jax.device_put(piece, sharding) for piece in _unstack(stack)))
+        stacks = [(var, var.get_value()) for _, var in _frozen_variables(self.blocks)
+                  if not isinstance(var.get_value(), tuple)]
+        if through_host:  # each way one transfer call for all the arrays, which JAX runs concurrently
+            shardings = [_piece_sharding(stack.sharding) for _, stack in stacks for _ in range(stack.shape[0])]
+            hosts = jax.device_get([stack for _, stack in stacks])
+            for _, stack in stacks:
+                stack.delete()
+            pieces = [host[i] for host in hosts for i in range(host.shape[0])]
+            placed = iter(jax.device_put(pieces, shardings))
+            for (var, stack), host in zip(stacks, hosts):
+                var.set_value(tuple(next(placed) for _ in range(host.shape[0])))
+            return
+        for var, stack in stacks:
+            var.set_value(tuple(jax.device_put(piece, _piece_sharding(stack.sharding)) for piece in _unstack(stack)))
 
     def abstract_unrolled(self, opts: ModelOptions) -> QwenImageTransformer:
         """This model as it runs `opts` (unrolled blocks) after `unroll`, abstract: every array a ShapeDtypeStruct
@@ -236,7 +248,7 @@ class QwenImageTransformer(nnx.Module):
         keeps its stacks."""
         self._check_unrolled(opts)
         self.opts = opts
-        self.unstack_blocks()
+        self.unstack_blocks(through_host=True)
 
     def _check_unrolled(self, opts: ModelOptions) -> None:
         if opts.scan_unroll < self.cfg.num_layers:

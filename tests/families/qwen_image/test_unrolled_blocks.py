@@ -192,6 +192,30 @@ def test_each_stack_is_cut_in_one_program():
             np.testing.assert_array_equal(np.asarray(piece), stack[i])
 
 
+def test_a_running_model_unrolls_through_the_host_its_stacks_freed_first():
+    """`unroll` (model.unroll_upgrade's swap) copies every stack to the host and frees them all before the pieces
+    go back, so that the pieces fill the stacks' place together: each stack is deleted, the pieces are its rows
+    and carry its sharding less the stack's axis, and the model keeps its fingerprint and its LoRA stacks."""
+    from jaxflow.families.qwen_image.loading import fingerprint
+    model = _lora_model(1)
+    stacks = {p: v.get_value() for p, v in nnx.iter_graph(model.blocks)
+              if isinstance(v, nnx.Variable) and not isinstance(v, LoRAParam)}
+    rows = {p: np.asarray(stack) for p, stack in stacks.items()}
+    lora = jax.tree.map(np.asarray, nnx.state(model, LoRAParam))
+    before = fingerprint(model)
+    model.unroll(dataclasses.replace(model.opts, scan_unroll=2))
+    assert model.unrolled and model.blocks_unstacked
+    pieces = {p: v.get_value() for p, v in nnx.iter_graph(model.blocks) if p in stacks}
+    for p, stack in stacks.items():
+        assert stack.is_deleted(), p
+        assert len(pieces[p]) == 2 and all(piece.sharding.is_equivalent_to(stack.sharding, piece.ndim)
+                                           for piece in pieces[p]), p
+        for i, piece in enumerate(pieces[p]):
+            np.testing.assert_array_equal(np.asarray(piece), rows[p][i], err_msg=str(p))
+    assert fingerprint(model) == before
+    jax.tree.map(np.testing.assert_array_equal, lora, jax.tree.map(np.asarray, nnx.state(model, LoRAParam)))
+
+
 @pytest.mark.parametrize("unroll", [1, 2])
 def test_the_fingerprint_is_the_folder_s_and_reads_every_head_in_one_program(tiny_path, unroll):
     """Stacked (a scan) or per block, the trainer's fingerprint of the tiny folder's weights is the one the rollout
