@@ -9,8 +9,8 @@ Runs the recipe's training rollout (jaxflow_bench.rollout.TRAIN_SETTINGS: true C
 --steps shrink it) on the model (default the recipe's random full-size folder, written if missing; `tiny`: the cached
 tiny model) with random weights drawn from --seed: one warm-up call, then --calls calls of --prompts prompts x --n
 images under torch.profiler (CUDA kernels on a GPU, CPU ops on the CPU), and the same calls without CFG; with
---lora-rank a random adapter of that rank on the recipe's 12 targets is bound first (served as --lora-apply, the
-engine's default without it), and --quantization fp8 runs vLLM-Omni's DiT in FP8 (its LoRA as layers, which it
+--lora-rank a random adapter of that rank on the recipe's 12 targets is bound first, through a shared-memory file as
+the trainer's sync sends it (served as --lora-apply, the engine's default without it), and --quantization fp8 runs vLLM-Omni's DiT in FP8 (its LoRA as layers, which it
 needs). Such a variant's file is named for it: rollout_profile_fp8_lora64.json for `--quantization fp8 --lora-rank
 64`. The profiler
 runs where the pipeline does (jaxflow_bridge/rollout/profiling.py): in this process for --engine diffusers (the
@@ -38,6 +38,7 @@ from pathlib import Path
 
 from jaxflow_bench.results import write_result
 from jaxflow_bench.rollout import PROMPTS, TARGETS, TRAIN_SETTINGS, random_adapter
+from jaxflow_bridge.contract.lora_shm import SharedAdapterFile
 from jaxflow_bridge.rollout.profiling import PHASES, PipelineProfiler
 
 # kernel / op names to categories, first match wins (FlashAttention, cuDNN and PyTorch's SDPA kernels; cuBLAS(Lt),
@@ -184,9 +185,13 @@ def main(argv=None) -> int:
         return 2
     if args.lora_rank:
         folder = families.module(families.DEFAULT, "diffusers_pipeline").tiny_folder() if model == "tiny" else model
-        adapter = random_adapter(Path(folder), args.lora_rank, args.seed)
-        ack = engine.update_lora(adapter, 1, {"r": args.lora_rank, "lora_alpha": 2 * args.lora_rank,
-                                              "target_modules": list(TARGETS)})
+        shared = SharedAdapterFile(config["dtype"])
+        manifest = shared.write_arrays(random_adapter(Path(folder), args.lora_rank, args.seed))
+        try:
+            ack = engine.update_lora_shared(manifest, 1, {"r": args.lora_rank, "lora_alpha": 2 * args.lora_rank,
+                                                          "target_modules": list(TARGETS)})
+        finally:
+            shared.close()
         print(f"a random rank-{args.lora_rank} adapter bound to {ack['bound_modules']} modules", flush=True)
     window = (0, max(1, min(TRAIN_SETTINGS["sde_window_range"][1], args.steps - 1)))
     sampling = {**TRAIN_SETTINGS, "height": args.size, "width": args.size, "num_inference_steps": args.steps,
