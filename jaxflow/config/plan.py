@@ -90,14 +90,15 @@ UNROLL_UPGRADES = ("off", "auto", "on")
 def unroll_upgrade(mode: str, planned: ModelOptions, num_layers: int, *, auto_unroll: bool, processes: int,
                    family: str, upgrades: bool, shared: bool = False) -> tuple[bool, str]:
     """model.unroll_upgrade as it runs: whether the run starts on the blocks in a scan with XLA's linears and swaps
-    to the `planned` program (its unrolled blocks) once that compiled beside the first steps, and why ("" for "off").
+    to the `planned` program (its unrolled blocks) once that compiled beside the first steps, and why ("" for "off",
+    and for "auto" where the planned blocks scan).
     "auto" upgrades where the plan unrolled the blocks for the fused kernel (`auto_unroll`: model.scan_unroll=0 with
     model.lora_gemm='auto', resolved "pallas" on a long run), "on" wherever the planned blocks are unrolled; a
     family whose model cannot swap (`Family.upgrades`), a run of several processes (all would have to swap at the
     same step) and an engine serving the trainer's own weights (`shared`, rollout.share_weights: it would keep the
     stacks alive beside the unstacked blocks) keep the planned program."""
-    if mode == "off":
-        return False, ""
+    if mode == "off" or (mode == "auto" and planned.scan_unroll < num_layers):  # nothing to say: the default's
+        return False, ""  # short runs and scanned configs
     if planned.scan_unroll < num_layers:
         return False, (f"{mode}: the planned blocks run in a scan (model.scan_unroll={planned.scan_unroll}): nothing "
                        f"to swap to")

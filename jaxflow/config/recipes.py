@@ -43,8 +43,8 @@ HELP: dict[str, str] = {
                               "default, high, highest",
     "model.lora_gemm": "adapted linears: 'xla', 'pallas' (fused Hopper GEMM: bf16, H100/H200s) or 'auto' (logged "
                        "at start)",
-    "model.unroll_upgrade": "'off'; 'auto': long runs planned unrolled+pallas start scanned, swap once compiled; "
-                            "'on': any unrolled",
+    "model.unroll_upgrade": "'auto': long runs planned unrolled+pallas start scanned, swap once compiled; 'on': any "
+                            "unrolled; 'off'",
     "model.init": "base weights: 'checkpoint' (from model.path) or 'random' (drawn from seed; "
                   "jaxflow_bridge/contract/random_weights.py)",
     "lora.rank": "LoRA rank, an int >= 1",
@@ -216,8 +216,9 @@ def base() -> ml_collections.ConfigDict:
                    lora_gemm="auto",
                    init="checkpoint",
                    # "auto": a long run planned with unrolled blocks and the fused kernel starts on the scanned program
-                   # and swaps to the unrolled one once it compiled beside the first steps (jaxflow/config/plan.py)
-                   unroll_upgrade="off")
+                   # and swaps to the unrolled one once it compiled beside the first steps (jaxflow/config/plan.py;
+                   # its first step in about half the time, BENCHMARKS.md "Start-up")
+                   unroll_upgrade="auto")
     c.lora = dict(rank=64, alpha=128.0, targets=list(families.module(FAMILY, "keymap").DEFAULT_LORA_TARGETS))
     # num_servers: an int or "auto" (one engine per trainer GPU where colocated; the field's type is object)
     c.rollout = dict(engine="vllm_omni", dtype="bfloat16", device="cuda",

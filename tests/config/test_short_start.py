@@ -110,8 +110,10 @@ def test_the_plan_stage_scans_a_short_run(monkeypatch, tmp_path):
     assert (short.model.lora_gemm, short.model.scan_unroll) == ("xla", 1)
     assert short.lora_gemm_why.startswith("auto: a short run")
     monkeypatch.setattr(machine, "local_gpus", lambda: (H100, 1))  # no row measured on this card
-    unrolled = plan()
+    unrolled = plan()  # started in a scan, the unrolled blocks swapped in later (model.unroll_upgrade='auto')
+    assert unrolled.upgrade.model.lora_gemm == "pallas" and unrolled.upgrade.model.scan_unroll > 1
+    unrolled = plan(unroll_upgrade="off")
     assert unrolled.model.lora_gemm == "pallas" and unrolled.model.scan_unroll > 1
     monkeypatch.setattr(machine, "local_gpus", lambda: (H200, 1))
-    pinned = plan(lora_gemm="pallas")
+    pinned = plan(lora_gemm="pallas", unroll_upgrade="off")
     assert pinned.model.lora_gemm == "pallas" and pinned.model.scan_unroll > 1
