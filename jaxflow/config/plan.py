@@ -51,12 +51,15 @@ def merged_lora(cfg) -> bool:
     return lora_apply(cfg) == "merged"
 
 
-def warm_up(cfg) -> bool:
+def warm_up(cfg, start: ModelOptions, num_layers: int) -> bool:
     """Whether each rollout engine runs one request of a rollout call's shape as it starts (`Driver.warmup_request`):
-    where it loads in a process of its own, beside the trainer's model and compile (not rollout.layout='in_process',
-    which would wait for it), and does not serve the LoRA as layers (swapped in at the first sync, they would redo
-    the compile it warms)."""
-    return cfg.rollout.layout != "in_process" and lora_apply(cfg) != "layers"
+    where it loads in a process of its own (not rollout.layout='in_process', which would wait for it) while the
+    trainer starts on unrolled blocks (`start`, the plan's starting program: minutes of compile cold, tens of seconds
+    of loading warm, which hide the warm-up; beside a scan's seconds it would only move the first rollout's compile
+    from step 1 into the start-up), and does not serve the LoRA as layers (swapped in at the first sync, they would
+    redo the compile it warms)."""
+    return (cfg.rollout.layout != "in_process" and lora_apply(cfg) != "layers"
+            and start.scan_unroll >= num_layers)
 
 
 def lora_gemm(cfg, num_layers: int, devices: int, on_hopper: bool, micro_batch: int,
@@ -259,7 +262,8 @@ def make_plan(cfg: RunConfig, folder: Path, *, backend: str, devices: int, batch
     return RunPlan(backend=backend, devices=devices, batch_devices=batch_devices, micro_batch=micro,
                    num_micro_batches=count, micro_batch_why=count_why,
                    layout=cfg.rollout.layout, engines=engines(cfg, backend, devices),
-                   lora_apply=lora_apply(cfg), quantization=cfg.rollout.quantization, warmup=warm_up(cfg),
+                   lora_apply=lora_apply(cfg), quantization=cfg.rollout.quantization,
+                   warmup=warm_up(cfg, model, num_layers),
                    lora_gemm_why=why,
                    model=model, xla_options=MappingProxyType(with_start_options(derived.xla_options(cfg, gemm))),
                    upgrade=upgrade, upgrade_why=upgrade_why)

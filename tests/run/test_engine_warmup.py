@@ -8,6 +8,7 @@ import pytest
 
 from jaxflow.config import plan as plan_lib
 from jaxflow.config import validation
+from jaxflow.nn.config import ModelOptions
 from jaxflow.run import driver as driver_lib
 from jaxflow.run.data import GroupSampler, load_prompts
 from jaxflow_bridge.contract.engine_start import EngineStart
@@ -73,7 +74,10 @@ def test_the_plan_warms_up_engines_that_load_apart_and_merge(tmp_path, engine, l
     cfg = tiny_config(tmp_path)
     cfg.rollout.engine, cfg.rollout.layout, cfg.rollout.lora_apply = engine, layout, lora_apply
     cfg.rollout.quantization = quantization
-    assert plan_lib.warm_up(cfg) is expected
+    unrolled, scanned = ModelOptions(scan_unroll=60), ModelOptions(scan_unroll=1)
+    assert plan_lib.warm_up(cfg, unrolled, 60) is expected
+    # beside a trainer that starts on a scan (seconds of compile) nothing would hide it
+    assert plan_lib.warm_up(cfg, scanned, 60) is False
 
 
 @pytest.mark.parametrize("warmup", [True, False])
