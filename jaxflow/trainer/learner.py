@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import jax
@@ -269,7 +270,9 @@ class Learner:
         if _layout(self.state) != _layout(new.abstract_state()):  # the LoRA, optimizer, EMA and old policy
             raise RuntimeError("upgrade: the unrolled step's train state differs from the running one's")
         self._step = None  # its frozen stacks go as the model unstacks them
+        began = time.monotonic()
         self.family.unroll(self.model, self.plan.upgrade.model)
+        unstacked = time.monotonic() - began
         _split_rows(self.model, self.layout)
         _, _, frozen = nnx.split(self.model, LoRAParam, ...)
         if jax.tree.structure(frozen) != jax.tree.structure(new.frozen):
@@ -277,8 +280,9 @@ class Learner:
         new.frozen = frozen
         self._step, self.upgraded = new, True
         self.upgrade_compile_times = new.compile_times
-        log.warning("upgrade: unrolled blocks compiled in %.0f s beside %s; step %d on (%s)", built.seconds,
-                 built.steps(), step, compile_times.summary(new.compile_times))
+        log.warning("upgrade: unrolled blocks compiled in %.0f s beside %s; step %d on, the weights unstacked in "
+                    "%.1f s (%s)", built.seconds, built.steps(), step, unstacked,
+                    compile_times.summary(new.compile_times))
 
     def train(self, batch: TrainBatch | None, version: int | None = None, behavior: int | None = None) -> dict:
         """One train step on process 0's `batch` (None on the other processes) from policy `version` to the next;

@@ -49,7 +49,8 @@ def test_the_swap_trains_as_a_run_unrolled_from_the_start(tmp_path, caplog):
     assert [r["upgraded"] for r in rows] == [0, 1, 1]
     assert upgraded.model.opts.scan_unroll == 100 and upgraded.model.blocks_unstacked
     swaps = [r.message for r in caplog.records if r.message.startswith("upgrade:")]
-    assert len(swaps) == 1 and " s beside step 1; step 2 on (trace " in swaps[0], swaps
+    assert len(swaps) == 1 and " s beside step 1; step 2 on, the weights unstacked in " in swaps[0], swaps
+    assert " s (trace " in swaps[0], swaps
     # the background compile is counted apart: the start-up's compiles are the scanned step's alone
     assert [t.name for t in upgraded.compile_times] == [t.name for t in upgraded.upgrade_compile_times] == ["update"]
     assert upgraded.compile_times[0] is not upgraded.upgrade_compile_times[0]
