@@ -1,6 +1,7 @@
 """The engines' warm-up request: the plan asks for it where an engine loads in a process of its own and does not serve
-the LoRA as layers (`plan.warm_up`); the driver makes it one rollout call's shape (`Driver.warmup_request`); the
-server runs it once, before any other call, and reports its seconds in its start (`RolloutServer`, `EngineStart`)."""
+the LoRA as layers, beside a trainer that starts on unrolled blocks (`plan.warm_up`); the driver makes it one rollout
+call's shape (`Driver.warmup_request`); the server runs it once, before any other call, and reports its seconds in its
+start (`RolloutServer`, `EngineStart`)."""
 from types import SimpleNamespace
 
 import numpy as np
