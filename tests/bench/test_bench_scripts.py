@@ -49,6 +49,7 @@ def test_the_result_files_module_imports_neither_framework():
     assert out.strip() == "[]"
 
 
+@pytest.mark.slow
 def test_attention_bench_writes_its_result_file(tmp_path):
     subprocess.run([sys.executable, "scripts/bench_attention.py", "--tiny", "--out", str(tmp_path)], cwd=ROOT,
                    check=True, capture_output=True, timeout=HANG_S)
@@ -67,6 +68,7 @@ def test_pallas_gemm_bench_writes_its_result_file(tmp_path):
     assert all(v > 0 for v in figures.values())
 
 
+@pytest.mark.slow
 def test_lora_gemm_bench_writes_its_result_file(tmp_path):
     run = subprocess.run([sys.executable, "scripts/bench_lora_gemm.py", "--tiny", "--out", str(tmp_path)], cwd=ROOT,
                          check=True, capture_output=True, text=True, timeout=HANG_S)
@@ -204,6 +206,7 @@ def test_scaling_figures_pick_the_better_layout_by_images_per_second_over_one_gp
         scaling_figures(one, {})
 
 
+@pytest.mark.slow
 def test_node_bench_refuses_a_micro_batch_that_does_not_divide_an_update(tmp_path):
     """jaxflow_bench.e2e's node layout before it starts anything: one line and exit 2 without nvidia-smi, and where
     --micro x the node's GPUs (a stand-in nvidia-smi listing 3) does not divide an update of the recipe (256 samples)."""
@@ -234,6 +237,7 @@ def test_mini_ocr_eval_samples_as_the_configs_eval():
     assert eval_sampling(4, 1.0) == dataclasses.replace(eval_sampling(), num_inference_steps=4, true_cfg_scale=1.0)
 
 
+@pytest.mark.slow
 def test_split_layout_bench_refuses_other_than_two_gpus(tmp_path):
     """jaxflow_bench.e2e's split layout takes its two GPUs from CUDA_VISIBLE_DEVICES (the actor the first, the trainer the
     second): anything but two ids is refused in one line, before a Ray head starts."""
@@ -279,6 +283,7 @@ def test_every_result_file_has_the_record_keys_and_every_one_named_exists():
     assert named and not [name for name in named if not (results / name).exists()]
 
 
+@pytest.mark.slow
 def test_e2e_runner_sets_up_a_cpu_run_of_a_recipe_and_refuses_what_cannot_run(tmp_path):
     """jaxflow_bench.e2e --device cpu: the trainer gets jaxflow.train's CPU overrides and JAX the CPU, no memory is
     watched, and the recipe's micro-batch (16 samples for configs/tiny_ocr.py) is cut to an update's (2 prompts x 4 =

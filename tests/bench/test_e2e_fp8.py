@@ -51,6 +51,7 @@ def test_summary_of_a_run_writes_the_fp8_figures(tmp_path):
     assert figures["rejected_share"] == pytest.approx(0.2)
 
 
+@pytest.mark.slow
 def test_e2e_fp8_sets_the_rollout_quantization_and_names_its_result(tmp_path):
     args, _ = parser().parse_known_args([str(tmp_path / "out"), "--quantization", "fp8"])
     cmd, _, _, _ = setup(args, dict(os.environ))
@@ -77,6 +78,7 @@ def test_the_result_command_names_the_quantization(tmp_path):
     assert "--quantization" not in described(plain, [], {})
 
 
+@pytest.mark.slow
 def test_e2e_pins_the_long_runs_unrolled_blocks(tmp_path):
     """A benchmark's few steps would get the plan's short-run start (blocks in a scan, jaxflow/config/planner.py
     short_start): the recipe's e2e run pins the unrolled blocks of its long run, which BAGEL (XLA's linears, its

@@ -3,6 +3,7 @@ layout, and the benchmark runs end to end, in every dtype, writing its figures."
 import json
 import math
 
+import pytest
 import torch
 from transformers import CLIPModel
 
@@ -21,6 +22,7 @@ def test_hps_checkpoint_has_open_clips_keys_and_loads_back_exactly():
     assert set(back) == set(state) and all(torch.equal(back[k], state[k]) for k in state)
 
 
+@pytest.mark.slow
 def test_tiny_run_scores_in_every_dtype_and_writes_its_figures(tmp_path):
     rp.main(["--size", "tiny", "--device", "cpu", "--pairs", "2", "--out", str(tmp_path)])
     written = json.loads((tmp_path / "reward_precision.json").read_text())

@@ -41,6 +41,7 @@ def test_a_bad_value_is_one_line_naming_auto(tmp_path, value, line):
     assert str(e.value) == line
 
 
+@pytest.mark.slow
 def test_auto_on_the_cpu_is_the_whole_mini_batch_and_the_learner_takes_it(tmp_path):
     """The plan stage resolves it once; the learner's step and the micro-batch it reports are the plan's, and the
     CPU (no memory statistics) keeps it."""

@@ -87,6 +87,7 @@ def test_the_sampling_rules_are_the_engines(tmp_path, key, value, line):
     assert str(e.value) == line
 
 
+@pytest.mark.slow
 def test_the_command_line_validates_once_and_the_trainer_takes_the_result(tmp_path):
     """The command line's preflight validates; the trainer it builds receives that RunConfig, and nothing in the
     process validates again (a stand-in trainer: the count is the whole process's)."""

@@ -82,6 +82,7 @@ print(xla_bridge.backends_are_initialized(), os.environ.get("XLA_PYTHON_CLIENT_M
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", [["configs/tiny_ocr.py"], ["configs/qwen_edit_ocr.py", "tiny"]])
 def test_sizing_a_random_transformer_does_not_start_jax_before_its_memory_share_is_set(tmp_path, config):
     """The plan stage sizes a folder without transformer weights from an abstract model; building it must not ask

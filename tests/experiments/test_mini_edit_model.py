@@ -34,6 +34,7 @@ def write_encoded(data: Path) -> None:
              neg_embeds=rng.normal(size=(N, L, width)).astype(np.float32), neg_mask=np.roll(mask, 1, 0))
 
 
+@pytest.mark.slow
 def test_the_edit_feed_conditions_the_loss_on_sources_and_each_rows_negative(tmp_path):
     write_encoded(tmp_path)
     feed = EditFeed(tmp_path)

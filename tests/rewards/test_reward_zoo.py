@@ -106,6 +106,7 @@ def test_reward_models_are_imported_only_when_used():
     assert out.stdout.split() == ["False", "False"], out.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_the_trainer_stops_with_one_line_when_a_reward_checkpoint_is_incomplete(tmp_path):
     args = [sys.executable, "-m", "jaxflow.train", "--config", str(ROOT / "configs" / "tiny_ocr.py"),
             f"--config.run_dir={tmp_path / 'run'}", "--config.rollout.layout=in_process",

@@ -74,6 +74,7 @@ def forked(tmp_path_factory):
     return {tuple(args): SimpleNamespace(**run) for args, run in zip(cases, runs)}, root, output
 
 
+@pytest.mark.slow
 def test_a_forked_command_line_is_what_a_fresh_process_writes(forked):
     """The forked runs stand for fresh processes: the same exit status and output, and the process they are forked
     from writes nothing while it imports jaxflow.train."""
@@ -202,6 +203,7 @@ def test_broken_config_file_is_one_line_naming_it(forked, case):
     assert lines[0] == "error: --config: " + needle.format(path=path)
 
 
+@pytest.mark.slow
 def test_unwritable_jaxflow_cache_is_one_line_naming_it(tmp_path):
     """The tiny model's cache cannot be made (JAXFLOW_CACHE under a regular file: refused also to root): one line
     naming the variable and the path, exit 2."""

@@ -168,6 +168,7 @@ def test_a_quantized_engine_is_named_with_the_setting_to_try():
     assert message.endswith("; try --config.rollout.quantization=none or check the engine's log")
 
 
+@pytest.mark.slow
 def test_the_command_line_prints_one_line_and_exits_1(tmp_path):
     imports = "from jaxflow.trainer.divergence import rollout_not_finite"
     out = cli_run_raising(tmp_path, imports, "rollout_not_finite(1, {'log_probs': 8}, 8, 'vllm_omni', 'fp8', "

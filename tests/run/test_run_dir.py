@@ -30,6 +30,7 @@ def cli(*args):
     return out, time.time() - t
 
 
+@pytest.mark.slow
 def test_second_run_in_a_used_run_dir_is_refused_before_any_work(tmp_path):
     cfg = tiny_config(tmp_path)
     fake_run(tmp_path, cfg)
@@ -69,6 +70,7 @@ def test_resume_refuses_a_config_that_changes_the_training(tmp_path):
     assert run_dir_lib.check_resume(changed, allow_config_changes=True) is None
 
 
+@pytest.mark.slow
 def test_resume_of_a_finished_run_says_so_and_exits_0_at_once(tmp_path):
     cfg = tiny_config(tmp_path, num_steps=5)
     fake_run(tmp_path, cfg, steps=(5,))
@@ -144,6 +146,7 @@ def test_resumed_metrics_hold_one_row_per_step(tmp_path):
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.slow
 def test_an_unwritable_run_dir_is_refused_before_any_work(tmp_path):
     """A run_dir that cannot be written (here under a regular file, which stops root too): one line naming it,
     exit 2, before any model or Ray; the probe of a writable run_dir leaves nothing behind."""

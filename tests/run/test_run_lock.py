@@ -83,6 +83,7 @@ def test_overwrite_never_deletes_a_run_dir_another_run_holds(tmp_path):
         proc.communicate("", timeout=HANG_S)
 
 
+@pytest.mark.slow
 def test_the_command_line_refuses_a_second_run_with_one_line_and_exit_2(tmp_path):
     proc = holder(tmp_path)
     try:

@@ -98,6 +98,7 @@ def test_an_interrupt_swallowed_by_a_gc_callback_comes_back_in_ordinary_code():
     assert out.returncode == 130 and out.stderr == "error: interrupted (test)\n", out.stderr
 
 
+@pytest.mark.slow
 def test_an_interrupt_a_library_turns_into_another_error_still_exits_130(tmp_path):
     """JAX's make_mesh runs int() under a bare `except:`: a signal landing there became its ValueError and the run
     ended with a traceback, exit 1 (seen once in CI). An error raised after the start-up handler raised its interrupt

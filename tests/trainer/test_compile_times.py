@@ -32,6 +32,7 @@ def _abstract(batch, config):
     return {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in prepare_batch(batch, config).items()}
 
 
+@pytest.mark.slow
 def test_the_update_and_the_old_log_prob_pass_compile_at_once(lora_model, batch, monkeypatch):
     """Both of XLA's compiles wait at one barrier: it opens only when both are in flight together (compiled one
     after the other, the first would wait there alone); the step then runs them."""

@@ -64,6 +64,7 @@ def _key(step, batch, config=PLAIN):
                                                          jax.ShapeDtypeStruct((), np.int32)))
 
 
+@pytest.mark.slow
 def test_a_step_made_anew_loads_its_update_without_tracing(lora_model, batch, cache):
     lowered = []
 

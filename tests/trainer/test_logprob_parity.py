@@ -137,6 +137,7 @@ def test_bagel_fp32_recompute_matches_the_bagel_torch_rollout(parity, tmp_path, 
     assert report["args"]["engine"] == "bagel_torch" and report["args"]["height"] == 64
 
 
+@pytest.mark.slow
 def test_bagel_think_mode_recompute_matches_the_bagel_torch_rollout(parity, tmp_path):
     """Think mode (at most 24 think tokens): the trainer rebuilds each context, think tokens included, from the
     carried prompt_ids, within the same float32 threshold as without think."""

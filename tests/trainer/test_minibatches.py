@@ -110,6 +110,7 @@ def test_two_mini_batches_recompute(lora_model, monkeypatch):
     assert int(state.step) == 4 and traces == {"update": 1, "old": 1}, traces
 
 
+@pytest.mark.slow
 def test_the_pass_leaves_out_the_first_update_rows_only_in_one_epoch(lora_model):
     """With one inner epoch the recompute pass computes mini-batch 1.. rows only (the first update is on-policy);
     those rows equal the full pass's (two epochs: every row), the first mini-batch's rows are left at 0."""

@@ -6,6 +6,7 @@ import logging
 
 import jax
 import numpy as np
+import pytest
 
 from jaxflow.config import validation
 from jaxflow.trainer import learner as learner_lib
@@ -39,6 +40,7 @@ def _train(learner, steps: int, wait_after: int | None = None) -> list[dict]:
     return rows
 
 
+@pytest.mark.slow
 def test_the_swap_trains_as_a_run_unrolled_from_the_start(tmp_path, caplog):
     upgraded = _learner(tmp_path, "on")
     assert upgraded.plan.upgrade is not None and upgraded.model.opts.scan_unroll == 1

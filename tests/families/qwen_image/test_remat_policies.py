@@ -55,7 +55,7 @@ def test_a_model_with_save_matmuls_stats_is_refused_when_built_off_cudnn():
         QwenImageTransformer(cfg, ModelOptions(remat="save_matmuls_stats"), rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("remat", ["full", "save_matmuls"])
+@pytest.mark.parametrize("remat", [pytest.param("full", marks=pytest.mark.slow), "save_matmuls"])
 def test_remat_leaves_the_gradient_unchanged(remat):
     from flax import nnx
 
