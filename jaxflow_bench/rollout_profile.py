@@ -10,9 +10,9 @@ Runs the recipe's training rollout (jaxflow_bench.rollout.TRAIN_SETTINGS: true C
 tiny model) with random weights drawn from --seed: one warm-up call, then --calls calls of --prompts prompts x --n
 images under torch.profiler (CUDA kernels on a GPU, CPU ops on the CPU), and the same calls without CFG; with
 --lora-rank a random adapter of that rank on the recipe's 12 targets is bound first, through a shared-memory file as
-the trainer's sync sends it (served as --lora-apply, the engine's default without it), and --quantization fp8 runs vLLM-Omni's DiT in FP8 (its LoRA as layers, which it
-needs). Such a variant's file is named for it: rollout_profile_fp8_lora64.json for `--quantization fp8 --lora-rank
-64`. The profiler
+the trainer's sync sends it (served as --lora-apply, the engine's default without it), and --quantization fp8 runs
+vLLM-Omni's DiT in FP8 (its LoRA as layers, which it needs). Such a variant's file is named for it:
+rollout_profile_fp8_lora64.json for `--quantization fp8 --lora-rank 64`. The profiler
 runs where the pipeline does (jaxflow_bridge/rollout/profiling.py): in this process for --engine diffusers (the
 default), in the diffusion workers for --engine vllm_omni (a GPU only; the engine's `profile_start` /
 `profile_stop`, its first worker's table). Writes OUT/rollout_profile.json (`result_name`), seconds per image:

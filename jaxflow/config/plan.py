@@ -100,8 +100,8 @@ def unroll_upgrade(mode: str, planned: ModelOptions, num_layers: int, *, auto_un
     family whose model cannot swap (`Family.upgrades`), a run of several processes (all would have to swap at the
     same step) and an engine serving the trainer's own weights (`shared`, rollout.share_weights: it would keep the
     stacks alive beside the unstacked blocks) keep the planned program."""
-    if mode == "off" or (mode == "auto" and planned.scan_unroll < num_layers):  # nothing to say: the default's
-        return False, ""  # short runs and scanned configs
+    if mode == "off" or (mode == "auto" and planned.scan_unroll < num_layers):  # the default says nothing where
+        return False, ""  # the blocks scan (short runs, scanned configs)
     if planned.scan_unroll < num_layers:
         return False, (f"{mode}: the planned blocks run in a scan (model.scan_unroll={planned.scan_unroll}): nothing "
                        f"to swap to")

@@ -212,17 +212,15 @@ class QwenImageTransformer(nnx.Module):
         if not self.unrolled:
             raise ValueError(f"unstack_blocks needs unrolled blocks: model.scan_unroll={self.opts.scan_unroll} < "
                              f"{self.cfg.num_layers} blocks; set model.scan_unroll >= {self.cfg.num_layers}")
-        stacks = [(var, var.get_value()) for _, var in _frozen_variables(self.blocks)
-                  if not isinstance(var.get_value(), tuple)]
-        if through_host:  # each way one transfer call for all the arrays, which JAX runs concurrently
-            shardings = [_piece_sharding(stack.sharding) for _, stack in stacks for _ in range(stack.shape[0])]
+        values = [(var, var.get_value()) for _, var in _frozen_variables(self.blocks)]
+        stacks = [(var, value) for var, value in values if not isinstance(value, tuple)]
+        if through_host:  # one transfer call each way for all the arrays, which JAX runs concurrently
+            shardings = [[_piece_sharding(stack.sharding)] * stack.shape[0] for _, stack in stacks]
             hosts = jax.device_get([stack for _, stack in stacks])
             for _, stack in stacks:
                 stack.delete()
-            pieces = [host[i] for host in hosts for i in range(host.shape[0])]
-            placed = iter(jax.device_put(pieces, shardings))
-            for (var, stack), host in zip(stacks, hosts):
-                var.set_value(tuple(next(placed) for _ in range(host.shape[0])))
+            for (var, _), pieces in zip(stacks, jax.device_put([list(host) for host in hosts], shardings)):
+                var.set_value(tuple(pieces))
             return
         for var, stack in stacks:
             var.set_value(tuple(jax.device_put(piece, _piece_sharding(stack.sharding)) for piece in _unstack(stack)))
