@@ -55,7 +55,8 @@ class SharedAdapterFile:
         """Write PEFT arrays (any float dtype, cast to the file's) lora_A first, as the trainer lays the file out;
         the manifest."""
         keys = sorted(tensors, key=lambda k: ("lora_B" in k, k))
-        flat = np.concatenate([np.asarray(tensors[k]).astype(dtype_of(self.dtype)).reshape(-1) for k in keys])
+        flat = np.concatenate([np.zeros(0, dtype_of(self.dtype))] +
+                              [np.asarray(tensors[k]).astype(dtype_of(self.dtype)).reshape(-1) for k in keys])
         return self.write(flat, [(k, np.shape(tensors[k])) for k in keys])
 
     def payload(self, entries: list) -> np.ndarray:

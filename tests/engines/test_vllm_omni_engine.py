@@ -361,3 +361,29 @@ def test_the_traced_request_writes_a_profile_and_the_same_trajectory(tiny_path, 
         second = codec.unpack_trajectories(ours.forward(request), "a red fox jumping", 0)
     assert len(list((tmp_path / "trace").glob("rollout-*-2-*s.json"))) == 1
     assert_batches_equal(first, second)
+
+
+def test_update_lora_sends_arrays_through_the_engines_own_shared_file(tmp_path, monkeypatch):
+    """Arrays given to `update_lora` reach the workers as a manifest of a shared file in the engine's LoRA folder,
+    in their own dtype and bit for bit, never as arrays in vLLM-Omni's RPC (a full-size adapter stalled it)."""
+    import ml_dtypes
+
+    from jaxflow_bridge.contract.lora_shm import read_arrays
+    from jaxflow_bridge.engines.vllm_omni.engine import VllmOmniEngine
+
+    engine = VllmOmniEngine.__new__(VllmOmniEngine)
+    engine._lora_dir, engine._lora_file, engine._lora_config = tmp_path, None, None
+    served = []
+    monkeypatch.setattr(engine, "serve_lora", lambda payload: served.append(payload) or {"version": payload.version})
+    tensors = random_peft()
+    config = {"r": RANK, "lora_alpha": 2 * RANK}
+    for version, cast in ((1, np.float32), (2, ml_dtypes.bfloat16), (3, np.float32)):
+        arrays = {k: v.astype(cast) for k, v in tensors.items()}
+        assert engine.update_lora(arrays, version, config)["version"] == version
+        payload = served[-1]
+        assert payload.tensors is None and payload.shared["dtype"] == np.dtype(cast).name
+        assert payload.shared["path"].startswith(str(tmp_path))
+        got = read_arrays(payload.shared)
+        assert sorted(got) == sorted(arrays)
+        for k, v in arrays.items():
+            assert got[k].dtype == v.dtype and np.array_equal(got[k].view(np.uint8), v.view(np.uint8)), k

@@ -58,7 +58,7 @@ from jaxflow_bridge.contract.lora import (adapter_spec, lora_module, lora_pairs,
                                          write_peft)
 from jaxflow_bridge.contract.engine_start import EngineStart
 from jaxflow_bridge.contract.lora_payload import LoRAPayload
-from jaxflow_bridge.contract.lora_shm import open_payload
+from jaxflow_bridge.contract.lora_shm import SharedAdapterFile, open_payload
 from jaxflow_bridge.contract.schedule import sample_windows
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.rollout.engine import RolloutEngine, policy_version
@@ -114,6 +114,7 @@ class VllmOmniEngine(RolloutEngine):
             self.fingerprint = self.kind.fingerprint()
         self.policy_version, self.asleep = 0, False
         self._lora, self._lora_config, self._lora_bound, self._lora_ids = None, None, 0, 0
+        self._lora_file = None  # `update_lora`'s arrays as a shared file in _lora_dir
         self._lora_dir = Path(tempfile.mkdtemp(prefix="jaxflow-lora-", dir=LORA_ROOT))
         weakref.finalize(self, shutil.rmtree, self._lora_dir, True)  # shared memory: free it with the engine
         self._loop = asyncio.new_event_loop()
@@ -235,13 +236,19 @@ class VllmOmniEngine(RolloutEngine):
     # -------------------------------------------------------------------------------------- LoRA
 
     def update_lora(self, tensors, version: int, adapter_config: dict | None = None) -> dict:
-        """Serve a PEFT adapter (dict of arrays, or a path on this host) as policy `version` (`serve_lora`)."""
+        """Serve a PEFT adapter (dict of arrays, or a path on this host) as policy `version` (`serve_lora`). The
+        arrays reach the workers through this engine's own shared-memory file, in their own dtype: sent through
+        vLLM-Omni's RPC, a full-size adapter (GBs) stalls it."""
         policy_version(version)
         if isinstance(tensors, (str, Path)):
             tensors, file_config = read_peft(tensors)
             adapter_config = adapter_config or file_config
         tensors = {k: v if isinstance(v, np.ndarray) else torch_to_numpy(v) for k, v in tensors.items()}
-        return self.serve_lora(LoRAPayload(int(version), dict(adapter_config or self._lora_config or {}), tensors))
+        dtypes = {v.dtype for v in tensors.values()}
+        dtype = dtypes.pop().name if len(dtypes) == 1 else "float32"
+        if self._lora_file is None or self._lora_file.dtype != dtype:
+            self._lora_file = SharedAdapterFile(dtype, root=self._lora_dir)
+        return self.update_lora_shared(self._lora_file.write_arrays(tensors), version, adapter_config)
 
     def update_lora_shared(self, manifest: dict, version: int, adapter_config: dict | None = None) -> dict:
         """Serve the adapter in a shared-memory file on this host (jaxflow_bridge/contract/lora_shm.py; the workers
