@@ -57,12 +57,13 @@ def train_dynamics(rows: list[dict]) -> dict:
     return figures
 
 
-def run_of(pipeline: Path, suffix: str) -> dict | None:
-    """One arm's run on one pipeline: before, after, rise, rise_se, steps, minutes; None where it has no eval there."""
+def run_of(pipeline: Path, suffix: str, before_name: str | None = None) -> dict | None:
+    """One arm's run on one pipeline: before, after, rise, rise_se, steps, minutes; None where it has no eval there.
+    It rises from eval/`before_name`.json (default: the arm's `BEFORE`, else before.json)."""
     after = pipeline / "eval" / f"after{suffix}.json"
     if not after.exists():
         return None
-    before_name = BEFORE.get(suffix, "before")
+    before_name = before_name or BEFORE.get(suffix, "before")
     before, after = (json.loads(p.read_text()) for p in (pipeline / "eval" / f"{before_name}.json", after))
     if before["n"] != after["n"]:
         raise ValueError(f"{pipeline}: before has {before['n']} prompts and after{suffix} {after['n']}")

@@ -1,30 +1,42 @@
-"""The FlowGRPO knob sweep of the mini OCR proof: named variants of configs/mini_ocr.py's FlowGRPO arm, and the
+"""The knob sweep of the mini OCR proof: named variants of configs/mini_ocr.py's FlowGRPO and NFT arms, and the
 collector of their runs into OUT/mini_ocr_sweep.json.
 
     python -m experiments.mini_ocr.sweep args NAME          # the variant's --config overrides, one line
+    python -m experiments.mini_ocr.sweep arm NAME           # the arm it varies (ARM of run.sh; empty: FlowGRPO)
     python -m experiments.mini_ocr.sweep collect --out OUT --pipelines P0 [P1 ...]
 
-experiments/mini_ocr/sweep.sh runs each variant NAME on each pipeline as `experiments/mini_ocr/run.sh` with
+experiments/mini_ocr/sweep.sh runs each variant NAME on each pipeline as `experiments/mini_ocr/run.sh` with its ARM and
 RUN=sweep_NAME (eval/after_sweep_NAME.json, rl_sweep_NAME/, the "rl_sweep_NAME N s" line of timings.txt). Figures
 per variant, as experiments.mini_ocr.algorithms's per arm: `NAME/rise`, `NAME/rise_se`, `NAME/steps`, ... and
-`NAME/rise_vs_baseline` (the mean paired difference with the baseline, the arm unchanged, on the same pipelines)
-with `NAME/rise_vs_baseline_se`.
+`NAME/rise_vs_REFERENCE` (the mean paired difference with its arm as configured on the same pipelines: `baseline`
+for FlowGRPO's variants, `nft` for NFT's) with `NAME/rise_vs_REFERENCE_se`.
 
-The question: which knob holds FlowGRPO's rise below DiffusionNFT's and AWM's on the same pipelines (BENCHMARKS.md,
-"Mini OCR: the algorithm arms"; the answers so far: "Mini OCR: FlowGRPO's knobs"). configs/mini_ocr.py is flow_grpo's
-SD3 OCR recipe (lr 3e-4, clip 1e-4, 9 of 10 steps trained, noise 0.7) with beta 0, group 12, CFG 4.
+The questions: which knob holds FlowGRPO's rise below DiffusionNFT's and AWM's on the same pipelines (BENCHMARKS.md,
+"Mini OCR: the algorithm arms"; the answers so far: "Mini OCR: FlowGRPO's knobs"), and what holds NFT's train reward
+at about 0.90 from the step its old policy's decay reaches its cap (docs/mini_ocr.md). configs/mini_ocr.py is
+flow_grpo's SD3 OCR recipe (lr 3e-4, clip 1e-4, 9 of 10 steps trained, noise 0.7) with beta 0, group 12, CFG 4.
 """
 from __future__ import annotations
 
 import argparse
 import json
 from pathlib import Path
+from typing import NamedTuple
 
-from experiments.mini_ocr.algorithms import run_of, summarize
+from experiments.mini_ocr.algorithms import BEFORE, run_of, summarize
 from jaxflow_bench.results import write_result
 
-# name: (overrides of configs/mini_ocr.py's FlowGRPO arm, why this variant)
-VARIANTS = {
+
+class Variant(NamedTuple):
+    settings: dict  # overrides of the arm's config, by dotted key
+    why: str
+    arm: str = ""  # configs/mini_ocr.py's arm it varies ("": FlowGRPO)
+
+
+# each arm's variant that leaves it as configured: the reference its other variants are paired with
+REFERENCE = {"": "baseline", "nft": "nft"}
+# name: Variant(overrides of the arm's config, why this variant[, arm])
+VARIANTS = {name: Variant(*v) for name, v in {
     "baseline": ({}, "the arm as configured, run beside the variants on the same pipelines: the pairing's reference"),
     "lr2x": ({"train.learning_rate": 6e-4}, "50-60 steps in 7 minutes: is the step size what is short?"),
     "lr4x": ({"train.learning_rate": 1.2e-3}, "the same, further; where the gain stops (or the run breaks)"),
@@ -45,7 +57,14 @@ VARIANTS = {
                                             "~1e-4); NFT and AWM, which rose more, clip at 1.0 or not at all"),
     "clip1e3_lr4x": ({"train.clip_range": 1e-3, "train.learning_rate": 1.2e-3},
                      "a wider clip with the larger step that can use it: lr alone moved the rise by under 1 se"),
-}
+    "nft": ({}, "the NFT arm as configured (its old policy's decay 0 for 75 updates, then +0.0075 an update up to "
+                "0.999, DiffusionNFT's OCR recipe): its variants' pairing reference", "nft"),
+    "nft_decay1": ({"train.nft.decay_flat": 0, "train.nft.decay_rate": 0.001, "train.nft.decay_max": 0.5},
+                   "DiffusionNFT's decay type 1: the old policy (the rollouts') keeps following the LoRA; at 0.999 "
+                   "from update 208 on it all but stops, where the train reward stops rising", "nft"),
+    "nft_decay0": ({"train.nft.decay_max": 0.0}, "decay type 0: the old policy is the LoRA after every step "
+                                                 "(on-policy rollouts)", "nft"),
+}.items()}
 # the first sweep: 8 runs a pipeline, so two pipelines fill a 4-GPU host's 8 slots (PER_GPU=2) once
 FIRST = ("baseline", "lr2x", "lr4x", "clip1e3", "kl", "window5", "group8", "noise1")
 
@@ -57,12 +76,17 @@ def cli_value(value) -> str:
 
 def overrides(name: str) -> list[str]:
     """The variant's --config.KEY=VALUE arguments."""
-    return [f"--config.{key}={cli_value(value)}" for key, value in VARIANTS[name][0].items()]
+    return [f"--config.{key}={cli_value(value)}" for key, value in VARIANTS[name].settings.items()]
 
 
 def collect(pipelines: list[Path]) -> dict:
-    runs = {name: {p.name: r for p in pipelines if (r := run_of(p, f"_sweep_{name}"))} for name in VARIANTS}
-    figures = summarize(runs, "baseline")
+    """Every variant's figures, each arm's paired with its `REFERENCE` on the same pipelines."""
+    figures = {}
+    for arm, reference in REFERENCE.items():
+        before = BEFORE.get(f"_{arm}")
+        runs = {name: {p.name: r for p in pipelines if (r := run_of(p, f"_sweep_{name}", before))}
+                for name, v in VARIANTS.items() if v.arm == arm}
+        figures.update(summarize(runs, reference))
     if not figures:
         raise ValueError(f"no eval/after_sweep_*.json in {[str(p) for p in pipelines]}: "
                          "run experiments/mini_ocr/sweep.sh first")
@@ -73,18 +97,19 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("args", help="print a variant's --config overrides").add_argument("name")
+    sub.add_parser("arm", help="print the arm a variant varies (empty: FlowGRPO)").add_argument("name")
     c = sub.add_parser("collect", help="write OUT/mini_ocr_sweep.json")
     c.add_argument("--out", type=Path, required=True, help="folder for the result file")
     c.add_argument("--pipelines", type=Path, nargs="+", required=True, help="experiments/mini_ocr/run.sh OUT folders")
     a = p.parse_args(argv)
-    if a.command == "args":
+    if a.command in ("args", "arm"):
         if a.name not in VARIANTS:
             p.error(f"unknown sweep variant {a.name!r}; choose from {' '.join(VARIANTS)}")
-        print(" ".join(overrides(a.name)))
+        print(" ".join(overrides(a.name)) if a.command == "args" else VARIANTS[a.name].arm)
         return
     figures = collect(a.pipelines)
-    extra = dict(variants={name: dict(overrides=overrides(name), why=why) for name, (_, why) in VARIANTS.items()
-                           if f"{name}/rise" in figures})
+    extra = dict(variants={name: dict(overrides=overrides(name), why=v.why, arm=v.arm or "flowgrpo")
+                           for name, v in VARIANTS.items() if f"{name}/rise" in figures})
     path = write_result(a.out, "mini_ocr_sweep", figures, extra=extra)
     print(json.dumps(figures, indent=1), "->", path)
 

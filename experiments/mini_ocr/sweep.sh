@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The FlowGRPO knob sweep of the mini OCR proof on one host's GPUs: each variant of experiments/mini_ocr/sweep.py
-# (configs/mini_ocr.py's FlowGRPO arm with a few --config overrides) on each pipeline, as experiments/mini_ocr/arms.sh
-# runs the arms (the same pipelines, built first where missing), then OUT/mini_ocr_sweep.json (each variant's rise and
-# its paired difference with the baseline's).
+# The knob sweep of the mini OCR proof on one host's GPUs: each variant of experiments/mini_ocr/sweep.py
+# (configs/mini_ocr.py's FlowGRPO or NFT arm with a few --config overrides) on each pipeline, as
+# experiments/mini_ocr/arms.sh runs the arms (the same pipelines, built first where missing; NFT's CFG-free "before"
+# eval once a pipeline), then OUT/mini_ocr_sweep.json (each variant's rise and its paired difference with its arm as
+# configured: baseline, or nft).
 #
 #   [GPUS=4] [PIPELINES=2] [PER_GPU=2] [VARIANTS="baseline lr2x ..."] [MINUTES=7] bash experiments/mini_ocr/sweep.sh OUT
 #   SMOKE=1 GPUS=1 PER_GPU=2 PIPELINES=1 VARIANTS="baseline lr2x" bash experiments/mini_ocr/sweep.sh /tmp/sweep  # CPU
+#   VARIANTS="nft nft_decay1 nft_decay0" MINUTES=9.5 bash experiments/mini_ocr/sweep.sh OUT  # NFT's old-policy decay
 #
 # VARIANTS: names of experiments/mini_ocr/sweep.py's VARIANTS (default its FIRST sweep, baseline and 7 variants);
 # GPUS, PER_GPU, PIPELINES, MINUTES: experiments/mini_ocr/jobs.sh; other experiments/mini_ocr/run.sh knobs (SMOKE,
@@ -15,20 +17,33 @@ set -euo pipefail
 OUT=${1:?usage: [GPUS=N] [PIPELINES=N] [PER_GPU=N] [VARIANTS="..."] [MINUTES=M] bash experiments/mini_ocr/sweep.sh OUT}
 cd "$(dirname "$0")/../.."
 VARIANTS=${VARIANTS:-$(python -c "from experiments.mini_ocr.sweep import FIRST; print(*FIRST)")}
-declare -A ARGS
-for name in $VARIANTS; do ARGS[$name]=$(python -m experiments.mini_ocr.sweep args "$name") || exit 2; done
+declare -A ARGS ARM_OF
+for name in $VARIANTS; do
+  ARGS[$name]=$(python -m experiments.mini_ocr.sweep args "$name") || exit 2
+  ARM_OF[$name]=$(python -m experiments.mini_ocr.sweep arm "$name")
+done
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 source experiments/mini_ocr/jobs.sh
 
 run() {  # run GPU PIPELINE VARIANT: the variant's RL run and its eval after
-  CUDA_VISIBLE_DEVICES=$1 ONLY="rl eval_after" ARM="" RUN="sweep_$3" \
+  CUDA_VISIBLE_DEVICES=$1 ONLY="rl eval_after" ARM="${ARM_OF[$3]}" RUN="sweep_$3" \
     RL_ARGS="--config.train.max_minutes=$MINUTES ${RL_ARGS:-} ${ARGS[$3]}" bash experiments/mini_ocr/run.sh \
     "$OUT/$2" > "$OUT/${2}_sweep_$3.log" 2>&1
 }
 
 : > "$OUT/status"
+nft_before() {  # nft_before GPU PIPELINE: the pipeline's CFG-free "before" eval (eval/before_nft.json), once
+  CUDA_VISIBLE_DEVICES=$1 ONLY="eval_before" ARM=nft bash experiments/mini_ocr/run.sh "$OUT/$2" \
+    > "$OUT/${2}_nft_before.log" 2>&1
+}
+
 build_pipelines
+if [[ " ${ARM_OF[*]} " == *" nft "* ]]; then
+  befores=()
+  for p in "${pipelines[@]}"; do [[ -f "$OUT/$p/eval/before_nft.json" ]] || befores+=("nft_before $p"); done
+  [[ ${#befores[@]} == 0 ]] || queue "$GPUS" "${befores[@]}"
+fi
 todo=()
 for p in "${pipelines[@]}"; do for name in $VARIANTS; do todo+=("$p $name"); done; done
 run_all "${todo[@]}"

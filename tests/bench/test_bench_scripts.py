@@ -1,6 +1,7 @@
 """Benchmark scripts' code paths at toy size on the CPU (their figures come from GPU runs, BENCHMARKS.md), and the
 scripts' layout: command lines over the jaxflow_bench package, none importing another."""
 import dataclasses
+import functools
 import json
 import re
 import subprocess
@@ -156,10 +157,15 @@ def test_the_mini_ocr_sweep_collects_each_variant_paired_with_the_baseline_and_e
     from experiments.mini_ocr import sweep
     from jaxflow.config import validation
     fake_mini_ocr_run(tmp_path / "p0", 0.5, {"_sweep_baseline": (0.6, 50, 420), "_sweep_lr2x": (0.75, 52, 420),
-                                             "_guard": (0.9, 50, 420)})
+                                             "_guard": (0.9, 50, 420), "_sweep_nft": (0.9, 90, 570),
+                                             "_sweep_nft_decay1": (0.95, 90, 570)})
     fake_mini_ocr_run(tmp_path / "p1", 0.4, {"_sweep_baseline": (0.45, 50, 420), "_sweep_lr2x": (0.6, 48, 420),
                                              "_sweep_kl": (0.5, 49, 420)})
     figures = sweep.collect([tmp_path / "p0", tmp_path / "p1"])
+    # NFT's variants: from the CFG-free "before" (0.4 on p0), paired with the NFT arm as configured
+    assert figures["nft_decay1/rise"] == pytest.approx(0.55) and figures["nft/before"] == pytest.approx(0.4)
+    assert figures["nft_decay1/rise_vs_nft"] == pytest.approx(0.05) and figures["nft_decay1/pipelines"] == 1
+    assert not any(k.startswith("nft") and k.endswith("rise_vs_baseline") for k in figures)
     assert figures["lr2x/rise"] == pytest.approx(0.225) and figures["baseline/rise"] == pytest.approx(0.075)
     assert figures["lr2x/rise_vs_baseline"] == pytest.approx(0.15) and figures["lr2x/steps"] == 50
     assert figures["lr2x/rise_vs_baseline_se"] == pytest.approx((2 * 2 * 0.04 ** 2) ** 0.5 / 2)
@@ -181,15 +187,17 @@ def test_the_mini_ocr_sweep_collects_each_variant_paired_with_the_baseline_and_e
     assert set(sweep.FIRST) <= set(sweep.VARIANTS) and sweep.FIRST[0] == "baseline"
     assert sweep.overrides("window5") == ["--config.sample.window_size=5"]
     module = validation.config_module(ROOT / "configs" / "mini_ocr.py")
-    for name, (settings, why) in sweep.VARIANTS.items():
-        cfg = module.get_config()
+    assert set(sweep.REFERENCE.values()) <= set(sweep.VARIANTS)
+    for name, (settings, why, arm) in sweep.VARIANTS.items():
+        cfg = module.get_config(arm)
         cfg.model.path = "tiny"
         for key, value in settings.items():
-            section, field = key.split(".")
-            assert cfg[section][field] != value, (name, key)  # a variant changes what it names
-            cfg[section][field] = value
+            *path, field = key.split(".")
+            section = functools.reduce(lambda c, k: c[k], path, cfg)
+            assert section[field] != value, (name, key)  # a variant changes what it names
+            section[field] = value
         validation.validate(cfg)
-        assert why
+        assert why and not (settings and sweep.REFERENCE[arm] == name)
 
 
 def test_scaling_figures_pick_the_better_layout_by_images_per_second_over_one_gpus():

@@ -1,7 +1,7 @@
 """`SMOKE=1 bash experiments/mini_ocr/run.sh OUT`: every step of the mini OCR proof at toy size on the CPU (about
 2 minutes on 2 cores), from the rendered data to OUT/mini_ocr.json with the figures the proof reports; then
 `experiments/mini_ocr/arms.sh` training two algorithm arms on that pipeline at once (two "GPUs" of CPU), and
-`experiments/mini_ocr/sweep.sh` two FlowGRPO variants side by side on one "GPU" (PER_GPU=2)."""
+`experiments/mini_ocr/sweep.sh` two FlowGRPO and two NFT variants, two at a time on one "GPU" (PER_GPU=2)."""
 import json
 import os
 import subprocess
@@ -68,21 +68,34 @@ def test_the_arms_launcher_trains_each_arm_on_the_built_pipeline_and_collects_th
 
 
 @pytest.mark.slow
-def test_the_sweep_runs_its_variants_side_by_side_with_their_overrides_and_pairs_them_with_the_baseline(built):
+def test_the_sweep_runs_its_variants_side_by_side_with_their_overrides_and_pairs_them_with_their_arm(built):
     out, first = built
     assert first.returncode == 0, first.stderr[-3000:]
-    done = script("sweep.sh", out, GPUS="1", PER_GPU="2", PIPELINES="1", VARIANTS="baseline lr2x", RL_STEPS="1")
+    (out / "p0" / "eval" / "before_nft.json").unlink(missing_ok=True)  # the arms test's, where it ran first
+    done = script("sweep.sh", out, GPUS="1", PER_GPU="2", PIPELINES="1", VARIANTS="baseline lr2x nft nft_decay0",
+                  RL_STEPS="1")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     status = (out / "status").read_text().splitlines()
-    assert sorted(line.split()[:4] for line in status) == [["run", "p0", "baseline", "gpu=0"],
-                                                           ["run", "p0", "lr2x", "gpu=0"]]
+    assert [line.split()[:3] for line in status if line.startswith("nft_before ")] == [["nft_before", "p0", "gpu=0"]]
+    assert sorted(line.split()[:4] for line in status if line.startswith("run ")) == [
+        ["run", "p0", name, "gpu=0"] for name in ("baseline", "lr2x", "nft", "nft_decay0")]
     result = json.loads((out / "mini_ocr_sweep.json").read_text())
     figures = result["figures"]
     assert figures["baseline/pipelines"] == figures["lr2x/pipelines"] == 1 and figures["lr2x/steps"] == 1
     assert figures["lr2x/rise_vs_baseline"] == pytest.approx(figures["lr2x/rise"] - figures["baseline/rise"], abs=2e-6)
     assert result["variants"]["lr2x"]["overrides"] == ["--config.train.learning_rate=0.0006"]
+    # NFT's variants rise from its CFG-free "before" and pair with the NFT arm as configured, not FlowGRPO's
+    before_nft = json.loads((out / "p0" / "eval" / "before_nft.json").read_text())["mean"]
+    assert figures["nft/before"] == pytest.approx(before_nft) and result["variants"]["nft_decay0"]["arm"] == "nft"
+    assert figures["nft_decay0/rise_vs_nft"] == pytest.approx(figures["nft_decay0/rise"] - figures["nft/rise"],
+                                                              abs=2e-6)
+    assert "nft_decay0/rise_vs_baseline" not in figures and "nft/rise_vs_baseline" not in figures
     for name, lr in (("baseline", 3e-4), ("lr2x", 6e-4)):
         meta = json.loads((out / "p0" / f"rl_sweep_{name}" / "checkpoints" / "1" / "meta" / "metadata").read_text())
         assert json.loads(meta["config"])["train"]["learning_rate"] == pytest.approx(lr)
+    for name, cap in (("nft", 0.999), ("nft_decay0", 0.0)):
+        meta = json.loads((out / "p0" / f"rl_sweep_{name}" / "checkpoints" / "1" / "meta" / "metadata").read_text())
+        train = json.loads(meta["config"])["train"]
+        assert train["algorithm"] == "nft" and train["nft"]["decay_max"] == pytest.approx(cap), train.get("nft")
     bad = script("sweep.sh", out, VARIANTS="lr9x")
     assert bad.returncode == 2 and "unknown sweep variant 'lr9x'" in bad.stderr
