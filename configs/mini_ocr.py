@@ -24,14 +24,15 @@ from jaxflow.config.recipes import base, tiny
 DATA = Path(__file__).resolve().parents[1] / "data" / "mini_ocr"
 # the algorithm arms compared on this proof (experiments/mini_ocr/run.sh ARM=...): FlowGRPO as below (""), with
 # GRPO-Guard's ratio ("guard"), with rollout correction instead of the recompute pass ("corrected"), with the
-# zero-advantage filter ("dropzero": groups of equal rewards not trained), or DiffusionNFT ("nft": CFG-free,
+# zero-advantage filter ("dropzero": groups of equal rewards not trained), without CFG in its rollouts and evals
+# ("cfgfree": as NFT's policy, so its rise starts from the same CFG-free "before"), or DiffusionNFT ("nft": CFG-free,
 # deterministic rollouts, its OCR recipe's beta 0.1 and old-policy decay, eval without CFG too), MixGRPO ("mixgrpo":
 # a 2-step SDE window shared by the step's samples, sliding over the schedule every 10 steps), its Flash variant
 # ("mixgrpo_flash": DPM-Solver++(2M) after the window) or AWM ("awm": its OCR recipe's advantage-weighted matching,
 # KL 0.003, one update a step as there); and FlowGRPO with the rollout in vLLM-Omni, in a Ray actor on the trainer's
 # GPU, on the pipeline's bf16 copy (OUT/pipeline_bf16): its DiT in bf16 ("omni") or FP8 ("omni_fp8"; docs/mini_ocr.md,
 # "FP8 arm")
-ARMS = ("", "guard", "corrected", "dropzero", "nft", "mixgrpo", "mixgrpo_flash", "awm", "omni", "omni_fp8")
+ARMS = ("", "guard", "corrected", "dropzero", "cfgfree", "nft", "mixgrpo", "mixgrpo_flash", "awm", "omni", "omni_fp8")
 VARIANTS = tuple(f"{arm}{sep}{control}" for arm in ARMS for sep, control in (("", ""), ("_" if arm else "", "control")))
 
 
@@ -69,6 +70,8 @@ def get_config(variant: str = ""):
         c.train.old_log_prob = "rollout_corrected"
     elif arm == "dropzero":
         c.train.drop_zero_advantage = True
+    elif arm == "cfgfree":
+        c.sample.guidance = c.eval.guidance = 1.0
     elif arm == "nft":
         c.train.algorithm = "nft"
         # its rollout is deterministic: a group's images differ only by their initial noise

@@ -5,8 +5,8 @@ paired against FlowGRPO) and OUT/mini_ocr_fp8.json (the vLLM-Omni arms: omni_fp8
 
 Each pipeline folder is one experiments/mini_ocr/run.sh OUT (its eval/before.json, and per arm ARM that ran on it:
 eval/after_ARM.json, rl_ARM/checkpoints (or, in a copy without checkpoints, the last step of rl_ARM/metrics.jsonl),
-the "rl_ARM N s" line of timings.txt; FlowGRPO has no suffix; NFT, whose
-evals run without CFG, is measured from eval/before_nft.json, omni and omni_fp8 from eval/before_omni.json, the
+the "rl_ARM N s" line of timings.txt; FlowGRPO has no suffix; NFT and cfgfree, whose
+evals run without CFG, are measured from eval/before_nft.json, omni and omni_fp8 from eval/before_omni.json, the
 eval of the bf16 folder they train on). A result is written where any of its arms ran. Figures per arm:
 `ARM/before` and `ARM/after` (held-out OCR, means over the pipelines it ran on), `ARM/rise` (after - before),
 `ARM/rise_se` (its standard error: the pipelines' errors combined), `ARM/rise_min` (the lowest pipeline's),
@@ -30,11 +30,12 @@ from jaxflow_bench.cli import bench_parser
 from jaxflow_bench.results import write_result
 from jaxflow_bench.summary import metrics_rows
 
-ARMS = {"flowgrpo": "", "guard": "_guard", "corrected": "_corrected", "dropzero": "_dropzero", "nft": "_nft",
+ARMS = {"flowgrpo": "", "guard": "_guard", "corrected": "_corrected", "dropzero": "_dropzero", "cfgfree": "_cfgfree",
+        "nft": "_nft",
         "mixgrpo": "_mixgrpo", "mixgrpo_flash": "_mixgrpo_flash", "awm": "_awm", "omni": "_omni",
         "omni_fp8": "_omni_fp8"}
 # the eval an arm rises from where it is not the pipeline's eval/before.json (run.sh's BEFORE)
-BEFORE = {"_nft": "before_nft", "_omni": "before_omni", "_omni_fp8": "before_omni"}
+BEFORE = {"_cfgfree": "before_nft", "_nft": "before_nft", "_omni": "before_omni", "_omni_fp8": "before_omni"}
 # each result file: its arms and the arm they are paired against
 RESULTS = {"mini_ocr_algorithms": (tuple(a for a in ARMS if not a.startswith("omni")), "flowgrpo"),
            "mini_ocr_fp8": (("omni", "omni_fp8"), "omni")}

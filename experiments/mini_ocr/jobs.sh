@@ -5,7 +5,8 @@
 # PIPELINES (default GPUS) and MINUTES (each RL run's train.max_minutes, default 8.75). `build_pipelines` builds OUT/pN
 # (one a GPU, all at once; one with OUT/pN/eval/before.json is reused); `run_all JOB...` runs each JOB, "PIPELINE
 # NAME", on the next free slot (slot i on GPU i % GPUS) as `run GPU PIPELINE NAME` (the caller's function: one
-# run.sh command, its log OUT/PIPELINE_NAME.log). OUT/status gets a line per finished command.
+# run.sh command, its log OUT/PIPELINE_NAME.log); `cfg_free_befores` evaluates each pipeline without CFG once
+# (eval/before_nft.json, for the arms that train without it). OUT/status gets a line per finished command.
 GPUS=${GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l || true)}
 [[ "$GPUS" -ge 1 ]] || GPUS=1
 PER_GPU=${PER_GPU:-1}
@@ -52,6 +53,18 @@ build_pipelines() {
   local -a builds=()
   for p in "${pipelines[@]}"; do [[ -f "$OUT/$p/eval/before.json" ]] || builds+=("build $p"); done
   [[ ${#builds[@]} == 0 ]] || queue "$GPUS" "${builds[@]}"
+}
+
+nft_before() {  # nft_before GPU PIPELINE: the pipeline's CFG-free "before" eval (eval/before_nft.json)
+  CUDA_VISIBLE_DEVICES=$1 ONLY="eval_before" ARM=nft bash experiments/mini_ocr/run.sh "$OUT/$2" \
+    > "$OUT/${2}_nft_before.log" 2>&1
+}
+
+cfg_free_befores() {  # nft_before on each pipeline without one, one a GPU (the CFG-free arms rise from it)
+  local p
+  local -a todo=()
+  for p in "${pipelines[@]}"; do [[ -f "$OUT/$p/eval/before_nft.json" ]] || todo+=("nft_before $p"); done
+  [[ ${#todo[@]} == 0 ]] || queue "$GPUS" "${todo[@]}"
 }
 
 run_all() {  # run_all "PIPELINE NAME"...

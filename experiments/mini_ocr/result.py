@@ -6,7 +6,7 @@ Reads OUT/eval/{before,after,control,before_train,after_train}.json (experiments
 OUT/rl/metrics.jsonl and OUT/rl_control/metrics.jsonl (the two RL runs), OUT/data/ocr_clean.json and
 OUT/vae_report.json. With --arm ARM (experiments/mini_ocr/run.sh's ARM), the arm's names: eval/after_ARM.json,
 eval/control_ARM.json, eval/after_ARM_train.json, rl_ARM/, rl_ARM_control/, and the result mini_ocr_ARM.json
-(and for nft, whose evals run without CFG, eval/before_nft.json and eval/before_nft_train.json).
+(and for nft and cfgfree, whose evals run without CFG, eval/before_nft.json and eval/before_nft_train.json).
 Figures: ocr_before/_se, ocr_after/_se, ocr_control_after/_se, ocr_rise (after - before) and its standard error,
 ocr_train_before/after (the same on train words, which RL trains on), rl_steps, rl_minutes (the wall time of the
 RL command); the per-step reward curves and a prompt-by-prompt breakdown (`breakdown`) go in as extra fields.
@@ -19,6 +19,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
+from experiments.mini_ocr.algorithms import BEFORE
 from jaxflow_bench.cli import bench_parser
 from jaxflow_bench.results import write_result
 
@@ -84,7 +85,7 @@ def main(argv=None) -> None:
     p.add_argument("--arm", default="", help="the algorithm arm of experiments/mini_ocr/run.sh's ARM (names its files)")
     a = p.parse_args(argv)
     arm = f"_{a.arm}" if a.arm else ""
-    before = "before_nft" if a.arm == "nft" else "before"  # NFT evaluates without CFG (experiments/mini_ocr/run.sh)
+    before = BEFORE.get(arm, "before")  # NFT and cfgfree evaluate without CFG (experiments/mini_ocr/run.sh)
     names = dict(before=before, before_train=f"{before}_train", after=f"after{arm}", control=f"control{arm}",
                  after_train=f"after{arm}_train")
     ev = {k: json.loads((a.out / "eval" / f"{name}.json").read_text()) for k, name in names.items()}

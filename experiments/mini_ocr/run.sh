@@ -22,12 +22,12 @@
 # current step and this script exports that step's LoRA as lora_final), RL_RESUME=1 (continue such a run:
 # ONLY="rl rl_control" RL_RESUME=1 ...), and POOL (each trainer's JAX memory fraction of the GPU: 0.3 side by side,
 # 0.5 alone; lower it when more runs share the GPU). ARM (configs/mini_ocr.py's ARMS: "" FlowGRPO, guard, corrected,
-# dropzero, nft, mixgrpo, mixgrpo_flash, awm, omni, omni_fp8) picks the algorithm (omni: the rollout engine) of the RL
-# run and its control (and, for nft, evals without CFG); an arm's runs,
+# dropzero, cfgfree, nft, mixgrpo, mixgrpo_flash, awm, omni, omni_fp8) picks the algorithm (omni: the rollout engine)
+# of the RL run and its control (and, for cfgfree and nft, evals without CFG); an arm's runs,
 # evals, timings and result are named for it (OUT/rl_nft, OUT/eval/after_nft.json, mini_ocr_nft.json), so every arm can train on one
 # pipeline, at once on several GPUs:
 #   ONLY="rl eval_after" ARM=guard CUDA_VISIBLE_DEVICES=1 bash experiments/mini_ocr/run.sh OUT
-# (nft also needs its eval_before: without CFG, eval/before_nft.json; omni and omni_fp8 the bf16 folder and its
+# (cfgfree and nft also need their eval_before: without CFG, eval/before_nft.json; omni and omni_fp8 the bf16 folder and its
 # eval_before, eval/before_omni.json, once for both: ONLY="bf16 eval_before" ARM=omni). RUN names the run's files instead of ARM (a
 # variant of an arm set by RL_ARGS, as experiments/mini_ocr/sweep.sh runs them: ONLY="rl eval_after" RUN=sweep_lr2x).
 set -euo pipefail
@@ -65,8 +65,8 @@ else
 fi
 
 ARM=${ARM:-}
-BEFORE=before  # NFT's policy is CFG-free: its evals, the pipeline's "before" too, run without CFG (before_nft)
-[[ "$ARM" == nft ]] && EVAL+=(--guidance 1) && BEFORE=before_nft
+BEFORE=before  # NFT's and cfgfree's policies are CFG-free: their evals, the "before" too, run without CFG (before_nft)
+[[ "$ARM" == nft || "$ARM" == cfgfree ]] && EVAL+=(--guidance 1) && BEFORE=before_nft
 # the vLLM-Omni arms train on the folder's bf16 copy (step bf16): their evals, "before" too (before_omni), run on it
 PIPELINE=pipeline
 [[ "$ARM" == omni || "$ARM" == omni_fp8 ]] && PIPELINE=pipeline_bf16 && BEFORE=before_omni

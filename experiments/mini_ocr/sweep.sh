@@ -33,17 +33,8 @@ run() {  # run GPU PIPELINE VARIANT: the variant's RL run and its eval after
 }
 
 : > "$OUT/status"
-nft_before() {  # nft_before GPU PIPELINE: the pipeline's CFG-free "before" eval (eval/before_nft.json), once
-  CUDA_VISIBLE_DEVICES=$1 ONLY="eval_before" ARM=nft bash experiments/mini_ocr/run.sh "$OUT/$2" \
-    > "$OUT/${2}_nft_before.log" 2>&1
-}
-
 build_pipelines
-if [[ " ${ARM_OF[*]} " == *" nft "* ]]; then
-  befores=()
-  for p in "${pipelines[@]}"; do [[ -f "$OUT/$p/eval/before_nft.json" ]] || befores+=("nft_before $p"); done
-  [[ ${#befores[@]} == 0 ]] || queue "$GPUS" "${befores[@]}"
-fi
+[[ " ${ARM_OF[*]} " != *" nft "* ]] || cfg_free_befores
 todo=()
 for p in "${pipelines[@]}"; do for name in $VARIANTS; do todo+=("$p $name"); done; done
 run_all "${todo[@]}"

@@ -175,6 +175,7 @@ def test_the_mini_ocr_arms_validate_and_set_what_they_name():
         seen[variant] = (t.algorithm, t.ratio_norm, t.old_log_prob, cfg.sample.guidance, cfg.eval.guidance,
                          list(cfg.reward.fns), t.drop_zero_advantage, cfg.sample.solver)
     assert seen["nft"] == ("nft", "none", "recompute", 1.0, 1.0, ["ocr"], False, "euler")
+    assert seen["cfgfree"] == ("flowgrpo", "none", "recompute", 1.0, 1.0, ["ocr"], False, "euler")
     assert seen["nft_control"][-3] == ["ocr_shuffled"] and seen["guard"][1] == "guard"
     assert seen["corrected"][2] == "rollout_corrected" and seen[""] == ("flowgrpo", "none", "recompute", 4.0, 4.0,
                                                                         ["ocr"], False, "euler")

@@ -103,12 +103,14 @@ def fake_mini_ocr_run(pipeline: Path, before: float, after: dict[str, tuple[floa
 
 
 def test_mini_ocr_algorithms_collects_each_arm_over_its_pipelines(tmp_path):
-    fake_mini_ocr_run(tmp_path / "p0", 0.5, {"": (0.7, 100, 540), "_nft": (0.9, 60, 600), "_guard": (0.6, 90, 530)})
+    fake_mini_ocr_run(tmp_path / "p0", 0.5, {"": (0.7, 100, 540), "_nft": (0.9, 60, 600), "_guard": (0.6, 90, 530),
+                                             "_cfgfree": (0.55, 100, 540)})
     fake_mini_ocr_run(tmp_path / "p1", 0.4, {"": (0.5, 110, 480), "_nft": (0.8, 70, 480), "_dropzero": (0.55, 120, 480)})
     results = collect([tmp_path / "p0", tmp_path / "p1"])
     assert list(results) == ["mini_ocr_algorithms"]  # no omni arm ran: no mini_ocr_fp8
     figures = results["mini_ocr_algorithms"]
     assert figures["nft/rise"] == pytest.approx((0.5 + 0.5) / 2)  # from the CFG-free "before"
+    assert figures["cfgfree/before"] == pytest.approx(0.4) and figures["cfgfree/rise"] == pytest.approx(0.15)
     assert figures["nft/before"] == pytest.approx(0.35) and figures["nft/after"] == pytest.approx(0.85)
     assert figures["flowgrpo/before"] == pytest.approx(0.45)
     assert figures["nft/rise_min"] == pytest.approx(0.5) and figures["nft/pipelines"] == 2
