@@ -168,6 +168,7 @@ def test_bagel_think_with_a_token_missing_from_the_context_fails(parity, tmp_pat
     assert code == 1 and not report["passed"]
 
 
+@pytest.mark.slow
 def test_bagel_with_a_different_jax_adapter_fails(parity, tmp_path):
     code, report = _run(parity, tmp_path, "--model-family", "bagel", "--lora-rank", "4", "--jax-lora-seed", "1")
     assert code == 1 and not report["passed"]

@@ -102,6 +102,7 @@ def test_a_failed_compile_keeps_the_scanned_step(tmp_path, monkeypatch, caplog):
     assert "failed to compile (RuntimeError): XLA: resource exhausted while compiling;" in warning
 
 
+@pytest.mark.slow
 def test_a_step_that_does_not_fit_keeps_the_scanned_step(tmp_path, monkeypatch, caplog):
     """The CPU keeps no memory statistics: a pool of 1 MiB stands in, which the unrolled step cannot fit."""
     learner = _learner(tmp_path, "on")

@@ -45,6 +45,7 @@ def test_zero_b_is_the_base_model():
     assert np.array_equal(flax_velocity(lora, ids, mask, x, t), flax_velocity(base, ids, mask, x, t))
 
 
+@pytest.mark.slow
 def test_adapter_moves_generation_tokens_only():
     """A nonzero adapter changes every sample's velocity and leaves the context K/V (prefill: understanding expert
     only) bit-identical."""
