@@ -33,7 +33,7 @@ from jaxflow.nn.lora_gemm import on_hopper
 from jaxflow.trainer.sharding import Layout
 from jaxflow.trainer.train_batch import TrainBatch
 from jaxflow.trainer.train_step import make_train_step
-from jaxflow.trainer.unroll_upgrade import Background
+from jaxflow.trainer.unroll_upgrade import KEEPS_SCAN, Background
 
 log = logging.getLogger("jaxflow.train")
 
@@ -261,7 +261,8 @@ class Learner:
     def _swap(self, step: int) -> None:
         """The background build is done: from training step `step` (1-based) on, the unrolled step runs, the
         model's frozen block weights unstacked (the old step released first: one stack more at the peak); the
-        train state keeps its layout. A build that failed leaves the scanned step, with one warning."""
+        train state keeps its layout. A build that failed, or frozen weights that the host has no room to hold while
+        they are unstacked, leave the scanned step, with one warning."""
         built, self._upgrade = self._upgrade, None
         if built.error is not None:
             log.warning(built.problem())
@@ -269,6 +270,11 @@ class Learner:
         new = built.result
         if _layout(self.state) != _layout(new.abstract_state()):  # the LoRA, optimizer, EMA and old policy
             raise RuntimeError("upgrade: the unrolled step's train state differs from the running one's")
+        _, _, frozen = nnx.split(self.model, LoRAParam, ...)
+        short = memory.host_shortfall(sum(x.nbytes for x in jax.tree.leaves(frozen) if isinstance(x, jax.Array)))
+        if short is not None:  # checked before anything is freed: the scanned step keeps running on its weights
+            log.warning(f"upgrade: the swap holds the frozen weights on the host, {short}; {KEEPS_SCAN}")
+            return
         self._step = None  # its frozen stacks go as the model unstacks them
         began = time.monotonic()
         self.family.unroll(self.model, self.plan.upgrade.model)

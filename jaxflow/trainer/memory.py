@@ -63,6 +63,18 @@ def pool(device=None) -> tuple[int, int] | None:
     return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
 
 
+def host_available() -> int:
+    """Bytes of host memory available to a new allocation now (the OS's estimate, without swapping)."""
+    import psutil
+    return int(psutil.virtual_memory().available)
+
+
+def host_shortfall(nbytes: int) -> str | None:
+    """None where `nbytes` more fit in the host's available memory, else what is short: "X GiB, Y GiB available"."""
+    available = host_available()
+    return None if nbytes <= available else f"{nbytes / 2 ** 30:.1f} GiB, {available / 2 ** 30:.1f} GiB available"
+
+
 # XLA's pool on a GPU is floor(fraction x CUDA's total), CUDA's total at most nvidia-smi's, which the plan's card
 # holds floored to whole MiB: the planned pool exceeds fraction x the card's total by under one MiB. The margin is far
 # above that (a driver or XLA that counts a little differently must not stop every run) and far below the failure it

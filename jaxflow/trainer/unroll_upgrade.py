@@ -13,6 +13,9 @@ import threading
 import time
 from collections.abc import Callable
 
+# how every upgrade that does not happen ends its warning
+KEEPS_SCAN = "the run keeps the blocks in a scan (model.unroll_upgrade='off' starts there without trying)"
+
 
 class Background:
     """`build()` run once in a thread of its own, started at construction; `ready` once it returned or raised."""
@@ -51,5 +54,4 @@ class Background:
         what = ("does not fit JAX's pool" if isinstance(self.error, MemoryError)
                 else f"failed to compile ({type(self.error).__name__})")
         first = (str(self.error).splitlines() or [""])[0][:300]
-        return (f"upgrade: the unrolled blocks' step {what}: {first}; the run keeps the blocks in a scan "
-                f"(model.unroll_upgrade='off' starts there without trying)")
+        return f"upgrade: the unrolled blocks' step {what}: {first}; {KEEPS_SCAN}"

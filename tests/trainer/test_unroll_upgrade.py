@@ -112,3 +112,16 @@ def test_a_step_that_does_not_fit_keeps_the_scanned_step(tmp_path, monkeypatch, 
     monkeypatch.undo()
     warning = _kept_scanned(learner, caplog)
     assert "does not fit JAX's pool: train step memory per device (" in warning and "GiB short)" in warning
+
+
+@pytest.mark.slow
+def test_weights_the_host_has_no_room_for_keep_the_scanned_step(tmp_path, monkeypatch, caplog):
+    """The swap holds the frozen weights on the host while it unstacks them: with 1 MiB available it does not begin,
+    and the scanned step trains on, its weights untouched."""
+    learner = _learner(tmp_path, "on")
+    learner.start_upgrade()
+    learner.wait_upgrade()
+    monkeypatch.setattr(memory, "host_available", lambda: 2 ** 20)
+    warning = _kept_scanned(learner, caplog)
+    assert "the swap holds the frozen weights on the host, " in warning and ", 0.0 GiB available;" in warning
+    assert not learner.model.blocks_unstacked
