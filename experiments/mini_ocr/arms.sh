@@ -14,8 +14,8 @@
 #
 # GPUS, PER_GPU (POOL 0.3 at two), PIPELINES, MINUTES: experiments/mini_ocr/jobs.sh. ARMS: of flowgrpo, nft, guard,
 # corrected, dropzero, mixgrpo, mixgrpo_flash, awm (the default: these eight), cfgfree, omni, omni_fp8. Other
-# experiments/mini_ocr/run.sh knobs (SMOKE, RL_ARGS, PRETRAIN_STEPS, EVAL_NUM, ...) pass through. Logs: OUT/build_pN.log, OUT/pN_ARM.log; OUT/status gets a line per
-# finished command. A pipeline already built (OUT/pN/eval/before.json) is reused. Exit 1 if any command failed (the
+# experiments/mini_ocr/run.sh knobs (SMOKE, RL_ARGS, PRETRAIN_STEPS, EVAL_NUM, ...) pass through. Logs:
+# OUT/build_pN.log, OUT/pN_ARM.log; OUT/status gets a line per finished command. A pipeline already built (OUT/pN/eval/before.json) is reused. Exit 1 if any command failed (the
 # others still run and are collected).
 set -euo pipefail
 OUT=${1:?usage: [GPUS=N] [PIPELINES=N] [PER_GPU=N] [ARMS="..."] [MINUTES=M] bash experiments/mini_ocr/arms.sh OUT}
