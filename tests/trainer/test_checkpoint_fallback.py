@@ -175,3 +175,24 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_the_checkpoints_stay(tm
         in line and "\n" not in line, line
     assert cli.disk_full(ValueError("RESOURCE_EXHAUSTED: out of memory"), tmp_path) is None
     assert ckpt.restore(STATE)[1]["step"] == 3
+
+
+def test_a_fallback_silences_the_reads_it_abandons(tmp_path, caplog):
+    """After a fallback, a future of an abandoned read that failed and is collected unread logs nothing (asyncio
+    names it "Future exception was never retrieved", or "Task ..." for a task); other asyncio errors still log."""
+    import asyncio
+    import gc
+    import logging
+
+    ckpt = fake_run(tmp_path, tiny_config(tmp_path), steps=(3, 5))
+    _corrupt(tmp_path / "checkpoints" / "5")
+    ckpt.restore(STATE)
+    loop = asyncio.new_event_loop()
+    future = loop.create_future()
+    future.set_exception(ValueError("DATA_LOSS"))
+    caplog.clear()
+    del future
+    gc.collect()
+    logging.getLogger("asyncio").error("another asyncio error")
+    loop.close()
+    assert "never retrieved" not in caplog.text and "another asyncio error" in caplog.text
