@@ -63,6 +63,29 @@ def test_the_gradient_pulls_toward_the_positive_policy_for_good_samples_only():
     assert not np.any(old_grad)
 
 
+def test_the_loss_reaches_a_fixed_step_from_the_old_policy():
+    """With v_old held, a sample's loss is least at v = v_old + (2r - 1)(u - v_old) / beta, u = (x_t - x0) / t:
+    r = 1 and r = 0 reconstruct x0 exactly there (the positive or the negative policy equals u), a zero advantage
+    leaves v at v_old. So the LoRA's reach is bounded by where the old policy stands (docs/numerics.md §10)."""
+    r = np.random.default_rng(2)
+    x0, noise, v_old = (r.normal(size=(1, 6, 3)).astype(np.float32) for _ in range(3))
+    t, beta = np.array([0.6], np.float32), 0.1
+    xt = nft.noised(x0, noise, t)
+    u = (xt - x0) / t[0]
+
+    def policy(v, adv):
+        return nft.loss_terms(v, v_old, x0, xt, t, np.float32([adv]), nft_beta=beta, adv_clip=5.0)["policy"][0]
+
+    for adv, sign in ((5.0, 1.0), (-5.0, -1.0)):
+        reach = v_old + sign * (u - v_old) / beta
+        least = float(policy(reach, adv))
+        assert least < 1e-4 * float(policy(v_old, adv))
+        for _ in range(4):
+            assert float(policy(reach + 1e-2 * r.normal(size=reach.shape).astype(np.float32), adv)) > least
+    still, pulled = (np.abs(jax.grad(policy)(jnp.asarray(v_old), adv)).max() for adv in (0.0, 5.0))
+    assert still < 1e-5 * pulled  # zero but for float32 rounding of the two implicit policies
+
+
 def test_old_decay_follows_diffusionnfts_schedules():
     flat, rate, cap = 75, 0.0075, 0.999  # its OCR recipe
     got = [float(nft.old_decay(k, flat, rate, cap)) for k in (0, 74, 75, 100, 208, 10_000)]
