@@ -249,8 +249,8 @@ def decoupled_figures(seed: int = 0) -> dict:
             for name, v in DECOUPLED.items()}
 
 
-def figures(seed: int = 0) -> dict:
-    """{algorithm/comparison: differences}."""
+def loss_figures(seed: int = 0) -> dict:
+    """{algorithm/comparison: differences} of the losses, steps and samplers (a few seconds on a CPU)."""
     x = inputs(seed)
     out = {
         "grpo_guard_batch_vs_verl_omni": differences(_project(x, ratio_norm="guard", guard_stats="batch"),
@@ -264,8 +264,18 @@ def figures(seed: int = 0) -> dict:
         reject = functools.partial(rollout_correction.keep_mask, option=option, threshold=threshold)
         out[f"rollout_corrected_{option}_vs_verl_omni_bypass"] = differences(
             _project(x, ratio_norm="none", reject=reject, beta=BETA), _corrected_ref(x, option, threshold))
-    return {**out, **zero_advantage_figures(seed), **decoupled_figures(seed), **flow_matching_parity.figures(seed),
-            **sampling_parity.figures()}
+    return {**out, **flow_matching_parity.figures(seed), **sampling_parity.figures()}
+
+
+def update_figures(seed: int = 0) -> dict:
+    """{comparison: differences} of whole updates through `accumulate_gradients` (the zero-advantage filter's
+    layouts, decoupled rollout correction's variants; about half a minute on a CPU)."""
+    return {**zero_advantage_figures(seed), **decoupled_figures(seed)}
+
+
+def figures(seed: int = 0) -> dict:
+    """{algorithm/comparison: differences}, every comparison."""
+    return {**loss_figures(seed), **update_figures(seed)}
 
 
 def main(argv=None):
