@@ -155,9 +155,9 @@ class _AbandonedTasks(logging.Filter):
 def _quiet_abandoned_reads() -> None:
     """A restore stops at its first unreadable file (a save at its first write to a full disk): orbax then closes
     its event loop over the reads (writes) of the other files still in flight, whose completions TensorStore reports
-    as "Event loop is closed" and asyncio as "Task (Future) exception was never retrieved", hundreds of traceback lines after
-    the one line naming the checkpoint. Drops those reports from then on, in this process (other unraisable
-    exceptions and asyncio errors still print)."""
+    as "Event loop is closed" and asyncio as "Task (or Future) exception was never retrieved", hundreds of traceback
+    lines after the one line naming the checkpoint. Drops those reports from then on, in this process (other
+    unraisable exceptions and asyncio errors still print)."""
     previous = sys.unraisablehook
 
     def hook(unraisable):
