@@ -15,7 +15,8 @@ vLLM-Omni's DiT in FP8 (its LoRA as layers, which it needs). Such a variant's fi
 rollout_profile_fp8_lora64.json for `--quantization fp8 --lora-rank 64`. The profiler
 runs where the pipeline does (jaxflow_bridge/rollout/profiling.py): in this process for --engine diffusers (the
 default), in the diffusion workers for --engine vllm_omni (a GPU only; the engine's `profile_start` /
-`profile_stop`, its first worker's table). Writes OUT/rollout_profile.json (`result_name`), seconds per image:
+`profile_stop`, its first worker's table). Writes OUT/rollout_profile.json (`result_name`; until the profiled calls
+are read back it holds the unprofiled timings alone, marked partial), seconds per image:
   attention_s, gemm_s, quant_s, other_kernels_s  the kernels' (CPU: the ops') own time by name (`CATEGORIES`;
                        quant_s: an FP8 DiT's activation quantization)
   idle_gaps_s          the call's wall time the device ran nothing (launch gaps, host work, syncs)
@@ -88,11 +89,13 @@ class WorkerProfiler:
         return self.engine.profile_stop()
 
 
-def profile(engine, prompts: list[str], n: int, sampling: dict, calls: int, profiler) -> tuple[dict, list[dict]]:
+def profile(engine, prompts: list[str], n: int, sampling: dict, calls: int, profiler,
+            unprofiled=None) -> tuple[dict, list[dict]]:
     """(figures, top kernels: `top_rows`) of `calls` calls of `engine.generate` after a warm-up one of each setting;
     `profiler` records the profiled calls where the pipeline runs (`start()`, `stop()` -> `PipelineProfiler.stop`'s
     table). Beside the profiled wall_s, the same calls' unprofiled wall (unprofiled_wall_s) and without CFG
-    (no_cfg_wall_s), per image: the profiler's own overhead shows as wall_s - unprofiled_wall_s."""
+    (no_cfg_wall_s), per image: the profiler's own overhead shows as wall_s - unprofiled_wall_s. `unprofiled(figures)`
+    gets those timings before the profiler starts, so a profiler that never stops still leaves them."""
     def timed(settings: dict) -> float:  # the engine returns host arrays: its work is done when it returns
         start = time.perf_counter()
         for c in range(calls):
@@ -103,18 +106,21 @@ def profile(engine, prompts: list[str], n: int, sampling: dict, calls: int, prof
     for settings in (sampling, plain):  # warm-up: allocations, autotuning, each path once
         engine.generate(prompts, n, settings, seeds=list(range(len(prompts) * n)))
     cfg_wall, plain_wall = timed(sampling), timed(plain)  # unprofiled, both alike
+    images = calls * len(prompts) * n
+    timings = {"cfg_overhead_s": (cfg_wall - plain_wall) / images, "unprofiled_wall_s": cfg_wall / images,
+               "no_cfg_wall_s": plain_wall / images, "images": images}
+    if unprofiled:
+        unprofiled(timings)
     profiler.start()
     wall = timed(sampling)
     table = profiler.stop()
-    images = calls * len(prompts) * n
     phases = {k: v / images for k, v in table["phases"].items()}
     figures = categorize(table["rows"], wall, images)
     figures.update(text_encoder_s=phases.get("text_encoder", 0.0), vae_decode_s=phases.get("vae_decode", 0.0),
                    denoise_s=phases.get("sample", 0.0) - phases.get("text_encoder", 0.0)
                    - phases.get("vae_decode", 0.0),
-                   trajectory_export_s=max(0.0, wall / images - phases.get("sample", 0.0)),
-                   cfg_overhead_s=(cfg_wall - plain_wall) / images, wall_s=wall / images,
-                   unprofiled_wall_s=cfg_wall / images, no_cfg_wall_s=plain_wall / images, images=images)
+                   trajectory_export_s=max(0.0, wall / images - phases.get("sample", 0.0)), wall_s=wall / images,
+                   **timings)
     return figures, top_rows(table["rows"], images)
 
 
@@ -198,15 +204,16 @@ def main(argv=None) -> int:
                 "sde_window_size": min(TRAIN_SETTINGS["sde_window_size"], window[1]), "sde_window_range": window}
     profiler = (WorkerProfiler(engine) if args.engine == "vllm_omni" else
                 PipelineProfiler(engine.pipeline, cuda=engine.device.type == "cuda"))
-    try:
-        figures, top = profile(engine, PROMPTS[:args.prompts], args.n, sampling, args.calls, profiler)
+    extra = {"engine": args.engine, "model": model, "lora_rank": args.lora_rank,
+             "lora_apply": args.lora_apply or "the engine's default", "quantization": args.quantization}
+    try:  # the unprofiled timings first, marked partial: the whole file replaces them
+        figures, top = profile(engine, PROMPTS[:args.prompts], args.n, sampling, args.calls, profiler,
+                               unprofiled=lambda timings: write_result(args.out, result_name(args), timings,
+                                                                       extra={**extra, "partial": True}))
     finally:
         if args.engine == "vllm_omni":
             engine.close()
-    print(write_result(args.out, result_name(args), figures,
-                       extra={"engine": args.engine, "model": model, "lora_rank": args.lora_rank,
-                              "lora_apply": args.lora_apply or "the engine's default",
-                              "quantization": args.quantization, "top_kernels": top}))
+    print(write_result(args.out, result_name(args), figures, extra={**extra, "top_kernels": top}))
     return 0
 
 

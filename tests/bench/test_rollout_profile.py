@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -109,6 +110,46 @@ def test_a_variants_file_is_named_for_it():
     assert name("--engine", "vllm_omni", "--quantization", "fp8", "--lora-rank", "64") == "rollout_profile_fp8_lora64"
     assert name("--lora-rank", "64", "--lora-apply", "merged") == "rollout_profile_lora64_merged"
 
+
+
+def test_a_profiler_that_never_stops_leaves_the_unprofiled_timings(tmp_path, monkeypatch):
+    """The unprofiled timings are written, marked partial, before the profiler starts: a profiler whose stop never
+    returns (cut short here by an error) leaves them; without CFG is the faster of the two."""
+    import jaxflow_bench.rollout_profile as rp
+    from jaxflow_bench.results import finished
+    from jaxflow_bridge.rollout import server
+
+    class Engine:
+        device, pipeline = SimpleNamespace(type="cpu"), None
+
+        def __init__(self, config):
+            self.calls = []
+
+        def generate(self, prompts, n, settings, seeds):
+            self.calls.append(settings["true_cfg_scale"])
+            time.sleep(0.02 if settings["true_cfg_scale"] > 1 else 0.01)
+
+    class StuckProfiler:
+        def __init__(self, pipeline, cuda):
+            pass
+
+        def start(self):
+            pass
+
+        def stop(self):
+            raise TimeoutError("the profiler's stop never returned")
+
+    monkeypatch.setattr(server, "engine_class", lambda config: Engine)
+    monkeypatch.setattr(rp, "PipelineProfiler", StuckProfiler)
+    with pytest.raises(TimeoutError):
+        main([str(tmp_path), "--model", "tiny", "--device", "cpu", "--calls", "2", "--prompts", "1", "--n", "3"])
+    path = tmp_path / "rollout_profile.json"
+    record = json.loads(path.read_text())
+    assert record["partial"] is True and not finished(path)
+    f = record["figures"]
+    assert set(f) == {"cfg_overhead_s", "unprofiled_wall_s", "no_cfg_wall_s", "images"} and f["images"] == 6
+    assert f["unprofiled_wall_s"] > f["no_cfg_wall_s"] > 0
+    assert f["cfg_overhead_s"] == pytest.approx(f["unprofiled_wall_s"] - f["no_cfg_wall_s"], rel=1e-3)
 
 @pytest.mark.slow
 def test_vllm_omni_figures_from_its_workers_table(tiny_path, tmp_path, monkeypatch):
