@@ -64,6 +64,10 @@ VARIANTS = {name: Variant(*v) for name, v in {
                    "from update 208 on it all but stops, where the train reward stops rising", "nft"),
     "nft_decay0": ({"train.nft.decay_max": 0.0}, "decay type 0: the old policy is the LoRA after every step "
                                                  "(on-policy rollouts)", "nft"),
+    "nft_lr2x": ({"train.learning_rate": 6e-4}, "the configured schedule and type 1 both level at a train reward "
+                                                "near 0.90: is it the step size?", "nft"),
+    "nft_rank64": ({"lora.rank": 64, "lora.alpha": 128.0}, "or the adapter's capacity (rank 32, alpha 2 x rank "
+                                                           "kept)?", "nft"),
 }.items()}
 # the first sweep: 8 runs a pipeline, so two pipelines fill a 4-GPU host's 8 slots (PER_GPU=2) once
 FIRST = ("baseline", "lr2x", "lr4x", "clip1e3", "kl", "window5", "group8", "noise1")

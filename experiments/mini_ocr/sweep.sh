@@ -8,6 +8,7 @@
 #   [GPUS=4] [PIPELINES=2] [PER_GPU=2] [VARIANTS="baseline lr2x ..."] [MINUTES=7] bash experiments/mini_ocr/sweep.sh OUT
 #   SMOKE=1 GPUS=1 PER_GPU=2 PIPELINES=1 VARIANTS="baseline lr2x" bash experiments/mini_ocr/sweep.sh /tmp/sweep  # CPU
 #   VARIANTS="nft nft_decay1 nft_decay0" MINUTES=9.5 bash experiments/mini_ocr/sweep.sh OUT  # NFT's old-policy decay
+#   VARIANTS="nft nft_lr2x nft_rank64" MINUTES=9.5 bash experiments/mini_ocr/sweep.sh OUT  # NFT's step and capacity
 #
 # VARIANTS: names of experiments/mini_ocr/sweep.py's VARIANTS (default its FIRST sweep, baseline and 7 variants);
 # GPUS, PER_GPU, PIPELINES, MINUTES: experiments/mini_ocr/jobs.sh; other experiments/mini_ocr/run.sh knobs (SMOKE,
