@@ -111,7 +111,6 @@ def test_a_variants_file_is_named_for_it():
     assert name("--lora-rank", "64", "--lora-apply", "merged") == "rollout_profile_lora64_merged"
 
 
-
 def test_a_profiler_that_never_stops_leaves_the_unprofiled_timings(tmp_path, monkeypatch):
     """The unprofiled timings are written, marked partial, before the profiler starts: a profiler whose stop never
     returns (cut short here by an error) leaves them; without CFG is the faster of the two."""
@@ -123,11 +122,11 @@ def test_a_profiler_that_never_stops_leaves_the_unprofiled_timings(tmp_path, mon
         device, pipeline = SimpleNamespace(type="cpu"), None
 
         def __init__(self, config):
-            self.calls = []
+            pass
 
         def generate(self, prompts, n, settings, seeds):
-            self.calls.append(settings["true_cfg_scale"])
-            time.sleep(0.02 if settings["true_cfg_scale"] > 1 else 0.01)
+            if settings["true_cfg_scale"] > 1:
+                time.sleep(0.1)
 
     class StuckProfiler:
         def __init__(self, pipeline, cuda):
@@ -150,6 +149,7 @@ def test_a_profiler_that_never_stops_leaves_the_unprofiled_timings(tmp_path, mon
     assert set(f) == {"cfg_overhead_s", "unprofiled_wall_s", "no_cfg_wall_s", "images"} and f["images"] == 6
     assert f["unprofiled_wall_s"] > f["no_cfg_wall_s"] > 0
     assert f["cfg_overhead_s"] == pytest.approx(f["unprofiled_wall_s"] - f["no_cfg_wall_s"], rel=1e-3)
+
 
 @pytest.mark.slow
 def test_vllm_omni_figures_from_its_workers_table(tiny_path, tmp_path, monkeypatch):
