@@ -94,8 +94,8 @@ def profile(engine, prompts: list[str], n: int, sampling: dict, calls: int, prof
     """(figures, top kernels: `top_rows`) of `calls` calls of `engine.generate` after a warm-up one of each setting;
     `profiler` records the profiled calls where the pipeline runs (`start()`, `stop()` -> `PipelineProfiler.stop`'s
     table). Beside the profiled wall_s, the same calls' unprofiled wall (unprofiled_wall_s) and without CFG
-    (no_cfg_wall_s), per image: the profiler's own overhead shows as wall_s - unprofiled_wall_s. `unprofiled(figures)`
-    gets those timings before the profiler starts, so a profiler that never stops still leaves them."""
+    (no_cfg_wall_s), per image: the profiler's own overhead shows as wall_s - unprofiled_wall_s. `unprofiled(timings)`
+    gets those before the profiler starts, so a profiler that never stops still leaves them."""
     def timed(settings: dict) -> float:  # the engine returns host arrays: its work is done when it returns
         start = time.perf_counter()
         for c in range(calls):
@@ -204,16 +204,17 @@ def main(argv=None) -> int:
                 "sde_window_size": min(TRAIN_SETTINGS["sde_window_size"], window[1]), "sde_window_range": window}
     profiler = (WorkerProfiler(engine) if args.engine == "vllm_omni" else
                 PipelineProfiler(engine.pipeline, cuda=engine.device.type == "cuda"))
+    name = result_name(args)
     extra = {"engine": args.engine, "model": model, "lora_rank": args.lora_rank,
              "lora_apply": args.lora_apply or "the engine's default", "quantization": args.quantization}
     try:  # the unprofiled timings first, marked partial: the whole file replaces them
         figures, top = profile(engine, PROMPTS[:args.prompts], args.n, sampling, args.calls, profiler,
-                               unprofiled=lambda timings: write_result(args.out, result_name(args), timings,
+                               unprofiled=lambda timings: write_result(args.out, name, timings,
                                                                        extra={**extra, "partial": True}))
     finally:
         if args.engine == "vllm_omni":
             engine.close()
-    print(write_result(args.out, result_name(args), figures, extra={**extra, "top_kernels": top}))
+    print(write_result(args.out, name, figures, extra={**extra, "top_kernels": top}))
     return 0
 
 
