@@ -131,6 +131,7 @@ def _drift_update(x, mini, micro, drop):
     return np.asarray(grads["p"][...]), metrics
 
 
+@pytest.mark.slow
 def test_one_micro_batch_per_update_drops_the_zero_rows():
     """The mini OCR arm's layout (one micro-batch per update): the 10 rows at advantage 0 weigh nothing, KL
     included; the update equals the filter off on the 6 other rows alone (the old filter ran them all: 6/16 of it)."""

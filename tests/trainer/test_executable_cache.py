@@ -106,6 +106,7 @@ def test_a_changed_program_arguments_or_source_change_the_key(lora_model, batch,
     assert _key(step, batch) != base
 
 
+@pytest.mark.slow
 def test_an_unreadable_entry_is_a_miss_with_a_warning_and_is_replaced(lora_model, batch, cache, caplog):
     _compiled(lora_model, batch)
     [entry] = cache.glob("update-*.exe")

@@ -191,6 +191,7 @@ def test_non_finite_loss_skips_the_update(plain):
     assert int(m["skipped"]) == 0 and int(state.step) == 1
 
 
+@pytest.mark.slow
 def test_an_update_that_overflows_the_lora_is_skipped(lora_model, plain):
     """A learning rate past float32's range: the loss and the gradient are finite, the updated LoRA is not. The step
     reports the update skipped and leaves the LoRA and the optimizer state as they were."""
@@ -266,7 +267,7 @@ def test_model_without_lora_is_rejected():
         make_train_step(QwenImageTransformer(TINY, rngs=nnx.Rngs(0)), TrainConfig(guidance=1.0, grid_hw=GRID))
 
 
-@pytest.mark.parametrize("mode", ["rollout", "recompute"])
+@pytest.mark.parametrize("mode", ["rollout", pytest.param("recompute", marks=pytest.mark.slow)])
 def test_old_log_prob_source_under_a_rollout_offset(lora_model, mode):
     """A rollout log-prob offset (like the bf16 mismatch) moves the ratio when logp_old comes from the rollout;
     with 'recompute' the ratio stays exactly 1 (on-policy) while the mismatch metric still reports it."""

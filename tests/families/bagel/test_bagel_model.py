@@ -69,6 +69,7 @@ def test_each_expert_moves_only_its_tokens(expert):
     assert not np.allclose(flax_velocity(model, ids, mask, x, t), flax_velocity(other, ids, mask, x, t))
 
 
+@pytest.mark.slow
 def test_layer_routes_each_token_to_its_expert():
     """In one layer, a token's own k/v come from its expert alone: changing the generation expert's k/v projections
     leaves the understanding tokens' k/v bit-identical and changes every generation token's."""

@@ -89,6 +89,7 @@ def test_cfg_matches_the_rollouts_formula():
         assert max(np.max(np.abs(got[b] - w[b])) / np.abs(w[b]).max() for b in range(2)) > 1e3 * tol
 
 
+@pytest.mark.slow
 def test_zero_b_lora_is_the_base_model(base):
     """PEFT's init (B = 0): the log-probs equal the base model's bit for bit."""
     model, batch, _ = base

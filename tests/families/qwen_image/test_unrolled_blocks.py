@@ -115,6 +115,7 @@ def test_per_block_weights_are_read_in_place_not_sliced_from_stacks():
     assert all(v.shape[0] == CFG.num_layers for v in jax.tree.leaves(nnx.state(unstacked.blocks, LoRAParam)))
 
 
+@pytest.mark.slow
 def test_the_lora_gradient_of_unrolled_blocks_is_not_a_sum_of_padded_stacks():
     # a block's LoRA taken by its own slice has for gradient the whole stack zero-padded, and the stack's gradient
     # is the sum of one such per block: traffic growing with the blocks squared (at 60 blocks on an H200, ~0.4 s
