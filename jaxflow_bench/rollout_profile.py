@@ -42,10 +42,12 @@ from jaxflow_bench.rollout import PROMPTS, TARGETS, TRAIN_SETTINGS, random_adapt
 from jaxflow_bridge.contract.lora_shm import SharedAdapterFile
 from jaxflow_bridge.rollout.profiling import PHASES, PipelineProfiler
 
-# kernel / op names to categories, first match wins (FlashAttention, cuDNN and PyTorch's SDPA kernels; cuBLAS(Lt),
-# CUTLASS and nvjet GEMMs, FP8 scaled GEMMs, ATen's GEMM ops on the CPU; an FP8 DiT's activation quantization: vLLM's
-# scale reduction and cast kernels, or the amax reductions Inductor fuses)
+# kernel / op names to categories, first match wins (FlashAttention, cuDNN and PyTorch's SDPA kernels; a Triton kernel
+# Inductor names for vLLM's scaled GEMM is the activation quantization it fused before that GEMM (a Triton kernel never
+# runs the CUTLASS GEMM itself); cuBLAS(Lt), CUTLASS and nvjet GEMMs, FP8 scaled GEMMs, ATen's GEMM ops on the CPU; an
+# FP8 DiT's activation quantization: vLLM's scale reduction and cast kernels, or the amax reductions Inductor fuses)
 CATEGORIES = (("attention", re.compile(r"flash|fmha|attention|sdpa|softmax", re.I)),
+              ("quant", re.compile(r"^triton_\w*scaled_mm")),
               ("gemm", re.compile(r"gemm|cutlass|cublas|nvjet|xmma|scaled_mm|aten::(addmm|mm|bmm|matmul|linear)\b"
                                   r"|^void at::native::\w*mm", re.I)),
               ("quant", re.compile(r"quant|fp8|e4m3|segmented_max_reduction|triton_\w*amax", re.I)))

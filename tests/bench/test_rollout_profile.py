@@ -36,7 +36,9 @@ def test_kernel_names_fall_in_their_categories():
         assert category(name) == "gemm", name
     for name in ("void vllm::scaled_fp8_quant_kernel<c10::BFloat16, c10::Float8_e4m3fn>",
                  "void vllm::segmented_max_reduction<c10::BFloat16>", "triton_red_fused_abs_amax_clamp_div_0",
-                 "vllm::dynamic_per_token_scaled_fp8_quant_kernel"):
+                 "vllm::dynamic_per_token_scaled_fp8_quant_kernel",
+                 "triton_red_fused__to_copy_abs_clamp_cutlass_scaled_mm_gelu_lora_add_max_mul_reciprocal_select_0",
+                 "triton_poi_fused__to_copy_clamp_clone_cutlass_scaled_mm_mul_reciprocal_slice_unsqueeze_view_2"):
         assert category(name) == "quant", name
     for name in ("void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl>",
                  "aten::add", "aten::conv3d", "triton_poi_fused_mul_rsqrt_0", "aten::mmap_like",
