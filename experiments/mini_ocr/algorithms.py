@@ -1,7 +1,7 @@
 """Collect the arms' mini OCR runs over one or more pipelines into OUT/mini_ocr_algorithms.json (the algorithm arms,
 paired against FlowGRPO) and OUT/mini_ocr_fp8.json (the vLLM-Omni arms: omni_fp8 paired against omni, the bf16 DiT).
 
-    python -m experiments.mini_ocr.algorithms --out OUT --pipelines P0 [P1 ...] [--exclude P0/nft ...]
+    python -m experiments.mini_ocr.algorithms --out OUT --pipelines P0 [P1 ...] [--exclude P0/nft ...] [--eval-steps 40]
 
 Each pipeline folder is one experiments/mini_ocr/run.sh OUT (its eval/before.json, and per arm ARM that ran on it:
 eval/after_ARM.json, rl_ARM/checkpoints (or, in a copy without checkpoints, the last step of rl_ARM/metrics.jsonl),
@@ -17,7 +17,8 @@ reward over the first and the last `EDGE` steps: the train side's rise, from SDE
 `ARM/PIPELINE/rise` and `.../rise_se` for each pipeline, and `ARM/rise_vs_BASELINE` (flowgrpo, or omni in
 mini_ocr_fp8.json: the mean paired difference over the pipelines both ran on) with `ARM/rise_vs_BASELINE_se` (from
 the evals' errors; a "before" both share cancels). `--exclude PIPELINE/ARM` leaves out a run known to be invalid (say
-why where the result is reported).
+why where the result is reported). `--eval-steps N` reads the evals run.sh's EVAL_ALSO_STEPS=N made at N denoising
+steps (eval/NAME_sN.json) into OUT/mini_ocr_algorithms_sN.json (mini_ocr_fp8_sN.json).
 """
 from __future__ import annotations
 
@@ -58,14 +59,15 @@ def train_dynamics(rows: list[dict]) -> dict:
     return figures
 
 
-def run_of(pipeline: Path, suffix: str, before_name: str | None = None) -> dict | None:
+def run_of(pipeline: Path, suffix: str, before_name: str | None = None, tag: str = "") -> dict | None:
     """One arm's run on one pipeline: before, after, rise, rise_se, steps, minutes; None where it has no eval there.
-    It rises from eval/`before_name`.json (default: the arm's `BEFORE`, else before.json)."""
-    after = pipeline / "eval" / f"after{suffix}.json"
+    It rises from eval/`before_name`.json (default: the arm's `BEFORE`, else before.json); `tag` ("_sN": the evals
+    at N steps) is appended to both evals' names."""
+    after = pipeline / "eval" / f"after{suffix}{tag}.json"
     if not after.exists():
         return None
     before_name = before_name or BEFORE.get(suffix, "before")
-    before, after = (json.loads(p.read_text()) for p in (pipeline / "eval" / f"{before_name}.json", after))
+    before, after = (json.loads(p.read_text()) for p in (pipeline / "eval" / f"{before_name}{tag}.json", after))
     if before["n"] != after["n"]:
         raise ValueError(f"{pipeline}: before has {before['n']} prompts and after{suffix} {after['n']}")
     run = pipeline / f"rl{suffix}"
@@ -120,21 +122,24 @@ def summarize(runs: dict[str, dict[str, dict]], baseline: str) -> dict:
     return figures
 
 
-def collect(pipelines: list[Path], exclude: tuple[str, ...] = ()) -> dict[str, dict]:
-    """{result name: its figures} for each of `RESULTS` whose arms ran on `pipelines` (but the `exclude`d runs)."""
+def collect(pipelines: list[Path], exclude: tuple[str, ...] = (), eval_steps: int | None = None) -> dict[str, dict]:
+    """{result name: its figures} for each of `RESULTS` whose arms ran on `pipelines` (but the `exclude`d runs); with
+    `eval_steps` N, of the evals at N steps, each name with the suffix _sN."""
+    tag = f"_s{eval_steps}" if eval_steps else ""
     unknown = [e for e in exclude if e.partition("/")[2] not in ARMS or e.partition("/")[0] not in
                {p.name for p in pipelines}]
     if unknown:
         raise ValueError(f"--exclude {unknown}: name PIPELINE/ARM, a pipeline folder's name and one of {list(ARMS)}")
     results = {}
     for name, (arms, baseline) in RESULTS.items():
-        runs = {arm: {p.name: r for p in pipelines if f"{p.name}/{arm}" not in exclude and (r := run_of(p, ARMS[arm]))}
-                for arm in arms}
+        runs = {arm: {p.name: r for p in pipelines
+                      if f"{p.name}/{arm}" not in exclude and (r := run_of(p, ARMS[arm], tag=tag))} for arm in arms}
         if figures := summarize(runs, baseline):
-            results[name] = figures
+            results[name + tag] = figures
     if not results:
-        raise ValueError(f"no arm's eval/after*.json in {[str(p) for p in pipelines]}: "
-                         "run experiments/mini_ocr/run.sh first")
+        also = f" with EVAL_ALSO_STEPS={eval_steps}" if tag else ""
+        raise ValueError(f"no arm's eval/after*{tag}.json in {[str(p) for p in pipelines]}: "
+                         f"run experiments/mini_ocr/run.sh first{also}")
     return results
 
 
@@ -142,8 +147,9 @@ def main(argv=None) -> None:
     p = bench_parser(__doc__)
     p.add_argument("--pipelines", type=Path, nargs="+", required=True, help="experiments/mini_ocr/run.sh OUT folders")
     p.add_argument("--exclude", nargs="*", default=(), help="PIPELINE/ARM runs to leave out (known invalid)")
+    p.add_argument("--eval-steps", type=int, help="the evals at N denoising steps (run.sh's EVAL_ALSO_STEPS)")
     a = p.parse_args(argv)
-    for name, figures in collect(a.pipelines, tuple(a.exclude)).items():
+    for name, figures in collect(a.pipelines, tuple(a.exclude), a.eval_steps).items():
         print(json.dumps(figures, indent=1), "->", write_result(a.out, name, figures))
 
 

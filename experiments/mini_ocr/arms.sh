@@ -14,7 +14,8 @@
 #
 # GPUS, PER_GPU (POOL 0.3 at two), PIPELINES, MINUTES: experiments/mini_ocr/jobs.sh. ARMS: of flowgrpo, nft, guard,
 # corrected, dropzero, mixgrpo, mixgrpo_flash, awm (the default: these eight), cfgfree, omni, omni_fp8. Other
-# experiments/mini_ocr/run.sh knobs (SMOKE, RL_ARGS, PRETRAIN_STEPS, EVAL_NUM, ...) pass through. Logs:
+# experiments/mini_ocr/run.sh knobs (SMOKE, RL_ARGS, PRETRAIN_STEPS, EVAL_NUM, ...) pass through; with
+# EVAL_ALSO_STEPS=N the evals at N steps are collected too (OUT/mini_ocr_algorithms_sN.json). Logs:
 # OUT/build_pN.log, OUT/pN_ARM.log; OUT/status gets a line per finished command. A pipeline already built (OUT/pN/eval/before.json) is reused. Exit 1 if any command failed (the
 # others still run and are collected).
 set -euo pipefail
@@ -56,4 +57,7 @@ todo=()
 for p in "${pipelines[@]}"; do for arm in $ARMS; do todo+=("$p $arm"); done; done
 run_all "${todo[@]}"
 python -m experiments.mini_ocr.algorithms --out "$OUT" --pipelines "${pipelines[@]/#/$OUT/}"
+for n in ${EVAL_ALSO_STEPS:-}; do
+  python -m experiments.mini_ocr.algorithms --out "$OUT" --pipelines "${pipelines[@]/#/$OUT/}" --eval-steps "$n"
+done
 ! failed

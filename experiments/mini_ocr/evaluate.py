@@ -2,11 +2,14 @@
 
     python -m experiments.mini_ocr.evaluate --pipeline OUT/pipeline [--lora RUN/lora_final]
         --prompts data/mini_ocr/test.txt --json OUT/eval/before.json --grid OUT/eval/before.png
-        [--num 200 --steps 10 --guidance 4.0]
+        [--num 200 --steps 10 --guidance 4.0] [--also-steps 40]
 
 Sampling is the trainer's eval of configs/mini_ocr.py (`jaxflow.config.validation.sampling(eval_mode=True)`; --steps and
 --guidance replace its eval.num_steps and eval.guidance): deterministic ODE, one image per prompt from seed = its
-index, on the rollout's own `RolloutPipeline`; scores are `OcrReward`. The grid shows the first 32.
+index, on the rollout's own `RolloutPipeline`; scores are `OcrReward`. The grid shows the first 32. The JSON holds the
+steps and guidance it sampled with. --also-steps N evaluates the same prompts again at N denoising steps into
+NAME_sN.json and NAME_sN.png beside --json and --grid (flow_grpo and verl-omni train OCR at 10 steps and evaluate
+at 40).
 """
 from __future__ import annotations
 
@@ -54,7 +57,8 @@ def evaluate(pipeline: Path, prompts: list[str], lora: Path | None = None, steps
         prompts[i:i + chunk])))).images for i in range(0, len(prompts), chunk)])
     scores = OcrReward()(images, prompts)
     return dict(mean=float(scores.mean()), se=float(scores.std(ddof=1) / np.sqrt(len(scores))), n=len(scores),
-                scores=[round(float(s), 4) for s in scores], images=images)
+                scores=[round(float(s), 4) for s in scores], steps=sampling.num_inference_steps,
+                guidance=sampling.true_cfg_scale, images=images)
 
 
 def add_eval_arguments(p: argparse.ArgumentParser) -> None:
@@ -73,16 +77,21 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_eval_arguments(p)
     p.add_argument("--prompts", type=Path, required=True)
+    p.add_argument("--also-steps", type=int, nargs="+", default=(),
+                   help="evaluate again at each of these denoising steps: NAME_sN.json / .png beside --json / --grid")
     a = p.parse_args(argv)
     prompts = [it.prompt for it in load_prompts(a.prompts)][:a.num]
-    start = time.perf_counter()
-    out = evaluate(a.pipeline, prompts, a.lora, a.steps, a.guidance, device=a.device)
-    images = out.pop("images")
-    out.update(seconds=round(time.perf_counter() - start, 1), lora=str(a.lora) if a.lora else None)
-    image_grid(images[:32], [f"{s:.2f} {q}" for s, q in zip(out["scores"], prompts)], a.grid, columns=4)
-    a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(json.dumps(out) + "\n")
-    print(f"OCR {out['mean']:.3f} ± {out['se']:.3f} (n={out['n']}, {out['seconds']}s) -> {a.json}")
+    for steps, tag in ((a.steps, ""), *((n, f"_s{n}") for n in a.also_steps)):
+        start = time.perf_counter()
+        out = evaluate(a.pipeline, prompts, a.lora, steps, a.guidance, device=a.device)
+        images = out.pop("images")
+        out.update(seconds=round(time.perf_counter() - start, 1), lora=str(a.lora) if a.lora else None)
+        json_path, grid = (path.with_name(f"{path.stem}{tag}{path.suffix}") for path in (a.json, a.grid))
+        image_grid(images[:32], [f"{s:.2f} {q}" for s, q in zip(out["scores"], prompts)], grid, columns=4)
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(out) + "\n")
+        print(f"OCR {out['mean']:.3f} ± {out['se']:.3f} (n={out['n']}, {out['steps']} steps, {out['seconds']}s) -> "
+              f"{json_path}")
 
 
 if __name__ == "__main__":

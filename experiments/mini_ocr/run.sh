@@ -20,8 +20,10 @@
 # default 5), RL_STEPS (default: the config's), RL_ARGS (more --config overrides of both RL runs, e.g.
 # --config.train.max_minutes=5), EVAL_NUM (200), RL_TIMEOUT (seconds: a hard stop of an RL run; it checkpoints the
 # current step and this script exports that step's LoRA as lora_final), RL_RESUME=1 (continue such a run:
-# ONLY="rl rl_control" RL_RESUME=1 ...), and POOL (each trainer's JAX memory fraction of the GPU: 0.3 side by side,
-# 0.5 alone; lower it when more runs share the GPU). ARM (configs/mini_ocr.py's ARMS: "" FlowGRPO, guard, corrected,
+# ONLY="rl rl_control" RL_RESUME=1 ...), POOL (each trainer's JAX memory fraction of the GPU: 0.3 side by side,
+# 0.5 alone; lower it when more runs share the GPU), and EVAL_ALSO_STEPS (e.g. 40: every eval again at these
+# denoising steps into eval/NAME_s40.json beside eval/NAME.json; flow_grpo and verl-omni evaluate OCR at 40
+# steps). ARM (configs/mini_ocr.py's ARMS: "" FlowGRPO, guard, corrected,
 # dropzero, cfgfree, nft, mixgrpo, mixgrpo_flash, awm, omni, omni_fp8) picks the algorithm (omni: the rollout engine)
 # of the RL run and its control (and, for cfgfree and nft, evals without CFG); an arm's runs,
 # evals, timings and result are named for it (OUT/rl_nft, OUT/eval/after_nft.json, mini_ocr_nft.json), so every arm can train on one
@@ -64,6 +66,7 @@ else
   export XLA_PYTHON_CLIENT_PREALLOCATE=true XLA_CLIENT_MEM_FRACTION=${POOL:-$pool}
 fi
 
+EVAL+=(${EVAL_ALSO_STEPS:+--also-steps $EVAL_ALSO_STEPS})
 ARM=${ARM:-}
 BEFORE=before  # NFT's and cfgfree's policies are CFG-free: their evals, the "before" too, run without CFG (before_nft)
 [[ "$ARM" == nft || "$ARM" == cfgfree ]] && EVAL+=(--guidance 1) && BEFORE=before_nft

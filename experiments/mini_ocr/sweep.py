@@ -3,13 +3,14 @@ collector of their runs into OUT/mini_ocr_sweep.json.
 
     python -m experiments.mini_ocr.sweep args NAME          # the variant's --config overrides, one line
     python -m experiments.mini_ocr.sweep arm NAME           # the arm it varies (ARM of run.sh; empty: FlowGRPO)
-    python -m experiments.mini_ocr.sweep collect --out OUT --pipelines P0 [P1 ...]
+    python -m experiments.mini_ocr.sweep collect --out OUT --pipelines P0 [P1 ...] [--eval-steps 40]
 
 experiments/mini_ocr/sweep.sh runs each variant NAME on each pipeline as `experiments/mini_ocr/run.sh` with its ARM and
 RUN=sweep_NAME (eval/after_sweep_NAME.json, rl_sweep_NAME/, the "rl_sweep_NAME N s" line of timings.txt). Figures
 per variant, as experiments.mini_ocr.algorithms's per arm: `NAME/rise`, `NAME/rise_se`, `NAME/steps`, ... and
 `NAME/rise_vs_REFERENCE` (the mean paired difference with its arm as configured on the same pipelines: `baseline`
-for FlowGRPO's variants, `nft` for NFT's) with `NAME/rise_vs_REFERENCE_se`.
+for FlowGRPO's variants, `nft` for NFT's) with `NAME/rise_vs_REFERENCE_se`. `--eval-steps N`: of the evals at N
+steps (run.sh's EVAL_ALSO_STEPS), into OUT/mini_ocr_sweep_sN.json.
 
 The questions: which knob holds FlowGRPO's rise below DiffusionNFT's and AWM's on the same pipelines (BENCHMARKS.md,
 "Mini OCR: the algorithm arms"; the answers so far: "Mini OCR: FlowGRPO's knobs"), and what holds NFT's train reward
@@ -83,17 +84,20 @@ def overrides(name: str) -> list[str]:
     return [f"--config.{key}={cli_value(value)}" for key, value in VARIANTS[name].settings.items()]
 
 
-def collect(pipelines: list[Path]) -> dict:
-    """Every variant's figures, each arm's paired with its `REFERENCE` on the same pipelines."""
+def collect(pipelines: list[Path], eval_steps: int | None = None) -> dict:
+    """Every variant's figures, each arm's paired with its `REFERENCE` on the same pipelines (of the evals at
+    `eval_steps` denoising steps where given)."""
+    tag = f"_s{eval_steps}" if eval_steps else ""
     figures = {}
     for arm, reference in REFERENCE.items():
         before = BEFORE.get(f"_{arm}")
-        runs = {name: {p.name: r for p in pipelines if (r := run_of(p, f"_sweep_{name}", before))}
+        runs = {name: {p.name: r for p in pipelines if (r := run_of(p, f"_sweep_{name}", before, tag))}
                 for name, v in VARIANTS.items() if v.arm == arm}
         figures.update(summarize(runs, reference))
     if not figures:
-        raise ValueError(f"no eval/after_sweep_*.json in {[str(p) for p in pipelines]}: "
-                         "run experiments/mini_ocr/sweep.sh first")
+        also = f" with EVAL_ALSO_STEPS={eval_steps}" if tag else ""
+        raise ValueError(f"no eval/after_sweep_*{tag}.json in {[str(p) for p in pipelines]}: "
+                         f"run experiments/mini_ocr/sweep.sh first{also}")
     return figures
 
 
@@ -105,16 +109,18 @@ def main(argv=None) -> None:
     c = sub.add_parser("collect", help="write OUT/mini_ocr_sweep.json")
     c.add_argument("--out", type=Path, required=True, help="folder for the result file")
     c.add_argument("--pipelines", type=Path, nargs="+", required=True, help="experiments/mini_ocr/run.sh OUT folders")
+    c.add_argument("--eval-steps", type=int, help="the evals at N denoising steps (run.sh's EVAL_ALSO_STEPS)")
     a = p.parse_args(argv)
     if a.command in ("args", "arm"):
         if a.name not in VARIANTS:
             p.error(f"unknown sweep variant {a.name!r}; choose from {' '.join(VARIANTS)}")
         print(" ".join(overrides(a.name)) if a.command == "args" else VARIANTS[a.name].arm)
         return
-    figures = collect(a.pipelines)
+    figures = collect(a.pipelines, a.eval_steps)
     extra = dict(variants={name: dict(overrides=overrides(name), why=v.why, arm=v.arm or "flowgrpo")
                            for name, v in VARIANTS.items() if f"{name}/rise" in figures})
-    path = write_result(a.out, "mini_ocr_sweep", figures, extra=extra)
+    name = "mini_ocr_sweep" + (f"_s{a.eval_steps}" if a.eval_steps else "")
+    path = write_result(a.out, name, figures, extra=extra)
     print(json.dumps(figures, indent=1), "->", path)
 
 

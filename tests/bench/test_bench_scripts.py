@@ -12,6 +12,7 @@ import pytest
 
 from experiments.mini_ocr.algorithms import collect
 from experiments.mini_ocr.result import breakdown
+from experiments.mini_ocr.sweep import collect as sweep_collect
 from jaxflow_bridge.rollout.sampling import SamplingParams
 from tests import HANG_S
 
@@ -130,6 +131,26 @@ def test_mini_ocr_algorithms_collects_each_arm_over_its_pipelines(tmp_path):
         collect([tmp_path / "p0"], exclude=("p9/nft",))
     with pytest.raises(ValueError, match="run experiments/mini_ocr/run.sh first"):
         collect([tmp_path / "nothing"])
+
+
+def test_mini_ocr_collectors_read_the_evals_at_other_steps_into_their_own_results(tmp_path):
+    fake_mini_ocr_run(tmp_path / "p0", 0.5, {"": (0.7, 100, 540), "_nft": (0.9, 60, 600),
+                                             "_sweep_nft_lr2x": (0.92, 60, 600)})
+    with pytest.raises(ValueError, match="with EVAL_ALSO_STEPS=40"):
+        collect([tmp_path / "p0"], eval_steps=40)
+    for name, ocr in (("before", 0.55), ("before_nft", 0.45), ("after", 0.8), ("after_nft", 0.97),
+                      ("after_sweep_nft_lr2x", 0.96)):  # the same runs evaluated at 40 steps
+        (tmp_path / "p0" / "eval" / f"{name}_s40.json").write_text(json.dumps(dict(mean=ocr, se=0.02, n=200)))
+    results = collect([tmp_path / "p0"], eval_steps=40)
+    assert list(results) == ["mini_ocr_algorithms_s40"]
+    figures = results["mini_ocr_algorithms_s40"]
+    assert figures["nft/before"] == pytest.approx(0.45) and figures["nft/after"] == pytest.approx(0.97)
+    assert figures["flowgrpo/rise"] == pytest.approx(0.25) and figures["nft/rise_vs_flowgrpo"] == pytest.approx(0.27)
+    assert figures["nft/steps"] == 60  # the run's own figures, whichever evals
+    assert collect([tmp_path / "p0"])["mini_ocr_algorithms"]["nft/after"] == pytest.approx(0.9)  # the 10-step ones
+    sweep = sweep_collect([tmp_path / "p0"], eval_steps=40)
+    assert sweep["nft_lr2x/after"] == pytest.approx(0.96) and sweep["nft_lr2x/before"] == pytest.approx(0.45)
+    assert sweep_collect([tmp_path / "p0"])["nft_lr2x/after"] == pytest.approx(0.92)
 
 
 def test_the_fp8_result_pairs_the_fp8_rollout_arm_with_the_bf16_one_from_their_shared_bf16_before(tmp_path):

@@ -27,9 +27,10 @@ def script(name: str, out: Path, **env) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """The whole proof at toy size in OUT/p0: the layout experiments/mini_ocr/arms.sh reuses."""
+    """The whole proof at toy size in OUT/p0 (every eval also at 3 steps): the layout experiments/mini_ocr/arms.sh
+    reuses."""
     out = tmp_path_factory.mktemp("mini_ocr")
-    return out, script("run.sh", out / "p0")
+    return out, script("run.sh", out / "p0", EVAL_ALSO_STEPS="3")
 
 
 @pytest.mark.slow
@@ -48,6 +49,10 @@ def test_the_script_runs_every_step_and_writes_the_result(built):
     for run in ("rl", "rl_control"):
         assert (out / run / "lora_final" / "adapter_config.json").exists()
     assert (out / "reward_curve.png").stat().st_size > 0
+    for name in ("before", "after", "control", "after_train"):  # each eval also at 3 steps, beside the 4-step one
+        at4, at3 = (json.loads((out / "eval" / f"{name}{tag}.json").read_text()) for tag in ("", "_s3"))
+        assert (at4["steps"], at3["steps"], at3["n"], at3["lora"]) == (4, 3, at4["n"], at4["lora"]), name
+        assert (out / "eval" / f"{name}_s3.png").stat().st_size > 0
 
 
 @pytest.mark.slow
@@ -55,7 +60,7 @@ def test_the_arms_launcher_trains_each_arm_on_the_built_pipeline_and_collects_th
     out, first = built
     assert first.returncode == 0, first.stderr[-3000:]
     (out / "p0" / "eval" / "before_nft.json").unlink(missing_ok=True)  # the sweep test's, where it ran first
-    done = script("arms.sh", out, GPUS="2", PIPELINES="1", ARMS="guard nft", RL_STEPS="1")
+    done = script("arms.sh", out, GPUS="2", PIPELINES="1", ARMS="guard nft", RL_STEPS="1", EVAL_ALSO_STEPS="3")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     status = (out / "status").read_text().splitlines()
     runs = [line for line in status if line.startswith("run ")]
@@ -66,6 +71,10 @@ def test_the_arms_launcher_trains_each_arm_on_the_built_pipeline_and_collects_th
     assert figures["guard/pipelines"] == figures["nft/pipelines"] == 1 and figures["nft/steps"] == 1
     assert figures["flowgrpo/pipelines"] == 1  # the proof's own FlowGRPO run is collected too
     assert (out / "p0" / "eval" / "before_nft.json").exists() and (out / "p0" / "rl_guard" / "lora_final").is_dir()
+    at3 = json.loads((out / "mini_ocr_algorithms_s3.json").read_text())["figures"]  # the same runs' 3-step evals
+    before_nft = json.loads((out / "p0" / "eval" / "before_nft_s3.json").read_text())
+    assert at3["nft/before"] == pytest.approx(before_nft["mean"]) and before_nft["guidance"] == 1.0
+    assert at3["guard/steps"] == figures["guard/steps"] and at3["flowgrpo/pipelines"] == 1
     bad = script("arms.sh", out, ARMS="ppo")
     assert bad.returncode == 2 and "unknown arm ppo" in bad.stderr
 
