@@ -13,7 +13,8 @@
 # VARIANTS: names of experiments/mini_ocr/sweep.py's VARIANTS (default its FIRST sweep, baseline and 7 variants);
 # GPUS, PER_GPU, PIPELINES, MINUTES: experiments/mini_ocr/jobs.sh; other experiments/mini_ocr/run.sh knobs (SMOKE,
 # RL_ARGS, ...) pass through, RL_ARGS before the variant's overrides; with EVAL_ALSO_STEPS=N the evals at N steps are
-# collected too (OUT/mini_ocr_sweep_sN.json). Each run: RUN=sweep_NAME, logs OUT/pN_sweep_NAME.log. Exit 1 if any command failed (the others still run and are collected).
+# collected too (OUT/mini_ocr_sweep_sN.json). Each run: RUN=sweep_NAME, logs OUT/pN_sweep_NAME.log. Exit 1 if any
+# command failed (the others still run and are collected).
 set -euo pipefail
 OUT=${1:?usage: [GPUS=N] [PIPELINES=N] [PER_GPU=N] [VARIANTS="..."] [MINUTES=M] bash experiments/mini_ocr/sweep.sh OUT}
 cd "$(dirname "$0")/../.."
