@@ -42,6 +42,12 @@ RESULTS = {"mini_ocr_algorithms": (tuple(a for a in ARMS if not a.startswith("om
            "mini_ocr_fp8": (("omni", "omni_fp8"), "omni")}
 
 
+def eval_tag(eval_steps: int | None) -> tuple[str, str]:
+    """(the suffix of the eval files and results at `eval_steps` denoising steps, "" for the evals' own steps; the
+    hint a missing one's error ends with)."""
+    return (f"_s{eval_steps}", f" with EVAL_ALSO_STEPS={eval_steps}") if eval_steps else ("", "")
+
+
 EDGE, LATE = 3, 6  # steps averaged at each end of the train reward; the step the late medians start from
 
 
@@ -125,7 +131,7 @@ def summarize(runs: dict[str, dict[str, dict]], baseline: str) -> dict:
 def collect(pipelines: list[Path], exclude: tuple[str, ...] = (), eval_steps: int | None = None) -> dict[str, dict]:
     """{result name: its figures} for each of `RESULTS` whose arms ran on `pipelines` (but the `exclude`d runs); with
     `eval_steps` N, of the evals at N steps, each name with the suffix _sN."""
-    tag = f"_s{eval_steps}" if eval_steps else ""
+    tag, hint = eval_tag(eval_steps)
     unknown = [e for e in exclude if e.partition("/")[2] not in ARMS or e.partition("/")[0] not in
                {p.name for p in pipelines}]
     if unknown:
@@ -137,9 +143,8 @@ def collect(pipelines: list[Path], exclude: tuple[str, ...] = (), eval_steps: in
         if figures := summarize(runs, baseline):
             results[name + tag] = figures
     if not results:
-        also = f" with EVAL_ALSO_STEPS={eval_steps}" if tag else ""
         raise ValueError(f"no arm's eval/after*{tag}.json in {[str(p) for p in pipelines]}: "
-                         f"run experiments/mini_ocr/run.sh first{also}")
+                         f"run experiments/mini_ocr/run.sh first{hint}")
     return results
 
 

@@ -44,14 +44,19 @@ def eval_sampling(steps: int | None = None, guidance: float | None = None, confi
     return SamplingParams.from_dict(derived.sampling(sections.build(cfg), eval_mode=True))
 
 
-def evaluate(pipeline: Path, prompts: list[str], lora: Path | None = None, steps: int | None = None,
-             guidance: float | None = None, device: str | None = None, chunk: int = 64) -> dict:
-    """OCR scores (mean, standard error, per prompt) and images of one `eval_sampling(steps, guidance)` image per
-    prompt, seeded by its index."""
+def load(pipeline: Path, lora: Path | None = None, device: str | None = None) -> RolloutPipeline:
+    """The pipeline folder in float32 on `device`, with the PEFT `lora` bound where given."""
     pipe = RolloutPipeline.from_pretrained(pipeline, "float32", device)
     if lora is not None:
         tensors, config = read_peft(lora)
         pipe.update_lora(tensors, 1, config)
+    return pipe
+
+
+def evaluate(pipe: RolloutPipeline, prompts: list[str], steps: int | None = None, guidance: float | None = None,
+             chunk: int = 64) -> dict:
+    """OCR scores (mean, standard error, per prompt) and images of one `eval_sampling(steps, guidance)` image per
+    prompt, seeded by its index, from `load`'s pipeline."""
     sampling = eval_sampling(steps, guidance)
     images = np.concatenate([pipe.generate(prompts[i:i + chunk], 1, sampling, list(range(i, i + len(
         prompts[i:i + chunk])))).images for i in range(0, len(prompts), chunk)])
@@ -81,11 +86,13 @@ def main(argv=None) -> None:
                    help="evaluate again at each of these denoising steps: NAME_sN.json / .png beside --json / --grid")
     a = p.parse_args(argv)
     prompts = [it.prompt for it in load_prompts(a.prompts)][:a.num]
+    start = time.perf_counter()
+    pipe = load(a.pipeline, a.lora, a.device)  # once for every step count; the first eval's seconds include it
     for steps, tag in ((a.steps, ""), *((n, f"_s{n}") for n in a.also_steps)):
-        start = time.perf_counter()
-        out = evaluate(a.pipeline, prompts, a.lora, steps, a.guidance, device=a.device)
+        out = evaluate(pipe, prompts, steps, a.guidance)
         images = out.pop("images")
         out.update(seconds=round(time.perf_counter() - start, 1), lora=str(a.lora) if a.lora else None)
+        start = time.perf_counter()
         json_path, grid = (path.with_name(f"{path.stem}{tag}{path.suffix}") for path in (a.json, a.grid))
         image_grid(images[:32], [f"{s:.2f} {q}" for s, q in zip(out["scores"], prompts)], grid, columns=4)
         json_path.parent.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 from typing import NamedTuple
 
-from experiments.mini_ocr.algorithms import BEFORE, run_of, summarize
+from experiments.mini_ocr.algorithms import BEFORE, eval_tag, run_of, summarize
 from jaxflow_bench.results import write_result
 
 
@@ -87,7 +87,7 @@ def overrides(name: str) -> list[str]:
 def collect(pipelines: list[Path], eval_steps: int | None = None) -> dict:
     """Every variant's figures, each arm's paired with its `REFERENCE` on the same pipelines (of the evals at
     `eval_steps` denoising steps where given)."""
-    tag = f"_s{eval_steps}" if eval_steps else ""
+    tag, hint = eval_tag(eval_steps)
     figures = {}
     for arm, reference in REFERENCE.items():
         before = BEFORE.get(f"_{arm}")
@@ -95,9 +95,8 @@ def collect(pipelines: list[Path], eval_steps: int | None = None) -> dict:
                 for name, v in VARIANTS.items() if v.arm == arm}
         figures.update(summarize(runs, reference))
     if not figures:
-        also = f" with EVAL_ALSO_STEPS={eval_steps}" if tag else ""
         raise ValueError(f"no eval/after_sweep_*{tag}.json in {[str(p) for p in pipelines]}: "
-                         f"run experiments/mini_ocr/sweep.sh first{also}")
+                         f"run experiments/mini_ocr/sweep.sh first{hint}")
     return figures
 
 
@@ -119,8 +118,7 @@ def main(argv=None) -> None:
     figures = collect(a.pipelines, a.eval_steps)
     extra = dict(variants={name: dict(overrides=overrides(name), why=v.why, arm=v.arm or "flowgrpo")
                            for name, v in VARIANTS.items() if f"{name}/rise" in figures})
-    name = "mini_ocr_sweep" + (f"_s{a.eval_steps}" if a.eval_steps else "")
-    path = write_result(a.out, name, figures, extra=extra)
+    path = write_result(a.out, "mini_ocr_sweep" + eval_tag(a.eval_steps)[0], figures, extra=extra)
     print(json.dumps(figures, indent=1), "->", path)
 
 
