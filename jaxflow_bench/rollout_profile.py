@@ -3,16 +3,16 @@ process, or vLLM-Omni's in its workers).
 
     python -m jaxflow_bench.rollout_profile OUT [--engine diffusers|vllm_omni] [--model DIR|tiny]
         [--device cuda|cpu] [--calls 3] [--prompts 2] [--n 4] [--size 512] [--steps 10] [--seed 0]
-        [--lora-rank R [--lora-apply layers|merged]] [--quantization fp8]
+        [--lora-rank R [--lora-apply layers|merged]] [--quantization fp8] [--cfg-forward split|batched]
 
 Runs the recipe's training rollout (jaxflow_bench.rollout.TRAIN_SETTINGS: true CFG 4, the SDE window; --size and
---steps shrink it) on the model (default the recipe's random full-size folder, written if missing; `tiny`: the cached
+--steps shrink it; true CFG's rows as the recipe's rollout.cfg_forward runs them unless --cfg-forward says) on the model (default the recipe's random full-size folder, written if missing; `tiny`: the cached
 tiny model) with random weights drawn from --seed: one warm-up call, then --calls calls of --prompts prompts x --n
 images under torch.profiler (CUDA kernels on a GPU, CPU ops on the CPU), and the same calls without CFG; with
 --lora-rank a random adapter of that rank on the recipe's 12 targets is bound first, through a shared-memory file as
 the trainer's sync sends it (served as --lora-apply, the engine's default without it), and --quantization fp8 runs
 vLLM-Omni's DiT in FP8 (its LoRA as layers, which it needs). Such a variant's file is named for it:
-rollout_profile_fp8_lora64.json for `--quantization fp8 --lora-rank 64`. The profiler
+rollout_profile_fp8_lora64.json for `--quantization fp8 --lora-rank 64`, _batched for a cfg_forward not the recipe's. The profiler
 runs where the pipeline does (jaxflow_bridge/rollout/profiling.py): in this process for --engine diffusers (the
 default), in the diffusion workers for --engine vllm_omni (a GPU only; the engine's `profile_start` /
 `profile_stop`, its first worker's table). Writes OUT/rollout_profile.json (`result_name`; until the profiled calls
@@ -40,6 +40,7 @@ from pathlib import Path
 from jaxflow_bench.results import write_result
 from jaxflow_bench.rollout import PROMPTS, TARGETS, TRAIN_SETTINGS, random_adapter
 from jaxflow_bridge.contract.lora_shm import SharedAdapterFile
+from jaxflow_bridge.contract.schedule import CFG_FORWARDS
 from jaxflow_bridge.rollout.profiling import PHASES, PipelineProfiler
 
 # kernel / op names to categories, first match wins (FlashAttention, cuDNN and PyTorch's SDPA kernels; a Triton kernel
@@ -143,7 +144,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-rank", type=int, default=0, help="bind a random adapter of this rank (0: none)")
     p.add_argument("--lora-apply", choices=("layers", "merged"), help="how the engine serves it (its default)")
     p.add_argument("--quantization", choices=("none", "fp8"), default="none", help="fp8: vLLM-Omni's DiT in FP8")
+    p.add_argument("--cfg-forward", choices=CFG_FORWARDS,
+                   help="true CFG's rows in one padded forward or two (default: the recipe's rollout.cfg_forward)")
     return p
+
+
+def recipe_cfg_forward() -> str:
+    """The recipe's rollout.cfg_forward: what the profile runs unless --cfg-forward says otherwise."""
+    from jaxflow.config.recipes import base
+
+    return base().rollout.cfg_forward
 
 
 def refusal(args) -> str | None:
@@ -162,10 +172,12 @@ def refusal(args) -> str | None:
 
 
 def result_name(args) -> str:
-    """rollout_profile, with the variant's options: _fp8, _lora64, _merged."""
+    """rollout_profile, with the variant's options: _fp8, _lora64, _merged, and _batched (a cfg_forward other than
+    the recipe's)."""
     return "rollout_profile" + "".join(
         part for part, on in ((f"_{args.quantization}", args.quantization != "none"),
-                              (f"_lora{args.lora_rank}", args.lora_rank), (f"_{args.lora_apply}", args.lora_apply))
+                              (f"_lora{args.lora_rank}", args.lora_rank), (f"_{args.lora_apply}", args.lora_apply),
+                              (f"_{args.cfg_forward}", args.cfg_forward not in (None, recipe_cfg_forward())))
         if on)
 
 
@@ -182,8 +194,10 @@ def main(argv=None) -> int:
     if args.model is None and not (Path(model) / families.spec(families.DEFAULT).E2E["marker"]).is_file():
         writer = families.spec(families.DEFAULT).E2E["writer"]
         subprocess.run([sys.executable, writer[0], "--out", model, *writer[1:]], check=True)
+    cfg_forward = args.cfg_forward or recipe_cfg_forward()
     config = {"engine": args.engine, "model": model, "device": args.device,
               "dtype": "bfloat16" if args.device == "cuda" else "float32", "random_seed": args.seed,
+              "cfg_forward": cfg_forward,
               **({"quantization": args.quantization, "lora_apply": "layers"} if args.quantization != "none" else {}),
               **({"lora_apply": args.lora_apply} if args.lora_apply else {})}
     try:
@@ -208,7 +222,8 @@ def main(argv=None) -> int:
                 PipelineProfiler(engine.pipeline, cuda=engine.device.type == "cuda"))
     name = result_name(args)
     extra = {"engine": args.engine, "model": model, "lora_rank": args.lora_rank,
-             "lora_apply": args.lora_apply or "the engine's default", "quantization": args.quantization}
+             "lora_apply": args.lora_apply or "the engine's default", "quantization": args.quantization,
+             "cfg_forward": cfg_forward}
     try:  # the unprofiled timings first, marked partial: the whole file replaces them
         figures, top = profile(engine, PROMPTS[:args.prompts], args.n, sampling, args.calls, profiler,
                                unprofiled=lambda timings: write_result(args.out, name, timings,

@@ -111,6 +111,48 @@ def test_a_variants_file_is_named_for_it():
     assert name() == "rollout_profile"
     assert name("--engine", "vllm_omni", "--quantization", "fp8", "--lora-rank", "64") == "rollout_profile_fp8_lora64"
     assert name("--lora-rank", "64", "--lora-apply", "merged") == "rollout_profile_lora64_merged"
+    assert name("--cfg-forward", "batched") == "rollout_profile_batched"  # the recipe runs split
+    assert name("--cfg-forward", "split") == "rollout_profile"
+
+
+@pytest.mark.parametrize("argv, want", [([], "split"), (["--cfg-forward", "batched"], "batched")],
+                         ids=["recipe", "batched"])
+def test_the_engine_runs_true_cfg_as_the_recipe_does_unless_told(tmp_path, monkeypatch, argv, want):
+    """The engine gets the recipe's rollout.cfg_forward ("split": no padded text, no masked attention in
+    vLLM-Omni), or --cfg-forward's, and the result records it."""
+    import jaxflow_bench.rollout_profile as rp
+    from jaxflow.config.recipes import base
+    from jaxflow_bridge.rollout import server
+
+    assert base().rollout.cfg_forward == "split"
+    seen = {}
+
+    class Engine:
+        device, pipeline = SimpleNamespace(type="cpu"), None
+
+        def __init__(self, config):
+            seen.update(config)
+
+        def generate(self, prompts, n, settings, seeds):
+            pass
+
+    class Profiler:
+        def __init__(self, pipeline, cuda):
+            pass
+
+        def start(self):
+            pass
+
+        def stop(self):
+            return {"rows": [["a kernel", 0.5]], "phases": {}}
+
+    monkeypatch.setattr(server, "engine_class", lambda config: Engine)
+    monkeypatch.setattr(rp, "PipelineProfiler", Profiler)
+    assert main([str(tmp_path), "--model", "tiny", "--device", "cpu", "--calls", "1", "--prompts", "1", "--n", "2",
+                 *argv]) == 0
+    assert seen["cfg_forward"] == want
+    record = json.loads((tmp_path / f"rollout_profile{'' if want == 'split' else '_batched'}.json").read_text())
+    assert record["cfg_forward"] == want and record["figures"]["images"] == 2
 
 
 def test_a_profiler_that_never_stops_leaves_the_unprofiled_timings(tmp_path, monkeypatch):
