@@ -4,7 +4,7 @@
         [--engine diffusers|vllm_omni|bagel_torch] [--dtype float32] [--jax-dtype D] [--jax-rope bfloat16] [--cfg 4]
         [--steps 4] [--window 2] [--prompts 4] [--n 2] [--lora-rank R] [--lora-apply layers|folder|merged] [--think K]
         [--deploy single_stage|two_stage] [--quantization fp8] [--enforce-eager] [--init checkpoint|random]
-        [--sleep-cycles N] [--micro-batches M] [--json OUT]
+        [--sleep-cycles N] [--micro-batches M] [--cfg-forward batched|split] [--json OUT]
 
 Rolls out on the engine (default: diffusers; the model defaults to the tiny offline pipeline saved in --dtype,
 which vLLM-Omni needs; with --model-family bagel: the bagel_torch engine on the tiny random BAGEL, float32, or
@@ -18,7 +18,8 @@ train step's own forward (`jaxflow.trainer.parity.recompute`). With --lora-rank 
 adapter (the engine via update_lora, JAX via peft_to_lora); --jax-lora-seed gives the JAX side a different one (a
 negative control). --quantization fp8 (vllm_omni) serves the DiT's linears in FP8 (rollout.quantization) against the
 bf16/fp32 JAX recompute: its |dlogp| is FP8's error, not a bug's (pass a --threshold that fits it); --enforce-eager
-runs vLLM-Omni without torch.compile (a compiled graph's fault vs a kernel's). --init random draws the base
+runs vLLM-Omni without torch.compile (a compiled graph's fault vs a kernel's). --cfg-forward runs true CFG's rows
+as the recipe's rollout.cfg_forward="split" does (two forwards, no padded text), or "batched" (the engines' default). --init random draws the base
 weights from --seed by the shared random spec on both sides (the engine's `random_seed`, the trainer's
 model.init=random), so a --model folder needs no transformer weights (`scripts/make_random_pipeline.py
 --no-transformer-weights`); at full size pass --micro-batches to bound the JAX recompute's memory. --sleep-cycles N
@@ -63,6 +64,7 @@ from jaxflow.nn.lora import peft_to_lora
 from jaxflow.families.qwen_image.lora import QwenImageLoRASpec
 from jaxflow.trainer.parity import parity_stats, random_adapter, recompute
 from jaxflow_bridge.contract.lora_payload import LoRAPayload
+from jaxflow_bridge.contract.schedule import CFG_FORWARDS
 from jaxflow_bridge.contract.served import ServedProbe, differing, expected_probe
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.engines.vllm_omni.rules import family_problems
@@ -120,6 +122,8 @@ def parse_args(argv):
     p.add_argument("--jax-rope", choices=DTYPE_CHOICES, default="float32",
                    help="bfloat16: round the JAX side's RoPE tables as vLLM-Omni's transformer does (diagnostic)")
     p.add_argument("--micro-batches", type=int, default=1, help="JAX recompute micro-batches (memory)")
+    p.add_argument("--cfg-forward", choices=CFG_FORWARDS,
+                   help="true CFG's rows in one padded forward or two (Qwen-Image engines; default: the engine's)")
     p.add_argument("--threshold", type=float, help="max |dlogp| allowed (default: 1e-5 fp32, 1e-2 with bf16)")
     p.add_argument("--json", type=Path, help="write the config, stats and per-sample dlogp here")
     args = p.parse_args(argv)
@@ -146,6 +150,8 @@ def parse_args(argv):
     for flag, used in (("--quantization", args.quantization != "none"), ("--enforce-eager", args.enforce_eager)):
         if used and args.engine != "vllm_omni":
             p.error(f"{flag} is an option of --engine vllm_omni")
+    if args.cfg_forward and bagel:
+        p.error("--cfg-forward is the Qwen-Image engines' (diffusers, vllm_omni): drop it for --model-family bagel")
     if args.deploy and not (bagel and args.engine == "vllm_omni"):
         p.error("--deploy is BAGEL's vLLM-Omni deployment: pass --model-family bagel --engine vllm_omni")
     if args.deploy == "two_stage" and args.think is not None:
@@ -188,18 +194,21 @@ def edit_references(count: int, height: int, width: int, seed: int) -> list[np.n
 
 
 def build_engine(name: str, folder: Path, dtype: str, lora_apply: str | None = None, deploy: str | None = None,
-                 quantization: str = "none", eager: bool = False, random_seed: int | None = None):
+                 quantization: str = "none", eager: bool = False, random_seed: int | None = None,
+                 cfg_forward: str | None = None):
     """The rollout engine `name` from jaxflow_bridge.rollout.server's registry, in-process; SystemExit if unavailable.
     `lora_apply`: the vllm_omni engine's (layers, folder, merged); `deploy`: its BAGEL deployment; `quantization`,
     `eager`: its DiT's FP8 and no torch.compile; `random_seed`: base weights drawn from it, not read from the folder;
-    bagel_torch skips its image decode."""
+    `cfg_forward`: true CFG's rows in one forward or two (the engine's default without it); bagel_torch skips its
+    image decode."""
     from jaxflow_bridge.rollout.server import engine_class
 
     config = {"engine": name, "model": str(folder), "dtype": dtype, **({"lora_apply": lora_apply} if lora_apply else {}),
               **({"deploy": deploy} if deploy else {}), **({"decode": "preview"} if name == "bagel_torch" else {}),
               **({"quantization": quantization} if quantization != "none" else {}),
               **({"omni_args": {"enforce_eager": True}} if eager else {}),
-              **({"random_seed": random_seed} if random_seed is not None else {})}
+              **({"random_seed": random_seed} if random_seed is not None else {}),
+              **({"cfg_forward": cfg_forward} if cfg_forward else {})}
     try:
         return engine_class(config)(config)
     except (ImportError, ValueError) as e:
@@ -240,7 +249,7 @@ def main(argv=None) -> int:
     elif args.model is None:
         args.model = tiny_folder(args.model_family, args.dtype)  # vLLM-Omni takes its dtype from the folder's
     engine = build_engine(args.engine, args.model, args.dtype, args.lora_apply, args.deploy, args.quantization,
-                          args.enforce_eager, args.seed if args.init == "random" else None)
+                          args.enforce_eager, args.seed if args.init == "random" else None, args.cfg_forward)
     try:
         return check(args, engine, bagel)
     finally:

@@ -1,6 +1,6 @@
 """`SMOKE=1 bash experiments/mini_ocr/run.sh OUT`: every step of the mini OCR proof at toy size on the CPU (about
 2 minutes on 2 cores), from the rendered data to OUT/mini_ocr.json with the figures the proof reports; then
-`experiments/mini_ocr/arms.sh` training two algorithm arms on that pipeline at once (two "GPUs" of CPU), and
+`experiments/mini_ocr/arms.sh` training three algorithm arms on that pipeline, two at once (two "GPUs" of CPU), and
 `experiments/mini_ocr/sweep.sh` two FlowGRPO and two NFT variants, two at a time on one "GPU" (PER_GPU=2)."""
 import json
 import os
@@ -60,15 +60,21 @@ def test_the_arms_launcher_trains_each_arm_on_the_built_pipeline_and_collects_th
     out, first = built
     assert first.returncode == 0, first.stderr[-3000:]
     (out / "p0" / "eval" / "before_nft.json").unlink(missing_ok=True)  # the sweep test's, where it ran first
-    done = script("arms.sh", out, GPUS="2", PIPELINES="1", ARMS="guard nft", RL_STEPS="1", EVAL_ALSO_STEPS="3")
+    done = script("arms.sh", out, GPUS="2", PIPELINES="1", ARMS="guard cfgfree nft", RL_STEPS="1",
+                  EVAL_ALSO_STEPS="3")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     status = (out / "status").read_text().splitlines()
     runs = [line for line in status if line.startswith("run ")]
-    assert sorted(line.split()[:3] for line in runs) == [["run", "p0", "guard"], ["run", "p0", "nft"]]  # reused
+    assert sorted(line.split()[:3] for line in runs) == [["run", "p0", arm] for arm in ("cfgfree", "guard", "nft")]
     assert {line.split()[3] for line in runs} == {"gpu=0", "gpu=1"}  # side by side, one a "GPU"
     assert [line.split()[:2] for line in status if not line.startswith("run ")] == [["nft_before", "p0"]]  # once
     figures = json.loads((out / "mini_ocr_algorithms.json").read_text())["figures"]
     assert figures["guard/pipelines"] == figures["nft/pipelines"] == 1 and figures["nft/steps"] == 1
+    # FlowGRPO without CFG rises from NFT's CFG-free "before", and its eval samples without CFG too
+    before_cfg_free = json.loads((out / "p0" / "eval" / "before_nft.json").read_text())
+    after_cfgfree = json.loads((out / "p0" / "eval" / "after_cfgfree.json").read_text())
+    assert figures["cfgfree/before"] == pytest.approx(before_cfg_free["mean"]) and figures["cfgfree/steps"] == 1
+    assert after_cfgfree["guidance"] == 1.0 and (out / "p0" / "rl_cfgfree" / "lora_final").is_dir()
     assert figures["flowgrpo/pipelines"] == 1  # the proof's own FlowGRPO run is collected too
     assert (out / "p0" / "eval" / "before_nft.json").exists() and (out / "p0" / "rl_guard" / "lora_final").is_dir()
     at3 = json.loads((out / "mini_ocr_algorithms_s3.json").read_text())["figures"]  # the same runs' 3-step evals

@@ -31,7 +31,8 @@ def _run(parity, tmp_path, *extra) -> tuple[int, dict]:
     return code, json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("extra", [(), ("--lora-rank", "4")], ids=["base", "lora"])
+@pytest.mark.parametrize("extra", [(), ("--lora-rank", "4"), ("--cfg-forward", "split")],
+                         ids=["base", "lora", "split_cfg"])
 def test_fp32_recompute_matches_rollout(parity, tmp_path, tiny_path, extra):
     code, report = _run(parity, tmp_path, *extra)
     assert code == 0 and report["passed"]
@@ -215,6 +216,23 @@ def test_quantization_and_eager_are_vllm_omnis_and_reach_the_engine(parity, caps
             parity.main([*argv, *extra])
     base = {"engine": "vllm_omni", "model": str(tmp_path), "dtype": "bfloat16"}
     assert seen == [base, {**base, "quantization": "fp8", "omni_args": {"enforce_eager": True}}]
+
+
+def test_cfg_forward_reaches_a_qwen_engine_and_is_refused_for_bagel(parity, capsys, monkeypatch, tmp_path):
+    with pytest.raises(SystemExit):
+        parity.main(["--model-family", "bagel", "--cfg-forward", "split"])
+    assert "--cfg-forward is the Qwen-Image engines'" in capsys.readouterr().err
+    seen = []
+
+    def engine_class(config):
+        seen.append(config)
+        raise ValueError("not started in this test")
+
+    monkeypatch.setattr("jaxflow_bridge.rollout.server.engine_class", engine_class)
+    with pytest.raises(SystemExit, match="not started in this test"):
+        parity.main(["--engine", "vllm_omni", "--dtype", "bfloat16", "--model-family", "qwen_image", "--model",
+                     str(tmp_path), "--cfg-forward", "split"])
+    assert seen == [{"engine": "vllm_omni", "model": str(tmp_path), "dtype": "bfloat16", "cfg_forward": "split"}]
 
 
 def test_a_rollout_with_non_finite_log_probs_fails_before_jax_loads(parity, capsys, monkeypatch):
