@@ -19,8 +19,10 @@ LoRA'd linears). Numerics: the LoRA terms plus bias are rounded to the compute d
 product in the GEMM's float32 accumulator (vLLM-Omni rounds the base product, the LoRA term and their sum separately).
 
 A quantized base (vLLM's FP8 linears) takes no accumulator: `lora_add` adds the same LoRA terms to its output in
-two GEMMs, one shrink over all slices and one expansion that reads the base output as cuBLAS's C (beta = 1), where
-vLLM-Omni runs two GEMMs a slice and passes the output through memory three more times a slice.
+place in two GEMMs, one shrink over all slices and one expansion that accumulates into the base output (cuBLAS's C,
+beta = 1), where vLLM-Omni runs two GEMMs a slice and passes the output through memory three more times a slice. In
+place, because an out-of-place addmm first copies its C into the result (a device-to-device copy of every FP8
+linear's output); under torch.compile the op mutates the base GEMM's fresh output buffer and Inductor adds no copy.
 
 Both are torch custom ops: torch.compile (vLLM-Omni compiles the transformer's blocks) calls them as they are instead
 of decomposing the accumulation. `install_fused_apply` routes vLLM-Omni's layers to them where they compute the same
@@ -90,19 +92,18 @@ def _lora_linear_shape(x, weight, bias, lora_a, lora_b):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-@torch.library.custom_op("jaxflow::lora_add", mutates_args=())
-def lora_add(y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
-             lora_b: list[torch.Tensor]) -> torch.Tensor:
-    """y + sum over slices of (x @ A_i.T) @ B_i.T placed at slice i's rows of y (y: a quantized base linear's output
-    for x, (..., out) contiguous; lora_a, lora_b as `lora_linear`'s)."""
+@torch.library.custom_op("jaxflow::lora_add", mutates_args=("y",))
+def lora_add(y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor]) -> None:
+    """y += sum over slices of (x @ A_i.T) @ B_i.T placed at slice i's rows of y, in place (y: a quantized base
+    linear's output for x, (..., out) contiguous; lora_a, lora_b as `lora_linear`'s)."""
     _check_tiles(lora_a, lora_b, y.shape[-1])
     h = torch.mm(x.reshape(-1, x.shape[-1]), torch.cat(lora_a).t())
-    return torch.addmm(y.view(-1, y.shape[-1]), h, torch.block_diag(*lora_b).t()).view(y.shape)
+    y.view(-1, y.shape[-1]).addmm_(h, torch.block_diag(*lora_b).t())
 
 
 @lora_add.register_fake
-def _lora_add_shape(y, x, lora_a, lora_b):
-    return y.new_empty(y.shape)
+def _lora_add_shape(y, x, lora_a, lora_b) -> None:
+    return None
 
 
 def adapter_slots(layer) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
@@ -145,7 +146,9 @@ def install_fused_apply(layer_cls: type) -> bool:
         x = x.contiguous()
         if slots is None:
             return stock(self, x, bias)
-        return lora_add(self.base_layer.quant_method.apply(self.base_layer, x, bias), x, *slots)
+        y = self.base_layer.quant_method.apply(self.base_layer, x, bias)
+        lora_add(y, x, *slots)
+        return y
 
     apply.fused_lora, apply.stock = True, stock
     apply.__doc__ = f"{stock.__qualname__} through jaxflow_bridge.rollout.kernels.lora_linear where it applies."
