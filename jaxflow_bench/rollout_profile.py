@@ -6,17 +6,18 @@ process, or vLLM-Omni's in its workers).
         [--lora-rank R [--lora-apply layers|merged]] [--quantization fp8] [--cfg-forward split|batched]
 
 Runs the recipe's training rollout (jaxflow_bench.rollout.TRAIN_SETTINGS: true CFG 4, the SDE window; --size and
---steps shrink it; true CFG's rows as the recipe's rollout.cfg_forward runs them unless --cfg-forward says) on the model (default the recipe's random full-size folder, written if missing; `tiny`: the cached
-tiny model) with random weights drawn from --seed: one warm-up call, then --calls calls of --prompts prompts x --n
-images under torch.profiler (CUDA kernels on a GPU, CPU ops on the CPU), and the same calls without CFG; with
---lora-rank a random adapter of that rank on the recipe's 12 targets is bound first, through a shared-memory file as
-the trainer's sync sends it (served as --lora-apply, the engine's default without it), and --quantization fp8 runs
-vLLM-Omni's DiT in FP8 (its LoRA as layers, which it needs). Such a variant's file is named for it:
-rollout_profile_fp8_lora64.json for `--quantization fp8 --lora-rank 64`, _batched for a cfg_forward not the recipe's. The profiler
-runs where the pipeline does (jaxflow_bridge/rollout/profiling.py): in this process for --engine diffusers (the
-default), in the diffusion workers for --engine vllm_omni (a GPU only; the engine's `profile_start` /
-`profile_stop`, its first worker's table). Writes OUT/rollout_profile.json (`result_name`; until the profiled calls
-are read back it holds the unprofiled timings alone, marked partial), seconds per image:
+--steps shrink it; true CFG's rows as the recipe's rollout.cfg_forward runs them unless --cfg-forward says) on the
+model (default the recipe's random full-size folder, written if missing; `tiny`: the cached tiny model) with random
+weights drawn from --seed: one warm-up call, then --calls calls of --prompts prompts x --n images under
+torch.profiler (CUDA kernels on a GPU, CPU ops on the CPU), and the same calls without CFG; with --lora-rank a random
+adapter of that rank on the recipe's 12 targets is bound first, through a shared-memory file as the trainer's sync
+sends it (served as --lora-apply, the engine's default without it), and --quantization fp8 runs vLLM-Omni's DiT in
+FP8 (its LoRA as layers, which it needs). Such a variant's file is named for it: rollout_profile_fp8_lora64.json for
+`--quantization fp8 --lora-rank 64`, _batched for a cfg_forward not the recipe's. The profiler runs where the
+pipeline does (jaxflow_bridge/rollout/profiling.py): in this process for --engine diffusers (the default), in the
+diffusion workers for --engine vllm_omni (a GPU only; the engine's `profile_start` / `profile_stop`, its first
+worker's table). Writes OUT/rollout_profile.json (`result_name`; until the profiled calls are read back it holds the
+unprofiled timings alone, marked partial), seconds per image:
   attention_s, gemm_s, quant_s, other_kernels_s  the kernels' (CPU: the ops') own time by name (`CATEGORIES`;
                        quant_s: an FP8 DiT's activation quantization)
   idle_gaps_s          the call's wall time the device ran nothing (launch gaps, host work, syncs)

@@ -6,21 +6,21 @@
         [--deploy single_stage|two_stage] [--quantization fp8] [--enforce-eager] [--init checkpoint|random]
         [--sleep-cycles N] [--micro-batches M] [--cfg-forward batched|split] [--json OUT]
 
-Rolls out on the engine (default: diffusers; the model defaults to the tiny offline pipeline saved in --dtype,
-which vLLM-Omni needs; with --model-family bagel: the bagel_torch engine on the tiny random BAGEL, float32, or
---engine vllm_omni --dtype bfloat16 (scripts/check_bagel_vllm_omni.sh); BAGEL's text CFG over the whole interval
-with renorm min 0, 64 x 96 images; --think K: BAGEL's think mode, at most K think tokens in each context; with
---model-family qwen_image_edit, or a --model folder of that family, the tiny Qwen-Image-Edit or the folder's on
-either engine, each prompt an instruction over one seeded random reference image of the sample size; 40 x 72
-images, 48 x 80 on vllm_omni, whose edit pre-processing samples multiples of 16 only), then
-recomputes each window step's log-prob with the same transformer weights loaded into the Flax model, through the
-train step's own forward (`jaxflow.trainer.parity.recompute`). With --lora-rank both sides get one random non-zero PEFT
-adapter (the engine via update_lora, JAX via peft_to_lora); --jax-lora-seed gives the JAX side a different one (a
-negative control). --quantization fp8 (vllm_omni) serves the DiT's linears in FP8 (rollout.quantization) against the
-bf16/fp32 JAX recompute: its |dlogp| is FP8's error, not a bug's (pass a --threshold that fits it); --enforce-eager
-runs vLLM-Omni without torch.compile (a compiled graph's fault vs a kernel's). --cfg-forward runs true CFG's rows
-as the recipe's rollout.cfg_forward="split" does (two forwards, no padded text), or "batched" (the engines' default). --init random draws the base
-weights from --seed by the shared random spec on both sides (the engine's `random_seed`, the trainer's
+Rolls out on the engine (default: diffusers; the model defaults to the tiny offline pipeline saved in --dtype, which
+vLLM-Omni needs; with --model-family bagel: the bagel_torch engine on the tiny random BAGEL, float32, or --engine
+vllm_omni --dtype bfloat16 (scripts/check_bagel_vllm_omni.sh); BAGEL's text CFG over the whole interval with renorm
+min 0, 64 x 96 images; --think K: BAGEL's think mode, at most K think tokens in each context; with --model-family
+qwen_image_edit, or a --model folder of that family, the tiny Qwen-Image-Edit or the folder's on either engine, each
+prompt an instruction over one seeded random reference image of the sample size; 40 x 72 images, 48 x 80 on
+vllm_omni, whose edit pre-processing samples multiples of 16 only), then recomputes each window step's log-prob with
+the same transformer weights loaded into the Flax model, through the train step's own forward
+(`jaxflow.trainer.parity.recompute`). With --lora-rank both sides get one random non-zero PEFT adapter (the engine
+via update_lora, JAX via peft_to_lora); --jax-lora-seed gives the JAX side a different one (a negative control).
+--quantization fp8 (vllm_omni) serves the DiT's linears in FP8 (rollout.quantization) against the bf16/fp32 JAX
+recompute: its |dlogp| is FP8's error, not a bug's (pass a --threshold that fits it); --enforce-eager runs vLLM-Omni
+without torch.compile (a compiled graph's fault vs a kernel's). --cfg-forward runs true CFG's rows as the recipe's
+rollout.cfg_forward="split" does (two forwards, no padded text), or "batched" (the engines' default). --init random
+draws the base weights from --seed by the shared random spec on both sides (the engine's `random_seed`, the trainer's
 model.init=random), so a --model folder needs no transformer weights (`scripts/make_random_pipeline.py
 --no-transformer-weights`); at full size pass --micro-batches to bound the JAX recompute's memory. --sleep-cycles N
 sleeps and wakes the engine N times after the adapter is applied, before the rollout, as the trainer does around each
