@@ -32,6 +32,7 @@ and beside the figures `top_kernels`: the 15 kernels (ops) of most own time, wit
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import subprocess
 import sys
@@ -150,6 +151,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+@functools.cache
 def recipe_cfg_forward() -> str:
     """The recipe's rollout.cfg_forward: what the profile runs unless --cfg-forward says otherwise."""
     from jaxflow.config.recipes import base

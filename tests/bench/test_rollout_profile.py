@@ -104,6 +104,36 @@ def test_variants_that_cannot_run_are_refused_in_one_line(capsys, tmp_path, argv
     assert not (tmp_path / "out").exists()
 
 
+def stub_engine_and_profiler(monkeypatch, stop) -> dict:
+    """`main`'s engine and profiler as stand-ins in this process: the engine records its config (returned) and takes
+    0.1 s longer a call with CFG; the profiler's `stop` is `stop()`."""
+    import jaxflow_bench.rollout_profile as rp
+    from jaxflow_bridge.rollout import server
+
+    seen = {}
+
+    class Engine:
+        device, pipeline = SimpleNamespace(type="cpu"), None
+
+        def __init__(self, config):
+            seen.update(config)
+
+        def generate(self, prompts, n, settings, seeds):
+            if settings["true_cfg_scale"] > 1:
+                time.sleep(0.1)
+
+    class Profiler:
+        def __init__(self, pipeline, cuda):
+            self.stop = stop
+
+        def start(self):
+            pass
+
+    monkeypatch.setattr(server, "engine_class", lambda config: Engine)
+    monkeypatch.setattr(rp, "PipelineProfiler", Profiler)
+    return seen
+
+
 def test_a_variants_file_is_named_for_it():
     def name(*argv):
         return result_name(parser().parse_args(["OUT", *argv]))
@@ -120,34 +150,10 @@ def test_a_variants_file_is_named_for_it():
 def test_the_engine_runs_true_cfg_as_the_recipe_does_unless_told(tmp_path, monkeypatch, argv, want):
     """The engine gets the recipe's rollout.cfg_forward ("split": no padded text, no masked attention in
     vLLM-Omni), or --cfg-forward's, and the result records it."""
-    import jaxflow_bench.rollout_profile as rp
     from jaxflow.config.recipes import base
-    from jaxflow_bridge.rollout import server
 
     assert base().rollout.cfg_forward == "split"
-    seen = {}
-
-    class Engine:
-        device, pipeline = SimpleNamespace(type="cpu"), None
-
-        def __init__(self, config):
-            seen.update(config)
-
-        def generate(self, prompts, n, settings, seeds):
-            pass
-
-    class Profiler:
-        def __init__(self, pipeline, cuda):
-            pass
-
-        def start(self):
-            pass
-
-        def stop(self):
-            return {"rows": [["a kernel", 0.5]], "phases": {}}
-
-    monkeypatch.setattr(server, "engine_class", lambda config: Engine)
-    monkeypatch.setattr(rp, "PipelineProfiler", Profiler)
+    seen = stub_engine_and_profiler(monkeypatch, stop=lambda: {"rows": [["a kernel", 0.5]], "phases": {}})
     assert main([str(tmp_path), "--model", "tiny", "--device", "cpu", "--calls", "1", "--prompts", "1", "--n", "2",
                  *argv]) == 0
     assert seen["cfg_forward"] == want
@@ -158,32 +164,12 @@ def test_the_engine_runs_true_cfg_as_the_recipe_does_unless_told(tmp_path, monke
 def test_a_profiler_that_never_stops_leaves_the_unprofiled_timings(tmp_path, monkeypatch):
     """The unprofiled timings are written, marked partial, before the profiler starts: a profiler whose stop never
     returns (cut short here by an error) leaves them; without CFG is the faster of the two."""
-    import jaxflow_bench.rollout_profile as rp
     from jaxflow_bench.results import finished
-    from jaxflow_bridge.rollout import server
 
-    class Engine:
-        device, pipeline = SimpleNamespace(type="cpu"), None
+    def stuck():
+        raise TimeoutError("the profiler's stop never returned")
 
-        def __init__(self, config):
-            pass
-
-        def generate(self, prompts, n, settings, seeds):
-            if settings["true_cfg_scale"] > 1:
-                time.sleep(0.1)
-
-    class StuckProfiler:
-        def __init__(self, pipeline, cuda):
-            pass
-
-        def start(self):
-            pass
-
-        def stop(self):
-            raise TimeoutError("the profiler's stop never returned")
-
-    monkeypatch.setattr(server, "engine_class", lambda config: Engine)
-    monkeypatch.setattr(rp, "PipelineProfiler", StuckProfiler)
+    stub_engine_and_profiler(monkeypatch, stop=stuck)
     with pytest.raises(TimeoutError):
         main([str(tmp_path), "--model", "tiny", "--device", "cpu", "--calls", "2", "--prompts", "1", "--n", "3"])
     path = tmp_path / "rollout_profile.json"
