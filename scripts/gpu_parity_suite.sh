@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Log-prob parity on a GPU, every engine and precision the project claims, in one run (tiny offline pipeline):
 #   float32 diffusers (CFG 4; JAX at matmul precision "highest" with XLA attention, chosen by ModelOptions),
-#   bfloat16 diffusers (CFG 4, LoRA r8), bfloat16 vLLM-Omni (CFG 4 and CFG 1, LoRA r8; CFG 4 also as the recipe runs
-#   it, two forwards: --cfg-forward split), and vLLM-Omni CFG 4 with the JAX side's RoPE tables rounded to bf16 as
+#   bfloat16 diffusers (CFG 4, LoRA r8), bfloat16 vLLM-Omni (CFG 4 and CFG 1, LoRA r8; CFG 4 as the recipe runs it,
+#   two forwards, and also in one padded forward: --cfg-forward batched), and vLLM-Omni CFG 4 with the JAX side's RoPE tables rounded to bf16 as
 #   vLLM-Omni rounds them (how much of the mismatch they explain).
 #   bash scripts/gpu_parity_suite.sh OUT_DIR        (needs vLLM-Omni: launch/stage_vllm_omni.sh on machines
 #                                                    without a package index)
@@ -21,7 +21,7 @@ run() {  # NAME ARGS...: one parity run, its table in OUT_DIR/NAME.log, its repo
 run fp32_diffusers --engine diffusers --dtype float32 --cfg 4
 run bf16_diffusers --engine diffusers --dtype bfloat16 --cfg 4 --lora-rank 8
 run bf16_omni_cfg4 --engine vllm_omni --dtype bfloat16 --cfg 4 --lora-rank 8
-run bf16_omni_cfg4_split --engine vllm_omni --dtype bfloat16 --cfg 4 --lora-rank 8 --cfg-forward split
+run bf16_omni_cfg4_batched --engine vllm_omni --dtype bfloat16 --cfg 4 --lora-rank 8 --cfg-forward batched
 run bf16_omni_cfg1 --engine vllm_omni --dtype bfloat16 --cfg 1 --lora-rank 8
 run bf16_omni_cfg4_rope --engine vllm_omni --dtype bfloat16 --cfg 4 --lora-rank 8 --jax-rope bfloat16
 python3 - "$out" <<'PY'
@@ -37,8 +37,8 @@ write_result(out, "parity_gpu", {"fp32_max": stat("fp32_diffusers", "max"), "fp3
                                  "diffusers_p99_cfg4": stat("bf16_diffusers", "p99"),
                                  "diffusers_max_cfg4": stat("bf16_diffusers", "max")}, command=cmd)
 write_result(out, "parity_vllm_omni", {"p99_cfg4": stat("bf16_omni_cfg4", "p99"), "max_cfg4": stat("bf16_omni_cfg4", "max"),
-                                       "p99_cfg4_split": stat("bf16_omni_cfg4_split", "p99"),
-                                       "max_cfg4_split": stat("bf16_omni_cfg4_split", "max"),
+                                       "p99_cfg4_batched": stat("bf16_omni_cfg4_batched", "p99"),
+                                       "max_cfg4_batched": stat("bf16_omni_cfg4_batched", "max"),
                                        "p99_cfg1": stat("bf16_omni_cfg1", "p99"), "max_cfg1": stat("bf16_omni_cfg1", "max"),
                                        "p99_cfg4_jax_bf16_rope": stat("bf16_omni_cfg4_rope", "p99"),
                                        "max_cfg4_jax_bf16_rope": stat("bf16_omni_cfg4_rope", "max")}, command=cmd)

@@ -18,13 +18,14 @@ the same transformer weights loaded into the Flax model, through the train step'
 via update_lora, JAX via peft_to_lora); --jax-lora-seed gives the JAX side a different one (a negative control).
 --quantization fp8 (vllm_omni) serves the DiT's linears in FP8 (rollout.quantization) against the bf16/fp32 JAX
 recompute: its |dlogp| is FP8's error, not a bug's (pass a --threshold that fits it); --enforce-eager runs vLLM-Omni
-without torch.compile (a compiled graph's fault vs a kernel's). --cfg-forward runs true CFG's rows as the recipe's
-rollout.cfg_forward="split" does (two forwards, no padded text), or "batched" (the engines' default). --init random
-draws the base weights from --seed by the shared random spec on both sides (the engine's `random_seed`, the trainer's
-model.init=random), so a --model folder needs no transformer weights (`scripts/make_random_pipeline.py
---no-transformer-weights`); at full size pass --micro-batches to bound the JAX recompute's memory. --sleep-cycles N
-sleeps and wakes the engine N times after the adapter is applied, before the rollout, as the trainer does around each
-update. A rollout whose log-probs are not all finite fails before JAX loads.
+without torch.compile (a compiled graph's fault vs a kernel's). --cfg-forward runs true CFG's rows as two forwards,
+no padded text ("split": the engines' default, as the recipe's rollout.cfg_forward) or as one padded forward
+("batched"). --init random draws the base weights from --seed by the shared random spec on both sides (the engine's
+`random_seed`, the trainer's model.init=random), so a --model folder needs no transformer weights
+(`scripts/make_random_pipeline.py --no-transformer-weights`); at full size pass --micro-batches to bound the JAX
+recompute's memory. --sleep-cycles N sleeps and wakes the engine N times after the adapter is applied, before the
+rollout, as the trainer does around each update. A rollout whose log-probs are not all finite fails before JAX
+loads.
 
 Prints |dlogp| mean/p50/p99/max and ratio mean/min/max per window position, then overall. Exits 1 when the
 overall MAX |dlogp| exceeds --threshold: a mismatch bug need not touch every sample (one prompt length, one

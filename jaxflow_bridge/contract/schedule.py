@@ -13,8 +13,9 @@ import numpy as np
 SDE_TYPES = ("sde", "cps", "ode")
 
 # How a rollout runs true CFG's positive and negative rows (`jaxflow_bridge.rollout.sampling.SamplingLoop.cfg_forward`; the
-# trainer's config names it `rollout.cfg_forward`): one forward with the texts padded to one length, or one each.
-CFG_FORWARDS = ("batched", "split")
+# trainer's config names it `rollout.cfg_forward`): one forward each (the engines' default, the first), or one with the
+# texts padded to one length.
+CFG_FORWARDS = ("split", "batched")
 
 
 def cfg_forward_choice(value: str) -> str:

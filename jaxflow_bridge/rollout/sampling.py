@@ -1,4 +1,4 @@
-"""The FlowGRPO sampling loop shared by both rollout pipelines: batched true-CFG denoising with the SDE.
+"""The FlowGRPO sampling loop shared by both rollout pipelines: true-CFG denoising with the SDE.
 
 `SamplingLoop.generate(prompts, n, sampling, seeds)` returns a `TrajectoryBatch` (docs/numerics.md §9) for
 B = len(prompts) * n samples, prompt-major (sample b belongs to prompt b // n, its group_id):
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from jaxflow_bridge.contract import sampling_rules
-from jaxflow_bridge.contract.schedule import (sample_windows, sigma_schedule, window_noise_levels,
+from jaxflow_bridge.contract.schedule import (CFG_FORWARDS, sample_windows, sigma_schedule, window_noise_levels,
                                               window_size)
 from jaxflow_bridge.contract.trajectory import TrajectoryBatch
 from jaxflow_bridge.rollout.solver import Solver
@@ -178,9 +178,9 @@ class SamplingLoop:
     components and their settings: tokenizer,
     text_encoder, vae, transformer, template, drop, vae_scale_factor, scheduler_config, device, dtype,
     fp32_timestep (an `Fp32Timestep` on the transformer) and policy_version; `cfg_forward` (one of CFG_FORWARDS)
-    may be set per instance."""
+    may be set per instance (the first by default, as the recipe's rollout.cfg_forward)."""
 
-    cfg_forward = "batched"
+    cfg_forward = CFG_FORWARDS[0]
 
     @property
     def size_multiple(self) -> int:

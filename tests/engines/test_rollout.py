@@ -166,7 +166,7 @@ def test_split_cfg_forward_equals_batched_and_runs_each_text_unpadded(fresh_pipe
 def test_unknown_cfg_forward_is_refused(tiny_path):
     from jaxflow_bridge.engines.diffusers import DiffusersEngine
 
-    with pytest.raises(ValueError, match=r"cfg_forward='fused'; choose one of \('batched', 'split'\)"):
+    with pytest.raises(ValueError, match=r"cfg_forward='fused'; choose one of \('split', 'batched'\)"):
         DiffusersEngine({"engine": "diffusers", "model": str(tiny_path), "cfg_forward": "fused"})
 
 

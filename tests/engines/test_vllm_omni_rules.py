@@ -91,7 +91,7 @@ def test_cfg_forward_is_checked_by_one_function(tmp_path, monkeypatch):
 
     cfg = tiny_config(tmp_path)
     cfg.rollout.cfg_forward = "both"
-    with pytest.raises(UserError, match=r"^config\.rollout\.cfg_forward: 'both'; choose one of \('batched', 'split'\)$"):
+    with pytest.raises(UserError, match=r"^config\.rollout\.cfg_forward: 'both'; choose one of \('split', 'batched'\)$"):
         validation.validate(cfg)
     assert diffusers.cfg_forward_choice is schedule.cfg_forward_choice
     monkeypatch.setattr(validation, "cfg_forward_choice", lambda value: value)

@@ -195,7 +195,7 @@ def test_qwen_image_starts_and_asks_as_before(tiny_path, tmp_path, monkeypatch):
     (started,) = omni.started
     assert started.kwargs == {"custom_pipeline_args": {"pipeline_class": vop.PIPELINE_CLASS, "lora_apply": "layers",
                                                        "qk_ops": "compiled", "fa_version": "auto",
-                                                       "cfg_forward": "batched", "gelu": "epilogue",
+                                                       "cfg_forward": "split", "gelu": "epilogue",
                                                        "compile_threads": compile_threads()},
                               "worker_extension_cls": worker.WORKER_EXTENSION_CLASS, "dtype": "bfloat16",
                               "enable_sleep_mode": True}
