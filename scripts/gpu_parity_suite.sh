@@ -2,8 +2,8 @@
 # Log-prob parity on a GPU, every engine and precision the project claims, in one run (tiny offline pipeline):
 #   float32 diffusers (CFG 4; JAX at matmul precision "highest" with XLA attention, chosen by ModelOptions),
 #   bfloat16 diffusers (CFG 4, LoRA r8), bfloat16 vLLM-Omni (CFG 4 and CFG 1, LoRA r8; CFG 4 as the recipe runs it,
-#   two forwards, and also in one padded forward: --cfg-forward batched), and vLLM-Omni CFG 4 with the JAX side's RoPE tables rounded to bf16 as
-#   vLLM-Omni rounds them (how much of the mismatch they explain).
+#   two forwards, and also in one padded forward: --cfg-forward batched), and vLLM-Omni CFG 4 with the JAX side's
+#   RoPE tables rounded to bf16 as vLLM-Omni rounds them (how much of the mismatch they explain).
 #   bash scripts/gpu_parity_suite.sh OUT_DIR        (needs vLLM-Omni: launch/stage_vllm_omni.sh on machines
 #                                                    without a package index)
 # Writes OUT_DIR/parity_gpu.json and OUT_DIR/parity_vllm_omni.json (figures: max / p99 |dlogp|).
