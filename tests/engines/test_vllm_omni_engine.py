@@ -316,7 +316,7 @@ def test_custom_pipeline_installs_the_fused_lora_apply_unless_told_stock(tiny_pa
 
 
 def test_custom_pipeline_takes_cfg_forward_from_its_args(tiny_path):
-    """custom_pipeline_args' cfg_forward reaches SamplingLoop (split when absent, as the recipe's); a typo is refused."""
+    """custom_pipeline_args' cfg_forward reaches SamplingLoop ("split" when absent); a typo is refused."""
     cls = vop.build_pipeline_class(FakeOmniQwenImagePipeline, SimpleNamespace)
     for args, want in (({}, "split"), ({"cfg_forward": "batched"}, "batched")):
         assert cls(od_config=SimpleNamespace(model=str(tiny_path), custom_pipeline_args=args)).cfg_forward == want
