@@ -14,7 +14,7 @@ error), and `merge_fp8_adapter_err`, `merge_bf16_adapter_err` (the merged output
 the adapter's own output x delta^T: 1 means the adapter was not served at all). FP8 is a float format: its relative
 step is about the same for a Gaussian and a heavy-tailed weight. Random weights are not trained ones.
 
-    python -m jaxflow_bench.fp8_merge --out OUT            # Qwen-Image's 3072 x 3072 attention linear, r64
+    python -m jaxflow_bench.fp8_merge --out OUT            # a 3072 x 3072 linear (the recipe model's width), r64
     python -m jaxflow_bench.fp8_merge --out OUT --size tiny
 """
 from __future__ import annotations
