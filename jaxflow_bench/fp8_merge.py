@@ -5,7 +5,8 @@ the LoRA is served as layers over them (`rollout.lora_apply` 'layers'). A merge 
 those FP8 weights at each sync, at the load-time scale, in one of two ways:
 
 - from an FP8 copy of the base (no extra memory beyond the FP8 weights): round(D(Q(W)) + delta);
-- from a bf16 copy of the base (the memory of a bf16 engine): round(W + delta).
+- from a bf16 copy of the base (bf16 memory beside the FP8 weights, or a host copy sent at each sync):
+  round(W + delta).
 
 For a seeded random weight W (out x in: Gaussian, or Student-t with 4 degrees of freedom for heavier tails), a
 rank-r adapter term delta scaled to a relative RMS rho of W's, and random inputs x, each path's output against the
@@ -60,27 +61,26 @@ def paths(w: torch.Tensor, delta: torch.Tensor, x: torch.Tensor) -> dict:
     merge_fp8 = x @ dequantize(quantize(base + delta, scale), scale).T
     merge_bf16 = x @ dequantize(quantize(w + delta, scale), scale).T
 
-    def rel(a, b):
-        return float((a - b).norm() / b.norm())
+    def off(a, b, by):
+        return float((a - b).norm() / by.norm())
 
-    return dict(layers_rel=rel(layers, exact), merge_fp8_rel=rel(merge_fp8, exact),
-                merge_bf16_rel=rel(merge_bf16, exact), merge_fp8_adapter_err=float((merge_fp8 - layers).norm()
-                                                                                    / adapter.norm()),
-                merge_bf16_adapter_err=float((merge_bf16 - layers).norm() / adapter.norm()))
+    return dict(layers_rel=off(layers, exact, exact), merge_fp8_rel=off(merge_fp8, exact, exact),
+                merge_bf16_rel=off(merge_bf16, exact, exact), merge_fp8_adapter_err=off(merge_fp8, layers, adapter),
+                merge_bf16_adapter_err=off(merge_bf16, layers, adapter))
 
 
-def measure(size: str = "full", seed: int = 0, rhos=RHOS, dists=DISTS) -> dict:
+def measure(size: str = "full", seed: int = 0) -> dict:
     """{DIST/rho_R/FIGURE: value} over the weight distributions and adapter sizes."""
     s = SIZES[size]
     figures = {}
-    for dist in dists:
+    for dist in DISTS:
         g = torch.Generator().manual_seed(seed)
         w = weight(dist, s["out_f"], s["in_f"], g)
         a = torch.randn(s["rank"], s["in_f"], generator=g) / s["in_f"] ** 0.5
         b = torch.randn(s["out_f"], s["rank"], generator=g)
         x = torch.randn(s["tokens"], s["in_f"], generator=g)
         direction = b @ a
-        for rho in rhos:
+        for rho in RHOS:
             delta = direction * (rho * w.pow(2).mean().sqrt() / direction.pow(2).mean().sqrt())
             for name, value in paths(w, delta, x).items():
                 figures[f"{dist}/rho_{rho:.0e}/{name}"] = value
